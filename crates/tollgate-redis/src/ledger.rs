@@ -1,0 +1,295 @@
+//! The Redis ledger: each operation is one script call (see `lua/`), on a pooled
+//! multiplexed connection, bounded by a timeout so a stalled Redis fails closed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::{FromRedisValue, ScriptInvocation, Value};
+use tollgate_core::ledger::{unknown_plan, validate_cost};
+use tollgate_core::{
+    Allowed, Config, Denied, Ledger, LedgerError, RefundOutcome, RequestId, ReserveOutcome,
+    SettleOutcome, SpendEvent, Usage, UserId,
+};
+use tracing::Instrument;
+
+use crate::keys::KeySpace;
+use crate::pool::{Pool, DEFAULT_TIMEOUT};
+use crate::scripts::{self, PlanArgs};
+
+/// The distributed budget ledger.
+pub struct RedisLedger {
+    pool: Pool,
+    keys: KeySpace,
+    config: Arc<Config>,
+    plans: PlanArgs,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisLedger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisLedger")
+            .field("prefix", &self.keys.prefix())
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+fn map_redis_error(e: redis::RedisError) -> LedgerError {
+    if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
+        LedgerError::Unavailable(e.to_string())
+    } else {
+        LedgerError::Backend(e.to_string())
+    }
+}
+
+fn bad_reply(what: &str, reply: impl std::fmt::Debug) -> LedgerError {
+    LedgerError::Backend(format!("unexpected {what} reply: {reply:?}"))
+}
+
+fn to_u64(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+impl RedisLedger {
+    pub fn new(pool: Pool, keys: KeySpace, config: Arc<Config>) -> Self {
+        let plans = PlanArgs::new(&config);
+        Self {
+            pool,
+            keys,
+            config,
+            plans,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Bounds every call (waiting for a connection included) by `timeout`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn keys(&self) -> &KeySpace {
+        &self.keys
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Runs `fut` under the call timeout, in a span named after the operation.
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        fut: impl std::future::Future<Output = Result<T, LedgerError>>,
+    ) -> Result<T, LedgerError> {
+        tokio::time::timeout(self.timeout, fut)
+            .instrument(tracing::debug_span!("redis", op))
+            .await
+            .unwrap_or_else(|_| {
+                Err(LedgerError::Unavailable(format!(
+                    "Redis did not answer {op} within {:?}",
+                    self.timeout
+                )))
+            })
+    }
+
+    async fn conn(&self) -> Result<deadpool_redis::Connection, LedgerError> {
+        self.pool
+            .get()
+            .await
+            .map_err(|e| LedgerError::Unavailable(format!("no Redis connection: {e}")))
+    }
+
+    async fn script<T: FromRedisValue>(
+        &self,
+        op: &'static str,
+        inv: ScriptInvocation<'_>,
+    ) -> Result<T, LedgerError> {
+        self.bounded(op, async {
+            inv.invoke_async::<T>(&mut self.conn().await?)
+                .await
+                .map_err(map_redis_error)
+        })
+        .await
+    }
+
+    async fn command<T: FromRedisValue>(
+        &self,
+        op: &'static str,
+        cmd: redis::Cmd,
+    ) -> Result<T, LedgerError> {
+        self.bounded(op, async {
+            cmd.query_async::<T>(&mut self.conn().await?)
+                .await
+                .map_err(map_redis_error)
+        })
+        .await
+    }
+}
+
+#[async_trait]
+impl Ledger for RedisLedger {
+    async fn reserve(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        cost: u64,
+    ) -> Result<ReserveOutcome, LedgerError> {
+        validate_cost(cost)?;
+        let keys = self.keys.budget(user);
+        let r: Vec<i64> = self
+            .script(
+                "reserve",
+                scripts::reserve(&keys, request.as_str(), cost, &self.plans),
+            )
+            .await?;
+        match r.as_slice() {
+            &[s @ (1 | 2), used, limit, at, now, reset] => {
+                let (used, limit) = (to_u64(used), to_u64(limit));
+                Ok(ReserveOutcome::Allowed(Allowed {
+                    used,
+                    limit,
+                    remaining: limit.saturating_sub(used),
+                    at_ms: to_u64(at),
+                    now_ms: to_u64(now),
+                    reset_after_ms: to_u64(reset),
+                    duplicate: s == 2,
+                }))
+            }
+            &[0, used, limit, retry, now] => {
+                let (used, limit) = (to_u64(used), to_u64(limit));
+                Ok(ReserveOutcome::Denied(Denied {
+                    used,
+                    limit,
+                    remaining: limit.saturating_sub(used),
+                    retry_after_ms: to_u64(retry),
+                    now_ms: to_u64(now),
+                }))
+            }
+            &[-1, limit] => Err(LedgerError::CostExceedsLimit {
+                cost,
+                limit: to_u64(limit),
+            }),
+            other => Err(bad_reply("reserve", other)),
+        }
+    }
+
+    async fn refund(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+    ) -> Result<RefundOutcome, LedgerError> {
+        let keys = self.keys.budget(user);
+        let r: Vec<i64> = self
+            .script(
+                "refund",
+                scripts::refund(&keys, request.as_str(), &self.plans),
+            )
+            .await?;
+        match r.as_slice() {
+            &[1, cost, used] => Ok(RefundOutcome::Refunded {
+                cost: to_u64(cost),
+                used: to_u64(used),
+            }),
+            &[0, used] => Ok(RefundOutcome::NotFound { used: to_u64(used) }),
+            other => Err(bad_reply("refund", other)),
+        }
+    }
+
+    async fn settle(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        if actual_cost > tollgate_core::config::MAX_TOKENS {
+            return Err(LedgerError::CostTooLarge { cost: actual_cost });
+        }
+        let keys = self.keys.budget(user);
+        let r: Vec<i64> = self
+            .script(
+                "settle",
+                scripts::settle(&keys, request.as_str(), actual_cost, &self.plans),
+            )
+            .await?;
+        match r.as_slice() {
+            &[1, previous, cost, used] => Ok(SettleOutcome::Settled {
+                previous_cost: to_u64(previous),
+                cost: to_u64(cost),
+                used: to_u64(used),
+            }),
+            &[0, used] => Ok(SettleOutcome::NotFound { used: to_u64(used) }),
+            other => Err(bad_reply("settle", other)),
+        }
+    }
+
+    async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
+        let keys = self.keys.budget(user);
+        let reply: Vec<Value> = self
+            .script("usage", scripts::usage(&keys, &self.plans))
+            .await?;
+        parse_usage(reply)
+    }
+
+    async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError> {
+        if self.config.plan(plan).is_none() {
+            return Err(unknown_plan(&self.config, plan));
+        }
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.keys.budget(user).plan).arg(plan);
+        self.command("set_plan", cmd).await
+    }
+
+    async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.keys.budget(user).plan);
+        let stored: Option<String> = self.command("plan", cmd).await?;
+        Ok(self.config.plan_or_default(stored.as_deref()).name.clone())
+    }
+}
+
+fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
+    fn int(v: &Value) -> Result<u64, LedgerError> {
+        match v {
+            Value::Int(i) => Ok(to_u64(*i)),
+            other => Err(bad_reply("usage", other)),
+        }
+    }
+    fn text(v: &Value) -> Result<String, LedgerError> {
+        match v {
+            Value::BulkString(b) => String::from_utf8(b.clone()).map_err(|_| bad_reply("usage", v)),
+            Value::SimpleString(s) => Ok(s.clone()),
+            other => Err(bad_reply("usage", other)),
+        }
+    }
+    if reply.len() < 6 || (reply.len() - 6) % 3 != 0 {
+        return Err(bad_reply("usage", format!("{} elements", reply.len())));
+    }
+    let (head, tail) = reply.split_at(6);
+    let (used, limit) = (int(&head[1])?, int(&head[2])?);
+    let reset = match &head[5] {
+        Value::Int(i) if *i >= 0 => Some(to_u64(*i)),
+        _ => None,
+    };
+    let events = tail
+        .chunks_exact(3)
+        .map(|e| {
+            Ok(SpendEvent {
+                request_id: RequestId::new(text(&e[0])?).map_err(|err| bad_reply("usage", err))?,
+                at_ms: int(&e[1])?,
+                cost: int(&e[2])?,
+            })
+        })
+        .collect::<Result<_, LedgerError>>()?;
+    Ok(Usage {
+        plan: text(&head[0])?,
+        used,
+        limit,
+        remaining: limit.saturating_sub(used),
+        window_ms: int(&head[3])?,
+        now_ms: int(&head[4])?,
+        reset_after_ms: reset,
+        events,
+    })
+}

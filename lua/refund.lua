@@ -1,0 +1,17 @@
+-- refund.lua: remove one spend event, at most once.
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan   (see lib/budget.lua)
+-- ARGV[1] request id
+-- ARGV[2..] plan table: name, limit, window_ms triples, default first
+-- Returns { 1, cost, used } refunded, or { 0, used } when no live event has the id
+-- (never reserved, already refunded, or expired). Keys are per user, so one user's
+-- request id can never refund another user's event.
+
+local request = ARGV[1]
+local _, _, window = resolve_plan(2)
+local used = expire(now_ms(), window)
+local cost
+cost, used = remove(request, used)
+if not cost then
+  return { 0, used }
+end
+return { 1, cost, used }

@@ -1,0 +1,30 @@
+-- usage.lua: a user's budget and live spend events (the audit trail).
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan   (see lib/budget.lua)
+-- ARGV[1..] plan table: name, limit, window_ms triples, default first
+-- Returns { plan, used, limit, window_ms, now_ms, reset_after_ms (-1: none),
+--           id_1, at_1, cost_1, id_2, ... } with events oldest first.
+-- Expired events are dropped on the way, as every budget script does.
+
+local name, limit, window = resolve_plan(1)
+local now = now_ms()
+local used = expire(now, window)
+local out = { name, used, limit, window, now, reset_after(now, window) }
+local start = 0
+while true do
+  local batch = redis.call('ZRANGE', EVENTS, start, start + BATCH - 1, 'WITHSCORES')
+  if #batch == 0 then
+    break
+  end
+  local ids = {}
+  for i = 1, #batch, 2 do
+    ids[#ids + 1] = batch[i]
+  end
+  local costs = redis.call('HMGET', COSTS, unpack(ids))
+  for k = 1, #ids do
+    out[#out + 1] = ids[k]
+    out[#out + 1] = tonumber(batch[2 * k])
+    out[#out + 1] = tonumber(costs[k]) or 0
+  end
+  start = start + BATCH
+end
+return out

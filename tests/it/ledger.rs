@@ -1,0 +1,476 @@
+//! The ledger conformance suite: every semantic case, written once, run against
+//! both backends. Memory moves a manual clock; Redis runs on a short window and
+//! really waits, because its clock is Redis `TIME`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_core::{
+    Config, Ledger, LedgerError, ManualClock, MemoryLedger, RefundOutcome, RequestId,
+    ReserveOutcome, SettleOutcome, UserId,
+};
+use tollgate_redis::{KeySpace, PoolOptions, RedisLedger};
+use tollgate_tests::{random_prefix, RedisServer};
+
+/// The window of every plan in the suite: long enough that a loaded CI machine
+/// finishes a case's calls well inside it, short enough for Redis to really wait.
+pub const WINDOW: Duration = Duration::from_millis(1500);
+
+pub const CONFIG: &str = r#"
+default_plan = "small"
+[plans.small]
+limit = 10
+window = "1500ms"
+[plans.big]
+limit = 100
+window = "1500ms"
+[plans.thousand]
+limit = 1000
+window = "12h"
+"#;
+
+pub fn config() -> Arc<Config> {
+    Arc::new(Config::parse(CONFIG, "conformance").expect("test config"))
+}
+
+pub fn user(s: &str) -> UserId {
+    UserId::new(s).expect("valid user id")
+}
+
+pub fn rid(s: &str) -> RequestId {
+    RequestId::new(s).expect("valid request id")
+}
+
+/// A ledger under test, and how time passes for it.
+pub trait Backend: Send + Sync {
+    fn ledger(&self) -> Arc<dyn Ledger>;
+    /// Lets `d` pass on the ledger's clock.
+    fn pass(&self, d: Duration) -> impl std::future::Future<Output = ()> + Send;
+    /// True when `pass` is exact (a manual clock), so boundaries can be probed to the ms.
+    fn exact_clock(&self) -> bool;
+}
+
+pub struct MemoryBackend {
+    clock: Arc<ManualClock>,
+    ledger: Arc<MemoryLedger<Arc<ManualClock>>>,
+}
+
+impl MemoryBackend {
+    pub fn new() -> Self {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let ledger = Arc::new(MemoryLedger::with_clock(config(), Arc::clone(&clock)));
+        Self { clock, ledger }
+    }
+}
+
+impl Backend for MemoryBackend {
+    fn ledger(&self) -> Arc<dyn Ledger> {
+        self.ledger.clone()
+    }
+    async fn pass(&self, d: Duration) {
+        self.clock.advance(d);
+    }
+    fn exact_clock(&self) -> bool {
+        true
+    }
+}
+
+pub struct RedisBackend {
+    /// Kept alive for the test; stopped on drop.
+    _server: RedisServer,
+    pub ledger: Arc<RedisLedger>,
+}
+
+impl RedisBackend {
+    pub async fn start() -> Self {
+        let server = RedisServer::start();
+        let ledger = Arc::new(redis_ledger(&server.url(), &random_prefix()).await);
+        Self {
+            _server: server,
+            ledger,
+        }
+    }
+}
+
+pub async fn redis_ledger(url: &str, prefix: &str) -> RedisLedger {
+    let pool = tollgate_redis::connect(url, &PoolOptions::default())
+        .await
+        .expect("connect to the test redis-server");
+    RedisLedger::new(pool, KeySpace::new(prefix).expect("prefix"), config())
+}
+
+impl Backend for RedisBackend {
+    fn ledger(&self) -> Arc<dyn Ledger> {
+        self.ledger.clone()
+    }
+    async fn pass(&self, d: Duration) {
+        // Redis TIME has millisecond resolution here; one extra ms keeps a wait
+        // of exactly `retry_after` from landing a hair early.
+        tokio::time::sleep(d + Duration::from_millis(2)).await;
+    }
+    fn exact_clock(&self) -> bool {
+        false
+    }
+}
+
+fn allowed(o: ReserveOutcome) -> tollgate_core::Allowed {
+    match o {
+        ReserveOutcome::Allowed(a) => a,
+        ReserveOutcome::Denied(d) => panic!("expected allowed, got {d:?}"),
+    }
+}
+
+fn denied(o: ReserveOutcome) -> tollgate_core::Denied {
+    match o {
+        ReserveOutcome::Denied(d) => d,
+        ReserveOutcome::Allowed(a) => panic!("expected denied, got {a:?}"),
+    }
+}
+
+// ---- the cases -------------------------------------------------------------
+
+async fn allows_up_to_the_limit_and_denies_past_it(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("alice"));
+    let a = allowed(l.reserve(&u, &rid("r1"), 4).await.unwrap());
+    assert_eq!(
+        (a.used, a.limit, a.remaining, a.duplicate),
+        (4, 10, 6, false)
+    );
+    assert_eq!(a.at_ms, a.now_ms);
+    assert_eq!(allowed(l.reserve(&u, &rid("r2"), 4).await.unwrap()).used, 8);
+    let d = denied(l.reserve(&u, &rid("r3"), 3).await.unwrap());
+    assert_eq!((d.used, d.limit, d.remaining), (8, 10, 2));
+    assert!(d.retry_after_ms > 0 && d.retry_after_ms <= WINDOW.as_millis() as u64);
+    // Exactly at the edge: used + cost == limit is allowed.
+    let a = allowed(l.reserve(&u, &rid("r4"), 2).await.unwrap());
+    assert_eq!((a.used, a.remaining), (10, 0));
+    denied(l.reserve(&u, &rid("r5"), 1).await.unwrap());
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.used, 10);
+    let ids: Vec<_> = usage.events.iter().map(|e| e.request_id.as_str()).collect();
+    assert_eq!(
+        ids,
+        ["r1", "r2", "r4"],
+        "denied reservations leave no event"
+    );
+}
+
+async fn retry_after_is_exact(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("bob"));
+    let first = allowed(l.reserve(&u, &rid("a"), 4).await.unwrap());
+    b.pass(Duration::from_millis(300)).await;
+    let second = allowed(l.reserve(&u, &rid("b"), 4).await.unwrap());
+    assert!(second.at_ms >= first.at_ms + 300);
+    let w = WINDOW.as_millis() as u64;
+
+    // Needs 2 tokens freed: the oldest event (4) is enough.
+    let d = denied(l.reserve(&u, &rid("c"), 4).await.unwrap());
+    assert_eq!(d.retry_after_ms, first.at_ms + w - d.now_ms);
+    // Needs 8 freed: both events must leave, so the second one decides.
+    let d10 = denied(l.reserve(&u, &rid("c"), 10).await.unwrap());
+    assert_eq!(d10.retry_after_ms, second.at_ms + w - d10.now_ms);
+
+    if b.exact_clock() {
+        b.pass(Duration::from_millis(d.retry_after_ms - 1)).await;
+        denied(l.reserve(&u, &rid("c"), 4).await.unwrap());
+        b.pass(Duration::from_millis(1)).await;
+    } else {
+        b.pass(Duration::from_millis(d.retry_after_ms)).await;
+    }
+    // Waiting exactly retry_after is enough.
+    let a = allowed(l.reserve(&u, &rid("c"), 4).await.unwrap());
+    assert_eq!(a.used, 8, "the first event expired, the second is live");
+    assert!(a.reset_after_ms <= w);
+}
+
+async fn events_expire_as_time_passes(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("carol"));
+    allowed(l.reserve(&u, &rid("x1"), 6).await.unwrap());
+    b.pass(WINDOW / 2).await;
+    allowed(l.reserve(&u, &rid("x2"), 4).await.unwrap());
+    denied(l.reserve(&u, &rid("x3"), 1).await.unwrap());
+    b.pass(WINDOW / 2).await;
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.used, 4, "x1 left the window, x2 did not: {usage:?}");
+    assert_eq!(usage.events.len(), 1);
+    assert_eq!(usage.events[0].request_id.as_str(), "x2");
+    allowed(l.reserve(&u, &rid("x3"), 6).await.unwrap());
+    b.pass(WINDOW).await;
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(
+        (usage.used, usage.events.len(), usage.reset_after_ms),
+        (0, 0, None)
+    );
+    assert_eq!(
+        allowed(l.reserve(&u, &rid("x4"), 10).await.unwrap()).used,
+        10
+    );
+}
+
+async fn reserve_is_idempotent_per_request_id(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("dave"));
+    let first = allowed(l.reserve(&u, &rid("same"), 7).await.unwrap());
+    b.pass(Duration::from_millis(5)).await;
+    let again = allowed(l.reserve(&u, &rid("same"), 7).await.unwrap());
+    assert!(again.duplicate);
+    assert_eq!(
+        (again.used, again.at_ms),
+        (7, first.at_ms),
+        "charged once, original time"
+    );
+    // A retry is recognised even when the pool could not take the cost again.
+    allowed(l.reserve(&u, &rid("other"), 3).await.unwrap());
+    assert!(allowed(l.reserve(&u, &rid("same"), 7).await.unwrap()).duplicate);
+    assert_eq!(l.usage(&u).await.unwrap().used, 10);
+}
+
+async fn refund_once_twice_and_unknown(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("erin"));
+    allowed(l.reserve(&u, &rid("r1"), 4).await.unwrap());
+    allowed(l.reserve(&u, &rid("r2"), 5).await.unwrap());
+    assert_eq!(
+        l.refund(&u, &rid("r1")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 4, used: 5 }
+    );
+    assert_eq!(
+        l.refund(&u, &rid("r1")).await.unwrap(),
+        RefundOutcome::NotFound { used: 5 }
+    );
+    assert_eq!(
+        l.refund(&u, &rid("never")).await.unwrap(),
+        RefundOutcome::NotFound { used: 5 }
+    );
+    // Another user cannot refund erin's request, even knowing its id.
+    let mallory = user("mallory");
+    assert_eq!(
+        l.refund(&mallory, &rid("r2")).await.unwrap(),
+        RefundOutcome::NotFound { used: 0 }
+    );
+    assert_eq!(l.usage(&u).await.unwrap().used, 5);
+    assert_eq!(
+        l.refund(&u, &rid("r2")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 5, used: 0 }
+    );
+    assert_eq!(
+        l.refund(&u, &rid("r2")).await.unwrap(),
+        RefundOutcome::NotFound { used: 0 }
+    );
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(
+        (usage.used, usage.events.len()),
+        (0, 0),
+        "usage never goes negative"
+    );
+    // A refunded id may be reserved again: it is a new attempt.
+    assert!(!allowed(l.reserve(&u, &rid("r1"), 4).await.unwrap()).duplicate);
+}
+
+async fn zero_and_oversized_costs_are_errors(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("frank"));
+    assert_eq!(
+        l.reserve(&u, &rid("z"), 0).await.unwrap_err(),
+        LedgerError::ZeroCost
+    );
+    assert_eq!(
+        l.reserve(&u, &rid("z"), 11).await.unwrap_err(),
+        LedgerError::CostExceedsLimit {
+            cost: 11,
+            limit: 10
+        }
+    );
+    assert!(matches!(
+        l.reserve(&u, &rid("z"), u64::MAX).await,
+        Err(LedgerError::CostTooLarge { .. })
+    ));
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(
+        (usage.used, usage.events.len()),
+        (0, 0),
+        "errors record nothing"
+    );
+}
+
+async fn plans_default_and_per_user(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("grace"));
+    assert_eq!(l.plan(&u).await.unwrap(), "small");
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(
+        (usage.plan.as_str(), usage.limit, usage.window_ms),
+        ("small", 10, 1500)
+    );
+    assert_eq!(
+        l.reserve(&u, &rid("p1"), 50).await.unwrap_err(),
+        LedgerError::CostExceedsLimit {
+            cost: 50,
+            limit: 10
+        }
+    );
+    l.set_plan(&u, "big").await.unwrap();
+    assert_eq!(l.plan(&u).await.unwrap(), "big");
+    let a = allowed(l.reserve(&u, &rid("p1"), 50).await.unwrap());
+    assert_eq!((a.used, a.limit), (50, 100));
+    assert!(matches!(
+        l.set_plan(&u, "gold").await,
+        Err(LedgerError::UnknownPlan { .. })
+    ));
+    assert_eq!(
+        l.plan(&u).await.unwrap(),
+        "big",
+        "a failed set_plan changes nothing"
+    );
+    // Other users keep the default.
+    assert_eq!(l.plan(&user("heidi")).await.unwrap(), "small");
+    // Downgrading keeps the log: 50 used of a limit of 10 denies until it drains.
+    l.set_plan(&u, "small").await.unwrap();
+    let d = denied(l.reserve(&u, &rid("p2"), 1).await.unwrap());
+    assert_eq!((d.used, d.limit, d.remaining), (50, 10, 0));
+}
+
+async fn settle_corrects_a_reservation(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("ivan"));
+    let a = allowed(l.reserve(&u, &rid("llm"), 8).await.unwrap());
+    let s = l.settle(&u, &rid("llm"), 3).await.unwrap();
+    assert_eq!(
+        s,
+        SettleOutcome::Settled {
+            previous_cost: 8,
+            cost: 3,
+            used: 3
+        }
+    );
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(
+        (usage.events[0].cost, usage.events[0].at_ms),
+        (3, a.at_ms),
+        "keeps its time"
+    );
+    allowed(l.reserve(&u, &rid("next"), 7).await.unwrap());
+    // Settling up records the truth, even past the limit.
+    let s = l.settle(&u, &rid("llm"), 9).await.unwrap();
+    assert_eq!(
+        s,
+        SettleOutcome::Settled {
+            previous_cost: 3,
+            cost: 9,
+            used: 16
+        }
+    );
+    let s = l.settle(&u, &rid("llm"), 0).await.unwrap();
+    assert_eq!(
+        s,
+        SettleOutcome::Settled {
+            previous_cost: 9,
+            cost: 0,
+            used: 7
+        }
+    );
+    assert_eq!(
+        l.settle(&u, &rid("llm"), 2).await.unwrap(),
+        SettleOutcome::NotFound { used: 7 }
+    );
+    assert_eq!(l.usage(&u).await.unwrap().events.len(), 1);
+}
+
+async fn same_millisecond_requests_are_separate_events(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("judy"));
+    l.set_plan(&u, "big").await.unwrap();
+    let mut ats = Vec::new();
+    for i in 0..20 {
+        ats.push(allowed(l.reserve(&u, &rid(&format!("m{i}")), 1).await.unwrap()).at_ms);
+    }
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!((usage.used, usage.events.len()), (20, 20));
+    let order: Vec<_> = usage
+        .events
+        .iter()
+        .map(|e| e.request_id.to_string())
+        .collect();
+    assert!(
+        usage.events.windows(2).all(|w| w[0].at_ms <= w[1].at_ms),
+        "oldest first: {order:?}"
+    );
+    if b.exact_clock() {
+        assert!(
+            ats.iter().all(|a| *a == ats[0]),
+            "the manual clock did not move"
+        );
+    }
+}
+
+async fn users_are_independent(b: &impl Backend) {
+    let l = b.ledger();
+    allowed(l.reserve(&user("u1"), &rid("r"), 10).await.unwrap());
+    allowed(l.reserve(&user("u2"), &rid("r"), 10).await.unwrap());
+    assert_eq!(l.usage(&user("u1")).await.unwrap().used, 10);
+    assert_eq!(
+        l.refund(&user("u2"), &rid("r")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 10, used: 0 }
+    );
+    assert_eq!(l.usage(&user("u1")).await.unwrap().used, 10);
+}
+
+/// 16 tasks x 200 reserves of cost 8 against a limit of 1000: exactly 125.
+async fn concurrent_reserves_never_overspend(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("hot"));
+    l.set_plan(&u, "thousand").await.unwrap();
+    let tasks: Vec<_> = (0..16)
+        .map(|t| {
+            let (l, u) = (Arc::clone(&l), u.clone());
+            tokio::spawn(async move {
+                let mut admitted = 0u32;
+                for i in 0..200 {
+                    if l.reserve(&u, &rid(&format!("t{t}-{i}")), 8)
+                        .await
+                        .unwrap()
+                        .is_allowed()
+                    {
+                        admitted += 1;
+                    }
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    assert_eq!(total, 125);
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!((usage.used, usage.events.len()), (1000, 125));
+}
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    super::$case(&super::MemoryBackend::new()).await
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    super::$case(&super::RedisBackend::start().await).await
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    allows_up_to_the_limit_and_denies_past_it,
+    retry_after_is_exact,
+    events_expire_as_time_passes,
+    reserve_is_idempotent_per_request_id,
+    refund_once_twice_and_unknown,
+    zero_and_oversized_costs_are_errors,
+    plans_default_and_per_user,
+    settle_corrects_a_reservation,
+    same_millisecond_requests_are_separate_events,
+    users_are_independent,
+    concurrent_reserves_never_overspend,
+);
