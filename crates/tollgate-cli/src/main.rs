@@ -1,1 +1,62 @@
-fn main() {}
+//! The `tollgate` binary: parses flags, sets up logging, and hands over to a role
+//! or an operator command. Everything of substance lives in the library crates.
+
+mod budget;
+mod logging;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// tollgate: user budgets and provider throttles for services that pay upstream APIs.
+#[derive(Debug, Parser)]
+#[command(name = "tollgate", version, about, propagate_version = true)]
+struct Cli {
+    /// Log format on stderr: `text` for people, `json` for machines.
+    #[arg(
+        long,
+        global = true,
+        env = "TOLLGATE_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: logging::Format,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Operator commands on user budgets: reserve, refund, settle, usage, plans.
+    Budget(budget::BudgetArgs),
+}
+
+/// Exit codes shared by every command.
+pub mod exit {
+    /// Bad input: a flag, an id, a cost or a config the command cannot use.
+    pub const BAD_INPUT: u8 = 2;
+    /// The budget denied the reservation.
+    pub const DENIED: u8 = 3;
+    /// Anything else: Redis unreachable, an unexpected reply.
+    pub const FAILURE: u8 = 1;
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    logging::init(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::FAILURE);
+        }
+    };
+    runtime.block_on(async {
+        match cli.command {
+            Command::Budget(args) => budget::run(args).await,
+        }
+    })
+}

@@ -58,6 +58,19 @@ pub fn format(d: Duration) -> String {
     format!("{ms}ms")
 }
 
+/// `d` rounded for people: `450ms`, `12s`, `3m 20s`, `5h 2m`, `2d 4h`.
+pub fn format_approx(d: Duration) -> String {
+    let ms = d.as_millis() as u64;
+    let s = ms / 1000;
+    match s {
+        0 => format!("{ms}ms"),
+        1..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m {}s", s / 60, s % 60),
+        3600..=86_399 => format!("{}h {}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d {}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +99,13 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn formats_for_people() {
+        assert_eq!(format_approx(Duration::from_millis(450)), "450ms");
+        assert_eq!(format_approx(Duration::from_secs(200)), "3m 20s");
+        assert_eq!(format_approx(Duration::from_secs(5 * 3600 + 120)), "5h 2m");
     }
 
     #[test]

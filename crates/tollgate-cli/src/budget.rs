@@ -1,0 +1,450 @@
+//! `tollgate budget ...`: operator commands on user budgets, against Redis.
+//!
+//! Exit codes: 0 done, 3 denied by the budget, 2 bad input, 1 anything else
+//! (Redis unreachable). Errors are one line on stderr; `--json` puts the result on
+//! stdout as one JSON object.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Args, Subcommand};
+use serde_json::{json, Value};
+use tollgate_core::{
+    duration, Config, Ledger, LedgerError, MemoryLedger, RefundOutcome, RequestId, ReserveOutcome,
+    SettleOutcome, Usage, UserId,
+};
+use tollgate_redis::{KeySpace, PoolOptions, RedisLedger};
+
+use crate::exit;
+
+#[derive(Debug, Args)]
+pub struct BudgetArgs {
+    /// Redis to operate on, e.g. redis://127.0.0.1:6379/0.
+    #[arg(long, global = true, env = "TOLLGATE_REDIS_URL")]
+    redis_url: Option<String>,
+
+    /// TOML config with the plans (default: the built-in config).
+    #[arg(long, global = true, env = "TOLLGATE_CONFIG")]
+    config: Option<PathBuf>,
+
+    /// Prefix of every Redis key: lets several deployments share one Redis.
+    #[arg(long, global = true, env = "TOLLGATE_KEY_PREFIX", default_value = tollgate_redis::keys::DEFAULT_PREFIX)]
+    key_prefix: String,
+
+    /// Print the result as one JSON object on stdout.
+    #[arg(long, global = true)]
+    json: bool,
+
+    #[command(subcommand)]
+    command: BudgetCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum BudgetCommand {
+    /// Reserve COST tokens for a user. Exit 0 when reserved, 3 when denied.
+    Reserve {
+        #[arg(long)]
+        user: UserId,
+        #[arg(long)]
+        cost: u64,
+        /// Idempotency key: reserving the same id twice charges once (default: a new UUID).
+        #[arg(long)]
+        request_id: Option<RequestId>,
+    },
+    /// Refund a reservation (a second refund is a no-op).
+    Refund {
+        #[arg(long)]
+        user: UserId,
+        #[arg(long)]
+        request_id: RequestId,
+    },
+    /// Correct a reservation to what the call really cost (0 removes it).
+    Settle {
+        #[arg(long)]
+        user: UserId,
+        #[arg(long)]
+        request_id: RequestId,
+        #[arg(long)]
+        cost: u64,
+    },
+    /// Show used / limit / remaining / window and the live spend events.
+    Usage {
+        #[arg(long)]
+        user: UserId,
+    },
+    /// Put a user on a configured plan.
+    SetPlan {
+        #[arg(long)]
+        user: UserId,
+        #[arg(long)]
+        plan: String,
+    },
+    /// Print a user's effective plan.
+    GetPlan {
+        #[arg(long)]
+        user: UserId,
+    },
+    /// Walk through budgets on the embedded ledger (or on Redis with --redis-url).
+    Demo,
+}
+
+/// A failed command: what to print and how to exit.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl Failure {
+    fn bad_input(message: impl Into<String>) -> Self {
+        Self {
+            code: exit::BAD_INPUT,
+            message: message.into(),
+        }
+    }
+    fn other(message: impl Into<String>) -> Self {
+        Self {
+            code: exit::FAILURE,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<LedgerError> for Failure {
+    fn from(e: LedgerError) -> Self {
+        match e {
+            LedgerError::Unavailable(_) | LedgerError::Backend(_) => Self::other(e.to_string()),
+            _ => Self::bad_input(e.to_string()),
+        }
+    }
+}
+
+pub async fn run(args: BudgetArgs) -> ExitCode {
+    match execute(args).await {
+        Ok(code) => ExitCode::from(code),
+        Err(f) => {
+            eprintln!("error: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
+    let config = Arc::new(
+        Config::load(args.config.as_deref()).map_err(|e| Failure::bad_input(e.to_string()))?,
+    );
+    if let BudgetCommand::Demo = args.command {
+        let (ledger, on): (Arc<dyn Ledger>, String) = match &args.redis_url {
+            Some(url) => (
+                Arc::new(open_redis(url, &args.key_prefix, &config).await?),
+                format!("Redis at {}", tollgate_redis::redact_url(url)),
+            ),
+            None => (
+                Arc::new(MemoryLedger::new(Arc::clone(&config))),
+                "the embedded in-memory ledger".into(),
+            ),
+        };
+        return demo(ledger, &on, &config).await.map(|()| 0);
+    }
+    let url = args.redis_url.as_deref().ok_or_else(|| {
+        Failure::bad_input(
+            "budget commands need a Redis: pass --redis-url or set TOLLGATE_REDIS_URL",
+        )
+    })?;
+    let ledger = open_redis(url, &args.key_prefix, &config).await?;
+    let out = Output { json: args.json };
+
+    match args.command {
+        BudgetCommand::Reserve {
+            user,
+            cost,
+            request_id,
+        } => {
+            let request = request_id.unwrap_or_else(RequestId::generate);
+            let outcome = ledger.reserve(&user, &request, cost).await?;
+            out.reserve(&user, &request, cost, &outcome);
+            Ok(if outcome.is_allowed() {
+                0
+            } else {
+                exit::DENIED
+            })
+        }
+        BudgetCommand::Refund { user, request_id } => {
+            let outcome = ledger.refund(&user, &request_id).await?;
+            let (refunded, cost, used) = match outcome {
+                RefundOutcome::Refunded { cost, used } => (true, cost, used),
+                RefundOutcome::NotFound { used } => (false, 0, used),
+            };
+            out.print(
+                json!({"user": user, "request_id": request_id, "refunded": refunded, "cost": cost, "used": used}),
+                || match refunded {
+                    true => format!("refunded {cost} tokens to {user} (request {request_id}); used now {used}"),
+                    false => format!("nothing to refund: {user} has no live event {request_id}; used {used}"),
+                },
+            );
+            Ok(0)
+        }
+        BudgetCommand::Settle {
+            user,
+            request_id,
+            cost,
+        } => {
+            let outcome = ledger.settle(&user, &request_id, cost).await?;
+            let text = match &outcome {
+                SettleOutcome::Settled {
+                    previous_cost,
+                    cost,
+                    used,
+                } => {
+                    format!("settled {request_id} of {user}: {previous_cost} -> {cost} tokens; used now {used}")
+                }
+                SettleOutcome::NotFound { used } => {
+                    format!("nothing to settle: {user} has no live event {request_id}; used {used}")
+                }
+            };
+            let mut value = serde_json::to_value(&outcome).unwrap_or(Value::Null);
+            value["user"] = json!(user);
+            value["request_id"] = json!(request_id);
+            value["settled"] = json!(matches!(outcome, SettleOutcome::Settled { .. }));
+            out.print(value, || text);
+            Ok(0)
+        }
+        BudgetCommand::Usage { user } => {
+            let usage = ledger.usage(&user).await?;
+            out.print(usage_json(&user, &usage), || usage_text(&user, &usage));
+            Ok(0)
+        }
+        BudgetCommand::SetPlan { user, plan } => {
+            ledger.set_plan(&user, &plan).await?;
+            out.print(json!({"user": user, "plan": plan}), || {
+                format!("{user} is now on plan {plan}")
+            });
+            Ok(0)
+        }
+        BudgetCommand::GetPlan { user } => {
+            let plan = ledger.plan(&user).await?;
+            out.print(json!({"user": user, "plan": plan}), || plan.clone());
+            Ok(0)
+        }
+        BudgetCommand::Demo => unreachable!("handled above"),
+    }
+}
+
+async fn open_redis(url: &str, prefix: &str, config: &Arc<Config>) -> Result<RedisLedger, Failure> {
+    let keys = KeySpace::new(prefix).map_err(|e| Failure::bad_input(e.to_string()))?;
+    let pool = tollgate_redis::connect(
+        url,
+        &PoolOptions {
+            max_size: 4,
+            ..Default::default()
+        },
+    )
+    .await
+    .map_err(|e| match e {
+        tollgate_redis::RedisBackendError::BadUrl { .. } => Failure::bad_input(e.to_string()),
+        _ => Failure::other(e.to_string()),
+    })?;
+    Ok(RedisLedger::new(pool, keys, Arc::clone(config)))
+}
+
+struct Output {
+    json: bool,
+}
+
+impl Output {
+    fn print(&self, value: Value, text: impl FnOnce() -> String) {
+        if self.json {
+            println!("{value}");
+        } else {
+            println!("{}", text());
+        }
+    }
+
+    fn reserve(&self, user: &UserId, request: &RequestId, cost: u64, outcome: &ReserveOutcome) {
+        let value = reserve_json(user, request, cost, outcome);
+        self.print(value, || match outcome {
+            ReserveOutcome::Allowed(a) => {
+                format!(
+                "reserved {cost} tokens for {user} (request {request}){}: used {}/{}, {} remaining",
+                if a.duplicate { ", already reserved: not charged again" } else { "" },
+                a.used,
+                a.limit,
+                a.remaining
+            )
+            }
+            ReserveOutcome::Denied(d) => format!(
+                "denied: {user} has used {}/{}; {cost} more fits in {} ({} ms)",
+                d.used,
+                d.limit,
+                duration::format_approx(std::time::Duration::from_millis(d.retry_after_ms)),
+                d.retry_after_ms
+            ),
+        });
+    }
+}
+
+fn reserve_json(user: &UserId, request: &RequestId, cost: u64, outcome: &ReserveOutcome) -> Value {
+    match outcome {
+        ReserveOutcome::Allowed(a) => json!({
+            "allowed": true, "user": user, "request_id": request, "cost": cost,
+            "used": a.used, "limit": a.limit, "remaining": a.remaining,
+            "duplicate": a.duplicate, "at_ms": a.at_ms, "reset_after_ms": a.reset_after_ms,
+        }),
+        ReserveOutcome::Denied(d) => json!({
+            "allowed": false, "user": user, "request_id": request, "cost": cost,
+            "used": d.used, "limit": d.limit, "remaining": d.remaining,
+            "retry_after_ms": d.retry_after_ms,
+        }),
+    }
+}
+
+fn usage_json(user: &UserId, u: &Usage) -> Value {
+    json!({
+        "user": user, "plan": u.plan, "used": u.used, "limit": u.limit, "remaining": u.remaining,
+        "window_secs": u.window_ms / 1000, "window_ms": u.window_ms, "now_ms": u.now_ms,
+        "reset_after_ms": u.reset_after_ms, "events": u.events,
+    })
+}
+
+fn usage_text(user: &UserId, u: &Usage) -> String {
+    let window = duration::format(std::time::Duration::from_millis(u.window_ms));
+    let mut s = format!(
+        "{user} on plan {}: used {}/{} tokens in the last {window}, {} remaining",
+        u.plan, u.used, u.limit, u.remaining
+    );
+    if let Some(r) = u.reset_after_ms {
+        s += &format!(
+            "; the oldest event frees its tokens in {}",
+            duration::format_approx(std::time::Duration::from_millis(r))
+        );
+    }
+    if !u.events.is_empty() {
+        s += &format!(
+            "\n{:<40} {:>8}  {:>14}",
+            "request id", "cost", "at (ms ago)"
+        );
+        for e in &u.events {
+            s += &format!(
+                "\n{:<40} {:>8}  {:>14}",
+                e.request_id,
+                e.cost,
+                u.now_ms.saturating_sub(e.at_ms)
+            );
+        }
+    }
+    s
+}
+
+/// A short narrated tour of the budget semantics on any ledger.
+async fn demo(ledger: Arc<dyn Ledger>, on: &str, config: &Config) -> Result<(), Failure> {
+    let alice = UserId::new(format!(
+        "demo-alice-{}",
+        &RequestId::generate().as_str()[..8]
+    ))
+    .map_err(|e| Failure::other(e.to_string()))?;
+    let bob = UserId::new(format!("demo-bob-{}", &RequestId::generate().as_str()[..8]))
+        .map_err(|e| Failure::other(e.to_string()))?;
+    let plan = config.default_plan();
+    println!("tollgate budget demo on {on}");
+    println!(
+        "plans: {}",
+        config
+            .plans()
+            .map(|p| format!(
+                "{} = {} tokens / {}",
+                p.name,
+                p.limit,
+                duration::format(p.window)
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!();
+
+    let cost = (plan.limit / 50).max(1);
+    let attempts = plan.limit / cost + 10;
+    println!(
+        "1. {alice} (plan {}) fires {attempts} concurrent calls of {cost} tokens:",
+        plan.name
+    );
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..attempts {
+        let (ledger, alice, request) = (Arc::clone(&ledger), alice.clone(), RequestId::generate());
+        calls.spawn(async move {
+            let outcome = ledger.reserve(&alice, &request, cost).await;
+            (request, outcome)
+        });
+    }
+    let mut admitted = Vec::new();
+    let mut denied = Vec::new();
+    while let Some(joined) = calls.join_next().await {
+        let (request, outcome) =
+            joined.map_err(|e| Failure::other(format!("demo task failed: {e}")))?;
+        match outcome? {
+            ReserveOutcome::Allowed(_) => admitted.push(request),
+            ReserveOutcome::Denied(d) => denied.push(d),
+        }
+    }
+    println!(
+        "   {} admitted, {} denied: the pool never overspends",
+        admitted.len(),
+        denied.len()
+    );
+    if let Some(d) = denied.first() {
+        println!(
+            "   a denied call learns exactly when it fits: retry after {} ({} ms), when the oldest events leave the {} window",
+            duration::format_approx(std::time::Duration::from_millis(d.retry_after_ms)),
+            d.retry_after_ms,
+            duration::format(plan.window)
+        );
+    }
+
+    if let Some(failed) = admitted.first() {
+        println!("\n2. the provider call of {failed} fails: refund it by request id");
+        if let RefundOutcome::Refunded { cost, used } = ledger.refund(&alice, failed).await? {
+            println!("   refunded {cost} tokens; used now {used}");
+        }
+        let again = ledger.refund(&alice, failed).await?;
+        println!("   refunding again is a no-op: {again:?}");
+    }
+    if let Some(retried) = admitted.get(1) {
+        let r = ledger.reserve(&alice, retried, cost).await?;
+        if let ReserveOutcome::Allowed(a) = r {
+            println!(
+                "\n3. a client retries {retried}: duplicate = {}, used stays {}",
+                a.duplicate, a.used
+            );
+        }
+    }
+    if let Some(llm) = admitted.get(2) {
+        if let SettleOutcome::Settled {
+            previous_cost,
+            cost,
+            used,
+        } = ledger.settle(&alice, llm, cost / 3).await?
+        {
+            println!("\n4. an LLM call reserved at {previous_cost} used only {cost}: settled, used now {used}");
+        }
+    }
+    if let Some(pro) = config.plans().find(|p| p.name != plan.name) {
+        ledger.set_plan(&bob, &pro.name).await?;
+        let r = ledger.reserve(&bob, &RequestId::generate(), cost).await?;
+        println!(
+            "\n5. {bob} is on plan {} and unaffected by alice: allowed = {}",
+            pro.name,
+            r.is_allowed()
+        );
+    }
+    let usage = ledger.usage(&alice).await?;
+    println!(
+        "\n6. the audit trail of {alice}: {} live events, used {}/{}",
+        usage.events.len(),
+        usage.used,
+        usage.limit
+    );
+    for e in usage.events.iter().take(3) {
+        println!("   {}  {} tokens at {} ms", e.request_id, e.cost, e.at_ms);
+    }
+    println!("\nnext: `tollgate budget --help` for the operator commands against Redis");
+    Ok(())
+}
