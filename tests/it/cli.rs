@@ -1,1 +1,240 @@
+//! `tollgate budget ...` as an operator runs it: a real process against a real
+//! Redis, checking exit codes, JSON output and one-line errors.
 
+use std::process::{Command, Output};
+
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+struct Cli {
+    server: RedisServer,
+    prefix: String,
+}
+
+impl Cli {
+    fn new() -> Self {
+        Self {
+            server: RedisServer::start(),
+            prefix: random_prefix(),
+        }
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new(workspace_bin("tollgate"))
+            .arg("budget")
+            .args(args)
+            .env("TOLLGATE_REDIS_URL", self.server.url())
+            .env("TOLLGATE_KEY_PREFIX", &self.prefix)
+            .env_remove("TOLLGATE_CONFIG")
+            .output()
+            .expect("run tollgate")
+    }
+
+    fn json(&self, args: &[&str], code: i32) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.push("--json");
+        let out = self.run(&all);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {out:?}");
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out:?}"))
+    }
+}
+
+fn one_line_error(out: &Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+    assert!(err.starts_with("error: "), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    err
+}
+
+#[test]
+fn reserve_deny_refund_and_usage() {
+    let cli = Cli::new();
+    let v = cli.json(
+        &[
+            "reserve",
+            "--user",
+            "alice",
+            "--cost",
+            "600",
+            "--request-id",
+            "r1",
+        ],
+        0,
+    );
+    assert_eq!(
+        (
+            v["allowed"].as_bool(),
+            v["used"].as_u64(),
+            v["limit"].as_u64(),
+            v["remaining"].as_u64()
+        ),
+        (Some(true), Some(600), Some(1000), Some(400))
+    );
+
+    let v = cli.json(&["reserve", "--user", "alice", "--cost", "600"], 3);
+    assert_eq!(v["allowed"].as_bool(), Some(false));
+    let retry = v["retry_after_ms"].as_u64().expect("retry_after_ms");
+    assert!(
+        retry > 12 * 3600 * 1000 - 60_000 && retry <= 12 * 3600 * 1000,
+        "{retry}"
+    );
+
+    // Retrying r1 charges nothing.
+    let v = cli.json(
+        &[
+            "reserve",
+            "--user",
+            "alice",
+            "--cost",
+            "600",
+            "--request-id",
+            "r1",
+        ],
+        0,
+    );
+    assert_eq!(
+        (v["duplicate"].as_bool(), v["used"].as_u64()),
+        (Some(true), Some(600))
+    );
+
+    let v = cli.json(&["usage", "--user", "alice"], 0);
+    assert_eq!(
+        (
+            v["used"].as_u64(),
+            v["limit"].as_u64(),
+            v["remaining"].as_u64(),
+            v["window_secs"].as_u64()
+        ),
+        (Some(600), Some(1000), Some(400), Some(43200))
+    );
+    let events = v["events"].as_array().expect("events");
+    assert_eq!(events.len(), 1);
+    assert_eq!(
+        (events[0]["request_id"].as_str(), events[0]["cost"].as_u64()),
+        (Some("r1"), Some(600))
+    );
+    assert!(events[0]["at_ms"].as_u64().is_some());
+
+    let v = cli.json(&["refund", "--user", "alice", "--request-id", "r1"], 0);
+    assert_eq!(
+        (v["refunded"].as_bool(), v["used"].as_u64()),
+        (Some(true), Some(0))
+    );
+    let v = cli.json(&["refund", "--user", "alice", "--request-id", "r1"], 0);
+    assert_eq!(v["refunded"].as_bool(), Some(false));
+
+    // Human output is there too.
+    let out = cli.run(&["usage", "--user", "alice"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("used 0/1000"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn plans_can_be_set_and_read_back() {
+    let cli = Cli::new();
+    assert_eq!(cli.json(&["get-plan", "--user", "bob"], 0)["plan"], "free");
+    cli.json(&["set-plan", "--user", "bob", "--plan", "pro"], 0);
+    assert_eq!(cli.json(&["get-plan", "--user", "bob"], 0)["plan"], "pro");
+    assert_eq!(cli.json(&["usage", "--user", "bob"], 0)["limit"], 20000);
+    let v = cli.json(&["reserve", "--user", "bob", "--cost", "5000"], 0);
+    assert_eq!(v["remaining"], 15000);
+    let out = cli.run(&["set-plan", "--user", "bob", "--plan", "gold"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(one_line_error(&out).contains("gold"));
+}
+
+#[test]
+fn bad_input_is_exit_2_with_one_line() {
+    let cli = Cli::new();
+    for (args, needle) in [
+        (&["reserve", "--user", "a:b", "--cost", "1"][..], "user id"),
+        (&["reserve", "--user", "{x}", "--cost", "1"][..], "user id"),
+        (&["reserve", "--user", "a", "--cost", "0"][..], "at least 1"),
+        (
+            &["reserve", "--user", "a", "--cost", "1001"][..],
+            "exceeds the plan limit",
+        ),
+        (&["reserve", "--user", "a", "--cost", "-3"][..], "--cost"),
+        (
+            &["refund", "--user", "a", "--request-id", "x y"][..],
+            "request id",
+        ),
+    ] {
+        let out = cli.run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    // Nothing was recorded by any of them.
+    assert_eq!(cli.json(&["usage", "--user", "a"], 0)["used"], 0);
+}
+
+#[test]
+fn config_errors_name_the_key() {
+    let cli = Cli::new();
+    let dir = std::env::temp_dir().join(format!("tollgate-cli-{}", random_prefix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.toml");
+    std::fs::write(
+        &good,
+        "default_plan = \"tiny\"\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n",
+    )
+    .unwrap();
+    let v = cli.json(
+        &["--config", good.to_str().unwrap(), "usage", "--user", "c"],
+        0,
+    );
+    assert_eq!(
+        (v["plan"].as_str(), v["limit"].as_u64()),
+        (Some("tiny"), Some(5))
+    );
+
+    for (text, key) in [
+        (
+            "default_plan = \"gold\"\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n",
+            "default_plan",
+        ),
+        (
+            "[plans.tiny]\nlimit = 0\nwindow = \"1h\"\n",
+            "plans.tiny.limit",
+        ),
+        (
+            "[plans.tiny]\nlimit = 5\nwindow = \"an hour\"\n",
+            "plans.tiny.window",
+        ),
+    ] {
+        let bad = dir.join("bad.toml");
+        std::fs::write(&bad, text).unwrap();
+        let out = cli.run(&["--config", bad.to_str().unwrap(), "usage", "--user", "c"]);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        assert!(one_line_error(&out).contains(key), "{out:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn unreachable_redis_is_a_one_line_failure() {
+    let cli = Cli::new();
+    let port = tollgate_tests::redis_server::free_port();
+    let url = format!("redis://:hunter2@127.0.0.1:{port}/");
+    let out = cli.run(&["reserve", "--user", "a", "--cost", "1", "--redis-url", &url]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = one_line_error(&out);
+    assert!(err.contains("unreachable"), "{err}");
+    assert!(!err.contains("hunter2"), "the password is redacted: {err}");
+}
+
+#[test]
+fn demo_runs_on_the_embedded_ledger() {
+    let out = Command::new(workspace_bin("tollgate"))
+        .args(["budget", "demo"])
+        .env_remove("TOLLGATE_REDIS_URL")
+        .env_remove("TOLLGATE_CONFIG")
+        .output()
+        .expect("run tollgate budget demo");
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("50 admitted, 10 denied"), "{text}");
+}

@@ -14,7 +14,7 @@ use tollgate_core::{
 use tracing::Instrument;
 
 use crate::keys::KeySpace;
-use crate::pool::{Pool, DEFAULT_TIMEOUT};
+use crate::pool::{discard_if_broken, is_connection_error, Connection, Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, PlanArgs};
 
 /// The distributed budget ledger.
@@ -36,7 +36,7 @@ impl std::fmt::Debug for RedisLedger {
 }
 
 fn map_redis_error(e: redis::RedisError) -> LedgerError {
-    if e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped() {
+    if is_connection_error(&e) {
         LedgerError::Unavailable(e.to_string())
     } else {
         LedgerError::Backend(e.to_string())
@@ -94,7 +94,7 @@ impl RedisLedger {
             })
     }
 
-    async fn conn(&self) -> Result<deadpool_redis::Connection, LedgerError> {
+    async fn conn(&self) -> Result<Connection, LedgerError> {
         self.pool
             .get()
             .await
@@ -107,9 +107,12 @@ impl RedisLedger {
         inv: ScriptInvocation<'_>,
     ) -> Result<T, LedgerError> {
         self.bounded(op, async {
-            inv.invoke_async::<T>(&mut self.conn().await?)
-                .await
-                .map_err(map_redis_error)
+            let mut conn = self.conn().await?;
+            let result = inv.invoke_async::<T>(&mut *conn).await;
+            result.map_err(|e| {
+                discard_if_broken(conn, &e);
+                map_redis_error(e)
+            })
         })
         .await
     }
@@ -120,9 +123,12 @@ impl RedisLedger {
         cmd: redis::Cmd,
     ) -> Result<T, LedgerError> {
         self.bounded(op, async {
-            cmd.query_async::<T>(&mut self.conn().await?)
-                .await
-                .map_err(map_redis_error)
+            let mut conn = self.conn().await?;
+            let result = cmd.query_async::<T>(&mut *conn).await;
+            result.map_err(|e| {
+                discard_if_broken(conn, &e);
+                map_redis_error(e)
+            })
         })
         .await
     }

@@ -2,7 +2,7 @@
 //!
 //! - [`keys`] builds every key name (prefix, schema version, hash tags);
 //! - [`scripts`] embeds the Lua scripts of `lua/` and owns their KEYS/ARGV order;
-//! - [`pool`] connects (deadpool-redis) and maps Redis failures to typed errors;
+//! - [`pool`] connects (a deadpool of multiplexed connections) and classifies failures;
 //! - [`ledger`] is the [`tollgate_core::Ledger`] on top of them.
 //!
 //! **Invariant:** spend events and running totals are written only by the scripts
@@ -15,4 +15,4 @@ pub mod scripts;
 
 pub use keys::{KeyError, KeySpace};
 pub use ledger::RedisLedger;
-pub use pool::{connect, redact_url, Pool, PoolOptions, RedisBackendError};
+pub use pool::{connect, redact_url, Connection, Pool, PoolOptions, RedisBackendError};

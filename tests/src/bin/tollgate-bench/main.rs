@@ -1,0 +1,41 @@
+//! `tollgate-bench`: the project's benchmarks and load generators, as one binary.
+//!
+//! Benchmarks here measure what the issues set targets for, side by side in one
+//! run (these machines are shared and noisy: compare medians and ratios, never
+//! absolute numbers across runs). BENCHMARKS.md records the results.
+
+mod ledger;
+mod load;
+mod stats;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "tollgate-bench", about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Budget ledger: reserve latency by live events, throughput on both backends,
+    /// and the redis-benchmark ceiling for the same script.
+    Ledger(ledger::Args),
+    /// Fire reserves at one user from this process and print the counts as JSON
+    /// (the multi-process tests run several of these at once).
+    Load(load::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        match cli.command {
+            Command::Ledger(args) => ledger::run(args).await,
+            Command::Load(args) => load::run(args).await,
+        }
+    })
+}
