@@ -1,6 +1,8 @@
 //! tollgate's integration tests: one binary (see matklad, "Delete Cargo Integration
 //! Tests"). Redis tests start their own `redis-server` through `tollgate_tests`.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
 mod cli;
 mod concurrency;
 mod ledger;
