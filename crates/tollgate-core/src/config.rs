@@ -1,4 +1,4 @@
-//! The TOML config: plans (and, as roles arrive, providers and operations).
+//! The TOML config: plans, providers (and, as roles arrive, operations).
 //!
 //! Parsing is strict: unknown keys, a `default_plan` that names no plan, a zero
 //! limit or an unparsable window fail at start with a message naming the key, so
@@ -33,11 +33,31 @@ impl Plan {
     }
 }
 
+/// Largest accepted provider `rate` (tokens per second) and `burst`.
+pub const MAX_RATE: f64 = 1_000_000.0;
+pub const MAX_BURST: u64 = 1_000_000;
+/// Longest accepted provider `max_wait`.
+pub const MAX_WAIT_LIMIT: Duration = Duration::from_secs(3600);
+
+/// An upstream provider's throttle: a token bucket of `burst` tokens refilled at
+/// `rate` per second, shared by every pod; a call waits at most `max_wait` for a
+/// token. Over any interval `t` the provider sees at most `burst + rate * t` calls.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Provider {
+    pub name: String,
+    /// Tokens per second, > 0 (fractions allowed: `0.5` is one call per 2 s).
+    pub rate: f64,
+    /// Bucket capacity, >= 1.
+    pub burst: u64,
+    pub max_wait: Duration,
+}
+
 /// A validated configuration.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     default_plan: String,
     plans: BTreeMap<String, Plan>,
+    providers: BTreeMap<String, Provider>,
 }
 
 /// Why a config could not be loaded. Messages name the file and the key.
@@ -64,6 +84,16 @@ struct RawConfig {
     default_plan: Option<String>,
     #[serde(default)]
     plans: BTreeMap<String, RawPlan>,
+    #[serde(default)]
+    providers: BTreeMap<String, RawProvider>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProvider {
+    rate: f64,
+    burst: i64,
+    max_wait: String,
 }
 
 #[derive(Deserialize)]
@@ -168,9 +198,11 @@ impl Config {
                 format!("{default_plan:?} is not a plan (plans: {known})"),
             ));
         }
+        let providers = parse_providers(raw.providers, &invalid)?;
         Ok(Self {
             default_plan,
             plans,
+            providers,
         })
     }
 
@@ -193,6 +225,74 @@ impl Config {
     pub fn plans(&self) -> impl Iterator<Item = &Plan> {
         self.plans.values()
     }
+
+    /// The provider called `name`, if configured.
+    pub fn provider(&self, name: &str) -> Option<&Provider> {
+        self.providers.get(name)
+    }
+
+    /// Every configured provider, by name.
+    pub fn providers(&self) -> impl Iterator<Item = &Provider> {
+        self.providers.values()
+    }
+}
+
+fn parse_providers(
+    raw: BTreeMap<String, RawProvider>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<BTreeMap<String, Provider>, ConfigError> {
+    let mut providers = BTreeMap::new();
+    for (name, p) in raw {
+        let key = format!("providers.{name}");
+        // Provider names end up in Redis key names: the id charset keeps them
+        // from opening a hash tag or forging a key part.
+        if let Err(e) = crate::id::UserId::new(name.as_str()) {
+            return Err(invalid(key, format!("bad provider name: {e}")));
+        }
+        if !(p.rate.is_finite() && p.rate > 0.0) {
+            return Err(invalid(
+                format!("{key}.rate"),
+                format!("must be > 0 (tokens per second), got {}", p.rate),
+            ));
+        }
+        if p.rate > MAX_RATE {
+            return Err(invalid(
+                format!("{key}.rate"),
+                format!("must be <= {MAX_RATE}"),
+            ));
+        }
+        if p.burst < 1 {
+            return Err(invalid(
+                format!("{key}.burst"),
+                format!("must be >= 1 (the bucket capacity), got {}", p.burst),
+            ));
+        }
+        let burst = p.burst as u64;
+        if burst > MAX_BURST {
+            return Err(invalid(
+                format!("{key}.burst"),
+                format!("must be <= {MAX_BURST}"),
+            ));
+        }
+        let max_wait =
+            duration::parse(&p.max_wait).map_err(|m| invalid(format!("{key}.max_wait"), m))?;
+        if max_wait < Duration::from_millis(1) || max_wait > MAX_WAIT_LIMIT {
+            return Err(invalid(
+                format!("{key}.max_wait"),
+                "must be between 1ms and 1h".into(),
+            ));
+        }
+        providers.insert(
+            name.clone(),
+            Provider {
+                name,
+                rate: p.rate,
+                burst,
+                max_wait,
+            },
+        );
+    }
+    Ok(providers)
 }
 
 #[cfg(test)]
@@ -244,6 +344,58 @@ window = "12h"
         assert!(e.contains("limmit"), "{e}");
         let e = err("default_plan = \"x\"");
         assert!(e.contains("plans"), "{e}");
+    }
+
+    const PROVIDERS: &str = r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.llm]
+rate = 50
+burst = 10
+max_wait = "30s"
+[providers.slow]
+rate = 0.5
+burst = 1
+max_wait = "500ms"
+"#;
+
+    #[test]
+    fn reads_providers() {
+        let c = Config::parse(PROVIDERS, "t.toml").unwrap();
+        let llm = c.provider("llm").unwrap();
+        assert_eq!((llm.rate, llm.burst), (50.0, 10));
+        assert_eq!(llm.max_wait, Duration::from_secs(30));
+        assert_eq!(c.provider("slow").unwrap().rate, 0.5);
+        assert_eq!(c.providers().count(), 2);
+        assert!(c.provider("nope").is_none());
+    }
+
+    #[test]
+    fn provider_errors_name_the_key() {
+        for (from, to, key) in [
+            ("rate = 50", "rate = 0", "providers.llm.rate"),
+            ("rate = 50", "rate = -3", "providers.llm.rate"),
+            ("rate = 50", "rate = nan", "providers.llm.rate"),
+            ("burst = 10", "burst = 0", "providers.llm.burst"),
+            (
+                "max_wait = \"30s\"",
+                "max_wait = \"soon\"",
+                "providers.llm.max_wait",
+            ),
+            (
+                "max_wait = \"30s\"",
+                "max_wait = \"0s\"",
+                "providers.llm.max_wait",
+            ),
+            ("[providers.llm]", "[providers.\"a:b\"]", "providers.a:b"),
+            ("burst = 10", "burst = 10\nbrust = 3", "brust"),
+        ] {
+            let e = err(&PROVIDERS.replacen(from, to, 1));
+            assert!(e.contains(key), "{to}: {e}");
+        }
+        let e = err(&PROVIDERS.replacen("rate = 50", "rate = \"fast\"", 1));
+        assert!(e.contains("rate"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! tollgate's core: the vocabulary every role shares (ids, plans, config), the
-//! [`Ledger`] trait that budget backends implement, and the in-memory backend that
-//! the embedded mode runs on.
+//! tollgate's core: the vocabulary every role shares (ids, plans, providers,
+//! config), the [`Ledger`] and [`Throttle`] traits that backends implement, and the
+//! in-memory backends that the embedded mode runs on.
 //!
 //! Nothing here talks to the network; the Redis backend lives in `tollgate-redis`.
 
@@ -10,12 +10,14 @@ pub mod duration;
 pub mod id;
 pub mod ledger;
 pub mod memory;
+pub mod throttle;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{Config, ConfigError, Plan};
+pub use config::{Config, ConfigError, Plan, Provider};
 pub use id::{IdError, RequestId, UserId};
 pub use ledger::{
     Allowed, Denied, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent,
     Usage,
 };
 pub use memory::MemoryLedger;
+pub use throttle::{Grant, MemoryThrottle, Throttle, ThrottleError, Throttled};

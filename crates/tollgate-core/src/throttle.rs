@@ -1,0 +1,470 @@
+//! The provider throttle: the [`Throttle`] interface both modes implement, the
+//! in-process token bucket ([`MemoryThrottle`]), and [`Throttled`], the wrapper
+//! that makes every call of a provider client pass the throttle.
+//!
+//! Semantics (DESIGN.md, "Throttle semantics"): one token bucket per provider of
+//! `burst` tokens refilled at `rate` per second; a caller gets its slot as soon as
+//! the bucket allows, in arrival order, or fails after `max_wait` with
+//! [`ThrottleError::Timeout`]; a call that gave up never burns a token.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use tokio::sync::{oneshot, Notify};
+use tokio::time::Instant;
+
+use crate::config::{Config, Provider};
+use crate::duration;
+use crate::id::RequestId;
+
+/// A slot granted by the throttle: the caller may now make one provider call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub provider: String,
+    pub request_id: RequestId,
+    /// How long the caller waited, from `acquire` to resuming.
+    pub waited: Duration,
+    /// When the token was taken, in µs since the Unix epoch, on the throttle's
+    /// clock (Redis `TIME` in distributed mode, the process clock in-process).
+    pub granted_at_us: u64,
+}
+
+/// Why no slot was granted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ThrottleError {
+    /// No token within `max_wait`. Nothing was spent.
+    #[error("provider {provider}: no slot within {}", duration::format(*max_wait))]
+    Timeout {
+        provider: String,
+        max_wait: Duration,
+    },
+    #[error("unknown provider {name:?} (providers: {known})")]
+    UnknownProvider { name: String, known: String },
+    /// The same request id is already waiting for this provider.
+    #[error("provider {provider}: request {request_id} is already waiting for a slot")]
+    Duplicate {
+        provider: String,
+        request_id: RequestId,
+    },
+    /// The backend cannot be reached; retrying later may succeed.
+    #[error("throttle unavailable: {0}")]
+    Unavailable(String),
+    /// The backend answered something unexpected.
+    #[error("throttle backend error: {0}")]
+    Backend(String),
+}
+
+impl ThrottleError {
+    /// True for errors a retry may clear (timeouts, an unreachable backend).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Timeout { .. } | Self::Unavailable(_))
+    }
+
+    /// The error for a provider name missing from `providers`.
+    pub fn unknown_provider<'a>(name: &str, providers: impl Iterator<Item = &'a str>) -> Self {
+        Self::UnknownProvider {
+            name: name.to_owned(),
+            known: providers.collect::<Vec<_>>().join(", "),
+        }
+    }
+}
+
+/// One interface, two modes (in-process and Redis): a provider client never
+/// knows which one it runs on.
+#[async_trait]
+pub trait Throttle: Send + Sync + std::fmt::Debug {
+    /// Waits for a slot of `provider`, at most `max_wait`. Dropping the future
+    /// cancels the wait; a token taken for it meanwhile goes back to the bucket.
+    async fn acquire(
+        &self,
+        provider: &str,
+        request_id: &RequestId,
+        max_wait: Duration,
+    ) -> Result<Grant, ThrottleError>;
+}
+
+/// A provider client whose every call passes the throttle: the `@throttled`
+/// decorator of tollgate.
+///
+/// ```ignore
+/// let llm = Throttled::new(throttle, config.provider("llm").unwrap(), LlmClient::new(url));
+/// let answer = llm.call(&request_id, |c| c.complete(prompt)).await?;
+/// ```
+#[derive(Debug, Clone)]
+pub struct Throttled<C> {
+    throttle: Arc<dyn Throttle>,
+    provider: String,
+    max_wait: Duration,
+    client: C,
+}
+
+impl<C> Throttled<C> {
+    /// Wraps `client`; calls wait at most the provider's `max_wait`.
+    pub fn new(throttle: Arc<dyn Throttle>, provider: &Provider, client: C) -> Self {
+        Self {
+            throttle,
+            provider: provider.name.clone(),
+            max_wait: provider.max_wait,
+            client,
+        }
+    }
+
+    /// Waits for a slot, then runs `f` on the client.
+    pub async fn call<'a, F, Fut>(
+        &'a self,
+        request_id: &RequestId,
+        f: F,
+    ) -> Result<Fut::Output, ThrottleError>
+    where
+        F: FnOnce(&'a C) -> Fut,
+        Fut: Future,
+    {
+        self.throttle
+            .acquire(&self.provider, request_id, self.max_wait)
+            .await?;
+        Ok(f(&self.client).await)
+    }
+
+    /// The client itself, for calls that must not be throttled (health checks).
+    pub fn inner(&self) -> &C {
+        &self.client
+    }
+}
+
+/// Microseconds since the Unix epoch on the process clock.
+fn wall_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section below is panic-free arithmetic and queue moves.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The in-process throttle: one exact token bucket per provider.
+///
+/// A caller that finds the bucket non-empty and nobody queued takes a token
+/// without waiting. Otherwise it queues; one driver task per busy bucket hands
+/// tokens to the queue in order, sleeping exactly until the next token is due
+/// (no polling), skipping callers that gave up. The driver exits when the queue
+/// drains.
+#[derive(Debug)]
+pub struct MemoryThrottle {
+    buckets: BTreeMap<String, Arc<Bucket>>,
+}
+
+#[derive(Debug)]
+struct Bucket {
+    rate: f64,
+    burst: f64,
+    state: Mutex<BucketState>,
+    /// Wakes a sleeping driver when a token is handed back.
+    handed_back: Notify,
+}
+
+#[derive(Debug)]
+struct BucketState {
+    tokens: f64,
+    at: Instant,
+    queue: VecDeque<oneshot::Sender<u64>>,
+    driving: bool,
+}
+
+impl Bucket {
+    fn new(p: &Provider) -> Self {
+        Self {
+            rate: p.rate,
+            burst: p.burst as f64,
+            state: Mutex::new(BucketState {
+                tokens: p.burst as f64,
+                at: Instant::now(),
+                queue: VecDeque::new(),
+                driving: false,
+            }),
+            handed_back: Notify::new(),
+        }
+    }
+
+    fn refill(&self, st: &mut BucketState) {
+        let now = Instant::now();
+        let dt = now.saturating_duration_since(st.at).as_secs_f64();
+        st.tokens = (st.tokens + dt * self.rate).min(self.burst);
+        st.at = now;
+    }
+
+    /// Until one whole token is due, rounded up to the next µs.
+    fn until_next(&self, tokens: f64) -> Duration {
+        let secs = ((1.0 - tokens).max(0.0) / self.rate).min(3600.0);
+        Duration::from_micros((secs * 1e6).ceil() as u64)
+    }
+
+    fn give_back(&self) {
+        let mut st = lock(&self.state);
+        self.refill(&mut st);
+        st.tokens = (st.tokens + 1.0).min(self.burst);
+        drop(st);
+        self.handed_back.notify_one();
+    }
+
+    /// Serves the queue until it is empty.
+    async fn drive(self: Arc<Self>) {
+        loop {
+            let wait = {
+                let mut st = lock(&self.state);
+                self.refill(&mut st);
+                loop {
+                    while st.queue.front().is_some_and(|tx| tx.is_closed()) {
+                        st.queue.pop_front();
+                    }
+                    if st.queue.is_empty() {
+                        st.driving = false;
+                        return;
+                    }
+                    if st.tokens < 1.0 {
+                        break self.until_next(st.tokens);
+                    }
+                    if let Some(tx) = st.queue.pop_front() {
+                        st.tokens -= 1.0;
+                        if tx.send(wall_us()).is_err() {
+                            st.tokens += 1.0; // the caller left meanwhile
+                        }
+                    }
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = self.handed_back.notified() => {}
+            }
+        }
+    }
+}
+
+/// A queued caller's receiver. Dropped without having delivered its grant (a
+/// timeout, or the caller's future dropped), it hands a token that arrived
+/// meanwhile back to the bucket: a call that gave up never burns a token.
+struct Pending {
+    bucket: Arc<Bucket>,
+    rx: Option<oneshot::Receiver<u64>>,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(mut rx) = self.rx.take() {
+            rx.close();
+            if rx.try_recv().is_ok() {
+                self.bucket.give_back();
+            }
+        }
+    }
+}
+
+impl MemoryThrottle {
+    /// One bucket per provider of `config`, each starting full.
+    pub fn new(config: &Config) -> Self {
+        Self::with_providers(config.providers())
+    }
+
+    pub fn with_providers<'a>(providers: impl IntoIterator<Item = &'a Provider>) -> Self {
+        Self {
+            buckets: providers
+                .into_iter()
+                .map(|p| (p.name.clone(), Arc::new(Bucket::new(p))))
+                .collect(),
+        }
+    }
+
+    /// Callers queued for `provider` right now (for tests and metrics).
+    pub fn queued(&self, provider: &str) -> usize {
+        self.buckets
+            .get(provider)
+            .map(|b| {
+                lock(&b.state)
+                    .queue
+                    .iter()
+                    .filter(|t| !t.is_closed())
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+}
+
+#[async_trait]
+impl Throttle for MemoryThrottle {
+    async fn acquire(
+        &self,
+        provider: &str,
+        request_id: &RequestId,
+        max_wait: Duration,
+    ) -> Result<Grant, ThrottleError> {
+        let started = Instant::now();
+        let bucket = self.buckets.get(provider).ok_or_else(|| {
+            ThrottleError::unknown_provider(provider, self.buckets.keys().map(String::as_str))
+        })?;
+        let grant = |granted_at_us| Grant {
+            provider: provider.to_owned(),
+            request_id: request_id.clone(),
+            waited: started.elapsed(),
+            granted_at_us,
+        };
+        let rx = {
+            let mut st = lock(&bucket.state);
+            bucket.refill(&mut st);
+            if st.queue.is_empty() && st.tokens >= 1.0 {
+                st.tokens -= 1.0;
+                return Ok(grant(wall_us()));
+            }
+            let (tx, rx) = oneshot::channel();
+            st.queue.push_back(tx);
+            if !st.driving {
+                st.driving = true;
+                tokio::spawn(Arc::clone(bucket).drive());
+            }
+            rx
+        };
+        let mut pending = Pending {
+            bucket: Arc::clone(bucket),
+            rx: Some(rx),
+        };
+        let timeout = || ThrottleError::Timeout {
+            provider: provider.to_owned(),
+            max_wait,
+        };
+        let Some(rx) = pending.rx.as_mut() else {
+            return Err(timeout());
+        };
+        match tokio::time::timeout(max_wait, rx).await {
+            Ok(Ok(at)) => {
+                pending.rx = None;
+                Ok(grant(at))
+            }
+            Ok(Err(_)) => Err(ThrottleError::Backend(
+                "the bucket's driver stopped".to_owned(),
+            )),
+            // Dropping `pending` hands back a token that raced the timeout.
+            Err(_) => Err(timeout()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn provider(rate: f64, burst: u64) -> Provider {
+        Provider {
+            name: "p".into(),
+            rate,
+            burst,
+            max_wait: Duration::from_secs(30),
+        }
+    }
+
+    fn rid(i: usize) -> RequestId {
+        RequestId::new(format!("r{i}")).unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn burst_then_rate_in_order() {
+        let t = Arc::new(MemoryThrottle::with_providers([&provider(10.0, 3)]));
+        let start = Instant::now();
+        let mut handles = Vec::new();
+        for i in 0..8 {
+            let t = Arc::clone(&t);
+            handles.push(tokio::spawn(async move {
+                t.acquire("p", &rid(i), Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                Instant::now() - start
+            }));
+            tokio::task::yield_now().await;
+        }
+        let mut at = Vec::new();
+        for h in handles {
+            at.push(h.await.unwrap());
+        }
+        // 3 at once, then one per 100ms, in arrival order.
+        let ms: Vec<u128> = at.iter().map(|d| d.as_millis()).collect();
+        assert_eq!(ms, vec![0, 0, 0, 100, 200, 300, 400, 500]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timed_out_caller_burns_no_token() {
+        let t = Arc::new(MemoryThrottle::with_providers([&provider(1.0, 1)]));
+        t.acquire("p", &rid(0), Duration::from_secs(1))
+            .await
+            .unwrap();
+        let err = t
+            .acquire("p", &rid(1), Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert_eq!(err.to_string(), "provider p: no slot within 300ms");
+        assert_eq!(t.queued("p"), 0);
+        // The next token is still due 1s after the first grant.
+        let start = Instant::now();
+        t.acquire("p", &rid(2), Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!((Instant::now() - start).as_millis(), 700);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_caller_is_skipped() {
+        let t = Arc::new(MemoryThrottle::with_providers([&provider(1.0, 1)]));
+        t.acquire("p", &rid(0), Duration::from_secs(1))
+            .await
+            .unwrap();
+        let waiting = {
+            let t = Arc::clone(&t);
+            tokio::spawn(async move { t.acquire("p", &rid(1), Duration::from_secs(9)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(t.queued("p"), 1);
+        waiting.abort();
+        let _ = waiting.await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        // The bucket refilled untouched: one token at once.
+        let g = t.acquire("p", &rid(2), Duration::from_millis(1)).await;
+        assert!(g.is_ok(), "{g:?}");
+    }
+
+    #[tokio::test]
+    async fn unknown_provider_is_named() {
+        let t = MemoryThrottle::with_providers([&provider(1.0, 1)]);
+        let e = t
+            .acquire("nope", &rid(0), Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e,
+            ThrottleError::UnknownProvider {
+                name: "nope".into(),
+                known: "p".into()
+            }
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_wrapper_throttles_every_call() {
+        #[derive(Debug)]
+        struct Client;
+        impl Client {
+            async fn get(&self, x: u32) -> u32 {
+                x * 2
+            }
+        }
+        let p = provider(2.0, 1);
+        let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::with_providers([&p]));
+        let client = Throttled::new(throttle, &p, Client);
+        let start = Instant::now();
+        for i in 0..3 {
+            assert_eq!(client.call(&rid(i), |c| c.get(21)).await.unwrap(), 42);
+        }
+        assert_eq!((Instant::now() - start).as_millis(), 1000);
+    }
+}
