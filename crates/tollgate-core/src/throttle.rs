@@ -43,12 +43,6 @@ pub enum ThrottleError {
     },
     #[error("unknown provider {name:?} (providers: {known})")]
     UnknownProvider { name: String, known: String },
-    /// The same request id is already waiting for this provider.
-    #[error("provider {provider}: request {request_id} is already waiting for a slot")]
-    Duplicate {
-        provider: String,
-        request_id: RequestId,
-    },
     /// The backend cannot be reached; retrying later may succeed.
     #[error("throttle unavailable: {0}")]
     Unavailable(String),

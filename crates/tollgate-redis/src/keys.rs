@@ -1,6 +1,7 @@
 //! Every Redis key tollgate uses is built here, and only here.
 //!
-//! Layout: `<prefix>:v1:{u:<user>}:<part>`. The prefix lets several deployments
+//! Layout: `<prefix>:v1:{u:<user>}:<part>` for budgets, `<prefix>:v1:{p:<provider>}:<part>`
+//! for throttles. The prefix lets several deployments
 //! (and parallel tests) share one Redis; `v1` is the schema version, bumped when a
 //! layout changes so old and new pods never misread each other; the hash tag puts
 //! all keys of one user in one Redis Cluster slot, as multi-key scripts require.
@@ -40,6 +41,30 @@ pub struct BudgetKeys {
     pub plan: String,
 }
 
+/// The keys of one provider's throttle, sharing the provider's hash tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThrottleKeys {
+    /// List: tickets waiting for a slot, oldest first.
+    pub queue: String,
+    /// Hash: ticket -> `"<deadline_us> <inbox channel>"`; present while waited for.
+    pub waiting: String,
+    /// Sorted set: ticket -> grant time (µs); the readiness record a waiter finds
+    /// after a reconnect. Trimmed after a short while.
+    pub granted: String,
+    /// Hash: the token bucket (`tokens`, `at`).
+    pub bucket: String,
+    /// Hash: throttler id -> end of its lease (µs).
+    pub throttlers: String,
+    base: String,
+}
+
+impl ThrottleKeys {
+    /// List: the tickets throttler `throttler` popped and has not served yet.
+    pub fn processing(&self, throttler: &str) -> String {
+        format!("{}:processing:{throttler}", self.base)
+    }
+}
+
 impl KeySpace {
     pub fn new(prefix: &str) -> Result<Self, KeyError> {
         let ok = !prefix.is_empty()
@@ -70,6 +95,28 @@ impl KeySpace {
     }
 }
 
+impl KeySpace {
+    /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|processing:<id>`.
+    /// Provider names are validated like ids when the config is read.
+    pub fn throttle(&self, provider: &str) -> ThrottleKeys {
+        let base = format!("{}:{SCHEMA}:{{p:{}}}", self.prefix, provider);
+        ThrottleKeys {
+            queue: format!("{base}:queue"),
+            waiting: format!("{base}:waiting"),
+            granted: format!("{base}:granted"),
+            bucket: format!("{base}:bucket"),
+            throttlers: format!("{base}:throttlers"),
+            base,
+        }
+    }
+
+    /// The pub/sub channel of one waiting process: `<prefix>:v1:inbox:<process>`.
+    /// Throttlers publish readiness there; a channel is not a key (no hash tag).
+    pub fn inbox(&self, process: &str) -> String {
+        format!("{}:{SCHEMA}:inbox:{process}", self.prefix)
+    }
+}
+
 impl Default for KeySpace {
     fn default() -> Self {
         Self {
@@ -90,6 +137,17 @@ mod tests {
         assert_eq!(k.events, "tg:v1:{u:alice}:events");
         assert_eq!(k.costs, "tg:v1:{u:alice}:costs");
         assert_eq!(k.plan, "tg:v1:{u:alice}:plan");
+    }
+
+    #[test]
+    fn throttle_keys_share_the_provider_hash_tag() {
+        let k = KeySpace::new("tg").unwrap().throttle("llm");
+        assert_eq!(k.queue, "tg:v1:{p:llm}:queue");
+        assert_eq!(k.bucket, "tg:v1:{p:llm}:bucket");
+        assert_eq!(k.processing("t1"), "tg:v1:{p:llm}:processing:t1");
+        for key in [&k.waiting, &k.granted, &k.throttlers] {
+            assert!(key.starts_with("tg:v1:{p:llm}:"), "{key}");
+        }
     }
 
     #[test]

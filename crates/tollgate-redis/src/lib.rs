@@ -3,16 +3,21 @@
 //! - [`keys`] builds every key name (prefix, schema version, hash tags);
 //! - [`scripts`] embeds the Lua scripts of `lua/` and owns their KEYS/ARGV order;
 //! - [`pool`] connects (a deadpool of multiplexed connections) and classifies failures;
-//! - [`ledger`] is the [`tollgate_core::Ledger`] on top of them.
+//! - [`ledger`] is the [`tollgate_core::Ledger`] on top of them;
+//! - [`throttle`] is the [`tollgate_core::Throttle`] (waiter side) and the
+//!   throttler's [`throttle::Dispatcher`].
 //!
-//! **Invariant:** spend events and running totals are written only by the scripts
-//! in `lua/`, one atomic script per operation, with time from Redis `TIME`.
+//! **Invariant:** spend events, running totals and token buckets are written only
+//! by the scripts in `lua/`, one atomic script per operation, with time from Redis
+//! `TIME`.
 
 pub mod keys;
 pub mod ledger;
 pub mod pool;
 pub mod scripts;
+pub mod throttle;
 
 pub use keys::{KeyError, KeySpace};
 pub use ledger::RedisLedger;
 pub use pool::{connect, redact_url, Connection, Pool, PoolOptions, RedisBackendError};
+pub use throttle::{Dispatcher, RedisThrottle, RedisThrottleOptions};

@@ -1,0 +1,53 @@
+-- lib/bucket.lua: shared by every throttle script; the `scripts` module prepends
+-- it to throttle_*.lua before loading them.
+--
+-- A provider's token bucket is one hash (the `bucket` key of the provider):
+--   tokens  tokens left at time `at` (a float: refill is continuous)
+--   at      Redis TIME of the last write, in µs
+-- A missing bucket is full. `rate` (tokens/s) and `burst` (capacity) come from the
+-- caller's config as ARGV. Time is Redis TIME: pod clocks never decide a slot.
+-- Over any interval t the bucket hands out at most burst + rate * t tokens.
+
+local function int(n)
+  return string.format('%d', n)
+end
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Tokens available at `now` (refilled, capped at burst), and the time they refer to.
+local function bucket_read(bucket, now, rate, burst)
+  local v = redis.call('HMGET', bucket, 'tokens', 'at')
+  local tokens, at = tonumber(v[1]), tonumber(v[2])
+  if not tokens or not at then
+    return burst, now
+  end
+  if now > at then
+    tokens = math.min(burst, tokens + (now - at) * rate / 1000000)
+  else
+    now = at -- Redis TIME went back (failover): never refill twice
+  end
+  return tokens, now
+end
+
+local function bucket_write(bucket, tokens, at, rate, burst)
+  redis.call('HSET', bucket, 'tokens', string.format('%.17g', tokens), 'at', int(at))
+  -- Once full again the bucket equals a missing one: let the key go then.
+  redis.call('PEXPIRE', bucket, int(math.ceil((burst - tokens) / rate * 1000) + 1000))
+end
+
+-- µs until one whole token is due.
+local function until_token(tokens, rate)
+  return math.max(1, math.ceil((1 - tokens) * 1000000 / rate))
+end
+
+-- Splits a `waiting` value "<deadline_us> <inbox channel>".
+local function parse_waiting(v)
+  local sp = string.find(v, ' ', 1, true)
+  if not sp then
+    return 0, ''
+  end
+  return tonumber(string.sub(v, 1, sp - 1)) or 0, string.sub(v, sp + 1)
+end
