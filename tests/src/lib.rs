@@ -3,6 +3,7 @@
 //! by the `tollgate-bench` binary.
 
 pub mod redis_server;
+pub mod throttle;
 
 pub use redis_server::RedisServer;
 

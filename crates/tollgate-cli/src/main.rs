@@ -3,6 +3,7 @@
 
 mod budget;
 mod logging;
+mod throttler;
 
 use std::process::ExitCode;
 
@@ -29,6 +30,8 @@ struct Cli {
 enum Command {
     /// Operator commands on user budgets: reserve, refund, settle, usage, plans.
     Budget(budget::BudgetArgs),
+    /// The throttler role: grants provider slots from the shared token buckets.
+    Throttler(throttler::ThrottlerArgs),
 }
 
 /// Exit codes shared by every command.
@@ -57,6 +60,7 @@ fn main() -> ExitCode {
     runtime.block_on(async {
         match cli.command {
             Command::Budget(args) => budget::run(args).await,
+            Command::Throttler(args) => throttler::run(args).await,
         }
     })
 }

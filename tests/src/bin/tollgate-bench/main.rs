@@ -7,6 +7,7 @@
 mod ledger;
 mod load;
 mod stats;
+mod throttle;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +26,12 @@ enum Command {
     /// Fire reserves at one user from this process and print the counts as JSON
     /// (the multi-process tests run several of these at once).
     Load(load::Args),
+    /// Provider throttle: grant latency and the most grants per second, with 1
+    /// and 3 throttler processes on one Redis.
+    Throttle(throttle::BenchArgs),
+    /// Run waiters on one provider from this process and print their grant
+    /// records as JSON (the multi-process throttle tests run several at once).
+    ThrottleWaiters(throttle::WaiterArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -36,6 +43,8 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Ledger(args) => ledger::run(args).await,
             Command::Load(args) => load::run(args).await,
+            Command::Throttle(args) => throttle::bench(args).await,
+            Command::ThrottleWaiters(args) => throttle::waiters(args).await,
         }
     })
 }
