@@ -7,3 +7,5 @@ mod cli;
 mod concurrency;
 mod ledger;
 mod redis_ledger;
+mod throttle;
+mod throttle_redis;

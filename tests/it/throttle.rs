@@ -1,0 +1,231 @@
+//! The throttle conformance suite: every semantic case, written once, run against
+//! the in-process bucket and the Redis throttle (with an in-process throttler
+//! role). Both run on real time: the Redis clock is Redis `TIME`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use tollgate_core::{Config, MemoryThrottle, RequestId, Throttle, ThrottleError};
+use tollgate_redis::{KeySpace, PoolOptions, RedisThrottle, RedisThrottleOptions};
+use tollgate_tests::throttle::{max_excess, run_waiters};
+use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_throttler::ThrottlerConfig;
+
+pub const CONFIG: &str = r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.steady]
+rate = 20
+burst = 5
+max_wait = "10s"
+[providers.slow]
+rate = 2
+burst = 1
+max_wait = "10s"
+"#;
+
+pub fn config() -> Arc<Config> {
+    Arc::new(Config::parse(CONFIG, "throttle conformance").expect("test config"))
+}
+
+pub fn rid(s: &str) -> RequestId {
+    RequestId::new(s).expect("valid request id")
+}
+
+/// A running Redis throttle: server, throttler role task, waiter side.
+pub struct RedisSetup {
+    pub server: RedisServer,
+    pub prefix: String,
+    pub throttle: Arc<RedisThrottle>,
+    stop: Option<oneshot::Sender<()>>,
+    role: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RedisSetup {
+    /// With `throttler`, an in-process throttler role serves the queues.
+    pub async fn start(throttler: bool, options: RedisThrottleOptions) -> Self {
+        let server = RedisServer::start();
+        let prefix = random_prefix();
+        let keys = KeySpace::new(&prefix).expect("prefix");
+        let pool = tollgate_redis::connect(&server.url(), &PoolOptions::default())
+            .await
+            .expect("connect to the test redis-server");
+        let (stop, role) = if throttler {
+            let (tx, rx) = oneshot::channel::<()>();
+            let cfg = ThrottlerConfig::new(&server.url(), keys.clone(), config());
+            let pool = pool.clone();
+            let role = tokio::spawn(async move {
+                let shutdown = async {
+                    let _ = rx.await;
+                };
+                tollgate_throttler::run(cfg, pool, shutdown)
+                    .await
+                    .expect("throttler role");
+            });
+            (Some(tx), Some(role))
+        } else {
+            (None, None)
+        };
+        let throttle = RedisThrottle::start(&server.url(), pool, keys, &config(), options)
+            .expect("start the Redis throttle");
+        assert!(
+            throttle.subscribed(Duration::from_secs(5)).await,
+            "subscribed"
+        );
+        Self {
+            server,
+            prefix,
+            throttle: Arc::new(throttle),
+            stop,
+            role,
+        }
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(role) = self.role.take() {
+            role.await.expect("throttler role stopped cleanly");
+        }
+    }
+}
+
+async fn memory() -> Arc<dyn Throttle> {
+    Arc::new(MemoryThrottle::new(&config()))
+}
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod memory_throttle {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(super::memory().await).await;
+                }
+            )*
+        }
+        mod redis_throttle {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let setup = super::RedisSetup::start(true, Default::default()).await;
+                    super::$case(setup.throttle.clone()).await;
+                    setup.stop().await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    throttle_burst_then_rate,
+    throttle_timeout_names_provider_and_wait,
+    throttle_dropped_wait_burns_no_token,
+    throttle_timed_out_waiters_leave_tokens_to_later_ones,
+    throttle_unknown_provider,
+);
+
+/// 25 waiters at once on rate 20/s, burst 5: the bound holds between every two
+/// grants, and the last grant comes when the rate allows (20 tokens / 20 per s).
+async fn throttle_burst_then_rate(t: Arc<dyn Throttle>) {
+    let records = run_waiters(t, "steady", "b", 25, Duration::from_secs(10)).await;
+    let times: Vec<u64> = records
+        .iter()
+        .map(|r| r.granted_at_us.unwrap_or_else(|| panic!("{r:?}")))
+        .collect();
+    assert!(max_excess(&times, 20.0, 5) <= 1e-6, "{times:?}");
+    let span = times.iter().max().unwrap() - times.iter().min().unwrap();
+    assert!(span >= 999_000, "the bound makes this >= 1s: {span}µs");
+    assert!(span <= 2_000_000, "utilisation: {span}µs for 1s of tokens");
+}
+
+async fn throttle_timeout_names_provider_and_wait(t: Arc<dyn Throttle>) {
+    t.acquire("slow", &rid("first"), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let err = t
+        .acquire("slow", &rid("second"), Duration::from_millis(150))
+        .await
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert_eq!(err.to_string(), "provider slow: no slot within 150ms");
+    assert!(err.is_transient());
+    assert!(
+        waited >= Duration::from_millis(150) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+}
+
+/// A caller that goes away (its future dropped) does not take the next token.
+async fn throttle_dropped_wait_burns_no_token(t: Arc<dyn Throttle>) {
+    t.acquire("slow", &rid("first"), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let waiting = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move {
+            t.acquire("slow", &rid("gone"), Duration::from_secs(9))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    waiting.abort();
+    assert!(waiting.await.is_err(), "aborted before its token was due");
+    // The token due at 500ms stays in the bucket: a caller after it gets it at once.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let g = t
+        .acquire("slow", &rid("next"), Duration::from_millis(300))
+        .await;
+    assert!(g.is_ok(), "{g:?}");
+}
+
+/// Waiters with a short max_wait queued ahead of a patient one time out; the
+/// next token goes to the patient one, not to a waiter that left.
+async fn throttle_timed_out_waiters_leave_tokens_to_later_ones(t: Arc<dyn Throttle>) {
+    let first = t
+        .acquire("slow", &rid("first"), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..5 {
+        let t = Arc::clone(&t);
+        set.spawn(async move {
+            t.acquire(
+                "slow",
+                &rid(&format!("short-{i}")),
+                Duration::from_millis(100),
+            )
+            .await
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let patient = t
+        .acquire("slow", &rid("patient"), Duration::from_secs(5))
+        .await
+        .unwrap();
+    while let Some(r) = set.join_next().await {
+        let e = r.unwrap().unwrap_err();
+        assert!(matches!(e, ThrottleError::Timeout { .. }), "{e:?}");
+    }
+    let gap = patient.granted_at_us - first.granted_at_us;
+    // One token per 500ms: the patient waiter gets the very next one.
+    assert!(
+        (499_000..1_000_000).contains(&gap),
+        "next token after {gap}µs"
+    );
+}
+
+async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
+    let e = t
+        .acquire("nope", &rid("x"), Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "unknown provider \"nope\" (providers: slow, steady)"
+    );
+}

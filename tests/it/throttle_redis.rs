@@ -1,0 +1,333 @@
+//! What only the distributed throttle has: lost wake-ups, grants handed back,
+//! and real processes (3 `tollgate throttler` + waiter processes, kill -9).
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tollgate_core::Throttle;
+use tollgate_redis::{Dispatcher, KeySpace, RedisThrottleOptions};
+use tollgate_tests::throttle::{max_excess, now_us, GrantRecord};
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+use crate::throttle::{config, rid, RedisSetup};
+
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+async fn query<T: redis::FromRedisValue>(
+    conn: &mut redis::aio::MultiplexedConnection,
+    cmd: &mut redis::Cmd,
+) -> T {
+    cmd.query_async(conn).await.unwrap()
+}
+
+/// Polls `cond` every 10ms for at most 10s.
+async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..1000 {
+        if cond().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("not within 10s: {what}");
+}
+
+fn dispatcher(setup: &RedisSetup, pool: tollgate_redis::Pool) -> Dispatcher {
+    let keys = KeySpace::new(&setup.prefix).unwrap();
+    Dispatcher::new(pool, &keys, config().provider("slow").unwrap(), "test")
+}
+
+/// The grant is published while the waiter's subscription is down (killed on the
+/// server, re-subscription held off): the waiter finds the readiness record after
+/// re-subscribing, long before its max_wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_lost_wake_up_is_found_after_reconnect() {
+    let setup = RedisSetup::start(
+        false,
+        RedisThrottleOptions {
+            reconnect_delay: Duration::from_millis(500),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut conn = raw(&setup.server).await;
+    let pool = tollgate_redis::connect(&setup.server.url(), &Default::default())
+        .await
+        .unwrap();
+    let d = dispatcher(&setup, pool);
+    let waiter = {
+        let t = Arc::clone(&setup.throttle);
+        tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
+    };
+    let queue = d.keys().queue.clone();
+    eventually("the ticket is queued", || {
+        let mut c = conn.clone();
+        let q = queue.clone();
+        async move { query::<i64>(&mut c, redis::cmd("LLEN").arg(&q)).await == 1 }
+    })
+    .await;
+    let killed: i64 = query(
+        &mut conn,
+        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
+    )
+    .await;
+    assert_eq!(killed, 1, "one subscription per process");
+    let inbox = setup.throttle.inbox().to_owned();
+    let numsub: Vec<redis::Value> =
+        query(&mut conn, redis::cmd("PUBSUB").arg("NUMSUB").arg(&inbox)).await;
+    assert_eq!(numsub.get(1), Some(&redis::Value::Int(0)), "{numsub:?}");
+    // The wrong moment: grant and publish while nobody listens.
+    let pumped = d.pump(64).await.unwrap();
+    assert_eq!(pumped.granted, 1);
+    let started = Instant::now();
+    let grant = waiter.await.unwrap().expect("found after re-subscribing");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "found by the re-check, not by luck at max_wait: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(grant.provider, "slow");
+}
+
+/// A grant made for a waiter that gave up before hearing it goes back to the
+/// bucket, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
+    let setup = RedisSetup::start(
+        false,
+        RedisThrottleOptions {
+            reconnect_delay: Duration::from_secs(30),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut conn = raw(&setup.server).await;
+    let pool = tollgate_redis::connect(&setup.server.url(), &Default::default())
+        .await
+        .unwrap();
+    let d = dispatcher(&setup, pool);
+    let waiter = {
+        let t = Arc::clone(&setup.throttle);
+        tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
+    };
+    let keys = d.keys().clone();
+    eventually("the ticket is queued", || {
+        let mut c = conn.clone();
+        let q = keys.queue.clone();
+        async move { query::<i64>(&mut c, redis::cmd("LLEN").arg(&q)).await == 1 }
+    })
+    .await;
+    let _: i64 = query(
+        &mut conn,
+        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
+    )
+    .await;
+    assert_eq!(d.pump(64).await.unwrap().granted, 1);
+    let tokens: f64 = query(
+        &mut conn,
+        redis::cmd("HGET").arg(&keys.bucket).arg("tokens"),
+    )
+    .await;
+    assert!(tokens < 0.5, "the only token is taken: {tokens}");
+    waiter.abort();
+    let _ = waiter.await;
+    eventually("the grant is handed back", || {
+        let mut c = conn.clone();
+        let g = keys.granted.clone();
+        async move { query::<i64>(&mut c, redis::cmd("ZCARD").arg(&g)).await == 0 }
+    })
+    .await;
+    let tokens: f64 = query(
+        &mut conn,
+        redis::cmd("HGET").arg(&keys.bucket).arg("tokens"),
+    )
+    .await;
+    assert!(tokens >= 0.99, "the token is back: {tokens}");
+    assert!(tokens <= 1.0, "never above burst: {tokens}");
+}
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+const PROCESS_CONFIG: &str = r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.llm]
+rate = 50
+burst = 10
+max_wait = "30s"
+"#;
+
+fn throttlers(n: usize, url: &str, prefix: &str, config: &Path) -> Procs {
+    let bin = workspace_bin("tollgate");
+    Procs(
+        (0..n)
+            .map(|_| {
+                Command::new(&bin)
+                    .args(["throttler", "--redis-url", url, "--key-prefix", prefix])
+                    .args(["--lease-ms", "1000"])
+                    .arg("--config")
+                    .arg(config)
+                    .env("RUST_LOG", "warn")
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .expect("spawn tollgate throttler")
+            })
+            .collect(),
+    )
+}
+
+async fn waiter_processes(
+    n: usize,
+    per: usize,
+    url: &str,
+    prefix: &str,
+    config: &Path,
+) -> Vec<GrantRecord> {
+    let bin = workspace_bin("tollgate-bench");
+    let start_at = now_us() + 1_500_000;
+    let mut children = Vec::new();
+    for p in 0..n {
+        let child = tokio::process::Command::new(&bin)
+            .args([
+                "throttle-waiters",
+                "--redis-url",
+                url,
+                "--key-prefix",
+                prefix,
+            ])
+            .args(["--provider", "llm", "--count", &per.to_string()])
+            .args(["--tag", &format!("p{p}")])
+            .args(["--start-at-us", &start_at.to_string()])
+            .arg("--config")
+            .arg(config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn tollgate-bench throttle-waiters");
+        children.push(child);
+    }
+    let mut all = Vec::new();
+    for child in children {
+        let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+            .await
+            .expect("waiters finish within 60s")
+            .unwrap();
+        assert!(out.status.success(), "{:?}", out.status);
+        let records: Vec<GrantRecord> = serde_json::from_slice(&out.stdout).unwrap();
+        all.extend(records);
+    }
+    all
+}
+
+async fn wait_for_throttlers(server: &RedisServer, prefix: &str, n: i64) {
+    let conn = raw(server).await;
+    let key = KeySpace::new(prefix).unwrap().throttle("llm").throttlers;
+    eventually("the throttlers hold leases", || {
+        let mut c = conn.clone();
+        let k = key.clone();
+        async move { query::<i64>(&mut c, redis::cmd("HLEN").arg(&k)).await == n }
+    })
+    .await;
+}
+
+fn write_config(dir: &Path) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join("throttle.toml");
+    std::fs::write(&path, PROCESS_CONFIG).unwrap();
+    path
+}
+
+fn grant_times(records: &[GrantRecord]) -> Vec<u64> {
+    records
+        .iter()
+        .map(|r| {
+            r.granted_at_us
+                .unwrap_or_else(|| panic!("not granted: {r:?}"))
+        })
+        .collect()
+}
+
+/// 3 throttler processes, 300 waiters over 3 processes, rate 50/s burst 10.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_three_throttlers_keep_the_rate_global() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let dir = std::env::temp_dir().join(format!("tollgate-it-{prefix}"));
+    let config = write_config(&dir);
+    let _throttlers = throttlers(3, &server.url(), &prefix, &config);
+    wait_for_throttlers(&server, &prefix, 3).await;
+    let records = waiter_processes(3, 100, &server.url(), &prefix, &config).await;
+    assert_eq!(records.len(), 300);
+    let times = grant_times(&records);
+    let excess = max_excess(&times, 50.0, 10);
+    assert!(excess <= 1e-6, "more than burst + rate*t grants: {excess}");
+    let span = (times.iter().max().unwrap() - times.iter().min().unwrap()) as f64 / 1e6;
+    let ideal = (300.0 - 10.0) / 50.0;
+    assert!(
+        span >= ideal - 1e-3,
+        "the bound makes this >= {ideal}s: {span}"
+    );
+    assert!(
+        ideal / span >= 0.95,
+        "utilisation {:.3} ({span}s)",
+        ideal / span
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// kill -9 one throttler mid-run: the others carry on, its popped ticket goes
+/// back to the queue when its lease ends, nobody waits past max_wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_killed_throttler_strands_nobody() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let dir = std::env::temp_dir().join(format!("tollgate-it-{prefix}"));
+    let config = write_config(&dir);
+    let mut procs = throttlers(3, &server.url(), &prefix, &config);
+    wait_for_throttlers(&server, &prefix, 3).await;
+    let waiters = {
+        let (url, prefix, config) = (server.url(), prefix.clone(), config.clone());
+        tokio::spawn(async move { waiter_processes(2, 100, &url, &prefix, &config).await })
+    };
+    // Waiters start 1.5s from now and need ~3.8s: kill in the middle.
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let victim = procs.0.remove(0);
+    let status = Command::new("kill")
+        .args(["-9", &victim.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut victim = victim;
+    let _ = victim.wait();
+    let records = waiters.await.unwrap();
+    assert_eq!(records.len(), 200);
+    let times = grant_times(&records);
+    assert!(max_excess(&times, 50.0, 10) <= 1e-6);
+    for r in &records {
+        assert!(r.waited_ms <= 30_000, "{r:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
