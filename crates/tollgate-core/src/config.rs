@@ -324,7 +324,14 @@ window = "12h"
             Duration::from_secs(12 * 3600)
         );
         assert_eq!(c.plan_or_default(Some("gone")).name, "free");
-        assert_eq!(Config::builtin(), c);
+        // The built-in config has the same plans, plus providers.
+        let builtin = Config::builtin();
+        assert_eq!(
+            builtin.plans().collect::<Vec<_>>(),
+            c.plans().collect::<Vec<_>>()
+        );
+        assert!(builtin.provider("llm").is_some());
+        assert_eq!(c.providers().count(), 0);
     }
 
     #[test]

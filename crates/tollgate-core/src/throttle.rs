@@ -83,9 +83,25 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
 /// A provider client whose every call passes the throttle: the `@throttled`
 /// decorator of tollgate.
 ///
-/// ```ignore
-/// let llm = Throttled::new(throttle, config.provider("llm").unwrap(), LlmClient::new(url));
-/// let answer = llm.call(&request_id, |c| c.complete(prompt)).await?;
+/// ```
+/// # use std::sync::Arc;
+/// # use tollgate_core::{Config, MemoryThrottle, RequestId, Throttle, Throttled};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// struct LlmClient;
+/// impl LlmClient {
+///     async fn complete(&self, prompt: &str) -> String {
+///         format!("echo: {prompt}")
+///     }
+/// }
+/// let config = Config::builtin();
+/// let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::new(&config));
+/// let llm = Throttled::new(throttle, config.provider("llm").ok_or("no llm")?, LlmClient);
+/// // Waits for a slot of the `llm` bucket (at most its max_wait), then calls.
+/// let answer = llm.call(&RequestId::generate(), |c| c.complete("hi")).await?;
+/// assert_eq!(answer, "echo: hi");
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug, Clone)]
 pub struct Throttled<C> {
