@@ -1,0 +1,17 @@
+# The tollgate image, built from source: every role is the same binary.
+#   docker build -t tollgate .
+# Needs a registry for the base images. Without one (CI, air-gapped hosts),
+# scripts/build-images packages a locally built binary into a FROM scratch image.
+
+FROM rust:1-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN cargo build --release --locked -p tollgate-cli \
+ && install -D target/release/tollgate /out/tollgate
+
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=build /out/tollgate /usr/local/bin/tollgate
+COPY deploy/tollgate.toml /etc/tollgate/tollgate.toml
+ENV TOLLGATE_CONFIG=/etc/tollgate/tollgate.toml
+USER nonroot
+ENTRYPOINT ["/usr/local/bin/tollgate"]
