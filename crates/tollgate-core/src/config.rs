@@ -1,4 +1,5 @@
-//! The TOML config: plans, providers (and, as roles arrive, operations).
+//! The TOML config: plans, providers (their throttle and, optionally, their HTTP
+//! upstream) and operations (cost and provider of each job kind).
 //!
 //! Parsing is strict: unknown keys, a `default_plan` that names no plan, a zero
 //! limit or an unparsable window fail at start with a message naming the key, so
@@ -52,12 +53,64 @@ pub struct Provider {
     pub max_wait: Duration,
 }
 
+/// Where a provider's calls go. Without one, workers use the built-in
+/// in-process mock provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// `http://host[:port][/base]`: jobs' input JSON is POSTed here (plus the
+    /// operation's `path`).
+    pub url: String,
+    /// Header that carries the credential, e.g. `Authorization`.
+    pub auth_header: Option<String>,
+    /// Environment variable holding the header's value (read when the worker
+    /// starts; never stored in the config).
+    pub auth_env: Option<String>,
+    /// Bounds one HTTP call.
+    pub timeout: Duration,
+    /// Retries after a 429 or 5xx (each after the upstream's `Retry-After`, or
+    /// an exponential backoff, and a new throttle slot).
+    pub retries: u32,
+}
+
+/// Default `timeout` of an upstream call.
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default `retries` of an upstream.
+pub const DEFAULT_RETRIES: u32 = 2;
+/// Default `deadline` of an operation's jobs.
+pub const DEFAULT_JOB_DEADLINE: Duration = Duration::from_secs(300);
+/// Default `max_attempts` of an operation's jobs.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+
+/// A kind of job: what it costs, which provider runs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Operation {
+    pub name: String,
+    /// Tokens reserved from the user's budget per job, >= 1.
+    pub cost: u64,
+    /// A configured provider.
+    pub provider: String,
+    /// Appended to the provider's `url` (e.g. `/v1/structured`).
+    pub path: Option<String>,
+    /// A job not finished this long after it was queued fails as expired.
+    pub deadline: Duration,
+    /// Times a job is taken before it is given up (workers died running it).
+    pub max_attempts: u32,
+}
+
+impl Operation {
+    pub fn deadline_ms(&self) -> u64 {
+        u64::try_from(self.deadline.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     default_plan: String,
     plans: BTreeMap<String, Plan>,
     providers: BTreeMap<String, Provider>,
+    upstreams: BTreeMap<String, Upstream>,
+    operations: BTreeMap<String, Operation>,
 }
 
 /// Why a config could not be loaded. Messages name the file and the key.
@@ -86,6 +139,8 @@ struct RawConfig {
     plans: BTreeMap<String, RawPlan>,
     #[serde(default)]
     providers: BTreeMap<String, RawProvider>,
+    #[serde(default)]
+    operations: BTreeMap<String, RawOperation>,
 }
 
 #[derive(Deserialize)]
@@ -94,6 +149,21 @@ struct RawProvider {
     rate: f64,
     burst: i64,
     max_wait: String,
+    url: Option<String>,
+    auth_header: Option<String>,
+    auth_env: Option<String>,
+    timeout: Option<String>,
+    retries: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOperation {
+    cost: i64,
+    provider: String,
+    path: Option<String>,
+    deadline: Option<String>,
+    max_attempts: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -198,11 +268,14 @@ impl Config {
                 format!("{default_plan:?} is not a plan (plans: {known})"),
             ));
         }
-        let providers = parse_providers(raw.providers, &invalid)?;
+        let (providers, upstreams) = parse_providers(raw.providers, &invalid)?;
+        let operations = parse_operations(raw.operations, &providers, &invalid)?;
         Ok(Self {
             default_plan,
             plans,
             providers,
+            upstreams,
+            operations,
         })
     }
 
@@ -235,13 +308,168 @@ impl Config {
     pub fn providers(&self) -> impl Iterator<Item = &Provider> {
         self.providers.values()
     }
+
+    /// The HTTP upstream of provider `name`; `None`: the built-in mock.
+    pub fn upstream(&self, name: &str) -> Option<&Upstream> {
+        self.upstreams.get(name)
+    }
+
+    /// The operation called `name`, if configured.
+    pub fn operation(&self, name: &str) -> Option<&Operation> {
+        self.operations.get(name)
+    }
+
+    /// Every configured operation, by name.
+    pub fn operations(&self) -> impl Iterator<Item = &Operation> {
+        self.operations.values()
+    }
 }
+
+fn parse_operations(
+    raw: BTreeMap<String, RawOperation>,
+    providers: &BTreeMap<String, Provider>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<BTreeMap<String, Operation>, ConfigError> {
+    let mut operations = BTreeMap::new();
+    for (name, o) in raw {
+        let key = format!("operations.{name}");
+        // Operation names end up in Redis key names, like provider names.
+        if let Err(e) = crate::id::UserId::new(name.as_str()) {
+            return Err(invalid(key, format!("bad operation name: {e}")));
+        }
+        if o.cost < 1 || o.cost as u64 > MAX_TOKENS {
+            return Err(invalid(
+                format!("{key}.cost"),
+                format!("must be between 1 and {MAX_TOKENS} tokens, got {}", o.cost),
+            ));
+        }
+        if !providers.contains_key(&o.provider) {
+            let known = providers.keys().cloned().collect::<Vec<_>>().join(", ");
+            return Err(invalid(
+                format!("{key}.provider"),
+                format!("{:?} is not a provider (providers: {known})", o.provider),
+            ));
+        }
+        if let Some(path) = &o.path {
+            if !path.starts_with('/') || path.chars().any(|c| c.is_whitespace()) {
+                return Err(invalid(
+                    format!("{key}.path"),
+                    format!("must start with / and contain no whitespace, got {path:?}"),
+                ));
+            }
+        }
+        let deadline = match &o.deadline {
+            Some(d) => duration::parse(d).map_err(|m| invalid(format!("{key}.deadline"), m))?,
+            None => DEFAULT_JOB_DEADLINE,
+        };
+        if deadline < Duration::from_millis(100) || deadline > Duration::from_secs(7 * 86_400) {
+            return Err(invalid(
+                format!("{key}.deadline"),
+                "must be between 100ms and 7d".into(),
+            ));
+        }
+        let max_attempts = o.max_attempts.unwrap_or(i64::from(DEFAULT_MAX_ATTEMPTS));
+        if !(1..=100).contains(&max_attempts) {
+            return Err(invalid(
+                format!("{key}.max_attempts"),
+                format!("must be between 1 and 100, got {max_attempts}"),
+            ));
+        }
+        operations.insert(
+            name.clone(),
+            Operation {
+                name,
+                cost: o.cost as u64,
+                provider: o.provider,
+                path: o.path,
+                deadline,
+                max_attempts: max_attempts as u32,
+            },
+        );
+    }
+    Ok(operations)
+}
+
+fn parse_upstream(
+    key: &str,
+    p: &RawProvider,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Option<Upstream>, ConfigError> {
+    let Some(url) = &p.url else {
+        for (field, set) in [
+            ("auth_header", p.auth_header.is_some()),
+            ("auth_env", p.auth_env.is_some()),
+            ("timeout", p.timeout.is_some()),
+            ("retries", p.retries.is_some()),
+        ] {
+            if set {
+                return Err(invalid(
+                    format!("{key}.{field}"),
+                    "needs `url` (without url the built-in mock runs the calls)".into(),
+                ));
+            }
+        }
+        return Ok(None);
+    };
+    let scheme_ok = url.starts_with("http://") || url.starts_with("https://");
+    if !scheme_ok || url.chars().any(|c| c.is_whitespace()) {
+        return Err(invalid(
+            format!("{key}.url"),
+            format!("must be an http:// or https:// URL, got {url:?}"),
+        ));
+    }
+    if p.auth_header.is_some() != p.auth_env.is_some() {
+        return Err(invalid(
+            format!("{key}.auth_env"),
+            "auth_header and auth_env go together (the header's value is read from the variable)"
+                .into(),
+        ));
+    }
+    if let Some(h) = &p.auth_header {
+        let token = !h.is_empty()
+            && h.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c));
+        if !token {
+            return Err(invalid(
+                format!("{key}.auth_header"),
+                format!("is not a valid header name: {h:?}"),
+            ));
+        }
+    }
+    let timeout = match &p.timeout {
+        Some(t) => duration::parse(t).map_err(|m| invalid(format!("{key}.timeout"), m))?,
+        None => DEFAULT_UPSTREAM_TIMEOUT,
+    };
+    if timeout < Duration::from_millis(1) || timeout > Duration::from_secs(600) {
+        return Err(invalid(
+            format!("{key}.timeout"),
+            "must be between 1ms and 10m".into(),
+        ));
+    }
+    let retries = p.retries.unwrap_or(i64::from(DEFAULT_RETRIES));
+    if !(0..=10).contains(&retries) {
+        return Err(invalid(
+            format!("{key}.retries"),
+            format!("must be between 0 and 10, got {retries}"),
+        ));
+    }
+    Ok(Some(Upstream {
+        url: url.trim_end_matches('/').to_owned(),
+        auth_header: p.auth_header.clone(),
+        auth_env: p.auth_env.clone(),
+        timeout,
+        retries: retries as u32,
+    }))
+}
+
+type Providers = (BTreeMap<String, Provider>, BTreeMap<String, Upstream>);
 
 fn parse_providers(
     raw: BTreeMap<String, RawProvider>,
     invalid: &impl Fn(String, String) -> ConfigError,
-) -> Result<BTreeMap<String, Provider>, ConfigError> {
+) -> Result<Providers, ConfigError> {
     let mut providers = BTreeMap::new();
+    let mut upstreams = BTreeMap::new();
     for (name, p) in raw {
         let key = format!("providers.{name}");
         // Provider names end up in Redis key names: the id charset keeps them
@@ -282,6 +510,9 @@ fn parse_providers(
                 "must be between 1ms and 1h".into(),
             ));
         }
+        if let Some(upstream) = parse_upstream(&key, &p, invalid)? {
+            upstreams.insert(name.clone(), upstream);
+        }
         providers.insert(
             name.clone(),
             Provider {
@@ -292,7 +523,7 @@ fn parse_providers(
             },
         );
     }
-    Ok(providers)
+    Ok((providers, upstreams))
 }
 
 #[cfg(test)]
@@ -403,6 +634,89 @@ max_wait = "500ms"
         }
         let e = err(&PROVIDERS.replacen("rate = 50", "rate = \"fast\"", 1));
         assert!(e.contains("rate"), "{e}");
+    }
+
+    const OPERATIONS: &str = r#"
+[plans.free]
+limit = 100
+window = "1h"
+[providers.llm]
+rate = 50
+burst = 10
+max_wait = "30s"
+url = "http://127.0.0.1:9100"
+[operations."llm.structured"]
+cost = 8
+provider = "llm"
+"#;
+
+    #[test]
+    fn reads_operations_and_upstreams() {
+        let c = Config::parse(OPERATIONS, "t.toml").unwrap();
+        let op = c.operation("llm.structured").unwrap();
+        assert_eq!((op.cost, op.provider.as_str()), (8, "llm"));
+        assert_eq!(op.deadline, DEFAULT_JOB_DEADLINE);
+        assert_eq!(op.max_attempts, DEFAULT_MAX_ATTEMPTS);
+        let up = c.upstream("llm").unwrap();
+        assert_eq!(up.url, "http://127.0.0.1:9100");
+        assert_eq!(up.retries, DEFAULT_RETRIES);
+        let builtin = Config::builtin();
+        let costs: Vec<(&str, u64)> = builtin
+            .operations()
+            .map(|o| (o.name.as_str(), o.cost))
+            .collect();
+        assert_eq!(
+            costs,
+            vec![
+                ("company.research", 20),
+                ("embeddings", 1),
+                ("jobs.extract", 5),
+                ("llm.structured", 8),
+                ("salary.lookup", 3),
+            ]
+        );
+        assert!(builtin.upstream("llm").is_none(), "built-in: the mock");
+    }
+
+    #[test]
+    fn operation_errors_name_the_key() {
+        for (from, to, key) in [
+            ("cost = 8", "cost = 0", "operations.llm.structured.cost"),
+            (
+                "provider = \"llm\"",
+                "provider = \"gpt\"",
+                "operations.llm.structured.provider",
+            ),
+            (
+                "provider = \"llm\"",
+                "provider = \"llm\"\npath = \"v1\"",
+                "operations.llm.structured.path",
+            ),
+            (
+                "provider = \"llm\"",
+                "provider = \"llm\"\nmax_attempts = 0",
+                "operations.llm.structured.max_attempts",
+            ),
+            (
+                "url = \"http://127.0.0.1:9100\"",
+                "url = \"ftp://x\"",
+                "providers.llm.url",
+            ),
+            (
+                "url = \"http://127.0.0.1:9100\"",
+                "url = \"http://x\"\nauth_header = \"X-Key\"",
+                "providers.llm.auth_env",
+            ),
+            ("cost = 8", "cost = 8\ncots = 1", "cots"),
+        ] {
+            let e = err(&OPERATIONS.replacen(from, to, 1));
+            assert!(e.contains(key), "{to}: {e}");
+        }
+        let e = err(&OPERATIONS.replacen("url = \"http://127.0.0.1:9100\"", "retries = 3", 1));
+        assert!(
+            e.contains("providers.llm.retries") && e.contains("url"),
+            "{e}"
+        );
     }
 
     #[test]

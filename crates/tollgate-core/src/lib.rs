@@ -1,5 +1,6 @@
 //! tollgate's core: the vocabulary every role shares (ids, plans, providers,
-//! config), the [`Ledger`] and [`Throttle`] traits that backends implement, and the
+//! operations, config), the [`Ledger`], [`Throttle`] and job ([`JobQueue`],
+//! [`JobSource`]) traits that backends implement, and the
 //! in-memory backends that the embedded mode runs on.
 //!
 //! Nothing here talks to the network; the Redis backend lives in `tollgate-redis`.
@@ -8,13 +9,20 @@ pub mod clock;
 pub mod config;
 pub mod duration;
 pub mod id;
+pub mod job;
+pub mod job_memory;
 pub mod ledger;
 pub mod memory;
 pub mod throttle;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use config::{Config, ConfigError, Plan, Provider};
+pub use config::{Config, ConfigError, Operation, Plan, Provider, Upstream};
 pub use id::{IdError, RequestId, UserId};
+pub use job::{
+    FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobRequest, JobSource, JobStatus,
+    Lease, Maintenance, SubmitOutcome,
+};
+pub use job_memory::MemoryJobQueue;
 pub use ledger::{
     Allowed, Denied, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent,
     Usage,
