@@ -1,7 +1,8 @@
 //! Every Redis key tollgate uses is built here, and only here.
 //!
 //! Layout: `<prefix>:v1:{u:<user>}:<part>` for budgets, `<prefix>:v1:{p:<provider>}:<part>`
-//! for throttles. The prefix lets several deployments
+//! for throttles, `<prefix>:v1:{q:<operation>}:<part>` for job queues and
+//! `<prefix>:v1:{r:<request>}:claim` for the job id index. The prefix lets several deployments
 //! (and parallel tests) share one Redis; `v1` is the schema version, bumped when a
 //! layout changes so old and new pods never misread each other; the hash tag puts
 //! all keys of one user in one Redis Cluster slot, as multi-key scripts require.
@@ -117,6 +118,67 @@ impl KeySpace {
     }
 }
 
+/// The keys of one operation's job queue, sharing the operation's hash tag: a
+/// job's record lives with its queue, so one script moves both.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobKeys {
+    /// List: queued job ids; pushed on the left, taken from the right.
+    pub queue: String,
+    /// Sorted set: held job id -> end of its hold (ms): submissions in flight.
+    pub held: String,
+    /// Sorted set: running job id -> end of its lease (ms).
+    pub leases: String,
+    /// Sorted set: failed job id -> when it failed (ms): refunds not yet confirmed.
+    pub refunds: String,
+    /// Hash: worker id -> end of its liveness lease (µs).
+    pub workers: String,
+    /// List: `"<entry> <reason>"` of malformed entries moved aside.
+    pub dead: String,
+    base: String,
+}
+
+impl JobKeys {
+    /// Hash: the job record (`state`, `user`, `input`, `seq` = fencing token, ...).
+    /// Request ids cannot contain `{ } :`, so an id cannot forge another key.
+    pub fn job(&self, id: &str) -> String {
+        format!("{}:job:{id}", self.base)
+    }
+
+    /// List: the job ids worker `worker` moved out of the queue and holds.
+    pub fn processing(&self, worker: &str) -> String {
+        format!("{}:processing:{worker}", self.base)
+    }
+}
+
+impl KeySpace {
+    /// `<prefix>:v1:{q:<operation>}:queue|held|leases|refunds|workers|dead|job:<id>|processing:<worker>`.
+    /// Operation names are validated like ids when the config is read.
+    pub fn jobs(&self, operation: &str) -> JobKeys {
+        let base = format!("{}:{SCHEMA}:{{q:{}}}", self.prefix, operation);
+        JobKeys {
+            queue: format!("{base}:queue"),
+            held: format!("{base}:held"),
+            leases: format!("{base}:leases"),
+            refunds: format!("{base}:refunds"),
+            workers: format!("{base}:workers"),
+            dead: format!("{base}:dead"),
+            base,
+        }
+    }
+
+    /// `<prefix>:v1:{r:<request>}:claim`: `"<user> <operation>"` of the job that
+    /// owns a request id. Lets a job be found by id alone and keeps one id to
+    /// one job across operations.
+    pub fn job_claim(&self, id: &tollgate_core::RequestId) -> String {
+        format!("{}:{SCHEMA}:{{r:{id}}}:claim", self.prefix)
+    }
+
+    /// The pub/sub channel on which finished job ids are published.
+    pub fn jobs_done(&self) -> String {
+        format!("{}:{SCHEMA}:jobs:done", self.prefix)
+    }
+}
+
 impl Default for KeySpace {
     fn default() -> Self {
         Self {
@@ -148,6 +210,20 @@ mod tests {
         for key in [&k.waiting, &k.granted, &k.throttlers] {
             assert!(key.starts_with("tg:v1:{p:llm}:"), "{key}");
         }
+    }
+
+    #[test]
+    fn job_keys_share_the_operation_hash_tag() {
+        let ks = KeySpace::new("tg").unwrap();
+        let k = ks.jobs("llm.structured");
+        assert_eq!(k.queue, "tg:v1:{q:llm.structured}:queue");
+        assert_eq!(k.job("r1"), "tg:v1:{q:llm.structured}:job:r1");
+        assert_eq!(k.processing("w1"), "tg:v1:{q:llm.structured}:processing:w1");
+        for key in [&k.held, &k.leases, &k.refunds, &k.workers, &k.dead] {
+            assert!(key.starts_with("tg:v1:{q:llm.structured}:"), "{key}");
+        }
+        let id = tollgate_core::RequestId::new("r1").unwrap();
+        assert_eq!(ks.job_claim(&id), "tg:v1:{r:r1}:claim");
     }
 
     #[test]

@@ -5,19 +5,23 @@
 //! - [`pool`] connects (a deadpool of multiplexed connections) and classifies failures;
 //! - [`ledger`] is the [`tollgate_core::Ledger`] on top of them;
 //! - [`throttle`] is the [`tollgate_core::Throttle`] (waiter side) and the
-//!   throttler's [`throttle::Dispatcher`].
+//!   throttler's [`throttle::Dispatcher`];
+//! - [`jobs`] is the job queue, both sides ([`tollgate_core::JobQueue`] and
+//!   [`tollgate_core::JobSource`]) on reliable lists.
 //!
 //! **Invariant:** spend events, running totals and token buckets are written only
 //! by the scripts in `lua/`, one atomic script per operation, with time from Redis
-//! `TIME`.
+//! `TIME`; so are job records and queues.
 
+pub mod jobs;
 pub mod keys;
 pub mod ledger;
 pub mod pool;
 pub mod scripts;
 pub mod throttle;
 
-pub use keys::{KeyError, KeySpace};
+pub use jobs::RedisJobQueue;
+pub use keys::{JobKeys, KeyError, KeySpace};
 pub use ledger::RedisLedger;
 pub use pool::{connect, redact_url, Connection, Pool, PoolOptions, RedisBackendError};
 pub use throttle::{Dispatcher, RedisThrottle, RedisThrottleOptions};

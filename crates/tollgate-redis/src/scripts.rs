@@ -9,7 +9,7 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-use crate::keys::{BudgetKeys, ThrottleKeys};
+use crate::keys::{BudgetKeys, JobKeys, ThrottleKeys};
 
 const BUDGET_LIB: &str = include_str!("../../../lua/lib/budget.lua");
 
@@ -205,5 +205,226 @@ pub fn throttle_reclaim<'a>(
         .key(keys.processing(throttler))
         .key(&keys.queue);
     inv.arg(throttler).arg(if force { "1" } else { "0" });
+    inv
+}
+
+const JOB_LIB: &str = include_str!("../../../lua/lib/job.lua");
+
+fn job_script(body: &str) -> Script {
+    Script::new(&format!("{JOB_LIB}\n{body}"))
+}
+
+macro_rules! job_scripts {
+    ($($name:ident => $file:literal),* $(,)?) => {
+        $(pub static $name: LazyLock<Script> =
+            LazyLock::new(|| job_script(include_str!(concat!("../../../lua/", $file))));)*
+    };
+}
+
+job_scripts! {
+    JOB_HOLD => "job_hold.lua",
+    JOB_DROP => "job_drop.lua",
+    JOB_RELEASE => "job_release.lua",
+    JOB_LEASE => "job_lease.lua",
+    JOB_RENEW => "job_renew.lua",
+    JOB_COMPLETE => "job_complete.lua",
+    JOB_FAIL => "job_fail.lua",
+    JOB_REFUNDED => "job_refunded.lua",
+    JOB_HAND_BACK => "job_hand_back.lua",
+    JOB_DUE => "job_due.lua",
+    JOB_REQUEUE => "job_requeue.lua",
+    JOB_ABANDON => "job_abandon.lua",
+    JOB_HEARTBEAT => "job_heartbeat.lua",
+    JOB_RECLAIM => "job_reclaim.lua",
+}
+
+/// What `job_hold.lua` stores about a new job.
+#[derive(Debug, Clone, Copy)]
+pub struct HoldArgs<'a> {
+    pub id: &'a str,
+    pub user: &'a str,
+    pub operation: &'a str,
+    pub provider: &'a str,
+    pub input: &'a str,
+    pub cost: u64,
+    pub deadline_ms: u64,
+    pub hold_ms: u64,
+}
+
+/// `job_hold.lua`
+pub fn job_hold<'a>(keys: &JobKeys, a: HoldArgs<'_>) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_HOLD.prepare_invoke();
+    inv.key(keys.job(a.id)).key(&keys.held);
+    inv.arg(a.id)
+        .arg(a.user)
+        .arg(a.operation)
+        .arg(a.provider)
+        .arg(a.input)
+        .arg(a.cost)
+        .arg(a.deadline_ms)
+        .arg(a.hold_ms);
+    inv
+}
+
+/// `job_drop.lua`
+pub fn job_drop<'a>(keys: &JobKeys, id: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_DROP.prepare_invoke();
+    inv.key(keys.job(id)).key(&keys.held).arg(id);
+    inv
+}
+
+/// `job_release.lua`
+pub fn job_release<'a>(keys: &JobKeys, id: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_RELEASE.prepare_invoke();
+    inv.key(keys.job(id))
+        .key(&keys.held)
+        .key(&keys.queue)
+        .arg(id);
+    inv
+}
+
+/// `job_lease.lua`
+pub fn job_lease<'a>(
+    keys: &JobKeys,
+    id: &str,
+    worker: &str,
+    lease_ms: u64,
+    max_attempts: u32,
+    operation: &str,
+    channel: &str,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_LEASE.prepare_invoke();
+    inv.key(keys.job(id))
+        .key(keys.processing(worker))
+        .key(&keys.leases)
+        .key(&keys.refunds)
+        .key(&keys.dead);
+    inv.arg(id)
+        .arg(worker)
+        .arg(lease_ms)
+        .arg(max_attempts)
+        .arg(operation)
+        .arg(channel);
+    inv
+}
+
+/// `job_renew.lua`
+pub fn job_renew<'a>(
+    keys: &JobKeys,
+    id: &str,
+    token: u64,
+    lease_ms: u64,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_RENEW.prepare_invoke();
+    inv.key(keys.job(id)).key(&keys.leases);
+    inv.arg(id).arg(token).arg(lease_ms);
+    inv
+}
+
+/// `job_complete.lua`
+pub fn job_complete<'a>(
+    keys: &JobKeys,
+    id: &str,
+    worker: &str,
+    token: u64,
+    result: &str,
+    ttl_ms: u64,
+    channel: &str,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_COMPLETE.prepare_invoke();
+    inv.key(keys.job(id))
+        .key(keys.processing(worker))
+        .key(&keys.leases);
+    inv.arg(id).arg(token).arg(result).arg(ttl_ms).arg(channel);
+    inv
+}
+
+/// `job_fail.lua`
+pub fn job_fail<'a>(
+    keys: &JobKeys,
+    id: &str,
+    worker: &str,
+    token: u64,
+    cause: &str,
+    message: &str,
+    channel: &str,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_FAIL.prepare_invoke();
+    inv.key(keys.job(id))
+        .key(keys.processing(worker))
+        .key(&keys.leases)
+        .key(&keys.refunds);
+    inv.arg(id).arg(token).arg(cause).arg(message).arg(channel);
+    inv
+}
+
+/// `job_refunded.lua`
+pub fn job_refunded<'a>(keys: &JobKeys, id: &str, ttl_ms: u64) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_REFUNDED.prepare_invoke();
+    inv.key(keys.job(id)).key(&keys.refunds);
+    inv.arg(id).arg(ttl_ms);
+    inv
+}
+
+/// `job_hand_back.lua`
+pub fn job_hand_back<'a>(
+    keys: &JobKeys,
+    id: &str,
+    worker: &str,
+    token: u64,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_HAND_BACK.prepare_invoke();
+    inv.key(keys.job(id))
+        .key(keys.processing(worker))
+        .key(&keys.leases)
+        .key(&keys.queue);
+    inv.arg(id).arg(token);
+    inv
+}
+
+/// `job_due.lua` on one of the time-scored sets of `keys`.
+pub fn job_due<'a>(set: &str, age_ms: u64, limit: u32) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_DUE.prepare_invoke();
+    inv.key(set).arg(age_ms).arg(limit);
+    inv
+}
+
+/// `job_requeue.lua`
+pub fn job_requeue<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_REQUEUE.prepare_invoke();
+    inv.key(keys.job(id))
+        .key(&keys.leases)
+        .key(&keys.queue)
+        .key(keys.processing(worker));
+    inv.arg(id);
+    inv
+}
+
+/// `job_abandon.lua`
+pub fn job_abandon<'a>(keys: &JobKeys, id: &str, channel: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_ABANDON.prepare_invoke();
+    inv.key(keys.job(id)).key(&keys.held).key(&keys.refunds);
+    inv.arg(id).arg(channel);
+    inv
+}
+
+/// `job_heartbeat.lua`
+pub fn job_heartbeat<'a>(
+    keys: &JobKeys,
+    worker: &str,
+    liveness_ms: u64,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_HEARTBEAT.prepare_invoke();
+    inv.key(&keys.workers).arg(worker).arg(liveness_ms);
+    inv
+}
+
+/// `job_reclaim.lua`
+pub fn job_reclaim<'a>(keys: &JobKeys, worker: &str, force: bool) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_RECLAIM.prepare_invoke();
+    inv.key(&keys.workers)
+        .key(keys.processing(worker))
+        .key(&keys.queue);
+    inv.arg(worker).arg(if force { "1" } else { "0" });
     inv
 }

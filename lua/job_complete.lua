@@ -1,0 +1,24 @@
+-- job_complete.lua: a worker records a job's result, if it still holds the lease.
+-- KEYS[1] job, KEYS[2] processing (the worker's), KEYS[3] leases
+-- ARGV[1] id, ARGV[2] fencing token, ARGV[3] result (JSON text)
+-- ARGV[4] how long the finished record stays readable (ms), ARGV[5] channel
+-- Returns 1 recorded (and the id published), 0 refused: the token is not the
+-- current lease's (the lease expired and the job went to another worker, or it
+-- ended): nothing is written.
+
+local JOB, PROCESSING, LEASES = KEYS[1], KEYS[2], KEYS[3]
+local id, token, result, ttl, channel = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+if not ttl or ttl < 1 then
+  return redis.error_reply('job_complete: bad ttl')
+end
+local f = redis.call('HMGET', JOB, 'state', 'seq')
+if f[1] ~= 'running' or f[2] ~= token then
+  return 0
+end
+redis.call('HSET', JOB, 'state', 'succeeded', 'result', result, 'finished', int(now_ms()))
+redis.call('HDEL', JOB, 'worker', 'lease_until')
+redis.call('PEXPIRE', JOB, int(ttl))
+redis.call('LREM', PROCESSING, 1, id)
+redis.call('ZREM', LEASES, id)
+redis.call('PUBLISH', channel, id)
+return 1

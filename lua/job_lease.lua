@@ -1,0 +1,70 @@
+-- job_lease.lua: a worker moved a job id into its processing list (BLMOVE): lease it.
+-- KEYS[1] job, KEYS[2] processing (this worker's), KEYS[3] leases, KEYS[4] refunds
+-- KEYS[5] dead  list of malformed entries moved aside
+-- ARGV[1] id, ARGV[2] worker, ARGV[3] lease (ms), ARGV[4] max attempts
+-- ARGV[5] the queue's operation, ARGV[6] channel for finished job ids
+-- Validates the record first: a missing record or unreadable fields (bad JSON
+-- input, another operation) move the entry to `dead`; a record with a user is
+-- also failed with its refund pending. Then counts the attempt: past the
+-- deadline, or past max attempts, the job fails (refund pending).
+-- Returns one of
+--   { 1, token, user, provider, input, cost, enq, deadline, attempt }  leased
+--   { 0 }                    stale entry (the job is not queued): dropped
+--   { 2, cause, user }       failed here (expired | abandoned): refund pending
+--   { 3, reason, user|'' }   malformed: moved aside (refund pending if a user)
+
+local JOB, PROCESSING, LEASES, REFUNDS, DEAD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local id, worker, lease, max_attempts = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local op, channel = ARGV[5], ARGV[6]
+if not lease or lease < 1 or not max_attempts or max_attempts < 1 then
+  return redis.error_reply('job_lease: bad lease or max attempts')
+end
+local now = now_ms()
+local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
+  'enq', 'deadline', 'attempt')
+local state, user, jop, provider, input = f[1], f[2], f[3], f[4], f[5]
+local cost, enq, deadline, attempt = tonumber(f[6]), tonumber(f[7]), tonumber(f[8]), tonumber(f[9])
+
+local reason = nil
+if not state then
+  reason = 'no job record'
+elseif state ~= 'queued' and state ~= 'held' and state ~= 'running'
+    and state ~= 'succeeded' and state ~= 'failed' then
+  reason = 'unknown state ' .. state
+elseif state ~= 'queued' then
+  redis.call('LREM', PROCESSING, 1, id)
+  return { 0 }
+elseif not user or not provider or not input or not cost or cost < 1 or not enq
+    or not deadline or not attempt then
+  reason = 'missing or unreadable fields'
+elseif jop ~= op then
+  reason = 'operation ' .. tostring(jop) .. ' does not belong to queue ' .. op
+elseif not pcall(cjson.decode, input) then
+  reason = 'input is not JSON'
+end
+if reason then
+  redis.call('LREM', PROCESSING, 1, id)
+  redis.call('RPUSH', DEAD, id .. ' ' .. reason)
+  if state and state ~= 'succeeded' and state ~= 'failed' then
+    fail_job(JOB, REFUNDS, id, 'abandoned', 'malformed job: ' .. reason, now, channel)
+  end
+  return { 3, reason, user or '' }
+end
+
+attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
+local cause = nil
+if now >= deadline then
+  cause = 'expired'
+  fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel)
+elseif attempt > max_attempts then
+  cause = 'abandoned'
+  fail_job(JOB, REFUNDS, id, cause, 'the job used up its ' .. int(max_attempts) .. ' attempts', now, channel)
+end
+if cause then
+  redis.call('LREM', PROCESSING, 1, id)
+  return { 2, cause, user }
+end
+local token = redis.call('HINCRBY', JOB, 'seq', 1)
+redis.call('HSET', JOB, 'state', 'running', 'worker', worker, 'lease_until', int(now + lease))
+redis.call('ZADD', LEASES, int(now + lease), id)
+return { 1, token, user, provider, input, int(cost), int(enq), int(deadline), attempt }
