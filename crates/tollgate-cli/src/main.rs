@@ -3,7 +3,9 @@
 
 mod budget;
 mod logging;
+mod mock_provider;
 mod throttler;
+mod worker;
 
 use std::process::ExitCode;
 
@@ -32,6 +34,10 @@ enum Command {
     Budget(budget::BudgetArgs),
     /// The throttler role: grants provider slots from the shared token buckets.
     Throttler(throttler::ThrottlerArgs),
+    /// The worker role: takes jobs, calls providers through the throttle, stores results or refunds.
+    Worker(worker::WorkerArgs),
+    /// A mock upstream provider with its own rate limit, failures and /stats (demo and tests).
+    MockProvider(mock_provider::MockProviderArgs),
 }
 
 /// Exit codes shared by every command.
@@ -61,6 +67,8 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Budget(args) => budget::run(args).await,
             Command::Throttler(args) => throttler::run(args).await,
+            Command::Worker(args) => worker::run(args).await,
+            Command::MockProvider(args) => mock_provider::run(args).await,
         }
     })
 }

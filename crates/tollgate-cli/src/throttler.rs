@@ -66,13 +66,13 @@ pub async fn run(args: ThrottlerArgs) -> ExitCode {
     }
 }
 
-fn fail(code: u8, e: impl std::fmt::Display) -> ExitCode {
+pub(crate) fn fail(code: u8, e: impl std::fmt::Display) -> ExitCode {
     eprintln!("error: {e}");
     ExitCode::from(code)
 }
 
 /// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

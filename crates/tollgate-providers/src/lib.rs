@@ -1,0 +1,241 @@
+//! Provider clients behind one trait, [`Provider`], each wrapped by the
+//! provider's throttle ([`ThrottledProvider`]): every attempt, retries included,
+//! first takes a throttle slot, so a retry after a 429 never adds calls beyond
+//! the shared bucket.
+//!
+//! - [`http::HttpClient`]: POSTs the job's input JSON to the provider's `url`
+//!   (+ the operation's `path`) with reqwest; 429 and 5xx are retried after the
+//!   upstream's `Retry-After` (or an exponential backoff).
+//! - [`mock::BuiltinMock`]: answers in-process; used for providers without `url`.
+
+pub mod http;
+pub mod mock;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::Value;
+use tollgate_core::{Config, Job, Throttle, ThrottleError};
+
+/// Why a provider call failed for good.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProviderError {
+    /// No throttle slot (timeout), or the throttle's backend failed.
+    #[error(transparent)]
+    Throttle(#[from] ThrottleError),
+    /// The upstream answered an error, after the configured retries.
+    #[error("{provider} answered {status}{}: {message}", retried(*.attempts))]
+    Upstream {
+        provider: String,
+        status: u16,
+        attempts: u32,
+        message: String,
+    },
+    /// The upstream could not be reached or timed out, after the retries.
+    #[error("{provider} unreachable{}: {message}", retried(*.attempts))]
+    Transport {
+        provider: String,
+        attempts: u32,
+        message: String,
+    },
+    /// The upstream answered 2xx with a body that is not JSON.
+    #[error("{provider} answered something that is not JSON: {message}")]
+    BadResponse { provider: String, message: String },
+}
+
+fn retried(attempts: u32) -> String {
+    if attempts > 1 {
+        format!(" (after {attempts} attempts)")
+    } else {
+        String::new()
+    }
+}
+
+impl ProviderError {
+    /// True when the throttle gave no slot in time (as opposed to an upstream failure).
+    pub fn is_throttle_timeout(&self) -> bool {
+        matches!(self, Self::Throttle(ThrottleError::Timeout { .. }))
+    }
+}
+
+/// One provider call, throttled and retried.
+#[async_trait]
+pub trait Provider: Send + Sync + fmt::Debug {
+    async fn call(&self, job: &Job) -> Result<Value, ProviderError>;
+}
+
+/// How one attempt failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptError {
+    /// Worth another attempt (429, 5xx, connection failure); `retry_after` is
+    /// the upstream's wish, when it said one.
+    Retryable {
+        status: Option<u16>,
+        retry_after: Option<Duration>,
+        message: String,
+    },
+    /// Not worth retrying (4xx other than 429, a non-JSON body).
+    Fatal {
+        status: Option<u16>,
+        message: String,
+    },
+}
+
+/// One unthrottled attempt at a provider call: what [`ThrottledProvider`] wraps.
+#[async_trait]
+pub trait ProviderClient: Send + Sync + fmt::Debug {
+    async fn attempt(&self, job: &Job) -> Result<Value, AttemptError>;
+}
+
+/// Retry policy of a [`ThrottledProvider`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retry {
+    /// Attempts after the first.
+    pub retries: u32,
+    /// First backoff when the upstream gives no `Retry-After`; doubles each time.
+    pub backoff: Duration,
+    /// Longest wait between attempts, `Retry-After` included.
+    pub max_backoff: Duration,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Self {
+            retries: tollgate_core::config::DEFAULT_RETRIES,
+            backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A [`ProviderClient`] whose every attempt first takes a slot of the
+/// provider's throttle.
+#[derive(Debug)]
+pub struct ThrottledProvider<C> {
+    throttle: Arc<dyn Throttle>,
+    provider: tollgate_core::Provider,
+    retry: Retry,
+    client: C,
+}
+
+impl<C: ProviderClient> ThrottledProvider<C> {
+    pub fn new(
+        throttle: Arc<dyn Throttle>,
+        provider: tollgate_core::Provider,
+        retry: Retry,
+        client: C,
+    ) -> Self {
+        Self {
+            throttle,
+            provider,
+            retry,
+            client,
+        }
+    }
+}
+
+#[async_trait]
+impl<C: ProviderClient> Provider for ThrottledProvider<C> {
+    async fn call(&self, job: &Job) -> Result<Value, ProviderError> {
+        let name = &self.provider.name;
+        let mut backoff = self.retry.backoff;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            self.throttle
+                .acquire(name, &job.id, self.provider.max_wait)
+                .await?;
+            let err = match self.client.attempt(job).await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            match err {
+                AttemptError::Retryable {
+                    status,
+                    retry_after,
+                    message,
+                } => {
+                    if attempt > self.retry.retries {
+                        return Err(match status {
+                            Some(status) => ProviderError::Upstream {
+                                provider: name.clone(),
+                                status,
+                                attempts: attempt,
+                                message,
+                            },
+                            None => ProviderError::Transport {
+                                provider: name.clone(),
+                                attempts: attempt,
+                                message,
+                            },
+                        });
+                    }
+                    let wait = retry_after.unwrap_or(backoff).min(self.retry.max_backoff);
+                    tracing::debug!(provider = %name, request_id = %job.id, ?status, ?wait, "retrying");
+                    tokio::time::sleep(wait).await;
+                    backoff = (backoff * 2).min(self.retry.max_backoff);
+                }
+                AttemptError::Fatal { status, message } => {
+                    return Err(match status {
+                        Some(status) if status != 200 => ProviderError::Upstream {
+                            provider: name.clone(),
+                            status,
+                            attempts: attempt,
+                            message,
+                        },
+                        _ => ProviderError::BadResponse {
+                            provider: name.clone(),
+                            message,
+                        },
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Why the providers of a config could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("providers.{provider}.auth_env: environment variable {var} is not set")]
+    MissingSecret { provider: String, var: String },
+    #[error("providers.{provider}: cannot build the HTTP client: {message}")]
+    Client { provider: String, message: String },
+}
+
+/// One throttled [`Provider`] per configured provider: HTTP where the config
+/// gives a `url`, the built-in mock otherwise.
+pub fn from_config(
+    config: &Config,
+    throttle: Arc<dyn Throttle>,
+) -> Result<BTreeMap<String, Arc<dyn Provider>>, SetupError> {
+    let mut out: BTreeMap<String, Arc<dyn Provider>> = BTreeMap::new();
+    for p in config.providers() {
+        let provider: Arc<dyn Provider> = match config.upstream(&p.name) {
+            Some(upstream) => {
+                let client = http::HttpClient::new(&p.name, upstream, config)?;
+                let retry = Retry {
+                    retries: upstream.retries,
+                    ..Retry::default()
+                };
+                Arc::new(ThrottledProvider::new(
+                    Arc::clone(&throttle),
+                    p.clone(),
+                    retry,
+                    client,
+                ))
+            }
+            None => Arc::new(ThrottledProvider::new(
+                Arc::clone(&throttle),
+                p.clone(),
+                Retry::default(),
+                mock::BuiltinMock,
+            )),
+        };
+        out.insert(p.name.clone(), provider);
+    }
+    Ok(out)
+}

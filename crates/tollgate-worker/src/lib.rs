@@ -1,0 +1,348 @@
+//! The worker role: for each operation, takes jobs from its queue (a
+//! [`JobSource`]: Redis or in-memory), waits for the provider's throttle, calls
+//! the provider, and records the result, or the failure with its refund.
+//!
+//! While a job runs its lease is renewed every third of the lease; a lost lease
+//! (the worker was paused and the job went to another) abandons the call, and
+//! the fencing token refuses anything this worker still tries to record.
+//! Periodically every worker runs the queue's maintenance (requeue expired
+//! leases, reclaim dead workers' jobs, abandon stale holds, finish refunds).
+//!
+//! Shutdown: stop taking, give in-flight jobs `shutdown_grace` to finish, hand
+//! the rest back to their queue, give back moved-but-unleased ids, exit.
+//! **Invariant:** a worker never touches a budget except through the job
+//! source's fenced `fail` (refund once).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tollgate_core::{Config, FailureCause, Finish, JobSource, Lease, RequestId};
+use tollgate_providers::{Provider, ProviderError};
+use tracing::Instrument;
+
+/// Tunables of the worker role.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub config: Arc<Config>,
+    /// Jobs run at once (across operations).
+    pub concurrency: usize,
+    /// A job's lease; renewed every third of it while the job runs.
+    pub lease: Duration,
+    /// How long this worker counts as alive after its last heartbeat.
+    pub liveness: Duration,
+    /// How often this worker runs the queue's maintenance (and heartbeats).
+    pub maintain_every: Duration,
+    /// How long one take blocks before the loop looks at shutdown again.
+    pub block: Duration,
+    /// On shutdown, how long in-flight jobs may still finish before they are
+    /// handed back.
+    pub shutdown_grace: Duration,
+    /// Operations served (default: every configured one).
+    pub operations: Vec<String>,
+}
+
+impl WorkerConfig {
+    pub fn new(config: Arc<Config>) -> Self {
+        Self {
+            operations: config.operations().map(|o| o.name.clone()).collect(),
+            config,
+            concurrency: 32,
+            lease: Duration::from_secs(10),
+            liveness: Duration::from_secs(3),
+            maintain_every: Duration::from_secs(1),
+            block: Duration::from_secs(1),
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("no operations to serve: the config has no [operations.*]")]
+    NoOperations,
+    #[error("operations.{0}: not configured")]
+    UnknownOperation(String),
+    #[error("operations.{operation}: provider {provider} has no client")]
+    MissingProvider { operation: String, provider: String },
+    #[error("--concurrency must be >= 1")]
+    ZeroConcurrency,
+}
+
+/// The process's view of a job's deadline: wall-clock ms since the epoch.
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Runs the worker until `shutdown` resolves; see the module docs.
+pub async fn run(
+    cfg: WorkerConfig,
+    source: Arc<dyn JobSource>,
+    providers: BTreeMap<String, Arc<dyn Provider>>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), WorkerError> {
+    if cfg.concurrency == 0 {
+        return Err(WorkerError::ZeroConcurrency);
+    }
+    if cfg.operations.is_empty() {
+        return Err(WorkerError::NoOperations);
+    }
+    let mut routes = Vec::new();
+    for name in &cfg.operations {
+        let op = cfg
+            .config
+            .operation(name)
+            .ok_or_else(|| WorkerError::UnknownOperation(name.clone()))?;
+        let provider = providers
+            .get(&op.provider)
+            .ok_or_else(|| WorkerError::MissingProvider {
+                operation: op.name.clone(),
+                provider: op.provider.clone(),
+            })?;
+        routes.push((op.name.clone(), Arc::clone(provider)));
+    }
+    let worker = RequestId::generate().as_str().replace('-', "");
+    tracing::info!(worker = %worker, operations = routes.len(), concurrency = cfg.concurrency, "worker starting");
+    // Alive before the first take, so no moved id sits in a list without a heartbeat.
+    if let Err(e) = source.maintain(&worker, cfg.liveness).await {
+        tracing::warn!(error = %e, "first maintenance failed; retrying in the loop");
+    }
+    let (stop_tx, stop) = watch::channel(false);
+    let slots = Arc::new(Semaphore::new(cfg.concurrency));
+    let mut tasks = JoinSet::new();
+    tasks.spawn(maintenance(
+        Arc::clone(&source),
+        worker.clone(),
+        cfg.clone(),
+        stop.clone(),
+    ));
+    for (operation, provider) in routes {
+        let span = tracing::info_span!("fetch", operation = %operation);
+        tasks.spawn(
+            fetch(
+                Arc::clone(&source),
+                provider,
+                operation,
+                worker.clone(),
+                cfg.clone(),
+                Arc::clone(&slots),
+                stop.clone(),
+            )
+            .instrument(span),
+        );
+    }
+    shutdown.await;
+    tracing::info!("worker stopping: no new jobs; finishing or handing back the ones in flight");
+    let _ = stop_tx.send(true);
+    while tasks.join_next().await.is_some() {}
+    // Every job task holds a slot: all slots back means all jobs ended.
+    let all = u32::try_from(cfg.concurrency).unwrap_or(u32::MAX);
+    let wait = cfg.shutdown_grace + Duration::from_secs(10);
+    if tokio::time::timeout(wait, slots.acquire_many(all))
+        .await
+        .is_err()
+    {
+        tracing::warn!("jobs still running after the grace period; their leases will expire");
+    }
+    match source.retire(&worker).await {
+        Ok(()) => tracing::info!("worker stopped"),
+        Err(e) => {
+            tracing::warn!(error = %e, "retiring failed; others reclaim after the liveness ends")
+        }
+    }
+    Ok(())
+}
+
+async fn maintenance(
+    source: Arc<dyn JobSource>,
+    worker: String,
+    cfg: WorkerConfig,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        match source.maintain(&worker, cfg.liveness).await {
+            Ok(m) if m != Default::default() => tracing::info!(
+                requeued = m.requeued,
+                abandoned = m.abandoned,
+                refunded = m.refunded,
+                "maintenance"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "maintenance failed"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(cfg.maintain_every) => {}
+            () = stopped(&mut stop) => return,
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn fetch(
+    source: Arc<dyn JobSource>,
+    provider: Arc<dyn Provider>,
+    operation: String,
+    worker: String,
+    cfg: WorkerConfig,
+    slots: Arc<Semaphore>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut backoff = Duration::from_millis(50);
+    while !*stop.borrow() {
+        let permit = tokio::select! {
+            p = Arc::clone(&slots).acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+            () = stopped(&mut stop) => return,
+        };
+        let taken = tokio::select! {
+            r = source.take(&operation, &worker, cfg.block, cfg.lease) => r,
+            // A take dropped here may have moved an id into this worker's
+            // processing list: `retire` gives it back.
+            () = stopped(&mut stop) => return,
+        };
+        match taken {
+            Ok(Some(lease)) => {
+                backoff = Duration::from_millis(50);
+                let span = tracing::info_span!(
+                    "job",
+                    request_id = %lease.job.id,
+                    user = %lease.job.user,
+                    attempt = lease.job.attempt
+                );
+                tokio::spawn(
+                    run_job(
+                        Arc::clone(&source),
+                        Arc::clone(&provider),
+                        lease,
+                        cfg.clone(),
+                        permit,
+                        stop.clone(),
+                    )
+                    .instrument(span),
+                );
+            }
+            Ok(None) => backoff = Duration::from_millis(50),
+            Err(e) => {
+                drop(permit);
+                tracing::warn!(error = %e, "take failed; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = stopped(&mut stop) => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+enum Ended {
+    Called(Result<serde_json::Value, ProviderError>),
+    LeaseLost,
+    Expired,
+    Stopping,
+}
+
+async fn run_job(
+    source: Arc<dyn JobSource>,
+    provider: Arc<dyn Provider>,
+    lease: Lease,
+    cfg: WorkerConfig,
+    _permit: OwnedSemaphorePermit,
+    mut stop: watch::Receiver<bool>,
+) {
+    let job = &lease.job;
+    let remaining = Duration::from_millis(job.deadline_ms.saturating_sub(now_ms()));
+    let renew = async {
+        loop {
+            tokio::time::sleep(cfg.lease / 3).await;
+            match source.renew(&lease, cfg.lease).await {
+                Ok(Finish::Recorded) => {}
+                Ok(Finish::LeaseLost) => return,
+                Err(e) => tracing::warn!(error = %e, "renewing the lease failed"),
+            }
+        }
+    };
+    let grace = async {
+        stopped(&mut stop).await;
+        tokio::time::sleep(cfg.shutdown_grace).await;
+    };
+    let ended = tokio::select! {
+        r = provider.call(job) => Ended::Called(r),
+        () = renew => Ended::LeaseLost,
+        () = tokio::time::sleep(remaining) => Ended::Expired,
+        () = grace => Ended::Stopping,
+    };
+    let recorded = match ended {
+        Ended::Called(Ok(result)) => {
+            finish("complete", || source.complete(&lease, result.clone())).await
+        }
+        Ended::Called(Err(e))
+            if matches!(e, ProviderError::Throttle(_)) && !e.is_throttle_timeout() =>
+        {
+            tracing::warn!(error = %e, "throttle unavailable; handing the job back");
+            finish("hand back", || source.hand_back(&lease)).await
+        }
+        Ended::Called(Err(e)) => {
+            let cause = if e.is_throttle_timeout() {
+                FailureCause::ThrottleTimeout
+            } else {
+                FailureCause::Provider
+            };
+            tracing::info!(error = %e, cause = cause.as_str(), "job failed; refunding");
+            let message = e.to_string();
+            finish("fail", || source.fail(&lease, cause, &message)).await
+        }
+        Ended::Expired => {
+            let message = "the job passed its deadline while running";
+            finish("fail", || {
+                source.fail(&lease, FailureCause::Expired, message)
+            })
+            .await
+        }
+        Ended::Stopping => finish("hand back", || source.hand_back(&lease)).await,
+        Ended::LeaseLost => {
+            tracing::warn!("lease lost while running; the call is abandoned");
+            return;
+        }
+    };
+    if recorded == Some(Finish::LeaseLost) {
+        tracing::warn!(
+            "lease lost: another worker owns the job; nothing recorded, nothing refunded"
+        );
+    }
+}
+
+/// Runs a finishing call, retrying a store failure a few times.
+async fn finish<F, Fut>(what: &'static str, mut f: F) -> Option<Finish>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Finish, tollgate_core::JobError>>,
+{
+    let mut backoff = Duration::from_millis(100);
+    for _ in 0..4 {
+        match f().await {
+            Ok(r) => return Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, what, "recording failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+            }
+        }
+    }
+    tracing::error!(
+        what,
+        "recording failed; the lease will expire and the job run again"
+    );
+    None
+}
