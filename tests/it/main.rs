@@ -5,6 +5,8 @@
 
 mod cli;
 mod concurrency;
+mod jobs;
+mod jobs_processes;
 mod ledger;
 mod redis_ledger;
 mod throttle;

@@ -1,0 +1,561 @@
+//! The job queue conformance suite: every queue semantic, written once, run
+//! against the in-memory queue and the Redis queue (real time on both: leases
+//! are a few hundred ms). Plus what only Redis has: a submission that crashed
+//! between its steps, and malformed entries.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tollgate_core::job::JobOptions;
+use tollgate_core::{
+    Config, FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, Ledger,
+    MemoryJobQueue, MemoryLedger, RequestId, SubmitOutcome, UserId,
+};
+use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
+use tollgate_tests::{random_prefix, RedisServer};
+
+pub const CONFIG: &str = r#"
+[plans.free]
+limit = 100
+window = "1h"
+[providers.p]
+rate = 1000
+burst = 100
+max_wait = "5s"
+[operations.work]
+cost = 10
+provider = "p"
+max_attempts = 2
+[operations.other]
+cost = 1
+provider = "p"
+"#;
+
+const LEASE: Duration = Duration::from_millis(300);
+
+pub fn options() -> JobOptions {
+    JobOptions {
+        hold: Duration::from_millis(500),
+        result_ttl: Duration::from_secs(60),
+        poll: Duration::from_millis(100),
+        refund_grace: Duration::ZERO,
+    }
+}
+
+fn config() -> Arc<Config> {
+    Arc::new(Config::parse(CONFIG, "job conformance").expect("test config"))
+}
+
+fn user(s: &str) -> UserId {
+    UserId::new(s).unwrap()
+}
+
+fn rid(s: &str) -> RequestId {
+    RequestId::new(s).unwrap()
+}
+
+fn request(id: &str, who: &str, operation: &str) -> JobRequest {
+    JobRequest {
+        id: rid(id),
+        user: user(who),
+        operation: operation.into(),
+        input: json!({ "prompt": id }),
+    }
+}
+
+/// A job queue under test, both sides, and its ledger.
+pub struct Setup {
+    pub queue: Arc<dyn JobQueue>,
+    pub source: Arc<dyn JobSource>,
+    pub ledger: Arc<dyn Ledger>,
+    _server: Option<RedisServer>,
+}
+
+impl Setup {
+    pub fn memory() -> Self {
+        let config = config();
+        let ledger: Arc<dyn Ledger> = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+        let q = Arc::new(MemoryJobQueue::with_clock(
+            config,
+            Arc::clone(&ledger),
+            Arc::new(tollgate_core::SystemClock),
+            options(),
+        ));
+        Self {
+            queue: q.clone(),
+            source: q,
+            ledger,
+            _server: None,
+        }
+    }
+
+    pub async fn redis() -> Self {
+        let server = RedisServer::start();
+        let (q, ledger) = redis_queue(&server, &random_prefix(), config()).await;
+        Self {
+            queue: q.clone(),
+            source: q,
+            ledger,
+            _server: Some(server),
+        }
+    }
+
+    async fn used(&self, who: &str) -> u64 {
+        self.ledger.usage(&user(who)).await.unwrap().used
+    }
+}
+
+pub async fn redis_queue(
+    server: &RedisServer,
+    prefix: &str,
+    config: Arc<Config>,
+) -> (Arc<RedisJobQueue>, Arc<dyn Ledger>) {
+    let keys = KeySpace::new(prefix).unwrap();
+    let pool = tollgate_redis::connect(&server.url(), &PoolOptions::default())
+        .await
+        .expect("connect to the test redis-server");
+    let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(&config),
+    ));
+    let q = RedisJobQueue::new(
+        &server.url(),
+        pool,
+        keys,
+        config,
+        Arc::clone(&ledger),
+        options(),
+    )
+    .unwrap();
+    (Arc::new(q), ledger)
+}
+
+async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::Lease {
+    s.source
+        .take(operation, worker, Duration::from_secs(2), LEASE)
+        .await
+        .unwrap()
+        .expect("a job within 2s")
+}
+
+async fn submit_ok(s: &Setup, id: &str, who: &str) -> tollgate_core::Job {
+    match s.queue.submit(request(id, who, "work")).await.unwrap() {
+        SubmitOutcome::Queued { job, allowed } => {
+            assert!(!allowed.duplicate);
+            job
+        }
+        other => panic!("not queued: {other:?}"),
+    }
+}
+
+async fn job_submit_reserves_once_and_only_the_owner_sees_it(s: &Setup) {
+    let job = submit_ok(s, "j1", "alice").await;
+    assert_eq!((job.cost, job.provider.as_str(), job.attempt), (10, "p", 0));
+    assert!(job.deadline_ms > job.enqueued_at_ms);
+    assert_eq!(s.used("alice").await, 10);
+    // Idempotent by id: the same job back, nothing charged again.
+    match s
+        .queue
+        .submit(request("j1", "alice", "work"))
+        .await
+        .unwrap()
+    {
+        SubmitOutcome::Duplicate { info } => {
+            assert_eq!(info.job.id, job.id);
+            assert_eq!(info.status, JobStatus::Queued);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.used("alice").await, 10);
+    // Another user, or another operation, cannot take the id.
+    let e = s.queue.submit(request("j1", "bob", "work")).await;
+    assert!(matches!(e, Err(JobError::IdInUse(_))), "{e:?}");
+    let e = s.queue.submit(request("j1", "alice", "other")).await;
+    assert!(matches!(e, Err(JobError::IdInUse(_))), "{e:?}");
+    assert_eq!(s.used("bob").await, 0);
+    // A user never sees another user's job.
+    assert!(s
+        .queue
+        .status(&user("bob"), &rid("j1"))
+        .await
+        .unwrap()
+        .is_none());
+    let info = s.queue.status(&user("alice"), &rid("j1")).await.unwrap();
+    assert_eq!(info.unwrap().job.input, json!({ "prompt": "j1" }));
+    assert!(s
+        .queue
+        .status(&user("alice"), &rid("nope"))
+        .await
+        .unwrap()
+        .is_none());
+    let e = s.queue.submit(request("j2", "alice", "nope")).await;
+    assert!(matches!(e, Err(JobError::UnknownOperation { .. })), "{e:?}");
+}
+
+async fn job_denied_submission_leaves_nothing(s: &Setup) {
+    for i in 0..10 {
+        submit_ok(s, &format!("d{i}"), "carol").await;
+    }
+    match s
+        .queue
+        .submit(request("d10", "carol", "work"))
+        .await
+        .unwrap()
+    {
+        SubmitOutcome::Denied { denied } => assert_eq!(denied.used, 100),
+        other => panic!("{other:?}"),
+    }
+    assert!(s
+        .queue
+        .status(&user("carol"), &rid("d10"))
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(s.used("carol").await, 100);
+    // The id is free again once the budget allows.
+    let lease = take(s, "work", "w").await;
+    s.source
+        .fail(&lease, FailureCause::Provider, "boom")
+        .await
+        .unwrap();
+    submit_ok(s, "d10", "carol").await;
+}
+
+async fn job_complete_wakes_the_waiter_and_keeps_the_charge(s: &Setup) {
+    submit_ok(s, "c1", "dave").await;
+    let waiter = {
+        let q = Arc::clone(&s.queue);
+        tokio::spawn(async move {
+            q.wait(&user("dave"), &rid("c1"), Duration::from_secs(10))
+                .await
+        })
+    };
+    let lease = take(s, "work", "w1").await;
+    assert_eq!(lease.job.attempt, 1);
+    let running = s.queue.status(&user("dave"), &rid("c1")).await.unwrap();
+    assert_eq!(running.unwrap().status, JobStatus::Running);
+    assert_eq!(
+        s.source.renew(&lease, LEASE).await.unwrap(),
+        Finish::Recorded
+    );
+    let started = std::time::Instant::now();
+    assert_eq!(
+        s.source
+            .complete(&lease, json!({ "answer": 42 }))
+            .await
+            .unwrap(),
+        Finish::Recorded
+    );
+    let info = waiter.await.unwrap().unwrap().expect("the job");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(
+        info.status,
+        JobStatus::Succeeded {
+            result: json!({ "answer": 42 })
+        }
+    );
+    assert!(info.finished_at_ms.is_some());
+    assert_eq!(s.used("dave").await, 10);
+    // Finished: the lease is spent.
+    assert_eq!(
+        s.source.complete(&lease, json!(1)).await.unwrap(),
+        Finish::LeaseLost
+    );
+    assert_eq!(
+        s.source
+            .fail(&lease, FailureCause::Provider, "late")
+            .await
+            .unwrap(),
+        Finish::LeaseLost
+    );
+    assert_eq!(s.used("dave").await, 10, "a late failure refunds nothing");
+    // A wait on an unfinished job returns it unfinished at the timeout.
+    submit_ok(s, "c2", "dave").await;
+    let info = s
+        .queue
+        .wait(&user("dave"), &rid("c2"), Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(info.unwrap().status, JobStatus::Queued);
+}
+
+async fn job_failure_refunds_exactly_once(s: &Setup) {
+    submit_ok(s, "f1", "erin").await;
+    let lease = take(s, "work", "w1").await;
+    assert_eq!(
+        s.source
+            .fail(&lease, FailureCause::ThrottleTimeout, "no slot")
+            .await
+            .unwrap(),
+        Finish::Recorded
+    );
+    assert_eq!(s.used("erin").await, 0);
+    let info = s.queue.status(&user("erin"), &rid("f1")).await.unwrap();
+    match info.unwrap().status {
+        JobStatus::Failed { cause, message } => {
+            assert_eq!(cause, FailureCause::ThrottleTimeout);
+            assert_eq!(cause.http_status(), 504);
+            assert_eq!(message, "no slot");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        s.source
+            .fail(&lease, FailureCause::Provider, "again")
+            .await
+            .unwrap(),
+        Finish::LeaseLost
+    );
+    // Maintenance finds nothing left to refund.
+    s.source.maintain("w1", LEASE).await.unwrap();
+    assert_eq!(s.used("erin").await, 0);
+}
+
+async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
+    submit_ok(s, "l1", "frank").await;
+    let old = take(s, "work", "w1").await;
+    tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+    let m = s
+        .source
+        .maintain("w2", Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(m.requeued >= 1, "{m:?}");
+    let new = take(s, "work", "w2").await;
+    assert_eq!(new.job.attempt, 2);
+    assert!(new.token > old.token);
+    // The paused worker wakes up: nothing it does counts.
+    assert_eq!(
+        s.source.renew(&old, LEASE).await.unwrap(),
+        Finish::LeaseLost
+    );
+    assert_eq!(
+        s.source.complete(&old, json!("late")).await.unwrap(),
+        Finish::LeaseLost
+    );
+    assert_eq!(
+        s.source
+            .fail(&old, FailureCause::Provider, "late")
+            .await
+            .unwrap(),
+        Finish::LeaseLost
+    );
+    assert_eq!(s.source.hand_back(&old).await.unwrap(), Finish::LeaseLost);
+    assert_eq!(s.used("frank").await, 10, "the late refund was refused");
+    assert_eq!(
+        s.source.complete(&new, json!("on time")).await.unwrap(),
+        Finish::Recorded
+    );
+    let info = s.queue.status(&user("frank"), &rid("l1")).await.unwrap();
+    assert_eq!(
+        info.unwrap().status,
+        JobStatus::Succeeded {
+            result: json!("on time")
+        }
+    );
+}
+
+async fn job_past_max_attempts_is_abandoned_and_refunded(s: &Setup) {
+    submit_ok(s, "a1", "gina").await;
+    for attempt in 1..=2 {
+        let lease = take(s, "work", "w1").await;
+        assert_eq!(lease.job.attempt, attempt);
+        tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+        s.source
+            .maintain("w2", Duration::from_secs(5))
+            .await
+            .unwrap();
+    }
+    // The third take gives the job up instead of running it.
+    let third = s
+        .source
+        .take("work", "w1", Duration::from_millis(300), LEASE)
+        .await
+        .unwrap();
+    assert!(third.is_none(), "{third:?}");
+    let info = s.queue.status(&user("gina"), &rid("a1")).await.unwrap();
+    match info.unwrap().status {
+        JobStatus::Failed { cause, .. } => assert_eq!(cause, FailureCause::Abandoned),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.used("gina").await, 0);
+}
+
+async fn job_hand_back_requeues_without_counting_the_attempt(s: &Setup) {
+    submit_ok(s, "h1", "hank").await;
+    submit_ok(s, "h2", "hank").await;
+    let first = take(s, "work", "w1").await;
+    assert_eq!(first.job.id, rid("h1"), "oldest first");
+    assert_eq!(s.source.hand_back(&first).await.unwrap(), Finish::Recorded);
+    let again = take(s, "work", "w2").await;
+    assert_eq!(again.job.id, rid("h1"), "handed back to the head");
+    assert_eq!(again.job.attempt, 1);
+    assert_eq!(
+        s.source.complete(&first, json!(0)).await.unwrap(),
+        Finish::LeaseLost
+    );
+    s.source.retire("w1").await.unwrap();
+}
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(&super::Setup::memory()).await
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(&super::Setup::redis().await).await
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    job_submit_reserves_once_and_only_the_owner_sees_it,
+    job_denied_submission_leaves_nothing,
+    job_complete_wakes_the_waiter_and_keeps_the_charge,
+    job_failure_refunds_exactly_once,
+    job_expired_lease_goes_back_and_the_old_token_is_refused,
+    job_past_max_attempts_is_abandoned_and_refunded,
+    job_hand_back_requeues_without_counting_the_attempt,
+);
+
+async fn raw(server: &RedisServer) -> ::redis::aio::MultiplexedConnection {
+    ::redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// A submission that died after its reservation (before queueing the job):
+/// maintenance gives the held job up after its hold and refunds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_crashed_submission_is_refunded_by_maintenance() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let (q, ledger) = redis_queue(&server, &prefix, config()).await;
+    let keys = KeySpace::new(&prefix).unwrap().jobs("work");
+    let mut conn = raw(&server).await;
+    // Steps 1 and 2 of a submission, then nothing (the api pod died).
+    let held: Vec<i64> = tollgate_redis::scripts::job_hold(
+        &keys,
+        tollgate_redis::scripts::HoldArgs {
+            id: "crash1",
+            user: "ivan",
+            operation: "work",
+            provider: "p",
+            input: "{}",
+            cost: 10,
+            deadline_ms: 60_000,
+            hold_ms: 300,
+        },
+    )
+    .invoke_async(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(held[0], 1);
+    ledger
+        .reserve(&user("ivan"), &rid("crash1"), 10)
+        .await
+        .unwrap();
+    assert_eq!(ledger.usage(&user("ivan")).await.unwrap().used, 10);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let m = q.maintain("w", Duration::from_secs(5)).await.unwrap();
+    assert_eq!(m.abandoned, 1, "{m:?}");
+    assert_eq!(ledger.usage(&user("ivan")).await.unwrap().used, 0);
+    let state: String = ::redis::cmd("HGET")
+        .arg(keys.job("crash1"))
+        .arg("state")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(state, "failed");
+    let m = q.maintain("w", Duration::from_secs(5)).await.unwrap();
+    assert_eq!(m, Default::default(), "nothing left to do");
+}
+
+/// Garbage in a queue (an id without a record, unreadable JSON, a job of another
+/// operation) is moved aside; the queue goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_malformed_entries_are_moved_aside() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let (q, ledger) = redis_queue(&server, &prefix, config()).await;
+    let mut conn = raw(&server).await;
+    inject_malformed(&mut conn, &prefix, "work").await;
+    let s = Setup {
+        queue: q.clone(),
+        source: q.clone(),
+        ledger,
+        _server: None,
+    };
+    submit_ok(&s, "good", "judy").await;
+    let lease = loop {
+        if let Some(l) = s
+            .source
+            .take("work", "w", Duration::from_millis(500), LEASE)
+            .await
+            .unwrap()
+        {
+            break l;
+        }
+    };
+    assert_eq!(lease.job.id, rid("good"));
+    let dead = q.dead_letters("work").await.unwrap();
+    assert_eq!(dead.len(), 3, "{dead:?}");
+    assert_eq!(s.used("judy").await, 10);
+}
+
+/// Pushes three malformed entries onto `operation`'s queue.
+pub async fn inject_malformed(
+    conn: &mut ::redis::aio::MultiplexedConnection,
+    prefix: &str,
+    operation: &str,
+) {
+    let keys = KeySpace::new(prefix).unwrap().jobs(operation);
+    let record = |input: &str, op: &str| {
+        vec![
+            ("state", "queued".to_owned()),
+            ("user", "mallory".to_owned()),
+            ("op", op.to_owned()),
+            ("provider", "p".to_owned()),
+            ("input", input.to_owned()),
+            ("cost", "1".to_owned()),
+            ("enq", "1".to_owned()),
+            ("deadline", "99999999999999".to_owned()),
+            ("attempt", "0".to_owned()),
+            ("seq", "0".to_owned()),
+        ]
+    };
+    let _: () = ::redis::cmd("HSET")
+        .arg(keys.job("badjson"))
+        .arg(record("{not json", operation))
+        .query_async(conn)
+        .await
+        .unwrap();
+    let _: () = ::redis::cmd("HSET")
+        .arg(keys.job("wrongop"))
+        .arg(record("{}", "nope"))
+        .query_async(conn)
+        .await
+        .unwrap();
+    let _: () = ::redis::cmd("LPUSH")
+        .arg(&keys.queue)
+        .arg("no-such-job")
+        .arg("badjson")
+        .arg("wrongop")
+        .query_async(conn)
+        .await
+        .unwrap();
+}

@@ -1,0 +1,407 @@
+//! Jobs end to end with real processes: `tollgate mock-provider`, `tollgate
+//! throttler` and `tollgate worker` against one redis-server; jobs submitted
+//! through the library (`RedisJobQueue::submit`, what the api role calls).
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tollgate_core::{
+    Config, FailureCause, JobQueue, JobRequest, JobStatus, Ledger, RequestId, SubmitOutcome, UserId,
+};
+use tollgate_redis::RedisJobQueue;
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+use crate::jobs::{inject_malformed, redis_queue};
+
+const OP: &str = "llm.structured";
+const COST: u64 = 8;
+
+/// Children killed (and reaped) on drop.
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+struct Env {
+    server: RedisServer,
+    prefix: String,
+    dir: PathBuf,
+    config_path: PathBuf,
+    config: Arc<Config>,
+    mock: String,
+    procs: Procs,
+}
+
+/// Starts redis-server and a mock provider; writes a config whose `llm`
+/// provider (throttled at `throttle_rate`) points at the mock.
+fn start(mock_args: &[&str], throttle_rate: u32, retries: u32) -> Env {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let dir = std::env::temp_dir().join(format!("tollgate-it-{prefix}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut mock = Command::new(workspace_bin("tollgate"))
+        .args(["mock-provider", "--listen", "127.0.0.1:0"])
+        .args(mock_args)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn tollgate mock-provider");
+    let mut line = String::new();
+    BufReader::new(mock.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("mock-provider said {line:?}"))
+        .to_owned();
+    let text = format!(
+        r#"
+[plans.free]
+limit = 1000000
+window = "1h"
+[providers.llm]
+rate = {throttle_rate}
+burst = 5
+max_wait = "60s"
+url = "http://{addr}"
+timeout = "10s"
+retries = {retries}
+[operations."{OP}"]
+cost = {COST}
+provider = "llm"
+path = "/v1/structured"
+"#
+    );
+    let config_path = dir.join("jobs.toml");
+    std::fs::write(&config_path, &text).unwrap();
+    let config = Arc::new(Config::parse(&text, "jobs test").unwrap());
+    Env {
+        server,
+        prefix,
+        dir,
+        config_path,
+        config,
+        mock: format!("http://{addr}"),
+        procs: Procs(vec![mock]),
+    }
+}
+
+impl Env {
+    fn role(&self, role: &str, extra: &[&str], stderr: Stdio) -> Child {
+        Command::new(workspace_bin("tollgate"))
+            .args([role, "--redis-url", &self.server.url()])
+            .args(["--key-prefix", &self.prefix])
+            .arg("--config")
+            .arg(&self.config_path)
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn tollgate {role}: {e}"))
+    }
+
+    fn spawn(&mut self, role: &str, extra: &[&str]) -> usize {
+        let child = self.role(role, extra, Stdio::null());
+        self.procs.0.push(child);
+        self.procs.0.len() - 1
+    }
+
+    async fn queue(&self) -> (Arc<RedisJobQueue>, Arc<dyn Ledger>) {
+        redis_queue(&self.server, &self.prefix, Arc::clone(&self.config)).await
+    }
+
+    async fn stats(&self) -> tollgate_mock_provider::Stats {
+        reqwest::get(format!("{}/stats", self.mock))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn signal(child: &Child, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {sig}");
+}
+
+fn user() -> UserId {
+    UserId::new("pat").unwrap()
+}
+
+async fn submit_all(q: &Arc<RedisJobQueue>, n: usize) -> Vec<RequestId> {
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let q = Arc::clone(q);
+        set.spawn(async move {
+            let id = RequestId::new(format!("job-{i}")).unwrap();
+            let out = q
+                .submit(JobRequest {
+                    id: id.clone(),
+                    user: user(),
+                    operation: OP.into(),
+                    input: json!({ "n": i }),
+                })
+                .await
+                .unwrap();
+            assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
+            id
+        });
+    }
+    let mut ids = Vec::new();
+    while let Some(id) = set.join_next().await {
+        ids.push(id.unwrap());
+    }
+    ids
+}
+
+/// Waits (at most `within`) until every job is final; returns (succeeded, failed).
+async fn wait_all(
+    q: &Arc<RedisJobQueue>,
+    ids: &[RequestId],
+    within: Duration,
+) -> (Vec<RequestId>, Vec<(RequestId, FailureCause)>) {
+    let deadline = Instant::now() + within;
+    loop {
+        let mut ok = Vec::new();
+        let mut failed = Vec::new();
+        let mut open = 0;
+        for id in ids {
+            match q.status(&user(), id).await.unwrap().map(|i| i.status) {
+                Some(JobStatus::Succeeded { .. }) => ok.push(id.clone()),
+                Some(JobStatus::Failed { cause, .. }) => failed.push((id.clone(), cause)),
+                _ => open += 1,
+            }
+        }
+        if open == 0 {
+            return (ok, failed);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{open} of {} jobs not final within {within:?}",
+            ids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn used(ledger: &Arc<dyn Ledger>) -> u64 {
+    ledger.usage(&user()).await.unwrap().used
+}
+
+/// A job shows as failed as soon as it is marked so; its refund follows (from
+/// the worker, or from maintenance after a crash): waits up to 15s for the
+/// usage to reach `expected`, then compares.
+async fn settled_usage(ledger: &Arc<dyn Ledger>, expected: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let u = used(ledger).await;
+        if u == expected || Instant::now() >= deadline {
+            return u;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// 500 jobs, 3 worker processes, 2 throttlers, an upstream limited to 50/s
+/// (burst 10), the throttle at 45/s (burst 5): every job completes and the
+/// upstream never answers 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_processes_500_jobs_3_workers_2_throttlers_no_429() {
+    let mut env = start(&["--rate", "50", "--burst", "10"], 45, 2);
+    for _ in 0..2 {
+        env.spawn("throttler", &["--lease-ms", "1000"]);
+    }
+    for _ in 0..3 {
+        env.spawn("worker", &["--concurrency", "64"]);
+    }
+    let (q, ledger) = env.queue().await;
+    let started = Instant::now();
+    let ids = submit_all(&q, 500).await;
+    let (ok, failed) = wait_all(&q, &ids, Duration::from_secs(90)).await;
+    let took = started.elapsed();
+    assert_eq!(failed, vec![], "no job fails");
+    assert_eq!(ok.len(), 500);
+    let stats = env.stats().await;
+    assert_eq!(stats.rate_limited, 0, "{stats:?}");
+    assert_eq!(stats.ok, 500, "{stats:?}");
+    assert_eq!(used(&ledger).await, 500 * COST);
+    eprintln!("500 jobs in {took:?}; mock {stats:?}");
+}
+
+/// Every upstream call fails: every job ends failed (provider) and the user's
+/// usage returns to exactly 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_processes_fail_rate_one_refunds_everything() {
+    let mut env = start(
+        &["--rate", "200", "--burst", "20", "--fail-rate", "1.0"],
+        150,
+        1,
+    );
+    env.spawn("throttler", &[]);
+    env.spawn("worker", &[]);
+    env.spawn("worker", &[]);
+    let (q, ledger) = env.queue().await;
+    let ids = submit_all(&q, 60).await;
+    assert_eq!(used(&ledger).await, 60 * COST);
+    let (ok, failed) = wait_all(&q, &ids, Duration::from_secs(60)).await;
+    assert!(ok.is_empty());
+    assert_eq!(failed.len(), 60);
+    assert!(failed.iter().all(|(_, c)| *c == FailureCause::Provider));
+    assert_eq!(settled_usage(&ledger, 0).await, 0);
+    let stats = env.stats().await;
+    assert_eq!(stats.failed, 120, "one retry each: {stats:?}");
+    let info = q.status(&user(), &ids[0]).await.unwrap().unwrap();
+    match info.status {
+        JobStatus::Failed { message, .. } => assert!(message.contains("500"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// kill -9 one of three workers mid-run: every job still ends exactly once,
+/// and the usage equals the cost of the completed jobs (no refund missing, none
+/// twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_processes_kill_9_worker_every_job_ends_once() {
+    let mut env = start(
+        &[
+            "--rate",
+            "400",
+            "--burst",
+            "40",
+            "--fail-rate",
+            "0.2",
+            "--latency-ms",
+            "100",
+        ],
+        300,
+        0,
+    );
+    env.spawn("throttler", &[]);
+    let lease = ["--lease-ms", "1500", "--concurrency", "8"];
+    let victim = env.spawn("worker", &lease);
+    env.spawn("worker", &lease);
+    env.spawn("worker", &lease);
+    let (q, ledger) = env.queue().await;
+    let ids = submit_all(&q, 200).await;
+    // 200 jobs at 24 concurrent * ~100ms: about a second. Kill in the middle.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    signal(&env.procs.0[victim], "-9");
+    let _ = env.procs.0[victim].wait();
+    let (ok, failed) = wait_all(&q, &ids, Duration::from_secs(60)).await;
+    assert_eq!(ok.len() + failed.len(), 200);
+    assert!(!failed.is_empty() && !ok.is_empty(), "both outcomes occur");
+    let expected = ok.len() as u64 * COST;
+    assert_eq!(settled_usage(&ledger, expected).await, expected);
+    // At least once: the killed worker's calls may have reached the upstream.
+    let stats = env.stats().await;
+    assert!(stats.ok >= ok.len() as u64, "{stats:?}");
+}
+
+/// SIGSTOP a worker in the middle of a call, past its lease; another worker
+/// finishes the job; SIGCONT: the stopped worker's late result is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_processes_sigstopped_worker_cannot_record_late() {
+    let mut env = start(&["--latency-ms", "1500"], 100, 0);
+    env.spawn("throttler", &[]);
+    let log = env.dir.join("stopped-worker.log");
+    let mut stopped = env.role(
+        "worker",
+        &["--lease-ms", "1000"],
+        Stdio::from(std::fs::File::create(&log).unwrap()),
+    );
+    let (q, ledger) = env.queue().await;
+    let ids = submit_all(&q, 1).await;
+    let id = &ids[0];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info = q.status(&user(), id).await.unwrap().unwrap();
+        if info.status == JobStatus::Running {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never running: {info:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The call is in flight (1.5s at the mock): stop the worker past its lease.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(&stopped, "-STOP");
+    env.spawn("worker", &["--lease-ms", "1000"]);
+    let (ok, _) = wait_all(&q, &ids, Duration::from_secs(30)).await;
+    assert_eq!(ok.len(), 1);
+    let info = q.status(&user(), id).await.unwrap().unwrap();
+    assert_eq!(info.job.attempt, 2, "run again by the other worker");
+    signal(&stopped, "-CONT");
+    // Its answer is buffered: it tries to record, and is refused.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("lease lost") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no refusal logged: {text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    signal(&stopped, "-TERM");
+    let _ = stopped.wait();
+    let after = q.status(&user(), id).await.unwrap().unwrap();
+    assert_eq!(after.status, info.status, "the job ended once");
+    assert_eq!(after.finished_at_ms, info.finished_at_ms);
+    assert_eq!(used(&ledger).await, COST, "charged once, never refunded");
+}
+
+/// Malformed entries in the queue are moved aside with a logged error; the
+/// worker process keeps running and serves the next job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_processes_malformed_jobs_do_not_stop_the_worker() {
+    let mut env = start(&[], 100, 0);
+    env.spawn("throttler", &[]);
+    let log = env.dir.join("worker.log");
+    let worker = env.role(
+        "worker",
+        &[],
+        Stdio::from(std::fs::File::create(&log).unwrap()),
+    );
+    env.procs.0.push(worker);
+    let mut conn = redis::Client::open(env.server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    inject_malformed(&mut conn, &env.prefix, OP).await;
+    let (q, ledger) = env.queue().await;
+    let ids = submit_all(&q, 1).await;
+    let (ok, _) = wait_all(&q, &ids, Duration::from_secs(30)).await;
+    assert_eq!(ok.len(), 1);
+    assert_eq!(q.dead_letters(OP).await.unwrap().len(), 3);
+    let worker = env.procs.0.last_mut().unwrap();
+    assert!(
+        worker.try_wait().unwrap().is_none(),
+        "the worker still runs"
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("malformed job moved aside"), "{text}");
+    assert_eq!(used(&ledger).await, COST);
+}
