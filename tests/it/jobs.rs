@@ -559,3 +559,76 @@ pub async fn inject_malformed(
         .await
         .unwrap();
 }
+
+/// The HTTP provider against the mock server (in-process, 1 request/s): the
+/// second call is answered 429 with Retry-After, and the retry, after a new
+/// throttle slot, succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_http_provider_retries_a_429_after_retry_after() {
+    use tollgate_providers::Provider as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let options = tollgate_mock_provider::MockOptions {
+        rate: 1.0,
+        burst: 1,
+        ..Default::default()
+    };
+    let server = tokio::spawn(tollgate_mock_provider::run(
+        listener,
+        options,
+        std::future::pending(),
+    ));
+    let text = format!(
+        r#"
+[plans.free]
+limit = 100
+window = "1h"
+[providers.p]
+rate = 100
+burst = 10
+max_wait = "5s"
+url = "http://{addr}"
+retries = 2
+[operations.work]
+cost = 1
+provider = "p"
+path = "/v1/work"
+"#
+    );
+    let config = Config::parse(&text, "http test").unwrap();
+    let throttle: Arc<dyn tollgate_core::Throttle> =
+        Arc::new(tollgate_core::MemoryThrottle::new(&config));
+    let providers = tollgate_providers::from_config(&config, throttle).unwrap();
+    let p = &providers["p"];
+    let job = |id: &str| tollgate_core::Job {
+        id: rid(id),
+        user: user("u"),
+        operation: "work".into(),
+        provider: "p".into(),
+        input: json!({ "q": id }),
+        cost: 1,
+        enqueued_at_ms: 0,
+        deadline_ms: u64::MAX,
+        attempt: 1,
+    };
+    let first = p.call(&job("h1")).await.unwrap();
+    assert_eq!(first["echo"], json!({ "q": "h1" }));
+    assert_eq!(first["path"], json!("/v1/work"));
+    let started = std::time::Instant::now();
+    let second = p.call(&job("h2")).await.unwrap();
+    assert_eq!(second["echo"], json!({ "q": "h2" }));
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "waited for Retry-After: {:?}",
+        started.elapsed()
+    );
+    tollgate_providers::http::install_crypto_provider();
+    let stats: tollgate_mock_provider::Stats = reqwest::get(format!("http://{addr}/stats"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!((stats.requests, stats.ok, stats.rate_limited), (3, 2, 1));
+    server.abort();
+}

@@ -125,6 +125,7 @@ impl Env {
     }
 
     async fn stats(&self) -> tollgate_mock_provider::Stats {
+        tollgate_providers::http::install_crypto_provider();
         reqwest::get(format!("{}/stats", self.mock))
             .await
             .unwrap()
@@ -404,4 +405,38 @@ async fn job_processes_malformed_jobs_do_not_stop_the_worker() {
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("malformed job moved aside"), "{text}");
     assert_eq!(used(&ledger).await, COST);
+}
+
+/// SIGTERM: the worker stops taking jobs, hands back the ones still running
+/// after its grace period (the attempt not counted), and exits; another
+/// worker then runs them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_processes_sigterm_hands_back_jobs_in_flight() {
+    let mut env = start(&["--latency-ms", "3000"], 100, 0);
+    env.spawn("throttler", &[]);
+    let mut first = env.role("worker", &["--grace-ms", "200"], Stdio::null());
+    let (q, ledger) = env.queue().await;
+    let ids = submit_all(&q, 2).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for id in &ids {
+        while q.status(&user(), id).await.unwrap().unwrap().status != JobStatus::Running {
+            assert!(Instant::now() < deadline, "never running");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    signal(&first, "-TERM");
+    let exit = tokio::task::spawn_blocking(move || first.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+    for id in &ids {
+        let info = q.status(&user(), id).await.unwrap().unwrap();
+        assert_eq!(info.status, JobStatus::Queued, "handed back");
+        assert_eq!(info.job.attempt, 0, "the attempt is not counted");
+    }
+    assert_eq!(q.queued_len(OP).await.unwrap(), 2);
+    env.spawn("worker", &[]);
+    let (ok, _) = wait_all(&q, &ids, Duration::from_secs(30)).await;
+    assert_eq!(ok.len(), 2);
+    assert_eq!(used(&ledger).await, 2 * COST);
 }

@@ -1,8 +1,9 @@
 //! The HTTP provider client: POSTs a job's input JSON to the provider's `url`
 //! (plus the operation's `path`) and takes the JSON answer as the result.
 //!
-//! Built on reqwest without default features (no TLS backend: see the crate's
-//! Cargo notes in ARCHITECTURE.md); one client per provider, reusing connections.
+//! Built on reqwest with rustls on the `ring` crypto provider (it builds with a
+//! C compiler alone, where aws-lc needs cmake) and the platform's root
+//! certificates; one client per provider, reusing connections.
 //! The credential header's value is read from an environment variable once, at
 //! start, and never logged.
 
@@ -16,6 +17,14 @@ use tollgate_core::config::Upstream;
 use tollgate_core::{Config, Job};
 
 use crate::{AttemptError, ProviderClient, SetupError};
+
+/// Installs rustls' `ring` crypto provider as the process default, once (reqwest
+/// is built without a provider of its own). Idempotent; call before building
+/// any reqwest client.
+pub fn install_crypto_provider() {
+    // Err means a provider is installed already: fine either way.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
 
 /// One provider's HTTP upstream.
 pub struct HttpClient {
@@ -60,6 +69,7 @@ impl HttpClient {
             }
             _ => None,
         };
+        install_crypto_provider();
         let client = reqwest::Client::builder()
             .timeout(upstream.timeout)
             .connect_timeout(upstream.timeout.min(Duration::from_secs(10)))
@@ -154,5 +164,38 @@ mod tests {
             None
         );
         assert_eq!(retry_after(None), None);
+    }
+
+    #[test]
+    fn builds_https_clients_and_names_a_missing_secret() {
+        let text = r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.llm]
+rate = 1
+burst = 1
+max_wait = "1s"
+url = "https://api.example.com/"
+auth_header = "Authorization"
+auth_env = "TOLLGATE_TEST_SURELY_UNSET_KEY"
+[operations.x]
+cost = 1
+provider = "llm"
+path = "/v1/x"
+"#;
+        let config = Config::parse(text, "t").unwrap();
+        let upstream = config.upstream("llm").unwrap();
+        let e = HttpClient::new("llm", upstream, &config).unwrap_err();
+        assert!(
+            e.to_string().contains("TOLLGATE_TEST_SURELY_UNSET_KEY"),
+            "{e}"
+        );
+        let mut open = upstream.clone();
+        open.auth_header = None;
+        open.auth_env = None;
+        let client = HttpClient::new("llm", &open, &config).unwrap();
+        assert_eq!(client.url, "https://api.example.com");
+        assert_eq!(client.paths.get("x").map(String::as_str), Some("/v1/x"));
     }
 }
