@@ -565,7 +565,6 @@ pub async fn inject_malformed(
 /// throttle slot, succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn job_http_provider_retries_a_429_after_retry_after() {
-    use tollgate_providers::Provider as _;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let options = tollgate_mock_provider::MockOptions {
