@@ -631,3 +631,51 @@ path = "/v1/work"
     assert_eq!((stats.requests, stats.ok, stats.rate_limited), (3, 2, 1));
     server.abort();
 }
+
+/// The embedded mode end to end: the worker role on `MemoryJobQueue`, the
+/// in-process throttle and the built-in mock provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_embedded_worker_runs_jobs_on_memory() {
+    let s = Setup::memory();
+    let config = config();
+    let throttle: Arc<dyn tollgate_core::Throttle> =
+        Arc::new(tollgate_core::MemoryThrottle::new(&config));
+    let providers = tollgate_providers::from_config(&config, throttle).unwrap();
+    let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
+    cfg.concurrency = 4;
+    cfg.block = Duration::from_millis(100);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let role = tokio::spawn(tollgate_worker::run(
+        cfg,
+        Arc::clone(&s.source),
+        providers,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    for i in 0..10 {
+        submit_ok(&s, &format!("e{i}"), "kim").await;
+    }
+    for i in 0..10 {
+        let info = s
+            .queue
+            .wait(
+                &user("kim"),
+                &rid(&format!("e{i}")),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        match info.status {
+            JobStatus::Succeeded { result } => {
+                assert_eq!(result["mock"], json!(true));
+                assert_eq!(result["echo"], json!({ "prompt": format!("e{i}") }));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(s.used("kim").await, 100);
+    let _ = stop.send(());
+    role.await.unwrap().unwrap();
+}

@@ -19,8 +19,8 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{Config, ConfigError, Operation, Plan, Provider, Upstream};
 pub use id::{IdError, RequestId, UserId};
 pub use job::{
-    FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobRequest, JobSource, JobStatus,
-    Lease, Maintenance, SubmitOutcome,
+    FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue, JobRequest, JobSource,
+    JobStatus, Lease, Maintenance, SubmitOutcome,
 };
 pub use job_memory::MemoryJobQueue;
 pub use ledger::{
