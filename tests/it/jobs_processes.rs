@@ -300,7 +300,7 @@ async fn job_processes_kill_9_worker_every_job_ends_once() {
             "--fail-rate",
             "0.2",
             "--latency-ms",
-            "100",
+            "200",
         ],
         300,
         0,
