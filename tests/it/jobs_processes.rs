@@ -321,6 +321,14 @@ async fn job_processes_kill_9_worker_every_job_ends_once() {
     assert!(!failed.is_empty() && !ok.is_empty(), "both outcomes occur");
     let expected = ok.len() as u64 * COST;
     assert_eq!(settled_usage(&ledger, expected).await, expected);
+    // The killed worker held jobs: they ran again once its leases ended.
+    let mut rerun = 0;
+    for id in &ids {
+        if q.status(&user(), id).await.unwrap().unwrap().job.attempt >= 2 {
+            rerun += 1;
+        }
+    }
+    assert!(rerun >= 1, "no job was taken over from the killed worker");
     // At least once: the killed worker's calls may have reached the upstream.
     let stats = env.stats().await;
     assert!(stats.ok >= ok.len() as u64, "{stats:?}");
