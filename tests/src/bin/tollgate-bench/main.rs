@@ -4,6 +4,7 @@
 //! run (these machines are shared and noisy: compare medians and ratios, never
 //! absolute numbers across runs). BENCHMARKS.md records the results.
 
+mod jobs;
 mod ledger;
 mod load;
 mod stats;
@@ -32,6 +33,9 @@ enum Command {
     /// Run waiters on one provider from this process and print their grant
     /// records as JSON (the multi-process throttle tests run several at once).
     ThrottleWaiters(throttle::WaiterArgs),
+    /// Jobs: submit latency and end-to-end jobs/s, embedded and on Redis with
+    /// real throttler and worker processes.
+    Jobs(jobs::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -45,6 +49,7 @@ fn main() -> anyhow::Result<()> {
             Command::Load(args) => load::run(args).await,
             Command::Throttle(args) => throttle::bench(args).await,
             Command::ThrottleWaiters(args) => throttle::waiters(args).await,
+            Command::Jobs(args) => jobs::run(args).await,
         }
     })
 }
