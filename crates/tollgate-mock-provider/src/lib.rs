@@ -114,9 +114,8 @@ impl Mock {
             b.tokens -= 1.0;
             Ok(())
         } else {
-            Err(Duration::from_secs_f64(
-                (1.0 - b.tokens) / self.options.rate,
-            ))
+            let secs = (1.0 - b.tokens) / self.options.rate;
+            Err(Duration::try_from_secs_f64(secs).unwrap_or(Duration::from_secs(1)))
         }
     }
 

@@ -291,6 +291,8 @@ async fn run_job(
             if matches!(e, ProviderError::Throttle(_)) && !e.is_throttle_timeout() =>
         {
             tracing::warn!(error = %e, "throttle unavailable; handing the job back");
+            // Not at once: the next take would most likely fail the same way.
+            tokio::time::sleep(Duration::from_secs(1)).await;
             finish("hand back", || source.hand_back(&lease)).await
         }
         Ended::Called(Err(e)) => {
