@@ -452,3 +452,27 @@ async fn job_processes_sigterm_hands_back_jobs_in_flight() {
     assert_eq!(ok.len(), 2);
     assert_eq!(used(&ledger).await, 2 * COST);
 }
+
+/// `tollgate worker` refuses a config whose operation names no provider, naming
+/// the key, with the bad-input exit code, before it touches Redis.
+#[test]
+fn job_cli_worker_rejects_a_bad_config() {
+    let dir = std::env::temp_dir().join(format!("tollgate-it-{}", random_prefix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.toml");
+    std::fs::write(
+        &path,
+        "[plans.free]\nlimit = 10\nwindow = \"1h\"\n[operations.x]\ncost = 1\nprovider = \"gpt\"\n",
+    )
+    .unwrap();
+    let out = Command::new(workspace_bin("tollgate"))
+        .args(["worker", "--redis-url", "redis://127.0.0.1:1/"])
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("operations.x.provider"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
