@@ -30,6 +30,9 @@ max_attempts = 2
 [operations.other]
 cost = 1
 provider = "p"
+[operations.huge]
+cost = 200
+provider = "p"
 "#;
 
 const LEASE: Duration = Duration::from_millis(300);
@@ -221,6 +224,28 @@ async fn job_denied_submission_leaves_nothing(s: &Setup) {
         .await
         .unwrap();
     submit_ok(s, "d10", "carol").await;
+}
+
+async fn job_cost_over_the_plan_is_an_error_and_leaves_nothing(s: &Setup) {
+    let e = s.queue.submit(request("x1", "lena", "huge")).await;
+    assert!(
+        matches!(
+            e,
+            Err(JobError::Ledger(
+                tollgate_core::LedgerError::CostExceedsLimit { .. }
+            ))
+        ),
+        "{e:?}"
+    );
+    assert!(s
+        .queue
+        .status(&user("lena"), &rid("x1"))
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(s.used("lena").await, 0);
+    s.source.maintain("w", LEASE).await.unwrap();
+    assert_eq!(s.used("lena").await, 0);
 }
 
 async fn job_complete_wakes_the_waiter_and_keeps_the_charge(s: &Setup) {
@@ -423,6 +448,7 @@ macro_rules! conformance {
 conformance!(
     job_submit_reserves_once_and_only_the_owner_sees_it,
     job_denied_submission_leaves_nothing,
+    job_cost_over_the_plan_is_an_error_and_leaves_nothing,
     job_complete_wakes_the_waiter_and_keeps_the_charge,
     job_failure_refunds_exactly_once,
     job_expired_lease_goes_back_and_the_old_token_is_refused,

@@ -486,11 +486,16 @@ impl JobQueue for RedisJobQueue {
                 }
                 return Ok(SubmitOutcome::Denied { denied });
             }
+            Err(e) if e.is_transient() => {
+                // The reservation may still land (a timed-out call is not a
+                // cancelled one): keep the hold, so that maintenance refunds it
+                // once the hold ends, whatever happened.
+                return Err(e.into());
+            }
             Err(e) => {
-                // The reservation may have happened: refund before dropping, or
-                // leave the hold for maintenance.
-                if self.ledger.refund(&job.user, &job.id).await.is_ok() {
-                    let _ = drop_held().await;
+                // Bad input (cost over the plan's limit...): nothing was recorded.
+                if let Err(e) = drop_held().await {
+                    tracing::warn!(error = %e, "dropping a refused job failed; its hold will end");
                 }
                 return Err(e.into());
             }
