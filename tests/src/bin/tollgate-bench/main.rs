@@ -4,6 +4,7 @@
 //! run (these machines are shared and noisy: compare medians and ratios, never
 //! absolute numbers across runs). BENCHMARKS.md records the results.
 
+mod compose;
 mod jobs;
 mod ledger;
 mod load;
@@ -36,6 +37,9 @@ enum Command {
     /// Jobs: submit latency and end-to-end jobs/s, embedded and on Redis with
     /// real throttler and worker processes.
     Jobs(jobs::Args),
+    /// The docker-compose demo's scenario (tests/compose/run.sh): load through
+    /// every api pod, a worker killed mid-load, then the checks.
+    ComposeScenario(compose::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,6 +54,7 @@ fn main() -> anyhow::Result<()> {
             Command::Throttle(args) => throttle::bench(args).await,
             Command::ThrottleWaiters(args) => throttle::waiters(args).await,
             Command::Jobs(args) => jobs::run(args).await,
+            Command::ComposeScenario(args) => compose::run(args).await,
         }
     })
 }
