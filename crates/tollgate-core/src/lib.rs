@@ -5,16 +5,19 @@
 //!
 //! Nothing here talks to the network; the Redis backend lives in `tollgate-redis`.
 
+pub mod audit;
 pub mod clock;
 pub mod config;
 pub mod duration;
 pub mod id;
 pub mod job;
 pub mod job_memory;
+pub mod keystore;
 pub mod ledger;
 pub mod memory;
 pub mod throttle;
 
+pub use audit::{AuditError, MemoryOperationLog, OperationLog};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{Config, ConfigError, Operation, Plan, Provider, Upstream};
 pub use id::{IdError, RequestId, UserId};
@@ -23,6 +26,7 @@ pub use job::{
     JobStatus, Lease, Maintenance, SubmitOutcome,
 };
 pub use job_memory::MemoryJobQueue;
+pub use keystore::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError, MemoryKeyStore};
 pub use ledger::{
     Allowed, Denied, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent,
     Usage,

@@ -1,15 +1,16 @@
 //! Every Redis key tollgate uses is built here, and only here.
 //!
 //! Layout: `<prefix>:v1:{u:<user>}:<part>` for budgets, `<prefix>:v1:{p:<provider>}:<part>`
-//! for throttles, `<prefix>:v1:{q:<operation>}:<part>` for job queues and
-//! `<prefix>:v1:{r:<request>}:claim` for the job id index. The prefix lets several deployments
+//! for throttles, `<prefix>:v1:{q:<operation>}:<part>` for job queues,
+//! `<prefix>:v1:{r:<request>}:claim` for the job id index and
+//! `<prefix>:v1:apikey:<sha256>` for API keys. The prefix lets several deployments
 //! (and parallel tests) share one Redis; `v1` is the schema version, bumped when a
 //! layout changes so old and new pods never misread each other; the hash tag puts
 //! all keys of one user in one Redis Cluster slot, as multi-key scripts require.
 //! User ids cannot contain `{`, `}` or `:` ([`tollgate_core::id`]), so a user id
 //! can neither widen the hash tag nor forge another part of the name.
 
-use tollgate_core::UserId;
+use tollgate_core::{KeyHash, UserId};
 
 /// Key schema version: part of every key.
 pub const SCHEMA: &str = "v1";
@@ -40,6 +41,9 @@ pub struct BudgetKeys {
     pub costs: String,
     /// String: the user's plan name; never expires.
     pub plan: String,
+    /// Hash: request id -> operation name (the audit trail's labels); expires
+    /// a window after its last write.
+    pub operations: String,
 }
 
 /// The keys of one provider's throttle, sharing the provider's hash tag.
@@ -92,7 +96,21 @@ impl KeySpace {
             events: format!("{base}:events"),
             costs: format!("{base}:costs"),
             plan: format!("{base}:plan"),
+            operations: format!("{base}:ops"),
         }
+    }
+
+    /// Hash: one API key's record (`user`, `key_id`, `created_ms`, `revoked`),
+    /// named by the SHA-256 of the key: `<prefix>:v1:apikey:<sha256 hex>`.
+    pub fn api_key(&self, hash: &KeyHash) -> String {
+        format!("{}:{SCHEMA}:apikey:{}", self.prefix, hash.as_str())
+    }
+
+    /// String: a key id's key hash, for revoking by id:
+    /// `<prefix>:v1:apikey-id:<key id>`. Callers pass only ids that passed
+    /// [`tollgate_core::keystore::is_key_id`].
+    pub fn api_key_id(&self, key_id: &str) -> String {
+        format!("{}:{SCHEMA}:apikey-id:{key_id}", self.prefix)
     }
 }
 
@@ -199,6 +217,7 @@ mod tests {
         assert_eq!(k.events, "tg:v1:{u:alice}:events");
         assert_eq!(k.costs, "tg:v1:{u:alice}:costs");
         assert_eq!(k.plan, "tg:v1:{u:alice}:plan");
+        assert_eq!(k.operations, "tg:v1:{u:alice}:ops");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! - [`keys`] builds every key name (prefix, schema version, hash tags);
 //! - [`scripts`] embeds the Lua scripts of `lua/` and owns their KEYS/ARGV order;
 //! - [`pool`] connects (a deadpool of multiplexed connections) and classifies failures;
+//! - [`keystore`] and [`audit`] hold API keys and the operation of each request;
 //! - [`ledger`] is the [`tollgate_core::Ledger`] on top of them;
 //! - [`throttle`] is the [`tollgate_core::Throttle`] (waiter side) and the
 //!   throttler's [`throttle::Dispatcher`];
@@ -13,15 +14,19 @@
 //! by the scripts in `lua/`, one atomic script per operation, with time from Redis
 //! `TIME`; so are job records and queues.
 
+pub mod audit;
 pub mod jobs;
 pub mod keys;
+pub mod keystore;
 pub mod ledger;
 pub mod pool;
 pub mod scripts;
 pub mod throttle;
 
+pub use audit::RedisOperationLog;
 pub use jobs::RedisJobQueue;
 pub use keys::{JobKeys, KeyError, KeySpace};
+pub use keystore::RedisKeyStore;
 pub use ledger::RedisLedger;
 pub use pool::{connect, redact_url, Connection, Pool, PoolOptions, RedisBackendError};
 pub use throttle::{Dispatcher, RedisThrottle, RedisThrottleOptions};

@@ -1,0 +1,78 @@
+//! The operation log in Redis: one hash per user (`{u:<user>}:ops`, request id ->
+//! operation), in the user's hash tag, expiring a window after its last write.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tollgate_core::{AuditError, OperationLog, RequestId, UserId};
+
+use crate::keys::KeySpace;
+use crate::keystore::run_pipe;
+use crate::pool::{is_connection_error, Pool, DEFAULT_TIMEOUT};
+
+/// The distributed [`OperationLog`].
+#[derive(Debug)]
+pub struct RedisOperationLog {
+    pool: Pool,
+    keys: KeySpace,
+}
+
+fn map_err(e: redis::RedisError) -> AuditError {
+    if is_connection_error(&e) {
+        AuditError::Unavailable(e.to_string())
+    } else {
+        AuditError::Backend(e.to_string())
+    }
+}
+
+impl RedisOperationLog {
+    pub fn new(pool: Pool, keys: KeySpace) -> Self {
+        Self { pool, keys }
+    }
+}
+
+#[async_trait]
+impl OperationLog for RedisOperationLog {
+    async fn record(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        operation: &str,
+        keep: Duration,
+    ) -> Result<(), AuditError> {
+        let key = self.keys.budget(user).operations;
+        let keep_ms = u64::try_from(keep.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut pipe = redis::pipe();
+        pipe.cmd("HSET")
+            .arg(&key)
+            .arg(request.as_str())
+            .arg(operation)
+            .ignore()
+            .cmd("PEXPIRE")
+            .arg(&key)
+            .arg(keep_ms)
+            .ignore();
+        run_pipe::<()>(&self.pool, DEFAULT_TIMEOUT, "ops_record", &pipe)
+            .await
+            .map_err(map_err)
+    }
+
+    async fn operations(
+        &self,
+        user: &UserId,
+        requests: &[RequestId],
+    ) -> Result<Vec<Option<String>>, AuditError> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        pipe.cmd("HMGET")
+            .arg(self.keys.budget(user).operations)
+            .arg(requests.iter().map(RequestId::as_str).collect::<Vec<_>>());
+        let (ops,): (Vec<Option<String>>,) =
+            run_pipe(&self.pool, DEFAULT_TIMEOUT, "ops_lookup", &pipe)
+                .await
+                .map_err(map_err)?;
+        Ok(ops)
+    }
+}

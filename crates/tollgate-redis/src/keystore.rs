@@ -1,0 +1,170 @@
+//! API keys in Redis: `apikey:<sha256>` hashes (the record) and `apikey-id:<id>`
+//! strings (id -> hash, for revoking). Neither decides a budget, so plain
+//! commands suffice; a key and its id are written in one MULTI.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::{FromRedisValue, Pipeline};
+use tollgate_core::keystore::is_key_id;
+use tollgate_core::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError, UserId};
+use tracing::Instrument;
+
+use crate::keys::KeySpace;
+use crate::pool::{discard_if_broken, is_connection_error, Pool, DEFAULT_TIMEOUT};
+
+/// The distributed [`KeyStore`].
+pub struct RedisKeyStore {
+    pool: Pool,
+    keys: KeySpace,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisKeyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisKeyStore")
+            .field("prefix", &self.keys.prefix())
+            .finish_non_exhaustive()
+    }
+}
+
+fn map_err(e: redis::RedisError) -> KeyStoreError {
+    if is_connection_error(&e) {
+        KeyStoreError::Unavailable(e.to_string())
+    } else {
+        KeyStoreError::Backend(e.to_string())
+    }
+}
+
+/// Runs `pipe` on a pooled connection, bounded by `timeout`.
+pub(crate) async fn run_pipe<T: FromRedisValue>(
+    pool: &Pool,
+    timeout: Duration,
+    op: &'static str,
+    pipe: &Pipeline,
+) -> Result<T, redis::RedisError> {
+    let call = async {
+        let mut conn = pool.get().await.map_err(|e| {
+            redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                format!("no Redis connection: {e}"),
+            ))
+        })?;
+        let result = pipe.query_async::<T>(&mut *conn).await;
+        result.inspect_err(|e| discard_if_broken(conn, e))
+    };
+    tokio::time::timeout(timeout, call)
+        .instrument(tracing::debug_span!("redis", op))
+        .await
+        .unwrap_or_else(|_| {
+            Err(redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("Redis did not answer {op} within {timeout:?}"),
+            )))
+        })
+}
+
+impl RedisKeyStore {
+    pub fn new(pool: Pool, keys: KeySpace) -> Self {
+        Self {
+            pool,
+            keys,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    async fn pipe<T: FromRedisValue>(
+        &self,
+        op: &'static str,
+        pipe: &Pipeline,
+    ) -> Result<T, KeyStoreError> {
+        run_pipe(&self.pool, self.timeout, op, pipe)
+            .await
+            .map_err(map_err)
+    }
+
+    async fn record(&self, key: &str) -> Result<Option<KeyRecord>, KeyStoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("HMGET")
+            .arg(key)
+            .arg(&["user", "key_id", "created_ms", "revoked"]);
+        let (fields,): (Vec<Option<String>>,) = self.pipe("apikey_get", &pipe).await?;
+        let bad = || KeyStoreError::Backend(format!("malformed key record {key}"));
+        match fields.as_slice() {
+            [None, ..] => Ok(None),
+            [Some(user), Some(key_id), Some(created), revoked] => Ok(Some(KeyRecord {
+                user: UserId::new(user.as_str()).map_err(|_| bad())?,
+                key_id: key_id.clone(),
+                created_ms: created.parse().map_err(|_| bad())?,
+                revoked: revoked.as_deref() == Some("1"),
+            })),
+            _ => Err(bad()),
+        }
+    }
+}
+
+#[async_trait]
+impl KeyStore for RedisKeyStore {
+    async fn insert(&self, key: &ApiKey, record: &KeyRecord) -> Result<(), KeyStoreError> {
+        if !is_key_id(&record.key_id) {
+            return Err(KeyStoreError::Backend(format!(
+                "malformed key id {:?}",
+                record.key_id
+            )));
+        }
+        let hash = key.hash();
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("HSET")
+            .arg(self.keys.api_key(&hash))
+            .arg("user")
+            .arg(record.user.as_str())
+            .arg("key_id")
+            .arg(&record.key_id)
+            .arg("created_ms")
+            .arg(record.created_ms)
+            .arg("revoked")
+            .arg(if record.revoked { "1" } else { "0" })
+            .ignore()
+            .cmd("SET")
+            .arg(self.keys.api_key_id(&record.key_id))
+            .arg(hash.as_str())
+            .ignore();
+        self.pipe::<()>("apikey_insert", &pipe).await
+    }
+
+    async fn lookup(&self, hash: &KeyHash) -> Result<Option<KeyRecord>, KeyStoreError> {
+        self.record(&self.keys.api_key(hash)).await
+    }
+
+    async fn revoke(&self, key_id: &str) -> Result<Option<KeyRecord>, KeyStoreError> {
+        if !is_key_id(key_id) {
+            return Ok(None);
+        }
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(self.keys.api_key_id(key_id));
+        let (hash,): (Option<String>,) = self.pipe("apikey_id", &pipe).await?;
+        let Some(hash) = hash else {
+            return Ok(None);
+        };
+        let key = self.keys.api_key(&KeyHash::from_hex(hash));
+        let mut pipe = redis::pipe();
+        // HSET only on an existing record (a hash with a `user` field).
+        pipe.cmd("HEXISTS").arg(&key).arg("user");
+        let (exists,): (bool,) = self.pipe("apikey_exists", &pipe).await?;
+        if !exists {
+            return Ok(None);
+        }
+        let mut pipe = redis::pipe();
+        pipe.cmd("HSET").arg(&key).arg("revoked").arg("1").ignore();
+        self.pipe::<()>("apikey_revoke", &pipe).await?;
+        self.record(&key).await
+    }
+
+    async fn ping(&self) -> Result<(), KeyStoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("PING");
+        let (_,): (String,) = self.pipe("ping", &pipe).await?;
+        Ok(())
+    }
+}
