@@ -42,11 +42,14 @@ pub trait OperationLog: Send + Sync + std::fmt::Debug {
     ) -> Result<Vec<Option<String>>, AuditError>;
 }
 
+/// One user's labels: request id -> (operation, expires at ms).
+type Labels = HashMap<RequestId, (String, u64)>;
+
 /// The embedded operation log.
 #[derive(Debug, Default)]
 pub struct MemoryOperationLog<C: Clock = SystemClock> {
     clock: C,
-    users: Mutex<HashMap<UserId, HashMap<RequestId, (String, u64)>>>,
+    users: Mutex<HashMap<UserId, Labels>>,
 }
 
 impl MemoryOperationLog<SystemClock> {

@@ -1,0 +1,145 @@
+//! `/admin/*`: create users (and issue their key), change plans, revoke keys.
+//! Every handler extracts [`Admin`], so none runs without the admin token.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use tollgate_core::keystore::generate_key_id;
+use tollgate_core::{ApiKey, KeyRecord, UserId};
+
+use crate::auth::Admin;
+use crate::extract::JsonBody;
+use crate::problem::ApiError;
+use crate::state::ApiState;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateUser {
+    pub user: UserId,
+    /// A configured plan; the default plan when omitted.
+    pub plan: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CreatedUser {
+    pub user: String,
+    pub plan: String,
+    pub key_id: String,
+    /// The secret key: shown this once, stored only as a hash.
+    pub api_key: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetPlan {
+    pub plan: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PlanView {
+    pub user: String,
+    pub plan: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RevokedKey {
+    pub key_id: String,
+    pub user: String,
+    pub revoked: bool,
+}
+
+fn check_plan(state: &ApiState, plan: &str) -> Result<(), ApiError> {
+    if state.config.plan(plan).is_some() {
+        return Ok(());
+    }
+    let known: Vec<_> = state.config.plans().map(|p| p.name.as_str()).collect();
+    Err(ApiError::InvalidField {
+        field: "plan".into(),
+        detail: format!("plan: unknown plan {plan:?} (plans: {})", known.join(", ")),
+    })
+}
+
+/// Issues a key for `user` on `plan`: what `POST /admin/users` and
+/// `tollgate users create` do.
+pub async fn create_user(
+    state: &ApiState,
+    user: UserId,
+    plan: Option<String>,
+) -> Result<CreatedUser, ApiError> {
+    let plan = plan.unwrap_or_else(|| state.config.default_plan().name.clone());
+    check_plan(state, &plan)?;
+    state.ledger.set_plan(&user, &plan).await?;
+    let key = ApiKey::generate()?;
+    let record = KeyRecord {
+        key_id: generate_key_id()?,
+        user: user.clone(),
+        created_ms: now_ms(),
+        revoked: false,
+    };
+    state.keys.insert(&key, &record).await?;
+    tracing::info!(user = %user, key_id = %record.key_id, plan = %plan, "API key issued");
+    Ok(CreatedUser {
+        user: user.to_string(),
+        plan,
+        key_id: record.key_id,
+        api_key: key.expose().to_owned(),
+    })
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// `POST /admin/users`
+pub async fn create(
+    _: Admin,
+    State(state): State<ApiState>,
+    JsonBody(body): JsonBody<CreateUser>,
+) -> Result<Response, ApiError> {
+    let created = create_user(&state, body.user, body.plan).await?;
+    Ok((StatusCode::CREATED, axum::Json(created)).into_response())
+}
+
+/// `PUT /admin/users/{user}/plan`
+pub async fn set_plan(
+    _: Admin,
+    State(state): State<ApiState>,
+    Path(user): Path<String>,
+    JsonBody(body): JsonBody<SetPlan>,
+) -> Result<Response, ApiError> {
+    let user = UserId::new(user).map_err(|e| ApiError::InvalidField {
+        field: "user".into(),
+        detail: format!("user: {e}"),
+    })?;
+    check_plan(&state, &body.plan)?;
+    state.ledger.set_plan(&user, &body.plan).await?;
+    Ok(axum::Json(PlanView {
+        user: user.to_string(),
+        plan: body.plan,
+    })
+    .into_response())
+}
+
+/// `DELETE /admin/keys/{key_id}`
+pub async fn revoke(
+    _: Admin,
+    State(state): State<ApiState>,
+    Path(key_id): Path<String>,
+) -> Result<Response, ApiError> {
+    let record = state
+        .keys
+        .revoke(&key_id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no key {key_id:?}")))?;
+    tracing::info!(user = %record.user, key_id = %record.key_id, "API key revoked");
+    Ok(axum::Json(RevokedKey {
+        key_id: record.key_id,
+        user: record.user.to_string(),
+        revoked: record.revoked,
+    })
+    .into_response())
+}

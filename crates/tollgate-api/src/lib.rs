@@ -1,0 +1,258 @@
+//! The api role: the HTTP gateway users talk to.
+//!
+//! [`router`] builds the axum app over an [`ApiState`] (backends + settings);
+//! [`run`] serves it on a listener until a shutdown future resolves. Tests build
+//! the router in-process and drive it with `tower::ServiceExt::oneshot`, or serve
+//! it on port 0.
+//!
+//! - [`auth`]: bearer API keys and the admin token;
+//! - [`cost`]: the [`Cost`](cost::Cost) layer, which prices a route where it is
+//!   declared and charges the caller's budget around the handler;
+//! - [`ops`], [`usage`], [`admin`], [`health`]: the handlers;
+//! - [`problem`]: every error as `application/problem+json`;
+//! - [`ratelimit`]: `RateLimit-Policy` / `RateLimit` / `Retry-After`;
+//! - [`metrics`], [`openapi`]: `/metrics` and `/openapi.json`.
+//!
+//! **Invariant:** the api role never calls a provider; it reserves, enqueues a
+//! job, and reads the job's outcome.
+
+pub mod admin;
+pub mod auth;
+pub mod cost;
+pub mod extract;
+pub mod health;
+pub mod metrics;
+pub mod openapi;
+pub mod ops;
+pub mod problem;
+pub mod ratelimit;
+pub mod state;
+pub mod usage;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post, put};
+use axum::{Extension, Router};
+use serde_json::Value;
+use tower_http::catch_panic::CatchPanicLayer;
+
+pub use cost::{Budget, Cost, Reservation};
+pub use problem::{ApiError, Problem, ProblemType};
+pub use state::{ApiState, Settings};
+
+use crate::openapi::{schema, Doc, Routes};
+use crate::problem::ProblemType as P;
+
+/// The named operation routes: each states its price beside its path. A named
+/// route whose operation is missing from the config, or priced differently
+/// there, is left out with a warning (the job's cost comes from the config); the
+/// operation stays reachable at `/v1/ops/{operation}`.
+fn named_operations(mut routes: Routes, state: &ApiState) -> Routes {
+    let named = [
+        ("/v1/ops/embeddings", "Embed a text", Cost::tokens(1)),
+        ("/v1/ops/salary.lookup", "Look up a salary", Cost::tokens(3)),
+        (
+            "/v1/ops/jobs.extract",
+            "Extract a job listing",
+            Cost::tokens(5),
+        ),
+        (
+            "/v1/ops/llm.structured",
+            "A structured LLM call",
+            Cost::tokens(8),
+        ),
+        (
+            "/v1/ops/company.research",
+            "Research a company",
+            Cost::tokens(20),
+        ),
+    ];
+    for (path, summary, cost) in named {
+        let name = path.trim_start_matches("/v1/ops/");
+        let configured = state.config.operation(name).map(|o| o.cost);
+        if configured.is_none() || configured != cost.fixed() {
+            tracing::warn!(
+                operation = name,
+                route_cost = cost.fixed(),
+                config_cost = configured,
+                "named route left out: the config does not price the operation the same"
+            );
+            continue;
+        }
+        routes = routes.metered(operation_doc(path, summary), cost, post(ops::run));
+    }
+    routes
+}
+
+fn operation_doc(path: &str, summary: &str) -> Doc {
+    Doc::post(path, summary)
+        .user()
+        .body(schema("OperationInput"))
+        .ok(
+            200,
+            "The job succeeded: `job_id` and `result`.",
+            Some(schema("Job")),
+        )
+        .ok(
+            202,
+            "Accepted (async, or still running at the sync timeout): poll the `Location`.",
+            Some(schema("Job")),
+        )
+}
+
+/// Every route of the api, registered with its documentation.
+fn routes(state: &ApiState) -> Routes {
+    let user = Routes::new()
+        .metered(
+            operation_doc(
+                "/v1/ops/{operation}",
+                "Run an operation (its cost comes from the config)",
+            ),
+            Cost::per_operation(),
+            post(ops::run),
+        )
+        .route(
+            Doc::get(
+                "/v1/jobs/{id}",
+                "A job's status and result (your own jobs only)",
+            )
+            .user()
+            .ok(200, "The job.", Some(schema("Job")))
+            .errors(&[P::NotFound]),
+            get(ops::status),
+        )
+        .route(
+            Doc::get("/v1/usage", "Your budget and audit trail")
+                .user()
+                .ok(
+                    200,
+                    "Used, limit, remaining, window, reset time and the live spend events.",
+                    Some(schema("Usage")),
+                ),
+            get(usage::usage),
+        );
+    let user = named_operations(user, state);
+    let (user_router, user_docs) = user.into_parts();
+    let user_router = user_router.route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        auth::authenticate,
+    ));
+
+    Routes::from_parts(user_router, user_docs)
+        .route(
+            Doc::post(
+                "/admin/users",
+                "Create a user on a plan and issue its API key",
+            )
+            .admin()
+            .body(schema("CreateUser"))
+            .ok(
+                201,
+                "The user's key, shown this once.",
+                Some(schema("CreatedUser")),
+            ),
+            post(admin::create),
+        )
+        .route(
+            Doc::put("/admin/users/{user}/plan", "Change a user's plan")
+                .admin()
+                .body(schema("SetPlan"))
+                .ok(200, "The user's plan.", Some(schema("Plan"))),
+            put(admin::set_plan),
+        )
+        .route(
+            Doc::delete("/admin/keys/{key_id}", "Revoke an API key")
+                .admin()
+                .ok(200, "The revoked key.", Some(schema("RevokedKey")))
+                .errors(&[P::NotFound]),
+            delete(admin::revoke),
+        )
+        .route(
+            Doc::get("/healthz", "The process answers").ok(200, "Up.", Some(schema("Status"))),
+            get(health::healthz),
+        )
+        .route(
+            Doc::get("/readyz", "The backing store answers")
+                .ok(200, "Ready.", Some(schema("Status")))
+                .errors(&[P::BackendUnavailable]),
+            get(health::readyz),
+        )
+        .route(
+            Doc::get("/metrics", "Prometheus metrics").ok(
+                200,
+                "Text exposition format 0.0.4.",
+                Some(serde_json::json!({"type": "string"})),
+            ),
+            get(health::metrics),
+        )
+        .describe(Doc::get("/openapi.json", "This document").ok(
+            200,
+            "OpenAPI 3.1.",
+            Some(serde_json::json!({"type": "object"})),
+        ))
+}
+
+/// The OpenAPI document of the api over `state`'s config.
+pub fn openapi(state: &ApiState) -> Value {
+    routes(state).finish().1
+}
+
+/// The api's axum app.
+pub fn router(state: ApiState) -> Router {
+    let (router, document) = routes(&state).finish();
+    let document = Arc::new(document);
+    router
+        .route(
+            "/openapi.json",
+            get(move || {
+                let document = Arc::clone(&document);
+                async move { axum::Json(document.as_ref().clone()) }
+            }),
+        )
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .layer(DefaultBodyLimit::max(state.settings.body_limit))
+        .layer(Extension(state.budget()))
+        .layer(CatchPanicLayer::custom(
+            |_: Box<dyn std::any::Any + Send>| {
+                ApiError::Internal("a handler panicked".into()).into_response()
+            },
+        ))
+        .with_state(state)
+}
+
+async fn count_requests(State(state): State<ApiState>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let method = req.method().clone();
+    let response = next.run(req).await;
+    state
+        .metrics
+        .request(&route, method.as_str(), response.status().as_u16());
+    response
+}
+
+/// Serves the api on `listener` until `shutdown` resolves, then finishes the
+/// requests in flight.
+pub async fn run(
+    state: ApiState,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "api listening");
+    }
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

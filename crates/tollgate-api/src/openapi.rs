@@ -1,0 +1,398 @@
+//! The OpenAPI 3.1 document, generated from the route table: every route is
+//! added through [`Routes::route`], which registers the handler with axum and
+//! its description with the document in one call, so no route can exist without
+//! being documented. Schemas of the JSON bodies are written here, beside the
+//! problem types of [`ProblemType::ALL`].
+
+use std::collections::BTreeMap;
+
+use axum::http::Method;
+use axum::routing::MethodRouter;
+use axum::Router;
+use serde_json::{json, Map, Value};
+
+use crate::cost::Cost;
+use crate::problem::ProblemType;
+use crate::state::ApiState;
+
+/// Who may call a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Public,
+    User,
+    Admin,
+}
+
+/// One route's entry in the document.
+#[derive(Debug, Clone)]
+pub struct Doc {
+    pub method: Method,
+    pub path: String,
+    pub summary: String,
+    pub access: Access,
+    body: Option<Value>,
+    responses: Vec<(u16, String, Option<Value>)>,
+    errors: Vec<ProblemType>,
+    metered: Option<Cost>,
+}
+
+impl Doc {
+    pub fn new(method: Method, path: &str, summary: &str) -> Self {
+        Self {
+            method,
+            path: path.to_owned(),
+            summary: summary.to_owned(),
+            access: Access::Public,
+            body: None,
+            responses: Vec::new(),
+            errors: vec![ProblemType::Internal],
+            metered: None,
+        }
+    }
+
+    pub fn get(path: &str, summary: &str) -> Self {
+        Self::new(Method::GET, path, summary)
+    }
+    pub fn post(path: &str, summary: &str) -> Self {
+        Self::new(Method::POST, path, summary)
+    }
+    pub fn put(path: &str, summary: &str) -> Self {
+        Self::new(Method::PUT, path, summary)
+    }
+    pub fn delete(path: &str, summary: &str) -> Self {
+        Self::new(Method::DELETE, path, summary)
+    }
+
+    pub fn user(mut self) -> Self {
+        self.access = Access::User;
+        self.errors
+            .extend([ProblemType::Unauthorized, ProblemType::BackendUnavailable]);
+        self
+    }
+
+    pub fn admin(mut self) -> Self {
+        self.access = Access::Admin;
+        self.errors.extend([
+            ProblemType::Unauthorized,
+            ProblemType::AdminDisabled,
+            ProblemType::BackendUnavailable,
+        ]);
+        self
+    }
+
+    /// A JSON request body (adds the 400/413/415/422 problems).
+    pub fn body(mut self, schema: Value) -> Self {
+        self.body = Some(schema);
+        self.errors.extend([
+            ProblemType::MalformedRequest,
+            ProblemType::InvalidField,
+            ProblemType::UnsupportedMediaType,
+            ProblemType::PayloadTooLarge,
+        ]);
+        self
+    }
+
+    pub fn ok(mut self, status: u16, description: &str, schema: Option<Value>) -> Self {
+        self.responses
+            .push((status, description.to_owned(), schema));
+        self
+    }
+
+    pub fn errors(mut self, errors: &[ProblemType]) -> Self {
+        self.errors.extend_from_slice(errors);
+        self
+    }
+
+    fn operation(&self) -> Value {
+        let mut op = Map::new();
+        op.insert("summary".into(), json!(self.summary));
+        op.insert(
+            "operationId".into(),
+            json!(format!(
+                "{}{}",
+                self.method.as_str().to_lowercase(),
+                self.path
+                    .replace(['/', '{', '}', '.'], "_")
+                    .trim_end_matches('_')
+            )),
+        );
+        let mut params: Vec<Value> = self
+            .path
+            .split('/')
+            .filter_map(|seg| seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
+            .map(|name| json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}}))
+            .collect();
+        if let Some(cost) = self.metered {
+            params.push(json!({"name": "Idempotency-Key", "in": "header", "required": false,
+                "description": "Makes a retry safe: the same key (per user) is the same request, charged once, returning the same job.",
+                "schema": {"type": "string", "maxLength": 255}}));
+            params.push(json!({"name": "Prefer", "in": "header", "required": false,
+                "description": "`respond-async`: answer 202 at once; `wait=<seconds>`: wait at most that long.",
+                "schema": {"type": "string"}}));
+            params.push(json!({"name": "async", "in": "query", "required": false,
+                "description": "`true`: like `Prefer: respond-async`.", "schema": {"type": "boolean"}}));
+            op.insert(
+                "x-tollgate-cost".into(),
+                match cost.fixed() {
+                    Some(n) => json!(n),
+                    None => json!("the operation's cost in the config ([operations.<name>].cost)"),
+                },
+            );
+        }
+        if !params.is_empty() {
+            op.insert("parameters".into(), Value::Array(params));
+        }
+        match self.access {
+            Access::Public => {
+                op.insert("security".into(), json!([]));
+            }
+            Access::User => {
+                op.insert("security".into(), json!([{"apiKey": []}]));
+            }
+            Access::Admin => {
+                op.insert("security".into(), json!([{"adminToken": []}]));
+            }
+        }
+        if let Some(schema) = &self.body {
+            op.insert(
+                "requestBody".into(),
+                json!({"required": true, "content": {"application/json": {"schema": schema}}}),
+            );
+        }
+        let mut responses = Map::new();
+        for (status, description, schema) in &self.responses {
+            let mut r = json!({"description": description});
+            if let Some(schema) = schema {
+                let media = if *status == 200 && self.path == "/metrics" {
+                    "text/plain"
+                } else {
+                    "application/json"
+                };
+                r["content"] = json!({media: {"schema": schema}});
+            }
+            if self.metered.is_some() {
+                r["headers"] = ratelimit_headers(false);
+            }
+            responses.insert(status.to_string(), r);
+        }
+        let mut by_status: BTreeMap<u16, Vec<ProblemType>> = BTreeMap::new();
+        for e in &self.errors {
+            let list = by_status.entry(e.status().as_u16()).or_default();
+            if !list.contains(e) {
+                list.push(*e);
+            }
+        }
+        for (status, types) in by_status {
+            let description = types
+                .iter()
+                .map(|t| format!("`{}`: {}", t.uri(), t.title()))
+                .collect::<Vec<_>>()
+                .join("; ");
+            let mut r = json!({
+                "description": description,
+                "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}},
+                "x-problem-types": types.iter().map(|t| t.uri()).collect::<Vec<_>>(),
+            });
+            if status == 429 {
+                r["headers"] = ratelimit_headers(true);
+            }
+            responses.insert(status.to_string(), r);
+        }
+        op.insert("responses".into(), Value::Object(responses));
+        Value::Object(op)
+    }
+}
+
+fn ratelimit_headers(retry_after: bool) -> Value {
+    let mut h = json!({
+        "RateLimit-Policy": {"description": "The budget: `\"budget\";q=<limit>;w=<window seconds>`", "schema": {"type": "string"}},
+        "RateLimit": {"description": "What is left: `\"budget\";r=<remaining>;t=<seconds until more frees up>`", "schema": {"type": "string"}},
+    });
+    if retry_after {
+        h["Retry-After"] = json!({"description": "Seconds until this request's cost fits (rounded up from the exact retry_after).", "schema": {"type": "integer"}});
+    }
+    h
+}
+
+/// A router being built together with its OpenAPI document.
+#[derive(Debug)]
+pub struct Routes {
+    router: Router<ApiState>,
+    docs: Vec<Doc>,
+}
+
+impl Default for Routes {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Routes {
+    pub fn new() -> Self {
+        Self {
+            router: Router::new(),
+            docs: Vec::new(),
+        }
+    }
+
+    /// Adds `handler` at `doc.path` and documents it.
+    pub fn route(mut self, doc: Doc, handler: MethodRouter<ApiState>) -> Self {
+        self.router = self.router.route(&doc.path, handler);
+        self.docs.push(doc);
+        self
+    }
+
+    /// Adds a metered operation route: `cost` wraps `handler` (the price sits
+    /// next to the path), and the document shows the price and the budget
+    /// problems.
+    pub fn metered(self, mut doc: Doc, cost: Cost, handler: MethodRouter<ApiState>) -> Self {
+        doc.metered = Some(cost);
+        doc.errors.extend([
+            ProblemType::QuotaExceeded,
+            ProblemType::CostExceedsLimit,
+            ProblemType::IdempotencyConflict,
+            ProblemType::ProviderFailure,
+            ProblemType::ThrottleTimeout,
+            ProblemType::JobExpired,
+            ProblemType::JobAbandoned,
+        ]);
+        if cost.fixed().is_none() {
+            doc.errors.push(ProblemType::UnknownOperation);
+        }
+        self.route(doc, handler.layer(cost))
+    }
+
+    /// The router and the document.
+    pub fn finish(self) -> (Router<ApiState>, Value) {
+        let document = document(&self.docs);
+        (self.router, document)
+    }
+
+    pub fn docs(&self) -> &[Doc] {
+        &self.docs
+    }
+
+    /// Documents a route that is added to the router later, by the caller.
+    pub fn describe(mut self, doc: Doc) -> Self {
+        self.docs.push(doc);
+        self
+    }
+
+    /// The router so far and its docs (to wrap the router in route layers).
+    pub fn into_parts(self) -> (Router<ApiState>, Vec<Doc>) {
+        (self.router, self.docs)
+    }
+
+    pub fn from_parts(router: Router<ApiState>, docs: Vec<Doc>) -> Self {
+        Self { router, docs }
+    }
+}
+
+/// The OpenAPI document of `docs`.
+pub fn document(docs: &[Doc]) -> Value {
+    let mut paths: BTreeMap<&str, Map<String, Value>> = BTreeMap::new();
+    for doc in docs {
+        paths
+            .entry(&doc.path)
+            .or_default()
+            .insert(doc.method.as_str().to_lowercase(), doc.operation());
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "tollgate",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "User budgets and provider throttles for services that pay upstream APIs. \
+    Errors are application/problem+json (RFC 9457); every problem type is listed under x-problem-types.",
+        },
+        "paths": paths,
+        "components": {
+            "securitySchemes": {
+                "apiKey": {"type": "http", "scheme": "bearer", "description": "A user's API key (`tg_...`)."},
+                "adminToken": {"type": "http", "scheme": "bearer", "description": "The admin token (TOLLGATE_ADMIN_TOKEN)."},
+            },
+            "schemas": schemas(),
+        },
+        "x-problem-types": ProblemType::ALL.iter().map(|t| json!({
+            "type": t.uri(), "status": t.status().as_u16(), "title": t.title(),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn schemas() -> Value {
+    json!({
+        "Problem": {
+            "type": "object",
+            "required": ["type", "title", "status"],
+            "properties": {
+                "type": {"type": "string", "enum": ProblemType::ALL.iter().map(|t| t.uri()).collect::<Vec<_>>()},
+                "title": {"type": "string"},
+                "status": {"type": "integer"},
+                "detail": {"type": "string"},
+                "field": {"type": "string", "description": "The offending field (400/422)."},
+                "job_id": {"type": "string"},
+                "cause": {"type": "string", "enum": ["provider", "throttle_timeout", "expired", "abandoned"]},
+                "retry_after_ms": {"type": "integer", "description": "429: exactly when this request fits."},
+            },
+        },
+        "OperationInput": {"type": "object", "description": "The operation's input, passed to the provider as it is.", "additionalProperties": true},
+        "Job": {
+            "type": "object",
+            "required": ["job_id", "operation", "status", "cost", "enqueued_at"],
+            "properties": {
+                "job_id": {"type": "string"},
+                "operation": {"type": "string"},
+                "status": {"type": "string", "enum": ["queued", "running", "succeeded", "failed"]},
+                "result": {"description": "The provider's result (succeeded)."},
+                "error": {"type": "object", "properties": {"cause": {"type": "string"}, "message": {"type": "string"}}},
+                "cost": {"type": "integer"},
+                "enqueued_at": {"type": "string", "format": "date-time"},
+                "finished_at": {"type": "string", "format": "date-time"},
+            },
+        },
+        "Usage": {
+            "type": "object",
+            "required": ["user", "plan", "used", "limit", "remaining", "window_secs", "events"],
+            "properties": {
+                "user": {"type": "string"},
+                "plan": {"type": "string"},
+                "used": {"type": "integer"},
+                "limit": {"type": "integer"},
+                "remaining": {"type": "integer"},
+                "window_secs": {"type": "integer"},
+                "reset_after_secs": {"type": ["integer", "null"]},
+                "reset_at": {"type": ["string", "null"], "format": "date-time"},
+                "events": {"type": "array", "items": {
+                    "type": "object",
+                    "required": ["request_id", "cost", "at", "at_ms"],
+                    "properties": {
+                        "request_id": {"type": "string"},
+                        "operation": {"type": ["string", "null"]},
+                        "cost": {"type": "integer"},
+                        "at": {"type": "string", "format": "date-time"},
+                        "at_ms": {"type": "integer"},
+                    },
+                }},
+            },
+        },
+        "CreateUser": {
+            "type": "object", "required": ["user"], "additionalProperties": false,
+            "properties": {"user": {"type": "string", "maxLength": 128, "pattern": "^[A-Za-z0-9._@+=~-]+$"}, "plan": {"type": "string"}},
+        },
+        "CreatedUser": {
+            "type": "object", "required": ["user", "plan", "key_id", "api_key"],
+            "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "key_id": {"type": "string"},
+                "api_key": {"type": "string", "description": "Shown once; stored only as a SHA-256 hash."}},
+        },
+        "SetPlan": {"type": "object", "required": ["plan"], "additionalProperties": false, "properties": {"plan": {"type": "string"}}},
+        "Plan": {"type": "object", "required": ["user", "plan"], "properties": {"user": {"type": "string"}, "plan": {"type": "string"}}},
+        "RevokedKey": {"type": "object", "required": ["key_id", "user", "revoked"],
+            "properties": {"key_id": {"type": "string"}, "user": {"type": "string"}, "revoked": {"type": "boolean"}}},
+        "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
+    })
+}
+
+/// `{"$ref": "#/components/schemas/<name>"}`
+pub fn schema(name: &str) -> Value {
+    json!({"$ref": format!("#/components/schemas/{name}")})
+}

@@ -1,0 +1,360 @@
+//! Errors at the HTTP edge: one [`ApiError`] enum, one `IntoResponse` that turns
+//! each variant into an `application/problem+json` body (RFC 9457) with a stable
+//! `type`. Internal details are logged here and never sent to the client.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use tollgate_core::{
+    AuditError, Denied, FailureCause, JobError, KeyStoreError, LedgerError, RequestId,
+};
+
+use crate::ratelimit::RateLimit;
+
+/// Media type of every error body.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Problem types are relative URI references (RFC 9457 §3.1.1): stable names
+/// that never change meaning. Every type the api can answer with is listed in
+/// [`ProblemType::ALL`] (and in the OpenAPI document).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProblemType {
+    Unauthorized,
+    AdminDisabled,
+    NotFound,
+    UnknownOperation,
+    MethodNotAllowed,
+    MalformedRequest,
+    InvalidField,
+    UnsupportedMediaType,
+    PayloadTooLarge,
+    QuotaExceeded,
+    CostExceedsLimit,
+    IdempotencyConflict,
+    ProviderFailure,
+    ThrottleTimeout,
+    JobExpired,
+    JobAbandoned,
+    BackendUnavailable,
+    Internal,
+}
+
+impl ProblemType {
+    pub const ALL: [ProblemType; 18] = [
+        Self::Unauthorized,
+        Self::AdminDisabled,
+        Self::NotFound,
+        Self::UnknownOperation,
+        Self::MethodNotAllowed,
+        Self::MalformedRequest,
+        Self::InvalidField,
+        Self::UnsupportedMediaType,
+        Self::PayloadTooLarge,
+        Self::QuotaExceeded,
+        Self::CostExceedsLimit,
+        Self::IdempotencyConflict,
+        Self::ProviderFailure,
+        Self::ThrottleTimeout,
+        Self::JobExpired,
+        Self::JobAbandoned,
+        Self::BackendUnavailable,
+        Self::Internal,
+    ];
+
+    pub fn slug(self) -> &'static str {
+        match self {
+            Self::Unauthorized => "unauthorized",
+            Self::AdminDisabled => "admin-disabled",
+            Self::NotFound => "not-found",
+            Self::UnknownOperation => "unknown-operation",
+            Self::MethodNotAllowed => "method-not-allowed",
+            Self::MalformedRequest => "malformed-request",
+            Self::InvalidField => "invalid-field",
+            Self::UnsupportedMediaType => "unsupported-media-type",
+            Self::PayloadTooLarge => "payload-too-large",
+            Self::QuotaExceeded => "quota-exceeded",
+            Self::CostExceedsLimit => "cost-exceeds-limit",
+            Self::IdempotencyConflict => "idempotency-conflict",
+            Self::ProviderFailure => "provider-failure",
+            Self::ThrottleTimeout => "throttle-timeout",
+            Self::JobExpired => "job-expired",
+            Self::JobAbandoned => "job-abandoned",
+            Self::BackendUnavailable => "backend-unavailable",
+            Self::Internal => "internal",
+        }
+    }
+
+    /// The `type` member: `/problems/<slug>`.
+    pub fn uri(self) -> String {
+        format!("/problems/{}", self.slug())
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::AdminDisabled => StatusCode::FORBIDDEN,
+            Self::NotFound | Self::UnknownOperation => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Self::MalformedRequest => StatusCode::BAD_REQUEST,
+            Self::InvalidField | Self::CostExceedsLimit => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            Self::IdempotencyConflict => StatusCode::CONFLICT,
+            Self::ProviderFailure => StatusCode::BAD_GATEWAY,
+            Self::ThrottleTimeout | Self::JobExpired => StatusCode::GATEWAY_TIMEOUT,
+            Self::JobAbandoned | Self::BackendUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::Unauthorized => "Missing, unknown or revoked credentials",
+            Self::AdminDisabled => "Admin routes are disabled (no admin token configured)",
+            Self::NotFound => "Not found",
+            Self::UnknownOperation => "Unknown operation",
+            Self::MethodNotAllowed => "Method not allowed",
+            Self::MalformedRequest => "Malformed request",
+            Self::InvalidField => "Invalid field",
+            Self::UnsupportedMediaType => "Unsupported media type",
+            Self::PayloadTooLarge => "Request body too large",
+            Self::QuotaExceeded => "Budget exhausted: do not retry before Retry-After",
+            Self::CostExceedsLimit => "The operation costs more than the plan's whole budget",
+            Self::IdempotencyConflict => "Idempotency key already used for another request",
+            Self::ProviderFailure => "The upstream provider failed; the budget was refunded",
+            Self::ThrottleTimeout => {
+                "The provider is saturated: no slot in time; the budget was refunded"
+            }
+            Self::JobExpired => "The job missed its deadline; the budget was refunded",
+            Self::JobAbandoned => "The job was given up; the budget was refunded",
+            Self::BackendUnavailable => "The backing store is unavailable; retry shortly",
+            Self::Internal => "Internal error",
+        }
+    }
+}
+
+/// The body of every error response.
+#[derive(Debug, Clone, Serialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: &'static str,
+    pub status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// The offending field (400/422).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// The job concerned (502/503/504 of an operation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<String>,
+    /// Why a job failed: `provider`, `throttle_timeout`, `expired`, `abandoned`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cause: Option<&'static str>,
+    /// 429: milliseconds until the request fits (exact).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
+}
+
+/// Everything the api can answer with other than success.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    #[error("admin routes are disabled: set TOLLGATE_ADMIN_TOKEN")]
+    AdminDisabled,
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    UnknownOperation(String),
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("{detail}")]
+    Malformed {
+        detail: String,
+        field: Option<String>,
+    },
+    #[error("{detail}")]
+    InvalidField { field: String, detail: String },
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("the request body is larger than this server accepts")]
+    PayloadTooLarge,
+    #[error("budget exhausted")]
+    QuotaExceeded { denied: Denied, policy: RateLimit },
+    #[error("{0}")]
+    CostExceedsLimit(String),
+    #[error("{0}")]
+    IdempotencyConflict(String),
+    #[error("job {job_id} failed: {message}")]
+    JobFailed {
+        job_id: RequestId,
+        cause: FailureCause,
+        message: String,
+    },
+    /// A store is unreachable: 503, logged with its internal message.
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    /// Anything else: 500, logged, never described to the client.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn kind(&self) -> ProblemType {
+        match self {
+            Self::Unauthorized(_) => ProblemType::Unauthorized,
+            Self::AdminDisabled => ProblemType::AdminDisabled,
+            Self::NotFound(_) => ProblemType::NotFound,
+            Self::UnknownOperation(_) => ProblemType::UnknownOperation,
+            Self::MethodNotAllowed => ProblemType::MethodNotAllowed,
+            Self::Malformed { .. } => ProblemType::MalformedRequest,
+            Self::InvalidField { .. } => ProblemType::InvalidField,
+            Self::UnsupportedMediaType(_) => ProblemType::UnsupportedMediaType,
+            Self::PayloadTooLarge => ProblemType::PayloadTooLarge,
+            Self::QuotaExceeded { .. } => ProblemType::QuotaExceeded,
+            Self::CostExceedsLimit(_) => ProblemType::CostExceedsLimit,
+            Self::IdempotencyConflict(_) => ProblemType::IdempotencyConflict,
+            Self::JobFailed { cause, .. } => match cause {
+                FailureCause::Provider => ProblemType::ProviderFailure,
+                FailureCause::ThrottleTimeout => ProblemType::ThrottleTimeout,
+                FailureCause::Expired => ProblemType::JobExpired,
+                FailureCause::Abandoned => ProblemType::JobAbandoned,
+            },
+            Self::Unavailable(_) => ProblemType::BackendUnavailable,
+            Self::Internal(_) => ProblemType::Internal,
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.kind().status()
+    }
+
+    /// The body sent to the client: no internal detail for 5xx store errors.
+    pub fn problem(&self) -> Problem {
+        let kind = self.kind();
+        let mut p = Problem {
+            kind: kind.uri(),
+            title: kind.title(),
+            status: kind.status().as_u16(),
+            detail: None,
+            field: None,
+            job_id: None,
+            cause: None,
+            retry_after_ms: None,
+        };
+        match self {
+            Self::Unavailable(_) => {
+                p.detail = Some("the budget or job store cannot be reached; retry shortly".into())
+            }
+            Self::Internal(_) => {}
+            Self::Malformed { field, .. } => {
+                p.detail = Some(self.to_string());
+                p.field = field.clone();
+            }
+            Self::InvalidField { field, .. } => {
+                p.detail = Some(self.to_string());
+                p.field = Some(field.clone());
+            }
+            Self::QuotaExceeded { denied, .. } => {
+                p.detail = Some(format!(
+                    "used {} of {} tokens; this request fits in {} ms",
+                    denied.used, denied.limit, denied.retry_after_ms
+                ));
+                p.retry_after_ms = Some(denied.retry_after_ms);
+            }
+            Self::JobFailed {
+                job_id,
+                cause,
+                message,
+            } => {
+                p.detail = Some(format!("{}: {message}", cause.as_str()));
+                p.job_id = Some(job_id.to_string());
+                p.cause = Some(cause.as_str());
+            }
+            other => p.detail = Some(other.to_string()),
+        }
+        p
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        match &self {
+            Self::Internal(m) => tracing::error!(error = %m, "internal error"),
+            Self::Unavailable(m) => tracing::warn!(error = %m, "backend unavailable"),
+            _ => tracing::debug!(status = status.as_u16(), error = %self, "request failed"),
+        }
+        let body = serde_json::to_vec(&self.problem()).unwrap_or_default();
+        let mut response = (status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        match &self {
+            Self::Unauthorized(_) => {
+                headers.insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"tollgate\""),
+                );
+            }
+            Self::QuotaExceeded { denied, policy } => {
+                policy.denied(denied).apply(headers);
+            }
+            Self::Unavailable(_) | Self::JobFailed { .. } => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        response
+    }
+}
+
+impl From<LedgerError> for ApiError {
+    fn from(e: LedgerError) -> Self {
+        match e {
+            LedgerError::CostExceedsLimit { .. } => Self::CostExceedsLimit(e.to_string()),
+            LedgerError::ZeroCost | LedgerError::CostTooLarge { .. } => {
+                Self::Internal(format!("a route declares an invalid cost: {e}"))
+            }
+            LedgerError::UnknownPlan { .. } => Self::InvalidField {
+                field: "plan".into(),
+                detail: e.to_string(),
+            },
+            LedgerError::Unavailable(m) => Self::Unavailable(m),
+            LedgerError::Backend(m) => Self::Internal(m),
+        }
+    }
+}
+
+impl From<JobError> for ApiError {
+    fn from(e: JobError) -> Self {
+        match e {
+            JobError::UnknownOperation { .. } => Self::UnknownOperation(e.to_string()),
+            JobError::IdInUse(_) => Self::IdempotencyConflict(
+                "this Idempotency-Key was already used for a different operation".into(),
+            ),
+            JobError::Ledger(l) => l.into(),
+            JobError::Unavailable(m) => Self::Unavailable(m),
+            JobError::Backend(m) => Self::Internal(m),
+        }
+    }
+}
+
+impl From<KeyStoreError> for ApiError {
+    fn from(e: KeyStoreError) -> Self {
+        match e {
+            KeyStoreError::Unavailable(m) => Self::Unavailable(m),
+            other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<AuditError> for ApiError {
+    fn from(e: AuditError) -> Self {
+        match e {
+            AuditError::Unavailable(m) => Self::Unavailable(m),
+            AuditError::Backend(m) => Self::Internal(m),
+        }
+    }
+}

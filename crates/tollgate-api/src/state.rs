@@ -1,0 +1,115 @@
+//! [`ApiState`]: the backends and settings every handler shares, and the two ways
+//! to build them (in memory for the embedded mode and tests, on Redis for pods).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_core::{
+    Config, JobQueue, KeyStore, Ledger, MemoryKeyStore, MemoryLedger, MemoryOperationLog,
+    OperationLog,
+};
+
+use crate::cost::Budget;
+use crate::metrics::Metrics;
+
+/// Default largest request body, in bytes.
+pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024;
+/// Default longest wait of a synchronous operation call.
+pub const DEFAULT_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Knobs of the api role.
+#[derive(Clone)]
+pub struct Settings {
+    /// Guards `/admin/*`; `None` disables those routes (403).
+    pub admin_token: Option<String>,
+    /// Largest accepted request body (larger: 413).
+    pub body_limit: usize,
+    /// How long a synchronous call waits for its job before answering 202.
+    pub sync_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            admin_token: None,
+            body_limit: DEFAULT_BODY_LIMIT,
+            sync_timeout: DEFAULT_SYNC_TIMEOUT,
+        }
+    }
+}
+
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
+            .field("body_limit", &self.body_limit)
+            .field("sync_timeout", &self.sync_timeout)
+            .finish()
+    }
+}
+
+/// Everything a handler needs. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ApiState {
+    pub config: Arc<Config>,
+    pub ledger: Arc<dyn Ledger>,
+    pub jobs: Arc<dyn JobQueue>,
+    pub keys: Arc<dyn KeyStore>,
+    pub operations: Arc<dyn OperationLog>,
+    pub metrics: Arc<Metrics>,
+    pub settings: Settings,
+}
+
+impl ApiState {
+    /// The api on in-memory stores: `jobs` must share `ledger` (a
+    /// `MemoryJobQueue` built on it, served by in-process workers).
+    pub fn memory(
+        config: Arc<Config>,
+        ledger: Arc<MemoryLedger>,
+        jobs: Arc<dyn JobQueue>,
+        settings: Settings,
+    ) -> Self {
+        Self {
+            config,
+            ledger,
+            jobs,
+            keys: Arc::new(MemoryKeyStore::new()),
+            operations: Arc::new(MemoryOperationLog::new()),
+            metrics: Arc::new(Metrics::new()),
+            settings,
+        }
+    }
+
+    /// The api on Redis: ledger, keys and operation log share `pool`.
+    pub fn redis(
+        config: Arc<Config>,
+        pool: tollgate_redis::Pool,
+        keys: tollgate_redis::KeySpace,
+        jobs: Arc<dyn JobQueue>,
+        settings: Settings,
+    ) -> Self {
+        Self {
+            ledger: Arc::new(tollgate_redis::RedisLedger::new(
+                pool.clone(),
+                keys.clone(),
+                Arc::clone(&config),
+            )),
+            keys: Arc::new(tollgate_redis::RedisKeyStore::new(
+                pool.clone(),
+                keys.clone(),
+            )),
+            operations: Arc::new(tollgate_redis::RedisOperationLog::new(pool, keys)),
+            config,
+            jobs,
+            metrics: Arc::new(Metrics::new()),
+            settings,
+        }
+    }
+
+    /// What the [`Cost`](crate::cost::Cost) layer charges with.
+    pub fn budget(&self) -> Budget {
+        Budget::new(Arc::clone(&self.ledger), Arc::clone(&self.config))
+            .with_metrics(Arc::clone(&self.metrics))
+    }
+}
