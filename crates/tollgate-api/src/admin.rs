@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use tollgate_core::keystore::generate_key_id;
-use tollgate_core::{ApiKey, KeyRecord, UserId};
+use tollgate_core::{ApiKey, Config, KeyRecord, KeyStore, Ledger, UserId};
 
 use crate::auth::Admin;
 use crate::extract::JsonBody;
@@ -49,11 +49,11 @@ pub struct RevokedKey {
     pub revoked: bool,
 }
 
-fn check_plan(state: &ApiState, plan: &str) -> Result<(), ApiError> {
-    if state.config.plan(plan).is_some() {
+fn check_plan(config: &Config, plan: &str) -> Result<(), ApiError> {
+    if config.plan(plan).is_some() {
         return Ok(());
     }
-    let known: Vec<_> = state.config.plans().map(|p| p.name.as_str()).collect();
+    let known: Vec<_> = config.plans().map(|p| p.name.as_str()).collect();
     Err(ApiError::InvalidField {
         field: "plan".into(),
         detail: format!("plan: unknown plan {plan:?} (plans: {})", known.join(", ")),
@@ -63,13 +63,15 @@ fn check_plan(state: &ApiState, plan: &str) -> Result<(), ApiError> {
 /// Issues a key for `user` on `plan`: what `POST /admin/users` and
 /// `tollgate users create` do.
 pub async fn create_user(
-    state: &ApiState,
+    config: &Config,
+    ledger: &dyn Ledger,
+    keys: &dyn KeyStore,
     user: UserId,
     plan: Option<String>,
 ) -> Result<CreatedUser, ApiError> {
-    let plan = plan.unwrap_or_else(|| state.config.default_plan().name.clone());
-    check_plan(state, &plan)?;
-    state.ledger.set_plan(&user, &plan).await?;
+    let plan = plan.unwrap_or_else(|| config.default_plan().name.clone());
+    check_plan(config, &plan)?;
+    ledger.set_plan(&user, &plan).await?;
     let key = ApiKey::generate()?;
     let record = KeyRecord {
         key_id: generate_key_id()?,
@@ -77,7 +79,7 @@ pub async fn create_user(
         created_ms: now_ms(),
         revoked: false,
     };
-    state.keys.insert(&key, &record).await?;
+    keys.insert(&key, &record).await?;
     tracing::info!(user = %user, key_id = %record.key_id, plan = %plan, "API key issued");
     Ok(CreatedUser {
         user: user.to_string(),
@@ -100,7 +102,14 @@ pub async fn create(
     State(state): State<ApiState>,
     JsonBody(body): JsonBody<CreateUser>,
 ) -> Result<Response, ApiError> {
-    let created = create_user(&state, body.user, body.plan).await?;
+    let created = create_user(
+        &state.config,
+        state.ledger.as_ref(),
+        state.keys.as_ref(),
+        body.user,
+        body.plan,
+    )
+    .await?;
     Ok((StatusCode::CREATED, axum::Json(created)).into_response())
 }
 
@@ -115,7 +124,7 @@ pub async fn set_plan(
         field: "user".into(),
         detail: format!("user: {e}"),
     })?;
-    check_plan(&state, &body.plan)?;
+    check_plan(&state.config, &body.plan)?;
     state.ledger.set_plan(&user, &body.plan).await?;
     Ok(axum::Json(PlanView {
         user: user.to_string(),

@@ -81,20 +81,19 @@ impl ApiState {
         }
     }
 
-    /// The api on Redis: ledger, keys and operation log share `pool`.
+    /// The api on Redis: keys and the operation log on `pool`; `ledger` (a
+    /// `RedisLedger`) and `jobs` (a `RedisJobQueue` on that ledger) built by
+    /// the caller.
     pub fn redis(
         config: Arc<Config>,
         pool: tollgate_redis::Pool,
         keys: tollgate_redis::KeySpace,
+        ledger: Arc<dyn Ledger>,
         jobs: Arc<dyn JobQueue>,
         settings: Settings,
     ) -> Self {
         Self {
-            ledger: Arc::new(tollgate_redis::RedisLedger::new(
-                pool.clone(),
-                keys.clone(),
-                Arc::clone(&config),
-            )),
+            ledger,
             keys: Arc::new(tollgate_redis::RedisKeyStore::new(
                 pool.clone(),
                 keys.clone(),

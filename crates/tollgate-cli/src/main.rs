@@ -1,11 +1,13 @@
 //! The `tollgate` binary: parses flags, sets up logging, and hands over to a role
 //! or an operator command. Everything of substance lives in the library crates.
 
+mod api;
 mod budget;
 mod logging;
 mod mock_provider;
 mod throttler;
 mod worker;
+mod users;
 
 use std::process::ExitCode;
 
@@ -30,6 +32,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The api role: the HTTP gateway (API keys, metered operations, jobs, usage).
+    Api(api::ApiArgs),
     /// Operator commands on user budgets: reserve, refund, settle, usage, plans.
     Budget(budget::BudgetArgs),
     /// The throttler role: grants provider slots from the shared token buckets.
@@ -38,6 +42,8 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// A mock upstream provider with its own rate limit, failures and /stats (demo and tests).
     MockProvider(mock_provider::MockProviderArgs),
+    /// Operator commands on users: create (issues an API key), revoke a key.
+    Users(users::UsersArgs),
 }
 
 /// Exit codes shared by every command.
@@ -66,9 +72,11 @@ fn main() -> ExitCode {
     runtime.block_on(async {
         match cli.command {
             Command::Budget(args) => budget::run(args).await,
+            Command::Api(args) => api::run(args).await,
             Command::Throttler(args) => throttler::run(args).await,
             Command::Worker(args) => worker::run(args).await,
             Command::MockProvider(args) => mock_provider::run(args).await,
+            Command::Users(args) => users::run(args).await,
         }
     })
 }
