@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
+mod api;
+mod api_redis;
 mod cli;
 mod concurrency;
 mod jobs;

@@ -2,6 +2,8 @@
 //! the path of the project's binaries. Used by the integration tests in `it/` and
 //! by the `tollgate-bench` binary.
 
+pub mod api;
+pub mod http;
 pub mod redis_server;
 pub mod throttle;
 

@@ -1,0 +1,753 @@
+//! The api role over both backends: admin and auth, metered operations (sync,
+//! async, idempotent, failing), budget responses, bad requests, OpenAPI and
+//! metrics. Each case runs on the in-memory stores and on a real Redis, driven
+//! through `tower::ServiceExt::oneshot`, with a stand-in worker taking the jobs
+//! through the `JobSource` contract.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tollgate_api::{ApiState, ProblemType, Settings};
+use tollgate_core::job::JobOptions;
+use tollgate_core::{Config, JobSource, Ledger, MemoryJobQueue, MemoryLedger};
+use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
+use tollgate_tests::api::StandInWorker;
+use tollgate_tests::{random_prefix, RedisServer};
+use tower::ServiceExt;
+
+pub const ADMIN: &str = "admin-token-for-tests-0123456789";
+
+/// The built-in config plus a tiny plan and an operation reachable only through
+/// the generic route.
+pub fn test_config() -> Arc<Config> {
+    let text = format!(
+        "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n",
+        tollgate_core::config::BUILTIN
+    );
+    Arc::new(Config::parse(&text, "test").expect("test config"))
+}
+
+pub struct Harness {
+    pub state: ApiState,
+    pub app: Router,
+    pub source: Arc<dyn JobSource>,
+    pub redis: Option<RedisServer>,
+}
+
+pub struct Resp {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Value,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    /// Asserts a problem+json body of `kind` and returns it.
+    #[track_caller]
+    pub fn problem(&self, kind: ProblemType) -> &Value {
+        assert_eq!(
+            self.header("content-type"),
+            "application/problem+json",
+            "{:?}",
+            self.body
+        );
+        assert_eq!(self.body["type"], kind.uri(), "{}", self.body);
+        assert_eq!(self.status, kind.status(), "{}", self.body);
+        assert_eq!(self.body["status"], kind.status().as_u16());
+        &self.body
+    }
+}
+
+pub fn settings() -> Settings {
+    Settings {
+        admin_token: Some(ADMIN.into()),
+        body_limit: 4096,
+        sync_timeout: Duration::from_secs(10),
+    }
+}
+
+impl Harness {
+    pub async fn memory(settings: Settings) -> Self {
+        let config = test_config();
+        let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+        let queue = Arc::new(MemoryJobQueue::new(
+            Arc::clone(&config),
+            Arc::clone(&ledger) as Arc<dyn Ledger>,
+        ));
+        let state = ApiState::memory(config, ledger, queue.clone(), settings);
+        Self {
+            app: tollgate_api::router(state.clone()),
+            state,
+            source: queue,
+            redis: None,
+        }
+    }
+
+    pub async fn redis(settings: Settings) -> Self {
+        let server = RedisServer::start();
+        let state = redis_state(&server.url(), &random_prefix(), settings).await;
+        let source = redis_source(&server.url(), &state).await;
+        Self {
+            app: tollgate_api::router(state.clone()),
+            state,
+            source,
+            redis: Some(server),
+        }
+    }
+
+    pub fn worker(&self, fail_rate: f64) -> StandInWorker {
+        let ops: Vec<&str> = vec![
+            "embeddings",
+            "salary.lookup",
+            "jobs.extract",
+            "llm.structured",
+            "company.research",
+            "echo.custom",
+        ];
+        StandInWorker::start(
+            Arc::clone(&self.source),
+            &ops,
+            fail_rate,
+            Duration::from_millis(5),
+        )
+    }
+
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        headers: &[(&str, &str)],
+        body: Option<String>,
+    ) -> Resp {
+        let mut req = Request::builder().method(method).uri(path);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        if body.is_some() {
+            req = req.header("content-type", "application/json");
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(body.map_or_else(Body::empty, Body::from)).unwrap();
+        let response = tokio::time::timeout(Duration::from_secs(30), self.app.clone().oneshot(req))
+            .await
+            .expect("answer within 30s")
+            .unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let body = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        Resp {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub async fn post(&self, path: &str, token: &str, body: Value) -> Resp {
+        self.call("POST", path, Some(token), &[], Some(body.to_string()))
+            .await
+    }
+
+    /// Creates `user` on `plan` through the admin route; returns the API key.
+    pub async fn user(&self, user: &str, plan: &str) -> String {
+        let r = self
+            .post("/admin/users", ADMIN, json!({"user": user, "plan": plan}))
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        r.body["api_key"].as_str().unwrap().to_owned()
+    }
+
+    pub async fn usage(&self, key: &str) -> Value {
+        let r = self.call("GET", "/v1/usage", Some(key), &[], None).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        r.body
+    }
+
+    /// Waits (at most 10 s) until the user's usage is `used`.
+    pub async fn wait_used(&self, key: &str, used: u64) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let u = self.usage(key).await;
+            if u["used"] == used || Instant::now() > deadline {
+                assert_eq!(u["used"], used, "{u}");
+                return u;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+pub async fn redis_state(url: &str, prefix: &str, settings: Settings) -> ApiState {
+    let config = test_config();
+    let keys = KeySpace::new(prefix).unwrap();
+    let pool = tollgate_redis::connect(
+        url,
+        &PoolOptions {
+            max_size: 16,
+            timeout: Duration::from_secs(1),
+        },
+    )
+    .await
+    .unwrap();
+    let ledger: Arc<dyn Ledger> = Arc::new(
+        RedisLedger::new(pool.clone(), keys.clone(), Arc::clone(&config))
+            .with_timeout(Duration::from_secs(1)),
+    );
+    let jobs = Arc::new(
+        RedisJobQueue::new(
+            url,
+            pool.clone(),
+            keys.clone(),
+            Arc::clone(&config),
+            Arc::clone(&ledger),
+            JobOptions::default(),
+        )
+        .unwrap(),
+    );
+    ApiState::redis(config, pool, keys, ledger, jobs, settings)
+}
+
+/// A separate queue object (its own waiters) on the same keys: the worker side.
+pub async fn redis_source(url: &str, state: &ApiState) -> Arc<dyn JobSource> {
+    let prefix = state_prefix(state);
+    let keys = KeySpace::new(&prefix).unwrap();
+    let pool = tollgate_redis::connect(url, &PoolOptions::default())
+        .await
+        .unwrap();
+    let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(&state.config),
+    ));
+    Arc::new(
+        RedisJobQueue::new(
+            url,
+            pool,
+            keys,
+            Arc::clone(&state.config),
+            ledger,
+            JobOptions::default(),
+        )
+        .unwrap(),
+    )
+}
+
+fn state_prefix(state: &ApiState) -> String {
+    // RedisLedger's Debug shows its prefix: `RedisLedger { prefix: "t..", .. }`.
+    let debug = format!("{:?}", state.ledger);
+    debug
+        .split('"')
+        .nth(1)
+        .expect("a RedisLedger with a prefix")
+        .to_owned()
+}
+
+/// Runs one async test body on each backend.
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Harness::memory(super::settings()).await).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Harness::redis(super::settings()).await).await;
+                }
+            )*
+        }
+    };
+}
+
+both_backends!(
+    admin_creates_users_changes_plans_and_revokes_keys,
+    missing_unknown_and_revoked_keys_are_401,
+    sync_call_returns_the_result_with_ratelimit_headers,
+    async_call_is_202_and_jobs_are_private,
+    idempotency_key_charges_once_and_returns_the_same_job,
+    provider_failure_is_502_and_refunded,
+    over_budget_is_429_with_exact_retry_after,
+    bad_requests_are_problems_naming_the_field,
+    health_metrics_and_openapi,
+);
+
+async fn admin_creates_users_changes_plans_and_revokes_keys(h: Harness) {
+    let r = h
+        .post(
+            "/admin/users",
+            ADMIN,
+            json!({"user": "alice", "plan": "free"}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let key = r.body["api_key"].as_str().unwrap().to_owned();
+    let key_id = r.body["key_id"].as_str().unwrap().to_owned();
+    assert!(key.starts_with("tg_") && key.len() == 67, "{key}");
+    assert!(key_id.starts_with("kid_"));
+    assert_eq!(h.usage(&key).await["limit"], 1000);
+
+    let r = h
+        .call(
+            "PUT",
+            "/admin/users/alice/plan",
+            Some(ADMIN),
+            &[],
+            Some(json!({"plan": "pro"}).to_string()),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(h.usage(&key).await["limit"], 20000);
+
+    let r = h
+        .call(
+            "PUT",
+            "/admin/users/alice/plan",
+            Some(ADMIN),
+            &[],
+            Some(json!({"plan": "gold"}).to_string()),
+        )
+        .await;
+    assert_eq!(r.problem(ProblemType::InvalidField)["field"], "plan");
+    let r = h.post("/admin/users", ADMIN, json!({"plan": "pro"})).await;
+    assert_eq!(r.problem(ProblemType::InvalidField)["field"], "user");
+    let r = h
+        .post("/admin/users", ADMIN, json!({"user": "a:b", "plan": "pro"}))
+        .await;
+    assert_eq!(r.problem(ProblemType::InvalidField)["field"], "user");
+
+    let r = h
+        .post("/admin/users", "wrong-token", json!({"user": "x"}))
+        .await;
+    r.problem(ProblemType::Unauthorized);
+    let r = h
+        .call("POST", "/admin/users", None, &[], Some("{}".into()))
+        .await;
+    r.problem(ProblemType::Unauthorized);
+
+    let path = format!("/admin/keys/{key_id}");
+    let r = h.call("DELETE", &path, Some(ADMIN), &[], None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["revoked"], true);
+    let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+    r.problem(ProblemType::Unauthorized);
+    let r = h
+        .call(
+            "DELETE",
+            "/admin/keys/kid_0000000000000000",
+            Some(ADMIN),
+            &[],
+            None,
+        )
+        .await;
+    r.problem(ProblemType::NotFound);
+}
+
+async fn missing_unknown_and_revoked_keys_are_401(h: Harness) {
+    for auth in [
+        None,
+        Some("Basic dXNlcjpwYXNz"),
+        Some("Bearer"),
+        Some("Bearer tg_0000000000000000000000000000000000000000000000000000000000000000"),
+    ] {
+        let headers: Vec<(&str, &str)> = auth.map(|a| ("authorization", a)).into_iter().collect();
+        let r = h.call("GET", "/v1/usage", None, &headers, None).await;
+        r.problem(ProblemType::Unauthorized);
+        assert!(r.header("www-authenticate").starts_with("Bearer"));
+        let r = h
+            .call(
+                "POST",
+                "/v1/ops/llm.structured",
+                None,
+                &headers,
+                Some("{}".into()),
+            )
+            .await;
+        r.problem(ProblemType::Unauthorized);
+    }
+    // Admin routes are closed when no admin token is configured.
+    let closed = Harness::memory(Settings {
+        admin_token: None,
+        ..settings()
+    })
+    .await;
+    let r = closed
+        .post("/admin/users", "anything", json!({"user": "x"}))
+        .await;
+    r.problem(ProblemType::AdminDisabled);
+}
+
+async fn sync_call_returns_the_result_with_ratelimit_headers(h: Harness) {
+    let _worker = h.worker(0.0);
+    let key = h.user("bob", "free").await;
+    let r = h
+        .post("/v1/ops/llm.structured", &key, json!({"prompt": "hi"}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["status"], "succeeded");
+    assert_eq!(r.body["result"]["echo"]["prompt"], "hi");
+    assert_eq!(r.body["cost"], 8);
+    assert!(r.body["job_id"].is_string());
+    assert_eq!(r.header("ratelimit-policy"), "\"budget\";q=1000;w=43200");
+    assert_eq!(r.header("ratelimit"), "\"budget\";r=992;t=43200");
+
+    // The generic route prices from the config.
+    let r = h.post("/v1/ops/echo.custom", &key, json!({"x": 1})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["cost"], 2);
+
+    let u = h.usage(&key).await;
+    assert_eq!(
+        (u["used"].as_u64(), u["remaining"].as_u64()),
+        (Some(10), Some(990))
+    );
+    assert_eq!(u["window_secs"], 43200);
+    assert!(u["reset_at"].as_str().unwrap().ends_with('Z'));
+    let events = u["events"].as_array().unwrap();
+    let ops: Vec<_> = events.iter().map(|e| e["operation"].as_str()).collect();
+    assert_eq!(ops, [Some("llm.structured"), Some("echo.custom")]);
+    assert_eq!(events[0]["cost"], 8);
+    assert!(events[0]["request_id"].is_string() && events[0]["at"].is_string());
+}
+
+async fn async_call_is_202_and_jobs_are_private(h: Harness) {
+    let key = h.user("carol", "free").await;
+    let other = h.user("dave", "free").await;
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/embeddings",
+            Some(&key),
+            &[("prefer", "respond-async")],
+            Some(json!({"text": "x"}).to_string()),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    let location = r.header("location").to_owned();
+    let id = r.body["job_id"].as_str().unwrap().to_owned();
+    assert_eq!(location, format!("/v1/jobs/{id}"));
+    assert_eq!(r.body["status"], "queued");
+    assert!(r.header("ratelimit").starts_with("\"budget\";r=999"));
+
+    // Nobody runs it yet: still queued; then a worker does.
+    let r = h.call("GET", &location, Some(&key), &[], None).await;
+    assert_eq!(
+        (r.status, r.body["status"].as_str()),
+        (StatusCode::OK, Some("queued"))
+    );
+    let _worker = h.worker(0.0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = h.call("GET", &location, Some(&key), &[], None).await;
+        if r.body["status"] == "succeeded" {
+            assert_eq!(r.body["result"]["echo"]["text"], "x");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", r.body);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ?async=true is the same as the header.
+    let r = h
+        .post("/v1/ops/embeddings?async=true", &key, json!({}))
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+
+    let r = h.call("GET", &location, Some(&other), &[], None).await;
+    r.problem(ProblemType::NotFound);
+    for bad in ["/v1/jobs/nope", "/v1/jobs/a:b", "/v1/jobs/%7Bx%7D"] {
+        let r = h.call("GET", bad, Some(&key), &[], None).await;
+        r.problem(ProblemType::NotFound);
+    }
+}
+
+async fn idempotency_key_charges_once_and_returns_the_same_job(h: Harness) {
+    let _worker = h.worker(0.0);
+    let key = h.user("erin", "free").await;
+    let other = h.user("frank", "free").await;
+    let call = |k: String| {
+        let h = &h;
+        async move {
+            h.call(
+                "POST",
+                "/v1/ops/llm.structured",
+                Some(&k),
+                &[("idempotency-key", "order-42")],
+                Some(json!({"n": 1}).to_string()),
+            )
+            .await
+        }
+    };
+    let first = call(key.clone()).await;
+    let again = call(key.clone()).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    assert_eq!(first.body["job_id"], again.body["job_id"]);
+    assert_eq!(first.body["result"], again.body["result"]);
+    let u = h.usage(&key).await;
+    assert_eq!(u["used"], 8, "{u}");
+    assert_eq!(u["events"].as_array().unwrap().len(), 1);
+    // Another user's identical key is another request.
+    let theirs = call(other.clone()).await;
+    assert_eq!(theirs.status, StatusCode::OK, "{}", theirs.body);
+    assert_ne!(theirs.body["job_id"], first.body["job_id"]);
+    assert_eq!(h.usage(&other).await["used"], 8);
+}
+
+async fn provider_failure_is_502_and_refunded(h: Harness) {
+    let _worker = h.worker(1.0);
+    let key = h.user("grace", "free").await;
+    for _ in 0..5 {
+        let r = h
+            .post("/v1/ops/salary.lookup", &key, json!({"role": "dev"}))
+            .await;
+        let p = r.problem(ProblemType::ProviderFailure);
+        assert_eq!(p["cause"], "provider", "{p}");
+        assert!(p["job_id"].is_string());
+        assert!(p["detail"].as_str().unwrap().contains("provider"));
+    }
+    let u = h.wait_used(&key, 0).await;
+    assert_eq!(u["events"], json!([]));
+    let metrics = h.call("GET", "/metrics", None, &[], None).await;
+    let text = metrics.body.as_str().unwrap().to_owned();
+    assert!(
+        text.contains(
+            "tollgate_job_outcomes_total{operation=\"salary.lookup\",outcome=\"provider\"} 5"
+        ),
+        "{text}"
+    );
+}
+
+async fn over_budget_is_429_with_exact_retry_after(h: Harness) {
+    let key = h.user("heidi", "free").await;
+    for i in 0..50 {
+        let r = h
+            .post("/v1/ops/company.research?async=true", &key, json!({"i": i}))
+            .await;
+        assert_eq!(r.status, StatusCode::ACCEPTED, "{i}: {}", r.body);
+    }
+    let r = h
+        .post("/v1/ops/company.research?async=true", &key, json!({}))
+        .await;
+    let p = r.problem(ProblemType::QuotaExceeded).clone();
+    let retry_ms = p["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        retry_ms > 43_190_000 && retry_ms <= 43_200_000,
+        "{retry_ms}"
+    );
+    let retry_after: u64 = r.header("retry-after").parse().unwrap();
+    assert_eq!(retry_after, retry_ms.div_ceil(1000));
+    assert_eq!(r.header("ratelimit-policy"), "\"budget\";q=1000;w=43200");
+    assert_eq!(
+        r.header("ratelimit"),
+        format!("\"budget\";r=0;t={retry_after}")
+    );
+    // A cheaper call does not fit either; the denial cost nothing.
+    let r = h
+        .post("/v1/ops/embeddings?async=true", &key, json!({}))
+        .await;
+    r.problem(ProblemType::QuotaExceeded);
+    assert_eq!(h.usage(&key).await["used"], 1000);
+
+    // A cost the plan can never afford is not a 429 that never clears.
+    let tiny = h.user("ivan", "tiny").await;
+    let r = h.post("/v1/ops/llm.structured", &tiny, json!({})).await;
+    r.problem(ProblemType::CostExceedsLimit);
+}
+
+async fn bad_requests_are_problems_naming_the_field(h: Harness) {
+    let key = h.user("judy", "free").await;
+    // 413: over the body limit (4096 in these tests).
+    let big = json!({"text": "x".repeat(5000)});
+    let r = h.post("/v1/ops/embeddings", &key, big).await;
+    r.problem(ProblemType::PayloadTooLarge);
+    // 400: not JSON.
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/embeddings",
+            Some(&key),
+            &[],
+            Some("{\"text\": ".into()),
+        )
+        .await;
+    r.problem(ProblemType::MalformedRequest);
+    // 415: no JSON content type.
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/embeddings",
+            Some(&key),
+            &[("content-type", "text/plain")],
+            None,
+        )
+        .await;
+    r.problem(ProblemType::UnsupportedMediaType);
+    // 422: the input must be an object.
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/embeddings",
+            Some(&key),
+            &[],
+            Some("[1, 2]".into()),
+        )
+        .await;
+    assert_eq!(r.problem(ProblemType::InvalidField)["field"], "$");
+    // 404: unknown operation, never charged.
+    let r = h.post("/v1/ops/no.such.op", &key, json!({})).await;
+    r.problem(ProblemType::UnknownOperation);
+    // 400: a bad Idempotency-Key.
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/embeddings",
+            Some(&key),
+            &[("idempotency-key", "   ")],
+            Some("{}".into()),
+        )
+        .await;
+    assert_eq!(
+        r.problem(ProblemType::MalformedRequest)["field"],
+        "Idempotency-Key"
+    );
+    // 404 and 405 for routes.
+    let r = h.call("GET", "/v2/nothing", Some(&key), &[], None).await;
+    r.problem(ProblemType::NotFound);
+    let r = h
+        .call("GET", "/v1/ops/embeddings", Some(&key), &[], None)
+        .await;
+    r.problem(ProblemType::MethodNotAllowed);
+    // Every failed request above was refunded (or never charged).
+    let u = h.usage(&key).await;
+    assert_eq!(u["used"], 0, "{u}");
+    let text = h.call("GET", "/metrics", None, &[], None).await.body;
+    assert!(
+        text.as_str()
+            .unwrap()
+            .contains("tollgate_refunds_total{operation=\"embeddings\"}"),
+        "{text}"
+    );
+}
+
+async fn health_metrics_and_openapi(h: Harness) {
+    let r = h.call("GET", "/healthz", None, &[], None).await;
+    assert_eq!(
+        (r.status, r.body["status"].as_str()),
+        (StatusCode::OK, Some("ok"))
+    );
+    let r = h.call("GET", "/readyz", None, &[], None).await;
+    assert_eq!(
+        (r.status, r.body["status"].as_str()),
+        (StatusCode::OK, Some("ready"))
+    );
+
+    let r = h.call("GET", "/openapi.json", None, &[], None).await;
+    assert_eq!(r.status, StatusCode::OK);
+    check_openapi(&r.body);
+    assert_eq!(r.body, tollgate_api::openapi(&h.state));
+
+    let _ = h.user("ken", "free").await;
+    let r = h.call("GET", "/metrics", None, &[], None).await;
+    assert!(r.header("content-type").starts_with("text/plain"));
+    let text = r.body.as_str().unwrap();
+    assert!(
+        text.contains("# TYPE tollgate_reservations_total counter"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "tollgate_http_requests_total{route=\"/admin/users\",method=\"POST\",status=\"201\"} 1"
+        ),
+        "{text}"
+    );
+}
+
+/// Every route is documented with its responses; every problem type is listed;
+/// every `$ref` resolves.
+pub fn check_openapi(doc: &Value) {
+    assert_eq!(doc["openapi"], "3.1.0");
+    let expected = [
+        ("post", "/v1/ops/{operation}"),
+        ("post", "/v1/ops/embeddings"),
+        ("post", "/v1/ops/salary.lookup"),
+        ("post", "/v1/ops/jobs.extract"),
+        ("post", "/v1/ops/llm.structured"),
+        ("post", "/v1/ops/company.research"),
+        ("get", "/v1/jobs/{id}"),
+        ("get", "/v1/usage"),
+        ("post", "/admin/users"),
+        ("put", "/admin/users/{user}/plan"),
+        ("delete", "/admin/keys/{key_id}"),
+        ("get", "/healthz"),
+        ("get", "/readyz"),
+        ("get", "/metrics"),
+        ("get", "/openapi.json"),
+    ];
+    let paths = doc["paths"].as_object().unwrap();
+    let mut count = 0;
+    for (path, item) in paths {
+        for (method, op) in item.as_object().unwrap() {
+            count += 1;
+            assert!(
+                expected.contains(&(method.as_str(), path.as_str())),
+                "undocumented in the test: {method} {path}"
+            );
+            let responses = op["responses"].as_object().unwrap();
+            assert!(
+                responses.keys().any(|s| s.starts_with('2')),
+                "{method} {path}"
+            );
+            assert!(responses.contains_key("500"), "{method} {path}");
+            for param in path.split('/').filter(|s| s.starts_with('{')) {
+                let name = param.trim_matches(['{', '}']);
+                assert!(
+                    op["parameters"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|p| p["name"] == name),
+                    "{method} {path}: parameter {name}"
+                );
+            }
+        }
+    }
+    assert_eq!(count, expected.len());
+    let metered = &doc["paths"]["/v1/ops/llm.structured"]["post"];
+    assert_eq!(metered["x-tollgate-cost"], 8);
+    assert!(metered["responses"]["429"]["headers"]["Retry-After"].is_object());
+    for status in [
+        "400", "401", "404", "413", "415", "422", "429", "502", "503", "504",
+    ] {
+        assert!(
+            doc["paths"]["/v1/ops/{operation}"]["post"]["responses"][status].is_object(),
+            "{status}"
+        );
+    }
+    let types = doc["x-problem-types"].as_array().unwrap();
+    assert_eq!(types.len(), ProblemType::ALL.len());
+    // Every reference points at a schema that exists.
+    let text = doc.to_string();
+    for piece in text.split("\"$ref\":\"#/components/schemas/").skip(1) {
+        let name = piece.split('"').next().unwrap();
+        assert!(doc["components"]["schemas"][name].is_object(), "{name}");
+    }
+}

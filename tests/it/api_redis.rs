@@ -1,0 +1,296 @@
+//! The api role on Redis as it is deployed: two `tollgate api` processes sharing
+//! one budget, a Redis that stops answering and comes back, and clients that hang
+//! up at random points while their requests are being charged.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tollgate_tests::api::ApiServer;
+use tollgate_tests::http;
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};
+
+/// A `tollgate api` process, killed when dropped.
+struct ApiProcess {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl ApiProcess {
+    async fn start(redis: &RedisServer, prefix: &str, config: &std::path::Path) -> Self {
+        let port = tollgate_tests::redis_server::free_port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let child = Command::new(workspace_bin("tollgate"))
+            .arg("api")
+            .env("TOLLGATE_LISTEN", addr.to_string())
+            .env("TOLLGATE_REDIS_URL", redis.url())
+            .env("TOLLGATE_KEY_PREFIX", prefix)
+            .env("TOLLGATE_CONFIG", config)
+            .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start tollgate api");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Ok(r) = http::send(addr, "GET", "/healthz", &[], b"").await {
+                if r.status == 200 {
+                    break;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tollgate api did not come up on {addr}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Self { child, addr }
+    }
+}
+
+impl Drop for ApiProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write_config(dir_tag: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("tollgate-api-{dir_tag}.toml"));
+    let text = format!(
+        "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n",
+        tollgate_core::config::BUILTIN
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Two api processes, one user on 1000 tokens / 12 h, 400 concurrent calls of
+/// cost 8: exactly 125 are admitted across both, the other 275 get a 429 whose
+/// Retry-After is the exact retry_after rounded up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_api_processes_admit_exactly_the_budget() {
+    let redis = RedisServer::start();
+    let prefix = random_prefix();
+    let config = write_config(&prefix);
+    let a = ApiProcess::start(&redis, &prefix, &config).await;
+    let b = ApiProcess::start(&redis, &prefix, &config).await;
+    let created = http::json(
+        a.addr,
+        "POST",
+        "/admin/users",
+        Some(ADMIN),
+        Some(&json!({"user": "load", "plan": "free"})),
+    )
+    .await;
+    assert_eq!(created.status, 201, "{}", created.text());
+    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..400 {
+        let (addr, key) = (if i % 2 == 0 { a.addr } else { b.addr }, key.clone());
+        calls.spawn(async move {
+            http::json(
+                addr,
+                "POST",
+                "/v1/ops/llm.structured?async=true",
+                Some(&key),
+                Some(&json!({"i": i})),
+            )
+            .await
+        });
+    }
+    let (mut accepted, mut denied) = (0, 0);
+    while let Some(r) = calls.join_next().await {
+        let r = r.unwrap();
+        match r.status {
+            202 => accepted += 1,
+            429 => {
+                denied += 1;
+                let body = r.json();
+                assert_eq!(body["type"], "/problems/quota-exceeded");
+                let ms = body["retry_after_ms"].as_u64().unwrap();
+                let secs: u64 = r.header("retry-after").unwrap().parse().unwrap();
+                assert_eq!(secs, ms.div_ceil(1000), "{body}");
+                assert!(secs > 43_000 && secs <= 43_200, "{secs}");
+                assert!(r
+                    .header("ratelimit")
+                    .unwrap()
+                    .starts_with("\"budget\";r=0;"));
+            }
+            other => panic!("unexpected {other}: {}", r.text()),
+        }
+    }
+    assert_eq!((accepted, denied), (125, 275));
+    let usage = http::json(b.addr, "GET", "/v1/usage", Some(&key), None).await;
+    assert_eq!(usage.json()["used"], 1000, "{}", usage.text());
+    assert_eq!(usage.json()["events"].as_array().unwrap().len(), 125);
+    let _ = std::fs::remove_file(config);
+}
+
+/// Redis stops answering: 503 problems (and a 503 readiness); when it answers
+/// again, the same api serves again with no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_unreachable_is_503_and_the_api_recovers() {
+    let h = Harness::redis(settings()).await;
+    let key = h.user("olga", "free").await;
+    let pid = h.redis.as_ref().unwrap().pid().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+    let p = r
+        .problem(tollgate_api::ProblemType::BackendUnavailable)
+        .clone();
+    assert!(!p.to_string().contains("redis://"), "no internals: {p}");
+    let r = h.call("GET", "/readyz", None, &[], None).await;
+    r.problem(tollgate_api::ProblemType::BackendUnavailable);
+    signal("-CONT");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+        if r.status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recovery: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _worker = h.worker(0.0);
+    let r = h
+        .post("/v1/ops/embeddings", &key, json!({"text": "back"}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// Clients hang up at random points (mid-request, right after sending, while
+/// waiting for the result) under load. Afterwards the user's usage is exactly
+/// the cost of the jobs that succeeded: no reservation outlived its request
+/// without a job to settle it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnects_leak_no_reservation() {
+    let redis = RedisServer::start();
+    let mut s = settings();
+    s.sync_timeout = Duration::from_secs(5);
+    let state = redis_state(&redis.url(), &random_prefix(), s).await;
+    let source = redis_source(&redis.url(), &state).await;
+    let server = ApiServer::start(state.clone()).await;
+    let addr = server.addr;
+    let created = http::json(
+        addr,
+        "POST",
+        "/admin/users",
+        Some(ADMIN),
+        Some(&json!({"user": "flaky", "plan": "pro"})),
+    )
+    .await;
+    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+    let worker = tollgate_tests::api::StandInWorker::start(
+        Arc::clone(&source),
+        &["llm.structured"],
+        0.25,
+        Duration::from_millis(15),
+    );
+
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(std::process::id());
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut clients = tokio::task::JoinSet::new();
+    for i in 0..240u64 {
+        let (mode, cut, delay) = (next() % 4, next(), next() % 80);
+        let key = key.clone();
+        clients.spawn(async move {
+            let auth = format!("Bearer {key}");
+            let idem = format!("req-{}", i % 200); // some retries reuse a key
+            let headers = [
+                ("Authorization", auth.as_str()),
+                ("Content-Type", "application/json"),
+                ("Idempotency-Key", idem.as_str()),
+            ];
+            let body = json!({"i": i}).to_string();
+            let bytes = http::encode("POST", "/v1/ops/llm.structured", &headers, body.as_bytes());
+            let Ok(mut stream) = TcpStream::connect(addr).await else {
+                return;
+            };
+            match mode {
+                // Hang up part-way through the request.
+                0 => {
+                    let n = (cut as usize) % bytes.len();
+                    let _ = stream.write_all(&bytes[..n]).await;
+                }
+                // Send it all and hang up at once.
+                1 => {
+                    let _ = stream.write_all(&bytes).await;
+                }
+                // Send it all and hang up while the job runs.
+                2 => {
+                    let _ = stream.write_all(&bytes).await;
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                // Wait for the answer.
+                _ => {
+                    let _ = stream.write_all(&bytes).await;
+                    let mut sink = Vec::new();
+                    let _ = tokio::io::AsyncReadExt::read_to_end(&mut stream, &mut sink).await;
+                }
+            }
+            drop(stream);
+        });
+        if i % 40 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    while clients.join_next().await.is_some() {}
+
+    // Let every submitted job finish, then compare.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut stable_since = Instant::now();
+    let mut last = (u64::MAX, usize::MAX);
+    loop {
+        let usage = http::json(addr, "GET", "/v1/usage", Some(&key), None)
+            .await
+            .json();
+        let used = usage["used"].as_u64().unwrap();
+        let done = worker.succeeded().len();
+        if (used, done) != last {
+            last = (used, done);
+            stable_since = Instant::now();
+        }
+        if used == 8 * done as u64 && stable_since.elapsed() > Duration::from_millis(1500) {
+            let events: BTreeSet<String> = usage["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["request_id"].as_str().unwrap().to_owned())
+                .collect();
+            let succeeded: BTreeSet<String> =
+                worker.succeeded().iter().map(|id| id.to_string()).collect();
+            assert_eq!(events, succeeded);
+            assert!(done > 0, "some jobs ran");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "usage {used} != 8 x {done} succeeded jobs: a reservation leaked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    worker.stop().await;
+}

@@ -1,0 +1,147 @@
+//! A minimal HTTP/1.1 client over a raw `TcpStream`: one request per connection
+//! (`Connection: close`), and control over when to hang up, which the
+//! client-disconnect tests need and a full client library would hide.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// A response read to the end.
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub status: u16,
+    /// Lowercase names; repeated headers joined with `, `.
+    pub headers: BTreeMap<String, String>,
+    pub body: Vec<u8>,
+}
+
+impl Response {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(&name.to_ascii_lowercase())
+            .map(String::as_str)
+    }
+
+    /// The body as JSON (`Null` when it is not JSON).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Builds the bytes of a request.
+pub fn encode(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Vec<u8> {
+    let mut out = format!("{method} {path} HTTP/1.1\r\nHost: tollgate\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !body.is_empty() || method == "POST" || method == "PUT" {
+        out.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    out.push_str("\r\n");
+    let mut bytes = out.into_bytes();
+    bytes.extend_from_slice(body);
+    bytes
+}
+
+/// Sends one request and reads the whole response.
+pub async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<Response> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream
+        .write_all(&encode(method, path, headers, body))
+        .await?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await?;
+    parse(&raw)
+}
+
+/// `send` with a JSON body and optional bearer token.
+pub async fn json(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&serde_json::Value>,
+) -> Response {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let mut headers = vec![("Content-Type", "application/json")];
+    if let Some(a) = &auth {
+        headers.push(("Authorization", a.as_str()));
+    }
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        send(addr, method, path, &headers, body.as_bytes()),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{method} {path}: no answer within 60s"))
+    .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+fn parse(raw: &[u8]) -> std::io::Result<Response> {
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_owned());
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| bad("no end of headers"))?;
+    let head = std::str::from_utf8(&raw[..end]).map_err(|_| bad("headers not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("no status line"))?;
+    let mut headers = BTreeMap::<String, String>::new();
+    for line in lines {
+        if let Some((k, v)) = line.split_once(':') {
+            let k = k.trim().to_ascii_lowercase();
+            let v = v.trim().to_owned();
+            headers
+                .entry(k)
+                .and_modify(|e| {
+                    e.push_str(", ");
+                    e.push_str(&v);
+                })
+                .or_insert(v);
+        }
+    }
+    let mut body = raw[end + 4..].to_vec();
+    if headers
+        .get("transfer-encoding")
+        .is_some_and(|t| t.contains("chunked"))
+    {
+        body = dechunk(&body).ok_or_else(|| bad("bad chunked body"))?;
+    }
+    Ok(Response {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = data.windows(2).position(|w| w == b"\r\n")?;
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&data[..line_end]).ok()?.trim(), 16).ok()?;
+        data = &data[line_end + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(data.get(..size)?);
+        data = data.get(size + 2..)?;
+    }
+}
