@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tollgate_api::{ApiState, ProblemType, Settings};
 use tollgate_core::job::JobOptions;
-use tollgate_core::{Config, JobSource, Ledger, MemoryJobQueue, MemoryLedger};
+use tollgate_core::{Config, FailureCause, JobSource, Ledger, MemoryJobQueue, MemoryLedger};
 use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
 use tollgate_tests::api::StandInWorker;
 use tollgate_tests::{random_prefix, RedisServer};
@@ -107,6 +107,15 @@ impl Harness {
     }
 
     pub fn worker(&self, fail_rate: f64) -> StandInWorker {
+        self.worker_failing(fail_rate, FailureCause::Provider, Duration::from_millis(5))
+    }
+
+    pub fn worker_failing(
+        &self,
+        fail_rate: f64,
+        cause: FailureCause,
+        delay: Duration,
+    ) -> StandInWorker {
         let ops: Vec<&str> = vec![
             "embeddings",
             "salary.lookup",
@@ -115,12 +124,7 @@ impl Harness {
             "company.research",
             "echo.custom",
         ];
-        StandInWorker::start(
-            Arc::clone(&self.source),
-            &ops,
-            fail_rate,
-            Duration::from_millis(5),
-        )
+        StandInWorker::failing_with(Arc::clone(&self.source), &ops, fail_rate, cause, delay)
     }
 
     pub async fn call(
@@ -289,6 +293,7 @@ both_backends!(
     over_budget_is_429_with_exact_retry_after,
     bad_requests_are_problems_naming_the_field,
     health_metrics_and_openapi,
+    throttle_timeout_is_504_and_a_slow_job_is_202,
 );
 
 async fn admin_creates_users_changes_plans_and_revokes_keys(h: Harness) {
@@ -750,4 +755,38 @@ pub fn check_openapi(doc: &Value) {
         let name = piece.split('"').next().unwrap();
         assert!(doc["components"]["schemas"][name].is_object(), "{name}");
     }
+}
+
+async fn throttle_timeout_is_504_and_a_slow_job_is_202(h: Harness) {
+    let key = h.user("mallory", "free").await;
+    // No worker yet: the sync wait (shortened by `Prefer: wait=1`) ends with a
+    // 202 and the job's Location; the job keeps its charge.
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/jobs.extract",
+            Some(&key),
+            &[("prefer", "wait=1")],
+            Some(json!({"url": "x"}).to_string()),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    assert!(r.header("location").starts_with("/v1/jobs/"));
+    assert_eq!(h.usage(&key).await["used"], 5);
+    // Provider saturated: the throttle gave no slot in time.
+    let worker = h.worker_failing(1.0, FailureCause::ThrottleTimeout, Duration::ZERO);
+    let r = h
+        .post("/v1/ops/jobs.extract", &key, json!({"url": "y"}))
+        .await;
+    let p = r.problem(ProblemType::ThrottleTimeout);
+    assert_eq!(p["cause"], "throttle_timeout");
+    assert_ne!(p["type"], ProblemType::QuotaExceeded.uri());
+    // Both jobs failed and were refunded (the first was queued before the worker).
+    h.wait_used(&key, 0).await;
+    worker.stop().await;
+    // A bad query flag is a 400 naming it.
+    let r = h
+        .post("/v1/ops/jobs.extract?async=maybe", &key, json!({}))
+        .await;
+    assert_eq!(r.problem(ProblemType::MalformedRequest)["field"], "async");
 }

@@ -294,3 +294,52 @@ async fn client_disconnects_leak_no_reservation() {
     }
     worker.stop().await;
 }
+
+/// `tollgate users create` prints a key once; the api accepts it; `tollgate
+/// users revoke` turns it off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_cli_creates_a_working_key_and_revokes_it() {
+    let redis = RedisServer::start();
+    let prefix = random_prefix();
+    let cli = |args: &[&str]| {
+        let out = Command::new(workspace_bin("tollgate"))
+            .arg("users")
+            .args(args)
+            .env("TOLLGATE_REDIS_URL", redis.url())
+            .env("TOLLGATE_KEY_PREFIX", &prefix)
+            .env_remove("TOLLGATE_CONFIG")
+            .output()
+            .expect("run tollgate users");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stdout, stderr) = cli(&["create", "--user", "pat", "--plan", "pro", "--json"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let created: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let key = created["api_key"].as_str().unwrap().to_owned();
+    let key_id = created["key_id"].as_str().unwrap().to_owned();
+    let (code, _, stderr) = cli(&["create", "--user", "pat", "--plan", "gold"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains("gold"),
+        "{stderr}"
+    );
+
+    let state = redis_state(&redis.url(), &prefix, settings()).await;
+    let server = ApiServer::start(state).await;
+    let usage = http::json(server.addr, "GET", "/v1/usage", Some(&key), None).await;
+    assert_eq!(usage.status, 200, "{}", usage.text());
+    assert_eq!(usage.json()["limit"], 20000);
+    let (code, stdout, stderr) = cli(&["revoke", "--key-id", &key_id]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains(&key_id));
+    let usage = http::json(server.addr, "GET", "/v1/usage", Some(&key), None).await;
+    assert_eq!(usage.status, 401);
+    assert_eq!(
+        usage.header("content-type"),
+        Some("application/problem+json")
+    );
+}

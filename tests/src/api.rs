@@ -66,6 +66,17 @@ impl StandInWorker {
         fail_rate: f64,
         delay: Duration,
     ) -> Self {
+        Self::failing_with(source, operations, fail_rate, FailureCause::Provider, delay)
+    }
+
+    /// Like [`start`](Self::start), failing jobs with `cause`.
+    pub fn failing_with(
+        source: Arc<dyn JobSource>,
+        operations: &[&str],
+        fail_rate: f64,
+        cause: FailureCause,
+        delay: Duration,
+    ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let succeeded = Arc::new(Mutex::new(Vec::new()));
         let failed = Arc::new(AtomicU64::new(0));
@@ -108,7 +119,7 @@ impl StandInWorker {
                                 > (n as f64 * fail_rate).floor();
                         if fail {
                             if source
-                                .fail(&lease, FailureCause::Provider, "mock provider: HTTP 500")
+                                .fail(&lease, cause, "mock provider: HTTP 500")
                                 .await
                                 .is_ok()
                             {

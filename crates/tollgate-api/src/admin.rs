@@ -1,7 +1,7 @@
 //! `/admin/*`: create users (and issue their key), change plans, revoke keys.
 //! Every handler extracts [`Admin`], so none runs without the admin token.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -9,7 +9,7 @@ use tollgate_core::keystore::generate_key_id;
 use tollgate_core::{ApiKey, Config, KeyRecord, KeyStore, Ledger, UserId};
 
 use crate::auth::Admin;
-use crate::extract::JsonBody;
+use crate::extract::{JsonBody, PathParam};
 use crate::problem::ApiError;
 use crate::state::ApiState;
 
@@ -117,7 +117,7 @@ pub async fn create(
 pub async fn set_plan(
     _: Admin,
     State(state): State<ApiState>,
-    Path(user): Path<String>,
+    PathParam(user): PathParam,
     JsonBody(body): JsonBody<SetPlan>,
 ) -> Result<Response, ApiError> {
     let user = UserId::new(user).map_err(|e| ApiError::InvalidField {
@@ -137,7 +137,7 @@ pub async fn set_plan(
 pub async fn revoke(
     _: Admin,
     State(state): State<ApiState>,
-    Path(key_id): Path<String>,
+    PathParam(key_id): PathParam,
 ) -> Result<Response, ApiError> {
     let record = state
         .keys

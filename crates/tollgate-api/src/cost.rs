@@ -3,26 +3,36 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use axum::{routing::post, Extension, Router};
+//! use axum::{body::Body, http::Request, routing::post, Extension, Router};
 //! use tollgate_api::cost::{Budget, Cost, Reservation};
 //! use tollgate_core::{Config, Ledger, MemoryLedger, UserId};
+//! use tower::ServiceExt;
 //!
 //! async fn summarize(reservation: Reservation) -> String {
-//!     format!("charged {} tokens as {}", reservation.cost, reservation.request_id)
+//!     format!("charged {} tokens", reservation.cost)
 //! }
 //!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
 //! let config = Arc::new(Config::builtin());
 //! let ledger: Arc<dyn Ledger> = Arc::new(MemoryLedger::new(Arc::clone(&config)));
 //! let app: Router = Router::new()
 //!     .route("/summarize", post(summarize).layer(Cost::tokens(8)))
-//!     // Your authentication puts the caller's `UserId` into the request extensions;
-//!     // here everyone is alice.
+//!     // Your authentication puts the caller's `UserId` into the request
+//!     // extensions; here everyone is alice.
 //!     .layer(axum::middleware::map_request(|mut req: axum::extract::Request| async move {
 //!         req.extensions_mut().insert(UserId::new("alice").expect("valid id"));
 //!         req
 //!     }))
-//!     .layer(Extension(Budget::new(ledger, config)));
-//! # let _ = app;
+//!     .layer(Extension(Budget::new(Arc::clone(&ledger), config)));
+//!
+//! let request = Request::post("/summarize").body(Body::empty()).expect("request");
+//! let response = app.oneshot(request).await.expect("infallible");
+//! assert_eq!(response.status(), 200);
+//! // Built-in plan: 1000 tokens per 12 h, 8 spent.
+//! assert_eq!(response.headers()["ratelimit"], "\"budget\";r=992;t=43200");
+//! assert_eq!(ledger.usage(&UserId::new("alice").expect("id")).await.expect("usage").used, 8);
+//! # }
 //! ```
 //!
 //! What it does with each request:

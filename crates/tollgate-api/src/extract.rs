@@ -3,8 +3,9 @@
 //! for malformed JSON, 422 for a value of the wrong shape.
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, RawPathParams, Request};
 use axum::http::header::CONTENT_TYPE;
+use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
 use crate::problem::ApiError;
@@ -51,6 +52,67 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
             }
         })?;
         parse(&bytes).map(JsonBody)
+    }
+}
+
+/// The route's single path parameter, percent-decoded; a parameter that is not
+/// UTF-8 is a 400 problem rather than axum's plain-text rejection.
+#[derive(Debug, Clone)]
+pub struct PathParam(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for PathParam {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let params = RawPathParams::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::Malformed {
+                detail: format!("bad path parameter: {e}"),
+                field: None,
+            })?;
+        let value = params.iter().next().map(|(_, v)| v.to_owned());
+        value
+            .map(PathParam)
+            .ok_or_else(|| ApiError::Internal("route has no path parameter".into()))
+    }
+}
+
+/// Query flags of the form `name=true|false|1|0` (or a bare `name`); unknown
+/// names are ignored, a bad value is a 400 naming the parameter.
+#[derive(Debug, Clone, Default)]
+pub struct Flags(Vec<(String, bool)>);
+
+impl Flags {
+    pub fn get(&self, name: &str) -> Option<bool> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Flags {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let mut flags = Vec::new();
+        for pair in parts.uri.query().unwrap_or("").split('&') {
+            if pair.is_empty() {
+                continue;
+            }
+            let (name, value) = pair.split_once('=').unwrap_or((pair, "true"));
+            let value = match value {
+                "true" | "1" | "" => true,
+                "false" | "0" => false,
+                other => {
+                    return Err(ApiError::Malformed {
+                        detail: format!(
+                            "query parameter {name}: expected true or false, got {other:?}"
+                        ),
+                        field: Some(name.to_owned()),
+                    })
+                }
+            };
+            flags.push((name.to_owned(), value));
+        }
+        Ok(Flags(flags))
     }
 }
 

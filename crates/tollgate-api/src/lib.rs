@@ -39,6 +39,7 @@ use axum::routing::{delete, get, post, put};
 use axum::{Extension, Router};
 use serde_json::Value;
 use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::trace::TraceLayer;
 
 pub use cost::{Budget, Cost, Reservation};
 pub use problem::{ApiError, Problem, ProblemType};
@@ -219,6 +220,15 @@ pub fn router(state: ApiState) -> Router {
             state.clone(),
             count_requests,
         ))
+        .layer(
+            TraceLayer::new_for_http().make_span_with(|req: &Request| {
+                let route = req
+                    .extensions()
+                    .get::<MatchedPath>()
+                    .map_or(req.uri().path(), |p| p.as_str());
+                tracing::info_span!("request", method = %req.method(), route, user = tracing::field::Empty)
+            }),
+        )
         .layer(DefaultBodyLimit::max(state.settings.body_limit))
         .layer(Extension(state.budget()))
         .layer(CatchPanicLayer::custom(

@@ -9,29 +9,20 @@
 
 use std::time::{Duration, Instant};
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::header::LOCATION;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value;
 use tollgate_core::{JobInfo, JobRequest, JobStatus, RequestId, SubmitOutcome};
 
 use crate::auth::Caller;
 use crate::cost::Reservation;
-use crate::extract::JsonBody;
+use crate::extract::{Flags, JsonBody, PathParam};
 use crate::problem::ApiError;
 use crate::state::ApiState;
 use crate::usage::rfc3339;
-
-/// Query parameters of an operation call.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OpQuery {
-    /// `true`: answer 202 at once instead of waiting for the result.
-    #[serde(rename = "async", default)]
-    pub run_async: Option<bool>,
-}
 
 /// The body of an operation's answer and of `GET /v1/jobs/{id}`.
 #[derive(Debug, Serialize)]
@@ -142,11 +133,25 @@ fn finished(state: &ApiState, info: &JobInfo) -> Result<Response, ApiError> {
 pub async fn run(
     State(state): State<ApiState>,
     reservation: Reservation,
-    Query(query): Query<OpQuery>,
+    flags: Flags,
     headers: HeaderMap,
-    JsonBody(input): JsonBody<Value>,
+    body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
+    let operation = reservation.operation.clone();
+    let result = call(&state, reservation, flags, &headers, body).await;
+    state.metrics.latency(&operation, started.elapsed());
+    result
+}
+
+async fn call(
+    state: &ApiState,
+    reservation: Reservation,
+    flags: Flags,
+    headers: &HeaderMap,
+    body: Result<JsonBody<Value>, ApiError>,
+) -> Result<Response, ApiError> {
+    let JsonBody(input) = body?;
     let operation = reservation.operation.clone();
     if !input.is_object() {
         return Err(ApiError::InvalidField {
@@ -200,8 +205,8 @@ pub async fn run(
             return Err(ApiError::QuotaExceeded { denied, policy });
         }
     };
-    let (prefer_async, prefer_wait) = preferences(&headers);
-    if prefer_async || query.run_async == Some(true) {
+    let (prefer_async, prefer_wait) = preferences(headers);
+    if prefer_async || flags.get("async") == Some(true) {
         return Ok(accepted(&info));
     }
     let timeout = prefer_wait.map_or(state.settings.sync_timeout, |w| {
@@ -216,16 +221,14 @@ pub async fn run(
             .await?
             .unwrap_or(info)
     };
-    let response = finished(&state, &info);
-    state.metrics.latency(&operation, started.elapsed());
-    response
+    finished(state, &info)
 }
 
 /// `GET /v1/jobs/{id}`: a job of the caller's (anyone else's: 404).
 pub async fn status(
     State(state): State<ApiState>,
     caller: Caller,
-    Path(id): Path<String>,
+    PathParam(id): PathParam,
 ) -> Result<Response, ApiError> {
     let not_found = || ApiError::NotFound(format!("no job {id:?}"));
     let id = RequestId::new(id.as_str()).map_err(|_| not_found())?;
