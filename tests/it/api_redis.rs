@@ -17,6 +17,34 @@ use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};
 
+/// A `tollgate` process, killed when dropped.
+struct Process {
+    child: Child,
+}
+
+impl Process {
+    fn start(args: &[&str], redis: &RedisServer, prefix: &str, config: &std::path::Path) -> Self {
+        let child = Command::new(workspace_bin("tollgate"))
+            .args(args)
+            .env("TOLLGATE_REDIS_URL", redis.url())
+            .env("TOLLGATE_KEY_PREFIX", prefix)
+            .env("TOLLGATE_CONFIG", config)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start tollgate");
+        Self { child }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A `tollgate api` process, killed when dropped.
 struct ApiProcess {
     child: Child,
@@ -63,24 +91,45 @@ impl Drop for ApiProcess {
     }
 }
 
-fn write_config(dir_tag: &str) -> std::path::PathBuf {
+/// The built-in config with the `llm` provider pointing at `upstream`.
+fn write_config(dir_tag: &str, upstream: &str) -> std::path::PathBuf {
     let path = std::env::temp_dir().join(format!("tollgate-api-{dir_tag}.toml"));
-    let text = format!(
-        "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n",
-        tollgate_core::config::BUILTIN
+    let text = tollgate_core::config::BUILTIN.replace(
+        "[providers.llm]\n",
+        &format!("[providers.llm]\nurl = \"{upstream}\"\nretries = 0\n"),
     );
     std::fs::write(&path, text).unwrap();
     path
 }
 
-/// Two api processes, one user on 1000 tokens / 12 h, 400 concurrent calls of
-/// cost 8: exactly 125 are admitted across both, the other 275 get a 429 whose
-/// Retry-After is the exact retry_after rounded up.
+/// The deployment in processes: two `tollgate api`, a `tollgate worker`, a
+/// `tollgate throttler` and a `tollgate mock-provider`. One user on 1000 tokens
+/// / 12 h sends 400 concurrent calls of cost 8 across both apis: exactly 125 are
+/// admitted, the other 275 get a 429 whose Retry-After is the exact retry_after
+/// rounded up; the 125 jobs then run through worker, throttle and provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_api_processes_admit_exactly_the_budget() {
     let redis = RedisServer::start();
     let prefix = random_prefix();
-    let config = write_config(&prefix);
+    let mock_port = tollgate_tests::redis_server::free_port();
+    let mock_addr = format!("127.0.0.1:{mock_port}");
+    let config = write_config(&prefix, &format!("http://{mock_addr}"));
+    let _mock = Process::start(
+        &[
+            "mock-provider",
+            "--listen",
+            &mock_addr,
+            "--rate",
+            "1000",
+            "--burst",
+            "100",
+        ],
+        &redis,
+        &prefix,
+        &config,
+    );
+    let _throttler = Process::start(&["throttler"], &redis, &prefix, &config);
+    let _worker = Process::start(&["worker"], &redis, &prefix, &config);
     let a = ApiProcess::start(&redis, &prefix, &config).await;
     let b = ApiProcess::start(&redis, &prefix, &config).await;
     let created = http::json(
@@ -109,10 +158,14 @@ async fn two_api_processes_admit_exactly_the_budget() {
         });
     }
     let (mut accepted, mut denied) = (0, 0);
+    let mut jobs = Vec::new();
     while let Some(r) = calls.join_next().await {
         let r = r.unwrap();
         match r.status {
-            202 => accepted += 1,
+            202 => {
+                accepted += 1;
+                jobs.push(r.header("location").unwrap().to_owned());
+            }
             429 => {
                 denied += 1;
                 let body = r.json();
@@ -133,6 +186,25 @@ async fn two_api_processes_admit_exactly_the_budget() {
     let usage = http::json(b.addr, "GET", "/v1/usage", Some(&key), None).await;
     assert_eq!(usage.json()["used"], 1000, "{}", usage.text());
     assert_eq!(usage.json()["events"].as_array().unwrap().len(), 125);
+
+    // Every admitted job runs through worker, throttle (llm: 50/s) and provider.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (i, location) in jobs.iter().enumerate() {
+        let addr = if i % 2 == 0 { a.addr } else { b.addr };
+        loop {
+            let job = http::json(addr, "GET", location, Some(&key), None)
+                .await
+                .json();
+            if job["status"] == "succeeded" {
+                break;
+            }
+            assert_ne!(job["status"], "failed", "{job}");
+            assert!(Instant::now() < deadline, "{job}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let usage = http::json(a.addr, "GET", "/v1/usage", Some(&key), None).await;
+    assert_eq!(usage.json()["used"], 1000, "{}", usage.text());
     let _ = std::fs::remove_file(config);
 }
 

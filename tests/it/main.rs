@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
 mod api;
+mod api_full;
 mod api_redis;
 mod cli;
 mod concurrency;
