@@ -617,9 +617,30 @@ async fn bad_requests_are_problems_naming_the_field(h: Harness) {
         )
         .await;
     assert_eq!(r.problem(ProblemType::InvalidField)["field"], "$");
-    // 404: unknown operation, never charged.
+    // 404: unknown operation, never charged; 400: not even UTF-8.
     let r = h.post("/v1/ops/no.such.op", &key, json!({})).await;
     r.problem(ProblemType::UnknownOperation);
+    let r = h.post("/v1/ops/%FF", &key, json!({})).await;
+    assert_eq!(
+        r.problem(ProblemType::MalformedRequest)["field"],
+        "operation"
+    );
+    let r = h
+        .call(
+            "PUT",
+            "/admin/users/%FF/plan",
+            Some(ADMIN),
+            &[],
+            Some("{\"plan\":\"pro\"}".into()),
+        )
+        .await;
+    r.problem(ProblemType::MalformedRequest);
+    // Deeply nested JSON is refused, not a stack overflow.
+    let deep = format!("{{\"d\":{}{}}}", "[".repeat(5000), "]".repeat(5000));
+    let r = h
+        .call("POST", "/v1/ops/embeddings", Some(&key), &[], Some(deep))
+        .await;
+    assert!(r.status == 400 || r.status == 413, "{}", r.body);
     // 400: a bad Idempotency-Key.
     let r = h
         .call(

@@ -65,6 +65,7 @@ use axum::http::request::Parts;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
+use tokio::sync::watch;
 use tollgate_core::{Allowed, Config, Ledger, RefundOutcome, RequestId, ReserveOutcome, UserId};
 use tower::{Layer, Service};
 
@@ -187,8 +188,12 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let cost = self.cost;
-        let task = tokio::spawn(charge(inner, cost, req));
+        let (gone_tx, gone) = watch::channel(false);
+        let task = tokio::spawn(charge(inner, cost, req, gone));
         Box::pin(async move {
+            // Dropped with this future when the client goes away: tells the
+            // task that nobody waits for its answer any more.
+            let _client = ClientGuard(gone_tx);
             Ok(match task.await {
                 Ok(response) => response,
                 Err(e) => {
@@ -196,6 +201,15 @@ where
                 }
             })
         })
+    }
+}
+
+/// Signals [`Reservation::client_gone`] when the request's future is dropped.
+struct ClientGuard(watch::Sender<bool>);
+
+impl Drop for ClientGuard {
+    fn drop(&mut self) {
+        let _ = self.0.send(true);
     }
 }
 
@@ -210,6 +224,7 @@ pub struct Reservation {
     pub allowed: Allowed,
     pub rate_limit: RateLimit,
     handed_over: Arc<AtomicBool>,
+    gone: watch::Receiver<bool>,
 }
 
 impl Reservation {
@@ -217,6 +232,15 @@ impl Reservation {
     /// refunds it on failure), so the layer must not refund it.
     pub fn hand_over(&self) {
         self.handed_over.store(true, Ordering::SeqCst);
+    }
+
+    /// Resolves when the client has gone away (hyper dropped the request). The
+    /// handler keeps running in its own task either way; after
+    /// [`hand_over`](Self::hand_over) it may stop waiting for a result nobody
+    /// will read.
+    pub async fn client_gone(&self) {
+        let mut gone = self.gone.clone();
+        let _ = gone.wait_for(|g| *g).await;
     }
 }
 
@@ -264,7 +288,12 @@ async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, S
             .iter()
             .find(|(k, _)| *k == "operation")
             .map(|(_, v)| v.to_owned()),
-        Err(_) => None,
+        Err(e) => {
+            return Err(ApiError::Malformed {
+                detail: format!("bad path parameter: {e}"),
+                field: Some("operation".into()),
+            })
+        }
     };
     match cost.0 {
         Price::Tokens(n) => {
@@ -299,7 +328,7 @@ async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, S
     }
 }
 
-async fn charge<S>(mut inner: S, cost: Cost, req: Request) -> Response
+async fn charge<S>(mut inner: S, cost: Cost, req: Request, gone: watch::Receiver<bool>) -> Response
 where
     S: Service<Request, Response = Response, Error = Infallible>,
 {
@@ -347,6 +376,7 @@ where
         allowed: allowed.clone(),
         rate_limit,
         handed_over: Arc::clone(&handed_over),
+        gone,
     };
     parts.extensions.insert(reservation);
     let Ok(mut response) = inner.call(Request::from_parts(parts, body)).await;
@@ -382,6 +412,91 @@ where
 mod tests {
     use super::*;
     use axum::http::HeaderValue;
+    use axum::routing::post;
+    use axum::{Extension, Router};
+    use std::time::Duration;
+    use tollgate_core::MemoryLedger;
+    use tower::ServiceExt;
+
+    fn app(handler: axum::routing::MethodRouter) -> (Router, Arc<dyn Ledger>) {
+        let config = Arc::new(Config::builtin());
+        let ledger: Arc<dyn Ledger> = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+        let app = Router::new()
+            .route("/op", handler.layer(Cost::tokens(8)))
+            .layer(axum::middleware::map_request(
+                |mut req: Request| async move {
+                    req.extensions_mut().insert(UserId::new("alice").unwrap());
+                    req
+                },
+            ))
+            .layer(Extension(Budget::new(Arc::clone(&ledger), config)));
+        (app, ledger)
+    }
+
+    fn alice() -> UserId {
+        UserId::new("alice").unwrap()
+    }
+
+    #[tokio::test]
+    async fn failures_are_refunded_unless_handed_over() {
+        let (failing, ledger) = app(post(|| async {
+            (axum::http::StatusCode::BAD_GATEWAY, "no")
+        }));
+        let r = failing
+            .oneshot(
+                Request::post("/op")
+                    .body(axum::body::Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 502);
+        assert_eq!(r.headers()["ratelimit"], "\"budget\";r=1000;t=43200");
+        assert_eq!(ledger.usage(&alice()).await.unwrap().used, 0);
+
+        let (handed, ledger) = app(post(|r: Reservation| async move {
+            r.hand_over();
+            (axum::http::StatusCode::BAD_GATEWAY, "the job refunds")
+        }));
+        let r = handed
+            .oneshot(
+                Request::post("/op")
+                    .body(axum::body::Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 502);
+        assert_eq!(ledger.usage(&alice()).await.unwrap().used, 8);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_request_finishes_its_handler_and_signals_client_gone() {
+        let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
+        let done_tx = Arc::new(std::sync::Mutex::new(Some(done_tx)));
+        let (app, ledger) = app(post(move |r: Reservation| async move {
+            r.hand_over();
+            r.client_gone().await;
+            if let Some(tx) = done_tx.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+            "unread"
+        }));
+        let call = app.oneshot(
+            Request::post("/op")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        );
+        // The client hangs up before the handler answers.
+        assert!(tokio::time::timeout(Duration::from_millis(50), call)
+            .await
+            .is_err());
+        tokio::time::timeout(Duration::from_secs(5), done)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(ledger.usage(&alice()).await.unwrap().used, 8);
+    }
 
     #[test]
     fn idempotency_keys_are_scoped_to_the_user() {

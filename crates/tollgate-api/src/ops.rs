@@ -215,11 +215,12 @@ async fn call(
     let info = if info.status.is_final() {
         info
     } else {
-        state
-            .jobs
-            .wait(&reservation.user, &info.job.id, timeout)
-            .await?
-            .unwrap_or(info)
+        let wait = state.jobs.wait(&reservation.user, &info.job.id, timeout);
+        tokio::select! {
+            waited = wait => waited?.unwrap_or(info),
+            // Nobody reads the answer: stop waiting (the job owns the charge).
+            () = reservation.client_gone() => return Ok(accepted(&info)),
+        }
     };
     finished(state, &info)
 }

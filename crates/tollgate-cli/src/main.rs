@@ -6,8 +6,8 @@ mod budget;
 mod logging;
 mod mock_provider;
 mod throttler;
-mod worker;
 mod users;
+mod worker;
 
 use std::process::ExitCode;
 
