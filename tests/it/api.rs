@@ -510,6 +510,19 @@ async fn idempotency_key_charges_once_and_returns_the_same_job(h: Harness) {
     let u = h.usage(&key).await;
     assert_eq!(u["used"], 8, "{u}");
     assert_eq!(u["events"].as_array().unwrap().len(), 1);
+    // The same key with another body is refused, charging nothing more.
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/llm.structured",
+            Some(&key),
+            &[("idempotency-key", "order-42")],
+            Some(json!({"n": 2}).to_string()),
+        )
+        .await;
+    let p = r.problem(ProblemType::IdempotencyKeyReused);
+    assert_eq!(p["job_id"], first.body["job_id"]);
+    assert_eq!(h.usage(&key).await["used"], 8);
     // Another user's identical key is another request.
     let theirs = call(other.clone()).await;
     assert_eq!(theirs.status, StatusCode::OK, "{}", theirs.body);

@@ -251,6 +251,7 @@ impl Routes {
             ProblemType::QuotaExceeded,
             ProblemType::CostExceedsLimit,
             ProblemType::IdempotencyConflict,
+            ProblemType::IdempotencyKeyReused,
             ProblemType::ProviderFailure,
             ProblemType::ThrottleTimeout,
             ProblemType::JobExpired,

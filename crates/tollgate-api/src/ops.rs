@@ -179,7 +179,7 @@ async fn call(
             id: reservation.request_id.clone(),
             user: reservation.user.clone(),
             operation: operation.clone(),
-            input,
+            input: input.clone(),
         })
         .await?;
     let info = match outcome {
@@ -190,6 +190,16 @@ async fn call(
                 status: JobStatus::Queued,
                 finished_at_ms: None,
             }
+        }
+        SubmitOutcome::Duplicate { info } if info.job.input != input => {
+            // draft-ietf-httpapi-idempotency-key-header: a key reused with
+            // another payload is a 422. The first job keeps its charge.
+            if !matches!(info.status, JobStatus::Failed { .. }) {
+                reservation.hand_over();
+            }
+            return Err(ApiError::IdempotencyKeyReused {
+                job_id: info.job.id,
+            });
         }
         SubmitOutcome::Duplicate { info } => {
             // The first submission owns the charge; a failed job was refunded

@@ -31,6 +31,7 @@ pub enum ProblemType {
     QuotaExceeded,
     CostExceedsLimit,
     IdempotencyConflict,
+    IdempotencyKeyReused,
     ProviderFailure,
     ThrottleTimeout,
     JobExpired,
@@ -40,7 +41,7 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 18] = [
+    pub const ALL: [ProblemType; 19] = [
         Self::Unauthorized,
         Self::AdminDisabled,
         Self::NotFound,
@@ -53,6 +54,7 @@ impl ProblemType {
         Self::QuotaExceeded,
         Self::CostExceedsLimit,
         Self::IdempotencyConflict,
+        Self::IdempotencyKeyReused,
         Self::ProviderFailure,
         Self::ThrottleTimeout,
         Self::JobExpired,
@@ -75,6 +77,7 @@ impl ProblemType {
             Self::QuotaExceeded => "quota-exceeded",
             Self::CostExceedsLimit => "cost-exceeds-limit",
             Self::IdempotencyConflict => "idempotency-conflict",
+            Self::IdempotencyKeyReused => "idempotency-key-reused",
             Self::ProviderFailure => "provider-failure",
             Self::ThrottleTimeout => "throttle-timeout",
             Self::JobExpired => "job-expired",
@@ -96,7 +99,9 @@ impl ProblemType {
             Self::NotFound | Self::UnknownOperation => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::MalformedRequest => StatusCode::BAD_REQUEST,
-            Self::InvalidField | Self::CostExceedsLimit => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::InvalidField | Self::CostExceedsLimit | Self::IdempotencyKeyReused => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
@@ -121,7 +126,10 @@ impl ProblemType {
             Self::PayloadTooLarge => "Request body too large",
             Self::QuotaExceeded => "Budget exhausted: do not retry before Retry-After",
             Self::CostExceedsLimit => "The operation costs more than the plan's whole budget",
-            Self::IdempotencyConflict => "Idempotency key already used for another request",
+            Self::IdempotencyConflict => "Idempotency key already used for another operation",
+            Self::IdempotencyKeyReused => {
+                "Idempotency key already used with a different request body"
+            }
             Self::ProviderFailure => "The upstream provider failed; the budget was refunded",
             Self::ThrottleTimeout => {
                 "The provider is saturated: no slot in time; the budget was refunded"
@@ -187,6 +195,8 @@ pub enum ApiError {
     CostExceedsLimit(String),
     #[error("{0}")]
     IdempotencyConflict(String),
+    #[error("this Idempotency-Key was already used with a different body (job {job_id})")]
+    IdempotencyKeyReused { job_id: RequestId },
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -216,6 +226,7 @@ impl ApiError {
             Self::QuotaExceeded { .. } => ProblemType::QuotaExceeded,
             Self::CostExceedsLimit(_) => ProblemType::CostExceedsLimit,
             Self::IdempotencyConflict(_) => ProblemType::IdempotencyConflict,
+            Self::IdempotencyKeyReused { .. } => ProblemType::IdempotencyKeyReused,
             Self::JobFailed { cause, .. } => match cause {
                 FailureCause::Provider => ProblemType::ProviderFailure,
                 FailureCause::ThrottleTimeout => ProblemType::ThrottleTimeout,
@@ -263,6 +274,11 @@ impl ApiError {
                     denied.used, denied.limit, denied.retry_after_ms
                 ));
                 p.retry_after_ms = Some(denied.retry_after_ms);
+            }
+            Self::IdempotencyKeyReused { job_id } => {
+                p.detail = Some(self.to_string());
+                p.field = Some("Idempotency-Key".into());
+                p.job_id = Some(job_id.to_string());
             }
             Self::JobFailed {
                 job_id,
