@@ -356,6 +356,8 @@ async fn client_disconnects_leak_no_reservation() {
                 worker.succeeded().iter().map(|id| id.to_string()).collect();
             assert_eq!(events, succeeded);
             assert!(done > 0, "some jobs ran");
+            // Every metered task reached its hand-over or refund.
+            assert_eq!(state.in_flight.drain(Duration::from_secs(10)).await, 0);
             break;
         }
         assert!(

@@ -56,7 +56,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -85,6 +85,49 @@ pub struct Budget {
     ledger: Arc<dyn Ledger>,
     config: Arc<Config>,
     metrics: Option<Arc<Metrics>>,
+    in_flight: InFlight,
+}
+
+/// Counts the metered tasks still running, so that a shutting-down server can
+/// let them reach a hand-over or a refund before the runtime stops.
+#[derive(Debug, Clone, Default)]
+pub struct InFlight(Arc<(AtomicUsize, tokio::sync::Notify)>);
+
+impl InFlight {
+    pub fn running(&self) -> usize {
+        self.0 .0.load(Ordering::SeqCst)
+    }
+
+    fn start(&self) -> InFlightGuard {
+        self.0 .0.fetch_add(1, Ordering::SeqCst);
+        InFlightGuard(self.clone())
+    }
+
+    /// Waits until no metered task runs, at most `limit`; returns how many
+    /// were still running.
+    pub async fn drain(&self, limit: std::time::Duration) -> usize {
+        let wait = async {
+            loop {
+                let idle = self.0 .1.notified();
+                if self.running() == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        let _ = tokio::time::timeout(limit, wait).await;
+        self.running()
+    }
+}
+
+struct InFlightGuard(InFlight);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if self.0 .0 .0.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0 .0 .1.notify_waiters();
+        }
+    }
 }
 
 impl Budget {
@@ -93,7 +136,14 @@ impl Budget {
             ledger,
             config,
             metrics: None,
+            in_flight: InFlight::default(),
         }
+    }
+
+    /// Counts this budget's metered tasks in `in_flight`.
+    pub fn with_in_flight(mut self, in_flight: InFlight) -> Self {
+        self.in_flight = in_flight;
+        self
     }
 
     /// Counts reservations and refunds in `metrics`.
@@ -189,7 +239,14 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let cost = self.cost;
         let (gone_tx, gone) = watch::channel(false);
-        let task = tokio::spawn(charge(inner, cost, req, gone));
+        let guard = req
+            .extensions()
+            .get::<Budget>()
+            .map(|b| b.in_flight.start());
+        let task = tokio::spawn(async move {
+            let _guard = guard;
+            charge(inner, cost, req, gone).await
+        });
         Box::pin(async move {
             // Dropped with this future when the client goes away: tells the
             // task that nobody waits for its answer any more.

@@ -41,7 +41,7 @@ use serde_json::Value;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
-pub use cost::{Budget, Cost, Reservation};
+pub use cost::{Budget, Cost, InFlight, Reservation};
 pub use problem::{ApiError, Problem, ProblemType};
 pub use state::{ApiState, Settings};
 
@@ -252,8 +252,12 @@ async fn count_requests(State(state): State<ApiState>, req: Request, next: Next)
     response
 }
 
+/// How long [`run`] waits, after the last connection closed, for metered tasks
+/// whose clients went away (so each reservation reaches its job or its refund).
+pub const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves the api on `listener` until `shutdown` resolves, then finishes the
-/// requests in flight.
+/// requests in flight, and the metered tasks of clients that went away.
 pub async fn run(
     state: ApiState,
     listener: tokio::net::TcpListener,
@@ -262,7 +266,13 @@ pub async fn run(
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "api listening");
     }
+    let in_flight = state.in_flight.clone();
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
-        .await
+        .await?;
+    let left = in_flight.drain(DRAIN_LIMIT).await;
+    if left > 0 {
+        tracing::warn!(left, "metered tasks still running at exit");
+    }
+    Ok(())
 }

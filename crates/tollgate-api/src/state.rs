@@ -10,7 +10,7 @@ use tollgate_core::{
     OperationLog,
 };
 
-use crate::cost::Budget;
+use crate::cost::{Budget, InFlight};
 use crate::metrics::Metrics;
 
 /// Default largest request body, in bytes.
@@ -59,6 +59,9 @@ pub struct ApiState {
     pub operations: Arc<dyn OperationLog>,
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
+    /// Metered requests still between their reservation and its hand-over or
+    /// refund; [`run`](crate::run) waits for them on shutdown.
+    pub in_flight: InFlight,
 }
 
 impl ApiState {
@@ -78,6 +81,7 @@ impl ApiState {
             operations: Arc::new(MemoryOperationLog::new()),
             metrics: Arc::new(Metrics::new()),
             settings,
+            in_flight: InFlight::default(),
         }
     }
 
@@ -103,6 +107,7 @@ impl ApiState {
             jobs,
             metrics: Arc::new(Metrics::new()),
             settings,
+            in_flight: InFlight::default(),
         }
     }
 
@@ -110,5 +115,6 @@ impl ApiState {
     pub fn budget(&self) -> Budget {
         Budget::new(Arc::clone(&self.ledger), Arc::clone(&self.config))
             .with_metrics(Arc::clone(&self.metrics))
+            .with_in_flight(self.in_flight.clone())
     }
 }
