@@ -358,6 +358,8 @@ async fn client_disconnects_leak_no_reservation() {
             assert!(done > 0, "some jobs ran");
             // Every metered task reached its hand-over or refund.
             assert_eq!(state.in_flight.drain(Duration::from_secs(10)).await, 0);
+            // ... and closed its lease: nothing is left for the reconciler.
+            assert_eq!(state.leases.due(u64::MAX, 10).await.unwrap(), vec![]);
             break;
         }
         assert!(

@@ -59,6 +59,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::extract::{FromRequestParts, RawPathParams, Request};
 use axum::http::request::Parts;
@@ -66,7 +67,10 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
-use tollgate_core::{Allowed, Config, Ledger, RefundOutcome, RequestId, ReserveOutcome, UserId};
+use tollgate_core::{
+    Allowed, Config, LeaseError, Ledger, RefundOutcome, RequestId, ReservationLeases,
+    ReserveOutcome, UserId,
+};
 use tower::{Layer, Service};
 
 use crate::metrics::Metrics;
@@ -86,6 +90,7 @@ pub struct Budget {
     config: Arc<Config>,
     metrics: Option<Arc<Metrics>>,
     in_flight: InFlight,
+    leases: Option<(Arc<dyn ReservationLeases>, Duration)>,
 }
 
 /// Counts the metered tasks still running, so that a shutting-down server can
@@ -105,7 +110,7 @@ impl InFlight {
 
     /// Waits until no metered task runs, at most `limit`; returns how many
     /// were still running.
-    pub async fn drain(&self, limit: std::time::Duration) -> usize {
+    pub async fn drain(&self, limit: Duration) -> usize {
         let wait = async {
             loop {
                 let idle = self.0 .1.notified();
@@ -137,6 +142,39 @@ impl Budget {
             config,
             metrics: None,
             in_flight: InFlight::default(),
+            leases: None,
+        }
+    }
+
+    /// Leases every reservation for `ttl` in `leases` until it is handed over or
+    /// refunded, so that a reconciler can settle it if this process dies first
+    /// (see [`crate::reconcile`]).
+    pub fn with_leases(mut self, leases: Arc<dyn ReservationLeases>, ttl: Duration) -> Self {
+        self.leases = Some((leases, ttl));
+        self
+    }
+
+    async fn open_lease(&self, user: &UserId, request: &RequestId) -> Result<(), ApiError> {
+        let Some((leases, ttl)) = &self.leases else {
+            return Ok(());
+        };
+        let until = now_ms().saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        leases
+            .open(user, request, until)
+            .await
+            .map_err(|e| match e {
+                LeaseError::Unavailable(m) => ApiError::Unavailable(m),
+                LeaseError::Backend(m) => ApiError::Internal(m),
+            })
+    }
+
+    /// Forgets the lease; on failure the reconciler finds it later and settles it
+    /// the same way (a job owns it, or a refund that is then a no-op).
+    async fn close_lease(&self, user: &UserId, request: &RequestId) {
+        if let Some((leases, _)) = &self.leases {
+            if let Err(e) = leases.close(user, request).await {
+                tracing::warn!(user = %user, request_id = %request, error = %e, "could not close a reservation lease");
+            }
         }
     }
 
@@ -313,6 +351,13 @@ impl<S: Send + Sync> FromRequestParts<S> for Reservation {
     }
 }
 
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
 /// The request id of a request: the user-scoped hash of its `Idempotency-Key`,
 /// or a fresh UUID.
 pub fn request_id(user: &UserId, headers: &HeaderMap) -> Result<RequestId, ApiError> {
@@ -405,14 +450,22 @@ where
         Ok(id) => id,
         Err(e) => return e.into_response(),
     };
+    if let Err(e) = budget.open_lease(&user, &request_id).await {
+        return e.into_response();
+    }
     let outcome = match budget.ledger.reserve(&user, &request_id, tokens).await {
         Ok(o) => o,
-        Err(e) => return ApiError::from(e).into_response(),
+        Err(e) => {
+            // Whether the reserve happened is unknown: the lease stays, and the
+            // reconciler refunds it if no job takes it.
+            return ApiError::from(e).into_response();
+        }
     };
     let metrics = budget.metrics.clone();
     let allowed = match outcome {
         ReserveOutcome::Allowed(a) => a,
         ReserveOutcome::Denied(denied) => {
+            budget.close_lease(&user, &request_id).await;
             if let Some(m) = &metrics {
                 m.reservation(&operation, false);
             }
@@ -442,6 +495,7 @@ where
     let failed = response.status().is_client_error() || response.status().is_server_error();
     // A duplicate reservation belongs to the first request with this id: only
     // the request that charged may refund.
+    let mut settled = true;
     if failed && !allowed.duplicate && !handed_over.load(Ordering::SeqCst) {
         match budget.ledger.refund(&user, &request_id).await {
             Ok(RefundOutcome::Refunded { used, .. }) => {
@@ -453,13 +507,17 @@ where
             }
             Ok(RefundOutcome::NotFound { .. }) => {}
             Err(e) => {
-                // The event stays charged until it leaves the window; say so loudly.
+                // The lease stays open: the reconciler retries the refund.
+                settled = false;
                 tracing::error!(
                     user = %user, request_id = %request_id, error = %e,
-                    "refund of a failed request failed"
+                    "refund of a failed request failed; left to the reconciler"
                 );
             }
         }
+    }
+    if settled {
+        budget.close_lease(&user, &request_id).await;
     }
     headers.apply(response.headers_mut());
     response
@@ -471,7 +529,6 @@ mod tests {
     use axum::http::HeaderValue;
     use axum::routing::post;
     use axum::{Extension, Router};
-    use std::time::Duration;
     use tollgate_core::MemoryLedger;
     use tower::ServiceExt;
 

@@ -267,12 +267,62 @@ pub async fn run(
         tracing::info!(%addr, "api listening");
     }
     let in_flight = state.in_flight.clone();
-    axum::serve(listener, router(state))
+    let reconciler = tokio::spawn(reconcile_loop(state.clone()));
+    let served = axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
-        .await?;
+        .await;
     let left = in_flight.drain(DRAIN_LIMIT).await;
     if left > 0 {
         tracing::warn!(left, "metered tasks still running at exit");
     }
-    Ok(())
+    reconciler.abort();
+    served
+}
+
+/// What one [`reconcile`] round did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reconciled {
+    /// Leases whose reservation a job had taken over: closed.
+    pub handed_over: usize,
+    /// Leases with no job: refunded and closed.
+    pub refunded: usize,
+}
+
+/// Settles the reservation leases that ended: the process that took them died
+/// (or stalled) between reserving and handing over to a job. A job with the
+/// request id owns the charge; otherwise the charge is refunded (idempotent by
+/// request id, so several api pods may reconcile at once).
+pub async fn reconcile(state: &ApiState) -> Result<Reconciled, ApiError> {
+    let mut done = Reconciled::default();
+    for (user, id) in state.leases.due(cost::now_ms(), 100).await? {
+        if state.jobs.status(&user, &id).await?.is_some() {
+            done.handed_over += 1;
+        } else {
+            state.ledger.refund(&user, &id).await?;
+            // A request slower than its lease may have submitted its job in the
+            // meantime: charge that job again (idempotent by id).
+            if let Some(info) = state.jobs.status(&user, &id).await? {
+                if !matches!(info.status, tollgate_core::JobStatus::Failed { .. }) {
+                    state.ledger.reserve(&user, &id, info.job.cost).await?;
+                }
+            } else {
+                done.refunded += 1;
+                state.metrics.refund("reconciler");
+                tracing::warn!(user = %user, request_id = %id, "refunded a reservation whose request never reached a job");
+            }
+        }
+        state.leases.close(&user, &id).await?;
+    }
+    Ok(done)
+}
+
+async fn reconcile_loop(state: ApiState) {
+    let mut tick = tokio::time::interval(state.settings.reconcile_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = reconcile(&state).await {
+            tracing::warn!(error = %e, "reconciling reservation leases failed; retrying");
+        }
+    }
 }

@@ -366,6 +366,15 @@ impl From<KeyStoreError> for ApiError {
     }
 }
 
+impl From<tollgate_core::LeaseError> for ApiError {
+    fn from(e: tollgate_core::LeaseError) -> Self {
+        match e {
+            tollgate_core::LeaseError::Unavailable(m) => Self::Unavailable(m),
+            tollgate_core::LeaseError::Backend(m) => Self::Internal(m),
+        }
+    }
+}
+
 impl From<AuditError> for ApiError {
     fn from(e: AuditError) -> Self {
         match e {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tollgate_core::{
-    Config, JobQueue, KeyStore, Ledger, MemoryKeyStore, MemoryLedger, MemoryOperationLog,
-    OperationLog,
+    Config, JobQueue, KeyStore, Ledger, MemoryKeyStore, MemoryLeases, MemoryLedger,
+    MemoryOperationLog, OperationLog, ReservationLeases,
 };
 
 use crate::cost::{Budget, InFlight};
@@ -27,6 +27,11 @@ pub struct Settings {
     pub body_limit: usize,
     /// How long a synchronous call waits for its job before answering 202.
     pub sync_timeout: Duration,
+    /// How long a reservation may stay between the `Cost` layer and its job
+    /// before the reconciler settles it (refund unless a job has it).
+    pub reservation_lease: Duration,
+    /// How often the reconciler looks for ended leases.
+    pub reconcile_every: Duration,
 }
 
 impl Default for Settings {
@@ -35,6 +40,8 @@ impl Default for Settings {
             admin_token: None,
             body_limit: DEFAULT_BODY_LIMIT,
             sync_timeout: DEFAULT_SYNC_TIMEOUT,
+            reservation_lease: Duration::from_secs(60),
+            reconcile_every: Duration::from_secs(5),
         }
     }
 }
@@ -45,6 +52,8 @@ impl fmt::Debug for Settings {
             .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
             .field("body_limit", &self.body_limit)
             .field("sync_timeout", &self.sync_timeout)
+            .field("reservation_lease", &self.reservation_lease)
+            .field("reconcile_every", &self.reconcile_every)
             .finish()
     }
 }
@@ -57,6 +66,7 @@ pub struct ApiState {
     pub jobs: Arc<dyn JobQueue>,
     pub keys: Arc<dyn KeyStore>,
     pub operations: Arc<dyn OperationLog>,
+    pub leases: Arc<dyn ReservationLeases>,
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
     /// Metered requests still between their reservation and its hand-over or
@@ -79,6 +89,7 @@ impl ApiState {
             jobs,
             keys: Arc::new(MemoryKeyStore::new()),
             operations: Arc::new(MemoryOperationLog::new()),
+            leases: Arc::new(MemoryLeases::new()),
             metrics: Arc::new(Metrics::new()),
             settings,
             in_flight: InFlight::default(),
@@ -102,6 +113,7 @@ impl ApiState {
                 pool.clone(),
                 keys.clone(),
             )),
+            leases: Arc::new(tollgate_redis::RedisLeases::new(pool.clone(), &keys)),
             operations: Arc::new(tollgate_redis::RedisOperationLog::new(pool, keys)),
             config,
             jobs,
@@ -116,5 +128,6 @@ impl ApiState {
         Budget::new(Arc::clone(&self.ledger), Arc::clone(&self.config))
             .with_metrics(Arc::clone(&self.metrics))
             .with_in_flight(self.in_flight.clone())
+            .with_leases(Arc::clone(&self.leases), self.settings.reservation_lease)
     }
 }

@@ -13,6 +13,7 @@ pub mod id;
 pub mod job;
 pub mod job_memory;
 pub mod keystore;
+pub mod lease;
 pub mod ledger;
 pub mod memory;
 pub mod throttle;
@@ -27,6 +28,7 @@ pub use job::{
 };
 pub use job_memory::MemoryJobQueue;
 pub use keystore::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError, MemoryKeyStore};
+pub use lease::{LeaseError, MemoryLeases, ReservationLeases};
 pub use ledger::{
     Allowed, Denied, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent,
     Usage,

@@ -106,6 +106,12 @@ impl KeySpace {
         format!("{}:{SCHEMA}:apikey:{}", self.prefix, hash.as_str())
     }
 
+    /// Sorted set: `"<user> <request id>"` -> end of the lease (ms) of each
+    /// reservation the api made ahead of its job: `<prefix>:v1:reservations`.
+    pub fn reservation_leases(&self) -> String {
+        format!("{}:{SCHEMA}:reservations", self.prefix)
+    }
+
     /// String: a key id's key hash, for revoking by id:
     /// `<prefix>:v1:apikey-id:<key id>`. Callers pass only ids that passed
     /// [`tollgate_core::keystore::is_key_id`].
