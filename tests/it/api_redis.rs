@@ -62,6 +62,7 @@ impl ApiProcess {
             .env("TOLLGATE_KEY_PREFIX", prefix)
             .env("TOLLGATE_CONFIG", config)
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
+            .env("TOLLGATE_RESERVATION_LEASE_MS", "1000")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -418,4 +419,114 @@ async fn users_cli_creates_a_working_key_and_revokes_it() {
         usage.header("content-type"),
         Some("application/problem+json")
     );
+}
+
+/// An api pod is killed (SIGKILL) while 200 calls are in flight across two pods.
+/// Whatever it was doing, once the jobs have run and the surviving pod has
+/// reconciled the dead pod's leases, every remaining spend event belongs to a job
+/// that succeeded: nothing is charged for work that will never happen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_api_pod_leaves_no_charge_without_a_job() {
+    let redis = RedisServer::start();
+    let prefix = random_prefix();
+    let mock_port = tollgate_tests::redis_server::free_port();
+    let mock_addr = format!("127.0.0.1:{mock_port}");
+    let config = write_config(&prefix, &format!("http://{mock_addr}"));
+    let _mock = Process::start(
+        &[
+            "mock-provider",
+            "--listen",
+            &mock_addr,
+            "--rate",
+            "1000",
+            "--burst",
+            "100",
+        ],
+        &redis,
+        &prefix,
+        &config,
+    );
+    let _throttler = Process::start(&["throttler"], &redis, &prefix, &config);
+    let _worker = Process::start(&["worker"], &redis, &prefix, &config);
+    let mut doomed = ApiProcess::start(&redis, &prefix, &config).await;
+    let survivor = ApiProcess::start(&redis, &prefix, &config).await;
+    let created = http::json(
+        survivor.addr,
+        "POST",
+        "/admin/users",
+        Some(ADMIN),
+        Some(&json!({"user": "kim", "plan": "pro"})),
+    )
+    .await;
+    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..200 {
+        let addr = if i % 2 == 0 {
+            doomed.addr
+        } else {
+            survivor.addr
+        };
+        let key = key.clone();
+        calls.spawn(async move {
+            let auth = format!("Bearer {key}");
+            let body = json!({"i": i}).to_string();
+            let headers = [
+                ("Authorization", auth.as_str()),
+                ("Content-Type", "application/json"),
+            ];
+            let _ = tokio::time::timeout(
+                Duration::from_secs(30),
+                http::send(
+                    addr,
+                    "POST",
+                    "/v1/ops/llm.structured",
+                    &headers,
+                    body.as_bytes(),
+                ),
+            )
+            .await;
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let _ = doomed.child.kill(); // SIGKILL
+    let _ = doomed.child.wait();
+    while calls.join_next().await.is_some() {}
+
+    // Jobs finish (3 s of llm throttle at most); the survivor reconciles the
+    // dead pod's leases (1 s lease, every 5 s).
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let usage = http::json(survivor.addr, "GET", "/v1/usage", Some(&key), None)
+            .await
+            .json();
+        let events = usage["events"].as_array().unwrap().clone();
+        let mut settled = true;
+        for e in &events {
+            let id = e["request_id"].as_str().unwrap();
+            let job = http::json(
+                survivor.addr,
+                "GET",
+                &format!("/v1/jobs/{id}"),
+                Some(&key),
+                None,
+            )
+            .await;
+            if job.status != 200 || job.json()["status"] != "succeeded" {
+                settled = false;
+                break;
+            }
+        }
+        if settled {
+            assert_eq!(usage["used"].as_u64().unwrap(), 8 * events.len() as u64);
+            assert!(!events.is_empty(), "the survivor's calls ran");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a charge without a succeeded job remains: {usage}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let _ = std::fs::remove_file(config);
 }
