@@ -317,7 +317,14 @@ impl IntoResponse for ApiError {
             Self::QuotaExceeded { denied, policy } => {
                 policy.denied(denied).apply(headers);
             }
-            Self::Unavailable(_) | Self::JobFailed { .. } => {
+            // Temporary unavailability: worth a retry soon. A provider failure
+            // or a saturated provider gets no hint, so clients back off on their
+            // own instead of retrying in step.
+            Self::Unavailable(_)
+            | Self::JobFailed {
+                cause: FailureCause::Abandoned,
+                ..
+            } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             _ => {}

@@ -14,6 +14,7 @@ use tollgate_core::{Config, Ledger};
 use tollgate_redis::{redact_url, KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
 
 use crate::exit;
+use crate::throttler::fail;
 
 #[derive(Debug, Args)]
 pub struct ApiArgs {
@@ -120,9 +121,4 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(exit::FAILURE, e),
     }
-}
-
-fn fail(code: u8, e: impl std::fmt::Display) -> ExitCode {
-    eprintln!("error: {e}");
-    ExitCode::from(code)
 }

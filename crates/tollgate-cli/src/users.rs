@@ -11,6 +11,7 @@ use tollgate_core::{Config, KeyStore, UserId};
 use tollgate_redis::{KeySpace, PoolOptions, RedisKeyStore, RedisLedger};
 
 use crate::exit;
+use crate::throttler::fail;
 
 #[derive(Debug, Args)]
 pub struct UsersArgs {
@@ -110,9 +111,4 @@ pub async fn run(args: UsersArgs) -> ExitCode {
             Err(e) => fail(exit::FAILURE, e),
         },
     }
-}
-
-fn fail(code: u8, e: impl std::fmt::Display) -> ExitCode {
-    eprintln!("error: {e}");
-    ExitCode::from(code)
 }
