@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
+mod all;
 mod api;
 mod api_full;
 mod api_redis;

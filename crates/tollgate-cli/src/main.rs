@@ -1,6 +1,7 @@
 //! The `tollgate` binary: parses flags, sets up logging, and hands over to a role
 //! or an operator command. Everything of substance lives in the library crates.
 
+mod all;
 mod api;
 mod budget;
 mod logging;
@@ -32,6 +33,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Every role in one process: embedded (in memory, zero dependencies) by
+    /// default, or against Redis with --redis-url. Prints a development API key.
+    All(all::AllArgs),
     /// The api role: the HTTP gateway (API keys, metered operations, jobs, usage).
     Api(api::ApiArgs),
     /// Operator commands on user budgets: reserve, refund, settle, usage, plans.
@@ -71,6 +75,7 @@ fn main() -> ExitCode {
     };
     runtime.block_on(async {
         match cli.command {
+            Command::All(args) => all::run(args).await,
             Command::Budget(args) => budget::run(args).await,
             Command::Api(args) => api::run(args).await,
             Command::Throttler(args) => throttler::run(args).await,

@@ -314,6 +314,35 @@ impl Config {
         self.upstreams.get(name)
     }
 
+    /// Sends every provider's calls to `url` (`tollgate all --provider-url`): an
+    /// upstream the config has keeps its auth, timeout and retries; a provider
+    /// without one gets the defaults.
+    pub fn route_all_providers_to(&mut self, url: &str) -> Result<(), ConfigError> {
+        let ok = (url.starts_with("http://") || url.starts_with("https://"))
+            && !url.chars().any(char::is_whitespace);
+        if !ok {
+            return Err(ConfigError::Invalid {
+                origin: "--provider-url".into(),
+                key: "url".into(),
+                message: format!("must be an http:// or https:// URL, got {url:?}"),
+            });
+        }
+        let url = url.trim_end_matches('/').to_owned();
+        for name in self.providers.keys() {
+            self.upstreams
+                .entry(name.clone())
+                .and_modify(|u| u.url.clone_from(&url))
+                .or_insert_with(|| Upstream {
+                    url: url.clone(),
+                    auth_header: None,
+                    auth_env: None,
+                    timeout: DEFAULT_UPSTREAM_TIMEOUT,
+                    retries: DEFAULT_RETRIES,
+                });
+        }
+        Ok(())
+    }
+
     /// The operation called `name`, if configured.
     pub fn operation(&self, name: &str) -> Option<&Operation> {
         self.operations.get(name)

@@ -1,0 +1,316 @@
+//! `tollgate all`: every role in one process.
+//!
+//! Without `--redis-url` it runs embedded, with zero dependencies: the memory
+//! ledger, the in-process throttle and in-memory job queues, and (unless
+//! `--provider-url` or the config's `url`s say otherwise) the built-in mock
+//! provider. With `--redis-url` the same roles (api, worker, throttler) run
+//! against Redis, exactly as separate pods would. Either way it creates a
+//! development user and prints its API key with two curl lines to try.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Args;
+use tokio::sync::watch;
+use tollgate_api::{ApiState, Settings};
+use tollgate_core::job::JobOptions;
+use tollgate_core::job_memory::MemoryJobQueue;
+use tollgate_core::{
+    duration, Config, JobSource, Ledger, MemoryLedger, MemoryThrottle, Throttle, UserId,
+};
+use tollgate_redis::{
+    redact_url, KeySpace, PoolOptions, RedisJobQueue, RedisLedger, RedisThrottle,
+};
+use tollgate_throttler::ThrottlerConfig;
+use tollgate_worker::WorkerConfig;
+
+use crate::exit;
+use crate::throttler::{fail, shutdown_signal};
+
+#[derive(Debug, Args)]
+pub struct AllArgs {
+    /// Address the api listens on (port 0: any free port).
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+
+    /// Run against this Redis instead of embedded (in memory).
+    #[arg(long, env = "TOLLGATE_REDIS_URL")]
+    redis_url: Option<String>,
+
+    /// TOML config with plans, providers and operations (default: the built-in config).
+    #[arg(long, env = "TOLLGATE_CONFIG")]
+    config: Option<PathBuf>,
+
+    /// Prefix of every Redis key (with --redis-url).
+    #[arg(long, env = "TOLLGATE_KEY_PREFIX", default_value = tollgate_redis::keys::DEFAULT_PREFIX)]
+    key_prefix: String,
+
+    /// Send every provider's calls to this HTTP upstream (e.g. a `tollgate
+    /// mock-provider`) instead of the built-in mock or the config's urls.
+    #[arg(long, env = "TOLLGATE_PROVIDER_URL")]
+    provider_url: Option<String>,
+
+    /// Token that guards /admin/* (default: a random one, printed at start).
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+
+    /// The development user created at start; its API key is printed.
+    #[arg(long, env = "TOLLGATE_DEV_USER", default_value = "dev")]
+    dev_user: UserId,
+
+    /// Jobs the in-process worker runs at once.
+    #[arg(long, env = "TOLLGATE_WORKER_CONCURRENCY", default_value_t = 32)]
+    concurrency: usize,
+}
+
+/// The backends of one process, embedded or on Redis.
+struct Backends {
+    ledger: Arc<dyn Ledger>,
+    source: Arc<dyn JobSource>,
+    throttle: Arc<dyn Throttle>,
+    state: ApiState,
+    /// With Redis: the throttler role runs here too.
+    throttler: Option<(ThrottlerConfig, tollgate_redis::Pool)>,
+    described: String,
+}
+
+pub async fn run(args: AllArgs) -> ExitCode {
+    let mut config = match Config::load(args.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => return fail(exit::BAD_INPUT, e),
+    };
+    if let Some(url) = &args.provider_url {
+        if let Err(e) = config.route_all_providers_to(url) {
+            return fail(exit::BAD_INPUT, e);
+        }
+    }
+    let config = Arc::new(config);
+    let admin_token = match &args.admin_token {
+        Some(t) if t.len() < 16 => {
+            return fail(
+                exit::BAD_INPUT,
+                "TOLLGATE_ADMIN_TOKEN must be at least 16 characters",
+            )
+        }
+        Some(t) => t.clone(),
+        None => format!(
+            "dev-admin-{}",
+            tollgate_core::RequestId::generate()
+                .as_str()
+                .replace('-', "")
+        ),
+    };
+    let settings = Settings {
+        admin_token: Some(admin_token.clone()),
+        ..Settings::default()
+    };
+
+    let backends = match &args.redis_url {
+        None => embedded(&config, settings),
+        Some(url) => match on_redis(url, &args.key_prefix, &config, settings).await {
+            Ok(b) => b,
+            Err(code) => return code,
+        },
+    };
+    let providers = match tollgate_providers::from_config(&config, Arc::clone(&backends.throttle)) {
+        Ok(p) => p,
+        Err(e) => return fail(exit::BAD_INPUT, e),
+    };
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            return fail(
+                exit::FAILURE,
+                format!("cannot listen on {}: {e}", args.listen),
+            )
+        }
+    };
+    let addr = listener.local_addr().unwrap_or(args.listen);
+    let created = match tollgate_api::admin::create_user(
+        &config,
+        backends.ledger.as_ref(),
+        backends.state.keys.as_ref(),
+        args.dev_user.clone(),
+        None,
+    )
+    .await
+    {
+        Ok(c) => c,
+        Err(e) => {
+            return fail(
+                exit::FAILURE,
+                format!("cannot create the development user: {e}"),
+            )
+        }
+    };
+    print_banner(
+        &config,
+        &backends.described,
+        addr,
+        &created.user,
+        &created.plan,
+        &created.api_key,
+        &admin_token,
+    );
+
+    // One shutdown for every role: SIGINT/SIGTERM flips it.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let mut worker_cfg = WorkerConfig::new(Arc::clone(&config));
+    worker_cfg.concurrency = args.concurrency.max(1);
+    let worker = tokio::spawn(tollgate_worker::run(
+        worker_cfg,
+        Arc::clone(&backends.source),
+        providers,
+        stopped(stop_rx.clone()),
+    ));
+    let throttler = backends.throttler.map(|(cfg, pool)| {
+        tokio::spawn(tollgate_throttler::run(cfg, pool, stopped(stop_rx.clone())))
+    });
+    let api = tollgate_api::run(backends.state, listener, stopped(stop_rx.clone())).await;
+
+    let mut code = ExitCode::SUCCESS;
+    if let Err(e) = api {
+        code = fail(exit::FAILURE, format!("api: {e}"));
+    }
+    match worker.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => code = fail(exit::BAD_INPUT, format!("worker: {e}")),
+        Err(e) => code = fail(exit::FAILURE, format!("worker task: {e}")),
+    }
+    if let Some(t) = throttler {
+        match t.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => code = fail(exit::BAD_INPUT, format!("throttler: {e}")),
+            Err(e) => code = fail(exit::FAILURE, format!("throttler task: {e}")),
+        }
+    }
+    code
+}
+
+fn embedded(config: &Arc<Config>, settings: Settings) -> Backends {
+    let ledger = Arc::new(MemoryLedger::new(Arc::clone(config)));
+    let queue = Arc::new(MemoryJobQueue::new(Arc::clone(config), ledger.clone()));
+    let state = ApiState::memory(
+        Arc::clone(config),
+        Arc::clone(&ledger),
+        queue.clone(),
+        settings,
+    );
+    Backends {
+        ledger,
+        source: queue,
+        throttle: Arc::new(MemoryThrottle::new(config)),
+        state,
+        throttler: None,
+        described: "embedded: in-memory ledger, throttle and job queues".into(),
+    }
+}
+
+async fn on_redis(
+    url: &str,
+    prefix: &str,
+    config: &Arc<Config>,
+    settings: Settings,
+) -> Result<Backends, ExitCode> {
+    let keys = KeySpace::new(prefix).map_err(|e| fail(exit::BAD_INPUT, e))?;
+    let pool = tollgate_redis::connect(
+        url,
+        &PoolOptions {
+            max_size: 16,
+            ..Default::default()
+        },
+    )
+    .await
+    .map_err(|e| fail(exit::FAILURE, e))?;
+    let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(config),
+    ));
+    let queue = Arc::new(
+        RedisJobQueue::new(
+            url,
+            pool.clone(),
+            keys.clone(),
+            Arc::clone(config),
+            Arc::clone(&ledger),
+            JobOptions::default(),
+        )
+        .map_err(|e| fail(exit::BAD_INPUT, e))?,
+    );
+    let throttle: Arc<dyn Throttle> = Arc::new(
+        RedisThrottle::start(url, pool.clone(), keys.clone(), config, Default::default())
+            .map_err(|e| fail(exit::BAD_INPUT, e))?,
+    );
+    let state = ApiState::redis(
+        Arc::clone(config),
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(&ledger),
+        queue.clone(),
+        settings,
+    );
+    Ok(Backends {
+        ledger,
+        source: queue,
+        throttle,
+        state,
+        throttler: Some((ThrottlerConfig::new(url, keys, Arc::clone(config)), pool)),
+        described: format!(
+            "distributed: Redis at {} (prefix {prefix})",
+            redact_url(url)
+        ),
+    })
+}
+
+fn print_banner(
+    config: &Config,
+    described: &str,
+    addr: SocketAddr,
+    user: &str,
+    plan: &str,
+    key: &str,
+    admin: &str,
+) {
+    let base = format!("http://{addr}");
+    let limit = config
+        .plan(plan)
+        .map(|p| format!("{} tokens / {}", p.limit, duration::format(p.window)))
+        .unwrap_or_default();
+    let ops = config
+        .operations()
+        .map(|o| format!("{} ({})", o.name, o.cost))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let upstreams = config
+        .providers()
+        .map(|p| match config.upstream(&p.name) {
+            Some(u) => format!("{} -> {}", p.name, u.url),
+            None => format!("{} -> built-in mock", p.name),
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    println!("tollgate all: api, worker and throttle in one process ({described})");
+    println!("  listening on {base}");
+    println!("  operations (cost in tokens): {ops}");
+    println!("  providers: {upstreams}");
+    println!("  development user {user:?} on plan {plan} ({limit})");
+    println!("  admin token: {admin}");
+    println!();
+    println!("Try:");
+    println!(
+        "  curl -s -X POST {base}/v1/ops/llm.structured -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' -d '{{\"prompt\": \"hello\"}}'"
+    );
+    println!("  curl -s {base}/v1/usage -H 'Authorization: Bearer {key}'");
+    println!();
+}

@@ -1,0 +1,351 @@
+//! `tollgate all` end to end over HTTP, the same cases in both modes: embedded
+//! (no Redis at all) and with `--redis-url`. Budgets, 429s, refunds on provider
+//! failure and throttling must behave alike.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+/// Children killed (and reaped) on drop.
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Spawns `tollgate <args>` and reads stdout until `pick` finds what it wants
+/// (within 30 s); returns the child and every line read.
+fn spawn_reading(args: &[&str], pick: impl Fn(&[String]) -> bool) -> (Child, Vec<String>) {
+    let mut child = Command::new(workspace_bin("tollgate"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"));
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !pick(&lines) {
+        assert!(
+            Instant::now() < deadline,
+            "tollgate {args:?} printed only {lines:?}"
+        );
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap() == 0 {
+            panic!("tollgate {args:?} exited after printing {lines:?}");
+        }
+        lines.push(line.trim_end().to_owned());
+    }
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in reader.lines() {});
+    (child, lines)
+}
+
+fn mock(args: &[&str]) -> (Child, String) {
+    let mut all = vec!["mock-provider", "--listen", "127.0.0.1:0"];
+    all.extend_from_slice(args);
+    let (child, lines) = spawn_reading(&all, |l| !l.is_empty());
+    let addr = lines[0]
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("mock said {lines:?}"))
+        .to_owned();
+    (child, format!("http://{addr}"))
+}
+
+struct System {
+    base: String,
+    key: String,
+    admin: String,
+    good_mock: String,
+    http: reqwest::Client,
+    _dir: TempDir,
+    procs: Procs,
+    _redis: Option<RedisServer>,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Starts two mock providers (one healthy with its own limit, one failing every
+/// call) and `tollgate all` on a config that throttles the healthy one below
+/// that limit; with `redis`, against a private redis-server.
+fn start(redis: bool) -> System {
+    let (good, good_url) = mock(&["--rate", "60", "--burst", "10", "--latency-ms", "5"]);
+    let (bad, bad_url) = mock(&["--fail-rate", "1.0"]);
+    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-all-{}", random_prefix())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let config = dir.0.join("all.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+default_plan = "free"
+[plans.free]
+limit = 1000
+window = "12h"
+[providers.good]
+rate = 50
+burst = 5
+max_wait = "30s"
+url = "{good_url}"
+[providers.bad]
+rate = 50
+burst = 5
+max_wait = "30s"
+url = "{bad_url}"
+retries = 0
+[operations."good.op"]
+cost = 8
+provider = "good"
+[operations."bad.op"]
+cost = 8
+provider = "bad"
+"#
+        ),
+    )
+    .unwrap();
+    let server = redis.then(RedisServer::start);
+    let prefix = random_prefix();
+    let url = server.as_ref().map(|s| s.url());
+    let mut args = vec![
+        "all",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        config.to_str().unwrap(),
+    ];
+    if let Some(url) = &url {
+        args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
+    }
+    let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
+    let find = |needle: &str| -> String {
+        let line = lines
+            .iter()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?} in {lines:?}"));
+        line[line.find(needle).unwrap() + needle.len()..]
+            .split(['\'', ' '])
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    tollgate_providers::http::install_crypto_provider();
+    System {
+        base: find("listening on "),
+        key: find("Bearer "),
+        admin: find("admin token: "),
+        good_mock: good_url,
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap(),
+        _dir: dir,
+        procs: Procs(vec![good, bad, child]),
+        _redis: server,
+    }
+}
+
+impl System {
+    async fn call(&self, key: &str, op: &str, asynchronous: bool) -> reqwest::Response {
+        let mut req = self
+            .http
+            .post(format!("{}/v1/ops/{op}", self.base))
+            .bearer_auth(key)
+            .json(&json!({"q": 1}));
+        if asynchronous {
+            req = req.header("Prefer", "respond-async");
+        }
+        req.send().await.unwrap()
+    }
+
+    async fn get(&self, key: &str, path: &str) -> Value {
+        self.http
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// SIGTERM, then the process must exit 0 by itself.
+    fn stop(mut self) {
+        let child = self.procs.0.last_mut().unwrap();
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(status.success(), "tollgate all exited with {status}");
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "tollgate all did not stop on SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// 200 concurrent calls of cost 8 on a 1000-token plan: exactly 125 accepted,
+/// the rest 429 with Retry-After; every accepted job finishes, usage is exactly
+/// 1000, and the throttle kept the upstream under its own limit (no 429 there).
+async fn budget_429s_and_throttling(redis: bool) {
+    let sys = start(redis);
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..200 {
+        let (http, base, key) = (sys.http.clone(), sys.base.clone(), sys.key.clone());
+        calls.spawn(async move {
+            let r = http
+                .post(format!("{base}/v1/ops/good.op"))
+                .bearer_auth(&key)
+                .header("Prefer", "respond-async")
+                .json(&json!({"q": 1}))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let retry_after = r
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_owned());
+            let body: Value = r.json().await.unwrap();
+            (status, retry_after, body)
+        });
+    }
+    let mut jobs = Vec::new();
+    let mut denied = 0;
+    while let Some(r) = calls.join_next().await {
+        let (status, retry_after, body) = r.unwrap();
+        match status {
+            202 => jobs.push(body["job_id"].as_str().unwrap().to_owned()),
+            429 => {
+                denied += 1;
+                let secs: u64 = retry_after
+                    .expect("429 carries Retry-After")
+                    .parse()
+                    .unwrap();
+                assert!(secs > 12 * 3600 - 120 && secs <= 12 * 3600, "{secs}");
+                assert!(
+                    body["type"].as_str().unwrap().contains("quota-exceeded"),
+                    "{body}"
+                );
+            }
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    assert_eq!((jobs.len(), denied), (125, 75));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for id in &jobs {
+        loop {
+            let v = sys.get(&sys.key, &format!("/v1/jobs/{id}")).await;
+            if v["status"] == "succeeded" {
+                break;
+            }
+            assert_ne!(v["status"], "failed", "{v}");
+            assert!(Instant::now() < deadline, "job {id} unfinished: {v}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    assert_eq!(sys.get(&sys.key, "/v1/usage").await["used"], 1000);
+    let stats: Value = sys
+        .http
+        .get(format!("{}/stats", sys.good_mock))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(stats["rate_limited"], 0, "{stats}");
+    assert!(stats["ok"].as_u64().unwrap() >= 125, "{stats}");
+    sys.stop();
+}
+
+/// A provider that fails every call: 502 naming the cause, and the budget is
+/// refunded to exactly 0; a user created through the admin route works.
+async fn provider_failures_are_refunded(redis: bool) {
+    let sys = start(redis);
+    let created: Value = sys
+        .http
+        .post(format!("{}/admin/users", sys.base))
+        .bearer_auth(&sys.admin)
+        .json(&json!({"user": "erin", "plan": "free"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let key = created["api_key"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{created}"))
+        .to_owned();
+    for _ in 0..3 {
+        let r = sys.call(&key, "bad.op", false).await;
+        assert_eq!(r.status().as_u16(), 502);
+        let body: Value = r.json().await.unwrap();
+        assert!(body.to_string().contains("provider"), "{body}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let used = sys.get(&key, "/v1/usage").await["used"].as_u64().unwrap();
+        if used == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "usage stays at {used}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The same user's good calls still work and are charged.
+    assert_eq!(
+        sys.call(&key, "good.op", false).await.status().as_u16(),
+        200
+    );
+    assert_eq!(sys.get(&key, "/v1/usage").await["used"], 8);
+    sys.stop();
+}
+
+macro_rules! both_modes {
+    ($($case:ident),* $(,)?) => {
+        mod embedded {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(false).await
+                }
+            )*
+        }
+        mod distributed {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(true).await
+                }
+            )*
+        }
+    };
+}
+
+both_modes!(budget_429s_and_throttling, provider_failures_are_refunded);
