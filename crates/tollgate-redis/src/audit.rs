@@ -6,9 +6,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tollgate_core::{AuditError, OperationLog, RequestId, UserId};
 
+use crate::call::{self, CallError};
 use crate::keys::KeySpace;
-use crate::keystore::run_pipe;
-use crate::pool::{is_connection_error, Pool, DEFAULT_TIMEOUT};
+use crate::pool::{Pool, DEFAULT_TIMEOUT};
 
 /// The distributed [`OperationLog`].
 #[derive(Debug)]
@@ -17,11 +17,12 @@ pub struct RedisOperationLog {
     keys: KeySpace,
 }
 
-fn map_err(e: redis::RedisError) -> AuditError {
-    if is_connection_error(&e) {
-        AuditError::Unavailable(e.to_string())
-    } else {
-        AuditError::Backend(e.to_string())
+impl From<CallError> for AuditError {
+    fn from(e: CallError) -> Self {
+        match e {
+            CallError::Unavailable(m) => Self::Unavailable(m),
+            CallError::Backend(m) => Self::Backend(m),
+        }
     }
 }
 
@@ -52,9 +53,9 @@ impl OperationLog for RedisOperationLog {
             .arg(&key)
             .arg(keep_ms)
             .ignore();
-        run_pipe::<()>(&self.pool, DEFAULT_TIMEOUT, "ops_record", &pipe)
+        call::pipeline::<()>(&self.pool, DEFAULT_TIMEOUT, "ops_record", &pipe)
             .await
-            .map_err(map_err)
+            .map_err(AuditError::from)
     }
 
     async fn operations(
@@ -70,9 +71,9 @@ impl OperationLog for RedisOperationLog {
             .arg(self.keys.budget(user).operations)
             .arg(requests.iter().map(RequestId::as_str).collect::<Vec<_>>());
         let (ops,): (Vec<Option<String>>,) =
-            run_pipe(&self.pool, DEFAULT_TIMEOUT, "ops_lookup", &pipe)
+            call::pipeline(&self.pool, DEFAULT_TIMEOUT, "ops_lookup", &pipe)
                 .await
-                .map_err(map_err)?;
+                .map_err(AuditError::from)?;
         Ok(ops)
     }
 }

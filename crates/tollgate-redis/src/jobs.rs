@@ -39,23 +39,27 @@ use tollgate_core::{
     Config, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobRequest, JobSource,
     JobStatus, Lease, Ledger, Maintenance, RequestId, ReserveOutcome, SubmitOutcome, UserId,
 };
-use tracing::Instrument;
 
+use crate::call::{self, CallError};
 use crate::keys::{JobKeys, KeySpace};
-use crate::pool::{
-    discard_if_broken, is_connection_error, redact_url, Pool, RedisBackendError, DEFAULT_TIMEOUT,
-};
+use crate::pool::{redact_url, Pool, RedisBackendError, DEFAULT_TIMEOUT};
 use crate::scripts::{self, HoldArgs};
 
 /// Most ids one maintenance step handles per set and operation.
 const MAINTAIN_BATCH: u32 = 100;
 
-fn map_redis_error(e: redis::RedisError) -> JobError {
-    if is_connection_error(&e) {
-        JobError::Unavailable(e.to_string())
-    } else {
-        JobError::Backend(e.to_string())
+impl From<CallError> for JobError {
+    fn from(e: CallError) -> Self {
+        match e {
+            CallError::Unavailable(m) => Self::Unavailable(m),
+            CallError::Backend(m) => Self::Backend(m),
+        }
     }
+}
+
+/// For calls on the dedicated (blocking, pub/sub) connections.
+fn map_redis_error(e: redis::RedisError) -> JobError {
+    CallError::from(e).into()
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -163,41 +167,12 @@ impl RedisJobQueue {
         &self.keys
     }
 
-    async fn bounded<T>(
-        &self,
-        op: &'static str,
-        limit: Duration,
-        fut: impl std::future::Future<Output = Result<T, JobError>>,
-    ) -> Result<T, JobError> {
-        tokio::time::timeout(limit, fut)
-            .instrument(tracing::debug_span!("redis", op))
-            .await
-            .unwrap_or_else(|_| {
-                Err(JobError::Unavailable(format!(
-                    "Redis did not answer {op} within {limit:?}"
-                )))
-            })
-    }
-
     async fn script<T: FromRedisValue>(
         &self,
         op: &'static str,
         inv: ScriptInvocation<'_>,
     ) -> Result<T, JobError> {
-        self.bounded(op, self.timeout, async {
-            let mut conn = self
-                .pool
-                .get()
-                .await
-                .map_err(|e| JobError::Unavailable(format!("no Redis connection: {e}")))?;
-            let result = inv.invoke_async::<T>(&mut *conn).await;
-            result.map_err(|e| {
-                let err = map_redis_error(e.clone());
-                discard_if_broken(conn, &e);
-                err
-            })
-        })
-        .await
+        Ok(call::script(&self.pool, self.timeout, op, &inv).await?)
     }
 
     async fn command<T: FromRedisValue>(
@@ -205,20 +180,7 @@ impl RedisJobQueue {
         op: &'static str,
         cmd: redis::Cmd,
     ) -> Result<T, JobError> {
-        self.bounded(op, self.timeout, async {
-            let mut conn = self
-                .pool
-                .get()
-                .await
-                .map_err(|e| JobError::Unavailable(format!("no Redis connection: {e}")))?;
-            let result = cmd.query_async::<T>(&mut *conn).await;
-            result.map_err(|e| {
-                let err = map_redis_error(e.clone());
-                discard_if_broken(conn, &e);
-                err
-            })
-        })
-        .await
+        Ok(call::command(&self.pool, self.timeout, op, &cmd).await?)
     }
 
     fn op_keys(&self, operation: &str) -> Result<(&tollgate_core::Operation, JobKeys), JobError> {
@@ -586,13 +548,10 @@ impl JobSource for RedisJobQueue {
             .arg("RIGHT")
             .arg("LEFT")
             .arg(block.as_secs_f64());
-        let moved = self
-            .bounded("blmove", block + self.timeout, async {
-                cmd.query_async::<Option<String>>(&mut conn)
-                    .await
-                    .map_err(map_redis_error)
-            })
-            .await;
+        let moved: Result<Option<String>, JobError> =
+            call::dedicated(&mut conn, block + self.timeout, "blmove", &cmd)
+                .await
+                .map_err(JobError::from);
         let moved = match moved {
             Ok(m) => {
                 lock(&self.blocking).push(conn);

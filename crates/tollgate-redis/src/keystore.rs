@@ -8,10 +8,10 @@ use async_trait::async_trait;
 use redis::{FromRedisValue, Pipeline};
 use tollgate_core::keystore::is_key_id;
 use tollgate_core::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError, UserId};
-use tracing::Instrument;
 
+use crate::call::{self, CallError};
 use crate::keys::KeySpace;
-use crate::pool::{discard_if_broken, is_connection_error, Pool, DEFAULT_TIMEOUT};
+use crate::pool::{Pool, DEFAULT_TIMEOUT};
 
 /// The distributed [`KeyStore`].
 pub struct RedisKeyStore {
@@ -28,40 +28,13 @@ impl std::fmt::Debug for RedisKeyStore {
     }
 }
 
-fn map_err(e: redis::RedisError) -> KeyStoreError {
-    if is_connection_error(&e) {
-        KeyStoreError::Unavailable(e.to_string())
-    } else {
-        KeyStoreError::Backend(e.to_string())
+impl From<CallError> for KeyStoreError {
+    fn from(e: CallError) -> Self {
+        match e {
+            CallError::Unavailable(m) => Self::Unavailable(m),
+            CallError::Backend(m) => Self::Backend(m),
+        }
     }
-}
-
-/// Runs `pipe` on a pooled connection, bounded by `timeout`.
-pub(crate) async fn run_pipe<T: FromRedisValue>(
-    pool: &Pool,
-    timeout: Duration,
-    op: &'static str,
-    pipe: &Pipeline,
-) -> Result<T, redis::RedisError> {
-    let call = async {
-        let mut conn = pool.get().await.map_err(|e| {
-            redis::RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::NotConnected,
-                format!("no Redis connection: {e}"),
-            ))
-        })?;
-        let result = pipe.query_async::<T>(&mut *conn).await;
-        result.inspect_err(|e| discard_if_broken(conn, e))
-    };
-    tokio::time::timeout(timeout, call)
-        .instrument(tracing::debug_span!("redis", op))
-        .await
-        .unwrap_or_else(|_| {
-            Err(redis::RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("Redis did not answer {op} within {timeout:?}"),
-            )))
-        })
 }
 
 impl RedisKeyStore {
@@ -78,9 +51,9 @@ impl RedisKeyStore {
         op: &'static str,
         pipe: &Pipeline,
     ) -> Result<T, KeyStoreError> {
-        run_pipe(&self.pool, self.timeout, op, pipe)
+        call::pipeline(&self.pool, self.timeout, op, pipe)
             .await
-            .map_err(map_err)
+            .map_err(KeyStoreError::from)
     }
 
     async fn record(&self, key: &str) -> Result<Option<KeyRecord>, KeyStoreError> {

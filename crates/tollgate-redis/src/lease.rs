@@ -6,9 +6,9 @@
 use async_trait::async_trait;
 use tollgate_core::{LeaseError, RequestId, ReservationLeases, UserId};
 
+use crate::call::{self, CallError};
 use crate::keys::KeySpace;
-use crate::keystore::run_pipe;
-use crate::pool::{is_connection_error, Pool, DEFAULT_TIMEOUT};
+use crate::pool::{Pool, DEFAULT_TIMEOUT};
 
 /// The distributed [`ReservationLeases`].
 #[derive(Debug)]
@@ -17,11 +17,12 @@ pub struct RedisLeases {
     key: String,
 }
 
-fn map_err(e: redis::RedisError) -> LeaseError {
-    if is_connection_error(&e) {
-        LeaseError::Unavailable(e.to_string())
-    } else {
-        LeaseError::Backend(e.to_string())
+impl From<CallError> for LeaseError {
+    fn from(e: CallError) -> Self {
+        match e {
+            CallError::Unavailable(m) => Self::Unavailable(m),
+            CallError::Backend(m) => Self::Backend(m),
+        }
     }
 }
 
@@ -52,9 +53,9 @@ impl ReservationLeases for RedisLeases {
             .arg(until_ms)
             .arg(member(user, request))
             .ignore();
-        run_pipe::<()>(&self.pool, DEFAULT_TIMEOUT, "lease_open", &pipe)
+        call::pipeline::<()>(&self.pool, DEFAULT_TIMEOUT, "lease_open", &pipe)
             .await
-            .map_err(map_err)
+            .map_err(LeaseError::from)
     }
 
     async fn close(&self, user: &UserId, request: &RequestId) -> Result<(), LeaseError> {
@@ -63,9 +64,9 @@ impl ReservationLeases for RedisLeases {
             .arg(&self.key)
             .arg(member(user, request))
             .ignore();
-        run_pipe::<()>(&self.pool, DEFAULT_TIMEOUT, "lease_close", &pipe)
+        call::pipeline::<()>(&self.pool, DEFAULT_TIMEOUT, "lease_close", &pipe)
             .await
-            .map_err(map_err)
+            .map_err(LeaseError::from)
     }
 
     async fn due(&self, now_ms: u64, limit: usize) -> Result<Vec<(UserId, RequestId)>, LeaseError> {
@@ -78,9 +79,10 @@ impl ReservationLeases for RedisLeases {
             .arg("LIMIT")
             .arg(0)
             .arg(limit);
-        let (members,): (Vec<String>,) = run_pipe(&self.pool, DEFAULT_TIMEOUT, "lease_due", &pipe)
-            .await
-            .map_err(map_err)?;
+        let (members,): (Vec<String>,) =
+            call::pipeline(&self.pool, DEFAULT_TIMEOUT, "lease_due", &pipe)
+                .await
+                .map_err(LeaseError::from)?;
         Ok(members
             .iter()
             .filter_map(|m| {

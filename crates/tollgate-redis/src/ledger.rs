@@ -11,10 +11,10 @@ use tollgate_core::{
     Allowed, Config, Denied, Ledger, LedgerError, RefundOutcome, RequestId, ReserveOutcome,
     SettleOutcome, SpendEvent, Usage, UserId,
 };
-use tracing::Instrument;
 
+use crate::call::{self, CallError};
 use crate::keys::KeySpace;
-use crate::pool::{discard_if_broken, is_connection_error, Connection, Pool, DEFAULT_TIMEOUT};
+use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, PlanArgs};
 
 /// The distributed budget ledger.
@@ -35,11 +35,12 @@ impl std::fmt::Debug for RedisLedger {
     }
 }
 
-fn map_redis_error(e: redis::RedisError) -> LedgerError {
-    if is_connection_error(&e) {
-        LedgerError::Unavailable(e.to_string())
-    } else {
-        LedgerError::Backend(e.to_string())
+impl From<CallError> for LedgerError {
+    fn from(e: CallError) -> Self {
+        match e {
+            CallError::Unavailable(m) => Self::Unavailable(m),
+            CallError::Backend(m) => Self::Backend(m),
+        }
     }
 }
 
@@ -77,44 +78,12 @@ impl RedisLedger {
         &self.pool
     }
 
-    /// Runs `fut` under the call timeout, in a span named after the operation.
-    async fn bounded<T>(
-        &self,
-        op: &'static str,
-        fut: impl std::future::Future<Output = Result<T, LedgerError>>,
-    ) -> Result<T, LedgerError> {
-        tokio::time::timeout(self.timeout, fut)
-            .instrument(tracing::debug_span!("redis", op))
-            .await
-            .unwrap_or_else(|_| {
-                Err(LedgerError::Unavailable(format!(
-                    "Redis did not answer {op} within {:?}",
-                    self.timeout
-                )))
-            })
-    }
-
-    async fn conn(&self) -> Result<Connection, LedgerError> {
-        self.pool
-            .get()
-            .await
-            .map_err(|e| LedgerError::Unavailable(format!("no Redis connection: {e}")))
-    }
-
     async fn script<T: FromRedisValue>(
         &self,
         op: &'static str,
         inv: ScriptInvocation<'_>,
     ) -> Result<T, LedgerError> {
-        self.bounded(op, async {
-            let mut conn = self.conn().await?;
-            let result = inv.invoke_async::<T>(&mut *conn).await;
-            result.map_err(|e| {
-                discard_if_broken(conn, &e);
-                map_redis_error(e)
-            })
-        })
-        .await
+        Ok(call::script(&self.pool, self.timeout, op, &inv).await?)
     }
 
     async fn command<T: FromRedisValue>(
@@ -122,15 +91,7 @@ impl RedisLedger {
         op: &'static str,
         cmd: redis::Cmd,
     ) -> Result<T, LedgerError> {
-        self.bounded(op, async {
-            let mut conn = self.conn().await?;
-            let result = cmd.query_async::<T>(&mut *conn).await;
-            result.map_err(|e| {
-                discard_if_broken(conn, &e);
-                map_redis_error(e)
-            })
-        })
-        .await
+        Ok(call::command(&self.pool, self.timeout, op, &cmd).await?)
     }
 }
 

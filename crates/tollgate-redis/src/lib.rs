@@ -16,6 +16,7 @@
 //! `TIME`; so are job records and queues.
 
 pub mod audit;
+pub mod call;
 pub mod jobs;
 pub mod keys;
 pub mod keystore;

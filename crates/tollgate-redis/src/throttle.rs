@@ -27,12 +27,10 @@ use redis::{FromRedisValue, ScriptInvocation};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tollgate_core::{Config, Grant, Provider, RequestId, Throttle, ThrottleError};
-use tracing::Instrument;
 
+use crate::call::{self, CallError};
 use crate::keys::{KeySpace, ThrottleKeys};
-use crate::pool::{
-    discard_if_broken, is_connection_error, redact_url, Pool, RedisBackendError, DEFAULT_TIMEOUT,
-};
+use crate::pool::{redact_url, Pool, RedisBackendError, DEFAULT_TIMEOUT};
 use crate::scripts::{self, BucketArgs};
 
 /// How long a readiness record outlives its grant: a waiter whose subscription
@@ -42,12 +40,18 @@ pub const READY_TTL: Duration = Duration::from_secs(30);
 /// Idle provider keys (no waiter, no grant) expire after this.
 pub const IDLE_TTL: Duration = Duration::from_secs(2 * 3600);
 
-fn map_redis_error(e: redis::RedisError) -> ThrottleError {
-    if is_connection_error(&e) {
-        ThrottleError::Unavailable(e.to_string())
-    } else {
-        ThrottleError::Backend(e.to_string())
+impl From<CallError> for ThrottleError {
+    fn from(e: CallError) -> Self {
+        match e {
+            CallError::Unavailable(m) => Self::Unavailable(m),
+            CallError::Backend(m) => Self::Backend(m),
+        }
     }
+}
+
+/// For calls on the dedicated (blocking, pub/sub) connections.
+fn map_redis_error(e: redis::RedisError) -> ThrottleError {
+    CallError::from(e).into()
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -58,43 +62,13 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
-/// Runs `fut` on a pooled connection, bounded by `timeout`, in a span.
-async fn bounded<T>(
-    op: &'static str,
-    timeout: Duration,
-    fut: impl std::future::Future<Output = Result<T, ThrottleError>>,
-) -> Result<T, ThrottleError> {
-    tokio::time::timeout(timeout, fut)
-        .instrument(tracing::debug_span!("redis", op))
-        .await
-        .unwrap_or_else(|_| {
-            Err(ThrottleError::Unavailable(format!(
-                "Redis did not answer {op} within {timeout:?}"
-            )))
-        })
-}
-
 async fn run_script<T: FromRedisValue>(
     pool: &Pool,
     timeout: Duration,
     op: &'static str,
     inv: ScriptInvocation<'_>,
 ) -> Result<T, ThrottleError> {
-    bounded(op, timeout, async {
-        let mut conn = pool
-            .get()
-            .await
-            .map_err(|e| ThrottleError::Unavailable(format!("no Redis connection: {e}")))?;
-        match inv.invoke_async::<T>(&mut *conn).await {
-            Ok(v) => Ok(v),
-            Err(e) => {
-                let err = map_redis_error(e.clone());
-                discard_if_broken(conn, &e);
-                Err(err)
-            }
-        }
-    })
-    .await
+    Ok(call::script(pool, timeout, op, &inv).await?)
 }
 
 /// Tunables of the waiter side.
@@ -170,21 +144,8 @@ impl Shared {
             let keys = self.keys.throttle(&provider);
             let mut cmd = redis::cmd("ZMSCORE");
             cmd.arg(&keys.granted).arg(&tickets);
-            let scores: Vec<Option<f64>> = bounded("recheck", self.call_timeout, async {
-                let mut conn =
-                    self.pool.get().await.map_err(|e| {
-                        ThrottleError::Unavailable(format!("no Redis connection: {e}"))
-                    })?;
-                match cmd.query_async(&mut *conn).await {
-                    Ok(v) => Ok(v),
-                    Err(e) => {
-                        let err = map_redis_error(e.clone());
-                        discard_if_broken(conn, &e);
-                        Err(err)
-                    }
-                }
-            })
-            .await?;
+            let scores: Vec<Option<f64>> =
+                call::command(&self.pool, self.call_timeout, "recheck", &cmd).await?;
             for (ticket, score) in tickets.iter().zip(scores) {
                 if let Some(at) = score {
                     found += 1;
@@ -521,10 +482,8 @@ impl Dispatcher {
             .arg("LEFT")
             .arg("RIGHT")
             .arg(block.as_secs_f64());
-        let moved: Option<String> = bounded("blmove", block + self.timeout, async {
-            cmd.query_async(conn).await.map_err(map_redis_error)
-        })
-        .await?;
+        let moved: Option<String> =
+            call::dedicated(conn, block + self.timeout, "blmove", &cmd).await?;
         Ok(moved.is_some())
     }
 
