@@ -12,6 +12,7 @@ mod concurrency;
 mod jobs;
 mod jobs_processes;
 mod ledger;
+mod openapi;
 mod redis_ledger;
 mod throttle;
 mod throttle_redis;
