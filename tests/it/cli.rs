@@ -156,7 +156,7 @@ fn bad_input_is_exit_2_with_one_line() {
             &["reserve", "--user", "a", "--cost", "1001"][..],
             "exceeds the plan limit",
         ),
-        (&["reserve", "--user", "a", "--cost", "-3"][..], "--cost"),
+        (&["reserve", "--user", "a", "--cost", "-3"][..], "-3"),
         (
             &["refund", "--user", "a", "--request-id", "x y"][..],
             "request id",

@@ -60,8 +60,37 @@ pub mod exit {
     pub const FAILURE: u8 = 1;
 }
 
+/// Help and version print as clap renders them; a bad or missing flag is one
+/// line on stderr (clap's own message, which names the flag) and exit 2.
+fn bad_flags(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            ExitCode::from(if e.use_stderr() { exit::BAD_INPUT } else { 0 })
+        }
+        _ => {
+            // clap's first paragraph, on one line (a list of missing flags
+            // follows its first line indented).
+            let rendered = e.render().to_string();
+            let first: Vec<&str> = rendered
+                .lines()
+                .take_while(|l| !l.trim().is_empty())
+                .map(str::trim)
+                .collect();
+            eprintln!("{} (see --help)", first.join(" "));
+            ExitCode::from(exit::BAD_INPUT)
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return bad_flags(e),
+    };
     logging::init(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
