@@ -1,6 +1,6 @@
 -- job_lease.lua: a worker moved a job id into its processing list (BLMOVE): lease it.
 -- KEYS[1] job, KEYS[2] processing (this worker's), KEYS[3] leases, KEYS[4] refunds
--- KEYS[5] dead  list of malformed entries moved aside
+-- KEYS[5] dead  list of malformed entries moved aside (the newest 10,000 are kept)
 -- ARGV[1] id, ARGV[2] worker, ARGV[3] lease (ms), ARGV[4] max attempts
 -- ARGV[5] the queue's operation, ARGV[6] channel for finished job ids
 -- Validates the record first: a missing record or unreadable fields (bad JSON
@@ -45,6 +45,7 @@ end
 if reason then
   redis.call('LREM', PROCESSING, 1, id)
   redis.call('RPUSH', DEAD, id .. ' ' .. reason)
+  redis.call('LTRIM', DEAD, -10000, -1)
   if state and state ~= 'succeeded' and state ~= 'failed' then
     fail_job(JOB, REFUNDS, id, 'abandoned', 'malformed job: ' .. reason, now, channel)
   end
