@@ -4,6 +4,7 @@
 //! run (these machines are shared and noisy: compare medians and ratios, never
 //! absolute numbers across runs). BENCHMARKS.md records the results.
 
+mod api;
 mod compose;
 mod jobs;
 mod ledger;
@@ -22,6 +23,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// HTTP api: sync call latency, concurrent calls/s, async submits/s and 429
+    /// latency through `tollgate all`, embedded and on Redis, and the Redis round
+    /// trips of one call.
+    Api(api::Args),
     /// Budget ledger: reserve latency by live events, throughput on both backends,
     /// and the redis-benchmark ceiling for the same script.
     Ledger(ledger::Args),
@@ -49,6 +54,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async {
         match cli.command {
+            Command::Api(args) => api::run(args).await,
             Command::Ledger(args) => ledger::run(args).await,
             Command::Load(args) => load::run(args).await,
             Command::Throttle(args) => throttle::bench(args).await,

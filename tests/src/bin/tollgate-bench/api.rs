@@ -1,0 +1,464 @@
+//! The HTTP api benchmark: `POST /v1/ops/<op>` through real HTTP on 127.0.0.1
+//! against a `tollgate all` process, embedded and on Redis, side by side. Sync
+//! call latency, concurrent calls/s, async submits/s, 429 latency, and (on Redis)
+//! the round trips of one call counted with MONITOR.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde_json::json;
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+use crate::stats::{us, Samples};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Sequential calls per latency measurement (sync calls, and 429s).
+    #[arg(long, default_value_t = 1000)]
+    calls: usize,
+    /// Concurrent clients of the throughput runs.
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// Calls shared by the clients of each throughput run.
+    #[arg(long, default_value_t = 4000)]
+    total: usize,
+    /// The in-process worker's --concurrency.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Sequential calls watched with MONITOR to count Redis round trips.
+    #[arg(long, default_value_t = 100)]
+    counted: usize,
+}
+
+/// Plan `bench` (the default: the dev user's) never runs out; plan `tiny` holds
+/// one token, so its second call and every one after it is a 429. The provider
+/// has no `url` (the built-in mock) and a bucket that never runs dry.
+const CONFIG: &str = r#"
+default_plan = "bench"
+[plans.bench]
+limit = 1000000000
+window = "12h"
+[plans.tiny]
+limit = 1
+window = "12h"
+[providers.bench]
+rate = 1000000
+burst = 1000000
+max_wait = "30s"
+[operations.bench]
+cost = 1
+provider = "bench"
+"#;
+
+const ADMIN: &str = "bench-admin-token-0123456789";
+
+/// A `tollgate all` process, killed (and reaped) on drop.
+struct All {
+    child: Child,
+    base: String,
+    key: String,
+}
+
+impl Drop for All {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl All {
+    /// Starts `tollgate all` on a free port and reads its banner.
+    fn start(
+        config: &Path,
+        concurrency: usize,
+        redis: Option<(&str, &str)>,
+    ) -> anyhow::Result<Self> {
+        let mut cmd = Command::new(workspace_bin("tollgate"));
+        cmd.args(["all", "--listen", "127.0.0.1:0", "--admin-token", ADMIN])
+            .arg("--config")
+            .arg(config)
+            .args(["--concurrency", &concurrency.to_string()]);
+        if let Some((url, prefix)) = redis {
+            cmd.args(["--redis-url", url, "--key-prefix", prefix]);
+        }
+        let mut child = cmd
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("spawn tollgate all")?;
+        let mut reader = BufReader::new(child.stdout.take().context("stdout")?);
+        let (mut base, mut key) = (None, None);
+        let mut lines = Vec::new();
+        while base.is_none() || key.is_none() {
+            let mut line = String::new();
+            if reader.read_line(&mut line)? == 0 {
+                let _ = child.kill();
+                anyhow::bail!("tollgate all exited after printing {lines:?}");
+            }
+            if let Some(b) = line.trim().strip_prefix("listening on ") {
+                base = Some(b.to_owned());
+            }
+            if let Some(i) = line.find("Bearer ") {
+                key = line[i + 7..].split('\'').next().map(str::to_owned);
+            }
+            lines.push(line);
+        }
+        // Keep draining stdout so the child never blocks on a full pipe.
+        std::thread::spawn(move || for _ in reader.lines() {});
+        Ok(Self {
+            child,
+            base: base.unwrap_or_default(),
+            key: key.unwrap_or_default(),
+        })
+    }
+}
+
+#[derive(Clone)]
+struct Client {
+    http: reqwest::Client,
+    url: String,
+}
+
+impl Client {
+    /// One operation call; `Err` unless the status is `want`.
+    async fn call(&self, key: &str, i: usize, asynchronous: bool, want: u16) -> anyhow::Result<()> {
+        let mut req = self
+            .http
+            .post(&self.url)
+            .bearer_auth(key)
+            .json(&json!({ "i": i }));
+        if asynchronous {
+            req = req.header("Prefer", "respond-async");
+        }
+        let resp = req.send().await?;
+        let status = resp.status().as_u16();
+        let body = resp.bytes().await?;
+        anyhow::ensure!(
+            status == want,
+            "wanted {want}, got {status}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        Ok(())
+    }
+}
+
+/// `n` calls one after another: per-call latencies.
+async fn sequential(
+    c: &Client,
+    key: &str,
+    n: usize,
+    asynchronous: bool,
+    want: u16,
+) -> anyhow::Result<Samples> {
+    let mut v = Vec::with_capacity(n);
+    for i in 0..n {
+        let t0 = Instant::now();
+        c.call(key, i, asynchronous, want).await?;
+        v.push(t0.elapsed());
+    }
+    Ok(Samples::new(v))
+}
+
+/// `n` sequential `GET /healthz` (no auth, no store): the HTTP floor.
+async fn healthz(c: &Client, base: &str, n: usize) -> anyhow::Result<Samples> {
+    let url = format!("{base}/healthz");
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t0 = Instant::now();
+        let resp = c.http.get(&url).send().await?.error_for_status()?;
+        resp.bytes().await?;
+        v.push(t0.elapsed());
+    }
+    Ok(Samples::new(v))
+}
+
+/// `clients` tasks share `total` calls, each task calling one after another on
+/// its own keep-alive connection: per-call latencies and the wall time.
+async fn concurrent(
+    c: &Client,
+    key: &str,
+    clients: usize,
+    total: usize,
+    asynchronous: bool,
+    want: u16,
+) -> anyhow::Result<(Samples, Duration)> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut set = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for _ in 0..clients {
+        let (c, key, next) = (c.clone(), key.to_owned(), Arc::clone(&next));
+        set.spawn(async move {
+            let mut v = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= total {
+                    return anyhow::Ok(v);
+                }
+                let t0 = Instant::now();
+                c.call(&key, i, asynchronous, want).await?;
+                v.push(t0.elapsed());
+            }
+        });
+    }
+    let mut all = Vec::with_capacity(total);
+    while let Some(r) = set.join_next().await {
+        all.extend(r??);
+    }
+    Ok((Samples::new(all), started.elapsed()))
+}
+
+fn row(mode: &str, what: &str, clients: usize, s: &Samples, n: usize, wall: Duration) {
+    println!(
+        "| {mode} | {what} | {clients} | {n} | {:.0} µs | {:.0} µs | {:.0} |",
+        us(s.median()),
+        us(s.pct(99.0)),
+        n as f64 / wall.as_secs_f64()
+    );
+}
+
+/// Creates a user on plan `tiny` and spends its one token: every later call is a 429.
+async fn exhausted_user(c: &Client, base: &str, user: &str) -> anyhow::Result<String> {
+    let created: serde_json::Value = c
+        .http
+        .post(format!("{base}/admin/users"))
+        .bearer_auth(ADMIN)
+        .json(&json!({ "user": user, "plan": "tiny" }))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let key = created["api_key"]
+        .as_str()
+        .context("no api_key in /admin/users")?
+        .to_owned();
+    c.call(&key, 0, true, 202).await?;
+    Ok(key)
+}
+
+/// Every measurement against one running `tollgate all`.
+async fn measure(mode: &str, all: &All, args: &Args) -> anyhow::Result<(Client, String)> {
+    let c = Client {
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(args.clients * 2)
+            .build()?,
+        url: format!("{}/v1/ops/bench", all.base),
+    };
+    let tiny = exhausted_user(&c, &all.base, "tiny").await?;
+    // Warm-up: connections, scripts, the worker's loops.
+    concurrent(&c, &all.key, args.clients, 500, false, 200).await?;
+    sequential(&c, &tiny, 100, false, 429).await?;
+
+    let t0 = Instant::now();
+    let s = healthz(&c, &all.base, args.calls).await?;
+    row(
+        mode,
+        "GET /healthz (HTTP floor)",
+        1,
+        &s,
+        args.calls,
+        t0.elapsed(),
+    );
+    let t0 = Instant::now();
+    let s = sequential(&c, &all.key, args.calls, false, 200).await?;
+    row(mode, "sync call", 1, &s, args.calls, t0.elapsed());
+    let t0 = Instant::now();
+    let s = sequential(&c, &tiny, args.calls, false, 429).await?;
+    row(
+        mode,
+        "429 (budget exhausted)",
+        1,
+        &s,
+        args.calls,
+        t0.elapsed(),
+    );
+    let (s, wall) = concurrent(&c, &all.key, args.clients, args.total, false, 200).await?;
+    row(mode, "sync call", args.clients, &s, args.total, wall);
+    let (s, wall) = concurrent(&c, &tiny, args.clients, args.total, false, 429).await?;
+    row(
+        mode,
+        "429 (budget exhausted)",
+        args.clients,
+        &s,
+        args.total,
+        wall,
+    );
+    let (s, wall) = concurrent(&c, &all.key, args.clients, args.total, true, 202).await?;
+    row(
+        mode,
+        "async submit (202)",
+        args.clients,
+        &s,
+        args.total,
+        wall,
+    );
+    Ok((c, tiny))
+}
+
+/// Commands sent to Redis by clients (not those scripts run), by command; an
+/// EVALSHA is named by the kind and suffix of its first key
+/// (`{u:dev}:events` -> `EVALSHA u:*:events`).
+#[derive(Default)]
+struct Tally(BTreeMap<String, u64>);
+
+fn command_of(line: &str) -> Option<String> {
+    // 1700000000.123456 [0 127.0.0.1:53422] "EVALSHA" "sha" "2" "key" ...
+    let rest = &line[line.find('[')?..];
+    if rest.starts_with("[0 lua]") || rest.contains(" lua]") {
+        return None;
+    }
+    let args: Vec<&str> = rest[rest.find(']')? + 1..]
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .collect();
+    let cmd = args.first()?.to_ascii_uppercase();
+    if cmd == "EVALSHA" {
+        let key = args.get(3).copied().unwrap_or("");
+        let kind = key
+            .find('{')
+            .and_then(|i| key[i + 1..].split(':').next())
+            .unwrap_or("?");
+        let suffix = key
+            .find("}:")
+            .map(|i| key[i + 2..].split(':').next().unwrap_or(""))
+            .unwrap_or("");
+        return Some(format!("EVALSHA {kind}:*:{suffix}"));
+    }
+    Some(cmd)
+}
+
+/// Watches Redis with `redis-cli monitor` while `work` runs; returns the client
+/// commands seen, by command.
+async fn monitored<F, Fut>(url: &str, work: F) -> anyhow::Result<Tally>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let mut mon = Command::new("redis-cli")
+        .args(["-u", url, "monitor"])
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .context("spawn redis-cli monitor")?;
+    let reader = BufReader::new(mon.stdout.take().context("stdout")?);
+    let (seen_ok, ok) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        let mut t = Tally::default();
+        for line in reader.lines().map_while(Result::ok) {
+            if line == "OK" {
+                let _ = seen_ok.send(());
+                continue;
+            }
+            if let Some(cmd) = command_of(&line) {
+                *t.0.entry(cmd).or_default() += 1;
+            }
+        }
+        t
+    });
+    ok.recv_timeout(Duration::from_secs(10))
+        .context("redis-cli monitor did not start")?;
+    let result = work().await;
+    // Let the last commands' lines arrive before the count is taken.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = mon.kill();
+    let _ = mon.wait();
+    let tally = thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the MONITOR reader panicked"))?;
+    result?;
+    Ok(tally)
+}
+
+/// Round trips per call: MONITOR over `n` sequential calls, minus the same
+/// stretch of an idle system (the worker's and throttler's background loops).
+async fn count_round_trips(
+    url: &str,
+    c: &Client,
+    key: &str,
+    tiny: &str,
+    n: usize,
+) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let sync = monitored(url, || async {
+        sequential(c, key, n, false, 200).await.map(|_| ())
+    })
+    .await?;
+    let took = t0.elapsed();
+    let idle = monitored(url, || async {
+        tokio::time::sleep(took.saturating_sub(Duration::from_millis(300))).await;
+        Ok(())
+    })
+    .await?;
+    let denied = monitored(url, || async {
+        sequential(c, tiny, n, false, 429).await.map(|_| ())
+    })
+    .await?;
+    let per = |t: &Tally, sub: Option<&Tally>| {
+        let mut out = BTreeMap::new();
+        for (k, v) in &t.0 {
+            let idle = sub.and_then(|s| s.0.get(k)).copied().unwrap_or(0);
+            let d = *v as f64 - idle as f64;
+            if d / n as f64 >= 0.05 {
+                out.insert(k.clone(), d / n as f64);
+            }
+        }
+        out
+    };
+    let print = |what: &str, m: BTreeMap<String, f64>| {
+        let total: f64 = m.values().sum();
+        println!("{what}: {total:.1} client commands per call");
+        for (k, v) in m {
+            println!("  {v:>5.2}  {k}");
+        }
+    };
+    println!();
+    println!("Redis round trips ({n} sequential calls under MONITOR; idle background subtracted from the sync calls):");
+    print("sync call (200)", per(&sync, Some(&idle)));
+    let idle_total: u64 = idle.0.values().sum();
+    println!(
+        "  (idle background over the same {:.1} s: {idle_total} commands)",
+        took.as_secs_f64()
+    );
+    print("429 (budget exhausted)", per(&denied, None));
+    Ok(())
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    tollgate_providers::http::install_crypto_provider();
+    let dir = std::env::temp_dir().join(format!("tollgate-bench-api-{}", random_prefix()));
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("bench.toml");
+    std::fs::write(&config, CONFIG)?;
+    println!(
+        "tollgate all, POST /v1/ops/bench (cost 1, built-in mock provider, throttle never dry), \
+         keep-alive reqwest clients on 127.0.0.1, worker --concurrency {}",
+        args.concurrency
+    );
+    println!("| mode | call | clients | calls | p50 | p99 | calls/s |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+
+    {
+        let all = All::start(&config, args.concurrency, None)?;
+        measure("embedded", &all, &args).await?;
+    }
+
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let all = All::start(&config, args.concurrency, Some((&server.url(), &prefix)))?;
+    let (c, tiny) = measure("Redis", &all, &args).await?;
+    // The async jobs finish before the round trips are counted.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    count_round_trips(&server.url(), &c, &all.key, &tiny, args.counted).await?;
+    drop(all);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
