@@ -183,6 +183,37 @@ impl RedisJobQueue {
         Ok(call::command(&self.pool, self.timeout, op, &cmd).await?)
     }
 
+    /// The keys of the queue that holds job `id`, when `user` owns it (the claim
+    /// records the owner and the operation).
+    async fn locate(&self, user: &UserId, id: &RequestId) -> Result<Option<JobKeys>, JobError> {
+        let mut get = redis::cmd("GET");
+        get.arg(self.keys.job_claim(id));
+        let owner: Option<String> = self.command("job_claim", get).await?;
+        let Some((owner_user, operation)) = owner.as_deref().and_then(|o| o.split_once(' ')) else {
+            return Ok(None);
+        };
+        if owner_user != user.as_str() {
+            return Ok(None);
+        }
+        Ok(self
+            .config
+            .operation(operation)
+            .map(|op| self.keys.jobs(&op.name)))
+    }
+
+    /// The job record, when it belongs to `user`.
+    async fn read_owned(
+        &self,
+        keys: &JobKeys,
+        user: &UserId,
+        id: &RequestId,
+    ) -> Result<Option<JobInfo>, JobError> {
+        Ok(self
+            .read(keys, id)
+            .await?
+            .filter(|info| &info.job.user == user))
+    }
+
     fn op_keys(&self, operation: &str) -> Result<(&tollgate_core::Operation, JobKeys), JobError> {
         let op = self
             .config
@@ -479,23 +510,10 @@ impl JobQueue for RedisJobQueue {
     }
 
     async fn status(&self, user: &UserId, id: &RequestId) -> Result<Option<JobInfo>, JobError> {
-        let mut get = redis::cmd("GET");
-        get.arg(self.keys.job_claim(id));
-        let owner: Option<String> = self.command("job_claim", get).await?;
-        let Some((owner_user, operation)) = owner.as_deref().and_then(|o| o.split_once(' ')) else {
-            return Ok(None);
-        };
-        if owner_user != user.as_str() {
-            return Ok(None);
+        match self.locate(user, id).await? {
+            Some(keys) => self.read_owned(&keys, user, id).await,
+            None => Ok(None),
         }
-        let Some(op) = self.config.operation(operation) else {
-            return Ok(None);
-        };
-        let keys = self.keys.jobs(&op.name);
-        Ok(self
-            .read(&keys, id)
-            .await?
-            .filter(|info| &info.job.user == user))
     }
 
     async fn wait(
@@ -508,11 +526,16 @@ impl JobQueue for RedisJobQueue {
         let deadline = tokio::time::Instant::now() + timeout;
         let notify = self.waiters.register(id.as_str());
         let result = async {
+            // The claim names the job's queue once; each look after that is one
+            // read of the record.
+            let Some(keys) = self.locate(user, id).await? else {
+                return Ok(None);
+            };
             loop {
                 let notified = notify.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                let info = self.status(user, id).await?;
+                let info = self.read_owned(&keys, user, id).await?;
                 match &info {
                     Some(i) if !i.status.is_final() => {}
                     _ => return Ok(info),
