@@ -98,6 +98,39 @@ impl FailureCause {
     }
 }
 
+/// The wait loop both queues share: `look` reads the job until it is final or
+/// `timeout` passes. `notify` is woken when a job finishes; the notification is
+/// armed before each look, so one that fires in between is not lost, and the
+/// job is re-read every `poll` anyway, so waking never depends on it alone.
+pub async fn wait_until_final<F, Fut>(
+    notify: &tokio::sync::Notify,
+    timeout: Duration,
+    poll: Duration,
+    mut look: F,
+) -> Result<Option<JobInfo>, JobError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<JobInfo>, JobError>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let notified = notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let info = look().await?;
+        match &info {
+            Some(i) if !i.status.is_final() => {}
+            _ => return Ok(info),
+        }
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return Ok(info);
+        }
+        let nap = (deadline - now).min(poll);
+        let _ = tokio::time::timeout(nap, notified).await;
+    }
+}
+
 /// Where a job is, as the api role shows it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "status", rename_all = "snake_case")]

@@ -18,8 +18,8 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::id::{RequestId, UserId};
 use crate::job::{
-    millis, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue, JobRequest,
-    JobSource, JobStatus, Lease, Maintenance, SubmitOutcome,
+    millis, wait_until_final, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue,
+    JobRequest, JobSource, JobStatus, Lease, Maintenance, SubmitOutcome,
 };
 use crate::ledger::{Ledger, ReserveOutcome};
 
@@ -266,23 +266,10 @@ impl JobQueue for MemoryJobQueue {
         id: &RequestId,
         timeout: Duration,
     ) -> Result<Option<JobInfo>, JobError> {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let notified = self.finished.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let info = self.status(user, id).await?;
-            match &info {
-                Some(i) if !i.status.is_final() => {}
-                _ => return Ok(info),
-            }
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                return Ok(info);
-            }
-            let nap = (deadline - now).min(self.options.poll);
-            let _ = tokio::time::timeout(nap, notified).await;
-        }
+        wait_until_final(&self.finished, timeout, self.options.poll, || {
+            self.status(user, id)
+        })
+        .await
     }
 }
 

@@ -34,7 +34,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use serde_json::Value as Json;
 use tokio::sync::{oneshot, Notify};
-use tollgate_core::job::JobOptions;
+use tollgate_core::job::{wait_until_final, JobOptions};
 use tollgate_core::{
     Config, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobRequest, JobSource,
     JobStatus, Lease, Ledger, Maintenance, RequestId, ReserveOutcome, SubmitOutcome, UserId,
@@ -523,7 +523,6 @@ impl JobQueue for RedisJobQueue {
         timeout: Duration,
     ) -> Result<Option<JobInfo>, JobError> {
         self.ensure_subscriber();
-        let deadline = tokio::time::Instant::now() + timeout;
         let notify = self.waiters.register(id.as_str());
         let result = async {
             // The claim names the job's queue once; each look after that is one
@@ -531,22 +530,10 @@ impl JobQueue for RedisJobQueue {
             let Some(keys) = self.locate(user, id).await? else {
                 return Ok(None);
             };
-            loop {
-                let notified = notify.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                let info = self.read_owned(&keys, user, id).await?;
-                match &info {
-                    Some(i) if !i.status.is_final() => {}
-                    _ => return Ok(info),
-                }
-                let now = tokio::time::Instant::now();
-                if now >= deadline {
-                    return Ok(info);
-                }
-                let nap = (deadline - now).min(self.options.poll);
-                let _ = tokio::time::timeout(nap, notified).await;
-            }
+            wait_until_final(&notify, timeout, self.options.poll, || {
+                self.read_owned(&keys, user, id)
+            })
+            .await
         }
         .await;
         self.waiters.unregister(id.as_str(), notify);
