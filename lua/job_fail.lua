@@ -1,13 +1,20 @@
 -- job_fail.lua: a worker records a job's final failure, if it still holds the lease.
 -- KEYS[1] job, KEYS[2] processing (the worker's), KEYS[3] leases, KEYS[4] refunds
 -- ARGV[1] id, ARGV[2] fencing token, ARGV[3] cause, ARGV[4] message, ARGV[5] channel
--- Marks the job failed with its refund pending; the worker then refunds and
--- confirms with job_refunded.lua (maintenance finishes refunds left pending).
+-- ARGV[6] '1': the job owns its charge; marks the release pending, and the worker
+--         then releases it and confirms with job_refunded.lua (maintenance
+--         finishes releases left pending). '0': the job's claim was refused, it
+--         owns no charge: nothing to release.
+-- ARGV[7] how long the finished record stays readable (ms), without a release
 -- Returns 1 recorded, 0 refused (not this token's lease): nothing is written,
 -- and the caller must not refund.
 
 local JOB, PROCESSING, LEASES, REFUNDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, token, cause, message, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local refund, ttl = ARGV[6] == '1', tonumber(ARGV[7])
+if not ttl or ttl < 1 then
+  return redis.error_reply('job_fail: bad ttl')
+end
 if cause ~= 'provider' and cause ~= 'throttle_timeout' and cause ~= 'expired'
     and cause ~= 'abandoned' then
   return redis.error_reply('job_fail: bad cause')
@@ -16,7 +23,7 @@ local f = redis.call('HMGET', JOB, 'state', 'seq')
 if f[1] ~= 'running' or f[2] ~= token then
   return 0
 end
-fail_job(JOB, REFUNDS, id, cause, message, now_ms(), channel)
+fail_job(JOB, REFUNDS, id, cause, message, now_ms(), channel, refund, ttl)
 redis.call('LREM', PROCESSING, 1, id)
 redis.call('ZREM', LEASES, id)
 return 1

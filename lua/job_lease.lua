@@ -8,10 +8,11 @@
 -- also failed with its refund pending. Then counts the attempt: past the
 -- deadline, or past max attempts, the job fails (refund pending).
 -- Returns one of
---   { 1, token, user, provider, input, cost, enq, deadline, attempt }  leased
+--   { 1, token, user, provider, input, cost, enq, deadline, attempt, nonce, left }
+--                            leased; `left`: ms until the deadline, on Redis's clock
 --   { 0 }                    stale entry (the job is not queued): dropped
---   { 2, cause, user }       failed here (expired | abandoned): refund pending
---   { 3, reason, user|'' }   malformed: moved aside (refund pending if a user)
+--   { 2, cause, user, nonce }          failed here (expired | abandoned): release pending
+--   { 3, reason, user|'', nonce|'' }   malformed: moved aside (release pending if a nonce)
 
 local JOB, PROCESSING, LEASES, REFUNDS, DEAD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local id, worker, lease, max_attempts = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -21,21 +22,22 @@ if not lease or lease < 1 or not max_attempts or max_attempts < 1 then
 end
 local now = now_ms()
 local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
-  'enq', 'deadline', 'attempt')
+  'enq', 'deadline', 'attempt', 'nonce')
 local state, user, jop, provider, input = f[1], f[2], f[3], f[4], f[5]
 local cost, enq, deadline, attempt = tonumber(f[6]), tonumber(f[7]), tonumber(f[8]), tonumber(f[9])
+local nonce = f[10]
 
 local reason = nil
 if not state then
   reason = 'no job record'
-elseif state ~= 'queued' and state ~= 'held' and state ~= 'running'
+elseif state ~= 'queued' and state ~= 'running'
     and state ~= 'succeeded' and state ~= 'failed' then
   reason = 'unknown state ' .. state
 elseif state ~= 'queued' then
   redis.call('LREM', PROCESSING, 1, id)
   return { 0 }
 elseif not user or not provider or not input or not cost or cost < 1 or not enq
-    or not deadline or not attempt then
+    or not deadline or not attempt or not nonce then
   reason = 'missing or unreadable fields'
 elseif jop ~= op then
   reason = 'operation ' .. tostring(jop) .. ' does not belong to queue ' .. op
@@ -47,25 +49,26 @@ if reason then
   redis.call('RPUSH', DEAD, id .. ' ' .. reason)
   redis.call('LTRIM', DEAD, -10000, -1)
   if state and state ~= 'succeeded' and state ~= 'failed' then
-    fail_job(JOB, REFUNDS, id, 'abandoned', 'malformed job: ' .. reason, now, channel)
+    fail_job(JOB, REFUNDS, id, 'abandoned', 'malformed job: ' .. reason, now, channel, nonce and true or false, 1)
   end
-  return { 3, reason, user or '' }
+  return { 3, reason, user or '', nonce or '' }
 end
 
 attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
 local cause = nil
 if now >= deadline then
   cause = 'expired'
-  fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel)
+  fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel, true, 1)
 elseif attempt > max_attempts then
   cause = 'abandoned'
-  fail_job(JOB, REFUNDS, id, cause, 'the job used up its ' .. int(max_attempts) .. ' attempts', now, channel)
+  fail_job(JOB, REFUNDS, id, cause, 'the job used up its ' .. int(max_attempts) .. ' attempts', now, channel, true, 1)
 end
 if cause then
   redis.call('LREM', PROCESSING, 1, id)
-  return { 2, cause, user }
+  return { 2, cause, user, nonce }
 end
 local token = redis.call('HINCRBY', JOB, 'seq', 1)
 redis.call('HSET', JOB, 'state', 'running', 'worker', worker, 'lease_until', int(now + lease))
 redis.call('ZADD', LEASES, int(now + lease), id)
-return { 1, token, user, provider, input, int(cost), int(enq), int(deadline), attempt }
+return { 1, token, user, provider, input, int(cost), int(enq), int(deadline), attempt, nonce,
+  deadline - now }

@@ -1,5 +1,6 @@
 -- refund.lua: remove one spend event, at most once.
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan   (see lib/budget.lua)
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+--   (see lib/budget.lua)
 -- ARGV[1] request id
 -- ARGV[2..] plan table: name, limit, window_ms triples, default first
 -- Returns { 1, cost, used } refunded, or { 0, used } when no live event has the id

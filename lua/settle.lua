@@ -1,5 +1,6 @@
 -- settle.lua: correct a spend event to what the call really cost.
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan   (see lib/budget.lua)
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+--   (see lib/budget.lua)
 -- ARGV[1] request id
 -- ARGV[2] actual cost (integer >= 0; 0 removes the event)
 -- ARGV[3..] plan table: name, limit, window_ms triples, default first

@@ -1,8 +1,10 @@
 -- usage.lua: a user's budget and live spend events (the audit trail).
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan   (see lib/budget.lua)
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+--   (see lib/budget.lua)
 -- ARGV[1..] plan table: name, limit, window_ms triples, default first
 -- Returns { plan, used, limit, window_ms, now_ms, reset_after_ms (-1: none),
---           id_1, at_1, cost_1, id_2, ... } with events oldest first.
+--           id_1, at_1, cost_1, operation_1, id_2, ... } with events oldest
+-- first; operation is '' for a plain reserve.
 -- Expired events are dropped on the way, as every budget script does.
 
 local name, limit, window = resolve_plan(1)
@@ -20,10 +22,12 @@ while true do
     ids[#ids + 1] = batch[i]
   end
   local costs = redis.call('HMGET', COSTS, unpack(ids))
+  local owners = redis.call('HMGET', OWNERS, unpack(ids))
   for k = 1, #ids do
     out[#out + 1] = ids[k]
     out[#out + 1] = tonumber(batch[2 * k])
     out[#out + 1] = tonumber(costs[k]) or 0
+    out[#out + 1] = owners[k] and string.match(owners[k], '^%S+ %S+ %S+ (%S+)') or ''
   end
   start = start + BATCH
 end

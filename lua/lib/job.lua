@@ -2,13 +2,14 @@
 -- job_*.lua before loading them.
 --
 -- A job record is a hash on its queue's hash tag ({q:<operation>}):
---   state        held | queued | running | succeeded | failed
+--   state        queued | running | succeeded | failed
 --   user, op, provider, input (JSON text), cost, enq (ms), deadline (ms), attempt
+--   nonce        the charge that pays for the job (charge.lua): the worker claims
+--                it before the provider call and releases it if the job fails
 --   seq          the fencing token of the latest lease (incremented per lease)
 --   worker, lease_until (ms)        while running
---   hold_until (ms)                 while held (a submission in flight)
 --   result (JSON text) | cause, message; finished (ms)   once final
---   refund       '1' while a failed job's refund is not confirmed
+--   refund       '1' while a failed job's release is not confirmed
 -- A record gets a TTL only once it is final and owes no refund.
 -- Time is Redis TIME.
 
@@ -21,12 +22,18 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Ends the job as failed with its refund pending (listed in `refunds`) and
--- publishes its id on `channel`: the caller then refunds and confirms.
-local function fail_job(job, refunds, id, cause, message, now, channel)
+-- Ends the job as failed and publishes its id on `channel`. With `refund`, its
+-- release is pending (listed in `refunds`): the caller then releases the charge
+-- and confirms. Without (the job never owned a charge), the record gets `ttl`.
+local function fail_job(job, refunds, id, cause, message, now, channel, refund, ttl)
   redis.call('HSET', job, 'state', 'failed', 'cause', cause, 'message', message,
-    'finished', int(now), 'refund', '1')
-  redis.call('HDEL', job, 'worker', 'lease_until', 'hold_until')
-  redis.call('ZADD', refunds, int(now), id)
+    'finished', int(now))
+  redis.call('HDEL', job, 'worker', 'lease_until')
+  if refund then
+    redis.call('HSET', job, 'refund', '1')
+    redis.call('ZADD', refunds, int(now), id)
+  else
+    redis.call('PEXPIRE', job, int(ttl))
+  end
   redis.call('PUBLISH', channel, id)
 end

@@ -39,10 +39,10 @@ const LEASE: Duration = Duration::from_millis(300);
 
 pub fn options() -> JobOptions {
     JobOptions {
-        hold: Duration::from_millis(500),
         result_ttl: Duration::from_secs(60),
         poll: Duration::from_millis(100),
         refund_grace: Duration::ZERO,
+        hold_grace: Duration::from_millis(200),
     }
 }
 
@@ -165,19 +165,26 @@ async fn job_submit_reserves_once_and_only_the_owner_sees_it(s: &Setup) {
         .await
         .unwrap()
     {
-        SubmitOutcome::Duplicate { info } => {
+        SubmitOutcome::Duplicate { info, allowed } => {
             assert_eq!(info.job.id, job.id);
             assert_eq!(info.status, JobStatus::Queued);
+            assert!(allowed.duplicate);
         }
         other => panic!("{other:?}"),
     }
     assert_eq!(s.used("alice").await, 10);
-    // Another user, or another operation, cannot take the id.
+    // Another user cannot take the id (and keeps no charge for trying);
+    // another operation or body under the same id is refused, charging nothing.
     let e = s.queue.submit(request("j1", "bob", "work")).await;
     assert!(matches!(e, Err(JobError::IdInUse(_))), "{e:?}");
     let e = s.queue.submit(request("j1", "alice", "other")).await;
-    assert!(matches!(e, Err(JobError::IdInUse(_))), "{e:?}");
+    assert!(matches!(e, Err(JobError::KeyReused { .. })), "{e:?}");
+    let mut other_body = request("j1", "alice", "work");
+    other_body.input = json!({ "prompt": "something else" });
+    let e = s.queue.submit(other_body).await;
+    assert!(matches!(e, Err(JobError::KeyReused { .. })), "{e:?}");
     assert_eq!(s.used("bob").await, 0);
+    assert_eq!(s.used("alice").await, 10);
     // A user never sees another user's job.
     assert!(s
         .queue
@@ -464,51 +471,80 @@ async fn raw(server: &RedisServer) -> ::redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
-/// A submission that died after its reservation (before queueing the job):
-/// maintenance gives the held job up after its hold and refunds it.
+/// A submission that died after its charge, before its job existed: the charge
+/// is held for the job until the job's deadline plus the hold grace, then the
+/// ledger releases it by itself on the user's next budget step. A job that
+/// turns up after that (a paused api pod) is refused its charge and never runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn job_redis_crashed_submission_is_refunded_by_maintenance() {
+async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
     let server = RedisServer::start();
     let prefix = random_prefix();
-    let (q, ledger) = redis_queue(&server, &prefix, config()).await;
-    let keys = KeySpace::new(&prefix).unwrap().jobs("work");
-    let mut conn = raw(&server).await;
-    // Steps 1 and 2 of a submission, then nothing (the api pod died).
-    let held: Vec<i64> = tollgate_redis::scripts::job_hold(
-        &keys,
-        tollgate_redis::scripts::HoldArgs {
-            id: "crash1",
-            user: "ivan",
-            operation: "work",
-            provider: "p",
-            input: "{}",
-            cost: 10,
-            deadline_ms: 60_000,
-            hold_ms: 300,
-        },
-    )
-    .invoke_async(&mut conn)
-    .await
-    .unwrap();
-    assert_eq!(held[0], 1);
-    ledger
-        .reserve(&user("ivan"), &rid("crash1"), 10)
+    let config = Arc::new(
+        Config::parse(
+            &CONFIG.replace("max_attempts = 2", "max_attempts = 2\ndeadline = \"300ms\""),
+            "short deadline",
+        )
+        .unwrap(),
+    );
+    let (q, ledger) = redis_queue(&server, &prefix, config).await;
+    let ivan = user("ivan");
+    let charge = tollgate_core::ChargeRequest {
+        cost: 10,
+        nonce: "0123456789abcdef",
+        operation: "work",
+        fingerprint: "feed",
+        deadline: Duration::from_millis(300),
+        grace: options().hold_grace,
+    };
+    // Step 1 of a submission, then nothing (the api pod died).
+    let charged = ledger.charge(&ivan, &rid("crash1"), &charge).await.unwrap();
+    let tollgate_core::ChargeOutcome::Charged { deadline_ms, .. } = charged else {
+        panic!("{charged:?}")
+    };
+    assert_eq!(ledger.usage(&ivan).await.unwrap().used, 10);
+    // Held: the same request again finds it, unclaimed, and gets its job made.
+    let r = q.submit(request("crash2", "ivan", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let usage = ledger.usage(&ivan).await.unwrap();
+    assert_eq!(usage.used, 0, "both holds ended unclaimed: {usage:?}");
+    // The late job of crash1 (its pod paused, then enqueued) is refused.
+    let job = tollgate_core::Job {
+        id: rid("crash1"),
+        user: ivan.clone(),
+        operation: "work".into(),
+        provider: "p".into(),
+        input: json!({}),
+        cost: 10,
+        enqueued_at_ms: deadline_ms - 300,
+        deadline_ms,
+        attempt: 0,
+        nonce: charge.nonce.into(),
+    };
+    assert!(
+        !tollgate_core::job::claim(&*ledger, &job, options().hold_grace)
+            .await
+            .unwrap()
+    );
+    assert_eq!(ledger.usage(&ivan).await.unwrap().used, 0);
+    // crash2's job, past its deadline, is failed by the lease script, unrun.
+    assert!(q
+        .take("work", "w", Duration::from_millis(200), LEASE)
         .await
-        .unwrap();
-    assert_eq!(ledger.usage(&user("ivan")).await.unwrap().used, 10);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let m = q.maintain("w", Duration::from_secs(5)).await.unwrap();
-    assert_eq!(m.abandoned, 1, "{m:?}");
-    assert_eq!(ledger.usage(&user("ivan")).await.unwrap().used, 0);
-    let state: String = ::redis::cmd("HGET")
-        .arg(keys.job("crash1"))
-        .arg("state")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(state, "failed");
-    let m = q.maintain("w", Duration::from_secs(5)).await.unwrap();
-    assert_eq!(m, Default::default(), "nothing left to do");
+        .unwrap()
+        .is_none());
+    let info = q.status(&ivan, &rid("crash2")).await.unwrap().unwrap();
+    assert!(
+        matches!(
+            info.status,
+            JobStatus::Failed {
+                cause: FailureCause::Expired,
+                ..
+            }
+        ),
+        "{info:?}"
+    );
+    assert_eq!(ledger.usage(&ivan).await.unwrap().used, 0);
 }
 
 /// Garbage in a queue (an id without a record, unreadable JSON, a job of another
@@ -635,6 +671,7 @@ path = "/v1/work"
         enqueued_at_ms: 0,
         deadline_ms: u64::MAX,
         attempt: 1,
+        nonce: "n".into(),
     };
     let first = p.call(&job("h1")).await.unwrap();
     assert_eq!(first["echo"], json!({ "q": "h1" }));

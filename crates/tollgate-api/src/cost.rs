@@ -35,28 +35,28 @@
 //! # }
 //! ```
 //!
-//! What it does with each request:
-//! 1. finds the caller's [`UserId`] (none: 401) and the [`Budget`] in the
-//!    request extensions, and the price ([`Cost::tokens`], or the `{operation}`
-//!    path parameter's `cost` in the config for [`Cost::per_operation`]);
-//! 2. takes the request id from the `Idempotency-Key` header (scoped to the
-//!    user, so two users' keys never meet) or makes a fresh one;
-//! 3. reserves the price: denied answers 429 with `Retry-After` and the
-//!    `RateLimit-Policy` / `RateLimit` headers, without calling the handler;
-//! 4. calls the handler with a [`Reservation`] in the extensions;
-//! 5. refunds when the handler failed (status >= 400) unless it called
-//!    [`Reservation::hand_over`] (a job now owns the charge and settles it) or
-//!    the reservation was a retry's duplicate (the first request owns it);
-//! 6. adds the rate-limit headers to the response.
+//! Two kinds of route:
+//! - **Plain** ([`Cost::tokens`]): the layer charges the price around the
+//!    handler. It takes the request id from the `Idempotency-Key` header (scoped
+//!    to the user) or makes one, reserves (denied: 429 with `Retry-After` and the
+//!    `RateLimit-Policy` / `RateLimit` headers, the handler never runs), runs the
+//!    handler with a [`Reservation`], refunds if the handler answered an error,
+//!    and adds the rate-limit headers. A key already charged is a 409: the
+//!    handler does not run again, and only the request that charged refunds.
+//! - **Job** ([`Cost::per_operation`], [`Cost::job`]): the layer states the
+//!    price and hands the handler a [`Priced`]; the handler submits a job, and
+//!    the job's submission is the one place that charges it
+//!    ([`tollgate_core::JobQueue::submit`]), after the body has been read and
+//!    fingerprinted. The layer never refunds a job's charge: the job owns it.
 //!
-//! Steps 3 to 5 run in a spawned task that the request awaits: when the client
-//! disconnects, hyper drops the request's future, but the task goes on to the
-//! end, so a reservation is always either handed over or refunded.
+//! Either way the handler runs in a spawned task that the request awaits: when
+//! the client disconnects, hyper drops the request's future, but the task goes
+//! on to the end, so a charge is never cut off half way by a client.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -67,10 +67,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
-use tollgate_core::{
-    Allowed, Config, LeaseError, Ledger, RefundOutcome, RequestId, ReservationLeases,
-    ReserveOutcome, UserId,
-};
+use tollgate_core::{Allowed, Config, Ledger, RefundOutcome, RequestId, ReserveOutcome, UserId};
 use tower::{Layer, Service};
 
 use crate::metrics::Metrics;
@@ -90,7 +87,6 @@ pub struct Budget {
     config: Arc<Config>,
     metrics: Option<Arc<Metrics>>,
     in_flight: InFlight,
-    leases: Option<(Arc<dyn ReservationLeases>, Duration)>,
 }
 
 /// Counts the metered tasks still running, so that a shutting-down server can
@@ -142,39 +138,6 @@ impl Budget {
             config,
             metrics: None,
             in_flight: InFlight::default(),
-            leases: None,
-        }
-    }
-
-    /// Leases every reservation for `ttl` in `leases` until it is handed over or
-    /// refunded, so that a reconciler can settle it if this process dies first
-    /// (see [`crate::reconcile`]).
-    pub fn with_leases(mut self, leases: Arc<dyn ReservationLeases>, ttl: Duration) -> Self {
-        self.leases = Some((leases, ttl));
-        self
-    }
-
-    async fn open_lease(&self, user: &UserId, request: &RequestId) -> Result<(), ApiError> {
-        let Some((leases, ttl)) = &self.leases else {
-            return Ok(());
-        };
-        let until = now_ms().saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
-        leases
-            .open(user, request, until)
-            .await
-            .map_err(|e| match e {
-                LeaseError::Unavailable(m) => ApiError::Unavailable(m),
-                LeaseError::Backend(m) => ApiError::Internal(m),
-            })
-    }
-
-    /// Forgets the lease; on failure the reconciler finds it later and settles it
-    /// the same way (a job owns it, or a refund that is then a no-op).
-    async fn close_lease(&self, user: &UserId, request: &RequestId) {
-        if let Some((leases, _)) = &self.leases {
-            if let Err(e) = leases.close(user, request).await {
-                tracing::warn!(user = %user, request_id = %request, error = %e, "could not close a reservation lease");
-            }
         }
     }
 
@@ -192,6 +155,10 @@ impl Budget {
 
     pub fn ledger(&self) -> &Arc<dyn Ledger> {
         &self.ledger
+    }
+
+    pub fn metrics(&self) -> Option<&Arc<Metrics>> {
+        self.metrics.as_ref()
     }
 
     /// The plan behind `limit` as the headers show it. When every plan has the
@@ -214,7 +181,11 @@ impl Budget {
 
 /// A route's price. See the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cost(Price);
+pub struct Cost {
+    price: Price,
+    /// Plain route: the layer charges. Job route: the job's submission does.
+    charges: bool,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Price {
@@ -223,21 +194,37 @@ enum Price {
 }
 
 impl Cost {
-    /// A fixed price in budget tokens (>= 1).
+    /// A plain route's fixed price in budget tokens (>= 1): the layer charges
+    /// it around the handler.
     pub const fn tokens(n: u64) -> Self {
-        Self(Price::Tokens(n))
+        Self {
+            price: Price::Tokens(n),
+            charges: true,
+        }
     }
 
-    /// The `cost` of the operation named by the route's `{operation}` path
-    /// parameter, from the config's `[operations.*]`; unknown operations get a
-    /// 404 and are not charged.
+    /// A job route's fixed price (>= 1), stated at the route: the handler
+    /// receives a [`Priced`], and the job's submission charges it.
+    pub const fn job(n: u64) -> Self {
+        Self {
+            price: Price::Tokens(n),
+            charges: false,
+        }
+    }
+
+    /// A job route priced by the `cost` of the operation named by its
+    /// `{operation}` path parameter, from the config's `[operations.*]`;
+    /// unknown operations get a 404. The job's submission charges it.
     pub const fn per_operation() -> Self {
-        Self(Price::PerOperation)
+        Self {
+            price: Price::PerOperation,
+            charges: false,
+        }
     }
 
     /// The fixed price, if it is one.
     pub fn fixed(&self) -> Option<u64> {
-        match self.0 {
+        match self.price {
             Price::Tokens(n) => Some(n),
             Price::PerOperation => None,
         }
@@ -308,35 +295,53 @@ impl Drop for ClientGuard {
     }
 }
 
-/// The reservation made for this request; extract it in the handler.
+/// The reservation a plain route's layer made for this request; extract it in
+/// the handler.
 #[derive(Debug, Clone)]
 pub struct Reservation {
     pub user: UserId,
     pub request_id: RequestId,
-    /// The operation (the `{operation}` path parameter) or the route's path.
+    /// The route's operation label (the `{operation}` path parameter, or the
+    /// last segment of the path).
     pub operation: String,
     pub cost: u64,
     pub allowed: Allowed,
     pub rate_limit: RateLimit,
-    handed_over: Arc<AtomicBool>,
     gone: watch::Receiver<bool>,
 }
 
 impl Reservation {
-    /// A job has taken the charge over: it settles it (keeps it on success,
-    /// refunds it on failure), so the layer must not refund it.
-    pub fn hand_over(&self) {
-        self.handed_over.store(true, Ordering::SeqCst);
-    }
-
-    /// Resolves when the client has gone away (hyper dropped the request). The
-    /// handler keeps running in its own task either way; after
-    /// [`hand_over`](Self::hand_over) it may stop waiting for a result nobody
-    /// will read.
+    /// Resolves when the client has gone away (hyper dropped the request); the
+    /// handler keeps running in its own task either way.
     pub async fn client_gone(&self) {
-        let mut gone = self.gone.clone();
-        let _ = gone.wait_for(|g| *g).await;
+        client_gone(&self.gone).await;
     }
+}
+
+/// A job route's price, stated by its [`Cost`] layer; extract it in the
+/// handler, which submits the job that charges it.
+#[derive(Debug, Clone)]
+pub struct Priced {
+    pub user: UserId,
+    /// The operation (the `{operation}` path parameter, or the last segment of
+    /// the path).
+    pub operation: String,
+    pub cost: u64,
+    gone: watch::Receiver<bool>,
+}
+
+impl Priced {
+    /// Resolves when the client has gone away (hyper dropped the request): the
+    /// handler may stop waiting for a result nobody will read (the job owns its
+    /// charge, whatever the handler does).
+    pub async fn client_gone(&self) {
+        client_gone(&self.gone).await;
+    }
+}
+
+async fn client_gone(gone: &watch::Receiver<bool>) {
+    let mut gone = gone.clone();
+    let _ = gone.wait_for(|g| *g).await;
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for Reservation {
@@ -347,15 +352,20 @@ impl<S: Send + Sync> FromRequestParts<S> for Reservation {
             .extensions
             .get::<Reservation>()
             .cloned()
-            .ok_or_else(|| ApiError::Internal("the route has no Cost layer".into()))
+            .ok_or_else(|| ApiError::Internal("the route has no charging Cost layer".into()))
     }
 }
 
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
+impl<S: Send + Sync> FromRequestParts<S> for Priced {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        parts
+            .extensions
+            .get::<Priced>()
+            .cloned()
+            .ok_or_else(|| ApiError::Internal("the route has no job Cost layer".into()))
+    }
 }
 
 /// The request id of a request: the user-scoped hash of its `Idempotency-Key`,
@@ -397,7 +407,7 @@ async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, S
             })
         }
     };
-    match cost.0 {
+    match cost.price {
         Price::Tokens(n) => {
             let label = operation.unwrap_or_else(|| {
                 parts
@@ -446,26 +456,42 @@ where
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    if !cost.charges {
+        parts.extensions.insert(Priced {
+            user,
+            operation,
+            cost: tokens,
+            gone,
+        });
+        let Ok(response) = inner.call(Request::from_parts(parts, body)).await;
+        return response;
+    }
     let request_id = match request_id(&user, &parts.headers) {
         Ok(id) => id,
         Err(e) => return e.into_response(),
     };
-    if let Err(e) = budget.open_lease(&user, &request_id).await {
-        return e.into_response();
-    }
     let outcome = match budget.ledger.reserve(&user, &request_id, tokens).await {
         Ok(o) => o,
-        Err(e) => {
-            // Whether the reserve happened is unknown: the lease stays, and the
-            // reconciler refunds it if no job takes it.
-            return ApiError::from(e).into_response();
-        }
+        // Whether the reserve happened is unknown: answered as unavailable,
+        // never refunded on a guess.
+        Err(e) => return ApiError::from(e).into_response(),
     };
     let metrics = budget.metrics.clone();
     let allowed = match outcome {
+        ReserveOutcome::Allowed(a) if a.duplicate => {
+            // Another request with this key charged already, and owns the
+            // charge: the handler does not run again for free.
+            let policy = budget.policy(&user, a.limit).await;
+            let mut response = ApiError::IdempotencyConflict(
+                "this Idempotency-Key was charged already; the answer of a plain route is not kept"
+                    .into(),
+            )
+            .into_response();
+            policy.allowed(&a).apply(response.headers_mut());
+            return response;
+        }
         ReserveOutcome::Allowed(a) => a,
         ReserveOutcome::Denied(denied) => {
-            budget.close_lease(&user, &request_id).await;
             if let Some(m) = &metrics {
                 m.reservation(&operation, false);
             }
@@ -477,7 +503,6 @@ where
         m.reservation(&operation, true);
     }
     let rate_limit = budget.policy(&user, allowed.limit).await;
-    let handed_over = Arc::new(AtomicBool::new(false));
     let reservation = Reservation {
         user: user.clone(),
         request_id: request_id.clone(),
@@ -485,7 +510,6 @@ where
         cost: tokens,
         allowed: allowed.clone(),
         rate_limit,
-        handed_over: Arc::clone(&handed_over),
         gone,
     };
     parts.extensions.insert(reservation);
@@ -493,10 +517,9 @@ where
 
     let mut headers = rate_limit.allowed(&allowed);
     let failed = response.status().is_client_error() || response.status().is_server_error();
-    // A duplicate reservation belongs to the first request with this id: only
-    // the request that charged may refund.
-    let mut settled = true;
-    if failed && !allowed.duplicate && !handed_over.load(Ordering::SeqCst) {
+    // The handler ran here and answered an error: this request made the charge
+    // (a duplicate never gets this far), so it gives it back.
+    if failed {
         match budget.ledger.refund(&user, &request_id).await {
             Ok(RefundOutcome::Refunded { used, .. }) => {
                 if let Some(m) = &metrics {
@@ -506,18 +529,11 @@ where
                 headers = rate_limit.state(remaining, allowed.reset_after_ms);
             }
             Ok(RefundOutcome::NotFound { .. }) => {}
-            Err(e) => {
-                // The lease stays open: the reconciler retries the refund.
-                settled = false;
-                tracing::error!(
-                    user = %user, request_id = %request_id, error = %e,
-                    "refund of a failed request failed; left to the reconciler"
-                );
-            }
+            Err(e) => tracing::error!(
+                user = %user, request_id = %request_id, error = %e,
+                "refund of a failed plain request failed; the charge stays"
+            ),
         }
-    }
-    if settled {
-        budget.close_lease(&user, &request_id).await;
     }
     headers.apply(response.headers_mut());
     response
@@ -552,7 +568,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn failures_are_refunded_unless_handed_over() {
+    async fn failures_are_refunded_and_a_charged_key_does_not_run_again() {
         let (failing, ledger) = app(post(|| async {
             (axum::http::StatusCode::BAD_GATEWAY, "no")
         }));
@@ -568,19 +584,25 @@ mod tests {
         assert_eq!(r.headers()["ratelimit"], "\"budget\";r=1000;t=43200");
         assert_eq!(ledger.usage(&alice()).await.unwrap().used, 0);
 
-        let (handed, ledger) = app(post(|r: Reservation| async move {
-            r.hand_over();
-            (axum::http::StatusCode::BAD_GATEWAY, "the job refunds")
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&runs);
+        let (once, ledger) = app(post(move || {
+            let runs = Arc::clone(&counted);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                "done"
+            }
         }));
-        let r = handed
-            .oneshot(
-                Request::post("/op")
-                    .body(axum::body::Body::empty())
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 502);
+        let keyed = || {
+            Request::post("/op")
+                .header(IDEMPOTENCY_KEY, "k-1")
+                .body(axum::body::Body::empty())
+                .unwrap()
+        };
+        assert_eq!(once.clone().oneshot(keyed()).await.unwrap().status(), 200);
+        let again = once.oneshot(keyed()).await.unwrap();
+        assert_eq!(again.status(), 409);
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
         assert_eq!(ledger.usage(&alice()).await.unwrap().used, 8);
     }
 
@@ -589,7 +611,6 @@ mod tests {
         let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
         let done_tx = Arc::new(std::sync::Mutex::new(Some(done_tx)));
         let (app, ledger) = app(post(move |r: Reservation| async move {
-            r.hand_over();
             r.client_gone().await;
             if let Some(tx) = done_tx.lock().unwrap().take() {
                 let _ = tx.send(());

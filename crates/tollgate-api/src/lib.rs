@@ -41,7 +41,7 @@ use serde_json::Value;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
-pub use cost::{Budget, Cost, InFlight, Reservation};
+pub use cost::{Budget, Cost, InFlight, Priced, Reservation};
 pub use problem::{ApiError, Problem, ProblemType};
 pub use state::{ApiState, Settings};
 
@@ -54,22 +54,22 @@ use crate::problem::ProblemType as P;
 /// operation stays reachable at `/v1/ops/{operation}`.
 fn named_operations(mut routes: Routes, state: &ApiState) -> Routes {
     let named = [
-        ("/v1/ops/embeddings", "Embed a text", Cost::tokens(1)),
-        ("/v1/ops/salary.lookup", "Look up a salary", Cost::tokens(3)),
+        ("/v1/ops/embeddings", "Embed a text", Cost::job(1)),
+        ("/v1/ops/salary.lookup", "Look up a salary", Cost::job(3)),
         (
             "/v1/ops/jobs.extract",
             "Extract a job listing",
-            Cost::tokens(5),
+            Cost::job(5),
         ),
         (
             "/v1/ops/llm.structured",
             "A structured LLM call",
-            Cost::tokens(8),
+            Cost::job(8),
         ),
         (
             "/v1/ops/company.research",
             "Research a company",
-            Cost::tokens(20),
+            Cost::job(20),
         ),
     ];
     for (path, summary, cost) in named {
@@ -253,7 +253,7 @@ async fn count_requests(State(state): State<ApiState>, req: Request, next: Next)
 }
 
 /// How long [`run`] waits, after the last connection closed, for metered tasks
-/// whose clients went away (so each reservation reaches its job or its refund).
+/// whose clients went away (so each submission reaches its job).
 pub const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Serves the api on `listener` until `shutdown` resolves, then finishes the
@@ -267,7 +267,6 @@ pub async fn run(
         tracing::info!(%addr, "api listening");
     }
     let in_flight = state.in_flight.clone();
-    let reconciler = tokio::spawn(reconcile_loop(state.clone()));
     let served = axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await;
@@ -275,54 +274,5 @@ pub async fn run(
     if left > 0 {
         tracing::warn!(left, "metered tasks still running at exit");
     }
-    reconciler.abort();
     served
-}
-
-/// What one [`reconcile`] round did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Reconciled {
-    /// Leases whose reservation a job had taken over: closed.
-    pub handed_over: usize,
-    /// Leases with no job: refunded and closed.
-    pub refunded: usize,
-}
-
-/// Settles the reservation leases that ended: the process that took them died
-/// (or stalled) between reserving and handing over to a job. A job with the
-/// request id owns the charge; otherwise the charge is refunded (idempotent by
-/// request id, so several api pods may reconcile at once).
-pub async fn reconcile(state: &ApiState) -> Result<Reconciled, ApiError> {
-    let mut done = Reconciled::default();
-    for (user, id) in state.leases.due(cost::now_ms(), 100).await? {
-        if state.jobs.status(&user, &id).await?.is_some() {
-            done.handed_over += 1;
-        } else {
-            state.ledger.refund(&user, &id).await?;
-            // A request slower than its lease may have submitted its job in the
-            // meantime: charge that job again (idempotent by id).
-            if let Some(info) = state.jobs.status(&user, &id).await? {
-                if !matches!(info.status, tollgate_core::JobStatus::Failed { .. }) {
-                    state.ledger.reserve(&user, &id, info.job.cost).await?;
-                }
-            } else {
-                done.refunded += 1;
-                state.metrics.refund("reconciler");
-                tracing::warn!(user = %user, request_id = %id, "refunded a reservation whose request never reached a job");
-            }
-        }
-        state.leases.close(&user, &id).await?;
-    }
-    Ok(done)
-}
-
-async fn reconcile_loop(state: ApiState) {
-    let mut tick = tokio::time::interval(state.settings.reconcile_every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        if let Err(e) = reconcile(&state).await {
-            tracing::warn!(error = %e, "reconciling reservation leases failed; retrying");
-        }
-    }
 }

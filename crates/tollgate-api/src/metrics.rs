@@ -119,7 +119,7 @@ impl Metrics {
                 escape(op)
             );
         }
-        let _ = writeln!(out, "# HELP tollgate_refunds_total Reservations refunded by the api because the request failed before a job took over.\n# TYPE tollgate_refunds_total counter");
+        let _ = writeln!(out, "# HELP tollgate_refunds_total Charges of plain (jobless) routes refunded by the api because the handler failed; a job releases its own charge.\n# TYPE tollgate_refunds_total counter");
         for (op, n) in &refunds {
             let _ = writeln!(
                 out,

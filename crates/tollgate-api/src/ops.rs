@@ -2,10 +2,17 @@
 //! operation routes), `GET /v1/jobs/{id}`.
 //!
 //! The handler holds only the business logic: the [`Cost`](crate::cost::Cost)
-//! layer has reserved the price already; the handler submits the job under the
-//! same request id (reserve + enqueue, idempotent: the reservation is not charged
-//! twice), hands the charge over to the job, then answers at once (async) or
-//! waits for the job up to the sync timeout.
+//! layer states the price; the handler reads the body, then submits the job
+//! ([`JobQueue::submit`](tollgate_core::JobQueue::submit): the one place a job
+//! is charged, bound to the request id, the operation and the body), then
+//! answers at once (async) or waits for the job up to the sync timeout. It
+//! never refunds: the job owns its charge.
+//!
+//! Idempotency (draft-ietf-httpapi-idempotency-key-header): the same key with
+//! the same operation and body is the same job, charged once (answered with
+//! that job, waiting for it when it is still in flight); with another
+//! operation or body, a 422; once the first job's charge has left the window
+//! (or was refunded after a failure), a new attempt, charged and run again.
 
 use std::time::{Duration, Instant};
 
@@ -18,7 +25,7 @@ use serde_json::Value;
 use tollgate_core::{JobInfo, JobRequest, JobStatus, RequestId, SubmitOutcome};
 
 use crate::auth::Caller;
-use crate::cost::Reservation;
+use crate::cost::{request_id, Priced};
 use crate::extract::{Flags, JsonBody, PathParam};
 use crate::problem::ApiError;
 use crate::state::ApiState;
@@ -132,107 +139,87 @@ fn finished(state: &ApiState, info: &JobInfo) -> Result<Response, ApiError> {
 /// `POST /v1/ops/{operation}` and the named operation routes.
 pub async fn run(
     State(state): State<ApiState>,
-    reservation: Reservation,
+    priced: Priced,
     flags: Flags,
     headers: HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let operation = reservation.operation.clone();
-    let result = call(&state, reservation, flags, &headers, body).await;
+    let operation = priced.operation.clone();
+    let result = call(&state, priced, flags, &headers, body).await;
     state.metrics.latency(&operation, started.elapsed());
     result
 }
 
 async fn call(
     state: &ApiState,
-    reservation: Reservation,
+    priced: Priced,
     flags: Flags,
     headers: &HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
     let JsonBody(input) = body?;
-    let operation = reservation.operation.clone();
+    let operation = priced.operation.clone();
     if !input.is_object() {
         return Err(ApiError::InvalidField {
             field: "$".into(),
             detail: "the operation's input must be a JSON object".into(),
         });
     }
-    // Kept as long as the spend event it labels can live.
-    let window = Duration::from_millis(reservation.rate_limit.window_ms);
-    if let Err(e) = state
-        .operations
-        .record(
-            &reservation.user,
-            &reservation.request_id,
-            &operation,
-            window,
-        )
-        .await
-    {
-        tracing::warn!(error = %e, "could not record the operation of a request");
-    }
+    let id = request_id(&priced.user, headers)?;
+    // Before the job exists, so that its end cannot be missed.
+    let watch = state.jobs.watch(&id);
     let outcome = state
         .jobs
         .submit(JobRequest {
-            id: reservation.request_id.clone(),
-            user: reservation.user.clone(),
+            id: id.clone(),
+            user: priced.user.clone(),
             operation: operation.clone(),
-            input: input.clone(),
+            input,
         })
         .await?;
-    let info = match outcome {
-        SubmitOutcome::Queued { job, .. } => {
-            reservation.hand_over();
-            JobInfo {
+    let budget = state.budget();
+    let (info, allowed) = match outcome {
+        SubmitOutcome::Queued { job, allowed } => {
+            state.metrics.reservation(&operation, true);
+            let info = JobInfo {
                 job,
                 status: JobStatus::Queued,
                 finished_at_ms: None,
-            }
+            };
+            (info, allowed)
         }
-        SubmitOutcome::Duplicate { info } if info.job.input != input => {
-            // draft-ietf-httpapi-idempotency-key-header: a key reused with
-            // another payload is a 422. The first job keeps its charge.
-            if !matches!(info.status, JobStatus::Failed { .. }) {
-                reservation.hand_over();
-            }
-            return Err(ApiError::IdempotencyKeyReused {
-                job_id: info.job.id,
-            });
-        }
-        SubmitOutcome::Duplicate { info } => {
-            // The first submission owns the charge; a failed job was refunded
-            // by its worker, and whatever this retry charged is refunded by the
-            // layer when the failure is answered.
-            if !matches!(info.status, JobStatus::Failed { .. }) {
-                reservation.hand_over();
-            }
-            info
-        }
+        SubmitOutcome::Duplicate { info, allowed } => (info, allowed),
         SubmitOutcome::Denied { denied } => {
-            let policy = reservation.rate_limit;
+            state.metrics.reservation(&operation, false);
+            let policy = budget.policy(&priced.user, denied.limit).await;
             return Err(ApiError::QuotaExceeded { denied, policy });
         }
     };
+    let rate_limit = budget
+        .policy(&priced.user, allowed.limit)
+        .await
+        .allowed(&allowed);
     let (prefer_async, prefer_wait) = preferences(headers);
-    if prefer_async || flags.get("async") == Some(true) {
-        return Ok(accepted(&info));
-    }
-    let timeout = prefer_wait.map_or(state.settings.sync_timeout, |w| {
-        w.min(state.settings.sync_timeout)
-    });
-    let info = if info.status.is_final() {
-        info
+    let answer = if prefer_async || flags.get("async") == Some(true) {
+        Ok(accepted(&info))
     } else {
-        let wait = state.jobs.wait(&reservation.user, &info.job.id, timeout);
+        let timeout = prefer_wait.map_or(state.settings.sync_timeout, |w| {
+            w.min(state.settings.sync_timeout)
+        });
+        let (user, op) = (&priced.user, info.job.operation.clone());
+        let wait = watch.until_final(Some(info.clone()), timeout, state.jobs.poll(), || {
+            state.jobs.read(user, &op, &id)
+        });
         tokio::select! {
-            waited = wait => waited?.unwrap_or(info),
+            waited = wait => finished(state, &waited?.unwrap_or(info)),
             // Nobody reads the answer: stop waiting (the job owns the charge).
-            () = reservation.client_gone() => return Ok(accepted(&info)),
+            () = priced.client_gone() => Ok(accepted(&info)),
         }
     };
-    finished(state, &info)
+    let mut response = answer.unwrap_or_else(IntoResponse::into_response);
+    rate_limit.apply(response.headers_mut());
+    Ok(response)
 }
 
 /// `GET /v1/jobs/{id}`: a job of the caller's (anyone else's: 404).

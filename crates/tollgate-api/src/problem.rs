@@ -5,9 +5,7 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use tollgate_core::{
-    AuditError, Denied, FailureCause, JobError, KeyStoreError, LedgerError, RequestId,
-};
+use tollgate_core::{Denied, FailureCause, JobError, KeyStoreError, LedgerError, RequestId};
 
 use crate::ratelimit::RateLimit;
 
@@ -32,6 +30,7 @@ pub enum ProblemType {
     CostExceedsLimit,
     IdempotencyConflict,
     IdempotencyKeyReused,
+    ResultExpired,
     ProviderFailure,
     ThrottleTimeout,
     JobExpired,
@@ -41,7 +40,7 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 19] = [
+    pub const ALL: [ProblemType; 20] = [
         Self::Unauthorized,
         Self::AdminDisabled,
         Self::NotFound,
@@ -55,6 +54,7 @@ impl ProblemType {
         Self::CostExceedsLimit,
         Self::IdempotencyConflict,
         Self::IdempotencyKeyReused,
+        Self::ResultExpired,
         Self::ProviderFailure,
         Self::ThrottleTimeout,
         Self::JobExpired,
@@ -78,6 +78,7 @@ impl ProblemType {
             Self::CostExceedsLimit => "cost-exceeds-limit",
             Self::IdempotencyConflict => "idempotency-conflict",
             Self::IdempotencyKeyReused => "idempotency-key-reused",
+            Self::ResultExpired => "result-expired",
             Self::ProviderFailure => "provider-failure",
             Self::ThrottleTimeout => "throttle-timeout",
             Self::JobExpired => "job-expired",
@@ -106,6 +107,7 @@ impl ProblemType {
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             Self::IdempotencyConflict => StatusCode::CONFLICT,
+            Self::ResultExpired => StatusCode::GONE,
             Self::ProviderFailure => StatusCode::BAD_GATEWAY,
             Self::ThrottleTimeout | Self::JobExpired => StatusCode::GATEWAY_TIMEOUT,
             Self::JobAbandoned | Self::BackendUnavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -128,7 +130,10 @@ impl ProblemType {
             Self::CostExceedsLimit => "The operation costs more than the plan's whole budget",
             Self::IdempotencyConflict => "Idempotency key already used for another operation",
             Self::IdempotencyKeyReused => {
-                "Idempotency key already used with a different request body"
+                "Idempotency key already used for another operation or request body"
+            }
+            Self::ResultExpired => {
+                "The request with this Idempotency-Key ran and was charged; its result is no longer kept"
             }
             Self::ProviderFailure => "The upstream provider failed; the budget was refunded",
             Self::ThrottleTimeout => {
@@ -195,8 +200,10 @@ pub enum ApiError {
     CostExceedsLimit(String),
     #[error("{0}")]
     IdempotencyConflict(String),
-    #[error("this Idempotency-Key was already used with a different body (job {job_id})")]
+    #[error("this Idempotency-Key was already used for another operation or body (job {job_id})")]
     IdempotencyKeyReused { job_id: RequestId },
+    #[error("job {0} ran and was charged; its result is no longer kept: use a new Idempotency-Key to run it again")]
+    ResultExpired(RequestId),
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -227,6 +234,7 @@ impl ApiError {
             Self::CostExceedsLimit(_) => ProblemType::CostExceedsLimit,
             Self::IdempotencyConflict(_) => ProblemType::IdempotencyConflict,
             Self::IdempotencyKeyReused { .. } => ProblemType::IdempotencyKeyReused,
+            Self::ResultExpired(_) => ProblemType::ResultExpired,
             Self::JobFailed { cause, .. } => match cause {
                 FailureCause::Provider => ProblemType::ProviderFailure,
                 FailureCause::ThrottleTimeout => ProblemType::ThrottleTimeout,
@@ -275,7 +283,7 @@ impl ApiError {
                 ));
                 p.retry_after_ms = Some(denied.retry_after_ms);
             }
-            Self::IdempotencyKeyReused { job_id } => {
+            Self::IdempotencyKeyReused { job_id } | Self::ResultExpired(job_id) => {
                 p.detail = Some(self.to_string());
                 p.field = Some("Idempotency-Key".into());
                 p.job_id = Some(job_id.to_string());
@@ -354,9 +362,11 @@ impl From<JobError> for ApiError {
     fn from(e: JobError) -> Self {
         match e {
             JobError::UnknownOperation { .. } => Self::UnknownOperation(e.to_string()),
-            JobError::IdInUse(_) => Self::IdempotencyConflict(
-                "this Idempotency-Key was already used for a different operation".into(),
-            ),
+            JobError::IdInUse(_) => {
+                Self::IdempotencyConflict("this request id is already used by another job".into())
+            }
+            JobError::KeyReused { id, .. } => Self::IdempotencyKeyReused { job_id: id },
+            JobError::ResultExpired(id) => Self::ResultExpired(id),
             JobError::Ledger(l) => l.into(),
             JobError::Unavailable(m) => Self::Unavailable(m),
             JobError::Backend(m) => Self::Internal(m),
@@ -369,24 +379,6 @@ impl From<KeyStoreError> for ApiError {
         match e {
             KeyStoreError::Unavailable(m) => Self::Unavailable(m),
             other => Self::Internal(other.to_string()),
-        }
-    }
-}
-
-impl From<tollgate_core::LeaseError> for ApiError {
-    fn from(e: tollgate_core::LeaseError) -> Self {
-        match e {
-            tollgate_core::LeaseError::Unavailable(m) => Self::Unavailable(m),
-            tollgate_core::LeaseError::Backend(m) => Self::Internal(m),
-        }
-    }
-}
-
-impl From<AuditError> for ApiError {
-    fn from(e: AuditError) -> Self {
-        match e {
-            AuditError::Unavailable(m) => Self::Unavailable(m),
-            AuditError::Backend(m) => Self::Internal(m),
         }
     }
 }

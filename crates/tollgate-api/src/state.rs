@@ -5,10 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{
-    Config, JobQueue, KeyStore, Ledger, MemoryKeyStore, MemoryLeases, MemoryLedger,
-    MemoryOperationLog, OperationLog, ReservationLeases,
-};
+use tollgate_core::{Config, JobQueue, KeyStore, Ledger, MemoryKeyStore, MemoryLedger};
 
 use crate::cost::{Budget, InFlight};
 use crate::metrics::Metrics;
@@ -27,11 +24,6 @@ pub struct Settings {
     pub body_limit: usize,
     /// How long a synchronous call waits for its job before answering 202.
     pub sync_timeout: Duration,
-    /// How long a reservation may stay between the `Cost` layer and its job
-    /// before the reconciler settles it (refund unless a job has it).
-    pub reservation_lease: Duration,
-    /// How often the reconciler looks for ended leases.
-    pub reconcile_every: Duration,
 }
 
 impl Default for Settings {
@@ -40,8 +32,6 @@ impl Default for Settings {
             admin_token: None,
             body_limit: DEFAULT_BODY_LIMIT,
             sync_timeout: DEFAULT_SYNC_TIMEOUT,
-            reservation_lease: Duration::from_secs(60),
-            reconcile_every: Duration::from_secs(5),
         }
     }
 }
@@ -52,8 +42,6 @@ impl fmt::Debug for Settings {
             .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
             .field("body_limit", &self.body_limit)
             .field("sync_timeout", &self.sync_timeout)
-            .field("reservation_lease", &self.reservation_lease)
-            .field("reconcile_every", &self.reconcile_every)
             .finish()
     }
 }
@@ -65,12 +53,10 @@ pub struct ApiState {
     pub ledger: Arc<dyn Ledger>,
     pub jobs: Arc<dyn JobQueue>,
     pub keys: Arc<dyn KeyStore>,
-    pub operations: Arc<dyn OperationLog>,
-    pub leases: Arc<dyn ReservationLeases>,
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
-    /// Metered requests still between their reservation and its hand-over or
-    /// refund; [`run`](crate::run) waits for them on shutdown.
+    /// Metered requests still running (a submission, a plain charge and its
+    /// refund); [`run`](crate::run) waits for them on shutdown.
     pub in_flight: InFlight,
 }
 
@@ -88,15 +74,13 @@ impl ApiState {
             ledger,
             jobs,
             keys: Arc::new(MemoryKeyStore::new()),
-            operations: Arc::new(MemoryOperationLog::new()),
-            leases: Arc::new(MemoryLeases::new()),
             metrics: Arc::new(Metrics::new()),
             settings,
             in_flight: InFlight::default(),
         }
     }
 
-    /// The api on Redis: keys and the operation log on `pool`; `ledger` (a
+    /// The api on Redis: API keys on `pool`; `ledger` (a
     /// `RedisLedger`) and `jobs` (a `RedisJobQueue` on that ledger) built by
     /// the caller.
     pub fn redis(
@@ -109,12 +93,7 @@ impl ApiState {
     ) -> Self {
         Self {
             ledger,
-            keys: Arc::new(tollgate_redis::RedisKeyStore::new(
-                pool.clone(),
-                keys.clone(),
-            )),
-            leases: Arc::new(tollgate_redis::RedisLeases::new(pool.clone(), &keys)),
-            operations: Arc::new(tollgate_redis::RedisOperationLog::new(pool, keys)),
+            keys: Arc::new(tollgate_redis::RedisKeyStore::new(pool, keys)),
             config,
             jobs,
             metrics: Arc::new(Metrics::new()),
@@ -128,6 +107,5 @@ impl ApiState {
         Budget::new(Arc::clone(&self.ledger), Arc::clone(&self.config))
             .with_metrics(Arc::clone(&self.metrics))
             .with_in_flight(self.in_flight.clone())
-            .with_leases(Arc::clone(&self.leases), self.settings.reservation_lease)
     }
 }

@@ -30,7 +30,7 @@ pub struct UsageView {
 #[derive(Debug, Serialize)]
 pub struct EventView {
     pub request_id: String,
-    /// The operation the request ran (`null` if it was not recorded).
+    /// The operation the request ran (`null` for a charge of a plain route).
     pub operation: Option<String>,
     pub cost: u64,
     pub at: String,
@@ -39,15 +39,6 @@ pub struct EventView {
 
 pub async fn usage(State(state): State<ApiState>, caller: Caller) -> Result<Response, ApiError> {
     let usage = state.ledger.usage(&caller.user).await?;
-    let ids: Vec<_> = usage.events.iter().map(|e| e.request_id.clone()).collect();
-    let operations = match state.operations.operations(&caller.user, &ids).await {
-        Ok(ops) => ops,
-        Err(e) => {
-            // The budget is what matters; labels are best effort.
-            tracing::warn!(error = %e, "could not read the operations of the audit trail");
-            vec![None; ids.len()]
-        }
-    };
     let view = UsageView {
         user: caller.user.to_string(),
         plan: usage.plan.clone(),
@@ -62,10 +53,9 @@ pub async fn usage(State(state): State<ApiState>, caller: Caller) -> Result<Resp
         events: usage
             .events
             .iter()
-            .zip(operations)
-            .map(|(e, op)| EventView {
+            .map(|e| EventView {
                 request_id: e.request_id.to_string(),
-                operation: op,
+                operation: e.operation.clone(),
                 cost: e.cost,
                 at: rfc3339(e.at_ms),
                 at_ms: e.at_ms,

@@ -47,11 +47,6 @@ pub struct ApiArgs {
     #[arg(long, env = "TOLLGATE_SYNC_TIMEOUT_MS", default_value_t = 30_000)]
     sync_timeout_ms: u64,
 
-    /// How long a reservation may wait for its job, in ms, before the
-    /// reconciler refunds it (a pod that died between reserving and queueing).
-    #[arg(long, env = "TOLLGATE_RESERVATION_LEASE_MS", default_value_t = 60_000)]
-    reservation_lease_ms: u64,
-
     /// Redis connections in the pool.
     #[arg(long, env = "TOLLGATE_REDIS_POOL", default_value_t = 16)]
     redis_pool: usize,
@@ -100,7 +95,6 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         admin_token: args.admin_token,
         body_limit: args.body_limit,
         sync_timeout: Duration::from_millis(args.sync_timeout_ms),
-        reservation_lease: Duration::from_millis(args.reservation_lease_ms.max(1000)),
         ..Settings::default()
     };
     let listener = match tokio::net::TcpListener::bind(args.listen).await {

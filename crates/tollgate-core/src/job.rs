@@ -3,21 +3,45 @@
 //! side: submit, status, wait) and [`JobSource`] (the worker side: take, renew,
 //! complete, fail, hand back, maintain).
 //!
-//! Semantics (DESIGN.md, "Jobs and failures"): a job's id is its budget request
-//! id. Submitting reserves the budget and enqueues the job, idempotently by id,
-//! and never leaves a reservation without a job. Delivery is at least once; every
-//! lease carries a fencing token, and only the holder of the current token can
-//! record a result or a failure. A job ends once: succeeded (charged once) or
-//! failed (refunded at most once).
+//! Semantics: a job's id is its budget request id. Delivery is at least once;
+//! every lease carries a fencing token, and only the holder of the current token
+//! can record a result or a failure. A job ends once: succeeded (charged once)
+//! or failed (released at most once).
+//!
+//! **One owner per charge.** [`JobQueue::submit`] is the one sequence that
+//! charges a job, written once for every backend:
+//! 1. [`Ledger::charge`] checks the id against the request it was first used for
+//!    (operation and a fingerprint of the body: another one is
+//!    [`JobError::KeyReused`]), reserves the cost and records the charge under a
+//!    fresh nonce, *held* for its job until the job's deadline plus
+//!    [`JobOptions::hold_grace`]: the submission owns it.
+//! 2. [`JobQueue::enqueue`] creates the job carrying that nonce (or finds it: a
+//!    retry, or a second request with the same key, gets the same job).
+//! 3. A worker, before the provider call, [`claim`]s the charge: the job owns it
+//!    from then on, and [`Ledger::release`]s it if it fails, at most once.
+//!
+//! No step decides from what a process saw: a submission that dies between 1
+//! and 2, or whose reply was lost, leaves a held charge that its job claims if
+//! it exists, or that the ledger itself releases once no job can claim it. A
+//! job whose claim is refused (the charge was released, or the id charged anew)
+//! never calls the provider and owns nothing to release.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tokio::sync::Notify;
 
+use crate::config::Config;
 use crate::id::{RequestId, UserId};
-use crate::ledger::{Allowed, Denied, LedgerError};
+use crate::ledger::{
+    Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, Ledger, LedgerError,
+};
 
 /// One unit of work: a provider call paid for by `user`'s budget.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,6 +63,8 @@ pub struct Job {
     pub deadline_ms: u64,
     /// How many times a worker has taken the job (1 on the first run).
     pub attempt: u32,
+    /// The charge that pays for the job ([`Ledger::charge`]'s nonce).
+    pub nonce: String,
 }
 
 /// What a caller asks for; the backend fills in provider, cost and times from
@@ -98,37 +124,131 @@ impl FailureCause {
     }
 }
 
-/// The wait loop both queues share: `look` reads the job until it is final or
-/// `timeout` passes. `notify` is woken when a job finishes; the notification is
-/// armed before each look, so one that fires in between is not lost, and the
-/// job is re-read every `poll` anyway, so waking never depends on it alone.
-pub async fn wait_until_final<F, Fut>(
-    notify: &tokio::sync::Notify,
-    timeout: Duration,
-    poll: Duration,
-    mut look: F,
-) -> Result<Option<JobInfo>, JobError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Option<JobInfo>, JobError>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let notified = notify.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        let info = look().await?;
-        match &info {
-            Some(i) if !i.status.is_final() => {}
-            _ => return Ok(info),
-        }
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
-            return Ok(info);
-        }
-        let nap = (deadline - now).min(poll);
-        let _ = tokio::time::timeout(nap, notified).await;
+/// Waiters by job id, woken when a job finishes: both queues use it (the memory
+/// queue when it records an outcome, the Redis queue from its one subscription).
+#[derive(Debug, Default)]
+pub struct Waiters {
+    by_id: Mutex<HashMap<String, Arc<Bell>>>,
+}
+
+/// One job's wake-ups: a ring counter, so that a ring between two looks is
+/// never lost, and a [`Notify`] to sleep on.
+#[derive(Debug, Default)]
+struct Bell {
+    rings: AtomicU64,
+    notify: Notify,
+}
+
+impl Bell {
+    fn ring(&self) {
+        self.rings.fetch_add(1, Ordering::SeqCst);
+        self.notify.notify_waiters();
     }
+}
+
+impl Waiters {
+    /// Registers interest in job `id`: every later ring of it is seen by the
+    /// returned [`Watch`]. Register before the job can finish.
+    pub fn watch(self: &Arc<Self>, id: &RequestId) -> Watch {
+        let bell = Arc::clone(
+            crate::lock(&self.by_id)
+                .entry(id.as_str().to_owned())
+                .or_default(),
+        );
+        Watch {
+            seen: bell.rings.load(Ordering::SeqCst),
+            bell,
+            waiters: Arc::clone(self),
+            id: id.as_str().to_owned(),
+        }
+    }
+
+    /// Job `id` finished (or may have): its watchers look again.
+    pub fn ring(&self, id: &str) {
+        if let Some(bell) = crate::lock(&self.by_id).get(id) {
+            bell.ring();
+        }
+    }
+
+    /// Every watcher looks again (after a lost subscription came back).
+    pub fn ring_all(&self) {
+        for bell in crate::lock(&self.by_id).values() {
+            bell.ring();
+        }
+    }
+}
+
+/// Interest in one job's outcome; see [`Waiters::watch`].
+#[derive(Debug)]
+pub struct Watch {
+    waiters: Arc<Waiters>,
+    bell: Arc<Bell>,
+    id: String,
+    seen: u64,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let mut map = crate::lock(&self.waiters.by_id);
+        // Two references left: the map's and this watch's.
+        if map.get(&self.id).is_some_and(|b| Arc::strong_count(b) <= 2) {
+            map.remove(&self.id);
+        }
+    }
+}
+
+impl Watch {
+    /// Waits until the job is final, at most `timeout`, and returns what `look`
+    /// read last. `known` is the job as the caller last saw it (`None`: look
+    /// first). `look` runs when the job was rung, and every `poll` anyway, so
+    /// waking never depends on a notification alone.
+    pub async fn until_final<F, Fut>(
+        mut self,
+        known: Option<JobInfo>,
+        timeout: Duration,
+        poll: Duration,
+        mut look: F,
+    ) -> Result<Option<JobInfo>, JobError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<Option<JobInfo>, JobError>>,
+    {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut info = known;
+        let mut stale = info.is_none();
+        loop {
+            let notified = self.bell.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let rings = self.bell.rings.load(Ordering::SeqCst);
+            if stale || rings != self.seen {
+                self.seen = rings;
+                info = look().await?;
+            }
+            match &info {
+                Some(i) if !i.status.is_final() => {}
+                _ => return Ok(info),
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(info);
+            }
+            let nap = (deadline - now).min(poll);
+            stale = tokio::time::timeout(nap, notified).await.is_err();
+        }
+    }
+}
+
+/// A digest of a request body: two requests with one id must agree on it.
+pub fn fingerprint(input: &Value) -> String {
+    let digest = Sha256::digest(input.to_string().as_bytes());
+    digest[..12].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A fresh charge nonce: 16 hex digits.
+pub fn nonce() -> String {
+    let bytes = uuid::Uuid::new_v4().into_bytes();
+    bytes[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Where a job is, as the api role shows it.
@@ -169,12 +289,26 @@ pub struct JobInfo {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum SubmitOutcome {
-    /// The budget is reserved and the job queued.
+    /// The budget is charged and the job queued.
     Queued { job: Job, allowed: Allowed },
     /// The budget does not allow it: nothing queued, nothing charged.
     Denied { denied: Denied },
-    /// A job with this id exists already (for this user): nothing charged again.
-    Duplicate { info: JobInfo },
+    /// The same request (id, operation, body) is charged already: its job,
+    /// nothing charged again.
+    Duplicate { info: JobInfo, allowed: Allowed },
+}
+
+/// The answer to [`JobQueue::enqueue`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Enqueued {
+    /// Created and queued.
+    Created,
+    /// The job of this charge (same nonce) exists already.
+    Existing(JobInfo),
+    /// Not found, and not created (`create` was false).
+    Missing,
+    /// The id is another user's job.
+    IdInUse,
 }
 
 /// Why a job call failed. Outcomes (denied, duplicate, failed jobs) are not errors.
@@ -182,9 +316,19 @@ pub enum SubmitOutcome {
 pub enum JobError {
     #[error("unknown operation {name:?} (operations: {known})")]
     UnknownOperation { name: String, known: String },
-    /// The id belongs to another user's job, or to a job of another operation.
+    /// The id belongs to another user's job, or to a plain (jobless) charge.
     #[error("request id {0} is already used by another job")]
     IdInUse(RequestId),
+    /// The id is charged for another request: another operation or body.
+    #[error("request id {id} is already used for another request{}", operation.as_deref().map(|o| format!(" (operation {o})")).unwrap_or_default())]
+    KeyReused {
+        id: RequestId,
+        operation: Option<String>,
+    },
+    /// The job of this id ran and is still charged, but its record is gone:
+    /// it is not run again.
+    #[error("job {0} ran and its result is no longer kept")]
+    ResultExpired(RequestId),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
     /// The store cannot be reached; retrying later may succeed.
@@ -218,33 +362,163 @@ impl JobError {
     }
 }
 
-/// The api side of a job backend.
-///
-/// `submit` runs several steps (hold the job, reserve the budget, release the
-/// job to the queue); callers run it in a spawned task, so that a dropped HTTP
-/// request cannot interrupt it half way. A crash between the steps leaks
-/// nothing: the maintenance of [`JobSource::maintain`] refunds held jobs whose
-/// submission never completed.
+/// The api side of a job backend. Each backend supplies the primitive steps
+/// ([`enqueue`](Self::enqueue), [`read`](Self::read), ...); the sequences that
+/// decide ownership ([`submit`](Self::submit), [`wait`](Self::wait)) are
+/// written once, here.
 #[async_trait]
 pub trait JobQueue: Send + Sync + std::fmt::Debug {
-    /// Reserves `cost` of the operation from the user's budget and queues the
-    /// job. Idempotent by `request.id`: a second submit returns
-    /// [`SubmitOutcome::Duplicate`] with the first job, charging nothing.
-    async fn submit(&self, request: JobRequest) -> Result<SubmitOutcome, JobError>;
+    /// The ledger that charges this queue's jobs.
+    fn ledger(&self) -> &Arc<dyn Ledger>;
+
+    /// The operations (cost, provider, deadline) jobs are made of.
+    fn config(&self) -> &Config;
+
+    /// Creates `job` (queued) unless a job with its id exists: the same
+    /// charge's job (same nonce) is returned; one of an earlier attempt of the
+    /// same user is replaced when `create`; another user's is refused.
+    async fn enqueue(&self, job: &Job, create: bool) -> Result<Enqueued, JobError>;
+
+    /// One read of job `id` of `operation`, when `user` owns it.
+    async fn read(
+        &self,
+        user: &UserId,
+        operation: &str,
+        id: &RequestId,
+    ) -> Result<Option<JobInfo>, JobError>;
 
     /// The job `id` of `user`; `None` when it does not exist, expired, or
     /// belongs to someone else (a user never sees another user's job).
     async fn status(&self, user: &UserId, id: &RequestId) -> Result<Option<JobInfo>, JobError>;
 
+    /// Registers interest in job `id` (before it can finish).
+    fn watch(&self, id: &RequestId) -> Watch;
+
+    /// How often a waiter re-reads a job besides being woken.
+    fn poll(&self) -> Duration;
+
+    /// How long past its deadline a job's charge stays held for it
+    /// ([`JobOptions::hold_grace`]).
+    fn hold_grace(&self) -> Duration;
+
+    /// Charges the operation to the user's budget and queues the job: see the
+    /// module docs. Idempotent by `request.id`: the same request again returns
+    /// [`SubmitOutcome::Duplicate`] with the first one's job, charging nothing;
+    /// the same id with another operation or body is [`JobError::KeyReused`].
+    /// An error may leave a charge held (the outcome was not observed); it is
+    /// never refunded here: its job claims it, or the ledger releases it.
+    async fn submit(&self, request: JobRequest) -> Result<SubmitOutcome, JobError> {
+        let op = self
+            .config()
+            .operation(&request.operation)
+            .ok_or_else(|| JobError::unknown_operation(self.config(), &request.operation))?;
+        let fingerprint = fingerprint(&request.input);
+        let fresh = nonce();
+        let charge = ChargeRequest {
+            cost: op.cost,
+            nonce: &fresh,
+            operation: &op.name,
+            fingerprint: &fingerprint,
+            deadline: op.deadline,
+            grace: self.hold_grace(),
+        };
+        let (allowed, nonce, deadline_ms, create, charged) = match self
+            .ledger()
+            .charge(&request.user, &request.id, &charge)
+            .await?
+        {
+            ChargeOutcome::Charged {
+                allowed,
+                deadline_ms,
+            } => (allowed, fresh, deadline_ms, true, true),
+            ChargeOutcome::Existing {
+                allowed,
+                nonce,
+                deadline_ms,
+                claimed,
+            } => (allowed, nonce, deadline_ms, !claimed, false),
+            ChargeOutcome::Denied(denied) => return Ok(SubmitOutcome::Denied { denied }),
+            ChargeOutcome::Conflict {
+                operation: Some(operation),
+            } => {
+                return Err(JobError::KeyReused {
+                    id: request.id,
+                    operation: (operation != op.name).then_some(operation),
+                })
+            }
+            ChargeOutcome::Conflict { operation: None } => {
+                return Err(JobError::IdInUse(request.id))
+            }
+        };
+        let job = Job {
+            id: request.id,
+            user: request.user,
+            operation: op.name.clone(),
+            provider: op.provider.clone(),
+            input: request.input,
+            cost: op.cost,
+            enqueued_at_ms: allowed.now_ms,
+            deadline_ms,
+            attempt: 0,
+            nonce,
+        };
+        match self.enqueue(&job, create).await? {
+            Enqueued::Created if charged => Ok(SubmitOutcome::Queued { job, allowed }),
+            Enqueued::Created => Ok(SubmitOutcome::Duplicate {
+                info: JobInfo {
+                    job,
+                    status: JobStatus::Queued,
+                    finished_at_ms: None,
+                },
+                allowed,
+            }),
+            Enqueued::Existing(info) => Ok(SubmitOutcome::Duplicate { info, allowed }),
+            Enqueued::Missing => Err(JobError::ResultExpired(job.id)),
+            Enqueued::IdInUse => {
+                if charged {
+                    // A definite refusal: no job will ever carry this nonce.
+                    self.ledger()
+                        .release(&job.user, &job.id, &job.nonce)
+                        .await?;
+                }
+                Err(JobError::IdInUse(job.id))
+            }
+        }
+    }
+
     /// Waits until the job is final, at most `timeout`, and returns its info
-    /// (still queued or running when the timeout came first). Wake-ups do not
-    /// depend on pub/sub alone: the status is re-read periodically.
+    /// (still queued or running when the timeout came first).
     async fn wait(
         &self,
         user: &UserId,
         id: &RequestId,
         timeout: Duration,
-    ) -> Result<Option<JobInfo>, JobError>;
+    ) -> Result<Option<JobInfo>, JobError> {
+        let watch = self.watch(id);
+        let Some(info) = self.status(user, id).await? else {
+            return Ok(None);
+        };
+        let operation = info.job.operation.clone();
+        watch
+            .until_final(None, timeout, self.poll(), || {
+                self.read(user, &operation, id)
+            })
+            .await
+    }
+}
+
+/// Why a job whose claim was refused failed.
+pub const UNPAID: &str = "the job's charge is not its own any more (released after its hold, or the id was charged again): not run";
+
+/// The worker's step between a lease and the provider call: the job claims its
+/// charge ([`Ledger::claim`]), held until its deadline plus `grace`.
+/// `Ok(false)`: refused, the job must not run.
+pub async fn claim(ledger: &dyn Ledger, job: &Job, grace: Duration) -> Result<bool, JobError> {
+    let hold_until = job.deadline_ms.saturating_add(millis(grace));
+    Ok(ledger
+        .claim(&job.user, &job.id, &job.nonce, hold_until)
+        .await?
+        == ClaimOutcome::Claimed)
 }
 
 /// A job leased to a worker. Only the holder of the current `token` can finish it.
@@ -254,6 +528,9 @@ pub struct Lease {
     /// The fencing token: incremented on every lease of the job.
     pub token: u64,
     pub worker: String,
+    /// Until the job's deadline, as the backend's clock said when leasing: the
+    /// worker times the call with it, never with its own wall clock.
+    pub time_left: Duration,
 }
 
 /// What a finishing call did.
@@ -271,8 +548,7 @@ pub enum Finish {
 pub struct Maintenance {
     /// Jobs whose lease expired (or whose worker died), put back in the queue.
     pub requeued: u64,
-    /// Jobs that used up their attempts, or whose submission never completed:
-    /// failed and refunded.
+    /// Jobs that used up their attempts: failed and released.
     pub abandoned: u64,
     /// Pending refunds finished.
     pub refunded: u64,
@@ -299,7 +575,7 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     /// Records the result (kept for the result TTL) and wakes the waiters.
     async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError>;
 
-    /// Records a final failure, refunds the budget once, wakes the waiters.
+    /// Records a final failure, releases the job's charge once, wakes the waiters.
     async fn fail(
         &self,
         lease: &Lease,
@@ -313,8 +589,7 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
 
     /// Housekeeping that any worker runs periodically: renews `worker`'s
     /// liveness for `lease`, requeues jobs whose lease expired or whose worker
-    /// died (failing those past their attempts), abandons held jobs whose
-    /// submission never completed, finishes pending refunds.
+    /// died (failing those past their attempts), finishes pending releases.
     async fn maintain(&self, worker: &str, lease: Duration) -> Result<Maintenance, JobError>;
 
     /// The worker stops: jobs it moved but never leased go back to the queue,
@@ -325,24 +600,25 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
 /// Timings shared by both job backends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobOptions {
-    /// How long a submission may hold a job (between creating it and queueing
-    /// it) before maintenance gives it up and refunds it.
-    pub hold: Duration,
     /// How long a finished job (its result or error) stays readable.
     pub result_ttl: Duration,
     /// How often a waiter re-reads the status besides being woken.
     pub poll: Duration,
     /// A failed job's refund left pending this long is finished by maintenance.
     pub refund_grace: Duration,
+    /// How long past its job's deadline a charge stays held for the job. A job
+    /// past its deadline never starts, so this only needs to cover the moment
+    /// between a lease and its claim; every pod must use the same value.
+    pub hold_grace: Duration,
 }
 
 impl Default for JobOptions {
     fn default() -> Self {
         Self {
-            hold: Duration::from_secs(60),
             result_ttl: Duration::from_secs(3600),
             poll: Duration::from_millis(500),
             refund_grace: Duration::from_secs(5),
+            hold_grace: Duration::from_secs(60),
         }
     }
 }

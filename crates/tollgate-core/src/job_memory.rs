@@ -1,6 +1,7 @@
 //! The in-memory job queue: the embedded backend, with the same semantics as the
-//! Redis queue (hold, reserve, release on submit; leases with fencing tokens;
-//! requeue on lease expiry up to `max_attempts`; refund at most once).
+//! Redis queue (the submission sequence of [`JobQueue::submit`]; leases with
+//! fencing tokens; a claim of the charge before the provider call; requeue on
+//! lease expiry up to `max_attempts`; release at most once).
 //!
 //! One mutex guards every job and queue; it is never held across an await (the
 //! ledger calls happen between critical sections, in the same order as the
@@ -18,14 +19,13 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::id::{RequestId, UserId};
 use crate::job::{
-    millis, wait_until_final, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue,
-    JobRequest, JobSource, JobStatus, Lease, Maintenance, SubmitOutcome,
+    self, millis, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue,
+    JobSource, JobStatus, Lease, Maintenance, Waiters, Watch,
 };
-use crate::ledger::{Ledger, ReserveOutcome};
+use crate::ledger::Ledger;
 
 #[derive(Debug, Clone)]
 enum Phase {
-    Held { until_ms: u64 },
     Queued,
     Running { token: u64, until_ms: u64 },
     Done { status: JobStatus, at_ms: u64 },
@@ -37,14 +37,14 @@ struct Record {
     phase: Phase,
     /// The last fencing token handed out.
     seq: u64,
-    /// A failed job whose refund has not been confirmed yet.
+    /// A failed job whose release has not been confirmed yet.
     refund_pending: bool,
 }
 
 impl Record {
     fn info(&self) -> JobInfo {
         let (status, finished_at_ms) = match &self.phase {
-            Phase::Held { .. } | Phase::Queued => (JobStatus::Queued, None),
+            Phase::Queued => (JobStatus::Queued, None),
             Phase::Running { .. } => (JobStatus::Running, None),
             Phase::Done { status, at_ms } => (status.clone(), Some(*at_ms)),
         };
@@ -71,8 +71,8 @@ pub struct MemoryJobQueue {
     state: Mutex<State>,
     /// Woken when a job is queued.
     queued: Notify,
-    /// Woken when a job finishes.
-    finished: Notify,
+    /// Rung when a job finishes.
+    waiters: Arc<Waiters>,
 }
 
 impl std::fmt::Debug for MemoryJobQueue {
@@ -84,8 +84,7 @@ impl std::fmt::Debug for MemoryJobQueue {
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections are panic-free map and queue moves.
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    crate::lock(m)
 }
 
 impl MemoryJobQueue {
@@ -106,7 +105,7 @@ impl MemoryJobQueue {
             options,
             state: Mutex::new(State::default()),
             queued: Notify::new(),
-            finished: Notify::new(),
+            waiters: Arc::default(),
         }
     }
 
@@ -122,7 +121,8 @@ impl MemoryJobQueue {
         self.clock.now_ms()
     }
 
-    /// Marks a leased job done if `token` is current; `refund` marks it pending.
+    /// Marks a leased job done if `token` is current; `refund` marks its
+    /// release pending.
     fn finish(&self, lease: &Lease, status: JobStatus, refund: bool) -> Finish {
         let now = self.now();
         let mut st = lock(&self.state);
@@ -136,22 +136,28 @@ impl MemoryJobQueue {
         rec.phase = Phase::Done { status, at_ms: now };
         rec.refund_pending = refund;
         drop(st);
-        self.finished.notify_waiters();
+        self.waiters.ring(lease.job.id.as_str());
         Finish::Recorded
     }
 
-    async fn refund(&self, id: &RequestId, user: &UserId) -> Result<(), JobError> {
-        self.ledger.refund(user, id).await?;
+    /// Releases the charge of job `id` (its owner failed) and confirms it.
+    async fn release(&self, id: &RequestId) -> Result<(), JobError> {
+        let Some(job) = lock(&self.state).jobs.get(id).map(|r| r.job.clone()) else {
+            return Ok(());
+        };
+        self.ledger.release(&job.user, &job.id, &job.nonce).await?;
         if let Some(rec) = lock(&self.state).jobs.get_mut(id) {
-            rec.refund_pending = false;
+            if rec.job.nonce == job.nonce {
+                rec.refund_pending = false;
+            }
         }
         Ok(())
     }
 
-    /// Fails a job that is not leased (queued or held) and refunds it.
+    /// Fails a job that is not leased (queued) and releases its charge.
     async fn fail_unleased(&self, id: &RequestId, cause: FailureCause, message: String) {
         let now = self.now();
-        let user = {
+        {
             let mut st = lock(&self.state);
             let Some(rec) = st.jobs.get_mut(id) else {
                 return;
@@ -161,95 +167,90 @@ impl MemoryJobQueue {
                 at_ms: now,
             };
             rec.refund_pending = true;
-            rec.job.user.clone()
+        }
+        self.waiters.ring(id.as_str());
+        // A release that fails here stays pending; the next `maintain` retries it.
+        let _ = self.release(id).await;
+    }
+
+    /// The job was leased but its claim was refused: it owns no charge, so it
+    /// fails without a release.
+    fn fail_unpaid(&self, lease: &Lease) {
+        let status = JobStatus::Failed {
+            cause: FailureCause::Abandoned,
+            message: job::UNPAID.into(),
         };
-        self.finished.notify_waiters();
-        // A refund that fails here stays pending; the next `maintain` retries it.
-        let _ = self.refund(id, &user).await;
+        self.finish(lease, status, false);
     }
 }
 
 #[async_trait]
 impl JobQueue for MemoryJobQueue {
-    async fn submit(&self, request: JobRequest) -> Result<SubmitOutcome, JobError> {
-        let op = self
-            .config
-            .operation(&request.operation)
-            .ok_or_else(|| JobError::unknown_operation(&self.config, &request.operation))?;
-        let now = self.now();
-        let job = Job {
-            id: request.id.clone(),
-            user: request.user.clone(),
-            operation: op.name.clone(),
-            provider: op.provider.clone(),
-            input: request.input,
-            cost: op.cost,
-            enqueued_at_ms: now,
-            deadline_ms: now.saturating_add(op.deadline_ms()),
-            attempt: 0,
-        };
-        // 1. Hold the job (idempotent by id).
+    fn ledger(&self) -> &Arc<dyn Ledger> {
+        &self.ledger
+    }
+
+    fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn poll(&self) -> Duration {
+        self.options.poll
+    }
+
+    fn hold_grace(&self) -> Duration {
+        self.options.hold_grace
+    }
+
+    fn watch(&self, id: &RequestId) -> Watch {
+        self.waiters.watch(id)
+    }
+
+    async fn enqueue(&self, job: &Job, create: bool) -> Result<Enqueued, JobError> {
         {
             let mut st = lock(&self.state);
             if let Some(rec) = st.jobs.get(&job.id) {
-                if rec.job.user != job.user || rec.job.operation != job.operation {
-                    return Err(JobError::IdInUse(job.id));
+                if rec.job.user != job.user {
+                    return Ok(Enqueued::IdInUse);
                 }
-                return Ok(SubmitOutcome::Duplicate { info: rec.info() });
+                if rec.job.nonce == job.nonce {
+                    return Ok(Enqueued::Existing(rec.info()));
+                }
             }
+            if !create {
+                return Ok(Enqueued::Missing);
+            }
+            // A new attempt replaces an earlier one; the fencing token carries on.
+            let seq = st.jobs.get(&job.id).map_or(0, |r| r.seq);
             st.jobs.insert(
                 job.id.clone(),
                 Record {
                     job: job.clone(),
-                    phase: Phase::Held {
-                        until_ms: now.saturating_add(millis(self.options.hold)),
-                    },
-                    seq: 0,
+                    phase: Phase::Queued,
+                    seq,
                     refund_pending: false,
                 },
             );
-        }
-        // 2. Reserve.
-        let reserved = self.ledger.reserve(&job.user, &job.id, job.cost).await;
-        let allowed = match reserved {
-            Ok(ReserveOutcome::Allowed(a)) => a,
-            Ok(ReserveOutcome::Denied(denied)) => {
-                lock(&self.state).jobs.remove(&job.id);
-                return Ok(SubmitOutcome::Denied { denied });
-            }
-            Err(e) => {
-                lock(&self.state).jobs.remove(&job.id);
-                return Err(e.into());
-            }
-        };
-        // 3. Release onto the queue, unless maintenance gave the hold up meanwhile.
-        let released = {
-            let mut st = lock(&self.state);
-            let released = match st.jobs.get_mut(&job.id) {
-                Some(rec) if matches!(rec.phase, Phase::Held { .. }) => {
-                    rec.phase = Phase::Queued;
-                    true
-                }
-                _ => false,
-            };
-            if released {
-                st.queues
-                    .entry(job.operation.clone())
-                    .or_default()
-                    .push_back(job.id.clone());
-            }
-            released
-        };
-        if !released {
-            self.ledger.refund(&job.user, &job.id).await?;
-            let info = lock(&self.state).jobs.get(&job.id).map(Record::info);
-            return match info {
-                Some(info) => Ok(SubmitOutcome::Duplicate { info }),
-                None => Err(JobError::Backend("the held job vanished".into())),
-            };
+            st.queues
+                .entry(job.operation.clone())
+                .or_default()
+                .push_back(job.id.clone());
         }
         self.queued.notify_waiters();
-        Ok(SubmitOutcome::Queued { job, allowed })
+        Ok(Enqueued::Created)
+    }
+
+    async fn read(
+        &self,
+        user: &UserId,
+        operation: &str,
+        id: &RequestId,
+    ) -> Result<Option<JobInfo>, JobError> {
+        Ok(lock(&self.state)
+            .jobs
+            .get(id)
+            .filter(|r| &r.job.user == user && r.job.operation == operation)
+            .map(Record::info))
     }
 
     async fn status(&self, user: &UserId, id: &RequestId) -> Result<Option<JobInfo>, JobError> {
@@ -258,18 +259,6 @@ impl JobQueue for MemoryJobQueue {
             .get(id)
             .filter(|r| &r.job.user == user)
             .map(Record::info))
-    }
-
-    async fn wait(
-        &self,
-        user: &UserId,
-        id: &RequestId,
-        timeout: Duration,
-    ) -> Result<Option<JobInfo>, JobError> {
-        wait_until_final(&self.finished, timeout, self.options.poll, || {
-            self.status(user, id)
-        })
-        .await
     }
 }
 
@@ -315,6 +304,9 @@ impl JobSource for MemoryJobQueue {
                                 job: rec.job.clone(),
                                 token: rec.seq,
                                 worker: worker.to_owned(),
+                                time_left: Duration::from_millis(
+                                    rec.job.deadline_ms.saturating_sub(now),
+                                ),
                             })
                         }
                     }
@@ -322,8 +314,20 @@ impl JobSource for MemoryJobQueue {
                     Some(_) | None => None,
                 }
             };
-            if let Some(l) = taken {
-                return Ok(Some(l));
+            if let Some(lease) = taken {
+                match job::claim(&*self.ledger, &lease.job, self.options.hold_grace).await {
+                    Ok(true) => return Ok(Some(lease)),
+                    Ok(false) => {
+                        self.fail_unpaid(&lease);
+                        continue;
+                    }
+                    Err(e) => {
+                        // Unknown whether the claim landed: the job goes back,
+                        // and claims again (idempotent) when it is taken.
+                        let _ = self.hand_back(&lease).await;
+                        return Err(e);
+                    }
+                }
             }
             if let Some((id, cause)) = give_up {
                 let message = match cause {
@@ -373,7 +377,7 @@ impl JobSource for MemoryJobQueue {
         if self.finish(lease, status, true) == Finish::LeaseLost {
             return Ok(Finish::LeaseLost);
         }
-        self.refund(&lease.job.id, &lease.job.user).await?;
+        self.release(&lease.job.id).await?;
         Ok(Finish::Recorded)
     }
 
@@ -401,7 +405,6 @@ impl JobSource for MemoryJobQueue {
     async fn maintain(&self, _worker: &str, _lease: Duration) -> Result<Maintenance, JobError> {
         let now = self.now();
         let mut report = Maintenance::default();
-        let mut abandon = Vec::new();
         let mut refunds = Vec::new();
         {
             let mut st = lock(&self.state);
@@ -418,13 +421,10 @@ impl JobSource for MemoryJobQueue {
                         rec.phase = Phase::Queued;
                         requeue.push((rec.job.operation.clone(), rec.job.id.clone()));
                     }
-                    Phase::Held { until_ms } if until_ms < now => {
-                        abandon.push(rec.job.id.clone());
-                    }
                     Phase::Done { at_ms, .. }
                         if rec.refund_pending && at_ms.saturating_add(grace) <= now =>
                     {
-                        refunds.push((rec.job.id.clone(), rec.job.user.clone()));
+                        refunds.push(rec.job.id.clone());
                     }
                     _ => {}
                 }
@@ -437,17 +437,8 @@ impl JobSource for MemoryJobQueue {
         if report.requeued > 0 {
             self.queued.notify_waiters();
         }
-        for id in abandon {
-            self.fail_unleased(
-                &id,
-                FailureCause::Abandoned,
-                "the submission did not complete".into(),
-            )
-            .await;
-            report.abandoned += 1;
-        }
-        for (id, user) in refunds {
-            self.refund(&id, &user).await?;
+        for id in refunds {
+            self.release(&id).await?;
             report.refunded += 1;
         }
         Ok(report)

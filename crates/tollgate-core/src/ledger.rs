@@ -5,6 +5,14 @@
 //! atomic step (drop expired events, check, record); it is idempotent per request
 //! id; `refund` removes an event at most once; `settle` corrects an event's cost.
 //! A denied reservation is an outcome, not an error.
+//!
+//! A job's charge has an owner ([`Ledger::charge`], [`Ledger::claim`],
+//! [`Ledger::release`]): the charge is taken with a nonce and held for its
+//! submission; the job created for it (carrying the nonce) claims it before it
+//! calls the provider, and releases it if it fails. Each move is one atomic step
+//! of the ledger, and a charge whose job never claimed it by the job's deadline
+//! plus a grace is released by the ledger itself (see `lua/lib/budget.lua`): a
+//! job past its deadline never starts, so no job can claim it any more.
 
 use async_trait::async_trait;
 use serde::Serialize;
@@ -17,6 +25,56 @@ pub struct SpendEvent {
     pub request_id: RequestId,
     pub cost: u64,
     pub at_ms: u64,
+    /// The operation of a job's charge (`None` for a plain reserve).
+    pub operation: Option<String>,
+}
+
+/// What a job's charge is taken for ([`Ledger::charge`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeRequest<'a> {
+    pub cost: u64,
+    /// Names this charge: only the job carrying it can claim or release it.
+    pub nonce: &'a str,
+    pub operation: &'a str,
+    /// A digest of the request body: the same id with another body is refused.
+    pub fingerprint: &'a str,
+    /// The job's deadline, from now on the ledger's clock.
+    pub deadline: std::time::Duration,
+    /// How long past the deadline the charge stays held for its job.
+    pub grace: std::time::Duration,
+}
+
+/// The answer to [`Ledger::charge`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum ChargeOutcome {
+    /// Charged now, held for the job until its deadline plus the grace.
+    Charged { allowed: Allowed, deadline_ms: u64 },
+    /// The same request (operation and fingerprint) is charged already, under
+    /// `nonce`; `claimed` once its job has taken the charge over.
+    Existing {
+        allowed: Allowed,
+        nonce: String,
+        deadline_ms: u64,
+        claimed: bool,
+    },
+    /// The budget does not allow it: nothing charged.
+    Denied(Denied),
+    /// The id is charged for another request: another operation or body
+    /// (`operation` names the first one's), or a plain reserve (`None`).
+    Conflict { operation: Option<String> },
+}
+
+/// The answer to [`Ledger::claim`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClaimOutcome {
+    /// The job owns its charge (or its charge was taken and has since left the
+    /// window): it may call the provider.
+    Claimed,
+    /// The charge is not this job's (released, or the id was charged anew): the
+    /// job must not run.
+    Refused,
 }
 
 /// The reservation is recorded (or was already: `duplicate`).
@@ -154,6 +212,36 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
     ) -> Result<SettleOutcome, LedgerError>;
 
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError>;
+
+    /// Charges a job, atomically: expire, check the id against the request it
+    /// was first charged for (operation, fingerprint), check the budget, record
+    /// the event and its owner (held for the job, under `charge.nonce`).
+    async fn charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        charge: &ChargeRequest<'_>,
+    ) -> Result<ChargeOutcome, LedgerError>;
+
+    /// The job with `nonce` takes its charge over (idempotent). `hold_until_ms`
+    /// is the end of the charge's hold (the job's deadline plus the grace it
+    /// was charged with), on the ledger's clock.
+    async fn claim(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        hold_until_ms: u64,
+    ) -> Result<ClaimOutcome, LedgerError>;
+
+    /// The job with `nonce` failed: removes its charge, at most once. A charge
+    /// under another nonce (a later attempt's) is left alone.
+    async fn release(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+    ) -> Result<RefundOutcome, LedgerError>;
 
     /// Stores `plan` as the user's plan (it must be configured).
     async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError>;

@@ -5,7 +5,6 @@
 //!
 //! Nothing here talks to the network; the Redis backend lives in `tollgate-redis`.
 
-pub mod audit;
 pub mod clock;
 pub mod config;
 pub mod duration;
@@ -13,25 +12,28 @@ pub mod id;
 pub mod job;
 pub mod job_memory;
 pub mod keystore;
-pub mod lease;
 pub mod ledger;
 pub mod memory;
 pub mod throttle;
 
-pub use audit::{AuditError, MemoryOperationLog, OperationLog};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{Config, ConfigError, Operation, Plan, Provider, Upstream};
 pub use id::{IdError, RequestId, UserId};
 pub use job::{
-    FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue, JobRequest, JobSource,
-    JobStatus, Lease, Maintenance, SubmitOutcome,
+    Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue, JobRequest,
+    JobSource, JobStatus, Lease, Maintenance, SubmitOutcome, Waiters, Watch,
 };
 pub use job_memory::MemoryJobQueue;
 pub use keystore::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError, MemoryKeyStore};
-pub use lease::{LeaseError, MemoryLeases, ReservationLeases};
 pub use ledger::{
-    Allowed, Denied, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent,
-    Usage,
+    Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, Ledger, LedgerError,
+    RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
 };
 pub use memory::MemoryLedger;
 pub use throttle::{Grant, MemoryThrottle, Throttle, ThrottleError, Throttled};
+
+/// Locks `m`. Every critical section in this crate is panic-free, so a poisoned
+/// lock's data is still consistent.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -17,8 +17,8 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
-    unknown_plan, validate_cost, Allowed, Denied, Ledger, LedgerError, RefundOutcome,
-    ReserveOutcome, SettleOutcome, SpendEvent, Usage,
+    unknown_plan, validate_cost, Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied,
+    Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
 };
 
 const SHARDS: usize = 64;
@@ -44,12 +44,26 @@ struct UserLog {
     /// millisecond apart and in arrival order.
     events: BTreeMap<(u64, u64), (RequestId, u64)>,
     index: HashMap<RequestId, (u64, u64)>,
+    /// Who owns each job's charge (`charge`); plain reserves have none.
+    owners: HashMap<RequestId, Owner>,
+    /// (end of hold, seq) -> request: charges no job has claimed yet.
+    holds: BTreeMap<(u64, u64), RequestId>,
     /// Running sum of live costs: no call sums the log.
     total: u64,
     seq: u64,
     /// Removed from its shard by the sweeper; a caller holding a stale `Arc`
     /// looks the user up again.
     retired: bool,
+}
+
+/// The owner record of a job's charge (the `owners` hash of `lua/lib/budget.lua`).
+struct Owner {
+    nonce: String,
+    deadline_ms: u64,
+    operation: String,
+    fingerprint: String,
+    /// The key in `holds` while no job has claimed the charge.
+    hold: Option<(u64, u64)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -59,15 +73,57 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl UserLog {
-    /// Drops events at or past their expiry (`at + window <= now`).
+    /// Drops events at or past their expiry (`at + window <= now`), and charges
+    /// still held past their hold (released: no job can claim them any more).
     fn expire(&mut self, now: u64, window: u64) {
         while let Some(entry) = self.events.first_entry() {
             if entry.key().0.saturating_add(window) > now {
                 break;
             }
-            let (request, cost) = entry.remove();
-            self.index.remove(&request);
-            self.total = self.total.saturating_sub(cost);
+            let (request, _) = entry.get().clone();
+            self.remove(&request);
+        }
+        while let Some(entry) = self.holds.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let request = entry.remove();
+            self.remove(&request);
+        }
+    }
+
+    /// Records a spend event of `cost` at `now`.
+    fn record(&mut self, request: &RequestId, cost: u64, now: u64) {
+        self.seq += 1;
+        let key = (now, self.seq);
+        self.events.insert(key, (request.clone(), cost));
+        self.index.insert(request.clone(), key);
+        self.total += cost;
+    }
+
+    /// Exactly how long until enough old events leave the window for `cost`
+    /// to fit. Terminates within the log because cost <= limit.
+    fn retry_after(&self, cost: u64, limit: u64, now: u64, window: u64) -> u64 {
+        let need = (self.total + cost).saturating_sub(limit);
+        let mut freed = 0;
+        for ((at, _), (_, c)) in &self.events {
+            freed += c;
+            if freed >= need {
+                return (at + window).saturating_sub(now);
+            }
+        }
+        window
+    }
+
+    fn allowed(&self, limit: u64, at_ms: u64, now: u64, window: u64, duplicate: bool) -> Allowed {
+        Allowed {
+            used: self.total,
+            limit,
+            remaining: limit.saturating_sub(self.total),
+            at_ms,
+            now_ms: now,
+            reset_after_ms: self.reset_after(now, window).unwrap_or(window),
+            duplicate,
         }
     }
 
@@ -79,6 +135,9 @@ impl UserLog {
     }
 
     fn remove(&mut self, request: &RequestId) -> Option<u64> {
+        if let Some(hold) = self.owners.remove(request).and_then(|o| o.hold) {
+            self.holds.remove(&hold);
+        }
         let key = self.index.remove(request)?;
         let (_, cost) = self.events.remove(&key)?;
         self.total = self.total.saturating_sub(cost);
@@ -206,40 +265,18 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 }));
             }
             if log.total + cost > limit {
-                // The log makes this exact: walk the oldest events until enough
-                // tokens are freed. Terminates because cost <= limit.
-                let need = log.total + cost - limit;
-                let mut freed = 0;
-                let mut retry_after_ms = 0;
-                for ((at, _), (_, c)) in &log.events {
-                    freed += c;
-                    if freed >= need {
-                        retry_after_ms = (at + window).saturating_sub(now);
-                        break;
-                    }
-                }
                 return Ok(ReserveOutcome::Denied(Denied {
                     used: log.total,
                     limit,
                     remaining: limit.saturating_sub(log.total),
-                    retry_after_ms,
+                    retry_after_ms: log.retry_after(cost, limit, now, window),
                     now_ms: now,
                 }));
             }
-            log.seq += 1;
-            let key = (now, log.seq);
-            log.events.insert(key, (request.clone(), cost));
-            log.index.insert(request.clone(), key);
-            log.total += cost;
-            Ok(ReserveOutcome::Allowed(Allowed {
-                used: log.total,
-                limit,
-                remaining: limit - log.total,
-                at_ms: now,
-                now_ms: now,
-                reset_after_ms: log.reset_after(now, window).unwrap_or(window),
-                duplicate: false,
-            }))
+            log.record(request, cost, now);
+            Ok(ReserveOutcome::Allowed(
+                log.allowed(limit, now, now, window, false),
+            ))
         })
     }
 
@@ -317,8 +354,129 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                         request_id: request.clone(),
                         cost: *cost,
                         at_ms: *at,
+                        operation: log.owners.get(request).map(|o| o.operation.clone()),
                     })
                     .collect(),
+            }
+        }))
+    }
+
+    async fn charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        charge: &ChargeRequest<'_>,
+    ) -> Result<ChargeOutcome, LedgerError> {
+        let cost = charge.cost;
+        validate_cost(cost)?;
+        self.with_user(user, true, |log, now| {
+            let plan = self.plan_of(log);
+            let (limit, window) = (plan.limit, plan.window_ms());
+            if cost > limit {
+                return Err(LedgerError::CostExceedsLimit { cost, limit });
+            }
+            log.expire(now, window);
+            if let Some(&(at, _)) = log.index.get(request) {
+                let Some(o) = log.owners.get(request) else {
+                    return Ok(ChargeOutcome::Conflict { operation: None });
+                };
+                if o.operation != charge.operation || o.fingerprint != charge.fingerprint {
+                    return Ok(ChargeOutcome::Conflict {
+                        operation: Some(o.operation.clone()),
+                    });
+                }
+                let (nonce, deadline_ms, claimed) =
+                    (o.nonce.clone(), o.deadline_ms, o.hold.is_none());
+                return Ok(ChargeOutcome::Existing {
+                    allowed: log.allowed(limit, at, now, window, true),
+                    nonce,
+                    deadline_ms,
+                    claimed,
+                });
+            }
+            if log.total + cost > limit {
+                return Ok(ChargeOutcome::Denied(Denied {
+                    used: log.total,
+                    limit,
+                    remaining: limit.saturating_sub(log.total),
+                    retry_after_ms: log.retry_after(cost, limit, now, window),
+                    now_ms: now,
+                }));
+            }
+            log.record(request, cost, now);
+            let deadline_ms = now.saturating_add(crate::job::millis(charge.deadline));
+            log.seq += 1;
+            let hold = (
+                deadline_ms.saturating_add(crate::job::millis(charge.grace)),
+                log.seq,
+            );
+            log.holds.insert(hold, request.clone());
+            log.owners.insert(
+                request.clone(),
+                Owner {
+                    nonce: charge.nonce.to_owned(),
+                    deadline_ms,
+                    operation: charge.operation.to_owned(),
+                    fingerprint: charge.fingerprint.to_owned(),
+                    hold: Some(hold),
+                },
+            );
+            Ok(ChargeOutcome::Charged {
+                allowed: log.allowed(limit, now, now, window, false),
+                deadline_ms,
+            })
+        })
+    }
+
+    async fn claim(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        hold_until_ms: u64,
+    ) -> Result<ClaimOutcome, LedgerError> {
+        Ok(self.with_user(user, false, |log, now| {
+            let window = self.plan_of(log).window_ms();
+            log.expire(now, window);
+            if let Some(o) = log.owners.get_mut(request) {
+                if o.nonce != nonce {
+                    return ClaimOutcome::Refused;
+                }
+                if let Some(hold) = o.hold.take() {
+                    log.holds.remove(&hold);
+                }
+                return ClaimOutcome::Claimed;
+            }
+            // No owner: a plain reserve owns the id, or the charge is gone. A
+            // hold is released only at its end; before that, a charge that is
+            // gone left the window (paid).
+            let released = now >= hold_until_ms;
+            if log.index.contains_key(request) || released {
+                ClaimOutcome::Refused
+            } else {
+                ClaimOutcome::Claimed
+            }
+        }))
+    }
+
+    async fn release(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+    ) -> Result<RefundOutcome, LedgerError> {
+        Ok(self.with_user(user, false, |log, now| {
+            let window = self.plan_of(log).window_ms();
+            log.expire(now, window);
+            if log.owners.get(request).is_none_or(|o| o.nonce != nonce) {
+                return RefundOutcome::NotFound { used: log.total };
+            }
+            match log.remove(request) {
+                Some(cost) => RefundOutcome::Refunded {
+                    cost,
+                    used: log.total,
+                },
+                None => RefundOutcome::NotFound { used: log.total },
             }
         }))
     }

@@ -1,24 +1,23 @@
 //! The distributed job queue: [`RedisJobQueue`], both sides ([`JobQueue`] for the
 //! api role, [`JobSource`] for workers), on reliable Redis lists.
 //!
-//! **Submit** (three steps, none of which can leak a reservation): claim the id
-//! (`{r:<id>}:claim`, one id to one job), hold the job (`job_hold.lua`), reserve
-//! the budget (the ledger's `reserve.lua`), queue the job (`job_release.lua`).
-//! Denied: the held job is dropped. A crash between the steps leaves a held job
-//! whose hold ends; maintenance fails it and refunds by request id (a no-op when
-//! the reservation never happened).
+//! **Submit** is [`JobQueue::submit`], written once in core: the ledger's
+//! `charge.lua` on the user's keys, then `job_enqueue.lua` here, on the
+//! operation's keys (the job record lives with its queue).
 //!
 //! **Take**: `BLMOVE` from the operation's queue into the worker's processing
 //! list, on a connection of its own (a blocking command would stall a shared
 //! multiplexed one), then `job_lease.lua`: validates the record (malformed ones
-//! go to the `dead` list), counts the attempt, increments the fencing token.
+//! go to the `dead` list), counts the attempt, increments the fencing token;
+//! then the job claims its charge (`claim.lua`, on the user's keys).
 //! `job_complete.lua` / `job_fail.lua` / `job_hand_back.lua` check that token in
 //! the same script that writes, so a worker that lost its lease writes nothing.
 //!
-//! **Refunds** cross hash tags (the job lives on the queue's tag, the budget on
-//! the user's), so they go in order: mark the job failed with `refund` pending,
-//! refund (idempotent by request id), confirm (`job_refunded.lua`). Maintenance
-//! finishes refunds left pending by a crash.
+//! **Releases** cross hash tags (the job lives on the queue's tag, the charge on
+//! the user's), so they go in order: mark the job failed with its release
+//! pending, release (by the job's nonce: at most once, and never a later
+//! attempt's charge), confirm (`job_refunded.lua`). Maintenance finishes
+//! releases left pending by a crash.
 //!
 //! **Waking waiters** does not depend on pub/sub alone: finishing scripts
 //! publish the job id, and a waiter also re-reads the record every `poll`.
@@ -33,17 +32,17 @@ use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use serde_json::Value as Json;
-use tokio::sync::{oneshot, Notify};
-use tollgate_core::job::{wait_until_final, JobOptions};
+use tokio::sync::oneshot;
+use tollgate_core::job::{self, JobOptions};
 use tollgate_core::{
-    Config, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobRequest, JobSource,
-    JobStatus, Lease, Ledger, Maintenance, RequestId, ReserveOutcome, SubmitOutcome, UserId,
+    Config, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource, JobStatus,
+    Lease, Ledger, Maintenance, RequestId, UserId, Waiters, Watch,
 };
 
 use crate::call::{self, CallError};
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{redact_url, Pool, RedisBackendError, DEFAULT_TIMEOUT};
-use crate::scripts::{self, HoldArgs};
+use crate::scripts::{self, FailArgs};
 
 /// Most ids one maintenance step handles per set and operation.
 const MAINTAIN_BATCH: u32 = 100;
@@ -72,38 +71,6 @@ fn millis(d: Duration) -> u64 {
 
 fn bad_reply(what: &str, reply: impl std::fmt::Debug) -> JobError {
     JobError::Backend(format!("unexpected {what} reply: {reply:?}"))
-}
-
-/// Waiters by job id; the subscriber wakes them.
-#[derive(Debug, Default)]
-struct Waiters {
-    by_id: Mutex<HashMap<String, Arc<Notify>>>,
-}
-
-impl Waiters {
-    fn register(&self, id: &str) -> Arc<Notify> {
-        Arc::clone(lock(&self.by_id).entry(id.to_owned()).or_default())
-    }
-
-    fn unregister(&self, id: &str, n: Arc<Notify>) {
-        let mut map = lock(&self.by_id);
-        drop(n);
-        if map.get(id).is_some_and(|n| Arc::strong_count(n) == 1) {
-            map.remove(id);
-        }
-    }
-
-    fn wake(&self, id: &str) {
-        if let Some(n) = lock(&self.by_id).get(id) {
-            n.notify_waiters();
-        }
-    }
-
-    fn wake_all(&self) {
-        for n in lock(&self.by_id).values() {
-            n.notify_waiters();
-        }
-    }
 }
 
 /// The distributed job queue.
@@ -183,37 +150,6 @@ impl RedisJobQueue {
         Ok(call::command(&self.pool, self.timeout, op, &cmd).await?)
     }
 
-    /// The keys of the queue that holds job `id`, when `user` owns it (the claim
-    /// records the owner and the operation).
-    async fn locate(&self, user: &UserId, id: &RequestId) -> Result<Option<JobKeys>, JobError> {
-        let mut get = redis::cmd("GET");
-        get.arg(self.keys.job_claim(id));
-        let owner: Option<String> = self.command("job_claim", get).await?;
-        let Some((owner_user, operation)) = owner.as_deref().and_then(|o| o.split_once(' ')) else {
-            return Ok(None);
-        };
-        if owner_user != user.as_str() {
-            return Ok(None);
-        }
-        Ok(self
-            .config
-            .operation(operation)
-            .map(|op| self.keys.jobs(&op.name)))
-    }
-
-    /// The job record, when it belongs to `user`.
-    async fn read_owned(
-        &self,
-        keys: &JobKeys,
-        user: &UserId,
-        id: &RequestId,
-    ) -> Result<Option<JobInfo>, JobError> {
-        Ok(self
-            .read(keys, id)
-            .await?
-            .filter(|info| &info.job.user == user))
-    }
-
     fn op_keys(&self, operation: &str) -> Result<(&tollgate_core::Operation, JobKeys), JobError> {
         let op = self
             .config
@@ -222,23 +158,31 @@ impl RedisJobQueue {
         Ok((op, self.keys.jobs(&op.name)))
     }
 
-    async fn read(&self, keys: &JobKeys, id: &RequestId) -> Result<Option<JobInfo>, JobError> {
+    async fn read_record(
+        &self,
+        keys: &JobKeys,
+        id: &RequestId,
+    ) -> Result<Option<JobInfo>, JobError> {
         let mut cmd = redis::cmd("HGETALL");
         cmd.arg(keys.job(id.as_str()));
         let map: HashMap<String, String> = self.command("job_read", cmd).await?;
-        if map.is_empty() {
-            return Ok(None);
-        }
-        parse_record(id, &map)
-            .map(Some)
-            .map_err(|e| JobError::Backend(format!("job {id}: {e}")))
+        decode(id, &map)
     }
 
-    /// Refunds `id` and confirms it on the job record.
-    async fn refund(&self, keys: &JobKeys, id: &str, user: &str) -> Result<(), JobError> {
+    /// Releases the charge of job `id` (its owner failed: the record says so)
+    /// and confirms it on the record.
+    async fn release(
+        &self,
+        keys: &JobKeys,
+        id: &str,
+        user: &str,
+        nonce: &str,
+    ) -> Result<(), JobError> {
         if let (Ok(rid), Ok(uid)) = (RequestId::new(id), UserId::new(user)) {
-            let r = self.ledger.refund(&uid, &rid).await?;
-            tracing::debug!(request_id = id, user, outcome = ?r, "job refunded");
+            if !nonce.is_empty() {
+                let r = self.ledger.release(&uid, &rid, nonce).await?;
+                tracing::debug!(request_id = id, user, outcome = ?r, "job's charge released");
+            }
         }
         let _: i64 = self
             .script(
@@ -247,6 +191,14 @@ impl RedisJobQueue {
             )
             .await?;
         Ok(())
+    }
+
+    /// `job_fail.lua`: true when recorded (the token was current).
+    async fn record_failure(&self, keys: &JobKeys, args: FailArgs<'_>) -> Result<bool, JobError> {
+        let r: i64 = self
+            .script("job_fail", scripts::job_fail(keys, args, &self.channel))
+            .await?;
+        Ok(r == 1)
     }
 
     async fn blocking_conn(&self) -> Result<MultiplexedConnection, JobError> {
@@ -306,11 +258,11 @@ async fn subscriber(client: redis::Client, channel: String, waiters: Arc<Waiters
         match client.get_async_pubsub().await {
             Ok(mut pubsub) => match pubsub.subscribe(&channel).await {
                 Ok(()) => {
-                    waiters.wake_all();
+                    waiters.ring_all();
                     let mut messages = pubsub.on_message();
                     while let Some(msg) = messages.next().await {
                         if let Ok(id) = std::str::from_utf8(msg.get_payload_bytes()) {
-                            waiters.wake(id);
+                            waiters.ring(id);
                         }
                     }
                     tracing::warn!("job subscription lost; re-subscribing");
@@ -349,9 +301,10 @@ fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo
         enqueued_at_ms: num(map, "enq")?,
         deadline_ms: num(map, "deadline")?,
         attempt: u32::try_from(num(map, "attempt")?).unwrap_or(u32::MAX),
+        nonce: field(map, "nonce")?.to_owned(),
     };
     let status = match field(map, "state")? {
-        "held" | "queued" => JobStatus::Queued,
+        "queued" => JobStatus::Queued,
         "running" => JobStatus::Running,
         "succeeded" => JobStatus::Succeeded {
             result: json("result")?,
@@ -374,6 +327,16 @@ fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo
     })
 }
 
+/// A record read with HGETALL; empty: no record.
+fn decode(id: &RequestId, map: &HashMap<String, String>) -> Result<Option<JobInfo>, JobError> {
+    if map.is_empty() {
+        return Ok(None);
+    }
+    parse_record(id, map)
+        .map(Some)
+        .map_err(|e| JobError::Backend(format!("job {id}: {e}")))
+}
+
 fn text(v: &Value) -> Option<String> {
     match v {
         Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
@@ -390,154 +353,100 @@ fn int(v: &Value) -> Option<u64> {
     }
 }
 
+fn int_signed(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    }
+}
+
 #[async_trait]
 impl JobQueue for RedisJobQueue {
-    #[tracing::instrument(skip_all, fields(request_id = %request.id, user = %request.user, operation = %request.operation))]
-    async fn submit(&self, request: JobRequest) -> Result<SubmitOutcome, JobError> {
-        let (op, keys) = self.op_keys(&request.operation)?;
-        let id = request.id.as_str();
-        // 0. Claim the id: one id, one job (whatever the operation).
-        let claim = self.keys.job_claim(&request.id);
-        let owner = format!("{} {}", request.user, op.name);
-        let claim_ttl = millis(self.options.hold + op.deadline + self.options.result_ttl)
-            .saturating_add(60_000);
-        let mut set = redis::cmd("SET");
-        set.arg(&claim)
-            .arg(&owner)
-            .arg("NX")
-            .arg("PX")
-            .arg(claim_ttl);
-        let created: Option<String> = self.command("job_claim", set).await?;
-        if created.is_none() {
-            let mut get = redis::cmd("GET");
-            get.arg(&claim);
-            let current: Option<String> = self.command("job_claim", get).await?;
-            if current.is_some_and(|c| c != owner) {
-                return Err(JobError::IdInUse(request.id));
-            }
-        }
-        // 1. Hold.
-        let input = request.input.to_string();
-        let held: Vec<i64> = self
+    fn ledger(&self) -> &Arc<dyn Ledger> {
+        &self.ledger
+    }
+
+    fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn poll(&self) -> Duration {
+        self.options.poll
+    }
+
+    fn hold_grace(&self) -> Duration {
+        self.options.hold_grace
+    }
+
+    fn watch(&self, id: &RequestId) -> Watch {
+        self.ensure_subscriber();
+        self.waiters.watch(id)
+    }
+
+    #[tracing::instrument(skip_all, fields(request_id = %job.id, user = %job.user, operation = %job.operation))]
+    async fn enqueue(&self, job: &Job, create: bool) -> Result<Enqueued, JobError> {
+        let (_, keys) = self.op_keys(&job.operation)?;
+        let input = job.input.to_string();
+        let reply: Vec<Value> = self
             .script(
-                "job_hold",
-                scripts::job_hold(
-                    &keys,
-                    HoldArgs {
-                        id,
-                        user: request.user.as_str(),
-                        operation: &op.name,
-                        provider: &op.provider,
-                        input: &input,
-                        cost: op.cost,
-                        deadline_ms: op.deadline_ms(),
-                        hold_ms: millis(self.options.hold),
-                    },
-                ),
+                "job_enqueue",
+                scripts::job_enqueue(&keys, job, &input, create),
             )
             .await?;
-        let (enq, deadline) = match held.as_slice() {
-            &[1, enq, deadline] => (enq.max(0) as u64, deadline.max(0) as u64),
-            &[0] => {
-                return match self.read(&keys, &request.id).await? {
-                    Some(info) => Ok(SubmitOutcome::Duplicate { info }),
-                    None => Err(JobError::Backend(format!(
-                        "job {id} vanished during a concurrent submission; retry"
-                    ))),
+        match reply.first().and_then(int_signed) {
+            Some(1) => Ok(Enqueued::Created),
+            Some(0) => Ok(Enqueued::Missing),
+            Some(-1) => Ok(Enqueued::IdInUse),
+            Some(2) => {
+                let map = HashMap::<String, String>::from_redis_value(
+                    reply.get(1).cloned().unwrap_or(Value::Nil),
+                )
+                .map_err(|e| bad_reply("job_enqueue", e))?;
+                match decode(&job.id, &map)? {
+                    Some(info) => Ok(Enqueued::Existing(info)),
+                    None => Err(bad_reply("job_enqueue", "an empty record")),
                 }
             }
-            other => return Err(bad_reply("job_hold", other)),
-        };
-        let job = Job {
-            id: request.id.clone(),
-            user: request.user.clone(),
-            operation: op.name.clone(),
-            provider: op.provider.clone(),
-            input: request.input,
-            cost: op.cost,
-            enqueued_at_ms: enq,
-            deadline_ms: deadline,
-            attempt: 0,
-        };
-        // 2. Reserve.
-        let drop_held = || async {
-            let dropped: i64 = self
-                .script("job_drop", scripts::job_drop(&keys, id))
-                .await?;
-            if dropped == 1 {
-                let mut del = redis::cmd("DEL");
-                del.arg(&claim);
-                let _: i64 = self.command("job_claim", del).await?;
-            }
-            Ok::<_, JobError>(())
-        };
-        let allowed = match self.ledger.reserve(&job.user, &job.id, job.cost).await {
-            Ok(ReserveOutcome::Allowed(a)) => a,
-            Ok(ReserveOutcome::Denied(denied)) => {
-                if let Err(e) = drop_held().await {
-                    tracing::warn!(error = %e, "dropping a denied job failed; its hold will end");
-                }
-                return Ok(SubmitOutcome::Denied { denied });
-            }
-            Err(e) if e.is_transient() => {
-                // The reservation may still land (a timed-out call is not a
-                // cancelled one): keep the hold, so that maintenance refunds it
-                // once the hold ends, whatever happened.
-                return Err(e.into());
-            }
-            Err(e) => {
-                // Bad input (cost over the plan's limit...): nothing was recorded.
-                if let Err(e) = drop_held().await {
-                    tracing::warn!(error = %e, "dropping a refused job failed; its hold will end");
-                }
-                return Err(e.into());
-            }
-        };
-        // 3. Queue.
-        let released: i64 = self
-            .script("job_release", scripts::job_release(&keys, id))
-            .await?;
-        if released != 1 {
-            // Maintenance gave the hold up meanwhile (and refunded before our
-            // reservation landed): refund it ourselves.
-            self.ledger.refund(&job.user, &job.id).await?;
-            return match self.read(&keys, &job.id).await? {
-                Some(info) => Ok(SubmitOutcome::Duplicate { info }),
-                None => Err(JobError::Backend(format!("job {id} vanished"))),
-            };
-        }
-        Ok(SubmitOutcome::Queued { job, allowed })
-    }
-
-    async fn status(&self, user: &UserId, id: &RequestId) -> Result<Option<JobInfo>, JobError> {
-        match self.locate(user, id).await? {
-            Some(keys) => self.read_owned(&keys, user, id).await,
-            None => Ok(None),
+            _ => Err(bad_reply("job_enqueue", reply)),
         }
     }
 
-    async fn wait(
+    async fn read(
         &self,
         user: &UserId,
+        operation: &str,
         id: &RequestId,
-        timeout: Duration,
     ) -> Result<Option<JobInfo>, JobError> {
-        self.ensure_subscriber();
-        let notify = self.waiters.register(id.as_str());
-        let result = async {
-            // The claim names the job's queue once; each look after that is one
-            // read of the record.
-            let Some(keys) = self.locate(user, id).await? else {
-                return Ok(None);
-            };
-            wait_until_final(&notify, timeout, self.options.poll, || {
-                self.read_owned(&keys, user, id)
-            })
-            .await
+        let (_, keys) = self.op_keys(operation)?;
+        Ok(self
+            .read_record(&keys, id)
+            .await?
+            .filter(|info| &info.job.user == user))
+    }
+
+    /// Looks in every operation's queue (one pipelined round trip): the id
+    /// alone does not say which queue holds the job.
+    async fn status(&self, user: &UserId, id: &RequestId) -> Result<Option<JobInfo>, JobError> {
+        let operations: Vec<&str> = self.config.operations().map(|o| o.name.as_str()).collect();
+        let mut pipe = redis::pipe();
+        for op in &operations {
+            pipe.cmd("HGETALL").arg(self.keys.jobs(op).job(id.as_str()));
         }
-        .await;
-        self.waiters.unregister(id.as_str(), notify);
-        result
+        let records: Vec<HashMap<String, String>> =
+            call::pipeline(&self.pool, self.timeout, "job_status", &pipe).await?;
+        let mut found: Option<JobInfo> = None;
+        for map in &records {
+            if let Some(info) = decode(id, map)?.filter(|i| &i.job.user == user) {
+                // One id in two queues: the newest attempt is the one that counts.
+                if found
+                    .as_ref()
+                    .is_none_or(|f| f.job.enqueued_at_ms < info.job.enqueued_at_ms)
+                {
+                    found = Some(info);
+                }
+            }
+        }
+        Ok(found)
     }
 }
 
@@ -588,7 +497,7 @@ impl JobSource for RedisJobQueue {
             )
             .await?;
         match reply.first().and_then(int) {
-            Some(1) if reply.len() == 9 => {
+            Some(1) if reply.len() == 11 => {
                 let parsed = (|| {
                     let input: Json = serde_json::from_str(&text(&reply[4])?).ok()?;
                     Some(Lease {
@@ -603,34 +512,63 @@ impl JobSource for RedisJobQueue {
                             enqueued_at_ms: int(&reply[6])?,
                             deadline_ms: int(&reply[7])?,
                             attempt: u32::try_from(int(&reply[8])?).ok()?,
+                            nonce: text(&reply[9])?,
                         },
                         worker: worker.to_owned(),
+                        time_left: Duration::from_millis(int(&reply[10]).unwrap_or(0)),
                     })
                 })();
-                match parsed {
-                    Some(lease) => Ok(Some(lease)),
-                    None => {
-                        tracing::error!(entry = %id, "leased job has unreadable fields; failing it");
-                        let token = int(&reply[1]).unwrap_or(0);
-                        let user = text(&reply[2]).unwrap_or_default();
-                        let r: i64 = self
-                            .script(
-                                "job_fail",
-                                scripts::job_fail(
-                                    &keys,
-                                    &id,
-                                    worker,
-                                    token,
-                                    FailureCause::Abandoned.as_str(),
-                                    "malformed job: unreadable fields",
-                                    &self.channel,
-                                ),
-                            )
-                            .await?;
-                        if r == 1 {
-                            self.refund(&keys, &id, &user).await?;
-                        }
+                let Some(lease) = parsed else {
+                    tracing::error!(entry = %id, "leased job has unreadable fields; failing it");
+                    let token = int(&reply[1]).unwrap_or(0);
+                    let user = text(&reply[2]).unwrap_or_default();
+                    let nonce = reply.get(9).and_then(text).unwrap_or_default();
+                    if self
+                        .record_failure(
+                            &keys,
+                            FailArgs {
+                                id: &id,
+                                worker,
+                                token,
+                                cause: FailureCause::Abandoned.as_str(),
+                                message: "malformed job: unreadable fields",
+                                release: true,
+                                ttl_ms: millis(self.options.result_ttl),
+                            },
+                        )
+                        .await?
+                    {
+                        self.release(&keys, &id, &user, &nonce).await?;
+                    }
+                    return Ok(None);
+                };
+                match job::claim(&*self.ledger, &lease.job, self.options.hold_grace).await {
+                    Ok(true) => Ok(Some(lease)),
+                    Ok(false) => {
+                        tracing::warn!(request_id = %id, "the job's charge is not its own; failing it unrun");
+                        self.record_failure(
+                            &keys,
+                            FailArgs {
+                                id: &id,
+                                worker,
+                                token: lease.token,
+                                cause: FailureCause::Abandoned.as_str(),
+                                message: job::UNPAID,
+                                release: false,
+                                ttl_ms: millis(self.options.result_ttl),
+                            },
+                        )
+                        .await?;
                         Ok(None)
+                    }
+                    Err(e) => {
+                        // Whether the claim landed is unknown: hand the job back;
+                        // it claims again (idempotent) when it is taken. If that
+                        // fails too, its lease expires and maintenance requeues it.
+                        if let Err(h) = self.hand_back(&lease).await {
+                            tracing::warn!(request_id = %id, error = %h, "handing back an unclaimed job failed; its lease will expire");
+                        }
+                        Err(e)
                     }
                 }
             }
@@ -638,15 +576,17 @@ impl JobSource for RedisJobQueue {
             Some(2) => {
                 let cause = reply.get(1).and_then(text).unwrap_or_default();
                 let user = reply.get(2).and_then(text).unwrap_or_default();
-                tracing::warn!(request_id = %id, user, cause, "job failed before it ran; refunding");
-                self.refund(&keys, &id, &user).await?;
+                let nonce = reply.get(3).and_then(text).unwrap_or_default();
+                tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");
+                self.release(&keys, &id, &user, &nonce).await?;
                 Ok(None)
             }
             Some(3) => {
                 let reason = reply.get(1).and_then(text).unwrap_or_default();
                 let user = reply.get(2).and_then(text).unwrap_or_default();
+                let nonce = reply.get(3).and_then(text).unwrap_or_default();
                 tracing::error!(entry = %id, operation = %op.name, reason, "malformed job moved aside");
-                self.refund(&keys, &id, &user).await?;
+                self.release(&keys, &id, &user, &nonce).await?;
                 Ok(None)
             }
             _ => Err(bad_reply("job_lease", reply)),
@@ -699,25 +639,28 @@ impl JobSource for RedisJobQueue {
     ) -> Result<Finish, JobError> {
         let (_, keys) = self.op_keys(&lease.job.operation)?;
         let id = lease.job.id.as_str();
-        let r: i64 = self
-            .script(
-                "job_fail",
-                scripts::job_fail(
-                    &keys,
+        let recorded = self
+            .record_failure(
+                &keys,
+                FailArgs {
                     id,
-                    &lease.worker,
-                    lease.token,
-                    cause.as_str(),
+                    worker: &lease.worker,
+                    token: lease.token,
+                    cause: cause.as_str(),
                     message,
-                    &self.channel,
-                ),
+                    release: true,
+                    ttl_ms: millis(self.options.result_ttl),
+                },
             )
             .await?;
-        if r != 1 {
+        if !recorded {
             return Ok(Finish::LeaseLost);
         }
-        if let Err(e) = self.refund(&keys, id, lease.job.user.as_str()).await {
-            tracing::warn!(error = %e, request_id = id, "refund left pending; maintenance retries it");
+        if let Err(e) = self
+            .release(&keys, id, lease.job.user.as_str(), &lease.job.nonce)
+            .await
+        {
+            tracing::warn!(error = %e, request_id = id, "release left pending; maintenance retries it");
         }
         Ok(Finish::Recorded)
     }
@@ -777,25 +720,7 @@ impl JobSource for RedisJobQueue {
                     report.requeued += 1;
                 }
             }
-            // Holds that ended: submissions that never completed.
-            let due: Vec<String> = self
-                .script("job_due", scripts::job_due(&keys.held, 0, MAINTAIN_BATCH))
-                .await?;
-            for id in due {
-                let r: Vec<Value> = self
-                    .script(
-                        "job_abandon",
-                        scripts::job_abandon(&keys, &id, &self.channel),
-                    )
-                    .await?;
-                if r.first().and_then(int) == Some(1) {
-                    let user = r.get(1).and_then(text).unwrap_or_default();
-                    tracing::warn!(request_id = %id, user, "submission never completed; refunding");
-                    self.refund(&keys, &id, &user).await?;
-                    report.abandoned += 1;
-                }
-            }
-            // Refunds left pending.
+            // Releases left pending.
             let due: Vec<String> = self
                 .script(
                     "job_due",
@@ -807,11 +732,11 @@ impl JobSource for RedisJobQueue {
                 )
                 .await?;
             for id in due {
-                let mut get = redis::cmd("HGET");
-                get.arg(keys.job(&id)).arg("user");
-                let user: Option<String> = self.command("job_read", get).await?;
-                self.refund(&keys, &id, user.as_deref().unwrap_or(""))
-                    .await?;
+                let mut get = redis::cmd("HMGET");
+                get.arg(keys.job(&id)).arg("user").arg("nonce");
+                let f: Vec<Option<String>> = self.command("job_read", get).await?;
+                let field = |i: usize| f.get(i).cloned().flatten().unwrap_or_default();
+                self.release(&keys, &id, &field(0), &field(1)).await?;
                 report.refunded += 1;
             }
         }

@@ -2,7 +2,6 @@
 //!
 //! Layout: `<prefix>:v1:{u:<user>}:<part>` for budgets, `<prefix>:v1:{p:<provider>}:<part>`
 //! for throttles, `<prefix>:v1:{q:<operation>}:<part>` for job queues,
-//! `<prefix>:v1:{r:<request>}:claim` for the job id index and
 //! `<prefix>:v1:apikey:<sha256>` for API keys. The prefix lets several deployments
 //! (and parallel tests) share one Redis; `v1` is the schema version, bumped when a
 //! layout changes so old and new pods never misread each other; the hash tag puts
@@ -41,9 +40,11 @@ pub struct BudgetKeys {
     pub costs: String,
     /// String: the user's plan name; never expires.
     pub plan: String,
-    /// Hash: request id -> operation name (the audit trail's labels); expires
-    /// a window after its last write.
-    pub operations: String,
+    /// Hash: request id -> the owner record of a job's charge (state, nonce,
+    /// deadline, operation, fingerprint); an entry leaves with its event.
+    pub owners: String,
+    /// Sorted set: request id -> end of the hold of a charge no job has claimed.
+    pub holds: String,
 }
 
 /// The keys of one provider's throttle, sharing the provider's hash tag.
@@ -89,14 +90,15 @@ impl KeySpace {
         &self.prefix
     }
 
-    /// `<prefix>:v1:{u:<user>}:events|costs|plan`
+    /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds`
     pub fn budget(&self, user: &UserId) -> BudgetKeys {
         let base = format!("{}:{SCHEMA}:{{u:{}}}", self.prefix, user);
         BudgetKeys {
             events: format!("{base}:events"),
             costs: format!("{base}:costs"),
             plan: format!("{base}:plan"),
-            operations: format!("{base}:ops"),
+            owners: format!("{base}:owners"),
+            holds: format!("{base}:holds"),
         }
     }
 
@@ -104,12 +106,6 @@ impl KeySpace {
     /// named by the SHA-256 of the key: `<prefix>:v1:apikey:<sha256 hex>`.
     pub fn api_key(&self, hash: &KeyHash) -> String {
         format!("{}:{SCHEMA}:apikey:{}", self.prefix, hash.as_str())
-    }
-
-    /// Sorted set: `"<user> <request id>"` -> end of the lease (ms) of each
-    /// reservation the api made ahead of its job: `<prefix>:v1:reservations`.
-    pub fn reservation_leases(&self) -> String {
-        format!("{}:{SCHEMA}:reservations", self.prefix)
     }
 
     /// String: a key id's key hash, for revoking by id:
@@ -148,8 +144,6 @@ impl KeySpace {
 pub struct JobKeys {
     /// List: queued job ids; pushed on the left, taken from the right.
     pub queue: String,
-    /// Sorted set: held job id -> end of its hold (ms): submissions in flight.
-    pub held: String,
     /// Sorted set: running job id -> end of its lease (ms).
     pub leases: String,
     /// Sorted set: failed job id -> when it failed (ms): refunds not yet confirmed.
@@ -175,26 +169,18 @@ impl JobKeys {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{q:<operation>}:queue|held|leases|refunds|workers|dead|job:<id>|processing:<worker>`.
+    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|dead|job:<id>|processing:<worker>`.
     /// Operation names are validated like ids when the config is read.
     pub fn jobs(&self, operation: &str) -> JobKeys {
         let base = format!("{}:{SCHEMA}:{{q:{}}}", self.prefix, operation);
         JobKeys {
             queue: format!("{base}:queue"),
-            held: format!("{base}:held"),
             leases: format!("{base}:leases"),
             refunds: format!("{base}:refunds"),
             workers: format!("{base}:workers"),
             dead: format!("{base}:dead"),
             base,
         }
-    }
-
-    /// `<prefix>:v1:{r:<request>}:claim`: `"<user> <operation>"` of the job that
-    /// owns a request id. Lets a job be found by id alone and keeps one id to
-    /// one job across operations.
-    pub fn job_claim(&self, id: &tollgate_core::RequestId) -> String {
-        format!("{}:{SCHEMA}:{{r:{id}}}:claim", self.prefix)
     }
 
     /// The pub/sub channel on which finished job ids are published.
@@ -223,7 +209,8 @@ mod tests {
         assert_eq!(k.events, "tg:v1:{u:alice}:events");
         assert_eq!(k.costs, "tg:v1:{u:alice}:costs");
         assert_eq!(k.plan, "tg:v1:{u:alice}:plan");
-        assert_eq!(k.operations, "tg:v1:{u:alice}:ops");
+        assert_eq!(k.owners, "tg:v1:{u:alice}:owners");
+        assert_eq!(k.holds, "tg:v1:{u:alice}:holds");
     }
 
     #[test]
@@ -244,11 +231,9 @@ mod tests {
         assert_eq!(k.queue, "tg:v1:{q:llm.structured}:queue");
         assert_eq!(k.job("r1"), "tg:v1:{q:llm.structured}:job:r1");
         assert_eq!(k.processing("w1"), "tg:v1:{q:llm.structured}:processing:w1");
-        for key in [&k.held, &k.leases, &k.refunds, &k.workers, &k.dead] {
+        for key in [&k.leases, &k.refunds, &k.workers, &k.dead] {
             assert!(key.starts_with("tg:v1:{q:llm.structured}:"), "{key}");
         }
-        let id = tollgate_core::RequestId::new("r1").unwrap();
-        assert_eq!(ks.job_claim(&id), "tg:v1:{r:r1}:claim");
     }
 
     #[test]

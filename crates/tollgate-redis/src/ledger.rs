@@ -8,8 +8,8 @@ use async_trait::async_trait;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use tollgate_core::ledger::{unknown_plan, validate_cost};
 use tollgate_core::{
-    Allowed, Config, Denied, Ledger, LedgerError, RefundOutcome, RequestId, ReserveOutcome,
-    SettleOutcome, SpendEvent, Usage, UserId,
+    Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Config, Denied, Ledger, LedgerError,
+    RefundOutcome, RequestId, ReserveOutcome, SettleOutcome, SpendEvent, Usage, UserId,
 };
 
 use crate::call::{self, CallError};
@@ -154,14 +154,7 @@ impl Ledger for RedisLedger {
                 scripts::refund(&keys, request.as_str(), &self.plans),
             )
             .await?;
-        match r.as_slice() {
-            &[1, cost, used] => Ok(RefundOutcome::Refunded {
-                cost: to_u64(cost),
-                used: to_u64(used),
-            }),
-            &[0, used] => Ok(RefundOutcome::NotFound { used: to_u64(used) }),
-            other => Err(bad_reply("refund", other)),
-        }
+        refund_outcome("refund", &r)
     }
 
     async fn settle(
@@ -199,6 +192,108 @@ impl Ledger for RedisLedger {
         parse_usage(reply)
     }
 
+    async fn charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        charge: &ChargeRequest<'_>,
+    ) -> Result<ChargeOutcome, LedgerError> {
+        let cost = charge.cost;
+        validate_cost(cost)?;
+        let keys = self.keys.budget(user);
+        let r: Vec<Value> = self
+            .script(
+                "charge",
+                scripts::charge(&keys, request.as_str(), charge, &self.plans),
+            )
+            .await?;
+        let n = |i: usize| {
+            r.get(i)
+                .and_then(int)
+                .ok_or_else(|| bad_reply("charge", &r))
+        };
+        let allowed = |duplicate: bool, at: u64| -> Result<Allowed, LedgerError> {
+            let (used, limit) = (n(1)?, n(2)?);
+            Ok(Allowed {
+                used,
+                limit,
+                remaining: limit.saturating_sub(used),
+                at_ms: at,
+                now_ms: n(3)?,
+                reset_after_ms: n(4)?,
+                duplicate,
+            })
+        };
+        match r.first().and_then(signed) {
+            Some(1) => Ok(ChargeOutcome::Charged {
+                allowed: allowed(false, n(3)?)?,
+                deadline_ms: n(5)?,
+            }),
+            Some(2) => Ok(ChargeOutcome::Existing {
+                allowed: allowed(true, n(6)?)?,
+                deadline_ms: n(5)?,
+                nonce: r
+                    .get(7)
+                    .and_then(text)
+                    .ok_or_else(|| bad_reply("charge", &r))?,
+                claimed: r.get(8).and_then(text).as_deref() == Some("j"),
+            }),
+            Some(0) => {
+                let (used, limit) = (n(1)?, n(2)?);
+                Ok(ChargeOutcome::Denied(Denied {
+                    used,
+                    limit,
+                    remaining: limit.saturating_sub(used),
+                    retry_after_ms: n(3)?,
+                    now_ms: n(4)?,
+                }))
+            }
+            Some(3) => Ok(ChargeOutcome::Conflict {
+                operation: r.get(1).and_then(text),
+            }),
+            Some(4) => Ok(ChargeOutcome::Conflict { operation: None }),
+            Some(-1) => Err(LedgerError::CostExceedsLimit { cost, limit: n(1)? }),
+            _ => Err(bad_reply("charge", &r)),
+        }
+    }
+
+    async fn claim(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        hold_until_ms: u64,
+    ) -> Result<ClaimOutcome, LedgerError> {
+        let keys = self.keys.budget(user);
+        let r: i64 = self
+            .script(
+                "claim",
+                scripts::claim(&keys, request.as_str(), nonce, hold_until_ms, &self.plans),
+            )
+            .await?;
+        Ok(if r == 1 {
+            ClaimOutcome::Claimed
+        } else {
+            ClaimOutcome::Refused
+        })
+    }
+
+    async fn release(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+    ) -> Result<RefundOutcome, LedgerError> {
+        let keys = self.keys.budget(user);
+        let r: Vec<i64> = self
+            .script(
+                "release",
+                scripts::release(&keys, request.as_str(), nonce, &self.plans),
+            )
+            .await?;
+        refund_outcome("release", &r)
+    }
+
     async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError> {
         if self.config.plan(plan).is_none() {
             return Err(unknown_plan(&self.config, plan));
@@ -216,6 +311,36 @@ impl Ledger for RedisLedger {
     }
 }
 
+fn refund_outcome(what: &str, r: &[i64]) -> Result<RefundOutcome, LedgerError> {
+    match *r {
+        [1, cost, used] => Ok(RefundOutcome::Refunded {
+            cost: to_u64(cost),
+            used: to_u64(used),
+        }),
+        [0, used] => Ok(RefundOutcome::NotFound { used: to_u64(used) }),
+        _ => Err(bad_reply(what, r)),
+    }
+}
+
+fn signed(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    }
+}
+
+fn int(v: &Value) -> Option<u64> {
+    signed(v).and_then(|i| u64::try_from(i).ok())
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
 fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
     fn int(v: &Value) -> Result<u64, LedgerError> {
         match v {
@@ -230,7 +355,7 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
             other => Err(bad_reply("usage", other)),
         }
     }
-    if reply.len() < 6 || (reply.len() - 6) % 3 != 0 {
+    if reply.len() < 6 || (reply.len() - 6) % 4 != 0 {
         return Err(bad_reply("usage", format!("{} elements", reply.len())));
     }
     let (head, tail) = reply.split_at(6);
@@ -240,12 +365,14 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
         _ => None,
     };
     let events = tail
-        .chunks_exact(3)
+        .chunks_exact(4)
         .map(|e| {
+            let operation = text(&e[3])?;
             Ok(SpendEvent {
                 request_id: RequestId::new(text(&e[0])?).map_err(|err| bad_reply("usage", err))?,
                 at_ms: int(&e[1])?,
                 cost: int(&e[2])?,
+                operation: (!operation.is_empty()).then_some(operation),
             })
         })
         .collect::<Result<_, LedgerError>>()?;

@@ -3,9 +3,8 @@
 //! - [`keys`] builds every key name (prefix, schema version, hash tags);
 //! - [`scripts`] embeds the Lua scripts of `lua/` and owns their KEYS/ARGV order;
 //! - [`pool`] connects (a deadpool of multiplexed connections) and classifies failures;
-//! - [`keystore`], [`audit`] and [`lease`] hold API keys, the operation of each
-//!   request and the leases of reservations not yet handed to a job;
-//! - [`ledger`] is the [`tollgate_core::Ledger`] on top of them;
+//! - [`keystore`] holds API keys;
+//! - [`ledger`] is the [`tollgate_core::Ledger`], charges and their owners included;
 //! - [`throttle`] is the [`tollgate_core::Throttle`] (waiter side) and the
 //!   throttler's [`throttle::Dispatcher`];
 //! - [`jobs`] is the job queue, both sides ([`tollgate_core::JobQueue`] and
@@ -15,22 +14,18 @@
 //! by the scripts in `lua/`, one atomic script per operation, with time from Redis
 //! `TIME`; so are job records and queues.
 
-pub mod audit;
 pub mod call;
 pub mod jobs;
 pub mod keys;
 pub mod keystore;
-pub mod lease;
 pub mod ledger;
 pub mod pool;
 pub mod scripts;
 pub mod throttle;
 
-pub use audit::RedisOperationLog;
 pub use jobs::RedisJobQueue;
 pub use keys::{JobKeys, KeyError, KeySpace};
 pub use keystore::RedisKeyStore;
-pub use lease::RedisLeases;
 pub use ledger::RedisLedger;
 pub use pool::{connect, redact_url, Connection, Pool, PoolOptions, RedisBackendError};
 pub use throttle::{Dispatcher, RedisThrottle, RedisThrottleOptions};

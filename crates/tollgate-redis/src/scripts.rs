@@ -25,6 +25,12 @@ pub static SETTLE: LazyLock<Script> =
     LazyLock::new(|| budget_script(include_str!("../../../lua/settle.lua")));
 pub static USAGE: LazyLock<Script> =
     LazyLock::new(|| budget_script(include_str!("../../../lua/usage.lua")));
+pub static CHARGE: LazyLock<Script> =
+    LazyLock::new(|| budget_script(include_str!("../../../lua/charge.lua")));
+pub static CLAIM: LazyLock<Script> =
+    LazyLock::new(|| budget_script(include_str!("../../../lua/claim.lua")));
+pub static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| budget_script(include_str!("../../../lua/release.lua")));
 
 /// The plan table the budget scripts read from their ARGV tail: `name, limit,
 /// window_ms` triples, the default plan first. Built once per config.
@@ -51,7 +57,11 @@ impl PlanArgs {
 
 fn invocation<'a>(script: &'a Script, keys: &BudgetKeys) -> redis::ScriptInvocation<'a> {
     let mut inv = script.prepare_invoke();
-    inv.key(&keys.events).key(&keys.costs).key(&keys.plan);
+    inv.key(&keys.events)
+        .key(&keys.costs)
+        .key(&keys.plan)
+        .key(&keys.owners)
+        .key(&keys.holds);
     inv
 }
 
@@ -94,6 +104,50 @@ pub fn settle<'a>(
 pub fn usage<'a>(keys: &BudgetKeys, plans: &PlanArgs) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&USAGE, keys);
     inv.arg(&plans.0);
+    inv
+}
+
+/// `charge.lua`: returns the raw reply (see the script's header).
+pub fn charge<'a>(
+    keys: &BudgetKeys,
+    request: &str,
+    charge: &tollgate_core::ChargeRequest<'_>,
+    plans: &PlanArgs,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = invocation(&CHARGE, keys);
+    inv.arg(request)
+        .arg(charge.cost)
+        .arg(charge.nonce)
+        .arg(charge.operation)
+        .arg(charge.fingerprint)
+        .arg(u64::try_from(charge.deadline.as_millis()).unwrap_or(u64::MAX))
+        .arg(u64::try_from(charge.grace.as_millis()).unwrap_or(u64::MAX))
+        .arg(&plans.0);
+    inv
+}
+
+/// `claim.lua`: 1 claimed, 0 refused.
+pub fn claim<'a>(
+    keys: &BudgetKeys,
+    request: &str,
+    nonce: &str,
+    hold_until_ms: u64,
+    plans: &PlanArgs,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = invocation(&CLAIM, keys);
+    inv.arg(request).arg(nonce).arg(hold_until_ms).arg(&plans.0);
+    inv
+}
+
+/// `release.lua`
+pub fn release<'a>(
+    keys: &BudgetKeys,
+    request: &str,
+    nonce: &str,
+    plans: &PlanArgs,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = invocation(&RELEASE, keys);
+    inv.arg(request).arg(nonce).arg(&plans.0);
     inv
 }
 
@@ -222,9 +276,7 @@ macro_rules! job_scripts {
 }
 
 job_scripts! {
-    JOB_HOLD => "job_hold.lua",
-    JOB_DROP => "job_drop.lua",
-    JOB_RELEASE => "job_release.lua",
+    JOB_ENQUEUE => "job_enqueue.lua",
     JOB_LEASE => "job_lease.lua",
     JOB_RENEW => "job_renew.lua",
     JOB_COMPLETE => "job_complete.lua",
@@ -233,53 +285,32 @@ job_scripts! {
     JOB_HAND_BACK => "job_hand_back.lua",
     JOB_DUE => "job_due.lua",
     JOB_REQUEUE => "job_requeue.lua",
-    JOB_ABANDON => "job_abandon.lua",
     JOB_HEARTBEAT => "job_heartbeat.lua",
     JOB_RECLAIM => "job_reclaim.lua",
 }
 
-/// What `job_hold.lua` stores about a new job.
-#[derive(Debug, Clone, Copy)]
-pub struct HoldArgs<'a> {
-    pub id: &'a str,
-    pub user: &'a str,
-    pub operation: &'a str,
-    pub provider: &'a str,
-    pub input: &'a str,
-    pub cost: u64,
-    pub deadline_ms: u64,
-    pub hold_ms: u64,
-}
-
-/// `job_hold.lua`
-pub fn job_hold<'a>(keys: &JobKeys, a: HoldArgs<'_>) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_HOLD.prepare_invoke();
-    inv.key(keys.job(a.id)).key(&keys.held);
-    inv.arg(a.id)
-        .arg(a.user)
-        .arg(a.operation)
-        .arg(a.provider)
-        .arg(a.input)
-        .arg(a.cost)
-        .arg(a.deadline_ms)
-        .arg(a.hold_ms);
-    inv
-}
-
-/// `job_drop.lua`
-pub fn job_drop<'a>(keys: &JobKeys, id: &str) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_DROP.prepare_invoke();
-    inv.key(keys.job(id)).key(&keys.held).arg(id);
-    inv
-}
-
-/// `job_release.lua`
-pub fn job_release<'a>(keys: &JobKeys, id: &str) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_RELEASE.prepare_invoke();
-    inv.key(keys.job(id))
-        .key(&keys.held)
+/// `job_enqueue.lua`: creates `job` (queued) unless it exists.
+pub fn job_enqueue<'a>(
+    keys: &JobKeys,
+    job: &tollgate_core::Job,
+    input: &str,
+    create: bool,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_ENQUEUE.prepare_invoke();
+    inv.key(keys.job(job.id.as_str()))
         .key(&keys.queue)
-        .arg(id);
+        .key(&keys.leases)
+        .key(&keys.refunds);
+    inv.arg(job.id.as_str())
+        .arg(job.user.as_str())
+        .arg(&job.operation)
+        .arg(&job.provider)
+        .arg(input)
+        .arg(job.cost)
+        .arg(job.enqueued_at_ms)
+        .arg(job.deadline_ms)
+        .arg(&job.nonce)
+        .arg(if create { "1" } else { "0" });
     inv
 }
 
@@ -339,22 +370,34 @@ pub fn job_complete<'a>(
     inv
 }
 
+/// What `job_fail.lua` records.
+#[derive(Debug, Clone, Copy)]
+pub struct FailArgs<'a> {
+    pub id: &'a str,
+    pub worker: &'a str,
+    pub token: u64,
+    pub cause: &'a str,
+    pub message: &'a str,
+    /// The job owns its charge: its release goes pending.
+    pub release: bool,
+    /// How long the record stays readable when nothing is to be released.
+    pub ttl_ms: u64,
+}
+
 /// `job_fail.lua`
-pub fn job_fail<'a>(
-    keys: &JobKeys,
-    id: &str,
-    worker: &str,
-    token: u64,
-    cause: &str,
-    message: &str,
-    channel: &str,
-) -> redis::ScriptInvocation<'a> {
+pub fn job_fail<'a>(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_FAIL.prepare_invoke();
-    inv.key(keys.job(id))
-        .key(keys.processing(worker))
+    inv.key(keys.job(a.id))
+        .key(keys.processing(a.worker))
         .key(&keys.leases)
         .key(&keys.refunds);
-    inv.arg(id).arg(token).arg(cause).arg(message).arg(channel);
+    inv.arg(a.id)
+        .arg(a.token)
+        .arg(a.cause)
+        .arg(a.message)
+        .arg(channel)
+        .arg(if a.release { "1" } else { "0" })
+        .arg(a.ttl_ms);
     inv
 }
 
@@ -397,14 +440,6 @@ pub fn job_requeue<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptI
         .key(&keys.queue)
         .key(keys.processing(worker));
     inv.arg(id);
-    inv
-}
-
-/// `job_abandon.lua`
-pub fn job_abandon<'a>(keys: &JobKeys, id: &str, channel: &str) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_ABANDON.prepare_invoke();
-    inv.key(keys.job(id)).key(&keys.held).key(&keys.refunds);
-    inv.arg(id).arg(channel);
     inv
 }
 

@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -69,14 +69,6 @@ pub enum WorkerError {
     MissingProvider { operation: String, provider: String },
     #[error("--concurrency must be >= 1")]
     ZeroConcurrency,
-}
-
-/// The process's view of a job's deadline: wall-clock ms since the epoch.
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 async fn stopped(stop: &mut watch::Receiver<bool>) {
@@ -262,7 +254,9 @@ async fn run_job(
     mut stop: watch::Receiver<bool>,
 ) {
     let job = &lease.job;
-    let remaining = Duration::from_millis(job.deadline_ms.saturating_sub(now_ms()));
+    // The store's clock said how long the job had left when it was leased: a
+    // monotonic timer from there, never this pod's wall clock.
+    let remaining = lease.time_left;
     let renew = async {
         loop {
             tokio::time::sleep(cfg.lease / 3).await;

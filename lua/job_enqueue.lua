@@ -1,0 +1,49 @@
+-- job_enqueue.lua: the second step of a submission: the job's charge is taken
+-- (charge.lua, on the user's keys); create its job, queued, unless it exists.
+-- KEYS[1] job     the record (lib/job.lua)
+-- KEYS[2] queue   list of queued ids
+-- KEYS[3] leases, KEYS[4] refunds   (cleared of the id when an old attempt is replaced)
+-- ARGV[1] id, ARGV[2] user, ARGV[3] operation, ARGV[4] provider
+-- ARGV[5] input (JSON text), ARGV[6] cost, ARGV[7] enqueued at (ms), ARGV[8] deadline (ms)
+-- ARGV[9] nonce of the charge that pays for the job
+-- ARGV[10] '1' to create a missing job (its charge is not claimed yet), '0' to
+--          only find it (its charge was claimed: the job ran, and is not run again)
+-- Returns one of
+--   { 1 }           created and queued
+--   { 2, record }   the job of this charge exists already: its fields (HGETALL)
+--   { 0 }           not found, and not created
+--   { -1 }          the id is another user's job
+-- A record of the same user under another nonce is an earlier attempt whose
+-- charge is gone (released after it failed, or left the window): the new charge
+-- replaces it with a fresh job. Its fencing token (`seq`) carries on, so a
+-- worker still holding the old attempt's lease can record nothing.
+
+local JOB, QUEUE, LEASES, REFUNDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local id, user, op, provider, input = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local cost, enq, deadline = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local nonce, create = ARGV[9], ARGV[10]
+if not cost or cost < 1 or not enq or not deadline or nonce == '' then
+  return redis.error_reply('job_enqueue: bad cost, times or nonce')
+end
+local f = redis.call('HMGET', JOB, 'user', 'nonce')
+if f[1] then
+  if f[1] ~= user then
+    return { -1 }
+  end
+  if f[2] == nonce then
+    return { 2, redis.call('HGETALL', JOB) }
+  end
+end
+if create ~= '1' then
+  return { 0 }
+end
+redis.call('HDEL', JOB, 'result', 'cause', 'message', 'finished', 'refund', 'worker', 'lease_until')
+redis.call('HSET', JOB, 'state', 'queued', 'user', user, 'op', op, 'provider', provider,
+  'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
+  'attempt', '0', 'nonce', nonce)
+redis.call('HSETNX', JOB, 'seq', '0')
+redis.call('PERSIST', JOB)
+redis.call('ZREM', LEASES, id)
+redis.call('ZREM', REFUNDS, id)
+redis.call('LPUSH', QUEUE, id)
+return { 1 }

@@ -1,0 +1,22 @@
+-- release.lua: a job that failed gives its charge back, at most once.
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+--   (see lib/budget.lua)
+-- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
+-- ARGV[3..] plan table: name, limit, window_ms triples, default first
+-- Returns { 1, cost, used } released, or { 0, used } when the id has no live
+-- charge with this nonce (released already, expired, or charged anew by a later
+-- attempt, which this job does not own).
+
+local request, nonce = ARGV[1], ARGV[2]
+local _, _, window = resolve_plan(3)
+local used = expire(now_ms(), window)
+local o = owner(request)
+if not o or o.nonce ~= nonce then
+  return { 0, used }
+end
+local cost
+cost, used = remove(request, used)
+if not cost then
+  return { 0, used }
+end
+return { 1, cost, used }
