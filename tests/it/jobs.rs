@@ -114,6 +114,15 @@ pub async fn redis_queue(
     prefix: &str,
     config: Arc<Config>,
 ) -> (Arc<RedisJobQueue>, Arc<dyn Ledger>) {
+    redis_queue_with(server, prefix, config, options()).await
+}
+
+pub async fn redis_queue_with(
+    server: &RedisServer,
+    prefix: &str,
+    config: Arc<Config>,
+    options: JobOptions,
+) -> (Arc<RedisJobQueue>, Arc<dyn Ledger>) {
     let keys = KeySpace::new(prefix).unwrap();
     let pool = tollgate_redis::connect(&server.url(), &PoolOptions::default())
         .await
@@ -129,7 +138,7 @@ pub async fn redis_queue(
         keys,
         config,
         Arc::clone(&ledger),
-        options(),
+        options,
     )
     .unwrap();
     (Arc::new(q), ledger)

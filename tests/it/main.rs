@@ -7,6 +7,7 @@ mod all;
 mod api;
 mod api_full;
 mod api_redis;
+mod charging;
 mod cli;
 mod concurrency;
 mod jobs;

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod http;
+pub mod proxy;
 pub mod redis_server;
 pub mod throttle;
 
