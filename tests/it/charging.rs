@@ -315,3 +315,118 @@ async fn redis_a_key_outliving_its_job_record_is_never_free() {
     let advance = |d: Duration| std::thread::sleep(d);
     a_key_outliving_its_job_record_is_never_free(&*queue, &*queue, &*ledger, &advance).await;
 }
+
+/// Where Debian's `faketime` package puts the library.
+const LIBFAKETIME: [&str; 2] = [
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+];
+
+/// A process of the `tollgate` binary, killed when dropped; `skew` runs it
+/// under libfaketime with its wall clock that far ahead.
+struct Role(std::process::Child);
+
+impl Role {
+    fn start(args: &[&str], redis: &RedisServer, prefix: &str, skew: Option<&str>) -> Self {
+        let mut cmd = std::process::Command::new(tollgate_tests::workspace_bin("tollgate"));
+        if let Some(offset) = skew {
+            // libfaketime preloaded into the binary itself (not the `faketime`
+            // wrapper, whose child would outlive a kill of the wrapper).
+            let lib = LIBFAKETIME
+                .iter()
+                .map(std::path::Path::new)
+                .find(|p| p.is_file())
+                .unwrap_or_else(|| {
+                    panic!(
+                        "libfaketime is required for the clock-skew test: \
+                         `apt-get install faketime` (scripts/test installs it)"
+                    )
+                });
+            cmd.env("LD_PRELOAD", lib)
+                .env("FAKETIME", offset)
+                // Only the wall clock is skewed; monotonic timers stay sane.
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        }
+        let child = cmd
+            .args(args)
+            .env("TOLLGATE_REDIS_URL", redis.url())
+            .env("TOLLGATE_KEY_PREFIX", prefix)
+            .env("TOLLGATE_ADMIN_TOKEN", crate::api::ADMIN)
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("start tollgate");
+        Self(child)
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn up(addr: std::net::SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !matches!(
+        tollgate_tests::http::send(addr, "GET", "/healthz", &[], b"").await,
+        Ok(r) if r.status == 200
+    ) {
+        assert!(Instant::now() < deadline, "no api on {addr}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Pod clocks never decide a charge or a job's deadline: with one api process
+/// and the only worker an hour ahead (libfaketime), every call still runs and
+/// is charged exactly once. (Before: the worker timed each job against its
+/// own clock, saw every deadline passed, and failed them all as expired; an
+/// api pod ahead reconciled the others' reservations.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_with_skewed_clocks_decide_nothing() {
+    let redis = RedisServer::start();
+    let prefix = tollgate_tests::random_prefix();
+    let ports = [
+        tollgate_tests::redis_server::free_port(),
+        tollgate_tests::redis_server::free_port(),
+    ];
+    let addrs: Vec<std::net::SocketAddr> = ports
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}").parse().unwrap())
+        .collect();
+    let (a0, a1) = (addrs[0].to_string(), addrs[1].to_string());
+    let _api = Role::start(&["api", "--listen", &a0], &redis, &prefix, None);
+    let _ahead = Role::start(&["api", "--listen", &a1], &redis, &prefix, Some("+1h"));
+    let _throttler = Role::start(&["throttler"], &redis, &prefix, None);
+    let _worker = Role::start(&["worker"], &redis, &prefix, Some("+1h"));
+    up(addrs[0]).await;
+    up(addrs[1]).await;
+    let created = tollgate_tests::http::json(
+        addrs[0],
+        "POST",
+        "/admin/users",
+        Some(crate::api::ADMIN),
+        Some(&json!({"user": "skew", "plan": "free"})),
+    )
+    .await;
+    assert_eq!(created.status, 201, "{}", created.text());
+    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+    for i in 0..20 {
+        let r = tollgate_tests::http::json(
+            addrs[i % 2],
+            "POST",
+            "/v1/ops/salary.lookup",
+            Some(&key),
+            Some(&json!({"title": "engineer", "i": i})),
+        )
+        .await;
+        assert_eq!(r.status, 200, "call {i}: {}", r.text());
+        assert_eq!(r.json()["status"], "succeeded");
+    }
+    let usage = tollgate_tests::http::json(addrs[1], "GET", "/v1/usage", Some(&key), None).await;
+    let usage = usage.json();
+    assert_eq!(usage["used"], 20 * 3, "{usage}");
+    assert_eq!(usage["events"].as_array().unwrap().len(), 20);
+}

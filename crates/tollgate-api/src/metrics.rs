@@ -75,7 +75,11 @@ impl Metrics {
     }
 
     /// One request answered: its route template, method and status.
+    /// Counts a request. `route` is a route template (or `unmatched`), so
+    /// its values come from the route table; a method outside the standard
+    /// ones counts as `other`: a client inventing methods cannot add series.
     pub fn request(&self, route: &str, method: &str, status: u16) {
+        let method = method_label(method);
         self.with(|m| {
             *m.requests
                 .entry((route.into(), method.into(), status))
@@ -163,6 +167,12 @@ impl Metrics {
     }
 }
 
+/// The label of an HTTP method: one of a fixed set.
+fn method_label(method: &str) -> &'static str {
+    const KNOWN: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"];
+    KNOWN.into_iter().find(|m| *m == method).unwrap_or("other")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,5 +200,21 @@ mod tests {
             assert!(text.contains(line), "{line}\n{text}");
         }
         assert_eq!(escape("a\"b\\c\n"), "a\\\"b\\\\c\\n");
+    }
+
+    #[test]
+    fn invented_methods_share_one_series() {
+        let m = Metrics::new();
+        for i in 0..100 {
+            m.request("unmatched", &format!("X{i}"), 405);
+        }
+        m.request("unmatched", "GET", 404);
+        let text = m.render();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("tollgate_http_requests_total{"))
+            .count();
+        assert_eq!(series, 2, "{text}");
+        assert!(text.contains("method=\"other\",status=\"405\"} 100"), "{text}");
     }
 }
