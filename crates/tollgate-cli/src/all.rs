@@ -36,7 +36,7 @@ pub struct AllArgs {
     listen: SocketAddr,
 
     /// Run against this Redis instead of embedded (in memory).
-    #[arg(long, env = "TOLLGATE_REDIS_URL")]
+    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
     redis_url: Option<String>,
 
     /// TOML config with plans, providers and operations (default: the built-in config).
@@ -49,7 +49,7 @@ pub struct AllArgs {
 
     /// Send every provider's calls to this HTTP upstream (e.g. a `tollgate
     /// mock-provider`) instead of the built-in mock or the config's urls.
-    #[arg(long, env = "TOLLGATE_PROVIDER_URL")]
+    #[arg(long, env = "TOLLGATE_PROVIDER_URL", hide_env_values = true)]
     provider_url: Option<String>,
 
     /// Token that guards /admin/* (default: a random one, printed at start).
