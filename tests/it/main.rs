@@ -13,6 +13,7 @@ mod jobs;
 mod jobs_processes;
 mod ledger;
 mod openapi;
+mod redis_outages;
 mod redis_ledger;
 mod throttle;
 mod throttle_redis;
