@@ -5,6 +5,7 @@
 
 mod all;
 mod api;
+mod api_edges;
 mod api_full;
 mod api_redis;
 mod cli;

@@ -10,7 +10,7 @@ use tollgate_core::{ApiKey, Config, KeyRecord, KeyStore, Ledger, UserId};
 
 use crate::auth::Admin;
 use crate::extract::{JsonBody, PathParam};
-use crate::problem::ApiError;
+use crate::problem::{echo, ApiError};
 use crate::state::ApiState;
 
 #[derive(Debug, Deserialize)]
@@ -56,7 +56,11 @@ fn check_plan(config: &Config, plan: &str) -> Result<(), ApiError> {
     let known: Vec<_> = config.plans().map(|p| p.name.as_str()).collect();
     Err(ApiError::InvalidField {
         field: "plan".into(),
-        detail: format!("plan: unknown plan {plan:?} (plans: {})", known.join(", ")),
+        detail: format!(
+            "plan: unknown plan {:?} (plans: {})",
+            echo(plan),
+            known.join(", ")
+        ),
     })
 }
 
@@ -143,7 +147,7 @@ pub async fn revoke(
         .keys
         .revoke(&key_id)
         .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no key {key_id:?}")))?;
+        .ok_or_else(|| ApiError::NotFound(format!("no key {:?}", echo(&key_id))))?;
     tracing::info!(user = %record.user, key_id = %record.key_id, "API key revoked");
     Ok(axum::Json(RevokedKey {
         key_id: record.key_id,

@@ -14,6 +14,43 @@ use crate::ratelimit::RateLimit;
 /// Media type of every error body.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
+/// The most characters of one piece of client input that an error repeats.
+pub const ECHO_LIMIT: usize = 64;
+/// The most characters of a whole `detail`.
+const DETAIL_LIMIT: usize = 512;
+
+/// `input` as an error message may repeat it: at most [`ECHO_LIMIT`]
+/// characters, then `…`. Use it wherever a detail quotes what the client sent.
+pub fn echo(input: &str) -> String {
+    cut(input, ECHO_LIMIT)
+}
+
+fn cut(s: &str, limit: usize) -> String {
+    match s.char_indices().nth(limit) {
+        Some((end, _)) => format!("{}…", &s[..end]),
+        None => s.to_owned(),
+    }
+}
+
+/// The last net under every `detail` and `field` that leaves the api, for the
+/// messages built outside this crate's control (serde's, a store's): no run of
+/// non-blank characters longer than [`ECHO_LIMIT`], nothing past
+/// [`DETAIL_LIMIT`], so a client that sends 10 KB never reads them back.
+fn bounded(detail: &str) -> String {
+    let mut out = String::with_capacity(detail.len().min(DETAIL_LIMIT + 8));
+    let mut run = 0;
+    for c in detail.chars() {
+        run = if c.is_whitespace() { 0 } else { run + 1 };
+        if run == ECHO_LIMIT + 1 {
+            out.push('…');
+        }
+        if run <= ECHO_LIMIT {
+            out.push(c);
+        }
+    }
+    cut(&out, DETAIL_LIMIT)
+}
+
 /// Problem types are relative URI references (RFC 9457 §3.1.1): stable names
 /// that never change meaning. Every type the api can answer with is listed in
 /// [`ProblemType::ALL`] (and in the OpenAPI document).
@@ -291,6 +328,8 @@ impl ApiError {
             }
             other => p.detail = Some(other.to_string()),
         }
+        p.detail = p.detail.as_deref().map(bounded);
+        p.field = p.field.as_deref().map(echo);
         p
     }
 }
@@ -388,5 +427,28 @@ impl From<AuditError> for ApiError {
             AuditError::Unavailable(m) => Self::Unavailable(m),
             AuditError::Backend(m) => Self::Internal(m),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn echoes_are_bounded() {
+        assert_eq!(echo("short"), "short");
+        let long = "x".repeat(10_000);
+        assert_eq!(echo(&long).chars().count(), ECHO_LIMIT + 1);
+        assert!(echo(&long).ends_with('…'));
+        let e =
+            ApiError::UnknownOperation(format!("unknown operation {long:?} (operations: a, b)"));
+        let detail = e.problem().detail.unwrap_or_default();
+        assert!(detail.len() < 200, "{detail}");
+        assert!(detail.ends_with("(operations: a, b)"), "{detail}");
+        let spaced = "y ".repeat(5_000);
+        let e = ApiError::NotFound(spaced);
+        assert!(e.problem().detail.unwrap_or_default().chars().count() <= DETAIL_LIMIT + 1);
+        // Multi-byte input is cut on a character boundary.
+        assert_eq!(echo(&"é".repeat(100)).chars().count(), ECHO_LIMIT + 1);
     }
 }
