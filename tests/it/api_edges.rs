@@ -1,6 +1,7 @@
-//! The api's answers at its edges, on both backends: error bodies that must not
-//! repeat what a client sent.
+//! The api's answers at its edges, on both backends: admin routes on users that
+//! do not exist, and error bodies that must not repeat what a client sent.
 
+use axum::http::StatusCode;
 use serde_json::json;
 use tollgate_api::ProblemType;
 
@@ -27,7 +28,54 @@ macro_rules! both_backends {
     };
 }
 
-both_backends!(errors_do_not_echo_long_input);
+both_backends!(
+    setting_the_plan_of_an_unknown_user_is_404,
+    errors_do_not_echo_long_input,
+);
+
+/// A user exists once a key was issued to it; a plan for a typo is a 404, and
+/// nothing is stored for it.
+async fn setting_the_plan_of_an_unknown_user_is_404(h: Harness) {
+    let put = |user: &'static str| {
+        let h = &h;
+        async move {
+            h.call(
+                "PUT",
+                &format!("/admin/users/{user}/plan"),
+                Some(ADMIN),
+                &[],
+                Some(json!({"plan": "pro"}).to_string()),
+            )
+            .await
+        }
+    };
+    let r = put("nobody").await;
+    r.problem(ProblemType::NotFound);
+    let user = tollgate_core::UserId::new("nobody").unwrap();
+    assert_eq!(h.state.ledger.plan(&user).await.unwrap(), "free");
+
+    let key = h.user("alice", "free").await;
+    let r = put("alice").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(h.usage(&key).await["plan"], "pro");
+    // A revoked key still makes its user known (its plan can be managed).
+    let r = h
+        .post("/admin/users", ADMIN, json!({"user": "carol"}))
+        .await;
+    let key_id = r.body["key_id"].as_str().unwrap().to_owned();
+    let r = h
+        .call(
+            "DELETE",
+            &format!("/admin/keys/{key_id}"),
+            Some(ADMIN),
+            &[],
+            None,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = put("carol").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+}
 
 /// A 10 KB operation name (or key id, or query flag) is not sent back whole.
 async fn errors_do_not_echo_long_input(h: Harness) {

@@ -14,7 +14,7 @@ mod jobs;
 mod jobs_processes;
 mod ledger;
 mod openapi;
-mod redis_outages;
 mod redis_ledger;
+mod redis_outages;
 mod throttle;
 mod throttle_redis;

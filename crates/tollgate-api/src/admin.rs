@@ -129,6 +129,14 @@ pub async fn set_plan(
         detail: format!("user: {e}"),
     })?;
     check_plan(&state.config, &body.plan)?;
+    // A user exists once a key was issued to it (POST /admin/users, `tollgate
+    // users create`); a plan stored for a typo would charge nobody and hide it.
+    if !state.keys.has_user(&user).await? {
+        return Err(ApiError::NotFound(format!(
+            "no user {:?}: create it with POST /admin/users",
+            echo(user.as_str())
+        )));
+    }
     state.ledger.set_plan(&user, &body.plan).await?;
     Ok(axum::Json(PlanView {
         user: user.to_string(),

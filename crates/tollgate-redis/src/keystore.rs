@@ -113,6 +113,10 @@ impl KeyStore for RedisKeyStore {
             .cmd("SET")
             .arg(self.keys.api_key_id(&record.key_id))
             .arg(hash.as_str())
+            .ignore()
+            .cmd("SADD")
+            .arg(self.keys.api_key_user(&record.user))
+            .arg(&record.key_id)
             .ignore();
         self.pipe::<()>("apikey_insert", &pipe).await
     }
@@ -143,6 +147,13 @@ impl KeyStore for RedisKeyStore {
         pipe.cmd("HSET").arg(&key).arg("revoked").arg("1").ignore();
         self.pipe::<()>("apikey_revoke", &pipe).await?;
         self.record(&key).await
+    }
+
+    async fn has_user(&self, user: &UserId) -> Result<bool, KeyStoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("EXISTS").arg(self.keys.api_key_user(user));
+        let (exists,): (bool,) = self.read("apikey_user", &pipe).await?;
+        Ok(exists)
     }
 
     async fn ping(&self) -> Result<(), KeyStoreError> {
