@@ -162,7 +162,8 @@ fn routes(state: &ApiState) -> Routes {
             Doc::put("/admin/users/{user}/plan", "Change a user's plan")
                 .admin()
                 .body(schema("SetPlan"))
-                .ok(200, "The user's plan.", Some(schema("Plan"))),
+                .ok(200, "The user's plan.", Some(schema("Plan")))
+                .errors(&[P::NotFound]),
             put(admin::set_plan),
         )
         .route(
@@ -199,12 +200,12 @@ fn routes(state: &ApiState) -> Routes {
 
 /// The OpenAPI document of the api over `state`'s config.
 pub fn openapi(state: &ApiState) -> Value {
-    routes(state).finish().1
+    routes(state).finish(&state.config).1
 }
 
 /// The api's axum app.
 pub fn router(state: ApiState) -> Router {
-    let (router, document) = routes(&state).finish();
+    let (router, document) = routes(&state).finish(&state.config);
     let document = Arc::new(document);
     router
         .route(
