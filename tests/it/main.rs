@@ -8,6 +8,7 @@ mod api;
 mod api_edges;
 mod api_full;
 mod api_redis;
+mod auth_abuse;
 mod cli;
 mod concurrency;
 mod jobs;

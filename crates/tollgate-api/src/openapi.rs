@@ -66,8 +66,11 @@ impl Doc {
 
     pub fn user(mut self) -> Self {
         self.access = Access::User;
-        self.errors
-            .extend([ProblemType::Unauthorized, ProblemType::BackendUnavailable]);
+        self.errors.extend([
+            ProblemType::Unauthorized,
+            ProblemType::TooManyFailedAuthentications,
+            ProblemType::BackendUnavailable,
+        ]);
         self
     }
 
@@ -206,7 +209,11 @@ impl Doc {
                 "x-problem-types": types.iter().map(|t| t.uri()).collect::<Vec<_>>(),
             });
             if status == 429 {
-                r["headers"] = ratelimit_headers(true);
+                r["headers"] = if self.metered.is_some() {
+                    ratelimit_headers(true)
+                } else {
+                    json!({"Retry-After": {"description": "Seconds until this address may try again.", "schema": {"type": "integer"}}})
+                };
             }
             responses.insert(status.to_string(), r);
         }

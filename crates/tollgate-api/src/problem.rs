@@ -57,6 +57,7 @@ fn bounded(detail: &str) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProblemType {
     Unauthorized,
+    TooManyFailedAuthentications,
     AdminDisabled,
     NotFound,
     UnknownOperation,
@@ -78,8 +79,9 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 19] = [
+    pub const ALL: [ProblemType; 20] = [
         Self::Unauthorized,
+        Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
         Self::NotFound,
         Self::UnknownOperation,
@@ -103,6 +105,7 @@ impl ProblemType {
     pub fn slug(self) -> &'static str {
         match self {
             Self::Unauthorized => "unauthorized",
+            Self::TooManyFailedAuthentications => "too-many-failed-authentications",
             Self::AdminDisabled => "admin-disabled",
             Self::NotFound => "not-found",
             Self::UnknownOperation => "unknown-operation",
@@ -141,7 +144,9 @@ impl ProblemType {
             }
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            Self::QuotaExceeded | Self::TooManyFailedAuthentications => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::IdempotencyConflict => StatusCode::CONFLICT,
             Self::ProviderFailure => StatusCode::BAD_GATEWAY,
             Self::ThrottleTimeout | Self::JobExpired => StatusCode::GATEWAY_TIMEOUT,
@@ -153,6 +158,9 @@ impl ProblemType {
     pub fn title(self) -> &'static str {
         match self {
             Self::Unauthorized => "Missing, unknown or revoked credentials",
+            Self::TooManyFailedAuthentications => {
+                "Too many unknown or revoked keys from this address: retry after Retry-After"
+            }
             Self::AdminDisabled => "Admin routes are disabled (no admin token configured)",
             Self::NotFound => "Not found",
             Self::UnknownOperation => "Unknown operation",
@@ -207,6 +215,9 @@ pub struct Problem {
 pub enum ApiError {
     #[error("{0}")]
     Unauthorized(&'static str),
+    /// The client's address presented too many bad keys: 429 with Retry-After.
+    #[error("too many failed authentications; retry in {0:?}")]
+    AuthFailures(std::time::Duration),
     #[error("admin routes are disabled: set TOLLGATE_ADMIN_TOKEN")]
     AdminDisabled,
     #[error("{0}")]
@@ -252,6 +263,7 @@ impl ApiError {
     pub fn kind(&self) -> ProblemType {
         match self {
             Self::Unauthorized(_) => ProblemType::Unauthorized,
+            Self::AuthFailures(_) => ProblemType::TooManyFailedAuthentications,
             Self::AdminDisabled => ProblemType::AdminDisabled,
             Self::NotFound(_) => ProblemType::NotFound,
             Self::UnknownOperation(_) => ProblemType::UnknownOperation,
@@ -355,6 +367,10 @@ impl IntoResponse for ApiError {
             }
             Self::QuotaExceeded { denied, policy } => {
                 policy.denied(denied).apply(headers);
+            }
+            Self::AuthFailures(wait) => {
+                let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
             }
             // Temporary unavailability: worth a retry soon. A provider failure
             // or a saturated provider gets no hint, so clients back off on their

@@ -32,6 +32,9 @@ pub struct Settings {
     pub reservation_lease: Duration,
     /// How often the reconciler looks for ended leases.
     pub reconcile_every: Duration,
+    /// Behind a proxy: the header that carries the client's address (its last
+    /// entry), for the limiter of failed authentications. None: the TCP peer.
+    pub trusted_proxy_header: Option<axum::http::HeaderName>,
 }
 
 impl Default for Settings {
@@ -42,6 +45,7 @@ impl Default for Settings {
             sync_timeout: DEFAULT_SYNC_TIMEOUT,
             reservation_lease: Duration::from_secs(60),
             reconcile_every: Duration::from_secs(5),
+            trusted_proxy_header: None,
         }
     }
 }
@@ -54,6 +58,7 @@ impl fmt::Debug for Settings {
             .field("sync_timeout", &self.sync_timeout)
             .field("reservation_lease", &self.reservation_lease)
             .field("reconcile_every", &self.reconcile_every)
+            .field("trusted_proxy_header", &self.trusted_proxy_header)
             .finish()
     }
 }

@@ -60,6 +60,13 @@ pub struct AllArgs {
     #[arg(long, env = "TOLLGATE_DEV_USER", default_value = "dev")]
     dev_user: UserId,
 
+    /// Behind a reverse proxy: the header that carries the client's address
+    /// (e.g. X-Forwarded-For; its last entry is used), for the limiter of
+    /// failed authentications. Unset: the TCP peer's address; no header is
+    /// trusted by default.
+    #[arg(long, env = "TOLLGATE_TRUSTED_PROXY_HEADER")]
+    trusted_proxy_header: Option<tollgate_api::HeaderName>,
+
     /// Jobs the in-process worker runs at once.
     #[arg(long, env = "TOLLGATE_WORKER_CONCURRENCY", default_value_t = 32)]
     concurrency: usize,
@@ -104,6 +111,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
     };
     let settings = Settings {
         admin_token: Some(admin_token.clone()),
+        trusted_proxy_header: args.trusted_proxy_header.clone(),
         ..Settings::default()
     };
 

@@ -52,6 +52,13 @@ pub struct ApiArgs {
     #[arg(long, env = "TOLLGATE_RESERVATION_LEASE_MS", default_value_t = 60_000)]
     reservation_lease_ms: u64,
 
+    /// Behind a reverse proxy: the header that carries the client's address
+    /// (e.g. X-Forwarded-For; its last entry is used), for the limiter of
+    /// failed authentications. Unset: the TCP peer's address; no header is
+    /// trusted by default.
+    #[arg(long, env = "TOLLGATE_TRUSTED_PROXY_HEADER")]
+    trusted_proxy_header: Option<tollgate_api::HeaderName>,
+
     /// Redis connections in the pool.
     #[arg(long, env = "TOLLGATE_REDIS_POOL", default_value_t = 16)]
     redis_pool: usize,
@@ -101,6 +108,7 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         body_limit: args.body_limit,
         sync_timeout: Duration::from_millis(args.sync_timeout_ms),
         reservation_lease: Duration::from_millis(args.reservation_lease_ms.max(1000)),
+        trusted_proxy_header: args.trusted_proxy_header,
         ..Settings::default()
     };
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
