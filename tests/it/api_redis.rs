@@ -410,7 +410,17 @@ async fn users_cli_creates_a_working_key_and_revokes_it() {
     let (code, stdout, stderr) = cli(&["revoke", "--key-id", &key_id]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stdout.contains(&key_id));
-    let usage = http::json(server.addr, "GET", "/v1/usage", Some(&key), None).await;
+    // The api remembers a valid key for KEY_TTL: a revocation made elsewhere
+    // (here, the CLI) is honoured within that bound.
+    let deadline =
+        std::time::Instant::now() + tollgate_api::keycache::KEY_TTL + Duration::from_secs(2);
+    let usage = loop {
+        let usage = http::json(server.addr, "GET", "/v1/usage", Some(&key), None).await;
+        if usage.status == 401 || std::time::Instant::now() > deadline {
+            break usage;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(usage.status, 401);
     assert_eq!(
         usage.header("content-type"),

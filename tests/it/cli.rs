@@ -238,3 +238,52 @@ fn demo_runs_on_the_embedded_ledger() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("50 admitted, 10 denied"), "{text}");
 }
+
+/// `--help` shows which variable feeds each flag, never its value when that value
+/// can hold a secret (a Redis URL with a password, the admin token, a provider
+/// URL with credentials).
+#[test]
+fn help_never_shows_secret_values() {
+    let secrets = [
+        ("TOLLGATE_REDIS_URL", "redis://:hunter2-redis@127.0.0.1:1/"),
+        ("TOLLGATE_ADMIN_TOKEN", "hunter2-admin-token-0123456789"),
+        (
+            "TOLLGATE_PROVIDER_URL",
+            "http://u:hunter2-provider@127.0.0.1:1",
+        ),
+    ];
+    let commands: [&[&str]; 10] = [
+        &["all"],
+        &["api"],
+        &["worker"],
+        &["throttler"],
+        &["budget"],
+        &["budget", "reserve"],
+        &["budget", "set-plan"],
+        &["users"],
+        &["users", "create"],
+        &["users", "revoke"],
+    ];
+    for command in commands {
+        let mut cmd = Command::new(workspace_bin("tollgate"));
+        cmd.args(command).arg("--help");
+        for (name, value) in secrets {
+            cmd.env(name, value);
+        }
+        let out = cmd.output().expect("run tollgate");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(out.status.code(), Some(0), "{command:?} --help: {text}");
+        assert!(
+            text.contains("TOLLGATE_REDIS_URL"),
+            "{command:?} --help names the variable: {text}"
+        );
+        assert!(
+            !text.contains("hunter2"),
+            "{command:?} --help shows a secret: {text}"
+        );
+    }
+}

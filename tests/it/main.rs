@@ -5,8 +5,10 @@
 
 mod all;
 mod api;
+mod api_edges;
 mod api_full;
 mod api_redis;
+mod auth_abuse;
 mod charging;
 mod cli;
 mod concurrency;
@@ -15,5 +17,6 @@ mod jobs_processes;
 mod ledger;
 mod openapi;
 mod redis_ledger;
+mod redis_outages;
 mod throttle;
 mod throttle_redis;

@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -15,6 +15,8 @@ pub struct RedisServer {
     child: Child,
     port: u16,
     dir: PathBuf,
+    /// Arguments beyond the defaults, kept for [`RedisServer::restart`].
+    extra: Vec<String>,
 }
 
 const INSTALL_HINT: &str = "redis-server (Redis 7) is required by the Redis tests and was not found on PATH. \
@@ -24,52 +26,51 @@ or run `scripts/test`, which installs it where apt-get is available.";
 impl RedisServer {
     /// Starts a server; panics with a clear message if that is impossible.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with `extra` arguments after the defaults (e.g.
+    /// `["--enable-debug-command", "yes"]`).
+    pub fn start_with(extra: &[&str]) -> Self {
+        let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
         let mut last_error = String::new();
         for _ in 0..5 {
-            match Self::try_start() {
-                Ok(server) => return server,
+            let port = free_port();
+            let dir =
+                std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
+            match spawn(port, &dir, &extra) {
+                Ok(child) => {
+                    return Self {
+                        child,
+                        port,
+                        dir,
+                        extra,
+                    }
+                }
                 Err(e) => last_error = e,
             }
         }
         panic!("could not start redis-server: {last_error}");
     }
 
-    fn try_start() -> Result<Self, String> {
-        let port = free_port();
-        let dir =
-            std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .args(["--loglevel", "warning"])
-            .arg("--dir")
-            .arg(&dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| {
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    panic!("{INSTALL_HINT}");
+    /// Kills the server (SIGKILL: no goodbye on its sockets beyond the kernel's)
+    /// and starts a new one on the same port, with the same arguments.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let mut last_error = String::new();
+        // The port was ours a moment ago; give the kernel a few tries.
+        for _ in 0..50 {
+            match spawn(self.port, &self.dir, &self.extra) {
+                Ok(child) => {
+                    self.child = child;
+                    return;
                 }
-                format!("spawn redis-server: {e}")
-            })?;
-        let mut server = Self { child, port, dir };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = server.child.try_wait() {
-                return Err(format!(
-                    "redis-server exited at start ({status}); port {port} taken?"
-                ));
+                Err(e) => last_error = e,
             }
-            if ping(port) {
-                return Ok(server);
-            }
-            std::thread::sleep(Duration::from_millis(10));
+            std::thread::sleep(Duration::from_millis(20));
         }
-        server.kill();
-        Err("redis-server did not answer PING within 10s".into())
+        panic!("could not restart redis-server: {last_error}");
     }
 
     pub fn port(&self) -> u16 {
@@ -96,6 +97,43 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Starts `redis-server` on `port` and waits until it answers PING.
+fn spawn(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let mut child = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+        .args(["--loglevel", "warning"])
+        .arg("--dir")
+        .arg(dir)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                panic!("{INSTALL_HINT}");
+            }
+            format!("spawn redis-server: {e}")
+        })?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!(
+                "redis-server exited at start ({status}); port {port} taken?"
+            ));
+        }
+        if ping(port) {
+            return Ok(child);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    Err("redis-server did not answer PING within 10s".into())
 }
 
 /// A port that was free a moment ago (bind to :0, read it, release it).

@@ -10,7 +10,7 @@ use tollgate_core::{ApiKey, Config, KeyRecord, KeyStore, Ledger, UserId};
 
 use crate::auth::Admin;
 use crate::extract::{JsonBody, PathParam};
-use crate::problem::ApiError;
+use crate::problem::{echo, ApiError};
 use crate::state::ApiState;
 
 #[derive(Debug, Deserialize)]
@@ -56,7 +56,11 @@ fn check_plan(config: &Config, plan: &str) -> Result<(), ApiError> {
     let known: Vec<_> = config.plans().map(|p| p.name.as_str()).collect();
     Err(ApiError::InvalidField {
         field: "plan".into(),
-        detail: format!("plan: unknown plan {plan:?} (plans: {})", known.join(", ")),
+        detail: format!(
+            "plan: unknown plan {:?} (plans: {})",
+            echo(plan),
+            known.join(", ")
+        ),
     })
 }
 
@@ -125,6 +129,14 @@ pub async fn set_plan(
         detail: format!("user: {e}"),
     })?;
     check_plan(&state.config, &body.plan)?;
+    // A user exists once a key was issued to it (POST /admin/users, `tollgate
+    // users create`); a plan stored for a typo would charge nobody and hide it.
+    if !state.keys.has_user(&user).await? {
+        return Err(ApiError::NotFound(format!(
+            "no user {:?}: create it with POST /admin/users",
+            echo(user.as_str())
+        )));
+    }
     state.ledger.set_plan(&user, &body.plan).await?;
     Ok(axum::Json(PlanView {
         user: user.to_string(),
@@ -143,7 +155,7 @@ pub async fn revoke(
         .keys
         .revoke(&key_id)
         .await?
-        .ok_or_else(|| ApiError::NotFound(format!("no key {key_id:?}")))?;
+        .ok_or_else(|| ApiError::NotFound(format!("no key {:?}", echo(&key_id))))?;
     tracing::info!(user = %record.user, key_id = %record.key_id, "API key revoked");
     Ok(axum::Json(RevokedKey {
         key_id: record.key_id,

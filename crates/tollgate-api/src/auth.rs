@@ -1,6 +1,8 @@
 //! Authentication: `Authorization: Bearer <key>` for users, checked against the
-//! [`KeyStore`](tollgate_core::KeyStore) by the key's SHA-256; the admin token
-//! (`TOLLGATE_ADMIN_TOKEN`) for `/admin/*`, compared in constant time.
+//! [`KeyStore`](tollgate_core::KeyStore) by the key's SHA-256 (through the
+//! in-process [`KeyCache`]); the admin token (`TOLLGATE_ADMIN_TOKEN`) for
+//! `/admin/*`, compared in constant time. An address that keeps presenting bad
+//! keys is answered 429 by [`AuthFailures`] before its keys reach the store.
 
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::header::AUTHORIZATION;
@@ -9,10 +11,20 @@ use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tollgate_core::keystore::secrets_equal;
-use tollgate_core::{KeyHash, UserId};
+use tollgate_core::{KeyHash, KeyStore, UserId};
 
+use crate::abuse::AuthFailures;
+use crate::keycache::KeyCache;
 use crate::problem::ApiError;
 use crate::state::ApiState;
+
+/// What [`authenticate`] keeps between requests: the key cache (also the
+/// state's `keys`, so a revocation here clears it) and the failure limiter.
+#[derive(Debug, Clone)]
+pub struct AuthGuard {
+    pub cache: std::sync::Arc<KeyCache>,
+    pub failures: std::sync::Arc<AuthFailures>,
+}
 
 /// The authenticated caller, put into the request extensions by [`authenticate`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,23 +55,44 @@ fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
 /// Middleware of the user routes: resolves the bearer key to a [`Caller`] (and
 /// its [`UserId`], which the [`Cost`](crate::cost::Cost) layer charges), or
 /// answers 401.
-pub async fn authenticate(State(state): State<ApiState>, mut req: Request, next: Next) -> Response {
+pub async fn authenticate(
+    State(guard): State<AuthGuard>,
+    mut req: Request,
+    next: Next,
+) -> Response {
     // Hash first: the request (its body is not Sync) must not be borrowed
     // across the store's await.
     let hash = bearer(req.headers()).map(KeyHash::of);
+    let client = guard.failures.client(&req);
     let caller = async {
-        let record = state
-            .keys
-            .lookup(&hash?)
-            .await?
-            .ok_or(ApiError::Unauthorized("unknown API key"))?;
-        if record.revoked {
-            return Err(ApiError::Unauthorized("this API key was revoked"));
+        let hash = hash?;
+        let cached = guard.cache.cached(&hash);
+        let valid = |r: &Option<tollgate_core::KeyRecord>| r.as_ref().is_some_and(|r| !r.revoked);
+        // A valid key known here passes whatever its address did; anything
+        // else from an address over its budget stops before the store.
+        if !cached.as_ref().is_some_and(valid) {
+            if let Some(wait) = guard.failures.wait(client) {
+                return Err(ApiError::AuthFailures(wait));
+            }
         }
-        Ok(Caller {
-            user: record.user,
-            key_id: record.key_id,
-        })
+        let record = match cached {
+            Some(record) => record,
+            None => guard.cache.lookup(&hash).await?,
+        };
+        let failure = match &record {
+            None => ApiError::Unauthorized("unknown API key"),
+            Some(r) if r.revoked => ApiError::Unauthorized("this API key was revoked"),
+            Some(r) => {
+                return Ok(Caller {
+                    user: r.user.clone(),
+                    key_id: r.key_id.clone(),
+                })
+            }
+        };
+        match guard.failures.failed(client) {
+            Some(wait) => Err(ApiError::AuthFailures(wait)),
+            None => Err(failure),
+        }
     };
     match caller.await {
         Ok(caller) => {

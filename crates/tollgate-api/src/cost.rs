@@ -427,7 +427,8 @@ async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, S
             match budget.config.operation(&name) {
                 Some(op) => Ok((op.cost, name)),
                 None => Err(ApiError::UnknownOperation(format!(
-                    "unknown operation {name:?} (operations: {})",
+                    "unknown operation {:?} (operations: {})",
+                    crate::problem::echo(&name),
                     budget
                         .config
                         .operations()

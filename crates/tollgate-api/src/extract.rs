@@ -8,7 +8,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
-use crate::problem::ApiError;
+use crate::problem::{echo, ApiError};
 
 /// A JSON request body of type `T`.
 #[derive(Debug, Clone)]
@@ -104,9 +104,11 @@ impl<S: Send + Sync> FromRequestParts<S> for Flags {
                 other => {
                     return Err(ApiError::Malformed {
                         detail: format!(
-                            "query parameter {name}: expected true or false, got {other:?}"
+                            "query parameter {}: expected true or false, got {:?}",
+                            echo(name),
+                            echo(other)
                         ),
-                        field: Some(name.to_owned()),
+                        field: Some(echo(name)),
                     })
                 }
             };

@@ -16,11 +16,13 @@
 //! **Invariant:** the api role never calls a provider; it reserves, enqueues a
 //! job, and reads the job's outcome.
 
+pub mod abuse;
 pub mod admin;
 pub mod auth;
 pub mod cost;
 pub mod extract;
 pub mod health;
+pub mod keycache;
 pub mod metrics;
 pub mod openapi;
 pub mod ops;
@@ -41,6 +43,7 @@ use serde_json::Value;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
+pub use axum::http::HeaderName;
 pub use cost::{Budget, Cost, InFlight, Priced, Reservation};
 pub use problem::{ApiError, Problem, ProblemType};
 pub use state::{ApiState, Settings};
@@ -105,8 +108,21 @@ fn operation_doc(path: &str, summary: &str) -> Doc {
         )
 }
 
+/// The key cache and failure limiter of one router; `state.keys` becomes the
+/// cache, so the admin routes' revocations clear it.
+fn guard(state: &mut ApiState) -> auth::AuthGuard {
+    let cache = Arc::new(keycache::KeyCache::new(Arc::clone(&state.keys)));
+    state.keys = cache.clone();
+    auth::AuthGuard {
+        cache,
+        failures: Arc::new(abuse::AuthFailures::new(
+            state.settings.trusted_proxy_header.clone(),
+        )),
+    }
+}
+
 /// Every route of the api, registered with its documentation.
-fn routes(state: &ApiState) -> Routes {
+fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
     let user = Routes::new()
         .metered(
             operation_doc(
@@ -138,10 +154,8 @@ fn routes(state: &ApiState) -> Routes {
         );
     let user = named_operations(user, state);
     let (user_router, user_docs) = user.into_parts();
-    let user_router = user_router.route_layer(middleware::from_fn_with_state(
-        state.clone(),
-        auth::authenticate,
-    ));
+    let user_router =
+        user_router.route_layer(middleware::from_fn_with_state(guard, auth::authenticate));
 
     Routes::from_parts(user_router, user_docs)
         .route(
@@ -162,7 +176,8 @@ fn routes(state: &ApiState) -> Routes {
             Doc::put("/admin/users/{user}/plan", "Change a user's plan")
                 .admin()
                 .body(schema("SetPlan"))
-                .ok(200, "The user's plan.", Some(schema("Plan"))),
+                .ok(200, "The user's plan.", Some(schema("Plan")))
+                .errors(&[P::NotFound]),
             put(admin::set_plan),
         )
         .route(
@@ -199,12 +214,15 @@ fn routes(state: &ApiState) -> Routes {
 
 /// The OpenAPI document of the api over `state`'s config.
 pub fn openapi(state: &ApiState) -> Value {
-    routes(state).finish().1
+    let mut state = state.clone();
+    let guard = guard(&mut state);
+    routes(&state, guard).finish(&state.config).1
 }
 
 /// The api's axum app.
-pub fn router(state: ApiState) -> Router {
-    let (router, document) = routes(&state).finish();
+pub fn router(mut state: ApiState) -> Router {
+    let guard = guard(&mut state);
+    let (router, document) = routes(&state, guard).finish(&state.config);
     let document = Arc::new(document);
     router
         .route(
@@ -267,7 +285,8 @@ pub async fn run(
         tracing::info!(%addr, "api listening");
     }
     let in_flight = state.in_flight.clone();
-    let served = axum::serve(listener, router(state))
+    let app = router(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let served = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await;
     let left = in_flight.drain(DRAIN_LIMIT).await;

@@ -215,6 +215,9 @@ mod tests {
             .filter(|l| l.starts_with("tollgate_http_requests_total{"))
             .count();
         assert_eq!(series, 2, "{text}");
-        assert!(text.contains("method=\"other\",status=\"405\"} 100"), "{text}");
+        assert!(
+            text.contains("method=\"other\",status=\"405\"} 100"),
+            "{text}"
+        );
     }
 }

@@ -10,6 +10,7 @@ use axum::http::Method;
 use axum::routing::MethodRouter;
 use axum::Router;
 use serde_json::{json, Map, Value};
+use tollgate_core::Config;
 
 use crate::cost::Cost;
 use crate::problem::ProblemType;
@@ -65,8 +66,11 @@ impl Doc {
 
     pub fn user(mut self) -> Self {
         self.access = Access::User;
-        self.errors
-            .extend([ProblemType::Unauthorized, ProblemType::BackendUnavailable]);
+        self.errors.extend([
+            ProblemType::Unauthorized,
+            ProblemType::TooManyFailedAuthentications,
+            ProblemType::BackendUnavailable,
+        ]);
         self
     }
 
@@ -120,12 +124,23 @@ impl Doc {
             .path
             .split('/')
             .filter_map(|seg| seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
-            .map(|name| json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}}))
+            .map(|name| {
+                // Ids are validated like `UserId`/`RequestId`: say so, so that
+                // clients (and generators) know what the server accepts.
+                let schema = match name {
+                    "user" | "id" => id_schema(),
+                    _ => json!({"type": "string"}),
+                };
+                json!({"name": name, "in": "path", "required": true, "schema": schema})
+            })
             .collect();
         if let Some(cost) = self.metered {
             params.push(json!({"name": "Idempotency-Key", "in": "header", "required": false,
                 "description": "Makes a retry safe: the same key (per user) is the same request, charged once, returning the same job.",
-                "schema": {"type": "string", "maxLength": 255}}));
+                "schema": {"type": "string", "minLength": 1,
+                    // Visible ASCII (spaces and tabs inside), 1 to 255 characters:
+                    // what `request_id` accepts once HTTP dropped the blanks around it.
+                    "pattern": "^[!-~]([ \t!-~]{0,253}[!-~])?$"}}));
             params.push(json!({"name": "Prefer", "in": "header", "required": false,
                 "description": "`respond-async`: answer 202 at once; `wait=<seconds>`: wait at most that long.",
                 "schema": {"type": "string"}}));
@@ -194,7 +209,11 @@ impl Doc {
                 "x-problem-types": types.iter().map(|t| t.uri()).collect::<Vec<_>>(),
             });
             if status == 429 {
-                r["headers"] = ratelimit_headers(true);
+                r["headers"] = if self.metered.is_some() {
+                    ratelimit_headers(true)
+                } else {
+                    json!({"Retry-After": {"description": "Seconds until this address may try again.", "schema": {"type": "integer"}}})
+                };
             }
             responses.insert(status.to_string(), r);
         }
@@ -263,9 +282,9 @@ impl Routes {
         self.route(doc, handler.layer(cost))
     }
 
-    /// The router and the document.
-    pub fn finish(self) -> (Router<ApiState>, Value) {
-        let document = document(&self.docs);
+    /// The router and the document (`config` names the plans a body may ask for).
+    pub fn finish(self, config: &Config) -> (Router<ApiState>, Value) {
+        let document = document(&self.docs, config);
         (self.router, document)
     }
 
@@ -290,7 +309,7 @@ impl Routes {
 }
 
 /// The OpenAPI document of `docs`.
-pub fn document(docs: &[Doc]) -> Value {
+pub fn document(docs: &[Doc], config: &Config) -> Value {
     let mut paths: BTreeMap<&str, Map<String, Value>> = BTreeMap::new();
     for doc in docs {
         paths
@@ -312,7 +331,7 @@ pub fn document(docs: &[Doc]) -> Value {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "A user's API key (`tg_...`)."},
                 "adminToken": {"type": "http", "scheme": "bearer", "description": "The admin token (TOLLGATE_ADMIN_TOKEN)."},
             },
-            "schemas": schemas(),
+            "schemas": schemas(config),
         },
         "x-problem-types": ProblemType::ALL.iter().map(|t| json!({
             "type": t.uri(), "status": t.status().as_u16(), "title": t.title(),
@@ -320,7 +339,14 @@ pub fn document(docs: &[Doc]) -> Value {
     })
 }
 
-fn schemas() -> Value {
+/// A user id or request id: what `tollgate_core::id` accepts.
+fn id_schema() -> Value {
+    json!({"type": "string", "minLength": 1, "maxLength": tollgate_core::id::MAX_ID_LEN, "pattern": "^[A-Za-z0-9._@+=~-]+$"})
+}
+
+fn schemas(config: &Config) -> Value {
+    let plans: Vec<&str> = config.plans().map(|p| p.name.as_str()).collect();
+    let plan = json!({"type": "string", "enum": plans, "description": "A plan of the config."});
     json!({
         "Problem": {
             "type": "object",
@@ -378,14 +404,17 @@ fn schemas() -> Value {
         },
         "CreateUser": {
             "type": "object", "required": ["user"], "additionalProperties": false,
-            "properties": {"user": {"type": "string", "maxLength": 128, "pattern": "^[A-Za-z0-9._@+=~-]+$"}, "plan": {"type": "string"}},
+            "properties": {"user": id_schema(), "plan": {
+                "description": "A plan of the config; omitted or null: the default plan.",
+                "anyOf": [plan, {"type": "null"}],
+            }},
         },
         "CreatedUser": {
             "type": "object", "required": ["user", "plan", "key_id", "api_key"],
             "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "key_id": {"type": "string"},
                 "api_key": {"type": "string", "description": "Shown once; stored only as a SHA-256 hash."}},
         },
-        "SetPlan": {"type": "object", "required": ["plan"], "additionalProperties": false, "properties": {"plan": {"type": "string"}}},
+        "SetPlan": {"type": "object", "required": ["plan"], "additionalProperties": false, "properties": {"plan": plan}},
         "Plan": {"type": "object", "required": ["user", "plan"], "properties": {"user": {"type": "string"}, "plan": {"type": "string"}}},
         "RevokedKey": {"type": "object", "required": ["key_id", "user", "revoked"],
             "properties": {"key_id": {"type": "string"}, "user": {"type": "string"}, "revoked": {"type": "boolean"}}},

@@ -228,7 +228,7 @@ pub async fn status(
     caller: Caller,
     PathParam(id): PathParam,
 ) -> Result<Response, ApiError> {
-    let not_found = || ApiError::NotFound(format!("no job {id:?}"));
+    let not_found = || ApiError::NotFound(format!("no job {:?}", crate::problem::echo(&id)));
     let id = RequestId::new(id.as_str()).map_err(|_| not_found())?;
     let info = state
         .jobs

@@ -12,12 +12,50 @@ use crate::ratelimit::RateLimit;
 /// Media type of every error body.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
+/// The most characters of one piece of client input that an error repeats.
+pub const ECHO_LIMIT: usize = 64;
+/// The most characters of a whole `detail`.
+const DETAIL_LIMIT: usize = 512;
+
+/// `input` as an error message may repeat it: at most [`ECHO_LIMIT`]
+/// characters, then `…`. Use it wherever a detail quotes what the client sent.
+pub fn echo(input: &str) -> String {
+    cut(input, ECHO_LIMIT)
+}
+
+fn cut(s: &str, limit: usize) -> String {
+    match s.char_indices().nth(limit) {
+        Some((end, _)) => format!("{}…", &s[..end]),
+        None => s.to_owned(),
+    }
+}
+
+/// The last net under every `detail` and `field` that leaves the api, for the
+/// messages built outside this crate's control (serde's, a store's): no run of
+/// non-blank characters longer than [`ECHO_LIMIT`], nothing past
+/// [`DETAIL_LIMIT`], so a client that sends 10 KB never reads them back.
+fn bounded(detail: &str) -> String {
+    let mut out = String::with_capacity(detail.len().min(DETAIL_LIMIT + 8));
+    let mut run = 0;
+    for c in detail.chars() {
+        run = if c.is_whitespace() { 0 } else { run + 1 };
+        if run == ECHO_LIMIT + 1 {
+            out.push('…');
+        }
+        if run <= ECHO_LIMIT {
+            out.push(c);
+        }
+    }
+    cut(&out, DETAIL_LIMIT)
+}
+
 /// Problem types are relative URI references (RFC 9457 §3.1.1): stable names
 /// that never change meaning. Every type the api can answer with is listed in
 /// [`ProblemType::ALL`] (and in the OpenAPI document).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProblemType {
     Unauthorized,
+    TooManyFailedAuthentications,
     AdminDisabled,
     NotFound,
     UnknownOperation,
@@ -40,8 +78,9 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 20] = [
+    pub const ALL: [ProblemType; 21] = [
         Self::Unauthorized,
+        Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
         Self::NotFound,
         Self::UnknownOperation,
@@ -66,6 +105,7 @@ impl ProblemType {
     pub fn slug(self) -> &'static str {
         match self {
             Self::Unauthorized => "unauthorized",
+            Self::TooManyFailedAuthentications => "too-many-failed-authentications",
             Self::AdminDisabled => "admin-disabled",
             Self::NotFound => "not-found",
             Self::UnknownOperation => "unknown-operation",
@@ -105,7 +145,9 @@ impl ProblemType {
             }
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            Self::QuotaExceeded | Self::TooManyFailedAuthentications => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::IdempotencyConflict => StatusCode::CONFLICT,
             Self::ResultExpired => StatusCode::GONE,
             Self::ProviderFailure => StatusCode::BAD_GATEWAY,
@@ -118,6 +160,9 @@ impl ProblemType {
     pub fn title(self) -> &'static str {
         match self {
             Self::Unauthorized => "Missing, unknown or revoked credentials",
+            Self::TooManyFailedAuthentications => {
+                "Too many unknown or revoked keys from this address: retry after Retry-After"
+            }
             Self::AdminDisabled => "Admin routes are disabled (no admin token configured)",
             Self::NotFound => "Not found",
             Self::UnknownOperation => "Unknown operation",
@@ -175,6 +220,9 @@ pub struct Problem {
 pub enum ApiError {
     #[error("{0}")]
     Unauthorized(&'static str),
+    /// The client's address presented too many bad keys: 429 with Retry-After.
+    #[error("too many failed authentications; retry in {0:?}")]
+    AuthFailures(std::time::Duration),
     #[error("admin routes are disabled: set TOLLGATE_ADMIN_TOKEN")]
     AdminDisabled,
     #[error("{0}")]
@@ -222,6 +270,7 @@ impl ApiError {
     pub fn kind(&self) -> ProblemType {
         match self {
             Self::Unauthorized(_) => ProblemType::Unauthorized,
+            Self::AuthFailures(_) => ProblemType::TooManyFailedAuthentications,
             Self::AdminDisabled => ProblemType::AdminDisabled,
             Self::NotFound(_) => ProblemType::NotFound,
             Self::UnknownOperation(_) => ProblemType::UnknownOperation,
@@ -299,6 +348,8 @@ impl ApiError {
             }
             other => p.detail = Some(other.to_string()),
         }
+        p.detail = p.detail.as_deref().map(bounded);
+        p.field = p.field.as_deref().map(echo);
         p
     }
 }
@@ -324,6 +375,10 @@ impl IntoResponse for ApiError {
             }
             Self::QuotaExceeded { denied, policy } => {
                 policy.denied(denied).apply(headers);
+            }
+            Self::AuthFailures(wait) => {
+                let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
             }
             // Temporary unavailability: worth a retry soon. A provider failure
             // or a saturated provider gets no hint, so clients back off on their
@@ -380,5 +435,28 @@ impl From<KeyStoreError> for ApiError {
             KeyStoreError::Unavailable(m) => Self::Unavailable(m),
             other => Self::Internal(other.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn echoes_are_bounded() {
+        assert_eq!(echo("short"), "short");
+        let long = "x".repeat(10_000);
+        assert_eq!(echo(&long).chars().count(), ECHO_LIMIT + 1);
+        assert!(echo(&long).ends_with('…'));
+        let e =
+            ApiError::UnknownOperation(format!("unknown operation {long:?} (operations: a, b)"));
+        let detail = e.problem().detail.unwrap_or_default();
+        assert!(detail.len() < 200, "{detail}");
+        assert!(detail.ends_with("(operations: a, b)"), "{detail}");
+        let spaced = "y ".repeat(5_000);
+        let e = ApiError::NotFound(spaced);
+        assert!(e.problem().detail.unwrap_or_default().chars().count() <= DETAIL_LIMIT + 1);
+        // Multi-byte input is cut on a character boundary.
+        assert_eq!(echo(&"é".repeat(100)).chars().count(), ECHO_LIMIT + 1);
     }
 }

@@ -24,6 +24,10 @@ pub struct Settings {
     pub body_limit: usize,
     /// How long a synchronous call waits for its job before answering 202.
     pub sync_timeout: Duration,
+    /// How long a reservation may stay between the `Cost` layer and its job
+    /// Behind a proxy: the header that carries the client's address (its last
+    /// entry), for the limiter of failed authentications. None: the TCP peer.
+    pub trusted_proxy_header: Option<axum::http::HeaderName>,
 }
 
 impl Default for Settings {
@@ -32,6 +36,7 @@ impl Default for Settings {
             admin_token: None,
             body_limit: DEFAULT_BODY_LIMIT,
             sync_timeout: DEFAULT_SYNC_TIMEOUT,
+            trusted_proxy_header: None,
         }
     }
 }
@@ -42,6 +47,7 @@ impl fmt::Debug for Settings {
             .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
             .field("body_limit", &self.body_limit)
             .field("sync_timeout", &self.sync_timeout)
+            .field("trusted_proxy_header", &self.trusted_proxy_header)
             .finish()
     }
 }

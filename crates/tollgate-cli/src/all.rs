@@ -36,7 +36,7 @@ pub struct AllArgs {
     listen: SocketAddr,
 
     /// Run against this Redis instead of embedded (in memory).
-    #[arg(long, env = "TOLLGATE_REDIS_URL")]
+    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
     redis_url: Option<String>,
 
     /// TOML config with plans, providers and operations (default: the built-in config).
@@ -49,7 +49,7 @@ pub struct AllArgs {
 
     /// Send every provider's calls to this HTTP upstream (e.g. a `tollgate
     /// mock-provider`) instead of the built-in mock or the config's urls.
-    #[arg(long, env = "TOLLGATE_PROVIDER_URL")]
+    #[arg(long, env = "TOLLGATE_PROVIDER_URL", hide_env_values = true)]
     provider_url: Option<String>,
 
     /// Token that guards /admin/* (default: a random one, printed at start).
@@ -59,6 +59,13 @@ pub struct AllArgs {
     /// The development user created at start; its API key is printed.
     #[arg(long, env = "TOLLGATE_DEV_USER", default_value = "dev")]
     dev_user: UserId,
+
+    /// Behind a reverse proxy: the header that carries the client's address
+    /// (e.g. X-Forwarded-For; its last entry is used), for the limiter of
+    /// failed authentications. Unset: the TCP peer's address; no header is
+    /// trusted by default.
+    #[arg(long, env = "TOLLGATE_TRUSTED_PROXY_HEADER")]
+    trusted_proxy_header: Option<tollgate_api::HeaderName>,
 
     /// Jobs the in-process worker runs at once.
     #[arg(long, env = "TOLLGATE_WORKER_CONCURRENCY", default_value_t = 32)]
@@ -104,6 +111,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
     };
     let settings = Settings {
         admin_token: Some(admin_token.clone()),
+        trusted_proxy_header: args.trusted_proxy_header.clone(),
         ..Settings::default()
     };
 

@@ -23,7 +23,7 @@ pub struct ApiArgs {
     listen: SocketAddr,
 
     /// Redis shared by every pod, e.g. redis://127.0.0.1:6379/0.
-    #[arg(long, env = "TOLLGATE_REDIS_URL")]
+    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
     redis_url: String,
 
     /// TOML config with plans, providers and operations (default: the built-in config).
@@ -46,6 +46,13 @@ pub struct ApiArgs {
     /// before answering 202 with the job's Location.
     #[arg(long, env = "TOLLGATE_SYNC_TIMEOUT_MS", default_value_t = 30_000)]
     sync_timeout_ms: u64,
+
+    /// Behind a reverse proxy: the header that carries the client's address
+    /// (e.g. X-Forwarded-For; its last entry is used), for the limiter of
+    /// failed authentications. Unset: the TCP peer's address; no header is
+    /// trusted by default.
+    #[arg(long, env = "TOLLGATE_TRUSTED_PROXY_HEADER")]
+    trusted_proxy_header: Option<tollgate_api::HeaderName>,
 
     /// Redis connections in the pool.
     #[arg(long, env = "TOLLGATE_REDIS_POOL", default_value_t = 16)]
@@ -95,6 +102,7 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         admin_token: args.admin_token,
         body_limit: args.body_limit,
         sync_timeout: Duration::from_millis(args.sync_timeout_ms),
+        trusted_proxy_header: args.trusted_proxy_header,
         ..Settings::default()
     };
     let listener = match tokio::net::TcpListener::bind(args.listen).await {

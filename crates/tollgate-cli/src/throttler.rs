@@ -16,7 +16,7 @@ use crate::exit;
 #[derive(Debug, Args)]
 pub struct ThrottlerArgs {
     /// Redis shared by every pod, e.g. redis://127.0.0.1:6379/0.
-    #[arg(long, env = "TOLLGATE_REDIS_URL")]
+    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
     redis_url: String,
 
     /// TOML config with the providers (default: the built-in config).

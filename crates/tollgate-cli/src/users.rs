@@ -16,7 +16,12 @@ use crate::throttler::fail;
 #[derive(Debug, Args)]
 pub struct UsersArgs {
     /// Redis to operate on, e.g. redis://127.0.0.1:6379/0.
-    #[arg(long, global = true, env = "TOLLGATE_REDIS_URL")]
+    #[arg(
+        long,
+        global = true,
+        env = "TOLLGATE_REDIS_URL",
+        hide_env_values = true
+    )]
     redis_url: Option<String>,
 
     /// TOML config with the plans (default: the built-in config).

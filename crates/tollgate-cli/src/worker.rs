@@ -20,7 +20,7 @@ use crate::throttler::{fail, shutdown_signal};
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
     /// Redis shared by every pod, e.g. redis://127.0.0.1:6379/0.
-    #[arg(long, env = "TOLLGATE_REDIS_URL")]
+    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
     redis_url: String,
 
     /// TOML config with plans, providers and operations (default: the built-in config).

@@ -140,6 +140,10 @@ pub trait KeyStore: Send + Sync + fmt::Debug {
     /// Marks the key revoked. Returns its record, or `None` for an unknown id.
     async fn revoke(&self, key_id: &str) -> Result<Option<KeyRecord>, KeyStoreError>;
 
+    /// True when at least one key (revoked or not) was ever issued to `user`:
+    /// what makes a user exist for the admin routes.
+    async fn has_user(&self, user: &UserId) -> Result<bool, KeyStoreError>;
+
     /// Succeeds when the store can be reached (readiness checks).
     async fn ping(&self) -> Result<(), KeyStoreError>;
 }
@@ -188,6 +192,10 @@ impl KeyStore for MemoryKeyStore {
             r.revoked = true;
             r.clone()
         }))
+    }
+
+    async fn has_user(&self, user: &UserId) -> Result<bool, KeyStoreError> {
+        Ok(self.lock().by_hash.values().any(|r| &r.user == user))
     }
 
     async fn ping(&self) -> Result<(), KeyStoreError> {

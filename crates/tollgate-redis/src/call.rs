@@ -2,6 +2,20 @@
 //! one timeout (a stalled Redis fails closed), one tracing span, eviction of a
 //! connection that broke, and one classification of failures ([`CallError`]),
 //! which each backend turns into its own error type.
+//!
+//! **Retries.** A request that failed at the connection level is sent again, once,
+//! on a fresh connection only when repeating it is harmless: [`read`] (a command
+//! or pipeline that changes nothing, e.g. an API key lookup or PING). Everything
+//! else ([`script`], [`command`], [`pipeline`]) is sent once: a lost reply does not
+//! say whether Redis ran the request, and running some of them twice is wrong.
+//! The budget scripts are idempotent by request id (a second `reserve` charges
+//! nothing, a second `refund` refunds nothing), but the bucket scripts of the
+//! throttle would take a second token, `job_lease` would lease a second job, and
+//! the job submit/enqueue path is idempotent only once its nonce lands; so the
+//! caller, which knows which it sent, decides. What makes a retry unnecessary in
+//! the common case is the pool: it never hands out a connection whose socket
+//! Redis already closed (see [`crate::pool`]), so after a Redis restart the first
+//! request goes out on a new connection instead of failing.
 
 use std::time::Duration;
 
@@ -9,13 +23,14 @@ use redis::aio::MultiplexedConnection;
 use redis::{Cmd, FromRedisValue, Pipeline, RedisError, ScriptInvocation};
 use tracing::Instrument;
 
-use crate::pool::{discard_if_broken, is_connection_error, Pool};
+use crate::pool::{discard_if_broken, is_busy, is_connection_error, Pool};
 
 /// Why a Redis call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CallError {
-    /// Redis cannot be reached now (refused, reset, timed out, no connection):
-    /// retrying later may succeed.
+    /// Redis cannot be reached now (refused, reset, timed out, no connection),
+    /// or answers "not now" (`LOADING` its data after a restart): retrying
+    /// later may succeed.
     #[error("{0}")]
     Unavailable(String),
     /// Redis answered with an error.
@@ -25,7 +40,7 @@ pub enum CallError {
 
 impl From<RedisError> for CallError {
     fn from(e: RedisError) -> Self {
-        if is_connection_error(&e) {
+        if is_connection_error(&e) || is_busy(&e) {
             Self::Unavailable(e.to_string())
         } else {
             Self::Backend(e.to_string())
@@ -33,10 +48,20 @@ impl From<RedisError> for CallError {
     }
 }
 
+#[derive(Clone, Copy)]
 enum Request<'a, 'b> {
     Script(&'a ScriptInvocation<'b>),
     Command(&'a Cmd),
     Pipeline(&'a Pipeline),
+}
+
+/// Whether a request may be sent a second time after a connection failure.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Repeat {
+    /// It changes nothing: send it again on a fresh connection.
+    Safe,
+    /// It may have run: report the failure.
+    Never,
 }
 
 /// EVALSHA (loading the script on NOSCRIPT) on a pooled connection.
@@ -46,7 +71,7 @@ pub async fn script<T: FromRedisValue>(
     op: &'static str,
     inv: &ScriptInvocation<'_>,
 ) -> Result<T, CallError> {
-    call(pool, timeout, op, Request::Script(inv)).await
+    call(pool, timeout, op, Request::Script(inv), Repeat::Never).await
 }
 
 /// One command on a pooled connection.
@@ -56,7 +81,7 @@ pub async fn command<T: FromRedisValue>(
     op: &'static str,
     cmd: &Cmd,
 ) -> Result<T, CallError> {
-    call(pool, timeout, op, Request::Command(cmd)).await
+    call(pool, timeout, op, Request::Command(cmd), Repeat::Never).await
 }
 
 /// A pipeline on a pooled connection.
@@ -66,7 +91,18 @@ pub async fn pipeline<T: FromRedisValue>(
     op: &'static str,
     pipe: &Pipeline,
 ) -> Result<T, CallError> {
-    call(pool, timeout, op, Request::Pipeline(pipe)).await
+    call(pool, timeout, op, Request::Pipeline(pipe), Repeat::Never).await
+}
+
+/// A pipeline that only reads (or PINGs): after a connection failure it is sent
+/// once more on a fresh connection, since running it twice changes nothing.
+pub async fn read<T: FromRedisValue>(
+    pool: &Pool,
+    timeout: Duration,
+    op: &'static str,
+    pipe: &Pipeline,
+) -> Result<T, CallError> {
+    call(pool, timeout, op, Request::Pipeline(pipe), Repeat::Safe).await
 }
 
 /// One command on a dedicated connection (a blocking pop, never the pool's shared
@@ -100,21 +136,34 @@ async fn call<T: FromRedisValue>(
     timeout: Duration,
     op: &'static str,
     request: Request<'_, '_>,
+    repeat: Repeat,
 ) -> Result<T, CallError> {
     let round_trip = async {
-        let mut conn = pool
-            .get()
-            .await
-            .map_err(|e| CallError::Unavailable(format!("no Redis connection: {e}")))?;
-        let result = match request {
-            Request::Script(inv) => inv.invoke_async::<T>(&mut *conn).await,
-            Request::Command(cmd) => cmd.query_async::<T>(&mut *conn).await,
-            Request::Pipeline(pipe) => pipe.query_async::<T>(&mut *conn).await,
-        };
-        result.map_err(|e| {
-            discard_if_broken(conn, &e);
-            CallError::from(e)
-        })
+        let mut retried = false;
+        loop {
+            let mut conn = pool
+                .get()
+                .await
+                .map_err(|e| CallError::Unavailable(format!("no Redis connection: {e}")))?;
+            let result = match request {
+                Request::Script(inv) => inv.invoke_async::<T>(&mut **conn).await,
+                Request::Command(cmd) => cmd.query_async::<T>(&mut **conn).await,
+                Request::Pipeline(pipe) => pipe.query_async::<T>(&mut **conn).await,
+            };
+            match result {
+                Ok(value) => return Ok(value),
+                Err(e) => {
+                    let broken = is_connection_error(&e);
+                    discard_if_broken(conn, &e);
+                    if broken && repeat == Repeat::Safe && !retried {
+                        retried = true;
+                        tracing::debug!(op, error = %e, "connection failed; reading again on a fresh one");
+                        continue;
+                    }
+                    return Err(CallError::from(e));
+                }
+            }
+        }
     };
     bounded(timeout, op, round_trip).await
 }

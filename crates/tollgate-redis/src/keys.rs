@@ -108,6 +108,12 @@ impl KeySpace {
         format!("{}:{SCHEMA}:apikey:{}", self.prefix, hash.as_str())
     }
 
+    /// Set: the ids of every key issued to `user` (revoked ones too): the user
+    /// exists for `/admin/users/{user}/*`. `<prefix>:v1:apikey-user:<user>`.
+    pub fn api_key_user(&self, user: &UserId) -> String {
+        format!("{}:{SCHEMA}:apikey-user:{user}", self.prefix)
+    }
+
     /// String: a key id's key hash, for revoking by id:
     /// `<prefix>:v1:apikey-id:<key id>`. Callers pass only ids that passed
     /// [`tollgate_core::keystore::is_key_id`].

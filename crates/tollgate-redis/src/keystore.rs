@@ -56,12 +56,23 @@ impl RedisKeyStore {
             .map_err(KeyStoreError::from)
     }
 
+    /// A pipeline that only reads: sent again once after a connection failure.
+    async fn read<T: FromRedisValue>(
+        &self,
+        op: &'static str,
+        pipe: &Pipeline,
+    ) -> Result<T, KeyStoreError> {
+        call::read(&self.pool, self.timeout, op, pipe)
+            .await
+            .map_err(KeyStoreError::from)
+    }
+
     async fn record(&self, key: &str) -> Result<Option<KeyRecord>, KeyStoreError> {
         let mut pipe = redis::pipe();
         pipe.cmd("HMGET")
             .arg(key)
             .arg(&["user", "key_id", "created_ms", "revoked"]);
-        let (fields,): (Vec<Option<String>>,) = self.pipe("apikey_get", &pipe).await?;
+        let (fields,): (Vec<Option<String>>,) = self.read("apikey_get", &pipe).await?;
         let bad = || KeyStoreError::Backend(format!("malformed key record {key}"));
         match fields.as_slice() {
             [None, ..] => Ok(None),
@@ -102,6 +113,10 @@ impl KeyStore for RedisKeyStore {
             .cmd("SET")
             .arg(self.keys.api_key_id(&record.key_id))
             .arg(hash.as_str())
+            .ignore()
+            .cmd("SADD")
+            .arg(self.keys.api_key_user(&record.user))
+            .arg(&record.key_id)
             .ignore();
         self.pipe::<()>("apikey_insert", &pipe).await
     }
@@ -134,9 +149,17 @@ impl KeyStore for RedisKeyStore {
         self.record(&key).await
     }
 
+    async fn has_user(&self, user: &UserId) -> Result<bool, KeyStoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("EXISTS").arg(self.keys.api_key_user(user));
+        let (exists,): (bool,) = self.read("apikey_user", &pipe).await?;
+        Ok(exists)
+    }
+
     async fn ping(&self) -> Result<(), KeyStoreError> {
         let mut pipe = redis::pipe();
         pipe.cmd("PING");
+        // Not `read`: readiness reports what one attempt finds.
         let (_,): (String,) = self.pipe("ping", &pipe).await?;
         Ok(())
     }

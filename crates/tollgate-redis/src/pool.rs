@@ -4,25 +4,75 @@
 //! The pool uses its own [`Manager`] rather than deadpool-redis's: that one sends
 //! UNWATCH + PING on every checkout, one extra round trip per budget call, which
 //! measured at about half of the achievable throughput (BENCHMARKS.md). Ours
-//! hands out idle connections as they are and instead evicts a connection the
-//! moment a call on it fails at the connection level ([`discard_if_broken`]), so
-//! a restarted Redis is reconnected to on the next call.
+//! checks a connection without a round trip instead: each [`PooledConnection`]
+//! keeps the task that drives its socket, and that task ends the moment Redis
+//! closes the socket (a restart, a kill, `CLIENT KILL`, an idle timeout). Recycling
+//! discards a connection whose task ended, so an idle pool never hands out a
+//! connection that can only answer "broken pipe". A connection idle for longer
+//! than [`IDLE_PING`] is also PINGed first: a peer that vanished without closing
+//! the socket (a dropped NAT entry, a dead host) leaves the task running. And a
+//! call that fails at the connection level evicts its connection at once
+//! ([`discard_if_broken`]).
 
+use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
-use deadpool::managed::{self, Metrics, Object, RecycleResult};
+use deadpool::managed::{self, Metrics, Object, RecycleError, RecycleResult};
 use deadpool::Runtime;
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, RedisError};
+use redis::{AsyncConnectionConfig, Client, ConnectionAddr, RedisError};
+use tokio::task::JoinHandle;
 
 /// How long one call may wait for a connection, or for Redis to answer, before it
 /// fails as unavailable (fail closed rather than hang).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// A connection idle for longer than this is PINGed before it is handed out.
+pub const IDLE_PING: Duration = Duration::from_secs(30);
+
 /// A pool of multiplexed Redis connections.
 pub type Pool = managed::Pool<Manager>;
 /// A connection checked out of the [`Pool`]; derefs to a `MultiplexedConnection`.
 pub type Connection = Object<Manager>;
+
+/// A multiplexed connection and the task that drives its socket (aborted when
+/// the connection is dropped). Derefs to the `MultiplexedConnection`.
+#[derive(Debug)]
+pub struct PooledConnection {
+    conn: MultiplexedConnection,
+    /// `None` when the connection was made by redis-rs itself (a unix socket):
+    /// its liveness is then known only by the idle PING and by failures.
+    driver: Option<JoinHandle<()>>,
+}
+
+impl PooledConnection {
+    /// False once the socket is closed: every command on it would fail with
+    /// "broken pipe" without reaching Redis.
+    pub fn is_alive(&self) -> bool {
+        !self.driver.as_ref().is_some_and(|d| d.is_finished())
+    }
+}
+
+impl Deref for PooledConnection {
+    type Target = MultiplexedConnection;
+    fn deref(&self) -> &MultiplexedConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for PooledConnection {
+    fn deref_mut(&mut self) -> &mut MultiplexedConnection {
+        &mut self.conn
+    }
+}
+
+impl Drop for PooledConnection {
+    fn drop(&mut self) {
+        if let Some(driver) = &self.driver {
+            driver.abort();
+        }
+    }
+}
 
 /// Creates multiplexed connections; see the module docs on recycling.
 #[derive(Debug)]
@@ -32,23 +82,57 @@ pub struct Manager {
 }
 
 impl managed::Manager for Manager {
-    type Type = MultiplexedConnection;
+    type Type = PooledConnection;
     type Error = RedisError;
 
-    async fn create(&self) -> Result<MultiplexedConnection, RedisError> {
+    async fn create(&self) -> Result<PooledConnection, RedisError> {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout));
-        self.client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
+        let info = self.client.get_connection_info();
+        let ConnectionAddr::Tcp(host, port) = info.addr() else {
+            let conn = self
+                .client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            return Ok(PooledConnection { conn, driver: None });
+        };
+        // Over TCP we open the socket and spawn its driver ourselves, to keep
+        // the driver's handle: it is how `recycle` sees a closed socket.
+        let connect = async {
+            let stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+            stream.set_nodelay(true)?;
+            let (conn, driver) =
+                MultiplexedConnection::new_with_config(info.redis_settings(), stream, config)
+                    .await?;
+            Ok::<_, RedisError>(PooledConnection {
+                conn,
+                driver: Some(tokio::spawn(driver)),
+            })
+        };
+        match tokio::time::timeout(self.timeout, connect).await {
+            Ok(result) => result,
+            Err(_) => Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no connection to Redis within {:?}", self.timeout),
+            ))),
+        }
     }
 
     async fn recycle(
         &self,
-        _: &mut MultiplexedConnection,
-        _: &Metrics,
+        conn: &mut PooledConnection,
+        metrics: &Metrics,
     ) -> RecycleResult<RedisError> {
+        if !conn.is_alive() {
+            return Err(RecycleError::message("Redis closed the connection"));
+        }
+        if metrics.last_used() > IDLE_PING {
+            redis::cmd("PING")
+                .query_async::<String>(&mut conn.conn)
+                .await
+                .map_err(RecycleError::Backend)?;
+        }
         Ok(())
     }
 }
@@ -57,6 +141,22 @@ impl managed::Manager for Manager {
 /// of the command.
 pub fn is_connection_error(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_refusal() || e.is_timeout() || e.is_connection_dropped()
+}
+
+/// True for answers that mean "not now" from a Redis that is up: `LOADING`
+/// (reading its AOF or RDB after a restart), `MASTERDOWN`, `TRYAGAIN`,
+/// `CLUSTERDOWN`. The command did not run; the connection is fine.
+pub fn is_busy(e: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+        )
+    )
 }
 
 /// Drops `conn` instead of returning it to the pool when `e` says the connection
@@ -130,7 +230,7 @@ pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBack
     let ping = async {
         let mut conn = pool.get().await.map_err(|e| e.to_string())?;
         redis::cmd("PING")
-            .query_async::<String>(&mut *conn)
+            .query_async::<String>(&mut **conn)
             .await
             .map_err(|e| e.to_string())
     };
