@@ -10,6 +10,7 @@ mod api_full;
 mod api_redis;
 mod auth_abuse;
 mod charging;
+mod charging_model;
 mod cli;
 mod concurrency;
 mod jobs;
