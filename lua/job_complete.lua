@@ -13,6 +13,8 @@ if not ttl or ttl < 1 then
 end
 local f = redis.call('HMGET', JOB, 'state', 'seq')
 if f[1] ~= 'running' or f[2] ~= token then
+  -- Not this lease's any more: the worker is done with its entry all the same.
+  redis.call('LREM', PROCESSING, 1, id)
   return 0
 end
 redis.call('HSET', JOB, 'state', 'succeeded', 'result', result, 'finished', int(now_ms()))

@@ -21,6 +21,8 @@ if cause ~= 'provider' and cause ~= 'throttle_timeout' and cause ~= 'expired'
 end
 local f = redis.call('HMGET', JOB, 'state', 'seq')
 if f[1] ~= 'running' or f[2] ~= token then
+  -- Not this lease's any more: the worker is done with its entry all the same.
+  redis.call('LREM', PROCESSING, 1, id)
   return 0
 end
 fail_job(JOB, REFUNDS, id, cause, message, now_ms(), channel, refund, ttl)

@@ -6,6 +6,8 @@
 local JOB, PROCESSING, LEASES, QUEUE, id, token = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2]
 local f = redis.call('HMGET', JOB, 'state', 'seq')
 if f[1] ~= 'running' or f[2] ~= token then
+  -- Not this lease's any more: the worker is done with its entry all the same.
+  redis.call('LREM', PROCESSING, 1, id)
   return 0
 end
 redis.call('HSET', JOB, 'state', 'queued')

@@ -1,21 +1,35 @@
 -- throttle_enqueue.lua: a waiter asks for a slot of one provider.
 -- KEYS[1] queue    list of tickets, oldest first       (see keys.rs, ThrottleKeys)
 -- KEYS[2] waiting  hash: ticket -> "<deadline_us> <inbox channel>"
+-- KEYS[3] bucket   the token bucket (lib/bucket.lua)
 -- ARGV[1] ticket (unique per acquire: "<request id>~<random>")
 -- ARGV[2] inbox channel the waiter's process is subscribed to (before this call)
 -- ARGV[3] max_wait in µs: after that the ticket is worth nothing
 -- ARGV[4] idle ttl in ms of the provider's keys
--- Returns { 1, now_us } queued, or { 0 } when the ticket is already waiting.
+-- ARGV[5] rate (tokens/s), ARGV[6] burst
+-- Returns { 2, now_us } granted at once: nobody is queued and the bucket has a
+-- token, which this call takes (the waiter goes ahead: no throttler, no
+-- publish, no delay between the grant and its use); { 1, now_us } queued for a
+-- throttler; { 0 } when the ticket is already waiting.
 
 local ticket, inbox = ARGV[1], ARGV[2]
 local max_wait, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
-if not max_wait or max_wait < 0 or not idle or idle < 1 then
-  return redis.error_reply('throttle_enqueue: bad max_wait or idle ttl')
+local rate, burst = tonumber(ARGV[5]), tonumber(ARGV[6])
+if not max_wait or max_wait < 0 or not idle or idle < 1 or not rate or rate <= 0
+    or not burst or burst < 1 then
+  return redis.error_reply('throttle_enqueue: bad max_wait, idle ttl, rate or burst')
 end
 if redis.call('HEXISTS', KEYS[2], ticket) == 1 then
   return { 0 }
 end
 local now = now_us()
+if redis.call('LLEN', KEYS[1]) == 0 then
+  local tokens, at = bucket_read(KEYS[3], now, rate, burst)
+  if tokens >= 1 then
+    bucket_write(KEYS[3], tokens - 1, at, rate, burst)
+    return { 2, now }
+  end
+end
 redis.call('HSET', KEYS[2], ticket, int(now + max_wait) .. ' ' .. inbox)
 redis.call('RPUSH', KEYS[1], ticket)
 redis.call('PEXPIRE', KEYS[1], int(idle))

@@ -429,9 +429,10 @@ async fn users_cli_creates_a_working_key_and_revokes_it() {
 }
 
 /// An api pod is killed (SIGKILL) while 200 calls are in flight across two pods.
-/// Whatever it was doing, once the jobs have run and the surviving pod has
-/// reconciled the dead pod's leases, every remaining spend event belongs to a job
-/// that succeeded: nothing is charged for work that will never happen.
+/// Whatever it was doing, once the jobs have run and the holds of charges whose
+/// job was never created have ended (deadline 5 s + hold grace 1 s here), every
+/// remaining spend event belongs to a job that succeeded: nothing is charged for
+/// work that will never happen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_api_pod_leaves_no_charge_without_a_job() {
     let redis = RedisServer::start();
@@ -439,6 +440,11 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
     let mock_port = tollgate_tests::redis_server::free_port();
     let mock_addr = format!("127.0.0.1:{mock_port}");
     let config = write_config(&prefix, &format!("http://{mock_addr}"));
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "[operations.\"llm.structured\"]\n",
+        "[operations.\"llm.structured\"]\ndeadline = \"5s\"\n",
+    );
+    std::fs::write(&config, format!("hold_grace = \"1s\"\n{text}")).unwrap();
     let _mock = Process::start(
         &[
             "mock-provider",
@@ -500,8 +506,8 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
     let _ = doomed.child.wait();
     while calls.join_next().await.is_some() {}
 
-    // Jobs finish (3 s of llm throttle at most); the survivor reconciles the
-    // dead pod's leases (1 s lease, every 5 s).
+    // Jobs finish (3 s of llm throttle at most); a charge the dead pod took
+    // but never queued a job for is released at its hold's end (6 s).
     let deadline = Instant::now() + Duration::from_secs(40);
     loop {
         let usage = http::json(survivor.addr, "GET", "/v1/usage", Some(&key), None)

@@ -206,6 +206,7 @@ async fn a_lost_reply_is_not_taken_as_a_failure() {
 
 fn short_config() -> Arc<Config> {
     let text = r#"
+hold_grace = "200ms"
 [plans.free]
 limit = 100
 window = "3s"
@@ -228,7 +229,6 @@ fn short_options() -> JobOptions {
         result_ttl: Duration::from_millis(300),
         poll: Duration::from_millis(50),
         refund_grace: Duration::ZERO,
-        hold_grace: Duration::from_millis(200),
     }
 }
 
@@ -256,6 +256,7 @@ async fn a_key_outliving_its_job_record_is_never_free(
         .await
         .unwrap()
         .expect("the job");
+    assert!(source.start(&lease).await.unwrap());
     source.complete(&lease, json!({"ok": true})).await.unwrap();
     advance(Duration::from_millis(500));
     source.maintain("w", Duration::from_secs(5)).await.unwrap();

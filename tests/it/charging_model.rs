@@ -24,6 +24,7 @@ use tollgate_core::{
 use tollgate_tests::RedisServer;
 
 const CONFIG: &str = r#"
+hold_grace = "300ms"
 [plans.free]
 limit = 60
 window = "1d"
@@ -51,7 +52,6 @@ fn options() -> JobOptions {
         result_ttl: Duration::from_secs(3600),
         poll: Duration::from_millis(20),
         refund_grace: Duration::ZERO,
-        hold_grace: Duration::from_millis(300),
     }
 }
 
@@ -124,12 +124,15 @@ async fn run(
                     operation: &op.name,
                     fingerprint: &fp,
                     deadline: op.deadline,
-                    grace: queue.hold_grace(),
+                    grace: config.hold_grace(),
                 };
                 let _ = ledger.charge(&r.user, &r.id, &charge).await;
             }
             Step::Work(o, ok) => {
                 if let Ok(Some(l)) = take(o).await {
+                    if !source.start(&l).await.unwrap() {
+                        continue;
+                    }
                     if ok {
                         if source.complete(&l, json!({})).await.unwrap()
                             == tollgate_core::Finish::Recorded
@@ -153,7 +156,9 @@ async fn run(
                 }
             }
             Step::Die(o) => {
-                let _ = take(o).await;
+                if let Ok(Some(l)) = take(o).await {
+                    let _ = source.start(&l).await;
+                }
             }
             Step::Maintain => {
                 source.maintain("w", lease).await.unwrap();

@@ -16,6 +16,7 @@ use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
 use tollgate_tests::{random_prefix, RedisServer};
 
 pub const CONFIG: &str = r#"
+hold_grace = "200ms"
 [plans.free]
 limit = 100
 window = "1h"
@@ -42,7 +43,6 @@ pub fn options() -> JobOptions {
         result_ttl: Duration::from_secs(60),
         poll: Duration::from_millis(100),
         refund_grace: Duration::ZERO,
-        hold_grace: Duration::from_millis(200),
     }
 }
 
@@ -145,11 +145,17 @@ pub async fn redis_queue_with(
 }
 
 async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::Lease {
-    s.source
+    let lease = s
+        .source
         .take(operation, worker, Duration::from_secs(2), LEASE)
         .await
         .unwrap()
-        .expect("a job within 2s")
+        .expect("a job within 2s");
+    assert!(
+        s.source.start(&lease).await.unwrap(),
+        "the job owns its charge"
+    );
+    lease
 }
 
 async fn submit_ok(s: &Setup, id: &str, who: &str) -> tollgate_core::Job {
@@ -503,7 +509,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         operation: "work",
         fingerprint: "feed",
         deadline: Duration::from_millis(300),
-        grace: options().hold_grace,
+        grace: Duration::from_millis(200),
     };
     // Step 1 of a submission, then nothing (the api pod died).
     let charged = ledger.charge(&ivan, &rid("crash1"), &charge).await.unwrap();
@@ -531,7 +537,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         nonce: charge.nonce.into(),
     };
     assert!(
-        !tollgate_core::job::claim(&*ledger, &job, options().hold_grace)
+        !tollgate_core::job::claim(&*ledger, &job, Duration::from_millis(200))
             .await
             .unwrap()
     );

@@ -43,6 +43,22 @@ where
     panic!("not within 10s: {what}");
 }
 
+/// Sets the provider's bucket to `tokens` now (Redis time): 0 makes the next
+/// waiter queue for a throttler instead of taking a token on the way in.
+async fn set_tokens(conn: &mut redis::aio::MultiplexedConnection, bucket: &str, tokens: f64) {
+    let (secs, micros): (u64, u64) = query(conn, &mut redis::cmd("TIME")).await;
+    let _: i64 = query(
+        conn,
+        redis::cmd("HSET")
+            .arg(bucket)
+            .arg("tokens")
+            .arg(tokens)
+            .arg("at")
+            .arg(secs * 1_000_000 + micros),
+    )
+    .await;
+}
+
 fn dispatcher(setup: &RedisSetup, pool: tollgate_redis::Pool) -> Dispatcher {
     let keys = KeySpace::new(&setup.prefix).unwrap();
     Dispatcher::new(pool, &keys, config().provider("slow").unwrap(), "test")
@@ -66,6 +82,7 @@ async fn throttle_lost_wake_up_is_found_after_reconnect() {
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
+    set_tokens(&mut conn, &d.keys().bucket, 0.0).await;
     let waiter = {
         let t = Arc::clone(&setup.throttle);
         tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
@@ -88,6 +105,7 @@ async fn throttle_lost_wake_up_is_found_after_reconnect() {
         query(&mut conn, redis::cmd("PUBSUB").arg("NUMSUB").arg(&inbox)).await;
     assert_eq!(numsub.get(1), Some(&redis::Value::Int(0)), "{numsub:?}");
     // The wrong moment: grant and publish while nobody listens.
+    set_tokens(&mut conn, &d.keys().bucket, 1.0).await;
     let pumped = d.pump(64).await.unwrap();
     assert_eq!(pumped.granted, 1);
     let started = Instant::now();
@@ -117,6 +135,7 @@ async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
+    set_tokens(&mut conn, &d.keys().bucket, 0.0).await;
     let waiter = {
         let t = Arc::clone(&setup.throttle);
         tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
@@ -133,6 +152,7 @@ async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
         redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
     )
     .await;
+    set_tokens(&mut conn, &keys.bucket, 1.0).await;
     assert_eq!(d.pump(64).await.unwrap().granted, 1);
     let tokens: f64 = query(
         &mut conn,
@@ -330,4 +350,25 @@ async fn throttle_killed_throttler_strands_nobody() {
         assert!(r.waited_ms <= 30_000, "{r:?}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With nobody queued and a token in the bucket, a waiter takes the token on
+/// its way in: no throttler, no publish, no wait. The next one (the bucket is
+/// dry) queues, and without a throttler it waits out its max_wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_free_token_is_taken_without_a_throttler() {
+    let setup = RedisSetup::start(false, RedisThrottleOptions::default()).await;
+    let t = Arc::clone(&setup.throttle);
+    let first = t
+        .acquire("slow", &rid("a"), Duration::from_secs(5))
+        .await
+        .expect("the bucket's one token");
+    assert!(first.waited < Duration::from_secs(1), "{first:?}");
+    let second = t
+        .acquire("slow", &rid("b"), Duration::from_millis(300))
+        .await;
+    assert!(
+        matches!(second, Err(tollgate_core::ThrottleError::Timeout { .. })),
+        "{second:?}"
+    );
 }

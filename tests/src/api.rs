@@ -111,6 +111,15 @@ impl StandInWorker {
                                 continue;
                             }
                         };
+                        // As the worker role does: claim the charge first.
+                        match source.start(&lease).await {
+                            Ok(true) => {}
+                            Ok(false) => continue,
+                            Err(_) => {
+                                let _ = source.hand_back(&lease).await;
+                                continue;
+                            }
+                        }
                         tokio::time::sleep(delay).await;
                         // Deterministic spread: every n-th job fails.
                         let n = counter.fetch_add(1, Ordering::SeqCst);

@@ -78,6 +78,8 @@ pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_RETRIES: u32 = 2;
 /// Default `deadline` of an operation's jobs.
 pub const DEFAULT_JOB_DEADLINE: Duration = Duration::from_secs(300);
+/// Default `hold_grace` (see [`Config::hold_grace`]).
+pub const DEFAULT_HOLD_GRACE: Duration = Duration::from_secs(60);
 /// Default `max_attempts` of an operation's jobs.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
@@ -107,6 +109,7 @@ impl Operation {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     default_plan: String,
+    hold_grace: Duration,
     plans: BTreeMap<String, Plan>,
     providers: BTreeMap<String, Provider>,
     upstreams: BTreeMap<String, Upstream>,
@@ -135,6 +138,7 @@ pub enum ConfigError {
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     default_plan: Option<String>,
+    hold_grace: Option<String>,
     #[serde(default)]
     plans: BTreeMap<String, RawPlan>,
     #[serde(default)]
@@ -268,15 +272,35 @@ impl Config {
                 format!("{default_plan:?} is not a plan (plans: {known})"),
             ));
         }
+        let hold_grace = match &raw.hold_grace {
+            Some(d) => duration::parse(d).map_err(|m| invalid("hold_grace".into(), m))?,
+            None => DEFAULT_HOLD_GRACE,
+        };
+        if hold_grace < Duration::from_millis(100) || hold_grace > Duration::from_secs(3600) {
+            return Err(invalid(
+                "hold_grace".into(),
+                "must be between 100ms and 1h".into(),
+            ));
+        }
         let (providers, upstreams) = parse_providers(raw.providers, &invalid)?;
         let operations = parse_operations(raw.operations, &providers, &invalid)?;
         Ok(Self {
             default_plan,
+            hold_grace,
             plans,
             providers,
             upstreams,
             operations,
         })
+    }
+
+    /// How long past its job's deadline a job's charge stays held for the job
+    /// (`hold_grace`, default 60 s): then the ledger releases a charge no job
+    /// claimed. A job past its deadline never starts, so this only has to cover
+    /// a worker's pause between leasing a job and claiming its charge. Every
+    /// pod must read the same value.
+    pub fn hold_grace(&self) -> Duration {
+        self.hold_grace
     }
 
     /// The plan of users who have none stored.

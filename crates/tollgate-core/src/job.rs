@@ -14,7 +14,7 @@
 //!    (operation and a fingerprint of the body: another one is
 //!    [`JobError::KeyReused`]), reserves the cost and records the charge under a
 //!    fresh nonce, *held* for its job until the job's deadline plus
-//!    [`JobOptions::hold_grace`]: the submission owns it.
+//!    [`Config::hold_grace`]: the submission owns it.
 //! 2. [`JobQueue::enqueue`] creates the job carrying that nonce (or finds it: a
 //!    retry, or a second request with the same key, gets the same job).
 //! 3. A worker, before the provider call, [`claim`]s the charge: the job owns it
@@ -397,10 +397,6 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
     /// How often a waiter re-reads a job besides being woken.
     fn poll(&self) -> Duration;
 
-    /// How long past its deadline a job's charge stays held for it
-    /// ([`JobOptions::hold_grace`]).
-    fn hold_grace(&self) -> Duration;
-
     /// Charges the operation to the user's budget and queues the job: see the
     /// module docs. Idempotent by `request.id`: the same request again returns
     /// [`SubmitOutcome::Duplicate`] with the first one's job, charging nothing;
@@ -420,7 +416,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             operation: &op.name,
             fingerprint: &fingerprint,
             deadline: op.deadline,
-            grace: self.hold_grace(),
+            grace: self.config().hold_grace(),
         };
         let (allowed, nonce, deadline_ms, create, charged) = match self
             .ledger()
@@ -558,7 +554,7 @@ pub struct Maintenance {
 #[async_trait]
 pub trait JobSource: Send + Sync + std::fmt::Debug {
     /// Waits at most `block` for a job of `operation` and leases it to `worker`
-    /// for `lease`. Malformed entries (unreadable, unknown operation) are moved
+    /// for `lease`; [`start`](Self::start) it before calling the provider. Malformed entries (unreadable, unknown operation) are moved
     /// aside and logged, never returned. A job past its deadline, or past its
     /// attempts, is failed and refunded here and not returned.
     async fn take(
@@ -568,6 +564,14 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
         block: Duration,
         lease: Duration,
     ) -> Result<Option<Lease>, JobError>;
+
+    /// The step between a lease and the provider call: the job claims its
+    /// charge ([`Ledger::claim`]). `Ok(true)`: it owns it, call the provider.
+    /// `Ok(false)`: refused (the charge was released, or the id charged anew):
+    /// the job is recorded as failed, unpaid, and must not run. `Err`: whether
+    /// the claim landed is unknown: hand the lease back (the next taker claims
+    /// again; a claim is idempotent).
+    async fn start(&self, lease: &Lease) -> Result<bool, JobError>;
 
     /// Extends the lease; `Finish::LeaseLost` when it is not ours any more.
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError>;
@@ -606,10 +610,6 @@ pub struct JobOptions {
     pub poll: Duration,
     /// A failed job's refund left pending this long is finished by maintenance.
     pub refund_grace: Duration,
-    /// How long past its job's deadline a charge stays held for the job. A job
-    /// past its deadline never starts, so this only needs to cover the moment
-    /// between a lease and its claim; every pod must use the same value.
-    pub hold_grace: Duration,
 }
 
 impl Default for JobOptions {
@@ -618,7 +618,6 @@ impl Default for JobOptions {
             result_ttl: Duration::from_secs(3600),
             poll: Duration::from_millis(500),
             refund_grace: Duration::from_secs(5),
-            hold_grace: Duration::from_secs(60),
         }
     }
 }

@@ -198,10 +198,6 @@ impl JobQueue for MemoryJobQueue {
         self.options.poll
     }
 
-    fn hold_grace(&self) -> Duration {
-        self.options.hold_grace
-    }
-
     fn watch(&self, id: &RequestId) -> Watch {
         self.waiters.watch(id)
     }
@@ -315,19 +311,7 @@ impl JobSource for MemoryJobQueue {
                 }
             };
             if let Some(lease) = taken {
-                match job::claim(&*self.ledger, &lease.job, self.options.hold_grace).await {
-                    Ok(true) => return Ok(Some(lease)),
-                    Ok(false) => {
-                        self.fail_unpaid(&lease);
-                        continue;
-                    }
-                    Err(e) => {
-                        // Unknown whether the claim landed: the job goes back,
-                        // and claims again (idempotent) when it is taken.
-                        let _ = self.hand_back(&lease).await;
-                        return Err(e);
-                    }
-                }
+                return Ok(Some(lease));
             }
             if let Some((id, cause)) = give_up {
                 let message = match cause {
@@ -346,6 +330,14 @@ impl JobSource for MemoryJobQueue {
             }
             let _ = tokio::time::timeout(deadline - now, notified).await;
         }
+    }
+
+    async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
+        let claimed = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
+        if !claimed {
+            self.fail_unpaid(lease);
+        }
+        Ok(claimed)
     }
 
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError> {

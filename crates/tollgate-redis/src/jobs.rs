@@ -8,8 +8,9 @@
 //! **Take**: `BLMOVE` from the operation's queue into the worker's processing
 //! list, on a connection of its own (a blocking command would stall a shared
 //! multiplexed one), then `job_lease.lua`: validates the record (malformed ones
-//! go to the `dead` list), counts the attempt, increments the fencing token;
-//! then the job claims its charge (`claim.lua`, on the user's keys).
+//! go to the `dead` list), counts the attempt, increments the fencing token.
+//! Before the provider call, the job claims its charge (`start`: `claim.lua`,
+//! on the user's keys), outside the fetch loop.
 //! `job_complete.lua` / `job_fail.lua` / `job_hand_back.lua` check that token in
 //! the same script that writes, so a worker that lost its lease writes nothing.
 //!
@@ -374,10 +375,6 @@ impl JobQueue for RedisJobQueue {
         self.options.poll
     }
 
-    fn hold_grace(&self) -> Duration {
-        self.options.hold_grace
-    }
-
     fn watch(&self, id: &RequestId) -> Watch {
         self.ensure_subscriber();
         self.waiters.watch(id)
@@ -542,35 +539,7 @@ impl JobSource for RedisJobQueue {
                     }
                     return Ok(None);
                 };
-                match job::claim(&*self.ledger, &lease.job, self.options.hold_grace).await {
-                    Ok(true) => Ok(Some(lease)),
-                    Ok(false) => {
-                        tracing::warn!(request_id = %id, "the job's charge is not its own; failing it unrun");
-                        self.record_failure(
-                            &keys,
-                            FailArgs {
-                                id: &id,
-                                worker,
-                                token: lease.token,
-                                cause: FailureCause::Abandoned.as_str(),
-                                message: job::UNPAID,
-                                release: false,
-                                ttl_ms: millis(self.options.result_ttl),
-                            },
-                        )
-                        .await?;
-                        Ok(None)
-                    }
-                    Err(e) => {
-                        // Whether the claim landed is unknown: hand the job back;
-                        // it claims again (idempotent) when it is taken. If that
-                        // fails too, its lease expires and maintenance requeues it.
-                        if let Err(h) = self.hand_back(&lease).await {
-                            tracing::warn!(request_id = %id, error = %h, "handing back an unclaimed job failed; its lease will expire");
-                        }
-                        Err(e)
-                    }
-                }
+                Ok(Some(lease))
             }
             Some(0) => Ok(None),
             Some(2) => {
@@ -591,6 +560,28 @@ impl JobSource for RedisJobQueue {
             }
             _ => Err(bad_reply("job_lease", reply)),
         }
+    }
+
+    async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
+        let claimed = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
+        if !claimed {
+            let (_, keys) = self.op_keys(&lease.job.operation)?;
+            tracing::warn!(request_id = %lease.job.id, "the job's charge is not its own; failing it unrun");
+            self.record_failure(
+                &keys,
+                FailArgs {
+                    id: lease.job.id.as_str(),
+                    worker: &lease.worker,
+                    token: lease.token,
+                    cause: FailureCause::Abandoned.as_str(),
+                    message: job::UNPAID,
+                    release: false,
+                    ttl_ms: millis(self.options.result_ttl),
+                },
+            )
+            .await?;
+        }
+        Ok(claimed)
     }
 
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError> {

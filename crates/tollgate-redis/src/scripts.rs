@@ -191,10 +191,16 @@ pub fn throttle_enqueue<'a>(
     inbox: &str,
     max_wait_us: u64,
     idle_ms: u64,
+    bucket: BucketArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = THROTTLE_ENQUEUE.prepare_invoke();
-    inv.key(&keys.queue).key(&keys.waiting);
-    inv.arg(ticket).arg(inbox).arg(max_wait_us).arg(idle_ms);
+    inv.key(&keys.queue).key(&keys.waiting).key(&keys.bucket);
+    inv.arg(ticket)
+        .arg(inbox)
+        .arg(max_wait_us)
+        .arg(idle_ms)
+        .arg(bucket.rate)
+        .arg(bucket.burst);
     inv
 }
 

@@ -3,7 +3,9 @@
 //!
 //! A waiter registers a unique ticket with its process's one shared pub/sub
 //! subscription (the inbox), makes sure that subscription is live, then queues
-//! the ticket (`throttle_enqueue.lua`). A throttler pops tickets and serves them
+//! the ticket (`throttle_enqueue.lua`; when nobody is queued and the bucket has
+//! a token, that script takes it and the waiter goes ahead at once). A
+//! throttler pops tickets and serves them
 //! from the provider's bucket in one atomic script (`throttle_grant.lua`), which
 //! also records the grant (the readiness record) and publishes it to the inbox.
 //!
@@ -371,9 +373,21 @@ impl Throttle for RedisThrottle {
                 &shared.inbox,
                 micros(max_wait),
                 u64::try_from(IDLE_TTL.as_millis()).unwrap_or(u64::MAX),
+                BucketArgs::from(p),
             ),
         )
         .await?;
+        if let [2, granted_at_us] = queued[..] {
+            // Nobody was queued and the bucket had a token: taken at once.
+            ticket.armed = false;
+            lock(&shared.pending).remove(&ticket.id);
+            return Ok(Grant {
+                provider: p.name.clone(),
+                request_id: request_id.clone(),
+                waited: started.elapsed(),
+                granted_at_us: u64::try_from(granted_at_us).unwrap_or(0),
+            });
+        }
         if queued.first() != Some(&1) {
             return Err(ThrottleError::Backend(format!(
                 "throttle_enqueue refused ticket {}: {queued:?}",

@@ -254,6 +254,18 @@ async fn run_job(
     mut stop: watch::Receiver<bool>,
 ) {
     let job = &lease.job;
+    match source.start(&lease).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!("the job's charge is not its own: failed unrun, nothing to refund");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "claiming the job's charge failed; handing the job back");
+            finish("hand back", || source.hand_back(&lease)).await;
+            return;
+        }
+    }
     // The store's clock said how long the job had left when it was leased: a
     // monotonic timer from there, never this pod's wall clock.
     let remaining = lease.time_left;

@@ -34,6 +34,11 @@ pub struct Args {
     /// Sequential calls watched with MONITOR to count Redis round trips.
     #[arg(long, default_value_t = 100)]
     counted: usize,
+    /// Another `tollgate` binary (e.g. an earlier build) to measure side by
+    /// side with this one in the same run: each mode runs the baseline, then
+    /// this build, on the same machine minutes apart.
+    #[arg(long)]
+    baseline: Option<std::path::PathBuf>,
 }
 
 /// Plan `bench` (the default: the dev user's) never runs out; plan `tiny` holds
@@ -75,11 +80,12 @@ impl Drop for All {
 impl All {
     /// Starts `tollgate all` on a free port and reads its banner.
     fn start(
+        bin: &Path,
         config: &Path,
         concurrency: usize,
         redis: Option<(&str, &str)>,
     ) -> anyhow::Result<Self> {
-        let mut cmd = Command::new(workspace_bin("tollgate"));
+        let mut cmd = Command::new(bin);
         cmd.args(["all", "--listen", "127.0.0.1:0", "--admin-token", ADMIN])
             .arg("--config")
             .arg(config)
@@ -429,6 +435,19 @@ async fn count_round_trips(
         took.as_secs_f64()
     );
     print("429 (budget exhausted)", per(&denied, None));
+    // Async submits: the api's commands answer the 202; the jobs then run in
+    // the background (their worker and throttle commands are counted too,
+    // under their own names).
+    let submitted = monitored(url, || async {
+        sequential(c, key, n, true, 202).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(())
+    })
+    .await?;
+    print(
+        "async submit (202) and its job",
+        per(&submitted, Some(&idle)),
+    );
     Ok(())
 }
 
@@ -446,19 +465,33 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!("| mode | call | clients | calls | p50 | p99 | calls/s |");
     println!("|---|---|---:|---:|---:|---:|---:|");
 
-    {
-        let all = All::start(&config, args.concurrency, None)?;
-        measure("embedded", &all, &args).await?;
+    let current = workspace_bin("tollgate");
+    let mut builds = Vec::new();
+    if let Some(b) = &args.baseline {
+        builds.push(("baseline ", b.clone()));
     }
-
-    let server = RedisServer::start();
-    let prefix = random_prefix();
-    let all = All::start(&config, args.concurrency, Some((&server.url(), &prefix)))?;
-    let (c, tiny) = measure("Redis", &all, &args).await?;
-    // The async jobs finish before the round trips are counted.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    count_round_trips(&server.url(), &c, &all.key, &tiny, args.counted).await?;
-    drop(all);
+    builds.push(("", current));
+    for (label, bin) in &builds {
+        let all = All::start(bin, &config, args.concurrency, None)?;
+        measure(&format!("{label}embedded"), &all, &args).await?;
+    }
+    for (label, bin) in &builds {
+        let server = RedisServer::start();
+        let prefix = random_prefix();
+        let all = All::start(
+            bin,
+            &config,
+            args.concurrency,
+            Some((&server.url(), &prefix)),
+        )?;
+        let (c, tiny) = measure(&format!("{label}Redis"), &all, &args).await?;
+        // The async jobs finish before the round trips are counted.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        println!();
+        println!("{label}{}:", bin.display());
+        count_round_trips(&server.url(), &c, &all.key, &tiny, args.counted).await?;
+        println!();
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
