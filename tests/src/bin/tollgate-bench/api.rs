@@ -451,6 +451,27 @@ async fn count_round_trips(
     Ok(())
 }
 
+/// Waits (at most 120 s) until the bench operation's queue has been empty for
+/// a second: the jobs of the async submits have run.
+async fn drained(url: &str, prefix: &str) -> anyhow::Result<()> {
+    let client = redis::Client::open(url)?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let queue = format!("{prefix}:v1:{{q:bench}}:queue");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut empty_since: Option<Instant> = None;
+    while Instant::now() < deadline {
+        let n: u64 = redis::cmd("LLEN").arg(&queue).query_async(&mut conn).await?;
+        match (n, empty_since) {
+            (0, Some(t)) if t.elapsed() >= Duration::from_secs(1) => return Ok(()),
+            (0, None) => empty_since = Some(Instant::now()),
+            (0, Some(_)) => {}
+            _ => empty_since = None,
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("the bench queue did not drain within 120 s")
+}
+
 pub async fn run(args: Args) -> anyhow::Result<()> {
     tollgate_providers::http::install_crypto_provider();
     let dir = std::env::temp_dir().join(format!("tollgate-bench-api-{}", random_prefix()));
@@ -486,7 +507,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         )?;
         let (c, tiny) = measure(&format!("{label}Redis"), &all, &args).await?;
         // The async jobs finish before the round trips are counted.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        drained(&server.url(), &prefix).await?;
         println!();
         println!("{label}{}:", bin.display());
         count_round_trips(&server.url(), &c, &all.key, &tiny, args.counted).await?;
