@@ -460,7 +460,10 @@ async fn drained(url: &str, prefix: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut empty_since: Option<Instant> = None;
     while Instant::now() < deadline {
-        let n: u64 = redis::cmd("LLEN").arg(&queue).query_async(&mut conn).await?;
+        let n: u64 = redis::cmd("LLEN")
+            .arg(&queue)
+            .query_async(&mut conn)
+            .await?;
         match (n, empty_since) {
             (0, Some(t)) if t.elapsed() >= Duration::from_secs(1) => return Ok(()),
             (0, None) => empty_since = Some(Instant::now()),
