@@ -37,17 +37,17 @@
 //!
 //! Two kinds of route:
 //! - **Plain** ([`Cost::tokens`]): the layer charges the price around the
-//!    handler. It takes the request id from the `Idempotency-Key` header (scoped
-//!    to the user) or makes one, reserves (denied: 429 with `Retry-After` and the
-//!    `RateLimit-Policy` / `RateLimit` headers, the handler never runs), runs the
-//!    handler with a [`Reservation`], refunds if the handler answered an error,
-//!    and adds the rate-limit headers. A key already charged is a 409: the
-//!    handler does not run again, and only the request that charged refunds.
+//!   handler. It takes the request id from the `Idempotency-Key` header (scoped
+//!   to the user) or makes one, reserves (denied: 429 with `Retry-After` and the
+//!   `RateLimit-Policy` / `RateLimit` headers, the handler never runs), runs the
+//!   handler with a [`Reservation`], refunds if the handler answered an error,
+//!   and adds the rate-limit headers. A key already charged is a 409: the
+//!   handler does not run again, and only the request that charged refunds.
 //! - **Job** ([`Cost::per_operation`], [`Cost::job`]): the layer states the
-//!    price and hands the handler a [`Priced`]; the handler submits a job, and
-//!    the job's submission is the one place that charges it
-//!    ([`tollgate_core::JobQueue::submit`]), after the body has been read and
-//!    fingerprinted. The layer never refunds a job's charge: the job owns it.
+//!   price and hands the handler a [`Priced`]; the handler submits a job, and
+//!   the job's submission is the one place that charges it
+//!   ([`tollgate_core::JobQueue::submit`]), after the body has been read and
+//!   fingerprinted. The layer never refunds a job's charge: the job owns it.
 //!
 //! Either way the handler runs in a spawned task that the request awaits: when
 //! the client disconnects, hyper drops the request's future, but the task goes

@@ -103,7 +103,6 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         body_limit: args.body_limit,
         sync_timeout: Duration::from_millis(args.sync_timeout_ms),
         trusted_proxy_header: args.trusted_proxy_header,
-        ..Settings::default()
     };
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(l) => l,

@@ -304,7 +304,7 @@ pub enum Enqueued {
     /// Created and queued.
     Created,
     /// The job of this charge (same nonce) exists already.
-    Existing(JobInfo),
+    Existing(Box<JobInfo>),
     /// Not found, and not created (`create` was false).
     Missing,
     /// The id is another user's job.
@@ -468,7 +468,10 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
                 },
                 allowed,
             }),
-            Enqueued::Existing(info) => Ok(SubmitOutcome::Duplicate { info, allowed }),
+            Enqueued::Existing(info) => Ok(SubmitOutcome::Duplicate {
+                info: *info,
+                allowed,
+            }),
             Enqueued::Missing => Err(JobError::ResultExpired(job.id)),
             Enqueued::IdInUse => {
                 if charged {

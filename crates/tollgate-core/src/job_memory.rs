@@ -210,7 +210,7 @@ impl JobQueue for MemoryJobQueue {
                     return Ok(Enqueued::IdInUse);
                 }
                 if rec.job.nonce == job.nonce {
-                    return Ok(Enqueued::Existing(rec.info()));
+                    return Ok(Enqueued::Existing(Box::new(rec.info())));
                 }
             }
             if !create {

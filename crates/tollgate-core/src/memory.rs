@@ -468,7 +468,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         Ok(self.with_user(user, false, |log, now| {
             let window = self.plan_of(log).window_ms();
             log.expire(now, window);
-            if log.owners.get(request).is_none_or(|o| o.nonce != nonce) {
+            if !log.owners.get(request).is_some_and(|o| o.nonce == nonce) {
                 return RefundOutcome::NotFound { used: log.total };
             }
             match log.remove(request) {

@@ -400,7 +400,7 @@ impl JobQueue for RedisJobQueue {
                 )
                 .map_err(|e| bad_reply("job_enqueue", e))?;
                 match decode(&job.id, &map)? {
-                    Some(info) => Ok(Enqueued::Existing(info)),
+                    Some(info) => Ok(Enqueued::Existing(Box::new(info))),
                     None => Err(bad_reply("job_enqueue", "an empty record")),
                 }
             }
@@ -435,9 +435,9 @@ impl JobQueue for RedisJobQueue {
         for map in &records {
             if let Some(info) = decode(id, map)?.filter(|i| &i.job.user == user) {
                 // One id in two queues: the newest attempt is the one that counts.
-                if found
+                if !found
                     .as_ref()
-                    .is_none_or(|f| f.job.enqueued_at_ms < info.job.enqueued_at_ms)
+                    .is_some_and(|f| f.job.enqueued_at_ms >= info.job.enqueued_at_ms)
                 {
                     found = Some(info);
                 }
