@@ -1,12 +1,13 @@
 -- job_reclaim.lua: give the ids a dead (or stopping) worker moved back to the queue.
 -- KEYS[1] workers, KEYS[2] processing (of that worker), KEYS[3] queue
+-- KEYS[4] lists (see job_heartbeat.lua): the worker leaves it
 -- ARGV[1] worker id, ARGV[2] 1 to release even a live worker (one stopping), else 0
 -- Ids of jobs it was running stay leased until their lease expires: the lease
 -- script drops a queue entry whose job is not queued, so moving them is harmless.
 -- Returns the number of ids moved to the head of the queue, or -1 when the
 -- worker is live again (only slow): nothing moved.
 
-local WORKERS, PROCESSING, QUEUE = KEYS[1], KEYS[2], KEYS[3]
+local WORKERS, PROCESSING, QUEUE, LISTS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, force = ARGV[1], ARGV[2] == '1'
 local live = tonumber(redis.call('HGET', WORKERS, id))
 if not force and live and live >= now_ms() then
@@ -17,4 +18,5 @@ while redis.call('LMOVE', PROCESSING, QUEUE, 'LEFT', 'RIGHT') do
   n = n + 1
 end
 redis.call('HDEL', WORKERS, id)
+redis.call('SREM', LISTS, id)
 return n

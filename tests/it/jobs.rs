@@ -757,3 +757,94 @@ async fn job_embedded_worker_runs_jobs_on_memory() {
     let _ = stop.send(());
     role.await.unwrap().unwrap();
 }
+
+/// A worker's BLMOVE took a job, then its lease script failed (a broken
+/// connection after a Redis restart): the id sat in the live worker's
+/// processing list, in no queue, never leased, never refunded. Maintenance
+/// moves it back once it has seen it unleased in two rounds in a row, and the
+/// job runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_a_taken_but_never_leased_job_goes_back_to_its_queue() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let (q, ledger) = redis_queue(&server, &prefix, config()).await;
+    let keys = KeySpace::new(&prefix).unwrap().jobs("work");
+    let mut conn = raw(&server).await;
+    let r = q.submit(request("s1", "ursula", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+    let moved: Option<String> = ::redis::cmd("LMOVE")
+        .arg(&keys.queue)
+        .arg(keys.processing("w1"))
+        .arg("RIGHT")
+        .arg("LEFT")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(moved.as_deref(), Some("s1"));
+    let first = q.maintain("w1", Duration::from_secs(5)).await.unwrap();
+    assert_eq!(first.requeued, 0, "one round only marks it");
+    let second = q.maintain("w1", Duration::from_secs(5)).await.unwrap();
+    assert_eq!(second.requeued, 1, "{second:?}");
+    let lease = q
+        .take("work", "w1", Duration::from_secs(2), LEASE)
+        .await
+        .unwrap()
+        .expect("the job is back");
+    assert!(q.start(&lease).await.unwrap());
+    q.complete(&lease, json!({})).await.unwrap();
+    assert_eq!(
+        ledger.usage(&user("ursula")).await.unwrap().used,
+        10,
+        "ran and charged once"
+    );
+    let left: i64 = ::redis::cmd("LLEN")
+        .arg(keys.processing("w1"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+}
+
+/// Every worker was down long enough for the liveness hash to expire. The
+/// processing list a dead worker left is still found (the `lists` set does not
+/// expire) and a new worker's maintenance puts its ids back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_dead_workers_are_found_after_their_liveness_expired() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let (q, _ledger) = redis_queue(&server, &prefix, config()).await;
+    let keys = KeySpace::new(&prefix).unwrap().jobs("work");
+    let mut conn = raw(&server).await;
+    q.maintain("old", Duration::from_millis(200)).await.unwrap();
+    let r = q.submit(request("s2", "victor", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+    // `old` took it and died; then its liveness record expired with the hash.
+    let _: Option<String> = ::redis::cmd("LMOVE")
+        .arg(&keys.queue)
+        .arg(keys.processing("old"))
+        .arg("RIGHT")
+        .arg("LEFT")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: i64 = ::redis::cmd("DEL")
+        .arg(&keys.workers)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let m = q.maintain("new", Duration::from_secs(5)).await.unwrap();
+    assert_eq!(m.requeued, 1, "{m:?}");
+    let queued: i64 = ::redis::cmd("LLEN")
+        .arg(&keys.queue)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(queued, 1);
+    let listed: i64 = ::redis::cmd("SISMEMBER")
+        .arg(&keys.lists)
+        .arg("old")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(listed, 0, "a reclaimed worker leaves the set");
+}

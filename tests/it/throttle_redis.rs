@@ -372,3 +372,17 @@ async fn throttle_a_free_token_is_taken_without_a_throttler() {
         "{second:?}"
     );
 }
+
+/// A grant's readiness record lives at least as long as its provider's
+/// max_wait: a waiter whose subscription was down for most of a long wait
+/// still finds its grant.
+#[test]
+fn throttle_readiness_outlives_the_longest_wait() {
+    let text = "[plans.free]\nlimit = 1\nwindow = \"1h\"\n[providers.slow]\nrate = 1\nburst = 1\nmax_wait = \"2m\"\n";
+    let config = tollgate_core::Config::parse(text, "long wait").unwrap();
+    let p = config.provider("slow").unwrap();
+    assert!(tollgate_redis::throttle::ready_ttl(p) > p.max_wait);
+    let short = crate::throttle::config();
+    let s = short.provider("slow").unwrap();
+    assert!(tollgate_redis::throttle::ready_ttl(s) >= tollgate_redis::throttle::READY_TTL);
+}

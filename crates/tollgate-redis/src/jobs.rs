@@ -23,7 +23,7 @@
 //! **Waking waiters** does not depend on pub/sub alone: finishing scripts
 //! publish the job id, and a waiter also re-reads the record every `poll`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -87,6 +87,9 @@ pub struct RedisJobQueue {
     /// Idle connections for BLMOVE, one per concurrent take.
     blocking: Mutex<Vec<MultiplexedConnection>>,
     waiters: Arc<Waiters>,
+    /// Ids seen in this process's processing lists with their job still
+    /// queued (never leased), by list: moved back if still so next round.
+    suspects: Mutex<HashMap<String, HashSet<String>>>,
     subscribed: AtomicBool,
     /// Dropping it stops the subscriber task.
     stop: Mutex<Option<oneshot::Sender<()>>>,
@@ -126,6 +129,7 @@ impl RedisJobQueue {
             timeout: DEFAULT_TIMEOUT,
             blocking: Mutex::new(Vec::new()),
             waiters: Arc::new(Waiters::default()),
+            suspects: Mutex::default(),
             subscribed: AtomicBool::new(false),
             stop: Mutex::new(None),
         })
@@ -192,6 +196,48 @@ impl RedisJobQueue {
             )
             .await?;
         Ok(())
+    }
+
+    /// Moves back to the queue the ids that sit in `worker`'s own processing
+    /// list with their job never leased (its lease script failed after the
+    /// BLMOVE): seen so in two rounds in a row, so that a take in progress is
+    /// left to finish. Returns how many went back.
+    async fn unstick(&self, keys: &JobKeys, worker: &str) -> Result<u64, JobError> {
+        let list = keys.processing(worker);
+        let mut range = redis::cmd("LRANGE");
+        range.arg(&list).arg(0).arg(i64::from(MAINTAIN_BATCH) - 1);
+        let ids: Vec<String> = self.command("job_processing", range).await?;
+        let mut states = Vec::new();
+        if !ids.is_empty() {
+            let mut pipe = redis::pipe();
+            for id in &ids {
+                pipe.cmd("HGET").arg(keys.job(id)).arg("state");
+            }
+            states = call::pipeline(&self.pool, self.timeout, "job_processing", &pipe).await?;
+        }
+        let unleased: HashSet<String> = ids
+            .into_iter()
+            .zip(states)
+            .filter(|(_, state): &(String, Option<String>)| state.as_deref() != Some("running"))
+            .map(|(id, _)| id)
+            .collect();
+        let previous = lock(&self.suspects).insert(list.clone(), unleased.clone());
+        let mut moved = 0;
+        for id in unleased.intersection(&previous.unwrap_or_default()) {
+            let r: i64 = self
+                .script("job_unstick", scripts::job_unstick(keys, id, worker))
+                .await?;
+            if r == 1 {
+                tracing::warn!(request_id = %id, worker, "a job taken but never leased went back to its queue");
+                moved += 1;
+            }
+            if r >= 0 {
+                if let Some(s) = lock(&self.suspects).get_mut(&list) {
+                    s.remove(id);
+                }
+            }
+        }
+        Ok(moved)
     }
 
     /// `job_fail.lua`: true when recorded (the token was current).
@@ -692,6 +738,7 @@ impl JobSource for RedisJobQueue {
                     report.requeued += n as u64;
                 }
             }
+            report.requeued += self.unstick(&keys, worker).await?;
             // Expired leases.
             let due: Vec<String> = self
                 .script("job_due", scripts::job_due(&keys.leases, 0, MAINTAIN_BATCH))

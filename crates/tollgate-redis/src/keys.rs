@@ -156,6 +156,8 @@ pub struct JobKeys {
     pub refunds: String,
     /// Hash: worker id -> end of its liveness lease (µs).
     pub workers: String,
+    /// Set: the worker ids that may have a processing list (never expires).
+    pub lists: String,
     /// List: `"<entry> <reason>"` of malformed entries moved aside.
     pub dead: String,
     base: String,
@@ -175,7 +177,7 @@ impl JobKeys {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|dead|job:<id>|processing:<worker>`.
+    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|lists|dead|job:<id>|processing:<worker>`.
     /// Operation names are validated like ids when the config is read.
     pub fn jobs(&self, operation: &str) -> JobKeys {
         let base = format!("{}:{SCHEMA}:{{q:{}}}", self.prefix, operation);
@@ -184,6 +186,7 @@ impl KeySpace {
             leases: format!("{base}:leases"),
             refunds: format!("{base}:refunds"),
             workers: format!("{base}:workers"),
+            lists: format!("{base}:lists"),
             dead: format!("{base}:dead"),
             base,
         }
@@ -237,7 +240,7 @@ mod tests {
         assert_eq!(k.queue, "tg:v1:{q:llm.structured}:queue");
         assert_eq!(k.job("r1"), "tg:v1:{q:llm.structured}:job:r1");
         assert_eq!(k.processing("w1"), "tg:v1:{q:llm.structured}:processing:w1");
-        for key in [&k.leases, &k.refunds, &k.workers, &k.dead] {
+        for key in [&k.leases, &k.refunds, &k.workers, &k.lists, &k.dead] {
             assert!(key.starts_with("tg:v1:{q:llm.structured}:"), "{key}");
         }
     }

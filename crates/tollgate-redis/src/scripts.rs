@@ -293,6 +293,7 @@ job_scripts! {
     JOB_REQUEUE => "job_requeue.lua",
     JOB_HEARTBEAT => "job_heartbeat.lua",
     JOB_RECLAIM => "job_reclaim.lua",
+    JOB_UNSTICK => "job_unstick.lua",
 }
 
 /// `job_enqueue.lua`: creates `job` (queued) unless it exists.
@@ -456,7 +457,10 @@ pub fn job_heartbeat<'a>(
     liveness_ms: u64,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_HEARTBEAT.prepare_invoke();
-    inv.key(&keys.workers).arg(worker).arg(liveness_ms);
+    inv.key(&keys.workers)
+        .key(&keys.lists)
+        .arg(worker)
+        .arg(liveness_ms);
     inv
 }
 
@@ -465,7 +469,18 @@ pub fn job_reclaim<'a>(keys: &JobKeys, worker: &str, force: bool) -> redis::Scri
     let mut inv = JOB_RECLAIM.prepare_invoke();
     inv.key(&keys.workers)
         .key(keys.processing(worker))
-        .key(&keys.queue);
+        .key(&keys.queue)
+        .key(&keys.lists);
     inv.arg(worker).arg(if force { "1" } else { "0" });
+    inv
+}
+
+/// `job_unstick.lua`: 1 requeued, 0 dropped as stale, -1 left alone.
+pub fn job_unstick<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_UNSTICK.prepare_invoke();
+    inv.key(keys.job(id))
+        .key(keys.processing(worker))
+        .key(&keys.queue);
+    inv.arg(id);
     inv
 }

@@ -35,9 +35,18 @@ use crate::keys::{KeySpace, ThrottleKeys};
 use crate::pool::{redact_url, Pool, RedisBackendError, DEFAULT_TIMEOUT};
 use crate::scripts::{self, BucketArgs};
 
-/// How long a readiness record outlives its grant: a waiter whose subscription
-/// is down longer than this (and who did not give up) misses its slot.
+/// The least time a readiness record outlives its grant. A provider's records
+/// live at least its `max_wait` (plus [`READY_MARGIN`]): a waiter still waiting
+/// always finds its grant after a re-subscription.
 pub const READY_TTL: Duration = Duration::from_secs(30);
+
+/// How much longer than a provider's `max_wait` its readiness records live.
+pub const READY_MARGIN: Duration = Duration::from_secs(5);
+
+/// How long the readiness records of `provider`'s grants live.
+pub fn ready_ttl(provider: &Provider) -> Duration {
+    READY_TTL.max(provider.max_wait + READY_MARGIN)
+}
 
 /// Idle provider keys (no waiter, no grant) expire after this.
 pub const IDLE_TTL: Duration = Duration::from_secs(2 * 3600);
@@ -167,22 +176,46 @@ async fn subscriber(shared: Arc<Shared>, client: redis::Client, reconnect_delay:
             Ok(mut pubsub) => match pubsub.subscribe(&shared.inbox).await {
                 Ok(()) => {
                     shared.subscribed.send_replace(true);
-                    match shared.recheck().await {
-                        Ok(0) => {}
-                        Ok(n) => tracing::info!(found = n, "grants found after subscribing"),
-                        Err(e) => tracing::warn!(error = %e, "re-check after subscribing failed"),
-                    }
-                    let mut messages = pubsub.on_message();
-                    while let Some(msg) = messages.next().await {
-                        let payload = msg.get_payload_bytes();
-                        let parsed = std::str::from_utf8(payload)
-                            .ok()
-                            .and_then(|s| s.split_once(' '))
-                            .and_then(|(t, at)| Some((t, at.parse::<u64>().ok()?)));
-                        match parsed {
-                            Some((ticket, at)) => shared.deliver(ticket, at),
-                            None => tracing::warn!(?payload, "malformed readiness message"),
+                    // Grants published while nobody listened are found by the
+                    // re-check; it is retried until it succeeds (a failed one
+                    // would strand them until max_wait), while grants keep
+                    // arriving on the subscription meanwhile.
+                    let recheck = async {
+                        let mut backoff = Duration::from_millis(50);
+                        loop {
+                            match shared.recheck().await {
+                                Ok(0) => break,
+                                Ok(n) => {
+                                    tracing::info!(found = n, "grants found after subscribing");
+                                    break;
+                                }
+                                Err(e) => {
+                                    tracing::warn!(error = %e, ?backoff, "re-check after subscribing failed; retrying");
+                                    tokio::time::sleep(backoff).await;
+                                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                                }
+                            }
                         }
+                        std::future::pending::<()>().await;
+                    };
+                    let listen = async {
+                        let mut messages = pubsub.on_message();
+                        while let Some(msg) = messages.next().await {
+                            let payload = msg.get_payload_bytes();
+                            let parsed = std::str::from_utf8(payload)
+                                .ok()
+                                .and_then(|s| s.split_once(' '))
+                                .and_then(|(t, at)| Some((t, at.parse::<u64>().ok()?)));
+                            match parsed {
+                                Some((ticket, at)) => shared.deliver(ticket, at),
+                                None => tracing::warn!(?payload, "malformed readiness message"),
+                            }
+                        }
+                    };
+                    // The subscription ending ends the re-check too.
+                    tokio::select! {
+                        () = listen => {}
+                        () = recheck => {}
                     }
                     shared.subscribed.send_replace(false);
                     tracing::warn!("throttle subscription lost; re-subscribing");
@@ -435,6 +468,7 @@ pub struct Dispatcher {
     keys: ThrottleKeys,
     throttler: String,
     bucket: BucketArgs,
+    ready_ttl: Duration,
     timeout: Duration,
 }
 
@@ -445,6 +479,7 @@ impl Dispatcher {
             keys: keys.throttle(&provider.name),
             throttler: throttler.to_owned(),
             bucket: BucketArgs::from(provider),
+            ready_ttl: ready_ttl(provider),
             timeout: DEFAULT_TIMEOUT,
         }
     }
@@ -464,7 +499,7 @@ impl Dispatcher {
                 &self.throttler,
                 self.bucket,
                 limit,
-                micros(READY_TTL),
+                micros(self.ready_ttl),
                 u64::try_from(IDLE_TTL.as_millis()).unwrap_or(u64::MAX),
             ),
         )
