@@ -1,6 +1,8 @@
 -- job_reclaim.lua: give the ids a dead (or stopping) worker moved back to the queue.
 -- KEYS[1] workers, KEYS[2] processing (of that worker), KEYS[3] queue
--- KEYS[4] lists (see job_heartbeat.lua): the worker leaves it
+-- KEYS[4] lists (see job_heartbeat.lua): a dead worker leaves it; a stopping one
+--         stays listed (its liveness is gone, so it counts as dead): a BLMOVE of
+--         its that lands after this call is reclaimed by the next maintenance
 -- ARGV[1] worker id, ARGV[2] 1 to release even a live worker (one stopping), else 0
 -- Ids of jobs it was running stay leased until their lease expires: the lease
 -- script drops a queue entry whose job is not queued, so moving them is harmless.
@@ -18,5 +20,7 @@ while redis.call('LMOVE', PROCESSING, QUEUE, 'LEFT', 'RIGHT') do
   n = n + 1
 end
 redis.call('HDEL', WORKERS, id)
-redis.call('SREM', LISTS, id)
+if not force then
+  redis.call('SREM', LISTS, id)
+end
 return n

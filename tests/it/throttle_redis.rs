@@ -386,3 +386,54 @@ fn throttle_readiness_outlives_the_longest_wait() {
     let s = short.provider("slow").unwrap();
     assert!(tollgate_redis::throttle::ready_ttl(s) >= tollgate_redis::throttle::READY_TTL);
 }
+
+/// A grant that reaches its waiter late (its subscription was down for 2.5 s
+/// while the grant was published) is not used: the token goes back to the
+/// bucket and the waiter queues again, so grants made during a pause never
+/// reach the upstream together. The grant it uses is a fresh one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_late_grant_is_not_used() {
+    let setup = RedisSetup::start(
+        false,
+        RedisThrottleOptions {
+            reconnect_delay: Duration::from_millis(2500),
+            late_grant: Duration::from_secs(1),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut conn = raw(&setup.server).await;
+    let pool = tollgate_redis::connect(&setup.server.url(), &Default::default())
+        .await
+        .unwrap();
+    let d = dispatcher(&setup, pool);
+    set_tokens(&mut conn, &d.keys().bucket, 0.0).await;
+    let waiter = {
+        let t = Arc::clone(&setup.throttle);
+        tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
+    };
+    let queue = d.keys().queue.clone();
+    eventually("the ticket is queued", || {
+        let mut c = conn.clone();
+        let q = queue.clone();
+        async move { query::<i64>(&mut c, redis::cmd("LLEN").arg(&q)).await == 1 }
+    })
+    .await;
+    let _: i64 = query(
+        &mut conn,
+        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
+    )
+    .await;
+    set_tokens(&mut conn, &d.keys().bucket, 1.0).await;
+    let (secs, micros): (u64, u64) = query(&mut conn, &mut redis::cmd("TIME")).await;
+    let first_grant_us = secs * 1_000_000 + micros;
+    assert_eq!(d.pump(64).await.unwrap().granted, 1);
+    let grant = waiter.await.unwrap().expect("a fresh grant after the late one");
+    assert!(
+        grant.granted_at_us > first_grant_us + 2_000_000,
+        "used a grant {} µs old",
+        grant.granted_at_us.saturating_sub(first_grant_us)
+    );
+    let stale: i64 = query(&mut conn, redis::cmd("ZCARD").arg(&d.keys().granted)).await;
+    assert_eq!(stale, 0, "the late grant's record was handed back");
+}

@@ -89,6 +89,11 @@ pub struct RedisThrottleOptions {
     pub call_timeout: Duration,
     /// Pause before re-subscribing after the subscription dropped.
     pub reconnect_delay: Duration,
+    /// A grant that reaches its waiter older than this (the process was
+    /// paused, or its subscription was down) is not used: its token goes back
+    /// to the bucket and the waiter queues again, so that grants made during
+    /// a pause never reach the upstream together.
+    pub late_grant: Duration,
 }
 
 impl Default for RedisThrottleOptions {
@@ -96,8 +101,16 @@ impl Default for RedisThrottleOptions {
         Self {
             call_timeout: DEFAULT_TIMEOUT,
             reconnect_delay: Duration::from_millis(100),
+            late_grant: Duration::from_secs(1),
         }
     }
+}
+
+/// One try of [`RedisThrottle::acquire`].
+enum Attempt {
+    Granted(Grant),
+    /// The grant came too late to be used; the waiter queues again.
+    Late { age: Duration },
 }
 
 /// The distributed throttle, waiter side: one per process (it owns the process's
@@ -369,6 +382,38 @@ impl Throttle for RedisThrottle {
         let p = self.providers.get(provider).ok_or_else(|| {
             ThrottleError::unknown_provider(provider, self.providers.keys().map(String::as_str))
         })?;
+        loop {
+            match self.attempt(p, request_id, started, max_wait).await? {
+                Attempt::Granted(grant) => return Ok(grant),
+                Attempt::Late { age } => {
+                    tracing::warn!(
+                        provider = %p.name, ?age,
+                        "a grant arrived late (a pause or a lost subscription): not used, queued again"
+                    );
+                    if Instant::now() >= deadline {
+                        return Err(ThrottleError::Timeout {
+                            provider: p.name.clone(),
+                            max_wait,
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl RedisThrottle {
+    /// One ticket: queued (or granted on the way in), then its grant, its
+    /// timeout, or a grant too old to use (handed back).
+    async fn attempt(
+        &self,
+        p: &Provider,
+        request_id: &RequestId,
+        started: Instant,
+        max_wait: Duration,
+    ) -> Result<Attempt, ThrottleError> {
+        let deadline = started + max_wait;
+        let left = deadline.saturating_duration_since(Instant::now());
         let shared = &self.shared;
         let n = shared.next.fetch_add(1, Ordering::Relaxed);
         let id = format!("{request_id}~{}.{n:x}", shared.process);
@@ -386,9 +431,9 @@ impl Throttle for RedisThrottle {
             provider: p.name.clone(),
             max_wait,
         };
-        let connect_wait = self.options.call_timeout.min(max_wait);
+        let connect_wait = self.options.call_timeout.min(left);
         if !self.subscribed(connect_wait).await {
-            return Err(if connect_wait == max_wait {
+            return Err(if connect_wait == left {
                 timeout()
             } else {
                 ThrottleError::Unavailable("no pub/sub subscription to Redis".into())
@@ -404,38 +449,52 @@ impl Throttle for RedisThrottle {
                 &keys,
                 &ticket.id,
                 &shared.inbox,
-                micros(max_wait),
+                micros(left),
                 u64::try_from(IDLE_TTL.as_millis()).unwrap_or(u64::MAX),
                 BucketArgs::from(p),
             ),
         )
         .await?;
-        if let [2, granted_at_us] = queued[..] {
-            // Nobody was queued and the bucket had a token: taken at once.
-            ticket.armed = false;
-            lock(&shared.pending).remove(&ticket.id);
-            return Ok(Grant {
-                provider: p.name.clone(),
-                request_id: request_id.clone(),
-                waited: started.elapsed(),
-                granted_at_us: u64::try_from(granted_at_us).unwrap_or(0),
-            });
-        }
-        if queued.first() != Some(&1) {
-            return Err(ThrottleError::Backend(format!(
-                "throttle_enqueue refused ticket {}: {queued:?}",
-                ticket.id
-            )));
-        }
+        let grant = |granted_at_us: u64| Grant {
+            provider: p.name.clone(),
+            request_id: request_id.clone(),
+            waited: started.elapsed(),
+            granted_at_us,
+        };
+        let queued_at = Instant::now();
+        let redis_now_us = match queued[..] {
+            [2, granted_at_us] => {
+                // Nobody was queued and the bucket had a token: taken at once.
+                ticket.armed = false;
+                lock(&shared.pending).remove(&ticket.id);
+                return Ok(Attempt::Granted(grant(
+                    u64::try_from(granted_at_us).unwrap_or(0),
+                )));
+            }
+            [1, now_us] => u64::try_from(now_us).unwrap_or(0),
+            _ => {
+                return Err(ThrottleError::Backend(format!(
+                    "throttle_enqueue refused ticket {}: {queued:?}",
+                    ticket.id
+                )))
+            }
+        };
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(granted_at_us)) => {
+                // Redis's clock now, as far as this process can tell: the
+                // enqueue's reply plus the time elapsed here since (a monotonic
+                // clock; the wall clock decides nothing).
+                let now_us = redis_now_us.saturating_add(micros(queued_at.elapsed()));
+                let age = Duration::from_micros(now_us.saturating_sub(granted_at_us));
+                if age > self.options.late_grant {
+                    // Not used: the token goes back (once), the caller queues again.
+                    if let Err(e) = ticket.cancel().await {
+                        tracing::warn!(error = %e, "handing back a late grant failed");
+                    }
+                    return Ok(Attempt::Late { age });
+                }
                 ticket.armed = false;
-                Ok(Grant {
-                    provider: p.name.clone(),
-                    request_id: request_id.clone(),
-                    waited: started.elapsed(),
-                    granted_at_us,
-                })
+                Ok(Attempt::Granted(grant(granted_at_us)))
             }
             Ok(Err(_)) => Err(ThrottleError::Backend(
                 "the throttle subscriber stopped".into(),
