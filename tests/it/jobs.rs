@@ -848,3 +848,36 @@ async fn job_redis_dead_workers_are_found_after_their_liveness_expired() {
         .unwrap();
     assert_eq!(listed, 0, "a reclaimed worker leaves the set");
 }
+
+/// A worker retires (SIGTERM) while its BLMOVE is still in flight: the id
+/// lands in its processing list after `retire` handed everything back. The
+/// retired worker stays listed without liveness, so the next maintenance of
+/// any worker puts the id back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_a_blmove_landing_after_retire_is_reclaimed() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let (q, _ledger) = redis_queue(&server, &prefix, config()).await;
+    let keys = KeySpace::new(&prefix).unwrap().jobs("work");
+    let mut conn = raw(&server).await;
+    q.maintain("leaving", Duration::from_secs(5)).await.unwrap();
+    let r = q.submit(request("s3", "wendy", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+    q.retire("leaving").await.unwrap();
+    let _: Option<String> = ::redis::cmd("LMOVE")
+        .arg(&keys.queue)
+        .arg(keys.processing("leaving"))
+        .arg("RIGHT")
+        .arg("LEFT")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let m = q.maintain("staying", Duration::from_secs(5)).await.unwrap();
+    assert_eq!(m.requeued, 1, "{m:?}");
+    let queued: i64 = ::redis::cmd("LLEN")
+        .arg(&keys.queue)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(queued, 1);
+}

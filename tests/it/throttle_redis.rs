@@ -428,7 +428,10 @@ async fn throttle_a_late_grant_is_not_used() {
     let (secs, micros): (u64, u64) = query(&mut conn, &mut redis::cmd("TIME")).await;
     let first_grant_us = secs * 1_000_000 + micros;
     assert_eq!(d.pump(64).await.unwrap().granted, 1);
-    let grant = waiter.await.unwrap().expect("a fresh grant after the late one");
+    let grant = waiter
+        .await
+        .unwrap()
+        .expect("a fresh grant after the late one");
     assert!(
         grant.granted_at_us > first_grant_us + 2_000_000,
         "used a grant {} µs old",

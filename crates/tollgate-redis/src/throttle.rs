@@ -110,7 +110,9 @@ impl Default for RedisThrottleOptions {
 enum Attempt {
     Granted(Grant),
     /// The grant came too late to be used; the waiter queues again.
-    Late { age: Duration },
+    Late {
+        age: Duration,
+    },
 }
 
 /// The distributed throttle, waiter side: one per process (it owns the process's
