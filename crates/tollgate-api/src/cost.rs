@@ -222,6 +222,11 @@ impl Cost {
         }
     }
 
+    /// A job route: the job's submission charges, not the layer.
+    pub fn is_job(&self) -> bool {
+        !self.charges
+    }
+
     /// The fixed price, if it is one.
     pub fn fixed(&self) -> Option<u64> {
         match self.price {

@@ -279,6 +279,9 @@ impl Routes {
         if cost.fixed().is_none() {
             doc.errors.push(ProblemType::UnknownOperation);
         }
+        if cost.is_job() {
+            doc.errors.push(ProblemType::ResultExpired);
+        }
         self.route(doc, handler.layer(cost))
     }
 
