@@ -218,6 +218,30 @@ impl<C: Clock> MemoryLedger<C> {
         });
     }
 
+    /// Removes the event of `request` (refund and release) when `owns` agrees
+    /// with its owner record (`None` for a plain reserve).
+    fn remove_if(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        owns: impl FnOnce(Option<&Owner>) -> bool,
+    ) -> RefundOutcome {
+        self.with_user(user, false, |log, now| {
+            let window = self.plan_of(log).window_ms();
+            log.expire(now, window);
+            if !owns(log.owners.get(request)) {
+                return RefundOutcome::NotFound { used: log.total };
+            }
+            match log.remove(request) {
+                Some(cost) => RefundOutcome::Refunded {
+                    cost,
+                    used: log.total,
+                },
+                None => RefundOutcome::NotFound { used: log.total },
+            }
+        })
+    }
+
     fn plan_of(&self, log: &UserLog) -> &Plan {
         self.config.plan_or_default(log.plan.as_deref())
     }
@@ -285,17 +309,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         user: &UserId,
         request: &RequestId,
     ) -> Result<RefundOutcome, LedgerError> {
-        Ok(self.with_user(user, false, |log, now| {
-            let window = self.plan_of(log).window_ms();
-            log.expire(now, window);
-            match log.remove(request) {
-                Some(cost) => RefundOutcome::Refunded {
-                    cost,
-                    used: log.total,
-                },
-                None => RefundOutcome::NotFound { used: log.total },
-            }
-        }))
+        Ok(self.remove_if(user, request, |_| true))
     }
 
     async fn settle(
@@ -465,19 +479,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         request: &RequestId,
         nonce: &str,
     ) -> Result<RefundOutcome, LedgerError> {
-        Ok(self.with_user(user, false, |log, now| {
-            let window = self.plan_of(log).window_ms();
-            log.expire(now, window);
-            if !log.owners.get(request).is_some_and(|o| o.nonce == nonce) {
-                return RefundOutcome::NotFound { used: log.total };
-            }
-            match log.remove(request) {
-                Some(cost) => RefundOutcome::Refunded {
-                    cost,
-                    used: log.total,
-                },
-                None => RefundOutcome::NotFound { used: log.total },
-            }
+        Ok(self.remove_if(user, request, |owner| {
+            owner.is_some_and(|o| o.nonce == nonce)
         }))
     }
 
