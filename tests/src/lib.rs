@@ -7,6 +7,7 @@ pub mod http;
 pub mod proxy;
 pub mod redis_server;
 pub mod throttle;
+pub mod upstream;
 
 pub use redis_server::RedisServer;
 

@@ -73,6 +73,20 @@ impl RedisServer {
         panic!("could not restart redis-server: {last_error}");
     }
 
+    /// Kills the server (SIGKILL) and leaves it down, its data directory (and
+    /// so its AOF, when started with `--appendonly yes`) kept for
+    /// [`RedisServer::resume`].
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts a stopped server again on the same port, directory and arguments;
+    /// returns once it answers PING (after loading its AOF).
+    pub fn resume(&mut self) {
+        self.restart();
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }

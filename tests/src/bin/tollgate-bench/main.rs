@@ -5,6 +5,7 @@
 //! absolute numbers across runs). BENCHMARKS.md records the results.
 
 mod api;
+mod chaos;
 mod compose;
 mod jobs;
 mod ledger;
@@ -42,6 +43,10 @@ enum Command {
     /// Jobs: submit latency and end-to-end jobs/s, embedded and on Redis with
     /// real throttler and worker processes.
     Jobs(jobs::Args),
+    /// Faults from a seed (kill -9, SIGSTOP, Redis connections killed, script
+    /// cache flushed, Redis down) against a deployment in processes under load;
+    /// then the invariants, checked after a drain.
+    Chaos(chaos::Args),
     /// The docker-compose demo's scenario (tests/compose/run.sh): load through
     /// every api pod, a worker killed mid-load, then the checks.
     ComposeScenario(compose::Args),
@@ -60,6 +65,7 @@ fn main() -> anyhow::Result<()> {
             Command::Throttle(args) => throttle::bench(args).await,
             Command::ThrottleWaiters(args) => throttle::waiters(args).await,
             Command::Jobs(args) => jobs::run(args).await,
+            Command::Chaos(args) => chaos::run(args).await,
             Command::ComposeScenario(args) => compose::run(args).await,
         }
     })

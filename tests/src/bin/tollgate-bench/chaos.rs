@@ -1,0 +1,1249 @@
+//! `tollgate-bench chaos`: a deployment in processes (2 api, 2 throttlers, 3
+//! workers on one Redis with AOF, a recording upstream served from here) under
+//! a steady, bounded load while faults drawn from a seed hit it: kill -9 and
+//! restart of any role, SIGSTOP past a lease, killed Redis connections, a
+//! flushed script cache, Redis down and back from its AOF. Then the load stops,
+//! the deployment drains, and the invariants are checked and printed with their
+//! figures; the run fails (naming its seed) if one does not hold.
+//!
+//! The same seed gives the same fault schedule and the same calls; what the
+//! processes do in between is up to the machine, so a failure is a lead to
+//! replay, not a guaranteed reproduction.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use reqwest::Client;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tollgate_tests::throttle::max_excess;
+use tollgate_tests::upstream::{Limit, Upstream};
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// How long the load runs, in seconds; faults fall inside it.
+    #[arg(long, default_value_t = 60)]
+    seconds: u64,
+    /// Seeds of the runs, comma-separated (one fresh deployment each), or
+    /// `random`.
+    #[arg(long, default_value = "1", value_delimiter = ',')]
+    seed: Vec<String>,
+    /// Calls per second the load offers, across its users.
+    #[arg(long, default_value_t = 10.0)]
+    rate: f64,
+    /// Keep each run's directory (config, role logs, Redis AOF) even when it passes.
+    #[arg(long)]
+    keep: bool,
+}
+
+const ADMIN: &str = "chaos-admin-token-0123456789";
+const USERS: usize = 4;
+/// The worker's job lease; SIGSTOP lasts longer than this.
+const WORKER_LEASE_MS: u64 = 3000;
+/// The throttler's lease on its popped tickets (its default).
+const THROTTLER_LEASE_MS: u64 = 3000;
+/// How long calls keep being retried, and jobs awaited, after the load stops.
+const DRAIN: Duration = Duration::from_secs(60);
+
+/// A provider of the generated config: its throttle, and the upstream's own
+/// limit on its path, looser than the throttle by a margin for network jitter.
+struct Provider {
+    name: &'static str,
+    rate: f64,
+    burst: u64,
+}
+
+const PROVIDERS: [Provider; 2] = [
+    Provider {
+        name: "llm",
+        rate: 8.0,
+        burst: 4,
+    },
+    Provider {
+        name: "emb",
+        rate: 16.0,
+        burst: 8,
+    },
+];
+
+/// An operation of the generated config.
+struct Op {
+    name: &'static str,
+    provider: &'static str,
+    cost: u64,
+}
+
+const OPS: [Op; 3] = [
+    Op {
+        name: "llm.call",
+        provider: "llm",
+        cost: 8,
+    },
+    Op {
+        name: "llm.cheap",
+        provider: "llm",
+        cost: 2,
+    },
+    Op {
+        name: "emb.call",
+        provider: "emb",
+        cost: 1,
+    },
+];
+
+fn config(upstream: &str) -> String {
+    let mut out = String::from(
+        "default_plan = \"chaos\"\nhold_grace = \"2s\"\n\
+         [plans.chaos]\nlimit = 100000000\nwindow = \"1h\"\n",
+    );
+    for p in &PROVIDERS {
+        let _ = write!(
+            out,
+            "[providers.{n}]\nrate = {r}\nburst = {b}\nmax_wait = \"8s\"\n\
+             url = \"{upstream}\"\ntimeout = \"3s\"\nretries = 1\n",
+            n = p.name,
+            r = p.rate,
+            b = p.burst,
+        );
+    }
+    for o in &OPS {
+        let _ = write!(
+            out,
+            "[operations.\"{n}\"]\ncost = {c}\nprovider = \"{p}\"\npath = \"/{p}\"\n\
+             deadline = \"10s\"\nmax_attempts = 3\n",
+            n = o.name,
+            c = o.cost,
+            p = o.provider,
+        );
+    }
+    out
+}
+
+/// splitmix64: small, seedable, and enough to draw a schedule.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn ms(&mut self, lo: u64, hi: u64) -> Duration {
+        Duration::from_millis(lo + self.below(hi - lo + 1))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Fault {
+    KillApi,
+    KillThrottler,
+    KillWorker,
+    StopThrottler,
+    StopWorker,
+    KillPubsubClients,
+    KillNormalClients,
+    ScriptFlush,
+    RedisDown,
+}
+
+const FAULTS: [Fault; 9] = [
+    Fault::KillApi,
+    Fault::KillThrottler,
+    Fault::KillWorker,
+    Fault::StopThrottler,
+    Fault::StopWorker,
+    Fault::KillPubsubClients,
+    Fault::KillNormalClients,
+    Fault::ScriptFlush,
+    Fault::RedisDown,
+];
+
+/// One fault of the schedule: when, what, on which process of its role, for how long.
+#[derive(Debug, Clone)]
+struct Planned {
+    at: Duration,
+    fault: Fault,
+    target: u64,
+    length: Duration,
+}
+
+/// Every kind once in a seeded order, then seeded picks, 2.5 to 5.5 s apart,
+/// from 4 s into the load until 8 s before its end.
+fn schedule(seed: u64, seconds: u64) -> Vec<Planned> {
+    let mut rng = Rng(seed);
+    let mut kinds = FAULTS.to_vec();
+    for i in (1..kinds.len()).rev() {
+        kinds.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let end = Duration::from_secs(seconds.saturating_sub(8));
+    let mut at = Duration::from_secs(4);
+    let mut out = Vec::new();
+    while at < end {
+        let fault = kinds
+            .pop()
+            .unwrap_or(FAULTS[rng.below(FAULTS.len() as u64) as usize]);
+        let length = match fault {
+            Fault::RedisDown => rng.ms(5_000, 15_000),
+            Fault::StopWorker => rng.ms(WORKER_LEASE_MS + 1_000, WORKER_LEASE_MS + 4_000),
+            Fault::StopThrottler => rng.ms(THROTTLER_LEASE_MS + 1_000, THROTTLER_LEASE_MS + 4_000),
+            // How long a killed process stays down.
+            _ => rng.ms(200, 2_000),
+        };
+        out.push(Planned {
+            at,
+            fault,
+            target: rng.next(),
+            length,
+        });
+        at += rng.ms(2_500, 5_500);
+    }
+    out
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Api,
+    Throttler,
+    Worker,
+}
+
+/// One `tollgate` process of the deployment. `busy` is held while the suite
+/// acts on it, so that faults do not overlap on one process and the watchdog
+/// does not mistake a kill of the suite's for a crash.
+struct Proc {
+    role: Role,
+    name: String,
+    args: Vec<String>,
+    api: Option<SocketAddr>,
+    child: Mutex<Option<Child>>,
+    busy: tokio::sync::Mutex<()>,
+    crashes: AtomicU32,
+}
+
+struct Deployment {
+    dir: PathBuf,
+    prefix: String,
+    redis_url: String,
+    redis: Arc<Mutex<RedisServer>>,
+    /// Held while Redis is down (and by faults that need it up).
+    redis_busy: tokio::sync::Mutex<()>,
+    procs: Vec<Proc>,
+    /// Seconds each api took to answer /readyz after each Redis return.
+    ready_after: Mutex<Vec<f64>>,
+}
+
+impl Deployment {
+    fn spawn(&self, p: &Proc) -> anyhow::Result<Child> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{}.log", p.name)))?;
+        Command::new(workspace_bin("tollgate"))
+            .args(&p.args)
+            .env("TOLLGATE_REDIS_URL", &self.redis_url)
+            .env("TOLLGATE_KEY_PREFIX", &self.prefix)
+            .env("TOLLGATE_CONFIG", self.dir.join("chaos.toml"))
+            .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawn {}", p.name))
+    }
+
+    async fn start(&self, p: &Proc, http: &Client) -> anyhow::Result<()> {
+        let child = self.spawn(p)?;
+        if let Ok(mut slot) = p.child.lock() {
+            *slot = Some(child);
+        }
+        if let Some(addr) = p.api {
+            wait_status(
+                http,
+                &format!("http://{addr}/healthz"),
+                Duration::from_secs(15),
+            )
+            .await
+            .with_context(|| format!("{} did not come up", p.name))?;
+        }
+        Ok(())
+    }
+
+    fn pid(p: &Proc) -> Option<u32> {
+        p.child.lock().ok()?.as_ref().map(Child::id)
+    }
+
+    fn kill9(p: &Proc) {
+        if let Ok(mut slot) = p.child.lock() {
+            if let Some(mut c) = slot.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+
+    fn of(&self, role: Role) -> Vec<&Proc> {
+        self.procs.iter().filter(|p| p.role == role).collect()
+    }
+
+    fn apis(&self) -> Vec<SocketAddr> {
+        self.procs.iter().filter_map(|p| p.api).collect()
+    }
+}
+
+impl Deployment {
+    /// Kills every process (resumed first if stopped) and Redis.
+    fn shutdown(&self) {
+        for p in &self.procs {
+            if let Some(pid) = Deployment::pid(p) {
+                signal(pid, "-CONT");
+            }
+            Deployment::kill9(p);
+        }
+        if let Ok(mut r) = self.redis.lock() {
+            r.stop();
+        }
+    }
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .stderr(Stdio::null())
+        .status();
+}
+
+async fn wait_status(http: &Client, url: &str, within: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        match http.get(url).send().await {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            other if Instant::now() >= deadline => bail!("{url}: {other:?}"),
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// One Redis command on a fresh connection (the old ones may be gone with a
+/// restarted server), bounded in time.
+async fn redis_cmd<T: redis::FromRedisValue>(url: &str, cmd: &redis::Cmd) -> anyhow::Result<T> {
+    let client = redis::Client::open(url)?;
+    let work = async {
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        cmd.query_async::<T>(&mut conn).await
+    };
+    Ok(tokio::time::timeout(Duration::from_secs(3), work).await??)
+}
+
+/// What the suite did, for the report.
+#[derive(Default)]
+struct FaultLog {
+    done: BTreeMap<Fault, u32>,
+    skipped: BTreeMap<Fault, u32>,
+    lines: Vec<String>,
+}
+
+async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<FaultLog>>) {
+    let role = match plan.fault {
+        Fault::KillApi => Some(Role::Api),
+        Fault::KillThrottler | Fault::StopThrottler => Some(Role::Throttler),
+        Fault::KillWorker | Fault::StopWorker => Some(Role::Worker),
+        _ => None,
+    };
+    let note = |done: bool, what: String| {
+        if let Ok(mut l) = log.lock() {
+            *if done { &mut l.done } else { &mut l.skipped }
+                .entry(plan.fault)
+                .or_default() += 1;
+            l.lines.push(format!(
+                "  {:>6.1}s {:?} {what}{}",
+                plan.at.as_secs_f64(),
+                plan.fault,
+                if done { "" } else { " (skipped)" }
+            ));
+        }
+    };
+    if let Some(role) = role {
+        let procs = d.of(role);
+        let p = procs[(plan.target % procs.len() as u64) as usize];
+        let Ok(_busy) = p.busy.try_lock() else {
+            return note(false, format!("{}: busy with another fault", p.name));
+        };
+        let Some(pid) = Deployment::pid(p) else {
+            return note(false, format!("{}: not running", p.name));
+        };
+        let ms = plan.length.as_millis();
+        match plan.fault {
+            Fault::StopThrottler | Fault::StopWorker => {
+                signal(pid, "-STOP");
+                tokio::time::sleep(plan.length).await;
+                signal(pid, "-CONT");
+                note(true, format!("{} stopped {ms} ms", p.name));
+            }
+            _ => {
+                Deployment::kill9(p);
+                tokio::time::sleep(plan.length).await;
+                match d.start(p, &http).await {
+                    Ok(()) => note(true, format!("{} killed, restarted after {ms} ms", p.name)),
+                    Err(e) => note(true, format!("{} killed; restart failed: {e:#}", p.name)),
+                }
+            }
+        }
+        return;
+    }
+    // A Redis fault planned while Redis is down lands as soon as it is back.
+    let _redis = d.redis_busy.lock().await;
+    let cmd = match plan.fault {
+        Fault::KillPubsubClients => redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("pubsub")
+            .to_owned(),
+        Fault::KillNormalClients => redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("normal")
+            .to_owned(),
+        Fault::ScriptFlush => redis::cmd("SCRIPT").arg("FLUSH").to_owned(),
+        _ => {
+            let redis = Arc::clone(&d.redis);
+            let stopped = tokio::task::spawn_blocking(move || {
+                if let Ok(mut r) = redis.lock() {
+                    r.stop();
+                }
+            })
+            .await;
+            tokio::time::sleep(plan.length).await;
+            let redis = Arc::clone(&d.redis);
+            let resumed = tokio::task::spawn_blocking(move || {
+                if let Ok(mut r) = redis.lock() {
+                    r.resume();
+                }
+            })
+            .await;
+            let back = Instant::now();
+            let mut readiness = Vec::new();
+            for p in d.of(Role::Api) {
+                // An api being killed right now is not the one to time.
+                let Ok(_busy) = p.busy.try_lock() else {
+                    continue;
+                };
+                let Some(addr) = p.api else { continue };
+                let url = format!("http://{addr}/readyz");
+                let ok = wait_status(&http, &url, Duration::from_secs(20)).await;
+                let secs = back.elapsed().as_secs_f64();
+                readiness.push(if ok.is_ok() { secs } else { f64::INFINITY });
+            }
+            if let Ok(mut r) = d.ready_after.lock() {
+                r.extend(&readiness);
+            }
+            let what = match (stopped, resumed) {
+                (Ok(()), Ok(())) => format!(
+                    "down {} ms; /readyz green after {:?} s",
+                    plan.length.as_millis(),
+                    readiness
+                        .iter()
+                        .map(|s| (s * 10.0).round() / 10.0)
+                        .collect::<Vec<_>>()
+                ),
+                _ => "stop or resume panicked".into(),
+            };
+            return note(true, what);
+        }
+    };
+    match redis_cmd::<redis::Value>(&d.redis_url, &cmd).await {
+        Ok(v) => note(true, format!("-> {v:?}")),
+        Err(e) => note(false, format!("-> {e:#}")),
+    }
+}
+
+/// Restarts, and counts, any process that exited while the suite was not acting on it.
+async fn watchdog(d: Arc<Deployment>, http: Client) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for p in &d.procs {
+            let Ok(_busy) = p.busy.try_lock() else {
+                continue;
+            };
+            let exited = p
+                .child
+                .lock()
+                .ok()
+                .and_then(|mut c| c.as_mut().map(|c| c.try_wait()))
+                .is_some_and(|s| matches!(s, Ok(Some(_))));
+            if exited {
+                p.crashes.fetch_add(1, Ordering::SeqCst);
+                eprintln!("chaos: {} exited on its own; restarting it", p.name);
+                let _ = d.start(p, &http).await;
+            }
+        }
+    }
+}
+
+/// One logical call of the load, retried with its Idempotency-Key until it has
+/// an answer that is not a 503 or a timeout.
+#[derive(Debug, Clone)]
+struct Call {
+    user: usize,
+    op: usize,
+    sync: bool,
+    job_id: String,
+    /// The final answer's status, or `None` if none came before the drain ended.
+    status: Option<u16>,
+    /// 503s, timeouts and connection errors retried.
+    retries: u32,
+    /// The api said another job id than the one the Idempotency-Key gives.
+    id_mismatch: Option<String>,
+}
+
+/// The job id the api derives from an Idempotency-Key (`cost::request_id`):
+/// known here even for a call that never got an answer.
+fn job_id(user: &str, key: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(user.as_bytes());
+    h.update([0]);
+    h.update(key.as_bytes());
+    let hex: String = h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("idem-{hex}")
+}
+
+struct User {
+    name: String,
+    key: String,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn one_call(
+    http: Client,
+    apis: Vec<SocketAddr>,
+    users: Arc<Vec<User>>,
+    run: String,
+    n: usize,
+    user: usize,
+    op: usize,
+    sync: bool,
+    give_up: Instant,
+) -> Call {
+    let key = format!("{run}-{n}");
+    let u = &users[user];
+    let mut call = Call {
+        user,
+        op,
+        sync,
+        job_id: job_id(&u.name, &key),
+        status: None,
+        retries: 0,
+        id_mismatch: None,
+    };
+    let body = json!({"marker": key});
+    let mut attempt = n;
+    while Instant::now() < give_up {
+        let api = apis[attempt % apis.len()];
+        attempt += 1;
+        let mut req = http
+            .post(format!("http://{api}/v1/ops/{}", OPS[op].name))
+            .bearer_auth(&u.key)
+            .header("Idempotency-Key", &key)
+            .json(&body)
+            .timeout(Duration::from_secs(if sync { 15 } else { 5 }));
+        if !sync {
+            req = req.header("Prefer", "respond-async");
+        }
+        match req.send().await {
+            Ok(r) if r.status().as_u16() != 503 => {
+                let status = r.status().as_u16();
+                let v: Value = r.json().await.unwrap_or(Value::Null);
+                if let Some(id) = v["job_id"].as_str() {
+                    if id != call.job_id {
+                        call.id_mismatch = Some(id.to_owned());
+                    }
+                }
+                call.status = Some(status);
+                return call;
+            }
+            _ => {
+                call.retries += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+    call
+}
+
+/// A job's end as `GET /v1/jobs/{id}` says it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum JobEnd {
+    Succeeded,
+    Failed(String),
+    Open(String),
+    /// 404: never created (a call whose every answer was lost before the job existed).
+    Missing,
+}
+
+async fn job_end(http: &Client, api: SocketAddr, key: &str, id: &str) -> Option<JobEnd> {
+    let r = http
+        .get(format!("http://{api}/v1/jobs/{id}"))
+        .bearer_auth(key)
+        .send()
+        .await
+        .ok()?;
+    if r.status().as_u16() == 404 {
+        return Some(JobEnd::Missing);
+    }
+    if !r.status().is_success() {
+        return None;
+    }
+    let v: Value = r.json().await.ok()?;
+    Some(match v["status"].as_str()? {
+        "succeeded" => JobEnd::Succeeded,
+        "failed" => JobEnd::Failed(v["error"]["cause"].as_str().unwrap_or("?").to_owned()),
+        other => JobEnd::Open(other.to_owned()),
+    })
+}
+
+/// The Redis keys of the deployment, each with its type, length and TTL.
+struct KeyInfo {
+    class: String,
+    len: u64,
+    ttl: i64,
+}
+
+/// `v1:{q:llm.call}:job:idem-..` -> `{q}:job`; `v1:apikey:..` -> `apikey`.
+fn class_of(rest: &str) -> String {
+    let rest = rest.strip_prefix("v1:").unwrap_or(rest);
+    if let Some(tagged) = rest.strip_prefix('{') {
+        let kind = tagged.chars().next().unwrap_or('?');
+        let after = tagged.split_once("}:").map_or("", |(_, a)| a);
+        let part = after.split(':').next().unwrap_or("");
+        return format!("{{{kind}}}:{part}");
+    }
+    rest.split(':').next().unwrap_or("").to_owned()
+}
+
+async fn scan_keys(url: &str, prefix: &str) -> anyhow::Result<Vec<KeyInfo>> {
+    let client = redis::Client::open(url)?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut cursor: u64 = 0;
+    let mut names = Vec::new();
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}:*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await?;
+        names.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    let mut out = Vec::new();
+    for name in names {
+        let kind: String = redis::cmd("TYPE").arg(&name).query_async(&mut conn).await?;
+        let len_cmd = match kind.as_str() {
+            "list" => "LLEN",
+            "hash" => "HLEN",
+            "zset" => "ZCARD",
+            "set" => "SCARD",
+            _ => "STRLEN",
+        };
+        let len: u64 = redis::cmd(len_cmd)
+            .arg(&name)
+            .query_async(&mut conn)
+            .await?;
+        let ttl: i64 = redis::cmd("PTTL").arg(&name).query_async(&mut conn).await?;
+        let rest = name.strip_prefix(&format!("{prefix}:")).unwrap_or(&name);
+        out.push(KeyInfo {
+            class: class_of(rest),
+            len,
+            ttl,
+        });
+    }
+    Ok(out)
+}
+
+/// Keys that hold ids only while something is in flight: empty after a drain.
+const SHOULD_BE_EMPTY: [&str; 9] = [
+    "{q}:queue",
+    "{q}:processing",
+    "{q}:leases",
+    "{q}:refunds",
+    "{q}:dead",
+    "{p}:queue",
+    "{p}:waiting",
+    "{p}:processing",
+    "{u}:holds",
+];
+
+/// Keys that are meant to live without a TTL: a user's plan, API keys, and
+/// the set through which dead workers' lists are found.
+const NO_TTL: [&str; 5] = [
+    "{u}:plan",
+    "apikey",
+    "apikey-id",
+    "apikey-user",
+    "{q}:lists",
+];
+
+async fn used_memory(url: &str) -> anyhow::Result<u64> {
+    let info: String = redis_cmd(url, redis::cmd("INFO").arg("memory")).await?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .context("used_memory in INFO memory")
+}
+
+/// Redis's clock in µs (worker and throttler leases are stamped with it).
+async fn redis_now_us(url: &str) -> anyhow::Result<u64> {
+    let (s, us): (u64, u64) = redis_cmd(url, &redis::cmd("TIME")).await?;
+    Ok(s * 1_000_000 + us)
+}
+
+/// Entries of a liveness hash (id -> end of lease, in Redis time) whose lease
+/// has not ended at `now` (same unit).
+async fn live(url: &str, key: &str, now: u64) -> anyhow::Result<usize> {
+    let all: HashMap<String, String> = redis_cmd(url, redis::cmd("HGETALL").arg(key)).await?;
+    Ok(all
+        .values()
+        .filter(|end| end.parse::<f64>().is_ok_and(|e| e > now as f64))
+        .count())
+}
+
+struct Check {
+    name: &'static str,
+    ok: bool,
+    figure: String,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    tollgate_providers::http::install_crypto_provider();
+    let mut failed = Vec::new();
+    for seed in &args.seed {
+        let seed = if seed == "random" {
+            tollgate_tests::throttle::now_us() ^ u64::from(std::process::id())
+        } else {
+            seed.parse().with_context(|| format!("--seed {seed}"))?
+        };
+        if !run_seed(&args, seed).await? {
+            failed.push(seed);
+        }
+    }
+    if !failed.is_empty() {
+        bail!("chaos: invariants broken with seed(s) {failed:?}");
+    }
+    Ok(())
+}
+
+async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
+    let started = Instant::now();
+    println!("== chaos seed {seed}: {} s of load", args.seconds);
+    let prefix = random_prefix();
+    let dir = std::env::temp_dir().join(format!("tollgate-chaos-{prefix}"));
+    std::fs::create_dir_all(&dir)?;
+    let redis = RedisServer::start_with(&["--appendonly", "yes"]);
+    let redis_url = redis.url();
+    let limits = PROVIDERS
+        .iter()
+        .map(|p| {
+            (
+                p.name.to_owned(),
+                Limit {
+                    rate: p.rate * 1.25,
+                    burst: p.burst as f64 + 2.0,
+                },
+            )
+        })
+        .collect();
+    let upstream = Upstream::start(limits, Duration::from_millis(20)).await?;
+    std::fs::write(dir.join("chaos.toml"), config(&upstream.url()))?;
+    let http = Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(10))
+        .build()?;
+
+    let mut procs = Vec::new();
+    let proc = |role, name: String, args: Vec<String>, api| Proc {
+        role,
+        name,
+        args,
+        api,
+        child: Mutex::new(None),
+        busy: tokio::sync::Mutex::new(()),
+        crashes: AtomicU32::new(0),
+    };
+    for i in 0..2 {
+        let port = tollgate_tests::redis_server::free_port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let args = [
+            "api",
+            "--listen",
+            &addr.to_string(),
+            "--sync-timeout-ms",
+            "12000",
+        ];
+        let args = args.iter().map(|a| (*a).to_owned()).collect();
+        procs.push(proc(Role::Api, format!("api-{i}"), args, Some(addr)));
+    }
+    for i in 0..2 {
+        let args = vec![
+            "throttler".into(),
+            "--lease-ms".into(),
+            THROTTLER_LEASE_MS.to_string(),
+        ];
+        procs.push(proc(Role::Throttler, format!("throttler-{i}"), args, None));
+    }
+    for i in 0..3 {
+        let args = [
+            "worker",
+            "--concurrency",
+            "16",
+            "--grace-ms",
+            "2000",
+            "--lease-ms",
+        ];
+        let mut args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        args.push(WORKER_LEASE_MS.to_string());
+        procs.push(proc(Role::Worker, format!("worker-{i}"), args, None));
+    }
+    let d = Arc::new(Deployment {
+        dir: dir.clone(),
+        prefix: prefix.clone(),
+        redis_url: redis_url.clone(),
+        redis: Arc::new(Mutex::new(redis)),
+        redis_busy: tokio::sync::Mutex::new(()),
+        procs,
+        ready_after: Mutex::default(),
+    });
+    for p in &d.procs {
+        d.start(p, &http).await?;
+    }
+    let apis = d.apis();
+
+    let mut users = Vec::new();
+    for i in 0..USERS {
+        let name = format!("chaos-{i}");
+        let r = http
+            .post(format!("http://{}/admin/users", apis[i % apis.len()]))
+            .bearer_auth(ADMIN)
+            .json(&json!({"user": name, "plan": "chaos"}))
+            .send()
+            .await?;
+        let status = r.status();
+        let v: Value = r.json().await?;
+        if !status.is_success() {
+            bail!("create user {name}: {status} {v}");
+        }
+        let key = v["api_key"].as_str().context("api_key")?.to_owned();
+        users.push(User { name, key });
+    }
+    let users = Arc::new(users);
+    // Let every role subscribe and heartbeat before the baseline is taken.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let memory_before = used_memory(&redis_url).await?;
+
+    // The load and the faults.
+    let plan = schedule(seed, args.seconds);
+    let log = Arc::new(Mutex::new(FaultLog::default()));
+    let load_start = Instant::now();
+    let load_end = load_start + Duration::from_secs(args.seconds);
+    let give_up = load_end + DRAIN;
+    let watchdog = tokio::spawn(watchdog(Arc::clone(&d), http.clone()));
+    let mut faults = tokio::task::JoinSet::new();
+    for p in plan {
+        let (d, http, log) = (Arc::clone(&d), http.clone(), Arc::clone(&log));
+        faults.spawn(async move {
+            tokio::time::sleep_until((load_start + p.at).into()).await;
+            inject(d, http, p, log).await;
+        });
+    }
+    let mut rng = Rng(seed ^ 0x00c0_ffee);
+    let run_tag = &prefix[1..9];
+    let mut calls = tokio::task::JoinSet::new();
+    let total = (args.rate * args.seconds as f64) as usize;
+    for n in 0..total {
+        let at = load_start + Duration::from_secs_f64(n as f64 / args.rate);
+        tokio::time::sleep_until(at.into()).await;
+        let (user, op) = (
+            rng.below(USERS as u64) as usize,
+            rng.below(OPS.len() as u64) as usize,
+        );
+        let sync = rng.below(2) == 0;
+        calls.spawn(one_call(
+            http.clone(),
+            apis.clone(),
+            Arc::clone(&users),
+            format!("c{run_tag}"),
+            n,
+            user,
+            op,
+            sync,
+            give_up,
+        ));
+    }
+    while faults.join_next().await.is_some() {}
+    let mut made = Vec::new();
+    while let Some(c) = calls.join_next().await {
+        made.push(c?);
+    }
+    let load_secs = load_start.elapsed().as_secs_f64();
+
+    // The drain: every job final, every hold ended, every in-flight list empty.
+    let drain_start = Instant::now();
+    let drain_end = drain_start + DRAIN;
+    let mut ends: HashMap<String, JobEnd> = HashMap::new();
+    loop {
+        for (i, c) in made.iter().enumerate() {
+            let settled = matches!(
+                ends.get(&c.job_id),
+                Some(JobEnd::Succeeded | JobEnd::Failed(_))
+            );
+            if settled {
+                continue;
+            }
+            if let Some(e) =
+                job_end(&http, apis[i % apis.len()], &users[c.user].key, &c.job_id).await
+            {
+                ends.insert(c.job_id.clone(), e);
+            }
+        }
+        let open = made
+            .iter()
+            .filter(|c| {
+                !matches!(
+                    ends.get(&c.job_id),
+                    Some(JobEnd::Succeeded | JobEnd::Failed(_) | JobEnd::Missing)
+                )
+            })
+            .count();
+        let keys = scan_keys(&redis_url, &prefix).await.unwrap_or_default();
+        let residue: u64 = keys
+            .iter()
+            .filter(|k| SHOULD_BE_EMPTY.contains(&k.class.as_str()))
+            .map(|k| k.len)
+            .sum();
+        if (open == 0 && residue == 0) || Instant::now() >= drain_end {
+            break;
+        }
+        // A budget step releases holds whose time has come.
+        for u in users.iter() {
+            let _ = http
+                .get(format!("http://{}/v1/usage", apis[0]))
+                .bearer_auth(&u.key)
+                .send()
+                .await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let drain_secs = drain_start.elapsed().as_secs_f64();
+    watchdog.abort();
+    let _ = watchdog.await;
+
+    // The checks.
+    let mut checks = Vec::new();
+    let answered = |s: u16| made.iter().filter(|c| c.status == Some(s)).count();
+    let unanswered = made.iter().filter(|c| c.status.is_none()).count();
+    let accepted: Vec<&Call> = made
+        .iter()
+        .filter(|c| !matches!(ends.get(&c.job_id), Some(JobEnd::Missing) | None))
+        .collect();
+    let succeeded = accepted
+        .iter()
+        .filter(|c| ends.get(&c.job_id) == Some(&JobEnd::Succeeded))
+        .count();
+    let mut failures: BTreeMap<String, usize> = BTreeMap::new();
+    for c in &accepted {
+        if let Some(JobEnd::Failed(cause)) = ends.get(&c.job_id) {
+            *failures.entry(cause.clone()).or_default() += 1;
+        }
+    }
+    let still_open = accepted
+        .iter()
+        .filter(|c| matches!(ends.get(&c.job_id), Some(JobEnd::Open(_))))
+        .count();
+    let vanished = made
+        .iter()
+        .filter(|c| {
+            matches!(c.status, Some(200 | 202))
+                && matches!(ends.get(&c.job_id), Some(JobEnd::Missing))
+        })
+        .count();
+    let unknown = made
+        .iter()
+        .filter(|c| !ends.contains_key(&c.job_id))
+        .count();
+    checks.push(Check {
+        name: "every accepted call ended",
+        ok: still_open == 0 && vanished == 0 && unknown == 0,
+        figure: format!(
+            "{} accepted: {succeeded} succeeded, {} failed {failures:?}; {still_open} still queued/running, \
+             {vanished} answered 200/202 but gone, {unknown} never readable",
+            accepted.len(),
+            accepted.len() - succeeded - still_open,
+        ),
+    });
+    let mismatched = made.iter().filter(|c| c.id_mismatch.is_some()).count();
+    checks.push(Check {
+        name: "job ids are the Idempotency-Key's",
+        ok: mismatched == 0,
+        figure: format!("{mismatched} answers named another job id"),
+    });
+
+    let keys = scan_keys(&redis_url, &prefix).await?;
+    let mut residue: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut no_ttl: BTreeMap<&str, u64> = BTreeMap::new();
+    for k in &keys {
+        if SHOULD_BE_EMPTY.contains(&k.class.as_str()) && k.len > 0 {
+            *residue.entry(k.class.as_str()).or_default() += k.len;
+        }
+        if k.ttl == -1 && !NO_TTL.contains(&k.class.as_str()) {
+            *no_ttl.entry(k.class.as_str()).or_default() += 1;
+        }
+    }
+    checks.push(Check {
+        name: "no ids left in queues, processing lists, leases, refunds, holds",
+        ok: residue.is_empty(),
+        figure: format!("{residue:?}"),
+    });
+
+    let mut usage_bad = Vec::new();
+    for (i, u) in users.iter().enumerate() {
+        let expected: u64 = accepted
+            .iter()
+            .filter(|c| c.user == i && ends.get(&c.job_id) == Some(&JobEnd::Succeeded))
+            .map(|c| OPS[c.op].cost)
+            .sum();
+        let v: Value = http
+            .get(format!("http://{}/v1/usage", apis[i % apis.len()]))
+            .bearer_auth(&u.key)
+            .send()
+            .await?
+            .json()
+            .await?;
+        let used = v["used"].as_u64().unwrap_or(u64::MAX);
+        if used != expected {
+            usage_bad.push(format!("{}: used {used} != {expected}", u.name));
+        }
+    }
+    checks.push(Check {
+        name: "per user, used = cost of its succeeded jobs",
+        ok: usage_bad.is_empty(),
+        figure: if usage_bad.is_empty() {
+            format!("{USERS} users match")
+        } else {
+            usage_bad.join("; ")
+        },
+    });
+
+    let arrivals = upstream.arrivals();
+    let mut ok_by_job: HashMap<&str, u32> = HashMap::new();
+    for a in &arrivals {
+        if a.status == 200 {
+            if let Some(j) = &a.job {
+                *ok_by_job.entry(j.as_str()).or_default() += 1;
+            }
+        }
+    }
+    let twice: Vec<&str> = ok_by_job
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(j, _)| *j)
+        .collect();
+    checks.push(Check {
+        name: "no job ran twice to success upstream",
+        ok: twice.is_empty(),
+        figure: format!(
+            "{} jobs succeeded upstream, {} more than once{}",
+            ok_by_job.len(),
+            twice.len(),
+            if twice.is_empty() {
+                String::new()
+            } else {
+                format!(" (e.g. {:?})", &twice[..twice.len().min(3)])
+            }
+        ),
+    });
+    let rejected = arrivals.iter().filter(|a| a.status == 429).count();
+    let mut bound = Vec::new();
+    let mut bound_ok = rejected == 0;
+    for p in &PROVIDERS {
+        let times: Vec<u64> = arrivals
+            .iter()
+            .filter(|a| a.path == p.name)
+            .map(|a| a.at_us)
+            .collect();
+        let excess = if times.is_empty() {
+            0.0
+        } else {
+            max_excess(&times, p.rate, p.burst)
+        };
+        bound_ok &= excess <= 1.0;
+        bound.push(format!(
+            "{}: {} calls, max excess {excess:.2}",
+            p.name,
+            times.len()
+        ));
+    }
+    checks.push(Check {
+        name: "upstream: arrivals <= burst + rate*t + 1, no 429",
+        ok: bound_ok,
+        figure: format!("{}; {rejected} answered 429", bound.join(", ")),
+    });
+
+    let ready = d.ready_after.lock().map(|r| r.clone()).unwrap_or_default();
+    let slowest = ready.iter().copied().fold(0.0, f64::max);
+    checks.push(Check {
+        name: "api /readyz green within 5 s of Redis's return",
+        ok: slowest <= 5.0,
+        figure: format!("{} readings, slowest {slowest:.1} s", ready.len()),
+    });
+    let crashes: Vec<String> = d
+        .procs
+        .iter()
+        .filter(|p| p.crashes.load(Ordering::SeqCst) > 0)
+        .map(|p| format!("{} x{}", p.name, p.crashes.load(Ordering::SeqCst)))
+        .collect();
+    let mut health = Vec::new();
+    for addr in &apis {
+        for path in ["healthz", "readyz"] {
+            if wait_status(
+                &http,
+                &format!("http://{addr}/{path}"),
+                Duration::from_secs(1),
+            )
+            .await
+            .is_err()
+            {
+                health.push(format!("{addr}/{path} not green"));
+            }
+        }
+    }
+    let now = redis_now_us(&redis_url).await?;
+    let mut liveness = Vec::new();
+    for o in &OPS {
+        // Worker liveness is in ms (job_heartbeat.lua), throttlers' in µs.
+        let key = format!("{prefix}:v1:{{q:{}}}:workers", o.name);
+        let n = live(&redis_url, &key, now / 1000).await?;
+        if n < 3 {
+            health.push(format!("{}: {n} live workers", o.name));
+        }
+        liveness.push(format!("{} {n}w", o.name));
+    }
+    for p in &PROVIDERS {
+        let n = live(
+            &redis_url,
+            &format!("{prefix}:v1:{{p:{}}}:throttlers", p.name),
+            now,
+        )
+        .await?;
+        if n < 2 {
+            health.push(format!("{}: {n} live throttlers", p.name));
+        }
+        liveness.push(format!("{} {n}t", p.name));
+    }
+    checks.push(Check {
+        name: "every role recovered without a restart by the suite",
+        ok: crashes.is_empty() && health.is_empty(),
+        figure: format!(
+            "exited on their own: {crashes:?}; health: {}; live: {}",
+            if health.is_empty() {
+                "all green".into()
+            } else {
+                health.join(", ")
+            },
+            liveness.join(", ")
+        ),
+    });
+
+    let memory_after = used_memory(&redis_url).await?;
+    // Job records stay for an hour (their results), budget events for the window.
+    let allowance = 1_048_576 + 4_096 * made.len() as u64;
+    checks.push(Check {
+        name: "Redis memory bounded, no unexpected key without a TTL",
+        ok: memory_after <= memory_before + allowance && no_ttl.is_empty(),
+        figure: format!(
+            "used_memory {memory_before} -> {memory_after} (bound +{allowance}); keys without TTL beyond {NO_TTL:?}: {no_ttl:?}"
+        ),
+    });
+
+    // The report.
+    let log = log
+        .lock()
+        .map(|l| (l.done.clone(), l.skipped.clone(), l.lines.clone()));
+    let (done, skipped, lines) = log.unwrap_or_default();
+    println!("faults injected {done:?}, skipped {skipped:?}:");
+    for l in &lines {
+        println!("{l}");
+    }
+    let retried: u32 = made.iter().map(|c| c.retries).sum();
+    println!(
+        "calls: {} made ({} sync), answers 200 {} / 202 {} / 502 {} / 504 {} / other {}, \
+         {unanswered} unanswered; {retried} retries after 503, timeout or connection error",
+        made.len(),
+        made.iter().filter(|c| c.sync).count(),
+        answered(200),
+        answered(202),
+        answered(502),
+        answered(504),
+        made.iter()
+            .filter(|c| c.status.is_some_and(|s| ![200, 202, 502, 504].contains(&s)))
+            .count(),
+    );
+    println!(
+        "load {load_secs:.1} s, drain {drain_secs:.1} s, total {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let mut all_ok = true;
+    for c in &checks {
+        all_ok &= c.ok;
+        println!(
+            "  [{}] {}: {}",
+            if c.ok { "ok" } else { "FAIL" },
+            c.name,
+            c.figure
+        );
+    }
+    if all_ok {
+        println!("== chaos seed {seed}: every invariant holds");
+    } else {
+        println!(
+            "== chaos seed {seed}: FAILED (replay with --seed {seed}; logs in {})",
+            dir.display()
+        );
+    }
+    drop(upstream);
+    let keep = args.keep || !all_ok;
+    d.shutdown();
+    drop(d);
+    if !keep {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(all_ok)
+}

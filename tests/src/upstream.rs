@@ -1,0 +1,155 @@
+//! A recording upstream: an HTTP provider served from the test process that
+//! notes the arrival time, path and job of every call and answers 429 when its
+//! own token bucket (per path) would be overdrawn, so that a test can hold the
+//! throttle to what the upstream actually saw rather than to what it granted.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::throttle::now_us;
+
+/// An upstream's own limit on one path: at most `burst + rate * t` calls in
+/// any interval of `t` seconds.
+#[derive(Debug, Clone, Copy)]
+pub struct Limit {
+    pub rate: f64,
+    pub burst: f64,
+}
+
+/// One call as the upstream saw it.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    /// The path without its leading `/` (one per provider in the tests' configs).
+    pub path: String,
+    pub at_us: u64,
+    /// The `Idempotency-Key` header: the job id the worker sends.
+    pub job: Option<String>,
+    /// The answer: 200, or 429 when the limit would have been passed.
+    pub status: u16,
+}
+
+#[derive(Debug)]
+struct Shared {
+    limits: HashMap<String, Limit>,
+    latency: Duration,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    buckets: HashMap<String, (f64, Instant)>,
+    arrivals: Vec<Arrival>,
+}
+
+/// The upstream; it stops serving when dropped.
+#[derive(Debug)]
+pub struct Upstream {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    /// Serves on `127.0.0.1:<free port>`; a path without a limit is never refused.
+    /// Each call takes `latency` before it is answered, so that a fault can land
+    /// while a call is in flight.
+    pub async fn start(limits: HashMap<String, Limit>, latency: Duration) -> std::io::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            limits,
+            latency,
+            inner: Mutex::default(),
+        });
+        let app = Router::new()
+            .route("/{*path}", post(call))
+            .with_state(Arc::clone(&shared));
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Self { addr, shared, task })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Every call so far, in arrival order.
+    pub fn arrivals(&self) -> Vec<Arrival> {
+        self.shared
+            .inner
+            .lock()
+            .map(|i| i.arrivals.clone())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn call(
+    State(shared): State<Arc<Shared>>,
+    Path(path): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let job = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let allowed = {
+        let Ok(mut inner) = shared.inner.lock() else {
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        };
+        let allowed = match shared.limits.get(&path) {
+            None => true,
+            Some(limit) => {
+                let now = Instant::now();
+                let (tokens, at) = inner
+                    .buckets
+                    .entry(path.clone())
+                    .or_insert((limit.burst, now));
+                let refilled =
+                    (*tokens + now.duration_since(*at).as_secs_f64() * limit.rate).min(limit.burst);
+                *at = now;
+                *tokens = if refilled >= 1.0 {
+                    refilled - 1.0
+                } else {
+                    refilled
+                };
+                refilled >= 1.0
+            }
+        };
+        inner.arrivals.push(Arrival {
+            path,
+            at_us: now_us(),
+            job,
+            status: if allowed { 200 } else { 429 },
+        });
+        allowed
+    };
+    if !allowed {
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", "1")],
+            Json(json!({"error": "rate limited"})),
+        )
+            .into_response();
+    }
+    tokio::time::sleep(shared.latency).await;
+    let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    Json(json!({"ok": true, "echo": input})).into_response()
+}
