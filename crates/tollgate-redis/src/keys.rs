@@ -154,7 +154,7 @@ pub struct JobKeys {
     pub leases: String,
     /// Sorted set: failed job id -> when it failed (ms): refunds not yet confirmed.
     pub refunds: String,
-    /// Hash: worker id -> end of its liveness lease (µs).
+    /// Hash: worker id -> end of its liveness lease (ms, Redis TIME).
     pub workers: String,
     /// Set: the worker ids that may have a processing list (never expires).
     pub lists: String,
