@@ -476,3 +476,47 @@ fn job_cli_worker_rejects_a_bad_config() {
     assert!(stderr.contains("operations.x.provider"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A role that starts while its Redis is down waits for it instead of exiting
+/// (pods and their Redis restart in any order): `tollgate worker` started
+/// against a stopped Redis is still running a second later, and once Redis is
+/// back it registers its liveness on its own. (Found by the chaos suite: a
+/// worker killed during a Redis outage never came back.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_processes_a_worker_started_without_redis_waits_for_it() {
+    let mut redis = RedisServer::start();
+    let prefix = random_prefix();
+    redis.stop();
+    let mut worker = Command::new(workspace_bin("tollgate"))
+        .args(["worker", "--redis-url", &redis.url(), "--key-prefix", &prefix])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        worker.try_wait().unwrap().is_none(),
+        "the worker exited while Redis was down"
+    );
+    redis.resume();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let workers = format!("{prefix}:v1:{{q:embeddings}}:workers");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let n: i64 = redis::cmd("HLEN")
+            .arg(&workers)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if n == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the worker never came up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = worker.kill();
+    let _ = worker.wait();
+}

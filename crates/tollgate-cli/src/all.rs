@@ -231,15 +231,14 @@ async fn on_redis(
     settings: Settings,
 ) -> Result<Backends, ExitCode> {
     let keys = KeySpace::new(prefix).map_err(|e| fail(exit::BAD_INPUT, e))?;
-    let pool = tollgate_redis::connect(
+    let pool = crate::connect::wait_for_redis(
         url,
         &PoolOptions {
             max_size: 16,
             ..Default::default()
         },
     )
-    .await
-    .map_err(|e| fail(exit::FAILURE, e))?;
+    .await?;
     let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
         pool.clone(),
         keys.clone(),

@@ -78,9 +78,9 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         max_size: args.redis_pool.max(1),
         ..Default::default()
     };
-    let pool = match tollgate_redis::connect(&args.redis_url, &options).await {
+    let pool = match crate::connect::wait_for_redis(&args.redis_url, &options).await {
         Ok(p) => p,
-        Err(e) => return fail(exit::FAILURE, e),
+        Err(code) => return code,
     };
     let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
         pool.clone(),

@@ -4,6 +4,7 @@
 mod all;
 mod api;
 mod budget;
+mod connect;
 mod logging;
 mod mock_provider;
 mod throttler;

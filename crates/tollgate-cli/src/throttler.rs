@@ -52,9 +52,10 @@ pub async fn run(args: ThrottlerArgs) -> ExitCode {
             "--batch must be >= 1 and --lease-ms >= 300",
         );
     }
-    let pool = match tollgate_redis::connect(&args.redis_url, &PoolOptions::default()).await {
+    let pool = match crate::connect::wait_for_redis(&args.redis_url, &PoolOptions::default()).await
+    {
         Ok(p) => p,
-        Err(e) => return fail(exit::FAILURE, e),
+        Err(code) => return code,
     };
     tracing::info!(redis = %redact_url(&args.redis_url), prefix = %args.key_prefix, "connected");
     let mut cfg = ThrottlerConfig::new(&args.redis_url, keys, config);

@@ -61,9 +61,10 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     if args.lease_ms < 300 {
         return fail(exit::BAD_INPUT, "--lease-ms must be >= 300");
     }
-    let pool = match tollgate_redis::connect(&args.redis_url, &PoolOptions::default()).await {
+    let pool = match crate::connect::wait_for_redis(&args.redis_url, &PoolOptions::default()).await
+    {
         Ok(p) => p,
-        Err(e) => return fail(exit::FAILURE, e),
+        Err(code) => return code,
     };
     tracing::info!(redis = %redact_url(&args.redis_url), prefix = %args.key_prefix, "connected");
     let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
