@@ -488,7 +488,13 @@ async fn job_processes_a_worker_started_without_redis_waits_for_it() {
     let prefix = random_prefix();
     redis.stop();
     let mut worker = Command::new(workspace_bin("tollgate"))
-        .args(["worker", "--redis-url", &redis.url(), "--key-prefix", &prefix])
+        .args([
+            "worker",
+            "--redis-url",
+            &redis.url(),
+            "--key-prefix",
+            &prefix,
+        ])
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())

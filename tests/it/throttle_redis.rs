@@ -440,3 +440,47 @@ async fn throttle_a_late_grant_is_not_used() {
     let stale: i64 = query(&mut conn, redis::cmd("ZCARD").arg(&d.keys().granted)).await;
     assert_eq!(stale, 0, "the late grant's record was handed back");
 }
+
+/// A wait dropped just before its process stops still cancels its ticket:
+/// `drain` lets the cancel finish before the runtime goes (a runtime that stops
+/// first drops it, and the ticket stays queued until its deadline).
+#[test]
+fn throttle_a_wait_dropped_at_shutdown_cancels_its_ticket() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (setup, waiting) = rt.block_on(async {
+        let setup = RedisSetup::start(false, RedisThrottleOptions::default()).await;
+        let mut conn = raw(&setup.server).await;
+        let keys = KeySpace::new(&setup.prefix).unwrap().throttle("slow");
+        set_tokens(&mut conn, &keys.bucket, 0.0).await;
+        let t = Arc::clone(&setup.throttle);
+        let wait =
+            tokio::spawn(
+                async move { t.acquire("slow", &rid("w"), Duration::from_secs(60)).await },
+            );
+        eventually("the ticket is queued", || {
+            let mut c = conn.clone();
+            let q = keys.queue.clone();
+            async move { query::<i64>(&mut c, redis::cmd("LLEN").arg(&q)).await == 1 }
+        })
+        .await;
+        wait.abort();
+        let _ = wait.await;
+        assert_eq!(setup.throttle.drain(Duration::from_secs(5)).await, 0);
+        (setup, keys.waiting)
+    });
+    // The runtime stops right after the drain.
+    rt.shutdown_background();
+    let check = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    check.block_on(async {
+        let mut conn = raw(&setup.server).await;
+        let left: i64 = query(&mut conn, redis::cmd("HLEN").arg(&waiting)).await;
+        assert_eq!(left, 0, "the dropped wait's ticket was cancelled");
+    });
+}

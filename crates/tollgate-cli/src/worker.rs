@@ -83,11 +83,12 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
         Ok(q) => Arc::new(q),
         Err(e) => return fail(exit::BAD_INPUT, e),
     };
-    let throttle: Arc<dyn Throttle> =
+    let redis_throttle =
         match RedisThrottle::start(&args.redis_url, pool, keys, &config, Default::default()) {
             Ok(t) => Arc::new(t),
             Err(e) => return fail(exit::BAD_INPUT, e),
         };
+    let throttle: Arc<dyn Throttle> = redis_throttle.clone();
     let providers = match tollgate_providers::from_config(&config, throttle) {
         Ok(p) => p,
         Err(e) => return fail(exit::BAD_INPUT, e),
@@ -102,7 +103,17 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
         cfg.operations = args.operations;
     }
     let source: Arc<dyn JobSource> = queue;
-    match tollgate_worker::run(cfg, source, providers, shutdown_signal()).await {
+    let ran = tollgate_worker::run(cfg, source, providers, shutdown_signal()).await;
+    // The waits dropped at shutdown cancel their tickets before the runtime
+    // stops (else they stay queued until their deadline).
+    let left = redis_throttle.drain(Duration::from_secs(5)).await;
+    if left > 0 {
+        tracing::warn!(
+            left,
+            "throttle tickets not cancelled at exit; they expire at their deadline"
+        );
+    }
+    match ran {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(exit::BAD_INPUT, e),
     }

@@ -144,6 +144,10 @@ struct Shared {
     pending: Mutex<HashMap<String, (String, oneshot::Sender<u64>)>>,
     subscribed: watch::Sender<bool>,
     call_timeout: Duration,
+    /// Cancels of dropped waits still running: [`RedisThrottle::drain`] lets
+    /// them finish before a process exits (a runtime that stops first would
+    /// drop them, leaving their tickets queued until their deadline).
+    cancels: Mutex<tokio::task::JoinSet<()>>,
 }
 
 impl Shared {
@@ -299,11 +303,12 @@ impl Drop for Ticket<'_> {
         let provider = self.provider.clone();
         let ticket = std::mem::take(&mut self.id);
         let timeout = self.throttle.options.call_timeout;
-        rt.spawn(async move {
+        let task = async move {
             if let Err(e) = cancel(&shared, &provider, &ticket, timeout).await {
                 tracing::warn!(error = %e, ticket, "cancelling a dropped wait failed");
             }
-        });
+        };
+        lock(&self.throttle.shared.cancels).spawn_on(task, &rt);
     }
 }
 
@@ -331,6 +336,7 @@ impl RedisThrottle {
             pending: Mutex::new(HashMap::new()),
             subscribed,
             call_timeout: options.call_timeout,
+            cancels: Mutex::default(),
         });
         let (stop, stopped) = oneshot::channel::<()>();
         let task = subscriber(Arc::clone(&shared), client, options.reconnect_delay);
@@ -349,6 +355,17 @@ impl RedisThrottle {
             options,
             _stop: stop,
         })
+    }
+
+    /// Lets the cancels of dropped waits finish, at most `limit`; call it
+    /// before the runtime stops. Returns how many did not finish in time.
+    pub async fn drain(&self, limit: Duration) -> usize {
+        let mut cancels = std::mem::take(&mut *lock(&self.shared.cancels));
+        let _ = tokio::time::timeout(limit, async {
+            while cancels.join_next().await.is_some() {}
+        })
+        .await;
+        cancels.len()
     }
 
     /// The pub/sub channel this process's waiters hear their grants on.
