@@ -331,26 +331,35 @@ async fn run_job(
     }
 }
 
-/// Runs a finishing call, retrying a store failure a few times.
+/// How long a finishing call is retried while the store is unreachable.
+const RECORD_FOR: Duration = Duration::from_secs(60);
+
+/// Runs a finishing call, retrying a store failure with backoff for up to
+/// [`RECORD_FOR`]: a result not recorded is a provider call made again after
+/// the lease ends, so a Redis outage is waited out rather than given up on
+/// (until another worker holds the job: `Finish::LeaseLost`).
 async fn finish<F, Fut>(what: &'static str, mut f: F) -> Option<Finish>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<Finish, tollgate_core::JobError>>,
 {
+    let give_up = tokio::time::Instant::now() + RECORD_FOR;
     let mut backoff = Duration::from_millis(100);
-    for _ in 0..4 {
+    loop {
         match f().await {
             Ok(r) => return Some(r),
-            Err(e) => {
-                tracing::warn!(error = %e, what, "recording failed; retrying");
+            Err(e) if tokio::time::Instant::now() + backoff < give_up => {
+                tracing::warn!(error = %e, what, ?backoff, "recording failed; retrying");
                 tokio::time::sleep(backoff).await;
-                backoff *= 2;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => {
+                tracing::error!(
+                    error = %e, what,
+                    "recording failed; the lease will expire and the job run again"
+                );
+                return None;
             }
         }
     }
-    tracing::error!(
-        what,
-        "recording failed; the lease will expire and the job run again"
-    );
-    None
 }
