@@ -478,6 +478,32 @@ conformance!(
     job_hand_back_requeues_without_counting_the_attempt,
 );
 
+/// What a worker's BLMOVE does, without the lease that follows it: the oldest
+/// queued id moves into `worker`'s processing list.
+async fn blmove_without_lease(
+    conn: &mut ::redis::aio::MultiplexedConnection,
+    keys: &tollgate_redis::JobKeys,
+    worker: &str,
+) -> Option<String> {
+    ::redis::cmd("LMOVE")
+        .arg(&keys.queue)
+        .arg(keys.processing(worker))
+        .arg("RIGHT")
+        .arg("LEFT")
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
+/// `LLEN key`.
+async fn llen(conn: &mut ::redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    ::redis::cmd("LLEN")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
 async fn raw(server: &RedisServer) -> ::redis::aio::MultiplexedConnection {
     ::redis::Client::open(server.url())
         .unwrap()
@@ -772,14 +798,7 @@ async fn job_redis_a_taken_but_never_leased_job_goes_back_to_its_queue() {
     let mut conn = raw(&server).await;
     let r = q.submit(request("s1", "ursula", "work")).await.unwrap();
     assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
-    let moved: Option<String> = ::redis::cmd("LMOVE")
-        .arg(&keys.queue)
-        .arg(keys.processing("w1"))
-        .arg("RIGHT")
-        .arg("LEFT")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let moved = blmove_without_lease(&mut conn, &keys, "w1").await;
     assert_eq!(moved.as_deref(), Some("s1"));
     let first = q.maintain("w1", Duration::from_secs(5)).await.unwrap();
     assert_eq!(first.requeued, 0, "one round only marks it");
@@ -797,11 +816,7 @@ async fn job_redis_a_taken_but_never_leased_job_goes_back_to_its_queue() {
         10,
         "ran and charged once"
     );
-    let left: i64 = ::redis::cmd("LLEN")
-        .arg(keys.processing("w1"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let left = llen(&mut conn, &keys.processing("w1")).await;
     assert_eq!(left, 0);
 }
 
@@ -819,14 +834,7 @@ async fn job_redis_dead_workers_are_found_after_their_liveness_expired() {
     let r = q.submit(request("s2", "victor", "work")).await.unwrap();
     assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
     // `old` took it and died; then its liveness record expired with the hash.
-    let _: Option<String> = ::redis::cmd("LMOVE")
-        .arg(&keys.queue)
-        .arg(keys.processing("old"))
-        .arg("RIGHT")
-        .arg("LEFT")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let _ = blmove_without_lease(&mut conn, &keys, "old").await;
     let _: i64 = ::redis::cmd("DEL")
         .arg(&keys.workers)
         .query_async(&mut conn)
@@ -834,11 +842,7 @@ async fn job_redis_dead_workers_are_found_after_their_liveness_expired() {
         .unwrap();
     let m = q.maintain("new", Duration::from_secs(5)).await.unwrap();
     assert_eq!(m.requeued, 1, "{m:?}");
-    let queued: i64 = ::redis::cmd("LLEN")
-        .arg(&keys.queue)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let queued = llen(&mut conn, &keys.queue).await;
     assert_eq!(queued, 1);
     let listed: i64 = ::redis::cmd("SISMEMBER")
         .arg(&keys.lists)
@@ -864,20 +868,9 @@ async fn job_redis_a_blmove_landing_after_retire_is_reclaimed() {
     let r = q.submit(request("s3", "wendy", "work")).await.unwrap();
     assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
     q.retire("leaving").await.unwrap();
-    let _: Option<String> = ::redis::cmd("LMOVE")
-        .arg(&keys.queue)
-        .arg(keys.processing("leaving"))
-        .arg("RIGHT")
-        .arg("LEFT")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let _ = blmove_without_lease(&mut conn, &keys, "leaving").await;
     let m = q.maintain("staying", Duration::from_secs(5)).await.unwrap();
     assert_eq!(m.requeued, 1, "{m:?}");
-    let queued: i64 = ::redis::cmd("LLEN")
-        .arg(&keys.queue)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let queued = llen(&mut conn, &keys.queue).await;
     assert_eq!(queued, 1);
 }

@@ -59,6 +59,28 @@ async fn set_tokens(conn: &mut redis::aio::MultiplexedConnection, bucket: &str, 
     .await;
 }
 
+/// A waiter on provider `slow` queued for a throttler: the bucket is emptied
+/// first, so the waiter cannot take a token on its way in.
+async fn queued_waiter(
+    setup: &RedisSetup,
+    conn: &mut redis::aio::MultiplexedConnection,
+    d: &Dispatcher,
+) -> tokio::task::JoinHandle<Result<tollgate_core::Grant, tollgate_core::ThrottleError>> {
+    set_tokens(conn, &d.keys().bucket, 0.0).await;
+    let waiter = {
+        let t = Arc::clone(&setup.throttle);
+        tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
+    };
+    let queue = d.keys().queue.clone();
+    eventually("the ticket is queued", || {
+        let mut c = conn.clone();
+        let q = queue.clone();
+        async move { query::<i64>(&mut c, redis::cmd("LLEN").arg(&q)).await == 1 }
+    })
+    .await;
+    waiter
+}
+
 fn dispatcher(setup: &RedisSetup, pool: tollgate_redis::Pool) -> Dispatcher {
     let keys = KeySpace::new(&setup.prefix).unwrap();
     Dispatcher::new(pool, &keys, config().provider("slow").unwrap(), "test")
@@ -82,18 +104,7 @@ async fn throttle_lost_wake_up_is_found_after_reconnect() {
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
-    set_tokens(&mut conn, &d.keys().bucket, 0.0).await;
-    let waiter = {
-        let t = Arc::clone(&setup.throttle);
-        tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
-    };
-    let queue = d.keys().queue.clone();
-    eventually("the ticket is queued", || {
-        let mut c = conn.clone();
-        let q = queue.clone();
-        async move { query::<i64>(&mut c, redis::cmd("LLEN").arg(&q)).await == 1 }
-    })
-    .await;
+    let waiter = queued_waiter(&setup, &mut conn, &d).await;
     let killed: i64 = query(
         &mut conn,
         redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
@@ -135,18 +146,8 @@ async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
-    set_tokens(&mut conn, &d.keys().bucket, 0.0).await;
-    let waiter = {
-        let t = Arc::clone(&setup.throttle);
-        tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
-    };
+    let waiter = queued_waiter(&setup, &mut conn, &d).await;
     let keys = d.keys().clone();
-    eventually("the ticket is queued", || {
-        let mut c = conn.clone();
-        let q = keys.queue.clone();
-        async move { query::<i64>(&mut c, redis::cmd("LLEN").arg(&q)).await == 1 }
-    })
-    .await;
     let _: i64 = query(
         &mut conn,
         redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
@@ -407,18 +408,7 @@ async fn throttle_a_late_grant_is_not_used() {
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
-    set_tokens(&mut conn, &d.keys().bucket, 0.0).await;
-    let waiter = {
-        let t = Arc::clone(&setup.throttle);
-        tokio::spawn(async move { t.acquire("slow", &rid("w"), Duration::from_secs(20)).await })
-    };
-    let queue = d.keys().queue.clone();
-    eventually("the ticket is queued", || {
-        let mut c = conn.clone();
-        let q = queue.clone();
-        async move { query::<i64>(&mut c, redis::cmd("LLEN").arg(&q)).await == 1 }
-    })
-    .await;
+    let waiter = queued_waiter(&setup, &mut conn, &d).await;
     let _: i64 = query(
         &mut conn,
         redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
