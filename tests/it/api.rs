@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tollgate_api::{ApiState, ProblemType, Settings};
 use tollgate_core::job::JobOptions;
-use tollgate_core::{Config, FailureCause, JobSource, Ledger, MemoryJobQueue, MemoryLedger};
+use tollgate_core::{Backends, Config, FailureCause, JobSource, Ledger};
 use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
 use tollgate_tests::api::StandInWorker;
 use tollgate_tests::{random_prefix, RedisServer};
@@ -80,17 +80,12 @@ pub fn settings() -> Settings {
 
 impl Harness {
     pub async fn memory(settings: Settings) -> Self {
-        let config = test_config();
-        let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)));
-        let queue = Arc::new(MemoryJobQueue::new(
-            Arc::clone(&config),
-            Arc::clone(&ledger) as Arc<dyn Ledger>,
-        ));
-        let state = ApiState::memory(config, ledger, queue.clone(), settings);
+        let backends = Backends::memory(test_config());
+        let state = ApiState::new(&backends, settings);
         Self {
             app: tollgate_api::router(state.clone()),
             state,
-            source: queue,
+            source: backends.source,
             redis: None,
         }
     }
@@ -213,18 +208,21 @@ pub async fn redis_state(url: &str, prefix: &str, settings: Settings) -> ApiStat
         RedisLedger::new(pool.clone(), keys.clone(), Arc::clone(&config))
             .with_timeout(Duration::from_secs(1)),
     );
-    let jobs = Arc::new(
-        RedisJobQueue::new(
-            url,
-            pool.clone(),
-            keys.clone(),
-            Arc::clone(&config),
-            Arc::clone(&ledger),
-            JobOptions::default(),
-        )
-        .unwrap(),
+    let mut backends = tollgate_redis::backends(
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(&config),
+        "test".into(),
     );
-    ApiState::redis(config, pool, keys, ledger, jobs, settings)
+    backends.jobs = Arc::new(RedisJobQueue::new(
+        pool,
+        keys,
+        config,
+        Arc::clone(&ledger),
+        JobOptions::default(),
+    ));
+    backends.ledger = ledger;
+    ApiState::new(&backends, settings)
 }
 
 /// A separate queue object (its own waiters) on the same keys: the worker side.
@@ -239,17 +237,13 @@ pub async fn redis_source(url: &str, state: &ApiState) -> Arc<dyn JobSource> {
         keys.clone(),
         Arc::clone(&state.config),
     ));
-    Arc::new(
-        RedisJobQueue::new(
-            url,
-            pool,
-            keys,
-            Arc::clone(&state.config),
-            ledger,
-            JobOptions::default(),
-        )
-        .unwrap(),
-    )
+    Arc::new(RedisJobQueue::new(
+        pool,
+        keys,
+        Arc::clone(&state.config),
+        ledger,
+        JobOptions::default(),
+    ))
 }
 
 fn state_prefix(state: &ApiState) -> String {

@@ -10,7 +10,9 @@ use tokio::sync::watch;
 use tollgate_core::job::JobOptions;
 use tollgate_core::{Config, JobSource, Ledger, Throttle};
 use tollgate_mock_provider::MockOptions;
-use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger, RedisThrottle};
+use tollgate_redis::{
+    KeySpace, PoolOptions, RedisDispatchers, RedisJobQueue, RedisLedger, RedisThrottle,
+};
 use tollgate_tests::api::ApiServer;
 use tollgate_tests::{http, random_prefix, RedisServer};
 
@@ -56,12 +58,14 @@ async fn full_path_answers_results_and_refunds_provider_failures() {
         .unwrap();
 
     // The throttler role.
-    let throttler_cfg =
-        tollgate_throttler::ThrottlerConfig::new(&redis.url(), keys.clone(), Arc::clone(&config));
+    let throttler_cfg = tollgate_throttler::ThrottlerConfig::new(Arc::clone(&config));
     let mut s = stop.clone();
     let throttler = tokio::spawn(tollgate_throttler::run(
         throttler_cfg,
-        pool.clone(),
+        Arc::new(RedisDispatchers {
+            pool: pool.clone(),
+            keys: keys.clone(),
+        }),
         async move {
             let _ = s.wait_for(|v| *v).await;
         },
@@ -72,27 +76,19 @@ async fn full_path_answers_results_and_refunds_provider_failures() {
         keys.clone(),
         Arc::clone(&config),
     ));
-    let source: Arc<dyn JobSource> = Arc::new(
-        RedisJobQueue::new(
-            &redis.url(),
-            pool.clone(),
-            keys.clone(),
-            Arc::clone(&config),
-            ledger,
-            JobOptions::default(),
-        )
-        .unwrap(),
-    );
-    let throttle: Arc<dyn Throttle> = Arc::new(
-        RedisThrottle::start(
-            &redis.url(),
-            pool.clone(),
-            keys.clone(),
-            &config,
-            Default::default(),
-        )
-        .unwrap(),
-    );
+    let source: Arc<dyn JobSource> = Arc::new(RedisJobQueue::new(
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(&config),
+        ledger,
+        JobOptions::default(),
+    ));
+    let throttle: Arc<dyn Throttle> = Arc::new(RedisThrottle::start(
+        pool.clone(),
+        keys.clone(),
+        &config,
+        Default::default(),
+    ));
     let providers = tollgate_providers::from_config(&config, throttle).unwrap();
     let mut worker_cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
     worker_cfg.shutdown_grace = Duration::from_millis(200);

@@ -132,15 +132,7 @@ pub async fn redis_queue_with(
         keys.clone(),
         Arc::clone(&config),
     ));
-    let q = RedisJobQueue::new(
-        &server.url(),
-        pool,
-        keys,
-        config,
-        Arc::clone(&ledger),
-        options,
-    )
-    .unwrap();
+    let q = RedisJobQueue::new(pool, keys, config, Arc::clone(&ledger), options);
     (Arc::new(q), ledger)
 }
 

@@ -6,8 +6,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use tollgate_api::{ApiState, Settings};
-use tollgate_core::job_memory::MemoryJobQueue;
-use tollgate_core::{Config, MemoryLedger};
+use tollgate_core::{Backends, Config};
 
 /// The Python that has openapi-spec-validator: `TOLLGATE_TEST_PYTHON` (set by
 /// scripts/test), else `python3`.
@@ -17,10 +16,8 @@ fn python() -> String {
 
 #[test]
 fn openapi_document_passes_openapi_spec_validator() {
-    let config = Arc::new(Config::builtin());
-    let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)));
-    let jobs = Arc::new(MemoryJobQueue::new(Arc::clone(&config), ledger.clone()));
-    let state = ApiState::memory(config, ledger, jobs, Settings::default());
+    let backends = Backends::memory(Arc::new(Config::builtin()));
+    let state = ApiState::new(&backends, Settings::default());
     let doc = tollgate_api::openapi(&state);
     let path = std::env::temp_dir().join(format!(
         "tollgate-openapi-{}.json",

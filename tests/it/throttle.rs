@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 use tollgate_core::{Config, MemoryThrottle, RequestId, Throttle, ThrottleError};
-use tollgate_redis::{KeySpace, PoolOptions, RedisThrottle, RedisThrottleOptions};
+use tollgate_redis::{
+    KeySpace, PoolOptions, RedisDispatchers, RedisThrottle, RedisThrottleOptions,
+};
 use tollgate_tests::throttle::{max_excess, run_waiters};
 use tollgate_tests::{random_prefix, RedisServer};
 use tollgate_throttler::ThrottlerConfig;
@@ -54,13 +56,16 @@ impl RedisSetup {
             .expect("connect to the test redis-server");
         let (stop, role) = if throttler {
             let (tx, rx) = oneshot::channel::<()>();
-            let cfg = ThrottlerConfig::new(&server.url(), keys.clone(), config());
-            let pool = pool.clone();
+            let cfg = ThrottlerConfig::new(config());
+            let dispatchers = Arc::new(RedisDispatchers {
+                pool: pool.clone(),
+                keys: keys.clone(),
+            });
             let role = tokio::spawn(async move {
                 let shutdown = async {
                     let _ = rx.await;
                 };
-                tollgate_throttler::run(cfg, pool, shutdown)
+                tollgate_throttler::run(cfg, dispatchers, shutdown)
                     .await
                     .expect("throttler role");
             });
@@ -68,8 +73,7 @@ impl RedisSetup {
         } else {
             (None, None)
         };
-        let throttle = RedisThrottle::start(&server.url(), pool, keys, &config(), options)
-            .expect("start the Redis throttle");
+        let throttle = RedisThrottle::start(pool, keys, &config(), options);
         assert!(
             throttle.subscribed(Duration::from_secs(5)).await,
             "subscribed"

@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tollgate_core::Throttle;
+use tollgate_core::{Dispatch, Throttle};
 use tollgate_redis::{Dispatcher, KeySpace, RedisThrottleOptions};
 use tollgate_tests::throttle::{max_excess, now_us, GrantRecord};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
@@ -473,4 +473,48 @@ fn throttle_a_wait_dropped_at_shutdown_cancels_its_ticket() {
         let left: i64 = query(&mut conn, redis::cmd("HLEN").arg(&waiting)).await;
         assert_eq!(left, 0, "the dropped wait's ticket was cancelled");
     });
+}
+
+/// Every throttler was down long enough for their liveness hash to expire:
+/// the tickets a dead one had popped are still found, through the set of
+/// throttlers that may have a processing list, by the next throttler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_dead_throttler_is_found_after_every_liveness_expired() {
+    let setup = RedisSetup::start(false, RedisThrottleOptions::default()).await;
+    let mut conn = raw(&setup.server).await;
+    let pool = tollgate_redis::connect(&setup.server.url(), &Default::default())
+        .await
+        .unwrap();
+    let keys = KeySpace::new(&setup.prefix).unwrap();
+    let slow = config().provider("slow").unwrap().clone();
+    let dead = Dispatcher::new(pool.clone(), &keys, &slow, "dead");
+    dead.heartbeat(Duration::from_secs(1)).await.unwrap();
+    let queue = dead.keys().queue.clone();
+    let _: i64 = query(&mut conn, redis::cmd("RPUSH").arg(&queue).arg("ticket-1")).await;
+    assert!(dead.wait_for_ticket(Duration::from_secs(1)).await.unwrap());
+    // kill -9, and the liveness hash expires with nobody alive to renew it.
+    drop(dead);
+    let _: i64 = query(
+        &mut conn,
+        redis::cmd("DEL").arg(
+            &KeySpace::new(&setup.prefix)
+                .unwrap()
+                .throttle("slow")
+                .throttlers,
+        ),
+    )
+    .await;
+    let next = Dispatcher::new(pool, &keys, &slow, "next");
+    let lapsed = next.heartbeat(Duration::from_secs(1)).await.unwrap();
+    assert_eq!(lapsed, vec!["dead".to_owned()]);
+    assert_eq!(next.reclaim("dead").await.unwrap(), Some(1));
+    let queued: Vec<String> =
+        query(&mut conn, redis::cmd("LRANGE").arg(&queue).arg(0).arg(-1)).await;
+    assert_eq!(queued, vec!["ticket-1".to_owned()]);
+    // It left the set: the next heartbeat finds nobody lapsed.
+    assert!(next
+        .heartbeat(Duration::from_secs(1))
+        .await
+        .unwrap()
+        .is_empty());
 }

@@ -44,7 +44,7 @@ pub async fn run_waiters(
             let started = std::time::Instant::now();
             let r = match RequestId::new(request_id.as_str()) {
                 Ok(id) => throttle.acquire(&provider, &id, max_wait).await,
-                Err(e) => Err(tollgate_core::ThrottleError::Backend(e.to_string())),
+                Err(e) => Err(tollgate_core::StoreError::backend(e.to_string()).into()),
             };
             let waited_ms = started.elapsed().as_millis() as u64;
             GrantRecord {

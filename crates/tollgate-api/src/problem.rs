@@ -5,7 +5,9 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use tollgate_core::{Denied, FailureCause, JobError, KeyStoreError, LedgerError, RequestId};
+use tollgate_core::{
+    Denied, FailureCause, JobError, KeyStoreError, LedgerError, RequestId, StoreError,
+};
 
 use crate::ratelimit::RateLimit;
 
@@ -258,9 +260,10 @@ pub enum ApiError {
         cause: FailureCause,
         message: String,
     },
-    /// A store is unreachable: 503, logged with its internal message.
-    #[error("backend unavailable: {0}")]
-    Unavailable(String),
+    /// A store failed: 503 when it is worth retrying (unreachable, restarting),
+    /// else 500; logged with its source, never described to the client.
+    #[error(transparent)]
+    Store(#[from] StoreError),
     /// Anything else: 500, logged, never described to the client.
     #[error("internal error: {0}")]
     Internal(String),
@@ -290,8 +293,8 @@ impl ApiError {
                 FailureCause::Expired => ProblemType::JobExpired,
                 FailureCause::Abandoned => ProblemType::JobAbandoned,
             },
-            Self::Unavailable(_) => ProblemType::BackendUnavailable,
-            Self::Internal(_) => ProblemType::Internal,
+            Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
+            Self::Store(_) | Self::Internal(_) => ProblemType::Internal,
         }
     }
 
@@ -313,10 +316,10 @@ impl ApiError {
             retry_after_ms: None,
         };
         match self {
-            Self::Unavailable(_) => {
+            Self::Store(e) if e.is_transient() => {
                 p.detail = Some("the budget or job store cannot be reached; retry shortly".into())
             }
-            Self::Internal(_) => {}
+            Self::Store(_) | Self::Internal(_) => {}
             Self::Malformed { field, .. } => {
                 p.detail = Some(self.to_string());
                 p.field = field.clone();
@@ -359,7 +362,12 @@ impl IntoResponse for ApiError {
         let status = self.status();
         match &self {
             Self::Internal(m) => tracing::error!(error = %m, "internal error"),
-            Self::Unavailable(m) => tracing::warn!(error = %m, "backend unavailable"),
+            Self::Store(e) if e.is_transient() => {
+                tracing::warn!(error = %e, source = ?std::error::Error::source(e), "backend unavailable")
+            }
+            Self::Store(e) => {
+                tracing::error!(error = %e, source = ?std::error::Error::source(e), "backend error")
+            }
             _ => tracing::debug!(status = status.as_u16(), error = %self, "request failed"),
         }
         let body = serde_json::to_vec(&self.problem()).unwrap_or_default();
@@ -383,8 +391,10 @@ impl IntoResponse for ApiError {
             // Temporary unavailability: worth a retry soon. A provider failure
             // or a saturated provider gets no hint, so clients back off on their
             // own instead of retrying in step.
-            Self::Unavailable(_)
-            | Self::JobFailed {
+            Self::Store(e) if e.is_transient() => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            Self::JobFailed {
                 cause: FailureCause::Abandoned,
                 ..
             } => {
@@ -407,8 +417,7 @@ impl From<LedgerError> for ApiError {
                 field: "plan".into(),
                 detail: e.to_string(),
             },
-            LedgerError::Unavailable(m) => Self::Unavailable(m),
-            LedgerError::Backend(m) => Self::Internal(m),
+            LedgerError::Store(e) => Self::Store(e),
         }
     }
 }
@@ -423,8 +432,7 @@ impl From<JobError> for ApiError {
             JobError::KeyReused { id, .. } => Self::IdempotencyKeyReused { job_id: id },
             JobError::ResultExpired(id) => Self::ResultExpired(id),
             JobError::Ledger(l) => l.into(),
-            JobError::Unavailable(m) => Self::Unavailable(m),
-            JobError::Backend(m) => Self::Internal(m),
+            JobError::Store(e) => Self::Store(e),
         }
     }
 }
@@ -432,8 +440,8 @@ impl From<JobError> for ApiError {
 impl From<KeyStoreError> for ApiError {
     fn from(e: KeyStoreError) -> Self {
         match e {
-            KeyStoreError::Unavailable(m) => Self::Unavailable(m),
-            other => Self::Internal(other.to_string()),
+            KeyStoreError::Store(e) => Self::Store(e),
+            KeyStoreError::Random(m) => Self::Internal(m),
         }
     }
 }

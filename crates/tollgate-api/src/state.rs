@@ -1,11 +1,10 @@
-//! [`ApiState`]: the backends and settings every handler shares, and the two ways
-//! to build them (in memory for the embedded mode and tests, on Redis for pods).
+//! [`ApiState`]: the backends and settings every handler shares.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{Config, JobQueue, KeyStore, Ledger, MemoryKeyStore, MemoryLedger};
+use tollgate_core::{Backends, Config, JobQueue, KeyStore, Ledger};
 
 use crate::cost::{Budget, InFlight};
 use crate::metrics::Metrics;
@@ -24,7 +23,6 @@ pub struct Settings {
     pub body_limit: usize,
     /// How long a synchronous call waits for its job before answering 202.
     pub sync_timeout: Duration,
-    /// How long a reservation may stay between the `Cost` layer and its job
     /// Behind a proxy: the header that carries the client's address (its last
     /// entry), for the limiter of failed authentications. None: the TCP peer.
     pub trusted_proxy_header: Option<axum::http::HeaderName>,
@@ -67,41 +65,13 @@ pub struct ApiState {
 }
 
 impl ApiState {
-    /// The api on in-memory stores: `jobs` must share `ledger` (a
-    /// `MemoryJobQueue` built on it, served by in-process workers).
-    pub fn memory(
-        config: Arc<Config>,
-        ledger: Arc<MemoryLedger>,
-        jobs: Arc<dyn JobQueue>,
-        settings: Settings,
-    ) -> Self {
+    /// The api on `backends` (memory or Redis: it does not know which).
+    pub fn new(backends: &Backends, settings: Settings) -> Self {
         Self {
-            config,
-            ledger,
-            jobs,
-            keys: Arc::new(MemoryKeyStore::new()),
-            metrics: Arc::new(Metrics::new()),
-            settings,
-            in_flight: InFlight::default(),
-        }
-    }
-
-    /// The api on Redis: API keys on `pool`; `ledger` (a
-    /// `RedisLedger`) and `jobs` (a `RedisJobQueue` on that ledger) built by
-    /// the caller.
-    pub fn redis(
-        config: Arc<Config>,
-        pool: tollgate_redis::Pool,
-        keys: tollgate_redis::KeySpace,
-        ledger: Arc<dyn Ledger>,
-        jobs: Arc<dyn JobQueue>,
-        settings: Settings,
-    ) -> Self {
-        Self {
-            ledger,
-            keys: Arc::new(tollgate_redis::RedisKeyStore::new(pool, keys)),
-            config,
-            jobs,
+            config: Arc::clone(&backends.config),
+            ledger: Arc::clone(&backends.ledger),
+            jobs: Arc::clone(&backends.jobs),
+            keys: Arc::clone(&backends.keys),
             metrics: Arc::new(Metrics::new()),
             settings,
             in_flight: InFlight::default(),

@@ -8,44 +8,31 @@
 //! development user and prints its API key with two curl lines to try.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Args;
 use tokio::sync::watch;
 use tollgate_api::{ApiState, Settings};
-use tollgate_core::job::JobOptions;
-use tollgate_core::job_memory::MemoryJobQueue;
-use tollgate_core::{
-    duration, Config, JobSource, Ledger, MemoryLedger, MemoryThrottle, Throttle, UserId,
-};
-use tollgate_redis::{
-    redact_url, KeySpace, PoolOptions, RedisJobQueue, RedisLedger, RedisThrottle,
-};
+use tollgate_core::config::Config;
+use tollgate_core::duration;
+use tollgate_core::id::{RequestId, UserId};
 use tollgate_throttler::ThrottlerConfig;
 use tollgate_worker::WorkerConfig;
 
-use crate::exit;
-use crate::throttler::{fail, shutdown_signal};
+use crate::process::{exit, fail, shutdown_signal};
+use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
 pub struct AllArgs {
+    /// Embedded (`memory`, the default) or against a Redis, exactly as
+    /// separate pods would run.
+    #[command(flatten)]
+    store: StoreArgs,
+
     /// Address the api listens on (port 0: any free port).
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-
-    /// Run against this Redis instead of embedded (in memory).
-    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
-    redis_url: Option<String>,
-
-    /// TOML config with plans, providers and operations (default: the built-in config).
-    #[arg(long, env = "TOLLGATE_CONFIG")]
-    config: Option<PathBuf>,
-
-    /// Prefix of every Redis key (with --redis-url).
-    #[arg(long, env = "TOLLGATE_KEY_PREFIX", default_value = tollgate_redis::keys::DEFAULT_PREFIX)]
-    key_prefix: String,
 
     /// Send every provider's calls to this HTTP upstream (e.g. a `tollgate
     /// mock-provider`) instead of the built-in mock or the config's urls.
@@ -72,21 +59,10 @@ pub struct AllArgs {
     concurrency: usize,
 }
 
-/// The backends of one process, embedded or on Redis.
-struct Backends {
-    ledger: Arc<dyn Ledger>,
-    source: Arc<dyn JobSource>,
-    throttle: Arc<dyn Throttle>,
-    state: ApiState,
-    /// With Redis: the throttler role runs here too.
-    throttler: Option<(ThrottlerConfig, tollgate_redis::Pool)>,
-    described: String,
-}
-
 pub async fn run(args: AllArgs) -> ExitCode {
-    let mut config = match Config::load(args.config.as_deref()) {
+    let mut config = match args.store.load_config() {
         Ok(c) => c,
-        Err(e) => return fail(exit::BAD_INPUT, e),
+        Err(f) => return f.exit(),
     };
     if let Some(url) = &args.provider_url {
         if let Err(e) = config.route_all_providers_to(url) {
@@ -96,17 +72,12 @@ pub async fn run(args: AllArgs) -> ExitCode {
     let config = Arc::new(config);
     let admin_token = match &args.admin_token {
         Some(t) if t.len() < 16 => {
-            return fail(
-                exit::BAD_INPUT,
-                "TOLLGATE_ADMIN_TOKEN must be at least 16 characters",
-            )
+            return Failure::bad_input("TOLLGATE_ADMIN_TOKEN must be at least 16 characters").exit()
         }
         Some(t) => t.clone(),
         None => format!(
             "dev-admin-{}",
-            tollgate_core::RequestId::generate()
-                .as_str()
-                .replace('-', "")
+            RequestId::generate().as_str().replace('-', "")
         ),
     };
     let settings = Settings {
@@ -115,12 +86,13 @@ pub async fn run(args: AllArgs) -> ExitCode {
         ..Settings::default()
     };
 
-    let backends = match &args.redis_url {
-        None => embedded(&config, settings),
-        Some(url) => match on_redis(url, &args.key_prefix, &config, settings).await {
-            Ok(b) => b,
-            Err(code) => return code,
-        },
+    let backends = match args
+        .store
+        .open(Arc::clone(&config), 16, Wait::UntilReachable)
+        .await
+    {
+        Ok(b) => b,
+        Err(f) => return f.exit(),
     };
     let providers = match tollgate_providers::from_config(&config, Arc::clone(&backends.throttle)) {
         Ok(p) => p,
@@ -139,7 +111,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
     let created = match tollgate_api::admin::create_user(
         &config,
         backends.ledger.as_ref(),
-        backends.state.keys.as_ref(),
+        backends.keys.as_ref(),
         args.dev_user.clone(),
         None,
     )
@@ -181,10 +153,16 @@ pub async fn run(args: AllArgs) -> ExitCode {
         providers,
         stopped(stop_rx.clone()),
     ));
-    let throttler = backends.throttler.map(|(cfg, pool)| {
-        tokio::spawn(tollgate_throttler::run(cfg, pool, stopped(stop_rx.clone())))
+    // A throttle that does not grant by itself (Redis) gets its throttler here.
+    let throttler = backends.dispatchers.clone().map(|dispatchers| {
+        tokio::spawn(tollgate_throttler::run(
+            ThrottlerConfig::new(Arc::clone(&config)),
+            dispatchers,
+            stopped(stop_rx.clone()),
+        ))
     });
-    let api = tollgate_api::run(backends.state, listener, stopped(stop_rx.clone())).await;
+    let state = ApiState::new(&backends, settings);
+    let api = tollgate_api::run(state, listener, stopped(stop_rx.clone())).await;
 
     let mut code = ExitCode::SUCCESS;
     if let Err(e) = api {
@@ -195,6 +173,10 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Ok(Err(e)) => code = fail(exit::BAD_INPUT, format!("worker: {e}")),
         Err(e) => code = fail(exit::FAILURE, format!("worker task: {e}")),
     }
+    let _ = backends
+        .throttle
+        .drain(std::time::Duration::from_secs(5))
+        .await;
     if let Some(t) = throttler {
         match t.await {
             Ok(Ok(())) => {}
@@ -203,81 +185,6 @@ pub async fn run(args: AllArgs) -> ExitCode {
         }
     }
     code
-}
-
-fn embedded(config: &Arc<Config>, settings: Settings) -> Backends {
-    let ledger = Arc::new(MemoryLedger::new(Arc::clone(config)));
-    let queue = Arc::new(MemoryJobQueue::new(Arc::clone(config), ledger.clone()));
-    let state = ApiState::memory(
-        Arc::clone(config),
-        Arc::clone(&ledger),
-        queue.clone(),
-        settings,
-    );
-    Backends {
-        ledger,
-        source: queue,
-        throttle: Arc::new(MemoryThrottle::new(config)),
-        state,
-        throttler: None,
-        described: "embedded: in-memory ledger, throttle and job queues".into(),
-    }
-}
-
-async fn on_redis(
-    url: &str,
-    prefix: &str,
-    config: &Arc<Config>,
-    settings: Settings,
-) -> Result<Backends, ExitCode> {
-    let keys = KeySpace::new(prefix).map_err(|e| fail(exit::BAD_INPUT, e))?;
-    let pool = crate::connect::wait_for_redis(
-        url,
-        &PoolOptions {
-            max_size: 16,
-            ..Default::default()
-        },
-    )
-    .await?;
-    let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
-        pool.clone(),
-        keys.clone(),
-        Arc::clone(config),
-    ));
-    let queue = Arc::new(
-        RedisJobQueue::new(
-            url,
-            pool.clone(),
-            keys.clone(),
-            Arc::clone(config),
-            Arc::clone(&ledger),
-            JobOptions::default(),
-        )
-        .map_err(|e| fail(exit::BAD_INPUT, e))?,
-    );
-    let throttle: Arc<dyn Throttle> = Arc::new(
-        RedisThrottle::start(url, pool.clone(), keys.clone(), config, Default::default())
-            .map_err(|e| fail(exit::BAD_INPUT, e))?,
-    );
-    let state = ApiState::redis(
-        Arc::clone(config),
-        pool.clone(),
-        keys.clone(),
-        Arc::clone(&ledger),
-        queue.clone(),
-        settings,
-    );
-    Ok(Backends {
-        ledger,
-        source: queue,
-        throttle,
-        state,
-        throttler: Some((ThrottlerConfig::new(url, keys, Arc::clone(config)), pool)),
-        described: format!(
-            "distributed: Redis at {} (prefix {prefix})",
-            redact_url(url)
-        ),
-    })
 }
 
 fn print_banner(

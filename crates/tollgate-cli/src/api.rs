@@ -2,37 +2,24 @@
 //! then finishes the requests in flight.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
 use tollgate_api::{ApiState, Settings};
-use tollgate_core::job::JobOptions;
-use tollgate_core::{Config, Ledger};
-use tollgate_redis::{redact_url, KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
 
-use crate::exit;
-use crate::throttler::fail;
+use crate::process::{exit, fail, shutdown_signal};
+use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
 pub struct ApiArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+
     /// Address to listen on.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-
-    /// Redis shared by every pod, e.g. redis://127.0.0.1:6379/0.
-    #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
-    redis_url: String,
-
-    /// TOML config with plans, providers and operations (default: the built-in config).
-    #[arg(long, env = "TOLLGATE_CONFIG")]
-    config: Option<PathBuf>,
-
-    /// Prefix of every Redis key: lets several deployments share one Redis.
-    #[arg(long, env = "TOLLGATE_KEY_PREFIX", default_value = tollgate_redis::keys::DEFAULT_PREFIX)]
-    key_prefix: String,
 
     /// Token that guards /admin/* (unset: the admin routes answer 403).
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -60,43 +47,25 @@ pub struct ApiArgs {
 }
 
 pub async fn run(args: ApiArgs) -> ExitCode {
-    let config = match Config::load(args.config.as_deref()) {
+    let config = match args.store.load_config() {
         Ok(c) => Arc::new(c),
-        Err(e) => return fail(exit::BAD_INPUT, e),
-    };
-    let keys = match KeySpace::new(&args.key_prefix) {
-        Ok(k) => k,
-        Err(e) => return fail(exit::BAD_INPUT, e),
+        Err(f) => return f.exit(),
     };
     if args.admin_token.as_deref().is_some_and(|t| t.len() < 16) {
-        return fail(
-            exit::BAD_INPUT,
-            "TOLLGATE_ADMIN_TOKEN must be at least 16 characters",
-        );
+        return Failure::bad_input("TOLLGATE_ADMIN_TOKEN must be at least 16 characters").exit();
     }
-    let options = PoolOptions {
-        max_size: args.redis_pool.max(1),
-        ..Default::default()
-    };
-    let pool = match crate::connect::wait_for_redis(&args.redis_url, &options).await {
-        Ok(p) => p,
-        Err(code) => return code,
-    };
-    let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
-        pool.clone(),
-        keys.clone(),
-        Arc::clone(&config),
-    ));
-    let jobs = match RedisJobQueue::new(
-        &args.redis_url,
-        pool.clone(),
-        keys.clone(),
-        Arc::clone(&config),
-        Arc::clone(&ledger),
-        JobOptions::default(),
-    ) {
-        Ok(j) => Arc::new(j),
-        Err(e) => return fail(exit::BAD_INPUT, e),
+    let backends = match args
+        .store
+        .shared(
+            "the api role",
+            config,
+            args.redis_pool,
+            Wait::UntilReachable,
+        )
+        .await
+    {
+        Ok(b) => b,
+        Err(f) => return f.exit(),
     };
     let settings = Settings {
         admin_token: args.admin_token,
@@ -114,11 +83,10 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         }
     };
     tracing::info!(
-        redis = %redact_url(&args.redis_url), prefix = %args.key_prefix,
-        admin = settings.admin_token.is_some(), "api starting"
+        store = %backends.described, admin = settings.admin_token.is_some(), "api starting"
     );
-    let state = ApiState::redis(config, pool, keys, ledger, jobs, settings);
-    match tollgate_api::run(state, listener, crate::throttler::shutdown_signal()).await {
+    let state = ApiState::new(&backends, settings);
+    match tollgate_api::run(state, listener, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(exit::FAILURE, e),
     }

@@ -4,38 +4,23 @@
 //! (Redis unreachable). Errors are one line on stderr; `--json` puts the result on
 //! stdout as one JSON object.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 use tollgate_core::{
-    duration, Config, Ledger, LedgerError, MemoryLedger, RefundOutcome, RequestId, ReserveOutcome,
-    SettleOutcome, Usage, UserId,
+    duration, Config, Ledger, LedgerError, RefundOutcome, RequestId, ReserveOutcome, SettleOutcome,
+    Usage, UserId,
 };
-use tollgate_redis::{KeySpace, PoolOptions, RedisLedger};
 
-use crate::exit;
+use crate::process::exit;
+use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
 pub struct BudgetArgs {
-    /// Redis to operate on, e.g. redis://127.0.0.1:6379/0.
-    #[arg(
-        long,
-        global = true,
-        env = "TOLLGATE_REDIS_URL",
-        hide_env_values = true
-    )]
-    redis_url: Option<String>,
-
-    /// TOML config with the plans (default: the built-in config).
-    #[arg(long, global = true, env = "TOLLGATE_CONFIG")]
-    config: Option<PathBuf>,
-
-    /// Prefix of every Redis key: lets several deployments share one Redis.
-    #[arg(long, global = true, env = "TOLLGATE_KEY_PREFIX", default_value = tollgate_redis::keys::DEFAULT_PREFIX)]
-    key_prefix: String,
+    #[command(flatten)]
+    store: StoreArgs,
 
     /// Print the result as one JSON object on stdout.
     #[arg(long, global = true)]
@@ -94,31 +79,10 @@ enum BudgetCommand {
     Demo,
 }
 
-/// A failed command: what to print and how to exit.
-struct Failure {
-    code: u8,
-    message: String,
-}
-
-impl Failure {
-    fn bad_input(message: impl Into<String>) -> Self {
-        Self {
-            code: exit::BAD_INPUT,
-            message: message.into(),
-        }
-    }
-    fn other(message: impl Into<String>) -> Self {
-        Self {
-            code: exit::FAILURE,
-            message: message.into(),
-        }
-    }
-}
-
 impl From<LedgerError> for Failure {
     fn from(e: LedgerError) -> Self {
         match e {
-            LedgerError::Unavailable(_) | LedgerError::Backend(_) => Self::other(e.to_string()),
+            LedgerError::Store(_) => Self::other(e.to_string()),
             _ => Self::bad_input(e.to_string()),
         }
     }
@@ -135,28 +99,18 @@ pub async fn run(args: BudgetArgs) -> ExitCode {
 }
 
 async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
-    let config = Arc::new(
-        Config::load(args.config.as_deref()).map_err(|e| Failure::bad_input(e.to_string()))?,
-    );
+    let config = Arc::new(args.store.load_config()?);
     if let BudgetCommand::Demo = args.command {
-        let (ledger, on): (Arc<dyn Ledger>, String) = match &args.redis_url {
-            Some(url) => (
-                Arc::new(open_redis(url, &args.key_prefix, &config).await?),
-                format!("Redis at {}", tollgate_redis::redact_url(url)),
-            ),
-            None => (
-                Arc::new(MemoryLedger::new(Arc::clone(&config))),
-                "the embedded in-memory ledger".into(),
-            ),
-        };
-        return demo(ledger, &on, &config).await.map(|()| 0);
+        let backends = args.store.open(Arc::clone(&config), 4, Wait::No).await?;
+        return demo(backends.ledger, &backends.described, &config)
+            .await
+            .map(|()| 0);
     }
-    let url = args.redis_url.as_deref().ok_or_else(|| {
-        Failure::bad_input(
-            "budget commands need a Redis: pass --redis-url or set TOLLGATE_REDIS_URL",
-        )
-    })?;
-    let ledger = open_redis(url, &args.key_prefix, &config).await?;
+    let ledger = args
+        .store
+        .shared("budget commands", Arc::clone(&config), 4, Wait::No)
+        .await?
+        .ledger;
     let out = Output { json: args.json };
 
     match args.command {
@@ -233,23 +187,6 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
         }
         BudgetCommand::Demo => unreachable!("handled above"),
     }
-}
-
-async fn open_redis(url: &str, prefix: &str, config: &Arc<Config>) -> Result<RedisLedger, Failure> {
-    let keys = KeySpace::new(prefix).map_err(|e| Failure::bad_input(e.to_string()))?;
-    let pool = tollgate_redis::connect(
-        url,
-        &PoolOptions {
-            max_size: 4,
-            ..Default::default()
-        },
-    )
-    .await
-    .map_err(|e| match e {
-        tollgate_redis::RedisBackendError::BadUrl { .. } => Failure::bad_input(e.to_string()),
-        _ => Failure::other(e.to_string()),
-    })?;
-    Ok(RedisLedger::new(pool, keys, Arc::clone(config)))
 }
 
 struct Output {

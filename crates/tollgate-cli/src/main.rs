@@ -4,9 +4,10 @@
 mod all;
 mod api;
 mod budget;
-mod connect;
 mod logging;
 mod mock_provider;
+mod process;
+mod store;
 mod throttler;
 mod users;
 mod worker;
@@ -14,6 +15,8 @@ mod worker;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+use crate::process::exit;
 
 /// tollgate: user budgets and provider throttles for services that pay upstream APIs.
 #[derive(Debug, Parser)]
@@ -49,16 +52,6 @@ enum Command {
     MockProvider(mock_provider::MockProviderArgs),
     /// Operator commands on users: create (issues an API key), revoke a key.
     Users(users::UsersArgs),
-}
-
-/// Exit codes shared by every command.
-pub mod exit {
-    /// Bad input: a flag, an id, a cost or a config the command cannot use.
-    pub const BAD_INPUT: u8 = 2;
-    /// The budget denied the reservation.
-    pub const DENIED: u8 = 3;
-    /// Anything else: Redis unreachable, an unexpected reply.
-    pub const FAILURE: u8 = 1;
 }
 
 /// Help and version print as clap renders them; a bad or missing flag is one

@@ -7,8 +7,8 @@ use std::time::Duration;
 use clap::Args;
 use tollgate_mock_provider::MockOptions;
 
-use crate::exit;
-use crate::throttler::{fail, shutdown_signal};
+use crate::process::exit;
+use crate::process::{fail, shutdown_signal};
 
 #[derive(Debug, Args)]
 pub struct MockProviderArgs {

@@ -1,36 +1,20 @@
 //! `tollgate users ...`: create users (printing their API key once) and revoke
 //! keys, against the Redis the api pods share.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use serde_json::json;
-use tollgate_core::{Config, KeyStore, UserId};
-use tollgate_redis::{KeySpace, PoolOptions, RedisKeyStore, RedisLedger};
+use tollgate_core::UserId;
 
-use crate::exit;
-use crate::throttler::fail;
+use crate::process::{exit, fail};
+use crate::store::{StoreArgs, Wait};
 
 #[derive(Debug, Args)]
 pub struct UsersArgs {
-    /// Redis to operate on, e.g. redis://127.0.0.1:6379/0.
-    #[arg(
-        long,
-        global = true,
-        env = "TOLLGATE_REDIS_URL",
-        hide_env_values = true
-    )]
-    redis_url: Option<String>,
-
-    /// TOML config with the plans (default: the built-in config).
-    #[arg(long, global = true, env = "TOLLGATE_CONFIG")]
-    config: Option<PathBuf>,
-
-    /// Prefix of every Redis key.
-    #[arg(long, global = true, env = "TOLLGATE_KEY_PREFIX", default_value = tollgate_redis::keys::DEFAULT_PREFIX)]
-    key_prefix: String,
+    #[command(flatten)]
+    store: StoreArgs,
 
     /// Print the result as one JSON object on stdout.
     #[arg(long, global = true)]
@@ -58,33 +42,23 @@ enum UsersCommand {
 }
 
 pub async fn run(args: UsersArgs) -> ExitCode {
-    let config = match Config::load(args.config.as_deref()) {
+    let config = match args.store.load_config() {
         Ok(c) => Arc::new(c),
-        Err(e) => return fail(exit::BAD_INPUT, e),
+        Err(f) => return f.exit(),
     };
-    let Some(url) = args.redis_url.as_deref() else {
-        return fail(
-            exit::BAD_INPUT,
-            "users commands need a Redis: pass --redis-url or set TOLLGATE_REDIS_URL",
-        );
+    let backends = match args
+        .store
+        .shared("users commands", Arc::clone(&config), 2, Wait::No)
+        .await
+    {
+        Ok(b) => b,
+        Err(f) => return f.exit(),
     };
-    let keys = match KeySpace::new(&args.key_prefix) {
-        Ok(k) => k,
-        Err(e) => return fail(exit::BAD_INPUT, e),
-    };
-    let options = PoolOptions {
-        max_size: 2,
-        ..Default::default()
-    };
-    let pool = match tollgate_redis::connect(url, &options).await {
-        Ok(p) => p,
-        Err(e) => return fail(exit::FAILURE, e),
-    };
-    let store = RedisKeyStore::new(pool.clone(), keys.clone());
+    let store = backends.keys.as_ref();
     match args.command {
         UsersCommand::Create { user, plan } => {
-            let ledger = RedisLedger::new(pool, keys, Arc::clone(&config));
-            match tollgate_api::admin::create_user(&config, &ledger, &store, user, plan).await {
+            let ledger = backends.ledger.as_ref();
+            match tollgate_api::admin::create_user(&config, ledger, store, user, plan).await {
                 Ok(created) => {
                     if args.json {
                         println!("{}", json!(created));

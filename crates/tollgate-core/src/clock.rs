@@ -4,9 +4,15 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// Milliseconds since the Unix epoch.
+/// Time since the Unix epoch. Every read of the wall clock goes through here.
 pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
+    /// Milliseconds since the Unix epoch.
     fn now_ms(&self) -> u64;
+
+    /// Microseconds since the Unix epoch.
+    fn now_us(&self) -> u64 {
+        self.now_ms().saturating_mul(1000)
+    }
 }
 
 /// The process's wall clock.
@@ -15,9 +21,13 @@ pub struct SystemClock;
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
+        self.now_us() / 1000
+    }
+
+    fn now_us(&self) -> u64 {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
+            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
             .unwrap_or(0)
     }
 }
@@ -45,5 +55,9 @@ impl Clock for ManualClock {
 impl<C: Clock> Clock for std::sync::Arc<C> {
     fn now_ms(&self) -> u64 {
         (**self).now_ms()
+    }
+
+    fn now_us(&self) -> u64 {
+        (**self).now_us()
     }
 }

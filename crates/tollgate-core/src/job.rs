@@ -38,6 +38,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
 
 use crate::config::Config;
+use crate::error::StoreError;
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
     Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, Ledger, LedgerError,
@@ -331,19 +332,16 @@ pub enum JobError {
     ResultExpired(RequestId),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
-    /// The store cannot be reached; retrying later may succeed.
-    #[error("job store unavailable: {0}")]
-    Unavailable(String),
-    /// The store answered something unexpected.
-    #[error("job store error: {0}")]
-    Backend(String),
+    /// The job store failed.
+    #[error("job store: {0}")]
+    Store(#[from] StoreError),
 }
 
 impl JobError {
-    /// True for failures of the store rather than of the request.
+    /// Worth retrying: the same call may succeed later (see [`StoreError`]).
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Unavailable(_) => true,
+            Self::Store(e) => e.is_transient(),
             Self::Ledger(e) => e.is_transient(),
             _ => false,
         }

@@ -14,6 +14,7 @@ use async_trait::async_trait;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::error::StoreError;
 use crate::id::UserId;
 
 /// What every issued key starts with: makes leaked keys easy to grep for.
@@ -117,14 +118,18 @@ pub struct KeyRecord {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyStoreError {
-    /// The store cannot be reached; retrying later may succeed.
-    #[error("key store unavailable: {0}")]
-    Unavailable(String),
-    /// The store answered something unexpected.
-    #[error("key store error: {0}")]
-    Backend(String),
+    /// The key store failed.
+    #[error("key store: {0}")]
+    Store(#[from] StoreError),
     #[error("the system's random number generator failed: {0}")]
     Random(String),
+}
+
+impl KeyStoreError {
+    /// Worth retrying: the same call may succeed later (see [`StoreError`]).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Store(e) if e.is_transient())
+    }
 }
 
 /// Where API keys live: Redis for pods, memory for the embedded mode.

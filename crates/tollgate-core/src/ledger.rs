@@ -17,6 +17,7 @@
 use async_trait::async_trait;
 use serde::Serialize;
 
+use crate::error::StoreError;
 use crate::id::{RequestId, UserId};
 
 /// One entry of the audit trail: `cost` tokens spent by `request_id` at `at_ms`.
@@ -166,18 +167,15 @@ pub enum LedgerError {
     CostTooLarge { cost: u64 },
     #[error("unknown plan {name:?} (configured: {known})")]
     UnknownPlan { name: String, known: String },
-    /// The store cannot be reached; retrying later may succeed.
-    #[error("budget store unavailable: {0}")]
-    Unavailable(String),
-    /// The store answered something unexpected.
-    #[error("budget store error: {0}")]
-    Backend(String),
+    /// The budget store failed.
+    #[error("budget store: {0}")]
+    Store(#[from] StoreError),
 }
 
 impl LedgerError {
-    /// True for failures of the store rather than of the request.
+    /// Worth retrying: the same call may succeed later (see [`StoreError`]).
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Unavailable(_))
+        matches!(self, Self::Store(e) if e.is_transient())
     }
 }
 

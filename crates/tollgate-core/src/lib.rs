@@ -5,9 +5,11 @@
 //!
 //! Nothing here talks to the network; the Redis backend lives in `tollgate-redis`.
 
+pub mod backend;
 pub mod clock;
 pub mod config;
 pub mod duration;
+pub mod error;
 pub mod id;
 pub mod job;
 pub mod job_memory;
@@ -16,8 +18,10 @@ pub mod ledger;
 pub mod memory;
 pub mod throttle;
 
+pub use backend::Backends;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{Config, ConfigError, Operation, Plan, Provider, Upstream};
+pub use error::StoreError;
 pub use id::{IdError, RequestId, UserId};
 pub use job::{
     Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue, JobRequest,
@@ -30,7 +34,7 @@ pub use ledger::{
     RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
 };
 pub use memory::MemoryLedger;
-pub use throttle::{Grant, MemoryThrottle, Throttle, ThrottleError, Throttled};
+pub use throttle::{Dispatch, Dispatchers, Grant, MemoryThrottle, Pumped, Throttle, ThrottleError};
 
 /// Locks `m`. Every critical section in this crate is panic-free, so a poisoned
 /// lock's data is still consistent.

@@ -1,6 +1,7 @@
-//! The provider throttle: the [`Throttle`] interface both modes implement, the
-//! in-process token bucket ([`MemoryThrottle`]), and [`Throttled`], the wrapper
-//! that makes every call of a provider client pass the throttle.
+//! The provider throttle: the [`Throttle`] interface both modes implement, and
+//! the in-process token bucket ([`MemoryThrottle`]). The wrapper that makes every
+//! call of a provider client pass the throttle is `tollgate_providers`'
+//! `ThrottledProvider`.
 //!
 //! Semantics (DESIGN.md, "Throttle semantics"): one token bucket per provider of
 //! `burst` tokens refilled at `rate` per second; a caller gets its slot as soon as
@@ -8,17 +9,19 @@
 //! [`ThrottleError::Timeout`]; a call that gave up never burns a token.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
+use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Provider};
 use crate::duration;
+use crate::error::StoreError;
 use crate::id::RequestId;
+use crate::lock;
 
 /// A slot granted by the throttle: the caller may now make one provider call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,18 +46,20 @@ pub enum ThrottleError {
     },
     #[error("unknown provider {name:?} (providers: {known})")]
     UnknownProvider { name: String, known: String },
-    /// The backend cannot be reached; retrying later may succeed.
-    #[error("throttle unavailable: {0}")]
-    Unavailable(String),
-    /// The backend answered something unexpected.
-    #[error("throttle backend error: {0}")]
-    Backend(String),
+    /// The throttle's store failed.
+    #[error("throttle store: {0}")]
+    Store(#[from] StoreError),
 }
 
 impl ThrottleError {
-    /// True for errors a retry may clear (timeouts, an unreachable backend).
+    /// Worth retrying: the same call may succeed later (see [`StoreError`]). A
+    /// timeout is: the provider may have a slot free by then.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Timeout { .. } | Self::Unavailable(_))
+        match self {
+            Self::Timeout { .. } => true,
+            Self::Store(e) => e.is_transient(),
+            Self::UnknownProvider { .. } => false,
+        }
     }
 
     /// The error for a provider name missing from `providers`.
@@ -78,83 +83,60 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
         request_id: &RequestId,
         max_wait: Duration,
     ) -> Result<Grant, ThrottleError>;
+
+    /// Before the process exits: lets the cancels of dropped waits finish, at
+    /// most `limit`. Returns how many did not (their tickets then expire at
+    /// their deadline). Nothing to do in process.
+    async fn drain(&self, _limit: Duration) -> usize {
+        0
+    }
 }
 
-/// A provider client whose every call passes the throttle: the `@throttled`
-/// decorator of tollgate.
-///
-/// ```
-/// # use std::sync::Arc;
-/// # use tollgate_core::{Config, MemoryThrottle, RequestId, Throttle, Throttled};
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// struct LlmClient;
-/// impl LlmClient {
-///     async fn complete(&self, prompt: &str) -> String {
-///         format!("echo: {prompt}")
-///     }
-/// }
-/// let config = Config::builtin();
-/// let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::new(&config));
-/// let llm = Throttled::new(throttle, config.provider("llm").ok_or("no llm")?, LlmClient);
-/// // Waits for a slot of the `llm` bucket (at most its max_wait), then calls.
-/// let answer = llm.call(&RequestId::generate(), |c| c.complete("hi")).await?;
-/// assert_eq!(answer, "echo: hi");
-/// # Ok(())
-/// # }
-/// ```
-#[derive(Debug, Clone)]
-pub struct Throttled<C> {
-    throttle: Arc<dyn Throttle>,
-    provider: String,
-    max_wait: Duration,
-    client: C,
+/// What one [`Dispatch::pump`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pumped {
+    pub granted: u64,
+    pub skipped: u64,
+    /// `Some(d)`: the bucket is dry with tickets left; the next token is due in `d`.
+    pub wait: Option<Duration>,
+    /// The grant limit stopped the call with tickets left: pump again.
+    pub more: bool,
 }
 
-impl<C> Throttled<C> {
-    /// Wraps `client`; calls wait at most the provider's `max_wait`.
-    pub fn new(throttle: Arc<dyn Throttle>, provider: &Provider, client: C) -> Self {
-        Self {
-            throttle,
-            provider: provider.name.clone(),
-            max_wait: provider.max_wait,
-            client,
-        }
-    }
+/// The throttler role's side of one provider, where grants are made apart from
+/// the waiters (Redis): serves the provider's queue of tickets from its bucket.
+/// A throttler's **liveness** is a record it renews; the tickets it popped stay
+/// its own while that record lives, and go back to the queue when it lapses.
+#[async_trait]
+pub trait Dispatch: Send + Sync + std::fmt::Debug {
+    /// Grants up to `limit` tickets, oldest first, while the bucket has tokens.
+    async fn pump(&self, limit: u32) -> Result<Pumped, ThrottleError>;
 
-    /// Waits for a slot, then runs `f` on the client.
-    pub async fn call<'a, F, Fut>(
-        &'a self,
-        request_id: &RequestId,
-        f: F,
-    ) -> Result<Fut::Output, ThrottleError>
-    where
-        F: FnOnce(&'a C) -> Fut,
-        Fut: Future,
-    {
-        self.throttle
-            .acquire(&self.provider, request_id, self.max_wait)
-            .await?;
-        Ok(f(&self.client).await)
-    }
+    /// Waits until a ticket is queued, at most `block`, and takes it into this
+    /// throttler's own list. Returns whether a ticket came.
+    async fn wait_for_ticket(&self, block: Duration) -> Result<bool, ThrottleError>;
 
-    /// The client itself, for calls that must not be throttled (health checks).
-    pub fn inner(&self) -> &C {
-        &self.client
-    }
+    /// Renews this throttler's liveness for `liveness`; returns the throttlers
+    /// whose liveness lapsed.
+    async fn heartbeat(&self, liveness: Duration) -> Result<Vec<String>, ThrottleError>;
+
+    /// Puts a lapsed throttler's tickets back at the head of the queue. Returns
+    /// how many, or `None` when it turned out to be alive.
+    async fn reclaim(&self, lapsed: &str) -> Result<Option<u64>, ThrottleError>;
+
+    /// This throttler stops: its tickets go back to the queue, its liveness ends.
+    async fn release(&self) -> Result<u64, ThrottleError>;
+}
+
+/// Makes the [`Dispatch`] of each provider for a throttler.
+pub trait Dispatchers: Send + Sync + std::fmt::Debug {
+    /// The dispatcher of `provider` for the throttler named `throttler`.
+    fn dispatcher(&self, provider: &Provider, throttler: &str) -> Arc<dyn Dispatch>;
 }
 
 /// Microseconds since the Unix epoch on the process clock.
 fn wall_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section below is panic-free arithmetic and queue moves.
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    SystemClock.now_us()
 }
 
 /// The in-process throttle: one exact token bucket per provider.
@@ -353,9 +335,7 @@ impl Throttle for MemoryThrottle {
                 pending.rx = None;
                 Ok(grant(at))
             }
-            Ok(Err(_)) => Err(ThrottleError::Backend(
-                "the bucket's driver stopped".to_owned(),
-            )),
+            Ok(Err(_)) => Err(StoreError::backend("the bucket's driver stopped").into()),
             // Dropping `pending` hands back a token that raced the timeout.
             Err(_) => Err(timeout()),
         }
@@ -457,24 +437,5 @@ mod tests {
                 known: "p".into()
             }
         );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn the_wrapper_throttles_every_call() {
-        #[derive(Debug)]
-        struct Client;
-        impl Client {
-            async fn get(&self, x: u32) -> u32 {
-                x * 2
-            }
-        }
-        let p = provider(2.0, 1);
-        let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::with_providers([&p]));
-        let client = Throttled::new(throttle, &p, Client);
-        let start = Instant::now();
-        for i in 0..3 {
-            assert_eq!(client.call(&rid(i), |c| c.get(21)).await.unwrap(), 42);
-        }
-        assert_eq!((Instant::now() - start).as_millis(), 1000);
     }
 }

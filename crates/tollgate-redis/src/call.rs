@@ -1,7 +1,7 @@
 //! Every pooled Redis round trip goes through here: one checkout from the pool,
 //! one timeout (a stalled Redis fails closed), one tracing span, eviction of a
-//! connection that broke, and one classification of failures ([`CallError`]),
-//! which each backend turns into its own error type.
+//! connection that broke, and one classification of failures: a [`StoreError`],
+//! transient or not, that each backend's error carries.
 //!
 //! **Retries.** A request that failed at the connection level is sent again, once,
 //! on a fresh connection only when repeating it is harmless: [`read`] (a command
@@ -21,31 +21,27 @@ use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use redis::{Cmd, FromRedisValue, Pipeline, RedisError, ScriptInvocation};
+use tollgate_core::error::StoreError;
 use tracing::Instrument;
 
 use crate::pool::{discard_if_broken, is_busy, is_connection_error, Pool};
 
-/// Why a Redis call failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CallError {
-    /// Redis cannot be reached now (refused, reset, timed out, no connection),
-    /// or answers "not now" (`LOADING` its data after a restart): retrying
-    /// later may succeed.
-    #[error("{0}")]
-    Unavailable(String),
-    /// Redis answered with an error.
-    #[error("{0}")]
-    Backend(String),
+/// A Redis failure as a [`StoreError`]: transient when Redis cannot be reached
+/// now (refused, reset, timed out, no connection) or answers "not now"
+/// (`LOADING` its data after a restart), not when it answered with an error.
+pub fn store_error(e: RedisError) -> StoreError {
+    let failed = if is_connection_error(&e) || is_busy(&e) {
+        StoreError::unavailable(e.to_string())
+    } else {
+        StoreError::backend(e.to_string())
+    };
+    failed.with_source(e)
 }
 
-impl From<RedisError> for CallError {
-    fn from(e: RedisError) -> Self {
-        if is_connection_error(&e) || is_busy(&e) {
-            Self::Unavailable(e.to_string())
-        } else {
-            Self::Backend(e.to_string())
-        }
-    }
+/// The error for a reply of a shape the caller did not expect, as any
+/// backend's error.
+pub fn bad_reply<E: From<StoreError>>(what: &str, reply: impl std::fmt::Debug) -> E {
+    StoreError::backend(format!("unexpected {what} reply: {reply:?}")).into()
 }
 
 #[derive(Clone, Copy)]
@@ -70,7 +66,7 @@ pub async fn script<T: FromRedisValue>(
     timeout: Duration,
     op: &'static str,
     inv: &ScriptInvocation<'_>,
-) -> Result<T, CallError> {
+) -> Result<T, StoreError> {
     call(pool, timeout, op, Request::Script(inv), Repeat::Never).await
 }
 
@@ -80,7 +76,7 @@ pub async fn command<T: FromRedisValue>(
     timeout: Duration,
     op: &'static str,
     cmd: &Cmd,
-) -> Result<T, CallError> {
+) -> Result<T, StoreError> {
     call(pool, timeout, op, Request::Command(cmd), Repeat::Never).await
 }
 
@@ -90,7 +86,7 @@ pub async fn pipeline<T: FromRedisValue>(
     timeout: Duration,
     op: &'static str,
     pipe: &Pipeline,
-) -> Result<T, CallError> {
+) -> Result<T, StoreError> {
     call(pool, timeout, op, Request::Pipeline(pipe), Repeat::Never).await
 }
 
@@ -101,7 +97,7 @@ pub async fn read<T: FromRedisValue>(
     timeout: Duration,
     op: &'static str,
     pipe: &Pipeline,
-) -> Result<T, CallError> {
+) -> Result<T, StoreError> {
     call(pool, timeout, op, Request::Pipeline(pipe), Repeat::Safe).await
 }
 
@@ -112,20 +108,23 @@ pub async fn dedicated<T: FromRedisValue>(
     timeout: Duration,
     op: &'static str,
     cmd: &Cmd,
-) -> Result<T, CallError> {
-    bounded(timeout, op, async { Ok(cmd.query_async::<T>(conn).await?) }).await
+) -> Result<T, StoreError> {
+    bounded(timeout, op, async {
+        cmd.query_async::<T>(conn).await.map_err(store_error)
+    })
+    .await
 }
 
 async fn bounded<T>(
     timeout: Duration,
     op: &'static str,
-    fut: impl std::future::Future<Output = Result<T, CallError>>,
-) -> Result<T, CallError> {
+    fut: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
     tokio::time::timeout(timeout, fut)
         .instrument(tracing::debug_span!("redis", op))
         .await
         .unwrap_or_else(|_| {
-            Err(CallError::Unavailable(format!(
+            Err(StoreError::unavailable(format!(
                 "Redis did not answer {op} within {timeout:?}"
             )))
         })
@@ -137,14 +136,14 @@ async fn call<T: FromRedisValue>(
     op: &'static str,
     request: Request<'_, '_>,
     repeat: Repeat,
-) -> Result<T, CallError> {
+) -> Result<T, StoreError> {
     let round_trip = async {
         let mut retried = false;
         loop {
             let mut conn = pool
                 .get()
                 .await
-                .map_err(|e| CallError::Unavailable(format!("no Redis connection: {e}")))?;
+                .map_err(|e| StoreError::unavailable(format!("no Redis connection: {e}")))?;
             let result = match request {
                 Request::Script(inv) => inv.invoke_async::<T>(&mut **conn).await,
                 Request::Command(cmd) => cmd.query_async::<T>(&mut **conn).await,
@@ -160,7 +159,7 @@ async fn call<T: FromRedisValue>(
                         tracing::debug!(op, error = %e, "connection failed; reading again on a fresh one");
                         continue;
                     }
-                    return Err(CallError::from(e));
+                    return Err(store_error(e));
                 }
             }
         }

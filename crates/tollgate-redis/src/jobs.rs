@@ -24,12 +24,10 @@
 //! publish the job id, and a waiter also re-reads the record every `poll`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use serde_json::Value as Json;
@@ -40,27 +38,16 @@ use tollgate_core::{
     Lease, Ledger, Maintenance, RequestId, UserId, Waiters, Watch,
 };
 
-use crate::call::{self, CallError};
+use crate::call::{self, bad_reply};
 use crate::keys::{JobKeys, KeySpace};
-use crate::pool::{redact_url, Pool, RedisBackendError, DEFAULT_TIMEOUT};
+use crate::pool::blocking_connection;
+use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, FailArgs};
+use crate::subscription::{self, Listener};
+use tollgate_core::error::StoreError;
 
 /// Most ids one maintenance step handles per set and operation.
 const MAINTAIN_BATCH: u32 = 100;
-
-impl From<CallError> for JobError {
-    fn from(e: CallError) -> Self {
-        match e {
-            CallError::Unavailable(m) => Self::Unavailable(m),
-            CallError::Backend(m) => Self::Backend(m),
-        }
-    }
-}
-
-/// For calls on the dedicated (blocking, pub/sub) connections.
-fn map_redis_error(e: redis::RedisError) -> JobError {
-    CallError::from(e).into()
-}
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -70,14 +57,9 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-fn bad_reply(what: &str, reply: impl std::fmt::Debug) -> JobError {
-    JobError::Backend(format!("unexpected {what} reply: {reply:?}"))
-}
-
 /// The distributed job queue.
 pub struct RedisJobQueue {
     pool: Pool,
-    client: redis::Client,
     keys: KeySpace,
     config: Arc<Config>,
     ledger: Arc<dyn Ledger>,
@@ -90,9 +72,9 @@ pub struct RedisJobQueue {
     /// Ids seen in this process's processing lists with their job still
     /// queued (never leased), by list: moved back if still so next round.
     suspects: Mutex<HashMap<String, HashSet<String>>>,
-    subscribed: AtomicBool,
-    /// Dropping it stops the subscriber task.
-    stop: Mutex<Option<oneshot::Sender<()>>>,
+    /// The waiters' subscription, started by the first wait; dropping it
+    /// stops the subscription.
+    subscription: Mutex<Option<oneshot::Sender<()>>>,
 }
 
 impl std::fmt::Debug for RedisJobQueue {
@@ -105,22 +87,17 @@ impl std::fmt::Debug for RedisJobQueue {
 
 impl RedisJobQueue {
     /// A queue on `pool` (blocking takes and the waiters' subscription open
-    /// their own connections to `url`). `ledger` reserves and refunds.
+    /// connections of their own to the same Redis). `ledger` charges and
+    /// releases.
     pub fn new(
-        url: &str,
         pool: Pool,
         keys: KeySpace,
         config: Arc<Config>,
         ledger: Arc<dyn Ledger>,
         options: JobOptions,
-    ) -> Result<Self, RedisBackendError> {
-        let client = redis::Client::open(url).map_err(|e| RedisBackendError::BadUrl {
-            url: redact_url(url),
-            message: e.to_string(),
-        })?;
-        Ok(Self {
+    ) -> Self {
+        Self {
             pool,
-            client,
             channel: keys.jobs_done(),
             keys,
             config,
@@ -130,9 +107,8 @@ impl RedisJobQueue {
             blocking: Mutex::new(Vec::new()),
             waiters: Arc::new(Waiters::default()),
             suspects: Mutex::default(),
-            subscribed: AtomicBool::new(false),
-            stop: Mutex::new(None),
-        })
+            subscription: Mutex::new(None),
+        }
     }
 
     pub fn keys(&self) -> &KeySpace {
@@ -252,32 +228,19 @@ impl RedisJobQueue {
         if let Some(c) = lock(&self.blocking).pop() {
             return Ok(c);
         }
-        let config = redis::AsyncConnectionConfig::new()
-            .set_response_timeout(None)
-            .set_connection_timeout(Some(self.timeout));
-        self.client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-            .map_err(map_redis_error)
+        Ok(blocking_connection(&self.pool).await?)
     }
 
     fn ensure_subscriber(&self) {
-        if self.subscribed.swap(true, Ordering::SeqCst) {
-            return;
+        let mut subscription = lock(&self.subscription);
+        if subscription.is_none() {
+            *subscription = Some(subscription::spawn(
+                self.pool.manager().client().clone(),
+                self.channel.clone(),
+                Arc::clone(&self.waiters),
+                Duration::from_millis(200),
+            ));
         }
-        let (tx, rx) = oneshot::channel::<()>();
-        *lock(&self.stop) = Some(tx);
-        let task = subscriber(
-            self.client.clone(),
-            self.channel.clone(),
-            Arc::clone(&self.waiters),
-        );
-        tokio::spawn(async move {
-            tokio::select! {
-                () = task => {}
-                _ = rx => {}
-            }
-        });
     }
 
     /// Jobs waiting in `operation`'s queue (tests and metrics).
@@ -297,28 +260,24 @@ impl RedisJobQueue {
     }
 }
 
-/// Keeps one subscription to the finished-jobs channel; after every
-/// (re)subscription, wakes every waiter to re-read (what was published while
-/// the subscription was down is found that way).
-async fn subscriber(client: redis::Client, channel: String, waiters: Arc<Waiters>) {
-    loop {
-        match client.get_async_pubsub().await {
-            Ok(mut pubsub) => match pubsub.subscribe(&channel).await {
-                Ok(()) => {
-                    waiters.ring_all();
-                    let mut messages = pubsub.on_message();
-                    while let Some(msg) = messages.next().await {
-                        if let Ok(id) = std::str::from_utf8(msg.get_payload_bytes()) {
-                            waiters.ring(id);
-                        }
-                    }
-                    tracing::warn!("job subscription lost; re-subscribing");
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot subscribe to finished jobs"),
-            },
-            Err(e) => tracing::warn!(error = %e, "cannot open the job subscription"),
+/// The finished-jobs channel rings the waiters of each job; after every
+/// (re)subscription every waiter is rung to re-read its job (what was published
+/// while the subscription was down is found that way).
+#[async_trait]
+impl Listener for Waiters {
+    fn name(&self) -> &'static str {
+        "finished jobs"
+    }
+
+    async fn resync(&self) -> Result<(), StoreError> {
+        self.ring_all();
+        Ok(())
+    }
+
+    fn deliver(&self, payload: &[u8]) {
+        if let Ok(id) = std::str::from_utf8(payload) {
+            self.ring(id);
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -381,7 +340,7 @@ fn decode(id: &RequestId, map: &HashMap<String, String>) -> Result<Option<JobInf
     }
     parse_record(id, map)
         .map(Some)
-        .map_err(|e| JobError::Backend(format!("job {id}: {e}")))
+        .map_err(|e| StoreError::backend(format!("job {id}: {e}")).into())
 }
 
 fn text(v: &Value) -> Option<String> {
@@ -444,7 +403,7 @@ impl JobQueue for RedisJobQueue {
                 let map = HashMap::<String, String>::from_redis_value(
                     reply.get(1).cloned().unwrap_or(Value::Nil),
                 )
-                .map_err(|e| bad_reply("job_enqueue", e))?;
+                .map_err(|e| bad_reply::<JobError>("job_enqueue", e))?;
                 match decode(&job.id, &map)? {
                     Some(info) => Ok(Enqueued::Existing(Box::new(info))),
                     None => Err(bad_reply("job_enqueue", "an empty record")),
@@ -725,13 +684,21 @@ impl JobSource for RedisJobQueue {
             // Workers whose liveness ended: their moved-but-unleased ids go back.
             let dead: Vec<String> = self
                 .script(
-                    "job_heartbeat",
-                    scripts::job_heartbeat(&keys, worker, millis(liveness)),
+                    "liveness_heartbeat",
+                    scripts::liveness_heartbeat(keys.members(), worker, millis(liveness)),
                 )
                 .await?;
             for other in dead {
                 let n: i64 = self
-                    .script("job_reclaim", scripts::job_reclaim(&keys, &other, false))
+                    .script(
+                        "liveness_reclaim",
+                        scripts::liveness_reclaim(
+                            keys.members(),
+                            &other,
+                            &keys.processing(&other),
+                            false,
+                        ),
+                    )
                     .await?;
                 if n > 0 {
                     tracing::warn!(worker = %other, operation, returned = n, "reclaimed the ids of a dead worker");
@@ -786,7 +753,15 @@ impl JobSource for RedisJobQueue {
         for operation in operations {
             let keys = self.keys.jobs(&operation);
             let _: i64 = self
-                .script("job_reclaim", scripts::job_reclaim(&keys, worker, true))
+                .script(
+                    "liveness_reclaim",
+                    scripts::liveness_reclaim(
+                        keys.members(),
+                        worker,
+                        &keys.processing(worker),
+                        true,
+                    ),
+                )
                 .await?;
         }
         Ok(())

@@ -11,6 +11,8 @@
 
 use tollgate_core::{KeyHash, UserId};
 
+use crate::scripts::{Head, Members};
+
 /// Key schema version: part of every key.
 pub const SCHEMA: &str = "v1";
 
@@ -59,12 +61,25 @@ pub struct ThrottleKeys {
     pub granted: String,
     /// Hash: the token bucket (`tokens`, `at`).
     pub bucket: String,
-    /// Hash: throttler id -> end of its lease (µs).
+    /// Hash: throttler id -> end of its liveness (ms).
     pub throttlers: String,
+    /// Set: every throttler id that may have a processing list (see
+    /// `liveness_heartbeat.lua`); it does not expire.
+    pub lists: String,
     base: String,
 }
 
 impl ThrottleKeys {
+    /// The throttlers of this provider's ticket queue.
+    pub fn members(&self) -> Members<'_> {
+        Members {
+            members: &self.throttlers,
+            lists: &self.lists,
+            queue: &self.queue,
+            head: Head::Left,
+        }
+    }
+
     /// List: the tickets throttler `throttler` popped and has not served yet.
     pub fn processing(&self, throttler: &str) -> String {
         format!("{}:processing:{throttler}", self.base)
@@ -123,7 +138,7 @@ impl KeySpace {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|processing:<id>`.
+    /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|lists|processing:<id>`.
     /// Provider names are validated like ids when the config is read.
     pub fn throttle(&self, provider: &str) -> ThrottleKeys {
         let base = format!("{}:{SCHEMA}:{{p:{}}}", self.prefix, provider);
@@ -133,6 +148,7 @@ impl KeySpace {
             granted: format!("{base}:granted"),
             bucket: format!("{base}:bucket"),
             throttlers: format!("{base}:throttlers"),
+            lists: format!("{base}:lists"),
             base,
         }
     }
@@ -164,6 +180,16 @@ pub struct JobKeys {
 }
 
 impl JobKeys {
+    /// The workers of this operation's job queue.
+    pub fn members(&self) -> Members<'_> {
+        Members {
+            members: &self.workers,
+            lists: &self.lists,
+            queue: &self.queue,
+            head: Head::Right,
+        }
+    }
+
     /// Hash: the job record (`state`, `user`, `input`, `seq` = fencing token, ...).
     /// Request ids cannot contain `{ } :`, so an id cannot forge another key.
     pub fn job(&self, id: &str) -> String {
@@ -228,7 +254,7 @@ mod tests {
         assert_eq!(k.queue, "tg:v1:{p:llm}:queue");
         assert_eq!(k.bucket, "tg:v1:{p:llm}:bucket");
         assert_eq!(k.processing("t1"), "tg:v1:{p:llm}:processing:t1");
-        for key in [&k.waiting, &k.granted, &k.throttlers] {
+        for key in [&k.waiting, &k.granted, &k.throttlers, &k.lists] {
             assert!(key.starts_with("tg:v1:{p:llm}:"), "{key}");
         }
     }

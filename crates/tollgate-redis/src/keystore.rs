@@ -9,9 +9,10 @@ use redis::{FromRedisValue, Pipeline};
 use tollgate_core::keystore::is_key_id;
 use tollgate_core::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError, UserId};
 
-use crate::call::{self, CallError};
+use crate::call;
 use crate::keys::KeySpace;
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
+use tollgate_core::error::StoreError;
 
 /// The distributed [`KeyStore`].
 pub struct RedisKeyStore {
@@ -25,15 +26,6 @@ impl std::fmt::Debug for RedisKeyStore {
         f.debug_struct("RedisKeyStore")
             .field("prefix", &self.keys.prefix())
             .finish_non_exhaustive()
-    }
-}
-
-impl From<CallError> for KeyStoreError {
-    fn from(e: CallError) -> Self {
-        match e {
-            CallError::Unavailable(m) => Self::Unavailable(m),
-            CallError::Backend(m) => Self::Backend(m),
-        }
     }
 }
 
@@ -73,7 +65,8 @@ impl RedisKeyStore {
             .arg(key)
             .arg(&["user", "key_id", "created_ms", "revoked"]);
         let (fields,): (Vec<Option<String>>,) = self.read("apikey_get", &pipe).await?;
-        let bad = || KeyStoreError::Backend(format!("malformed key record {key}"));
+        let bad =
+            || KeyStoreError::from(StoreError::backend(format!("malformed key record {key}")));
         match fields.as_slice() {
             [None, ..] => Ok(None),
             [Some(user), Some(key_id), Some(created), revoked] => Ok(Some(KeyRecord {
@@ -91,10 +84,9 @@ impl RedisKeyStore {
 impl KeyStore for RedisKeyStore {
     async fn insert(&self, key: &ApiKey, record: &KeyRecord) -> Result<(), KeyStoreError> {
         if !is_key_id(&record.key_id) {
-            return Err(KeyStoreError::Backend(format!(
-                "malformed key id {:?}",
-                record.key_id
-            )));
+            return Err(
+                StoreError::backend(format!("malformed key id {:?}", record.key_id)).into(),
+            );
         }
         let hash = key.hash();
         let mut pipe = redis::pipe();

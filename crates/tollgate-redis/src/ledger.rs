@@ -12,7 +12,7 @@ use tollgate_core::{
     RefundOutcome, RequestId, ReserveOutcome, SettleOutcome, SpendEvent, Usage, UserId,
 };
 
-use crate::call::{self, CallError};
+use crate::call::{self, bad_reply};
 use crate::keys::KeySpace;
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, PlanArgs};
@@ -33,19 +33,6 @@ impl std::fmt::Debug for RedisLedger {
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
-}
-
-impl From<CallError> for LedgerError {
-    fn from(e: CallError) -> Self {
-        match e {
-            CallError::Unavailable(m) => Self::Unavailable(m),
-            CallError::Backend(m) => Self::Backend(m),
-        }
-    }
-}
-
-fn bad_reply(what: &str, reply: impl std::fmt::Debug) -> LedgerError {
-    LedgerError::Backend(format!("unexpected {what} reply: {reply:?}"))
 }
 
 fn to_u64(v: i64) -> u64 {
@@ -210,7 +197,7 @@ impl Ledger for RedisLedger {
         let n = |i: usize| {
             r.get(i)
                 .and_then(int)
-                .ok_or_else(|| bad_reply("charge", &r))
+                .ok_or_else(|| bad_reply::<LedgerError>("charge", &r))
         };
         let allowed = |duplicate: bool, at: u64| -> Result<Allowed, LedgerError> {
             let (used, limit) = (n(1)?, n(2)?);
@@ -235,7 +222,7 @@ impl Ledger for RedisLedger {
                 nonce: r
                     .get(7)
                     .and_then(text)
-                    .ok_or_else(|| bad_reply("charge", &r))?,
+                    .ok_or_else(|| bad_reply::<LedgerError>("charge", &r))?,
                 claimed: r.get(8).and_then(text).as_deref() == Some("j"),
             }),
             Some(0) => {
@@ -369,7 +356,8 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
         .map(|e| {
             let operation = text(&e[3])?;
             Ok(SpendEvent {
-                request_id: RequestId::new(text(&e[0])?).map_err(|err| bad_reply("usage", err))?,
+                request_id: RequestId::new(text(&e[0])?)
+                    .map_err(|err| bad_reply::<LedgerError>("usage", err))?,
                 at_ms: int(&e[1])?,
                 cost: int(&e[2])?,
                 operation: (!operation.is_empty()).then_some(operation),

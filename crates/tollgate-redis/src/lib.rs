@@ -21,6 +21,7 @@ pub mod keystore;
 pub mod ledger;
 pub mod pool;
 pub mod scripts;
+mod subscription;
 pub mod throttle;
 
 pub use jobs::RedisJobQueue;
@@ -28,4 +29,40 @@ pub use keys::{JobKeys, KeyError, KeySpace};
 pub use keystore::RedisKeyStore;
 pub use ledger::RedisLedger;
 pub use pool::{connect, redact_url, Connection, Pool, PoolOptions, RedisBackendError};
-pub use throttle::{Dispatcher, RedisThrottle, RedisThrottleOptions};
+pub use throttle::{Dispatcher, RedisDispatchers, RedisThrottle, RedisThrottleOptions};
+
+use std::sync::Arc;
+
+use tollgate_core::{Backends, Config, JobOptions};
+
+/// Every backend on one Redis: the pool the caller connected, the key space of
+/// one deployment. `described` names the Redis (without its password).
+pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: String) -> Backends {
+    let ledger: Arc<dyn tollgate_core::Ledger> = Arc::new(RedisLedger::new(
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(&config),
+    ));
+    let queue = Arc::new(RedisJobQueue::new(
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(&config),
+        Arc::clone(&ledger),
+        JobOptions::default(),
+    ));
+    Backends {
+        throttle: Arc::new(RedisThrottle::start(
+            pool.clone(),
+            keys.clone(),
+            &config,
+            RedisThrottleOptions::default(),
+        )),
+        keys: Arc::new(RedisKeyStore::new(pool.clone(), keys.clone())),
+        dispatchers: Some(Arc::new(RedisDispatchers { pool, keys })),
+        config,
+        ledger,
+        jobs: queue.clone(),
+        source: queue,
+        described,
+    }
+}

@@ -22,6 +22,9 @@ use deadpool::Runtime;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, ConnectionAddr, RedisError};
 use tokio::task::JoinHandle;
+use tollgate_core::error::StoreError;
+
+use crate::call::store_error;
 
 /// How long one call may wait for a connection, or for Redis to answer, before it
 /// fails as unavailable (fail closed rather than hang).
@@ -79,6 +82,29 @@ impl Drop for PooledConnection {
 pub struct Manager {
     client: Client,
     timeout: Duration,
+}
+
+impl Manager {
+    /// The client the pool connects with: for the connections that must not
+    /// be shared (pub/sub, blocking commands).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+}
+
+/// A connection of its own for blocking commands (BLMOVE), to the pool's
+/// Redis: on a shared multiplexed connection a blocking command stalls every
+/// other command. No response timeout: the caller bounds each command.
+pub async fn blocking_connection(pool: &Pool) -> Result<MultiplexedConnection, StoreError> {
+    let manager = pool.manager();
+    let config = AsyncConnectionConfig::new()
+        .set_response_timeout(None)
+        .set_connection_timeout(Some(manager.timeout));
+    manager
+        .client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .map_err(store_error)
 }
 
 impl managed::Manager for Manager {

@@ -163,10 +163,6 @@ pub static THROTTLE_GRANT: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_grant.lua")));
 pub static THROTTLE_CANCEL: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_cancel.lua")));
-pub static THROTTLE_HEARTBEAT: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_heartbeat.lua")));
-pub static THROTTLE_RECLAIM: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_reclaim.lua")));
 
 /// A provider's bucket parameters as the throttle scripts read them.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -242,29 +238,59 @@ pub fn throttle_cancel<'a>(
     inv
 }
 
-/// `throttle_heartbeat.lua`
-pub fn throttle_heartbeat<'a>(
-    keys: &ThrottleKeys,
-    throttler: &str,
-    lease_us: u64,
+/// The members of a queue that pop ids into processing lists of their own
+/// (workers of an operation's job queue, throttlers of a provider's ticket
+/// queue): the keys `liveness_heartbeat.lua` and `liveness_reclaim.lua` use.
+#[derive(Debug, Clone, Copy)]
+pub struct Members<'k> {
+    /// Hash: member id -> end of its liveness (ms).
+    pub members: &'k str,
+    /// Set: every member id that may have a processing list.
+    pub lists: &'k str,
+    pub queue: &'k str,
+    /// The queue's head: where the next id is popped from.
+    pub head: Head,
+}
+
+/// The end of a queue its ids are popped from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    Left,
+    Right,
+}
+
+pub static LIVENESS_HEARTBEAT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/liveness_heartbeat.lua")));
+pub static LIVENESS_RECLAIM: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/liveness_reclaim.lua")));
+
+/// `liveness_heartbeat.lua`: the listed members whose liveness lapsed.
+pub fn liveness_heartbeat<'a>(
+    m: Members<'_>,
+    member: &str,
+    liveness_ms: u64,
 ) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_HEARTBEAT.prepare_invoke();
-    inv.key(&keys.throttlers);
-    inv.arg(throttler).arg(lease_us);
+    let mut inv = LIVENESS_HEARTBEAT.prepare_invoke();
+    inv.key(m.members).key(m.lists).arg(member).arg(liveness_ms);
     inv
 }
 
-/// `throttle_reclaim.lua`
-pub fn throttle_reclaim<'a>(
-    keys: &ThrottleKeys,
-    throttler: &str,
+/// `liveness_reclaim.lua`: moves `processing` (the list of `member`) back to
+/// the head of the queue; -1 when the member is live and `force` is false.
+pub fn liveness_reclaim<'a>(
+    m: Members<'_>,
+    member: &str,
+    processing: &str,
     force: bool,
 ) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_RECLAIM.prepare_invoke();
-    inv.key(&keys.throttlers)
-        .key(keys.processing(throttler))
-        .key(&keys.queue);
-    inv.arg(throttler).arg(if force { "1" } else { "0" });
+    let mut inv = LIVENESS_RECLAIM.prepare_invoke();
+    inv.key(m.members).key(processing).key(m.queue).key(m.lists);
+    inv.arg(member)
+        .arg(if force { "1" } else { "0" })
+        .arg(match m.head {
+            Head::Left => "LEFT",
+            Head::Right => "RIGHT",
+        });
     inv
 }
 
@@ -291,8 +317,6 @@ job_scripts! {
     JOB_HAND_BACK => "job_hand_back.lua",
     JOB_DUE => "job_due.lua",
     JOB_REQUEUE => "job_requeue.lua",
-    JOB_HEARTBEAT => "job_heartbeat.lua",
-    JOB_RECLAIM => "job_reclaim.lua",
     JOB_UNSTICK => "job_unstick.lua",
 }
 
@@ -447,31 +471,6 @@ pub fn job_requeue<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptI
         .key(&keys.queue)
         .key(keys.processing(worker));
     inv.arg(id);
-    inv
-}
-
-/// `job_heartbeat.lua`
-pub fn job_heartbeat<'a>(
-    keys: &JobKeys,
-    worker: &str,
-    liveness_ms: u64,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_HEARTBEAT.prepare_invoke();
-    inv.key(&keys.workers)
-        .key(&keys.lists)
-        .arg(worker)
-        .arg(liveness_ms);
-    inv
-}
-
-/// `job_reclaim.lua`
-pub fn job_reclaim<'a>(keys: &JobKeys, worker: &str, force: bool) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_RECLAIM.prepare_invoke();
-    inv.key(&keys.workers)
-        .key(keys.processing(worker))
-        .key(&keys.queue)
-        .key(&keys.lists);
-    inv.arg(worker).arg(if force { "1" } else { "0" });
     inv
 }
 

@@ -23,17 +23,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use redis::{FromRedisValue, ScriptInvocation};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
-use tollgate_core::{Config, Grant, Provider, RequestId, Throttle, ThrottleError};
+use tollgate_core::{
+    Config, Dispatch, Dispatchers, Grant, Provider, Pumped, RequestId, Throttle, ThrottleError,
+};
 
-use crate::call::{self, CallError};
+use crate::call::{self, bad_reply};
 use crate::keys::{KeySpace, ThrottleKeys};
-use crate::pool::{redact_url, Pool, RedisBackendError, DEFAULT_TIMEOUT};
+use crate::pool::{blocking_connection, Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, BucketArgs};
+use crate::subscription::{self, Listener};
+use tollgate_core::error::StoreError;
 
 /// The least time a readiness record outlives its grant. A provider's records
 /// live at least its `max_wait` (plus [`READY_MARGIN`]): a waiter still waiting
@@ -51,22 +54,12 @@ pub fn ready_ttl(provider: &Provider) -> Duration {
 /// Idle provider keys (no waiter, no grant) expire after this.
 pub const IDLE_TTL: Duration = Duration::from_secs(2 * 3600);
 
-impl From<CallError> for ThrottleError {
-    fn from(e: CallError) -> Self {
-        match e {
-            CallError::Unavailable(m) => Self::Unavailable(m),
-            CallError::Backend(m) => Self::Backend(m),
-        }
-    }
-}
-
-/// For calls on the dedicated (blocking, pub/sub) connections.
-fn map_redis_error(e: redis::RedisError) -> ThrottleError {
-    CallError::from(e).into()
-}
-
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn micros(d: Duration) -> u64 {
@@ -121,8 +114,9 @@ pub struct RedisThrottle {
     shared: Arc<Shared>,
     providers: BTreeMap<String, Provider>,
     options: RedisThrottleOptions,
-    /// Dropping it stops the subscriber task.
-    _stop: oneshot::Sender<()>,
+    /// The subscription, started by the first wait (a process that never
+    /// waits, such as an api pod, holds none); dropping it stops it.
+    subscription: Mutex<Option<oneshot::Sender<()>>>,
 }
 
 impl std::fmt::Debug for RedisThrottle {
@@ -151,7 +145,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn deliver(&self, ticket: &str, granted_at_us: u64) {
+    fn grant(&self, ticket: &str, granted_at_us: u64) {
         if let Some((_, tx)) = lock(&self.pending).remove(ticket) {
             // A waiter that left meanwhile hands the grant back itself (its
             // cancel finds the readiness record).
@@ -161,7 +155,7 @@ impl Shared {
 
     /// Looks up the readiness record of every pending ticket: the grants
     /// published while this process was not subscribed.
-    async fn recheck(&self) -> Result<usize, ThrottleError> {
+    async fn recheck(&self) -> Result<usize, StoreError> {
         let mut by_provider: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for (ticket, (provider, _)) in lock(&self.pending).iter() {
             by_provider
@@ -179,7 +173,7 @@ impl Shared {
             for (ticket, score) in tickets.iter().zip(scores) {
                 if let Some(at) = score {
                     found += 1;
-                    self.deliver(ticket, at as u64);
+                    self.grant(ticket, at as u64);
                 }
             }
         }
@@ -187,63 +181,33 @@ impl Shared {
     }
 }
 
-/// Keeps the process's one subscription to its inbox alive; after each
-/// (re)subscription, re-checks the pending tickets.
-async fn subscriber(shared: Arc<Shared>, client: redis::Client, reconnect_delay: Duration) {
-    loop {
-        match client.get_async_pubsub().await {
-            Ok(mut pubsub) => match pubsub.subscribe(&shared.inbox).await {
-                Ok(()) => {
-                    shared.subscribed.send_replace(true);
-                    // Grants published while nobody listened are found by the
-                    // re-check; it is retried until it succeeds (a failed one
-                    // would strand them until max_wait), while grants keep
-                    // arriving on the subscription meanwhile.
-                    let recheck = async {
-                        let mut backoff = Duration::from_millis(50);
-                        loop {
-                            match shared.recheck().await {
-                                Ok(0) => break,
-                                Ok(n) => {
-                                    tracing::info!(found = n, "grants found after subscribing");
-                                    break;
-                                }
-                                Err(e) => {
-                                    tracing::warn!(error = %e, ?backoff, "re-check after subscribing failed; retrying");
-                                    tokio::time::sleep(backoff).await;
-                                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                                }
-                            }
-                        }
-                        std::future::pending::<()>().await;
-                    };
-                    let listen = async {
-                        let mut messages = pubsub.on_message();
-                        while let Some(msg) = messages.next().await {
-                            let payload = msg.get_payload_bytes();
-                            let parsed = std::str::from_utf8(payload)
-                                .ok()
-                                .and_then(|s| s.split_once(' '))
-                                .and_then(|(t, at)| Some((t, at.parse::<u64>().ok()?)));
-                            match parsed {
-                                Some((ticket, at)) => shared.deliver(ticket, at),
-                                None => tracing::warn!(?payload, "malformed readiness message"),
-                            }
-                        }
-                    };
-                    // The subscription ending ends the re-check too.
-                    tokio::select! {
-                        () = listen => {}
-                        () = recheck => {}
-                    }
-                    shared.subscribed.send_replace(false);
-                    tracing::warn!("throttle subscription lost; re-subscribing");
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot subscribe to the throttle inbox"),
-            },
-            Err(e) => tracing::warn!(error = %e, "cannot open the throttle subscription"),
+#[async_trait]
+impl Listener for Shared {
+    fn name(&self) -> &'static str {
+        "throttle inbox"
+    }
+
+    async fn resync(&self) -> Result<(), StoreError> {
+        let found = self.recheck().await?;
+        if found > 0 {
+            tracing::info!(found, "grants found after subscribing");
         }
-        tokio::time::sleep(reconnect_delay).await;
+        Ok(())
+    }
+
+    fn deliver(&self, payload: &[u8]) {
+        let parsed = std::str::from_utf8(payload)
+            .ok()
+            .and_then(|s| s.split_once(' '))
+            .and_then(|(t, at)| Some((t, at.parse::<u64>().ok()?)));
+        match parsed {
+            Some((ticket, at)) => self.grant(ticket, at),
+            None => tracing::warn!(?payload, "malformed readiness message"),
+        }
+    }
+
+    fn live(&self, live: bool) {
+        self.subscribed.send_replace(live);
     }
 }
 
@@ -313,18 +277,14 @@ impl Drop for Ticket<'_> {
 }
 
 impl RedisThrottle {
-    /// Starts the process's subscription (on `url`; commands go through `pool`).
+    /// The waiter side on `pool`'s Redis; the process's subscription to its
+    /// inbox starts with the first wait.
     pub fn start(
-        url: &str,
         pool: Pool,
         keys: KeySpace,
         config: &Config,
         options: RedisThrottleOptions,
-    ) -> Result<Self, RedisBackendError> {
-        let client = redis::Client::open(url).map_err(|e| RedisBackendError::BadUrl {
-            url: redact_url(url),
-            message: e.to_string(),
-        })?;
+    ) -> Self {
         let process = RequestId::generate().as_str().replace('-', "");
         let (subscribed, _) = watch::channel(false);
         let shared = Arc::new(Shared {
@@ -338,34 +298,27 @@ impl RedisThrottle {
             call_timeout: options.call_timeout,
             cancels: Mutex::default(),
         });
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = subscriber(Arc::clone(&shared), client, options.reconnect_delay);
-        tokio::spawn(async move {
-            tokio::select! {
-                () = task => {}
-                _ = stopped => {}
-            }
-        });
-        Ok(Self {
+        Self {
             shared,
             providers: config
                 .providers()
                 .map(|p| (p.name.clone(), p.clone()))
                 .collect(),
             options,
-            _stop: stop,
-        })
+            subscription: Mutex::new(None),
+        }
     }
 
-    /// Lets the cancels of dropped waits finish, at most `limit`; call it
-    /// before the runtime stops. Returns how many did not finish in time.
-    pub async fn drain(&self, limit: Duration) -> usize {
-        let mut cancels = std::mem::take(&mut *lock(&self.shared.cancels));
-        let _ = tokio::time::timeout(limit, async {
-            while cancels.join_next().await.is_some() {}
-        })
-        .await;
-        cancels.len()
+    fn ensure_subscribed(&self) {
+        let mut subscription = lock(&self.subscription);
+        if subscription.is_none() {
+            *subscription = Some(subscription::spawn(
+                self.shared.pool.manager().client().clone(),
+                self.shared.inbox.clone(),
+                Arc::clone(&self.shared),
+                self.options.reconnect_delay,
+            ));
+        }
     }
 
     /// The pub/sub channel this process's waiters hear their grants on.
@@ -378,8 +331,10 @@ impl RedisThrottle {
         lock(&self.shared.pending).len()
     }
 
-    /// Waits until the subscription is live, at most `within`.
+    /// Starts the subscription if no wait has, and waits until it is live, at
+    /// most `within`.
     pub async fn subscribed(&self, within: Duration) -> bool {
+        self.ensure_subscribed();
         let mut rx = self.shared.subscribed.subscribe();
         tokio::time::timeout(within, rx.wait_for(|s| *s))
             .await
@@ -419,6 +374,15 @@ impl Throttle for RedisThrottle {
             }
         }
     }
+
+    async fn drain(&self, limit: Duration) -> usize {
+        let mut cancels = std::mem::take(&mut *lock(&self.shared.cancels));
+        let _ = tokio::time::timeout(limit, async {
+            while cancels.join_next().await.is_some() {}
+        })
+        .await;
+        cancels.len()
+    }
 }
 
 impl RedisThrottle {
@@ -433,6 +397,7 @@ impl RedisThrottle {
     ) -> Result<Attempt, ThrottleError> {
         let deadline = started + max_wait;
         let left = deadline.saturating_duration_since(Instant::now());
+        self.ensure_subscribed();
         let shared = &self.shared;
         let n = shared.next.fetch_add(1, Ordering::Relaxed);
         let id = format!("{request_id}~{}.{n:x}", shared.process);
@@ -455,7 +420,7 @@ impl RedisThrottle {
             return Err(if connect_wait == left {
                 timeout()
             } else {
-                ThrottleError::Unavailable("no pub/sub subscription to Redis".into())
+                StoreError::unavailable("no pub/sub subscription to Redis").into()
             });
         }
         ticket.armed = true;
@@ -492,10 +457,11 @@ impl RedisThrottle {
             }
             [1, now_us] => u64::try_from(now_us).unwrap_or(0),
             _ => {
-                return Err(ThrottleError::Backend(format!(
+                return Err(StoreError::backend(format!(
                     "throttle_enqueue refused ticket {}: {queued:?}",
                     ticket.id
-                )))
+                ))
+                .into())
             }
         };
         match tokio::time::timeout_at(deadline, rx).await {
@@ -515,9 +481,7 @@ impl RedisThrottle {
                 ticket.armed = false;
                 Ok(Attempt::Granted(grant(granted_at_us)))
             }
-            Ok(Err(_)) => Err(ThrottleError::Backend(
-                "the throttle subscriber stopped".into(),
-            )),
+            Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
             Err(_) => {
                 if let Err(e) = ticket.cancel().await {
                     tracing::warn!(error = %e, "cancelling a timed-out wait failed");
@@ -528,19 +492,8 @@ impl RedisThrottle {
     }
 }
 
-/// What one [`Dispatcher::pump`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pumped {
-    pub granted: u64,
-    pub skipped: u64,
-    /// `Some(d)`: the bucket is dry with tickets left; the next token is due in `d`.
-    pub wait: Option<Duration>,
-    /// The grant limit stopped the call with tickets left: pump again.
-    pub more: bool,
-}
-
 /// The throttler side of one provider: serves its queue from its bucket.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Dispatcher {
     pool: Pool,
     keys: ThrottleKeys,
@@ -548,6 +501,8 @@ pub struct Dispatcher {
     bucket: BucketArgs,
     ready_ttl: Duration,
     timeout: Duration,
+    /// For BLMOVE; dropped after a failure, opened again on the next wait.
+    blocking: tokio::sync::Mutex<Option<MultiplexedConnection>>,
 }
 
 impl Dispatcher {
@@ -559,15 +514,36 @@ impl Dispatcher {
             bucket: BucketArgs::from(provider),
             ready_ttl: ready_ttl(provider),
             timeout: DEFAULT_TIMEOUT,
+            blocking: tokio::sync::Mutex::new(None),
         }
     }
 
     pub fn keys(&self) -> &ThrottleKeys {
         &self.keys
     }
+}
 
-    /// Grants up to `limit` tickets, oldest first, while the bucket has tokens.
-    pub async fn pump(&self, limit: u32) -> Result<Pumped, ThrottleError> {
+/// Makes the [`Dispatcher`]s of a throttler, on one pool.
+#[derive(Debug, Clone)]
+pub struct RedisDispatchers {
+    pub pool: Pool,
+    pub keys: KeySpace,
+}
+
+impl Dispatchers for RedisDispatchers {
+    fn dispatcher(&self, provider: &Provider, throttler: &str) -> Arc<dyn Dispatch> {
+        Arc::new(Dispatcher::new(
+            self.pool.clone(),
+            &self.keys,
+            provider,
+            throttler,
+        ))
+    }
+}
+
+#[async_trait]
+impl Dispatch for Dispatcher {
+    async fn pump(&self, limit: u32) -> Result<Pumped, ThrottleError> {
         let r: Vec<i64> = run_script(
             &self.pool,
             self.timeout,
@@ -589,79 +565,71 @@ impl Dispatcher {
                 wait: (wait > 0).then(|| Duration::from_micros(wait as u64)),
                 more: more == 1,
             }),
-            other => Err(ThrottleError::Backend(format!(
-                "unexpected throttle_grant reply: {other:?}"
-            ))),
+            other => Err(bad_reply("throttle_grant", other)),
         }
     }
 
-    /// Blocks on `conn` (a dedicated connection: see [`blocking_connection`])
-    /// until a ticket is queued, at most `block`, and moves it into this
-    /// throttler's processing list. Returns whether a ticket came.
-    pub async fn wait_for_ticket(
-        &self,
-        conn: &mut MultiplexedConnection,
-        block: Duration,
-    ) -> Result<bool, ThrottleError> {
+    /// BLMOVE on a connection of its own, into this throttler's processing list.
+    async fn wait_for_ticket(&self, block: Duration) -> Result<bool, ThrottleError> {
+        let mut blocking = self.blocking.lock().await;
+        let conn = match blocking.as_mut() {
+            Some(conn) => conn,
+            None => blocking.insert(blocking_connection(&self.pool).await?),
+        };
         let mut cmd = redis::cmd("BLMOVE");
         cmd.arg(&self.keys.queue)
             .arg(self.keys.processing(&self.throttler))
             .arg("LEFT")
             .arg("RIGHT")
             .arg(block.as_secs_f64());
-        let moved: Option<String> =
-            call::dedicated(conn, block + self.timeout, "blmove", &cmd).await?;
-        Ok(moved.is_some())
+        match call::dedicated::<Option<String>>(conn, block + self.timeout, "blmove", &cmd).await {
+            Ok(moved) => Ok(moved.is_some()),
+            Err(e) => {
+                *blocking = None;
+                Err(e.into())
+            }
+        }
     }
 
-    /// Renews this throttler's lease; returns throttlers whose lease ended.
-    pub async fn heartbeat(&self, lease: Duration) -> Result<Vec<String>, ThrottleError> {
+    async fn heartbeat(&self, liveness: Duration) -> Result<Vec<String>, ThrottleError> {
         run_script(
             &self.pool,
             self.timeout,
-            "throttle_heartbeat",
-            scripts::throttle_heartbeat(&self.keys, &self.throttler, micros(lease)),
+            "liveness_heartbeat",
+            scripts::liveness_heartbeat(self.keys.members(), &self.throttler, millis(liveness)),
         )
         .await
     }
 
-    /// Moves a dead throttler's tickets back to the head of the queue. Returns
-    /// how many, or `None` when its lease turned out to be live.
-    pub async fn reclaim(&self, dead: &str) -> Result<Option<u64>, ThrottleError> {
+    async fn reclaim(&self, dead: &str) -> Result<Option<u64>, ThrottleError> {
         let n: i64 = run_script(
             &self.pool,
             self.timeout,
-            "throttle_reclaim",
-            scripts::throttle_reclaim(&self.keys, dead, false),
+            "liveness_reclaim",
+            scripts::liveness_reclaim(
+                self.keys.members(),
+                dead,
+                &self.keys.processing(dead),
+                false,
+            ),
         )
         .await?;
         Ok(u64::try_from(n).ok())
     }
 
-    /// This throttler stops: its tickets go back to the queue, its lease ends.
-    pub async fn release(&self) -> Result<u64, ThrottleError> {
+    async fn release(&self) -> Result<u64, ThrottleError> {
         let n: i64 = run_script(
             &self.pool,
             self.timeout,
-            "throttle_reclaim",
-            scripts::throttle_reclaim(&self.keys, &self.throttler, true),
+            "liveness_reclaim",
+            scripts::liveness_reclaim(
+                self.keys.members(),
+                &self.throttler,
+                &self.keys.processing(&self.throttler),
+                true,
+            ),
         )
         .await?;
         Ok(n.max(0) as u64)
     }
-}
-
-/// A connection of its own for blocking commands (BLMOVE): on a shared
-/// multiplexed connection a blocking command stalls every other command.
-pub async fn blocking_connection(url: &str) -> Result<MultiplexedConnection, ThrottleError> {
-    let client = redis::Client::open(url).map_err(|e| {
-        ThrottleError::Unavailable(format!("bad Redis URL {}: {e}", redact_url(url)))
-    })?;
-    let config = redis::AsyncConnectionConfig::new()
-        .set_response_timeout(None)
-        .set_connection_timeout(Some(DEFAULT_TIMEOUT));
-    client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .map_err(map_redis_error)
 }

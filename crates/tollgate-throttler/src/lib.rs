@@ -1,45 +1,40 @@
 //! The throttler role: for each configured provider, pops waiting tickets from the
-//! provider's Redis queue and grants them from the provider's token bucket,
-//! sleeping exactly until the next token when the bucket is dry.
+//! provider's shared queue and grants them from the provider's token bucket,
+//! sleeping exactly until the next token when the bucket is dry. It works
+//! through the backends' [`Dispatchers`] (Redis); an in-process throttle grants
+//! by itself and needs no throttler.
 //!
 //! Any number of throttlers may run at once: the grant script is the only place a
-//! token is taken, so the rate stays global. Each throttler holds a lease per
-//! provider; the tickets of one whose lease ends (kill -9) are moved back to the
-//! queue by the others. **Invariant:** the throttler holds no per-user state.
+//! token is taken, so the rate stays global. Each throttler renews its liveness
+//! per provider; the tickets of one whose liveness lapses (kill -9) are moved back
+//! to the queue by the others. **Invariant:** the throttler holds no per-user state.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tollgate_core::{Config, Provider, RequestId, ThrottleError};
-use tollgate_redis::throttle::{blocking_connection, Dispatcher};
-use tollgate_redis::{KeySpace, Pool};
+use tollgate_core::{Config, Dispatch, Dispatchers, Provider, RequestId};
 use tracing::Instrument;
 
 /// Tunables of the throttler role.
 #[derive(Debug, Clone)]
 pub struct ThrottlerConfig {
-    /// For the blocking connections (one per provider).
-    pub redis_url: String,
-    pub keys: KeySpace,
     pub config: Arc<Config>,
     /// Most grants per script call (bounds how long one call holds Redis).
     pub batch: u32,
     /// How long a throttler's claim on its popped tickets outlives its last
     /// heartbeat; heartbeats go every third of it.
-    pub lease: Duration,
+    pub liveness: Duration,
     /// How long one BLMOVE blocks before the loop looks at shutdown again.
     pub block: Duration,
 }
 
 impl ThrottlerConfig {
-    pub fn new(redis_url: &str, keys: KeySpace, config: Arc<Config>) -> Self {
+    pub fn new(config: Arc<Config>) -> Self {
         Self {
-            redis_url: redis_url.to_owned(),
-            keys,
             config,
             batch: 64,
-            lease: Duration::from_secs(3),
+            liveness: Duration::from_secs(3),
             block: Duration::from_secs(1),
         }
     }
@@ -52,10 +47,10 @@ pub enum ThrottlerError {
 }
 
 /// Runs the throttler until `shutdown` resolves, then hands its popped tickets
-/// back to the queues and ends its leases.
+/// back to the queues and ends its liveness.
 pub async fn run(
     cfg: ThrottlerConfig,
-    pool: Pool,
+    dispatchers: Arc<dyn Dispatchers>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), ThrottlerError> {
     let providers: Vec<Provider> = cfg.config.providers().cloned().collect();
@@ -66,20 +61,20 @@ pub async fn run(
     tracing::info!(throttler = %id, providers = providers.len(), "throttler starting");
     let (stop_tx, stop) = watch::channel(false);
     let mut tasks = tokio::task::JoinSet::new();
-    let dispatchers: Vec<Dispatcher> = providers
+    let dispatchers: Vec<Arc<dyn Dispatch>> = providers
         .iter()
-        .map(|p| Dispatcher::new(pool.clone(), &cfg.keys, p, &id))
+        .map(|p| dispatchers.dispatcher(p, &id))
         .collect();
-    // Lease first, so that no ticket sits in a processing list without one.
+    // Liveness first, so that no ticket sits in a processing list without it.
     for d in &dispatchers {
-        if let Err(e) = d.heartbeat(cfg.lease).await {
+        if let Err(e) = d.heartbeat(cfg.liveness).await {
             tracing::warn!(error = %e, "first heartbeat failed; retrying in the loop");
         }
     }
-    tasks.spawn(heartbeats(dispatchers.clone(), cfg.lease, stop.clone()));
+    tasks.spawn(heartbeats(dispatchers.clone(), cfg.liveness, stop.clone()));
     for (d, p) in dispatchers.iter().zip(&providers) {
         let span = tracing::info_span!("serve", provider = %p.name);
-        tasks.spawn(serve(d.clone(), cfg.clone(), stop.clone()).instrument(span));
+        tasks.spawn(serve(Arc::clone(d), cfg.clone(), stop.clone()).instrument(span));
     }
     shutdown.await;
     tracing::info!("throttler stopping");
@@ -87,8 +82,8 @@ pub async fn run(
     while tasks.join_next().await.is_some() {}
     for d in &dispatchers {
         match d.release().await {
-            Ok(n) => tracing::info!(returned = n, "lease released"),
-            Err(e) => tracing::warn!(error = %e, "releasing the lease failed"),
+            Ok(n) => tracing::info!(returned = n, "liveness released"),
+            Err(e) => tracing::warn!(error = %e, "releasing the liveness failed"),
         }
     }
     Ok(())
@@ -100,8 +95,7 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 
 /// One provider: pump while there is work, sleep exactly until the next token
 /// when the bucket is dry, block on the queue when it is empty.
-async fn serve(d: Dispatcher, cfg: ThrottlerConfig, mut stop: watch::Receiver<bool>) {
-    let mut conn = None;
+async fn serve(d: Arc<dyn Dispatch>, cfg: ThrottlerConfig, mut stop: watch::Receiver<bool>) {
     let mut backoff = Duration::from_millis(50);
     while !*stop.borrow() {
         let step = async {
@@ -112,17 +106,9 @@ async fn serve(d: Dispatcher, cfg: ThrottlerConfig, mut stop: watch::Receiver<bo
             if let Some(wait) = pumped.wait {
                 tokio::time::sleep(wait).await;
             } else if !pumped.more {
-                if conn.is_none() {
-                    conn = Some(blocking_connection(&cfg.redis_url).await?);
-                }
-                if let Some(c) = conn.as_mut() {
-                    if let Err(e) = d.wait_for_ticket(c, cfg.block).await {
-                        conn = None;
-                        return Err(e);
-                    }
-                }
+                d.wait_for_ticket(cfg.block).await?;
             }
-            Ok::<_, ThrottleError>(())
+            Ok::<_, tollgate_core::ThrottleError>(())
         };
         tokio::select! {
             r = step => match r {
@@ -143,12 +129,16 @@ async fn serve(d: Dispatcher, cfg: ThrottlerConfig, mut stop: watch::Receiver<bo
     }
 }
 
-/// Renews the leases and reclaims the tickets of throttlers that died.
-async fn heartbeats(ds: Vec<Dispatcher>, lease: Duration, mut stop: watch::Receiver<bool>) {
-    let every = lease / 3;
+/// Renews the liveness and reclaims the tickets of throttlers that died.
+async fn heartbeats(
+    ds: Vec<Arc<dyn Dispatch>>,
+    liveness: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let every = liveness / 3;
     loop {
         for d in &ds {
-            match d.heartbeat(lease).await {
+            match d.heartbeat(liveness).await {
                 Ok(dead) => {
                     for other in dead {
                         match d.reclaim(&other).await {

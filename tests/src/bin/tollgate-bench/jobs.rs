@@ -174,13 +174,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Arc::clone(&config),
     ));
     let queue = Arc::new(RedisJobQueue::new(
-        &server.url(),
         pool,
         keys,
         Arc::clone(&config),
         ledger,
         Default::default(),
-    )?);
+    ));
     // Warm-up: the processes connect and load their scripts.
     drive(queue.clone(), "warm", 50, 50).await?;
     let r = drive(queue, "r", args.jobs, args.in_flight).await?;

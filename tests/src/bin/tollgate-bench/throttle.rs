@@ -46,12 +46,11 @@ pub async fn waiters(args: WaiterArgs) -> anyhow::Result<()> {
     let max_wait = args.max_wait.unwrap_or(provider.max_wait);
     let pool = tollgate_redis::connect(&args.redis_url, &PoolOptions::default()).await?;
     let throttle = RedisThrottle::start(
-        &args.redis_url,
         pool,
         KeySpace::new(&args.key_prefix)?,
         &config,
         RedisThrottleOptions::default(),
-    )?;
+    );
     anyhow::ensure!(
         throttle.subscribed(Duration::from_secs(5)).await,
         "no subscription within 5s"
@@ -210,12 +209,11 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         )
         .await?;
         let throttle = Arc::new(RedisThrottle::start(
-            &server.url(),
             pool,
             KeySpace::new(&prefix)?,
             &config,
             RedisThrottleOptions::default(),
-        )?);
+        ));
         anyhow::ensure!(
             throttle.subscribed(Duration::from_secs(5)).await,
             "no subscription"

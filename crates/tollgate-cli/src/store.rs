@@ -1,0 +1,183 @@
+//! Where a process keeps its state: the flags every role and operator command
+//! shares ([`StoreArgs`], flattened into each), and the one place that builds
+//! the [`Backends`] from them.
+//!
+//! The store is named by a URL: `memory` (this process only: `tollgate all`
+//! and `budget demo`), or `redis://` / `rediss://` (shared by every pod). A
+//! long-running role waits for a Redis that is down, with backoff (pods and
+//! their Redis restart in any order, and a role that exits only to be
+//! restarted recovers no sooner), while a bad URL fails at once. Operator
+//! commands (`budget`, `users`) fail fast instead.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use tollgate_core::config::Config;
+use tollgate_core::Backends;
+use tollgate_redis::{KeySpace, Pool, PoolOptions, RedisBackendError};
+
+use crate::process::{exit, fail, shutdown_signal};
+
+/// The flags that say where the state lives and how it is configured.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// Where the shared state lives: redis://[user:password@]host[:port][/db]
+    /// (rediss:// for TLS), or `memory` (this process only; `tollgate all`'s
+    /// default).
+    #[arg(
+        long,
+        global = true,
+        env = "TOLLGATE_REDIS_URL",
+        hide_env_values = true
+    )]
+    pub redis_url: Option<String>,
+
+    /// TOML config with plans, providers and operations (default: the built-in config).
+    #[arg(long, global = true, env = "TOLLGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Prefix of every Redis key: lets several deployments share one Redis.
+    #[arg(long, global = true, env = "TOLLGATE_KEY_PREFIX", default_value = tollgate_redis::keys::DEFAULT_PREFIX)]
+    pub key_prefix: String,
+}
+
+/// How to treat a Redis that does not answer yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// Wait for it, with backoff, until it answers or the process is told
+    /// to stop (a role).
+    UntilReachable,
+    /// Fail at once (an operator command).
+    No,
+}
+
+/// A failed start: what to print and how to exit.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: u8,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn bad_input(message: impl Into<String>) -> Self {
+        Self {
+            code: exit::BAD_INPUT,
+            message: message.into(),
+        }
+    }
+
+    pub fn other(message: impl Into<String>) -> Self {
+        Self {
+            code: exit::FAILURE,
+            message: message.into(),
+        }
+    }
+
+    /// Prints the message; the exit code to end with.
+    pub fn exit(self) -> ExitCode {
+        if self.code == STOPPED {
+            return ExitCode::SUCCESS;
+        }
+        fail(self.code, self.message)
+    }
+}
+
+/// A stop signal came while waiting for Redis: nothing was started.
+const STOPPED: u8 = 0;
+
+impl StoreArgs {
+    /// The config file, or the built-in config.
+    pub fn load_config(&self) -> Result<Config, Failure> {
+        Config::load(self.config.as_deref()).map_err(|e| Failure::bad_input(e.to_string()))
+    }
+
+    /// The URL, `None` for `memory` or no URL at all.
+    fn redis(&self) -> Option<&str> {
+        self.redis_url
+            .as_deref()
+            .filter(|u| !matches!(*u, "memory" | "memory://"))
+    }
+
+    /// Whether the state is this process's own (no URL, or `memory`).
+    pub fn is_memory(&self) -> bool {
+        self.redis().is_none()
+    }
+
+    /// The backends of a role that shares its state with other pods: a Redis
+    /// URL is required.
+    pub async fn shared(
+        &self,
+        role: &str,
+        config: Arc<Config>,
+        pool_size: usize,
+        wait: Wait,
+    ) -> Result<Backends, Failure> {
+        if self.is_memory() {
+            return Err(Failure::bad_input(format!(
+                "{role} needs the Redis every pod shares: pass --redis-url redis://… or set TOLLGATE_REDIS_URL (`memory` works only within one process: tollgate all)"
+            )));
+        }
+        self.open(config, pool_size, wait).await
+    }
+
+    /// The backends: in memory for `memory` or no URL, else on Redis.
+    pub async fn open(
+        &self,
+        config: Arc<Config>,
+        pool_size: usize,
+        wait: Wait,
+    ) -> Result<Backends, Failure> {
+        let Some(url) = self.redis() else {
+            return Ok(Backends::memory(config));
+        };
+        let keys =
+            KeySpace::new(&self.key_prefix).map_err(|e| Failure::bad_input(e.to_string()))?;
+        let options = PoolOptions {
+            max_size: pool_size.max(1),
+            ..Default::default()
+        };
+        let pool = match wait {
+            Wait::UntilReachable => wait_for_redis(url, &options).await?,
+            Wait::No => tollgate_redis::connect(url, &options)
+                .await
+                .map_err(|e| match e {
+                    RedisBackendError::BadUrl { .. } => Failure::bad_input(e.to_string()),
+                    RedisBackendError::Unreachable { .. } => Failure::other(e.to_string()),
+                })?,
+        };
+        let described = format!(
+            "Redis at {} (prefix {})",
+            tollgate_redis::redact_url(url),
+            self.key_prefix
+        );
+        tracing::debug!(store = %described, "connected");
+        Ok(tollgate_redis::backends(pool, keys, config, described))
+    }
+}
+
+/// Connects, waiting for an unreachable Redis until it answers or the process
+/// is told to stop (then a failure with a success code: nothing was started).
+async fn wait_for_redis(url: &str, options: &PoolOptions) -> Result<Pool, Failure> {
+    let mut backoff = Duration::from_millis(200);
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        match tollgate_redis::connect(url, options).await {
+            Ok(pool) => return Ok(pool),
+            Err(e @ RedisBackendError::BadUrl { .. }) => {
+                return Err(Failure::bad_input(e.to_string()))
+            }
+            Err(e @ RedisBackendError::Unreachable { .. }) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "waiting for Redis");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = &mut stop => return Err(Failure { code: STOPPED, message: String::new() }),
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! [`Backends`]: the one seam between the roles and their store. Every role
+//! (api, worker, throttler, `all`) and every operator command receives one,
+//! built once from a backend URL by the binary: in memory here
+//! ([`Backends::memory`]), on Redis by `tollgate-redis`. No role names a backend.
+
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::job::{JobQueue, JobSource};
+use crate::job_memory::MemoryJobQueue;
+use crate::keystore::{KeyStore, MemoryKeyStore};
+use crate::ledger::Ledger;
+use crate::memory::MemoryLedger;
+use crate::throttle::{Dispatchers, MemoryThrottle, Throttle};
+
+/// The stores of one process, each behind its trait.
+#[derive(Clone, Debug)]
+pub struct Backends {
+    pub config: Arc<Config>,
+    /// User budgets: charges, refunds, usage.
+    pub ledger: Arc<dyn Ledger>,
+    /// The api's side of the job queue (submit, status, wait), on `ledger`.
+    pub jobs: Arc<dyn JobQueue>,
+    /// The workers' side of the same queue.
+    pub source: Arc<dyn JobSource>,
+    /// The waiters' side of the provider throttle.
+    pub throttle: Arc<dyn Throttle>,
+    /// API keys.
+    pub keys: Arc<dyn KeyStore>,
+    /// The throttler role's side of the throttle; `None` where the throttle
+    /// grants by itself (in process).
+    pub dispatchers: Option<Arc<dyn Dispatchers>>,
+    /// Where the state lives, for logs and banners (no secrets).
+    pub described: String,
+}
+
+impl Backends {
+    /// Everything in this process's memory: the embedded mode (`tollgate all`
+    /// without Redis) and tests. Nothing is shared with another process.
+    pub fn memory(config: Arc<Config>) -> Self {
+        let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+        let queue = Arc::new(MemoryJobQueue::new(Arc::clone(&config), ledger.clone()));
+        Self {
+            throttle: Arc::new(MemoryThrottle::new(&config)),
+            config,
+            ledger,
+            jobs: queue.clone(),
+            source: queue,
+            keys: Arc::new(MemoryKeyStore::new()),
+            dispatchers: None,
+            described: "embedded: in-memory ledger, throttle and job queues".into(),
+        }
+    }
+}
