@@ -8,8 +8,9 @@
 -- also failed with its refund pending. Then counts the attempt: past the
 -- deadline, or past max attempts, the job fails (refund pending).
 -- Returns one of
---   { 1, token, user, provider, input, cost, enq, deadline, attempt, nonce, left }
---                            leased; `left`: ms until the deadline, on Redis's clock
+--   { 1, token, left, field, value, ... }
+--                            leased; `left`: ms until the deadline, on Redis's
+--                            clock; then the job's fields as the record names them
 --   { 0 }                    stale entry (the job is not queued): dropped
 --   { 2, cause, user, nonce }          failed here (expired | abandoned): release pending
 --   { 3, reason, user|'', nonce|'' }   malformed: moved aside (release pending if a nonce)
@@ -70,5 +71,6 @@ end
 local token = redis.call('HINCRBY', JOB, 'seq', 1)
 redis.call('HSET', JOB, 'state', 'running', 'worker', worker, 'lease_until', int(now + lease))
 redis.call('ZADD', LEASES, int(now + lease), id)
-return { 1, token, user, provider, input, int(cost), int(enq), int(deadline), attempt, nonce,
-  deadline - now }
+return { 1, token, deadline - now, 'user', user, 'op', jop, 'provider', provider,
+  'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
+  'attempt', attempt, 'nonce', nonce }

@@ -12,10 +12,18 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use tollgate_api::{ApiState, ProblemType, Settings};
+use tollgate_api::{
+    problem::ProblemType,
+    state::{ApiState, Settings},
+};
 use tollgate_core::job::JobOptions;
-use tollgate_core::{Backends, Config, FailureCause, JobSource, Ledger};
-use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
+use tollgate_core::{
+    backend::Backends,
+    config::Config,
+    job::{FailureCause, JobSource},
+    ledger::Ledger,
+};
+use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::api::StandInWorker;
 use tollgate_tests::{random_prefix, RedisServer};
 use tower::ServiceExt;
@@ -195,7 +203,7 @@ impl Harness {
 pub async fn redis_state(url: &str, prefix: &str, settings: Settings) -> ApiState {
     let config = test_config();
     let keys = KeySpace::new(prefix).unwrap();
-    let pool = tollgate_redis::connect(
+    let pool = tollgate_redis::pool::connect(
         url,
         &PoolOptions {
             max_size: 16,
@@ -229,7 +237,7 @@ pub async fn redis_state(url: &str, prefix: &str, settings: Settings) -> ApiStat
 pub async fn redis_source(url: &str, state: &ApiState) -> Arc<dyn JobSource> {
     let prefix = state_prefix(state);
     let keys = KeySpace::new(&prefix).unwrap();
-    let pool = tollgate_redis::connect(url, &PoolOptions::default())
+    let pool = tollgate_redis::pool::connect(url, &PoolOptions::default())
         .await
         .unwrap();
     let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(

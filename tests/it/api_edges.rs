@@ -3,7 +3,7 @@
 
 use axum::http::StatusCode;
 use serde_json::json;
-use tollgate_api::ProblemType;
+use tollgate_api::problem::ProblemType;
 
 use crate::api::{settings, Harness, ADMIN};
 
@@ -51,7 +51,7 @@ async fn setting_the_plan_of_an_unknown_user_is_404(h: Harness) {
     };
     let r = put("nobody").await;
     r.problem(ProblemType::NotFound);
-    let user = tollgate_core::UserId::new("nobody").unwrap();
+    let user = tollgate_core::id::UserId::new("nobody").unwrap();
     assert_eq!(h.state.ledger.plan(&user).await.unwrap(), "free");
 
     let key = h.user("alice", "free").await;

@@ -8,10 +8,14 @@ use std::time::Duration;
 use serde_json::json;
 use tokio::sync::watch;
 use tollgate_core::job::JobOptions;
-use tollgate_core::{Config, JobSource, Ledger, Throttle};
+use tollgate_core::{config::Config, job::JobSource, ledger::Ledger, throttle::Throttle};
 use tollgate_mock_provider::MockOptions;
 use tollgate_redis::{
-    KeySpace, PoolOptions, RedisDispatchers, RedisJobQueue, RedisLedger, RedisThrottle,
+    jobs::RedisJobQueue,
+    keys::KeySpace,
+    ledger::RedisLedger,
+    pool::PoolOptions,
+    throttle::{RedisDispatchers, RedisThrottle},
 };
 use tollgate_tests::api::ApiServer;
 use tollgate_tests::{http, random_prefix, RedisServer};
@@ -53,7 +57,7 @@ async fn full_path_answers_results_and_refunds_provider_failures() {
         );
     let config = Arc::new(Config::parse(&text, "full-path").unwrap());
     let keys = KeySpace::new(&prefix).unwrap();
-    let pool = tollgate_redis::connect(&redis.url(), &PoolOptions::default())
+    let pool = tollgate_redis::pool::connect(&redis.url(), &PoolOptions::default())
         .await
         .unwrap();
 

@@ -226,11 +226,11 @@ async fn redis_unreachable_is_503_and_the_api_recovers() {
     signal("-STOP");
     let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
     let p = r
-        .problem(tollgate_api::ProblemType::BackendUnavailable)
+        .problem(tollgate_api::problem::ProblemType::BackendUnavailable)
         .clone();
     assert!(!p.to_string().contains("redis://"), "no internals: {p}");
     let r = h.call("GET", "/readyz", None, &[], None).await;
-    r.problem(tollgate_api::ProblemType::BackendUnavailable);
+    r.problem(tollgate_api::problem::ProblemType::BackendUnavailable);
     signal("-CONT");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

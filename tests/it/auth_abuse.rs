@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use axum::http::{HeaderName, StatusCode};
 use tollgate_api::abuse::{FAILURE_BURST, FAILURE_INTERVAL};
 use tollgate_api::keycache::KEY_TTL;
-use tollgate_api::{ProblemType, Settings};
+use tollgate_api::{problem::ProblemType, state::Settings};
 use tollgate_tests::{random_prefix, RedisServer};
 
 use crate::api::{redis_source, redis_state, settings, Harness};
@@ -239,7 +239,7 @@ async fn revocation_is_honoured_within_the_cache_period() {
     let key2 = h.user("bob", "free").await;
     h.usage(&key2).await;
     let kid = {
-        let hash = tollgate_core::KeyHash::of(&key2);
+        let hash = tollgate_core::keystore::KeyHash::of(&key2);
         h.state.keys.lookup(&hash).await.unwrap().unwrap().key_id
     };
     h.state.keys.revoke(&kid).await.unwrap();

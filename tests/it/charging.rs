@@ -10,11 +10,16 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tollgate_api::ProblemType;
+use tollgate_api::problem::ProblemType;
 use tollgate_core::job::JobOptions;
 use tollgate_core::{
-    Config, JobError, JobQueue, JobRequest, JobSource, Ledger, ManualClock, MemoryJobQueue,
-    MemoryLedger, RequestId, SubmitOutcome, UserId,
+    clock::ManualClock,
+    config::Config,
+    id::{RequestId, UserId},
+    job::{JobError, JobQueue, JobRequest, JobSource, SubmitOutcome},
+    job_memory::MemoryJobQueue,
+    ledger::Ledger,
+    memory::MemoryLedger,
 };
 use tollgate_tests::api::ApiServer;
 use tollgate_tests::proxy::FaultProxy;

@@ -18,8 +18,13 @@ use proptest::prelude::*;
 use serde_json::json;
 use tollgate_core::job::JobOptions;
 use tollgate_core::{
-    ChargeRequest, Config, JobQueue, JobRequest, JobSource, JobStatus, Ledger, ManualClock,
-    MemoryJobQueue, MemoryLedger, RequestId, UserId,
+    clock::ManualClock,
+    config::Config,
+    id::{RequestId, UserId},
+    job::{JobQueue, JobRequest, JobSource, JobStatus},
+    job_memory::MemoryJobQueue,
+    ledger::{ChargeRequest, Ledger},
+    memory::MemoryLedger,
 };
 use tollgate_tests::RedisServer;
 
@@ -135,7 +140,7 @@ async fn run(
                     }
                     if ok {
                         if source.complete(&l, json!({})).await.unwrap()
-                            == tollgate_core::Finish::Recorded
+                            == tollgate_core::job::Finish::Recorded
                         {
                             let e = upstream
                                 .calls
@@ -149,7 +154,7 @@ async fn run(
                         }
                     } else {
                         source
-                            .fail(&l, tollgate_core::FailureCause::Provider, "boom")
+                            .fail(&l, tollgate_core::job::FailureCause::Provider, "boom")
                             .await
                             .unwrap();
                     }

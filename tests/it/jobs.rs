@@ -9,10 +9,16 @@ use std::time::Duration;
 use serde_json::json;
 use tollgate_core::job::JobOptions;
 use tollgate_core::{
-    Config, FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, Ledger,
-    MemoryJobQueue, MemoryLedger, RequestId, SubmitOutcome, UserId,
+    config::Config,
+    id::{RequestId, UserId},
+    job::{
+        FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, SubmitOutcome,
+    },
+    job_memory::MemoryJobQueue,
+    ledger::Ledger,
+    memory::MemoryLedger,
 };
-use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
+use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer};
 
 pub const CONFIG: &str = r#"
@@ -82,7 +88,7 @@ impl Setup {
         let q = Arc::new(MemoryJobQueue::with_clock(
             config,
             Arc::clone(&ledger),
-            Arc::new(tollgate_core::SystemClock),
+            Arc::new(tollgate_core::clock::SystemClock),
             options(),
         ));
         Self {
@@ -124,7 +130,7 @@ pub async fn redis_queue_with(
     options: JobOptions,
 ) -> (Arc<RedisJobQueue>, Arc<dyn Ledger>) {
     let keys = KeySpace::new(prefix).unwrap();
-    let pool = tollgate_redis::connect(&server.url(), &PoolOptions::default())
+    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
         .await
         .expect("connect to the test redis-server");
     let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
@@ -136,7 +142,7 @@ pub async fn redis_queue_with(
     (Arc::new(q), ledger)
 }
 
-async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::Lease {
+async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::job::Lease {
     let lease = s
         .source
         .take(operation, worker, Duration::from_secs(2), LEASE)
@@ -150,7 +156,7 @@ async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::Lease 
     lease
 }
 
-async fn submit_ok(s: &Setup, id: &str, who: &str) -> tollgate_core::Job {
+async fn submit_ok(s: &Setup, id: &str, who: &str) -> tollgate_core::job::Job {
     match s.queue.submit(request(id, who, "work")).await.unwrap() {
         SubmitOutcome::Queued { job, allowed } => {
             assert!(!allowed.duplicate);
@@ -246,7 +252,7 @@ async fn job_cost_over_the_plan_is_an_error_and_leaves_nothing(s: &Setup) {
         matches!(
             e,
             Err(JobError::Ledger(
-                tollgate_core::LedgerError::CostExceedsLimit { .. }
+                tollgate_core::ledger::LedgerError::CostExceedsLimit { .. }
             ))
         ),
         "{e:?}"
@@ -474,7 +480,7 @@ conformance!(
 /// queued id moves into `worker`'s processing list.
 async fn blmove_without_lease(
     conn: &mut ::redis::aio::MultiplexedConnection,
-    keys: &tollgate_redis::JobKeys,
+    keys: &tollgate_redis::keys::JobKeys,
     worker: &str,
 ) -> Option<String> {
     ::redis::cmd("LMOVE")
@@ -521,7 +527,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
     );
     let (q, ledger) = redis_queue(&server, &prefix, config).await;
     let ivan = user("ivan");
-    let charge = tollgate_core::ChargeRequest {
+    let charge = tollgate_core::ledger::ChargeRequest {
         cost: 10,
         nonce: "0123456789abcdef",
         operation: "work",
@@ -531,7 +537,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
     };
     // Step 1 of a submission, then nothing (the api pod died).
     let charged = ledger.charge(&ivan, &rid("crash1"), &charge).await.unwrap();
-    let tollgate_core::ChargeOutcome::Charged { deadline_ms, .. } = charged else {
+    let tollgate_core::ledger::ChargeOutcome::Charged { deadline_ms, .. } = charged else {
         panic!("{charged:?}")
     };
     assert_eq!(ledger.usage(&ivan).await.unwrap().used, 10);
@@ -542,7 +548,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
     let usage = ledger.usage(&ivan).await.unwrap();
     assert_eq!(usage.used, 0, "both holds ended unclaimed: {usage:?}");
     // The late job of crash1 (its pod paused, then enqueued) is refused.
-    let job = tollgate_core::Job {
+    let job = tollgate_core::job::Job {
         id: rid("crash1"),
         user: ivan.clone(),
         operation: "work".into(),
@@ -690,11 +696,11 @@ path = "/v1/work"
 "#
     );
     let config = Config::parse(&text, "http test").unwrap();
-    let throttle: Arc<dyn tollgate_core::Throttle> =
-        Arc::new(tollgate_core::MemoryThrottle::new(&config));
+    let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
+        Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
     let providers = tollgate_providers::from_config(&config, throttle).unwrap();
     let p = &providers["p"];
-    let job = |id: &str| tollgate_core::Job {
+    let job = |id: &str| tollgate_core::job::Job {
         id: rid(id),
         user: user("u"),
         operation: "work".into(),
@@ -734,8 +740,8 @@ path = "/v1/work"
 async fn job_embedded_worker_runs_jobs_on_memory() {
     let s = Setup::memory();
     let config = config();
-    let throttle: Arc<dyn tollgate_core::Throttle> =
-        Arc::new(tollgate_core::MemoryThrottle::new(&config));
+    let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
+        Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
     let providers = tollgate_providers::from_config(&config, throttle).unwrap();
     let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
     cfg.concurrency = 4;

@@ -10,9 +10,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tollgate_core::{
-    Config, FailureCause, JobQueue, JobRequest, JobStatus, Ledger, RequestId, SubmitOutcome, UserId,
+    config::Config,
+    id::{RequestId, UserId},
+    job::{FailureCause, JobQueue, JobRequest, JobStatus, SubmitOutcome},
+    ledger::Ledger,
 };
-use tollgate_redis::RedisJobQueue;
+use tollgate_redis::jobs::RedisJobQueue;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::jobs::{inject_malformed, redis_queue};

@@ -6,10 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tollgate_core::{
-    Config, Ledger, LedgerError, ManualClock, MemoryLedger, RefundOutcome, RequestId,
-    ReserveOutcome, SettleOutcome, UserId,
+    clock::ManualClock,
+    config::Config,
+    id::{RequestId, UserId},
+    ledger::{Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome},
+    memory::MemoryLedger,
 };
-use tollgate_redis::{KeySpace, PoolOptions, RedisLedger};
+use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer};
 
 /// The window of every plan in the suite: long enough that a loaded CI machine
@@ -93,7 +96,7 @@ impl RedisBackend {
 }
 
 pub async fn redis_ledger(url: &str, prefix: &str) -> RedisLedger {
-    let pool = tollgate_redis::connect(url, &PoolOptions::default())
+    let pool = tollgate_redis::pool::connect(url, &PoolOptions::default())
         .await
         .expect("connect to the test redis-server");
     RedisLedger::new(pool, KeySpace::new(prefix).expect("prefix"), config())
@@ -113,14 +116,14 @@ impl Backend for RedisBackend {
     }
 }
 
-fn allowed(o: ReserveOutcome) -> tollgate_core::Allowed {
+fn allowed(o: ReserveOutcome) -> tollgate_core::ledger::Allowed {
     match o {
         ReserveOutcome::Allowed(a) => a,
         ReserveOutcome::Denied(d) => panic!("expected allowed, got {d:?}"),
     }
 }
 
-fn denied(o: ReserveOutcome) -> tollgate_core::Denied {
+fn denied(o: ReserveOutcome) -> tollgate_core::ledger::Denied {
     match o {
         ReserveOutcome::Denied(d) => d,
         ReserveOutcome::Allowed(a) => panic!("expected denied, got {a:?}"),

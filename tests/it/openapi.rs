@@ -5,8 +5,8 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use tollgate_api::{ApiState, Settings};
-use tollgate_core::{Backends, Config};
+use tollgate_api::state::{ApiState, Settings};
+use tollgate_core::{backend::Backends, config::Config};
 
 /// The Python that has openapi-spec-validator: `TOLLGATE_TEST_PYTHON` (set by
 /// scripts/test), else `python3`.

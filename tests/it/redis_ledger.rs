@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use redis::AsyncCommands;
-use tollgate_core::{Ledger, LedgerError, ReserveOutcome};
-use tollgate_redis::KeySpace;
+use tollgate_core::ledger::{Ledger, LedgerError, ReserveOutcome};
+use tollgate_redis::keys::KeySpace;
 use tollgate_tests::{random_prefix, RedisServer};
 
 use crate::ledger::{redis_ledger, rid, user, WINDOW};

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use serde_json::json;
-use tollgate_api::ProblemType;
-use tollgate_core::{RequestId, UserId};
+use tollgate_api::problem::ProblemType;
+use tollgate_core::id::{RequestId, UserId};
 use tollgate_tests::{random_prefix, RedisServer};
 
 use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};

@@ -6,9 +6,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
-use tollgate_core::{Config, MemoryThrottle, RequestId, Throttle, ThrottleError};
+use tollgate_core::{
+    config::Config,
+    id::RequestId,
+    throttle::{MemoryThrottle, Throttle, ThrottleError},
+};
 use tollgate_redis::{
-    KeySpace, PoolOptions, RedisDispatchers, RedisThrottle, RedisThrottleOptions,
+    keys::KeySpace,
+    pool::PoolOptions,
+    throttle::{RedisDispatchers, RedisThrottle, RedisThrottleOptions},
 };
 use tollgate_tests::throttle::{max_excess, run_waiters};
 use tollgate_tests::{random_prefix, RedisServer};
@@ -51,7 +57,7 @@ impl RedisSetup {
         let server = RedisServer::start();
         let prefix = random_prefix();
         let keys = KeySpace::new(&prefix).expect("prefix");
-        let pool = tollgate_redis::connect(&server.url(), &PoolOptions::default())
+        let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
             .await
             .expect("connect to the test redis-server");
         let (stop, role) = if throttler {

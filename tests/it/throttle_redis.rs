@@ -6,8 +6,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tollgate_core::{Dispatch, Throttle};
-use tollgate_redis::{Dispatcher, KeySpace, RedisThrottleOptions};
+use tollgate_core::throttle::{Dispatch, Throttle};
+use tollgate_redis::{
+    keys::KeySpace,
+    throttle::{Dispatcher, RedisThrottleOptions},
+};
 use tollgate_tests::throttle::{max_excess, now_us, GrantRecord};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
@@ -65,7 +68,9 @@ async fn queued_waiter(
     setup: &RedisSetup,
     conn: &mut redis::aio::MultiplexedConnection,
     d: &Dispatcher,
-) -> tokio::task::JoinHandle<Result<tollgate_core::Grant, tollgate_core::ThrottleError>> {
+) -> tokio::task::JoinHandle<
+    Result<tollgate_core::throttle::Grant, tollgate_core::throttle::ThrottleError>,
+> {
     set_tokens(conn, &d.keys().bucket, 0.0).await;
     let waiter = {
         let t = Arc::clone(&setup.throttle);
@@ -81,7 +86,7 @@ async fn queued_waiter(
     waiter
 }
 
-fn dispatcher(setup: &RedisSetup, pool: tollgate_redis::Pool) -> Dispatcher {
+fn dispatcher(setup: &RedisSetup, pool: tollgate_redis::pool::Pool) -> Dispatcher {
     let keys = KeySpace::new(&setup.prefix).unwrap();
     Dispatcher::new(pool, &keys, config().provider("slow").unwrap(), "test")
 }
@@ -100,7 +105,7 @@ async fn throttle_lost_wake_up_is_found_after_reconnect() {
     )
     .await;
     let mut conn = raw(&setup.server).await;
-    let pool = tollgate_redis::connect(&setup.server.url(), &Default::default())
+    let pool = tollgate_redis::pool::connect(&setup.server.url(), &Default::default())
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
@@ -142,7 +147,7 @@ async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
     )
     .await;
     let mut conn = raw(&setup.server).await;
-    let pool = tollgate_redis::connect(&setup.server.url(), &Default::default())
+    let pool = tollgate_redis::pool::connect(&setup.server.url(), &Default::default())
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
@@ -369,7 +374,10 @@ async fn throttle_a_free_token_is_taken_without_a_throttler() {
         .acquire("slow", &rid("b"), Duration::from_millis(300))
         .await;
     assert!(
-        matches!(second, Err(tollgate_core::ThrottleError::Timeout { .. })),
+        matches!(
+            second,
+            Err(tollgate_core::throttle::ThrottleError::Timeout { .. })
+        ),
         "{second:?}"
     );
 }
@@ -380,7 +388,7 @@ async fn throttle_a_free_token_is_taken_without_a_throttler() {
 #[test]
 fn throttle_readiness_outlives_the_longest_wait() {
     let text = "[plans.free]\nlimit = 1\nwindow = \"1h\"\n[providers.slow]\nrate = 1\nburst = 1\nmax_wait = \"2m\"\n";
-    let config = tollgate_core::Config::parse(text, "long wait").unwrap();
+    let config = tollgate_core::config::Config::parse(text, "long wait").unwrap();
     let p = config.provider("slow").unwrap();
     assert!(tollgate_redis::throttle::ready_ttl(p) > p.max_wait);
     let short = crate::throttle::config();
@@ -404,7 +412,7 @@ async fn throttle_a_late_grant_is_not_used() {
     )
     .await;
     let mut conn = raw(&setup.server).await;
-    let pool = tollgate_redis::connect(&setup.server.url(), &Default::default())
+    let pool = tollgate_redis::pool::connect(&setup.server.url(), &Default::default())
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
@@ -482,7 +490,7 @@ fn throttle_a_wait_dropped_at_shutdown_cancels_its_ticket() {
 async fn throttle_a_dead_throttler_is_found_after_every_liveness_expired() {
     let setup = RedisSetup::start(false, RedisThrottleOptions::default()).await;
     let mut conn = raw(&setup.server).await;
-    let pool = tollgate_redis::connect(&setup.server.url(), &Default::default())
+    let pool = tollgate_redis::pool::connect(&setup.server.url(), &Default::default())
         .await
         .unwrap();
     let keys = KeySpace::new(&setup.prefix).unwrap();

@@ -12,8 +12,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
-use tollgate_api::ApiState;
-use tollgate_core::{FailureCause, JobSource, RequestId};
+use tollgate_api::state::ApiState;
+use tollgate_core::{
+    id::RequestId,
+    job::{FailureCause, JobSource},
+};
 
 /// An api served on `127.0.0.1:0`, stopped when dropped.
 #[derive(Debug)]
@@ -137,7 +140,7 @@ impl StandInWorker {
                         } else {
                             let result =
                                 serde_json::json!({"echo": lease.job.input, "operation": op});
-                            if let Ok(tollgate_core::Finish::Recorded) =
+                            if let Ok(tollgate_core::job::Finish::Recorded) =
                                 source.complete(&lease, result).await
                             {
                                 succeeded

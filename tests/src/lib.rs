@@ -19,7 +19,7 @@ pub fn random_prefix() -> String {
 }
 
 fn uuid_like() -> String {
-    tollgate_core::RequestId::generate()
+    tollgate_core::id::RequestId::generate()
         .as_str()
         .replace('-', "")
 }

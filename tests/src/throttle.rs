@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use tollgate_core::{RequestId, Throttle};
+use tollgate_core::{id::RequestId, throttle::Throttle};
 
 /// One waiter's outcome, as `tollgate-bench throttle-waiters` prints it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -44,7 +44,7 @@ pub async fn run_waiters(
             let started = std::time::Instant::now();
             let r = match RequestId::new(request_id.as_str()) {
                 Ok(id) => throttle.acquire(&provider, &id, max_wait).await,
-                Err(e) => Err(tollgate_core::StoreError::backend(e.to_string()).into()),
+                Err(e) => Err(tollgate_core::error::StoreError::backend(e.to_string()).into()),
             };
             let waited_ms = started.elapsed().as_millis() as u64;
             GrantRecord {

@@ -5,8 +5,14 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
+use tollgate_core::clock::{Clock, SystemClock};
 use tollgate_core::keystore::generate_key_id;
-use tollgate_core::{ApiKey, Config, KeyRecord, KeyStore, Ledger, UserId};
+use tollgate_core::{
+    config::Config,
+    id::UserId,
+    keystore::{ApiKey, KeyRecord, KeyStore},
+    ledger::Ledger,
+};
 
 use crate::auth::Admin;
 use crate::extract::{JsonBody, PathParam};
@@ -80,7 +86,7 @@ pub async fn create_user(
     let record = KeyRecord {
         key_id: generate_key_id()?,
         user: user.clone(),
-        created_ms: now_ms(),
+        created_ms: SystemClock.now_ms(),
         revoked: false,
     };
     keys.insert(&key, &record).await?;
@@ -91,13 +97,6 @@ pub async fn create_user(
         key_id: record.key_id,
         api_key: key.expose().to_owned(),
     })
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// `POST /admin/users`

@@ -1,5 +1,5 @@
 //! Authentication: `Authorization: Bearer <key>` for users, checked against the
-//! [`KeyStore`](tollgate_core::KeyStore) by the key's SHA-256 (through the
+//! [`KeyStore`](tollgate_core::keystore::KeyStore) by the key's SHA-256 (through the
 //! in-process [`KeyCache`]); the admin token (`TOLLGATE_ADMIN_TOKEN`) for
 //! `/admin/*`, compared in constant time. An address that keeps presenting bad
 //! keys is answered 429 by [`AuthFailures`] before its keys reach the store.
@@ -11,7 +11,10 @@ use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tollgate_core::keystore::secrets_equal;
-use tollgate_core::{KeyHash, KeyStore, UserId};
+use tollgate_core::{
+    id::UserId,
+    keystore::{KeyHash, KeyStore},
+};
 
 use crate::abuse::AuthFailures;
 use crate::keycache::KeyCache;
@@ -67,7 +70,8 @@ pub async fn authenticate(
     let caller = async {
         let hash = hash?;
         let cached = guard.cache.cached(&hash);
-        let valid = |r: &Option<tollgate_core::KeyRecord>| r.as_ref().is_some_and(|r| !r.revoked);
+        let valid =
+            |r: &Option<tollgate_core::keystore::KeyRecord>| r.as_ref().is_some_and(|r| !r.revoked);
         // A valid key known here passes whatever its address did; anything
         // else from an address over its budget stops before the store.
         if !cached.as_ref().is_some_and(valid) {

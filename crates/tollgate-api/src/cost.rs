@@ -5,7 +5,7 @@
 //! use std::sync::Arc;
 //! use axum::{body::Body, http::Request, routing::post, Extension, Router};
 //! use tollgate_api::cost::{Budget, Cost, Reservation};
-//! use tollgate_core::{Config, Ledger, MemoryLedger, UserId};
+//! use tollgate_core::{config::Config, ledger::Ledger, memory::MemoryLedger, id::UserId};
 //! use tower::ServiceExt;
 //!
 //! async fn summarize(reservation: Reservation) -> String {
@@ -46,7 +46,7 @@
 //! - **Job** ([`Cost::per_operation`], [`Cost::job`]): the layer states the
 //!   price and hands the handler a [`Priced`]; the handler submits a job, and
 //!   the job's submission is the one place that charges it
-//!   ([`tollgate_core::JobQueue::submit`]), after the body has been read and
+//!   ([`tollgate_core::job::JobQueue::submit`]), after the body has been read and
 //!   fingerprinted. The layer never refunds a job's charge: the job owns it.
 //!
 //! Either way the handler runs in a spawned task that the request awaits: when
@@ -67,7 +67,11 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
-use tollgate_core::{Allowed, Config, Ledger, RefundOutcome, RequestId, ReserveOutcome, UserId};
+use tollgate_core::{
+    config::Config,
+    id::{RequestId, UserId},
+    ledger::{Allowed, Ledger, RefundOutcome, ReserveOutcome},
+};
 use tower::{Layer, Service};
 
 use crate::metrics::Metrics;
@@ -551,7 +555,7 @@ mod tests {
     use axum::http::HeaderValue;
     use axum::routing::post;
     use axum::{Extension, Router};
-    use tollgate_core::MemoryLedger;
+    use tollgate_core::memory::MemoryLedger;
     use tower::ServiceExt;
 
     fn app(handler: axum::routing::MethodRouter) -> (Router, Arc<dyn Ledger>) {

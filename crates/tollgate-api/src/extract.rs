@@ -162,7 +162,7 @@ mod tests {
     #[serde(deny_unknown_fields)]
     #[allow(dead_code)]
     struct Create {
-        user: tollgate_core::UserId,
+        user: tollgate_core::id::UserId,
         plan: String,
     }
 

@@ -12,7 +12,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use tollgate_core::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError, UserId};
+use tollgate_core::{
+    id::UserId,
+    keystore::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError},
+};
 
 /// How long a lookup's answer (a record, or "no such key") is reused.
 pub const KEY_TTL: Duration = Duration::from_secs(5);

@@ -44,50 +44,38 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
 pub use axum::http::HeaderName;
-pub use cost::{Budget, Cost, InFlight, Priced, Reservation};
-pub use problem::{ApiError, Problem, ProblemType};
-pub use state::{ApiState, Settings};
 
+use crate::cost::Cost;
 use crate::openapi::{schema, Doc, Routes};
+use crate::problem::ApiError;
 use crate::problem::ProblemType as P;
+use crate::state::ApiState;
 
-/// The named operation routes: each states its price beside its path. A named
-/// route whose operation is missing from the config, or priced differently
-/// there, is left out with a warning (the job's cost comes from the config); the
-/// operation stays reachable at `/v1/ops/{operation}`.
+/// The named operation routes of the built-in operations, each with its
+/// summary; its price is the config's (the one source of prices). A named
+/// route whose operation the config does not have is left out; every
+/// configured operation is reachable at `/v1/ops/{operation}`.
 fn named_operations(mut routes: Routes, state: &ApiState) -> Routes {
     let named = [
-        ("/v1/ops/embeddings", "Embed a text", Cost::job(1)),
-        ("/v1/ops/salary.lookup", "Look up a salary", Cost::job(3)),
-        (
-            "/v1/ops/jobs.extract",
-            "Extract a job listing",
-            Cost::job(5),
-        ),
-        (
-            "/v1/ops/llm.structured",
-            "A structured LLM call",
-            Cost::job(8),
-        ),
-        (
-            "/v1/ops/company.research",
-            "Research a company",
-            Cost::job(20),
-        ),
+        ("embeddings", "Embed a text"),
+        ("salary.lookup", "Look up a salary"),
+        ("jobs.extract", "Extract a job listing"),
+        ("llm.structured", "A structured LLM call"),
+        ("company.research", "Research a company"),
     ];
-    for (path, summary, cost) in named {
-        let name = path.trim_start_matches("/v1/ops/");
-        let configured = state.config.operation(name).map(|o| o.cost);
-        if configured.is_none() || configured != cost.fixed() {
-            tracing::warn!(
+    for (name, summary) in named {
+        let Some(operation) = state.config.operation(name) else {
+            tracing::debug!(
                 operation = name,
-                route_cost = cost.fixed(),
-                config_cost = configured,
-                "named route left out: the config does not price the operation the same"
+                "named route left out: no such operation in the config"
             );
             continue;
-        }
-        routes = routes.metered(operation_doc(path, summary), cost, post(ops::run));
+        };
+        routes = routes.metered(
+            operation_doc(&format!("/v1/ops/{name}"), summary),
+            Cost::job(operation.cost),
+            post(ops::run),
+        );
     }
     routes
 }

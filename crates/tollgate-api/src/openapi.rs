@@ -10,7 +10,7 @@ use axum::http::Method;
 use axum::routing::MethodRouter;
 use axum::Router;
 use serde_json::{json, Map, Value};
-use tollgate_core::Config;
+use tollgate_core::config::Config;
 
 use crate::cost::Cost;
 use crate::problem::ProblemType;

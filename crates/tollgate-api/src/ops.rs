@@ -3,7 +3,7 @@
 //!
 //! The handler holds only the business logic: the [`Cost`](crate::cost::Cost)
 //! layer states the price; the handler reads the body, then submits the job
-//! ([`JobQueue::submit`](tollgate_core::JobQueue::submit): the one place a job
+//! ([`JobQueue::submit`](tollgate_core::job::JobQueue::submit): the one place a job
 //! is charged, bound to the request id, the operation and the body), then
 //! answers at once (async) or waits for the job up to the sync timeout. It
 //! never refunds: the job owns its charge.
@@ -22,14 +22,17 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde_json::Value;
-use tollgate_core::{JobInfo, JobRequest, JobStatus, RequestId, SubmitOutcome};
+use tollgate_core::{
+    id::RequestId,
+    job::{JobInfo, JobRequest, JobStatus, SubmitOutcome},
+};
 
 use crate::auth::Caller;
 use crate::cost::{request_id, Priced};
 use crate::extract::{Flags, JsonBody, PathParam};
 use crate::problem::ApiError;
 use crate::state::ApiState;
-use crate::usage::rfc3339;
+use tollgate_core::clock::rfc3339;
 
 /// The body of an operation's answer and of `GET /v1/jobs/{id}`.
 #[derive(Debug, Serialize)]

@@ -6,7 +6,11 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use tollgate_core::{
-    Denied, FailureCause, JobError, KeyStoreError, LedgerError, RequestId, StoreError,
+    error::StoreError,
+    id::RequestId,
+    job::{FailureCause, JobError},
+    keystore::KeyStoreError,
+    ledger::{Denied, LedgerError},
 };
 
 use crate::ratelimit::RateLimit;

@@ -8,7 +8,7 @@
 //! ```
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
-use tollgate_core::{Allowed, Denied};
+use tollgate_core::ledger::{Allowed, Denied};
 
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");

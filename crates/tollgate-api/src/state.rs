@@ -4,7 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{Backends, Config, JobQueue, KeyStore, Ledger};
+use tollgate_core::{
+    backend::Backends, config::Config, job::JobQueue, keystore::KeyStore, ledger::Ledger,
+};
 
 use crate::cost::{Budget, InFlight};
 use crate::metrics::Metrics;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use tokio::sync::watch;
-use tollgate_api::{ApiState, Settings};
+use tollgate_api::state::{ApiState, Settings};
 use tollgate_core::config::Config;
 use tollgate_core::duration;
 use tollgate_core::id::{RequestId, UserId};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use tollgate_api::{ApiState, Settings};
+use tollgate_api::state::{ApiState, Settings};
 
 use crate::process::{exit, fail, shutdown_signal};
 use crate::store::{Failure, StoreArgs, Wait};

@@ -10,8 +10,10 @@ use std::sync::Arc;
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 use tollgate_core::{
-    duration, Config, Ledger, LedgerError, RefundOutcome, RequestId, ReserveOutcome, SettleOutcome,
-    Usage, UserId,
+    config::Config,
+    duration,
+    id::{RequestId, UserId},
+    ledger::{Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, Usage},
 };
 
 use crate::process::exit;

@@ -15,9 +15,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
-use tollgate_core::Backends;
-use tollgate_redis::{KeySpace, Pool, PoolOptions, RedisBackendError};
+use tollgate_redis::{
+    keys::KeySpace,
+    pool::{Pool, PoolOptions, RedisBackendError},
+};
 
 use crate::process::{exit, fail, shutdown_signal};
 
@@ -141,16 +144,18 @@ impl StoreArgs {
         };
         let pool = match wait {
             Wait::UntilReachable => wait_for_redis(url, &options).await?,
-            Wait::No => tollgate_redis::connect(url, &options)
-                .await
-                .map_err(|e| match e {
-                    RedisBackendError::BadUrl { .. } => Failure::bad_input(e.to_string()),
-                    RedisBackendError::Unreachable { .. } => Failure::other(e.to_string()),
-                })?,
+            Wait::No => {
+                tollgate_redis::pool::connect(url, &options)
+                    .await
+                    .map_err(|e| match e {
+                        RedisBackendError::BadUrl { .. } => Failure::bad_input(e.to_string()),
+                        RedisBackendError::Unreachable { .. } => Failure::other(e.to_string()),
+                    })?
+            }
         };
         let described = format!(
             "Redis at {} (prefix {})",
-            tollgate_redis::redact_url(url),
+            tollgate_redis::pool::redact_url(url),
             self.key_prefix
         );
         tracing::debug!(store = %described, "connected");
@@ -165,7 +170,7 @@ async fn wait_for_redis(url: &str, options: &PoolOptions) -> Result<Pool, Failur
     let stop = shutdown_signal();
     tokio::pin!(stop);
     loop {
-        match tollgate_redis::connect(url, options).await {
+        match tollgate_redis::pool::connect(url, options).await {
             Ok(pool) => return Ok(pool),
             Err(e @ RedisBackendError::BadUrl { .. }) => {
                 return Err(Failure::bad_input(e.to_string()))

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use serde_json::json;
-use tollgate_core::UserId;
+use tollgate_core::id::UserId;
 
 use crate::process::{exit, fail};
 use crate::store::{StoreArgs, Wait};

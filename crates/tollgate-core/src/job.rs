@@ -348,7 +348,7 @@ impl JobError {
     }
 
     /// The error for an operation missing from `config`.
-    pub fn unknown_operation(config: &crate::Config, name: &str) -> Self {
+    pub fn unknown_operation(config: &crate::config::Config, name: &str) -> Self {
         Self::UnknownOperation {
             name: name.to_owned(),
             known: config

@@ -264,7 +264,7 @@ pub fn validate_cost(cost: u64) -> Result<(), LedgerError> {
 }
 
 /// The error for a plan name missing from `config`.
-pub fn unknown_plan(config: &crate::Config, name: &str) -> LedgerError {
+pub fn unknown_plan(config: &crate::config::Config, name: &str) -> LedgerError {
     LedgerError::UnknownPlan {
         name: name.to_owned(),
         known: config

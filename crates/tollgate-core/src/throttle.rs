@@ -1,7 +1,7 @@
 //! The provider throttle: the [`Throttle`] interface both modes implement, and
 //! the in-process token bucket ([`MemoryThrottle`]). The wrapper that makes every
 //! call of a provider client pass the throttle is `tollgate_providers`'
-//! `ThrottledProvider`.
+//! `ThrottledClient`.
 //!
 //! Semantics (DESIGN.md, "Throttle semantics"): one token bucket per provider of
 //! `burst` tokens refilled at `rate` per second; a caller gets its slot as soon as

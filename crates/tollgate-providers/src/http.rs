@@ -14,9 +14,9 @@ use async_trait::async_trait;
 use reqwest::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::Value;
 use tollgate_core::config::Upstream;
-use tollgate_core::{Config, Job};
+use tollgate_core::{config::Config, job::Job};
 
-use crate::{AttemptError, ProviderClient, SetupError};
+use crate::{AttemptError, SetupError, Transport};
 
 /// Installs rustls' `ring` crypto provider as the process default, once (reqwest
 /// is built without a provider of its own). Idempotent; call before building
@@ -97,7 +97,7 @@ fn retry_after(h: Option<&HeaderValue>) -> Option<Duration> {
 }
 
 #[async_trait]
-impl ProviderClient for HttpClient {
+impl Transport for HttpClient {
     async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
         let path = self.paths.get(&job.operation).map_or("", String::as_str);
         let mut req = self

@@ -1,5 +1,5 @@
-//! Provider clients behind one trait, [`Provider`], each wrapped by the
-//! provider's throttle ([`ThrottledProvider`]): every attempt, retries included,
+//! Provider clients behind one trait, [`Client`], each wrapped by the
+//! provider's throttle ([`ThrottledClient`]): every attempt, retries included,
 //! first takes a throttle slot, so a retry after a 429 never adds calls beyond
 //! the shared bucket.
 //!
@@ -18,7 +18,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::Value;
-use tollgate_core::{Config, Job, Throttle, ThrottleError};
+use tollgate_core::{
+    config::Config,
+    job::Job,
+    throttle::{Throttle, ThrottleError},
+};
 
 /// Why a provider call failed for good.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -63,7 +67,7 @@ impl ProviderError {
 
 /// One provider call, throttled and retried.
 #[async_trait]
-pub trait Provider: Send + Sync + fmt::Debug {
+pub trait Client: Send + Sync + fmt::Debug {
     async fn call(&self, job: &Job) -> Result<Value, ProviderError>;
 }
 
@@ -84,13 +88,13 @@ pub enum AttemptError {
     },
 }
 
-/// One unthrottled attempt at a provider call: what [`ThrottledProvider`] wraps.
+/// One unthrottled attempt at a provider call: what [`ThrottledClient`] wraps.
 #[async_trait]
-pub trait ProviderClient: Send + Sync + fmt::Debug {
+pub trait Transport: Send + Sync + fmt::Debug {
     async fn attempt(&self, job: &Job) -> Result<Value, AttemptError>;
 }
 
-/// Retry policy of a [`ThrottledProvider`].
+/// Retry policy of a [`ThrottledClient`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retry {
     /// Attempts after the first.
@@ -111,20 +115,20 @@ impl Default for Retry {
     }
 }
 
-/// A [`ProviderClient`] whose every attempt first takes a slot of the
+/// A [`Transport`] whose every attempt first takes a slot of the
 /// provider's throttle.
 #[derive(Debug)]
-pub struct ThrottledProvider<C> {
+pub struct ThrottledClient<C> {
     throttle: Arc<dyn Throttle>,
-    provider: tollgate_core::Provider,
+    provider: tollgate_core::config::Provider,
     retry: Retry,
     client: C,
 }
 
-impl<C: ProviderClient> ThrottledProvider<C> {
+impl<C: Transport> ThrottledClient<C> {
     pub fn new(
         throttle: Arc<dyn Throttle>,
-        provider: tollgate_core::Provider,
+        provider: tollgate_core::config::Provider,
         retry: Retry,
         client: C,
     ) -> Self {
@@ -138,7 +142,7 @@ impl<C: ProviderClient> ThrottledProvider<C> {
 }
 
 #[async_trait]
-impl<C: ProviderClient> Provider for ThrottledProvider<C> {
+impl<C: Transport> Client for ThrottledClient<C> {
     async fn call(&self, job: &Job) -> Result<Value, ProviderError> {
         let name = &self.provider.name;
         let mut backoff = self.retry.backoff;
@@ -206,29 +210,29 @@ pub enum SetupError {
     Client { provider: String, message: String },
 }
 
-/// One throttled [`Provider`] per configured provider: HTTP where the config
+/// One throttled [`Client`] per configured provider: HTTP where the config
 /// gives a `url`, the built-in mock otherwise.
 pub fn from_config(
     config: &Config,
     throttle: Arc<dyn Throttle>,
-) -> Result<BTreeMap<String, Arc<dyn Provider>>, SetupError> {
-    let mut out: BTreeMap<String, Arc<dyn Provider>> = BTreeMap::new();
+) -> Result<BTreeMap<String, Arc<dyn Client>>, SetupError> {
+    let mut out: BTreeMap<String, Arc<dyn Client>> = BTreeMap::new();
     for p in config.providers() {
-        let provider: Arc<dyn Provider> = match config.upstream(&p.name) {
+        let provider: Arc<dyn Client> = match config.upstream(&p.name) {
             Some(upstream) => {
                 let client = http::HttpClient::new(&p.name, upstream, config)?;
                 let retry = Retry {
                     retries: upstream.retries,
                     ..Retry::default()
                 };
-                Arc::new(ThrottledProvider::new(
+                Arc::new(ThrottledClient::new(
                     Arc::clone(&throttle),
                     p.clone(),
                     retry,
                     client,
                 ))
             }
-            None => Arc::new(ThrottledProvider::new(
+            None => Arc::new(ThrottledClient::new(
                 Arc::clone(&throttle),
                 p.clone(),
                 Retry::default(),

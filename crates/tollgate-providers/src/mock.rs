@@ -3,16 +3,16 @@
 
 use async_trait::async_trait;
 use serde_json::{json, Value};
-use tollgate_core::Job;
+use tollgate_core::job::Job;
 
-use crate::{AttemptError, ProviderClient};
+use crate::{AttemptError, Transport};
 
 /// Echoes the job: `{"mock": true, "operation", "provider", "echo": input}`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BuiltinMock;
 
 #[async_trait]
-impl ProviderClient for BuiltinMock {
+impl Transport for BuiltinMock {
     async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
         Ok(json!({
             "mock": true,

@@ -34,8 +34,13 @@ use serde_json::Value as Json;
 use tokio::sync::oneshot;
 use tollgate_core::job::{self, JobOptions};
 use tollgate_core::{
-    Config, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource, JobStatus,
-    Lease, Ledger, Maintenance, RequestId, UserId, Waiters, Watch,
+    config::Config,
+    id::{RequestId, UserId},
+    job::{
+        Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource, JobStatus,
+        Lease, Maintenance, Waiters, Watch,
+    },
+    ledger::Ledger,
 };
 
 use crate::call::{self, bad_reply};
@@ -131,7 +136,10 @@ impl RedisJobQueue {
         Ok(call::command(&self.pool, self.timeout, op, &cmd).await?)
     }
 
-    fn op_keys(&self, operation: &str) -> Result<(&tollgate_core::Operation, JobKeys), JobError> {
+    fn op_keys(
+        &self,
+        operation: &str,
+    ) -> Result<(&tollgate_core::config::Operation, JobKeys), JobError> {
         let op = self
             .config
             .operation(operation)
@@ -293,27 +301,34 @@ fn num(map: &HashMap<String, String>, name: &str) -> Result<u64, String> {
         .map_err(|_| format!("field {name} is not a number"))
 }
 
-fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo, String> {
-    let json = |name: &str| -> Result<Json, String> {
-        serde_json::from_str(field(map, name)?).map_err(|e| format!("field {name}: {e}"))
-    };
-    let job = Job {
+fn json(map: &HashMap<String, String>, name: &str) -> Result<Json, String> {
+    serde_json::from_str(field(map, name)?).map_err(|e| format!("field {name}: {e}"))
+}
+
+/// The job of a record's fields: the one decoder of a job, for a record read
+/// whole (HGETALL) and for the fields `job_lease.lua` returns.
+fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, String> {
+    Ok(Job {
         id: id.clone(),
         user: UserId::new(field(map, "user")?).map_err(|e| e.to_string())?,
         operation: field(map, "op")?.to_owned(),
         provider: field(map, "provider")?.to_owned(),
-        input: json("input")?,
+        input: json(map, "input")?,
         cost: num(map, "cost")?,
         enqueued_at_ms: num(map, "enq")?,
         deadline_ms: num(map, "deadline")?,
         attempt: u32::try_from(num(map, "attempt")?).unwrap_or(u32::MAX),
         nonce: field(map, "nonce")?.to_owned(),
-    };
+    })
+}
+
+fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo, String> {
+    let job = parse_job(id, map)?;
     let status = match field(map, "state")? {
         "queued" => JobStatus::Queued,
         "running" => JobStatus::Running,
         "succeeded" => JobStatus::Succeeded {
-            result: json("result")?,
+            result: json(map, "result")?,
         },
         "failed" => JobStatus::Failed {
             cause: FailureCause::parse(field(map, "cause")?).ok_or("unknown cause")?,
@@ -499,32 +514,20 @@ impl JobSource for RedisJobQueue {
             )
             .await?;
         match reply.first().and_then(int) {
-            Some(1) if reply.len() == 11 => {
-                let parsed = (|| {
-                    let input: Json = serde_json::from_str(&text(&reply[4])?).ok()?;
-                    Some(Lease {
-                        token: int(&reply[1])?,
-                        job: Job {
-                            id: RequestId::new(id.as_str()).ok()?,
-                            user: UserId::new(text(&reply[2])?).ok()?,
-                            operation: op.name.clone(),
-                            provider: text(&reply[3])?,
-                            input,
-                            cost: int(&reply[5])?,
-                            enqueued_at_ms: int(&reply[6])?,
-                            deadline_ms: int(&reply[7])?,
-                            attempt: u32::try_from(int(&reply[8])?).ok()?,
-                            nonce: text(&reply[9])?,
-                        },
-                        worker: worker.to_owned(),
-                        time_left: Duration::from_millis(int(&reply[10]).unwrap_or(0)),
-                    })
-                })();
-                let Some(lease) = parsed else {
+            Some(1) if reply.len() >= 3 => {
+                let fields: HashMap<String, String> = reply[3..]
+                    .chunks_exact(2)
+                    .filter_map(|kv| Some((text(&kv[0])?, text(&kv[1])?)))
+                    .collect();
+                let token = int(&reply[1]);
+                let parsed = RequestId::new(id.as_str())
+                    .map_err(|e| e.to_string())
+                    .and_then(|rid| parse_job(&rid, &fields));
+                let (Some(token), Ok(job)) = (token, parsed) else {
                     tracing::error!(entry = %id, "leased job has unreadable fields; failing it");
-                    let token = int(&reply[1]).unwrap_or(0);
-                    let user = text(&reply[2]).unwrap_or_default();
-                    let nonce = reply.get(9).and_then(text).unwrap_or_default();
+                    let token = token.unwrap_or(0);
+                    let user = fields.get("user").cloned().unwrap_or_default();
+                    let nonce = fields.get("nonce").cloned().unwrap_or_default();
                     if self
                         .record_failure(
                             &keys,
@@ -544,7 +547,12 @@ impl JobSource for RedisJobQueue {
                     }
                     return Ok(None);
                 };
-                Ok(Some(lease))
+                Ok(Some(Lease {
+                    token,
+                    job,
+                    worker: worker.to_owned(),
+                    time_left: Duration::from_millis(int(&reply[2]).unwrap_or(0)),
+                }))
             }
             Some(0) => Ok(None),
             Some(2) => {

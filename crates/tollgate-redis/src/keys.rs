@@ -9,7 +9,7 @@
 //! User ids cannot contain `{`, `}` or `:` ([`tollgate_core::id`]), so a user id
 //! can neither widen the hash tag nor forge another part of the name.
 
-use tollgate_core::{KeyHash, UserId};
+use tollgate_core::{id::UserId, keystore::KeyHash};
 
 use crate::scripts::{Head, Members};
 

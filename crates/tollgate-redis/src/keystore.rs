@@ -7,7 +7,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::{FromRedisValue, Pipeline};
 use tollgate_core::keystore::is_key_id;
-use tollgate_core::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError, UserId};
+use tollgate_core::{
+    id::UserId,
+    keystore::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError},
+};
 
 use crate::call;
 use crate::keys::KeySpace;

@@ -8,8 +8,12 @@ use async_trait::async_trait;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use tollgate_core::ledger::{unknown_plan, validate_cost};
 use tollgate_core::{
-    Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Config, Denied, Ledger, LedgerError,
-    RefundOutcome, RequestId, ReserveOutcome, SettleOutcome, SpendEvent, Usage, UserId,
+    config::Config,
+    id::{RequestId, UserId},
+    ledger::{
+        Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, Ledger, LedgerError,
+        RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
+    },
 };
 
 use crate::call::{self, bad_reply};

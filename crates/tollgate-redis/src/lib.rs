@@ -4,11 +4,11 @@
 //! - [`scripts`] embeds the Lua scripts of `lua/` and owns their KEYS/ARGV order;
 //! - [`pool`] connects (a deadpool of multiplexed connections) and classifies failures;
 //! - [`keystore`] holds API keys;
-//! - [`ledger`] is the [`tollgate_core::Ledger`], charges and their owners included;
-//! - [`throttle`] is the [`tollgate_core::Throttle`] (waiter side) and the
+//! - [`ledger`] is the [`tollgate_core::ledger::Ledger`], charges and their owners included;
+//! - [`throttle`] is the [`tollgate_core::throttle::Throttle`] (waiter side) and the
 //!   throttler's [`throttle::Dispatcher`];
-//! - [`jobs`] is the job queue, both sides ([`tollgate_core::JobQueue`] and
-//!   [`tollgate_core::JobSource`]) on reliable lists.
+//! - [`jobs`] is the job queue, both sides ([`tollgate_core::job::JobQueue`] and
+//!   [`tollgate_core::job::JobSource`]) on reliable lists.
 //!
 //! **Invariant:** spend events, running totals and token buckets are written only
 //! by the scripts in `lua/`, one atomic script per operation, with time from Redis
@@ -24,21 +24,23 @@ pub mod scripts;
 mod subscription;
 pub mod throttle;
 
-pub use jobs::RedisJobQueue;
-pub use keys::{JobKeys, KeyError, KeySpace};
-pub use keystore::RedisKeyStore;
-pub use ledger::RedisLedger;
-pub use pool::{connect, redact_url, Connection, Pool, PoolOptions, RedisBackendError};
-pub use throttle::{Dispatcher, RedisDispatchers, RedisThrottle, RedisThrottleOptions};
-
 use std::sync::Arc;
 
-use tollgate_core::{Backends, Config, JobOptions};
+use crate::jobs::RedisJobQueue;
+use crate::keys::KeySpace;
+use crate::keystore::RedisKeyStore;
+use crate::ledger::RedisLedger;
+use crate::pool::Pool;
+use crate::throttle::{RedisDispatchers, RedisThrottle, RedisThrottleOptions};
+
+use tollgate_core::backend::Backends;
+use tollgate_core::config::Config;
+use tollgate_core::job::JobOptions;
 
 /// Every backend on one Redis: the pool the caller connected, the key space of
 /// one deployment. `described` names the Redis (without its password).
 pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: String) -> Backends {
-    let ledger: Arc<dyn tollgate_core::Ledger> = Arc::new(RedisLedger::new(
+    let ledger: Arc<dyn tollgate_core::ledger::Ledger> = Arc::new(RedisLedger::new(
         pool.clone(),
         keys.clone(),
         Arc::clone(&config),

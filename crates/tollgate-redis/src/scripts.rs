@@ -38,7 +38,7 @@ pub static RELEASE: LazyLock<Script> =
 pub struct PlanArgs(Vec<String>);
 
 impl PlanArgs {
-    pub fn new(config: &tollgate_core::Config) -> Self {
+    pub fn new(config: &tollgate_core::config::Config) -> Self {
         let default = config.default_plan();
         let rest = config.plans().filter(|p| p.name != default.name);
         let args = std::iter::once(default)
@@ -111,7 +111,7 @@ pub fn usage<'a>(keys: &BudgetKeys, plans: &PlanArgs) -> redis::ScriptInvocation
 pub fn charge<'a>(
     keys: &BudgetKeys,
     request: &str,
-    charge: &tollgate_core::ChargeRequest<'_>,
+    charge: &tollgate_core::ledger::ChargeRequest<'_>,
     plans: &PlanArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&CHARGE, keys);
@@ -171,8 +171,8 @@ pub struct BucketArgs {
     pub burst: u64,
 }
 
-impl From<&tollgate_core::Provider> for BucketArgs {
-    fn from(p: &tollgate_core::Provider) -> Self {
+impl From<&tollgate_core::config::Provider> for BucketArgs {
+    fn from(p: &tollgate_core::config::Provider) -> Self {
         Self {
             rate: p.rate,
             burst: p.burst,
@@ -323,7 +323,7 @@ job_scripts! {
 /// `job_enqueue.lua`: creates `job` (queued) unless it exists.
 pub fn job_enqueue<'a>(
     keys: &JobKeys,
-    job: &tollgate_core::Job,
+    job: &tollgate_core::job::Job,
     input: &str,
     create: bool,
 ) -> redis::ScriptInvocation<'a> {

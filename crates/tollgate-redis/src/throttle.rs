@@ -28,7 +28,9 @@ use redis::{FromRedisValue, ScriptInvocation};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tollgate_core::{
-    Config, Dispatch, Dispatchers, Grant, Provider, Pumped, RequestId, Throttle, ThrottleError,
+    config::{Config, Provider},
+    id::RequestId,
+    throttle::{Dispatch, Dispatchers, Grant, Pumped, Throttle, ThrottleError},
 };
 
 use crate::call::{self, bad_reply};

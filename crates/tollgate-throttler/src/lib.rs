@@ -13,7 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tollgate_core::{Config, Dispatch, Dispatchers, Provider, RequestId};
+use tollgate_core::{
+    config::{Config, Provider},
+    id::RequestId,
+    throttle::{Dispatch, Dispatchers},
+};
 use tracing::Instrument;
 
 /// Tunables of the throttler role.
@@ -108,7 +112,7 @@ async fn serve(d: Arc<dyn Dispatch>, cfg: ThrottlerConfig, mut stop: watch::Rece
             } else if !pumped.more {
                 d.wait_for_ticket(cfg.block).await?;
             }
-            Ok::<_, tollgate_core::ThrottleError>(())
+            Ok::<_, tollgate_core::throttle::ThrottleError>(())
         };
         tokio::select! {
             r = step => match r {

@@ -19,8 +19,12 @@ use std::time::Duration;
 
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
-use tollgate_core::{Config, FailureCause, Finish, JobSource, Lease, RequestId};
-use tollgate_providers::{Provider, ProviderError};
+use tollgate_core::{
+    config::Config,
+    id::RequestId,
+    job::{FailureCause, Finish, JobSource, Lease},
+};
+use tollgate_providers::{Client, ProviderError};
 use tracing::Instrument;
 
 /// Tunables of the worker role.
@@ -79,7 +83,7 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 pub async fn run(
     cfg: WorkerConfig,
     source: Arc<dyn JobSource>,
-    providers: BTreeMap<String, Arc<dyn Provider>>,
+    providers: BTreeMap<String, Arc<dyn Client>>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), WorkerError> {
     if cfg.concurrency == 0 {
@@ -181,7 +185,7 @@ async fn maintenance(
 #[allow(clippy::too_many_arguments)]
 async fn fetch(
     source: Arc<dyn JobSource>,
-    provider: Arc<dyn Provider>,
+    provider: Arc<dyn Client>,
     operation: String,
     worker: String,
     cfg: WorkerConfig,
@@ -247,7 +251,7 @@ enum Ended {
 
 async fn run_job(
     source: Arc<dyn JobSource>,
-    provider: Arc<dyn Provider>,
+    provider: Arc<dyn Client>,
     lease: Lease,
     cfg: WorkerConfig,
     _permit: OwnedSemaphorePermit,
@@ -341,7 +345,7 @@ const RECORD_FOR: Duration = Duration::from_secs(60);
 async fn finish<F, Fut>(what: &'static str, mut f: F) -> Option<Finish>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Finish, tollgate_core::JobError>>,
+    Fut: std::future::Future<Output = Result<Finish, tollgate_core::job::JobError>>,
 {
     let give_up = tokio::time::Instant::now() + RECORD_FOR;
     let mut backoff = Duration::from_millis(100);

@@ -56,7 +56,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Duration::from_secs(30),
     )
     .await?;
-    let run_id = tollgate_core::RequestId::generate().as_str()[..8].to_owned();
+    let run_id = tollgate_core::id::RequestId::generate().as_str()[..8].to_owned();
 
     // 1. One user, limit 1000, 300 concurrent requests of cost 8 spread over
     //    every api pod: exactly 125 fit, whichever pod took them.

@@ -8,10 +8,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tollgate_core::{
-    Config, JobQueue, JobRequest, JobSource, JobStatus, Ledger, MemoryJobQueue, MemoryLedger,
-    MemoryThrottle, RequestId, SubmitOutcome, Throttle, UserId,
+    config::Config,
+    id::{RequestId, UserId},
+    job::{JobQueue, JobRequest, JobSource, JobStatus, SubmitOutcome},
+    job_memory::MemoryJobQueue,
+    ledger::Ledger,
+    memory::MemoryLedger,
+    throttle::{MemoryThrottle, Throttle},
 };
-use tollgate_redis::{KeySpace, PoolOptions, RedisJobQueue, RedisLedger};
+use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::stats::{us, Samples};
@@ -166,7 +171,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &["--concurrency".into(), args.concurrency.to_string()],
         )?);
     }
-    let pool = tollgate_redis::connect(&server.url(), &PoolOptions::default()).await?;
+    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default()).await?;
     let keys = KeySpace::new(&prefix)?;
     let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
         pool.clone(),

@@ -9,8 +9,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use tollgate_core::{Config, Ledger, MemoryLedger, RequestId, UserId};
-use tollgate_redis::{scripts, KeySpace, PoolOptions, RedisLedger};
+use tollgate_core::{
+    config::Config,
+    id::{RequestId, UserId},
+    ledger::Ledger,
+    memory::MemoryLedger,
+};
+use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts};
 use tollgate_tests::RedisServer;
 
 use crate::stats::{median_f64, us, Samples};
@@ -57,7 +62,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| server.as_ref().map(|s| s.url()).unwrap_or_default());
     let config = Arc::new(Config::parse(CONFIG, "bench")?);
     let prefix = tollgate_tests::random_prefix();
-    let pool = tollgate_redis::connect(
+    let pool = tollgate_redis::pool::connect(
         &url,
         &PoolOptions {
             max_size: args.pool_size,

@@ -3,8 +3,12 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tollgate_core::{Config, Ledger, RequestId, UserId};
-use tollgate_redis::{KeySpace, PoolOptions, RedisLedger};
+use tollgate_core::{
+    config::Config,
+    id::{RequestId, UserId},
+    ledger::Ledger,
+};
+use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -27,7 +31,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let pool = tollgate_redis::connect(&args.redis_url, &PoolOptions::default()).await?;
+    let pool = tollgate_redis::pool::connect(&args.redis_url, &PoolOptions::default()).await?;
     let ledger = Arc::new(RedisLedger::new(
         pool,
         KeySpace::new(&args.prefix)?,

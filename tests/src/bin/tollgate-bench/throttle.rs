@@ -6,8 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tollgate_core::{duration, Config, RequestId, Throttle};
-use tollgate_redis::{KeySpace, PoolOptions, RedisThrottle, RedisThrottleOptions};
+use tollgate_core::{config::Config, duration, id::RequestId, throttle::Throttle};
+use tollgate_redis::{
+    keys::KeySpace,
+    pool::PoolOptions,
+    throttle::{RedisThrottle, RedisThrottleOptions},
+};
 use tollgate_tests::throttle::{now_us, run_waiters};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
@@ -44,7 +48,7 @@ pub async fn waiters(args: WaiterArgs) -> anyhow::Result<()> {
         .provider(&args.provider)
         .with_context(|| format!("no provider {:?} in the config", args.provider))?;
     let max_wait = args.max_wait.unwrap_or(provider.max_wait);
-    let pool = tollgate_redis::connect(&args.redis_url, &PoolOptions::default()).await?;
+    let pool = tollgate_redis::pool::connect(&args.redis_url, &PoolOptions::default()).await?;
     let throttle = RedisThrottle::start(
         pool,
         KeySpace::new(&args.key_prefix)?,
@@ -190,7 +194,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let config_path = dir.join("throttle.toml");
     std::fs::write(&config_path, BENCH_CONFIG)?;
 
-    let memory = Arc::new(tollgate_core::MemoryThrottle::new(&config));
+    let memory = Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
     let (p50, p99) = latency(memory.as_ref(), args.latency_samples).await?;
     let rate = throughput(memory, args.in_flight, args.seconds).await?;
     println!(
@@ -200,7 +204,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     for throttlers in [1, 3] {
         let prefix = random_prefix();
         let _procs = start_throttlers(throttlers, &server.url(), &prefix, &config_path)?;
-        let pool = tollgate_redis::connect(
+        let pool = tollgate_redis::pool::connect(
             &server.url(),
             &PoolOptions {
                 max_size: 32,
