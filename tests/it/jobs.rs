@@ -444,6 +444,25 @@ async fn job_hand_back_requeues_without_counting_the_attempt(s: &Setup) {
     s.source.retire("w1").await.unwrap();
 }
 
+async fn job_stats_count_queued_and_running_jobs(s: &Setup) {
+    let stats = s.queue.stats().await.unwrap();
+    let names: Vec<&str> = stats.iter().map(|q| q.operation.as_str()).collect();
+    assert_eq!(names, ["huge", "other", "work"], "every operation, by name");
+    submit_ok(s, "s1", "alice").await;
+    submit_ok(s, "s2", "alice").await;
+    let lease = take(s, "work", "w1").await;
+    let work = s.queue.stats().await.unwrap().remove(2);
+    assert_eq!(
+        (work.queued, work.running, work.dead),
+        (1, 1, 0),
+        "{work:?}"
+    );
+    s.source.complete(&lease, json!(1)).await.unwrap();
+    let work = s.queue.stats().await.unwrap().remove(2);
+    assert_eq!((work.queued, work.running), (1, 0), "{work:?}");
+    s.source.retire("w1").await.unwrap();
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -474,6 +493,7 @@ conformance!(
     job_expired_lease_goes_back_and_the_old_token_is_refused,
     job_past_max_attempts_is_abandoned_and_refunded,
     job_hand_back_requeues_without_counting_the_attempt,
+    job_stats_count_queued_and_running_jobs,
 );
 
 /// What a worker's BLMOVE does, without the lease that follows it: the oldest

@@ -136,7 +136,52 @@ conformance!(
     throttle_dropped_wait_burns_no_token,
     throttle_timed_out_waiters_leave_tokens_to_later_ones,
     throttle_unknown_provider,
+    throttle_stats_show_the_bucket_and_its_waiters,
 );
+
+/// A fresh bucket is full; a slot taken shows as a token fewer; a caller
+/// waiting for `slow` (burst 1, 2/s) shows as a waiter until served.
+async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
+    let stats = t.stats().await.unwrap();
+    let names: Vec<&str> = stats.iter().map(|p| p.provider.as_str()).collect();
+    assert_eq!(names, ["slow", "steady"]);
+    assert_eq!(
+        (stats[0].burst, stats[0].tokens, stats[0].waiters),
+        (1, 1.0, 0)
+    );
+    t.acquire(
+        "slow",
+        &RequestId::new("s1").unwrap(),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let slow = t.stats().await.unwrap().remove(0);
+    assert!(slow.tokens < 1.0, "{slow:?}");
+    let waiter = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move {
+            t.acquire(
+                "slow",
+                &RequestId::new("s2").unwrap(),
+                Duration::from_secs(5),
+            )
+            .await
+        })
+    };
+    let mut seen = false;
+    for _ in 0..200 {
+        let slow = t.stats().await.unwrap().remove(0);
+        if slow.waiters == 1 {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    waiter.await.unwrap().unwrap();
+    assert!(seen, "the waiter was never counted");
+    assert_eq!(t.stats().await.unwrap()[0].waiters, 0);
+}
 
 /// 25 waiters at once on rate 20/s, burst 5: the bound holds between every two
 /// grants, and the last grant comes when the rate allows (20 tokens / 20 per s).

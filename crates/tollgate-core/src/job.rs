@@ -360,6 +360,20 @@ impl JobError {
     }
 }
 
+/// One operation's queue as it stands: for metrics and the operations view.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct QueueStats {
+    pub operation: String,
+    /// Jobs waiting for a worker.
+    pub queued: u64,
+    /// Jobs a worker holds now.
+    pub running: u64,
+    /// Malformed entries moved aside (the dead list).
+    pub dead: u64,
+    /// Workers alive on this queue; `None` in process (the embedded worker).
+    pub workers: Option<u64>,
+}
+
 /// The api side of a job backend. Each backend supplies the primitive steps
 /// ([`enqueue`](Self::enqueue), [`read`](Self::read), ...); the sequences that
 /// decide ownership ([`submit`](Self::submit), [`wait`](Self::wait)) are
@@ -394,6 +408,9 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
 
     /// How often a waiter re-reads a job besides being woken.
     fn poll(&self) -> Duration;
+
+    /// Every configured operation's queue, by operation name.
+    async fn stats(&self) -> Result<Vec<QueueStats>, JobError>;
 
     /// Charges the operation to the user's budget and queues the job: see the
     /// module docs. Idempotent by `request.id`: the same request again returns

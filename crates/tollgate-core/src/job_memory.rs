@@ -20,7 +20,7 @@ use crate::config::Config;
 use crate::id::{RequestId, UserId};
 use crate::job::{
     self, millis, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue,
-    JobSource, JobStatus, Lease, Maintenance, Waiters, Watch,
+    JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
 };
 use crate::ledger::Ledger;
 
@@ -186,6 +186,27 @@ impl MemoryJobQueue {
 
 #[async_trait]
 impl JobQueue for MemoryJobQueue {
+    async fn stats(&self) -> Result<Vec<QueueStats>, JobError> {
+        let st = lock(&self.state);
+        let mut running: HashMap<&str, u64> = HashMap::new();
+        for rec in st.jobs.values() {
+            if matches!(rec.phase, Phase::Running { .. }) {
+                *running.entry(rec.job.operation.as_str()).or_default() += 1;
+            }
+        }
+        Ok(self
+            .config
+            .operations()
+            .map(|o| QueueStats {
+                operation: o.name.clone(),
+                queued: st.queues.get(&o.name).map_or(0, |q| q.len() as u64),
+                running: running.get(o.name.as_str()).copied().unwrap_or(0),
+                dead: 0,
+                workers: None,
+            })
+            .collect())
+    }
+
     fn ledger(&self) -> &Arc<dyn Ledger> {
         &self.ledger
     }

@@ -90,6 +90,24 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
     async fn drain(&self, _limit: Duration) -> usize {
         0
     }
+
+    /// Every configured provider's bucket and waiters, by name.
+    async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError>;
+}
+
+/// A provider's throttle as it stands: for metrics and the operations view.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ProviderStats {
+    pub provider: String,
+    /// Tokens per second.
+    pub rate: f64,
+    pub burst: u64,
+    /// Tokens in the bucket now.
+    pub tokens: f64,
+    /// Calls waiting for a slot.
+    pub waiters: u64,
+    /// Throttlers alive; `None` in process (the bucket grants by itself).
+    pub throttlers: Option<u64>,
 }
 
 /// What one [`Dispatch::pump`] did.
@@ -288,6 +306,25 @@ impl MemoryThrottle {
 
 #[async_trait]
 impl Throttle for MemoryThrottle {
+    async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError> {
+        Ok(self
+            .buckets
+            .iter()
+            .map(|(name, b)| {
+                let mut st = lock(&b.state);
+                b.refill(&mut st);
+                ProviderStats {
+                    provider: name.clone(),
+                    rate: b.rate,
+                    burst: b.burst as u64,
+                    tokens: st.tokens,
+                    waiters: st.queue.iter().filter(|tx| !tx.is_closed()).count() as u64,
+                    throttlers: None,
+                }
+            })
+            .collect())
+    }
+
     async fn acquire(
         &self,
         provider: &str,

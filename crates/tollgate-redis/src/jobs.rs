@@ -38,7 +38,7 @@ use tollgate_core::{
     id::{RequestId, UserId},
     job::{
         Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource, JobStatus,
-        Lease, Maintenance, Waiters, Watch,
+        Lease, Maintenance, QueueStats, Waiters, Watch,
     },
     ledger::Ledger,
 };
@@ -383,6 +383,50 @@ fn int_signed(v: &Value) -> Option<i64> {
 
 #[async_trait]
 impl JobQueue for RedisJobQueue {
+    /// One read-only pipeline: Redis TIME, then per operation the queue's and
+    /// the dead list's lengths, the leases and the workers' liveness.
+    async fn stats(&self) -> Result<Vec<QueueStats>, JobError> {
+        let operations: Vec<String> = self.config.operations().map(|o| o.name.clone()).collect();
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME");
+        for op in &operations {
+            let keys = self.keys.jobs(op);
+            pipe.cmd("LLEN").arg(&keys.queue);
+            pipe.cmd("ZCARD").arg(&keys.leases);
+            pipe.cmd("LLEN").arg(&keys.dead);
+            pipe.cmd("HVALS").arg(&keys.workers);
+        }
+        let reply: Vec<Value> = call::read(&self.pool, self.timeout, "queue_stats", &pipe).await?;
+        let now_ms = match reply.first() {
+            Some(Value::Array(t)) if t.len() == 2 => {
+                let secs = t.first().and_then(text).and_then(|s| s.parse::<u64>().ok());
+                let micros = t.get(1).and_then(text).and_then(|s| s.parse::<u64>().ok());
+                secs.zip(micros).map(|(s, us)| s * 1000 + us / 1000)
+            }
+            _ => None,
+        }
+        .ok_or_else(|| bad_reply::<JobError>("TIME", reply.first()))?;
+        let count = |v: &Value| int(v).unwrap_or(0);
+        Ok(operations
+            .into_iter()
+            .zip(reply[1..].chunks_exact(4))
+            .map(|(operation, r)| QueueStats {
+                operation,
+                queued: count(&r[0]),
+                running: count(&r[1]),
+                dead: count(&r[2]),
+                workers: Some(match &r[3] {
+                    Value::Array(vals) => vals
+                        .iter()
+                        .filter_map(|v| text(v)?.parse::<u64>().ok())
+                        .filter(|until| *until >= now_ms)
+                        .count() as u64,
+                    _ => 0,
+                }),
+            })
+            .collect())
+    }
+
     fn ledger(&self) -> &Arc<dyn Ledger> {
         &self.ledger
     }

@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use tollgate_core::{
     config::{Config, Provider},
     id::RequestId,
-    throttle::{Dispatch, Dispatchers, Grant, Pumped, Throttle, ThrottleError},
+    throttle::{Dispatch, Dispatchers, Grant, ProviderStats, Pumped, Throttle, ThrottleError},
 };
 
 use crate::call::{self, bad_reply};
@@ -375,6 +375,63 @@ impl Throttle for RedisThrottle {
                 }
             }
         }
+    }
+
+    /// One read-only pipeline: Redis TIME, then per provider its bucket, its
+    /// waiting tickets and its throttlers' liveness. The bucket is refilled to
+    /// now as the scripts would (lib/bucket.lua), without writing it.
+    async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME");
+        for name in self.providers.keys() {
+            let keys = self.shared.keys.throttle(name);
+            pipe.cmd("HMGET").arg(&keys.bucket).arg("tokens").arg("at");
+            pipe.cmd("HLEN").arg(&keys.waiting);
+            pipe.cmd("HVALS").arg(&keys.throttlers);
+        }
+        let reply: redis::Value = call::read(
+            &self.shared.pool,
+            self.options.call_timeout,
+            "throttle_stats",
+            &pipe,
+        )
+        .await?;
+        let items = match reply {
+            redis::Value::Array(items) => items,
+            other => return Err(bad_reply("throttle_stats", other)),
+        };
+        let (secs, micros): (u64, u64) = items
+            .first()
+            .and_then(|t| redis::from_redis_value_ref(t).ok())
+            .ok_or_else(|| bad_reply::<ThrottleError>("TIME", items.first()))?;
+        let now_us = secs * 1_000_000 + micros;
+        let mut out = Vec::with_capacity(self.providers.len());
+        for (p, r) in self.providers.values().zip(items[1..].chunks_exact(3)) {
+            let (tokens, at): (Option<f64>, Option<u64>) = redis::from_redis_value_ref(&r[0])
+                .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+            let waiters: u64 = redis::from_redis_value_ref(&r[1])
+                .map_err(|e| bad_reply::<ThrottleError>("HLEN", e))?;
+            let lives: Vec<u64> = redis::from_redis_value_ref(&r[2])
+                .map_err(|e| bad_reply::<ThrottleError>("HVALS", e))?;
+            let burst = p.burst as f64;
+            let tokens = match (tokens, at) {
+                (Some(t), Some(at)) if now_us > at => {
+                    (t + (now_us - at) as f64 * p.rate / 1e6).min(burst)
+                }
+                (Some(t), Some(_)) => t,
+                _ => burst,
+            };
+            let now_ms = now_us / 1000;
+            out.push(ProviderStats {
+                provider: p.name.clone(),
+                rate: p.rate,
+                burst: p.burst,
+                tokens,
+                waiters,
+                throttlers: Some(lives.iter().filter(|until| **until >= now_ms).count() as u64),
+            });
+        }
+        Ok(out)
     }
 
     async fn drain(&self, limit: Duration) -> usize {
