@@ -661,34 +661,29 @@ impl Dispatch for Dispatcher {
     }
 
     async fn reclaim(&self, dead: &str) -> Result<Option<u64>, ThrottleError> {
-        let n: i64 = run_script(
-            &self.pool,
-            self.timeout,
-            "liveness_reclaim",
-            scripts::liveness_reclaim(
-                self.keys.members(),
-                dead,
-                &self.keys.processing(dead),
-                false,
-            ),
-        )
-        .await?;
-        Ok(u64::try_from(n).ok())
+        Ok(u64::try_from(self.reclaim_of(dead, false).await?).ok())
     }
 
     async fn release(&self) -> Result<u64, ThrottleError> {
-        let n: i64 = run_script(
+        Ok(self.reclaim_of(&self.throttler, true).await?.max(0) as u64)
+    }
+}
+
+impl Dispatcher {
+    /// `liveness_reclaim.lua` on `member`'s processing list: how many tickets
+    /// went back, -1 when it is alive (and `force` is false).
+    async fn reclaim_of(&self, member: &str, force: bool) -> Result<i64, ThrottleError> {
+        run_script(
             &self.pool,
             self.timeout,
             "liveness_reclaim",
             scripts::liveness_reclaim(
                 self.keys.members(),
-                &self.throttler,
-                &self.keys.processing(&self.throttler),
-                true,
+                member,
+                &self.keys.processing(member),
+                force,
             ),
         )
-        .await?;
-        Ok(n.max(0) as u64)
+        .await
     }
 }
