@@ -8,6 +8,7 @@
 -- ARGV[9] nonce of the charge that pays for the job
 -- ARGV[10] '1' to create a missing job (its charge is not claimed yet), '0' to
 --          only find it (its charge was claimed: the job ran, and is not run again)
+-- ARGV[11] the W3C traceparent of the call that submitted it, or ''  (field `tp`)
 -- Returns one of
 --   { 1 }           created and queued
 --   { 2, record }   the job of this charge exists already: its fields (HGETALL)
@@ -21,7 +22,7 @@
 local JOB, QUEUE, LEASES, REFUNDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, user, op, provider, input = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local cost, enq, deadline = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local nonce, create = ARGV[9], ARGV[10]
+local nonce, create, tp = ARGV[9], ARGV[10], ARGV[11] or ''
 if not cost or cost < 1 or not enq or not deadline or nonce == '' then
   return redis.error_reply('job_enqueue: bad cost, times or nonce')
 end
@@ -37,10 +38,13 @@ end
 if create ~= '1' then
   return { 0 }
 end
-redis.call('HDEL', JOB, 'result', 'cause', 'message', 'finished', 'refund', 'worker', 'lease_until')
+redis.call('HDEL', JOB, 'result', 'cause', 'message', 'finished', 'refund', 'worker', 'lease_until', 'tp')
 redis.call('HSET', JOB, 'state', 'queued', 'user', user, 'op', op, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
   'attempt', '0', 'nonce', nonce)
+if tp ~= '' then
+  redis.call('HSET', JOB, 'tp', tp)
+end
 redis.call('HSETNX', JOB, 'seq', '0')
 redis.call('PERSIST', JOB)
 redis.call('ZREM', LEASES, id)

@@ -23,7 +23,7 @@ if not lease or lease < 1 or not max_attempts or max_attempts < 1 then
 end
 local now = now_ms()
 local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
-  'enq', 'deadline', 'attempt', 'nonce')
+  'enq', 'deadline', 'attempt', 'nonce', 'tp')
 local state, user, jop, provider, input = f[1], f[2], f[3], f[4], f[5]
 local cost, enq, deadline, attempt = tonumber(f[6]), tonumber(f[7]), tonumber(f[8]), tonumber(f[9])
 local nonce = f[10]
@@ -73,4 +73,4 @@ redis.call('HSET', JOB, 'state', 'running', 'worker', worker, 'lease_until', int
 redis.call('ZADD', LEASES, int(now + lease), id)
 return { 1, token, deadline - now, 'user', user, 'op', jop, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
-  'attempt', attempt, 'nonce', nonce }
+  'attempt', attempt, 'nonce', nonce, 'tp', f[11] or '' }

@@ -253,6 +253,7 @@ async fn a_key_outliving_its_job_record_is_never_free(
         user: user.clone(),
         operation: op.into(),
         input: body,
+        trace: None,
     };
     let r = queue.submit(req("work", json!({"a": 1}))).await.unwrap();
     assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");

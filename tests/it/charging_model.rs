@@ -91,6 +91,7 @@ fn request(user: usize, key: u8, op: usize, body: u8) -> JobRequest {
         user: UserId::new(USERS[user]).unwrap(),
         operation: OPS[op].into(),
         input: json!({ "body": body }),
+        trace: None,
     }
 }
 

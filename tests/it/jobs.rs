@@ -70,6 +70,7 @@ fn request(id: &str, who: &str, operation: &str) -> JobRequest {
         user: user(who),
         operation: operation.into(),
         input: json!({ "prompt": id }),
+        trace: None,
     }
 }
 
@@ -579,6 +580,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         deadline_ms,
         attempt: 0,
         nonce: charge.nonce.into(),
+        trace: None,
     };
     assert!(
         !tollgate_core::job::claim(&*ledger, &job, Duration::from_millis(200))
@@ -731,6 +733,7 @@ path = "/v1/work"
         deadline_ms: u64::MAX,
         attempt: 1,
         nonce: "n".into(),
+        trace: None,
     };
     let first = p.call(&job("h1")).await.unwrap();
     assert_eq!(first["echo"], json!({ "q": "h1" }));

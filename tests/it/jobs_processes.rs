@@ -168,6 +168,7 @@ async fn submit_all(q: &Arc<RedisJobQueue>, n: usize) -> Vec<RequestId> {
                     user: user(),
                     operation: OP.into(),
                     input: json!({ "n": i }),
+                    trace: None,
                 })
                 .await
                 .unwrap();

@@ -21,3 +21,4 @@ mod redis_ledger;
 mod redis_outages;
 mod throttle;
 mod throttle_redis;
+mod trace;

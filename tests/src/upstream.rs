@@ -36,6 +36,8 @@ pub struct Arrival {
     pub job: Option<String>,
     /// The answer: 200, or 429 when the limit would have been passed.
     pub status: u16,
+    /// The W3C `traceparent` header the worker sent.
+    pub traceparent: Option<String>,
 }
 
 #[derive(Debug)]
@@ -106,10 +108,13 @@ async fn call(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let job = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let (job, traceparent) = (header("idempotency-key"), header("traceparent"));
     let allowed = {
         let Ok(mut inner) = shared.inner.lock() else {
             return StatusCode::INTERNAL_SERVER_ERROR.into_response();
@@ -138,6 +143,7 @@ async fn call(
             at_us: now_us(),
             job,
             status: if allowed { 200 } else { 429 },
+            traceparent,
         });
         allowed
     };

@@ -40,6 +40,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{Extension, Router};
 use serde_json::Value;
+use tollgate_core::trace::TraceParent;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
@@ -226,15 +227,24 @@ pub fn router(mut state: ApiState) -> Router {
             state.clone(),
             count_requests,
         ))
-        .layer(
-            TraceLayer::new_for_http().make_span_with(|req: &Request| {
-                let route = req
-                    .extensions()
-                    .get::<MatchedPath>()
-                    .map_or(req.uri().path(), |p| p.as_str());
-                tracing::info_span!("request", method = %req.method(), route, user = tracing::field::Empty)
-            }),
-        )
+        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
+            let route = req
+                .extensions()
+                .get::<MatchedPath>()
+                .map_or(req.uri().path(), |p| p.as_str());
+            let trace_id = req
+                .extensions()
+                .get::<TraceParent>()
+                .map(|t| t.trace_id().to_owned());
+            tracing::info_span!(
+                "request",
+                method = %req.method(),
+                route,
+                trace_id,
+                user = tracing::field::Empty
+            )
+        }))
+        .layer(middleware::from_fn(trace_context))
         .layer(DefaultBodyLimit::max(state.settings.body_limit))
         .layer(Extension(state.budget()))
         .layer(CatchPanicLayer::custom(
@@ -243,6 +253,18 @@ pub fn router(mut state: ApiState) -> Router {
             },
         ))
         .with_state(state)
+}
+
+/// Continues the caller's W3C `traceparent` (or starts a trace) as a request
+/// extension: the request's span, its job and the job's provider call carry it.
+async fn trace_context(mut req: Request, next: Next) -> Response {
+    let header = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok());
+    let trace = TraceParent::continue_or_start(header).child();
+    req.extensions_mut().insert(trace);
+    next.run(req).await
 }
 
 async fn count_requests(State(state): State<ApiState>, req: Request, next: Next) -> Response {

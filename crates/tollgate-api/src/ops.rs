@@ -20,6 +20,7 @@ use axum::extract::State;
 use axum::http::header::LOCATION;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use serde::Serialize;
 use serde_json::Value;
 use tollgate_core::{
@@ -33,6 +34,7 @@ use crate::extract::{Flags, JsonBody, PathParam};
 use crate::problem::ApiError;
 use crate::state::ApiState;
 use tollgate_core::clock::rfc3339;
+use tollgate_core::trace::TraceParent;
 
 /// The body of an operation's answer and of `GET /v1/jobs/{id}`.
 #[derive(Debug, Serialize)]
@@ -144,12 +146,14 @@ pub async fn run(
     State(state): State<ApiState>,
     priced: Priced,
     flags: Flags,
+    trace: Option<Extension<TraceParent>>,
     headers: HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let operation = priced.operation.clone();
-    let result = call(&state, priced, flags, &headers, body).await;
+    let trace = trace.map(|Extension(t)| t);
+    let result = call(&state, priced, flags, trace, &headers, body).await;
     state.metrics.latency(&operation, started.elapsed());
     result
 }
@@ -158,6 +162,7 @@ async fn call(
     state: &ApiState,
     priced: Priced,
     flags: Flags,
+    trace: Option<TraceParent>,
     headers: &HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
@@ -179,6 +184,7 @@ async fn call(
             user: priced.user.clone(),
             operation: operation.clone(),
             input,
+            trace,
         })
         .await?;
     let budget = state.budget();

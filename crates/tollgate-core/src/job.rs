@@ -43,6 +43,7 @@ use crate::id::{RequestId, UserId};
 use crate::ledger::{
     Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, Ledger, LedgerError,
 };
+use crate::trace::TraceParent;
 
 /// One unit of work: a provider call paid for by `user`'s budget.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -66,6 +67,10 @@ pub struct Job {
     pub attempt: u32,
     /// The charge that pays for the job ([`Ledger::charge`]'s nonce).
     pub nonce: String,
+    /// The trace of the call that submitted it: its logs and its provider
+    /// call carry it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceParent>,
 }
 
 /// What a caller asks for; the backend fills in provider, cost and times from
@@ -76,6 +81,9 @@ pub struct JobRequest {
     pub user: UserId,
     pub operation: String,
     pub input: Value,
+    /// The caller's trace (the api continues or starts one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceParent>,
 }
 
 /// Why a job failed. Each cause maps to the HTTP status the api role answers
@@ -472,6 +480,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             deadline_ms,
             attempt: 0,
             nonce,
+            trace: request.trace,
         };
         match self.enqueue(&job, create).await? {
             Enqueued::Created if charged => Ok(SubmitOutcome::Queued { job, allowed }),

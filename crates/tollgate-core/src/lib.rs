@@ -20,6 +20,7 @@ pub mod keystore;
 pub mod ledger;
 pub mod memory;
 pub mod throttle;
+pub mod trace;
 
 /// Locks `m`. Every critical section in this crate is panic-free, so a poisoned
 /// lock's data is still consistent.

@@ -106,6 +106,10 @@ impl Transport for HttpClient {
             .header(CONTENT_TYPE, "application/json")
             .header("idempotency-key", job.id.as_str())
             .body(job.input.to_string());
+        // The call's trace continues upstream: same trace id, this hop's id.
+        if let Some(trace) = &job.trace {
+            req = req.header("traceparent", trace.child().to_string());
+        }
         if let Some((name, value)) = &self.auth {
             req = req.header(name.clone(), value.clone());
         }

@@ -50,6 +50,7 @@ use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, FailArgs};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
+use tollgate_core::trace::TraceParent;
 
 /// Most ids one maintenance step handles per set and operation.
 const MAINTAIN_BATCH: u32 = 100;
@@ -319,6 +320,8 @@ fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, Strin
         deadline_ms: num(map, "deadline")?,
         attempt: u32::try_from(num(map, "attempt")?).unwrap_or(u32::MAX),
         nonce: field(map, "nonce")?.to_owned(),
+        // Absent in records of earlier versions, and for calls with no trace.
+        trace: map.get("tp").and_then(|v| TraceParent::parse(v)),
     })
 }
 

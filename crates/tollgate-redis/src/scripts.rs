@@ -341,7 +341,13 @@ pub fn job_enqueue<'a>(
         .arg(job.enqueued_at_ms)
         .arg(job.deadline_ms)
         .arg(&job.nonce)
-        .arg(if create { "1" } else { "0" });
+        .arg(if create { "1" } else { "0" })
+        .arg(
+            job.trace
+                .as_ref()
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
+        );
     inv
 }
 

@@ -214,7 +214,8 @@ async fn fetch(
                     "job",
                     request_id = %lease.job.id,
                     user = %lease.job.user,
-                    attempt = lease.job.attempt
+                    attempt = lease.job.attempt,
+                    trace_id = lease.job.trace.as_ref().map(|t| t.trace_id()),
                 );
                 tokio::spawn(
                     run_job(
@@ -295,6 +296,7 @@ async fn run_job(
     };
     let recorded = match ended {
         Ended::Called(Ok(result)) => {
+            tracing::debug!("the provider answered; recording the result");
             finish("complete", || source.complete(&lease, result.clone())).await
         }
         Ended::Called(Err(e))

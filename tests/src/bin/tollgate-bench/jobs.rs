@@ -86,6 +86,7 @@ async fn drive(
                     user: user.clone(),
                     operation: "bench".into(),
                     input: serde_json::json!({ "i": i }),
+                    trace: None,
                 })
                 .await?;
             anyhow::ensure!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
