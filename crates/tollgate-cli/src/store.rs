@@ -3,7 +3,7 @@
 //! the [`Backends`] from them.
 //!
 //! The store is named by a URL: `memory` (this process only: `tollgate all`
-//! and `budget demo`), or `redis://` / `rediss://` (shared by every pod). A
+//! and `budget demo`), or `redis://` (shared by every pod). A
 //! long-running role waits for a Redis that is down, with backoff (pods and
 //! their Redis restart in any order, and a role that exits only to be
 //! restarted recovers no sooner), while a bad URL fails at once. Operator
@@ -27,9 +27,8 @@ use crate::process::{exit, fail, shutdown_signal};
 /// The flags that say where the state lives and how it is configured.
 #[derive(Debug, Clone, Args)]
 pub struct StoreArgs {
-    /// Where the shared state lives: redis://[user:password@]host[:port][/db]
-    /// (rediss:// for TLS), or `memory` (this process only; `tollgate all`'s
-    /// default).
+    /// Where the shared state lives: redis://[user:password@]host[:port][/db],
+    /// or `memory` (this process only; `tollgate all`'s default).
     #[arg(
         long,
         global = true,
