@@ -25,7 +25,7 @@ use tollgate_core::{
 };
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::api::StandInWorker;
-use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 use tower::ServiceExt;
 
 pub const ADMIN: &str = "admin-token-for-tests-0123456789";
@@ -45,6 +45,7 @@ pub struct Harness {
     pub app: Router,
     pub source: Arc<dyn JobSource>,
     pub redis: Option<RedisServer>,
+    pub _cluster: Option<TestCluster>,
 }
 
 pub struct Resp {
@@ -95,6 +96,7 @@ impl Harness {
             state,
             source: backends.source,
             redis: None,
+            _cluster: None,
         }
     }
 
@@ -107,6 +109,21 @@ impl Harness {
             state,
             source,
             redis: Some(server),
+            _cluster: None,
+        }
+    }
+
+    /// The api on a Redis Cluster (3 primaries, 3 replicas).
+    pub async fn cluster(settings: Settings) -> Self {
+        let cluster = TestCluster::get();
+        let state = redis_state(&cluster.url(), &random_prefix(), settings).await;
+        let source = redis_source(&cluster.url(), &state).await;
+        Self {
+            app: tollgate_api::router(state.clone()),
+            state,
+            source,
+            redis: None,
+            _cluster: Some(cluster),
         }
     }
 
@@ -280,6 +297,14 @@ macro_rules! both_backends {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name(super::Harness::redis(super::settings()).await).await;
+                }
+            )*
+        }
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Harness::cluster(super::settings()).await).await;
                 }
             )*
         }

@@ -23,6 +23,7 @@ async fn harness(settings: Settings) -> Harness {
         state,
         source,
         redis: Some(server),
+        _cluster: None,
     }
 }
 

@@ -171,6 +171,7 @@ async fn a_lost_reply_is_not_taken_as_a_failure() {
         state,
         source,
         redis: Some(server),
+        _cluster: None,
     };
     let key = h.user("lou", "free").await;
     let worker = h.worker(0.0);

@@ -19,7 +19,7 @@ use tollgate_core::{
     memory::MemoryLedger,
 };
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
-use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
 pub const CONFIG: &str = r#"
 hold_grace = "200ms"
@@ -80,6 +80,7 @@ pub struct Setup {
     pub source: Arc<dyn JobSource>,
     pub ledger: Arc<dyn Ledger>,
     _server: Option<RedisServer>,
+    _cluster: Option<TestCluster>,
 }
 
 impl Setup {
@@ -97,6 +98,7 @@ impl Setup {
             source: q,
             ledger,
             _server: None,
+            _cluster: None,
         }
     }
 
@@ -108,6 +110,21 @@ impl Setup {
             source: q,
             ledger,
             _server: Some(server),
+            _cluster: None,
+        }
+    }
+
+    /// The Redis queue on a Redis Cluster (3 primaries, 3 replicas).
+    pub async fn cluster() -> Self {
+        let cluster = TestCluster::get();
+        let (q, ledger) =
+            redis_queue_at(&cluster.url(), &random_prefix(), config(), options()).await;
+        Self {
+            queue: q.clone(),
+            source: q,
+            ledger,
+            _server: None,
+            _cluster: Some(cluster),
         }
     }
 
@@ -130,10 +147,19 @@ pub async fn redis_queue_with(
     config: Arc<Config>,
     options: JobOptions,
 ) -> (Arc<RedisJobQueue>, Arc<dyn Ledger>) {
+    redis_queue_at(&server.url(), prefix, config, options).await
+}
+
+async fn redis_queue_at(
+    url: &str,
+    prefix: &str,
+    config: Arc<Config>,
+    options: JobOptions,
+) -> (Arc<RedisJobQueue>, Arc<dyn Ledger>) {
     let keys = KeySpace::new(prefix).unwrap();
-    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
+    let pool = tollgate_redis::pool::connect(url, &PoolOptions::default())
         .await
-        .expect("connect to the test redis-server");
+        .expect("connect to the test Redis");
     let ledger: Arc<dyn Ledger> = Arc::new(RedisLedger::new(
         pool.clone(),
         keys.clone(),
@@ -482,6 +508,14 @@ macro_rules! conformance {
                 }
             )*
         }
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(&super::Setup::cluster().await).await
+                }
+            )*
+        }
     };
 }
 
@@ -622,6 +656,7 @@ async fn job_redis_malformed_entries_are_moved_aside() {
         source: q.clone(),
         ledger,
         _server: None,
+        _cluster: None,
     };
     submit_ok(&s, "good", "judy").await;
     let lease = loop {

@@ -13,7 +13,7 @@ use tollgate_core::{
     memory::MemoryLedger,
 };
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
-use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
 /// The window of every plan in the suite: long enough that a loaded CI machine
 /// finishes a case's calls well inside it, short enough for Redis to really wait.
@@ -80,7 +80,8 @@ impl Backend for MemoryBackend {
 
 pub struct RedisBackend {
     /// Kept alive for the test; stopped on drop.
-    _server: RedisServer,
+    _server: Option<RedisServer>,
+    _cluster: Option<TestCluster>,
     pub ledger: Arc<RedisLedger>,
 }
 
@@ -89,7 +90,19 @@ impl RedisBackend {
         let server = RedisServer::start();
         let ledger = Arc::new(redis_ledger(&server.url(), &random_prefix()).await);
         Self {
-            _server: server,
+            _server: Some(server),
+            _cluster: None,
+            ledger,
+        }
+    }
+
+    /// The same ledger on a Redis Cluster (3 primaries, 3 replicas).
+    pub async fn cluster() -> Self {
+        let cluster = TestCluster::get();
+        let ledger = Arc::new(redis_ledger(&cluster.url(), &random_prefix()).await);
+        Self {
+            _server: None,
+            _cluster: Some(cluster),
             ledger,
         }
     }
@@ -458,6 +471,14 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $case() {
                     super::$case(&super::RedisBackend::start().await).await
+                }
+            )*
+        }
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    super::$case(&super::RedisBackend::cluster().await).await
                 }
             )*
         }

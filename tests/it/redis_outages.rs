@@ -21,6 +21,7 @@ async fn harness(server: RedisServer) -> Harness {
         state,
         source,
         redis: Some(server),
+        _cluster: None,
     }
 }
 

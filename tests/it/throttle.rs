@@ -17,7 +17,7 @@ use tollgate_redis::{
     throttle::{RedisDispatchers, RedisThrottle, RedisThrottleOptions},
 };
 use tollgate_tests::throttle::{max_excess, run_waiters};
-use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 use tollgate_throttler::ThrottlerConfig;
 
 pub const CONFIG: &str = r#"
@@ -44,7 +44,8 @@ pub fn rid(s: &str) -> RequestId {
 
 /// A running Redis throttle: server, throttler role task, waiter side.
 pub struct RedisSetup {
-    pub server: RedisServer,
+    server: Option<RedisServer>,
+    _cluster: Option<TestCluster>,
     pub prefix: String,
     pub throttle: Arc<RedisThrottle>,
     stop: Option<oneshot::Sender<()>>,
@@ -55,11 +56,34 @@ impl RedisSetup {
     /// With `throttler`, an in-process throttler role serves the queues.
     pub async fn start(throttler: bool, options: RedisThrottleOptions) -> Self {
         let server = RedisServer::start();
+        let url = server.url();
+        Self::on(&url, Some(server), None, throttler, options).await
+    }
+
+    /// The same on a Redis Cluster (3 primaries, 3 replicas).
+    pub async fn cluster(throttler: bool, options: RedisThrottleOptions) -> Self {
+        let cluster = TestCluster::get();
+        let url = cluster.url();
+        Self::on(&url, None, Some(cluster), throttler, options).await
+    }
+
+    /// The standalone server (tests of what only it can do: kills, restarts).
+    pub fn server(&self) -> &RedisServer {
+        self.server.as_ref().expect("a setup on a standalone Redis")
+    }
+
+    async fn on(
+        url: &str,
+        server: Option<RedisServer>,
+        cluster: Option<TestCluster>,
+        throttler: bool,
+        options: RedisThrottleOptions,
+    ) -> Self {
         let prefix = random_prefix();
         let keys = KeySpace::new(&prefix).expect("prefix");
-        let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
+        let pool = tollgate_redis::pool::connect(url, &PoolOptions::default())
             .await
-            .expect("connect to the test redis-server");
+            .expect("connect to the test Redis");
         let (stop, role) = if throttler {
             let (tx, rx) = oneshot::channel::<()>();
             let cfg = ThrottlerConfig::new(config());
@@ -86,6 +110,7 @@ impl RedisSetup {
         );
         Self {
             server,
+            _cluster: cluster,
             prefix,
             throttle: Arc::new(throttle),
             stop,
@@ -122,6 +147,16 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
                     let setup = super::RedisSetup::start(true, Default::default()).await;
+                    super::$case(setup.throttle.clone()).await;
+                    setup.stop().await;
+                }
+            )*
+        }
+        mod cluster_throttle {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let setup = super::RedisSetup::cluster(true, Default::default()).await;
                     super::$case(setup.throttle.clone()).await;
                     setup.stop().await;
                 }

@@ -104,8 +104,8 @@ async fn throttle_lost_wake_up_is_found_after_reconnect() {
         },
     )
     .await;
-    let mut conn = raw(&setup.server).await;
-    let pool = tollgate_redis::pool::connect(&setup.server.url(), &Default::default())
+    let mut conn = raw(setup.server()).await;
+    let pool = tollgate_redis::pool::connect(&setup.server().url(), &Default::default())
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
@@ -146,8 +146,8 @@ async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
         },
     )
     .await;
-    let mut conn = raw(&setup.server).await;
-    let pool = tollgate_redis::pool::connect(&setup.server.url(), &Default::default())
+    let mut conn = raw(setup.server()).await;
+    let pool = tollgate_redis::pool::connect(&setup.server().url(), &Default::default())
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
@@ -411,8 +411,8 @@ async fn throttle_a_late_grant_is_not_used() {
         },
     )
     .await;
-    let mut conn = raw(&setup.server).await;
-    let pool = tollgate_redis::pool::connect(&setup.server.url(), &Default::default())
+    let mut conn = raw(setup.server()).await;
+    let pool = tollgate_redis::pool::connect(&setup.server().url(), &Default::default())
         .await
         .unwrap();
     let d = dispatcher(&setup, pool);
@@ -451,7 +451,7 @@ fn throttle_a_wait_dropped_at_shutdown_cancels_its_ticket() {
         .unwrap();
     let (setup, waiting) = rt.block_on(async {
         let setup = RedisSetup::start(false, RedisThrottleOptions::default()).await;
-        let mut conn = raw(&setup.server).await;
+        let mut conn = raw(setup.server()).await;
         let keys = KeySpace::new(&setup.prefix).unwrap().throttle("slow");
         set_tokens(&mut conn, &keys.bucket, 0.0).await;
         let t = Arc::clone(&setup.throttle);
@@ -477,7 +477,7 @@ fn throttle_a_wait_dropped_at_shutdown_cancels_its_ticket() {
         .build()
         .unwrap();
     check.block_on(async {
-        let mut conn = raw(&setup.server).await;
+        let mut conn = raw(setup.server()).await;
         let left: i64 = query(&mut conn, redis::cmd("HLEN").arg(&waiting)).await;
         assert_eq!(left, 0, "the dropped wait's ticket was cancelled");
     });
@@ -489,8 +489,8 @@ fn throttle_a_wait_dropped_at_shutdown_cancels_its_ticket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_a_dead_throttler_is_found_after_every_liveness_expired() {
     let setup = RedisSetup::start(false, RedisThrottleOptions::default()).await;
-    let mut conn = raw(&setup.server).await;
-    let pool = tollgate_redis::pool::connect(&setup.server.url(), &Default::default())
+    let mut conn = raw(setup.server()).await;
+    let pool = tollgate_redis::pool::connect(&setup.server().url(), &Default::default())
         .await
         .unwrap();
     let keys = KeySpace::new(&setup.prefix).unwrap();

@@ -5,10 +5,12 @@
 pub mod api;
 pub mod http;
 pub mod proxy;
+pub mod redis_cluster;
 pub mod redis_server;
 pub mod throttle;
 pub mod upstream;
 
+pub use redis_cluster::{RedisCluster, TestCluster};
 pub use redis_server::RedisServer;
 
 use std::path::PathBuf;

@@ -53,6 +53,21 @@ impl RedisServer {
         panic!("could not start redis-server: {last_error}");
     }
 
+    /// Starts a server on `port` with `extra` arguments (a cluster node, whose
+    /// bus port is `port + 10000`).
+    pub fn start_at(port: u16, extra: &[&str]) -> Result<Self, String> {
+        let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
+        let child = spawn(port, &dir, &extra)?;
+        Ok(Self {
+            child,
+            port,
+            dir,
+            extra,
+        })
+    }
+
     /// Kills the server (SIGKILL: no goodbye on its sockets beyond the kernel's)
     /// and starts a new one on the same port, with the same arguments.
     pub fn restart(&mut self) {

@@ -19,12 +19,11 @@
 
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
-use redis::{Cmd, FromRedisValue, Pipeline, RedisError, ScriptInvocation};
+use redis::{Cmd, FromRedisValue, Pipeline, RedisError, ScriptInvocation, Value};
 use tollgate_core::error::StoreError;
 use tracing::Instrument;
 
-use crate::pool::{discard_if_broken, is_busy, is_connection_error, Pool};
+use crate::pool::{discard_if_broken, is_busy, is_connection_error, Blocking, Pool};
 
 /// A Redis failure as a [`StoreError`]: transient when Redis cannot be reached
 /// now (refused, reset, timed out, no connection) or answers "not now"
@@ -104,7 +103,7 @@ pub async fn read<T: FromRedisValue>(
 /// One command on a dedicated connection (a blocking pop, never the pool's shared
 /// ones), bounded by `timeout`.
 pub async fn dedicated<T: FromRedisValue>(
-    conn: &mut MultiplexedConnection,
+    conn: &mut Blocking,
     timeout: Duration,
     op: &'static str,
     cmd: &Cmd,
@@ -130,6 +129,39 @@ async fn bounded<T>(
         })
 }
 
+/// Commands that may live in different hash slots (reads across operations or
+/// providers), each answer in the order sent: one pipeline on a standalone
+/// Redis; on a cluster each command goes to its own node, all at once.
+pub async fn gather<T: FromRedisValue>(
+    pool: &Pool,
+    timeout: Duration,
+    op: &'static str,
+    cmds: &[Cmd],
+) -> Result<T, StoreError> {
+    match pool {
+        Pool::Single(_) => {
+            let mut pipe = redis::pipe();
+            for cmd in cmds {
+                pipe.add_command(cmd.clone());
+            }
+            read(pool, timeout, op, &pipe).await
+        }
+        Pool::Cluster(c) => {
+            let each = cmds.iter().map(|cmd| {
+                let mut conn = c.connection();
+                async move { cmd.query_async::<Value>(&mut conn).await }
+            });
+            let values = bounded(timeout, op, async {
+                futures_util::future::try_join_all(each)
+                    .await
+                    .map_err(store_error)
+            })
+            .await?;
+            T::from_redis_value(Value::Array(values)).map_err(|e| bad_reply(op, e))
+        }
+    }
+}
+
 async fn call<T: FromRedisValue>(
     pool: &Pool,
     timeout: Duration,
@@ -137,6 +169,23 @@ async fn call<T: FromRedisValue>(
     request: Request<'_, '_>,
     repeat: Repeat,
 ) -> Result<T, StoreError> {
+    let pool = match pool {
+        Pool::Single(p) => p,
+        Pool::Cluster(c) => {
+            // The cluster connection reconnects, follows MOVED/ASK and
+            // refreshes its slot map by itself; a failed call is reported.
+            let mut conn = c.connection();
+            let round_trip = async {
+                match request {
+                    Request::Script(inv) => inv.invoke_async::<T>(&mut conn).await,
+                    Request::Command(cmd) => cmd.query_async::<T>(&mut conn).await,
+                    Request::Pipeline(pipe) => pipe.query_async::<T>(&mut conn).await,
+                }
+                .map_err(store_error)
+            };
+            return bounded(timeout, op, round_trip).await;
+        }
+    };
     let round_trip = async {
         let mut retried = false;
         loop {

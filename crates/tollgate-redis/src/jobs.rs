@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::MultiplexedConnection;
+
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use serde_json::Value as Json;
 use tokio::sync::oneshot;
@@ -45,7 +45,7 @@ use tollgate_core::{
 
 use crate::call::{self, bad_reply};
 use crate::keys::{JobKeys, KeySpace};
-use crate::pool::blocking_connection;
+use crate::pool::{blocking_connection, Blocking};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, FailArgs};
 use crate::subscription::{self, Listener};
@@ -73,7 +73,7 @@ pub struct RedisJobQueue {
     timeout: Duration,
     channel: String,
     /// Idle connections for BLMOVE, one per concurrent take.
-    blocking: Mutex<Vec<MultiplexedConnection>>,
+    blocking: Mutex<Vec<Blocking>>,
     waiters: Arc<Waiters>,
     /// Ids seen in this process's processing lists with their job still
     /// queued (never leased), by list: moved back if still so next round.
@@ -233,7 +233,7 @@ impl RedisJobQueue {
         Ok(r == 1)
     }
 
-    async fn blocking_conn(&self) -> Result<MultiplexedConnection, JobError> {
+    async fn blocking_conn(&self) -> Result<Blocking, JobError> {
         if let Some(c) = lock(&self.blocking).pop() {
             return Ok(c);
         }
@@ -244,7 +244,7 @@ impl RedisJobQueue {
         let mut subscription = lock(&self.subscription);
         if subscription.is_none() {
             *subscription = Some(subscription::spawn(
-                self.pool.manager().client().clone(),
+                self.pool.subscribe_clients(),
                 self.channel.clone(),
                 Arc::clone(&self.waiters),
                 Duration::from_millis(200),
@@ -390,16 +390,16 @@ impl JobQueue for RedisJobQueue {
     /// the dead list's lengths, the leases and the workers' liveness.
     async fn stats(&self) -> Result<Vec<QueueStats>, JobError> {
         let operations: Vec<String> = self.config.operations().map(|o| o.name.clone()).collect();
-        let mut pipe = redis::pipe();
-        pipe.cmd("TIME");
+        let mut cmds = vec![redis::cmd("TIME")];
         for op in &operations {
             let keys = self.keys.jobs(op);
-            pipe.cmd("LLEN").arg(&keys.queue);
-            pipe.cmd("ZCARD").arg(&keys.leases);
-            pipe.cmd("LLEN").arg(&keys.dead);
-            pipe.cmd("HVALS").arg(&keys.workers);
+            cmds.push(redis::cmd("LLEN").arg(&keys.queue).to_owned());
+            cmds.push(redis::cmd("ZCARD").arg(&keys.leases).to_owned());
+            cmds.push(redis::cmd("LLEN").arg(&keys.dead).to_owned());
+            cmds.push(redis::cmd("HVALS").arg(&keys.workers).to_owned());
         }
-        let reply: Vec<Value> = call::read(&self.pool, self.timeout, "queue_stats", &pipe).await?;
+        let reply: Vec<Value> =
+            call::gather(&self.pool, self.timeout, "queue_stats", &cmds).await?;
         let now_ms = match reply.first() {
             Some(Value::Array(t)) if t.len() == 2 => {
                 let secs = t.first().and_then(text).and_then(|s| s.parse::<u64>().ok());
@@ -492,12 +492,16 @@ impl JobQueue for RedisJobQueue {
     /// alone does not say which queue holds the job.
     async fn status(&self, user: &UserId, id: &RequestId) -> Result<Option<JobInfo>, JobError> {
         let operations: Vec<&str> = self.config.operations().map(|o| o.name.as_str()).collect();
-        let mut pipe = redis::pipe();
-        for op in &operations {
-            pipe.cmd("HGETALL").arg(self.keys.jobs(op).job(id.as_str()));
-        }
+        let cmds: Vec<redis::Cmd> = operations
+            .iter()
+            .map(|op| {
+                redis::cmd("HGETALL")
+                    .arg(self.keys.jobs(op).job(id.as_str()))
+                    .to_owned()
+            })
+            .collect();
         let records: Vec<HashMap<String, String>> =
-            call::pipeline(&self.pool, self.timeout, "job_status", &pipe).await?;
+            call::gather(&self.pool, self.timeout, "job_status", &cmds).await?;
         let mut found: Option<JobInfo> = None;
         for map in &records {
             if let Some(info) = decode(id, map)?.filter(|i| &i.job.user == user) {

@@ -92,9 +92,24 @@ impl KeyStore for RedisKeyStore {
             );
         }
         let hash = key.hash();
+        // The three keys live in different hash slots (on a cluster, on
+        // different nodes), so no transaction spans them. The indexes go first
+        // and the record that makes the key work last: a crash in between
+        // leaves an index to nothing (revoking it finds no key), never a
+        // working key that cannot be revoked by its id.
+        let indexes = [
+            redis::cmd("SET")
+                .arg(self.keys.api_key_id(&record.key_id))
+                .arg(hash.as_str())
+                .to_owned(),
+            redis::cmd("SADD")
+                .arg(self.keys.api_key_user(&record.user))
+                .arg(&record.key_id)
+                .to_owned(),
+        ];
+        call::gather::<()>(&self.pool, self.timeout, "apikey_index", &indexes).await?;
         let mut pipe = redis::pipe();
-        pipe.atomic()
-            .cmd("HSET")
+        pipe.cmd("HSET")
             .arg(self.keys.api_key(&hash))
             .arg("user")
             .arg(record.user.as_str())
@@ -104,14 +119,6 @@ impl KeyStore for RedisKeyStore {
             .arg(record.created_ms)
             .arg("revoked")
             .arg(if record.revoked { "1" } else { "0" })
-            .ignore()
-            .cmd("SET")
-            .arg(self.keys.api_key_id(&record.key_id))
-            .arg(hash.as_str())
-            .ignore()
-            .cmd("SADD")
-            .arg(self.keys.api_key_user(&record.user))
-            .arg(&record.key_id)
             .ignore();
         self.pipe::<()>("apikey_insert", &pipe).await
     }

@@ -1,5 +1,8 @@
-//! Connections to Redis: a deadpool pool of multiplexed connections with bounded
-//! waits, and the mapping of Redis failures to typed errors.
+//! Connections to Redis: a [`Pool`] for a standalone Redis (a deadpool pool of
+//! multiplexed connections with bounded waits) or for a Redis Cluster
+//! (`redis+cluster://host:port[,host:port...]`: redis-rs's cluster connection,
+//! with its own slot routing, MOVED/ASK retries and topology refresh), and the
+//! mapping of Redis failures to typed errors.
 //!
 //! The pool uses its own [`Manager`] rather than deadpool-redis's: that one sends
 //! UNWATCH + PING on every checkout, one extra round trip per budget call, which
@@ -20,7 +23,9 @@ use std::time::Duration;
 use deadpool::managed::{self, Metrics, Object, RecycleError, RecycleResult};
 use deadpool::Runtime;
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Client, ConnectionAddr, RedisError};
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncConnectionConfig, Client, ConnectionAddr, RedisError, Value};
 use tokio::task::JoinHandle;
 use tollgate_core::error::StoreError;
 
@@ -33,8 +38,69 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 /// A connection idle for longer than this is PINGed before it is handed out.
 pub const IDLE_PING: Duration = Duration::from_secs(30);
 
-/// A pool of multiplexed Redis connections.
-pub type Pool = managed::Pool<Manager>;
+/// A pool of multiplexed connections to a standalone Redis.
+pub type SinglePool = managed::Pool<Manager>;
+
+/// The connections of one process to its Redis deployment. Cheap to clone.
+#[derive(Clone)]
+pub enum Pool {
+    /// A standalone Redis.
+    Single(SinglePool),
+    /// A Redis Cluster: one multiplexed cluster connection (it keeps one
+    /// connection per node), shared by every call.
+    Cluster(Box<ClusterPool>),
+}
+
+/// The cluster side of a [`Pool`].
+#[derive(Clone)]
+pub struct ClusterPool {
+    client: ClusterClient,
+    conn: ClusterConnection,
+    /// One client per seed node, for the process's pub/sub subscriptions
+    /// (PUBLISH reaches every node of a cluster).
+    seeds: Vec<Client>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for ClusterPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterPool")
+            .field("seeds", &self.seeds.len())
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClusterPool {
+    /// The shared cluster connection.
+    pub fn connection(&self) -> ClusterConnection {
+        self.conn.clone()
+    }
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Single(p) => f.debug_tuple("Single").field(&p.status()).finish(),
+            Self::Cluster(c) => c.fmt(f),
+        }
+    }
+}
+
+impl Pool {
+    /// Clients to subscribe with: the standalone Redis, or each seed of a
+    /// cluster (tried in turn).
+    pub fn subscribe_clients(&self) -> Vec<Client> {
+        match self {
+            Self::Single(p) => vec![p.manager().client().clone()],
+            Self::Cluster(c) => c.seeds.clone(),
+        }
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Self::Cluster(_))
+    }
+}
 /// A connection checked out of the [`Pool`]; derefs to a `MultiplexedConnection`.
 pub type Connection = Object<Manager>;
 
@@ -92,19 +158,79 @@ impl Manager {
     }
 }
 
-/// A connection of its own for blocking commands (BLMOVE), to the pool's
-/// Redis: on a shared multiplexed connection a blocking command stalls every
-/// other command. No response timeout: the caller bounds each command.
-pub async fn blocking_connection(pool: &Pool) -> Result<MultiplexedConnection, StoreError> {
-    let manager = pool.manager();
-    let config = AsyncConnectionConfig::new()
-        .set_response_timeout(None)
-        .set_connection_timeout(Some(manager.timeout));
-    manager
-        .client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .map_err(store_error)
+/// A connection of its own for blocking commands (BLMOVE): on a shared
+/// multiplexed connection a blocking command stalls every other command. On a
+/// cluster it is a cluster connection of its own, so each command goes to the
+/// node that owns its key, re-resolved after a topology change.
+pub enum Blocking {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for Blocking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Single(_) => "Blocking::Single",
+            Self::Cluster(_) => "Blocking::Cluster",
+        })
+    }
+}
+
+impl redis::aio::ConnectionLike for Blocking {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Opens a [`Blocking`] connection to the pool's Redis. No response timeout:
+/// the caller bounds each command.
+pub async fn blocking_connection(pool: &Pool) -> Result<Blocking, StoreError> {
+    match pool {
+        Pool::Single(p) => {
+            let manager = p.manager();
+            let config = AsyncConnectionConfig::new()
+                .set_response_timeout(None)
+                .set_connection_timeout(Some(manager.timeout));
+            manager
+                .client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+                .map(Blocking::Single)
+                .map_err(store_error)
+        }
+        Pool::Cluster(c) => {
+            let config = ClusterConfig::new()
+                .set_connection_timeout(c.timeout)
+                .set_response_timeout(Duration::from_secs(24 * 3600));
+            c.client
+                .get_async_connection_with_config(config)
+                .await
+                .map(Blocking::Cluster)
+                .map_err(store_error)
+        }
+    }
 }
 
 impl managed::Manager for Manager {
@@ -230,20 +356,53 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// Builds a pool for `url` and checks that Redis answers a PING.
+/// The seed URLs of a `redis+cluster://[user:password@]host:port[,host:port...]`
+/// URL, as `redis://` URLs; `None` when `url` is not a cluster URL.
+pub fn cluster_seeds(url: &str) -> Option<Result<Vec<String>, String>> {
+    let rest = url.strip_prefix("redis+cluster://")?;
+    if url.starts_with("rediss+cluster://") {
+        return Some(Err("TLS (rediss+cluster://) is not supported yet".into()));
+    }
+    let (userinfo, hosts) = match rest.rsplit_once('@') {
+        Some((u, h)) => (format!("{u}@"), h),
+        None => (String::new(), rest),
+    };
+    let hosts = hosts.trim_end_matches('/');
+    let seeds: Vec<String> = hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("redis://{userinfo}{h}"))
+        .collect();
+    if seeds.is_empty() {
+        return Some(Err(
+            "expected redis+cluster://[user:password@]host:port[,host:port...]".into(),
+        ));
+    }
+    if let Some(bad) = seeds.iter().find(|s| redis::parse_redis_url(s).is_none()) {
+        return Some(Err(format!("bad seed {}", redact_url(bad))));
+    }
+    Some(Ok(seeds))
+}
+
+/// Builds a pool for `url` (a standalone Redis, or a cluster's seeds) and
+/// checks that Redis answers a PING.
 pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBackendError> {
     let shown = redact_url(url);
     let bad_url = |message: String| RedisBackendError::BadUrl {
         url: shown.clone(),
         message,
     };
+    if let Some(seeds) = cluster_seeds(url) {
+        let seeds = seeds.map_err(bad_url)?;
+        return connect_cluster(&shown, seeds, options).await;
+    }
     if redis::parse_redis_url(url).is_none() {
         return Err(bad_url(
             "expected redis://[:password@]host[:port][/db]".into(),
         ));
     }
     let client = Client::open(url).map_err(|e| bad_url(e.to_string()))?;
-    let pool = Pool::builder(Manager {
+    let pool = SinglePool::builder(Manager {
         client,
         timeout: options.timeout,
     })
@@ -261,7 +420,7 @@ pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBack
             .map_err(|e| e.to_string())
     };
     match tokio::time::timeout(options.timeout, ping).await {
-        Ok(Ok(_)) => Ok(pool),
+        Ok(Ok(_)) => Ok(Pool::Single(pool)),
         Ok(Err(message)) => Err(RedisBackendError::Unreachable {
             url: shown,
             message,
@@ -270,5 +429,48 @@ pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBack
             url: shown,
             message: format!("no answer within {:?}", options.timeout),
         }),
+    }
+}
+
+async fn connect_cluster(
+    shown: &str,
+    seeds: Vec<String>,
+    options: &PoolOptions,
+) -> Result<Pool, RedisBackendError> {
+    let bad_url = |message: String| RedisBackendError::BadUrl {
+        url: shown.to_owned(),
+        message,
+    };
+    let unreachable = |message: String| RedisBackendError::Unreachable {
+        url: shown.to_owned(),
+        message,
+    };
+    let clients = seeds
+        .iter()
+        .map(|s| Client::open(s.as_str()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad_url(e.to_string()))?;
+    let client = ClusterClientBuilder::new(seeds)
+        .connection_timeout(options.timeout)
+        .response_timeout(options.timeout)
+        .build()
+        .map_err(|e| bad_url(e.to_string()))?;
+    let connect = async {
+        let mut conn = client.get_async_connection().await?;
+        redis::cmd("PING").query_async::<String>(&mut conn).await?;
+        Ok::<_, RedisError>(conn)
+    };
+    match tokio::time::timeout(options.timeout, connect).await {
+        Ok(Ok(conn)) => Ok(Pool::Cluster(Box::new(ClusterPool {
+            client,
+            conn,
+            seeds: clients,
+            timeout: options.timeout,
+        }))),
+        Ok(Err(e)) => Err(unreachable(e.to_string())),
+        Err(_) => Err(unreachable(format!(
+            "no answer within {:?}",
+            options.timeout
+        ))),
     }
 }

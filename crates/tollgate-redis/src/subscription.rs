@@ -36,9 +36,11 @@ pub(crate) trait Listener: Send + Sync + 'static {
 }
 
 /// Keeps `listener` subscribed to `channel` until the returned sender is
-/// dropped or used; `reconnect_delay` between attempts.
+/// dropped or used; `reconnect_delay` between attempts, each on the next of
+/// `clients` (a standalone Redis, or the seeds of a cluster: a PUBLISH on any
+/// node of a cluster reaches subscribers on every node).
 pub(crate) fn spawn<L: Listener>(
-    client: redis::Client,
+    clients: Vec<redis::Client>,
     channel: String,
     listener: Arc<L>,
     reconnect_delay: Duration,
@@ -46,7 +48,7 @@ pub(crate) fn spawn<L: Listener>(
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
         tokio::select! {
-            () = subscribe(client, channel, listener, reconnect_delay) => {}
+            () = subscribe(clients, channel, listener, reconnect_delay) => {}
             _ = stopped => {}
         }
     });
@@ -54,13 +56,13 @@ pub(crate) fn spawn<L: Listener>(
 }
 
 async fn subscribe<L: Listener>(
-    client: redis::Client,
+    clients: Vec<redis::Client>,
     channel: String,
     listener: Arc<L>,
     reconnect_delay: Duration,
 ) {
     let name = listener.name();
-    loop {
+    for client in clients.iter().cycle() {
         match client.get_async_pubsub().await {
             Ok(mut pubsub) => match pubsub.subscribe(&channel).await {
                 Ok(()) => {

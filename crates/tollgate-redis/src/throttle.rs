@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::MultiplexedConnection;
+
 use redis::{FromRedisValue, ScriptInvocation};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
@@ -35,7 +35,7 @@ use tollgate_core::{
 
 use crate::call::{self, bad_reply};
 use crate::keys::{KeySpace, ThrottleKeys};
-use crate::pool::{blocking_connection, Pool, DEFAULT_TIMEOUT};
+use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, BucketArgs};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
@@ -315,7 +315,7 @@ impl RedisThrottle {
         let mut subscription = lock(&self.subscription);
         if subscription.is_none() {
             *subscription = Some(subscription::spawn(
-                self.shared.pool.manager().client().clone(),
+                self.shared.pool.subscribe_clients(),
                 self.shared.inbox.clone(),
                 Arc::clone(&self.shared),
                 self.options.reconnect_delay,
@@ -381,19 +381,24 @@ impl Throttle for RedisThrottle {
     /// waiting tickets and its throttlers' liveness. The bucket is refilled to
     /// now as the scripts would (lib/bucket.lua), without writing it.
     async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("TIME");
+        let mut cmds = vec![redis::cmd("TIME")];
         for name in self.providers.keys() {
             let keys = self.shared.keys.throttle(name);
-            pipe.cmd("HMGET").arg(&keys.bucket).arg("tokens").arg("at");
-            pipe.cmd("HLEN").arg(&keys.waiting);
-            pipe.cmd("HVALS").arg(&keys.throttlers);
+            cmds.push(
+                redis::cmd("HMGET")
+                    .arg(&keys.bucket)
+                    .arg("tokens")
+                    .arg("at")
+                    .to_owned(),
+            );
+            cmds.push(redis::cmd("HLEN").arg(&keys.waiting).to_owned());
+            cmds.push(redis::cmd("HVALS").arg(&keys.throttlers).to_owned());
         }
-        let reply: redis::Value = call::read(
+        let reply: redis::Value = call::gather(
             &self.shared.pool,
             self.options.call_timeout,
             "throttle_stats",
-            &pipe,
+            &cmds,
         )
         .await?;
         let items = match reply {
@@ -561,7 +566,7 @@ pub struct Dispatcher {
     ready_ttl: Duration,
     timeout: Duration,
     /// For BLMOVE; dropped after a failure, opened again on the next wait.
-    blocking: tokio::sync::Mutex<Option<MultiplexedConnection>>,
+    blocking: tokio::sync::Mutex<Option<Blocking>>,
 }
 
 impl Dispatcher {
