@@ -240,8 +240,8 @@ async fn pipe(client: TcpStream, server: TcpStream, shared: &Shared) {
         hit
     };
     let never = AtomicBool::new(false);
-    // The reply side closes the client's connection once the cut is made (or
-    // either side ends); the armed command itself is written to Redis in full.
+    // Once the armed request is read, replies are dropped; the request side
+    // ends after writing it to Redis in full. Either side's end ends both.
     tokio::select! {
         () = forward(client_rx, server_tx, shared, hit, &never) => {
             // Upstream ended (cut or closed): give Redis a moment to run what it
