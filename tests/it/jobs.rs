@@ -3,21 +3,25 @@
 //! are a few hundred ms). Plus what only Redis has: a submission that crashed
 //! between its steps, and malformed entries.
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 use tollgate_core::job::JobOptions;
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{
-        FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, SubmitOutcome,
+        FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, Lease,
+        Maintenance, SubmitOutcome,
     },
     job_memory::MemoryJobQueue,
     ledger::Ledger,
     memory::MemoryLedger,
 };
+use tollgate_providers::{Client, ProviderError};
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
@@ -836,6 +840,130 @@ async fn job_embedded_worker_runs_jobs_on_memory() {
         }
     }
     assert_eq!(s.used("kim").await, 100);
+    let _ = stop.send(());
+    role.await.unwrap().unwrap();
+}
+
+/// A job source whose store can be cut off: then every call fails as
+/// unavailable, as over connections cut while the worker was paused.
+#[derive(Debug)]
+struct Cuttable {
+    inner: Arc<dyn JobSource>,
+    cut: AtomicBool,
+}
+
+impl Cuttable {
+    fn reach(&self) -> Result<&dyn JobSource, JobError> {
+        if self.cut.load(Ordering::SeqCst) {
+            Err(tollgate_core::error::StoreError::unavailable("connection cut").into())
+        } else {
+            Ok(&*self.inner)
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl JobSource for Cuttable {
+    async fn take(
+        &self,
+        operation: &str,
+        worker: &str,
+        block: Duration,
+        lease: Duration,
+    ) -> Result<Option<Lease>, JobError> {
+        self.reach()?.take(operation, worker, block, lease).await
+    }
+    async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
+        self.reach()?.start(lease).await
+    }
+    async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError> {
+        self.reach()?.renew(lease, by).await
+    }
+    async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError> {
+        self.reach()?.complete(lease, result).await
+    }
+    async fn fail(
+        &self,
+        lease: &Lease,
+        cause: FailureCause,
+        message: &str,
+    ) -> Result<Finish, JobError> {
+        self.reach()?.fail(lease, cause, message).await
+    }
+    async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
+        self.reach()?.hand_back(lease).await
+    }
+    async fn maintain(&self, worker: &str, lease: Duration) -> Result<Maintenance, JobError> {
+        self.reach()?.maintain(worker, lease).await
+    }
+    async fn retire(&self, worker: &str) -> Result<(), JobError> {
+        self.reach()?.retire(worker).await
+    }
+}
+
+/// A provider whose calls wait at a gate that the test opens, counting those
+/// that went through.
+#[derive(Debug, Default)]
+struct Gated {
+    entered: tokio::sync::Notify,
+    open: tokio::sync::Notify,
+    calls: AtomicU32,
+}
+
+#[async_trait::async_trait]
+impl Client for Gated {
+    async fn call(&self, _job: &tollgate_core::job::Job) -> Result<Value, ProviderError> {
+        self.entered.notify_one();
+        self.open.notified().await;
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        Ok(json!({}))
+    }
+}
+
+/// A worker paused past its job's lease (SIGSTOP, a stalled VM), its store
+/// connections cut meanwhile, resumes with its provider call ready to go (a
+/// throttle grant that came during the pause). The lease lapsed: another
+/// worker may be running the job. The call is abandoned, not made. (Before:
+/// the run went on until a renewal said "lost", and a failed renewal says
+/// nothing, so the call went out: the job ran twice, at once with every other
+/// call the pause held back; the chaos suite saw the upstream's limit passed.)
+#[tokio::test(start_paused = true)]
+async fn job_a_worker_paused_past_its_lease_does_not_make_the_call() {
+    let s = Setup::memory();
+    let source = Arc::new(Cuttable {
+        inner: Arc::clone(&s.source),
+        cut: AtomicBool::new(false),
+    });
+    let provider = Arc::new(Gated::default());
+    let mut cfg = tollgate_worker::WorkerConfig::new(config());
+    cfg.lease = Duration::from_secs(3);
+    cfg.operations = vec!["work".into()];
+    let providers = BTreeMap::from([("p".to_owned(), Arc::clone(&provider) as Arc<dyn Client>)]);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let role = tokio::spawn(tollgate_worker::run(
+        cfg,
+        Arc::clone(&source) as Arc<dyn JobSource>,
+        providers,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    submit_ok(&s, "paused", "pia").await;
+    provider.entered.notified().await;
+    // The pause: connections cut, the call free to go, the clock a lease and
+    // more ahead, all before the worker runs again.
+    source.cut.store(true, Ordering::SeqCst);
+    provider.open.notify_one();
+    tokio::time::advance(Duration::from_secs(10)).await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        provider.calls.load(Ordering::SeqCst),
+        0,
+        "the call went out on a lapsed lease"
+    );
+    source.cut.store(false, Ordering::SeqCst);
     let _ = stop.send(());
     role.await.unwrap().unwrap();
 }

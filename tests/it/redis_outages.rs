@@ -1,6 +1,8 @@
 //! The api and the pool when Redis goes away and comes back: a restart under an
-//! idle pool (the first calls succeed, on fresh connections), and a Redis that
-//! is still loading its data (503 with Retry-After, never 500).
+//! idle pool (the first calls succeed, on fresh connections), a Redis that
+//! is still loading its data (503 with Retry-After, never 500), a partition
+//! (every connection cut, new ones refused) and a slow link, through
+//! [`FaultProxy`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,12 +11,18 @@ use axum::http::StatusCode;
 use serde_json::json;
 use tollgate_api::problem::ProblemType;
 use tollgate_core::id::{RequestId, UserId};
+use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::{random_prefix, RedisServer};
 
 use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};
 
 async fn harness(server: RedisServer) -> Harness {
-    let state = redis_state(&server.url(), &random_prefix(), settings()).await;
+    harness_via(&server.url(), server).await
+}
+
+/// The api reaches Redis at `url` (a proxy's); the worker side reaches it directly.
+async fn harness_via(url: &str, server: RedisServer) -> Harness {
+    let state = redis_state(url, &random_prefix(), settings()).await;
     let source = redis_source(&server.url(), &state).await;
     Harness {
         app: tollgate_api::router(state.clone()),
@@ -134,4 +142,80 @@ async fn a_loading_redis_is_503_with_retry_after() {
     let r = h.call("GET", "/readyz", None, &[], None).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(h.usage(&key).await["used"], 0);
+}
+
+/// A partition between the api and Redis: its connections cut, new ones
+/// refused. Calls fail as unavailable (503, never 500) while it lasts, and
+/// succeed again once it ends, on fresh connections, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_fail_as_unavailable_through_a_partition_and_succeed_after_it() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
+    let h = harness_via(&proxy.url(), server).await;
+    let key = h.user("alice", "free").await;
+    assert_eq!(h.usage(&key).await["used"], 0);
+
+    let open = proxy.cut_all(Duration::from_secs(3600));
+    assert!(open > 0, "the api's connections go through the proxy");
+    assert!(proxy.partitioned());
+    for _ in 0..3 {
+        let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+        r.problem(ProblemType::BackendUnavailable);
+        let r = h.call("GET", "/readyz", None, &[], None).await;
+        r.problem(ProblemType::BackendUnavailable);
+    }
+
+    proxy.clear();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = h.call("GET", "/readyz", None, &[], None).await;
+        if r.status == StatusCode::OK {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ready again: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(h.usage(&key).await["used"], 0);
+    let stats = proxy.stats();
+    assert_eq!(stats.unreachable, 0, "{stats:?}");
+}
+
+/// A slow link, each way well under the call timeout, changes no outcome:
+/// a call runs and is charged once, and replies to concurrent commands on one
+/// multiplexed connection each reach their own command (the proxy keeps order).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_link_changes_no_outcome() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
+    let h = harness_via(&proxy.url(), server).await;
+    let key = h.user("alice", "free").await;
+    proxy.set_latency(Duration::from_millis(150));
+    let worker = h.worker(0.0);
+    let r = h
+        .post("/v1/ops/llm.structured", &key, json!({"prompt": "slow"}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["status"], "succeeded");
+    assert_eq!(h.usage(&key).await["used"], 8);
+    worker.stop().await;
+
+    let client = redis::Client::open(proxy.url()).unwrap();
+    let conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut echoes = tokio::task::JoinSet::new();
+    for i in 0..50 {
+        let mut conn = conn.clone();
+        echoes.spawn(async move {
+            let back: String = redis::cmd("ECHO")
+                .arg(format!("echo-{i}"))
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            (i, back)
+        });
+    }
+    while let Some(done) = echoes.join_next().await {
+        let (i, back) = done.unwrap();
+        assert_eq!(back, format!("echo-{i}"));
+    }
+    assert_eq!(proxy.stats().cut, 0);
 }

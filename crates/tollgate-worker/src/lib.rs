@@ -3,7 +3,8 @@
 //! the provider, and records the result, or the failure with its refund.
 //!
 //! While a job runs its lease is renewed every third of the lease; a lost lease
-//! (the worker was paused and the job went to another) abandons the call, and
+//! (the worker was paused and the job went to another), or one this worker
+//! sees lapsed on waking from a pause, abandons the call, and
 //! the fencing token refuses anything this worker still tries to record.
 //! Periodically every worker runs the queue's maintenance (requeue expired
 //! leases, reclaim dead workers' jobs, abandon stale holds, finish refunds).
@@ -276,7 +277,17 @@ async fn run_job(
     let remaining = lease.time_left;
     let renew = async {
         loop {
-            tokio::time::sleep(cfg.lease / 3).await;
+            let asleep = tokio::time::Instant::now();
+            until(asleep + cfg.lease / 3).await;
+            // Woken a lease or more after it was last renewed: this process
+            // was paused past the lease (SIGSTOP, a stalled VM), and another
+            // worker may run the job now. No renewal has to say so (one over
+            // a connection cut meanwhile says nothing): the call must not go
+            // out, whatever became ready during the pause.
+            if asleep.elapsed() >= cfg.lease {
+                tracing::warn!("paused past the lease; the call is abandoned");
+                return;
+            }
             match source.renew(&lease, cfg.lease).await {
                 Ok(Finish::Recorded) => {}
                 Ok(Finish::LeaseLost) => return,
@@ -289,8 +300,11 @@ async fn run_job(
         tokio::time::sleep(cfg.shutdown_grace).await;
     };
     let ended = tokio::select! {
-        r = provider.call(job) => Ended::Called(r),
+        // The lease first: after a pause it must be seen lost before a call
+        // that became ready meanwhile goes out.
+        biased;
         () = renew => Ended::LeaseLost,
+        r = provider.call(job) => Ended::Called(r),
         () = tokio::time::sleep(remaining) => Ended::Expired,
         () = grace => Ended::Stopping,
     };
@@ -335,6 +349,21 @@ async fn run_job(
             "lease lost: another worker owns the job; nothing recorded, nothing refunded"
         );
     }
+}
+
+/// Sleeps until `at`, and ends on any poll from `at` on: after a pause, the
+/// task may be polled before its timer has fired.
+async fn until(at: tokio::time::Instant) {
+    use std::future::Future as _;
+    let mut timer = std::pin::pin!(tokio::time::sleep_until(at));
+    std::future::poll_fn(|cx| {
+        if tokio::time::Instant::now() >= at {
+            std::task::Poll::Ready(())
+        } else {
+            timer.as_mut().poll(cx)
+        }
+    })
+    .await;
 }
 
 /// How long a finishing call is retried while the store is unreachable.

@@ -2,7 +2,9 @@
 //! workers on one Redis with AOF, a recording upstream served from here) under
 //! a steady, bounded load while faults drawn from a seed hit it: kill -9 and
 //! restart of any role, SIGSTOP past a lease, killed Redis connections, a
-//! flushed script cache, Redis down and back from its AOF. Then the load stops,
+//! flushed script cache, Redis down and back from its AOF, and on the proxy
+//! through which every role reaches Redis: latency added each way, or every
+//! connection cut and new ones refused for a while. Then the load stops,
 //! the deployment drains, and the invariants are checked and printed with their
 //! figures; the run fails (naming its seed) if one does not hold.
 //!
@@ -23,7 +25,7 @@ use anyhow::{bail, Context};
 use reqwest::Client;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use tollgate_tests::throttle::max_excess;
+use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::upstream::{Limit, Upstream};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
@@ -160,9 +162,11 @@ enum Fault {
     KillNormalClients,
     ScriptFlush,
     RedisDown,
+    ProxyLatency,
+    ProxyDrop,
 }
 
-const FAULTS: [Fault; 9] = [
+const FAULTS: [Fault; 11] = [
     Fault::KillApi,
     Fault::KillThrottler,
     Fault::KillWorker,
@@ -172,19 +176,24 @@ const FAULTS: [Fault; 9] = [
     Fault::KillNormalClients,
     Fault::ScriptFlush,
     Fault::RedisDown,
+    Fault::ProxyLatency,
+    Fault::ProxyDrop,
 ];
 
-/// One fault of the schedule: when, what, on which process of its role, for how long.
+/// One fault of the schedule: when, what, on which process of its role, for
+/// how long, and the latency it adds (`ProxyLatency` only).
 #[derive(Debug, Clone)]
 struct Planned {
     at: Duration,
     fault: Fault,
     target: u64,
     length: Duration,
+    latency: Duration,
 }
 
-/// Every kind once in a seeded order, then seeded picks, 2.5 to 5.5 s apart,
-/// from 4 s into the load until 8 s before its end.
+/// Every kind once in a seeded order, 2.5 to 4.5 s apart (so that 60 s of load
+/// holds them all), then seeded picks 2.5 to 5.5 s apart, from 4 s into the
+/// load until 8 s before its end.
 fn schedule(seed: u64, seconds: u64) -> Vec<Planned> {
     let mut rng = Rng(seed);
     let mut kinds = FAULTS.to_vec();
@@ -202,16 +211,29 @@ fn schedule(seed: u64, seconds: u64) -> Vec<Planned> {
             Fault::RedisDown => rng.ms(5_000, 15_000),
             Fault::StopWorker => rng.ms(WORKER_LEASE_MS + 1_000, WORKER_LEASE_MS + 4_000),
             Fault::StopThrottler => rng.ms(THROTTLER_LEASE_MS + 1_000, THROTTLER_LEASE_MS + 4_000),
+            Fault::ProxyLatency => rng.ms(3_000, 10_000),
+            // How long new connections are refused after the cut.
+            Fault::ProxyDrop => rng.ms(500, 5_000),
             // How long a killed process stays down.
             _ => rng.ms(200, 2_000),
+        };
+        let latency = if fault == Fault::ProxyLatency {
+            rng.ms(50, 400)
+        } else {
+            Duration::ZERO
         };
         out.push(Planned {
             at,
             fault,
             target: rng.next(),
             length,
+            latency,
         });
-        at += rng.ms(2_500, 5_500);
+        at += if kinds.is_empty() {
+            rng.ms(2_500, 5_500)
+        } else {
+            rng.ms(2_500, 4_500)
+        };
     }
     out
 }
@@ -239,10 +261,15 @@ struct Proc {
 struct Deployment {
     dir: PathBuf,
     prefix: String,
+    /// Redis itself, for the suite's own commands and checks.
     redis_url: String,
     redis: Arc<Mutex<RedisServer>>,
     /// Held while Redis is down (and by faults that need it up).
     redis_busy: tokio::sync::Mutex<()>,
+    /// Between every role and Redis.
+    proxy: FaultProxy,
+    /// Held while the proxy adds latency (one latency at a time).
+    latency_busy: tokio::sync::Mutex<()>,
     procs: Vec<Proc>,
     /// Seconds each api took to answer /readyz after each Redis return.
     ready_after: Mutex<Vec<f64>>,
@@ -256,7 +283,7 @@ impl Deployment {
             .open(self.dir.join(format!("{}.log", p.name)))?;
         Command::new(workspace_bin("tollgate"))
             .args(&p.args)
-            .env("TOLLGATE_REDIS_URL", &self.redis_url)
+            .env("TOLLGATE_REDIS_URL", self.proxy.url())
             .env("TOLLGATE_KEY_PREFIX", &self.prefix)
             .env("TOLLGATE_CONFIG", self.dir.join("chaos.toml"))
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
@@ -365,17 +392,103 @@ struct FaultLog {
     lines: Vec<String>,
     /// (start, end) in µs of the faults that can come between a provider
     /// call and the record of its result (a worker killed or stopped, Redis
-    /// down, connections cut): a job run again after one of them is the
-    /// at-least-once delivery the design accepts, paid by its one charge.
+    /// down, connections cut, a slow link past a lease): a job run again after
+    /// one of them is the at-least-once delivery the design accepts, paid by
+    /// its one charge.
     interrupting: Vec<(u64, u64)>,
+    /// When each latency the suite added to the link ended (µs), and how much
+    /// it was: see [`worst_interval_net`].
+    latency_ends: Vec<(u64, Duration)>,
 }
 
 /// Whether `fault` can come between a call and the record of its result.
 fn interrupts_recording(fault: Fault) -> bool {
     matches!(
         fault,
-        Fault::KillWorker | Fault::StopWorker | Fault::RedisDown | Fault::KillNormalClients
+        Fault::KillWorker
+            | Fault::StopWorker
+            | Fault::RedisDown
+            | Fault::KillNormalClients
+            | Fault::ProxyLatency
+            | Fault::ProxyDrop
     )
+}
+
+/// Seconds each api takes to answer /readyz from now (Redis just came back, or
+/// the link to it), recorded for the check. While the suite partitions the
+/// link, Redis is not back for the roles: the clock starts again at its end.
+async fn time_readiness(d: &Deployment, http: &Client) -> Vec<f64> {
+    let mut back = Instant::now();
+    let mut readiness = Vec::new();
+    for p in d.of(Role::Api) {
+        // An api being killed right now is not the one to time.
+        let Ok(_busy) = p.busy.try_lock() else {
+            continue;
+        };
+        let Some(addr) = p.api else { continue };
+        let url = format!("http://{addr}/readyz");
+        let give_up = Instant::now() + Duration::from_secs(20);
+        let secs = loop {
+            if d.proxy.partitioned() {
+                back = Instant::now();
+            }
+            match http.get(&url).send().await {
+                Ok(r) if r.status().is_success() => break back.elapsed().as_secs_f64(),
+                _ if Instant::now() >= give_up => break f64::INFINITY,
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        };
+        readiness.push(secs);
+    }
+    if let Ok(mut r) = d.ready_after.lock() {
+        r.extend(&readiness);
+    }
+    readiness
+}
+
+/// The worst excess of calls at `times` (µs) over `burst + rate·t` in any
+/// interval, then the worst net of what a drop of the link's latency explains,
+/// with its interval's first and last call. When a latency `l` added by the
+/// suite ends, the grants already on their way arrive together with the next
+/// ones: up to `rate·l` more calls in an interval that meets
+/// `[end, end + l + 0.5 s]`. (The bucket is in Redis; its grants cross the link
+/// to the workers, and a drop of the link's delay compresses them.)
+fn worst_interval_net(
+    times: &[u64],
+    rate: f64,
+    burst: u64,
+    latency_ends: &[(u64, Duration)],
+) -> (f64, f64, u64, u64) {
+    let mut t = times.to_vec();
+    t.sort_unstable();
+    let explained = |a: u64, b: u64| {
+        latency_ends
+            .iter()
+            .filter(|&&(end, l)| b >= end && a <= end + l.as_micros() as u64 + 500_000)
+            .map(|&(_, l)| rate * l.as_secs_f64())
+            .fold(0.0, f64::max)
+    };
+    let (mut raw, mut net) = (0.0_f64, (0.0, 0, 0));
+    for i in 0..t.len() {
+        for j in i..t.len() {
+            let span = (t[j] - t[i]) as f64 / 1e6;
+            let excess = (j - i + 1) as f64 - (burst as f64 + rate * span);
+            raw = raw.max(excess);
+            let excess = if excess > 1.0 {
+                excess - explained(t[i], t[j])
+            } else {
+                excess
+            };
+            if excess > net.0 {
+                net = (excess, t[i], t[j]);
+            }
+        }
+    }
+    (raw, net.0, net.1, net.2)
+}
+
+fn rounded(secs: &[f64]) -> Vec<f64> {
+    secs.iter().map(|s| (s * 10.0).round() / 10.0).collect()
 }
 
 async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<FaultLog>>) {
@@ -403,6 +516,7 @@ async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<
             ));
         }
     };
+    let ms = plan.length.as_millis();
     if let Some(role) = role {
         let procs = d.of(role);
         let p = procs[(plan.target % procs.len() as u64) as usize];
@@ -412,7 +526,6 @@ async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<
         let Some(pid) = Deployment::pid(p) else {
             return note(false, format!("{}: not running", p.name));
         };
-        let ms = plan.length.as_millis();
         match plan.fault {
             Fault::StopThrottler | Fault::StopWorker => {
                 signal(pid, "-STOP");
@@ -430,6 +543,41 @@ async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<
             }
         }
         return;
+    }
+    match plan.fault {
+        Fault::ProxyLatency => {
+            // A second latency planned meanwhile lands when this one ends.
+            let _slow = d.latency_busy.lock().await;
+            d.proxy.set_latency(plan.latency);
+            tokio::time::sleep(plan.length).await;
+            d.proxy.set_latency(Duration::ZERO);
+            if let Ok(mut l) = log.lock() {
+                l.latency_ends
+                    .push((tollgate_tests::throttle::now_us(), plan.latency));
+            }
+            return note(
+                true,
+                format!("+{} ms each way for {ms} ms", plan.latency.as_millis()),
+            );
+        }
+        Fault::ProxyDrop => {
+            let open = d.proxy.cut_all(plan.length);
+            tokio::time::sleep(plan.length).await;
+            // The link's return is timed like Redis's, unless Redis is down
+            // (or another Redis fault runs) or a later cut still partitions.
+            let timed = match d.redis_busy.try_lock() {
+                Ok(_redis) if !d.proxy.partitioned() => {
+                    let secs = time_readiness(&d, &http).await;
+                    format!("/readyz green after {:?} s", rounded(&secs))
+                }
+                _ => "readiness not timed (Redis busy or still partitioned)".into(),
+            };
+            return note(
+                true,
+                format!("{open} connections cut, new ones refused for {ms} ms; {timed}"),
+            );
+        }
+        _ => {}
     }
     // A Redis fault planned while Redis is down lands as soon as it is back.
     let _redis = d.redis_busy.lock().await;
@@ -461,30 +609,11 @@ async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<
                 }
             })
             .await;
-            let back = Instant::now();
-            let mut readiness = Vec::new();
-            for p in d.of(Role::Api) {
-                // An api being killed right now is not the one to time.
-                let Ok(_busy) = p.busy.try_lock() else {
-                    continue;
-                };
-                let Some(addr) = p.api else { continue };
-                let url = format!("http://{addr}/readyz");
-                let ok = wait_status(&http, &url, Duration::from_secs(20)).await;
-                let secs = back.elapsed().as_secs_f64();
-                readiness.push(if ok.is_ok() { secs } else { f64::INFINITY });
-            }
-            if let Ok(mut r) = d.ready_after.lock() {
-                r.extend(&readiness);
-            }
+            let readiness = time_readiness(&d, &http).await;
             let what = match (stopped, resumed) {
                 (Ok(()), Ok(())) => format!(
-                    "down {} ms; /readyz green after {:?} s",
-                    plan.length.as_millis(),
-                    readiness
-                        .iter()
-                        .map(|s| (s * 10.0).round() / 10.0)
-                        .collect::<Vec<_>>()
+                    "down {ms} ms; /readyz green after {:?} s",
+                    rounded(&readiness)
                 ),
                 _ => "stop or resume panicked".into(),
             };
@@ -722,13 +851,14 @@ const SHOULD_BE_EMPTY: [&str; 9] = [
 ];
 
 /// Keys that are meant to live without a TTL: a user's plan, API keys, and
-/// the set through which dead workers' lists are found.
-const NO_TTL: [&str; 5] = [
+/// the sets through which dead workers' and throttlers' lists are found.
+const NO_TTL: [&str; 6] = [
     "{u}:plan",
     "apikey",
     "apikey-id",
     "apikey-user",
     "{q}:lists",
+    "{p}:lists",
 ];
 
 async fn used_memory(url: &str) -> anyhow::Result<u64> {
@@ -851,12 +981,15 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         args.push(WORKER_LEASE_MS.to_string());
         procs.push(proc(Role::Worker, format!("worker-{i}"), args, None));
     }
+    let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port()).into()).await;
     let d = Arc::new(Deployment {
         dir: dir.clone(),
         prefix: prefix.clone(),
         redis_url: redis_url.clone(),
         redis: Arc::new(Mutex::new(redis)),
         redis_busy: tokio::sync::Mutex::new(()),
+        proxy,
+        latency_busy: tokio::sync::Mutex::new(()),
         procs,
         ready_after: Mutex::default(),
     });
@@ -891,6 +1024,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let plan = schedule(seed, args.seconds);
     let log = Arc::new(Mutex::new(FaultLog::default()));
     let load_start = Instant::now();
+    let load_start_us = tollgate_tests::throttle::now_us();
     let load_end = load_start + Duration::from_secs(args.seconds);
     let give_up = load_end + DRAIN;
     let watchdog = tokio::spawn(watchdog(Arc::clone(&d), http.clone()));
@@ -1081,6 +1215,19 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     });
 
     let arrivals = upstream.arrivals();
+    // Every call the upstream saw, kept with the logs for a failure's diagnosis.
+    let mut calls_tsv = String::from("at_s\tpath\tjob\tstatus\n");
+    for a in &arrivals {
+        let _ = writeln!(
+            calls_tsv,
+            "{:.6}\t{}\t{}\t{}",
+            a.at_us.saturating_sub(load_start_us) as f64 / 1e6,
+            a.path,
+            a.job.as_deref().unwrap_or("-"),
+            a.status
+        );
+    }
+    let _ = std::fs::write(dir.join("upstream.tsv"), calls_tsv);
     let mut ok_by_job: HashMap<&str, Vec<u64>> = HashMap::new();
     for a in &arrivals {
         if a.status == 200 {
@@ -1089,9 +1236,9 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             }
         }
     }
-    let windows = log
+    let (windows, latency_ends) = log
         .lock()
-        .map(|l| l.interrupting.clone())
+        .map(|l| (l.interrupting.clone(), l.latency_ends.clone()))
         .unwrap_or_default();
     // A job that succeeded upstream more than once must have had its first
     // success interrupted before it was recorded: by a fault of that kind
@@ -1117,7 +1264,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         name: "no job ran twice to success upstream, except at-least-once re-runs after a fault",
         ok: unexplained.is_empty(),
         figure: format!(
-            "{} jobs succeeded upstream; {} more than once right after a worker kill/stop, Redis outage or cut connection (re-run after an unrecorded result, paid by one charge); {} otherwise{}",
+            "{} jobs succeeded upstream; {} more than once right after a worker kill/stop, Redis outage, cut connection or slow link (re-run after an unrecorded result, paid by one charge); {} otherwise{}",
             ok_by_job.len(),
             rerun.len(),
             unexplained.len(),
@@ -1129,6 +1276,12 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         ),
     });
     let rejected = arrivals.iter().filter(|a| a.status == 429).count();
+    let rejected_at: Vec<String> = arrivals
+        .iter()
+        .filter(|a| a.status == 429)
+        .take(5)
+        .map(|a| format!("{:.2}", a.at_us.saturating_sub(load_start_us) as f64 / 1e6))
+        .collect();
     let mut bound = Vec::new();
     let mut bound_ok = rejected == 0;
     for p in &PROVIDERS {
@@ -1137,22 +1290,44 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             .filter(|a| a.path == p.name)
             .map(|a| a.at_us)
             .collect();
-        let excess = if times.is_empty() {
-            0.0
-        } else {
-            max_excess(&times, p.rate, p.burst)
-        };
-        bound_ok &= excess <= 1.0;
+        let (raw, net, from, to) = worst_interval_net(&times, p.rate, p.burst, &latency_ends);
+        // No excuse for a latency drop: a grant delayed by a slow link looks
+        // late to its waiter and goes back (RedisThrottleOptions::late_grant);
+        // `net` only says how much of an excess a latency drop would explain.
+        bound_ok &= raw <= 1.0;
+        let into_load = |us: u64| us.saturating_sub(load_start_us) as f64 / 1e6;
         bound.push(format!(
-            "{}: {} calls, max excess {excess:.2}",
+            "{}: {} calls, max excess {raw:.2}{}{}",
             p.name,
-            times.len()
+            times.len(),
+            if raw > 1.0 {
+                format!(", {net:.2} net of latency drops")
+            } else {
+                String::new()
+            },
+            if raw > 1.0 {
+                format!(
+                    " ({:.2}–{:.2} s into the load)",
+                    into_load(from),
+                    into_load(to)
+                )
+            } else {
+                String::new()
+            }
         ));
     }
     checks.push(Check {
         name: "upstream: arrivals <= burst + rate*t + 1, no 429",
         ok: bound_ok,
-        figure: format!("{}; {rejected} answered 429", bound.join(", ")),
+        figure: format!(
+            "{}; {rejected} answered 429{}",
+            bound.join(", "),
+            if rejected > 0 {
+                format!(" (at {} s into the load)", rejected_at.join(", "))
+            } else {
+                String::new()
+            }
+        ),
     });
 
     let ready = d.ready_after.lock().map(|r| r.clone()).unwrap_or_default();
@@ -1186,7 +1361,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let now = redis_now_us(&redis_url).await?;
     let mut liveness = Vec::new();
     for o in &OPS {
-        // Worker liveness is in ms (job_heartbeat.lua), throttlers' in µs.
+        // Liveness is in ms, workers' and throttlers' (liveness_heartbeat.lua).
         let key = format!("{prefix}:v1:{{q:{}}}:workers", o.name);
         let n = live(&redis_url, &key, now / 1000).await?;
         if n < 3 {
@@ -1198,7 +1373,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         let n = live(
             &redis_url,
             &format!("{prefix}:v1:{{p:{}}}:throttlers", p.name),
-            now,
+            now / 1000,
         )
         .await?;
         if n < 2 {
@@ -1240,6 +1415,11 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     for l in &lines {
         println!("{l}");
     }
+    let p = d.proxy.stats();
+    println!(
+        "proxy: {} connections from the roles; {} cut, {} refused in partitions, {} closed with Redis unreachable",
+        p.accepted, p.cut, p.refused, p.unreachable
+    );
     let retried: u32 = made.iter().map(|c| c.retries).sum();
     println!(
         "calls: {} made ({} sync), answers 200 {} / 202 {} / 502 {} / 504 {} / other {}, \
