@@ -77,6 +77,11 @@ async fn run_script<T: FromRedisValue>(
     Ok(call::script(pool, timeout, op, &inv).await?)
 }
 
+/// The shortest age at which a grant counts as late, whatever the rate: below
+/// it, the delivery of a grant (a pub/sub message and a wake-up) is not
+/// reliably faster, and grants would be handed back for nothing.
+pub const MIN_LATE_GRANT: Duration = Duration::from_millis(2);
+
 /// Tunables of the waiter side.
 #[derive(Debug, Clone)]
 pub struct RedisThrottleOptions {
@@ -84,10 +89,14 @@ pub struct RedisThrottleOptions {
     pub call_timeout: Duration,
     /// Pause before re-subscribing after the subscription dropped.
     pub reconnect_delay: Duration,
-    /// A grant that reaches its waiter older than this (the process was
-    /// paused, or its subscription was down) is not used: its token goes back
-    /// to the bucket and the waiter queues again, so that grants made during
-    /// a pause never reach the upstream together.
+    /// A grant that reaches its waiter older than this, or than one token's
+    /// time at the provider's rate if that is shorter (but never less than
+    /// [`MIN_LATE_GRANT`]: the process was paused, its subscription or its
+    /// link was slow or down), is not used: its token goes back to the bucket
+    /// and the waiter queues again. Used within 1/rate of being made, grants
+    /// can bunch at the upstream by at most one call: it never sees more than
+    /// burst + rate·t + 1 (for rates up to 1/MIN_LATE_GRANT = 500/s; above it,
+    /// by at most rate · 2 ms of delivery jitter).
     pub late_grant: Duration,
 }
 
@@ -489,6 +498,10 @@ impl RedisThrottle {
         }
         ticket.armed = true;
         let keys = shared.keys.throttle(&p.name);
+        // The script runs after this instant: Redis's clock, estimated from
+        // here, is never behind (a slow link makes grants look older, never
+        // younger).
+        let sent_at = Instant::now();
         let queued: Vec<i64> = run_script(
             &shared.pool,
             self.options.call_timeout,
@@ -509,7 +522,6 @@ impl RedisThrottle {
             waited: started.elapsed(),
             granted_at_us,
         };
-        let queued_at = Instant::now();
         let redis_now_us = match queued[..] {
             [2, granted_at_us] => {
                 // Nobody was queued and the bucket had a token: taken at once.
@@ -530,12 +542,16 @@ impl RedisThrottle {
         };
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(granted_at_us)) => {
-                // Redis's clock now, as far as this process can tell: the
-                // enqueue's reply plus the time elapsed here since (a monotonic
-                // clock; the wall clock decides nothing).
-                let now_us = redis_now_us.saturating_add(micros(queued_at.elapsed()));
+                // Redis's clock now, at the latest: the enqueue's time plus
+                // what elapsed here since it was sent (a monotonic clock; the
+                // wall clock decides nothing).
+                let now_us = redis_now_us.saturating_add(micros(sent_at.elapsed()));
                 let age = Duration::from_micros(now_us.saturating_sub(granted_at_us));
-                if age > self.options.late_grant {
+                let late = self
+                    .options
+                    .late_grant
+                    .min(Duration::from_secs_f64(1.0 / p.rate).max(MIN_LATE_GRANT));
+                if age > late {
                     // Not used: the token goes back (once), the caller queues again.
                     if let Err(e) = ticket.cancel().await {
                         tracing::warn!(error = %e, "handing back a late grant failed");
