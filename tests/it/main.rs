@@ -12,6 +12,7 @@ mod auth_abuse;
 mod charging;
 mod charging_model;
 mod cli;
+mod cluster_failover;
 mod concurrency;
 mod jobs;
 mod jobs_processes;

@@ -14,6 +14,8 @@ use crate::redis_server::{free_port, RedisServer};
 #[derive(Debug)]
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
+    /// Ports of the nodes killed by [`RedisCluster::kill_node`].
+    down: Vec<u16>,
 }
 
 /// A port whose cluster bus port (`port + 10000`) is free too.
@@ -39,6 +41,13 @@ impl RedisCluster {
             "1000",
             "--cluster-require-full-coverage",
             "no",
+            // A replica takes over however long it was out of touch (the
+            // default refuses when node-timeout is this short).
+            "--cluster-replica-validity-factor",
+            "0",
+            // Replicas sync at once (the default waits 5 s for more of them).
+            "--repl-diskless-sync-delay",
+            "0",
         ];
         while nodes.len() < primaries * 2 {
             // A port taken between the check and the start: try another.
@@ -65,7 +74,10 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        let cluster = Self { nodes };
+        let cluster = Self {
+            nodes,
+            down: Vec::new(),
+        };
         cluster.wait_ok(Duration::from_secs(30));
         cluster
     }
@@ -81,17 +93,41 @@ impl RedisCluster {
         format!("redis+cluster://{}", seeds.join(","))
     }
 
-    /// Waits until every live node says `cluster_state:ok`, at most `within`.
+    /// Kills (SIGKILL) the node on `port`; it stays down.
+    pub fn kill_node(&mut self, port: u16) {
+        let node = self
+            .nodes
+            .iter_mut()
+            .find(|n| n.port() == port)
+            .unwrap_or_else(|| panic!("no node on port {port}"));
+        node.stop();
+        self.down.push(port);
+    }
+
+    /// Waits until every live node says `cluster_state:ok` and every live
+    /// replica's link to its primary is up, at most `within`.
     pub fn wait_ok(&self, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
-            let all_ok = self.nodes.iter().all(|n| {
-                Command::new("redis-cli")
-                    .args(["-p", &n.port().to_string(), "cluster", "info"])
-                    .output()
-                    .map(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok"))
-                    .unwrap_or(false)
-            });
+            let all_ok = self
+                .nodes
+                .iter()
+                .filter(|n| !self.down.contains(&n.port()))
+                .all(|n| {
+                    let ask = |args: &[&str]| {
+                        Command::new("redis-cli")
+                            .arg("-p")
+                            .arg(n.port().to_string())
+                            .args(args)
+                            .output()
+                            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                            .unwrap_or_default()
+                    };
+                    let replication = ask(&["info", "replication"]);
+                    ask(&["cluster", "info"]).contains("cluster_state:ok")
+                        && (replication.contains("role:master")
+                            || replication.contains("master_link_status:up"))
+                });
             if all_ok {
                 return;
             }
