@@ -9,6 +9,8 @@
 
 use std::fmt;
 
+use crate::clock::{Clock, SystemClock};
+
 /// A `traceparent` of version 00.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TraceParent {
@@ -26,12 +28,9 @@ fn random_hex<const N: usize>() -> String {
     // A failing system RNG leaves zeros: the ids are then invalid (all zero),
     // so fall back to the clock's bits rather than send an invalid header.
     if getrandom::fill(&mut bytes).is_err() || bytes.iter().all(|b| *b == 0) {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos())
-            .max(1);
+        let micros = SystemClock.now_us().max(1);
         for (i, b) in bytes.iter_mut().enumerate() {
-            *b = (nanos >> ((i % 16) * 8)) as u8 | 1;
+            *b = (micros >> ((i % 8) * 8)) as u8 | 1;
         }
     }
     hex(&bytes)
