@@ -734,8 +734,9 @@ async fn health_metrics_and_openapi(h: Harness) {
     let r = h.call("GET", "/metrics", None, &[], None).await;
     assert!(r.header("content-type").starts_with("text/plain"));
     let text = r.body.as_str().unwrap();
+    // A family shows once it has a series: the request above made one.
     assert!(
-        text.contains("# TYPE tollgate_reservations_total counter"),
+        text.contains("# TYPE tollgate_http_requests_total counter"),
         "{text}"
     );
     assert!(

@@ -74,9 +74,9 @@ use tollgate_core::{
 };
 use tower::{Layer, Service};
 
-use crate::metrics::Metrics;
 use crate::problem::ApiError;
 use crate::ratelimit::RateLimit;
+use tollgate_core::metrics::Metrics;
 
 /// The header a client sets to make a retry safe.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";

@@ -1,27 +1,126 @@
-//! Operations endpoints: `/healthz` (the process answers), `/readyz` (the
-//! backing store answers), `/metrics` (Prometheus text).
+//! Operations endpoints, for every role: `/healthz` (the process answers),
+//! `/readyz` (the store answers a PING and every loop of the process beats:
+//! see [`Loops`](tollgate_core::metrics::Loops)), `/metrics` (the process's one
+//! registry, the shared state read at scrape time). The api serves them on its
+//! own port; a worker or a throttler serves them alone on `--metrics-listen`
+//! ([`serve`]).
+
+use std::future::Future;
+use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
 use serde_json::json;
+use tollgate_core::backend::Backends;
+use tollgate_core::job::JobQueue;
+use tollgate_core::keystore::KeyStore;
+use tollgate_core::metrics::{Metrics, CONTENT_TYPE as METRICS_CONTENT_TYPE, STATS_TIMEOUT};
+use tollgate_core::throttle::Throttle;
 
 use crate::problem::ApiError;
 use crate::state::ApiState;
+
+/// What the probes read: the store (readiness), the process's metrics and
+/// loops, and the shared state behind the scrape-time gauges.
+#[derive(Clone, Debug)]
+pub struct Probes {
+    pub keys: Arc<dyn KeyStore>,
+    pub jobs: Arc<dyn JobQueue>,
+    pub throttle: Arc<dyn Throttle>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Probes {
+    pub fn new(backends: &Backends) -> Self {
+        Self {
+            keys: Arc::clone(&backends.keys),
+            jobs: Arc::clone(&backends.jobs),
+            throttle: Arc::clone(&backends.throttle),
+            metrics: Arc::clone(&backends.metrics),
+        }
+    }
+
+    /// Ready: the store answers and no loop of the process is overdue or ended.
+    pub async fn ready(&self) -> Result<(), ApiError> {
+        self.keys.ping().await?;
+        let problems = self.metrics.loops().problems();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ApiError::NotReady(problems.join("; ")))
+        }
+    }
+
+    /// The exposition, after reading the shared state (bounded by
+    /// [`STATS_TIMEOUT`]; what did not answer is left out and counted).
+    pub async fn render(&self) -> String {
+        let failed = self
+            .metrics
+            .refresh(self.jobs.as_ref(), self.throttle.as_ref(), STATS_TIMEOUT)
+            .await;
+        for error in failed {
+            tracing::warn!(%error, "metrics: shared state left out of this scrape");
+        }
+        self.metrics.render()
+    }
+}
 
 pub async fn healthz() -> Response {
     axum::Json(json!({"status": "ok"})).into_response()
 }
 
-pub async fn readyz(State(state): State<ApiState>) -> Result<Response, ApiError> {
-    state.keys.ping().await?;
+async fn ready(probes: &Probes) -> Result<Response, ApiError> {
+    probes.ready().await?;
     Ok(axum::Json(json!({"status": "ready"})).into_response())
 }
 
-pub async fn metrics(State(state): State<ApiState>) -> Response {
+async fn exposition(probes: &Probes) -> Response {
     (
-        [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        state.metrics.render(),
+        [(CONTENT_TYPE, METRICS_CONTENT_TYPE)],
+        probes.render().await,
     )
         .into_response()
+}
+
+pub async fn readyz(State(state): State<ApiState>) -> Result<Response, ApiError> {
+    ready(&state.probes()).await
+}
+
+pub async fn metrics(State(state): State<ApiState>) -> Response {
+    exposition(&state.probes()).await
+}
+
+/// `/healthz`, `/readyz` and `/metrics` alone: a worker's or a throttler's
+/// `--metrics-listen`.
+pub fn router(probes: Probes) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route(
+            "/readyz",
+            get(|State(p): State<Probes>| async move { ready(&p).await }),
+        )
+        .route(
+            "/metrics",
+            get(|State(p): State<Probes>| async move { exposition(&p).await }),
+        )
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .with_state(probes)
+}
+
+/// Serves [`router`] on `listener` until `shutdown` resolves.
+pub async fn serve(
+    probes: Probes,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "probes and metrics listening");
+    }
+    axum::serve(listener, router(probes))
+        .with_graceful_shutdown(shutdown)
+        .await
 }

@@ -8,10 +8,12 @@
 //! - [`auth`]: bearer API keys and the admin token;
 //! - [`cost`]: the [`Cost`](cost::Cost) layer, which prices a route where it is
 //!   declared and charges the caller's budget around the handler;
-//! - [`ops`], [`usage`], [`admin`], [`health`]: the handlers;
+//! - [`ops`], [`usage`], [`admin`]: the handlers;
+//! - [`health`]: `/healthz`, `/readyz`, `/metrics` (also served alone by a
+//!   worker's or throttler's `--metrics-listen`);
 //! - [`problem`]: every error as `application/problem+json`;
 //! - [`ratelimit`]: `RateLimit-Policy` / `RateLimit` / `Retry-After`;
-//! - [`metrics`], [`openapi`]: `/metrics` and `/openapi.json`.
+//! - [`openapi`]: `/openapi.json`.
 //!
 //! **Invariant:** the api role never calls a provider; it reserves, enqueues a
 //! job, and reads the job's outcome.
@@ -23,7 +25,6 @@ pub mod cost;
 pub mod extract;
 pub mod health;
 pub mod keycache;
-pub mod metrics;
 pub mod openapi;
 pub mod ops;
 pub mod problem;
@@ -181,9 +182,12 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             get(health::healthz),
         )
         .route(
-            Doc::get("/readyz", "The backing store answers")
-                .ok(200, "Ready.", Some(schema("Status")))
-                .errors(&[P::BackendUnavailable]),
+            Doc::get(
+                "/readyz",
+                "The backing store answers and every loop of the process is alive",
+            )
+            .ok(200, "Ready.", Some(schema("Status")))
+            .errors(&[P::BackendUnavailable, P::NotReady]),
             get(health::readyz),
         )
         .route(

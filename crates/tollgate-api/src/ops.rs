@@ -154,7 +154,9 @@ pub async fn run(
     let operation = priced.operation.clone();
     let trace = trace.map(|Extension(t)| t);
     let result = call(&state, priced, flags, trace, &headers, body).await;
-    state.metrics.latency(&operation, started.elapsed());
+    state
+        .metrics
+        .operation_latency(&operation, started.elapsed());
     result
 }
 

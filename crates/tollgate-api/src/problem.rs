@@ -80,11 +80,12 @@ pub enum ProblemType {
     JobExpired,
     JobAbandoned,
     BackendUnavailable,
+    NotReady,
     Internal,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 21] = [
+    pub const ALL: [ProblemType; 22] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -105,6 +106,7 @@ impl ProblemType {
         Self::JobExpired,
         Self::JobAbandoned,
         Self::BackendUnavailable,
+        Self::NotReady,
         Self::Internal,
     ];
 
@@ -130,6 +132,7 @@ impl ProblemType {
             Self::JobExpired => "job-expired",
             Self::JobAbandoned => "job-abandoned",
             Self::BackendUnavailable => "backend-unavailable",
+            Self::NotReady => "not-ready",
             Self::Internal => "internal",
         }
     }
@@ -158,7 +161,9 @@ impl ProblemType {
             Self::ResultExpired => StatusCode::GONE,
             Self::ProviderFailure => StatusCode::BAD_GATEWAY,
             Self::ThrottleTimeout | Self::JobExpired => StatusCode::GATEWAY_TIMEOUT,
-            Self::JobAbandoned | Self::BackendUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::JobAbandoned | Self::BackendUnavailable | Self::NotReady => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -193,6 +198,7 @@ impl ProblemType {
             Self::JobExpired => "The job missed its deadline; the budget was refunded",
             Self::JobAbandoned => "The job was given up; the budget was refunded",
             Self::BackendUnavailable => "The backing store is unavailable; retry shortly",
+            Self::NotReady => "A loop of this process is stuck or stopped (or it is shutting down)",
             Self::Internal => "Internal error",
         }
     }
@@ -268,6 +274,9 @@ pub enum ApiError {
     /// else 500; logged with its source, never described to the client.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// `/readyz`: a role's loop is overdue or ended (the loops, by name).
+    #[error("not ready: {0}")]
+    NotReady(String),
     /// Anything else: 500, logged, never described to the client.
     #[error("internal error: {0}")]
     Internal(String),
@@ -298,6 +307,7 @@ impl ApiError {
                 FailureCause::Abandoned => ProblemType::JobAbandoned,
             },
             Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
+            Self::NotReady(_) => ProblemType::NotReady,
             Self::Store(_) | Self::Internal(_) => ProblemType::Internal,
         }
     }

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use tollgate_core::{
     backend::Backends, config::Config, job::JobQueue, keystore::KeyStore, ledger::Ledger,
+    metrics::Metrics, throttle::Throttle,
 };
 
 use crate::cost::{Budget, InFlight};
-use crate::metrics::Metrics;
+use crate::health::Probes;
 
 /// Default largest request body, in bytes.
 pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024;
@@ -59,6 +60,9 @@ pub struct ApiState {
     pub ledger: Arc<dyn Ledger>,
     pub jobs: Arc<dyn JobQueue>,
     pub keys: Arc<dyn KeyStore>,
+    /// Read at scrape time for the throttle's gauges; the api never waits on it.
+    pub throttle: Arc<dyn Throttle>,
+    /// The process's registry (shared with the worker and throttler of `tollgate all`).
     pub metrics: Arc<Metrics>,
     pub settings: Settings,
     /// Metered requests still running (a submission, a plain charge and its
@@ -74,9 +78,20 @@ impl ApiState {
             ledger: Arc::clone(&backends.ledger),
             jobs: Arc::clone(&backends.jobs),
             keys: Arc::clone(&backends.keys),
-            metrics: Arc::new(Metrics::new()),
+            throttle: Arc::clone(&backends.throttle),
+            metrics: Arc::clone(&backends.metrics),
             settings,
             in_flight: InFlight::default(),
+        }
+    }
+
+    /// What `/readyz` and `/metrics` read.
+    pub fn probes(&self) -> Probes {
+        Probes {
+            keys: Arc::clone(&self.keys),
+            jobs: Arc::clone(&self.jobs),
+            throttle: Arc::clone(&self.throttle),
+            metrics: Arc::clone(&self.metrics),
         }
     }
 

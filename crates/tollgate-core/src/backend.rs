@@ -11,6 +11,7 @@ use crate::job_memory::MemoryJobQueue;
 use crate::keystore::{KeyStore, MemoryKeyStore};
 use crate::ledger::Ledger;
 use crate::memory::MemoryLedger;
+use crate::metrics::{MeteredLedger, Metrics};
 use crate::throttle::{Dispatchers, MemoryThrottle, Throttle};
 
 /// The stores of one process, each behind its trait.
@@ -32,16 +33,23 @@ pub struct Backends {
     pub dispatchers: Option<Arc<dyn Dispatchers>>,
     /// Where the state lives, for logs and banners (no secrets).
     pub described: String,
+    /// The process's one metrics registry (and its loops' heartbeats): every
+    /// role of the process records into it, `/metrics` renders it.
+    pub metrics: Arc<Metrics>,
 }
 
 impl Backends {
     /// Everything in this process's memory: the embedded mode (`tollgate all`
     /// without Redis) and tests. Nothing is shared with another process.
     pub fn memory(config: Arc<Config>) -> Self {
-        let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+        let metrics = Arc::new(Metrics::new(&config));
+        let ledger: Arc<dyn Ledger> = Arc::new(MeteredLedger::new(
+            Arc::new(MemoryLedger::new(Arc::clone(&config))),
+            Arc::clone(&metrics),
+        ));
         let queue = Arc::new(MemoryJobQueue::new(Arc::clone(&config), ledger.clone()));
         Self {
-            throttle: Arc::new(MemoryThrottle::new(&config)),
+            throttle: Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics))),
             config,
             ledger,
             jobs: queue.clone(),
@@ -49,6 +57,7 @@ impl Backends {
             keys: Arc::new(MemoryKeyStore::new()),
             dispatchers: None,
             described: "embedded: in-memory ledger, throttle and job queues".into(),
+            metrics,
         }
     }
 }

@@ -19,6 +19,7 @@ pub mod job_memory;
 pub mod keystore;
 pub mod ledger;
 pub mod memory;
+pub mod metrics;
 pub mod throttle;
 pub mod trace;
 

@@ -22,6 +22,7 @@ use crate::duration;
 use crate::error::StoreError;
 use crate::id::RequestId;
 use crate::lock;
+use crate::metrics::Metrics;
 
 /// A slot granted by the throttle: the caller may now make one provider call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,6 +177,8 @@ struct Bucket {
     state: Mutex<BucketState>,
     /// Wakes a sleeping driver when a token is handed back.
     handed_back: Notify,
+    /// Where handed-back tokens are counted.
+    metrics: Option<(Arc<Metrics>, String)>,
 }
 
 #[derive(Debug)]
@@ -187,7 +190,7 @@ struct BucketState {
 }
 
 impl Bucket {
-    fn new(p: &Provider) -> Self {
+    fn new(p: &Provider, metrics: Option<&Arc<Metrics>>) -> Self {
         Self {
             rate: p.rate,
             burst: p.burst as f64,
@@ -198,6 +201,7 @@ impl Bucket {
                 driving: false,
             }),
             handed_back: Notify::new(),
+            metrics: metrics.map(|m| (Arc::clone(m), p.name.clone())),
         }
     }
 
@@ -220,6 +224,9 @@ impl Bucket {
         st.tokens = (st.tokens + 1.0).min(self.burst);
         drop(st);
         self.handed_back.notify_one();
+        if let Some((metrics, provider)) = &self.metrics {
+            metrics.token_returned(provider, "cancelled");
+        }
     }
 
     /// Serves the queue until it is empty.
@@ -280,11 +287,24 @@ impl MemoryThrottle {
         Self::with_providers(config.providers())
     }
 
+    /// The same, counting in `metrics` the tokens handed back by callers
+    /// that gave up.
+    pub fn metered(config: &Config, metrics: Arc<Metrics>) -> Self {
+        Self::build(config.providers(), Some(&metrics))
+    }
+
     pub fn with_providers<'a>(providers: impl IntoIterator<Item = &'a Provider>) -> Self {
+        Self::build(providers, None)
+    }
+
+    fn build<'a>(
+        providers: impl IntoIterator<Item = &'a Provider>,
+        metrics: Option<&Arc<Metrics>>,
+    ) -> Self {
         Self {
             buckets: providers
                 .into_iter()
-                .map(|p| (p.name.clone(), Arc::new(Bucket::new(p))))
+                .map(|p| (p.name.clone(), Arc::new(Bucket::new(p, metrics))))
                 .collect(),
         }
     }

@@ -36,14 +36,19 @@ use crate::throttle::{RedisDispatchers, RedisThrottle, RedisThrottleOptions};
 use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
 use tollgate_core::job::JobOptions;
+use tollgate_core::metrics::{MeteredLedger, Metrics};
 
 /// Every backend on one Redis: the pool the caller connected, the key space of
 /// one deployment. `described` names the Redis (without its password).
 pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: String) -> Backends {
-    let ledger: Arc<dyn tollgate_core::ledger::Ledger> = Arc::new(RedisLedger::new(
-        pool.clone(),
-        keys.clone(),
-        Arc::clone(&config),
+    let metrics = Arc::new(Metrics::new(&config));
+    let ledger: Arc<dyn tollgate_core::ledger::Ledger> = Arc::new(MeteredLedger::new(
+        Arc::new(RedisLedger::new(
+            pool.clone(),
+            keys.clone(),
+            Arc::clone(&config),
+        )),
+        Arc::clone(&metrics),
     ));
     let queue = Arc::new(RedisJobQueue::new(
         pool.clone(),
@@ -57,7 +62,10 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
             pool.clone(),
             keys.clone(),
             &config,
-            RedisThrottleOptions::default(),
+            RedisThrottleOptions {
+                metrics: Some(Arc::clone(&metrics)),
+                ..RedisThrottleOptions::default()
+            },
         )),
         keys: Arc::new(RedisKeyStore::new(pool.clone(), keys.clone())),
         dispatchers: Some(Arc::new(RedisDispatchers { pool, keys })),
@@ -66,5 +74,6 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         jobs: queue.clone(),
         source: queue,
         described,
+        metrics,
     }
 }

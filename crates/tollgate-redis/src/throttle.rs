@@ -39,6 +39,7 @@ use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, BucketArgs};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
+use tollgate_core::metrics::Metrics;
 
 /// The least time a readiness record outlives its grant. A provider's records
 /// live at least its `max_wait` (plus [`READY_MARGIN`]): a waiter still waiting
@@ -98,6 +99,9 @@ pub struct RedisThrottleOptions {
     /// burst + rate·t + 1 (for rates up to 1/MIN_LATE_GRANT = 500/s; above it,
     /// by at most rate · 2 ms of delivery jitter).
     pub late_grant: Duration,
+    /// Where tokens handed back to a bucket are counted
+    /// (`tollgate_throttle_tokens_returned_total`).
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl Default for RedisThrottleOptions {
@@ -106,6 +110,7 @@ impl Default for RedisThrottleOptions {
             call_timeout: DEFAULT_TIMEOUT,
             reconnect_delay: Duration::from_millis(100),
             late_grant: Duration::from_secs(1),
+            metrics: None,
         }
     }
 }
@@ -153,6 +158,7 @@ struct Shared {
     /// them finish before a process exits (a runtime that stops first would
     /// drop them, leaving their tickets queued until their deadline).
     cancels: Mutex<tokio::task::JoinSet<()>>,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl Shared {
@@ -232,7 +238,8 @@ struct Ticket<'a> {
 }
 
 impl Ticket<'_> {
-    async fn cancel(&mut self) -> Result<i64, ThrottleError> {
+    /// `why`: `late` (a grant too old to use) or `cancelled` (the waiter gave up).
+    async fn cancel(&mut self, why: &'static str) -> Result<i64, ThrottleError> {
         self.armed = false;
         lock(&self.throttle.shared.pending).remove(&self.id);
         cancel(
@@ -240,6 +247,7 @@ impl Ticket<'_> {
             self.provider,
             &self.id,
             self.throttle.options.call_timeout,
+            why,
         )
         .await
     }
@@ -250,6 +258,7 @@ async fn cancel(
     provider: &Provider,
     ticket: &str,
     timeout: Duration,
+    why: &'static str,
 ) -> Result<i64, ThrottleError> {
     let keys = shared.keys.throttle(&provider.name);
     let r = run_script(
@@ -260,7 +269,10 @@ async fn cancel(
     )
     .await;
     if let Ok(2) = r {
-        tracing::debug!(provider = %provider.name, ticket, "late grant handed back");
+        tracing::debug!(provider = %provider.name, ticket, why, "granted token handed back");
+        if let Some(m) = &shared.metrics {
+            m.token_returned(&provider.name, why);
+        }
     }
     r
 }
@@ -279,7 +291,7 @@ impl Drop for Ticket<'_> {
         let ticket = std::mem::take(&mut self.id);
         let timeout = self.throttle.options.call_timeout;
         let task = async move {
-            if let Err(e) = cancel(&shared, &provider, &ticket, timeout).await {
+            if let Err(e) = cancel(&shared, &provider, &ticket, timeout, "cancelled").await {
                 tracing::warn!(error = %e, ticket, "cancelling a dropped wait failed");
             }
         };
@@ -308,6 +320,7 @@ impl RedisThrottle {
             subscribed,
             call_timeout: options.call_timeout,
             cancels: Mutex::default(),
+            metrics: options.metrics.clone(),
         });
         Self {
             shared,
@@ -553,7 +566,7 @@ impl RedisThrottle {
                     .min(Duration::from_secs_f64(1.0 / p.rate).max(MIN_LATE_GRANT));
                 if age > late {
                     // Not used: the token goes back (once), the caller queues again.
-                    if let Err(e) = ticket.cancel().await {
+                    if let Err(e) = ticket.cancel("late").await {
                         tracing::warn!(error = %e, "handing back a late grant failed");
                     }
                     return Ok(Attempt::Late { age });
@@ -563,7 +576,7 @@ impl RedisThrottle {
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
             Err(_) => {
-                if let Err(e) = ticket.cancel().await {
+                if let Err(e) = ticket.cancel("cancelled").await {
                     tracing::warn!(error = %e, "cancelling a timed-out wait failed");
                 }
                 Err(timeout())
