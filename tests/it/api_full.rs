@@ -93,8 +93,9 @@ async fn full_path_answers_results_and_refunds_provider_failures() {
         &config,
         Default::default(),
     ));
-    let providers = tollgate_providers::from_config(&config, throttle).unwrap();
     let mut worker_cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
+    let providers =
+        tollgate_providers::from_config(&config, throttle, &worker_cfg.metrics).unwrap();
     worker_cfg.shutdown_grace = Duration::from_millis(200);
     let mut s = stop.clone();
     let worker = tokio::spawn(tollgate_worker::run(

@@ -759,7 +759,8 @@ path = "/v1/work"
     let config = Config::parse(&text, "http test").unwrap();
     let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
         Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
-    let providers = tollgate_providers::from_config(&config, throttle).unwrap();
+    let metrics = Arc::new(tollgate_core::metrics::Metrics::new(&config));
+    let providers = tollgate_providers::from_config(&config, throttle, &metrics).unwrap();
     let p = &providers["p"];
     let job = |id: &str| tollgate_core::job::Job {
         id: rid(id),
@@ -793,6 +794,19 @@ path = "/v1/work"
         .await
         .unwrap();
     assert_eq!((stats.requests, stats.ok, stats.rate_limited), (3, 2, 1));
+    // The client saw the same: one 429, retried, three attempts, three slots.
+    let text = metrics.render();
+    for line in [
+        "tollgate_upstream_errors_total{provider=\"p\",class=\"429\"} 1",
+        "tollgate_upstream_errors_total{provider=\"p\",class=\"5xx\"} 0",
+        "tollgate_provider_retries_total{provider=\"p\"} 1",
+        "tollgate_provider_call_duration_seconds_count{provider=\"p\",outcome=\"ok\"} 2",
+        "tollgate_provider_call_duration_seconds_count{provider=\"p\",outcome=\"429\"} 1",
+        "tollgate_throttle_acquires_total{provider=\"p\",outcome=\"granted\"} 3",
+        "tollgate_throttle_wait_seconds_count{provider=\"p\"} 3",
+    ] {
+        assert!(text.contains(line), "{line}\n{text}");
+    }
     server.abort();
 }
 
@@ -804,8 +818,8 @@ async fn job_embedded_worker_runs_jobs_on_memory() {
     let config = config();
     let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
         Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
-    let providers = tollgate_providers::from_config(&config, throttle).unwrap();
     let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
+    let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics).unwrap();
     cfg.concurrency = 4;
     cfg.block = Duration::from_millis(100);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -94,7 +94,11 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Ok(b) => b,
         Err(f) => return f.exit(),
     };
-    let providers = match tollgate_providers::from_config(&config, Arc::clone(&backends.throttle)) {
+    let providers = match tollgate_providers::from_config(
+        &config,
+        Arc::clone(&backends.throttle),
+        &backends.metrics,
+    ) {
         Ok(p) => p,
         Err(e) => return fail(exit::BAD_INPUT, e),
     };
@@ -145,7 +149,10 @@ pub async fn run(args: AllArgs) -> ExitCode {
         let _ = rx.wait_for(|s| *s).await;
     };
 
+    // One registry for the whole process: the api's /metrics shows every role,
+    // and its /readyz every role's loops.
     let mut worker_cfg = WorkerConfig::new(Arc::clone(&config));
+    worker_cfg.metrics = Arc::clone(&backends.metrics);
     worker_cfg.concurrency = args.concurrency.max(1);
     let worker = tokio::spawn(tollgate_worker::run(
         worker_cfg,
@@ -155,8 +162,10 @@ pub async fn run(args: AllArgs) -> ExitCode {
     ));
     // A throttle that does not grant by itself (Redis) gets its throttler here.
     let throttler = backends.dispatchers.clone().map(|dispatchers| {
+        let mut cfg = ThrottlerConfig::new(Arc::clone(&config));
+        cfg.metrics = Arc::clone(&backends.metrics);
         tokio::spawn(tollgate_throttler::run(
-            ThrottlerConfig::new(Arc::clone(&config)),
+            cfg,
             dispatchers,
             stopped(stop_rx.clone()),
         ))

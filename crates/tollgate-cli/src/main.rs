@@ -6,6 +6,7 @@ mod api;
 mod budget;
 mod logging;
 mod mock_provider;
+mod probes;
 mod process;
 mod store;
 mod throttler;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Args;
 use tollgate_throttler::ThrottlerConfig;
 
+use crate::probes::{self, ProbeArgs};
 use crate::process::{exit, fail, shutdown_signal};
 use crate::store::{Failure, StoreArgs, Wait};
 
@@ -15,6 +16,9 @@ use crate::store::{Failure, StoreArgs, Wait};
 pub struct ThrottlerArgs {
     #[command(flatten)]
     store: StoreArgs,
+
+    #[command(flatten)]
+    probes: ProbeArgs,
 
     /// Most grants per script call.
     #[arg(long, env = "TOLLGATE_THROTTLER_BATCH", default_value_t = 64)]
@@ -40,6 +44,10 @@ pub async fn run(args: ThrottlerArgs) -> ExitCode {
     if args.batch == 0 || args.liveness_ms < 300 {
         return Failure::bad_input("--batch must be >= 1 and --liveness-ms >= 300").exit();
     }
+    let listener = match args.probes.bind().await {
+        Ok(l) => l,
+        Err(f) => return f.exit(),
+    };
     let backends = match args
         .store
         .shared(
@@ -53,14 +61,20 @@ pub async fn run(args: ThrottlerArgs) -> ExitCode {
         Ok(b) => b,
         Err(f) => return f.exit(),
     };
-    let Some(dispatchers) = backends.dispatchers else {
+    let Some(dispatchers) = backends.dispatchers.clone() else {
         return Failure::bad_input("this store's throttle needs no throttler").exit();
     };
     tracing::info!(store = %backends.described, "throttler starting");
     let mut cfg = ThrottlerConfig::new(config);
+    cfg.metrics = Arc::clone(&backends.metrics);
     cfg.batch = args.batch;
     cfg.liveness = Duration::from_millis(args.liveness_ms);
-    match tollgate_throttler::run(cfg, dispatchers, shutdown_signal()).await {
+    let probes = listener.map(|l| probes::spawn(l, &backends));
+    let ran = tollgate_throttler::run(cfg, dispatchers, shutdown_signal()).await;
+    if let Some(p) = probes {
+        p.stop().await;
+    }
+    match ran {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(exit::BAD_INPUT, e),
     }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Args;
 use tollgate_worker::WorkerConfig;
 
+use crate::probes::{self, ProbeArgs};
 use crate::process::{exit, fail, shutdown_signal};
 use crate::store::{Failure, StoreArgs, Wait};
 
@@ -15,6 +16,9 @@ use crate::store::{Failure, StoreArgs, Wait};
 pub struct WorkerArgs {
     #[command(flatten)]
     store: StoreArgs,
+
+    #[command(flatten)]
+    probes: ProbeArgs,
 
     /// Jobs run at once, across operations.
     #[arg(long, env = "TOLLGATE_WORKER_CONCURRENCY", default_value_t = 32)]
@@ -42,6 +46,10 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     if args.lease_ms < 300 {
         return Failure::bad_input("--lease-ms must be >= 300").exit();
     }
+    let listener = match args.probes.bind().await {
+        Ok(l) => l,
+        Err(f) => return f.exit(),
+    };
     let backends = match args
         .store
         .shared(
@@ -56,11 +64,16 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
         Err(f) => return f.exit(),
     };
     tracing::info!(store = %backends.described, "worker starting");
-    let providers = match tollgate_providers::from_config(&config, Arc::clone(&backends.throttle)) {
+    let providers = match tollgate_providers::from_config(
+        &config,
+        Arc::clone(&backends.throttle),
+        &backends.metrics,
+    ) {
         Ok(p) => p,
         Err(e) => return fail(exit::BAD_INPUT, e),
     };
     let mut cfg = WorkerConfig::new(Arc::clone(&config));
+    cfg.metrics = Arc::clone(&backends.metrics);
     cfg.concurrency = args.concurrency;
     cfg.lease = Duration::from_millis(args.lease_ms);
     cfg.liveness = (cfg.lease / 2).max(Duration::from_millis(300));
@@ -69,6 +82,7 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     if !args.operations.is_empty() {
         cfg.operations = args.operations;
     }
+    let probes = listener.map(|l| probes::spawn(l, &backends));
     let ran = tollgate_worker::run(
         cfg,
         Arc::clone(&backends.source),
@@ -84,6 +98,9 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
             left,
             "throttle tickets not cancelled at exit; they expire at their deadline"
         );
+    }
+    if let Some(p) = probes {
+        p.stop().await;
     }
     match ran {
         Ok(()) => ExitCode::SUCCESS,

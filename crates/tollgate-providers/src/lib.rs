@@ -7,6 +7,10 @@
 //!   (+ the operation's `path`) with reqwest; 429 and 5xx are retried after the
 //!   upstream's `Retry-After` (or an exponential backoff).
 //! - [`mock::BuiltinMock`]: answers in-process; used for providers without `url`.
+//!
+//! Every wait for a slot and every attempt is observed in the process's
+//! [`Metrics`]: the wait (granted, timed out, cancelled), each attempt's time
+//! and outcome, the upstream's 429s and 5xx, the retries.
 
 pub mod http;
 pub mod mock;
@@ -18,9 +22,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde_json::Value;
+use tokio::time::Instant;
 use tollgate_core::{
     config::Config,
     job::Job,
+    metrics::{CallOutcome, Metrics},
     throttle::{Throttle, ThrottleError},
 };
 
@@ -123,6 +129,7 @@ pub struct ThrottledClient<C> {
     provider: tollgate_core::config::Provider,
     retry: Retry,
     client: C,
+    metrics: Arc<Metrics>,
 }
 
 impl<C: Transport> ThrottledClient<C> {
@@ -131,13 +138,56 @@ impl<C: Transport> ThrottledClient<C> {
         provider: tollgate_core::config::Provider,
         retry: Retry,
         client: C,
+        metrics: Arc<Metrics>,
     ) -> Self {
         Self {
             throttle,
             provider,
             retry,
             client,
+            metrics,
         }
+    }
+
+    /// Waits for a slot, observing the wait (a dropped future counts as cancelled).
+    async fn slot(&self, job: &Job) -> Result<(), ThrottleError> {
+        let wait = self.metrics.acquiring(&self.provider.name);
+        match self
+            .throttle
+            .acquire(&self.provider.name, &job.id, self.provider.max_wait)
+            .await
+        {
+            Ok(_) => {
+                wait.granted();
+                Ok(())
+            }
+            Err(e @ ThrottleError::Timeout { .. }) => {
+                wait.timed_out();
+                Err(e)
+            }
+            Err(e) => {
+                wait.failed();
+                Err(e)
+            }
+        }
+    }
+
+    /// One attempt, observed: its time and how it ended.
+    async fn try_once(&self, job: &Job) -> Result<Value, AttemptError> {
+        let started = Instant::now();
+        let r = self.client.attempt(job).await;
+        let outcome = match &r {
+            Ok(_) => CallOutcome::Ok,
+            Err(AttemptError::Retryable { status, .. }) => CallOutcome::of_status(*status),
+            Err(AttemptError::Fatal {
+                status: Some(200) | None,
+                ..
+            }) => CallOutcome::BadResponse,
+            Err(AttemptError::Fatal { status, .. }) => CallOutcome::of_status(*status),
+        };
+        self.metrics
+            .provider_call(&self.provider.name, outcome, started.elapsed());
+        r
     }
 }
 
@@ -149,10 +199,8 @@ impl<C: Transport> Client for ThrottledClient<C> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            self.throttle
-                .acquire(name, &job.id, self.provider.max_wait)
-                .await?;
-            let err = match self.client.attempt(job).await {
+            self.slot(job).await?;
+            let err = match self.try_once(job).await {
                 Ok(v) => return Ok(v),
                 Err(e) => e,
             };
@@ -179,6 +227,7 @@ impl<C: Transport> Client for ThrottledClient<C> {
                     }
                     let wait = retry_after.unwrap_or(backoff).min(self.retry.max_backoff);
                     tracing::debug!(provider = %name, request_id = %job.id, ?status, ?wait, "retrying");
+                    self.metrics.retry(name);
                     tokio::time::sleep(wait).await;
                     backoff = (backoff * 2).min(self.retry.max_backoff);
                 }
@@ -211,10 +260,11 @@ pub enum SetupError {
 }
 
 /// One throttled [`Client`] per configured provider: HTTP where the config
-/// gives a `url`, the built-in mock otherwise.
+/// gives a `url`, the built-in mock otherwise; each observed in `metrics`.
 pub fn from_config(
     config: &Config,
     throttle: Arc<dyn Throttle>,
+    metrics: &Arc<Metrics>,
 ) -> Result<BTreeMap<String, Arc<dyn Client>>, SetupError> {
     let mut out: BTreeMap<String, Arc<dyn Client>> = BTreeMap::new();
     for p in config.providers() {
@@ -230,6 +280,7 @@ pub fn from_config(
                     p.clone(),
                     retry,
                     client,
+                    Arc::clone(metrics),
                 ))
             }
             None => Arc::new(ThrottledClient::new(
@@ -237,6 +288,7 @@ pub fn from_config(
                 p.clone(),
                 Retry::default(),
                 mock::BuiltinMock,
+                Arc::clone(metrics),
             )),
         };
         out.insert(p.name.clone(), provider);

@@ -8,6 +8,11 @@
 //! token is taken, so the rate stays global. Each throttler renews its liveness
 //! per provider; the tickets of one whose liveness lapses (kill -9) are moved back
 //! to the queue by the others. **Invariant:** the throttler holds no per-user state.
+//!
+//! Observed in [`ThrottlerConfig::metrics`]: grants and skipped tickets per
+//! provider (from each [`Dispatch::pump`]), tickets reclaimed from dead
+//! throttlers; each serve loop and the heartbeat loop beat a heartbeat
+//! (`/readyz` reports a silent one).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +21,7 @@ use tokio::sync::watch;
 use tollgate_core::{
     config::{Config, Provider},
     id::RequestId,
+    metrics::{Heartbeat, Metrics},
     throttle::{Dispatch, Dispatchers},
 };
 use tracing::Instrument;
@@ -31,11 +37,15 @@ pub struct ThrottlerConfig {
     pub liveness: Duration,
     /// How long one BLMOVE blocks before the loop looks at shutdown again.
     pub block: Duration,
+    /// Where the throttler's metrics and loop heartbeats go: the process's
+    /// registry (`Backends::metrics`); a private one by default.
+    pub metrics: Arc<Metrics>,
 }
 
 impl ThrottlerConfig {
     pub fn new(config: Arc<Config>) -> Self {
         Self {
+            metrics: Arc::new(Metrics::new(&config)),
             config,
             batch: 64,
             liveness: Duration::from_secs(3),
@@ -75,10 +85,32 @@ pub async fn run(
             tracing::warn!(error = %e, "first heartbeat failed; retrying in the loop");
         }
     }
-    tasks.spawn(heartbeats(dispatchers.clone(), cfg.liveness, stop.clone()));
+    let loops = cfg.metrics.loops();
+    let named: Vec<(String, Arc<dyn Dispatch>)> = providers
+        .iter()
+        .map(|p| p.name.clone())
+        .zip(dispatchers.iter().cloned())
+        .collect();
+    tasks.spawn(heartbeats(
+        named,
+        cfg.liveness,
+        Arc::clone(&cfg.metrics),
+        loops.register("throttler heartbeat", cfg.liveness / 3),
+        stop.clone(),
+    ));
     for (d, p) in dispatchers.iter().zip(&providers) {
         let span = tracing::info_span!("serve", provider = %p.name);
-        tasks.spawn(serve(Arc::clone(d), cfg.clone(), stop.clone()).instrument(span));
+        let heartbeat = loops.register(format!("throttler serve {}", p.name), cfg.block);
+        tasks.spawn(
+            serve(
+                Arc::clone(d),
+                p.name.clone(),
+                cfg.clone(),
+                heartbeat,
+                stop.clone(),
+            )
+            .instrument(span),
+        );
     }
     shutdown.await;
     tracing::info!("throttler stopping");
@@ -99,15 +131,26 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 
 /// One provider: pump while there is work, sleep exactly until the next token
 /// when the bucket is dry, block on the queue when it is empty.
-async fn serve(d: Arc<dyn Dispatch>, cfg: ThrottlerConfig, mut stop: watch::Receiver<bool>) {
+async fn serve(
+    d: Arc<dyn Dispatch>,
+    provider: String,
+    cfg: ThrottlerConfig,
+    heartbeat: Heartbeat,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut backoff = Duration::from_millis(50);
     while !*stop.borrow() {
+        heartbeat.beat(cfg.block);
         let step = async {
             let pumped = d.pump(cfg.batch).await?;
             if pumped.granted > 0 || pumped.skipped > 0 {
+                cfg.metrics
+                    .pumped(&provider, pumped.granted, pumped.skipped);
                 tracing::debug!(granted = pumped.granted, skipped = pumped.skipped, "pumped");
             }
             if let Some(wait) = pumped.wait {
+                // A slow bucket sleeps long: the loop says so first.
+                heartbeat.beat(wait);
                 tokio::time::sleep(wait).await;
             } else if !pumped.more {
                 d.wait_for_ticket(cfg.block).await?;
@@ -135,21 +178,26 @@ async fn serve(d: Arc<dyn Dispatch>, cfg: ThrottlerConfig, mut stop: watch::Rece
 
 /// Renews the liveness and reclaims the tickets of throttlers that died.
 async fn heartbeats(
-    ds: Vec<Arc<dyn Dispatch>>,
+    ds: Vec<(String, Arc<dyn Dispatch>)>,
     liveness: Duration,
+    metrics: Arc<Metrics>,
+    heartbeat: Heartbeat,
     mut stop: watch::Receiver<bool>,
 ) {
     let every = liveness / 3;
     loop {
-        for d in &ds {
+        for (provider, d) in &ds {
             match d.heartbeat(liveness).await {
                 Ok(dead) => {
                     for other in dead {
                         match d.reclaim(&other).await {
-                            Ok(Some(n)) => tracing::warn!(
-                                throttler = %other, returned = n,
-                                "reclaimed the tickets of a dead throttler"
-                            ),
+                            Ok(Some(n)) => {
+                                metrics.tickets_reclaimed(provider, n);
+                                tracing::warn!(
+                                    throttler = %other, returned = n,
+                                    "reclaimed the tickets of a dead throttler"
+                                )
+                            }
                             Ok(None) => {}
                             Err(e) => tracing::warn!(error = %e, "reclaim failed"),
                         }
@@ -158,6 +206,7 @@ async fn heartbeats(
                 Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
             }
         }
+        heartbeat.beat(every);
         tokio::select! {
             () = tokio::time::sleep(every) => {}
             () = stopped(&mut stop) => return,

@@ -11,6 +11,10 @@
 //!
 //! Shutdown: stop taking, give in-flight jobs `shutdown_grace` to finish, hand
 //! the rest back to their queue, give back moved-but-unleased ids, exit.
+//!
+//! Observed in [`WorkerConfig::metrics`]: jobs in flight, how each ended,
+//! the charges released, leases lost, maintenance's reclaims; every fetch loop
+//! and the maintenance loop beat a heartbeat (`/readyz` reports a silent one).
 //! **Invariant:** a worker never touches a budget except through the job
 //! source's fenced `fail` (refund once).
 
@@ -24,6 +28,7 @@ use tollgate_core::{
     config::Config,
     id::RequestId,
     job::{FailureCause, Finish, JobSource, Lease},
+    metrics::{Heartbeat, JobEnd, Metrics},
 };
 use tollgate_providers::{Client, ProviderError};
 use tracing::Instrument;
@@ -47,12 +52,16 @@ pub struct WorkerConfig {
     pub shutdown_grace: Duration,
     /// Operations served (default: every configured one).
     pub operations: Vec<String>,
+    /// Where the worker's metrics and loop heartbeats go: the process's
+    /// registry (`Backends::metrics`); a private one by default.
+    pub metrics: Arc<Metrics>,
 }
 
 impl WorkerConfig {
     pub fn new(config: Arc<Config>) -> Self {
         Self {
             operations: config.operations().map(|o| o.name.clone()).collect(),
+            metrics: Arc::new(Metrics::new(&config)),
             config,
             concurrency: 32,
             lease: Duration::from_secs(10),
@@ -116,14 +125,17 @@ pub async fn run(
     let (stop_tx, stop) = watch::channel(false);
     let slots = Arc::new(Semaphore::new(cfg.concurrency));
     let mut tasks = JoinSet::new();
+    let loops = cfg.metrics.loops();
     tasks.spawn(maintenance(
         Arc::clone(&source),
         worker.clone(),
         cfg.clone(),
+        loops.register("worker maintenance", cfg.maintain_every),
         stop.clone(),
     ));
     for (operation, provider) in routes {
         let span = tracing::info_span!("fetch", operation = %operation);
+        let heartbeat = loops.register(format!("worker fetch {operation}"), cfg.block);
         tasks.spawn(
             fetch(
                 Arc::clone(&source),
@@ -132,6 +144,7 @@ pub async fn run(
                 worker.clone(),
                 cfg.clone(),
                 Arc::clone(&slots),
+                heartbeat,
                 stop.clone(),
             )
             .instrument(span),
@@ -163,19 +176,24 @@ async fn maintenance(
     source: Arc<dyn JobSource>,
     worker: String,
     cfg: WorkerConfig,
+    heartbeat: Heartbeat,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         match source.maintain(&worker, cfg.liveness).await {
-            Ok(m) if m != Default::default() => tracing::info!(
-                requeued = m.requeued,
-                abandoned = m.abandoned,
-                refunded = m.refunded,
-                "maintenance"
-            ),
+            Ok(m) if m != Default::default() => {
+                cfg.metrics.maintained(&m);
+                tracing::info!(
+                    requeued = m.requeued,
+                    abandoned = m.abandoned,
+                    refunded = m.refunded,
+                    "maintenance"
+                )
+            }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "maintenance failed"),
         }
+        heartbeat.beat(cfg.maintain_every);
         tokio::select! {
             () = tokio::time::sleep(cfg.maintain_every) => {}
             () = stopped(&mut stop) => return,
@@ -191,16 +209,22 @@ async fn fetch(
     worker: String,
     cfg: WorkerConfig,
     slots: Arc<Semaphore>,
+    heartbeat: Heartbeat,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = Duration::from_millis(50);
     while !*stop.borrow() {
-        let permit = tokio::select! {
-            p = Arc::clone(&slots).acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => return,
-            },
-            () = stopped(&mut stop) => return,
+        heartbeat.beat(cfg.block);
+        // Every slot busy is a live loop too: it beats while it waits.
+        let permit = loop {
+            tokio::select! {
+                p = tokio::time::timeout(cfg.block, Arc::clone(&slots).acquire_owned()) => match p {
+                    Ok(Ok(p)) => break p,
+                    Ok(Err(_)) => return,
+                    Err(_) => heartbeat.beat(cfg.block),
+                },
+                () = stopped(&mut stop) => return,
+            }
         };
         let taken = tokio::select! {
             r = source.take(&operation, &worker, cfg.block, cfg.lease) => r,
@@ -257,19 +281,46 @@ async fn run_job(
     lease: Lease,
     cfg: WorkerConfig,
     _permit: OwnedSemaphorePermit,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
+    let metrics = Arc::clone(&cfg.metrics);
+    let _running = metrics.job_running(&lease.job.operation);
+    let (end, refunded) = job(source, provider, &lease, cfg, stop).await;
+    metrics.job_ended(&lease.job.operation, end);
+    if let Some(cause) = refunded {
+        metrics.job_refunded(cause.as_str());
+    }
+}
+
+/// How a recorded step ended the job: `ok` when it was recorded.
+fn end_of(recorded: Option<Finish>, ok: JobEnd) -> JobEnd {
+    match recorded {
+        Some(Finish::Recorded) => ok,
+        Some(Finish::LeaseLost) => JobEnd::LeaseLost,
+        None => JobEnd::Unrecorded,
+    }
+}
+
+/// Runs one leased job; returns how it ended and, when its charge was
+/// released, why.
+async fn job(
+    source: Arc<dyn JobSource>,
+    provider: Arc<dyn Client>,
+    lease: &Lease,
+    cfg: WorkerConfig,
+    mut stop: watch::Receiver<bool>,
+) -> (JobEnd, Option<FailureCause>) {
     let job = &lease.job;
-    match source.start(&lease).await {
+    match source.start(lease).await {
         Ok(true) => {}
         Ok(false) => {
             tracing::warn!("the job's charge is not its own: failed unrun, nothing to refund");
-            return;
+            return (JobEnd::Unpaid, None);
         }
         Err(e) => {
             tracing::warn!(error = %e, "claiming the job's charge failed; handing the job back");
-            finish("hand back", || source.hand_back(&lease)).await;
-            return;
+            let recorded = finish("hand back", || source.hand_back(lease)).await;
+            return (end_of(recorded, JobEnd::HandedBack), None);
         }
     }
     // The store's clock said how long the job had left when it was leased: a
@@ -288,7 +339,7 @@ async fn run_job(
                 tracing::warn!("paused past the lease; the call is abandoned");
                 return;
             }
-            match source.renew(&lease, cfg.lease).await {
+            match source.renew(lease, cfg.lease).await {
                 Ok(Finish::Recorded) => {}
                 Ok(Finish::LeaseLost) => return,
                 Err(e) => tracing::warn!(error = %e, "renewing the lease failed"),
@@ -308,10 +359,11 @@ async fn run_job(
         () = tokio::time::sleep(remaining) => Ended::Expired,
         () = grace => Ended::Stopping,
     };
-    let recorded = match ended {
+    let (recorded, ok, cause) = match ended {
         Ended::Called(Ok(result)) => {
             tracing::debug!("the provider answered; recording the result");
-            finish("complete", || source.complete(&lease, result.clone())).await
+            let recorded = finish("complete", || source.complete(lease, result.clone())).await;
+            (recorded, JobEnd::Succeeded, None)
         }
         Ended::Called(Err(e))
             if matches!(e, ProviderError::Throttle(_)) && !e.is_throttle_timeout() =>
@@ -319,7 +371,11 @@ async fn run_job(
             tracing::warn!(error = %e, "throttle unavailable; handing the job back");
             // Not at once: the next take would most likely fail the same way.
             tokio::time::sleep(Duration::from_secs(1)).await;
-            finish("hand back", || source.hand_back(&lease)).await
+            (
+                finish("hand back", || source.hand_back(lease)).await,
+                JobEnd::HandedBack,
+                None,
+            )
         }
         Ended::Called(Err(e)) => {
             let cause = if e.is_throttle_timeout() {
@@ -329,19 +385,31 @@ async fn run_job(
             };
             tracing::info!(error = %e, cause = cause.as_str(), "job failed; refunding");
             let message = e.to_string();
-            finish("fail", || source.fail(&lease, cause, &message)).await
+            (
+                finish("fail", || source.fail(lease, cause, &message)).await,
+                JobEnd::Failed,
+                Some(cause),
+            )
         }
         Ended::Expired => {
             let message = "the job passed its deadline while running";
-            finish("fail", || {
-                source.fail(&lease, FailureCause::Expired, message)
-            })
-            .await
+            (
+                finish("fail", || {
+                    source.fail(lease, FailureCause::Expired, message)
+                })
+                .await,
+                JobEnd::Failed,
+                Some(FailureCause::Expired),
+            )
         }
-        Ended::Stopping => finish("hand back", || source.hand_back(&lease)).await,
+        Ended::Stopping => (
+            finish("hand back", || source.hand_back(lease)).await,
+            JobEnd::HandedBack,
+            None,
+        ),
         Ended::LeaseLost => {
             tracing::warn!("lease lost while running; the call is abandoned");
-            return;
+            return (JobEnd::LeaseLost, None);
         }
     };
     if recorded == Some(Finish::LeaseLost) {
@@ -349,6 +417,8 @@ async fn run_job(
             "lease lost: another worker owns the job; nothing recorded, nothing refunded"
         );
     }
+    let end = end_of(recorded, ok);
+    (end, cause.filter(|_| end == JobEnd::Failed))
 }
 
 /// Sleeps until `at`, and ends on any poll from `at` on: after a pause, the

@@ -131,8 +131,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let ledger: Arc<dyn Ledger> = Arc::new(MemoryLedger::new(Arc::clone(&config)));
         let queue = Arc::new(MemoryJobQueue::new(Arc::clone(&config), ledger));
         let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::new(&config));
-        let providers = tollgate_providers::from_config(&config, throttle)?;
         let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
+        let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics)?;
         cfg.concurrency = args.concurrency;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let source: Arc<dyn JobSource> = queue.clone();
