@@ -2,55 +2,13 @@
 //! (no Redis at all) and with `--redis-url`. Budgets, 429s, refunds on provider
 //! failure and throttling must behave alike.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
-
-/// Children killed (and reaped) on drop.
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// Spawns `tollgate <args>` and reads stdout until `pick` finds what it wants
-/// (within 30 s); returns the child and every line read.
-fn spawn_reading(args: &[&str], pick: impl Fn(&[String]) -> bool) -> (Child, Vec<String>) {
-    let mut child = Command::new(workspace_bin("tollgate"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"));
-    let mut reader = BufReader::new(child.stdout.take().unwrap());
-    let mut lines = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !pick(&lines) {
-        assert!(
-            Instant::now() < deadline,
-            "tollgate {args:?} printed only {lines:?}"
-        );
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap() == 0 {
-            panic!("tollgate {args:?} exited after printing {lines:?}");
-        }
-        lines.push(line.trim_end().to_owned());
-    }
-    // Keep draining stdout so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in reader.lines() {});
-    (child, lines)
-}
+use tollgate_tests::process::{spawn_reading, Procs};
+use tollgate_tests::{random_prefix, RedisServer};
 
 fn mock(args: &[&str]) -> (Child, String) {
     let mut all = vec!["mock-provider", "--listen", "127.0.0.1:0"];

@@ -17,6 +17,7 @@ mod concurrency;
 mod jobs;
 mod jobs_processes;
 mod ledger;
+mod observability;
 mod openapi;
 mod redis_ledger;
 mod redis_outages;

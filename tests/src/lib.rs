@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod http;
+pub mod process;
 pub mod proxy;
 pub mod redis_cluster;
 pub mod redis_server;

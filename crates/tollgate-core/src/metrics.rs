@@ -55,6 +55,10 @@ const REQUEST_BUCKETS: [f64; 12] = [
 const LEDGER_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 ];
+/// The steps of [`MeteredLedger`] (the `step` label).
+const LEDGER_STEPS: [&str; 9] = [
+    "reserve", "refund", "settle", "usage", "charge", "claim", "release", "set_plan", "plan",
+];
 /// A wait for a throttle slot, in seconds: dense around the usual `max_wait`
 /// values, so that "p95 above half of max_wait" is read from real buckets.
 const WAIT_BUCKETS: [f64; 18] = [
@@ -486,6 +490,10 @@ impl Metrics {
         let stats_errors = counters();
         r.register("tollgate_stats_errors", "Scrapes whose shared-state read (jobs: queue gauges, throttle: bucket gauges) failed or timed out; those gauges are left out of that scrape", stats_errors.clone());
 
+        // Known label sets start at zero: a counter that appears at 1 hides
+        // its first increase from increase(), and a dashboard shows 0, not
+        // "no data". The api's own families stay lazy (a series of theirs
+        // means that route was used).
         for p in config.providers() {
             let l = ProviderLabel {
                 provider: p.name.clone(),
@@ -495,21 +503,31 @@ impl Metrics {
             burst
                 .get_or_create(&l)
                 .set(i64::try_from(p.burst).unwrap_or(i64::MAX));
-            for class in [CallOutcome::RateLimited, CallOutcome::ServerError] {
-                upstream_errors
-                    .get_or_create(&ProviderClass {
-                        provider: p.name.clone(),
-                        class: class.as_str(),
-                    })
-                    .inc_by(0);
+            for family in [&grants, &skipped, &reclaimed, &retries] {
+                family.get_or_create(&l).inc_by(0);
             }
-            for outcome in ["granted", "timeout"] {
-                acquires
-                    .get_or_create(&ProviderOutcome {
-                        provider: p.name.clone(),
-                        outcome,
-                    })
-                    .inc_by(0);
+            let provider = || p.name.clone();
+            for class in [CallOutcome::RateLimited, CallOutcome::ServerError] {
+                let class = class.as_str();
+                let l = ProviderClass {
+                    provider: provider(),
+                    class,
+                };
+                upstream_errors.get_or_create(&l).inc_by(0);
+            }
+            for outcome in ["granted", "timeout", "cancelled", "error"] {
+                let l = ProviderOutcome {
+                    provider: provider(),
+                    outcome,
+                };
+                acquires.get_or_create(&l).inc_by(0);
+            }
+            for reason in ["late", "cancelled"] {
+                let l = ProviderReason {
+                    provider: provider(),
+                    reason,
+                };
+                tokens_returned.get_or_create(&l).inc_by(0);
             }
         }
         for cause in ["provider", "throttle_timeout", "expired", "abandoned"] {
@@ -518,11 +536,26 @@ impl Metrics {
                 .inc_by(0);
         }
         for op in config.operations() {
+            let l = OperationLabel {
+                operation: op.name.clone(),
+            };
+            in_flight.get_or_create(&l).set(0);
+            leases_lost.get_or_create(&l).inc_by(0);
+            let outcome = JobEnd::Succeeded.as_str();
             jobs.get_or_create(&OperationOutcome {
                 operation: op.name.clone(),
-                outcome: JobEnd::Succeeded.as_str(),
+                outcome,
             })
             .inc_by(0);
+        }
+        for p in config.plans() {
+            let l = PlanLabel {
+                plan: p.name.clone(),
+            };
+            denials.get_or_create(&l).inc_by(0);
+        }
+        for step in LEDGER_STEPS {
+            ledger_errors.get_or_create(&StepLabel { step }).inc_by(0);
         }
         for source in ["jobs", "throttle"] {
             stats_errors

@@ -1,0 +1,64 @@
+//! `tollgate` processes for the end-to-end tests: spawned with their stdout
+//! read until they say what a test needs, killed (and reaped) on drop.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::workspace_bin;
+
+/// Children killed (and reaped) on drop.
+#[derive(Debug, Default)]
+pub struct Procs(pub Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Spawns `tollgate <args>` and reads stdout until `pick` finds what it wants
+/// (within 30 s); returns the child and every line read.
+pub fn spawn_reading(args: &[&str], pick: impl Fn(&[String]) -> bool) -> (Child, Vec<String>) {
+    let mut child = Command::new(workspace_bin("tollgate"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"));
+    let mut reader = BufReader::new(child.stdout.take().expect("piped stdout"));
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !pick(&lines) {
+        assert!(
+            Instant::now() < deadline,
+            "tollgate {args:?} printed only {lines:?}"
+        );
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            panic!("tollgate {args:?} exited after printing {lines:?}");
+        }
+        lines.push(line.trim_end().to_owned());
+    }
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in reader.lines() {});
+    (child, lines)
+}
+
+/// Spawns `tollgate <args>` with its stdout discarded (a role that prints
+/// nothing there: a worker, a throttler).
+pub fn spawn(args: &[&str]) -> Child {
+    Command::new(workspace_bin("tollgate"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"))
+}
