@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The docker-compose demo, run for real: builds the images (FROM scratch, from
 # this machine's binaries: no registry needed), starts docker-compose.yml with
-# every role, drives load through both api pods, kills a worker mid-load, checks
-# the outcome, and tears everything down. Exit 0 = passed.
+# every role (and its monitoring profile: Prometheus on
+# deploy/prometheus/prometheus.yml, which must scrape every pod and load the
+# alert rules), drives load through both api pods, kills a worker mid-load,
+# checks the outcome, and tears everything down. Exit 0 = passed.
 #
 # Without a Docker engine it says so and exits 0, unless CI=true: then a missing
 # engine is a failure, never a skip.
@@ -31,6 +33,19 @@ export TOLLGATE_IMAGE="tollgate:$project" REDIS_IMAGE="tollgate-redis:$project"
 export API1_PORT=$(free_port) API2_PORT=$(free_port) MOCK_PORT=$(free_port)
 export TOLLGATE_ADMIN_TOKEN="admin-$project"
 
+# Prometheus comes from this machine's Debian package (scripts/test installs
+# it); without it the monitoring check is said and skipped, unless CI=true.
+PROMETHEUS_IMAGE=""
+if command -v prometheus >/dev/null 2>&1; then
+    export PROMETHEUS_IMAGE="tollgate-prometheus:$project" PROMETHEUS_PORT=$(free_port)
+    export COMPOSE_PROFILES=monitoring
+elif [ "${CI:-}" = "true" ]; then
+    echo "compose test: FAILED: prometheus (Debian package prometheus) is not installed and CI=true" >&2
+    exit 1
+else
+    echo "compose test: prometheus not installed here: the monitoring profile is not checked"
+fi
+
 cleanup() {
     local rc=$?
     if [ $rc -ne 0 ]; then
@@ -39,7 +54,7 @@ cleanup() {
     fi
     compose down -v --remove-orphans --timeout 10 >/dev/null 2>&1 || true
     left=$(docker ps -aq --filter "label=com.docker.compose.project=$project")
-    docker rmi "$TOLLGATE_IMAGE" "$REDIS_IMAGE" >/dev/null 2>&1 || true
+    docker rmi "$TOLLGATE_IMAGE" "$REDIS_IMAGE" $PROMETHEUS_IMAGE >/dev/null 2>&1 || true
     if [ -n "$left" ]; then
         echo "compose test: FAILED: containers left after 'down': $left" >&2
         exit 1
@@ -48,12 +63,49 @@ cleanup() {
 }
 trap cleanup EXIT
 
-bin=target/debug/tollgate
-bench=target/debug/tollgate-bench
+bin=${CARGO_TARGET_DIR:-target}/debug/tollgate
+bench=${CARGO_TARGET_DIR:-target}/debug/tollgate-bench
 [ -x "$bin" ] && [ -x "$bench" ] || cargo build --workspace --bins
-TOLLGATE_BIN=$bin scripts/build-images "$TOLLGATE_IMAGE" "$REDIS_IMAGE" >/dev/null
+TOLLGATE_BIN=$bin scripts/build-images "$TOLLGATE_IMAGE" "$REDIS_IMAGE" $PROMETHEUS_IMAGE >/dev/null
 echo "compose test: images built; starting $project"
 compose up -d --no-build
+
+if [ -n "$PROMETHEUS_IMAGE" ]; then
+    # Every api, worker and throttler scraped and up (2 + 3 + 2 targets), the
+    # alert rules loaded, and the throttlers seen through the shared state.
+    python3 - "http://127.0.0.1:$PROMETHEUS_PORT" <<'PY'
+import json, sys, time, urllib.parse, urllib.request
+
+base = sys.argv[1]
+
+def get(path):
+    with urllib.request.urlopen(base + path, timeout=5) as r:
+        return json.load(r)["data"]
+
+deadline = time.time() + 120
+last = "no answer"
+while True:
+    try:
+        targets = get("/api/v1/targets?state=active")["activeTargets"]
+        up = sorted(t["labels"]["job"] for t in targets if t["health"] == "up")
+        want = ["tollgate-api"] * 2 + ["tollgate-throttler"] * 2 + ["tollgate-worker"] * 3
+        throttlers = get("/api/v1/query?query=" + urllib.parse.quote(
+            'max by (provider) (tollgate_throttle_throttlers)'))["result"]
+        if up == want and throttlers and all(s["value"][1] == "2" for s in throttlers):
+            break
+        last = f"up: {up}; throttlers: {throttlers}"
+    except Exception as e:  # not up yet
+        last = repr(e)
+    if time.time() > deadline:
+        sys.exit(f"compose test: FAILED: Prometheus never scraped every pod: {last}")
+    time.sleep(2)
+rules = [r for g in get("/api/v1/rules")["groups"] for r in g["rules"]]
+bad = [r["name"] for r in rules if r["health"] != "ok"]
+if len(rules) < 6 or bad:
+    sys.exit(f"compose test: FAILED: alert rules: {len(rules)} loaded, unhealthy: {bad}")
+print(f"compose test: Prometheus scrapes all 7 pods; {len(rules)} alert rules loaded")
+PY
+fi
 
 "$bench" compose-scenario \
     --api "http://127.0.0.1:$API1_PORT" --api "http://127.0.0.1:$API2_PORT" \
