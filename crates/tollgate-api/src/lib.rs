@@ -13,7 +13,7 @@
 //!   worker's or throttler's `--metrics-listen`);
 //! - [`problem`]: every error as `application/problem+json`;
 //! - [`ratelimit`]: `RateLimit-Policy` / `RateLimit` / `Retry-After`;
-//! - [`openapi`]: `/openapi.json`.
+//! - [`openapi`]: the OpenAPI document at `/openapi.json`.
 //!
 //! **Invariant:** the api role never calls a provider; it reserves, enqueues a
 //! job, and reads the job's outcome.
