@@ -47,6 +47,11 @@ pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CON
 /// How long [`Metrics::refresh`] waits for the shared state by default.
 pub const STATS_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Scrapes closer together than this share one read of the shared state:
+/// `/metrics` needs no credentials, so its cost to Redis is bounded by time,
+/// not by how often it is asked.
+pub const STATS_MIN_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Latency of an api call end to end, in seconds.
 const REQUEST_BUCKETS: [f64; 12] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -321,6 +326,9 @@ impl Collector for StatsCollector {
 pub struct Metrics {
     registry: Registry,
     stats: Arc<StatsCollector>,
+    /// When the shared state was last read; held while it is read, so that
+    /// concurrent scrapes wait for one read instead of each making their own.
+    refreshed: tokio::sync::Mutex<Option<Instant>>,
     loops: Loops,
     // api
     reservations: Family<OperationOutcome, Counter>,
@@ -573,6 +581,7 @@ impl Metrics {
         Self {
             registry: r,
             stats,
+            refreshed: tokio::sync::Mutex::new(None),
             loops: Loops::default(),
             reservations,
             refunds,
@@ -612,12 +621,17 @@ impl Metrics {
     /// [`render`](Self::render). A source that fails or times out counts in
     /// `tollgate_stats_errors_total` and its gauges are left out, the other's
     /// are still shown; the returned list says what failed, for the log.
+    /// A read less than [`STATS_MIN_INTERVAL`] old is reused.
     pub async fn refresh(
         &self,
         jobs: &dyn JobQueue,
         throttle: &dyn Throttle,
         within: Duration,
     ) -> Vec<String> {
+        let mut last = self.refreshed.lock().await;
+        if last.is_some_and(|at| at.elapsed() < STATS_MIN_INTERVAL) {
+            return Vec::new();
+        }
         let (queues, providers) = tokio::join!(
             tokio::time::timeout(within, jobs.stats()),
             tokio::time::timeout(within, throttle.stats()),
@@ -656,6 +670,7 @@ impl Metrics {
             }
         }
         *lock(&self.stats.snapshot) = Snapshot { queues, providers };
+        *last = Some(Instant::now());
         failed
     }
 

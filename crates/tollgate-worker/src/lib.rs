@@ -215,14 +215,17 @@ async fn fetch(
     let mut backoff = Duration::from_millis(50);
     while !*stop.borrow() {
         heartbeat.beat(cfg.block);
-        // Every slot busy is a live loop too: it beats while it waits.
+        // Every slot busy is a live loop too: it beats while it waits (in
+        // its place in the semaphore's queue: the same acquire throughout).
+        let acquire = Arc::clone(&slots).acquire_owned();
+        tokio::pin!(acquire);
         let permit = loop {
             tokio::select! {
-                p = tokio::time::timeout(cfg.block, Arc::clone(&slots).acquire_owned()) => match p {
-                    Ok(Ok(p)) => break p,
-                    Ok(Err(_)) => return,
-                    Err(_) => heartbeat.beat(cfg.block),
+                p = &mut acquire => match p {
+                    Ok(p) => break p,
+                    Err(_) => return,
                 },
+                () = tokio::time::sleep(cfg.block) => heartbeat.beat(cfg.block),
                 () = stopped(&mut stop) => return,
             }
         };
