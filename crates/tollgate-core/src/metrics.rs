@@ -233,6 +233,37 @@ struct StatsCollector {
     snapshot: Mutex<Snapshot>,
 }
 
+/// The shared-state gauges: name and help.
+const QUEUE_DEPTH: (&str, &str) = (
+    "tollgate_queue_depth",
+    "Jobs waiting for a worker, per operation (shared state: the same from every pod).",
+);
+const QUEUE_RUNNING: (&str, &str) = (
+    "tollgate_queue_running",
+    "Jobs a worker holds now, per operation (shared state).",
+);
+const QUEUE_DEAD: (&str, &str) = (
+    "tollgate_queue_dead",
+    "Malformed entries moved to the dead list, per operation (shared state).",
+);
+const QUEUE_WORKERS: (&str, &str) = (
+    "tollgate_queue_workers",
+    "Workers alive on the queue of each operation (shared state; absent when embedded).",
+);
+const THROTTLE_WAITERS: (&str, &str) = (
+    "tollgate_throttle_waiters",
+    "Calls queued for a slot of each provider (shared state).",
+);
+const THROTTLE_TOKENS: (&str, &str) = (
+    "tollgate_throttle_tokens",
+    "Tokens in each provider's bucket now (shared state).",
+);
+const THROTTLE_THROTTLERS: (&str, &str) = (
+    "tollgate_throttle_throttlers",
+    "Throttlers alive for each provider (shared state; absent when embedded, where the \
+     bucket grants by itself).",
+);
+
 /// One gauge family of the snapshot: a series per row that has a value.
 fn gauges<T, V: EncodeGaugeValue + std::fmt::Debug>(
     encoder: &mut DescriptorEncoder,
@@ -267,56 +298,19 @@ fn provider(s: &ProviderStats) -> &str {
 impl Collector for StatsCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let snapshot = lock(&self.snapshot);
+        let e = &mut encoder;
         if let Some(q) = &snapshot.queues {
             let by_op = ("operation", operation as fn(&QueueStats) -> &str);
-            let e = &mut encoder;
-            gauges(e, ("tollgate_queue_depth", "Jobs waiting for a worker, per operation (shared state: the same from every pod)."), by_op, q, |s| Some(s.queued))?;
-            gauges(
-                e,
-                (
-                    "tollgate_queue_running",
-                    "Jobs a worker holds now, per operation (shared state).",
-                ),
-                by_op,
-                q,
-                |s| Some(s.running),
-            )?;
-            gauges(
-                e,
-                (
-                    "tollgate_queue_dead",
-                    "Malformed entries moved to the dead list, per operation (shared state).",
-                ),
-                by_op,
-                q,
-                |s| Some(s.dead),
-            )?;
-            gauges(e, ("tollgate_queue_workers", "Workers alive on the queue of each operation (shared state; absent when embedded)."), by_op, q, |s| s.workers)?;
+            gauges(e, QUEUE_DEPTH, by_op, q, |s| Some(s.queued))?;
+            gauges(e, QUEUE_RUNNING, by_op, q, |s| Some(s.running))?;
+            gauges(e, QUEUE_DEAD, by_op, q, |s| Some(s.dead))?;
+            gauges(e, QUEUE_WORKERS, by_op, q, |s| s.workers)?;
         }
         if let Some(p) = &snapshot.providers {
             let by_provider = ("provider", provider as fn(&ProviderStats) -> &str);
-            let e = &mut encoder;
-            gauges(
-                e,
-                (
-                    "tollgate_throttle_waiters",
-                    "Calls queued for a slot of each provider (shared state).",
-                ),
-                by_provider,
-                p,
-                |s| Some(s.waiters),
-            )?;
-            gauges(
-                e,
-                (
-                    "tollgate_throttle_tokens",
-                    "Tokens in each provider's bucket now (shared state).",
-                ),
-                by_provider,
-                p,
-                |s| Some(s.tokens),
-            )?;
-            gauges(e, ("tollgate_throttle_throttlers", "Throttlers alive for each provider (shared state; absent when embedded, where the bucket grants by itself)."), by_provider, p, |s| s.throttlers)?;
+            gauges(e, THROTTLE_WAITERS, by_provider, p, |s| Some(s.waiters))?;
+            gauges(e, THROTTLE_TOKENS, by_provider, p, |s| Some(s.tokens))?;
+            gauges(e, THROTTLE_THROTTLERS, by_provider, p, |s| s.throttlers)?;
         }
         Ok(())
     }
@@ -389,9 +383,19 @@ impl Metrics {
             reservations.clone(),
         );
         let refunds = counters();
-        r.register("tollgate_refunds", "Charges of plain (jobless) routes refunded by the api because the handler failed; a job releases its own charge (tollgate_worker_refunds_total)", refunds.clone());
+        r.register(
+            "tollgate_refunds",
+            "Charges of plain (jobless) routes refunded by the api because the handler failed; a \
+             job releases its own charge (tollgate_worker_refunds_total)",
+            refunds.clone(),
+        );
         let job_outcomes = counters();
-        r.register("tollgate_job_outcomes", "Final outcomes of the jobs the api waited for (succeeded, provider, throttle_timeout, expired, abandoned)", job_outcomes.clone());
+        r.register(
+            "tollgate_job_outcomes",
+            "Final outcomes of the jobs the api waited for (succeeded, provider, \
+             throttle_timeout, expired, abandoned)",
+            job_outcomes.clone(),
+        );
         let requests = counters();
         r.register(
             "tollgate_http_requests",
@@ -406,7 +410,12 @@ impl Metrics {
         );
 
         let ledger_duration = histograms(|| Histogram::new(LEDGER_BUCKETS));
-        r.register("tollgate_ledger_duration_seconds", "Time of one budget ledger step (reserve, charge, claim, release, refund, settle, usage, plan, set_plan)", ledger_duration.clone());
+        r.register(
+            "tollgate_ledger_duration_seconds",
+            "Time of one budget ledger step (reserve, charge, claim, release, refund, settle, \
+             usage, plan, set_plan)",
+            ledger_duration.clone(),
+        );
         let ledger_errors = counters();
         r.register(
             "tollgate_ledger_errors",
@@ -427,11 +436,26 @@ impl Metrics {
             wait.clone(),
         );
         let acquires = counters();
-        r.register("tollgate_throttle_acquires", "Waits for a throttle slot by how they ended: granted, timeout (max_wait passed), cancelled (the caller gave up), error (the throttle's store failed)", acquires.clone());
+        r.register(
+            "tollgate_throttle_acquires",
+            "Waits for a throttle slot by how they ended: granted, timeout (max_wait passed), \
+             cancelled (the caller gave up), error (the throttle's store failed)",
+            acquires.clone(),
+        );
         let tokens_returned = counters();
-        r.register("tollgate_throttle_tokens_returned", "Tokens handed back to a provider's bucket: late (a grant too old to use, after a pause or a lost subscription), cancelled (granted to a waiter that had given up)", tokens_returned.clone());
+        r.register(
+            "tollgate_throttle_tokens_returned",
+            "Tokens handed back to a provider's bucket: late (a grant too old to use, after a \
+             pause or a lost subscription), cancelled (granted to a waiter that had given up)",
+            tokens_returned.clone(),
+        );
         let max_wait = Family::<ProviderLabel, Gauge<f64, AtomicU64>>::default();
-        r.register("tollgate_throttle_max_wait_seconds", "The configured max_wait of each provider: a call fails after waiting this long for a slot", max_wait.clone());
+        r.register(
+            "tollgate_throttle_max_wait_seconds",
+            "The configured max_wait of each provider: a call fails after waiting this long for a \
+             slot",
+            max_wait.clone(),
+        );
         let rate = Family::<ProviderLabel, Gauge<f64, AtomicU64>>::default();
         r.register(
             "tollgate_throttle_rate",
@@ -471,13 +495,33 @@ impl Metrics {
             in_flight.clone(),
         );
         let jobs = counters();
-        r.register("tollgate_worker_jobs", "Jobs this worker ended, by operation and outcome (succeeded, failed, handed_back, unpaid, lease_lost, unrecorded)", jobs.clone());
+        r.register(
+            "tollgate_worker_jobs",
+            "Jobs this worker ended, by operation and outcome (succeeded, failed, handed_back, \
+             unpaid, lease_lost, unrecorded)",
+            jobs.clone(),
+        );
         let worker_refunds = counters();
-        r.register("tollgate_worker_refunds", "Job charges released to their users' budgets, by cause (provider, throttle_timeout, expired: by this worker; abandoned: by its maintenance)", worker_refunds.clone());
+        r.register(
+            "tollgate_worker_refunds",
+            "Job charges released to their users' budgets, by cause (provider, throttle_timeout, \
+             expired: by this worker; abandoned: by its maintenance)",
+            worker_refunds.clone(),
+        );
         let leases_lost = counters();
-        r.register("tollgate_worker_leases_lost", "Jobs whose lease this worker lost while running them (it was paused or cut off past its lease), by operation", leases_lost.clone());
+        r.register(
+            "tollgate_worker_leases_lost",
+            "Jobs whose lease this worker lost while running them (it was paused or cut off past \
+             its lease), by operation",
+            leases_lost.clone(),
+        );
         let jobs_reclaimed = Counter::default();
-        r.register("tollgate_worker_jobs_reclaimed", "Jobs whose lease expired or whose worker died, put back in their queue by this worker's maintenance", jobs_reclaimed.clone());
+        r.register(
+            "tollgate_worker_jobs_reclaimed",
+            "Jobs whose lease expired or whose worker died, put back in their queue by this \
+             worker's maintenance",
+            jobs_reclaimed.clone(),
+        );
         let jobs_abandoned = Counter::default();
         r.register(
             "tollgate_worker_jobs_abandoned",
@@ -485,9 +529,19 @@ impl Metrics {
             jobs_abandoned.clone(),
         );
         let call_duration = histograms(|| Histogram::new(CALL_BUCKETS));
-        r.register("tollgate_provider_call_duration_seconds", "Time of one upstream attempt, by provider and outcome (ok, 429, 5xx, 4xx, transport, bad_response)", call_duration.clone());
+        r.register(
+            "tollgate_provider_call_duration_seconds",
+            "Time of one upstream attempt, by provider and outcome (ok, 429, 5xx, 4xx, transport, \
+             bad_response)",
+            call_duration.clone(),
+        );
         let upstream_errors = counters();
-        r.register("tollgate_upstream_errors", "Upstream attempts that failed, by provider and class (429, 5xx, 4xx, transport, bad_response)", upstream_errors.clone());
+        r.register(
+            "tollgate_upstream_errors",
+            "Upstream attempts that failed, by provider and class (429, 5xx, 4xx, transport, \
+             bad_response)",
+            upstream_errors.clone(),
+        );
         let retries = counters();
         r.register(
             "tollgate_provider_retries",
@@ -496,7 +550,12 @@ impl Metrics {
         );
 
         let stats_errors = counters();
-        r.register("tollgate_stats_errors", "Scrapes whose shared-state read (jobs: queue gauges, throttle: bucket gauges) failed or timed out; those gauges are left out of that scrape", stats_errors.clone());
+        r.register(
+            "tollgate_stats_errors",
+            "Scrapes whose shared-state read (jobs: queue gauges, throttle: bucket gauges) failed \
+             or timed out; those gauges are left out of that scrape",
+            stats_errors.clone(),
+        );
 
         // Known label sets start at zero: a counter that appears at 1 hides
         // its first increase from increase(), and a dashboard shows 0, not
