@@ -225,6 +225,7 @@ pub async fn redis_state(url: &str, prefix: &str, settings: Settings) -> ApiStat
         &PoolOptions {
             max_size: 16,
             timeout: Duration::from_secs(1),
+            ..Default::default()
         },
     )
     .await

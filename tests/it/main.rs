@@ -21,6 +21,7 @@ mod observability;
 mod openapi;
 mod redis_ledger;
 mod redis_outages;
+mod redis_tls;
 mod throttle;
 mod throttle_redis;
 mod trace;

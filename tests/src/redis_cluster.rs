@@ -33,6 +33,13 @@ impl RedisCluster {
     /// Starts `primaries` primaries and as many replicas; returns once every
     /// node reports `cluster_state:ok`.
     pub fn start(primaries: usize) -> Self {
+        Self::start_with(primaries, |_| Vec::new())
+    }
+
+    /// Like [`RedisCluster::start`], with `extra(port)` appended to each
+    /// node's arguments (e.g. a TLS port of its own). The cluster is joined
+    /// through the nodes' plain ports, which the harness also uses.
+    pub fn start_with(primaries: usize, extra: impl Fn(u16) -> Vec<String>) -> Self {
         let mut nodes = Vec::with_capacity(primaries * 2);
         let args = [
             "--cluster-enabled",
@@ -51,7 +58,11 @@ impl RedisCluster {
         ];
         while nodes.len() < primaries * 2 {
             // A port taken between the check and the start: try another.
-            if let Ok(node) = RedisServer::start_at(cluster_port(), &args) {
+            let port = cluster_port();
+            let extra = extra(port);
+            let mut all: Vec<&str> = args.to_vec();
+            all.extend(extra.iter().map(String::as_str));
+            if let Ok(node) = RedisServer::start_at(port, &all) {
                 nodes.push(node);
             }
         }

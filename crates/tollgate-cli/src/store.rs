@@ -19,7 +19,7 @@ use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
 use tollgate_redis::{
     keys::KeySpace,
-    pool::{Pool, PoolOptions, RedisBackendError},
+    pool::{Pool, PoolOptions, RedisBackendError, Tls},
 };
 
 use crate::process::{exit, fail, shutdown_signal};
@@ -28,7 +28,9 @@ use crate::process::{exit, fail, shutdown_signal};
 #[derive(Debug, Clone, Args)]
 pub struct StoreArgs {
     /// Where the shared state lives: redis://[user:password@]host[:port][/db],
-    /// or `memory` (this process only; `tollgate all`'s default).
+    /// rediss://… (TLS), redis+cluster://[user:password@]host:port[,host:port...]
+    /// (a Redis Cluster's seed nodes; rediss+cluster:// for TLS), or `memory`
+    /// (this process only; `tollgate all`'s default).
     #[arg(
         long,
         global = true,
@@ -44,6 +46,30 @@ pub struct StoreArgs {
     /// Prefix of every Redis key: lets several deployments share one Redis.
     #[arg(long, global = true, env = "TOLLGATE_KEY_PREFIX", default_value = tollgate_redis::keys::DEFAULT_PREFIX)]
     pub key_prefix: String,
+
+    /// PEM file of the CA that signed Redis's certificate (rediss:// URLs;
+    /// default: the system's trusted roots).
+    #[arg(long, global = true, env = "TOLLGATE_REDIS_CA_CERT")]
+    pub redis_ca_cert: Option<PathBuf>,
+
+    /// PEM file of a client certificate, for a Redis that authenticates
+    /// clients by certificate (with --redis-client-key).
+    #[arg(
+        long,
+        global = true,
+        env = "TOLLGATE_REDIS_CLIENT_CERT",
+        requires = "redis_client_key"
+    )]
+    pub redis_client_cert: Option<PathBuf>,
+
+    /// PEM file of the client certificate's private key.
+    #[arg(
+        long,
+        global = true,
+        env = "TOLLGATE_REDIS_CLIENT_KEY",
+        requires = "redis_client_cert"
+    )]
+    pub redis_client_key: Option<PathBuf>,
 }
 
 /// How to treat a Redis that does not answer yet.
@@ -103,6 +129,27 @@ impl StoreArgs {
             .filter(|u| !matches!(*u, "memory" | "memory://"))
     }
 
+    /// The certificate files named by the flags, read.
+    fn tls(&self) -> Result<Tls, Failure> {
+        let read = |path: &PathBuf, what: &str| {
+            std::fs::read(path).map_err(|e| {
+                Failure::bad_input(format!("cannot read the {what} {}: {e}", path.display()))
+            })
+        };
+        let ca_cert = match &self.redis_ca_cert {
+            Some(p) => Some(read(p, "Redis CA certificate")?),
+            None => None,
+        };
+        let client = match (&self.redis_client_cert, &self.redis_client_key) {
+            (Some(cert), Some(key)) => Some((
+                read(cert, "Redis client certificate")?,
+                read(key, "Redis client key")?,
+            )),
+            _ => None,
+        };
+        Ok(Tls { ca_cert, client })
+    }
+
     /// Whether the state is this process's own (no URL, or `memory`).
     pub fn is_memory(&self) -> bool {
         self.redis().is_none()
@@ -139,6 +186,7 @@ impl StoreArgs {
             KeySpace::new(&self.key_prefix).map_err(|e| Failure::bad_input(e.to_string()))?;
         let options = PoolOptions {
             max_size: pool_size.max(1),
+            tls: self.tls()?,
             ..Default::default()
         };
         let pool = match wait {

@@ -25,7 +25,10 @@ use deadpool::Runtime;
 use redis::aio::MultiplexedConnection;
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncConnectionConfig, Client, ConnectionAddr, RedisError, Value};
+use redis::{
+    AsyncConnectionConfig, Client, ClientTlsConfig, ConnectionAddr, RedisError, TlsCertificates,
+    Value,
+};
 use tokio::task::JoinHandle;
 use tollgate_core::error::StoreError;
 
@@ -323,6 +326,8 @@ pub fn discard_if_broken(conn: Connection, e: &RedisError) {
 pub struct PoolOptions {
     pub max_size: usize,
     pub timeout: Duration,
+    /// Certificates for `rediss://` and `rediss+cluster://` URLs.
+    pub tls: Tls,
 }
 
 impl Default for PoolOptions {
@@ -330,7 +335,66 @@ impl Default for PoolOptions {
         Self {
             max_size: 8,
             timeout: DEFAULT_TIMEOUT,
+            tls: Tls::default(),
         }
+    }
+}
+
+/// The certificates of a TLS connection to Redis (`rediss://`), PEM-encoded.
+/// Without a CA, the server's certificate is checked against the system's
+/// trusted roots (what a managed Redis with a public CA needs).
+#[derive(Clone, Default)]
+pub struct Tls {
+    /// The CA (bundle) that signed the servers' certificates.
+    pub ca_cert: Option<Vec<u8>>,
+    /// A client certificate and its private key, for servers that
+    /// authenticate clients (`tls-auth-clients yes`).
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls")
+            .field("ca_cert", &self.ca_cert.is_some())
+            .field("client", &self.client.is_some())
+            .finish()
+    }
+}
+
+impl Tls {
+    fn is_set(&self) -> bool {
+        self.ca_cert.is_some() || self.client.is_some()
+    }
+
+    fn certificates(&self) -> TlsCertificates {
+        TlsCertificates {
+            client_tls: self
+                .client
+                .clone()
+                .map(|(client_cert, client_key)| ClientTlsConfig {
+                    client_cert,
+                    client_key,
+                }),
+            root_cert: self.ca_cert.clone(),
+        }
+    }
+
+    /// A client for `url`, with these certificates when it is a `rediss://`
+    /// URL. Certificates for a plain `redis://` URL are a mistake: refused
+    /// rather than ignored, since the operator meant the link to be private.
+    fn client(&self, url: &str) -> Result<Client, String> {
+        let tls = url.starts_with("rediss://");
+        if !tls && self.is_set() {
+            return Err(
+                "TLS certificates were given for a plain redis:// URL; use rediss://".into(),
+            );
+        }
+        let client = if tls && self.is_set() {
+            Client::build_with_tls(url, self.certificates())
+        } else {
+            Client::open(url)
+        };
+        client.map_err(|e| e.to_string())
     }
 }
 
@@ -357,12 +421,13 @@ pub fn redact_url(url: &str) -> String {
 }
 
 /// The seed URLs of a `redis+cluster://[user:password@]host:port[,host:port...]`
-/// URL, as `redis://` URLs; `None` when `url` is not a cluster URL.
+/// URL, as `redis://` URLs (`rediss+cluster://`: `rediss://` URLs); `None` when
+/// `url` is not a cluster URL.
 pub fn cluster_seeds(url: &str) -> Option<Result<Vec<String>, String>> {
-    let rest = url.strip_prefix("redis+cluster://")?;
-    if url.starts_with("rediss+cluster://") {
-        return Some(Err("TLS (rediss+cluster://) is not supported yet".into()));
-    }
+    let (scheme, rest) = match url.strip_prefix("redis+cluster://") {
+        Some(rest) => ("redis", rest),
+        None => ("rediss", url.strip_prefix("rediss+cluster://")?),
+    };
     let (userinfo, hosts) = match rest.rsplit_once('@') {
         Some((u, h)) => (format!("{u}@"), h),
         None => (String::new(), rest),
@@ -371,12 +436,12 @@ pub fn cluster_seeds(url: &str) -> Option<Result<Vec<String>, String>> {
     let seeds: Vec<String> = hosts
         .split(',')
         .filter(|h| !h.is_empty())
-        .map(|h| format!("redis://{userinfo}{h}"))
+        .map(|h| format!("{scheme}://{userinfo}{h}"))
         .collect();
     if seeds.is_empty() {
-        return Some(Err(
-            "expected redis+cluster://[user:password@]host:port[,host:port...]".into(),
-        ));
+        return Some(Err(format!(
+            "expected {scheme}+cluster://[user:password@]host:port[,host:port...]"
+        )));
     }
     if let Some(bad) = seeds.iter().find(|s| redis::parse_redis_url(s).is_none()) {
         return Some(Err(format!("bad seed {}", redact_url(bad))));
@@ -398,10 +463,10 @@ pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBack
     }
     if redis::parse_redis_url(url).is_none() {
         return Err(bad_url(
-            "expected redis://[:password@]host[:port][/db]".into(),
+            "expected redis://[user:password@]host[:port][/db] or rediss://…".into(),
         ));
     }
-    let client = Client::open(url).map_err(|e| bad_url(e.to_string()))?;
+    let client = options.tls.client(url).map_err(bad_url)?;
     let pool = SinglePool::builder(Manager {
         client,
         timeout: options.timeout,
@@ -447,14 +512,16 @@ async fn connect_cluster(
     };
     let clients = seeds
         .iter()
-        .map(|s| Client::open(s.as_str()))
+        .map(|s| options.tls.client(s))
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad_url(e.to_string()))?;
-    let client = ClusterClientBuilder::new(seeds)
+        .map_err(bad_url)?;
+    let mut builder = ClusterClientBuilder::new(seeds)
         .connection_timeout(options.timeout)
-        .response_timeout(options.timeout)
-        .build()
-        .map_err(|e| bad_url(e.to_string()))?;
+        .response_timeout(options.timeout);
+    if options.tls.is_set() {
+        builder = builder.certs(options.tls.certificates());
+    }
+    let client = builder.build().map_err(|e| bad_url(e.to_string()))?;
     let connect = async {
         let mut conn = client.get_async_connection().await?;
         redis::cmd("PING").query_async::<String>(&mut conn).await?;
