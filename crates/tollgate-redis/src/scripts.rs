@@ -320,6 +320,35 @@ job_scripts! {
     JOB_UNSTICK => "job_unstick.lua",
 }
 
+/// Every script, by the name of its file in `lua/`: what the cluster audit
+/// checks ran on the suite's Redis Cluster (`tollgate-bench cluster-audit`).
+pub fn all() -> Vec<(&'static str, &'static Script)> {
+    vec![
+        ("reserve.lua", &RESERVE),
+        ("refund.lua", &REFUND),
+        ("settle.lua", &SETTLE),
+        ("usage.lua", &USAGE),
+        ("charge.lua", &CHARGE),
+        ("claim.lua", &CLAIM),
+        ("release.lua", &RELEASE),
+        ("throttle_enqueue.lua", &THROTTLE_ENQUEUE),
+        ("throttle_grant.lua", &THROTTLE_GRANT),
+        ("throttle_cancel.lua", &THROTTLE_CANCEL),
+        ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),
+        ("liveness_reclaim.lua", &LIVENESS_RECLAIM),
+        ("job_enqueue.lua", &JOB_ENQUEUE),
+        ("job_lease.lua", &JOB_LEASE),
+        ("job_renew.lua", &JOB_RENEW),
+        ("job_complete.lua", &JOB_COMPLETE),
+        ("job_fail.lua", &JOB_FAIL),
+        ("job_refunded.lua", &JOB_REFUNDED),
+        ("job_hand_back.lua", &JOB_HAND_BACK),
+        ("job_due.lua", &JOB_DUE),
+        ("job_requeue.lua", &JOB_REQUEUE),
+        ("job_unstick.lua", &JOB_UNSTICK),
+    ]
+}
+
 /// `job_enqueue.lua`: creates `job` (queued) unless it exists.
 pub fn job_enqueue<'a>(
     keys: &JobKeys,
@@ -488,4 +517,24 @@ pub fn job_unstick<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptI
         .key(&keys.queue);
     inv.arg(id);
     inv
+}
+
+#[cfg(test)]
+mod tests {
+    /// A script added to `lua/` and left out of [`super::all`] would escape
+    /// the cluster audit.
+    #[test]
+    fn every_script_file_is_listed() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../lua");
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .expect("lua/")
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".lua"))
+            .collect();
+        files.sort();
+        let mut listed: Vec<String> = super::all().iter().map(|(n, _)| (*n).to_owned()).collect();
+        listed.sort();
+        assert_eq!(files, listed, "lua/*.lua and scripts::all() differ");
+    }
 }

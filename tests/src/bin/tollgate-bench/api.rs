@@ -44,7 +44,7 @@ pub struct Args {
 /// Plan `bench` (the default: the dev user's) never runs out; plan `tiny` holds
 /// one token, so its second call and every one after it is a 429. The provider
 /// has no `url` (the built-in mock) and a bucket that never runs dry.
-const CONFIG: &str = r#"
+pub(crate) const CONFIG: &str = r#"
 default_plan = "bench"
 [plans.bench]
 limit = 1000000000
@@ -61,12 +61,12 @@ cost = 1
 provider = "bench"
 "#;
 
-const ADMIN: &str = "bench-admin-token-0123456789";
+pub(crate) const ADMIN: &str = "bench-admin-token-0123456789";
 
 /// A `tollgate all` process, killed (and reaped) on drop.
-struct All {
+pub(crate) struct All {
     child: Child,
-    base: String,
+    pub(crate) base: String,
     key: String,
 }
 
@@ -79,7 +79,7 @@ impl Drop for All {
 
 impl All {
     /// Starts `tollgate all` on a free port and reads its banner.
-    fn start(
+    pub(crate) fn start(
         bin: &Path,
         config: &Path,
         concurrency: usize,

@@ -6,10 +6,12 @@
 
 mod api;
 mod chaos;
+mod cluster_audit;
 mod compose;
 mod jobs;
 mod ledger;
 mod load;
+mod scale;
 mod stats;
 mod throttle;
 
@@ -50,6 +52,15 @@ enum Command {
     /// The docker-compose demo's scenario (tests/compose/run.sh): load through
     /// every api pod, a worker killed mid-load, then the checks.
     ComposeScenario(compose::Args),
+    /// The scaling curve: reserves/s and sync calls/s through 1, 2 and 4 pods,
+    /// on one Redis and on a Redis Cluster, with Redis commands and CPU per call.
+    Scale(scale::Args),
+    /// Reserve for random users from this process for a while and print the
+    /// count as JSON (`scale` runs one of these per pod).
+    ReserveLoad(scale::ReserveLoadArgs),
+    /// After the suite: every Lua script ran on the suite's Redis Cluster, and
+    /// no node answered CROSSSLOT.
+    ClusterAudit(cluster_audit::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -67,6 +78,9 @@ fn main() -> anyhow::Result<()> {
             Command::Jobs(args) => jobs::run(args).await,
             Command::Chaos(args) => chaos::run(args).await,
             Command::ComposeScenario(args) => compose::run(args).await,
+            Command::Scale(args) => scale::run(args).await,
+            Command::ReserveLoad(args) => scale::reserve_load(args).await,
+            Command::ClusterAudit(args) => cluster_audit::run(args).await,
         }
     })
 }
