@@ -4,7 +4,8 @@
 # every role (and its monitoring profile: Prometheus on
 # deploy/prometheus/prometheus.yml, which must scrape every pod and load the
 # alert rules), drives load through both api pods, kills a worker mid-load,
-# checks the outcome, and tears everything down. Exit 0 = passed.
+# checks the outcome, and tears everything down. Exit 0 = passed. With
+# COMPOSE_CLUSTER=1, all of it on a 3-primary Redis Cluster.
 #
 # Without a Docker engine it says so and exits 0, unless CI=true: then a missing
 # engine is a failure, never a skip.
@@ -20,8 +21,14 @@ if ! docker info >/dev/null 2>&1; then
     echo "  Install Docker Engine with docker-compose to run it; under CI=true this is a failure."
     exit 0
 fi
+# COMPOSE_CLUSTER=1: the same test on a 3-primary Redis Cluster
+# (docker-compose.cluster.yml over docker-compose.yml).
+files=(-f docker-compose.yml)
+if [ "${COMPOSE_CLUSTER:-}" = 1 ]; then
+    files+=(-f docker-compose.cluster.yml)
+fi
 compose() {
-    if command -v docker-compose >/dev/null 2>&1; then docker-compose "$@"; else docker compose "$@"; fi
+    if command -v docker-compose >/dev/null 2>&1; then docker-compose "${files[@]}" "$@"; else docker compose "${files[@]}" "$@"; fi
 }
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
