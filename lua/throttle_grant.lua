@@ -4,11 +4,16 @@
 -- KEYS[3] waiting     hash: ticket -> "<deadline_us> <inbox channel>"
 -- KEYS[4] granted     sorted set: ticket -> grant time (µs); the readiness record
 -- KEYS[5] bucket      the token bucket (lib/bucket.lua)
+-- KEYS[6] active, KEYS[7] capped, KEYS[8] idle, KEYS[9] fair, KEYS[10] shares
+--   (lib/fair.lua)
 -- ARGV[1] rate (tokens/s), ARGV[2] burst
 -- ARGV[3] most grants in this call
 -- ARGV[4] how long a readiness record lives, µs
 -- ARGV[5] idle ttl in ms of the provider's keys
--- Serves the processing list first, then the queue head, in order: a ticket nobody
+-- ARGV[6] the provider's key base (for the per-user keys of its fair queue)
+-- Serves the processing list first, then the queue head, in order (FIFO
+-- tickets; bells are dropped), then the fair queue's users, least start tag
+-- first (lib/fair.lua), each in its own order: a ticket nobody
 -- waits for any more (cancelled, or past its deadline) is dropped without a token;
 -- a waited-for ticket gets a token, a readiness record and a PUBLISH of
 -- "<ticket> <granted_at_us>" on its inbox, all in this one atomic step.
@@ -17,9 +22,12 @@
 -- grant limit stopped the call with tickets left.
 
 local QUEUE, PROCESSING, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local F = { active = KEYS[6], capped = KEYS[7], idle = KEYS[8], fair = KEYS[9],
+  shares = KEYS[10], base = ARGV[6] }
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local limit, ready_ttl, idle = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle then
+if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle
+    or not F.base or F.base == '' then
   return redis.error_reply('throttle_grant: bad rate, burst or limits')
 end
 
@@ -37,31 +45,110 @@ while true do
   if not ticket then
     break
   end
-  if granted >= limit then
+  if ticket == BELL then
+    redis.call('LPOP', src)
+  elseif granted >= limit then
     more = 1
     break
+  else
+    local w = redis.call('HGET', WAITING, ticket)
+    local deadline, inbox = 0, ''
+    if w then
+      deadline, inbox = parse_waiting(w)
+    end
+    if not w or deadline < now then
+      redis.call('LPOP', src)
+      redis.call('HDEL', WAITING, ticket)
+      skipped = skipped + 1
+    elseif tokens >= 1 then
+      tokens = tokens - 1
+      redis.call('LPOP', src)
+      redis.call('HDEL', WAITING, ticket)
+      redis.call('ZADD', GRANTED, int(now), ticket)
+      redis.call('PUBLISH', inbox, ticket .. ' ' .. int(now))
+      granted = granted + 1
+    else
+      wait = until_token(tokens, rate)
+      break
+    end
   end
-  local w = redis.call('HGET', WAITING, ticket)
+end
+
+-- The fair queue. Users whose oldest slot freed itself (a caller that never
+-- said its call ended) rejoin first.
+local fifo_left = wait > 0 or more == 1
+if not fifo_left then
+  for _, user in ipairs(redis.call('ZRANGE', F.capped, '-inf', int(now), 'BYSCORE', 'LIMIT', 0, 100)) do
+    local _, cap = fair_share(F, user)
+    local held, first = fair_held(F, user, now)
+    if held < cap then
+      fair_activate(F, user)
+    else
+      redis.call('ZADD', F.capped, int(first), user)
+    end
+  end
+end
+while not fifo_left and wait == 0 and more == 0 do
+  local top = redis.call('ZRANGE', F.active, 0, 0, 'WITHSCORES')
+  if not top[1] then
+    break
+  end
+  local user, start = top[1], tonumber(top[2])
+  local fq = fq_key(F.base, user)
+  local ticket = redis.call('LINDEX', fq, 0)
+  local w = ticket and redis.call('HGET', WAITING, ticket)
   local deadline, inbox = 0, ''
   if w then
     deadline, inbox = parse_waiting(w)
   end
-  if not w or deadline < now then
-    redis.call('LPOP', src)
+  if not ticket then
+    fair_leave(F, user)
+  elseif not w or deadline < now then
+    redis.call('LPOP', fq)
     redis.call('HDEL', WAITING, ticket)
     skipped = skipped + 1
-  elseif tokens >= 1 then
-    tokens = tokens - 1
-    redis.call('LPOP', src)
-    redis.call('HDEL', WAITING, ticket)
-    redis.call('ZADD', GRANTED, int(now), ticket)
-    redis.call('PUBLISH', inbox, ticket .. ' ' .. int(now))
-    granted = granted + 1
+    if redis.call('LLEN', fq) == 0 then
+      fair_leave(F, user)
+    end
   else
-    wait = until_token(tokens, rate)
-    break
+    local weight, cap, hold = fair_share(F, user)
+    local held, first = 0, nil
+    if cap > 0 then
+      held, first = fair_held(F, user, now)
+    end
+    if cap > 0 and held >= cap then
+      -- At its cap: out of the rotation until a slot ends (throttle_done.lua).
+      fair_park(F, user, start)
+      redis.call('ZADD', F.capped, int(first), user)
+    elseif granted >= limit then
+      more = 1
+    elseif tokens < 1 then
+      wait = until_token(tokens, rate)
+    else
+      tokens = tokens - 1
+      redis.call('LPOP', fq)
+      redis.call('HDEL', WAITING, ticket)
+      redis.call('ZADD', GRANTED, int(now), ticket)
+      redis.call('PUBLISH', inbox, ticket .. ' ' .. int(now))
+      granted = granted + 1
+      redis.call('HSET', F.fair, 'v', float(start))
+      if cap > 0 then
+        local hk = held_key(F.base, user)
+        redis.call('ZADD', hk, int(now + hold), ticket)
+        redis.call('PEXPIRE', hk, int(hold / 1000 + 1000))
+      end
+      local finish = start + 1 / weight
+      if redis.call('LLEN', fq) > 0 then
+        redis.call('ZADD', F.active, float(finish), user)
+      else
+        fair_park(F, user, finish)
+        redis.call('HDEL', F.shares, user)
+      end
+    end
   end
 end
+fair_settle(F)
+
 if granted > 0 then
   bucket_write(BUCKET, tokens, at, rate, burst)
   redis.call('PEXPIRE', GRANTED, int(idle))

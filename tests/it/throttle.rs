@@ -9,7 +9,7 @@ use tokio::sync::oneshot;
 use tollgate_core::{
     config::Config,
     id::RequestId,
-    throttle::{MemoryThrottle, Throttle, ThrottleError},
+    throttle::{MemoryThrottle, Share, Throttle, ThrottleError, Waiter},
 };
 use tollgate_redis::{
     keys::KeySpace,
@@ -32,6 +32,15 @@ max_wait = "10s"
 rate = 2
 burst = 1
 max_wait = "10s"
+[providers.tempo]
+rate = 5
+burst = 1
+max_wait = "10s"
+[providers.turnstile]
+rate = 5
+burst = 1
+max_wait = "10s"
+fairness = "fifo"
 "#;
 
 pub fn config() -> Arc<Config> {
@@ -172,14 +181,217 @@ conformance!(
     throttle_timed_out_waiters_leave_tokens_to_later_ones,
     throttle_unknown_provider,
     throttle_stats_show_the_bucket_and_its_waiters,
+    throttle_fair_a_flood_does_not_starve_a_newcomer,
+    throttle_fair_weights_split_the_grants,
+    throttle_fair_a_single_user_is_served_in_order,
+    throttle_fifo_provider_serves_in_arrival_order,
+    throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end,
+    throttle_fair_a_cancelled_waiter_leaves_the_rotation,
 );
+
+fn share(weight: u32) -> Share {
+    Share {
+        weight,
+        ..Share::default()
+    }
+}
+
+/// Takes `provider`'s one token, so that what follows queues.
+async fn drain_bucket(t: &Arc<dyn Throttle>, provider: &str) {
+    t.acquire(provider, &rid("drain"), Duration::from_secs(10))
+        .await
+        .unwrap();
+}
+
+/// Waits until `provider` has `n` waiters (or fails after 10 s).
+async fn until_waiting(t: &Arc<dyn Throttle>, provider: &str, n: u64) {
+    for _ in 0..5000 {
+        let stats = t.stats().await.unwrap();
+        if stats
+            .iter()
+            .any(|p| p.provider == provider && p.waiters == n)
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("{provider} never had {n} waiters");
+}
+
+type Granted = tokio::task::JoinHandle<(String, u64)>;
+
+/// Queues one waiter of `user` on `provider` and waits until it is queued;
+/// the handle yields its user and grant time.
+async fn queue(t: &Arc<dyn Throttle>, provider: &str, user: &str, sh: Share, n: u64) -> Granted {
+    let waiter = Waiter::of(&rid(&format!("{user}-{n}")), user, sh);
+    let handle = {
+        let t = Arc::clone(t);
+        let provider = provider.to_owned();
+        let user = user.to_owned();
+        tokio::spawn(async move {
+            let g = t
+                .acquire_as(&provider, &waiter, Duration::from_secs(10))
+                .await
+                .unwrap();
+            (user, g.granted_at_us)
+        })
+    };
+    until_waiting(t, provider, n).await;
+    handle
+}
+
+/// The users of the grants, in grant order.
+async fn grant_order(handles: Vec<Granted>) -> Vec<String> {
+    let mut grants = Vec::new();
+    for h in handles {
+        grants.push(h.await.unwrap());
+    }
+    grants.sort_by_key(|(_, at)| *at);
+    grants.into_iter().map(|(u, _)| u).collect()
+}
+
+/// User a queues 5 calls, then user b 2: b's calls alternate with a's
+/// instead of waiting for a's whole queue (a FIFO would serve b last).
+async fn throttle_fair_a_flood_does_not_starve_a_newcomer(t: Arc<dyn Throttle>) {
+    drain_bucket(&t, "tempo").await;
+    let mut handles = Vec::new();
+    for _ in 0..5 {
+        handles.push(queue(&t, "tempo", "a", share(1), handles.len() as u64 + 1).await);
+    }
+    for _ in 0..2 {
+        handles.push(queue(&t, "tempo", "b", share(1), handles.len() as u64 + 1).await);
+    }
+    let order = grant_order(handles).await;
+    let last_b = order.iter().rposition(|u| u == "b").unwrap();
+    assert!(last_b <= 4, "b's calls waited behind a's flood: {order:?}");
+    assert_eq!(order.iter().filter(|u| *u == "a").count(), 5, "{order:?}");
+}
+
+/// Users of shares 4 and 1, both waiting: of the first 5 grants, 4 go to the
+/// user of share 4.
+async fn throttle_fair_weights_split_the_grants(t: Arc<dyn Throttle>) {
+    drain_bucket(&t, "tempo").await;
+    let mut handles = Vec::new();
+    for _ in 0..4 {
+        handles.push(queue(&t, "tempo", "pro", share(4), handles.len() as u64 + 1).await);
+    }
+    for _ in 0..4 {
+        handles.push(queue(&t, "tempo", "free", share(1), handles.len() as u64 + 1).await);
+    }
+    let order = grant_order(handles).await;
+    let pro = order[..5].iter().filter(|u| *u == "pro").count();
+    assert_eq!(pro, 4, "{order:?}");
+}
+
+/// One user waiting gets every slot, in its own arrival order, at the full
+/// rate: nothing changes for it.
+async fn throttle_fair_a_single_user_is_served_in_order(t: Arc<dyn Throttle>) {
+    drain_bucket(&t, "tempo").await;
+    let mut handles = Vec::new();
+    for n in 1..=4 {
+        let waiter = Waiter::of(&rid(&format!("solo-{n}")), "solo", share(1));
+        let t2 = Arc::clone(&t);
+        handles.push(tokio::spawn(async move {
+            let g = t2
+                .acquire_as("tempo", &waiter, Duration::from_secs(10))
+                .await
+                .unwrap();
+            (g.request_id.to_string(), g.granted_at_us)
+        }));
+        until_waiting(&t, "tempo", n).await;
+    }
+    let order = grant_order(handles).await;
+    assert_eq!(order, ["solo-1", "solo-2", "solo-3", "solo-4"]);
+}
+
+/// `fairness = "fifo"`: one queue in arrival order, whoever waits.
+async fn throttle_fifo_provider_serves_in_arrival_order(t: Arc<dyn Throttle>) {
+    drain_bucket(&t, "turnstile").await;
+    let mut handles = Vec::new();
+    for user in ["a", "a", "a", "b"] {
+        handles.push(queue(&t, "turnstile", user, share(1), handles.len() as u64 + 1).await);
+    }
+    assert_eq!(grant_order(handles).await, ["a", "a", "a", "b"]);
+}
+
+/// A user at its max_in_flight waits in its own queue until a call of its
+/// ends; another user is not held up meanwhile.
+async fn throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end(t: Arc<dyn Throttle>) {
+    let capped = Share {
+        max_in_flight: Some(1),
+        ..share(1)
+    };
+    let first = t
+        .acquire_as(
+            "steady",
+            &Waiter::of(&rid("c-1"), "c", capped),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert!(first.held.is_some(), "{first:?}");
+    let second = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move {
+            t.acquire_as(
+                "steady",
+                &Waiter::of(&rid("c-2"), "c", capped),
+                Duration::from_secs(10),
+            )
+            .await
+        })
+    };
+    until_waiting(&t, "steady", 1).await;
+    // The bucket has tokens: another user goes ahead of the capped one.
+    t.acquire_as(
+        "steady",
+        &Waiter::of(&rid("o-1"), "other", share(1)),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "granted past the user's cap");
+    let users = t.stats().await.unwrap()[1].users;
+    assert_eq!(users, 1, "the capped user still counts as waiting");
+    t.done(&first).await.unwrap();
+    let second = second.await.unwrap().unwrap();
+    t.done(&second).await.unwrap();
+    // Twice is harmless.
+    t.done(&second).await.unwrap();
+}
+
+/// A waiter that gives up takes its user out of the rotation: no user is
+/// left waiting, and the next token goes to the next caller.
+async fn throttle_fair_a_cancelled_waiter_leaves_the_rotation(t: Arc<dyn Throttle>) {
+    drain_bucket(&t, "tempo").await;
+    let e = t
+        .acquire_as(
+            "tempo",
+            &Waiter::of(&rid("gone-1"), "gone", share(1)),
+            Duration::from_millis(50),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ThrottleError::Timeout { .. }), "{e:?}");
+    let tempo = t.stats().await.unwrap().remove(2);
+    assert_eq!((tempo.waiters, tempo.users), (0, 0), "{tempo:?}");
+    let g = t
+        .acquire_as(
+            "tempo",
+            &Waiter::of(&rid("next-1"), "next", share(1)),
+            Duration::from_secs(5),
+        )
+        .await;
+    assert!(g.is_ok(), "{g:?}");
+}
 
 /// A fresh bucket is full; a slot taken shows as a token fewer; a caller
 /// waiting for `slow` (burst 1, 2/s) shows as a waiter until served.
 async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
     let stats = t.stats().await.unwrap();
     let names: Vec<&str> = stats.iter().map(|p| p.provider.as_str()).collect();
-    assert_eq!(names, ["slow", "steady"]);
+    assert_eq!(names, ["slow", "steady", "tempo", "turnstile"]);
     assert_eq!(
         (stats[0].burst, stats[0].tokens, stats[0].waiters),
         (1, 1.0, 0)
@@ -316,6 +528,6 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile)"
     );
 }

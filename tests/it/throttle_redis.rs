@@ -231,6 +231,18 @@ async fn waiter_processes(
     prefix: &str,
     config: &Path,
 ) -> Vec<GrantRecord> {
+    waiter_processes_of(n, per, url, prefix, config, 0).await
+}
+
+/// The same, each process's waiters spread over `users` users.
+async fn waiter_processes_of(
+    n: usize,
+    per: usize,
+    url: &str,
+    prefix: &str,
+    config: &Path,
+    users: usize,
+) -> Vec<GrantRecord> {
     let bin = workspace_bin("tollgate-bench");
     let start_at = now_us() + 1_500_000;
     let mut children = Vec::new();
@@ -245,6 +257,7 @@ async fn waiter_processes(
             ])
             .args(["--provider", "llm", "--count", &per.to_string()])
             .args(["--tag", &format!("p{p}")])
+            .args(["--users", &users.to_string()])
             .args(["--start-at-us", &start_at.to_string()])
             .arg("--config")
             .arg(config)
@@ -321,6 +334,24 @@ async fn throttle_three_throttlers_keep_the_rate_global() {
         "utilisation {:.3} ({span}s)",
         ideal / span
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same over 7 users per process in the fair queue: the rate stays
+/// global, every waiter is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_three_throttlers_keep_the_rate_global_over_many_users() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let dir = std::env::temp_dir().join(format!("tollgate-it-{prefix}"));
+    let config = write_config(&dir);
+    let _throttlers = throttlers(3, &server.url(), &prefix, &config);
+    wait_for_throttlers(&server, &prefix, 3).await;
+    let records = waiter_processes_of(3, 100, &server.url(), &prefix, &config, 7).await;
+    assert_eq!(records.len(), 300);
+    let times = grant_times(&records);
+    let excess = max_excess(&times, 50.0, 10);
+    assert!(excess <= 1e-6, "more than burst + rate*t grants: {excess}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -5,7 +5,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use tollgate_core::{id::RequestId, throttle::Throttle};
+use tollgate_core::{
+    id::RequestId,
+    throttle::{Share, Throttle, Waiter},
+};
 
 /// One waiter's outcome, as `tollgate-bench throttle-waiters` prints it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +38,19 @@ pub async fn run_waiters(
     count: usize,
     max_wait: Duration,
 ) -> Vec<GrantRecord> {
+    run_waiters_of(throttle, provider, tag, count, max_wait, 0).await
+}
+
+/// The same, waiter `i` queueing as user `u<i % users>` (with `users` > 0;
+/// otherwise in the anonymous queue).
+pub async fn run_waiters_of(
+    throttle: Arc<dyn Throttle>,
+    provider: &str,
+    tag: &str,
+    count: usize,
+    max_wait: Duration,
+    users: usize,
+) -> Vec<GrantRecord> {
     let mut set = tokio::task::JoinSet::new();
     for i in 0..count {
         let throttle = Arc::clone(&throttle);
@@ -43,6 +59,10 @@ pub async fn run_waiters(
         set.spawn(async move {
             let started = std::time::Instant::now();
             let r = match RequestId::new(request_id.as_str()) {
+                Ok(id) if users > 0 => {
+                    let waiter = Waiter::of(&id, &format!("u{}", i % users), Share::default());
+                    throttle.acquire_as(&provider, &waiter, max_wait).await
+                }
                 Ok(id) => throttle.acquire(&provider, &id, max_wait).await,
                 Err(e) => Err(tollgate_core::error::StoreError::backend(e.to_string()).into()),
             };
@@ -52,6 +72,50 @@ pub async fn run_waiters(
                 granted_at_us: r.as_ref().ok().map(|g| g.granted_at_us),
                 resumed_at_us: now_us(),
                 waited_ms,
+                error: r.err().map(|e| e.to_string()),
+            }
+        });
+    }
+    let mut out = Vec::with_capacity(count);
+    while let Some(r) = set.join_next().await {
+        if let Ok(rec) = r {
+            out.push(rec);
+        }
+    }
+    out.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+    out
+}
+
+/// `count` concurrent waiters of `user` on `provider`, with `share`.
+pub async fn run_waiters_as(
+    throttle: Arc<dyn Throttle>,
+    provider: &str,
+    tag: &str,
+    count: usize,
+    max_wait: Duration,
+    user: &str,
+    share: Share,
+) -> Vec<GrantRecord> {
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..count {
+        let throttle = Arc::clone(&throttle);
+        let provider = provider.to_owned();
+        let user = user.to_owned();
+        let request_id = format!("{tag}-{i}");
+        set.spawn(async move {
+            let started = std::time::Instant::now();
+            let r = match RequestId::new(request_id.as_str()) {
+                Ok(id) => {
+                    let waiter = Waiter::of(&id, &user, share);
+                    throttle.acquire_as(&provider, &waiter, max_wait).await
+                }
+                Err(e) => Err(tollgate_core::error::StoreError::backend(e.to_string()).into()),
+            };
+            GrantRecord {
+                request_id,
+                granted_at_us: r.as_ref().ok().map(|g| g.granted_at_us),
+                resumed_at_us: now_us(),
+                waited_ms: started.elapsed().as_millis() as u64,
                 error: r.err().map(|e| e.to_string()),
             }
         });

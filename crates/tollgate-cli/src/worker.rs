@@ -64,10 +64,11 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
         Err(f) => return f.exit(),
     };
     tracing::info!(store = %backends.described, "worker starting");
-    let providers = match tollgate_providers::from_config(
+    let providers = match tollgate_providers::from_config_with_plans(
         &config,
         Arc::clone(&backends.throttle),
         &backends.metrics,
+        Arc::clone(&backends.ledger),
     ) {
         Ok(p) => p,
         Err(e) => return fail(exit::BAD_INPUT, e),

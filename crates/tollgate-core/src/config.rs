@@ -26,12 +26,35 @@ pub struct Plan {
     pub name: String,
     pub limit: u64,
     pub window: Duration,
+    /// The plan's weight in a saturated provider's fair queue (`share`,
+    /// default 1): while users of two plans both wait, grants go to them in
+    /// the ratio of their shares.
+    pub share: u32,
+    /// At most this many of a user's calls hold a slot of one provider at
+    /// once (`max_in_flight`, at each provider; fair queuing only). The rest
+    /// wait in the user's own queue.
+    pub max_in_flight: Option<u32>,
 }
 
 impl Plan {
     pub fn window_ms(&self) -> u64 {
         u64::try_from(self.window.as_millis()).unwrap_or(u64::MAX)
     }
+}
+
+/// Largest accepted plan `share` and `max_in_flight`.
+pub const MAX_SHARE: u32 = 1000;
+pub const MAX_IN_FLIGHT: u32 = 100_000;
+
+/// How a saturated provider orders its waiters (`[providers.X] fairness`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fairness {
+    /// One queue in arrival order, whoever waits.
+    Fifo,
+    /// One queue per user, served in weighted round robin (start-time fair
+    /// queuing; see `throttle`): one user's flood never starves the others.
+    #[default]
+    Fair,
 }
 
 /// Largest accepted provider `rate` (tokens per second) and `burst`.
@@ -51,6 +74,8 @@ pub struct Provider {
     /// Bucket capacity, >= 1.
     pub burst: u64,
     pub max_wait: Duration,
+    /// How waiters share the provider when it is saturated.
+    pub fairness: Fairness,
 }
 
 /// Where a provider's calls go. Without one, workers use the built-in
@@ -158,6 +183,7 @@ struct RawProvider {
     auth_env: Option<String>,
     timeout: Option<String>,
     retries: Option<i64>,
+    fairness: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -175,6 +201,8 @@ struct RawOperation {
 struct RawPlan {
     limit: i64,
     window: String,
+    share: Option<i64>,
+    max_in_flight: Option<i64>,
 }
 
 impl Config {
@@ -240,12 +268,31 @@ impl Config {
                     "must be at most 366d".into(),
                 ));
             }
+            let share = p.share.unwrap_or(1);
+            if !(1..=i64::from(MAX_SHARE)).contains(&share) {
+                return Err(invalid(
+                    format!("{key}.share"),
+                    format!("must be between 1 and {MAX_SHARE}, got {share}"),
+                ));
+            }
+            let max_in_flight = match p.max_in_flight {
+                None => None,
+                Some(n) if (1..=i64::from(MAX_IN_FLIGHT)).contains(&n) => Some(n as u32),
+                Some(n) => {
+                    return Err(invalid(
+                        format!("{key}.max_in_flight"),
+                        format!("must be between 1 and {MAX_IN_FLIGHT}, got {n}"),
+                    ))
+                }
+            };
             plans.insert(
                 name.clone(),
                 Plan {
                     name,
                     limit,
                     window,
+                    share: share as u32,
+                    max_in_flight,
                 },
             );
         }
@@ -563,6 +610,16 @@ fn parse_providers(
                 "must be between 1ms and 1h".into(),
             ));
         }
+        let fairness = match p.fairness.as_deref() {
+            None | Some("fair") => Fairness::Fair,
+            Some("fifo") => Fairness::Fifo,
+            Some(other) => {
+                return Err(invalid(
+                    format!("{key}.fairness"),
+                    format!("must be \"fair\" or \"fifo\", got {other:?}"),
+                ))
+            }
+        };
         if let Some(upstream) = parse_upstream(&key, &p, invalid)? {
             upstreams.insert(name.clone(), upstream);
         }
@@ -573,6 +630,7 @@ fn parse_providers(
                 rate: p.rate,
                 burst,
                 max_wait,
+                fairness,
             },
         );
     }

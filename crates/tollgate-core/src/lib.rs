@@ -13,6 +13,7 @@ pub mod clock;
 pub mod config;
 pub mod duration;
 pub mod error;
+pub mod fair;
 pub mod id;
 pub mod job;
 pub mod job_memory;

@@ -254,6 +254,11 @@ const THROTTLE_WAITERS: (&str, &str) = (
     "tollgate_throttle_waiters",
     "Calls queued for a slot of each provider (shared state).",
 );
+const THROTTLE_USERS: (&str, &str) = (
+    "tollgate_throttle_users_waiting",
+    "Users with calls queued for a slot of each provider (shared state; a fair provider \
+     serves them in weighted round robin).",
+);
 const THROTTLE_TOKENS: (&str, &str) = (
     "tollgate_throttle_tokens",
     "Tokens in each provider's bucket now (shared state).",
@@ -309,6 +314,7 @@ impl Collector for StatsCollector {
         if let Some(p) = &snapshot.providers {
             let by_provider = ("provider", provider as fn(&ProviderStats) -> &str);
             gauges(e, THROTTLE_WAITERS, by_provider, p, |s| Some(s.waiters))?;
+            gauges(e, THROTTLE_USERS, by_provider, p, |s| Some(s.users))?;
             gauges(e, THROTTLE_TOKENS, by_provider, p, |s| Some(s.tokens))?;
             gauges(e, THROTTLE_THROTTLERS, by_provider, p, |s| s.throttlers)?;
         }

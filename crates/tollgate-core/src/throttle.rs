@@ -8,7 +8,7 @@
 //! the bucket allows, in arrival order, or fails after `max_wait` with
 //! [`ThrottleError::Timeout`]; a call that gave up never burns a token.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,9 +17,11 @@ use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, Provider};
+use crate::config::{Config, Fairness, Provider};
 use crate::duration;
 use crate::error::StoreError;
+use crate::fair::FairQueue;
+pub use crate::fair::Share;
 use crate::id::RequestId;
 use crate::lock;
 use crate::metrics::Metrics;
@@ -34,6 +36,46 @@ pub struct Grant {
     /// When the token was taken, in µs since the Unix epoch, on the throttle's
     /// clock (Redis `TIME` in distributed mode, the process clock in-process).
     pub granted_at_us: u64,
+    /// The slot counts against its user's `max_in_flight` until
+    /// [`Throttle::done`] (or its hold ends): `None` when the user has no cap.
+    pub held: Option<Held>,
+}
+
+/// A slot that counts against a user's cap: what [`Throttle::done`] frees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub user: String,
+    pub ticket: String,
+}
+
+/// Who asks for a slot: the queue it joins (its user's) and its user's share.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiter {
+    pub request_id: RequestId,
+    /// The user whose queue the waiter joins; callers without one share the
+    /// anonymous queue `""`.
+    pub user: String,
+    pub share: Share,
+}
+
+impl Waiter {
+    /// A waiter of no user (weight 1, no cap): all such waiters share one queue.
+    pub fn anonymous(request_id: &RequestId) -> Self {
+        Self {
+            request_id: request_id.clone(),
+            user: String::new(),
+            share: Share::default(),
+        }
+    }
+
+    /// A waiter of `user`, on `share`.
+    pub fn of(request_id: &RequestId, user: &str, share: Share) -> Self {
+        Self {
+            request_id: request_id.clone(),
+            user: user.to_owned(),
+            share,
+        }
+    }
 }
 
 /// Why no slot was granted.
@@ -76,14 +118,32 @@ impl ThrottleError {
 /// knows which one it runs on.
 #[async_trait]
 pub trait Throttle: Send + Sync + std::fmt::Debug {
-    /// Waits for a slot of `provider`, at most `max_wait`. Dropping the future
-    /// cancels the wait; a token taken for it meanwhile goes back to the bucket.
+    /// Waits for a slot of `provider`, at most `max_wait`, in the anonymous
+    /// queue (see [`Throttle::acquire_as`]).
     async fn acquire(
         &self,
         provider: &str,
         request_id: &RequestId,
         max_wait: Duration,
+    ) -> Result<Grant, ThrottleError> {
+        self.acquire_as(provider, &Waiter::anonymous(request_id), max_wait)
+            .await
+    }
+
+    /// Waits for a slot of `provider`, at most `max_wait`, in `waiter`'s
+    /// user's queue (fair providers; a FIFO provider has one queue). Dropping
+    /// the future cancels the wait; a token taken for it meanwhile goes back
+    /// to the bucket.
+    async fn acquire_as(
+        &self,
+        provider: &str,
+        waiter: &Waiter,
+        max_wait: Duration,
     ) -> Result<Grant, ThrottleError>;
+
+    /// The call made with `grant` ended: its slot no longer counts against its
+    /// user's `max_in_flight`. Nothing to do for a grant that holds nothing.
+    async fn done(&self, grant: &Grant) -> Result<(), ThrottleError>;
 
     /// Before the process exits: lets the cancels of dropped waits finish, at
     /// most `limit`. Returns how many did not (their tickets then expire at
@@ -107,6 +167,8 @@ pub struct ProviderStats {
     pub tokens: f64,
     /// Calls waiting for a slot.
     pub waiters: u64,
+    /// Users with calls waiting (fair providers; 1 or 0 for a FIFO one).
+    pub users: u64,
     /// Throttlers alive; `None` in process (the bucket grants by itself).
     pub throttlers: Option<u64>,
 }
@@ -161,10 +223,11 @@ fn wall_us() -> u64 {
 /// The in-process throttle: one exact token bucket per provider.
 ///
 /// A caller that finds the bucket non-empty and nobody queued takes a token
-/// without waiting. Otherwise it queues; one driver task per busy bucket hands
-/// tokens to the queue in order, sleeping exactly until the next token is due
-/// (no polling), skipping callers that gave up. The driver exits when the queue
-/// drains.
+/// without waiting. Otherwise it queues in its user's queue of the provider's
+/// [`FairQueue`] (a FIFO provider puts every caller in one queue); one driver
+/// task per busy bucket hands tokens to the queue's head, sleeping exactly
+/// until the next token is due (no polling), skipping callers that gave up.
+/// The driver exits when the queue drains.
 #[derive(Debug)]
 pub struct MemoryThrottle {
     buckets: BTreeMap<String, Arc<Bucket>>,
@@ -174,8 +237,9 @@ pub struct MemoryThrottle {
 struct Bucket {
     rate: f64,
     burst: f64,
+    fairness: Fairness,
     state: Mutex<BucketState>,
-    /// Wakes a sleeping driver when a token is handed back.
+    /// Wakes a sleeping driver when a token is handed back or a slot ends.
     handed_back: Notify,
     /// Where handed-back tokens are counted.
     metrics: Option<(Arc<Metrics>, String)>,
@@ -185,8 +249,12 @@ struct Bucket {
 struct BucketState {
     tokens: f64,
     at: Instant,
-    queue: VecDeque<oneshot::Sender<u64>>,
+    queue: FairQueue<oneshot::Sender<u64>>,
     driving: bool,
+}
+
+fn open(tx: &oneshot::Sender<u64>) -> bool {
+    !tx.is_closed()
 }
 
 impl Bucket {
@@ -194,14 +262,24 @@ impl Bucket {
         Self {
             rate: p.rate,
             burst: p.burst as f64,
+            fairness: p.fairness,
             state: Mutex::new(BucketState {
                 tokens: p.burst as f64,
                 at: Instant::now(),
-                queue: VecDeque::new(),
+                queue: FairQueue::default(),
                 driving: false,
             }),
             handed_back: Notify::new(),
             metrics: metrics.map(|m| (Arc::clone(m), p.name.clone())),
+        }
+    }
+
+    /// The queue `waiter` joins and the share it counts with: its own on a
+    /// fair provider, the one shared queue (no weight, no cap) on a FIFO one.
+    fn queue_of<'w>(&self, waiter: &'w Waiter) -> (&'w str, Share) {
+        match self.fairness {
+            Fairness::Fair => (&waiter.user, waiter.share),
+            Fairness::Fifo => ("", Share::default()),
         }
     }
 
@@ -218,14 +296,34 @@ impl Bucket {
         Duration::from_micros((secs * 1e6).ceil() as u64)
     }
 
-    fn give_back(&self) {
+    fn give_back(self: &Arc<Self>, held: Option<(&str, u64)>) {
         let mut st = lock(&self.state);
         self.refill(&mut st);
         st.tokens = (st.tokens + 1.0).min(self.burst);
+        if let Some((user, ticket)) = held {
+            st.queue.done(user, ticket);
+        }
         drop(st);
         self.handed_back.notify_one();
         if let Some((metrics, provider)) = &self.metrics {
             metrics.token_returned(provider, "cancelled");
+        }
+    }
+
+    /// A slot's call ended: its user may be back in the rotation.
+    fn end(self: &Arc<Self>, user: &str, ticket: u64) {
+        let mut st = lock(&self.state);
+        st.queue.done(user, ticket);
+        self.kick(&mut st);
+        drop(st);
+        self.handed_back.notify_one();
+    }
+
+    /// Starts the driver if there are waiters and none runs.
+    fn kick(self: &Arc<Self>, st: &mut BucketState) {
+        if !st.driving && !st.queue.is_empty() {
+            st.driving = true;
+            tokio::spawn(Arc::clone(self).drive());
         }
     }
 
@@ -235,21 +333,29 @@ impl Bucket {
             let wait = {
                 let mut st = lock(&self.state);
                 self.refill(&mut st);
+                let now = Instant::now();
+                let capped_until = st.queue.expire(now);
                 loop {
-                    while st.queue.front().is_some_and(|tx| tx.is_closed()) {
-                        st.queue.pop_front();
-                    }
-                    if st.queue.is_empty() {
-                        st.driving = false;
-                        return;
-                    }
+                    let Some(head) = st.queue.head(now, open).0 else {
+                        match capped_until {
+                            // Everyone waiting is at their cap: until the
+                            // first slot frees itself (or one ends).
+                            Some(at) => break at.saturating_duration_since(now),
+                            None => {
+                                st.driving = false;
+                                return;
+                            }
+                        }
+                    };
                     if st.tokens < 1.0 {
                         break self.until_next(st.tokens);
                     }
-                    if let Some(tx) = st.queue.pop_front() {
+                    if let Some(tx) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
                         if tx.send(wall_us()).is_err() {
-                            st.tokens += 1.0; // the caller left meanwhile
+                            // The caller left meanwhile.
+                            st.tokens += 1.0;
+                            st.queue.done(&head.user, head.ticket);
                         }
                     }
                 }
@@ -267,6 +373,8 @@ impl Bucket {
 /// meanwhile back to the bucket: a call that gave up never burns a token.
 struct Pending {
     bucket: Arc<Bucket>,
+    user: String,
+    ticket: u64,
     rx: Option<oneshot::Receiver<u64>>,
 }
 
@@ -275,7 +383,7 @@ impl Drop for Pending {
         if let Some(mut rx) = self.rx.take() {
             rx.close();
             if rx.try_recv().is_ok() {
-                self.bucket.give_back();
+                self.bucket.give_back(Some((&self.user, self.ticket)));
             }
         }
     }
@@ -313,14 +421,14 @@ impl MemoryThrottle {
     pub fn queued(&self, provider: &str) -> usize {
         self.buckets
             .get(provider)
-            .map(|b| {
-                lock(&b.state)
-                    .queue
-                    .iter()
-                    .filter(|t| !t.is_closed())
-                    .count()
-            })
+            .map(|b| lock(&b.state).queue.waiting(open).0 as usize)
             .unwrap_or(0)
+    }
+
+    fn bucket(&self, provider: &str) -> Result<&Arc<Bucket>, ThrottleError> {
+        self.buckets.get(provider).ok_or_else(|| {
+            ThrottleError::unknown_provider(provider, self.buckets.keys().map(String::as_str))
+        })
     }
 }
 
@@ -333,51 +441,67 @@ impl Throttle for MemoryThrottle {
             .map(|(name, b)| {
                 let mut st = lock(&b.state);
                 b.refill(&mut st);
+                let (waiters, users) = st.queue.waiting(open);
                 ProviderStats {
                     provider: name.clone(),
                     rate: b.rate,
                     burst: b.burst as u64,
                     tokens: st.tokens,
-                    waiters: st.queue.iter().filter(|tx| !tx.is_closed()).count() as u64,
+                    waiters,
+                    users,
                     throttlers: None,
                 }
             })
             .collect())
     }
 
-    async fn acquire(
+    async fn acquire_as(
         &self,
         provider: &str,
-        request_id: &RequestId,
+        waiter: &Waiter,
         max_wait: Duration,
     ) -> Result<Grant, ThrottleError> {
         let started = Instant::now();
-        let bucket = self.buckets.get(provider).ok_or_else(|| {
-            ThrottleError::unknown_provider(provider, self.buckets.keys().map(String::as_str))
-        })?;
-        let grant = |granted_at_us| Grant {
+        let bucket = self.bucket(provider)?;
+        let (user, share) = bucket.queue_of(waiter);
+        let grant = |granted_at_us, ticket: u64| Grant {
             provider: provider.to_owned(),
-            request_id: request_id.clone(),
+            request_id: waiter.request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
+            held: share.max_in_flight.map(|_| Held {
+                user: user.to_owned(),
+                ticket: ticket.to_string(),
+            }),
         };
-        let rx = {
+        let (rx, ticket) = {
             let mut st = lock(&bucket.state);
             bucket.refill(&mut st);
-            if st.queue.is_empty() && st.tokens >= 1.0 {
-                st.tokens -= 1.0;
-                return Ok(grant(wall_us()));
+            let now = Instant::now();
+            if st.queue.is_empty() && st.tokens >= 1.0 && st.queue.below_cap(user, &share, now) {
+                // Through the queue, so that the slot counts against the cap.
+                let (tx, mut rx) = oneshot::channel();
+                let ticket = st.queue.push(user, share, tx);
+                if let Some(head) = st.queue.head(now, open).0 {
+                    if let Some(tx) = st.queue.grant(&head, now) {
+                        st.tokens -= 1.0;
+                        let _ = tx.send(wall_us());
+                    }
+                }
+                if let Ok(at) = rx.try_recv() {
+                    return Ok(grant(at, ticket));
+                }
+                return Err(StoreError::backend("the fast path lost its own slot").into());
             }
             let (tx, rx) = oneshot::channel();
-            st.queue.push_back(tx);
-            if !st.driving {
-                st.driving = true;
-                tokio::spawn(Arc::clone(bucket).drive());
-            }
-            rx
+            let ticket = st.queue.push(user, share, tx);
+            bucket.kick(&mut st);
+            (rx, ticket)
         };
         let mut pending = Pending {
             bucket: Arc::clone(bucket),
+            user: user.to_owned(),
+            ticket,
             rx: Some(rx),
         };
         let timeout = || ThrottleError::Timeout {
@@ -390,12 +514,23 @@ impl Throttle for MemoryThrottle {
         match tokio::time::timeout(max_wait, rx).await {
             Ok(Ok(at)) => {
                 pending.rx = None;
-                Ok(grant(at))
+                Ok(grant(at, ticket))
             }
             Ok(Err(_)) => Err(StoreError::backend("the bucket's driver stopped").into()),
             // Dropping `pending` hands back a token that raced the timeout.
             Err(_) => Err(timeout()),
         }
+    }
+
+    async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
+        let Some(held) = &grant.held else {
+            return Ok(());
+        };
+        let bucket = self.bucket(&grant.provider)?;
+        if let Ok(ticket) = held.ticket.parse() {
+            bucket.end(&held.user, ticket);
+        }
+        Ok(())
     }
 }
 
@@ -409,6 +544,7 @@ mod tests {
             rate,
             burst,
             max_wait: Duration::from_secs(30),
+            fairness: Fairness::Fair,
         }
     }
 

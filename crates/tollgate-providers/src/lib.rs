@@ -14,6 +14,7 @@
 
 pub mod http;
 pub mod mock;
+pub mod shares;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -26,9 +27,12 @@ use tokio::time::Instant;
 use tollgate_core::{
     config::Config,
     job::Job,
+    ledger::Ledger,
     metrics::{CallOutcome, Metrics},
-    throttle::{Throttle, ThrottleError},
+    throttle::{Grant, Throttle, ThrottleError, Waiter},
 };
+
+pub use shares::Shares;
 
 /// Why a provider call failed for good.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -122,7 +126,8 @@ impl Default for Retry {
 }
 
 /// A [`Transport`] whose every attempt first takes a slot of the
-/// provider's throttle.
+/// provider's throttle, in the job's user's queue, and reports the end of the
+/// attempt to it (a user's `max_in_flight` counts the attempts under way).
 #[derive(Debug)]
 pub struct ThrottledClient<C> {
     throttle: Arc<dyn Throttle>,
@@ -130,6 +135,10 @@ pub struct ThrottledClient<C> {
     retry: Retry,
     client: C,
     metrics: Arc<Metrics>,
+    shares: Arc<Shares>,
+    /// How long a slot counts as in flight when its end is never reported
+    /// (the process died): longer than one attempt may take.
+    hold: Duration,
 }
 
 impl<C: Transport> ThrottledClient<C> {
@@ -146,20 +155,32 @@ impl<C: Transport> ThrottledClient<C> {
             retry,
             client,
             metrics,
+            shares: Arc::new(Shares::default_plan(Arc::new(Config::builtin()))),
+            hold: tollgate_core::fair::DEFAULT_HOLD,
         }
     }
 
+    /// Users' shares from `shares`; a slot frees itself `hold` after its grant
+    /// if its end is never reported.
+    pub fn with_shares(mut self, shares: Arc<Shares>, hold: Duration) -> Self {
+        self.shares = shares;
+        self.hold = hold;
+        self
+    }
+
     /// Waits for a slot, observing the wait (a dropped future counts as cancelled).
-    async fn slot(&self, job: &Job) -> Result<(), ThrottleError> {
+    async fn slot(&self, job: &Job) -> Result<Grant, ThrottleError> {
         let wait = self.metrics.acquiring(&self.provider.name);
+        let share = self.shares.share(&job.user, self.hold).await;
+        let waiter = Waiter::of(&job.id, job.user.as_str(), share);
         match self
             .throttle
-            .acquire(&self.provider.name, &job.id, self.provider.max_wait)
+            .acquire_as(&self.provider.name, &waiter, self.provider.max_wait)
             .await
         {
-            Ok(_) => {
+            Ok(grant) => {
                 wait.granted();
-                Ok(())
+                Ok(grant)
             }
             Err(e @ ThrottleError::Timeout { .. }) => {
                 wait.timed_out();
@@ -199,8 +220,13 @@ impl<C: Transport> Client for ThrottledClient<C> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            self.slot(job).await?;
-            let err = match self.try_once(job).await {
+            let grant = self.slot(job).await?;
+            let r = self.try_once(job).await;
+            if let Err(e) = self.throttle.done(&grant).await {
+                // The slot frees itself at the end of its hold.
+                tracing::warn!(error = %e, provider = %name, "reporting the end of a call failed");
+            }
+            let err = match r {
                 Ok(v) => return Ok(v),
                 Err(e) => e,
             };
@@ -261,10 +287,38 @@ pub enum SetupError {
 
 /// One throttled [`Client`] per configured provider: HTTP where the config
 /// gives a `url`, the built-in mock otherwise; each observed in `metrics`.
+/// Every user counts as on the default plan in the fair queues (see
+/// [`from_config_with_plans`]).
 pub fn from_config(
     config: &Config,
     throttle: Arc<dyn Throttle>,
     metrics: &Arc<Metrics>,
+) -> Result<BTreeMap<String, Arc<dyn Client>>, SetupError> {
+    let shares = Arc::new(Shares::default_plan(Arc::new(config.clone())));
+    build(config, throttle, metrics, shares)
+}
+
+/// The same, each user queueing with its plan's `share` and `max_in_flight`
+/// as `ledger` has it.
+pub fn from_config_with_plans(
+    config: &Config,
+    throttle: Arc<dyn Throttle>,
+    metrics: &Arc<Metrics>,
+    ledger: Arc<dyn Ledger>,
+) -> Result<BTreeMap<String, Arc<dyn Client>>, SetupError> {
+    let shares = Arc::new(Shares::new(Arc::new(config.clone()), ledger));
+    build(config, throttle, metrics, shares)
+}
+
+/// Margin over an upstream's call timeout before a slot whose end was never
+/// reported frees itself.
+const HOLD_MARGIN: Duration = Duration::from_secs(5);
+
+fn build(
+    config: &Config,
+    throttle: Arc<dyn Throttle>,
+    metrics: &Arc<Metrics>,
+    shares: Arc<Shares>,
 ) -> Result<BTreeMap<String, Arc<dyn Client>>, SetupError> {
     let mut out: BTreeMap<String, Arc<dyn Client>> = BTreeMap::new();
     for p in config.providers() {
@@ -275,21 +329,27 @@ pub fn from_config(
                     retries: upstream.retries,
                     ..Retry::default()
                 };
-                Arc::new(ThrottledClient::new(
+                Arc::new(
+                    ThrottledClient::new(
+                        Arc::clone(&throttle),
+                        p.clone(),
+                        retry,
+                        client,
+                        Arc::clone(metrics),
+                    )
+                    .with_shares(Arc::clone(&shares), upstream.timeout + HOLD_MARGIN),
+                )
+            }
+            None => Arc::new(
+                ThrottledClient::new(
                     Arc::clone(&throttle),
                     p.clone(),
-                    retry,
-                    client,
+                    Retry::default(),
+                    mock::BuiltinMock,
                     Arc::clone(metrics),
-                ))
-            }
-            None => Arc::new(ThrottledClient::new(
-                Arc::clone(&throttle),
-                p.clone(),
-                Retry::default(),
-                mock::BuiltinMock,
-                Arc::clone(metrics),
-            )),
+                )
+                .with_shares(Arc::clone(&shares), tollgate_core::fair::DEFAULT_HOLD),
+            ),
         };
         out.insert(p.name.clone(), provider);
     }

@@ -66,6 +66,16 @@ pub struct ThrottleKeys {
     /// Set: every throttler id that may have a processing list (see
     /// `liveness_heartbeat.lua`); it does not expire.
     pub lists: String,
+    /// The fair queue (`lua/lib/fair.lua`). Sorted set: user -> start tag.
+    pub active: String,
+    /// Sorted set: user held back by its cap -> when its oldest slot frees itself (µs).
+    pub capped: String,
+    /// Sorted set: user not in `active` -> the start tag it comes back with.
+    pub idle: String,
+    /// Hash: `v` -> the virtual clock.
+    pub fair: String,
+    /// Hash: user -> `"<weight> <max_in_flight> <hold_us>"` while it has tickets.
+    pub shares: String,
     base: String,
 }
 
@@ -83,6 +93,18 @@ impl ThrottleKeys {
     /// List: the tickets throttler `throttler` popped and has not served yet.
     pub fn processing(&self, throttler: &str) -> String {
         format!("{}:processing:{throttler}", self.base)
+    }
+
+    /// The prefix of every key of this provider: the fair queue's scripts
+    /// build the per-user keys from it (`lua/lib/fair.lua`: `<base>:fq:<user>`,
+    /// the user's tickets, and `<base>:held:<user>`, its slots in flight).
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// List: `user`'s tickets in the fair queue, oldest first.
+    pub fn user_queue(&self, user: &str) -> String {
+        format!("{}:fq:{user}", self.base)
     }
 }
 
@@ -138,7 +160,8 @@ impl KeySpace {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|lists|processing:<id>`.
+    /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|lists|processing:<id>`,
+    /// and the fair queue's `active|capped|idle|fair|shares|fq:<user>|held:<user>`.
     /// Provider names are validated like ids when the config is read.
     pub fn throttle(&self, provider: &str) -> ThrottleKeys {
         let base = format!("{}:{SCHEMA}:{{p:{}}}", self.prefix, provider);
@@ -149,6 +172,11 @@ impl KeySpace {
             bucket: format!("{base}:bucket"),
             throttlers: format!("{base}:throttlers"),
             lists: format!("{base}:lists"),
+            active: format!("{base}:active"),
+            capped: format!("{base}:capped"),
+            idle: format!("{base}:idle"),
+            fair: format!("{base}:fair"),
+            shares: format!("{base}:shares"),
             base,
         }
     }
@@ -254,7 +282,18 @@ mod tests {
         assert_eq!(k.queue, "tg:v1:{p:llm}:queue");
         assert_eq!(k.bucket, "tg:v1:{p:llm}:bucket");
         assert_eq!(k.processing("t1"), "tg:v1:{p:llm}:processing:t1");
-        for key in [&k.waiting, &k.granted, &k.throttlers, &k.lists] {
+        for key in [
+            &k.waiting,
+            &k.granted,
+            &k.throttlers,
+            &k.lists,
+            &k.active,
+            &k.capped,
+            &k.idle,
+            &k.fair,
+            &k.shares,
+            &k.user_queue("u"),
+        ] {
             assert!(key.starts_with("tg:v1:{p:llm}:"), "{key}");
         }
     }

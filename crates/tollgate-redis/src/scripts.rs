@@ -152,9 +152,10 @@ pub fn release<'a>(
 }
 
 const BUCKET_LIB: &str = include_str!("../../../lua/lib/bucket.lua");
+const FAIR_LIB: &str = include_str!("../../../lua/lib/fair.lua");
 
 fn bucket_script(body: &str) -> Script {
-    Script::new(&format!("{BUCKET_LIB}\n{body}"))
+    Script::new(&format!("{BUCKET_LIB}\n{FAIR_LIB}\n{body}"))
 }
 
 pub static THROTTLE_ENQUEUE: LazyLock<Script> =
@@ -163,6 +164,19 @@ pub static THROTTLE_GRANT: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_grant.lua")));
 pub static THROTTLE_CANCEL: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_cancel.lua")));
+pub static THROTTLE_ENQUEUE_FAIR: LazyLock<Script> =
+    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_enqueue_fair.lua")));
+pub static THROTTLE_DONE: LazyLock<Script> =
+    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_done.lua")));
+
+/// The fair queue's keys, in the order the throttle scripts take them.
+fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
+    inv.key(&keys.active)
+        .key(&keys.capped)
+        .key(&keys.idle)
+        .key(&keys.fair)
+        .key(&keys.shares);
+}
 
 /// A provider's bucket parameters as the throttle scripts read them.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -215,26 +229,85 @@ pub fn throttle_grant<'a>(
         .key(&keys.waiting)
         .key(&keys.granted)
         .key(&keys.bucket);
+    fair_keys(&mut inv, keys);
     inv.arg(bucket.rate)
         .arg(bucket.burst)
         .arg(limit)
         .arg(ready_ttl_us)
-        .arg(idle_ms);
+        .arg(idle_ms)
+        .arg(keys.base());
     inv
 }
 
-/// `throttle_cancel.lua`
+/// `throttle_cancel.lua`; `user`: the fair queue the ticket is in, `None`
+/// for a FIFO ticket.
 pub fn throttle_cancel<'a>(
     keys: &ThrottleKeys,
     ticket: &str,
     bucket: BucketArgs,
+    user: Option<&str>,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = THROTTLE_CANCEL.prepare_invoke();
     inv.key(&keys.queue)
         .key(&keys.waiting)
         .key(&keys.granted)
         .key(&keys.bucket);
+    fair_keys(&mut inv, keys);
     inv.arg(ticket).arg(bucket.rate).arg(bucket.burst);
+    match user {
+        Some(user) => inv.arg("fair").arg(user),
+        None => inv.arg("fifo").arg(""),
+    };
+    inv.arg(keys.base());
+    inv
+}
+
+/// A waiter of the fair queue: its user and share (`throttle_enqueue_fair.lua`).
+#[derive(Debug, Clone, Copy)]
+pub struct FairArgs<'a> {
+    pub user: &'a str,
+    pub weight: u32,
+    pub max_in_flight: u32,
+    pub hold_us: u64,
+}
+
+/// `throttle_enqueue_fair.lua`
+pub fn throttle_enqueue_fair<'a>(
+    keys: &ThrottleKeys,
+    ticket: &str,
+    inbox: &str,
+    max_wait_us: u64,
+    idle_ms: u64,
+    bucket: BucketArgs,
+    fair: FairArgs<'_>,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = THROTTLE_ENQUEUE_FAIR.prepare_invoke();
+    inv.key(&keys.queue).key(&keys.waiting).key(&keys.bucket);
+    fair_keys(&mut inv, keys);
+    inv.arg(ticket)
+        .arg(inbox)
+        .arg(max_wait_us)
+        .arg(idle_ms)
+        .arg(bucket.rate)
+        .arg(bucket.burst)
+        .arg(fair.user)
+        .arg(fair.weight.max(1))
+        .arg(fair.max_in_flight)
+        .arg(fair.hold_us.max(1))
+        .arg(keys.base());
+    inv
+}
+
+/// `throttle_done.lua`
+pub fn throttle_done<'a>(
+    keys: &ThrottleKeys,
+    user: &str,
+    ticket: &str,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = THROTTLE_DONE.prepare_invoke();
+    inv.key(&keys.queue);
+    fair_keys(&mut inv, keys);
+    inv.arg(user).arg(ticket).arg(keys.base());
     inv
 }
 

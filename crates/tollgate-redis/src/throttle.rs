@@ -28,15 +28,17 @@ use redis::{FromRedisValue, ScriptInvocation};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tollgate_core::{
-    config::{Config, Provider},
+    config::{Config, Fairness, Provider},
     id::RequestId,
-    throttle::{Dispatch, Dispatchers, Grant, ProviderStats, Pumped, Throttle, ThrottleError},
+    throttle::{
+        Dispatch, Dispatchers, Grant, Held, ProviderStats, Pumped, Throttle, ThrottleError, Waiter,
+    },
 };
 
 use crate::call::{self, bad_reply};
 use crate::keys::{KeySpace, ThrottleKeys};
 use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, BucketArgs};
+use crate::scripts::{self, BucketArgs, FairArgs};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::metrics::Metrics;
@@ -234,6 +236,8 @@ struct Ticket<'a> {
     throttle: &'a RedisThrottle,
     provider: &'a Provider,
     id: String,
+    /// The fair queue the ticket is in (its user); `None` on a FIFO provider.
+    user: Option<&'a str>,
     armed: bool,
 }
 
@@ -246,6 +250,7 @@ impl Ticket<'_> {
             &self.throttle.shared,
             self.provider,
             &self.id,
+            self.user,
             self.throttle.options.call_timeout,
             why,
         )
@@ -257,6 +262,7 @@ async fn cancel(
     shared: &Shared,
     provider: &Provider,
     ticket: &str,
+    user: Option<&str>,
     timeout: Duration,
     why: &'static str,
 ) -> Result<i64, ThrottleError> {
@@ -265,7 +271,7 @@ async fn cancel(
         &shared.pool,
         timeout,
         "throttle_cancel",
-        scripts::throttle_cancel(&keys, ticket, BucketArgs::from(provider)),
+        scripts::throttle_cancel(&keys, ticket, BucketArgs::from(provider), user),
     )
     .await;
     if let Ok(2) = r {
@@ -289,9 +295,11 @@ impl Drop for Ticket<'_> {
         let shared = Arc::clone(&self.throttle.shared);
         let provider = self.provider.clone();
         let ticket = std::mem::take(&mut self.id);
+        let user = self.user.map(str::to_owned);
         let timeout = self.throttle.options.call_timeout;
         let task = async move {
-            if let Err(e) = cancel(&shared, &provider, &ticket, timeout, "cancelled").await {
+            let user = user.as_deref();
+            if let Err(e) = cancel(&shared, &provider, &ticket, user, timeout, "cancelled").await {
                 tracing::warn!(error = %e, ticket, "cancelling a dropped wait failed");
             }
         };
@@ -368,11 +376,11 @@ impl RedisThrottle {
 
 #[async_trait]
 impl Throttle for RedisThrottle {
-    #[tracing::instrument(skip_all, fields(provider, request_id = %request_id))]
-    async fn acquire(
+    #[tracing::instrument(skip_all, fields(provider, request_id = %waiter.request_id))]
+    async fn acquire_as(
         &self,
         provider: &str,
-        request_id: &RequestId,
+        waiter: &Waiter,
         max_wait: Duration,
     ) -> Result<Grant, ThrottleError> {
         let started = Instant::now();
@@ -381,7 +389,7 @@ impl Throttle for RedisThrottle {
             ThrottleError::unknown_provider(provider, self.providers.keys().map(String::as_str))
         })?;
         loop {
-            match self.attempt(p, request_id, started, max_wait).await? {
+            match self.attempt(p, waiter, started, max_wait).await? {
                 Attempt::Granted(grant) => return Ok(grant),
                 Attempt::Late { age } => {
                     tracing::warn!(
@@ -415,6 +423,8 @@ impl Throttle for RedisThrottle {
             );
             cmds.push(redis::cmd("HLEN").arg(&keys.waiting).to_owned());
             cmds.push(redis::cmd("HVALS").arg(&keys.throttlers).to_owned());
+            cmds.push(redis::cmd("ZCARD").arg(&keys.active).to_owned());
+            cmds.push(redis::cmd("ZCARD").arg(&keys.capped).to_owned());
         }
         let reply: redis::Value = call::gather(
             &self.shared.pool,
@@ -433,13 +443,23 @@ impl Throttle for RedisThrottle {
             .ok_or_else(|| bad_reply::<ThrottleError>("TIME", items.first()))?;
         let now_us = secs * 1_000_000 + micros;
         let mut out = Vec::with_capacity(self.providers.len());
-        for (p, r) in self.providers.values().zip(items[1..].chunks_exact(3)) {
+        for (p, r) in self.providers.values().zip(items[1..].chunks_exact(5)) {
             let (tokens, at): (Option<f64>, Option<u64>) = redis::from_redis_value_ref(&r[0])
                 .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
             let waiters: u64 = redis::from_redis_value_ref(&r[1])
                 .map_err(|e| bad_reply::<ThrottleError>("HLEN", e))?;
             let lives: Vec<u64> = redis::from_redis_value_ref(&r[2])
                 .map_err(|e| bad_reply::<ThrottleError>("HVALS", e))?;
+            let (active, capped): (u64, u64) = (
+                redis::from_redis_value_ref(&r[3])
+                    .map_err(|e| bad_reply::<ThrottleError>("ZCARD", e))?,
+                redis::from_redis_value_ref(&r[4])
+                    .map_err(|e| bad_reply::<ThrottleError>("ZCARD", e))?,
+            );
+            let users = match p.fairness {
+                Fairness::Fair => active + capped,
+                Fairness::Fifo => u64::from(waiters > 0),
+            };
             let burst = p.burst as f64;
             let tokens = match (tokens, at) {
                 (Some(t), Some(at)) if now_us > at => {
@@ -455,10 +475,26 @@ impl Throttle for RedisThrottle {
                 burst: p.burst,
                 tokens,
                 waiters,
+                users,
                 throttlers: Some(lives.iter().filter(|until| **until >= now_ms).count() as u64),
             });
         }
         Ok(out)
+    }
+
+    async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
+        let Some(held) = &grant.held else {
+            return Ok(());
+        };
+        let keys = self.shared.keys.throttle(&grant.provider);
+        let _: i64 = run_script(
+            &self.shared.pool,
+            self.options.call_timeout,
+            "throttle_done",
+            scripts::throttle_done(&keys, &held.user, &held.ticket),
+        )
+        .await?;
+        Ok(())
     }
 
     async fn drain(&self, limit: Duration) -> usize {
@@ -477,10 +513,20 @@ impl RedisThrottle {
     async fn attempt(
         &self,
         p: &Provider,
-        request_id: &RequestId,
+        waiter: &Waiter,
         started: Instant,
         max_wait: Duration,
     ) -> Result<Attempt, ThrottleError> {
+        let request_id = &waiter.request_id;
+        let fair = match p.fairness {
+            Fairness::Fair => Some(FairArgs {
+                user: &waiter.user,
+                weight: waiter.share.weight,
+                max_in_flight: waiter.share.max_in_flight.unwrap_or(0),
+                hold_us: micros(waiter.share.hold),
+            }),
+            Fairness::Fifo => None,
+        };
         let deadline = started + max_wait;
         let left = deadline.saturating_duration_since(Instant::now());
         self.ensure_subscribed();
@@ -495,6 +541,7 @@ impl RedisThrottle {
             throttle: self,
             provider: p,
             id,
+            user: fair.map(|f| f.user),
             armed: false,
         };
         let timeout = || ThrottleError::Timeout {
@@ -515,25 +562,43 @@ impl RedisThrottle {
         // here, is never behind (a slow link makes grants look older, never
         // younger).
         let sent_at = Instant::now();
-        let queued: Vec<i64> = run_script(
-            &shared.pool,
-            self.options.call_timeout,
-            "throttle_enqueue",
-            scripts::throttle_enqueue(
+        let idle_ms = u64::try_from(IDLE_TTL.as_millis()).unwrap_or(u64::MAX);
+        let invocation = match fair {
+            Some(fair) => scripts::throttle_enqueue_fair(
                 &keys,
                 &ticket.id,
                 &shared.inbox,
                 micros(left),
-                u64::try_from(IDLE_TTL.as_millis()).unwrap_or(u64::MAX),
+                idle_ms,
+                BucketArgs::from(p),
+                fair,
+            ),
+            None => scripts::throttle_enqueue(
+                &keys,
+                &ticket.id,
+                &shared.inbox,
+                micros(left),
+                idle_ms,
                 BucketArgs::from(p),
             ),
+        };
+        let queued: Vec<i64> = run_script(
+            &shared.pool,
+            self.options.call_timeout,
+            "throttle_enqueue",
+            invocation,
         )
         .await?;
+        let held = fair.filter(|f| f.max_in_flight > 0).map(|f| Held {
+            user: f.user.to_owned(),
+            ticket: ticket.id.clone(),
+        });
         let grant = |granted_at_us: u64| Grant {
             provider: p.name.clone(),
             request_id: request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
+            held: held.clone(),
         };
         let redis_now_us = match queued[..] {
             [2, granted_at_us] => {

@@ -1,0 +1,94 @@
+//! What a waiter brings to a provider's fair queue: its user's [`Share`] (the
+//! plan's `share` and `max_in_flight`), looked up through the [`Ledger`] and
+//! kept for a few seconds per user.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tollgate_core::{config::Config, id::UserId, ledger::Ledger, throttle::Share};
+
+/// How long a user's looked-up share is used before it is asked again: a plan
+/// change reaches the fair queue within this.
+pub const SHARE_TTL: Duration = Duration::from_secs(10);
+
+/// Users' shares from their plans.
+pub struct Shares {
+    config: Arc<Config>,
+    ledger: Option<Arc<dyn Ledger>>,
+    cache: Mutex<HashMap<UserId, (Instant, Share)>>,
+}
+
+impl std::fmt::Debug for Shares {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shares")
+            .field("ledger", &self.ledger.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shares {
+    /// Shares from each user's plan in `ledger`. When every plan has the same
+    /// share and no cap, the ledger is never asked.
+    pub fn new(config: Arc<Config>, ledger: Arc<dyn Ledger>) -> Self {
+        let uniform = config
+            .plans()
+            .all(|p| p.share == 1 && p.max_in_flight.is_none());
+        Self {
+            config,
+            ledger: (!uniform).then_some(ledger),
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Everyone on the default plan (no ledger at hand).
+    pub fn default_plan(config: Arc<Config>) -> Self {
+        Self {
+            config,
+            ledger: None,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn of_plan(&self, plan: Option<&str>, hold: Duration) -> Share {
+        let plan = self.config.plan_or_default(plan);
+        Share {
+            weight: plan.share,
+            max_in_flight: plan.max_in_flight,
+            hold,
+        }
+    }
+
+    /// `user`'s share; a slot it holds frees itself after `hold`. A failed
+    /// look-up counts as the default plan (and is not kept).
+    pub async fn share(&self, user: &UserId, hold: Duration) -> Share {
+        let Some(ledger) = &self.ledger else {
+            return self.of_plan(None, hold);
+        };
+        let now = Instant::now();
+        {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((at, share)) = cache.get(user) {
+                if now.duration_since(*at) < SHARE_TTL {
+                    return Share { hold, ..*share };
+                }
+            }
+        }
+        match ledger.plan(user).await {
+            Ok(plan) => {
+                let share = self.of_plan(Some(&plan), hold);
+                let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+                if cache.len() > 100_000 {
+                    cache.retain(|_, (at, _)| now.duration_since(*at) < SHARE_TTL);
+                }
+                cache.insert(user.clone(), (now, share));
+                share
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, user = %user, "plan look-up failed; the default plan's share is used");
+                self.of_plan(None, hold)
+            }
+        }
+    }
+}
