@@ -405,6 +405,8 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("claim.lua", &CLAIM),
         ("release.lua", &RELEASE),
         ("throttle_enqueue.lua", &THROTTLE_ENQUEUE),
+        ("throttle_enqueue_fair.lua", &THROTTLE_ENQUEUE_FAIR),
+        ("throttle_done.lua", &THROTTLE_DONE),
         ("throttle_grant.lua", &THROTTLE_GRANT),
         ("throttle_cancel.lua", &THROTTLE_CANCEL),
         ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),
