@@ -78,6 +78,11 @@ impl Drop for All {
 }
 
 impl All {
+    /// The process id (the scale bench reads its CPU time).
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts `tollgate all` on a free port and reads its banner.
     pub(crate) fn start(
         bin: &Path,

@@ -220,25 +220,46 @@ async fn counters(ports: &[u16]) -> anyhow::Result<Counters> {
     Ok(total)
 }
 
-/// One row: calls over the stretch, and the Redis work they cost.
-fn row(
-    store: &str,
-    what: &str,
-    pods: usize,
+/// CPU seconds (user + system) the processes `pids` have used so far, from
+/// /proc (clock ticks of 1/100 s); 0 for a process that is gone.
+fn cpu_of(pids: &[u32]) -> f64 {
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|stat| {
+            // The fields after the command name (which may hold spaces), from field 3.
+            let rest = &stat[stat.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+            Some(ticks as f64 / 100.0)
+        })
+        .sum()
+}
+
+/// One measured stretch: calls, wall time, and the CPU the pods used.
+struct Stretch {
     calls: u64,
     wall: Duration,
-    before: Counters,
-    after: Counters,
-) {
-    let per = |x: f64| if calls == 0 { 0.0 } else { x / calls as f64 };
-    let rate = calls as f64 / wall.as_secs_f64();
+    pods_cpu: f64,
+}
+
+/// One row: calls over the stretch, and the Redis and pod work they cost.
+fn row(store: &str, what: &str, pods: usize, s: &Stretch, before: Counters, after: Counters) {
+    let per = |x: f64| {
+        if s.calls == 0 {
+            0.0
+        } else {
+            x / s.calls as f64
+        }
+    };
+    let rate = s.calls as f64 / s.wall.as_secs_f64();
     let cpu = after.cpu - before.cpu;
     println!(
-        "| {store} | {what} | {pods} | {rate:.0} | {:.1} | {:.2} | {:.0} µs | {:.0}% |",
+        "| {store} | {what} | {pods} | {rate:.0} | {:.1} | {:.2} | {:.0} µs | {:.0}% | {:.0} µs |",
         per((after.commands - before.commands) as f64),
         per((after.scripts - before.scripts) as f64),
         per(cpu * 1e6),
-        100.0 * cpu / wall.as_secs_f64(),
+        100.0 * cpu / s.wall.as_secs_f64(),
+        per(s.pods_cpu * 1e6),
     );
 }
 
@@ -265,11 +286,14 @@ async fn reserves(bench: &Path, store: &Store, args: &Args, pods: usize) -> anyh
                 .context("spawn tollgate-bench reserve-load")
         })
         .collect::<anyhow::Result<_>>()?;
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
     tokio::time::sleep(Duration::from_millis(start_at.saturating_sub(unix_ms()))).await;
     let before = counters(&store.ports()).await?;
+    let cpu0 = cpu_of(&pids);
     let t0 = Instant::now();
     tokio::time::sleep(Duration::from_secs(args.seconds)).await;
     let after = counters(&store.ports()).await?;
+    let pods_cpu = cpu_of(&pids) - cpu0;
     let wall = t0.elapsed();
     let mut total = 0u64;
     for child in children {
@@ -279,7 +303,12 @@ async fn reserves(bench: &Path, store: &Store, args: &Args, pods: usize) -> anyh
         anyhow::ensure!(v["errors"].as_u64() == Some(0), "reserve errors: {v}");
         total += v["reserves"].as_u64().unwrap_or(0);
     }
-    row(&store.name(), "reserve", pods, total, wall, before, after);
+    let stretch = Stretch {
+        calls: total,
+        wall,
+        pods_cpu,
+    };
+    row(&store.name(), "reserve", pods, &stretch, before, after);
     Ok(())
 }
 
@@ -368,12 +397,20 @@ async fn sync_calls(config: &Path, store: &Store, args: &Args, pods: usize) -> a
     };
     // Warm-up: connections, scripts, every pod's loops.
     run(1.0).await?;
+    let pids: Vec<u32> = all.iter().map(All::pid).collect();
     let before = counters(&store.ports()).await?;
+    let cpu0 = cpu_of(&pids);
     let t0 = Instant::now();
     let n = run(args.seconds as f64).await?;
     let wall = t0.elapsed();
+    let pods_cpu = cpu_of(&pids) - cpu0;
     let after = counters(&store.ports()).await?;
-    row(&store.name(), "sync call", pods, n, wall, before, after);
+    let stretch = Stretch {
+        calls: n,
+        wall,
+        pods_cpu,
+    };
+    row(&store.name(), "sync call", pods, &stretch, before, after);
     drop(all);
     Ok(())
 }
@@ -389,8 +426,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "{} users for reserves, {} with keys for sync calls, {} s per point, {} reserving tasks per process, {} HTTP clients",
         args.users, args.http_users, args.seconds, args.tasks, args.clients
     );
-    println!("| store | call | pods | calls/s | Redis commands per call | scripts per call | primaries' CPU per call | primaries' CPU busy |");
-    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    println!("| store | call | pods | calls/s | Redis commands per call | scripts per call | primaries' CPU per call | primaries' CPU busy (sum) | pods' CPU per call |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for cluster in [false, true] {
         let store = if cluster {
             Store::Cluster(RedisCluster::start(args.primaries))
