@@ -86,7 +86,7 @@ function renderProviders(providers, now) {
       const legend = el('div', null, 'legend');
       legend.appendChild(el('span', '— grants/s ', 'g'));
       legend.appendChild(el('span', '— waiters', 'w'));
-      legend.appendChild(el('span', ' · last 5 min'));
+      legend.appendChild(el('span', ' · up to the last 5 min'));
       card.appendChild(legend);
       charts.appendChild(card);
     }
@@ -94,8 +94,11 @@ function renderProviders(providers, now) {
   }
 }
 
-// Two lines over the last five minutes, each scaled to its own maximum.
+// Two lines over the history (one minute at least, five at most), each
+// scaled to its own maximum.
 function draw(canvas, history, now) {
+  const oldest = history.length ? history[0].at_ms : now;
+  const span = Math.min(HISTORY_MS, Math.max(60 * 1000, now - oldest));
   const ratio = window.devicePixelRatio || 1;
   const w = canvas.clientWidth || 260, h = canvas.clientHeight || 90;
   canvas.width = Math.round(w * ratio);
@@ -118,7 +121,7 @@ function draw(canvas, history, now) {
     ctx.lineWidth = 1.5;
     ctx.beginPath();
     history.forEach((pt, i) => {
-      const x = w - ((now - pt.at_ms) / HISTORY_MS) * w;
+      const x = w - ((now - pt.at_ms) / span) * w;
       const y = h - 2 - (pt[key] / max) * (h - 8);
       if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
     });
