@@ -19,7 +19,7 @@ use tollgate_redis::keys::KeySpace;
 use tollgate_redis::pool::PoolOptions;
 use tollgate_tests::process::{spawn_reading, Procs};
 use tollgate_tests::redis_server::free_port;
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer, TestCluster};
 
 /// A running `tollgate all` and what its banner said.
 struct All {
@@ -492,8 +492,8 @@ async fn overview_on_redis() {
     assert_eq!(by_key.status(), 401);
 }
 
-async fn redis_backends(redis: &RedisServer, config: Arc<Config>) -> Backends {
-    let pool = tollgate_redis::pool::connect(&redis.url(), &PoolOptions::default())
+async fn redis_backends(url: &str, config: Arc<Config>) -> Backends {
+    let pool = tollgate_redis::pool::connect(url, &PoolOptions::default())
         .await
         .unwrap();
     tollgate_redis::backends(
@@ -592,5 +592,13 @@ async fn activity_is_noted_in_memory() {
 #[tokio::test]
 async fn activity_is_noted_on_redis() {
     let redis = RedisServer::start();
-    activity_is_noted(redis_backends(&redis, Arc::new(Config::builtin())).await).await;
+    activity_is_noted(redis_backends(&redis.url(), Arc::new(Config::builtin())).await).await;
+}
+
+/// On a Redis Cluster: the log's keys share the `{activity}` slot, so its
+/// scripts run there as they do on one Redis.
+#[tokio::test]
+async fn activity_is_noted_on_a_cluster() {
+    let cluster = TestCluster::get();
+    activity_is_noted(redis_backends(&cluster.url(), Arc::new(Config::builtin())).await).await;
 }
