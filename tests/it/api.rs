@@ -764,6 +764,7 @@ pub fn check_openapi(doc: &Value) {
         ("post", "/admin/users"),
         ("put", "/admin/users/{user}/plan"),
         ("delete", "/admin/keys/{key_id}"),
+        ("get", "/admin/overview"),
         ("get", "/healthz"),
         ("get", "/readyz"),
         ("get", "/metrics"),

@@ -14,6 +14,7 @@ mod charging_model;
 mod cli;
 mod cluster_failover;
 mod concurrency;
+mod dashboard;
 mod jobs;
 mod jobs_processes;
 mod ledger;

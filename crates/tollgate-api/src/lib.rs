@@ -9,6 +9,8 @@
 //! - [`cost`]: the [`Cost`](cost::Cost) layer, which prices a route where it is
 //!   declared and charges the caller's budget around the handler;
 //! - [`ops`], [`usage`], [`admin`]: the handlers;
+//! - [`dashboard`]: the live operations page at `/dashboard` and its
+//!   `/admin/overview`;
 //! - [`health`]: `/healthz`, `/readyz`, `/metrics` (also served alone by a
 //!   worker's or throttler's `--metrics-listen`);
 //! - [`problem`]: every error as `application/problem+json`;
@@ -22,6 +24,7 @@ pub mod abuse;
 pub mod admin;
 pub mod auth;
 pub mod cost;
+pub mod dashboard;
 pub mod extract;
 pub mod health;
 pub mod keycache;
@@ -178,6 +181,19 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             delete(admin::revoke),
         )
         .route(
+            Doc::get(
+                "/admin/overview",
+                "The operations overview the dashboard polls (providers, queues, roles, top users, newest spend events)",
+            )
+            .admin()
+            .ok(
+                200,
+                "The overview (the admin token, or the dashboard's session cookie).",
+                Some(schema("Overview")),
+            ),
+            get(dashboard::overview),
+        )
+        .route(
             Doc::get("/healthz", "The process answers").ok(200, "Up.", Some(schema("Status"))),
             get(health::healthz),
         )
@@ -225,6 +241,7 @@ pub fn router(mut state: ApiState) -> Router {
                 async move { axum::Json(document.as_ref().clone()) }
             }),
         )
+        .merge(dashboard::pages())
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(middleware::from_fn_with_state(

@@ -422,6 +422,7 @@ fn schemas(config: &Config) -> Value {
         "RevokedKey": {"type": "object", "required": ["key_id", "user", "revoked"],
             "properties": {"key_id": {"type": "string"}, "user": {"type": "string"}, "revoked": {"type": "boolean"}}},
         "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
+        "Overview": crate::dashboard::schema(),
     })
 }
 

@@ -10,6 +10,7 @@ use tollgate_core::{
 };
 
 use crate::cost::{Budget, InFlight};
+use crate::dashboard::Dashboard;
 use crate::health::Probes;
 
 /// Default largest request body, in bytes.
@@ -68,6 +69,9 @@ pub struct ApiState {
     /// Metered requests still running (a submission, a plain charge and its
     /// refund); [`run`](crate::run) waits for them on shutdown.
     pub in_flight: InFlight,
+    /// The operations dashboard: its login limiter, the activity log it reads,
+    /// its last overview and chart history.
+    pub dashboard: Arc<Dashboard>,
 }
 
 impl ApiState {
@@ -80,6 +84,10 @@ impl ApiState {
             keys: Arc::clone(&backends.keys),
             throttle: Arc::clone(&backends.throttle),
             metrics: Arc::clone(&backends.metrics),
+            dashboard: Arc::new(Dashboard::new(
+                Arc::clone(&backends.activity),
+                settings.trusted_proxy_header.clone(),
+            )),
             settings,
             in_flight: InFlight::default(),
         }

@@ -230,6 +230,7 @@ fn print_banner(
     println!("  providers: {upstreams}");
     println!("  development user {user:?} on plan {plan} ({limit})");
     println!("  admin token: {admin}");
+    println!("  dashboard: {base}/dashboard (log in with the admin token)");
     println!();
     println!("Try:");
     println!(

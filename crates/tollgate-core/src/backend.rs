@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use crate::activity::{ActivityLog, MemoryActivity, RecordingLedger, RecordingThrottle};
 use crate::config::Config;
 use crate::job::{JobQueue, JobSource};
 use crate::job_memory::MemoryJobQueue;
@@ -36,6 +37,9 @@ pub struct Backends {
     /// The process's one metrics registry (and its loops' heartbeats): every
     /// role of the process records into it, `/metrics` renders it.
     pub metrics: Arc<Metrics>,
+    /// The recent activity (spend events, refunds, grants) the operations
+    /// dashboard reads; `ledger` and `throttle` note into it.
+    pub activity: Arc<dyn ActivityLog>,
 }
 
 impl Backends {
@@ -43,13 +47,20 @@ impl Backends {
     /// without Redis) and tests. Nothing is shared with another process.
     pub fn memory(config: Arc<Config>) -> Self {
         let metrics = Arc::new(Metrics::new(&config));
-        let ledger: Arc<dyn Ledger> = Arc::new(MeteredLedger::new(
-            Arc::new(MemoryLedger::new(Arc::clone(&config))),
-            Arc::clone(&metrics),
+        let activity: Arc<dyn ActivityLog> = Arc::new(MemoryActivity::new());
+        let ledger: Arc<dyn Ledger> = Arc::new(RecordingLedger::new(
+            Arc::new(MeteredLedger::new(
+                Arc::new(MemoryLedger::new(Arc::clone(&config))),
+                Arc::clone(&metrics),
+            )),
+            Arc::clone(&activity),
         ));
         let queue = Arc::new(MemoryJobQueue::new(Arc::clone(&config), ledger.clone()));
         Self {
-            throttle: Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics))),
+            throttle: Arc::new(RecordingThrottle::new(
+                Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics))),
+                Arc::clone(&activity),
+            )),
             config,
             ledger,
             jobs: queue.clone(),
@@ -58,6 +69,7 @@ impl Backends {
             dispatchers: None,
             described: "embedded: in-memory ledger, throttle and job queues".into(),
             metrics,
+            activity,
         }
     }
 }

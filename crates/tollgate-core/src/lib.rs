@@ -8,6 +8,7 @@
 //! root). Nothing here talks to the network; the Redis backend lives in
 //! `tollgate-redis`.
 
+pub mod activity;
 pub mod backend;
 pub mod clock;
 pub mod config;

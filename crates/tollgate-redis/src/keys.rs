@@ -2,7 +2,8 @@
 //!
 //! Layout: `<prefix>:v1:{u:<user>}:<part>` for budgets, `<prefix>:v1:{p:<provider>}:<part>`
 //! for throttles, `<prefix>:v1:{q:<operation>}:<part>` for job queues,
-//! `<prefix>:v1:apikey:<sha256>` for API keys. The prefix lets several deployments
+//! `<prefix>:v1:apikey:<sha256>` for API keys, `<prefix>:v1:{activity}:<part>` for
+//! the dashboard's activity log. The prefix lets several deployments
 //! (and parallel tests) share one Redis; `v1` is the schema version, bumped when a
 //! layout changes so old and new pods never misread each other; the hash tag puts
 //! all keys of one user in one Redis Cluster slot, as multi-key scripts require.
@@ -252,6 +253,39 @@ impl KeySpace {
     }
 }
 
+/// The keys of the activity log (the operations dashboard's recent past),
+/// all under the one `{activity}` hash tag so one script writes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActivityKeys {
+    /// List: spend events (JSON), newest first, capped.
+    pub events: String,
+    /// Sorted set: spend key -> when its refund was noted (ms), capped.
+    pub refunded: String,
+    /// Hash: provider -> grants counted.
+    pub grants: String,
+    base: String,
+}
+
+impl ActivityKeys {
+    /// List: `"<at_ms> <waited_us>"` of a provider's newest grants, capped.
+    pub fn waits(&self, provider: &str) -> String {
+        format!("{}:waits:{provider}", self.base)
+    }
+}
+
+impl KeySpace {
+    /// `<prefix>:v1:{activity}:events|refunded|grants|waits:<provider>`.
+    pub fn activity(&self) -> ActivityKeys {
+        let base = format!("{}:{SCHEMA}:{{activity}}", self.prefix);
+        ActivityKeys {
+            events: format!("{base}:events"),
+            refunded: format!("{base}:refunded"),
+            grants: format!("{base}:grants"),
+            base,
+        }
+    }
+}
+
 impl Default for KeySpace {
     fn default() -> Self {
         Self {
@@ -307,6 +341,16 @@ mod tests {
         assert_eq!(k.processing("w1"), "tg:v1:{q:llm.structured}:processing:w1");
         for key in [&k.leases, &k.refunds, &k.workers, &k.lists, &k.dead] {
             assert!(key.starts_with("tg:v1:{q:llm.structured}:"), "{key}");
+        }
+    }
+
+    #[test]
+    fn activity_keys_share_one_hash_tag() {
+        let k = KeySpace::new("tg").unwrap().activity();
+        assert_eq!(k.events, "tg:v1:{activity}:events");
+        assert_eq!(k.waits("llm"), "tg:v1:{activity}:waits:llm");
+        for key in [&k.refunded, &k.grants] {
+            assert!(key.starts_with("tg:v1:{activity}:"), "{key}");
         }
     }
 

@@ -8,12 +8,14 @@
 //! - [`throttle`] is the [`tollgate_core::throttle::Throttle`] (waiter side) and the
 //!   throttler's [`throttle::Dispatcher`];
 //! - [`jobs`] is the job queue, both sides ([`tollgate_core::job::JobQueue`] and
-//!   [`tollgate_core::job::JobSource`]) on reliable lists.
+//!   [`tollgate_core::job::JobSource`]) on reliable lists;
+//! - [`activity`] is the dashboard's [`tollgate_core::activity::ActivityLog`].
 //!
 //! **Invariant:** spend events, running totals and token buckets are written only
 //! by the scripts in `lua/`, one atomic script per operation, with time from Redis
 //! `TIME`; so are job records and queues.
 
+pub mod activity;
 pub mod call;
 pub mod jobs;
 pub mod keys;
@@ -33,6 +35,7 @@ use crate::ledger::RedisLedger;
 use crate::pool::Pool;
 use crate::throttle::{RedisDispatchers, RedisThrottle, RedisThrottleOptions};
 
+use tollgate_core::activity::{ActivityLog, RecordingLedger, RecordingThrottle};
 use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
 use tollgate_core::job::JobOptions;
@@ -42,13 +45,18 @@ use tollgate_core::metrics::{MeteredLedger, Metrics};
 /// one deployment. `described` names the Redis (without its password).
 pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: String) -> Backends {
     let metrics = Arc::new(Metrics::new(&config));
-    let ledger: Arc<dyn tollgate_core::ledger::Ledger> = Arc::new(MeteredLedger::new(
-        Arc::new(RedisLedger::new(
-            pool.clone(),
-            keys.clone(),
-            Arc::clone(&config),
+    let activity: Arc<dyn ActivityLog> =
+        Arc::new(activity::RedisActivity::start(pool.clone(), &keys, &config));
+    let ledger: Arc<dyn tollgate_core::ledger::Ledger> = Arc::new(RecordingLedger::new(
+        Arc::new(MeteredLedger::new(
+            Arc::new(RedisLedger::new(
+                pool.clone(),
+                keys.clone(),
+                Arc::clone(&config),
+            )),
+            Arc::clone(&metrics),
         )),
-        Arc::clone(&metrics),
+        Arc::clone(&activity),
     ));
     let queue = Arc::new(RedisJobQueue::new(
         pool.clone(),
@@ -58,14 +66,17 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         JobOptions::default(),
     ));
     Backends {
-        throttle: Arc::new(RedisThrottle::start(
-            pool.clone(),
-            keys.clone(),
-            &config,
-            RedisThrottleOptions {
-                metrics: Some(Arc::clone(&metrics)),
-                ..RedisThrottleOptions::default()
-            },
+        throttle: Arc::new(RecordingThrottle::new(
+            Arc::new(RedisThrottle::start(
+                pool.clone(),
+                keys.clone(),
+                &config,
+                RedisThrottleOptions {
+                    metrics: Some(Arc::clone(&metrics)),
+                    ..RedisThrottleOptions::default()
+                },
+            )),
+            Arc::clone(&activity),
         )),
         keys: Arc::new(RedisKeyStore::new(pool.clone(), keys.clone())),
         dispatchers: Some(Arc::new(RedisDispatchers { pool, keys })),
@@ -75,5 +86,6 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         source: queue,
         described,
         metrics,
+        activity,
     }
 }

@@ -9,7 +9,7 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-use crate::keys::{BudgetKeys, JobKeys, ThrottleKeys};
+use crate::keys::{ActivityKeys, BudgetKeys, JobKeys, ThrottleKeys};
 
 const BUDGET_LIB: &str = include_str!("../../../lua/lib/budget.lua");
 
@@ -421,6 +421,8 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_due.lua", &JOB_DUE),
         ("job_requeue.lua", &JOB_REQUEUE),
         ("job_unstick.lua", &JOB_UNSTICK),
+        ("activity_record.lua", &ACTIVITY_RECORD),
+        ("activity_read.lua", &ACTIVITY_READ),
     ]
 }
 
@@ -591,6 +593,55 @@ pub fn job_unstick<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptI
         .key(keys.processing(worker))
         .key(&keys.queue);
     inv.arg(id);
+    inv
+}
+
+pub static ACTIVITY_RECORD: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_record.lua")));
+pub static ACTIVITY_READ: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_read.lua")));
+
+fn activity_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ActivityKeys, providers: &[String]) {
+    inv.key(&keys.events).key(&keys.refunded).key(&keys.grants);
+    for p in providers {
+        inv.key(keys.waits(p));
+    }
+}
+
+/// The caps of the activity log (`activity_record.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActivityCaps {
+    pub events: usize,
+    pub waits: usize,
+    pub idle_ms: u64,
+}
+
+/// `activity_record.lua`: `notes` encoded as the script reads them; a grant's
+/// index counts from 1 in `providers`.
+pub fn activity_record<'a>(
+    keys: &ActivityKeys,
+    providers: &[String],
+    caps: ActivityCaps,
+    notes: &[String],
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = ACTIVITY_RECORD.prepare_invoke();
+    activity_keys(&mut inv, keys, providers);
+    inv.arg(caps.events).arg(caps.waits).arg(caps.idle_ms);
+    for n in notes {
+        inv.arg(n);
+    }
+    inv
+}
+
+/// `activity_read.lua`
+pub fn activity_read<'a>(
+    keys: &ActivityKeys,
+    providers: &[String],
+    limit: usize,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = ACTIVITY_READ.prepare_invoke();
+    activity_keys(&mut inv, keys, providers);
+    inv.arg(limit);
     inv
 }
 

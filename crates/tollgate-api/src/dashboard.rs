@@ -1,0 +1,662 @@
+//! The live operations dashboard: `GET /dashboard` (one page, its HTML, CSS and
+//! JavaScript embedded in the binary: no CDN, no fetch beyond this api), which
+//! polls `GET /admin/overview` every second. `GET /` redirects to it.
+//!
+//! **Access.** Everything but the page shell (which shows only a login form
+//! until the overview answers) needs the admin token: as `Authorization:
+//! Bearer`, or through `POST /dashboard/login`, which checks it (in constant
+//! time; failures go through their own [`AuthFailures`] limiter) and sets a
+//! session cookie: `<expiry>.<HMAC-SHA256(expiry)>`, keyed by a digest of the
+//! admin token (changing the token ends every session), `HttpOnly`,
+//! `SameSite=Strict`, 8 hours. With no admin token configured the dashboard
+//! is disabled like `/admin/*` (403). The cookie opens only the read-only
+//! overview, never a route that changes anything.
+//!
+//! **The overview** is computed at most once per [`OVERVIEW_INTERVAL`] per
+//! process, however many people watch: each provider's bucket and waiters
+//! ([`Throttle::stats`](tollgate_core::throttle::Throttle::stats)), each
+//! queue ([`JobQueue::stats`](tollgate_core::job::JobQueue::stats)), the roles
+//! alive (the workers' and throttlers' liveness records), and from the
+//! [`ActivityLog`]: grants per second and the p95 wait over the last minute,
+//! the newest spend events, and the top spenders (their used/limit read from
+//! the ledger). Each computation is also a sample of the per-provider charts
+//! (grants/s and waiters over the last [`HISTORY`]).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::header::{
+    CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE, COOKIE, LOCATION, SET_COOKIE,
+};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tollgate_core::activity::{ActivityLog, ActivityView, SpendView, WAITS_CAP};
+use tollgate_core::clock::{Clock, SystemClock};
+use tollgate_core::id::UserId;
+use tollgate_core::job::QueueStats;
+use tollgate_core::keystore::secrets_equal;
+use tollgate_core::throttle::{ProviderStats, ThrottleError};
+
+use crate::abuse::AuthFailures;
+use crate::problem::ApiError;
+use crate::state::ApiState;
+
+/// The session cookie's name.
+pub const COOKIE_NAME: &str = "tollgate_dashboard";
+/// How long a login lasts.
+pub const SESSION: Duration = Duration::from_secs(8 * 3600);
+/// Overview requests closer together than this share one computation.
+pub const OVERVIEW_INTERVAL: Duration = Duration::from_secs(1);
+/// How far back the charts go.
+pub const HISTORY: Duration = Duration::from_secs(5 * 60);
+/// The window of the rates and the p95.
+const MINUTE_MS: u64 = 60_000;
+/// Spend events in the overview (the newest).
+const EVENTS_SHOWN: usize = 50;
+/// Top spenders shown, and candidates whose budget is read to rank them.
+const TOP_USERS: usize = 8;
+const TOP_CANDIDATES: usize = 16;
+/// Largest login form body.
+const LOGIN_BODY_LIMIT: usize = 4096;
+
+const PAGE: &str = include_str!("dashboard/index.html");
+const SCRIPT: &str = include_str!("dashboard/app.js");
+const STYLE: &str = include_str!("dashboard/app.css");
+
+/// Everything inline is refused: the page runs only its own script and style.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
+                   connect-src 'self'; img-src 'self'; form-action 'self'; \
+                   frame-ancestors 'none'; base-uri 'none'";
+
+/// The dashboard's state in [`ApiState`]: its login limiter, the activity log
+/// it reads, and the last overview with the charts' history.
+#[derive(Debug)]
+pub struct Dashboard {
+    activity: Arc<dyn ActivityLog>,
+    failures: AuthFailures,
+    sampler: tokio::sync::Mutex<Sampler>,
+}
+
+#[derive(Debug, Default)]
+struct Sampler {
+    last: Option<(Instant, Arc<Overview>)>,
+    history: BTreeMap<String, VecDeque<Sample>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    at_ms: u64,
+    grants: u64,
+    waiters: u64,
+}
+
+impl Dashboard {
+    pub fn new(
+        activity: Arc<dyn ActivityLog>,
+        trusted_proxy_header: Option<axum::http::HeaderName>,
+    ) -> Self {
+        Self {
+            activity,
+            failures: AuthFailures::new(trusted_proxy_header),
+            sampler: tokio::sync::Mutex::new(Sampler::default()),
+        }
+    }
+}
+
+/// `GET /admin/overview`: see the module docs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Overview {
+    pub now_ms: u64,
+    pub providers: Vec<ProviderView>,
+    pub queues: Vec<QueueStats>,
+    pub roles: Roles,
+    pub top_users: Vec<TopUser>,
+    /// The newest spend events, newest first.
+    pub events: Vec<SpendView>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProviderView {
+    #[serde(flatten)]
+    pub stats: ProviderStats,
+    /// Grants in the last minute, per second.
+    pub grants_per_sec: f64,
+    /// Grants in the last minute.
+    pub grants_last_minute: u64,
+    /// The 95th percentile of the waits for a slot granted in the last
+    /// minute, in ms; `None` without grants.
+    pub p95_wait_ms: Option<f64>,
+    /// Oldest first: grants/s and waiters at each sample.
+    pub history: Vec<Point>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    pub at_ms: u64,
+    pub grants_per_sec: f64,
+    pub waiters: u64,
+}
+
+/// The roles alive, from their liveness records; `None` when embedded (the
+/// worker and the throttle run inside the api's process).
+#[derive(Debug, Clone, Serialize)]
+pub struct Roles {
+    pub embedded: bool,
+    pub workers: Option<u64>,
+    pub throttlers: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TopUser {
+    pub user: String,
+    pub plan: String,
+    /// Tokens used in the user's window now, and the limit.
+    pub used: u64,
+    pub limit: u64,
+    pub window_secs: u64,
+}
+
+fn throttle_error(e: ThrottleError) -> ApiError {
+    match e {
+        ThrottleError::Store(e) => ApiError::Store(e),
+        other => ApiError::Internal(other.to_string()),
+    }
+}
+
+/// The 95th percentile (nearest rank) of `values`, sorted in place.
+fn p95(values: &mut [u64]) -> Option<u64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_unstable();
+    let rank = (values.len() * 95).div_ceil(100).max(1);
+    values.get(rank - 1).copied()
+}
+
+impl Sampler {
+    /// Adds this reading to the history and returns each provider's view.
+    fn providers(
+        &mut self,
+        stats: Vec<ProviderStats>,
+        activity: &ActivityView,
+    ) -> Vec<ProviderView> {
+        let now = activity.now_ms;
+        let since = now.saturating_sub(MINUTE_MS);
+        stats
+            .into_iter()
+            .map(|s| {
+                let grants = activity.grants.get(&s.provider).copied().unwrap_or(0);
+                let history = self.history.entry(s.provider.clone()).or_default();
+                if history.back().map_or(true, |last| last.at_ms < now) {
+                    history.push_back(Sample {
+                        at_ms: now,
+                        grants,
+                        waiters: s.waiters,
+                    });
+                }
+                let horizon = now.saturating_sub(HISTORY.as_millis() as u64);
+                while history.front().is_some_and(|f| f.at_ms < horizon) {
+                    history.pop_front();
+                }
+                let points = history
+                    .iter()
+                    .zip(history.iter().skip(1))
+                    .map(|(a, b)| Point {
+                        at_ms: b.at_ms,
+                        grants_per_sec: counted(a.grants, b.grants) as f64
+                            / ((b.at_ms - a.at_ms) as f64 / 1000.0),
+                        waiters: b.waiters,
+                    })
+                    .collect();
+                let mut recent: Vec<u64> = activity
+                    .waits
+                    .get(&s.provider)
+                    .map(|w| {
+                        w.iter()
+                            .filter(|(at, _)| *at >= since)
+                            .map(|(_, w)| *w)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                // The waits list holds every grant of the minute unless it is
+                // full; then the counter's samples tell the rate.
+                let grants_per_sec = if recent.len() < WAITS_CAP {
+                    recent.len() as f64 / 60.0
+                } else {
+                    let first = history.iter().find(|p| p.at_ms >= since);
+                    match (first, history.back()) {
+                        (Some(a), Some(b)) if b.at_ms > a.at_ms => {
+                            counted(a.grants, b.grants) as f64
+                                / ((b.at_ms - a.at_ms) as f64 / 1000.0)
+                        }
+                        _ => recent.len() as f64 / 60.0,
+                    }
+                };
+                ProviderView {
+                    grants_last_minute: (grants_per_sec * 60.0).round() as u64,
+                    p95_wait_ms: p95(&mut recent).map(|us| us as f64 / 1000.0),
+                    grants_per_sec,
+                    history: points,
+                    stats: s,
+                }
+            })
+            .collect()
+    }
+}
+
+/// Grants between two readings of a counter that restarts at 0 when the store
+/// forgot an idle log.
+fn counted(before: u64, after: u64) -> u64 {
+    if after >= before {
+        after - before
+    } else {
+        after
+    }
+}
+
+/// The overview, computed at most once per [`OVERVIEW_INTERVAL`].
+pub async fn compute(state: &ApiState) -> Result<Arc<Overview>, ApiError> {
+    let dash = &state.dashboard;
+    let mut sampler = dash.sampler.lock().await;
+    if let Some((at, overview)) = &sampler.last {
+        if at.elapsed() < OVERVIEW_INTERVAL {
+            return Ok(Arc::clone(overview));
+        }
+    }
+    let (providers, queues, activity) = tokio::join!(
+        state.throttle.stats(),
+        state.jobs.stats(),
+        dash.activity.read()
+    );
+    let (providers, queues, activity) = (providers.map_err(throttle_error)?, queues?, activity?);
+    let roles = Roles {
+        embedded: queues.iter().all(|q| q.workers.is_none())
+            && providers.iter().all(|p| p.throttlers.is_none()),
+        workers: queues.iter().filter_map(|q| q.workers).max(),
+        throttlers: providers.iter().filter_map(|p| p.throttlers).max(),
+    };
+    let top_users = top_users(state, &activity).await;
+    let providers = sampler.providers(providers, &activity);
+    let overview = Arc::new(Overview {
+        now_ms: activity.now_ms,
+        providers,
+        queues,
+        roles,
+        top_users,
+        events: activity.events.into_iter().take(EVENTS_SHOWN).collect(),
+    });
+    sampler.last = Some((Instant::now(), Arc::clone(&overview)));
+    Ok(overview)
+}
+
+/// The users who spent most in the log's (unrefunded) events, ranked by what
+/// their window holds now.
+async fn top_users(state: &ApiState, activity: &ActivityView) -> Vec<TopUser> {
+    let mut spent: HashMap<&str, u64> = HashMap::new();
+    for e in activity.events.iter().filter(|e| !e.refunded) {
+        *spent.entry(e.user.as_str()).or_default() += e.cost;
+    }
+    let mut candidates: Vec<(&str, u64)> = spent.into_iter().collect();
+    candidates.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    candidates.truncate(TOP_CANDIDATES);
+    let reads = candidates.iter().filter_map(|(user, _)| {
+        let user = UserId::new(*user).ok()?;
+        let ledger = Arc::clone(&state.ledger);
+        Some(async move { (ledger.usage(&user).await, user) })
+    });
+    let mut top: Vec<TopUser> = futures_util::future::join_all(reads)
+        .await
+        .into_iter()
+        .filter_map(|(usage, user)| {
+            let usage = usage.ok()?;
+            (usage.used > 0).then(|| TopUser {
+                user: user.to_string(),
+                plan: usage.plan,
+                used: usage.used,
+                limit: usage.limit,
+                window_secs: usage.window_ms / 1000,
+            })
+        })
+        .collect();
+    top.sort_by(|a, b| b.used.cmp(&a.used).then(a.user.cmp(&b.user)));
+    top.truncate(TOP_USERS);
+    top
+}
+
+/// Proof of the admin token for the dashboard's read-only routes: the Bearer
+/// header, or a valid session cookie.
+#[derive(Debug, Clone, Copy)]
+pub struct Operator;
+
+impl FromRequestParts<ApiState> for Operator {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, ApiError> {
+        let Some(token) = state.settings.admin_token.as_deref() else {
+            return Err(ApiError::AdminDisabled);
+        };
+        if parts
+            .headers
+            .contains_key(axum::http::header::AUTHORIZATION)
+        {
+            return crate::auth::Admin::from_request_parts(parts, state)
+                .await
+                .map(|_| Operator);
+        }
+        match cookie(&parts.headers) {
+            Some(value) if session_valid(token, value, SystemClock.now_ms() / 1000) => Ok(Operator),
+            _ => Err(ApiError::Unauthorized(
+                "log in at /dashboard, or send Authorization: Bearer <admin token>",
+            )),
+        }
+    }
+}
+
+/// `GET /admin/overview`
+pub async fn overview(_: Operator, State(state): State<ApiState>) -> Result<Response, ApiError> {
+    let overview = compute(&state).await?;
+    let mut response = axum::Json(overview.as_ref()).into_response();
+    response
+        .headers_mut()
+        .insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    Ok(response)
+}
+
+/// The page and its assets, `/` and the login: routes outside the OpenAPI
+/// document (HTML and a form, not the JSON API).
+pub fn pages() -> Router<ApiState> {
+    Router::new()
+        .route("/", get(|| async { Redirect::to("/dashboard") }))
+        .route("/dashboard", get(page))
+        .route(
+            "/dashboard/app.js",
+            get(|| async { asset("text/javascript; charset=utf-8", SCRIPT) }),
+        )
+        .route(
+            "/dashboard/app.css",
+            get(|| async { asset("text/css; charset=utf-8", STYLE) }),
+        )
+        .route("/dashboard/login", post(login))
+        .route("/dashboard/logout", post(logout))
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    let mut r = body.into_response();
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert(
+        "x-content-type-options",
+        HeaderValue::from_static("nosniff"),
+    );
+    r
+}
+
+async fn page(State(state): State<ApiState>) -> Result<Response, ApiError> {
+    if state.settings.admin_token.is_none() {
+        return Err(ApiError::AdminDisabled);
+    }
+    let mut r = asset("text/html; charset=utf-8", PAGE);
+    let h = r.headers_mut();
+    h.insert(CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    h.insert("x-frame-options", HeaderValue::from_static("DENY"));
+    h.insert("referrer-policy", HeaderValue::from_static("no-referrer"));
+    Ok(r)
+}
+
+fn see(location: &'static str, cookie: Option<String>) -> Response {
+    let mut r = StatusCode::SEE_OTHER.into_response();
+    r.headers_mut()
+        .insert(LOCATION, HeaderValue::from_static(location));
+    if let Some(c) = cookie.and_then(|c| HeaderValue::from_str(&c).ok()) {
+        r.headers_mut().insert(SET_COOKIE, c);
+    }
+    r
+}
+
+/// `POST /dashboard/login` (form: `token=<admin token>`): sets the session
+/// cookie and goes back to the page; a wrong token goes back with
+/// `?login=failed` (and counts against the address), an address over its
+/// budget of failures with `?login=limited`.
+async fn login(State(state): State<ApiState>, req: Request) -> Result<Response, ApiError> {
+    let Some(expected) = state.settings.admin_token.clone() else {
+        return Err(ApiError::AdminDisabled);
+    };
+    let failures = &state.dashboard.failures;
+    let client = failures.client(&req);
+    if failures.wait(client).is_some() {
+        return Ok(see("/dashboard?login=limited", None));
+    }
+    let body = axum::body::to_bytes(req.into_body(), LOGIN_BODY_LIMIT)
+        .await
+        .map_err(|_| ApiError::PayloadTooLarge)?;
+    let token = form_field(&body, "token").unwrap_or_default();
+    if !token.is_empty() && secrets_equal(&token, &expected) {
+        let now = SystemClock.now_ms() / 1000;
+        return Ok(see(
+            "/dashboard",
+            Some(format!(
+                "{COOKIE_NAME}={}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}",
+                session_value(&expected, now + SESSION.as_secs()),
+                SESSION.as_secs()
+            )),
+        ));
+    }
+    tracing::info!(%client, "dashboard login refused: wrong admin token");
+    Ok(match failures.failed(client) {
+        Some(_) => see("/dashboard?login=limited", None),
+        None => see("/dashboard?login=failed", None),
+    })
+}
+
+/// `POST /dashboard/logout`: clears the cookie (a session cannot be revoked
+/// server-side before its expiry, except by changing the admin token).
+async fn logout() -> Response {
+    see(
+        "/dashboard",
+        Some(format!(
+            "{COOKIE_NAME}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"
+        )),
+    )
+}
+
+/// The value of `name` in an `application/x-www-form-urlencoded` body.
+fn form_field(body: &[u8], name: &str) -> Option<String> {
+    body.split(|b| *b == b'&').find_map(|pair| {
+        let mut kv = pair.splitn(2, |b| *b == b'=');
+        let key = percent_decode(kv.next()?)?;
+        (key == name).then(|| percent_decode(kv.next().unwrap_or(b"")))?
+    })
+}
+
+fn percent_decode(s: &[u8]) -> Option<String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut i = 0;
+    while let Some(&b) = s.get(i) {
+        match b {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = s.get(i + 1..i + 3)?;
+                let hex = std::str::from_utf8(hex).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).ok()
+}
+
+fn cookie(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| c.trim().strip_prefix(COOKIE_NAME)?.strip_prefix('='))
+}
+
+/// HMAC-SHA256 (RFC 2104) of `msg` under `key` (at most one block long).
+fn hmac_sha256(key: &[u8; 32], msg: &[u8]) -> [u8; 32] {
+    let mut ipad = [0x36u8; 64];
+    let mut opad = [0x5cu8; 64];
+    for (i, k) in key.iter().enumerate() {
+        ipad[i] ^= k;
+        opad[i] ^= k;
+    }
+    let inner = Sha256::new()
+        .chain_update(ipad)
+        .chain_update(msg)
+        .finalize();
+    Sha256::new()
+        .chain_update(opad)
+        .chain_update(inner)
+        .finalize()
+        .into()
+}
+
+/// The cookie's signing key: a digest of the admin token, never the token.
+fn session_key(admin_token: &str) -> [u8; 32] {
+    Sha256::new()
+        .chain_update(b"tollgate dashboard session v1\n")
+        .chain_update(admin_token.as_bytes())
+        .finalize()
+        .into()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `<expiry secs>.<hex HMAC of "session <expiry>">`
+fn session_value(admin_token: &str, expires: u64) -> String {
+    let mac = hmac_sha256(
+        &session_key(admin_token),
+        format!("session {expires}").as_bytes(),
+    );
+    format!("{expires}.{}", hex(&mac))
+}
+
+/// A cookie value this admin token signed, not expired at `now` (seconds).
+fn session_valid(admin_token: &str, value: &str, now: u64) -> bool {
+    let Some((expires, _)) = value.split_once('.') else {
+        return false;
+    };
+    let Ok(expires) = expires.parse::<u64>() else {
+        return false;
+    };
+    // Constant time over the whole value: the expiry is signed too.
+    let expected = session_value(admin_token, expires);
+    secrets_equal(value, &expected) && expires > now && expires <= now + SESSION.as_secs() + 60
+}
+
+/// The overview's schema in the OpenAPI document.
+pub fn schema() -> serde_json::Value {
+    let int = serde_json::json!({"type": "integer"});
+    let nullable_int = serde_json::json!({"type": ["integer", "null"]});
+    serde_json::json!({
+        "type": "object",
+        "required": ["now_ms", "providers", "queues", "roles", "top_users", "events"],
+        "properties": {
+            "now_ms": int,
+            "providers": {"type": "array", "items": {
+                "type": "object",
+                "required": ["provider", "rate", "burst", "tokens", "waiters", "grants_per_sec", "grants_last_minute", "history"],
+                "properties": {
+                    "provider": {"type": "string"},
+                    "rate": {"type": "number"},
+                    "burst": int,
+                    "tokens": {"type": "number"},
+                    "waiters": int,
+                    "throttlers": nullable_int,
+                    "grants_per_sec": {"type": "number", "description": "Grants per second over the last minute."},
+                    "grants_last_minute": int,
+                    "p95_wait_ms": {"type": ["number", "null"], "description": "The p95 wait for a slot over the last minute."},
+                    "history": {"type": "array", "items": {"type": "object",
+                        "required": ["at_ms", "grants_per_sec", "waiters"],
+                        "properties": {"at_ms": int, "grants_per_sec": {"type": "number"}, "waiters": int}}},
+                },
+            }},
+            "queues": {"type": "array", "items": {
+                "type": "object",
+                "required": ["operation", "queued", "running", "dead"],
+                "properties": {"operation": {"type": "string"}, "queued": int, "running": int, "dead": int, "workers": nullable_int},
+            }},
+            "roles": {"type": "object", "required": ["embedded"], "properties": {
+                "embedded": {"type": "boolean"}, "workers": nullable_int, "throttlers": nullable_int,
+            }},
+            "top_users": {"type": "array", "items": {
+                "type": "object",
+                "required": ["user", "plan", "used", "limit", "window_secs"],
+                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "used": int, "limit": int, "window_secs": int},
+            }},
+            "events": {"type": "array", "items": {
+                "type": "object",
+                "required": ["at_ms", "user", "cost", "request_id", "refunded"],
+                "properties": {
+                    "at_ms": int, "user": {"type": "string"}, "operation": {"type": ["string", "null"]},
+                    "cost": int, "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
+                },
+            }},
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn hmac_matches_rfc_4231_case_2_shape() {
+        // RFC 4231 test case 2 uses a 4-byte key ("Jefe"); keys shorter than a
+        // block are zero-padded, which a 32-byte key padded with zeros equals.
+        let mut key = [0u8; 32];
+        key[..4].copy_from_slice(b"Jefe");
+        let mac = hmac_sha256(&key, b"what do ya want for nothing?");
+        assert_eq!(
+            hex(&mac),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+
+    #[test]
+    fn sessions_expire_and_are_bound_to_the_token() {
+        let v = session_value("secret", 1_000);
+        assert!(session_valid("secret", &v, 999));
+        assert!(!session_valid("secret", &v, 1_000));
+        assert!(!session_valid("other", &v, 999));
+        let forged = format!("2000{}", &v[4..]);
+        assert!(!session_valid("secret", &forged, 999));
+        assert!(!session_valid("secret", "garbage", 0));
+        // Not past the longest session from now.
+        let far = session_value("secret", 1_000_000);
+        assert!(!session_valid("secret", &far, 0));
+    }
+
+    #[test]
+    fn form_fields_are_decoded() {
+        assert_eq!(
+            form_field(b"a=1&token=s%20e+c%2Fr", "token").as_deref(),
+            Some("s e c/r")
+        );
+        assert_eq!(form_field(b"token=%zz", "token"), None);
+        assert_eq!(form_field(b"other=1", "token"), None);
+    }
+
+    #[test]
+    fn p95_is_the_nearest_rank() {
+        let mut v: Vec<u64> = (1..=100).collect();
+        assert_eq!(p95(&mut v), Some(95));
+        assert_eq!(p95(&mut [7]), Some(7));
+        assert_eq!(p95(&mut []), None);
+    }
+}

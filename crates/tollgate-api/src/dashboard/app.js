@@ -1,0 +1,216 @@
+// The tollgate operations dashboard: polls /admin/overview every second and
+// renders it. No library, no network beyond this api. Every value from the
+// server is written with textContent, never as HTML.
+'use strict';
+
+// The page's own errors, kept for the status line (and read by the browser test).
+window.tollgateErrors = window.tollgateErrors || [];
+window.addEventListener('error', (e) => window.tollgateErrors.push(String(e.message)));
+window.addEventListener('unhandledrejection', (e) => window.tollgateErrors.push(String(e.reason)));
+document.addEventListener('securitypolicyviolation', (e) =>
+  window.tollgateErrors.push('CSP: ' + e.violatedDirective));
+
+const POLL_MS = 1000;
+const HISTORY_MS = 5 * 60 * 1000;
+const $ = (id) => document.getElementById(id);
+
+function el(tag, text, cls) {
+  const e = document.createElement(tag);
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  if (cls) e.className = cls;
+  return e;
+}
+
+function row(cells) {
+  const tr = document.createElement('tr');
+  for (const c of cells) tr.appendChild(c instanceof Node ? c : el('td', c));
+  return tr;
+}
+
+function num(v, digits) {
+  return el('td', v === null || v === undefined ? '–' : Number(v).toFixed(digits || 0), 'num');
+}
+
+function show(id) {
+  for (const s of ['login', 'disabled', 'app']) $(s).hidden = s !== id;
+  $('logout').hidden = id !== 'app';
+}
+
+function loginMessage() {
+  const q = new URLSearchParams(location.search).get('login');
+  const msg = $('login-error');
+  if (q === 'failed') msg.textContent = 'Wrong admin token.';
+  else if (q === 'limited') msg.textContent = 'Too many failed logins from this address: wait a moment.';
+  msg.hidden = !msg.textContent;
+}
+
+function fill(tbody, rows, empty, width) {
+  tbody.replaceChildren(...rows);
+  if (!rows.length) {
+    const td = el('td', empty, 'empty');
+    td.colSpan = width;
+    tbody.appendChild(row([td]));
+  }
+}
+
+function renderRoles(roles) {
+  const parts = roles.embedded
+    ? ['embedded: api, worker and throttle run in this one process']
+    : ['workers alive: ' + (roles.workers ?? 0), 'throttlers alive: ' + (roles.throttlers ?? 0)];
+  $('roles').textContent = parts.join(' · ');
+  $('roles').className = !roles.embedded && (!roles.workers || !roles.throttlers) ? 'error' : '';
+}
+
+function renderProviders(providers, now) {
+  const rows = providers.map((p) => {
+    const tr = row([
+      el('td', p.provider),
+      num(p.rate, 2), num(p.burst), num(p.tokens, 1), num(p.waiters),
+      num(p.grants_per_sec, 2), num(p.grants_last_minute),
+      el('td', p.p95_wait_ms === null ? '–' : p.p95_wait_ms.toFixed(1) + ' ms', 'num'),
+      num(p.throttlers),
+    ]);
+    tr.dataset.provider = p.provider;
+    tr.dataset.grantsMinute = String(p.grants_last_minute);
+    return tr;
+  });
+  fill($('providers').tBodies[0], rows, 'no providers configured', 9);
+  const charts = $('charts');
+  for (const p of providers) {
+    let card = charts.querySelector('[data-chart="' + CSS.escape(p.provider) + '"]');
+    if (!card) {
+      card = el('div', null, 'chart');
+      card.dataset.chart = p.provider;
+      card.appendChild(el('h3', p.provider));
+      card.appendChild(document.createElement('canvas'));
+      const legend = el('div', null, 'legend');
+      legend.appendChild(el('span', '— grants/s ', 'g'));
+      legend.appendChild(el('span', '— waiters', 'w'));
+      legend.appendChild(el('span', ' · up to the last 5 min'));
+      card.appendChild(legend);
+      charts.appendChild(card);
+    }
+    draw(card.querySelector('canvas'), p.history, now);
+  }
+}
+
+// Two lines over the history (one minute at least, five at most), each
+// scaled to its own maximum.
+function draw(canvas, history, now) {
+  const oldest = history.length ? history[0].at_ms : now;
+  const span = Math.min(HISTORY_MS, Math.max(60 * 1000, now - oldest));
+  const ratio = window.devicePixelRatio || 1;
+  const w = canvas.clientWidth || 260, h = canvas.clientHeight || 90;
+  canvas.width = Math.round(w * ratio);
+  canvas.height = Math.round(h * ratio);
+  const ctx = canvas.getContext('2d');
+  if (!ctx) return;
+  ctx.scale(ratio, ratio);
+  ctx.clearRect(0, 0, w, h);
+  ctx.strokeStyle = '#dde1e8';
+  ctx.beginPath();
+  ctx.moveTo(0, h - 0.5); ctx.lineTo(w, h - 0.5);
+  ctx.stroke();
+  const series = [
+    ['grants_per_sec', '#2f6fde'],
+    ['waiters', '#c9372c'],
+  ];
+  for (const [key, color] of series) {
+    const max = Math.max(1, ...history.map((pt) => pt[key]));
+    ctx.strokeStyle = color;
+    ctx.lineWidth = 1.5;
+    ctx.beginPath();
+    history.forEach((pt, i) => {
+      const x = w - ((now - pt.at_ms) / span) * w;
+      const y = h - 2 - (pt[key] / max) * (h - 8);
+      if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+    });
+    ctx.stroke();
+    ctx.fillStyle = color;
+    ctx.font = '10px system-ui, sans-serif';
+    ctx.fillText('max ' + (Number.isInteger(max) ? max : max.toFixed(2)), key === 'waiters' ? w - 60 : 4, 10);
+  }
+}
+
+function renderQueues(queues) {
+  const rows = queues.map((q) => {
+    const tr = row([el('td', q.operation), num(q.queued), num(q.running), num(q.dead), num(q.workers)]);
+    tr.dataset.operation = q.operation;
+    if (q.dead > 0) tr.className = 'error';
+    return tr;
+  });
+  fill($('queues').tBodies[0], rows, 'no operations configured', 5);
+}
+
+function renderTopUsers(users) {
+  const rows = users.map((u) => {
+    const bar = el('div', null, 'bar');
+    const fillDiv = el('div');
+    const share = u.limit ? Math.min(1, u.used / u.limit) : 0;
+    fillDiv.style.width = (share * 100).toFixed(1) + '%';
+    if (share >= 1) bar.classList.add('full');
+    bar.appendChild(fillDiv);
+    const barCell = el('td');
+    barCell.appendChild(bar);
+    const tr = row([el('td', u.user), el('td', u.plan), el('td', u.used + ' / ' + u.limit, 'num'), barCell,
+      el('td', u.window_secs >= 3600 ? (u.window_secs / 3600).toFixed(1) + ' h' : u.window_secs + ' s')]);
+    tr.dataset.user = u.user;
+    return tr;
+  });
+  fill($('top-users').tBodies[0], rows, 'no spend seen yet', 5);
+}
+
+function renderEvents(events) {
+  const rows = events.map((e) => {
+    const tr = row([
+      el('td', new Date(e.at_ms).toLocaleTimeString()),
+      el('td', e.user),
+      el('td', e.operation ?? '(plain reserve)'),
+      num(e.cost),
+      el('td', e.request_id, 'mono'),
+      el('td', e.refunded ? 'refunded' : '', 'flag'),
+    ]);
+    tr.dataset.requestId = e.request_id;
+    if (e.refunded) tr.className = 'refunded';
+    return tr;
+  });
+  fill($('events').tBodies[0], rows, 'no spend events yet', 6);
+}
+
+function render(o) {
+  renderRoles(o.roles);
+  renderProviders(o.providers, o.now_ms);
+  renderQueues(o.queues);
+  renderTopUsers(o.top_users);
+  renderEvents(o.events);
+  const status = $('status');
+  status.textContent = 'updated ' + new Date(o.now_ms).toLocaleTimeString() +
+    (window.tollgateErrors.length ? ' · ' + window.tollgateErrors.length + ' script error(s)' : '');
+  status.className = 'status';
+  document.body.dataset.updated = String(o.now_ms);
+  document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1);
+}
+
+async function poll() {
+  try {
+    const r = await fetch('/admin/overview', { credentials: 'same-origin', cache: 'no-store' });
+    if (r.status === 401) {
+      show('login');
+      loginMessage();
+      return; // the login form reloads the page
+    }
+    if (r.status === 403) {
+      show('disabled');
+      return;
+    }
+    if (!r.ok) throw new Error('overview answered ' + r.status);
+    render(await r.json());
+    show('app');
+  } catch (err) {
+    $('status').textContent = 'no answer from the api (' + err.message + '); retrying';
+    $('status').className = 'status stale';
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+poll();

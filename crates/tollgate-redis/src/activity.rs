@@ -1,0 +1,190 @@
+//! [`RedisActivity`]: the activity log ([`tollgate_core::activity`]) shared by
+//! every pod. A note is buffered in the process and a task writes the buffer
+//! every [`FLUSH_INTERVAL`] with one `activity_record.lua` call, so a budget
+//! step or a grant never waits on it. A failed write is dropped (the log is
+//! observational: a gap on the dashboard, never a wrong budget); the notes of
+//! the last moments before a process exits may be lost the same way.
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::Value;
+use tollgate_core::activity::{
+    ActivityLog, ActivityView, Note, Spend, EVENTS_CAP, FLUSH_INTERVAL, WAITS_CAP,
+};
+use tollgate_core::config::Config;
+use tollgate_core::error::StoreError;
+
+use crate::call::{self, bad_reply};
+use crate::keys::{ActivityKeys, KeySpace};
+use crate::pool::Pool;
+use crate::scripts::{self, ActivityCaps};
+
+/// Notes held at most between two writes; past it, new ones are dropped.
+const BUFFER_CAP: usize = 10_000;
+/// Notes written by one script call at most (the rest wait for the next).
+const BATCH: usize = 1_000;
+/// The activity keys live this long after their last write.
+const IDLE: Duration = Duration::from_secs(24 * 3600);
+/// How long a write or a read may take.
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Debug)]
+struct Shared {
+    pool: Pool,
+    keys: ActivityKeys,
+    /// Config order: a grant note names its waits list by index here.
+    providers: Vec<String>,
+    buffer: Mutex<Vec<String>>,
+}
+
+/// The activity log on Redis; see the module docs.
+#[derive(Debug)]
+pub struct RedisActivity {
+    shared: Arc<Shared>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl RedisActivity {
+    /// The log of the deployment `keys` on `pool`; starts its writer task
+    /// (which ends with the log). Needs a Tokio runtime.
+    pub fn start(pool: Pool, keys: &KeySpace, config: &Config) -> Self {
+        let shared = Arc::new(Shared {
+            pool,
+            keys: keys.activity(),
+            providers: config.providers().map(|p| p.name.clone()).collect(),
+            buffer: Mutex::new(Vec::new()),
+        });
+        tokio::spawn(write_loop(Arc::downgrade(&shared)));
+        Self { shared }
+    }
+
+    /// Writes the buffered notes now (the writer task does it every
+    /// [`FLUSH_INTERVAL`]).
+    pub async fn flush(&self) -> Result<(), StoreError> {
+        self.shared.flush().await
+    }
+}
+
+async fn write_loop(shared: Weak<Shared>) {
+    let mut tick = tokio::time::interval(FLUSH_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if let Err(e) = shared.flush().await {
+            tracing::debug!(error = %e, "activity notes dropped: the write failed");
+        }
+    }
+}
+
+impl Shared {
+    async fn flush(&self) -> Result<(), StoreError> {
+        loop {
+            let notes: Vec<String> = {
+                let mut buffer = lock(&self.buffer);
+                let n = buffer.len().min(BATCH);
+                buffer.drain(..n).collect()
+            };
+            if notes.is_empty() {
+                return Ok(());
+            }
+            let caps = ActivityCaps {
+                events: EVENTS_CAP,
+                waits: WAITS_CAP,
+                idle_ms: IDLE.as_millis() as u64,
+            };
+            let inv = scripts::activity_record(&self.keys, &self.providers, caps, &notes);
+            let _: u64 = call::script(&self.pool, TIMEOUT, "activity_record", &inv).await?;
+        }
+    }
+
+    /// `note` as `activity_record.lua` reads it; `None` when it cannot be
+    /// written (an unknown provider).
+    fn encode(&self, note: Note) -> Option<String> {
+        match note {
+            Note::Spent(spend) => serde_json::to_string(&spend).ok().map(|j| format!("e {j}")),
+            Note::Refunded { key } => Some(format!("r {key}")),
+            Note::Granted {
+                provider,
+                at_ms,
+                waited_us,
+            } => {
+                let i = self.providers.iter().position(|p| *p == provider)? + 1;
+                Some(format!("g {i} {provider} {at_ms} {waited_us}"))
+            }
+        }
+    }
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    match v {
+        Value::Array(items) => items
+            .iter()
+            .filter_map(|i| redis::from_redis_value_ref::<String>(i).ok())
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[async_trait]
+impl ActivityLog for RedisActivity {
+    fn note(&self, note: Note) {
+        let Some(encoded) = self.shared.encode(note) else {
+            return;
+        };
+        let mut buffer = lock(&self.shared.buffer);
+        if buffer.len() < BUFFER_CAP {
+            buffer.push(encoded);
+        }
+    }
+
+    async fn read(&self) -> Result<ActivityView, StoreError> {
+        let s = &self.shared;
+        let inv = scripts::activity_read(&s.keys, &s.providers, EVENTS_CAP);
+        let reply: Vec<Value> = call::script(&s.pool, TIMEOUT, "activity_read", &inv).await?;
+        if reply.len() != 4 + s.providers.len() {
+            return Err(bad_reply("activity_read", &reply));
+        }
+        let now_ms: u64 = redis::from_redis_value_ref(&reply[0])
+            .map_err(|e| bad_reply::<StoreError>("activity_read", e))?;
+        let refunded: std::collections::HashSet<String> = strings(&reply[2]).into_iter().collect();
+        let events = strings(&reply[1])
+            .iter()
+            .filter_map(|j| serde_json::from_str::<Spend>(j).ok())
+            .map(|spend| spend.view(refunded.contains(&spend.key)))
+            .collect();
+        let flat = strings(&reply[3]);
+        let grants = flat
+            .chunks_exact(2)
+            .filter_map(|kv| Some((kv[0].clone(), kv[1].parse::<u64>().ok()?)))
+            .collect();
+        let waits = s
+            .providers
+            .iter()
+            .zip(&reply[4..])
+            .map(|(p, v)| {
+                let samples = strings(v)
+                    .iter()
+                    .filter_map(|w| {
+                        let (at, waited) = w.split_once(' ')?;
+                        Some((at.parse().ok()?, waited.parse().ok()?))
+                    })
+                    .collect();
+                (p.clone(), samples)
+            })
+            .collect();
+        Ok(ActivityView {
+            now_ms,
+            events,
+            grants,
+            waits,
+        })
+    }
+}

@@ -1,0 +1,60 @@
+-- activity_record.lua: one pod's buffered notes for the operations dashboard
+-- (tollgate_core::activity), written at once. Observational only: nothing here
+-- decides a budget, a bucket or a job. Every key is capped and expires when
+-- idle, so the log never grows without bound.
+-- KEYS[1] events    list: spend events (JSON, as the pod encoded them), newest first
+-- KEYS[2] refunded  sorted set: spend key -> when its refund was noted (ms, Redis TIME)
+-- KEYS[3] grants    hash: provider -> grants counted
+-- KEYS[4..] waits   one list per provider: "<at_ms> <waited_us>", newest first
+-- ARGV[1] events cap (also the refund marks' cap), ARGV[2] waits cap,
+-- ARGV[3] idle ttl in ms
+-- ARGV[4..] notes, each one of:
+--   "e <json>"                               a spend event
+--   "r <spend key>"                          its refund
+--   "g <i> <provider> <at_ms> <waited_us>"   a grant; its waits list is KEYS[3 + i]
+-- Returns the number of notes written (a malformed note is skipped).
+
+local events_cap, waits_cap, idle = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if not events_cap or events_cap < 1 or not waits_cap or waits_cap < 1 or not idle or idle < 1 then
+  return redis.error_reply('activity_record: bad caps or idle ttl')
+end
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local written = 0
+local touched = {}
+for i = 4, #ARGV do
+  local kind, rest = string.match(ARGV[i], '^(%a) (.+)$')
+  if kind == 'e' then
+    redis.call('LPUSH', KEYS[1], rest)
+    touched[1] = true
+    written = written + 1
+  elseif kind == 'r' then
+    redis.call('ZADD', KEYS[2], now_ms, rest)
+    touched[2] = true
+    written = written + 1
+  elseif kind == 'g' then
+    local idx, provider, at, waited = string.match(rest, '^(%d+) (%S+) (%d+) (%d+)$')
+    idx = tonumber(idx)
+    if idx and idx >= 1 and 3 + idx <= #KEYS then
+      redis.call('HINCRBY', KEYS[3], provider, 1)
+      redis.call('LPUSH', KEYS[3 + idx], at .. ' ' .. waited)
+      touched[3] = true
+      touched[3 + idx] = true
+      written = written + 1
+    end
+  end
+end
+if touched[1] then
+  redis.call('LTRIM', KEYS[1], 0, events_cap - 1)
+end
+if touched[2] then
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -(events_cap + 1))
+end
+for k in pairs(touched) do
+  if k > 3 then
+    redis.call('LTRIM', KEYS[k], 0, waits_cap - 1)
+  end
+  redis.call('PEXPIRE', KEYS[k], idle)
+end
+return written

@@ -1,0 +1,604 @@
+//! The operations dashboard: in a real browser (headless Chromium driven over
+//! WebDriver by chromedriver, both Debian packages that scripts/test installs)
+//! against `tollgate all`; `/admin/overview` on Redis; and the activity log it
+//! reads, the same on both backends.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use serde_json::{json, Value};
+use tollgate_core::activity::ActivityView;
+use tollgate_core::backend::Backends;
+use tollgate_core::config::Config;
+use tollgate_core::id::{RequestId, UserId};
+use tollgate_core::ledger::ChargeRequest;
+use tollgate_redis::keys::KeySpace;
+use tollgate_redis::pool::PoolOptions;
+use tollgate_tests::process::{spawn_reading, Procs};
+use tollgate_tests::redis_server::free_port;
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer, TestCluster};
+
+/// A running `tollgate all` and what its banner said.
+struct All {
+    base: String,
+    key: String,
+    admin: String,
+    _procs: Procs,
+}
+
+fn start_all(redis: Option<&RedisServer>) -> All {
+    let prefix = random_prefix();
+    let url = redis.map(|r| r.url());
+    let mut args = vec!["all", "--listen", "127.0.0.1:0"];
+    if let Some(url) = &url {
+        args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
+    }
+    let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
+    let find = |needle: &str| -> String {
+        let line = lines
+            .iter()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?} in {lines:?}"));
+        line[line.find(needle).unwrap() + needle.len()..]
+            .split(['\'', ' '])
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    All {
+        base: find("listening on "),
+        key: find("Bearer "),
+        admin: find("admin token: "),
+        _procs: Procs(vec![child]),
+    }
+}
+
+fn http() -> reqwest::Client {
+    tollgate_providers::http::install_crypto_provider();
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+}
+
+/// `n` synchronous calls of `llm.structured`; returns their job ids.
+async fn calls(http: &reqwest::Client, all: &All, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let r = http
+            .post(format!("{}/v1/ops/llm.structured", all.base))
+            .bearer_auth(&all.key)
+            .json(&json!({"prompt": format!("dashboard {i}")}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.text().await);
+        let body: Value = r.json().await.unwrap();
+        ids.push(body["job_id"].as_str().unwrap().to_owned());
+    }
+    ids
+}
+
+/// chromedriver on a free port, killed on drop. It must be installed: a test
+/// that cannot run fails and says why.
+struct Driver {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn chromedriver() -> Driver {
+    let port = free_port();
+    let child = Command::new("chromedriver")
+        .arg(format!("--port={port}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start chromedriver ({e}): install Debian's chromium and chromium-driver \
+                 (scripts/test does: apt-get install chromium chromium-driver)"
+            )
+        });
+    let driver = Driver {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "chromedriver did not listen on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    driver
+}
+
+async fn browser(driver: &Driver) -> Client {
+    let chromium = ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .unwrap_or_else(|| {
+            panic!("no chromium binary: install Debian's chromium (scripts/test does)")
+        });
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        json!({
+            "binary": chromium,
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                     "--disable-dev-shm-usage", "--window-size=1280,1700"],
+        }),
+    );
+    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    ClientBuilder::new(connector)
+        .capabilities(caps)
+        .connect(&driver.url)
+        .await
+        .unwrap_or_else(|e| panic!("chromedriver could not start chromium: {e}"))
+}
+
+/// Hooks `console.error` and `window.onerror` of the page just loaded into
+/// `window.testErrors` (the page itself also keeps `window.tollgateErrors`).
+async fn hook_errors(c: &Client) {
+    c.execute(
+        "window.testErrors = window.testErrors || [];
+         const original = console.error;
+         console.error = function (...args) { window.testErrors.push(args.join(' ')); original.apply(console, args); };
+         window.addEventListener('error', (e) => window.testErrors.push(String(e.message)));",
+        vec![],
+    )
+    .await
+    .unwrap();
+}
+
+async fn page_errors(c: &Client) -> Value {
+    c.execute(
+        "return (window.tollgateErrors || []).concat(window.testErrors || []);",
+        vec![],
+    )
+    .await
+    .unwrap()
+}
+
+/// Evaluates `expr` in the page until it is truthy (at most `limit`);
+/// returns its value.
+async fn until(c: &Client, expr: &str, limit: Duration) -> Value {
+    let deadline = Instant::now() + limit;
+    loop {
+        let v = c
+            .execute(&format!("return ({expr});"), vec![])
+            .await
+            .unwrap();
+        let truthy =
+            !matches!(&v, Value::Null | Value::Bool(false)) && v != json!(0) && v != json!("");
+        if truthy {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "the page never had {expr}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The target directory (where the screenshot goes): two levels above the
+/// `tollgate` binary (`<target>/debug/tollgate`).
+fn target_dir() -> PathBuf {
+    let bin = workspace_bin("tollgate");
+    bin.parent()
+        .and_then(|d| d.parent())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("target"))
+}
+
+/// Logs in (a wrong token first), runs calls, and watches the page show them
+/// without a reload; the page's JavaScript logs no error; a screenshot is
+/// saved at `target/dashboard.png`.
+#[tokio::test(flavor = "multi_thread")]
+async fn dashboard_in_a_real_browser() {
+    let all = start_all(None);
+    let http = http();
+    let driver = chromedriver();
+    let c = browser(&driver).await;
+
+    // `/` leads to the dashboard, which shows only the login form.
+    c.goto(&format!("{}/", all.base)).await.unwrap();
+    assert_eq!(c.current_url().await.unwrap().path(), "/dashboard");
+    hook_errors(&c).await;
+    until(
+        &c,
+        "!document.getElementById('login').hidden",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(
+        c.execute("return document.getElementById('app').hidden;", vec![])
+            .await
+            .unwrap(),
+        json!(true)
+    );
+
+    // A wrong token is refused, and nothing is shown.
+    c.find(Locator::Id("token"))
+        .await
+        .unwrap()
+        .send_keys("not-the-admin-token")
+        .await
+        .unwrap();
+    c.find(Locator::Id("login-submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until(
+        &c,
+        "location.search === '?login=failed'",
+        Duration::from_secs(10),
+    )
+    .await;
+    hook_errors(&c).await;
+    let message = until(
+        &c,
+        "!document.getElementById('login-error').hidden && document.getElementById('login-error').textContent",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(message, json!("Wrong admin token."));
+    assert_eq!(
+        c.execute(
+            "return [document.getElementById('app').hidden, document.querySelectorAll('#events tbody tr').length];",
+            vec![]
+        )
+        .await
+        .unwrap(),
+        json!([true, 0])
+    );
+    // Over HTTP too: no token, a wrong one, a forged cookie.
+    for (name, value) in [
+        ("x-none", String::new()),
+        ("authorization", "Bearer wrong".to_owned()),
+        ("cookie", "tollgate_dashboard=99999999999.00".to_owned()),
+    ] {
+        let r = http
+            .get(format!("{}/admin/overview", all.base))
+            .header(name, value)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "{name}");
+    }
+
+    // The admin token opens it.
+    c.find(Locator::Id("token"))
+        .await
+        .unwrap()
+        .send_keys(&all.admin)
+        .await
+        .unwrap();
+    c.find(Locator::Id("login-submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until(
+        &c,
+        "!document.getElementById('app').hidden",
+        Duration::from_secs(10),
+    )
+    .await;
+    hook_errors(&c).await;
+    let cookie = c.get_named_cookie("tollgate_dashboard").await.unwrap();
+    assert_eq!(cookie.http_only(), Some(true));
+    assert_eq!(format!("{:?}", cookie.same_site()), "Some(Strict)");
+    until(&c, "document.body.dataset.renders", Duration::from_secs(10)).await;
+    assert_eq!(
+        c.execute(
+            "return document.querySelectorAll('#events tbody tr[data-request-id]').length;",
+            vec![]
+        )
+        .await
+        .unwrap(),
+        json!(0)
+    );
+
+    // Calls show up on the page that is already open: no reload.
+    c.execute("window.sameDocument = true;", vec![])
+        .await
+        .unwrap();
+    let ids = calls(&http, &all, 3).await;
+    let done = Instant::now();
+    let renders_before: u64 = c
+        .execute("return Number(document.body.dataset.renders);", vec![])
+        .await
+        .unwrap()
+        .as_u64()
+        .unwrap();
+    let shown = ids
+        .iter()
+        .map(|id| format!("document.querySelector('#events tr[data-request-id=\"{id}\"]')"))
+        .collect::<Vec<_>>()
+        .join(" && ");
+    let grants = "[...document.querySelectorAll('#providers tr[data-provider]')]\
+                  .reduce((n, tr) => n + Number(tr.dataset.grantsMinute), 0) >= 3";
+    until(
+        &c,
+        &format!("({shown}) && ({grants})"),
+        Duration::from_secs(20),
+    )
+    .await;
+    let seen_after = done.elapsed();
+    let renders_after: u64 = c
+        .execute("return Number(document.body.dataset.renders);", vec![])
+        .await
+        .unwrap()
+        .as_u64()
+        .unwrap();
+    println!(
+        "dashboard: calls visible {seen_after:?} after they finished, {} render(s) later",
+        renders_after - renders_before
+    );
+    // Within 2 s by construction: the page polls every second and an overview
+    // is at most a second old, so the second render after the calls has them.
+    // Counted in renders, not wall-clock, so a loaded machine cannot flake it.
+    assert!(
+        renders_after - renders_before <= 2,
+        "the calls appeared only {} renders later",
+        renders_after - renders_before
+    );
+    assert_eq!(
+        c.execute("return window.sameDocument === true;", vec![])
+            .await
+            .unwrap(),
+        json!(true),
+        "the page was reloaded"
+    );
+    // The rest of the panel: the development user's spend, the queues, the roles.
+    let text = c
+        .execute("return document.getElementById('app').innerText;", vec![])
+        .await
+        .unwrap();
+    let text = text.as_str().unwrap();
+    for needle in ["llm.structured", "embedded"] {
+        assert!(text.contains(needle), "no {needle:?} on the page:\n{text}");
+    }
+    until(
+        &c,
+        "document.querySelector('#top-users tr[data-user]')",
+        Duration::from_secs(10),
+    )
+    .await;
+
+    let errors = page_errors(&c).await;
+    assert_eq!(errors, json!([]), "the page's JavaScript logged errors");
+
+    let png = c.screenshot().await.unwrap();
+    let path = target_dir().join("dashboard.png");
+    std::fs::write(&path, &png).unwrap();
+    println!("dashboard: screenshot at {}", path.display());
+    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    c.close().await.unwrap();
+}
+
+/// `/admin/overview` on Redis, from `tollgate all --redis-url`: the calls'
+/// spend events, grants and waits, the user's used/limit, the live roles; the
+/// login form's cookie opens it as the Bearer token does.
+#[tokio::test(flavor = "multi_thread")]
+async fn overview_on_redis() {
+    let redis = RedisServer::start();
+    let all = start_all(Some(&redis));
+    let http = http();
+
+    let login = |token: &str| {
+        http.post(format!("{}/dashboard/login", all.base))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("token={token}"))
+            .send()
+    };
+    let wrong = login("wrong").await.unwrap();
+    assert_eq!(wrong.status(), 303);
+    assert_eq!(wrong.headers()["location"], "/dashboard?login=failed");
+    assert!(wrong.headers().get("set-cookie").is_none());
+    let ok = login(&all.admin).await.unwrap();
+    assert_eq!(ok.headers()["location"], "/dashboard");
+    let set_cookie = ok.headers()["set-cookie"].to_str().unwrap().to_owned();
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/", "Max-Age=28800"] {
+        assert!(set_cookie.contains(attribute), "{set_cookie}");
+    }
+    let cookie = set_cookie.split(';').next().unwrap().to_owned();
+
+    let ids = calls(&http, &all, 3).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let overview = loop {
+        let r = http
+            .get(format!("{}/admin/overview", all.base))
+            .header("cookie", &cookie)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let o: Value = r.json().await.unwrap();
+        let events: Vec<&str> = o["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["request_id"].as_str())
+            .collect();
+        let grants: u64 = o["providers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["grants_last_minute"].as_u64().unwrap())
+            .sum();
+        let live = o["roles"]["workers"].as_u64() >= Some(1)
+            && o["roles"]["throttlers"].as_u64() >= Some(1);
+        if ids.iter().all(|id| events.contains(&id.as_str())) && grants >= 3 && live {
+            break o;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the overview never showed the calls: {o}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(overview["roles"]["embedded"], false);
+    let event = overview["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["request_id"] == ids[0].as_str())
+        .unwrap();
+    assert_eq!(event["operation"], "llm.structured");
+    assert_eq!(event["refunded"], false);
+    let cost = event["cost"].as_u64().unwrap();
+    let top = &overview["top_users"][0];
+    assert_eq!(top["used"].as_u64().unwrap(), 3 * cost, "{overview}");
+    assert!(top["limit"].as_u64().unwrap() >= 3 * cost);
+    let provider = overview["providers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["grants_last_minute"].as_u64() >= Some(3))
+        .unwrap();
+    assert!(provider["p95_wait_ms"].is_number(), "{provider}");
+    assert!(provider["throttlers"].as_u64() >= Some(1));
+
+    // The Bearer admin token reads the same; an api key does not.
+    let by_token = http
+        .get(format!("{}/admin/overview", all.base))
+        .bearer_auth(&all.admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(by_token.status(), 200);
+    let by_key = http
+        .get(format!("{}/admin/overview", all.base))
+        .bearer_auth(&all.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(by_key.status(), 401);
+}
+
+async fn redis_backends(url: &str, config: Arc<Config>) -> Backends {
+    let pool = tollgate_redis::pool::connect(url, &PoolOptions::default())
+        .await
+        .unwrap();
+    tollgate_redis::backends(
+        pool,
+        KeySpace::new(&random_prefix()).unwrap(),
+        config,
+        "test".into(),
+    )
+}
+
+/// Reads the activity log until `ready` holds (a Redis log is written every
+/// 250 ms), at most 10 s.
+async fn read_until(b: &Backends, ready: impl Fn(&ActivityView) -> bool) -> ActivityView {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let view = b.activity.read().await.unwrap();
+        if ready(&view) {
+            return view;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the activity log never got there: {view:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Charges, reserves, refunds, releases and grants are noted alike by both
+/// backends: the newest first, refunds marked on the right charge (a retried
+/// attempt under a new nonce is another charge), grants counted with waits.
+async fn activity_is_noted(b: Backends) {
+    let user = UserId::new("alice").unwrap();
+    let plain = RequestId::new("plain-1").unwrap();
+    let job = RequestId::new("job-1").unwrap();
+    b.ledger.reserve(&user, &plain, 2).await.unwrap();
+    b.ledger.reserve(&user, &plain, 2).await.unwrap(); // a duplicate: not noted
+    b.ledger.refund(&user, &plain).await.unwrap();
+    let charge = |nonce| ChargeRequest {
+        cost: 5,
+        nonce,
+        operation: "llm.structured",
+        fingerprint: "f",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(5),
+    };
+    b.ledger.charge(&user, &job, &charge("n1")).await.unwrap();
+    b.ledger.release(&user, &job, "n1").await.unwrap();
+    b.ledger.charge(&user, &job, &charge("n2")).await.unwrap();
+    let provider = b
+        .config
+        .operation("llm.structured")
+        .unwrap()
+        .provider
+        .clone();
+    b.throttle
+        .acquire(
+            &provider,
+            &RequestId::new("t-1").unwrap(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+
+    let view = read_until(&b, |v| v.events.len() == 3 && !v.grants.is_empty()).await;
+    let events: Vec<_> = view
+        .events
+        .iter()
+        .map(|e| {
+            (
+                e.request_id.as_str(),
+                e.operation.as_deref(),
+                e.cost,
+                e.refunded,
+            )
+        })
+        .collect();
+    assert_eq!(
+        events,
+        vec![
+            ("job-1", Some("llm.structured"), 5, false),
+            ("job-1", Some("llm.structured"), 5, true),
+            ("plain-1", None, 2, true),
+        ]
+    );
+    assert!(view.events.iter().all(|e| e.user == "alice"));
+    assert_eq!(view.grants[&provider], 1);
+    assert_eq!(view.waits[&provider].len(), 1);
+    assert!(view.waits[&provider][0].0 <= view.now_ms);
+}
+
+#[tokio::test]
+async fn activity_is_noted_in_memory() {
+    activity_is_noted(Backends::memory(Arc::new(Config::builtin()))).await;
+}
+
+#[tokio::test]
+async fn activity_is_noted_on_redis() {
+    let redis = RedisServer::start();
+    activity_is_noted(redis_backends(&redis.url(), Arc::new(Config::builtin())).await).await;
+}
+
+/// On a Redis Cluster: the log's keys share the `{activity}` slot, so its
+/// scripts run there as they do on one Redis.
+#[tokio::test]
+async fn activity_is_noted_on_a_cluster() {
+    let cluster = TestCluster::get();
+    activity_is_noted(redis_backends(&cluster.url(), Arc::new(Config::builtin())).await).await;
+}
