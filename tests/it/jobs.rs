@@ -538,7 +538,7 @@ conformance!(
 /// What a worker's BLMOVE does, without the lease that follows it: the oldest
 /// queued id moves into `worker`'s processing list.
 async fn blmove_without_lease(
-    conn: &mut ::redis::aio::MultiplexedConnection,
+    conn: &mut impl ::redis::aio::ConnectionLike,
     keys: &tollgate_redis::keys::JobKeys,
     worker: &str,
 ) -> Option<String> {
@@ -553,7 +553,7 @@ async fn blmove_without_lease(
 }
 
 /// `LLEN key`.
-async fn llen(conn: &mut ::redis::aio::MultiplexedConnection, key: &str) -> i64 {
+async fn llen(conn: &mut impl ::redis::aio::ConnectionLike, key: &str) -> i64 {
     ::redis::cmd("LLEN")
         .arg(key)
         .query_async(conn)
@@ -993,10 +993,39 @@ async fn job_redis_a_taken_but_never_leased_job_goes_back_to_its_queue() {
     let prefix = random_prefix();
     let (q, ledger) = redis_queue(&server, &prefix, config()).await;
     let keys = KeySpace::new(&prefix).unwrap().jobs("work");
-    let mut conn = raw(&server).await;
+    a_taken_but_never_leased_job_goes_back(&*q, &*ledger, &keys, &mut raw(&server).await).await;
+}
+
+/// The same on a Redis Cluster (the unstick script's keys share the queue's slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_cluster_a_taken_but_never_leased_job_goes_back_to_its_queue() {
+    let cluster = TestCluster::get();
+    let prefix = random_prefix();
+    let (q, ledger) = redis_queue_at(&cluster.url(), &prefix, config(), options()).await;
+    let keys = KeySpace::new(&prefix).unwrap().jobs("work");
+    let seeds: Vec<String> = cluster
+        .url()
+        .trim_start_matches("redis+cluster://")
+        .split(',')
+        .map(|s| format!("redis://{s}"))
+        .collect();
+    let mut conn = ::redis::cluster::ClusterClient::new(seeds)
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    a_taken_but_never_leased_job_goes_back(&*q, &*ledger, &keys, &mut conn).await;
+}
+
+async fn a_taken_but_never_leased_job_goes_back(
+    q: &RedisJobQueue,
+    ledger: &dyn Ledger,
+    keys: &tollgate_redis::keys::JobKeys,
+    conn: &mut impl ::redis::aio::ConnectionLike,
+) {
     let r = q.submit(request("s1", "ursula", "work")).await.unwrap();
     assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
-    let moved = blmove_without_lease(&mut conn, &keys, "w1").await;
+    let moved = blmove_without_lease(conn, keys, "w1").await;
     assert_eq!(moved.as_deref(), Some("s1"));
     let first = q.maintain("w1", Duration::from_secs(5)).await.unwrap();
     assert_eq!(first.requeued, 0, "one round only marks it");
@@ -1014,7 +1043,7 @@ async fn job_redis_a_taken_but_never_leased_job_goes_back_to_its_queue() {
         10,
         "ran and charged once"
     );
-    let left = llen(&mut conn, &keys.processing("w1")).await;
+    let left = llen(conn, &keys.processing("w1")).await;
     assert_eq!(left, 0);
 }
 
