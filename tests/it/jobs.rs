@@ -993,7 +993,7 @@ async fn job_redis_a_taken_but_never_leased_job_goes_back_to_its_queue() {
     let prefix = random_prefix();
     let (q, ledger) = redis_queue(&server, &prefix, config()).await;
     let keys = KeySpace::new(&prefix).unwrap().jobs("work");
-    a_taken_but_never_leased_job_goes_back(&*q, &*ledger, &keys, &mut raw(&server).await).await;
+    a_taken_but_never_leased_job_goes_back(&q, &*ledger, &keys, &mut raw(&server).await).await;
 }
 
 /// The same on a Redis Cluster (the unstick script's keys share the queue's slot).
@@ -1014,7 +1014,7 @@ async fn job_cluster_a_taken_but_never_leased_job_goes_back_to_its_queue() {
         .get_async_connection()
         .await
         .unwrap();
-    a_taken_but_never_leased_job_goes_back(&*q, &*ledger, &keys, &mut conn).await;
+    a_taken_but_never_leased_job_goes_back(&q, &*ledger, &keys, &mut conn).await;
 }
 
 async fn a_taken_but_never_leased_job_goes_back(
