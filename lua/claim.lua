@@ -5,7 +5,7 @@
 -- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
 -- ARGV[3] end of the charge's hold (ms): the job's deadline plus the grace it was
 --         charged with
--- ARGV[4..] plan table: name, limit, window_ms triples, default first
+-- ARGV[4..] plan table: name, limits pairs, default first
 -- Returns 1 claimed: the job owns its charge (or the charge was taken and has
 -- since left the window: paid), and may call the provider; 0 refused: the charge
 -- is not this job's (the id was charged anew under another nonce, or the hold
@@ -17,9 +17,9 @@ local hold_until = tonumber(ARGV[3])
 if not hold_until then
   return redis.error_reply('claim: bad hold end')
 end
-local _, _, window = resolve_plan(4)
+local _, limits = resolve_plan(4)
 local now = now_ms()
-expire(now, window)
+expire(now, limits)
 
 local o = owner(request)
 if o then

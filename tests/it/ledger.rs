@@ -30,7 +30,13 @@ window = "1500ms"
 [plans.thousand]
 limit = 1000
 window = "12h"
+[plans.multi]
+limits = [{ limit = 12, window = "3s" }, { limit = 8, window = "1s" }]
 "#;
+
+/// The windows of plan `multi`: 12 tokens per 3 s and 8 per 1 s.
+pub const LONG: u64 = 3000;
+pub const SHORT: u64 = 1000;
 
 pub fn config() -> Arc<Config> {
     Arc::new(Config::parse(CONFIG, "conformance").expect("test config"))
@@ -456,6 +462,162 @@ async fn concurrent_reserves_never_overspend(b: &impl Backend) {
     assert_eq!((usage.used, usage.events.len()), (1000, 125));
 }
 
+/// (used, limit, window_ms) of every window, longest first.
+fn shape(windows: &[tollgate_core::ledger::WindowUse]) -> Vec<(u64, u64, u64)> {
+    windows
+        .iter()
+        .map(|w| (w.used, w.limit, w.window_ms))
+        .collect()
+}
+
+async fn every_window_must_fit(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("multi-a"));
+    l.set_plan(&u, "multi").await.unwrap();
+    assert_eq!(
+        l.reserve(&u, &rid("huge"), 9).await.unwrap_err(),
+        LedgerError::CostExceedsLimit { cost: 9, limit: 8 },
+        "the smallest limit bounds a cost"
+    );
+    let x = allowed(l.reserve(&u, &rid("x"), 8).await.unwrap());
+    assert_eq!(shape(&x.windows), [(8, 12, LONG), (8, 8, SHORT)]);
+    // The closest to exhaustion is the 1 s window (0 left).
+    assert_eq!(
+        (x.used, x.limit, x.window_ms, x.remaining),
+        (8, 8, SHORT, 0)
+    );
+    // The short window denies; the long one would take it.
+    let d = denied(l.reserve(&u, &rid("y"), 1).await.unwrap());
+    assert_eq!((d.limit, d.window_ms, d.used), (8, SHORT, 8));
+    assert_eq!(d.retry_after_ms, x.at_ms + SHORT - d.now_ms);
+    assert_eq!(shape(&d.windows), [(8, 12, LONG), (8, 8, SHORT)]);
+    b.pass(Duration::from_millis(d.retry_after_ms)).await;
+    // x left the 1 s window, not the 3 s one.
+    let y = allowed(l.reserve(&u, &rid("y"), 4).await.unwrap());
+    assert_eq!(shape(&y.windows), [(12, 12, LONG), (4, 8, SHORT)]);
+    // Now the long window denies, though the short one has room.
+    let d = denied(l.reserve(&u, &rid("z"), 1).await.unwrap());
+    assert_eq!((d.limit, d.window_ms), (12, LONG));
+    assert_eq!(d.retry_after_ms, x.at_ms + LONG - d.now_ms);
+    // Both deny: retry_after is when it fits both, the later of the two.
+    let d = denied(l.reserve(&u, &rid("z"), 5).await.unwrap());
+    assert_eq!(d.retry_after_ms, x.at_ms + LONG - d.now_ms);
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(shape(&usage.windows), [(12, 12, LONG), (4, 8, SHORT)]);
+    assert_eq!(
+        (usage.limit, usage.window_ms, usage.remaining),
+        (12, LONG, 0)
+    );
+    assert_eq!(
+        usage.windows[1].reset_after_ms,
+        Some(y.at_ms + SHORT - usage.now_ms)
+    );
+    b.pass(Duration::from_millis(d.retry_after_ms)).await;
+    let z = allowed(l.reserve(&u, &rid("z"), 4).await.unwrap());
+    assert_eq!(shape(&z.windows)[0].0, 8, "x left the 3 s window: y + z");
+}
+
+async fn refund_and_settle_move_every_window(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("multi-b"));
+    l.set_plan(&u, "multi").await.unwrap();
+    allowed(l.reserve(&u, &rid("old"), 3).await.unwrap());
+    b.pass(Duration::from_millis(SHORT + 50)).await;
+    allowed(l.reserve(&u, &rid("new"), 4).await.unwrap());
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(shape(&usage.windows), [(7, 12, LONG), (4, 8, SHORT)]);
+    // Refunding an event outside the short window leaves that window alone.
+    assert_eq!(
+        l.refund(&u, &rid("old")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 3, used: 4 }
+    );
+    assert_eq!(
+        shape(&l.usage(&u).await.unwrap().windows),
+        [(4, 12, LONG), (4, 8, SHORT)]
+    );
+    // Settling past a limit is recorded: used shows more than the limit...
+    assert!(matches!(
+        l.settle(&u, &rid("new"), 11).await.unwrap(),
+        SettleOutcome::Settled {
+            previous_cost: 4,
+            cost: 11,
+            used: 11
+        }
+    ));
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(shape(&usage.windows), [(11, 12, LONG), (11, 8, SHORT)]);
+    assert_eq!((usage.used, usage.remaining), (11, 0));
+    // ...and the next reserve waits until it fits again.
+    let d = denied(l.reserve(&u, &rid("next"), 1).await.unwrap());
+    let new_at = usage.events[0].at_ms;
+    assert_eq!(d.retry_after_ms, new_at + SHORT - d.now_ms);
+    assert_eq!(
+        l.refund(&u, &rid("new")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 11, used: 0 }
+    );
+    assert_eq!(
+        shape(&l.usage(&u).await.unwrap().windows),
+        [(0, 12, LONG), (0, 8, SHORT)]
+    );
+    allowed(l.reserve(&u, &rid("next"), 8).await.unwrap());
+}
+
+async fn plan_changes_keep_the_log(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("multi-c"));
+    l.set_plan(&u, "big").await.unwrap();
+    allowed(l.reserve(&u, &rid("a"), 30).await.unwrap());
+    b.pass(Duration::from_millis(SHORT + 50)).await;
+    allowed(l.reserve(&u, &rid("b"), 5).await.unwrap());
+    // Onto several windows: the events already in the log count in each.
+    l.set_plan(&u, "multi").await.unwrap();
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(shape(&usage.windows), [(35, 12, LONG), (5, 8, SHORT)]);
+    let d = denied(l.reserve(&u, &rid("c"), 1).await.unwrap());
+    assert_eq!((d.limit, d.window_ms), (12, LONG), "nothing refunded");
+    // Back to one window, and to several again: the totals stay exact.
+    l.set_plan(&u, "big").await.unwrap();
+    assert_eq!(
+        l.refund(&u, &rid("b")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 5, used: 30 }
+    );
+    l.set_plan(&u, "multi").await.unwrap();
+    assert_eq!(
+        shape(&l.usage(&u).await.unwrap().windows),
+        [(30, 12, LONG), (0, 8, SHORT)]
+    );
+}
+
+async fn released_holds_leave_every_window(b: &impl Backend) {
+    use tollgate_core::ledger::{ChargeOutcome, ChargeRequest};
+    let (l, u) = (b.ledger(), user("multi-d"));
+    l.set_plan(&u, "multi").await.unwrap();
+    let charge = ChargeRequest {
+        cost: 5,
+        nonce: "n1",
+        operation: "llm.structured",
+        fingerprint: "f1",
+        deadline: Duration::from_millis(100),
+        grace: Duration::from_millis(100),
+    };
+    let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
+    let ChargeOutcome::Charged { allowed, .. } = c else {
+        panic!("expected charged, got {c:?}")
+    };
+    assert_eq!(shape(&allowed.windows), [(5, 12, LONG), (5, 8, SHORT)]);
+    let d = l
+        .charge(&u, &rid("job2"), &ChargeRequest { cost: 4, ..charge })
+        .await
+        .unwrap();
+    assert!(
+        matches!(d, ChargeOutcome::Denied(ref d) if d.window_ms == SHORT),
+        "{d:?}"
+    );
+    // No job claimed it by its deadline plus the grace: released, in both windows.
+    b.pass(Duration::from_millis(250)).await;
+    assert_eq!(
+        shape(&l.usage(&u).await.unwrap().windows),
+        [(0, 12, LONG), (0, 8, SHORT)]
+    );
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -497,4 +659,8 @@ conformance!(
     same_millisecond_requests_are_separate_events,
     users_are_independent,
     concurrent_reserves_never_overspend,
+    every_window_must_fit,
+    refund_and_settle_move_every_window,
+    plan_changes_keep_the_log,
+    released_holds_leave_every_window,
 );

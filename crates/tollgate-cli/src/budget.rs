@@ -233,11 +233,12 @@ fn reserve_json(user: &UserId, request: &RequestId, cost: u64, outcome: &Reserve
             "allowed": true, "user": user, "request_id": request, "cost": cost,
             "used": a.used, "limit": a.limit, "remaining": a.remaining,
             "duplicate": a.duplicate, "at_ms": a.at_ms, "reset_after_ms": a.reset_after_ms,
+            "windows": a.windows,
         }),
         ReserveOutcome::Denied(d) => json!({
             "allowed": false, "user": user, "request_id": request, "cost": cost,
             "used": d.used, "limit": d.limit, "remaining": d.remaining,
-            "retry_after_ms": d.retry_after_ms,
+            "retry_after_ms": d.retry_after_ms, "windows": d.windows,
         }),
     }
 }
@@ -246,21 +247,24 @@ fn usage_json(user: &UserId, u: &Usage) -> Value {
     json!({
         "user": user, "plan": u.plan, "used": u.used, "limit": u.limit, "remaining": u.remaining,
         "window_secs": u.window_ms / 1000, "window_ms": u.window_ms, "now_ms": u.now_ms,
-        "reset_after_ms": u.reset_after_ms, "events": u.events,
+        "reset_after_ms": u.reset_after_ms, "windows": u.windows, "events": u.events,
     })
 }
 
 fn usage_text(user: &UserId, u: &Usage) -> String {
-    let window = duration::format(std::time::Duration::from_millis(u.window_ms));
-    let mut s = format!(
-        "{user} on plan {}: used {}/{} tokens in the last {window}, {} remaining",
-        u.plan, u.used, u.limit, u.remaining
-    );
-    if let Some(r) = u.reset_after_ms {
+    let mut s = format!("{user} on plan {}:", u.plan);
+    for w in &u.windows {
+        let window = duration::format(std::time::Duration::from_millis(w.window_ms));
         s += &format!(
-            "; the oldest event frees its tokens in {}",
-            duration::format_approx(std::time::Duration::from_millis(r))
+            "\n  used {}/{} tokens in the last {window}, {} remaining",
+            w.used, w.limit, w.remaining
         );
+        if let Some(r) = w.reset_after_ms {
+            s += &format!(
+                "; the oldest event in it frees its tokens in {}",
+                duration::format_approx(std::time::Duration::from_millis(r))
+            );
+        }
     }
     if !u.events.is_empty() {
         s += &format!(
@@ -294,19 +298,14 @@ async fn demo(ledger: Arc<dyn Ledger>, on: &str, config: &Config) -> Result<(), 
         "plans: {}",
         config
             .plans()
-            .map(|p| format!(
-                "{} = {} tokens / {}",
-                p.name,
-                p.limit,
-                duration::format(p.window)
-            ))
+            .map(|p| format!("{} = {}", p.name, p.describe()))
             .collect::<Vec<_>>()
             .join(", ")
     );
     println!();
 
-    let cost = (plan.limit / 50).max(1);
-    let attempts = plan.limit / cost + 10;
+    let cost = (plan.max_cost() / 50).max(1);
+    let attempts = plan.max_cost() / cost + 10;
     println!(
         "1. {alice} (plan {}) fires {attempts} concurrent calls of {cost} tokens:",
         plan.name
@@ -339,7 +338,7 @@ async fn demo(ledger: Arc<dyn Ledger>, on: &str, config: &Config) -> Result<(), 
             "   a denied call learns exactly when it fits: retry after {} ({} ms), when the oldest events leave the {} window",
             duration::format_approx(std::time::Duration::from_millis(d.retry_after_ms)),
             d.retry_after_ms,
-            duration::format(plan.window)
+            duration::format(std::time::Duration::from_millis(d.window_ms))
         );
     }
 

@@ -20,17 +20,49 @@ pub const BUILTIN: &str = include_str!("default.toml");
 /// which are exact integers up to 2^53.
 pub const MAX_TOKENS: u64 = (1 << 53) - 1;
 
-/// A budget plan: at most `limit` tokens spent in any trailing `window`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
-    pub name: String,
+/// One limit of a plan: at most `limit` tokens spent in any trailing `window`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
     pub limit: u64,
     pub window: Duration,
 }
 
-impl Plan {
+impl Limit {
     pub fn window_ms(&self) -> u64 {
         u64::try_from(self.window.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Most limits one plan may set.
+pub const MAX_LIMITS: usize = 8;
+
+/// A budget plan: one or several [`Limit`]s (distinct windows, longest first). A
+/// reservation is recorded only if it fits every one of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub name: String,
+    /// Never empty; windows distinct, longest first.
+    pub limits: Vec<Limit>,
+}
+
+impl Plan {
+    /// The longest window: how long the plan's log keeps an event.
+    pub fn window_ms(&self) -> u64 {
+        self.limits.first().map_or(0, Limit::window_ms)
+    }
+
+    /// The smallest limit: the largest cost the plan could ever admit.
+    pub fn max_cost(&self) -> u64 {
+        self.limits.iter().map(|l| l.limit).min().unwrap_or(0)
+    }
+
+    /// `1000 tokens / 12h` or `1000 tokens / 12h + 100 tokens / 1m`.
+    pub fn describe(&self) -> String {
+        self.limits
+            .iter()
+            .map(|l| format!("{} tokens / {}", l.limit, duration::format(l.window)))
+            .collect::<Vec<_>>()
+            .join(" + ")
     }
 }
 
@@ -173,6 +205,14 @@ struct RawOperation {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawPlan {
+    limit: Option<i64>,
+    window: Option<String>,
+    limits: Option<Vec<RawLimit>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
     limit: i64,
     window: String,
 }
@@ -213,41 +253,18 @@ impl Config {
             if let Err(e) = crate::id::UserId::new(name.as_str()) {
                 return Err(invalid(key, format!("bad plan name: {e}")));
             }
-            if p.limit <= 0 {
-                return Err(invalid(
-                    format!("{key}.limit"),
-                    format!("must be > 0, got {}", p.limit),
-                ));
-            }
-            let limit = p.limit as u64;
-            if limit > MAX_TOKENS {
-                return Err(invalid(
-                    format!("{key}.limit"),
-                    format!("must be <= {MAX_TOKENS}"),
-                ));
-            }
-            let window =
-                duration::parse(&p.window).map_err(|m| invalid(format!("{key}.window"), m))?;
-            if window < Duration::from_millis(1) {
-                return Err(invalid(
-                    format!("{key}.window"),
-                    "must be at least 1ms".into(),
-                ));
-            }
-            if window > Duration::from_secs(366 * 86_400) {
-                return Err(invalid(
-                    format!("{key}.window"),
-                    "must be at most 366d".into(),
-                ));
-            }
-            plans.insert(
-                name.clone(),
-                Plan {
-                    name,
-                    limit,
-                    window,
-                },
-            );
+            let raw_limits =
+                match (p.limit, p.window, p.limits) {
+                    (Some(limit), Some(window), None) => vec![RawLimit { limit, window }],
+                    (None, None, Some(limits)) => limits,
+                    _ => return Err(invalid(
+                        key,
+                        "set either `limit` and `window`, or `limits = [{ limit, window }, ...]`"
+                            .into(),
+                    )),
+                };
+            let limits = parse_limits(&key, raw_limits, &invalid)?;
+            plans.insert(name.clone(), Plan { name, limits });
         }
         if plans.is_empty() {
             return Err(invalid(
@@ -376,6 +393,65 @@ impl Config {
     pub fn operations(&self) -> impl Iterator<Item = &Operation> {
         self.operations.values()
     }
+}
+
+fn parse_limits(
+    key: &str,
+    raw: Vec<RawLimit>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Vec<Limit>, ConfigError> {
+    if raw.is_empty() || raw.len() > MAX_LIMITS {
+        return Err(invalid(
+            format!("{key}.limits"),
+            format!("must hold 1 to {MAX_LIMITS} limits, got {}", raw.len()),
+        ));
+    }
+    let single = raw.len() == 1;
+    let mut limits: Vec<Limit> = Vec::with_capacity(raw.len());
+    for (i, l) in raw.into_iter().enumerate() {
+        let key = if single {
+            key.to_owned()
+        } else {
+            format!("{key}.limits[{i}]")
+        };
+        if l.limit <= 0 {
+            return Err(invalid(
+                format!("{key}.limit"),
+                format!("must be > 0, got {}", l.limit),
+            ));
+        }
+        let limit = l.limit as u64;
+        if limit > MAX_TOKENS {
+            return Err(invalid(
+                format!("{key}.limit"),
+                format!("must be <= {MAX_TOKENS}"),
+            ));
+        }
+        let window = duration::parse(&l.window).map_err(|m| invalid(format!("{key}.window"), m))?;
+        if window < Duration::from_millis(1) {
+            return Err(invalid(
+                format!("{key}.window"),
+                "must be at least 1ms".into(),
+            ));
+        }
+        if window > Duration::from_secs(366 * 86_400) {
+            return Err(invalid(
+                format!("{key}.window"),
+                "must be at most 366d".into(),
+            ));
+        }
+        // Milliseconds are what the ledger counts in: two windows equal there are one.
+        let ms = Limit { limit, window }.window_ms();
+        if limits.iter().any(|o| o.window_ms() == ms) {
+            return Err(invalid(
+                format!("{key}.window"),
+                format!("{} is set twice in one plan", l.window),
+            ));
+        }
+        limits.push(Limit { limit, window });
+    }
+    limits.sort_by_key(|l| std::cmp::Reverse(l.window));
+    Ok(limits)
 }
 
 fn parse_operations(
@@ -601,11 +677,13 @@ window = "12h"
     fn reads_the_documented_shape() {
         let c = Config::parse(ISSUE_SHAPE, "t.toml").unwrap();
         assert_eq!(c.default_plan().name, "free");
-        assert_eq!(c.default_plan().limit, 1000);
-        assert_eq!(c.plan("pro").unwrap().limit, 20000);
+        assert_eq!(c.default_plan().max_cost(), 1000);
         assert_eq!(
-            c.plan("pro").unwrap().window,
-            Duration::from_secs(12 * 3600)
+            c.plan("pro").unwrap().limits,
+            vec![Limit {
+                limit: 20000,
+                window: Duration::from_secs(12 * 3600)
+            }]
         );
         assert_eq!(c.plan_or_default(Some("gone")).name, "free");
         // The built-in config has the same plans, plus providers.
@@ -635,6 +713,55 @@ window = "12h"
         assert!(e.contains("limmit"), "{e}");
         let e = err("default_plan = \"x\"");
         assert!(e.contains("plans"), "{e}");
+    }
+
+    const WINDOWS: &str = r#"
+[plans.free]
+limits = [{ limit = 100, window = "1m" }, { limit = 1000, window = "12h" }, { limit = 5, window = "1s" }]
+"#;
+
+    #[test]
+    fn reads_several_limits_longest_window_first() {
+        let c = Config::parse(WINDOWS, "t.toml").unwrap();
+        let p = c.default_plan();
+        let shape: Vec<(u64, u64)> = p.limits.iter().map(|l| (l.limit, l.window_ms())).collect();
+        assert_eq!(shape, vec![(1000, 43_200_000), (100, 60_000), (5, 1000)]);
+        assert_eq!(p.window_ms(), 43_200_000);
+        assert_eq!(p.max_cost(), 5);
+        assert_eq!(
+            p.describe(),
+            "1000 tokens / 12h + 100 tokens / 1m + 5 tokens / 1s"
+        );
+    }
+
+    #[test]
+    fn limits_errors_name_the_key() {
+        for (from, to, key) in [
+            ("limit = 100,", "limit = 0,", "plans.free.limits[0].limit"),
+            ("\"1s\"", "\"1m\"", "plans.free.limits[2].window"),
+            (
+                "window = \"12h\"",
+                "window = \"later\"",
+                "plans.free.limits[1].window",
+            ),
+            ("limits = [", "limit = 3\nlimits = [", "plans.free"),
+        ] {
+            let e = err(&WINDOWS.replacen(from, to, 1));
+            assert!(e.contains(key), "{to}: {e}");
+        }
+        let e = err("[plans.free]\nlimits = []");
+        assert!(
+            e.contains("plans.free.limits") && e.contains("1 to 8"),
+            "{e}"
+        );
+        let nine = (1..=9)
+            .map(|i| format!("{{ limit = 1, window = \"{i}s\" }}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let e = err(&format!("[plans.free]\nlimits = [{nine}]"));
+        assert!(e.contains("1 to 8"), "{e}");
+        let e = err("[plans.free]\nwindow = \"1h\"");
+        assert!(e.contains("plans.free") && e.contains("either"), "{e}");
     }
 
     const PROVIDERS: &str = r#"

@@ -631,10 +631,12 @@ impl Metrics {
         }
         let mut plans_by_limit: BTreeMap<u64, Vec<String>> = BTreeMap::new();
         for p in config.plans() {
-            plans_by_limit
-                .entry(p.limit)
-                .or_default()
-                .push(p.name.clone());
+            for l in &p.limits {
+                let names = plans_by_limit.entry(l.limit).or_default();
+                if !names.contains(&p.name) {
+                    names.push(p.name.clone());
+                }
+            }
         }
 
         Self {
@@ -1366,7 +1368,7 @@ mod tests {
         let config = Arc::new(Config::builtin());
         let backends = crate::backend::Backends::memory(Arc::clone(&config));
         let user = UserId::new("u").unwrap();
-        let free = config.plan("free").unwrap().limit;
+        let free = config.plan("free").unwrap().max_cost();
         let r = backends
             .ledger
             .reserve(&user, &RequestId::new("r1").unwrap(), free)

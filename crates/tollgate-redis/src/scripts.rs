@@ -32,8 +32,9 @@ pub static CLAIM: LazyLock<Script> =
 pub static RELEASE: LazyLock<Script> =
     LazyLock::new(|| budget_script(include_str!("../../../lua/release.lua")));
 
-/// The plan table the budget scripts read from their ARGV tail: `name, limit,
-/// window_ms` triples, the default plan first. Built once per config.
+/// The plan table the budget scripts read from their ARGV tail: `name, limits`
+/// pairs, the default plan first, where limits is `limit:window_ms,...` longest
+/// window first. Built once per config.
 #[derive(Debug, Clone)]
 pub struct PlanArgs(Vec<String>);
 
@@ -43,15 +44,18 @@ impl PlanArgs {
         let rest = config.plans().filter(|p| p.name != default.name);
         let args = std::iter::once(default)
             .chain(rest)
-            .flat_map(|p| {
-                [
-                    p.name.clone(),
-                    p.limit.to_string(),
-                    p.window_ms().to_string(),
-                ]
-            })
+            .flat_map(|p| [p.name.clone(), Self::limits(p)])
             .collect();
         Self(args)
+    }
+
+    /// `limit:window_ms,...`, as lib/budget.lua's `resolve_plan` reads it.
+    pub fn limits(plan: &tollgate_core::config::Plan) -> String {
+        plan.limits
+            .iter()
+            .map(|l| format!("{}:{}", l.limit, l.window_ms()))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 }
 

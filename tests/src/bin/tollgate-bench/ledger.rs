@@ -140,8 +140,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let sha = scripts::RESERVE.get_hash().to_owned();
     let plan_args = [
         "bench".to_string(),
-        config.default_plan().limit.to_string(),
-        config.default_plan().window_ms().to_string(),
+        scripts::PlanArgs::limits(config.default_plan()),
     ];
     let mut ours = Vec::new();
     let mut ceiling = Vec::new();
@@ -151,7 +150,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let rps = redis_benchmark(
             &url,
             &sha,
-            &[&keys.events, &keys.costs, &keys.plan],
+            &[
+                &keys.events,
+                &keys.costs,
+                &keys.plan,
+                &keys.owners,
+                &keys.holds,
+            ],
             &plan_args,
             args.clients,
             args.ops,
@@ -301,7 +306,8 @@ fn redis_benchmark(
             "-n",
             &ops.to_string(),
         ])
-        .args(["-r", "100000000", "--csv", "EVALSHA", sha, "3"])
+        .args(["-r", "100000000", "--csv", "EVALSHA", sha])
+        .arg(keys.len().to_string())
         .args(keys)
         .args(["__rand_int__", "1"])
         .args(plan)
