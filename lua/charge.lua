@@ -1,6 +1,7 @@
 -- charge.lua: the one step that charges a job: check the request against what
 -- its id was first used for, then reserve and record who owns the charge.
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id)
 -- ARGV[2] cost (integer >= 1)
@@ -9,7 +10,7 @@
 -- ARGV[4] operation, ARGV[5] fingerprint of the request body
 -- ARGV[6] the job's deadline after now (ms), ARGV[7] hold grace (ms): a charge no
 --         job has claimed by deadline + grace is released
--- ARGV[8..] plan table: name, limits pairs, default first
+-- ARGV[8..] export maxlen, then the plan table (lib/budget.lua)
 -- Returns one of
 --   { 1, now_ms, deadline_ms, windows... }    charged, held for its job
 --   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows... }
@@ -55,7 +56,7 @@ if not fits(limits, used, cost) then
 end
 
 local deadline = now + deadline_after
-used = record(request, cost, now, limits, used)
+used = record(request, cost, now, limits, used, op)
 redis.call('HSET', OWNERS, request, table.concat({ 'h', nonce, int(deadline), op, fp }, ' '))
 redis.call('ZADD', HOLDS, int(deadline + grace), request)
 return push_windows({ 1, now, deadline }, limits, used, now)

@@ -1,11 +1,12 @@
 -- claim.lua: a worker about to call the provider takes the charge of its job over
 -- from the submission that made it.
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
 -- ARGV[3] end of the charge's hold (ms): the job's deadline plus the grace it was
 --         charged with
--- ARGV[4..] plan table: name, limits pairs, default first
+-- ARGV[4..] export maxlen, then the plan table (lib/budget.lua)
 -- Returns 1 claimed: the job owns its charge (or the charge was taken and has
 -- since left the window: paid), and may call the provider; 0 refused: the charge
 -- is not this job's (the id was charged anew under another nonce, or the hold

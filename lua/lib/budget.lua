@@ -11,7 +11,8 @@
 --                   were subtracted). Every write of a one-limit plan drops them.
 --   KEYS[3] plan    string: the user's plan name (absent: the default plan)
 --   KEYS[4] owners  hash: request id -> '<state> <nonce> <deadline_ms> <operation>
---                   <fingerprint>' for a charge taken by charge.lua, the record of
+--                   <fingerprint>[ <estimate>]' for a charge taken by charge.lua
+--                   (the estimate once settle.lua settled it), the record of
 --                   who owns it: state 'h' (held by its submission: no job has
 --                   claimed it yet) or 'j' (owned by its job). A plain reserve has
 --                   no entry. An entry leaves with its event.
@@ -19,17 +20,25 @@
 --                   charge: its job's deadline plus a grace. A charge still held
 --                   then has no job that can run (a job past its deadline never
 --                   starts), so the next budget step releases it.
--- The plan table comes from the caller's config as ARGV pairs (name, limits), the
--- default plan first; limits is 'limit:window_ms,...', longest window first. The
--- log keeps events for the longest window; a reservation must fit every window.
+--   KEYS[6] audit   stream: with [export] configured, every spend, refund and
+--                   settle, in order (XADD MAXLEN ~): fields kind (spend | refund
+--                   | settle), id, cost (settle: the new cost), prev (settle: the
+--                   old one), at (when the event was spent, ms), op (spend of a
+--                   job's charge). It outlives the window; billing jobs read it.
+-- The ARGV tail is the export's maxlen (0: no export), then the plan table as
+-- pairs (name, limits), the default plan first; limits is 'limit:window_ms,...',
+-- longest window first. The log keeps events for the longest window; a
+-- reservation must fit every window.
 -- Time is Redis TIME: pod clocks never decide a budget.
 
-local EVENTS, COSTS, PLAN, OWNERS, HOLDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local TOTAL = ':total'
 local BATCH = 500
 -- The shorter windows' running totals ({ window, total, cursor }, in the order of
 -- limits[2..]), read by expire; written back with the total.
 local SHORTS, SHORTS_STALE = {}, false
+-- The export stream's approximate maxlen; 0: no export.
+local EXPORT = 0
 
 local function int(n)
   return string.format('%d', n)
@@ -41,8 +50,10 @@ local function now_ms()
 end
 
 -- Returns the name and limits ({ limit, window } each, longest window first) of
--- the user's plan, reading the table from ARGV[i].
+-- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
 local function resolve_plan(i)
+  EXPORT = tonumber(ARGV[i]) or 0
+  i = i + 1
   local stored = redis.call('GET', PLAN)
   -- No stored plan, or one the config no longer has: the default.
   local name, spec = ARGV[i], ARGV[i + 1]
@@ -168,6 +179,14 @@ local function write_total(used, request, cost)
   return used
 end
 
+-- Appends one change to the export stream (when there is one).
+local function export(kind, request, cost, at, prev, op)
+  if EXPORT > 0 then
+    redis.call('XADD', AUDIT, 'MAXLEN', '~', int(EXPORT), '*', 'kind', kind, 'id', request,
+      'cost', int(cost), 'prev', int(prev or 0), 'at', int(at or 0), 'op', op or '')
+  end
+end
+
 -- Takes `cost` off every shorter window the event at `at` is still inside.
 local function unshort(at, cost, now)
   for _, s in ipairs(SHORTS) do
@@ -204,11 +223,16 @@ local function expire(now, limits)
         break
       end
       -- Released holds may still be inside a shorter window; expired events are not.
-      local ats = (source[3] and #SHORTS > 0) and redis.call('ZMSCORE', EVENTS, unpack(ids)) or {}
+      local ats = (source[3] and (#SHORTS > 0 or EXPORT > 0))
+        and redis.call('ZMSCORE', EVENTS, unpack(ids)) or {}
       for k, c in ipairs(redis.call('HMGET', COSTS, unpack(ids))) do
         if c then
           used = used - tonumber(c)
           unshort(tonumber(ats[k]), tonumber(c), now)
+          if source[3] then
+            -- A released hold is a refund; an event leaving the window is not a change.
+            export('refund', ids[k], tonumber(c), tonumber(ats[k]))
+          end
         end
       end
       redis.call('HDEL', COSTS, unpack(ids))
@@ -305,8 +329,10 @@ local function remove(request, used, now)
     return nil, used
   end
   c = tonumber(c)
-  if #SHORTS > 0 then
-    unshort(tonumber(redis.call('ZSCORE', EVENTS, request)), c, now)
+  if #SHORTS > 0 or EXPORT > 0 then
+    local at = tonumber(redis.call('ZSCORE', EVENTS, request))
+    unshort(at, c, now)
+    export('refund', request, c, at)
   end
   redis.call('HDEL', COSTS, request)
   redis.call('ZREM', EVENTS, request)
@@ -315,20 +341,23 @@ local function remove(request, used, now)
   return c, write_total(used - c)
 end
 
--- The owner record of a charge: state, nonce, deadline, operation, fingerprint.
+-- The owner record of a charge: state, nonce, deadline, operation, fingerprint,
+-- and the estimate of a settled charge.
 local function owner(request)
   local o = redis.call('HGET', OWNERS, request)
   if not o then
     return nil
   end
-  local state, nonce, deadline, op, fp = string.match(o, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
-  return { state = state, nonce = nonce, deadline = tonumber(deadline), op = op, fp = fp }
+  local state, nonce, deadline, op, fp, est = string.match(o, '^(%S+) (%S+) (%S+) (%S+) (%S+) ?(%d*)$')
+  return { state = state, nonce = nonce, deadline = tonumber(deadline), op = op, fp = fp,
+    estimate = tonumber(est) }
 end
 
 -- Records a spend event of `cost` at `now` (inside every window); the keys
 -- expire with it, so an idle user leaves nothing behind.
-local function record(request, cost, now, limits, used)
+local function record(request, cost, now, limits, used, op)
   redis.call('ZADD', EVENTS, int(now), request)
+  export('spend', request, cost, now, nil, op)
   for _, s in ipairs(SHORTS) do
     s.total = s.total + cost
   end

@@ -21,6 +21,8 @@ pub const WINDOW: Duration = Duration::from_millis(1500);
 
 pub const CONFIG: &str = r#"
 default_plan = "small"
+[export]
+maxlen = 10000
 [plans.small]
 limit = 10
 window = "1500ms"
@@ -618,6 +620,206 @@ async fn released_holds_leave_every_window(b: &impl Backend) {
     );
 }
 
+async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
+    use tollgate_core::ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome};
+    let (l, u) = (b.ledger(), user("settler"));
+    let charge = ChargeRequest {
+        cost: 4,
+        nonce: "n1",
+        operation: "llm.structured",
+        fingerprint: "f1",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(1),
+    };
+    let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
+    assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
+    let hold = 1u64 << 50;
+    assert_eq!(
+        l.claim(&u, &rid("job"), "n1", hold).await.unwrap(),
+        ClaimOutcome::Claimed
+    );
+    // Another attempt's nonce, a plain reserve, a cost of 0: nothing settles.
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n2", 7).await.unwrap(),
+        SettleOutcome::NotFound { used: 4 }
+    );
+    allowed(l.reserve(&u, &rid("plain"), 1).await.unwrap());
+    assert_eq!(
+        l.settle_charge(&u, &rid("plain"), "n1", 3).await.unwrap(),
+        SettleOutcome::NotFound { used: 5 }
+    );
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n1", 0).await.unwrap_err(),
+        LedgerError::ZeroCost
+    );
+    let settled = SettleOutcome::Settled {
+        previous_cost: 4,
+        cost: 7,
+        used: 8,
+    };
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n1", 7).await.unwrap(),
+        settled
+    );
+    // A retried settle sets the same cost: nothing more is charged.
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n1", 7).await.unwrap(),
+        SettleOutcome::Settled {
+            previous_cost: 7,
+            cost: 7,
+            used: 8
+        }
+    );
+    let usage = l.usage(&u).await.unwrap();
+    let job = usage
+        .events
+        .iter()
+        .find(|e| e.request_id.as_str() == "job")
+        .unwrap();
+    assert_eq!(
+        (job.cost, job.estimate),
+        (7, Some(4)),
+        "the event keeps both figures"
+    );
+    let plain = usage
+        .events
+        .iter()
+        .find(|e| e.request_id.as_str() == "plain")
+        .unwrap();
+    assert_eq!(plain.estimate, None);
+    // The job still owns its charge (a worker that died claims again).
+    assert_eq!(
+        l.claim(&u, &rid("job"), "n1", hold).await.unwrap(),
+        ClaimOutcome::Claimed
+    );
+    // Settling past the limit is recorded: used shows more than the limit, and
+    // the next reserve waits until enough leaves the window.
+    assert!(matches!(
+        l.settle_charge(&u, &rid("job"), "n1", 12).await.unwrap(),
+        SettleOutcome::Settled { used: 13, .. }
+    ));
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!((usage.used, usage.limit, usage.remaining), (13, 10, 0));
+    let d = denied(l.reserve(&u, &rid("next"), 1).await.unwrap());
+    assert_eq!(d.used, 13);
+    assert_eq!(
+        d.retry_after_ms,
+        job.at_ms + WINDOW.as_millis() as u64 - d.now_ms
+    );
+    // Released by its job, the charge is gone: a late settle finds nothing.
+    assert_eq!(
+        l.release(&u, &rid("job"), "n1").await.unwrap(),
+        RefundOutcome::Refunded { cost: 12, used: 1 }
+    );
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n1", 5).await.unwrap(),
+        SettleOutcome::NotFound { used: 1 }
+    );
+}
+
+/// A billing job's view: replays a user's export into the live events
+/// (request id -> (spent at, cost)) as of `now_ms`, for a log of `window_ms`.
+pub fn replay(
+    export: &[tollgate_core::ledger::ExportEntry],
+    now_ms: u64,
+    window_ms: u64,
+) -> std::collections::BTreeMap<String, (u64, u64)> {
+    use tollgate_core::ledger::ChangeKind;
+    let mut live = std::collections::BTreeMap::new();
+    for e in export {
+        let id = e.request_id.to_string();
+        match e.kind {
+            ChangeKind::Spend => {
+                live.insert(id, (e.spent_at_ms, e.cost));
+            }
+            ChangeKind::Settle => {
+                live.insert(id, (e.spent_at_ms, e.cost));
+            }
+            ChangeKind::Refund => {
+                live.remove(&id);
+            }
+        }
+    }
+    live.retain(|_, (at, _)| *at + window_ms > now_ms);
+    live
+}
+
+async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
+    use tollgate_core::ledger::{ChangeKind, ChargeRequest};
+    let l = b.ledger();
+    let users = [user("ex-a"), user("ex-b"), user("ex-c")];
+    for (n, u) in users.iter().enumerate() {
+        l.set_plan(u, "big").await.unwrap();
+        allowed(l.reserve(u, &rid("early"), 5).await.unwrap());
+        allowed(l.reserve(u, &rid("gone"), 7).await.unwrap());
+        l.refund(u, &rid("gone")).await.unwrap();
+        let charge = ChargeRequest {
+            cost: 8,
+            nonce: "n1",
+            operation: "llm.structured",
+            fingerprint: "f1",
+            deadline: Duration::from_secs(60),
+            grace: Duration::from_secs(1),
+        };
+        l.charge(u, &rid("job"), &charge).await.unwrap();
+        l.settle_charge(u, &rid("job"), "n1", 3 + n as u64)
+            .await
+            .unwrap();
+        // A charge no job claims: released when its hold ends (a refund).
+        let held = ChargeRequest {
+            deadline: Duration::from_millis(50),
+            grace: Duration::from_millis(50),
+            ..charge
+        };
+        l.charge(u, &rid("held"), &held).await.unwrap();
+    }
+    // "early" and "job" leave the window, "late" stays.
+    b.pass(Duration::from_millis(700)).await;
+    for u in &users {
+        allowed(l.reserve(u, &rid("late"), 2).await.unwrap());
+        l.settle(u, &rid("late"), 4).await.unwrap();
+    }
+    b.pass(Duration::from_millis(900)).await;
+    for u in &users {
+        let usage = l.usage(u).await.unwrap();
+        let export = l.exported(u, 0, 100).await.unwrap();
+        let kinds: Vec<_> = export.iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                ChangeKind::Spend,
+                ChangeKind::Spend,
+                ChangeKind::Refund,
+                ChangeKind::Spend,
+                ChangeKind::Settle,
+                ChangeKind::Spend,
+                ChangeKind::Refund,
+                ChangeKind::Spend,
+                ChangeKind::Settle,
+            ],
+            "{export:?}"
+        );
+        assert!(export.windows(2).all(|w| w[0].at_ms() <= w[1].at_ms()));
+        assert_eq!(export[3].operation.as_deref(), Some("llm.structured"));
+        assert_eq!(
+            (export[4].cost, export[4].previous_cost),
+            (export[4].cost, Some(8))
+        );
+        let live = replay(&export, usage.now_ms, usage.window_ms);
+        let expected: std::collections::BTreeMap<String, (u64, u64)> = usage
+            .events
+            .iter()
+            .map(|e| (e.request_id.to_string(), (e.at_ms, e.cost)))
+            .collect();
+        assert_eq!(live, expected, "{u}");
+        assert_eq!(live.values().map(|(_, c)| c).sum::<u64>(), usage.used);
+        assert_eq!(usage.used, 4);
+        // Read from a later time on: only the later changes.
+        let since = export[7].at_ms();
+        assert!(l.exported(u, since, 100).await.unwrap().len() >= 2);
+    }
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -663,4 +865,6 @@ conformance!(
     refund_and_settle_move_every_window,
     plan_changes_keep_the_log,
     released_holds_leave_every_window,
+    a_job_settles_its_charge_by_its_nonce,
+    the_export_rebuilds_every_users_usage,
 );

@@ -411,6 +411,7 @@ fn schemas(config: &Config) -> Value {
                         "request_id": {"type": "string"},
                         "operation": {"type": ["string", "null"]},
                         "cost": {"type": "integer"},
+                        "estimate": {"type": ["integer", "null"], "description": "The estimate reserved up front, for a charge settled to what the provider reported (`cost` is the actual)."},
                         "at": {"type": "string", "format": "date-time"},
                         "at_ms": {"type": "integer"},
                     },

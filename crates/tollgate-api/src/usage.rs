@@ -54,6 +54,9 @@ pub struct EventView {
     /// The operation the request ran (`null` for a charge of a plain route).
     pub operation: Option<String>,
     pub cost: u64,
+    /// For a charge settled to what the provider reported: the estimate
+    /// reserved up front (`cost` is the actual); `null` otherwise.
+    pub estimate: Option<u64>,
     pub at: String,
     pub at_ms: u64,
 }
@@ -90,6 +93,7 @@ pub async fn usage(State(state): State<ApiState>, caller: Caller) -> Result<Resp
                 request_id: e.request_id.to_string(),
                 operation: e.operation.clone(),
                 cost: e.cost,
+                estimate: e.estimate,
                 at: rfc3339(e.at_ms),
                 at_ms: e.at_ms,
             })

@@ -65,6 +65,19 @@ enum BudgetCommand {
         #[arg(long)]
         user: UserId,
     },
+    /// Print a user's exported budget changes (spend, refund, settle; needs
+    /// `[export]` in the config), oldest first: one JSON object per line with
+    /// --json.
+    Events {
+        #[arg(long)]
+        user: UserId,
+        /// From this time on: ms since the epoch, or a duration ago ("1h", "30d").
+        #[arg(long, default_value = "0")]
+        since: String,
+        /// At most this many entries.
+        #[arg(long, default_value_t = 1000)]
+        count: usize,
+    },
     /// Put a user on a configured plan.
     SetPlan {
         #[arg(long)]
@@ -129,6 +142,45 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             } else {
                 exit::DENIED
             })
+        }
+        BudgetCommand::Events { user, since, count } => {
+            let since_ms = match since.parse::<u64>() {
+                Ok(ms) => ms,
+                Err(_) => {
+                    let ago = duration::parse(&since).map_err(|m| {
+                        Failure::bad_input(format!(
+                            "--since: ms since the epoch or a duration ago: {m}"
+                        ))
+                    })?;
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap_or_default();
+                    u64::try_from(now.saturating_sub(ago).as_millis()).unwrap_or(0)
+                }
+            };
+            if config.export_maxlen().is_none() {
+                eprintln!("note: the config has no [export]: nothing new is exported");
+            }
+            for e in ledger.exported(&user, since_ms, count).await? {
+                if out.json {
+                    println!("{}", serde_json::to_string(&e).unwrap_or_default());
+                } else {
+                    let previous = e
+                        .previous_cost
+                        .map(|p| format!(" (was {p})"))
+                        .unwrap_or_default();
+                    let op = e
+                        .operation
+                        .as_deref()
+                        .map(|o| format!(" {o}"))
+                        .unwrap_or_default();
+                    println!(
+                        "{} {:?} {} {} tokens{previous}, spent at {} ms{op}",
+                        e.id, e.kind, e.request_id, e.cost, e.spent_at_ms
+                    );
+                }
+            }
+            Ok(0)
         }
         BudgetCommand::Refund { user, request_id } => {
             let outcome = ledger.refund(&user, &request_id).await?;
@@ -272,10 +324,14 @@ fn usage_text(user: &UserId, u: &Usage) -> String {
             "request id", "cost", "at (ms ago)"
         );
         for e in &u.events {
+            let cost = match e.estimate {
+                Some(est) => format!("{} (est. {est})", e.cost),
+                None => e.cost.to_string(),
+            };
             s += &format!(
                 "\n{:<40} {:>8}  {:>14}",
                 e.request_id,
-                e.cost,
+                cost,
                 u.now_ms.saturating_sub(e.at_ms)
             );
         }

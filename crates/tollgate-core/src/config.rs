@@ -33,6 +33,9 @@ impl Limit {
     }
 }
 
+/// Largest `[export] maxlen`.
+pub const MAX_EXPORT: u64 = 100_000_000;
+
 /// Most limits one plan may set.
 pub const MAX_LIMITS: usize = 8;
 
@@ -129,6 +132,36 @@ pub struct Operation {
     pub deadline: Duration,
     /// Times a job is taken before it is given up (workers died running it).
     pub max_attempts: u32,
+    /// Settle the charge to what the provider reported (`None`: `cost` stays).
+    pub settle: Option<Settle>,
+}
+
+/// How a job's charge is settled to its actual cost: read a number at `from`
+/// (a JSON pointer, RFC 6901) in the provider's answer; the cost is
+/// `ceil(value / per)` tokens, clamped to `1..=max`. `cost` is the estimate
+/// reserved up front.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settle {
+    pub from: String,
+    pub per: u64,
+    pub max: u64,
+}
+
+impl Settle {
+    /// The actual cost of a job that answered `answer`; `None` when the answer
+    /// has no number at `from` (the estimate then stands).
+    pub fn cost(&self, answer: &serde_json::Value) -> Option<u64> {
+        let v = answer.pointer(&self.from)?;
+        let units = match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) => n.div_ceil(self.per),
+            (None, Some(f)) if f.is_finite() => {
+                // Negative and fractional amounts: a call costs at least 1.
+                (f.max(0.0) / self.per as f64).ceil().min(MAX_TOKENS as f64) as u64
+            }
+            _ => return None,
+        };
+        Some(units.clamp(1, self.max))
+    }
 }
 
 impl Operation {
@@ -142,6 +175,7 @@ impl Operation {
 pub struct Config {
     default_plan: String,
     hold_grace: Duration,
+    export: Option<u64>,
     plans: BTreeMap<String, Plan>,
     providers: BTreeMap<String, Provider>,
     upstreams: BTreeMap<String, Upstream>,
@@ -171,12 +205,19 @@ pub enum ConfigError {
 struct RawConfig {
     default_plan: Option<String>,
     hold_grace: Option<String>,
+    export: Option<RawExport>,
     #[serde(default)]
     plans: BTreeMap<String, RawPlan>,
     #[serde(default)]
     providers: BTreeMap<String, RawProvider>,
     #[serde(default)]
     operations: BTreeMap<String, RawOperation>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawExport {
+    maxlen: i64,
 }
 
 #[derive(Deserialize)]
@@ -200,6 +241,15 @@ struct RawOperation {
     path: Option<String>,
     deadline: Option<String>,
     max_attempts: Option<i64>,
+    settle: Option<RawSettle>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSettle {
+    from: String,
+    per: Option<i64>,
+    max: i64,
 }
 
 #[derive(Deserialize)]
@@ -299,11 +349,22 @@ impl Config {
                 "must be between 100ms and 1h".into(),
             ));
         }
+        let export = match raw.export {
+            None => None,
+            Some(e) if (1..=MAX_EXPORT as i64).contains(&e.maxlen) => Some(e.maxlen as u64),
+            Some(e) => {
+                return Err(invalid(
+                    "export.maxlen".into(),
+                    format!("must be between 1 and {MAX_EXPORT}, got {}", e.maxlen),
+                ))
+            }
+        };
         let (providers, upstreams) = parse_providers(raw.providers, &invalid)?;
         let operations = parse_operations(raw.operations, &providers, &invalid)?;
         Ok(Self {
             default_plan,
             hold_grace,
+            export,
             plans,
             providers,
             upstreams,
@@ -318,6 +379,12 @@ impl Config {
     /// pod must read the same value.
     pub fn hold_grace(&self) -> Duration {
         self.hold_grace
+    }
+
+    /// `[export] maxlen`: every spend, refund and settle is also appended to the
+    /// user's export stream, kept to about this many entries (`None`: no export).
+    pub fn export_maxlen(&self) -> Option<u64> {
+        self.export
     }
 
     /// The plan of users who have none stored.
@@ -504,6 +571,10 @@ fn parse_operations(
                 format!("must be between 1 and 100, got {max_attempts}"),
             ));
         }
+        let settle = match o.settle {
+            None => None,
+            Some(r) => Some(parse_settle(&format!("{key}.settle"), r, invalid)?),
+        };
         operations.insert(
             name.clone(),
             Operation {
@@ -513,10 +584,45 @@ fn parse_operations(
                 path: o.path,
                 deadline,
                 max_attempts: max_attempts as u32,
+                settle,
             },
         );
     }
     Ok(operations)
+}
+
+fn parse_settle(
+    key: &str,
+    r: RawSettle,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Settle, ConfigError> {
+    if !(r.from.is_empty() || r.from.starts_with('/')) {
+        return Err(invalid(
+            format!("{key}.from"),
+            format!(
+                "must be a JSON pointer (\"\" or starting with /), got {:?}",
+                r.from
+            ),
+        ));
+    }
+    let per = r.per.unwrap_or(1);
+    if per < 1 || per as u64 > MAX_TOKENS {
+        return Err(invalid(
+            format!("{key}.per"),
+            format!("must be between 1 and {MAX_TOKENS}, got {per}"),
+        ));
+    }
+    if r.max < 1 || r.max as u64 > MAX_TOKENS {
+        return Err(invalid(
+            format!("{key}.max"),
+            format!("must be between 1 and {MAX_TOKENS} tokens, got {}", r.max),
+        ));
+    }
+    Ok(Settle {
+        from: r.from,
+        per: per as u64,
+        max: r.max as u64,
+    })
 }
 
 fn parse_upstream(
@@ -897,6 +1003,41 @@ provider = "llm"
             e.contains("providers.llm.retries") && e.contains("url"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn settle_reads_the_answer_and_clamps() {
+        let text = OPERATIONS.replacen(
+            "provider = \"llm\"",
+            "provider = \"llm\"\nsettle = { from = \"/usage/total_tokens\", per = 100, max = 40 }",
+            1,
+        );
+        let c = Config::parse(&text, "t.toml").unwrap();
+        let s = c
+            .operation("llm.structured")
+            .unwrap()
+            .settle
+            .clone()
+            .unwrap();
+        let at =
+            |v: serde_json::Value| s.cost(&serde_json::json!({ "usage": { "total_tokens": v } }));
+        assert_eq!(at(serde_json::json!(2501)), Some(26));
+        assert_eq!(at(serde_json::json!(800)), Some(8));
+        assert_eq!(at(serde_json::json!(0)), Some(1), "at least 1");
+        assert_eq!(at(serde_json::json!(-5)), Some(1));
+        assert_eq!(at(serde_json::json!(1e12)), Some(40), "at most max");
+        assert_eq!(at(serde_json::json!(150.5)), Some(2));
+        assert_eq!(at(serde_json::json!("lots")), None);
+        assert_eq!(s.cost(&serde_json::json!({ "usage": {} })), None);
+        for (from, to, k) in [
+            ("per = 100", "per = 0", "settle.per"),
+            ("max = 40", "max = 0", "settle.max"),
+            ("\"/usage/total_tokens\"", "\"usage\"", "settle.from"),
+            ("max = 40", "max = 40, maxx = 1", "maxx"),
+        ] {
+            let e = err(&text.replacen(from, to, 1));
+            assert!(e.contains(k), "{to}: {e}");
+        }
     }
 
     #[test]

@@ -30,6 +30,52 @@ pub struct SpendEvent {
     pub at_ms: u64,
     /// The operation of a job's charge (`None` for a plain reserve).
     pub operation: Option<String>,
+    /// For a job's charge settled to what the provider reported
+    /// ([`Ledger::settle_charge`]): the estimate reserved up front; `cost` is
+    /// the actual. `None`: not settled.
+    pub estimate: Option<u64>,
+}
+
+/// What changed in an [`ExportEntry`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChangeKind {
+    /// A spend event was recorded (a reserve or a job's charge).
+    Spend,
+    /// A spend event was removed before it left the window (refund, release,
+    /// a hold that ended unclaimed, or a settle to 0).
+    Refund,
+    /// A spend event's cost was set to `cost` (from `previous_cost`).
+    Settle,
+}
+
+/// One entry of a user's export ([`Ledger::exported`]): every change to the
+/// spend events, in order, kept past the window for billing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExportEntry {
+    /// `<ms>-<seq>` of the change on the ledger's clock: increasing.
+    pub id: String,
+    pub kind: ChangeKind,
+    pub request_id: RequestId,
+    /// The event's cost (for a settle: the new one; for a refund: what left).
+    pub cost: u64,
+    /// For a settle: the cost before it.
+    pub previous_cost: Option<u64>,
+    /// When the event was spent (ms): with the plan's windows, when it leaves them.
+    pub spent_at_ms: u64,
+    /// The operation of a job's charge, on its spend.
+    pub operation: Option<String>,
+}
+
+impl ExportEntry {
+    /// The time of the change, from `id`.
+    pub fn at_ms(&self) -> u64 {
+        self.id
+            .split('-')
+            .next()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0)
+    }
 }
 
 /// What a job's charge is taken for ([`Ledger::charge`]).
@@ -340,6 +386,20 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         actual_cost: u64,
     ) -> Result<SettleOutcome, LedgerError>;
 
+    /// The job with `nonce` settles its charge to `actual_cost` (>= 1), what
+    /// the provider reported, and the event keeps the estimate it was charged
+    /// at. A charge that is not this job's (released, left the window, or
+    /// charged anew under another nonce) is `NotFound`, untouched. The cost is
+    /// set, not added: a retried settle changes nothing more. Like `settle`, it
+    /// may take a window past its limit.
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError>;
+
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError>;
 
     /// Charges a job, atomically: expire, check the id against the request it
@@ -371,6 +431,17 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         request: &RequestId,
         nonce: &str,
     ) -> Result<RefundOutcome, LedgerError>;
+
+    /// The user's export from `since_ms` on (at most `count` entries, oldest
+    /// first): empty unless `[export]` is configured. Kept to about `maxlen`
+    /// entries per user; the embedded backend keeps them in memory while the
+    /// user is (an idle user's go with it).
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<ExportEntry>, LedgerError>;
 
     /// Stores `plan` as the user's plan (it must be configured).
     async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError>;

@@ -6,7 +6,7 @@
 //! user serialises only its own requests. Idle users (empty log, no stored plan)
 //! are swept a shard at a time as operations go by, the way Redis keys expire.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,9 +18,9 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
-    unknown_plan, validate_cost, Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied,
-    Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
-    WindowUse,
+    unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome,
+    Denied, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
+    SpendEvent, Usage, WindowUse,
 };
 
 const SHARDS: usize = 64;
@@ -54,6 +54,11 @@ struct UserLog {
     total: u64,
     /// The running totals of the plan's shorter windows.
     shorts: Vec<Short>,
+    /// The export (`[export] maxlen` entries at most; 0: none), and the id of
+    /// its last entry.
+    exported: VecDeque<ExportEntry>,
+    export_max: u64,
+    export_last: (u64, u64),
     seq: u64,
     /// Removed from its shard by the sweeper; a caller holding a stale `Arc`
     /// looks the user up again.
@@ -68,12 +73,23 @@ struct Owner {
     fingerprint: String,
     /// The key in `holds` while no job has claimed the charge.
     hold: Option<(u64, u64)>,
+    /// The cost charged up front, once the charge was settled to the actual.
+    estimate: Option<u64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic elsewhere never leaves a log half-written (every mutation below is
     // panic-free), so a poisoned lock's data is still consistent.
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The subject of one exported change.
+struct Change<'a> {
+    request: &'a RequestId,
+    cost: u64,
+    previous: Option<u64>,
+    at: u64,
+    operation: Option<&'a str>,
 }
 
 /// The running total of one of the plan's shorter windows (every limit but the
@@ -107,8 +123,9 @@ impl UserLog {
             if entry.key().0.saturating_add(window) > now {
                 break;
             }
+            // Leaving the window is not a change: nothing is exported.
             let (request, _) = entry.get().clone();
-            self.remove(&request, now);
+            self.take(&request, now);
         }
         while let Some(entry) = self.holds.first_entry() {
             if entry.key().0 > now {
@@ -147,8 +164,42 @@ impl UserLog {
         }
     }
 
+    /// Appends one change to the export (when there is one).
+    fn export(&mut self, now: u64, kind: ChangeKind, e: Change<'_>) {
+        if self.export_max == 0 {
+            return;
+        }
+        let ms = now.max(self.export_last.0);
+        let seq = if ms == self.export_last.0 {
+            self.export_last.1 + 1
+        } else {
+            0
+        };
+        self.export_last = (ms, seq);
+        self.exported.push_back(ExportEntry {
+            id: format!("{ms}-{seq}"),
+            kind,
+            request_id: e.request.clone(),
+            cost: e.cost,
+            previous_cost: e.previous,
+            spent_at_ms: e.at,
+            operation: e.operation.map(str::to_owned),
+        });
+        while self.exported.len() as u64 > self.export_max {
+            self.exported.pop_front();
+        }
+    }
+
     /// Records a spend event of `cost` at `now`: it is inside every window.
-    fn record(&mut self, request: &RequestId, cost: u64, now: u64) {
+    fn record(&mut self, request: &RequestId, cost: u64, now: u64, operation: Option<&str>) {
+        let change = Change {
+            request,
+            cost,
+            previous: None,
+            at: now,
+            operation,
+        };
+        self.export(now, ChangeKind::Spend, change);
         self.seq += 1;
         let key = (now, self.seq);
         self.events.insert(key, (request.clone(), cost));
@@ -210,6 +261,7 @@ impl UserLog {
         cost: u64,
         limits: &[Limit],
         now: u64,
+        operation: Option<&str>,
     ) -> Result<Allowed, Denied> {
         let fits = limits
             .iter()
@@ -223,7 +275,7 @@ impl UserLog {
                 .collect();
             return Err(Denied::new(self.windows(limits, now), &retry, now));
         }
-        self.record(request, cost, now);
+        self.record(request, cost, now, operation);
         Ok(Allowed::new(self.windows(limits, now), now, now, false))
     }
 
@@ -231,6 +283,15 @@ impl UserLog {
     fn recost(&mut self, key: (u64, u64), cost: u64, now: u64) -> Option<u64> {
         let slot = self.events.get_mut(&key)?;
         let previous = std::mem::replace(&mut slot.1, cost);
+        let request = slot.0.clone();
+        let change = Change {
+            request: &request,
+            cost,
+            previous: Some(previous),
+            at: key.0,
+            operation: None,
+        };
+        self.export(now, ChangeKind::Settle, change);
         self.total = (self.total + cost).saturating_sub(previous);
         for s in &mut self.shorts {
             if key.0.saturating_add(s.window) > now {
@@ -240,7 +301,22 @@ impl UserLog {
         Some(previous)
     }
 
+    /// Removes a live event before it left the window (a refund): exported.
     fn remove(&mut self, request: &RequestId, now: u64) -> Option<u64> {
+        let (at, cost) = self.take(request, now)?;
+        let change = Change {
+            request,
+            cost,
+            previous: None,
+            at,
+            operation: None,
+        };
+        self.export(now, ChangeKind::Refund, change);
+        Some(cost)
+    }
+
+    /// Removes an event; returns its time and cost.
+    fn take(&mut self, request: &RequestId, now: u64) -> Option<(u64, u64)> {
         if let Some(hold) = self.owners.remove(request).and_then(|o| o.hold) {
             self.holds.remove(&hold);
         }
@@ -252,7 +328,7 @@ impl UserLog {
                 s.total = s.total.saturating_sub(cost);
             }
         }
-        Some(cost)
+        Some((key.0, cost))
     }
 }
 
@@ -308,6 +384,7 @@ impl<C: Clock> MemoryLedger<C> {
             // Read the clock under the user's lock so that events are recorded in
             // time order.
             let now = self.clock.now_ms();
+            log.export_max = self.config.export_maxlen().unwrap_or(0);
             return f(&mut log, now);
         }
     }
@@ -398,7 +475,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     true,
                 )));
             }
-            Ok(match log.admit(request, cost, limits, now) {
+            Ok(match log.admit(request, cost, limits, now, None) {
                 Ok(a) => ReserveOutcome::Allowed(a),
                 Err(d) => ReserveOutcome::Denied(d),
             })
@@ -446,6 +523,35 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         }))
     }
 
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        validate_cost(actual_cost)?;
+        Ok(self.with_user(user, false, |log, now| {
+            log.expire(now, &self.plan_of(log).limits);
+            let owned = log.owners.get(request).is_some_and(|o| o.nonce == nonce);
+            let key = log.index.get(request).copied();
+            let (true, Some(key)) = (owned, key) else {
+                return SettleOutcome::NotFound { used: log.total };
+            };
+            let Some(previous_cost) = log.recost(key, actual_cost, now) else {
+                return SettleOutcome::NotFound { used: log.total };
+            };
+            if let Some(o) = log.owners.get_mut(request) {
+                o.estimate.get_or_insert(previous_cost);
+            }
+            SettleOutcome::Settled {
+                previous_cost,
+                cost: actual_cost,
+                used: log.total,
+            }
+        }))
+    }
+
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
         Ok(self.with_user(user, false, |log, now| {
             let plan = self.plan_of(log);
@@ -458,6 +564,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     cost: *cost,
                     at_ms: *at,
                     operation: log.owners.get(request).map(|o| o.operation.clone()),
+                    estimate: log.owners.get(request).and_then(|o| o.estimate),
                 })
                 .collect();
             Usage::new(
@@ -505,7 +612,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     claimed,
                 });
             }
-            let allowed = match log.admit(request, cost, limits, now) {
+            let allowed = match log.admit(request, cost, limits, now, Some(charge.operation)) {
                 Ok(a) => a,
                 Err(d) => return Ok(ChargeOutcome::Denied(d)),
             };
@@ -524,6 +631,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     operation: charge.operation.to_owned(),
                     fingerprint: charge.fingerprint.to_owned(),
                     hold: Some(hold),
+                    estimate: None,
                 },
             );
             Ok(ChargeOutcome::Charged {
@@ -571,6 +679,22 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     ) -> Result<RefundOutcome, LedgerError> {
         Ok(self.remove_if(user, request, |owner| {
             owner.is_some_and(|o| o.nonce == nonce)
+        }))
+    }
+
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<ExportEntry>, LedgerError> {
+        Ok(self.with_user(user, false, |log, _| {
+            log.exported
+                .iter()
+                .filter(|e| e.at_ms() >= since_ms)
+                .take(count)
+                .cloned()
+                .collect()
         }))
     }
 

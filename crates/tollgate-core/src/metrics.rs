@@ -1175,6 +1175,29 @@ impl Ledger for MeteredLedger {
             .await
     }
 
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        self.timed(
+            "settle",
+            self.inner.settle_charge(user, request, nonce, actual_cost),
+        )
+        .await
+    }
+
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<crate::ledger::ExportEntry>, LedgerError> {
+        self.inner.exported(user, since_ms, count).await
+    }
+
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
         self.timed("usage", self.inner.usage(user)).await
     }

@@ -11,8 +11,9 @@ use tollgate_core::{
     config::{Config, MAX_LIMITS},
     id::{RequestId, UserId},
     ledger::{
-        Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, Ledger, LedgerError,
-        RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
+        Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, ExportEntry,
+        Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
+        WindowUse,
     },
 };
 
@@ -86,6 +87,34 @@ impl RedisLedger {
     }
 }
 
+impl RedisLedger {
+    /// `settle.lua`: any event (`nonce` empty) or the charge held under `nonce`.
+    async fn settle_with(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        let keys = self.keys.budget(user);
+        let r: Vec<i64> = self
+            .script(
+                "settle",
+                scripts::settle(&keys, request.as_str(), actual_cost, nonce, &self.plans),
+            )
+            .await?;
+        match r.as_slice() {
+            &[1, previous, cost, used] => Ok(SettleOutcome::Settled {
+                previous_cost: to_u64(previous),
+                cost: to_u64(cost),
+                used: to_u64(used),
+            }),
+            &[0, used] => Ok(SettleOutcome::NotFound { used: to_u64(used) }),
+            other => Err(bad_reply("settle", other)),
+        }
+    }
+}
+
 #[async_trait]
 impl Ledger for RedisLedger {
     async fn reserve(
@@ -147,22 +176,18 @@ impl Ledger for RedisLedger {
         if actual_cost > tollgate_core::config::MAX_TOKENS {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
-        let keys = self.keys.budget(user);
-        let r: Vec<i64> = self
-            .script(
-                "settle",
-                scripts::settle(&keys, request.as_str(), actual_cost, &self.plans),
-            )
-            .await?;
-        match r.as_slice() {
-            &[1, previous, cost, used] => Ok(SettleOutcome::Settled {
-                previous_cost: to_u64(previous),
-                cost: to_u64(cost),
-                used: to_u64(used),
-            }),
-            &[0, used] => Ok(SettleOutcome::NotFound { used: to_u64(used) }),
-            other => Err(bad_reply("settle", other)),
-        }
+        self.settle_with(user, request, "", actual_cost).await
+    }
+
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        validate_cost(actual_cost)?;
+        self.settle_with(user, request, nonce, actual_cost).await
     }
 
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
@@ -251,6 +276,22 @@ impl Ledger for RedisLedger {
         refund_outcome("release", &r)
     }
 
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<ExportEntry>, LedgerError> {
+        let mut cmd = redis::cmd("XRANGE");
+        cmd.arg(self.keys.budget(user).audit)
+            .arg(since_ms)
+            .arg("+")
+            .arg("COUNT")
+            .arg(count.max(1));
+        let reply: Vec<Value> = self.command("exported", cmd).await?;
+        reply.iter().map(parse_export).collect()
+    }
+
     async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError> {
         if self.config.plan(plan).is_none() {
             return Err(unknown_plan(&self.config, plan));
@@ -298,6 +339,47 @@ fn text(v: &Value) -> Option<String> {
     }
 }
 
+/// One XRANGE entry of the export stream: `[id, [field, value, ...]]` (the
+/// fields of lib/budget.lua's `export`).
+pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
+    let bad = || bad_reply::<LedgerError>("exported", v);
+    let Value::Array(parts) = v else {
+        return Err(bad());
+    };
+    let [id, Value::Array(fields)] = parts.as_slice() else {
+        return Err(bad());
+    };
+    let id = text(id).ok_or_else(bad)?;
+    let mut f = std::collections::HashMap::new();
+    for pair in fields.chunks_exact(2) {
+        f.insert(
+            text(&pair[0]).ok_or_else(bad)?,
+            text(&pair[1]).ok_or_else(bad)?,
+        );
+    }
+    let num = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok());
+    let kind = match f.get("kind").map(String::as_str) {
+        Some("spend") => ChangeKind::Spend,
+        Some("refund") => ChangeKind::Refund,
+        Some("settle") => ChangeKind::Settle,
+        _ => return Err(bad()),
+    };
+    let request_id = f
+        .get("id")
+        .and_then(|r| RequestId::new(r.clone()).ok())
+        .ok_or_else(bad)?;
+    let op = f.get("op").filter(|o| !o.is_empty()).cloned();
+    Ok(ExportEntry {
+        id,
+        kind,
+        request_id,
+        cost: num("cost").ok_or_else(bad)?,
+        previous_cost: (kind == ChangeKind::Settle).then(|| num("prev")).flatten(),
+        spent_at_ms: num("at").ok_or_else(bad)?,
+        operation: op,
+    })
+}
+
 /// Fields per window in a budget script's reply (`push_windows` in lib/budget.lua).
 const WINDOW_FIELDS: usize = 5;
 
@@ -338,11 +420,11 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
     }
     let (windows, _) = windows("usage", &reply, 2)?;
     let head = 3 + windows.len() * WINDOW_FIELDS;
-    if (reply.len() - head) % 4 != 0 {
+    if (reply.len() - head) % 5 != 0 {
         return Err(bad_reply("usage", format!("{} elements", reply.len())));
     }
     let events = reply[head..]
-        .chunks_exact(4)
+        .chunks_exact(5)
         .map(|e| {
             let operation = text(&e[3])?;
             Ok(SpendEvent {
@@ -351,6 +433,7 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
                 at_ms: int(&e[1])?,
                 cost: int(&e[2])?,
                 operation: (!operation.is_empty()).then_some(operation),
+                estimate: signed(&e[4]).and_then(|v| u64::try_from(v).ok()),
             })
         })
         .collect::<Result<_, LedgerError>>()?;

@@ -139,6 +139,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // The ceiling: redis-benchmark calling the same script by SHA, same key shape.
     let sha = scripts::RESERVE.get_hash().to_owned();
     let plan_args = [
+        "0".to_string(),
         "bench".to_string(),
         scripts::PlanArgs::limits(config.default_plan()),
     ];
@@ -156,6 +157,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 &keys.plan,
                 &keys.owners,
                 &keys.holds,
+                &keys.audit,
             ],
             &plan_args,
             args.clients,
