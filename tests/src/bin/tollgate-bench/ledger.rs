@@ -25,6 +25,10 @@ pub struct Args {
     /// Use this Redis instead of starting a private redis-server.
     #[arg(long)]
     redis_url: Option<String>,
+    /// The plan every bench user is on: `bench` (one 12 h limit) or `monthly`
+    /// (31 d and 1 min limits: two running totals).
+    #[arg(long, default_value = "bench")]
+    plan: String,
     /// Concurrent clients for the throughput runs (ours and redis-benchmark's -c).
     #[arg(long, default_value_t = 50)]
     clients: usize,
@@ -49,6 +53,8 @@ default_plan = "bench"
 [plans.bench]
 limit = 1000000000000000
 window = "12h"
+[plans.monthly]
+limits = [{ limit = 1000000000000000, window = "31d" }, { limit = 1000000000000000, window = "1m" }]
 "#;
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -60,7 +66,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .redis_url
         .clone()
         .unwrap_or_else(|| server.as_ref().map(|s| s.url()).unwrap_or_default());
-    let config = Arc::new(Config::parse(CONFIG, "bench")?);
+    let text = CONFIG.replacen("\"bench\"", &format!("{:?}", args.plan), 1);
+    let config = Arc::new(Config::parse(&text, "bench")?);
+    println!("plan: {}", config.default_plan().describe());
     let prefix = tollgate_tests::random_prefix();
     let pool = tollgate_redis::pool::connect(
         &url,
