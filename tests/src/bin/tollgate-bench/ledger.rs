@@ -330,9 +330,10 @@ fn redis_benchmark(
             String::from_utf8_lossy(&out.stderr)
         )
     })?;
+    // Counted from the end: the first column (the command line) may hold commas.
     let rps = line
-        .split(',')
-        .nth(1)
+        .rsplit(',')
+        .nth(6)
         .map(|f| f.trim_matches('"'))
         .context("rps column")?;
     let rps: f64 = rps.parse().with_context(|| format!("parse {rps:?}"))?;
