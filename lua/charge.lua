@@ -1,6 +1,7 @@
 -- charge.lua: the one step that charges a job: check the request against what
 -- its id was first used for, then reserve and record who owns the charge.
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id)
 -- ARGV[2] cost (integer >= 1)
@@ -9,16 +10,17 @@
 -- ARGV[4] operation, ARGV[5] fingerprint of the request body
 -- ARGV[6] the job's deadline after now (ms), ARGV[7] hold grace (ms): a charge no
 --         job has claimed by deadline + grace is released
--- ARGV[8..] plan table: name, limit, window_ms triples, default first
+-- ARGV[8..] export maxlen, then the plan table (lib/budget.lua)
 -- Returns one of
---   { 1, used, limit, now_ms, reset_after_ms, deadline_ms }    charged, held for its job
---   { 2, used, limit, now_ms, reset_after_ms, deadline_ms, at_ms, nonce, state }
+--   { 1, now_ms, deadline_ms, windows... }    charged, held for its job
+--   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows... }
 --        the same request (operation and fingerprint) is charged already, under
 --        `nonce`; state 'h' (no job has claimed it) or 'j' (its job has)
---   { 0, used, limit, retry_after_ms, now_ms }                 denied: does not fit
+--   { 0, now_ms, windows... }                 denied: does not fit (retry_after per window)
 --   { 3, operation }   the id is charged for another operation or body: nothing charged
 --   { 4 }              the id is charged by a plain reserve: nothing charged
---   { -1, limit }      cost can never fit this plan
+--   { -1, max_cost }   cost can never fit this plan
+-- windows: see push_windows in lib/budget.lua.
 -- A refunded charge is forgotten with its event: the same request then charges anew.
 
 local request, cost, nonce, op, fp = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
@@ -28,13 +30,14 @@ if not deadline_after or deadline_after < 1 or not grace or grace < 0
     or not string.match(fp, '^%w+$') then
   return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
 end
-local _, limit, window = resolve_plan(8)
-if not cost or cost < 1 or cost > limit then
-  return { -1, limit }
+local _, limits = resolve_plan(8)
+local most = max_cost(limits)
+if not cost or cost < 1 or cost > most then
+  return { -1, most }
 end
 
 local now = now_ms()
-local used = expire(now, window)
+local used = expire(now, limits)
 
 local at = redis.call('ZSCORE', EVENTS, request)
 if at then
@@ -45,15 +48,15 @@ if at then
   if o.op ~= op or o.fp ~= fp then
     return { 3, o.op }
   end
-  return { 2, used, limit, now, reset_after(now, window), o.deadline, tonumber(at), o.nonce, o.state }
+  return push_windows({ 2, now, o.deadline, tonumber(at), o.nonce, o.state }, limits, used, now)
 end
 
-if used + cost > limit then
-  return { 0, used, limit, retry_after(used, cost, limit, now, window), now }
+if not fits(limits, used, cost) then
+  return push_windows({ 0, now }, limits, used, now, cost)
 end
 
 local deadline = now + deadline_after
-used = record(request, cost, now, window, used)
+used = record(request, cost, now, limits, used, op)
 redis.call('HSET', OWNERS, request, table.concat({ 'h', nonce, int(deadline), op, fp }, ' '))
 redis.call('ZADD', HOLDS, int(deadline + grace), request)
-return { 1, used, limit, now, reset_after(now, window), deadline }
+return push_windows({ 1, now, deadline }, limits, used, now)

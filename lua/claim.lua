@@ -1,11 +1,12 @@
 -- claim.lua: a worker about to call the provider takes the charge of its job over
 -- from the submission that made it.
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
 -- ARGV[3] end of the charge's hold (ms): the job's deadline plus the grace it was
 --         charged with
--- ARGV[4..] plan table: name, limit, window_ms triples, default first
+-- ARGV[4..] export maxlen, then the plan table (lib/budget.lua)
 -- Returns 1 claimed: the job owns its charge (or the charge was taken and has
 -- since left the window: paid), and may call the provider; 0 refused: the charge
 -- is not this job's (the id was charged anew under another nonce, or the hold
@@ -17,9 +18,9 @@ local hold_until = tonumber(ARGV[3])
 if not hold_until then
   return redis.error_reply('claim: bad hold end')
 end
-local _, _, window = resolve_plan(4)
+local _, limits = resolve_plan(4)
 local now = now_ms()
-expire(now, window)
+expire(now, limits)
 
 local o = owner(request)
 if o then

@@ -1,21 +1,23 @@
 -- release.lua: a job that failed gives its charge back, at most once.
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
--- ARGV[3..] plan table: name, limit, window_ms triples, default first
+-- ARGV[3..] export maxlen, then the plan table (lib/budget.lua)
 -- Returns { 1, cost, used } released, or { 0, used } when the id has no live
 -- charge with this nonce (released already, expired, or charged anew by a later
 -- attempt, which this job does not own).
 
 local request, nonce = ARGV[1], ARGV[2]
-local _, _, window = resolve_plan(3)
-local used = expire(now_ms(), window)
+local _, limits = resolve_plan(3)
+local now = now_ms()
+local used = expire(now, limits)
 local o = owner(request)
 if not o or o.nonce ~= nonce then
   return { 0, used }
 end
 local cost
-cost, used = remove(request, used)
+cost, used = remove(request, used, now)
 if not cost then
   return { 0, used }
 end

@@ -1,27 +1,49 @@
 -- settle.lua: correct a spend event to what the call really cost.
--- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
 --   (see lib/budget.lua)
 -- ARGV[1] request id
 -- ARGV[2] actual cost (integer >= 0; 0 removes the event)
--- ARGV[3..] plan table: name, limit, window_ms triples, default first
+-- ARGV[3] nonce: '' settles any live event (an operator's correction); else only
+--         the charge held under this nonce (a job settling its own charge, to
+--         >= 1), whose owner record then keeps the estimate it was charged at
+-- ARGV[4..] export maxlen, then the plan table (lib/budget.lua)
 -- Returns { 1, previous_cost, cost, used } settled, or { 0, used } when no live
--- event has the id. The event keeps its time: settling never extends a window.
+-- event has the id (or the charge is not this nonce's); `used` is the longest
+-- window's. The event keeps its time: settling never extends a window. The
+-- cost is set, not added, so a retried settle changes nothing more. A raised
+-- cost may take a window past its limit: reserves then wait until it fits again.
 
-local request, actual = ARGV[1], tonumber(ARGV[2])
-local _, _, window = resolve_plan(3)
-if not actual or actual < 0 then
-  return redis.error_reply('settle: actual cost must be an integer >= 0')
+local request, actual, nonce = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local _, limits = resolve_plan(4)
+if not actual or actual < 0 or (nonce ~= '' and actual < 1) then
+  return redis.error_reply('settle: actual cost must be an integer >= 0 (>= 1 for a charge)')
 end
-local used = expire(now_ms(), window)
+local now = now_ms()
+local used = expire(now, limits)
 local previous = redis.call('HGET', COSTS, request)
 if not previous then
   return { 0, used }
 end
 previous = tonumber(previous)
+if nonce ~= '' then
+  local o = owner(request)
+  if not o or o.nonce ~= nonce then
+    return { 0, used }
+  end
+  if not o.estimate then
+    redis.call('HSET', OWNERS, request,
+      table.concat({ o.state, o.nonce, int(o.deadline), o.op, o.fp, int(previous) }, ' '))
+  end
+end
 if actual == 0 then
-  local _, after = remove(request, used)
+  local _, after = remove(request, used, now)
   return { 1, previous, 0, after }
 end
-redis.call('HSET', COSTS, request, int(actual))
-used = write_total(used - previous + actual)
+if #SHORTS > 0 or EXPORT > 0 then
+  local at = tonumber(redis.call('ZSCORE', EVENTS, request))
+  unshort(at, previous - actual, now)
+  export('settle', request, actual, at, previous)
+end
+used = write_total(used - previous + actual, request, actual)
 return { 1, previous, actual, used }

@@ -34,7 +34,7 @@ pub const ADMIN: &str = "admin-token-for-tests-0123456789";
 /// the generic route.
 pub fn test_config() -> Arc<Config> {
     let text = format!(
-        "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n",
+        "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[plans.metered]\nlimits = [{{ limit = 50, window = \"1h\" }}, {{ limit = 10, window = \"1m\" }}]\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n",
         tollgate_core::config::BUILTIN
     );
     Arc::new(Config::parse(&text, "test").expect("test config"))
@@ -320,6 +320,7 @@ both_backends!(
     idempotency_key_charges_once_and_returns_the_same_job,
     provider_failure_is_502_and_refunded,
     over_budget_is_429_with_exact_retry_after,
+    several_windows_name_every_policy_and_the_closest_to_exhaustion,
     bad_requests_are_problems_naming_the_field,
     health_metrics_and_openapi,
     throttle_timeout_is_504_and_a_slow_job_is_202,
@@ -617,6 +618,58 @@ async fn over_budget_is_429_with_exact_retry_after(h: Harness) {
     // A cost the plan can never afford is not a 429 that never clears.
     let tiny = h.user("ivan", "tiny").await;
     let r = h.post("/v1/ops/llm.structured", &tiny, json!({})).await;
+    r.problem(ProblemType::CostExceedsLimit);
+}
+
+async fn several_windows_name_every_policy_and_the_closest_to_exhaustion(h: Harness) {
+    let key = h.user("mona", "metered").await;
+    let r = h
+        .post("/v1/ops/llm.structured?async=true", &key, json!({}))
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    let policy = "\"budget-1h\";q=50;w=3600, \"budget-1m\";q=10;w=60";
+    assert_eq!(r.header("ratelimit-policy"), policy);
+    assert_eq!(r.header("ratelimit"), "\"budget-1m\";r=2;t=60");
+    // 8 more do not fit the minute, though the hour has 42 left.
+    let r = h
+        .post("/v1/ops/llm.structured?async=true", &key, json!({"n": 2}))
+        .await;
+    let p = r.problem(ProblemType::QuotaExceeded).clone();
+    let retry_ms = p["retry_after_ms"].as_u64().unwrap();
+    assert!(retry_ms > 50_000 && retry_ms <= 60_000, "{retry_ms}");
+    assert_eq!(r.header("ratelimit-policy"), policy);
+    let retry_after: u64 = r.header("retry-after").parse().unwrap();
+    assert_eq!(
+        r.header("ratelimit"),
+        format!("\"budget-1m\";r=2;t={retry_after}")
+    );
+    let u = h.usage(&key).await;
+    assert_eq!(
+        (u["used"].as_u64(), u["limit"].as_u64()),
+        (Some(8), Some(10))
+    );
+    let windows: Vec<_> = u["windows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["policy"].as_str().unwrap().to_owned(),
+                w["used"].as_u64().unwrap(),
+                w["remaining"].as_u64().unwrap(),
+                w["window_secs"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        windows,
+        [
+            ("budget-1h".to_owned(), 8, 42, 3600),
+            ("budget-1m".to_owned(), 8, 2, 60)
+        ]
+    );
+    // The cost of an operation is bounded by the smallest limit.
+    let r = h.post("/v1/ops/company.research", &key, json!({})).await;
     r.problem(ProblemType::CostExceedsLimit);
 }
 

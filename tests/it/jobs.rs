@@ -38,6 +38,10 @@ max_wait = "5s"
 cost = 10
 provider = "p"
 max_attempts = 2
+[operations.metered]
+cost = 10
+provider = "p"
+settle = { from = "/usage/total_tokens", per = 100, max = 30 }
 [operations.other]
 cost = 1
 provider = "p"
@@ -478,18 +482,22 @@ async fn job_hand_back_requeues_without_counting_the_attempt(s: &Setup) {
 async fn job_stats_count_queued_and_running_jobs(s: &Setup) {
     let stats = s.queue.stats().await.unwrap();
     let names: Vec<&str> = stats.iter().map(|q| q.operation.as_str()).collect();
-    assert_eq!(names, ["huge", "other", "work"], "every operation, by name");
+    assert_eq!(
+        names,
+        ["huge", "metered", "other", "work"],
+        "every operation, by name"
+    );
     submit_ok(s, "s1", "alice").await;
     submit_ok(s, "s2", "alice").await;
     let lease = take(s, "work", "w1").await;
-    let work = s.queue.stats().await.unwrap().remove(2);
+    let work = s.queue.stats().await.unwrap().remove(3);
     assert_eq!(
         (work.queued, work.running, work.dead),
         (1, 1, 0),
         "{work:?}"
     );
     s.source.complete(&lease, json!(1)).await.unwrap();
-    let work = s.queue.stats().await.unwrap().remove(2);
+    let work = s.queue.stats().await.unwrap().remove(3);
     assert_eq!((work.queued, work.running), (1, 0), "{work:?}");
     s.source.retire("w1").await.unwrap();
 }
@@ -858,6 +866,77 @@ async fn job_embedded_worker_runs_jobs_on_memory() {
     role.await.unwrap().unwrap();
 }
 
+/// The worker role settles a job's charge to what the provider reported (the
+/// built-in mock reports the input's `mock_total_tokens`), clamped to the
+/// rule's `max`, and the event keeps the estimate.
+async fn worker_settles_charges_to_the_reported_usage(s: &Setup) {
+    let config = config();
+    let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
+        Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
+    let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
+    let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics).unwrap();
+    cfg.block = Duration::from_millis(100);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let role = tokio::spawn(tollgate_worker::run(
+        cfg,
+        Arc::clone(&s.source),
+        providers,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    for (id, tokens) in [
+        ("s1", json!(2550)),
+        ("s2", json!(99_999)),
+        ("s3", json!("n/a")),
+    ] {
+        let mut r = request(id, "sam", "metered");
+        r.input = json!({ "mock_total_tokens": tokens });
+        assert!(matches!(
+            s.queue.submit(r).await.unwrap(),
+            SubmitOutcome::Queued { .. }
+        ));
+        let info = s
+            .queue
+            .wait(&user("sam"), &rid(id), Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            matches!(info.status, JobStatus::Succeeded { .. }),
+            "{info:?}"
+        );
+    }
+    let usage = s.ledger.usage(&user("sam")).await.unwrap();
+    let events: Vec<_> = usage
+        .events
+        .iter()
+        .map(|e| (e.request_id.to_string(), e.cost, e.estimate))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            ("s1".to_owned(), 26, Some(10)),
+            ("s2".to_owned(), 30, Some(10)),
+            // No number asked for: the mock reports 100 per token of the estimate.
+            ("s3".to_owned(), 10, Some(10)),
+        ]
+    );
+    assert_eq!(usage.used, 66);
+    let _ = stop.send(());
+    role.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_worker_settles_charges_on_memory() {
+    worker_settles_charges_to_the_reported_usage(&Setup::memory()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_worker_settles_charges_on_redis() {
+    worker_settles_charges_to_the_reported_usage(&Setup::redis().await).await;
+}
+
 /// A job source whose store can be cut off: then every call fails as
 /// unavailable, as over connections cut while the worker was paused.
 #[derive(Debug)]
@@ -887,6 +966,14 @@ impl JobSource for Cuttable {
     ) -> Result<Option<Lease>, JobError> {
         self.reach()?.take(operation, worker, block, lease).await
     }
+    async fn settle(
+        &self,
+        lease: &Lease,
+        answer: &serde_json::Value,
+    ) -> Result<tollgate_core::job::Settled, JobError> {
+        self.reach()?.settle(lease, answer).await
+    }
+
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
         self.reach()?.start(lease).await
     }

@@ -21,6 +21,8 @@ pub const WINDOW: Duration = Duration::from_millis(1500);
 
 pub const CONFIG: &str = r#"
 default_plan = "small"
+[export]
+maxlen = 10000
 [plans.small]
 limit = 10
 window = "1500ms"
@@ -30,7 +32,13 @@ window = "1500ms"
 [plans.thousand]
 limit = 1000
 window = "12h"
+[plans.multi]
+limits = [{ limit = 12, window = "3s" }, { limit = 8, window = "1s" }]
 "#;
+
+/// The windows of plan `multi`: 12 tokens per 3 s and 8 per 1 s.
+pub const LONG: u64 = 3000;
+pub const SHORT: u64 = 1000;
 
 pub fn config() -> Arc<Config> {
     Arc::new(Config::parse(CONFIG, "conformance").expect("test config"))
@@ -456,6 +464,362 @@ async fn concurrent_reserves_never_overspend(b: &impl Backend) {
     assert_eq!((usage.used, usage.events.len()), (1000, 125));
 }
 
+/// (used, limit, window_ms) of every window, longest first.
+fn shape(windows: &[tollgate_core::ledger::WindowUse]) -> Vec<(u64, u64, u64)> {
+    windows
+        .iter()
+        .map(|w| (w.used, w.limit, w.window_ms))
+        .collect()
+}
+
+async fn every_window_must_fit(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("multi-a"));
+    l.set_plan(&u, "multi").await.unwrap();
+    assert_eq!(
+        l.reserve(&u, &rid("huge"), 9).await.unwrap_err(),
+        LedgerError::CostExceedsLimit { cost: 9, limit: 8 },
+        "the smallest limit bounds a cost"
+    );
+    let x = allowed(l.reserve(&u, &rid("x"), 8).await.unwrap());
+    assert_eq!(shape(&x.windows), [(8, 12, LONG), (8, 8, SHORT)]);
+    // The closest to exhaustion is the 1 s window (0 left).
+    assert_eq!(
+        (x.used, x.limit, x.window_ms, x.remaining),
+        (8, 8, SHORT, 0)
+    );
+    // The short window denies; the long one would take it.
+    let d = denied(l.reserve(&u, &rid("y"), 1).await.unwrap());
+    assert_eq!((d.limit, d.window_ms, d.used), (8, SHORT, 8));
+    assert_eq!(d.retry_after_ms, x.at_ms + SHORT - d.now_ms);
+    assert_eq!(shape(&d.windows), [(8, 12, LONG), (8, 8, SHORT)]);
+    b.pass(Duration::from_millis(d.retry_after_ms)).await;
+    // x left the 1 s window, not the 3 s one.
+    let y = allowed(l.reserve(&u, &rid("y"), 4).await.unwrap());
+    assert_eq!(shape(&y.windows), [(12, 12, LONG), (4, 8, SHORT)]);
+    // Now the long window denies, though the short one has room.
+    let d = denied(l.reserve(&u, &rid("z"), 1).await.unwrap());
+    assert_eq!((d.limit, d.window_ms), (12, LONG));
+    assert_eq!(d.retry_after_ms, x.at_ms + LONG - d.now_ms);
+    // Both deny: retry_after is when it fits both, the later of the two.
+    let d = denied(l.reserve(&u, &rid("z"), 5).await.unwrap());
+    assert_eq!(d.retry_after_ms, x.at_ms + LONG - d.now_ms);
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(shape(&usage.windows), [(12, 12, LONG), (4, 8, SHORT)]);
+    assert_eq!(
+        (usage.limit, usage.window_ms, usage.remaining),
+        (12, LONG, 0)
+    );
+    assert_eq!(
+        usage.windows[1].reset_after_ms,
+        Some(y.at_ms + SHORT - usage.now_ms)
+    );
+    b.pass(Duration::from_millis(d.retry_after_ms)).await;
+    let z = allowed(l.reserve(&u, &rid("z"), 4).await.unwrap());
+    assert_eq!(shape(&z.windows)[0].0, 8, "x left the 3 s window: y + z");
+}
+
+async fn refund_and_settle_move_every_window(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("multi-b"));
+    l.set_plan(&u, "multi").await.unwrap();
+    allowed(l.reserve(&u, &rid("old"), 3).await.unwrap());
+    b.pass(Duration::from_millis(SHORT + 50)).await;
+    allowed(l.reserve(&u, &rid("new"), 4).await.unwrap());
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(shape(&usage.windows), [(7, 12, LONG), (4, 8, SHORT)]);
+    // Refunding an event outside the short window leaves that window alone.
+    assert_eq!(
+        l.refund(&u, &rid("old")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 3, used: 4 }
+    );
+    assert_eq!(
+        shape(&l.usage(&u).await.unwrap().windows),
+        [(4, 12, LONG), (4, 8, SHORT)]
+    );
+    // Settling past a limit is recorded: used shows more than the limit...
+    assert!(matches!(
+        l.settle(&u, &rid("new"), 11).await.unwrap(),
+        SettleOutcome::Settled {
+            previous_cost: 4,
+            cost: 11,
+            used: 11
+        }
+    ));
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(shape(&usage.windows), [(11, 12, LONG), (11, 8, SHORT)]);
+    assert_eq!((usage.used, usage.remaining), (11, 0));
+    // ...and the next reserve waits until it fits again.
+    let d = denied(l.reserve(&u, &rid("next"), 1).await.unwrap());
+    let new_at = usage.events[0].at_ms;
+    assert_eq!(d.retry_after_ms, new_at + SHORT - d.now_ms);
+    assert_eq!(
+        l.refund(&u, &rid("new")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 11, used: 0 }
+    );
+    assert_eq!(
+        shape(&l.usage(&u).await.unwrap().windows),
+        [(0, 12, LONG), (0, 8, SHORT)]
+    );
+    allowed(l.reserve(&u, &rid("next"), 8).await.unwrap());
+}
+
+async fn plan_changes_keep_the_log(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("multi-c"));
+    l.set_plan(&u, "big").await.unwrap();
+    allowed(l.reserve(&u, &rid("a"), 30).await.unwrap());
+    b.pass(Duration::from_millis(SHORT + 50)).await;
+    allowed(l.reserve(&u, &rid("b"), 5).await.unwrap());
+    // Onto several windows: the events already in the log count in each.
+    l.set_plan(&u, "multi").await.unwrap();
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(shape(&usage.windows), [(35, 12, LONG), (5, 8, SHORT)]);
+    let d = denied(l.reserve(&u, &rid("c"), 1).await.unwrap());
+    assert_eq!((d.limit, d.window_ms), (12, LONG), "nothing refunded");
+    // Back to one window, and to several again: the totals stay exact.
+    l.set_plan(&u, "big").await.unwrap();
+    assert_eq!(
+        l.refund(&u, &rid("b")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 5, used: 30 }
+    );
+    l.set_plan(&u, "multi").await.unwrap();
+    assert_eq!(
+        shape(&l.usage(&u).await.unwrap().windows),
+        [(30, 12, LONG), (0, 8, SHORT)]
+    );
+}
+
+async fn released_holds_leave_every_window(b: &impl Backend) {
+    use tollgate_core::ledger::{ChargeOutcome, ChargeRequest};
+    let (l, u) = (b.ledger(), user("multi-d"));
+    l.set_plan(&u, "multi").await.unwrap();
+    let charge = ChargeRequest {
+        cost: 5,
+        nonce: "n1",
+        operation: "llm.structured",
+        fingerprint: "f1",
+        deadline: Duration::from_millis(100),
+        grace: Duration::from_millis(100),
+    };
+    let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
+    let ChargeOutcome::Charged { allowed, .. } = c else {
+        panic!("expected charged, got {c:?}")
+    };
+    assert_eq!(shape(&allowed.windows), [(5, 12, LONG), (5, 8, SHORT)]);
+    let d = l
+        .charge(&u, &rid("job2"), &ChargeRequest { cost: 4, ..charge })
+        .await
+        .unwrap();
+    assert!(
+        matches!(d, ChargeOutcome::Denied(ref d) if d.window_ms == SHORT),
+        "{d:?}"
+    );
+    // No job claimed it by its deadline plus the grace: released, in both windows.
+    b.pass(Duration::from_millis(250)).await;
+    assert_eq!(
+        shape(&l.usage(&u).await.unwrap().windows),
+        [(0, 12, LONG), (0, 8, SHORT)]
+    );
+}
+
+async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
+    use tollgate_core::ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome};
+    let (l, u) = (b.ledger(), user("settler"));
+    let charge = ChargeRequest {
+        cost: 4,
+        nonce: "n1",
+        operation: "llm.structured",
+        fingerprint: "f1",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(1),
+    };
+    let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
+    assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
+    let hold = 1u64 << 50;
+    assert_eq!(
+        l.claim(&u, &rid("job"), "n1", hold).await.unwrap(),
+        ClaimOutcome::Claimed
+    );
+    // Another attempt's nonce, a plain reserve, a cost of 0: nothing settles.
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n2", 7).await.unwrap(),
+        SettleOutcome::NotFound { used: 4 }
+    );
+    allowed(l.reserve(&u, &rid("plain"), 1).await.unwrap());
+    assert_eq!(
+        l.settle_charge(&u, &rid("plain"), "n1", 3).await.unwrap(),
+        SettleOutcome::NotFound { used: 5 }
+    );
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n1", 0).await.unwrap_err(),
+        LedgerError::ZeroCost
+    );
+    let settled = SettleOutcome::Settled {
+        previous_cost: 4,
+        cost: 7,
+        used: 8,
+    };
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n1", 7).await.unwrap(),
+        settled
+    );
+    // A retried settle sets the same cost: nothing more is charged.
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n1", 7).await.unwrap(),
+        SettleOutcome::Settled {
+            previous_cost: 7,
+            cost: 7,
+            used: 8
+        }
+    );
+    let usage = l.usage(&u).await.unwrap();
+    let job = usage
+        .events
+        .iter()
+        .find(|e| e.request_id.as_str() == "job")
+        .unwrap();
+    assert_eq!(
+        (job.cost, job.estimate),
+        (7, Some(4)),
+        "the event keeps both figures"
+    );
+    let plain = usage
+        .events
+        .iter()
+        .find(|e| e.request_id.as_str() == "plain")
+        .unwrap();
+    assert_eq!(plain.estimate, None);
+    // The job still owns its charge (a worker that died claims again).
+    assert_eq!(
+        l.claim(&u, &rid("job"), "n1", hold).await.unwrap(),
+        ClaimOutcome::Claimed
+    );
+    // Settling past the limit is recorded: used shows more than the limit, and
+    // the next reserve waits until enough leaves the window.
+    assert!(matches!(
+        l.settle_charge(&u, &rid("job"), "n1", 12).await.unwrap(),
+        SettleOutcome::Settled { used: 13, .. }
+    ));
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!((usage.used, usage.limit, usage.remaining), (13, 10, 0));
+    let d = denied(l.reserve(&u, &rid("next"), 1).await.unwrap());
+    assert_eq!(d.used, 13);
+    assert_eq!(
+        d.retry_after_ms,
+        job.at_ms + WINDOW.as_millis() as u64 - d.now_ms
+    );
+    // Released by its job, the charge is gone: a late settle finds nothing.
+    assert_eq!(
+        l.release(&u, &rid("job"), "n1").await.unwrap(),
+        RefundOutcome::Refunded { cost: 12, used: 1 }
+    );
+    assert_eq!(
+        l.settle_charge(&u, &rid("job"), "n1", 5).await.unwrap(),
+        SettleOutcome::NotFound { used: 1 }
+    );
+}
+
+/// A billing job's view: replays a user's export into the live events
+/// (request id -> (spent at, cost)) as of `now_ms`, for a log of `window_ms`.
+pub fn replay(
+    export: &[tollgate_core::ledger::ExportEntry],
+    now_ms: u64,
+    window_ms: u64,
+) -> std::collections::BTreeMap<String, (u64, u64)> {
+    use tollgate_core::ledger::ChangeKind;
+    let mut live = std::collections::BTreeMap::new();
+    for e in export {
+        let id = e.request_id.to_string();
+        match e.kind {
+            ChangeKind::Spend => {
+                live.insert(id, (e.spent_at_ms, e.cost));
+            }
+            ChangeKind::Settle => {
+                live.insert(id, (e.spent_at_ms, e.cost));
+            }
+            ChangeKind::Refund => {
+                live.remove(&id);
+            }
+        }
+    }
+    live.retain(|_, (at, _)| *at + window_ms > now_ms);
+    live
+}
+
+async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
+    use tollgate_core::ledger::{ChangeKind, ChargeRequest};
+    let l = b.ledger();
+    let users = [user("ex-a"), user("ex-b"), user("ex-c")];
+    for (n, u) in users.iter().enumerate() {
+        l.set_plan(u, "big").await.unwrap();
+        allowed(l.reserve(u, &rid("early"), 5).await.unwrap());
+        allowed(l.reserve(u, &rid("gone"), 7).await.unwrap());
+        l.refund(u, &rid("gone")).await.unwrap();
+        let charge = ChargeRequest {
+            cost: 8,
+            nonce: "n1",
+            operation: "llm.structured",
+            fingerprint: "f1",
+            deadline: Duration::from_secs(60),
+            grace: Duration::from_secs(1),
+        };
+        l.charge(u, &rid("job"), &charge).await.unwrap();
+        l.settle_charge(u, &rid("job"), "n1", 3 + n as u64)
+            .await
+            .unwrap();
+        // A charge no job claims: released when its hold ends (a refund).
+        let held = ChargeRequest {
+            deadline: Duration::from_millis(50),
+            grace: Duration::from_millis(50),
+            ..charge
+        };
+        l.charge(u, &rid("held"), &held).await.unwrap();
+    }
+    // "early" and "job" leave the window, "late" stays.
+    b.pass(Duration::from_millis(700)).await;
+    for u in &users {
+        allowed(l.reserve(u, &rid("late"), 2).await.unwrap());
+        l.settle(u, &rid("late"), 4).await.unwrap();
+    }
+    b.pass(Duration::from_millis(900)).await;
+    for u in &users {
+        let usage = l.usage(u).await.unwrap();
+        let export = l.exported(u, 0, 100).await.unwrap();
+        let kinds: Vec<_> = export.iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                ChangeKind::Spend,
+                ChangeKind::Spend,
+                ChangeKind::Refund,
+                ChangeKind::Spend,
+                ChangeKind::Settle,
+                ChangeKind::Spend,
+                ChangeKind::Refund,
+                ChangeKind::Spend,
+                ChangeKind::Settle,
+            ],
+            "{export:?}"
+        );
+        assert!(export.windows(2).all(|w| w[0].at_ms() <= w[1].at_ms()));
+        assert_eq!(export[3].operation.as_deref(), Some("llm.structured"));
+        assert_eq!(
+            (export[4].cost, export[4].previous_cost),
+            (export[4].cost, Some(8))
+        );
+        let live = replay(&export, usage.now_ms, usage.window_ms);
+        let expected: std::collections::BTreeMap<String, (u64, u64)> = usage
+            .events
+            .iter()
+            .map(|e| (e.request_id.to_string(), (e.at_ms, e.cost)))
+            .collect();
+        assert_eq!(live, expected, "{u}");
+        assert_eq!(live.values().map(|(_, c)| c).sum::<u64>(), usage.used);
+        assert_eq!(usage.used, 4);
+        // Read from a later time on: only the later changes.
+        let since = export[7].at_ms();
+        assert!(l.exported(u, since, 100).await.unwrap().len() >= 2);
+    }
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -497,4 +861,10 @@ conformance!(
     same_millisecond_requests_are_separate_events,
     users_are_independent,
     concurrent_reserves_never_overspend,
+    every_window_must_fit,
+    refund_and_settle_move_every_window,
+    plan_changes_keep_the_log,
+    released_holds_leave_every_window,
+    a_job_settles_its_charge_by_its_nonce,
+    the_export_rebuilds_every_users_usage,
 );

@@ -75,7 +75,7 @@ use tollgate_core::{
 use tower::{Layer, Service};
 
 use crate::problem::ApiError;
-use crate::ratelimit::RateLimit;
+use crate::ratelimit;
 use tollgate_core::metrics::Metrics;
 
 /// The header a client sets to make a retry safe.
@@ -163,23 +163,6 @@ impl Budget {
 
     pub fn metrics(&self) -> Option<&Arc<Metrics>> {
         self.metrics.as_ref()
-    }
-
-    /// The plan behind `limit` as the headers show it. When every plan has the
-    /// same window (the usual case) no store is asked; otherwise the user's plan
-    /// is read.
-    pub async fn policy(&self, user: &UserId, limit: u64) -> RateLimit {
-        let mut windows = self.config.plans().map(|p| p.window_ms());
-        let first = windows.next().unwrap_or(0);
-        let window_ms = if windows.all(|w| w == first) {
-            first
-        } else {
-            match self.ledger.plan(user).await {
-                Ok(name) => self.config.plan_or_default(Some(&name)).window_ms(),
-                Err(_) => self.config.default_plan().window_ms(),
-            }
-        };
-        RateLimit { limit, window_ms }
     }
 }
 
@@ -315,7 +298,6 @@ pub struct Reservation {
     pub operation: String,
     pub cost: u64,
     pub allowed: Allowed,
-    pub rate_limit: RateLimit,
     gone: watch::Receiver<bool>,
 }
 
@@ -491,13 +473,12 @@ where
         ReserveOutcome::Allowed(a) if a.duplicate => {
             // Another request with this key charged already, and owns the
             // charge: the handler does not run again for free.
-            let policy = budget.policy(&user, a.limit).await;
             let mut response = ApiError::IdempotencyConflict(
                 "this Idempotency-Key was charged already; the answer of a plain route is not kept"
                     .into(),
             )
             .into_response();
-            policy.allowed(&a).apply(response.headers_mut());
+            ratelimit::allowed(&a).apply(response.headers_mut());
             return response;
         }
         ReserveOutcome::Allowed(a) => a,
@@ -505,38 +486,34 @@ where
             if let Some(m) = &metrics {
                 m.reservation(&operation, false);
             }
-            let policy = budget.policy(&user, denied.limit).await;
-            return ApiError::QuotaExceeded { denied, policy }.into_response();
+            return ApiError::QuotaExceeded(Box::new(denied)).into_response();
         }
     };
     if let Some(m) = &metrics {
         m.reservation(&operation, true);
     }
-    let rate_limit = budget.policy(&user, allowed.limit).await;
     let reservation = Reservation {
         user: user.clone(),
         request_id: request_id.clone(),
         operation: operation.clone(),
         cost: tokens,
         allowed: allowed.clone(),
-        rate_limit,
         gone,
     };
     parts.extensions.insert(reservation);
     let Ok(mut response) = inner.call(Request::from_parts(parts, body)).await;
 
-    let mut headers = rate_limit.allowed(&allowed);
+    let mut headers = ratelimit::allowed(&allowed);
     let failed = response.status().is_client_error() || response.status().is_server_error();
     // The handler ran here and answered an error: this request made the charge
     // (a duplicate never gets this far), so it gives it back.
     if failed {
         match budget.ledger.refund(&user, &request_id).await {
-            Ok(RefundOutcome::Refunded { used, .. }) => {
+            Ok(RefundOutcome::Refunded { cost, .. }) => {
                 if let Some(m) = &metrics {
                     m.refund(&operation);
                 }
-                let remaining = allowed.limit.saturating_sub(used);
-                headers = rate_limit.state(remaining, allowed.reset_after_ms);
+                headers = ratelimit::allowed(&allowed.refunded(cost));
             }
             Ok(RefundOutcome::NotFound { .. }) => {}
             Err(e) => tracing::error!(

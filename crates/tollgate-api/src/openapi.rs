@@ -224,8 +224,8 @@ impl Doc {
 
 fn ratelimit_headers(retry_after: bool) -> Value {
     let mut h = json!({
-        "RateLimit-Policy": {"description": "The budget: `\"budget\";q=<limit>;w=<window seconds>`", "schema": {"type": "string"}},
-        "RateLimit": {"description": "What is left: `\"budget\";r=<remaining>;t=<seconds until more frees up>`", "schema": {"type": "string"}},
+        "RateLimit-Policy": {"description": "The budget: `\"budget\";q=<limit>;w=<window seconds>`; a plan of several limits lists one `\"budget-<window>\"` item per window", "schema": {"type": "string"}},
+        "RateLimit": {"description": "What is left in the window closest to exhaustion: `\"budget\";r=<remaining>;t=<seconds until more frees up>`", "schema": {"type": "string"}},
     });
     if retry_after {
         h["Retry-After"] = json!({"description": "Seconds until this request's cost fits (rounded up from the exact retry_after).", "schema": {"type": "integer"}});
@@ -382,7 +382,7 @@ fn schemas(config: &Config) -> Value {
         },
         "Usage": {
             "type": "object",
-            "required": ["user", "plan", "used", "limit", "remaining", "window_secs", "events"],
+            "required": ["user", "plan", "used", "limit", "remaining", "window_secs", "windows", "events"],
             "properties": {
                 "user": {"type": "string"},
                 "plan": {"type": "string"},
@@ -392,6 +392,18 @@ fn schemas(config: &Config) -> Value {
                 "window_secs": {"type": "integer"},
                 "reset_after_secs": {"type": ["integer", "null"]},
                 "reset_at": {"type": ["string", "null"], "format": "date-time"},
+                "windows": {"type": "array", "description": "Every limit of the plan, longest window first; the figures above are the one closest to exhaustion's.", "items": {
+                    "type": "object",
+                    "required": ["policy", "limit", "window_secs", "used", "remaining"],
+                    "properties": {
+                        "policy": {"type": "string"},
+                        "limit": {"type": "integer"},
+                        "window_secs": {"type": "integer"},
+                        "used": {"type": "integer"},
+                        "remaining": {"type": "integer"},
+                        "reset_after_secs": {"type": ["integer", "null"]},
+                    },
+                }},
                 "events": {"type": "array", "items": {
                     "type": "object",
                     "required": ["request_id", "cost", "at", "at_ms"],
@@ -399,6 +411,7 @@ fn schemas(config: &Config) -> Value {
                         "request_id": {"type": "string"},
                         "operation": {"type": ["string", "null"]},
                         "cost": {"type": "integer"},
+                        "estimate": {"type": ["integer", "null"], "description": "The estimate reserved up front, for a charge settled to what the provider reported (`cost` is the actual)."},
                         "at": {"type": "string", "format": "date-time"},
                         "at_ms": {"type": "integer"},
                     },

@@ -189,7 +189,6 @@ async fn call(
             trace,
         })
         .await?;
-    let budget = state.budget();
     let (info, allowed) = match outcome {
         SubmitOutcome::Queued { job, allowed } => {
             state.metrics.reservation(&operation, true);
@@ -203,14 +202,10 @@ async fn call(
         SubmitOutcome::Duplicate { info, allowed } => (info, allowed),
         SubmitOutcome::Denied { denied } => {
             state.metrics.reservation(&operation, false);
-            let policy = budget.policy(&priced.user, denied.limit).await;
-            return Err(ApiError::QuotaExceeded { denied, policy });
+            return Err(ApiError::QuotaExceeded(Box::new(denied)));
         }
     };
-    let rate_limit = budget
-        .policy(&priced.user, allowed.limit)
-        .await
-        .allowed(&allowed);
+    let rate_limit = crate::ratelimit::allowed(&allowed);
     let (prefer_async, prefer_wait) = preferences(headers);
     let answer = if prefer_async || flags.get("async") == Some(true) {
         Ok(accepted(&info))

@@ -13,8 +13,6 @@ use tollgate_core::{
     ledger::{Denied, LedgerError},
 };
 
-use crate::ratelimit::RateLimit;
-
 /// Media type of every error body.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
@@ -255,7 +253,7 @@ pub enum ApiError {
     #[error("the request body is larger than this server accepts")]
     PayloadTooLarge,
     #[error("budget exhausted")]
-    QuotaExceeded { denied: Denied, policy: RateLimit },
+    QuotaExceeded(Box<Denied>),
     #[error("{0}")]
     CostExceedsLimit(String),
     #[error("{0}")]
@@ -295,7 +293,7 @@ impl ApiError {
             Self::InvalidField { .. } => ProblemType::InvalidField,
             Self::UnsupportedMediaType(_) => ProblemType::UnsupportedMediaType,
             Self::PayloadTooLarge => ProblemType::PayloadTooLarge,
-            Self::QuotaExceeded { .. } => ProblemType::QuotaExceeded,
+            Self::QuotaExceeded(_) => ProblemType::QuotaExceeded,
             Self::CostExceedsLimit(_) => ProblemType::CostExceedsLimit,
             Self::IdempotencyConflict(_) => ProblemType::IdempotencyConflict,
             Self::IdempotencyKeyReused { .. } => ProblemType::IdempotencyKeyReused,
@@ -342,9 +340,12 @@ impl ApiError {
                 p.detail = Some(self.to_string());
                 p.field = Some(field.clone());
             }
-            Self::QuotaExceeded { denied, .. } => {
+            Self::QuotaExceeded(denied) => {
+                let window = tollgate_core::duration::format(std::time::Duration::from_millis(
+                    denied.window_ms,
+                ));
                 p.detail = Some(format!(
-                    "used {} of {} tokens; this request fits in {} ms",
+                    "used {} of {} tokens per {window}; this request fits in {} ms",
                     denied.used, denied.limit, denied.retry_after_ms
                 ));
                 p.retry_after_ms = Some(denied.retry_after_ms);
@@ -395,8 +396,8 @@ impl IntoResponse for ApiError {
                     HeaderValue::from_static("Bearer realm=\"tollgate\""),
                 );
             }
-            Self::QuotaExceeded { denied, policy } => {
-                policy.denied(denied).apply(headers);
+            Self::QuotaExceeded(denied) => {
+                crate::ratelimit::denied(denied).apply(headers);
             }
             Self::AuthFailures(wait) => {
                 let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);

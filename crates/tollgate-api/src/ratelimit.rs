@@ -6,22 +6,21 @@
 //! RateLimit: "budget";r=992;t=3600              992 left; more frees up in 3600 s
 //! Retry-After: 17                               (429 only) ceil(retry_after_ms / 1000)
 //! ```
+//!
+//! A plan of several limits names one policy item per window, longest first
+//! (`"budget-12h";q=1000;w=43200, "budget-1m";q=100;w=60`), and `RateLimit`
+//! shows the window closest to exhaustion (on a 429: the one that holds the
+//! request back longest, with `t` = when the cost fits every window).
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
-use tollgate_core::ledger::{Allowed, Denied};
+use tollgate_core::duration;
+use tollgate_core::ledger::{Allowed, Denied, Usage, WindowUse};
 
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
-/// The policy name in both headers.
+/// The policy name in both headers (for a one-limit plan).
 pub const POLICY: &str = "budget";
-
-/// A user's plan, as the headers show it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RateLimit {
-    pub limit: u64,
-    pub window_ms: u64,
-}
 
 /// Seconds, rounded up: a client waiting this long is never early.
 pub fn ceil_secs(ms: u64) -> u64 {
@@ -36,34 +35,61 @@ pub struct RateLimitHeaders {
     pub retry_after: Option<u64>,
 }
 
-impl RateLimit {
-    fn policy(&self) -> String {
-        format!(
-            "\"{POLICY}\";q={};w={}",
-            self.limit,
-            ceil_secs(self.window_ms)
-        )
+/// The policy name of the window `window_ms` of a plan with `windows`:
+/// `budget`, or `budget-<window>` when the plan has several.
+pub fn policy_name(windows: &[WindowUse], window_ms: u64) -> String {
+    if windows.len() <= 1 {
+        POLICY.to_owned()
+    } else {
+        let w = duration::format(std::time::Duration::from_millis(window_ms));
+        format!("{POLICY}-{w}")
     }
+}
 
-    /// `remaining` tokens left; more become free in `reset_ms`.
-    pub fn state(&self, remaining: u64, reset_ms: u64) -> RateLimitHeaders {
-        RateLimitHeaders {
-            policy: self.policy(),
-            state: format!("\"{POLICY}\";r={remaining};t={}", ceil_secs(reset_ms)),
-            retry_after: None,
-        }
+fn headers(windows: &[WindowUse], window_ms: u64, remaining: u64, t_ms: u64) -> RateLimitHeaders {
+    let policy = windows
+        .iter()
+        .map(|w| {
+            format!(
+                "\"{}\";q={};w={}",
+                policy_name(windows, w.window_ms),
+                w.limit,
+                ceil_secs(w.window_ms)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    RateLimitHeaders {
+        policy,
+        state: format!(
+            "\"{}\";r={remaining};t={}",
+            policy_name(windows, window_ms),
+            ceil_secs(t_ms)
+        ),
+        retry_after: None,
     }
+}
 
-    pub fn allowed(&self, a: &Allowed) -> RateLimitHeaders {
-        self.state(a.remaining, a.reset_after_ms)
-    }
+/// A recorded reservation (or a refunded one: [`Allowed::refunded`]).
+pub fn allowed(a: &Allowed) -> RateLimitHeaders {
+    headers(&a.windows, a.window_ms, a.remaining, a.reset_after_ms)
+}
 
-    /// A denial: `t` and `Retry-After` are when this request's cost fits.
-    pub fn denied(&self, d: &Denied) -> RateLimitHeaders {
-        let mut h = self.state(d.remaining, d.retry_after_ms);
-        h.retry_after = Some(ceil_secs(d.retry_after_ms));
-        h
-    }
+/// A denial: `t` and `Retry-After` are when this request's cost fits.
+pub fn denied(d: &Denied) -> RateLimitHeaders {
+    let mut h = headers(&d.windows, d.window_ms, d.remaining, d.retry_after_ms);
+    h.retry_after = Some(ceil_secs(d.retry_after_ms));
+    h
+}
+
+/// `GET /v1/usage`.
+pub fn usage(u: &Usage) -> RateLimitHeaders {
+    headers(
+        &u.windows,
+        u.window_ms,
+        u.remaining,
+        u.reset_after_ms.unwrap_or(0),
+    )
 }
 
 impl RateLimitHeaders {
@@ -86,18 +112,9 @@ mod tests {
 
     #[test]
     fn formats_the_draft_headers() {
-        let rl = RateLimit {
-            limit: 1000,
-            window_ms: 43_200_000,
-        };
-        let d = Denied {
-            used: 996,
-            limit: 1000,
-            remaining: 4,
-            retry_after_ms: 16_001,
-            now_ms: 0,
-        };
-        let h = rl.denied(&d);
+        let windows = vec![WindowUse::new(1000, 43_200_000, 996, Some(20_000))];
+        let d = Denied::new(windows, &[16_001], 0);
+        let h = denied(&d);
         assert_eq!(h.policy, "\"budget\";q=1000;w=43200");
         assert_eq!(h.state, "\"budget\";r=4;t=17");
         assert_eq!(h.retry_after, Some(17));
@@ -105,5 +122,23 @@ mod tests {
         h.apply(&mut map);
         assert_eq!(map["retry-after"], "17");
         assert_eq!(map["ratelimit"], "\"budget\";r=4;t=17");
+    }
+
+    #[test]
+    fn names_every_window_and_shows_the_closest_to_exhaustion() {
+        let windows = vec![
+            WindowUse::new(1000, 43_200_000, 300, Some(40_000_000)),
+            WindowUse::new(100, 60_000, 95, Some(30_500)),
+        ];
+        let a = Allowed::new(windows.clone(), 0, 0, false);
+        let h = allowed(&a);
+        assert_eq!(
+            h.policy,
+            "\"budget-12h\";q=1000;w=43200, \"budget-1m\";q=100;w=60"
+        );
+        assert_eq!(h.state, "\"budget-1m\";r=5;t=31");
+        // Denied by the long window only: it names that one.
+        let d = Denied::new(windows, &[40_000_000, 0], 0);
+        assert_eq!(denied(&d).state, "\"budget-12h\";r=700;t=40000");
     }
 }

@@ -9,7 +9,7 @@ use tollgate_core::clock::rfc3339;
 
 use crate::auth::Caller;
 use crate::problem::ApiError;
-use crate::ratelimit::{ceil_secs, RateLimit};
+use crate::ratelimit::{self, ceil_secs};
 use crate::state::ApiState;
 
 #[derive(Debug, Serialize)]
@@ -25,8 +25,27 @@ pub struct UsageView {
     pub reset_after_secs: Option<u64>,
     /// When that happens (RFC 3339, UTC).
     pub reset_at: Option<String>,
+    /// Every limit of the plan, longest window first; the figures above are
+    /// the one closest to exhaustion's.
+    pub windows: Vec<WindowView>,
     /// Live spend events, oldest first.
     pub events: Vec<EventView>,
+}
+
+/// One limit of the plan, as the caller stands in it.
+#[derive(Debug, Serialize)]
+pub struct WindowView {
+    /// Its item in `RateLimit-Policy`: `budget`, or `budget-<window>` when the
+    /// plan has several limits.
+    pub policy: String,
+    pub limit: u64,
+    pub window_secs: u64,
+    /// Tokens spent in the trailing window; a settle that raised a cost can put
+    /// it past `limit` for a while (reserves wait until it fits again).
+    pub used: u64,
+    pub remaining: u64,
+    /// Seconds until the oldest event in this window leaves it.
+    pub reset_after_secs: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -35,6 +54,9 @@ pub struct EventView {
     /// The operation the request ran (`null` for a charge of a plain route).
     pub operation: Option<String>,
     pub cost: u64,
+    /// For a charge settled to what the provider reported: the estimate
+    /// reserved up front (`cost` is the actual); `null` otherwise.
+    pub estimate: Option<u64>,
     pub at: String,
     pub at_ms: u64,
 }
@@ -52,6 +74,18 @@ pub async fn usage(State(state): State<ApiState>, caller: Caller) -> Result<Resp
         reset_at: usage
             .reset_after_ms
             .map(|r| rfc3339(usage.now_ms.saturating_add(r))),
+        windows: usage
+            .windows
+            .iter()
+            .map(|w| WindowView {
+                policy: ratelimit::policy_name(&usage.windows, w.window_ms),
+                limit: w.limit,
+                window_secs: ceil_secs(w.window_ms),
+                used: w.used,
+                remaining: w.remaining,
+                reset_after_secs: w.reset_after_ms.map(ceil_secs),
+            })
+            .collect(),
         events: usage
             .events
             .iter()
@@ -59,17 +93,14 @@ pub async fn usage(State(state): State<ApiState>, caller: Caller) -> Result<Resp
                 request_id: e.request_id.to_string(),
                 operation: e.operation.clone(),
                 cost: e.cost,
+                estimate: e.estimate,
                 at: rfc3339(e.at_ms),
                 at_ms: e.at_ms,
             })
             .collect(),
     };
-    let rl = RateLimit {
-        limit: usage.limit,
-        window_ms: usage.window_ms,
-    };
+    let headers = ratelimit::usage(&usage);
     let mut response = axum::Json(view).into_response();
-    rl.state(usage.remaining, usage.reset_after_ms.unwrap_or(0))
-        .apply(response.headers_mut());
+    headers.apply(response.headers_mut());
     Ok(response)
 }

@@ -15,7 +15,6 @@ use clap::Args;
 use tokio::sync::watch;
 use tollgate_api::state::{ApiState, Settings};
 use tollgate_core::config::Config;
-use tollgate_core::duration;
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_throttler::ThrottlerConfig;
 use tollgate_worker::WorkerConfig;
@@ -209,7 +208,7 @@ fn print_banner(
     let base = format!("http://{addr}");
     let limit = config
         .plan(plan)
-        .map(|p| format!("{} tokens / {}", p.limit, duration::format(p.window)))
+        .map(tollgate_core::config::Plan::describe)
         .unwrap_or_default();
     let ops = config
         .operations()

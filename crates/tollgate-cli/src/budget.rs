@@ -65,6 +65,19 @@ enum BudgetCommand {
         #[arg(long)]
         user: UserId,
     },
+    /// Print a user's exported budget changes (spend, refund, settle; needs
+    /// `[export]` in the config), oldest first: one JSON object per line with
+    /// --json.
+    Events {
+        #[arg(long)]
+        user: UserId,
+        /// From this time on: ms since the epoch, or a duration ago ("1h", "30d").
+        #[arg(long, default_value = "0")]
+        since: String,
+        /// At most this many entries.
+        #[arg(long, default_value_t = 1000)]
+        count: usize,
+    },
     /// Put a user on a configured plan.
     SetPlan {
         #[arg(long)]
@@ -129,6 +142,45 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             } else {
                 exit::DENIED
             })
+        }
+        BudgetCommand::Events { user, since, count } => {
+            let since_ms = match since.parse::<u64>() {
+                Ok(ms) => ms,
+                Err(_) => {
+                    let ago = duration::parse(&since).map_err(|m| {
+                        Failure::bad_input(format!(
+                            "--since: ms since the epoch or a duration ago: {m}"
+                        ))
+                    })?;
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap_or_default();
+                    u64::try_from(now.saturating_sub(ago).as_millis()).unwrap_or(0)
+                }
+            };
+            if config.export_maxlen().is_none() {
+                eprintln!("note: the config has no [export]: nothing new is exported");
+            }
+            for e in ledger.exported(&user, since_ms, count).await? {
+                if out.json {
+                    println!("{}", serde_json::to_string(&e).unwrap_or_default());
+                } else {
+                    let previous = e
+                        .previous_cost
+                        .map(|p| format!(" (was {p})"))
+                        .unwrap_or_default();
+                    let op = e
+                        .operation
+                        .as_deref()
+                        .map(|o| format!(" {o}"))
+                        .unwrap_or_default();
+                    println!(
+                        "{} {:?} {} {} tokens{previous}, spent at {} ms{op}",
+                        e.id, e.kind, e.request_id, e.cost, e.spent_at_ms
+                    );
+                }
+            }
+            Ok(0)
         }
         BudgetCommand::Refund { user, request_id } => {
             let outcome = ledger.refund(&user, &request_id).await?;
@@ -233,11 +285,12 @@ fn reserve_json(user: &UserId, request: &RequestId, cost: u64, outcome: &Reserve
             "allowed": true, "user": user, "request_id": request, "cost": cost,
             "used": a.used, "limit": a.limit, "remaining": a.remaining,
             "duplicate": a.duplicate, "at_ms": a.at_ms, "reset_after_ms": a.reset_after_ms,
+            "windows": a.windows,
         }),
         ReserveOutcome::Denied(d) => json!({
             "allowed": false, "user": user, "request_id": request, "cost": cost,
             "used": d.used, "limit": d.limit, "remaining": d.remaining,
-            "retry_after_ms": d.retry_after_ms,
+            "retry_after_ms": d.retry_after_ms, "windows": d.windows,
         }),
     }
 }
@@ -246,21 +299,24 @@ fn usage_json(user: &UserId, u: &Usage) -> Value {
     json!({
         "user": user, "plan": u.plan, "used": u.used, "limit": u.limit, "remaining": u.remaining,
         "window_secs": u.window_ms / 1000, "window_ms": u.window_ms, "now_ms": u.now_ms,
-        "reset_after_ms": u.reset_after_ms, "events": u.events,
+        "reset_after_ms": u.reset_after_ms, "windows": u.windows, "events": u.events,
     })
 }
 
 fn usage_text(user: &UserId, u: &Usage) -> String {
-    let window = duration::format(std::time::Duration::from_millis(u.window_ms));
-    let mut s = format!(
-        "{user} on plan {}: used {}/{} tokens in the last {window}, {} remaining",
-        u.plan, u.used, u.limit, u.remaining
-    );
-    if let Some(r) = u.reset_after_ms {
+    let mut s = format!("{user} on plan {}:", u.plan);
+    for w in &u.windows {
+        let window = duration::format(std::time::Duration::from_millis(w.window_ms));
         s += &format!(
-            "; the oldest event frees its tokens in {}",
-            duration::format_approx(std::time::Duration::from_millis(r))
+            "\n  used {}/{} tokens in the last {window}, {} remaining",
+            w.used, w.limit, w.remaining
         );
+        if let Some(r) = w.reset_after_ms {
+            s += &format!(
+                "; the oldest event in it frees its tokens in {}",
+                duration::format_approx(std::time::Duration::from_millis(r))
+            );
+        }
     }
     if !u.events.is_empty() {
         s += &format!(
@@ -268,10 +324,14 @@ fn usage_text(user: &UserId, u: &Usage) -> String {
             "request id", "cost", "at (ms ago)"
         );
         for e in &u.events {
+            let cost = match e.estimate {
+                Some(est) => format!("{} (est. {est})", e.cost),
+                None => e.cost.to_string(),
+            };
             s += &format!(
                 "\n{:<40} {:>8}  {:>14}",
                 e.request_id,
-                e.cost,
+                cost,
                 u.now_ms.saturating_sub(e.at_ms)
             );
         }
@@ -294,19 +354,14 @@ async fn demo(ledger: Arc<dyn Ledger>, on: &str, config: &Config) -> Result<(), 
         "plans: {}",
         config
             .plans()
-            .map(|p| format!(
-                "{} = {} tokens / {}",
-                p.name,
-                p.limit,
-                duration::format(p.window)
-            ))
+            .map(|p| format!("{} = {}", p.name, p.describe()))
             .collect::<Vec<_>>()
             .join(", ")
     );
     println!();
 
-    let cost = (plan.limit / 50).max(1);
-    let attempts = plan.limit / cost + 10;
+    let cost = (plan.max_cost() / 50).max(1);
+    let attempts = plan.max_cost() / cost + 10;
     println!(
         "1. {alice} (plan {}) fires {attempts} concurrent calls of {cost} tokens:",
         plan.name
@@ -339,7 +394,7 @@ async fn demo(ledger: Arc<dyn Ledger>, on: &str, config: &Config) -> Result<(), 
             "   a denied call learns exactly when it fits: retry after {} ({} ms), when the oldest events leave the {} window",
             duration::format_approx(std::time::Duration::from_millis(d.retry_after_ms)),
             d.retry_after_ms,
-            duration::format(plan.window)
+            duration::format(std::time::Duration::from_millis(d.window_ms))
         );
     }
 

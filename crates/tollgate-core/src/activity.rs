@@ -281,6 +281,27 @@ impl Ledger for RecordingLedger {
         self.inner.settle(user, request, actual_cost).await
     }
 
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        self.inner
+            .settle_charge(user, request, nonce, actual_cost)
+            .await
+    }
+
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<crate::ledger::ExportEntry>, LedgerError> {
+        self.inner.exported(user, since_ms, count).await
+    }
+
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
         self.inner.usage(user).await
     }

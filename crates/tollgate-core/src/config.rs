@@ -20,12 +20,32 @@ pub const BUILTIN: &str = include_str!("default.toml");
 /// which are exact integers up to 2^53.
 pub const MAX_TOKENS: u64 = (1 << 53) - 1;
 
-/// A budget plan: at most `limit` tokens spent in any trailing `window`.
+/// One limit of a plan: at most `limit` tokens spent in any trailing `window`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    pub limit: u64,
+    pub window: Duration,
+}
+
+impl Limit {
+    pub fn window_ms(&self) -> u64 {
+        u64::try_from(self.window.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Largest `[export] maxlen`.
+pub const MAX_EXPORT: u64 = 100_000_000;
+
+/// Most limits one plan may set.
+pub const MAX_LIMITS: usize = 8;
+
+/// A budget plan: one or several [`Limit`]s (distinct windows, longest first). A
+/// reservation is recorded only if it fits every one of them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     pub name: String,
-    pub limit: u64,
-    pub window: Duration,
+    /// Never empty; windows distinct, longest first.
+    pub limits: Vec<Limit>,
     /// The plan's weight in a saturated provider's fair queue (`share`,
     /// default 1): while users of two plans both wait, grants go to them in
     /// the ratio of their shares.
@@ -37,8 +57,23 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The longest window: how long the plan's log keeps an event.
     pub fn window_ms(&self) -> u64 {
-        u64::try_from(self.window.as_millis()).unwrap_or(u64::MAX)
+        self.limits.first().map_or(0, Limit::window_ms)
+    }
+
+    /// The smallest limit: the largest cost the plan could ever admit.
+    pub fn max_cost(&self) -> u64 {
+        self.limits.iter().map(|l| l.limit).min().unwrap_or(0)
+    }
+
+    /// `1000 tokens / 12h` or `1000 tokens / 12h + 100 tokens / 1m`.
+    pub fn describe(&self) -> String {
+        self.limits
+            .iter()
+            .map(|l| format!("{} tokens / {}", l.limit, duration::format(l.window)))
+            .collect::<Vec<_>>()
+            .join(" + ")
     }
 }
 
@@ -122,6 +157,36 @@ pub struct Operation {
     pub deadline: Duration,
     /// Times a job is taken before it is given up (workers died running it).
     pub max_attempts: u32,
+    /// Settle the charge to what the provider reported (`None`: `cost` stays).
+    pub settle: Option<Settle>,
+}
+
+/// How a job's charge is settled to its actual cost: read a number at `from`
+/// (a JSON pointer, RFC 6901) in the provider's answer; the cost is
+/// `ceil(value / per)` tokens, clamped to `1..=max`. `cost` is the estimate
+/// reserved up front.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settle {
+    pub from: String,
+    pub per: u64,
+    pub max: u64,
+}
+
+impl Settle {
+    /// The actual cost of a job that answered `answer`; `None` when the answer
+    /// has no number at `from` (the estimate then stands).
+    pub fn cost(&self, answer: &serde_json::Value) -> Option<u64> {
+        let v = answer.pointer(&self.from)?;
+        let units = match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) => n.div_ceil(self.per),
+            (None, Some(f)) if f.is_finite() => {
+                // Negative and fractional amounts: a call costs at least 1.
+                (f.max(0.0) / self.per as f64).ceil().min(MAX_TOKENS as f64) as u64
+            }
+            _ => return None,
+        };
+        Some(units.clamp(1, self.max))
+    }
 }
 
 impl Operation {
@@ -135,6 +200,7 @@ impl Operation {
 pub struct Config {
     default_plan: String,
     hold_grace: Duration,
+    export: Option<u64>,
     plans: BTreeMap<String, Plan>,
     providers: BTreeMap<String, Provider>,
     upstreams: BTreeMap<String, Upstream>,
@@ -164,12 +230,19 @@ pub enum ConfigError {
 struct RawConfig {
     default_plan: Option<String>,
     hold_grace: Option<String>,
+    export: Option<RawExport>,
     #[serde(default)]
     plans: BTreeMap<String, RawPlan>,
     #[serde(default)]
     providers: BTreeMap<String, RawProvider>,
     #[serde(default)]
     operations: BTreeMap<String, RawOperation>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawExport {
+    maxlen: i64,
 }
 
 #[derive(Deserialize)]
@@ -194,15 +267,32 @@ struct RawOperation {
     path: Option<String>,
     deadline: Option<String>,
     max_attempts: Option<i64>,
+    settle: Option<RawSettle>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSettle {
+    from: String,
+    per: Option<i64>,
+    max: i64,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawPlan {
-    limit: i64,
-    window: String,
+    limit: Option<i64>,
+    window: Option<String>,
+    limits: Option<Vec<RawLimit>>,
     share: Option<i64>,
     max_in_flight: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    limit: i64,
+    window: String,
 }
 
 impl Config {
@@ -241,33 +331,17 @@ impl Config {
             if let Err(e) = crate::id::UserId::new(name.as_str()) {
                 return Err(invalid(key, format!("bad plan name: {e}")));
             }
-            if p.limit <= 0 {
-                return Err(invalid(
-                    format!("{key}.limit"),
-                    format!("must be > 0, got {}", p.limit),
-                ));
-            }
-            let limit = p.limit as u64;
-            if limit > MAX_TOKENS {
-                return Err(invalid(
-                    format!("{key}.limit"),
-                    format!("must be <= {MAX_TOKENS}"),
-                ));
-            }
-            let window =
-                duration::parse(&p.window).map_err(|m| invalid(format!("{key}.window"), m))?;
-            if window < Duration::from_millis(1) {
-                return Err(invalid(
-                    format!("{key}.window"),
-                    "must be at least 1ms".into(),
-                ));
-            }
-            if window > Duration::from_secs(366 * 86_400) {
-                return Err(invalid(
-                    format!("{key}.window"),
-                    "must be at most 366d".into(),
-                ));
-            }
+            let raw_limits =
+                match (p.limit, p.window, p.limits) {
+                    (Some(limit), Some(window), None) => vec![RawLimit { limit, window }],
+                    (None, None, Some(limits)) => limits,
+                    _ => return Err(invalid(
+                        key,
+                        "set either `limit` and `window`, or `limits = [{ limit, window }, ...]`"
+                            .into(),
+                    )),
+                };
+            let limits = parse_limits(&key, raw_limits, &invalid)?;
             let share = p.share.unwrap_or(1);
             if !(1..=i64::from(MAX_SHARE)).contains(&share) {
                 return Err(invalid(
@@ -289,8 +363,7 @@ impl Config {
                 name.clone(),
                 Plan {
                     name,
-                    limit,
-                    window,
+                    limits,
                     share: share as u32,
                     max_in_flight,
                 },
@@ -329,11 +402,22 @@ impl Config {
                 "must be between 100ms and 1h".into(),
             ));
         }
+        let export = match raw.export {
+            None => None,
+            Some(e) if (1..=MAX_EXPORT as i64).contains(&e.maxlen) => Some(e.maxlen as u64),
+            Some(e) => {
+                return Err(invalid(
+                    "export.maxlen".into(),
+                    format!("must be between 1 and {MAX_EXPORT}, got {}", e.maxlen),
+                ))
+            }
+        };
         let (providers, upstreams) = parse_providers(raw.providers, &invalid)?;
         let operations = parse_operations(raw.operations, &providers, &invalid)?;
         Ok(Self {
             default_plan,
             hold_grace,
+            export,
             plans,
             providers,
             upstreams,
@@ -348,6 +432,12 @@ impl Config {
     /// pod must read the same value.
     pub fn hold_grace(&self) -> Duration {
         self.hold_grace
+    }
+
+    /// `[export] maxlen`: every spend, refund and settle is also appended to the
+    /// user's export stream, kept to about this many entries (`None`: no export).
+    pub fn export_maxlen(&self) -> Option<u64> {
+        self.export
     }
 
     /// The plan of users who have none stored.
@@ -425,6 +515,65 @@ impl Config {
     }
 }
 
+fn parse_limits(
+    key: &str,
+    raw: Vec<RawLimit>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Vec<Limit>, ConfigError> {
+    if raw.is_empty() || raw.len() > MAX_LIMITS {
+        return Err(invalid(
+            format!("{key}.limits"),
+            format!("must hold 1 to {MAX_LIMITS} limits, got {}", raw.len()),
+        ));
+    }
+    let single = raw.len() == 1;
+    let mut limits: Vec<Limit> = Vec::with_capacity(raw.len());
+    for (i, l) in raw.into_iter().enumerate() {
+        let key = if single {
+            key.to_owned()
+        } else {
+            format!("{key}.limits[{i}]")
+        };
+        if l.limit <= 0 {
+            return Err(invalid(
+                format!("{key}.limit"),
+                format!("must be > 0, got {}", l.limit),
+            ));
+        }
+        let limit = l.limit as u64;
+        if limit > MAX_TOKENS {
+            return Err(invalid(
+                format!("{key}.limit"),
+                format!("must be <= {MAX_TOKENS}"),
+            ));
+        }
+        let window = duration::parse(&l.window).map_err(|m| invalid(format!("{key}.window"), m))?;
+        if window < Duration::from_millis(1) {
+            return Err(invalid(
+                format!("{key}.window"),
+                "must be at least 1ms".into(),
+            ));
+        }
+        if window > Duration::from_secs(366 * 86_400) {
+            return Err(invalid(
+                format!("{key}.window"),
+                "must be at most 366d".into(),
+            ));
+        }
+        // Milliseconds are what the ledger counts in: two windows equal there are one.
+        let ms = Limit { limit, window }.window_ms();
+        if limits.iter().any(|o| o.window_ms() == ms) {
+            return Err(invalid(
+                format!("{key}.window"),
+                format!("{} is set twice in one plan", l.window),
+            ));
+        }
+        limits.push(Limit { limit, window });
+    }
+    limits.sort_by_key(|l| std::cmp::Reverse(l.window));
+    Ok(limits)
+}
+
 fn parse_operations(
     raw: BTreeMap<String, RawOperation>,
     providers: &BTreeMap<String, Provider>,
@@ -475,6 +624,10 @@ fn parse_operations(
                 format!("must be between 1 and 100, got {max_attempts}"),
             ));
         }
+        let settle = match o.settle {
+            None => None,
+            Some(r) => Some(parse_settle(&format!("{key}.settle"), r, invalid)?),
+        };
         operations.insert(
             name.clone(),
             Operation {
@@ -484,10 +637,45 @@ fn parse_operations(
                 path: o.path,
                 deadline,
                 max_attempts: max_attempts as u32,
+                settle,
             },
         );
     }
     Ok(operations)
+}
+
+fn parse_settle(
+    key: &str,
+    r: RawSettle,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Settle, ConfigError> {
+    if !(r.from.is_empty() || r.from.starts_with('/')) {
+        return Err(invalid(
+            format!("{key}.from"),
+            format!(
+                "must be a JSON pointer (\"\" or starting with /), got {:?}",
+                r.from
+            ),
+        ));
+    }
+    let per = r.per.unwrap_or(1);
+    if per < 1 || per as u64 > MAX_TOKENS {
+        return Err(invalid(
+            format!("{key}.per"),
+            format!("must be between 1 and {MAX_TOKENS}, got {per}"),
+        ));
+    }
+    if r.max < 1 || r.max as u64 > MAX_TOKENS {
+        return Err(invalid(
+            format!("{key}.max"),
+            format!("must be between 1 and {MAX_TOKENS} tokens, got {}", r.max),
+        ));
+    }
+    Ok(Settle {
+        from: r.from,
+        per: per as u64,
+        max: r.max as u64,
+    })
 }
 
 fn parse_upstream(
@@ -659,11 +847,13 @@ window = "12h"
     fn reads_the_documented_shape() {
         let c = Config::parse(ISSUE_SHAPE, "t.toml").unwrap();
         assert_eq!(c.default_plan().name, "free");
-        assert_eq!(c.default_plan().limit, 1000);
-        assert_eq!(c.plan("pro").unwrap().limit, 20000);
+        assert_eq!(c.default_plan().max_cost(), 1000);
         assert_eq!(
-            c.plan("pro").unwrap().window,
-            Duration::from_secs(12 * 3600)
+            c.plan("pro").unwrap().limits,
+            vec![Limit {
+                limit: 20000,
+                window: Duration::from_secs(12 * 3600)
+            }]
         );
         assert_eq!(c.plan_or_default(Some("gone")).name, "free");
         // The built-in config has the same plans, plus providers.
@@ -693,6 +883,55 @@ window = "12h"
         assert!(e.contains("limmit"), "{e}");
         let e = err("default_plan = \"x\"");
         assert!(e.contains("plans"), "{e}");
+    }
+
+    const WINDOWS: &str = r#"
+[plans.free]
+limits = [{ limit = 100, window = "1m" }, { limit = 1000, window = "12h" }, { limit = 5, window = "1s" }]
+"#;
+
+    #[test]
+    fn reads_several_limits_longest_window_first() {
+        let c = Config::parse(WINDOWS, "t.toml").unwrap();
+        let p = c.default_plan();
+        let shape: Vec<(u64, u64)> = p.limits.iter().map(|l| (l.limit, l.window_ms())).collect();
+        assert_eq!(shape, vec![(1000, 43_200_000), (100, 60_000), (5, 1000)]);
+        assert_eq!(p.window_ms(), 43_200_000);
+        assert_eq!(p.max_cost(), 5);
+        assert_eq!(
+            p.describe(),
+            "1000 tokens / 12h + 100 tokens / 1m + 5 tokens / 1s"
+        );
+    }
+
+    #[test]
+    fn limits_errors_name_the_key() {
+        for (from, to, key) in [
+            ("limit = 100,", "limit = 0,", "plans.free.limits[0].limit"),
+            ("\"1s\"", "\"1m\"", "plans.free.limits[2].window"),
+            (
+                "window = \"12h\"",
+                "window = \"later\"",
+                "plans.free.limits[1].window",
+            ),
+            ("limits = [", "limit = 3\nlimits = [", "plans.free"),
+        ] {
+            let e = err(&WINDOWS.replacen(from, to, 1));
+            assert!(e.contains(key), "{to}: {e}");
+        }
+        let e = err("[plans.free]\nlimits = []");
+        assert!(
+            e.contains("plans.free.limits") && e.contains("1 to 8"),
+            "{e}"
+        );
+        let nine = (1..=9)
+            .map(|i| format!("{{ limit = 1, window = \"{i}s\" }}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let e = err(&format!("[plans.free]\nlimits = [{nine}]"));
+        assert!(e.contains("1 to 8"), "{e}");
+        let e = err("[plans.free]\nwindow = \"1h\"");
+        assert!(e.contains("plans.free") && e.contains("either"), "{e}");
     }
 
     const PROVIDERS: &str = r#"
@@ -828,6 +1067,41 @@ provider = "llm"
             e.contains("providers.llm.retries") && e.contains("url"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn settle_reads_the_answer_and_clamps() {
+        let text = OPERATIONS.replacen(
+            "provider = \"llm\"",
+            "provider = \"llm\"\nsettle = { from = \"/usage/total_tokens\", per = 100, max = 40 }",
+            1,
+        );
+        let c = Config::parse(&text, "t.toml").unwrap();
+        let s = c
+            .operation("llm.structured")
+            .unwrap()
+            .settle
+            .clone()
+            .unwrap();
+        let at =
+            |v: serde_json::Value| s.cost(&serde_json::json!({ "usage": { "total_tokens": v } }));
+        assert_eq!(at(serde_json::json!(2501)), Some(26));
+        assert_eq!(at(serde_json::json!(800)), Some(8));
+        assert_eq!(at(serde_json::json!(0)), Some(1), "at least 1");
+        assert_eq!(at(serde_json::json!(-5)), Some(1));
+        assert_eq!(at(serde_json::json!(1e12)), Some(40), "at most max");
+        assert_eq!(at(serde_json::json!(150.5)), Some(2));
+        assert_eq!(at(serde_json::json!("lots")), None);
+        assert_eq!(s.cost(&serde_json::json!({ "usage": {} })), None);
+        for (from, to, k) in [
+            ("per = 100", "per = 0", "settle.per"),
+            ("max = 40", "max = 0", "settle.max"),
+            ("\"/usage/total_tokens\"", "\"usage\"", "settle.from"),
+            ("max = 40", "max = 40, maxx = 1", "maxx"),
+        ] {
+            let e = err(&text.replacen(from, to, 1));
+            assert!(e.contains(k), "{to}: {e}");
+        }
     }
 
     #[test]

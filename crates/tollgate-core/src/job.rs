@@ -544,6 +544,53 @@ pub async fn claim(ledger: &dyn Ledger, job: &Job, grace: Duration) -> Result<bo
         == ClaimOutcome::Claimed)
 }
 
+/// What [`settle`] did with a job's charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    /// The operation has no `settle` rule: the estimate is the cost.
+    Fixed,
+    /// The answer has no number where the rule reads one: the estimate stands.
+    NoUsage,
+    /// The charge now costs `cost` (it was charged at `estimate`).
+    To { estimate: u64, cost: u64 },
+    /// The charge is not this job's any more (released, or left the window).
+    NotOwned,
+}
+
+/// The worker's step after a successful call, before the result is recorded:
+/// the job settles its charge to the cost the provider reported, by its nonce
+/// ([`Ledger::settle_charge`]). Recorded before the result, so a worker that
+/// dies in between leaves a job that runs again and settles again (to the
+/// cost its new answer reports; the estimate is kept from the first).
+pub async fn settle(
+    ledger: &dyn Ledger,
+    config: &crate::config::Config,
+    job: &Job,
+    answer: &Value,
+) -> Result<Settled, JobError> {
+    let Some(rule) = config
+        .operation(&job.operation)
+        .and_then(|o| o.settle.as_ref())
+    else {
+        return Ok(Settled::Fixed);
+    };
+    let Some(cost) = rule.cost(answer) else {
+        return Ok(Settled::NoUsage);
+    };
+    Ok(
+        match ledger
+            .settle_charge(&job.user, &job.id, &job.nonce, cost)
+            .await?
+        {
+            crate::ledger::SettleOutcome::Settled { .. } => Settled::To {
+                estimate: job.cost,
+                cost,
+            },
+            crate::ledger::SettleOutcome::NotFound { .. } => Settled::NotOwned,
+        },
+    )
+}
+
 /// A job leased to a worker. Only the holder of the current `token` can finish it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Lease {
@@ -599,6 +646,10 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     /// the claim landed is unknown: hand the lease back (the next taker claims
     /// again; a claim is idempotent).
     async fn start(&self, lease: &Lease) -> Result<bool, JobError>;
+
+    /// After a successful call, before [`complete`](Self::complete): settles
+    /// the job's charge to the cost `answer` reports ([`settle`]).
+    async fn settle(&self, lease: &Lease, answer: &Value) -> Result<Settled, JobError>;
 
     /// Extends the lease; `Finish::LeaseLost` when it is not ours any more.
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError>;

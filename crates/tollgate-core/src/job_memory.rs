@@ -353,6 +353,14 @@ impl JobSource for MemoryJobQueue {
         }
     }
 
+    async fn settle(
+        &self,
+        lease: &Lease,
+        answer: &serde_json::Value,
+    ) -> Result<job::Settled, JobError> {
+        job::settle(&*self.ledger, &self.config, &lease.job, answer).await
+    }
+
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
         let claimed = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
         if !claimed {

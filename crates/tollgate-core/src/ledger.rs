@@ -1,10 +1,12 @@
 //! The budget ledger: the one interface both backends implement.
 //!
-//! Semantics (DESIGN.md, "Budget semantics"): each user has one pool of `limit`
-//! tokens over a sliding `window`, kept as a log of spend events. `reserve` is one
-//! atomic step (drop expired events, check, record); it is idempotent per request
-//! id; `refund` removes an event at most once; `settle` corrects an event's cost.
-//! A denied reservation is an outcome, not an error.
+//! Semantics (DESIGN.md, "Budget semantics"): each user has one pool, limited by
+//! each of the plan's limits (`limit` tokens over a sliding `window`; one or
+//! several), kept as one log of spend events as long as the longest window.
+//! `reserve` is one atomic step (drop expired events, check every limit,
+//! record); it is idempotent per request id; `refund` removes an event at most
+//! once; `settle` corrects an event's cost. A denied reservation is an outcome,
+//! not an error. Each window keeps a running total, so no step sums the log.
 //!
 //! A job's charge has an owner ([`Ledger::charge`], [`Ledger::claim`],
 //! [`Ledger::release`]): the charge is taken with a nonce and held for its
@@ -28,6 +30,52 @@ pub struct SpendEvent {
     pub at_ms: u64,
     /// The operation of a job's charge (`None` for a plain reserve).
     pub operation: Option<String>,
+    /// For a job's charge settled to what the provider reported
+    /// ([`Ledger::settle_charge`]): the estimate reserved up front; `cost` is
+    /// the actual. `None`: not settled.
+    pub estimate: Option<u64>,
+}
+
+/// What changed in an [`ExportEntry`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChangeKind {
+    /// A spend event was recorded (a reserve or a job's charge).
+    Spend,
+    /// A spend event was removed before it left the window (refund, release,
+    /// a hold that ended unclaimed, or a settle to 0).
+    Refund,
+    /// A spend event's cost was set to `cost` (from `previous_cost`).
+    Settle,
+}
+
+/// One entry of a user's export ([`Ledger::exported`]): every change to the
+/// spend events, in order, kept past the window for billing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExportEntry {
+    /// `<ms>-<seq>` of the change on the ledger's clock: increasing.
+    pub id: String,
+    pub kind: ChangeKind,
+    pub request_id: RequestId,
+    /// The event's cost (for a settle: the new one; for a refund: what left).
+    pub cost: u64,
+    /// For a settle: the cost before it.
+    pub previous_cost: Option<u64>,
+    /// When the event was spent (ms): with the plan's windows, when it leaves them.
+    pub spent_at_ms: u64,
+    /// The operation of a job's charge, on its spend.
+    pub operation: Option<String>,
+}
+
+impl ExportEntry {
+    /// The time of the change, from `id`.
+    pub fn at_ms(&self) -> u64 {
+        self.id
+            .split('-')
+            .next()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(0)
+    }
 }
 
 /// What a job's charge is taken for ([`Ledger::charge`]).
@@ -78,12 +126,47 @@ pub enum ClaimOutcome {
     Refused,
 }
 
+/// One of the plan's limits as it stands for a user.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WindowUse {
+    pub limit: u64,
+    pub window_ms: u64,
+    /// Tokens spent in the trailing window. A settle that raised a cost can put
+    /// it past `limit` for a while: reserves then wait until it fits again.
+    pub used: u64,
+    pub remaining: u64,
+    /// Until the oldest event in this window leaves it; `None` when none is in it.
+    pub reset_after_ms: Option<u64>,
+}
+
+impl WindowUse {
+    pub fn new(limit: u64, window_ms: u64, used: u64, reset_after_ms: Option<u64>) -> Self {
+        Self {
+            limit,
+            window_ms,
+            used,
+            remaining: limit.saturating_sub(used),
+            reset_after_ms,
+        }
+    }
+}
+
+/// The window closest to exhaustion: the fewest tokens left, and of those the
+/// one that frees tokens last. `None` only for an empty list.
+pub fn closest_to_exhaustion(windows: &[WindowUse]) -> Option<&WindowUse> {
+    windows
+        .iter()
+        .min_by_key(|w| (w.remaining, std::cmp::Reverse(w.reset_after_ms)))
+}
+
 /// The reservation is recorded (or was already: `duplicate`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Allowed {
-    /// Tokens used in the window, this reservation included.
+    /// Tokens used in the window closest to exhaustion, this reservation
+    /// included; `limit`, `remaining` and `reset_after_ms` are that window's.
     pub used: u64,
     pub limit: u64,
+    pub window_ms: u64,
     pub remaining: u64,
     /// When the event was recorded (for a duplicate: the original time).
     pub at_ms: u64,
@@ -93,17 +176,84 @@ pub struct Allowed {
     pub reset_after_ms: u64,
     /// True when this request id was already reserved: nothing was charged again.
     pub duplicate: bool,
+    /// Every limit of the plan, longest window first.
+    pub windows: Vec<WindowUse>,
+}
+
+impl Allowed {
+    /// The answer for `windows` (longest first); the top-level figures are the
+    /// window closest to exhaustion's.
+    pub fn new(windows: Vec<WindowUse>, at_ms: u64, now_ms: u64, duplicate: bool) -> Self {
+        let w = closest_to_exhaustion(&windows).cloned();
+        let w = w.unwrap_or_else(|| WindowUse::new(0, 0, 0, None));
+        Self {
+            used: w.used,
+            limit: w.limit,
+            window_ms: w.window_ms,
+            remaining: w.remaining,
+            at_ms,
+            now_ms,
+            reset_after_ms: w.reset_after_ms.unwrap_or(0),
+            duplicate,
+            windows,
+        }
+    }
+
+    /// The same answer with `cost` given back: the event, recorded at `at_ms`,
+    /// was refunded.
+    pub fn refunded(&self, cost: u64) -> Self {
+        let windows = self
+            .windows
+            .iter()
+            .map(|w| {
+                WindowUse::new(
+                    w.limit,
+                    w.window_ms,
+                    w.used.saturating_sub(cost),
+                    w.reset_after_ms,
+                )
+            })
+            .collect();
+        Self::new(windows, self.at_ms, self.now_ms, self.duplicate)
+    }
 }
 
 /// The reservation does not fit; nothing was recorded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Denied {
+    /// The figures of the window that holds the request back longest.
     pub used: u64,
     pub limit: u64,
+    pub window_ms: u64,
     pub remaining: u64,
-    /// Exactly how long until enough old events leave the window for this cost.
+    /// Exactly how long until enough old events leave every window for this
+    /// cost to fit them all.
     pub retry_after_ms: u64,
     pub now_ms: u64,
+    /// Every limit of the plan, longest window first.
+    pub windows: Vec<WindowUse>,
+}
+
+impl Denied {
+    /// `retry_after[i]` is when the cost fits `windows[i]` (0: it fits now).
+    pub fn new(windows: Vec<WindowUse>, retry_after: &[u64], now_ms: u64) -> Self {
+        let binding = (0..windows.len())
+            .max_by_key(|&i| (retry_after.get(i).copied().unwrap_or(0), usize::MAX - i))
+            .unwrap_or(0);
+        let w = windows
+            .get(binding)
+            .cloned()
+            .unwrap_or_else(|| WindowUse::new(0, 0, 0, None));
+        Self {
+            used: w.used,
+            limit: w.limit,
+            window_ms: w.window_ms,
+            remaining: w.remaining,
+            retry_after_ms: retry_after.iter().copied().max().unwrap_or(0),
+            now_ms,
+            windows,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -122,7 +272,8 @@ impl ReserveOutcome {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum RefundOutcome {
-    /// The event was removed and its `cost` returned to the pool.
+    /// The event was removed and its `cost` returned to the pool. `used` is the
+    /// longest window's (every live event's), here and below.
     Refunded { cost: u64, used: u64 },
     /// No live event has this id (never reserved, already refunded, or expired).
     NotFound { used: u64 },
@@ -142,7 +293,8 @@ pub enum SettleOutcome {
     },
 }
 
-/// A user's budget right now, with the live events (the audit trail).
+/// A user's budget right now, with the live events (the audit trail). The
+/// top-level figures are the window closest to exhaustion's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Usage {
     pub plan: String,
@@ -155,6 +307,31 @@ pub struct Usage {
     pub reset_after_ms: Option<u64>,
     /// Live events, oldest first.
     pub events: Vec<SpendEvent>,
+    /// Every limit of the plan, longest window first.
+    pub windows: Vec<WindowUse>,
+}
+
+impl Usage {
+    pub fn new(
+        plan: String,
+        windows: Vec<WindowUse>,
+        now_ms: u64,
+        events: Vec<SpendEvent>,
+    ) -> Self {
+        let w = closest_to_exhaustion(&windows).cloned();
+        let w = w.unwrap_or_else(|| WindowUse::new(0, 0, 0, None));
+        Self {
+            plan,
+            used: w.used,
+            limit: w.limit,
+            remaining: w.remaining,
+            window_ms: w.window_ms,
+            now_ms,
+            reset_after_ms: w.reset_after_ms,
+            events,
+            windows,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -209,6 +386,20 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         actual_cost: u64,
     ) -> Result<SettleOutcome, LedgerError>;
 
+    /// The job with `nonce` settles its charge to `actual_cost` (>= 1), what
+    /// the provider reported, and the event keeps the estimate it was charged
+    /// at. A charge that is not this job's (released, left the window, or
+    /// charged anew under another nonce) is `NotFound`, untouched. The cost is
+    /// set, not added: a retried settle changes nothing more. Like `settle`, it
+    /// may take a window past its limit.
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError>;
+
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError>;
 
     /// Charges a job, atomically: expire, check the id against the request it
@@ -240,6 +431,17 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         request: &RequestId,
         nonce: &str,
     ) -> Result<RefundOutcome, LedgerError>;
+
+    /// The user's export from `since_ms` on (at most `count` entries, oldest
+    /// first): empty unless `[export]` is configured. Kept to about `maxlen`
+    /// entries per user; the embedded backend keeps them in memory while the
+    /// user is (an idle user's go with it).
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<ExportEntry>, LedgerError>;
 
     /// Stores `plan` as the user's plan (it must be configured).
     async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError>;

@@ -6,19 +6,21 @@
 //! user serialises only its own requests. Idle users (empty log, no stored plan)
 //! are swept a shard at a time as operations go by, the way Redis keys expire.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
+use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, Plan};
+use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
-    unknown_plan, validate_cost, Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied,
-    Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
+    unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome,
+    Denied, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
+    SpendEvent, Usage, WindowUse,
 };
 
 const SHARDS: usize = 64;
@@ -48,8 +50,15 @@ struct UserLog {
     owners: HashMap<RequestId, Owner>,
     /// (end of hold, seq) -> request: charges no job has claimed yet.
     holds: BTreeMap<(u64, u64), RequestId>,
-    /// Running sum of live costs: no call sums the log.
+    /// Running sum of live costs (the longest window's): no call sums the log.
     total: u64,
+    /// The running totals of the plan's shorter windows.
+    shorts: Vec<Short>,
+    /// The export (`[export] maxlen` entries at most; 0: none), and the id of
+    /// its last entry.
+    exported: VecDeque<ExportEntry>,
+    export_max: u64,
+    export_last: (u64, u64),
     seq: u64,
     /// Removed from its shard by the sweeper; a caller holding a stale `Arc`
     /// looks the user up again.
@@ -64,6 +73,8 @@ struct Owner {
     fingerprint: String,
     /// The key in `holds` while no job has claimed the charge.
     hold: Option<(u64, u64)>,
+    /// The cost charged up front, once the charge was settled to the actual.
+    estimate: Option<u64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -72,76 +83,252 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The subject of one exported change.
+struct Change<'a> {
+    request: &'a RequestId,
+    cost: u64,
+    previous: Option<u64>,
+    at: u64,
+    operation: Option<&'a str>,
+}
+
+/// The running total of one of the plan's shorter windows (every limit but the
+/// longest, whose total is `UserLog::total`).
+struct Short {
+    window: u64,
+    total: u64,
+    /// Events at or before this time have been subtracted.
+    cursor: u64,
+}
+
+/// A range of the log's keys, `(at_ms, seq)`.
+type Span = (Bound<(u64, u64)>, Bound<(u64, u64)>);
+
+/// Events strictly after `now - window`: the range of the log inside the window.
+fn inside(now: u64, window: u64) -> Span {
+    match now.checked_sub(window) {
+        Some(edge) => (Bound::Excluded((edge, u64::MAX)), Bound::Unbounded),
+        None => (Bound::Unbounded, Bound::Unbounded),
+    }
+}
+
 impl UserLog {
-    /// Drops events at or past their expiry (`at + window <= now`), and charges
-    /// still held past their hold (released: no job can claim them any more).
-    fn expire(&mut self, now: u64, window: u64) {
+    /// Brings every window's total to `now` (subtracting what left the shorter
+    /// windows, dropping what left the longest), then releases charges still
+    /// held past their hold (no job can claim them any more).
+    fn expire(&mut self, now: u64, limits: &[Limit]) {
+        self.sync_shorts(now, limits);
+        let window = limits.first().map_or(0, Limit::window_ms);
         while let Some(entry) = self.events.first_entry() {
             if entry.key().0.saturating_add(window) > now {
                 break;
             }
+            // Leaving the window is not a change: nothing is exported.
             let (request, _) = entry.get().clone();
-            self.remove(&request);
+            self.take(&request, now);
         }
         while let Some(entry) = self.holds.first_entry() {
             if entry.key().0 > now {
                 break;
             }
             let request = entry.remove();
-            self.remove(&request);
+            self.remove(&request, now);
         }
     }
 
-    /// Records a spend event of `cost` at `now`.
-    fn record(&mut self, request: &RequestId, cost: u64, now: u64) {
+    /// Moves each shorter window's total to `now`. A plan whose shorter windows
+    /// changed (a plan change) has them rebuilt from the log, once.
+    fn sync_shorts(&mut self, now: u64, limits: &[Limit]) {
+        let wanted = limits.iter().skip(1).map(Limit::window_ms);
+        let Self { shorts, events, .. } = self;
+        if !shorts.iter().map(|s| s.window).eq(wanted.clone()) {
+            *shorts = wanted
+                .map(|window| Short {
+                    window,
+                    total: events.range(inside(now, window)).map(|(_, e)| e.1).sum(),
+                    cursor: now.saturating_sub(window),
+                })
+                .collect();
+            return;
+        }
+        for s in shorts.iter_mut() {
+            let edge = now.saturating_sub(s.window);
+            if edge > s.cursor {
+                let left = events.range((
+                    Bound::Excluded((s.cursor, u64::MAX)),
+                    Bound::Included((edge, u64::MAX)),
+                ));
+                s.total = s.total.saturating_sub(left.map(|(_, e)| e.1).sum());
+                s.cursor = edge;
+            }
+        }
+    }
+
+    /// Appends one change to the export (when there is one).
+    fn export(&mut self, now: u64, kind: ChangeKind, e: Change<'_>) {
+        if self.export_max == 0 {
+            return;
+        }
+        let ms = now.max(self.export_last.0);
+        let seq = if ms == self.export_last.0 {
+            self.export_last.1 + 1
+        } else {
+            0
+        };
+        self.export_last = (ms, seq);
+        self.exported.push_back(ExportEntry {
+            id: format!("{ms}-{seq}"),
+            kind,
+            request_id: e.request.clone(),
+            cost: e.cost,
+            previous_cost: e.previous,
+            spent_at_ms: e.at,
+            operation: e.operation.map(str::to_owned),
+        });
+        while self.exported.len() as u64 > self.export_max {
+            self.exported.pop_front();
+        }
+    }
+
+    /// Records a spend event of `cost` at `now`: it is inside every window.
+    fn record(&mut self, request: &RequestId, cost: u64, now: u64, operation: Option<&str>) {
+        let change = Change {
+            request,
+            cost,
+            previous: None,
+            at: now,
+            operation,
+        };
+        self.export(now, ChangeKind::Spend, change);
         self.seq += 1;
         let key = (now, self.seq);
         self.events.insert(key, (request.clone(), cost));
         self.index.insert(request.clone(), key);
         self.total += cost;
+        for s in &mut self.shorts {
+            s.total += cost;
+        }
     }
 
-    /// Exactly how long until enough old events leave the window for `cost`
-    /// to fit. Terminates within the log because cost <= limit.
-    fn retry_after(&self, cost: u64, limit: u64, now: u64, window: u64) -> u64 {
-        let need = (self.total + cost).saturating_sub(limit);
+    /// Tokens spent in limit `i`'s window.
+    fn used(&self, i: usize) -> u64 {
+        match i.checked_sub(1) {
+            None => self.total,
+            Some(k) => self.shorts.get(k).map_or(0, |s| s.total),
+        }
+    }
+
+    /// Every limit as it stands at `now` (after `expire`).
+    fn windows(&self, limits: &[Limit], now: u64) -> Vec<WindowUse> {
+        limits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let w = l.window_ms();
+                let reset = self
+                    .events
+                    .range(inside(now, w))
+                    .next()
+                    .map(|((at, _), _)| (at + w).saturating_sub(now));
+                WindowUse::new(l.limit, w, self.used(i), reset)
+            })
+            .collect()
+    }
+
+    /// Exactly how long until enough old events leave limit `i`'s window for
+    /// `cost` to fit it (0: it fits). Terminates within the log because
+    /// cost <= limit.
+    fn retry_after(&self, i: usize, l: &Limit, cost: u64, now: u64) -> u64 {
+        let (used, w) = (self.used(i), l.window_ms());
+        let need = (used + cost).saturating_sub(l.limit);
+        if need == 0 {
+            return 0;
+        }
         let mut freed = 0;
-        for ((at, _), (_, c)) in &self.events {
+        for ((at, _), (_, c)) in self.events.range(inside(now, w)) {
             freed += c;
             if freed >= need {
-                return (at + window).saturating_sub(now);
+                return (at + w).saturating_sub(now);
             }
         }
-        window
+        w
     }
 
-    fn allowed(&self, limit: u64, at_ms: u64, now: u64, window: u64, duplicate: bool) -> Allowed {
-        Allowed {
-            used: self.total,
-            limit,
-            remaining: limit.saturating_sub(self.total),
-            at_ms,
-            now_ms: now,
-            reset_after_ms: self.reset_after(now, window).unwrap_or(window),
-            duplicate,
+    /// Records `cost` if it fits every limit; else the denial.
+    fn admit(
+        &mut self,
+        request: &RequestId,
+        cost: u64,
+        limits: &[Limit],
+        now: u64,
+        operation: Option<&str>,
+    ) -> Result<Allowed, Denied> {
+        let fits = limits
+            .iter()
+            .enumerate()
+            .all(|(i, l)| self.used(i) + cost <= l.limit);
+        if !fits {
+            let retry: Vec<u64> = limits
+                .iter()
+                .enumerate()
+                .map(|(i, l)| self.retry_after(i, l, cost, now))
+                .collect();
+            return Err(Denied::new(self.windows(limits, now), &retry, now));
         }
+        self.record(request, cost, now, operation);
+        Ok(Allowed::new(self.windows(limits, now), now, now, false))
     }
 
-    fn reset_after(&self, now: u64, window: u64) -> Option<u64> {
-        self.events
-            .keys()
-            .next()
-            .map(|(at, _)| (at + window).saturating_sub(now))
+    /// Changes the cost of a live event (`key`) in every window it is inside.
+    fn recost(&mut self, key: (u64, u64), cost: u64, now: u64) -> Option<u64> {
+        let slot = self.events.get_mut(&key)?;
+        let previous = std::mem::replace(&mut slot.1, cost);
+        let request = slot.0.clone();
+        let change = Change {
+            request: &request,
+            cost,
+            previous: Some(previous),
+            at: key.0,
+            operation: None,
+        };
+        self.export(now, ChangeKind::Settle, change);
+        self.total = (self.total + cost).saturating_sub(previous);
+        for s in &mut self.shorts {
+            if key.0.saturating_add(s.window) > now {
+                s.total = (s.total + cost).saturating_sub(previous);
+            }
+        }
+        Some(previous)
     }
 
-    fn remove(&mut self, request: &RequestId) -> Option<u64> {
+    /// Removes a live event before it left the window (a refund): exported.
+    fn remove(&mut self, request: &RequestId, now: u64) -> Option<u64> {
+        let (at, cost) = self.take(request, now)?;
+        let change = Change {
+            request,
+            cost,
+            previous: None,
+            at,
+            operation: None,
+        };
+        self.export(now, ChangeKind::Refund, change);
+        Some(cost)
+    }
+
+    /// Removes an event; returns its time and cost.
+    fn take(&mut self, request: &RequestId, now: u64) -> Option<(u64, u64)> {
         if let Some(hold) = self.owners.remove(request).and_then(|o| o.hold) {
             self.holds.remove(&hold);
         }
         let key = self.index.remove(request)?;
         let (_, cost) = self.events.remove(&key)?;
         self.total = self.total.saturating_sub(cost);
-        Some(cost)
+        for s in &mut self.shorts {
+            if key.0.saturating_add(s.window) > now {
+                s.total = s.total.saturating_sub(cost);
+            }
+        }
+        Some((key.0, cost))
     }
 }
 
@@ -197,6 +384,7 @@ impl<C: Clock> MemoryLedger<C> {
             // Read the clock under the user's lock so that events are recorded in
             // time order.
             let now = self.clock.now_ms();
+            log.export_max = self.config.export_maxlen().unwrap_or(0);
             return f(&mut log, now);
         }
     }
@@ -208,8 +396,8 @@ impl<C: Clock> MemoryLedger<C> {
             let Ok(mut log) = entry.try_lock() else {
                 return true; // busy: certainly not idle
             };
-            let window = self.config.plan_or_default(log.plan.as_deref()).window_ms();
-            log.expire(now, window);
+            let limits = &self.config.plan_or_default(log.plan.as_deref()).limits;
+            log.expire(now, limits);
             if log.events.is_empty() && log.plan.is_none() {
                 log.retired = true;
                 return false;
@@ -227,12 +415,11 @@ impl<C: Clock> MemoryLedger<C> {
         owns: impl FnOnce(Option<&Owner>) -> bool,
     ) -> RefundOutcome {
         self.with_user(user, false, |log, now| {
-            let window = self.plan_of(log).window_ms();
-            log.expire(now, window);
+            log.expire(now, &self.plan_of(log).limits);
             if !owns(log.owners.get(request)) {
                 return RefundOutcome::NotFound { used: log.total };
             }
-            match log.remove(request) {
+            match log.remove(request, now) {
                 Some(cost) => RefundOutcome::Refunded {
                     cost,
                     used: log.total,
@@ -272,35 +459,26 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         validate_cost(cost)?;
         self.with_user(user, true, |log, now| {
             let plan = self.plan_of(log);
-            let (limit, window) = (plan.limit, plan.window_ms());
-            if cost > limit {
-                return Err(LedgerError::CostExceedsLimit { cost, limit });
+            let limits = &plan.limits;
+            if cost > plan.max_cost() {
+                return Err(LedgerError::CostExceedsLimit {
+                    cost,
+                    limit: plan.max_cost(),
+                });
             }
-            log.expire(now, window);
-            if let Some(&key) = log.index.get(request) {
-                return Ok(ReserveOutcome::Allowed(Allowed {
-                    used: log.total,
-                    limit,
-                    remaining: limit.saturating_sub(log.total),
-                    at_ms: key.0,
-                    now_ms: now,
-                    reset_after_ms: log.reset_after(now, window).unwrap_or(0),
-                    duplicate: true,
-                }));
+            log.expire(now, limits);
+            if let Some(&(at, _)) = log.index.get(request) {
+                return Ok(ReserveOutcome::Allowed(Allowed::new(
+                    log.windows(limits, now),
+                    at,
+                    now,
+                    true,
+                )));
             }
-            if log.total + cost > limit {
-                return Ok(ReserveOutcome::Denied(Denied {
-                    used: log.total,
-                    limit,
-                    remaining: limit.saturating_sub(log.total),
-                    retry_after_ms: log.retry_after(cost, limit, now, window),
-                    now_ms: now,
-                }));
-            }
-            log.record(request, cost, now);
-            Ok(ReserveOutcome::Allowed(
-                log.allowed(limit, now, now, window, false),
-            ))
+            Ok(match log.admit(request, cost, limits, now, None) {
+                Ok(a) => ReserveOutcome::Allowed(a),
+                Err(d) => ReserveOutcome::Denied(d),
+            })
         })
     }
 
@@ -322,24 +500,50 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
         Ok(self.with_user(user, false, |log, now| {
-            let window = self.plan_of(log).window_ms();
-            log.expire(now, window);
+            log.expire(now, &self.plan_of(log).limits);
             let Some(&key) = log.index.get(request) else {
                 return SettleOutcome::NotFound { used: log.total };
             };
             if actual_cost == 0 {
-                let previous_cost = log.remove(request).unwrap_or(0);
+                let previous_cost = log.remove(request, now).unwrap_or(0);
                 return SettleOutcome::Settled {
                     previous_cost,
                     cost: 0,
                     used: log.total,
                 };
             }
-            let Some(slot) = log.events.get_mut(&key) else {
+            match log.recost(key, actual_cost, now) {
+                Some(previous_cost) => SettleOutcome::Settled {
+                    previous_cost,
+                    cost: actual_cost,
+                    used: log.total,
+                },
+                None => SettleOutcome::NotFound { used: log.total },
+            }
+        }))
+    }
+
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        validate_cost(actual_cost)?;
+        Ok(self.with_user(user, false, |log, now| {
+            log.expire(now, &self.plan_of(log).limits);
+            let owned = log.owners.get(request).is_some_and(|o| o.nonce == nonce);
+            let key = log.index.get(request).copied();
+            let (true, Some(key)) = (owned, key) else {
                 return SettleOutcome::NotFound { used: log.total };
             };
-            let previous_cost = std::mem::replace(&mut slot.1, actual_cost);
-            log.total = log.total - previous_cost + actual_cost;
+            let Some(previous_cost) = log.recost(key, actual_cost, now) else {
+                return SettleOutcome::NotFound { used: log.total };
+            };
+            if let Some(o) = log.owners.get_mut(request) {
+                o.estimate.get_or_insert(previous_cost);
+            }
             SettleOutcome::Settled {
                 previous_cost,
                 cost: actual_cost,
@@ -351,27 +555,24 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
         Ok(self.with_user(user, false, |log, now| {
             let plan = self.plan_of(log);
-            let (limit, window) = (plan.limit, plan.window_ms());
-            log.expire(now, window);
-            Usage {
-                plan: plan.name.clone(),
-                used: log.total,
-                limit,
-                remaining: limit.saturating_sub(log.total),
-                window_ms: window,
-                now_ms: now,
-                reset_after_ms: log.reset_after(now, window),
-                events: log
-                    .events
-                    .iter()
-                    .map(|((at, _), (request, cost))| SpendEvent {
-                        request_id: request.clone(),
-                        cost: *cost,
-                        at_ms: *at,
-                        operation: log.owners.get(request).map(|o| o.operation.clone()),
-                    })
-                    .collect(),
-            }
+            log.expire(now, &plan.limits);
+            let events = log
+                .events
+                .iter()
+                .map(|((at, _), (request, cost))| SpendEvent {
+                    request_id: request.clone(),
+                    cost: *cost,
+                    at_ms: *at,
+                    operation: log.owners.get(request).map(|o| o.operation.clone()),
+                    estimate: log.owners.get(request).and_then(|o| o.estimate),
+                })
+                .collect();
+            Usage::new(
+                plan.name.clone(),
+                log.windows(&plan.limits, now),
+                now,
+                events,
+            )
         }))
     }
 
@@ -385,11 +586,14 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         validate_cost(cost)?;
         self.with_user(user, true, |log, now| {
             let plan = self.plan_of(log);
-            let (limit, window) = (plan.limit, plan.window_ms());
-            if cost > limit {
-                return Err(LedgerError::CostExceedsLimit { cost, limit });
+            let limits = &plan.limits;
+            if cost > plan.max_cost() {
+                return Err(LedgerError::CostExceedsLimit {
+                    cost,
+                    limit: plan.max_cost(),
+                });
             }
-            log.expire(now, window);
+            log.expire(now, limits);
             if let Some(&(at, _)) = log.index.get(request) {
                 let Some(o) = log.owners.get(request) else {
                     return Ok(ChargeOutcome::Conflict { operation: None });
@@ -402,22 +606,16 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 let (nonce, deadline_ms, claimed) =
                     (o.nonce.clone(), o.deadline_ms, o.hold.is_none());
                 return Ok(ChargeOutcome::Existing {
-                    allowed: log.allowed(limit, at, now, window, true),
+                    allowed: Allowed::new(log.windows(limits, now), at, now, true),
                     nonce,
                     deadline_ms,
                     claimed,
                 });
             }
-            if log.total + cost > limit {
-                return Ok(ChargeOutcome::Denied(Denied {
-                    used: log.total,
-                    limit,
-                    remaining: limit.saturating_sub(log.total),
-                    retry_after_ms: log.retry_after(cost, limit, now, window),
-                    now_ms: now,
-                }));
-            }
-            log.record(request, cost, now);
+            let allowed = match log.admit(request, cost, limits, now, Some(charge.operation)) {
+                Ok(a) => a,
+                Err(d) => return Ok(ChargeOutcome::Denied(d)),
+            };
             let deadline_ms = now.saturating_add(crate::job::millis(charge.deadline));
             log.seq += 1;
             let hold = (
@@ -433,10 +631,11 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     operation: charge.operation.to_owned(),
                     fingerprint: charge.fingerprint.to_owned(),
                     hold: Some(hold),
+                    estimate: None,
                 },
             );
             Ok(ChargeOutcome::Charged {
-                allowed: log.allowed(limit, now, now, window, false),
+                allowed,
                 deadline_ms,
             })
         })
@@ -450,8 +649,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         hold_until_ms: u64,
     ) -> Result<ClaimOutcome, LedgerError> {
         Ok(self.with_user(user, false, |log, now| {
-            let window = self.plan_of(log).window_ms();
-            log.expire(now, window);
+            log.expire(now, &self.plan_of(log).limits);
             if let Some(o) = log.owners.get_mut(request) {
                 if o.nonce != nonce {
                     return ClaimOutcome::Refused;
@@ -481,6 +679,22 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     ) -> Result<RefundOutcome, LedgerError> {
         Ok(self.remove_if(user, request, |owner| {
             owner.is_some_and(|o| o.nonce == nonce)
+        }))
+    }
+
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<ExportEntry>, LedgerError> {
+        Ok(self.with_user(user, false, |log, _| {
+            log.exported
+                .iter()
+                .filter(|e| e.at_ms() >= since_ms)
+                .take(count)
+                .cloned()
+                .collect()
         }))
     }
 

@@ -637,10 +637,12 @@ impl Metrics {
         }
         let mut plans_by_limit: BTreeMap<u64, Vec<String>> = BTreeMap::new();
         for p in config.plans() {
-            plans_by_limit
-                .entry(p.limit)
-                .or_default()
-                .push(p.name.clone());
+            for l in &p.limits {
+                let names = plans_by_limit.entry(l.limit).or_default();
+                if !names.contains(&p.name) {
+                    names.push(p.name.clone());
+                }
+            }
         }
 
         Self {
@@ -1179,6 +1181,29 @@ impl Ledger for MeteredLedger {
             .await
     }
 
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        self.timed(
+            "settle",
+            self.inner.settle_charge(user, request, nonce, actual_cost),
+        )
+        .await
+    }
+
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<crate::ledger::ExportEntry>, LedgerError> {
+        self.inner.exported(user, since_ms, count).await
+    }
+
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
         self.timed("usage", self.inner.usage(user)).await
     }
@@ -1372,7 +1397,7 @@ mod tests {
         let config = Arc::new(Config::builtin());
         let backends = crate::backend::Backends::memory(Arc::clone(&config));
         let user = UserId::new("u").unwrap();
-        let free = config.plan("free").unwrap().limit;
+        let free = config.plan("free").unwrap().max_cost();
         let r = backends
             .ledger
             .reserve(&user, &RequestId::new("r1").unwrap(), free)

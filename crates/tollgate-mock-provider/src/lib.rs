@@ -192,7 +192,14 @@ async fn handle(State(mock): State<Arc<Mock>>, path: String, body: Bytes) -> Res
     }
     let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     mock.ok.fetch_add(1, Ordering::SeqCst);
-    Json(json!({ "ok": true, "path": format!("/{path}"), "echo": input })).into_response()
+    // The usage a metered upstream reports (`settle` rules read it): the input's
+    // `mock_total_tokens` when it is a number, else 800.
+    let tokens = input["mock_total_tokens"].as_u64().unwrap_or(800);
+    Json(json!({
+        "ok": true, "path": format!("/{path}"), "echo": input,
+        "usage": { "total_tokens": tokens },
+    }))
+    .into_response()
 }
 
 /// Serves the mock on `listener` until `shutdown` resolves.

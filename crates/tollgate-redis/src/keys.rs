@@ -48,6 +48,9 @@ pub struct BudgetKeys {
     pub owners: String,
     /// Sorted set: request id -> end of the hold of a charge no job has claimed.
     pub holds: String,
+    /// Stream: the export of every spend, refund and settle (`[export]`); in
+    /// the user's slot, as the budget scripts write it.
+    pub audit: String,
 }
 
 /// The keys of one provider's throttle, sharing the provider's hash tag.
@@ -128,7 +131,7 @@ impl KeySpace {
         &self.prefix
     }
 
-    /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds`
+    /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds|audit`
     pub fn budget(&self, user: &UserId) -> BudgetKeys {
         let base = format!("{}:{SCHEMA}:{{u:{}}}", self.prefix, user);
         BudgetKeys {
@@ -137,6 +140,7 @@ impl KeySpace {
             plan: format!("{base}:plan"),
             owners: format!("{base}:owners"),
             holds: format!("{base}:holds"),
+            audit: format!("{base}:audit"),
         }
     }
 
@@ -308,6 +312,7 @@ mod tests {
         assert_eq!(k.plan, "tg:v1:{u:alice}:plan");
         assert_eq!(k.owners, "tg:v1:{u:alice}:owners");
         assert_eq!(k.holds, "tg:v1:{u:alice}:holds");
+        assert_eq!(k.audit, "tg:v1:{u:alice}:audit");
     }
 
     #[test]

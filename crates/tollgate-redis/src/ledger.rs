@@ -8,11 +8,12 @@ use async_trait::async_trait;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use tollgate_core::ledger::{unknown_plan, validate_cost};
 use tollgate_core::{
-    config::Config,
+    config::{Config, MAX_LIMITS},
     id::{RequestId, UserId},
     ledger::{
-        Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, Ledger, LedgerError,
-        RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
+        Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, ExportEntry,
+        Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
+        WindowUse,
     },
 };
 
@@ -86,6 +87,34 @@ impl RedisLedger {
     }
 }
 
+impl RedisLedger {
+    /// `settle.lua`: any event (`nonce` empty) or the charge held under `nonce`.
+    async fn settle_with(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        let keys = self.keys.budget(user);
+        let r: Vec<i64> = self
+            .script(
+                "settle",
+                scripts::settle(&keys, request.as_str(), actual_cost, nonce, &self.plans),
+            )
+            .await?;
+        match r.as_slice() {
+            &[1, previous, cost, used] => Ok(SettleOutcome::Settled {
+                previous_cost: to_u64(previous),
+                cost: to_u64(cost),
+                used: to_u64(used),
+            }),
+            &[0, used] => Ok(SettleOutcome::NotFound { used: to_u64(used) }),
+            other => Err(bad_reply("settle", other)),
+        }
+    }
+}
+
 #[async_trait]
 impl Ledger for RedisLedger {
     async fn reserve(
@@ -96,40 +125,30 @@ impl Ledger for RedisLedger {
     ) -> Result<ReserveOutcome, LedgerError> {
         validate_cost(cost)?;
         let keys = self.keys.budget(user);
-        let r: Vec<i64> = self
+        let r: Vec<Value> = self
             .script(
                 "reserve",
                 scripts::reserve(&keys, request.as_str(), cost, &self.plans),
             )
             .await?;
-        match r.as_slice() {
-            &[s @ (1 | 2), used, limit, at, now, reset] => {
-                let (used, limit) = (to_u64(used), to_u64(limit));
-                Ok(ReserveOutcome::Allowed(Allowed {
-                    used,
-                    limit,
-                    remaining: limit.saturating_sub(used),
-                    at_ms: to_u64(at),
-                    now_ms: to_u64(now),
-                    reset_after_ms: to_u64(reset),
-                    duplicate: s == 2,
-                }))
+        let bad = || bad_reply::<LedgerError>("reserve", &r);
+        let n = |i: usize| r.get(i).and_then(int).ok_or_else(bad);
+        match r.first().and_then(signed) {
+            Some(s @ (1 | 2)) => {
+                let (windows, _) = windows("reserve", &r, 3)?;
+                Ok(ReserveOutcome::Allowed(Allowed::new(
+                    windows,
+                    n(1)?,
+                    n(2)?,
+                    s == 2,
+                )))
             }
-            &[0, used, limit, retry, now] => {
-                let (used, limit) = (to_u64(used), to_u64(limit));
-                Ok(ReserveOutcome::Denied(Denied {
-                    used,
-                    limit,
-                    remaining: limit.saturating_sub(used),
-                    retry_after_ms: to_u64(retry),
-                    now_ms: to_u64(now),
-                }))
+            Some(0) => {
+                let (windows, retry) = windows("reserve", &r, 3)?;
+                Ok(ReserveOutcome::Denied(Denied::new(windows, &retry, n(2)?)))
             }
-            &[-1, limit] => Err(LedgerError::CostExceedsLimit {
-                cost,
-                limit: to_u64(limit),
-            }),
-            other => Err(bad_reply("reserve", other)),
+            Some(-1) => Err(LedgerError::CostExceedsLimit { cost, limit: n(1)? }),
+            _ => Err(bad()),
         }
     }
 
@@ -157,22 +176,18 @@ impl Ledger for RedisLedger {
         if actual_cost > tollgate_core::config::MAX_TOKENS {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
-        let keys = self.keys.budget(user);
-        let r: Vec<i64> = self
-            .script(
-                "settle",
-                scripts::settle(&keys, request.as_str(), actual_cost, &self.plans),
-            )
-            .await?;
-        match r.as_slice() {
-            &[1, previous, cost, used] => Ok(SettleOutcome::Settled {
-                previous_cost: to_u64(previous),
-                cost: to_u64(cost),
-                used: to_u64(used),
-            }),
-            &[0, used] => Ok(SettleOutcome::NotFound { used: to_u64(used) }),
-            other => Err(bad_reply("settle", other)),
-        }
+        self.settle_with(user, request, "", actual_cost).await
+    }
+
+    async fn settle_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        nonce: &str,
+        actual_cost: u64,
+    ) -> Result<SettleOutcome, LedgerError> {
+        validate_cost(actual_cost)?;
+        self.settle_with(user, request, nonce, actual_cost).await
     }
 
     async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
@@ -198,53 +213,29 @@ impl Ledger for RedisLedger {
                 scripts::charge(&keys, request.as_str(), charge, &self.plans),
             )
             .await?;
-        let n = |i: usize| {
-            r.get(i)
-                .and_then(int)
-                .ok_or_else(|| bad_reply::<LedgerError>("charge", &r))
-        };
-        let allowed = |duplicate: bool, at: u64| -> Result<Allowed, LedgerError> {
-            let (used, limit) = (n(1)?, n(2)?);
-            Ok(Allowed {
-                used,
-                limit,
-                remaining: limit.saturating_sub(used),
-                at_ms: at,
-                now_ms: n(3)?,
-                reset_after_ms: n(4)?,
-                duplicate,
-            })
-        };
+        let bad = || bad_reply::<LedgerError>("charge", &r);
+        let n = |i: usize| r.get(i).and_then(int).ok_or_else(bad);
         match r.first().and_then(signed) {
             Some(1) => Ok(ChargeOutcome::Charged {
-                allowed: allowed(false, n(3)?)?,
-                deadline_ms: n(5)?,
+                allowed: Allowed::new(windows("charge", &r, 3)?.0, n(1)?, n(1)?, false),
+                deadline_ms: n(2)?,
             }),
             Some(2) => Ok(ChargeOutcome::Existing {
-                allowed: allowed(true, n(6)?)?,
-                deadline_ms: n(5)?,
-                nonce: r
-                    .get(7)
-                    .and_then(text)
-                    .ok_or_else(|| bad_reply::<LedgerError>("charge", &r))?,
-                claimed: r.get(8).and_then(text).as_deref() == Some("j"),
+                allowed: Allowed::new(windows("charge", &r, 6)?.0, n(3)?, n(1)?, true),
+                deadline_ms: n(2)?,
+                nonce: r.get(4).and_then(text).ok_or_else(bad)?,
+                claimed: r.get(5).and_then(text).as_deref() == Some("j"),
             }),
             Some(0) => {
-                let (used, limit) = (n(1)?, n(2)?);
-                Ok(ChargeOutcome::Denied(Denied {
-                    used,
-                    limit,
-                    remaining: limit.saturating_sub(used),
-                    retry_after_ms: n(3)?,
-                    now_ms: n(4)?,
-                }))
+                let (windows, retry) = windows("charge", &r, 2)?;
+                Ok(ChargeOutcome::Denied(Denied::new(windows, &retry, n(1)?)))
             }
             Some(3) => Ok(ChargeOutcome::Conflict {
                 operation: r.get(1).and_then(text),
             }),
             Some(4) => Ok(ChargeOutcome::Conflict { operation: None }),
             Some(-1) => Err(LedgerError::CostExceedsLimit { cost, limit: n(1)? }),
-            _ => Err(bad_reply("charge", &r)),
+            _ => Err(bad()),
         }
     }
 
@@ -283,6 +274,22 @@ impl Ledger for RedisLedger {
             )
             .await?;
         refund_outcome("release", &r)
+    }
+
+    async fn exported(
+        &self,
+        user: &UserId,
+        since_ms: u64,
+        count: usize,
+    ) -> Result<Vec<ExportEntry>, LedgerError> {
+        let mut cmd = redis::cmd("XRANGE");
+        cmd.arg(self.keys.budget(user).audit)
+            .arg(since_ms)
+            .arg("+")
+            .arg("COUNT")
+            .arg(count.max(1));
+        let reply: Vec<Value> = self.command("exported", cmd).await?;
+        reply.iter().map(parse_export).collect()
     }
 
     async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError> {
@@ -332,6 +339,71 @@ fn text(v: &Value) -> Option<String> {
     }
 }
 
+/// One XRANGE entry of the export stream: `[id, [field, value, ...]]` (the
+/// fields of lib/budget.lua's `export`).
+pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
+    let bad = || bad_reply::<LedgerError>("exported", v);
+    let Value::Array(parts) = v else {
+        return Err(bad());
+    };
+    let [id, Value::Array(fields)] = parts.as_slice() else {
+        return Err(bad());
+    };
+    let id = text(id).ok_or_else(bad)?;
+    let mut f = std::collections::HashMap::new();
+    for pair in fields.chunks_exact(2) {
+        f.insert(
+            text(&pair[0]).ok_or_else(bad)?,
+            text(&pair[1]).ok_or_else(bad)?,
+        );
+    }
+    let num = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok());
+    let kind = match f.get("kind").map(String::as_str) {
+        Some("spend") => ChangeKind::Spend,
+        Some("refund") => ChangeKind::Refund,
+        Some("settle") => ChangeKind::Settle,
+        _ => return Err(bad()),
+    };
+    let request_id = f
+        .get("id")
+        .and_then(|r| RequestId::new(r.clone()).ok())
+        .ok_or_else(bad)?;
+    let op = f.get("op").filter(|o| !o.is_empty()).cloned();
+    Ok(ExportEntry {
+        id,
+        kind,
+        request_id,
+        cost: num("cost").ok_or_else(bad)?,
+        previous_cost: (kind == ChangeKind::Settle).then(|| num("prev")).flatten(),
+        spent_at_ms: num("at").ok_or_else(bad)?,
+        operation: op,
+    })
+}
+
+/// Fields per window in a budget script's reply (`push_windows` in lib/budget.lua).
+const WINDOW_FIELDS: usize = 5;
+
+/// Reads the windows of a reply from `at` (their count, then five fields each):
+/// every limit as it stands, and the retry_after of each (0 when it fits).
+fn windows(what: &str, r: &[Value], at: usize) -> Result<(Vec<WindowUse>, Vec<u64>), LedgerError> {
+    let count = r
+        .get(at)
+        .and_then(int)
+        .and_then(|c| usize::try_from(c).ok())
+        .filter(|&c| c <= MAX_LIMITS && r.len() >= at + 1 + c * WINDOW_FIELDS)
+        .ok_or_else(|| bad_reply::<LedgerError>(what, r))?;
+    let fields = &r[at + 1..at + 1 + count * WINDOW_FIELDS];
+    let mut windows = Vec::with_capacity(count);
+    let mut retry = Vec::with_capacity(count);
+    for w in fields.chunks_exact(WINDOW_FIELDS) {
+        let n = |i: usize| int(&w[i]).ok_or_else(|| bad_reply::<LedgerError>(what, w));
+        let reset = signed(&w[3]).and_then(|v| u64::try_from(v).ok());
+        windows.push(WindowUse::new(n(1)?, n(2)?, n(0)?, reset));
+        retry.push(n(4)?);
+    }
+    Ok((windows, retry))
+}
+
 fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
     fn int(v: &Value) -> Result<u64, LedgerError> {
         match v {
@@ -346,17 +418,13 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
             other => Err(bad_reply("usage", other)),
         }
     }
-    if reply.len() < 6 || (reply.len() - 6) % 4 != 0 {
+    let (windows, _) = windows("usage", &reply, 2)?;
+    let head = 3 + windows.len() * WINDOW_FIELDS;
+    if (reply.len() - head) % 5 != 0 {
         return Err(bad_reply("usage", format!("{} elements", reply.len())));
     }
-    let (head, tail) = reply.split_at(6);
-    let (used, limit) = (int(&head[1])?, int(&head[2])?);
-    let reset = match &head[5] {
-        Value::Int(i) if *i >= 0 => Some(to_u64(*i)),
-        _ => None,
-    };
-    let events = tail
-        .chunks_exact(4)
+    let events = reply[head..]
+        .chunks_exact(5)
         .map(|e| {
             let operation = text(&e[3])?;
             Ok(SpendEvent {
@@ -365,17 +433,14 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
                 at_ms: int(&e[1])?,
                 cost: int(&e[2])?,
                 operation: (!operation.is_empty()).then_some(operation),
+                estimate: signed(&e[4]).and_then(|v| u64::try_from(v).ok()),
             })
         })
         .collect::<Result<_, LedgerError>>()?;
-    Ok(Usage {
-        plan: text(&head[0])?,
-        used,
-        limit,
-        remaining: limit.saturating_sub(used),
-        window_ms: int(&head[3])?,
-        now_ms: int(&head[4])?,
-        reset_after_ms: reset,
-        events,
-    })
+    let plan = text(
+        reply
+            .first()
+            .ok_or_else(|| bad_reply::<LedgerError>("usage", "empty"))?,
+    )?;
+    Ok(Usage::new(plan, windows, int(&reply[1])?, events))
 }

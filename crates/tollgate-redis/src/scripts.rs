@@ -32,8 +32,9 @@ pub static CLAIM: LazyLock<Script> =
 pub static RELEASE: LazyLock<Script> =
     LazyLock::new(|| budget_script(include_str!("../../../lua/release.lua")));
 
-/// The plan table the budget scripts read from their ARGV tail: `name, limit,
-/// window_ms` triples, the default plan first. Built once per config.
+/// The ARGV tail of every budget script: the export's maxlen (0: none), then the
+/// plan table, `name, limits` pairs, the default plan first, where limits is
+/// `limit:window_ms,...` longest window first. Built once per config.
 #[derive(Debug, Clone)]
 pub struct PlanArgs(Vec<String>);
 
@@ -41,17 +42,21 @@ impl PlanArgs {
     pub fn new(config: &tollgate_core::config::Config) -> Self {
         let default = config.default_plan();
         let rest = config.plans().filter(|p| p.name != default.name);
-        let args = std::iter::once(default)
+        let export = config.export_maxlen().unwrap_or(0).to_string();
+        let plans = std::iter::once(default)
             .chain(rest)
-            .flat_map(|p| {
-                [
-                    p.name.clone(),
-                    p.limit.to_string(),
-                    p.window_ms().to_string(),
-                ]
-            })
-            .collect();
+            .flat_map(|p| [p.name.clone(), Self::limits(p)]);
+        let args = std::iter::once(export).chain(plans).collect();
         Self(args)
+    }
+
+    /// `limit:window_ms,...`, as lib/budget.lua's `resolve_plan` reads it.
+    pub fn limits(plan: &tollgate_core::config::Plan) -> String {
+        plan.limits
+            .iter()
+            .map(|l| format!("{}:{}", l.limit, l.window_ms()))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 }
 
@@ -61,7 +66,8 @@ fn invocation<'a>(script: &'a Script, keys: &BudgetKeys) -> redis::ScriptInvocat
         .key(&keys.costs)
         .key(&keys.plan)
         .key(&keys.owners)
-        .key(&keys.holds);
+        .key(&keys.holds)
+        .key(&keys.audit);
     inv
 }
 
@@ -88,15 +94,17 @@ pub fn refund<'a>(
     inv
 }
 
-/// `settle.lua`
+/// `settle.lua`: `nonce` is `""` for an operator's correction of any event, or
+/// the nonce of the job settling its own charge.
 pub fn settle<'a>(
     keys: &BudgetKeys,
     request: &str,
     actual_cost: u64,
+    nonce: &str,
     plans: &PlanArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&SETTLE, keys);
-    inv.arg(request).arg(actual_cost).arg(&plans.0);
+    inv.arg(request).arg(actual_cost).arg(nonce).arg(&plans.0);
     inv
 }
 

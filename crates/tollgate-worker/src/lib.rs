@@ -15,8 +15,10 @@
 //! Observed in [`WorkerConfig::metrics`]: jobs in flight, how each ended,
 //! the charges released, leases lost, maintenance's reclaims; every fetch loop
 //! and the maintenance loop beat a heartbeat (`/readyz` reports a silent one).
-//! **Invariant:** a worker never touches a budget except through the job
-//! source's fenced `fail` (refund once).
+//! **Invariant:** a worker touches a budget only as its job's charge's owner:
+//! it claims it before the call, settles it to the reported cost after a
+//! success (by the charge's nonce), and releases it through the job source's
+//! fenced `fail` (refund once).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -364,6 +366,7 @@ async fn job(
     };
     let (recorded, ok, cause) = match ended {
         Ended::Called(Ok(result)) => {
+            settle(source.as_ref(), lease, &result).await;
             tracing::debug!("the provider answered; recording the result");
             let recorded = finish("complete", || source.complete(lease, result.clone())).await;
             (recorded, JobEnd::Succeeded, None)
@@ -422,6 +425,40 @@ async fn job(
     }
     let end = end_of(recorded, ok);
     (end, cause.filter(|_| end == JobEnd::Failed))
+}
+
+/// Settles the job's charge to the cost the provider reported, when its
+/// operation says where to read it. A store failure is retried briefly, then
+/// the estimate stands (the charge is never lost, only left at its estimate).
+async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Value) {
+    use tollgate_core::job::Settled;
+    let mut backoff = Duration::from_millis(50);
+    for attempt in 1..=3 {
+        match source.settle(lease, answer).await {
+            Ok(Settled::Fixed) => {}
+            Ok(Settled::To { estimate, cost }) => {
+                tracing::debug!(estimate, cost, "the charge settled to the reported cost");
+            }
+            Ok(Settled::NoUsage) => {
+                tracing::warn!(
+                    "the answer reports no usage where the operation reads it; the estimate stands"
+                );
+            }
+            Ok(Settled::NotOwned) => {
+                tracing::warn!("the charge is not this job's any more; nothing settled");
+            }
+            Err(e) if attempt < 3 => {
+                tracing::warn!(error = %e, "settling the charge failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "settling the charge failed; the estimate stands");
+            }
+        }
+        return;
+    }
 }
 
 /// Sleeps until `at`, and ends on any poll from `at` on: after a pause, the

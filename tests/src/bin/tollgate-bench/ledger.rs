@@ -25,6 +25,10 @@ pub struct Args {
     /// Use this Redis instead of starting a private redis-server.
     #[arg(long)]
     redis_url: Option<String>,
+    /// The plan every bench user is on: `bench` (one 12 h limit) or `monthly`
+    /// (31 d and 1 min limits: two running totals).
+    #[arg(long, default_value = "bench")]
+    plan: String,
     /// Concurrent clients for the throughput runs (ours and redis-benchmark's -c).
     #[arg(long, default_value_t = 50)]
     clients: usize,
@@ -49,6 +53,8 @@ default_plan = "bench"
 [plans.bench]
 limit = 1000000000000000
 window = "12h"
+[plans.monthly]
+limits = [{ limit = 1000000000000000, window = "31d" }, { limit = 1000000000000000, window = "1m" }]
 "#;
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -60,7 +66,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .redis_url
         .clone()
         .unwrap_or_else(|| server.as_ref().map(|s| s.url()).unwrap_or_default());
-    let config = Arc::new(Config::parse(CONFIG, "bench")?);
+    let text = CONFIG.replacen("\"bench\"", &format!("{:?}", args.plan), 1);
+    let config = Arc::new(Config::parse(&text, "bench")?);
+    println!("plan: {}", config.default_plan().describe());
     let prefix = tollgate_tests::random_prefix();
     let pool = tollgate_redis::pool::connect(
         &url,
@@ -139,9 +147,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // The ceiling: redis-benchmark calling the same script by SHA, same key shape.
     let sha = scripts::RESERVE.get_hash().to_owned();
     let plan_args = [
+        "0".to_string(),
         "bench".to_string(),
-        config.default_plan().limit.to_string(),
-        config.default_plan().window_ms().to_string(),
+        scripts::PlanArgs::limits(config.default_plan()),
     ];
     let mut ours = Vec::new();
     let mut ceiling = Vec::new();
@@ -151,7 +159,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let rps = redis_benchmark(
             &url,
             &sha,
-            &[&keys.events, &keys.costs, &keys.plan],
+            &[
+                &keys.events,
+                &keys.costs,
+                &keys.plan,
+                &keys.owners,
+                &keys.holds,
+                &keys.audit,
+            ],
             &plan_args,
             args.clients,
             args.ops,
@@ -301,7 +316,8 @@ fn redis_benchmark(
             "-n",
             &ops.to_string(),
         ])
-        .args(["-r", "100000000", "--csv", "EVALSHA", sha, "3"])
+        .args(["-r", "100000000", "--csv", "EVALSHA", sha])
+        .arg(keys.len().to_string())
         .args(keys)
         .args(["__rand_int__", "1"])
         .args(plan)
@@ -314,9 +330,10 @@ fn redis_benchmark(
             String::from_utf8_lossy(&out.stderr)
         )
     })?;
+    // Counted from the end: the first column (the command line) may hold commas.
     let rps = line
-        .split(',')
-        .nth(1)
+        .rsplit(',')
+        .nth(6)
         .map(|f| f.trim_matches('"'))
         .context("rps column")?;
     let rps: f64 = rps.parse().with_context(|| format!("parse {rps:?}"))?;
