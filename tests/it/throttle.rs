@@ -75,14 +75,29 @@ impl RedisSetup {
     pub async fn start(throttler: bool, options: RedisThrottleOptions) -> Self {
         let server = RedisServer::start();
         let url = server.url();
-        Self::on(&url, Some(server), None, throttler, options).await
+        Self::on(&url, Some(server), None, throttler, options, None).await
+    }
+
+    /// With a throttler role whose BLMOVE blocks up to `block` when idle.
+    pub async fn blocking(block: Duration) -> Self {
+        let server = RedisServer::start();
+        let url = server.url();
+        Self::on(
+            &url,
+            Some(server),
+            None,
+            true,
+            Default::default(),
+            Some(block),
+        )
+        .await
     }
 
     /// The same on a Redis Cluster (3 primaries, 3 replicas).
     pub async fn cluster(throttler: bool, options: RedisThrottleOptions) -> Self {
         let cluster = TestCluster::get();
         let url = cluster.url();
-        Self::on(&url, None, Some(cluster), throttler, options).await
+        Self::on(&url, None, Some(cluster), throttler, options, None).await
     }
 
     /// The standalone server (tests of what only it can do: kills, restarts).
@@ -96,6 +111,7 @@ impl RedisSetup {
         cluster: Option<TestCluster>,
         throttler: bool,
         options: RedisThrottleOptions,
+        block: Option<Duration>,
     ) -> Self {
         let prefix = random_prefix();
         let keys = KeySpace::new(&prefix).expect("prefix");
@@ -104,7 +120,10 @@ impl RedisSetup {
             .expect("connect to the test Redis");
         let (stop, role) = if throttler {
             let (tx, rx) = oneshot::channel::<()>();
-            let cfg = ThrottlerConfig::new(config());
+            let mut cfg = ThrottlerConfig::new(config());
+            if let Some(block) = block {
+                cfg.block = block;
+            }
             let dispatchers = Arc::new(RedisDispatchers {
                 pool: pool.clone(),
                 keys: keys.clone(),
@@ -548,7 +567,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo)"
     );
 }
 

@@ -193,6 +193,10 @@ pub struct Pumped {
     pub wait: Option<Duration>,
     /// The grant limit stopped the call with tickets left: pump again.
     pub more: bool,
+    /// `Some(d)`: only users held back by their `max_in_flight` have tickets
+    /// left; the first of their slots frees itself (a caller that never said
+    /// its call ended) in `d`: wait for a ticket no longer than that.
+    pub capped: Option<Duration>,
 }
 
 /// The throttler role's side of one provider, where grants are made apart from

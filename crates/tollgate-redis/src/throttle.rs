@@ -748,11 +748,12 @@ impl Dispatch for Dispatcher {
         )
         .await?;
         match r.as_slice() {
-            &[granted, skipped, wait, more] => Ok(Pumped {
+            &[granted, skipped, wait, more, capped] => Ok(Pumped {
                 granted: granted.max(0) as u64,
                 skipped: skipped.max(0) as u64,
                 wait: (wait > 0).then(|| Duration::from_micros(wait as u64)),
                 more: more == 1,
+                capped: (capped > 0).then(|| Duration::from_micros(capped as u64)),
             }),
             other => Err(bad_reply("throttle_grant", other)),
         }
