@@ -337,6 +337,7 @@ async fn chain(args: &Args, server: &RedisServer, mode: &str) -> anyhow::Result<
 
 /// Prints the figures of BENCHMARKS.md, "Fairness".
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    tollgate_providers::http::install_crypto_provider();
     let server = RedisServer::start();
     if !args.shares_only {
         println!(
