@@ -17,9 +17,11 @@
 -- waits for any more (cancelled, or past its deadline) is dropped without a token;
 -- a waited-for ticket gets a token, a readiness record and a PUBLISH of
 -- "<ticket> <granted_at_us>" on its inbox, all in this one atomic step.
--- Returns { granted, skipped, wait_us, more }: wait_us > 0 when the bucket ran dry
--- with tickets left (the exact time until the next token), more = 1 when the
--- grant limit stopped the call with tickets left.
+-- Returns { granted, skipped, wait_us, more, capped_us }: wait_us > 0 when the
+-- bucket ran dry with tickets left (the exact time until the next token), more
+-- = 1 when the grant limit stopped the call with tickets left, capped_us > 0
+-- when only users held back by their cap have tickets left (the time until the
+-- first of their slots frees itself: a throttler blocks no longer than that).
 
 local QUEUE, PROCESSING, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local F = { active = KEYS[6], capped = KEYS[7], idle = KEYS[8], fair = KEYS[9],
@@ -148,9 +150,16 @@ while not fifo_left and wait == 0 and more == 0 do
   end
 end
 fair_settle(F)
+local capped_us = 0
+if wait == 0 and more == 0 then
+  local first = redis.call('ZRANGE', F.capped, 0, 0, 'WITHSCORES')
+  if first[2] then
+    capped_us = math.max(1, tonumber(first[2]) - now)
+  end
+end
 
 if granted > 0 then
   bucket_write(BUCKET, tokens, at, rate, burst)
   redis.call('PEXPIRE', GRANTED, int(idle))
 end
-return { granted, skipped, wait, more }
+return { granted, skipped, wait, more, capped_us }

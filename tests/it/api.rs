@@ -22,6 +22,7 @@ use tollgate_core::{
     config::Config,
     job::{FailureCause, JobSource},
     ledger::Ledger,
+    throttle::{Share, Waiter},
 };
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::api::StandInWorker;
@@ -30,11 +31,14 @@ use tower::ServiceExt;
 
 pub const ADMIN: &str = "admin-token-for-tests-0123456789";
 
-/// The built-in config plus a tiny plan and an operation reachable only through
-/// the generic route.
+/// The built-in config plus a tiny plan, an operation reachable only through
+/// the generic route, and one on a provider that grants a slot every 100 s
+/// (nothing moves in its queue while a test looks).
 pub fn test_config() -> Arc<Config> {
     let text = format!(
-        "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[plans.metered]\nlimits = [{{ limit = 50, window = \"1h\" }}, {{ limit = 10, window = \"1m\" }}]\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n",
+        "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[plans.metered]\nlimits = [{{ limit = 50, window = \"1h\" }}, {{ limit = 10, window = \"1m\" }}]\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n\n\
+         [providers.glacier]\nrate = 0.01\nburst = 1\nmax_wait = \"60s\"\n\n\
+         [operations.\"glacier.call\"]\ncost = 1\nprovider = \"glacier\"\n",
         tollgate_core::config::BUILTIN
     );
     Arc::new(Config::parse(&text, "test").expect("test config"))
@@ -324,6 +328,7 @@ both_backends!(
     bad_requests_are_problems_naming_the_field,
     health_metrics_and_openapi,
     throttle_timeout_is_504_and_a_slow_job_is_202,
+    a_job_waiting_for_its_provider_shows_where_it_stands,
 );
 
 async fn admin_creates_users_changes_plans_and_revokes_keys(h: Harness) {
@@ -896,6 +901,14 @@ async fn throttle_timeout_is_504_and_a_slow_job_is_202(h: Harness) {
         .await;
     let p = r.problem(ProblemType::ThrottleTimeout);
     assert_eq!(p["cause"], "throttle_timeout");
+    // How long the call waited, from its submission to its failure.
+    let waited = p["waited_ms"].as_u64().unwrap_or_else(|| panic!("{p}"));
+    assert!(
+        p["detail"]
+            .as_str()
+            .is_some_and(|d| d.ends_with(&format!("(waited {waited} ms)"))),
+        "{p}"
+    );
     assert_ne!(p["type"], ProblemType::QuotaExceeded.uri());
     // Both jobs failed and were refunded (the first was queued before the worker).
     h.wait_used(&key, 0).await;
@@ -905,4 +918,83 @@ async fn throttle_timeout_is_504_and_a_slow_job_is_202(h: Harness) {
         .post("/v1/ops/jobs.extract?async=maybe", &key, json!({}))
         .await;
     assert_eq!(r.problem(ProblemType::MalformedRequest)["field"], "async");
+}
+
+/// A job a worker holds while it waits for its provider's slot shows
+/// `waiting_for_provider`, its place in its user's queue and an estimated
+/// start; once it stops waiting, `running` again.
+async fn a_job_waiting_for_its_provider_shows_where_it_stands(h: Harness) {
+    let key = h.user("walter", "free").await;
+    let r = h
+        .post("/v1/ops/glacier.call?async=true", &key, json!({"n": 1}))
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    let location = r.header("location").to_owned();
+    // The worker role's steps, by hand: take, claim, then wait for a slot
+    // of `glacier` after its one token went to someone else.
+    let lease = loop {
+        let taken = h
+            .source
+            .take(
+                "glacier.call",
+                "w1",
+                Duration::from_secs(1),
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap();
+        if let Some(lease) = taken {
+            break lease;
+        }
+    };
+    assert!(h.source.start(&lease).await.unwrap());
+    let r = h.call("GET", &location, Some(&key), &[], None).await;
+    assert_eq!(r.body["status"], "running", "{}", r.body);
+    let throttle = Arc::clone(&h.state.throttle);
+    throttle
+        .acquire("glacier", &"other".parse().unwrap(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let job = lease.job.clone();
+    let waiting = tokio::spawn(async move {
+        let waiter = Waiter::of(&job.id, job.user.as_str(), Share::default());
+        throttle
+            .acquire_as("glacier", &waiter, Duration::from_secs(60))
+            .await
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let view = loop {
+        let r = h.call("GET", &location, Some(&key), &[], None).await;
+        if r.body["status"] == "waiting_for_provider" {
+            break r.body;
+        }
+        assert!(Instant::now() < deadline, "never waiting: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let queue = &view["provider_queue"];
+    assert_eq!(queue["provider"], "glacier", "{view}");
+    assert_eq!(queue["position"], 1, "{view}");
+    assert_eq!(queue["users_ahead"], 0, "{view}");
+    assert_eq!(queue["users_waiting"], 1, "{view}");
+    // (0 grants ahead + 1) / 0.01 per s.
+    assert_eq!(queue["estimated_wait_ms"], 100_000, "{view}");
+    assert!(queue["estimated_start"].is_string(), "{view}");
+    waiting.abort();
+    let _ = waiting.await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = h.call("GET", &location, Some(&key), &[], None).await;
+        if r.body["status"] == "running" {
+            assert!(r.body.get("provider_queue").is_none(), "{}", r.body);
+            break;
+        }
+        assert!(Instant::now() < deadline, "still waiting: {}", r.body);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    h.source
+        .complete(&lease, json!({"ok": true}))
+        .await
+        .unwrap();
+    let r = h.call("GET", &location, Some(&key), &[], None).await;
+    assert_eq!(r.body["status"], "succeeded", "{}", r.body);
 }

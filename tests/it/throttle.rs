@@ -9,7 +9,7 @@ use tokio::sync::oneshot;
 use tollgate_core::{
     config::Config,
     id::RequestId,
-    throttle::{MemoryThrottle, Share, Throttle, ThrottleError, Waiter},
+    throttle::{MemoryThrottle, Position, Share, Throttle, ThrottleError, Waiter},
 };
 use tollgate_redis::{
     keys::KeySpace,
@@ -41,6 +41,15 @@ rate = 5
 burst = 1
 max_wait = "10s"
 fairness = "fifo"
+[providers.wicket]
+rate = 0.05
+burst = 1
+max_wait = "10s"
+[providers.wicket-fifo]
+rate = 0.05
+burst = 1
+max_wait = "10s"
+fairness = "fifo"
 "#;
 
 pub fn config() -> Arc<Config> {
@@ -66,14 +75,29 @@ impl RedisSetup {
     pub async fn start(throttler: bool, options: RedisThrottleOptions) -> Self {
         let server = RedisServer::start();
         let url = server.url();
-        Self::on(&url, Some(server), None, throttler, options).await
+        Self::on(&url, Some(server), None, throttler, options, None).await
+    }
+
+    /// With a throttler role whose BLMOVE blocks up to `block` when idle.
+    pub async fn blocking(block: Duration) -> Self {
+        let server = RedisServer::start();
+        let url = server.url();
+        Self::on(
+            &url,
+            Some(server),
+            None,
+            true,
+            Default::default(),
+            Some(block),
+        )
+        .await
     }
 
     /// The same on a Redis Cluster (3 primaries, 3 replicas).
     pub async fn cluster(throttler: bool, options: RedisThrottleOptions) -> Self {
         let cluster = TestCluster::get();
         let url = cluster.url();
-        Self::on(&url, None, Some(cluster), throttler, options).await
+        Self::on(&url, None, Some(cluster), throttler, options, None).await
     }
 
     /// The standalone server (tests of what only it can do: kills, restarts).
@@ -87,6 +111,7 @@ impl RedisSetup {
         cluster: Option<TestCluster>,
         throttler: bool,
         options: RedisThrottleOptions,
+        block: Option<Duration>,
     ) -> Self {
         let prefix = random_prefix();
         let keys = KeySpace::new(&prefix).expect("prefix");
@@ -95,7 +120,10 @@ impl RedisSetup {
             .expect("connect to the test Redis");
         let (stop, role) = if throttler {
             let (tx, rx) = oneshot::channel::<()>();
-            let cfg = ThrottlerConfig::new(config());
+            let mut cfg = ThrottlerConfig::new(config());
+            if let Some(block) = block {
+                cfg.block = block;
+            }
             let dispatchers = Arc::new(RedisDispatchers {
                 pool: pool.clone(),
                 keys: keys.clone(),
@@ -187,6 +215,7 @@ conformance!(
     throttle_fifo_provider_serves_in_arrival_order,
     throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end,
     throttle_fair_a_cancelled_waiter_leaves_the_rotation,
+    throttle_position_of_a_waiting_call,
 );
 
 fn share(weight: u32) -> Share {
@@ -391,7 +420,17 @@ async fn throttle_fair_a_cancelled_waiter_leaves_the_rotation(t: Arc<dyn Throttl
 async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
     let stats = t.stats().await.unwrap();
     let names: Vec<&str> = stats.iter().map(|p| p.provider.as_str()).collect();
-    assert_eq!(names, ["slow", "steady", "tempo", "turnstile"]);
+    assert_eq!(
+        names,
+        [
+            "slow",
+            "steady",
+            "tempo",
+            "turnstile",
+            "wicket",
+            "wicket-fifo"
+        ]
+    );
     assert_eq!(
         (stats[0].burst, stats[0].tokens, stats[0].waiters),
         (1, 1.0, 0)
@@ -528,6 +567,81 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo)"
     );
+}
+
+/// Where a waiting call stands: its place in its user's queue and the users
+/// ahead of its user in the round (fair), or its place in the one queue
+/// (FIFO); nothing for a call that is not waiting, or is another user's. The
+/// `wicket` providers grant one slot per 20 s: nothing moves while the test
+/// looks.
+async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
+    let position = |provider: &'static str, user: &'static str, id: &'static str| {
+        let t = Arc::clone(&t);
+        async move { t.position(provider, user, &rid(id)).await.unwrap() }
+    };
+    drain_bucket(&t, "wicket").await;
+    let mut handles = Vec::new();
+    for n in 1..=3 {
+        handles.push(queue(&t, "wicket", "a", share(1), n).await);
+    }
+    for n in 4..=5 {
+        handles.push(queue(&t, "wicket", "b", share(2), n).await);
+    }
+    let a3 = position("wicket", "a", "a-3").await;
+    let expected = Position {
+        ahead: 2,
+        users_ahead: 0,
+        users: 2,
+        weight: 1,
+    };
+    assert_eq!(a3, Some(expected));
+    assert_eq!(a3.unwrap().grants_ahead(), 4);
+    let b5 = position("wicket", "b", "b-5").await;
+    let expected = Position {
+        ahead: 1,
+        users_ahead: 1,
+        users: 2,
+        weight: 2,
+    };
+    assert_eq!(b5, Some(expected));
+    assert_eq!(
+        position("wicket", "b", "a-3").await,
+        None,
+        "a's call, b's queue"
+    );
+    assert_eq!(position("wicket", "a", "a-9").await, None, "never queued");
+    assert_eq!(
+        position("wicket", "a", "a").await,
+        None,
+        "a prefix of a ticket"
+    );
+
+    drain_bucket(&t, "wicket-fifo").await;
+    for (n, user) in [(1, "a"), (2, "a"), (3, "b")] {
+        handles.push(queue(&t, "wicket-fifo", user, share(1), n).await);
+    }
+    let b3 = position("wicket-fifo", "b", "b-3").await;
+    let expected = Position {
+        ahead: 2,
+        users_ahead: 0,
+        users: 1,
+        weight: 1,
+    };
+    assert_eq!(b3, Some(expected));
+
+    for h in &handles {
+        h.abort();
+    }
+    // Dropped waits are cancelled (in the background on Redis).
+    for _ in 0..5000 {
+        if position("wicket", "a", "a-1").await.is_none()
+            && position("wicket-fifo", "b", "b-3").await.is_none()
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("a dropped wait still has a position");
 }

@@ -557,3 +557,39 @@ async fn throttle_a_dead_throttler_is_found_after_every_liveness_expired() {
         .unwrap()
         .is_empty());
 }
+
+/// A user at its cap whose slot frees itself (its caller never said the call
+/// ended) while every throttler is idle is served when the slot frees, not
+/// when a throttler's BLMOVE happens to time out: here that block is 60 s and
+/// the second call's max_wait 10 s, so only the grant script's `capped_us`
+/// (the time until the slot frees, 300 ms) can serve it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_capped_user_rejoins_when_its_slot_frees_itself() {
+    use tollgate_core::throttle::{Share, Waiter};
+    let setup = RedisSetup::blocking(Duration::from_secs(60)).await;
+    let t = setup.throttle.clone();
+    let capped = Share {
+        weight: 1,
+        max_in_flight: Some(1),
+        hold: Duration::from_millis(300),
+    };
+    let first = t
+        .acquire_as(
+            "steady",
+            &Waiter::of(&rid("cap-1"), "cap", capped),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert!(first.held.is_some(), "{first:?}");
+    // Never `done`: the slot frees itself after its hold.
+    let second = t
+        .acquire_as(
+            "steady",
+            &Waiter::of(&rid("cap-2"), "cap", capped),
+            Duration::from_secs(10),
+        )
+        .await;
+    assert!(second.is_ok(), "{second:?}");
+    setup.stop().await;
+}

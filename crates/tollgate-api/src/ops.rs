@@ -33,7 +33,8 @@ use crate::cost::{request_id, Priced};
 use crate::extract::{Flags, JsonBody, PathParam};
 use crate::problem::ApiError;
 use crate::state::ApiState;
-use tollgate_core::clock::rfc3339;
+use tollgate_core::clock::{rfc3339, Clock, SystemClock};
+use tollgate_core::throttle::Position;
 use tollgate_core::trace::TraceParent;
 
 /// The body of an operation's answer and of `GET /v1/jobs/{id}`.
@@ -41,8 +42,13 @@ use tollgate_core::trace::TraceParent;
 pub struct JobView {
     pub job_id: String,
     pub operation: String,
-    /// `queued`, `running`, `succeeded` or `failed`.
+    /// `queued` (for a worker), `waiting_for_provider` (a worker holds it and
+    /// waits for a slot of the provider's throttle), `running`, `succeeded`
+    /// or `failed`.
     pub status: &'static str,
+    /// While `waiting_for_provider`: where it stands.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub provider_queue: Option<ProviderQueueView>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -51,6 +57,38 @@ pub struct JobView {
     pub enqueued_at: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
+}
+
+/// Where a job waiting for its provider stands ([`Position`]).
+#[derive(Debug, Serialize)]
+pub struct ProviderQueueView {
+    pub provider: String,
+    /// Its place in its user's queue at the provider: 1 is served next of
+    /// that user's calls (a FIFO provider: its place in the one queue).
+    pub position: u64,
+    /// Users served before its user in the current round.
+    pub users_ahead: u64,
+    /// Users waiting at the provider, its own included.
+    pub users_waiting: u64,
+    /// [`Position::estimated_wait`] at the provider's rate.
+    pub estimated_wait_ms: u64,
+    /// Now plus the estimated wait.
+    pub estimated_start: String,
+}
+
+impl ProviderQueueView {
+    fn new(provider: &str, rate: f64, p: &Position, now_ms: u64) -> Self {
+        let wait = p.estimated_wait(rate);
+        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        Self {
+            provider: provider.to_owned(),
+            position: p.ahead.saturating_add(1),
+            users_ahead: p.users_ahead,
+            users_waiting: p.users,
+            estimated_wait_ms: wait_ms,
+            estimated_start: rfc3339(now_ms.saturating_add(wait_ms)),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -78,6 +116,7 @@ impl From<&JobInfo> for JobView {
             job_id: info.job.id.to_string(),
             operation: info.job.operation.clone(),
             status,
+            provider_queue: None,
             result,
             error,
             cost: info.job.cost,
@@ -135,6 +174,9 @@ fn finished(state: &ApiState, info: &JobInfo) -> Result<Response, ApiError> {
                 job_id: info.job.id.clone(),
                 cause: *cause,
                 message: message.clone(),
+                waited_ms: info
+                    .finished_at_ms
+                    .map(|end| end.saturating_sub(info.job.enqueued_at_ms)),
             })
         }
         JobStatus::Queued | JobStatus::Running => Ok(accepted(info)),
@@ -241,7 +283,34 @@ pub async fn status(
         .status(&caller.user, &id)
         .await?
         .ok_or_else(not_found)?;
-    Ok(axum::Json(JobView::from(&info)).into_response())
+    let mut view = JobView::from(&info);
+    if info.status == JobStatus::Running {
+        view.provider_queue = provider_queue(&state, &info).await;
+        if view.provider_queue.is_some() {
+            view.status = "waiting_for_provider";
+        }
+    }
+    Ok(axum::Json(view).into_response())
+}
+
+/// Where a running job stands at its provider's throttle, if it waits there.
+/// A failed read only leaves the status at `running`.
+async fn provider_queue(state: &ApiState, info: &JobInfo) -> Option<ProviderQueueView> {
+    let job = &info.job;
+    let rate = state.config.provider(&job.provider)?.rate;
+    match state
+        .throttle
+        .position(&job.provider, job.user.as_str(), &job.id)
+        .await
+    {
+        Ok(position) => {
+            position.map(|p| ProviderQueueView::new(&job.provider, rate, &p, SystemClock.now_ms()))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, job = %job.id, "reading a job's place at its provider failed");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

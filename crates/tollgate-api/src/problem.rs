@@ -223,6 +223,9 @@ pub struct Problem {
     /// 429: milliseconds until the request fits (exact).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+    /// A failed job (502/503/504): from its submission to its end, in ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waited_ms: Option<u64>,
 }
 
 /// Everything the api can answer with other than success.
@@ -267,6 +270,8 @@ pub enum ApiError {
         job_id: RequestId,
         cause: FailureCause,
         message: String,
+        /// From its submission to its end, on the backend's clock.
+        waited_ms: Option<u64>,
     },
     /// A store failed: 503 when it is worth retrying (unreachable, restarting),
     /// else 500; logged with its source, never described to the client.
@@ -326,6 +331,7 @@ impl ApiError {
             job_id: None,
             cause: None,
             retry_after_ms: None,
+            waited_ms: None,
         };
         match self {
             Self::Store(e) if e.is_transient() => {
@@ -359,10 +365,17 @@ impl ApiError {
                 job_id,
                 cause,
                 message,
+                waited_ms,
             } => {
-                p.detail = Some(format!("{}: {message}", cause.as_str()));
+                p.detail = Some(match waited_ms {
+                    Some(ms) if cause.http_status() == 504 => {
+                        format!("{}: {message} (waited {ms} ms)", cause.as_str())
+                    }
+                    _ => format!("{}: {message}", cause.as_str()),
+                });
                 p.job_id = Some(job_id.to_string());
                 p.cause = Some(cause.as_str());
+                p.waited_ms = *waited_ms;
             }
             other => p.detail = Some(other.to_string()),
         }

@@ -30,7 +30,7 @@ use crate::ledger::{
     SettleOutcome, Usage,
 };
 use crate::lock;
-use crate::throttle::{Grant, ProviderStats, Throttle, ThrottleError, Waiter};
+use crate::throttle::{Grant, Position, ProviderStats, Throttle, ThrottleError, Waiter};
 
 /// Spend events kept (the newest), and refund marks kept.
 pub const EVENTS_CAP: usize = 1000;
@@ -400,6 +400,15 @@ impl Throttle for RecordingThrottle {
 
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
         self.inner.done(grant).await
+    }
+
+    async fn position(
+        &self,
+        provider: &str,
+        user: &str,
+        request_id: &RequestId,
+    ) -> Result<Option<Position>, ThrottleError> {
+        self.inner.position(provider, user, request_id).await
     }
 
     async fn drain(&self, limit: Duration) -> usize {

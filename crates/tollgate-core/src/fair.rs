@@ -298,16 +298,57 @@ impl<T> FairQueue<T> {
         (waiters, users)
     }
 
-    /// Where `ticket` of `user` stands: waiters ahead of it in the user's
-    /// queue, and users ahead of the user in the current round.
-    pub fn position(&self, user: &str, ticket: u64) -> Option<(u64, u64)> {
+    /// Where the waiter of `user` for which `is` holds stands (see
+    /// [`Position`]); `None` when it is not queued.
+    pub fn position(&self, user: &str, is: impl Fn(&T) -> bool) -> Option<Position> {
         let u = self.users.get(user)?;
-        let ahead = u.waiting.iter().position(|(t, _)| *t == ticket)? as u64;
-        let users = match u.key {
+        let ahead = u.waiting.iter().position(|(_, t)| is(t))? as u64;
+        let users_ahead = match u.key {
             Some(key) => self.active.range(..key).count() as u64,
             None => self.active.len() as u64,
         };
-        Some((ahead, users))
+        Some(Position {
+            ahead,
+            users_ahead,
+            users: (self.active.len() + self.capped.len()) as u64,
+            weight: u.share.weight.max(1),
+        })
+    }
+}
+
+/// Where a waiting call stands in its provider's queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    /// Calls of its user queued ahead of it (on a FIFO provider: every call
+    /// ahead of it).
+    pub ahead: u64,
+    /// Users served before its user in the current round (FIFO: 0).
+    pub users_ahead: u64,
+    /// Users waiting at the provider, its own included (FIFO: 1).
+    pub users: u64,
+    /// Its user's share (FIFO: 1).
+    pub weight: u32,
+}
+
+impl Position {
+    /// Grants the provider is expected to make before this call's, assuming
+    /// the other users have share 1 and keep waiting: the users ahead in this
+    /// round, then for each call of its own ahead of it one grant for it and,
+    /// every `weight` of those, one for each other user:
+    /// `users_ahead + ahead + ceil(ahead / weight) × (users - 1)`.
+    pub fn grants_ahead(&self) -> u64 {
+        let weight = u64::from(self.weight.max(1));
+        let others = self.users.saturating_sub(1);
+        self.users_ahead
+            .saturating_add(self.ahead)
+            .saturating_add(self.ahead.div_ceil(weight).saturating_mul(others))
+    }
+
+    /// The estimated wait for its slot at `rate` grants per second:
+    /// `(grants_ahead + 1) / rate` (a saturated provider: no token to spare).
+    pub fn estimated_wait(&self, rate: f64) -> Duration {
+        let secs = (self.grants_ahead() as f64 + 1.0) / rate.max(1e-9);
+        Duration::from_secs_f64(secs.min(86_400.0 * 365.0))
     }
 }
 
@@ -381,6 +422,28 @@ mod tests {
         assert_eq!(q.head(now, |_| true).0, None);
         q.done("a", ticket);
         assert_eq!(serve(&mut q, 2), ["a2"]);
+    }
+
+    #[test]
+    fn position_counts_the_round() {
+        let mut q = FairQueue::default();
+        for item in ["a1", "a2", "a3"] {
+            q.push("a", share(1), item);
+        }
+        q.push("b", share(1), "b1");
+        q.push("b", share(1), "b2");
+        q.push("c", share(2), "c1");
+        // a is first in the round, then b, then c.
+        let a3 = q.position("a", |t| *t == "a3").unwrap();
+        assert_eq!((a3.ahead, a3.users_ahead, a3.users), (2, 0, 3));
+        assert_eq!(a3.grants_ahead(), 2 + 2 * 2);
+        let b2 = q.position("b", |t| *t == "b2").unwrap();
+        assert_eq!((b2.ahead, b2.users_ahead), (1, 1));
+        let c1 = q.position("c", |t| *t == "c1").unwrap();
+        assert_eq!((c1.ahead, c1.users_ahead, c1.weight), (0, 2, 2));
+        assert_eq!(c1.estimated_wait(2.0), Duration::from_millis(1500));
+        assert_eq!(q.position("c", |t| *t == "a1"), None);
+        assert_eq!(q.position("d", |_| true), None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::config::{Config, Fairness, Provider};
 use crate::duration;
 use crate::error::StoreError;
 use crate::fair::FairQueue;
-pub use crate::fair::Share;
+pub use crate::fair::{Position, Share};
 use crate::id::RequestId;
 use crate::lock;
 use crate::metrics::Metrics;
@@ -152,6 +152,17 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
         0
     }
 
+    /// Where the call of `request_id` by `user` stands in `provider`'s
+    /// queue (its user's queue on a fair provider, the one queue on a FIFO
+    /// one); `None` when it is not waiting there (not queued yet, granted,
+    /// or gone). A read: it changes nothing.
+    async fn position(
+        &self,
+        provider: &str,
+        user: &str,
+        request_id: &RequestId,
+    ) -> Result<Option<Position>, ThrottleError>;
+
     /// Every configured provider's bucket and waiters, by name.
     async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError>;
 }
@@ -182,6 +193,10 @@ pub struct Pumped {
     pub wait: Option<Duration>,
     /// The grant limit stopped the call with tickets left: pump again.
     pub more: bool,
+    /// `Some(d)`: only users held back by their `max_in_flight` have tickets
+    /// left; the first of their slots frees itself (a caller that never said
+    /// its call ended) in `d`: wait for a ticket no longer than that.
+    pub capped: Option<Duration>,
 }
 
 /// The throttler role's side of one provider, where grants are made apart from
@@ -249,12 +264,19 @@ struct Bucket {
 struct BucketState {
     tokens: f64,
     at: Instant,
-    queue: FairQueue<oneshot::Sender<u64>>,
+    queue: FairQueue<Slot>,
     driving: bool,
 }
 
-fn open(tx: &oneshot::Sender<u64>) -> bool {
-    !tx.is_closed()
+/// A queued caller: the request it waits for, and where its grant goes.
+#[derive(Debug)]
+struct Slot {
+    request_id: RequestId,
+    tx: oneshot::Sender<u64>,
+}
+
+fn open(slot: &Slot) -> bool {
+    !slot.tx.is_closed()
 }
 
 impl Bucket {
@@ -350,9 +372,9 @@ impl Bucket {
                     if st.tokens < 1.0 {
                         break self.until_next(st.tokens);
                     }
-                    if let Some(tx) = st.queue.grant(&head, now) {
+                    if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
-                        if tx.send(wall_us()).is_err() {
+                        if slot.tx.send(wall_us()).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
                             st.queue.done(&head.user, head.ticket);
@@ -481,11 +503,15 @@ impl Throttle for MemoryThrottle {
             if st.queue.is_empty() && st.tokens >= 1.0 && st.queue.below_cap(user, &share, now) {
                 // Through the queue, so that the slot counts against the cap.
                 let (tx, mut rx) = oneshot::channel();
-                let ticket = st.queue.push(user, share, tx);
+                let slot = Slot {
+                    request_id: waiter.request_id.clone(),
+                    tx,
+                };
+                let ticket = st.queue.push(user, share, slot);
                 if let Some(head) = st.queue.head(now, open).0 {
-                    if let Some(tx) = st.queue.grant(&head, now) {
+                    if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
-                        let _ = tx.send(wall_us());
+                        let _ = slot.tx.send(wall_us());
                     }
                 }
                 if let Ok(at) = rx.try_recv() {
@@ -494,7 +520,11 @@ impl Throttle for MemoryThrottle {
                 return Err(StoreError::backend("the fast path lost its own slot").into());
             }
             let (tx, rx) = oneshot::channel();
-            let ticket = st.queue.push(user, share, tx);
+            let slot = Slot {
+                request_id: waiter.request_id.clone(),
+                tx,
+            };
+            let ticket = st.queue.push(user, share, slot);
             bucket.kick(&mut st);
             (rx, ticket)
         };
@@ -520,6 +550,30 @@ impl Throttle for MemoryThrottle {
             // Dropping `pending` hands back a token that raced the timeout.
             Err(_) => Err(timeout()),
         }
+    }
+
+    async fn position(
+        &self,
+        provider: &str,
+        user: &str,
+        request_id: &RequestId,
+    ) -> Result<Option<Position>, ThrottleError> {
+        let bucket = self.bucket(provider)?;
+        let probe = Waiter::of(request_id, user, Share::default());
+        let (queue, _) = bucket.queue_of(&probe);
+        let st = lock(&bucket.state);
+        Ok(st
+            .queue
+            .position(queue, |slot| open(slot) && slot.request_id == *request_id)
+            .map(|p| match bucket.fairness {
+                Fairness::Fair => p,
+                Fairness::Fifo => Position {
+                    users_ahead: 0,
+                    users: 1,
+                    weight: 1,
+                    ..p
+                },
+            }))
     }
 
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {

@@ -176,6 +176,8 @@ pub static THROTTLE_ENQUEUE_FAIR: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_enqueue_fair.lua")));
 pub static THROTTLE_DONE: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_done.lua")));
+pub static THROTTLE_POSITION: LazyLock<Script> =
+    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_position.lua")));
 
 /// The fair queue's keys, in the order the throttle scripts take them.
 fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
@@ -319,6 +321,29 @@ pub fn throttle_done<'a>(
     inv
 }
 
+/// How many tickets of a queue `throttle_position.lua` looks at, at most.
+pub const POSITION_SCAN: u32 = 10_000;
+
+/// `throttle_position.lua`; `user`: the fair queue to look in, `None` for a
+/// FIFO provider's one queue.
+pub fn throttle_position<'a>(
+    keys: &ThrottleKeys,
+    request_id: &str,
+    user: Option<&str>,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = THROTTLE_POSITION.prepare_invoke();
+    inv.key(&keys.queue).key(&keys.waiting);
+    fair_keys(&mut inv, keys);
+    inv.key(&keys.lists);
+    inv.arg(request_id);
+    match user {
+        Some(user) => inv.arg("fair").arg(user),
+        None => inv.arg("fifo").arg(""),
+    };
+    inv.arg(keys.base()).arg(POSITION_SCAN);
+    inv
+}
+
 /// The members of a queue that pop ids into processing lists of their own
 /// (workers of an operation's job queue, throttlers of a provider's ticket
 /// queue): the keys `liveness_heartbeat.lua` and `liveness_reclaim.lua` use.
@@ -415,6 +440,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("throttle_enqueue.lua", &THROTTLE_ENQUEUE),
         ("throttle_enqueue_fair.lua", &THROTTLE_ENQUEUE_FAIR),
         ("throttle_done.lua", &THROTTLE_DONE),
+        ("throttle_position.lua", &THROTTLE_POSITION),
         ("throttle_grant.lua", &THROTTLE_GRANT),
         ("throttle_cancel.lua", &THROTTLE_CANCEL),
         ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),

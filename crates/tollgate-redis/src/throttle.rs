@@ -31,7 +31,8 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        Dispatch, Dispatchers, Grant, Held, ProviderStats, Pumped, Throttle, ThrottleError, Waiter,
+        Dispatch, Dispatchers, Grant, Held, Position, ProviderStats, Pumped, Throttle,
+        ThrottleError, Waiter,
     },
 };
 
@@ -482,6 +483,36 @@ impl Throttle for RedisThrottle {
         Ok(out)
     }
 
+    async fn position(
+        &self,
+        provider: &str,
+        user: &str,
+        request_id: &RequestId,
+    ) -> Result<Option<Position>, ThrottleError> {
+        let p = self.providers.get(provider).ok_or_else(|| {
+            ThrottleError::unknown_provider(provider, self.providers.keys().map(String::as_str))
+        })?;
+        let keys = self.shared.keys.throttle(&p.name);
+        let user = (p.fairness == Fairness::Fair).then_some(user);
+        let r: Vec<u64> = run_script(
+            &self.shared.pool,
+            self.options.call_timeout,
+            "throttle_position",
+            scripts::throttle_position(&keys, request_id.as_str(), user),
+        )
+        .await?;
+        match r[..] {
+            [] => Ok(None),
+            [ahead, users_ahead, users, weight] => Ok(Some(Position {
+                ahead,
+                users_ahead,
+                users,
+                weight: u32::try_from(weight).unwrap_or(1).max(1),
+            })),
+            _ => Err(bad_reply("throttle_position", r)),
+        }
+    }
+
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
         let Some(held) = &grant.held else {
             return Ok(());
@@ -717,11 +748,12 @@ impl Dispatch for Dispatcher {
         )
         .await?;
         match r.as_slice() {
-            &[granted, skipped, wait, more] => Ok(Pumped {
+            &[granted, skipped, wait, more, capped] => Ok(Pumped {
                 granted: granted.max(0) as u64,
                 skipped: skipped.max(0) as u64,
                 wait: (wait > 0).then(|| Duration::from_micros(wait as u64)),
                 more: more == 1,
+                capped: (capped > 0).then(|| Duration::from_micros(capped as u64)),
             }),
             other => Err(bad_reply("throttle_grant", other)),
         }

@@ -153,7 +153,12 @@ async fn serve(
                 heartbeat.beat(wait);
                 tokio::time::sleep(wait).await;
             } else if !pumped.more {
-                d.wait_for_ticket(cfg.block).await?;
+                // A user held back by its cap whose slot frees itself rejoins
+                // on the next pump: no later than that (BLMOVE's 0 is forever).
+                let block = pumped.capped.map_or(cfg.block, |d| {
+                    d.max(Duration::from_millis(1)).min(cfg.block)
+                });
+                d.wait_for_ticket(block).await?;
             }
             Ok::<_, tollgate_core::throttle::ThrottleError>(())
         };

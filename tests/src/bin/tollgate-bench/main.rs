@@ -8,6 +8,7 @@ mod api;
 mod chaos;
 mod cluster_audit;
 mod compose;
+mod fairness;
 mod jobs;
 mod ledger;
 mod load;
@@ -42,10 +43,10 @@ enum Command {
     /// Run waiters on one provider from this process and print their grant
     /// records as JSON (the multi-process throttle tests run several at once).
     ThrottleWaiters(throttle::WaiterArgs),
-    /// Fair queuing at a saturated provider (rate 20, 2 throttler processes,
-    /// waiter processes): a flood of user A, then B, C and D; FIFO vs fair,
-    /// and shares 4:1.
-    Fairness(throttle::FairnessArgs),
+    /// Fair queuing at a saturated provider, on the full chain (2 api, 2
+    /// throttler, 2 worker processes, an upstream at rate 20): a flood of user
+    /// A, then B, C and D; FIFO vs fair; then shares 4:1 at the throttle.
+    Fairness(fairness::Args),
     /// Jobs: submit latency and end-to-end jobs/s, embedded and on Redis with
     /// real throttler and worker processes.
     Jobs(jobs::Args),
@@ -79,7 +80,7 @@ fn main() -> anyhow::Result<()> {
             Command::Load(args) => load::run(args).await,
             Command::Throttle(args) => throttle::bench(args).await,
             Command::ThrottleWaiters(args) => throttle::waiters(args).await,
-            Command::Fairness(args) => throttle::fairness(args).await,
+            Command::Fairness(args) => fairness::run(args).await,
             Command::Jobs(args) => jobs::run(args).await,
             Command::Chaos(args) => chaos::run(args).await,
             Command::ComposeScenario(args) => compose::run(args).await,

@@ -356,16 +356,6 @@ async fn fairness_cost(
     Ok(())
 }
 
-#[derive(Debug, clap::Args)]
-pub struct FairnessArgs {
-    /// Calls of user A, all at once.
-    #[arg(long, default_value_t = 1000)]
-    flood: usize,
-    /// Calls of each of B, C and D, 1 s later.
-    #[arg(long, default_value_t = 10)]
-    each: usize,
-}
-
 const FAIRNESS_CONFIG: &str = r#"
 [plans.free]
 limit = 1
@@ -414,98 +404,56 @@ async fn records_of(child: tokio::process::Child) -> anyhow::Result<Vec<GrantRec
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
-fn p95_ms(records: &[GrantRecord]) -> f64 {
-    let mut w: Vec<u64> = records.iter().map(|r| r.waited_ms).collect();
-    w.sort_unstable();
-    w.get(((w.len().max(1) - 1) as f64 * 0.95).round() as usize)
-        .copied()
-        .unwrap_or(0) as f64
-}
-
-/// Prints the figures of BENCHMARKS.md, "Fairness".
-pub async fn fairness(args: FairnessArgs) -> anyhow::Result<()> {
-    let server = RedisServer::start();
-    let dir = std::env::temp_dir().join(format!("tollgate-fairness-{}", std::process::id()));
+/// Shares 4:1 at a saturated provider (rate 20, 2 throttler processes, one
+/// waiter process per user, `calls` each at once): the grants of each user
+/// counted only while both have calls waiting, as sampled every 5 ms from
+/// the provider's stats (`users` = 2: both in the rotation).
+pub async fn shares(server: &RedisServer, calls: usize) -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("tollgate-shares-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    for mode in ["fifo", "fair"] {
-        let config = dir.join(format!("{mode}.toml"));
-        std::fs::write(&config, format!("{FAIRNESS_CONFIG}fairness = \"{mode}\"\n"))?;
-        let prefix = random_prefix();
-        let _procs = start_throttlers(2, &server.url(), &prefix, &config)?;
-        let t0 = now_us() + 2_000_000;
-        let a = waiter_process(&server.url(), &prefix, &config, "A", 1, args.flood, t0)?;
-        let late: Vec<_> = ["B", "C", "D"]
-            .iter()
-            .map(|u| {
-                waiter_process(
-                    &server.url(),
-                    &prefix,
-                    &config,
-                    u,
-                    1,
-                    args.each,
-                    t0 + 1_000_000,
-                )
-            })
-            .collect::<anyhow::Result<_>>()?;
-        let mut others = Vec::new();
-        let mut last_other = 0;
-        for child in late {
-            let r = records_of(child).await?;
-            last_other =
-                last_other.max(r.iter().filter_map(|r| r.granted_at_us).max().unwrap_or(0));
-            others.extend(r);
-        }
-        let a = records_of(a).await?;
-        let mut all: Vec<u64> = a
-            .iter()
-            .chain(&others)
-            .filter_map(|r| r.granted_at_us)
-            .collect();
-        all.sort_unstable();
-        let excess = tollgate_tests::throttle::max_excess(&all, 20.0, 5);
-        let a_by = a
-            .iter()
-            .filter(|r| r.granted_at_us.is_some_and(|t| t <= last_other))
-            .count();
-        let span = (last_other.saturating_sub(t0)) as f64 / 1e6;
-        println!(
-            "{mode:<4}  B-D p95 wait {:>7.0} ms  max {:>7} ms   A granted {a_by:>4} by B-D's last grant ({span:.1} s)   bound excess {excess:.2}",
-            p95_ms(&others),
-            others.iter().map(|r| r.waited_ms).max().unwrap_or(0),
-        );
-    }
-    // Shares 4:1, both flooding: grants while both wait.
+    let text = format!("{FAIRNESS_CONFIG}fairness = \"fair\"\n");
     let config = dir.join("weights.toml");
-    std::fs::write(&config, format!("{FAIRNESS_CONFIG}fairness = \"fair\"\n"))?;
+    std::fs::write(&config, &text)?;
     let prefix = random_prefix();
     let _procs = start_throttlers(2, &server.url(), &prefix, &config)?;
+    let watcher = RedisThrottle::start(
+        tollgate_redis::pool::connect(&server.url(), &PoolOptions::default()).await?,
+        KeySpace::new(&prefix)?,
+        &Config::parse(&text, "shares")?,
+        RedisThrottleOptions::default(),
+    );
     let t0 = now_us() + 2_000_000;
-    let pro = waiter_process(&server.url(), &prefix, &config, "pro", 4, 400, t0)?;
-    let free = waiter_process(&server.url(), &prefix, &config, "free", 1, 400, t0)?;
-    let pro = records_of(pro).await?;
-    let free = records_of(free).await?;
-    // The window where both wait: until the first of them is served out.
-    let end = pro
-        .iter()
-        .chain(&free)
-        .filter_map(|r| r.granted_at_us)
-        .max()
-        .unwrap_or(0)
-        .min(
-            pro.iter()
-                .filter_map(|r| r.granted_at_us)
-                .max()
-                .unwrap_or(0),
-        );
+    let pro = waiter_process(&server.url(), &prefix, &config, "pro", 4, calls, t0)?;
+    let free = waiter_process(&server.url(), &prefix, &config, "free", 1, calls, t0)?;
+    let pro = tokio::spawn(records_of(pro));
+    let free = tokio::spawn(records_of(free));
+    // (sampled from, to µs, both waiting) until both processes are done.
+    let mut samples = Vec::new();
+    while !(pro.is_finished() && free.is_finished()) {
+        let before = now_us();
+        let stats = watcher.stats().await?;
+        let both = stats.iter().any(|p| p.provider == "llm" && p.users == 2);
+        samples.push((before, now_us(), both));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (pro, free) = (pro.await??, free.await??);
+    // Grants between two consecutive samples that both saw both users waiting.
+    let windows: Vec<(u64, u64)> = samples
+        .windows(2)
+        .filter(|w| w[0].2 && w[1].2)
+        .map(|w| (w[0].1, w[1].0))
+        .collect();
+    let inside = |t: u64| windows.iter().any(|(a, b)| (*a..=*b).contains(&t));
     let count = |rs: &[GrantRecord]| {
         rs.iter()
-            .filter(|r| r.granted_at_us.is_some_and(|t| t <= end))
+            .filter(|r| r.granted_at_us.is_some_and(inside))
             .count()
     };
     let (p, f) = (count(&pro), count(&free));
+    let span: u64 = windows.iter().map(|(a, b)| b.saturating_sub(*a)).sum();
     println!(
-        "shares 4:1 while both wait: pro {p}, free {f}, ratio {:.2}",
+        "shares 4:1 at the throttle, {calls} calls each: while both waited ({:.1} s): pro {p}, free {f}, ratio {:.2}",
+        span as f64 / 1e6,
         p as f64 / f.max(1) as f64
     );
     let _ = std::fs::remove_dir_all(&dir);
