@@ -175,8 +175,12 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
                         .map(|o| format!(" {o}"))
                         .unwrap_or_default();
                     println!(
-                        "{} {:?} {} {} tokens{previous}, spent at {} ms{op}",
-                        e.id, e.kind, e.request_id, e.cost, e.spent_at_ms
+                        "{} {} {} {} tokens{previous}, spent at {} ms{op}",
+                        e.id,
+                        format!("{:?}", e.kind).to_lowercase(),
+                        e.request_id,
+                        e.cost,
+                        e.spent_at_ms
                     );
                 }
             }
