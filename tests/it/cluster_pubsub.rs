@@ -95,7 +95,10 @@ impl Throttled {
     async fn serve(&self, waits: Vec<tokio::task::JoinHandle<bool>>) -> bool {
         let deadline = Instant::now() + Duration::from_secs(60);
         while !waits.iter().all(|w| w.is_finished()) {
-            assert!(Instant::now() < deadline, "waiters still waiting after 60 s");
+            assert!(
+                Instant::now() < deadline,
+                "waiters still waiting after 60 s"
+            );
             let _ = self.dispatcher.pump(64).await;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -148,7 +151,10 @@ async fn cluster_readiness_signals_are_sharded_on_the_owning_primaries() {
     assert!(t.serve(vec![first]).await);
     let second = t.wait("g2");
     t.queued(via, 1).await;
-    assert!(t.serve(vec![second]).await, "the queued waiter got its slot");
+    assert!(
+        t.serve(vec![second]).await,
+        "the queued waiter got its slot"
+    );
 
     // A finished job wakes its waiter.
     let config = config();
@@ -188,7 +194,12 @@ async fn cluster_readiness_signals_are_sharded_on_the_owning_primaries() {
     // The waiter is subscribed before the job ends.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let lease = q
-        .take("work", "w1", Duration::from_secs(5), Duration::from_secs(30))
+        .take(
+            "work",
+            "w1",
+            Duration::from_secs(5),
+            Duration::from_secs(30),
+        )
         .await
         .unwrap()
         .expect("the job");
@@ -214,7 +225,10 @@ async fn cluster_readiness_signals_are_sharded_on_the_owning_primaries() {
         ));
         assert_eq!(publish, 0, "a PUBLISH, broadcast to every node: {report:?}");
         if is_primary(port) && port != bucket && port != queue {
-            assert_eq!(spublish, 0, "an SPUBLISH on a primary that owns neither: {report:?}");
+            assert_eq!(
+                spublish, 0,
+                "an SPUBLISH on a primary that owns neither: {report:?}"
+            );
         }
     }
     let expected = if bucket == queue { 2 } else { 1 };
@@ -239,9 +253,16 @@ async fn cluster_a_waiter_gets_its_grant_after_its_providers_primary_fails_over(
     t.queued(via, 1).await;
     let inbox = redis_cli(
         primary_of(via, &bucket_key).unwrap(),
-        &["pubsub", "shardchannels", &format!("{}*", t.keys.throttle("llm").inbox(""))],
+        &[
+            "pubsub",
+            "shardchannels",
+            &format!("{}*", t.keys.throttle("llm").inbox("")),
+        ],
     );
-    assert!(!inbox.is_empty(), "the waiter's process listens on the provider's primary");
+    assert!(
+        !inbox.is_empty(),
+        "the waiter's process listens on the provider's primary"
+    );
     // Replicated before the kill (replication is asynchronous).
     tokio::time::sleep(Duration::from_millis(300)).await;
 

@@ -356,7 +356,14 @@ mod tests {
         assert_eq!(k.queue, "tg:v1:{q:llm.structured}:queue");
         assert_eq!(k.job("r1"), "tg:v1:{q:llm.structured}:job:r1");
         assert_eq!(k.processing("w1"), "tg:v1:{q:llm.structured}:processing:w1");
-        for key in [&k.leases, &k.refunds, &k.workers, &k.lists, &k.dead, &k.done()] {
+        for key in [
+            &k.leases,
+            &k.refunds,
+            &k.workers,
+            &k.lists,
+            &k.dead,
+            &k.done(),
+        ] {
             assert!(key.starts_with("tg:v1:{q:llm.structured}:"), "{key}");
         }
     }

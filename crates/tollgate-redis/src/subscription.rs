@@ -167,12 +167,18 @@ async fn subscribe_sharded<L: Listener>(
                     reconnect_delay,
                 };
                 session.run(conn, rx).await;
-                tracing::warn!(subscription = name, "sharded subscription closed; opening it again");
+                tracing::warn!(
+                    subscription = name,
+                    "sharded subscription closed; opening it again"
+                );
             }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, subscription = name, "cannot open the sharded subscription")
             }
-            Err(_) => tracing::warn!(subscription = name, "cannot open the sharded subscription: no answer"),
+            Err(_) => tracing::warn!(
+                subscription = name,
+                "cannot open the sharded subscription: no answer"
+            ),
         }
         listener.live(false);
         tokio::time::sleep(reconnect_delay).await;
@@ -241,7 +247,10 @@ impl<L: Listener> Session<'_, L> {
                     PushKind::Disconnection => {
                         lock(&confirmed).clear();
                         self.listener.live(false);
-                        tracing::warn!(subscription = name, "a node of the subscription disconnected; re-subscribing");
+                        tracing::warn!(
+                            subscription = name,
+                            "a node of the subscription disconnected; re-subscribing"
+                        );
                         lost.notify_one();
                     }
                     _ => {}
@@ -273,7 +282,11 @@ impl<L: Listener> Session<'_, L> {
                             tracing::warn!(error = %e, subscription = name, channel, "cannot subscribe")
                         }
                         Err(_) => {
-                            tracing::warn!(subscription = name, channel, "cannot subscribe: no answer")
+                            tracing::warn!(
+                                subscription = name,
+                                channel,
+                                "cannot subscribe: no answer"
+                            )
                         }
                     }
                 }
