@@ -2,6 +2,7 @@
 -- KEYS[1] job, KEYS[2] processing (the worker's), KEYS[3] leases
 -- ARGV[1] id, ARGV[2] fencing token, ARGV[3] result (JSON text)
 -- ARGV[4] how long the finished record stays readable (ms), ARGV[5] channel
+--   (lib/job.lua: publish_done)
 -- Returns 1 recorded (and the id published), 0 refused: the token is not the
 -- current lease's (the lease expired and the job went to another worker, or it
 -- ended): nothing is written.
@@ -22,5 +23,5 @@ redis.call('HDEL', JOB, 'worker', 'lease_until')
 redis.call('PEXPIRE', JOB, int(ttl))
 redis.call('LREM', PROCESSING, 1, id)
 redis.call('ZREM', LEASES, id)
-redis.call('PUBLISH', channel, id)
+publish_done(channel, JOB, id)
 return 1

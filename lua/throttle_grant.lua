@@ -16,7 +16,10 @@
 -- first (lib/fair.lua), each in its own order: a ticket nobody
 -- waits for any more (cancelled, or past its deadline) is dropped without a token;
 -- a waited-for ticket gets a token, a readiness record and a PUBLISH of
--- "<ticket> <granted_at_us>" on its inbox, all in this one atomic step.
+-- "<ticket> <granted_at_us>" on its inbox, all in this one atomic step. An
+-- inbox under the provider's key base (`<base>:inbox:<process>`, what waiters
+-- use on a Redis Cluster) gets an SPUBLISH instead: sharded pub/sub, sent on
+-- the shard that owns the provider rather than to every node.
 -- Returns { granted, skipped, wait_us, more, capped_us }: wait_us > 0 when the
 -- bucket ran dry with tickets left (the exact time until the next token), more
 -- = 1 when the grant limit stopped the call with tickets left, capped_us > 0
@@ -31,6 +34,15 @@ local limit, ready_ttl, idle = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(AR
 if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle
     or not F.base or F.base == '' then
   return redis.error_reply('throttle_grant: bad rate, burst or limits')
+end
+
+-- PUBLISH, or SPUBLISH on a channel in the provider's slot (see above).
+local function publish(inbox, payload)
+  if string.sub(inbox, 1, #F.base + 1) == F.base .. ':' then
+    redis.call('SPUBLISH', inbox, payload)
+  else
+    redis.call('PUBLISH', inbox, payload)
+  end
 end
 
 local now = now_us()
@@ -67,7 +79,7 @@ while true do
       redis.call('LPOP', src)
       redis.call('HDEL', WAITING, ticket)
       redis.call('ZADD', GRANTED, int(now), ticket)
-      redis.call('PUBLISH', inbox, ticket .. ' ' .. int(now))
+      publish(inbox, ticket .. ' ' .. int(now))
       granted = granted + 1
     else
       wait = until_token(tokens, rate)
@@ -131,7 +143,7 @@ while not fifo_left and wait == 0 and more == 0 do
       redis.call('LPOP', fq)
       redis.call('HDEL', WAITING, ticket)
       redis.call('ZADD', GRANTED, int(now), ticket)
-      redis.call('PUBLISH', inbox, ticket .. ' ' .. int(now))
+      publish(inbox, ticket .. ' ' .. int(now))
       granted = granted + 1
       redis.call('HSET', F.fair, 'v', float(start))
       if cap > 0 then

@@ -22,6 +22,27 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Publishes a finished job's id on `channel`: SPUBLISH when the channel
+-- shares `key`'s hash tag (a queue's own channel `{q:<operation>}:done`, what
+-- a Redis Cluster uses: sharded pub/sub, sent on the shard that owns the
+-- queue), PUBLISH otherwise (a single Redis's one channel).
+local function hash_tag(name)
+  local tag = string.match(name, '{([^}]*)}')
+  if tag == '' then
+    return nil
+  end
+  return tag
+end
+
+local function publish_done(channel, key, id)
+  local tag = hash_tag(channel)
+  if tag and tag == hash_tag(key) then
+    redis.call('SPUBLISH', channel, id)
+  else
+    redis.call('PUBLISH', channel, id)
+  end
+end
+
 -- Ends the job as failed and publishes its id on `channel`. With `refund`, its
 -- release is pending (listed in `refunds`): the caller then releases the charge
 -- and confirms. Without (the job never owned a charge), the record gets `ttl`.
@@ -35,5 +56,5 @@ local function fail_job(job, refunds, id, cause, message, now, channel, refund, 
   else
     redis.call('PEXPIRE', job, int(ttl))
   end
-  redis.call('PUBLISH', channel, id)
+  publish_done(channel, job, id)
 end

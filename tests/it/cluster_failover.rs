@@ -25,7 +25,7 @@ const RATE: f64 = 20.0;
 const BURST: u64 = 5;
 const COST: u64 = 2;
 
-fn redis_cli(port: u16, args: &[&str]) -> String {
+pub(crate) fn redis_cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .arg("-p")
         .arg(port.to_string())
@@ -37,7 +37,7 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
 
 /// The port of the live primary that serves `key`'s slot, asked of `via`
 /// (`None` while its primary has failed and no replica has taken over).
-fn primary_of(via: u16, key: &str) -> Option<u16> {
+pub(crate) fn primary_of(via: u16, key: &str) -> Option<u16> {
     let slot: u16 = redis_cli(via, &["cluster", "keyslot", key])
         .parse()
         .expect("a slot");

@@ -13,6 +13,7 @@ mod charging;
 mod charging_model;
 mod cli;
 mod cluster_failover;
+mod cluster_pubsub;
 mod concurrency;
 mod dashboard;
 mod jobs;

@@ -228,7 +228,10 @@ impl RedisJobQueue {
     /// `job_fail.lua`: true when recorded (the token was current).
     async fn record_failure(&self, keys: &JobKeys, args: FailArgs<'_>) -> Result<bool, JobError> {
         let r: i64 = self
-            .script("job_fail", scripts::job_fail(keys, args, &self.channel))
+            .script(
+                "job_fail",
+                scripts::job_fail(keys, args, &self.done_channel(keys)),
+            )
             .await?;
         Ok(r == 1)
     }
@@ -240,12 +243,31 @@ impl RedisJobQueue {
         Ok(blocking_connection(&self.pool).await?)
     }
 
+    /// Where the job scripts publish the finished jobs of `keys`' queue: on a
+    /// cluster, the queue's own sharded channel (in its slot); on a single
+    /// Redis, the one channel.
+    fn done_channel(&self, keys: &JobKeys) -> String {
+        if self.pool.is_cluster() {
+            keys.done()
+        } else {
+            self.channel.clone()
+        }
+    }
+
     fn ensure_subscriber(&self) {
         let mut subscription = lock(&self.subscription);
         if subscription.is_none() {
+            let channels = if self.pool.is_cluster() {
+                self.config
+                    .operations()
+                    .map(|op| self.keys.jobs(&op.name).done())
+                    .collect()
+            } else {
+                vec![self.channel.clone()]
+            };
             *subscription = Some(subscription::spawn(
-                self.pool.subscribe_clients(),
-                self.channel.clone(),
+                &self.pool,
+                channels,
                 Arc::clone(&self.waiters),
                 Duration::from_millis(200),
             ));
@@ -560,7 +582,7 @@ impl JobSource for RedisJobQueue {
                     millis(lease),
                     op.max_attempts,
                     &op.name,
-                    &self.channel,
+                    &self.done_channel(&keys),
                 ),
             )
             .await?;
@@ -683,7 +705,7 @@ impl JobSource for RedisJobQueue {
                     lease.token,
                     &result.to_string(),
                     millis(self.options.result_ttl),
-                    &self.channel,
+                    &self.done_channel(&keys),
                 ),
             )
             .await?;

@@ -110,6 +110,14 @@ impl ThrottleKeys {
     pub fn user_queue(&self, user: &str) -> String {
         format!("{}:fq:{user}", self.base)
     }
+
+    /// The grants inbox of process `process` on a Redis Cluster: a sharded
+    /// pub/sub channel in the provider's slot, so `throttle_grant.lua`
+    /// SPUBLISHes on the shard that owns the provider. A process listens on one
+    /// per provider.
+    pub fn inbox(&self, process: &str) -> String {
+        format!("{}:inbox:{process}", self.base)
+    }
 }
 
 impl KeySpace {
@@ -186,8 +194,9 @@ impl KeySpace {
         }
     }
 
-    /// The pub/sub channel of one waiting process: `<prefix>:v1:inbox:<process>`.
-    /// Throttlers publish readiness there; a channel is not a key (no hash tag).
+    /// The pub/sub channel of one waiting process on a single Redis:
+    /// `<prefix>:v1:inbox:<process>`. Throttlers publish readiness there; on a
+    /// cluster each provider has its own ([`ThrottleKeys::inbox`]).
     pub fn inbox(&self, process: &str) -> String {
         format!("{}:{SCHEMA}:inbox:{process}", self.prefix)
     }
@@ -233,6 +242,12 @@ impl JobKeys {
     pub fn processing(&self, worker: &str) -> String {
         format!("{}:processing:{worker}", self.base)
     }
+
+    /// The finished-jobs channel of this queue on a Redis Cluster: a sharded
+    /// pub/sub channel in the queue's slot (the job scripts SPUBLISH there).
+    pub fn done(&self) -> String {
+        format!("{}:done", self.base)
+    }
 }
 
 impl KeySpace {
@@ -251,7 +266,8 @@ impl KeySpace {
         }
     }
 
-    /// The pub/sub channel on which finished job ids are published.
+    /// The pub/sub channel on which finished job ids are published on a
+    /// single Redis; on a cluster each queue has its own ([`JobKeys::done`]).
     pub fn jobs_done(&self) -> String {
         format!("{}:{SCHEMA}:jobs:done", self.prefix)
     }
@@ -332,6 +348,7 @@ mod tests {
             &k.fair,
             &k.shares,
             &k.user_queue("u"),
+            &k.inbox("p1"),
         ] {
             assert!(key.starts_with("tg:v1:{p:llm}:"), "{key}");
         }
@@ -344,7 +361,14 @@ mod tests {
         assert_eq!(k.queue, "tg:v1:{q:llm.structured}:queue");
         assert_eq!(k.job("r1"), "tg:v1:{q:llm.structured}:job:r1");
         assert_eq!(k.processing("w1"), "tg:v1:{q:llm.structured}:processing:w1");
-        for key in [&k.leases, &k.refunds, &k.workers, &k.lists, &k.dead] {
+        for key in [
+            &k.leases,
+            &k.refunds,
+            &k.workers,
+            &k.lists,
+            &k.dead,
+            &k.done(),
+        ] {
             assert!(key.starts_with("tg:v1:{q:llm.structured}:"), "{key}");
         }
     }

@@ -59,9 +59,10 @@ pub enum Pool {
 pub struct ClusterPool {
     client: ClusterClient,
     conn: ClusterConnection,
-    /// One client per seed node, for the process's pub/sub subscriptions
-    /// (PUBLISH reaches every node of a cluster).
-    seeds: Vec<Client>,
+    /// The seed URLs and certificates, for the clients of the process's
+    /// sharded pub/sub subscriptions ([`ClusterPool::subscriber`]).
+    seeds: Vec<String>,
+    tls: Tls,
     timeout: Duration,
 }
 
@@ -79,6 +80,25 @@ impl ClusterPool {
     pub fn connection(&self) -> ClusterConnection {
         self.conn.clone()
     }
+
+    /// A client of its own for sharded pub/sub (SSUBSCRIBE), with the pool's
+    /// seeds and certificates: RESP3, every push (messages, subscription
+    /// confirmations, disconnections) sent to `pushes`. redis-rs keeps its
+    /// subscriptions and makes them again, each on the node that owns its
+    /// slot, after a reconnection or a topology change.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub(crate) fn subscriber(
+        &self,
+        pushes: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
+    ) -> Result<ClusterClient, RedisError> {
+        cluster_builder(self.seeds.clone(), &self.tls, self.timeout)
+            .use_protocol(redis::ProtocolVersion::RESP3)
+            .push_sender(pushes)
+            .build()
+    }
 }
 
 impl std::fmt::Debug for Pool {
@@ -91,15 +111,6 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    /// Clients to subscribe with: the standalone Redis, or each seed of a
-    /// cluster (tried in turn).
-    pub fn subscribe_clients(&self) -> Vec<Client> {
-        match self {
-            Self::Single(p) => vec![p.manager().client().clone()],
-            Self::Cluster(c) => c.seeds.clone(),
-        }
-    }
-
     pub fn is_cluster(&self) -> bool {
         matches!(self, Self::Cluster(_))
     }
@@ -510,18 +521,14 @@ async fn connect_cluster(
         url: shown.to_owned(),
         message,
     };
-    let clients = seeds
-        .iter()
-        .map(|s| options.tls.client(s))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(bad_url)?;
-    let mut builder = ClusterClientBuilder::new(seeds)
-        .connection_timeout(options.timeout)
-        .response_timeout(options.timeout);
-    if options.tls.is_set() {
-        builder = builder.certs(options.tls.certificates());
+    // Each seed is checked as a client URL would be (certificates for a
+    // plain redis:// seed are refused).
+    for seed in &seeds {
+        options.tls.client(seed).map_err(bad_url)?;
     }
-    let client = builder.build().map_err(|e| bad_url(e.to_string()))?;
+    let client = cluster_builder(seeds.clone(), &options.tls, options.timeout)
+        .build()
+        .map_err(|e| bad_url(e.to_string()))?;
     let connect = async {
         let mut conn = client.get_async_connection().await?;
         redis::cmd("PING").query_async::<String>(&mut conn).await?;
@@ -531,7 +538,8 @@ async fn connect_cluster(
         Ok(Ok(conn)) => Ok(Pool::Cluster(Box::new(ClusterPool {
             client,
             conn,
-            seeds: clients,
+            seeds,
+            tls: options.tls.clone(),
             timeout: options.timeout,
         }))),
         Ok(Err(e)) => Err(unreachable(e.to_string())),
@@ -540,4 +548,15 @@ async fn connect_cluster(
             options.timeout
         ))),
     }
+}
+
+/// The cluster client of `seeds`: the pool's and the subscribers' share it.
+fn cluster_builder(seeds: Vec<String>, tls: &Tls, timeout: Duration) -> ClusterClientBuilder {
+    let mut builder = ClusterClientBuilder::new(seeds)
+        .connection_timeout(timeout)
+        .response_timeout(timeout);
+    if tls.is_set() {
+        builder = builder.certs(tls.certificates());
+    }
+    builder
 }

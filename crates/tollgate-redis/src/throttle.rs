@@ -165,6 +165,17 @@ struct Shared {
 }
 
 impl Shared {
+    /// Where this process hears `keys`' provider's grants: on a cluster, a
+    /// sharded channel in the provider's slot (`throttle_grant.lua`
+    /// SPUBLISHes there); on a single Redis, the process's one inbox.
+    fn inbox_of(&self, keys: &ThrottleKeys) -> String {
+        if self.pool.is_cluster() {
+            keys.inbox(&self.process)
+        } else {
+            self.inbox.clone()
+        }
+    }
+
     fn grant(&self, ticket: &str, granted_at_us: u64) {
         if let Some((_, tx)) = lock(&self.pending).remove(ticket) {
             // A waiter that left meanwhile hands the grant back itself (its
@@ -345,16 +356,26 @@ impl RedisThrottle {
     fn ensure_subscribed(&self) {
         let mut subscription = lock(&self.subscription);
         if subscription.is_none() {
+            let shared = &self.shared;
+            let channels = if shared.pool.is_cluster() {
+                self.providers
+                    .keys()
+                    .map(|p| shared.keys.throttle(p).inbox(&shared.process))
+                    .collect()
+            } else {
+                vec![shared.inbox.clone()]
+            };
             *subscription = Some(subscription::spawn(
-                self.shared.pool.subscribe_clients(),
-                self.shared.inbox.clone(),
+                &shared.pool,
+                channels,
                 Arc::clone(&self.shared),
                 self.options.reconnect_delay,
             ));
         }
     }
 
-    /// The pub/sub channel this process's waiters hear their grants on.
+    /// The pub/sub channel this process's waiters hear their grants on (on a
+    /// single Redis; on a cluster, [`ThrottleKeys::inbox`] of each provider).
     pub fn inbox(&self) -> &str {
         &self.shared.inbox
     }
@@ -589,6 +610,7 @@ impl RedisThrottle {
         }
         ticket.armed = true;
         let keys = shared.keys.throttle(&p.name);
+        let inbox = shared.inbox_of(&keys);
         // The script runs after this instant: Redis's clock, estimated from
         // here, is never behind (a slow link makes grants look older, never
         // younger).
@@ -598,7 +620,7 @@ impl RedisThrottle {
             Some(fair) => scripts::throttle_enqueue_fair(
                 &keys,
                 &ticket.id,
-                &shared.inbox,
+                &inbox,
                 micros(left),
                 idle_ms,
                 BucketArgs::from(p),
@@ -607,7 +629,7 @@ impl RedisThrottle {
             None => scripts::throttle_enqueue(
                 &keys,
                 &ticket.id,
-                &shared.inbox,
+                &inbox,
                 micros(left),
                 idle_ms,
                 BucketArgs::from(p),
