@@ -34,11 +34,13 @@ local function float(n)
   return string.format('%.17g', n)
 end
 
--- Rings the bell unless one is already rung.
+-- Rings the bell unless one is already rung; returns whether it rang.
 local function ring(queue)
   if redis.call('LLEN', queue) == 0 then
     redis.call('RPUSH', queue, BELL)
+    return true
   end
+  return false
 end
 
 -- weight, max_in_flight (0: none), hold (µs) of a user with tickets.
