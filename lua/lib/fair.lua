@@ -65,8 +65,12 @@ end
 -- `user` (with tickets) joins the rotation at max(v, its tag).
 local function fair_activate(F, user)
   local v = fair_v(F)
-  local tag = tonumber(redis.call('ZSCORE', F.idle, user)) or v
-  redis.call('ZREM', F.idle, user)
+  local tag = tonumber(redis.call('ZSCORE', F.idle, user))
+  if tag then
+    redis.call('ZREM', F.idle, user)
+  else
+    tag = v
+  end
   redis.call('ZREM', F.capped, user)
   redis.call('ZADD', F.active, float(math.max(v, tag)), user)
 end
