@@ -79,8 +79,11 @@ end
 -- The fair queue. Users whose oldest slot freed itself (a caller that never
 -- said its call ended) rejoin first.
 local fifo_left = wait > 0 or more == 1
+-- Whether the fair queue had anyone (its keys' lives are renewed below).
+local fair_touched = false
 if not fifo_left then
   for _, user in ipairs(redis.call('ZRANGE', F.capped, '-inf', int(now), 'BYSCORE', 'LIMIT', 0, 100)) do
+    fair_touched = true
     local _, cap = fair_share(F, user)
     local held, first = fair_held(F, user, now)
     if held < cap then
@@ -114,6 +117,7 @@ while not fifo_left and wait == 0 and more == 0 do
     end
     user, tag, peeked = top[1], tonumber(top[2]), false
     fq = fq_key(F.base, user)
+    fair_touched = true
   end
   local ticket = redis.call('LPOP', fq)
   local w = ticket and redis.call('HGET', WAITING, ticket)
@@ -190,7 +194,7 @@ if v then
   redis.call('HSET', F.fair, 'v', float(v))
 end
 fair_settle(F)
-if not fifo_left then
+if fair_touched then
   -- Written above (or by throttle_cancel/done since): they live `idle` from
   -- now, as the enqueue script's keys do.
   for _, key in ipairs({ F.active, F.capped, F.idle, F.fair }) do
