@@ -48,12 +48,20 @@ end
 local fq = fq_key(F.base, user)
 redis.call('HSET', WAITING, ticket, int(now + max_wait) .. ' ' .. inbox)
 redis.call('RPUSH', fq, ticket)
-redis.call('HSET', F.shares, user, int(weight) .. ' ' .. int(cap) .. ' ' .. int(hold))
-if not redis.call('ZSCORE', F.active, user) and not redis.call('ZSCORE', F.capped, user) then
+-- A user has a `shares` entry exactly while it has tickets (it leaves the
+-- rotation and its entry together): a new entry is a user joining.
+local joins = redis.call('HSET', F.shares, user, int(weight) .. ' ' .. int(cap) .. ' ' .. int(hold)) == 1
+-- The keys written here live `idle` from now; the grant script does the same
+-- for the ones it writes (active, capped, idle, fair).
+local touched = { WAITING, fq, F.shares }
+if joins or (not redis.call('ZSCORE', F.active, user) and not redis.call('ZSCORE', F.capped, user)) then
   fair_activate(F, user)
+  touched[#touched + 1] = F.active
 end
-ring(QUEUE)
-for _, key in ipairs({ QUEUE, WAITING, fq, F.active, F.capped, F.idle, F.fair, F.shares }) do
+if ring(QUEUE) then
+  touched[#touched + 1] = QUEUE
+end
+for _, key in ipairs(touched) do
   redis.call('PEXPIRE', key, int(idle))
 end
 return { 1, now }

@@ -91,8 +91,11 @@ end
 -- The fair queue. Users whose oldest slot freed itself (a caller that never
 -- said its call ended) rejoin first.
 local fifo_left = wait > 0 or more == 1
+-- Whether the fair queue had anyone (its keys' lives are renewed below).
+local fair_touched = false
 if not fifo_left then
   for _, user in ipairs(redis.call('ZRANGE', F.capped, '-inf', int(now), 'BYSCORE', 'LIMIT', 0, 100)) do
+    fair_touched = true
     local _, cap = fair_share(F, user)
     local held, first = fair_held(F, user, now)
     if held < cap then
@@ -102,66 +105,114 @@ if not fifo_left then
     end
   end
 end
-while not fifo_left and wait == 0 and more == 0 do
-  local top = redis.call('ZRANGE', F.active, 0, 0, 'WITHSCORES')
-  if not top[1] then
-    break
+-- Each user's share, read once per call.
+local shares_of = {}
+local function share_of(user)
+  local s = shares_of[user]
+  if not s then
+    s = { fair_share(F, user) }
+    shares_of[user] = s
   end
-  local user, start = top[1], tonumber(top[2])
-  local fq = fq_key(F.base, user)
-  local ticket = redis.call('LINDEX', fq, 0)
+  return s[1], s[2], s[3]
+end
+-- The user being served, taken out of `active` (ZPOPMIN) with its start tag
+-- `tag`: it goes on while its tag stays the least, then goes back (ZADD) or
+-- leaves. `nxt_user`/`nxt_tag`: the least of the others (read once per user
+-- served: nothing else changes `active` meanwhile). `v`: the virtual clock,
+-- written once at the end.
+local user, tag, fq, nxt_user, nxt_tag, peeked, v
+while not fifo_left and wait == 0 and more == 0 do
+  if not user then
+    local top = redis.call('ZPOPMIN', F.active)
+    if not top[1] then
+      break
+    end
+    user, tag, peeked = top[1], tonumber(top[2]), false
+    fq = fq_key(F.base, user)
+    fair_touched = true
+  end
+  local ticket = redis.call('LPOP', fq)
   local w = ticket and redis.call('HGET', WAITING, ticket)
   local deadline, inbox = 0, ''
   if w then
     deadline, inbox = parse_waiting(w)
   end
+  local served, stop = false, false
   if not ticket then
-    fair_leave(F, user)
+    -- Nothing left: leaves below.
   elseif not w or deadline < now then
-    redis.call('LPOP', fq)
-    redis.call('HDEL', WAITING, ticket)
-    skipped = skipped + 1
-    if redis.call('LLEN', fq) == 0 then
-      fair_leave(F, user)
+    if w then
+      redis.call('HDEL', WAITING, ticket)
     end
+    skipped = skipped + 1
   else
-    local weight, cap, hold = fair_share(F, user)
+    local weight, cap, hold = share_of(user)
     local held, first = 0, nil
     if cap > 0 then
       held, first = fair_held(F, user, now)
     end
     if cap > 0 and held >= cap then
       -- At its cap: out of the rotation until a slot ends (throttle_done.lua).
-      fair_park(F, user, start)
+      redis.call('LPUSH', fq, ticket)
+      redis.call('ZADD', F.idle, float(tag), user)
       redis.call('ZADD', F.capped, int(first), user)
-    elseif granted >= limit then
-      more = 1
-    elseif tokens < 1 then
-      wait = until_token(tokens, rate)
+      user = nil
+    elseif granted >= limit or tokens < 1 then
+      redis.call('LPUSH', fq, ticket)
+      if granted >= limit then
+        more = 1
+      else
+        wait = until_token(tokens, rate)
+      end
+      stop = true
     else
       tokens = tokens - 1
-      redis.call('LPOP', fq)
       redis.call('HDEL', WAITING, ticket)
       redis.call('ZADD', GRANTED, int(now), ticket)
       publish(inbox, ticket .. ' ' .. int(now))
       granted = granted + 1
-      redis.call('HSET', F.fair, 'v', float(start))
+      v = tag
       if cap > 0 then
         local hk = held_key(F.base, user)
         redis.call('ZADD', hk, int(now + hold), ticket)
         redis.call('PEXPIRE', hk, int(hold / 1000 + 1000))
       end
-      local finish = start + 1 / weight
-      if redis.call('LLEN', fq) > 0 then
-        redis.call('ZADD', F.active, float(finish), user)
-      else
-        fair_park(F, user, finish)
-        redis.call('HDEL', F.shares, user)
+      tag = tag + 1 / weight
+      served = true
+    end
+  end
+  if user and not stop then
+    if not ticket or redis.call('LLEN', fq) == 0 then
+      -- No ticket left: out of the rotation, back at `tag` when it waits again.
+      redis.call('ZADD', F.idle, float(tag), user)
+      redis.call('HDEL', F.shares, user)
+      user = nil
+    elseif served then
+      if not peeked then
+        local top = redis.call('ZRANGE', F.active, 0, 0, 'WITHSCORES')
+        nxt_user, nxt_tag, peeked = top[1], tonumber(top[2]), true
+      end
+      if nxt_user and (nxt_tag < tag or (nxt_tag == tag and nxt_user < user)) then
+        redis.call('ZADD', F.active, float(tag), user)
+        user = nil
       end
     end
   end
 end
+if user then
+  redis.call('ZADD', F.active, float(tag), user)
+end
+if v then
+  redis.call('HSET', F.fair, 'v', float(v))
+end
 fair_settle(F)
+if fair_touched then
+  -- Written above (or by throttle_cancel/done since): they live `idle` from
+  -- now, as the enqueue script's keys do.
+  for _, key in ipairs({ F.active, F.capped, F.idle, F.fair }) do
+    redis.call('PEXPIRE', key, int(idle))
+  end
+end
 local capped_us = 0
 if wait == 0 and more == 0 then
   local first = redis.call('ZRANGE', F.capped, 0, 0, 'WITHSCORES')

@@ -34,11 +34,13 @@ local function float(n)
   return string.format('%.17g', n)
 end
 
--- Rings the bell unless one is already rung.
+-- Rings the bell unless one is already rung; returns whether it rang.
 local function ring(queue)
   if redis.call('LLEN', queue) == 0 then
     redis.call('RPUSH', queue, BELL)
+    return true
   end
+  return false
 end
 
 -- weight, max_in_flight (0: none), hold (µs) of a user with tickets.
@@ -63,8 +65,12 @@ end
 -- `user` (with tickets) joins the rotation at max(v, its tag).
 local function fair_activate(F, user)
   local v = fair_v(F)
-  local tag = tonumber(redis.call('ZSCORE', F.idle, user)) or v
-  redis.call('ZREM', F.idle, user)
+  local tag = tonumber(redis.call('ZSCORE', F.idle, user))
+  if tag then
+    redis.call('ZREM', F.idle, user)
+  else
+    tag = v
+  end
   redis.call('ZREM', F.capped, user)
   redis.call('ZADD', F.active, float(math.max(v, tag)), user)
 end

@@ -43,6 +43,12 @@ pub struct Args {
     /// Only the shares run.
     #[arg(long)]
     shares_only: bool,
+    /// The chain's modes, in order.
+    #[arg(long, value_delimiter = ',', default_value = "fifo,fair")]
+    modes: Vec<String>,
+    /// Write each mode's submissions and upstream arrivals here as JSON.
+    #[arg(long)]
+    dump: Option<std::path::PathBuf>,
 }
 
 const ADMIN: &str = "fairness-bench-admin-token-0123456789";
@@ -321,6 +327,15 @@ async fn chain(args: &Args, server: &RedisServer, mode: &str) -> anyhow::Result<
     let a_last = a_times.iter().max().copied().unwrap_or(0);
     let a_span_s = a_last.saturating_sub(a_first) as f64 / 1e6;
     let times: Vec<u64> = arrivals.iter().map(|a| a.at_us).collect();
+    if let Some(to) = &args.dump {
+        std::fs::create_dir_all(to)?;
+        let arrived: Vec<Value> = arrivals
+            .iter()
+            .map(|a| json!({"at_us": a.at_us, "job": a.job, "status": a.status}))
+            .collect();
+        let dump = json!({"t0_us": t0_us, "a": a_jobs, "late": late_jobs, "arrivals": arrived});
+        std::fs::write(to.join(format!("{mode}.json")), dump.to_string())?;
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(Outcome {
         late_p95_ms: percentile(&late_waits, 0.95),
@@ -346,7 +361,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             args.flood, args.each
         );
         let target = 2.0 * (args.each as f64 * 4.0) / RATE;
-        for mode in ["fifo", "fair"] {
+        for mode in &args.modes {
+            let mode = mode.as_str();
             let o = chain(&args, &server, mode).await?;
             println!(
                 "{mode:<4}  B-D wait p95 {:>8.0} ms  max {:>8.0} ms (target {:.0} ms)   \

@@ -124,6 +124,12 @@ pub struct BenchArgs {
     /// Waiters in flight during the throughput figure.
     #[arg(long, default_value_t = 256)]
     in_flight: usize,
+    /// Rounds of the fairness cost (each configuration once per round).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Only the fairness cost.
+    #[arg(long)]
+    fairness_only: bool,
 }
 
 const BENCH_CONFIG: &str = r#"
@@ -249,6 +255,11 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let config_path = dir.join("throttle.toml");
     std::fs::write(&config_path, BENCH_CONFIG)?;
 
+    if args.fairness_only {
+        fairness_cost(&server, &dir, &args).await?;
+        let _ = std::fs::remove_dir_all(&dir);
+        return Ok(());
+    }
     let memory = Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
     let (p50, p99) = latency(memory.as_ref(), args.latency_samples).await?;
     let rate = throughput(memory, args.in_flight, args.seconds).await?;
@@ -305,52 +316,86 @@ max_wait = "10s"
 "#;
 
 /// Grants/s with `fairness = "fifo"` and `"fair"`, waiters over 1 and 1,000
-/// users, through the free-token path and through the throttler.
+/// users, through the free-token path and through the throttler: every
+/// configuration once per round, `rounds` rounds interleaved (a shared,
+/// noisy machine drifts between runs), then the median of each and the
+/// fair/FIFO ratio of the medians.
 async fn fairness_cost(
     server: &RedisServer,
     dir: &std::path::Path,
     args: &BenchArgs,
 ) -> anyhow::Result<()> {
-    println!("fairness cost: {} waiters, 1 throttler", args.in_flight);
-    for (path, waiter_config) in [("free token", BENCH_CONFIG), ("queued", QUEUED_CONFIG)] {
-        for fairness in ["fifo", "fair"] {
-            let with = |c: &str| {
-                c.replace(
-                    "max_wait = \"10s\"",
-                    &format!("max_wait = \"10s\"\nfairness = \"{fairness}\""),
-                )
-            };
-            let throttler_config = dir.join(format!("throttler-{fairness}.toml"));
-            std::fs::write(&throttler_config, with(BENCH_CONFIG))?;
-            let config = Config::parse(&with(waiter_config), "bench")?;
-            for users in [1, 1000] {
-                let prefix = random_prefix();
-                let _procs = start_throttlers(1, &server.url(), &prefix, &throttler_config)?;
-                let pool = tollgate_redis::pool::connect(
-                    &server.url(),
-                    &PoolOptions {
-                        max_size: 32,
-                        ..PoolOptions::default()
-                    },
-                )
-                .await?;
-                let throttle = Arc::new(RedisThrottle::start(
-                    pool,
-                    KeySpace::new(&prefix)?,
-                    &config,
-                    RedisThrottleOptions::default(),
-                ));
-                anyhow::ensure!(
-                    throttle.subscribed(Duration::from_secs(5)).await,
-                    "no subscription"
-                );
-                latency(throttle.as_ref(), 50).await?;
-                let rate = throughput_of(throttle, args.in_flight, args.seconds, users).await?;
-                println!(
-                    "  {path:<10} {fairness:<4} {users:>5} user{} {rate:>9.0} grants/s",
-                    if users == 1 { " " } else { "s" }
-                );
+    println!(
+        "fairness cost: {} waiters, 1 throttler, {} rounds of {} s each",
+        args.in_flight, args.rounds, args.seconds
+    );
+    let mut runs: std::collections::BTreeMap<(usize, usize, usize), Vec<f64>> =
+        std::collections::BTreeMap::new();
+    let paths = [("free token", BENCH_CONFIG), ("queued", QUEUED_CONFIG)];
+    let modes = ["fifo", "fair"];
+    for _ in 0..args.rounds {
+        for (p, (_, waiter_config)) in paths.iter().enumerate() {
+            for (m, fairness) in modes.iter().enumerate() {
+                let with = |c: &str| {
+                    c.replace(
+                        "max_wait = \"10s\"",
+                        &format!("max_wait = \"10s\"\nfairness = \"{fairness}\""),
+                    )
+                };
+                let throttler_config = dir.join(format!("throttler-{fairness}.toml"));
+                std::fs::write(&throttler_config, with(BENCH_CONFIG))?;
+                let config = Config::parse(&with(waiter_config), "bench")?;
+                for (u, users) in [1, 1000].into_iter().enumerate() {
+                    let prefix = random_prefix();
+                    let _procs = start_throttlers(1, &server.url(), &prefix, &throttler_config)?;
+                    let pool = tollgate_redis::pool::connect(
+                        &server.url(),
+                        &PoolOptions {
+                            max_size: 32,
+                            ..PoolOptions::default()
+                        },
+                    )
+                    .await?;
+                    let throttle = Arc::new(RedisThrottle::start(
+                        pool,
+                        KeySpace::new(&prefix)?,
+                        &config,
+                        RedisThrottleOptions::default(),
+                    ));
+                    anyhow::ensure!(
+                        throttle.subscribed(Duration::from_secs(5)).await,
+                        "no subscription"
+                    );
+                    latency(throttle.as_ref(), 50).await?;
+                    let rate = throughput_of(throttle, args.in_flight, args.seconds, users).await?;
+                    runs.entry((p, u, m)).or_default().push(rate);
+                }
             }
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for (p, (path, _)) in paths.iter().enumerate() {
+        for (u, users) in [1, 1000].into_iter().enumerate() {
+            let fifo = &runs[&(p, u, 0)];
+            let fair = &runs[&(p, u, 1)];
+            let (a, b) = (median(fifo), median(fair));
+            let show = |v: &[f64]| {
+                v.iter()
+                    .map(|x| format!("{x:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            println!(
+                "  {path:<10} {users:>5} user{}  fifo median {a:>7.0}  fair median {b:>7.0} grants/s  fair/fifo {:.2}   (fifo: {}; fair: {})",
+                if users == 1 { " " } else { "s" },
+                b / a,
+                show(fifo),
+                show(fair),
+            );
         }
     }
     Ok(())
