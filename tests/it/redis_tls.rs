@@ -120,13 +120,13 @@ impl Drop for Certs {
 const USER: &str = "tollgate";
 const PASSWORD: &str = "tls-test-secret";
 
-/// A Redis with a TLS port (clients authenticated by certificate when
-/// `auth_clients`) and an ACL user; its plain port stays for the harness.
-fn tls_redis(certs: &Certs, auth_clients: bool) -> (RedisServer, u16) {
-    let tls_port = tollgate_tests::redis_server::free_port().to_string();
-    let server = RedisServer::start_with(&[
+/// A node's TLS arguments: `tls_port` serving clients with the server
+/// certificate (clients authenticated by certificate when `auth_clients`), and
+/// the ACL user the tests connect as.
+fn tls_server_args(certs: &Certs, tls_port: u16, auth_clients: bool) -> Vec<String> {
+    strings(&[
         "--tls-port",
-        &tls_port,
+        &tls_port.to_string(),
         "--tls-cert-file",
         &certs.path("server.crt"),
         "--tls-key-file",
@@ -142,8 +142,29 @@ fn tls_redis(certs: &Certs, auth_clients: bool) -> (RedisServer, u16) {
         "~*",
         "&*",
         "+@all",
-    ]);
-    (server, tls_port.parse().unwrap())
+    ])
+}
+
+/// A Redis with a TLS port and an ACL user; its plain port stays for the harness.
+fn tls_redis(certs: &Certs, auth_clients: bool) -> (RedisServer, u16) {
+    let tls_port = tollgate_tests::redis_server::free_port();
+    let args = tls_server_args(certs, tls_port, auth_clients);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    (RedisServer::start_with(&args), tls_port)
+}
+
+/// `tollgate budget usage --user u` on `url`, trusting the CA in `ca`.
+fn usage_of_u(url: &str, ca: &str) -> Vec<String> {
+    strings(&[
+        "budget",
+        "usage",
+        "--user",
+        "u",
+        "--redis-url",
+        url,
+        "--redis-ca-cert",
+        ca,
+    ])
 }
 
 /// `tollgate <args>` run to its end: exit code and stderr.
@@ -275,29 +296,14 @@ fn every_role_runs_on_a_cluster_over_tls_with_an_acl_user() {
     let cluster = RedisCluster::start_with(3, |_| {
         let tls_port = tollgate_tests::redis_server::free_port();
         tls_ports.borrow_mut().push(tls_port);
-        strings(&[
-            "--tls-port",
-            &tls_port.to_string(),
+        let mut args = tls_server_args(&certs, tls_port, false);
+        args.extend(strings(&[
             "--tls-cluster",
             "yes",
             "--tls-replication",
             "yes",
-            "--tls-cert-file",
-            &certs.path("server.crt"),
-            "--tls-key-file",
-            &certs.path("server.key"),
-            "--tls-ca-cert-file",
-            &certs.path("ca.crt"),
-            "--tls-auth-clients",
-            "no",
-            "--user",
-            USER,
-            "on",
-            &format!(">{PASSWORD}"),
-            "~*",
-            "&*",
-            "+@all",
-        ])
+        ]));
+        args
     });
     let seeds: Vec<String> = tls_ports
         .borrow()
@@ -323,16 +329,7 @@ fn a_wrong_ca_a_wrong_password_or_plain_text_is_refused_clearly() {
         (bad_password, ca.clone(), "password"),
     ];
     for (url, ca, says) in cases {
-        let args = strings(&[
-            "budget",
-            "usage",
-            "--user",
-            "u",
-            "--redis-url",
-            &url,
-            "--redis-ca-cert",
-            &ca,
-        ]);
+        let args = usage_of_u(&url, &ca);
         let (code, stderr) = run(&args);
         assert_ne!(code, Some(0), "{url} with {ca} connected");
         assert!(
@@ -346,30 +343,12 @@ fn a_wrong_ca_a_wrong_password_or_plain_text_is_refused_clearly() {
         );
     }
     // Certificates with a plain redis:// URL: refused, not silently ignored.
-    let args = strings(&[
-        "budget",
-        "usage",
-        "--user",
-        "u",
-        "--redis-url",
-        &server.url(),
-        "--redis-ca-cert",
-        &ca,
-    ]);
+    let args = usage_of_u(&server.url(), &ca);
     let (code, stderr) = run(&args);
     assert_eq!(code, Some(2), "plain URL with a CA: {stderr}");
     assert!(stderr.contains("rediss://"), "{stderr}");
     // A CA file that is not there.
-    let args = strings(&[
-        "budget",
-        "usage",
-        "--user",
-        "u",
-        "--redis-url",
-        &good,
-        "--redis-ca-cert",
-        "/nonexistent/ca.pem",
-    ]);
+    let args = usage_of_u(&good, "/nonexistent/ca.pem");
     let (code, stderr) = run(&args);
     assert_eq!(code, Some(2), "a missing CA file: {stderr}");
     assert!(stderr.contains("/nonexistent/ca.pem"), "{stderr}");
@@ -381,16 +360,7 @@ fn a_redis_that_authenticates_clients_needs_the_client_certificate() {
     let (_server, tls_port) = tls_redis(&certs, true);
     let url = format!("rediss://{USER}:{PASSWORD}@127.0.0.1:{tls_port}");
     let ca = certs.path("ca.crt");
-    let without = strings(&[
-        "budget",
-        "usage",
-        "--user",
-        "u",
-        "--redis-url",
-        &url,
-        "--redis-ca-cert",
-        &ca,
-    ]);
+    let without = usage_of_u(&url, &ca);
     let (code, stderr) = run(&without);
     assert_ne!(
         code,
