@@ -92,17 +92,7 @@ provider = "bad"
         args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
     }
     let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
-    let find = |needle: &str| -> String {
-        let line = lines
-            .iter()
-            .find(|l| l.contains(needle))
-            .unwrap_or_else(|| panic!("no {needle:?} in {lines:?}"));
-        line[line.find(needle).unwrap() + needle.len()..]
-            .split(['\'', ' '])
-            .next()
-            .unwrap()
-            .to_owned()
-    };
+    let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
     tollgate_providers::http::install_crypto_provider();
     System {
         base: find("listening on "),

@@ -180,17 +180,7 @@ async fn every_metric_of_the_dashboard_and_the_alerts_is_exposed() {
         |l| l.iter().any(|l| l.contains("/v1/usage")),
     );
     procs.0.push(all);
-    let find = |needle: &str| -> String {
-        let line = lines
-            .iter()
-            .find(|l| l.contains(needle))
-            .unwrap_or_else(|| panic!("no {needle:?} in {lines:?}"));
-        line[line.find(needle).unwrap() + needle.len()..]
-            .split(['\'', ' '])
-            .next()
-            .unwrap()
-            .to_owned()
-    };
+    let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
     let (base, key) = (find("listening on "), find("Bearer "));
     let worker = role(&mut procs, "worker", &url, &prefix);
     let throttler = role(&mut procs, "throttler", &url, &prefix);

@@ -20,6 +20,22 @@ impl Drop for Procs {
     }
 }
 
+/// The word after `needle` in the first of `lines` that holds it (up to a
+/// space or a quote): what `tollgate all`'s banner says after "listening on ",
+/// "Bearer " or "admin token: ". Panics with the lines when none holds it.
+pub fn banner_value(lines: &[String], needle: &str) -> String {
+    let line = lines
+        .iter()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no {needle:?} in {lines:?}"));
+    let at = line.find(needle).unwrap_or(0) + needle.len();
+    line[at..]
+        .split(['\'', ' '])
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// Spawns `tollgate <args>` and reads stdout until `pick` finds what it wants
 /// (within 30 s); returns the child and every line read.
 pub fn spawn_reading(args: &[&str], pick: impl Fn(&[String]) -> bool) -> (Child, Vec<String>) {
