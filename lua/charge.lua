@@ -1,7 +1,7 @@
 -- charge.lua: the one step that charges a job: check the request against what
 -- its id was first used for, then reserve and record who owns the charge.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id)
 -- ARGV[2] cost (integer >= 1)
@@ -27,7 +27,7 @@ local request, cost, nonce, op, fp = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4
 local deadline_after, grace = tonumber(ARGV[6]), tonumber(ARGV[7])
 if not deadline_after or deadline_after < 1 or not grace or grace < 0
     or not string.match(nonce, '^%w+$') or not string.match(op, '^%S+$')
-    or not string.match(fp, '^%w+$') then
+    or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 then
   return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
 end
 local _, limits = resolve_plan(8)
@@ -39,16 +39,16 @@ end
 local now = now_ms()
 local used = expire(now, limits)
 
-local at = redis.call('ZSCORE', EVENTS, request)
-if at then
-  local o = owner(request)
-  if not o then
+local ev = find(request)
+if ev then
+  local o = ev.rec
+  if ev.state == 'r' then
     return { 4 }
   end
   if o.op ~= op or o.fp ~= fp then
     return { 3, o.op }
   end
-  return push_windows({ 2, now, o.deadline, tonumber(at), o.nonce, o.state }, limits, used, now)
+  return push_windows({ 2, now, o.deadline, ev.at, o.nonce, ev.state }, limits, used, now)
 end
 
 if not fits(limits, used, cost) then
@@ -56,7 +56,6 @@ if not fits(limits, used, cost) then
 end
 
 local deadline = now + deadline_after
-used = record(request, cost, now, limits, used, op)
-redis.call('HSET', OWNERS, request, table.concat({ 'h', nonce, int(deadline), op, fp }, ' '))
+used = record(request, cost, now, limits, used, { nonce = nonce, deadline = deadline, op = op, fp = fp })
 redis.call('ZADD', HOLDS, int(deadline + grace), request)
 return push_windows({ 1, now, deadline }, limits, used, now)

@@ -1,7 +1,7 @@
 -- claim.lua: a worker about to call the provider takes the charge of its job over
 -- from the submission that made it.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
 -- ARGV[3] end of the charge's hold (ms): the job's deadline plus the grace it was
@@ -22,20 +22,18 @@ local _, limits = resolve_plan(4)
 local now = now_ms()
 expire(now, limits)
 
-local o = owner(request)
-if o then
-  if o.nonce ~= nonce then
+local ev = find(request)
+if ev then
+  if ev.state == 'r' or ev.rec.nonce ~= nonce then
+    -- A plain reserve, or another charge, owns this id.
     return 0
   end
-  if o.state == 'h' then
-    redis.call('HSET', OWNERS, request, table.concat({ 'j', o.nonce, int(o.deadline), o.op, o.fp }, ' '))
+  if ev.state == 'h' then
+    ev.state = 'j'
+    update(ev)
     redis.call('ZREM', HOLDS, request)
   end
   return 1
-end
-if redis.call('ZSCORE', EVENTS, request) then
-  -- A plain reserve owns this id.
-  return 0
 end
 -- No live charge. A hold is released only at its end: before that the charge
 -- existed and left the window (paid); after it, it may have been released.

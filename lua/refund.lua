@@ -1,6 +1,6 @@
 -- refund.lua: remove one spend event, at most once.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
 --   (see lib/budget.lua)
 -- ARGV[1] request id
 -- ARGV[2..] export maxlen, then the plan table (lib/budget.lua)
@@ -12,9 +12,9 @@ local request = ARGV[1]
 local _, limits = resolve_plan(2)
 local now = now_ms()
 local used = expire(now, limits)
-local cost
-cost, used = remove(request, used, now)
-if not cost then
+local ev = find(request)
+if not ev then
   return { 0, used }
 end
-return { 1, cost, used }
+used = remove(ev, used, now)
+return { 1, ev.cost, used }

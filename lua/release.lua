@@ -1,6 +1,6 @@
 -- release.lua: a job that failed gives its charge back, at most once.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
 -- ARGV[3..] export maxlen, then the plan table (lib/budget.lua)
@@ -12,13 +12,9 @@ local request, nonce = ARGV[1], ARGV[2]
 local _, limits = resolve_plan(3)
 local now = now_ms()
 local used = expire(now, limits)
-local o = owner(request)
-if not o or o.nonce ~= nonce then
+local ev = find(request)
+if not ev or ev.state == 'r' or ev.rec.nonce ~= nonce then
   return { 0, used }
 end
-local cost
-cost, used = remove(request, used, now)
-if not cost then
-  return { 0, used }
-end
-return { 1, cost, used }
+used = remove(ev, used, now)
+return { 1, ev.cost, used }

@@ -1,6 +1,6 @@
 -- reserve.lua: atomically expire, check every limit and record one spend event.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
 --   (see lib/budget.lua)
 -- ARGV[1] request id
 -- ARGV[2] cost (integer >= 1; checked by the caller too)
@@ -23,14 +23,15 @@ end
 local now = now_ms()
 local used = expire(now, limits)
 
-local at = redis.call('ZSCORE', EVENTS, request)
-if at then
-  return push_windows({ 2, tonumber(at), now }, limits, used, now)
+local ev = find(request)
+if ev then
+  return push_windows({ 2, ev.at, now }, limits, used, now)
 end
 
 if not fits(limits, used, cost) then
   return push_windows({ 0, 0, now }, limits, used, now, cost)
 end
 
-used = record(request, cost, now, limits, used)
-return push_windows({ 1, now, now }, limits, used, now)
+local at
+used, at = record(request, cost, now, limits, used)
+return push_windows({ 1, at, now }, limits, used, now)

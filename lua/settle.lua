@@ -1,6 +1,6 @@
 -- settle.lua: correct a spend event to what the call really cost.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
 --   (see lib/budget.lua)
 -- ARGV[1] request id
 -- ARGV[2] actual cost (integer >= 0; 0 removes the event)
@@ -21,29 +21,25 @@ if not actual or actual < 0 or (nonce ~= '' and actual < 1) then
 end
 local now = now_ms()
 local used = expire(now, limits)
-local previous = redis.call('HGET', COSTS, request)
-if not previous then
+local ev = find(request)
+if not ev then
   return { 0, used }
 end
-previous = tonumber(previous)
+local previous = ev.cost
 if nonce ~= '' then
-  local o = owner(request)
-  if not o or o.nonce ~= nonce then
+  if ev.state == 'r' or ev.rec.nonce ~= nonce then
     return { 0, used }
   end
-  if not o.estimate then
-    redis.call('HSET', OWNERS, request,
-      table.concat({ o.state, o.nonce, int(o.deadline), o.op, o.fp, int(previous) }, ' '))
-  end
+  ev.estimate = ev.estimate or previous
 end
 if actual == 0 then
-  local _, after = remove(request, used, now)
-  return { 1, previous, 0, after }
+  return { 1, previous, 0, remove(ev, used, now) }
 end
 if #SHORTS > 0 or EXPORT > 0 then
-  local at = tonumber(redis.call('ZSCORE', EVENTS, request))
-  unshort(at, previous - actual, now)
-  export('settle', request, actual, at, previous)
+  unshort(ev.at, previous - actual, now)
+  export('settle', request, actual, ev.at, previous)
 end
-used = write_total(used - previous + actual, request, actual)
+ev.cost = actual
+update(ev)
+used = write_total(used - previous + actual)
 return { 1, previous, actual, used }

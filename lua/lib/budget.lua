@@ -1,21 +1,35 @@
 -- lib/budget.lua: shared by every budget script; the `scripts` module prepends it
--- to reserve.lua, refund.lua, settle.lua and usage.lua before loading them.
+-- to each budget script before loading it.
 --
--- One user's budget lives in five keys sharing the user's hash tag:
---   KEYS[1] events  sorted set: request id -> time (ms) the tokens were spent
---   KEYS[2] costs   hash: request id -> cost, plus the field ':total' (':' never
---                   occurs in a request id): '<used>', the running sum of live
---                   costs (the longest window's), followed for a plan of several
---                   limits by ' <window_ms> <total> <cursor_ms>' per shorter
---                   window, its running total (events at or before the cursor
---                   were subtracted). Every write of a one-limit plan drops them.
+-- One user's budget lives in keys sharing the user's hash tag. A live spend
+-- event is one entry of the log stream plus one entry of an index bucket, both
+-- kept listpack-encoded by Redis (no per-event allocation): about 60 B of Redis
+-- memory per reserve and 100 B per charge with the ids the api generates, where
+-- a sorted set and hashes keyed by request id cost 230-390 B.
+--   KEYS[7] log     stream: one entry per live event, its ID '<at_ms>-<seq>' (the
+--                   time the tokens were spent; Redis keeps IDs increasing, so
+--                   the log is in time order and XRANGE reads a window), one
+--                   field 'r': what never changes, packed: the request id (a
+--                   UUID or 'idem-' + 32 hex as 16 bytes, any other id as is),
+--                   and for a charge taken by charge.lua its nonce, request
+--                   fingerprint (hex packed), deadline and operation.
+--   index buckets   hashes '<base>:e:<n>' (base: KEYS[8] without ':meta'): the
+--                   first 6 bytes of the SHA-1 of the request id (or, when they
+--                   collide with a live event's, '::::::' .. id) -> what
+--                   changes, packed: at_ms (6 bytes), state ('r' a plain
+--                   reserve; 'h' a charge held by its submission: no job has
+--                   claimed it yet; 'j' owned by its job), then
+--                   '<seq> <cost>[ <estimate>]' (the estimate once settle.lua
+--                   settled a charge). Linear hashing keeps every bucket under
+--                   Redis' 128-entry listpack limit: a bucket splits when the
+--                   log holds more than LOAD events per bucket.
+--   KEYS[8] meta    hash: 't' '<used>' the running sum of live costs (the longest
+--                   window's), followed for a plan of several limits by
+--                   ' <window_ms> <total> <cursor_ms>' per shorter window, its
+--                   running total (events at or before the cursor were
+--                   subtracted); 'l', 's': the bucket count's power of two and
+--                   split pointer (absent: 1 and 0).
 --   KEYS[3] plan    string: the user's plan name (absent: the default plan)
---   KEYS[4] owners  hash: request id -> '<state> <nonce> <deadline_ms> <operation>
---                   <fingerprint>[ <estimate>]' for a charge taken by charge.lua
---                   (the estimate once settle.lua settled it), the record of
---                   who owns it: state 'h' (held by its submission: no job has
---                   claimed it yet) or 'j' (owned by its job). A plain reserve has
---                   no entry. An entry leaves with its event.
 --   KEYS[5] holds   sorted set: request id -> end of the hold (ms) of each 'h'
 --                   charge: its job's deadline plus a grace. A charge still held
 --                   then has no job that can run (a job past its deadline never
@@ -25,20 +39,37 @@
 --                   | settle), id, cost (settle: the new cost), prev (settle: the
 --                   old one), at (when the event was spent, ms), op (spend of a
 --                   job's charge). It outlives the window; billing jobs read it.
+--   KEYS[1] events, KEYS[2] costs, KEYS[4] owners: the previous layout (a sorted
+--                   set id -> at, a hash id -> cost plus ':total', a hash id ->
+--                   '<state> <nonce> <deadline> <op> <fp>[ <estimate>]'). A
+--                   user found with them is moved to this layout first,
+--                   MIGRATE_BATCH events per call (oldest first): a call that
+--                   leaves some answers the error TOLLGATE_MIGRATING, and the
+--                   caller calls again.
 -- The ARGV tail is the export's maxlen (0: no export), then the plan table as
 -- pairs (name, limits), the default plan first; limits is 'limit:window_ms,...',
 -- longest window first. The log keeps events for the longest window; a
 -- reservation must fit every window.
 -- Time is Redis TIME: pod clocks never decide a budget.
 
-local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local TOTAL = ':total'
+local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local BASE = string.sub(META, 1, -6)
 local BATCH = 500
+local MIGRATE_BATCH = 2000
+-- Events per bucket before one splits: a bucket not yet split this round holds
+-- up to twice that, which must stay under Redis' hash-max-listpack-entries (128).
+local LOAD = 40
+-- The field prefix of an event whose digest is taken by another live event.
+local LONG = '::::::'
 -- The shorter windows' running totals ({ window, total, cursor }, in the order of
 -- limits[2..]), read by expire; written back with the total.
 local SHORTS, SHORTS_STALE = {}, false
 -- The export stream's approximate maxlen; 0: no export.
 local EXPORT = 0
+-- The bucket table (linear hashing: SIZE buckets of this round, SPLIT of them
+-- split already) and the longest window (the keys' time to live).
+local SIZE, SPLIT, WINDOW = 1, 0, 0
 
 local function int(n)
   return string.format('%d', n)
@@ -47,6 +78,18 @@ end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function unhex(h)
+  return (string.gsub(h, '%x%x', function(x)
+    return string.char(tonumber(x, 16))
+  end))
+end
+
+local function tohex(s)
+  return (string.gsub(s, '.', function(c)
+    return string.format('%02x', string.byte(c))
+  end))
 end
 
 -- Returns the name and limits ({ limit, window } each, longest window first) of
@@ -69,6 +112,7 @@ local function resolve_plan(i)
   for l, w in string.gmatch(spec or '', '(%d+):(%d+)') do
     limits[#limits + 1] = { limit = tonumber(l), window = tonumber(w) }
   end
+  WINDOW = limits[1] and limits[1].window or 0
   return name, limits
 end
 
@@ -83,20 +127,208 @@ local function max_cost(limits)
   return m or 0
 end
 
--- The sum of the costs of events whose time is in the score range lo..hi.
-local function sum_between(lo, hi)
-  local sum, offset = 0, 0
-  while true do
-    local ids = redis.call('ZRANGE', EVENTS, lo, hi, 'BYSCORE', 'LIMIT', offset, BATCH)
-    if #ids == 0 then
-      break
+-- The packed request id: 'u' + 16 bytes (a lowercase UUID), 'i' + 16 bytes
+-- ('idem-' + 32 lowercase hex), else 'x' + its length + the id.
+local function pack_id(id)
+  if #id == 36 and not string.find(id, '[^0-9a-f-]') then
+    local a, b, c, d, e = string.match(id, '^(%x+)%-(%x+)%-(%x+)%-(%x+)%-(%x+)$')
+    if a and #a == 8 and #b == 4 and #c == 4 and #d == 4 and #e == 12 then
+      return 'u' .. unhex(a .. b .. c .. d .. e)
     end
-    for _, c in ipairs(redis.call('HMGET', COSTS, unpack(ids))) do
-      if c then
-        sum = sum + tonumber(c)
+  end
+  if #id == 37 and string.sub(id, 1, 5) == 'idem-' and not string.find(id, '[^0-9a-f]', 6) then
+    return 'i' .. unhex(string.sub(id, 6))
+  end
+  return 'x' .. string.char(#id) .. id
+end
+
+-- The request id at the start of a packed record, and the position after it.
+local function unpack_id(r)
+  local tag = string.sub(r, 1, 1)
+  if tag == 'u' then
+    local h = tohex(string.sub(r, 2, 17))
+    return string.sub(h, 1, 8) .. '-' .. string.sub(h, 9, 12) .. '-' .. string.sub(h, 13, 16)
+      .. '-' .. string.sub(h, 17, 20) .. '-' .. string.sub(h, 21, 32), 18
+  elseif tag == 'i' then
+    return 'idem-' .. tohex(string.sub(r, 2, 17)), 18
+  end
+  local n = string.byte(r, 2)
+  return string.sub(r, 3, 2 + n), 3 + n
+end
+
+-- A nonce or fingerprint, packed: its length byte (+128: lowercase hex, packed).
+local function pack_token(s)
+  if #s % 2 == 0 and #s <= 254 and not string.find(s, '[^0-9a-f]') then
+    return string.char(128 + #s / 2) .. unhex(s)
+  end
+  return string.char(#s) .. s
+end
+
+local function unpack_token(r, i)
+  local n = string.byte(r, i)
+  if n >= 128 then
+    return tohex(string.sub(r, i + 1, i + n - 128)), i + 1 + n - 128
+  end
+  return string.sub(r, i + 1, i + n), i + 1 + n
+end
+
+-- The record of the log: id, and for a charge nonce, fp, deadline, op.
+local function pack_record(id, o)
+  local r = pack_id(id)
+  if o then
+    r = r .. pack_token(o.nonce) .. pack_token(o.fp) .. struct.pack('>I6', o.deadline) .. o.op
+  end
+  return r
+end
+
+local function unpack_record(r)
+  local id, i = unpack_id(r)
+  local rec = { id = id }
+  if i <= #r then
+    rec.nonce, i = unpack_token(r, i)
+    rec.fp, i = unpack_token(r, i)
+    rec.deadline = struct.unpack('>I6', string.sub(r, i, i + 5))
+    rec.op = string.sub(r, i + 6)
+  end
+  return rec
+end
+
+-- An index value: { at, seq, state, cost, estimate }.
+local function pack_value(ev)
+  local v = struct.pack('>I6', ev.at) .. ev.state .. int(ev.seq) .. ' ' .. int(ev.cost)
+  if ev.estimate then
+    v = v .. ' ' .. int(ev.estimate)
+  end
+  return v
+end
+
+local function unpack_value(v)
+  local seq, cost, est = string.match(string.sub(v, 8), '^(%d+) (%d+) ?(%d*)$')
+  return { at = struct.unpack('>I6', string.sub(v, 1, 6)), state = string.sub(v, 7, 7),
+    seq = tonumber(seq), cost = tonumber(cost), estimate = tonumber(est) }
+end
+
+-- The digest field of a request id and the 32-bit hash that picks its bucket.
+local function digest(id)
+  local h = redis.sha1hex(id)
+  return unhex(string.sub(h, 1, 12)), tonumber(string.sub(h, 1, 8), 16)
+end
+
+local function bucket_key(h)
+  local b = h % SIZE
+  if b < SPLIT then
+    b = h % (2 * SIZE)
+  end
+  return BASE .. ':e:' .. int(b)
+end
+
+-- The hash of a bucket's field (a digest, or LONG .. id).
+local function field_hash(f)
+  if #f == 6 then
+    return (struct.unpack('>I4', string.sub(f, 1, 4)))
+  end
+  local _, h = digest(string.sub(f, #LONG + 1))
+  return h
+end
+
+local function entry_id(ev)
+  return int(ev.at) .. '-' .. int(ev.seq)
+end
+
+-- The record of a log entry ID.
+local function read_record(sid)
+  local e = redis.call('XRANGE', LOG, sid, sid)
+  if #e == 0 then
+    return nil
+  end
+  return unpack_record(e[1][2][2])
+end
+
+-- The live event of a request id: its index value plus key, field and record.
+local function find(request)
+  local dig, h = digest(request)
+  local key = bucket_key(h)
+  local vals = redis.call('HMGET', key, dig, LONG .. request)
+  for k, field in ipairs({ dig, LONG .. request }) do
+    if vals[k] then
+      local ev = unpack_value(vals[k])
+      ev.key, ev.field = key, field
+      ev.rec = read_record(entry_id(ev))
+      if ev.rec and ev.rec.id == request then
+        return ev
       end
     end
-    offset = offset + BATCH
+  end
+  return nil
+end
+
+-- The live event of a log entry (ID, packed record).
+local function at_entry(sid, packed)
+  local rec = unpack_record(packed)
+  local dig, h = digest(rec.id)
+  local key = bucket_key(h)
+  local vals = redis.call('HMGET', key, dig, LONG .. rec.id)
+  for k, field in ipairs({ dig, LONG .. rec.id }) do
+    if vals[k] then
+      local ev = unpack_value(vals[k])
+      if entry_id(ev) == sid then
+        ev.key, ev.field, ev.rec = key, field, rec
+        return ev
+      end
+    end
+  end
+  return nil
+end
+
+-- Writes back an event's index value (state, cost or estimate changed).
+local function update(ev)
+  redis.call('HSET', ev.key, ev.field, pack_value(ev))
+end
+
+-- Splits the next bucket when the log holds more than LOAD events per bucket.
+local function grow()
+  if redis.call('XLEN', LOG) <= LOAD * (SIZE + SPLIT) then
+    return
+  end
+  local from = BASE .. ':e:' .. int(SPLIT)
+  local to = BASE .. ':e:' .. int(SPLIT + SIZE)
+  local all = redis.call('HGETALL', from)
+  local moved, gone = {}, {}
+  for i = 1, #all, 2 do
+    if field_hash(all[i]) % (2 * SIZE) ~= SPLIT then
+      moved[#moved + 1] = all[i]
+      moved[#moved + 1] = all[i + 1]
+      gone[#gone + 1] = all[i]
+    end
+  end
+  if #gone > 0 then
+    redis.call('HSET', to, unpack(moved))
+    redis.call('HDEL', from, unpack(gone))
+    redis.call('PEXPIRE', to, int(WINDOW))
+  end
+  SPLIT = SPLIT + 1
+  if SPLIT == SIZE then
+    SIZE, SPLIT = 2 * SIZE, 0
+  end
+  redis.call('HSET', META, 'l', int(SIZE), 's', int(SPLIT))
+end
+
+-- The sum of the costs of live events spent in lo..hi (ms, inclusive; XRANGE
+-- bounds).
+local function sum_between(lo, hi)
+  local sum, start = 0, lo
+  while true do
+    local batch = redis.call('XRANGE', LOG, start, hi, 'COUNT', BATCH)
+    for _, e in ipairs(batch) do
+      local ev = at_entry(e[1], e[2][2])
+      if ev then
+        sum = sum + ev.cost
+      end
+    end
+    if #batch < BATCH then
+      break
+    end
+    start = '(' .. batch[#batch][1]
   end
   return sum
 end
@@ -127,14 +359,17 @@ local function load_shorts(raw, limits, now)
   SHORTS, SHORTS_STALE = {}, true
   for k = 2, #limits do
     local w = limits[k].window
-    SHORTS[k - 1] = { window = w, total = sum_between('(' .. int(now - w), '+inf'), cursor = now - w }
+    SHORTS[k - 1] = { window = w, total = sum_between(int(now - w + 1), '+'), cursor = now - w }
   end
 end
 
 -- The running totals: the longest window's, and the text of the shorter ones'.
--- If they went missing (eviction), the longest is rebuilt once from the costs.
+-- Reads the bucket table too. If the totals went missing (eviction), the
+-- longest is rebuilt once from the log.
 local function read_total()
-  local raw = redis.call('HGET', COSTS, TOTAL)
+  local m = redis.call('HMGET', META, 't', 'l', 's')
+  SIZE, SPLIT = tonumber(m[2]) or 1, tonumber(m[3]) or 0
+  local raw = m[1]
   if raw then
     local used = tonumber(raw)
     if used then
@@ -145,17 +380,12 @@ local function read_total()
       return tonumber(first), rest, false
     end
   end
-  local sum = 0
-  for _, c in ipairs(redis.call('HVALS', COSTS)) do
-    if tonumber(c) then
-      sum = sum + tonumber(c)
-    end
-  end
+  local sum = sum_between('-', '+')
   return sum, nil, sum > 0
 end
 
--- Writes the totals; with `request`, also that event's cost (one HSET).
-local function write_total(used, request, cost)
+-- Writes the totals.
+local function write_total(used)
   if used < 0 then
     used = 0
   end
@@ -171,11 +401,7 @@ local function write_total(used, request, cost)
     value = table.concat(parts, ' ')
   end
   SHORTS_STALE = false
-  if request then
-    redis.call('HSET', COSTS, TOTAL, value, request, int(cost))
-  else
-    redis.call('HSET', COSTS, TOTAL, value)
-  end
+  redis.call('HSET', META, 't', value)
   return used
 end
 
@@ -196,54 +422,130 @@ local function unshort(at, cost, now)
   end
 end
 
+-- Drops one event from the log and its index (not from the totals).
+local function drop(ev)
+  redis.call('HDEL', ev.key, ev.field)
+  redis.call('XDEL', LOG, entry_id(ev))
+end
+
+-- Moves up to MIGRATE_BATCH events of the previous layout (oldest first) into
+-- this one; when none is left, drops the previous keys and the totals, which
+-- the next read rebuilds from the log (with the shorter windows' totals).
+-- Returns true when events of the previous layout are left.
+local function migrate()
+  if redis.call('EXISTS', EVENTS, COSTS, OWNERS) == 0 then
+    return false
+  end
+  local m = redis.call('HMGET', META, 'l', 's')
+  SIZE, SPLIT = tonumber(m[1]) or 1, tonumber(m[2]) or 0
+  local batch = redis.call('ZRANGE', EVENTS, 0, MIGRATE_BATCH - 1, 'WITHSCORES')
+  local ids = {}
+  for i = 1, #batch, 2 do
+    ids[#ids + 1] = batch[i]
+  end
+  if #ids > 0 then
+    local costs = redis.call('HMGET', COSTS, unpack(ids))
+    local owners = redis.call('HMGET', OWNERS, unpack(ids))
+    for k, id in ipairs(ids) do
+      local cost = tonumber(costs[k])
+      if cost then
+        local o, state, est = nil, 'r', nil
+        if owners[k] then
+          local st, nonce, deadline, op, fp, e = string.match(owners[k], '^(%S+) (%S+) (%S+) (%S+) (%S+) ?(%d*)$')
+          if st then
+            o = { nonce = nonce, deadline = tonumber(deadline), op = op, fp = fp }
+            state, est = st, tonumber(e)
+          end
+        end
+        local at = tonumber(batch[2 * k])
+        local sid = redis.pcall('XADD', LOG, int(at) .. '-*', 'r', pack_record(id, o))
+        if type(sid) ~= 'string' then
+          sid = redis.call('XADD', LOG, '*', 'r', pack_record(id, o))
+        end
+        local ms, seq = string.match(sid, '^(%d+)-(%d+)$')
+        local ev = { at = tonumber(ms), seq = tonumber(seq), state = state, cost = cost, estimate = est }
+        local dig, h = digest(id)
+        local key = bucket_key(h)
+        if redis.call('HSETNX', key, dig, pack_value(ev)) == 0 then
+          redis.call('HSET', key, LONG .. id, pack_value(ev))
+        end
+        redis.call('PEXPIRE', key, int(WINDOW))
+        grow()
+      end
+    end
+    redis.call('ZREM', EVENTS, unpack(ids))
+    redis.call('HDEL', COSTS, unpack(ids))
+    redis.call('HDEL', OWNERS, unpack(ids))
+    redis.call('PEXPIRE', LOG, int(WINDOW))
+  end
+  if redis.call('ZCARD', EVENTS) > 0 then
+    return true
+  end
+  redis.call('DEL', EVENTS, COSTS, OWNERS)
+  redis.call('HDEL', META, 't')
+  return false
+end
+
 -- Brings every window to `now`: subtracts what left each shorter window since its
 -- cursor, drops events at or past the longest window (time + window <= now), and
 -- releases charges still held past their hold (their submission died before a
 -- job claimed them). Each event leaves each window once, so the cost is
 -- amortised O(log n) per call whatever the number of live events. Returns the
--- longest window's total.
+-- longest window's total. A user still in the previous layout is moved first.
 local function expire(now, limits)
+  if migrate() then
+    error({ err = 'TOLLGATE_MIGRATING events of the previous layout are left: call again' })
+  end
   local used, shorts, changed = read_total()
   load_shorts(shorts, limits, now)
   changed = changed or SHORTS_STALE
   for _, s in ipairs(SHORTS) do
     local edge = now - s.window
     if edge > s.cursor then
-      local left = sum_between('(' .. int(s.cursor), int(edge))
+      local left = sum_between(int(s.cursor + 1), int(edge))
       if left > 0 then
         s.total, s.cursor, changed = s.total - left, edge, true
       end
     end
   end
-  local window = limits[1].window
-  for _, source in ipairs({ { EVENTS, now - window, false }, { HOLDS, now, true } }) do
-    while true do
-      local ids = redis.call('ZRANGE', source[1], '-inf', source[2], 'BYSCORE', 'LIMIT', 0, BATCH)
-      if #ids == 0 then
-        break
-      end
-      -- Released holds may still be inside a shorter window; expired events are not.
-      local ats = (source[3] and (#SHORTS > 0 or EXPORT > 0))
-        and redis.call('ZMSCORE', EVENTS, unpack(ids)) or {}
-      for k, c in ipairs(redis.call('HMGET', COSTS, unpack(ids))) do
-        if c then
-          used = used - tonumber(c)
-          unshort(tonumber(ats[k]), tonumber(c), now)
-          if source[3] then
-            -- A released hold is a refund; an event leaving the window is not a change.
-            export('refund', ids[k], tonumber(c), tonumber(ats[k]))
-          end
-        end
-      end
-      redis.call('HDEL', COSTS, unpack(ids))
-      redis.call('ZREM', EVENTS, unpack(ids))
-      redis.call('HDEL', OWNERS, unpack(ids))
-      redis.call('ZREM', HOLDS, unpack(ids))
-      changed = true
+  while true do
+    local batch = redis.call('XRANGE', LOG, '-', int(now - WINDOW), 'COUNT', BATCH)
+    if #batch == 0 then
+      break
     end
+    local sids = {}
+    for _, e in ipairs(batch) do
+      local ev = at_entry(e[1], e[2][2])
+      if ev then
+        used = used - ev.cost
+        redis.call('HDEL', ev.key, ev.field)
+      end
+      sids[#sids + 1] = e[1]
+    end
+    redis.call('XDEL', LOG, unpack(sids))
+    changed = true
+  end
+  while true do
+    local ids = redis.call('ZRANGE', HOLDS, '-inf', now, 'BYSCORE', 'LIMIT', 0, BATCH)
+    if #ids == 0 then
+      break
+    end
+    for _, id in ipairs(ids) do
+      local ev = find(id)
+      if ev then
+        -- A released hold is a refund; an event leaving the window is not a change.
+        used = used - ev.cost
+        unshort(ev.at, ev.cost, now)
+        export('refund', id, ev.cost, ev.at)
+        drop(ev)
+      end
+    end
+    redis.call('ZREM', HOLDS, unpack(ids))
+    changed = true
   end
   if changed then
     used = write_total(used)
+    redis.call('PEXPIRE', META, int(WINDOW))
   end
   return used
 end
@@ -270,28 +572,26 @@ end
 -- until their costs free enough room (0: it fits). Terminates within the log
 -- because cost <= limit; returns a full window if the total and the log disagree.
 local function retry_after(k, l, used, cost, now)
-  local need, freed, offset = window_used(k, used) + cost - l.limit, 0, 0
+  local need, freed = window_used(k, used) + cost - l.limit, 0
   if need <= 0 then
     return 0
   end
+  local start = int(now - l.window + 1)
   while true do
-    local batch = redis.call('ZRANGE', EVENTS, '(' .. int(now - l.window), '+inf', 'BYSCORE',
-      'LIMIT', offset, BATCH, 'WITHSCORES')
-    if #batch == 0 then
-      break
-    end
-    local ids = {}
-    for i = 1, #batch, 2 do
-      ids[#ids + 1] = batch[i]
-    end
-    local costs = redis.call('HMGET', COSTS, unpack(ids))
-    for j = 1, #ids do
-      freed = freed + (tonumber(costs[j]) or 0)
-      if freed >= need then
-        return tonumber(batch[2 * j]) + l.window - now
+    local batch = redis.call('XRANGE', LOG, start, '+', 'COUNT', BATCH)
+    for _, e in ipairs(batch) do
+      local ev = at_entry(e[1], e[2][2])
+      if ev then
+        freed = freed + ev.cost
+        if freed >= need then
+          return ev.at + l.window - now
+        end
       end
     end
-    offset = offset + BATCH
+    if #batch < BATCH then
+      break
+    end
+    start = '(' .. batch[#batch][1]
   end
   return l.window
 end
@@ -302,16 +602,10 @@ end
 local function push_windows(out, limits, used, now, cost)
   out[#out + 1] = #limits
   for k, l in ipairs(limits) do
-    local oldest
-    if k == 1 then
-      oldest = redis.call('ZRANGE', EVENTS, 0, 0, 'WITHSCORES')
-    else
-      oldest = redis.call('ZRANGE', EVENTS, '(' .. int(now - l.window), '+inf', 'BYSCORE',
-        'LIMIT', 0, 1, 'WITHSCORES')
-    end
+    local oldest = redis.call('XRANGE', LOG, k == 1 and '-' or int(now - l.window + 1), '+', 'COUNT', 1)
     local reset = -1
     if #oldest > 0 then
-      reset = tonumber(oldest[2]) + l.window - now
+      reset = tonumber(string.match(oldest[1][1], '^(%d+)')) + l.window - now
     end
     out[#out + 1] = window_used(k, used)
     out[#out + 1] = l.limit
@@ -322,48 +616,42 @@ local function push_windows(out, limits, used, now, cost)
   return out
 end
 
--- Removes one event; returns its cost, or nil when it is not live.
-local function remove(request, used, now)
-  local c = redis.call('HGET', COSTS, request)
-  if not c then
-    return nil, used
-  end
-  c = tonumber(c)
+-- Removes one live event (from `find`); returns the total after.
+local function remove(ev, used, now)
   if #SHORTS > 0 or EXPORT > 0 then
-    local at = tonumber(redis.call('ZSCORE', EVENTS, request))
-    unshort(at, c, now)
-    export('refund', request, c, at)
+    unshort(ev.at, ev.cost, now)
+    export('refund', ev.rec.id, ev.cost, ev.at)
   end
-  redis.call('HDEL', COSTS, request)
-  redis.call('ZREM', EVENTS, request)
-  redis.call('HDEL', OWNERS, request)
-  redis.call('ZREM', HOLDS, request)
-  return c, write_total(used - c)
+  drop(ev)
+  redis.call('ZREM', HOLDS, ev.rec.id)
+  return write_total(used - ev.cost)
 end
 
--- The owner record of a charge: state, nonce, deadline, operation, fingerprint,
--- and the estimate of a settled charge.
-local function owner(request)
-  local o = redis.call('HGET', OWNERS, request)
-  if not o then
-    return nil
+-- Records a spend event of `cost` at `now` (inside every window); `o`: the
+-- owner of a charge (nonce, deadline, op, fp), held by its submission. The keys
+-- expire with it, so an idle user leaves nothing behind. Returns the total
+-- and the event's time: now, or the log's last time if the clock went back.
+local function record(request, cost, now, limits, used, o)
+  local packed = pack_record(request, o)
+  local sid = redis.pcall('XADD', LOG, int(now) .. '-*', 'r', packed)
+  if type(sid) ~= 'string' then
+    sid = redis.call('XADD', LOG, '*', 'r', packed)
   end
-  local state, nonce, deadline, op, fp, est = string.match(o, '^(%S+) (%S+) (%S+) (%S+) (%S+) ?(%d*)$')
-  return { state = state, nonce = nonce, deadline = tonumber(deadline), op = op, fp = fp,
-    estimate = tonumber(est) }
-end
-
--- Records a spend event of `cost` at `now` (inside every window); the keys
--- expire with it, so an idle user leaves nothing behind.
-local function record(request, cost, now, limits, used, op)
-  redis.call('ZADD', EVENTS, int(now), request)
-  export('spend', request, cost, now, nil, op)
+  local ms, seq = string.match(sid, '^(%d+)-(%d+)$')
+  local ev = { at = tonumber(ms), seq = tonumber(seq), state = o and 'h' or 'r', cost = cost }
+  local dig, h = digest(request)
+  local key = bucket_key(h)
+  if redis.call('HSETNX', key, dig, pack_value(ev)) == 0 then
+    redis.call('HSET', key, LONG .. request, pack_value(ev))
+  end
+  export('spend', request, cost, ev.at, nil, o and o.op)
   for _, s in ipairs(SHORTS) do
     s.total = s.total + cost
   end
-  used = write_total(used + cost, request, cost)
-  for _, key in ipairs({ EVENTS, COSTS, OWNERS, HOLDS }) do
-    redis.call('PEXPIRE', key, int(limits[1].window))
+  used = write_total(used + cost)
+  for _, k in ipairs({ LOG, META, key, HOLDS }) do
+    redis.call('PEXPIRE', k, int(limits[1].window))
   end
-  return used
+  grow()
+  return used, ev.at
 end

@@ -29,9 +29,13 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     let keys = KeySpace::new(&prefix).unwrap().budget(&u);
     let mut conn = raw(&server).await;
     let all: Vec<String> = conn.keys(format!("{prefix}:*")).await.unwrap();
-    assert_eq!(all.len(), 4, "events, costs, plan, audit: {all:?}");
+    assert_eq!(
+        all.len(),
+        5,
+        "log, meta, one index bucket, plan, audit: {all:?}"
+    );
     assert!(all.iter().all(|k| k.contains("{u:idle}")), "{all:?}");
-    for key in [&keys.events, &keys.costs] {
+    for key in [&keys.log, &keys.meta, &keys.bucket(0)] {
         let ttl: i64 = conn.pttl(key).await.unwrap();
         assert!(ttl > 0 && ttl <= WINDOW.as_millis() as i64, "{key}: {ttl}");
     }
@@ -177,7 +181,7 @@ async fn a_lost_running_total_is_rebuilt() {
     ledger.reserve(&u, &rid("b"), 5).await.unwrap();
     let keys = KeySpace::new(&prefix).unwrap().budget(&u);
     let mut conn = raw(&server).await;
-    let _: i64 = conn.hdel(&keys.costs, ":total").await.unwrap();
+    let _: i64 = conn.hdel(&keys.meta, "t").await.unwrap();
     match ledger.reserve(&u, &rid("c"), 2).await.unwrap() {
         ReserveOutcome::Denied(d) => assert_eq!(d.used, 9),
         other => panic!("the rebuilt total must still deny: {other:?}"),
@@ -200,5 +204,247 @@ async fn an_unreachable_redis_fails_closed_and_fast() {
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "bounded by the call timeout"
+    );
+}
+
+/// The budget scripts of the previous key layout (a sorted set of events, a
+/// hash of costs, a hash of charge owners), as they were before the layout
+/// changed: they write the data an upgraded deployment finds.
+mod legacy {
+    pub const LIB: &str = include_str!("legacy/budget.lua");
+    pub const RESERVE: &str = include_str!("legacy/reserve.lua");
+    pub const CHARGE: &str = include_str!("legacy/charge.lua");
+}
+
+/// Data written by the previous version keeps working: the first call for the
+/// user moves its events (2,000 per script call, so this user takes two) into
+/// the current layout, with their times, costs, operations, owners and
+/// estimates, and both windows' totals.
+#[tokio::test]
+async fn events_of_the_previous_layout_are_moved_on_first_touch() {
+    use std::sync::Arc;
+    use tollgate_core::{
+        config::Config,
+        ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, RefundOutcome},
+    };
+    use tollgate_redis::{ledger::RedisLedger, pool::PoolOptions, scripts::PlanArgs};
+    const CONF: &str = r#"
+default_plan = "two"
+[plans.two]
+limits = [{ limit = 1000000, window = "12h" }, { limit = 1000000, window = "1h" }]
+"#;
+    let config = Arc::new(Config::parse(CONF, "legacy").unwrap());
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let u = user("upgraded");
+    let keys = KeySpace::new(&prefix).unwrap().budget(&u);
+    let mut conn = raw(&server).await;
+    // The ARGV tail as the scripts read it: no export, the one plan.
+    let two = config.default_plan();
+    let plan_args: Vec<String> = vec!["0".into(), two.name.clone(), PlanArgs::limits(two)];
+    let old_keys = [
+        &keys.events,
+        &keys.costs,
+        &keys.plan,
+        &keys.owners,
+        &keys.holds,
+        &keys.audit,
+    ];
+    let reserve = redis::Script::new(&format!("{}\n{}", legacy::LIB, legacy::RESERVE));
+    let charge = redis::Script::new(&format!("{}\n{}", legacy::LIB, legacy::CHARGE));
+    // 2,100 plain reserves of cost 2, pipelined.
+    let mut pipe = redis::pipe();
+    let sha = reserve.get_hash().to_owned();
+    let _: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(format!("{}\n{}", legacy::LIB, legacy::RESERVE))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for i in 0..2100 {
+        pipe.cmd("EVALSHA")
+            .arg(&sha)
+            .arg(6)
+            .arg(&old_keys[..])
+            .arg(format!("old-{i}"))
+            .arg(2)
+            .arg(&plan_args)
+            .ignore();
+    }
+    let () = pipe.query_async(&mut conn).await.unwrap();
+    // Two charges of the api's id shapes: one held, one claimed by its job
+    // and settled (its owner record as claim.lua and settle.lua left it).
+    let uuid = "0f8fad5b-d9cb-469f-a165-70867728950e";
+    let idem = "idem-0123456789abcdef0123456789abcdef";
+    for (id, nonce) in [(uuid, "00112233445566aa"), (idem, "n1")] {
+        let r: Vec<redis::Value> = charge
+            .prepare_invoke()
+            .key(&old_keys[..])
+            .arg(id)
+            .arg(5)
+            .arg(nonce)
+            .arg("llm.structured")
+            .arg("abcdef0123456789abcdef01")
+            .arg(60_000)
+            .arg(1_000)
+            .arg(&plan_args)
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(r.first(), Some(&redis::Value::Int(1)), "{r:?}");
+    }
+    let owner: String = conn.hget(&keys.owners, idem).await.unwrap();
+    let claimed = format!("j{} 5", &owner[1..]);
+    let _: () = conn.hset(&keys.owners, idem, &claimed).await.unwrap();
+    let _: () = conn.hset(&keys.costs, idem, 3).await.unwrap();
+    let total: String = conn.hget(&keys.costs, ":total").await.unwrap();
+    let _: () = conn
+        .hset(&keys.costs, ":total", total.replacen("4210", "4208", 2))
+        .await
+        .unwrap();
+    let times: Vec<(String, u64)> = conn.zrange_withscores(&keys.events, 0, -1).await.unwrap();
+    assert_eq!(times.len(), 2102);
+
+    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
+        .await
+        .unwrap();
+    let ledger = RedisLedger::new(pool, KeySpace::new(&prefix).unwrap(), Arc::clone(&config));
+    let usage = ledger.usage(&u).await.unwrap();
+    assert_eq!(usage.used, 4208, "{:?}", usage.windows);
+    assert_eq!(
+        usage.windows[1].used, 4208,
+        "the shorter window's total is rebuilt"
+    );
+    let listed: Vec<(String, u64)> = usage
+        .events
+        .iter()
+        .map(|e| (e.request_id.as_str().to_owned(), e.at_ms))
+        .collect();
+    assert_eq!(listed, times, "every event, with its time, oldest first");
+    let held = usage
+        .events
+        .iter()
+        .find(|e| e.request_id.as_str() == uuid)
+        .unwrap();
+    assert_eq!(
+        (held.cost, held.operation.as_deref(), held.estimate),
+        (5, Some("llm.structured"), None)
+    );
+    let settled = usage
+        .events
+        .iter()
+        .find(|e| e.request_id.as_str() == idem)
+        .unwrap();
+    assert_eq!(
+        (settled.cost, settled.operation.as_deref(), settled.estimate),
+        (3, Some("llm.structured"), Some(5))
+    );
+    let left: i64 = redis::cmd("EXISTS")
+        .arg(&keys.events)
+        .arg(&keys.costs)
+        .arg(&keys.owners)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the previous layout's keys are gone");
+
+    // The moved events behave as live ones.
+    let again = ledger.reserve(&u, &rid("old-5"), 2).await.unwrap();
+    match again {
+        ReserveOutcome::Allowed(a) => assert!(a.duplicate && a.at_ms == times[5].1, "{a:?}"),
+        other => panic!("{other:?}"),
+    }
+    let req = |nonce| ChargeRequest {
+        cost: 5,
+        nonce,
+        operation: "llm.structured",
+        fingerprint: "abcdef0123456789abcdef01",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(1),
+    };
+    match ledger.charge(&u, &rid(uuid), &req("other")).await.unwrap() {
+        ChargeOutcome::Existing { nonce, claimed, .. } => {
+            assert_eq!((nonce.as_str(), claimed), ("00112233445566aa", false))
+        }
+        other => panic!("{other:?}"),
+    }
+    match ledger.charge(&u, &rid(idem), &req("other")).await.unwrap() {
+        ChargeOutcome::Existing { nonce, claimed, .. } => {
+            assert_eq!((nonce.as_str(), claimed), ("n1", true))
+        }
+        other => panic!("{other:?}"),
+    }
+    let hold_until = usage.now_ms + 120_000;
+    assert_eq!(
+        ledger
+            .claim(&u, &rid(uuid), "00112233445566aa", hold_until)
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed
+    );
+    assert_eq!(
+        ledger.refund(&u, &rid("old-7")).await.unwrap(),
+        RefundOutcome::Refunded {
+            cost: 2,
+            used: 4206
+        }
+    );
+    assert_eq!(
+        ledger.release(&u, &rid(idem), "n1").await.unwrap(),
+        RefundOutcome::Refunded {
+            cost: 3,
+            used: 4203
+        }
+    );
+    let after = ledger.usage(&u).await.unwrap();
+    assert_eq!(
+        (after.used, after.windows[1].used, after.events.len()),
+        (4203, 4203, 2100)
+    );
+}
+
+/// Ids whose digests collide cannot be made on purpose here, so the case
+/// the collision path exists for is forced: a bucket entry under another id's
+/// digest field. Both ids stay separate events.
+#[tokio::test]
+async fn an_id_whose_digest_field_is_taken_is_kept_apart() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let ledger = redis_ledger(&server.url(), &prefix).await;
+    let u = user("collide");
+    ledger.reserve(&u, &rid("first"), 3).await.unwrap();
+    let keys = KeySpace::new(&prefix).unwrap().budget(&u);
+    let mut conn = raw(&server).await;
+    // Copy first's index entry to the digest field of "second" (a new user has
+    // one bucket), as if their digests were equal.
+    let fields: Vec<(Vec<u8>, Vec<u8>)> = conn.hgetall(keys.bucket(0)).await.unwrap();
+    assert_eq!(fields.len(), 1);
+    let hex: String = redis::cmd("EVAL")
+        .arg("return redis.sha1hex(ARGV[1])")
+        .arg(0)
+        .arg("second")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let second: Vec<u8> = (0..6)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let _: () = conn
+        .hset(keys.bucket(0), &second, &fields[0].1)
+        .await
+        .unwrap();
+    // The id check in the log tells the two apart: "second" is recorded beside.
+    assert!(ledger
+        .reserve(&u, &rid("second"), 4)
+        .await
+        .unwrap()
+        .is_allowed());
+    let usage = ledger.usage(&u).await.unwrap();
+    let ids: Vec<&str> = usage.events.iter().map(|e| e.request_id.as_str()).collect();
+    assert_eq!(ids, ["first", "second"]);
+    assert_eq!(usage.used, 7);
+    assert_eq!(
+        ledger.refund(&u, &rid("second")).await.unwrap(),
+        tollgate_core::ledger::RefundOutcome::Refunded { cost: 4, used: 3 }
     );
 }

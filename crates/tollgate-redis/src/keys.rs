@@ -34,23 +34,36 @@ pub struct KeySpace {
     prefix: String,
 }
 
-/// The keys of one user's budget, in the order the budget scripts take them.
+/// The keys of one user's budget, in the order the budget scripts take them
+/// (`lua/lib/budget.lua` describes them). Besides these, the scripts keep the
+/// index buckets `<base>:e:<n>` in the user's slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BudgetKeys {
-    /// Sorted set: request id -> time the tokens were spent (ms).
+    /// The previous layout's sorted set (request id -> time spent), read only to
+    /// move a user to the current layout.
     pub events: String,
-    /// Hash: request id -> cost, and `:total`, the running sum.
+    /// The previous layout's hash of costs and `:total` (moved, then dropped).
     pub costs: String,
     /// String: the user's plan name; never expires.
     pub plan: String,
-    /// Hash: request id -> the owner record of a job's charge (state, nonce,
-    /// deadline, operation, fingerprint); an entry leaves with its event.
+    /// The previous layout's hash of charge owners (moved, then dropped).
     pub owners: String,
     /// Sorted set: request id -> end of the hold of a charge no job has claimed.
     pub holds: String,
     /// Stream: the export of every spend, refund and settle (`[export]`); in
     /// the user's slot, as the budget scripts write it.
     pub audit: String,
+    /// Stream: one entry per live spend event, in time order (ID = time spent).
+    pub log: String,
+    /// Hash: the running totals and the size of the index.
+    pub meta: String,
+}
+
+impl BudgetKeys {
+    /// Hash: index bucket `n` (request id digest -> the event's changing part).
+    pub fn bucket(&self, n: u64) -> String {
+        format!("{}:e:{n}", self.meta.trim_end_matches(":meta"))
+    }
 }
 
 /// The keys of one provider's throttle, sharing the provider's hash tag.
@@ -139,7 +152,7 @@ impl KeySpace {
         &self.prefix
     }
 
-    /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds|audit`
+    /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds|audit|log|meta` (and `e:<n>`)
     pub fn budget(&self, user: &UserId) -> BudgetKeys {
         let base = format!("{}:{SCHEMA}:{{u:{}}}", self.prefix, user);
         BudgetKeys {
@@ -149,6 +162,8 @@ impl KeySpace {
             owners: format!("{base}:owners"),
             holds: format!("{base}:holds"),
             audit: format!("{base}:audit"),
+            log: format!("{base}:log"),
+            meta: format!("{base}:meta"),
         }
     }
 
@@ -329,6 +344,9 @@ mod tests {
         assert_eq!(k.owners, "tg:v1:{u:alice}:owners");
         assert_eq!(k.holds, "tg:v1:{u:alice}:holds");
         assert_eq!(k.audit, "tg:v1:{u:alice}:audit");
+        assert_eq!(k.log, "tg:v1:{u:alice}:log");
+        assert_eq!(k.meta, "tg:v1:{u:alice}:meta");
+        assert_eq!(k.bucket(7), "tg:v1:{u:alice}:e:7");
     }
 
     #[test]

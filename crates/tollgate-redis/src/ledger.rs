@@ -40,6 +40,12 @@ impl std::fmt::Debug for RedisLedger {
     }
 }
 
+/// The error a budget script answers while it moves a user's events from the
+/// previous key layout, and how many such calls a request makes at most (each
+/// moves 2,000 events: 20 million).
+const MIGRATING: &str = "TOLLGATE_MIGRATING";
+const MIGRATE_CALLS: usize = 10_000;
+
 fn to_u64(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
@@ -70,12 +76,23 @@ impl RedisLedger {
         &self.pool
     }
 
+    /// One budget script. A user still in the previous key layout is moved a
+    /// batch of events per call (`lib/budget.lua`'s `migrate`): the script
+    /// answers `TOLLGATE_MIGRATING` until none is left, and is called again.
     async fn script<T: FromRedisValue>(
         &self,
         op: &'static str,
         inv: ScriptInvocation<'_>,
     ) -> Result<T, LedgerError> {
-        Ok(call::script(&self.pool, self.timeout, op, &inv).await?)
+        let mut calls = 0;
+        loop {
+            match call::script(&self.pool, self.timeout, op, &inv).await {
+                Err(e) if calls < MIGRATE_CALLS && e.to_string().contains(MIGRATING) => {
+                    calls += 1;
+                }
+                r => return Ok(r?),
+            }
+        }
     }
 
     async fn command<T: FromRedisValue>(

@@ -67,7 +67,9 @@ fn invocation<'a>(script: &'a Script, keys: &BudgetKeys) -> redis::ScriptInvocat
         .key(&keys.plan)
         .key(&keys.owners)
         .key(&keys.holds)
-        .key(&keys.audit);
+        .key(&keys.audit)
+        .key(&keys.log)
+        .key(&keys.meta);
     inv
 }
 

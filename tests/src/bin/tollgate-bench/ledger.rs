@@ -166,6 +166,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 &keys.owners,
                 &keys.holds,
                 &keys.audit,
+                &keys.log,
+                &keys.meta,
             ],
             &plan_args,
             args.clients,

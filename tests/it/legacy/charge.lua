@@ -1,0 +1,62 @@
+-- charge.lua: the one step that charges a job: check the request against what
+-- its id was first used for, then reserve and record who owns the charge.
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
+--   (see lib/budget.lua)
+-- ARGV[1] request id (the job's id)
+-- ARGV[2] cost (integer >= 1)
+-- ARGV[3] nonce: names this charge; the job created for it carries it, and only
+--         that job can claim or release it
+-- ARGV[4] operation, ARGV[5] fingerprint of the request body
+-- ARGV[6] the job's deadline after now (ms), ARGV[7] hold grace (ms): a charge no
+--         job has claimed by deadline + grace is released
+-- ARGV[8..] export maxlen, then the plan table (lib/budget.lua)
+-- Returns one of
+--   { 1, now_ms, deadline_ms, windows... }    charged, held for its job
+--   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows... }
+--        the same request (operation and fingerprint) is charged already, under
+--        `nonce`; state 'h' (no job has claimed it) or 'j' (its job has)
+--   { 0, now_ms, windows... }                 denied: does not fit (retry_after per window)
+--   { 3, operation }   the id is charged for another operation or body: nothing charged
+--   { 4 }              the id is charged by a plain reserve: nothing charged
+--   { -1, max_cost }   cost can never fit this plan
+-- windows: see push_windows in lib/budget.lua.
+-- A refunded charge is forgotten with its event: the same request then charges anew.
+
+local request, cost, nonce, op, fp = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local deadline_after, grace = tonumber(ARGV[6]), tonumber(ARGV[7])
+if not deadline_after or deadline_after < 1 or not grace or grace < 0
+    or not string.match(nonce, '^%w+$') or not string.match(op, '^%S+$')
+    or not string.match(fp, '^%w+$') then
+  return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
+end
+local _, limits = resolve_plan(8)
+local most = max_cost(limits)
+if not cost or cost < 1 or cost > most then
+  return { -1, most }
+end
+
+local now = now_ms()
+local used = expire(now, limits)
+
+local at = redis.call('ZSCORE', EVENTS, request)
+if at then
+  local o = owner(request)
+  if not o then
+    return { 4 }
+  end
+  if o.op ~= op or o.fp ~= fp then
+    return { 3, o.op }
+  end
+  return push_windows({ 2, now, o.deadline, tonumber(at), o.nonce, o.state }, limits, used, now)
+end
+
+if not fits(limits, used, cost) then
+  return push_windows({ 0, now }, limits, used, now, cost)
+end
+
+local deadline = now + deadline_after
+used = record(request, cost, now, limits, used, op)
+redis.call('HSET', OWNERS, request, table.concat({ 'h', nonce, int(deadline), op, fp }, ' '))
+redis.call('ZADD', HOLDS, int(deadline + grace), request)
+return push_windows({ 1, now, deadline }, limits, used, now)

@@ -1,0 +1,36 @@
+-- reserve.lua: atomically expire, check every limit and record one spend event.
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
+--   (see lib/budget.lua)
+-- ARGV[1] request id
+-- ARGV[2] cost (integer >= 1; checked by the caller too)
+-- ARGV[3..] export maxlen, then the plan table (lib/budget.lua)
+-- Returns one of
+--   { 1, at_ms, now_ms, windows... }   recorded
+--   { 2, at_ms, now_ms, windows... }   already recorded (idempotent retry)
+--   { 0, 0, now_ms, windows... }       denied: does not fit (retry_after per window)
+--   { -1, max_cost }                   cost can never fit this plan
+-- windows: see push_windows in lib/budget.lua.
+-- Idempotent per request id; two requests in one millisecond are two events.
+
+local request, cost = ARGV[1], tonumber(ARGV[2])
+local _, limits = resolve_plan(3)
+local most = max_cost(limits)
+if not cost or cost < 1 or cost > most then
+  return { -1, most }
+end
+
+local now = now_ms()
+local used = expire(now, limits)
+
+local at = redis.call('ZSCORE', EVENTS, request)
+if at then
+  return push_windows({ 2, tonumber(at), now }, limits, used, now)
+end
+
+if not fits(limits, used, cost) then
+  return push_windows({ 0, 0, now }, limits, used, now, cost)
+end
+
+used = record(request, cost, now, limits, used)
+return push_windows({ 1, now, now }, limits, used, now)
