@@ -67,7 +67,7 @@ pub(crate) const ADMIN: &str = "bench-admin-token-0123456789";
 pub(crate) struct All {
     child: Child,
     pub(crate) base: String,
-    key: String,
+    pub(crate) key: String,
 }
 
 impl Drop for All {

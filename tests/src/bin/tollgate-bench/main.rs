@@ -12,6 +12,7 @@ mod fairness;
 mod jobs;
 mod ledger;
 mod load;
+mod memory;
 mod scale;
 mod stats;
 mod throttle;
@@ -34,6 +35,10 @@ enum Command {
     /// Budget ledger: reserve latency by live events, throughput on both backends,
     /// and the redis-benchmark ceiling for the same script.
     Ledger(ledger::Args),
+    /// Redis memory per live spend event: 100,000 events of one user through the
+    /// ledger scripts (previous and current key layout, side by side), then
+    /// calls through the api; `MEMORY USAGE` of every key of the user.
+    Memory(memory::Args),
     /// Fire reserves at one user from this process and print the counts as JSON
     /// (the multi-process tests run several of these at once).
     Load(load::Args),
@@ -78,6 +83,7 @@ fn main() -> anyhow::Result<()> {
             Command::Api(args) => api::run(args).await,
             Command::Ledger(args) => ledger::run(args).await,
             Command::Load(args) => load::run(args).await,
+            Command::Memory(args) => memory::run(args).await,
             Command::Throttle(args) => throttle::bench(args).await,
             Command::ThrottleWaiters(args) => throttle::waiters(args).await,
             Command::Fairness(args) => fairness::run(args).await,

@@ -1,0 +1,45 @@
+-- claim.lua: a worker about to call the provider takes the charge of its job over
+-- from the submission that made it.
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit
+--   (see lib/budget.lua)
+-- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
+-- ARGV[3] end of the charge's hold (ms): the job's deadline plus the grace it was
+--         charged with
+-- ARGV[4..] export maxlen, then the plan table (lib/budget.lua)
+-- Returns 1 claimed: the job owns its charge (or the charge was taken and has
+-- since left the window: paid), and may call the provider; 0 refused: the charge
+-- is not this job's (the id was charged anew under another nonce, or the hold
+-- ended and the charge was released), and the job must not run.
+-- Idempotent: a job claims again after a worker died.
+
+local request, nonce = ARGV[1], ARGV[2]
+local hold_until = tonumber(ARGV[3])
+if not hold_until then
+  return redis.error_reply('claim: bad hold end')
+end
+local _, limits = resolve_plan(4)
+local now = now_ms()
+expire(now, limits)
+
+local o = owner(request)
+if o then
+  if o.nonce ~= nonce then
+    return 0
+  end
+  if o.state == 'h' then
+    redis.call('HSET', OWNERS, request, table.concat({ 'j', o.nonce, int(o.deadline), o.op, o.fp }, ' '))
+    redis.call('ZREM', HOLDS, request)
+  end
+  return 1
+end
+if redis.call('ZSCORE', EVENTS, request) then
+  -- A plain reserve owns this id.
+  return 0
+end
+-- No live charge. A hold is released only at its end: before that the charge
+-- existed and left the window (paid); after it, it may have been released.
+if now >= hold_until then
+  return 0
+end
+return 1

@@ -1,0 +1,382 @@
+//! The memory bench: Redis bytes per live spend event, counted as `MEMORY USAGE
+//! <key> SAMPLES 0` summed over every key of the user, divided by its live
+//! events. Side by side in one run: the previous key layout (the budget
+//! scripts as they were before the log was packed, kept in
+//! `tests/it/legacy/`) and the current one, through the ledger scripts; then
+//! calls through the api (`tollgate all` on Redis: charge, claim, settle of a
+//! job per call), of this build and of an optional baseline binary.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::bail;
+use redis::aio::MultiplexedConnection;
+use serde_json::json;
+use tollgate_core::{
+    config::Config,
+    id::{RequestId, UserId},
+    ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger},
+};
+use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts::PlanArgs};
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+use crate::api::{All, CONFIG as API_CONFIG};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Live events put in one user's window through the ledger scripts.
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// Calls through the api.
+    #[arg(long, default_value_t = 3_000)]
+    calls: usize,
+    /// Concurrent callers (ledger fills and api calls).
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// Another `tollgate` binary (e.g. a build of the previous layout) whose api
+    /// is measured the same way, before this build's.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
+}
+
+const CONFIG: &str = r#"
+default_plan = "bench"
+[plans.bench]
+limit = 1000000000000000
+window = "12h"
+"#;
+
+/// The budget scripts of the previous layout.
+const LEGACY_LIB: &str = include_str!("../../../it/legacy/budget.lua");
+const LEGACY_RESERVE: &str = include_str!("../../../it/legacy/reserve.lua");
+const LEGACY_CHARGE: &str = include_str!("../../../it/legacy/charge.lua");
+const LEGACY_CLAIM: &str = include_str!("../../../it/legacy/claim.lua");
+
+const OP: &str = "llm.structured";
+
+/// A charge as the api makes it: 16 hex of nonce, 24 of fingerprint.
+fn charge_args(i: usize) -> (String, String) {
+    (
+        format!("{:016x}", i * 7919),
+        format!("{:024x}", i * 104_729),
+    )
+}
+
+/// `MEMORY USAGE ... SAMPLES 0` of every key matching `pattern`: (keys, bytes).
+async fn bytes_of(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Result<(usize, u64)> {
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    let mut total = 0;
+    for k in &keys {
+        let b: Option<u64> = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(k)
+            .arg("SAMPLES")
+            .arg(0)
+            .query_async(conn)
+            .await?;
+        total += b.unwrap_or(0);
+    }
+    Ok((keys.len(), total))
+}
+
+/// `n` events for `user` through the previous layout's scripts (pipelined
+/// EVALSHA): plain reserves, or charges claimed by their job.
+async fn fill_legacy(
+    conn: &mut MultiplexedConnection,
+    keys: &tollgate_redis::keys::BudgetKeys,
+    plan: &[String],
+    n: usize,
+    charges: bool,
+) -> anyhow::Result<()> {
+    let load = |body: &str| format!("{LEGACY_LIB}\n{body}");
+    let mut shas = Vec::new();
+    for body in [LEGACY_RESERVE, LEGACY_CHARGE, LEGACY_CLAIM] {
+        let sha: String = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(load(body))
+            .query_async(conn)
+            .await?;
+        shas.push(sha);
+    }
+    let old = [
+        &keys.events,
+        &keys.costs,
+        &keys.plan,
+        &keys.owners,
+        &keys.holds,
+        &keys.audit,
+    ];
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let mut pipe = redis::pipe();
+        for &i in chunk {
+            let id = RequestId::generate();
+            if charges {
+                let (nonce, fp) = charge_args(i);
+                pipe.cmd("EVALSHA")
+                    .arg(&shas[1])
+                    .arg(6)
+                    .arg(&old[..])
+                    .arg(id.as_str())
+                    .arg(1)
+                    .arg(&nonce)
+                    .arg(OP)
+                    .arg(&fp)
+                    .arg(600_000)
+                    .arg(1_000)
+                    .arg(plan)
+                    .ignore();
+                pipe.cmd("EVALSHA")
+                    .arg(&shas[2])
+                    .arg(6)
+                    .arg(&old[..])
+                    .arg(id.as_str())
+                    .arg(&nonce)
+                    .arg(u64::MAX / 2)
+                    .arg(plan)
+                    .ignore();
+            } else {
+                pipe.cmd("EVALSHA")
+                    .arg(&shas[0])
+                    .arg(6)
+                    .arg(&old[..])
+                    .arg(id.as_str())
+                    .arg(1)
+                    .arg(plan)
+                    .ignore();
+            }
+        }
+        let () = pipe.query_async(conn).await?;
+    }
+    let live: usize = redis::cmd("ZCARD")
+        .arg(&keys.events)
+        .query_async(conn)
+        .await?;
+    if live != n {
+        bail!("previous layout: {live} live events, wanted {n}");
+    }
+    Ok(())
+}
+
+/// `n` events for `user` through [`RedisLedger`]: plain reserves, or charges
+/// claimed by their job.
+async fn fill(
+    ledger: &Arc<RedisLedger>,
+    user: &UserId,
+    n: usize,
+    clients: usize,
+    charges: bool,
+) -> anyhow::Result<()> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..clients {
+        let (ledger, user, next) = (Arc::clone(ledger), user.clone(), Arc::clone(&next));
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    return anyhow::Ok(());
+                }
+                let id = RequestId::generate();
+                if !charges {
+                    ledger.reserve(&user, &id, 1).await?;
+                    continue;
+                }
+                let (nonce, fp) = charge_args(i);
+                let req = ChargeRequest {
+                    cost: 1,
+                    nonce: &nonce,
+                    operation: OP,
+                    fingerprint: &fp,
+                    deadline: Duration::from_secs(600),
+                    grace: Duration::from_secs(1),
+                };
+                let ChargeOutcome::Charged { deadline_ms, .. } =
+                    ledger.charge(&user, &id, &req).await?
+                else {
+                    bail!("bench charge not charged");
+                };
+                if ledger
+                    .claim(&user, &id, &nonce, deadline_ms + 1_000)
+                    .await?
+                    != ClaimOutcome::Claimed
+                {
+                    bail!("bench claim refused");
+                }
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    let live = ledger.usage(user).await?.events.len();
+    if live != n {
+        bail!("{user}: {live} live events, wanted {n}");
+    }
+    Ok(())
+}
+
+fn row(layout: &str, what: &str, n: usize, keys: usize, bytes: u64) {
+    println!(
+        "| {layout} | {what} | {n} | {keys} | {bytes} | {:.1} |",
+        bytes as f64 / n as f64
+    );
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    tollgate_providers::http::install_crypto_provider();
+    let server = RedisServer::start();
+    let url = server.url();
+    let config = Arc::new(Config::parse(CONFIG, "bench")?);
+    let plan = {
+        let p = config.default_plan();
+        vec!["0".to_owned(), p.name.clone(), PlanArgs::limits(p)]
+    };
+    let prefix = random_prefix();
+    let space = KeySpace::new(&prefix)?;
+    let pool = tollgate_redis::pool::connect(
+        &url,
+        &PoolOptions {
+            max_size: 8,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let ledger = Arc::new(RedisLedger::new(pool, space.clone(), Arc::clone(&config)));
+    let mut conn = redis::Client::open(url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let version: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut conn)
+        .await?;
+    let version = version
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .trim()
+        .to_owned();
+    println!(
+        "## Redis memory per live spend event (redis {version}, MEMORY USAGE SAMPLES 0 of every key of the user, UUID request ids)"
+    );
+    println!("| layout | events | live events | keys | bytes | bytes/event |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for charges in [false, true] {
+        let what = if charges {
+            "charges (claimed, op llm.structured)"
+        } else {
+            "reserves"
+        };
+        for legacy in [true, false] {
+            let user = UserId::new(format!(
+                "mem-{}-{}",
+                if legacy { "old" } else { "new" },
+                if charges { "charge" } else { "reserve" }
+            ))?;
+            let keys = space.budget(&user);
+            if legacy {
+                fill_legacy(&mut conn, &keys, &plan, args.events, charges).await?;
+            } else {
+                fill(&ledger, &user, args.events, args.clients, charges).await?;
+            }
+            let (n, bytes) = bytes_of(&mut conn, &format!("{prefix}:v1:{{u:{user}}}*")).await?;
+            row(
+                if legacy { "previous" } else { "current" },
+                what,
+                args.events,
+                n,
+                bytes,
+            );
+        }
+    }
+    drop(conn);
+    drop(server);
+
+    println!();
+    println!(
+        "## through the api: {} sync calls of POST /v1/ops/bench (a job each: charge, claim, settle), {} clients, tollgate all on Redis",
+        args.calls, args.clients
+    );
+    println!("| build | calls | user keys | bytes | bytes/call |");
+    println!("|---|---:|---:|---:|---:|");
+    let dir = std::env::temp_dir().join(format!("tollgate-bench-memory-{}", random_prefix()));
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("bench.toml");
+    std::fs::write(&config, API_CONFIG)?;
+    let mut builds = Vec::new();
+    if let Some(b) = &args.baseline {
+        builds.push(b.clone());
+    }
+    builds.push(workspace_bin("tollgate"));
+    for bin in &builds {
+        let server = RedisServer::start();
+        let prefix = random_prefix();
+        let all = All::start(bin, &config, 64, Some((&server.url(), &prefix)))?;
+        let http = reqwest::Client::new();
+        let url = format!("{}/v1/ops/bench", all.base);
+        let next = Arc::new(AtomicUsize::new(0));
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..args.clients {
+            let (http, url, key, next, calls) = (
+                http.clone(),
+                url.clone(),
+                all.key.clone(),
+                Arc::clone(&next),
+                args.calls,
+            );
+            tasks.spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= calls {
+                        return anyhow::Ok(());
+                    }
+                    let resp = http
+                        .post(&url)
+                        .bearer_auth(&key)
+                        .json(&json!({ "i": i }))
+                        .send()
+                        .await?;
+                    let status = resp.status();
+                    let body = resp.text().await?;
+                    if !status.is_success() {
+                        bail!("call {i}: {status} {body}");
+                    }
+                }
+            });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r??;
+        }
+        let mut conn = redis::Client::open(server.url().as_str())?
+            .get_multiplexed_async_connection()
+            .await?;
+        let (n, bytes) = bytes_of(&mut conn, &format!("{prefix}:v1:{{u:*")).await?;
+        println!(
+            "| {} | {} | {n} | {bytes} | {:.1} |",
+            bin.display(),
+            args.calls,
+            bytes as f64 / args.calls as f64
+        );
+        drop(all);
+        drop(server);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
