@@ -26,6 +26,8 @@ use crate::ledger::{
 const SHARDS: usize = 64;
 /// One shard is swept for idle users every this many operations.
 const SWEEP_EVERY: u64 = 1024;
+/// And every shard at least this often (ms), when operations come by at all.
+pub const FULL_SWEEP_EVERY_MS: u64 = 60_000;
 
 type Shard = Mutex<HashMap<UserId, Arc<Mutex<UserLog>>>>;
 
@@ -36,6 +38,8 @@ pub struct MemoryLedger<C: Clock = SystemClock> {
     hasher: RandomState,
     shards: Box<[Shard]>,
     ops: AtomicU64,
+    /// When an operation next sweeps every shard (clock ms).
+    next_full_sweep: AtomicU64,
 }
 
 /// One user's sliding window log.
@@ -210,6 +214,16 @@ impl UserLog {
         }
     }
 
+    /// Gives back the index maps' capacity once they are mostly empty.
+    fn shrink(&mut self) {
+        if self.index.capacity() > 4 * self.index.len().max(16) {
+            self.index.shrink_to_fit();
+        }
+        if self.owners.capacity() > 4 * self.owners.len().max(16) {
+            self.owners.shrink_to_fit();
+        }
+    }
+
     /// Tokens spent in limit `i`'s window.
     fn used(&self, i: usize) -> u64 {
         match i.checked_sub(1) {
@@ -346,6 +360,7 @@ impl<C: Clock> MemoryLedger<C> {
             hasher: RandomState::new(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             ops: AtomicU64::new(0),
+            next_full_sweep: AtomicU64::new(0),
         }
     }
 
@@ -364,6 +379,23 @@ impl<C: Clock> MemoryLedger<C> {
         let n = self.ops.fetch_add(1, Ordering::Relaxed);
         if n % SWEEP_EVERY == SWEEP_EVERY - 1 {
             self.sweep_shard(((n / SWEEP_EVERY) as usize) % SHARDS);
+        }
+        // However few operations come by, expired users go within a sweep
+        // period: one caller per period sweeps every shard.
+        let now = self.clock.now_ms();
+        let due = self.next_full_sweep.load(Ordering::Relaxed);
+        if now >= due
+            && self
+                .next_full_sweep
+                .compare_exchange(
+                    due,
+                    now + FULL_SWEEP_EVERY_MS,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            self.sweep_expired();
         }
         loop {
             let entry = {
@@ -402,8 +434,14 @@ impl<C: Clock> MemoryLedger<C> {
                 log.retired = true;
                 return false;
             }
+            log.shrink();
             true
         });
+        // A map keeps its capacity when entries leave: give it back once it is
+        // mostly empty, so that a burst of users costs nothing after it expired.
+        if shard.capacity() > 4 * shard.len().max(16) {
+            shard.shrink_to_fit();
+        }
     }
 
     /// Removes the event of `request` (refund and release) when `owns` agrees
@@ -431,6 +469,16 @@ impl<C: Clock> MemoryLedger<C> {
 
     fn plan_of(&self, log: &UserLog) -> &Plan {
         self.config.plan_or_default(log.plan.as_deref())
+    }
+
+    /// Drops every user whose window is empty and who has no stored plan: what
+    /// an idle user leaves behind once its events expired (Redis lets such
+    /// keys expire). Operations call it by themselves once per
+    /// [`FULL_SWEEP_EVERY_MS`]; O(users).
+    pub fn sweep_expired(&self) {
+        for i in 0..SHARDS {
+            self.sweep_shard(i);
+        }
     }
 
     /// Users currently held in memory (for tests and metrics).
@@ -741,5 +789,34 @@ mod tests {
             "only the user with a stored plan stays"
         );
         assert_eq!(ledger.plan(&keeper).await.unwrap(), "pro");
+    }
+
+    #[tokio::test]
+    async fn expired_users_go_within_a_sweep_period_with_little_traffic() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let ledger = MemoryLedger::with_clock(Arc::new(Config::builtin()), Arc::clone(&clock));
+        for i in 0..500 {
+            let u = UserId::new(format!("u{i}")).unwrap();
+            ledger.reserve(&u, &RequestId::generate(), 1).await.unwrap();
+        }
+        clock.advance(Duration::from_secs(13 * 3600));
+        assert_eq!(
+            ledger.resident_users(),
+            500,
+            "nothing swept without an operation"
+        );
+        // One operation past the sweep period, far fewer than the per-operation
+        // sweeper needs to reach every shard.
+        let other = UserId::new("other").unwrap();
+        ledger.usage(&other).await.unwrap();
+        assert_eq!(ledger.resident_users(), 0);
+        // The next period sweeps again.
+        ledger
+            .reserve(&other, &RequestId::generate(), 1)
+            .await
+            .unwrap();
+        clock.advance(Duration::from_secs(13 * 3600));
+        ledger.usage(&UserId::new("third").unwrap()).await.unwrap();
+        assert_eq!(ledger.resident_users(), 0, "a new period sweeps again");
     }
 }
