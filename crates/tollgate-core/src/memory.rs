@@ -46,14 +46,13 @@ pub struct MemoryLedger<C: Clock = SystemClock> {
 #[derive(Default)]
 struct UserLog {
     plan: Option<String>,
-    /// (at_ms, seq) -> (request, cost); `seq` keeps two events of one
-    /// millisecond apart and in arrival order.
-    events: BTreeMap<(u64, u64), (RequestId, u64)>,
-    index: HashMap<RequestId, (u64, u64)>,
-    /// Who owns each job's charge (`charge`); plain reserves have none.
-    owners: HashMap<RequestId, Owner>,
+    /// (at_ms, seq) -> the event; `seq` keeps two events of one millisecond
+    /// apart and in arrival order.
+    events: BTreeMap<(u64, u64), Event>,
+    /// request -> its key in `events`. The id's text is shared with the event.
+    index: HashMap<Arc<str>, (u64, u64)>,
     /// (end of hold, seq) -> request: charges no job has claimed yet.
-    holds: BTreeMap<(u64, u64), RequestId>,
+    holds: BTreeMap<(u64, u64), Arc<str>>,
     /// Running sum of live costs (the longest window's): no call sums the log.
     total: u64,
     /// The running totals of the plan's shorter windows.
@@ -69,12 +68,20 @@ struct UserLog {
     retired: bool,
 }
 
+/// One live spend event.
+struct Event {
+    request: Arc<str>,
+    cost: u64,
+    /// Who owns a job's charge (`charge`); plain reserves have none.
+    owner: Option<Box<Owner>>,
+}
+
 /// The owner record of a job's charge (the `owners` hash of `lua/lib/budget.lua`).
 struct Owner {
-    nonce: String,
+    nonce: Box<str>,
     deadline_ms: u64,
-    operation: String,
-    fingerprint: String,
+    operation: Box<str>,
+    fingerprint: Box<str>,
     /// The key in `holds` while no job has claimed the charge.
     hold: Option<(u64, u64)>,
     /// The cost charged up front, once the charge was settled to the actual.
@@ -89,7 +96,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The subject of one exported change.
 struct Change<'a> {
-    request: &'a RequestId,
+    request: &'a str,
     cost: u64,
     previous: Option<u64>,
     at: u64,
@@ -128,7 +135,7 @@ impl UserLog {
                 break;
             }
             // Leaving the window is not a change: nothing is exported.
-            let (request, _) = entry.get().clone();
+            let request = Arc::clone(&entry.get().request);
             self.take(&request, now);
         }
         while let Some(entry) = self.holds.first_entry() {
@@ -149,7 +156,7 @@ impl UserLog {
             *shorts = wanted
                 .map(|window| Short {
                     window,
-                    total: events.range(inside(now, window)).map(|(_, e)| e.1).sum(),
+                    total: events.range(inside(now, window)).map(|(_, e)| e.cost).sum(),
                     cursor: now.saturating_sub(window),
                 })
                 .collect();
@@ -162,7 +169,7 @@ impl UserLog {
                     Bound::Excluded((s.cursor, u64::MAX)),
                     Bound::Included((edge, u64::MAX)),
                 ));
-                s.total = s.total.saturating_sub(left.map(|(_, e)| e.1).sum());
+                s.total = s.total.saturating_sub(left.map(|(_, e)| e.cost).sum());
                 s.cursor = edge;
             }
         }
@@ -183,7 +190,7 @@ impl UserLog {
         self.exported.push_back(ExportEntry {
             id: format!("{ms}-{seq}"),
             kind,
-            request_id: e.request.clone(),
+            request_id: RequestId::from_kept(e.request),
             cost: e.cost,
             previous_cost: e.previous,
             spent_at_ms: e.at,
@@ -195,9 +202,16 @@ impl UserLog {
     }
 
     /// Records a spend event of `cost` at `now`: it is inside every window.
-    fn record(&mut self, request: &RequestId, cost: u64, now: u64, operation: Option<&str>) {
+    fn record(
+        &mut self,
+        request: &RequestId,
+        cost: u64,
+        now: u64,
+        operation: Option<&str>,
+        owner: Option<Box<Owner>>,
+    ) {
         let change = Change {
-            request,
+            request: request.as_str(),
             cost,
             previous: None,
             at: now,
@@ -206,22 +220,43 @@ impl UserLog {
         self.export(now, ChangeKind::Spend, change);
         self.seq += 1;
         let key = (now, self.seq);
-        self.events.insert(key, (request.clone(), cost));
-        self.index.insert(request.clone(), key);
+        let request: Arc<str> = Arc::from(request.as_str());
+        self.index.insert(Arc::clone(&request), key);
+        self.events.insert(
+            key,
+            Event {
+                request,
+                cost,
+                owner,
+            },
+        );
         self.total += cost;
         for s in &mut self.shorts {
             s.total += cost;
         }
     }
 
-    /// Gives back the index maps' capacity once they are mostly empty.
+    /// Gives back the index's capacity once it is mostly empty.
     fn shrink(&mut self) {
         if self.index.capacity() > 4 * self.index.len().max(16) {
             self.index.shrink_to_fit();
         }
-        if self.owners.capacity() > 4 * self.owners.len().max(16) {
-            self.owners.shrink_to_fit();
-        }
+    }
+
+    /// The live event of `request`, with its key.
+    fn event(&self, request: &str) -> Option<((u64, u64), &Event)> {
+        let key = *self.index.get(request)?;
+        self.events.get(&key).map(|e| (key, e))
+    }
+
+    /// The owner record of `request`'s charge (`None`: not live, or a plain reserve).
+    fn owner(&self, request: &str) -> Option<&Owner> {
+        self.event(request).and_then(|(_, e)| e.owner.as_deref())
+    }
+
+    fn owner_mut(&mut self, request: &str) -> Option<&mut Owner> {
+        let key = self.index.get(request)?;
+        self.events.get_mut(key)?.owner.as_deref_mut()
     }
 
     /// Tokens spent in limit `i`'s window.
@@ -259,8 +294,8 @@ impl UserLog {
             return 0;
         }
         let mut freed = 0;
-        for ((at, _), (_, c)) in self.events.range(inside(now, w)) {
-            freed += c;
+        for ((at, _), e) in self.events.range(inside(now, w)) {
+            freed += e.cost;
             if freed >= need {
                 return (at + w).saturating_sub(now);
             }
@@ -276,6 +311,7 @@ impl UserLog {
         limits: &[Limit],
         now: u64,
         operation: Option<&str>,
+        owner: Option<Box<Owner>>,
     ) -> Result<Allowed, Denied> {
         let fits = limits
             .iter()
@@ -289,15 +325,15 @@ impl UserLog {
                 .collect();
             return Err(Denied::new(self.windows(limits, now), &retry, now));
         }
-        self.record(request, cost, now, operation);
+        self.record(request, cost, now, operation, owner);
         Ok(Allowed::new(self.windows(limits, now), now, now, false))
     }
 
     /// Changes the cost of a live event (`key`) in every window it is inside.
     fn recost(&mut self, key: (u64, u64), cost: u64, now: u64) -> Option<u64> {
         let slot = self.events.get_mut(&key)?;
-        let previous = std::mem::replace(&mut slot.1, cost);
-        let request = slot.0.clone();
+        let previous = std::mem::replace(&mut slot.cost, cost);
+        let request = Arc::clone(&slot.request);
         let change = Change {
             request: &request,
             cost,
@@ -316,7 +352,7 @@ impl UserLog {
     }
 
     /// Removes a live event before it left the window (a refund): exported.
-    fn remove(&mut self, request: &RequestId, now: u64) -> Option<u64> {
+    fn remove(&mut self, request: &str, now: u64) -> Option<u64> {
         let (at, cost) = self.take(request, now)?;
         let change = Change {
             request,
@@ -330,12 +366,12 @@ impl UserLog {
     }
 
     /// Removes an event; returns its time and cost.
-    fn take(&mut self, request: &RequestId, now: u64) -> Option<(u64, u64)> {
-        if let Some(hold) = self.owners.remove(request).and_then(|o| o.hold) {
+    fn take(&mut self, request: &str, now: u64) -> Option<(u64, u64)> {
+        let key = self.index.remove(request)?;
+        let Event { cost, owner, .. } = self.events.remove(&key)?;
+        if let Some(hold) = owner.and_then(|o| o.hold) {
             self.holds.remove(&hold);
         }
-        let key = self.index.remove(request)?;
-        let (_, cost) = self.events.remove(&key)?;
         self.total = self.total.saturating_sub(cost);
         for s in &mut self.shorts {
             if key.0.saturating_add(s.window) > now {
@@ -454,10 +490,10 @@ impl<C: Clock> MemoryLedger<C> {
     ) -> RefundOutcome {
         self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
-            if !owns(log.owners.get(request)) {
+            if !owns(log.owner(request.as_str())) {
                 return RefundOutcome::NotFound { used: log.total };
             }
-            match log.remove(request, now) {
+            match log.remove(request.as_str(), now) {
                 Some(cost) => RefundOutcome::Refunded {
                     cost,
                     used: log.total,
@@ -515,7 +551,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 });
             }
             log.expire(now, limits);
-            if let Some(&(at, _)) = log.index.get(request) {
+            if let Some(&(at, _)) = log.index.get(request.as_str()) {
                 return Ok(ReserveOutcome::Allowed(Allowed::new(
                     log.windows(limits, now),
                     at,
@@ -523,7 +559,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     true,
                 )));
             }
-            Ok(match log.admit(request, cost, limits, now, None) {
+            Ok(match log.admit(request, cost, limits, now, None, None) {
                 Ok(a) => ReserveOutcome::Allowed(a),
                 Err(d) => ReserveOutcome::Denied(d),
             })
@@ -549,11 +585,11 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         }
         Ok(self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
-            let Some(&key) = log.index.get(request) else {
+            let Some(&key) = log.index.get(request.as_str()) else {
                 return SettleOutcome::NotFound { used: log.total };
             };
             if actual_cost == 0 {
-                let previous_cost = log.remove(request, now).unwrap_or(0);
+                let previous_cost = log.remove(request.as_str(), now).unwrap_or(0);
                 return SettleOutcome::Settled {
                     previous_cost,
                     cost: 0,
@@ -581,15 +617,17 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         validate_cost(actual_cost)?;
         Ok(self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
-            let owned = log.owners.get(request).is_some_and(|o| o.nonce == nonce);
-            let key = log.index.get(request).copied();
+            let owned = log
+                .owner(request.as_str())
+                .is_some_and(|o| &*o.nonce == nonce);
+            let key = log.index.get(request.as_str()).copied();
             let (true, Some(key)) = (owned, key) else {
                 return SettleOutcome::NotFound { used: log.total };
             };
             let Some(previous_cost) = log.recost(key, actual_cost, now) else {
                 return SettleOutcome::NotFound { used: log.total };
             };
-            if let Some(o) = log.owners.get_mut(request) {
+            if let Some(o) = log.owner_mut(request.as_str()) {
                 o.estimate.get_or_insert(previous_cost);
             }
             SettleOutcome::Settled {
@@ -607,12 +645,12 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             let events = log
                 .events
                 .iter()
-                .map(|((at, _), (request, cost))| SpendEvent {
-                    request_id: request.clone(),
-                    cost: *cost,
+                .map(|((at, _), e)| SpendEvent {
+                    request_id: RequestId::from_kept(&e.request),
+                    cost: e.cost,
                     at_ms: *at,
-                    operation: log.owners.get(request).map(|o| o.operation.clone()),
-                    estimate: log.owners.get(request).and_then(|o| o.estimate),
+                    operation: e.owner.as_ref().map(|o| o.operation.to_string()),
+                    estimate: e.owner.as_ref().and_then(|o| o.estimate),
                 })
                 .collect();
             Usage::new(
@@ -642,17 +680,17 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 });
             }
             log.expire(now, limits);
-            if let Some(&(at, _)) = log.index.get(request) {
-                let Some(o) = log.owners.get(request) else {
+            if let Some(((at, _), e)) = log.event(request.as_str()) {
+                let Some(o) = e.owner.as_deref() else {
                     return Ok(ChargeOutcome::Conflict { operation: None });
                 };
-                if o.operation != charge.operation || o.fingerprint != charge.fingerprint {
+                if &*o.operation != charge.operation || &*o.fingerprint != charge.fingerprint {
                     return Ok(ChargeOutcome::Conflict {
-                        operation: Some(o.operation.clone()),
+                        operation: Some(o.operation.to_string()),
                     });
                 }
                 let (nonce, deadline_ms, claimed) =
-                    (o.nonce.clone(), o.deadline_ms, o.hold.is_none());
+                    (o.nonce.to_string(), o.deadline_ms, o.hold.is_none());
                 return Ok(ChargeOutcome::Existing {
                     allowed: Allowed::new(log.windows(limits, now), at, now, true),
                     nonce,
@@ -660,28 +698,29 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     claimed,
                 });
             }
-            let allowed = match log.admit(request, cost, limits, now, Some(charge.operation)) {
-                Ok(a) => a,
-                Err(d) => return Ok(ChargeOutcome::Denied(d)),
-            };
             let deadline_ms = now.saturating_add(crate::job::millis(charge.deadline));
             log.seq += 1;
             let hold = (
                 deadline_ms.saturating_add(crate::job::millis(charge.grace)),
                 log.seq,
             );
-            log.holds.insert(hold, request.clone());
-            log.owners.insert(
-                request.clone(),
-                Owner {
-                    nonce: charge.nonce.to_owned(),
-                    deadline_ms,
-                    operation: charge.operation.to_owned(),
-                    fingerprint: charge.fingerprint.to_owned(),
-                    hold: Some(hold),
-                    estimate: None,
-                },
-            );
+            let owner = Box::new(Owner {
+                nonce: charge.nonce.into(),
+                deadline_ms,
+                operation: charge.operation.into(),
+                fingerprint: charge.fingerprint.into(),
+                hold: Some(hold),
+                estimate: None,
+            });
+            let operation = Some(charge.operation);
+            let allowed = match log.admit(request, cost, limits, now, operation, Some(owner)) {
+                Ok(a) => a,
+                Err(d) => return Ok(ChargeOutcome::Denied(d)),
+            };
+            if let Some((kept, _)) = log.index.get_key_value(request.as_str()) {
+                let kept = Arc::clone(kept);
+                log.holds.insert(hold, kept);
+            }
             Ok(ChargeOutcome::Charged {
                 allowed,
                 deadline_ms,
@@ -698,8 +737,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     ) -> Result<ClaimOutcome, LedgerError> {
         Ok(self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
-            if let Some(o) = log.owners.get_mut(request) {
-                if o.nonce != nonce {
+            if let Some(o) = log.owner_mut(request.as_str()) {
+                if &*o.nonce != nonce {
                     return ClaimOutcome::Refused;
                 }
                 if let Some(hold) = o.hold.take() {
@@ -711,7 +750,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             // hold is released only at its end; before that, a charge that is
             // gone left the window (paid).
             let released = now >= hold_until_ms;
-            if log.index.contains_key(request) || released {
+            if log.index.contains_key(request.as_str()) || released {
                 ClaimOutcome::Refused
             } else {
                 ClaimOutcome::Claimed
@@ -726,7 +765,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         nonce: &str,
     ) -> Result<RefundOutcome, LedgerError> {
         Ok(self.remove_if(user, request, |owner| {
-            owner.is_some_and(|o| o.nonce == nonce)
+            owner.is_some_and(|o| &*o.nonce == nonce)
         }))
     }
 
