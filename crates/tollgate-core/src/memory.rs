@@ -8,7 +8,6 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
-use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -46,11 +45,11 @@ pub struct MemoryLedger<C: Clock = SystemClock> {
 #[derive(Default)]
 struct UserLog {
     plan: Option<String>,
-    /// (at_ms, seq) -> the event; `seq` keeps two events of one millisecond
-    /// apart and in arrival order.
-    events: BTreeMap<(u64, u64), Event>,
-    /// request -> its key in `events`. The id's text is shared with the event.
-    index: HashMap<Arc<str>, (u64, u64)>,
+    /// The live events in time order.
+    events: Log,
+    /// request -> its sequence number in `events`. The id's text is shared
+    /// with the event.
+    index: HashMap<Arc<str>, u64>,
     /// (end of hold, seq) -> request: charges no job has claimed yet.
     holds: BTreeMap<(u64, u64), Arc<str>>,
     /// Running sum of live costs (the longest window's): no call sums the log.
@@ -62,18 +61,118 @@ struct UserLog {
     exported: VecDeque<ExportEntry>,
     export_max: u64,
     export_last: (u64, u64),
+    /// Numbers holds apart.
     seq: u64,
     /// Removed from its shard by the sweeper; a caller holding a stale `Arc`
     /// looks the user up again.
     retired: bool,
 }
 
-/// One live spend event.
+/// One spend event: live, or the hole a removed one left (`request: None`).
 struct Event {
-    request: Arc<str>,
+    at: u64,
+    request: Option<Arc<str>>,
     cost: u64,
     /// Who owns a job's charge (`charge`); plain reserves have none.
     owner: Option<Box<Owner>>,
+}
+
+/// A user's events in time order, each numbered by its position since the
+/// first: a deque, about a third of the memory of a B-tree filled in time
+/// order (whose nodes stay half full). An event removed before its time (a
+/// refund) leaves a hole until the holes reach the front or outnumber the
+/// events, when the owner compacts the log (`UserLog::take`).
+#[derive(Default)]
+struct Log {
+    slots: VecDeque<Event>,
+    /// The sequence number of `slots[0]`.
+    base: u64,
+    holes: usize,
+}
+
+impl Log {
+    fn is_empty(&self) -> bool {
+        self.slots.len() == self.holes
+    }
+
+    fn last_at(&self) -> Option<u64> {
+        self.slots.back().map(|e| e.at)
+    }
+
+    /// Appends an event (at or after the last one's time); returns its number.
+    fn push(&mut self, e: Event) -> u64 {
+        self.slots.push_back(e);
+        self.base + self.slots.len() as u64 - 1
+    }
+
+    fn slot(&self, seq: u64) -> Option<usize> {
+        usize::try_from(seq.checked_sub(self.base)?).ok()
+    }
+
+    fn get(&self, seq: u64) -> Option<&Event> {
+        self.slots
+            .get(self.slot(seq)?)
+            .filter(|e| e.request.is_some())
+    }
+
+    fn get_mut(&mut self, seq: u64) -> Option<&mut Event> {
+        let i = self.slot(seq)?;
+        self.slots.get_mut(i).filter(|e| e.request.is_some())
+    }
+
+    /// Takes a live event out, leaving a hole.
+    fn remove(&mut self, seq: u64) -> Option<Event> {
+        let slot = self.get_mut(seq)?;
+        let hole = Event {
+            at: slot.at,
+            request: None,
+            cost: 0,
+            owner: None,
+        };
+        let e = std::mem::replace(slot, hole);
+        self.holes += 1;
+        while self.slots.front().is_some_and(|e| e.request.is_none()) {
+            self.slots.pop_front();
+            self.base += 1;
+            self.holes -= 1;
+        }
+        Some(e)
+    }
+
+    /// The oldest live event and its number.
+    fn first(&self) -> Option<(u64, &Event)> {
+        // Holes never stay at the front (`remove`).
+        self.slots.front().map(|e| (self.base, e))
+    }
+
+    /// Live events with a time in (lo, hi] (`None`: unbounded), oldest first.
+    fn between(&self, lo: Option<u64>, hi: Option<u64>) -> impl Iterator<Item = &Event> + '_ {
+        let start = lo.map_or(0, |lo| self.slots.partition_point(|e| e.at <= lo));
+        let end = hi.map_or(self.slots.len(), |hi| {
+            self.slots.partition_point(|e| e.at <= hi)
+        });
+        self.slots
+            .range(start..end.max(start))
+            .filter(|e| e.request.is_some())
+    }
+
+    /// Live events inside a window that ends at `now`, oldest first.
+    fn inside(&self, now: u64, window: u64) -> impl Iterator<Item = &Event> + '_ {
+        self.between(now.checked_sub(window), None)
+    }
+
+    /// Drops the holes; calls `renumbered(request, seq)` for every event that
+    /// moved.
+    fn compact(&mut self, mut renumbered: impl FnMut(&Arc<str>, u64)) {
+        self.slots.retain(|e| e.request.is_some());
+        self.slots.shrink_to_fit();
+        self.holes = 0;
+        for (i, e) in self.slots.iter().enumerate() {
+            if let Some(r) = &e.request {
+                renumbered(r, self.base + i as u64);
+            }
+        }
+    }
 }
 
 /// The owner record of a job's charge (the `owners` hash of `lua/lib/budget.lua`).
@@ -112,17 +211,6 @@ struct Short {
     cursor: u64,
 }
 
-/// A range of the log's keys, `(at_ms, seq)`.
-type Span = (Bound<(u64, u64)>, Bound<(u64, u64)>);
-
-/// Events strictly after `now - window`: the range of the log inside the window.
-fn inside(now: u64, window: u64) -> Span {
-    match now.checked_sub(window) {
-        Some(edge) => (Bound::Excluded((edge, u64::MAX)), Bound::Unbounded),
-        None => (Bound::Unbounded, Bound::Unbounded),
-    }
-}
-
 impl UserLog {
     /// Brings every window's total to `now` (subtracting what left the shorter
     /// windows, dropping what left the longest), then releases charges still
@@ -130,12 +218,14 @@ impl UserLog {
     fn expire(&mut self, now: u64, limits: &[Limit]) {
         self.sync_shorts(now, limits);
         let window = limits.first().map_or(0, Limit::window_ms);
-        while let Some(entry) = self.events.first_entry() {
-            if entry.key().0.saturating_add(window) > now {
+        while let Some((_, e)) = self.events.first() {
+            if e.at.saturating_add(window) > now {
                 break;
             }
             // Leaving the window is not a change: nothing is exported.
-            let request = Arc::clone(&entry.get().request);
+            let Some(request) = e.request.clone() else {
+                break; // never: holes do not stay at the front
+            };
             self.take(&request, now);
         }
         while let Some(entry) = self.holds.first_entry() {
@@ -156,7 +246,7 @@ impl UserLog {
             *shorts = wanted
                 .map(|window| Short {
                     window,
-                    total: events.range(inside(now, window)).map(|(_, e)| e.cost).sum(),
+                    total: events.inside(now, window).map(|e| e.cost).sum(),
                     cursor: now.saturating_sub(window),
                 })
                 .collect();
@@ -165,11 +255,8 @@ impl UserLog {
         for s in shorts.iter_mut() {
             let edge = now.saturating_sub(s.window);
             if edge > s.cursor {
-                let left = events.range((
-                    Bound::Excluded((s.cursor, u64::MAX)),
-                    Bound::Included((edge, u64::MAX)),
-                ));
-                s.total = s.total.saturating_sub(left.map(|(_, e)| e.cost).sum());
+                let left = events.between(Some(s.cursor), Some(edge));
+                s.total = s.total.saturating_sub(left.map(|e| e.cost).sum());
                 s.cursor = edge;
             }
         }
@@ -201,7 +288,9 @@ impl UserLog {
         }
     }
 
-    /// Records a spend event of `cost` at `now`: it is inside every window.
+    /// Records a spend event of `cost` at `now` (inside every window); returns
+    /// its time: `now`, or the last event's if the clock went back meanwhile,
+    /// so that the log stays in time order.
     fn record(
         &mut self,
         request: &RequestId,
@@ -209,31 +298,29 @@ impl UserLog {
         now: u64,
         operation: Option<&str>,
         owner: Option<Box<Owner>>,
-    ) {
+    ) -> u64 {
+        let at = self.events.last_at().map_or(now, |last| now.max(last));
         let change = Change {
             request: request.as_str(),
             cost,
             previous: None,
-            at: now,
+            at,
             operation,
         };
         self.export(now, ChangeKind::Spend, change);
-        self.seq += 1;
-        let key = (now, self.seq);
         let request: Arc<str> = Arc::from(request.as_str());
-        self.index.insert(Arc::clone(&request), key);
-        self.events.insert(
-            key,
-            Event {
-                request,
-                cost,
-                owner,
-            },
-        );
+        let seq = self.events.push(Event {
+            at,
+            request: Some(Arc::clone(&request)),
+            cost,
+            owner,
+        });
+        self.index.insert(request, seq);
         self.total += cost;
         for s in &mut self.shorts {
             s.total += cost;
         }
+        at
     }
 
     /// Gives back the index's capacity once it is mostly empty.
@@ -243,10 +330,10 @@ impl UserLog {
         }
     }
 
-    /// The live event of `request`, with its key.
-    fn event(&self, request: &str) -> Option<((u64, u64), &Event)> {
-        let key = *self.index.get(request)?;
-        self.events.get(&key).map(|e| (key, e))
+    /// The live event of `request`, with its number.
+    fn event(&self, request: &str) -> Option<(u64, &Event)> {
+        let seq = *self.index.get(request)?;
+        self.events.get(seq).map(|e| (seq, e))
     }
 
     /// The owner record of `request`'s charge (`None`: not live, or a plain reserve).
@@ -255,8 +342,8 @@ impl UserLog {
     }
 
     fn owner_mut(&mut self, request: &str) -> Option<&mut Owner> {
-        let key = self.index.get(request)?;
-        self.events.get_mut(key)?.owner.as_deref_mut()
+        let seq = *self.index.get(request)?;
+        self.events.get_mut(seq)?.owner.as_deref_mut()
     }
 
     /// Tokens spent in limit `i`'s window.
@@ -276,9 +363,9 @@ impl UserLog {
                 let w = l.window_ms();
                 let reset = self
                     .events
-                    .range(inside(now, w))
+                    .inside(now, w)
                     .next()
-                    .map(|((at, _), _)| (at + w).saturating_sub(now));
+                    .map(|e| (e.at + w).saturating_sub(now));
                 WindowUse::new(l.limit, w, self.used(i), reset)
             })
             .collect()
@@ -294,10 +381,10 @@ impl UserLog {
             return 0;
         }
         let mut freed = 0;
-        for ((at, _), e) in self.events.range(inside(now, w)) {
+        for e in self.events.inside(now, w) {
             freed += e.cost;
             if freed >= need {
-                return (at + w).saturating_sub(now);
+                return (e.at + w).saturating_sub(now);
             }
         }
         w
@@ -325,26 +412,27 @@ impl UserLog {
                 .collect();
             return Err(Denied::new(self.windows(limits, now), &retry, now));
         }
-        self.record(request, cost, now, operation, owner);
-        Ok(Allowed::new(self.windows(limits, now), now, now, false))
+        let at = self.record(request, cost, now, operation, owner);
+        Ok(Allowed::new(self.windows(limits, now), at, now, false))
     }
 
-    /// Changes the cost of a live event (`key`) in every window it is inside.
-    fn recost(&mut self, key: (u64, u64), cost: u64, now: u64) -> Option<u64> {
-        let slot = self.events.get_mut(&key)?;
+    /// Changes the cost of a live event (number `seq`) in every window it is inside.
+    fn recost(&mut self, seq: u64, cost: u64, now: u64) -> Option<u64> {
+        let slot = self.events.get_mut(seq)?;
         let previous = std::mem::replace(&mut slot.cost, cost);
-        let request = Arc::clone(&slot.request);
+        let at = slot.at;
+        let request = slot.request.clone()?;
         let change = Change {
             request: &request,
             cost,
             previous: Some(previous),
-            at: key.0,
+            at,
             operation: None,
         };
         self.export(now, ChangeKind::Settle, change);
         self.total = (self.total + cost).saturating_sub(previous);
         for s in &mut self.shorts {
-            if key.0.saturating_add(s.window) > now {
+            if at.saturating_add(s.window) > now {
                 s.total = (s.total + cost).saturating_sub(previous);
             }
         }
@@ -367,18 +455,30 @@ impl UserLog {
 
     /// Removes an event; returns its time and cost.
     fn take(&mut self, request: &str, now: u64) -> Option<(u64, u64)> {
-        let key = self.index.remove(request)?;
-        let Event { cost, owner, .. } = self.events.remove(&key)?;
+        let seq = self.index.remove(request)?;
+        let Event {
+            at, cost, owner, ..
+        } = self.events.remove(seq)?;
         if let Some(hold) = owner.and_then(|o| o.hold) {
             self.holds.remove(&hold);
         }
         self.total = self.total.saturating_sub(cost);
         for s in &mut self.shorts {
-            if key.0.saturating_add(s.window) > now {
+            if at.saturating_add(s.window) > now {
                 s.total = s.total.saturating_sub(cost);
             }
         }
-        Some((key.0, cost))
+        // Holes outnumbering the events (many refunds): compact, amortised O(1)
+        // per removal, so that refunds never grow the log.
+        if self.events.holes > 64 && self.events.holes > self.index.len() {
+            let index = &mut self.index;
+            self.events.compact(|request, seq| {
+                if let Some(n) = index.get_mut(request) {
+                    *n = seq;
+                }
+            });
+        }
+        Some((at, cost))
     }
 }
 
@@ -551,7 +651,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 });
             }
             log.expire(now, limits);
-            if let Some(&(at, _)) = log.index.get(request.as_str()) {
+            if let Some((_, e)) = log.event(request.as_str()) {
+                let at = e.at;
                 return Ok(ReserveOutcome::Allowed(Allowed::new(
                     log.windows(limits, now),
                     at,
@@ -644,11 +745,12 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             log.expire(now, &plan.limits);
             let events = log
                 .events
-                .iter()
-                .map(|((at, _), e)| SpendEvent {
-                    request_id: RequestId::from_kept(&e.request),
+                .between(None, None)
+                .filter_map(|e| Some((RequestId::from_kept(e.request.as_deref()?), e)))
+                .map(|(request_id, e)| SpendEvent {
+                    request_id,
                     cost: e.cost,
-                    at_ms: *at,
+                    at_ms: e.at,
                     operation: e.owner.as_ref().map(|o| o.operation.to_string()),
                     estimate: e.owner.as_ref().and_then(|o| o.estimate),
                 })
@@ -680,7 +782,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 });
             }
             log.expire(now, limits);
-            if let Some(((at, _), e)) = log.event(request.as_str()) {
+            if let Some((_, e)) = log.event(request.as_str()) {
+                let at = e.at;
                 let Some(o) = e.owner.as_deref() else {
                     return Ok(ChargeOutcome::Conflict { operation: None });
                 };
@@ -828,6 +931,57 @@ mod tests {
             "only the user with a stored plan stays"
         );
         assert_eq!(ledger.plan(&keeper).await.unwrap(), "pro");
+    }
+
+    #[tokio::test]
+    async fn refunds_leave_no_holes_behind() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let ledger = MemoryLedger::with_clock(Arc::new(Config::builtin()), Arc::clone(&clock));
+        let user = UserId::new("u").unwrap();
+        let ids: Vec<RequestId> = (0..1000)
+            .map(|i| RequestId::new(format!("r{i}")).unwrap())
+            .collect();
+        for (i, id) in ids.iter().enumerate() {
+            ledger.reserve(&user, id, 1).await.unwrap();
+            if i % 100 == 99 {
+                clock.advance(Duration::from_millis(5));
+            }
+        }
+        // Refund all but every 100th, oldest last: the holes cannot leave by the front.
+        for (i, id) in ids.iter().enumerate().rev() {
+            if i % 100 != 0 {
+                let out = ledger.refund(&user, id).await.unwrap();
+                assert!(
+                    matches!(out, RefundOutcome::Refunded { cost: 1, .. }),
+                    "{i}: {out:?}"
+                );
+            }
+        }
+        let usage = ledger.usage(&user).await.unwrap();
+        assert_eq!(usage.used, 10);
+        let kept: Vec<_> = usage
+            .events
+            .iter()
+            .map(|e| e.request_id.as_str().to_owned())
+            .collect();
+        let want: Vec<_> = (0..10).map(|k| format!("r{}", k * 100)).collect();
+        assert_eq!(kept, want, "the live events, in time order");
+        ledger.with_user(&user, false, |log, _| {
+            assert!(
+                log.events.slots.len() <= 10 + 64,
+                "{} slots for 10 events",
+                log.events.slots.len()
+            );
+        });
+        // The survivors are still found by id after the compaction renumbered them.
+        for k in 0..10 {
+            let out = ledger.refund(&user, &ids[k * 100]).await.unwrap();
+            assert!(
+                matches!(out, RefundOutcome::Refunded { .. }),
+                "{k}: {out:?}"
+            );
+        }
+        assert_eq!(ledger.usage(&user).await.unwrap().used, 0);
     }
 
     #[tokio::test]
