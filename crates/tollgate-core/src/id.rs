@@ -118,6 +118,12 @@ impl RequestId {
     pub fn generate() -> Self {
         Self(uuid::Uuid::new_v4().to_string())
     }
+
+    /// The id back from the shared text a store keeps of it (it was validated
+    /// as a `RequestId` when it went in).
+    pub(crate) fn from_kept(kept: &str) -> Self {
+        Self(kept.to_owned())
+    }
 }
 
 #[cfg(test)]

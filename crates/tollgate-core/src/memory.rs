@@ -8,7 +8,6 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
-use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -26,6 +25,8 @@ use crate::ledger::{
 const SHARDS: usize = 64;
 /// One shard is swept for idle users every this many operations.
 const SWEEP_EVERY: u64 = 1024;
+/// And every shard at least this often (ms), when operations come by at all.
+pub const FULL_SWEEP_EVERY_MS: u64 = 60_000;
 
 type Shard = Mutex<HashMap<UserId, Arc<Mutex<UserLog>>>>;
 
@@ -36,20 +37,21 @@ pub struct MemoryLedger<C: Clock = SystemClock> {
     hasher: RandomState,
     shards: Box<[Shard]>,
     ops: AtomicU64,
+    /// When an operation next sweeps every shard (clock ms).
+    next_full_sweep: AtomicU64,
 }
 
 /// One user's sliding window log.
 #[derive(Default)]
 struct UserLog {
     plan: Option<String>,
-    /// (at_ms, seq) -> (request, cost); `seq` keeps two events of one
-    /// millisecond apart and in arrival order.
-    events: BTreeMap<(u64, u64), (RequestId, u64)>,
-    index: HashMap<RequestId, (u64, u64)>,
-    /// Who owns each job's charge (`charge`); plain reserves have none.
-    owners: HashMap<RequestId, Owner>,
+    /// The live events in time order.
+    events: Log,
+    /// request -> its sequence number in `events`. The id's text is shared
+    /// with the event.
+    index: HashMap<Arc<str>, u64>,
     /// (end of hold, seq) -> request: charges no job has claimed yet.
-    holds: BTreeMap<(u64, u64), RequestId>,
+    holds: BTreeMap<(u64, u64), Arc<str>>,
     /// Running sum of live costs (the longest window's): no call sums the log.
     total: u64,
     /// The running totals of the plan's shorter windows.
@@ -59,18 +61,126 @@ struct UserLog {
     exported: VecDeque<ExportEntry>,
     export_max: u64,
     export_last: (u64, u64),
+    /// Numbers holds apart.
     seq: u64,
     /// Removed from its shard by the sweeper; a caller holding a stale `Arc`
     /// looks the user up again.
     retired: bool,
 }
 
+/// One spend event: live, or the hole a removed one left (`request: None`).
+struct Event {
+    at: u64,
+    request: Option<Arc<str>>,
+    cost: u64,
+    /// Who owns a job's charge (`charge`); plain reserves have none.
+    owner: Option<Box<Owner>>,
+}
+
+/// A user's events in time order, each numbered by its position since the
+/// first: a deque, about a third of the memory of a B-tree filled in time
+/// order (whose nodes stay half full). An event removed before its time (a
+/// refund) leaves a hole until the holes reach the front or outnumber the
+/// events, when the owner compacts the log (`UserLog::take`).
+#[derive(Default)]
+struct Log {
+    slots: VecDeque<Event>,
+    /// The sequence number of `slots[0]`.
+    base: u64,
+    holes: usize,
+}
+
+impl Log {
+    fn is_empty(&self) -> bool {
+        self.slots.len() == self.holes
+    }
+
+    fn last_at(&self) -> Option<u64> {
+        self.slots.back().map(|e| e.at)
+    }
+
+    /// Appends an event (at or after the last one's time); returns its number.
+    fn push(&mut self, e: Event) -> u64 {
+        self.slots.push_back(e);
+        self.base + self.slots.len() as u64 - 1
+    }
+
+    fn slot(&self, seq: u64) -> Option<usize> {
+        usize::try_from(seq.checked_sub(self.base)?).ok()
+    }
+
+    fn get(&self, seq: u64) -> Option<&Event> {
+        self.slots
+            .get(self.slot(seq)?)
+            .filter(|e| e.request.is_some())
+    }
+
+    fn get_mut(&mut self, seq: u64) -> Option<&mut Event> {
+        let i = self.slot(seq)?;
+        self.slots.get_mut(i).filter(|e| e.request.is_some())
+    }
+
+    /// Takes a live event out, leaving a hole.
+    fn remove(&mut self, seq: u64) -> Option<Event> {
+        let slot = self.get_mut(seq)?;
+        let hole = Event {
+            at: slot.at,
+            request: None,
+            cost: 0,
+            owner: None,
+        };
+        let e = std::mem::replace(slot, hole);
+        self.holes += 1;
+        while self.slots.front().is_some_and(|e| e.request.is_none()) {
+            self.slots.pop_front();
+            self.base += 1;
+            self.holes -= 1;
+        }
+        Some(e)
+    }
+
+    /// The oldest live event and its number.
+    fn first(&self) -> Option<(u64, &Event)> {
+        // Holes never stay at the front (`remove`).
+        self.slots.front().map(|e| (self.base, e))
+    }
+
+    /// Live events with a time in (lo, hi] (`None`: unbounded), oldest first.
+    fn between(&self, lo: Option<u64>, hi: Option<u64>) -> impl Iterator<Item = &Event> + '_ {
+        let start = lo.map_or(0, |lo| self.slots.partition_point(|e| e.at <= lo));
+        let end = hi.map_or(self.slots.len(), |hi| {
+            self.slots.partition_point(|e| e.at <= hi)
+        });
+        self.slots
+            .range(start..end.max(start))
+            .filter(|e| e.request.is_some())
+    }
+
+    /// Live events inside a window that ends at `now`, oldest first.
+    fn inside(&self, now: u64, window: u64) -> impl Iterator<Item = &Event> + '_ {
+        self.between(now.checked_sub(window), None)
+    }
+
+    /// Drops the holes; calls `renumbered(request, seq)` for every event that
+    /// moved.
+    fn compact(&mut self, mut renumbered: impl FnMut(&Arc<str>, u64)) {
+        self.slots.retain(|e| e.request.is_some());
+        self.slots.shrink_to_fit();
+        self.holes = 0;
+        for (i, e) in self.slots.iter().enumerate() {
+            if let Some(r) = &e.request {
+                renumbered(r, self.base + i as u64);
+            }
+        }
+    }
+}
+
 /// The owner record of a job's charge (the `owners` hash of `lua/lib/budget.lua`).
 struct Owner {
-    nonce: String,
+    nonce: Box<str>,
     deadline_ms: u64,
-    operation: String,
-    fingerprint: String,
+    operation: Box<str>,
+    fingerprint: Box<str>,
     /// The key in `holds` while no job has claimed the charge.
     hold: Option<(u64, u64)>,
     /// The cost charged up front, once the charge was settled to the actual.
@@ -85,7 +195,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The subject of one exported change.
 struct Change<'a> {
-    request: &'a RequestId,
+    request: &'a str,
     cost: u64,
     previous: Option<u64>,
     at: u64,
@@ -101,17 +211,6 @@ struct Short {
     cursor: u64,
 }
 
-/// A range of the log's keys, `(at_ms, seq)`.
-type Span = (Bound<(u64, u64)>, Bound<(u64, u64)>);
-
-/// Events strictly after `now - window`: the range of the log inside the window.
-fn inside(now: u64, window: u64) -> Span {
-    match now.checked_sub(window) {
-        Some(edge) => (Bound::Excluded((edge, u64::MAX)), Bound::Unbounded),
-        None => (Bound::Unbounded, Bound::Unbounded),
-    }
-}
-
 impl UserLog {
     /// Brings every window's total to `now` (subtracting what left the shorter
     /// windows, dropping what left the longest), then releases charges still
@@ -119,12 +218,14 @@ impl UserLog {
     fn expire(&mut self, now: u64, limits: &[Limit]) {
         self.sync_shorts(now, limits);
         let window = limits.first().map_or(0, Limit::window_ms);
-        while let Some(entry) = self.events.first_entry() {
-            if entry.key().0.saturating_add(window) > now {
+        while let Some((_, e)) = self.events.first() {
+            if e.at.saturating_add(window) > now {
                 break;
             }
             // Leaving the window is not a change: nothing is exported.
-            let (request, _) = entry.get().clone();
+            let Some(request) = e.request.clone() else {
+                break; // never: holes do not stay at the front
+            };
             self.take(&request, now);
         }
         while let Some(entry) = self.holds.first_entry() {
@@ -145,7 +246,7 @@ impl UserLog {
             *shorts = wanted
                 .map(|window| Short {
                     window,
-                    total: events.range(inside(now, window)).map(|(_, e)| e.1).sum(),
+                    total: events.inside(now, window).map(|e| e.cost).sum(),
                     cursor: now.saturating_sub(window),
                 })
                 .collect();
@@ -154,11 +255,8 @@ impl UserLog {
         for s in shorts.iter_mut() {
             let edge = now.saturating_sub(s.window);
             if edge > s.cursor {
-                let left = events.range((
-                    Bound::Excluded((s.cursor, u64::MAX)),
-                    Bound::Included((edge, u64::MAX)),
-                ));
-                s.total = s.total.saturating_sub(left.map(|(_, e)| e.1).sum());
+                let left = events.between(Some(s.cursor), Some(edge));
+                s.total = s.total.saturating_sub(left.map(|e| e.cost).sum());
                 s.cursor = edge;
             }
         }
@@ -179,7 +277,7 @@ impl UserLog {
         self.exported.push_back(ExportEntry {
             id: format!("{ms}-{seq}"),
             kind,
-            request_id: e.request.clone(),
+            request_id: RequestId::from_kept(e.request),
             cost: e.cost,
             previous_cost: e.previous,
             spent_at_ms: e.at,
@@ -190,24 +288,62 @@ impl UserLog {
         }
     }
 
-    /// Records a spend event of `cost` at `now`: it is inside every window.
-    fn record(&mut self, request: &RequestId, cost: u64, now: u64, operation: Option<&str>) {
+    /// Records a spend event of `cost` at `now` (inside every window); returns
+    /// its time: `now`, or the last event's if the clock went back meanwhile,
+    /// so that the log stays in time order.
+    fn record(
+        &mut self,
+        request: &RequestId,
+        cost: u64,
+        now: u64,
+        operation: Option<&str>,
+        owner: Option<Box<Owner>>,
+    ) -> u64 {
+        let at = self.events.last_at().map_or(now, |last| now.max(last));
         let change = Change {
-            request,
+            request: request.as_str(),
             cost,
             previous: None,
-            at: now,
+            at,
             operation,
         };
         self.export(now, ChangeKind::Spend, change);
-        self.seq += 1;
-        let key = (now, self.seq);
-        self.events.insert(key, (request.clone(), cost));
-        self.index.insert(request.clone(), key);
+        let request: Arc<str> = Arc::from(request.as_str());
+        let seq = self.events.push(Event {
+            at,
+            request: Some(Arc::clone(&request)),
+            cost,
+            owner,
+        });
+        self.index.insert(request, seq);
         self.total += cost;
         for s in &mut self.shorts {
             s.total += cost;
         }
+        at
+    }
+
+    /// Gives back the index's capacity once it is mostly empty.
+    fn shrink(&mut self) {
+        if self.index.capacity() > 4 * self.index.len().max(16) {
+            self.index.shrink_to_fit();
+        }
+    }
+
+    /// The live event of `request`, with its number.
+    fn event(&self, request: &str) -> Option<(u64, &Event)> {
+        let seq = *self.index.get(request)?;
+        self.events.get(seq).map(|e| (seq, e))
+    }
+
+    /// The owner record of `request`'s charge (`None`: not live, or a plain reserve).
+    fn owner(&self, request: &str) -> Option<&Owner> {
+        self.event(request).and_then(|(_, e)| e.owner.as_deref())
+    }
+
+    fn owner_mut(&mut self, request: &str) -> Option<&mut Owner> {
+        let seq = *self.index.get(request)?;
+        self.events.get_mut(seq)?.owner.as_deref_mut()
     }
 
     /// Tokens spent in limit `i`'s window.
@@ -227,9 +363,9 @@ impl UserLog {
                 let w = l.window_ms();
                 let reset = self
                     .events
-                    .range(inside(now, w))
+                    .inside(now, w)
                     .next()
-                    .map(|((at, _), _)| (at + w).saturating_sub(now));
+                    .map(|e| (e.at + w).saturating_sub(now));
                 WindowUse::new(l.limit, w, self.used(i), reset)
             })
             .collect()
@@ -245,10 +381,10 @@ impl UserLog {
             return 0;
         }
         let mut freed = 0;
-        for ((at, _), (_, c)) in self.events.range(inside(now, w)) {
-            freed += c;
+        for e in self.events.inside(now, w) {
+            freed += e.cost;
             if freed >= need {
-                return (at + w).saturating_sub(now);
+                return (e.at + w).saturating_sub(now);
             }
         }
         w
@@ -262,6 +398,7 @@ impl UserLog {
         limits: &[Limit],
         now: u64,
         operation: Option<&str>,
+        owner: Option<Box<Owner>>,
     ) -> Result<Allowed, Denied> {
         let fits = limits
             .iter()
@@ -275,26 +412,27 @@ impl UserLog {
                 .collect();
             return Err(Denied::new(self.windows(limits, now), &retry, now));
         }
-        self.record(request, cost, now, operation);
-        Ok(Allowed::new(self.windows(limits, now), now, now, false))
+        let at = self.record(request, cost, now, operation, owner);
+        Ok(Allowed::new(self.windows(limits, now), at, now, false))
     }
 
-    /// Changes the cost of a live event (`key`) in every window it is inside.
-    fn recost(&mut self, key: (u64, u64), cost: u64, now: u64) -> Option<u64> {
-        let slot = self.events.get_mut(&key)?;
-        let previous = std::mem::replace(&mut slot.1, cost);
-        let request = slot.0.clone();
+    /// Changes the cost of a live event (number `seq`) in every window it is inside.
+    fn recost(&mut self, seq: u64, cost: u64, now: u64) -> Option<u64> {
+        let slot = self.events.get_mut(seq)?;
+        let previous = std::mem::replace(&mut slot.cost, cost);
+        let at = slot.at;
+        let request = slot.request.clone()?;
         let change = Change {
             request: &request,
             cost,
             previous: Some(previous),
-            at: key.0,
+            at,
             operation: None,
         };
         self.export(now, ChangeKind::Settle, change);
         self.total = (self.total + cost).saturating_sub(previous);
         for s in &mut self.shorts {
-            if key.0.saturating_add(s.window) > now {
+            if at.saturating_add(s.window) > now {
                 s.total = (s.total + cost).saturating_sub(previous);
             }
         }
@@ -302,7 +440,7 @@ impl UserLog {
     }
 
     /// Removes a live event before it left the window (a refund): exported.
-    fn remove(&mut self, request: &RequestId, now: u64) -> Option<u64> {
+    fn remove(&mut self, request: &str, now: u64) -> Option<u64> {
         let (at, cost) = self.take(request, now)?;
         let change = Change {
             request,
@@ -316,19 +454,31 @@ impl UserLog {
     }
 
     /// Removes an event; returns its time and cost.
-    fn take(&mut self, request: &RequestId, now: u64) -> Option<(u64, u64)> {
-        if let Some(hold) = self.owners.remove(request).and_then(|o| o.hold) {
+    fn take(&mut self, request: &str, now: u64) -> Option<(u64, u64)> {
+        let seq = self.index.remove(request)?;
+        let Event {
+            at, cost, owner, ..
+        } = self.events.remove(seq)?;
+        if let Some(hold) = owner.and_then(|o| o.hold) {
             self.holds.remove(&hold);
         }
-        let key = self.index.remove(request)?;
-        let (_, cost) = self.events.remove(&key)?;
         self.total = self.total.saturating_sub(cost);
         for s in &mut self.shorts {
-            if key.0.saturating_add(s.window) > now {
+            if at.saturating_add(s.window) > now {
                 s.total = s.total.saturating_sub(cost);
             }
         }
-        Some((key.0, cost))
+        // Holes outnumbering the events (many refunds): compact, amortised O(1)
+        // per removal, so that refunds never grow the log.
+        if self.events.holes > 64 && self.events.holes > self.index.len() {
+            let index = &mut self.index;
+            self.events.compact(|request, seq| {
+                if let Some(n) = index.get_mut(request) {
+                    *n = seq;
+                }
+            });
+        }
+        Some((at, cost))
     }
 }
 
@@ -346,6 +496,7 @@ impl<C: Clock> MemoryLedger<C> {
             hasher: RandomState::new(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             ops: AtomicU64::new(0),
+            next_full_sweep: AtomicU64::new(0),
         }
     }
 
@@ -364,6 +515,23 @@ impl<C: Clock> MemoryLedger<C> {
         let n = self.ops.fetch_add(1, Ordering::Relaxed);
         if n % SWEEP_EVERY == SWEEP_EVERY - 1 {
             self.sweep_shard(((n / SWEEP_EVERY) as usize) % SHARDS);
+        }
+        // However few operations come by, expired users go within a sweep
+        // period: one caller per period sweeps every shard.
+        let now = self.clock.now_ms();
+        let due = self.next_full_sweep.load(Ordering::Relaxed);
+        if now >= due
+            && self
+                .next_full_sweep
+                .compare_exchange(
+                    due,
+                    now + FULL_SWEEP_EVERY_MS,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            self.sweep_expired();
         }
         loop {
             let entry = {
@@ -402,8 +570,14 @@ impl<C: Clock> MemoryLedger<C> {
                 log.retired = true;
                 return false;
             }
+            log.shrink();
             true
         });
+        // A map keeps its capacity when entries leave: give it back once it is
+        // mostly empty, so that a burst of users costs nothing after it expired.
+        if shard.capacity() > 4 * shard.len().max(16) {
+            shard.shrink_to_fit();
+        }
     }
 
     /// Removes the event of `request` (refund and release) when `owns` agrees
@@ -416,10 +590,10 @@ impl<C: Clock> MemoryLedger<C> {
     ) -> RefundOutcome {
         self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
-            if !owns(log.owners.get(request)) {
+            if !owns(log.owner(request.as_str())) {
                 return RefundOutcome::NotFound { used: log.total };
             }
-            match log.remove(request, now) {
+            match log.remove(request.as_str(), now) {
                 Some(cost) => RefundOutcome::Refunded {
                     cost,
                     used: log.total,
@@ -431,6 +605,16 @@ impl<C: Clock> MemoryLedger<C> {
 
     fn plan_of(&self, log: &UserLog) -> &Plan {
         self.config.plan_or_default(log.plan.as_deref())
+    }
+
+    /// Drops every user whose window is empty and who has no stored plan: what
+    /// an idle user leaves behind once its events expired (Redis lets such
+    /// keys expire). Operations call it by themselves once per
+    /// [`FULL_SWEEP_EVERY_MS`]; O(users).
+    pub fn sweep_expired(&self) {
+        for i in 0..SHARDS {
+            self.sweep_shard(i);
+        }
     }
 
     /// Users currently held in memory (for tests and metrics).
@@ -467,7 +651,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 });
             }
             log.expire(now, limits);
-            if let Some(&(at, _)) = log.index.get(request) {
+            if let Some((_, e)) = log.event(request.as_str()) {
+                let at = e.at;
                 return Ok(ReserveOutcome::Allowed(Allowed::new(
                     log.windows(limits, now),
                     at,
@@ -475,7 +660,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     true,
                 )));
             }
-            Ok(match log.admit(request, cost, limits, now, None) {
+            Ok(match log.admit(request, cost, limits, now, None, None) {
                 Ok(a) => ReserveOutcome::Allowed(a),
                 Err(d) => ReserveOutcome::Denied(d),
             })
@@ -501,11 +686,11 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         }
         Ok(self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
-            let Some(&key) = log.index.get(request) else {
+            let Some(&key) = log.index.get(request.as_str()) else {
                 return SettleOutcome::NotFound { used: log.total };
             };
             if actual_cost == 0 {
-                let previous_cost = log.remove(request, now).unwrap_or(0);
+                let previous_cost = log.remove(request.as_str(), now).unwrap_or(0);
                 return SettleOutcome::Settled {
                     previous_cost,
                     cost: 0,
@@ -533,15 +718,17 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         validate_cost(actual_cost)?;
         Ok(self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
-            let owned = log.owners.get(request).is_some_and(|o| o.nonce == nonce);
-            let key = log.index.get(request).copied();
+            let owned = log
+                .owner(request.as_str())
+                .is_some_and(|o| &*o.nonce == nonce);
+            let key = log.index.get(request.as_str()).copied();
             let (true, Some(key)) = (owned, key) else {
                 return SettleOutcome::NotFound { used: log.total };
             };
             let Some(previous_cost) = log.recost(key, actual_cost, now) else {
                 return SettleOutcome::NotFound { used: log.total };
             };
-            if let Some(o) = log.owners.get_mut(request) {
+            if let Some(o) = log.owner_mut(request.as_str()) {
                 o.estimate.get_or_insert(previous_cost);
             }
             SettleOutcome::Settled {
@@ -558,13 +745,14 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             log.expire(now, &plan.limits);
             let events = log
                 .events
-                .iter()
-                .map(|((at, _), (request, cost))| SpendEvent {
-                    request_id: request.clone(),
-                    cost: *cost,
-                    at_ms: *at,
-                    operation: log.owners.get(request).map(|o| o.operation.clone()),
-                    estimate: log.owners.get(request).and_then(|o| o.estimate),
+                .between(None, None)
+                .filter_map(|e| Some((RequestId::from_kept(e.request.as_deref()?), e)))
+                .map(|(request_id, e)| SpendEvent {
+                    request_id,
+                    cost: e.cost,
+                    at_ms: e.at,
+                    operation: e.owner.as_ref().map(|o| o.operation.to_string()),
+                    estimate: e.owner.as_ref().and_then(|o| o.estimate),
                 })
                 .collect();
             Usage::new(
@@ -594,17 +782,18 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 });
             }
             log.expire(now, limits);
-            if let Some(&(at, _)) = log.index.get(request) {
-                let Some(o) = log.owners.get(request) else {
+            if let Some((_, e)) = log.event(request.as_str()) {
+                let at = e.at;
+                let Some(o) = e.owner.as_deref() else {
                     return Ok(ChargeOutcome::Conflict { operation: None });
                 };
-                if o.operation != charge.operation || o.fingerprint != charge.fingerprint {
+                if &*o.operation != charge.operation || &*o.fingerprint != charge.fingerprint {
                     return Ok(ChargeOutcome::Conflict {
-                        operation: Some(o.operation.clone()),
+                        operation: Some(o.operation.to_string()),
                     });
                 }
                 let (nonce, deadline_ms, claimed) =
-                    (o.nonce.clone(), o.deadline_ms, o.hold.is_none());
+                    (o.nonce.to_string(), o.deadline_ms, o.hold.is_none());
                 return Ok(ChargeOutcome::Existing {
                     allowed: Allowed::new(log.windows(limits, now), at, now, true),
                     nonce,
@@ -612,28 +801,29 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     claimed,
                 });
             }
-            let allowed = match log.admit(request, cost, limits, now, Some(charge.operation)) {
-                Ok(a) => a,
-                Err(d) => return Ok(ChargeOutcome::Denied(d)),
-            };
             let deadline_ms = now.saturating_add(crate::job::millis(charge.deadline));
             log.seq += 1;
             let hold = (
                 deadline_ms.saturating_add(crate::job::millis(charge.grace)),
                 log.seq,
             );
-            log.holds.insert(hold, request.clone());
-            log.owners.insert(
-                request.clone(),
-                Owner {
-                    nonce: charge.nonce.to_owned(),
-                    deadline_ms,
-                    operation: charge.operation.to_owned(),
-                    fingerprint: charge.fingerprint.to_owned(),
-                    hold: Some(hold),
-                    estimate: None,
-                },
-            );
+            let owner = Box::new(Owner {
+                nonce: charge.nonce.into(),
+                deadline_ms,
+                operation: charge.operation.into(),
+                fingerprint: charge.fingerprint.into(),
+                hold: Some(hold),
+                estimate: None,
+            });
+            let operation = Some(charge.operation);
+            let allowed = match log.admit(request, cost, limits, now, operation, Some(owner)) {
+                Ok(a) => a,
+                Err(d) => return Ok(ChargeOutcome::Denied(d)),
+            };
+            if let Some((kept, _)) = log.index.get_key_value(request.as_str()) {
+                let kept = Arc::clone(kept);
+                log.holds.insert(hold, kept);
+            }
             Ok(ChargeOutcome::Charged {
                 allowed,
                 deadline_ms,
@@ -650,8 +840,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     ) -> Result<ClaimOutcome, LedgerError> {
         Ok(self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
-            if let Some(o) = log.owners.get_mut(request) {
-                if o.nonce != nonce {
+            if let Some(o) = log.owner_mut(request.as_str()) {
+                if &*o.nonce != nonce {
                     return ClaimOutcome::Refused;
                 }
                 if let Some(hold) = o.hold.take() {
@@ -663,7 +853,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             // hold is released only at its end; before that, a charge that is
             // gone left the window (paid).
             let released = now >= hold_until_ms;
-            if log.index.contains_key(request) || released {
+            if log.index.contains_key(request.as_str()) || released {
                 ClaimOutcome::Refused
             } else {
                 ClaimOutcome::Claimed
@@ -678,7 +868,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         nonce: &str,
     ) -> Result<RefundOutcome, LedgerError> {
         Ok(self.remove_if(user, request, |owner| {
-            owner.is_some_and(|o| o.nonce == nonce)
+            owner.is_some_and(|o| &*o.nonce == nonce)
         }))
     }
 
@@ -741,5 +931,85 @@ mod tests {
             "only the user with a stored plan stays"
         );
         assert_eq!(ledger.plan(&keeper).await.unwrap(), "pro");
+    }
+
+    #[tokio::test]
+    async fn refunds_leave_no_holes_behind() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let ledger = MemoryLedger::with_clock(Arc::new(Config::builtin()), Arc::clone(&clock));
+        let user = UserId::new("u").unwrap();
+        let ids: Vec<RequestId> = (0..1000)
+            .map(|i| RequestId::new(format!("r{i}")).unwrap())
+            .collect();
+        for (i, id) in ids.iter().enumerate() {
+            ledger.reserve(&user, id, 1).await.unwrap();
+            if i % 100 == 99 {
+                clock.advance(Duration::from_millis(5));
+            }
+        }
+        // Refund all but every 100th, oldest last: the holes cannot leave by the front.
+        for (i, id) in ids.iter().enumerate().rev() {
+            if i % 100 != 0 {
+                let out = ledger.refund(&user, id).await.unwrap();
+                assert!(
+                    matches!(out, RefundOutcome::Refunded { cost: 1, .. }),
+                    "{i}: {out:?}"
+                );
+            }
+        }
+        let usage = ledger.usage(&user).await.unwrap();
+        assert_eq!(usage.used, 10);
+        let kept: Vec<_> = usage
+            .events
+            .iter()
+            .map(|e| e.request_id.as_str().to_owned())
+            .collect();
+        let want: Vec<_> = (0..10).map(|k| format!("r{}", k * 100)).collect();
+        assert_eq!(kept, want, "the live events, in time order");
+        ledger.with_user(&user, false, |log, _| {
+            assert!(
+                log.events.slots.len() <= 10 + 64,
+                "{} slots for 10 events",
+                log.events.slots.len()
+            );
+        });
+        // The survivors are still found by id after the compaction renumbered them.
+        for k in 0..10 {
+            let out = ledger.refund(&user, &ids[k * 100]).await.unwrap();
+            assert!(
+                matches!(out, RefundOutcome::Refunded { .. }),
+                "{k}: {out:?}"
+            );
+        }
+        assert_eq!(ledger.usage(&user).await.unwrap().used, 0);
+    }
+
+    #[tokio::test]
+    async fn expired_users_go_within_a_sweep_period_with_little_traffic() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let ledger = MemoryLedger::with_clock(Arc::new(Config::builtin()), Arc::clone(&clock));
+        for i in 0..500 {
+            let u = UserId::new(format!("u{i}")).unwrap();
+            ledger.reserve(&u, &RequestId::generate(), 1).await.unwrap();
+        }
+        clock.advance(Duration::from_secs(13 * 3600));
+        assert_eq!(
+            ledger.resident_users(),
+            500,
+            "nothing swept without an operation"
+        );
+        // One operation past the sweep period, far fewer than the per-operation
+        // sweeper needs to reach every shard.
+        let other = UserId::new("other").unwrap();
+        ledger.usage(&other).await.unwrap();
+        assert_eq!(ledger.resident_users(), 0);
+        // The next period sweeps again.
+        ledger
+            .reserve(&other, &RequestId::generate(), 1)
+            .await
+            .unwrap();
+        clock.advance(Duration::from_secs(13 * 3600));
+        ledger.usage(&UserId::new("third").unwrap()).await.unwrap();
+        assert_eq!(ledger.resident_users(), 0, "a new period sweeps again");
     }
 }

@@ -4,6 +4,7 @@
 //! run (these machines are shared and noisy: compare medians and ratios, never
 //! absolute numbers across runs). BENCHMARKS.md records the results.
 
+mod alloc;
 mod api;
 mod chaos;
 mod cluster_audit;
@@ -13,11 +14,16 @@ mod jobs;
 mod ledger;
 mod load;
 mod memory;
+mod memory_embedded;
 mod scale;
 mod stats;
 mod throttle;
 
 use clap::{Parser, Subcommand};
+
+// Counts live heap bytes only once `memory-embedded` turns it on.
+#[global_allocator]
+static ALLOC: alloc::Counting = alloc::Counting;
 
 #[derive(Debug, Parser)]
 #[command(name = "tollgate-bench", about)]
@@ -71,6 +77,9 @@ enum Command {
     /// After the suite: every Lua script ran on the suite's Redis Cluster, and
     /// no node answered CROSSSLOT.
     ClusterAudit(cluster_audit::Args),
+    /// The embedded ledger's memory: heap bytes per live spend event (reserve
+    /// and charge), and what 10,000 expired users leave behind.
+    MemoryEmbedded(memory_embedded::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -93,6 +102,7 @@ fn main() -> anyhow::Result<()> {
             Command::Scale(args) => scale::run(args).await,
             Command::ReserveLoad(args) => scale::reserve_load(args).await,
             Command::ClusterAudit(args) => cluster_audit::run(args).await,
+            Command::MemoryEmbedded(args) => memory_embedded::run(args).await,
         }
     })
 }
