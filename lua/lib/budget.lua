@@ -80,16 +80,29 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Hex text <-> bytes, 8 hex digits (4 bytes) at a time where they can be.
 local function unhex(h)
-  return (string.gsub(h, '%x%x', function(x)
-    return string.char(tonumber(x, 16))
-  end))
+  local out, i = {}, 1
+  while i + 7 <= #h do
+    out[#out + 1] = struct.pack('>I4', tonumber(string.sub(h, i, i + 7), 16))
+    i = i + 8
+  end
+  for j = i, #h - 1, 2 do
+    out[#out + 1] = string.char(tonumber(string.sub(h, j, j + 1), 16))
+  end
+  return table.concat(out)
 end
 
 local function tohex(s)
-  return (string.gsub(s, '.', function(c)
-    return string.format('%02x', string.byte(c))
-  end))
+  local out, i = {}, 1
+  while i + 3 <= #s do
+    out[#out + 1] = string.format('%08x', (struct.unpack('>I4', string.sub(s, i, i + 3))))
+    i = i + 4
+  end
+  for j = i, #s do
+    out[#out + 1] = string.format('%02x', string.byte(s, j))
+  end
+  return table.concat(out)
 end
 
 -- Returns the name and limits ({ limit, window } each, longest window first) of
@@ -244,7 +257,8 @@ local function read_record(sid)
   return unpack_record(e[1][2][2])
 end
 
--- The live event of a request id: its index value plus key, field and record.
+-- The live event of a request id: its index value plus key, field and record;
+-- or nil, and the id's bucket and digest field (for `record`).
 local function find(request)
   local dig, h = digest(request)
   local key = bucket_key(h)
@@ -259,7 +273,7 @@ local function find(request)
       end
     end
   end
-  return nil
+  return nil, key, dig
 end
 
 -- The live event of a log entry (ID, packed record).
@@ -628,10 +642,11 @@ local function remove(ev, used, now)
 end
 
 -- Records a spend event of `cost` at `now` (inside every window); `o`: the
--- owner of a charge (nonce, deadline, op, fp), held by its submission. The keys
--- expire with it, so an idle user leaves nothing behind. Returns the total
--- and the event's time: now, or the log's last time if the clock went back.
-local function record(request, cost, now, limits, used, o)
+-- owner of a charge (nonce, deadline, op, fp), held by its submission; `key`,
+-- `dig`: what `find` answered for the id. The keys expire with it, so an idle
+-- user leaves nothing behind. Returns the total and the event's time: now, or
+-- the log's last time if the clock went back.
+local function record(request, cost, now, limits, used, o, key, dig)
   local packed = pack_record(request, o)
   local sid = redis.pcall('XADD', LOG, int(now) .. '-*', 'r', packed)
   if type(sid) ~= 'string' then
@@ -639,8 +654,6 @@ local function record(request, cost, now, limits, used, o)
   end
   local ms, seq = string.match(sid, '^(%d+)-(%d+)$')
   local ev = { at = tonumber(ms), seq = tonumber(seq), state = o and 'h' or 'r', cost = cost }
-  local dig, h = digest(request)
-  local key = bucket_key(h)
   if redis.call('HSETNX', key, dig, pack_value(ev)) == 0 then
     redis.call('HSET', key, LONG .. request, pack_value(ev))
   end
@@ -649,7 +662,7 @@ local function record(request, cost, now, limits, used, o)
     s.total = s.total + cost
   end
   used = write_total(used + cost)
-  for _, k in ipairs({ LOG, META, key, HOLDS }) do
+  for _, k in ipairs({ LOG, META, key, o and HOLDS }) do
     redis.call('PEXPIRE', k, int(limits[1].window))
   end
   grow()
