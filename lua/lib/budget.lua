@@ -381,9 +381,13 @@ end
 -- Reads the bucket table too. If the totals went missing (eviction), the
 -- longest is rebuilt once from the log.
 local function read_total()
-  local m = redis.call('HMGET', META, 't', 'l', 's')
-  SIZE, SPLIT = tonumber(m[2]) or 1, tonumber(m[3]) or 0
-  local raw = m[1]
+  local m = {}
+  local all = redis.call('HGETALL', META)
+  for i = 1, #all, 2 do
+    m[all[i]] = all[i + 1]
+  end
+  SIZE, SPLIT = tonumber(m.l) or 1, tonumber(m.s) or 0
+  local raw = m.t
   if raw then
     local used = tonumber(raw)
     if used then
