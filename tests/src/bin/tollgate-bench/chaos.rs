@@ -820,6 +820,7 @@ async fn scan_keys(url: &str, prefix: &str) -> anyhow::Result<Vec<KeyInfo>> {
             "hash" => "HLEN",
             "zset" => "ZCARD",
             "set" => "SCARD",
+            "stream" => "XLEN",
             _ => "STRLEN",
         };
         let len: u64 = redis::cmd(len_cmd)
