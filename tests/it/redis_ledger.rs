@@ -448,3 +448,86 @@ async fn an_id_whose_digest_field_is_taken_is_kept_apart() {
         tollgate_core::ledger::RefundOutcome::Refunded { cost: 4, used: 3 }
     );
 }
+
+/// The memory target of a live spend event (<= 120 B of Redis over every key
+/// of the user, with the api's id shapes), checked on 2,000 charges taken and
+/// claimed as the api's jobs do, and on 2,000 plain reserves.
+#[tokio::test]
+async fn a_live_event_costs_at_most_120_bytes_of_redis() {
+    use std::sync::Arc;
+    use tollgate_core::{
+        config::Config,
+        id::RequestId,
+        ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome},
+    };
+    use tollgate_redis::{ledger::RedisLedger, pool::PoolOptions};
+    let config = Config::parse("[plans.big]\nlimit = 1000000\nwindow = \"12h\"\n", "mem");
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
+        .await
+        .unwrap();
+    let ledger = RedisLedger::new(
+        pool,
+        KeySpace::new(&prefix).unwrap(),
+        Arc::new(config.unwrap()),
+    );
+    let mut conn = raw(&server).await;
+    const N: usize = 2_000;
+    for (name, charges, most) in [("mem-r", false, 70.0), ("mem-c", true, 120.0)] {
+        let u = user(name);
+        for i in 0..N {
+            let id = if i % 2 == 0 {
+                RequestId::generate()
+            } else {
+                rid(&format!("idem-{:032x}", i * 7919))
+            };
+            if !charges {
+                assert!(ledger.reserve(&u, &id, 1).await.unwrap().is_allowed());
+                continue;
+            }
+            let (nonce, fp) = (format!("{:016x}", i), format!("{:024x}", i * 31));
+            let req = ChargeRequest {
+                cost: 1,
+                nonce: &nonce,
+                operation: "llm.structured",
+                fingerprint: &fp,
+                deadline: Duration::from_secs(600),
+                grace: Duration::from_secs(1),
+            };
+            let ChargeOutcome::Charged { deadline_ms, .. } =
+                ledger.charge(&u, &id, &req).await.unwrap()
+            else {
+                panic!("charge {i} not charged");
+            };
+            assert_eq!(
+                ledger
+                    .claim(&u, &id, &nonce, deadline_ms + 1_000)
+                    .await
+                    .unwrap(),
+                ClaimOutcome::Claimed
+            );
+        }
+        let keys: Vec<String> = conn
+            .keys(format!("{prefix}:v1:{{u:{name}}}*"))
+            .await
+            .unwrap();
+        let mut bytes = 0u64;
+        for k in &keys {
+            let b: u64 = redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(k)
+                .arg("SAMPLES")
+                .arg(0)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            bytes += b;
+        }
+        let per = bytes as f64 / N as f64;
+        assert!(
+            per <= most,
+            "{name}: {per:.1} B per live event over {keys:?}"
+        );
+    }
+}
