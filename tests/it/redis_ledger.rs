@@ -401,6 +401,25 @@ limits = [{ limit = 1000000, window = "12h" }, { limit = 1000000, window = "1h" 
         (after.used, after.windows[1].used, after.events.len()),
         (4203, 4203, 2100)
     );
+
+    // A pod still on the previous version (a rolling upgrade) writes the old
+    // keys again: the next call moves that event too, and counts it.
+    let r: Vec<redis::Value> = reserve
+        .prepare_invoke()
+        .key(&old_keys[..])
+        .arg("late")
+        .arg(4)
+        .arg(&plan_args)
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(r.first(), Some(&redis::Value::Int(1)), "{r:?}");
+    let after = ledger.usage(&u).await.unwrap();
+    assert_eq!(
+        (after.used, after.windows[1].used, after.events.len()),
+        (4207, 4207, 2101)
+    );
+    assert_eq!(after.events.last().unwrap().request_id.as_str(), "late");
 }
 
 /// Ids whose digests collide cannot be made on purpose here, so the case
