@@ -299,6 +299,17 @@ local function update(ev)
   redis.call('HSET', ev.key, ev.field, pack_value(ev))
 end
 
+-- A bucket lives two windows from its last write, the log and meta one. An
+-- entry of the log leaves at the first budget step past its window; if none came
+-- within a window after that, no step wrote the log either, so the log and meta
+-- are gone by then too. A bucket written once early in a window therefore still
+-- holds its events' costs when they leave, though only other buckets were
+-- written since; a bucket outliving its log holds entries no log entry
+-- points to, which `find` and `at_entry` ignore.
+local function keep_bucket(key)
+  redis.call('PEXPIRE', key, int(2 * WINDOW))
+end
+
 -- Splits the next bucket when the log holds more than LOAD events per bucket.
 local function grow()
   if redis.call('XLEN', LOG) <= LOAD * (SIZE + SPLIT) then
@@ -318,7 +329,7 @@ local function grow()
   if #gone > 0 then
     redis.call('HSET', to, unpack(moved))
     redis.call('HDEL', from, unpack(gone))
-    redis.call('PEXPIRE', to, int(WINDOW))
+    keep_bucket(to)
   end
   SPLIT = SPLIT + 1
   if SPLIT == SIZE then
@@ -487,7 +498,7 @@ local function migrate()
         if redis.call('HSETNX', key, dig, pack_value(ev)) == 0 then
           redis.call('HSET', key, LONG .. id, pack_value(ev))
         end
-        redis.call('PEXPIRE', key, int(WINDOW))
+        keep_bucket(key)
         grow()
       end
     end
@@ -666,9 +677,10 @@ local function record(request, cost, now, limits, used, o, key, dig)
     s.total = s.total + cost
   end
   used = write_total(used + cost)
-  for _, k in ipairs({ LOG, META, key, o and HOLDS }) do
+  for _, k in ipairs({ LOG, META, o and HOLDS }) do
     redis.call('PEXPIRE', k, int(limits[1].window))
   end
+  keep_bucket(key)
   grow()
   return used, ev.at
 end

@@ -35,13 +35,23 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
         "log, meta, one index bucket, plan, audit: {all:?}"
     );
     assert!(all.iter().all(|k| k.contains("{u:idle}")), "{all:?}");
-    for key in [&keys.log, &keys.meta, &keys.bucket(0)] {
+    let window = WINDOW.as_millis() as i64;
+    for key in [&keys.log, &keys.meta] {
         let ttl: i64 = conn.pttl(key).await.unwrap();
-        assert!(ttl > 0 && ttl <= WINDOW.as_millis() as i64, "{key}: {ttl}");
+        assert!(ttl > 0 && ttl <= window, "{key}: {ttl}");
     }
+    // An index bucket lives two windows (see keep_bucket in lua/lib/budget.lua).
+    let ttl: i64 = conn.pttl(keys.bucket(0)).await.unwrap();
+    assert!(ttl > window && ttl <= 2 * window, "bucket: {ttl}");
     let plan_ttl: i64 = conn.pttl(&keys.plan).await.unwrap();
     assert_eq!(plan_ttl, -1, "a stored plan never expires");
     tokio::time::sleep(WINDOW + Duration::from_millis(50)).await;
+    let left: Vec<String> = conn.keys(format!("{prefix}:*")).await.unwrap();
+    assert!(
+        !left.contains(&keys.log) && !left.contains(&keys.meta),
+        "{left:?}"
+    );
+    tokio::time::sleep(WINDOW).await;
     let mut left: Vec<String> = conn.keys(format!("{prefix}:*")).await.unwrap();
     left.sort();
     // The export outlives the window (bounded by its maxlen), as billing needs.
@@ -186,6 +196,45 @@ async fn a_lost_running_total_is_rebuilt() {
         ReserveOutcome::Denied(d) => assert_eq!(d.used, 9),
         other => panic!("the rebuilt total must still deny: {other:?}"),
     }
+}
+
+/// An index bucket written only early in the window must outlive the log's
+/// entries that point into it: when those entries leave the window, their
+/// costs come off the total although the user wrote only to other buckets since.
+#[tokio::test]
+async fn events_leave_the_total_though_their_bucket_was_not_written_since() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let ledger = redis_ledger(&server.url(), &prefix).await;
+    let u = user("buckets");
+    ledger.set_plan(&u, "big").await.unwrap();
+    // 99 events: more than one bucket's load, so the index splits.
+    for i in 0..99 {
+        ledger
+            .reserve(&u, &rid(&format!("early-{i}")), 1)
+            .await
+            .unwrap();
+    }
+    let written = Instant::now();
+    let keys = KeySpace::new(&prefix).unwrap().budget(&u);
+    let mut conn = raw(&server).await;
+    let buckets: Vec<String> = conn
+        .keys(format!("{}*", keys.bucket(0).trim_end_matches('0')))
+        .await
+        .unwrap();
+    assert!(buckets.len() >= 2, "the index split: {buckets:?}");
+    // Late in the window, one event: it rewrites the log, the meta and one bucket.
+    tokio::time::sleep_until((written + WINDOW * 2 / 3).into()).await;
+    ledger.reserve(&u, &rid("late"), 1).await.unwrap();
+    // The 99 have left the window, the late one has not.
+    tokio::time::sleep_until((written + WINDOW + Duration::from_millis(200)).into()).await;
+    let usage = ledger.usage(&u).await.unwrap();
+    assert!(
+        written.elapsed() < WINDOW * 2 / 3 + WINDOW,
+        "too slow to tell: the late event may have left too"
+    );
+    assert_eq!(usage.used, 1, "only the late event is live: {usage:?}");
+    assert_eq!(usage.events.len(), 1);
 }
 
 #[tokio::test]
