@@ -571,8 +571,8 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
     );
 }
 
-/// Where a waiting call stands: its place in its user's queue and the users
-/// ahead of its user in the round (fair), or its place in the one queue
+/// Where a waiting call stands: its place in its user's queue and the calls
+/// of others served before it (fair), or its place in the one queue
 /// (FIFO); nothing for a call that is not waiting, or is another user's. The
 /// `wicket` providers grant one slot per 20 s: nothing moves while the test
 /// looks.
@@ -590,9 +590,10 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
         handles.push(queue(&t, "wicket", "b", share(2), n).await);
     }
     let a3 = position("wicket", "a", "a-3").await;
+    // Tags: a 0 1 2, b (share 2) 0 0.5: served a-1 b-4 b-5 a-2 a-3.
     let expected = Position {
         ahead: 2,
-        users_ahead: 0,
+        others_ahead: 2,
         users: 2,
         weight: 1,
     };
@@ -601,7 +602,7 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
     let b5 = position("wicket", "b", "b-5").await;
     let expected = Position {
         ahead: 1,
-        users_ahead: 1,
+        others_ahead: 1,
         users: 2,
         weight: 2,
     };
@@ -625,7 +626,7 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
     let b3 = position("wicket-fifo", "b", "b-3").await;
     let expected = Position {
         ahead: 2,
-        users_ahead: 0,
+        others_ahead: 0,
         users: 1,
         weight: 1,
     };
