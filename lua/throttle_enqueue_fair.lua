@@ -29,7 +29,9 @@ if not max_wait or max_wait < 0 or not idle or idle < 1 or not rate or rate <= 0
     or string.find(inbox, ' ', 1, true) then
   return redis.error_reply('throttle_enqueue_fair: bad arguments')
 end
-weight, cap, hold = math.floor(weight), math.floor(cap), math.floor(hold)
+if not string.find(ARGV[8] .. ARGV[9] .. ARGV[10], '^%d+$') then
+  return redis.error_reply('throttle_enqueue_fair: weight, max_in_flight and hold are integers')
+end
 local now = now_us()
 -- Nobody waiting (so neither is this ticket): the provider was idle.
 local idle_before = redis.call('HLEN', WAITING) == 0
@@ -48,7 +50,7 @@ end
 local tags = redis.call('ZMSCORE', F.finish, user, V)
 local start = math.max(tonumber(tags[1]) or 0, tonumber(tags[2]) or 0)
 local stamp = fair_stamp(now)
-if redis.call('HSETNX', WAITING, ticket, fair_entry(now + max_wait, inbox, stamp, weight, cap, hold, user)) == 0 then
+if redis.call('HSETNX', WAITING, ticket, fair_entry(now + max_wait, inbox, stamp, ARGV[8], ARGV[9], ARGV[10], user)) == 0 then
   return { 0 }
 end
 redis.call('ZADD', F.finish, float(start + 1 / weight), user)
@@ -58,7 +60,7 @@ if cap > 0 and redis.call('ZSCORE', F.capped, user) then
   into = parked_key(F.base, user)
 end
 redis.call('ZADD', into, float(start), stamp .. ticket)
-redis.call('HINCRBY', F.users, user, 1)
+redis.call('ZINCRBY', F.users, 1, user)
 -- Keys written here live `idle` from now. While tickets wait, the provider's
 -- keys exist and every grant call renews them (throttle_grant.lua): only an
 -- idle provider's (maybe new) keys, and a parked ticket's, need it here.

@@ -27,7 +27,7 @@
 
 local QUEUE, PROCESSING, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local F = { tickets = KEYS[6], capped = KEYS[7], finish = KEYS[8], users = KEYS[9],
-  waiting = KEYS[3], base = ARGV[6] }
+  waiting = KEYS[3], base = ARGV[6], idle = tonumber(ARGV[5]) }
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local limit, ready_ttl, idle = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle
@@ -102,10 +102,13 @@ if not fifo_left then
   end
 end
 local granted_v
+-- A user's count went down (the 0s are dropped at the end); tickets are
+-- known to be left.
+local left_zero, left = false, false
 while not fifo_left and wait == 0 and more == 0 do
   if granted >= limit or tokens < 1 then
     if redis.call('ZCARD', F.tickets) > 0 then
-      fair_touched = true
+      fair_touched, left = true, true
       if granted >= limit then
         more = 1
       else
@@ -133,6 +136,7 @@ while not fifo_left and wait == 0 and more == 0 do
   elseif deadline < now then
     redis.call('HDEL', WAITING, ticket)
     fair_gone(F, user)
+    left_zero = true
     skipped = skipped + 1
   elseif cap == 0 or fair_fits(F, user, member, tag, cap, granted_v or v or fair_v(F), now) then
     tokens = tokens - 1
@@ -142,6 +146,7 @@ while not fifo_left and wait == 0 and more == 0 do
     granted = granted + 1
     granted_v = tag
     fair_gone(F, user)
+    left_zero = true
     if cap > 0 then
       local hk = held_key(F.base, user)
       redis.call('ZADD', hk, int(now + hold), ticket)
@@ -152,13 +157,22 @@ end
 if granted_v then
   redis.call('ZADD', F.finish, float(granted_v), V)
 end
+if left_zero then
+  redis.call('ZREMRANGEBYSCORE', F.users, '-inf', 0)
+end
 if fair_touched then
-  fair_settle(F, granted_v or v or fair_v(F))
+  fair_settle(F, granted_v or v or fair_v(F), left)
   -- Written above (or by the enqueue, cancel and done scripts since): they
-  -- live `idle` from now (the enqueue script leaves it to this while
-  -- tickets wait).
-  for _, key in ipairs({ WAITING, F.tickets, F.capped, F.finish, F.users }) do
-    redis.call('PEXPIRE', key, int(idle))
+  -- live `idle` from now (the enqueue script leaves it to this while tickets
+  -- wait). They were given it together: renewed together, when `tickets`
+  -- (the one an enqueue may create while others wait) has none, or half of it
+  -- is gone, or is gone itself while tickets are parked.
+  local ttl = redis.call('PTTL', F.tickets)
+  if ttl == -1 or (ttl >= 0 and ttl < idle / 2)
+      or (ttl == -2 and redis.call('ZCARD', F.capped) > 0) then
+    for _, key in ipairs({ WAITING, F.tickets, F.capped, F.finish, F.users }) do
+      redis.call('PEXPIRE', key, int(idle))
+    end
   end
 end
 local capped_us = 0

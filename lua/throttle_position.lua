@@ -85,7 +85,7 @@ if owner ~= user then
 end
 -- Its user's tickets are spaced 1/weight apart up to the user's finish tag:
 -- those behind it are (finish - tag) * weight - 1, the rest are ahead.
-local count = tonumber(redis.call('HGET', F.users, user)) or 1
+local count = tonumber(redis.call('ZSCORE', F.users, user)) or 1
 local finish = tonumber(redis.call('ZSCORE', F.finish, user)) or (tag + 1 / weight)
 local behind = math.floor((finish - tag) * weight + 0.5) - 1
 local ahead = math.max(0, math.min(count - 1, count - 1 - behind))
@@ -98,4 +98,4 @@ if parked then
 else
   before = redis.call('ZRANK', F.tickets, member)
 end
-return { ahead, math.max(0, before - ahead), redis.call('HLEN', F.users), weight }
+return { ahead, math.max(0, before - ahead), redis.call('ZCARD', F.users), weight }

@@ -24,7 +24,8 @@
 --   finish  sorted set: user -> the finish tag of its last ticket, while not
 --           below v; and ':v' -> v, the virtual clock (the start tag of the
 --           last grant): one ZMSCORE reads both
---   users   hash: user -> its tickets waiting (queued or parked)
+--   users   sorted set: user -> its tickets waiting (queued or parked); a
+--           grant leaves a 0 to the end of its call (one ZREMRANGEBYSCORE)
 --   <base>:held:<user>    sorted set: ticket -> when the slot frees itself
 --                         (µs): the user's calls in flight (only under a cap)
 --   <base>:parked:<user>  sorted set: "<stamp><ticket>" -> start tag: the
@@ -68,9 +69,10 @@ local function fair_stamp(now)
 end
 
 -- A fair ticket's `waiting` entry.
+-- (`weight`, `cap`, `hold`: integers, as strings.)
 local function fair_entry(deadline, inbox, stamp, weight, cap, hold, user)
-  return int(deadline) .. ' ' .. inbox .. ' ' .. stamp .. ' ' .. int(weight) .. ' '
-    .. int(cap) .. ' ' .. int(hold) .. ' ' .. user
+  return int(deadline) .. ' ' .. inbox .. ' ' .. stamp .. ' ' .. weight .. ' '
+    .. cap .. ' ' .. hold .. ' ' .. user
 end
 
 -- deadline, inbox, stamp, weight, cap, hold, user of a fair `waiting` entry
@@ -88,10 +90,11 @@ local function fair_v(F)
   return tonumber(redis.call('ZSCORE', F.finish, V)) or 0
 end
 
--- One ticket of `user` less waiting.
-local function fair_gone(F, user)
-  if redis.call('HINCRBY', F.users, user, -1) <= 0 then
-    redis.call('HDEL', F.users, user)
+-- One ticket of `user` less waiting; `now`: drop the user at 0 now (not
+-- left to the end of a grant call).
+local function fair_gone(F, user, now)
+  if tonumber(redis.call('ZINCRBY', F.users, -1, user)) <= 0 and now then
+    redis.call('ZREM', F.users, user)
   end
 end
 
@@ -156,14 +159,16 @@ local function fair_fits(F, user, member, tag, cap, v, now)
     end
   end
   redis.call('ZADD', pk, float(tag), member)
+  redis.call('PEXPIRE', pk, int(F.idle))
   fair_unpark(F, user, v, now)
   return false
 end
 
 -- With nobody waiting, the tags start again at 0 (v too); otherwise the
--- finish tags below v (worth v anyway) are dropped.
-local function fair_settle(F, v)
-  if redis.call('ZCARD', F.tickets) == 0 and redis.call('ZCARD', F.capped) == 0 then
+-- finish tags below v (worth v anyway) are dropped. `waiting`: tickets are
+-- known to be left.
+local function fair_settle(F, v, waiting)
+  if not waiting and redis.call('ZCARD', F.tickets) == 0 and redis.call('ZCARD', F.capped) == 0 then
     redis.call('DEL', F.finish)
   else
     redis.call('ZREMRANGEBYSCORE', F.finish, '-inf', '(' .. float(v))

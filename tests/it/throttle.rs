@@ -9,7 +9,7 @@ use tokio::sync::oneshot;
 use tollgate_core::{
     config::Config,
     id::RequestId,
-    throttle::{MemoryThrottle, Position, Share, Throttle, ThrottleError, Waiter},
+    throttle::{Grant, MemoryThrottle, Position, Share, Throttle, ThrottleError, Waiter},
 };
 use tollgate_redis::{
     keys::KeySpace,
@@ -215,6 +215,7 @@ conformance!(
     throttle_fifo_provider_serves_in_arrival_order,
     throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end,
     throttle_fair_a_cancelled_waiter_leaves_the_rotation,
+    throttle_fair_a_cap_parks_the_rest_in_order,
     throttle_position_of_a_waiting_call,
 );
 
@@ -388,6 +389,65 @@ async fn throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end(t: Arc<dyn Thro
     t.done(&second).await.unwrap();
     // Twice is harmless.
     t.done(&second).await.unwrap();
+}
+
+async fn next_grant(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Grant>) -> Grant {
+    tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .expect("a grant within 5 s")
+        .expect("a grant")
+}
+
+/// Under a cap of 2, a user's 4 calls go out in its own order, never more than
+/// 2 at once; another user's calls pass the parked ones. Tags: c 0 1 2 3, o 0 1.
+async fn throttle_fair_a_cap_parks_the_rest_in_order(t: Arc<dyn Throttle>) {
+    let capped = Share {
+        max_in_flight: Some(2),
+        ..share(1)
+    };
+    drain_bucket(&t, "tempo").await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let calls = [
+        ("c", capped),
+        ("c", capped),
+        ("c", capped),
+        ("c", capped),
+        ("o", share(1)),
+        ("o", share(1)),
+    ];
+    for (n, (user, sh)) in (1..).zip(calls) {
+        let waiter = Waiter::of(&rid(&format!("{user}-{n}")), user, sh);
+        let (t2, tx) = (Arc::clone(&t), tx.clone());
+        tokio::spawn(async move {
+            let g = t2
+                .acquire_as("tempo", &waiter, Duration::from_secs(10))
+                .await
+                .unwrap();
+            let _ = tx.send(g);
+        });
+        until_waiting(&t, "tempo", n).await;
+    }
+    let mut first = Vec::new();
+    for _ in 0..4 {
+        first.push(next_grant(&mut rx).await);
+    }
+    let ids: Vec<String> = first.iter().map(|g| g.request_id.to_string()).collect();
+    assert_eq!(ids, ["c-1", "o-5", "c-2", "o-6"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(rx.try_recv().is_err(), "granted past the cap");
+    let tempo = t.stats().await.unwrap().remove(2);
+    assert_eq!((tempo.waiters, tempo.users), (2, 1), "{tempo:?}");
+    t.done(&first[0]).await.unwrap();
+    let third = next_grant(&mut rx).await;
+    assert_eq!(third.request_id.as_str(), "c-3");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(rx.try_recv().is_err(), "granted past the cap");
+    t.done(&first[2]).await.unwrap();
+    let fourth = next_grant(&mut rx).await;
+    assert_eq!(fourth.request_id.as_str(), "c-4");
+    for g in [&third, &fourth] {
+        t.done(g).await.unwrap();
+    }
 }
 
 /// A waiter that gives up takes its user out of the rotation: no user is

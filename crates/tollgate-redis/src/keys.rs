@@ -78,7 +78,7 @@ pub struct ThrottleKeys {
     /// Sorted set: user -> the finish tag of its last ticket; `:v` -> the
     /// virtual clock.
     pub finish: String,
-    /// Hash: user -> its tickets waiting (the users waiting: `HLEN`).
+    /// Sorted set: user -> its tickets waiting (the users waiting: those above 0).
     pub users: String,
     base: String,
 }
