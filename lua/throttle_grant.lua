@@ -105,6 +105,8 @@ local granted_v
 -- A user's count went down (the 0s are dropped at the end); tickets are
 -- known to be left.
 local left_zero, left = false, false
+-- `tickets` was found empty; then, with `capped` empty too, nobody waits.
+local drained, nobody = false, false
 while not fifo_left and wait == 0 and more == 0 do
   if granted >= limit or tokens < 1 then
     if redis.call('ZCARD', F.tickets) > 0 then
@@ -120,6 +122,7 @@ while not fifo_left and wait == 0 and more == 0 do
   local top = redis.call('ZPOPMIN', F.tickets)
   local member = top[1]
   if not member then
+    drained = true
     break
   end
   fair_touched = true
@@ -154,13 +157,17 @@ while not fifo_left and wait == 0 and more == 0 do
     end
   end
 end
-if granted_v then
-  redis.call('ZADD', F.finish, float(granted_v), V)
-end
-if left_zero then
-  redis.call('ZREMRANGEBYSCORE', F.users, '-inf', 0)
-end
-if fair_touched then
+if fair_touched and drained and redis.call('ZCARD', F.capped) == 0 then
+  -- Nobody waits: the tags start again at 0 (lib/fair.lua), every count is 0.
+  nobody = true
+  redis.call('DEL', F.finish, F.users)
+elseif fair_touched then
+  if granted_v then
+    redis.call('ZADD', F.finish, float(granted_v), V)
+  end
+  if left_zero then
+    redis.call('ZREMRANGEBYSCORE', F.users, '-inf', 0)
+  end
   fair_settle(F, granted_v or v or fair_v(F), left)
   -- Written above (or by the enqueue, cancel and done scripts since): they
   -- live `idle` from now (the enqueue script leaves it to this while tickets
@@ -176,7 +183,7 @@ if fair_touched then
   end
 end
 local capped_us = 0
-if wait == 0 and more == 0 then
+if wait == 0 and more == 0 and not nobody then
   local first = redis.call('ZRANGE', F.capped, 0, 0, 'WITHSCORES')
   if first[2] then
     capped_us = math.max(1, tonumber(first[2]) - now)
