@@ -11,9 +11,10 @@
 -- of a user of weight 1 while both wait; a user that starts waiting starts at
 -- v (idle time banks no credit); with one user waiting this is FIFO. Queueing
 -- and granting are O(log n) in the tickets waiting, with no key per user:
--- tags per user, rather than a queue per user, is what keeps it near the cost
--- of the FIFO queue (a queue per user made nearly every enqueue over many
--- users create a key and move its user between sets).
+-- a tag per ticket, rather than a queue per user served in turn, is what keeps
+-- it near the cost of the FIFO queue (a queue per user made nearly every
+-- enqueue over many users create a key and move its user between sets;
+-- BENCHMARKS.md, "The cost of it").
 --
 -- Keys, all on the provider's hash tag; the per-user ones are built here from
 -- `base`, the provider's key prefix (ARGV; user ids cannot contain ':' or '{'):
