@@ -437,6 +437,15 @@ async fn throttle_fair_a_cap_parks_the_rest_in_order(t: Arc<dyn Throttle>) {
     assert!(rx.try_recv().is_err(), "granted past the cap");
     let tempo = t.stats().await.unwrap().remove(2);
     assert_eq!((tempo.waiters, tempo.users), (2, 1), "{tempo:?}");
+    // A parked call still has its place: behind c-3, nobody else ahead.
+    let c4 = t.position("tempo", "c", &rid("c-4")).await.unwrap();
+    let expected = Position {
+        ahead: 1,
+        others_ahead: 0,
+        users: 1,
+        weight: 1,
+    };
+    assert_eq!(c4, Some(expected));
     t.done(&first[0]).await.unwrap();
     let third = next_grant(&mut rx).await;
     assert_eq!(third.request_id.as_str(), "c-3");
