@@ -1,35 +1,43 @@
 -- throttle_cancel.lua: a waiter gives up (timeout, or its caller went away).
 -- KEYS[1] queue, KEYS[2] waiting, KEYS[3] granted, KEYS[4] bucket
 --   (see throttle_grant.lua)
--- KEYS[5] active, KEYS[6] capped, KEYS[7] idle, KEYS[8] fair, KEYS[9] shares
---   (lib/fair.lua)
+-- KEYS[5] tickets, KEYS[6] capped, KEYS[7] finish, KEYS[8] users (lib/fair.lua)
 -- ARGV[1] ticket, ARGV[2] rate, ARGV[3] burst
 -- ARGV[4] 'fair' or 'fifo': the queue the ticket was put in
--- ARGV[5] the user whose queue holds a fair ticket
+-- ARGV[5] the user of a fair ticket
 -- ARGV[6] the provider's key base (for the per-user keys)
 -- Returns 1 when the ticket was still waiting (removed: no token was spent;
--- a user with no ticket left leaves the rotation), 2 when a grant had been made
--- for it meanwhile (the token goes back to the bucket, the slot to its user's
--- cap), 0 when there is neither (served and consumed, or never queued).
--- With the grant script this decides exactly once who owns a token: the grant
--- record is removed either here or never (a waiter that resumed does not cancel).
+-- a user with no ticket left is no longer counted as waiting), 2 when a grant
+-- had been made for it meanwhile (the token goes back to the bucket, the slot
+-- to its user's cap), 0 when there is neither (served and consumed, or never
+-- queued). With the grant script this decides exactly once who owns a token:
+-- the grant record is removed either here or never (a waiter that resumed
+-- does not cancel). The tag the ticket took stays spent (its user's later
+-- tickets keep theirs): at most 1/weight of a round.
 
 local QUEUE, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local F = { active = KEYS[5], capped = KEYS[6], idle = KEYS[7], fair = KEYS[8],
-  shares = KEYS[9], base = ARGV[6] }
+local F = { tickets = KEYS[5], capped = KEYS[6], finish = KEYS[7], users = KEYS[8],
+  waiting = WAITING, base = ARGV[6] }
 local ticket, rate, burst = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local user = ARGV[4] == 'fair' and ARGV[5] or nil
 if not rate or rate <= 0 or not burst or burst < 1 or not F.base or F.base == '' then
   return redis.error_reply('throttle_cancel: bad rate, burst or key base')
 end
-if redis.call('HDEL', WAITING, ticket) == 1 then
-  if user then
-    local fq = fq_key(F.base, user)
-    redis.call('LREM', fq, 1, ticket)
-    if redis.call('LLEN', fq) == 0 then
-      fair_leave(F, user)
-      fair_settle(F)
+local w = redis.call('HGET', WAITING, ticket)
+if w then
+  redis.call('HDEL', WAITING, ticket)
+  local _, _, stamp, _, _, _, owner = fair_parse(w)
+  if stamp then
+    local member = stamp .. ticket
+    if redis.call('ZREM', F.tickets, member) == 0 then
+      local pk = parked_key(F.base, owner)
+      redis.call('ZREM', pk, member)
+      if redis.call('EXISTS', pk) == 0 then
+        redis.call('ZREM', F.capped, owner)
+      end
     end
+    fair_gone(F, owner, true)
+    fair_settle(F, fair_v(F))
   else
     -- Usually still queued; if a throttler holds it in its processing list,
     -- the grant script drops it there, finding no `waiting` entry.

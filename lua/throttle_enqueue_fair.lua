@@ -1,10 +1,9 @@
--- throttle_enqueue_fair.lua: a waiter asks for a slot of a fair provider, in
--- its user's queue (lib/fair.lua).
+-- throttle_enqueue_fair.lua: a waiter asks for a slot of a fair provider: its
+-- ticket gets its start tag and joins the provider's tickets (lib/fair.lua).
 -- KEYS[1] queue    list: only bells here (a throttler's wake-up, see lib/fair.lua)
--- KEYS[2] waiting  hash: ticket -> "<deadline_us> <inbox channel>"
+-- KEYS[2] waiting  hash: ticket -> its entry (lib/fair.lua)
 -- KEYS[3] bucket   the token bucket (lib/bucket.lua)
--- KEYS[4] active, KEYS[5] capped, KEYS[6] idle, KEYS[7] fair, KEYS[8] shares
---   (lib/fair.lua)
+-- KEYS[4] tickets, KEYS[5] capped, KEYS[6] finish, KEYS[7] users (lib/fair.lua)
 -- ARGV[1] ticket (unique per acquire: "<request id>~<random>")
 -- ARGV[2] inbox channel the waiter's process is subscribed to (before this call)
 -- ARGV[3] max_wait in µs: after that the ticket is worth nothing
@@ -18,22 +17,25 @@
 -- { 0 } when the ticket is already waiting.
 
 local QUEUE, WAITING, BUCKET = KEYS[1], KEYS[2], KEYS[3]
-local F = { active = KEYS[4], capped = KEYS[5], idle = KEYS[6], fair = KEYS[7],
-  shares = KEYS[8], base = ARGV[11] }
+local F = { tickets = KEYS[4], capped = KEYS[5], finish = KEYS[6], users = KEYS[7],
+  waiting = WAITING, base = ARGV[11] }
 local ticket, inbox, user = ARGV[1], ARGV[2], ARGV[7]
 local max_wait, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
 local rate, burst = tonumber(ARGV[5]), tonumber(ARGV[6])
 local weight, cap, hold = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 if not max_wait or max_wait < 0 or not idle or idle < 1 or not rate or rate <= 0
     or not burst or burst < 1 or not weight or weight < 1 or not cap or cap < 0
-    or not hold or hold < 1 or not F.base or F.base == '' then
+    or not hold or hold < 1 or not F.base or F.base == '' or inbox == ''
+    or string.find(inbox, ' ', 1, true) then
   return redis.error_reply('throttle_enqueue_fair: bad arguments')
 end
-if redis.call('HEXISTS', WAITING, ticket) == 1 then
-  return { 0 }
+if not string.find(ARGV[8] .. ARGV[9] .. ARGV[10], '^%d+$') then
+  return redis.error_reply('throttle_enqueue_fair: weight, max_in_flight and hold are integers')
 end
 local now = now_us()
-if redis.call('HLEN', WAITING) == 0 and (cap == 0 or fair_held(F, user, now) < cap) then
+-- Nobody waiting (so neither is this ticket): the provider was idle.
+local idle_before = redis.call('HLEN', WAITING) == 0
+if idle_before and (cap == 0 or fair_held(F, user, now) < cap) then
   local tokens, at = bucket_read(BUCKET, now, rate, burst)
   if tokens >= 1 then
     bucket_write(BUCKET, tokens - 1, at, rate, burst)
@@ -45,18 +47,29 @@ if redis.call('HLEN', WAITING) == 0 and (cap == 0 or fair_held(F, user, now) < c
     return { 2, now }
   end
 end
-local fq = fq_key(F.base, user)
-redis.call('HSET', WAITING, ticket, int(now + max_wait) .. ' ' .. inbox)
-redis.call('RPUSH', fq, ticket)
--- A user has a `shares` entry exactly while it has tickets (it leaves the
--- rotation and its entry together): a new entry is a user joining.
-local joins = redis.call('HSET', F.shares, user, int(weight) .. ' ' .. int(cap) .. ' ' .. int(hold)) == 1
--- The keys written here live `idle` from now; the grant script does the same
--- for the ones it writes (active, capped, idle, fair).
-local touched = { WAITING, fq, F.shares }
-if joins or (not redis.call('ZSCORE', F.active, user) and not redis.call('ZSCORE', F.capped, user)) then
-  fair_activate(F, user)
-  touched[#touched + 1] = F.active
+local tags = redis.call('ZMSCORE', F.finish, user, V)
+local start = math.max(tonumber(tags[1]) or 0, tonumber(tags[2]) or 0)
+local stamp = fair_stamp(now)
+if redis.call('HSETNX', WAITING, ticket, fair_entry(now + max_wait, inbox, stamp, ARGV[8], ARGV[9], ARGV[10], user)) == 0 then
+  return { 0 }
+end
+redis.call('ZADD', F.finish, float(start + 1 / weight), user)
+-- A user with parked tickets queues behind them (its own order).
+local into = F.tickets
+if cap > 0 and redis.call('ZSCORE', F.capped, user) then
+  into = parked_key(F.base, user)
+end
+redis.call('ZADD', into, float(start), stamp .. ticket)
+redis.call('ZINCRBY', F.users, 1, user)
+-- Keys written here live `idle` from now. While tickets wait, the provider's
+-- keys exist and every grant call renews them (throttle_grant.lua): only an
+-- idle provider's (maybe new) keys, and a parked ticket's, need it here.
+local touched = {}
+if idle_before then
+  touched = { WAITING, F.tickets, F.finish, F.users }
+end
+if into ~= F.tickets then
+  touched[#touched + 1] = into
 end
 if ring(QUEUE) then
   touched[#touched + 1] = QUEUE

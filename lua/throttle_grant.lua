@@ -4,16 +4,15 @@
 -- KEYS[3] waiting     hash: ticket -> "<deadline_us> <inbox channel>"
 -- KEYS[4] granted     sorted set: ticket -> grant time (µs); the readiness record
 -- KEYS[5] bucket      the token bucket (lib/bucket.lua)
--- KEYS[6] active, KEYS[7] capped, KEYS[8] idle, KEYS[9] fair, KEYS[10] shares
---   (lib/fair.lua)
+-- KEYS[6] tickets, KEYS[7] capped, KEYS[8] finish, KEYS[9] users (lib/fair.lua)
 -- ARGV[1] rate (tokens/s), ARGV[2] burst
 -- ARGV[3] most grants in this call
 -- ARGV[4] how long a readiness record lives, µs
 -- ARGV[5] idle ttl in ms of the provider's keys
 -- ARGV[6] the provider's key base (for the per-user keys of its fair queue)
 -- Serves the processing list first, then the queue head, in order (FIFO
--- tickets; bells are dropped), then the fair queue's users, least start tag
--- first (lib/fair.lua), each in its own order: a ticket nobody
+-- tickets; bells are dropped), then the fair queue's tickets, least start
+-- tag first (lib/fair.lua; a ticket of a user at its cap is parked): a ticket nobody
 -- waits for any more (cancelled, or past its deadline) is dropped without a token;
 -- a waited-for ticket gets a token, a readiness record and a PUBLISH of
 -- "<ticket> <granted_at_us>" on its inbox, all in this one atomic step. An
@@ -27,8 +26,8 @@
 -- first of their slots frees itself: a throttler blocks no longer than that).
 
 local QUEUE, PROCESSING, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local F = { active = KEYS[6], capped = KEYS[7], idle = KEYS[8], fair = KEYS[9],
-  shares = KEYS[10], base = ARGV[6] }
+local F = { tickets = KEYS[6], capped = KEYS[7], finish = KEYS[8], users = KEYS[9],
+  waiting = KEYS[3], base = ARGV[6], idle = tonumber(ARGV[5]) }
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local limit, ready_ttl, idle = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle
@@ -88,133 +87,103 @@ while true do
   end
 end
 
--- The fair queue. Users whose oldest slot freed itself (a caller that never
--- said its call ended) rejoin first.
+-- The fair queue. Users with parked tickets whose oldest slot freed itself
+-- (a caller that never said its call ended) get them back first.
 local fifo_left = wait > 0 or more == 1
 -- Whether the fair queue had anyone (its keys' lives are renewed below).
 local fair_touched = false
+-- The virtual clock: the tag of the last grant, written once at the end.
+local v
 if not fifo_left then
   for _, user in ipairs(redis.call('ZRANGE', F.capped, '-inf', int(now), 'BYSCORE', 'LIMIT', 0, 100)) do
     fair_touched = true
-    local _, cap = fair_share(F, user)
-    local held, first = fair_held(F, user, now)
-    if held < cap then
-      fair_activate(F, user)
-    else
-      redis.call('ZADD', F.capped, int(first), user)
-    end
+    v = v or fair_v(F)
+    fair_unpark(F, user, v, now)
   end
 end
--- Each user's share, read once per call.
-local shares_of = {}
-local function share_of(user)
-  local s = shares_of[user]
-  if not s then
-    s = { fair_share(F, user) }
-    shares_of[user] = s
-  end
-  return s[1], s[2], s[3]
-end
--- The user being served, taken out of `active` (ZPOPMIN) with its start tag
--- `tag`: it goes on while its tag stays the least, then goes back (ZADD) or
--- leaves. `nxt_user`/`nxt_tag`: the least of the others (read once per user
--- served: nothing else changes `active` meanwhile). `v`: the virtual clock,
--- written once at the end.
-local user, tag, fq, nxt_user, nxt_tag, peeked, v
+local granted_v
+-- A user's count went down (the 0s are dropped at the end); tickets are
+-- known to be left.
+local left_zero, left = false, false
+-- `tickets` was found empty; then, with `capped` empty too, nobody waits.
+local drained, nobody = false, false
 while not fifo_left and wait == 0 and more == 0 do
-  if not user then
-    local top = redis.call('ZPOPMIN', F.active)
-    if not top[1] then
-      break
-    end
-    user, tag, peeked = top[1], tonumber(top[2]), false
-    fq = fq_key(F.base, user)
-    fair_touched = true
-  end
-  local ticket = redis.call('LPOP', fq)
-  local w = ticket and redis.call('HGET', WAITING, ticket)
-  local deadline, inbox = 0, ''
-  if w then
-    deadline, inbox = parse_waiting(w)
-  end
-  local served, stop = false, false
-  if not ticket then
-    -- Nothing left: leaves below.
-  elseif not w or deadline < now then
-    if w then
-      redis.call('HDEL', WAITING, ticket)
-    end
-    skipped = skipped + 1
-  else
-    local weight, cap, hold = share_of(user)
-    local held, first = 0, nil
-    if cap > 0 then
-      held, first = fair_held(F, user, now)
-    end
-    if cap > 0 and held >= cap then
-      -- At its cap: out of the rotation until a slot ends (throttle_done.lua).
-      redis.call('LPUSH', fq, ticket)
-      redis.call('ZADD', F.idle, float(tag), user)
-      redis.call('ZADD', F.capped, int(first), user)
-      user = nil
-    elseif granted >= limit or tokens < 1 then
-      redis.call('LPUSH', fq, ticket)
+  if granted >= limit or tokens < 1 then
+    if redis.call('ZCARD', F.tickets) > 0 then
+      fair_touched, left = true, true
       if granted >= limit then
         more = 1
       else
         wait = until_token(tokens, rate)
       end
-      stop = true
-    else
-      tokens = tokens - 1
-      redis.call('HDEL', WAITING, ticket)
-      redis.call('ZADD', GRANTED, int(now), ticket)
-      publish(inbox, ticket .. ' ' .. int(now))
-      granted = granted + 1
-      v = tag
-      if cap > 0 then
-        local hk = held_key(F.base, user)
-        redis.call('ZADD', hk, int(now + hold), ticket)
-        redis.call('PEXPIRE', hk, int(hold / 1000 + 1000))
-      end
-      tag = tag + 1 / weight
-      served = true
+    end
+    break
+  end
+  local top = redis.call('ZPOPMIN', F.tickets)
+  local member = top[1]
+  if not member then
+    drained = true
+    break
+  end
+  fair_touched = true
+  local tag = tonumber(top[2])
+  local ticket = string.sub(member, STAMP + 1)
+  local w = redis.call('HGET', WAITING, ticket)
+  local deadline, inbox, _, _, cap, hold, user
+  if w then
+    deadline, inbox, _, _, cap, hold, user = fair_parse(w)
+  end
+  if not deadline then
+    -- No entry (its keys expired): nobody to serve.
+    skipped = skipped + 1
+  elseif deadline < now then
+    redis.call('HDEL', WAITING, ticket)
+    fair_gone(F, user)
+    left_zero = true
+    skipped = skipped + 1
+  elseif cap == 0 or fair_fits(F, user, member, tag, cap, granted_v or v or fair_v(F), now) then
+    tokens = tokens - 1
+    redis.call('HDEL', WAITING, ticket)
+    redis.call('ZADD', GRANTED, int(now), ticket)
+    publish(inbox, ticket .. ' ' .. int(now))
+    granted = granted + 1
+    granted_v = tag
+    fair_gone(F, user)
+    left_zero = true
+    if cap > 0 then
+      local hk = held_key(F.base, user)
+      redis.call('ZADD', hk, int(now + hold), ticket)
+      redis.call('PEXPIRE', hk, int(hold / 1000 + 1000))
     end
   end
-  if user and not stop then
-    if not ticket or redis.call('LLEN', fq) == 0 then
-      -- No ticket left: out of the rotation, back at `tag` when it waits again.
-      redis.call('ZADD', F.idle, float(tag), user)
-      redis.call('HDEL', F.shares, user)
-      user = nil
-    elseif served then
-      if not peeked then
-        local top = redis.call('ZRANGE', F.active, 0, 0, 'WITHSCORES')
-        nxt_user, nxt_tag, peeked = top[1], tonumber(top[2]), true
-      end
-      if nxt_user and (nxt_tag < tag or (nxt_tag == tag and nxt_user < user)) then
-        redis.call('ZADD', F.active, float(tag), user)
-        user = nil
-      end
-    end
+end
+if fair_touched and drained and redis.call('ZCARD', F.capped) == 0 then
+  -- Nobody waits: the tags start again at 0 (lib/fair.lua), every count is 0.
+  nobody = true
+  redis.call('DEL', F.finish, F.users)
+elseif fair_touched then
+  if granted_v then
+    redis.call('ZADD', F.finish, float(granted_v), V)
   end
-end
-if user then
-  redis.call('ZADD', F.active, float(tag), user)
-end
-if v then
-  redis.call('HSET', F.fair, 'v', float(v))
-end
-fair_settle(F)
-if fair_touched then
-  -- Written above (or by throttle_cancel/done since): they live `idle` from
-  -- now, as the enqueue script's keys do.
-  for _, key in ipairs({ F.active, F.capped, F.idle, F.fair }) do
-    redis.call('PEXPIRE', key, int(idle))
+  if left_zero then
+    redis.call('ZREMRANGEBYSCORE', F.users, '-inf', 0)
+  end
+  fair_settle(F, granted_v or v or fair_v(F), left)
+  -- Written above (or by the enqueue, cancel and done scripts since): they
+  -- live `idle` from now (the enqueue script leaves it to this while tickets
+  -- wait). They were given it together: renewed together, when `tickets`
+  -- (the one an enqueue may create while others wait) has none, or half of it
+  -- is gone, or is gone itself while tickets are parked.
+  local ttl = redis.call('PTTL', F.tickets)
+  if ttl == -1 or (ttl >= 0 and ttl < idle / 2)
+      or (ttl == -2 and redis.call('ZCARD', F.capped) > 0) then
+    for _, key in ipairs({ WAITING, F.tickets, F.capped, F.finish, F.users }) do
+      redis.call('PEXPIRE', key, int(idle))
+    end
   end
 end
 local capped_us = 0
-if wait == 0 and more == 0 then
+if wait == 0 and more == 0 and not nobody then
   local first = redis.call('ZRANGE', F.capped, 0, 0, 'WITHSCORES')
   if first[2] then
     capped_us = math.max(1, tonumber(first[2]) - now)

@@ -1,33 +1,55 @@
--- lib/fair.lua: a provider's fair queue (start-time fair queuing over per-user
--- queues), shared by the throttle scripts; the `scripts` module prepends it,
--- after lib/bucket.lua. `crates/tollgate-core/src/fair.rs` is the same queue
--- in process.
+-- lib/fair.lua: a provider's fair queue, shared by the throttle scripts; the
+-- `scripts` module prepends it, after lib/bucket.lua.
+-- `crates/tollgate-core/src/fair.rs` is the same queue in process.
+--
+-- Start-time fair queuing with a tag per ticket, given when it is queued:
+-- start = max(v, the finish tag of its user's last ticket), finish = start +
+-- 1/weight. Every ticket of the provider waits in ONE sorted set by start tag
+-- (ties: arrival order, a time stamp heads the member); a grant pops the least
+-- (ZPOPMIN) and sets the virtual clock v to its tag. A user's tickets are
+-- spaced 1/weight apart, so a user of weight 4 gets four grants for each one
+-- of a user of weight 1 while both wait; a user that starts waiting starts at
+-- v (idle time banks no credit); with one user waiting this is FIFO. Queueing
+-- and granting are O(log n) in the tickets waiting, with no key per user:
+-- a tag per ticket, rather than a queue per user served in turn, is what keeps
+-- it near the cost of the FIFO queue (a queue per user made nearly every
+-- enqueue over many users create a key and move its user between sets;
+-- BENCHMARKS.md, "The cost of it").
 --
 -- Keys, all on the provider's hash tag; the per-user ones are built here from
 -- `base`, the provider's key prefix (ARGV; user ids cannot contain ':' or '{'):
---   active  sorted set: user -> start tag of its head ticket (users to serve)
---   capped  sorted set: user -> when its oldest slot frees itself (µs): users
---           with tickets, held back by their max_in_flight
---   idle    sorted set: user -> its next start tag, while not in active
---   fair    hash: v -> the virtual clock (the start tag of the last grant)
---   shares  hash: user -> "<weight> <max_in_flight, 0 for none> <hold µs>"
---   <base>:fq:<user>    list: the user's tickets, oldest first
---   <base>:held:<user>  sorted set: ticket -> when the slot frees itself (µs):
---                       the user's calls in flight (kept only under a cap)
--- The user with the least start tag is served next (O(log n) in the users
--- waiting); a grant sets v to that tag and moves the user's tag on by
--- 1/weight. A user that starts waiting starts at max(v, its tag): idle time
--- banks no credit. With one user waiting this is FIFO.
+--   tickets sorted set: "<stamp><ticket>" -> start tag (stamp: 14 hex digits
+--           of the enqueue's µs, so that equal tags are served in arrival order)
+--   capped  sorted set: user -> when to look at its slots again (µs): users
+--           with tickets parked by their max_in_flight
+--   finish  sorted set: user -> the finish tag of its last ticket, while not
+--           below v; and ':v' -> v, the virtual clock (the start tag of the
+--           last grant): one ZMSCORE reads both
+--   users   sorted set: user -> its tickets waiting (queued or parked); a
+--           grant leaves a 0 to the end of its call (one ZREMRANGEBYSCORE)
+--   <base>:held:<user>    sorted set: ticket -> when the slot frees itself
+--                         (µs): the user's calls in flight (only under a cap)
+--   <base>:parked:<user>  sorted set: "<stamp><ticket>" -> start tag: the
+--                         tickets of a user at its cap, out of `tickets` until
+--                         a slot ends; they go back at max(v, their tag)
+-- A ticket's `waiting` entry is "<deadline_us> <inbox> <stamp> <weight>
+-- <max_in_flight, 0 for none> <hold µs> <user>": what its grant needs.
+-- With nobody waiting, `finish` (and v) is dropped: tags start again at 0.
 
 -- A queue entry that only wakes a throttler (BLMOVE): it is no ticket.
 local BELL = '!bell'
+-- Hex digits of the stamp heading a member of `tickets`.
+local STAMP = 14
+-- The member of `finish` that holds v (no user id contains ':').
+local V = ':v'
 
-local function fq_key(base, user)
-  return base .. ':fq:' .. user
-end
 
 local function held_key(base, user)
   return base .. ':held:' .. user
+end
+
+local function parked_key(base, user)
+  return base .. ':parked:' .. user
 end
 
 local function float(n)
@@ -43,15 +65,38 @@ local function ring(queue)
   return false
 end
 
--- weight, max_in_flight (0: none), hold (µs) of a user with tickets.
-local function fair_share(F, user)
-  local s = redis.call('HGET', F.shares, user)
-  local w, c, h = string.match(s or '', '^(%S+) (%S+) (%S+)$')
-  return tonumber(w) or 1, tonumber(c) or 0, tonumber(h) or 60000000
+local function fair_stamp(now)
+  return string.format('%0' .. STAMP .. 'x', now)
+end
+
+-- A fair ticket's `waiting` entry.
+-- (`weight`, `cap`, `hold`: integers, as strings.)
+local function fair_entry(deadline, inbox, stamp, weight, cap, hold, user)
+  return int(deadline) .. ' ' .. inbox .. ' ' .. stamp .. ' ' .. weight .. ' '
+    .. cap .. ' ' .. hold .. ' ' .. user
+end
+
+-- deadline, inbox, stamp, weight, cap, hold, user of a fair `waiting` entry
+-- (nil when it is not one).
+local function fair_parse(w)
+  local d, inbox, stamp, weight, cap, hold, user =
+    string.match(w, '^(%d+) (%S+) (%x+) (%d+) (%d+) (%d+) (.*)$')
+  if not d then
+    return nil
+  end
+  return tonumber(d), inbox, stamp, tonumber(weight), tonumber(cap), tonumber(hold), user
 end
 
 local function fair_v(F)
-  return tonumber(redis.call('HGET', F.fair, 'v')) or 0
+  return tonumber(redis.call('ZSCORE', F.finish, V)) or 0
+end
+
+-- One ticket of `user` less waiting; `now`: drop the user at 0 now (not
+-- left to the end of a grant call).
+local function fair_gone(F, user, now)
+  if tonumber(redis.call('ZINCRBY', F.users, -1, user)) <= 0 and now then
+    redis.call('ZREM', F.users, user)
+  end
 end
 
 -- Slots `user` holds at `now` (freed ones dropped), and when the oldest frees itself.
@@ -62,64 +107,85 @@ local function fair_held(F, user, now)
   return redis.call('ZCARD', key), tonumber(first[2])
 end
 
--- `user` (with tickets) joins the rotation at max(v, its tag).
-local function fair_activate(F, user)
-  local v = fair_v(F)
-  local tag = tonumber(redis.call('ZSCORE', F.idle, user))
-  if tag then
-    redis.call('ZREM', F.idle, user)
-  else
-    tag = v
+-- Parked tickets of `user` go back into `tickets` (at max(v, their tag)) as
+-- far as its free slots go; it stays in `capped` while any is left.
+local function fair_unpark(F, user, v, now)
+  local pk = parked_key(F.base, user)
+  local head = redis.call('ZRANGE', pk, 0, 0)[1]
+  local w = head and redis.call('HGET', F.waiting, string.sub(head, STAMP + 1))
+  local cap, hold
+  if w then
+    local _
+    _, _, _, _, cap, hold = fair_parse(w)
   end
-  redis.call('ZREM', F.capped, user)
-  redis.call('ZADD', F.active, float(math.max(v, tag)), user)
-end
-
--- `user` leaves the rotation; `tag` is where it starts when it comes back.
-local function fair_park(F, user, tag)
-  redis.call('ZREM', F.active, user)
-  redis.call('ZADD', F.idle, float(tag), user)
-end
-
--- `user` has no ticket left: out of the rotation and of the capped set.
-local function fair_leave(F, user)
-  local tag = tonumber(redis.call('ZSCORE', F.active, user))
-  if tag then
-    fair_park(F, user, tag)
+  if not head then
+    redis.call('ZREM', F.capped, user)
+    return
   end
-  redis.call('ZREM', F.capped, user)
-  redis.call('HDEL', F.shares, user)
-end
-
--- With nobody waiting, v jumps past every tag and the idle users are
--- forgotten; otherwise the tags at or below v (worth v anyway) are dropped.
-local function fair_settle(F)
-  if redis.call('ZCARD', F.active) == 0 and redis.call('ZCARD', F.capped) == 0 then
-    local top = redis.call('ZRANGE', F.idle, -1, -1, 'WITHSCORES')
-    if top[2] then
-      redis.call('HSET', F.fair, 'v', float(math.max(fair_v(F), tonumber(top[2]))))
+  if not cap then
+    -- Its entry is gone (expired): the ticket is worth nothing.
+    redis.call('ZREM', pk, head)
+    return fair_unpark(F, user, v, now)
+  end
+  local held, first = fair_held(F, user, now)
+  if held < cap then
+    local out = redis.call('ZPOPMIN', pk, cap - held)
+    for i = 1, #out, 2 do
+      redis.call('ZADD', F.tickets, float(math.max(v, tonumber(out[i + 1]))), out[i])
     end
-    redis.call('DEL', F.idle)
+  end
+  if redis.call('EXISTS', pk) == 0 then
+    redis.call('ZREM', F.capped, user)
   else
-    redis.call('ZREMRANGEBYSCORE', F.idle, '-inf', float(fair_v(F)))
+    -- Looked at again when its oldest slot frees itself (or one ends).
+    redis.call('ZADD', F.capped, int(first or (now + hold)), user)
   end
 end
 
--- The call of `ticket` ended or its slot was handed back: a user held back by
--- its cap rejoins (and a throttler is woken). Returns 1 when a slot was held.
+-- A ticket of a capped user popped at tag `tag`: may it be served now? Not
+-- when the user is at its cap, nor when older tickets of it are parked (at
+-- max(v, their tag)): then it is parked (and the oldest parked go back as
+-- far as slots are free).
+local function fair_fits(F, user, member, tag, cap, v, now)
+  local pk = parked_key(F.base, user)
+  local held = fair_held(F, user, now)
+  if held < cap then
+    local first = redis.call('ZRANGE', pk, 0, 0, 'WITHSCORES')
+    if not first[1] then
+      return true
+    end
+    local ptag = math.max(v, tonumber(first[2]))
+    if tag < ptag or (tag == ptag and member < first[1]) then
+      return true
+    end
+  end
+  redis.call('ZADD', pk, float(tag), member)
+  redis.call('PEXPIRE', pk, int(F.idle))
+  fair_unpark(F, user, v, now)
+  return false
+end
+
+-- With nobody waiting, the tags start again at 0 (v too); otherwise the
+-- finish tags below v (worth v anyway) are dropped. `waiting`: tickets are
+-- known to be left.
+local function fair_settle(F, v, waiting)
+  if not waiting and redis.call('ZCARD', F.tickets) == 0 and redis.call('ZCARD', F.capped) == 0 then
+    redis.call('DEL', F.finish)
+  else
+    redis.call('ZREMRANGEBYSCORE', F.finish, '-inf', '(' .. float(v))
+  end
+end
+
+-- The call of `ticket` ended or its slot was handed back: a user whose
+-- tickets are parked gets them back as far as its cap allows (and a
+-- throttler is woken). Returns 1 when a slot was held.
 local function fair_release(F, queue, user, ticket, now)
   if redis.call('ZREM', held_key(F.base, user), ticket) == 0 then
     return 0
   end
   if redis.call('ZSCORE', F.capped, user) then
-    local _, cap = fair_share(F, user)
-    local held, first = fair_held(F, user, now)
-    if held < cap then
-      fair_activate(F, user)
-      ring(queue)
-    else
-      redis.call('ZADD', F.capped, int(first), user)
-    end
+    fair_unpark(F, user, fair_v(F), now)
+    ring(queue)
   end
   return 1
 end

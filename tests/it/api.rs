@@ -974,7 +974,7 @@ async fn a_job_waiting_for_its_provider_shows_where_it_stands(h: Harness) {
     let queue = &view["provider_queue"];
     assert_eq!(queue["provider"], "glacier", "{view}");
     assert_eq!(queue["position"], 1, "{view}");
-    assert_eq!(queue["users_ahead"], 0, "{view}");
+    assert_eq!(queue["others_ahead"], 0, "{view}");
     assert_eq!(queue["users_waiting"], 1, "{view}");
     // (0 grants ahead + 1) / 0.01 per s.
     assert_eq!(queue["estimated_wait_ms"], 100_000, "{view}");

@@ -9,7 +9,7 @@ use tokio::sync::oneshot;
 use tollgate_core::{
     config::Config,
     id::RequestId,
-    throttle::{MemoryThrottle, Position, Share, Throttle, ThrottleError, Waiter},
+    throttle::{Grant, MemoryThrottle, Position, Share, Throttle, ThrottleError, Waiter},
 };
 use tollgate_redis::{
     keys::KeySpace,
@@ -215,6 +215,7 @@ conformance!(
     throttle_fifo_provider_serves_in_arrival_order,
     throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end,
     throttle_fair_a_cancelled_waiter_leaves_the_rotation,
+    throttle_fair_a_cap_parks_the_rest_in_order,
     throttle_position_of_a_waiting_call,
 );
 
@@ -388,6 +389,74 @@ async fn throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end(t: Arc<dyn Thro
     t.done(&second).await.unwrap();
     // Twice is harmless.
     t.done(&second).await.unwrap();
+}
+
+async fn next_grant(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Grant>) -> Grant {
+    tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .expect("a grant within 5 s")
+        .expect("a grant")
+}
+
+/// Under a cap of 2, a user's 4 calls go out in its own order, never more than
+/// 2 at once; another user's calls pass the parked ones. Tags: c 0 1 2 3, o 0 1.
+async fn throttle_fair_a_cap_parks_the_rest_in_order(t: Arc<dyn Throttle>) {
+    let capped = Share {
+        max_in_flight: Some(2),
+        ..share(1)
+    };
+    drain_bucket(&t, "tempo").await;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let calls = [
+        ("c", capped),
+        ("c", capped),
+        ("c", capped),
+        ("c", capped),
+        ("o", share(1)),
+        ("o", share(1)),
+    ];
+    for (n, (user, sh)) in (1..).zip(calls) {
+        let waiter = Waiter::of(&rid(&format!("{user}-{n}")), user, sh);
+        let (t2, tx) = (Arc::clone(&t), tx.clone());
+        tokio::spawn(async move {
+            let g = t2
+                .acquire_as("tempo", &waiter, Duration::from_secs(10))
+                .await
+                .unwrap();
+            let _ = tx.send(g);
+        });
+        until_waiting(&t, "tempo", n).await;
+    }
+    let mut first = Vec::new();
+    for _ in 0..4 {
+        first.push(next_grant(&mut rx).await);
+    }
+    let ids: Vec<String> = first.iter().map(|g| g.request_id.to_string()).collect();
+    assert_eq!(ids, ["c-1", "o-5", "c-2", "o-6"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(rx.try_recv().is_err(), "granted past the cap");
+    let tempo = t.stats().await.unwrap().remove(2);
+    assert_eq!((tempo.waiters, tempo.users), (2, 1), "{tempo:?}");
+    // A parked call still has its place: behind c-3, nobody else ahead.
+    let c4 = t.position("tempo", "c", &rid("c-4")).await.unwrap();
+    let expected = Position {
+        ahead: 1,
+        others_ahead: 0,
+        users: 1,
+        weight: 1,
+    };
+    assert_eq!(c4, Some(expected));
+    t.done(&first[0]).await.unwrap();
+    let third = next_grant(&mut rx).await;
+    assert_eq!(third.request_id.as_str(), "c-3");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(rx.try_recv().is_err(), "granted past the cap");
+    t.done(&first[2]).await.unwrap();
+    let fourth = next_grant(&mut rx).await;
+    assert_eq!(fourth.request_id.as_str(), "c-4");
+    for g in [&third, &fourth] {
+        t.done(g).await.unwrap();
+    }
 }
 
 /// A waiter that gives up takes its user out of the rotation: no user is
@@ -571,8 +640,8 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
     );
 }
 
-/// Where a waiting call stands: its place in its user's queue and the users
-/// ahead of its user in the round (fair), or its place in the one queue
+/// Where a waiting call stands: its place in its user's queue and the calls
+/// of others served before it (fair), or its place in the one queue
 /// (FIFO); nothing for a call that is not waiting, or is another user's. The
 /// `wicket` providers grant one slot per 20 s: nothing moves while the test
 /// looks.
@@ -590,9 +659,10 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
         handles.push(queue(&t, "wicket", "b", share(2), n).await);
     }
     let a3 = position("wicket", "a", "a-3").await;
+    // Tags: a 0 1 2, b (share 2) 0 0.5: served a-1 b-4 b-5 a-2 a-3.
     let expected = Position {
         ahead: 2,
-        users_ahead: 0,
+        others_ahead: 2,
         users: 2,
         weight: 1,
     };
@@ -601,7 +671,7 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
     let b5 = position("wicket", "b", "b-5").await;
     let expected = Position {
         ahead: 1,
-        users_ahead: 1,
+        others_ahead: 1,
         users: 2,
         weight: 2,
     };
@@ -625,7 +695,7 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
     let b3 = position("wicket-fifo", "b", "b-3").await;
     let expected = Position {
         ahead: 2,
-        users_ahead: 0,
+        others_ahead: 0,
         users: 1,
         weight: 1,
     };

@@ -593,3 +593,53 @@ async fn throttle_a_capped_user_rejoins_when_its_slot_frees_itself() {
     assert!(second.is_ok(), "{second:?}");
     setup.stop().await;
 }
+
+/// The fair queue keeps no key per user (but for users under a cap), and its
+/// keys live on while tickets wait, renewed by the grants, although an
+/// enqueue into a busy provider no longer expires them itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_fair_keys_are_per_provider_and_expire() {
+    use tollgate_core::throttle::{Share, Waiter};
+    let setup = RedisSetup::start(true, Default::default()).await;
+    let mut conn = raw(setup.server()).await;
+    let keys = KeySpace::new(&setup.prefix).unwrap().throttle("steady");
+    set_tokens(&mut conn, &keys.bucket, 0.0).await;
+    let mut handles = Vec::new();
+    for n in 0..30 {
+        let t = Arc::clone(&setup.throttle);
+        handles.push(tokio::spawn(async move {
+            let user = format!("u{}", n % 10);
+            let w = Waiter::of(&rid(&format!("k-{n}")), &user, Share::default());
+            t.acquire_as("steady", &w, Duration::from_secs(10)).await
+        }));
+    }
+    eventually("tickets wait", || {
+        let mut c = conn.clone();
+        let waiting = keys.waiting.clone();
+        async move { query::<i64>(&mut c, redis::cmd("HLEN").arg(&waiting)).await >= 10 }
+    })
+    .await;
+    for key in [&keys.waiting, &keys.tickets, &keys.finish, &keys.users] {
+        let ttl: i64 = query(&mut conn, redis::cmd("PTTL").arg(key)).await;
+        assert!(ttl > 0, "{key}: {ttl}");
+    }
+    let users: i64 = query(&mut conn, redis::cmd("ZCARD").arg(&keys.users)).await;
+    assert!((1..=10).contains(&users), "{users}");
+    for h in handles {
+        h.await.unwrap().unwrap();
+    }
+    let all: Vec<String> = query(
+        &mut conn,
+        redis::cmd("KEYS").arg(format!("{}*", setup.prefix)),
+    )
+    .await;
+    assert!(
+        all.iter()
+            .all(|k| !k.contains(":parked:") && !k.contains(":held:")),
+        "{all:?}"
+    );
+    for key in [&keys.waiting, &keys.tickets, &keys.finish, &keys.users] {
+        assert!(!all.contains(key), "{key} left after the queue drained");
+    }
+    setup.stop().await;
+}

@@ -377,12 +377,12 @@ fn schemas(config: &Config) -> Value {
                     "description": "queued: for a worker; waiting_for_provider: a worker holds it and waits for a slot of the provider; running: calling the provider."},
                 "provider_queue": {
                     "type": "object",
-                    "description": "While waiting_for_provider: where the job stands. The estimate assumes the other users have share 1 and keep waiting: (users_ahead + (position - 1) + ceil((position - 1) / share) × (users_waiting - 1) + 1) / rate.",
-                    "required": ["provider", "position", "users_ahead", "users_waiting", "estimated_wait_ms", "estimated_start"],
+                    "description": "While waiting_for_provider: where the job stands. Calls are ordered when they queue, so the estimate counts the calls served before it as the queue stands (only users who start waiting later can still come between): ((position - 1) + others_ahead + 1) / rate.",
+                    "required": ["provider", "position", "others_ahead", "users_waiting", "estimated_wait_ms", "estimated_start"],
                     "properties": {
                         "provider": {"type": "string"},
                         "position": {"type": "integer", "minimum": 1, "description": "Its place in its user's queue at the provider (1: next); a FIFO provider: in the one queue."},
-                        "users_ahead": {"type": "integer", "description": "Users served before its user in the current round."},
+                        "others_ahead": {"type": "integer", "description": "Calls of other users served before it, as the queue stands (a FIFO provider: 0)."},
                         "users_waiting": {"type": "integer", "description": "Users waiting at the provider, its own included."},
                         "estimated_wait_ms": {"type": "integer"},
                         "estimated_start": {"type": "string", "format": "date-time"},

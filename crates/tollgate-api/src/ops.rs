@@ -66,8 +66,8 @@ pub struct ProviderQueueView {
     /// Its place in its user's queue at the provider: 1 is served next of
     /// that user's calls (a FIFO provider: its place in the one queue).
     pub position: u64,
-    /// Users served before its user in the current round.
-    pub users_ahead: u64,
+    /// Calls of other users served before it, as the queue stands.
+    pub others_ahead: u64,
     /// Users waiting at the provider, its own included.
     pub users_waiting: u64,
     /// [`Position::estimated_wait`] at the provider's rate.
@@ -83,7 +83,7 @@ impl ProviderQueueView {
         Self {
             provider: provider.to_owned(),
             position: p.ahead.saturating_add(1),
-            users_ahead: p.users_ahead,
+            others_ahead: p.others_ahead,
             users_waiting: p.users,
             estimated_wait_ms: wait_ms,
             estimated_start: rfc3339(now_ms.saturating_add(wait_ms)),

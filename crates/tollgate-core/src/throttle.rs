@@ -568,7 +568,7 @@ impl Throttle for MemoryThrottle {
             .map(|p| match bucket.fairness {
                 Fairness::Fair => p,
                 Fairness::Fifo => Position {
-                    users_ahead: 0,
+                    others_ahead: 0,
                     users: 1,
                     weight: 1,
                     ..p

@@ -83,16 +83,16 @@ pub struct ThrottleKeys {
     /// Set: every throttler id that may have a processing list (see
     /// `liveness_heartbeat.lua`); it does not expire.
     pub lists: String,
-    /// The fair queue (`lua/lib/fair.lua`). Sorted set: user -> start tag.
-    pub active: String,
-    /// Sorted set: user held back by its cap -> when its oldest slot frees itself (µs).
+    /// The fair queue (`lua/lib/fair.lua`). Sorted set: `"<stamp><ticket>"`
+    /// -> start tag: every ticket waiting, served least tag first.
+    pub tickets: String,
+    /// Sorted set: user with tickets parked by its cap -> when to look again (µs).
     pub capped: String,
-    /// Sorted set: user not in `active` -> the start tag it comes back with.
-    pub idle: String,
-    /// Hash: `v` -> the virtual clock.
-    pub fair: String,
-    /// Hash: user -> `"<weight> <max_in_flight> <hold_us>"` while it has tickets.
-    pub shares: String,
+    /// Sorted set: user -> the finish tag of its last ticket; `:v` -> the
+    /// virtual clock.
+    pub finish: String,
+    /// Sorted set: user -> its tickets waiting (the users waiting: those above 0).
+    pub users: String,
     base: String,
 }
 
@@ -113,15 +113,16 @@ impl ThrottleKeys {
     }
 
     /// The prefix of every key of this provider: the fair queue's scripts
-    /// build the per-user keys from it (`lua/lib/fair.lua`: `<base>:fq:<user>`,
-    /// the user's tickets, and `<base>:held:<user>`, its slots in flight).
+    /// build the per-user keys of capped users from it (`lua/lib/fair.lua`:
+    /// `<base>:parked:<user>`, tickets held back by the cap, and
+    /// `<base>:held:<user>`, its slots in flight).
     pub fn base(&self) -> &str {
         &self.base
     }
 
-    /// List: `user`'s tickets in the fair queue, oldest first.
-    pub fn user_queue(&self, user: &str) -> String {
-        format!("{}:fq:{user}", self.base)
+    /// Sorted set: `user`'s tickets parked by its cap (`lua/lib/fair.lua`).
+    pub fn parked(&self, user: &str) -> String {
+        format!("{}:parked:{user}", self.base)
     }
 
     /// The grants inbox of process `process` on a Redis Cluster: a sharded
@@ -189,7 +190,7 @@ impl KeySpace {
 
 impl KeySpace {
     /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|lists|processing:<id>`,
-    /// and the fair queue's `active|capped|idle|fair|shares|fq:<user>|held:<user>`.
+    /// and the fair queue's `tickets|capped|finish|users|parked:<user>|held:<user>`.
     /// Provider names are validated like ids when the config is read.
     pub fn throttle(&self, provider: &str) -> ThrottleKeys {
         let base = format!("{}:{SCHEMA}:{{p:{}}}", self.prefix, provider);
@@ -200,11 +201,10 @@ impl KeySpace {
             bucket: format!("{base}:bucket"),
             throttlers: format!("{base}:throttlers"),
             lists: format!("{base}:lists"),
-            active: format!("{base}:active"),
+            tickets: format!("{base}:tickets"),
             capped: format!("{base}:capped"),
-            idle: format!("{base}:idle"),
-            fair: format!("{base}:fair"),
-            shares: format!("{base}:shares"),
+            finish: format!("{base}:finish"),
+            users: format!("{base}:users"),
             base,
         }
     }
@@ -360,12 +360,11 @@ mod tests {
             &k.granted,
             &k.throttlers,
             &k.lists,
-            &k.active,
+            &k.tickets,
             &k.capped,
-            &k.idle,
-            &k.fair,
-            &k.shares,
-            &k.user_queue("u"),
+            &k.finish,
+            &k.users,
+            &k.parked("u"),
             &k.inbox("p1"),
         ] {
             assert!(key.starts_with("tg:v1:{p:llm}:"), "{key}");

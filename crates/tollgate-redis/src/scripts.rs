@@ -183,11 +183,10 @@ pub static THROTTLE_POSITION: LazyLock<Script> =
 
 /// The fair queue's keys, in the order the throttle scripts take them.
 fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
-    inv.key(&keys.active)
+    inv.key(&keys.tickets)
         .key(&keys.capped)
-        .key(&keys.idle)
-        .key(&keys.fair)
-        .key(&keys.shares);
+        .key(&keys.finish)
+        .key(&keys.users);
 }
 
 /// A provider's bucket parameters as the throttle scripts read them.
@@ -317,7 +316,7 @@ pub fn throttle_done<'a>(
     ticket: &str,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = THROTTLE_DONE.prepare_invoke();
-    inv.key(&keys.queue);
+    inv.key(&keys.queue).key(&keys.waiting);
     fair_keys(&mut inv, keys);
     inv.arg(user).arg(ticket).arg(keys.base());
     inv

@@ -445,8 +445,13 @@ impl Throttle for RedisThrottle {
             );
             cmds.push(redis::cmd("HLEN").arg(&keys.waiting).to_owned());
             cmds.push(redis::cmd("HVALS").arg(&keys.throttlers).to_owned());
-            cmds.push(redis::cmd("ZCARD").arg(&keys.active).to_owned());
-            cmds.push(redis::cmd("ZCARD").arg(&keys.capped).to_owned());
+            cmds.push(
+                redis::cmd("ZCOUNT")
+                    .arg(&keys.users)
+                    .arg("(0")
+                    .arg("+inf")
+                    .to_owned(),
+            );
         }
         let reply: redis::Value = call::gather(
             &self.shared.pool,
@@ -465,21 +470,17 @@ impl Throttle for RedisThrottle {
             .ok_or_else(|| bad_reply::<ThrottleError>("TIME", items.first()))?;
         let now_us = secs * 1_000_000 + micros;
         let mut out = Vec::with_capacity(self.providers.len());
-        for (p, r) in self.providers.values().zip(items[1..].chunks_exact(5)) {
+        for (p, r) in self.providers.values().zip(items[1..].chunks_exact(4)) {
             let (tokens, at): (Option<f64>, Option<u64>) = redis::from_redis_value_ref(&r[0])
                 .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
             let waiters: u64 = redis::from_redis_value_ref(&r[1])
                 .map_err(|e| bad_reply::<ThrottleError>("HLEN", e))?;
             let lives: Vec<u64> = redis::from_redis_value_ref(&r[2])
                 .map_err(|e| bad_reply::<ThrottleError>("HVALS", e))?;
-            let (active, capped): (u64, u64) = (
-                redis::from_redis_value_ref(&r[3])
-                    .map_err(|e| bad_reply::<ThrottleError>("ZCARD", e))?,
-                redis::from_redis_value_ref(&r[4])
-                    .map_err(|e| bad_reply::<ThrottleError>("ZCARD", e))?,
-            );
+            let fair_users: u64 = redis::from_redis_value_ref(&r[3])
+                .map_err(|e| bad_reply::<ThrottleError>("ZCOUNT", e))?;
             let users = match p.fairness {
-                Fairness::Fair => active + capped,
+                Fairness::Fair => fair_users,
                 Fairness::Fifo => u64::from(waiters > 0),
             };
             let burst = p.burst as f64;
@@ -524,9 +525,9 @@ impl Throttle for RedisThrottle {
         .await?;
         match r[..] {
             [] => Ok(None),
-            [ahead, users_ahead, users, weight] => Ok(Some(Position {
+            [ahead, others_ahead, users, weight] => Ok(Some(Position {
                 ahead,
-                users_ahead,
+                others_ahead,
                 users,
                 weight: u32::try_from(weight).unwrap_or(1).max(1),
             })),
