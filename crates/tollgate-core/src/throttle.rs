@@ -39,6 +39,52 @@ pub struct Grant {
     /// The slot counts against its user's `max_in_flight` until
     /// [`Throttle::done`] (or its hold ends): `None` when the user has no cap.
     pub held: Option<Held>,
+    /// When the grant becomes late (on this process's monotonic clock): a call
+    /// not sent by then must not be sent on it, since calls granted while it
+    /// waited may have gone out already (a pause between the grant and the
+    /// send, a slow delivery). Hand it back ([`Throttle::hand_back`]) and wait
+    /// for a fresh one. `None`: the grant never becomes late.
+    pub use_by: Option<Instant>,
+    /// What the throttle needs to take the grant's token back
+    /// ([`Throttle::hand_back`]); `None`: it cannot.
+    pub claim: Option<Claim>,
+}
+
+/// A grant's claim on its token: what [`Throttle::hand_back`] gives back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The throttle's ticket of the grant.
+    pub ticket: String,
+    /// The fair queue the grant was made in (its user's, `""` for the
+    /// anonymous one); `None` on a FIFO provider.
+    pub queue: Option<String>,
+    /// Taken on the way in, with no record of it in the throttle's store
+    /// (Redis: the enqueue script's own grant; always in process): only this
+    /// grant knows of its token, so it is handed back at most once.
+    pub direct: bool,
+}
+
+/// A grant is late past this age, or past one token's time at its provider's
+/// rate if that is shorter ([`late_bound`]); `RedisThrottleOptions::late_grant`
+/// and [`MemoryThrottle::with_late_grant`] change it.
+pub const LATE_GRANT: Duration = Duration::from_secs(1);
+
+/// The shortest age at which a grant counts as late, whatever the rate: below
+/// it, the delivery of a grant (a pub/sub message and a wake-up) is not
+/// reliably faster, and grants would be handed back for nothing.
+pub const MIN_LATE_GRANT: Duration = Duration::from_millis(2);
+
+/// The age past which a grant of a provider at `rate` is late: `late_grant`,
+/// or one token's time (1/rate) if shorter, never below [`MIN_LATE_GRANT`].
+/// Used within 1/rate of being made, grants bunch at the upstream by at most
+/// one call: it never sees more than burst + rate·t + 1.
+pub fn late_bound(rate: f64, late_grant: Duration) -> Duration {
+    let token = if rate > 0.0 && rate.is_finite() {
+        Duration::from_secs_f64((1.0 / rate).min(3600.0))
+    } else {
+        late_grant
+    };
+    late_grant.min(token).max(MIN_LATE_GRANT)
 }
 
 /// A slot that counts against a user's cap: what [`Throttle::done`] frees.
@@ -145,6 +191,18 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
     /// user's `max_in_flight`. Nothing to do for a grant that holds nothing.
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError>;
 
+    /// `grant` was not used: its call was never sent (it would have gone out
+    /// late, see [`Grant::use_by`]). Its token goes back to the bucket and its
+    /// slot stops counting against its user's cap; the grant is spent (no
+    /// [`Throttle::done`] for it). Call it at most once per grant. `why` labels
+    /// `tollgate_throttle_tokens_returned_total` (`late`). Returns whether a
+    /// token went back: not when the throttle no longer knew the grant (its
+    /// record was trimmed), nor on a throttle that cannot take tokens back
+    /// (this default: it only ends the slot).
+    async fn hand_back(&self, grant: &Grant, _why: &'static str) -> Result<bool, ThrottleError> {
+        self.done(grant).await.map(|()| false)
+    }
+
     /// Before the process exits: lets the cancels of dropped waits finish, at
     /// most `limit`. Returns how many did not (their tickets then expire at
     /// their deadline). Nothing to do in process.
@@ -246,6 +304,8 @@ fn wall_us() -> u64 {
 #[derive(Debug)]
 pub struct MemoryThrottle {
     buckets: BTreeMap<String, Arc<Bucket>>,
+    /// See [`late_bound`].
+    late_grant: Duration,
 }
 
 #[derive(Debug)]
@@ -268,11 +328,12 @@ struct BucketState {
     driving: bool,
 }
 
-/// A queued caller: the request it waits for, and where its grant goes.
+/// A queued caller: the request it waits for, and where its grant goes (the
+/// grant's time in µs since the epoch, and on the monotonic clock).
 #[derive(Debug)]
 struct Slot {
     request_id: RequestId,
-    tx: oneshot::Sender<u64>,
+    tx: oneshot::Sender<(u64, Instant)>,
 }
 
 fn open(slot: &Slot) -> bool {
@@ -318,7 +379,9 @@ impl Bucket {
         Duration::from_micros((secs * 1e6).ceil() as u64)
     }
 
-    fn give_back(self: &Arc<Self>, held: Option<(&str, u64)>) {
+    /// `why`: `cancelled` (the caller gave up) or `late` (its grant went stale
+    /// before its call was sent).
+    fn give_back(self: &Arc<Self>, held: Option<(&str, u64)>, why: &'static str) {
         let mut st = lock(&self.state);
         self.refill(&mut st);
         st.tokens = (st.tokens + 1.0).min(self.burst);
@@ -328,7 +391,7 @@ impl Bucket {
         drop(st);
         self.handed_back.notify_one();
         if let Some((metrics, provider)) = &self.metrics {
-            metrics.token_returned(provider, "cancelled");
+            metrics.token_returned(provider, why);
         }
     }
 
@@ -374,7 +437,7 @@ impl Bucket {
                     }
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
-                        if slot.tx.send(wall_us()).is_err() {
+                        if slot.tx.send((wall_us(), Instant::now())).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
                             st.queue.done(&head.user, head.ticket);
@@ -397,7 +460,7 @@ struct Pending {
     bucket: Arc<Bucket>,
     user: String,
     ticket: u64,
-    rx: Option<oneshot::Receiver<u64>>,
+    rx: Option<oneshot::Receiver<(u64, Instant)>>,
 }
 
 impl Drop for Pending {
@@ -405,7 +468,8 @@ impl Drop for Pending {
         if let Some(mut rx) = self.rx.take() {
             rx.close();
             if rx.try_recv().is_ok() {
-                self.bucket.give_back(Some((&self.user, self.ticket)));
+                self.bucket
+                    .give_back(Some((&self.user, self.ticket)), "cancelled");
             }
         }
     }
@@ -436,7 +500,15 @@ impl MemoryThrottle {
                 .into_iter()
                 .map(|p| (p.name.clone(), Arc::new(Bucket::new(p, metrics))))
                 .collect(),
+            late_grant: LATE_GRANT,
         }
+    }
+
+    /// Grants are late past `late_grant` of age (or 1/rate if shorter, see
+    /// [`late_bound`]) instead of [`LATE_GRANT`].
+    pub fn with_late_grant(mut self, late_grant: Duration) -> Self {
+        self.late_grant = late_grant;
+        self
     }
 
     /// Callers queued for `provider` right now (for tests and metrics).
@@ -486,7 +558,8 @@ impl Throttle for MemoryThrottle {
         let started = Instant::now();
         let bucket = self.bucket(provider)?;
         let (user, share) = bucket.queue_of(waiter);
-        let grant = |granted_at_us, ticket: u64| Grant {
+        let late = late_bound(bucket.rate, self.late_grant);
+        let grant = |(granted_at_us, made): (u64, Instant), ticket: u64| Grant {
             provider: provider.to_owned(),
             request_id: waiter.request_id.clone(),
             waited: started.elapsed(),
@@ -494,6 +567,12 @@ impl Throttle for MemoryThrottle {
             held: share.max_in_flight.map(|_| Held {
                 user: user.to_owned(),
                 ticket: ticket.to_string(),
+            }),
+            use_by: Some(made + late),
+            claim: Some(Claim {
+                ticket: ticket.to_string(),
+                queue: (bucket.fairness == Fairness::Fair).then(|| user.to_owned()),
+                direct: true,
             }),
         };
         let (rx, ticket) = {
@@ -511,7 +590,7 @@ impl Throttle for MemoryThrottle {
                 if let Some(head) = st.queue.head(now, open).0 {
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
-                        let _ = slot.tx.send(wall_us());
+                        let _ = slot.tx.send((wall_us(), Instant::now()));
                     }
                 }
                 if let Ok(at) = rx.try_recv() {
@@ -585,6 +664,21 @@ impl Throttle for MemoryThrottle {
             bucket.end(&held.user, ticket);
         }
         Ok(())
+    }
+
+    async fn hand_back(&self, grant: &Grant, why: &'static str) -> Result<bool, ThrottleError> {
+        let bucket = self.bucket(&grant.provider)?;
+        let Some((claim, ticket)) = grant
+            .claim
+            .as_ref()
+            .and_then(|c| Some((c, c.ticket.parse::<u64>().ok()?)))
+        else {
+            self.done(grant).await?;
+            return Ok(false);
+        };
+        let queue = claim.queue.as_deref().unwrap_or("");
+        bucket.give_back(Some((queue, ticket)), why);
+        Ok(true)
     }
 }
 

@@ -31,8 +31,8 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        Dispatch, Dispatchers, Grant, Held, Position, ProviderStats, Pumped, Throttle,
-        ThrottleError, Waiter,
+        late_bound, Claim, Dispatch, Dispatchers, Grant, Held, Position, ProviderStats, Pumped,
+        Throttle, ThrottleError, Waiter,
     },
 };
 
@@ -81,10 +81,7 @@ async fn run_script<T: FromRedisValue>(
     Ok(call::script(pool, timeout, op, &inv).await?)
 }
 
-/// The shortest age at which a grant counts as late, whatever the rate: below
-/// it, the delivery of a grant (a pub/sub message and a wake-up) is not
-/// reliably faster, and grants would be handed back for nothing.
-pub const MIN_LATE_GRANT: Duration = Duration::from_millis(2);
+pub use tollgate_core::throttle::MIN_LATE_GRANT;
 
 /// Tunables of the waiter side.
 #[derive(Debug, Clone)]
@@ -100,7 +97,8 @@ pub struct RedisThrottleOptions {
     /// and the waiter queues again. Used within 1/rate of being made, grants
     /// can bunch at the upstream by at most one call: it never sees more than
     /// burst + rate·t + 1 (for rates up to 1/MIN_LATE_GRANT = 500/s; above it,
-    /// by at most rate · 2 ms of delivery jitter).
+    /// by at most rate · 2 ms of delivery jitter). The same bound is checked
+    /// again right before the call is sent ([`Grant::use_by`]).
     pub late_grant: Duration,
     /// Where tokens handed back to a bucket are counted
     /// (`tollgate_throttle_tokens_returned_total`).
@@ -112,7 +110,7 @@ impl Default for RedisThrottleOptions {
         Self {
             call_timeout: DEFAULT_TIMEOUT,
             reconnect_delay: Duration::from_millis(100),
-            late_grant: Duration::from_secs(1),
+            late_grant: tollgate_core::throttle::LATE_GRANT,
             metrics: None,
         }
     }
@@ -279,13 +277,20 @@ async fn cancel(
     why: &'static str,
 ) -> Result<i64, ThrottleError> {
     let keys = shared.keys.throttle(&provider.name);
-    let r = run_script(
-        &shared.pool,
-        timeout,
-        "throttle_cancel",
-        scripts::throttle_cancel(&keys, ticket, BucketArgs::from(provider), user),
-    )
-    .await;
+    let inv = scripts::throttle_cancel(&keys, ticket, BucketArgs::from(provider), user);
+    settle_cancel(shared, provider, ticket, timeout, why, inv).await
+}
+
+/// Runs a `throttle_cancel.lua` invocation and counts a token it handed back.
+async fn settle_cancel(
+    shared: &Shared,
+    provider: &Provider,
+    ticket: &str,
+    timeout: Duration,
+    why: &'static str,
+    inv: ScriptInvocation<'_>,
+) -> Result<i64, ThrottleError> {
+    let r = run_script(&shared.pool, timeout, "throttle_cancel", inv).await;
     if let Ok(2) = r {
         tracing::debug!(provider = %provider.name, ticket, why, "granted token handed back");
         if let Some(m) = &shared.metrics {
@@ -549,6 +554,47 @@ impl Throttle for RedisThrottle {
         Ok(())
     }
 
+    /// `throttle_cancel.lua` on the grant's ticket: a grant a throttler made
+    /// is handed back through its readiness record (once: the script removes
+    /// it), one the enqueue script made on the way in (no record) outright.
+    async fn hand_back(&self, grant: &Grant, why: &'static str) -> Result<bool, ThrottleError> {
+        let Some(claim) = &grant.claim else {
+            self.done(grant).await?;
+            return Ok(false);
+        };
+        let p = self.providers.get(&grant.provider).ok_or_else(|| {
+            ThrottleError::unknown_provider(
+                &grant.provider,
+                self.providers.keys().map(String::as_str),
+            )
+        })?;
+        let keys = self.shared.keys.throttle(&p.name);
+        let mut inv = scripts::throttle_cancel(
+            &keys,
+            &claim.ticket,
+            BucketArgs::from(p),
+            claim.queue.as_deref(),
+        );
+        if claim.direct {
+            inv.arg("direct");
+        }
+        let r = settle_cancel(
+            &self.shared,
+            p,
+            &claim.ticket,
+            self.options.call_timeout,
+            why,
+            inv,
+        )
+        .await?;
+        if r != 2 {
+            // No record: trimmed (it outlives max_wait) or handed back
+            // already; no token goes back. Its slot, if any, ends here.
+            self.done(grant).await?;
+        }
+        Ok(r == 2)
+    }
+
     async fn drain(&self, limit: Duration) -> usize {
         let mut cancels = std::mem::take(&mut *lock(&self.shared.cancels));
         let _ = tokio::time::timeout(limit, async {
@@ -646,21 +692,38 @@ impl RedisThrottle {
             user: f.user.to_owned(),
             ticket: ticket.id.clone(),
         });
-        let grant = |granted_at_us: u64| Grant {
+        let late = late_bound(p.rate, self.options.late_grant);
+        // Redis's clock is taken to read `redis_now_us` (the script's TIME)
+        // at `sent_at`, which makes grants look older, never younger: one
+        // made at `granted_at_us` is late once this process's clock passes
+        // `sent_at` + (granted_at_us + late - redis_now_us).
+        let grant = |granted_at_us: u64, redis_now_us: u64, direct: bool| Grant {
             provider: p.name.clone(),
             request_id: request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
             held: held.clone(),
+            use_by: Some(
+                sent_at
+                    + Duration::from_micros(
+                        granted_at_us
+                            .saturating_add(micros(late))
+                            .saturating_sub(redis_now_us),
+                    ),
+            ),
+            claim: Some(Claim {
+                ticket: ticket.id.clone(),
+                queue: fair.map(|f| f.user.to_owned()),
+                direct,
+            }),
         };
         let redis_now_us = match queued[..] {
             [2, granted_at_us] => {
                 // Nobody was queued and the bucket had a token: taken at once.
                 ticket.armed = false;
                 lock(&shared.pending).remove(&ticket.id);
-                return Ok(Attempt::Granted(grant(
-                    u64::try_from(granted_at_us).unwrap_or(0),
-                )));
+                let at = u64::try_from(granted_at_us).unwrap_or(0);
+                return Ok(Attempt::Granted(grant(at, at, true)));
             }
             [1, now_us] => u64::try_from(now_us).unwrap_or(0),
             _ => {
@@ -678,10 +741,6 @@ impl RedisThrottle {
                 // wall clock decides nothing).
                 let now_us = redis_now_us.saturating_add(micros(sent_at.elapsed()));
                 let age = Duration::from_micros(now_us.saturating_sub(granted_at_us));
-                let late = self
-                    .options
-                    .late_grant
-                    .min(Duration::from_secs_f64(1.0 / p.rate).max(MIN_LATE_GRANT));
                 if age > late {
                     // Not used: the token goes back (once), the caller queues again.
                     if let Err(e) = ticket.cancel("late").await {
@@ -690,7 +749,7 @@ impl RedisThrottle {
                     return Ok(Attempt::Late { age });
                 }
                 ticket.armed = false;
-                Ok(Attempt::Granted(grant(granted_at_us)))
+                Ok(Attempt::Granted(grant(granted_at_us, redis_now_us, false)))
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
             Err(_) => {
