@@ -7,17 +7,12 @@
 -- ARGV[4] 'fair' or 'fifo': the queue the ticket was put in
 -- ARGV[5] the user whose queue holds a fair ticket
 -- ARGV[6] the provider's key base (for the per-user keys)
--- ARGV[7] optional, 'direct': the holder of a grant that throttle_enqueue*.lua
---   made on the way in (no readiness record) hands it back unused; the token
---   goes back without a record to remove (its holder does this once).
 -- Returns 1 when the ticket was still waiting (removed: no token was spent;
 -- a user with no ticket left leaves the rotation), 2 when a grant had been made
 -- for it meanwhile (the token goes back to the bucket, the slot to its user's
 -- cap), 0 when there is neither (served and consumed, or never queued).
 -- With the grant script this decides exactly once who owns a token: the grant
--- record is removed either here or never. A waiter that resumed does not
--- cancel; it may hand its grant back unused (its call was not sent: the grant
--- went stale first), which removes the record here too.
+-- record is removed either here or never (a waiter that resumed does not cancel).
 
 local QUEUE, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local F = { active = KEYS[5], capped = KEYS[6], idle = KEYS[7], fair = KEYS[8],
@@ -42,7 +37,7 @@ if redis.call('HDEL', WAITING, ticket) == 1 then
   end
   return 1
 end
-if ARGV[7] == 'direct' or redis.call('ZREM', GRANTED, ticket) == 1 then
+if redis.call('ZREM', GRANTED, ticket) == 1 then
   local now = now_us()
   local tokens, at = bucket_read(BUCKET, now, rate, burst)
   bucket_write(BUCKET, math.min(burst, tokens + 1), at, rate, burst)

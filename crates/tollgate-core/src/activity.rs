@@ -402,10 +402,6 @@ impl Throttle for RecordingThrottle {
         self.inner.done(grant).await
     }
 
-    async fn hand_back(&self, grant: &Grant, why: &'static str) -> Result<bool, ThrottleError> {
-        self.inner.hand_back(grant, why).await
-    }
-
     async fn position(
         &self,
         provider: &str,

@@ -42,26 +42,10 @@ pub struct Grant {
     /// When the grant becomes late (on this process's monotonic clock): a call
     /// not sent by then must not be sent on it, since calls granted while it
     /// waited may have gone out already (a pause between the grant and the
-    /// send, a slow delivery). Hand it back ([`Throttle::hand_back`]) and wait
-    /// for a fresh one. `None`: the grant never becomes late.
+    /// send, a slow delivery). Its caller ends it with [`Throttle::done`]
+    /// unused and waits for a fresh one; its token is lost, not returned (see
+    /// `ThrottledClient`). `None`: the grant never becomes late.
     pub use_by: Option<Instant>,
-    /// What the throttle needs to take the grant's token back
-    /// ([`Throttle::hand_back`]); `None`: it cannot.
-    pub claim: Option<Claim>,
-}
-
-/// A grant's claim on its token: what [`Throttle::hand_back`] gives back.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Claim {
-    /// The throttle's ticket of the grant.
-    pub ticket: String,
-    /// The fair queue the grant was made in (its user's, `""` for the
-    /// anonymous one); `None` on a FIFO provider.
-    pub queue: Option<String>,
-    /// Taken on the way in, with no record of it in the throttle's store
-    /// (Redis: the enqueue script's own grant; always in process): only this
-    /// grant knows of its token, so it is handed back at most once.
-    pub direct: bool,
 }
 
 /// A grant is late past this age, or past one token's time at its provider's
@@ -71,7 +55,7 @@ pub const LATE_GRANT: Duration = Duration::from_secs(1);
 
 /// The shortest age at which a grant counts as late, whatever the rate: below
 /// it, the delivery of a grant (a pub/sub message and a wake-up) is not
-/// reliably faster, and grants would be handed back for nothing.
+/// reliably faster, and grants would go unused for nothing.
 pub const MIN_LATE_GRANT: Duration = Duration::from_millis(2);
 
 /// The age past which a grant of a provider at `rate` is late: `late_grant`,
@@ -190,18 +174,6 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
     /// The call made with `grant` ended: its slot no longer counts against its
     /// user's `max_in_flight`. Nothing to do for a grant that holds nothing.
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError>;
-
-    /// `grant` was not used: its call was never sent (it would have gone out
-    /// late, see [`Grant::use_by`]). Its token goes back to the bucket and its
-    /// slot stops counting against its user's cap; the grant is spent (no
-    /// [`Throttle::done`] for it). Call it at most once per grant. `why` labels
-    /// `tollgate_throttle_tokens_returned_total` (`late`). Returns whether a
-    /// token went back: not when the throttle no longer knew the grant (its
-    /// record was trimmed), nor on a throttle that cannot take tokens back
-    /// (this default: it only ends the slot).
-    async fn hand_back(&self, grant: &Grant, _why: &'static str) -> Result<bool, ThrottleError> {
-        self.done(grant).await.map(|()| false)
-    }
 
     /// Before the process exits: lets the cancels of dropped waits finish, at
     /// most `limit`. Returns how many did not (their tickets then expire at
@@ -379,9 +351,7 @@ impl Bucket {
         Duration::from_micros((secs * 1e6).ceil() as u64)
     }
 
-    /// `why`: `cancelled` (the caller gave up) or `late` (its grant went stale
-    /// before its call was sent).
-    fn give_back(self: &Arc<Self>, held: Option<(&str, u64)>, why: &'static str) {
+    fn give_back(self: &Arc<Self>, held: Option<(&str, u64)>) {
         let mut st = lock(&self.state);
         self.refill(&mut st);
         st.tokens = (st.tokens + 1.0).min(self.burst);
@@ -391,7 +361,7 @@ impl Bucket {
         drop(st);
         self.handed_back.notify_one();
         if let Some((metrics, provider)) = &self.metrics {
-            metrics.token_returned(provider, why);
+            metrics.token_returned(provider, "cancelled");
         }
     }
 
@@ -468,8 +438,7 @@ impl Drop for Pending {
         if let Some(mut rx) = self.rx.take() {
             rx.close();
             if rx.try_recv().is_ok() {
-                self.bucket
-                    .give_back(Some((&self.user, self.ticket)), "cancelled");
+                self.bucket.give_back(Some((&self.user, self.ticket)));
             }
         }
     }
@@ -569,11 +538,6 @@ impl Throttle for MemoryThrottle {
                 ticket: ticket.to_string(),
             }),
             use_by: Some(made + late),
-            claim: Some(Claim {
-                ticket: ticket.to_string(),
-                queue: (bucket.fairness == Fairness::Fair).then(|| user.to_owned()),
-                direct: true,
-            }),
         };
         let (rx, ticket) = {
             let mut st = lock(&bucket.state);
@@ -664,21 +628,6 @@ impl Throttle for MemoryThrottle {
             bucket.end(&held.user, ticket);
         }
         Ok(())
-    }
-
-    async fn hand_back(&self, grant: &Grant, why: &'static str) -> Result<bool, ThrottleError> {
-        let bucket = self.bucket(&grant.provider)?;
-        let Some((claim, ticket)) = grant
-            .claim
-            .as_ref()
-            .and_then(|c| Some((c, c.ticket.parse::<u64>().ok()?)))
-        else {
-            self.done(grant).await?;
-            return Ok(false);
-        };
-        let queue = claim.queue.as_deref().unwrap_or("");
-        bucket.give_back(Some((queue, ticket)), why);
-        Ok(true)
     }
 }
 

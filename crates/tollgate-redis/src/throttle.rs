@@ -31,8 +31,8 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        late_bound, Claim, Dispatch, Dispatchers, Grant, Held, Position, ProviderStats, Pumped,
-        Throttle, ThrottleError, Waiter,
+        late_bound, Dispatch, Dispatchers, Grant, Held, Position, ProviderStats, Pumped, Throttle,
+        ThrottleError, Waiter,
     },
 };
 
@@ -93,15 +93,16 @@ pub struct RedisThrottleOptions {
     /// A grant that reaches its waiter older than this, or than one token's
     /// time at the provider's rate if that is shorter (but never less than
     /// [`MIN_LATE_GRANT`]: the process was paused, its subscription or its
-    /// link was slow or down), is not used: its token goes back to the bucket
-    /// and the waiter queues again. Used within 1/rate of being made, grants
+    /// link was slow or down), is not used: its token is lost (given back
+    /// late, a token taken before the bucket refilled to its cap would be one
+    /// more than the bucket allows) and the waiter queues again. Used within 1/rate of being made, grants
     /// can bunch at the upstream by at most one call: it never sees more than
     /// burst + rate·t + 1 (for rates up to 1/MIN_LATE_GRANT = 500/s; above it,
     /// by at most rate · 2 ms of delivery jitter). The same bound is checked
     /// again right before the call is sent ([`Grant::use_by`]).
     pub late_grant: Duration,
-    /// Where tokens handed back to a bucket are counted
-    /// (`tollgate_throttle_tokens_returned_total`).
+    /// Where tokens handed back to a bucket and late grants are counted
+    /// (`tollgate_throttle_tokens_returned_total`, `_late_grants_total`).
     pub metrics: Option<Arc<Metrics>>,
 }
 
@@ -277,20 +278,13 @@ async fn cancel(
     why: &'static str,
 ) -> Result<i64, ThrottleError> {
     let keys = shared.keys.throttle(&provider.name);
-    let inv = scripts::throttle_cancel(&keys, ticket, BucketArgs::from(provider), user);
-    settle_cancel(shared, provider, ticket, timeout, why, inv).await
-}
-
-/// Runs a `throttle_cancel.lua` invocation and counts a token it handed back.
-async fn settle_cancel(
-    shared: &Shared,
-    provider: &Provider,
-    ticket: &str,
-    timeout: Duration,
-    why: &'static str,
-    inv: ScriptInvocation<'_>,
-) -> Result<i64, ThrottleError> {
-    let r = run_script(&shared.pool, timeout, "throttle_cancel", inv).await;
+    let r = run_script(
+        &shared.pool,
+        timeout,
+        "throttle_cancel",
+        scripts::throttle_cancel(&keys, ticket, BucketArgs::from(provider), user),
+    )
+    .await;
     if let Ok(2) = r {
         tracing::debug!(provider = %provider.name, ticket, why, "granted token handed back");
         if let Some(m) = &shared.metrics {
@@ -554,47 +548,6 @@ impl Throttle for RedisThrottle {
         Ok(())
     }
 
-    /// `throttle_cancel.lua` on the grant's ticket: a grant a throttler made
-    /// is handed back through its readiness record (once: the script removes
-    /// it), one the enqueue script made on the way in (no record) outright.
-    async fn hand_back(&self, grant: &Grant, why: &'static str) -> Result<bool, ThrottleError> {
-        let Some(claim) = &grant.claim else {
-            self.done(grant).await?;
-            return Ok(false);
-        };
-        let p = self.providers.get(&grant.provider).ok_or_else(|| {
-            ThrottleError::unknown_provider(
-                &grant.provider,
-                self.providers.keys().map(String::as_str),
-            )
-        })?;
-        let keys = self.shared.keys.throttle(&p.name);
-        let mut inv = scripts::throttle_cancel(
-            &keys,
-            &claim.ticket,
-            BucketArgs::from(p),
-            claim.queue.as_deref(),
-        );
-        if claim.direct {
-            inv.arg("direct");
-        }
-        let r = settle_cancel(
-            &self.shared,
-            p,
-            &claim.ticket,
-            self.options.call_timeout,
-            why,
-            inv,
-        )
-        .await?;
-        if r != 2 {
-            // No record: trimmed (it outlives max_wait) or handed back
-            // already; no token goes back. Its slot, if any, ends here.
-            self.done(grant).await?;
-        }
-        Ok(r == 2)
-    }
-
     async fn drain(&self, limit: Duration) -> usize {
         let mut cancels = std::mem::take(&mut *lock(&self.shared.cancels));
         let _ = tokio::time::timeout(limit, async {
@@ -607,7 +560,7 @@ impl Throttle for RedisThrottle {
 
 impl RedisThrottle {
     /// One ticket: queued (or granted on the way in), then its grant, its
-    /// timeout, or a grant too old to use (handed back).
+    /// timeout, or a grant too old to use (not used).
     async fn attempt(
         &self,
         p: &Provider,
@@ -697,7 +650,7 @@ impl RedisThrottle {
         // at `sent_at`, which makes grants look older, never younger: one
         // made at `granted_at_us` is late once this process's clock passes
         // `sent_at` + (granted_at_us + late - redis_now_us).
-        let grant = |granted_at_us: u64, redis_now_us: u64, direct: bool| Grant {
+        let grant = |granted_at_us: u64, redis_now_us: u64| Grant {
             provider: p.name.clone(),
             request_id: request_id.clone(),
             waited: started.elapsed(),
@@ -711,11 +664,6 @@ impl RedisThrottle {
                             .saturating_sub(redis_now_us),
                     ),
             ),
-            claim: Some(Claim {
-                ticket: ticket.id.clone(),
-                queue: fair.map(|f| f.user.to_owned()),
-                direct,
-            }),
         };
         let redis_now_us = match queued[..] {
             [2, granted_at_us] => {
@@ -723,7 +671,7 @@ impl RedisThrottle {
                 ticket.armed = false;
                 lock(&shared.pending).remove(&ticket.id);
                 let at = u64::try_from(granted_at_us).unwrap_or(0);
-                return Ok(Attempt::Granted(grant(at, at, true)));
+                return Ok(Attempt::Granted(grant(at, at)));
             }
             [1, now_us] => u64::try_from(now_us).unwrap_or(0),
             _ => {
@@ -742,14 +690,22 @@ impl RedisThrottle {
                 let now_us = redis_now_us.saturating_add(micros(sent_at.elapsed()));
                 let age = Duration::from_micros(now_us.saturating_sub(granted_at_us));
                 if age > late {
-                    // Not used: the token goes back (once), the caller queues again.
-                    if let Err(e) = ticket.cancel("late").await {
-                        tracing::warn!(error = %e, "handing back a late grant failed");
+                    // Not used, and its token is lost, not returned: given back
+                    // now, a token taken before the bucket refilled to its cap
+                    // would add to it (see `late_grant`). Its slot of the
+                    // user's cap ends; the caller queues again.
+                    ticket.armed = false;
+                    let unused = grant(granted_at_us, redis_now_us);
+                    if let Err(e) = self.done(&unused).await {
+                        tracing::warn!(error = %e, "ending the slot of a late grant failed");
+                    }
+                    if let Some(m) = &shared.metrics {
+                        m.late_grant(&p.name);
                     }
                     return Ok(Attempt::Late { age });
                 }
                 ticket.armed = false;
-                Ok(Attempt::Granted(grant(granted_at_us, redis_now_us, false)))
+                Ok(Attempt::Granted(grant(granted_at_us, redis_now_us)))
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
             Err(_) => {
