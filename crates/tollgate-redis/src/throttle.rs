@@ -95,11 +95,12 @@ pub struct RedisThrottleOptions {
     /// [`MIN_LATE_GRANT`]: the process was paused, its subscription or its
     /// link was slow or down), is not used: its token is lost (given back
     /// late, a token taken before the bucket refilled to its cap would be one
-    /// more than the bucket allows) and the waiter queues again. Used within 1/rate of being made, grants
-    /// can bunch at the upstream by at most one call: it never sees more than
-    /// burst + rate·t + 1 (for rates up to 1/MIN_LATE_GRANT = 500/s; above it,
-    /// by at most rate · 2 ms of delivery jitter). The same bound is checked
-    /// again right before the call is sent ([`Grant::use_by`]).
+    /// more than the bucket allows) and the waiter queues again. Used within
+    /// 1/rate of being made, grants can bunch at the upstream by at most one
+    /// call: it never sees more than burst + rate·t + 1 (for rates up to
+    /// 1/MIN_LATE_GRANT = 500/s; above it, by at most rate · 2 ms of delivery
+    /// jitter). The same bound is checked again right before the call is sent
+    /// ([`Grant::use_by`]).
     pub late_grant: Duration,
     /// Where tokens handed back to a bucket and late grants are counted
     /// (`tollgate_throttle_tokens_returned_total`, `_late_grants_total`).
@@ -253,7 +254,7 @@ struct Ticket<'a> {
 }
 
 impl Ticket<'_> {
-    /// `why`: `late` (a grant too old to use) or `cancelled` (the waiter gave up).
+    /// `why`: `cancelled` (the waiter gave up), the metric's reason.
     async fn cancel(&mut self, why: &'static str) -> Result<i64, ThrottleError> {
         self.armed = false;
         lock(&self.throttle.shared.pending).remove(&self.id);
