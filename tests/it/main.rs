@@ -25,5 +25,6 @@ mod redis_ledger;
 mod redis_outages;
 mod redis_tls;
 mod throttle;
+mod throttle_late;
 mod throttle_redis;
 mod trace;

@@ -344,6 +344,7 @@ pub struct Metrics {
     wait: Histograms<ProviderLabel>,
     acquires: Family<ProviderOutcome, Counter>,
     tokens_returned: Family<ProviderReason, Counter>,
+    late_grants: Family<ProviderLabel, Counter>,
     // throttle, throttler side
     grants: Family<ProviderLabel, Counter>,
     skipped: Family<ProviderLabel, Counter>,
@@ -451,9 +452,16 @@ impl Metrics {
         let tokens_returned = counters();
         r.register(
             "tollgate_throttle_tokens_returned",
-            "Tokens handed back to a provider's bucket: late (a grant too old to use, after a \
-             pause or a lost subscription), cancelled (granted to a waiter that had given up)",
+            "Tokens handed back to a provider's bucket: cancelled (granted to a waiter that had \
+             given up)",
             tokens_returned.clone(),
+        );
+        let late_grants = Family::<ProviderLabel, Counter>::default();
+        r.register(
+            "tollgate_throttle_late_grants",
+            "Grants not used because they were too old (a pause or a slow link between the grant \
+             and its call): the call waited for a fresh grant; the token is not returned",
+            late_grants.clone(),
         );
         let max_wait = Family::<ProviderLabel, Gauge<f64, AtomicU64>>::default();
         r.register(
@@ -595,13 +603,17 @@ impl Metrics {
                 };
                 acquires.get_or_create(&l).inc_by(0);
             }
-            for reason in ["late", "cancelled"] {
-                let l = ProviderReason {
+            late_grants
+                .get_or_create(&ProviderLabel {
                     provider: provider(),
-                    reason,
-                };
-                tokens_returned.get_or_create(&l).inc_by(0);
-            }
+                })
+                .inc_by(0);
+            tokens_returned
+                .get_or_create(&ProviderReason {
+                    provider: provider(),
+                    reason: "cancelled",
+                })
+                .inc_by(0);
         }
         for cause in ["provider", "throttle_timeout", "expired", "abandoned"] {
             worker_refunds
@@ -661,6 +673,7 @@ impl Metrics {
             wait,
             acquires,
             tokens_returned,
+            late_grants,
             grants,
             skipped,
             reclaimed,
@@ -859,7 +872,16 @@ impl Metrics {
             .inc();
     }
 
-    /// A token went back to `provider`'s bucket: `late` or `cancelled`.
+    /// A grant of `provider` was too old to use (its token is lost).
+    pub fn late_grant(&self, provider: &str) {
+        self.late_grants
+            .get_or_create(&ProviderLabel {
+                provider: provider.to_owned(),
+            })
+            .inc();
+    }
+
+    /// A token went back to `provider`'s bucket: `cancelled`.
     pub fn token_returned(&self, provider: &str, reason: &'static str) {
         self.tokens_returned
             .get_or_create(&ProviderReason {

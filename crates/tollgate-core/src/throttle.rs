@@ -39,6 +39,36 @@ pub struct Grant {
     /// The slot counts against its user's `max_in_flight` until
     /// [`Throttle::done`] (or its hold ends): `None` when the user has no cap.
     pub held: Option<Held>,
+    /// When the grant becomes late (on this process's monotonic clock): a call
+    /// not sent by then must not be sent on it, since calls granted while it
+    /// waited may have gone out already (a pause between the grant and the
+    /// send, a slow delivery). Its caller ends it with [`Throttle::done`]
+    /// unused and waits for a fresh one; its token is lost, not returned (see
+    /// `ThrottledClient`). `None`: the grant never becomes late.
+    pub use_by: Option<Instant>,
+}
+
+/// A grant is late past this age, or past one token's time at its provider's
+/// rate if that is shorter ([`late_bound`]); `RedisThrottleOptions::late_grant`
+/// and [`MemoryThrottle::with_late_grant`] change it.
+pub const LATE_GRANT: Duration = Duration::from_secs(1);
+
+/// The shortest age at which a grant counts as late, whatever the rate: below
+/// it, the delivery of a grant (a pub/sub message and a wake-up) is not
+/// reliably faster, and grants would go unused for nothing.
+pub const MIN_LATE_GRANT: Duration = Duration::from_millis(2);
+
+/// The age past which a grant of a provider at `rate` is late: `late_grant`,
+/// or one token's time (1/rate) if shorter, never below [`MIN_LATE_GRANT`].
+/// Used within 1/rate of being made, grants bunch at the upstream by at most
+/// one call: it never sees more than burst + rate·t + 1.
+pub fn late_bound(rate: f64, late_grant: Duration) -> Duration {
+    let token = if rate > 0.0 && rate.is_finite() {
+        Duration::from_secs_f64((1.0 / rate).min(3600.0))
+    } else {
+        late_grant
+    };
+    late_grant.min(token).max(MIN_LATE_GRANT)
 }
 
 /// A slot that counts against a user's cap: what [`Throttle::done`] frees.
@@ -246,6 +276,8 @@ fn wall_us() -> u64 {
 #[derive(Debug)]
 pub struct MemoryThrottle {
     buckets: BTreeMap<String, Arc<Bucket>>,
+    /// See [`late_bound`].
+    late_grant: Duration,
 }
 
 #[derive(Debug)]
@@ -268,11 +300,12 @@ struct BucketState {
     driving: bool,
 }
 
-/// A queued caller: the request it waits for, and where its grant goes.
+/// A queued caller: the request it waits for, and where its grant goes (the
+/// grant's time in µs since the epoch, and on the monotonic clock).
 #[derive(Debug)]
 struct Slot {
     request_id: RequestId,
-    tx: oneshot::Sender<u64>,
+    tx: oneshot::Sender<(u64, Instant)>,
 }
 
 fn open(slot: &Slot) -> bool {
@@ -374,7 +407,7 @@ impl Bucket {
                     }
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
-                        if slot.tx.send(wall_us()).is_err() {
+                        if slot.tx.send((wall_us(), Instant::now())).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
                             st.queue.done(&head.user, head.ticket);
@@ -397,7 +430,7 @@ struct Pending {
     bucket: Arc<Bucket>,
     user: String,
     ticket: u64,
-    rx: Option<oneshot::Receiver<u64>>,
+    rx: Option<oneshot::Receiver<(u64, Instant)>>,
 }
 
 impl Drop for Pending {
@@ -436,7 +469,15 @@ impl MemoryThrottle {
                 .into_iter()
                 .map(|p| (p.name.clone(), Arc::new(Bucket::new(p, metrics))))
                 .collect(),
+            late_grant: LATE_GRANT,
         }
+    }
+
+    /// Grants are late past `late_grant` of age (or 1/rate if shorter, see
+    /// [`late_bound`]) instead of [`LATE_GRANT`].
+    pub fn with_late_grant(mut self, late_grant: Duration) -> Self {
+        self.late_grant = late_grant;
+        self
     }
 
     /// Callers queued for `provider` right now (for tests and metrics).
@@ -486,7 +527,8 @@ impl Throttle for MemoryThrottle {
         let started = Instant::now();
         let bucket = self.bucket(provider)?;
         let (user, share) = bucket.queue_of(waiter);
-        let grant = |granted_at_us, ticket: u64| Grant {
+        let late = late_bound(bucket.rate, self.late_grant);
+        let grant = |(granted_at_us, made): (u64, Instant), ticket: u64| Grant {
             provider: provider.to_owned(),
             request_id: waiter.request_id.clone(),
             waited: started.elapsed(),
@@ -495,6 +537,7 @@ impl Throttle for MemoryThrottle {
                 user: user.to_owned(),
                 ticket: ticket.to_string(),
             }),
+            use_by: Some(made + late),
         };
         let (rx, ticket) = {
             let mut st = lock(&bucket.state);
@@ -511,7 +554,7 @@ impl Throttle for MemoryThrottle {
                 if let Some(head) = st.queue.head(now, open).0 {
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
-                        let _ = slot.tx.send(wall_us());
+                        let _ = slot.tx.send((wall_us(), Instant::now()));
                     }
                 }
                 if let Ok(at) = rx.try_recv() {

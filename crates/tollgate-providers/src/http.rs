@@ -16,7 +16,9 @@ use serde_json::Value;
 use tollgate_core::config::Upstream;
 use tollgate_core::{config::Config, job::Job};
 
-use crate::{AttemptError, SetupError, Transport};
+use tokio::time::Instant;
+
+use crate::{send_check, AttemptError, SetupError, Transport};
 
 /// Installs rustls' `ring` crypto provider as the process default, once (reqwest
 /// is built without a provider of its own). Idempotent; call before building
@@ -99,6 +101,12 @@ fn retry_after(h: Option<&HeaderValue>) -> Option<Duration> {
 #[async_trait]
 impl Transport for HttpClient {
     async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
+        self.attempt_by(job, None).await
+    }
+
+    /// The request is built, then checked against `use_by`, then sent: the
+    /// check is the last step before the send future is first polled.
+    async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
         let path = self.paths.get(&job.operation).map_or("", String::as_str);
         let mut req = self
             .client
@@ -113,6 +121,7 @@ impl Transport for HttpClient {
         if let Some((name, value)) = &self.auth {
             req = req.header(name.clone(), value.clone());
         }
+        send_check(use_by)?;
         let resp = match req.send().await {
             Ok(r) => r,
             Err(e) => {

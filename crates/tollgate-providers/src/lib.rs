@@ -96,12 +96,39 @@ pub enum AttemptError {
         status: Option<u16>,
         message: String,
     },
+    /// Not sent: the attempt's grant went stale before the request could go
+    /// out (a pause after the grant), `by` past its [`Grant::use_by`]. Nothing
+    /// reached the upstream; the caller waits for a fresh grant.
+    Late { by: Duration },
+}
+
+/// The last step before an attempt's request is sent: `Err(Late)` once
+/// `use_by` has passed ([`Grant::use_by`]). Synchronous, so that nothing can
+/// come between it and the send.
+pub fn send_check(use_by: Option<Instant>) -> Result<(), AttemptError> {
+    let now = Instant::now();
+    match use_by {
+        Some(by) if now > by => Err(AttemptError::Late {
+            by: now.saturating_duration_since(by),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// One unthrottled attempt at a provider call: what [`ThrottledClient`] wraps.
 #[async_trait]
 pub trait Transport: Send + Sync + fmt::Debug {
     async fn attempt(&self, job: &Job) -> Result<Value, AttemptError>;
+
+    /// One attempt on a grant usable until `use_by`: [`send_check`] must be
+    /// the last step before the request is sent, with no `await` between (a
+    /// pause anywhere before it is then caught). This default checks, then
+    /// runs [`Transport::attempt`]: right for a transport that prepares
+    /// nothing before it sends.
+    async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
+        send_check(use_by)?;
+        self.attempt(job).await
+    }
 }
 
 /// Retry policy of a [`ThrottledClient`].
@@ -168,23 +195,27 @@ impl<C: Transport> ThrottledClient<C> {
         self
     }
 
-    /// Waits for a slot, observing the wait (a dropped future counts as cancelled).
-    async fn slot(&self, job: &Job) -> Result<Grant, ThrottleError> {
+    /// Waits for a slot, at most what is `left` of the provider's
+    /// `max_wait`, observing the wait (a dropped future counts as cancelled).
+    async fn slot(&self, job: &Job, left: Duration) -> Result<Grant, ThrottleError> {
         let wait = self.metrics.acquiring(&self.provider.name);
         let share = self.shares.share(&job.user, self.hold).await;
         let waiter = Waiter::of(&job.id, job.user.as_str(), share);
         match self
             .throttle
-            .acquire_as(&self.provider.name, &waiter, self.provider.max_wait)
+            .acquire_as(&self.provider.name, &waiter, left)
             .await
         {
             Ok(grant) => {
                 wait.granted();
                 Ok(grant)
             }
-            Err(e @ ThrottleError::Timeout { .. }) => {
+            Err(ThrottleError::Timeout { provider, .. }) => {
                 wait.timed_out();
-                Err(e)
+                Err(ThrottleError::Timeout {
+                    provider,
+                    max_wait: self.provider.max_wait,
+                })
             }
             Err(e) => {
                 wait.failed();
@@ -193,11 +224,13 @@ impl<C: Transport> ThrottledClient<C> {
         }
     }
 
-    /// One attempt, observed: its time and how it ended.
-    async fn try_once(&self, job: &Job) -> Result<Value, AttemptError> {
+    /// One attempt on `grant`, observed: its time and how it ended (an
+    /// attempt not sent, its grant late, is no call).
+    async fn try_once(&self, job: &Job, grant: &Grant) -> Result<Value, AttemptError> {
         let started = Instant::now();
-        let r = self.client.attempt(job).await;
+        let r = self.client.attempt_by(job, grant.use_by).await;
         let outcome = match &r {
+            Err(AttemptError::Late { .. }) => return r,
             Ok(_) => CallOutcome::Ok,
             Err(AttemptError::Retryable { status, .. }) => CallOutcome::of_status(*status),
             Err(AttemptError::Fatal {
@@ -218,10 +251,36 @@ impl<C: Transport> Client for ThrottledClient<C> {
         let name = &self.provider.name;
         let mut backoff = self.retry.backoff;
         let mut attempt = 0;
+        // Each attempt waits for its slot at most `max_wait`, from here.
+        let mut waiting_since = Instant::now();
         loop {
+            let left = self
+                .provider
+                .max_wait
+                .saturating_sub(waiting_since.elapsed());
+            let grant = self.slot(job, left).await?;
+            let r = self.try_once(job, &grant).await;
+            if let Err(AttemptError::Late { by }) = r {
+                // Not sent: calls granted after this one may have gone out
+                // while it was held up. Its token is lost, neither returned
+                // to the bucket nor kept for later: a token taken before the
+                // bucket refilled to its cap, given back (or used) now, is one
+                // more than the bucket allows (burst + rate·t); the long chaos
+                // run saw 13 calls within 7 ms (burst 8) when tokens came back
+                // at the end of a slow link. The slot of the user's cap ends,
+                // and this call waits at the back of its queue for a fresh
+                // grant, within what is left of its max_wait.
+                tracing::warn!(
+                    provider = %name, request_id = %job.id, ?by,
+                    "a grant went stale before its call was sent (a pause): not used, waiting for a fresh one"
+                );
+                self.metrics.late_grant(name);
+                if let Err(e) = self.throttle.done(&grant).await {
+                    tracing::warn!(error = %e, provider = %name, "ending the slot of a late grant failed");
+                }
+                continue;
+            }
             attempt += 1;
-            let grant = self.slot(job).await?;
-            let r = self.try_once(job).await;
             if let Err(e) = self.throttle.done(&grant).await {
                 // The slot frees itself at the end of its hold.
                 tracing::warn!(error = %e, provider = %name, "reporting the end of a call failed");
@@ -256,7 +315,10 @@ impl<C: Transport> Client for ThrottledClient<C> {
                     self.metrics.retry(name);
                     tokio::time::sleep(wait).await;
                     backoff = (backoff * 2).min(self.retry.max_backoff);
+                    waiting_since = Instant::now();
                 }
+                // Dealt with above, before the end of the slot.
+                AttemptError::Late { .. } => continue,
                 AttemptError::Fatal { status, message } => {
                     return Err(match status {
                         Some(status) if status != 200 => ProviderError::Upstream {

@@ -31,7 +31,7 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        Dispatch, Dispatchers, Grant, Held, Position, ProviderStats, Pumped, Throttle,
+        late_bound, Dispatch, Dispatchers, Grant, Held, Position, ProviderStats, Pumped, Throttle,
         ThrottleError, Waiter,
     },
 };
@@ -81,10 +81,7 @@ async fn run_script<T: FromRedisValue>(
     Ok(call::script(pool, timeout, op, &inv).await?)
 }
 
-/// The shortest age at which a grant counts as late, whatever the rate: below
-/// it, the delivery of a grant (a pub/sub message and a wake-up) is not
-/// reliably faster, and grants would be handed back for nothing.
-pub const MIN_LATE_GRANT: Duration = Duration::from_millis(2);
+pub use tollgate_core::throttle::MIN_LATE_GRANT;
 
 /// Tunables of the waiter side.
 #[derive(Debug, Clone)]
@@ -96,14 +93,17 @@ pub struct RedisThrottleOptions {
     /// A grant that reaches its waiter older than this, or than one token's
     /// time at the provider's rate if that is shorter (but never less than
     /// [`MIN_LATE_GRANT`]: the process was paused, its subscription or its
-    /// link was slow or down), is not used: its token goes back to the bucket
-    /// and the waiter queues again. Used within 1/rate of being made, grants
-    /// can bunch at the upstream by at most one call: it never sees more than
-    /// burst + rate·t + 1 (for rates up to 1/MIN_LATE_GRANT = 500/s; above it,
-    /// by at most rate · 2 ms of delivery jitter).
+    /// link was slow or down), is not used: its token is lost (given back
+    /// late, a token taken before the bucket refilled to its cap would be one
+    /// more than the bucket allows) and the waiter queues again. Used within
+    /// 1/rate of being made, grants can bunch at the upstream by at most one
+    /// call: it never sees more than burst + rate·t + 1 (for rates up to
+    /// 1/MIN_LATE_GRANT = 500/s; above it, by at most rate · 2 ms of delivery
+    /// jitter). The same bound is checked again right before the call is sent
+    /// ([`Grant::use_by`]).
     pub late_grant: Duration,
-    /// Where tokens handed back to a bucket are counted
-    /// (`tollgate_throttle_tokens_returned_total`).
+    /// Where tokens handed back to a bucket and late grants are counted
+    /// (`tollgate_throttle_tokens_returned_total`, `_late_grants_total`).
     pub metrics: Option<Arc<Metrics>>,
 }
 
@@ -112,7 +112,7 @@ impl Default for RedisThrottleOptions {
         Self {
             call_timeout: DEFAULT_TIMEOUT,
             reconnect_delay: Duration::from_millis(100),
-            late_grant: Duration::from_secs(1),
+            late_grant: tollgate_core::throttle::LATE_GRANT,
             metrics: None,
         }
     }
@@ -254,7 +254,7 @@ struct Ticket<'a> {
 }
 
 impl Ticket<'_> {
-    /// `why`: `late` (a grant too old to use) or `cancelled` (the waiter gave up).
+    /// `why`: `cancelled` (the waiter gave up), the metric's reason.
     async fn cancel(&mut self, why: &'static str) -> Result<i64, ThrottleError> {
         self.armed = false;
         lock(&self.throttle.shared.pending).remove(&self.id);
@@ -562,7 +562,7 @@ impl Throttle for RedisThrottle {
 
 impl RedisThrottle {
     /// One ticket: queued (or granted on the way in), then its grant, its
-    /// timeout, or a grant too old to use (handed back).
+    /// timeout, or a grant too old to use (not used).
     async fn attempt(
         &self,
         p: &Provider,
@@ -647,21 +647,33 @@ impl RedisThrottle {
             user: f.user.to_owned(),
             ticket: ticket.id.clone(),
         });
-        let grant = |granted_at_us: u64| Grant {
+        let late = late_bound(p.rate, self.options.late_grant);
+        // Redis's clock is taken to read `redis_now_us` (the script's TIME)
+        // at `sent_at`, which makes grants look older, never younger: one
+        // made at `granted_at_us` is late once this process's clock passes
+        // `sent_at` + (granted_at_us + late - redis_now_us).
+        let grant = |granted_at_us: u64, redis_now_us: u64| Grant {
             provider: p.name.clone(),
             request_id: request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
             held: held.clone(),
+            use_by: Some(
+                sent_at
+                    + Duration::from_micros(
+                        granted_at_us
+                            .saturating_add(micros(late))
+                            .saturating_sub(redis_now_us),
+                    ),
+            ),
         };
         let redis_now_us = match queued[..] {
             [2, granted_at_us] => {
                 // Nobody was queued and the bucket had a token: taken at once.
                 ticket.armed = false;
                 lock(&shared.pending).remove(&ticket.id);
-                return Ok(Attempt::Granted(grant(
-                    u64::try_from(granted_at_us).unwrap_or(0),
-                )));
+                let at = u64::try_from(granted_at_us).unwrap_or(0);
+                return Ok(Attempt::Granted(grant(at, at)));
             }
             [1, now_us] => u64::try_from(now_us).unwrap_or(0),
             _ => {
@@ -679,19 +691,23 @@ impl RedisThrottle {
                 // wall clock decides nothing).
                 let now_us = redis_now_us.saturating_add(micros(sent_at.elapsed()));
                 let age = Duration::from_micros(now_us.saturating_sub(granted_at_us));
-                let late = self
-                    .options
-                    .late_grant
-                    .min(Duration::from_secs_f64(1.0 / p.rate).max(MIN_LATE_GRANT));
                 if age > late {
-                    // Not used: the token goes back (once), the caller queues again.
-                    if let Err(e) = ticket.cancel("late").await {
-                        tracing::warn!(error = %e, "handing back a late grant failed");
+                    // Not used, and its token is lost, not returned: given back
+                    // now, a token taken before the bucket refilled to its cap
+                    // would add to it (see `late_grant`). Its slot of the
+                    // user's cap ends; the caller queues again.
+                    ticket.armed = false;
+                    let unused = grant(granted_at_us, redis_now_us);
+                    if let Err(e) = self.done(&unused).await {
+                        tracing::warn!(error = %e, "ending the slot of a late grant failed");
+                    }
+                    if let Some(m) = &shared.metrics {
+                        m.late_grant(&p.name);
                     }
                     return Ok(Attempt::Late { age });
                 }
                 ticket.armed = false;
-                Ok(Attempt::Granted(grant(granted_at_us)))
+                Ok(Attempt::Granted(grant(granted_at_us, redis_now_us)))
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
             Err(_) => {

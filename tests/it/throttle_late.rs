@@ -1,0 +1,214 @@
+//! A grant that goes stale between its waiter's wake-up and the send of its
+//! call (the process paused while the call was being prepared) never reaches
+//! the upstream: the client drops it (its token is lost) and sends on a fresh
+//! grant, within its `max_wait`. In process and on Redis, for a grant taken on
+//! the way in (the bucket had a token) and for one a throttler made (queued
+//! first).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+use tollgate_core::{
+    activity::{ActivityLog, MemoryActivity, RecordingThrottle},
+    config::Config,
+    job::Job,
+    metrics::Metrics,
+    throttle::{late_bound, MemoryThrottle, Throttle, LATE_GRANT},
+};
+use tollgate_providers::{
+    http::HttpClient, AttemptError, Client, Retry, ThrottledClient, Transport,
+};
+use tollgate_redis::throttle::RedisThrottleOptions;
+use tollgate_tests::upstream::Upstream;
+
+use crate::throttle::{rid, RedisSetup};
+
+/// `tempo` (5/s) and `slow` (2/s) as in the conformance config, each calling
+/// the recording upstream at `url`.
+fn config(url: &str) -> Config {
+    let text = format!(
+        r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.tempo]
+rate = 5
+burst = 1
+max_wait = "10s"
+url = "{url}"
+[providers.slow]
+rate = 2
+burst = 1
+max_wait = "10s"
+url = "{url}"
+[operations.w]
+cost = 1
+provider = "tempo"
+path = "/tempo"
+[operations.s]
+cost = 1
+provider = "slow"
+path = "/slow"
+"#
+    );
+    Config::parse(&text, "late at send").expect("test config")
+}
+
+/// The HTTP transport, held up for `stall` once, after the grant and before
+/// the request is built: what a pause of the process there does.
+#[derive(Debug)]
+struct Stalls {
+    inner: HttpClient,
+    stall: Duration,
+    stalled: AtomicBool,
+}
+
+#[async_trait]
+impl Transport for Stalls {
+    async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
+        self.inner.attempt(job).await
+    }
+
+    async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
+        if !self.stalled.swap(true, Ordering::SeqCst) {
+            tokio::time::sleep(self.stall).await;
+        }
+        self.inner.attempt_by(job, use_by).await
+    }
+}
+
+/// `queued`: the bucket's one token goes to another call first, so the
+/// stalled call's grant comes from a throttler (Redis) or the bucket's driver.
+async fn stale_grant_is_handed_back(
+    throttle: Arc<dyn Throttle>,
+    metrics: Arc<Metrics>,
+    config: &Config,
+    upstream: &Upstream,
+    provider: &str,
+    queued: bool,
+) {
+    let log = Arc::new(MemoryActivity::new());
+    let recording: Arc<dyn Throttle> = Arc::new(RecordingThrottle::new(
+        throttle,
+        Arc::clone(&log) as Arc<dyn ActivityLog>,
+    ));
+    let p = config.provider(provider).expect("provider").clone();
+    if queued {
+        recording
+            .acquire(provider, &rid("first"), Duration::from_secs(5))
+            .await
+            .expect("the bucket's token");
+    }
+    let late = late_bound(p.rate, LATE_GRANT);
+    let transport = Stalls {
+        inner: HttpClient::new(provider, config.upstream(provider).expect("url"), config)
+            .expect("http client"),
+        stall: late + Duration::from_millis(300),
+        stalled: AtomicBool::new(false),
+    };
+    let client = ThrottledClient::new(
+        Arc::clone(&recording),
+        p.clone(),
+        Retry::default(),
+        transport,
+        Arc::clone(&metrics),
+    );
+    let operation = if provider == "tempo" { "w" } else { "s" };
+    let job = Job {
+        id: rid(&format!("stale-{provider}")),
+        user: tollgate_core::id::UserId::new("u").expect("user"),
+        operation: operation.into(),
+        provider: provider.into(),
+        input: json!({ "q": 1 }),
+        cost: 1,
+        enqueued_at_ms: 0,
+        deadline_ms: u64::MAX,
+        attempt: 1,
+        nonce: "n".into(),
+        trace: None,
+    };
+    let answer = client
+        .call(&job)
+        .await
+        .expect("sent on a fresh grant, within max_wait");
+    assert_eq!(answer["echo"], json!({ "q": 1 }));
+    let arrivals: Vec<_> = upstream
+        .arrivals()
+        .into_iter()
+        .filter(|a| a.path == provider)
+        .collect();
+    assert_eq!(arrivals.len(), 1, "one call reached the upstream");
+    let view = log.read().await.expect("activity");
+    let grants = view.grants.get(provider).copied().unwrap_or(0);
+    assert_eq!(
+        grants,
+        2 + u64::from(queued),
+        "the stale grant was not used: the call waited for a fresh one"
+    );
+    let (last_ms, _) = view.waits[provider][0];
+    let age_ms = (arrivals[0].at_us / 1000).saturating_sub(last_ms);
+    assert!(
+        age_ms <= late.as_millis() as u64,
+        "the upstream got a call on a grant {age_ms} ms old (late past {late:?})"
+    );
+    let text = metrics.render();
+    let line = format!("tollgate_throttle_late_grants_total{{provider=\"{provider}\"}} 1");
+    assert!(text.contains(&line), "{line}\n{text}");
+}
+
+async fn memory_case(provider: &str, queued: bool) {
+    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
+        .await
+        .expect("upstream");
+    let config = config(&upstream.url());
+    let metrics = Arc::new(Metrics::new(&config));
+    let throttle: Arc<dyn Throttle> =
+        Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics)));
+    stale_grant_is_handed_back(throttle, metrics, &config, &upstream, provider, queued).await;
+}
+
+async fn redis_case(provider: &str, queued: bool) {
+    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
+        .await
+        .expect("upstream");
+    let config = config(&upstream.url());
+    let metrics = Arc::new(Metrics::new(&config));
+    let setup = RedisSetup::start(
+        true,
+        RedisThrottleOptions {
+            metrics: Some(Arc::clone(&metrics)),
+            ..Default::default()
+        },
+    )
+    .await;
+    let throttle: Arc<dyn Throttle> = setup.throttle.clone();
+    stale_grant_is_handed_back(throttle, metrics, &config, &upstream, provider, queued).await;
+    setup.stop().await;
+}
+
+/// Taken on the way in (the bucket had its token).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_late_at_send_memory_direct() {
+    memory_case("tempo", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_late_at_send_memory_queued() {
+    memory_case("slow", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_late_at_send_redis_direct() {
+    redis_case("tempo", false).await;
+}
+
+/// Granted by the throttler (the bucket's token went to another call).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_late_at_send_redis_queued() {
+    redis_case("slow", true).await;
+}
