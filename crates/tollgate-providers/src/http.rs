@@ -8,6 +8,7 @@
 //! start, and never logged.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -18,7 +19,7 @@ use tollgate_core::{config::Config, job::Job};
 
 use tokio::time::Instant;
 
-use crate::{send_check, AttemptError, SetupError, Transport};
+use crate::{late_by, send_check, AttemptError, SetupError, Transport};
 
 /// Installs rustls' `ring` crypto provider as the process default, once (reqwest
 /// is built without a provider of its own). Idempotent; call before building
@@ -104,16 +105,19 @@ impl Transport for HttpClient {
         self.attempt_by(job, None).await
     }
 
-    /// The request is built, then checked against `use_by`, then sent: the
-    /// check is the last step before the send future is first polled.
+    /// The request is built, then checked against `use_by`, then sent; and
+    /// checked again when the connection asks for the body, just before the
+    /// request is written (see [`checked_body`]).
     async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
         let path = self.paths.get(&job.operation).map_or("", String::as_str);
+        let input = job.input.to_string();
+        let late = Arc::new(OnceLock::new());
         let mut req = self
             .client
             .post(format!("{}{path}", self.url))
             .header(CONTENT_TYPE, "application/json")
             .header("idempotency-key", job.id.as_str())
-            .body(job.input.to_string());
+            .body(checked_body(input, use_by, Arc::clone(&late)));
         // The call's trace continues upstream: same trace id, this hop's id.
         if let Some(trace) = &job.trace {
             req = req.header("traceparent", trace.child().to_string());
@@ -124,6 +128,11 @@ impl Transport for HttpClient {
         send_check(use_by)?;
         let resp = match req.send().await {
             Ok(r) => r,
+            Err(_) if late.get().is_some() => {
+                return Err(AttemptError::Late {
+                    by: late.get().copied().unwrap_or_default(),
+                })
+            }
             Err(e) => {
                 return Err(AttemptError::Retryable {
                     status: None,
@@ -158,6 +167,65 @@ impl Transport for HttpClient {
             message: snippet(),
         })
     }
+}
+
+/// The request's body, checked against `use_by` when the connection first
+/// asks for it. That is after a connection is at hand (making a new one can
+/// take long, and the process can pause meanwhile) and just before anything of
+/// the request is written: hyper buffers the head and polls the body before it
+/// flushes either, and drops both when the body fails. A late grant then sends
+/// nothing; `late` says how late it was.
+struct CheckedBody {
+    input: Option<bytes::Bytes>,
+    len: u64,
+    use_by: Option<Instant>,
+    late: Arc<OnceLock<Duration>>,
+}
+
+impl http_body::Body for CheckedBody {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
+        let this = self.get_mut();
+        let Some(input) = this.input.take() else {
+            return std::task::Poll::Ready(None);
+        };
+        std::task::Poll::Ready(Some(match late_by(this.use_by) {
+            None => Ok(http_body::Frame::data(input)),
+            Some(by) => {
+                let _ = this.late.set(by);
+                Err(std::io::Error::other(
+                    "not sent: the call's grant went stale before the request was written",
+                ))
+            }
+        }))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.input.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        // An exact size: the request carries a Content-Length, not chunks.
+        http_body::SizeHint::with_exact(self.len)
+    }
+}
+
+fn checked_body(
+    input: String,
+    use_by: Option<Instant>,
+    late: Arc<OnceLock<Duration>>,
+) -> reqwest::Body {
+    reqwest::Body::wrap(CheckedBody {
+        len: input.len() as u64,
+        input: Some(bytes::Bytes::from(input)),
+        use_by,
+        late,
+    })
 }
 
 #[cfg(test)]
@@ -210,5 +278,110 @@ path = "/v1/x"
         let client = HttpClient::new("llm", &open, &config).unwrap();
         assert_eq!(client.url, "https://api.example.com");
         assert_eq!(client.paths.get("x").map(String::as_str), Some("/v1/x"));
+    }
+
+    /// Resolves every name to one address, after a delay: a connection that
+    /// takes long to make, the way a pause of the process can make it.
+    struct SlowDns(std::net::SocketAddr, Duration);
+
+    impl reqwest::dns::Resolve for SlowDns {
+        fn resolve(&self, _: reqwest::dns::Name) -> reqwest::dns::Resolving {
+            let (addr, delay) = (self.0, self.1);
+            Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                let addrs: reqwest::dns::Addrs = Box::new(std::iter::once(addr));
+                Ok(addrs)
+            })
+        }
+    }
+
+    /// A one-shot upstream on a raw socket: the bytes each connection sent,
+    /// and a 200 with `{}` to any request it received whole.
+    fn raw_upstream() -> (std::net::SocketAddr, std::sync::mpsc::Receiver<Vec<u8>>) {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().take(4) {
+                let Ok(mut conn) = conn else { return };
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                    if got.windows(2).any(|w| w == b"{}") {
+                        let _ = conn.write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+                        );
+                        break;
+                    }
+                }
+                let _ = tx.send(got);
+            }
+        });
+        (addr, rx)
+    }
+
+    fn slow_client(addr: std::net::SocketAddr, delay: Duration) -> HttpClient {
+        install_crypto_provider();
+        HttpClient {
+            provider: "llm".into(),
+            url: format!("http://upstream.test:{}", addr.port()),
+            paths: BTreeMap::new(),
+            auth: None,
+            client: reqwest::Client::builder()
+                .dns_resolver(SlowDns(addr, delay))
+                .build()
+                .unwrap(),
+        }
+    }
+
+    fn job() -> Job {
+        Job {
+            id: tollgate_core::id::RequestId::new("r1").unwrap(),
+            user: tollgate_core::id::UserId::new("u").unwrap(),
+            operation: "x".into(),
+            provider: "llm".into(),
+            input: serde_json::json!({}),
+            cost: 1,
+            enqueued_at_ms: 0,
+            deadline_ms: u64::MAX,
+            attempt: 1,
+            nonce: "n".into(),
+            trace: None,
+        }
+    }
+
+    /// The grant is fresh at the send but goes stale while the connection is
+    /// made: nothing of the request reaches the upstream.
+    #[tokio::test]
+    async fn a_grant_gone_stale_while_connecting_sends_nothing() {
+        let (addr, got) = raw_upstream();
+        let client = slow_client(addr, Duration::from_millis(300));
+        let use_by = Instant::now() + Duration::from_millis(100);
+        let out = client.attempt_by(&job(), Some(use_by)).await;
+        assert!(
+            matches!(out, Err(AttemptError::Late { by }) if by >= Duration::from_millis(150)),
+            "{out:?}"
+        );
+        let bytes = got.recv_timeout(Duration::from_secs(5)).unwrap_or_default();
+        assert!(
+            bytes.is_empty(),
+            "the upstream got {:?}",
+            String::from_utf8_lossy(&bytes)
+        );
+        // Still fresh once connected: the request goes out whole.
+        let client = slow_client(addr, Duration::from_millis(10));
+        let use_by = Instant::now() + Duration::from_secs(5);
+        let out = client.attempt_by(&job(), Some(use_by)).await;
+        assert_eq!(out.ok(), Some(serde_json::json!({})));
+        let bytes = got.recv_timeout(Duration::from_secs(5)).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(text.starts_with("POST / HTTP/1.1"), "{text}");
+        assert!(text.contains("content-length: 2"), "{text}");
     }
 }

@@ -106,13 +106,18 @@ pub enum AttemptError {
 /// `use_by` has passed ([`Grant::use_by`]). Synchronous, so that nothing can
 /// come between it and the send.
 pub fn send_check(use_by: Option<Instant>) -> Result<(), AttemptError> {
-    let now = Instant::now();
-    match use_by {
-        Some(by) if now > by => Err(AttemptError::Late {
-            by: now.saturating_duration_since(by),
-        }),
-        _ => Ok(()),
+    match late_by(use_by) {
+        Some(by) => Err(AttemptError::Late { by }),
+        None => Ok(()),
     }
+}
+
+/// How long past `use_by` it is now (`None`: not past it, or no bound).
+pub fn late_by(use_by: Option<Instant>) -> Option<Duration> {
+    let now = Instant::now();
+    use_by
+        .filter(|by| now > *by)
+        .map(|by| now.saturating_duration_since(by))
 }
 
 /// One unthrottled attempt at a provider call: what [`ThrottledClient`] wraps.
