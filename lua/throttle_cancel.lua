@@ -6,11 +6,16 @@
 -- ARGV[4] 'fair' or 'fifo': the queue the ticket was put in
 -- ARGV[5] the user of a fair ticket
 -- ARGV[6] the provider's key base (for the per-user keys)
+-- ARGV[7] the provider's late bound in µs: a grant older than this is never
+--         used (the waiters' rule), and its token never comes back either
 -- Returns 1 when the ticket was still waiting (removed: no token was spent;
 -- a user with no ticket left is no longer counted as waiting), 2 when a grant
--- had been made for it meanwhile (the token goes back to the bucket, the slot
--- to its user's cap), 0 when there is neither (served and consumed, or never
--- queued). With the grant script this decides exactly once who owns a token:
+-- had been made for it within the late bound (the token goes back to the
+-- bucket, the slot to its user's cap), 3 when one had been made longer ago
+-- (the slot goes back, the token is lost: given back now, it would add to the
+-- tokens the bucket granted since, and a waiter paused for a while, cancelling
+-- its many grants at once, would refill the bucket past what time allows),
+-- 0 when there is neither (served and consumed, or never queued). With the grant script this decides exactly once who owns a token:
 -- the grant record is removed either here or never (a waiter that resumed
 -- does not cancel). The tag the ticket took stays spent (its user's later
 -- tickets keep theirs): at most 1/weight of a round.
@@ -20,8 +25,10 @@ local F = { tickets = KEYS[5], capped = KEYS[6], finish = KEYS[7], users = KEYS[
   waiting = WAITING, base = ARGV[6] }
 local ticket, rate, burst = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local user = ARGV[4] == 'fair' and ARGV[5] or nil
-if not rate or rate <= 0 or not burst or burst < 1 or not F.base or F.base == '' then
-  return redis.error_reply('throttle_cancel: bad rate, burst or key base')
+local late = tonumber(ARGV[7])
+if not rate or rate <= 0 or not burst or burst < 1 or not F.base or F.base == ''
+    or not late or late < 0 then
+  return redis.error_reply('throttle_cancel: bad rate, burst, key base or late bound')
 end
 local w = redis.call('HGET', WAITING, ticket)
 if w then
@@ -45,13 +52,18 @@ if w then
   end
   return 1
 end
-if redis.call('ZREM', GRANTED, ticket) == 1 then
+local granted_at = tonumber(redis.call('ZSCORE', GRANTED, ticket))
+if granted_at then
+  redis.call('ZREM', GRANTED, ticket)
   local now = now_us()
-  local tokens, at = bucket_read(BUCKET, now, rate, burst)
-  bucket_write(BUCKET, math.min(burst, tokens + 1), at, rate, burst)
   if user then
     fair_release(F, QUEUE, user, ticket, now)
   end
+  if now - granted_at > late then
+    return 3
+  end
+  local tokens, at = bucket_read(BUCKET, now, rate, burst)
+  bucket_write(BUCKET, math.min(burst, tokens + 1), at, rate, burst)
   return 2
 end
 return 0

@@ -183,6 +183,57 @@ async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
     assert!(tokens <= 1.0, "never above burst: {tokens}");
 }
 
+/// A grant older than the provider's late bound, given up by its waiter (a
+/// process paused past it, then timing out), keeps its token lost: handed back
+/// after so long, it would add to the tokens granted since, and a paused
+/// process giving up many at once would refill the bucket past its rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_grant_given_up_late_does_not_come_back() {
+    let setup = RedisSetup::start(
+        false,
+        RedisThrottleOptions {
+            reconnect_delay: Duration::from_secs(30),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut conn = raw(setup.server()).await;
+    let pool = tollgate_redis::pool::connect(&setup.server().url(), &Default::default())
+        .await
+        .unwrap();
+    let d = dispatcher(&setup, pool);
+    let waiter = queued_waiter(&setup, &mut conn, &d).await;
+    let keys = d.keys().clone();
+    // The waiter hears nothing (its subscription is cut and not restored).
+    let _: i64 = query(
+        &mut conn,
+        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
+    )
+    .await;
+    set_tokens(&mut conn, &keys.bucket, 1.0).await;
+    assert_eq!(d.pump(64).await.unwrap().granted, 1);
+    let stored = || {
+        let mut c = conn.clone();
+        let b = keys.bucket.clone();
+        async move { query::<f64>(&mut c, redis::cmd("HGET").arg(&b).arg("tokens")).await }
+    };
+    let taken = stored().await;
+    assert!(taken < 0.5, "the only token is taken: {taken}");
+    // "slow" runs at 2/s: its late bound is 500 ms.
+    let late = tollgate_core::throttle::late_bound(2.0, tollgate_core::throttle::LATE_GRANT);
+    tokio::time::sleep(late + Duration::from_millis(200)).await;
+    waiter.abort();
+    let _ = waiter.await;
+    eventually("the grant record is gone", || {
+        let mut c = conn.clone();
+        let g = keys.granted.clone();
+        async move { query::<i64>(&mut c, redis::cmd("ZCARD").arg(&g)).await == 0 }
+    })
+    .await;
+    // The bucket was not written since the grant: no token came back.
+    assert_eq!(stored().await, taken, "a late grant's token stays lost");
+}
+
 struct Procs(Vec<Child>);
 
 impl Drop for Procs {

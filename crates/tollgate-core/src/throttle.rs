@@ -425,20 +425,30 @@ impl Bucket {
 
 /// A queued caller's receiver. Dropped without having delivered its grant (a
 /// timeout, or the caller's future dropped), it hands a token that arrived
-/// meanwhile back to the bucket: a call that gave up never burns a token.
+/// meanwhile back to the bucket, if the grant is younger than `late`: a call
+/// that gave up never burns a token. An older one's token is lost, as a late
+/// grant's is (given back, it would add to the tokens granted since).
 struct Pending {
     bucket: Arc<Bucket>,
     user: String,
     ticket: u64,
     rx: Option<oneshot::Receiver<(u64, Instant)>>,
+    late: Duration,
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
         if let Some(mut rx) = self.rx.take() {
             rx.close();
-            if rx.try_recv().is_ok() {
-                self.bucket.give_back(Some((&self.user, self.ticket)));
+            if let Ok((_, made)) = rx.try_recv() {
+                if made.elapsed() <= self.late {
+                    self.bucket.give_back(Some((&self.user, self.ticket)));
+                } else {
+                    self.bucket.end(&self.user, self.ticket);
+                    if let Some((metrics, provider)) = &self.bucket.metrics {
+                        metrics.late_grant(provider);
+                    }
+                }
             }
         }
     }
@@ -576,6 +586,7 @@ impl Throttle for MemoryThrottle {
             user: user.to_owned(),
             ticket,
             rx: Some(rx),
+            late,
         };
         let timeout = || ThrottleError::Timeout {
             provider: provider.to_owned(),

@@ -257,6 +257,7 @@ pub fn throttle_cancel<'a>(
     ticket: &str,
     bucket: BucketArgs,
     user: Option<&str>,
+    late: std::time::Duration,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = THROTTLE_CANCEL.prepare_invoke();
     inv.key(&keys.queue)
@@ -269,7 +270,7 @@ pub fn throttle_cancel<'a>(
         Some(user) => inv.arg("fair").arg(user),
         None => inv.arg("fifo").arg(""),
     };
-    inv.arg(keys.base());
+    inv.arg(keys.base()).arg(late.as_micros() as u64);
     inv
 }
 

@@ -263,19 +263,24 @@ impl Ticket<'_> {
             self.provider,
             &self.id,
             self.user,
-            self.throttle.options.call_timeout,
+            (
+                self.throttle.options.call_timeout,
+                late_bound(self.provider.rate, self.throttle.options.late_grant),
+            ),
             why,
         )
         .await
     }
 }
 
+/// Gives up `ticket`; `(timeout, late)`: the call's timeout and the
+/// provider's late bound (a grant older than it keeps its token lost).
 async fn cancel(
     shared: &Shared,
     provider: &Provider,
     ticket: &str,
     user: Option<&str>,
-    timeout: Duration,
+    (timeout, late): (Duration, Duration),
     why: &'static str,
 ) -> Result<i64, ThrottleError> {
     let keys = shared.keys.throttle(&provider.name);
@@ -283,14 +288,23 @@ async fn cancel(
         &shared.pool,
         timeout,
         "throttle_cancel",
-        scripts::throttle_cancel(&keys, ticket, BucketArgs::from(provider), user),
+        scripts::throttle_cancel(&keys, ticket, BucketArgs::from(provider), user, late),
     )
     .await;
-    if let Ok(2) = r {
-        tracing::debug!(provider = %provider.name, ticket, why, "granted token handed back");
-        if let Some(m) = &shared.metrics {
-            m.token_returned(&provider.name, why);
+    match r {
+        Ok(2) => {
+            tracing::debug!(provider = %provider.name, ticket, why, "granted token handed back");
+            if let Some(m) = &shared.metrics {
+                m.token_returned(&provider.name, why);
+            }
         }
+        Ok(3) => {
+            tracing::debug!(provider = %provider.name, ticket, why, "a late grant given up: its token is lost");
+            if let Some(m) = &shared.metrics {
+                m.late_grant(&provider.name);
+            }
+        }
+        _ => {}
     }
     r
 }
@@ -308,10 +322,13 @@ impl Drop for Ticket<'_> {
         let provider = self.provider.clone();
         let ticket = std::mem::take(&mut self.id);
         let user = self.user.map(str::to_owned);
-        let timeout = self.throttle.options.call_timeout;
+        let times = (
+            self.throttle.options.call_timeout,
+            late_bound(self.provider.rate, self.throttle.options.late_grant),
+        );
         let task = async move {
             let user = user.as_deref();
-            if let Err(e) = cancel(&shared, &provider, &ticket, user, timeout, "cancelled").await {
+            if let Err(e) = cancel(&shared, &provider, &ticket, user, times, "cancelled").await {
                 tracing::warn!(error = %e, ticket, "cancelling a dropped wait failed");
             }
         };
