@@ -460,7 +460,8 @@ impl Metrics {
         r.register(
             "tollgate_throttle_late_grants",
             "Grants not used because they were too old (a pause or a slow link between the grant \
-             and its call): the call waited for a fresh grant; the token is not returned",
+             and its call): the call waited for a fresh grant, or had given up; the token is not \
+             returned",
             late_grants.clone(),
         );
         let max_wait = Family::<ProviderLabel, Gauge<f64, AtomicU64>>::default();
