@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tollgate_core::throttle::{Dispatch, Throttle};
 use tollgate_redis::{
-    keys::KeySpace,
+    keys::{KeySpace, ThrottleKeys},
     throttle::{Dispatcher, RedisThrottleOptions},
 };
 use tollgate_tests::throttle::{max_excess, now_us, GrantRecord};
@@ -134,10 +134,23 @@ async fn throttle_lost_wake_up_is_found_after_reconnect() {
     assert_eq!(grant.provider, "slow");
 }
 
-/// A grant made for a waiter that gave up before hearing it goes back to the
-/// bucket, exactly once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
+/// The stored tokens of `keys`' bucket (as last written, not refilled to now).
+async fn stored_tokens(conn: &mut redis::aio::MultiplexedConnection, keys: &ThrottleKeys) -> f64 {
+    query(conn, redis::cmd("HGET").arg(&keys.bucket).arg("tokens")).await
+}
+
+/// A waiter that never hears its grant (its subscription is cut and not
+/// restored), granted the bucket's only token, then dropped `after` the grant;
+/// returns once its grant record is gone, with the tokens stored at the grant.
+/// The setup and connection are returned to keep the server and read it.
+async fn grant_given_up_after(
+    after: Duration,
+) -> (
+    RedisSetup,
+    redis::aio::MultiplexedConnection,
+    ThrottleKeys,
+    f64,
+) {
     let setup = RedisSetup::start(
         false,
         RedisThrottleOptions {
@@ -160,25 +173,26 @@ async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
     .await;
     set_tokens(&mut conn, &keys.bucket, 1.0).await;
     assert_eq!(d.pump(64).await.unwrap().granted, 1);
-    let tokens: f64 = query(
-        &mut conn,
-        redis::cmd("HGET").arg(&keys.bucket).arg("tokens"),
-    )
-    .await;
-    assert!(tokens < 0.5, "the only token is taken: {tokens}");
+    let taken = stored_tokens(&mut conn, &keys).await;
+    assert!(taken < 0.5, "the only token is taken: {taken}");
+    tokio::time::sleep(after).await;
     waiter.abort();
     let _ = waiter.await;
-    eventually("the grant is handed back", || {
+    eventually("the grant record is gone", || {
         let mut c = conn.clone();
         let g = keys.granted.clone();
         async move { query::<i64>(&mut c, redis::cmd("ZCARD").arg(&g)).await == 0 }
     })
     .await;
-    let tokens: f64 = query(
-        &mut conn,
-        redis::cmd("HGET").arg(&keys.bucket).arg("tokens"),
-    )
-    .await;
+    (setup, conn, keys, taken)
+}
+
+/// A grant made for a waiter that gave up before hearing it goes back to the
+/// bucket, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
+    let (_setup, mut conn, keys, _) = grant_given_up_after(Duration::ZERO).await;
+    let tokens = stored_tokens(&mut conn, &keys).await;
     assert!(tokens >= 0.99, "the token is back: {tokens}");
     assert!(tokens <= 1.0, "never above burst: {tokens}");
 }
@@ -189,49 +203,16 @@ async fn throttle_a_grant_nobody_takes_goes_back_to_the_bucket() {
 /// process giving up many at once would refill the bucket past its rate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_a_grant_given_up_late_does_not_come_back() {
-    let setup = RedisSetup::start(
-        false,
-        RedisThrottleOptions {
-            reconnect_delay: Duration::from_secs(30),
-            ..Default::default()
-        },
-    )
-    .await;
-    let mut conn = raw(setup.server()).await;
-    let pool = tollgate_redis::pool::connect(&setup.server().url(), &Default::default())
-        .await
-        .unwrap();
-    let d = dispatcher(&setup, pool);
-    let waiter = queued_waiter(&setup, &mut conn, &d).await;
-    let keys = d.keys().clone();
-    // The waiter hears nothing (its subscription is cut and not restored).
-    let _: i64 = query(
-        &mut conn,
-        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub"),
-    )
-    .await;
-    set_tokens(&mut conn, &keys.bucket, 1.0).await;
-    assert_eq!(d.pump(64).await.unwrap().granted, 1);
-    let stored = || {
-        let mut c = conn.clone();
-        let b = keys.bucket.clone();
-        async move { query::<f64>(&mut c, redis::cmd("HGET").arg(&b).arg("tokens")).await }
-    };
-    let taken = stored().await;
-    assert!(taken < 0.5, "the only token is taken: {taken}");
     // "slow" runs at 2/s: its late bound is 500 ms.
     let late = tollgate_core::throttle::late_bound(2.0, tollgate_core::throttle::LATE_GRANT);
-    tokio::time::sleep(late + Duration::from_millis(200)).await;
-    waiter.abort();
-    let _ = waiter.await;
-    eventually("the grant record is gone", || {
-        let mut c = conn.clone();
-        let g = keys.granted.clone();
-        async move { query::<i64>(&mut c, redis::cmd("ZCARD").arg(&g)).await == 0 }
-    })
-    .await;
+    let (_setup, mut conn, keys, taken) =
+        grant_given_up_after(late + Duration::from_millis(200)).await;
     // The bucket was not written since the grant: no token came back.
-    assert_eq!(stored().await, taken, "a late grant's token stays lost");
+    assert_eq!(
+        stored_tokens(&mut conn, &keys).await,
+        taken,
+        "a late grant's token stays lost"
+    );
 }
 
 struct Procs(Vec<Child>);
