@@ -215,6 +215,67 @@ async fn throttle_a_grant_given_up_late_does_not_come_back() {
     );
 }
 
+/// A waiter whose `max_wait` passes while Redis stalls (its process paused
+/// with SIGSTOP: every command hangs, none fails) gets its timeout at
+/// `max_wait`, not after the cancel's round trip: a waiter is owed its slot
+/// or its timeout error within `max_wait` (the chaos suite checks + 1 s). The
+/// cancel goes out in the background and lands once Redis is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_timeout_is_on_time_while_redis_stalls() {
+    // A cancel awaited before the timeout is reported holds the waiter until
+    // the pool's response timeout (3 s), then fails and leaves the ticket.
+    let setup = RedisSetup::start(false, RedisThrottleOptions::default()).await;
+    let mut conn = raw(setup.server()).await;
+    let pool = tollgate_redis::pool::connect(&setup.server().url(), &Default::default())
+        .await
+        .unwrap();
+    let d = dispatcher(&setup, pool);
+    let keys = d.keys().clone();
+    set_tokens(&mut conn, &keys.bucket, 0.0).await;
+    let max_wait = Duration::from_secs(2);
+    let started = Instant::now();
+    let waiter = {
+        let t = Arc::clone(&setup.throttle);
+        tokio::spawn(async move { t.acquire("slow", &rid("stall"), max_wait).await })
+    };
+    eventually("the ticket is queued", || {
+        let mut c = conn.clone();
+        let w = keys.waiting.clone();
+        async move { query::<i64>(&mut c, redis::cmd("HLEN").arg(&w)).await == 1 }
+    })
+    .await;
+    let pid = setup.server().pid().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let r = tokio::time::timeout(Duration::from_secs(60), waiter).await;
+    let waited = started.elapsed();
+    signal("-CONT");
+    let r = r.expect("the waiter ended").unwrap();
+    assert!(
+        matches!(
+            r,
+            Err(tollgate_core::throttle::ThrottleError::Timeout { .. })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        waited < max_wait + Duration::from_secs(1),
+        "the timeout came {waited:?} after the wait began (max_wait {max_wait:?})"
+    );
+    eventually("the background cancel took the ticket out", || {
+        let mut c = conn.clone();
+        let w = keys.waiting.clone();
+        async move { query::<i64>(&mut c, redis::cmd("HLEN").arg(&w)).await == 0 }
+    })
+    .await;
+}
+
 struct Procs(Vec<Child>);
 
 impl Drop for Procs {

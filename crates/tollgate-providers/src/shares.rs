@@ -61,8 +61,9 @@ impl Shares {
     }
 
     /// `user`'s share; a slot it holds frees itself after `hold`. A failed
-    /// look-up counts as the default plan (and is not kept).
-    pub async fn share(&self, user: &UserId, hold: Duration) -> Share {
+    /// look-up, or one slower than `within` (the caller's wait), counts as the
+    /// default plan (and is not kept).
+    pub async fn share(&self, user: &UserId, hold: Duration, within: Duration) -> Share {
         let Some(ledger) = &self.ledger else {
             return self.of_plan(None, hold);
         };
@@ -75,7 +76,14 @@ impl Shares {
                 }
             }
         }
-        match ledger.plan(user).await {
+        let plan = match tokio::time::timeout(within, ledger.plan(user)).await {
+            Ok(plan) => plan,
+            Err(_) => {
+                tracing::warn!(user = %user, ?within, "plan look-up too slow; the default plan's share is used");
+                return self.of_plan(None, hold);
+            }
+        };
+        match plan {
             Ok(plan) => {
                 let share = self.of_plan(Some(&plan), hold);
                 let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());

@@ -243,7 +243,8 @@ impl Listener for Shared {
 }
 
 /// A waiter's claim on its ticket. Dropped while armed (the caller's future was
-/// dropped, or the enqueue failed), it cancels the ticket in the background.
+/// dropped, the enqueue failed, or the wait timed out), it cancels the ticket
+/// in the background: a waiter's timeout never waits on Redis.
 struct Ticket<'a> {
     throttle: &'a RedisThrottle,
     provider: &'a Provider,
@@ -251,26 +252,6 @@ struct Ticket<'a> {
     /// The fair queue the ticket is in (its user); `None` on a FIFO provider.
     user: Option<&'a str>,
     armed: bool,
-}
-
-impl Ticket<'_> {
-    /// `why`: `cancelled` (the waiter gave up), the metric's reason.
-    async fn cancel(&mut self, why: &'static str) -> Result<i64, ThrottleError> {
-        self.armed = false;
-        lock(&self.throttle.shared.pending).remove(&self.id);
-        cancel(
-            &self.throttle.shared,
-            self.provider,
-            &self.id,
-            self.user,
-            (
-                self.throttle.options.call_timeout,
-                late_bound(self.provider.rate, self.throttle.options.late_grant),
-            ),
-            why,
-        )
-        .await
-    }
 }
 
 /// Gives up `ticket`; `(timeout, late)`: the call's timeout and the
@@ -307,6 +288,25 @@ async fn cancel(
         _ => {}
     }
     r
+}
+
+/// Ends the slot `held` of a capped user at `provider` (its call ended, or
+/// its grant was not used).
+async fn end_slot(
+    shared: &Shared,
+    timeout: Duration,
+    provider: &str,
+    held: &Held,
+) -> Result<(), ThrottleError> {
+    let keys = shared.keys.throttle(provider);
+    let _: i64 = run_script(
+        &shared.pool,
+        timeout,
+        "throttle_done",
+        scripts::throttle_done(&keys, &held.user, &held.ticket),
+    )
+    .await?;
+    Ok(())
 }
 
 impl Drop for Ticket<'_> {
@@ -556,15 +556,13 @@ impl Throttle for RedisThrottle {
         let Some(held) = &grant.held else {
             return Ok(());
         };
-        let keys = self.shared.keys.throttle(&grant.provider);
-        let _: i64 = run_script(
-            &self.shared.pool,
+        end_slot(
+            &self.shared,
             self.options.call_timeout,
-            "throttle_done",
-            scripts::throttle_done(&keys, &held.user, &held.ticket),
+            &grant.provider,
+            held,
         )
-        .await?;
-        Ok(())
+        .await
     }
 
     async fn drain(&self, limit: Duration) -> usize {
@@ -653,13 +651,21 @@ impl RedisThrottle {
                 BucketArgs::from(p),
             ),
         };
-        let queued: Vec<i64> = run_script(
+        // Bounded by the wait's deadline too: a waiter is owed its slot or
+        // its timeout within `max_wait`, and a stalled Redis must not hold it
+        // for the call's timeout. Past the deadline the ticket stays armed,
+        // and its drop cancels it in the background (whether the script ran
+        // or not).
+        let enqueue = run_script(
             &shared.pool,
             self.options.call_timeout,
             "throttle_enqueue",
             invocation,
-        )
-        .await?;
+        );
+        let queued: Vec<i64> = match tokio::time::timeout_at(deadline, enqueue).await {
+            Ok(queued) => queued?,
+            Err(_) => return Err(timeout()),
+        };
         let held = fair.filter(|f| f.max_in_flight > 0).map(|f| Held {
             user: f.user.to_owned(),
             ticket: ticket.id.clone(),
@@ -714,9 +720,17 @@ impl RedisThrottle {
                     // would add to it (see `late_grant`). Its slot of the
                     // user's cap ends; the caller queues again.
                     ticket.armed = false;
-                    let unused = grant(granted_at_us, redis_now_us);
-                    if let Err(e) = self.done(&unused).await {
-                        tracing::warn!(error = %e, "ending the slot of a late grant failed");
+                    // In the background, like a cancel: the caller's wait
+                    // goes on (or times out) without waiting on Redis.
+                    if let Some(held) = held.clone() {
+                        let shared = Arc::clone(shared);
+                        let (provider, timeout) = (p.name.clone(), self.options.call_timeout);
+                        let task = async move {
+                            if let Err(e) = end_slot(&shared, timeout, &provider, &held).await {
+                                tracing::warn!(error = %e, "ending the slot of a late grant failed");
+                            }
+                        };
+                        lock(&self.shared.cancels).spawn(task);
                     }
                     if let Some(m) = &shared.metrics {
                         m.late_grant(&p.name);
@@ -727,12 +741,9 @@ impl RedisThrottle {
                 Ok(Attempt::Granted(grant(granted_at_us, redis_now_us)))
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
-            Err(_) => {
-                if let Err(e) = ticket.cancel("cancelled").await {
-                    tracing::warn!(error = %e, "cancelling a timed-out wait failed");
-                }
-                Err(timeout())
-            }
+            // On time, whatever Redis is doing: the ticket is still armed,
+            // and its drop cancels it in the background.
+            Err(_) => Err(timeout()),
         }
     }
 }
