@@ -204,13 +204,23 @@ impl<C: Transport> ThrottledClient<C> {
     /// `max_wait`, observing the wait (a dropped future counts as cancelled).
     async fn slot(&self, job: &Job, left: Duration) -> Result<Grant, ThrottleError> {
         let wait = self.metrics.acquiring(&self.provider.name);
-        let share = self.shares.share(&job.user, self.hold).await;
+        let mut traced = WaitTrace::begin(&self.provider.name, job, left);
+        // The whole wait is bounded by `left`, the plan look-up included (a
+        // stalled store falls back to the default plan's share).
+        let deadline = Instant::now() + left;
+        let share = self.shares.share(&job.user, self.hold, left).await;
         let waiter = Waiter::of(&job.id, job.user.as_str(), share);
-        match self
+        let left = deadline.saturating_duration_since(Instant::now());
+        let r = self
             .throttle
             .acquire_as(&self.provider.name, &waiter, left)
-            .await
-        {
+            .await;
+        traced.end(match &r {
+            Ok(_) => "granted",
+            Err(ThrottleError::Timeout { .. }) => "timeout",
+            Err(_) => "error",
+        });
+        match r {
             Ok(grant) => {
                 wait.granted();
                 Ok(grant)
@@ -247,6 +257,53 @@ impl<C: Transport> ThrottledClient<C> {
         self.metrics
             .provider_call(&self.provider.name, outcome, started.elapsed());
         r
+    }
+}
+
+/// The tracing target of the waits for a slot: a `debug` event when one
+/// begins and when it ends (granted, timeout, error, or cancelled when the
+/// caller dropped it), with the request id, `limit_ms` and `waited_ms`.
+/// Off by default; `RUST_LOG=info,tollgate::wait=debug` turns it on (the chaos
+/// suite checks from it that every wait ended within its limit).
+pub const WAIT_TARGET: &str = "tollgate::wait";
+
+/// One wait for a slot, traced at [`WAIT_TARGET`].
+struct WaitTrace<'a> {
+    provider: &'a str,
+    job: &'a Job,
+    started: Instant,
+    ended: bool,
+}
+
+impl<'a> WaitTrace<'a> {
+    fn begin(provider: &'a str, job: &'a Job, limit: Duration) -> Self {
+        tracing::debug!(
+            target: WAIT_TARGET, provider, request_id = %job.id,
+            limit_ms = limit.as_millis() as u64, "wait for a slot began"
+        );
+        Self {
+            provider,
+            job,
+            started: Instant::now(),
+            ended: false,
+        }
+    }
+
+    fn end(&mut self, outcome: &'static str) {
+        self.ended = true;
+        tracing::debug!(
+            target: WAIT_TARGET, provider = self.provider, request_id = %self.job.id,
+            waited_ms = self.started.elapsed().as_millis() as u64, outcome,
+            "wait for a slot ended"
+        );
+    }
+}
+
+impl Drop for WaitTrace<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.end("cancelled");
+        }
     }
 }
 

@@ -29,6 +29,8 @@ use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::upstream::{Limit, Upstream};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
+use crate::waits;
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// How long the load runs, in seconds; faults fall inside it.
@@ -287,7 +289,12 @@ impl Deployment {
             .env("TOLLGATE_KEY_PREFIX", &self.prefix)
             .env("TOLLGATE_CONFIG", self.dir.join("chaos.toml"))
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
-            .env("RUST_LOG", "warn")
+            // JSON, with every wait for a slot traced: the waits' check reads them.
+            .env("TOLLGATE_LOG_FORMAT", "json")
+            .env(
+                "RUST_LOG",
+                format!("warn,{}=debug", tollgate_providers::WAIT_TARGET),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -399,6 +406,9 @@ struct FaultLog {
     /// When each latency the suite added to the link ended (µs), and how much
     /// it was: see [`worst_interval_net`].
     latency_ends: Vec<(u64, Duration)>,
+    /// Per process: when the suite paused it, and when it was killed or
+    /// found dead (the waits' excuses, see [`waits::judge`]).
+    procs: HashMap<String, waits::Faults>,
 }
 
 /// Whether `fault` can come between a call and the record of its result.
@@ -528,13 +538,23 @@ async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<
         };
         match plan.fault {
             Fault::StopThrottler | Fault::StopWorker => {
+                let stopped = tollgate_tests::throttle::now_us();
                 signal(pid, "-STOP");
                 tokio::time::sleep(plan.length).await;
                 signal(pid, "-CONT");
+                if let Ok(mut l) = log.lock() {
+                    let resumed = tollgate_tests::throttle::now_us();
+                    let f = l.procs.entry(p.name.clone()).or_default();
+                    f.paused.push((stopped, resumed));
+                }
                 note(true, format!("{} stopped {ms} ms", p.name));
             }
             _ => {
                 Deployment::kill9(p);
+                if let Ok(mut l) = log.lock() {
+                    let f = l.procs.entry(p.name.clone()).or_default();
+                    f.killed.push(tollgate_tests::throttle::now_us());
+                }
                 tokio::time::sleep(plan.length).await;
                 match d.start(p, &http).await {
                     Ok(()) => note(true, format!("{} killed, restarted after {ms} ms", p.name)),
@@ -627,7 +647,7 @@ async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<
 }
 
 /// Restarts, and counts, any process that exited while the suite was not acting on it.
-async fn watchdog(d: Arc<Deployment>, http: Client) {
+async fn watchdog(d: Arc<Deployment>, http: Client, log: Arc<Mutex<FaultLog>>) {
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         for p in &d.procs {
@@ -642,6 +662,10 @@ async fn watchdog(d: Arc<Deployment>, http: Client) {
                 .is_some_and(|s| matches!(s, Ok(Some(_))));
             if exited {
                 p.crashes.fetch_add(1, Ordering::SeqCst);
+                if let Ok(mut l) = log.lock() {
+                    let f = l.procs.entry(p.name.clone()).or_default();
+                    f.killed.push(tollgate_tests::throttle::now_us());
+                }
                 eprintln!("chaos: {} exited on its own; restarting it", p.name);
                 let _ = d.start(p, &http).await;
             }
@@ -1028,7 +1052,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let load_start_us = tollgate_tests::throttle::now_us();
     let load_end = load_start + Duration::from_secs(args.seconds);
     let give_up = load_end + DRAIN;
-    let watchdog = tokio::spawn(watchdog(Arc::clone(&d), http.clone()));
+    let watchdog = tokio::spawn(watchdog(Arc::clone(&d), http.clone(), Arc::clone(&log)));
     let mut faults = tokio::task::JoinSet::new();
     for p in plan {
         let (d, http, log) = (Arc::clone(&d), http.clone(), Arc::clone(&log));
@@ -1329,6 +1353,22 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
                 String::new()
             }
         ),
+    });
+
+    // Every wait for a slot, from the workers' traces.
+    let faults_of = log.lock().map(|l| l.procs.clone()).unwrap_or_default();
+    let mut traced = Vec::new();
+    for p in d.of(Role::Worker) {
+        let text = std::fs::read_to_string(dir.join(format!("{}.log", p.name)))
+            .with_context(|| format!("read the log of {}", p.name))?;
+        let faults = faults_of.get(&p.name).cloned().unwrap_or_default();
+        traced.push((p.name.clone(), waits::events(&text), faults));
+    }
+    let verdict = waits::judge(&traced);
+    checks.push(Check {
+        name: "every waiter got its slot or its timeout error within its max_wait + 1 s",
+        ok: verdict.ok() && verdict.waits > 0,
+        figure: verdict.figure(),
     });
 
     let ready = d.ready_after.lock().map(|r| r.clone()).unwrap_or_default();

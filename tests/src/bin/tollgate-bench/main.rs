@@ -18,6 +18,7 @@ mod memory_embedded;
 mod scale;
 mod stats;
 mod throttle;
+mod waits;
 
 use clap::{Parser, Subcommand};
 
