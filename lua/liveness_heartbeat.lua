@@ -4,7 +4,8 @@
 -- KEYS[1] members  hash: member id -> end of its liveness (ms, Redis TIME)
 -- KEYS[2] lists    set: every member id that may have a processing list; it does
 --                  not expire (the members hash does when every member is down),
---                  and an id leaves it only when its list was reclaimed
+--                  and an id leaves it only when its list was reclaimed after
+--                  the member had been lapsed for a while (liveness_reclaim.lua)
 -- ARGV[1] member id, ARGV[2] liveness (ms)
 -- Returns the listed ids whose liveness ended or is gone: members that died
 -- (kill -9, a lost network) and may have left ids in their processing list.

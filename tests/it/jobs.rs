@@ -1167,6 +1167,44 @@ async fn job_redis_dead_workers_are_found_after_their_liveness_expired() {
     assert_eq!(listed, 0, "a reclaimed worker leaves the set");
 }
 
+/// A worker lapsed (a slow link, a pause) and another worker reclaimed its
+/// list; then the worker's BLMOVE, still on its way, lands, and the worker
+/// dies before its next heartbeat. The lapsed worker stays listed for a while
+/// (`job::LAPSED_KEPT` livenesses), so the next maintenance of any worker puts
+/// the id back; only long after its lapse is it forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_a_blmove_landing_after_a_lapsed_worker_was_reclaimed_goes_back() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let (q, _ledger) = redis_queue(&server, &prefix, config()).await;
+    let keys = KeySpace::new(&prefix).unwrap().jobs("work");
+    let mut conn = raw(&server).await;
+    let liveness = Duration::from_millis(100);
+    q.maintain("slow", liveness).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // `slow` lapsed: reclaimed (nothing in its list yet).
+    let m = q.maintain("other", liveness).await.unwrap();
+    assert_eq!(m.requeued, 0, "{m:?}");
+    let r = q.submit(request("s4", "xena", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+    // Its BLMOVE lands now; it dies before heartbeating again.
+    let _ = blmove_without_lease(&mut conn, &keys, "slow").await;
+    let m = q.maintain("other", liveness).await.unwrap();
+    assert_eq!(m.requeued, 1, "the late pop goes back: {m:?}");
+    assert_eq!(llen(&mut conn, &keys.queue).await, 1);
+    let listed = ::redis::cmd("SISMEMBER")
+        .arg(&keys.lists)
+        .arg("slow")
+        .to_owned();
+    let known: i64 = listed.query_async(&mut conn).await.unwrap();
+    assert_eq!(known, 1, "still known after its reclaim");
+    // Lapsed for longer than LAPSED_KEPT livenesses: forgotten.
+    tokio::time::sleep(liveness * tollgate_core::job::LAPSED_KEPT + liveness).await;
+    q.maintain("other", liveness).await.unwrap();
+    let known: i64 = listed.query_async(&mut conn).await.unwrap();
+    assert_eq!(known, 0, "forgotten at last");
+}
+
 /// A worker retires (SIGTERM) while its BLMOVE is still in flight: the id
 /// lands in its processing list after `retire` handed everything back. The
 /// retired worker stays listed without liveness, so the next maintenance of

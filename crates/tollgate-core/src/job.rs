@@ -624,6 +624,20 @@ pub struct Maintenance {
     pub refunded: u64,
 }
 
+/// How many livenesses a lapsed member of a queue (a worker, a throttler)
+/// stays known after its liveness ended: its processing list is reclaimed
+/// again by the others all that time, since a pop of its may still land
+/// (a slow link, a pause, a process that dies right after a reclaim).
+pub const LAPSED_KEPT: u32 = 10;
+
+/// Whether a member whose last heartbeat round began `since` ago may still
+/// pop into its processing list: only while it is surely listed, half the
+/// time a lapsed member is kept (so a pop sent now lands long before it is
+/// forgotten). A member that never heartbeat pops nothing.
+pub fn may_pop(since: Option<Duration>, liveness: Duration) -> bool {
+    since.is_some_and(|s| s < liveness * LAPSED_KEPT / 2)
+}
+
 /// The worker side of a job backend.
 #[async_trait]
 pub trait JobSource: Send + Sync + std::fmt::Debug {

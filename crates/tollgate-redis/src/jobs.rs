@@ -32,7 +32,7 @@ use async_trait::async_trait;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use serde_json::Value as Json;
 use tokio::sync::oneshot;
-use tollgate_core::job::{self, JobOptions};
+use tollgate_core::job::{self, JobOptions, LAPSED_KEPT};
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
@@ -47,7 +47,7 @@ use crate::call::{self, bad_reply};
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{blocking_connection, Blocking};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, FailArgs};
+use crate::scripts::{self, FailArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::trace::TraceParent;
@@ -785,7 +785,9 @@ impl JobSource for RedisJobQueue {
                             keys.members(),
                             &other,
                             &keys.processing(&other),
-                            false,
+                            Reclaim::Lapsed {
+                                forget_ms: millis(liveness) * u64::from(LAPSED_KEPT),
+                            },
                         ),
                     )
                     .await?;
@@ -848,7 +850,7 @@ impl JobSource for RedisJobQueue {
                         keys.members(),
                         worker,
                         &keys.processing(worker),
-                        true,
+                        Reclaim::Stopping,
                     ),
                 )
                 .await?;

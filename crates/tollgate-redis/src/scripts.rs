@@ -383,22 +383,38 @@ pub fn liveness_heartbeat<'a>(
     inv
 }
 
+/// Whose list `liveness_reclaim.lua` gives back.
+#[derive(Debug, Clone, Copy)]
+pub enum Reclaim {
+    /// A member whose liveness lapsed: it stays listed, its list reclaimed
+    /// again by every heartbeat of the others, until it has been lapsed for
+    /// `forget_ms` (a pop of its may still land).
+    Lapsed { forget_ms: u64 },
+    /// The caller itself, stopping: reclaimed even though live, then lapsed.
+    Stopping,
+}
+
 /// `liveness_reclaim.lua`: moves `processing` (the list of `member`) back to
-/// the head of the queue; -1 when the member is live and `force` is false.
+/// the head of the queue; -1 when the member is live (and not stopping).
 pub fn liveness_reclaim<'a>(
     m: Members<'_>,
     member: &str,
     processing: &str,
-    force: bool,
+    reclaim: Reclaim,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = LIVENESS_RECLAIM.prepare_invoke();
     inv.key(m.members).key(processing).key(m.queue).key(m.lists);
+    let (force, forget_ms) = match reclaim {
+        Reclaim::Lapsed { forget_ms } => ("0", forget_ms),
+        Reclaim::Stopping => ("1", 0),
+    };
     inv.arg(member)
-        .arg(if force { "1" } else { "0" })
+        .arg(force)
         .arg(match m.head {
             Head::Left => "LEFT",
             Head::Right => "RIGHT",
-        });
+        })
+        .arg(forget_ms);
     inv
 }
 

@@ -39,9 +39,10 @@ use tollgate_core::{
 use crate::call::{self, bad_reply};
 use crate::keys::{KeySpace, ThrottleKeys};
 use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, BucketArgs, FairArgs};
+use crate::scripts::{self, BucketArgs, FairArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
+use tollgate_core::job::LAPSED_KEPT;
 use tollgate_core::metrics::Metrics;
 
 /// The least time a readiness record outlives its grant. A provider's records
@@ -748,6 +749,10 @@ impl RedisThrottle {
     }
 }
 
+/// A throttler's liveness before its first heartbeat says its own (the
+/// role's default).
+const DEFAULT_LIVENESS: Duration = Duration::from_secs(3);
+
 /// The throttler side of one provider: serves its queue from its bucket.
 #[derive(Debug)]
 pub struct Dispatcher {
@@ -759,6 +764,8 @@ pub struct Dispatcher {
     timeout: Duration,
     /// For BLMOVE; dropped after a failure, opened again on the next wait.
     blocking: tokio::sync::Mutex<Option<Blocking>>,
+    /// The liveness of this throttler's last heartbeat (ms; 0 before it).
+    liveness_ms: AtomicU64,
 }
 
 impl Dispatcher {
@@ -771,6 +778,7 @@ impl Dispatcher {
             ready_ttl: ready_ttl(provider),
             timeout: DEFAULT_TIMEOUT,
             blocking: tokio::sync::Mutex::new(None),
+            liveness_ms: AtomicU64::new(0),
         }
     }
 
@@ -849,6 +857,7 @@ impl Dispatch for Dispatcher {
     }
 
     async fn heartbeat(&self, liveness: Duration) -> Result<Vec<String>, ThrottleError> {
+        self.liveness_ms.store(millis(liveness), Ordering::Relaxed);
         run_script(
             &self.pool,
             self.timeout,
@@ -859,18 +868,29 @@ impl Dispatch for Dispatcher {
     }
 
     async fn reclaim(&self, dead: &str) -> Result<Option<u64>, ThrottleError> {
-        Ok(u64::try_from(self.reclaim_of(dead, false).await?).ok())
+        // Kept as long as this throttler's own liveness says (throttlers of
+        // a deployment share theirs).
+        let liveness = match self.liveness_ms.load(Ordering::Relaxed) {
+            0 => millis(DEFAULT_LIVENESS),
+            ms => ms,
+        };
+        let forget_ms = liveness * u64::from(LAPSED_KEPT);
+        let r = self.reclaim_of(dead, Reclaim::Lapsed { forget_ms }).await?;
+        Ok(u64::try_from(r).ok())
     }
 
     async fn release(&self) -> Result<u64, ThrottleError> {
-        Ok(self.reclaim_of(&self.throttler, true).await?.max(0) as u64)
+        Ok(self
+            .reclaim_of(&self.throttler, Reclaim::Stopping)
+            .await?
+            .max(0) as u64)
     }
 }
 
 impl Dispatcher {
     /// `liveness_reclaim.lua` on `member`'s processing list: how many tickets
     /// went back, -1 when it is alive (and `force` is false).
-    async fn reclaim_of(&self, member: &str, force: bool) -> Result<i64, ThrottleError> {
+    async fn reclaim_of(&self, member: &str, reclaim: Reclaim) -> Result<i64, ThrottleError> {
         run_script(
             &self.pool,
             self.timeout,
@@ -879,7 +899,7 @@ impl Dispatcher {
                 self.keys.members(),
                 member,
                 &self.keys.processing(member),
-                force,
+                reclaim,
             ),
         )
         .await

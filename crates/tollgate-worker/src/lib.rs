@@ -21,15 +21,16 @@
 //! fenced `fail` (refund once).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tollgate_core::{
     config::Config,
     id::RequestId,
-    job::{FailureCause, Finish, JobSource, Lease},
+    job::{self, FailureCause, Finish, JobSource, Lease},
     metrics::{Heartbeat, JobEnd, Metrics},
 };
 use tollgate_providers::{Client, ProviderError};
@@ -120,9 +121,15 @@ pub async fn run(
     }
     let worker = RequestId::generate().as_str().replace('-', "");
     tracing::info!(worker = %worker, operations = routes.len(), concurrency = cfg.concurrency, "worker starting");
-    // Alive before the first take, so no moved id sits in a list without a heartbeat.
-    if let Err(e) = source.maintain(&worker, cfg.liveness).await {
-        tracing::warn!(error = %e, "first maintenance failed; retrying in the loop");
+    // When the last maintenance round that succeeded began: the fetch loops
+    // pop only while it is recent (`job::may_pop`), so that no id lands in a
+    // list nobody knows of (none before the first heartbeat, none long after
+    // the last).
+    let listed: Listed = Arc::new(Mutex::new(None));
+    let began = Instant::now();
+    match source.maintain(&worker, cfg.liveness).await {
+        Ok(_) => *lock(&listed) = Some(began),
+        Err(e) => tracing::warn!(error = %e, "first maintenance failed; retrying in the loop"),
     }
     let (stop_tx, stop) = watch::channel(false);
     let slots = Arc::new(Semaphore::new(cfg.concurrency));
@@ -132,6 +139,7 @@ pub async fn run(
         Arc::clone(&source),
         worker.clone(),
         cfg.clone(),
+        Arc::clone(&listed),
         loops.register("worker maintenance", cfg.maintain_every),
         stop.clone(),
     ));
@@ -146,6 +154,7 @@ pub async fn run(
                 worker.clone(),
                 cfg.clone(),
                 Arc::clone(&slots),
+                Arc::clone(&listed),
                 heartbeat,
                 stop.clone(),
             )
@@ -174,15 +183,29 @@ pub async fn run(
     Ok(())
 }
 
+/// When this worker's last successful maintenance round began (its
+/// heartbeats are at least that recent).
+type Listed = Arc<Mutex<Option<Instant>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 async fn maintenance(
     source: Arc<dyn JobSource>,
     worker: String,
     cfg: WorkerConfig,
+    listed: Listed,
     heartbeat: Heartbeat,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        match source.maintain(&worker, cfg.liveness).await {
+        let began = Instant::now();
+        let r = source.maintain(&worker, cfg.liveness).await;
+        if r.is_ok() {
+            *lock(&listed) = Some(began);
+        }
+        match r {
             Ok(m) if m != Default::default() => {
                 cfg.metrics.maintained(&m);
                 tracing::info!(
@@ -211,12 +234,23 @@ async fn fetch(
     worker: String,
     cfg: WorkerConfig,
     slots: Arc<Semaphore>,
+    listed: Listed,
     heartbeat: Heartbeat,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = Duration::from_millis(50);
     while !*stop.borrow() {
         heartbeat.beat(cfg.block);
+        // Not listed for sure (no heartbeat yet, or none for long: Redis is
+        // unreachable for this worker): a pop now might land in a list that
+        // the others have forgotten by the time this worker dies.
+        let since = lock(&listed).map(|t| t.elapsed());
+        if !job::may_pop(since, cfg.liveness) {
+            tokio::select! {
+                () = tokio::time::sleep(cfg.maintain_every) => continue,
+                () = stopped(&mut stop) => return,
+            }
+        }
         // Every slot busy is a live loop too: it beats while it waits (in
         // its place in the semaphore's queue: the same acquire throughout).
         let acquire = Arc::clone(&slots).acquire_owned();
