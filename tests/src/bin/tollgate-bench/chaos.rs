@@ -799,6 +799,7 @@ async fn job_end(http: &Client, api: SocketAddr, key: &str, id: &str) -> Option<
 
 /// The Redis keys of the deployment, each with its type, length and TTL.
 struct KeyInfo {
+    name: String,
     class: String,
     len: u64,
     ttl: i64,
@@ -855,6 +856,7 @@ async fn scan_keys(url: &str, prefix: &str) -> anyhow::Result<Vec<KeyInfo>> {
         let rest = name.strip_prefix(&format!("{prefix}:")).unwrap_or(&name);
         out.push(KeyInfo {
             class: class_of(rest),
+            name: name.clone(),
             len,
             ttl,
         });
@@ -1203,6 +1205,34 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         if k.ttl == -1 && !NO_TTL.contains(&k.class.as_str()) {
             *no_ttl.entry(k.class.as_str()).or_default() += 1;
         }
+    }
+    // For a failure's diagnosis: what is left, and the open jobs' records.
+    let mut left = String::new();
+    for k in keys
+        .iter()
+        .filter(|k| SHOULD_BE_EMPTY.contains(&k.class.as_str()) && k.len > 0)
+    {
+        let range = |cmd: &str| redis::cmd(cmd).arg(&k.name).arg(0).arg(20).to_owned();
+        let members = match redis_cmd::<Vec<String>>(&redis_url, &range("LRANGE")).await {
+            Ok(m) => m,
+            Err(_) => redis_cmd(&redis_url, &range("ZRANGE"))
+                .await
+                .unwrap_or_default(),
+        };
+        let _ = writeln!(left, "{} ({} items): {members:?}", k.name, k.len);
+    }
+    for c in made
+        .iter()
+        .filter(|c| matches!(ends.get(&c.job_id), Some(JobEnd::Open(_))))
+    {
+        let key = format!("{prefix}:v1:{{q:{}}}:job:{}", OPS[c.op].name, c.job_id);
+        let record: Vec<String> = redis_cmd(&redis_url, redis::cmd("HGETALL").arg(&key))
+            .await
+            .unwrap_or_default();
+        let _ = writeln!(left, "open job {key}: {record:?}");
+    }
+    if !left.is_empty() {
+        let _ = std::fs::write(dir.join("left.txt"), &left);
     }
     checks.push(Check {
         name: "no ids left in queues, processing lists, leases, refunds, holds",

@@ -106,8 +106,9 @@ pub struct Verdict {
     /// process: `(process, request id, what)`.
     pub broken: Vec<(String, String, String)>,
     /// The most any excused-free wait took past its limit, in ms (negative:
-    /// under it).
+    /// under it), and which wait that was.
     pub worst_over_ms: i64,
+    pub worst: String,
 }
 
 impl Verdict {
@@ -117,10 +118,11 @@ impl Verdict {
 
     pub fn figure(&self) -> String {
         let mut out = format!(
-            "{} waits {:?}; worst {:+} ms against its limit; {} past it in a paused process, {} died with their process; {} broken",
+            "{} waits {:?}; worst {:+} ms against its limit ({}); {} past it in a paused process, {} died with their process; {} broken",
             self.waits,
             self.outcomes,
             self.worst_over_ms,
+            self.worst,
             self.paused,
             self.died,
             self.broken.len()
@@ -180,7 +182,13 @@ pub fn judge(procs: &[(String, Vec<Event>, Faults)]) -> Verdict {
                     };
                     let over = waited_ms.saturating_sub(limit + SLACK_MS);
                     if over == 0 {
-                        v.worst_over_ms = v.worst_over_ms.max(*waited_ms as i64 - limit as i64);
+                        let by = *waited_ms as i64 - limit as i64;
+                        if by > v.worst_over_ms {
+                            v.worst_over_ms = by;
+                            v.worst = format!(
+                                "{name} {request_id}: {outcome} after {waited_ms} ms of {limit}"
+                            );
+                        }
                     } else if overlaps_pause(began, *at_us) {
                         v.paused += 1;
                     } else {
