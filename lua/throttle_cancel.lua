@@ -43,7 +43,7 @@ if w then
         redis.call('ZREM', F.capped, owner)
       end
     end
-    fair_gone(F, owner, true)
+    fair_gone(F, owner)
     fair_settle(F, fair_v(F))
   else
     -- Usually still queued; if a throttler holds it in its processing list,

@@ -53,28 +53,26 @@ local stamp = fair_stamp(now)
 if redis.call('HSETNX', WAITING, ticket, fair_entry(now + max_wait, inbox, stamp, ARGV[8], ARGV[9], ARGV[10], user)) == 0 then
   return { 0 }
 end
-redis.call('ZADD', F.finish, float(start + 1 / weight), user)
+redis.call('ZADD', F.finish, start + 1 / weight, user)
 -- A user with parked tickets queues behind them (its own order).
 local into = F.tickets
 if cap > 0 and redis.call('ZSCORE', F.capped, user) then
   into = parked_key(F.base, user)
 end
-redis.call('ZADD', into, float(start), stamp .. ticket)
+redis.call('ZADD', into, start, stamp .. ticket)
 redis.call('ZINCRBY', F.users, 1, user)
 -- Keys written here live `idle` from now. While tickets wait, the provider's
 -- keys exist and every grant call renews them (throttle_grant.lua): only an
 -- idle provider's (maybe new) keys, and a parked ticket's, need it here.
-local touched = {}
 if idle_before then
-  touched = { WAITING, F.tickets, F.finish, F.users }
+  for _, key in ipairs({ WAITING, F.tickets, F.finish, F.users }) do
+    redis.call('PEXPIRE', key, int(idle))
+  end
 end
 if into ~= F.tickets then
-  touched[#touched + 1] = into
+  redis.call('PEXPIRE', into, int(idle))
 end
 if ring(QUEUE) then
-  touched[#touched + 1] = QUEUE
-end
-for _, key in ipairs(touched) do
-  redis.call('PEXPIRE', key, int(idle))
+  redis.call('PEXPIRE', QUEUE, int(idle))
 end
 return { 1, now }

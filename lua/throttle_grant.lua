@@ -12,7 +12,9 @@
 -- ARGV[6] the provider's key base (for the per-user keys of its fair queue)
 -- Serves the processing list first, then the queue head, in order (FIFO
 -- tickets; bells are dropped), then the fair queue's tickets, least start
--- tag first (lib/fair.lua; a ticket of a user at its cap is parked): a ticket nobody
+-- tag first (lib/fair.lua; a ticket of a user at its cap is parked), popped
+-- as many at a time as there are tokens and grants left (one ZPOPMIN, HMGET,
+-- HDEL and ZADD for them all, but a PUBLISH each): a ticket nobody
 -- waits for any more (cancelled, or past its deadline) is dropped without a token;
 -- a waited-for ticket gets a token, a readiness record and a PUBLISH of
 -- "<ticket> <granted_at_us>" on its inbox, all in this one atomic step. An
@@ -36,8 +38,9 @@ if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl
 end
 
 -- PUBLISH, or SPUBLISH on a channel in the provider's slot (see above).
+local sharded = F.base .. ':'
 local function publish(inbox, payload)
-  if string.sub(inbox, 1, #F.base + 1) == F.base .. ':' then
+  if string.sub(inbox, 1, #sharded) == sharded then
     redis.call('SPUBLISH', inbox, payload)
   else
     redis.call('PUBLISH', inbox, payload)
@@ -102,11 +105,21 @@ if not fifo_left then
   end
 end
 local granted_v
--- A user's count went down (the 0s are dropped at the end); tickets are
--- known to be left.
-local left_zero, left = false, false
+-- Tickets gone per user in this call (each user's count goes down once, at
+-- the end), and those users in the order met.
+local gone, gone_users = {}, {}
+local function gone_of(user)
+  local n = gone[user]
+  if not n then
+    gone_users[#gone_users + 1] = user
+  end
+  gone[user] = (n or 0) + 1
+end
+-- Tickets are known to be left.
+local left = false
 -- `tickets` was found empty; then, with `capped` empty too, nobody waits.
 local drained, nobody = false, false
+local now_s = int(now)
 while not fifo_left and wait == 0 and more == 0 do
   if granted >= limit or tokens < 1 then
     if redis.call('ZCARD', F.tickets) > 0 then
@@ -119,42 +132,74 @@ while not fifo_left and wait == 0 and more == 0 do
     end
     break
   end
-  local top = redis.call('ZPOPMIN', F.tickets)
-  local member = top[1]
-  if not member then
+  -- As many tickets as could be granted, popped at once, least tag first:
+  -- each is granted (a token), dropped (none) or parked (none).
+  local k = math.min(limit - granted, math.floor(tokens), BATCH)
+  local top = redis.call('ZPOPMIN', F.tickets, k)
+  local n = #top / 2
+  if n == 0 then
     drained = true
     break
   end
   fair_touched = true
-  local tag = tonumber(top[2])
-  local ticket = string.sub(member, STAMP + 1)
-  local w = redis.call('HGET', WAITING, ticket)
-  local deadline, inbox, _, _, cap, hold, user
-  if w then
-    deadline, inbox, _, _, cap, hold, user = fair_parse(w)
+  local ids = {}
+  for i = 1, n do
+    ids[i] = string.sub(top[2 * i - 1], STAMP + 1)
   end
-  if not deadline then
-    -- No entry (its keys expired): nobody to serve.
-    skipped = skipped + 1
-  elseif deadline < now then
-    redis.call('HDEL', WAITING, ticket)
-    fair_gone(F, user)
-    left_zero = true
-    skipped = skipped + 1
-  elseif cap == 0 or fair_fits(F, user, member, tag, cap, granted_v or v or fair_v(F), now) then
-    tokens = tokens - 1
-    redis.call('HDEL', WAITING, ticket)
-    redis.call('ZADD', GRANTED, int(now), ticket)
-    publish(inbox, ticket .. ' ' .. int(now))
-    granted = granted + 1
-    granted_v = tag
-    fair_gone(F, user)
-    left_zero = true
-    if cap > 0 then
-      local hk = held_key(F.base, user)
-      redis.call('ZADD', hk, int(now + hold), ticket)
-      redis.call('PEXPIRE', hk, int(hold / 1000 + 1000))
+  local entries = redis.call('HMGET', WAITING, unpack(ids))
+  local done, grants = {}, {}
+  -- A ticket parked: `tickets` may have changed (the user's older parked
+  -- tickets went back), so the rest of the batch goes back too.
+  local parked_at
+  for i = 1, n do
+    local ticket, tag = ids[i], tonumber(top[2 * i])
+    local deadline, inbox, cap, hold, user
+    if entries[i] then
+      deadline, inbox, cap, hold, user = fair_fields(entries[i])
     end
+    if not deadline then
+      -- No entry (its keys expired): nobody to serve.
+      skipped = skipped + 1
+    elseif deadline < now then
+      done[#done + 1] = ticket
+      gone_of(user)
+      skipped = skipped + 1
+    elseif cap == 0 or fair_fits(F, user, top[2 * i - 1], tag, cap, granted_v or v or fair_v(F), now) then
+      tokens = tokens - 1
+      done[#done + 1] = ticket
+      grants[#grants + 1] = now_s
+      grants[#grants + 1] = ticket
+      publish(inbox, ticket .. ' ' .. now_s)
+      granted = granted + 1
+      granted_v = tag
+      gone_of(user)
+      if cap > 0 then
+        local hk = held_key(F.base, user)
+        redis.call('ZADD', hk, int(now + hold), ticket)
+        redis.call('PEXPIRE', hk, int(hold / 1000 + 1000))
+      end
+    else
+      parked_at = i
+      break
+    end
+  end
+  if parked_at and parked_at < n then
+    local back = {}
+    for i = 2 * parked_at + 1, #top, 2 do
+      back[#back + 1] = top[i + 1]
+      back[#back + 1] = top[i]
+    end
+    redis.call('ZADD', F.tickets, unpack(back))
+  end
+  if #done > 0 then
+    redis.call('HDEL', WAITING, unpack(done))
+  end
+  if #grants > 0 then
+    redis.call('ZADD', GRANTED, unpack(grants))
+  end
+  if n < k and not parked_at then
+    drained = true
+    break
   end
 end
 if fair_touched and drained and redis.call('ZCARD', F.capped) == 0 then
@@ -163,10 +208,10 @@ if fair_touched and drained and redis.call('ZCARD', F.capped) == 0 then
   redis.call('DEL', F.finish, F.users)
 elseif fair_touched then
   if granted_v then
-    redis.call('ZADD', F.finish, float(granted_v), V)
+    redis.call('ZADD', F.finish, granted_v, V)
   end
-  if left_zero then
-    redis.call('ZREMRANGEBYSCORE', F.users, '-inf', 0)
+  if #gone_users > 0 then
+    fair_gone_all(F, gone, gone_users)
   end
   fair_settle(F, granted_v or v or fair_v(F), left)
   -- Written above (or by the enqueue, cancel and done scripts since): they

@@ -319,7 +319,9 @@ max_wait = "10s"
 /// users, through the free-token path and through the throttler: every
 /// configuration once per round, `rounds` rounds interleaved (a shared,
 /// noisy machine drifts between runs), then the median of each, the
-/// fair/FIFO ratio of the medians, and the median of each round's ratio.
+/// fair/FIFO ratio of the medians, and the median of each round's ratio; and
+/// the Redis main thread's CPU per grant of each (the cost itself, which the
+/// other processes on a shared machine move far less than grants/s).
 async fn fairness_cost(
     server: &RedisServer,
     dir: &std::path::Path,
@@ -331,6 +333,14 @@ async fn fairness_cost(
     );
     let mut runs: std::collections::BTreeMap<(usize, usize, usize), Vec<f64>> =
         std::collections::BTreeMap::new();
+    // Redis's main thread CPU per grant: what the provider's one Redis spends
+    // on each, however loaded the machine (grants/s move with the other
+    // processes on it; this does not).
+    let mut cpu_runs: std::collections::BTreeMap<(usize, usize, usize), Vec<f64>> =
+        std::collections::BTreeMap::new();
+    let mut info = redis::Client::open(server.url())?
+        .get_multiplexed_async_connection()
+        .await?;
     let paths = [("free token", BENCH_CONFIG), ("queued", QUEUED_CONFIG)];
     let modes = ["fifo", "fair"];
     for _ in 0..args.rounds {
@@ -367,8 +377,15 @@ async fn fairness_cost(
                         "no subscription"
                     );
                     latency(throttle.as_ref(), 50).await?;
+                    let (cpu_before, started) = (redis_cpu(&mut info).await?, Instant::now());
                     let rate = throughput_of(throttle, args.in_flight, args.seconds, users).await?;
+                    let grants = rate * started.elapsed().as_secs_f64();
+                    let cpu = redis_cpu(&mut info).await? - cpu_before;
                     runs.entry((p, u, m)).or_default().push(rate);
+                    cpu_runs
+                        .entry((p, u, m))
+                        .or_default()
+                        .push(cpu * 1e6 / grants.max(1.0));
                 }
             }
         }
@@ -400,9 +417,37 @@ async fn fairness_cost(
                 show(fifo),
                 show(fair),
             );
+            let (cf, cr) = (median(&cpu_runs[&(p, u, 0)]), median(&cpu_runs[&(p, u, 1)]));
+            println!(
+                "  {:<10} {:>5}        Redis CPU per grant: fifo median {cf:>5.1} µs  fair median {cr:>5.1} µs  fifo/fair {:.2}",
+                "",
+                "",
+                cf / cr,
+            );
         }
     }
     Ok(())
+}
+
+/// CPU seconds of the Redis server's main thread so far (`INFO cpu`).
+async fn redis_cpu(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<f64> {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
+    let field = |name: &str| {
+        info.lines().find_map(|l| {
+            l.strip_prefix(name)?
+                .strip_prefix(':')?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+    };
+    match (
+        field("used_cpu_user_main_thread"),
+        field("used_cpu_sys_main_thread"),
+    ) {
+        (Some(user), Some(sys)) => Ok(user + sys),
+        _ => anyhow::bail!("INFO cpu has no main thread figures: {info}"),
+    }
 }
 
 const FAIRNESS_CONFIG: &str = r#"
