@@ -324,10 +324,12 @@ async fn waiter_processes(
     prefix: &str,
     config: &Path,
 ) -> Vec<GrantRecord> {
-    waiter_processes_of(n, per, url, prefix, config, 0).await
+    waiter_processes_of(n, per, url, prefix, config, 0).await.0
 }
 
-/// The same, each process's waiters spread over `users` users.
+/// The same, each process's waiters spread over `users` users; with the
+/// grants the waiters found too old to use (each one a token the throttlers
+/// did grant, lost on the waiter's side).
 async fn waiter_processes_of(
     n: usize,
     per: usize,
@@ -335,7 +337,7 @@ async fn waiter_processes_of(
     prefix: &str,
     config: &Path,
     users: usize,
-) -> Vec<GrantRecord> {
+) -> (Vec<GrantRecord>, u64) {
     let bin = workspace_bin("tollgate-bench");
     let start_at = now_us() + 1_500_000;
     let mut children = Vec::new();
@@ -356,22 +358,29 @@ async fn waiter_processes_of(
             .arg(config)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .expect("spawn tollgate-bench throttle-waiters");
         children.push(child);
     }
-    let mut all = Vec::new();
+    let (mut all, mut late) = (Vec::new(), 0);
     for child in children {
         let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
             .await
             .expect("waiters finish within 60s")
             .unwrap();
-        assert!(out.status.success(), "{:?}", out.status);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{:?}: {stderr}", out.status);
         let records: Vec<GrantRecord> = serde_json::from_slice(&out.stdout).unwrap();
         all.extend(records);
+        late += stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("late_grants "))
+            .and_then(|n| n.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no late_grants line: {stderr}")) as u64;
     }
-    all
+    (all, late)
 }
 
 async fn wait_for_throttlers(server: &RedisServer, prefix: &str, n: i64) {
@@ -411,20 +420,23 @@ async fn throttle_three_throttlers_keep_the_rate_global() {
     let config = write_config(&dir);
     let _throttlers = throttlers(3, &server.url(), &prefix, &config);
     wait_for_throttlers(&server, &prefix, 3).await;
-    let records = waiter_processes(3, 100, &server.url(), &prefix, &config).await;
+    let (records, late) = waiter_processes_of(3, 100, &server.url(), &prefix, &config, 0).await;
     assert_eq!(records.len(), 300);
     let times = grant_times(&records);
     let excess = max_excess(&times, 50.0, 10);
     assert!(excess <= 1e-6, "more than burst + rate*t grants: {excess}");
     let span = (times.iter().max().unwrap() - times.iter().min().unwrap()) as f64 / 1e6;
-    let ideal = (300.0 - 10.0) / 50.0;
+    // The throttlers granted every call once, and the grants a waiter found
+    // too old (a slow wake-up on this shared machine; their tokens are lost
+    // by design, `late_bound`) once more: the rate is used by both.
+    let ideal = (300.0 + late as f64 - 10.0) / 50.0;
     assert!(
         span >= ideal - 1e-3,
         "the bound makes this >= {ideal}s: {span}"
     );
     assert!(
         ideal / span >= 0.95,
-        "utilisation {:.3} ({span}s)",
+        "utilisation {:.3} ({span}s, {late} grants found late)",
         ideal / span
     );
     let _ = std::fs::remove_dir_all(&dir);
@@ -440,7 +452,7 @@ async fn throttle_three_throttlers_keep_the_rate_global_over_many_users() {
     let config = write_config(&dir);
     let _throttlers = throttlers(3, &server.url(), &prefix, &config);
     wait_for_throttlers(&server, &prefix, 3).await;
-    let records = waiter_processes_of(3, 100, &server.url(), &prefix, &config, 7).await;
+    let (records, _) = waiter_processes_of(3, 100, &server.url(), &prefix, &config, 7).await;
     assert_eq!(records.len(), 300);
     let times = grant_times(&records);
     let excess = max_excess(&times, 50.0, 10);

@@ -10,6 +10,7 @@ use tollgate_core::{
     config::Config,
     duration,
     id::RequestId,
+    metrics::Metrics,
     throttle::{Share, Throttle, Waiter},
 };
 use tollgate_redis::{
@@ -56,7 +57,9 @@ pub struct WaiterArgs {
     share: u32,
 }
 
-/// Prints a JSON array of [`tollgate_tests::throttle::GrantRecord`] on stdout.
+/// Prints a JSON array of [`tollgate_tests::throttle::GrantRecord`] on stdout,
+/// and on stderr a line `late_grants <n>`: the grants its waiters found too
+/// old to use (their tokens are lost; each waiter queued again).
 pub async fn waiters(args: WaiterArgs) -> anyhow::Result<()> {
     let config = Config::load(Some(&args.config))?;
     let provider = config
@@ -64,11 +67,15 @@ pub async fn waiters(args: WaiterArgs) -> anyhow::Result<()> {
         .with_context(|| format!("no provider {:?} in the config", args.provider))?;
     let max_wait = args.max_wait.unwrap_or(provider.max_wait);
     let pool = tollgate_redis::pool::connect(&args.redis_url, &PoolOptions::default()).await?;
+    let metrics = Arc::new(Metrics::new(&config));
     let throttle = RedisThrottle::start(
         pool,
         KeySpace::new(&args.key_prefix)?,
         &config,
-        RedisThrottleOptions::default(),
+        RedisThrottleOptions {
+            metrics: Some(Arc::clone(&metrics)),
+            ..RedisThrottleOptions::default()
+        },
     );
     anyhow::ensure!(
         throttle.subscribed(Duration::from_secs(5)).await,
@@ -110,6 +117,13 @@ pub async fn waiters(args: WaiterArgs) -> anyhow::Result<()> {
         }
     };
     println!("{}", serde_json::to_string(&records)?);
+    let late: f64 = metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("tollgate_throttle_late_grants_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    eprintln!("late_grants {late}");
     Ok(())
 }
 
