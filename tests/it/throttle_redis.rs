@@ -217,9 +217,10 @@ async fn throttle_a_grant_given_up_late_does_not_come_back() {
 
 /// A waiter whose `max_wait` passes while Redis stalls (its process paused
 /// with SIGSTOP: every command hangs, none fails) gets its timeout at
-/// `max_wait`, not after the cancel's round trip: a waiter is owed its slot
-/// or its timeout error within `max_wait` (the chaos suite checks + 1 s). The
-/// cancel goes out in the background and lands once Redis is back.
+/// `max_wait` (and the cancel's short inline try), not after the cancel's
+/// whole round trip: a waiter is owed its slot or its timeout error within
+/// `max_wait` (the chaos suite checks + 1 s). The cancel goes on in the
+/// background and lands once Redis is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_a_timeout_is_on_time_while_redis_stalls() {
     // A cancel awaited before the timeout is reported holds the waiter until

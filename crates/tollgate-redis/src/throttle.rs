@@ -255,6 +255,34 @@ struct Ticket<'a> {
     armed: bool,
 }
 
+/// How long a timed-out waiter waits for its ticket's cancel before it
+/// reports the timeout (then the cancel goes on in the background).
+const CANCEL_INLINE: Duration = Duration::from_millis(100);
+
+impl Ticket<'_> {
+    /// Cancels the ticket now if Redis answers within `limit`; otherwise it
+    /// stays armed, and its drop cancels it in the background (a cancel is
+    /// idempotent: a second one finds nothing).
+    async fn cancel_within(&mut self, limit: Duration) {
+        let times = (
+            self.throttle.options.call_timeout,
+            late_bound(self.provider.rate, self.throttle.options.late_grant),
+        );
+        let now = cancel(
+            &self.throttle.shared,
+            self.provider,
+            &self.id,
+            self.user,
+            times,
+            "cancelled",
+        );
+        if let Ok(Ok(_)) = tokio::time::timeout(limit, now).await {
+            self.armed = false;
+            lock(&self.throttle.shared.pending).remove(&self.id);
+        }
+    }
+}
+
 /// Gives up `ticket`; `(timeout, late)`: the call's timeout and the
 /// provider's late bound (a grant older than it keeps its token lost).
 async fn cancel(
@@ -742,9 +770,14 @@ impl RedisThrottle {
                 Ok(Attempt::Granted(grant(granted_at_us, redis_now_us)))
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
-            // On time, whatever Redis is doing: the ticket is still armed,
-            // and its drop cancels it in the background.
-            Err(_) => Err(timeout()),
+            // On time, whatever Redis is doing: the ticket is cancelled
+            // before the timeout is reported when Redis answers at once (the
+            // caller then finds its ticket gone, as in process), else it
+            // stays armed and its drop cancels it in the background.
+            Err(_) => {
+                ticket.cancel_within(CANCEL_INLINE).await;
+                Err(timeout())
+            }
         }
     }
 }
