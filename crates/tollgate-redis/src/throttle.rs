@@ -260,14 +260,20 @@ struct Ticket<'a> {
 const CANCEL_INLINE: Duration = Duration::from_millis(100);
 
 impl Ticket<'_> {
+    /// What a cancel of this ticket needs: the call's timeout and the
+    /// provider's late bound.
+    fn cancel_times(&self) -> (Duration, Duration) {
+        (
+            self.throttle.options.call_timeout,
+            late_bound(self.provider.rate, self.throttle.options.late_grant),
+        )
+    }
+
     /// Cancels the ticket now if Redis answers within `limit`; otherwise it
     /// stays armed, and its drop cancels it in the background (a cancel is
     /// idempotent: a second one finds nothing).
     async fn cancel_within(&mut self, limit: Duration) {
-        let times = (
-            self.throttle.options.call_timeout,
-            late_bound(self.provider.rate, self.throttle.options.late_grant),
-        );
+        let times = self.cancel_times();
         let now = cancel(
             &self.throttle.shared,
             self.provider,
@@ -351,10 +357,7 @@ impl Drop for Ticket<'_> {
         let provider = self.provider.clone();
         let ticket = std::mem::take(&mut self.id);
         let user = self.user.map(str::to_owned);
-        let times = (
-            self.throttle.options.call_timeout,
-            late_bound(self.provider.rate, self.throttle.options.late_grant),
-        );
+        let times = self.cancel_times();
         let task = async move {
             let user = user.as_deref();
             if let Err(e) = cancel(&shared, &provider, &ticket, user, times, "cancelled").await {
