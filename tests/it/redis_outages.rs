@@ -219,3 +219,54 @@ async fn a_slow_link_changes_no_outcome() {
     }
     assert_eq!(proxy.stats().cut, 0);
 }
+
+/// A pool's connections are multiplexed: a slow link must not turn the pool's
+/// size into a cap of `size / round trip` calls per second. Before the fix each
+/// call held its connection for its whole round trip, so 64 concurrent calls on
+/// a pool of 4 over a 250 ms link queued for a connection for up to 8 s, and
+/// every call past the first ~24 failed at the 3 s timeout (a readiness PING
+/// among them: after a Redis outage, the backlog of retries kept `/readyz` red
+/// for 10 s in a chaos run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_link_does_not_queue_calls_behind_the_pool_size() {
+    use tollgate_core::keystore::KeyStore;
+    use tollgate_redis::keys::KeySpace;
+    use tollgate_redis::keystore::RedisKeyStore;
+    use tollgate_redis::pool::PoolOptions;
+
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
+    let pool = tollgate_redis::pool::connect(
+        &proxy.url(),
+        &PoolOptions {
+            max_size: 4,
+            timeout: Duration::from_secs(3),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let keys = Arc::new(RedisKeyStore::new(
+        pool,
+        KeySpace::new(&random_prefix()).unwrap(),
+    ));
+    proxy.set_latency(Duration::from_millis(125));
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..64 {
+        let keys = Arc::clone(&keys);
+        calls.spawn(async move { (i, keys.ping().await) });
+    }
+    let mut failed = Vec::new();
+    while let Some(done) = calls.join_next().await {
+        let (i, result) = done.unwrap();
+        if let Err(e) = result {
+            failed.push(format!("call {i}: {e}"));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 64 failed: {failed:?}",
+        failed.len()
+    );
+    drop(server);
+}

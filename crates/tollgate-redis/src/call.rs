@@ -23,7 +23,7 @@ use redis::{Cmd, FromRedisValue, Pipeline, RedisError, ScriptInvocation, Value};
 use tollgate_core::error::StoreError;
 use tracing::Instrument;
 
-use crate::pool::{discard_if_broken, is_busy, is_connection_error, Blocking, Pool};
+use crate::pool::{checkout, is_busy, is_connection_error, Blocking, Pool};
 
 /// A Redis failure as a [`StoreError`]: transient when Redis cannot be reached
 /// now (refused, reset, timed out, no connection) or answers "not now"
@@ -189,20 +189,18 @@ async fn call<T: FromRedisValue>(
     let round_trip = async {
         let mut retried = false;
         loop {
-            let mut conn = pool
-                .get()
-                .await
-                .map_err(|e| StoreError::unavailable(format!("no Redis connection: {e}")))?;
+            let mut lease = checkout(pool).await?;
+            let conn = &mut lease.conn;
             let result = match request {
-                Request::Script(inv) => inv.invoke_async::<T>(&mut **conn).await,
-                Request::Command(cmd) => cmd.query_async::<T>(&mut **conn).await,
-                Request::Pipeline(pipe) => pipe.query_async::<T>(&mut **conn).await,
+                Request::Script(inv) => inv.invoke_async::<T>(conn).await,
+                Request::Command(cmd) => cmd.query_async::<T>(conn).await,
+                Request::Pipeline(pipe) => pipe.query_async::<T>(conn).await,
             };
             match result {
                 Ok(value) => return Ok(value),
                 Err(e) => {
                     let broken = is_connection_error(&e);
-                    discard_if_broken(conn, &e);
+                    lease.fail(&e);
                     if broken && repeat == Repeat::Safe && !retried {
                         retried = true;
                         tracing::debug!(op, error = %e, "connection failed; reading again on a fresh one");

@@ -14,13 +14,24 @@
 //! connection that can only answer "broken pipe". A connection idle for longer
 //! than [`IDLE_PING`] is also PINGed first: a peer that vanished without closing
 //! the socket (a dropped NAT entry, a dead host) leaves the task running. And a
-//! call that fails at the connection level evicts its connection at once
-//! ([`discard_if_broken`]).
+//! call that fails at the connection level marks its connection broken, so the
+//! pool never hands it out again ([`Multiplexed::fail`]).
+//!
+//! **A checkout lasts an instant.** The connections are multiplexed: any number
+//! of calls share one, each reply reaching its own caller. So a call takes a
+//! handle to a connection ([`checkout`]) and gives the connection back to the
+//! pool at once, before its round trip. Held for the round trip, a pool of `n`
+//! connections would serve at most `n / round trip` calls per second: over a
+//! 300 ms link, 16 connections make 50 calls/s, and the rest queue for a
+//! connection until they time out (a readiness PING among them). The pool
+//! hands its connections out in turn (FIFO), so the load spreads over all of them.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool::managed::{self, Metrics, Object, RecycleError, RecycleResult};
+use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
 use deadpool::Runtime;
 use redis::aio::MultiplexedConnection;
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
@@ -115,25 +126,70 @@ impl Pool {
         matches!(self, Self::Cluster(_))
     }
 }
-/// A connection checked out of the [`Pool`]; derefs to a `MultiplexedConnection`.
-pub type Connection = Object<Manager>;
 
-/// A multiplexed connection and the task that drives its socket (aborted when
-/// the connection is dropped). Derefs to the `MultiplexedConnection`.
+/// A multiplexed connection and the task that drives its socket (aborted once
+/// the connection is dropped and its calls in flight had their time). Derefs to the `MultiplexedConnection`.
 #[derive(Debug)]
 pub struct PooledConnection {
     conn: MultiplexedConnection,
     /// `None` when the connection was made by redis-rs itself (a unix socket):
     /// its liveness is then known only by the idle PING and by failures.
     driver: Option<JoinHandle<()>>,
+    /// Set by a call that failed on it at the connection level.
+    broken: Arc<AtomicBool>,
+    /// How long a call may await its reply: the socket outlives the
+    /// connection's last checkout by this much.
+    grace: Duration,
 }
 
 impl PooledConnection {
-    /// False once the socket is closed: every command on it would fail with
-    /// "broken pipe" without reaching Redis.
-    pub fn is_alive(&self) -> bool {
-        !self.driver.as_ref().is_some_and(|d| d.is_finished())
+    fn new(conn: MultiplexedConnection, driver: Option<JoinHandle<()>>, grace: Duration) -> Self {
+        Self {
+            conn,
+            driver,
+            broken: Arc::default(),
+            grace,
+        }
     }
+
+    /// False once the socket is closed (every command on it would fail with
+    /// "broken pipe" without reaching Redis), or once a call failed on it at
+    /// the connection level.
+    pub fn is_alive(&self) -> bool {
+        !self.broken.load(Ordering::Relaxed)
+            && !self.driver.as_ref().is_some_and(|d| d.is_finished())
+    }
+}
+
+/// A handle to one of the pool's connections, for one call: the connection
+/// itself is back in the pool already (see the module docs).
+#[derive(Debug)]
+pub struct Multiplexed {
+    pub conn: MultiplexedConnection,
+    broken: Arc<AtomicBool>,
+}
+
+impl Multiplexed {
+    /// After a failure of this call: when it failed at the connection level
+    /// (reset, refused, timed out), the pool hands the connection out no more.
+    /// Calls in flight on it end on their own.
+    pub fn fail(&self, e: &RedisError) {
+        if is_connection_error(e) {
+            self.broken.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A connection for one call, given back to the pool before the call is sent.
+pub async fn checkout(pool: &SinglePool) -> Result<Multiplexed, StoreError> {
+    let object = pool
+        .get()
+        .await
+        .map_err(|e| StoreError::unavailable(format!("no Redis connection: {e}")))?;
+    Ok(Multiplexed {
+        conn: object.conn.clone(),
+        broken: Arc::clone(&object.broken),
+    })
 }
 
 impl Deref for PooledConnection {
@@ -150,9 +206,21 @@ impl DerefMut for PooledConnection {
 }
 
 impl Drop for PooledConnection {
+    /// The socket is closed once the calls still in flight on it had their
+    /// time: other handles to it may be awaiting replies ([`checkout`]).
     fn drop(&mut self) {
-        if let Some(driver) = &self.driver {
-            driver.abort();
+        let Some(driver) = self.driver.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if !driver.is_finished() => {
+                let grace = self.grace;
+                runtime.spawn(async move {
+                    tokio::time::sleep(grace).await;
+                    driver.abort();
+                });
+            }
+            _ => driver.abort(),
         }
     }
 }
@@ -261,7 +329,7 @@ impl managed::Manager for Manager {
                 .client
                 .get_multiplexed_async_connection_with_config(&config)
                 .await?;
-            return Ok(PooledConnection { conn, driver: None });
+            return Ok(PooledConnection::new(conn, None, self.timeout));
         };
         // Over TCP we open the socket and spawn its driver ourselves, to keep
         // the driver's handle: it is how `recycle` sees a closed socket.
@@ -271,10 +339,11 @@ impl managed::Manager for Manager {
             let (conn, driver) =
                 MultiplexedConnection::new_with_config(info.redis_settings(), stream, config)
                     .await?;
-            Ok::<_, RedisError>(PooledConnection {
+            Ok::<_, RedisError>(PooledConnection::new(
                 conn,
-                driver: Some(tokio::spawn(driver)),
-            })
+                Some(tokio::spawn(driver)),
+                self.timeout,
+            ))
         };
         match tokio::time::timeout(self.timeout, connect).await {
             Ok(result) => result,
@@ -291,7 +360,9 @@ impl managed::Manager for Manager {
         metrics: &Metrics,
     ) -> RecycleResult<RedisError> {
         if !conn.is_alive() {
-            return Err(RecycleError::message("Redis closed the connection"));
+            return Err(RecycleError::message(
+                "Redis closed the connection, or a call failed on it",
+            ));
         }
         if metrics.last_used() > IDLE_PING {
             redis::cmd("PING")
@@ -323,14 +394,6 @@ pub fn is_busy(e: &RedisError) -> bool {
                 | ServerErrorKind::ClusterDown
         )
     )
-}
-
-/// Drops `conn` instead of returning it to the pool when `e` says the connection
-/// is broken.
-pub fn discard_if_broken(conn: Connection, e: &RedisError) {
-    if is_connection_error(e) {
-        drop(Object::take(conn));
-    }
 }
 
 #[derive(Debug, Clone)]
