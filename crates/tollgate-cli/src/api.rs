@@ -41,7 +41,9 @@ pub struct ApiArgs {
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXY_HEADER")]
     trusted_proxy_header: Option<tollgate_api::HeaderName>,
 
-    /// Redis connections in the pool.
+    /// Redis connections in the pool. Each is multiplexed: calls share them
+    /// (a call never waits for a free one); more connections spread the load
+    /// over more sockets.
     #[arg(long, env = "TOLLGATE_REDIS_POOL", default_value_t = 16)]
     redis_pool: usize,
 }
