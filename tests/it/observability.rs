@@ -296,3 +296,59 @@ async fn a_worker_is_not_ready_while_its_redis_is_gone() {
     redis.resume();
     until_status(&http, &format!("{worker}/readyz"), 200).await;
 }
+
+/// A role started while Redis is down listens at once: `/healthz` is 200 (a
+/// liveness probe must not restart a process that only waits), `/readyz`,
+/// `/metrics` and every call are 503 `backend-unavailable` with
+/// `Retry-After: 1`; once Redis answers, each serves as usual. Before, no
+/// role listened until Redis answered: `/healthz` was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_started_while_redis_is_down_is_alive_and_not_ready() {
+    let mut redis = RedisServer::start();
+    redis.stop();
+    let (url, prefix) = (redis.url(), random_prefix());
+    let mut procs = Procs::default();
+    let api = format!("127.0.0.1:{}", free_port());
+    procs.0.push(spawn(&[
+        "api",
+        "--redis-url",
+        &url,
+        "--key-prefix",
+        &prefix,
+        "--listen",
+        &api,
+    ]));
+    let api = format!("http://{api}");
+    let worker = role(&mut procs, "worker", &url, &prefix);
+    let throttler = role(&mut procs, "throttler", &url, &prefix);
+    let http = client();
+    for base in [&api, &worker, &throttler] {
+        until_status(&http, &format!("{base}/healthz"), 200).await;
+        for path in ["/readyz", "/metrics", "/v1/usage"] {
+            let r = http.get(format!("{base}{path}")).send().await.unwrap();
+            assert_eq!(r.status(), 503, "{base}{path}");
+            assert_eq!(r.headers()["retry-after"], "1", "{base}{path}");
+            let body: Value = r.json().await.unwrap();
+            assert!(
+                body["type"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .ends_with("backend-unavailable"),
+                "{base}{path}: {body}"
+            );
+        }
+    }
+
+    redis.resume();
+    for base in [&api, &worker, &throttler] {
+        until_status(&http, &format!("{base}/readyz"), 200).await;
+    }
+    // The api's own routes answer now: an unknown key is refused, not 503.
+    let r = http
+        .get(format!("{api}/v1/usage"))
+        .bearer_auth("tg_not_a_key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401, "{}", r.text().await.unwrap());
+}

@@ -4,21 +4,29 @@
 //! registry, the shared state read at scrape time). The api serves them on its
 //! own port; a worker or a throttler serves them alone on `--metrics-listen`
 //! ([`serve`]).
+//!
+//! A role listens from its start, before its store answers: a role started
+//! while Redis is down waits for it, and meanwhile [`Starting`] answers
+//! `/healthz` (the process is up: a liveness probe must not restart it) and
+//! everything else with 503 `backend-unavailable` and `Retry-After: 1`.
 
+use std::convert::Infallible;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use serde_json::json;
 use tollgate_core::backend::Backends;
+use tollgate_core::error::StoreError;
 use tollgate_core::job::JobQueue;
 use tollgate_core::keystore::KeyStore;
 use tollgate_core::metrics::{Metrics, CONTENT_TYPE as METRICS_CONTENT_TYPE, STATS_TIMEOUT};
 use tollgate_core::throttle::Throttle;
+use tower::ServiceExt;
 
 use crate::problem::ApiError;
 use crate::state::ApiState;
@@ -111,16 +119,57 @@ pub fn router(probes: Probes) -> Router {
         .with_state(probes)
 }
 
-/// Serves [`router`] on `listener` until `shutdown` resolves.
+/// Serves `app` (a role's [`router`], or a [`Starting`]'s) on `listener`
+/// until `shutdown` resolves.
 pub async fn serve(
-    probes: Probes,
+    app: Router,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "probes and metrics listening");
     }
-    axum::serve(listener, router(probes))
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// A role's listener from its start to its exit: until [`Starting::ready`]
+/// hands it the role's router, `/healthz` is 200 and every other request is
+/// 503 `backend-unavailable` with `Retry-After: 1` (the store is not reached
+/// yet); from then on the role's router answers everything.
+#[derive(Clone, Debug, Default)]
+pub struct Starting {
+    app: Arc<OnceLock<Router>>,
+}
+
+impl Starting {
+    /// The role's router answers from now on (a second call changes nothing).
+    pub fn ready(&self, app: Router) {
+        let _ = self.app.set(app);
+    }
+
+    /// What the listener serves.
+    pub fn router(&self) -> Router {
+        let app = Arc::clone(&self.app);
+        Router::new().fallback_service(tower::service_fn(move |request: Request| {
+            let app = app.get().cloned();
+            async move {
+                match app {
+                    Some(app) => app.oneshot(request).await,
+                    None => Ok::<_, Infallible>(starting(&request)),
+                }
+            }
+        }))
+    }
+}
+
+fn starting(request: &Request) -> Response {
+    if request.uri().path() == "/healthz" {
+        return axum::Json(json!({"status": "ok"})).into_response();
+    }
+    ApiError::Store(StoreError::unavailable(
+        "starting: the store does not answer yet",
+    ))
+    .into_response()
 }

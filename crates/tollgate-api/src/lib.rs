@@ -312,17 +312,32 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let served = serve(router(state.clone()), listener, shutdown).await;
+    drain(&state).await;
+    served
+}
+
+/// Serves `app` (the [`router`], or a [`health::Starting`]'s while the role
+/// waits for its store) on `listener`, with each client's address, until
+/// `shutdown` resolves.
+pub async fn serve(
+    app: axum::Router,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "api listening");
     }
-    let in_flight = state.in_flight.clone();
-    let app = router(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
-    let served = axum::serve(listener, app)
+    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
-        .await;
-    let left = in_flight.drain(DRAIN_LIMIT).await;
+        .await
+}
+
+/// After serving: waits (bounded) for the metered tasks the requests left.
+pub async fn drain(state: &ApiState) {
+    let left = state.in_flight.drain(DRAIN_LIMIT).await;
     if left > 0 {
         tracing::warn!(left, "metered tasks still running at exit");
     }
-    served
 }

@@ -1,5 +1,6 @@
 //! `tollgate api`: serves the HTTP api against Redis until SIGINT or SIGTERM,
-//! then finishes the requests in flight.
+//! then finishes the requests in flight. It listens from its start: while it
+//! waits for Redis, `/healthz` answers and the rest is 503 (`health::Starting`).
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -7,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use tollgate_api::health::Starting;
 use tollgate_api::state::{ApiState, Settings};
 
 use crate::process::{exit, fail, shutdown_signal};
@@ -56,6 +58,23 @@ pub async fn run(args: ApiArgs) -> ExitCode {
     if args.admin_token.as_deref().is_some_and(|t| t.len() < 16) {
         return Failure::bad_input("TOLLGATE_ADMIN_TOKEN must be at least 16 characters").exit();
     }
+    // Listening before the store answers: a role started while Redis is down
+    // is alive (`/healthz`) and says it is not ready yet.
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            return fail(
+                exit::FAILURE,
+                format!("cannot listen on {}: {e}", args.listen),
+            )
+        }
+    };
+    let starting = Starting::default();
+    let server = tokio::spawn(tollgate_api::serve(
+        starting.router(),
+        listener,
+        shutdown_signal(),
+    ));
     let backends = match args
         .store
         .shared(
@@ -67,7 +86,10 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         .await
     {
         Ok(b) => b,
-        Err(f) => return f.exit(),
+        Err(f) => {
+            server.abort();
+            return f.exit();
+        }
     };
     let settings = Settings {
         admin_token: args.admin_token,
@@ -75,20 +97,19 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         sync_timeout: Duration::from_millis(args.sync_timeout_ms),
         trusted_proxy_header: args.trusted_proxy_header,
     };
-    let listener = match tokio::net::TcpListener::bind(args.listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            return fail(
-                exit::FAILURE,
-                format!("cannot listen on {}: {e}", args.listen),
-            )
-        }
-    };
     tracing::info!(
         store = %backends.described, admin = settings.admin_token.is_some(), "api starting"
     );
     let state = ApiState::new(&backends, settings);
-    match tollgate_api::run(state, listener, shutdown_signal()).await {
+    starting.ready(tollgate_api::router(state.clone()));
+    let served = match server.await {
+        Ok(served) => served,
+        Err(e) => Err(std::io::Error::other(format!(
+            "the api server task failed: {e}"
+        ))),
+    };
+    tollgate_api::drain(&state).await;
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(exit::FAILURE, e),
     }

@@ -1,6 +1,7 @@
 //! `--metrics-listen`: the probes and metrics of a role without an api port (a
 //! worker, a throttler), served on their own listener from the role's start to
-//! its exit. `tollgate all` and `tollgate api` serve the same endpoints on the
+//! its exit: while the role waits for Redis, `/healthz` answers and the rest is
+//! 503 (`health::Starting`). `tollgate all` and `tollgate api` serve the same endpoints on the
 //! api's port.
 
 use std::net::SocketAddr;
@@ -8,7 +9,7 @@ use std::net::SocketAddr;
 use clap::Args;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tollgate_api::health::Probes;
+use tollgate_api::health::{Probes, Starting};
 use tollgate_core::backend::Backends;
 
 use crate::store::Failure;
@@ -34,27 +35,40 @@ impl ProbeArgs {
     }
 }
 
-/// The probes server of a running role.
+/// The probes server of a role, from its start.
 #[derive(Debug)]
 pub struct ProbeServer {
+    starting: Starting,
     stop: oneshot::Sender<()>,
     task: JoinHandle<std::io::Result<()>>,
 }
 
-/// Serves the probes of `backends` on `listener` until [`ProbeServer::stop`].
-pub fn spawn(listener: tokio::net::TcpListener, backends: &Backends) -> ProbeServer {
+/// Serves the probes on `listener` until [`ProbeServer::stop`]: those of a
+/// role still waiting for its store until [`ProbeServer::ready`].
+pub fn spawn(listener: tokio::net::TcpListener) -> ProbeServer {
     let (stop, stopped) = oneshot::channel::<()>();
+    let starting = Starting::default();
     let task = tokio::spawn(tollgate_api::health::serve(
-        Probes::new(backends),
+        starting.router(),
         listener,
         async move {
             let _ = stopped.await;
         },
     ));
-    ProbeServer { stop, task }
+    ProbeServer {
+        starting,
+        stop,
+        task,
+    }
 }
 
 impl ProbeServer {
+    /// The role's backends exist: its probes and metrics answer from now on.
+    pub fn ready(&self, backends: &Backends) {
+        self.starting
+            .ready(tollgate_api::health::router(Probes::new(backends)));
+    }
+
     /// Stops serving (the role has finished) and waits for the server.
     pub async fn stop(self) {
         let _ = self.stop.send(());

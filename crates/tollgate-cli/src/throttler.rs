@@ -44,8 +44,9 @@ pub async fn run(args: ThrottlerArgs) -> ExitCode {
     if args.batch == 0 || args.liveness_ms < 300 {
         return Failure::bad_input("--batch must be >= 1 and --liveness-ms >= 300").exit();
     }
-    let listener = match args.probes.bind().await {
-        Ok(l) => l,
+    // Listening before the store answers (see `probes`).
+    let probes = match args.probes.bind().await {
+        Ok(l) => l.map(probes::spawn),
         Err(f) => return f.exit(),
     };
     let backends = match args
@@ -69,7 +70,9 @@ pub async fn run(args: ThrottlerArgs) -> ExitCode {
     cfg.metrics = Arc::clone(&backends.metrics);
     cfg.batch = args.batch;
     cfg.liveness = Duration::from_millis(args.liveness_ms);
-    let probes = listener.map(|l| probes::spawn(l, &backends));
+    if let Some(p) = &probes {
+        p.ready(&backends);
+    }
     let ran = tollgate_throttler::run(cfg, dispatchers, shutdown_signal()).await;
     if let Some(p) = probes {
         p.stop().await;

@@ -46,8 +46,9 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     if args.lease_ms < 300 {
         return Failure::bad_input("--lease-ms must be >= 300").exit();
     }
-    let listener = match args.probes.bind().await {
-        Ok(l) => l,
+    // Listening before the store answers (see `probes`).
+    let probes = match args.probes.bind().await {
+        Ok(l) => l.map(probes::spawn),
         Err(f) => return f.exit(),
     };
     let backends = match args
@@ -83,7 +84,9 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     if !args.operations.is_empty() {
         cfg.operations = args.operations;
     }
-    let probes = listener.map(|l| probes::spawn(l, &backends));
+    if let Some(p) = &probes {
+        p.ready(&backends);
+    }
     let ran = tollgate_worker::run(
         cfg,
         Arc::clone(&backends.source),

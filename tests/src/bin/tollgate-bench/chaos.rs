@@ -1501,9 +1501,15 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         answered(202),
         answered(502),
         answered(504),
-        made.iter()
-            .filter(|c| c.status.is_some_and(|s| ![200, 202, 502, 504].contains(&s)))
-            .count(),
+        {
+            let mut other: BTreeMap<u16, usize> = BTreeMap::new();
+            for s in made.iter().filter_map(|c| c.status) {
+                if ![200, 202, 502, 504].contains(&s) {
+                    *other.entry(s).or_default() += 1;
+                }
+            }
+            format!("{other:?}")
+        },
     );
     println!(
         "load {load_secs:.1} s, drain {drain_secs:.1} s, total {:.1} s",
