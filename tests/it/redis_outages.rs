@@ -270,3 +270,54 @@ async fn a_slow_link_does_not_queue_calls_behind_the_pool_size() {
     );
     drop(server);
 }
+
+/// A script call whose script is flushed again between its `SCRIPT LOAD` and
+/// its second `EVALSHA` (a `SCRIPT FLUSH` or a failover landing in that
+/// window; a slow link widens it) is retried, and while the flushes go on it
+/// fails as unavailable (503, retry), never as a backend error (500). A chaos
+/// run found 14 calls answered 500 "NoScript" at once: redis-rs loads a
+/// missing script once, and the second NOSCRIPT was taken as a bug.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_flushed_while_it_loads_is_unavailable_not_an_error() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
+    let h = harness_via(&proxy.url(), server).await;
+    let user = UserId::new("alice").unwrap();
+    h.state.ledger.usage(&user).await.unwrap();
+    proxy.set_latency(Duration::from_millis(100));
+
+    // Flushes every 50 ms on a direct connection, for 2.5 s.
+    let direct = redis::Client::open(h.redis.as_ref().unwrap().url()).unwrap();
+    let mut flusher = direct.get_multiplexed_async_connection().await.unwrap();
+    let flushing = tokio::spawn(async move {
+        let until = Instant::now() + Duration::from_millis(2500);
+        while Instant::now() < until {
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query_async(&mut flusher)
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let ledger = Arc::clone(&h.state.ledger);
+        let user = user.clone();
+        calls.spawn(async move { ledger.usage(&user).await });
+    }
+    let mut failed = 0;
+    while let Some(done) = calls.join_next().await {
+        if let Err(e) = done.unwrap() {
+            failed += 1;
+            assert!(e.is_transient(), "not transient: {e:?}");
+        }
+    }
+    assert!(
+        failed > 0,
+        "no call met a flushed script: the test proves nothing"
+    );
+    flushing.await.unwrap();
+    // The flushes are over: the script loads once more and runs.
+    h.state.ledger.usage(&user).await.unwrap();
+}

@@ -27,9 +27,12 @@ use crate::pool::{checkout, is_busy, is_connection_error, Blocking, Pool};
 
 /// A Redis failure as a [`StoreError`]: transient when Redis cannot be reached
 /// now (refused, reset, timed out, no connection) or answers "not now"
-/// (`LOADING` its data after a restart), not when it answered with an error.
+/// (`LOADING` its data after a restart; a script flushed as it was loaded),
+/// not when it answered with an error.
 pub fn store_error(e: RedisError) -> StoreError {
-    let failed = if is_connection_error(&e) || is_busy(&e) {
+    // NOSCRIPT here: the script was flushed again after each of its loads
+    // (see `invoke`): it did not run, and a retry soon may find it loaded.
+    let failed = if is_connection_error(&e) || is_busy(&e) || is_noscript(&e) {
         StoreError::unavailable(e.to_string())
     } else {
         StoreError::backend(e.to_string())
@@ -162,6 +165,33 @@ pub async fn gather<T: FromRedisValue>(
     }
 }
 
+/// How many times a script call loads its script before it gives up (each
+/// time: EVALSHA, and on NOSCRIPT, SCRIPT LOAD and EVALSHA again).
+const SCRIPT_LOADS: usize = 3;
+
+/// EVALSHA, loading the script on NOSCRIPT. redis-rs loads it once; a script
+/// flushed again between its load and its run (a `SCRIPT FLUSH`, a failover
+/// or a restart landing in that window, which a slow link widens) is loaded
+/// again, up to [`SCRIPT_LOADS`] times. A NOSCRIPT means the script did not
+/// run, so this never runs it twice; a NOSCRIPT left after the last load is
+/// reported as unavailable ([`store_error`]).
+async fn invoke<T: FromRedisValue>(
+    inv: &ScriptInvocation<'_>,
+    conn: &mut impl redis::aio::ConnectionLike,
+) -> Result<T, RedisError> {
+    let mut loads = 1;
+    loop {
+        match inv.invoke_async::<T>(conn).await {
+            Err(e) if is_noscript(&e) && loads < SCRIPT_LOADS => loads += 1,
+            done => return done,
+        }
+    }
+}
+
+fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+}
+
 async fn call<T: FromRedisValue>(
     pool: &Pool,
     timeout: Duration,
@@ -177,7 +207,7 @@ async fn call<T: FromRedisValue>(
             let mut conn = c.connection();
             let round_trip = async {
                 match request {
-                    Request::Script(inv) => inv.invoke_async::<T>(&mut conn).await,
+                    Request::Script(inv) => invoke(inv, &mut conn).await,
                     Request::Command(cmd) => cmd.query_async::<T>(&mut conn).await,
                     Request::Pipeline(pipe) => pipe.query_async::<T>(&mut conn).await,
                 }
@@ -192,7 +222,7 @@ async fn call<T: FromRedisValue>(
             let mut lease = checkout(pool).await?;
             let conn = &mut lease.conn;
             let result = match request {
-                Request::Script(inv) => inv.invoke_async::<T>(conn).await,
+                Request::Script(inv) => invoke(inv, conn).await,
                 Request::Command(cmd) => cmd.query_async::<T>(conn).await,
                 Request::Pipeline(pipe) => pipe.query_async::<T>(conn).await,
             };
