@@ -1188,6 +1188,14 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             accepted.len() - succeeded - still_open,
         ),
     });
+    // A fault is worth a 503 (retry) or a job's own 502/504, never a 500:
+    // a 500 says the api took a fault for a bug.
+    let internal = answered(500);
+    checks.push(Check {
+        name: "no call answered 500",
+        ok: internal == 0,
+        figure: format!("{internal} answered 500"),
+    });
     let mismatched = made.iter().filter(|c| c.id_mismatch.is_some()).count();
     checks.push(Check {
         name: "job ids are the Idempotency-Key's",
