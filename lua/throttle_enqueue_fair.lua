@@ -16,6 +16,26 @@
 -- and the user is below its cap; { 1, now_us } queued for a throttler;
 -- { 0 } when the ticket is already waiting.
 
+-- count, finish of a `tags` field, and the finish as written (0, 0, '0'
+-- for none).
+local function fair_user(field)
+  if not field then
+    return 0, 0, '0'
+  end
+  local sp = string.find(field, ' ', 1, true)
+  local finish = string.sub(field, sp + 1)
+  return tonumber(string.sub(field, 1, sp - 1)), tonumber(finish), finish
+end
+
+-- A `tags` field: `count` tickets waiting, finish tag `finish` (written
+-- exactly: a whole number as one, which is most tags, and faster).
+local function fair_field(count, finish)
+  if finish % 1 == 0 and finish < 9007199254740992 then
+    return string.format('%d %d', count, finish)
+  end
+  return string.format('%d %.17g', count, finish)
+end
+
 local QUEUE, WAITING, BUCKET = KEYS[1], KEYS[2], KEYS[3]
 local F = { tickets = KEYS[4], capped = KEYS[5], tags = KEYS[6], waiting = WAITING,
   base = ARGV[11] }
@@ -48,7 +68,7 @@ if idle_before and (cap == 0 or fair_held(F, user, now) < cap) then
   end
 end
 -- The user's count and finish tag, and v: one read, one write.
-local state = redis.call('HMGET', F.tags, user, V, N)
+local state = redis.call('HMGET', F.tags, user, ':v', ':n')
 local count, finish, start_s = fair_user(state[1])
 local start = tonumber(state[2]) or 0
 if finish > start then
@@ -62,7 +82,7 @@ if redis.call('HSETNX', WAITING, ticket, fair_entry(now + max_wait, inbox, stamp
 end
 if count == 0 then
   -- It starts waiting.
-  redis.call('HSET', F.tags, user, fair_field(1, start + 1 / weight), N, (tonumber(state[3]) or 0) + 1)
+  redis.call('HSET', F.tags, user, fair_field(1, start + 1 / weight), ':n', (tonumber(state[3]) or 0) + 1)
 else
   redis.call('HSET', F.tags, user, fair_field(count + 1, start + 1 / weight))
 end

@@ -210,7 +210,7 @@ elseif fair_touched then
   if #gone_users > 0 then
     -- The counts of the users served or dropped, v (one HSET), and a slice
     -- of the hash swept when it has grown.
-    fair_account(F, gone, gone_users, granted_v or v, granted_v and { V, granted_v } or {}, true)
+    fair_account(F, gone, gone_users, granted_v or v, granted_v and { ':v', granted_v } or {}, true)
   end
   if not left then
     fair_settle(F)

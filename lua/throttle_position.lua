@@ -85,10 +85,11 @@ if owner ~= user then
 end
 -- Its user's tickets are spaced 1/weight apart up to the user's finish tag:
 -- those behind it are (finish - tag) * weight - 1, the rest are ahead.
-local state = redis.call('HMGET', F.tags, user, N)
-local count, finish = fair_user(state[1])
-if not state[1] then
-  count, finish = 1, tag + 1 / weight
+local state = redis.call('HMGET', F.tags, user, ':n')
+local count, finish = 1, tag + 1 / weight
+if state[1] then
+  local sp = string.find(state[1], ' ', 1, true)
+  count, finish = tonumber(string.sub(state[1], 1, sp - 1)), tonumber(string.sub(state[1], sp + 1))
 end
 local behind = math.floor((finish - tag) * weight + 0.5) - 1
 local ahead = math.max(0, math.min(count - 1, count - 1 - behind))

@@ -45,15 +45,15 @@
 -- <max_in_flight, 0 for none> <hold µs> <user>": what its grant needs.
 -- With nobody waiting, `tags` is dropped: start tags (and v) start again at 0.
 
+-- Every throttle script, FIFO ones too, runs this file's top level on each
+-- call: a constant used by a function costs an upvalue each time, so the
+-- fields of `tags` that are no user's (':v', ':n', ':p', ':c': no user id
+-- contains ':') are written as literals.
+--
 -- A queue entry that only wakes a throttler (BLMOVE): it is no ticket.
 local BELL = '!bell'
 -- Hex digits of the stamp heading a member of `tickets`.
 local STAMP = 14
--- The fields of `tags` that are no user's (no user id contains ':'): v, the
--- users waiting, the fields after the last sweep, the sweep's cursor.
-local V, N, P, C = ':v', ':n', ':p', ':c'
--- Fields of `tags` a sweep looks at per grant call (HSCAN's COUNT).
-local SWEEP = 128
 -- Most tickets a grant call pops at once.
 local BATCH = 128
 
@@ -79,10 +79,8 @@ local function ring(queue)
   return false
 end
 
-local STAMP_FORMAT = '%0' .. STAMP .. 'x'
-
 local function fair_stamp(now)
-  return string.format(STAMP_FORMAT, now)
+  return string.format('%014x', now) -- STAMP hex digits
 end
 
 -- A fair ticket's `waiting` entry.
@@ -121,42 +119,22 @@ local function fair_fields(w)
 end
 
 local function fair_v(F)
-  return tonumber(redis.call('HGET', F.tags, V)) or 0
-end
-
--- count, finish of a `tags` field, and the finish as written (0, 0, '0'
--- for none).
-local function fair_user(field)
-  if not field then
-    return 0, 0, '0'
-  end
-  local sp = string.find(field, ' ', 1, true)
-  local finish = string.sub(field, sp + 1)
-  return tonumber(string.sub(field, 1, sp - 1)), tonumber(finish), finish
-end
-
--- A `tags` field: `count` tickets waiting, finish tag `finish` (written
--- exactly: a whole number as one, which is most tags, and faster).
-local function fair_field(count, finish)
-  if finish % 1 == 0 and finish < 9007199254740992 then
-    return string.format('%d %d', count, finish)
-  end
-  return string.format('%d %.17g', count, finish)
+  return tonumber(redis.call('HGET', F.tags, ':v')) or 0
 end
 
 -- Once `tags` has twice the fields it had after the last sweep (`swept`),
--- a slice of it per grant call (SWEEP fields, from `cursor`, where the last
--- left off) is swept of the fields worth nothing (count 0, finish at or below
+-- a slice of it per grant call (128 fields, HSCAN's COUNT, from `cursor`,
+-- where the last left off) is swept of the fields worth nothing (count 0, finish at or below
 -- v): O(1) per call, and the hash stays within about twice what it has to
 -- remember (the users of about the last round), as fair.rs prunes its map.
 local function fair_sweep(F, v, swept, cursor)
   if not cursor then
-    if redis.call('HLEN', F.tags) <= 2 * math.max(swept, SWEEP) then
+    if redis.call('HLEN', F.tags) <= 2 * math.max(swept, 128) then
       return
     end
     cursor = '0'
   end
-  local r = redis.call('HSCAN', F.tags, cursor, 'COUNT', SWEEP)
+  local r = redis.call('HSCAN', F.tags, cursor, 'COUNT', 128)
   local forget = {}
   for i = 1, #r[2], 2 do
     local user, field = r[2][i], r[2][i + 1]
@@ -169,10 +147,10 @@ local function fair_sweep(F, v, swept, cursor)
     redis.call('HDEL', F.tags, unpack(forget))
   end
   if r[1] == '0' then
-    redis.call('HDEL', F.tags, C)
-    redis.call('HSET', F.tags, P, redis.call('HLEN', F.tags))
+    redis.call('HDEL', F.tags, ':c')
+    redis.call('HSET', F.tags, ':p', redis.call('HLEN', F.tags))
   else
-    redis.call('HSET', F.tags, C, r[1])
+    redis.call('HSET', F.tags, ':c', r[1])
   end
 end
 
@@ -183,7 +161,7 @@ end
 -- forgotten unless its finish tag is above v. With `sweep`, a slice of the
 -- hash is swept too (fair_sweep).
 local function fair_account(F, gone, users, v, set, sweep)
-  local fields = redis.call('HMGET', F.tags, N, V, P, C, unpack(users))
+  local fields = redis.call('HMGET', F.tags, ':n', ':v', ':p', ':c', unpack(users))
   local n = tonumber(fields[1]) or 0
   v = v or tonumber(fields[2]) or 0
   local forget = {}
@@ -209,7 +187,7 @@ local function fair_account(F, gone, users, v, set, sweep)
       end
     end
   end
-  set[#set + 1] = N
+  set[#set + 1] = ':n'
   set[#set + 1] = math.max(0, n)
   redis.call('HSET', F.tags, unpack(set))
   if #forget > 0 then
