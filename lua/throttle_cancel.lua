@@ -1,7 +1,7 @@
 -- throttle_cancel.lua: a waiter gives up (timeout, or its caller went away).
 -- KEYS[1] queue, KEYS[2] waiting, KEYS[3] granted, KEYS[4] bucket
 --   (see throttle_grant.lua)
--- KEYS[5] tickets, KEYS[6] capped, KEYS[7] finish, KEYS[8] users (lib/fair.lua)
+-- KEYS[5] tickets, KEYS[6] capped, KEYS[7] tags (lib/fair.lua)
 -- ARGV[1] ticket, ARGV[2] rate, ARGV[3] burst
 -- ARGV[4] 'fair' or 'fifo': the queue the ticket was put in
 -- ARGV[5] the user of a fair ticket
@@ -21,8 +21,8 @@
 -- tickets keep theirs): at most 1/weight of a round.
 
 local QUEUE, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local F = { tickets = KEYS[5], capped = KEYS[6], finish = KEYS[7], users = KEYS[8],
-  waiting = WAITING, base = ARGV[6] }
+local F = { tickets = KEYS[5], capped = KEYS[6], tags = KEYS[7], waiting = WAITING,
+  base = ARGV[6] }
 local ticket, rate, burst = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local user = ARGV[4] == 'fair' and ARGV[5] or nil
 local late = tonumber(ARGV[7])
@@ -44,7 +44,7 @@ if w then
       end
     end
     fair_gone(F, owner)
-    fair_settle(F, fair_v(F))
+    fair_settle(F)
   else
     -- Usually still queued; if a throttler holds it in its processing list,
     -- the grant script drops it there, finding no `waiting` entry.

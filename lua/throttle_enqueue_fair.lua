@@ -3,7 +3,7 @@
 -- KEYS[1] queue    list: only bells here (a throttler's wake-up, see lib/fair.lua)
 -- KEYS[2] waiting  hash: ticket -> its entry (lib/fair.lua)
 -- KEYS[3] bucket   the token bucket (lib/bucket.lua)
--- KEYS[4] tickets, KEYS[5] capped, KEYS[6] finish, KEYS[7] users (lib/fair.lua)
+-- KEYS[4] tickets, KEYS[5] capped, KEYS[6] tags (lib/fair.lua)
 -- ARGV[1] ticket (unique per acquire: "<request id>~<random>")
 -- ARGV[2] inbox channel the waiter's process is subscribed to (before this call)
 -- ARGV[3] max_wait in µs: after that the ticket is worth nothing
@@ -16,9 +16,29 @@
 -- and the user is below its cap; { 1, now_us } queued for a throttler;
 -- { 0 } when the ticket is already waiting.
 
+-- count, finish of a `tags` field, and the finish as written (0, 0, '0'
+-- for none).
+local function fair_user(field)
+  if not field then
+    return 0, 0, '0'
+  end
+  local sp = string.find(field, ' ', 1, true)
+  local finish = string.sub(field, sp + 1)
+  return tonumber(string.sub(field, 1, sp - 1)), tonumber(finish), finish
+end
+
+-- A `tags` field: `count` tickets waiting, finish tag `finish` (written
+-- exactly: a whole number as one, which is most tags, and faster).
+local function fair_field(count, finish)
+  if finish % 1 == 0 and finish < 9007199254740992 then
+    return string.format('%d %d', count, finish)
+  end
+  return string.format('%d %.17g', count, finish)
+end
+
 local QUEUE, WAITING, BUCKET = KEYS[1], KEYS[2], KEYS[3]
-local F = { tickets = KEYS[4], capped = KEYS[5], finish = KEYS[6], users = KEYS[7],
-  waiting = WAITING, base = ARGV[11] }
+local F = { tickets = KEYS[4], capped = KEYS[5], tags = KEYS[6], waiting = WAITING,
+  base = ARGV[11] }
 local ticket, inbox, user = ARGV[1], ARGV[2], ARGV[7]
 local max_wait, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
 local rate, burst = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -47,25 +67,36 @@ if idle_before and (cap == 0 or fair_held(F, user, now) < cap) then
     return { 2, now }
   end
 end
-local tags = redis.call('ZMSCORE', F.finish, user, V)
-local start = math.max(tonumber(tags[1]) or 0, tonumber(tags[2]) or 0)
+-- The user's count and finish tag, and v: one read, one write.
+local state = redis.call('HMGET', F.tags, user, ':v', ':n')
+local count, finish, start_s = fair_user(state[1])
+local start = tonumber(state[2]) or 0
+if finish > start then
+  start = finish
+else
+  start_s = state[2] or '0'
+end
 local stamp = fair_stamp(now)
 if redis.call('HSETNX', WAITING, ticket, fair_entry(now + max_wait, inbox, stamp, ARGV[8], ARGV[9], ARGV[10], user)) == 0 then
   return { 0 }
 end
-redis.call('ZADD', F.finish, start + 1 / weight, user)
+if count == 0 then
+  -- It starts waiting.
+  redis.call('HSET', F.tags, user, fair_field(1, start + 1 / weight), ':n', (tonumber(state[3]) or 0) + 1)
+else
+  redis.call('HSET', F.tags, user, fair_field(count + 1, start + 1 / weight))
+end
 -- A user with parked tickets queues behind them (its own order).
 local into = F.tickets
 if cap > 0 and redis.call('ZSCORE', F.capped, user) then
   into = parked_key(F.base, user)
 end
-redis.call('ZADD', into, start, stamp .. ticket)
-redis.call('ZINCRBY', F.users, 1, user)
+redis.call('ZADD', into, start_s, stamp .. ticket)
 -- Keys written here live `idle` from now. While tickets wait, the provider's
 -- keys exist and every grant call renews them (throttle_grant.lua): only an
 -- idle provider's (maybe new) keys, and a parked ticket's, need it here.
 if idle_before then
-  for _, key in ipairs({ WAITING, F.tickets, F.finish, F.users }) do
+  for _, key in ipairs({ WAITING, F.tickets, F.tags }) do
     redis.call('PEXPIRE', key, int(idle))
   end
 end

@@ -4,7 +4,7 @@
 -- KEYS[3] waiting     hash: ticket -> "<deadline_us> <inbox channel>"
 -- KEYS[4] granted     sorted set: ticket -> grant time (µs); the readiness record
 -- KEYS[5] bucket      the token bucket (lib/bucket.lua)
--- KEYS[6] tickets, KEYS[7] capped, KEYS[8] finish, KEYS[9] users (lib/fair.lua)
+-- KEYS[6] tickets, KEYS[7] capped, KEYS[8] tags (lib/fair.lua)
 -- ARGV[1] rate (tokens/s), ARGV[2] burst
 -- ARGV[3] most grants in this call
 -- ARGV[4] how long a readiness record lives, µs
@@ -28,8 +28,8 @@
 -- first of their slots frees itself: a throttler blocks no longer than that).
 
 local QUEUE, PROCESSING, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local F = { tickets = KEYS[6], capped = KEYS[7], finish = KEYS[8], users = KEYS[9],
-  waiting = KEYS[3], base = ARGV[6], idle = tonumber(ARGV[5]) }
+local F = { tickets = KEYS[6], capped = KEYS[7], tags = KEYS[8], waiting = KEYS[3],
+  base = ARGV[6], idle = tonumber(ARGV[5]) }
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local limit, ready_ttl, idle = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle
@@ -205,15 +205,16 @@ end
 if fair_touched and drained and redis.call('ZCARD', F.capped) == 0 then
   -- Nobody waits: the tags start again at 0 (lib/fair.lua), every count is 0.
   nobody = true
-  redis.call('DEL', F.finish, F.users)
+  redis.call('DEL', F.tags)
 elseif fair_touched then
-  if granted_v then
-    redis.call('ZADD', F.finish, granted_v, V)
-  end
   if #gone_users > 0 then
-    fair_gone_all(F, gone, gone_users)
+    -- The counts of the users served or dropped, v (one HSET), and a slice
+    -- of the hash swept when it has grown.
+    fair_account(F, gone, gone_users, granted_v or v, granted_v and { ':v', granted_v } or {}, true)
   end
-  fair_settle(F, granted_v or v or fair_v(F), left)
+  if not left then
+    fair_settle(F)
+  end
   -- Written above (or by the enqueue, cancel and done scripts since): they
   -- live `idle` from now (the enqueue script leaves it to this while tickets
   -- wait). They were given it together: renewed together, when `tickets`
@@ -222,7 +223,7 @@ elseif fair_touched then
   local ttl = redis.call('PTTL', F.tickets)
   if ttl == -1 or (ttl >= 0 and ttl < idle / 2)
       or (ttl == -2 and redis.call('ZCARD', F.capped) > 0) then
-    for _, key in ipairs({ WAITING, F.tickets, F.capped, F.finish, F.users }) do
+    for _, key in ipairs({ WAITING, F.tickets, F.capped, F.tags }) do
       redis.call('PEXPIRE', key, int(idle))
     end
   end

@@ -2,8 +2,8 @@
 -- (`GET /v1/jobs/{id}` of a job waiting for its slot). Reads only.
 -- KEYS[1] queue    list: the FIFO tickets (see throttle_grant.lua)
 -- KEYS[2] waiting  hash: ticket -> "<deadline_us> <inbox channel>"
--- KEYS[3] tickets, KEYS[4] capped, KEYS[5] finish, KEYS[6] users (lib/fair.lua)
--- KEYS[7] lists    set: the throttlers that may hold tickets popped from the
+-- KEYS[3] tickets, KEYS[4] capped, KEYS[5] tags (lib/fair.lua)
+-- KEYS[6] lists    set: the throttlers that may hold tickets popped from the
 --                  queue (<base>:processing:<throttler>): served first (FIFO)
 -- ARGV[1] the call's request id (its tickets are "<request id>~<hex>.<hex>")
 -- ARGV[2] 'fair' or 'fifo': the provider's queue
@@ -17,8 +17,8 @@
 -- (FIFO: 0); users, the users waiting; weight, its user's share.
 
 local QUEUE, WAITING = KEYS[1], KEYS[2]
-local F = { tickets = KEYS[3], capped = KEYS[4], finish = KEYS[5], users = KEYS[6],
-  waiting = WAITING, base = ARGV[4] }
+local F = { tickets = KEYS[3], capped = KEYS[4], tags = KEYS[5], waiting = WAITING,
+  base = ARGV[4] }
 local id, mode, user, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[5])
 if id == '' or not limit or limit < 1 or not F.base or F.base == '' then
   return redis.error_reply('throttle_position: bad arguments')
@@ -37,7 +37,7 @@ end
 if mode ~= 'fair' then
   -- The tickets throttlers popped come first, then the queue.
   local ahead = 0
-  for _, member in ipairs(redis.call('SMEMBERS', KEYS[7])) do
+  for _, member in ipairs(redis.call('SMEMBERS', KEYS[6])) do
     for _, ticket in ipairs(redis.call('LRANGE', F.base .. ':processing:' .. member, 0, limit - 1)) do
       if ours(ticket) then
         return { ahead, 0, 1, 1 }
@@ -85,8 +85,12 @@ if owner ~= user then
 end
 -- Its user's tickets are spaced 1/weight apart up to the user's finish tag:
 -- those behind it are (finish - tag) * weight - 1, the rest are ahead.
-local count = tonumber(redis.call('ZSCORE', F.users, user)) or 1
-local finish = tonumber(redis.call('ZSCORE', F.finish, user)) or (tag + 1 / weight)
+local state = redis.call('HMGET', F.tags, user, ':n')
+local count, finish = 1, tag + 1 / weight
+if state[1] then
+  local sp = string.find(state[1], ' ', 1, true)
+  count, finish = tonumber(string.sub(state[1], 1, sp - 1)), tonumber(string.sub(state[1], sp + 1))
+end
 local behind = math.floor((finish - tag) * weight + 0.5) - 1
 local ahead = math.max(0, math.min(count - 1, count - 1 - behind))
 -- Tickets served before it as the queue stands: the lesser tags (of a parked
@@ -98,4 +102,4 @@ if parked then
 else
   before = redis.call('ZRANK', F.tickets, member)
 end
-return { ahead, math.max(0, before - ahead), redis.call('ZCARD', F.users), weight }
+return { ahead, math.max(0, before - ahead), tonumber(state[2]) or 0, weight }

@@ -14,7 +14,10 @@
 -- a tag per ticket, rather than a queue per user served in turn, is what keeps
 -- it near the cost of the FIFO queue (a queue per user made nearly every
 -- enqueue over many users create a key and move its user between sets;
--- BENCHMARKS.md, "The cost of it").
+-- BENCHMARKS.md, "The cost of it"). A user's state is one hash field, read
+-- with v by one HMGET and written by one HSET: the enqueue writes one sorted
+-- set, `tickets`, as the FIFO enqueue writes one list (a user's finish tag,
+-- its count and v in three sorted sets cost 7-10% more Redis CPU per grant).
 --
 -- Keys, all on the provider's hash tag; the per-user ones are built here from
 -- `base`, the provider's key prefix (ARGV; user ids cannot contain ':' or '{'):
@@ -22,11 +25,17 @@
 --           of the enqueue's µs, so that equal tags are served in arrival order)
 --   capped  sorted set: user -> when to look at its slots again (µs): users
 --           with tickets parked by their max_in_flight
---   finish  sorted set: user -> the finish tag of its last ticket, while not
---           below v; and ':v' -> v, the virtual clock (the start tag of the
---           last grant): one ZMSCORE reads both
---   users   sorted set: user -> its tickets waiting (queued or parked); a
---           grant call lowers each user's count once, at its end
+--   tags    hash: user -> "<count> <finish>": its tickets waiting (queued or
+--           parked) and the finish tag of its last ticket. Kept while the
+--           user waits, and after while its finish tag is above v (a user
+--           served a moment ago queues again behind what it was given, not
+--           at v, ahead of the others); a field of count 0 at or below v is
+--           worth nothing: dropped when met, or by a sweep once the fields
+--           doubled since the last one (each grant call sweeps a slice: O(1);
+--           fair.rs prunes its map alike). Also ':v' -> v, the virtual clock
+--           (the start tag of the last grant); ':n' -> the users waiting
+--           (count > 0); ':p' -> fields after the last sweep; ':c' -> the
+--           sweep's HSCAN cursor while one is under way
 --   <base>:held:<user>    sorted set: ticket -> when the slot frees itself
 --                         (µs): the user's calls in flight (only under a cap)
 --   <base>:parked:<user>  sorted set: "<stamp><ticket>" -> start tag: the
@@ -34,14 +43,17 @@
 --                         a slot ends; they go back at max(v, their tag)
 -- A ticket's `waiting` entry is "<deadline_us> <inbox> <stamp> <weight>
 -- <max_in_flight, 0 for none> <hold µs> <user>": what its grant needs.
--- With nobody waiting, `finish` (and v) is dropped: tags start again at 0.
+-- With nobody waiting, `tags` is dropped: start tags (and v) start again at 0.
 
+-- Every throttle script, FIFO ones too, runs this file's top level on each
+-- call: a constant used by a function costs an upvalue each time, so the
+-- fields of `tags` that are no user's (':v', ':n', ':p', ':c': no user id
+-- contains ':') are written as literals.
+--
 -- A queue entry that only wakes a throttler (BLMOVE): it is no ticket.
 local BELL = '!bell'
 -- Hex digits of the stamp heading a member of `tickets`.
 local STAMP = 14
--- The member of `finish` that holds v (no user id contains ':').
-local V = ':v'
 -- Most tickets a grant call pops at once.
 local BATCH = 128
 
@@ -68,7 +80,7 @@ local function ring(queue)
 end
 
 local function fair_stamp(now)
-  return string.format('%0' .. STAMP .. 'x', now)
+  return string.format('%014x', now) -- STAMP hex digits
 end
 
 -- A fair ticket's `waiting` entry.
@@ -107,36 +119,88 @@ local function fair_fields(w)
 end
 
 local function fair_v(F)
-  return tonumber(redis.call('ZSCORE', F.finish, V)) or 0
+  return tonumber(redis.call('HGET', F.tags, ':v')) or 0
 end
 
--- One ticket of `user` less waiting (a cancel): at 0 it is no longer counted.
-local function fair_gone(F, user)
-  if tonumber(redis.call('ZINCRBY', F.users, -1, user)) <= 0 then
-    redis.call('ZREM', F.users, user)
+-- Once `tags` has twice the fields it had after the last sweep (`swept`),
+-- a slice of it per grant call (128 fields, HSCAN's COUNT, from `cursor`,
+-- where the last left off) is swept of the fields worth nothing (count 0, finish at or below
+-- v): O(1) per call, and the hash stays within about twice what it has to
+-- remember (the users of about the last round), as fair.rs prunes its map.
+local function fair_sweep(F, v, swept, cursor)
+  if not cursor then
+    if redis.call('HLEN', F.tags) <= 2 * math.max(swept, 128) then
+      return
+    end
+    cursor = '0'
   end
-end
-
--- `gone[user]` tickets of each of `users` less waiting (a grant call): one
--- read and one write of the counts, whatever the tickets.
-local function fair_gone_all(F, gone, users)
-  local counts = redis.call('ZMSCORE', F.users, unpack(users))
-  local keep, drop = {}, {}
-  for i, user in ipairs(users) do
-    local n = (tonumber(counts[i]) or 0) - gone[user]
-    if n > 0 then
-      keep[#keep + 1] = n
-      keep[#keep + 1] = user
-    else
-      drop[#drop + 1] = user
+  local r = redis.call('HSCAN', F.tags, cursor, 'COUNT', 128)
+  local forget = {}
+  for i = 1, #r[2], 2 do
+    local user, field = r[2][i], r[2][i + 1]
+    if string.sub(field, 1, 2) == '0 ' and string.sub(user, 1, 1) ~= ':'
+        and tonumber(string.sub(field, 3)) <= v then
+      forget[#forget + 1] = user
     end
   end
-  if #keep > 0 then
-    redis.call('ZADD', F.users, unpack(keep))
+  if #forget > 0 then
+    redis.call('HDEL', F.tags, unpack(forget))
   end
-  if #drop > 0 then
-    redis.call('ZREM', F.users, unpack(drop))
+  if r[1] == '0' then
+    redis.call('HDEL', F.tags, ':c')
+    redis.call('HSET', F.tags, ':p', redis.call('HLEN', F.tags))
+  else
+    redis.call('HSET', F.tags, ':c', r[1])
   end
+end
+
+-- `gone[user]` tickets of each of `users` less waiting (a grant call, or a
+-- cancel: one ticket), v at `v` (nil: as it stands): one read and one write
+-- of their fields whatever the tickets, and `set` (field, value, ...) written
+-- with them. A user left with none is no longer counted as waiting, and is
+-- forgotten unless its finish tag is above v. With `sweep`, a slice of the
+-- hash is swept too (fair_sweep).
+local function fair_account(F, gone, users, v, set, sweep)
+  local fields = redis.call('HMGET', F.tags, ':n', ':v', ':p', ':c', unpack(users))
+  local n = tonumber(fields[1]) or 0
+  v = v or tonumber(fields[2]) or 0
+  local forget = {}
+  for i, user in ipairs(users) do
+    local field = fields[i + 4]
+    if field then
+      local sp = string.find(field, ' ', 1, true)
+      local count = tonumber(string.sub(field, 1, sp - 1))
+      local left = count - gone[user]
+      if left > 0 then
+        set[#set + 1] = user
+        set[#set + 1] = left .. string.sub(field, sp)
+      else
+        if count > 0 then
+          n = n - 1
+        end
+        if tonumber(string.sub(field, sp + 1)) <= v then
+          forget[#forget + 1] = user
+        else
+          set[#set + 1] = user
+          set[#set + 1] = '0' .. string.sub(field, sp)
+        end
+      end
+    end
+  end
+  set[#set + 1] = ':n'
+  set[#set + 1] = math.max(0, n)
+  redis.call('HSET', F.tags, unpack(set))
+  if #forget > 0 then
+    redis.call('HDEL', F.tags, unpack(forget))
+  end
+  if sweep then
+    fair_sweep(F, v, tonumber(fields[3]) or 0, fields[4])
+  end
+end
+
+-- One ticket of `user` less waiting (a cancel).
+local function fair_gone(F, user)
+  fair_account(F, { [user] = 1 }, { user }, nil, {}, false)
 end
 
 -- Slots `user` holds at `now` (freed ones dropped), and when the oldest frees itself.
@@ -205,14 +269,11 @@ local function fair_fits(F, user, member, tag, cap, v, now)
   return false
 end
 
--- With nobody waiting, the tags start again at 0 (v too); otherwise the
--- finish tags below v (worth v anyway) are dropped. `waiting`: tickets are
--- known to be left.
-local function fair_settle(F, v, waiting)
-  if not waiting and redis.call('ZCARD', F.tickets) == 0 and redis.call('ZCARD', F.capped) == 0 then
-    redis.call('DEL', F.finish)
-  else
-    redis.call('ZREMRANGEBYSCORE', F.finish, '-inf', '(' .. float(v))
+-- With nobody waiting (no ticket queued or parked), the tags start again at
+-- 0 (v too): `tags` is dropped.
+local function fair_settle(F)
+  if redis.call('ZCARD', F.tickets) == 0 and redis.call('ZCARD', F.capped) == 0 then
+    redis.call('DEL', F.tags)
   end
 end
 

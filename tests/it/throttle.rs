@@ -216,6 +216,7 @@ conformance!(
     throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end,
     throttle_fair_a_cancelled_waiter_leaves_the_rotation,
     throttle_fair_a_cap_parks_the_rest_in_order,
+    throttle_fair_a_user_queueing_again_takes_its_turn,
     throttle_position_of_a_waiting_call,
 );
 
@@ -457,6 +458,45 @@ async fn throttle_fair_a_cap_parks_the_rest_in_order(t: Arc<dyn Throttle>) {
     for g in [&third, &fourth] {
         t.done(g).await.unwrap();
     }
+}
+
+/// A user whose calls come one at a time (each queued as soon as the last
+/// is served) gets its turn and no more: against a flood, every other grant.
+/// Its next call starts at the finish tag of its last, which is above the
+/// virtual clock: were that forgotten once the user had nothing waiting, the
+/// call would start at the clock, ahead of the flood, again and again.
+async fn throttle_fair_a_user_queueing_again_takes_its_turn(t: Arc<dyn Throttle>) {
+    drain_bucket(&t, "tempo").await;
+    let mut handles = Vec::new();
+    for _ in 0..4 {
+        handles.push(queue(&t, "tempo", "flood", share(1), handles.len() as u64 + 1).await);
+    }
+    let one_by_one = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move {
+            let mut grants = Vec::new();
+            for n in 0..4 {
+                let waiter = Waiter::of(&rid(&format!("again-{n}")), "again", share(1));
+                let g = t
+                    .acquire_as("tempo", &waiter, Duration::from_secs(10))
+                    .await
+                    .unwrap();
+                grants.push(("again".to_owned(), g.granted_at_us));
+            }
+            grants
+        })
+    };
+    let mut grants = Vec::new();
+    for h in handles {
+        grants.push(h.await.unwrap());
+    }
+    grants.extend(one_by_one.await.unwrap());
+    grants.sort_by_key(|(_, at)| *at);
+    let order: Vec<&str> = grants.iter().map(|(u, _)| u.as_str()).collect();
+    assert_eq!(
+        order,
+        ["flood", "again", "flood", "again", "flood", "again", "flood", "again"]
+    );
 }
 
 /// A waiter that gives up takes its user out of the rotation: no user is

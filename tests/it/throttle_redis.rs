@@ -736,11 +736,11 @@ async fn throttle_fair_keys_are_per_provider_and_expire() {
         async move { query::<i64>(&mut c, redis::cmd("HLEN").arg(&waiting)).await >= 10 }
     })
     .await;
-    for key in [&keys.waiting, &keys.tickets, &keys.finish, &keys.users] {
+    for key in [&keys.waiting, &keys.tickets, &keys.tags] {
         let ttl: i64 = query(&mut conn, redis::cmd("PTTL").arg(key)).await;
         assert!(ttl > 0, "{key}: {ttl}");
     }
-    let users: i64 = query(&mut conn, redis::cmd("ZCARD").arg(&keys.users)).await;
+    let users: i64 = query(&mut conn, redis::cmd("HGET").arg(&keys.tags).arg(":n")).await;
     assert!((1..=10).contains(&users), "{users}");
     for h in handles {
         h.await.unwrap().unwrap();
@@ -755,8 +755,89 @@ async fn throttle_fair_keys_are_per_provider_and_expire() {
             .all(|k| !k.contains(":parked:") && !k.contains(":held:")),
         "{all:?}"
     );
-    for key in [&keys.waiting, &keys.tickets, &keys.finish, &keys.users] {
+    for key in [&keys.waiting, &keys.tickets, &keys.tags] {
         assert!(!all.contains(key), "{key} left after the queue drained");
     }
     setup.stop().await;
+}
+
+/// The fair queue's `tags` hash keeps a user's field (its count and finish
+/// tag) while it counts: while the user waits, or while its finish tag is
+/// above the virtual clock. A provider that never idles, over 2,000 users of
+/// one call each, keeps a few hundred fields, not 2,000 (each grant call
+/// sweeps a slice once they doubled), and its count of users waiting exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_fair_tags_stay_bounded_over_many_users() {
+    use tollgate_redis::scripts::{self, BucketArgs, FairArgs};
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    let keys = KeySpace::new(&random_prefix()).unwrap().throttle("busy");
+    // Waiters see a bucket of one token at 1/s (after the first, they
+    // queue); the throttler a full one.
+    let waiters = BucketArgs {
+        rate: 1.0,
+        burst: 1,
+    };
+    let throttler = BucketArgs {
+        rate: 1e6,
+        burst: 1_000_000,
+    };
+    let enqueue = |user: &str, n: u64| {
+        let fair = FairArgs {
+            user,
+            weight: 1,
+            max_in_flight: 0,
+            hold_us: 60_000_000,
+        };
+        let ticket = format!("t{n}~0.{n:x}");
+        scripts::throttle_enqueue_fair(&keys, &ticket, "inbox", 60_000_000, 600_000, waiters, fair)
+    };
+    // The bucket's one token, taken on the way in: what follows queues.
+    let first: Vec<i64> = enqueue("first", 0).invoke_async(&mut conn).await.unwrap();
+    assert_eq!(first[0], 2, "{first:?}");
+    let mut n = 0u64;
+    for round in 0..40 {
+        // 50 users of one call each (tagged at the virtual clock v), and 3
+        // calls of a user that never stops waiting (tags v + 1, v + 2, ...).
+        let users = (0..50)
+            .map(|i| format!("u{round}-{i}"))
+            .chain((0..3).map(|_| "flood".to_owned()));
+        for user in users {
+            n += 1;
+            let queued: Vec<i64> = enqueue(&user, n).invoke_async(&mut conn).await.unwrap();
+            assert_eq!(queued[0], 1, "{queued:?}");
+        }
+        // The 50 first (v stays: their finish tags are above it, so their
+        // fields stay), then 2 of the flood's (v passes them; one is left:
+        // the provider never idles).
+        for limit in [50, 2] {
+            let _: Vec<i64> =
+                scripts::throttle_grant(&keys, "t1", throttler, limit, 5_000_000, 600_000)
+                    .invoke_async(&mut conn)
+                    .await
+                    .unwrap();
+        }
+    }
+    let tags: std::collections::HashMap<String, String> =
+        query(&mut conn, redis::cmd("HGETALL").arg(&keys.tags)).await;
+    let v: f64 = tags[":v"].parse().unwrap();
+    let users: Vec<(u64, f64)> = tags
+        .iter()
+        .filter(|(field, _)| !field.starts_with(':'))
+        .map(|(_, value)| {
+            let (count, finish) = value.split_once(' ').unwrap();
+            (count.parse().unwrap(), finish.parse().unwrap())
+        })
+        .collect();
+    assert!(
+        users.len() < 500,
+        "{} user fields after 2,000 users",
+        users.len()
+    );
+    let waiting = users.iter().filter(|(count, _)| *count > 0).count();
+    assert_eq!(waiting, 1, "only the flood waits");
+    assert_eq!(tags[":n"], "1");
+    // What is left of the others is worth something, or not swept yet.
+    let remembered = users.iter().filter(|(_, finish)| *finish > v).count();
+    assert!(remembered >= 1, "the flood's finish tag is above v");
 }

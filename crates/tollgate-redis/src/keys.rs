@@ -88,11 +88,10 @@ pub struct ThrottleKeys {
     pub tickets: String,
     /// Sorted set: user with tickets parked by its cap -> when to look again (µs).
     pub capped: String,
-    /// Sorted set: user -> the finish tag of its last ticket; `:v` -> the
-    /// virtual clock.
-    pub finish: String,
-    /// Sorted set: user -> its tickets waiting (the users waiting: those above 0).
-    pub users: String,
+    /// Hash: user -> `"<tickets waiting> <finish tag of its last ticket>"`;
+    /// `:v` -> the virtual clock, `:n` -> the users waiting (see
+    /// `lua/lib/fair.lua`).
+    pub tags: String,
     base: String,
 }
 
@@ -190,7 +189,7 @@ impl KeySpace {
 
 impl KeySpace {
     /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|lists|processing:<id>`,
-    /// and the fair queue's `tickets|capped|finish|users|parked:<user>|held:<user>`.
+    /// and the fair queue's `tickets|capped|tags|parked:<user>|held:<user>`.
     /// Provider names are validated like ids when the config is read.
     pub fn throttle(&self, provider: &str) -> ThrottleKeys {
         let base = format!("{}:{SCHEMA}:{{p:{}}}", self.prefix, provider);
@@ -203,8 +202,7 @@ impl KeySpace {
             lists: format!("{base}:lists"),
             tickets: format!("{base}:tickets"),
             capped: format!("{base}:capped"),
-            finish: format!("{base}:finish"),
-            users: format!("{base}:users"),
+            tags: format!("{base}:tags"),
             base,
         }
     }
@@ -362,8 +360,7 @@ mod tests {
             &k.lists,
             &k.tickets,
             &k.capped,
-            &k.finish,
-            &k.users,
+            &k.tags,
             &k.parked("u"),
             &k.inbox("p1"),
         ] {

@@ -183,10 +183,7 @@ pub static THROTTLE_POSITION: LazyLock<Script> =
 
 /// The fair queue's keys, in the order the throttle scripts take them.
 fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
-    inv.key(&keys.tickets)
-        .key(&keys.capped)
-        .key(&keys.finish)
-        .key(&keys.users);
+    inv.key(&keys.tickets).key(&keys.capped).key(&keys.tags);
 }
 
 /// A provider's bucket parameters as the throttle scripts read them.

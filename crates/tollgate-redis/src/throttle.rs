@@ -494,13 +494,7 @@ impl Throttle for RedisThrottle {
             );
             cmds.push(redis::cmd("HLEN").arg(&keys.waiting).to_owned());
             cmds.push(redis::cmd("HVALS").arg(&keys.throttlers).to_owned());
-            cmds.push(
-                redis::cmd("ZCOUNT")
-                    .arg(&keys.users)
-                    .arg("(0")
-                    .arg("+inf")
-                    .to_owned(),
-            );
+            cmds.push(redis::cmd("HGET").arg(&keys.tags).arg(":n").to_owned());
         }
         let reply: redis::Value = call::gather(
             &self.shared.pool,
@@ -526,8 +520,9 @@ impl Throttle for RedisThrottle {
                 .map_err(|e| bad_reply::<ThrottleError>("HLEN", e))?;
             let lives: Vec<u64> = redis::from_redis_value_ref(&r[2])
                 .map_err(|e| bad_reply::<ThrottleError>("HVALS", e))?;
-            let fair_users: u64 = redis::from_redis_value_ref(&r[3])
-                .map_err(|e| bad_reply::<ThrottleError>("ZCOUNT", e))?;
+            let fair_users: Option<u64> = redis::from_redis_value_ref(&r[3])
+                .map_err(|e| bad_reply::<ThrottleError>("HGET", e))?;
+            let fair_users = fair_users.unwrap_or(0);
             let users = match p.fairness {
                 Fairness::Fair => fair_users,
                 Fairness::Fifo => u64::from(waiters > 0),

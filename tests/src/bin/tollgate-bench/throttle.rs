@@ -144,6 +144,10 @@ pub struct BenchArgs {
     /// Only the fairness cost.
     #[arg(long)]
     fairness_only: bool,
+    /// With the fairness cost: what Redis did per grant in each configuration
+    /// (`INFO commandstats` around each run, summed over the rounds).
+    #[arg(long)]
+    commandstats: bool,
 }
 
 const BENCH_CONFIG: &str = r#"
@@ -352,6 +356,10 @@ async fn fairness_cost(
     // processes on it; this does not).
     let mut cpu_runs: std::collections::BTreeMap<(usize, usize, usize), Vec<f64>> =
         std::collections::BTreeMap::new();
+    // Per configuration: command -> (calls, µs, grants), summed over the rounds.
+    type Calls = std::collections::BTreeMap<String, (f64, f64, f64)>;
+    let mut cmd_runs: std::collections::BTreeMap<(usize, usize, usize), Calls> =
+        std::collections::BTreeMap::new();
     let mut info = redis::Client::open(server.url())?
         .get_multiplexed_async_connection()
         .await?;
@@ -391,10 +399,27 @@ async fn fairness_cost(
                         "no subscription"
                     );
                     latency(throttle.as_ref(), 50).await?;
+                    let stats_before = if args.commandstats {
+                        commandstats(&mut info).await?
+                    } else {
+                        Default::default()
+                    };
                     let (cpu_before, started) = (redis_cpu(&mut info).await?, Instant::now());
                     let rate = throughput_of(throttle, args.in_flight, args.seconds, users).await?;
                     let grants = rate * started.elapsed().as_secs_f64();
                     let cpu = redis_cpu(&mut info).await? - cpu_before;
+                    if args.commandstats {
+                        let into = cmd_runs.entry((p, u, m)).or_default();
+                        for (name, (calls, usec)) in commandstats(&mut info).await? {
+                            let (c0, u0) = stats_before.get(&name).copied().unwrap_or((0, 0));
+                            let e = into.entry(name).or_insert((0.0, 0.0, 0.0));
+                            e.0 += (calls - c0) as f64;
+                            e.1 += (usec - u0) as f64;
+                        }
+                        for e in into.values_mut() {
+                            e.2 += grants;
+                        }
+                    }
                     runs.entry((p, u, m)).or_default().push(rate);
                     cpu_runs
                         .entry((p, u, m))
@@ -438,9 +463,58 @@ async fn fairness_cost(
                 "",
                 cf / cr,
             );
+            if args.commandstats {
+                for (m, fairness) in modes.iter().enumerate() {
+                    let Some(cmds) = cmd_runs.get(&(p, u, m)) else {
+                        continue;
+                    };
+                    let line = cmds
+                        .iter()
+                        .filter(|(name, (calls, _, grants))| {
+                            name.as_str() != "info" && *calls >= 0.005 * grants.max(1.0)
+                        })
+                        .map(|(name, (calls, usec, grants))| {
+                            let g = grants.max(1.0);
+                            format!("{name} {:.2}x {:.2}µs", calls / g, usec / g)
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    println!(
+                        "  {:<10} {:>5}        per grant, {fairness}: {line}",
+                        "", ""
+                    );
+                }
+            }
         }
     }
     Ok(())
+}
+
+/// `INFO commandstats`: command -> (calls, µs).
+async fn commandstats(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> anyhow::Result<std::collections::BTreeMap<String, (u64, u64)>> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await?;
+    let mut out = std::collections::BTreeMap::new();
+    for line in info.lines() {
+        let Some((name, rest)) = line
+            .strip_prefix("cmdstat_")
+            .and_then(|l| l.split_once(':'))
+        else {
+            continue;
+        };
+        let field = |f: &str| {
+            rest.split(',')
+                .find_map(|kv| kv.strip_prefix(f)?.strip_prefix('=')?.parse::<u64>().ok())
+        };
+        if let (Some(calls), Some(usec)) = (field("calls"), field("usec")) {
+            out.insert(name.to_owned(), (calls, usec));
+        }
+    }
+    Ok(out)
 }
 
 /// CPU seconds of the Redis server's main thread so far (`INFO cpu`).
