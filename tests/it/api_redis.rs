@@ -69,7 +69,7 @@ impl ApiProcess {
             .expect("start tollgate api");
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            if let Ok(r) = http::send(addr, "GET", "/healthz", &[], b"").await {
+            if let Ok(r) = http::send(addr, "GET", "/readyz", &[], b"").await {
                 if r.status == 200 {
                     break;
                 }

@@ -379,7 +379,7 @@ impl Drop for Role {
 async fn up(addr: std::net::SocketAddr) {
     let deadline = Instant::now() + Duration::from_secs(15);
     while !matches!(
-        tollgate_tests::http::send(addr, "GET", "/healthz", &[], b"").await,
+        tollgate_tests::http::send(addr, "GET", "/readyz", &[], b"").await,
         Ok(r) if r.status == 200
     ) {
         assert!(Instant::now() < deadline, "no api on {addr}");

@@ -89,7 +89,7 @@ async fn one_trace_id_from_request_to_provider() {
     let _throttler = Role::start(&["throttler"], &redis, &prefix, &config);
     let deadline = Instant::now() + Duration::from_secs(15);
     while !matches!(
-        tollgate_tests::http::send(addr, "GET", "/healthz", &[], b"").await,
+        tollgate_tests::http::send(addr, "GET", "/readyz", &[], b"").await,
         Ok(r) if r.status == 200
     ) {
         assert!(Instant::now() < deadline, "no api on {addr}");

@@ -1023,6 +1023,18 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     for p in &d.procs {
         d.start(p, &http).await?;
     }
+    // Alive is not ready: an api listens before its store answers.
+    for p in d.of(Role::Api) {
+        if let Some(addr) = p.api {
+            wait_status(
+                &http,
+                &format!("http://{addr}/readyz"),
+                Duration::from_secs(15),
+            )
+            .await
+            .with_context(|| format!("{} never ready", p.name))?;
+        }
+    }
     let apis = d.apis();
 
     let mut users = Vec::new();
