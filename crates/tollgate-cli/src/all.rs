@@ -19,7 +19,7 @@ use tollgate_core::id::{RequestId, UserId};
 use tollgate_throttler::ThrottlerConfig;
 use tollgate_worker::WorkerConfig;
 
-use crate::process::{exit, fail, shutdown_signal};
+use crate::process::{exit, fail, listen, shutdown_signal};
 use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
@@ -102,14 +102,9 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Ok(p) => p,
         Err(e) => return fail(exit::BAD_INPUT, e),
     };
-    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+    let listener = match listen(args.listen, "--listen").await {
         Ok(l) => l,
-        Err(e) => {
-            return fail(
-                exit::FAILURE,
-                format!("cannot listen on {}: {e}", args.listen),
-            )
-        }
+        Err(f) => return f.exit(),
     };
     let addr = listener.local_addr().unwrap_or(args.listen);
     let created = match tollgate_api::admin::create_user(

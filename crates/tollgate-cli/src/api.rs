@@ -11,7 +11,7 @@ use clap::Args;
 use tollgate_api::health::Starting;
 use tollgate_api::state::{ApiState, Settings};
 
-use crate::process::{exit, fail, shutdown_signal};
+use crate::process::{exit, fail, listen, shutdown_signal};
 use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
@@ -60,14 +60,9 @@ pub async fn run(args: ApiArgs) -> ExitCode {
     }
     // Listening before the store answers: a role started while Redis is down
     // is alive (`/healthz`) and says it is not ready yet.
-    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+    let listener = match listen(args.listen, "--listen").await {
         Ok(l) => l,
-        Err(e) => {
-            return fail(
-                exit::FAILURE,
-                format!("cannot listen on {}: {e}", args.listen),
-            )
-        }
+        Err(f) => return f.exit(),
     };
     let starting = Starting::default();
     let server = tokio::spawn(tollgate_api::serve(

@@ -28,10 +28,9 @@ impl ProbeArgs {
         let Some(addr) = self.metrics_listen else {
             return Ok(None);
         };
-        tokio::net::TcpListener::bind(addr)
+        crate::process::listen(addr, "--metrics-listen")
             .await
             .map(Some)
-            .map_err(|e| Failure::other(format!("cannot listen on {addr} (--metrics-listen): {e}")))
     }
 }
 

@@ -19,6 +19,17 @@ pub(crate) fn fail(code: u8, e: impl std::fmt::Display) -> ExitCode {
     ExitCode::from(code)
 }
 
+/// Binds `addr` for a role's HTTP listener (`flag`: the option that set it,
+/// named in the error).
+pub(crate) async fn listen(
+    addr: std::net::SocketAddr,
+    flag: &str,
+) -> Result<tokio::net::TcpListener, crate::store::Failure> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| crate::store::Failure::other(format!("cannot listen on {addr} ({flag}): {e}")))
+}
+
 /// Resolves on SIGINT or SIGTERM.
 pub(crate) async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
