@@ -192,6 +192,18 @@ fn is_noscript(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
+/// One request on `conn`, whichever kind of connection it is.
+async fn send<T: FromRedisValue>(
+    request: Request<'_, '_>,
+    conn: &mut impl redis::aio::ConnectionLike,
+) -> Result<T, RedisError> {
+    match request {
+        Request::Script(inv) => invoke(inv, conn).await,
+        Request::Command(cmd) => cmd.query_async(conn).await,
+        Request::Pipeline(pipe) => pipe.query_async(conn).await,
+    }
+}
+
 async fn call<T: FromRedisValue>(
     pool: &Pool,
     timeout: Duration,
@@ -205,14 +217,7 @@ async fn call<T: FromRedisValue>(
             // The cluster connection reconnects, follows MOVED/ASK and
             // refreshes its slot map by itself; a failed call is reported.
             let mut conn = c.connection();
-            let round_trip = async {
-                match request {
-                    Request::Script(inv) => invoke(inv, &mut conn).await,
-                    Request::Command(cmd) => cmd.query_async::<T>(&mut conn).await,
-                    Request::Pipeline(pipe) => pipe.query_async::<T>(&mut conn).await,
-                }
-                .map_err(store_error)
-            };
+            let round_trip = async { send(request, &mut conn).await.map_err(store_error) };
             return bounded(timeout, op, round_trip).await;
         }
     };
@@ -220,13 +225,7 @@ async fn call<T: FromRedisValue>(
         let mut retried = false;
         loop {
             let mut lease = checkout(pool).await?;
-            let conn = &mut lease.conn;
-            let result = match request {
-                Request::Script(inv) => invoke(inv, conn).await,
-                Request::Command(cmd) => cmd.query_async::<T>(conn).await,
-                Request::Pipeline(pipe) => pipe.query_async::<T>(conn).await,
-            };
-            match result {
+            match send(request, &mut lease.conn).await {
                 Ok(value) => return Ok(value),
                 Err(e) => {
                     let broken = is_connection_error(&e);
