@@ -9,9 +9,12 @@
 -- ARGV[3] max_wait in µs: after that the ticket is worth nothing
 -- ARGV[4] idle ttl in ms of the provider's keys
 -- ARGV[5] rate (tokens/s), ARGV[6] burst
--- ARGV[7] user ("" for the anonymous queue), ARGV[8] weight (>= 1)
--- ARGV[9] max_in_flight (0: none), ARGV[10] hold of a slot in µs (> 0)
--- ARGV[11] the provider's key base (for the per-user keys)
+-- ARGV[7] the waiter's share: "<weight> <max_in_flight> <hold> <user>":
+--         weight >= 1, max_in_flight 0 for none, hold of a slot in µs > 0,
+--         user "" for the anonymous queue. It is the tail of the ticket's
+--         `waiting` entry as it stands: one argument, checked by one pattern
+--         and copied (four checked one by one cost the enqueue ~1 µs).
+-- ARGV[8] the provider's key base (for the per-user keys)
 -- Returns { 2, now_us } granted at once: nobody waits, the bucket has a token
 -- and the user is below its cap; { 1, now_us } queued for a throttler;
 -- { 0 } when the ticket is already waiting.
@@ -37,38 +40,52 @@ local function fair_field(count, finish)
 end
 
 local QUEUE, WAITING, BUCKET = KEYS[1], KEYS[2], KEYS[3]
-local F = { tickets = KEYS[4], capped = KEYS[5], tags = KEYS[6], waiting = WAITING,
-  base = ARGV[11] }
-local ticket, inbox, user = ARGV[1], ARGV[2], ARGV[7]
+local TICKETS, CAPPED, TAGS = KEYS[4], KEYS[5], KEYS[6]
+local ticket, inbox, share, base = ARGV[1], ARGV[2], ARGV[7], ARGV[8]
 local max_wait, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
-local rate, burst = tonumber(ARGV[5]), tonumber(ARGV[6])
-local weight, cap, hold = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-if not max_wait or max_wait < 0 or not idle or idle < 1 or not rate or rate <= 0
-    or not burst or burst < 1 or not weight or weight < 1 or not cap or cap < 0
-    or not hold or hold < 1 or not F.base or F.base == '' or inbox == ''
-    or string.find(inbox, ' ', 1, true) then
+local weight, cap, hold, user = string.match(share or '', '^(%d+) (%d+) (%d+) (.*)$')
+weight = tonumber(weight)
+if not max_wait or max_wait < 0 or not idle or idle < 1 or not weight or weight < 1
+    or not base or base == '' or inbox == '' or string.find(inbox, ' ', 1, true) then
   return redis.error_reply('throttle_enqueue_fair: bad arguments')
 end
-if not string.find(ARGV[8] .. ARGV[9] .. ARGV[10], '^%d+$') then
-  return redis.error_reply('throttle_enqueue_fair: weight, max_in_flight and hold are integers')
+-- Numbers are read only where they are used (a tonumber costs about as much
+-- as a Redis command called from here): the hold under a cap, the bucket's
+-- rate and burst when the provider is idle; checked before any write.
+if cap == '0' then
+  cap = 0
+else
+  cap, hold = tonumber(cap), tonumber(hold)
+  if hold < 1 then
+    return redis.error_reply('throttle_enqueue_fair: bad arguments')
+  end
 end
 local now = now_us()
--- Nobody waiting (so neither is this ticket): the provider was idle.
-local idle_before = redis.call('HLEN', WAITING) == 0
-if idle_before and (cap == 0 or fair_held(F, user, now) < cap) then
+-- The user's count and finish tag, v, and the users waiting: one read (and
+-- one write below).
+local state = redis.call('HMGET', TAGS, user, ':v', ':n')
+-- Nobody waiting (so neither is this ticket): the provider was idle. (`:n`
+-- counts the users with tickets queued or parked, lib/fair.lua: the one read
+-- answers this too. Tickets of the FIFO queue left from before a switch to
+-- "fair" are not counted: they are served first by the next grant call, but
+-- one arrival may take a free token past them.)
+local idle_before = not state[3] or state[3] == '0'
+if idle_before and (cap == 0 or fair_held({ base = base }, user, now) < cap) then
+  local rate, burst = tonumber(ARGV[5]), tonumber(ARGV[6])
+  if not rate or rate <= 0 or not burst or burst < 1 then
+    return redis.error_reply('throttle_enqueue_fair: bad arguments')
+  end
   local tokens, at = bucket_read(BUCKET, now, rate, burst)
   if tokens >= 1 then
     bucket_write(BUCKET, tokens - 1, at, rate, burst)
     if cap > 0 then
-      local held = held_key(F.base, user)
+      local held = held_key(base, user)
       redis.call('ZADD', held, int(now + hold), ticket)
       redis.call('PEXPIRE', held, int(hold / 1000 + 1000))
     end
     return { 2, now }
   end
 end
--- The user's count and finish tag, and v: one read, one write.
-local state = redis.call('HMGET', F.tags, user, ':v', ':n')
 local count, finish, start_s = fair_user(state[1])
 local start = tonumber(state[2]) or 0
 if finish > start then
@@ -77,30 +94,30 @@ else
   start_s = state[2] or '0'
 end
 local stamp = fair_stamp(now)
-if redis.call('HSETNX', WAITING, ticket, fair_entry(now + max_wait, inbox, stamp, ARGV[8], ARGV[9], ARGV[10], user)) == 0 then
+if redis.call('HSETNX', WAITING, ticket, fair_entry(now + max_wait, inbox, stamp, share)) == 0 then
   return { 0 }
 end
 if count == 0 then
   -- It starts waiting.
-  redis.call('HSET', F.tags, user, fair_field(1, start + 1 / weight), ':n', (tonumber(state[3]) or 0) + 1)
+  redis.call('HSET', TAGS, user, fair_field(1, start + 1 / weight), ':n', (tonumber(state[3]) or 0) + 1)
 else
-  redis.call('HSET', F.tags, user, fair_field(count + 1, start + 1 / weight))
+  redis.call('HSET', TAGS, user, fair_field(count + 1, start + 1 / weight))
 end
 -- A user with parked tickets queues behind them (its own order).
-local into = F.tickets
-if cap > 0 and redis.call('ZSCORE', F.capped, user) then
-  into = parked_key(F.base, user)
+local into = TICKETS
+if cap > 0 and redis.call('ZSCORE', CAPPED, user) then
+  into = parked_key(base, user)
 end
 redis.call('ZADD', into, start_s, stamp .. ticket)
 -- Keys written here live `idle` from now. While tickets wait, the provider's
 -- keys exist and every grant call renews them (throttle_grant.lua): only an
 -- idle provider's (maybe new) keys, and a parked ticket's, need it here.
 if idle_before then
-  for _, key in ipairs({ WAITING, F.tickets, F.tags }) do
+  for _, key in ipairs({ WAITING, TICKETS, TAGS }) do
     redis.call('PEXPIRE', key, int(idle))
   end
 end
-if into ~= F.tickets then
+if into ~= TICKETS then
   redis.call('PEXPIRE', into, int(idle))
 end
 if ring(QUEUE) then

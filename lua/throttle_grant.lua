@@ -104,6 +104,7 @@ if not fifo_left then
     fair_unpark(F, user, v, now)
   end
 end
+-- The tag of the last grant in this call, as popped.
 local granted_v
 -- Tickets gone per user in this call (each user's count goes down once, at
 -- the end), and those users in the order met.
@@ -152,7 +153,8 @@ while not fifo_left and wait == 0 and more == 0 do
   -- tickets went back), so the rest of the batch goes back too.
   local parked_at
   for i = 1, n do
-    local ticket, tag = ids[i], tonumber(top[2 * i])
+    -- The tag as popped (a string: read as a number only where compared).
+    local ticket, tag = ids[i], top[2 * i]
     local deadline, inbox, cap, hold, user
     if entries[i] then
       deadline, inbox, cap, hold, user = fair_fields(entries[i])
@@ -164,7 +166,8 @@ while not fifo_left and wait == 0 and more == 0 do
       done[#done + 1] = ticket
       gone_of(user)
       skipped = skipped + 1
-    elseif cap == 0 or fair_fits(F, user, top[2 * i - 1], tag, cap, granted_v or v or fair_v(F), now) then
+    elseif cap == 0 or fair_fits(F, user, top[2 * i - 1], tonumber(tag), cap,
+        granted_v and tonumber(granted_v) or v or fair_v(F), now) then
       tokens = tokens - 1
       done[#done + 1] = ticket
       grants[#grants + 1] = now_s
@@ -210,7 +213,8 @@ elseif fair_touched then
   if #gone_users > 0 then
     -- The counts of the users served or dropped, v (one HSET), and a slice
     -- of the hash swept when it has grown.
-    fair_account(F, gone, gone_users, granted_v or v, granted_v and { ':v', granted_v } or {}, true)
+    fair_account(F, gone, gone_users, granted_v and tonumber(granted_v) or v,
+      granted_v and { ':v', granted_v } or {}, true)
   end
   if not left then
     fair_settle(F)

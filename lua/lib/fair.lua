@@ -34,7 +34,8 @@
 --           doubled since the last one (each grant call sweeps a slice: O(1);
 --           fair.rs prunes its map alike). Also ':v' -> v, the virtual clock
 --           (the start tag of the last grant); ':n' -> the users waiting
---           (count > 0); ':p' -> fields after the last sweep; ':c' -> the
+--           (count > 0; '0' or none: the provider is idle, the enqueue's
+--           test); ':p' -> fields after the last sweep; ':c' -> the
 --           sweep's HSCAN cursor while one is under way
 --   <base>:held:<user>    sorted set: ticket -> when the slot frees itself
 --                         (µs): the user's calls in flight (only under a cap)
@@ -83,11 +84,10 @@ local function fair_stamp(now)
   return string.format('%014x', now) -- STAMP hex digits
 end
 
--- A fair ticket's `waiting` entry.
--- (`weight`, `cap`, `hold`: integers, as strings.)
-local function fair_entry(deadline, inbox, stamp, weight, cap, hold, user)
-  return int(deadline) .. ' ' .. inbox .. ' ' .. stamp .. ' ' .. weight .. ' '
-    .. cap .. ' ' .. hold .. ' ' .. user
+-- A fair ticket's `waiting` entry; `share`: "<weight> <max_in_flight> <hold>
+-- <user>" (throttle_enqueue_fair.lua's ARGV[7], checked there).
+local function fair_entry(deadline, inbox, stamp, share)
+  return int(deadline) .. ' ' .. inbox .. ' ' .. stamp .. ' ' .. share
 end
 
 -- deadline, inbox, stamp, weight, cap, hold, user of a fair `waiting` entry
@@ -102,20 +102,30 @@ local function fair_parse(w)
 end
 
 -- deadline, inbox, cap, hold, user of a fair `waiting` entry (nil when it is
--- not one): what a grant needs, found by position (the grant's hot path; one
--- pattern over the whole entry costs twice as much).
+-- not one): what a grant needs, found by position (the grant's hot path, once
+-- per ticket: a pattern over the entry costs about twice as much), and the
+-- hold read only under a cap (0 without one).
 local function fair_fields(w)
   local sp = string.find(w, ' ', 1, true)
   local sp2 = sp and string.find(w, ' ', sp + 1, true)
-  if not sp2 then
+  -- The weight starts after the stamp's STAMP digits and a space.
+  local sp3 = sp2 and string.find(w, ' ', sp2 + STAMP + 2, true)
+  local sp4 = sp3 and string.find(w, ' ', sp3 + 1, true)
+  local sp5 = sp4 and string.find(w, ' ', sp4 + 1, true)
+  if not sp5 or string.sub(w, sp2 + STAMP + 1, sp2 + STAMP + 1) ~= ' ' then
     return nil
   end
-  local cap, hold, user = string.match(w, '^%d+ (%d+) (%d+) (.*)$', sp2 + STAMP + 2)
-  if not cap then
+  local cap, hold = string.sub(w, sp3 + 1, sp4 - 1), 0
+  if cap == '0' then
+    cap = 0
+  else
+    cap, hold = tonumber(cap), tonumber(string.sub(w, sp4 + 1, sp5 - 1))
+  end
+  local deadline = tonumber(string.sub(w, 1, sp - 1))
+  if not deadline or not cap or not hold then
     return nil
   end
-  return tonumber(string.sub(w, 1, sp - 1)), string.sub(w, sp + 1, sp2 - 1), tonumber(cap),
-    tonumber(hold), user
+  return deadline, string.sub(w, sp + 1, sp2 - 1), cap, hold, string.sub(w, sp5 + 1)
 end
 
 local function fair_v(F)

@@ -841,3 +841,71 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
     let remembered = users.iter().filter(|(_, finish)| *finish > v).count();
     assert!(remembered >= 1, "the flood's finish tag is above v");
 }
+
+/// The fair enqueue checks its arguments before it writes anything: a share
+/// that is not "<weight> <max_in_flight> <hold> <user>", a hold of 0 under a
+/// cap, or an idle provider's bucket of rate 0 is an error, and no key of the
+/// provider exists after it. (Its numbers are read where they are used, so
+/// the bucket's are checked only on the way to the bucket: that is before
+/// any write too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
+    use tollgate_redis::scripts::THROTTLE_ENQUEUE_FAIR;
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    let keys = KeySpace::new(&random_prefix()).unwrap().throttle("llm");
+    let enqueue = |share: &str, rate: &str| {
+        let mut inv = THROTTLE_ENQUEUE_FAIR.prepare_invoke();
+        inv.key(&keys.queue)
+            .key(&keys.waiting)
+            .key(&keys.bucket)
+            .key(&keys.tickets)
+            .key(&keys.capped)
+            .key(&keys.tags);
+        inv.arg("t1~0.1")
+            .arg("inbox")
+            .arg(60_000_000)
+            .arg(600_000)
+            .arg(rate)
+            .arg(1)
+            .arg(share)
+            .arg(keys.base());
+        inv
+    };
+    for (share, rate) in [
+        ("", "1"),
+        ("one 0 1000 u", "1"),
+        ("1 0 1000", "1"),
+        ("0 0 1000 u", "1"),
+        ("1 2 0 u", "1"),
+        ("1 0 1000 u", "0"),
+        ("1 0 1000 u", "x"),
+    ] {
+        let err = enqueue(share, rate)
+            .invoke_async::<Vec<i64>>(&mut conn)
+            .await
+            .expect_err(&format!("share {share:?}, rate {rate}: accepted"));
+        assert!(
+            err.to_string().contains("bad arguments"),
+            "share {share:?}, rate {rate}: {err}"
+        );
+        let exists: u64 = query(
+            &mut conn,
+            redis::cmd("EXISTS")
+                .arg(&keys.queue)
+                .arg(&keys.waiting)
+                .arg(&keys.bucket)
+                .arg(&keys.tickets)
+                .arg(&keys.tags)
+                .arg(format!("{}:held:u", keys.base())),
+        )
+        .await;
+        assert_eq!(exists, 0, "share {share:?}, rate {rate}: keys written");
+    }
+    // The same call, well formed, is granted on the way in.
+    let granted: Vec<i64> = enqueue("1 0 1000 u", "1")
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(granted[0], 2, "{granted:?}");
+}

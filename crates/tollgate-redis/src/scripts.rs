@@ -280,6 +280,21 @@ pub struct FairArgs<'a> {
     pub hold_us: u64,
 }
 
+impl FairArgs<'_> {
+    /// `"<weight> <max_in_flight> <hold µs> <user>"`: one argument of the
+    /// script, and the tail of the ticket's `waiting` entry as it is (the
+    /// script checks it with one pattern and copies it; `lua/lib/fair.lua`).
+    fn share(&self) -> String {
+        format!(
+            "{} {} {} {}",
+            self.weight.max(1),
+            self.max_in_flight,
+            self.hold_us.max(1),
+            self.user
+        )
+    }
+}
+
 /// `throttle_enqueue_fair.lua`
 pub fn throttle_enqueue_fair<'a>(
     keys: &ThrottleKeys,
@@ -299,10 +314,7 @@ pub fn throttle_enqueue_fair<'a>(
         .arg(idle_ms)
         .arg(bucket.rate)
         .arg(bucket.burst)
-        .arg(fair.user)
-        .arg(fair.weight.max(1))
-        .arg(fair.max_in_flight)
-        .arg(fair.hold_us.max(1))
+        .arg(fair.share())
         .arg(keys.base());
     inv
 }
