@@ -463,6 +463,40 @@ async fn job_past_max_attempts_is_abandoned_and_refunded(s: &Setup) {
     assert_eq!(s.used("gina").await, 0);
 }
 
+/// One take that meets jobs it must give up (past their attempts) fails them
+/// and goes on to the next job: `None` means nothing was left to run within
+/// the block, never "an entry was dealt with". (Redis returned `None` after
+/// each one given up, so a drain with `while take(..).is_some()` stopped with
+/// jobs still queued: the charge-ownership model test found it.)
+async fn job_take_gives_up_what_it_must_and_returns_the_next(s: &Setup) {
+    submit_ok(s, "g1", "ivy").await;
+    submit_ok(s, "g2", "ivy").await;
+    for _ in 1..=2 {
+        take(s, "work", "w1").await;
+        take(s, "work", "w1").await;
+        tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+        s.source
+            .maintain("w2", Duration::from_secs(5))
+            .await
+            .unwrap();
+    }
+    submit_ok(s, "g3", "ivy").await;
+    let next = s
+        .source
+        .take("work", "w1", Duration::from_millis(300), LEASE)
+        .await
+        .unwrap();
+    assert_eq!(next.map(|l| l.job.id), Some(rid("g3")));
+    for id in ["g1", "g2"] {
+        let info = s.queue.status(&user("ivy"), &rid(id)).await.unwrap();
+        match info.unwrap().status {
+            JobStatus::Failed { cause, .. } => assert_eq!(cause, FailureCause::Abandoned, "{id}"),
+            other => panic!("{id}: {other:?}"),
+        }
+    }
+    assert_eq!(s.used("ivy").await, 10, "only g3 is charged");
+}
+
 async fn job_hand_back_requeues_without_counting_the_attempt(s: &Setup) {
     submit_ok(s, "h1", "hank").await;
     submit_ok(s, "h2", "hank").await;
@@ -539,6 +573,7 @@ conformance!(
     job_failure_refunds_exactly_once,
     job_expired_lease_goes_back_and_the_old_token_is_refused,
     job_past_max_attempts_is_abandoned_and_refunded,
+    job_take_gives_up_what_it_must_and_returns_the_next,
     job_hand_back_requeues_without_counting_the_attempt,
     job_stats_count_queued_and_running_jobs,
 );

@@ -289,6 +289,123 @@ impl RedisJobQueue {
         cmd.arg(&keys.dead).arg(0).arg(-1);
         self.command("lrange", cmd).await
     }
+
+    /// One pop of `take`: a job leased, an entry dealt with (failed or moved
+    /// aside), or nothing within `block`.
+    async fn take_one(
+        &self,
+        operation: &str,
+        worker: &str,
+        block: Duration,
+        lease: Duration,
+    ) -> Result<Taken, JobError> {
+        let (op, keys) = self.op_keys(operation)?;
+        let mut conn = self.blocking_conn().await?;
+        let mut cmd = redis::cmd("BLMOVE");
+        cmd.arg(&keys.queue)
+            .arg(keys.processing(worker))
+            .arg("RIGHT")
+            .arg("LEFT")
+            .arg(block.as_secs_f64());
+        let moved: Result<Option<String>, JobError> =
+            call::dedicated(&mut conn, block + self.timeout, "blmove", &cmd)
+                .await
+                .map_err(JobError::from);
+        let moved = match moved {
+            Ok(m) => {
+                lock(&self.blocking).push(conn);
+                m
+            }
+            // A dropped or failed connection is not reused: it may still block.
+            Err(e) => return Err(e),
+        };
+        let Some(id) = moved else {
+            return Ok(Taken::Empty);
+        };
+        let reply: Vec<Value> = self
+            .script(
+                "job_lease",
+                scripts::job_lease(
+                    &keys,
+                    &id,
+                    worker,
+                    millis(lease),
+                    op.max_attempts,
+                    &op.name,
+                    &self.done_channel(&keys),
+                ),
+            )
+            .await?;
+        match reply.first().and_then(int) {
+            Some(1) if reply.len() >= 3 => {
+                let fields: HashMap<String, String> = reply[3..]
+                    .chunks_exact(2)
+                    .filter_map(|kv| Some((text(&kv[0])?, text(&kv[1])?)))
+                    .collect();
+                let token = int(&reply[1]);
+                let parsed = RequestId::new(id.as_str())
+                    .map_err(|e| e.to_string())
+                    .and_then(|rid| parse_job(&rid, &fields));
+                let (Some(token), Ok(job)) = (token, parsed) else {
+                    tracing::error!(entry = %id, "leased job has unreadable fields; failing it");
+                    let token = token.unwrap_or(0);
+                    let user = fields.get("user").cloned().unwrap_or_default();
+                    let nonce = fields.get("nonce").cloned().unwrap_or_default();
+                    if self
+                        .record_failure(
+                            &keys,
+                            FailArgs {
+                                id: &id,
+                                worker,
+                                token,
+                                cause: FailureCause::Abandoned.as_str(),
+                                message: "malformed job: unreadable fields",
+                                release: true,
+                                ttl_ms: millis(self.options.result_ttl),
+                            },
+                        )
+                        .await?
+                    {
+                        self.release(&keys, &id, &user, &nonce).await?;
+                    }
+                    return Ok(Taken::Skipped);
+                };
+                Ok(Taken::Job(Box::new(Lease {
+                    token,
+                    job,
+                    worker: worker.to_owned(),
+                    time_left: Duration::from_millis(int(&reply[2]).unwrap_or(0)),
+                })))
+            }
+            Some(0) => Ok(Taken::Skipped),
+            Some(2) => {
+                let cause = reply.get(1).and_then(text).unwrap_or_default();
+                let user = reply.get(2).and_then(text).unwrap_or_default();
+                let nonce = reply.get(3).and_then(text).unwrap_or_default();
+                tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");
+                self.release(&keys, &id, &user, &nonce).await?;
+                Ok(Taken::Skipped)
+            }
+            Some(3) => {
+                let reason = reply.get(1).and_then(text).unwrap_or_default();
+                let user = reply.get(2).and_then(text).unwrap_or_default();
+                let nonce = reply.get(3).and_then(text).unwrap_or_default();
+                tracing::error!(entry = %id, operation = %op.name, reason, "malformed job moved aside");
+                self.release(&keys, &id, &user, &nonce).await?;
+                Ok(Taken::Skipped)
+            }
+            _ => Err(bad_reply("job_lease", reply)),
+        }
+    }
+}
+
+/// What one pop of [`RedisJobQueue::take_one`] came to.
+enum Taken {
+    Job(Box<Lease>),
+    /// An entry failed or moved aside: not a job, not the end of the queue.
+    Skipped,
+    /// Nothing within the block.
+    Empty,
 }
 
 /// The finished-jobs channel rings the waiters of each job; after every
@@ -549,102 +666,25 @@ impl JobSource for RedisJobQueue {
         block: Duration,
         lease: Duration,
     ) -> Result<Option<Lease>, JobError> {
-        let (op, keys) = self.op_keys(operation)?;
-        let mut conn = self.blocking_conn().await?;
-        let mut cmd = redis::cmd("BLMOVE");
-        cmd.arg(&keys.queue)
-            .arg(keys.processing(worker))
-            .arg("RIGHT")
-            .arg("LEFT")
-            .arg(block.as_secs_f64());
-        let moved: Result<Option<String>, JobError> =
-            call::dedicated(&mut conn, block + self.timeout, "blmove", &cmd)
-                .await
-                .map_err(JobError::from);
-        let moved = match moved {
-            Ok(m) => {
-                lock(&self.blocking).push(conn);
-                m
+        // An entry failed or moved aside on the way (past its deadline or its
+        // attempts, stale, malformed) is not a job to return, and not the end
+        // of the queue either: the next one is taken, within what is left of
+        // `block`, as the memory backend does. (Returning `None` for it told
+        // a caller that drains with `while take(..).is_some()` the queue was
+        // empty with jobs left in it.)
+        let deadline = tokio::time::Instant::now() + block;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            // BLMOVE's 0 blocks forever: an empty queue past the deadline
+            // still answers within a millisecond.
+            match self
+                .take_one(operation, worker, left.max(Duration::from_millis(1)), lease)
+                .await?
+            {
+                Taken::Job(lease) => return Ok(Some(*lease)),
+                Taken::Skipped => continue,
+                Taken::Empty => return Ok(None),
             }
-            // A dropped or failed connection is not reused: it may still block.
-            Err(e) => return Err(e),
-        };
-        let Some(id) = moved else {
-            return Ok(None);
-        };
-        let reply: Vec<Value> = self
-            .script(
-                "job_lease",
-                scripts::job_lease(
-                    &keys,
-                    &id,
-                    worker,
-                    millis(lease),
-                    op.max_attempts,
-                    &op.name,
-                    &self.done_channel(&keys),
-                ),
-            )
-            .await?;
-        match reply.first().and_then(int) {
-            Some(1) if reply.len() >= 3 => {
-                let fields: HashMap<String, String> = reply[3..]
-                    .chunks_exact(2)
-                    .filter_map(|kv| Some((text(&kv[0])?, text(&kv[1])?)))
-                    .collect();
-                let token = int(&reply[1]);
-                let parsed = RequestId::new(id.as_str())
-                    .map_err(|e| e.to_string())
-                    .and_then(|rid| parse_job(&rid, &fields));
-                let (Some(token), Ok(job)) = (token, parsed) else {
-                    tracing::error!(entry = %id, "leased job has unreadable fields; failing it");
-                    let token = token.unwrap_or(0);
-                    let user = fields.get("user").cloned().unwrap_or_default();
-                    let nonce = fields.get("nonce").cloned().unwrap_or_default();
-                    if self
-                        .record_failure(
-                            &keys,
-                            FailArgs {
-                                id: &id,
-                                worker,
-                                token,
-                                cause: FailureCause::Abandoned.as_str(),
-                                message: "malformed job: unreadable fields",
-                                release: true,
-                                ttl_ms: millis(self.options.result_ttl),
-                            },
-                        )
-                        .await?
-                    {
-                        self.release(&keys, &id, &user, &nonce).await?;
-                    }
-                    return Ok(None);
-                };
-                Ok(Some(Lease {
-                    token,
-                    job,
-                    worker: worker.to_owned(),
-                    time_left: Duration::from_millis(int(&reply[2]).unwrap_or(0)),
-                }))
-            }
-            Some(0) => Ok(None),
-            Some(2) => {
-                let cause = reply.get(1).and_then(text).unwrap_or_default();
-                let user = reply.get(2).and_then(text).unwrap_or_default();
-                let nonce = reply.get(3).and_then(text).unwrap_or_default();
-                tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");
-                self.release(&keys, &id, &user, &nonce).await?;
-                Ok(None)
-            }
-            Some(3) => {
-                let reason = reply.get(1).and_then(text).unwrap_or_default();
-                let user = reply.get(2).and_then(text).unwrap_or_default();
-                let nonce = reply.get(3).and_then(text).unwrap_or_default();
-                tracing::error!(entry = %id, operation = %op.name, reason, "malformed job moved aside");
-                self.release(&keys, &id, &user, &nonce).await?;
-                Ok(None)
-            }
-            _ => Err(bad_reply("job_lease", reply)),
         }
     }
 
