@@ -212,3 +212,100 @@ async fn throttle_late_at_send_redis_direct() {
 async fn throttle_late_at_send_redis_queued() {
     redis_case("slow", true).await;
 }
+
+/// The late grants counted for `provider` so far.
+fn late_grants(metrics: &Metrics, provider: &str) -> f64 {
+    let head = format!("tollgate_throttle_late_grants_total{{provider=\"{provider}\"}} ");
+    metrics
+        .render()
+        .lines()
+        .filter_map(|l| l.strip_prefix(&head)?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A grant is as old as Redis's clock says, not as old as the enqueue that
+/// asked for it took to run. An enqueue that waited behind other traffic on
+/// its connection (here a BLPOP on the process's one connection; in a flood,
+/// hundreds of waiters enqueueing at once over a few connections) made its
+/// grant look that much older: a fresh grant was thrown away as late (its
+/// token lost), or taken with its send deadline already past.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_slow_enqueue_does_not_age_its_grant() {
+    use tollgate_redis::{keys::KeySpace, pool::PoolOptions, throttle::RedisThrottle};
+    let setup = RedisSetup::start(true, Default::default()).await;
+    let options = PoolOptions {
+        max_size: 1,
+        ..Default::default()
+    };
+    let pool = tollgate_redis::pool::connect(&setup.server().url(), &options)
+        .await
+        .expect("connect");
+    let tollgate_redis::pool::Pool::Single(single) = pool.clone() else {
+        panic!("a standalone Redis")
+    };
+    let config = crate::throttle::config();
+    let metrics = Arc::new(Metrics::new(&config));
+    // `slow`: 2/s, burst 1; its grants are late past 200 ms.
+    let throttle = RedisThrottle::start(
+        pool,
+        KeySpace::new(&setup.prefix).expect("prefix"),
+        &config,
+        RedisThrottleOptions {
+            late_grant: Duration::from_millis(200),
+            metrics: Some(Arc::clone(&metrics)),
+            ..Default::default()
+        },
+    );
+    assert!(throttle.subscribed(Duration::from_secs(5)).await);
+    let wait = Duration::from_secs(10);
+    // Holds the process's one connection for `secs`.
+    let hold = |secs: f64| {
+        let single = single.clone();
+        tokio::spawn(async move {
+            let mut c = tollgate_redis::pool::checkout(&single)
+                .await
+                .expect("a connection");
+            let _: redis::Value = redis::cmd("BLPOP")
+                .arg("tollgate-test-nothing")
+                .arg(secs)
+                .query_async(&mut c.conn)
+                .await
+                .expect("BLPOP");
+        })
+    };
+    // On an idle connection, the bucket's token.
+    throttle
+        .acquire("slow", &rid("first"), wait)
+        .await
+        .expect("first");
+    // Taken on the way in, its enqueue run 550 ms after it was sent (the
+    // bucket refilled meanwhile): the grant is fresh, usable for its 200 ms.
+    let blocker = hold(0.6);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = throttle
+        .acquire("slow", &rid("second"), wait)
+        .await
+        .expect("second");
+    assert!(
+        tollgate_providers::late_by(second.use_by).is_none(),
+        "a fresh grant taken on the way in was past its use-by: {:?}",
+        tollgate_providers::late_by(second.use_by)
+    );
+    blocker.await.expect("blocker");
+    // Queued: its enqueue runs 350 ms after it was sent, and a throttler
+    // grants it when the bucket refills, about 100 ms later.
+    let blocker = hold(0.4);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let third = throttle
+        .acquire("slow", &rid("third"), wait)
+        .await
+        .expect("third");
+    blocker.await.expect("blocker");
+    assert_eq!(
+        late_grants(&metrics, "slow"),
+        0.0,
+        "a fresh grant was thrown away as late"
+    );
+    assert!(tollgate_providers::late_by(third.use_by).is_none());
+    setup.stop().await;
+}

@@ -17,6 +17,7 @@
 
 pub mod activity;
 pub mod call;
+pub mod clock;
 pub mod jobs;
 pub mod keys;
 pub mod keystore;

@@ -37,6 +37,7 @@ use tollgate_core::{
 };
 
 use crate::call::{self, bad_reply};
+use crate::clock::RedisClock;
 use crate::keys::{KeySpace, ThrottleKeys};
 use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, BucketArgs, FairArgs, Reclaim};
@@ -163,6 +164,10 @@ struct Shared {
     /// drop them, leaving their tickets queued until their deadline).
     cancels: Mutex<tokio::task::JoinSet<()>>,
     metrics: Option<Arc<Metrics>>,
+    /// Per provider, Redis's clock as its enqueues bound it (how old a grant
+    /// is when it arrives). Per provider: on a cluster, each provider's keys
+    /// live on one node, and each node has its own clock.
+    clocks: HashMap<String, RedisClock>,
 }
 
 impl Shared {
@@ -390,6 +395,10 @@ impl RedisThrottle {
             call_timeout: options.call_timeout,
             cancels: Mutex::default(),
             metrics: options.metrics.clone(),
+            clocks: config
+                .providers()
+                .map(|p| (p.name.clone(), RedisClock::new()))
+                .collect(),
         });
         Self {
             shared,
@@ -698,34 +707,10 @@ impl RedisThrottle {
             ticket: ticket.id.clone(),
         });
         let late = late_bound(p.rate, self.options.late_grant);
-        // Redis's clock is taken to read `redis_now_us` (the script's TIME)
-        // at `sent_at`, which makes grants look older, never younger: one
-        // made at `granted_at_us` is late once this process's clock passes
-        // `sent_at` + (granted_at_us + late - redis_now_us).
-        let grant = |granted_at_us: u64, redis_now_us: u64| Grant {
-            provider: p.name.clone(),
-            request_id: request_id.clone(),
-            waited: started.elapsed(),
-            granted_at_us,
-            held: held.clone(),
-            use_by: Some(
-                sent_at
-                    + Duration::from_micros(
-                        granted_at_us
-                            .saturating_add(micros(late))
-                            .saturating_sub(redis_now_us),
-                    ),
-            ),
-        };
-        let redis_now_us = match queued[..] {
-            [2, granted_at_us] => {
-                // Nobody was queued and the bucket had a token: taken at once.
-                ticket.armed = false;
-                lock(&shared.pending).remove(&ticket.id);
-                let at = u64::try_from(granted_at_us).unwrap_or(0);
-                return Ok(Attempt::Granted(grant(at, at)));
-            }
-            [1, now_us] => u64::try_from(now_us).unwrap_or(0),
+        // [2, granted_at_us]: nobody was queued and the bucket had a token,
+        // taken at once; [1, now_us]: queued.
+        let (taken, redis_now_us) = match queued[..] {
+            [kind @ (1 | 2), now_us] => (kind == 2, u64::try_from(now_us).unwrap_or(0)),
             _ => {
                 return Err(StoreError::backend(format!(
                     "throttle_enqueue refused ticket {}: {queued:?}",
@@ -734,13 +719,51 @@ impl RedisThrottle {
                 .into())
             }
         };
+        // The script ran after `sent_at`: Redis's clock read at most
+        // `redis_now_us` then. The provider's clock keeps the tightest such
+        // bound (see `RedisClock`): a grant's age is never underestimated,
+        // and an enqueue that waited behind others does not age its grant.
+        let clock = shared.clocks.get(&p.name);
+        if let Some(clock) = clock {
+            clock.observe(sent_at, Instant::now(), redis_now_us);
+        }
+        // Redis's clock now, at the latest, and this process's clock then
+        // (without a bound, from this enqueue alone).
+        let redis_now = || {
+            clock.and_then(RedisClock::now).unwrap_or_else(|| {
+                (
+                    Instant::now(),
+                    redis_now_us.saturating_add(micros(sent_at.elapsed())),
+                )
+            })
+        };
+        // A grant made at `granted_at_us` is late once Redis's clock, at the
+        // latest, passes `granted_at_us + late`.
+        let grant = |granted_at_us: u64, (now, upper_us): (Instant, u64)| Grant {
+            provider: p.name.clone(),
+            request_id: request_id.clone(),
+            waited: started.elapsed(),
+            granted_at_us,
+            held: held.clone(),
+            use_by: Some(RedisClock::earliest(
+                now,
+                upper_us,
+                granted_at_us.saturating_add(micros(late)),
+            )),
+        };
+        if taken {
+            ticket.armed = false;
+            lock(&shared.pending).remove(&ticket.id);
+            return Ok(Attempt::Granted(grant(redis_now_us, redis_now())));
+        }
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(granted_at_us)) => {
-                // Redis's clock now, at the latest: the enqueue's time plus
-                // what elapsed here since it was sent (a monotonic clock; the
-                // wall clock decides nothing).
-                let now_us = redis_now_us.saturating_add(micros(sent_at.elapsed()));
-                let age = Duration::from_micros(now_us.saturating_sub(granted_at_us));
+                // Made before it was heard of: Redis's clock is past it.
+                if let Some(clock) = clock {
+                    clock.at_least(Instant::now(), granted_at_us);
+                }
+                let now = redis_now();
+                let age = Duration::from_micros(now.1.saturating_sub(granted_at_us));
                 if age > late {
                     // Not used, and its token is lost, not returned: given back
                     // now, a token taken before the bucket refilled to its cap
@@ -765,7 +788,7 @@ impl RedisThrottle {
                     return Ok(Attempt::Late { age });
                 }
                 ticket.armed = false;
-                Ok(Attempt::Granted(grant(granted_at_us, redis_now_us)))
+                Ok(Attempt::Granted(grant(granted_at_us, now)))
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
             // On time, whatever Redis is doing: the ticket is cancelled
