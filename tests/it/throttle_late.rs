@@ -24,6 +24,7 @@ use tollgate_providers::{
     http::HttpClient, AttemptError, Client, Retry, ThrottledClient, Transport,
 };
 use tollgate_redis::throttle::RedisThrottleOptions;
+use tollgate_tests::throttle::late_grants;
 use tollgate_tests::upstream::Upstream;
 
 use crate::throttle::{rid, RedisSetup};
@@ -213,16 +214,6 @@ async fn throttle_late_at_send_redis_queued() {
     redis_case("slow", true).await;
 }
 
-/// The late grants counted for `provider` so far.
-fn late_grants(metrics: &Metrics, provider: &str) -> f64 {
-    let head = format!("tollgate_throttle_late_grants_total{{provider=\"{provider}\"}} ");
-    metrics
-        .render()
-        .lines()
-        .filter_map(|l| l.strip_prefix(&head)?.parse::<f64>().ok())
-        .sum()
-}
-
 /// A grant is as old as Redis's clock says, not as old as the enqueue that
 /// asked for it took to run. An enqueue that waited behind other traffic on
 /// its connection (here a BLPOP on the process's one connection; in a flood,
@@ -258,20 +249,27 @@ async fn throttle_a_slow_enqueue_does_not_age_its_grant() {
     );
     assert!(throttle.subscribed(Duration::from_secs(5)).await);
     let wait = Duration::from_secs(10);
-    // Holds the process's one connection for `secs`.
-    let hold = |secs: f64| {
-        let single = single.clone();
-        tokio::spawn(async move {
-            let mut c = tollgate_redis::pool::checkout(&single)
-                .await
-                .expect("a connection");
-            let _: redis::Value = redis::cmd("BLPOP")
-                .arg("tollgate-test-nothing")
-                .arg(secs)
-                .query_async(&mut c.conn)
-                .await
-                .expect("BLPOP");
-        })
+    // Acquires `id` with the process's one connection held for `secs`,
+    // from 50 ms before the acquire.
+    let behind = |secs: f64, id: &'static str| {
+        let (single, throttle) = (single.clone(), &throttle);
+        async move {
+            let blocker = tokio::spawn(async move {
+                let mut c = tollgate_redis::pool::checkout(&single)
+                    .await
+                    .expect("a connection");
+                let _: redis::Value = redis::cmd("BLPOP")
+                    .arg("tollgate-test-nothing")
+                    .arg(secs)
+                    .query_async(&mut c.conn)
+                    .await
+                    .expect("BLPOP");
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let grant = throttle.acquire("slow", &rid(id), wait).await.expect(id);
+            blocker.await.expect("blocker");
+            grant
+        }
     };
     // On an idle connection, the bucket's token.
     throttle
@@ -280,29 +278,17 @@ async fn throttle_a_slow_enqueue_does_not_age_its_grant() {
         .expect("first");
     // Taken on the way in, its enqueue run 550 ms after it was sent (the
     // bucket refilled meanwhile): the grant is fresh, usable for its 200 ms.
-    let blocker = hold(0.6);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let second = throttle
-        .acquire("slow", &rid("second"), wait)
-        .await
-        .expect("second");
+    let second = behind(0.6, "second").await;
     assert!(
         tollgate_providers::late_by(second.use_by).is_none(),
         "a fresh grant taken on the way in was past its use-by: {:?}",
         tollgate_providers::late_by(second.use_by)
     );
-    blocker.await.expect("blocker");
     // Queued: its enqueue runs 350 ms after it was sent, and a throttler
     // grants it when the bucket refills, about 100 ms later.
-    let blocker = hold(0.4);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let third = throttle
-        .acquire("slow", &rid("third"), wait)
-        .await
-        .expect("third");
-    blocker.await.expect("blocker");
+    let third = behind(0.4, "third").await;
     assert_eq!(
-        late_grants(&metrics, "slow"),
+        late_grants(&metrics.render(), Some("slow")),
         0.0,
         "a fresh grant was thrown away as late"
     );

@@ -22,6 +22,20 @@ pub struct GrantRecord {
     pub error: Option<String>,
 }
 
+/// The late grants counted in a process's rendered metrics: of `provider`,
+/// or of every provider.
+pub fn late_grants(rendered: &str, provider: Option<&str>) -> f64 {
+    rendered
+        .lines()
+        .filter_map(|l| l.strip_prefix("tollgate_throttle_late_grants_total{"))
+        .filter_map(|l| {
+            let (labels, value) = l.rsplit_once("} ")?;
+            let wanted = provider.map_or(true, |p| labels == format!("provider=\"{p}\""));
+            wanted.then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
 pub fn now_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -149,6 +163,17 @@ pub fn max_excess(times_us: &[u64], rate: f64, burst: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn late_grants_are_read_per_provider_or_summed() {
+        let text = "# TYPE tollgate_throttle_late_grants_total counter\n\
+                    tollgate_throttle_late_grants_total{provider=\"slow\"} 2\n\
+                    tollgate_throttle_late_grants_total{provider=\"slower\"} 3\n\
+                    tollgate_throttle_wait_seconds_count{provider=\"slow\"} 9\n";
+        assert_eq!(late_grants(text, Some("slow")), 2.0);
+        assert_eq!(late_grants(text, Some("fast")), 0.0);
+        assert_eq!(late_grants(text, None), 5.0);
+    }
 
     #[test]
     fn the_bound_is_checked_over_every_interval() {

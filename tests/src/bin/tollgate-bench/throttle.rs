@@ -117,12 +117,7 @@ pub async fn waiters(args: WaiterArgs) -> anyhow::Result<()> {
         }
     };
     println!("{}", serde_json::to_string(&records)?);
-    let late: f64 = metrics
-        .render()
-        .lines()
-        .filter(|l| l.starts_with("tollgate_throttle_late_grants_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let late = tollgate_tests::throttle::late_grants(&metrics.render(), None);
     eprintln!("late_grants {late}");
     Ok(())
 }
