@@ -24,6 +24,7 @@ mod openapi;
 mod redis_ledger;
 mod redis_outages;
 mod redis_tls;
+mod slow_clients;
 mod throttle;
 mod throttle_late;
 mod throttle_redis;
