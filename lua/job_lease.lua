@@ -3,23 +3,30 @@
 -- KEYS[5] dead  list of malformed entries moved aside (the newest 10,000 are kept)
 -- ARGV[1] id, ARGV[2] worker, ARGV[3] lease (ms), ARGV[4] max attempts
 -- ARGV[5] the queue's operation, ARGV[6] channel for finished job ids
+-- ARGV[7] how long a finished record that owes no release stays readable (ms)
 -- Validates the record first: a missing record or unreadable fields (bad JSON
 -- input, another operation) move the entry to `dead`; a record with a user is
 -- also failed with its refund pending. Then counts the attempt: past the
--- deadline, or past max attempts, the job fails (refund pending).
+-- deadline, or past max attempts, the job fails (refund pending); past the
+-- deadline after an earlier lease was lost (its worker died mid-run), the job
+-- fails 'unanswered' and its charge stands.
 -- Returns one of
 --   { 1, token, left, field, value, ... }
 --                            leased; `left`: ms until the deadline, on Redis's
 --                            clock; then the job's fields as the record names them
 --   { 0 }                    stale entry (the job is not queued): dropped
---   { 2, cause, user, nonce }          failed here (expired | abandoned): release pending
+--   { 2, cause, user, nonce }          failed here (expired | abandoned: release
+--                                      pending; unanswered: the charge stands)
 --   { 3, reason, user|'', nonce|'' }   malformed: moved aside (release pending if a nonce)
 
 local JOB, PROCESSING, LEASES, REFUNDS, DEAD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local id, worker, lease, max_attempts = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local op, channel = ARGV[5], ARGV[6]
+local op, channel, ttl = ARGV[5], ARGV[6], tonumber(ARGV[7])
 if not lease or lease < 1 or not max_attempts or max_attempts < 1 then
   return redis.error_reply('job_lease: bad lease or max attempts')
+end
+if not ttl or ttl < 1 then
+  return redis.error_reply('job_lease: bad ttl')
 end
 local now = now_ms()
 local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
@@ -57,7 +64,14 @@ end
 
 attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
 local cause = nil
-if now >= deadline then
+if now >= deadline and attempt > 1 then
+  -- Taken before and never handed back: its worker was lost while it ran,
+  -- maybe with its call sent. The upstream may have done the work: the charge
+  -- stands, and the job does not run again (job::expired).
+  cause = 'unanswered'
+  fail_job(JOB, REFUNDS, id, cause, 'the job\'s worker was lost while it ran, and its deadline passed: '
+    .. 'the upstream may have done the work, so the charge stands', now, channel, false, ttl)
+elseif now >= deadline then
   cause = 'expired'
   fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel, true, 1)
 elseif attempt > max_attempts then

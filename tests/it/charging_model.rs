@@ -155,7 +155,12 @@ async fn run(
                         }
                     } else {
                         source
-                            .fail(&l, tollgate_core::job::FailureCause::Provider, "boom")
+                            .fail(
+                                &l,
+                                tollgate_core::job::FailureCause::Provider,
+                                tollgate_core::job::Charge::RELEASE,
+                                "boom",
+                            )
                             .await
                             .unwrap();
                     }

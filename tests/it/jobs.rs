@@ -14,14 +14,14 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{
-        FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, Lease,
+        Charge, FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, Lease,
         Maintenance, SubmitOutcome,
     },
     job_memory::MemoryJobQueue,
     ledger::Ledger,
     memory::MemoryLedger,
 };
-use tollgate_providers::{Client, ProviderError};
+use tollgate_providers::{CallError, Client};
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
@@ -275,7 +275,7 @@ async fn job_denied_submission_leaves_nothing(s: &Setup) {
     // The id is free again once the budget allows.
     let lease = take(s, "work", "w").await;
     s.source
-        .fail(&lease, FailureCause::Provider, "boom")
+        .fail(&lease, FailureCause::Provider, Charge::RELEASE, "boom")
         .await
         .unwrap();
     submit_ok(s, "d10", "carol").await;
@@ -345,7 +345,7 @@ async fn job_complete_wakes_the_waiter_and_keeps_the_charge(s: &Setup) {
     );
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::Provider, "late")
+            .fail(&lease, FailureCause::Provider, Charge::RELEASE, "late")
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -366,7 +366,7 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
     let lease = take(s, "work", "w1").await;
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::ThrottleTimeout, "no slot")
+            .fail(&lease, FailureCause::ThrottleTimeout, Charge::RELEASE, "no slot")
             .await
             .unwrap(),
         Finish::Recorded
@@ -383,7 +383,7 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
     }
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::Provider, "again")
+            .fail(&lease, FailureCause::Provider, Charge::RELEASE, "again")
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -417,7 +417,7 @@ async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     );
     assert_eq!(
         s.source
-            .fail(&old, FailureCause::Provider, "late")
+            .fail(&old, FailureCause::Provider, Charge::RELEASE, "late")
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -1022,9 +1022,10 @@ impl JobSource for Cuttable {
         &self,
         lease: &Lease,
         cause: FailureCause,
+        charge: Charge,
         message: &str,
     ) -> Result<Finish, JobError> {
-        self.reach()?.fail(lease, cause, message).await
+        self.reach()?.fail(lease, cause, charge, message).await
     }
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
         self.reach()?.hand_back(lease).await
@@ -1048,7 +1049,7 @@ struct Gated {
 
 #[async_trait::async_trait]
 impl Client for Gated {
-    async fn call(&self, _job: &tollgate_core::job::Job) -> Result<Value, ProviderError> {
+    async fn call(&self, _job: &tollgate_core::job::Job) -> Result<Value, CallError> {
         self.entered.notify_one();
         self.open.notified().await;
         self.calls.fetch_add(1, Ordering::SeqCst);

@@ -19,7 +19,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::id::{RequestId, UserId};
 use crate::job::{
-    self, millis, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue,
+    self, millis, Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue,
     JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
 };
 use crate::ledger::Ledger;
@@ -154,9 +154,11 @@ impl MemoryJobQueue {
         Ok(())
     }
 
-    /// Fails a job that is not leased (queued) and releases its charge.
+    /// Fails a job that is not leased (queued) and releases its charge,
+    /// unless its cause keeps it.
     async fn fail_unleased(&self, id: &RequestId, cause: FailureCause, message: String) {
         let now = self.now();
+        let release = !cause.charged();
         {
             let mut st = lock(&self.state);
             let Some(rec) = st.jobs.get_mut(id) else {
@@ -166,11 +168,13 @@ impl MemoryJobQueue {
                 status: JobStatus::Failed { cause, message },
                 at_ms: now,
             };
-            rec.refund_pending = true;
+            rec.refund_pending = release;
         }
         self.waiters.ring(id.as_str());
-        // A release that fails here stays pending; the next `maintain` retries it.
-        let _ = self.release(id).await;
+        if release {
+            // A release that fails here stays pending; the next `maintain` retries it.
+            let _ = self.release(id).await;
+        }
     }
 
     /// The job was leased but its claim was refused: it owns no charge, so it
@@ -306,7 +310,7 @@ impl JobSource for MemoryJobQueue {
                     Some(rec) if matches!(rec.phase, Phase::Queued) => {
                         rec.job.attempt += 1;
                         if now >= rec.job.deadline_ms {
-                            give_up = Some((rec.job.id.clone(), FailureCause::Expired));
+                            give_up = Some((rec.job.id.clone(), job::expired(rec.job.attempt)));
                             None
                         } else if rec.job.attempt > op.max_attempts {
                             give_up = Some((rec.job.id.clone(), FailureCause::Abandoned));
@@ -337,6 +341,7 @@ impl JobSource for MemoryJobQueue {
             if let Some((id, cause)) = give_up {
                 let message = match cause {
                     FailureCause::Expired => "the job passed its deadline before it ran",
+                    FailureCause::Unanswered => job::LOST_MID_RUN,
                     _ => "the job used up its attempts",
                 };
                 self.fail_unleased(&id, cause, message.into()).await;
@@ -389,16 +394,20 @@ impl JobSource for MemoryJobQueue {
         &self,
         lease: &Lease,
         cause: FailureCause,
+        charge: Charge,
         message: &str,
     ) -> Result<Finish, JobError> {
         let status = JobStatus::Failed {
             cause,
             message: message.to_owned(),
         };
-        if self.finish(lease, status, true) == Finish::LeaseLost {
+        let release = matches!(charge, Charge::Release { .. });
+        if self.finish(lease, status, release) == Finish::LeaseLost {
             return Ok(Finish::LeaseLost);
         }
-        self.release(&lease.job.id).await?;
+        if release {
+            self.release(&lease.job.id).await?;
+        }
         Ok(Finish::Recorded)
     }
 

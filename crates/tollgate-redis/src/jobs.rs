@@ -37,7 +37,7 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{
-        Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource, JobStatus,
+        Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource, JobStatus,
         Lease, Maintenance, QueueStats, Waiters, Watch,
     },
     ledger::Ledger,
@@ -333,6 +333,7 @@ impl RedisJobQueue {
                     op.max_attempts,
                     &op.name,
                     &self.done_channel(&keys),
+                    millis(self.options.result_ttl),
                 ),
             )
             .await?;
@@ -382,8 +383,14 @@ impl RedisJobQueue {
                 let cause = reply.get(1).and_then(text).unwrap_or_default();
                 let user = reply.get(2).and_then(text).unwrap_or_default();
                 let nonce = reply.get(3).and_then(text).unwrap_or_default();
-                tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");
-                self.release(&keys, &id, &user, &nonce).await?;
+                let keeps = FailureCause::parse(&cause).is_some_and(FailureCause::charged);
+                if keeps {
+                    // Its worker was lost mid-run: the charge stands (`job::expired`).
+                    tracing::warn!(request_id = %id, user, cause, "job failed at its take; its charge stands");
+                } else {
+                    tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");
+                    self.release(&keys, &id, &user, &nonce).await?;
+                }
                 Ok(Taken::Skipped)
             }
             Some(3) => {
@@ -760,8 +767,10 @@ impl JobSource for RedisJobQueue {
         &self,
         lease: &Lease,
         cause: FailureCause,
+        charge: Charge,
         message: &str,
     ) -> Result<Finish, JobError> {
+        let release = matches!(charge, Charge::Release { .. });
         let (_, keys) = self.op_keys(&lease.job.operation)?;
         let id = lease.job.id.as_str();
         let recorded = self
@@ -773,13 +782,16 @@ impl JobSource for RedisJobQueue {
                     token: lease.token,
                     cause: cause.as_str(),
                     message,
-                    release: true,
+                    release,
                     ttl_ms: millis(self.options.result_ttl),
                 },
             )
             .await?;
         if !recorded {
             return Ok(Finish::LeaseLost);
+        }
+        if !release {
+            return Ok(Finish::Recorded);
         }
         if let Err(e) = self
             .release(&keys, id, lease.job.user.as_str(), &lease.job.nonce)

@@ -527,6 +527,7 @@ pub fn job_lease<'a>(
     max_attempts: u32,
     operation: &str,
     channel: &str,
+    result_ttl_ms: u64,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_LEASE.prepare_invoke();
     inv.key(keys.job(id))
@@ -539,7 +540,8 @@ pub fn job_lease<'a>(
         .arg(lease_ms)
         .arg(max_attempts)
         .arg(operation)
-        .arg(channel);
+        .arg(channel)
+        .arg(result_ttl_ms);
     inv
 }
 
