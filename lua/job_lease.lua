@@ -7,9 +7,10 @@
 -- Validates the record first: a missing record or unreadable fields (bad JSON
 -- input, another operation) move the entry to `dead`; a record with a user is
 -- also failed with its refund pending. Then counts the attempt: past the
--- deadline, or past max attempts, the job fails (refund pending); past the
--- deadline after an earlier lease was lost (its worker died mid-run), the job
--- fails 'unanswered' and its charge stands.
+-- deadline, or past max attempts, the job fails (refund pending); when a run
+-- had started (`started`: its worker was lost, maybe with the call sent), it
+-- fails 'unanswered' instead and its charge stands.
+-- A lease's fields end with 'started' ('1' or ''): an earlier run started.
 -- Returns one of
 --   { 1, token, left, field, value, ... }
 --                            leased; `left`: ms until the deadline, on Redis's
@@ -30,7 +31,7 @@ if not ttl or ttl < 1 then
 end
 local now = now_ms()
 local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
-  'enq', 'deadline', 'attempt', 'nonce', 'tp')
+  'enq', 'deadline', 'attempt', 'nonce', 'tp', 'started')
 local state, user, jop, provider, input = f[1], f[2], f[3], f[4], f[5]
 local cost, enq, deadline, attempt = tonumber(f[6]), tonumber(f[7]), tonumber(f[8]), tonumber(f[9])
 local nonce = f[10]
@@ -63,14 +64,13 @@ if reason then
 end
 
 attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
+local started = f[12] == '1'
 local cause = nil
-if now >= deadline and attempt > 1 then
-  -- Taken before and never handed back: its worker was lost while it ran,
-  -- maybe with its call sent. The upstream may have done the work: the charge
-  -- stands, and the job does not run again (job::expired).
+if started and (now >= deadline or attempt > max_attempts) then
+  -- A run started and its worker was lost, maybe with the call sent: the
+  -- upstream may have done the work, so the charge stands (job::given_up).
   cause = 'unanswered'
-  fail_job(JOB, REFUNDS, id, cause, 'the job\'s worker was lost while it ran, and its deadline passed: '
-    .. 'the upstream may have done the work, so the charge stands', now, channel, false, ttl)
+  fail_job(JOB, REFUNDS, id, cause, LOST_MID_RUN, now, channel, false, ttl)
 elseif now >= deadline then
   cause = 'expired'
   fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel, true, 1)
@@ -87,4 +87,4 @@ redis.call('HSET', JOB, 'state', 'running', 'worker', worker, 'lease_until', int
 redis.call('ZADD', LEASES, int(now + lease), id)
 return { 1, token, deadline - now, 'user', user, 'op', jop, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
-  'attempt', attempt, 'nonce', nonce, 'tp', f[11] or '' }
+  'attempt', attempt, 'nonce', nonce, 'tp', f[11] or '', 'started', f[12] or '' }

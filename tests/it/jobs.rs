@@ -366,7 +366,12 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
     let lease = take(s, "work", "w1").await;
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::ThrottleTimeout, Charge::RELEASE, "no slot")
+            .fail(
+                &lease,
+                FailureCause::ThrottleTimeout,
+                Charge::RELEASE,
+                "no slot"
+            )
             .await
             .unwrap(),
         Finish::Recorded

@@ -162,7 +162,12 @@ impl Stage {
     /// One synchronous call of `operation` asking the upstream for `answer`
     /// after `after_ms`; returns the response and the upstream's arrivals for
     /// it. Waits until the worker is done with the job (a release included).
-    async fn call(&self, operation: &str, answer: &str, after_ms: u64) -> (crate::api::Resp, usize) {
+    async fn call(
+        &self,
+        operation: &str,
+        answer: &str,
+        after_ms: u64,
+    ) -> (crate::api::Resp, usize) {
         let before = self.ended();
         let seen = self.upstream.arrivals().len();
         let r = self

@@ -155,7 +155,11 @@ impl Behaviour {
                 Json(json!({"error": "slow down"})),
             )
                 .into_response(),
-            "500" => (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": "boom"}))).into_response(),
+            "500" => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Json(json!({"error": "boom"})),
+            )
+                .into_response(),
             "503" => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 [("retry-after", "0")],

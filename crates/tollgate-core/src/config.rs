@@ -1009,7 +1009,10 @@ provider = "llm"
 
     #[test]
     fn retry_unanswered_is_a_boolean() {
-        let on = OPERATIONS.replace("provider = \"llm\"\n", "provider = \"llm\"\nretry_unanswered = true\n");
+        let on = OPERATIONS.replace(
+            "provider = \"llm\"\n",
+            "provider = \"llm\"\nretry_unanswered = true\n",
+        );
         let c = Config::parse(&on, "t.toml").unwrap();
         assert!(c.operation("llm.structured").unwrap().retry_unanswered);
         let e = err(&on.replace("retry_unanswered = true", "retry_unanswered = \"yes\""));
@@ -1023,7 +1026,10 @@ provider = "llm"
         assert_eq!((op.cost, op.provider.as_str()), (8, "llm"));
         assert_eq!(op.deadline, DEFAULT_JOB_DEADLINE);
         assert_eq!(op.max_attempts, DEFAULT_MAX_ATTEMPTS);
-        assert!(!op.retry_unanswered, "an unanswered call is not resent by default");
+        assert!(
+            !op.retry_unanswered,
+            "an unanswered call is not resent by default"
+        );
         let up = c.upstream("llm").unwrap();
         assert_eq!(up.url, "http://127.0.0.1:9100");
         assert_eq!(up.retries, DEFAULT_RETRIES);

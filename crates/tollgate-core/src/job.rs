@@ -577,23 +577,23 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// The cause of a job found past its deadline when it is taken for its
-/// `attempt`-th run (counted with this take). A job taken before and never
-/// handed back lost its worker while it ran, maybe with its call sent: the
-/// upstream may have done the work, so it fails [`FailureCause::Unanswered`]
-/// and keeps its charge, and is not run again. A job never run is
-/// [`FailureCause::Expired`] and released. (Before the deadline such a job
-/// runs again under the same charge: at least once, paid once.)
-pub fn expired(attempt: u32) -> FailureCause {
-    if attempt > 1 {
+/// The cause of a job given up at its take for `cause` (past its deadline,
+/// or past its attempts). When a run of it had `started` (claimed its charge,
+/// about to call the provider) and its worker was lost, the call may have
+/// been sent and the upstream may have done the work: it fails
+/// [`FailureCause::Unanswered`] and keeps its charge. Otherwise it is given
+/// up for `cause`, and released. (Before then such a job runs again under the
+/// same charge: at least once, paid once.)
+pub fn given_up(cause: FailureCause, started: bool) -> FailureCause {
+    if started {
         FailureCause::Unanswered
     } else {
-        FailureCause::Expired
+        cause
     }
 }
 
-/// Why a job whose worker was lost mid-run failed at its deadline (see [`expired`]).
-pub const LOST_MID_RUN: &str = "the job's worker was lost while it ran, and its deadline passed: the upstream may have done the work, so the charge stands";
+/// Why a job given up after a lost run that had started failed (see [`given_up`]).
+pub const LOST_MID_RUN: &str = "a run of the job started and its worker was lost (the upstream may have done the work): the charge stands, and the job is not run again";
 
 /// Why a job whose claim was refused failed.
 pub const UNPAID: &str = "the job's charge is not its own any more (released after its hold, or the id was charged again): not run";
@@ -666,6 +666,10 @@ pub struct Lease {
     /// Until the job's deadline, as the backend's clock said when leasing: the
     /// worker times the call with it, never with its own wall clock.
     pub time_left: Duration,
+    /// An earlier run started (claimed the charge, about to call the
+    /// provider) and was lost: the upstream may have done the work, so this
+    /// run's failure keeps the charge.
+    pub ran_before: bool,
 }
 
 /// What a finishing call did.
@@ -719,7 +723,8 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     ) -> Result<Option<Lease>, JobError>;
 
     /// The step between a lease and the provider call: the job claims its
-    /// charge ([`Ledger::claim`]). `Ok(true)`: it owns it, call the provider.
+    /// charge ([`Ledger::claim`]), and the record notes that a run started
+    /// (see [`Lease::ran_before`]). `Ok(true)`: it owns it, call the provider.
     /// `Ok(false)`: refused (the charge was released, or the id charged anew):
     /// the job is recorded as failed, unpaid, and must not run. `Err`: whether
     /// the claim landed is unknown: hand the lease back (the next taker claims

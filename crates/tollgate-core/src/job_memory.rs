@@ -19,8 +19,8 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::id::{RequestId, UserId};
 use crate::job::{
-    self, millis, Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue,
-    JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
+    self, millis, Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions,
+    JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
 };
 use crate::ledger::Ledger;
 
@@ -39,6 +39,8 @@ struct Record {
     seq: u64,
     /// A failed job whose release has not been confirmed yet.
     refund_pending: bool,
+    /// A run claimed the charge, about to call the provider.
+    started: bool,
 }
 
 impl Record {
@@ -250,6 +252,7 @@ impl JobQueue for MemoryJobQueue {
                     phase: Phase::Queued,
                     seq,
                     refund_pending: false,
+                    started: false,
                 },
             );
             st.queues
@@ -310,10 +313,16 @@ impl JobSource for MemoryJobQueue {
                     Some(rec) if matches!(rec.phase, Phase::Queued) => {
                         rec.job.attempt += 1;
                         if now >= rec.job.deadline_ms {
-                            give_up = Some((rec.job.id.clone(), job::expired(rec.job.attempt)));
+                            give_up = Some((
+                                rec.job.id.clone(),
+                                job::given_up(FailureCause::Expired, rec.started),
+                            ));
                             None
                         } else if rec.job.attempt > op.max_attempts {
-                            give_up = Some((rec.job.id.clone(), FailureCause::Abandoned));
+                            give_up = Some((
+                                rec.job.id.clone(),
+                                job::given_up(FailureCause::Abandoned, rec.started),
+                            ));
                             None
                         } else {
                             rec.seq += 1;
@@ -328,6 +337,7 @@ impl JobSource for MemoryJobQueue {
                                 time_left: Duration::from_millis(
                                     rec.job.deadline_ms.saturating_sub(now),
                                 ),
+                                ran_before: rec.started,
                             })
                         }
                     }
@@ -370,8 +380,15 @@ impl JobSource for MemoryJobQueue {
         let claimed = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
         if !claimed {
             self.fail_unpaid(lease);
+            return Ok(false);
         }
-        Ok(claimed)
+        let mut st = lock(&self.state);
+        if let Some(rec) = st.jobs.get_mut(&lease.job.id) {
+            if matches!(rec.phase, Phase::Running { token, .. } if token == lease.token) {
+                rec.started = true;
+            }
+        }
+        Ok(true)
     }
 
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError> {

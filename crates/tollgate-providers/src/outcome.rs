@@ -103,6 +103,17 @@ impl Tally {
     }
 }
 
+/// The failure of a run after an earlier run that started and was lost
+/// ([`Lease::ran_before`](tollgate_core::job::Lease::ran_before)): that run
+/// may have made the upstream work, so the charge stands whatever this one
+/// came to.
+pub fn after_lost_run(cause: FailureCause, charge: Charge) -> (FailureCause, Charge) {
+    match charge {
+        Charge::Keep => (cause, charge),
+        Charge::Release { .. } => (FailureCause::Unanswered, Charge::Keep),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

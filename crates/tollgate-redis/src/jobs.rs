@@ -37,8 +37,8 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{
-        Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource, JobStatus,
-        Lease, Maintenance, QueueStats, Waiters, Watch,
+        Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource,
+        JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
     },
     ledger::Ledger,
 };
@@ -376,6 +376,7 @@ impl RedisJobQueue {
                     job,
                     worker: worker.to_owned(),
                     time_left: Duration::from_millis(int(&reply[2]).unwrap_or(0)),
+                    ran_before: fields.get("started").is_some_and(|v| v == "1"),
                 })))
             }
             Some(0) => Ok(Taken::Skipped),
@@ -721,8 +722,17 @@ impl JobSource for RedisJobQueue {
                 },
             )
             .await?;
+            return Ok(false);
         }
-        Ok(claimed)
+        // Before the call: a run that starts and is lost keeps its charge.
+        let (_, keys) = self.op_keys(&lease.job.operation)?;
+        let _: i64 = self
+            .script(
+                "job_started",
+                scripts::job_started(&keys, lease.job.id.as_str(), lease.token),
+            )
+            .await?;
+        Ok(true)
     }
 
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError> {

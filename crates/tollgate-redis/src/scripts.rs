@@ -444,6 +444,7 @@ job_scripts! {
     JOB_ENQUEUE => "job_enqueue.lua",
     JOB_LEASE => "job_lease.lua",
     JOB_RENEW => "job_renew.lua",
+    JOB_STARTED => "job_started.lua",
     JOB_COMPLETE => "job_complete.lua",
     JOB_FAIL => "job_fail.lua",
     JOB_REFUNDED => "job_refunded.lua",
@@ -475,6 +476,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_enqueue.lua", &JOB_ENQUEUE),
         ("job_lease.lua", &JOB_LEASE),
         ("job_renew.lua", &JOB_RENEW),
+        ("job_started.lua", &JOB_STARTED),
         ("job_complete.lua", &JOB_COMPLETE),
         ("job_fail.lua", &JOB_FAIL),
         ("job_refunded.lua", &JOB_REFUNDED),
@@ -555,6 +557,14 @@ pub fn job_renew<'a>(
     let mut inv = JOB_RENEW.prepare_invoke();
     inv.key(keys.job(id)).key(&keys.leases);
     inv.arg(id).arg(token).arg(lease_ms);
+    inv
+}
+
+/// `job_started.lua`
+pub fn job_started<'a>(keys: &JobKeys, id: &str, token: u64) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_STARTED.prepare_invoke();
+    inv.key(keys.job(id));
+    inv.arg(token);
     inv
 }
 

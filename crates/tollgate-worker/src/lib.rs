@@ -44,7 +44,7 @@ use tollgate_core::{
     job::{self, Charge, FailureCause, Finish, JobSource, Lease},
     metrics::{Heartbeat, JobEnd, Metrics},
 };
-use tollgate_providers::{CallError, Client};
+use tollgate_providers::{outcome, CallError, Client};
 use tracing::Instrument;
 
 /// Tunables of the worker role.
@@ -426,8 +426,16 @@ async fn job(
             )
         }
         Ended::Called(Err(e)) => {
-            let CallError { cause, charge, .. } = e;
-            let message = e.to_string();
+            let (cause, charge, message) = if lease.ran_before {
+                let (cause, charge) = outcome::after_lost_run(e.cause, e.charge);
+                (
+                    cause,
+                    charge,
+                    format!("{}; this run: {e}", job::LOST_MID_RUN),
+                )
+            } else {
+                (e.cause, e.charge, e.to_string())
+            };
             match charge {
                 Charge::Keep => {
                     tracing::info!(error = %e, cause = cause.as_str(), "job failed; the upstream may have worked: the charge stands")
@@ -437,8 +445,12 @@ async fn job(
                 }
             }
             let recorded = finish("fail", || source.fail(lease, cause, charge, &message)).await;
-            if let (Some(Finish::Recorded), Charge::Release { absorbed: Some(reason) }) =
-                (recorded, charge)
+            if let (
+                Some(Finish::Recorded),
+                Charge::Release {
+                    absorbed: Some(reason),
+                },
+            ) = (recorded, charge)
             {
                 cfg.metrics.absorbed(&job.provider, reason);
             }
