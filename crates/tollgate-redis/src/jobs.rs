@@ -47,7 +47,7 @@ use crate::call::{self, bad_reply};
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{blocking_connection, Blocking};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, FailArgs, Reclaim};
+use crate::scripts::{self, FailArgs, LeaseArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::trace::TraceParent;
@@ -327,13 +327,15 @@ impl RedisJobQueue {
                 "job_lease",
                 scripts::job_lease(
                     &keys,
-                    &id,
-                    worker,
-                    millis(lease),
-                    op.max_attempts,
-                    &op.name,
+                    LeaseArgs {
+                        id: &id,
+                        worker,
+                        lease_ms: millis(lease),
+                        max_attempts: op.max_attempts,
+                        operation: &op.name,
+                        result_ttl_ms: millis(self.options.result_ttl),
+                    },
                     &self.done_channel(&keys),
-                    millis(self.options.result_ttl),
                 ),
             )
             .await?;

@@ -520,30 +520,38 @@ pub fn job_enqueue<'a>(
     inv
 }
 
+/// What `job_lease.lua` is asked.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseArgs<'a> {
+    pub id: &'a str,
+    pub worker: &'a str,
+    pub lease_ms: u64,
+    pub max_attempts: u32,
+    /// The queue's operation.
+    pub operation: &'a str,
+    /// How long a record failed here with nothing to release stays readable.
+    pub result_ttl_ms: u64,
+}
+
 /// `job_lease.lua`
 pub fn job_lease<'a>(
     keys: &JobKeys,
-    id: &str,
-    worker: &str,
-    lease_ms: u64,
-    max_attempts: u32,
-    operation: &str,
+    a: LeaseArgs<'_>,
     channel: &str,
-    result_ttl_ms: u64,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_LEASE.prepare_invoke();
-    inv.key(keys.job(id))
-        .key(keys.processing(worker))
+    inv.key(keys.job(a.id))
+        .key(keys.processing(a.worker))
         .key(&keys.leases)
         .key(&keys.refunds)
         .key(&keys.dead);
-    inv.arg(id)
-        .arg(worker)
-        .arg(lease_ms)
-        .arg(max_attempts)
-        .arg(operation)
+    inv.arg(a.id)
+        .arg(a.worker)
+        .arg(a.lease_ms)
+        .arg(a.max_attempts)
+        .arg(a.operation)
         .arg(channel)
-        .arg(result_ttl_ms);
+        .arg(a.result_ttl_ms);
     inv
 }
 
