@@ -243,6 +243,14 @@ async fn an_unanswered_call_is_sent_once_and_keeps_its_charge(redis: bool) {
     assert!(detail.contains("charged"), "{detail}");
     assert_eq!(arrivals, 1);
     assert_eq!(s.used().await, COST);
+    // The job's status says so too.
+    let id = r.body["job_id"].as_str().unwrap();
+    let job =
+        s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
+            .await;
+    assert_eq!(job.body["status"], "failed", "{}", job.body);
+    assert_eq!(job.body["error"]["cause"], "unanswered", "{}", job.body);
+    assert_eq!(job.body["error"]["charged"], true, "{}", job.body);
 }
 
 /// The job's deadline (1 s) passes while its call (answered after 1.5 s,
