@@ -388,7 +388,7 @@ impl RedisJobQueue {
                 let nonce = reply.get(3).and_then(text).unwrap_or_default();
                 let keeps = FailureCause::parse(&cause).is_some_and(FailureCause::charged);
                 if keeps {
-                    // Its worker was lost mid-run: the charge stands (`job::expired`).
+                    // Its worker was lost mid-run: the charge stands (`job::given_up`).
                     tracing::warn!(request_id = %id, user, cause, "job failed at its take; its charge stands");
                 } else {
                     tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");

@@ -9,9 +9,11 @@
 //! is never abandoned for it: it ends by itself (bounded by the provider's
 //! `timeout`) and its outcome decides, while the lease keeps being renewed, so
 //! no maintenance requeues the job meanwhile. A worker that dies mid-call
-//! leaves a job whose lease lapses: before its deadline it runs again under
-//! the same charge; past it, the next take fails it `unanswered` with its
-//! charge kept (`job::expired`): never run again for free, never released.
+//! leaves a job whose lease lapses, marked `started` (`JobSource::start`):
+//! before its deadline it runs again under the same charge, and that run's
+//! failure keeps the charge (`Lease::ran_before`); past its deadline (or its
+//! attempts) the next take fails it `unanswered` with its charge kept
+//! (`job::given_up`): never run again for free, never released.
 //!
 //! While a job runs its lease is renewed every third of the lease; a lost lease
 //! (the worker was paused and the job went to another), or one this worker
