@@ -175,4 +175,26 @@ mod tests {
             (FailureCause::BadResponse, Charge::Keep)
         );
     }
+
+    #[test]
+    fn a_run_after_a_lost_started_one_keeps_the_charge() {
+        let absorbed = Charge::Release {
+            absorbed: Some(SERVER_ERROR),
+        };
+        for (cause, charge) in [
+            (FailureCause::Provider, Charge::RELEASE),
+            (FailureCause::ThrottleTimeout, Charge::RELEASE),
+            (FailureCause::Expired, Charge::RELEASE),
+            (FailureCause::Provider, absorbed),
+        ] {
+            assert_eq!(
+                after_lost_run(cause, charge),
+                (FailureCause::Unanswered, Charge::Keep)
+            );
+        }
+        assert_eq!(
+            after_lost_run(FailureCause::BadResponse, Charge::Keep),
+            (FailureCause::BadResponse, Charge::Keep)
+        );
+    }
 }
