@@ -1,10 +1,15 @@
 //! A property test of charge ownership: random interleavings of submits,
 //! retries with a shared key (same or another operation or body), submissions
-//! that die after their charge, workers that succeed, fail, or die holding a
-//! lease, maintenance, and time passing. Whatever happened, once the jobs have
-//! drained and every hold has ended: each user's live charges add up to the
-//! cost of the jobs that succeeded, every successful provider call was paid by
-//! exactly one live charge, and no charge paid for two calls.
+//! that die after their charge, workers whose call the upstream answers,
+//! refuses (4xx), fails (5xx), leaves unanswered, answers unparsably, or
+//! answers after the job's deadline, workers that die holding a lease
+//! (maybe mid-call), maintenance, and time passing. The workers decide each
+//! failure with the outcome policy (`tollgate_providers::outcome`). Whatever
+//! happened, once the jobs have drained and every hold has ended: each user's
+//! live charges plus what was absorbed add up to the cost of the jobs whose
+//! upstream may have worked (one charge covers a job's runs), every such job
+//! not absorbed is paid by a live charge, and no charge paid for two
+//! successful calls.
 //!
 //! proptest over the memory backend (a manual clock), and a shorter run on
 //! Redis (real time, short deadlines). `TOLLGATE_MODEL_CASES=20000` is the
@@ -21,11 +26,12 @@ use tollgate_core::{
     clock::ManualClock,
     config::Config,
     id::{RequestId, UserId},
-    job::{JobQueue, JobRequest, JobSource, JobStatus},
+    job::{Charge, FailureCause, Finish, JobQueue, JobRequest, JobSource, JobStatus},
     job_memory::MemoryJobQueue,
     ledger::{ChargeRequest, Ledger},
     memory::MemoryLedger,
 };
+use tollgate_providers::outcome;
 use tollgate_tests::RedisServer;
 
 const CONFIG: &str = r#"
@@ -66,19 +72,62 @@ enum Step {
     Submit(usize, u8, usize, u8),
     /// The same, but the api pod dies right after the charge.
     Crash(usize, u8, usize, u8),
-    /// A worker takes a job of the operation and finishes it.
-    Work(usize, bool),
-    /// A worker takes a job and dies holding it.
+    /// A worker takes a job of the operation and calls; the upstream does
+    /// what the outcome says.
+    Work(usize, Outcome),
+    /// A worker takes a job, starts its call and dies holding it (the
+    /// upstream may have got the call).
     Die(usize),
     Maintain,
     Advance(u16),
+}
+
+/// What the upstream does with a worker's call.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    /// 200 with JSON.
+    Answered,
+    /// 400: refused before work.
+    Refused,
+    /// 500: failed, maybe after work (released, absorbed).
+    ServerError,
+    /// A timeout after the request was written.
+    Unanswered,
+    /// 200 with a body that is not JSON.
+    Unparsable,
+    /// 200 with JSON, after the job's deadline passed mid-call.
+    LateAnswer,
+}
+
+impl Outcome {
+    /// The attempt as the outcome policy sees it (`None`: answered).
+    fn class(self) -> Option<outcome::Class> {
+        match self {
+            Self::Answered | Self::LateAnswer => None,
+            Self::Refused => Some(outcome::Class::Refused { overload: false }),
+            Self::ServerError => Some(outcome::Class::ServerError),
+            Self::Unanswered => Some(outcome::Class::Unanswered),
+            Self::Unparsable => Some(outcome::Class::BadAnswer),
+        }
+    }
+}
+
+fn outcome() -> impl Strategy<Value = Outcome> {
+    prop_oneof![
+        3 => Just(Outcome::Answered),
+        1 => Just(Outcome::Refused),
+        1 => Just(Outcome::ServerError),
+        1 => Just(Outcome::Unanswered),
+        1 => Just(Outcome::Unparsable),
+        1 => Just(Outcome::LateAnswer),
+    ]
 }
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         4 => (0..2usize, 0..4u8, 0..2usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Submit(u, k, o, b)),
         1 => (0..2usize, 0..4u8, 0..2usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Crash(u, k, o, b)),
-        4 => (0..2usize, any::<bool>()).prop_map(|(o, ok)| Step::Work(o, ok)),
+        4 => (0..2usize, outcome()).prop_map(|(o, out)| Step::Work(o, out)),
         1 => (0..2usize).prop_map(Step::Die),
         1 => Just(Step::Maintain),
         2 => (0..1500u16).prop_map(Step::Advance),
@@ -95,10 +144,32 @@ fn request(user: usize, key: u8, op: usize, body: u8) -> JobRequest {
     }
 }
 
-/// What the fake provider saw: successful calls by (user, id, nonce), with cost.
+/// A job's charge: (user, id, nonce).
+type ChargeKey = (String, String, String);
+
+/// What the fake provider saw: successful calls by charge, with cost; and
+/// the charges whose upstream may have worked (a call answered, unanswered,
+/// failed with a 5xx, or sent by a worker that died), with their cost and
+/// whether the operator absorbed them.
 #[derive(Default)]
 struct Upstream {
-    calls: BTreeMap<(String, String, String), (u32, u64)>,
+    calls: BTreeMap<ChargeKey, (u32, u64)>,
+    worked: BTreeMap<ChargeKey, (u64, bool)>,
+}
+
+impl Upstream {
+    fn worked(&mut self, l: &tollgate_core::job::Lease, absorbed: bool) {
+        let e = self.worked.entry(key(l)).or_insert((l.job.cost, absorbed));
+        e.1 &= absorbed;
+    }
+}
+
+fn key(l: &tollgate_core::job::Lease) -> ChargeKey {
+    (
+        l.job.user.to_string(),
+        l.job.id.to_string(),
+        l.job.nonce.clone(),
+    )
 }
 
 async fn run(
@@ -134,36 +205,45 @@ async fn run(
                 };
                 let _ = ledger.charge(&r.user, &r.id, &charge).await;
             }
-            Step::Work(o, ok) => {
+            Step::Work(o, out) => {
                 if let Ok(Some(l)) = take(o).await {
                     if !source.start(&l).await.unwrap() {
                         continue;
                     }
-                    if ok {
-                        if source.complete(&l, json!({})).await.unwrap()
-                            == tollgate_core::job::Finish::Recorded
-                        {
-                            let e = upstream
-                                .calls
-                                .entry((
-                                    l.job.user.to_string(),
-                                    l.job.id.to_string(),
-                                    l.job.nonce.clone(),
-                                ))
-                                .or_insert((0, l.job.cost));
-                            e.0 += 1;
+                    if let Outcome::LateAnswer = out {
+                        // The deadline passes while the call is in flight; the
+                        // lease is renewed meanwhile, and the answer decides.
+                        advance(l.time_left + Duration::from_millis(20));
+                        source.renew(&l, lease).await.unwrap();
+                    }
+                    let Some(class) = out.class() else {
+                        if source.complete(&l, json!({})).await.unwrap() == Finish::Recorded {
+                            upstream.calls.entry(key(&l)).or_insert((0, l.job.cost)).0 += 1;
+                            upstream.worked(&l, false);
                         }
-                    } else {
-                        source
-                            .fail(&l, tollgate_core::job::FailureCause::Provider, "boom")
-                            .await
-                            .unwrap();
+                        continue;
+                    };
+                    // The worker's decision: the policy's, as in the worker.
+                    let mut tally = outcome::Tally::default();
+                    tally.record(class);
+                    let (mut cause, mut charge) = tally.failure(FailureCause::Provider);
+                    if l.ran_before {
+                        (cause, charge) = outcome::after_lost_run(cause, charge);
+                    }
+                    let recorded = source.fail(&l, cause, charge, "boom").await.unwrap();
+                    let may_have_worked = !matches!(class, outcome::Class::Refused { .. });
+                    if recorded == Finish::Recorded && may_have_worked {
+                        let absorbed = matches!(charge, Charge::Release { absorbed: Some(_) });
+                        upstream.worked(&l, absorbed);
                     }
                 }
             }
             Step::Die(o) => {
                 if let Ok(Some(l)) = take(o).await {
-                    let _ = source.start(&l).await;
+                    if source.start(&l).await.unwrap_or(false) {
+                        // The call may have gone out before the worker died.
+                        upstream.worked(&l, false);
+                    }
                 }
             }
             Step::Maintain => {
@@ -173,7 +253,8 @@ async fn run(
         }
     }
     // Drain: let every lease, deadline and hold end, then take what is left
-    // (expired jobs fail and release their charges).
+    // (expired jobs fail and release their charges; those a dead worker had
+    // started fail unanswered and keep them).
     advance(Duration::from_millis(2500));
     for _ in 0..3 {
         source.maintain("w", lease).await.unwrap();
@@ -189,7 +270,6 @@ async fn run(
             .iter()
             .map(|e| e.request_id.to_string())
             .collect();
-        let mut succeeded = 0;
         for k in 0..4u8 {
             let id = RequestId::new(format!("k{k}")).unwrap();
             if let Some(info) = queue.status(&user, &id).await.unwrap() {
@@ -198,7 +278,6 @@ async fn run(
                     "{info:?} still open after the drain"
                 );
                 if matches!(info.status, JobStatus::Succeeded { .. }) {
-                    succeeded += info.job.cost;
                     prop_assert!(
                         live.contains(id.as_str()),
                         "{id} succeeded unpaid (user {u})"
@@ -206,24 +285,22 @@ async fn run(
                 }
             }
         }
+        // Σ live charges + Σ absorbed = Σ jobs whose upstream may have worked.
+        let mine = || upstream.worked.iter().filter(|((who, ..), _)| who == name);
+        let worked: u64 = mine().map(|(_, (cost, _))| cost).sum();
+        let absorbed: u64 = mine().filter(|(_, (_, a))| *a).map(|(_, (c, _))| c).sum();
         prop_assert_eq!(
-            usage.used,
-            succeeded,
-            "user {}: live charges vs succeeded jobs",
+            usage.used + absorbed,
+            worked,
+            "user {}: live charges + absorbed vs jobs whose upstream may have worked",
             name
         );
-        let paid: u64 = upstream
-            .calls
-            .iter()
-            .filter(|((who, id, _), _)| who == name && live.contains(id))
-            .map(|(_, (n, cost))| u64::from(*n) * cost)
-            .sum();
-        prop_assert_eq!(
-            usage.used,
-            paid,
-            "user {}: provider calls vs live charges",
-            name
-        );
+        for ((_, id, nonce), _) in mine().filter(|(_, (_, a))| !*a) {
+            prop_assert!(
+                live.contains(id),
+                "{id}/{nonce} may have worked, unpaid (user {u})"
+            );
+        }
         for ((who, id, nonce), (n, _)) in &upstream.calls {
             prop_assert!(*n == 1, "{who}/{id}/{nonce} ran {n} times");
         }

@@ -21,6 +21,7 @@ mod jobs_processes;
 mod ledger;
 mod observability;
 mod openapi;
+mod outcomes;
 mod redis_ledger;
 mod redis_outages;
 mod redis_tls;
