@@ -640,16 +640,22 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     );
     // Another attempt's nonce, a plain reserve, a cost of 0: nothing settles.
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n2", 7).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n2", 7, true)
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 4 }
     );
     allowed(l.reserve(&u, &rid("plain"), 1).await.unwrap());
     assert_eq!(
-        l.settle_charge(&u, &rid("plain"), "n1", 3).await.unwrap(),
+        l.settle_charge(&u, &rid("plain"), "n1", 3, true)
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 5 }
     );
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 0).await.unwrap_err(),
+        l.settle_charge(&u, &rid("job"), "n1", 0, true)
+            .await
+            .unwrap_err(),
         LedgerError::ZeroCost
     );
     let settled = SettleOutcome::Settled {
@@ -658,12 +664,16 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         used: 8,
     };
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 7).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n1", 7, true)
+            .await
+            .unwrap(),
         settled
     );
     // A retried settle sets the same cost: nothing more is charged.
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 7).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n1", 7, true)
+            .await
+            .unwrap(),
         SettleOutcome::Settled {
             previous_cost: 7,
             cost: 7,
@@ -695,7 +705,9 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     // Settling past the limit is recorded: used shows more than the limit, and
     // the next reserve waits until enough leaves the window.
     assert!(matches!(
-        l.settle_charge(&u, &rid("job"), "n1", 12).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n1", 12, true)
+            .await
+            .unwrap(),
         SettleOutcome::Settled { used: 13, .. }
     ));
     let usage = l.usage(&u).await.unwrap();
@@ -712,7 +724,9 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         RefundOutcome::Refunded { cost: 12, used: 1 }
     );
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 5).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n1", 5, true)
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 1 }
     );
 }
@@ -762,7 +776,7 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
             grace: Duration::from_secs(1),
         };
         l.charge(u, &rid("job"), &charge).await.unwrap();
-        l.settle_charge(u, &rid("job"), "n1", 3 + n as u64)
+        l.settle_charge(u, &rid("job"), "n1", 3 + n as u64, true)
             .await
             .unwrap();
         // A charge no job claims: released when its hold ends (a refund).

@@ -181,6 +181,16 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             delete(admin::revoke),
         )
         .route(
+            Doc::post(
+                "/admin/users/{user}/refunds/{request_id}",
+                "Refund a spend event: a plain reserve, a final job's charge, or a queued job's (which cancels the job)",
+            )
+            .admin()
+            .ok(200, "What the refund did.", Some(schema("Refund")))
+            .errors(&[P::InvalidField, P::ChargeOwnedByJob]),
+            post(admin::refund),
+        )
+        .route(
             Doc::get(
                 "/admin/overview",
                 "The operations overview the dashboard polls (providers, queues, roles, top users, newest spend events)",
