@@ -37,8 +37,10 @@ if ev then
   end
   return 1
 end
--- No live charge. One an operator refunded while it was held: cancelled.
-if redis.call('ZSCORE', CANCELLED, nonce) then
+-- No live charge. One an operator refunded while it was held: cancelled, until
+-- the hold's end (then refused, like any hold that ended).
+local cancelled = tonumber(redis.call('ZSCORE', CANCELLED, nonce))
+if cancelled and cancelled > now then
   return 2
 end
 -- A hold is released only at its end: before that the charge existed and left
