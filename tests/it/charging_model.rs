@@ -1,10 +1,15 @@
 //! A property test of charge ownership: random interleavings of submits,
 //! retries with a shared key (same or another operation or body), submissions
 //! that die after their charge, workers that succeed, fail, or die holding a
-//! lease, maintenance, and time passing. Whatever happened, once the jobs have
-//! drained and every hold has ended: each user's live charges add up to the
-//! cost of the jobs that succeeded, every successful provider call was paid by
-//! exactly one live charge, and no charge paid for two calls.
+//! lease, maintenance, time passing, operator refunds (a queued job's cancels
+//! it, a running job's is refused, a final job's is a credit), plan changes,
+//! and jobs that settle to what the provider reported. Whatever happened, once
+//! the jobs have drained and every hold has ended: each user's live charges
+//! add up to what the jobs that succeeded were charged (settled, less what an
+//! operator credited), every successful provider call was paid by exactly one
+//! live charge, no charge paid for two calls, and no cancelled job reached the
+//! provider. While a user never changed plan, no window ever holds more than
+//! its limit (settle reserves the most and settles down).
 //!
 //! proptest over the memory backend (a manual clock), and a shorter run on
 //! Redis (real time, short deadlines). `TOLLGATE_MODEL_CASES=20000` is the
@@ -23,13 +28,14 @@ use tollgate_core::{
     id::{RequestId, UserId},
     job::{JobQueue, JobRequest, JobSource, JobStatus},
     job_memory::MemoryJobQueue,
-    ledger::{ChargeRequest, Ledger},
+    ledger::{ChargeRequest, Ledger, RefundOutcome},
     memory::MemoryLedger,
 };
 use tollgate_tests::RedisServer;
 
 const CONFIG: &str = r#"
 hold_grace = "300ms"
+default_plan = "free"
 [plans.free]
 limit = 60
 window = "1d"
@@ -47,9 +53,19 @@ cost = 3
 provider = "p"
 deadline = "1s"
 max_attempts = 2
+[operations.s]
+cost = 4
+provider = "p"
+deadline = "1s"
+max_attempts = 2
+settle = { from = "/tokens", max = 15 }
+[plans.brief]
+limit = 30
+window = "600ms"
 "#;
 
-const OPS: [&str; 2] = ["a", "b"];
+const OPS: [&str; 3] = ["a", "b", "s"];
+const PLANS: [&str; 2] = ["free", "brief"];
 const USERS: [&str; 2] = ["u0", "u1"];
 
 fn options() -> JobOptions {
@@ -66,8 +82,13 @@ enum Step {
     Submit(usize, u8, usize, u8),
     /// The same, but the api pod dies right after the charge.
     Crash(usize, u8, usize, u8),
-    /// A worker takes a job of the operation and finishes it.
-    Work(usize, bool),
+    /// A worker takes a job of the operation and finishes it (a job of `s`
+    /// settles to the tokens reported, if any).
+    Work(usize, bool, Option<u8>),
+    /// An operator refunds a user's request.
+    Refund(usize, u8),
+    /// A user's plan changes.
+    Plan(usize, usize),
     /// A worker takes a job and dies holding it.
     Die(usize),
     Maintain,
@@ -76,10 +97,12 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        4 => (0..2usize, 0..4u8, 0..2usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Submit(u, k, o, b)),
-        1 => (0..2usize, 0..4u8, 0..2usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Crash(u, k, o, b)),
-        4 => (0..2usize, any::<bool>()).prop_map(|(o, ok)| Step::Work(o, ok)),
-        1 => (0..2usize).prop_map(Step::Die),
+        4 => (0..2usize, 0..4u8, 0..3usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Submit(u, k, o, b)),
+        1 => (0..2usize, 0..4u8, 0..3usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Crash(u, k, o, b)),
+        4 => (0..3usize, any::<bool>(), proptest::option::of(0..30u8)).prop_map(|(o, ok, t)| Step::Work(o, ok, t)),
+        1 => (0..3usize).prop_map(Step::Die),
+        1 => (0..2usize, 0..4u8).prop_map(|(u, k)| Step::Refund(u, k)),
+        1 => (0..2usize, 0..2usize).prop_map(|(u, p)| Step::Plan(u, p)),
         1 => Just(Step::Maintain),
         2 => (0..1500u16).prop_map(Step::Advance),
     ]
@@ -95,10 +118,17 @@ fn request(user: usize, key: u8, op: usize, body: u8) -> JobRequest {
     }
 }
 
-/// What the fake provider saw: successful calls by (user, id, nonce), with cost.
+/// What the fake provider saw: successful calls by (user, id, nonce), with
+/// what they were charged (settled); every call (a cancelled job's must not be
+/// among them); the charges an operator credited back (user, id, nonce); the
+/// users whose plan changed.
 #[derive(Default)]
 struct Upstream {
     calls: BTreeMap<(String, String, String), (u32, u64)>,
+    arrivals: BTreeSet<(String, String, String)>,
+    credited: BTreeSet<(String, String, String)>,
+    cancelled: BTreeSet<(String, String, String)>,
+    replanned: BTreeSet<usize>,
 }
 
 async fn run(
@@ -125,7 +155,7 @@ async fn run(
                 let nonce = tollgate_core::job::nonce();
                 let fp = tollgate_core::job::fingerprint(&r.input);
                 let charge = ChargeRequest {
-                    cost: op.cost,
+                    cost: op.charged_cost(),
                     nonce: &nonce,
                     operation: &op.name,
                     fingerprint: &fp,
@@ -134,23 +164,33 @@ async fn run(
                 };
                 let _ = ledger.charge(&r.user, &r.id, &charge).await;
             }
-            Step::Work(o, ok) => {
+            Step::Work(o, ok, tokens) => {
                 if let Ok(Some(l)) = take(o).await {
                     if !source.start(&l).await.unwrap() {
                         continue;
                     }
+                    let who = (
+                        l.job.user.to_string(),
+                        l.job.id.to_string(),
+                        l.job.nonce.clone(),
+                    );
+                    upstream.arrivals.insert(who.clone());
                     if ok {
-                        if source.complete(&l, json!({})).await.unwrap()
+                        let answer = match tokens {
+                            Some(t) => json!({ "tokens": t }),
+                            None => json!({}),
+                        };
+                        let op = config.operation(&l.job.operation).unwrap();
+                        // Settled down to what was reported, or to the estimate.
+                        let cost = match &op.settle {
+                            Some(rule) => rule.cost(&answer).unwrap_or(op.cost).min(l.job.cost),
+                            None => l.job.cost,
+                        };
+                        source.settle(&l, &answer).await.unwrap();
+                        if source.complete(&l, answer).await.unwrap()
                             == tollgate_core::job::Finish::Recorded
                         {
-                            let e = upstream
-                                .calls
-                                .entry((
-                                    l.job.user.to_string(),
-                                    l.job.id.to_string(),
-                                    l.job.nonce.clone(),
-                                ))
-                                .or_insert((0, l.job.cost));
+                            let e = upstream.calls.entry(who).or_insert((0, cost));
                             e.0 += 1;
                         }
                     } else {
@@ -169,8 +209,58 @@ async fn run(
             Step::Maintain => {
                 source.maintain("w", lease).await.unwrap();
             }
+            Step::Refund(u, k) => {
+                let user = UserId::new(USERS[u]).unwrap();
+                let id = RequestId::new(format!("k{k}")).unwrap();
+                let job = queue.status(&user, &id).await.unwrap();
+                let out = tollgate_core::refund::operator_refund(ledger, queue, &user, &id)
+                    .await
+                    .unwrap();
+                let key = |info: &tollgate_core::job::JobInfo| {
+                    (USERS[u].to_string(), id.to_string(), info.job.nonce.clone())
+                };
+                match (out, job) {
+                    (RefundOutcome::Refunded { .. }, Some(info)) if info.status.is_final() => {
+                        upstream.credited.insert(key(&info));
+                    }
+                    // (A final job's id whose charge was cancelled: another
+                    // attempt's held charge, whose job was never made.)
+                    (RefundOutcome::Cancelled { .. }, Some(info)) if !info.status.is_final() => {
+                        upstream.cancelled.insert(key(&info));
+                    }
+                    _ => {}
+                }
+            }
+            Step::Plan(u, p) => {
+                let user = UserId::new(USERS[u]).unwrap();
+                ledger.set_plan(&user, PLANS[p]).await.unwrap();
+                upstream.replanned.insert(u);
+            }
             Step::Advance(ms) => advance(Duration::from_millis(u64::from(ms))),
         }
+        // While a user keeps its plan, no window ever passes its limit.
+        for (u, name) in USERS.iter().enumerate() {
+            if upstream.replanned.contains(&u) {
+                continue;
+            }
+            let usage = ledger.usage(&UserId::new(*name).unwrap()).await.unwrap();
+            for w in &usage.windows {
+                prop_assert!(w.used <= w.limit, "{name} after {s:?}: {usage:?}");
+            }
+        }
+    }
+    // Every user back on the plan of the longest window: every charge counts.
+    for name in USERS {
+        ledger
+            .set_plan(&UserId::new(name).unwrap(), "free")
+            .await
+            .unwrap();
+    }
+    for who in &upstream.cancelled {
+        prop_assert!(
+            !upstream.arrivals.contains(who),
+            "{who:?} was cancelled, yet reached the provider"
+        );
     }
     // Drain: let every lease, deadline and hold end, then take what is left
     // (expired jobs fail and release their charges).
@@ -197,8 +287,11 @@ async fn run(
                     info.status.is_final(),
                     "{info:?} still open after the drain"
                 );
-                if matches!(info.status, JobStatus::Succeeded { .. }) {
-                    succeeded += info.job.cost;
+                let who = (name.to_string(), id.to_string(), info.job.nonce.clone());
+                if matches!(info.status, JobStatus::Succeeded { .. })
+                    && !upstream.credited.contains(&who)
+                {
+                    succeeded += upstream.calls.get(&who).map_or(0, |c| c.1);
                     prop_assert!(
                         live.contains(id.as_str()),
                         "{id} succeeded unpaid (user {u})"
@@ -215,6 +308,7 @@ async fn run(
         let paid: u64 = upstream
             .calls
             .iter()
+            .filter(|(key, _)| !upstream.credited.contains(*key))
             .filter(|((who, id, _), _)| who == name && live.contains(id))
             .map(|(_, (n, cost))| u64::from(*n) * cost)
             .sum();
