@@ -78,7 +78,7 @@ fn named_operations(mut routes: Routes, state: &ApiState) -> Routes {
         };
         routes = routes.metered(
             operation_doc(&format!("/v1/ops/{name}"), summary),
-            Cost::job(operation.cost),
+            Cost::job(operation.charged_cost()),
             post(ops::run),
         );
     }
