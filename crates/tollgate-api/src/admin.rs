@@ -183,8 +183,13 @@ pub struct RefundView {
 pub async fn refund(
     _: Admin,
     State(state): State<ApiState>,
-    params: RawPathParams,
+    params: Result<RawPathParams, axum::extract::rejection::RawPathParamsRejection>,
 ) -> Result<Response, ApiError> {
+    // A parameter that is not UTF-8 is a problem, like every other error.
+    let params = params.map_err(|e| ApiError::Malformed {
+        detail: format!("bad path parameter: {e}"),
+        field: None,
+    })?;
     let param = |name: &str| {
         params
             .iter()

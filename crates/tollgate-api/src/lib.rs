@@ -187,7 +187,7 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             )
             .admin()
             .ok(200, "What the refund did.", Some(schema("Refund")))
-            .errors(&[P::InvalidField, P::ChargeOwnedByJob]),
+            .errors(&[P::MalformedRequest, P::InvalidField, P::ChargeOwnedByJob]),
             post(admin::refund),
         )
         .route(
