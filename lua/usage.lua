@@ -1,8 +1,8 @@
 -- usage.lua: a user's budget and live spend events (the audit trail).
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta, KEYS[9] cancelled
 --   (see lib/budget.lua)
--- ARGV[1..] export maxlen, then the plan table (lib/budget.lua)
+-- ARGV[1..] export maxlen, retention, then the plan table (lib/budget.lua)
 -- Returns { plan, now_ms, windows..., id_1, at_1, cost_1, operation_1, estimate_1,
 -- id_2, ... } with the events in the plan's longest window, oldest first (the
 -- log may keep older ones for another plan's longer window); operation is '' for a plain reserve,

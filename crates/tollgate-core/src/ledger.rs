@@ -320,7 +320,8 @@ pub struct Usage {
     pub now_ms: u64,
     /// Until the oldest live event expires; `None` when there is none.
     pub reset_after_ms: Option<u64>,
-    /// Live events, oldest first.
+    /// Live events in the plan's longest window, oldest first (the log may
+    /// keep older ones for another plan's longer window).
     pub events: Vec<SpendEvent>,
     /// Every limit of the plan, longest window first.
     pub windows: Vec<WindowUse>,
