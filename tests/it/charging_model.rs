@@ -1,15 +1,19 @@
 //! A property test of charge ownership: random interleavings of submits,
 //! retries with a shared key (same or another operation or body), submissions
-//! that die after their charge, workers that succeed, fail, or die holding a
-//! lease, maintenance, time passing, operator refunds (a queued job's cancels
-//! it, a running job's is refused, a final job's is a credit), plan changes,
-//! and jobs that settle to what the provider reported. Whatever happened, once
-//! the jobs have drained and every hold has ended: each user's live charges
-//! add up to what the jobs that succeeded were charged (settled, less what an
-//! operator credited), every successful provider call was paid by exactly one
-//! live charge, no charge paid for two calls, and no cancelled job reached the
-//! provider. While a user never changed plan, no window ever holds more than
-//! its limit (settle reserves the most and settles down).
+//! that die after their charge, workers whose call the upstream answers,
+//! refuses (4xx), fails (5xx), leaves unanswered, answers unparsably, or
+//! answers after the job's deadline, workers that die holding a lease
+//! (maybe mid-call), maintenance, and time passing. The workers decide each
+//! failure with the outcome policy (`tollgate_providers::outcome`). Whatever
+//! happened, once the jobs have drained and every hold has ended: each user's
+//! live charges plus what was absorbed add up to the cost of the jobs whose
+//! upstream may have worked (one charge covers a job's runs), every such job
+//! not absorbed is paid by a live charge, and no charge paid for two
+//! successful calls. Operators refund (a queued job's refund cancels it: it
+//! never reaches the upstream; a running job's is refused; a final job's is a
+//! credit, counted like an absorbed cost), plans change, and jobs of an
+//! operation with `settle` settle down to what the upstream reported: while a
+//! user keeps its plan, no window ever holds more than its limit.
 //!
 //! proptest over the memory backend (a manual clock), and a shorter run on
 //! Redis (real time, short deadlines). `TOLLGATE_MODEL_CASES=20000` is the
@@ -26,11 +30,12 @@ use tollgate_core::{
     clock::ManualClock,
     config::Config,
     id::{RequestId, UserId},
-    job::{JobQueue, JobRequest, JobSource, JobStatus},
+    job::{Charge, FailureCause, Finish, JobQueue, JobRequest, JobSource, JobStatus},
     job_memory::MemoryJobQueue,
     ledger::{ChargeRequest, Ledger, RefundOutcome},
     memory::MemoryLedger,
 };
+use tollgate_providers::outcome;
 use tollgate_tests::RedisServer;
 
 const CONFIG: &str = r#"
@@ -82,24 +87,67 @@ enum Step {
     Submit(usize, u8, usize, u8),
     /// The same, but the api pod dies right after the charge.
     Crash(usize, u8, usize, u8),
-    /// A worker takes a job of the operation and finishes it (a job of `s`
-    /// settles to the tokens reported, if any).
-    Work(usize, bool, Option<u8>),
+    /// A worker takes a job of the operation and calls; the upstream does
+    /// what the outcome says (and, answering a job of `s`, reports the tokens
+    /// used, if any).
+    Work(usize, Outcome, Option<u8>),
     /// An operator refunds a user's request.
     Refund(usize, u8),
     /// A user's plan changes.
     Plan(usize, usize),
-    /// A worker takes a job and dies holding it.
+    /// A worker takes a job, starts its call and dies holding it (the
+    /// upstream may have got the call).
     Die(usize),
     Maintain,
     Advance(u16),
+}
+
+/// What the upstream does with a worker's call.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    /// 200 with JSON.
+    Answered,
+    /// 400: refused before work.
+    Refused,
+    /// 500: failed, maybe after work (released, absorbed).
+    ServerError,
+    /// A timeout after the request was written.
+    Unanswered,
+    /// 200 with a body that is not JSON.
+    Unparsable,
+    /// 200 with JSON, after the job's deadline passed mid-call.
+    LateAnswer,
+}
+
+impl Outcome {
+    /// The attempt as the outcome policy sees it (`None`: answered).
+    fn class(self) -> Option<outcome::Class> {
+        match self {
+            Self::Answered | Self::LateAnswer => None,
+            Self::Refused => Some(outcome::Class::Refused { overload: false }),
+            Self::ServerError => Some(outcome::Class::ServerError),
+            Self::Unanswered => Some(outcome::Class::Unanswered),
+            Self::Unparsable => Some(outcome::Class::BadAnswer),
+        }
+    }
+}
+
+fn outcome() -> impl Strategy<Value = Outcome> {
+    prop_oneof![
+        3 => Just(Outcome::Answered),
+        1 => Just(Outcome::Refused),
+        1 => Just(Outcome::ServerError),
+        1 => Just(Outcome::Unanswered),
+        1 => Just(Outcome::Unparsable),
+        1 => Just(Outcome::LateAnswer),
+    ]
 }
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         4 => (0..2usize, 0..4u8, 0..3usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Submit(u, k, o, b)),
         1 => (0..2usize, 0..4u8, 0..3usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Crash(u, k, o, b)),
-        4 => (0..3usize, any::<bool>(), proptest::option::of(0..30u8)).prop_map(|(o, ok, t)| Step::Work(o, ok, t)),
+        4 => (0..3usize, outcome(), proptest::option::of(0..30u8)).prop_map(|(o, out, t)| Step::Work(o, out, t)),
         1 => (0..3usize).prop_map(Step::Die),
         1 => (0..2usize, 0..4u8).prop_map(|(u, k)| Step::Refund(u, k)),
         1 => (0..2usize, 0..2usize).prop_map(|(u, p)| Step::Plan(u, p)),
@@ -118,17 +166,40 @@ fn request(user: usize, key: u8, op: usize, body: u8) -> JobRequest {
     }
 }
 
-/// What the fake provider saw: successful calls by (user, id, nonce), with
-/// what they were charged (settled); every call (a cancelled job's must not be
-/// among them); the charges an operator credited back (user, id, nonce); the
-/// users whose plan changed.
+/// A job's charge: (user, id, nonce).
+type ChargeKey = (String, String, String);
+
+/// What the fake provider saw: successful calls by charge, with cost; and
+/// the charges whose upstream may have worked (a call answered, unanswered,
+/// failed with a 5xx, or sent by a worker that died), with their cost and
+/// whether the operator absorbed them.
+///
+/// Also: every charge whose job reached the upstream, the held charges an
+/// operator cancelled (their jobs must never reach it), the final jobs'
+/// charges an operator credited, and the users whose plan changed.
 #[derive(Default)]
 struct Upstream {
-    calls: BTreeMap<(String, String, String), (u32, u64)>,
-    arrivals: BTreeSet<(String, String, String)>,
-    credited: BTreeSet<(String, String, String)>,
-    cancelled: BTreeSet<(String, String, String)>,
+    calls: BTreeMap<ChargeKey, (u32, u64)>,
+    worked: BTreeMap<ChargeKey, (u64, bool)>,
+    arrivals: BTreeSet<ChargeKey>,
+    cancelled: BTreeSet<ChargeKey>,
+    credited: BTreeSet<ChargeKey>,
     replanned: BTreeSet<usize>,
+}
+
+impl Upstream {
+    fn worked(&mut self, l: &tollgate_core::job::Lease, absorbed: bool) {
+        let e = self.worked.entry(key(l)).or_insert((l.job.cost, absorbed));
+        e.1 &= absorbed;
+    }
+}
+
+fn key(l: &tollgate_core::job::Lease) -> ChargeKey {
+    (
+        l.job.user.to_string(),
+        l.job.id.to_string(),
+        l.job.nonce.clone(),
+    )
 }
 
 async fn run(
@@ -164,46 +235,62 @@ async fn run(
                 };
                 let _ = ledger.charge(&r.user, &r.id, &charge).await;
             }
-            Step::Work(o, ok, tokens) => {
+            Step::Work(o, out, tokens) => {
                 if let Ok(Some(l)) = take(o).await {
                     if !source.start(&l).await.unwrap() {
                         continue;
                     }
-                    let who = (
-                        l.job.user.to_string(),
-                        l.job.id.to_string(),
-                        l.job.nonce.clone(),
-                    );
-                    upstream.arrivals.insert(who.clone());
-                    if ok {
+                    upstream.arrivals.insert(key(&l));
+                    if let Outcome::LateAnswer = out {
+                        // The deadline passes while the call is in flight; the
+                        // lease is renewed meanwhile, and the answer decides.
+                        advance(l.time_left + Duration::from_millis(20));
+                        source.renew(&l, lease).await.unwrap();
+                    }
+                    let Some(class) = out.class() else {
                         let answer = match tokens {
                             Some(t) => json!({ "tokens": t }),
                             None => json!({}),
                         };
-                        let op = config.operation(&l.job.operation).unwrap();
                         // Settled down to what was reported, or to the estimate.
+                        let op = config.operation(&l.job.operation).unwrap();
                         let cost = match &op.settle {
                             Some(rule) => rule.cost(&answer).unwrap_or(op.cost).min(l.job.cost),
                             None => l.job.cost,
                         };
                         source.settle(&l, &answer).await.unwrap();
-                        if source.complete(&l, answer).await.unwrap()
-                            == tollgate_core::job::Finish::Recorded
-                        {
-                            let e = upstream.calls.entry(who).or_insert((0, cost));
-                            e.0 += 1;
+                        if source.complete(&l, answer).await.unwrap() == Finish::Recorded {
+                            upstream.calls.entry(key(&l)).or_insert((0, cost)).0 += 1;
+                            upstream.worked(&l, false);
+                            // One charge covers the job's runs: it costs what it settled to.
+                            if let Some(e) = upstream.worked.get_mut(&key(&l)) {
+                                e.0 = cost;
+                            }
                         }
-                    } else {
-                        source
-                            .fail(&l, tollgate_core::job::FailureCause::Provider, "boom")
-                            .await
-                            .unwrap();
+                        continue;
+                    };
+                    // The worker's decision: the policy's, as in the worker.
+                    let mut tally = outcome::Tally::default();
+                    tally.record(class);
+                    let (mut cause, mut charge) = tally.failure(FailureCause::Provider);
+                    if l.ran_before {
+                        (cause, charge) = outcome::after_lost_run(cause, charge);
+                    }
+                    let recorded = source.fail(&l, cause, charge, "boom").await.unwrap();
+                    let may_have_worked = !matches!(class, outcome::Class::Refused { .. });
+                    if recorded == Finish::Recorded && may_have_worked {
+                        let absorbed = matches!(charge, Charge::Release { absorbed: Some(_) });
+                        upstream.worked(&l, absorbed);
                     }
                 }
             }
             Step::Die(o) => {
                 if let Ok(Some(l)) = take(o).await {
-                    let _ = source.start(&l).await;
+                    if source.start(&l).await.unwrap_or(false) {
+                        // The call may have gone out before the worker died.
+                        upstream.arrivals.insert(key(&l));
+                        upstream.worked(&l, false);
+                    }
                 }
             }
             Step::Maintain => {
@@ -216,17 +303,22 @@ async fn run(
                 let out = tollgate_core::refund::operator_refund(ledger, queue, &user, &id)
                     .await
                     .unwrap();
-                let key = |info: &tollgate_core::job::JobInfo| {
+                let charge = |info: &tollgate_core::job::JobInfo| {
                     (USERS[u].to_string(), id.to_string(), info.job.nonce.clone())
                 };
                 match (out, job) {
+                    // A final job's charge: the operator's credit, counted like
+                    // an absorbed cost.
                     (RefundOutcome::Refunded { .. }, Some(info)) if info.status.is_final() => {
-                        upstream.credited.insert(key(&info));
+                        if let Some(e) = upstream.worked.get_mut(&charge(&info)) {
+                            e.1 = true;
+                        }
+                        upstream.credited.insert(charge(&info));
                     }
                     // (A final job's id whose charge was cancelled: another
                     // attempt's held charge, whose job was never made.)
                     (RefundOutcome::Cancelled { .. }, Some(info)) if !info.status.is_final() => {
-                        upstream.cancelled.insert(key(&info));
+                        upstream.cancelled.insert(charge(&info));
                     }
                     _ => {}
                 }
@@ -251,19 +343,18 @@ async fn run(
     }
     // Every user back on the plan of the longest window: every charge counts.
     for name in USERS {
-        ledger
-            .set_plan(&UserId::new(name).unwrap(), "free")
-            .await
-            .unwrap();
+        let user = UserId::new(name).unwrap();
+        ledger.set_plan(&user, "free").await.unwrap();
     }
     for who in &upstream.cancelled {
         prop_assert!(
             !upstream.arrivals.contains(who),
-            "{who:?} was cancelled, yet reached the provider"
+            "{who:?} was cancelled, yet reached the upstream"
         );
     }
     // Drain: let every lease, deadline and hold end, then take what is left
-    // (expired jobs fail and release their charges).
+    // (expired jobs fail and release their charges; those a dead worker had
+    // started fail unanswered and keep them).
     advance(Duration::from_millis(2500));
     for _ in 0..3 {
         source.maintain("w", lease).await.unwrap();
@@ -279,7 +370,6 @@ async fn run(
             .iter()
             .map(|e| e.request_id.to_string())
             .collect();
-        let mut succeeded = 0;
         for k in 0..4u8 {
             let id = RequestId::new(format!("k{k}")).unwrap();
             if let Some(info) = queue.status(&user, &id).await.unwrap() {
@@ -287,11 +377,10 @@ async fn run(
                     info.status.is_final(),
                     "{info:?} still open after the drain"
                 );
-                let who = (name.to_string(), id.to_string(), info.job.nonce.clone());
+                let charge = (name.to_string(), id.to_string(), info.job.nonce.clone());
                 if matches!(info.status, JobStatus::Succeeded { .. })
-                    && !upstream.credited.contains(&who)
+                    && !upstream.credited.contains(&charge)
                 {
-                    succeeded += upstream.calls.get(&who).map_or(0, |c| c.1);
                     prop_assert!(
                         live.contains(id.as_str()),
                         "{id} succeeded unpaid (user {u})"
@@ -299,25 +388,22 @@ async fn run(
                 }
             }
         }
+        // Σ live charges + Σ absorbed = Σ jobs whose upstream may have worked.
+        let mine = || upstream.worked.iter().filter(|((who, ..), _)| who == name);
+        let worked: u64 = mine().map(|(_, (cost, _))| cost).sum();
+        let absorbed: u64 = mine().filter(|(_, (_, a))| *a).map(|(_, (c, _))| c).sum();
         prop_assert_eq!(
-            usage.used,
-            succeeded,
-            "user {}: live charges vs succeeded jobs",
+            usage.used + absorbed,
+            worked,
+            "user {}: live charges + absorbed vs jobs whose upstream may have worked",
             name
         );
-        let paid: u64 = upstream
-            .calls
-            .iter()
-            .filter(|(key, _)| !upstream.credited.contains(*key))
-            .filter(|((who, id, _), _)| who == name && live.contains(id))
-            .map(|(_, (n, cost))| u64::from(*n) * cost)
-            .sum();
-        prop_assert_eq!(
-            usage.used,
-            paid,
-            "user {}: provider calls vs live charges",
-            name
-        );
+        for ((_, id, nonce), _) in mine().filter(|(_, (_, a))| !*a) {
+            prop_assert!(
+                live.contains(id),
+                "{id}/{nonce} may have worked, unpaid (user {u})"
+            );
+        }
         for ((who, id, nonce), (n, _)) in &upstream.calls {
             prop_assert!(*n == 1, "{who}/{id}/{nonce} ran {n} times");
         }

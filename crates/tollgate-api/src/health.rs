@@ -123,15 +123,14 @@ pub fn router(probes: Probes) -> Router {
 /// until `shutdown` resolves.
 pub async fn serve(
     app: Router,
-    listener: tokio::net::TcpListener,
+    listener: impl Into<crate::edge::Listener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let listener = listener.into();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "probes and metrics listening");
     }
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    crate::edge::serve(app, listener, shutdown).await
 }
 
 /// A role's listener from its start to its exit: until [`Starting::ready`]

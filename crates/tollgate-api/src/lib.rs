@@ -25,6 +25,7 @@ pub mod admin;
 pub mod auth;
 pub mod cost;
 pub mod dashboard;
+pub mod edge;
 pub mod extract;
 pub mod health;
 pub mod keycache;
@@ -317,9 +318,11 @@ pub const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Serves the api on `listener` until `shutdown` resolves, then finishes the
 /// requests in flight, and the metered tasks of clients that went away.
+/// `listener` is a [`edge::Listener`] (its bounds on clients), or a bare
+/// `TcpListener` under [`edge::Edge::default`].
 pub async fn run(
     state: ApiState,
-    listener: tokio::net::TcpListener,
+    listener: impl Into<edge::Listener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let served = serve(router(state.clone()), listener, shutdown).await;
@@ -329,19 +332,17 @@ pub async fn run(
 
 /// Serves `app` (the [`router`], or a [`health::Starting`]'s while the role
 /// waits for its store) on `listener`, with each client's address, until
-/// `shutdown` resolves.
+/// `shutdown` resolves; see [`edge`] for the bounds on each client.
 pub async fn serve(
     app: axum::Router,
-    listener: tokio::net::TcpListener,
+    listener: impl Into<edge::Listener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let listener = listener.into();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "api listening");
     }
-    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    edge::serve(app, listener, shutdown).await
 }
 
 /// After serving: waits (bounded) for the metered tasks the requests left.

@@ -74,6 +74,8 @@ pub enum ProblemType {
     IdempotencyKeyReused,
     ResultExpired,
     ProviderFailure,
+    UpstreamUnanswered,
+    BadUpstreamResponse,
     ThrottleTimeout,
     JobExpired,
     JobAbandoned,
@@ -85,7 +87,7 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 24] = [
+    pub const ALL: [ProblemType; 26] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -102,6 +104,8 @@ impl ProblemType {
         Self::IdempotencyKeyReused,
         Self::ResultExpired,
         Self::ProviderFailure,
+        Self::UpstreamUnanswered,
+        Self::BadUpstreamResponse,
         Self::ThrottleTimeout,
         Self::JobExpired,
         Self::JobAbandoned,
@@ -130,6 +134,8 @@ impl ProblemType {
             Self::IdempotencyKeyReused => "idempotency-key-reused",
             Self::ResultExpired => "result-expired",
             Self::ProviderFailure => "provider-failure",
+            Self::UpstreamUnanswered => "upstream-unanswered",
+            Self::BadUpstreamResponse => "bad-upstream-response",
             Self::ThrottleTimeout => "throttle-timeout",
             Self::JobExpired => "job-expired",
             Self::JobAbandoned => "job-abandoned",
@@ -165,8 +171,10 @@ impl ProblemType {
                 StatusCode::CONFLICT
             }
             Self::ResultExpired => StatusCode::GONE,
-            Self::ProviderFailure => StatusCode::BAD_GATEWAY,
-            Self::ThrottleTimeout | Self::JobExpired => StatusCode::GATEWAY_TIMEOUT,
+            Self::ProviderFailure | Self::BadUpstreamResponse => StatusCode::BAD_GATEWAY,
+            Self::ThrottleTimeout | Self::JobExpired | Self::UpstreamUnanswered => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
             Self::JobAbandoned | Self::BackendUnavailable | Self::NotReady => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -198,6 +206,12 @@ impl ProblemType {
                 "The request with this Idempotency-Key ran and was charged; its result is no longer kept"
             }
             Self::ProviderFailure => "The upstream provider failed; the budget was refunded",
+            Self::UpstreamUnanswered => {
+                "The upstream did not answer; it may have done the work, so the budget stays charged"
+            }
+            Self::BadUpstreamResponse => {
+                "The upstream answered with a body that is not JSON; the work was done, so the budget stays charged"
+            }
             Self::ThrottleTimeout => {
                 "The provider is saturated: no slot in time; the budget was refunded"
             }
@@ -231,9 +245,14 @@ pub struct Problem {
     /// The job concerned (502/503/504 of an operation).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub job_id: Option<String>,
-    /// Why a job failed: `provider`, `throttle_timeout`, `expired`, `abandoned`.
+    /// Why a job failed: `provider`, `unanswered`, `bad_response`,
+    /// `throttle_timeout`, `expired`, `abandoned`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cause: Option<&'static str>,
+    /// A failed job: whether its charge stands (the upstream may have done
+    /// the work) or was released.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub charged: Option<bool>,
     /// 429: milliseconds until the request fits (exact).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
@@ -322,6 +341,8 @@ impl ApiError {
             Self::ResultExpired(_) => ProblemType::ResultExpired,
             Self::JobFailed { cause, .. } => match cause {
                 FailureCause::Provider => ProblemType::ProviderFailure,
+                FailureCause::Unanswered => ProblemType::UpstreamUnanswered,
+                FailureCause::BadResponse => ProblemType::BadUpstreamResponse,
                 FailureCause::ThrottleTimeout => ProblemType::ThrottleTimeout,
                 FailureCause::Expired => ProblemType::JobExpired,
                 FailureCause::Abandoned => ProblemType::JobAbandoned,
@@ -349,6 +370,7 @@ impl ApiError {
             field: None,
             job_id: None,
             cause: None,
+            charged: None,
             retry_after_ms: None,
             waited_ms: None,
         };
@@ -394,6 +416,7 @@ impl ApiError {
                 });
                 p.job_id = Some(job_id.to_string());
                 p.cause = Some(cause.as_str());
+                p.charged = Some(cause.charged());
                 p.waited_ms = *waited_ms;
             }
             other => p.detail = Some(other.to_string()),

@@ -160,6 +160,11 @@ pub struct Operation {
     pub max_attempts: u32,
     /// Settle the charge to what the provider reported (`None`: `cost` stays).
     pub settle: Option<Settle>,
+    /// A call sent and not answered (a timeout after the write, a reply cut
+    /// midway) may be sent again within the provider's `retries`: the
+    /// operation is safe to repeat (idempotent upstream). Default false: the
+    /// upstream may have done the work, so the job fails with its charge kept.
+    pub retry_unanswered: bool,
 }
 
 /// How a job's charge is settled to its actual cost: read a number at `from`
@@ -299,6 +304,7 @@ struct RawOperation {
     deadline: Option<String>,
     max_attempts: Option<i64>,
     settle: Option<RawSettle>,
+    retry_unanswered: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -676,6 +682,7 @@ fn parse_operations(
                 deadline,
                 max_attempts: max_attempts as u32,
                 settle,
+                retry_unanswered: o.retry_unanswered.unwrap_or(false),
             },
         );
     }
@@ -1050,12 +1057,28 @@ provider = "llm"
 "#;
 
     #[test]
+    fn retry_unanswered_is_a_boolean() {
+        let on = OPERATIONS.replace(
+            "provider = \"llm\"\n",
+            "provider = \"llm\"\nretry_unanswered = true\n",
+        );
+        let c = Config::parse(&on, "t.toml").unwrap();
+        assert!(c.operation("llm.structured").unwrap().retry_unanswered);
+        let e = err(&on.replace("retry_unanswered = true", "retry_unanswered = \"yes\""));
+        assert!(e.contains("retry_unanswered") && e.contains("bool"), "{e}");
+    }
+
+    #[test]
     fn reads_operations_and_upstreams() {
         let c = Config::parse(OPERATIONS, "t.toml").unwrap();
         let op = c.operation("llm.structured").unwrap();
         assert_eq!((op.cost, op.provider.as_str()), (8, "llm"));
         assert_eq!(op.deadline, DEFAULT_JOB_DEADLINE);
         assert_eq!(op.max_attempts, DEFAULT_MAX_ATTEMPTS);
+        assert!(
+            !op.retry_unanswered,
+            "an unanswered call is not resent by default"
+        );
         let up = c.upstream("llm").unwrap();
         assert_eq!(up.url, "http://127.0.0.1:9100");
         assert_eq!(up.retries, DEFAULT_RETRIES);

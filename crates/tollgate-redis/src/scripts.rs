@@ -456,6 +456,7 @@ job_scripts! {
     JOB_ENQUEUE => "job_enqueue.lua",
     JOB_LEASE => "job_lease.lua",
     JOB_RENEW => "job_renew.lua",
+    JOB_STARTED => "job_started.lua",
     JOB_COMPLETE => "job_complete.lua",
     JOB_FAIL => "job_fail.lua",
     JOB_REFUNDED => "job_refunded.lua",
@@ -487,6 +488,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_enqueue.lua", &JOB_ENQUEUE),
         ("job_lease.lua", &JOB_LEASE),
         ("job_renew.lua", &JOB_RENEW),
+        ("job_started.lua", &JOB_STARTED),
         ("job_complete.lua", &JOB_COMPLETE),
         ("job_fail.lua", &JOB_FAIL),
         ("job_refunded.lua", &JOB_REFUNDED),
@@ -530,28 +532,38 @@ pub fn job_enqueue<'a>(
     inv
 }
 
+/// What `job_lease.lua` is asked.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseArgs<'a> {
+    pub id: &'a str,
+    pub worker: &'a str,
+    pub lease_ms: u64,
+    pub max_attempts: u32,
+    /// The queue's operation.
+    pub operation: &'a str,
+    /// How long a record failed here with nothing to release stays readable.
+    pub result_ttl_ms: u64,
+}
+
 /// `job_lease.lua`
 pub fn job_lease<'a>(
     keys: &JobKeys,
-    id: &str,
-    worker: &str,
-    lease_ms: u64,
-    max_attempts: u32,
-    operation: &str,
+    a: LeaseArgs<'_>,
     channel: &str,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_LEASE.prepare_invoke();
-    inv.key(keys.job(id))
-        .key(keys.processing(worker))
+    inv.key(keys.job(a.id))
+        .key(keys.processing(a.worker))
         .key(&keys.leases)
         .key(&keys.refunds)
         .key(&keys.dead);
-    inv.arg(id)
-        .arg(worker)
-        .arg(lease_ms)
-        .arg(max_attempts)
-        .arg(operation)
-        .arg(channel);
+    inv.arg(a.id)
+        .arg(a.worker)
+        .arg(a.lease_ms)
+        .arg(a.max_attempts)
+        .arg(a.operation)
+        .arg(channel)
+        .arg(a.result_ttl_ms);
     inv
 }
 
@@ -565,6 +577,14 @@ pub fn job_renew<'a>(
     let mut inv = JOB_RENEW.prepare_invoke();
     inv.key(keys.job(id)).key(&keys.leases);
     inv.arg(id).arg(token).arg(lease_ms);
+    inv
+}
+
+/// `job_started.lua`
+pub fn job_started<'a>(keys: &JobKeys, id: &str, token: u64) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_STARTED.prepare_invoke();
+    inv.key(keys.job(id));
+    inv.arg(token);
     inv
 }
 
