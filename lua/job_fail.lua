@@ -17,7 +17,8 @@ if not ttl or ttl < 1 then
   return redis.error_reply('job_fail: bad ttl')
 end
 if cause ~= 'provider' and cause ~= 'unanswered' and cause ~= 'bad_response'
-    and cause ~= 'throttle_timeout' and cause ~= 'expired' and cause ~= 'abandoned' then
+    and cause ~= 'throttle_timeout' and cause ~= 'expired' and cause ~= 'abandoned'
+    and cause ~= 'cancelled' then
   return redis.error_reply('job_fail: bad cause')
 end
 local f = redis.call('HMGET', JOB, 'state', 'seq')

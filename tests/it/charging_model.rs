@@ -9,7 +9,11 @@
 //! live charges plus what was absorbed add up to the cost of the jobs whose
 //! upstream may have worked (one charge covers a job's runs), every such job
 //! not absorbed is paid by a live charge, and no charge paid for two
-//! successful calls.
+//! successful calls. Operators refund (a queued job's refund cancels it: it
+//! never reaches the upstream; a running job's is refused; a final job's is a
+//! credit, counted like an absorbed cost), plans change, and jobs of an
+//! operation with `settle` settle down to what the upstream reported: while a
+//! user keeps its plan, no window ever holds more than its limit.
 //!
 //! proptest over the memory backend (a manual clock), and a shorter run on
 //! Redis (real time, short deadlines). `TOLLGATE_MODEL_CASES=20000` is the
@@ -28,7 +32,7 @@ use tollgate_core::{
     id::{RequestId, UserId},
     job::{Charge, FailureCause, Finish, JobQueue, JobRequest, JobSource, JobStatus},
     job_memory::MemoryJobQueue,
-    ledger::{ChargeRequest, Ledger},
+    ledger::{ChargeRequest, Ledger, RefundOutcome},
     memory::MemoryLedger,
 };
 use tollgate_providers::outcome;
@@ -36,6 +40,7 @@ use tollgate_tests::RedisServer;
 
 const CONFIG: &str = r#"
 hold_grace = "300ms"
+default_plan = "free"
 [plans.free]
 limit = 60
 window = "1d"
@@ -53,9 +58,19 @@ cost = 3
 provider = "p"
 deadline = "1s"
 max_attempts = 2
+[operations.s]
+cost = 4
+provider = "p"
+deadline = "1s"
+max_attempts = 2
+settle = { from = "/tokens", max = 15 }
+[plans.brief]
+limit = 30
+window = "600ms"
 "#;
 
-const OPS: [&str; 2] = ["a", "b"];
+const OPS: [&str; 3] = ["a", "b", "s"];
+const PLANS: [&str; 2] = ["free", "brief"];
 const USERS: [&str; 2] = ["u0", "u1"];
 
 fn options() -> JobOptions {
@@ -73,8 +88,13 @@ enum Step {
     /// The same, but the api pod dies right after the charge.
     Crash(usize, u8, usize, u8),
     /// A worker takes a job of the operation and calls; the upstream does
-    /// what the outcome says.
-    Work(usize, Outcome),
+    /// what the outcome says (and, answering a job of `s`, reports the tokens
+    /// used, if any).
+    Work(usize, Outcome, Option<u8>),
+    /// An operator refunds a user's request.
+    Refund(usize, u8),
+    /// A user's plan changes.
+    Plan(usize, usize),
     /// A worker takes a job, starts its call and dies holding it (the
     /// upstream may have got the call).
     Die(usize),
@@ -125,10 +145,12 @@ fn outcome() -> impl Strategy<Value = Outcome> {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        4 => (0..2usize, 0..4u8, 0..2usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Submit(u, k, o, b)),
-        1 => (0..2usize, 0..4u8, 0..2usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Crash(u, k, o, b)),
-        4 => (0..2usize, outcome()).prop_map(|(o, out)| Step::Work(o, out)),
-        1 => (0..2usize).prop_map(Step::Die),
+        4 => (0..2usize, 0..4u8, 0..3usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Submit(u, k, o, b)),
+        1 => (0..2usize, 0..4u8, 0..3usize, 0..2u8).prop_map(|(u, k, o, b)| Step::Crash(u, k, o, b)),
+        4 => (0..3usize, outcome(), proptest::option::of(0..30u8)).prop_map(|(o, out, t)| Step::Work(o, out, t)),
+        1 => (0..3usize).prop_map(Step::Die),
+        1 => (0..2usize, 0..4u8).prop_map(|(u, k)| Step::Refund(u, k)),
+        1 => (0..2usize, 0..2usize).prop_map(|(u, p)| Step::Plan(u, p)),
         1 => Just(Step::Maintain),
         2 => (0..1500u16).prop_map(Step::Advance),
     ]
@@ -151,10 +173,18 @@ type ChargeKey = (String, String, String);
 /// the charges whose upstream may have worked (a call answered, unanswered,
 /// failed with a 5xx, or sent by a worker that died), with their cost and
 /// whether the operator absorbed them.
+///
+/// Also: every charge whose job reached the upstream, the held charges an
+/// operator cancelled (their jobs must never reach it), the final jobs'
+/// charges an operator credited, and the users whose plan changed.
 #[derive(Default)]
 struct Upstream {
     calls: BTreeMap<ChargeKey, (u32, u64)>,
     worked: BTreeMap<ChargeKey, (u64, bool)>,
+    arrivals: BTreeSet<ChargeKey>,
+    cancelled: BTreeSet<ChargeKey>,
+    credited: BTreeSet<ChargeKey>,
+    replanned: BTreeSet<usize>,
 }
 
 impl Upstream {
@@ -196,7 +226,7 @@ async fn run(
                 let nonce = tollgate_core::job::nonce();
                 let fp = tollgate_core::job::fingerprint(&r.input);
                 let charge = ChargeRequest {
-                    cost: op.cost,
+                    cost: op.charged_cost(),
                     nonce: &nonce,
                     operation: &op.name,
                     fingerprint: &fp,
@@ -205,11 +235,12 @@ async fn run(
                 };
                 let _ = ledger.charge(&r.user, &r.id, &charge).await;
             }
-            Step::Work(o, out) => {
+            Step::Work(o, out, tokens) => {
                 if let Ok(Some(l)) = take(o).await {
                     if !source.start(&l).await.unwrap() {
                         continue;
                     }
+                    upstream.arrivals.insert(key(&l));
                     if let Outcome::LateAnswer = out {
                         // The deadline passes while the call is in flight; the
                         // lease is renewed meanwhile, and the answer decides.
@@ -217,9 +248,24 @@ async fn run(
                         source.renew(&l, lease).await.unwrap();
                     }
                     let Some(class) = out.class() else {
-                        if source.complete(&l, json!({})).await.unwrap() == Finish::Recorded {
-                            upstream.calls.entry(key(&l)).or_insert((0, l.job.cost)).0 += 1;
+                        let answer = match tokens {
+                            Some(t) => json!({ "tokens": t }),
+                            None => json!({}),
+                        };
+                        // Settled down to what was reported, or to the estimate.
+                        let op = config.operation(&l.job.operation).unwrap();
+                        let cost = match &op.settle {
+                            Some(rule) => rule.cost(&answer).unwrap_or(op.cost).min(l.job.cost),
+                            None => l.job.cost,
+                        };
+                        source.settle(&l, &answer).await.unwrap();
+                        if source.complete(&l, answer).await.unwrap() == Finish::Recorded {
+                            upstream.calls.entry(key(&l)).or_insert((0, cost)).0 += 1;
                             upstream.worked(&l, false);
+                            // One charge covers the job's runs: it costs what it settled to.
+                            if let Some(e) = upstream.worked.get_mut(&key(&l)) {
+                                e.0 = cost;
+                            }
                         }
                         continue;
                     };
@@ -242,6 +288,7 @@ async fn run(
                 if let Ok(Some(l)) = take(o).await {
                     if source.start(&l).await.unwrap_or(false) {
                         // The call may have gone out before the worker died.
+                        upstream.arrivals.insert(key(&l));
                         upstream.worked(&l, false);
                     }
                 }
@@ -249,8 +296,61 @@ async fn run(
             Step::Maintain => {
                 source.maintain("w", lease).await.unwrap();
             }
+            Step::Refund(u, k) => {
+                let user = UserId::new(USERS[u]).unwrap();
+                let id = RequestId::new(format!("k{k}")).unwrap();
+                let job = queue.status(&user, &id).await.unwrap();
+                let out = tollgate_core::refund::operator_refund(ledger, queue, &user, &id)
+                    .await
+                    .unwrap();
+                let charge = |info: &tollgate_core::job::JobInfo| {
+                    (USERS[u].to_string(), id.to_string(), info.job.nonce.clone())
+                };
+                match (out, job) {
+                    // A final job's charge: the operator's credit, counted like
+                    // an absorbed cost.
+                    (RefundOutcome::Refunded { .. }, Some(info)) if info.status.is_final() => {
+                        if let Some(e) = upstream.worked.get_mut(&charge(&info)) {
+                            e.1 = true;
+                        }
+                        upstream.credited.insert(charge(&info));
+                    }
+                    // (A final job's id whose charge was cancelled: another
+                    // attempt's held charge, whose job was never made.)
+                    (RefundOutcome::Cancelled { .. }, Some(info)) if !info.status.is_final() => {
+                        upstream.cancelled.insert(charge(&info));
+                    }
+                    _ => {}
+                }
+            }
+            Step::Plan(u, p) => {
+                let user = UserId::new(USERS[u]).unwrap();
+                ledger.set_plan(&user, PLANS[p]).await.unwrap();
+                upstream.replanned.insert(u);
+            }
             Step::Advance(ms) => advance(Duration::from_millis(u64::from(ms))),
         }
+        // While a user keeps its plan, no window ever passes its limit.
+        for (u, name) in USERS.iter().enumerate() {
+            if upstream.replanned.contains(&u) {
+                continue;
+            }
+            let usage = ledger.usage(&UserId::new(*name).unwrap()).await.unwrap();
+            for w in &usage.windows {
+                prop_assert!(w.used <= w.limit, "{name} after {s:?}: {usage:?}");
+            }
+        }
+    }
+    // Every user back on the plan of the longest window: every charge counts.
+    for name in USERS {
+        let user = UserId::new(name).unwrap();
+        ledger.set_plan(&user, "free").await.unwrap();
+    }
+    for who in &upstream.cancelled {
+        prop_assert!(
+            !upstream.arrivals.contains(who),
+            "{who:?} was cancelled, yet reached the upstream"
+        );
     }
     // Drain: let every lease, deadline and hold end, then take what is left
     // (expired jobs fail and release their charges; those a dead worker had
@@ -277,7 +377,10 @@ async fn run(
                     info.status.is_final(),
                     "{info:?} still open after the drain"
                 );
-                if matches!(info.status, JobStatus::Succeeded { .. }) {
+                let charge = (name.to_string(), id.to_string(), info.job.nonce.clone());
+                if matches!(info.status, JobStatus::Succeeded { .. })
+                    && !upstream.credited.contains(&charge)
+                {
                     prop_assert!(
                         live.contains(id.as_str()),
                         "{id} succeeded unpaid (user {u})"

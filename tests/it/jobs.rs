@@ -713,10 +713,11 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         nonce: charge.nonce.into(),
         trace: None,
     };
-    assert!(
-        !tollgate_core::job::claim(&*ledger, &job, Duration::from_millis(200))
+    assert_eq!(
+        tollgate_core::job::claim(&*ledger, &job, Duration::from_millis(200))
             .await
-            .unwrap()
+            .unwrap(),
+        tollgate_core::ledger::ClaimOutcome::Refused
     );
     assert_eq!(ledger.usage(&ivan).await.unwrap().used, 0);
     // crash2's job, past its deadline, is failed by the lease script, unrun.

@@ -19,6 +19,7 @@ mod dashboard;
 mod jobs;
 mod jobs_processes;
 mod ledger;
+mod ledger_jobs;
 mod observability;
 mod openapi;
 mod outcomes;

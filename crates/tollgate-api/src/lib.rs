@@ -79,7 +79,7 @@ fn named_operations(mut routes: Routes, state: &ApiState) -> Routes {
         };
         routes = routes.metered(
             operation_doc(&format!("/v1/ops/{name}"), summary),
-            Cost::job(operation.cost),
+            Cost::job(operation.charged_cost()),
             post(ops::run),
         );
     }
@@ -180,6 +180,16 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
                 .ok(200, "The revoked key.", Some(schema("RevokedKey")))
                 .errors(&[P::NotFound]),
             delete(admin::revoke),
+        )
+        .route(
+            Doc::post(
+                "/admin/users/{user}/refunds/{request_id}",
+                "Refund a spend event: a plain reserve, a final job's charge, or a queued job's (which cancels the job)",
+            )
+            .admin()
+            .ok(200, "What the refund did.", Some(schema("Refund")))
+            .errors(&[P::MalformedRequest, P::InvalidField, P::ChargeOwnedByJob]),
+            post(admin::refund),
         )
         .route(
             Doc::get(

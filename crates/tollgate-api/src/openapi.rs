@@ -450,6 +450,12 @@ fn schemas(config: &Config) -> Value {
         "Plan": {"type": "object", "required": ["user", "plan"], "properties": {"user": {"type": "string"}, "plan": {"type": "string"}}},
         "RevokedKey": {"type": "object", "required": ["key_id", "user", "revoked"],
             "properties": {"key_id": {"type": "string"}, "user": {"type": "string"}, "revoked": {"type": "boolean"}}},
+        "Refund": {"type": "object", "required": ["user", "request_id", "outcome", "used"],
+            "properties": {"user": {"type": "string"}, "request_id": {"type": "string"},
+                "outcome": {"type": "string", "enum": ["refunded", "cancelled", "not_found"],
+                    "description": "refunded: a plain reserve or a final job's charge; cancelled: a queued job's charge released and the job cancelled (it never runs); not_found: nothing live under this id."},
+                "cost": {"type": "integer", "minimum": 0, "description": "The tokens given back."},
+                "used": {"type": "integer", "minimum": 0, "description": "Tokens used in the plan's longest window after it."}}},
         "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
         "Overview": crate::dashboard::schema(),
     })

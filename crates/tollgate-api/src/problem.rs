@@ -82,10 +82,12 @@ pub enum ProblemType {
     BackendUnavailable,
     NotReady,
     Internal,
+    JobCancelled,
+    ChargeOwnedByJob,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 24] = [
+    pub const ALL: [ProblemType; 26] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -110,6 +112,8 @@ impl ProblemType {
         Self::BackendUnavailable,
         Self::NotReady,
         Self::Internal,
+        Self::JobCancelled,
+        Self::ChargeOwnedByJob,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -138,6 +142,8 @@ impl ProblemType {
             Self::BackendUnavailable => "backend-unavailable",
             Self::NotReady => "not-ready",
             Self::Internal => "internal",
+            Self::JobCancelled => "job-cancelled",
+            Self::ChargeOwnedByJob => "charge-owned-by-job",
         }
     }
 
@@ -161,7 +167,9 @@ impl ProblemType {
             Self::QuotaExceeded | Self::TooManyFailedAuthentications => {
                 StatusCode::TOO_MANY_REQUESTS
             }
-            Self::IdempotencyConflict => StatusCode::CONFLICT,
+            Self::IdempotencyConflict | Self::JobCancelled | Self::ChargeOwnedByJob => {
+                StatusCode::CONFLICT
+            }
             Self::ResultExpired => StatusCode::GONE,
             Self::ProviderFailure | Self::BadUpstreamResponse => StatusCode::BAD_GATEWAY,
             Self::ThrottleTimeout | Self::JobExpired | Self::UpstreamUnanswered => {
@@ -212,6 +220,12 @@ impl ProblemType {
             Self::BackendUnavailable => "The backing store is unavailable; retry shortly",
             Self::NotReady => "A loop of this process is stuck or stopped (or it is shutting down)",
             Self::Internal => "Internal error",
+            Self::JobCancelled => {
+                "An operator refunded the job's charge before it ran: it was cancelled, never sent"
+            }
+            Self::ChargeOwnedByJob => {
+                "The job owns this charge and may be calling the provider: refund it once the job is final"
+            }
         }
     }
 }
@@ -284,6 +298,9 @@ pub enum ApiError {
     IdempotencyKeyReused { job_id: RequestId },
     #[error("job {0} ran and was charged; its result is no longer kept: use a new Idempotency-Key to run it again")]
     ResultExpired(RequestId),
+    /// An operator's refund of a charge its running job owns: nothing changed.
+    #[error("{0}")]
+    ChargeOwnedByJob(String),
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -329,7 +346,9 @@ impl ApiError {
                 FailureCause::ThrottleTimeout => ProblemType::ThrottleTimeout,
                 FailureCause::Expired => ProblemType::JobExpired,
                 FailureCause::Abandoned => ProblemType::JobAbandoned,
+                FailureCause::Cancelled => ProblemType::JobCancelled,
             },
+            Self::ChargeOwnedByJob(_) => ProblemType::ChargeOwnedByJob,
             Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
             Self::NotReady(_) => ProblemType::NotReady,
             Self::Store(_) | Self::Internal(_) => ProblemType::Internal,

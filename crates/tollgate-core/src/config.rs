@@ -57,7 +57,8 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The longest window: how long the plan's log keeps an event.
+    /// The plan's longest window (the log keeps events for
+    /// [`Config::retention_ms`], which is at least this).
     pub fn window_ms(&self) -> u64 {
         self.limits.first().map_or(0, Limit::window_ms)
     }
@@ -168,13 +169,26 @@ pub struct Operation {
 
 /// How a job's charge is settled to its actual cost: read a number at `from`
 /// (a JSON pointer, RFC 6901) in the provider's answer; the cost is
-/// `ceil(value / per)` tokens, clamped to `1..=max`. `cost` is the estimate
-/// reserved up front.
+/// `ceil(value / per)` tokens, clamped to `1..=max`. `cost` is the estimate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settle {
     pub from: String,
     pub per: u64,
     pub max: u64,
+    /// What the submission reserves up front.
+    pub reserve: SettleReserve,
+}
+
+/// What an operation with `settle` reserves up front (`settle.reserve`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleReserve {
+    /// `max` (the default): authorise the most, settle down to the actual; a
+    /// window never passes its limit.
+    Max,
+    /// `cost` (the estimate), settled up or down: cheaper to admit, but
+    /// concurrent jobs can take a window past its limit by up to
+    /// `concurrency × (max − cost)`.
+    Estimate,
 }
 
 impl Settle {
@@ -195,6 +209,23 @@ impl Settle {
 }
 
 impl Operation {
+    /// The tokens a job of this operation is charged up front: `settle.max`
+    /// when it settles down from the most (`reserve = "max"`), else `cost`.
+    pub fn charged_cost(&self) -> u64 {
+        match &self.settle {
+            Some(s) if s.reserve == SettleReserve::Max => s.max.max(self.cost),
+            _ => self.cost,
+        }
+    }
+
+    /// Whether a settle may raise the charge above what was charged up front
+    /// (`reserve = "estimate"`); with `max` it only ever settles down.
+    pub fn settle_may_raise(&self) -> bool {
+        self.settle
+            .as_ref()
+            .is_some_and(|s| s.reserve == SettleReserve::Estimate)
+    }
+
     pub fn deadline_ms(&self) -> u64 {
         u64::try_from(self.deadline.as_millis()).unwrap_or(u64::MAX)
     }
@@ -282,6 +313,7 @@ struct RawSettle {
     from: String,
     per: Option<i64>,
     max: i64,
+    reserve: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -464,6 +496,12 @@ impl Config {
 
     pub fn plans(&self) -> impl Iterator<Item = &Plan> {
         self.plans.values()
+    }
+
+    /// How long a user's log keeps a spend event: the longest window of any
+    /// plan, so that a plan change never erases spend a plan could count.
+    pub fn retention_ms(&self) -> u64 {
+        self.plans().map(Plan::window_ms).max().unwrap_or(0)
     }
 
     /// The provider called `name`, if configured.
@@ -678,10 +716,21 @@ fn parse_settle(
             format!("must be between 1 and {MAX_TOKENS} tokens, got {}", r.max),
         ));
     }
+    let reserve = match r.reserve.as_deref() {
+        None | Some("max") => SettleReserve::Max,
+        Some("estimate") => SettleReserve::Estimate,
+        Some(other) => {
+            return Err(invalid(
+                format!("{key}.reserve"),
+                format!("must be \"max\" or \"estimate\", got {other:?}"),
+            ))
+        }
+    };
     Ok(Settle {
         from: r.from,
         per: per as u64,
         max: r.max as u64,
+        reserve,
     })
 }
 
@@ -1121,10 +1170,21 @@ provider = "llm"
             ("max = 40", "max = 0", "settle.max"),
             ("\"/usage/total_tokens\"", "\"usage\"", "settle.from"),
             ("max = 40", "max = 40, maxx = 1", "maxx"),
+            ("max = 40", "max = 40, reserve = \"most\"", "settle.reserve"),
         ] {
             let e = err(&text.replacen(from, to, 1));
             assert!(e.contains(k), "{to}: {e}");
         }
+        // Reserve the most, settle down: the charge up front is `max`.
+        let op = c.operation("llm.structured").unwrap();
+        assert_eq!(
+            (op.cost, op.charged_cost(), op.settle_may_raise()),
+            (8, 40, false)
+        );
+        let estimate = text.replacen("max = 40", "max = 40, reserve = \"estimate\"", 1);
+        let c = Config::parse(&estimate, "t.toml").unwrap();
+        let op = c.operation("llm.structured").unwrap();
+        assert_eq!((op.charged_cost(), op.settle_may_raise()), (8, true));
     }
 
     #[test]

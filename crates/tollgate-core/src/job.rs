@@ -109,16 +109,20 @@ pub enum FailureCause {
     /// The job was given up: its submission never completed, or it exhausted
     /// its attempts (workers died while running it).
     Abandoned,
+    /// An operator refunded its charge before it ran (`budget refund`): it
+    /// never reached the provider.
+    Cancelled,
 }
 
 impl FailureCause {
     /// 502 (provider, bad response), 504 (unanswered, throttle timeout,
-    /// expired), 503 (abandoned).
+    /// expired), 503 (abandoned), 409 (cancelled).
     pub fn http_status(self) -> u16 {
         match self {
             Self::Provider | Self::BadResponse => 502,
             Self::Unanswered | Self::ThrottleTimeout | Self::Expired => 504,
             Self::Abandoned => 503,
+            Self::Cancelled => 409,
         }
     }
 
@@ -136,6 +140,7 @@ impl FailureCause {
             Self::ThrottleTimeout => "throttle_timeout",
             Self::Expired => "expired",
             Self::Abandoned => "abandoned",
+            Self::Cancelled => "cancelled",
         }
     }
 
@@ -148,6 +153,7 @@ impl FailureCause {
             "throttle_timeout" => Self::ThrottleTimeout,
             "expired" => Self::Expired,
             "abandoned" => Self::Abandoned,
+            "cancelled" => Self::Cancelled,
             _ => return None,
         })
     }
@@ -481,7 +487,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
         let fingerprint = fingerprint(&request.input);
         let fresh = nonce();
         let charge = ChargeRequest {
-            cost: op.cost,
+            cost: op.charged_cost(),
             nonce: &fresh,
             operation: &op.name,
             fingerprint: &fingerprint,
@@ -522,7 +528,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             operation: op.name.clone(),
             provider: op.provider.clone(),
             input: request.input,
-            cost: op.cost,
+            cost: op.charged_cost(),
             enqueued_at_ms: allowed.now_ms,
             deadline_ms,
             attempt: 0,
@@ -598,15 +604,32 @@ pub const LOST_MID_RUN: &str = "a run of the job started and its worker was lost
 /// Why a job whose claim was refused failed.
 pub const UNPAID: &str = "the job's charge is not its own any more (released after its hold, or the id was charged again): not run";
 
+/// Why a job whose charge an operator refunded before it ran failed.
+pub const CANCELLED: &str =
+    "cancelled by an operator: its charge was refunded before it ran; not run";
+
 /// The worker's step between a lease and the provider call: the job claims its
-/// charge ([`Ledger::claim`]), held until its deadline plus `grace`.
-/// `Ok(false)`: refused, the job must not run.
-pub async fn claim(ledger: &dyn Ledger, job: &Job, grace: Duration) -> Result<bool, JobError> {
+/// charge ([`Ledger::claim`]), held until its deadline plus `grace`. Anything
+/// but `Claimed`: the job must not run ([`unrun`] says how it fails).
+pub async fn claim(
+    ledger: &dyn Ledger,
+    job: &Job,
+    grace: Duration,
+) -> Result<ClaimOutcome, JobError> {
     let hold_until = job.deadline_ms.saturating_add(millis(grace));
     Ok(ledger
         .claim(&job.user, &job.id, &job.nonce, hold_until)
-        .await?
-        == ClaimOutcome::Claimed)
+        .await?)
+}
+
+/// How a job whose claim was not granted fails (unpaid: it owns no charge to
+/// release); `None` when it was claimed.
+pub fn unrun(claim: ClaimOutcome) -> Option<(FailureCause, &'static str)> {
+    match claim {
+        ClaimOutcome::Claimed => None,
+        ClaimOutcome::Refused => Some((FailureCause::Abandoned, UNPAID)),
+        ClaimOutcome::Cancelled => Some((FailureCause::Cancelled, CANCELLED)),
+    }
 }
 
 /// What [`settle`] did with a job's charge.
@@ -614,7 +637,8 @@ pub async fn claim(ledger: &dyn Ledger, job: &Job, grace: Duration) -> Result<bo
 pub enum Settled {
     /// The operation has no `settle` rule: the estimate is the cost.
     Fixed,
-    /// The answer has no number where the rule reads one: the estimate stands.
+    /// The answer has no number where the rule reads one: the estimate stands
+    /// (a charge of the most was settled down to it).
     NoUsage,
     /// The charge now costs `cost` (it was charged at `estimate`).
     To { estimate: u64, cost: u64 },
@@ -633,27 +657,31 @@ pub async fn settle(
     job: &Job,
     answer: &Value,
 ) -> Result<Settled, JobError> {
-    let Some(rule) = config
+    let Some((op, rule)) = config
         .operation(&job.operation)
-        .and_then(|o| o.settle.as_ref())
+        .and_then(|o| Some((o, o.settle.as_ref()?)))
     else {
         return Ok(Settled::Fixed);
     };
-    let Some(cost) = rule.cost(answer) else {
-        return Ok(Settled::NoUsage);
+    let may_raise = op.settle_may_raise();
+    // No usage in the answer: the estimate stands. A charge of the most
+    // settles down to it; one of the estimate is it already.
+    let (cost, reported) = match rule.cost(answer) {
+        Some(cost) => (cost, true),
+        None if may_raise => return Ok(Settled::NoUsage),
+        None => (op.cost, false),
     };
-    Ok(
-        match ledger
-            .settle_charge(&job.user, &job.id, &job.nonce, cost)
-            .await?
-        {
-            crate::ledger::SettleOutcome::Settled { .. } => Settled::To {
-                estimate: job.cost,
-                cost,
-            },
-            crate::ledger::SettleOutcome::NotFound { .. } => Settled::NotOwned,
+    let outcome = ledger
+        .settle_charge(&job.user, &job.id, &job.nonce, cost, may_raise)
+        .await?;
+    Ok(match outcome {
+        crate::ledger::SettleOutcome::Settled { .. } if !reported => Settled::NoUsage,
+        crate::ledger::SettleOutcome::Settled { cost, .. } => Settled::To {
+            estimate: job.cost,
+            cost,
         },
-    )
+        crate::ledger::SettleOutcome::NotFound { .. } => Settled::NotOwned,
+    })
 }
 
 /// A job leased to a worker. Only the holder of the current `token` can finish it.

@@ -179,12 +179,12 @@ impl MemoryJobQueue {
         }
     }
 
-    /// The job was leased but its claim was refused: it owns no charge, so it
-    /// fails without a release.
-    fn fail_unpaid(&self, lease: &Lease) {
+    /// The job was leased but its claim was refused (or it was cancelled): it
+    /// owns no charge, so it fails without a release.
+    fn fail_unpaid(&self, lease: &Lease, cause: FailureCause, message: &str) {
         let status = JobStatus::Failed {
-            cause: FailureCause::Abandoned,
-            message: job::UNPAID.into(),
+            cause,
+            message: message.into(),
         };
         self.finish(lease, status, false);
     }
@@ -377,9 +377,9 @@ impl JobSource for MemoryJobQueue {
     }
 
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
-        let claimed = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
-        if !claimed {
-            self.fail_unpaid(lease);
+        let claim = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
+        if let Some((cause, message)) = job::unrun(claim) {
+            self.fail_unpaid(lease, cause, message);
             return Ok(false);
         }
         let mut st = lock(&self.state);

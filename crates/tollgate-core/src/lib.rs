@@ -22,6 +22,7 @@ pub mod keystore;
 pub mod ledger;
 pub mod memory;
 pub mod metrics;
+pub mod refund;
 pub mod throttle;
 pub mod trace;
 

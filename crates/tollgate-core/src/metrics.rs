@@ -1207,12 +1207,14 @@ impl Ledger for MeteredLedger {
         r
     }
 
-    async fn refund(
+    async fn refund_charge(
         &self,
         user: &UserId,
         request: &RequestId,
+        finished: Option<&str>,
     ) -> Result<RefundOutcome, LedgerError> {
-        self.timed("refund", self.inner.refund(user, request)).await
+        self.timed("refund", self.inner.refund_charge(user, request, finished))
+            .await
     }
 
     async fn settle(
@@ -1231,10 +1233,12 @@ impl Ledger for MeteredLedger {
         request: &RequestId,
         nonce: &str,
         actual_cost: u64,
+        may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError> {
         self.timed(
             "settle",
-            self.inner.settle_charge(user, request, nonce, actual_cost),
+            self.inner
+                .settle_charge(user, request, nonce, actual_cost, may_raise),
         )
         .await
     }

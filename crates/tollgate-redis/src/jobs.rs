@@ -707,18 +707,18 @@ impl JobSource for RedisJobQueue {
     }
 
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
-        let claimed = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
-        if !claimed {
+        let claim = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
+        if let Some((cause, message)) = job::unrun(claim) {
             let (_, keys) = self.op_keys(&lease.job.operation)?;
-            tracing::warn!(request_id = %lease.job.id, "the job's charge is not its own; failing it unrun");
+            tracing::warn!(request_id = %lease.job.id, %message, "the job's charge is not its own; failing it unrun");
             self.record_failure(
                 &keys,
                 FailArgs {
                     id: lease.job.id.as_str(),
                     worker: &lease.worker,
                     token: lease.token,
-                    cause: FailureCause::Abandoned.as_str(),
-                    message: job::UNPAID,
+                    cause: cause.as_str(),
+                    message,
                     release: false,
                     ttl_ms: millis(self.options.result_ttl),
                 },

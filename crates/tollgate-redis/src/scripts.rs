@@ -32,9 +32,11 @@ pub static CLAIM: LazyLock<Script> =
 pub static RELEASE: LazyLock<Script> =
     LazyLock::new(|| budget_script(include_str!("../../../lua/release.lua")));
 
-/// The ARGV tail of every budget script: the export's maxlen (0: none), then the
-/// plan table, `name, limits` pairs, the default plan first, where limits is
-/// `limit:window_ms,...` longest window first. Built once per config.
+/// The ARGV tail of every budget script: the export's maxlen (0: none), the
+/// retention (ms: the longest window of any plan, how long the log keeps an
+/// event), then the plan table, `name, limits` pairs, the default plan first,
+/// where limits is `limit:window_ms,...` longest window first. Built once per
+/// config.
 #[derive(Debug, Clone)]
 pub struct PlanArgs(Vec<String>);
 
@@ -43,10 +45,11 @@ impl PlanArgs {
         let default = config.default_plan();
         let rest = config.plans().filter(|p| p.name != default.name);
         let export = config.export_maxlen().unwrap_or(0).to_string();
+        let retention = config.retention_ms().to_string();
         let plans = std::iter::once(default)
             .chain(rest)
             .flat_map(|p| [p.name.clone(), Self::limits(p)]);
-        let args = std::iter::once(export).chain(plans).collect();
+        let args = [export, retention].into_iter().chain(plans).collect();
         Self(args)
     }
 
@@ -69,7 +72,8 @@ fn invocation<'a>(script: &'a Script, keys: &BudgetKeys) -> redis::ScriptInvocat
         .key(&keys.holds)
         .key(&keys.audit)
         .key(&keys.log)
-        .key(&keys.meta);
+        .key(&keys.meta)
+        .key(&keys.cancelled);
     inv
 }
 
@@ -85,28 +89,36 @@ pub fn reserve<'a>(
     inv
 }
 
-/// `refund.lua`
+/// `refund.lua`: `finished` is the nonce of the charge's job when it was read
+/// as final (the refund is then a plain credit), or `""`.
 pub fn refund<'a>(
     keys: &BudgetKeys,
     request: &str,
+    finished: &str,
     plans: &PlanArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&REFUND, keys);
-    inv.arg(request).arg(&plans.0);
+    inv.arg(request).arg(finished).arg(&plans.0);
     inv
 }
 
 /// `settle.lua`: `nonce` is `""` for an operator's correction of any event, or
-/// the nonce of the job settling its own charge.
+/// the nonce of the job settling its own charge; `may_raise` false settles
+/// only down.
 pub fn settle<'a>(
     keys: &BudgetKeys,
     request: &str,
     actual_cost: u64,
     nonce: &str,
+    may_raise: bool,
     plans: &PlanArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&SETTLE, keys);
-    inv.arg(request).arg(actual_cost).arg(nonce).arg(&plans.0);
+    inv.arg(request)
+        .arg(actual_cost)
+        .arg(nonce)
+        .arg(if may_raise { "1" } else { "0" })
+        .arg(&plans.0);
     inv
 }
 
@@ -136,7 +148,7 @@ pub fn charge<'a>(
     inv
 }
 
-/// `claim.lua`: 1 claimed, 0 refused.
+/// `claim.lua`: 1 claimed, 0 refused, 2 cancelled by an operator.
 pub fn claim<'a>(
     keys: &BudgetKeys,
     request: &str,
