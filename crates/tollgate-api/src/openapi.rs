@@ -450,6 +450,22 @@ fn schemas(config: &Config) -> Value {
         "RevokedKey": {"type": "object", "required": ["key_id", "user", "revoked"],
             "properties": {"key_id": {"type": "string"}, "user": {"type": "string"}, "revoked": {"type": "boolean"}}},
         "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
+        "Ready": {"type": "object", "required": ["status", "durability"], "properties": {
+            "status": {"type": "string"},
+            "durability": {
+                "type": "object",
+                "description": "What an accepted call survives a store crash: the --durability mode, the store's AOF setting (`unknown` when it cannot be read, `n/a` in memory) and its loss window.",
+                "required": ["mode", "appendonly", "appendfsync", "loss_window"],
+                "properties": {
+                    "mode": {"type": "string", "enum": ["none", "fsync", "replica"]},
+                    "appendonly": {"type": "string"},
+                    "appendfsync": {"type": "string"},
+                    "replicas": {"type": "integer", "minimum": 0},
+                    "loss_window": {"type": "string"},
+                    "problem": {"type": "string"}
+                }
+            }
+        }},
         "Overview": crate::dashboard::schema(),
     })
 }

@@ -259,16 +259,26 @@ impl StoreArgs {
         );
         tracing::debug!(store = %described, "connected");
         let backends = tollgate_redis::backends(pool, keys, config, described);
+        // A role says it at start; an operator command (one line of output
+        // or one of error) only under RUST_LOG=debug.
         let report = backends.durability.check().await;
-        tracing::info!(
-            durability = report.mode,
-            appendonly = %report.appendonly,
-            appendfsync = %report.appendfsync,
-            replicas = ?report.replicas,
-            loss_window = %report.loss_window,
-            problem = ?report.problem,
-            "what an accepted call survives a Redis crash"
-        );
+        macro_rules! log_report {
+            ($level:ident) => {
+                tracing::$level!(
+                    durability = report.mode,
+                    appendonly = %report.appendonly,
+                    appendfsync = %report.appendfsync,
+                    replicas = ?report.replicas,
+                    loss_window = %report.loss_window,
+                    problem = ?report.problem,
+                    "what an accepted call survives a Redis crash"
+                )
+            };
+        }
+        match wait {
+            Wait::UntilReachable => log_report!(info),
+            Wait::No => log_report!(debug),
+        }
         Ok(backends)
     }
 }

@@ -75,9 +75,13 @@ enum Repeat {
     Never,
 }
 
+/// The `op` of a job's charge (`RedisLedger::charge`).
+pub const CHARGE: &str = "charge";
+/// The `op` of a job's enqueue (`RedisJobQueue::enqueue`).
+pub const ENQUEUE: &str = "job_enqueue";
 /// The scripts (by their `op`) whose writes accept a call: a job's charge and
 /// its enqueue. Replica mode WAITs after them.
-pub const ACCEPTING: [&str; 2] = ["charge", "job_enqueue"];
+pub const ACCEPTING: [&str; 2] = [CHARGE, ENQUEUE];
 
 /// EVALSHA (loading the script on NOSCRIPT) on a pooled connection; followed
 /// by WAIT for an [`ACCEPTING`] script in replica mode.
