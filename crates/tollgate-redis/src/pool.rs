@@ -15,7 +15,9 @@
 //! than [`IDLE_PING`] is also PINGed first: a peer that vanished without closing
 //! the socket (a dropped NAT entry, a dead host) leaves the task running. And a
 //! call that fails at the connection level marks its connection broken, so the
-//! pool never hands it out again ([`Multiplexed::fail`]).
+//! pool never hands it out again ([`Multiplexed::fail`]). With `--durability
+//! fsync` a new connection first reads Redis's AOF setting, and one to a Redis
+//! that does not fsync every write is refused ([`crate::durability`]).
 //!
 //! **A checkout lasts an instant.** The connections are multiplexed: any number
 //! of calls share one, each reply reaching its own caller. So a call takes a
@@ -358,7 +360,18 @@ impl managed::Manager for Manager {
         conn: &mut PooledConnection,
         metrics: &Metrics,
     ) -> RecycleResult<RedisError> {
-        self.recycle_checked(conn, metrics).await
+        if !conn.is_alive() {
+            return Err(RecycleError::message(
+                "Redis closed the connection, or a call failed on it",
+            ));
+        }
+        if metrics.last_used() > IDLE_PING {
+            redis::cmd("PING")
+                .query_async::<String>(&mut conn.conn)
+                .await
+                .map_err(RecycleError::Backend)?;
+        }
+        Ok(())
     }
 }
 
@@ -406,25 +419,6 @@ impl Manager {
                 format!("no connection to Redis within {:?}", self.timeout),
             ))),
         }
-    }
-
-    async fn recycle_checked(
-        &self,
-        conn: &mut PooledConnection,
-        metrics: &Metrics,
-    ) -> RecycleResult<RedisError> {
-        if !conn.is_alive() {
-            return Err(RecycleError::message(
-                "Redis closed the connection, or a call failed on it",
-            ));
-        }
-        if metrics.last_used() > IDLE_PING {
-            redis::cmd("PING")
-                .query_async::<String>(&mut conn.conn)
-                .await
-                .map_err(RecycleError::Backend)?;
-        }
-        Ok(())
     }
 }
 
