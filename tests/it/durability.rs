@@ -160,6 +160,13 @@ async fn fsync_mode_is_ready_on_always_and_fails_closed_once_redis_stops_fsyncin
     }
     let r = last.unwrap();
     r.problem(ProblemType::BackendUnavailable);
+    // No connection at all now: /readyz still says why.
+    let r = h.call("GET", "/readyz", None, &[], None).await;
+    let detail = r.problem(ProblemType::NotReady)["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(detail.contains("appendfsync everysec"), "{detail}");
 
     // Fixed: ready again, and calls are accepted.
     redis_cmd::<()>(&server.url(), &config_set("appendfsync", "always")).await;

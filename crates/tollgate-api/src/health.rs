@@ -59,7 +59,14 @@ impl Probes {
     /// and the store keeps the durability asked for (read now: a Redis
     /// restarted or reconfigured since the start is judged again).
     pub async fn ready(&self) -> Result<DurabilityReport, ApiError> {
-        self.keys.ping().await?;
+        if let Err(e) = self.keys.ping().await {
+            // Connections refused for their Redis's durability answer no
+            // call: say why, rather than "cannot be reached".
+            return Err(match self.durability.refused() {
+                Some(problem) => ApiError::NotReady(problem),
+                None => e.into(),
+            });
+        }
         let mut problems = self.metrics.loops().problems();
         let durability = self.durability.check().await;
         problems.extend(durability.problem.clone());

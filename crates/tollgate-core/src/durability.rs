@@ -82,6 +82,12 @@ pub trait DurabilityCheck: Send + Sync + fmt::Debug {
     /// Reads the store's setting now (never an error: what cannot be read is
     /// `unknown`, and a problem in the modes that need it).
     async fn check(&self) -> DurabilityReport;
+
+    /// Why the store's connections are refused for their durability right
+    /// now, if they are (then nothing can be read from it: this says why).
+    fn refused(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The in-memory store: nothing outlives the process, so only `none` is

@@ -51,6 +51,10 @@ impl DurabilityCheck for RedisDurability {
         };
         judge(mode, persistence, replicas)
     }
+
+    fn refused(&self) -> Option<String> {
+        self.pool.refusal()
+    }
 }
 
 /// The two CONFIG GETs, as one pipeline.

@@ -30,7 +30,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
@@ -136,6 +136,20 @@ impl Pool {
         match self {
             Self::Single(p) => p.manager().durability,
             Self::Cluster(c) => c.durability,
+        }
+    }
+
+    /// Why the last new connection was refused for its Redis's durability,
+    /// while no later one was accepted.
+    pub fn refusal(&self) -> Option<String> {
+        match self {
+            Self::Single(p) => p
+                .manager()
+                .refusal
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            Self::Cluster(_) => None,
         }
     }
 }
@@ -247,6 +261,9 @@ pub struct Manager {
     /// every write: a Redis restarted with another setting is refused at its
     /// first reconnection, not trusted until the next `/readyz`.
     durability: Durability,
+    /// The last refusal's reason, until a connection is accepted again: what
+    /// `/readyz` says while no call can be made.
+    refusal: Mutex<Option<String>>,
 }
 
 impl Manager {
@@ -344,7 +361,9 @@ impl managed::Manager for Manager {
                 .await
                 .map_err(|e| e.to_string())
                 .and_then(durability::parse);
-            if let Some(problem) = durability::judge(self.durability, persistence, None).problem {
+            let problem = durability::judge(self.durability, persistence, None).problem;
+            *self.refusal.lock().unwrap_or_else(|e| e.into_inner()) = problem.clone();
+            if let Some(problem) = problem {
                 return Err(RedisError::from((
                     redis::ErrorKind::InvalidClientConfig,
                     NOT_DURABLE,
@@ -601,6 +620,7 @@ pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBack
         client,
         timeout: options.timeout,
         durability: options.durability,
+        refusal: Mutex::default(),
     })
     .max_size(options.max_size)
     .wait_timeout(Some(options.timeout))
