@@ -211,9 +211,9 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
         .route(
             Doc::get(
                 "/readyz",
-                "The backing store answers and every loop of the process is alive",
+                "The backing store answers and keeps the durability asked for, and every loop of the process is alive",
             )
-            .ok(200, "Ready.", Some(schema("Status")))
+            .ok(200, "Ready, with what an accepted call survives.", Some(schema("Ready")))
             .errors(&[P::BackendUnavailable, P::NotReady]),
             get(health::readyz),
         )

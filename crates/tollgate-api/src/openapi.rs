@@ -457,6 +457,22 @@ fn schemas(config: &Config) -> Value {
                 "cost": {"type": "integer", "minimum": 0, "description": "The tokens given back."},
                 "used": {"type": "integer", "minimum": 0, "description": "Tokens used in the plan's longest window after it."}}},
         "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
+        "Ready": {"type": "object", "required": ["status", "durability"], "properties": {
+            "status": {"type": "string"},
+            "durability": {
+                "type": "object",
+                "description": "What an accepted call survives a store crash: the --durability mode, the store's AOF setting (`unknown` when it cannot be read, `n/a` in memory) and its loss window.",
+                "required": ["mode", "appendonly", "appendfsync", "loss_window"],
+                "properties": {
+                    "mode": {"type": "string", "enum": ["none", "fsync", "replica"]},
+                    "appendonly": {"type": "string"},
+                    "appendfsync": {"type": "string"},
+                    "replicas": {"type": "integer", "minimum": 0},
+                    "loss_window": {"type": "string"},
+                    "problem": {"type": "string"}
+                }
+            }
+        }},
         "Overview": crate::dashboard::schema(),
     })
 }

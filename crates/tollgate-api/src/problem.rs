@@ -218,7 +218,9 @@ impl ProblemType {
             Self::JobExpired => "The job missed its deadline; the budget was refunded",
             Self::JobAbandoned => "The job was given up; the budget was refunded",
             Self::BackendUnavailable => "The backing store is unavailable; retry shortly",
-            Self::NotReady => "A loop of this process is stuck or stopped (or it is shutting down)",
+            Self::NotReady => {
+                "A loop of this process is stuck or stopped, it is shutting down, or its store does not keep the durability asked for"
+            }
             Self::Internal => "Internal error",
             Self::JobCancelled => {
                 "An operator refunded the job's charge before it ran: it was cancelled, never sent"

@@ -12,6 +12,7 @@ pub mod activity;
 pub mod backend;
 pub mod clock;
 pub mod config;
+pub mod durability;
 pub mod duration;
 pub mod error;
 pub mod fair;

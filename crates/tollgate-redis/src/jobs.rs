@@ -602,7 +602,7 @@ impl JobQueue for RedisJobQueue {
         let input = job.input.to_string();
         let reply: Vec<Value> = self
             .script(
-                "job_enqueue",
+                call::ENQUEUE,
                 scripts::job_enqueue(&keys, job, &input, create),
             )
             .await?;

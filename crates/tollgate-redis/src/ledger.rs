@@ -236,7 +236,7 @@ impl Ledger for RedisLedger {
         let keys = self.keys.budget(user);
         let r: Vec<Value> = self
             .script(
-                "charge",
+                call::CHARGE,
                 scripts::charge(&keys, request.as_str(), charge, &self.plans),
             )
             .await?;

@@ -8,6 +8,13 @@
 //! the deployment drains, and the invariants are checked and printed with their
 //! figures; the run fails (naming its seed) if one does not hold.
 //!
+//! Redis runs with AOF as production would (`appendonly yes`), fsynced every
+//! second (Redis's default) or, with `--durable`, on every write
+//! (`appendfsync always`, every role with `--durability fsync`): only then must
+//! no call answered 200/202 vanish when Redis is SIGKILLed. (A SIGKILL loses
+//! only what Redis had not yet written to the kernel, which `everysec` may
+//! postpone while an fsync is slow; a power cut loses the page cache too.)
+//!
 //! The same seed gives the same fault schedule and the same calls; what the
 //! processes do in between is up to the machine, so a failure is a lead to
 //! replay, not a guaranteed reproduction.
@@ -46,6 +53,10 @@ pub struct Args {
     /// Keep each run's directory (config, role logs, Redis AOF) even when it passes.
     #[arg(long)]
     keep: bool,
+    /// Redis with `appendfsync always` and every role with `--durability
+    /// fsync`: no accepted call may vanish when Redis is killed.
+    #[arg(long)]
+    durable: bool,
 }
 
 const ADMIN: &str = "chaos-admin-token-0123456789";
@@ -262,6 +273,8 @@ struct Proc {
 
 struct Deployment {
     dir: PathBuf,
+    /// `--durability` of every role.
+    durability: &'static str,
     prefix: String,
     /// Redis itself, for the suite's own commands and checks.
     redis_url: String,
@@ -289,6 +302,7 @@ impl Deployment {
             .env("TOLLGATE_KEY_PREFIX", &self.prefix)
             .env("TOLLGATE_CONFIG", self.dir.join("chaos.toml"))
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
+            .env("TOLLGATE_DURABILITY", self.durability)
             // JSON, with every wait for a slot traced: the waits' check reads them.
             .env("TOLLGATE_LOG_FORMAT", "json")
             .env(
@@ -939,11 +953,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
 async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let started = Instant::now();
-    println!("== chaos seed {seed}: {} s of load", args.seconds);
+    let (appendfsync, durability) = if args.durable {
+        ("always", "fsync")
+    } else {
+        ("everysec", "none")
+    };
+    println!(
+        "== chaos seed {seed}: {} s of load; Redis appendfsync {appendfsync}, roles --durability {durability}",
+        args.seconds
+    );
     let prefix = random_prefix();
     let dir = std::env::temp_dir().join(format!("tollgate-chaos-{prefix}"));
     std::fs::create_dir_all(&dir)?;
-    let redis = RedisServer::start_with(&["--appendonly", "yes"]);
+    let redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", appendfsync]);
     let redis_url = redis.url();
     let limits = PROVIDERS
         .iter()
@@ -1011,6 +1033,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port()).into()).await;
     let d = Arc::new(Deployment {
         dir: dir.clone(),
+        durability,
         prefix: prefix.clone(),
         redis_url: redis_url.clone(),
         redis: Arc::new(Mutex::new(redis)),
@@ -1549,7 +1572,8 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         println!("== chaos seed {seed}: every invariant holds");
     } else {
         println!(
-            "== chaos seed {seed}: FAILED (replay with --seed {seed}; logs in {})",
+            "== chaos seed {seed}: FAILED (replay with --seed {seed}{}; logs in {})",
+            if args.durable { " --durable" } else { "" },
             dir.display()
         );
     }
