@@ -52,6 +52,7 @@ both_backends!(
     a_reply_cut_midway_keeps_the_charge,
     an_unreachable_upstream_is_retried_free_and_released,
     retry_unanswered_lets_an_operation_resend,
+    a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most,
 );
 
 /// The cost of every operation below.
@@ -349,5 +350,20 @@ async fn retry_unanswered_lets_an_operation_resend(redis: bool) {
     let (r, arrivals) = s.call("up.idempotent", "ok", 2000).await;
     failed(&r, 504, "upstream-unanswered", "unanswered", true);
     assert_eq!(arrivals, 3);
+    assert_eq!(s.used().await, COST);
+}
+
+/// An operation that settles reserves its most (40) up front; unanswered, no
+/// usage is ever reported, and the charge that stands is its estimate (5),
+/// not the most. (Before: the most stood.)
+async fn a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most(redis: bool) {
+    let extra = format!(
+        "[operations.\"up.settled\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/up\"\n\
+         settle = {{ from = \"/usage/total_tokens\", per = 100, max = 40 }}\n"
+    );
+    let s = Stage::start(redis, &extra).await;
+    let (r, arrivals) = s.call("up.settled", "ok", 2000).await;
+    failed(&r, 504, "upstream-unanswered", "unanswered", true);
+    assert_eq!(arrivals, 1);
     assert_eq!(s.used().await, COST);
 }

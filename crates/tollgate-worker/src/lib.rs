@@ -440,7 +440,10 @@ async fn job(
             };
             match charge {
                 Charge::Keep => {
-                    tracing::info!(error = %e, cause = cause.as_str(), "job failed; the upstream may have worked: the charge stands")
+                    tracing::info!(error = %e, cause = cause.as_str(), "job failed; the upstream may have worked: the charge stands");
+                    // No usage was reported: a charge that reserved the
+                    // most comes down to the operation's estimate.
+                    settle(source.as_ref(), lease, &serde_json::Value::Null).await;
                 }
                 Charge::Release { absorbed } => {
                     tracing::info!(error = %e, cause = cause.as_str(), absorbed, "job failed; releasing its charge")
@@ -479,8 +482,9 @@ async fn job(
 }
 
 /// Settles the job's charge to the cost the provider reported, when its
-/// operation says where to read it. A store failure is retried briefly, then
-/// the estimate stands (the charge is never lost, only left at its estimate).
+/// operation says where to read it (`Null`: no answer, the estimate). A store
+/// failure is retried briefly, then the charge stays what it is (never lost:
+/// the most reserved, or the estimate).
 async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Value) {
     use tollgate_core::job::Settled;
     let mut backoff = Duration::from_millis(50);
@@ -489,6 +493,9 @@ async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Valu
             Ok(Settled::Fixed) => {}
             Ok(Settled::To { estimate, cost }) => {
                 tracing::debug!(estimate, cost, "the charge settled to the reported cost");
+            }
+            Ok(Settled::NoUsage) if answer.is_null() => {
+                tracing::debug!("no answer to read usage from; the estimate stands");
             }
             Ok(Settled::NoUsage) => {
                 tracing::warn!(
