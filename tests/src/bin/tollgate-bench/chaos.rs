@@ -784,7 +784,9 @@ async fn one_call(
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum JobEnd {
     Succeeded,
-    Failed(String),
+    /// The cause, and whether the charge stands (the upstream may have
+    /// worked: the outcome policy keeps it).
+    Failed(String, bool),
     Open(String),
     /// 404: never created (a call whose every answer was lost before the job existed).
     Missing,
@@ -806,9 +808,18 @@ async fn job_end(http: &Client, api: SocketAddr, key: &str, id: &str) -> Option<
     let v: Value = r.json().await.ok()?;
     Some(match v["status"].as_str()? {
         "succeeded" => JobEnd::Succeeded,
-        "failed" => JobEnd::Failed(v["error"]["cause"].as_str().unwrap_or("?").to_owned()),
+        "failed" => JobEnd::Failed(
+            v["error"]["cause"].as_str().unwrap_or("?").to_owned(),
+            v["error"]["charged"].as_bool().unwrap_or(false),
+        ),
         other => JobEnd::Open(other.to_owned()),
     })
+}
+
+/// Whether a job's end leaves its charge in the budget: it succeeded, or it
+/// failed after the upstream may have worked.
+fn paid(end: Option<&JobEnd>) -> bool {
+    matches!(end, Some(JobEnd::Succeeded | JobEnd::Failed(_, true)))
 }
 
 /// The Redis keys of the deployment, each with its type, length and TTL.
@@ -1137,7 +1148,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         for (i, c) in made.iter().enumerate() {
             let settled = matches!(
                 ends.get(&c.job_id),
-                Some(JobEnd::Succeeded | JobEnd::Failed(_))
+                Some(JobEnd::Succeeded | JobEnd::Failed(..))
             );
             if settled {
                 continue;
@@ -1153,7 +1164,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             .filter(|c| {
                 !matches!(
                     ends.get(&c.job_id),
-                    Some(JobEnd::Succeeded | JobEnd::Failed(_) | JobEnd::Missing)
+                    Some(JobEnd::Succeeded | JobEnd::Failed(..) | JobEnd::Missing)
                 )
             })
             .count();
@@ -1194,7 +1205,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         .count();
     let mut failures: BTreeMap<String, usize> = BTreeMap::new();
     for c in &accepted {
-        if let Some(JobEnd::Failed(cause)) = ends.get(&c.job_id) {
+        if let Some(JobEnd::Failed(cause, _)) = ends.get(&c.job_id) {
             *failures.entry(cause.clone()).or_default() += 1;
         }
     }
@@ -1287,7 +1298,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     for (i, u) in users.iter().enumerate() {
         let expected: u64 = accepted
             .iter()
-            .filter(|c| c.user == i && ends.get(&c.job_id) == Some(&JobEnd::Succeeded))
+            .filter(|c| c.user == i && paid(ends.get(&c.job_id)))
             .map(|c| OPS[c.op].cost)
             .sum();
         let v: Value = http
@@ -1303,7 +1314,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         }
     }
     checks.push(Check {
-        name: "per user, used = cost of its succeeded jobs",
+        name: "per user, used = cost of its jobs that succeeded or failed charged",
         ok: usage_bad.is_empty(),
         figure: if usage_bad.is_empty() {
             format!("{USERS} users match")
@@ -1313,6 +1324,32 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     });
 
     let arrivals = upstream.arrivals();
+    // The upstream did the work of every call it answered 200: each such job
+    // ends paid (succeeded, or failed with its charge kept), never released.
+    // (This upstream answers only 200 or 429, so no release is absorbed.)
+    let mut unpaid: Vec<&str> = Vec::new();
+    let mut worked = std::collections::HashSet::new();
+    for a in arrivals.iter().filter(|a| a.status == 200) {
+        if let Some(job) = a.job.as_deref() {
+            if worked.insert(job) && !paid(ends.get(job)) {
+                unpaid.push(job);
+            }
+        }
+    }
+    checks.push(Check {
+        name: "every upstream arrival that did work is paid by a live charge",
+        ok: unpaid.is_empty(),
+        figure: format!(
+            "{} jobs answered 200 upstream; {} of them not paid{}",
+            worked.len(),
+            unpaid.len(),
+            if unpaid.is_empty() {
+                String::new()
+            } else {
+                format!(" (e.g. {:?})", &unpaid[..unpaid.len().min(3)])
+            }
+        ),
+    });
     // Every call the upstream saw, kept with the logs for a failure's diagnosis.
     let mut calls_tsv = String::from("at_s\tpath\tjob\tstatus\n");
     for a in &arrivals {
