@@ -1001,11 +1001,12 @@ async fn worker_settles_charges_to_the_reported_usage(s: &Setup) {
         .collect();
     assert_eq!(
         events,
+        // Each reserved the most (30) up front and settled down.
         [
-            ("s1".to_owned(), 26, Some(10)),
-            ("s2".to_owned(), 30, Some(10)),
+            ("s1".to_owned(), 26, Some(30)),
+            ("s2".to_owned(), 30, Some(30)),
             // No number asked for: the mock reports 100 per token of the estimate.
-            ("s3".to_owned(), 10, Some(10)),
+            ("s3".to_owned(), 10, Some(30)),
         ]
     );
     assert_eq!(usage.used, 66);

@@ -601,7 +601,7 @@ fn build(
                     Arc::clone(&throttle),
                     p.clone(),
                     Retry::default(),
-                    mock::BuiltinMock,
+                    mock::BuiltinMock::new(config),
                     Arc::clone(metrics),
                 )
                 .with_shares(Arc::clone(&shares), tollgate_core::fair::DEFAULT_HOLD),

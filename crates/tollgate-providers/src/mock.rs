@@ -1,25 +1,51 @@
 //! The built-in mock provider: answers in-process, for providers configured
 //! without a `url` (the embedded demo and tests). Still throttled like any other.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use serde_json::{json, Value};
-use tollgate_core::job::Job;
+use tollgate_core::{config::Config, job::Job};
 
 use crate::{AttemptError, Transport};
 
 /// Echoes the job: `{"mock": true, "operation", "provider", "echo": input,
 /// "usage": {"total_tokens": n}}`, where n is the input's `mock_total_tokens`
-/// when it is a number, else 100 per token of the job's cost (so a `settle`
-/// rule with `per = 100` keeps the estimate unless the caller asks otherwise).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BuiltinMock;
+/// when it is a number, else 100 per token of the operation's estimate (its
+/// `cost`), so a `settle` rule with `per = 100` settles to the estimate unless
+/// the caller asks otherwise. (A job's own `cost` is what was reserved: the
+/// most, for an operation that settles.)
+#[derive(Debug, Clone, Default)]
+pub struct BuiltinMock {
+    estimates: Arc<BTreeMap<String, u64>>,
+}
+
+impl BuiltinMock {
+    /// The mock of `config`'s operations.
+    pub fn new(config: &Config) -> Self {
+        Self {
+            estimates: Arc::new(
+                config
+                    .operations()
+                    .map(|o| (o.name.clone(), o.cost))
+                    .collect(),
+            ),
+        }
+    }
+}
 
 #[async_trait]
 impl Transport for BuiltinMock {
     async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
+        let estimate = self
+            .estimates
+            .get(&job.operation)
+            .copied()
+            .unwrap_or(job.cost);
         let tokens = job.input["mock_total_tokens"]
             .as_u64()
-            .unwrap_or(job.cost.saturating_mul(100));
+            .unwrap_or(estimate.saturating_mul(100));
         Ok(json!({
             "mock": true,
             "operation": job.operation,
