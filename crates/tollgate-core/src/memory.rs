@@ -18,7 +18,7 @@ use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
     unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome,
-    Denied, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
+    Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
     SpendEvent, Usage, WindowUse,
 };
 
@@ -71,6 +71,10 @@ struct UserLog {
 /// One spend event: live, or the hole a removed one left (`request: None`).
 struct Event {
     at: u64,
+    /// Its number among the events recorded in its millisecond: (at, seq) is
+    /// its position, as a Redis stream entry ID is, and the cursor of a page
+    /// of the audit trail (`Log::page`). Stable when other events leave.
+    seq: u32,
     request: Option<Arc<str>>,
     cost: u64,
     /// Who owns a job's charge (`charge`); plain reserves have none.
@@ -88,6 +92,9 @@ struct Log {
     /// The sequence number of `slots[0]`.
     base: u64,
     holes: usize,
+    /// The position (at, seq) of the last event pushed, which it keeps once the
+    /// event left: the next in the same millisecond follows it.
+    last: (u64, u32),
 }
 
 impl Log {
@@ -99,8 +106,14 @@ impl Log {
         self.slots.back().map(|e| e.at)
     }
 
-    /// Appends an event (at or after the last one's time); returns its number.
-    fn push(&mut self, e: Event) -> u64 {
+    /// Appends an event (at or after the last one's time), giving it its
+    /// position; returns its number.
+    fn push(&mut self, mut e: Event) -> u64 {
+        e.seq = match self.last {
+            (at, seq) if at == e.at => seq.saturating_add(1),
+            _ => 0,
+        };
+        self.last = (e.at, e.seq);
         self.slots.push_back(e);
         self.base + self.slots.len() as u64 - 1
     }
@@ -125,6 +138,7 @@ impl Log {
         let slot = self.get_mut(seq)?;
         let hole = Event {
             at: slot.at,
+            seq: slot.seq,
             request: None,
             cost: 0,
             owner: None,
@@ -154,6 +168,19 @@ impl Log {
         self.slots
             .range(start..end.max(start))
             .filter(|e| e.request.is_some())
+    }
+
+    /// Up to `limit` live events after position `after` (from the first when
+    /// `None`), oldest first, and whether more follow: O(log n + limit).
+    fn page(&self, after: Option<EventCursor>, limit: usize) -> (Vec<&Event>, bool) {
+        let start = after.map_or(0, |c| {
+            self.slots
+                .partition_point(|e| (e.at, u64::from(e.seq)) <= (c.at_ms, c.seq))
+        });
+        let mut live = self.slots.range(start..).filter(|e| e.request.is_some());
+        let page: Vec<&Event> = live.by_ref().take(limit).collect();
+        let more = live.next().is_some();
+        (page, more)
     }
 
     /// Live events inside a window that ends at `now`, oldest first.
@@ -311,6 +338,7 @@ impl UserLog {
         let request: Arc<str> = Arc::from(request.as_str());
         let seq = self.events.push(Event {
             at,
+            seq: 0,
             request: Some(Arc::clone(&request)),
             cost,
             owner,
@@ -739,13 +767,20 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         }))
     }
 
-    async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
+    async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
         Ok(self.with_user(user, false, |log, now| {
             let plan = self.plan_of(log);
             log.expire(now, &plan.limits);
-            let events = log
-                .events
-                .between(None, None)
+            let (slice, more) = log.events.page(page.after(), page.limit());
+            let next_cursor = slice
+                .last()
+                .filter(|_| more)
+                .map(|e| EventCursor {
+                    at_ms: e.at,
+                    seq: u64::from(e.seq),
+                });
+            let events = slice
+                .into_iter()
                 .filter_map(|e| Some((RequestId::from_kept(e.request.as_deref()?), e)))
                 .map(|(request_id, e)| SpendEvent {
                     request_id,
@@ -760,6 +795,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 log.windows(&plan.limits, now),
                 now,
                 events,
+                next_cursor,
             )
         }))
     }

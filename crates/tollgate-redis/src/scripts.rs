@@ -85,6 +85,27 @@ pub fn reserve<'a>(
     inv
 }
 
+/// `reserve.lua` as a bare `EVALSHA` with [`reserve`]'s KEYS and ARGV, for a
+/// pipeline (bulk loads in tests and benches): a pipeline does not reload a
+/// script on NOSCRIPT, so load [`RESERVE`] on the server first.
+pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(RESERVE.get_hash())
+        .arg(8)
+        .arg(&keys.events)
+        .arg(&keys.costs)
+        .arg(&keys.plan)
+        .arg(&keys.owners)
+        .arg(&keys.holds)
+        .arg(&keys.audit)
+        .arg(&keys.log)
+        .arg(&keys.meta)
+        .arg(request)
+        .arg(cost)
+        .arg(&plans.0);
+    cmd
+}
+
 /// `refund.lua`
 pub fn refund<'a>(
     keys: &BudgetKeys,
@@ -110,10 +131,15 @@ pub fn settle<'a>(
     inv
 }
 
-/// `usage.lua`
-pub fn usage<'a>(keys: &BudgetKeys, plans: &PlanArgs) -> redis::ScriptInvocation<'a> {
+/// `usage.lua`: the budget and one page of the audit trail.
+pub fn usage<'a>(
+    keys: &BudgetKeys,
+    page: tollgate_core::ledger::EventPage,
+    plans: &PlanArgs,
+) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&USAGE, keys);
-    inv.arg(&plans.0);
+    let cursor = page.after().map(|c| c.to_string()).unwrap_or_default();
+    inv.arg(cursor).arg(page.limit()).arg(&plans.0);
     inv
 }
 
