@@ -28,3 +28,4 @@ mod throttle;
 mod throttle_late;
 mod throttle_redis;
 mod trace;
+mod usage_redis;

@@ -106,7 +106,8 @@ impl Doc {
 
     /// An optional query parameter (a bad value is a 400 problem).
     pub fn query(mut self, name: &str, description: &str, schema: Value) -> Self {
-        self.query.push(json!({"name": name, "in": "query", "required": false,
+        self.query
+            .push(json!({"name": name, "in": "query", "required": false,
             "description": description, "schema": schema}));
         if !self.errors.contains(&ProblemType::MalformedRequest) {
             self.errors.push(ProblemType::MalformedRequest);

@@ -102,9 +102,9 @@ impl<S: Send + Sync> FromRequestParts<S> for PageQuery {
                         })?;
                 }
                 "cursor" => {
-                    let c = value.parse::<EventCursor>().map_err(|e| {
-                        bad("cursor", format!("{e}, got {:?}", echo(value)))
-                    })?;
+                    let c = value
+                        .parse::<EventCursor>()
+                        .map_err(|e| bad("cursor", format!("{e}, got {:?}", echo(value))))?;
                     cursor = Some(c);
                 }
                 _ => {}

@@ -18,8 +18,8 @@ use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
     unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome,
-    Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
-    SpendEvent, Usage, WindowUse,
+    Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome,
+    ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
 };
 
 const SHARDS: usize = 64;
@@ -772,13 +772,10 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             let plan = self.plan_of(log);
             log.expire(now, &plan.limits);
             let (slice, more) = log.events.page(page.after(), page.limit());
-            let next_cursor = slice
-                .last()
-                .filter(|_| more)
-                .map(|e| EventCursor {
-                    at_ms: e.at,
-                    seq: u64::from(e.seq),
-                });
+            let next_cursor = slice.last().filter(|_| more).map(|e| EventCursor {
+                at_ms: e.at,
+                seq: u64::from(e.seq),
+            });
             let events = slice
                 .into_iter()
                 .filter_map(|e| Some((RequestId::from_kept(e.request.as_deref()?), e)))

@@ -12,9 +12,8 @@ use tollgate_core::{
     id::{RequestId, UserId},
     ledger::{
         Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, EventCursor,
-        EventPage, ExportEntry,
-        Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
-        WindowUse,
+        EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
+        SpendEvent, Usage, WindowUse,
     },
 };
 
