@@ -8,7 +8,7 @@
 -- ARGV[1] cursor: '' for the first page, else the log entry ID '<ms>-<seq>'
 --   after which the page starts (the next_cursor of the page before; the
 --   entry may have left since)
--- ARGV[2] limit: events per page, 1..100 (EventPage::MAX_LIMIT)
+-- ARGV[2] limit: events per page, 1..50 (EventPage::MAX_LIMIT)
 -- ARGV[3..] export maxlen, then the plan table (lib/budget.lua)
 -- Returns { plan, now_ms, windows..., next_cursor, id_1, at_1, cost_1,
 -- operation_1, estimate_1, id_2, ... } with events oldest first; next_cursor is
@@ -21,8 +21,8 @@ local cursor, limit = ARGV[1], tonumber(ARGV[2])
 if cursor ~= '' and not string.match(cursor, '^%d+%-%d+$') then
   return redis.error_reply('TOLLGATE_BAD_PAGE cursor must be <ms>-<seq>')
 end
-if not limit or limit < 1 or limit > 100 or limit ~= math.floor(limit) then
-  return redis.error_reply('TOLLGATE_BAD_PAGE limit must be an integer in 1..100')
+if not limit or limit < 1 or limit > 50 or limit ~= math.floor(limit) then
+  return redis.error_reply('TOLLGATE_BAD_PAGE limit must be an integer in 1..50')
 end
 
 local name, limits = resolve_plan(3)

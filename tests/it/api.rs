@@ -333,7 +333,7 @@ both_backends!(
 );
 
 /// `GET /v1/usage?limit=&cursor=`: the totals on every page, the events a page
-/// at a time (default 100), `next_cursor` null at the end; a bad limit or
+/// at a time (default 50), `next_cursor` null at the end; a bad limit or
 /// cursor is a 400 problem naming the parameter.
 async fn usage_pages_follow_next_cursor_and_bad_pages_are_400(h: Harness) {
     let key = h.user("paula", "free").await;
@@ -351,7 +351,7 @@ async fn usage_pages_follow_next_cursor_and_bad_pages_are_400(h: Harness) {
     let first = h.usage(&key).await;
     assert_eq!(
         first["events"].as_array().unwrap().len(),
-        100,
+        50,
         "the default page"
     );
     assert_eq!(first["used"], 130);
@@ -382,7 +382,7 @@ async fn usage_pages_follow_next_cursor_and_bad_pages_are_400(h: Harness) {
     );
     for (query, field) in [
         ("limit=0", "limit"),
-        ("limit=101", "limit"),
+        ("limit=51", "limit"),
         ("limit=-1", "limit"),
         ("limit=abc", "limit"),
         ("limit=", "limit"),

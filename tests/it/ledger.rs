@@ -481,38 +481,35 @@ async fn usage_pages_walk_every_live_event_once(b: &impl Backend) {
     assert_eq!((empty.events.len(), empty.next_cursor), (0, None));
     l.set_plan(&u, "thousand").await.unwrap();
     let name = |i: usize| format!("p{i:03}");
-    for i in 0..250 {
+    for i in 0..125 {
         allowed(l.reserve(&u, &rid(&name(i)), 1).await.unwrap());
     }
-    let page = EventPage::new(None, 100).unwrap();
+    let page = EventPage::new(None, 50).unwrap();
     let first = l.usage_page(&u, page).await.unwrap();
-    assert_eq!(ids(&first.events), (0..100).map(name).collect::<Vec<_>>());
-    assert_eq!(first.used, 250, "the totals are not paged");
+    assert_eq!(ids(&first.events), (0..50).map(name).collect::<Vec<_>>());
+    assert_eq!(first.used, 125, "the totals are not paged");
     let cursor = first.next_cursor.expect("more pages");
     assert_eq!(cursor.to_string().parse::<EventCursor>(), Ok(cursor));
     // The cursor's own event and the next page's first leave; a new one comes.
-    for gone in [99, 100] {
+    for gone in [49, 50] {
         let r = l.refund(&u, &rid(&name(gone))).await.unwrap();
         assert!(matches!(r, RefundOutcome::Refunded { .. }), "{r:?}");
     }
-    allowed(l.reserve(&u, &rid(&name(250)), 1).await.unwrap());
+    allowed(l.reserve(&u, &rid(&name(125)), 1).await.unwrap());
     let second = l.usage_page(&u, page.next(cursor)).await.unwrap();
-    assert_eq!(
-        ids(&second.events),
-        (101..201).map(name).collect::<Vec<_>>()
-    );
+    assert_eq!(ids(&second.events), (51..101).map(name).collect::<Vec<_>>());
     let third = l
         .usage_page(&u, page.next(second.next_cursor.expect("a third page")))
         .await
         .unwrap();
-    assert_eq!(ids(&third.events), (201..251).map(name).collect::<Vec<_>>());
-    assert_eq!((third.used, third.next_cursor), (249, None));
+    assert_eq!(ids(&third.events), (101..126).map(name).collect::<Vec<_>>());
+    assert_eq!((third.used, third.next_cursor), (124, None));
     // One page of exactly what is left ends the walk: no empty page after it.
-    let live: Vec<String> = (0..251)
-        .filter(|i| ![99, 100].contains(i))
+    let live: Vec<String> = (0..126)
+        .filter(|i| ![49, 50].contains(i))
         .map(name)
         .collect();
-    let exact = EventPage::new(second.next_cursor, 50).unwrap();
+    let exact = EventPage::new(second.next_cursor, 25).unwrap();
     let rest = l.usage_page(&u, exact).await.unwrap();
     assert_eq!(
         (ids(&rest.events), rest.next_cursor),
@@ -539,7 +536,7 @@ async fn usage_pages_walk_every_live_event_once(b: &impl Backend) {
         seq: 0,
     };
     let r = l.usage_page(&u, page.next(past)).await.unwrap();
-    assert_eq!((r.events.len(), r.next_cursor, r.used), (0, None, 249));
+    assert_eq!((r.events.len(), r.next_cursor, r.used), (0, None, 124));
     // Pages hold 1 to MAX_LIMIT events; cursors are only what a page returns.
     assert_eq!(EventPage::new(None, 0), Err(PageError::BadLimit(0)));
     assert_eq!(

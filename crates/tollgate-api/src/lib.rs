@@ -140,7 +140,7 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
                 .user()
                 .query(
                     "limit",
-                    "Events per page (default 100).",
+                    "Events per page (default 50).",
                     serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::ledger::EventPage::MAX_LIMIT}),
                 )
                 .query(

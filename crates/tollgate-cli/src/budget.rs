@@ -68,7 +68,7 @@ enum BudgetCommand {
     Usage {
         #[arg(long)]
         user: UserId,
-        /// Events per page (1 to 100).
+        /// Events per page (1 to 50).
         #[arg(long, default_value_t = EventPage::DEFAULT_LIMIT)]
         limit: usize,
         /// Start after this position: the `next_cursor` a page printed.

@@ -364,12 +364,13 @@ pub struct EventPage {
 
 impl EventPage {
     /// Events per page when the caller names no limit.
-    pub const DEFAULT_LIMIT: usize = 100;
+    pub const DEFAULT_LIMIT: usize = 50;
     /// The most a page holds: a page is one short step of the ledger. Each
     /// event of a page costs the Redis script a lookup in its index bucket,
     /// 5-20 µs on the 2-core bench machine (quiet to loaded; BENCHMARKS.md):
-    /// 100 keep a page under the 5 ms no script may exceed.
-    pub const MAX_LIMIT: usize = 100;
+    /// more with many live events (colder caches): 50 keep a page under the
+    /// 5 ms no script may exceed.
+    pub const MAX_LIMIT: usize = 50;
 
     pub fn new(after: Option<EventCursor>, limit: usize) -> Result<Self, PageError> {
         if limit == 0 || limit > Self::MAX_LIMIT {

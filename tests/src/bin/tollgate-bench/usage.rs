@@ -1,6 +1,6 @@
 //! The usage bench: Redis time of one `usage.lua` call (from `SLOWLOG`) for a
-//! user with 1,000 / 10,000 / 100,000 live events: the first page, the largest
-//! page, and a walk of every page; with `--baseline-script`, the same calls of
+//! user with 1,000 / 10,000 / 100,000 live events: the first page and a walk
+//! of every page (pages of the largest size); with `--baseline-script`, the same calls of
 //! a previous usage script on the same keys, side by side. Fails, listing
 //! them, if any call of ours held Redis past `slowlog::LIMIT_US` (5 ms).
 
@@ -197,8 +197,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     slowlog::start(&mut conn, slowlog::LIMIT_US, 1024).await?;
 
     let n = args.sizes.len();
-    let (mut before, mut first, mut largest, mut walk_max, mut walk_total) = (
-        (0..n).map(|_| Figure::default()).collect::<Vec<_>>(),
+    let (mut before, mut first, mut walk_max, mut walk_total) = (
         (0..n).map(|_| Figure::default()).collect::<Vec<_>>(),
         (0..n).map(|_| Figure::default()).collect::<Vec<_>>(),
         (0..n).map(|_| Figure::default()).collect::<Vec<_>>(),
@@ -224,11 +223,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let (us, _) =
                 timed(&mut conn, &ours(&keys, "", EventPage::DEFAULT_LIMIT, &plan)).await?;
             first[i].push(judge(format!("{user} first page"), us));
-            let (us, _) = timed(&mut conn, &ours(&keys, "", EventPage::MAX_LIMIT, &plan)).await?;
-            largest[i].push(judge(
-                format!("{user} page of {}", EventPage::MAX_LIMIT),
-                us,
-            ));
             // A walk of every page is long for the big users: a few samples.
             if sample < 3 {
                 let (mut cursor, mut total, mut max, mut pages) = (String::new(), 0, 0, 0);
@@ -250,7 +244,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "## usage.lua: Redis time per call (SLOWLOG), median / max of {} calls",
+        "## usage.lua: Redis time per call (INFO commandstats), median / max of {} calls (walks: 3)",
         args.samples
     );
     println!(
@@ -261,17 +255,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .join(" ")
     );
     println!(
-        "| live events | before: whole log | first page ({}) | page of {} | walk: slowest page | walk: all pages |",
+        "| live events | before: whole log | first page ({}) | walk, pages of {}: slowest | walk: all pages |",
         EventPage::DEFAULT_LIMIT,
         EventPage::MAX_LIMIT
     );
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|");
     for (i, size) in args.sizes.iter().enumerate() {
         println!(
-            "| {size} | {} | {} | {} | {} | {} |",
+            "| {size} | {} | {} | {} | {} |",
             before[i].text(),
             first[i].text(),
-            largest[i].text(),
             walk_max[i].text(),
             walk_total[i].text()
         );
