@@ -145,3 +145,20 @@ fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
         data = data.get(size + 2..)?;
     }
 }
+
+/// `GET /v1/usage` with every live event: the first page's body, its `events`
+/// replaced by those of every page (following `next_cursor`).
+pub async fn usage_all(addr: SocketAddr, key: &str) -> serde_json::Value {
+    let mut usage = json(addr, "GET", "/v1/usage", Some(key), None).await.json();
+    let mut events = usage["events"].as_array().cloned().unwrap_or_default();
+    let mut next = usage["next_cursor"].as_str().map(str::to_owned);
+    while let Some(cursor) = next {
+        let path = format!("/v1/usage?cursor={cursor}");
+        let page = json(addr, "GET", &path, Some(key), None).await.json();
+        events.extend(page["events"].as_array().cloned().unwrap_or_default());
+        next = page["next_cursor"].as_str().map(str::to_owned);
+    }
+    usage["events"] = serde_json::Value::Array(events);
+    usage["next_cursor"] = serde_json::Value::Null;
+    usage
+}
