@@ -1,7 +1,7 @@
 -- charge.lua: the one step that charges a job: check the request against what
 -- its id was first used for, then reserve and record who owns the charge.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta, KEYS[9] cancelled
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id)
 -- ARGV[2] cost (integer >= 1)
@@ -10,7 +10,7 @@
 -- ARGV[4] operation, ARGV[5] fingerprint of the request body
 -- ARGV[6] the job's deadline after now (ms), ARGV[7] hold grace (ms): a charge no
 --         job has claimed by deadline + grace is released
--- ARGV[8..] export maxlen, then the plan table (lib/budget.lua)
+-- ARGV[8..] export maxlen, retention, then the plan table (lib/budget.lua)
 -- Returns one of
 --   { 1, now_ms, deadline_ms, windows... }    charged, held for its job
 --   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows... }

@@ -1,16 +1,18 @@
 -- claim.lua: a worker about to call the provider takes the charge of its job over
 -- from the submission that made it.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta, KEYS[9] cancelled
 --   (see lib/budget.lua)
 -- ARGV[1] request id (the job's id), ARGV[2] the job's nonce
 -- ARGV[3] end of the charge's hold (ms): the job's deadline plus the grace it was
 --         charged with
--- ARGV[4..] export maxlen, then the plan table (lib/budget.lua)
+-- ARGV[4..] export maxlen, retention, then the plan table (lib/budget.lua)
 -- Returns 1 claimed: the job owns its charge (or the charge was taken and has
 -- since left the window: paid), and may call the provider; 0 refused: the charge
 -- is not this job's (the id was charged anew under another nonce, or the hold
--- ended and the charge was released), and the job must not run.
+-- ended and the charge was released), and the job must not run; 2 cancelled:
+-- an operator refunded the charge while it was held (refund.lua), and the job
+-- must not run.
 -- Idempotent: a job claims again after a worker died.
 
 local request, nonce = ARGV[1], ARGV[2]
@@ -35,8 +37,14 @@ if ev then
   end
   return 1
 end
--- No live charge. A hold is released only at its end: before that the charge
--- existed and left the window (paid); after it, it may have been released.
+-- No live charge. One an operator refunded while it was held: cancelled, until
+-- the hold's end (then refused, like any hold that ended).
+local cancelled = tonumber(redis.call('ZSCORE', CANCELLED, nonce))
+if cancelled and cancelled > now then
+  return 2
+end
+-- A hold is released only at its end: before that the charge existed and left
+-- the window (paid); after it, it may have been released.
 if now >= hold_until then
   return 0
 end

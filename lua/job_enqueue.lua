@@ -38,7 +38,8 @@ end
 if create ~= '1' then
   return { 0 }
 end
-redis.call('HDEL', JOB, 'result', 'cause', 'message', 'finished', 'refund', 'worker', 'lease_until', 'tp')
+redis.call('HDEL', JOB, 'result', 'cause', 'message', 'finished', 'refund', 'worker', 'lease_until', 'tp',
+  'started')
 redis.call('HSET', JOB, 'state', 'queued', 'user', user, 'op', op, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
   'attempt', '0', 'nonce', nonce)

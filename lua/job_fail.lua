@@ -1,10 +1,11 @@
 -- job_fail.lua: a worker records a job's final failure, if it still holds the lease.
 -- KEYS[1] job, KEYS[2] processing (the worker's), KEYS[3] leases, KEYS[4] refunds
 -- ARGV[1] id, ARGV[2] fencing token, ARGV[3] cause, ARGV[4] message, ARGV[5] channel
--- ARGV[6] '1': the job owns its charge; marks the release pending, and the worker
---         then releases it and confirms with job_refunded.lua (maintenance
---         finishes releases left pending). '0': the job's claim was refused, it
---         owns no charge: nothing to release.
+-- ARGV[6] '1': the job's charge is released; marks the release pending, and the
+--         worker then releases it and confirms with job_refunded.lua
+--         (maintenance finishes releases left pending). '0': nothing to release:
+--         the job's claim was refused (it owns no charge), or the outcome policy
+--         keeps the charge (the upstream may have done the work).
 -- ARGV[7] how long the finished record stays readable (ms), without a release
 -- Returns 1 recorded, 0 refused (not this token's lease): nothing is written,
 -- and the caller must not refund.
@@ -15,8 +16,9 @@ local refund, ttl = ARGV[6] == '1', tonumber(ARGV[7])
 if not ttl or ttl < 1 then
   return redis.error_reply('job_fail: bad ttl')
 end
-if cause ~= 'provider' and cause ~= 'throttle_timeout' and cause ~= 'expired'
-    and cause ~= 'abandoned' then
+if cause ~= 'provider' and cause ~= 'unanswered' and cause ~= 'bad_response'
+    and cause ~= 'throttle_timeout' and cause ~= 'expired' and cause ~= 'abandoned'
+    and cause ~= 'cancelled' then
   return redis.error_reply('job_fail: bad cause')
 end
 local f = redis.call('HMGET', JOB, 'state', 'seq')

@@ -3,27 +3,35 @@
 -- KEYS[5] dead  list of malformed entries moved aside (the newest 10,000 are kept)
 -- ARGV[1] id, ARGV[2] worker, ARGV[3] lease (ms), ARGV[4] max attempts
 -- ARGV[5] the queue's operation, ARGV[6] channel for finished job ids
+-- ARGV[7] how long a finished record that owes no release stays readable (ms)
 -- Validates the record first: a missing record or unreadable fields (bad JSON
 -- input, another operation) move the entry to `dead`; a record with a user is
 -- also failed with its refund pending. Then counts the attempt: past the
--- deadline, or past max attempts, the job fails (refund pending).
+-- deadline, or past max attempts, the job fails (refund pending); when a run
+-- had started (`started`: its worker was lost, maybe with the call sent), it
+-- fails 'unanswered' instead and its charge stands.
+-- A lease's fields end with 'started' ('1' or ''): an earlier run started.
 -- Returns one of
 --   { 1, token, left, field, value, ... }
 --                            leased; `left`: ms until the deadline, on Redis's
 --                            clock; then the job's fields as the record names them
 --   { 0 }                    stale entry (the job is not queued): dropped
---   { 2, cause, user, nonce }          failed here (expired | abandoned): release pending
+--   { 2, cause, user, nonce }          failed here (expired | abandoned: release
+--                                      pending; unanswered: the charge stands)
 --   { 3, reason, user|'', nonce|'' }   malformed: moved aside (release pending if a nonce)
 
 local JOB, PROCESSING, LEASES, REFUNDS, DEAD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local id, worker, lease, max_attempts = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local op, channel = ARGV[5], ARGV[6]
+local op, channel, ttl = ARGV[5], ARGV[6], tonumber(ARGV[7])
 if not lease or lease < 1 or not max_attempts or max_attempts < 1 then
   return redis.error_reply('job_lease: bad lease or max attempts')
 end
+if not ttl or ttl < 1 then
+  return redis.error_reply('job_lease: bad ttl')
+end
 local now = now_ms()
 local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
-  'enq', 'deadline', 'attempt', 'nonce', 'tp')
+  'enq', 'deadline', 'attempt', 'nonce', 'tp', 'started')
 local state, user, jop, provider, input = f[1], f[2], f[3], f[4], f[5]
 local cost, enq, deadline, attempt = tonumber(f[6]), tonumber(f[7]), tonumber(f[8]), tonumber(f[9])
 local nonce = f[10]
@@ -56,8 +64,14 @@ if reason then
 end
 
 attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
+local started = f[12] == '1'
 local cause = nil
-if now >= deadline then
+if started and (now >= deadline or attempt > max_attempts) then
+  -- A run started and its worker was lost, maybe with the call sent: the
+  -- upstream may have done the work, so the charge stands (job::given_up).
+  cause = 'unanswered'
+  fail_job(JOB, REFUNDS, id, cause, LOST_MID_RUN, now, channel, false, ttl)
+elseif now >= deadline then
   cause = 'expired'
   fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel, true, 1)
 elseif attempt > max_attempts then
@@ -73,4 +87,4 @@ redis.call('HSET', JOB, 'state', 'running', 'worker', worker, 'lease_until', int
 redis.call('ZADD', LEASES, int(now + lease), id)
 return { 1, token, deadline - now, 'user', user, 'op', jop, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
-  'attempt', attempt, 'nonce', nonce, 'tp', f[11] or '' }
+  'attempt', attempt, 'nonce', nonce, 'tp', f[11] or '', 'started', f[12] or '' }

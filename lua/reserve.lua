@@ -1,10 +1,10 @@
 -- reserve.lua: atomically expire, check every limit and record one spend event.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta, KEYS[9] cancelled
 --   (see lib/budget.lua)
 -- ARGV[1] request id
 -- ARGV[2] cost (integer >= 1; checked by the caller too)
--- ARGV[3..] export maxlen, then the plan table (lib/budget.lua)
+-- ARGV[3..] export maxlen, retention, then the plan table (lib/budget.lua)
 -- Returns one of
 --   { 1, at_ms, now_ms, windows... }   recorded
 --   { 2, at_ms, now_ms, windows... }   already recorded (idempotent retry)

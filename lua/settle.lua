@@ -1,23 +1,26 @@
 -- settle.lua: correct a spend event to what the call really cost.
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta, KEYS[9] cancelled
 --   (see lib/budget.lua)
 -- ARGV[1] request id
 -- ARGV[2] actual cost (integer >= 0; 0 removes the event)
 -- ARGV[3] nonce: '' settles any live event (an operator's correction); else only
 --         the charge held under this nonce (a job settling its own charge, to
---         >= 1), whose owner record then keeps the estimate it was charged at
--- ARGV[4..] export maxlen, then the plan table (lib/budget.lua)
+--         >= 1), whose owner record then keeps the cost it was charged at
+-- ARGV[4] '1': the cost may rise; '0': it only comes down (a job that reserved
+--         the most settles down, so no window passes its limit: a cost above
+--         the charge's current one leaves it as it is)
+-- ARGV[5..] export maxlen, retention, then the plan table (lib/budget.lua)
 -- Returns { 1, previous_cost, cost, used } settled, or { 0, used } when no live
--- event has the id (or the charge is not this nonce's); `used` is the longest
--- window's. The event keeps its time: settling never extends a window. The
--- cost is set, not added, so a retried settle changes nothing more. A raised
+-- event has the id (or the charge is not this nonce's); `used` is the plan's
+-- longest window's. The event keeps its time: settling never extends a window.
+-- The cost is set, not added, so a retried settle changes nothing more. A raised
 -- cost may take a window past its limit: reserves then wait until it fits again.
 
-local request, actual, nonce = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local _, limits = resolve_plan(4)
-if not actual or actual < 0 or (nonce ~= '' and actual < 1) then
-  return redis.error_reply('settle: actual cost must be an integer >= 0 (>= 1 for a charge)')
+local request, actual, nonce, raise = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local _, limits = resolve_plan(5)
+if not actual or actual < 0 or (nonce ~= '' and actual < 1) or (raise ~= '0' and raise ~= '1') then
+  return redis.error_reply('settle: actual cost must be an integer >= 0 (>= 1 for a charge), raise 0 or 1')
 end
 local now = now_ms()
 local used = expire(now, limits)
@@ -32,14 +35,10 @@ if nonce ~= '' then
   end
   ev.estimate = ev.estimate or previous
 end
+if raise == '0' and actual > previous then
+  actual = previous
+end
 if actual == 0 then
   return { 1, previous, 0, remove(ev, used, now) }
 end
-if #SHORTS > 0 or EXPORT > 0 then
-  unshort(ev.at, previous - actual, now)
-  export('settle', request, actual, ev.at, previous)
-end
-ev.cost = actual
-update(ev)
-used = write_total(used - previous + actual)
-return { 1, previous, actual, used }
+return { 1, previous, actual, recost(ev, actual, now) }

@@ -3,18 +3,19 @@
 -- limit + 1 log entries, so a call costs O(page) whatever the number of live
 -- events (and the amortised expiry every budget script does).
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
--- KEYS[6] audit, KEYS[7] log, KEYS[8] meta
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta, KEYS[9] cancelled
 --   (see lib/budget.lua)
 -- ARGV[1] cursor: '' for the first page, else the log entry ID '<ms>-<seq>'
 --   after which the page starts (the next_cursor of the page before; the
 --   entry may have left since)
 -- ARGV[2] limit: events per page, 1..50 (EventPage::MAX_LIMIT)
--- ARGV[3..] export maxlen, then the plan table (lib/budget.lua)
+-- ARGV[3..] export maxlen, retention, then the plan table (lib/budget.lua)
 -- Returns { plan, now_ms, windows..., next_cursor, id_1, at_1, cost_1,
--- operation_1, estimate_1, id_2, ... } with events oldest first; next_cursor is
--- '' when the page reached the newest event; operation is '' for a plain
--- reserve, estimate -1 unless the charge was settled. windows: see
--- push_windows in lib/budget.lua.
+-- operation_1, estimate_1, id_2, ... } with the events in the plan's longest
+-- window (the log may keep older ones for another plan's longer window),
+-- oldest first; next_cursor is '' when the page reached the newest event;
+-- operation is '' for a plain reserve, estimate -1 unless the charge was
+-- settled. windows: see push_windows in lib/budget.lua.
 -- Errors: TOLLGATE_BAD_PAGE (a cursor or limit out of shape).
 
 local cursor, limit = ARGV[1], tonumber(ARGV[2])
@@ -29,7 +30,12 @@ local name, limits = resolve_plan(3)
 local now = now_ms()
 local used = expire(now, limits)
 local out = push_windows({ name, now }, limits, used, now)
-local start = cursor == '' and '-' or '(' .. cursor
+-- A page starts inside the plan's longest window, and after the cursor.
+local lo = now - limits[1].window + 1
+local start = int(lo)
+if cursor ~= '' and tonumber(string.match(cursor, '^(%d+)')) >= lo then
+  start = '(' .. cursor
+end
 local batch = redis.call('XRANGE', LOG, start, '+', 'COUNT', limit + 1)
 out[#out + 1] = #batch > limit and batch[limit][1] or ''
 for i = 1, math.min(#batch, limit) do

@@ -23,17 +23,20 @@
 --                   settled a charge). Linear hashing keeps every bucket under
 --                   Redis' 128-entry listpack limit: a bucket splits when the
 --                   log holds more than LOAD events per bucket.
---   KEYS[8] meta    hash: 't' '<used>' the running sum of live costs (the longest
---                   window's), followed for a plan of several limits by
---                   ' <window_ms> <total> <cursor_ms>' per shorter window, its
---                   running total (events at or before the cursor were
---                   subtracted); 'l', 's': the bucket count's power of two and
---                   split pointer (absent: 1 and 0).
+--   KEYS[8] meta    hash: 't' '<total>' the running sum of the costs of every
+--                   event in the log, followed by ' <window_ms> <total>
+--                   <cursor_ms>' per window of the user's plan shorter than the
+--                   retention, its running total (events at or before the
+--                   cursor were subtracted); 'l', 's': the bucket count's power
+--                   of two and split pointer (absent: 1 and 0).
 --   KEYS[3] plan    string: the user's plan name (absent: the default plan)
 --   KEYS[5] holds   sorted set: request id -> end of the hold (ms) of each 'h'
 --                   charge: its job's deadline plus a grace. A charge still held
 --                   then has no job that can run (a job past its deadline never
 --                   starts), so the next budget step releases it.
+--   KEYS[9] cancelled sorted set: nonce -> end of the hold of a held charge an
+--                   operator refunded (refund.lua): its job is cancelled, and
+--                   its claim refused until then (claim.lua).
 --   KEYS[6] audit   stream: with [export] configured, every spend, refund and
 --                   settle, in order (XADD MAXLEN ~): fields kind (spend | refund
 --                   | settle), id, cost (settle: the new cost), prev (settle: the
@@ -46,14 +49,16 @@
 --                   MIGRATE_BATCH events per call (oldest first): a call that
 --                   leaves some answers the error TOLLGATE_MIGRATING, and the
 --                   caller calls again.
--- The ARGV tail is the export's maxlen (0: no export), then the plan table as
--- pairs (name, limits), the default plan first; limits is 'limit:window_ms,...',
--- longest window first. The log keeps events for the longest window; a
--- reservation must fit every window.
+-- The ARGV tail is the export's maxlen (0: no export), the retention (ms: the
+-- longest window of any configured plan), then the plan table as pairs (name,
+-- limits), the default plan first; limits is 'limit:window_ms,...', longest
+-- window first. The log keeps every event for the retention, whatever the
+-- user's plan, so a plan change never erases spend; a reservation must fit
+-- every window of the user's plan.
 -- Time is Redis TIME: pod clocks never decide a budget.
 
-local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local BASE = string.sub(META, 1, -6)
 local BATCH = 500
 local MIGRATE_BATCH = 2000
@@ -62,14 +67,18 @@ local MIGRATE_BATCH = 2000
 local LOAD = 40
 -- The field prefix of an event whose digest is taken by another live event.
 local LONG = '::::::'
--- The shorter windows' running totals ({ window, total, cursor }, in the order of
--- limits[2..]), read by expire; written back with the total.
-local SHORTS, SHORTS_STALE = {}, false
+-- The running totals of the plan's windows shorter than the retention
+-- ({ window, total, cursor }, in the order of limits[FIRST..]), read by expire;
+-- written back with the total. FIRST is 2 when limits[1] spans the retention
+-- (its total is the log's), else 1.
+local SHORTS, SHORTS_STALE, FIRST = {}, false, 2
+-- The sum of the costs of every event in the log (the retention's total).
+local TOTAL = 0
 -- The export stream's approximate maxlen; 0: no export.
 local EXPORT = 0
 -- The bucket table (linear hashing: SIZE buckets of this round, SPLIT of them
--- split already) and the longest window (the keys' time to live).
-local SIZE, SPLIT, WINDOW = 1, 0, 0
+-- split already) and the retention (the log's span, the keys' time to live).
+local SIZE, SPLIT, RETAIN = 1, 0, 0
 
 local function int(n)
   return string.format('%d', n)
@@ -109,7 +118,8 @@ end
 -- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
 local function resolve_plan(i)
   EXPORT = tonumber(ARGV[i]) or 0
-  i = i + 1
+  RETAIN = tonumber(ARGV[i + 1]) or 0
+  i = i + 2
   local stored = redis.call('GET', PLAN)
   -- No stored plan, or one the config no longer has: the default.
   local name, spec = ARGV[i], ARGV[i + 1]
@@ -125,7 +135,11 @@ local function resolve_plan(i)
   for l, w in string.gmatch(spec or '', '(%d+):(%d+)') do
     limits[#limits + 1] = { limit = tonumber(l), window = tonumber(w) }
   end
-  WINDOW = limits[1] and limits[1].window or 0
+  local longest = limits[1] and limits[1].window or 0
+  if RETAIN < longest then
+    RETAIN = longest
+  end
+  FIRST = longest >= RETAIN and 2 or 1
   return name, limits
 end
 
@@ -307,7 +321,7 @@ end
 -- written since; a bucket outliving its log holds entries no log entry
 -- points to, which `find` and `at_entry` ignore.
 local function keep_bucket(key)
-  redis.call('PEXPIRE', key, int(2 * WINDOW))
+  redis.call('PEXPIRE', key, int(2 * RETAIN))
 end
 
 -- Splits the next bucket when the log holds more than LOAD events per bucket.
@@ -358,9 +372,10 @@ local function sum_between(lo, hi)
   return sum
 end
 
--- Reads the shorter windows' totals; a plan whose shorter windows changed (or a
--- log written before there were any) has them rebuilt from the log, once. A
--- one-limit plan has none: its next write drops any left by a former plan.
+-- Reads the totals of the windows shorter than the retention; a plan whose
+-- windows changed (a plan change, or a log written before there were any) has
+-- them rebuilt from the log, once (O(events in those windows)). A one-limit
+-- plan spanning the retention has none: its next write drops any left.
 local function load_shorts(raw, limits, now)
   SHORTS, SHORTS_STALE = {}, false
   local ok = true
@@ -369,11 +384,11 @@ local function load_shorts(raw, limits, now)
       SHORTS[#SHORTS + 1] = { window = tonumber(w), total = tonumber(t), cursor = tonumber(c) }
     end
   end
-  if #SHORTS ~= #limits - 1 then
+  if #SHORTS ~= #limits - FIRST + 1 then
     ok = false
   else
-    for k = 2, #limits do
-      if SHORTS[k - 1].window ~= limits[k].window then
+    for k = FIRST, #limits do
+      if SHORTS[k - FIRST + 1].window ~= limits[k].window then
         ok = false
       end
     end
@@ -382,15 +397,15 @@ local function load_shorts(raw, limits, now)
     return
   end
   SHORTS, SHORTS_STALE = {}, true
-  for k = 2, #limits do
+  for k = FIRST, #limits do
     local w = limits[k].window
-    SHORTS[k - 1] = { window = w, total = sum_between(int(now - w + 1), '+'), cursor = now - w }
+    SHORTS[k - FIRST + 1] = { window = w, total = sum_between(int(now - w + 1), '+'), cursor = now - w }
   end
 end
 
--- The running totals: the longest window's, and the text of the shorter ones'.
--- Reads the bucket table too. If the totals went missing (eviction), the
--- longest is rebuilt once from the log.
+-- The running totals: the log's, and the text of the windows'. Reads the
+-- bucket table too. If the totals went missing (eviction), the log's is
+-- rebuilt once from the log.
 local function read_total()
   local m = {}
   local all = redis.call('HGETALL', META)
@@ -413,12 +428,12 @@ local function read_total()
   return sum, nil, sum > 0
 end
 
--- Writes the totals.
-local function write_total(used)
-  if used < 0 then
-    used = 0
+-- Writes the totals (TOTAL, and the windows'); returns the longest window's.
+local function write_total()
+  if TOTAL < 0 then
+    TOTAL = 0
   end
-  local value = int(used)
+  local value = int(TOTAL)
   if #SHORTS > 0 then
     local parts = { value }
     for _, s in ipairs(SHORTS) do
@@ -431,7 +446,10 @@ local function write_total(used)
   end
   SHORTS_STALE = false
   redis.call('HSET', META, 't', value)
-  return used
+  if FIRST == 1 then
+    return SHORTS[1].total
+  end
+  return TOTAL
 end
 
 -- Appends one change to the export stream (when there is one).
@@ -505,7 +523,7 @@ local function migrate()
     redis.call('ZREM', EVENTS, unpack(ids))
     redis.call('HDEL', COSTS, unpack(ids))
     redis.call('HDEL', OWNERS, unpack(ids))
-    redis.call('PEXPIRE', LOG, int(WINDOW))
+    redis.call('PEXPIRE', LOG, int(RETAIN))
   end
   if redis.call('ZCARD', EVENTS) > 0 then
     return true
@@ -515,17 +533,19 @@ local function migrate()
   return false
 end
 
--- Brings every window to `now`: subtracts what left each shorter window since its
--- cursor, drops events at or past the longest window (time + window <= now), and
--- releases charges still held past their hold (their submission died before a
--- job claimed them). Each event leaves each window once, so the cost is
--- amortised O(log n) per call whatever the number of live events. Returns the
--- longest window's total. A user still in the previous layout is moved first.
+-- Brings every window to `now`: subtracts what left each window shorter than
+-- the retention since its cursor, drops events at or past the retention (time +
+-- retention <= now), and releases charges still held past their hold (their
+-- submission died before a job claimed them). Each event leaves each window
+-- once, so the cost is amortised O(log n) per call whatever the number of live
+-- events. Sets TOTAL; returns the plan's longest window's total. A user still
+-- in the previous layout is moved first.
 local function expire(now, limits)
   if migrate() then
     error({ err = 'TOLLGATE_MIGRATING events of the previous layout are left: call again' })
   end
   local used, shorts, changed = read_total()
+  TOTAL = used
   load_shorts(shorts, limits, now)
   changed = changed or SHORTS_STALE
   for _, s in ipairs(SHORTS) do
@@ -538,7 +558,7 @@ local function expire(now, limits)
     end
   end
   while true do
-    local batch = redis.call('XRANGE', LOG, '-', int(now - WINDOW), 'COUNT', BATCH)
+    local batch = redis.call('XRANGE', LOG, '-', int(now - RETAIN), 'COUNT', BATCH)
     if #batch == 0 then
       break
     end
@@ -546,7 +566,7 @@ local function expire(now, limits)
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
       if ev then
-        used = used - ev.cost
+        TOTAL = TOTAL - ev.cost
         redis.call('HDEL', ev.key, ev.field)
       end
       sids[#sids + 1] = e[1]
@@ -563,7 +583,7 @@ local function expire(now, limits)
       local ev = find(id)
       if ev then
         -- A released hold is a refund; an event leaving the window is not a change.
-        used = used - ev.cost
+        TOTAL = TOTAL - ev.cost
         unshort(ev.at, ev.cost, now)
         export('refund', id, ev.cost, ev.at)
         drop(ev)
@@ -573,21 +593,25 @@ local function expire(now, limits)
     changed = true
   end
   if changed then
-    used = write_total(used)
-    redis.call('PEXPIRE', META, int(WINDOW))
+    write_total()
+    redis.call('PEXPIRE', META, int(RETAIN))
   end
-  return used
+  if FIRST == 1 then
+    return SHORTS[1].total
+  end
+  return TOTAL
 end
 
--- Tokens spent in limit k's window (after expire).
-local function window_used(k, used)
-  if k == 1 then
-    return used
+-- Tokens spent in limit k's window (after expire). `used`, kept for the
+-- scripts' calls, is ignored: the totals are read from TOTAL and SHORTS.
+local function window_used(k, _used)
+  if k < FIRST then
+    return TOTAL
   end
-  return SHORTS[k - 1].total
+  return SHORTS[k - FIRST + 1].total
 end
 
--- Whether `cost` fits every limit.
+-- Whether `cost` fits every limit (`used`: ignored, see window_used).
 local function fits(limits, used, cost)
   for k, l in ipairs(limits) do
     if window_used(k, used) + cost > l.limit then
@@ -631,7 +655,7 @@ end
 local function push_windows(out, limits, used, now, cost)
   out[#out + 1] = #limits
   for k, l in ipairs(limits) do
-    local oldest = redis.call('XRANGE', LOG, k == 1 and '-' or int(now - l.window + 1), '+', 'COUNT', 1)
+    local oldest = redis.call('XRANGE', LOG, k < FIRST and '-' or int(now - l.window + 1), '+', 'COUNT', 1)
     local reset = -1
     if #oldest > 0 then
       reset = tonumber(string.match(oldest[1][1], '^(%d+)')) + l.window - now
@@ -645,22 +669,38 @@ local function push_windows(out, limits, used, now, cost)
   return out
 end
 
--- Removes one live event (from `find`); returns the total after.
-local function remove(ev, used, now)
+-- Removes one live event (from `find`); returns the longest window's total
+-- after (`used`: ignored, see window_used).
+local function remove(ev, _used, now)
   if #SHORTS > 0 or EXPORT > 0 then
     unshort(ev.at, ev.cost, now)
     export('refund', ev.rec.id, ev.cost, ev.at)
   end
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)
-  return write_total(used - ev.cost)
+  TOTAL = TOTAL - ev.cost
+  return write_total()
+end
+
+-- Sets a live event's cost (from `find`; >= 1) in every window it is inside;
+-- returns the longest window's total after.
+local function recost(ev, cost, now)
+  local previous = ev.cost
+  if #SHORTS > 0 or EXPORT > 0 then
+    unshort(ev.at, previous - cost, now)
+    export('settle', ev.rec.id, cost, ev.at, previous)
+  end
+  ev.cost = cost
+  update(ev)
+  TOTAL = TOTAL - previous + cost
+  return write_total()
 end
 
 -- Records a spend event of `cost` at `now` (inside every window); `o`: the
 -- owner of a charge (nonce, deadline, op, fp), held by its submission; `key`,
 -- `dig`: what `find` answered for the id. The keys expire with it, so an idle
 -- user leaves nothing behind. Returns the total and the event's time: now, or
--- the log's last time if the clock went back.
+-- the log's last time if the clock went back. (`limits`, `used`: ignored.)
 local function record(request, cost, now, limits, used, o, key, dig)
   local packed = pack_record(request, o)
   local sid = redis.pcall('XADD', LOG, int(now) .. '-*', 'r', packed)
@@ -676,9 +716,10 @@ local function record(request, cost, now, limits, used, o, key, dig)
   for _, s in ipairs(SHORTS) do
     s.total = s.total + cost
   end
-  used = write_total(used + cost)
+  TOTAL = TOTAL + cost
+  used = write_total()
   for _, k in ipairs({ LOG, META, o and HOLDS }) do
-    redis.call('PEXPIRE', k, int(limits[1].window))
+    redis.call('PEXPIRE', k, int(RETAIN))
   end
   keep_bucket(key)
   grow()

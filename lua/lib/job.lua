@@ -8,10 +8,17 @@
 --                it before the provider call and releases it if the job fails
 --   seq          the fencing token of the latest lease (incremented per lease)
 --   worker, lease_until (ms)        while running
+--   started      '1' once a run claimed the charge, about to call the provider
+--                (job_started.lua): a later run's failure keeps the charge
 --   result (JSON text) | cause, message; finished (ms)   once final
 --   refund       '1' while a failed job's release is not confirmed
 -- A record gets a TTL only once it is final and owes no refund.
 -- Time is Redis TIME.
+
+-- Why a job whose run started, and whose worker was lost, failed at its take
+-- (the same words as tollgate_core::job::LOST_MID_RUN).
+local LOST_MID_RUN = 'a run of the job started and its worker was lost (the upstream may have '
+  .. 'done the work): the charge stands, and the job is not run again'
 
 local function int(n)
   return string.format('%d', n)

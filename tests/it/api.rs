@@ -37,6 +37,7 @@ pub const ADMIN: &str = "admin-token-for-tests-0123456789";
 pub fn test_config() -> Arc<Config> {
     let text = format!(
         "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[plans.metered]\nlimits = [{{ limit = 50, window = \"1h\" }}, {{ limit = 10, window = \"1m\" }}]\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n\n\
+         [operations.\"llm.fixed\"]\ncost = 8\nprovider = \"llm\"\n\n\
          [providers.glacier]\nrate = 0.01\nburst = 1\nmax_wait = \"60s\"\n\n\
          [operations.\"glacier.call\"]\ncost = 1\nprovider = \"glacier\"\n",
         tollgate_core::config::BUILTIN
@@ -148,6 +149,7 @@ impl Harness {
             "llm.structured",
             "company.research",
             "echo.custom",
+            "llm.fixed",
         ];
         StandInWorker::failing_with(Arc::clone(&self.source), &ops, fail_rate, cause, delay)
     }
@@ -323,6 +325,7 @@ both_backends!(
     async_call_is_202_and_jobs_are_private,
     idempotency_key_charges_once_and_returns_the_same_job,
     provider_failure_is_502_and_refunded,
+    an_operator_refund_cancels_a_queued_job,
     over_budget_is_429_with_exact_retry_after,
     several_windows_name_every_policy_and_the_closest_to_exhaustion,
     bad_requests_are_problems_naming_the_field,
@@ -521,10 +524,12 @@ async fn sync_call_returns_the_result_with_ratelimit_headers(h: Harness) {
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["status"], "succeeded");
     assert_eq!(r.body["result"]["echo"]["prompt"], "hi");
-    assert_eq!(r.body["cost"], 8);
+    // It settles to what the provider reports: the most is reserved, and the
+    // client sees what was (the stand-in reports no usage: nothing settles).
+    assert_eq!(r.body["cost"], 40);
     assert!(r.body["job_id"].is_string());
     assert_eq!(r.header("ratelimit-policy"), "\"budget\";q=1000;w=43200");
-    assert_eq!(r.header("ratelimit"), "\"budget\";r=992;t=43200");
+    assert_eq!(r.header("ratelimit"), "\"budget\";r=960;t=43200");
 
     // The generic route prices from the config.
     let r = h.post("/v1/ops/echo.custom", &key, json!({"x": 1})).await;
@@ -534,14 +539,14 @@ async fn sync_call_returns_the_result_with_ratelimit_headers(h: Harness) {
     let u = h.usage(&key).await;
     assert_eq!(
         (u["used"].as_u64(), u["remaining"].as_u64()),
-        (Some(10), Some(990))
+        (Some(42), Some(958))
     );
     assert_eq!(u["window_secs"], 43200);
     assert!(u["reset_at"].as_str().unwrap().ends_with('Z'));
     let events = u["events"].as_array().unwrap();
     let ops: Vec<_> = events.iter().map(|e| e["operation"].as_str()).collect();
     assert_eq!(ops, [Some("llm.structured"), Some("echo.custom")]);
-    assert_eq!(events[0]["cost"], 8);
+    assert_eq!(events[0]["cost"], 40);
     assert!(events[0]["request_id"].is_string() && events[0]["at"].is_string());
 }
 
@@ -619,7 +624,7 @@ async fn idempotency_key_charges_once_and_returns_the_same_job(h: Harness) {
     assert_eq!(first.body["job_id"], again.body["job_id"]);
     assert_eq!(first.body["result"], again.body["result"]);
     let u = h.usage(&key).await;
-    assert_eq!(u["used"], 8, "{u}");
+    assert_eq!(u["used"], 40, "{u}");
     assert_eq!(u["events"].as_array().unwrap().len(), 1);
     // The same key with another body is refused, charging nothing more.
     let r = h
@@ -633,12 +638,12 @@ async fn idempotency_key_charges_once_and_returns_the_same_job(h: Harness) {
         .await;
     let p = r.problem(ProblemType::IdempotencyKeyReused);
     assert_eq!(p["job_id"], first.body["job_id"]);
-    assert_eq!(h.usage(&key).await["used"], 8);
+    assert_eq!(h.usage(&key).await["used"], 40);
     // Another user's identical key is another request.
     let theirs = call(other.clone()).await;
     assert_eq!(theirs.status, StatusCode::OK, "{}", theirs.body);
     assert_ne!(theirs.body["job_id"], first.body["job_id"]);
-    assert_eq!(h.usage(&other).await["used"], 8);
+    assert_eq!(h.usage(&other).await["used"], 40);
 }
 
 async fn provider_failure_is_502_and_refunded(h: Harness) {
@@ -663,6 +668,73 @@ async fn provider_failure_is_502_and_refunded(h: Harness) {
         ),
         "{text}"
     );
+}
+
+/// `POST /admin/users/{user}/refunds/{request_id}`: a queued job's refund
+/// cancels it (its claim is refused: it never reaches the provider), a running
+/// job's is a 409 problem, a succeeded job's a credit.
+async fn an_operator_refund_cancels_a_queued_job(h: Harness) {
+    let key = h.user("olga", "free").await;
+    let submit = || h.post("/v1/ops/company.research?async=true", &key, json!({}));
+    let h = &h;
+    let refund = |id: String| async move {
+        let path = format!("/admin/users/olga/refunds/{id}");
+        h.call("POST", &path, Some(ADMIN), &[], None).await
+    };
+    let take = || async {
+        let lease = h
+            .source
+            .take(
+                "company.research",
+                "w",
+                Duration::from_millis(200),
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap()
+            .expect("a queued job");
+        let claimed = h.source.start(&lease).await.unwrap();
+        (lease, claimed)
+    };
+    let r = submit().await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    let queued = r.body["job_id"].as_str().unwrap().to_owned();
+    let r = refund(queued.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        (&r.body["outcome"], &r.body["cost"], &r.body["used"]),
+        (&json!("cancelled"), &json!(20), &json!(0)),
+        "{}",
+        r.body
+    );
+    let (_, claimed) = take().await;
+    assert!(!claimed, "a cancelled job must never reach the provider");
+    let r = h
+        .call("GET", &format!("/v1/jobs/{queued}"), Some(&key), &[], None)
+        .await;
+    assert_eq!(r.body["status"], "failed", "{}", r.body);
+    assert_eq!(r.body["error"]["cause"], "cancelled", "{}", r.body);
+    h.wait_used(&key, 0).await;
+
+    let r = submit().await;
+    let running = r.body["job_id"].as_str().unwrap().to_owned();
+    let (lease, claimed) = take().await;
+    assert!(claimed);
+    let r = refund(running.clone()).await;
+    r.problem(ProblemType::ChargeOwnedByJob);
+    h.wait_used(&key, 20).await;
+    h.source.complete(&lease, json!({})).await.unwrap();
+    let r = refund(running.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["outcome"], "refunded", "{}", r.body);
+    h.wait_used(&key, 0).await;
+    let r = refund(running).await;
+    assert_eq!(r.body["outcome"], "not_found", "{}", r.body);
+    // Guarded like every admin route.
+    let r = h
+        .call("POST", "/admin/users/olga/refunds/x", Some(&key), &[], None)
+        .await;
+    r.problem(ProblemType::Unauthorized);
 }
 
 async fn over_budget_is_429_with_exact_retry_after(h: Harness) {
@@ -705,7 +777,7 @@ async fn over_budget_is_429_with_exact_retry_after(h: Harness) {
 async fn several_windows_name_every_policy_and_the_closest_to_exhaustion(h: Harness) {
     let key = h.user("mona", "metered").await;
     let r = h
-        .post("/v1/ops/llm.structured?async=true", &key, json!({}))
+        .post("/v1/ops/llm.fixed?async=true", &key, json!({}))
         .await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
     let policy = "\"budget-1h\";q=50;w=3600, \"budget-1m\";q=10;w=60";
@@ -713,7 +785,7 @@ async fn several_windows_name_every_policy_and_the_closest_to_exhaustion(h: Harn
     assert_eq!(r.header("ratelimit"), "\"budget-1m\";r=2;t=60");
     // 8 more do not fit the minute, though the hour has 42 left.
     let r = h
-        .post("/v1/ops/llm.structured?async=true", &key, json!({"n": 2}))
+        .post("/v1/ops/llm.fixed?async=true", &key, json!({"n": 2}))
         .await;
     let p = r.problem(ProblemType::QuotaExceeded).clone();
     let retry_ms = p["retry_after_ms"].as_u64().unwrap();
@@ -898,6 +970,7 @@ pub fn check_openapi(doc: &Value) {
         ("post", "/admin/users"),
         ("put", "/admin/users/{user}/plan"),
         ("delete", "/admin/keys/{key_id}"),
+        ("post", "/admin/users/{user}/refunds/{request_id}"),
         ("get", "/admin/overview"),
         ("get", "/healthz"),
         ("get", "/readyz"),
@@ -934,7 +1007,8 @@ pub fn check_openapi(doc: &Value) {
     }
     assert_eq!(count, expected.len());
     let metered = &doc["paths"]["/v1/ops/llm.structured"]["post"];
-    assert_eq!(metered["x-tollgate-cost"], 8);
+    // What a call reserves up front: the most, for an operation that settles.
+    assert_eq!(metered["x-tollgate-cost"], 40);
     assert!(metered["responses"]["429"]["headers"]["Retry-After"].is_object());
     for status in [
         "400", "401", "404", "413", "415", "422", "429", "502", "503", "504",

@@ -137,7 +137,9 @@ async fn full_path_answers_results_and_refunds_provider_failures() {
         assert!(!body["result"].is_null(), "{body}");
         assert_eq!(
             r.header("ratelimit"),
-            Some(format!("\"budget\";r={};t=43200", 1000 - 8 * (i + 1)).as_str())
+            // 40 reserved up front, the earlier calls settled to the 8 the
+            // mock reports.
+            Some(format!("\"budget\";r={};t=43200", 1000 - 8 * i - 40).as_str())
         );
     }
     for _ in 0..3 {
@@ -173,6 +175,48 @@ async fn full_path_answers_results_and_refunds_provider_failures() {
         assert!(std::time::Instant::now() < deadline, "{usage}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+
+    // Reproduction 6 over HTTP: 100 concurrent calls (estimate 8, max 40), each
+    // answered with the most (4,000 tokens), under a limit of 1,000.
+    let created = http::json(
+        api.addr,
+        "POST",
+        "/admin/users",
+        Some(ADMIN),
+        Some(&json!({"user": "burst", "plan": "free"})),
+    )
+    .await;
+    let burst = created.json()["api_key"].as_str().unwrap().to_owned();
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..100 {
+        let (addr, key) = (api.addr, burst.clone());
+        calls.spawn(async move {
+            let body = json!({ "prompt": i, "mock_total_tokens": 4000 });
+            http::json(
+                addr,
+                "POST",
+                "/v1/ops/llm.structured",
+                Some(&key),
+                Some(&body),
+            )
+            .await
+        });
+    }
+    let mut succeeded = 0u64;
+    while let Some(r) = calls.join_next().await {
+        let r = r.unwrap();
+        match r.status {
+            200 => succeeded += 1,
+            429 => {}
+            other => panic!("unexpected {other}: {}", r.text()),
+        }
+    }
+    let usage = http::json(api.addr, "GET", "/v1/usage", Some(&burst), None)
+        .await
+        .json();
+    assert!(succeeded > 0);
+    assert!(usage["used"].as_u64().unwrap() <= 1000, "{usage}");
+    assert_eq!(usage["used"], 40 * succeeded, "{usage}");
     let _ = stop_tx.send(true);
     drop(api);
     let _ = tokio::time::timeout(Duration::from_secs(5), worker).await;

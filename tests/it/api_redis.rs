@@ -104,9 +104,9 @@ fn write_config(dir_tag: &str, upstream: &str) -> std::path::PathBuf {
 
 /// The deployment in processes: two `tollgate api`, a `tollgate worker`, a
 /// `tollgate throttler` and a `tollgate mock-provider`. One user on 1000 tokens
-/// / 12 h sends 400 concurrent calls of cost 8 across both apis: exactly 125 are
-/// admitted, the other 275 get a 429 whose Retry-After is the exact retry_after
-/// rounded up; the 125 jobs then run through worker, throttle and provider.
+/// / 12 h sends 400 concurrent calls of cost 5 across both apis: exactly 200 are
+/// admitted, the other 200 get a 429 whose Retry-After is the exact retry_after
+/// rounded up; the 200 jobs then run through worker, throttle and provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_api_processes_admit_exactly_the_budget() {
     let redis = RedisServer::start();
@@ -150,7 +150,7 @@ async fn two_api_processes_admit_exactly_the_budget() {
             http::json(
                 addr,
                 "POST",
-                "/v1/ops/llm.structured?async=true",
+                "/v1/ops/jobs.extract?async=true",
                 Some(&key),
                 Some(&json!({"i": i})),
             )
@@ -182,10 +182,10 @@ async fn two_api_processes_admit_exactly_the_budget() {
             other => panic!("unexpected {other}: {}", r.text()),
         }
     }
-    assert_eq!((accepted, denied), (125, 275));
+    assert_eq!((accepted, denied), (200, 200));
     let usage = http::usage_all(b.addr, &key).await;
     assert_eq!(usage["used"], 1000, "{usage}");
-    assert_eq!(usage["events"].as_array().unwrap().len(), 125);
+    assert_eq!(usage["events"].as_array().unwrap().len(), 200);
 
     // Every admitted job runs through worker, throttle (llm: 50/s) and provider.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -272,7 +272,7 @@ async fn client_disconnects_leak_no_reservation() {
     let key = created.json()["api_key"].as_str().unwrap().to_owned();
     let worker = tollgate_tests::api::StandInWorker::start(
         Arc::clone(&source),
-        &["llm.structured"],
+        &["jobs.extract"],
         0.25,
         Duration::from_millis(15),
     );
@@ -297,7 +297,7 @@ async fn client_disconnects_leak_no_reservation() {
                 ("Idempotency-Key", idem.as_str()),
             ];
             let body = json!({"i": i}).to_string();
-            let bytes = http::encode("POST", "/v1/ops/llm.structured", &headers, body.as_bytes());
+            let bytes = http::encode("POST", "/v1/ops/jobs.extract", &headers, body.as_bytes());
             let Ok(mut stream) = TcpStream::connect(addr).await else {
                 return;
             };
@@ -343,7 +343,7 @@ async fn client_disconnects_leak_no_reservation() {
             last = (used, done);
             stable_since = Instant::now();
         }
-        if used == 8 * done as u64 && stable_since.elapsed() > Duration::from_millis(1500) {
+        if used == 5 * done as u64 && stable_since.elapsed() > Duration::from_millis(1500) {
             let events: BTreeSet<String> = usage["events"]
                 .as_array()
                 .unwrap()
@@ -360,7 +360,7 @@ async fn client_disconnects_leak_no_reservation() {
         }
         assert!(
             Instant::now() < deadline,
-            "usage {used} != 8 x {done} succeeded jobs: a reservation leaked"
+            "usage {used} != 5 x {done} succeeded jobs: a reservation leaked"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -348,3 +348,68 @@ fn help_never_shows_secret_values() {
         );
     }
 }
+
+/// `budget refund` of a job's charge: a queued job's is refunded and the job
+/// cancelled (its claim is refused: it never runs); a running job's is a
+/// conflict (exit 4, one line, nothing changed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tollgate_core::{
+        config::Config,
+        id::{RequestId, UserId},
+        job::{JobOptions, JobQueue, JobRequest, JobSource},
+    };
+    let cli = Cli::new();
+    let config = Arc::new(Config::builtin());
+    let (queue, _) =
+        crate::jobs::redis_queue_with(&cli.server, &cli.prefix, config, JobOptions::default())
+            .await;
+    let user = UserId::new("carol").unwrap();
+    let submit = |id: &str| JobRequest {
+        id: RequestId::new(id).unwrap(),
+        user: user.clone(),
+        operation: "company.research".into(),
+        input: serde_json::json!({ "id": id }),
+        trace: None,
+    };
+    let take = || async {
+        let lease = queue
+            .take(
+                "company.research",
+                "w",
+                Duration::from_millis(200),
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap()
+            .expect("a queued job");
+        let claimed = queue.start(&lease).await.unwrap();
+        (lease, claimed)
+    };
+    queue.submit(submit("queued")).await.unwrap();
+    let v = cli.json(&["refund", "--user", "carol", "--request-id", "queued"], 0);
+    assert_eq!(
+        (&v["refunded"], &v["cancelled"], &v["cost"], &v["used"]),
+        (
+            &serde_json::json!(true),
+            &serde_json::json!(true),
+            &serde_json::json!(20),
+            &serde_json::json!(0)
+        ),
+        "{v}"
+    );
+    let (_, claimed) = take().await;
+    assert!(!claimed, "a cancelled job never runs");
+
+    queue.submit(submit("running")).await.unwrap();
+    let (_, claimed) = take().await;
+    assert!(claimed);
+    let out = cli.run(&["refund", "--user", "carol", "--request-id", "running"]);
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
+    let err = one_line_error(&out);
+    assert!(err.contains("owns its charge"), "{err}");
+    let v = cli.json(&["usage", "--user", "carol"], 0);
+    assert_eq!(v["used"].as_u64(), Some(20), "nothing refunded: {v}");
+}

@@ -14,14 +14,14 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{
-        FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, Lease,
+        Charge, FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, Lease,
         Maintenance, SubmitOutcome,
     },
     job_memory::MemoryJobQueue,
     ledger::Ledger,
     memory::MemoryLedger,
 };
-use tollgate_providers::{Client, ProviderError};
+use tollgate_providers::{CallError, Client};
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
@@ -191,6 +191,15 @@ async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::job::L
     lease
 }
 
+/// A lease whose run never starts (no claim, no call).
+async fn take_unstarted(s: &Setup, operation: &str, worker: &str) -> tollgate_core::job::Lease {
+    s.source
+        .take(operation, worker, Duration::from_secs(2), LEASE)
+        .await
+        .unwrap()
+        .expect("a job within 2s")
+}
+
 async fn submit_ok(s: &Setup, id: &str, who: &str) -> tollgate_core::job::Job {
     match s.queue.submit(request(id, who, "work")).await.unwrap() {
         SubmitOutcome::Queued { job, allowed } => {
@@ -275,7 +284,7 @@ async fn job_denied_submission_leaves_nothing(s: &Setup) {
     // The id is free again once the budget allows.
     let lease = take(s, "work", "w").await;
     s.source
-        .fail(&lease, FailureCause::Provider, "boom")
+        .fail(&lease, FailureCause::Provider, Charge::RELEASE, "boom")
         .await
         .unwrap();
     submit_ok(s, "d10", "carol").await;
@@ -345,7 +354,7 @@ async fn job_complete_wakes_the_waiter_and_keeps_the_charge(s: &Setup) {
     );
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::Provider, "late")
+            .fail(&lease, FailureCause::Provider, Charge::RELEASE, "late")
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -366,7 +375,12 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
     let lease = take(s, "work", "w1").await;
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::ThrottleTimeout, "no slot")
+            .fail(
+                &lease,
+                FailureCause::ThrottleTimeout,
+                Charge::RELEASE,
+                "no slot"
+            )
             .await
             .unwrap(),
         Finish::Recorded
@@ -383,7 +397,7 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
     }
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::Provider, "again")
+            .fail(&lease, FailureCause::Provider, Charge::RELEASE, "again")
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -417,7 +431,7 @@ async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     );
     assert_eq!(
         s.source
-            .fail(&old, FailureCause::Provider, "late")
+            .fail(&old, FailureCause::Provider, Charge::RELEASE, "late")
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -437,10 +451,13 @@ async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     );
 }
 
+/// A job taken without ever starting its call (its workers died before the
+/// claim), past its attempts: abandoned, and released (nothing reached the
+/// upstream).
 async fn job_past_max_attempts_is_abandoned_and_refunded(s: &Setup) {
     submit_ok(s, "a1", "gina").await;
     for attempt in 1..=2 {
-        let lease = take(s, "work", "w1").await;
+        let lease = take_unstarted(s, "work", "w1").await;
         assert_eq!(lease.job.attempt, attempt);
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
         s.source
@@ -472,8 +489,8 @@ async fn job_take_gives_up_what_it_must_and_returns_the_next(s: &Setup) {
     submit_ok(s, "g1", "ivy").await;
     submit_ok(s, "g2", "ivy").await;
     for _ in 1..=2 {
-        take(s, "work", "w1").await;
-        take(s, "work", "w1").await;
+        take_unstarted(s, "work", "w1").await;
+        take_unstarted(s, "work", "w1").await;
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
         s.source
             .maintain("w2", Duration::from_secs(5))
@@ -495,6 +512,38 @@ async fn job_take_gives_up_what_it_must_and_returns_the_next(s: &Setup) {
         }
     }
     assert_eq!(s.used("ivy").await, 10, "only g3 is charged");
+}
+
+/// The same, but each run started its call before its worker died: the
+/// upstream may have done the work, so the job is given up `unanswered` with
+/// its charge kept, never released (before: abandoned and refunded).
+async fn job_whose_started_runs_were_lost_is_given_up_charged(s: &Setup) {
+    submit_ok(s, "s1", "gina").await;
+    for attempt in 1..=2 {
+        let lease = take(s, "work", "w1").await;
+        assert_eq!(lease.job.attempt, attempt);
+        assert_eq!(lease.ran_before, attempt > 1, "attempt {attempt}");
+        tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
+        s.source
+            .maintain("w2", Duration::from_secs(5))
+            .await
+            .unwrap();
+    }
+    let third = s
+        .source
+        .take("work", "w1", Duration::from_millis(300), LEASE)
+        .await
+        .unwrap();
+    assert!(third.is_none(), "{third:?}");
+    let info = s.queue.status(&user("gina"), &rid("s1")).await.unwrap();
+    match info.unwrap().status {
+        JobStatus::Failed { cause, message } => {
+            assert_eq!(cause, FailureCause::Unanswered);
+            assert_eq!(message, tollgate_core::job::LOST_MID_RUN);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(s.used("gina").await, 10);
 }
 
 async fn job_hand_back_requeues_without_counting_the_attempt(s: &Setup) {
@@ -573,6 +622,7 @@ conformance!(
     job_failure_refunds_exactly_once,
     job_expired_lease_goes_back_and_the_old_token_is_refused,
     job_past_max_attempts_is_abandoned_and_refunded,
+    job_whose_started_runs_were_lost_is_given_up_charged,
     job_take_gives_up_what_it_must_and_returns_the_next,
     job_hand_back_requeues_without_counting_the_attempt,
     job_stats_count_queued_and_running_jobs,
@@ -663,10 +713,11 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         nonce: charge.nonce.into(),
         trace: None,
     };
-    assert!(
-        !tollgate_core::job::claim(&*ledger, &job, Duration::from_millis(200))
+    assert_eq!(
+        tollgate_core::job::claim(&*ledger, &job, Duration::from_millis(200))
             .await
-            .unwrap()
+            .unwrap(),
+        tollgate_core::ledger::ClaimOutcome::Refused
     );
     assert_eq!(ledger.usage(&ivan).await.unwrap().used, 0);
     // crash2's job, past its deadline, is failed by the lease script, unrun.
@@ -1022,9 +1073,10 @@ impl JobSource for Cuttable {
         &self,
         lease: &Lease,
         cause: FailureCause,
+        charge: Charge,
         message: &str,
     ) -> Result<Finish, JobError> {
-        self.reach()?.fail(lease, cause, message).await
+        self.reach()?.fail(lease, cause, charge, message).await
     }
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
         self.reach()?.hand_back(lease).await
@@ -1048,7 +1100,7 @@ struct Gated {
 
 #[async_trait::async_trait]
 impl Client for Gated {
-    async fn call(&self, _job: &tollgate_core::job::Job) -> Result<Value, ProviderError> {
+    async fn call(&self, _job: &tollgate_core::job::Job) -> Result<Value, CallError> {
         self.entered.notify_one();
         self.open.notified().await;
         self.calls.fetch_add(1, Ordering::SeqCst);

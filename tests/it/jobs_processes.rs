@@ -291,8 +291,9 @@ async fn job_processes_fail_rate_one_refunds_everything() {
 }
 
 /// kill -9 one of three workers mid-run: every job still ends exactly once,
-/// and the usage equals the cost of the completed jobs (no refund missing, none
-/// twice).
+/// and the usage equals the cost of the completed jobs plus the failed ones a
+/// killed run had started (their call may have reached the upstream: the
+/// charge stands, failed `unanswered`): no refund missing, none twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn job_processes_kill_9_worker_every_job_ends_once() {
     let mut env = start(
@@ -323,7 +324,14 @@ async fn job_processes_kill_9_worker_every_job_ends_once() {
     let (ok, failed) = wait_all(&q, &ids, Duration::from_secs(60)).await;
     assert_eq!(ok.len() + failed.len(), 200);
     assert!(!failed.is_empty() && !ok.is_empty(), "both outcomes occur");
-    let expected = ok.len() as u64 * COST;
+    let kept = failed.iter().filter(|(_, c)| c.charged()).count();
+    assert!(
+        failed
+            .iter()
+            .all(|(_, c)| matches!(c, FailureCause::Provider | FailureCause::Unanswered)),
+        "{failed:?}"
+    );
+    let expected = (ok.len() + kept) as u64 * COST;
     assert_eq!(settled_usage(&ledger, expected).await, expected);
     // The killed worker held jobs: they ran again once its leases ended.
     let mut rerun = 0;

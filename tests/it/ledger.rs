@@ -738,16 +738,22 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     );
     // Another attempt's nonce, a plain reserve, a cost of 0: nothing settles.
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n2", 7).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n2", 7, true)
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 4 }
     );
     allowed(l.reserve(&u, &rid("plain"), 1).await.unwrap());
     assert_eq!(
-        l.settle_charge(&u, &rid("plain"), "n1", 3).await.unwrap(),
+        l.settle_charge(&u, &rid("plain"), "n1", 3, true)
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 5 }
     );
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 0).await.unwrap_err(),
+        l.settle_charge(&u, &rid("job"), "n1", 0, true)
+            .await
+            .unwrap_err(),
         LedgerError::ZeroCost
     );
     let settled = SettleOutcome::Settled {
@@ -756,12 +762,16 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         used: 8,
     };
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 7).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n1", 7, true)
+            .await
+            .unwrap(),
         settled
     );
     // A retried settle sets the same cost: nothing more is charged.
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 7).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n1", 7, true)
+            .await
+            .unwrap(),
         SettleOutcome::Settled {
             previous_cost: 7,
             cost: 7,
@@ -793,7 +803,9 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     // Settling past the limit is recorded: used shows more than the limit, and
     // the next reserve waits until enough leaves the window.
     assert!(matches!(
-        l.settle_charge(&u, &rid("job"), "n1", 12).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n1", 12, true)
+            .await
+            .unwrap(),
         SettleOutcome::Settled { used: 13, .. }
     ));
     let usage = l.usage(&u).await.unwrap();
@@ -810,8 +822,163 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         RefundOutcome::Refunded { cost: 12, used: 1 }
     );
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 5).await.unwrap(),
+        l.settle_charge(&u, &rid("job"), "n1", 5, true)
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 1 }
+    );
+}
+
+/// A charge of the most settles only down: 100 concurrent jobs charged 40
+/// under a limit of 1,000 never take it past the limit, whatever they report
+/// and however often a job settles again (a worker died after a settle).
+async fn settling_down_never_passes_a_limit(b: &impl Backend) {
+    use tollgate_core::ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome};
+    let (l, u) = (b.ledger(), user("down"));
+    l.set_plan(&u, "thousand").await.unwrap();
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..100 {
+        let (l, u) = (Arc::clone(&l), u.clone());
+        calls.spawn(async move {
+            let (id, nonce) = (rid(&format!("job-{i}")), format!("n{i}"));
+            let charge = ChargeRequest {
+                cost: 40,
+                nonce: &nonce,
+                operation: "llm.structured",
+                fingerprint: "f",
+                deadline: Duration::from_secs(60),
+                grace: Duration::from_secs(1),
+            };
+            let c = l.charge(&u, &id, &charge).await.unwrap();
+            if !matches!(c, ChargeOutcome::Charged { .. }) {
+                return 0;
+            }
+            let hold = 1u64 << 50;
+            assert_eq!(
+                l.claim(&u, &id, &nonce, hold).await.unwrap(),
+                ClaimOutcome::Claimed
+            );
+            // Down to 8, then a second settle reporting 40 leaves it at 8.
+            l.settle_charge(&u, &id, &nonce, 8, false).await.unwrap();
+            let again = l.settle_charge(&u, &id, &nonce, 40, false).await.unwrap();
+            assert!(
+                matches!(again, SettleOutcome::Settled { cost: 8, .. }),
+                "{again:?}"
+            );
+            1
+        });
+    }
+    let mut charged = 0;
+    while let Some(n) = calls.join_next().await {
+        charged += n.unwrap();
+        let usage = l.usage(&u).await.unwrap();
+        assert!(usage.used <= usage.limit, "{usage:?}");
+    }
+    assert!(charged >= 25, "{charged}");
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.used, 8 * charged);
+    assert!(usage.events.iter().all(|e| e.estimate == Some(40)));
+}
+
+/// An operator's refund of a job's charge: held → released and the job
+/// cancelled (its claim answers so, until the hold's end); claimed → a
+/// conflict, nothing changed, unless the caller names the final job's nonce.
+async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
+    use tollgate_core::ledger::{ChargeRequest, ClaimOutcome};
+    let (l, u) = (b.ledger(), user("operator"));
+    let hold = 1u64 << 50;
+    let charge = |nonce: &'static str| ChargeRequest {
+        cost: 4,
+        nonce,
+        operation: "llm.structured",
+        fingerprint: "f1",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(1),
+    };
+    l.charge(&u, &rid("held"), &charge("n1")).await.unwrap();
+    assert_eq!(
+        l.refund(&u, &rid("held")).await.unwrap(),
+        RefundOutcome::Cancelled { cost: 4, used: 0 }
+    );
+    assert_eq!(
+        l.claim(&u, &rid("held"), "n1", hold).await.unwrap(),
+        ClaimOutcome::Cancelled
+    );
+    assert_eq!(
+        l.refund(&u, &rid("held")).await.unwrap(),
+        RefundOutcome::NotFound { used: 0 }
+    );
+    // The same request charged anew (a retry) is another job: it may run.
+    l.charge(&u, &rid("held"), &charge("n2")).await.unwrap();
+    assert_eq!(
+        l.claim(&u, &rid("held"), "n2", hold).await.unwrap(),
+        ClaimOutcome::Claimed
+    );
+    // Claimed: a conflict, unless the job is final (its nonce named).
+    assert_eq!(
+        l.refund(&u, &rid("held")).await.unwrap(),
+        RefundOutcome::Running { used: 4 }
+    );
+    assert_eq!(
+        l.refund_charge(&u, &rid("held"), Some("n1")).await.unwrap(),
+        RefundOutcome::Running { used: 4 },
+        "another attempt's nonce is not this job's"
+    );
+    assert_eq!(
+        l.refund_charge(&u, &rid("held"), Some("n2")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 4, used: 0 }
+    );
+    // A plain reserve is refunded as ever.
+    allowed(l.reserve(&u, &rid("plain"), 2).await.unwrap());
+    assert_eq!(
+        l.refund(&u, &rid("plain")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 2, used: 0 }
+    );
+    // A short hold: once it ended, the cancelled job's claim is refused.
+    let short = ChargeRequest {
+        deadline: Duration::from_millis(100),
+        grace: Duration::from_millis(100),
+        ..charge("n3")
+    };
+    let c = l.charge(&u, &rid("brief"), &short).await.unwrap();
+    let tollgate_core::ledger::ChargeOutcome::Charged { deadline_ms, .. } = c else {
+        panic!("{c:?}")
+    };
+    l.refund(&u, &rid("brief")).await.unwrap();
+    b.pass(Duration::from_millis(300)).await;
+    assert_eq!(
+        l.claim(&u, &rid("brief"), "n3", deadline_ms + 100)
+            .await
+            .unwrap(),
+        ClaimOutcome::Refused
+    );
+}
+
+/// The log keeps every event for the longest window of any plan: a short
+/// plan and back again erases nothing, and the short plan counts only its
+/// own window meanwhile.
+async fn a_plan_round_trip_erases_nothing(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("round-trip"));
+    l.set_plan(&u, "thousand").await.unwrap();
+    allowed(l.reserve(&u, &rid("a"), 30).await.unwrap());
+    l.set_plan(&u, "small").await.unwrap();
+    assert_eq!(
+        l.usage(&u).await.unwrap().used,
+        30,
+        "denied until it drains"
+    );
+    b.pass(WINDOW + Duration::from_millis(100)).await;
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!((usage.used, usage.events.len()), (0, 0), "{usage:?}");
+    allowed(l.reserve(&u, &rid("b"), 10).await.unwrap());
+    l.set_plan(&u, "multi").await.unwrap();
+    l.set_plan(&u, "thousand").await.unwrap();
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.used, 40, "{usage:?}");
+    assert_eq!(usage.events.len(), 2);
+    assert_eq!(
+        l.refund(&u, &rid("a")).await.unwrap(),
+        RefundOutcome::Refunded { cost: 30, used: 10 }
     );
 }
 
@@ -860,7 +1027,7 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
             grace: Duration::from_secs(1),
         };
         l.charge(u, &rid("job"), &charge).await.unwrap();
-        l.settle_charge(u, &rid("job"), "n1", 3 + n as u64)
+        l.settle_charge(u, &rid("job"), "n1", 3 + n as u64, true)
             .await
             .unwrap();
         // A charge no job claims: released when its hold ends (a refund).
@@ -966,4 +1133,7 @@ conformance!(
     released_holds_leave_every_window,
     a_job_settles_its_charge_by_its_nonce,
     the_export_rebuilds_every_users_usage,
+    settling_down_never_passes_a_limit,
+    an_operator_refund_cancels_a_held_charge,
+    a_plan_round_trip_erases_nothing,
 );

@@ -1,14 +1,16 @@
 //! What only the Redis backend has: key layout and expiry, prefixes, script
 //! reloading, self-repair of the running total, failing closed.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redis::AsyncCommands;
+use tollgate_core::config::Config;
 use tollgate_core::ledger::{Ledger, LedgerError, ReserveOutcome};
-use tollgate_redis::keys::KeySpace;
+use tollgate_redis::{keys::KeySpace, ledger::RedisLedger};
 use tollgate_tests::{random_prefix, RedisServer};
 
-use crate::ledger::{redis_ledger, rid, user, WINDOW};
+use crate::ledger::{config, redis_ledger, rid, user, CONFIG, WINDOW};
 
 async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
     redis::Client::open(server.url())
@@ -21,8 +23,24 @@ async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
 #[tokio::test]
 async fn keys_share_a_hash_tag_and_expire_when_idle() {
     let server = RedisServer::start();
+    // Keys live as long as the retention: the longest window of any plan.
     let prefix = random_prefix();
     let ledger = redis_ledger(&server.url(), &prefix).await;
+    ledger.reserve(&user("long"), &rid("r1"), 3).await.unwrap();
+    let keys = KeySpace::new(&prefix).unwrap().budget(&user("long"));
+    let ttl: i64 = raw(&server).await.pttl(&keys.log).await.unwrap();
+    let retention = config().retention_ms() as i64;
+    assert!(ttl > retention - 60_000 && ttl <= retention, "{ttl}");
+    // With short plans only, the keys go within a short retention.
+    let text = CONFIG.replace("[plans.thousand]\nlimit = 1000\nwindow = \"12h\"\n", "");
+    let text = text.split("[plans.multi]").next().unwrap().to_owned();
+    let short = Arc::new(Config::parse(&text, "short").unwrap());
+    assert_eq!(short.retention_ms(), WINDOW.as_millis() as u64);
+    let prefix = random_prefix();
+    let pool = tollgate_redis::pool::connect(&server.url(), &Default::default())
+        .await
+        .unwrap();
+    let ledger = RedisLedger::new(pool, KeySpace::new(&prefix).unwrap(), short);
     let u = user("idle");
     ledger.reserve(&u, &rid("r1"), 3).await.unwrap();
     ledger.set_plan(&u, "small").await.unwrap();

@@ -192,11 +192,11 @@ async fn a_slow_link_changes_no_outcome() {
     proxy.set_latency(Duration::from_millis(150));
     let worker = h.worker(0.0);
     let r = h
-        .post("/v1/ops/llm.structured", &key, json!({"prompt": "slow"}))
+        .post("/v1/ops/jobs.extract", &key, json!({"prompt": "slow"}))
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["status"], "succeeded");
-    assert_eq!(h.usage(&key).await["used"], 8);
+    assert_eq!(h.usage(&key).await["used"], 5);
     worker.stop().await;
 
     let client = redis::Client::open(proxy.url()).unwrap();

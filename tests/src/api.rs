@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use tollgate_api::state::ApiState;
 use tollgate_core::{
     id::RequestId,
-    job::{FailureCause, JobSource},
+    job::{Charge, FailureCause, JobSource},
 };
 
 /// An api served on `127.0.0.1:0`, stopped when dropped.
@@ -131,7 +131,7 @@ impl StandInWorker {
                                 > (n as f64 * fail_rate).floor();
                         if fail {
                             if source
-                                .fail(&lease, cause, "mock provider: HTTP 500")
+                                .fail(&lease, cause, Charge::of(cause), "mock provider: HTTP 500")
                                 .await
                                 .is_ok()
                             {

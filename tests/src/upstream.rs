@@ -2,6 +2,10 @@
 //! notes the arrival time, path and job of every call and answers 429 when its
 //! own token bucket (per path) would be overdrawn, so that a test can hold the
 //! throttle to what the upstream actually saw rather than to what it granted.
+//!
+//! A call can ask for a misbehaving answer in its own input (see [`Behaviour`]):
+//! a slow answer, a body that is not JSON, a refusal, a failure, a reply cut
+//! halfway; every one is recorded as an arrival all the same.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -34,7 +38,8 @@ pub struct Arrival {
     pub at_us: u64,
     /// The `Idempotency-Key` header: the job id the worker sends.
     pub job: Option<String>,
-    /// The answer: 200, or 429 when the limit would have been passed.
+    /// The answer: 200, or 429 when the limit would have been passed, or
+    /// the status the call's [`Behaviour`] asked for (0: the reply was cut).
     pub status: u16,
     /// The W3C `traceparent` header the worker sent.
     pub traceparent: Option<String>,
@@ -102,6 +107,85 @@ impl Drop for Upstream {
     }
 }
 
+/// How the upstream answers a call whose input holds `"upstream": {"answer":
+/// ..., "after_ms": n}`: after `latency` plus `after_ms`, with `answer`:
+/// `"ok"` (the default: 200 and a JSON echo), `"text"` (200, plain text),
+/// `"empty"` (200, no body), `"204"`, `"1e400"` (200, a JSON number no
+/// parser holds), `"400"`, `"429"`, `"500"`, `"503"`, or `"cut"` (200 whose
+/// body stops halfway: the connection is dropped mid-reply).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Behaviour {
+    pub answer: String,
+    pub after: Duration,
+}
+
+impl Behaviour {
+    fn of(input: &Value) -> Self {
+        let b = &input["upstream"];
+        Self {
+            answer: b["answer"].as_str().unwrap_or("ok").to_owned(),
+            after: Duration::from_millis(b["after_ms"].as_u64().unwrap_or(0)),
+        }
+    }
+
+    /// The status the answer carries (0: none, the reply is cut).
+    fn status(&self) -> u16 {
+        match self.answer.as_str() {
+            "204" => 204,
+            "400" => 400,
+            "429" => 429,
+            "500" => 500,
+            "503" => 503,
+            "cut" => 0,
+            _ => 200,
+        }
+    }
+
+    fn respond(&self, input: Value) -> Response {
+        let json = [("content-type", "application/json")];
+        match self.answer.as_str() {
+            "text" => (StatusCode::OK, "plain words, not JSON").into_response(),
+            "empty" => (StatusCode::OK, json, "").into_response(),
+            "204" => StatusCode::NO_CONTENT.into_response(),
+            "1e400" => (StatusCode::OK, json, "1e400").into_response(),
+            "400" => (StatusCode::BAD_REQUEST, Json(json!({"error": "bad input"}))).into_response(),
+            "429" => (
+                StatusCode::TOO_MANY_REQUESTS,
+                [("retry-after", "0")],
+                Json(json!({"error": "slow down"})),
+            )
+                .into_response(),
+            "500" => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Json(json!({"error": "boom"})),
+            )
+                .into_response(),
+            "503" => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [("retry-after", "0")],
+                Json(json!({"error": "overloaded"})),
+            )
+                .into_response(),
+            "cut" => {
+                // A promised length, half of it sent, then an error: the
+                // connection is dropped in the middle of the reply.
+                let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+                    Ok(Bytes::from_static(b"{\"ok\": tr")),
+                    Err(std::io::Error::other("cut mid-reply")),
+                ];
+                let mut r = axum::body::Body::from_stream(futures_util::stream::iter(chunks))
+                    .into_response();
+                r.headers_mut().insert(
+                    axum::http::header::CONTENT_LENGTH,
+                    axum::http::HeaderValue::from_static("200"),
+                );
+                r
+            }
+            _ => Json(json!({"ok": true, "echo": input})).into_response(),
+        }
+    }
+}
+
 async fn call(
     State(shared): State<Arc<Shared>>,
     Path(path): Path<String>,
@@ -115,6 +199,8 @@ async fn call(
             .map(str::to_owned)
     };
     let (job, traceparent) = (header("idempotency-key"), header("traceparent"));
+    let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let behaviour = Behaviour::of(&input);
     let allowed = {
         let Ok(mut inner) = shared.inner.lock() else {
             return StatusCode::INTERNAL_SERVER_ERROR.into_response();
@@ -142,7 +228,7 @@ async fn call(
             path,
             at_us: now_us(),
             job,
-            status: if allowed { 200 } else { 429 },
+            status: if allowed { behaviour.status() } else { 429 },
             traceparent,
         });
         allowed
@@ -155,7 +241,6 @@ async fn call(
         )
             .into_response();
     }
-    tokio::time::sleep(shared.latency).await;
-    let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    Json(json!({"ok": true, "echo": input})).into_response()
+    tokio::time::sleep(shared.latency + behaviour.after).await;
+    behaviour.respond(input)
 }

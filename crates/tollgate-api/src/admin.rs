@@ -1,7 +1,8 @@
-//! `/admin/*`: create users (and issue their key), change plans, revoke keys.
+//! `/admin/*`: create users (and issue their key), change plans, revoke keys,
+//! refund a spend event.
 //! Every handler extracts [`Admin`], so none runs without the admin token.
 
-use axum::extract::State;
+use axum::extract::{RawPathParams, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -9,9 +10,9 @@ use tollgate_core::clock::{Clock, SystemClock};
 use tollgate_core::keystore::generate_key_id;
 use tollgate_core::{
     config::Config,
-    id::UserId,
+    id::{RequestId, UserId},
     keystore::{ApiKey, KeyRecord, KeyStore},
-    ledger::Ledger,
+    ledger::{Ledger, RefundOutcome},
 };
 
 use crate::auth::Admin;
@@ -160,6 +161,68 @@ pub async fn revoke(
         key_id: record.key_id,
         user: record.user.to_string(),
         revoked: record.revoked,
+    })
+    .into_response())
+}
+
+/// The answer to an operator's refund.
+#[derive(Debug, Serialize)]
+pub struct RefundView {
+    pub user: String,
+    pub request_id: String,
+    /// `refunded` (a plain reserve, or a final job's charge), `cancelled` (a
+    /// held charge released and its job cancelled: it never runs) or
+    /// `not_found` (nothing live under this id: a second refund is a no-op).
+    #[serde(flatten)]
+    pub outcome: RefundOutcome,
+}
+
+/// `POST /admin/users/{user}/refunds/{request_id}`: what `tollgate budget
+/// refund` does ([`tollgate_core::refund::operator_refund`]). A charge its
+/// running job owns is a 409 problem: nothing changed.
+pub async fn refund(
+    _: Admin,
+    State(state): State<ApiState>,
+    params: Result<RawPathParams, axum::extract::rejection::RawPathParamsRejection>,
+) -> Result<Response, ApiError> {
+    // A parameter that is not UTF-8 is a problem, like every other error.
+    let params = params.map_err(|e| ApiError::Malformed {
+        detail: format!("bad path parameter: {e}"),
+        field: None,
+    })?;
+    let param = |name: &str| {
+        params
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.to_owned())
+            .ok_or_else(|| ApiError::Internal(format!("route has no {{{name}}}")))
+    };
+    let user = UserId::new(param("user")?).map_err(|e| ApiError::InvalidField {
+        field: "user".into(),
+        detail: format!("user: {e}"),
+    })?;
+    let request = RequestId::new(param("request_id")?).map_err(|e| ApiError::InvalidField {
+        field: "request_id".into(),
+        detail: format!("request_id: {e}"),
+    })?;
+    let outcome = tollgate_core::refund::operator_refund(
+        state.ledger.as_ref(),
+        state.jobs.as_ref(),
+        &user,
+        &request,
+    )
+    .await?;
+    if let RefundOutcome::Running { .. } = outcome {
+        return Err(ApiError::ChargeOwnedByJob(format!(
+            "job {:?} owns its charge and may be calling the provider: refund it once the job is final",
+            echo(request.as_str())
+        )));
+    }
+    tracing::info!(user = %user, request_id = %request, ?outcome, "operator refund");
+    Ok(axum::Json(RefundView {
+        user: user.to_string(),
+        request_id: request.to_string(),
+        outcome,
     })
     .into_response())
 }

@@ -416,7 +416,9 @@ async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, S
                 ApiError::Internal("Cost::per_operation on a route without {operation}".into())
             })?;
             match budget.config.operation(&name) {
-                Some(op) => Ok((op.cost, name)),
+                // A job's charge up front: the most, for an operation that
+                // settles down from it.
+                Some(op) => Ok((op.charged_cost(), name)),
                 None => Err(ApiError::UnknownOperation(format!(
                     "unknown operation {:?} (operations: {})",
                     crate::problem::echo(&name),
@@ -515,7 +517,13 @@ where
                 }
                 headers = ratelimit::allowed(&allowed.refunded(cost));
             }
-            Ok(RefundOutcome::NotFound { .. }) => {}
+            // A job's charge under this id is never this request's (its
+            // reserve answered a duplicate, which never gets this far).
+            Ok(
+                RefundOutcome::NotFound { .. }
+                | RefundOutcome::Cancelled { .. }
+                | RefundOutcome::Running { .. },
+            ) => {}
             Err(e) => tracing::error!(
                 user = %user, request_id = %request_id, error = %e,
                 "refund of a failed plain request failed; the charge stays"

@@ -1,6 +1,7 @@
 //! Operations endpoints, for every role: `/healthz` (the process answers),
-//! `/readyz` (the store answers a PING and every loop of the process beats:
-//! see [`Loops`](tollgate_core::metrics::Loops)), `/metrics` (the process's one
+//! `/readyz` (the store answers a PING, every loop of the process beats:
+//! see [`Loops`](tollgate_core::metrics::Loops), and the store keeps the
+//! durability asked for: its setting is in the answer, `durability`), `/metrics` (the process's one
 //! registry, the shared state read at scrape time). The api serves them on its
 //! own port; a worker or a throttler serves them alone on `--metrics-listen`
 //! ([`serve`]).
@@ -21,6 +22,7 @@ use axum::routing::get;
 use axum::Router;
 use serde_json::json;
 use tollgate_core::backend::Backends;
+use tollgate_core::durability::{DurabilityCheck, DurabilityReport};
 use tollgate_core::error::StoreError;
 use tollgate_core::job::JobQueue;
 use tollgate_core::keystore::KeyStore;
@@ -39,6 +41,7 @@ pub struct Probes {
     pub jobs: Arc<dyn JobQueue>,
     pub throttle: Arc<dyn Throttle>,
     pub metrics: Arc<Metrics>,
+    pub durability: Arc<dyn DurabilityCheck>,
 }
 
 impl Probes {
@@ -48,15 +51,27 @@ impl Probes {
             jobs: Arc::clone(&backends.jobs),
             throttle: Arc::clone(&backends.throttle),
             metrics: Arc::clone(&backends.metrics),
+            durability: Arc::clone(&backends.durability),
         }
     }
 
-    /// Ready: the store answers and no loop of the process is overdue or ended.
-    pub async fn ready(&self) -> Result<(), ApiError> {
-        self.keys.ping().await?;
-        let problems = self.metrics.loops().problems();
+    /// Ready: the store answers, no loop of the process is overdue or ended,
+    /// and the store keeps the durability asked for (read now: a Redis
+    /// restarted or reconfigured since the start is judged again).
+    pub async fn ready(&self) -> Result<DurabilityReport, ApiError> {
+        if let Err(e) = self.keys.ping().await {
+            // Connections refused for their Redis's durability answer no
+            // call: say why, rather than "cannot be reached".
+            return Err(match self.durability.refused() {
+                Some(problem) => ApiError::NotReady(problem),
+                None => e.into(),
+            });
+        }
+        let mut problems = self.metrics.loops().problems();
+        let durability = self.durability.check().await;
+        problems.extend(durability.problem.clone());
         if problems.is_empty() {
-            Ok(())
+            Ok(durability)
         } else {
             Err(ApiError::NotReady(problems.join("; ")))
         }
@@ -81,8 +96,8 @@ pub async fn healthz() -> Response {
 }
 
 async fn ready(probes: &Probes) -> Result<Response, ApiError> {
-    probes.ready().await?;
-    Ok(axum::Json(json!({"status": "ready"})).into_response())
+    let durability = probes.ready().await?;
+    Ok(axum::Json(json!({"status": "ready", "durability": durability})).into_response())
 }
 
 async fn exposition(probes: &Probes) -> Response {
@@ -123,15 +138,14 @@ pub fn router(probes: Probes) -> Router {
 /// until `shutdown` resolves.
 pub async fn serve(
     app: Router,
-    listener: tokio::net::TcpListener,
+    listener: impl Into<crate::edge::Listener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let listener = listener.into();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "probes and metrics listening");
     }
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    crate::edge::serve(app, listener, shutdown).await
 }
 
 /// A role's listener from its start to its exit: until [`Starting::ready`]

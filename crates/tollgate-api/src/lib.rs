@@ -25,6 +25,7 @@ pub mod admin;
 pub mod auth;
 pub mod cost;
 pub mod dashboard;
+pub mod edge;
 pub mod extract;
 pub mod health;
 pub mod keycache;
@@ -78,7 +79,7 @@ fn named_operations(mut routes: Routes, state: &ApiState) -> Routes {
         };
         routes = routes.metered(
             operation_doc(&format!("/v1/ops/{name}"), summary),
-            Cost::job(operation.cost),
+            Cost::job(operation.charged_cost()),
             post(ops::run),
         );
     }
@@ -191,6 +192,16 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             delete(admin::revoke),
         )
         .route(
+            Doc::post(
+                "/admin/users/{user}/refunds/{request_id}",
+                "Refund a spend event: a plain reserve, a final job's charge, or a queued job's (which cancels the job)",
+            )
+            .admin()
+            .ok(200, "What the refund did.", Some(schema("Refund")))
+            .errors(&[P::MalformedRequest, P::InvalidField, P::ChargeOwnedByJob]),
+            post(admin::refund),
+        )
+        .route(
             Doc::get(
                 "/admin/overview",
                 "The operations overview the dashboard polls (providers, queues, roles, top users, newest spend events)",
@@ -210,9 +221,9 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
         .route(
             Doc::get(
                 "/readyz",
-                "The backing store answers and every loop of the process is alive",
+                "The backing store answers and keeps the durability asked for, and every loop of the process is alive",
             )
-            .ok(200, "Ready.", Some(schema("Status")))
+            .ok(200, "Ready, with what an accepted call survives.", Some(schema("Ready")))
             .errors(&[P::BackendUnavailable, P::NotReady]),
             get(health::readyz),
         )
@@ -317,9 +328,11 @@ pub const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Serves the api on `listener` until `shutdown` resolves, then finishes the
 /// requests in flight, and the metered tasks of clients that went away.
+/// `listener` is a [`edge::Listener`] (its bounds on clients), or a bare
+/// `TcpListener` under [`edge::Edge::default`].
 pub async fn run(
     state: ApiState,
-    listener: tokio::net::TcpListener,
+    listener: impl Into<edge::Listener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let served = serve(router(state.clone()), listener, shutdown).await;
@@ -329,19 +342,17 @@ pub async fn run(
 
 /// Serves `app` (the [`router`], or a [`health::Starting`]'s while the role
 /// waits for its store) on `listener`, with each client's address, until
-/// `shutdown` resolves.
+/// `shutdown` resolves; see [`edge`] for the bounds on each client.
 pub async fn serve(
     app: axum::Router,
-    listener: tokio::net::TcpListener,
+    listener: impl Into<edge::Listener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let listener = listener.into();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "api listening");
     }
-    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    edge::serve(app, listener, shutdown).await
 }
 
 /// After serving: waits (bounded) for the metered tasks the requests left.

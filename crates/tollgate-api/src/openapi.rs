@@ -375,7 +375,8 @@ fn schemas(config: &Config) -> Value {
                 "detail": {"type": "string"},
                 "field": {"type": "string", "description": "The offending field (400/422)."},
                 "job_id": {"type": "string"},
-                "cause": {"type": "string", "enum": ["provider", "throttle_timeout", "expired", "abandoned"]},
+                "cause": {"type": "string", "enum": ["provider", "unanswered", "bad_response", "throttle_timeout", "expired", "abandoned"]},
+                "charged": {"type": "boolean", "description": "A failed job: true when its charge stands (the upstream may have done the work: unanswered, bad_response), false when it was released."},
                 "retry_after_ms": {"type": "integer", "description": "429: exactly when this request fits."},
                 "waited_ms": {"type": "integer", "description": "A failed job (502/503/504, e.g. no provider slot within max_wait): from its submission to its end."},
             },
@@ -403,7 +404,7 @@ fn schemas(config: &Config) -> Value {
                     },
                 },
                 "result": {"description": "The provider's result (succeeded)."},
-                "error": {"type": "object", "properties": {"cause": {"type": "string"}, "message": {"type": "string"}}},
+                "error": {"type": "object", "properties": {"cause": {"type": "string"}, "message": {"type": "string"}, "charged": {"type": "boolean", "description": "Whether the failed job's charge stands (the upstream may have done the work) or was released."}}},
                 "cost": {"type": "integer"},
                 "enqueued_at": {"type": "string", "format": "date-time"},
                 "finished_at": {"type": "string", "format": "date-time"},
@@ -464,7 +465,29 @@ fn schemas(config: &Config) -> Value {
         "Plan": {"type": "object", "required": ["user", "plan"], "properties": {"user": {"type": "string"}, "plan": {"type": "string"}}},
         "RevokedKey": {"type": "object", "required": ["key_id", "user", "revoked"],
             "properties": {"key_id": {"type": "string"}, "user": {"type": "string"}, "revoked": {"type": "boolean"}}},
+        "Refund": {"type": "object", "required": ["user", "request_id", "outcome", "used"],
+            "properties": {"user": {"type": "string"}, "request_id": {"type": "string"},
+                "outcome": {"type": "string", "enum": ["refunded", "cancelled", "not_found"],
+                    "description": "refunded: a plain reserve or a final job's charge; cancelled: a queued job's charge released and the job cancelled (it never runs); not_found: nothing live under this id."},
+                "cost": {"type": "integer", "minimum": 0, "description": "The tokens given back."},
+                "used": {"type": "integer", "minimum": 0, "description": "Tokens used in the plan's longest window after it."}}},
         "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
+        "Ready": {"type": "object", "required": ["status", "durability"], "properties": {
+            "status": {"type": "string"},
+            "durability": {
+                "type": "object",
+                "description": "What an accepted call survives a store crash: the --durability mode, the store's AOF setting (`unknown` when it cannot be read, `n/a` in memory) and its loss window.",
+                "required": ["mode", "appendonly", "appendfsync", "loss_window"],
+                "properties": {
+                    "mode": {"type": "string", "enum": ["none", "fsync", "replica"]},
+                    "appendonly": {"type": "string"},
+                    "appendfsync": {"type": "string"},
+                    "replicas": {"type": "integer", "minimum": 0},
+                    "loss_window": {"type": "string"},
+                    "problem": {"type": "string"}
+                }
+            }
+        }},
         "Overview": crate::dashboard::schema(),
     })
 }

@@ -95,6 +95,9 @@ impl ProviderQueueView {
 pub struct JobErrorView {
     pub cause: &'static str,
     pub message: String,
+    /// Whether the job's charge stands (the upstream may have done the work)
+    /// or was released.
+    pub charged: bool,
 }
 
 impl From<&JobInfo> for JobView {
@@ -109,6 +112,7 @@ impl From<&JobInfo> for JobView {
                 Some(JobErrorView {
                     cause: cause.as_str(),
                     message: message.clone(),
+                    charged: cause.charged(),
                 }),
             ),
         };

@@ -74,16 +74,20 @@ pub enum ProblemType {
     IdempotencyKeyReused,
     ResultExpired,
     ProviderFailure,
+    UpstreamUnanswered,
+    BadUpstreamResponse,
     ThrottleTimeout,
     JobExpired,
     JobAbandoned,
     BackendUnavailable,
     NotReady,
     Internal,
+    JobCancelled,
+    ChargeOwnedByJob,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 22] = [
+    pub const ALL: [ProblemType; 26] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -100,12 +104,16 @@ impl ProblemType {
         Self::IdempotencyKeyReused,
         Self::ResultExpired,
         Self::ProviderFailure,
+        Self::UpstreamUnanswered,
+        Self::BadUpstreamResponse,
         Self::ThrottleTimeout,
         Self::JobExpired,
         Self::JobAbandoned,
         Self::BackendUnavailable,
         Self::NotReady,
         Self::Internal,
+        Self::JobCancelled,
+        Self::ChargeOwnedByJob,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -126,12 +134,16 @@ impl ProblemType {
             Self::IdempotencyKeyReused => "idempotency-key-reused",
             Self::ResultExpired => "result-expired",
             Self::ProviderFailure => "provider-failure",
+            Self::UpstreamUnanswered => "upstream-unanswered",
+            Self::BadUpstreamResponse => "bad-upstream-response",
             Self::ThrottleTimeout => "throttle-timeout",
             Self::JobExpired => "job-expired",
             Self::JobAbandoned => "job-abandoned",
             Self::BackendUnavailable => "backend-unavailable",
             Self::NotReady => "not-ready",
             Self::Internal => "internal",
+            Self::JobCancelled => "job-cancelled",
+            Self::ChargeOwnedByJob => "charge-owned-by-job",
         }
     }
 
@@ -155,10 +167,14 @@ impl ProblemType {
             Self::QuotaExceeded | Self::TooManyFailedAuthentications => {
                 StatusCode::TOO_MANY_REQUESTS
             }
-            Self::IdempotencyConflict => StatusCode::CONFLICT,
+            Self::IdempotencyConflict | Self::JobCancelled | Self::ChargeOwnedByJob => {
+                StatusCode::CONFLICT
+            }
             Self::ResultExpired => StatusCode::GONE,
-            Self::ProviderFailure => StatusCode::BAD_GATEWAY,
-            Self::ThrottleTimeout | Self::JobExpired => StatusCode::GATEWAY_TIMEOUT,
+            Self::ProviderFailure | Self::BadUpstreamResponse => StatusCode::BAD_GATEWAY,
+            Self::ThrottleTimeout | Self::JobExpired | Self::UpstreamUnanswered => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
             Self::JobAbandoned | Self::BackendUnavailable | Self::NotReady => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -190,14 +206,28 @@ impl ProblemType {
                 "The request with this Idempotency-Key ran and was charged; its result is no longer kept"
             }
             Self::ProviderFailure => "The upstream provider failed; the budget was refunded",
+            Self::UpstreamUnanswered => {
+                "The upstream did not answer; it may have done the work, so the budget stays charged"
+            }
+            Self::BadUpstreamResponse => {
+                "The upstream answered with a body that is not JSON; the work was done, so the budget stays charged"
+            }
             Self::ThrottleTimeout => {
                 "The provider is saturated: no slot in time; the budget was refunded"
             }
             Self::JobExpired => "The job missed its deadline; the budget was refunded",
             Self::JobAbandoned => "The job was given up; the budget was refunded",
             Self::BackendUnavailable => "The backing store is unavailable; retry shortly",
-            Self::NotReady => "A loop of this process is stuck or stopped (or it is shutting down)",
+            Self::NotReady => {
+                "A loop of this process is stuck or stopped, it is shutting down, or its store does not keep the durability asked for"
+            }
             Self::Internal => "Internal error",
+            Self::JobCancelled => {
+                "An operator refunded the job's charge before it ran: it was cancelled, never sent"
+            }
+            Self::ChargeOwnedByJob => {
+                "The job owns this charge and may be calling the provider: refund it once the job is final"
+            }
         }
     }
 }
@@ -217,9 +247,14 @@ pub struct Problem {
     /// The job concerned (502/503/504 of an operation).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub job_id: Option<String>,
-    /// Why a job failed: `provider`, `throttle_timeout`, `expired`, `abandoned`.
+    /// Why a job failed: `provider`, `unanswered`, `bad_response`,
+    /// `throttle_timeout`, `expired`, `abandoned`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cause: Option<&'static str>,
+    /// A failed job: whether its charge stands (the upstream may have done
+    /// the work) or was released.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub charged: Option<bool>,
     /// 429: milliseconds until the request fits (exact).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
@@ -265,6 +300,9 @@ pub enum ApiError {
     IdempotencyKeyReused { job_id: RequestId },
     #[error("job {0} ran and was charged; its result is no longer kept: use a new Idempotency-Key to run it again")]
     ResultExpired(RequestId),
+    /// An operator's refund of a charge its running job owns: nothing changed.
+    #[error("{0}")]
+    ChargeOwnedByJob(String),
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -305,10 +343,14 @@ impl ApiError {
             Self::ResultExpired(_) => ProblemType::ResultExpired,
             Self::JobFailed { cause, .. } => match cause {
                 FailureCause::Provider => ProblemType::ProviderFailure,
+                FailureCause::Unanswered => ProblemType::UpstreamUnanswered,
+                FailureCause::BadResponse => ProblemType::BadUpstreamResponse,
                 FailureCause::ThrottleTimeout => ProblemType::ThrottleTimeout,
                 FailureCause::Expired => ProblemType::JobExpired,
                 FailureCause::Abandoned => ProblemType::JobAbandoned,
+                FailureCause::Cancelled => ProblemType::JobCancelled,
             },
+            Self::ChargeOwnedByJob(_) => ProblemType::ChargeOwnedByJob,
             Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
             Self::NotReady(_) => ProblemType::NotReady,
             Self::Store(_) | Self::Internal(_) => ProblemType::Internal,
@@ -330,6 +372,7 @@ impl ApiError {
             field: None,
             job_id: None,
             cause: None,
+            charged: None,
             retry_after_ms: None,
             waited_ms: None,
         };
@@ -375,6 +418,7 @@ impl ApiError {
                 });
                 p.job_id = Some(job_id.to_string());
                 p.cause = Some(cause.as_str());
+                p.charged = Some(cause.charged());
                 p.waited_ms = *waited_ms;
             }
             other => p.detail = Some(other.to_string()),

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tollgate_core::{
-    backend::Backends, config::Config, job::JobQueue, keystore::KeyStore, ledger::Ledger,
-    metrics::Metrics, throttle::Throttle,
+    backend::Backends, config::Config, durability::DurabilityCheck, job::JobQueue,
+    keystore::KeyStore, ledger::Ledger, metrics::Metrics, throttle::Throttle,
 };
 
 use crate::cost::{Budget, InFlight};
@@ -72,6 +72,8 @@ pub struct ApiState {
     /// The operations dashboard: its login limiter, the activity log it reads,
     /// its last overview and chart history.
     pub dashboard: Arc<Dashboard>,
+    /// What the store promises an accepted call (`/readyz`).
+    pub durability: Arc<dyn DurabilityCheck>,
 }
 
 impl ApiState {
@@ -84,6 +86,7 @@ impl ApiState {
             keys: Arc::clone(&backends.keys),
             throttle: Arc::clone(&backends.throttle),
             metrics: Arc::clone(&backends.metrics),
+            durability: Arc::clone(&backends.durability),
             dashboard: Arc::new(Dashboard::new(
                 Arc::clone(&backends.activity),
                 settings.trusted_proxy_header.clone(),
@@ -100,6 +103,7 @@ impl ApiState {
             jobs: Arc::clone(&self.jobs),
             throttle: Arc::clone(&self.throttle),
             metrics: Arc::clone(&self.metrics),
+            durability: Arc::clone(&self.durability),
         }
     }
 

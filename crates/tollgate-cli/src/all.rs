@@ -29,6 +29,9 @@ pub struct AllArgs {
     #[command(flatten)]
     store: StoreArgs,
 
+    #[command(flatten)]
+    edge: crate::edge::EdgeArgs,
+
     /// Address the api listens on (port 0: any free port).
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
@@ -103,6 +106,10 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Err(e) => return fail(exit::BAD_INPUT, e),
     };
     let listener = match listen(args.listen, "--listen").await {
+        Ok(l) => l,
+        Err(f) => return f.exit(),
+    };
+    let listener = match args.edge.listener(listener) {
         Ok(l) => l,
         Err(f) => return f.exit(),
     };

@@ -19,6 +19,9 @@ pub struct ApiArgs {
     #[command(flatten)]
     store: StoreArgs,
 
+    #[command(flatten)]
+    edge: crate::edge::EdgeArgs,
+
     /// Address to listen on.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
@@ -61,6 +64,10 @@ pub async fn run(args: ApiArgs) -> ExitCode {
     // Listening before the store answers: a role started while Redis is down
     // is alive (`/healthz`) and says it is not ready yet.
     let listener = match listen(args.listen, "--listen").await {
+        Ok(l) => l,
+        Err(f) => return f.exit(),
+    };
+    let listener = match args.edge.listener(listener) {
         Ok(l) => l,
         Err(f) => return f.exit(),
     };

@@ -1,7 +1,8 @@
 //! `tollgate budget ...`: operator commands on user budgets, against Redis.
 //!
-//! Exit codes: 0 done, 3 denied by the budget, 2 bad input, 1 anything else
-//! (Redis unreachable). Errors are one line on stderr; `--json` puts the result on
+//! Exit codes: 0 done, 3 denied by the budget, 4 a conflict (the refund of a
+//! charge its running job owns), 2 bad input, 1 anything else (Redis
+//! unreachable). Errors are one line on stderr; `--json` puts the result on
 //! stdout as one JSON object.
 
 use std::process::ExitCode;
@@ -47,7 +48,9 @@ enum BudgetCommand {
         #[arg(long)]
         request_id: Option<RequestId>,
     },
-    /// Refund a reservation (a second refund is a no-op).
+    /// Refund a reservation (a second refund is a no-op). A queued job's charge
+    /// is released and the job cancelled (it never runs); a running job's is
+    /// refused (exit 4) until the job is final.
     Refund {
         #[arg(long)]
         user: UserId,
@@ -143,11 +146,11 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             .await
             .map(|()| 0);
     }
-    let ledger = args
+    let backends = args
         .store
         .shared("budget commands", Arc::clone(&config), 4, Wait::No)
-        .await?
-        .ledger;
+        .await?;
+    let ledger = Arc::clone(&backends.ledger);
     let out = Output { json: args.json };
 
     match args.command {
@@ -209,17 +212,29 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             Ok(0)
         }
         BudgetCommand::Refund { user, request_id } => {
-            let outcome = ledger.refund(&user, &request_id).await?;
-            let (refunded, cost, used) = match outcome {
-                RefundOutcome::Refunded { cost, used } => (true, cost, used),
-                RefundOutcome::NotFound { used } => (false, 0, used),
+            let outcome = tollgate_core::refund::operator_refund(
+                ledger.as_ref(),
+                backends.jobs.as_ref(),
+                &user,
+                &request_id,
+            )
+            .await
+            .map_err(|e| Failure::other(e.to_string()))?;
+            let (refunded, cost, used, text) = match outcome {
+                RefundOutcome::Refunded { cost, used } => (true, cost, used, format!("refunded {cost} tokens to {user} (request {request_id}); used now {used}")),
+                RefundOutcome::Cancelled { cost, used } => (true, cost, used, format!("refunded {cost} tokens to {user} and cancelled job {request_id}: it never runs; used now {used}")),
+                RefundOutcome::NotFound { used } => (false, 0, used, format!("nothing to refund: {user} has no live event {request_id}; used {used}")),
+                RefundOutcome::Running { used } => {
+                    return Err(Failure {
+                        code: exit::CONFLICT,
+                        message: format!("job {request_id} of {user} owns its charge and may be calling the provider: nothing refunded (used {used}); refund it once the job is final"),
+                    });
+                }
             };
+            let cancelled = matches!(outcome, RefundOutcome::Cancelled { .. });
             out.print(
-                json!({"user": user, "request_id": request_id, "refunded": refunded, "cost": cost, "used": used}),
-                || match refunded {
-                    true => format!("refunded {cost} tokens to {user} (request {request_id}); used now {used}"),
-                    false => format!("nothing to refund: {user} has no live event {request_id}; used {used}"),
-                },
+                json!({"user": user, "request_id": request_id, "refunded": refunded, "cancelled": cancelled, "cost": cost, "used": used}),
+                || text,
             );
             Ok(0)
         }

@@ -4,6 +4,7 @@
 mod all;
 mod api;
 mod budget;
+mod edge;
 mod logging;
 mod mock_provider;
 mod probes;

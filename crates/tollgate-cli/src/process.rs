@@ -9,6 +9,9 @@ pub mod exit {
     pub const BAD_INPUT: u8 = 2;
     /// The budget denied the reservation.
     pub const DENIED: u8 = 3;
+    /// A conflict with the current state: the refund of a charge its running
+    /// job owns (nothing changed).
+    pub const CONFLICT: u8 = 4;
     /// Anything else: Redis unreachable, an unexpected reply.
     pub const FAILURE: u8 = 1;
 }

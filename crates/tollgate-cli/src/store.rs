@@ -14,9 +14,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
+use tollgate_core::durability::Durability;
 use tollgate_redis::{
     keys::KeySpace,
     pool::{Pool, PoolOptions, RedisBackendError, Tls},
@@ -70,6 +71,36 @@ pub struct StoreArgs {
         requires = "redis_client_cert"
     )]
     pub redis_client_key: Option<PathBuf>,
+
+    /// What a 200/202 survives: `none` (Redis's own setting, reported with
+    /// its loss window: ~1 s of accepted calls with `appendfsync everysec`),
+    /// `fsync` (a Redis that fsyncs every write, `appendfsync always`; any
+    /// other or unreadable setting refuses the start, or makes the role not
+    /// ready), `replica` (each write accepting a call waits for
+    /// --wait-replicas replicas, else 503).
+    #[arg(long, global = true, env = "TOLLGATE_DURABILITY", value_enum, default_value_t = DurabilityArg::None)]
+    pub durability: DurabilityArg,
+
+    /// Replica mode: replicas (per primary) that must acknowledge each write
+    /// accepting a call. Set it to the replicas each primary has, so that any
+    /// replica a failover promotes holds every accepted call.
+    #[arg(long, global = true, env = "TOLLGATE_WAIT_REPLICAS", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub wait_replicas: u32,
+
+    /// Replica mode: how long a write waits for its replicas before the call
+    /// answers 503 (milliseconds, below the 3 s Redis timeout).
+    #[arg(long, global = true, env = "TOLLGATE_WAIT_TIMEOUT_MS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..2500))]
+    pub wait_timeout_ms: u64,
+}
+
+/// The `--durability` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DurabilityArg {
+    None,
+    Fsync,
+    Replica,
 }
 
 /// How to treat a Redis that does not answer yet.
@@ -150,6 +181,18 @@ impl StoreArgs {
         Ok(Tls { ca_cert, client })
     }
 
+    /// The durability the flags ask for.
+    pub fn durability(&self) -> Durability {
+        match self.durability {
+            DurabilityArg::None => Durability::None,
+            DurabilityArg::Fsync => Durability::Fsync,
+            DurabilityArg::Replica => Durability::Replica {
+                replicas: self.wait_replicas,
+                timeout: Duration::from_millis(self.wait_timeout_ms),
+            },
+        }
+    }
+
     /// Whether the state is this process's own (no URL, or `memory`).
     pub fn is_memory(&self) -> bool {
         self.redis().is_none()
@@ -179,7 +222,14 @@ impl StoreArgs {
         pool_size: usize,
         wait: Wait,
     ) -> Result<Backends, Failure> {
+        let durability = self.durability();
         let Some(url) = self.redis() else {
+            if durability != Durability::None {
+                return Err(Failure::bad_input(format!(
+                    "--durability {} needs Redis: the in-memory store keeps nothing past its process",
+                    durability.name()
+                )));
+            }
             return Ok(Backends::memory(config));
         };
         let keys =
@@ -187,6 +237,7 @@ impl StoreArgs {
         let options = PoolOptions {
             max_size: pool_size.max(1),
             tls: self.tls()?,
+            durability,
             ..Default::default()
         };
         let pool = match wait {
@@ -196,7 +247,8 @@ impl StoreArgs {
                     .await
                     .map_err(|e| match e {
                         RedisBackendError::BadUrl { .. } => Failure::bad_input(e.to_string()),
-                        RedisBackendError::Unreachable { .. } => Failure::other(e.to_string()),
+                        RedisBackendError::Unreachable { .. }
+                        | RedisBackendError::NotDurable { .. } => Failure::other(e.to_string()),
                     })?
             }
         };
@@ -206,7 +258,28 @@ impl StoreArgs {
             self.key_prefix
         );
         tracing::debug!(store = %described, "connected");
-        Ok(tollgate_redis::backends(pool, keys, config, described))
+        let backends = tollgate_redis::backends(pool, keys, config, described);
+        // A role says it at start; an operator command (one line of output
+        // or one of error) only under RUST_LOG=debug.
+        let report = backends.durability.check().await;
+        macro_rules! log_report {
+            ($level:ident) => {
+                tracing::$level!(
+                    durability = report.mode,
+                    appendonly = %report.appendonly,
+                    appendfsync = %report.appendfsync,
+                    replicas = ?report.replicas,
+                    loss_window = %report.loss_window,
+                    problem = ?report.problem,
+                    "what an accepted call survives a Redis crash"
+                )
+            };
+        }
+        match wait {
+            Wait::UntilReachable => log_report!(info),
+            Wait::No => log_report!(debug),
+        }
+        Ok(backends)
     }
 }
 
@@ -221,6 +294,11 @@ async fn wait_for_redis(url: &str, options: &PoolOptions) -> Result<Pool, Failur
             Ok(pool) => return Ok(pool),
             Err(e @ RedisBackendError::BadUrl { .. }) => {
                 return Err(Failure::bad_input(e.to_string()))
+            }
+            // A setting, not an outage: waiting would hide it (a role that
+            // exits is restarted and says why each time).
+            Err(e @ RedisBackendError::NotDurable { .. }) => {
+                return Err(Failure::other(e.to_string()))
             }
             Err(e @ RedisBackendError::Unreachable { .. }) => {
                 tracing::warn!(error = %e, retry_in = ?backoff, "waiting for Redis");

@@ -258,13 +258,14 @@ impl Ledger for RecordingLedger {
         r
     }
 
-    async fn refund(
+    async fn refund_charge(
         &self,
         user: &UserId,
         request: &RequestId,
+        finished: Option<&str>,
     ) -> Result<RefundOutcome, LedgerError> {
-        let r = self.inner.refund(user, request).await;
-        if let Ok(RefundOutcome::Refunded { .. }) = &r {
+        let r = self.inner.refund_charge(user, request, finished).await;
+        if let Ok(RefundOutcome::Refunded { .. } | RefundOutcome::Cancelled { .. }) = &r {
             self.log.note(Note::Refunded {
                 key: spend_key(user, request, None),
             });
@@ -287,9 +288,10 @@ impl Ledger for RecordingLedger {
         request: &RequestId,
         nonce: &str,
         actual_cost: u64,
+        may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError> {
         self.inner
-            .settle_charge(user, request, nonce, actual_cost)
+            .settle_charge(user, request, nonce, actual_cost, may_raise)
             .await
     }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::activity::{ActivityLog, MemoryActivity, RecordingLedger, RecordingThrottle};
 use crate::config::Config;
+use crate::durability::{DurabilityCheck, MemoryDurability};
 use crate::job::{JobQueue, JobSource};
 use crate::job_memory::MemoryJobQueue;
 use crate::keystore::{KeyStore, MemoryKeyStore};
@@ -40,6 +41,8 @@ pub struct Backends {
     /// The recent activity (spend events, refunds, grants) the operations
     /// dashboard reads; `ledger` and `throttle` note into it.
     pub activity: Arc<dyn ActivityLog>,
+    /// What the store's persistence promises now (`/readyz`, the startup log).
+    pub durability: Arc<dyn DurabilityCheck>,
 }
 
 impl Backends {
@@ -70,6 +73,7 @@ impl Backends {
             described: "embedded: in-memory ledger, throttle and job queues".into(),
             metrics,
             activity,
+            durability: Arc::new(MemoryDurability),
         }
     }
 }

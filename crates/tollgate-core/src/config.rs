@@ -57,7 +57,8 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The longest window: how long the plan's log keeps an event.
+    /// The plan's longest window (the log keeps events for
+    /// [`Config::retention_ms`], which is at least this).
     pub fn window_ms(&self) -> u64 {
         self.limits.first().map_or(0, Limit::window_ms)
     }
@@ -159,17 +160,35 @@ pub struct Operation {
     pub max_attempts: u32,
     /// Settle the charge to what the provider reported (`None`: `cost` stays).
     pub settle: Option<Settle>,
+    /// A call sent and not answered (a timeout after the write, a reply cut
+    /// midway) may be sent again within the provider's `retries`: the
+    /// operation is safe to repeat (idempotent upstream). Default false: the
+    /// upstream may have done the work, so the job fails with its charge kept.
+    pub retry_unanswered: bool,
 }
 
 /// How a job's charge is settled to its actual cost: read a number at `from`
 /// (a JSON pointer, RFC 6901) in the provider's answer; the cost is
-/// `ceil(value / per)` tokens, clamped to `1..=max`. `cost` is the estimate
-/// reserved up front.
+/// `ceil(value / per)` tokens, clamped to `1..=max`. `cost` is the estimate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settle {
     pub from: String,
     pub per: u64,
     pub max: u64,
+    /// What the submission reserves up front.
+    pub reserve: SettleReserve,
+}
+
+/// What an operation with `settle` reserves up front (`settle.reserve`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleReserve {
+    /// `max` (the default): authorise the most, settle down to the actual; a
+    /// window never passes its limit.
+    Max,
+    /// `cost` (the estimate), settled up or down: cheaper to admit, but
+    /// concurrent jobs can take a window past its limit by up to
+    /// `concurrency × (max − cost)`.
+    Estimate,
 }
 
 impl Settle {
@@ -190,6 +209,23 @@ impl Settle {
 }
 
 impl Operation {
+    /// The tokens a job of this operation is charged up front: `settle.max`
+    /// when it settles down from the most (`reserve = "max"`), else `cost`.
+    pub fn charged_cost(&self) -> u64 {
+        match &self.settle {
+            Some(s) if s.reserve == SettleReserve::Max => s.max.max(self.cost),
+            _ => self.cost,
+        }
+    }
+
+    /// Whether a settle may raise the charge above what was charged up front
+    /// (`reserve = "estimate"`); with `max` it only ever settles down.
+    pub fn settle_may_raise(&self) -> bool {
+        self.settle
+            .as_ref()
+            .is_some_and(|s| s.reserve == SettleReserve::Estimate)
+    }
+
     pub fn deadline_ms(&self) -> u64 {
         u64::try_from(self.deadline.as_millis()).unwrap_or(u64::MAX)
     }
@@ -268,6 +304,7 @@ struct RawOperation {
     deadline: Option<String>,
     max_attempts: Option<i64>,
     settle: Option<RawSettle>,
+    retry_unanswered: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -276,6 +313,7 @@ struct RawSettle {
     from: String,
     per: Option<i64>,
     max: i64,
+    reserve: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -460,6 +498,12 @@ impl Config {
         self.plans.values()
     }
 
+    /// How long a user's log keeps a spend event: the longest window of any
+    /// plan, so that a plan change never erases spend a plan could count.
+    pub fn retention_ms(&self) -> u64 {
+        self.plans().map(Plan::window_ms).max().unwrap_or(0)
+    }
+
     /// The provider called `name`, if configured.
     pub fn provider(&self, name: &str) -> Option<&Provider> {
         self.providers.get(name)
@@ -638,6 +682,7 @@ fn parse_operations(
                 deadline,
                 max_attempts: max_attempts as u32,
                 settle,
+                retry_unanswered: o.retry_unanswered.unwrap_or(false),
             },
         );
     }
@@ -671,10 +716,21 @@ fn parse_settle(
             format!("must be between 1 and {MAX_TOKENS} tokens, got {}", r.max),
         ));
     }
+    let reserve = match r.reserve.as_deref() {
+        None | Some("max") => SettleReserve::Max,
+        Some("estimate") => SettleReserve::Estimate,
+        Some(other) => {
+            return Err(invalid(
+                format!("{key}.reserve"),
+                format!("must be \"max\" or \"estimate\", got {other:?}"),
+            ))
+        }
+    };
     Ok(Settle {
         from: r.from,
         per: per as u64,
         max: r.max as u64,
+        reserve,
     })
 }
 
@@ -1001,12 +1057,28 @@ provider = "llm"
 "#;
 
     #[test]
+    fn retry_unanswered_is_a_boolean() {
+        let on = OPERATIONS.replace(
+            "provider = \"llm\"\n",
+            "provider = \"llm\"\nretry_unanswered = true\n",
+        );
+        let c = Config::parse(&on, "t.toml").unwrap();
+        assert!(c.operation("llm.structured").unwrap().retry_unanswered);
+        let e = err(&on.replace("retry_unanswered = true", "retry_unanswered = \"yes\""));
+        assert!(e.contains("retry_unanswered") && e.contains("bool"), "{e}");
+    }
+
+    #[test]
     fn reads_operations_and_upstreams() {
         let c = Config::parse(OPERATIONS, "t.toml").unwrap();
         let op = c.operation("llm.structured").unwrap();
         assert_eq!((op.cost, op.provider.as_str()), (8, "llm"));
         assert_eq!(op.deadline, DEFAULT_JOB_DEADLINE);
         assert_eq!(op.max_attempts, DEFAULT_MAX_ATTEMPTS);
+        assert!(
+            !op.retry_unanswered,
+            "an unanswered call is not resent by default"
+        );
         let up = c.upstream("llm").unwrap();
         assert_eq!(up.url, "http://127.0.0.1:9100");
         assert_eq!(up.retries, DEFAULT_RETRIES);
@@ -1098,10 +1170,21 @@ provider = "llm"
             ("max = 40", "max = 0", "settle.max"),
             ("\"/usage/total_tokens\"", "\"usage\"", "settle.from"),
             ("max = 40", "max = 40, maxx = 1", "maxx"),
+            ("max = 40", "max = 40, reserve = \"most\"", "settle.reserve"),
         ] {
             let e = err(&text.replacen(from, to, 1));
             assert!(e.contains(k), "{to}: {e}");
         }
+        // Reserve the most, settle down: the charge up front is `max`.
+        let op = c.operation("llm.structured").unwrap();
+        assert_eq!(
+            (op.cost, op.charged_cost(), op.settle_may_raise()),
+            (8, 40, false)
+        );
+        let estimate = text.replacen("max = 40", "max = 40, reserve = \"estimate\"", 1);
+        let c = Config::parse(&estimate, "t.toml").unwrap();
+        let op = c.operation("llm.structured").unwrap();
+        assert_eq!((op.charged_cost(), op.settle_may_raise()), (8, true));
     }
 
     #[test]

@@ -87,12 +87,21 @@ pub struct JobRequest {
 }
 
 /// Why a job failed. Each cause maps to the HTTP status the api role answers
-/// with (see [`FailureCause::http_status`]).
+/// with (see [`FailureCause::http_status`]), and says whether the user was
+/// charged ([`FailureCause::charged`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureCause {
-    /// The provider answered an error (after retries), or could not be reached.
+    /// The provider refused or failed (after retries), or could not be
+    /// reached: released.
     Provider,
+    /// The request was sent and no whole answer came back (a timeout after
+    /// the write, a reply cut midway, a worker lost mid-call): the upstream
+    /// may have done the work, so the charge stands.
+    Unanswered,
+    /// The upstream answered 2xx with a body that is not a JSON document: the
+    /// work was done, so the charge stands.
+    BadResponse,
     /// No throttle slot within the provider's `max_wait`.
     ThrottleTimeout,
     /// The job was not finished before its deadline.
@@ -100,24 +109,38 @@ pub enum FailureCause {
     /// The job was given up: its submission never completed, or it exhausted
     /// its attempts (workers died while running it).
     Abandoned,
+    /// An operator refunded its charge before it ran (`budget refund`): it
+    /// never reached the provider.
+    Cancelled,
 }
 
 impl FailureCause {
-    /// 502 (provider), 504 (throttle timeout, expired), 503 (abandoned).
+    /// 502 (provider, bad response), 504 (unanswered, throttle timeout,
+    /// expired), 503 (abandoned), 409 (cancelled).
     pub fn http_status(self) -> u16 {
         match self {
-            Self::Provider => 502,
-            Self::ThrottleTimeout | Self::Expired => 504,
+            Self::Provider | Self::BadResponse => 502,
+            Self::Unanswered | Self::ThrottleTimeout | Self::Expired => 504,
             Self::Abandoned => 503,
+            Self::Cancelled => 409,
         }
+    }
+
+    /// Whether a job failed for this cause keeps its charge: only when the
+    /// upstream may have done the work ([`Charge::Keep`]).
+    pub fn charged(self) -> bool {
+        matches!(self, Self::Unanswered | Self::BadResponse)
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Provider => "provider",
+            Self::Unanswered => "unanswered",
+            Self::BadResponse => "bad_response",
             Self::ThrottleTimeout => "throttle_timeout",
             Self::Expired => "expired",
             Self::Abandoned => "abandoned",
+            Self::Cancelled => "cancelled",
         }
     }
 
@@ -125,11 +148,40 @@ impl FailureCause {
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "provider" => Self::Provider,
+            "unanswered" => Self::Unanswered,
+            "bad_response" => Self::BadResponse,
             "throttle_timeout" => Self::ThrottleTimeout,
             "expired" => Self::Expired,
             "abandoned" => Self::Abandoned,
+            "cancelled" => Self::Cancelled,
             _ => return None,
         })
+    }
+}
+
+/// What a failed job does with its charge, as the outcome policy decided
+/// from what the upstream may have done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Charge {
+    /// The upstream may have done the work: the charge stands.
+    Keep,
+    /// Nothing was done, or the provider failed: the charge goes back to the
+    /// user. `absorbed` names why when the upstream may have worked all the
+    /// same (a 5xx): the operator pays for it.
+    Release { absorbed: Option<&'static str> },
+}
+
+impl Charge {
+    /// Released, nothing absorbed.
+    pub const RELEASE: Self = Self::Release { absorbed: None };
+
+    /// The charge of a job failed for `cause` with nothing absorbed.
+    pub fn of(cause: FailureCause) -> Self {
+        if cause.charged() {
+            Self::Keep
+        } else {
+            Self::RELEASE
+        }
     }
 }
 
@@ -270,7 +322,8 @@ pub enum JobStatus {
     Running,
     /// Done; the budget stays charged.
     Succeeded { result: Value },
-    /// Done; the budget was (or is being) refunded.
+    /// Done; the budget was (or is being) refunded, unless the cause says the
+    /// charge stands ([`FailureCause::charged`]).
     Failed {
         cause: FailureCause,
         message: String,
@@ -434,7 +487,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
         let fingerprint = fingerprint(&request.input);
         let fresh = nonce();
         let charge = ChargeRequest {
-            cost: op.cost,
+            cost: op.charged_cost(),
             nonce: &fresh,
             operation: &op.name,
             fingerprint: &fingerprint,
@@ -475,7 +528,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             operation: op.name.clone(),
             provider: op.provider.clone(),
             input: request.input,
-            cost: op.cost,
+            cost: op.charged_cost(),
             enqueued_at_ms: allowed.now_ms,
             deadline_ms,
             attempt: 0,
@@ -530,18 +583,53 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// The cause of a job given up at its take for `cause` (past its deadline,
+/// or past its attempts). When a run of it had `started` (claimed its charge,
+/// about to call the provider) and its worker was lost, the call may have
+/// been sent and the upstream may have done the work: it fails
+/// [`FailureCause::Unanswered`] and keeps its charge. Otherwise it is given
+/// up for `cause`, and released. (Before then such a job runs again under the
+/// same charge: at least once, paid once.)
+pub fn given_up(cause: FailureCause, started: bool) -> FailureCause {
+    if started {
+        FailureCause::Unanswered
+    } else {
+        cause
+    }
+}
+
+/// Why a job given up after a lost run that had started failed (see [`given_up`]).
+pub const LOST_MID_RUN: &str = "a run of the job started and its worker was lost (the upstream may have done the work): the charge stands, and the job is not run again";
+
 /// Why a job whose claim was refused failed.
 pub const UNPAID: &str = "the job's charge is not its own any more (released after its hold, or the id was charged again): not run";
 
+/// Why a job whose charge an operator refunded before it ran failed.
+pub const CANCELLED: &str =
+    "cancelled by an operator: its charge was refunded before it ran; not run";
+
 /// The worker's step between a lease and the provider call: the job claims its
-/// charge ([`Ledger::claim`]), held until its deadline plus `grace`.
-/// `Ok(false)`: refused, the job must not run.
-pub async fn claim(ledger: &dyn Ledger, job: &Job, grace: Duration) -> Result<bool, JobError> {
+/// charge ([`Ledger::claim`]), held until its deadline plus `grace`. Anything
+/// but `Claimed`: the job must not run ([`unrun`] says how it fails).
+pub async fn claim(
+    ledger: &dyn Ledger,
+    job: &Job,
+    grace: Duration,
+) -> Result<ClaimOutcome, JobError> {
     let hold_until = job.deadline_ms.saturating_add(millis(grace));
     Ok(ledger
         .claim(&job.user, &job.id, &job.nonce, hold_until)
-        .await?
-        == ClaimOutcome::Claimed)
+        .await?)
+}
+
+/// How a job whose claim was not granted fails (unpaid: it owns no charge to
+/// release); `None` when it was claimed.
+pub fn unrun(claim: ClaimOutcome) -> Option<(FailureCause, &'static str)> {
+    match claim {
+        ClaimOutcome::Claimed => None,
+        ClaimOutcome::Refused => Some((FailureCause::Abandoned, UNPAID)),
+        ClaimOutcome::Cancelled => Some((FailureCause::Cancelled, CANCELLED)),
+    }
 }
 
 /// What [`settle`] did with a job's charge.
@@ -549,7 +637,8 @@ pub async fn claim(ledger: &dyn Ledger, job: &Job, grace: Duration) -> Result<bo
 pub enum Settled {
     /// The operation has no `settle` rule: the estimate is the cost.
     Fixed,
-    /// The answer has no number where the rule reads one: the estimate stands.
+    /// The answer has no number where the rule reads one: the estimate stands
+    /// (a charge of the most was settled down to it).
     NoUsage,
     /// The charge now costs `cost` (it was charged at `estimate`).
     To { estimate: u64, cost: u64 },
@@ -568,27 +657,31 @@ pub async fn settle(
     job: &Job,
     answer: &Value,
 ) -> Result<Settled, JobError> {
-    let Some(rule) = config
+    let Some((op, rule)) = config
         .operation(&job.operation)
-        .and_then(|o| o.settle.as_ref())
+        .and_then(|o| Some((o, o.settle.as_ref()?)))
     else {
         return Ok(Settled::Fixed);
     };
-    let Some(cost) = rule.cost(answer) else {
-        return Ok(Settled::NoUsage);
+    let may_raise = op.settle_may_raise();
+    // No usage in the answer: the estimate stands. A charge of the most
+    // settles down to it; one of the estimate is it already.
+    let (cost, reported) = match rule.cost(answer) {
+        Some(cost) => (cost, true),
+        None if may_raise => return Ok(Settled::NoUsage),
+        None => (op.cost, false),
     };
-    Ok(
-        match ledger
-            .settle_charge(&job.user, &job.id, &job.nonce, cost)
-            .await?
-        {
-            crate::ledger::SettleOutcome::Settled { .. } => Settled::To {
-                estimate: job.cost,
-                cost,
-            },
-            crate::ledger::SettleOutcome::NotFound { .. } => Settled::NotOwned,
+    let outcome = ledger
+        .settle_charge(&job.user, &job.id, &job.nonce, cost, may_raise)
+        .await?;
+    Ok(match outcome {
+        crate::ledger::SettleOutcome::Settled { .. } if !reported => Settled::NoUsage,
+        crate::ledger::SettleOutcome::Settled { cost, .. } => Settled::To {
+            estimate: job.cost,
+            cost,
         },
-    )
+        crate::ledger::SettleOutcome::NotFound { .. } => Settled::NotOwned,
+    })
 }
 
 /// A job leased to a worker. Only the holder of the current `token` can finish it.
@@ -601,6 +694,10 @@ pub struct Lease {
     /// Until the job's deadline, as the backend's clock said when leasing: the
     /// worker times the call with it, never with its own wall clock.
     pub time_left: Duration,
+    /// An earlier run started (claimed the charge, about to call the
+    /// provider) and was lost: the upstream may have done the work, so this
+    /// run's failure keeps the charge.
+    pub ran_before: bool,
 }
 
 /// What a finishing call did.
@@ -654,7 +751,8 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     ) -> Result<Option<Lease>, JobError>;
 
     /// The step between a lease and the provider call: the job claims its
-    /// charge ([`Ledger::claim`]). `Ok(true)`: it owns it, call the provider.
+    /// charge ([`Ledger::claim`]), and the record notes that a run started
+    /// (see [`Lease::ran_before`]). `Ok(true)`: it owns it, call the provider.
     /// `Ok(false)`: refused (the charge was released, or the id charged anew):
     /// the job is recorded as failed, unpaid, and must not run. `Err`: whether
     /// the claim landed is unknown: hand the lease back (the next taker claims
@@ -671,11 +769,15 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     /// Records the result (kept for the result TTL) and wakes the waiters.
     async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError>;
 
-    /// Records a final failure, releases the job's charge once, wakes the waiters.
+    /// Records a final failure, wakes the waiters, and does with the job's
+    /// charge what `charge` says: releases it once, or leaves it standing.
+    /// `charge` must agree with `cause` ([`FailureCause::charged`]): the
+    /// status says whether the user was charged from the cause.
     async fn fail(
         &self,
         lease: &Lease,
         cause: FailureCause,
+        charge: Charge,
         message: &str,
     ) -> Result<Finish, JobError>;
 

@@ -19,8 +19,8 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::id::{RequestId, UserId};
 use crate::job::{
-    self, millis, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions, JobQueue,
-    JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
+    self, millis, Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions,
+    JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
 };
 use crate::ledger::Ledger;
 
@@ -39,6 +39,8 @@ struct Record {
     seq: u64,
     /// A failed job whose release has not been confirmed yet.
     refund_pending: bool,
+    /// A run claimed the charge, about to call the provider.
+    started: bool,
 }
 
 impl Record {
@@ -154,9 +156,11 @@ impl MemoryJobQueue {
         Ok(())
     }
 
-    /// Fails a job that is not leased (queued) and releases its charge.
+    /// Fails a job that is not leased (queued) and releases its charge,
+    /// unless its cause keeps it.
     async fn fail_unleased(&self, id: &RequestId, cause: FailureCause, message: String) {
         let now = self.now();
+        let release = !cause.charged();
         {
             let mut st = lock(&self.state);
             let Some(rec) = st.jobs.get_mut(id) else {
@@ -166,19 +170,21 @@ impl MemoryJobQueue {
                 status: JobStatus::Failed { cause, message },
                 at_ms: now,
             };
-            rec.refund_pending = true;
+            rec.refund_pending = release;
         }
         self.waiters.ring(id.as_str());
-        // A release that fails here stays pending; the next `maintain` retries it.
-        let _ = self.release(id).await;
+        if release {
+            // A release that fails here stays pending; the next `maintain` retries it.
+            let _ = self.release(id).await;
+        }
     }
 
-    /// The job was leased but its claim was refused: it owns no charge, so it
-    /// fails without a release.
-    fn fail_unpaid(&self, lease: &Lease) {
+    /// The job was leased but its claim was refused (or it was cancelled): it
+    /// owns no charge, so it fails without a release.
+    fn fail_unpaid(&self, lease: &Lease, cause: FailureCause, message: &str) {
         let status = JobStatus::Failed {
-            cause: FailureCause::Abandoned,
-            message: job::UNPAID.into(),
+            cause,
+            message: message.into(),
         };
         self.finish(lease, status, false);
     }
@@ -246,6 +252,7 @@ impl JobQueue for MemoryJobQueue {
                     phase: Phase::Queued,
                     seq,
                     refund_pending: false,
+                    started: false,
                 },
             );
             st.queues
@@ -306,10 +313,16 @@ impl JobSource for MemoryJobQueue {
                     Some(rec) if matches!(rec.phase, Phase::Queued) => {
                         rec.job.attempt += 1;
                         if now >= rec.job.deadline_ms {
-                            give_up = Some((rec.job.id.clone(), FailureCause::Expired));
+                            give_up = Some((
+                                rec.job.id.clone(),
+                                job::given_up(FailureCause::Expired, rec.started),
+                            ));
                             None
                         } else if rec.job.attempt > op.max_attempts {
-                            give_up = Some((rec.job.id.clone(), FailureCause::Abandoned));
+                            give_up = Some((
+                                rec.job.id.clone(),
+                                job::given_up(FailureCause::Abandoned, rec.started),
+                            ));
                             None
                         } else {
                             rec.seq += 1;
@@ -324,6 +337,7 @@ impl JobSource for MemoryJobQueue {
                                 time_left: Duration::from_millis(
                                     rec.job.deadline_ms.saturating_sub(now),
                                 ),
+                                ran_before: rec.started,
                             })
                         }
                     }
@@ -337,6 +351,7 @@ impl JobSource for MemoryJobQueue {
             if let Some((id, cause)) = give_up {
                 let message = match cause {
                     FailureCause::Expired => "the job passed its deadline before it ran",
+                    FailureCause::Unanswered => job::LOST_MID_RUN,
                     _ => "the job used up its attempts",
                 };
                 self.fail_unleased(&id, cause, message.into()).await;
@@ -362,11 +377,18 @@ impl JobSource for MemoryJobQueue {
     }
 
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
-        let claimed = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
-        if !claimed {
-            self.fail_unpaid(lease);
+        let claim = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
+        if let Some((cause, message)) = job::unrun(claim) {
+            self.fail_unpaid(lease, cause, message);
+            return Ok(false);
         }
-        Ok(claimed)
+        let mut st = lock(&self.state);
+        if let Some(rec) = st.jobs.get_mut(&lease.job.id) {
+            if matches!(rec.phase, Phase::Running { token, .. } if token == lease.token) {
+                rec.started = true;
+            }
+        }
+        Ok(true)
     }
 
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError> {
@@ -389,16 +411,20 @@ impl JobSource for MemoryJobQueue {
         &self,
         lease: &Lease,
         cause: FailureCause,
+        charge: Charge,
         message: &str,
     ) -> Result<Finish, JobError> {
         let status = JobStatus::Failed {
             cause,
             message: message.to_owned(),
         };
-        if self.finish(lease, status, true) == Finish::LeaseLost {
+        let release = matches!(charge, Charge::Release { .. });
+        if self.finish(lease, status, release) == Finish::LeaseLost {
             return Ok(Finish::LeaseLost);
         }
-        self.release(&lease.job.id).await?;
+        if release {
+            self.release(&lease.job.id).await?;
+        }
         Ok(Finish::Recorded)
     }
 

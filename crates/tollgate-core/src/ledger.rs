@@ -7,6 +7,10 @@
 //! record); it is idempotent per request id; `refund` removes an event at most
 //! once; `settle` corrects an event's cost. A denied reservation is an outcome,
 //! not an error. Each window keeps a running total, so no step sums the log.
+//! The log keeps every event for the longest window of any configured plan
+//! ([`Config::retention_ms`]), so a plan change never erases spend.
+//!
+//! [`Config::retention_ms`]: crate::config::Config::retention_ms
 //!
 //! A job's charge has an owner ([`Ledger::charge`], [`Ledger::claim`],
 //! [`Ledger::release`]): the charge is taken with a nonce and held for its
@@ -31,8 +35,9 @@ pub struct SpendEvent {
     /// The operation of a job's charge (`None` for a plain reserve).
     pub operation: Option<String>,
     /// For a job's charge settled to what the provider reported
-    /// ([`Ledger::settle_charge`]): the estimate reserved up front; `cost` is
-    /// the actual. `None`: not settled.
+    /// ([`Ledger::settle_charge`]): what was reserved up front (the most, or
+    /// the estimate with `reserve = "estimate"`); `cost` is the actual.
+    /// `None`: not settled.
     pub estimate: Option<u64>,
 }
 
@@ -124,6 +129,9 @@ pub enum ClaimOutcome {
     /// The charge is not this job's (released, or the id was charged anew): the
     /// job must not run.
     Refused,
+    /// An operator refunded the charge while it was held
+    /// ([`RefundOutcome::Cancelled`]): the job is cancelled and must not run.
+    Cancelled,
 }
 
 /// One of the plan's limits as it stands for a user.
@@ -273,10 +281,17 @@ impl ReserveOutcome {
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum RefundOutcome {
     /// The event was removed and its `cost` returned to the pool. `used` is the
-    /// longest window's (every live event's), here and below.
+    /// plan's longest window's, here and below.
     Refunded { cost: u64, used: u64 },
     /// No live event has this id (never reserved, already refunded, or expired).
     NotFound { used: u64 },
+    /// A job's charge no worker had claimed yet: released, and its job
+    /// cancelled in the same step (its claim answers
+    /// [`ClaimOutcome::Cancelled`]), so it never reaches the provider.
+    Cancelled { cost: u64, used: u64 },
+    /// The charge is owned by its job, which may be calling the provider:
+    /// nothing changed (refund it once the job is final).
+    Running { used: u64 },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -422,7 +437,8 @@ pub struct Usage {
     pub now_ms: u64,
     /// Until the oldest live event expires; `None` when there is none.
     pub reset_after_ms: Option<u64>,
-    /// One page of the live events, oldest first.
+    /// One page of the live events in the plan's longest window, oldest
+    /// first (the log may keep older ones for another plan's longer window).
     pub events: Vec<SpendEvent>,
     /// Where the next page starts; `None`: this page reached the newest event.
     pub next_cursor: Option<EventCursor>,
@@ -491,11 +507,27 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         cost: u64,
     ) -> Result<ReserveOutcome, LedgerError>;
 
-    /// Removes the event of `request`, once.
+    /// Removes the event of `request`, once: [`refund_charge`](Self::refund_charge)
+    /// without a finished job.
     async fn refund(
         &self,
         user: &UserId,
         request: &RequestId,
+    ) -> Result<RefundOutcome, LedgerError> {
+        self.refund_charge(user, request, None).await
+    }
+
+    /// An operator's refund of `request`, in one atomic step. A plain reserve
+    /// is removed. A job's charge: still held (no worker has claimed it) →
+    /// released and its job cancelled (`Cancelled`); owned by its job →
+    /// `Running`, untouched, unless `finished` is that job's nonce (the caller
+    /// read the job as final: the refund is then a plain credit). A worker's
+    /// claim and this step decide the race between them.
+    async fn refund_charge(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        finished: Option<&str>,
     ) -> Result<RefundOutcome, LedgerError>;
 
     /// Corrects the event of `request` to `actual_cost` (0 removes it). Raising a
@@ -508,17 +540,21 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
     ) -> Result<SettleOutcome, LedgerError>;
 
     /// The job with `nonce` settles its charge to `actual_cost` (>= 1), what
-    /// the provider reported, and the event keeps the estimate it was charged
-    /// at. A charge that is not this job's (released, left the window, or
-    /// charged anew under another nonce) is `NotFound`, untouched. The cost is
-    /// set, not added: a retried settle changes nothing more. Like `settle`, it
-    /// may take a window past its limit.
+    /// the provider reported, and the event keeps the cost it was charged at
+    /// up front. A charge that is not this job's (released, left the window,
+    /// or charged anew under another nonce) is `NotFound`, untouched. The cost
+    /// is set, not added: a retried settle changes nothing more. With
+    /// `may_raise` (an operation that reserved its estimate), like `settle`, it
+    /// may take a window past its limit; without (it reserved the most), a
+    /// cost above the charge's current one leaves it as it is, so no window
+    /// ever passes its limit.
     async fn settle_charge(
         &self,
         user: &UserId,
         request: &RequestId,
         nonce: &str,
         actual_cost: u64,
+        may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError>;
 
     /// The user's budget and the first page of its audit trail

@@ -12,6 +12,7 @@ pub mod activity;
 pub mod backend;
 pub mod clock;
 pub mod config;
+pub mod durability;
 pub mod duration;
 pub mod error;
 pub mod fair;
@@ -22,6 +23,7 @@ pub mod keystore;
 pub mod ledger;
 pub mod memory;
 pub mod metrics;
+pub mod refund;
 pub mod throttle;
 pub mod trace;
 

@@ -33,6 +33,8 @@ type Shard = Mutex<HashMap<UserId, Arc<Mutex<UserLog>>>>;
 /// The embedded budget ledger.
 pub struct MemoryLedger<C: Clock = SystemClock> {
     config: Arc<Config>,
+    /// How long a log keeps an event ([`Config::retention_ms`]).
+    retention: u64,
     clock: C,
     hasher: RandomState,
     shards: Box<[Shard]>,
@@ -52,10 +54,22 @@ struct UserLog {
     index: HashMap<Arc<str>, u64>,
     /// (end of hold, seq) -> request: charges no job has claimed yet.
     holds: BTreeMap<(u64, u64), Arc<str>>,
-    /// Running sum of live costs (the longest window's): no call sums the log.
+    /// Running sum of the costs of every event in the log (kept for the
+    /// retention): no call sums the log.
     total: u64,
-    /// The running totals of the plan's shorter windows.
+    /// The running totals of the plan's windows shorter than the retention
+    /// (limits[first..]).
     shorts: Vec<Short>,
+    /// 1 when the plan's longest window spans the retention (its total is
+    /// `total`), else 0.
+    first: usize,
+    /// How long the log keeps an event: the longest window of any plan.
+    retain: u64,
+    /// Charges an operator refunded while they were held: their jobs are
+    /// cancelled. Nonce -> end of the hold, and the same ordered by end to
+    /// drop them once it passed.
+    cancelled: HashMap<Box<str>, u64>,
+    cancel_ends: std::collections::BTreeSet<(u64, Box<str>)>,
     /// The export (`[export] maxlen` entries at most; 0: none), and the id of
     /// its last entry.
     exported: VecDeque<ExportEntry>,
@@ -170,13 +184,21 @@ impl Log {
             .filter(|e| e.request.is_some())
     }
 
-    /// Up to `limit` live events after position `after` (from the first when
-    /// `None`), oldest first, and whether more follow: O(log n + limit).
-    fn page(&self, after: Option<EventCursor>, limit: usize) -> (Vec<&Event>, bool) {
+    /// Up to `limit` live events with a time past `lo` and a position past
+    /// `after` (`None`: unbounded), oldest first, and whether more follow:
+    /// O(log n + limit).
+    fn page(
+        &self,
+        lo: Option<u64>,
+        after: Option<EventCursor>,
+        limit: usize,
+    ) -> (Vec<&Event>, bool) {
+        let from = lo.map_or(0, |lo| self.slots.partition_point(|e| e.at <= lo));
         let start = after.map_or(0, |c| {
             self.slots
                 .partition_point(|e| (e.at, u64::from(e.seq)) <= (c.at_ms, c.seq))
         });
+        let start = start.max(from);
         let mut live = self.slots.range(start..).filter(|e| e.request.is_some());
         let page: Vec<&Event> = live.by_ref().take(limit).collect();
         let more = live.next().is_some();
@@ -229,8 +251,8 @@ struct Change<'a> {
     operation: Option<&'a str>,
 }
 
-/// The running total of one of the plan's shorter windows (every limit but the
-/// longest, whose total is `UserLog::total`).
+/// The running total of one of the plan's windows shorter than the retention
+/// (the others' is `UserLog::total`).
 struct Short {
     window: u64,
     total: u64,
@@ -239,12 +261,16 @@ struct Short {
 }
 
 impl UserLog {
-    /// Brings every window's total to `now` (subtracting what left the shorter
-    /// windows, dropping what left the longest), then releases charges still
-    /// held past their hold (no job can claim them any more).
+    /// Brings every window's total to `now` (subtracting what left the windows
+    /// shorter than the retention, dropping what left the retention), then
+    /// releases charges still held past their hold (no job can claim them any
+    /// more), and forgets cancelled jobs' holds that ended.
     fn expire(&mut self, now: u64, limits: &[Limit]) {
+        let longest = limits.first().map_or(0, Limit::window_ms);
+        self.retain = self.retain.max(longest);
+        self.first = usize::from(longest >= self.retain);
         self.sync_shorts(now, limits);
-        let window = limits.first().map_or(0, Limit::window_ms);
+        let window = self.retain;
         while let Some((_, e)) = self.events.first() {
             if e.at.saturating_add(window) > now {
                 break;
@@ -262,12 +288,30 @@ impl UserLog {
             let request = entry.remove();
             self.remove(&request, now);
         }
+        while let Some(first) = self.cancel_ends.first() {
+            if first.0 > now {
+                break;
+            }
+            if let Some((_, nonce)) = self.cancel_ends.pop_first() {
+                self.cancelled.remove(&nonce);
+            }
+        }
     }
 
-    /// Moves each shorter window's total to `now`. A plan whose shorter windows
-    /// changed (a plan change) has them rebuilt from the log, once.
+    /// Cancels the job of a held charge (refunded by an operator): its claim
+    /// is refused until `hold_end`.
+    fn cancel(&mut self, nonce: &str, hold_end: u64) {
+        if let Some(old) = self.cancelled.insert(nonce.into(), hold_end) {
+            self.cancel_ends.remove(&(old, nonce.into()));
+        }
+        self.cancel_ends.insert((hold_end, nonce.into()));
+    }
+
+    /// Moves the total of each window shorter than the retention to `now`. A
+    /// plan whose windows changed (a plan change) has them rebuilt from the
+    /// log, once.
     fn sync_shorts(&mut self, now: u64, limits: &[Limit]) {
-        let wanted = limits.iter().skip(1).map(Limit::window_ms);
+        let wanted = limits.iter().skip(self.first).map(Limit::window_ms);
         let Self { shorts, events, .. } = self;
         if !shorts.iter().map(|s| s.window).eq(wanted.clone()) {
             *shorts = wanted
@@ -374,12 +418,18 @@ impl UserLog {
         self.events.get_mut(seq)?.owner.as_deref_mut()
     }
 
-    /// Tokens spent in limit `i`'s window.
+    /// Tokens spent in limit `i`'s window (after `expire`).
     fn used(&self, i: usize) -> u64 {
-        match i.checked_sub(1) {
+        match i.checked_sub(self.first) {
             None => self.total,
             Some(k) => self.shorts.get(k).map_or(0, |s| s.total),
         }
+    }
+
+    /// Tokens spent in the plan's longest window: the `used` of refunds and
+    /// settles.
+    fn longest_used(&self) -> u64 {
+        self.used(0)
     }
 
     /// Every limit as it stands at `now` (after `expire`).
@@ -519,6 +569,7 @@ impl MemoryLedger<SystemClock> {
 impl<C: Clock> MemoryLedger<C> {
     pub fn with_clock(config: Arc<Config>, clock: C) -> Self {
         Self {
+            retention: config.retention_ms(),
             config,
             clock,
             hasher: RandomState::new(),
@@ -569,7 +620,11 @@ impl<C: Clock> MemoryLedger<C> {
                     None if create => Arc::clone(shard.entry(user.clone()).or_default()),
                     None => {
                         drop(shard);
-                        return f(&mut UserLog::default(), self.clock.now_ms());
+                        let mut empty = UserLog {
+                            retain: self.retention,
+                            ..UserLog::default()
+                        };
+                        return f(&mut empty, self.clock.now_ms());
                     }
                 }
             };
@@ -581,6 +636,7 @@ impl<C: Clock> MemoryLedger<C> {
             // time order.
             let now = self.clock.now_ms();
             log.export_max = self.config.export_maxlen().unwrap_or(0);
+            log.retain = self.retention;
             return f(&mut log, now);
         }
     }
@@ -593,8 +649,9 @@ impl<C: Clock> MemoryLedger<C> {
                 return true; // busy: certainly not idle
             };
             let limits = &self.config.plan_or_default(log.plan.as_deref()).limits;
+            log.retain = self.retention;
             log.expire(now, limits);
-            if log.events.is_empty() && log.plan.is_none() {
+            if log.events.is_empty() && log.plan.is_none() && log.cancelled.is_empty() {
                 log.retired = true;
                 return false;
             }
@@ -608,7 +665,7 @@ impl<C: Clock> MemoryLedger<C> {
         }
     }
 
-    /// Removes the event of `request` (refund and release) when `owns` agrees
+    /// Removes the event of `request` (a job's release) when `owns` agrees
     /// with its owner record (`None` for a plain reserve).
     fn remove_if(
         &self,
@@ -619,14 +676,18 @@ impl<C: Clock> MemoryLedger<C> {
         self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
             if !owns(log.owner(request.as_str())) {
-                return RefundOutcome::NotFound { used: log.total };
+                return RefundOutcome::NotFound {
+                    used: log.longest_used(),
+                };
             }
             match log.remove(request.as_str(), now) {
                 Some(cost) => RefundOutcome::Refunded {
                     cost,
-                    used: log.total,
+                    used: log.longest_used(),
                 },
-                None => RefundOutcome::NotFound { used: log.total },
+                None => RefundOutcome::NotFound {
+                    used: log.longest_used(),
+                },
             }
         })
     }
@@ -695,12 +756,41 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         })
     }
 
-    async fn refund(
+    async fn refund_charge(
         &self,
         user: &UserId,
         request: &RequestId,
+        finished: Option<&str>,
     ) -> Result<RefundOutcome, LedgerError> {
-        Ok(self.remove_if(user, request, |_| true))
+        // A user without a log has nothing to refund or cancel.
+        Ok(self.with_user(user, false, |log, now| {
+            log.expire(now, &self.plan_of(log).limits);
+            let owner = log.owner(request.as_str());
+            let held = owner.and_then(|o| Some((o.hold?.0, o.nonce.clone())));
+            let credit = match owner {
+                None => true,
+                Some(o) => finished == Some(&*o.nonce),
+            };
+            if log.event(request.as_str()).is_none() {
+                return RefundOutcome::NotFound {
+                    used: log.longest_used(),
+                };
+            }
+            if !credit && held.is_none() {
+                return RefundOutcome::Running {
+                    used: log.longest_used(),
+                };
+            }
+            let cost = log.remove(request.as_str(), now).unwrap_or(0);
+            let used = log.longest_used();
+            match held {
+                Some((hold_end, nonce)) if !credit => {
+                    log.cancel(&nonce, hold_end);
+                    RefundOutcome::Cancelled { cost, used }
+                }
+                _ => RefundOutcome::Refunded { cost, used },
+            }
+        }))
     }
 
     async fn settle(
@@ -715,23 +805,27 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         Ok(self.with_user(user, false, |log, now| {
             log.expire(now, &self.plan_of(log).limits);
             let Some(&key) = log.index.get(request.as_str()) else {
-                return SettleOutcome::NotFound { used: log.total };
+                return SettleOutcome::NotFound {
+                    used: log.longest_used(),
+                };
             };
             if actual_cost == 0 {
                 let previous_cost = log.remove(request.as_str(), now).unwrap_or(0);
                 return SettleOutcome::Settled {
                     previous_cost,
                     cost: 0,
-                    used: log.total,
+                    used: log.longest_used(),
                 };
             }
             match log.recost(key, actual_cost, now) {
                 Some(previous_cost) => SettleOutcome::Settled {
                     previous_cost,
                     cost: actual_cost,
-                    used: log.total,
+                    used: log.longest_used(),
                 },
-                None => SettleOutcome::NotFound { used: log.total },
+                None => SettleOutcome::NotFound {
+                    used: log.longest_used(),
+                },
             }
         }))
     }
@@ -742,6 +836,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         request: &RequestId,
         nonce: &str,
         actual_cost: u64,
+        may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError> {
         validate_cost(actual_cost)?;
         Ok(self.with_user(user, false, |log, now| {
@@ -751,10 +846,20 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 .is_some_and(|o| &*o.nonce == nonce);
             let key = log.index.get(request.as_str()).copied();
             let (true, Some(key)) = (owned, key) else {
-                return SettleOutcome::NotFound { used: log.total };
+                return SettleOutcome::NotFound {
+                    used: log.longest_used(),
+                };
+            };
+            let current = log.events.get(key).map_or(0, |e| e.cost);
+            let actual_cost = if may_raise {
+                actual_cost
+            } else {
+                actual_cost.min(current)
             };
             let Some(previous_cost) = log.recost(key, actual_cost, now) else {
-                return SettleOutcome::NotFound { used: log.total };
+                return SettleOutcome::NotFound {
+                    used: log.longest_used(),
+                };
             };
             if let Some(o) = log.owner_mut(request.as_str()) {
                 o.estimate.get_or_insert(previous_cost);
@@ -762,7 +867,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             SettleOutcome::Settled {
                 previous_cost,
                 cost: actual_cost,
-                used: log.total,
+                used: log.longest_used(),
             }
         }))
     }
@@ -771,7 +876,13 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         Ok(self.with_user(user, false, |log, now| {
             let plan = self.plan_of(log);
             log.expire(now, &plan.limits);
-            let (slice, more) = log.events.page(page.after(), page.limit());
+            // The log may keep older events for another plan's longer window:
+            // a page starts inside this plan's longest window.
+            let (slice, more) = log.events.page(
+                now.checked_sub(plan.window_ms()),
+                page.after(),
+                page.limit(),
+            );
             let next_cursor = slice.last().filter(|_| more).map(|e| EventCursor {
                 at_ms: e.at,
                 seq: u64::from(e.seq),
@@ -882,9 +993,13 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 }
                 return ClaimOutcome::Claimed;
             }
-            // No owner: a plain reserve owns the id, or the charge is gone. A
-            // hold is released only at its end; before that, a charge that is
-            // gone left the window (paid).
+            // No owner: a plain reserve owns the id, or the charge is gone:
+            // refunded by an operator while it was held (the job is
+            // cancelled), released at the hold's end, or (before that) it left
+            // the window (paid).
+            if log.cancelled.contains_key(nonce) {
+                return ClaimOutcome::Cancelled;
+            }
             let released = now >= hold_until_ms;
             if log.index.contains_key(request.as_str()) || released {
                 ClaimOutcome::Refused

@@ -359,6 +359,7 @@ pub struct Metrics {
     call_duration: Histograms<ProviderOutcome>,
     upstream_errors: Family<ProviderClass, Counter>,
     retries: Family<ProviderLabel, Counter>,
+    absorbed: Family<ProviderReason, Counter>,
     // scrapes
     stats_errors: Family<SourceLabel, Counter>,
     /// Plan names by limit: a denial's limit names its plan when only one has it.
@@ -564,6 +565,14 @@ impl Metrics {
             retries.clone(),
         );
 
+        let absorbed = counters();
+        r.register(
+            "tollgate_absorbed_calls",
+            "Jobs whose charge went back to the user although the upstream may have worked \
+             (a 5xx): what the outcome policy costs the operator, by provider and reason",
+            absorbed.clone(),
+        );
+
         let stats_errors = counters();
         r.register(
             "tollgate_stats_errors",
@@ -687,6 +696,7 @@ impl Metrics {
             call_duration,
             upstream_errors,
             retries,
+            absorbed,
             stats_errors,
             plans_by_limit,
             plan_names: config.plans().map(|p| p.name.clone()).collect(),
@@ -976,6 +986,17 @@ impl Metrics {
         }
     }
 
+    /// A job's charge went back to its user although `provider` may have
+    /// worked on its call, for `reason` (e.g. `server_error`).
+    pub fn absorbed(&self, provider: &str, reason: &'static str) {
+        self.absorbed
+            .get_or_create(&ProviderReason {
+                provider: provider.to_owned(),
+                reason,
+            })
+            .inc();
+    }
+
     /// An upstream attempt of `provider` is retried.
     pub fn retry(&self, provider: &str) {
         self.retries
@@ -1186,12 +1207,14 @@ impl Ledger for MeteredLedger {
         r
     }
 
-    async fn refund(
+    async fn refund_charge(
         &self,
         user: &UserId,
         request: &RequestId,
+        finished: Option<&str>,
     ) -> Result<RefundOutcome, LedgerError> {
-        self.timed("refund", self.inner.refund(user, request)).await
+        self.timed("refund", self.inner.refund_charge(user, request, finished))
+            .await
     }
 
     async fn settle(
@@ -1210,10 +1233,12 @@ impl Ledger for MeteredLedger {
         request: &RequestId,
         nonce: &str,
         actual_cost: u64,
+        may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError> {
         self.timed(
             "settle",
-            self.inner.settle_charge(user, request, nonce, actual_cost),
+            self.inner
+                .settle_charge(user, request, nonce, actual_cost, may_raise),
         )
         .await
     }

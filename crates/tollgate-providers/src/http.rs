@@ -133,40 +133,52 @@ impl Transport for HttpClient {
                     by: late.get().copied().unwrap_or_default(),
                 })
             }
-            Err(e) => {
-                return Err(AttemptError::Retryable {
-                    status: None,
-                    retry_after: None,
-                    message: e.to_string(),
-                })
-            }
+            Err(e) => return Err(unanswered_unless_unsent(&e)),
         };
         let status = resp.status();
         let wait = retry_after(resp.headers().get(RETRY_AFTER));
-        let body = resp.bytes().await.map_err(|e| AttemptError::Retryable {
-            status: Some(status.as_u16()),
-            retry_after: wait,
-            message: format!("reading the body: {e}"),
+        let body = resp.bytes().await.map_err(|e| AttemptError::Unanswered {
+            message: format!("{status}, then reading the body failed: {}", chain(&e)),
         })?;
         let snippet = || String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
         if status.is_success() {
-            return serde_json::from_slice(&body).map_err(|e| AttemptError::Fatal {
-                status: Some(200),
+            return serde_json::from_slice(&body).map_err(|e| AttemptError::BadBody {
+                status: status.as_u16(),
                 message: e.to_string(),
             });
         }
-        if status.as_u16() == 429 || status.is_server_error() {
-            return Err(AttemptError::Retryable {
-                status: Some(status.as_u16()),
-                retry_after: wait,
-                message: snippet(),
-            });
-        }
-        Err(AttemptError::Fatal {
-            status: Some(status.as_u16()),
+        Err(AttemptError::Status {
+            status: status.as_u16(),
+            retry_after: wait,
             message: snippet(),
         })
     }
+}
+
+/// A send that failed: [`AttemptError::NotSent`] only when reqwest says no
+/// connection was made (or the request could not be built), which proves
+/// nothing was written; anything else (a timeout, a reset, a cut) may have
+/// reached the upstream, and is [`AttemptError::Unanswered`].
+fn unanswered_unless_unsent(e: &reqwest::Error) -> AttemptError {
+    let message = chain(e);
+    if e.is_connect() || e.is_builder() {
+        AttemptError::NotSent { message }
+    } else {
+        AttemptError::Unanswered { message }
+    }
+}
+
+/// An error with its sources: reqwest's own message ("error sending request")
+/// says little without them.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// The request's body, checked against `use_by` when the connection first

@@ -4,9 +4,14 @@
 //! the shared bucket.
 //!
 //! - [`http::HttpClient`]: POSTs the job's input JSON to the provider's `url`
-//!   (+ the operation's `path`) with reqwest; 429 and 5xx are retried after the
-//!   upstream's `Retry-After` (or an exponential backoff).
+//!   (+ the operation's `path`) with reqwest; what is retried (after the
+//!   upstream's `Retry-After`, or an exponential backoff) and who pays is the
+//!   [`outcome`] policy's decision.
 //! - [`mock::BuiltinMock`]: answers in-process; used for providers without `url`.
+//!
+//! A call is given a deadline (the job's): no attempt is sent after it, and an
+//! attempt already sent is never abandoned for it (bounded by the provider's
+//! `timeout`), since the upstream may be doing the work.
 //!
 //! Every wait for a slot and every attempt is observed in the process's
 //! [`Metrics`]: the wait (granted, timed out, cancelled), each attempt's time
@@ -14,9 +19,10 @@
 
 pub mod http;
 pub mod mock;
+pub mod outcome;
 pub mod shares;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +32,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 use tollgate_core::{
     config::Config,
-    job::Job,
+    job::{Charge, FailureCause, Job},
     ledger::Ledger,
     metrics::{CallOutcome, Metrics},
     throttle::{Grant, Throttle, ThrottleError, Waiter},
@@ -48,16 +54,88 @@ pub enum ProviderError {
         attempts: u32,
         message: String,
     },
-    /// The upstream could not be reached or timed out, after the retries.
+    /// The upstream could not be reached (no connection), after the retries.
     #[error("{provider} unreachable{}: {message}", retried(*.attempts))]
     Transport {
         provider: String,
         attempts: u32,
         message: String,
     },
+    /// The request was sent and no whole answer came back.
+    #[error("{provider} did not answer{}: {message}; charged, since the upstream may have done the work", retried(*.attempts))]
+    Unanswered {
+        provider: String,
+        attempts: u32,
+        message: String,
+    },
     /// The upstream answered 2xx with a body that is not JSON.
-    #[error("{provider} answered something that is not JSON: {message}")]
-    BadResponse { provider: String, message: String },
+    #[error("{provider} answered {status} with a body that is not JSON ({message}); charged, since the upstream did the work")]
+    BadResponse {
+        provider: String,
+        status: u16,
+        message: String,
+    },
+    /// The job's deadline passed before an attempt could be sent.
+    #[error("the job's deadline passed before its call to {provider} could be sent{}", retried(*.attempts))]
+    Expired { provider: String, attempts: u32 },
+}
+
+impl ProviderError {
+    fn of_attempt(provider: &str, attempts: u32, e: AttemptError) -> Self {
+        let provider = provider.to_owned();
+        match e {
+            AttemptError::NotSent { message } => Self::Transport {
+                provider,
+                attempts,
+                message,
+            },
+            AttemptError::Late { by } => Self::Transport {
+                provider,
+                attempts,
+                message: format!("not sent: its grant went stale ({by:?} late)"),
+            },
+            AttemptError::Unanswered { message } => Self::Unanswered {
+                provider,
+                attempts,
+                message,
+            },
+            AttemptError::Status {
+                status, message, ..
+            } => Self::Upstream {
+                provider,
+                status,
+                attempts,
+                message,
+            },
+            AttemptError::BadBody { status, message } => Self::BadResponse {
+                provider,
+                status,
+                message,
+            },
+        }
+    }
+}
+
+/// A call that failed for good, with what the [`outcome`] policy decided:
+/// the job's cause and what becomes of its charge.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{error}")]
+pub struct CallError {
+    pub error: ProviderError,
+    /// Agrees with `charge` ([`FailureCause::charged`]).
+    pub cause: FailureCause,
+    pub charge: Charge,
+}
+
+impl CallError {
+    /// Whether the job may be handed back to run again instead of failing:
+    /// the throttle's store failed, and no attempt may have made the
+    /// upstream work.
+    pub fn may_hand_back(&self) -> bool {
+        matches!(self.error, ProviderError::Throttle(_))
+            && !self.error.is_throttle_timeout()
+            && self.charge == Charge::RELEASE
+    }
 }
 
 fn retried(attempts: u32) -> String {
@@ -78,24 +156,37 @@ impl ProviderError {
 /// One provider call, throttled and retried.
 #[async_trait]
 pub trait Client: Send + Sync + fmt::Debug {
-    async fn call(&self, job: &Job) -> Result<Value, ProviderError>;
+    async fn call(&self, job: &Job) -> Result<Value, CallError>;
+
+    /// The call, no attempt of which is sent after `deadline`; an attempt
+    /// sent before it runs to its end. This default ignores the deadline.
+    async fn call_by(&self, job: &Job, deadline: Option<Instant>) -> Result<Value, CallError> {
+        let _ = deadline;
+        self.call(job).await
+    }
 }
 
-/// How one attempt failed.
+/// How one attempt failed: what the transport saw. What it means for the
+/// charge and the retries is the [`outcome`] policy's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttemptError {
-    /// Worth another attempt (429, 5xx, connection failure); `retry_after` is
-    /// the upstream's wish, when it said one.
-    Retryable {
-        status: Option<u16>,
+    /// Provably nothing was written: no connection could be made (refused,
+    /// DNS, connect timeout).
+    NotSent { message: String },
+    /// The request was (or may have been) sent and no whole answer came back:
+    /// a timeout after the write, a connection cut mid-reply, a body read
+    /// that failed.
+    Unanswered { message: String },
+    /// The upstream answered `status`, not 2xx; `retry_after` is its wish,
+    /// when it said one.
+    Status {
+        status: u16,
         retry_after: Option<Duration>,
         message: String,
     },
-    /// Not worth retrying (4xx other than 429, a non-JSON body).
-    Fatal {
-        status: Option<u16>,
-        message: String,
-    },
+    /// The upstream answered 2xx with a body that is not a JSON document
+    /// (text, empty, 204, a number out of range, nesting too deep).
+    BadBody { status: u16, message: String },
     /// Not sent: the attempt's grant went stale before the request could go
     /// out (a pause after the grant), `by` past its [`Grant::use_by`]. Nothing
     /// reached the upstream; the caller waits for a fresh grant.
@@ -171,6 +262,8 @@ pub struct ThrottledClient<C> {
     /// How long a slot counts as in flight when its end is never reported
     /// (the process died): longer than one attempt may take.
     hold: Duration,
+    /// Operations whose unanswered calls may be sent again (`retry_unanswered`).
+    retry_unanswered: BTreeSet<String>,
 }
 
 impl<C: Transport> ThrottledClient<C> {
@@ -189,7 +282,19 @@ impl<C: Transport> ThrottledClient<C> {
             metrics,
             shares: Arc::new(Shares::default_plan(Arc::new(Config::builtin()))),
             hold: tollgate_core::fair::DEFAULT_HOLD,
+            retry_unanswered: BTreeSet::new(),
         }
+    }
+
+    /// The operations of `config` on this provider whose unanswered calls
+    /// may be sent again (`retry_unanswered = true`).
+    pub fn with_retry_unanswered(mut self, config: &Config) -> Self {
+        self.retry_unanswered = config
+            .operations()
+            .filter(|o| o.provider == self.provider.name && o.retry_unanswered)
+            .map(|o| o.name.clone())
+            .collect();
+        self
     }
 
     /// Users' shares from `shares`; a slot frees itself `hold` after its grant
@@ -239,20 +344,19 @@ impl<C: Transport> ThrottledClient<C> {
         }
     }
 
-    /// One attempt on `grant`, observed: its time and how it ended (an
-    /// attempt not sent, its grant late, is no call).
-    async fn try_once(&self, job: &Job, grant: &Grant) -> Result<Value, AttemptError> {
+    /// One attempt, sent only before `use_by`, observed: its time and how it
+    /// ended (an attempt not sent, its grant late, is no call).
+    async fn try_once(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
         let started = Instant::now();
-        let r = self.client.attempt_by(job, grant.use_by).await;
+        let r = self.client.attempt_by(job, use_by).await;
         let outcome = match &r {
             Err(AttemptError::Late { .. }) => return r,
             Ok(_) => CallOutcome::Ok,
-            Err(AttemptError::Retryable { status, .. }) => CallOutcome::of_status(*status),
-            Err(AttemptError::Fatal {
-                status: Some(200) | None,
-                ..
-            }) => CallOutcome::BadResponse,
-            Err(AttemptError::Fatal { status, .. }) => CallOutcome::of_status(*status),
+            Err(AttemptError::NotSent { .. } | AttemptError::Unanswered { .. }) => {
+                CallOutcome::Transport
+            }
+            Err(AttemptError::Status { status, .. }) => CallOutcome::of_status(Some(*status)),
+            Err(AttemptError::BadBody { .. }) => CallOutcome::BadResponse,
         };
         self.metrics
             .provider_call(&self.provider.name, outcome, started.elapsed());
@@ -309,20 +413,70 @@ impl Drop for WaitTrace<'_> {
 
 #[async_trait]
 impl<C: Transport> Client for ThrottledClient<C> {
-    async fn call(&self, job: &Job) -> Result<Value, ProviderError> {
+    async fn call(&self, job: &Job) -> Result<Value, CallError> {
+        self.call_by(job, None).await
+    }
+
+    async fn call_by(&self, job: &Job, deadline: Option<Instant>) -> Result<Value, CallError> {
         let name = &self.provider.name;
+        let retry_unanswered = self.retry_unanswered.contains(&job.operation);
+        let mut tally = outcome::Tally::default();
+        let fail = |tally: &outcome::Tally, error: ProviderError, cause: FailureCause| {
+            let (cause, charge) = tally.failure(cause);
+            CallError {
+                error,
+                cause,
+                charge,
+            }
+        };
+        let expired = |attempts: u32| ProviderError::Expired {
+            provider: name.clone(),
+            attempts,
+        };
+        let past = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
         let mut backoff = self.retry.backoff;
         let mut attempt = 0;
-        // Each attempt waits for its slot at most `max_wait`, from here.
+        // Each attempt waits for its slot at most `max_wait`, from here, and
+        // never past the deadline.
         let mut waiting_since = Instant::now();
         loop {
-            let left = self
+            if past(deadline) {
+                return Err(fail(&tally, expired(attempt), FailureCause::Expired));
+            }
+            let max_wait = self
                 .provider
                 .max_wait
                 .saturating_sub(waiting_since.elapsed());
-            let grant = self.slot(job, left).await?;
-            let r = self.try_once(job, &grant).await;
+            let to_deadline = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let left = to_deadline.map_or(max_wait, |d| d.min(max_wait));
+            let grant = match self.slot(job, left).await {
+                Ok(grant) => grant,
+                Err(ThrottleError::Timeout { .. }) if past(deadline) => {
+                    return Err(fail(&tally, expired(attempt), FailureCause::Expired))
+                }
+                Err(e) => {
+                    let cause = if matches!(e, ThrottleError::Timeout { .. }) {
+                        FailureCause::ThrottleTimeout
+                    } else {
+                        FailureCause::Provider
+                    };
+                    return Err(fail(&tally, ProviderError::Throttle(e), cause));
+                }
+            };
+            // The deadline is checked where the grant's freshness is: as the
+            // request is about to be written, and not after.
+            let use_by = match (grant.use_by, deadline) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let r = self.try_once(job, use_by).await;
             if let Err(AttemptError::Late { by }) = r {
+                if let Err(e) = self.throttle.done(&grant).await {
+                    tracing::warn!(error = %e, provider = %name, "ending the slot of an unsent call failed");
+                }
+                if past(deadline) {
+                    return Err(fail(&tally, expired(attempt), FailureCause::Expired));
+                }
                 // Not sent: calls granted after this one may have gone out
                 // while it was held up. Its token is lost, neither returned
                 // to the bucket nor kept for later: a token taken before the
@@ -337,9 +491,6 @@ impl<C: Transport> Client for ThrottledClient<C> {
                     "a grant went stale before its call was sent (a pause): not used, waiting for a fresh one"
                 );
                 self.metrics.late_grant(name);
-                if let Err(e) = self.throttle.done(&grant).await {
-                    tracing::warn!(error = %e, provider = %name, "ending the slot of a late grant failed");
-                }
                 continue;
             }
             attempt += 1;
@@ -351,51 +502,31 @@ impl<C: Transport> Client for ThrottledClient<C> {
                 Ok(v) => return Ok(v),
                 Err(e) => e,
             };
-            match err {
-                AttemptError::Retryable {
-                    status,
-                    retry_after,
-                    message,
-                } => {
-                    if attempt > self.retry.retries {
-                        return Err(match status {
-                            Some(status) => ProviderError::Upstream {
-                                provider: name.clone(),
-                                status,
-                                attempts: attempt,
-                                message,
-                            },
-                            None => ProviderError::Transport {
-                                provider: name.clone(),
-                                attempts: attempt,
-                                message,
-                            },
-                        });
-                    }
-                    let wait = retry_after.unwrap_or(backoff).min(self.retry.max_backoff);
-                    tracing::debug!(provider = %name, request_id = %job.id, ?status, ?wait, "retrying");
-                    self.metrics.retry(name);
-                    tokio::time::sleep(wait).await;
-                    backoff = (backoff * 2).min(self.retry.max_backoff);
-                    waiting_since = Instant::now();
-                }
-                // Dealt with above, before the end of the slot.
-                AttemptError::Late { .. } => continue,
-                AttemptError::Fatal { status, message } => {
-                    return Err(match status {
-                        Some(status) if status != 200 => ProviderError::Upstream {
-                            provider: name.clone(),
-                            status,
-                            attempts: attempt,
-                            message,
-                        },
-                        _ => ProviderError::BadResponse {
-                            provider: name.clone(),
-                            message,
-                        },
-                    })
-                }
+            let Some(class) = outcome::Class::of(&err) else {
+                continue; // Late: dealt with above.
+            };
+            tally.record(class);
+            let wait = match &err {
+                AttemptError::Status {
+                    retry_after: Some(w),
+                    ..
+                } => *w,
+                _ => backoff,
             }
+            .min(self.retry.max_backoff);
+            let again = class.retry(retry_unanswered)
+                && attempt <= self.retry.retries
+                // A retry that could only start after the deadline is none.
+                && !deadline.is_some_and(|d| Instant::now() + wait >= d);
+            if !again {
+                let error = ProviderError::of_attempt(name, attempt, err);
+                return Err(fail(&tally, error, FailureCause::Provider));
+            }
+            tracing::debug!(provider = %name, request_id = %job.id, ?class, ?wait, "retrying");
+            self.metrics.retry(name);
+            tokio::time::sleep(wait).await;
+            backoff = (backoff * 2).min(self.retry.max_backoff);
+            waiting_since = Instant::now();
         }
     }
 }
@@ -461,7 +592,8 @@ fn build(
                         client,
                         Arc::clone(metrics),
                     )
-                    .with_shares(Arc::clone(&shares), upstream.timeout + HOLD_MARGIN),
+                    .with_shares(Arc::clone(&shares), upstream.timeout + HOLD_MARGIN)
+                    .with_retry_unanswered(config),
                 )
             }
             None => Arc::new(

@@ -16,10 +16,23 @@
 //! the common case is the pool: it never hands out a connection whose socket
 //! Redis already closed (see [`crate::pool`]), so after a Redis restart the first
 //! request goes out on a new connection instead of failing.
+//!
+//! **Accepting writes.** In replica mode ([`Durability::Replica`]) the scripts
+//! that accept a call ([`ACCEPTING`]: a job's charge, its enqueue) are followed
+//! by `WAIT <replicas> <timeout>` in the same pipeline, on the same connection
+//! (one round trip, as before): the call is answered 200/202 only once the
+//! replicas hold its writes, so a failover to one of them loses no accepted
+//! call. A WAIT short of its replicas fails the call as unavailable (503): the
+//! write stands on the primary (the job may still run, charged by its own
+//! rules), and a retry with the same request id finds it. WAIT blocks its
+//! connection for at most its timeout, so the calls sharing that multiplexed
+//! connection wait as long when replicas lag.
 
 use std::time::Duration;
 
-use redis::{Cmd, FromRedisValue, Pipeline, RedisError, ScriptInvocation, Value};
+use redis::aio::ConnectionLike;
+use redis::{Arg, Cmd, FromRedisValue, Pipeline, RedisError, RedisFuture, ScriptInvocation, Value};
+use tollgate_core::durability::Durability;
 use tollgate_core::error::StoreError;
 use tracing::Instrument;
 
@@ -62,14 +75,138 @@ enum Repeat {
     Never,
 }
 
-/// EVALSHA (loading the script on NOSCRIPT) on a pooled connection.
+/// The `op` of a job's charge (`RedisLedger::charge`).
+pub const CHARGE: &str = "charge";
+/// The `op` of a job's enqueue (`RedisJobQueue::enqueue`).
+pub const ENQUEUE: &str = "job_enqueue";
+/// The scripts (by their `op`) whose writes accept a call: a job's charge and
+/// its enqueue. Replica mode WAITs after them.
+pub const ACCEPTING: [&str; 2] = [CHARGE, ENQUEUE];
+
+/// EVALSHA (loading the script on NOSCRIPT) on a pooled connection; followed
+/// by WAIT for an [`ACCEPTING`] script in replica mode.
 pub async fn script<T: FromRedisValue>(
     pool: &Pool,
     timeout: Duration,
     op: &'static str,
     inv: &ScriptInvocation<'_>,
 ) -> Result<T, StoreError> {
-    call(pool, timeout, op, Request::Script(inv), Repeat::Never).await
+    match pool.durability() {
+        Durability::Replica {
+            replicas,
+            timeout: wait,
+        } if ACCEPTING.contains(&op) => {
+            let wait = Wait {
+                replicas,
+                ms: wait.as_millis().max(1),
+            };
+            accepting(pool, timeout, op, inv, wait).await
+        }
+        _ => call(pool, timeout, op, Request::Script(inv), Repeat::Never).await,
+    }
+}
+
+/// The WAIT of replica mode.
+#[derive(Debug, Clone, Copy)]
+struct Wait {
+    replicas: u32,
+    ms: u128,
+}
+
+/// A connection that sends `WAIT` in one pipeline with each EVALSHA and keeps
+/// its answer: how many replicas acknowledged the script's writes.
+struct Waiting<C> {
+    inner: C,
+    wait: Wait,
+    acked: Option<i64>,
+}
+
+impl<C: ConnectionLike + Send> ConnectionLike for Waiting<C> {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        let evalsha = matches!(cmd.args_iter().next(), Some(Arg::Simple(name)) if name.eq_ignore_ascii_case(b"EVALSHA"));
+        if !evalsha {
+            return self.inner.req_packed_command(cmd);
+        }
+        Box::pin(async move {
+            let mut pipe = redis::pipe();
+            pipe.add_command(cmd.clone())
+                .cmd("WAIT")
+                .arg(self.wait.replicas)
+                .arg(self.wait.ms as u64);
+            let mut replies = self.inner.req_packed_commands(&pipe, 0, 2).await?;
+            let waited = replies.pop();
+            let script = replies.pop();
+            // A script that failed (NOSCRIPT among others) wrote nothing to wait for.
+            if let (Some(Value::Int(n)), Some(v)) = (&waited, &script) {
+                if !matches!(v, Value::ServerError(_)) {
+                    self.acked = Some(*n);
+                }
+            }
+            script.ok_or_else(|| {
+                RedisError::from((redis::ErrorKind::Parse, "no reply to the script"))
+            })
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        self.inner.req_packed_commands(cmd, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.inner.get_db()
+    }
+}
+
+/// An accepting script and its WAIT, sent once (never repeated: it wrote).
+async fn accepting<T: FromRedisValue>(
+    pool: &Pool,
+    timeout: Duration,
+    op: &'static str,
+    inv: &ScriptInvocation<'_>,
+    wait: Wait,
+) -> Result<T, StoreError> {
+    let round_trip = async {
+        let (value, acked) = match pool {
+            Pool::Single(p) => {
+                let lease = checkout(p).await?;
+                let mut conn = Waiting {
+                    inner: lease.conn.clone(),
+                    wait,
+                    acked: None,
+                };
+                let value = invoke::<T>(inv, &mut conn).await.map_err(|e| {
+                    lease.fail(&e);
+                    store_error(e)
+                })?;
+                (value, conn.acked)
+            }
+            Pool::Cluster(c) => {
+                let mut conn = Waiting {
+                    inner: c.connection(),
+                    wait,
+                    acked: None,
+                };
+                let value = invoke::<T>(inv, &mut conn).await.map_err(store_error)?;
+                (value, conn.acked)
+            }
+        };
+        match acked {
+            Some(n) if n >= i64::from(wait.replicas) => Ok(value),
+            acked => Err(StoreError::unavailable(format!(
+                "{op} ran on the primary, but {} of {} replica(s) acknowledged it within {} ms \
+                 (WAIT): it stands there and may still take effect",
+                acked.unwrap_or(0),
+                wait.replicas,
+                wait.ms
+            ))),
+        }
+    };
+    bounded(timeout, op, round_trip).await
 }
 
 /// One command on a pooled connection.

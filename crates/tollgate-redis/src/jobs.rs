@@ -37,8 +37,8 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{
-        Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource, JobStatus,
-        Lease, Maintenance, QueueStats, Waiters, Watch,
+        Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource,
+        JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
     },
     ledger::Ledger,
 };
@@ -47,7 +47,7 @@ use crate::call::{self, bad_reply};
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{blocking_connection, Blocking};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, FailArgs, Reclaim};
+use crate::scripts::{self, FailArgs, LeaseArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::trace::TraceParent;
@@ -327,11 +327,14 @@ impl RedisJobQueue {
                 "job_lease",
                 scripts::job_lease(
                     &keys,
-                    &id,
-                    worker,
-                    millis(lease),
-                    op.max_attempts,
-                    &op.name,
+                    LeaseArgs {
+                        id: &id,
+                        worker,
+                        lease_ms: millis(lease),
+                        max_attempts: op.max_attempts,
+                        operation: &op.name,
+                        result_ttl_ms: millis(self.options.result_ttl),
+                    },
                     &self.done_channel(&keys),
                 ),
             )
@@ -375,6 +378,7 @@ impl RedisJobQueue {
                     job,
                     worker: worker.to_owned(),
                     time_left: Duration::from_millis(int(&reply[2]).unwrap_or(0)),
+                    ran_before: fields.get("started").is_some_and(|v| v == "1"),
                 })))
             }
             Some(0) => Ok(Taken::Skipped),
@@ -382,8 +386,14 @@ impl RedisJobQueue {
                 let cause = reply.get(1).and_then(text).unwrap_or_default();
                 let user = reply.get(2).and_then(text).unwrap_or_default();
                 let nonce = reply.get(3).and_then(text).unwrap_or_default();
-                tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");
-                self.release(&keys, &id, &user, &nonce).await?;
+                let keeps = FailureCause::parse(&cause).is_some_and(FailureCause::charged);
+                if keeps {
+                    // Its worker was lost mid-run: the charge stands (`job::given_up`).
+                    tracing::warn!(request_id = %id, user, cause, "job failed at its take; its charge stands");
+                } else {
+                    tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");
+                    self.release(&keys, &id, &user, &nonce).await?;
+                }
                 Ok(Taken::Skipped)
             }
             Some(3) => {
@@ -592,7 +602,7 @@ impl JobQueue for RedisJobQueue {
         let input = job.input.to_string();
         let reply: Vec<Value> = self
             .script(
-                "job_enqueue",
+                call::ENQUEUE,
                 scripts::job_enqueue(&keys, job, &input, create),
             )
             .await?;
@@ -697,25 +707,34 @@ impl JobSource for RedisJobQueue {
     }
 
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
-        let claimed = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
-        if !claimed {
+        let claim = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
+        if let Some((cause, message)) = job::unrun(claim) {
             let (_, keys) = self.op_keys(&lease.job.operation)?;
-            tracing::warn!(request_id = %lease.job.id, "the job's charge is not its own; failing it unrun");
+            tracing::warn!(request_id = %lease.job.id, %message, "the job's charge is not its own; failing it unrun");
             self.record_failure(
                 &keys,
                 FailArgs {
                     id: lease.job.id.as_str(),
                     worker: &lease.worker,
                     token: lease.token,
-                    cause: FailureCause::Abandoned.as_str(),
-                    message: job::UNPAID,
+                    cause: cause.as_str(),
+                    message,
                     release: false,
                     ttl_ms: millis(self.options.result_ttl),
                 },
             )
             .await?;
+            return Ok(false);
         }
-        Ok(claimed)
+        // Before the call: a run that starts and is lost keeps its charge.
+        let (_, keys) = self.op_keys(&lease.job.operation)?;
+        let _: i64 = self
+            .script(
+                "job_started",
+                scripts::job_started(&keys, lease.job.id.as_str(), lease.token),
+            )
+            .await?;
+        Ok(true)
     }
 
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError> {
@@ -760,8 +779,10 @@ impl JobSource for RedisJobQueue {
         &self,
         lease: &Lease,
         cause: FailureCause,
+        charge: Charge,
         message: &str,
     ) -> Result<Finish, JobError> {
+        let release = matches!(charge, Charge::Release { .. });
         let (_, keys) = self.op_keys(&lease.job.operation)?;
         let id = lease.job.id.as_str();
         let recorded = self
@@ -773,13 +794,16 @@ impl JobSource for RedisJobQueue {
                     token: lease.token,
                     cause: cause.as_str(),
                     message,
-                    release: true,
+                    release,
                     ttl_ms: millis(self.options.result_ttl),
                 },
             )
             .await?;
         if !recorded {
             return Ok(Finish::LeaseLost);
+        }
+        if !release {
+            return Ok(Finish::Recorded);
         }
         if let Err(e) = self
             .release(&keys, id, lease.job.user.as_str(), &lease.job.nonce)

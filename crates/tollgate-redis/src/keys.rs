@@ -57,6 +57,9 @@ pub struct BudgetKeys {
     pub log: String,
     /// Hash: the running totals and the size of the index.
     pub meta: String,
+    /// Sorted set: nonce -> end of the hold of a held charge an operator
+    /// refunded: its job is cancelled (its claim refused) until then.
+    pub cancelled: String,
 }
 
 impl BudgetKeys {
@@ -152,7 +155,8 @@ impl KeySpace {
         &self.prefix
     }
 
-    /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds|audit|log|meta` (and `e:<n>`)
+    /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds|audit|log|meta|cancelled`
+    /// (and `e:<n>`)
     pub fn budget(&self, user: &UserId) -> BudgetKeys {
         let base = format!("{}:{SCHEMA}:{{u:{}}}", self.prefix, user);
         BudgetKeys {
@@ -164,6 +168,7 @@ impl KeySpace {
             audit: format!("{base}:audit"),
             log: format!("{base}:log"),
             meta: format!("{base}:meta"),
+            cancelled: format!("{base}:cancelled"),
         }
     }
 
@@ -344,6 +349,7 @@ mod tests {
         assert_eq!(k.audit, "tg:v1:{u:alice}:audit");
         assert_eq!(k.log, "tg:v1:{u:alice}:log");
         assert_eq!(k.meta, "tg:v1:{u:alice}:meta");
+        assert_eq!(k.cancelled, "tg:v1:{u:alice}:cancelled");
         assert_eq!(k.bucket(7), "tg:v1:{u:alice}:e:7");
     }
 

@@ -112,14 +112,18 @@ impl RedisLedger {
         request: &RequestId,
         nonce: &str,
         actual_cost: u64,
+        may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError> {
         let keys = self.keys.budget(user);
-        let r: Vec<i64> = self
-            .script(
-                "settle",
-                scripts::settle(&keys, request.as_str(), actual_cost, nonce, &self.plans),
-            )
-            .await?;
+        let inv = scripts::settle(
+            &keys,
+            request.as_str(),
+            actual_cost,
+            nonce,
+            may_raise,
+            &self.plans,
+        );
+        let r: Vec<i64> = self.script("settle", inv).await?;
         match r.as_slice() {
             &[1, previous, cost, used] => Ok(SettleOutcome::Settled {
                 previous_cost: to_u64(previous),
@@ -169,19 +173,23 @@ impl Ledger for RedisLedger {
         }
     }
 
-    async fn refund(
+    async fn refund_charge(
         &self,
         user: &UserId,
         request: &RequestId,
+        finished: Option<&str>,
     ) -> Result<RefundOutcome, LedgerError> {
         let keys = self.keys.budget(user);
-        let r: Vec<i64> = self
-            .script(
-                "refund",
-                scripts::refund(&keys, request.as_str(), &self.plans),
-            )
-            .await?;
-        refund_outcome("refund", &r)
+        let inv = scripts::refund(&keys, request.as_str(), finished.unwrap_or(""), &self.plans);
+        let r: Vec<i64> = self.script("refund", inv).await?;
+        match *r.as_slice() {
+            [2, cost, used] => Ok(RefundOutcome::Cancelled {
+                cost: to_u64(cost),
+                used: to_u64(used),
+            }),
+            [3, used] => Ok(RefundOutcome::Running { used: to_u64(used) }),
+            _ => refund_outcome("refund", &r),
+        }
     }
 
     async fn settle(
@@ -193,7 +201,7 @@ impl Ledger for RedisLedger {
         if actual_cost > tollgate_core::config::MAX_TOKENS {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
-        self.settle_with(user, request, "", actual_cost).await
+        self.settle_with(user, request, "", actual_cost, true).await
     }
 
     async fn settle_charge(
@@ -202,9 +210,11 @@ impl Ledger for RedisLedger {
         request: &RequestId,
         nonce: &str,
         actual_cost: u64,
+        may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError> {
         validate_cost(actual_cost)?;
-        self.settle_with(user, request, nonce, actual_cost).await
+        self.settle_with(user, request, nonce, actual_cost, may_raise)
+            .await
     }
 
     async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
@@ -226,7 +236,7 @@ impl Ledger for RedisLedger {
         let keys = self.keys.budget(user);
         let r: Vec<Value> = self
             .script(
-                "charge",
+                call::CHARGE,
                 scripts::charge(&keys, request.as_str(), charge, &self.plans),
             )
             .await?;
@@ -270,10 +280,10 @@ impl Ledger for RedisLedger {
                 scripts::claim(&keys, request.as_str(), nonce, hold_until_ms, &self.plans),
             )
             .await?;
-        Ok(if r == 1 {
-            ClaimOutcome::Claimed
-        } else {
-            ClaimOutcome::Refused
+        Ok(match r {
+            1 => ClaimOutcome::Claimed,
+            2 => ClaimOutcome::Cancelled,
+            _ => ClaimOutcome::Refused,
         })
     }
 

@@ -9,7 +9,8 @@
 //!   throttler's [`throttle::Dispatcher`];
 //! - [`jobs`] is the job queue, both sides ([`tollgate_core::job::JobQueue`] and
 //!   [`tollgate_core::job::JobSource`]) on reliable lists;
-//! - [`activity`] is the dashboard's [`tollgate_core::activity::ActivityLog`].
+//! - [`activity`] is the dashboard's [`tollgate_core::activity::ActivityLog`];
+//! - [`durability`] reads what Redis promises an accepted call (fsync, replicas).
 //!
 //! **Invariant:** spend events, running totals and token buckets are written only
 //! by the scripts in `lua/`, one atomic script per operation, with time from Redis
@@ -18,6 +19,7 @@
 pub mod activity;
 pub mod call;
 pub mod clock;
+pub mod durability;
 pub mod jobs;
 pub mod keys;
 pub mod keystore;
@@ -66,6 +68,10 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         Arc::clone(&ledger),
         JobOptions::default(),
     ));
+    let durability = Arc::new(durability::RedisDurability::new(
+        pool.clone(),
+        pool::DEFAULT_TIMEOUT,
+    ));
     Backends {
         throttle: Arc::new(RecordingThrottle::new(
             Arc::new(RedisThrottle::start(
@@ -88,5 +94,6 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         described,
         metrics,
         activity,
+        durability,
     }
 }

@@ -15,7 +15,9 @@
 //! than [`IDLE_PING`] is also PINGed first: a peer that vanished without closing
 //! the socket (a dropped NAT entry, a dead host) leaves the task running. And a
 //! call that fails at the connection level marks its connection broken, so the
-//! pool never hands it out again ([`Multiplexed::fail`]).
+//! pool never hands it out again ([`Multiplexed::fail`]). With `--durability
+//! fsync` a new connection first reads Redis's AOF setting, and one to a Redis
+//! that does not fsync every write is refused ([`crate::durability`]).
 //!
 //! **A checkout lasts an instant.** The connections are multiplexed: any number
 //! of calls share one, each reply reaching its own caller. So a call takes a
@@ -28,7 +30,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
@@ -41,9 +43,11 @@ use redis::{
     Value,
 };
 use tokio::task::JoinHandle;
+use tollgate_core::durability::Durability;
 use tollgate_core::error::StoreError;
 
 use crate::call::store_error;
+use crate::durability;
 
 /// How long one call may wait for a connection, or for Redis to answer, before it
 /// fails as unavailable (fail closed rather than hang).
@@ -75,6 +79,7 @@ pub struct ClusterPool {
     seeds: Vec<String>,
     tls: Tls,
     timeout: Duration,
+    durability: Durability,
 }
 
 impl std::fmt::Debug for ClusterPool {
@@ -124,6 +129,28 @@ impl std::fmt::Debug for Pool {
 impl Pool {
     pub fn is_cluster(&self) -> bool {
         matches!(self, Self::Cluster(_))
+    }
+
+    /// What an accepted call must survive on this pool's Redis.
+    pub fn durability(&self) -> Durability {
+        match self {
+            Self::Single(p) => p.manager().durability,
+            Self::Cluster(c) => c.durability,
+        }
+    }
+
+    /// Why the last new connection was refused for its Redis's durability,
+    /// while no later one was accepted.
+    pub fn refusal(&self) -> Option<String> {
+        match self {
+            Self::Single(p) => p
+                .manager()
+                .refusal
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            Self::Cluster(_) => None,
+        }
     }
 }
 
@@ -230,6 +257,13 @@ impl Drop for PooledConnection {
 pub struct Manager {
     client: Client,
     timeout: Duration,
+    /// In fsync mode each new connection first checks that Redis fsyncs
+    /// every write: a Redis restarted with another setting is refused at its
+    /// first reconnection, not trusted until the next `/readyz`.
+    durability: Durability,
+    /// The last refusal's reason, until a connection is accepted again: what
+    /// `/readyz` says while no call can be made.
+    refusal: Mutex<Option<String>>,
 }
 
 impl Manager {
@@ -320,6 +354,58 @@ impl managed::Manager for Manager {
     type Error = RedisError;
 
     async fn create(&self) -> Result<PooledConnection, RedisError> {
+        let mut conn = self.connect().await?;
+        if self.durability == Durability::Fsync {
+            let persistence = durability::config_get()
+                .query_async(&mut conn.conn)
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(durability::parse);
+            let problem = durability::judge(self.durability, persistence, None).problem;
+            *self.refusal.lock().unwrap_or_else(|e| e.into_inner()) = problem.clone();
+            if let Some(problem) = problem {
+                return Err(RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    NOT_DURABLE,
+                    problem,
+                )));
+            }
+        }
+        Ok(conn)
+    }
+
+    async fn recycle(
+        &self,
+        conn: &mut PooledConnection,
+        metrics: &Metrics,
+    ) -> RecycleResult<RedisError> {
+        if !conn.is_alive() {
+            return Err(RecycleError::message(
+                "Redis closed the connection, or a call failed on it",
+            ));
+        }
+        if metrics.last_used() > IDLE_PING {
+            redis::cmd("PING")
+                .query_async::<String>(&mut conn.conn)
+                .await
+                .map_err(RecycleError::Backend)?;
+        }
+        Ok(())
+    }
+}
+
+/// The description of the error of a connection refused because its Redis
+/// does not keep the pool's [`Durability`].
+const NOT_DURABLE: &str = "Redis does not keep the durability asked for";
+
+/// True for a connection refused by the durability check: the message says
+/// why, and waiting does not help.
+pub fn is_not_durable(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::InvalidClientConfig && e.to_string().contains(NOT_DURABLE)
+}
+
+impl Manager {
+    async fn connect(&self) -> Result<PooledConnection, RedisError> {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout));
@@ -353,25 +439,6 @@ impl managed::Manager for Manager {
             ))),
         }
     }
-
-    async fn recycle(
-        &self,
-        conn: &mut PooledConnection,
-        metrics: &Metrics,
-    ) -> RecycleResult<RedisError> {
-        if !conn.is_alive() {
-            return Err(RecycleError::message(
-                "Redis closed the connection, or a call failed on it",
-            ));
-        }
-        if metrics.last_used() > IDLE_PING {
-            redis::cmd("PING")
-                .query_async::<String>(&mut conn.conn)
-                .await
-                .map_err(RecycleError::Backend)?;
-        }
-        Ok(())
-    }
 }
 
 /// True for failures of the connection (refused, reset, timed out) rather than
@@ -402,6 +469,9 @@ pub struct PoolOptions {
     pub timeout: Duration,
     /// Certificates for `rediss://` and `rediss+cluster://` URLs.
     pub tls: Tls,
+    /// What an accepted call must survive (checked on connection, WAIT after
+    /// the writes that accept a call).
+    pub durability: Durability,
 }
 
 impl Default for PoolOptions {
@@ -410,6 +480,7 @@ impl Default for PoolOptions {
             max_size: 8,
             timeout: DEFAULT_TIMEOUT,
             tls: Tls::default(),
+            durability: Durability::None,
         }
     }
 }
@@ -478,6 +549,10 @@ pub enum RedisBackendError {
     BadUrl { url: String, message: String },
     #[error("Redis at {url} is unreachable: {message}")]
     Unreachable { url: String, message: String },
+    /// Redis answers but does not keep the durability asked for (or cannot
+    /// say): waiting does not help.
+    #[error("Redis at {url}: {message}")]
+    NotDurable { url: String, message: String },
 }
 
 /// The URL with any password replaced by `***`, fit for logs and errors.
@@ -544,6 +619,8 @@ pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBack
     let pool = SinglePool::builder(Manager {
         client,
         timeout: options.timeout,
+        durability: options.durability,
+        refusal: Mutex::default(),
     })
     .max_size(options.max_size)
     .wait_timeout(Some(options.timeout))
@@ -552,18 +629,27 @@ pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBack
     .build()
     .map_err(|e| bad_url(e.to_string()))?;
     let ping = async {
-        let mut conn = pool.get().await.map_err(|e| e.to_string())?;
+        let mut conn = pool.get().await.map_err(|e| match e {
+            managed::PoolError::Backend(e) if is_not_durable(&e) => RedisBackendError::NotDurable {
+                url: shown.clone(),
+                message: e.detail().unwrap_or(NOT_DURABLE).to_owned(),
+            },
+            e => RedisBackendError::Unreachable {
+                url: shown.clone(),
+                message: e.to_string(),
+            },
+        })?;
         redis::cmd("PING")
             .query_async::<String>(&mut **conn)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| RedisBackendError::Unreachable {
+                url: shown.clone(),
+                message: e.to_string(),
+            })
     };
     match tokio::time::timeout(options.timeout, ping).await {
         Ok(Ok(_)) => Ok(Pool::Single(pool)),
-        Ok(Err(message)) => Err(RedisBackendError::Unreachable {
-            url: shown,
-            message,
-        }),
+        Ok(Err(e)) => Err(e),
         Err(_) => Err(RedisBackendError::Unreachable {
             url: shown,
             message: format!("no answer within {:?}", options.timeout),
@@ -598,13 +684,31 @@ async fn connect_cluster(
         Ok::<_, RedisError>(conn)
     };
     match tokio::time::timeout(options.timeout, connect).await {
-        Ok(Ok(conn)) => Ok(Pool::Cluster(Box::new(ClusterPool {
-            client,
-            conn,
-            seeds,
-            tls: options.tls.clone(),
-            timeout: options.timeout,
-        }))),
+        Ok(Ok(conn)) => {
+            let pool = Pool::Cluster(Box::new(ClusterPool {
+                client,
+                conn,
+                seeds,
+                tls: options.tls.clone(),
+                timeout: options.timeout,
+                durability: options.durability,
+            }));
+            // No connection of a cluster is made here (redis-rs makes them):
+            // fsync mode is checked on every primary at start and by /readyz.
+            if options.durability == Durability::Fsync {
+                let report = tollgate_core::durability::DurabilityCheck::check(
+                    &durability::RedisDurability::new(pool.clone(), options.timeout),
+                )
+                .await;
+                if let Some(message) = report.problem {
+                    return Err(RedisBackendError::NotDurable {
+                        url: shown.to_owned(),
+                        message,
+                    });
+                }
+            }
+            Ok(pool)
+        }
         Ok(Err(e)) => Err(unreachable(e.to_string())),
         Err(_) => Err(unreachable(format!(
             "no answer within {:?}",

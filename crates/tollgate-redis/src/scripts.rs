@@ -32,21 +32,29 @@ pub static CLAIM: LazyLock<Script> =
 pub static RELEASE: LazyLock<Script> =
     LazyLock::new(|| budget_script(include_str!("../../../lua/release.lua")));
 
-/// The ARGV tail of every budget script: the export's maxlen (0: none), then the
-/// plan table, `name, limits` pairs, the default plan first, where limits is
-/// `limit:window_ms,...` longest window first. Built once per config.
+/// The ARGV tail of every budget script: the export's maxlen (0: none), the
+/// retention (ms: the longest window of any plan, how long the log keeps an
+/// event), then the plan table, `name, limits` pairs, the default plan first,
+/// where limits is `limit:window_ms,...` longest window first. Built once per
+/// config.
 #[derive(Debug, Clone)]
 pub struct PlanArgs(Vec<String>);
 
 impl PlanArgs {
+    /// The ARGV tail itself (for a bare EVALSHA, as benches send it).
+    pub fn args(&self) -> &[String] {
+        &self.0
+    }
+
     pub fn new(config: &tollgate_core::config::Config) -> Self {
         let default = config.default_plan();
         let rest = config.plans().filter(|p| p.name != default.name);
         let export = config.export_maxlen().unwrap_or(0).to_string();
+        let retention = config.retention_ms().to_string();
         let plans = std::iter::once(default)
             .chain(rest)
             .flat_map(|p| [p.name.clone(), Self::limits(p)]);
-        let args = std::iter::once(export).chain(plans).collect();
+        let args = [export, retention].into_iter().chain(plans).collect();
         Self(args)
     }
 
@@ -69,7 +77,8 @@ fn invocation<'a>(script: &'a Script, keys: &BudgetKeys) -> redis::ScriptInvocat
         .key(&keys.holds)
         .key(&keys.audit)
         .key(&keys.log)
-        .key(&keys.meta);
+        .key(&keys.meta)
+        .key(&keys.cancelled);
     inv
 }
 
@@ -91,7 +100,7 @@ pub fn reserve<'a>(
 pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) -> redis::Cmd {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(RESERVE.get_hash())
-        .arg(8)
+        .arg(9)
         .arg(&keys.events)
         .arg(&keys.costs)
         .arg(&keys.plan)
@@ -100,34 +109,43 @@ pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs
         .arg(&keys.audit)
         .arg(&keys.log)
         .arg(&keys.meta)
+        .arg(&keys.cancelled)
         .arg(request)
         .arg(cost)
         .arg(&plans.0);
     cmd
 }
 
-/// `refund.lua`
+/// `refund.lua`: `finished` is the nonce of the charge's job when it was read
+/// as final (the refund is then a plain credit), or `""`.
 pub fn refund<'a>(
     keys: &BudgetKeys,
     request: &str,
+    finished: &str,
     plans: &PlanArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&REFUND, keys);
-    inv.arg(request).arg(&plans.0);
+    inv.arg(request).arg(finished).arg(&plans.0);
     inv
 }
 
 /// `settle.lua`: `nonce` is `""` for an operator's correction of any event, or
-/// the nonce of the job settling its own charge.
+/// the nonce of the job settling its own charge; `may_raise` false settles
+/// only down.
 pub fn settle<'a>(
     keys: &BudgetKeys,
     request: &str,
     actual_cost: u64,
     nonce: &str,
+    may_raise: bool,
     plans: &PlanArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&SETTLE, keys);
-    inv.arg(request).arg(actual_cost).arg(nonce).arg(&plans.0);
+    inv.arg(request)
+        .arg(actual_cost)
+        .arg(nonce)
+        .arg(if may_raise { "1" } else { "0" })
+        .arg(&plans.0);
     inv
 }
 
@@ -162,7 +180,7 @@ pub fn charge<'a>(
     inv
 }
 
-/// `claim.lua`: 1 claimed, 0 refused.
+/// `claim.lua`: 1 claimed, 0 refused, 2 cancelled by an operator.
 pub fn claim<'a>(
     keys: &BudgetKeys,
     request: &str,
@@ -470,6 +488,7 @@ job_scripts! {
     JOB_ENQUEUE => "job_enqueue.lua",
     JOB_LEASE => "job_lease.lua",
     JOB_RENEW => "job_renew.lua",
+    JOB_STARTED => "job_started.lua",
     JOB_COMPLETE => "job_complete.lua",
     JOB_FAIL => "job_fail.lua",
     JOB_REFUNDED => "job_refunded.lua",
@@ -501,6 +520,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_enqueue.lua", &JOB_ENQUEUE),
         ("job_lease.lua", &JOB_LEASE),
         ("job_renew.lua", &JOB_RENEW),
+        ("job_started.lua", &JOB_STARTED),
         ("job_complete.lua", &JOB_COMPLETE),
         ("job_fail.lua", &JOB_FAIL),
         ("job_refunded.lua", &JOB_REFUNDED),
@@ -544,28 +564,38 @@ pub fn job_enqueue<'a>(
     inv
 }
 
+/// What `job_lease.lua` is asked.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseArgs<'a> {
+    pub id: &'a str,
+    pub worker: &'a str,
+    pub lease_ms: u64,
+    pub max_attempts: u32,
+    /// The queue's operation.
+    pub operation: &'a str,
+    /// How long a record failed here with nothing to release stays readable.
+    pub result_ttl_ms: u64,
+}
+
 /// `job_lease.lua`
 pub fn job_lease<'a>(
     keys: &JobKeys,
-    id: &str,
-    worker: &str,
-    lease_ms: u64,
-    max_attempts: u32,
-    operation: &str,
+    a: LeaseArgs<'_>,
     channel: &str,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_LEASE.prepare_invoke();
-    inv.key(keys.job(id))
-        .key(keys.processing(worker))
+    inv.key(keys.job(a.id))
+        .key(keys.processing(a.worker))
         .key(&keys.leases)
         .key(&keys.refunds)
         .key(&keys.dead);
-    inv.arg(id)
-        .arg(worker)
-        .arg(lease_ms)
-        .arg(max_attempts)
-        .arg(operation)
-        .arg(channel);
+    inv.arg(a.id)
+        .arg(a.worker)
+        .arg(a.lease_ms)
+        .arg(a.max_attempts)
+        .arg(a.operation)
+        .arg(channel)
+        .arg(a.result_ttl_ms);
     inv
 }
 
@@ -579,6 +609,14 @@ pub fn job_renew<'a>(
     let mut inv = JOB_RENEW.prepare_invoke();
     inv.key(keys.job(id)).key(&keys.leases);
     inv.arg(id).arg(token).arg(lease_ms);
+    inv
+}
+
+/// `job_started.lua`
+pub fn job_started<'a>(keys: &JobKeys, id: &str, token: u64) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_STARTED.prepare_invoke();
+    inv.key(keys.job(id));
+    inv.arg(token);
     inv
 }
 

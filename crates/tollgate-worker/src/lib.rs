@@ -1,6 +1,19 @@
 //! The worker role: for each operation, takes jobs from its queue (a
 //! [`JobSource`]: Redis or in-memory), waits for the provider's throttle, calls
-//! the provider, and records the result, or the failure with its refund.
+//! the provider, and records the result, or the failure with what the
+//! outcome policy (`tollgate_providers::outcome`) decided for its charge:
+//! released, or kept when the upstream may have done the work.
+//!
+//! The job's deadline (the lease's `time_left`, on the store's clock) bounds
+//! the waits and is checked before each attempt is sent; a call already sent
+//! is never abandoned for it: it ends by itself (bounded by the provider's
+//! `timeout`) and its outcome decides, while the lease keeps being renewed, so
+//! no maintenance requeues the job meanwhile. A worker that dies mid-call
+//! leaves a job whose lease lapses, marked `started` (`JobSource::start`):
+//! before its deadline it runs again under the same charge, and that run's
+//! failure keeps the charge (`Lease::ran_before`); past its deadline (or its
+//! attempts) the next take fails it `unanswered` with its charge kept
+//! (`job::given_up`): never run again for free, never released.
 //!
 //! While a job runs its lease is renewed every third of the lease; a lost lease
 //! (the worker was paused and the job went to another), or one this worker
@@ -17,8 +30,8 @@
 //! and the maintenance loop beat a heartbeat (`/readyz` reports a silent one).
 //! **Invariant:** a worker touches a budget only as its job's charge's owner:
 //! it claims it before the call, settles it to the reported cost after a
-//! success (by the charge's nonce), and releases it through the job source's
-//! fenced `fail` (refund once).
+//! success (by the charge's nonce), and releases it, when the outcome policy
+//! says so, through the job source's fenced `fail` (refund once).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -30,10 +43,10 @@ use tokio::time::Instant;
 use tollgate_core::{
     config::Config,
     id::RequestId,
-    job::{self, FailureCause, Finish, JobSource, Lease},
+    job::{self, Charge, FailureCause, Finish, JobSource, Lease},
     metrics::{Heartbeat, JobEnd, Metrics},
 };
-use tollgate_providers::{Client, ProviderError};
+use tollgate_providers::{outcome, CallError, Client};
 use tracing::Instrument;
 
 /// Tunables of the worker role.
@@ -308,9 +321,8 @@ async fn fetch(
 }
 
 enum Ended {
-    Called(Result<serde_json::Value, ProviderError>),
+    Called(Result<serde_json::Value, CallError>),
     LeaseLost,
-    Expired,
     Stopping,
 }
 
@@ -363,8 +375,9 @@ async fn job(
         }
     }
     // The store's clock said how long the job had left when it was leased: a
-    // monotonic timer from there, never this pod's wall clock.
-    let remaining = lease.time_left;
+    // monotonic timer from there, never this pod's wall clock. It bounds what
+    // is sent, not what is in flight (see the module docs).
+    let deadline = tokio::time::Instant::now() + lease.time_left;
     let renew = async {
         loop {
             let asleep = tokio::time::Instant::now();
@@ -394,8 +407,7 @@ async fn job(
         // that became ready meanwhile goes out.
         biased;
         () = renew => Ended::LeaseLost,
-        r = provider.call(job) => Ended::Called(r),
-        () = tokio::time::sleep(remaining) => Ended::Expired,
+        r = provider.call_by(job, Some(deadline)) => Ended::Called(r),
         () = grace => Ended::Stopping,
     };
     let (recorded, ok, cause) = match ended {
@@ -405,9 +417,7 @@ async fn job(
             let recorded = finish("complete", || source.complete(lease, result.clone())).await;
             (recorded, JobEnd::Succeeded, None)
         }
-        Ended::Called(Err(e))
-            if matches!(e, ProviderError::Throttle(_)) && !e.is_throttle_timeout() =>
-        {
+        Ended::Called(Err(e)) if e.may_hand_back() => {
             tracing::warn!(error = %e, "throttle unavailable; handing the job back");
             // Not at once: the next take would most likely fail the same way.
             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -418,29 +428,39 @@ async fn job(
             )
         }
         Ended::Called(Err(e)) => {
-            let cause = if e.is_throttle_timeout() {
-                FailureCause::ThrottleTimeout
+            let (cause, charge, message) = if lease.ran_before {
+                let (cause, charge) = outcome::after_lost_run(e.cause, e.charge);
+                (
+                    cause,
+                    charge,
+                    format!("{}; this run: {e}", job::LOST_MID_RUN),
+                )
             } else {
-                FailureCause::Provider
+                (e.cause, e.charge, e.to_string())
             };
-            tracing::info!(error = %e, cause = cause.as_str(), "job failed; refunding");
-            let message = e.to_string();
-            (
-                finish("fail", || source.fail(lease, cause, &message)).await,
-                JobEnd::Failed,
-                Some(cause),
-            )
-        }
-        Ended::Expired => {
-            let message = "the job passed its deadline while running";
-            (
-                finish("fail", || {
-                    source.fail(lease, FailureCause::Expired, message)
-                })
-                .await,
-                JobEnd::Failed,
-                Some(FailureCause::Expired),
-            )
+            match charge {
+                Charge::Keep => {
+                    tracing::info!(error = %e, cause = cause.as_str(), "job failed; the upstream may have worked: the charge stands");
+                    // No usage was reported: a charge that reserved the
+                    // most comes down to the operation's estimate.
+                    settle(source.as_ref(), lease, &serde_json::Value::Null).await;
+                }
+                Charge::Release { absorbed } => {
+                    tracing::info!(error = %e, cause = cause.as_str(), absorbed, "job failed; releasing its charge")
+                }
+            }
+            let recorded = finish("fail", || source.fail(lease, cause, charge, &message)).await;
+            if let (
+                Some(Finish::Recorded),
+                Charge::Release {
+                    absorbed: Some(reason),
+                },
+            ) = (recorded, charge)
+            {
+                cfg.metrics.absorbed(&job.provider, reason);
+            }
+            let released = matches!(charge, Charge::Release { .. });
+            (recorded, JobEnd::Failed, released.then_some(cause))
         }
         Ended::Stopping => (
             finish("hand back", || source.hand_back(lease)).await,
@@ -462,8 +482,9 @@ async fn job(
 }
 
 /// Settles the job's charge to the cost the provider reported, when its
-/// operation says where to read it. A store failure is retried briefly, then
-/// the estimate stands (the charge is never lost, only left at its estimate).
+/// operation says where to read it (`Null`: no answer, the estimate). A store
+/// failure is retried briefly, then the charge stays what it is (never lost:
+/// the most reserved, or the estimate).
 async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Value) {
     use tollgate_core::job::Settled;
     let mut backoff = Duration::from_millis(50);
@@ -472,6 +493,9 @@ async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Valu
             Ok(Settled::Fixed) => {}
             Ok(Settled::To { estimate, cost }) => {
                 tracing::debug!(estimate, cost, "the charge settled to the reported cost");
+            }
+            Ok(Settled::NoUsage) if answer.is_null() => {
+                tracing::debug!("no answer to read usage from; the estimate stands");
             }
             Ok(Settled::NoUsage) => {
                 tracing::warn!(

@@ -90,7 +90,19 @@ impl All {
         concurrency: usize,
         redis: Option<(&str, &str)>,
     ) -> anyhow::Result<Self> {
+        Self::start_with_env(bin, config, concurrency, redis, &[])
+    }
+
+    /// [`All::start`] with `env` set for the process (e.g. `TOLLGATE_DURABILITY`).
+    pub(crate) fn start_with_env(
+        bin: &Path,
+        config: &Path,
+        concurrency: usize,
+        redis: Option<(&str, &str)>,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
         let mut cmd = Command::new(bin);
+        cmd.envs(env.iter().copied());
         cmd.args(["all", "--listen", "127.0.0.1:0", "--admin-token", ADMIN])
             .arg("--config")
             .arg(config)
@@ -132,14 +144,20 @@ impl All {
 }
 
 #[derive(Clone)]
-struct Client {
-    http: reqwest::Client,
-    url: String,
+pub(crate) struct Client {
+    pub(crate) http: reqwest::Client,
+    pub(crate) url: String,
 }
 
 impl Client {
     /// One operation call; `Err` unless the status is `want`.
-    async fn call(&self, key: &str, i: usize, asynchronous: bool, want: u16) -> anyhow::Result<()> {
+    pub(crate) async fn call(
+        &self,
+        key: &str,
+        i: usize,
+        asynchronous: bool,
+        want: u16,
+    ) -> anyhow::Result<()> {
         let mut req = self
             .http
             .post(&self.url)
@@ -161,7 +179,7 @@ impl Client {
 }
 
 /// `n` calls one after another: per-call latencies.
-async fn sequential(
+pub(crate) async fn sequential(
     c: &Client,
     key: &str,
     n: usize,
@@ -192,7 +210,7 @@ async fn healthz(c: &Client, base: &str, n: usize) -> anyhow::Result<Samples> {
 
 /// `clients` tasks share `total` calls, each task calling one after another on
 /// its own keep-alive connection: per-call latencies and the wall time.
-async fn concurrent(
+pub(crate) async fn concurrent(
     c: &Client,
     key: &str,
     clients: usize,

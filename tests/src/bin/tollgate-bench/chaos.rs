@@ -8,6 +8,13 @@
 //! the deployment drains, and the invariants are checked and printed with their
 //! figures; the run fails (naming its seed) if one does not hold.
 //!
+//! Redis runs with AOF as production would (`appendonly yes`), fsynced every
+//! second (Redis's default) or, with `--durable`, on every write
+//! (`appendfsync always`, every role with `--durability fsync`): only then must
+//! no call answered 200/202 vanish when Redis is SIGKILLed. (A SIGKILL loses
+//! only what Redis had not yet written to the kernel, which `everysec` may
+//! postpone while an fsync is slow; a power cut loses the page cache too.)
+//!
 //! The same seed gives the same fault schedule and the same calls; what the
 //! processes do in between is up to the machine, so a failure is a lead to
 //! replay, not a guaranteed reproduction.
@@ -46,6 +53,10 @@ pub struct Args {
     /// Keep each run's directory (config, role logs, Redis AOF) even when it passes.
     #[arg(long)]
     keep: bool,
+    /// Redis with `appendfsync always` and every role with `--durability
+    /// fsync`: no accepted call may vanish when Redis is killed.
+    #[arg(long)]
+    durable: bool,
 }
 
 const ADMIN: &str = "chaos-admin-token-0123456789";
@@ -262,6 +273,8 @@ struct Proc {
 
 struct Deployment {
     dir: PathBuf,
+    /// `--durability` of every role.
+    durability: &'static str,
     prefix: String,
     /// Redis itself, for the suite's own commands and checks.
     redis_url: String,
@@ -289,6 +302,7 @@ impl Deployment {
             .env("TOLLGATE_KEY_PREFIX", &self.prefix)
             .env("TOLLGATE_CONFIG", self.dir.join("chaos.toml"))
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
+            .env("TOLLGATE_DURABILITY", self.durability)
             // JSON, with every wait for a slot traced: the waits' check reads them.
             .env("TOLLGATE_LOG_FORMAT", "json")
             .env(
@@ -770,7 +784,9 @@ async fn one_call(
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum JobEnd {
     Succeeded,
-    Failed(String),
+    /// The cause, and whether the charge stands (the upstream may have
+    /// worked: the outcome policy keeps it).
+    Failed(String, bool),
     Open(String),
     /// 404: never created (a call whose every answer was lost before the job existed).
     Missing,
@@ -792,9 +808,18 @@ async fn job_end(http: &Client, api: SocketAddr, key: &str, id: &str) -> Option<
     let v: Value = r.json().await.ok()?;
     Some(match v["status"].as_str()? {
         "succeeded" => JobEnd::Succeeded,
-        "failed" => JobEnd::Failed(v["error"]["cause"].as_str().unwrap_or("?").to_owned()),
+        "failed" => JobEnd::Failed(
+            v["error"]["cause"].as_str().unwrap_or("?").to_owned(),
+            v["error"]["charged"].as_bool().unwrap_or(false),
+        ),
         other => JobEnd::Open(other.to_owned()),
     })
+}
+
+/// Whether a job's end leaves its charge in the budget: it succeeded, or it
+/// failed after the upstream may have worked.
+fn paid(end: Option<&JobEnd>) -> bool {
+    matches!(end, Some(JobEnd::Succeeded | JobEnd::Failed(_, true)))
 }
 
 /// The Redis keys of the deployment, each with its type, length and TTL.
@@ -939,11 +964,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
 async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let started = Instant::now();
-    println!("== chaos seed {seed}: {} s of load", args.seconds);
+    let (appendfsync, durability) = if args.durable {
+        ("always", "fsync")
+    } else {
+        ("everysec", "none")
+    };
+    println!(
+        "== chaos seed {seed}: {} s of load; Redis appendfsync {appendfsync}, roles --durability {durability}",
+        args.seconds
+    );
     let prefix = random_prefix();
     let dir = std::env::temp_dir().join(format!("tollgate-chaos-{prefix}"));
     std::fs::create_dir_all(&dir)?;
-    let redis = RedisServer::start_with(&["--appendonly", "yes"]);
+    let redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", appendfsync]);
     let redis_url = redis.url();
     let limits = PROVIDERS
         .iter()
@@ -1011,6 +1044,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let proxy = FaultProxy::start(([127, 0, 0, 1], redis.port()).into()).await;
     let d = Arc::new(Deployment {
         dir: dir.clone(),
+        durability,
         prefix: prefix.clone(),
         redis_url: redis_url.clone(),
         redis: Arc::new(Mutex::new(redis)),
@@ -1114,7 +1148,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         for (i, c) in made.iter().enumerate() {
             let settled = matches!(
                 ends.get(&c.job_id),
-                Some(JobEnd::Succeeded | JobEnd::Failed(_))
+                Some(JobEnd::Succeeded | JobEnd::Failed(..))
             );
             if settled {
                 continue;
@@ -1130,7 +1164,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             .filter(|c| {
                 !matches!(
                     ends.get(&c.job_id),
-                    Some(JobEnd::Succeeded | JobEnd::Failed(_) | JobEnd::Missing)
+                    Some(JobEnd::Succeeded | JobEnd::Failed(..) | JobEnd::Missing)
                 )
             })
             .count();
@@ -1171,7 +1205,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         .count();
     let mut failures: BTreeMap<String, usize> = BTreeMap::new();
     for c in &accepted {
-        if let Some(JobEnd::Failed(cause)) = ends.get(&c.job_id) {
+        if let Some(JobEnd::Failed(cause, _)) = ends.get(&c.job_id) {
             *failures.entry(cause.clone()).or_default() += 1;
         }
     }
@@ -1264,7 +1298,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     for (i, u) in users.iter().enumerate() {
         let expected: u64 = accepted
             .iter()
-            .filter(|c| c.user == i && ends.get(&c.job_id) == Some(&JobEnd::Succeeded))
+            .filter(|c| c.user == i && paid(ends.get(&c.job_id)))
             .map(|c| OPS[c.op].cost)
             .sum();
         let v: Value = http
@@ -1280,7 +1314,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         }
     }
     checks.push(Check {
-        name: "per user, used = cost of its succeeded jobs",
+        name: "per user, used = cost of its jobs that succeeded or failed charged",
         ok: usage_bad.is_empty(),
         figure: if usage_bad.is_empty() {
             format!("{USERS} users match")
@@ -1290,6 +1324,32 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     });
 
     let arrivals = upstream.arrivals();
+    // The upstream did the work of every call it answered 200: each such job
+    // ends paid (succeeded, or failed with its charge kept), never released.
+    // (This upstream answers only 200 or 429, so no release is absorbed.)
+    let mut unpaid: Vec<&str> = Vec::new();
+    let mut worked = std::collections::HashSet::new();
+    for a in arrivals.iter().filter(|a| a.status == 200) {
+        if let Some(job) = a.job.as_deref() {
+            if worked.insert(job) && !paid(ends.get(job)) {
+                unpaid.push(job);
+            }
+        }
+    }
+    checks.push(Check {
+        name: "every upstream arrival that did work is paid by a live charge",
+        ok: unpaid.is_empty(),
+        figure: format!(
+            "{} jobs answered 200 upstream; {} of them not paid{}",
+            worked.len(),
+            unpaid.len(),
+            if unpaid.is_empty() {
+                String::new()
+            } else {
+                format!(" (e.g. {:?})", &unpaid[..unpaid.len().min(3)])
+            }
+        ),
+    });
     // Every call the upstream saw, kept with the logs for a failure's diagnosis.
     let mut calls_tsv = String::from("at_s\tpath\tjob\tstatus\n");
     for a in &arrivals {
@@ -1549,7 +1609,8 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         println!("== chaos seed {seed}: every invariant holds");
     } else {
         println!(
-            "== chaos seed {seed}: FAILED (replay with --seed {seed}; logs in {})",
+            "== chaos seed {seed}: FAILED (replay with --seed {seed}{}; logs in {})",
+            if args.durable { " --durable" } else { "" },
             dir.display()
         );
     }

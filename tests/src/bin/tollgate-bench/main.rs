@@ -9,6 +9,7 @@ mod api;
 mod chaos;
 mod cluster_audit;
 mod compose;
+mod durability;
 mod fairness;
 mod jobs;
 mod ledger;
@@ -63,6 +64,10 @@ enum Command {
     /// Jobs: submit latency and end-to-end jobs/s, embedded and on Redis with
     /// real throttler and worker processes.
     Jobs(jobs::Args),
+    /// What each `--durability` costs: sync calls/s on Redis with AOF,
+    /// everysec vs always vs a replica (WAIT), with an A/A pair, rounds in
+    /// alternating order.
+    Durability(durability::Args),
     /// Faults from a seed (kill -9, SIGSTOP, Redis connections killed, script
     /// cache flushed, Redis down) against a deployment in processes under load;
     /// then the invariants, checked after a drain.
@@ -104,6 +109,7 @@ fn main() -> anyhow::Result<()> {
             Command::Fairness(args) => fairness::run(args).await,
             Command::Jobs(args) => jobs::run(args).await,
             Command::Chaos(args) => chaos::run(args).await,
+            Command::Durability(args) => durability::run(args).await,
             Command::ComposeScenario(args) => compose::run(args).await,
             Command::Scale(args) => scale::run(args).await,
             Command::ReserveLoad(args) => scale::reserve_load(args).await,

@@ -75,7 +75,7 @@ async fn timed(conn: &mut MultiplexedConnection, cmd: &redis::Cmd) -> anyhow::Re
 }
 
 fn budget_keys(cmd: &mut redis::Cmd, keys: &BudgetKeys) {
-    cmd.arg(8)
+    cmd.arg(9)
         .arg(&keys.events)
         .arg(&keys.costs)
         .arg(&keys.plan)
@@ -83,7 +83,8 @@ fn budget_keys(cmd: &mut redis::Cmd, keys: &BudgetKeys) {
         .arg(&keys.holds)
         .arg(&keys.audit)
         .arg(&keys.log)
-        .arg(&keys.meta);
+        .arg(&keys.meta)
+        .arg(&keys.cancelled);
 }
 
 /// Our usage.lua, for one page.
@@ -143,11 +144,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| server.as_ref().map(|s| s.url()).unwrap_or_default());
     let config = Arc::new(Config::parse(CONFIG, "bench")?);
     let plans = PlanArgs::new(&config);
-    let plan = [
+    // The previous script's ARGV tail: export maxlen, then the plan table.
+    let old_plan = [
         "0".to_string(),
         "bench".to_string(),
         PlanArgs::limits(config.default_plan()),
     ];
+    let plan = plans.args().to_vec();
     let prefix = tollgate_tests::random_prefix();
     let space = KeySpace::new(&prefix)?;
     let pool = tollgate_redis::pool::connect(&url, &PoolOptions::default()).await?;
@@ -243,7 +246,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 let mut cmd = redis::cmd("EVALSHA");
                 cmd.arg(sha);
                 budget_keys(&mut cmd, &space.budget(user));
-                cmd.arg(&plan[..]);
+                cmd.arg(&old_plan[..]);
                 before[i].push(timed(&mut conn, &cmd).await?.0);
             }
         }

@@ -1,0 +1,369 @@
+//! Who pays for each upstream outcome, through HTTP on both backends, with the
+//! real worker, its HTTP provider client and an upstream that records every
+//! arrival: a call the upstream may have worked on keeps its charge (and is
+//! not sent again unless the operation says it is safe); a call it refused, or
+//! never saw, is released; a 5xx is released and counted as absorbed.
+//! Each case failed on the worker that released every call it did not record
+//! as a success (3 upstream calls for 0 tokens after a timeout; a deadline
+//! that abandoned a call the upstream answered; 2xx bodies it could not parse).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::sync::watch;
+use tollgate_api::state::ApiState;
+use tollgate_core::{backend::Backends, config::Config, metrics::Metrics};
+use tollgate_redis::{keys::KeySpace, pool::PoolOptions};
+use tollgate_tests::upstream::Upstream;
+use tollgate_tests::{random_prefix, RedisServer};
+
+use crate::api::{settings, Harness};
+
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(false).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(true).await;
+                }
+            )*
+        }
+    };
+}
+
+both_backends!(
+    an_unanswered_call_is_sent_once_and_keeps_its_charge,
+    a_deadline_passing_mid_call_lets_the_call_finish_and_charges_it,
+    unparsable_2xx_answers_are_charged_once_each,
+    a_refused_call_is_released_and_not_retried,
+    overload_answers_are_retried_then_released,
+    a_server_error_is_released_and_counted_as_absorbed,
+    a_reply_cut_midway_keeps_the_charge,
+    an_unreachable_upstream_is_retried_free_and_released,
+    retry_unanswered_lets_an_operation_resend,
+    a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most,
+);
+
+/// The cost of every operation below.
+const COST: u64 = 5;
+
+/// The built-in config plus providers on the test upstream: `up` (timeout
+/// 1 s, 2 retries), `slow` (timeout 5 s), `closed` (nothing listens), and
+/// their operations; `extra` is appended.
+fn config(url: &str, extra: &str) -> Arc<Config> {
+    let provider = |name: &str, url: &str, timeout: &str| {
+        format!(
+            "[providers.{name}]\nrate = 1000\nburst = 100\nmax_wait = \"5s\"\nurl = \"{url}\"\n\
+             timeout = \"{timeout}\"\nretries = 2\n\n"
+        )
+    };
+    let text = format!(
+        "{}\n{}{}{}\
+         [operations.\"up.call\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/up\"\n\n\
+         [operations.\"slow.short\"]\ncost = {COST}\nprovider = \"slow\"\npath = \"/slow\"\ndeadline = \"1s\"\n\n\
+         [operations.\"closed.call\"]\ncost = {COST}\nprovider = \"closed\"\n\n{extra}",
+        tollgate_core::config::BUILTIN,
+        provider("up", url, "1s"),
+        provider("slow", url, "5s"),
+        provider("closed", &closed_url(), "1s"),
+    );
+    Arc::new(Config::parse(&text, "outcomes").expect("test config"))
+}
+
+/// A URL where nothing listens: a port bound, then released.
+fn closed_url() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", l.local_addr().unwrap())
+}
+
+/// The api, a worker (and a throttler on Redis) on one backend, the upstream,
+/// and a user's key.
+struct Stage {
+    h: Harness,
+    upstream: Upstream,
+    key: String,
+    metrics: Arc<Metrics>,
+    stop: watch::Sender<bool>,
+}
+
+impl Stage {
+    async fn start(redis: bool, extra: &str) -> Self {
+        let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
+            .await
+            .unwrap();
+        let config = config(&upstream.url(), extra);
+        let (backends, server) = if redis {
+            let server = RedisServer::start();
+            let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
+                .await
+                .unwrap();
+            let keys = KeySpace::new(&random_prefix()).unwrap();
+            let b = tollgate_redis::backends(pool, keys, Arc::clone(&config), "test".into());
+            (b, Some(server))
+        } else {
+            (Backends::memory(Arc::clone(&config)), None)
+        };
+        let (stop, stop_rx) = watch::channel(false);
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        if let Some(dispatchers) = backends.dispatchers.clone() {
+            let mut cfg = tollgate_throttler::ThrottlerConfig::new(Arc::clone(&config));
+            cfg.metrics = Arc::clone(&backends.metrics);
+            tokio::spawn(tollgate_throttler::run(
+                cfg,
+                dispatchers,
+                stopped(stop_rx.clone()),
+            ));
+        }
+        let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
+        cfg.metrics = Arc::clone(&backends.metrics);
+        cfg.shutdown_grace = Duration::from_millis(200);
+        let providers = tollgate_providers::from_config(
+            &config,
+            Arc::clone(&backends.throttle),
+            &backends.metrics,
+        )
+        .unwrap();
+        tokio::spawn(tollgate_worker::run(
+            cfg,
+            Arc::clone(&backends.source),
+            providers,
+            stopped(stop_rx),
+        ));
+        let state = ApiState::new(&backends, settings());
+        let h = Harness {
+            app: tollgate_api::router(state.clone()),
+            state,
+            source: Arc::clone(&backends.source),
+            redis: server,
+            _cluster: None,
+        };
+        let key = h.user("ada", "free").await;
+        Self {
+            h,
+            upstream,
+            key,
+            metrics: Arc::clone(&backends.metrics),
+            stop,
+        }
+    }
+
+    /// One synchronous call of `operation` asking the upstream for `answer`
+    /// after `after_ms`; returns the response and the upstream's arrivals for
+    /// it. Waits until the worker is done with the job (a release included).
+    async fn call(
+        &self,
+        operation: &str,
+        answer: &str,
+        after_ms: u64,
+    ) -> (crate::api::Resp, usize) {
+        let before = self.ended();
+        let seen = self.upstream.arrivals().len();
+        let r = self
+            .h
+            .post(
+                &format!("/v1/ops/{operation}"),
+                &self.key,
+                json!({"upstream": {"answer": answer, "after_ms": after_ms}}),
+            )
+            .await;
+        self.wait_ended(before + 1).await;
+        (r, self.upstream.arrivals().len() - seen)
+    }
+
+    /// Jobs the worker ended so far (recorded, released when it released).
+    fn ended(&self) -> u64 {
+        metric_sum(&self.metrics.render(), "tollgate_worker_jobs_total{")
+    }
+
+    async fn wait_ended(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.ended() < n {
+            assert!(Instant::now() < deadline, "the worker never ended job {n}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn used(&self) -> u64 {
+        self.h.usage(&self.key).await["used"].as_u64().unwrap()
+    }
+
+    fn absorbed(&self, reason: &str) -> u64 {
+        metric_sum(
+            &self.metrics.render(),
+            &format!("tollgate_absorbed_calls_total{{provider=\"up\",reason=\"{reason}\"}}"),
+        )
+    }
+}
+
+impl Drop for Stage {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+/// The sum of the samples whose line starts with `prefix`.
+fn metric_sum(text: &str, prefix: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// A failed job's problem: its `type` slug, `cause` and `charged`.
+#[track_caller]
+fn failed(r: &crate::api::Resp, status: u16, slug: &str, cause: &str, charged: bool) {
+    let b: &Value = &r.body;
+    assert_eq!(r.status.as_u16(), status, "{b}");
+    assert_eq!(r.header("content-type"), "application/problem+json", "{b}");
+    assert_eq!(b["type"], format!("/problems/{slug}"), "{b}");
+    assert_eq!(b["cause"], cause, "{b}");
+    assert_eq!(b["charged"], charged, "{b}");
+}
+
+/// Provider timeout 1 s, the upstream answers after 2 s: it may have done the
+/// work, so the charge stands; the call is not sent again. (Before: 3 calls,
+/// released: 0 tokens.)
+async fn an_unanswered_call_is_sent_once_and_keeps_its_charge(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let (r, arrivals) = s.call("up.call", "ok", 2000).await;
+    failed(&r, 504, "upstream-unanswered", "unanswered", true);
+    let detail = r.body["detail"].as_str().unwrap();
+    assert!(detail.contains("charged"), "{detail}");
+    assert_eq!(arrivals, 1);
+    assert_eq!(s.used().await, COST);
+    // The job's status says so too.
+    let id = r.body["job_id"].as_str().unwrap();
+    let job =
+        s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
+            .await;
+    assert_eq!(job.body["status"], "failed", "{}", job.body);
+    assert_eq!(job.body["error"]["cause"], "unanswered", "{}", job.body);
+    assert_eq!(job.body["error"]["charged"], true, "{}", job.body);
+}
+
+/// The job's deadline (1 s) passes while its call (answered after 1.5 s,
+/// within the provider's 5 s timeout) is in flight: the call finishes and its
+/// answer decides. (Before: 504 job-expired at 1 s, charged 0, while the
+/// upstream answered 200.)
+async fn a_deadline_passing_mid_call_lets_the_call_finish_and_charges_it(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let (r, arrivals) = s.call("slow.short", "ok", 1500).await;
+    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
+    assert_eq!(r.body["status"], "succeeded", "{}", r.body);
+    assert_eq!(arrivals, 1);
+    assert_eq!(s.used().await, COST);
+}
+
+/// A 2xx the worker cannot read as JSON is work done: 502 bad-response,
+/// charged, one upstream call each.
+async fn unparsable_2xx_answers_are_charged_once_each(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let answers = ["text", "empty", "204", "1e400"];
+    for (i, answer) in answers.iter().enumerate() {
+        let (r, arrivals) = s.call("up.call", answer, 0).await;
+        failed(&r, 502, "bad-upstream-response", "bad_response", true);
+        assert_eq!(arrivals, 1, "{answer}");
+        assert_eq!(s.used().await, COST * (i as u64 + 1), "{answer}");
+    }
+}
+
+/// A 400: the upstream rejected the input before any work; released, not
+/// retried.
+async fn a_refused_call_is_released_and_not_retried(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let (r, arrivals) = s.call("up.call", "400", 0).await;
+    failed(&r, 502, "provider-failure", "provider", false);
+    assert_eq!(arrivals, 1);
+    assert_eq!(s.used().await, 0);
+    assert_eq!(s.absorbed("server_error"), 0);
+}
+
+/// 503 and 429 refuse before work: retried within `retries` (2), then
+/// released, nothing absorbed.
+async fn overload_answers_are_retried_then_released(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    for answer in ["503", "429"] {
+        let (r, arrivals) = s.call("up.call", answer, 0).await;
+        failed(&r, 502, "provider-failure", "provider", false);
+        assert_eq!(arrivals, 3, "{answer}");
+        assert_eq!(s.used().await, 0, "{answer}");
+    }
+    assert_eq!(s.absorbed("server_error"), 0);
+}
+
+/// A 500 may have come after work: the user does not pay for the provider's
+/// failure (released, after the retries), and the operator sees it absorbed.
+async fn a_server_error_is_released_and_counted_as_absorbed(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let (r, arrivals) = s.call("up.call", "500", 0).await;
+    failed(&r, 502, "provider-failure", "provider", false);
+    assert_eq!(arrivals, 3);
+    assert_eq!(s.used().await, 0);
+    assert_eq!(s.absorbed("server_error"), 1);
+}
+
+/// A 200 whose body stops halfway: sent, no whole answer: the charge stands,
+/// no second call.
+async fn a_reply_cut_midway_keeps_the_charge(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let (r, arrivals) = s.call("up.call", "cut", 0).await;
+    failed(&r, 504, "upstream-unanswered", "unanswered", true);
+    assert_eq!(arrivals, 1);
+    assert_eq!(s.used().await, COST);
+}
+
+/// Nothing listens: provably nothing was sent, so the retries are free and the
+/// charge is released.
+async fn an_unreachable_upstream_is_retried_free_and_released(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let (r, _) = s.call("closed.call", "ok", 0).await;
+    failed(&r, 502, "provider-failure", "provider", false);
+    assert_eq!(s.used().await, 0);
+    let retries = metric_sum(
+        &s.metrics.render(),
+        "tollgate_provider_retries_total{provider=\"closed\"}",
+    );
+    assert_eq!(retries, 2);
+}
+
+/// An operation that says resending is safe (`retry_unanswered = true`) is
+/// sent again after a timeout, within `retries`, under its one charge.
+async fn retry_unanswered_lets_an_operation_resend(redis: bool) {
+    let extra = format!(
+        "[operations.\"up.idempotent\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/up\"\n\
+         retry_unanswered = true\n"
+    );
+    let s = Stage::start(redis, &extra).await;
+    let (r, arrivals) = s.call("up.idempotent", "ok", 2000).await;
+    failed(&r, 504, "upstream-unanswered", "unanswered", true);
+    assert_eq!(arrivals, 3);
+    assert_eq!(s.used().await, COST);
+}
+
+/// An operation that settles reserves its most (40) up front; unanswered, no
+/// usage is ever reported, and the charge that stands is its estimate (5),
+/// not the most. (Before: the most stood.)
+async fn a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most(redis: bool) {
+    let extra = format!(
+        "[operations.\"up.settled\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/up\"\n\
+         settle = {{ from = \"/usage/total_tokens\", per = 100, max = 40 }}\n"
+    );
+    let s = Stage::start(redis, &extra).await;
+    let (r, arrivals) = s.call("up.settled", "ok", 2000).await;
+    failed(&r, 504, "upstream-unanswered", "unanswered", true);
+    assert_eq!(arrivals, 1);
+    assert_eq!(s.used().await, COST);
+}

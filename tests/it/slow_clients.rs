@@ -1,0 +1,198 @@
+//! The api's edge under clients that hold connections without finishing a
+//! request: slow headers, a trickled body, idle keep-alive, and one address
+//! opening more connections than its share. Each case held connections open
+//! indefinitely before the edge had its bounds (800 slow-header connections
+//! took the api from 11 to 811 file descriptors for over 70 s).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+use tollgate_api::edge::{Edge, Listener};
+
+use crate::api::{settings, Harness};
+
+/// An api on the embedded backend, on 127.0.0.1, under `edge`.
+struct Served {
+    addr: SocketAddr,
+    /// An API key of user `u`, so that requests reach their handlers.
+    key: String,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn serve(edge: Edge) -> Served {
+    let h = Harness::memory(settings()).await;
+    let key = h.user("u", "free").await;
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = tcp.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(tollgate_api::run(
+        h.state,
+        Listener::new(tcp, edge),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    Served {
+        addr,
+        key,
+        _stop: stop,
+    }
+}
+
+/// A connection to `to` from the loopback address `from` (127.0.0.x: Linux
+/// routes the whole 127/8 to the loopback, so each is another client).
+async fn connect_from(from: [u8; 4], to: SocketAddr) -> TcpStream {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((from, 0))).unwrap();
+    socket.connect(to).await.unwrap()
+}
+
+/// Waits at most `limit` for the server to end the connection; `Some(after)`
+/// when it did (EOF or a reset), `None` when it was still open. Whatever the
+/// server wrote before (a 408, a 400) is read and dropped.
+async fn closed_within(conn: &mut TcpStream, limit: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = limit.checked_sub(start.elapsed())?;
+        match tokio::time::timeout(left, conn.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(start.elapsed()),
+            Ok(Ok(_)) => continue,
+        }
+    }
+}
+
+/// One whole request on a fresh connection from `from`: the status line.
+async fn get_healthz(from: [u8; 4], to: SocketAddr) -> String {
+    let mut conn = connect_from(from, to).await;
+    conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out)
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_owned()
+}
+
+fn edge() -> Edge {
+    Edge {
+        header_timeout: Duration::from_millis(500),
+        body_timeout: Duration::from_millis(500),
+        max_connections: 64,
+        max_per_client: 16,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_headers_and_idle_connections_are_closed() {
+    let api = serve(edge()).await;
+    let mut conns = Vec::new();
+    for i in 0..10u8 {
+        let mut c = connect_from([127, 0, 0, 10 + i], api.addr).await;
+        // Half a request head, then nothing (slowloris), or nothing at all.
+        if i % 2 == 0 {
+            c.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
+                .await
+                .unwrap();
+        }
+        conns.push(c);
+    }
+    for (i, c) in conns.iter_mut().enumerate() {
+        let closed = closed_within(c, Duration::from_secs(10)).await;
+        assert!(
+            closed.is_some(),
+            "connection {i} still open after 10 s (header timeout 0.5 s)"
+        );
+    }
+    // A keep-alive connection idle after a whole request is closed too.
+    let mut c = connect_from([127, 0, 0, 30], api.addr).await;
+    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = [0u8; 12];
+    c.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    assert!(
+        closed_within(&mut c, Duration::from_secs(10))
+            .await
+            .is_some(),
+        "an idle keep-alive connection stayed open"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_body_is_cut_off() {
+    let api = serve(edge()).await;
+    let mut c = connect_from([127, 0, 0, 40], api.addr).await;
+    let head = format!(
+        "POST /v1/ops/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"in",
+        api.key
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    let closed = closed_within(&mut c, Duration::from_secs(10)).await;
+    let after = closed.expect("a body stalled at 4 of 100 bytes held its connection for 10 s");
+    // Cut off by the body timeout (0.5 s), not refused up front.
+    assert!(
+        after >= Duration::from_millis(400),
+        "closed after {after:?}: before the body timeout"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_cannot_take_the_connections_of_others() {
+    let api = serve(Edge {
+        header_timeout: Duration::from_secs(60),
+        max_connections: 8,
+        max_per_client: 4,
+        ..edge()
+    })
+    .await;
+    // 127.0.0.2 takes its share: four connections that send nothing.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(connect_from([127, 0, 0, 2], api.addr).await);
+    }
+    // Its fifth is closed at once; another address is served.
+    let mut fifth = connect_from([127, 0, 0, 2], api.addr).await;
+    assert!(
+        closed_within(&mut fifth, Duration::from_secs(5))
+            .await
+            .is_some(),
+        "a fifth connection of 127.0.0.2 was kept (its share is 4)"
+    );
+    assert_eq!(
+        get_healthz([127, 0, 0, 1], api.addr).await,
+        "HTTP/1.1 200 OK"
+    );
+    // Another address fills the rest: now every new connection is refused,
+    // until one of the held ones goes away.
+    for _ in 0..4 {
+        held.push(connect_from([127, 0, 0, 3], api.addr).await);
+    }
+    // The accepts above are handled in order: a request sent now is the
+    // ninth connection.
+    let mut ninth = connect_from([127, 0, 0, 4], api.addr).await;
+    assert!(
+        closed_within(&mut ninth, Duration::from_secs(5))
+            .await
+            .is_some(),
+        "a ninth connection was kept (the api's most is 8)"
+    );
+    drop(held.pop());
+    // The place is given back once the server sees the close.
+    let mut served = String::new();
+    for _ in 0..50 {
+        served = get_healthz([127, 0, 0, 4], api.addr).await;
+        if served == "HTTP/1.1 200 OK" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(served, "HTTP/1.1 200 OK");
+}
