@@ -1,35 +1,52 @@
--- usage.lua: a user's budget and live spend events (the audit trail).
+-- usage.lua: a user's budget and one page of its live spend events (the audit
+-- trail). The budget comes from the running totals; a page reads at most
+-- limit + 1 log entries, so a call costs O(page) whatever the number of live
+-- events (and the amortised expiry every budget script does).
 -- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
 -- KEYS[6] audit, KEYS[7] log, KEYS[8] meta, KEYS[9] cancelled
 --   (see lib/budget.lua)
--- ARGV[1..] export maxlen, retention, then the plan table (lib/budget.lua)
--- Returns { plan, now_ms, windows..., id_1, at_1, cost_1, operation_1, estimate_1,
--- id_2, ... } with the events in the plan's longest window, oldest first (the
--- log may keep older ones for another plan's longer window); operation is '' for a plain reserve,
--- estimate -1 unless the charge was settled. windows: see push_windows in
--- lib/budget.lua.
--- Expired events are dropped on the way, as every budget script does.
+-- ARGV[1] cursor: '' for the first page, else the log entry ID '<ms>-<seq>'
+--   after which the page starts (the next_cursor of the page before; the
+--   entry may have left since)
+-- ARGV[2] limit: events per page, 1..50 (EventPage::MAX_LIMIT)
+-- ARGV[3..] export maxlen, retention, then the plan table (lib/budget.lua)
+-- Returns { plan, now_ms, windows..., next_cursor, id_1, at_1, cost_1,
+-- operation_1, estimate_1, id_2, ... } with the events in the plan's longest
+-- window (the log may keep older ones for another plan's longer window),
+-- oldest first; next_cursor is '' when the page reached the newest event;
+-- operation is '' for a plain reserve, estimate -1 unless the charge was
+-- settled. windows: see push_windows in lib/budget.lua.
+-- Errors: TOLLGATE_BAD_PAGE (a cursor or limit out of shape).
 
-local name, limits = resolve_plan(1)
+local cursor, limit = ARGV[1], tonumber(ARGV[2])
+if cursor ~= '' and not string.match(cursor, '^%d+%-%d+$') then
+  return redis.error_reply('TOLLGATE_BAD_PAGE cursor must be <ms>-<seq>')
+end
+if not limit or limit < 1 or limit > 50 or limit ~= math.floor(limit) then
+  return redis.error_reply('TOLLGATE_BAD_PAGE limit must be an integer in 1..50')
+end
+
+local name, limits = resolve_plan(3)
 local now = now_ms()
 local used = expire(now, limits)
 local out = push_windows({ name, now }, limits, used, now)
-local start = int(now - limits[1].window + 1)
-while true do
-  local batch = redis.call('XRANGE', LOG, start, '+', 'COUNT', BATCH)
-  for _, e in ipairs(batch) do
-    local ev = at_entry(e[1], e[2][2])
-    if ev then
-      out[#out + 1] = ev.rec.id
-      out[#out + 1] = ev.at
-      out[#out + 1] = ev.cost
-      out[#out + 1] = ev.rec.op or ''
-      out[#out + 1] = ev.estimate or -1
-    end
+-- A page starts inside the plan's longest window, and after the cursor.
+local lo = now - limits[1].window + 1
+local start = int(lo)
+if cursor ~= '' and tonumber(string.match(cursor, '^(%d+)')) >= lo then
+  start = '(' .. cursor
+end
+local batch = redis.call('XRANGE', LOG, start, '+', 'COUNT', limit + 1)
+out[#out + 1] = #batch > limit and batch[limit][1] or ''
+for i = 1, math.min(#batch, limit) do
+  local e = batch[i]
+  local ev = at_entry(e[1], e[2][2])
+  if ev then
+    out[#out + 1] = ev.rec.id
+    out[#out + 1] = ev.at
+    out[#out + 1] = ev.cost
+    out[#out + 1] = ev.rec.op or ''
+    out[#out + 1] = ev.estimate or -1
   end
-  if #batch < BATCH then
-    break
-  end
-  start = '(' .. batch[#batch][1]
 end
 return out

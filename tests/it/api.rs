@@ -332,7 +332,83 @@ both_backends!(
     health_metrics_and_openapi,
     throttle_timeout_is_504_and_a_slow_job_is_202,
     a_job_waiting_for_its_provider_shows_where_it_stands,
+    usage_pages_follow_next_cursor_and_bad_pages_are_400,
 );
+
+/// `GET /v1/usage?limit=&cursor=`: the totals on every page, the events a page
+/// at a time (default 50), `next_cursor` null at the end; a bad limit or
+/// cursor is a 400 problem naming the parameter.
+async fn usage_pages_follow_next_cursor_and_bad_pages_are_400(h: Harness) {
+    let key = h.user("paula", "free").await;
+    let paula = tollgate_core::id::UserId::new("paula").unwrap();
+    for i in 0..130 {
+        let id = tollgate_core::id::RequestId::new(format!("e{i:03}")).unwrap();
+        assert!(h
+            .state
+            .ledger
+            .reserve(&paula, &id, 1)
+            .await
+            .unwrap()
+            .is_allowed());
+    }
+    let first = h.usage(&key).await;
+    assert_eq!(
+        first["events"].as_array().unwrap().len(),
+        50,
+        "the default page"
+    );
+    assert_eq!(first["used"], 130);
+    let mut seen = Vec::new();
+    let mut path = "/v1/usage?limit=40".to_owned();
+    loop {
+        let r = h.call("GET", &path, Some(&key), &[], None).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.body["used"], 130, "{}", r.body);
+        let events = r.body["events"].as_array().unwrap();
+        assert!(events.len() <= 40);
+        seen.extend(
+            events
+                .iter()
+                .map(|e| e["request_id"].as_str().unwrap().to_owned()),
+        );
+        match r.body["next_cursor"].as_str() {
+            Some(c) => path = format!("/v1/usage?cursor={c}&limit=40"),
+            None => {
+                assert!(r.body["next_cursor"].is_null(), "{}", r.body);
+                break;
+            }
+        }
+    }
+    assert_eq!(
+        seen,
+        (0..130).map(|i| format!("e{i:03}")).collect::<Vec<_>>()
+    );
+    for (query, field) in [
+        ("limit=0", "limit"),
+        ("limit=51", "limit"),
+        ("limit=-1", "limit"),
+        ("limit=abc", "limit"),
+        ("limit=", "limit"),
+        ("limit=%2B5", "limit"),
+        ("limit=99999999999999999999999", "limit"),
+        ("cursor=", "cursor"),
+        ("cursor=x", "cursor"),
+        ("cursor=1-", "cursor"),
+        ("cursor=1-2-3", "cursor"),
+        ("cursor=1234567890123456-0", "cursor"),
+        ("cursor=1-99999999999999999999", "cursor"),
+        ("cursor=%00", "cursor"),
+    ] {
+        let r = h
+            .call("GET", &format!("/v1/usage?{query}"), Some(&key), &[], None)
+            .await;
+        let body = r.problem(ProblemType::MalformedRequest);
+        assert_eq!(body["field"], field, "{query}: {body}");
+    }
+    // Auth comes first: no key, no page.
+    let r = h.call("GET", "/v1/usage?limit=0", None, &[], None).await;
+    r.problem(ProblemType::Unauthorized);
+}
 
 async fn admin_creates_users_changes_plans_and_revokes_keys(h: Harness) {
     let r = h

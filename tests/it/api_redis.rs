@@ -183,9 +183,9 @@ async fn two_api_processes_admit_exactly_the_budget() {
         }
     }
     assert_eq!((accepted, denied), (200, 200));
-    let usage = http::json(b.addr, "GET", "/v1/usage", Some(&key), None).await;
-    assert_eq!(usage.json()["used"], 1000, "{}", usage.text());
-    assert_eq!(usage.json()["events"].as_array().unwrap().len(), 200);
+    let usage = http::usage_all(b.addr, &key).await;
+    assert_eq!(usage["used"], 1000, "{usage}");
+    assert_eq!(usage["events"].as_array().unwrap().len(), 200);
 
     // Every admitted job runs through worker, throttle (llm: 50/s) and provider.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -336,9 +336,7 @@ async fn client_disconnects_leak_no_reservation() {
     let mut stable_since = Instant::now();
     let mut last = (u64::MAX, usize::MAX);
     loop {
-        let usage = http::json(addr, "GET", "/v1/usage", Some(&key), None)
-            .await
-            .json();
+        let usage = http::usage_all(addr, &key).await;
         let used = usage["used"].as_u64().unwrap();
         let done = worker.succeeded().len();
         if (used, done) != last {
@@ -510,9 +508,7 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
     // but never queued a job for is released at its hold's end (6 s).
     let deadline = Instant::now() + Duration::from_secs(40);
     loop {
-        let usage = http::json(survivor.addr, "GET", "/v1/usage", Some(&key), None)
-            .await
-            .json();
+        let usage = http::usage_all(survivor.addr, &key).await;
         let events = usage["events"].as_array().unwrap().clone();
         let mut settled = true;
         for e in &events {

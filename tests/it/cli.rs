@@ -131,6 +131,67 @@ fn reserve_deny_refund_and_usage() {
     );
 }
 
+/// `budget usage --limit --cursor` pages the audit trail, `--all` follows the
+/// cursors; a bad limit or cursor exits 2.
+#[test]
+fn usage_pages_with_limit_cursor_and_all() {
+    let cli = Cli::new();
+    for id in ["a1", "a2", "a3"] {
+        let args = [
+            "reserve",
+            "--user",
+            "carol",
+            "--cost",
+            "1",
+            "--request-id",
+            id,
+        ];
+        cli.json(&args, 0);
+    }
+    let ids = |v: &serde_json::Value| -> Vec<String> {
+        v["events"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .map(|e| e["request_id"].as_str().unwrap_or("?").to_owned())
+            .collect()
+    };
+    let first = cli.json(&["usage", "--user", "carol", "--limit", "2"], 0);
+    assert_eq!(
+        (ids(&first), first["used"].as_u64()),
+        (vec!["a1".to_owned(), "a2".into()], Some(3))
+    );
+    let cursor = first["next_cursor"]
+        .as_str()
+        .expect("a next page")
+        .to_owned();
+    let rest = cli.json(
+        &[
+            "usage", "--user", "carol", "--limit", "2", "--cursor", &cursor,
+        ],
+        0,
+    );
+    assert_eq!(ids(&rest), ["a3"]);
+    assert!(rest["next_cursor"].is_null(), "{rest}");
+    let all = cli.json(&["usage", "--user", "carol", "--limit", "1", "--all"], 0);
+    assert_eq!(ids(&all), ["a1", "a2", "a3"]);
+    let out = cli.run(&["usage", "--user", "carol", "--limit", "1"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("--cursor "),
+        "{out:?}"
+    );
+    for bad in [
+        &["--limit", "0"][..],
+        &["--limit", "51"],
+        &["--cursor", "x-1"],
+    ] {
+        let mut args = vec!["usage", "--user", "carol"];
+        args.extend_from_slice(bad);
+        let out = cli.run(&args);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
+    }
+}
+
 #[test]
 fn plans_can_be_set_and_read_back() {
     let cli = Cli::new();

@@ -9,7 +9,10 @@ use tollgate_core::{
     clock::ManualClock,
     config::Config,
     id::{RequestId, UserId},
-    ledger::{Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome},
+    ledger::{
+        EventCursor, EventPage, Ledger, LedgerError, PageError, RefundOutcome, ReserveOutcome,
+        SettleOutcome,
+    },
     memory::MemoryLedger,
 };
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
@@ -461,7 +464,102 @@ async fn concurrent_reserves_never_overspend(b: &impl Backend) {
     }
     assert_eq!(total, 125);
     let usage = l.usage(&u).await.unwrap();
-    assert_eq!((usage.used, usage.events.len()), (1000, 125));
+    let events = tollgate_tests::all_events(l.as_ref(), &u).await.unwrap();
+    assert_eq!((usage.used, events.len()), (1000, 125));
+}
+
+fn ids(events: &[tollgate_core::ledger::SpendEvent]) -> Vec<String> {
+    events.iter().map(|e| e.request_id.to_string()).collect()
+}
+
+/// The audit trail is read a page at a time: every live event exactly once, in
+/// order, however events leave or arrive between pages (the one a cursor
+/// names included); `next_cursor` is `None` exactly at the end.
+async fn usage_pages_walk_every_live_event_once(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("pager"));
+    let empty = l.usage(&u).await.unwrap();
+    assert_eq!((empty.events.len(), empty.next_cursor), (0, None));
+    l.set_plan(&u, "thousand").await.unwrap();
+    let name = |i: usize| format!("p{i:03}");
+    for i in 0..125 {
+        allowed(l.reserve(&u, &rid(&name(i)), 1).await.unwrap());
+    }
+    let page = EventPage::new(None, 50).unwrap();
+    let first = l.usage_page(&u, page).await.unwrap();
+    assert_eq!(ids(&first.events), (0..50).map(name).collect::<Vec<_>>());
+    assert_eq!(first.used, 125, "the totals are not paged");
+    let cursor = first.next_cursor.expect("more pages");
+    assert_eq!(cursor.to_string().parse::<EventCursor>(), Ok(cursor));
+    // The cursor's own event and the next page's first leave; a new one comes.
+    for gone in [49, 50] {
+        let r = l.refund(&u, &rid(&name(gone))).await.unwrap();
+        assert!(matches!(r, RefundOutcome::Refunded { .. }), "{r:?}");
+    }
+    allowed(l.reserve(&u, &rid(&name(125)), 1).await.unwrap());
+    let second = l.usage_page(&u, page.next(cursor)).await.unwrap();
+    assert_eq!(ids(&second.events), (51..101).map(name).collect::<Vec<_>>());
+    let third = l
+        .usage_page(&u, page.next(second.next_cursor.expect("a third page")))
+        .await
+        .unwrap();
+    assert_eq!(ids(&third.events), (101..126).map(name).collect::<Vec<_>>());
+    assert_eq!((third.used, third.next_cursor), (124, None));
+    // One page of exactly what is left ends the walk: no empty page after it.
+    let live: Vec<String> = (0..126)
+        .filter(|i| ![49, 50].contains(i))
+        .map(name)
+        .collect();
+    let exact = EventPage::new(second.next_cursor, 25).unwrap();
+    let rest = l.usage_page(&u, exact).await.unwrap();
+    assert_eq!(
+        (ids(&rest.events), rest.next_cursor),
+        (ids(&third.events), None)
+    );
+    let walked = tollgate_tests::all_events(l.as_ref(), &u).await.unwrap();
+    assert_eq!(ids(&walked), live);
+    // Pages of one follow the same order.
+    let mut one = Vec::new();
+    let mut p = EventPage::new(None, 1).unwrap();
+    loop {
+        let r = l.usage_page(&u, p).await.unwrap();
+        assert!(r.events.len() <= 1);
+        one.extend(ids(&r.events));
+        match r.next_cursor {
+            Some(c) => p = p.next(c),
+            None => break,
+        }
+    }
+    assert_eq!(one, live);
+    // A cursor past the newest event: an empty last page.
+    let past = EventCursor {
+        at_ms: 999_999_999_999_999,
+        seq: 0,
+    };
+    let r = l.usage_page(&u, page.next(past)).await.unwrap();
+    assert_eq!((r.events.len(), r.next_cursor, r.used), (0, None, 124));
+    // Pages hold 1 to MAX_LIMIT events; cursors are only what a page returns.
+    assert_eq!(EventPage::new(None, 0), Err(PageError::BadLimit(0)));
+    assert_eq!(
+        EventPage::new(None, EventPage::MAX_LIMIT + 1),
+        Err(PageError::BadLimit(EventPage::MAX_LIMIT + 1))
+    );
+    for bad in [
+        "",
+        "1",
+        "-1",
+        "1-",
+        "a-1",
+        "1-1-1",
+        " 1-1",
+        "+1-1",
+        "1234567890123456-0",
+    ] {
+        assert_eq!(
+            bad.parse::<EventCursor>(),
+            Err(PageError::BadCursor),
+            "{bad:?}"
+        );
+    }
 }
 
 /// (used, limit, window_ms) of every window, longest first.
@@ -1028,6 +1126,7 @@ conformance!(
     same_millisecond_requests_are_separate_events,
     users_are_independent,
     concurrent_reserves_never_overspend,
+    usage_pages_walk_every_live_event_once,
     every_window_must_fit,
     refund_and_settle_move_every_window,
     plan_changes_keep_the_log,

@@ -32,3 +32,4 @@ mod throttle;
 mod throttle_late;
 mod throttle_redis;
 mod trace;
+mod usage_redis;

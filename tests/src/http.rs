@@ -145,3 +145,30 @@ fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
         data = data.get(size + 2..)?;
     }
 }
+
+/// `GET /v1/usage` with every live event: the first page's body, its `events`
+/// replaced by those of every page (following `next_cursor`). Pages are
+/// separate reads, not one snapshot: the walk is repeated (up to 20 times)
+/// until `used` did not move between its first and last page.
+pub async fn usage_all(addr: SocketAddr, key: &str) -> serde_json::Value {
+    let mut tries = 0;
+    loop {
+        let mut usage = json(addr, "GET", "/v1/usage", Some(key), None).await.json();
+        let mut events = usage["events"].as_array().cloned().unwrap_or_default();
+        let mut next = usage["next_cursor"].as_str().map(str::to_owned);
+        let mut last_used = usage["used"].clone();
+        while let Some(cursor) = next {
+            let path = format!("/v1/usage?cursor={cursor}");
+            let page = json(addr, "GET", &path, Some(key), None).await.json();
+            events.extend(page["events"].as_array().cloned().unwrap_or_default());
+            next = page["next_cursor"].as_str().map(str::to_owned);
+            last_used = page["used"].clone();
+        }
+        tries += 1;
+        if last_used == usage["used"] || tries >= 20 {
+            usage["events"] = serde_json::Value::Array(events);
+            usage["next_cursor"] = serde_json::Value::Null;
+            return usage;
+        }
+    }
+}

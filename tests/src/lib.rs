@@ -8,6 +8,7 @@ pub mod process;
 pub mod proxy;
 pub mod redis_cluster;
 pub mod redis_server;
+pub mod slowlog;
 pub mod throttle;
 pub mod upstream;
 
@@ -44,4 +45,60 @@ pub fn workspace_bin(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// Every live event of `user`, oldest first, read a page of
+/// [`EventPage::MAX_LIMIT`](tollgate_core::ledger::EventPage::MAX_LIMIT) at a time
+/// by following `next_cursor` (each page one short ledger call).
+pub async fn all_events(
+    ledger: &dyn tollgate_core::ledger::Ledger,
+    user: &tollgate_core::id::UserId,
+) -> Result<Vec<tollgate_core::ledger::SpendEvent>, tollgate_core::ledger::LedgerError> {
+    use tollgate_core::ledger::EventPage;
+    let page = EventPage::new(None, EventPage::MAX_LIMIT).expect("the largest page is valid");
+    let mut usage = ledger.usage_page(user, page).await?;
+    let mut events = std::mem::take(&mut usage.events);
+    while let Some(next) = usage.next_cursor {
+        usage = ledger.usage_page(user, page.next(next)).await?;
+        events.append(&mut usage.events);
+    }
+    Ok(events)
+}
+
+/// Records `n` reserves of cost 1 (fresh UUID request ids) for the user of
+/// `keys`, through `reserve.lua` with its typed wrapper's KEYS and ARGV,
+/// pipelined `batch` at a time: a quick way to fill a large window that still
+/// runs the product's script for every event.
+pub async fn bulk_reserve(
+    conn: &mut redis::aio::MultiplexedConnection,
+    keys: &tollgate_redis::keys::BudgetKeys,
+    plans: &tollgate_redis::scripts::PlanArgs,
+    n: usize,
+    batch: usize,
+) -> redis::RedisResult<()> {
+    use tollgate_redis::scripts;
+    scripts::RESERVE.prepare_invoke().load_async(conn).await?;
+    let mut left = n;
+    while left > 0 {
+        let mut pipe = redis::pipe();
+        for _ in 0..left.min(batch.max(1)) {
+            let id = tollgate_core::id::RequestId::generate();
+            pipe.add_command(scripts::reserve_cmd(keys, id.as_str(), 1, plans))
+                .ignore();
+        }
+        pipe.exec_async(conn).await?;
+        left -= left.min(batch.max(1));
+    }
+    Ok(())
+}
+
+/// A connection for bulk work (pipelines of thousands of script calls, a
+/// loaded machine): replies may take far longer than the client's default
+/// response timeout.
+pub async fn bulk_connection(url: &str) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_response_timeout(Some(std::time::Duration::from_secs(120)));
+    redis::Client::open(url)?
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
 }

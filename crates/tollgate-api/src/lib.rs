@@ -139,9 +139,19 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
         .route(
             Doc::get("/v1/usage", "Your budget and audit trail")
                 .user()
+                .query(
+                    "limit",
+                    "Events per page (default 50).",
+                    serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::ledger::EventPage::MAX_LIMIT}),
+                )
+                .query(
+                    "cursor",
+                    "The `next_cursor` of the previous page: the page starts after it (opaque).",
+                    serde_json::json!({"type": "string", "pattern": "^[0-9]{1,15}-[0-9]{1,19}$"}),
+                )
                 .ok(
                     200,
-                    "Used, limit, remaining, window, reset time and the live spend events.",
+                    "Used, limit, remaining, window, reset time and one page of the live spend events.",
                     Some(schema("Usage")),
                 ),
             get(usage::usage),

@@ -35,6 +35,7 @@ pub struct Doc {
     responses: Vec<(u16, String, Option<Value>)>,
     errors: Vec<ProblemType>,
     metered: Option<Cost>,
+    query: Vec<Value>,
 }
 
 impl Doc {
@@ -48,6 +49,7 @@ impl Doc {
             responses: Vec::new(),
             errors: vec![ProblemType::Internal],
             metered: None,
+            query: Vec::new(),
         }
     }
 
@@ -102,6 +104,17 @@ impl Doc {
         self
     }
 
+    /// An optional query parameter (a bad value is a 400 problem).
+    pub fn query(mut self, name: &str, description: &str, schema: Value) -> Self {
+        self.query
+            .push(json!({"name": name, "in": "query", "required": false,
+            "description": description, "schema": schema}));
+        if !self.errors.contains(&ProblemType::MalformedRequest) {
+            self.errors.push(ProblemType::MalformedRequest);
+        }
+        self
+    }
+
     pub fn errors(mut self, errors: &[ProblemType]) -> Self {
         self.errors.extend_from_slice(errors);
         self
@@ -134,6 +147,7 @@ impl Doc {
                 json!({"name": name, "in": "path", "required": true, "schema": schema})
             })
             .collect();
+        params.extend(self.query.iter().cloned());
         if let Some(cost) = self.metered {
             params.push(json!({"name": "Idempotency-Key", "in": "header", "required": false,
                 "description": "Makes a retry safe: the same key (per user) is the same request, charged once, returning the same job.",
@@ -398,7 +412,7 @@ fn schemas(config: &Config) -> Value {
         },
         "Usage": {
             "type": "object",
-            "required": ["user", "plan", "used", "limit", "remaining", "window_secs", "windows", "events"],
+            "required": ["user", "plan", "used", "limit", "remaining", "window_secs", "windows", "events", "next_cursor"],
             "properties": {
                 "user": {"type": "string"},
                 "plan": {"type": "string"},
@@ -420,7 +434,8 @@ fn schemas(config: &Config) -> Value {
                         "reset_after_secs": {"type": ["integer", "null"]},
                     },
                 }},
-                "events": {"type": "array", "items": {
+                "next_cursor": {"type": ["string", "null"], "description": "Pass it as `cursor` for the next page of events; `null`: this page reached the newest event."},
+                "events": {"type": "array", "description": "One page of the live spend events, oldest first (`limit` at most).", "items": {
                     "type": "object",
                     "required": ["request_id", "cost", "at", "at_ms"],
                     "properties": {

@@ -1,14 +1,17 @@
-//! `GET /v1/usage`: the caller's budget and audit trail (each live spend event
-//! with its request id, operation, cost and time).
+//! `GET /v1/usage?limit=&cursor=`: the caller's budget and one page of its
+//! audit trail (each live spend event with its request id, operation, cost and
+//! time); `next_cursor` leads to the next page.
 
-use axum::extract::State;
+use axum::extract::{FromRequestParts, State};
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
 use tollgate_core::clock::rfc3339;
+use tollgate_core::ledger::{EventCursor, EventPage};
 
 use crate::auth::Caller;
-use crate::problem::ApiError;
+use crate::problem::{echo, ApiError};
 use crate::ratelimit::{self, ceil_secs};
 use crate::state::ApiState;
 
@@ -28,8 +31,10 @@ pub struct UsageView {
     /// Every limit of the plan, longest window first; the figures above are
     /// the one closest to exhaustion's.
     pub windows: Vec<WindowView>,
-    /// Live spend events, oldest first.
+    /// One page of the live spend events, oldest first.
     pub events: Vec<EventView>,
+    /// The `cursor` of the next page; `null`: this page reached the newest event.
+    pub next_cursor: Option<String>,
 }
 
 /// One limit of the plan, as the caller stands in it.
@@ -61,8 +66,62 @@ pub struct EventView {
     pub at_ms: u64,
 }
 
-pub async fn usage(State(state): State<ApiState>, caller: Caller) -> Result<Response, ApiError> {
-    let usage = state.ledger.usage(&caller.user).await?;
+/// The page a request asks for: `limit` (1..=[`EventPage::MAX_LIMIT`], default
+/// [`EventPage::DEFAULT_LIMIT`]) events after `cursor`. Other parameters are
+/// ignored; a bad value is a 400 naming it.
+#[derive(Debug, Clone, Copy)]
+pub struct PageQuery(pub EventPage);
+
+impl<S: Send + Sync> FromRequestParts<S> for PageQuery {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let bad = |name: &str, detail: String| ApiError::Malformed {
+            detail: format!("query parameter {name}: {detail}"),
+            field: Some(name.to_owned()),
+        };
+        let (mut limit, mut cursor) = (EventPage::DEFAULT_LIMIT, None);
+        for pair in parts.uri.query().unwrap_or("").split('&') {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match name {
+                "limit" => {
+                    limit = value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|_| value.bytes().all(|b| b.is_ascii_digit()))
+                        .filter(|n| (1..=EventPage::MAX_LIMIT).contains(n))
+                        .ok_or_else(|| {
+                            bad(
+                                "limit",
+                                format!(
+                                    "expected an integer from 1 to {}, got {:?}",
+                                    EventPage::MAX_LIMIT,
+                                    echo(value)
+                                ),
+                            )
+                        })?;
+                }
+                "cursor" => {
+                    let c = value
+                        .parse::<EventCursor>()
+                        .map_err(|e| bad("cursor", format!("{e}, got {:?}", echo(value))))?;
+                    cursor = Some(c);
+                }
+                _ => {}
+            }
+        }
+        EventPage::new(cursor, limit)
+            .map(PageQuery)
+            .map_err(|e| bad("limit", e.to_string()))
+    }
+}
+
+pub async fn usage(
+    State(state): State<ApiState>,
+    caller: Caller,
+    PageQuery(page): PageQuery,
+) -> Result<Response, ApiError> {
+    let usage = state.ledger.usage_page(&caller.user, page).await?;
     let view = UsageView {
         user: caller.user.to_string(),
         plan: usage.plan.clone(),
@@ -98,6 +157,7 @@ pub async fn usage(State(state): State<ApiState>, caller: Caller) -> Result<Resp
                 at_ms: e.at_ms,
             })
             .collect(),
+        next_cursor: usage.next_cursor.map(|c| c.to_string()),
     };
     let headers = ratelimit::usage(&usage);
     let mut response = axum::Json(view).into_response();

@@ -14,7 +14,10 @@ use tollgate_core::{
     config::Config,
     duration,
     id::{RequestId, UserId},
-    ledger::{Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, Usage},
+    ledger::{
+        EventCursor, EventPage, ExportEntry, Ledger, LedgerError, PageError, RefundOutcome,
+        ReserveOutcome, SettleOutcome, Usage,
+    },
 };
 
 use crate::process::exit;
@@ -63,10 +66,20 @@ enum BudgetCommand {
         #[arg(long)]
         cost: u64,
     },
-    /// Show used / limit / remaining / window and the live spend events.
+    /// Show used / limit / remaining / window and a page of the live spend
+    /// events (oldest first), with the cursor of the next page.
     Usage {
         #[arg(long)]
         user: UserId,
+        /// Events per page (1 to 50).
+        #[arg(long, default_value_t = EventPage::DEFAULT_LIMIT)]
+        limit: usize,
+        /// Start after this position: the `next_cursor` a page printed.
+        #[arg(long, conflicts_with = "all")]
+        cursor: Option<String>,
+        /// Every live event: follows the cursors, one short call per page.
+        #[arg(long)]
+        all: bool,
     },
     /// Print a user's exported budget changes (spend, refund, settle; needs
     /// `[export]` in the config), oldest first: one JSON object per line with
@@ -77,7 +90,7 @@ enum BudgetCommand {
         /// From this time on: ms since the epoch, or a duration ago ("1h", "30d").
         #[arg(long, default_value = "0")]
         since: String,
-        /// At most this many entries.
+        /// At most this many entries (read EXPORT_PAGE at a time).
         #[arg(long, default_value_t = 1000)]
         count: usize,
     },
@@ -95,6 +108,15 @@ enum BudgetCommand {
     },
     /// Walk through budgets on the embedded ledger (or on Redis with --redis-url).
     Demo,
+}
+
+/// Export entries read per call: each call is one bounded `XRANGE ... COUNT`.
+const EXPORT_PAGE: usize = 1000;
+
+impl From<PageError> for Failure {
+    fn from(e: PageError) -> Self {
+        Self::bad_input(e.to_string())
+    }
 }
 
 impl From<LedgerError> for Failure {
@@ -164,7 +186,7 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             if config.export_maxlen().is_none() {
                 eprintln!("note: the config has no [export]: nothing new is exported");
             }
-            for e in ledger.exported(&user, since_ms, count).await? {
+            for e in exported(ledger.as_ref(), &user, since_ms, count).await? {
                 if out.json {
                     println!("{}", serde_json::to_string(&e).unwrap_or_default());
                 } else {
@@ -241,8 +263,22 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             out.print(value, || text);
             Ok(0)
         }
-        BudgetCommand::Usage { user } => {
-            let usage = ledger.usage(&user).await?;
+        BudgetCommand::Usage {
+            user,
+            limit,
+            cursor,
+            all,
+        } => {
+            let after = cursor.map(|c| c.parse::<EventCursor>()).transpose()?;
+            let page = EventPage::new(after, limit)?;
+            let mut usage = ledger.usage_page(&user, page).await?;
+            // --all: the figures of the first page, the events of every page;
+            // each page is its own short step of the ledger.
+            while let (true, Some(next)) = (all, usage.next_cursor) {
+                let more = ledger.usage_page(&user, page.next(next)).await?;
+                usage.events.extend(more.events);
+                usage.next_cursor = more.next_cursor;
+            }
             out.print(usage_json(&user, &usage), || usage_text(&user, &usage));
             Ok(0)
         }
@@ -319,6 +355,7 @@ fn usage_json(user: &UserId, u: &Usage) -> Value {
         "user": user, "plan": u.plan, "used": u.used, "limit": u.limit, "remaining": u.remaining,
         "window_secs": u.window_ms / 1000, "window_ms": u.window_ms, "now_ms": u.now_ms,
         "reset_after_ms": u.reset_after_ms, "windows": u.windows, "events": u.events,
+        "next_cursor": u.next_cursor,
     })
 }
 
@@ -355,7 +392,48 @@ fn usage_text(user: &UserId, u: &Usage) -> String {
             );
         }
     }
+    if let Some(next) = u.next_cursor {
+        s += &format!("\nmore events: --cursor {next} (or --all)");
+    }
     s
+}
+
+/// Up to `count` export entries from `since_ms` on, EXPORT_PAGE per call: the
+/// next call starts at the last entry's millisecond and skips what was read.
+async fn exported(
+    ledger: &dyn Ledger,
+    user: &UserId,
+    since_ms: u64,
+    count: usize,
+) -> Result<Vec<ExportEntry>, Failure> {
+    fn position(e: &ExportEntry) -> Option<EventCursor> {
+        e.id.parse().ok()
+    }
+    let mut out: Vec<ExportEntry> = Vec::new();
+    let mut since = since_ms;
+    while out.len() < count {
+        let last = out.last().and_then(position);
+        let want = (count - out.len()).min(EXPORT_PAGE);
+        // What was read already comes again from `since` on: ask for that too.
+        let seen = out
+            .iter()
+            .rev()
+            .take_while(|e| position(e).is_some_and(|p| p.at_ms == since))
+            .count();
+        let page = ledger.exported(user, since, want + seen).await?;
+        let full = page.len() == want + seen;
+        let before = out.len();
+        out.extend(
+            page.into_iter()
+                .filter(|e| last.is_none() || position(e) > last)
+                .take(want),
+        );
+        match out.last().and_then(position) {
+            Some(p) if full && out.len() > before => since = p.at_ms,
+            _ => break,
+        }
+    }
+    Ok(out)
 }
 
 /// A short narrated tour of the budget semantics on any ledger.

@@ -304,8 +304,12 @@ impl Ledger for RecordingLedger {
         self.inner.exported(user, since_ms, count).await
     }
 
-    async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
-        self.inner.usage(user).await
+    async fn usage_page(
+        &self,
+        user: &UserId,
+        page: crate::ledger::EventPage,
+    ) -> Result<Usage, LedgerError> {
+        self.inner.usage_page(user, page).await
     }
 
     async fn charge(

@@ -308,8 +308,125 @@ pub enum SettleOutcome {
     },
 }
 
-/// A user's budget right now, with the live events (the audit trail). The
-/// top-level figures are the window closest to exhaustion's.
+/// Where a page of the audit trail resumes: the position, in the user's log, of
+/// the last event of the page before (`<ms>-<seq>`, the Redis stream entry ID;
+/// the embedded backend numbers its events the same way). Clients treat it as
+/// opaque. The event it names may have left since: the next page still starts
+/// right after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EventCursor {
+    pub at_ms: u64,
+    pub seq: u64,
+}
+
+impl EventCursor {
+    /// Digits of `at_ms` a cursor may carry: 15 stay below 2^53, which a Lua
+    /// number holds exactly (a real one is a Unix time in ms: 13).
+    pub const MS_DIGITS: usize = 15;
+    /// Digits of `seq`: 19 stay below 2^64.
+    pub const SEQ_DIGITS: usize = 19;
+}
+
+impl std::fmt::Display for EventCursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.at_ms, self.seq)
+    }
+}
+
+impl std::str::FromStr for EventCursor {
+    type Err = PageError;
+
+    /// Only what [`Display`](std::fmt::Display) writes: `<digits>-<digits>`,
+    /// at most [`MS_DIGITS`](Self::MS_DIGITS) and
+    /// [`SEQ_DIGITS`](Self::SEQ_DIGITS) of them.
+    fn from_str(s: &str) -> Result<Self, PageError> {
+        let num = |t: &str, digits: usize| {
+            (!t.is_empty() && t.len() <= digits && t.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| t.parse::<u64>().ok())
+                .flatten()
+        };
+        let (ms, seq) = s.split_once('-').ok_or(PageError::BadCursor)?;
+        match (num(ms, Self::MS_DIGITS), num(seq, Self::SEQ_DIGITS)) {
+            (Some(at_ms), Some(seq)) => Ok(Self { at_ms, seq }),
+            _ => Err(PageError::BadCursor),
+        }
+    }
+}
+
+impl Serialize for EventCursor {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// A bad page request (the HTTP edge answers 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PageError {
+    #[error("limit must be between 1 and {max}, got {0}", max = EventPage::MAX_LIMIT)]
+    BadLimit(usize),
+    #[error("not a cursor this server returned (expected the next_cursor of a page)")]
+    BadCursor,
+}
+
+/// One page of the audit trail: at most `limit` live events after `after`
+/// (from the oldest when `None`), oldest first. Reading a page costs the
+/// ledger O(limit), however many events are live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventPage {
+    after: Option<EventCursor>,
+    limit: usize,
+}
+
+impl EventPage {
+    /// Events per page when the caller names no limit.
+    pub const DEFAULT_LIMIT: usize = 50;
+    /// The most a page holds: a page is one short step of the ledger. Each
+    /// event of a page costs the Redis script a lookup in its index bucket,
+    /// 5-20 µs on the 2-core bench machine (quiet to loaded; BENCHMARKS.md):
+    /// more with many live events (colder caches): 50 keep a page under the
+    /// 5 ms no script may exceed.
+    pub const MAX_LIMIT: usize = 50;
+
+    pub fn new(after: Option<EventCursor>, limit: usize) -> Result<Self, PageError> {
+        if limit == 0 || limit > Self::MAX_LIMIT {
+            return Err(PageError::BadLimit(limit));
+        }
+        Ok(Self { after, limit })
+    }
+
+    /// The first page, of [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT) events.
+    pub fn first() -> Self {
+        Self {
+            after: None,
+            limit: Self::DEFAULT_LIMIT,
+        }
+    }
+
+    /// The page after `cursor`, of the same size.
+    pub fn next(self, cursor: EventCursor) -> Self {
+        Self {
+            after: Some(cursor),
+            ..self
+        }
+    }
+
+    pub fn after(&self) -> Option<EventCursor> {
+        self.after
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+}
+
+impl Default for EventPage {
+    fn default() -> Self {
+        Self::first()
+    }
+}
+
+/// A user's budget right now, with one page of the live events (the audit
+/// trail). The top-level figures are the window closest to exhaustion's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Usage {
     pub plan: String,
@@ -320,9 +437,11 @@ pub struct Usage {
     pub now_ms: u64,
     /// Until the oldest live event expires; `None` when there is none.
     pub reset_after_ms: Option<u64>,
-    /// Live events in the plan's longest window, oldest first (the log may
-    /// keep older ones for another plan's longer window).
+    /// One page of the live events in the plan's longest window, oldest
+    /// first (the log may keep older ones for another plan's longer window).
     pub events: Vec<SpendEvent>,
+    /// Where the next page starts; `None`: this page reached the newest event.
+    pub next_cursor: Option<EventCursor>,
     /// Every limit of the plan, longest window first.
     pub windows: Vec<WindowUse>,
 }
@@ -333,6 +452,7 @@ impl Usage {
         windows: Vec<WindowUse>,
         now_ms: u64,
         events: Vec<SpendEvent>,
+        next_cursor: Option<EventCursor>,
     ) -> Self {
         let w = closest_to_exhaustion(&windows).cloned();
         let w = w.unwrap_or_else(|| WindowUse::new(0, 0, 0, None));
@@ -345,6 +465,7 @@ impl Usage {
             now_ms,
             reset_after_ms: w.reset_after_ms,
             events,
+            next_cursor,
             windows,
         }
     }
@@ -436,7 +557,17 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError>;
 
-    async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError>;
+    /// The user's budget and the first page of its audit trail
+    /// ([`EventPage::first`]).
+    async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
+        self.usage_page(user, EventPage::first()).await
+    }
+
+    /// The user's budget, from the running totals, and one page of its live
+    /// events (the audit trail): O(page), whatever the number of live events.
+    /// Follow `next_cursor` for the rest; an event that leaves between two
+    /// pages is simply not in the later one.
+    async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError>;
 
     /// Charges a job, atomically: expire, check the id against the request it
     /// was first charged for (operation, fingerprint), check the budget, record

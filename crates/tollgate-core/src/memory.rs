@@ -18,8 +18,8 @@ use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
     unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome,
-    Denied, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
-    SpendEvent, Usage, WindowUse,
+    Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome,
+    ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
 };
 
 const SHARDS: usize = 64;
@@ -85,6 +85,10 @@ struct UserLog {
 /// One spend event: live, or the hole a removed one left (`request: None`).
 struct Event {
     at: u64,
+    /// Its number among the events recorded in its millisecond: (at, seq) is
+    /// its position, as a Redis stream entry ID is, and the cursor of a page
+    /// of the audit trail (`Log::page`). Stable when other events leave.
+    seq: u32,
     request: Option<Arc<str>>,
     cost: u64,
     /// Who owns a job's charge (`charge`); plain reserves have none.
@@ -102,6 +106,9 @@ struct Log {
     /// The sequence number of `slots[0]`.
     base: u64,
     holes: usize,
+    /// The position (at, seq) of the last event pushed, which it keeps once the
+    /// event left: the next in the same millisecond follows it.
+    last: (u64, u32),
 }
 
 impl Log {
@@ -113,8 +120,14 @@ impl Log {
         self.slots.back().map(|e| e.at)
     }
 
-    /// Appends an event (at or after the last one's time); returns its number.
-    fn push(&mut self, e: Event) -> u64 {
+    /// Appends an event (at or after the last one's time), giving it its
+    /// position; returns its number.
+    fn push(&mut self, mut e: Event) -> u64 {
+        e.seq = match self.last {
+            (at, seq) if at == e.at => seq.saturating_add(1),
+            _ => 0,
+        };
+        self.last = (e.at, e.seq);
         self.slots.push_back(e);
         self.base + self.slots.len() as u64 - 1
     }
@@ -139,6 +152,7 @@ impl Log {
         let slot = self.get_mut(seq)?;
         let hole = Event {
             at: slot.at,
+            seq: slot.seq,
             request: None,
             cost: 0,
             owner: None,
@@ -168,6 +182,27 @@ impl Log {
         self.slots
             .range(start..end.max(start))
             .filter(|e| e.request.is_some())
+    }
+
+    /// Up to `limit` live events with a time past `lo` and a position past
+    /// `after` (`None`: unbounded), oldest first, and whether more follow:
+    /// O(log n + limit).
+    fn page(
+        &self,
+        lo: Option<u64>,
+        after: Option<EventCursor>,
+        limit: usize,
+    ) -> (Vec<&Event>, bool) {
+        let from = lo.map_or(0, |lo| self.slots.partition_point(|e| e.at <= lo));
+        let start = after.map_or(0, |c| {
+            self.slots
+                .partition_point(|e| (e.at, u64::from(e.seq)) <= (c.at_ms, c.seq))
+        });
+        let start = start.max(from);
+        let mut live = self.slots.range(start..).filter(|e| e.request.is_some());
+        let page: Vec<&Event> = live.by_ref().take(limit).collect();
+        let more = live.next().is_some();
+        (page, more)
     }
 
     /// Live events inside a window that ends at `now`, oldest first.
@@ -347,6 +382,7 @@ impl UserLog {
         let request: Arc<str> = Arc::from(request.as_str());
         let seq = self.events.push(Event {
             at,
+            seq: 0,
             request: Some(Arc::clone(&request)),
             cost,
             owner,
@@ -836,14 +872,23 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         }))
     }
 
-    async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
+    async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
         Ok(self.with_user(user, false, |log, now| {
             let plan = self.plan_of(log);
             log.expire(now, &plan.limits);
-            // The log may keep older events for another plan's longer window.
-            let events = log
-                .events
-                .inside(now, plan.window_ms())
+            // The log may keep older events for another plan's longer window:
+            // a page starts inside this plan's longest window.
+            let (slice, more) = log.events.page(
+                now.checked_sub(plan.window_ms()),
+                page.after(),
+                page.limit(),
+            );
+            let next_cursor = slice.last().filter(|_| more).map(|e| EventCursor {
+                at_ms: e.at,
+                seq: u64::from(e.seq),
+            });
+            let events = slice
+                .into_iter()
                 .filter_map(|e| Some((RequestId::from_kept(e.request.as_deref()?), e)))
                 .map(|(request_id, e)| SpendEvent {
                     request_id,
@@ -858,6 +903,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 log.windows(&plan.limits, now),
                 now,
                 events,
+                next_cursor,
             )
         }))
     }

@@ -1252,8 +1252,12 @@ impl Ledger for MeteredLedger {
         self.inner.exported(user, since_ms, count).await
     }
 
-    async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
-        self.timed("usage", self.inner.usage(user)).await
+    async fn usage_page(
+        &self,
+        user: &UserId,
+        page: crate::ledger::EventPage,
+    ) -> Result<Usage, LedgerError> {
+        self.timed("usage", self.inner.usage_page(user, page)).await
     }
 
     async fn charge(

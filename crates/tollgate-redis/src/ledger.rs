@@ -11,9 +11,9 @@ use tollgate_core::{
     config::{Config, MAX_LIMITS},
     id::{RequestId, UserId},
     ledger::{
-        Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, ExportEntry,
-        Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage,
-        WindowUse,
+        Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, EventCursor,
+        EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
+        SpendEvent, Usage, WindowUse,
     },
 };
 
@@ -217,10 +217,10 @@ impl Ledger for RedisLedger {
             .await
     }
 
-    async fn usage(&self, user: &UserId) -> Result<Usage, LedgerError> {
+    async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
         let keys = self.keys.budget(user);
         let reply: Vec<Value> = self
-            .script("usage", scripts::usage(&keys, &self.plans))
+            .script("usage", scripts::usage(&keys, page, &self.plans))
             .await?;
         parse_usage(reply)
     }
@@ -447,6 +447,19 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
     }
     let (windows, _) = windows("usage", &reply, 2)?;
     let head = 3 + windows.len() * WINDOW_FIELDS;
+    let next = text(
+        reply
+            .get(head)
+            .ok_or_else(|| bad_reply::<LedgerError>("usage", "no next_cursor"))?,
+    )?;
+    let next_cursor = match next.as_str() {
+        "" => None,
+        id => Some(
+            id.parse::<EventCursor>()
+                .map_err(|e| bad_reply::<LedgerError>("usage", e))?,
+        ),
+    };
+    let head = head + 1;
     if (reply.len() - head) % 5 != 0 {
         return Err(bad_reply("usage", format!("{} elements", reply.len())));
     }
@@ -469,5 +482,11 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
             .first()
             .ok_or_else(|| bad_reply::<LedgerError>("usage", "empty"))?,
     )?;
-    Ok(Usage::new(plan, windows, int(&reply[1])?, events))
+    Ok(Usage::new(
+        plan,
+        windows,
+        int(&reply[1])?,
+        events,
+        next_cursor,
+    ))
 }

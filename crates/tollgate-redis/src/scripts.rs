@@ -41,6 +41,11 @@ pub static RELEASE: LazyLock<Script> =
 pub struct PlanArgs(Vec<String>);
 
 impl PlanArgs {
+    /// The ARGV tail itself (for a bare EVALSHA, as benches send it).
+    pub fn args(&self) -> &[String] {
+        &self.0
+    }
+
     pub fn new(config: &tollgate_core::config::Config) -> Self {
         let default = config.default_plan();
         let rest = config.plans().filter(|p| p.name != default.name);
@@ -89,6 +94,28 @@ pub fn reserve<'a>(
     inv
 }
 
+/// `reserve.lua` as a bare `EVALSHA` with [`reserve`]'s KEYS and ARGV, for a
+/// pipeline (bulk loads in tests and benches): a pipeline does not reload a
+/// script on NOSCRIPT, so load [`RESERVE`] on the server first.
+pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(RESERVE.get_hash())
+        .arg(9)
+        .arg(&keys.events)
+        .arg(&keys.costs)
+        .arg(&keys.plan)
+        .arg(&keys.owners)
+        .arg(&keys.holds)
+        .arg(&keys.audit)
+        .arg(&keys.log)
+        .arg(&keys.meta)
+        .arg(&keys.cancelled)
+        .arg(request)
+        .arg(cost)
+        .arg(&plans.0);
+    cmd
+}
+
 /// `refund.lua`: `finished` is the nonce of the charge's job when it was read
 /// as final (the refund is then a plain credit), or `""`.
 pub fn refund<'a>(
@@ -122,10 +149,15 @@ pub fn settle<'a>(
     inv
 }
 
-/// `usage.lua`
-pub fn usage<'a>(keys: &BudgetKeys, plans: &PlanArgs) -> redis::ScriptInvocation<'a> {
+/// `usage.lua`: the budget and one page of the audit trail.
+pub fn usage<'a>(
+    keys: &BudgetKeys,
+    page: tollgate_core::ledger::EventPage,
+    plans: &PlanArgs,
+) -> redis::ScriptInvocation<'a> {
     let mut inv = invocation(&USAGE, keys);
-    inv.arg(&plans.0);
+    let cursor = page.after().map(|c| c.to_string()).unwrap_or_default();
+    inv.arg(cursor).arg(page.limit()).arg(&plans.0);
     inv
 }
 

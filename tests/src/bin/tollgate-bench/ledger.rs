@@ -16,7 +16,7 @@ use tollgate_core::{
     memory::MemoryLedger,
 };
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts};
-use tollgate_tests::RedisServer;
+use tollgate_tests::{slowlog, RedisServer};
 
 use crate::stats::{median_f64, us, Samples};
 
@@ -84,6 +84,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Arc::clone(&config),
     ));
     let memory = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+    // Every script call of the run is judged at the end: none may hold Redis
+    // past slowlog::LIMIT_US, however large the user's log.
+    let mut slow_conn = redis::Client::open(url.as_str())?
+        .get_multiplexed_async_connection()
+        .await?;
+    slowlog::start(&mut slow_conn, slowlog::LIMIT_US, 1024).await?;
 
     println!("## reserve latency by live events in the user's window (one caller, sequential)");
     println!("(3 passes over the sizes, interleaved; the median of the per-pass medians)");
@@ -175,7 +181,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         )?;
         // Prove the ceiling did the same work: one live event per call (random ids
         // collide rarely), not fast error replies.
-        let recorded = redis.usage(&user).await?.events.len();
+        let recorded = tollgate_tests::all_events(redis.as_ref(), &user)
+            .await?
+            .len();
         if (recorded as f64) < 0.99 * args.ops as f64 {
             bail!(
                 "redis-benchmark recorded only {recorded} events for {} calls: did EVALSHA fail?",
@@ -201,6 +209,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.clients,
         args.pool_size
     );
+    let (slow, text) = slowlog::over_limit(&mut slow_conn).await?;
+    if !slow.is_empty() {
+        bail!(
+            "{} commands held Redis past {} ms (SLOWLOG): {text}",
+            slow.len(),
+            slowlog::LIMIT_US / 1000
+        );
+    }
+    println!(
+        "SLOWLOG: no command held Redis past {} ms",
+        slowlog::LIMIT_US / 1000
+    );
     drop(server);
     Ok(())
 }
@@ -221,7 +241,9 @@ async fn prefill(ledger: &Arc<dyn Ledger>, user: &UserId, n: usize) -> anyhow::R
     while let Some(r) = tasks.join_next().await {
         r??;
     }
-    let live = ledger.usage(user).await?.events.len();
+    let live = tollgate_tests::all_events(ledger.as_ref(), user)
+        .await?
+        .len();
     if live != n {
         bail!("prefill of {user}: {live} live events, wanted {n}");
     }

@@ -19,6 +19,7 @@ mod memory_embedded;
 mod scale;
 mod stats;
 mod throttle;
+mod usage;
 mod waits;
 
 use clap::{Parser, Subcommand};
@@ -86,6 +87,10 @@ enum Command {
     /// The embedded ledger's memory: heap bytes per live spend event (reserve
     /// and charge), and what 10,000 expired users leave behind.
     MemoryEmbedded(memory_embedded::Args),
+    /// Usage: Redis time of `usage.lua` (SLOWLOG) with 1,000 / 10,000 / 100,000
+    /// live events, a page and a walk of every page, against a previous script
+    /// side by side; fails if a call held Redis past 5 ms.
+    Usage(usage::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -110,6 +115,7 @@ fn main() -> anyhow::Result<()> {
             Command::ReserveLoad(args) => scale::reserve_load(args).await,
             Command::ClusterAudit(args) => cluster_audit::run(args).await,
             Command::MemoryEmbedded(args) => memory_embedded::run(args).await,
+            Command::Usage(args) => usage::run(args).await,
         }
     })
 }
