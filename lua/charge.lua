@@ -39,7 +39,7 @@ end
 local now = now_ms()
 local used = expire(now, limits)
 
-local ev, key, dig = find(request)
+local ev, slot = find(request)
 if ev then
   local o = ev.rec
   if ev.state == 'r' then
@@ -56,7 +56,6 @@ if not fits(limits, used, cost) then
 end
 
 local deadline = now + deadline_after
-used = record(request, cost, now, limits, used, { nonce = nonce, deadline = deadline, op = op, fp = fp },
-  key, dig)
+used = record(request, cost, now, limits, used, { nonce = nonce, deadline = deadline, op = op, fp = fp }, slot)
 redis.call('ZADD', HOLDS, int(deadline + grace), request)
 return push_windows({ 1, now, deadline }, limits, used, now)

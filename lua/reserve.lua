@@ -23,7 +23,7 @@ end
 local now = now_ms()
 local used = expire(now, limits)
 
-local ev, key, dig = find(request)
+local ev, slot = find(request)
 if ev then
   return push_windows({ 2, ev.at, now }, limits, used, now)
 end
@@ -33,5 +33,5 @@ if not fits(limits, used, cost) then
 end
 
 local at
-used, at = record(request, cost, now, limits, used, nil, key, dig)
+used, at = record(request, cost, now, limits, used, nil, slot)
 return push_windows({ 1, at, now }, limits, used, now)

@@ -57,9 +57,12 @@
 -- every window of the user's plan.
 -- Time is Redis TIME: pod clocks never decide a budget.
 
-local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
-local BASE = string.sub(META, 1, -6)
+-- The library is loaded once per Redis as a function library (FUNCTION LOAD):
+-- its top level runs at load, not per call, and every value below that a call
+-- sets is set again by `begin` at the start of each call (no call sees
+-- another's state).
+local KEYS, ARGV
+local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE
 local BATCH = 500
 local MIGRATE_BATCH = 2000
 -- Events per bucket before one splits: a bucket not yet split this round holds
@@ -79,6 +82,22 @@ local EXPORT = 0
 -- The bucket table (linear hashing: SIZE buckets of this round, SPLIT of them
 -- split already) and the retention (the log's span, the keys' time to live).
 local SIZE, SPLIT, RETAIN = 1, 0, 0
+-- Until when (ms) the log and meta are kept (meta's 'x'; 0: unknown). A write
+-- past a retention before it sets their expiry a retention and a slack on, so
+-- that most writes leave the keys' expiry alone.
+local KEPT = 0
+-- Parsed plan limits by their text, across the calls of one library load.
+local PARSED, PARSED_N = {}, 0
+
+-- Starts one call: its keys and arguments, and the state above reset.
+local function begin(keys, args)
+  KEYS, ARGV = keys, args
+  EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED =
+    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8], keys[9]
+  BASE = string.sub(META, 1, -6)
+  SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, RETAIN = {}, false, 2, 0, 0, 1, 0, 0
+  KEPT = 0
+end
 
 local function int(n)
   return string.format('%d', n)
@@ -131,9 +150,17 @@ local function resolve_plan(i)
       end
     end
   end
-  local limits = {}
-  for l, w in string.gmatch(spec or '', '(%d+):(%d+)') do
-    limits[#limits + 1] = { limit = tonumber(l), window = tonumber(w) }
+  spec = spec or ''
+  local limits = PARSED[spec]
+  if not limits then
+    limits = {}
+    for l, w in string.gmatch(spec, '(%d+):(%d+)') do
+      limits[#limits + 1] = { limit = tonumber(l), window = tonumber(w) }
+    end
+    if PARSED_N >= 64 then
+      PARSED, PARSED_N = {}, 0
+    end
+    PARSED[spec], PARSED_N = limits, PARSED_N + 1
   end
   local longest = limits[1] and limits[1].window or 0
   if RETAIN < longest then
@@ -156,15 +183,24 @@ end
 
 -- The packed request id: 'u' + 16 bytes (a lowercase UUID), 'i' + 16 bytes
 -- ('idem-' + 32 lowercase hex), else 'x' + its length + the id.
+-- A lowercase UUID; 'idem-' and 32 lowercase hex digits. (Literal: a function
+-- library's top level has no string library.)
+local UUID = '^[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]%-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]%-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]%-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]%-'
+  .. '[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]$'
+local IDEM = '^idem%-[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]'
+  .. '[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]$'
+
+local function hex(s, i, j)
+  return tonumber(string.sub(s, i, j), 16)
+end
+
 local function pack_id(id)
-  if #id == 36 and not string.find(id, '[^0-9a-f-]') then
-    local a, b, c, d, e = string.match(id, '^(%x+)%-(%x+)%-(%x+)%-(%x+)%-(%x+)$')
-    if a and #a == 8 and #b == 4 and #c == 4 and #d == 4 and #e == 12 then
-      return 'u' .. unhex(a .. b .. c .. d .. e)
-    end
+  if #id == 36 and string.find(id, UUID) then
+    return 'u' .. struct.pack('>I4I2I2I2I2I4', hex(id, 1, 8), hex(id, 10, 13), hex(id, 15, 18),
+      hex(id, 20, 23), hex(id, 25, 28), hex(id, 29, 36))
   end
-  if #id == 37 and string.sub(id, 1, 5) == 'idem-' and not string.find(id, '[^0-9a-f]', 6) then
-    return 'i' .. unhex(string.sub(id, 6))
+  if #id == 37 and string.find(id, IDEM) then
+    return 'i' .. struct.pack('>I4I4I4I4', hex(id, 6, 13), hex(id, 14, 21), hex(id, 22, 29), hex(id, 30, 37))
   end
   return 'x' .. string.char(#id) .. id
 end
@@ -173,11 +209,9 @@ end
 local function unpack_id(r)
   local tag = string.sub(r, 1, 1)
   if tag == 'u' then
-    local h = tohex(string.sub(r, 2, 17))
-    return string.sub(h, 1, 8) .. '-' .. string.sub(h, 9, 12) .. '-' .. string.sub(h, 13, 16)
-      .. '-' .. string.sub(h, 17, 20) .. '-' .. string.sub(h, 21, 32), 18
+    return string.format('%08x-%04x-%04x-%04x-%04x%08x', struct.unpack('>I4I2I2I2I2I4', r, 2)), 18
   elseif tag == 'i' then
-    return 'idem-' .. tohex(string.sub(r, 2, 17)), 18
+    return string.format('idem-%08x%08x%08x%08x', struct.unpack('>I4I4I4I4', r, 2)), 18
   end
   local n = string.byte(r, 2)
   return string.sub(r, 3, 2 + n), 3 + n
@@ -238,7 +272,8 @@ end
 -- The digest field of a request id and the 32-bit hash that picks its bucket.
 local function digest(id)
   local h = redis.sha1hex(id)
-  return unhex(string.sub(h, 1, 12)), tonumber(string.sub(h, 1, 8), 16)
+  local top = hex(h, 1, 8)
+  return struct.pack('>I4I2', top, hex(h, 9, 12)), top
 end
 
 local function bucket_key(h)
@@ -252,7 +287,7 @@ end
 -- The hash of a bucket's field (a digest, or LONG .. id).
 local function field_hash(f)
   if #f == 6 then
-    return (struct.unpack('>I4', string.sub(f, 1, 4)))
+    return (struct.unpack('>I4', f))
   end
   local _, h = digest(string.sub(f, #LONG + 1))
   return h
@@ -272,12 +307,15 @@ local function read_record(sid)
 end
 
 -- The live event of a request id: its index value plus key, field and record;
--- or nil, and the id's bucket and digest field (for `record`).
+-- or nil, and where `record` puts it: { key = its bucket, field = the digest
+-- (or LONG .. id when another entry holds the digest), kept = the bucket's
+-- '~' }.
 local function find(request)
   local dig, h = digest(request)
   local key = bucket_key(h)
-  local vals = redis.call('HMGET', key, dig, LONG .. request)
-  for k, field in ipairs({ dig, LONG .. request }) do
+  local long = LONG .. request
+  local vals = redis.call('HMGET', key, dig, long, '~')
+  for k, field in ipairs({ dig, long }) do
     if vals[k] then
       local ev = unpack_value(vals[k])
       ev.key, ev.field = key, field
@@ -287,7 +325,7 @@ local function find(request)
       end
     end
   end
-  return nil, key, dig
+  return nil, { key = key, field = vals[1] and long or dig, kept = tonumber(vals[3]) or 0 }
 end
 
 -- The live event of a log entry (ID, packed record).
@@ -313,6 +351,13 @@ local function update(ev)
   redis.call('HSET', ev.key, ev.field, pack_value(ev))
 end
 
+-- The slack added to a key's expiry when a write sets it: a key's expiry is
+-- set again only when a write finds it less than the time to live the key
+-- needs away, so once per slack at most.
+local function slack()
+  return math.floor(RETAIN / 8)
+end
+
 -- A bucket lives two windows from its last write, the log and meta one. An
 -- entry of the log leaves at the first budget step past its window; if none came
 -- within a window after that, no step wrote the log either, so the log and meta
@@ -320,36 +365,43 @@ end
 -- holds its events' costs when they leave, though only other buckets were
 -- written since; a bucket outliving its log holds entries no log entry
 -- points to, which `find` and `at_entry` ignore.
-local function keep_bucket(key)
-  redis.call('PEXPIRE', key, int(2 * RETAIN))
+-- A bucket's '~' field is the time (ms) its expiry was set to (written first
+-- in a new bucket, where reading it costs least).
+local function keep_bucket(key, now)
+  local at = int(now + 2 * RETAIN + slack())
+  redis.call('HSET', key, '~', at)
+  redis.call('PEXPIREAT', key, at)
 end
 
 -- Splits the next bucket when the log holds more than LOAD events per bucket.
-local function grow()
-  if redis.call('XLEN', LOG) <= LOAD * (SIZE + SPLIT) then
-    return
+-- Returns the number of entries of the log.
+local function grow(now)
+  local n = redis.call('XLEN', LOG)
+  if n <= LOAD * (SIZE + SPLIT) then
+    return n
   end
   local from = BASE .. ':e:' .. int(SPLIT)
   local to = BASE .. ':e:' .. int(SPLIT + SIZE)
   local all = redis.call('HGETALL', from)
   local moved, gone = {}, {}
   for i = 1, #all, 2 do
-    if field_hash(all[i]) % (2 * SIZE) ~= SPLIT then
+    if all[i] ~= '~' and field_hash(all[i]) % (2 * SIZE) ~= SPLIT then
       moved[#moved + 1] = all[i]
       moved[#moved + 1] = all[i + 1]
       gone[#gone + 1] = all[i]
     end
   end
   if #gone > 0 then
+    keep_bucket(to, now)
     redis.call('HSET', to, unpack(moved))
     redis.call('HDEL', from, unpack(gone))
-    keep_bucket(to)
   end
   SPLIT = SPLIT + 1
   if SPLIT == SIZE then
     SIZE, SPLIT = 2 * SIZE, 0
   end
   redis.call('HSET', META, 'l', int(SIZE), 's', int(SPLIT))
+  return n
 end
 
 -- The sum of the costs of live events spent in lo..hi (ms, inclusive; XRANGE
@@ -407,13 +459,10 @@ end
 -- bucket table too. If the totals went missing (eviction), the log's is
 -- rebuilt once from the log.
 local function read_total()
-  local m = {}
-  local all = redis.call('HGETALL', META)
-  for i = 1, #all, 2 do
-    m[all[i]] = all[i + 1]
-  end
-  SIZE, SPLIT = tonumber(m.l) or 1, tonumber(m.s) or 0
-  local raw = m.t
+  local m = redis.call('HMGET', META, 't', 'l', 's', 'x')
+  SIZE, SPLIT = tonumber(m[2]) or 1, tonumber(m[3]) or 0
+  KEPT = tonumber(m[4]) or 0
+  local raw = m[1]
   if raw then
     local used = tonumber(raw)
     if used then
@@ -429,7 +478,8 @@ local function read_total()
 end
 
 -- Writes the totals (TOTAL, and the windows'); returns the longest window's.
-local function write_total()
+-- Keeps the log and meta a retention past `now` (see KEPT).
+local function write_total(now)
   if TOTAL < 0 then
     TOTAL = 0
   end
@@ -445,7 +495,14 @@ local function write_total()
     value = table.concat(parts, ' ')
   end
   SHORTS_STALE = false
-  redis.call('HSET', META, 't', value)
+  if KEPT < now + RETAIN then
+    KEPT = now + RETAIN + slack()
+    redis.call('HSET', META, 't', value, 'x', int(KEPT))
+    redis.call('PEXPIREAT', LOG, int(KEPT))
+    redis.call('PEXPIREAT', META, int(KEPT))
+  else
+    redis.call('HSET', META, 't', value)
+  end
   if FIRST == 1 then
     return SHORTS[1].total
   end
@@ -479,7 +536,7 @@ end
 -- this one; when none is left, drops the previous keys and the totals, which
 -- the next read rebuilds from the log (with the shorter windows' totals).
 -- Returns true when events of the previous layout are left.
-local function migrate()
+local function migrate(now)
   if redis.call('EXISTS', EVENTS, COSTS, OWNERS) == 0 then
     return false
   end
@@ -516,14 +573,15 @@ local function migrate()
         if redis.call('HSETNX', key, dig, pack_value(ev)) == 0 then
           redis.call('HSET', key, LONG .. id, pack_value(ev))
         end
-        keep_bucket(key)
-        grow()
+        keep_bucket(key, now)
+        grow(now)
       end
     end
     redis.call('ZREM', EVENTS, unpack(ids))
     redis.call('HDEL', COSTS, unpack(ids))
     redis.call('HDEL', OWNERS, unpack(ids))
     redis.call('PEXPIRE', LOG, int(RETAIN))
+    KEPT = 0
   end
   if redis.call('ZCARD', EVENTS) > 0 then
     return true
@@ -541,7 +599,7 @@ end
 -- events. Sets TOTAL; returns the plan's longest window's total. A user still
 -- in the previous layout is moved first.
 local function expire(now, limits)
-  if migrate() then
+  if migrate(now) then
     error({ err = 'TOLLGATE_MIGRATING events of the previous layout are left: call again' })
   end
   local used, shorts, changed = read_total()
@@ -593,8 +651,7 @@ local function expire(now, limits)
     changed = true
   end
   if changed then
-    write_total()
-    redis.call('PEXPIRE', META, int(RETAIN))
+    write_total(now)
   end
   if FIRST == 1 then
     return SHORTS[1].total
@@ -679,7 +736,7 @@ local function remove(ev, _used, now)
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)
   TOTAL = TOTAL - ev.cost
-  return write_total()
+  return write_total(now)
 end
 
 -- Sets a live event's cost (from `find`; >= 1) in every window it is inside;
@@ -693,15 +750,15 @@ local function recost(ev, cost, now)
   ev.cost = cost
   update(ev)
   TOTAL = TOTAL - previous + cost
-  return write_total()
+  return write_total(now)
 end
 
 -- Records a spend event of `cost` at `now` (inside every window); `o`: the
--- owner of a charge (nonce, deadline, op, fp), held by its submission; `key`,
--- `dig`: what `find` answered for the id. The keys expire with it, so an idle
--- user leaves nothing behind. Returns the total and the event's time: now, or
--- the log's last time if the clock went back. (`limits`, `used`: ignored.)
-local function record(request, cost, now, limits, used, o, key, dig)
+-- owner of a charge (nonce, deadline, op, fp), held by its submission; `slot`:
+-- where `find` answered the id goes. The keys expire with it, so an idle user
+-- leaves nothing behind. Returns the total and the event's time: now, or the
+-- log's last time if the clock went back. (`limits`, `used`: ignored.)
+local function record(request, cost, now, limits, used, o, slot)
   local packed = pack_record(request, o)
   local sid = redis.pcall('XADD', LOG, int(now) .. '-*', 'r', packed)
   if type(sid) ~= 'string' then
@@ -709,19 +766,25 @@ local function record(request, cost, now, limits, used, o, key, dig)
   end
   local ms, seq = string.match(sid, '^(%d+)-(%d+)$')
   local ev = { at = tonumber(ms), seq = tonumber(seq), state = o and 'h' or 'r', cost = cost }
-  if redis.call('HSETNX', key, dig, pack_value(ev)) == 0 then
-    redis.call('HSET', key, LONG .. request, pack_value(ev))
+  if slot.kept < now + 2 * RETAIN then
+    local at = int(now + 2 * RETAIN + slack())
+    redis.call('HSET', slot.key, '~', at, slot.field, pack_value(ev))
+    redis.call('PEXPIREAT', slot.key, at)
+  else
+    redis.call('HSET', slot.key, slot.field, pack_value(ev))
   end
   export('spend', request, cost, ev.at, nil, o and o.op)
   for _, s in ipairs(SHORTS) do
     s.total = s.total + cost
   end
   TOTAL = TOTAL + cost
-  used = write_total()
-  for _, k in ipairs({ LOG, META, o and HOLDS }) do
-    redis.call('PEXPIRE', k, int(RETAIN))
+  -- A log this entry started has no expiry yet, whatever meta says.
+  if grow(now) == 1 then
+    KEPT = 0
   end
-  keep_bucket(key)
-  grow()
+  used = write_total(now)
+  if o then
+    redis.call('PEXPIRE', HOLDS, int(RETAIN))
+  end
   return used, ev.at
 end

@@ -196,9 +196,10 @@ async fn a_lost_reply_is_not_taken_as_a_failure() {
         .operation("llm.structured")
         .unwrap()
         .charged_cost();
+    let charge = tollgate_redis::scripts::BUDGET.function("charge");
     let scripts = [
         ("enqueue", tollgate_redis::scripts::JOB_ENQUEUE.get_hash()),
-        ("charge", tollgate_redis::scripts::CHARGE.get_hash()),
+        ("charge", charge.as_str()),
     ];
     for (n, (what, sha)) in scripts.into_iter().enumerate() {
         let idem = ["lost-enqueue", "lost-charge"][n];

@@ -29,8 +29,10 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     ledger.reserve(&user("long"), &rid("r1"), 3).await.unwrap();
     let keys = KeySpace::new(&prefix).unwrap().budget(&user("long"));
     let ttl: i64 = raw(&server).await.pttl(&keys.log).await.unwrap();
+    // A write sets the expiry a retention and a slack (an eighth) on, and only
+    // when less than a retention is left: most writes leave it alone.
     let retention = config().retention_ms() as i64;
-    assert!(ttl > retention - 60_000 && ttl <= retention, "{ttl}");
+    assert!(ttl > retention - 60_000 && ttl <= retention + retention / 8, "{ttl}");
     // With short plans only, the keys go within a short retention.
     let text = CONFIG.replace("[plans.thousand]\nlimit = 1000\nwindow = \"12h\"\n", "");
     let text = text.split("[plans.multi]").next().unwrap().to_owned();
@@ -56,14 +58,14 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     let window = WINDOW.as_millis() as i64;
     for key in [&keys.log, &keys.meta] {
         let ttl: i64 = conn.pttl(key).await.unwrap();
-        assert!(ttl > 0 && ttl <= window, "{key}: {ttl}");
+        assert!(ttl > 0 && ttl <= window + window / 8, "{key}: {ttl}");
     }
     // An index bucket lives two windows (see keep_bucket in lua/lib/budget.lua).
     let ttl: i64 = conn.pttl(keys.bucket(0)).await.unwrap();
-    assert!(ttl > window && ttl <= 2 * window, "bucket: {ttl}");
+    assert!(ttl > window && ttl <= 2 * window + window / 8, "bucket: {ttl}");
     let plan_ttl: i64 = conn.pttl(&keys.plan).await.unwrap();
     assert_eq!(plan_ttl, -1, "a stored plan never expires");
-    tokio::time::sleep(WINDOW + Duration::from_millis(50)).await;
+    tokio::time::sleep(WINDOW + WINDOW / 8 + Duration::from_millis(50)).await;
     let left: Vec<String> = conn.keys(format!("{prefix}:*")).await.unwrap();
     assert!(
         !left.contains(&keys.log) && !left.contains(&keys.meta),
@@ -503,7 +505,9 @@ async fn an_id_whose_digest_field_is_taken_is_kept_apart() {
     let mut conn = raw(&server).await;
     // Copy first's index entry to the digest field of "second" (a new user has
     // one bucket), as if their digests were equal.
+    // (Besides the bucket's '~' field: when its expiry was last set.)
     let fields: Vec<(Vec<u8>, Vec<u8>)> = conn.hgetall(keys.bucket(0)).await.unwrap();
+    let fields: Vec<_> = fields.into_iter().filter(|(f, _)| f != b"~").collect();
     assert_eq!(fields.len(), 1);
     let hex: String = redis::cmd("EVAL")
         .arg("return redis.sha1hex(ARGV[1])")

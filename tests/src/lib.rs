@@ -77,7 +77,7 @@ pub async fn bulk_reserve(
     batch: usize,
 ) -> redis::RedisResult<()> {
     use tollgate_redis::scripts;
-    scripts::RESERVE.prepare_invoke().load_async(conn).await?;
+    scripts::BUDGET.load_async(conn).await?;
     let mut left = n;
     while left > 0 {
         let mut pipe = redis::pipe();

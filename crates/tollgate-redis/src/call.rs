@@ -37,15 +37,18 @@ use tollgate_core::error::StoreError;
 use tracing::Instrument;
 
 use crate::pool::{checkout, is_busy, is_connection_error, Blocking, Pool};
+use crate::scripts::{is_missing_function, FunctionCall};
 
 /// A Redis failure as a [`StoreError`]: transient when Redis cannot be reached
 /// now (refused, reset, timed out, no connection) or answers "not now"
 /// (`LOADING` its data after a restart; a script flushed as it was loaded),
 /// not when it answered with an error.
 pub fn store_error(e: RedisError) -> StoreError {
-    // NOSCRIPT here: the script was flushed again after each of its loads
-    // (see `invoke`): it did not run, and a retry soon may find it loaded.
-    let failed = if is_connection_error(&e) || is_busy(&e) || is_noscript(&e) {
+    // NOSCRIPT (a function not found) here: the script (library) was flushed
+    // again after each of its loads (see `invoke`): it did not run, and a
+    // retry soon may find it loaded.
+    let failed = if is_connection_error(&e) || is_busy(&e) || is_noscript(&e) || is_missing_function(&e)
+    {
         StoreError::unavailable(e.to_string())
     } else {
         StoreError::backend(e.to_string())
@@ -59,9 +62,16 @@ pub fn bad_reply<E: From<StoreError>>(what: &str, reply: impl std::fmt::Debug) -
     StoreError::backend(format!("unexpected {what} reply: {reply:?}")).into()
 }
 
+/// A script call: EVALSHA of a script, or FCALL of a library's function.
+#[derive(Clone, Copy)]
+enum Invocation<'a, 'b> {
+    Script(&'a ScriptInvocation<'b>),
+    Function(&'a FunctionCall),
+}
+
 #[derive(Clone, Copy)]
 enum Request<'a, 'b> {
-    Script(&'a ScriptInvocation<'b>),
+    Script(Invocation<'a, 'b>),
     Command(&'a Cmd),
     Pipeline(&'a Pipeline),
 }
@@ -85,11 +95,31 @@ pub const ACCEPTING: [&str; 2] = [CHARGE, ENQUEUE];
 
 /// EVALSHA (loading the script on NOSCRIPT) on a pooled connection; followed
 /// by WAIT for an [`ACCEPTING`] script in replica mode.
-pub async fn script<T: FromRedisValue>(
+pub fn script<'a, T: FromRedisValue + 'a>(
+    pool: &'a Pool,
+    timeout: Duration,
+    op: &'static str,
+    inv: &'a ScriptInvocation<'_>,
+) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a {
+    invocation(pool, timeout, op, Invocation::Script(inv))
+}
+
+/// FCALL (loading its library when Redis has none) on a pooled connection;
+/// followed by WAIT for an [`ACCEPTING`] function in replica mode.
+pub fn function<'a, T: FromRedisValue + 'a>(
+    pool: &'a Pool,
+    timeout: Duration,
+    op: &'static str,
+    f: &'a FunctionCall,
+) -> impl std::future::Future<Output = Result<T, StoreError>> + 'a {
+    invocation(pool, timeout, op, Invocation::Function(f))
+}
+
+async fn invocation<T: FromRedisValue>(
     pool: &Pool,
     timeout: Duration,
     op: &'static str,
-    inv: &ScriptInvocation<'_>,
+    inv: Invocation<'_, '_>,
 ) -> Result<T, StoreError> {
     match pool.durability() {
         Durability::Replica {
@@ -113,7 +143,7 @@ struct Wait {
     ms: u128,
 }
 
-/// A connection that sends `WAIT` in one pipeline with each EVALSHA and keeps
+/// A connection that sends `WAIT` in one pipeline with each EVALSHA or FCALL and keeps
 /// its answer: how many replicas acknowledged the script's writes.
 struct Waiting<C> {
     inner: C,
@@ -123,8 +153,9 @@ struct Waiting<C> {
 
 impl<C: ConnectionLike + Send> ConnectionLike for Waiting<C> {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        let evalsha = matches!(cmd.args_iter().next(), Some(Arg::Simple(name)) if name.eq_ignore_ascii_case(b"EVALSHA"));
-        if !evalsha {
+        let call = matches!(cmd.args_iter().next(), Some(Arg::Simple(name))
+            if name.eq_ignore_ascii_case(b"EVALSHA") || name.eq_ignore_ascii_case(b"FCALL"));
+        if !call {
             return self.inner.req_packed_command(cmd);
         }
         Box::pin(async move {
@@ -136,7 +167,8 @@ impl<C: ConnectionLike + Send> ConnectionLike for Waiting<C> {
             let mut replies = self.inner.req_packed_commands(&pipe, 0, 2).await?;
             let waited = replies.pop();
             let script = replies.pop();
-            // A script that failed (NOSCRIPT among others) wrote nothing to wait for.
+            // A script that failed (NOSCRIPT, a function not found among
+            // others) wrote nothing to wait for.
             if let (Some(Value::Int(n)), Some(v)) = (&waited, &script) {
                 if !matches!(v, Value::ServerError(_)) {
                     self.acked = Some(*n);
@@ -167,7 +199,7 @@ async fn accepting<T: FromRedisValue>(
     pool: &Pool,
     timeout: Duration,
     op: &'static str,
-    inv: &ScriptInvocation<'_>,
+    inv: Invocation<'_, '_>,
     wait: Wait,
 ) -> Result<T, StoreError> {
     let round_trip = async {
@@ -313,9 +345,14 @@ const SCRIPT_LOADS: usize = 3;
 /// run, so this never runs it twice; a NOSCRIPT left after the last load is
 /// reported as unavailable ([`store_error`]).
 async fn invoke<T: FromRedisValue>(
-    inv: &ScriptInvocation<'_>,
+    inv: Invocation<'_, '_>,
     conn: &mut impl redis::aio::ConnectionLike,
 ) -> Result<T, RedisError> {
+    let inv = match inv {
+        Invocation::Script(inv) => inv,
+        // Boxed: keeps the futures of every script call small.
+        Invocation::Function(f) => return Box::pin(f.invoke_async(conn, SCRIPT_LOADS)).await,
+    };
     let mut loads = 1;
     loop {
         match inv.invoke_async::<T>(conn).await {

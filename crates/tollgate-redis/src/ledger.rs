@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::{FromRedisValue, ScriptInvocation, Value};
+use redis::{FromRedisValue, Value};
 use tollgate_core::ledger::{unknown_plan, validate_cost};
 use tollgate_core::{
     config::{Config, MAX_LIMITS},
@@ -82,11 +82,11 @@ impl RedisLedger {
     async fn script<T: FromRedisValue>(
         &self,
         op: &'static str,
-        inv: ScriptInvocation<'_>,
+        inv: scripts::FunctionCall,
     ) -> Result<T, LedgerError> {
         let mut calls = 0;
         loop {
-            match call::script(&self.pool, self.timeout, op, &inv).await {
+            match call::function(&self.pool, self.timeout, op, &inv).await {
                 Err(e) if calls < MIGRATE_CALLS && e.to_string().contains(MIGRATING) => {
                     calls += 1;
                 }

@@ -4,33 +4,192 @@
 //! `redis::Script` sends EVALSHA and, on NOSCRIPT (a restarted or flushed Redis),
 //! loads the script and retries: each script is loaded once per server, then called
 //! by its SHA.
+//!
+//! The budget scripts are one function library instead ([`BUDGET`], `FUNCTION
+//! LOAD`, called by `FCALL`): its shared top level (`lua/lib/budget.lua`) runs
+//! once when Redis loads it, not on every call. See [`Library`].
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use redis::{Cmd, RedisError, RedisResult, Script};
 
 use crate::keys::{ActivityKeys, BudgetKeys, JobKeys, ThrottleKeys};
 
-const BUDGET_LIB: &str = include_str!("../../../lua/lib/budget.lua");
-
-fn budget_script(body: &str) -> Script {
-    Script::new(&format!("{BUDGET_LIB}\n{body}"))
+/// A Redis function library: a shared Lua prelude, then one function per
+/// script, each script's text the body of its function (called with the
+/// prelude's `begin(keys, args)` first, which resets the per-call state).
+///
+/// The library and its functions are named after a version, the first 16 hex
+/// digits of the SHA-1 of the prelude and the scripts
+/// (`tollgate_<name>_<version>`, `tollgate_<name>_<version>_<script>`), so
+/// that builds of different code coexist on one Redis during a rolling
+/// upgrade. Redis keeps functions in its data set: they survive a restart with
+/// persistence and reach replicas, so a failover keeps them. A Redis without
+/// the library (new, flushed, a new cluster node) answers `FCALL` with
+/// "Function not found" without running anything; [`FunctionCall`] then
+/// loads the library (`FUNCTION LOAD REPLACE`, sent to every primary of a
+/// cluster) and calls again.
+#[derive(Debug)]
+pub struct Library {
+    name: String,
+    text: String,
+    prefix: String,
 }
 
-pub static RESERVE: LazyLock<Script> =
-    LazyLock::new(|| budget_script(include_str!("../../../lua/reserve.lua")));
-pub static REFUND: LazyLock<Script> =
-    LazyLock::new(|| budget_script(include_str!("../../../lua/refund.lua")));
-pub static SETTLE: LazyLock<Script> =
-    LazyLock::new(|| budget_script(include_str!("../../../lua/settle.lua")));
-pub static USAGE: LazyLock<Script> =
-    LazyLock::new(|| budget_script(include_str!("../../../lua/usage.lua")));
-pub static CHARGE: LazyLock<Script> =
-    LazyLock::new(|| budget_script(include_str!("../../../lua/charge.lua")));
-pub static CLAIM: LazyLock<Script> =
-    LazyLock::new(|| budget_script(include_str!("../../../lua/claim.lua")));
-pub static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| budget_script(include_str!("../../../lua/release.lua")));
+impl Library {
+    /// `scripts`: (name, body) per function.
+    pub fn new(name: &str, prelude: &str, scripts: &[(&str, &str)]) -> Self {
+        let mut parts = prelude.to_owned();
+        for (script, body) in scripts {
+            parts.push('\0');
+            parts.push_str(script);
+            parts.push('\0');
+            parts.push_str(body);
+        }
+        let hash = Script::new(&parts).get_hash().to_owned();
+        let version = &hash[..16];
+        let library = format!("tollgate_{name}_{version}");
+        let prefix = format!("{library}_");
+        let mut text = format!("#!lua name={library}\n{prelude}");
+        for (script, body) in scripts {
+            text.push_str(&format!(
+                "\nredis.register_function('{prefix}{script}', function(keys, args)\n\
+                 begin(keys, args)\n{body}\nend)\n"
+            ));
+        }
+        Self {
+            name: library,
+            text,
+            prefix,
+        }
+    }
+
+    /// The library's name (`FUNCTION LIST LIBRARYNAME`, `FUNCTION DELETE`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The full name of one script's function.
+    pub fn function(&self, script: &str) -> String {
+        format!("{}{script}", self.prefix)
+    }
+
+    /// `FUNCTION LOAD REPLACE <library>`: loads it (on every primary of a
+    /// cluster). Loading a version already there changes nothing.
+    pub fn load_cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LOAD").arg("REPLACE").arg(&self.text);
+        cmd
+    }
+
+    /// Loads the library on `conn`'s server.
+    pub async fn load_async(&self, conn: &mut impl redis::aio::ConnectionLike) -> RedisResult<()> {
+        self.load_cmd().query_async::<redis::Value>(conn).await?;
+        Ok(())
+    }
+
+    /// A call of `script`'s function: add its keys and args, then send it.
+    pub fn prepare(&'static self, script: &str) -> FunctionCall {
+        FunctionCall {
+            library: self,
+            function: self.function(script),
+            keys: Vec::new(),
+            args: Vec::new(),
+        }
+    }
+}
+
+/// Whether Redis answered that it has no such function (the library is not
+/// loaded there): the call did not run.
+pub fn is_missing_function(e: &RedisError) -> bool {
+    e.code() == Some("ERR") && e.to_string().contains("Function not found")
+}
+
+/// One `FCALL` of a [`Library`]'s function.
+#[derive(Debug, Clone)]
+pub struct FunctionCall {
+    library: &'static Library,
+    function: String,
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl FunctionCall {
+    pub fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
+        self.keys.extend(key.to_redis_args());
+        self
+    }
+
+    pub fn arg(&mut self, arg: impl redis::ToRedisArgs) -> &mut Self {
+        self.args.extend(arg.to_redis_args());
+        self
+    }
+
+    pub fn library(&self) -> &'static Library {
+        self.library
+    }
+
+    /// The bare `FCALL` (for a pipeline, which does not load the library on
+    /// "Function not found": load it on the server first).
+    pub fn cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(&self.function).arg(self.keys.len());
+        for k in &self.keys {
+            cmd.arg(k);
+        }
+        for a in &self.args {
+            cmd.arg(a);
+        }
+        cmd
+    }
+
+    /// `FCALL`; on "Function not found", loads the library and calls again,
+    /// up to `loads` loads (a library flushed again between its load and the
+    /// call). The error answers "Function not found" ran nothing, so this
+    /// never runs the function twice.
+    pub async fn invoke_async<T: redis::FromRedisValue>(
+        &self,
+        conn: &mut impl redis::aio::ConnectionLike,
+        loads: usize,
+    ) -> RedisResult<T> {
+        let cmd = self.cmd();
+        let mut loaded = 0;
+        loop {
+            match cmd.query_async::<T>(conn).await {
+                Err(e) if is_missing_function(&e) && loaded < loads => {
+                    loaded += 1;
+                    self.library.load_async(conn).await?;
+                }
+                done => return done,
+            }
+        }
+    }
+}
+
+const BUDGET_LIB: &str = include_str!("../../../lua/lib/budget.lua");
+
+/// The budget scripts, one function each of one library. Adding a script is
+/// one line here.
+pub static BUDGET: LazyLock<Library> = LazyLock::new(|| {
+    Library::new(
+        "budget",
+        BUDGET_LIB,
+        &[
+            ("reserve", include_str!("../../../lua/reserve.lua")),
+            ("refund", include_str!("../../../lua/refund.lua")),
+            ("settle", include_str!("../../../lua/settle.lua")),
+            ("usage", include_str!("../../../lua/usage.lua")),
+            ("charge", include_str!("../../../lua/charge.lua")),
+            ("claim", include_str!("../../../lua/claim.lua")),
+            ("release", include_str!("../../../lua/release.lua")),
+        ],
+    )
+});
+
+/// The budget scripts by their file in `lua/` (see [`all`]).
+pub const BUDGET_SCRIPTS: [&str; 7] = [
+    "reserve", "refund", "settle", "usage", "charge", "claim", "release",
+];
 
 /// The ARGV tail of every budget script: the export's maxlen (0: none), the
 /// retention (ms: the longest window of any plan, how long the log keeps an
@@ -68,8 +227,8 @@ impl PlanArgs {
     }
 }
 
-fn invocation<'a>(script: &'a Script, keys: &BudgetKeys) -> redis::ScriptInvocation<'a> {
-    let mut inv = script.prepare_invoke();
+fn invocation(script: &str, keys: &BudgetKeys) -> FunctionCall {
+    let mut inv = BUDGET.prepare(script);
     inv.key(&keys.events)
         .key(&keys.costs)
         .key(&keys.plan)
@@ -83,48 +242,33 @@ fn invocation<'a>(script: &'a Script, keys: &BudgetKeys) -> redis::ScriptInvocat
 }
 
 /// `reserve.lua`: returns the raw reply (see the script's header).
-pub fn reserve<'a>(
+pub fn reserve(
     keys: &BudgetKeys,
     request: &str,
     cost: u64,
     plans: &PlanArgs,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = invocation(&RESERVE, keys);
+) -> FunctionCall {
+    let mut inv = invocation("reserve", keys);
     inv.arg(request).arg(cost).arg(&plans.0);
     inv
 }
 
-/// `reserve.lua` as a bare `EVALSHA` with [`reserve`]'s KEYS and ARGV, for a
-/// pipeline (bulk loads in tests and benches): a pipeline does not reload a
-/// script on NOSCRIPT, so load [`RESERVE`] on the server first.
+/// `reserve.lua` as a bare `FCALL` with [`reserve`]'s KEYS and ARGV, for a
+/// pipeline (bulk loads in tests and benches): a pipeline does not load the
+/// library on "Function not found", so load [`BUDGET`] on the server first.
 pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(RESERVE.get_hash())
-        .arg(9)
-        .arg(&keys.events)
-        .arg(&keys.costs)
-        .arg(&keys.plan)
-        .arg(&keys.owners)
-        .arg(&keys.holds)
-        .arg(&keys.audit)
-        .arg(&keys.log)
-        .arg(&keys.meta)
-        .arg(&keys.cancelled)
-        .arg(request)
-        .arg(cost)
-        .arg(&plans.0);
-    cmd
+    reserve(keys, request, cost, plans).cmd()
 }
 
 /// `refund.lua`: `finished` is the nonce of the charge's job when it was read
 /// as final (the refund is then a plain credit), or `""`.
-pub fn refund<'a>(
+pub fn refund(
     keys: &BudgetKeys,
     request: &str,
     finished: &str,
     plans: &PlanArgs,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = invocation(&REFUND, keys);
+) -> FunctionCall {
+    let mut inv = invocation("refund", keys);
     inv.arg(request).arg(finished).arg(&plans.0);
     inv
 }
@@ -132,15 +276,15 @@ pub fn refund<'a>(
 /// `settle.lua`: `nonce` is `""` for an operator's correction of any event, or
 /// the nonce of the job settling its own charge; `may_raise` false settles
 /// only down.
-pub fn settle<'a>(
+pub fn settle(
     keys: &BudgetKeys,
     request: &str,
     actual_cost: u64,
     nonce: &str,
     may_raise: bool,
     plans: &PlanArgs,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = invocation(&SETTLE, keys);
+) -> FunctionCall {
+    let mut inv = invocation("settle", keys);
     inv.arg(request)
         .arg(actual_cost)
         .arg(nonce)
@@ -150,25 +294,25 @@ pub fn settle<'a>(
 }
 
 /// `usage.lua`: the budget and one page of the audit trail.
-pub fn usage<'a>(
+pub fn usage(
     keys: &BudgetKeys,
     page: tollgate_core::ledger::EventPage,
     plans: &PlanArgs,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = invocation(&USAGE, keys);
+) -> FunctionCall {
+    let mut inv = invocation("usage", keys);
     let cursor = page.after().map(|c| c.to_string()).unwrap_or_default();
     inv.arg(cursor).arg(page.limit()).arg(&plans.0);
     inv
 }
 
 /// `charge.lua`: returns the raw reply (see the script's header).
-pub fn charge<'a>(
+pub fn charge(
     keys: &BudgetKeys,
     request: &str,
     charge: &tollgate_core::ledger::ChargeRequest<'_>,
     plans: &PlanArgs,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = invocation(&CHARGE, keys);
+) -> FunctionCall {
+    let mut inv = invocation("charge", keys);
     inv.arg(request)
         .arg(charge.cost)
         .arg(charge.nonce)
@@ -181,26 +325,26 @@ pub fn charge<'a>(
 }
 
 /// `claim.lua`: 1 claimed, 0 refused, 2 cancelled by an operator.
-pub fn claim<'a>(
+pub fn claim(
     keys: &BudgetKeys,
     request: &str,
     nonce: &str,
     hold_until_ms: u64,
     plans: &PlanArgs,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = invocation(&CLAIM, keys);
+) -> FunctionCall {
+    let mut inv = invocation("claim", keys);
     inv.arg(request).arg(nonce).arg(hold_until_ms).arg(&plans.0);
     inv
 }
 
 /// `release.lua`
-pub fn release<'a>(
+pub fn release(
     keys: &BudgetKeys,
     request: &str,
     nonce: &str,
     plans: &PlanArgs,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = invocation(&RELEASE, keys);
+) -> FunctionCall {
+    let mut inv = invocation("release", keys);
     inv.arg(request).arg(nonce).arg(&plans.0);
     inv
 }
@@ -498,17 +642,12 @@ job_scripts! {
     JOB_UNSTICK => "job_unstick.lua",
 }
 
-/// Every script, by the name of its file in `lua/`: what the cluster audit
-/// checks ran on the suite's Redis Cluster (`tollgate-bench cluster-audit`).
+/// Every script called by EVALSHA, by the name of its file in `lua/`: what the
+/// cluster audit checks ran on the suite's Redis Cluster (`tollgate-bench
+/// cluster-audit`). The budget scripts are [`BUDGET`]'s functions
+/// ([`BUDGET_SCRIPTS`]).
 pub fn all() -> Vec<(&'static str, &'static Script)> {
     vec![
-        ("reserve.lua", &RESERVE),
-        ("refund.lua", &REFUND),
-        ("settle.lua", &SETTLE),
-        ("usage.lua", &USAGE),
-        ("charge.lua", &CHARGE),
-        ("claim.lua", &CLAIM),
-        ("release.lua", &RELEASE),
         ("throttle_enqueue.lua", &THROTTLE_ENQUEUE),
         ("throttle_enqueue_fair.lua", &THROTTLE_ENQUEUE_FAIR),
         ("throttle_done.lua", &THROTTLE_DONE),
@@ -785,6 +924,7 @@ mod tests {
             .collect();
         files.sort();
         let mut listed: Vec<String> = super::all().iter().map(|(n, _)| (*n).to_owned()).collect();
+        listed.extend(super::BUDGET_SCRIPTS.iter().map(|n| format!("{n}.lua")));
         listed.sort();
         assert_eq!(files, listed, "lua/*.lua and scripts::all() differ");
     }

@@ -150,13 +150,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         );
     }
 
-    // The ceiling: redis-benchmark calling the same script by SHA, same key shape.
-    let sha = scripts::RESERVE.get_hash().to_owned();
-    let plan_args = [
-        "0".to_string(),
-        "bench".to_string(),
-        scripts::PlanArgs::limits(config.default_plan()),
-    ];
+    // The ceiling: redis-benchmark calling the same function, same key shape.
+    let function = scripts::BUDGET.function("reserve");
+    scripts::BUDGET
+        .load_async(&mut tollgate_tests::bulk_connection(&url).await?)
+        .await?;
+    let plan_args = scripts::PlanArgs::new(&config).args().to_vec();
     let mut ours = Vec::new();
     let mut ceiling = Vec::new();
     for round in 0..args.rounds {
@@ -164,7 +163,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let keys = KeySpace::new(&prefix)?.budget(&user);
         let rps = redis_benchmark(
             &url,
-            &sha,
+            &function,
             &[
                 &keys.events,
                 &keys.costs,
@@ -174,6 +173,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 &keys.audit,
                 &keys.log,
                 &keys.meta,
+                &keys.cancelled,
             ],
             &plan_args,
             args.clients,
@@ -186,7 +186,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .len();
         if (recorded as f64) < 0.99 * args.ops as f64 {
             bail!(
-                "redis-benchmark recorded only {recorded} events for {} calls: did EVALSHA fail?",
+                "redis-benchmark recorded only {recorded} events for {} calls: did FCALL fail?",
                 args.ops
             );
         }
@@ -316,7 +316,7 @@ async fn throughput<L: Ledger + 'static>(
 /// Runs `redis-benchmark` with EVALSHA of the reserve script; returns requests/s.
 fn redis_benchmark(
     url: &str,
-    sha: &str,
+    function: &str,
     keys: &[&str],
     plan: &[String],
     clients: usize,
@@ -340,7 +340,7 @@ fn redis_benchmark(
             "-n",
             &ops.to_string(),
         ])
-        .args(["-r", "100000000", "--csv", "EVALSHA", sha])
+        .args(["-r", "100000000", "--csv", "FCALL", function])
         .arg(keys.len().to_string())
         .args(keys)
         .args(["__rand_int__", "1"])

@@ -65,12 +65,16 @@ async fn timed(conn: &mut MultiplexedConnection, cmd: &redis::Cmd) -> anyhow::Re
         .arg("commandstats")
         .query_async(conn)
         .await?;
+    // Ours is an FCALL, the baseline an EVALSHA: the one that ran.
     let usec = info
         .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+        .find_map(|l| {
+            l.strip_prefix("cmdstat_evalsha:")
+                .or_else(|| l.strip_prefix("cmdstat_fcall:"))
+        })
         .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("usec=")))
         .and_then(|u| u.parse().ok())
-        .context("no cmdstat_evalsha in INFO commandstats")?;
+        .context("no cmdstat_evalsha or cmdstat_fcall in INFO commandstats")?;
     Ok((usec, reply))
 }
 
@@ -89,8 +93,8 @@ fn budget_keys(cmd: &mut redis::Cmd, keys: &BudgetKeys) {
 
 /// Our usage.lua, for one page.
 fn ours(keys: &BudgetKeys, cursor: &str, limit: usize, plan: &[String]) -> redis::Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(scripts::USAGE.get_hash());
+    let mut cmd = redis::cmd("FCALL");
+    cmd.arg(scripts::BUDGET.function("usage"));
     budget_keys(&mut cmd, keys);
     cmd.arg(cursor).arg(limit).arg(plan);
     cmd
@@ -179,10 +183,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
-    scripts::USAGE
-        .prepare_invoke()
-        .load_async(&mut conn)
-        .await?;
+    scripts::BUDGET.load_async(&mut conn).await?;
 
     let users: Vec<UserId> = args
         .sizes
