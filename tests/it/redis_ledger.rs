@@ -185,6 +185,9 @@ async fn prefixes_isolate_deployments() {
     assert_eq!(b.usage(&u).await.unwrap().used, 10);
 }
 
+/// The budget scripts are one function library, loaded by the first call a
+/// Redis answers "Function not found" (a new or flushed server, a new cluster
+/// node), as EVALSHA scripts are on NOSCRIPT.
 #[tokio::test]
 async fn scripts_reload_after_a_flush() {
     let server = RedisServer::start();
@@ -192,12 +195,24 @@ async fn scripts_reload_after_a_flush() {
     let u = user("flushy");
     ledger.reserve(&u, &rid("a"), 1).await.unwrap();
     let mut conn = raw(&server).await;
-    redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query_async::<()>(&mut conn)
-        .await
-        .unwrap();
+    let library = tollgate_redis::scripts::BUDGET.name();
+    let listed = |conn: &mut redis::aio::MultiplexedConnection| {
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LIST").arg("LIBRARYNAME").arg(library);
+        let mut conn = conn.clone();
+        async move { cmd.query_async::<Vec<redis::Value>>(&mut conn).await.unwrap().len() }
+    };
+    assert_eq!(listed(&mut conn).await, 1, "the budget library is loaded");
+    for what in ["SCRIPT", "FUNCTION"] {
+        redis::cmd(what)
+            .arg("FLUSH")
+            .query_async::<()>(&mut conn)
+            .await
+            .unwrap();
+    }
+    assert_eq!(listed(&mut conn).await, 0);
     assert!(ledger.reserve(&u, &rid("b"), 1).await.unwrap().is_allowed());
+    assert_eq!(listed(&mut conn).await, 1, "loaded again");
     assert_eq!(ledger.usage(&u).await.unwrap().used, 2);
 }
 
