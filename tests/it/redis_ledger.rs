@@ -32,7 +32,10 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     // A write sets the expiry a retention and a slack (an eighth) on, and only
     // when less than a retention is left: most writes leave it alone.
     let retention = config().retention_ms() as i64;
-    assert!(ttl > retention - 60_000 && ttl <= retention + retention / 8, "{ttl}");
+    assert!(
+        ttl > retention - 60_000 && ttl <= retention + retention / 8,
+        "{ttl}"
+    );
     // With short plans only, the keys go within a short retention.
     let text = CONFIG.replace("[plans.thousand]\nlimit = 1000\nwindow = \"12h\"\n", "");
     let text = text.split("[plans.multi]").next().unwrap().to_owned();
@@ -62,7 +65,10 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     }
     // An index bucket lives two windows (see keep_bucket in lua/lib/budget.lua).
     let ttl: i64 = conn.pttl(keys.bucket(0)).await.unwrap();
-    assert!(ttl > window && ttl <= 2 * window + window / 8, "bucket: {ttl}");
+    assert!(
+        ttl > window && ttl <= 2 * window + window / 8,
+        "bucket: {ttl}"
+    );
     let plan_ttl: i64 = conn.pttl(&keys.plan).await.unwrap();
     assert_eq!(plan_ttl, -1, "a stored plan never expires");
     tokio::time::sleep(WINDOW + WINDOW / 8 + Duration::from_millis(50)).await;
@@ -200,7 +206,12 @@ async fn scripts_reload_after_a_flush() {
         let mut cmd = redis::cmd("FUNCTION");
         cmd.arg("LIST").arg("LIBRARYNAME").arg(library);
         let mut conn = conn.clone();
-        async move { cmd.query_async::<Vec<redis::Value>>(&mut conn).await.unwrap().len() }
+        async move {
+            cmd.query_async::<Vec<redis::Value>>(&mut conn)
+                .await
+                .unwrap()
+                .len()
+        }
     };
     assert_eq!(listed(&mut conn).await, 1, "the budget library is loaded");
     for what in ["SCRIPT", "FUNCTION"] {

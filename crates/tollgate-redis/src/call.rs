@@ -47,12 +47,12 @@ pub fn store_error(e: RedisError) -> StoreError {
     // NOSCRIPT (a function not found) here: the script (library) was flushed
     // again after each of its loads (see `invoke`): it did not run, and a
     // retry soon may find it loaded.
-    let failed = if is_connection_error(&e) || is_busy(&e) || is_noscript(&e) || is_missing_function(&e)
-    {
-        StoreError::unavailable(e.to_string())
-    } else {
-        StoreError::backend(e.to_string())
-    };
+    let failed =
+        if is_connection_error(&e) || is_busy(&e) || is_noscript(&e) || is_missing_function(&e) {
+            StoreError::unavailable(e.to_string())
+        } else {
+            StoreError::backend(e.to_string())
+        };
     failed.with_source(e)
 }
 

@@ -242,12 +242,7 @@ fn invocation(script: &str, keys: &BudgetKeys) -> FunctionCall {
 }
 
 /// `reserve.lua`: returns the raw reply (see the script's header).
-pub fn reserve(
-    keys: &BudgetKeys,
-    request: &str,
-    cost: u64,
-    plans: &PlanArgs,
-) -> FunctionCall {
+pub fn reserve(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("reserve", keys);
     inv.arg(request).arg(cost).arg(&plans.0);
     inv
@@ -262,12 +257,7 @@ pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs
 
 /// `refund.lua`: `finished` is the nonce of the charge's job when it was read
 /// as final (the refund is then a plain credit), or `""`.
-pub fn refund(
-    keys: &BudgetKeys,
-    request: &str,
-    finished: &str,
-    plans: &PlanArgs,
-) -> FunctionCall {
+pub fn refund(keys: &BudgetKeys, request: &str, finished: &str, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("refund", keys);
     inv.arg(request).arg(finished).arg(&plans.0);
     inv
@@ -338,12 +328,7 @@ pub fn claim(
 }
 
 /// `release.lua`
-pub fn release(
-    keys: &BudgetKeys,
-    request: &str,
-    nonce: &str,
-    plans: &PlanArgs,
-) -> FunctionCall {
+pub fn release(keys: &BudgetKeys, request: &str, nonce: &str, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("release", keys);
     inv.arg(request).arg(nonce).arg(&plans.0);
     inv
