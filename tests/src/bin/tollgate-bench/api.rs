@@ -334,7 +334,8 @@ async fn measure(mode: &str, all: &All, args: &Args) -> anyhow::Result<(Client, 
 
 /// Commands sent to Redis by clients (not those scripts run), by command; an
 /// EVALSHA is named by the kind and suffix of its first key
-/// (`{u:dev}:events` -> `EVALSHA u:*:events`).
+/// (`{u:dev}:events` -> `EVALSHA u:*:events`), FCALL by its script
+/// (`tollgate_budget_<version>_reserve` -> `FCALL budget reserve`).
 #[derive(Default)]
 struct Tally(BTreeMap<String, u64>);
 
@@ -350,6 +351,11 @@ fn command_of(line: &str) -> Option<String> {
         .step_by(2)
         .collect();
     let cmd = args.first()?.to_ascii_uppercase();
+    if cmd == "FCALL" {
+        let name = args.get(1).copied().unwrap_or("?");
+        let script = name.rsplit('_').next().unwrap_or(name);
+        return Some(format!("FCALL budget {script}"));
+    }
     if cmd == "EVALSHA" {
         let key = args.get(3).copied().unwrap_or("");
         let kind = key

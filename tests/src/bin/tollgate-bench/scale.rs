@@ -167,7 +167,7 @@ impl Store {
 struct Counters {
     /// Commands executed, scripts' own commands included.
     commands: u64,
-    /// Scripts run (EVALSHA and EVAL).
+    /// Scripts run (EVALSHA and EVAL, FCALL of the budget functions).
     scripts: u64,
     /// Seconds of CPU (user + system) of the primaries.
     cpu: f64,
@@ -206,7 +206,7 @@ async fn counters(ports: &[u16]) -> anyhow::Result<Counters> {
                 continue;
             }
             total.commands += calls;
-            if name == "evalsha" || name == "eval" {
+            if name == "evalsha" || name == "eval" || name == "fcall" {
                 total.scripts += calls;
             }
         }
