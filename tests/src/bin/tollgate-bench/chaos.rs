@@ -654,6 +654,13 @@ async fn inject(d: Arc<Deployment>, http: Client, plan: Planned, log: Arc<Mutex<
             return note(true, what);
         }
     };
+    // The budget scripts are a function library: flushed with the scripts.
+    if plan.fault == Fault::ScriptFlush {
+        let functions = redis::cmd("FUNCTION").arg("FLUSH").to_owned();
+        if let Err(e) = redis_cmd::<redis::Value>(&d.redis_url, &functions).await {
+            return note(false, format!("FUNCTION FLUSH -> {e:#}"));
+        }
+    }
     match redis_cmd::<redis::Value>(&d.redis_url, &cmd).await {
         Ok(v) => note(true, format!("-> {v:?}")),
         Err(e) => note(false, format!("-> {e:#}")),
