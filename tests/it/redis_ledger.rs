@@ -647,3 +647,52 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
         );
     }
 }
+
+/// On a cluster, a primary without the budget library (a new node, a flushed
+/// one) loads it at the first budget call routed there: the load goes to every
+/// primary, and no call fails.
+#[tokio::test]
+async fn cluster_primaries_without_the_budget_library_load_it_again() {
+    let cluster = tollgate_tests::redis_cluster::RedisCluster::start(3);
+    let ledger = redis_ledger(&cluster.url(), &random_prefix()).await;
+    let users: Vec<_> = (0..24).map(|i| user(&format!("lib{i}"))).collect();
+    for u in &users {
+        assert!(ledger.reserve(u, &rid("a"), 1).await.unwrap().is_allowed());
+    }
+    let library = tollgate_redis::scripts::BUDGET.name();
+    let mut primaries = Vec::new();
+    for node in &cluster.nodes {
+        let mut conn = raw(node).await;
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await.unwrap();
+        if matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master") {
+            primaries.push(conn);
+        }
+    }
+    assert_eq!(primaries.len(), 3);
+    let listed = |mut conn: redis::aio::MultiplexedConnection| async move {
+        redis::cmd("FUNCTION")
+            .arg("LIST")
+            .arg("LIBRARYNAME")
+            .arg(library)
+            .query_async::<Vec<redis::Value>>(&mut conn)
+            .await
+            .unwrap()
+            .len()
+    };
+    for conn in &primaries {
+        assert_eq!(listed(conn.clone()).await, 1, "loaded on every primary");
+        redis::cmd("FUNCTION")
+            .arg("FLUSH")
+            .query_async::<()>(&mut conn.clone())
+            .await
+            .unwrap();
+        assert_eq!(listed(conn.clone()).await, 0);
+    }
+    for u in &users {
+        assert!(ledger.reserve(u, &rid("b"), 1).await.unwrap().is_allowed());
+        assert_eq!(ledger.usage(u).await.unwrap().used, 2);
+    }
+    for conn in &primaries {
+        assert_eq!(listed(conn.clone()).await, 1, "loaded again");
+    }
+}
