@@ -1,5 +1,6 @@
--- lib/budget.lua: shared by every budget script; the `scripts` module prepends it
--- to each budget script before loading it.
+-- lib/budget.lua: shared by every budget script; the `scripts` module loads it
+-- with the budget scripts as one function library (FUNCTION LOAD), each script
+-- the body of a function that starts with `begin(keys, args)`.
 --
 -- One user's budget lives in keys sharing the user's hash tag. A live spend
 -- event is one entry of the log stream plus one entry of an index bucket, both
@@ -22,13 +23,15 @@
 --                   '<seq> <cost>[ <estimate>]' (the estimate once settle.lua
 --                   settled a charge). Linear hashing keeps every bucket under
 --                   Redis' 128-entry listpack limit: a bucket splits when the
---                   log holds more than LOAD events per bucket.
+--                   log holds more than LOAD events per bucket. Field '~': the
+--                   time (ms) the bucket's expiry was last set to.
 --   KEYS[8] meta    hash: 't' '<total>' the running sum of the costs of every
 --                   event in the log, followed by ' <window_ms> <total>
 --                   <cursor_ms>' per window of the user's plan shorter than the
 --                   retention, its running total (events at or before the
 --                   cursor were subtracted); 'l', 's': the bucket count's power
---                   of two and split pointer (absent: 1 and 0).
+--                   of two and split pointer (absent: 1 and 0); 'x': the time
+--                   (ms) the log's and meta's expiry was last set to.
 --   KEYS[3] plan    string: the user's plan name (absent: the default plan)
 --   KEYS[5] holds   sorted set: request id -> end of the hold (ms) of each 'h'
 --                   charge: its job's deadline plus a grace. A charge still held
