@@ -51,8 +51,10 @@ pub struct Edge {
 
 /// The most connections being shed at once (see the module docs).
 pub const MAX_SHEDDING: usize = 64;
-/// How long a shed connection gets to take its 503, and then to close.
+/// How long a shed connection gets to take its 503 ...
 pub const SHED_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+/// ... and then to close (what it sends meanwhile is read and dropped).
+pub const SHED_LINGER: Duration = Duration::from_millis(100);
 /// The whole answer of a shed connection.
 const SHED_RESPONSE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
 content-type: application/problem+json\r\n\
@@ -253,11 +255,12 @@ pub async fn serve(
 }
 
 /// Answers `stream` the fixed 503 and closes it, in a task holding one of the
-/// `shedding` places for at most twice [`SHED_WRITE_TIMEOUT`]; with no place
-/// free, closes it at once. The request is never read: after the answer the
-/// write side is shut, and what the client sent is drained until it closes
-/// (a close with unread data would reset the connection and could discard
-/// the answer before the client reads it).
+/// `shedding` places for at most [`SHED_WRITE_TIMEOUT`] + [`SHED_LINGER`];
+/// with no place free, closes it at once. The request is never parsed: after
+/// the answer the write side is shut, and what the client sends is drained
+/// for [`SHED_LINGER`] or until it closes (a close with unread data would
+/// reset the connection, and could discard the answer before the client
+/// reads it).
 fn shed(stream: tokio::net::TcpStream, shedding: &Arc<Semaphore>) {
     let Ok(place) = Arc::clone(shedding).try_acquire_owned() else {
         return;
@@ -272,7 +275,7 @@ fn shed(stream: tokio::net::TcpStream, shedding: &Arc<Semaphore>) {
         .await;
         if matches!(answered, Ok(Ok(()))) {
             let mut sink = [0u8; 1024];
-            let _ = tokio::time::timeout(SHED_WRITE_TIMEOUT, async {
+            let _ = tokio::time::timeout(SHED_LINGER, async {
                 while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
             })
             .await;

@@ -861,7 +861,7 @@ fn parse_providers(
             return Err(invalid(
                 format!("{key}.rate"),
                 format!(
-                    "must be between {MIN_RATE:.3e} (one call a day) and {MAX_RATE} tokens per second, got {}",
+                    "must be between {MIN_RATE:.3e} (one call a day) and {MAX_RATE} tokens per second, got {:?}",
                     p.rate
                 ),
             ));
