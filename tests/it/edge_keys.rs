@@ -116,7 +116,14 @@ fn all_calls(redis: &RedisServer) -> u64 {
         .unwrap();
     info.lines()
         .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
-        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
         .sum()
 }
 
@@ -190,13 +197,15 @@ async fn malformed_keys_are_refused_without_redis() {
         *statuses.entry(r.status).or_insert(0u32) += 1;
         said_malformed += u32::from(r.text().contains("malformed API key"));
     }
-    let (lookups, total) = (
-        calls(&redis, "hmget") - lookups,
-        all_calls(&redis) - total,
+    let (lookups, total) = (calls(&redis, "hmget") - lookups, all_calls(&redis) - total);
+    eprintln!(
+        "1,000 malformed keys: {statuses:?}, {lookups} key lookups, {total} Redis commands in all"
     );
-    eprintln!("1,000 malformed keys: {statuses:?}, {lookups} key lookups, {total} Redis commands in all");
     assert_eq!(statuses.get(&401), Some(&1_000), "{statuses:?}");
-    assert_eq!(said_malformed, 1_000, "answers that say the key is malformed");
+    assert_eq!(
+        said_malformed, 1_000,
+        "answers that say the key is malformed"
+    );
     assert_eq!(lookups, 0, "key lookups in Redis for malformed keys");
     // The address was not blocked: a valid key it never used is served.
     assert_eq!(api.usage(&valid).await.status, 200);
@@ -243,7 +252,10 @@ async fn a_valid_key_is_served_while_its_address_floods_bad_keys() {
         if r.status == 429 {
             break;
         }
-        assert!(Instant::now() < deadline, "the flood never put the address over its budget");
+        assert!(
+            Instant::now() < deadline,
+            "the flood never put the address over its budget"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let mut answers = Vec::new();
@@ -338,7 +350,10 @@ async fn another_users_job_answers_as_a_missing_one() {
     let (theirs, none) = (theirs.unwrap(), none.unwrap());
     assert_eq!(theirs.status, 404);
     assert_eq!(theirs.status, none.status);
-    assert_eq!(theirs.text().replace(&job, "ID"), none.text().replace(&missing, "ID"));
+    assert_eq!(
+        theirs.text().replace(&job, "ID"),
+        none.text().replace(&missing, "ID")
+    );
     let skip = |h: &std::collections::BTreeMap<String, String>| {
         h.iter()
             .filter(|(k, _)| k.as_str() != "date" && k.as_str() != "content-length")
@@ -352,8 +367,14 @@ async fn another_users_job_answers_as_a_missing_one() {
         deltas.0.iter().min().copied().unwrap(),
         deltas.1.iter().min().copied().unwrap(),
     );
-    eprintln!("Redis bytes sent per lookup: another user's job {:?}, a missing one {:?}", deltas.0, deltas.1);
-    assert!(a.abs_diff(b) < 64, "another user's job: {a} bytes from Redis, a missing one: {b}");
+    eprintln!(
+        "Redis bytes sent per lookup: another user's job {:?}, a missing one {:?}",
+        deltas.0, deltas.1
+    );
+    assert!(
+        a.abs_diff(b) < 64,
+        "another user's job: {a} bytes from Redis, a missing one: {b}"
+    );
 }
 
 /// A non-waiting route stalled on its store answers 503 `overloaded` at the
@@ -400,13 +421,20 @@ async fn non_waiting_routes_answer_within_the_request_timeout() {
         api.addr,
         "POST",
         "/v1/ops/embeddings",
-        &[("authorization", &auth), ("content-type", "application/json")],
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+        ],
         br#"{"text": "hi"}"#,
     )
     .await
     .unwrap();
     assert_eq!(r.status, 202, "{}", r.text());
-    assert!(started.elapsed() >= Duration::from_millis(1_400), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_millis(1_400),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 /// A connection from `from` (any 127.0.0.x is the loopback).
@@ -477,7 +505,10 @@ async fn slow_connections_are_shed_and_bounded() {
         }
         let text = String::from_utf8_lossy(&out);
         if text.starts_with("HTTP/1.1 503") {
-            assert!(text.to_ascii_lowercase().contains("retry-after: 1"), "{text}");
+            assert!(
+                text.to_ascii_lowercase().contains("retry-after: 1"),
+                "{text}"
+            );
             shed += 1;
         }
     }
@@ -485,7 +516,10 @@ async fn slow_connections_are_shed_and_bounded() {
     eprintln!(
         "800 slow connections: fds {idle_fds} idle, {peak_fds} held, {after_fds} after; {shed} answered 503, {closed} closed, {late} still open after the header timeout + 3 s"
     );
-    assert!(peak_fds <= idle_fds + 200, "{peak_fds} descriptors (idle {idle_fds}, at most 200 connections)");
+    assert!(
+        peak_fds <= idle_fds + 200,
+        "{peak_fds} descriptors (idle {idle_fds}, at most 200 connections)"
+    );
     assert_eq!(late, 0, "connections still open after the header timeout");
     assert!(shed > 0, "no connection over the cap was answered 503");
 }
@@ -514,8 +548,14 @@ async fn bad_settings_are_refused_at_start() {
     let standalone = format!("redis+cluster://127.0.0.1:{}", redis.port());
     let blank = " ".repeat(20);
     let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
-        (vec![("TOLLGATE_ADMIN_TOKEN", &blank)], "TOLLGATE_ADMIN_TOKEN"),
-        (vec![("TOLLGATE_ADMIN_TOKEN", "short-token")], "TOLLGATE_ADMIN_TOKEN"),
+        (
+            vec![("TOLLGATE_ADMIN_TOKEN", &blank)],
+            "TOLLGATE_ADMIN_TOKEN",
+        ),
+        (
+            vec![("TOLLGATE_ADMIN_TOKEN", "short-token")],
+            "TOLLGATE_ADMIN_TOKEN",
+        ),
         (vec![("TOLLGATE_CONFIG", &tiny_rate)], "providers.llm.rate"),
         (vec![("TOLLGATE_CONFIG", &no_host)], "providers.llm.url"),
         (vec![("TOLLGATE_REDIS_URL", &standalone)], &standalone[16..]),
@@ -551,7 +591,11 @@ async fn bad_settings_are_refused_at_start() {
         let status = status.unwrap_or_else(|| panic!("{env:?}: still running after 10 s: {err}"));
         assert_eq!(status.code(), Some(2), "{env:?}: {err}");
         assert!(err.contains(named), "{env:?}: {named:?} not named in {err}");
-        eprintln!("{env:?}: exit 2 after {:?}: {}", started.elapsed(), err.trim());
+        eprintln!(
+            "{env:?}: exit 2 after {:?}: {}",
+            started.elapsed(),
+            err.trim()
+        );
     }
 
     // The compose file's default token: the api starts, and says so loudly.
@@ -583,6 +627,9 @@ async fn bad_settings_are_refused_at_start() {
     let _ = child.wait();
     let line = reader.join().unwrap();
     assert!(still_running, "the api stopped: {line}");
-    assert!(line.contains("WARN") && line.contains("docker-compose"), "{line}");
+    assert!(
+        line.contains("WARN") && line.contains("docker-compose"),
+        "{line}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

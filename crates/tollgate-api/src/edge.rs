@@ -292,10 +292,20 @@ mod tests {
     fn the_shed_answer_is_whole() {
         let text = std::str::from_utf8(SHED_RESPONSE).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
-        assert!(head.contains(&format!("content-length: {}", body.len())), "{head}");
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
         let body: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(body["type"], crate::problem::ProblemType::Overloaded.uri());
-        assert_eq!(Edge { max_connections: 8, ..Edge::default() }.shedding(), 0);
+        assert_eq!(
+            Edge {
+                max_connections: 8,
+                ..Edge::default()
+            }
+            .shedding(),
+            0
+        );
         assert_eq!(Edge::default().shedding(), MAX_SHEDDING);
     }
 

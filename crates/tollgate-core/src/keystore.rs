@@ -86,7 +86,9 @@ impl KeyShape {
             };
         }
         match presented.strip_prefix(KEY_PREFIX) {
-            Some(h) if h.len() == 64 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) => {
+            Some(h)
+                if h.len() == 64 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) =>
+            {
                 Ok(Self::Legacy)
             }
             _ => Err(MalformedKey::Shape),
@@ -335,7 +337,10 @@ mod tests {
             USER_KEY_PREFIX.len() + KEY_RANDOM_LEN + KEY_CHECKSUM_LEN
         );
         assert!(a.expose().starts_with(USER_KEY_PREFIX));
-        assert_eq!(KeyShape::of(a.expose()), Ok(KeyShape::Current(KeyKind::User)));
+        assert_eq!(
+            KeyShape::of(a.expose()),
+            Ok(KeyShape::Current(KeyKind::User))
+        );
         assert_eq!(a.hash().as_str().len(), 64);
         assert_ne!(a.hash().as_str(), a.expose());
         assert_eq!(format!("{a:?}"), "ApiKey(***)");
@@ -388,9 +393,19 @@ mod tests {
     fn shapes() {
         let legacy = format!("tg_{}", "0a".repeat(32));
         assert_eq!(KeyShape::of(&legacy), Ok(KeyShape::Legacy));
-        assert_eq!(KeyShape::of(&legacy.to_uppercase()), Err(MalformedKey::Shape));
+        assert_eq!(
+            KeyShape::of(&legacy.to_uppercase()),
+            Err(MalformedKey::Shape)
+        );
         assert_eq!(KeyShape::of(&legacy[..66]), Err(MalformedKey::Shape));
-        for bad in ["", "tg_", "tg_user_", "sk_live_abc", "tg_user_\u{e9}", "Bearer"] {
+        for bad in [
+            "",
+            "tg_",
+            "tg_user_",
+            "sk_live_abc",
+            "tg_user_\u{e9}",
+            "Bearer",
+        ] {
             assert_eq!(KeyShape::of(bad), Err(MalformedKey::Shape), "{bad}");
         }
         let body = format!("{SERVICE_KEY_PREFIX}{}", "a".repeat(KEY_RANDOM_LEN));
