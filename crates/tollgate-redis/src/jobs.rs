@@ -501,9 +501,6 @@ fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo
 }
 
 /// A record read with HGETALL; empty: no record.
-/// `lua/job_status.lua`: a job's record for its owner, nothing for anyone else.
-const JOB_STATUS: &str = include_str!("../../../lua/job_status.lua");
-
 fn decode(id: &RequestId, map: &HashMap<String, String>) -> Result<Option<JobInfo>, JobError> {
     if map.is_empty() {
         return Ok(None);
@@ -653,12 +650,7 @@ impl JobQueue for RedisJobQueue {
             .map(|op| {
                 // EVAL, not EVALSHA: it rides in the same pipeline as plain
                 // commands; Redis caches the script by its digest.
-                redis::cmd("EVAL")
-                    .arg(JOB_STATUS)
-                    .arg(1)
-                    .arg(self.keys.jobs(op).job(id.as_str()))
-                    .arg(user.as_str())
-                    .to_owned()
+                scripts::job_status(&self.keys.jobs(op), id.as_str(), user.as_str())
             })
             .collect();
         let records: Vec<HashMap<String, String>> =
