@@ -633,3 +633,48 @@ async fn bad_settings_are_refused_at_start() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A key issued before the checksum (`tg_` + 64 hex digits, its record written
+/// as the previous release wrote it) keeps working; with `--legacy-keys false`
+/// it is refused in the pod, without a lookup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_format_keys_keep_working_until_turned_off() {
+    let redis = RedisServer::start();
+    let prefix = random_prefix();
+    let api = Api::start(&redis, &prefix, &[]).await;
+    api.user("alice").await; // alice exists, with a plan
+    let old = format!("tg_{}", "5e".repeat(32));
+    let hash = tollgate_core::keystore::KeyHash::of(&old);
+    let keys = tollgate_redis::keys::KeySpace::new(&prefix).unwrap();
+    let mut conn = redis::Client::open(redis.url().as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(keys.api_key(&hash))
+        .arg(&[
+            "user",
+            "alice",
+            "key_id",
+            "kid_00000000000000aa",
+            "created_ms",
+            "1",
+            "revoked",
+            "0",
+        ])
+        .query(&mut conn)
+        .unwrap();
+    let r = api.usage(&old).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    let off = Api::start(&redis, &prefix, &[("TOLLGATE_LEGACY_KEYS", "false")]).await;
+    let before = calls(&redis, "hmget");
+    let r = off.usage(&old).await;
+    assert_eq!(r.status, 401, "{}", r.text());
+    assert!(r.text().contains("old format"), "{}", r.text());
+    assert_eq!(
+        calls(&redis, "hmget"),
+        before,
+        "an old-format key was looked up"
+    );
+}
