@@ -421,7 +421,7 @@ async fn admin_creates_users_changes_plans_and_revokes_keys(h: Harness) {
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
     let key = r.body["api_key"].as_str().unwrap().to_owned();
     let key_id = r.body["key_id"].as_str().unwrap().to_owned();
-    assert!(key.starts_with("tg_") && key.len() == 67, "{key}");
+    assert!(key.starts_with("tg_user_") && key.len() == 50, "{key}");
     assert!(key_id.starts_with("kid_"));
     assert_eq!(h.usage(&key).await["limit"], 1000);
 

@@ -1,6 +1,9 @@
 //! Failed authentications per client address: an in-process limiter (governor,
-//! GCRA) that answers 429 to an address that keeps presenting unknown or revoked
-//! keys, before its next unknown key costs a Redis round trip.
+//! GCRA) that answers 429 to an address that keeps presenting well-formed keys
+//! that turn out unknown or revoked. A malformed key (no valid checksum) never
+//! reaches it: [`crate::auth`] refuses it first, at no cost. Only an old-format
+//! key is stopped before its lookup while its address is over budget; a key
+//! with a checksum is always looked up, so a valid one always passes.
 //!
 //! The client address is the TCP peer's, or, behind a proxy, the last address
 //! of the header the operator names (`--trusted-proxy-header`, e.g.

@@ -1,8 +1,18 @@
 //! Authentication: `Authorization: Bearer <key>` for users, checked against the
 //! [`KeyStore`](tollgate_core::keystore::KeyStore) by the key's SHA-256 (through the
 //! in-process [`KeyCache`]); the admin token (`TOLLGATE_ADMIN_TOKEN`) for
-//! `/admin/*`, compared in constant time. An address that keeps presenting bad
-//! keys is answered 429 by [`AuthFailures`] before its keys reach the store.
+//! `/admin/*`, compared in constant time.
+//!
+//! A user key is first read in process ([`KeyShape::of`]): one without the key
+//! format's prefix and checksum is refused (401) without a lookup and without
+//! counting against its address. A key with a valid checksum is always looked up
+//! (cached: a valid key is never refused because of its address); one that then
+//! fails counts against its address in [`AuthFailures`], which answers 429 for
+//! such failures over its budget. Keys of the old format (`tg_` + 64 hex digits,
+//! no checksum) are handled as before the checksum, unless `legacy_keys` is off:
+//! from an address over its budget only one cached as valid passes; any other
+//! is answered 429 before a lookup (the old format cannot tell a random key from
+//! a real one, so looking each up would let a flood cost Redis a command each).
 
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::header::AUTHORIZATION;
@@ -10,7 +20,7 @@ use axum::http::request::Parts;
 use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use tollgate_core::keystore::secrets_equal;
+use tollgate_core::keystore::{secrets_equal, KeyShape};
 use tollgate_core::{
     id::UserId,
     keystore::{KeyHash, KeyStore},
@@ -27,6 +37,30 @@ use crate::state::ApiState;
 pub struct AuthGuard {
     pub cache: std::sync::Arc<KeyCache>,
     pub failures: std::sync::Arc<AuthFailures>,
+    /// Whether keys of the old format (`tg_` + 64 hex digits) are looked up.
+    pub legacy_keys: bool,
+}
+
+fn valid(record: &Option<tollgate_core::keystore::KeyRecord>) -> bool {
+    record.as_ref().is_some_and(|r| !r.revoked)
+}
+
+/// The presented key and its shape, refused when its shape can name no
+/// stored key.
+fn well_formed(key: &str, legacy_keys: bool) -> Result<(&str, KeyShape), ApiError> {
+    match KeyShape::of(key) {
+        Ok(shape @ KeyShape::Current(_)) => Ok((key, shape)),
+        Ok(KeyShape::Legacy) if legacy_keys => Ok((key, KeyShape::Legacy)),
+        Ok(KeyShape::Legacy) => Err(ApiError::Unauthorized(
+            "this API key has the old format, which is no longer accepted: ask for a new key",
+        )),
+        Err(tollgate_core::keystore::MalformedKey::Checksum) => Err(ApiError::Unauthorized(
+            "malformed API key: its checksum does not match (mistyped or truncated?)",
+        )),
+        Err(tollgate_core::keystore::MalformedKey::Shape) => Err(ApiError::Unauthorized(
+            "malformed API key: expected tg_user_...",
+        )),
+    }
 }
 
 /// The authenticated caller, put into the request extensions by [`authenticate`].
@@ -63,18 +97,22 @@ pub async fn authenticate(
     mut req: Request,
     next: Next,
 ) -> Response {
-    // Hash first: the request (its body is not Sync) must not be borrowed
-    // across the store's await.
-    let hash = bearer(req.headers()).map(KeyHash::of);
+    // Read and hash first: the request (its body is not Sync) must not be
+    // borrowed across the store's await. A malformed key stops here: no
+    // lookup, and it does not count against its address.
+    let key = bearer(req.headers()).and_then(|key| well_formed(key, guard.legacy_keys));
+    let legacy = matches!(key, Ok((_, KeyShape::Legacy)));
+    let hash = key.map(|(key, _)| KeyHash::of(key));
     let client = guard.failures.client(&req);
     let caller = async {
         let hash = hash?;
+        // A checksummed key is looked up whatever its address did (the cache
+        // answers a repeated one): a valid key is never refused for its
+        // address; only a failed one counts, and is answered 429 over budget.
+        // An old-format key from an address over its budget passes only when
+        // cached as valid.
         let cached = guard.cache.cached(&hash);
-        let valid =
-            |r: &Option<tollgate_core::keystore::KeyRecord>| r.as_ref().is_some_and(|r| !r.revoked);
-        // A valid key known here passes whatever its address did; anything
-        // else from an address over its budget stops before the store.
-        if !cached.as_ref().is_some_and(valid) {
+        if legacy && !cached.as_ref().is_some_and(valid) {
             if let Some(wait) = guard.failures.wait(client) {
                 return Err(ApiError::AuthFailures(wait));
             }
@@ -93,7 +131,11 @@ pub async fn authenticate(
                 })
             }
         };
-        match guard.failures.failed(client) {
+        match guard
+            .failures
+            .wait(client)
+            .or_else(|| guard.failures.failed(client))
+        {
             Some(wait) => Err(ApiError::AuthFailures(wait)),
             None => Err(failure),
         }

@@ -11,9 +11,15 @@
 //! - **Body time** ([`Edge::body_timeout`]): a request's body must arrive whole
 //!   within it (a body trickled a byte at a time is cut off).
 //! - **Connections** ([`Edge::max_connections`], [`Edge::max_per_client`]): a
-//!   connection over either cap is closed as soon as it is accepted, before
-//!   anything is read from it; the per-client cap keys on the TCP peer's
-//!   address.
+//!   connection over either cap is shed as soon as it is accepted: it is
+//!   answered a fixed `503` with `Retry-After` (written without reading the
+//!   request, within [`SHED_WRITE_TIMEOUT`]), then closed. The per-client cap
+//!   keys on the TCP peer's address. Shedding takes descriptors too, so
+//!   [`Edge::max_connections`] counts the connections being shed: a 16th of it
+//!   (at most [`MAX_SHEDDING`]) is kept for them, the rest serves requests; when
+//!   every shedding place is taken, a connection over the cap is closed
+//!   without an answer. The process's connections never exceed
+//!   `max_connections`, whatever the clients do.
 //!
 //! Shutdown: no new connection is accepted, each open one finishes the request
 //! it serves and is closed, then [`serve`] returns.
@@ -43,6 +49,20 @@ pub struct Edge {
     pub max_per_client: usize,
 }
 
+/// The most connections being shed at once (see the module docs).
+pub const MAX_SHEDDING: usize = 64;
+/// How long a shed connection gets to take its 503 ...
+pub const SHED_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+/// ... and then to close (what it sends meanwhile is read and dropped).
+pub const SHED_LINGER: Duration = Duration::from_millis(100);
+/// The whole answer of a shed connection.
+const SHED_RESPONSE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
+content-type: application/problem+json\r\n\
+retry-after: 1\r\n\
+connection: close\r\n\
+content-length: 130\r\n\r\n\
+{\"type\":\"/problems/overloaded\",\"title\":\"The api holds its most connections: retry after Retry-After\",\"status\":503,\"detail\":\"shed\"}";
+
 /// 10 s for a head: a browser or an SDK sends one in milliseconds.
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// 30 s for a body: a 2 MiB body at ~70 KB/s.
@@ -70,6 +90,11 @@ impl Default for Edge {
 pub struct EdgeError(String);
 
 impl Edge {
+    /// Of [`Edge::max_connections`], the places kept for shedding.
+    pub fn shedding(&self) -> usize {
+        (self.max_connections / 16).min(MAX_SHEDDING)
+    }
+
     /// Every bound must be positive, and a client's share at most the whole.
     pub fn validate(&self) -> Result<(), EdgeError> {
         if self.header_timeout.is_zero() || self.body_timeout.is_zero() {
@@ -169,7 +194,8 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let Listener { tcp, edge } = listener;
     edge.validate().map_err(std::io::Error::other)?;
-    let open = Arc::new(Semaphore::new(edge.max_connections));
+    let open = Arc::new(Semaphore::new(edge.max_connections - edge.shedding()));
+    let shedding = Arc::new(Semaphore::new(edge.shedding()));
     let clients = Arc::new(Clients::default());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -194,11 +220,13 @@ pub async fn serve(
             },
         };
         let Ok(slot) = Arc::clone(&open).try_acquire_owned() else {
-            tracing::debug!(%peer, max = edge.max_connections, "connection refused: the api holds its most connections");
+            tracing::debug!(%peer, max = edge.max_connections, "connection shed: the api holds its most connections");
+            shed(stream, &shedding);
             continue;
         };
         let Some(held) = clients.hold(peer.ip(), edge.max_per_client) else {
-            tracing::debug!(%peer, max = edge.max_per_client, "connection refused: this client holds its most connections");
+            tracing::debug!(%peer, max = edge.max_per_client, "connection shed: this client holds its most connections");
+            shed(stream, &shedding);
             continue;
         };
         let _ = stream.set_nodelay(true);
@@ -226,9 +254,60 @@ pub async fn serve(
     Ok(())
 }
 
+/// Answers `stream` the fixed 503 and closes it, in a task holding one of the
+/// `shedding` places for at most [`SHED_WRITE_TIMEOUT`] + [`SHED_LINGER`];
+/// with no place free, closes it at once. The request is never parsed: after
+/// the answer the write side is shut, and what the client sends is drained
+/// for [`SHED_LINGER`] or until it closes (a close with unread data would
+/// reset the connection, and could discard the answer before the client
+/// reads it).
+fn shed(stream: tokio::net::TcpStream, shedding: &Arc<Semaphore>) {
+    let Ok(place) = Arc::clone(shedding).try_acquire_owned() else {
+        return;
+    };
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut stream = stream;
+        let answered = tokio::time::timeout(SHED_WRITE_TIMEOUT, async {
+            stream.write_all(SHED_RESPONSE).await?;
+            stream.shutdown().await
+        })
+        .await;
+        if matches!(answered, Ok(Ok(()))) {
+            let mut sink = [0u8; 1024];
+            let _ = tokio::time::timeout(SHED_LINGER, async {
+                while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+            })
+            .await;
+        }
+        drop((stream, place));
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shed_answer_is_whole() {
+        let text = std::str::from_utf8(SHED_RESPONSE).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
+        let body: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(body["type"], crate::problem::ProblemType::Overloaded.uri());
+        assert_eq!(
+            Edge {
+                max_connections: 8,
+                ..Edge::default()
+            }
+            .shedding(),
+            0
+        );
+        assert_eq!(Edge::default().shedding(), MAX_SHEDDING);
+    }
 
     #[test]
     fn validates_its_bounds() {

@@ -112,6 +112,7 @@ fn guard(state: &mut ApiState) -> auth::AuthGuard {
         failures: Arc::new(abuse::AuthFailures::new(
             state.settings.trusted_proxy_header.clone(),
         )),
+        legacy_keys: state.settings.legacy_keys,
     }
 }
 
@@ -267,6 +268,10 @@ pub fn router(mut state: ApiState) -> Router {
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(middleware::from_fn_with_state(
             state.clone(),
+            request_timeout,
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
             count_requests,
         ))
         .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
@@ -307,6 +312,30 @@ async fn trace_context(mut req: Request, next: Next) -> Response {
     let trace = TraceParent::continue_or_start(header).child();
     req.extensions_mut().insert(trace);
     next.run(req).await
+}
+
+/// Whether `req` may legitimately wait past the request timeout: an
+/// operation call (sync by default, or `Prefer: wait`) waits for its job up to
+/// the sync timeout.
+fn waits_for_a_job(req: &Request) -> bool {
+    req.method() == axum::http::Method::POST && req.uri().path().starts_with("/v1/ops/")
+}
+
+/// Every route but an operation call answers within
+/// [`Settings::request_timeout`](state::Settings::request_timeout), or 503
+/// `overloaded` with Retry-After. What the handler was doing is dropped at
+/// that point, as if the reply were lost: a read is simply cut off; an admin
+/// write may have taken effect (each writes its keys in an order that a cut
+/// leaves consistent), so read before repeating it.
+async fn request_timeout(State(state): State<ApiState>, req: Request, next: Next) -> Response {
+    if waits_for_a_job(&req) {
+        return next.run(req).await;
+    }
+    let limit = state.settings.request_timeout;
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::RequestTimeout(limit).into_response(),
+    }
 }
 
 async fn count_requests(State(state): State<ApiState>, req: Request, next: Next) -> Response {

@@ -84,10 +84,11 @@ pub enum ProblemType {
     Internal,
     JobCancelled,
     ChargeOwnedByJob,
+    Overloaded,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 26] = [
+    pub const ALL: [ProblemType; 27] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -114,6 +115,7 @@ impl ProblemType {
         Self::Internal,
         Self::JobCancelled,
         Self::ChargeOwnedByJob,
+        Self::Overloaded,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -144,6 +146,7 @@ impl ProblemType {
             Self::Internal => "internal",
             Self::JobCancelled => "job-cancelled",
             Self::ChargeOwnedByJob => "charge-owned-by-job",
+            Self::Overloaded => "overloaded",
         }
     }
 
@@ -175,7 +178,7 @@ impl ProblemType {
             Self::ThrottleTimeout | Self::JobExpired | Self::UpstreamUnanswered => {
                 StatusCode::GATEWAY_TIMEOUT
             }
-            Self::JobAbandoned | Self::BackendUnavailable | Self::NotReady => {
+            Self::JobAbandoned | Self::BackendUnavailable | Self::NotReady | Self::Overloaded => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -227,6 +230,9 @@ impl ProblemType {
             }
             Self::ChargeOwnedByJob => {
                 "The job owns this charge and may be calling the provider: refund it once the job is final"
+            }
+            Self::Overloaded => {
+                "The api holds its most connections, or the request outlasted its time: retry after Retry-After"
             }
         }
     }
@@ -318,6 +324,10 @@ pub enum ApiError {
     /// `/readyz`: a role's loop is overdue or ended (the loops, by name).
     #[error("not ready: {0}")]
     NotReady(String),
+    /// The request outlasted the request timeout of its route: 503 with
+    /// Retry-After.
+    #[error("the request took longer than {0:?}; retry shortly")]
+    RequestTimeout(std::time::Duration),
     /// Anything else: 500, logged, never described to the client.
     #[error("internal error: {0}")]
     Internal(String),
@@ -328,6 +338,7 @@ impl ApiError {
         match self {
             Self::Unauthorized(_) => ProblemType::Unauthorized,
             Self::AuthFailures(_) => ProblemType::TooManyFailedAuthentications,
+            Self::RequestTimeout(_) => ProblemType::Overloaded,
             Self::AdminDisabled => ProblemType::AdminDisabled,
             Self::NotFound(_) => ProblemType::NotFound,
             Self::UnknownOperation(_) => ProblemType::UnknownOperation,
@@ -464,6 +475,9 @@ impl IntoResponse for ApiError {
             // or a saturated provider gets no hint, so clients back off on their
             // own instead of retrying in step.
             Self::Store(e) if e.is_transient() => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            Self::RequestTimeout(_) => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             Self::JobFailed {

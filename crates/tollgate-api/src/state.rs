@@ -17,6 +17,9 @@ use crate::health::Probes;
 pub const DEFAULT_BODY_LIMIT: usize = 64 * 1024;
 /// Default longest wait of a synchronous operation call.
 pub const DEFAULT_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default longest time a request to a route that does not wait for a job may
+/// take (its answer is then 503).
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Knobs of the api role.
 #[derive(Clone)]
@@ -30,6 +33,12 @@ pub struct Settings {
     /// Behind a proxy: the header that carries the client's address (its last
     /// entry), for the limiter of failed authentications. None: the TCP peer.
     pub trusted_proxy_header: Option<axum::http::HeaderName>,
+    /// Whether user keys of the old format (`tg_` + 64 hex digits, issued
+    /// before keys had a checksum) are still looked up.
+    pub legacy_keys: bool,
+    /// The longest a request may take on a route that does not wait for a
+    /// job (every route but the operation calls); then 503.
+    pub request_timeout: Duration,
 }
 
 impl Default for Settings {
@@ -39,6 +48,8 @@ impl Default for Settings {
             body_limit: DEFAULT_BODY_LIMIT,
             sync_timeout: DEFAULT_SYNC_TIMEOUT,
             trusted_proxy_header: None,
+            legacy_keys: true,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
         }
     }
 }
@@ -50,6 +61,8 @@ impl fmt::Debug for Settings {
             .field("body_limit", &self.body_limit)
             .field("sync_timeout", &self.sync_timeout)
             .field("trusted_proxy_header", &self.trusted_proxy_header)
+            .field("legacy_keys", &self.legacy_keys)
+            .field("request_timeout", &self.request_timeout)
             .finish()
     }
 }

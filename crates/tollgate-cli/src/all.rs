@@ -20,7 +20,7 @@ use tollgate_throttler::ThrottlerConfig;
 use tollgate_worker::WorkerConfig;
 
 use crate::process::{exit, fail, listen, shutdown_signal};
-use crate::store::{Failure, StoreArgs, Wait};
+use crate::store::{StoreArgs, Wait};
 
 #[derive(Debug, Args)]
 pub struct AllArgs {
@@ -31,6 +31,9 @@ pub struct AllArgs {
 
     #[command(flatten)]
     edge: crate::edge::EdgeArgs,
+
+    #[command(flatten)]
+    requests: crate::edge::RequestArgs,
 
     /// Address the api listens on (port 0: any free port).
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
@@ -72,11 +75,15 @@ pub async fn run(args: AllArgs) -> ExitCode {
         }
     }
     let config = Arc::new(config);
+    let request_timeout = match args.requests.request_timeout() {
+        Ok(t) => t,
+        Err(f) => return f.exit(),
+    };
     let admin_token = match &args.admin_token {
-        Some(t) if t.len() < 16 => {
-            return Failure::bad_input("TOLLGATE_ADMIN_TOKEN must be at least 16 characters").exit()
-        }
-        Some(t) => t.clone(),
+        Some(t) => match crate::edge::check_admin_token(t) {
+            Ok(()) => t.clone(),
+            Err(f) => return f.exit(),
+        },
         None => format!(
             "dev-admin-{}",
             RequestId::generate().as_str().replace('-', "")
@@ -85,6 +92,8 @@ pub async fn run(args: AllArgs) -> ExitCode {
     let settings = Settings {
         admin_token: Some(admin_token.clone()),
         trusted_proxy_header: args.trusted_proxy_header.clone(),
+        legacy_keys: args.requests.legacy_keys(),
+        request_timeout,
         ..Settings::default()
     };
 

@@ -12,7 +12,7 @@ use tollgate_api::health::Starting;
 use tollgate_api::state::{ApiState, Settings};
 
 use crate::process::{exit, fail, listen, shutdown_signal};
-use crate::store::{Failure, StoreArgs, Wait};
+use crate::store::{StoreArgs, Wait};
 
 #[derive(Debug, Args)]
 pub struct ApiArgs {
@@ -21,6 +21,9 @@ pub struct ApiArgs {
 
     #[command(flatten)]
     edge: crate::edge::EdgeArgs,
+
+    #[command(flatten)]
+    requests: crate::edge::RequestArgs,
 
     /// Address to listen on.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
@@ -58,9 +61,15 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         Ok(c) => Arc::new(c),
         Err(f) => return f.exit(),
     };
-    if args.admin_token.as_deref().is_some_and(|t| t.len() < 16) {
-        return Failure::bad_input("TOLLGATE_ADMIN_TOKEN must be at least 16 characters").exit();
+    if let Some(token) = &args.admin_token {
+        if let Err(f) = crate::edge::check_admin_token(token) {
+            return f.exit();
+        }
     }
+    let request_timeout = match args.requests.request_timeout() {
+        Ok(t) => t,
+        Err(f) => return f.exit(),
+    };
     // Listening before the store answers: a role started while Redis is down
     // is alive (`/healthz`) and says it is not ready yet.
     let listener = match listen(args.listen, "--listen").await {
@@ -98,6 +107,8 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         body_limit: args.body_limit,
         sync_timeout: Duration::from_millis(args.sync_timeout_ms),
         trusted_proxy_header: args.trusted_proxy_header,
+        legacy_keys: args.requests.legacy_keys(),
+        request_timeout,
     };
     tracing::info!(
         store = %backends.described, admin = settings.admin_token.is_some(), "api starting"

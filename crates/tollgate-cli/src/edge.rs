@@ -56,3 +56,78 @@ impl EdgeArgs {
         Ok(Listener::new(tcp, self.edge()?))
     }
 }
+
+/// The api's request knobs shared by `tollgate api` and `tollgate all`.
+#[derive(Debug, Args)]
+pub struct RequestArgs {
+    /// How long a request to a route that does not wait for a job (every
+    /// route but the operation calls, which wait up to the sync timeout) may
+    /// take, in ms; then 503 `overloaded` with Retry-After.
+    #[arg(long, env = "TOLLGATE_REQUEST_TIMEOUT_MS", default_value_t = millis(tollgate_api::state::DEFAULT_REQUEST_TIMEOUT))]
+    request_timeout_ms: u64,
+
+    /// Whether user keys of the format issued before keys had a checksum
+    /// (`tg_` + 64 hex digits) are still accepted. Turn off once every such
+    /// key was replaced: a key of that format is then refused without a lookup.
+    #[arg(long, env = "TOLLGATE_LEGACY_KEYS", default_value_t = true, action = clap::ArgAction::Set)]
+    legacy_keys: bool,
+}
+
+impl RequestArgs {
+    pub fn request_timeout(&self) -> Result<Duration, Failure> {
+        if self.request_timeout_ms == 0 {
+            return Err(Failure::bad_input(
+                "--request-timeout-ms (TOLLGATE_REQUEST_TIMEOUT_MS) must be > 0",
+            ));
+        }
+        Ok(Duration::from_millis(self.request_timeout_ms))
+    }
+
+    pub fn legacy_keys(&self) -> bool {
+        self.legacy_keys
+    }
+}
+
+/// The admin token docker-compose.yml falls back to when none is given.
+pub const COMPOSE_ADMIN_TOKEN: &str = "dev-admin-token-change-me";
+
+/// An admin token must have at least 16 characters that are not all blank,
+/// none of them a control character; the compose file's default is accepted
+/// with a loud warning (it is public).
+pub fn check_admin_token(token: &str) -> Result<(), Failure> {
+    if token.trim().is_empty() {
+        return Err(Failure::bad_input(
+            "TOLLGATE_ADMIN_TOKEN (--admin-token) is blank",
+        ));
+    }
+    if token.chars().count() < 16 {
+        return Err(Failure::bad_input(
+            "TOLLGATE_ADMIN_TOKEN (--admin-token) must be at least 16 characters",
+        ));
+    }
+    if token.trim() != token || token.chars().any(char::is_control) {
+        return Err(Failure::bad_input(
+            "TOLLGATE_ADMIN_TOKEN (--admin-token) has leading or trailing blanks or control characters",
+        ));
+    }
+    if token == COMPOSE_ADMIN_TOKEN {
+        tracing::warn!(
+            "TOLLGATE_ADMIN_TOKEN is docker-compose.yml's public default ({COMPOSE_ADMIN_TOKEN}): anyone can use the admin routes; set your own"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_tokens() {
+        assert!(check_admin_token(&" ".repeat(20)).is_err());
+        assert!(check_admin_token("short").is_err());
+        assert!(check_admin_token(" 0123456789abcdef ").is_err());
+        assert!(check_admin_token("0123456789abcdef").is_ok());
+        assert!(check_admin_token(COMPOSE_ADMIN_TOKEN).is_ok());
+    }
+}

@@ -246,7 +246,9 @@ impl StoreArgs {
                 tollgate_redis::pool::connect(url, &options)
                     .await
                     .map_err(|e| match e {
-                        RedisBackendError::BadUrl { .. } => Failure::bad_input(e.to_string()),
+                        RedisBackendError::BadUrl { .. } | RedisBackendError::NotCluster { .. } => {
+                            Failure::bad_input(e.to_string())
+                        }
                         RedisBackendError::Unreachable { .. }
                         | RedisBackendError::NotDurable { .. } => Failure::other(e.to_string()),
                     })?
@@ -292,7 +294,7 @@ async fn wait_for_redis(url: &str, options: &PoolOptions) -> Result<Pool, Failur
     loop {
         match tollgate_redis::pool::connect(url, options).await {
             Ok(pool) => return Ok(pool),
-            Err(e @ RedisBackendError::BadUrl { .. }) => {
+            Err(e @ (RedisBackendError::BadUrl { .. } | RedisBackendError::NotCluster { .. })) => {
                 return Err(Failure::bad_input(e.to_string()))
             }
             // A setting, not an outage: waiting would hide it (a role that

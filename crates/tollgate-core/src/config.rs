@@ -95,6 +95,9 @@ pub enum Fairness {
 
 /// Largest accepted provider `rate` (tokens per second) and `burst`.
 pub const MAX_RATE: f64 = 1_000_000.0;
+/// Smallest accepted provider `rate`: one call a day. Below it a rate is a
+/// typo (`1e-300` would leave a caller waiting for ages), not a throttle.
+pub const MIN_RATE: f64 = 1.0 / 86_400.0;
 pub const MAX_BURST: u64 = 1_000_000;
 /// Longest accepted provider `max_wait`.
 pub const MAX_WAIT_LIMIT: Duration = Duration::from_secs(3600);
@@ -523,13 +526,12 @@ impl Config {
     /// upstream the config has keeps its auth, timeout and retries; a provider
     /// without one gets the defaults.
     pub fn route_all_providers_to(&mut self, url: &str) -> Result<(), ConfigError> {
-        let ok = (url.starts_with("http://") || url.starts_with("https://"))
-            && !url.chars().any(char::is_whitespace);
+        let ok = http_url_with_host(url);
         if !ok {
             return Err(ConfigError::Invalid {
                 origin: "--provider-url".into(),
                 key: "url".into(),
-                message: format!("must be an http:// or https:// URL, got {url:?}"),
+                message: format!("must be an http:// or https:// URL with a host, got {url:?}"),
             });
         }
         let url = url.trim_end_matches('/').to_owned();
@@ -734,6 +736,35 @@ fn parse_settle(
     })
 }
 
+/// `http://` or `https://`, then a host (a name, an IPv4 address or a
+/// bracketed IPv6 one), an optional numeric port, and no blank anywhere:
+/// `http://`, `http://:80` and `http:///x` have no host.
+pub fn http_url_with_host(url: &str) -> bool {
+    let Some(rest) = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return false;
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let (host, port) = if let Some(v6) = host_port.strip_prefix('[') {
+        match v6.split_once(']') {
+            Some((h, p)) if !h.is_empty() => (h, p.strip_prefix(':')),
+            _ => return false,
+        }
+    } else {
+        match host_port.split_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (host_port, None),
+        }
+    };
+    let port_ok = port.map_or(true, |p| p.parse::<u16>().is_ok_and(|n| n > 0));
+    !host.is_empty() && port_ok
+}
 fn parse_upstream(
     key: &str,
     p: &RawProvider,
@@ -755,11 +786,10 @@ fn parse_upstream(
         }
         return Ok(None);
     };
-    let scheme_ok = url.starts_with("http://") || url.starts_with("https://");
-    if !scheme_ok || url.chars().any(|c| c.is_whitespace()) {
+    if !http_url_with_host(url) {
         return Err(invalid(
             format!("{key}.url"),
-            format!("must be an http:// or https:// URL, got {url:?}"),
+            format!("must be an http:// or https:// URL with a host, got {url:?}"),
         ));
     }
     if p.auth_header.is_some() != p.auth_env.is_some() {
@@ -827,10 +857,13 @@ fn parse_providers(
                 format!("must be > 0 (tokens per second), got {}", p.rate),
             ));
         }
-        if p.rate > MAX_RATE {
+        if !(MIN_RATE..=MAX_RATE).contains(&p.rate) {
             return Err(invalid(
                 format!("{key}.rate"),
-                format!("must be <= {MAX_RATE}"),
+                format!(
+                    "must be between {MIN_RATE:.3e} (one call a day) and {MAX_RATE} tokens per second, got {:?}",
+                    p.rate
+                ),
             ));
         }
         if p.burst < 1 {
@@ -1021,6 +1054,9 @@ max_wait = "500ms"
             ("rate = 50", "rate = 0", "providers.llm.rate"),
             ("rate = 50", "rate = -3", "providers.llm.rate"),
             ("rate = 50", "rate = nan", "providers.llm.rate"),
+            ("rate = 50", "rate = 1e-300", "providers.llm.rate"),
+            ("rate = 50", "rate = inf", "providers.llm.rate"),
+            ("rate = 50", "rate = 2e6", "providers.llm.rate"),
             ("burst = 10", "burst = 0", "providers.llm.burst"),
             (
                 "max_wait = \"30s\"",
@@ -1126,6 +1162,16 @@ provider = "llm"
             ),
             (
                 "url = \"http://127.0.0.1:9100\"",
+                "url = \"http://\"",
+                "providers.llm.url",
+            ),
+            (
+                "url = \"http://127.0.0.1:9100\"",
+                "url = \"https://:443/v1\"",
+                "providers.llm.url",
+            ),
+            (
+                "url = \"http://127.0.0.1:9100\"",
                 "url = \"http://x\"\nauth_header = \"X-Key\"",
                 "providers.llm.auth_env",
             ),
@@ -1191,5 +1237,32 @@ provider = "llm"
     fn missing_file_names_the_path() {
         let e = Config::load(Some(Path::new("/nonexistent/tollgate.toml"))).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/tollgate.toml"));
+    }
+
+    #[test]
+    fn urls_need_a_host() {
+        for good in [
+            "http://x",
+            "https://api.example.com/v1",
+            "http://127.0.0.1:9100",
+            "http://[::1]:80/p",
+            "https://user:pw@h.example:8443?q",
+        ] {
+            assert!(http_url_with_host(good), "{good}");
+        }
+        for bad in [
+            "http://",
+            "https://",
+            "http:///x",
+            "http://:80",
+            "http://h:",
+            "http://h:99999",
+            "http://[]:1",
+            "ftp://x",
+            "http://a b",
+            "http://u@/x",
+        ] {
+            assert!(!http_url_with_host(bad), "{bad}");
+        }
     }
 }

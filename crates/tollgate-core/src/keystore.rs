@@ -1,10 +1,16 @@
 //! API keys: how they are made, how they are stored (only as a SHA-256 hash), and
 //! the [`KeyStore`] interface with its in-memory backend.
 //!
-//! A key is `tg_` + 64 hex digits (32 random bytes from the OS, 256 bits). It is
-//! shown once, when it is issued; the store keeps `sha256(key)` -> [`KeyRecord`],
-//! so a leaked store reveals no usable key. Each key also has a public id
-//! (`kid_...`) that names it in logs and in `DELETE /admin/keys/{key_id}`.
+//! A key is `tg_<kind>_` + 36 base62 characters (from the OS's generator, ~214
+//! bits) + a 6-character base62 CRC32 of everything before it, e.g.
+//! `tg_user_…` (the kind `svc` is reserved for service keys). The checksum lets
+//! [`KeyShape::of`] refuse a random or mistyped key in process, before any store
+//! is asked, as GitHub's `ghp_` tokens do. Keys issued before this format,
+//! `tg_` + 64 hex digits ([`KeyShape::Legacy`]), are still looked up.
+//!
+//! A key is shown once, when it is issued; the store keeps `sha256(key)` ->
+//! [`KeyRecord`], so a leaked store reveals no usable key. Each key also has a
+//! public id (`kid_...`) that names it in logs and in `DELETE /admin/keys/{key_id}`.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -19,6 +25,104 @@ use crate::id::UserId;
 
 /// What every issued key starts with: makes leaked keys easy to grep for.
 pub const KEY_PREFIX: &str = "tg_";
+/// The prefix of a user's API key.
+pub const USER_KEY_PREFIX: &str = "tg_user_";
+/// The prefix reserved for service keys (none is issued yet).
+pub const SERVICE_KEY_PREFIX: &str = "tg_svc_";
+/// Random base62 characters in a key.
+pub const KEY_RANDOM_LEN: usize = 36;
+/// Base62 characters of a key's checksum (a CRC32: 62^6 > 2^32).
+pub const KEY_CHECKSUM_LEN: usize = 6;
+/// The base62 alphabet of a key's random part and checksum.
+pub const BASE62: &[u8; 62] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
+
+/// What kind of key a well-formed key is, by its prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    User,
+    Service,
+}
+
+/// The shape of a presented key, read without any store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyShape {
+    /// `tg_<kind>_<random><checksum>` with a checksum that matches.
+    Current(KeyKind),
+    /// `tg_` + 64 lowercase hex digits: a key issued before checksums.
+    Legacy,
+}
+
+/// Why a presented key was refused without a lookup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MalformedKey {
+    #[error("not a tollgate API key (expected tg_user_...)")]
+    Shape,
+    #[error("the API key's checksum does not match (mistyped or truncated?)")]
+    Checksum,
+}
+
+impl KeyShape {
+    /// Reads `presented`'s shape: a key of neither shape, or one whose checksum
+    /// does not match, can name no stored key.
+    pub fn of(presented: &str) -> Result<Self, MalformedKey> {
+        let kinds = [
+            (USER_KEY_PREFIX, KeyKind::User),
+            (SERVICE_KEY_PREFIX, KeyKind::Service),
+        ];
+        for (prefix, kind) in kinds {
+            let Some(rest) = presented.strip_prefix(prefix) else {
+                continue;
+            };
+            if rest.len() != KEY_RANDOM_LEN + KEY_CHECKSUM_LEN
+                || !rest.bytes().all(|b| b.is_ascii_alphanumeric())
+            {
+                return Err(MalformedKey::Shape);
+            }
+            let (body, sum) = presented.split_at(presented.len() - KEY_CHECKSUM_LEN);
+            return if checksum(body) == sum {
+                Ok(Self::Current(kind))
+            } else {
+                Err(MalformedKey::Checksum)
+            };
+        }
+        match presented.strip_prefix(KEY_PREFIX) {
+            Some(h)
+                if h.len() == 64 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) =>
+            {
+                Ok(Self::Legacy)
+            }
+            _ => Err(MalformedKey::Shape),
+        }
+    }
+}
+
+/// The checksum of a key's `body` (prefix and random part): its CRC32
+/// (IEEE) in base62, zero-padded to [`KEY_CHECKSUM_LEN`] characters.
+pub fn checksum(body: &str) -> String {
+    let mut n = u64::from(crc32(body.as_bytes()));
+    let mut out = [b'0'; KEY_CHECKSUM_LEN];
+    for slot in out.iter_mut().rev() {
+        *slot = BASE62[(n % 62) as usize];
+        n /= 62;
+    }
+    out.iter().map(|&b| char::from(b)).collect()
+}
+
+/// CRC-32/ISO-HDLC (zlib's, GitHub's token checksum), bit by bit: keys are short.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
 /// What every public key id starts with.
 pub const KEY_ID_PREFIX: &str = "kid_";
 
@@ -27,9 +131,21 @@ pub const KEY_ID_PREFIX: &str = "kid_";
 pub struct ApiKey(String);
 
 impl ApiKey {
-    /// 32 random bytes from the operating system's generator.
+    /// A user key: [`USER_KEY_PREFIX`], [`KEY_RANDOM_LEN`] base62 characters
+    /// from the operating system's generator, and their [`checksum`].
     pub fn generate() -> Result<Self, KeyStoreError> {
-        Ok(Self(format!("{KEY_PREFIX}{}", hex(&random_bytes::<32>()?))))
+        let mut body = String::from(USER_KEY_PREFIX);
+        while body.len() < USER_KEY_PREFIX.len() + KEY_RANDOM_LEN {
+            // Bytes >= 248 are dropped so that each character is uniform
+            // (248 = 4 * 62).
+            for b in random_bytes::<32>()? {
+                if b < 248 && body.len() < USER_KEY_PREFIX.len() + KEY_RANDOM_LEN {
+                    body.push(char::from(BASE62[usize::from(b % 62)]));
+                }
+            }
+        }
+        let sum = checksum(&body);
+        Ok(Self(body + &sum))
     }
 
     /// The secret, to be shown to its owner once.
@@ -216,13 +332,91 @@ mod tests {
     fn keys_are_long_random_and_hashed() {
         let (a, b) = (ApiKey::generate().unwrap(), ApiKey::generate().unwrap());
         assert_ne!(a, b);
-        assert_eq!(a.expose().len(), 3 + 64);
-        assert!(a.expose().starts_with(KEY_PREFIX));
+        assert_eq!(
+            a.expose().len(),
+            USER_KEY_PREFIX.len() + KEY_RANDOM_LEN + KEY_CHECKSUM_LEN
+        );
+        assert!(a.expose().starts_with(USER_KEY_PREFIX));
+        assert_eq!(
+            KeyShape::of(a.expose()),
+            Ok(KeyShape::Current(KeyKind::User))
+        );
         assert_eq!(a.hash().as_str().len(), 64);
         assert_ne!(a.hash().as_str(), a.expose());
         assert_eq!(format!("{a:?}"), "ApiKey(***)");
         assert!(is_key_id(&generate_key_id().unwrap()));
         assert!(!is_key_id("kid_xyz") && !is_key_id("kid_0123456789abcdef:"));
+    }
+
+    #[test]
+    fn crc32_is_zlibs() {
+        // The standard check value of CRC-32/ISO-HDLC.
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(checksum(""), "000000");
+    }
+
+    /// Every issued key round-trips, and every single-character change of it
+    /// (each position, each character of the alphabet) is refused without a
+    /// lookup: a checksum mismatch, or a shape that names no key.
+    #[test]
+    fn any_single_character_change_is_refused() {
+        let alphabet: Vec<char> = BASE62
+            .iter()
+            .copied()
+            .chain(*b"_-.+/= ")
+            .map(char::from)
+            .collect();
+        for _ in 0..8 {
+            let key = ApiKey::generate().unwrap();
+            let key = key.expose();
+            assert_eq!(KeyShape::of(key), Ok(KeyShape::Current(KeyKind::User)));
+            let chars: Vec<char> = key.chars().collect();
+            for i in 0..chars.len() {
+                for &c in &alphabet {
+                    if c == chars[i] {
+                        continue;
+                    }
+                    let mut changed = chars.clone();
+                    changed[i] = c;
+                    let changed: String = changed.into_iter().collect();
+                    assert!(KeyShape::of(&changed).is_err(), "{changed} accepted");
+                }
+                let mut dropped = chars.clone();
+                dropped.remove(i);
+                let dropped: String = dropped.into_iter().collect();
+                assert!(KeyShape::of(&dropped).is_err(), "{dropped} accepted");
+            }
+        }
+    }
+
+    #[test]
+    fn shapes() {
+        let legacy = format!("tg_{}", "0a".repeat(32));
+        assert_eq!(KeyShape::of(&legacy), Ok(KeyShape::Legacy));
+        assert_eq!(
+            KeyShape::of(&legacy.to_uppercase()),
+            Err(MalformedKey::Shape)
+        );
+        assert_eq!(KeyShape::of(&legacy[..66]), Err(MalformedKey::Shape));
+        for bad in [
+            "",
+            "tg_",
+            "tg_user_",
+            "sk_live_abc",
+            "tg_user_\u{e9}",
+            "Bearer",
+        ] {
+            assert_eq!(KeyShape::of(bad), Err(MalformedKey::Shape), "{bad}");
+        }
+        let body = format!("{SERVICE_KEY_PREFIX}{}", "a".repeat(KEY_RANDOM_LEN));
+        let svc = format!("{body}{}", checksum(&body));
+        assert_eq!(KeyShape::of(&svc), Ok(KeyShape::Current(KeyKind::Service)));
+        // A user key's body under another kind's checksum.
+        let user = format!("{USER_KEY_PREFIX}{}", "a".repeat(KEY_RANDOM_LEN));
+        assert_eq!(
+            KeyShape::of(&format!("{user}{}", checksum(&body))),
+            Err(MalformedKey::Checksum)
+        );
     }
 
     #[test]

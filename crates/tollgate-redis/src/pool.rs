@@ -553,6 +553,10 @@ pub enum RedisBackendError {
     /// say): waiting does not help.
     #[error("Redis at {url}: {message}")]
     NotDurable { url: String, message: String },
+    /// A cluster URL whose seed is a Redis without cluster mode: waiting does
+    /// not help.
+    #[error("bad Redis URL {url}: its node {node} is not a Redis Cluster node (cluster_enabled:0); use redis://{node} for a standalone Redis")]
+    NotCluster { url: String, node: String },
 }
 
 /// The URL with any password replaced by `***`, fit for logs and errors.
@@ -709,12 +713,48 @@ async fn connect_cluster(
             }
             Ok(pool)
         }
-        Ok(Err(e)) => Err(unreachable(e.to_string())),
-        Err(_) => Err(unreachable(format!(
-            "no answer within {:?}",
-            options.timeout
-        ))),
+        Ok(Err(e)) => Err(not_a_cluster(shown, &seeds, options)
+            .await
+            .unwrap_or_else(|| unreachable(e.to_string()))),
+        Err(_) => Err(not_a_cluster(shown, &seeds, options)
+            .await
+            .unwrap_or_else(|| unreachable(format!("no answer within {:?}", options.timeout)))),
     }
+}
+
+/// After a cluster connection failed: the first seed that answers as a
+/// standalone Redis (`INFO cluster` says `cluster_enabled:0`), as an error
+/// naming it. A seed that does not answer (within the pool's timeout) says
+/// nothing: the cluster may be starting.
+async fn not_a_cluster(
+    shown: &str,
+    seeds: &[String],
+    options: &PoolOptions,
+) -> Option<RedisBackendError> {
+    for seed in seeds {
+        let Ok(client) = options.tls.client(seed) else {
+            continue;
+        };
+        let info = tokio::time::timeout(options.timeout, async {
+            let mut conn = client.get_multiplexed_async_connection().await?;
+            redis::cmd("INFO")
+                .arg("cluster")
+                .query_async::<String>(&mut conn)
+                .await
+        })
+        .await;
+        if let Ok(Ok(info)) = info {
+            if info.lines().any(|l| l.trim() == "cluster_enabled:0") {
+                let node = redact_url(seed);
+                let node = node.split_once("://").map_or(node.as_str(), |(_, n)| n);
+                return Some(RedisBackendError::NotCluster {
+                    url: shown.to_owned(),
+                    node: node.to_owned(),
+                });
+            }
+        }
+    }
+    None
 }
 
 /// The cluster client of `seeds`: the pool's and the subscribers' share it.

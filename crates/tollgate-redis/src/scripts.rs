@@ -627,6 +627,22 @@ job_scripts! {
     JOB_UNSTICK => "job_unstick.lua",
 }
 
+/// `job_status.lua`, bare (no job library): a job's record for its owner only.
+/// Sent as `EVAL` with this source, so that it rides in a pipeline of plain
+/// commands ([`job_status`]).
+pub const JOB_STATUS_SOURCE: &str = include_str!("../../../lua/job_status.lua");
+pub static JOB_STATUS: LazyLock<Script> = LazyLock::new(|| Script::new(JOB_STATUS_SOURCE));
+
+/// `job_status.lua` as an `EVAL` of job `id`'s record for `user`.
+pub fn job_status(keys: &JobKeys, id: &str, user: &str) -> redis::Cmd {
+    redis::cmd("EVAL")
+        .arg(JOB_STATUS_SOURCE)
+        .arg(1)
+        .arg(keys.job(id))
+        .arg(user)
+        .to_owned()
+}
+
 /// Every script called by EVALSHA, by the name of its file in `lua/`: what the
 /// cluster audit checks ran on the suite's Redis Cluster (`tollgate-bench
 /// cluster-audit`). The budget scripts are [`BUDGET`]'s functions
@@ -652,6 +668,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_due.lua", &JOB_DUE),
         ("job_requeue.lua", &JOB_REQUEUE),
         ("job_unstick.lua", &JOB_UNSTICK),
+        ("job_status.lua", &JOB_STATUS),
         ("activity_record.lua", &ACTIVITY_RECORD),
         ("activity_read.lua", &ACTIVITY_READ),
     ]

@@ -11,6 +11,7 @@ mod cluster_audit;
 mod compose;
 mod durability;
 mod fairness;
+mod job_lookup;
 mod jobs;
 mod ledger;
 mod load;
@@ -91,6 +92,9 @@ enum Command {
     /// live events, a page and a walk of every page, against a previous script
     /// side by side; fails if a call held Redis past 5 ms.
     Usage(usage::Args),
+    /// Job lookups across users: another user's job against a missing one,
+    /// through `tollgate api` (`--bin` for builds side by side).
+    JobLookup(job_lookup::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -116,6 +120,7 @@ fn main() -> anyhow::Result<()> {
             Command::ClusterAudit(args) => cluster_audit::run(args).await,
             Command::MemoryEmbedded(args) => memory_embedded::run(args).await,
             Command::Usage(args) => usage::run(args).await,
+            Command::JobLookup(args) => job_lookup::run(args).await,
         }
     })
 }
