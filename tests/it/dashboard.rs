@@ -245,7 +245,7 @@ async fn dashboard_in_a_real_browser() {
         Duration::from_secs(10),
     )
     .await;
-    assert_eq!(message, json!("Wrong admin token."));
+    assert_eq!(message, json!("Wrong token."));
     assert_eq!(
         c.execute(
             "return [document.getElementById('app').hidden, document.querySelectorAll('#events tbody tr').length];",

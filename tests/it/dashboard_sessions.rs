@@ -88,7 +88,13 @@ const FORM: (&str, &str) = ("Content-Type", "application/x-www-form-urlencoded")
 
 /// `POST /dashboard/login` with `token`, as a same-origin browser form would.
 async fn login(addr: SocketAddr, token: &str, extra: &[(&str, &str)]) -> Response {
-    let mut headers = vec![FORM, ("Sec-Fetch-Site", "same-origin")];
+    let mut headers = vec![FORM];
+    if !extra
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("sec-fetch-site"))
+    {
+        headers.push(("Sec-Fetch-Site", "same-origin"));
+    }
     headers.extend_from_slice(extra);
     send(
         addr,

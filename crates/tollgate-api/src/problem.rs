@@ -84,10 +84,12 @@ pub enum ProblemType {
     Internal,
     JobCancelled,
     ChargeOwnedByJob,
+    ReadOnlyCredential,
+    CrossSiteRequest,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 26] = [
+    pub const ALL: [ProblemType; 28] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -114,6 +116,8 @@ impl ProblemType {
         Self::Internal,
         Self::JobCancelled,
         Self::ChargeOwnedByJob,
+        Self::ReadOnlyCredential,
+        Self::CrossSiteRequest,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -144,6 +148,8 @@ impl ProblemType {
             Self::Internal => "internal",
             Self::JobCancelled => "job-cancelled",
             Self::ChargeOwnedByJob => "charge-owned-by-job",
+            Self::ReadOnlyCredential => "read-only-credential",
+            Self::CrossSiteRequest => "cross-site-request",
         }
     }
 
@@ -155,7 +161,9 @@ impl ProblemType {
     pub fn status(self) -> StatusCode {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::AdminDisabled => StatusCode::FORBIDDEN,
+            Self::AdminDisabled | Self::ReadOnlyCredential | Self::CrossSiteRequest => {
+                StatusCode::FORBIDDEN
+            }
             Self::NotFound | Self::UnknownOperation => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::MalformedRequest => StatusCode::BAD_REQUEST,
@@ -227,6 +235,12 @@ impl ProblemType {
             }
             Self::ChargeOwnedByJob => {
                 "The job owns this charge and may be calling the provider: refund it once the job is final"
+            }
+            Self::ReadOnlyCredential => {
+                "This credential only reads (the viewer token, or a dashboard session): nothing changed"
+            }
+            Self::CrossSiteRequest => {
+                "A cross-site request, or a form without its session's CSRF token: nothing changed"
             }
         }
     }
@@ -303,6 +317,12 @@ pub enum ApiError {
     /// An operator's refund of a charge its running job owns: nothing changed.
     #[error("{0}")]
     ChargeOwnedByJob(String),
+    /// The viewer token or a dashboard session on a route that changes things.
+    #[error("{0}")]
+    ReadOnly(&'static str),
+    /// A dashboard form sent cross-site, or without its session's CSRF token.
+    #[error("{0}")]
+    CrossSite(&'static str),
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -351,6 +371,8 @@ impl ApiError {
                 FailureCause::Cancelled => ProblemType::JobCancelled,
             },
             Self::ChargeOwnedByJob(_) => ProblemType::ChargeOwnedByJob,
+            Self::ReadOnly(_) => ProblemType::ReadOnlyCredential,
+            Self::CrossSite(_) => ProblemType::CrossSiteRequest,
             Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
             Self::NotReady(_) => ProblemType::NotReady,
             Self::Store(_) | Self::Internal(_) => ProblemType::Internal,
