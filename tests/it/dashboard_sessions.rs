@@ -4,13 +4,15 @@
 //! session's CSRF token; wrong admin tokens (Bearer or login form) are limited
 //! per address while the right token always passes; the cookie is `Secure`
 //! behind a trusted proxy that says https; the viewer token opens the dashboard
-//! and nothing else; bad viewer tokens stop the process at start.
+//! and nothing else; bad viewer tokens stop the process at start. The session
+//! stores keep the same rules on memory, Redis and a Redis Cluster.
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use tollgate_core::session::{NewSession, Role, SessionId, SessionLimits, SessionStore};
 use tollgate_tests::http::{self, Response};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
@@ -555,4 +557,91 @@ fn bad_viewer_tokens_are_refused_at_start() {
             "{role} {viewer:?}: {stderr}"
         );
     }
+}
+
+/// One suite, every backend: a session opens once per id, lives while used
+/// (its idle time restarts) but never past its lifetime, idles out unused,
+/// and ends at close (a second close is no error).
+async fn sessions_end(store: std::sync::Arc<dyn SessionStore>) {
+    let limits = SessionLimits {
+        lifetime: Duration::from_secs(3),
+        idle: Duration::from_secs(1),
+    };
+    let new = NewSession {
+        role: Role::Viewer,
+        csrf: "csrf-1".into(),
+        credential: "digest-1".into(),
+    };
+    let now_ms = tollgate_core::clock::Clock::now_ms(&tollgate_core::clock::SystemClock);
+    let used = SessionId::generate().unwrap().hash();
+    let opened = store.open(&used, &new, limits).await.unwrap();
+    assert_eq!(
+        (opened.role, opened.csrf.as_str()),
+        (Role::Viewer, "csrf-1")
+    );
+    let lifetime = opened.expires_ms.saturating_sub(now_ms);
+    assert!(
+        (2_000..=4_000).contains(&lifetime),
+        "expires in {lifetime} ms"
+    );
+    assert!(
+        store.open(&used, &new, limits).await.is_err(),
+        "an id opened twice"
+    );
+
+    let idle = SessionId::generate().unwrap().hash();
+    store.open(&idle, &new, limits).await.unwrap();
+    let closed = SessionId::generate().unwrap().hash();
+    store.open(&closed, &new, limits).await.unwrap();
+    store.close(&closed).await.unwrap();
+    assert_eq!(store.touch(&closed, limits.idle).await.unwrap(), None);
+    store.close(&closed).await.unwrap();
+
+    // Touched every 200 ms: alive past its idle time, until its lifetime.
+    let started = Instant::now();
+    let mut alive_for = Duration::ZERO;
+    while started.elapsed() < Duration::from_secs(6) {
+        match store.touch(&used, limits.idle).await.unwrap() {
+            Some(s) => {
+                assert_eq!(s, opened);
+                alive_for = started.elapsed();
+            }
+            None => break,
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        alive_for >= Duration::from_millis(1_500) && alive_for < Duration::from_millis(3_500),
+        "a used session lived {alive_for:?} (lifetime 3 s, idle 1 s)"
+    );
+    // Untouched for longer than its idle time: gone.
+    assert_eq!(store.touch(&idle, limits.idle).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn sessions_end_in_memory() {
+    sessions_end(std::sync::Arc::new(
+        tollgate_core::session::MemorySessions::new(),
+    ))
+    .await;
+}
+
+async fn redis_sessions(url: &str) -> std::sync::Arc<dyn SessionStore> {
+    let pool = tollgate_redis::pool::connect(url, &tollgate_redis::pool::PoolOptions::default())
+        .await
+        .unwrap();
+    let keys = tollgate_redis::keys::KeySpace::new(&random_prefix()).unwrap();
+    std::sync::Arc::new(tollgate_redis::sessions::RedisSessions::new(pool, keys))
+}
+
+#[tokio::test]
+async fn sessions_end_on_redis() {
+    let redis = RedisServer::start();
+    sessions_end(redis_sessions(&redis.url()).await).await;
+}
+
+#[tokio::test]
+async fn sessions_end_on_a_cluster() {
+    let cluster = tollgate_tests::TestCluster::get();
+    sessions_end(redis_sessions(&cluster.url()).await).await;
 }
