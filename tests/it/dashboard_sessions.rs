@@ -557,6 +557,18 @@ fn bad_viewer_tokens_are_refused_at_start() {
             "{role} {viewer:?}: {stderr}"
         );
     }
+    // A viewer token with no admin token: the dashboard would be off.
+    let out = Command::new(workspace_bin("tollgate"))
+        .args(["api", "--listen", "127.0.0.1:0"])
+        .env_remove("TOLLGATE_ADMIN_TOKEN")
+        .env("TOLLGATE_VIEWER_TOKEN", VIEWER)
+        .env("TOLLGATE_REDIS_URL", "redis://127.0.0.1:1/")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("needs TOLLGATE_ADMIN_TOKEN"), "{stderr}");
 }
 
 /// One suite, every backend: a session opens once per id, lives while used
