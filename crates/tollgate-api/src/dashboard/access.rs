@@ -70,8 +70,12 @@ pub fn token_role(state: &ApiState, presented: &str) -> Option<Role> {
 pub fn wrong_token(state: &ApiState, req: &Request, unauthorized: &'static str) -> ApiError {
     let failures = state.dashboard.failures();
     let client = failures.client(req);
+    // Logged while counted: an address over its budget floods no log.
+    if let Some(wait) = failures.wait(client) {
+        return ApiError::AuthFailures(wait);
+    }
     tracing::info!(%client, "wrong admin or viewer token");
-    match failures.wait(client).or_else(|| failures.failed(client)) {
+    match failures.failed(client) {
         Some(wait) => ApiError::AuthFailures(wait),
         None => ApiError::Unauthorized(unauthorized),
     }
@@ -260,13 +264,14 @@ pub async fn login(State(state): State<ApiState>, req: Request) -> Result<Respon
     let token = form_field(&body, "token").unwrap_or_default();
     // The right token first: an address over its budget still logs in with it.
     let Some(role) = token_role(&state, &token) else {
+        if failures.wait(client).is_some() {
+            return Ok(see("/dashboard?login=limited", None));
+        }
         tracing::info!(%client, "dashboard login refused: wrong token");
-        return Ok(
-            match failures.wait(client).or_else(|| failures.failed(client)) {
-                Some(_) => see("/dashboard?login=limited", None),
-                None => see("/dashboard?login=failed", None),
-            },
-        );
+        return Ok(match failures.failed(client) {
+            Some(_) => see("/dashboard?login=limited", None),
+            None => see("/dashboard?login=failed", None),
+        });
     };
     let id = SessionId::generate()?;
     let new = NewSession {
