@@ -308,6 +308,7 @@ fn help_never_shows_secret_values() {
     let secrets = [
         ("TOLLGATE_REDIS_URL", "redis://:hunter2-redis@127.0.0.1:1/"),
         ("TOLLGATE_ADMIN_TOKEN", "hunter2-admin-token-0123456789"),
+        ("TOLLGATE_VIEWER_TOKEN", "hunter2-viewer-token-0123456789"),
         (
             "TOLLGATE_PROVIDER_URL",
             "http://u:hunter2-provider@127.0.0.1:1",

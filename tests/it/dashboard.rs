@@ -194,7 +194,9 @@ fn target_dir() -> PathBuf {
 
 /// Logs in (a wrong token first), runs calls, and watches the page show them
 /// without a reload; the page's JavaScript logs no error; a screenshot is
-/// saved at `target/dashboard.png`.
+/// saved at `target/dashboard.png`. Then logs out through the page: a forged
+/// logout without the CSRF token is refused, the real one ends the session,
+/// and the old cookie gets 401.
 #[tokio::test(flavor = "multi_thread")]
 async fn dashboard_in_a_real_browser() {
     let all = start_all(None);
@@ -245,7 +247,7 @@ async fn dashboard_in_a_real_browser() {
         Duration::from_secs(10),
     )
     .await;
-    assert_eq!(message, json!("Wrong admin token."));
+    assert_eq!(message, json!("Wrong token."));
     assert_eq!(
         c.execute(
             "return [document.getElementById('app').hidden, document.querySelectorAll('#events tbody tr').length];",
@@ -379,6 +381,59 @@ async fn dashboard_in_a_real_browser() {
     std::fs::write(&path, &png).unwrap();
     println!("dashboard: screenshot at {}", path.display());
     assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+
+    // Logging out ends the session in the store: the old cookie is refused
+    // afterwards. A logout without the session's CSRF token (what a forged
+    // cross-site form could send) is refused and ends nothing.
+    let old = format!("tollgate_dashboard={}", cookie.value());
+    let overview_with = |cookie: String| {
+        let http = http.clone();
+        let url = format!("{}/admin/overview", all.base);
+        async move {
+            let r = http.get(url).header("cookie", cookie).send().await.unwrap();
+            r.status().as_u16()
+        }
+    };
+    let forged = http
+        .post(format!("{}/dashboard/logout", all.base))
+        .header("cookie", &old)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("csrf=")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(forged.status(), 403);
+    assert_eq!(overview_with(old.clone()).await, 200);
+    assert_eq!(
+        until(
+            &c,
+            "document.getElementById('csrf').value.length === 32 && document.body.dataset.role",
+            Duration::from_secs(10),
+        )
+        .await,
+        json!("admin")
+    );
+    c.find(Locator::Id("logout-submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until(
+        &c,
+        "!document.getElementById('login').hidden",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(
+        c.get_named_cookie("tollgate_dashboard").await.is_err(),
+        "the browser kept the cookie"
+    );
+    assert_eq!(
+        overview_with(old).await,
+        401,
+        "the logged-out cookie still opens the overview"
+    );
     c.close().await.unwrap();
 }
 

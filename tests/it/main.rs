@@ -16,6 +16,7 @@ mod cluster_failover;
 mod cluster_pubsub;
 mod concurrency;
 mod dashboard;
+mod dashboard_sessions;
 mod durability;
 mod edge_keys;
 mod jobs;

@@ -1,7 +1,8 @@
 //! Authentication: `Authorization: Bearer <key>` for users, checked against the
 //! [`KeyStore`](tollgate_core::keystore::KeyStore) by the key's SHA-256 (through the
 //! in-process [`KeyCache`]); the admin token (`TOLLGATE_ADMIN_TOKEN`) for
-//! `/admin/*`, compared in constant time.
+//! `/admin/*`, compared in constant time ([`Admin`]; the dashboard's tokens and
+//! sessions are in [`crate::dashboard::access`]).
 //!
 //! A user key is first read in process ([`KeyShape::of`]): one without the key
 //! format's prefix and checksum is refused (401) without a lookup and without
@@ -21,12 +22,14 @@ use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tollgate_core::keystore::{secrets_equal, KeyShape};
+use tollgate_core::session::Role;
 use tollgate_core::{
     id::UserId,
     keystore::{KeyHash, KeyStore},
 };
 
 use crate::abuse::AuthFailures;
+use crate::dashboard::access;
 use crate::keycache::KeyCache;
 use crate::problem::ApiError;
 use crate::state::ApiState;
@@ -70,7 +73,7 @@ pub struct Caller {
     pub key_id: String,
 }
 
-fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
+pub(crate) fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
     let value = headers
         .get(AUTHORIZATION)
         .ok_or(ApiError::Unauthorized(
@@ -163,7 +166,11 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
     }
 }
 
-/// Proof that the request carried the admin token; extract it in admin handlers.
+/// Proof that the request carried the admin token as `Authorization: Bearer`;
+/// extract it in admin handlers. The viewer token, or a dashboard session
+/// (of either role: a cookie never changes anything), gets 403; a wrong token
+/// 401, or 429 once its address is over its budget of failures (the right
+/// token always passes; see [`crate::dashboard::access`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Admin;
 
@@ -171,14 +178,52 @@ impl FromRequestParts<ApiState> for Admin {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, ApiError> {
-        let Some(expected) = state.settings.admin_token.as_deref() else {
+        if state.settings.admin_token.is_none() {
             return Err(ApiError::AdminDisabled);
-        };
-        let presented = bearer(&parts.headers)?;
-        if secrets_equal(presented, expected) {
-            Ok(Admin)
-        } else {
-            Err(ApiError::Unauthorized("wrong admin token"))
+        }
+        if parts.headers.contains_key(AUTHORIZATION) {
+            return match access::bearer_role(parts, state)? {
+                Role::Admin => Ok(Admin),
+                Role::Viewer => Err(ApiError::ReadOnly(
+                    "the viewer token only reads the dashboard: this route needs the admin token",
+                )),
+            };
+        }
+        match access::session(&parts.headers, state).await? {
+            Some(_) => Err(ApiError::ReadOnly(
+                "a dashboard session only reads: send Authorization: Bearer <admin token>",
+            )),
+            None => Err(ApiError::Unauthorized(
+                "missing Authorization: Bearer <admin token>",
+            )),
         }
     }
+}
+
+/// The least length of the admin and viewer tokens.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// Why `viewer` cannot be the viewer token next to `admin`, naming the
+/// setting: blank, shorter than [`MIN_TOKEN_LEN`], or the admin token itself
+/// (it would open the admin routes).
+pub fn check_viewer_token(viewer: &str, admin: Option<&str>) -> Result<(), String> {
+    if viewer.trim().is_empty() {
+        return Err("TOLLGATE_VIEWER_TOKEN (--viewer-token) is blank".into());
+    }
+    if viewer.chars().count() < MIN_TOKEN_LEN {
+        return Err(format!(
+            "TOLLGATE_VIEWER_TOKEN (--viewer-token) must be at least {MIN_TOKEN_LEN} characters"
+        ));
+    }
+    if admin.is_some_and(|a| secrets_equal(viewer, a)) {
+        return Err(
+            "TOLLGATE_VIEWER_TOKEN (--viewer-token) must differ from TOLLGATE_ADMIN_TOKEN".into(),
+        );
+    }
+    if admin.is_none() {
+        return Err(
+            "TOLLGATE_VIEWER_TOKEN (--viewer-token) needs TOLLGATE_ADMIN_TOKEN: without it the dashboard is off".into(),
+        );
+    }
+    Ok(())
 }

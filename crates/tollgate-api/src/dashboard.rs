@@ -2,15 +2,13 @@
 //! JavaScript embedded in the binary: no CDN, no fetch beyond this api), which
 //! polls `GET /admin/overview` every second. `GET /` redirects to it.
 //!
-//! **Access.** Everything but the page shell (which shows only a login form
-//! until the overview answers) needs the admin token: as `Authorization:
-//! Bearer`, or through `POST /dashboard/login`, which checks it (in constant
-//! time; failures go through their own [`AuthFailures`] limiter) and sets a
-//! session cookie: `<expiry>.<HMAC-SHA256(expiry)>`, keyed by a digest of the
-//! admin token (changing the token ends every session), `HttpOnly`,
-//! `SameSite=Strict`, 8 hours. With no admin token configured the dashboard
-//! is disabled like `/admin/*` (403). The cookie opens only the read-only
-//! overview, never a route that changes anything.
+//! **Access** ([`access`]). Everything but the page shell (which shows only a
+//! login form until the overview answers) needs the admin token or the
+//! read-only viewer token: as `Authorization: Bearer`, or through `POST
+//! /dashboard/login`, which opens a server-side session (ended by logout on
+//! every pod). With no admin token configured the dashboard is disabled like
+//! `/admin/*` (403). A session opens only the read-only routes, never one
+//! that changes anything.
 //!
 //! **The overview** is computed at most once per [`OVERVIEW_INTERVAL`] per
 //! process, however many people watch: each provider's bucket and waiters
@@ -26,32 +24,26 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::{FromRequestParts, Request, State};
-use axum::http::header::{
-    CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE, COOKIE, LOCATION, SET_COOKIE,
-};
-use axum::http::request::Parts;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::extract::State;
+use axum::http::header::{CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE};
+use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 use tollgate_core::activity::{ActivityLog, ActivityView, SpendView, WAITS_CAP};
-use tollgate_core::clock::{Clock, SystemClock};
 use tollgate_core::id::UserId;
 use tollgate_core::job::QueueStats;
-use tollgate_core::keystore::secrets_equal;
+use tollgate_core::session::SessionStore;
 use tollgate_core::throttle::{ProviderStats, ThrottleError};
 
+pub mod access;
+
 use crate::abuse::AuthFailures;
+use crate::dashboard::access::Operator;
 use crate::problem::ApiError;
 use crate::state::ApiState;
 
-/// The session cookie's name.
-pub const COOKIE_NAME: &str = "tollgate_dashboard";
-/// How long a login lasts.
-pub const SESSION: Duration = Duration::from_secs(8 * 3600);
 /// Overview requests closer together than this share one computation.
 pub const OVERVIEW_INTERVAL: Duration = Duration::from_secs(1);
 /// How far back the charts go.
@@ -63,8 +55,6 @@ const EVENTS_SHOWN: usize = 50;
 /// Top spenders shown, and candidates whose budget is read to rank them.
 const TOP_USERS: usize = 8;
 const TOP_CANDIDATES: usize = 16;
-/// Largest login form body.
-const LOGIN_BODY_LIMIT: usize = 4096;
 
 const PAGE: &str = include_str!("dashboard/index.html");
 const SCRIPT: &str = include_str!("dashboard/app.js");
@@ -75,11 +65,13 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
                    connect-src 'self'; img-src 'self'; form-action 'self'; \
                    frame-ancestors 'none'; base-uri 'none'";
 
-/// The dashboard's state in [`ApiState`]: its login limiter, the activity log
-/// it reads, and the last overview with the charts' history.
+/// The dashboard's state in [`ApiState`]: its sessions, the limiter of wrong
+/// admin and viewer tokens, the activity log it reads, and the last overview
+/// with the charts' history.
 #[derive(Debug)]
 pub struct Dashboard {
     activity: Arc<dyn ActivityLog>,
+    sessions: Arc<dyn SessionStore>,
     failures: AuthFailures,
     sampler: tokio::sync::Mutex<Sampler>,
 }
@@ -100,13 +92,25 @@ struct Sample {
 impl Dashboard {
     pub fn new(
         activity: Arc<dyn ActivityLog>,
+        sessions: Arc<dyn SessionStore>,
         trusted_proxy_header: Option<axum::http::HeaderName>,
     ) -> Self {
         Self {
             activity,
+            sessions,
             failures: AuthFailures::new(trusted_proxy_header),
             sampler: tokio::sync::Mutex::new(Sampler::default()),
         }
+    }
+
+    /// Where the login sessions live.
+    pub fn sessions(&self) -> &dyn SessionStore {
+        self.sessions.as_ref()
+    }
+
+    /// The limiter of wrong admin and viewer tokens (Bearer and login form).
+    pub fn failures(&self) -> &AuthFailures {
+        &self.failures
     }
 }
 
@@ -330,35 +334,6 @@ async fn top_users(state: &ApiState, activity: &ActivityView) -> Vec<TopUser> {
     top
 }
 
-/// Proof of the admin token for the dashboard's read-only routes: the Bearer
-/// header, or a valid session cookie.
-#[derive(Debug, Clone, Copy)]
-pub struct Operator;
-
-impl FromRequestParts<ApiState> for Operator {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, ApiError> {
-        let Some(token) = state.settings.admin_token.as_deref() else {
-            return Err(ApiError::AdminDisabled);
-        };
-        if parts
-            .headers
-            .contains_key(axum::http::header::AUTHORIZATION)
-        {
-            return crate::auth::Admin::from_request_parts(parts, state)
-                .await
-                .map(|_| Operator);
-        }
-        match cookie(&parts.headers) {
-            Some(value) if session_valid(token, value, SystemClock.now_ms() / 1000) => Ok(Operator),
-            _ => Err(ApiError::Unauthorized(
-                "log in at /dashboard, or send Authorization: Bearer <admin token>",
-            )),
-        }
-    }
-}
-
 /// `GET /admin/overview`
 pub async fn overview(_: Operator, State(state): State<ApiState>) -> Result<Response, ApiError> {
     let overview = compute(&state).await?;
@@ -383,8 +358,9 @@ pub fn pages() -> Router<ApiState> {
             "/dashboard/app.css",
             get(|| async { asset("text/css; charset=utf-8", STYLE) }),
         )
-        .route("/dashboard/login", post(login))
-        .route("/dashboard/logout", post(logout))
+        .route("/dashboard/session", get(access::session_view))
+        .route("/dashboard/login", post(access::login))
+        .route("/dashboard/logout", post(access::logout))
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
@@ -409,153 +385,6 @@ async fn page(State(state): State<ApiState>) -> Result<Response, ApiError> {
     h.insert("x-frame-options", HeaderValue::from_static("DENY"));
     h.insert("referrer-policy", HeaderValue::from_static("no-referrer"));
     Ok(r)
-}
-
-fn see(location: &'static str, cookie: Option<String>) -> Response {
-    let mut r = StatusCode::SEE_OTHER.into_response();
-    r.headers_mut()
-        .insert(LOCATION, HeaderValue::from_static(location));
-    if let Some(c) = cookie.and_then(|c| HeaderValue::from_str(&c).ok()) {
-        r.headers_mut().insert(SET_COOKIE, c);
-    }
-    r
-}
-
-/// `POST /dashboard/login` (form: `token=<admin token>`): sets the session
-/// cookie and goes back to the page; a wrong token goes back with
-/// `?login=failed` (and counts against the address), an address over its
-/// budget of failures with `?login=limited`.
-async fn login(State(state): State<ApiState>, req: Request) -> Result<Response, ApiError> {
-    let Some(expected) = state.settings.admin_token.clone() else {
-        return Err(ApiError::AdminDisabled);
-    };
-    let failures = &state.dashboard.failures;
-    let client = failures.client(&req);
-    if failures.wait(client).is_some() {
-        return Ok(see("/dashboard?login=limited", None));
-    }
-    let body = axum::body::to_bytes(req.into_body(), LOGIN_BODY_LIMIT)
-        .await
-        .map_err(|_| ApiError::PayloadTooLarge)?;
-    let token = form_field(&body, "token").unwrap_or_default();
-    if !token.is_empty() && secrets_equal(&token, &expected) {
-        let now = SystemClock.now_ms() / 1000;
-        return Ok(see(
-            "/dashboard",
-            Some(format!(
-                "{COOKIE_NAME}={}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}",
-                session_value(&expected, now + SESSION.as_secs()),
-                SESSION.as_secs()
-            )),
-        ));
-    }
-    tracing::info!(%client, "dashboard login refused: wrong admin token");
-    Ok(match failures.failed(client) {
-        Some(_) => see("/dashboard?login=limited", None),
-        None => see("/dashboard?login=failed", None),
-    })
-}
-
-/// `POST /dashboard/logout`: clears the cookie (a session cannot be revoked
-/// server-side before its expiry, except by changing the admin token).
-async fn logout() -> Response {
-    see(
-        "/dashboard",
-        Some(format!(
-            "{COOKIE_NAME}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"
-        )),
-    )
-}
-
-/// The value of `name` in an `application/x-www-form-urlencoded` body.
-fn form_field(body: &[u8], name: &str) -> Option<String> {
-    body.split(|b| *b == b'&').find_map(|pair| {
-        let mut kv = pair.splitn(2, |b| *b == b'=');
-        let key = percent_decode(kv.next()?)?;
-        (key == name).then(|| percent_decode(kv.next().unwrap_or(b"")))?
-    })
-}
-
-fn percent_decode(s: &[u8]) -> Option<String> {
-    let mut out = Vec::with_capacity(s.len());
-    let mut i = 0;
-    while let Some(&b) = s.get(i) {
-        match b {
-            b'+' => out.push(b' '),
-            b'%' => {
-                let hex = s.get(i + 1..i + 3)?;
-                let hex = std::str::from_utf8(hex).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 2;
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8(out).ok()
-}
-
-fn cookie(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get_all(COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .find_map(|c| c.trim().strip_prefix(COOKIE_NAME)?.strip_prefix('='))
-}
-
-/// HMAC-SHA256 (RFC 2104) of `msg` under `key` (at most one block long).
-fn hmac_sha256(key: &[u8; 32], msg: &[u8]) -> [u8; 32] {
-    let mut ipad = [0x36u8; 64];
-    let mut opad = [0x5cu8; 64];
-    for (i, k) in key.iter().enumerate() {
-        ipad[i] ^= k;
-        opad[i] ^= k;
-    }
-    let inner = Sha256::new()
-        .chain_update(ipad)
-        .chain_update(msg)
-        .finalize();
-    Sha256::new()
-        .chain_update(opad)
-        .chain_update(inner)
-        .finalize()
-        .into()
-}
-
-/// The cookie's signing key: a digest of the admin token, never the token.
-fn session_key(admin_token: &str) -> [u8; 32] {
-    Sha256::new()
-        .chain_update(b"tollgate dashboard session v1\n")
-        .chain_update(admin_token.as_bytes())
-        .finalize()
-        .into()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// `<expiry secs>.<hex HMAC of "session <expiry>">`
-fn session_value(admin_token: &str, expires: u64) -> String {
-    let mac = hmac_sha256(
-        &session_key(admin_token),
-        format!("session {expires}").as_bytes(),
-    );
-    format!("{expires}.{}", hex(&mac))
-}
-
-/// A cookie value this admin token signed, not expired at `now` (seconds).
-fn session_valid(admin_token: &str, value: &str, now: u64) -> bool {
-    let Some((expires, _)) = value.split_once('.') else {
-        return false;
-    };
-    let Ok(expires) = expires.parse::<u64>() else {
-        return false;
-    };
-    // Constant time over the whole value: the expiry is signed too.
-    let expected = session_value(admin_token, expires);
-    secrets_equal(value, &expected) && expires > now && expires <= now + SESSION.as_secs() + 60
 }
 
 /// The overview's schema in the OpenAPI document.
@@ -614,43 +443,6 @@ pub fn schema() -> serde_json::Value {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-
-    #[test]
-    fn hmac_matches_rfc_4231_case_2_shape() {
-        // RFC 4231 test case 2 uses a 4-byte key ("Jefe"); keys shorter than a
-        // block are zero-padded, which a 32-byte key padded with zeros equals.
-        let mut key = [0u8; 32];
-        key[..4].copy_from_slice(b"Jefe");
-        let mac = hmac_sha256(&key, b"what do ya want for nothing?");
-        assert_eq!(
-            hex(&mac),
-            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
-        );
-    }
-
-    #[test]
-    fn sessions_expire_and_are_bound_to_the_token() {
-        let v = session_value("secret", 1_000);
-        assert!(session_valid("secret", &v, 999));
-        assert!(!session_valid("secret", &v, 1_000));
-        assert!(!session_valid("other", &v, 999));
-        let forged = format!("2000{}", &v[4..]);
-        assert!(!session_valid("secret", &forged, 999));
-        assert!(!session_valid("secret", "garbage", 0));
-        // Not past the longest session from now.
-        let far = session_value("secret", 1_000_000);
-        assert!(!session_valid("secret", &far, 0));
-    }
-
-    #[test]
-    fn form_fields_are_decoded() {
-        assert_eq!(
-            form_field(b"a=1&token=s%20e+c%2Fr", "token").as_deref(),
-            Some("s e c/r")
-        );
-        assert_eq!(form_field(b"token=%zz", "token"), None);
-        assert_eq!(form_field(b"other=1", "token"), None);
-    }
 
     #[test]
     fn p95_is_the_nearest_rank() {

@@ -207,10 +207,10 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
                 "/admin/overview",
                 "The operations overview the dashboard polls (providers, queues, roles, top users, newest spend events)",
             )
-            .admin()
+            .viewer()
             .ok(
                 200,
-                "The overview (the admin token, or the dashboard's session cookie).",
+                "The overview (the admin or viewer token, or a dashboard session cookie).",
                 Some(schema("Overview")),
             ),
             get(dashboard::overview),

@@ -22,6 +22,8 @@ pub enum Access {
     Public,
     User,
     Admin,
+    /// The admin token or the read-only viewer token (or a dashboard session).
+    Viewer,
 }
 
 /// One route's entry in the document.
@@ -80,6 +82,20 @@ impl Doc {
         self.access = Access::Admin;
         self.errors.extend([
             ProblemType::Unauthorized,
+            ProblemType::TooManyFailedAuthentications,
+            ProblemType::AdminDisabled,
+            ProblemType::ReadOnlyCredential,
+            ProblemType::BackendUnavailable,
+        ]);
+        self
+    }
+
+    /// A read-only operator route: the admin or the viewer token.
+    pub fn viewer(mut self) -> Self {
+        self.access = Access::Viewer;
+        self.errors.extend([
+            ProblemType::Unauthorized,
+            ProblemType::TooManyFailedAuthentications,
             ProblemType::AdminDisabled,
             ProblemType::BackendUnavailable,
         ]);
@@ -180,6 +196,12 @@ impl Doc {
             }
             Access::Admin => {
                 op.insert("security".into(), json!([{"adminToken": []}]));
+            }
+            Access::Viewer => {
+                op.insert(
+                    "security".into(),
+                    json!([{"adminToken": []}, {"viewerToken": []}]),
+                );
             }
         }
         if let Some(schema) = &self.body {
@@ -347,6 +369,7 @@ pub fn document(docs: &[Doc], config: &Config) -> Value {
             "securitySchemes": {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "A user's API key (`tg_...`)."},
                 "adminToken": {"type": "http", "scheme": "bearer", "description": "The admin token (TOLLGATE_ADMIN_TOKEN)."},
+                "viewerToken": {"type": "http", "scheme": "bearer", "description": "The read-only viewer token (TOLLGATE_VIEWER_TOKEN): the dashboard's read-only routes only."},
             },
             "schemas": schemas(config),
         },

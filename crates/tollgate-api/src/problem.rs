@@ -85,10 +85,12 @@ pub enum ProblemType {
     JobCancelled,
     ChargeOwnedByJob,
     Overloaded,
+    ReadOnlyCredential,
+    CrossSiteRequest,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 27] = [
+    pub const ALL: [ProblemType; 29] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -116,6 +118,8 @@ impl ProblemType {
         Self::JobCancelled,
         Self::ChargeOwnedByJob,
         Self::Overloaded,
+        Self::ReadOnlyCredential,
+        Self::CrossSiteRequest,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -147,6 +151,8 @@ impl ProblemType {
             Self::JobCancelled => "job-cancelled",
             Self::ChargeOwnedByJob => "charge-owned-by-job",
             Self::Overloaded => "overloaded",
+            Self::ReadOnlyCredential => "read-only-credential",
+            Self::CrossSiteRequest => "cross-site-request",
         }
     }
 
@@ -158,7 +164,9 @@ impl ProblemType {
     pub fn status(self) -> StatusCode {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::AdminDisabled => StatusCode::FORBIDDEN,
+            Self::AdminDisabled | Self::ReadOnlyCredential | Self::CrossSiteRequest => {
+                StatusCode::FORBIDDEN
+            }
             Self::NotFound | Self::UnknownOperation => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::MalformedRequest => StatusCode::BAD_REQUEST,
@@ -233,6 +241,12 @@ impl ProblemType {
             }
             Self::Overloaded => {
                 "The api holds its most connections, or the request outlasted its time: retry after Retry-After"
+            }
+            Self::ReadOnlyCredential => {
+                "This credential only reads (the viewer token, or a dashboard session): nothing changed"
+            }
+            Self::CrossSiteRequest => {
+                "A cross-site request, or a form without its session's CSRF token: nothing changed"
             }
         }
     }
@@ -309,6 +323,12 @@ pub enum ApiError {
     /// An operator's refund of a charge its running job owns: nothing changed.
     #[error("{0}")]
     ChargeOwnedByJob(String),
+    /// The viewer token or a dashboard session on a route that changes things.
+    #[error("{0}")]
+    ReadOnly(&'static str),
+    /// A dashboard form sent cross-site, or without its session's CSRF token.
+    #[error("{0}")]
+    CrossSite(&'static str),
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -362,6 +382,8 @@ impl ApiError {
                 FailureCause::Cancelled => ProblemType::JobCancelled,
             },
             Self::ChargeOwnedByJob(_) => ProblemType::ChargeOwnedByJob,
+            Self::ReadOnly(_) => ProblemType::ReadOnlyCredential,
+            Self::CrossSite(_) => ProblemType::CrossSiteRequest,
             Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
             Self::NotReady(_) => ProblemType::NotReady,
             Self::Store(_) | Self::Internal(_) => ProblemType::Internal,

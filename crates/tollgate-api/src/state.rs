@@ -24,8 +24,11 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// Knobs of the api role.
 #[derive(Clone)]
 pub struct Settings {
-    /// Guards `/admin/*`; `None` disables those routes (403).
+    /// Guards `/admin/*`; `None` disables those routes and the dashboard (403).
     pub admin_token: Option<String>,
+    /// Opens the dashboard and its read-only routes, nothing else; `None`:
+    /// only the admin token does. See [`crate::auth::check_viewer_token`].
+    pub viewer_token: Option<String>,
     /// Largest accepted request body (larger: 413).
     pub body_limit: usize,
     /// How long a synchronous call waits for its job before answering 202.
@@ -45,6 +48,7 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             admin_token: None,
+            viewer_token: None,
             body_limit: DEFAULT_BODY_LIMIT,
             sync_timeout: DEFAULT_SYNC_TIMEOUT,
             trusted_proxy_header: None,
@@ -58,6 +62,7 @@ impl fmt::Debug for Settings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Settings")
             .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
+            .field("viewer_token", &self.viewer_token.as_ref().map(|_| "***"))
             .field("body_limit", &self.body_limit)
             .field("sync_timeout", &self.sync_timeout)
             .field("trusted_proxy_header", &self.trusted_proxy_header)
@@ -82,8 +87,9 @@ pub struct ApiState {
     /// Metered requests still running (a submission, a plain charge and its
     /// refund); [`run`](crate::run) waits for them on shutdown.
     pub in_flight: InFlight,
-    /// The operations dashboard: its login limiter, the activity log it reads,
-    /// its last overview and chart history.
+    /// The operations dashboard: its sessions, the limiter of wrong admin
+    /// and viewer tokens, the activity log it reads, its last overview and
+    /// chart history.
     pub dashboard: Arc<Dashboard>,
     /// What the store promises an accepted call (`/readyz`).
     pub durability: Arc<dyn DurabilityCheck>,
@@ -102,6 +108,7 @@ impl ApiState {
             durability: Arc::clone(&backends.durability),
             dashboard: Arc::new(Dashboard::new(
                 Arc::clone(&backends.activity),
+                Arc::clone(&backends.sessions),
                 settings.trusted_proxy_header.clone(),
             )),
             settings,

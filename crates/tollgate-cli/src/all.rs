@@ -20,7 +20,7 @@ use tollgate_throttler::ThrottlerConfig;
 use tollgate_worker::WorkerConfig;
 
 use crate::process::{exit, fail, listen, shutdown_signal};
-use crate::store::{StoreArgs, Wait};
+use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
 pub struct AllArgs {
@@ -47,6 +47,13 @@ pub struct AllArgs {
     /// Token that guards /admin/* (default: a random one, printed at start).
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+
+    /// A read-only token: it opens the dashboard and its read-only data
+    /// (`/admin/overview`), nothing else (the admin routes answer it 403). At
+    /// least 16 characters, and not the admin token. Unset: only the admin
+    /// token opens the dashboard.
+    #[arg(long, env = "TOLLGATE_VIEWER_TOKEN", hide_env_values = true)]
+    viewer_token: Option<String>,
 
     /// The development user created at start; its API key is printed.
     #[arg(long, env = "TOLLGATE_DEV_USER", default_value = "dev")]
@@ -89,8 +96,14 @@ pub async fn run(args: AllArgs) -> ExitCode {
             RequestId::generate().as_str().replace('-', "")
         ),
     };
+    if let Some(viewer) = &args.viewer_token {
+        if let Err(e) = tollgate_api::auth::check_viewer_token(viewer, Some(&admin_token)) {
+            return Failure::bad_input(e).exit();
+        }
+    }
     let settings = Settings {
         admin_token: Some(admin_token.clone()),
+        viewer_token: args.viewer_token.clone(),
         trusted_proxy_header: args.trusted_proxy_header.clone(),
         legacy_keys: args.requests.legacy_keys(),
         request_timeout,
@@ -240,7 +253,7 @@ fn print_banner(
     println!("  providers: {upstreams}");
     println!("  development user {user:?} on plan {plan} ({limit})");
     println!("  admin token: {admin}");
-    println!("  dashboard: {base}/dashboard (log in with the admin token)");
+    println!("  dashboard: {base}/dashboard (log in with the admin or viewer token)");
     println!();
     println!("Try:");
     println!(

@@ -12,7 +12,7 @@ use tollgate_api::health::Starting;
 use tollgate_api::state::{ApiState, Settings};
 
 use crate::process::{exit, fail, listen, shutdown_signal};
-use crate::store::{StoreArgs, Wait};
+use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
 pub struct ApiArgs {
@@ -32,6 +32,13 @@ pub struct ApiArgs {
     /// Token that guards /admin/* (unset: the admin routes answer 403).
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+
+    /// A read-only token: it opens the dashboard and its read-only data
+    /// (`/admin/overview`), nothing else (the admin routes answer it 403). At
+    /// least 16 characters, and not the admin token. Unset: only the admin
+    /// token opens the dashboard.
+    #[arg(long, env = "TOLLGATE_VIEWER_TOKEN", hide_env_values = true)]
+    viewer_token: Option<String>,
 
     /// Largest accepted request body, in bytes (larger: 413).
     #[arg(long, env = "TOLLGATE_BODY_LIMIT", default_value_t = tollgate_api::state::DEFAULT_BODY_LIMIT)]
@@ -57,6 +64,12 @@ pub struct ApiArgs {
 }
 
 pub async fn run(args: ApiArgs) -> ExitCode {
+    if let Some(viewer) = &args.viewer_token {
+        if let Err(e) = tollgate_api::auth::check_viewer_token(viewer, args.admin_token.as_deref())
+        {
+            return Failure::bad_input(e).exit();
+        }
+    }
     let config = match args.store.load_config() {
         Ok(c) => Arc::new(c),
         Err(f) => return f.exit(),
@@ -104,6 +117,7 @@ pub async fn run(args: ApiArgs) -> ExitCode {
     };
     let settings = Settings {
         admin_token: args.admin_token,
+        viewer_token: args.viewer_token,
         body_limit: args.body_limit,
         sync_timeout: Duration::from_millis(args.sync_timeout_ms),
         trusted_proxy_header: args.trusted_proxy_header,

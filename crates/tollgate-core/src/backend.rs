@@ -14,6 +14,7 @@ use crate::keystore::{KeyStore, MemoryKeyStore};
 use crate::ledger::Ledger;
 use crate::memory::MemoryLedger;
 use crate::metrics::{MeteredLedger, Metrics};
+use crate::session::{MemorySessions, SessionStore};
 use crate::throttle::{Dispatchers, MemoryThrottle, Throttle};
 
 /// The stores of one process, each behind its trait.
@@ -43,6 +44,8 @@ pub struct Backends {
     pub activity: Arc<dyn ActivityLog>,
     /// What the store's persistence promises now (`/readyz`, the startup log).
     pub durability: Arc<dyn DurabilityCheck>,
+    /// The dashboard's login sessions.
+    pub sessions: Arc<dyn SessionStore>,
 }
 
 impl Backends {
@@ -74,6 +77,7 @@ impl Backends {
             metrics,
             activity,
             durability: Arc::new(MemoryDurability),
+            sessions: Arc::new(MemorySessions::new()),
         }
     }
 }

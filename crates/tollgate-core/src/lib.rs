@@ -24,6 +24,7 @@ pub mod ledger;
 pub mod memory;
 pub mod metrics;
 pub mod refund;
+pub mod session;
 pub mod throttle;
 pub mod trace;
 

@@ -3,7 +3,8 @@
 //! Layout: `<prefix>:v1:{u:<user>}:<part>` for budgets, `<prefix>:v1:{p:<provider>}:<part>`
 //! for throttles, `<prefix>:v1:{q:<operation>}:<part>` for job queues,
 //! `<prefix>:v1:apikey:<sha256>` for API keys, `<prefix>:v1:{activity}:<part>` for
-//! the dashboard's activity log. The prefix lets several deployments
+//! the dashboard's activity log, `<prefix>:v1:session:<sha256>` for its
+//! sessions. The prefix lets several deployments
 //! (and parallel tests) share one Redis; `v1` is the schema version, bumped when a
 //! layout changes so old and new pods never misread each other; the hash tag puts
 //! all keys of one user in one Redis Cluster slot, as multi-key scripts require.
@@ -189,6 +190,13 @@ impl KeySpace {
     /// [`tollgate_core::keystore::is_key_id`].
     pub fn api_key_id(&self, key_id: &str) -> String {
         format!("{}:{SCHEMA}:apikey-id:{key_id}", self.prefix)
+    }
+
+    /// Hash: one dashboard session (`role`, `csrf`, `credential`,
+    /// `expires_ms`), named by the SHA-256 of its id, expiring with it:
+    /// `<prefix>:v1:session:<sha256 hex>`.
+    pub fn session(&self, hash: &tollgate_core::session::SessionHash) -> String {
+        format!("{}:{SCHEMA}:session:{}", self.prefix, hash.as_str())
     }
 }
 

@@ -10,6 +10,7 @@
 //! - [`jobs`] is the job queue, both sides ([`tollgate_core::job::JobQueue`] and
 //!   [`tollgate_core::job::JobSource`]) on reliable lists;
 //! - [`activity`] is the dashboard's [`tollgate_core::activity::ActivityLog`];
+//! - [`sessions`] holds the dashboard's login sessions;
 //! - [`durability`] reads what Redis promises an accepted call (fsync, replicas).
 //!
 //! **Invariant:** spend events, running totals and token buckets are written only
@@ -26,6 +27,7 @@ pub mod keystore;
 pub mod ledger;
 pub mod pool;
 pub mod scripts;
+pub mod sessions;
 mod subscription;
 pub mod throttle;
 
@@ -86,6 +88,7 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
             Arc::clone(&activity),
         )),
         keys: Arc::new(RedisKeyStore::new(pool.clone(), keys.clone())),
+        sessions: Arc::new(sessions::RedisSessions::new(pool.clone(), keys.clone())),
         dispatchers: Some(Arc::new(RedisDispatchers { pool, keys })),
         config,
         ledger,

@@ -671,6 +671,8 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_status.lua", &JOB_STATUS),
         ("activity_record.lua", &ACTIVITY_RECORD),
         ("activity_read.lua", &ACTIVITY_READ),
+        ("session_open.lua", &SESSION_OPEN),
+        ("session_touch.lua", &SESSION_TOUCH),
     ]
 }
 
@@ -908,6 +910,35 @@ pub fn activity_read<'a>(
     let mut inv = ACTIVITY_READ.prepare_invoke();
     activity_keys(&mut inv, keys, providers);
     inv.arg(limit);
+    inv
+}
+
+pub static SESSION_OPEN: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/session_open.lua")));
+pub static SESSION_TOUCH: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/session_touch.lua")));
+
+/// `session_open.lua`
+pub fn session_open<'a>(
+    key: &str,
+    session: &tollgate_core::session::NewSession,
+    lifetime_ms: u64,
+    idle_ms: u64,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = SESSION_OPEN.prepare_invoke();
+    inv.key(key)
+        .arg(session.role.as_str())
+        .arg(&session.csrf)
+        .arg(&session.credential)
+        .arg(lifetime_ms)
+        .arg(idle_ms);
+    inv
+}
+
+/// `session_touch.lua`
+pub fn session_touch<'a>(key: &str, idle_ms: u64) -> redis::ScriptInvocation<'a> {
+    let mut inv = SESSION_TOUCH.prepare_invoke();
+    inv.key(key).arg(idle_ms);
     inv
 }
 

@@ -39,7 +39,7 @@ function show(id) {
 function loginMessage() {
   const q = new URLSearchParams(location.search).get('login');
   const msg = $('login-error');
-  if (q === 'failed') msg.textContent = 'Wrong admin token.';
+  if (q === 'failed') msg.textContent = 'Wrong token.';
   else if (q === 'limited') msg.textContent = 'Too many failed logins from this address: wait a moment.';
   msg.hidden = !msg.textContent;
 }
@@ -191,6 +191,21 @@ function render(o) {
   document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1);
 }
 
+// The session's CSRF token goes into the logout form (a cross-site page
+// cannot read it). A Bearer-less page without a session gets 401 here.
+async function loadSession() {
+  try {
+    const r = await fetch('/dashboard/session', { credentials: 'same-origin', cache: 'no-store' });
+    if (!r.ok) return;
+    const s = await r.json();
+    $('csrf').value = s.csrf || '';
+    $('role').textContent = s.role === 'viewer' ? 'viewer (read-only)' : s.role;
+    document.body.dataset.role = s.role;
+  } catch (err) {
+    window.tollgateErrors.push('session: ' + err.message);
+  }
+}
+
 async function poll() {
   try {
     const r = await fetch('/admin/overview', { credentials: 'same-origin', cache: 'no-store' });
@@ -205,6 +220,7 @@ async function poll() {
     }
     if (!r.ok) throw new Error('overview answered ' + r.status);
     render(await r.json());
+    if (!$('csrf').value) await loadSession();
     show('app');
   } catch (err) {
     $('status').textContent = 'no answer from the api (' + err.message + '); retrying';
