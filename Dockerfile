@@ -11,7 +11,7 @@ RUN cargo build --release --locked -p tollgate-cli \
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /out/tollgate /usr/local/bin/tollgate
-COPY deploy/tollgate.toml /etc/tollgate/tollgate.toml
-ENV TOLLGATE_CONFIG=/etc/tollgate/tollgate.toml
+# No config inside: mount one and name it with TOLLGATE_CONFIG (docker-compose
+# mounts deploy/tollgate.toml); without one the built-in config applies.
 USER nonroot
 ENTRYPOINT ["/usr/local/bin/tollgate"]

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The docker-compose demo, run for real: builds the images (FROM scratch, from
-# this machine's binaries: no registry needed), starts docker-compose.yml with
-# every role (and its monitoring profile: Prometheus on
-# deploy/prometheus/prometheus.yml, which must scrape every pod and load the
-# alert rules), drives load through both api pods, kills a worker mid-load,
-# checks the outcome, and tears everything down. Exit 0 = passed. With
-# COMPOSE_CLUSTER=1, all of it on a 3-primary Redis Cluster.
+# The docker-compose demo, run for real, as the docs tell a user to run it:
+# the commands of the block marked for this test in docs/src/compose.md, in
+# order, on the no-registry path (images FROM scratch of this machine's
+# binaries, named by .env: no image name is exported here, so each command
+# must work on its own). After its `docker-compose up -d` the test checks the
+# monitoring profile (Prometheus on deploy/prometheus/prometheus.yml must
+# scrape every pod and load the alert rules), drives load through both api
+# pods, kills a worker mid-load and checks the outcome; the later commands'
+# output is checked too, and the last tears everything down. Exit 0 = passed.
+# With COMPOSE_CLUSTER=1, all of it on a 3-primary Redis Cluster.
 #
 # Without a Docker engine it says so and exits 0, unless CI=true: then a missing
 # engine is a failure, never a skip.
@@ -36,7 +39,10 @@ free_port() {
 
 project="tgcompose$$"
 export COMPOSE_PROJECT_NAME=$project
-export TOLLGATE_IMAGE="tollgate:$project" REDIS_IMAGE="tollgate-redis:$project"
+# The image names are .env's (tollgate:local, ...), as for a user.
+unset TOLLGATE_IMAGE REDIS_IMAGE PROMETHEUS_IMAGE
+image_of() { sed -n "s/^$1=//p" .env; }
+TOLLGATE_IMAGE=$(image_of TOLLGATE_IMAGE) REDIS_IMAGE=$(image_of REDIS_IMAGE)
 export API1_PORT=$(free_port) API2_PORT=$(free_port) MOCK_PORT=$(free_port)
 export TOLLGATE_ADMIN_TOKEN="admin-$project"
 
@@ -44,7 +50,8 @@ export TOLLGATE_ADMIN_TOKEN="admin-$project"
 # it); without it the monitoring check is said and skipped, unless CI=true.
 PROMETHEUS_IMAGE=""
 if command -v prometheus >/dev/null 2>&1; then
-    export PROMETHEUS_IMAGE="tollgate-prometheus:$project" PROMETHEUS_PORT=$(free_port)
+    PROMETHEUS_IMAGE=$(image_of PROMETHEUS_IMAGE)
+    export PROMETHEUS_PORT=$(free_port)
     export COMPOSE_PROFILES=monitoring
 elif [ "${CI:-}" = "true" ]; then
     echo "compose test: FAILED: prometheus (Debian package prometheus) is not installed and CI=true" >&2
@@ -73,14 +80,13 @@ trap cleanup EXIT
 bin=${CARGO_TARGET_DIR:-target}/debug/tollgate
 bench=${CARGO_TARGET_DIR:-target}/debug/tollgate-bench
 [ -x "$bin" ] && [ -x "$bench" ] || cargo build --workspace --bins
-TOLLGATE_BIN=$bin scripts/build-images "$TOLLGATE_IMAGE" "$REDIS_IMAGE" $PROMETHEUS_IMAGE >/dev/null
-echo "compose test: images built; starting $project"
-compose up -d --no-build
 
-if [ -n "$PROMETHEUS_IMAGE" ]; then
-    # Every api, worker and throttler scraped and up (2 + 3 + 2 targets), the
-    # alert rules loaded, and the throttlers seen through the shared state.
-    python3 - "http://127.0.0.1:$PROMETHEUS_PORT" <<'PY'
+# What the test checks once the stack is up: Prometheus, then the scenario.
+after_up() {
+    if [ -n "$PROMETHEUS_IMAGE" ]; then
+        # Every api, worker and throttler scraped and up (2 + 3 + 2 targets), the
+        # alert rules loaded, and the throttlers seen through the shared state.
+        python3 - "http://127.0.0.1:$PROMETHEUS_PORT" <<'PY'
 import json, sys, time, urllib.parse, urllib.request
 
 base = sys.argv[1]
@@ -112,17 +118,54 @@ if len(rules) < 6 or bad:
     sys.exit(f"compose test: FAILED: alert rules: {len(rules)} loaded, unhealthy: {bad}")
 print(f"compose test: Prometheus scrapes all 7 pods; {len(rules)} alert rules loaded")
 PY
-fi
+    fi
 
-"$bench" compose-scenario \
-    --api "http://127.0.0.1:$API1_PORT" --api "http://127.0.0.1:$API2_PORT" \
-    --mock "http://127.0.0.1:$MOCK_PORT" --admin-token "$TOLLGATE_ADMIN_TOKEN" \
-    --kill-worker "docker kill $(compose ps -q worker | head -n 1)"
+    "$bench" compose-scenario \
+        --api "http://127.0.0.1:$API1_PORT" --api "http://127.0.0.1:$API2_PORT" \
+        --mock "http://127.0.0.1:$MOCK_PORT" --admin-token "$TOLLGATE_ADMIN_TOKEN" \
+        --kill-worker "docker kill $(compose ps -q worker | head -n 1)"
+}
 
-compose down -v --remove-orphans --timeout 20 >/dev/null 2>&1
-left=$(docker ps -aq --filter "label=com.docker.compose.project=$project")
-if [ -n "$left" ]; then
-    echo "compose test: FAILED: 'docker-compose down' left containers running: $left" >&2
-    exit 1
-fi
+# The documented commands: the fenced block after the marker in compose.md.
+mapfile -t steps < <(awk '/<!-- tests\/compose\/run.sh runs the commands of the next block/ {on=1; next}
+    on && /^```sh$/ {inside=1; next} inside && /^```$/ {exit} inside {print}' docs/src/compose.md)
+printf '%s\n' "${steps[@]}" | grep -qx 'docker-compose up -d *' || {
+    echo "compose test: FAILED: no 'docker-compose up -d' in the marked block of docs/src/compose.md" >&2; exit 1; }
+for step in "${steps[@]}"; do
+    cmd=$(sed -E 's/ {2,}#.*$//' <<<"$step")
+    echo "compose test: \$ $cmd"
+    case "$cmd" in
+        "cargo build --release -p tollgate-cli")
+            # scripts/test built the debug binaries; they are what gets packaged.
+            echo "compose test: packaging $bin instead of a release build" ;;
+        "scripts/build-images")
+            TOLLGATE_BIN=$bin scripts/build-images ${PROMETHEUS_IMAGE:+"$TOLLGATE_IMAGE" "$REDIS_IMAGE" "$PROMETHEUS_IMAGE"} >/dev/null ;;
+        "docker-compose up -d")
+            compose up -d
+            after_up ;;
+        "docker-compose up -d --scale worker="*)
+            compose up -d --scale "worker=${cmd##*=}"
+            n=$(compose ps -q worker | wc -l)
+            [ "$n" = "${cmd##*=}" ] || { echo "compose test: FAILED: $n workers after '$cmd'" >&2; exit 1; } ;;
+        "docker-compose exec -T redis redis-cli --scan --pattern "*)
+            keys=$(compose exec -T redis redis-cli --scan --pattern 'tollgate:v1:{u:*' | wc -l)
+            [ "$keys" -gt 0 ] || { echo "compose test: FAILED: no budget keys in Redis" >&2; exit 1; } ;;
+        "curl -s http://127.0.0.1:9100/stats")
+            stats=$(curl -sf "http://127.0.0.1:$MOCK_PORT/stats")
+            python3 -c 'import json,sys; s=json.loads(sys.argv[1]); sys.exit(0 if s["requests"] > 0 and s["rate_limited"] == 0 else "compose test: FAILED: the upstream says " + sys.argv[1])' "$stats" ;;
+        "docker-compose logs -f "*)
+            # -f follows forever: the same logs, without following.
+            compose logs --tail 5 ${cmd#docker-compose logs -f } >/dev/null ;;
+        "docker-compose down -v")
+            compose down -v --remove-orphans --timeout 20 >/dev/null 2>&1
+            left=$(docker ps -aq --filter "label=com.docker.compose.project=$project")
+            if [ -n "$left" ]; then
+                echo "compose test: FAILED: 'docker-compose down' left containers running: $left" >&2
+                exit 1
+            fi ;;
+        *)
+            echo "compose test: FAILED: docs/src/compose.md has a command this test does not know: $cmd" >&2
+            exit 1 ;;
+    esac
+done
 echo "compose test: passed"

@@ -219,7 +219,7 @@ async fn cluster_a_primary_killed_under_load_loses_nothing_it_promised() {
                 .unwrap();
             let hot_key = format!("{prefix}:v1:{{u:{hot}}}:events");
             let promoted = Instant::now() + Duration::from_secs(30);
-            while primary_of(live, &hot_key).map_or(true, |p| p == victim) {
+            while primary_of(live, &hot_key).is_none_or(|p| p == victim) {
                 assert!(
                     Instant::now() < promoted,
                     "no replica promoted in 30 s: {}",

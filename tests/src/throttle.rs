@@ -30,7 +30,7 @@ pub fn late_grants(rendered: &str, provider: Option<&str>) -> f64 {
         .filter_map(|l| l.strip_prefix("tollgate_throttle_late_grants_total{"))
         .filter_map(|l| {
             let (labels, value) = l.rsplit_once("} ")?;
-            let wanted = provider.map_or(true, |p| labels == format!("provider=\"{p}\""));
+            let wanted = provider.is_none_or(|p| labels == format!("provider=\"{p}\""));
             wanted.then(|| value.parse::<f64>().ok()).flatten()
         })
         .sum()

@@ -198,7 +198,7 @@ impl Sampler {
             .map(|s| {
                 let grants = activity.grants.get(&s.provider).copied().unwrap_or(0);
                 let history = self.history.entry(s.provider.clone()).or_default();
-                if history.back().map_or(true, |last| last.at_ms < now) {
+                if history.back().is_none_or(|last| last.at_ms < now) {
                     history.push_back(Sample {
                         at_ms: now,
                         grants,

@@ -89,7 +89,7 @@ impl KeyStore for KeyCache {
     async fn revoke(&self, key_id: &str) -> Result<Option<KeyRecord>, KeyStoreError> {
         let revoked = self.inner.revoke(key_id).await?;
         self.entries()
-            .retain(|_, (record, _)| !record.as_ref().is_some_and(|r| r.key_id == key_id));
+            .retain(|_, (record, _)| record.as_ref().is_none_or(|r| r.key_id != key_id));
         Ok(revoked)
     }
 

@@ -51,7 +51,7 @@ pub fn format(d: Duration) -> String {
         ("m", 60_000),
         ("s", 1_000),
     ] {
-        if ms > 0 && ms % per == 0 {
+        if ms > 0 && ms.is_multiple_of(per) {
             return format!("{}{unit}", ms / per);
         }
     }

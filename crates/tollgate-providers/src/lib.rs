@@ -517,7 +517,7 @@ impl<C: Transport> Client for ThrottledClient<C> {
             let again = class.retry(retry_unanswered)
                 && attempt <= self.retry.retries
                 // A retry that could only start after the deadline is none.
-                && !deadline.is_some_and(|d| Instant::now() + wait >= d);
+                && deadline.is_none_or(|d| Instant::now() + wait < d);
             if !again {
                 let error = ProviderError::of_attempt(name, attempt, err);
                 return Err(fail(&tally, error, FailureCause::Provider));

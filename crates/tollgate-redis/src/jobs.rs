@@ -659,9 +659,9 @@ impl JobQueue for RedisJobQueue {
         for map in &records {
             if let Some(info) = decode(id, map)?.filter(|i| &i.job.user == user) {
                 // One id in two queues: the newest attempt is the one that counts.
-                if !found
+                if found
                     .as_ref()
-                    .is_some_and(|f| f.job.enqueued_at_ms >= info.job.enqueued_at_ms)
+                    .is_none_or(|f| f.job.enqueued_at_ms < info.job.enqueued_at_ms)
                 {
                     found = Some(info);
                 }

@@ -460,7 +460,7 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
         ),
     };
     let head = head + 1;
-    if (reply.len() - head) % 5 != 0 {
+    if !(reply.len() - head).is_multiple_of(5) {
         return Err(bad_reply("usage", format!("{} elements", reply.len())));
     }
     let events = reply[head..]
