@@ -762,7 +762,7 @@ pub fn http_url_with_host(url: &str) -> bool {
             None => (host_port, None),
         }
     };
-    let port_ok = port.map_or(true, |p| p.parse::<u16>().is_ok_and(|n| n > 0));
+    let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0));
     !host.is_empty() && port_ok
 }
 fn parse_upstream(
