@@ -30,6 +30,7 @@ hold_grace = "200ms"
 [plans.free]
 limit = 100
 window = "1h"
+max_stored_bytes = 20000
 [providers.p]
 rate = 1000
 burst = 100
@@ -407,6 +408,77 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
     assert_eq!(s.used("erin").await, 0);
 }
 
+/// A finished job keeps no input, and a user's stored bytes (inputs and
+/// results still kept) are bounded at submit by the plan's
+/// `max_stored_bytes`: the refused submission is released (nothing charged,
+/// no job), and the bytes come back once the jobs finish.
+async fn job_finished_records_drop_inputs_and_stored_bytes_are_bounded(s: &Setup) {
+    let big = |id: &str| JobRequest {
+        input: json!({ "prompt": id, "pad": "x".repeat(5000) }),
+        ..request(id, "gina", "other")
+    };
+    for id in ["sb1", "sb2", "sb3"] {
+        match s.queue.submit(big(id)).await.unwrap() {
+            SubmitOutcome::Queued { .. } => {}
+            other => panic!("{id} not queued: {other:?}"),
+        }
+    }
+    assert_eq!(s.used("gina").await, 3);
+    // 3 x ~5.3 kB are stored; a 4th does not fit in 20,000 bytes.
+    match s.queue.submit(big("sb4")).await {
+        Err(JobError::StoredBytesExceeded { stored, limit }) => {
+            assert_eq!(limit, 20000);
+            assert!(stored > 15000 && stored <= 20000, "stored {stored}");
+        }
+        other => panic!("not refused: {other:?}"),
+    }
+    assert_eq!(
+        s.used("gina").await,
+        3,
+        "the refused submission is released"
+    );
+    assert!(s
+        .queue
+        .status(&user("gina"), &rid("sb4"))
+        .await
+        .unwrap()
+        .is_none());
+    // The first two end (one succeeds, one fails): their inputs go.
+    let a = take(s, "other", "w1").await;
+    assert_eq!(
+        s.source.complete(&a, json!({ "ok": 1 })).await.unwrap(),
+        Finish::Recorded
+    );
+    let b = take(s, "other", "w1").await;
+    assert_eq!(
+        s.source
+            .fail(
+                &b,
+                FailureCause::Provider,
+                Charge::RELEASE,
+                "refused upstream"
+            )
+            .await
+            .unwrap(),
+        Finish::Recorded
+    );
+    for lease in [&a, &b] {
+        let info = s
+            .queue
+            .status(&user("gina"), &lease.job.id)
+            .await
+            .unwrap()
+            .expect("the finished job");
+        assert!(info.status.is_final());
+        assert_eq!(info.job.input, Value::Null, "a finished job keeps no input");
+    }
+    // Room again: the 4th fits now.
+    match s.queue.submit(big("sb4")).await.unwrap() {
+        SubmitOutcome::Queued { .. } => {}
+        other => panic!("sb4 not queued: {other:?}"),
+    }
+}
+
 async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     submit_ok(s, "l1", "frank").await;
     let old = take(s, "work", "w1").await;
@@ -626,6 +698,7 @@ conformance!(
     job_take_gives_up_what_it_must_and_returns_the_next,
     job_hand_back_requeues_without_counting_the_attempt,
     job_stats_count_queued_and_running_jobs,
+    job_finished_records_drop_inputs_and_stored_bytes_are_bounded,
 );
 
 /// What a worker's BLMOVE does, without the lease that follows it: the oldest

@@ -84,10 +84,11 @@ pub enum ProblemType {
     Internal,
     JobCancelled,
     ChargeOwnedByJob,
+    StoredBytesExceeded,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 26] = [
+    pub const ALL: [ProblemType; 27] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -114,6 +115,7 @@ impl ProblemType {
         Self::Internal,
         Self::JobCancelled,
         Self::ChargeOwnedByJob,
+        Self::StoredBytesExceeded,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -144,6 +146,7 @@ impl ProblemType {
             Self::Internal => "internal",
             Self::JobCancelled => "job-cancelled",
             Self::ChargeOwnedByJob => "charge-owned-by-job",
+            Self::StoredBytesExceeded => "stored-bytes-exceeded",
         }
     }
 
@@ -164,9 +167,9 @@ impl ProblemType {
             }
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::QuotaExceeded | Self::TooManyFailedAuthentications => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            Self::QuotaExceeded
+            | Self::TooManyFailedAuthentications
+            | Self::StoredBytesExceeded => StatusCode::TOO_MANY_REQUESTS,
             Self::IdempotencyConflict | Self::JobCancelled | Self::ChargeOwnedByJob => {
                 StatusCode::CONFLICT
             }
@@ -228,6 +231,9 @@ impl ProblemType {
             Self::ChargeOwnedByJob => {
                 "The job owns this charge and may be calling the provider: refund it once the job is final"
             }
+            Self::StoredBytesExceeded => {
+                "Your jobs' stored inputs and results are at the plan's limit: retry once some finish or their results expire; nothing was charged"
+            }
         }
     }
 }
@@ -261,6 +267,12 @@ pub struct Problem {
     /// A failed job (502/503/504): from its submission to its end, in ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub waited_ms: Option<u64>,
+    /// 429 stored-bytes-exceeded: the bytes the user's jobs store in the
+    /// operation's queue now, and the plan's `max_stored_bytes`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stored_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_stored_bytes: Option<u64>,
 }
 
 /// Everything the api can answer with other than success.
@@ -303,6 +315,9 @@ pub enum ApiError {
     /// An operator's refund of a charge its running job owns: nothing changed.
     #[error("{0}")]
     ChargeOwnedByJob(String),
+    /// The user's stored job bytes and this job's would pass the plan's bound.
+    #[error("your jobs store {stored} bytes in this operation's queue; with this request's they would pass the plan's max_stored_bytes of {limit}")]
+    StoredBytesExceeded { stored: u64, limit: u64 },
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -351,6 +366,7 @@ impl ApiError {
                 FailureCause::Cancelled => ProblemType::JobCancelled,
             },
             Self::ChargeOwnedByJob(_) => ProblemType::ChargeOwnedByJob,
+            Self::StoredBytesExceeded { .. } => ProblemType::StoredBytesExceeded,
             Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
             Self::NotReady(_) => ProblemType::NotReady,
             Self::Store(_) | Self::Internal(_) => ProblemType::Internal,
@@ -375,6 +391,8 @@ impl ApiError {
             charged: None,
             retry_after_ms: None,
             waited_ms: None,
+            stored_bytes: None,
+            max_stored_bytes: None,
         };
         match self {
             Self::Store(e) if e.is_transient() => {
@@ -398,6 +416,11 @@ impl ApiError {
                     denied.used, denied.limit, denied.retry_after_ms
                 ));
                 p.retry_after_ms = Some(denied.retry_after_ms);
+            }
+            Self::StoredBytesExceeded { stored, limit } => {
+                p.detail = Some(self.to_string());
+                p.stored_bytes = Some(*stored);
+                p.max_stored_bytes = Some(*limit);
             }
             Self::IdempotencyKeyReused { job_id } | Self::ResultExpired(job_id) => {
                 p.detail = Some(self.to_string());
@@ -503,6 +526,9 @@ impl From<JobError> for ApiError {
             }
             JobError::KeyReused { id, .. } => Self::IdempotencyKeyReused { job_id: id },
             JobError::ResultExpired(id) => Self::ResultExpired(id),
+            JobError::StoredBytesExceeded { stored, limit } => {
+                Self::StoredBytesExceeded { stored, limit }
+            }
             JobError::Ledger(l) => l.into(),
             JobError::Store(e) => Self::Store(e),
         }

@@ -496,6 +496,7 @@ job_scripts! {
     JOB_DUE => "job_due.lua",
     JOB_REQUEUE => "job_requeue.lua",
     JOB_UNSTICK => "job_unstick.lua",
+    JOB_FORGET => "job_forget.lua",
 }
 
 /// Every script, by the name of its file in `lua/`: what the cluster audit
@@ -528,6 +529,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_due.lua", &JOB_DUE),
         ("job_requeue.lua", &JOB_REQUEUE),
         ("job_unstick.lua", &JOB_UNSTICK),
+        ("job_forget.lua", &JOB_FORGET),
         ("activity_record.lua", &ACTIVITY_RECORD),
         ("activity_read.lua", &ACTIVITY_READ),
     ]
@@ -539,6 +541,7 @@ pub fn job_enqueue<'a>(
     job: &tollgate_core::job::Job,
     input: &str,
     create: bool,
+    stored: Stored,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_ENQUEUE.prepare_invoke();
     inv.key(keys.job(job.id.as_str()))
@@ -560,8 +563,28 @@ pub fn job_enqueue<'a>(
                 .as_ref()
                 .map(|t| t.to_string())
                 .unwrap_or_default(),
-        );
+        )
+        .arg(keys.stored_prefix())
+        .arg(stored.width_ms)
+        .arg(stored.limit);
     inv
+}
+
+/// The stored-bytes accounting's settings for a job script (`lua/lib/job.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stored {
+    /// Width of a time bucket (ms): [`stored_width_ms`] of the result TTL.
+    pub width_ms: u64,
+    /// The user's bound in the queue (bytes; 0: none). Read by `job_enqueue.lua` only.
+    pub limit: u64,
+}
+
+/// The bucket width for a queue whose results stay `result_ttl_ms`: a minute,
+/// or a sixtieth of the TTL when longer, so a user's hash has at most ~60
+/// buckets of results (plus those of unfinished jobs' deadlines). A record
+/// counts at most one bucket longer than it is kept.
+pub fn stored_width_ms(result_ttl_ms: u64) -> u64 {
+    (result_ttl_ms / 60).max(60_000)
 }
 
 /// What `job_lease.lua` is asked.
@@ -595,7 +618,9 @@ pub fn job_lease<'a>(
         .arg(a.max_attempts)
         .arg(a.operation)
         .arg(channel)
-        .arg(a.result_ttl_ms);
+        .arg(a.result_ttl_ms)
+        .arg(keys.stored_prefix())
+        .arg(stored_width_ms(a.result_ttl_ms));
     inv
 }
 
@@ -634,7 +659,26 @@ pub fn job_complete<'a>(
     inv.key(keys.job(id))
         .key(keys.processing(worker))
         .key(&keys.leases);
-    inv.arg(id).arg(token).arg(result).arg(ttl_ms).arg(channel);
+    inv.arg(id)
+        .arg(token)
+        .arg(result)
+        .arg(ttl_ms)
+        .arg(channel)
+        .arg(keys.stored_prefix())
+        .arg(stored_width_ms(ttl_ms));
+    inv
+}
+
+/// `job_forget.lua`: 1 deleted (a final record of `user` owing nothing), 0 left alone.
+pub fn job_forget<'a>(
+    keys: &JobKeys,
+    id: &str,
+    user: &str,
+    nonce: &str,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_FORGET.prepare_invoke();
+    inv.key(keys.job(id));
+    inv.arg(user).arg(keys.stored_prefix()).arg(nonce);
     inv
 }
 
@@ -665,7 +709,9 @@ pub fn job_fail<'a>(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> redis::Sc
         .arg(a.message)
         .arg(channel)
         .arg(if a.release { "1" } else { "0" })
-        .arg(a.ttl_ms);
+        .arg(a.ttl_ms)
+        .arg(keys.stored_prefix())
+        .arg(stored_width_ms(a.ttl_ms));
     inv
 }
 
