@@ -479,6 +479,61 @@ async fn job_finished_records_drop_inputs_and_stored_bytes_are_bounded(s: &Setup
     }
 }
 
+/// A sync call answered in full without an Idempotency-Key leaves no record
+/// (`answered`): nobody can ask for its job again. Only a final record of that
+/// user and that attempt goes; a job still queued stays.
+async fn job_answered_without_a_key_leaves_no_record(s: &Setup) {
+    submit_ok(s, "an1", "hana").await;
+    let lease = take(s, "work", "w1").await;
+    assert_eq!(
+        s.source.complete(&lease, json!({ "ok": 1 })).await.unwrap(),
+        Finish::Recorded
+    );
+    let info = s
+        .queue
+        .status(&user("hana"), &rid("an1"))
+        .await
+        .unwrap()
+        .expect("the finished job");
+    let mut other = info.clone();
+    other.job.user = user("ivan");
+    s.queue.answered(&other).await.unwrap();
+    let mut earlier = info.clone();
+    earlier.job.nonce = "0000000000000000".into();
+    s.queue.answered(&earlier).await.unwrap();
+    assert!(
+        s.queue
+            .status(&user("hana"), &rid("an1"))
+            .await
+            .unwrap()
+            .is_some(),
+        "another user's or another attempt's answer removes nothing"
+    );
+    s.queue.answered(&info).await.unwrap();
+    assert!(s
+        .queue
+        .status(&user("hana"), &rid("an1"))
+        .await
+        .unwrap()
+        .is_none());
+    let queued = submit_ok(s, "an2", "hana").await;
+    let queued = s
+        .queue
+        .status(&user("hana"), &queued.id)
+        .await
+        .unwrap()
+        .expect("queued");
+    s.queue.answered(&queued).await.unwrap();
+    assert_eq!(
+        s.queue
+            .status(&user("hana"), &rid("an2"))
+            .await
+            .unwrap()
+            .map(|i| i.status),
+        Some(JobStatus::Queued)
+    );
+}
+
 async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     submit_ok(s, "l1", "frank").await;
     let old = take(s, "work", "w1").await;
@@ -699,6 +754,7 @@ conformance!(
     job_hand_back_requeues_without_counting_the_attempt,
     job_stats_count_queued_and_running_jobs,
     job_finished_records_drop_inputs_and_stored_bytes_are_bounded,
+    job_answered_without_a_key_leaves_no_record,
 );
 
 /// What a worker's BLMOVE does, without the lease that follows it: the oldest
