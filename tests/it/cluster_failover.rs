@@ -9,7 +9,7 @@
 //! The hot user is picked so that the killed primary holds neither the
 //! provider's bucket nor the operation's queue: the failure under test is a
 //! budget shard's. (A bucket on a failed primary can lose its last takes, up to
-//! `burst` extra calls; a queue's, its newest jobs: README, "Redis Cluster".)
+//! `burst` extra calls; a queue's, its newest jobs: docs/src/redis-cluster.md.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;

@@ -76,7 +76,7 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     assert_eq!(left, vec![keys.audit.clone(), keys.plan.clone()]);
 }
 
-/// What the README tells a billing job to do: find the users' export streams,
+/// What docs/src/budgets.md tells a billing job to do: find the users' export streams,
 /// read them with a consumer group, acknowledge what it processed. Replaying
 /// the entries rebuilds each user's live events exactly.
 #[tokio::test]
