@@ -174,6 +174,15 @@ impl RedisJobQueue {
         millis(self.options.result_ttl(&self.config, operation))
     }
 
+    /// The width of `operation`'s stored-bytes buckets (ms).
+    fn width_ms(&self, operation: &str) -> u64 {
+        let deadline = self
+            .config
+            .operation(operation)
+            .map_or(0, |o| millis(o.deadline));
+        scripts::stored_width_ms(deadline, self.ttl_ms(operation))
+    }
+
     /// Releases the charge of job `id` (its owner failed: the record says so)
     /// and confirms it on the record, which then stays `ttl_ms`.
     async fn release(
@@ -347,6 +356,7 @@ impl RedisJobQueue {
                         max_attempts: op.max_attempts,
                         operation: &op.name,
                         result_ttl_ms: self.ttl_ms(&op.name),
+                        width_ms: self.width_ms(&op.name),
                     },
                     &self.done_channel(&keys),
                 ),
@@ -378,6 +388,7 @@ impl RedisJobQueue {
                                 message: "malformed job: unreadable fields",
                                 release: true,
                                 ttl_ms: self.ttl_ms(&op.name),
+                                width_ms: self.width_ms(&op.name),
                             },
                         )
                         .await?
@@ -634,7 +645,7 @@ impl JobQueue for RedisJobQueue {
         let (_, keys) = self.op_keys(&job.operation)?;
         let input = job.input.to_string();
         let stored = scripts::Stored {
-            width_ms: scripts::stored_width_ms(self.ttl_ms(&job.operation)),
+            width_ms: self.width_ms(&job.operation),
             limit: max_stored,
         };
         let reply: Vec<Value> = self
@@ -781,6 +792,7 @@ impl JobSource for RedisJobQueue {
                     message,
                     release: false,
                     ttl_ms: self.ttl_ms(&lease.job.operation),
+                    width_ms: self.width_ms(&lease.job.operation),
                 },
             )
             .await?;
@@ -824,6 +836,7 @@ impl JobSource for RedisJobQueue {
                     lease.token,
                     &result.to_string(),
                     self.ttl_ms(&lease.job.operation),
+                    self.width_ms(&lease.job.operation),
                     &self.done_channel(&keys),
                 ),
             )
@@ -856,6 +869,7 @@ impl JobSource for RedisJobQueue {
                     message,
                     release,
                     ttl_ms: self.ttl_ms(&lease.job.operation),
+                    width_ms: self.width_ms(&lease.job.operation),
                 },
             )
             .await?;

@@ -573,18 +573,19 @@ pub fn job_enqueue<'a>(
 /// The stored-bytes accounting's settings for a job script (`lua/lib/job.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stored {
-    /// Width of a time bucket (ms): [`stored_width_ms`] of the result TTL.
+    /// Width of a time bucket (ms): [`stored_width_ms`].
     pub width_ms: u64,
     /// The user's bound in the queue (bytes; 0: none). Read by `job_enqueue.lua` only.
     pub limit: u64,
 }
 
-/// The bucket width for a queue whose results stay `result_ttl_ms`: a minute,
-/// or a sixtieth of the TTL when longer, so a user's hash has at most ~60
-/// buckets of results (plus those of unfinished jobs' deadlines). A record
+/// The bucket width for a queue whose jobs have `deadline_ms` to run and whose
+/// results stay `result_ttl_ms`: a minute, or a sixtieth of the two when
+/// longer, so a user's hash has at most ~120 buckets (unfinished jobs' by
+/// deadline, results' by expiry) and a submit reads a bounded hash. A record
 /// counts at most one bucket longer than it is kept.
-pub fn stored_width_ms(result_ttl_ms: u64) -> u64 {
-    (result_ttl_ms / 60).max(60_000)
+pub fn stored_width_ms(deadline_ms: u64, result_ttl_ms: u64) -> u64 {
+    (deadline_ms.saturating_add(result_ttl_ms) / 60).max(60_000)
 }
 
 /// What `job_lease.lua` is asked.
@@ -598,6 +599,8 @@ pub struct LeaseArgs<'a> {
     pub operation: &'a str,
     /// How long a record failed here with nothing to release stays readable.
     pub result_ttl_ms: u64,
+    /// [`Stored::width_ms`].
+    pub width_ms: u64,
 }
 
 /// `job_lease.lua`
@@ -620,7 +623,7 @@ pub fn job_lease<'a>(
         .arg(channel)
         .arg(a.result_ttl_ms)
         .arg(keys.stored_prefix())
-        .arg(stored_width_ms(a.result_ttl_ms));
+        .arg(a.width_ms);
     inv
 }
 
@@ -653,6 +656,7 @@ pub fn job_complete<'a>(
     token: u64,
     result: &str,
     ttl_ms: u64,
+    width_ms: u64,
     channel: &str,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_COMPLETE.prepare_invoke();
@@ -665,7 +669,7 @@ pub fn job_complete<'a>(
         .arg(ttl_ms)
         .arg(channel)
         .arg(keys.stored_prefix())
-        .arg(stored_width_ms(ttl_ms));
+        .arg(width_ms);
     inv
 }
 
@@ -694,6 +698,8 @@ pub struct FailArgs<'a> {
     pub release: bool,
     /// How long the record stays readable when nothing is to be released.
     pub ttl_ms: u64,
+    /// [`Stored::width_ms`].
+    pub width_ms: u64,
 }
 
 /// `job_fail.lua`
@@ -711,7 +717,7 @@ pub fn job_fail<'a>(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> redis::Sc
         .arg(if a.release { "1" } else { "0" })
         .arg(a.ttl_ms)
         .arg(keys.stored_prefix())
-        .arg(stored_width_ms(a.ttl_ms));
+        .arg(a.width_ms);
     inv
 }
 
