@@ -28,6 +28,10 @@ pub struct Args {
     /// Length of the text field of each call's body (bytes).
     #[arg(long, default_value_t = 100)]
     body_bytes: usize,
+    /// Send each call with its own Idempotency-Key: a replay within the
+    /// operation's `result_ttl` gets the same answer, so the job is kept.
+    #[arg(long)]
+    keyed: bool,
     /// Another `tollgate` binary measured the same way, before this build's.
     #[arg(long)]
     baseline: Option<PathBuf>,
@@ -106,6 +110,7 @@ async fn calls(
     n: usize,
     clients: usize,
     body_bytes: usize,
+    keyed: bool,
 ) -> anyhow::Result<()> {
     let http = reqwest::Client::new();
     let url = format!("{}/v1/ops/bench", all.base);
@@ -126,12 +131,14 @@ async fn calls(
                 if i >= from + n {
                     return anyhow::Ok(());
                 }
-                let resp = http
+                let mut req = http
                     .post(&url)
                     .bearer_auth(&key)
-                    .json(&json!({ "i": i, "text": text }))
-                    .send()
-                    .await?;
+                    .json(&json!({ "i": i, "text": text }));
+                if keyed {
+                    req = req.header("Idempotency-Key", format!("bench-{i}"));
+                }
+                let resp = req.send().await?;
                 let status = resp.status();
                 let body = resp.text().await?;
                 if !status.is_success() {
@@ -158,8 +165,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     builds.push(workspace_bin("tollgate"));
     println!(
-        "## What a sync call leaves in Redis: {} sync calls of POST /v1/ops/bench ({} B of text in each body), {} clients, tollgate all on Redis",
-        args.calls, args.body_bytes, args.clients
+        "## What a sync call leaves in Redis: {} sync calls of POST /v1/ops/bench ({} B of text in each body{}), {} clients, tollgate all on Redis",
+        args.calls,
+        args.body_bytes,
+        if args.keyed { ", each with its own Idempotency-Key" } else { "" },
+        args.clients
     );
     for bin in &builds {
         let server = RedisServer::start();
@@ -169,11 +179,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .get_multiplexed_async_connection()
             .await?;
         // Warm-up: the one-time keys (queues, liveness, activity lists) exist.
-        calls(&all, 0, 50, 4, args.body_bytes).await?;
+        calls(&all, 0, 50, 4, args.body_bytes, args.keyed).await?;
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let before_kinds = by_kind(&mut conn, &prefix).await?;
         let before = used_memory(&mut conn).await?;
-        calls(&all, 50, args.calls, args.clients, args.body_bytes).await?;
+        calls(
+            &all,
+            50,
+            args.calls,
+            args.clients,
+            args.body_bytes,
+            args.keyed,
+        )
+        .await?;
         // The pods' buffered activity notes are flushed.
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let after = used_memory(&mut conn).await?;
