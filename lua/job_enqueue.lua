@@ -56,16 +56,15 @@ if prefix ~= '' then
     end
   end
 end
-redis.call('HDEL', JOB, 'result', 'cause', 'message', 'finished', 'refund', 'worker', 'lease_until', 'tp',
-  'started')
+-- A fresh record; only the fencing token carries on from an earlier attempt.
+local seq = redis.call('HGET', JOB, 'seq') or '0'
+redis.call('DEL', JOB)
 redis.call('HSET', JOB, 'state', 'queued', 'user', user, 'op', op, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
-  'attempt', '0', 'nonce', nonce)
+  'attempt', '0', 'nonce', nonce, 'seq', seq)
 if tp ~= '' then
   redis.call('HSET', JOB, 'tp', tp)
 end
-redis.call('HSETNX', JOB, 'seq', '0')
-redis.call('PERSIST', JOB)
 if prefix ~= '' then
   -- Until the deadline's next bucket: a job not final by then stops counting.
   stored_add(JOB, stored, bytes, deadline + width, width)

@@ -82,14 +82,58 @@ local function stored_total(stored, now)
   return total
 end
 
+-- A value longer than a listpack entry (hash-max-listpack-value, 64 B) makes
+-- Redis store the whole hash as a hashtable, for good. A final record's long
+-- values are stored as `<field>#1`, `<field>#2`, ... of at most CHUNK bytes,
+-- cut between UTF-8 characters (tollgate-redis joins them when it reads).
+-- A value over 60 pieces stays whole: its size outweighs the hash's layout.
+local CHUNK = 64
+
+local function chunks(v)
+  local out, i, n = {}, 1, #v
+  while i <= n do
+    local j = math.min(i + CHUNK - 1, n)
+    while j < n and j > i do
+      local b = string.byte(v, j + 1)
+      if b < 128 or b >= 192 then
+        break
+      end
+      j = j - 1
+    end
+    out[#out + 1] = string.sub(v, i, j)
+    i = j + 1
+  end
+  return out
+end
+
 -- A job just became final with `kept` bytes of result or message: drops what
--- it can no longer use, and counts what it keeps until `until_ms`.
+-- it can no longer use, counts what it keeps until `until_ms`, and writes the
+-- record again as a fresh hash of short values (a small listpack: ~40% of the
+-- hashtable a long input or result left). Its TTL is set by the caller after.
 local function compact_final(job, user, prefix, kept, until_ms, width)
   redis.call('HDEL', job, 'input', 'provider', 'tp', 'worker', 'lease_until', 'started')
   if user and prefix ~= '' then
     local stored = prefix .. user
     stored_drop(job, stored)
     stored_add(job, stored, kept + RECORD_BYTES, until_ms, width)
+  end
+  local all = redis.call('HGETALL', job)
+  local fields = {}
+  for i = 1, #all, 2 do
+    local name, v = all[i], all[i + 1]
+    if #v > CHUNK and #v <= CHUNK * 60 then
+      for n, c in ipairs(chunks(v)) do
+        fields[#fields + 1] = name .. '#' .. n
+        fields[#fields + 1] = c
+      end
+    else
+      fields[#fields + 1] = name
+      fields[#fields + 1] = v
+    end
+  end
+  redis.call('DEL', job)
+  if #fields > 0 then
+    redis.call('HSET', job, unpack(fields))
   end
 end
 

@@ -534,6 +534,70 @@ async fn job_answered_without_a_key_leaves_no_record(s: &Setup) {
     );
 }
 
+/// A final record stores its long values in pieces (Redis: `lib/job.lua`,
+/// compact_final); results and messages of any length and script read back
+/// whole, and a new attempt of the id starts from a clean record.
+async fn job_long_results_and_messages_read_back_whole(s: &Setup) {
+    let result = json!({
+        "text": "é".repeat(100) + &"日本語".repeat(40) + "🦀",
+        "n": 1.5,
+        "big": "x".repeat(10_000),
+    });
+    submit_ok(s, "lr1", "jo").await;
+    let lease = take(s, "work", "w1").await;
+    s.source.complete(&lease, result.clone()).await.unwrap();
+    let info = s
+        .queue
+        .status(&user("jo"), &rid("lr1"))
+        .await
+        .unwrap()
+        .expect("the job");
+    assert_eq!(info.status, JobStatus::Succeeded { result });
+    let message = format!("refused: {}", "ü".repeat(90));
+    submit_ok(s, "lr2", "jo").await;
+    let lease = take(s, "work", "w1").await;
+    s.source
+        .fail(&lease, FailureCause::Provider, Charge::RELEASE, &message)
+        .await
+        .unwrap();
+    let info = s
+        .queue
+        .status(&user("jo"), &rid("lr2"))
+        .await
+        .unwrap()
+        .expect("the job");
+    assert_eq!(
+        info.status,
+        JobStatus::Failed {
+            cause: FailureCause::Provider,
+            message
+        }
+    );
+    // Released: the same id is a new attempt, which reads as a fresh job.
+    submit_ok(s, "lr2", "jo").await;
+    let info = s
+        .queue
+        .status(&user("jo"), &rid("lr2"))
+        .await
+        .unwrap()
+        .expect("the new attempt");
+    assert_eq!(info.status, JobStatus::Queued);
+    let lease = take(s, "work", "w1").await;
+    s.source.complete(&lease, json!({ "ok": 2 })).await.unwrap();
+    let info = s
+        .queue
+        .status(&user("jo"), &rid("lr2"))
+        .await
+        .unwrap()
+        .expect("the job");
+    assert_eq!(
+        info.status,
+        JobStatus::Succeeded {
+            result: json!({ "ok": 2 })
+        }
+    );
+}
+
 async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     submit_ok(s, "l1", "frank").await;
     let old = take(s, "work", "w1").await;
@@ -755,6 +819,7 @@ conformance!(
     job_stats_count_queued_and_running_jobs,
     job_finished_records_drop_inputs_and_stored_bytes_are_bounded,
     job_answered_without_a_key_leaves_no_record,
+    job_long_results_and_messages_read_back_whole,
 );
 
 /// What a worker's BLMOVE does, without the lease that follows it: the oldest

@@ -539,12 +539,38 @@ fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo
     })
 }
 
+/// A final record's long values are stored in pieces, `<field>#1`, `<field>#2`,
+/// ... (`lua/lib/job.lua`: compact_final): the whole values again.
+fn joined(map: &HashMap<String, String>) -> std::borrow::Cow<'_, HashMap<String, String>> {
+    if !map.keys().any(|k| k.contains('#')) {
+        return std::borrow::Cow::Borrowed(map);
+    }
+    let mut out = HashMap::new();
+    let mut pieces: HashMap<&str, Vec<(u32, &str)>> = HashMap::new();
+    for (k, v) in map {
+        match k.split_once('#').map(|(f, n)| (f, n.parse::<u32>())) {
+            Some((field, Ok(n))) => pieces.entry(field).or_default().push((n, v)),
+            _ => {
+                out.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    for (field, mut parts) in pieces {
+        parts.sort_unstable_by_key(|(n, _)| *n);
+        out.insert(
+            field.to_owned(),
+            parts.into_iter().map(|(_, v)| v).collect::<String>(),
+        );
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// A record read with HGETALL; empty: no record.
 fn decode(id: &RequestId, map: &HashMap<String, String>) -> Result<Option<JobInfo>, JobError> {
     if map.is_empty() {
         return Ok(None);
     }
-    parse_record(id, map)
+    parse_record(id, &joined(map))
         .map(Some)
         .map_err(|e| StoreError::backend(format!("job {id}: {e}")).into())
 }
