@@ -861,8 +861,10 @@ impl JobSource for RedisJobQueue {
                     &lease.worker,
                     lease.token,
                     &result.to_string(),
-                    self.ttl_ms(&lease.job.operation),
-                    self.width_ms(&lease.job.operation),
+                    scripts::Kept {
+                        ttl_ms: self.ttl_ms(&lease.job.operation),
+                        width_ms: self.width_ms(&lease.job.operation),
+                    },
                     &self.done_channel(&keys),
                 ),
             )

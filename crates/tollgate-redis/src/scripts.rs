@@ -648,6 +648,14 @@ pub fn job_started<'a>(keys: &JobKeys, id: &str, token: u64) -> redis::ScriptInv
     inv
 }
 
+/// How long a finished record stays readable, and its stored-bytes bucket width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kept {
+    pub ttl_ms: u64,
+    /// [`Stored::width_ms`].
+    pub width_ms: u64,
+}
+
 /// `job_complete.lua`
 pub fn job_complete<'a>(
     keys: &JobKeys,
@@ -655,8 +663,7 @@ pub fn job_complete<'a>(
     worker: &str,
     token: u64,
     result: &str,
-    ttl_ms: u64,
-    width_ms: u64,
+    kept: Kept,
     channel: &str,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_COMPLETE.prepare_invoke();
@@ -666,10 +673,10 @@ pub fn job_complete<'a>(
     inv.arg(id)
         .arg(token)
         .arg(result)
-        .arg(ttl_ms)
+        .arg(kept.ttl_ms)
         .arg(channel)
         .arg(keys.stored_prefix())
-        .arg(width_ms);
+        .arg(kept.width_ms);
     inv
 }
 
