@@ -2,24 +2,29 @@
 -- KEYS[1] job, KEYS[2] processing (the worker's), KEYS[3] leases
 -- ARGV[1] id, ARGV[2] fencing token, ARGV[3] result (JSON text)
 -- ARGV[4] how long the finished record stays readable (ms), ARGV[5] channel
---   (lib/job.lua: publish_done)
+--   (lib/job.lua: publish_done), ARGV[6] the stored-bytes key prefix (the
+--   user's name completes it), ARGV[7] the stored-bytes bucket width (ms)
+-- The record drops its input (lib/job.lua: compact_final) and counts its
+-- result against its user's stored bytes until it expires.
 -- Returns 1 recorded (and the id published), 0 refused: the token is not the
 -- current lease's (the lease expired and the job went to another worker, or it
 -- ended): nothing is written.
 
 local JOB, PROCESSING, LEASES = KEYS[1], KEYS[2], KEYS[3]
 local id, token, result, ttl, channel = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-if not ttl or ttl < 1 then
-  return redis.error_reply('job_complete: bad ttl')
+local prefix, width = ARGV[6] or '', tonumber(ARGV[7]) or 60000
+if not ttl or ttl < 1 or width < 1 then
+  return redis.error_reply('job_complete: bad ttl or width')
 end
-local f = redis.call('HMGET', JOB, 'state', 'seq')
+local f = redis.call('HMGET', JOB, 'state', 'seq', 'user')
 if f[1] ~= 'running' or f[2] ~= token then
   -- Not this lease's any more: the worker is done with its entry all the same.
   redis.call('LREM', PROCESSING, 1, id)
   return 0
 end
-redis.call('HSET', JOB, 'state', 'succeeded', 'result', result, 'finished', int(now_ms()))
-redis.call('HDEL', JOB, 'worker', 'lease_until')
+local now = now_ms()
+redis.call('HSET', JOB, 'state', 'succeeded', 'result', result, 'finished', int(now))
+compact_final(JOB, f[3], prefix, #result, now + ttl, width)
 redis.call('PEXPIRE', JOB, int(ttl))
 redis.call('LREM', PROCESSING, 1, id)
 redis.call('ZREM', LEASES, id)

@@ -9,8 +9,13 @@
 -- ARGV[10] '1' to create a missing job (its charge is not claimed yet), '0' to
 --          only find it (its charge was claimed: the job ran, and is not run again)
 -- ARGV[11] the W3C traceparent of the call that submitted it, or ''  (field `tp`)
+-- ARGV[12] the stored-bytes key prefix (the user's name completes it; same
+--          hash tag), ARGV[13] its bucket width (ms), ARGV[14] the most bytes
+--          the user may have stored in this queue (0: no bound)
 -- Returns one of
 --   { 1 }           created and queued
+--   { -2, stored, limit }  not created: the user's stored bytes (`stored`,
+--                   counted now) and this job's would pass the bound
 --   { 2, record }   the job of this charge exists already: its fields (HGETALL)
 --   { 0 }           not found, and not created
 --   { -1 }          the id is another user's job
@@ -23,8 +28,9 @@ local JOB, QUEUE, LEASES, REFUNDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, user, op, provider, input = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local cost, enq, deadline = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local nonce, create, tp = ARGV[9], ARGV[10], ARGV[11] or ''
-if not cost or cost < 1 or not enq or not deadline or nonce == '' then
-  return redis.error_reply('job_enqueue: bad cost, times or nonce')
+local prefix, width, limit = ARGV[12] or '', tonumber(ARGV[13]) or 60000, tonumber(ARGV[14]) or 0
+if not cost or cost < 1 or not enq or not deadline or nonce == '' or width < 1 or limit < 0 then
+  return redis.error_reply('job_enqueue: bad cost, times, nonce, width or limit')
 end
 local f = redis.call('HMGET', JOB, 'user', 'nonce')
 if f[1] then
@@ -38,16 +44,31 @@ end
 if create ~= '1' then
   return { 0 }
 end
-redis.call('HDEL', JOB, 'result', 'cause', 'message', 'finished', 'refund', 'worker', 'lease_until', 'tp',
-  'started')
+local stored = prefix .. user
+local bytes = #input + RECORD_BYTES
+if prefix ~= '' then
+  -- An earlier attempt's record is replaced: it no longer counts.
+  stored_drop(JOB, stored)
+  if limit > 0 then
+    local total = stored_total(stored, now_ms())
+    if total + bytes > limit then
+      return { -2, total, limit }
+    end
+  end
+end
+-- A fresh record; only the fencing token carries on from an earlier attempt.
+local seq = redis.call('HGET', JOB, 'seq') or '0'
+redis.call('DEL', JOB)
 redis.call('HSET', JOB, 'state', 'queued', 'user', user, 'op', op, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
-  'attempt', '0', 'nonce', nonce)
+  'attempt', '0', 'nonce', nonce, 'seq', seq)
 if tp ~= '' then
   redis.call('HSET', JOB, 'tp', tp)
 end
-redis.call('HSETNX', JOB, 'seq', '0')
-redis.call('PERSIST', JOB)
+if prefix ~= '' then
+  -- Until the deadline's next bucket: a job not final by then stops counting.
+  stored_add(JOB, stored, bytes, deadline + width, width)
+end
 redis.call('ZREM', LEASES, id)
 redis.call('ZREM', REFUNDS, id)
 redis.call('LPUSH', QUEUE, id)

@@ -7,14 +7,17 @@
 --         the job's claim was refused (it owns no charge), or the outcome policy
 --         keeps the charge (the upstream may have done the work).
 -- ARGV[7] how long the finished record stays readable (ms), without a release
+-- ARGV[8] the stored-bytes key prefix, ARGV[9] its bucket width (ms)
+--   (lib/job.lua: the record drops its input, counts its message)
 -- Returns 1 recorded, 0 refused (not this token's lease): nothing is written,
 -- and the caller must not refund.
 
 local JOB, PROCESSING, LEASES, REFUNDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, token, cause, message, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local refund, ttl = ARGV[6] == '1', tonumber(ARGV[7])
-if not ttl or ttl < 1 then
-  return redis.error_reply('job_fail: bad ttl')
+local stored = { ARGV[8] or '', tonumber(ARGV[9]) or 60000, ttl }
+if not ttl or ttl < 1 or stored[2] < 1 then
+  return redis.error_reply('job_fail: bad ttl or width')
 end
 if cause ~= 'provider' and cause ~= 'unanswered' and cause ~= 'bad_response'
     and cause ~= 'throttle_timeout' and cause ~= 'expired' and cause ~= 'abandoned'
@@ -27,7 +30,7 @@ if f[1] ~= 'running' or f[2] ~= token then
   redis.call('LREM', PROCESSING, 1, id)
   return 0
 end
-fail_job(JOB, REFUNDS, id, cause, message, now_ms(), channel, refund, ttl)
+fail_job(JOB, REFUNDS, id, cause, message, now_ms(), channel, refund, ttl, stored)
 redis.call('LREM', PROCESSING, 1, id)
 redis.call('ZREM', LEASES, id)
 return 1

@@ -4,6 +4,7 @@
 -- ARGV[1] id, ARGV[2] worker, ARGV[3] lease (ms), ARGV[4] max attempts
 -- ARGV[5] the queue's operation, ARGV[6] channel for finished job ids
 -- ARGV[7] how long a finished record that owes no release stays readable (ms)
+-- ARGV[8] the stored-bytes key prefix, ARGV[9] its bucket width (ms)
 -- Validates the record first: a missing record or unreadable fields (bad JSON
 -- input, another operation) move the entry to `dead`; a record with a user is
 -- also failed with its refund pending. Then counts the attempt: past the
@@ -26,8 +27,9 @@ local op, channel, ttl = ARGV[5], ARGV[6], tonumber(ARGV[7])
 if not lease or lease < 1 or not max_attempts or max_attempts < 1 then
   return redis.error_reply('job_lease: bad lease or max attempts')
 end
-if not ttl or ttl < 1 then
-  return redis.error_reply('job_lease: bad ttl')
+local stored = { ARGV[8] or '', tonumber(ARGV[9]) or 60000, ttl }
+if not ttl or ttl < 1 or stored[2] < 1 then
+  return redis.error_reply('job_lease: bad ttl or width')
 end
 local now = now_ms()
 local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
@@ -58,7 +60,7 @@ if reason then
   redis.call('RPUSH', DEAD, id .. ' ' .. reason)
   redis.call('LTRIM', DEAD, -10000, -1)
   if state and state ~= 'succeeded' and state ~= 'failed' then
-    fail_job(JOB, REFUNDS, id, 'abandoned', 'malformed job: ' .. reason, now, channel, nonce and true or false, 1)
+    fail_job(JOB, REFUNDS, id, 'abandoned', 'malformed job: ' .. reason, now, channel, nonce and true or false, 1, stored)
   end
   return { 3, reason, user or '', nonce or '' }
 end
@@ -70,13 +72,13 @@ if started and (now >= deadline or attempt > max_attempts) then
   -- A run started and its worker was lost, maybe with the call sent: the
   -- upstream may have done the work, so the charge stands (job::given_up).
   cause = 'unanswered'
-  fail_job(JOB, REFUNDS, id, cause, LOST_MID_RUN, now, channel, false, ttl)
+  fail_job(JOB, REFUNDS, id, cause, LOST_MID_RUN, now, channel, false, ttl, stored)
 elseif now >= deadline then
   cause = 'expired'
-  fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel, true, 1)
+  fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel, true, 1, stored)
 elseif attempt > max_attempts then
   cause = 'abandoned'
-  fail_job(JOB, REFUNDS, id, cause, 'the job used up its ' .. int(max_attempts) .. ' attempts', now, channel, true, 1)
+  fail_job(JOB, REFUNDS, id, cause, 'the job used up its ' .. int(max_attempts) .. ' attempts', now, channel, true, 1, stored)
 end
 if cause then
   redis.call('LREM', PROCESSING, 1, id)

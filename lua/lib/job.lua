@@ -12,8 +12,21 @@
 --                (job_started.lua): a later run's failure keeps the charge
 --   result (JSON text) | cause, message; finished (ms)   once final
 --   refund       '1' while a failed job's release is not confirmed
--- A record gets a TTL only once it is final and owes no refund.
+--   sz, sb       the bytes the record counts against its user's stored bytes,
+--                and the bucket of the user's stored-bytes hash they are in
+-- A record gets a TTL only once it is final and owes no refund. Once final it
+-- keeps only what its status needs: the input, provider, trace, worker and
+-- lease fields are dropped (the job can no longer run).
 -- Time is Redis TIME.
+--
+-- Stored bytes: each user has, per queue, a hash `<stored prefix><user>`
+-- (same hash tag as the queue): field = the end of a time bucket (ms), value =
+-- the bytes of the user's records counted until then. A queued or running
+-- job counts its input (plus RECORD_BYTES) until its deadline's bucket; once
+-- final, its result or message (plus RECORD_BYTES) until its record's expiry's
+-- bucket. A bucket past its end no longer counts and is deleted at the next
+-- submit, so an expired record (whose expiry runs no script), or a record lost
+-- any other way, stops counting by itself: nothing stays counted forever.
 
 -- Why a job whose run started, and whose worker was lost, failed at its take
 -- (the same words as tollgate_core::job::LOST_MID_RUN).
@@ -22,6 +35,106 @@ local LOST_MID_RUN = 'a run of the job started and its worker was lost (the upst
 
 local function int(n)
   return string.format('%d', n)
+end
+
+-- What a record counts besides its input or result: its key, fields and the
+-- Redis overhead of a small hash (tollgate_core::job::RECORD_BYTES).
+local RECORD_BYTES = 256
+
+-- Removes what `job` counts from its user's stored bytes (`stored`: that
+-- user's hash), if its bucket still counts.
+local function stored_drop(job, stored)
+  local f = redis.call('HMGET', job, 'sz', 'sb')
+  local sz, sb = tonumber(f[1]), f[2]
+  if sz and sb then
+    local left = redis.call('HINCRBY', stored, sb, -sz)
+    if left <= 0 then
+      redis.call('HDEL', stored, sb)
+    end
+    redis.call('HDEL', job, 'sz', 'sb')
+  end
+end
+
+-- Counts `bytes` of `job` in its user's hash `stored` until `until_ms`,
+-- rounded up to a bucket of `width` ms; the hash lives as long as its last bucket.
+local function stored_add(job, stored, bytes, until_ms, width)
+  local b = math.ceil(until_ms / width) * width
+  redis.call('HINCRBY', stored, int(b), bytes)
+  local at = redis.call('PEXPIRETIME', stored)
+  if at < b then
+    redis.call('PEXPIREAT', stored, int(b))
+  end
+  redis.call('HSET', job, 'sz', int(bytes), 'sb', int(b))
+end
+
+-- The bytes `stored` counts at `now`; deletes the buckets that ended. Bounded:
+-- the buckets span at most the longest deadline plus the result TTL.
+local function stored_total(stored, now)
+  local all = redis.call('HGETALL', stored)
+  local total = 0
+  for i = 1, #all, 2 do
+    if (tonumber(all[i]) or 0) <= now then
+      redis.call('HDEL', stored, all[i])
+    else
+      total = total + (tonumber(all[i + 1]) or 0)
+    end
+  end
+  return total
+end
+
+-- A value longer than a listpack entry (hash-max-listpack-value, 64 B) makes
+-- Redis store the whole hash as a hashtable, for good. A final record's long
+-- values are stored as `<field>#1`, `<field>#2`, ... of at most CHUNK bytes,
+-- cut between UTF-8 characters (tollgate-redis joins them when it reads).
+-- A value over 60 pieces stays whole: its size outweighs the hash's layout.
+local CHUNK = 64
+
+local function chunks(v)
+  local out, i, n = {}, 1, #v
+  while i <= n do
+    local j = math.min(i + CHUNK - 1, n)
+    while j < n and j > i do
+      local b = string.byte(v, j + 1)
+      if b < 128 or b >= 192 then
+        break
+      end
+      j = j - 1
+    end
+    out[#out + 1] = string.sub(v, i, j)
+    i = j + 1
+  end
+  return out
+end
+
+-- A job just became final with `kept` bytes of result or message: drops what
+-- it can no longer use, counts what it keeps until `until_ms`, and writes the
+-- record again as a fresh hash of short values (a small listpack: ~40% of the
+-- hashtable a long input or result left). Its TTL is set by the caller after.
+local function compact_final(job, user, prefix, kept, until_ms, width)
+  redis.call('HDEL', job, 'input', 'provider', 'tp', 'worker', 'lease_until', 'started')
+  if user and prefix ~= '' then
+    local stored = prefix .. user
+    stored_drop(job, stored)
+    stored_add(job, stored, kept + RECORD_BYTES, until_ms, width)
+  end
+  local all = redis.call('HGETALL', job)
+  local fields = {}
+  for i = 1, #all, 2 do
+    local name, v = all[i], all[i + 1]
+    if #v > CHUNK and #v <= CHUNK * 60 then
+      for n, c in ipairs(chunks(v)) do
+        fields[#fields + 1] = name .. '#' .. n
+        fields[#fields + 1] = c
+      end
+    else
+      fields[#fields + 1] = name
+      fields[#fields + 1] = v
+    end
+  end
+  redis.call('DEL', job)
+  if #fields > 0 then
+    redis.call('HSET', job, unpack(fields))
+  end
 end
 
 local function now_ms()
@@ -53,10 +166,12 @@ end
 -- Ends the job as failed and publishes its id on `channel`. With `refund`, its
 -- release is pending (listed in `refunds`): the caller then releases the charge
 -- and confirms. Without (the job never owned a charge), the record gets `ttl`.
-local function fail_job(job, refunds, id, cause, message, now, channel, refund, ttl)
+-- `stored` = { prefix, width, result ttl } of the stored-bytes accounting.
+local function fail_job(job, refunds, id, cause, message, now, channel, refund, ttl, stored)
   redis.call('HSET', job, 'state', 'failed', 'cause', cause, 'message', message,
     'finished', int(now))
-  redis.call('HDEL', job, 'worker', 'lease_until')
+  compact_final(job, redis.call('HGET', job, 'user'), stored[1], #message,
+    now + stored[3] + (refund and stored[2] or 0), stored[2])
   if refund then
     redis.call('HSET', job, 'refund', '1')
     redis.call('ZADD', refunds, int(now), id)

@@ -482,9 +482,13 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
         calls.spawn(async move {
             let auth = format!("Bearer {key}");
             let body = json!({"i": i}).to_string();
+            // Keyed, so that every job stays readable for the check below (a
+            // sync call answered without a key leaves no job record).
+            let idem = format!("kill-{i}");
             let headers = [
                 ("Authorization", auth.as_str()),
                 ("Content-Type", "application/json"),
+                ("Idempotency-Key", idem.as_str()),
             ];
             let _ = tokio::time::timeout(
                 Duration::from_secs(30),

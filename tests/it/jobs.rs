@@ -30,6 +30,7 @@ hold_grace = "200ms"
 [plans.free]
 limit = 100
 window = "1h"
+max_stored_bytes = 20000
 [providers.p]
 rate = 1000
 burst = 100
@@ -407,6 +408,196 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
     assert_eq!(s.used("erin").await, 0);
 }
 
+/// A finished job keeps no input, and a user's stored bytes (inputs and
+/// results still kept) are bounded at submit by the plan's
+/// `max_stored_bytes`: the refused submission is released (nothing charged,
+/// no job), and the bytes come back once the jobs finish.
+async fn job_finished_records_drop_inputs_and_stored_bytes_are_bounded(s: &Setup) {
+    let big = |id: &str| JobRequest {
+        input: json!({ "prompt": id, "pad": "x".repeat(5000) }),
+        ..request(id, "gina", "other")
+    };
+    for id in ["sb1", "sb2", "sb3"] {
+        match s.queue.submit(big(id)).await.unwrap() {
+            SubmitOutcome::Queued { .. } => {}
+            other => panic!("{id} not queued: {other:?}"),
+        }
+    }
+    assert_eq!(s.used("gina").await, 3);
+    // 3 x ~5.3 kB are stored; a 4th does not fit in 20,000 bytes.
+    match s.queue.submit(big("sb4")).await {
+        Err(JobError::StoredBytesExceeded { stored, limit }) => {
+            assert_eq!(limit, 20000);
+            assert!(stored > 15000 && stored <= 20000, "stored {stored}");
+        }
+        other => panic!("not refused: {other:?}"),
+    }
+    assert_eq!(
+        s.used("gina").await,
+        3,
+        "the refused submission is released"
+    );
+    assert!(s
+        .queue
+        .status(&user("gina"), &rid("sb4"))
+        .await
+        .unwrap()
+        .is_none());
+    // The first two end (one succeeds, one fails): their inputs go.
+    let a = take(s, "other", "w1").await;
+    assert_eq!(
+        s.source.complete(&a, json!({ "ok": 1 })).await.unwrap(),
+        Finish::Recorded
+    );
+    let b = take(s, "other", "w1").await;
+    assert_eq!(
+        s.source
+            .fail(
+                &b,
+                FailureCause::Provider,
+                Charge::RELEASE,
+                "refused upstream"
+            )
+            .await
+            .unwrap(),
+        Finish::Recorded
+    );
+    for lease in [&a, &b] {
+        let info = s
+            .queue
+            .status(&user("gina"), &lease.job.id)
+            .await
+            .unwrap()
+            .expect("the finished job");
+        assert!(info.status.is_final());
+        assert_eq!(info.job.input, Value::Null, "a finished job keeps no input");
+    }
+    // Room again: the 4th fits now.
+    match s.queue.submit(big("sb4")).await.unwrap() {
+        SubmitOutcome::Queued { .. } => {}
+        other => panic!("sb4 not queued: {other:?}"),
+    }
+}
+
+/// A sync call answered in full without an Idempotency-Key leaves no record
+/// (`answered`): nobody can ask for its job again. Only a final record of that
+/// user and that attempt goes; a job still queued stays.
+async fn job_answered_without_a_key_leaves_no_record(s: &Setup) {
+    submit_ok(s, "an1", "hana").await;
+    let lease = take(s, "work", "w1").await;
+    assert_eq!(
+        s.source.complete(&lease, json!({ "ok": 1 })).await.unwrap(),
+        Finish::Recorded
+    );
+    let info = s
+        .queue
+        .status(&user("hana"), &rid("an1"))
+        .await
+        .unwrap()
+        .expect("the finished job");
+    let mut other = info.clone();
+    other.job.user = user("ivan");
+    s.queue.answered(&other).await.unwrap();
+    let mut earlier = info.clone();
+    earlier.job.nonce = "0000000000000000".into();
+    s.queue.answered(&earlier).await.unwrap();
+    assert!(
+        s.queue
+            .status(&user("hana"), &rid("an1"))
+            .await
+            .unwrap()
+            .is_some(),
+        "another user's or another attempt's answer removes nothing"
+    );
+    s.queue.answered(&info).await.unwrap();
+    assert!(s
+        .queue
+        .status(&user("hana"), &rid("an1"))
+        .await
+        .unwrap()
+        .is_none());
+    let queued = submit_ok(s, "an2", "hana").await;
+    let queued = s
+        .queue
+        .status(&user("hana"), &queued.id)
+        .await
+        .unwrap()
+        .expect("queued");
+    s.queue.answered(&queued).await.unwrap();
+    assert_eq!(
+        s.queue
+            .status(&user("hana"), &rid("an2"))
+            .await
+            .unwrap()
+            .map(|i| i.status),
+        Some(JobStatus::Queued)
+    );
+}
+
+/// A final record stores its long values in pieces (Redis: `lib/job.lua`,
+/// compact_final); results and messages of any length and script read back
+/// whole, and a new attempt of the id starts from a clean record.
+async fn job_long_results_and_messages_read_back_whole(s: &Setup) {
+    let result = json!({
+        "text": "é".repeat(100) + &"日本語".repeat(40) + "🦀",
+        "n": 1.5,
+        "big": "x".repeat(10_000),
+    });
+    submit_ok(s, "lr1", "jo").await;
+    let lease = take(s, "work", "w1").await;
+    s.source.complete(&lease, result.clone()).await.unwrap();
+    let info = s
+        .queue
+        .status(&user("jo"), &rid("lr1"))
+        .await
+        .unwrap()
+        .expect("the job");
+    assert_eq!(info.status, JobStatus::Succeeded { result });
+    let message = format!("refused: {}", "ü".repeat(90));
+    submit_ok(s, "lr2", "jo").await;
+    let lease = take(s, "work", "w1").await;
+    s.source
+        .fail(&lease, FailureCause::Provider, Charge::RELEASE, &message)
+        .await
+        .unwrap();
+    let info = s
+        .queue
+        .status(&user("jo"), &rid("lr2"))
+        .await
+        .unwrap()
+        .expect("the job");
+    assert_eq!(
+        info.status,
+        JobStatus::Failed {
+            cause: FailureCause::Provider,
+            message
+        }
+    );
+    // Released: the same id is a new attempt, which reads as a fresh job.
+    submit_ok(s, "lr2", "jo").await;
+    let info = s
+        .queue
+        .status(&user("jo"), &rid("lr2"))
+        .await
+        .unwrap()
+        .expect("the new attempt");
+    assert_eq!(info.status, JobStatus::Queued);
+    let lease = take(s, "work", "w1").await;
+    s.source.complete(&lease, json!({ "ok": 2 })).await.unwrap();
+    let info = s
+        .queue
+        .status(&user("jo"), &rid("lr2"))
+        .await
+        .unwrap()
+        .expect("the job");
+    assert_eq!(
+        info.status,
+        JobStatus::Succeeded {
+            result: json!({ "ok": 2 })
+        }
+    );
+}
+
 async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     submit_ok(s, "l1", "frank").await;
     let old = take(s, "work", "w1").await;
@@ -626,6 +817,9 @@ conformance!(
     job_take_gives_up_what_it_must_and_returns_the_next,
     job_hand_back_requeues_without_counting_the_attempt,
     job_stats_count_queued_and_running_jobs,
+    job_finished_records_drop_inputs_and_stored_bytes_are_bounded,
+    job_answered_without_a_key_leaves_no_record,
+    job_long_results_and_messages_read_back_whole,
 );
 
 /// What a worker's BLMOVE does, without the lease that follows it: the oldest

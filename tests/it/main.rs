@@ -31,6 +31,7 @@ mod redis_ledger;
 mod redis_outages;
 mod redis_tls;
 mod slow_clients;
+mod stored_bytes;
 mod throttle;
 mod throttle_late;
 mod throttle_redis;

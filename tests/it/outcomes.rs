@@ -244,7 +244,34 @@ async fn an_unanswered_call_is_sent_once_and_keeps_its_charge(redis: bool) {
     assert!(detail.contains("charged"), "{detail}");
     assert_eq!(arrivals, 1);
     assert_eq!(s.used().await, COST);
-    // The job's status says so too.
+    // A sync call answered without an Idempotency-Key leaves no job record
+    // (deleted in the background, just after the answer).
+    let id = r.body["job_id"].as_str().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let gone =
+            s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
+                .await;
+        if gone.status.as_u16() == 404 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", gone.body);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // With a key, the job's status says so too.
+    let before = s.ended();
+    let body = json!({"upstream": {"answer": "ok", "after_ms": 2000}}).to_string();
+    let r =
+        s.h.call(
+            "POST",
+            "/v1/ops/up.call",
+            Some(&s.key),
+            &[("idempotency-key", "unanswered-1")],
+            Some(body),
+        )
+        .await;
+    s.wait_ended(before + 1).await;
+    failed(&r, 504, "upstream-unanswered", "unanswered", true);
     let id = r.body["job_id"].as_str().unwrap();
     let job =
         s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)

@@ -317,6 +317,7 @@ impl Routes {
         }
         if cost.is_job() {
             doc.errors.push(ProblemType::ResultExpired);
+            doc.errors.push(ProblemType::StoredBytesExceeded);
         }
         self.route(doc, handler.layer(cost))
     }
@@ -402,6 +403,8 @@ fn schemas(config: &Config) -> Value {
                 "charged": {"type": "boolean", "description": "A failed job: true when its charge stands (the upstream may have done the work: unanswered, bad_response), false when it was released."},
                 "retry_after_ms": {"type": "integer", "description": "429: exactly when this request fits."},
                 "waited_ms": {"type": "integer", "description": "A failed job (502/503/504, e.g. no provider slot within max_wait): from its submission to its end."},
+                "stored_bytes": {"type": "integer", "description": "429 stored-bytes-exceeded: the bytes your jobs store in the operation's queue now (inputs of unfinished jobs, results and errors still kept, 256 per job besides)."},
+                "max_stored_bytes": {"type": "integer", "description": "429 stored-bytes-exceeded: your plan's max_stored_bytes."},
             },
         },
         "OperationInput": {"type": "object", "description": "The operation's input, passed to the provider as it is.", "additionalProperties": true},

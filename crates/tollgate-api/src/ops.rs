@@ -264,7 +264,13 @@ async fn call(
             state.jobs.read(user, &op, &id)
         });
         tokio::select! {
-            waited = wait => finished(state, &waited?.unwrap_or(info)),
+            waited = wait => {
+                let info = waited?.unwrap_or(info);
+                if info.status.is_final() && !headers.contains_key(crate::cost::IDEMPOTENCY_KEY) {
+                    forget(state, &info);
+                }
+                finished(state, &info)
+            }
             // Nobody reads the answer: stop waiting (the job owns the charge).
             () = priced.client_gone() => Ok(accepted(&info)),
         }
@@ -272,6 +278,21 @@ async fn call(
     let mut response = answer.unwrap_or_else(IntoResponse::into_response);
     rate_limit.apply(response.headers_mut());
     Ok(response)
+}
+
+/// A sync call without an Idempotency-Key is answered with its job's final
+/// outcome: nobody can ask for the job again (its id was never the client's),
+/// so its record goes now rather than at the end of the operation's
+/// `result_ttl` (in the background: the answer does not wait for it; if it
+/// fails, the record expires as usual).
+fn forget(state: &ApiState, info: &JobInfo) {
+    let jobs = std::sync::Arc::clone(&state.jobs);
+    let info = info.clone();
+    tokio::spawn(async move {
+        if let Err(e) = jobs.answered(&info).await {
+            tracing::debug!(error = %e, job = %info.job.id, "the answered job's record stays until its result_ttl");
+        }
+    });
 }
 
 /// `GET /v1/jobs/{id}`: a job of the caller's (anyone else's: 404).

@@ -87,10 +87,11 @@ pub enum ProblemType {
     Overloaded,
     ReadOnlyCredential,
     CrossSiteRequest,
+    StoredBytesExceeded,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 29] = [
+    pub const ALL: [ProblemType; 30] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -120,6 +121,7 @@ impl ProblemType {
         Self::Overloaded,
         Self::ReadOnlyCredential,
         Self::CrossSiteRequest,
+        Self::StoredBytesExceeded,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -153,6 +155,7 @@ impl ProblemType {
             Self::Overloaded => "overloaded",
             Self::ReadOnlyCredential => "read-only-credential",
             Self::CrossSiteRequest => "cross-site-request",
+            Self::StoredBytesExceeded => "stored-bytes-exceeded",
         }
     }
 
@@ -175,9 +178,9 @@ impl ProblemType {
             }
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::QuotaExceeded | Self::TooManyFailedAuthentications => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            Self::QuotaExceeded
+            | Self::TooManyFailedAuthentications
+            | Self::StoredBytesExceeded => StatusCode::TOO_MANY_REQUESTS,
             Self::IdempotencyConflict | Self::JobCancelled | Self::ChargeOwnedByJob => {
                 StatusCode::CONFLICT
             }
@@ -248,6 +251,9 @@ impl ProblemType {
             Self::CrossSiteRequest => {
                 "A cross-site request, or a form without its session's CSRF token: nothing changed"
             }
+            Self::StoredBytesExceeded => {
+                "Your jobs' stored inputs and results are at the plan's limit: retry once some finish or their results expire; nothing was charged"
+            }
         }
     }
 }
@@ -281,6 +287,12 @@ pub struct Problem {
     /// A failed job (502/503/504): from its submission to its end, in ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub waited_ms: Option<u64>,
+    /// 429 stored-bytes-exceeded: the bytes the user's jobs store in the
+    /// operation's queue now, and the plan's `max_stored_bytes`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stored_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_stored_bytes: Option<u64>,
 }
 
 /// Everything the api can answer with other than success.
@@ -329,6 +341,9 @@ pub enum ApiError {
     /// A dashboard form sent cross-site, or without its session's CSRF token.
     #[error("{0}")]
     CrossSite(&'static str),
+    /// The user's stored job bytes and this job's would pass the plan's bound.
+    #[error("your jobs store {stored} bytes in this operation's queue; with this request's they would pass the plan's max_stored_bytes of {limit}")]
+    StoredBytesExceeded { stored: u64, limit: u64 },
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -384,6 +399,7 @@ impl ApiError {
             Self::ChargeOwnedByJob(_) => ProblemType::ChargeOwnedByJob,
             Self::ReadOnly(_) => ProblemType::ReadOnlyCredential,
             Self::CrossSite(_) => ProblemType::CrossSiteRequest,
+            Self::StoredBytesExceeded { .. } => ProblemType::StoredBytesExceeded,
             Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
             Self::NotReady(_) => ProblemType::NotReady,
             Self::Store(_) | Self::Internal(_) => ProblemType::Internal,
@@ -408,6 +424,8 @@ impl ApiError {
             charged: None,
             retry_after_ms: None,
             waited_ms: None,
+            stored_bytes: None,
+            max_stored_bytes: None,
         };
         match self {
             Self::Store(e) if e.is_transient() => {
@@ -431,6 +449,11 @@ impl ApiError {
                     denied.used, denied.limit, denied.retry_after_ms
                 ));
                 p.retry_after_ms = Some(denied.retry_after_ms);
+            }
+            Self::StoredBytesExceeded { stored, limit } => {
+                p.detail = Some(self.to_string());
+                p.stored_bytes = Some(*stored);
+                p.max_stored_bytes = Some(*limit);
             }
             Self::IdempotencyKeyReused { job_id } | Self::ResultExpired(job_id) => {
                 p.detail = Some(self.to_string());
@@ -539,6 +562,9 @@ impl From<JobError> for ApiError {
             }
             JobError::KeyReused { id, .. } => Self::IdempotencyKeyReused { job_id: id },
             JobError::ResultExpired(id) => Self::ResultExpired(id),
+            JobError::StoredBytesExceeded { stored, limit } => {
+                Self::StoredBytesExceeded { stored, limit }
+            }
             JobError::Ledger(l) => l.into(),
             JobError::Store(e) => Self::Store(e),
         }

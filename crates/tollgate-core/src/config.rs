@@ -54,7 +54,20 @@ pub struct Plan {
     /// once (`max_in_flight`, at each provider; fair queuing only). The rest
     /// wait in the user's own queue.
     pub max_in_flight: Option<u32>,
+    /// At most this many bytes of a user's jobs are stored in one operation's
+    /// queue at once (`max_stored_bytes`, default [`DEFAULT_MAX_STORED_BYTES`]):
+    /// inputs of jobs not finished, results and errors still kept, each job
+    /// counted with [`JOB_RECORD_BYTES`] more. Checked when a job is submitted.
+    pub max_stored_bytes: u64,
 }
+
+/// Default `max_stored_bytes` of a plan: 8 MiB per operation queue.
+pub const DEFAULT_MAX_STORED_BYTES: u64 = 8 << 20;
+/// The most `max_stored_bytes` may be: 1 GiB.
+pub const MAX_STORED_BYTES: u64 = 1 << 30;
+/// What one job counts towards `max_stored_bytes` besides its input and
+/// result: its record's own fields and keys.
+pub const JOB_RECORD_BYTES: u64 = 256;
 
 impl Plan {
     /// The plan's longest window (the log keeps events for
@@ -168,7 +181,15 @@ pub struct Operation {
     /// operation is safe to repeat (idempotent upstream). Default false: the
     /// upstream may have done the work, so the job fails with its charge kept.
     pub retry_unanswered: bool,
+    /// How long a finished job (its result or error) stays readable
+    /// (`result_ttl`, default [`DEFAULT_RESULT_TTL`]).
+    pub result_ttl: Duration,
 }
+
+/// Default `result_ttl` of an operation's finished jobs: long enough for an
+/// async caller's polls and for a retry with the same Idempotency-Key after a
+/// lost answer; a sync call answered without a key keeps nothing.
+pub const DEFAULT_RESULT_TTL: Duration = Duration::from_secs(15 * 60);
 
 /// How a job's charge is settled to its actual cost: read a number at `from`
 /// (a JSON pointer, RFC 6901) in the provider's answer; the cost is
@@ -308,6 +329,7 @@ struct RawOperation {
     max_attempts: Option<i64>,
     settle: Option<RawSettle>,
     retry_unanswered: Option<bool>,
+    result_ttl: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -327,6 +349,7 @@ struct RawPlan {
     limits: Option<Vec<RawLimit>>,
     share: Option<i64>,
     max_in_flight: Option<i64>,
+    max_stored_bytes: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -400,6 +423,16 @@ impl Config {
                     ))
                 }
             };
+            let max_stored_bytes = match p.max_stored_bytes {
+                None => DEFAULT_MAX_STORED_BYTES,
+                Some(n) if (1024..=MAX_STORED_BYTES as i64).contains(&n) => n as u64,
+                Some(n) => {
+                    return Err(invalid(
+                        format!("{key}.max_stored_bytes"),
+                        format!("must be between 1024 and {MAX_STORED_BYTES}, got {n}"),
+                    ))
+                }
+            };
             plans.insert(
                 name.clone(),
                 Plan {
@@ -407,6 +440,7 @@ impl Config {
                     limits,
                     share: share as u32,
                     max_in_flight,
+                    max_stored_bytes,
                 },
             );
         }
@@ -674,6 +708,16 @@ fn parse_operations(
             None => None,
             Some(r) => Some(parse_settle(&format!("{key}.settle"), r, invalid)?),
         };
+        let result_ttl = match &o.result_ttl {
+            Some(d) => duration::parse(d).map_err(|m| invalid(format!("{key}.result_ttl"), m))?,
+            None => DEFAULT_RESULT_TTL,
+        };
+        if result_ttl < Duration::from_millis(100) || result_ttl > Duration::from_secs(7 * 86_400) {
+            return Err(invalid(
+                format!("{key}.result_ttl"),
+                "must be between 100ms and 7d".into(),
+            ));
+        }
         operations.insert(
             name.clone(),
             Operation {
@@ -685,6 +729,7 @@ fn parse_operations(
                 max_attempts: max_attempts as u32,
                 settle,
                 retry_unanswered: o.retry_unanswered.unwrap_or(false),
+                result_ttl,
             },
         );
     }

@@ -300,6 +300,14 @@ impl Watch {
     }
 }
 
+/// What a job counts towards its user's `max_stored_bytes`: the bytes of its
+/// input (while it can still run) or of its result or error message (once
+/// final), as JSON text, plus [`JOB_RECORD_BYTES`](crate::config::JOB_RECORD_BYTES).
+/// `lua/lib/job.lua` counts the same way.
+pub fn stored_bytes(text_len: usize) -> u64 {
+    text_len as u64 + crate::config::JOB_RECORD_BYTES
+}
+
 /// A digest of a request body: two requests with one id must agree on it.
 pub fn fingerprint(input: &Value) -> String {
     let digest = Sha256::digest(input.to_string().as_bytes());
@@ -371,6 +379,9 @@ pub enum Enqueued {
     Missing,
     /// The id is another user's job.
     IdInUse,
+    /// Not created: the user's stored bytes in the queue (`stored`, this job
+    /// not included) and this job's would pass the plan's `limit`.
+    Full { stored: u64, limit: u64 },
 }
 
 /// Why a job call failed. Outcomes (denied, duplicate, failed jobs) are not errors.
@@ -391,6 +402,11 @@ pub enum JobError {
     /// it is not run again.
     #[error("job {0} ran and its result is no longer kept")]
     ResultExpired(RequestId),
+    /// The user's stored job bytes (inputs of unfinished jobs, results kept)
+    /// would pass the plan's `max_stored_bytes` with this job: nothing was
+    /// charged, no job was made.
+    #[error("stored job bytes would pass the plan's limit ({stored} of {limit} bytes stored)")]
+    StoredBytesExceeded { stored: u64, limit: u64 },
     #[error(transparent)]
     Ledger(#[from] LedgerError),
     /// The job store failed.
@@ -449,8 +465,17 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
 
     /// Creates `job` (queued) unless a job with its id exists: the same
     /// charge's job (same nonce) is returned; one of an earlier attempt of the
-    /// same user is replaced when `create`; another user's is refused.
-    async fn enqueue(&self, job: &Job, create: bool) -> Result<Enqueued, JobError>;
+    /// same user is replaced when `create`; another user's is refused. A new
+    /// job is refused ([`Enqueued::Full`]) when the user's stored bytes in
+    /// the queue with its own ([`stored_bytes`]) would pass `max_stored`.
+    async fn enqueue(&self, job: &Job, create: bool, max_stored: u64)
+        -> Result<Enqueued, JobError>;
+
+    /// A sync call was answered with job `info`'s final outcome, and its id
+    /// was no Idempotency-Key: no one can ask for the job again, so its record
+    /// goes now instead of at the end of its `result_ttl` (a record still
+    /// owing a release stays until the release is confirmed).
+    async fn answered(&self, info: &JobInfo) -> Result<(), JobError>;
 
     /// One read of job `id` of `operation`, when `user` owns it.
     async fn read(
@@ -522,6 +547,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
                 return Err(JobError::IdInUse(request.id))
             }
         };
+        let max_stored = self.max_stored_bytes(&request.user).await?;
         let job = Job {
             id: request.id,
             user: request.user,
@@ -535,7 +561,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             nonce,
             trace: request.trace,
         };
-        match self.enqueue(&job, create).await? {
+        match self.enqueue(&job, create, max_stored).await? {
             Enqueued::Created if charged => Ok(SubmitOutcome::Queued { job, allowed }),
             Enqueued::Created => Ok(SubmitOutcome::Duplicate {
                 info: JobInfo {
@@ -559,7 +585,28 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
                 }
                 Err(JobError::IdInUse(job.id))
             }
+            Enqueued::Full { stored, limit } => {
+                if charged {
+                    // A definite refusal too: no job carries this nonce.
+                    self.ledger()
+                        .release(&job.user, &job.id, &job.nonce)
+                        .await?;
+                }
+                Err(JobError::StoredBytesExceeded { stored, limit })
+            }
         }
+    }
+
+    /// `user`'s plan's `max_stored_bytes`: the ledger is asked for the plan
+    /// only when plans differ in it.
+    async fn max_stored_bytes(&self, user: &UserId) -> Result<u64, JobError> {
+        let config = self.config();
+        let default = config.default_plan().max_stored_bytes;
+        if config.plans().all(|p| p.max_stored_bytes == default) {
+            return Ok(default);
+        }
+        let plan = self.ledger().plan(user).await?;
+        Ok(config.plan_or_default(Some(&plan)).max_stored_bytes)
     }
 
     /// Waits until the job is final, at most `timeout`, and returns its info
@@ -798,7 +845,9 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
 /// Timings shared by both job backends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobOptions {
-    /// How long a finished job (its result or error) stays readable.
+    /// The most a finished job (its result or error) stays readable: an
+    /// operation's own `result_ttl` applies up to this ([`Self::result_ttl`]).
+    /// Default 7 days (the most `result_ttl` may be): the config decides.
     pub result_ttl: Duration,
     /// How often a waiter re-reads the status besides being woken.
     pub poll: Duration,
@@ -809,10 +858,20 @@ pub struct JobOptions {
 impl Default for JobOptions {
     fn default() -> Self {
         Self {
-            result_ttl: Duration::from_secs(3600),
+            result_ttl: Duration::from_secs(7 * 86_400),
             poll: Duration::from_millis(500),
             refund_grace: Duration::from_secs(5),
         }
+    }
+}
+
+impl JobOptions {
+    /// How long `operation`'s finished jobs stay readable: its `result_ttl`,
+    /// at most [`JobOptions::result_ttl`].
+    pub fn result_ttl(&self, config: &Config, operation: &str) -> Duration {
+        config
+            .operation(operation)
+            .map_or(self.result_ttl, |o| o.result_ttl.min(self.result_ttl))
     }
 }
 

@@ -7,7 +7,7 @@
 //! ledger calls happen between critical sections, in the same order as the
 //! Redis backend's steps).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -41,9 +41,25 @@ struct Record {
     refund_pending: bool,
     /// A run claimed the charge, about to call the provider.
     started: bool,
+    /// What the record stores: the input's JSON text while the job can run,
+    /// the result's or the error message's once final.
+    kept_len: usize,
 }
 
 impl Record {
+    /// What the record counts towards its user's `max_stored_bytes` at
+    /// `now`: nothing once its result expired (`ttl` ms after it ended).
+    fn stored(&self, now: u64, ttl: u64) -> u64 {
+        match self.phase {
+            Phase::Done { at_ms, .. }
+                if !self.refund_pending && at_ms.saturating_add(ttl) <= now =>
+            {
+                0
+            }
+            _ => job::stored_bytes(self.kept_len),
+        }
+    }
+
     fn info(&self) -> JobInfo {
         let (status, finished_at_ms) = match &self.phase {
             Phase::Queued => (JobStatus::Queued, None),
@@ -62,6 +78,33 @@ impl Record {
 struct State {
     jobs: HashMap<RequestId, Record>,
     queues: HashMap<String, VecDeque<RequestId>>,
+    /// The ids of each user's records, by operation: what counts towards the
+    /// user's `max_stored_bytes` in that queue.
+    by_user: HashMap<(UserId, String), HashSet<RequestId>>,
+}
+
+impl State {
+    fn forget(&mut self, id: &RequestId) {
+        if let Some(rec) = self.jobs.remove(id) {
+            let owner = (rec.job.user, rec.job.operation);
+            if let Some(ids) = self.by_user.get_mut(&owner) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    self.by_user.remove(&owner);
+                }
+            }
+        }
+    }
+}
+
+/// What a final record keeps: the result's or the error's text length (its
+/// input is dropped: the job can no longer run).
+fn final_len(status: &JobStatus) -> usize {
+    match status {
+        JobStatus::Succeeded { result } => result.to_string().len(),
+        JobStatus::Failed { message, .. } => message.len(),
+        JobStatus::Queued | JobStatus::Running => 0,
+    }
 }
 
 /// The embedded job queue (both sides: [`JobQueue`] and [`JobSource`]).
@@ -135,6 +178,8 @@ impl MemoryJobQueue {
             Phase::Running { token, .. } if token == lease.token => {}
             _ => return Finish::LeaseLost,
         }
+        rec.kept_len = final_len(&status);
+        rec.job.input = Value::Null;
         rec.phase = Phase::Done { status, at_ms: now };
         rec.refund_pending = refund;
         drop(st);
@@ -166,6 +211,8 @@ impl MemoryJobQueue {
             let Some(rec) = st.jobs.get_mut(id) else {
                 return;
             };
+            rec.kept_len = message.len();
+            rec.job.input = Value::Null;
             rec.phase = Phase::Done {
                 status: JobStatus::Failed { cause, message },
                 at_ms: now,
@@ -229,7 +276,15 @@ impl JobQueue for MemoryJobQueue {
         self.waiters.watch(id)
     }
 
-    async fn enqueue(&self, job: &Job, create: bool) -> Result<Enqueued, JobError> {
+    async fn enqueue(
+        &self,
+        job: &Job,
+        create: bool,
+        max_stored: u64,
+    ) -> Result<Enqueued, JobError> {
+        let now = self.now();
+        let ttl = millis(self.options.result_ttl(&self.config, &job.operation));
+        let input_len = job.input.to_string().len();
         {
             let mut st = lock(&self.state);
             if let Some(rec) = st.jobs.get(&job.id) {
@@ -243,8 +298,30 @@ impl JobQueue for MemoryJobQueue {
             if !create {
                 return Ok(Enqueued::Missing);
             }
+            let owner = (job.user.clone(), job.operation.clone());
+            let stored: u64 = st.by_user.get(&owner).map_or(0, |ids| {
+                ids.iter()
+                    .filter(|id| **id != job.id)
+                    .filter_map(|id| st.jobs.get(id))
+                    .map(|r| r.stored(now, ttl))
+                    .sum()
+            });
+            if stored + job::stored_bytes(input_len) > max_stored {
+                return Ok(Enqueued::Full {
+                    stored,
+                    limit: max_stored,
+                });
+            }
             // A new attempt replaces an earlier one; the fencing token carries on.
             let seq = st.jobs.get(&job.id).map_or(0, |r| r.seq);
+            if st
+                .jobs
+                .get(&job.id)
+                .is_some_and(|r| r.job.operation != job.operation)
+            {
+                st.forget(&job.id);
+            }
+            st.by_user.entry(owner).or_default().insert(job.id.clone());
             st.jobs.insert(
                 job.id.clone(),
                 Record {
@@ -253,6 +330,7 @@ impl JobQueue for MemoryJobQueue {
                     seq,
                     refund_pending: false,
                     started: false,
+                    kept_len: input_len,
                 },
             );
             st.queues
@@ -262,6 +340,20 @@ impl JobQueue for MemoryJobQueue {
         }
         self.queued.notify_waiters();
         Ok(Enqueued::Created)
+    }
+
+    async fn answered(&self, info: &JobInfo) -> Result<(), JobError> {
+        let mut st = lock(&self.state);
+        let done = st.jobs.get(&info.job.id).is_some_and(|r| {
+            r.job.user == info.job.user
+                && r.job.nonce == info.job.nonce
+                && matches!(r.phase, Phase::Done { .. })
+                && !r.refund_pending
+        });
+        if done {
+            st.forget(&info.job.id);
+        }
+        Ok(())
     }
 
     async fn read(
@@ -455,12 +547,22 @@ impl JobSource for MemoryJobQueue {
         let mut refunds = Vec::new();
         {
             let mut st = lock(&self.state);
-            let ttl = millis(self.options.result_ttl);
             let grace = millis(self.options.refund_grace);
-            st.jobs.retain(|_, r| match r.phase {
-                Phase::Done { at_ms, .. } => r.refund_pending || at_ms.saturating_add(ttl) > now,
-                _ => true,
-            });
+            let expired: Vec<RequestId> = st
+                .jobs
+                .values()
+                .filter(|r| match r.phase {
+                    Phase::Done { at_ms, .. } => {
+                        let ttl = millis(self.options.result_ttl(&self.config, &r.job.operation));
+                        !r.refund_pending && at_ms.saturating_add(ttl) <= now
+                    }
+                    _ => false,
+                })
+                .map(|r| r.job.id.clone())
+                .collect();
+            for id in &expired {
+                st.forget(id);
+            }
             let mut requeue = Vec::new();
             for rec in st.jobs.values_mut() {
                 match rec.phase {

@@ -156,17 +156,42 @@ impl RedisJobQueue {
         let mut cmd = redis::cmd("HGETALL");
         cmd.arg(keys.job(id.as_str()));
         let map: HashMap<String, String> = self.command("job_read", cmd).await?;
-        decode(id, &map)
+        Ok(decode(id, &map)?.map(|i| self.with_provider(i)))
+    }
+
+    /// A final record keeps no provider: the operation's, from the config.
+    fn with_provider(&self, mut info: JobInfo) -> JobInfo {
+        if info.job.provider.is_empty() {
+            if let Some(op) = self.config.operation(&info.job.operation) {
+                info.job.provider = op.provider.clone();
+            }
+        }
+        info
+    }
+
+    /// How long `operation`'s finished records stay readable (ms).
+    fn ttl_ms(&self, operation: &str) -> u64 {
+        millis(self.options.result_ttl(&self.config, operation))
+    }
+
+    /// The width of `operation`'s stored-bytes buckets (ms).
+    fn width_ms(&self, operation: &str) -> u64 {
+        let deadline = self
+            .config
+            .operation(operation)
+            .map_or(0, |o| millis(o.deadline));
+        scripts::stored_width_ms(deadline, self.ttl_ms(operation))
     }
 
     /// Releases the charge of job `id` (its owner failed: the record says so)
-    /// and confirms it on the record.
+    /// and confirms it on the record, which then stays `ttl_ms`.
     async fn release(
         &self,
         keys: &JobKeys,
         id: &str,
         user: &str,
         nonce: &str,
+        ttl_ms: u64,
     ) -> Result<(), JobError> {
         if let (Ok(rid), Ok(uid)) = (RequestId::new(id), UserId::new(user)) {
             if !nonce.is_empty() {
@@ -175,10 +200,7 @@ impl RedisJobQueue {
             }
         }
         let _: i64 = self
-            .script(
-                "job_refunded",
-                scripts::job_refunded(keys, id, millis(self.options.result_ttl)),
-            )
+            .script("job_refunded", scripts::job_refunded(keys, id, ttl_ms))
             .await?;
         Ok(())
     }
@@ -333,7 +355,8 @@ impl RedisJobQueue {
                         lease_ms: millis(lease),
                         max_attempts: op.max_attempts,
                         operation: &op.name,
-                        result_ttl_ms: millis(self.options.result_ttl),
+                        result_ttl_ms: self.ttl_ms(&op.name),
+                        width_ms: self.width_ms(&op.name),
                     },
                     &self.done_channel(&keys),
                 ),
@@ -364,12 +387,14 @@ impl RedisJobQueue {
                                 cause: FailureCause::Abandoned.as_str(),
                                 message: "malformed job: unreadable fields",
                                 release: true,
-                                ttl_ms: millis(self.options.result_ttl),
+                                ttl_ms: self.ttl_ms(&op.name),
+                                width_ms: self.width_ms(&op.name),
                             },
                         )
                         .await?
                     {
-                        self.release(&keys, &id, &user, &nonce).await?;
+                        self.release(&keys, &id, &user, &nonce, self.ttl_ms(&op.name))
+                            .await?;
                     }
                     return Ok(Taken::Skipped);
                 };
@@ -392,7 +417,8 @@ impl RedisJobQueue {
                     tracing::warn!(request_id = %id, user, cause, "job failed at its take; its charge stands");
                 } else {
                     tracing::warn!(request_id = %id, user, cause, "job failed before it ran; releasing its charge");
-                    self.release(&keys, &id, &user, &nonce).await?;
+                    self.release(&keys, &id, &user, &nonce, self.ttl_ms(&op.name))
+                        .await?;
                 }
                 Ok(Taken::Skipped)
             }
@@ -401,7 +427,8 @@ impl RedisJobQueue {
                 let user = reply.get(2).and_then(text).unwrap_or_default();
                 let nonce = reply.get(3).and_then(text).unwrap_or_default();
                 tracing::error!(entry = %id, operation = %op.name, reason, "malformed job moved aside");
-                self.release(&keys, &id, &user, &nonce).await?;
+                self.release(&keys, &id, &user, &nonce, self.ttl_ms(&op.name))
+                    .await?;
                 Ok(Taken::Skipped)
             }
             _ => Err(bad_reply("job_lease", reply)),
@@ -462,8 +489,13 @@ fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, Strin
         id: id.clone(),
         user: UserId::new(field(map, "user")?).map_err(|e| e.to_string())?,
         operation: field(map, "op")?.to_owned(),
-        provider: field(map, "provider")?.to_owned(),
-        input: json(map, "input")?,
+        // A final record keeps neither (lib/job.lua: compact_final).
+        provider: map.get("provider").cloned().unwrap_or_default(),
+        input: match map.get("input") {
+            Some(_) => json(map, "input")?,
+            None if is_final(map) => Json::Null,
+            None => return Err("no field input".into()),
+        },
         cost: num(map, "cost")?,
         enqueued_at_ms: num(map, "enq")?,
         deadline_ms: num(map, "deadline")?,
@@ -472,6 +504,13 @@ fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, Strin
         // Absent in records of earlier versions, and for calls with no trace.
         trace: map.get("tp").and_then(|v| TraceParent::parse(v)),
     })
+}
+
+fn is_final(map: &HashMap<String, String>) -> bool {
+    matches!(
+        map.get("state").map(String::as_str),
+        Some("succeeded" | "failed")
+    )
 }
 
 fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo, String> {
@@ -500,12 +539,38 @@ fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo
     })
 }
 
+/// A final record's long values are stored in pieces, `<field>#1`, `<field>#2`,
+/// ... (`lua/lib/job.lua`: compact_final): the whole values again.
+fn joined(map: &HashMap<String, String>) -> std::borrow::Cow<'_, HashMap<String, String>> {
+    if !map.keys().any(|k| k.contains('#')) {
+        return std::borrow::Cow::Borrowed(map);
+    }
+    let mut out = HashMap::new();
+    let mut pieces: HashMap<&str, Vec<(u32, &str)>> = HashMap::new();
+    for (k, v) in map {
+        match k.split_once('#').map(|(f, n)| (f, n.parse::<u32>())) {
+            Some((field, Ok(n))) => pieces.entry(field).or_default().push((n, v)),
+            _ => {
+                out.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    for (field, mut parts) in pieces {
+        parts.sort_unstable_by_key(|(n, _)| *n);
+        out.insert(
+            field.to_owned(),
+            parts.into_iter().map(|(_, v)| v).collect::<String>(),
+        );
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// A record read with HGETALL; empty: no record.
 fn decode(id: &RequestId, map: &HashMap<String, String>) -> Result<Option<JobInfo>, JobError> {
     if map.is_empty() {
         return Ok(None);
     }
-    parse_record(id, map)
+    parse_record(id, &joined(map))
         .map(Some)
         .map_err(|e| StoreError::backend(format!("job {id}: {e}")).into())
 }
@@ -597,17 +662,30 @@ impl JobQueue for RedisJobQueue {
     }
 
     #[tracing::instrument(skip_all, fields(request_id = %job.id, user = %job.user, operation = %job.operation))]
-    async fn enqueue(&self, job: &Job, create: bool) -> Result<Enqueued, JobError> {
+    async fn enqueue(
+        &self,
+        job: &Job,
+        create: bool,
+        max_stored: u64,
+    ) -> Result<Enqueued, JobError> {
         let (_, keys) = self.op_keys(&job.operation)?;
         let input = job.input.to_string();
+        let stored = scripts::Stored {
+            width_ms: self.width_ms(&job.operation),
+            limit: max_stored,
+        };
         let reply: Vec<Value> = self
             .script(
                 call::ENQUEUE,
-                scripts::job_enqueue(&keys, job, &input, create),
+                scripts::job_enqueue(&keys, job, &input, create, stored),
             )
             .await?;
         match reply.first().and_then(int_signed) {
             Some(1) => Ok(Enqueued::Created),
+            Some(-2) => Ok(Enqueued::Full {
+                stored: reply.get(1).and_then(int).unwrap_or(0),
+                limit: reply.get(2).and_then(int).unwrap_or(max_stored),
+            }),
             Some(0) => Ok(Enqueued::Missing),
             Some(-1) => Ok(Enqueued::IdInUse),
             Some(2) => {
@@ -615,13 +693,29 @@ impl JobQueue for RedisJobQueue {
                     reply.get(1).cloned().unwrap_or(Value::Nil),
                 )
                 .map_err(|e| bad_reply::<JobError>("job_enqueue", e))?;
-                match decode(&job.id, &map)? {
+                match decode(&job.id, &map)?.map(|i| self.with_provider(i)) {
                     Some(info) => Ok(Enqueued::Existing(Box::new(info))),
                     None => Err(bad_reply("job_enqueue", "an empty record")),
                 }
             }
             _ => Err(bad_reply("job_enqueue", reply)),
         }
+    }
+
+    async fn answered(&self, info: &JobInfo) -> Result<(), JobError> {
+        let (_, keys) = self.op_keys(&info.job.operation)?;
+        let _: i64 = self
+            .script(
+                "job_forget",
+                scripts::job_forget(
+                    &keys,
+                    info.job.id.as_str(),
+                    info.job.user.as_str(),
+                    &info.job.nonce,
+                ),
+            )
+            .await?;
+        Ok(())
     }
 
     async fn read(
@@ -657,7 +751,10 @@ impl JobQueue for RedisJobQueue {
             call::gather(&self.pool, self.timeout, "job_status", &cmds).await?;
         let mut found: Option<JobInfo> = None;
         for map in &records {
-            if let Some(info) = decode(id, map)?.filter(|i| &i.job.user == user) {
+            if let Some(info) = decode(id, map)?
+                .filter(|i| &i.job.user == user)
+                .map(|i| self.with_provider(i))
+            {
                 // One id in two queues: the newest attempt is the one that counts.
                 if found
                     .as_ref()
@@ -724,7 +821,8 @@ impl JobSource for RedisJobQueue {
                     cause: cause.as_str(),
                     message,
                     release: false,
-                    ttl_ms: millis(self.options.result_ttl),
+                    ttl_ms: self.ttl_ms(&lease.job.operation),
+                    width_ms: self.width_ms(&lease.job.operation),
                 },
             )
             .await?;
@@ -767,7 +865,10 @@ impl JobSource for RedisJobQueue {
                     &lease.worker,
                     lease.token,
                     &result.to_string(),
-                    millis(self.options.result_ttl),
+                    scripts::Kept {
+                        ttl_ms: self.ttl_ms(&lease.job.operation),
+                        width_ms: self.width_ms(&lease.job.operation),
+                    },
                     &self.done_channel(&keys),
                 ),
             )
@@ -799,7 +900,8 @@ impl JobSource for RedisJobQueue {
                     cause: cause.as_str(),
                     message,
                     release,
-                    ttl_ms: millis(self.options.result_ttl),
+                    ttl_ms: self.ttl_ms(&lease.job.operation),
+                    width_ms: self.width_ms(&lease.job.operation),
                 },
             )
             .await?;
@@ -810,7 +912,13 @@ impl JobSource for RedisJobQueue {
             return Ok(Finish::Recorded);
         }
         if let Err(e) = self
-            .release(&keys, id, lease.job.user.as_str(), &lease.job.nonce)
+            .release(
+                &keys,
+                id,
+                lease.job.user.as_str(),
+                &lease.job.nonce,
+                self.ttl_ms(&lease.job.operation),
+            )
             .await
         {
             tracing::warn!(error = %e, request_id = id, "release left pending; maintenance retries it");
@@ -900,7 +1008,8 @@ impl JobSource for RedisJobQueue {
                 get.arg(keys.job(&id)).arg("user").arg("nonce");
                 let f: Vec<Option<String>> = self.command("job_read", get).await?;
                 let field = |i: usize| f.get(i).cloned().flatten().unwrap_or_default();
-                self.release(&keys, &id, &field(0), &field(1)).await?;
+                self.release(&keys, &id, &field(0), &field(1), self.ttl_ms(&operation))
+                    .await?;
                 report.refunded += 1;
             }
         }

@@ -264,6 +264,13 @@ impl JobKeys {
         format!("{}:job:{id}", self.base)
     }
 
+    /// The prefix of each user's stored-bytes hash in this queue
+    /// (`<prefix><user>`: time bucket end (ms) -> bytes counted until then;
+    /// `lua/lib/job.lua`). The scripts complete it with the record's user.
+    pub fn stored_prefix(&self) -> String {
+        format!("{}:stored:", self.base)
+    }
+
     /// List: the job ids worker `worker` moved out of the queue and holds.
     pub fn processing(&self, worker: &str) -> String {
         format!("{}:processing:{worker}", self.base)

@@ -625,6 +625,7 @@ job_scripts! {
     JOB_DUE => "job_due.lua",
     JOB_REQUEUE => "job_requeue.lua",
     JOB_UNSTICK => "job_unstick.lua",
+    JOB_FORGET => "job_forget.lua",
 }
 
 /// `job_status.lua`, bare (no job library): a job's record for its owner only.
@@ -669,6 +670,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_requeue.lua", &JOB_REQUEUE),
         ("job_unstick.lua", &JOB_UNSTICK),
         ("job_status.lua", &JOB_STATUS),
+        ("job_forget.lua", &JOB_FORGET),
         ("activity_record.lua", &ACTIVITY_RECORD),
         ("activity_read.lua", &ACTIVITY_READ),
         ("session_open.lua", &SESSION_OPEN),
@@ -682,6 +684,7 @@ pub fn job_enqueue<'a>(
     job: &tollgate_core::job::Job,
     input: &str,
     create: bool,
+    stored: Stored,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_ENQUEUE.prepare_invoke();
     inv.key(keys.job(job.id.as_str()))
@@ -703,8 +706,29 @@ pub fn job_enqueue<'a>(
                 .as_ref()
                 .map(|t| t.to_string())
                 .unwrap_or_default(),
-        );
+        )
+        .arg(keys.stored_prefix())
+        .arg(stored.width_ms)
+        .arg(stored.limit);
     inv
+}
+
+/// The stored-bytes accounting's settings for a job script (`lua/lib/job.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stored {
+    /// Width of a time bucket (ms): [`stored_width_ms`].
+    pub width_ms: u64,
+    /// The user's bound in the queue (bytes; 0: none). Read by `job_enqueue.lua` only.
+    pub limit: u64,
+}
+
+/// The bucket width for a queue whose jobs have `deadline_ms` to run and whose
+/// results stay `result_ttl_ms`: a minute, or a sixtieth of the two when
+/// longer, so a user's hash has at most ~120 buckets (unfinished jobs' by
+/// deadline, results' by expiry) and a submit reads a bounded hash. A record
+/// counts at most one bucket longer than it is kept.
+pub fn stored_width_ms(deadline_ms: u64, result_ttl_ms: u64) -> u64 {
+    (deadline_ms.saturating_add(result_ttl_ms) / 60).max(60_000)
 }
 
 /// What `job_lease.lua` is asked.
@@ -718,6 +742,8 @@ pub struct LeaseArgs<'a> {
     pub operation: &'a str,
     /// How long a record failed here with nothing to release stays readable.
     pub result_ttl_ms: u64,
+    /// [`Stored::width_ms`].
+    pub width_ms: u64,
 }
 
 /// `job_lease.lua`
@@ -738,7 +764,9 @@ pub fn job_lease<'a>(
         .arg(a.max_attempts)
         .arg(a.operation)
         .arg(channel)
-        .arg(a.result_ttl_ms);
+        .arg(a.result_ttl_ms)
+        .arg(keys.stored_prefix())
+        .arg(a.width_ms);
     inv
 }
 
@@ -763,6 +791,14 @@ pub fn job_started<'a>(keys: &JobKeys, id: &str, token: u64) -> redis::ScriptInv
     inv
 }
 
+/// How long a finished record stays readable, and its stored-bytes bucket width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kept {
+    pub ttl_ms: u64,
+    /// [`Stored::width_ms`].
+    pub width_ms: u64,
+}
+
 /// `job_complete.lua`
 pub fn job_complete<'a>(
     keys: &JobKeys,
@@ -770,14 +806,33 @@ pub fn job_complete<'a>(
     worker: &str,
     token: u64,
     result: &str,
-    ttl_ms: u64,
+    kept: Kept,
     channel: &str,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_COMPLETE.prepare_invoke();
     inv.key(keys.job(id))
         .key(keys.processing(worker))
         .key(&keys.leases);
-    inv.arg(id).arg(token).arg(result).arg(ttl_ms).arg(channel);
+    inv.arg(id)
+        .arg(token)
+        .arg(result)
+        .arg(kept.ttl_ms)
+        .arg(channel)
+        .arg(keys.stored_prefix())
+        .arg(kept.width_ms);
+    inv
+}
+
+/// `job_forget.lua`: 1 deleted (a final record of `user` owing nothing), 0 left alone.
+pub fn job_forget<'a>(
+    keys: &JobKeys,
+    id: &str,
+    user: &str,
+    nonce: &str,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = JOB_FORGET.prepare_invoke();
+    inv.key(keys.job(id));
+    inv.arg(user).arg(keys.stored_prefix()).arg(nonce);
     inv
 }
 
@@ -793,6 +848,8 @@ pub struct FailArgs<'a> {
     pub release: bool,
     /// How long the record stays readable when nothing is to be released.
     pub ttl_ms: u64,
+    /// [`Stored::width_ms`].
+    pub width_ms: u64,
 }
 
 /// `job_fail.lua`
@@ -808,7 +865,9 @@ pub fn job_fail<'a>(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> redis::Sc
         .arg(a.message)
         .arg(channel)
         .arg(if a.release { "1" } else { "0" })
-        .arg(a.ttl_ms);
+        .arg(a.ttl_ms)
+        .arg(keys.stored_prefix())
+        .arg(a.width_ms);
     inv
 }
 

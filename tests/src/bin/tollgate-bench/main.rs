@@ -6,6 +6,7 @@
 
 mod alloc;
 mod api;
+mod call_bytes;
 mod chaos;
 mod cluster_audit;
 mod compose;
@@ -49,6 +50,9 @@ enum Command {
     /// ledger scripts (previous and current key layout, side by side), then
     /// calls through the api; `MEMORY USAGE` of every key of the user.
     Memory(memory::Args),
+    /// What a sync call leaves in Redis: used_memory per call over every key
+    /// and MEMORY USAGE by kind of key, with an optional baseline binary.
+    CallBytes(call_bytes::Args),
     /// Fire reserves at one user from this process and print the counts as JSON
     /// (the multi-process tests run several of these at once).
     Load(load::Args),
@@ -108,6 +112,7 @@ fn main() -> anyhow::Result<()> {
             Command::Ledger(args) => ledger::run(args).await,
             Command::Load(args) => load::run(args).await,
             Command::Memory(args) => memory::run(args).await,
+            Command::CallBytes(args) => call_bytes::run(args).await,
             Command::Throttle(args) => throttle::bench(args).await,
             Command::ThrottleWaiters(args) => throttle::waiters(args).await,
             Command::Fairness(args) => fairness::run(args).await,

@@ -1,0 +1,19 @@
+-- job_forget.lua: a sync call answered its caller in full without an
+-- Idempotency-Key: nobody can ask for the job again, so its record goes now
+-- rather than at the end of the result TTL.
+-- KEYS[1] job
+-- ARGV[1] user, ARGV[2] the stored-bytes key prefix, ARGV[3] the nonce of the
+--   answered attempt (only that attempt's record, of that user, goes)
+-- Only a final record that owes no refund goes (a pending refund needs it).
+-- Returns 1 deleted, 0 left alone.
+
+local JOB, user, prefix, nonce = KEYS[1], ARGV[1], ARGV[2] or '', ARGV[3]
+local f = redis.call('HMGET', JOB, 'state', 'user', 'refund', 'nonce')
+if f[2] ~= user or f[4] ~= nonce or (f[1] ~= 'succeeded' and f[1] ~= 'failed') or f[3] == '1' then
+  return 0
+end
+if prefix ~= '' then
+  stored_drop(JOB, prefix .. user)
+end
+redis.call('DEL', JOB)
+return 1

@@ -1,0 +1,221 @@
+//! What a sync call leaves in Redis: `tollgate all` on Redis, N sync calls of
+//! POST /v1/ops/bench through HTTP, then Redis's `used_memory` delta per call
+//! (over every key, after a warm-up so one-time keys are not counted) and
+//! `MEMORY USAGE <key> SAMPLES 0` summed by kind of key. Side by side with
+//! `--baseline <tollgate binary>` (measured first, each on a fresh Redis).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::bail;
+use redis::aio::MultiplexedConnection;
+use serde_json::json;
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+
+use crate::api::{All, CONFIG as API_CONFIG};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Sync calls through the api.
+    #[arg(long, default_value_t = 3_000)]
+    calls: usize,
+    /// Concurrent callers.
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// Length of the text field of each call's body (bytes).
+    #[arg(long, default_value_t = 100)]
+    body_bytes: usize,
+    /// Send each call with its own Idempotency-Key: a replay within the
+    /// operation's `result_ttl` gets the same answer, so the job is kept.
+    #[arg(long)]
+    keyed: bool,
+    /// Another `tollgate` binary measured the same way, before this build's.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
+}
+
+async fn used_memory(conn: &mut MultiplexedConnection) -> anyhow::Result<i64> {
+    let info: String = redis::cmd("INFO").arg("memory").query_async(conn).await?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no used_memory in INFO"))
+}
+
+/// The kind of a key: its name after the prefix with hash-tag contents, ids
+/// and numbers taken out (`{q:bench}:job:<id>` -> `{q}:job`).
+fn kind(prefix: &str, key: &str) -> String {
+    let rest = key.strip_prefix(prefix).unwrap_or(key);
+    let rest = rest.strip_prefix(":v1:").unwrap_or(rest);
+    let mut out = Vec::new();
+    for (i, part) in rest.split(':').enumerate() {
+        if part.starts_with('{') {
+            out.push(format!(
+                "{{{}}}",
+                part.trim_start_matches('{').chars().next().unwrap_or('?')
+            ));
+        } else if part.ends_with('}') {
+            continue;
+        } else if i > 0 && (part.len() > 12 || part.chars().any(|c| c.is_ascii_digit())) {
+            out.push("<id>".to_owned());
+            break;
+        } else {
+            out.push(part.to_owned());
+        }
+    }
+    out.join(":")
+}
+
+async fn by_kind(
+    conn: &mut MultiplexedConnection,
+    prefix: &str,
+) -> anyhow::Result<BTreeMap<String, (usize, u64)>> {
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    let mut out: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for k in &keys {
+        let b: Option<u64> = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(k)
+            .arg("SAMPLES")
+            .arg(0)
+            .query_async(conn)
+            .await?;
+        let e = out.entry(kind(prefix, k)).or_default();
+        e.0 += 1;
+        e.1 += b.unwrap_or(0);
+    }
+    Ok(out)
+}
+
+async fn calls(
+    all: &All,
+    from: usize,
+    n: usize,
+    clients: usize,
+    body_bytes: usize,
+    keyed: bool,
+) -> anyhow::Result<()> {
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/ops/bench", all.base);
+    let next = Arc::new(AtomicUsize::new(from));
+    let text = "x".repeat(body_bytes);
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..clients {
+        let (http, url, key, next, text) = (
+            http.clone(),
+            url.clone(),
+            all.key.clone(),
+            Arc::clone(&next),
+            text.clone(),
+        );
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= from + n {
+                    return anyhow::Ok(());
+                }
+                let mut req = http
+                    .post(&url)
+                    .bearer_auth(&key)
+                    .json(&json!({ "i": i, "text": text }));
+                if keyed {
+                    req = req.header("Idempotency-Key", format!("bench-{i}"));
+                }
+                let resp = req.send().await?;
+                let status = resp.status();
+                let body = resp.text().await?;
+                if !status.is_success() {
+                    bail!("call {i}: {status} {body}");
+                }
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    Ok(())
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    tollgate_providers::http::install_crypto_provider();
+    let dir = std::env::temp_dir().join(format!("tollgate-bench-call-bytes-{}", random_prefix()));
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("bench.toml");
+    std::fs::write(&config, API_CONFIG)?;
+    let mut builds = Vec::new();
+    if let Some(b) = &args.baseline {
+        builds.push(b.clone());
+    }
+    builds.push(workspace_bin("tollgate"));
+    println!(
+        "## What a sync call leaves in Redis: {} sync calls of POST /v1/ops/bench ({} B of text in each body{}), {} clients, tollgate all on Redis",
+        args.calls,
+        args.body_bytes,
+        if args.keyed { ", each with its own Idempotency-Key" } else { "" },
+        args.clients
+    );
+    for bin in &builds {
+        let server = RedisServer::start();
+        let prefix = random_prefix();
+        let all = All::start(bin, &config, 64, Some((&server.url(), &prefix)))?;
+        let mut conn = redis::Client::open(server.url().as_str())?
+            .get_multiplexed_async_connection()
+            .await?;
+        // Warm-up: the one-time keys (queues, liveness, activity lists) exist.
+        calls(&all, 0, 50, 4, args.body_bytes, args.keyed).await?;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let before_kinds = by_kind(&mut conn, &prefix).await?;
+        let before = used_memory(&mut conn).await?;
+        calls(
+            &all,
+            50,
+            args.calls,
+            args.clients,
+            args.body_bytes,
+            args.keyed,
+        )
+        .await?;
+        // The pods' buffered activity notes are flushed.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let after = used_memory(&mut conn).await?;
+        let kinds = by_kind(&mut conn, &prefix).await?;
+        println!();
+        println!("build `{}`", bin.display());
+        println!(
+            "- used_memory delta: {} B over {} calls = **{:.0} B per call**",
+            after - before,
+            args.calls,
+            (after - before) as f64 / args.calls as f64
+        );
+        println!("| kind of key | keys | MEMORY USAGE bytes | added per call |");
+        println!("|---|---:|---:|---:|");
+        for (k, (n, bytes)) in &kinds {
+            let was = before_kinds.get(k).map(|e| e.1).unwrap_or(0);
+            println!(
+                "| `{k}` | {n} | {bytes} | {:.1} |",
+                (*bytes as f64 - was as f64) / args.calls as f64
+            );
+        }
+        drop(all);
+        drop(server);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
