@@ -184,7 +184,11 @@ async fn repeated_keys_reach_redis_once_per_cache_period() {
         h.usage(&key).await;
     }
     let later = commands(&h);
-    assert!(hmget(&later) - hmget(&after) <= 1, "{later:?}");
+    // Each usage read is one FCALL that runs one HMGET of the user's totals
+    // inside Redis (counted under hmget too): what is left is key lookups.
+    let fcall = |s: &std::collections::BTreeMap<String, u64>| s.get("fcall").copied().unwrap_or(0);
+    let lookups = (hmget(&later) - hmget(&after)) - (fcall(&later) - fcall(&after));
+    assert!(lookups <= 1, "{later:?}");
 }
 
 /// No header is trusted unless the operator names one: a client cannot escape
