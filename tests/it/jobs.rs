@@ -437,6 +437,23 @@ async fn job_finished_records_drop_inputs_and_stored_bytes_are_bounded(s: &Setup
         3,
         "the refused submission is released"
     );
+    // For FULL_MARK_TTL the queue's refusal is answered in process, before any
+    // charge, to a job that would not fit beside what it counted; a job that
+    // fits still goes to the queue.
+    match s.queue.submit(big("sb4")).await {
+        Err(JobError::StoredBytesExceeded { limit, .. }) => assert_eq!(limit, 20000),
+        other => panic!("not refused again: {other:?}"),
+    }
+    match s
+        .queue
+        .submit(request("sb5", "gina", "other"))
+        .await
+        .unwrap()
+    {
+        SubmitOutcome::Queued { .. } => {}
+        other => panic!("sb5 (small) not queued: {other:?}"),
+    }
+    assert_eq!(s.used("gina").await, 4);
     assert!(s
         .queue
         .status(&user("gina"), &rid("sb4"))
@@ -472,7 +489,8 @@ async fn job_finished_records_drop_inputs_and_stored_bytes_are_bounded(s: &Setup
         assert!(info.status.is_final());
         assert_eq!(info.job.input, Value::Null, "a finished job keeps no input");
     }
-    // Room again: the 4th fits now.
+    // Room again: the 4th fits now, once the refusal's mark is over.
+    tokio::time::sleep(tollgate_core::job::FULL_MARK_TTL).await;
     match s.queue.submit(big("sb4")).await.unwrap() {
         SubmitOutcome::Queued { .. } => {}
         other => panic!("sb4 not queued: {other:?}"),

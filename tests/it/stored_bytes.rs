@@ -188,11 +188,13 @@ deadline = "60s"
     let before = used_memory(&mut conn).await;
     let keys_before = keyspace(&mut conn, "*").await;
     let jobs_before = keyspace(&mut conn, "*{q:*").await;
+    let budget_before = keyspace(&mut conn, "*{u:*").await;
 
     let mut accepted = Vec::new();
     let mut refused = 0;
     let mut peak = before;
     let mut tasks = tokio::task::JoinSet::new();
+    let started = Instant::now();
     for _ in 0..calls() {
         tasks.spawn(submit(http.clone()));
         if tasks.len() >= 16 {
@@ -209,6 +211,21 @@ deadline = "60s"
     // read: 16 bodies of 60 KB in Redis's client buffers, whatever the bound).
     tokio::time::sleep(Duration::from_millis(300)).await;
     let grown = keyspace(&mut conn, "*{q:*").await - jobs_before;
+    let budget_grown = keyspace(&mut conn, "*{u:*").await - budget_before;
+    println!("the user's budget keys grew {budget_grown} B");
+    // A refusal is remembered in process (FULL_MARK_TTL) and answered before
+    // the charge: the budget log keeps the accepted jobs' events and the
+    // charges released while no mark was fresh (at most the 16 calls in flight
+    // once a mark lapses), not one per refused call (a released entry stays
+    // in its stream node until the node empties: ~60-120 B each). One stream
+    // node (4 KiB) of slack.
+    let lapses = started.elapsed().as_secs() + 1;
+    let allowed = 4096 + 128 * (accepted.len() as i64 + 16 * lapses as i64);
+    assert!(
+        budget_grown <= allowed,
+        "the user's budget keys grew {budget_grown} B under a flood of refused calls \
+         (at most {allowed} B: the accepted calls and 16 a second)"
+    );
     println!(
         "{} calls of {PAD} B: {} accepted, {refused} refused; the job store's keys grew \
          {grown} B (bound {BOUND}); all keys {} B; used_memory {} B, {} B at the peak \
@@ -218,6 +235,12 @@ deadline = "60s"
         keyspace(&mut conn, "*").await - keys_before,
         used_memory(&mut conn).await - before,
         peak - before
+    );
+    // Every key, the activity feed's included: no more than the user's bound.
+    let all_grown = keyspace(&mut conn, "*").await - keys_before;
+    assert!(
+        all_grown <= (BOUND + BOUND / 8) as i64,
+        "Redis's keys grew {all_grown} B under a flood bounded at {BOUND} B per user"
     );
     // The slack: Redis's allocator rounds a 60 KB value up to 64 KiB.
     assert!(

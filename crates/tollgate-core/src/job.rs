@@ -29,7 +29,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
@@ -451,6 +451,58 @@ pub struct QueueStats {
     pub workers: Option<u64>,
 }
 
+/// How long a refusal for stored bytes ([`Enqueued::Full`]) answers the
+/// same user and operation in process, before any charge, for a job that
+/// would not fit beside the bytes the refusal counted: a flood of
+/// submissions into a full queue then charges (and releases) about one a
+/// second per pod, not one per call. A released charge's entry stays in the
+/// budget log (a stream marks a deleted entry and frees it with its node),
+/// so a refusal answered before the charge is one that leaves nothing.
+pub const FULL_MARK_TTL: Duration = Duration::from_secs(1);
+
+/// The most (user, operation) pairs marked full at once in one process; past
+/// it a refusal is not remembered (the queue's own check still refuses).
+pub const FULL_MARKS_MAX: usize = 10_000;
+
+/// The (user, operation) pairs whose queue refused a job for stored bytes
+/// within [`FULL_MARK_TTL`], with what it said: see [`JobQueue::submit`].
+#[derive(Debug, Default)]
+pub struct FullMarks {
+    marks: Mutex<HashMap<(UserId, String), FullMark>>,
+}
+
+/// Until when a refusal holds, and its stored bytes and limit.
+type FullMark = (Instant, u64, u64);
+
+impl FullMarks {
+    /// `(stored, limit)` of a refusal of `user`'s jobs in `operation` still
+    /// fresh, if any.
+    pub fn get(&self, user: &UserId, operation: &str) -> Option<(u64, u64)> {
+        let marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (user.clone(), operation.to_string());
+        match marks.get(&key) {
+            Some(&(until, stored, limit)) if Instant::now() < until => Some((stored, limit)),
+            _ => None,
+        }
+    }
+
+    /// Remembers a refusal for [`FULL_MARK_TTL`].
+    pub fn mark(&self, user: &UserId, operation: &str, stored: u64, limit: u64) {
+        let now = Instant::now();
+        let mut marks = self.marks.lock().unwrap_or_else(|e| e.into_inner());
+        if marks.len() >= FULL_MARKS_MAX {
+            marks.retain(|_, (until, _, _)| now < *until);
+            if marks.len() >= FULL_MARKS_MAX {
+                return;
+            }
+        }
+        marks.insert(
+            (user.clone(), operation.to_string()),
+            (now + FULL_MARK_TTL, stored, limit),
+        );
+    }
+}
+
 /// The api side of a job backend. Each backend supplies the primitive steps
 /// ([`enqueue`](Self::enqueue), [`read`](Self::read), ...); the sequences that
 /// decide ownership ([`submit`](Self::submit), [`wait`](Self::wait)) are
@@ -462,6 +514,9 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
 
     /// The operations (cost, provider, deadline) jobs are made of.
     fn config(&self) -> &Config;
+
+    /// The refusals for stored bytes this process remembers ([`FullMarks`]).
+    fn full_marks(&self) -> &FullMarks;
 
     /// Creates `job` (queued) unless a job with its id exists: the same
     /// charge's job (same nonce) is returned; one of an earlier attempt of the
@@ -509,6 +564,13 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             .config()
             .operation(&request.operation)
             .ok_or_else(|| JobError::unknown_operation(self.config(), &request.operation))?;
+        // A queue that refused this user's jobs for stored bytes a moment ago
+        // refuses again before anything is charged (see FULL_MARK_TTL).
+        if let Some((stored, limit)) = self.full_marks().get(&request.user, &op.name) {
+            if stored + stored_bytes(request.input.to_string().len()) > limit {
+                return Err(JobError::StoredBytesExceeded { stored, limit });
+            }
+        }
         let fingerprint = fingerprint(&request.input);
         let fresh = nonce();
         let charge = ChargeRequest {
@@ -586,6 +648,8 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
                 Err(JobError::IdInUse(job.id))
             }
             Enqueued::Full { stored, limit } => {
+                self.full_marks()
+                    .mark(&job.user, &job.operation, stored, limit);
                 if charged {
                     // A definite refusal too: no job carries this nonce.
                     self.ledger()

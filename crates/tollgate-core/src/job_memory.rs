@@ -19,8 +19,8 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::id::{RequestId, UserId};
 use crate::job::{
-    self, millis, Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobOptions,
-    JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
+    self, millis, Charge, Enqueued, FailureCause, Finish, FullMarks, Job, JobError, JobInfo,
+    JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
 };
 use crate::ledger::Ledger;
 
@@ -118,6 +118,8 @@ pub struct MemoryJobQueue {
     queued: Notify,
     /// Rung when a job finishes.
     waiters: Arc<Waiters>,
+    /// Refusals for stored bytes remembered in process.
+    full_marks: FullMarks,
 }
 
 impl std::fmt::Debug for MemoryJobQueue {
@@ -151,6 +153,7 @@ impl MemoryJobQueue {
             state: Mutex::new(State::default()),
             queued: Notify::new(),
             waiters: Arc::default(),
+            full_marks: FullMarks::default(),
         }
     }
 
@@ -266,6 +269,10 @@ impl JobQueue for MemoryJobQueue {
 
     fn config(&self) -> &Config {
         &self.config
+    }
+
+    fn full_marks(&self) -> &FullMarks {
+        &self.full_marks
     }
 
     fn poll(&self) -> Duration {

@@ -75,6 +75,8 @@ pub struct RedisJobQueue {
     /// Idle connections for BLMOVE, one per concurrent take.
     blocking: Mutex<Vec<Blocking>>,
     waiters: Arc<Waiters>,
+    /// Refusals for stored bytes remembered in process.
+    full_marks: job::FullMarks,
     /// Ids seen in this process's processing lists with their job still
     /// queued (never leased), by list: moved back if still so next round.
     suspects: Mutex<HashMap<String, HashSet<String>>>,
@@ -112,6 +114,7 @@ impl RedisJobQueue {
             timeout: DEFAULT_TIMEOUT,
             blocking: Mutex::new(Vec::new()),
             waiters: Arc::new(Waiters::default()),
+            full_marks: job::FullMarks::default(),
             suspects: Mutex::default(),
             subscription: Mutex::new(None),
         }
@@ -650,6 +653,10 @@ impl JobQueue for RedisJobQueue {
 
     fn config(&self) -> &Config {
         &self.config
+    }
+
+    fn full_marks(&self) -> &job::FullMarks {
+        &self.full_marks
     }
 
     fn poll(&self) -> Duration {
