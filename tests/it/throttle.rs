@@ -589,7 +589,13 @@ async fn throttle_burst_then_rate(t: Arc<dyn Throttle>) {
     assert!(max_excess(&times, 20.0, 5) <= 1e-6, "{times:?}");
     let span = times.iter().max().unwrap() - times.iter().min().unwrap();
     assert!(span >= 999_000, "the bound makes this >= 1s: {span}µs");
-    assert!(span <= 2_000_000, "utilisation: {span}µs for 1s of tokens");
+    // Utilisation is a benchmark's figure (BENCHMARKS.md), not a test's: a
+    // loaded machine delays grants (2.7 s seen in CI on the cluster). This
+    // only catches grants that stall outright.
+    assert!(
+        span <= 8_000_000,
+        "grants stalled: {span}µs for 1s of tokens"
+    );
 }
 
 async fn throttle_timeout_names_provider_and_wait(t: Arc<dyn Throttle>) {
