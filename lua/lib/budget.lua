@@ -67,7 +67,17 @@
 local KEYS, ARGV
 local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE
 local BATCH = 500
-local MIGRATE_BATCH = 2000
+-- Events of the previous layout moved per call (each a handful of writes).
+local MIGRATE_BATCH = 250
+-- How many log entries one call may read while it brings the windows to now
+-- or walks toward a retry_after (each entry a bucket read): a bound on how
+-- long any budget script holds Redis (under 1 ms on a quiet core), whatever
+-- the log holds. Work left over is kept (each step leaves the totals
+-- consistent) and the script answers TOLLGATE_AGAIN: the caller calls again
+-- (see `expire`); a retry_after walk answers where it stopped (`retry_walk`).
+local SLICE = 100
+-- Log entries this call may still read (SLICE at the start of each call).
+local WORK = 0
 -- Events per bucket before one splits: a bucket not yet split this round holds
 -- up to twice that, which must stay under Redis' hash-max-listpack-entries (128).
 local LOAD = 40
@@ -99,7 +109,7 @@ local function begin(keys, args)
     keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8], keys[9]
   BASE = string.sub(META, 1, -6)
   SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, RETAIN = {}, false, 2, 0, 0, 1, 0, 0
-  KEPT = 0
+  KEPT, WORK = 0, SLICE
 end
 
 local function int(n)
@@ -407,31 +417,41 @@ local function grow(now)
   return n
 end
 
--- The sum of the costs of live events spent in lo..hi (ms, inclusive; XRANGE
--- bounds).
-local function sum_between(lo, hi)
-  local sum, start = 0, lo
+-- The sum of the costs of live events in start..hi (XRANGE bounds), reading
+-- at most WORK entries. Returns the sum, and the ID of the last entry read when
+-- WORK ran out first (nil: the sum reached hi).
+local function sum_slice(start, hi)
+  local sum = 0
   while true do
-    local batch = redis.call('XRANGE', LOG, start, hi, 'COUNT', BATCH)
+    local n = math.min(BATCH, WORK)
+    if n <= 0 then
+      return sum, nil, true
+    end
+    local batch = redis.call('XRANGE', LOG, start, hi, 'COUNT', n)
+    WORK = WORK - #batch
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
       if ev then
         sum = sum + ev.cost
       end
     end
-    if #batch < BATCH then
-      break
+    if #batch < n then
+      return sum, nil, false
     end
     start = '(' .. batch[#batch][1]
+    if WORK <= 0 then
+      return sum, batch[#batch][1], true
+    end
   end
-  return sum
 end
 
--- Reads the totals of the windows shorter than the retention; a plan whose
+-- Reads the totals of the windows shorter than the retention. A plan whose
 -- windows changed (a plan change, or a log written before there were any) has
--- them rebuilt from the log, once (O(events in those windows)). A one-limit
--- plan spanning the retention has none: its next write drops any left.
-local function load_shorts(raw, limits, now)
+-- them rebuilt: each starts as the log's total with nothing subtracted yet
+-- (cursor 0), and `expire` subtracts what is older than its window, a slice
+-- per call. A one-limit plan spanning the retention has none: its next write
+-- drops any left.
+local function load_shorts(raw, limits)
   SHORTS, SHORTS_STALE = {}, false
   local ok = true
   if raw then
@@ -453,16 +473,17 @@ local function load_shorts(raw, limits, now)
   end
   SHORTS, SHORTS_STALE = {}, true
   for k = FIRST, #limits do
-    local w = limits[k].window
-    SHORTS[k - FIRST + 1] = { window = w, total = sum_between(int(now - w + 1), '+'), cursor = now - w }
+    SHORTS[k - FIRST + 1] = { window = limits[k].window, total = TOTAL, cursor = 0 }
   end
 end
 
 -- The running totals: the log's, and the text of the windows'. Reads the
--- bucket table too. If the totals went missing (eviction), the log's is
--- rebuilt once from the log.
+-- bucket table too. Totals that went missing (eviction, the end of a
+-- migration) are rebuilt from the log a slice per call, the sum so far kept
+-- in meta's 'r' ('<sum> <ID of the last entry summed>'); a call that leaves
+-- some answers TOLLGATE_AGAIN.
 local function read_total()
-  local m = redis.call('HMGET', META, 't', 'l', 's', 'x')
+  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r')
   SIZE, SPLIT = tonumber(m[2]) or 1, tonumber(m[3]) or 0
   KEPT = tonumber(m[4]) or 0
   local raw = m[1]
@@ -476,7 +497,20 @@ local function read_total()
       return tonumber(first), rest, false
     end
   end
-  local sum = sum_between('-', '+')
+  local sum, start = 0, '-'
+  local partial, after = string.match(m[5] or '', '^(%d+) (%d+%-%d+)$')
+  if partial then
+    sum, start = tonumber(partial), '(' .. after
+  end
+  local more, stop = sum_slice(start, '+')
+  sum = sum + more
+  if stop then
+    redis.call('HSET', META, 'r', int(sum) .. ' ' .. stop)
+    error({ err = 'TOLLGATE_AGAIN rebuilding the totals from the log: call again' })
+  end
+  if partial then
+    redis.call('HDEL', META, 'r')
+  end
   return sum, nil, sum > 0
 end
 
@@ -594,35 +628,73 @@ local function migrate(now)
   return false
 end
 
+-- Saves the totals and answers TOLLGATE_AGAIN: this call read its SLICE of
+-- the log before every window reached `now`. What it did is kept, and
+-- consistent (each window's total matches its cursor), so the next call goes
+-- on from there; the caller calls again.
+local function again(now, what)
+  write_total(now)
+  error({ err = 'TOLLGATE_AGAIN ' .. what .. ': call again' })
+end
+
 -- Brings every window to `now`: subtracts what left each window shorter than
 -- the retention since its cursor, drops events at or past the retention (time +
 -- retention <= now), and releases charges still held past their hold (their
 -- submission died before a job claimed them). Each event leaves each window
--- once, so the cost is amortised O(log n) per call whatever the number of live
--- events. Sets TOTAL; returns the plan's longest window's total. A user still
--- in the previous layout is moved first.
+-- once, so the cost is amortised O(1) per call whatever the number of live
+-- events; and no call reads more than SLICE entries of the log: one that would
+-- (a whole log leaving at once after a quiet spell, a plan's new window being
+-- rebuilt) keeps its progress and answers TOLLGATE_AGAIN (see `again`). The
+-- windows are caught up in that order, so an event is dropped or released only
+-- once every window's total has seen it leave. Sets TOTAL; returns the plan's
+-- longest window's total. A user still in the previous layout is moved first.
 local function expire(now, limits)
   if migrate(now) then
     error({ err = 'TOLLGATE_MIGRATING events of the previous layout are left: call again' })
   end
   local used, shorts, changed = read_total()
   TOTAL = used
-  load_shorts(shorts, limits, now)
+  load_shorts(shorts, limits)
   changed = changed or SHORTS_STALE
+  local behind = false
   for _, s in ipairs(SHORTS) do
     local edge = now - s.window
     if edge > s.cursor then
-      local left = sum_between(int(s.cursor + 1), int(edge))
-      if left > 0 then
-        s.total, s.cursor, changed = s.total - left, edge, true
+      local left, stop, out = sum_slice(int(s.cursor + 1), int(edge))
+      local cursor = edge
+      if stop then
+        -- The rest of the last millisecond read (a cursor is a millisecond).
+        cursor = tonumber(string.match(stop, '^(%d+)'))
+        local rest = redis.call('XRANGE', LOG, '(' .. stop, int(cursor))
+        WORK = WORK - #rest
+        for _, e in ipairs(rest) do
+          local ev = at_entry(e[1], e[2][2])
+          if ev then
+            left = left + ev.cost
+          end
+        end
+      elseif out then
+        cursor = s.cursor
+      end
+      behind = behind or out
+      if left > 0 or cursor ~= s.cursor and out then
+        s.total, s.cursor, changed = s.total - left, cursor, true
       end
     end
   end
+  if behind then
+    again(now, 'events are leaving a window')
+  end
   while true do
-    local batch = redis.call('XRANGE', LOG, '-', int(now - RETAIN), 'COUNT', BATCH)
+    local n = math.min(BATCH, WORK)
+    local batch = redis.call('XRANGE', LOG, '-', int(now - RETAIN), 'COUNT', math.max(n, 1))
     if #batch == 0 then
       break
     end
+    if n <= 0 then
+      again(now, 'events are leaving the retention')
+    end
+    WORK = WORK - #batch
     local sids = {}
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
@@ -636,10 +708,15 @@ local function expire(now, limits)
     changed = true
   end
   while true do
-    local ids = redis.call('ZRANGE', HOLDS, '-inf', now, 'BYSCORE', 'LIMIT', 0, BATCH)
+    local n = math.min(BATCH, WORK)
+    local ids = redis.call('ZRANGE', HOLDS, '-inf', now, 'BYSCORE', 'LIMIT', 0, math.max(n, 1))
     if #ids == 0 then
       break
     end
+    if n <= 0 then
+      again(now, 'charges past their hold are being released')
+    end
+    WORK = WORK - #ids
     for _, id in ipairs(ids) do
       local ev = find(id)
       if ev then
@@ -681,37 +758,52 @@ local function fits(limits, used, cost)
   return true
 end
 
--- The exact retry_after of a cost in limit k's window: walk its oldest events
--- until their costs free enough room (0: it fits). Terminates within the log
--- because cost <= limit; returns a full window if the total and the log disagree.
-local function retry_after(k, l, used, cost, now)
-  local need, freed = window_used(k, used) + cost - l.limit, 0
-  if need <= 0 then
-    return 0
-  end
-  local start = int(now - l.window + 1)
+-- Walks the log from `start` (an XRANGE bound) adding the live events' costs
+-- to `freed` until they reach `need`: the exact retry_after (ms after `now`)
+-- is when that event leaves a window of `window` ms. Reads at most WORK
+-- entries: where it runs out, answers 'more <bound> <freed> <need>', which the
+-- caller passes to `retry.lua` to go on (a slice per call). Terminates within
+-- the log because cost <= limit; answers a full window if the totals and the
+-- log disagree.
+local function retry_walk(window, need, freed, start, now)
   while true do
-    local batch = redis.call('XRANGE', LOG, start, '+', 'COUNT', BATCH)
+    local n = math.min(BATCH, WORK)
+    if n <= 0 then
+      return 'more ' .. start .. ' ' .. int(freed) .. ' ' .. int(need)
+    end
+    local batch = redis.call('XRANGE', LOG, start, '+', 'COUNT', n)
+    WORK = WORK - #batch
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
       if ev then
         freed = freed + ev.cost
         if freed >= need then
-          return ev.at + l.window - now
+          return ev.at + window - now
         end
       end
     end
-    if #batch < BATCH then
-      break
+    if #batch < n then
+      return window
     end
     start = '(' .. batch[#batch][1]
   end
-  return l.window
+end
+
+-- The exact retry_after of a cost in limit k's window: walk its oldest events
+-- until their costs free enough room (0: it fits). See `retry_walk`.
+local function retry_after(k, l, used, cost, now)
+  local need = window_used(k, used) + cost - l.limit
+  if need <= 0 then
+    return 0
+  end
+  return retry_walk(l.window, need, 0, int(now - l.window + 1), now)
 end
 
 -- Appends to `out` the number of limits, then per limit: used, limit, window_ms,
 -- reset_after_ms (until its oldest event leaves it; -1 when none is in it) and
--- retry_after_ms (with `cost`: until that cost fits it; else 0).
+-- retry_after_ms (with `cost`: until that cost fits it; else 0; or, when the
+-- walk to it ran out of this call's slice, the text 'more <bound> <freed>
+-- <need>': the caller goes on with `retry.lua`).
 local function push_windows(out, limits, used, now, cost)
   out[#out + 1] = #limits
   for k, l in ipairs(limits) do

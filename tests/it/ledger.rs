@@ -210,6 +210,25 @@ async fn retry_after_is_exact(b: &impl Backend) {
     assert!(a.reset_after_ms <= w);
 }
 
+/// A retry_after that needs more events to leave than one call reads (a
+/// slice of the log: 100) is still exact: the walk goes on a slice per call.
+async fn retry_after_is_exact_past_a_slice(b: &impl Backend) {
+    let (l, u) = (b.ledger(), user("many"));
+    l.set_plan(&u, "thousand").await.unwrap();
+    let mut last = None;
+    for i in 0..250 {
+        last = Some(allowed(
+            l.reserve(&u, &rid(&format!("e{i}")), 1).await.unwrap(),
+        ));
+    }
+    let last = last.unwrap();
+    let w = 12 * 3_600_000;
+    // 250 tokens must leave for 1000 to fit: the 250th event decides.
+    let d = denied(l.reserve(&u, &rid("big"), 1000).await.unwrap());
+    assert_eq!(d.retry_after_ms, last.at_ms + w - d.now_ms);
+    assert_eq!(d.used, 250);
+}
+
 async fn events_expire_as_time_passes(b: &impl Backend) {
     let (l, u) = (b.ledger(), user("carol"));
     allowed(l.reserve(&u, &rid("x1"), 6).await.unwrap());
@@ -1117,6 +1136,7 @@ macro_rules! conformance {
 conformance!(
     allows_up_to_the_limit_and_denies_past_it,
     retry_after_is_exact,
+    retry_after_is_exact_past_a_slice,
     events_expire_as_time_passes,
     reserve_is_idempotent_per_request_id,
     refund_once_twice_and_unknown,

@@ -30,6 +30,7 @@ mod outcomes;
 mod redis_ledger;
 mod redis_outages;
 mod redis_tls;
+mod script_time;
 mod slow_clients;
 mod stored_bytes;
 mod throttle;

@@ -40,11 +40,14 @@ impl std::fmt::Debug for RedisLedger {
     }
 }
 
-/// The error a budget script answers while it moves a user's events from the
-/// previous key layout, and how many such calls a request makes at most (each
-/// moves 2,000 events: 20 million).
+/// The errors a budget script answers when it kept its progress and must be
+/// called again: it moved a batch of a user's events from the previous key
+/// layout, or read its slice of the log before every window reached now
+/// (`lib/budget.lua`'s `expire`). How many such calls a request makes at most
+/// (each moves 250 events or reads 100: 10 million).
 const MIGRATING: &str = "TOLLGATE_MIGRATING";
-const MIGRATE_CALLS: usize = 10_000;
+const AGAIN: &str = "TOLLGATE_AGAIN";
+const AGAIN_CALLS: usize = 100_000;
 
 fn to_u64(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
@@ -76,9 +79,11 @@ impl RedisLedger {
         &self.pool
     }
 
-    /// One budget script. A user still in the previous key layout is moved a
-    /// batch of events per call (`lib/budget.lua`'s `migrate`): the script
-    /// answers `TOLLGATE_MIGRATING` until none is left, and is called again.
+    /// One budget script. No call reads more than a slice of the user's log:
+    /// one that would (a user still in the previous key layout, a whole log
+    /// leaving the window at once, a window's total being rebuilt) keeps its
+    /// progress and answers `TOLLGATE_MIGRATING` or `TOLLGATE_AGAIN`, and is
+    /// called again, so other users' calls run in between.
     async fn script<T: FromRedisValue>(
         &self,
         op: &'static str,
@@ -87,12 +92,45 @@ impl RedisLedger {
         let mut calls = 0;
         loop {
             match call::function(&self.pool, self.timeout, op, &inv).await {
-                Err(e) if calls < MIGRATE_CALLS && e.to_string().contains(MIGRATING) => {
-                    calls += 1;
-                }
+                Err(e) if calls < AGAIN_CALLS && is_again(&e) => calls += 1,
                 r => return Ok(r?),
             }
         }
+    }
+
+    /// The exact retry_after of each window of a denial: a walk the denial
+    /// left unfinished (its slice of the log ran out) goes on with
+    /// `retry.lua`, a slice per call.
+    async fn retry_after(
+        &self,
+        user: &UserId,
+        windows: &[WindowUse],
+        retry: Vec<Retry>,
+        now_ms: u64,
+    ) -> Result<Vec<u64>, LedgerError> {
+        let keys = self.keys.budget(user);
+        let mut out = Vec::with_capacity(retry.len());
+        for (w, r) in windows.iter().zip(retry) {
+            let mut r = r;
+            let mut calls = 0;
+            let ms = loop {
+                match r {
+                    Retry::Known(ms) => break ms,
+                    // A walk longer than every call allowed: the window is the
+                    // most any event can take to leave it.
+                    Retry::More(_) if calls >= AGAIN_CALLS => break w.window_ms,
+                    Retry::More(more) => {
+                        calls += 1;
+                        let inv = scripts::retry(&keys, &more, w.window_ms, now_ms);
+                        let v: Value = self.script("retry", inv).await?;
+                        r = Retry::parse(&v)
+                            .ok_or_else(|| bad_reply::<LedgerError>("retry", &v))?;
+                    }
+                }
+            };
+            out.push(ms);
+        }
+        Ok(out)
     }
 
     async fn command<T: FromRedisValue>(
@@ -166,7 +204,9 @@ impl Ledger for RedisLedger {
             }
             Some(0) => {
                 let (windows, retry) = windows("reserve", &r, 3)?;
-                Ok(ReserveOutcome::Denied(Denied::new(windows, &retry, n(2)?)))
+                let now = n(2)?;
+                let retry = self.retry_after(user, &windows, retry, now).await?;
+                Ok(ReserveOutcome::Denied(Denied::new(windows, &retry, now)))
             }
             Some(-1) => Err(LedgerError::CostExceedsLimit { cost, limit: n(1)? }),
             _ => Err(bad()),
@@ -255,7 +295,9 @@ impl Ledger for RedisLedger {
             }),
             Some(0) => {
                 let (windows, retry) = windows("charge", &r, 2)?;
-                Ok(ChargeOutcome::Denied(Denied::new(windows, &retry, n(1)?)))
+                let now = n(1)?;
+                let retry = self.retry_after(user, &windows, retry, now).await?;
+                Ok(ChargeOutcome::Denied(Denied::new(windows, &retry, now)))
             }
             Some(3) => Ok(ChargeOutcome::Conflict {
                 operation: r.get(1).and_then(text),
@@ -410,9 +452,38 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
 /// Fields per window in a budget script's reply (`push_windows` in lib/budget.lua).
 const WINDOW_FIELDS: usize = 5;
 
+/// Whether a budget script kept its progress and asks to be called again.
+fn is_again(e: &impl std::fmt::Display) -> bool {
+    let text = e.to_string();
+    text.contains(AGAIN) || text.contains(MIGRATING)
+}
+
+/// A window's retry_after in a denial: known (ms; 0 when the cost fits), or
+/// where the walk toward it stopped ('more <bound> <freed> <need>').
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Retry {
+    Known(u64),
+    More(String),
+}
+
+impl Retry {
+    fn parse(v: &Value) -> Option<Self> {
+        match v {
+            Value::BulkString(b) if b.starts_with(b"more ") => {
+                String::from_utf8(b.clone()).ok().map(Self::More)
+            }
+            other => int(other).map(Self::Known),
+        }
+    }
+}
+
 /// Reads the windows of a reply from `at` (their count, then five fields each):
 /// every limit as it stands, and the retry_after of each (0 when it fits).
-fn windows(what: &str, r: &[Value], at: usize) -> Result<(Vec<WindowUse>, Vec<u64>), LedgerError> {
+fn windows(
+    what: &str,
+    r: &[Value],
+    at: usize,
+) -> Result<(Vec<WindowUse>, Vec<Retry>), LedgerError> {
     let count = r
         .get(at)
         .and_then(int)
@@ -426,7 +497,7 @@ fn windows(what: &str, r: &[Value], at: usize) -> Result<(Vec<WindowUse>, Vec<u6
         let n = |i: usize| int(&w[i]).ok_or_else(|| bad_reply::<LedgerError>(what, w));
         let reset = signed(&w[3]).and_then(|v| u64::try_from(v).ok());
         windows.push(WindowUse::new(n(1)?, n(2)?, n(0)?, reset));
-        retry.push(n(4)?);
+        retry.push(Retry::parse(&w[4]).ok_or_else(|| bad_reply::<LedgerError>(what, w))?);
     }
     Ok((windows, retry))
 }

@@ -182,13 +182,14 @@ pub static BUDGET: LazyLock<Library> = LazyLock::new(|| {
             ("charge", include_str!("../../../lua/charge.lua")),
             ("claim", include_str!("../../../lua/claim.lua")),
             ("release", include_str!("../../../lua/release.lua")),
+            ("retry", include_str!("../../../lua/retry.lua")),
         ],
     )
 });
 
 /// The budget scripts by their file in `lua/` (see [`all`]).
-pub const BUDGET_SCRIPTS: [&str; 7] = [
-    "reserve", "refund", "settle", "usage", "charge", "claim", "release",
+pub const BUDGET_SCRIPTS: [&str; 8] = [
+    "reserve", "refund", "settle", "usage", "charge", "claim", "release", "retry",
 ];
 
 /// The ARGV tail of every budget script: the export's maxlen (0: none), the
@@ -331,6 +332,14 @@ pub fn claim(
 pub fn release(keys: &BudgetKeys, request: &str, nonce: &str, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("release", keys);
     inv.arg(request).arg(nonce).arg(&plans.0);
+    inv
+}
+
+/// `retry.lua`: goes on with a denial's walk toward its exact retry_after
+/// (`more`: the text the denial answered for a window of `window_ms`).
+pub fn retry(keys: &BudgetKeys, more: &str, window_ms: u64, now_ms: u64) -> FunctionCall {
+    let mut inv = invocation("retry", keys);
+    inv.arg(more).arg(window_ms).arg(now_ms);
     inv
 }
 

@@ -1,0 +1,22 @@
+-- retry.lua: goes on with the walk toward an exact retry_after that a denial
+-- (reserve.lua, charge.lua) left unfinished when it ran out of its slice of
+-- the log; reads at most a slice too (see `retry_walk` in lib/budget.lua).
+-- Writes nothing.
+-- KEYS[1] events, KEYS[2] costs, KEYS[3] plan, KEYS[4] owners, KEYS[5] holds,
+-- KEYS[6] audit, KEYS[7] log, KEYS[8] meta, KEYS[9] cancelled
+--   (see lib/budget.lua)
+-- ARGV[1] the denial's 'more <bound> <freed> <need>'
+-- ARGV[2] the window (ms) of the limit it was for
+-- ARGV[3] the denial's now_ms (the retry_after is counted from it)
+-- Returns the retry_after (ms after ARGV[3]), or another 'more ...' to pass
+-- to the next call.
+-- Errors: TOLLGATE_BAD_RETRY (arguments out of shape).
+
+local bound, freed, need = string.match(ARGV[1], '^more (%(?%d+%-?%d*) (%d+) (%d+)$')
+local window, now = tonumber(ARGV[2]), tonumber(ARGV[3])
+if not bound or not window or not now or window < 1 then
+  return redis.error_reply('TOLLGATE_BAD_RETRY expected more <bound> <freed> <need>, window, now')
+end
+local m = redis.call('HMGET', META, 'l', 's')
+SIZE, SPLIT = tonumber(m[1]) or 1, tonumber(m[2]) or 0
+return retry_walk(window, tonumber(need), tonumber(freed), bound, now)
