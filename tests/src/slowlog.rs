@@ -101,3 +101,105 @@ fn parse(v: &Value) -> Option<SlowEntry> {
         command: args,
     })
 }
+
+/// What one script (or command) cost at its slowest over a run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Slowest {
+    /// Calls logged (each at or above the watch's threshold).
+    pub logged: u64,
+    /// The slowest call (µs).
+    pub max_us: u64,
+}
+
+/// The script or command an entry is: `reserve.lua` for a budget function
+/// (`FCALL tollgate_budget_<version>_reserve ...`), the script's file for an
+/// `EVALSHA` of one of ours, else the command's name.
+pub fn name_of(entry: &SlowEntry) -> String {
+    let mut words = entry.command.split(' ');
+    let first = words.next().unwrap_or("").to_ascii_uppercase();
+    let second = words.next().unwrap_or("");
+    match first.as_str() {
+        "FCALL" | "FCALL_RO" => match second.rsplit_once('_') {
+            Some((_, script)) => format!("{script}.lua"),
+            None => second.to_owned(),
+        },
+        "EVALSHA" if second.ends_with(".lua") => second.to_owned(),
+        _ => first,
+    }
+}
+
+/// Watches a Redis' SLOWLOG for a whole run: every `every`, reads what was
+/// logged and resets it (a Redis restarted by the run starts an empty log, so
+/// nothing is lost but what a restart wiped between two reads). Errors (Redis
+/// down) are skipped: the next read goes on.
+#[derive(Debug)]
+pub struct Watch {
+    seen: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, Slowest>>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Watch {
+    /// Starts watching `url`, whose redis-server must log commands at or
+    /// above the threshold it was started with (`--slowlog-log-slower-than`).
+    pub fn start(url: String, every: std::time::Duration) -> Self {
+        let seen: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, Slowest>>> =
+            std::sync::Arc::default();
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let into = std::sync::Arc::clone(&seen);
+        let task = tokio::spawn(async move {
+            let mut conn = None;
+            loop {
+                let done = *stopped.borrow();
+                if conn.is_none() {
+                    conn = match redis::Client::open(url.as_str()) {
+                        Ok(c) => c.get_multiplexed_async_connection().await.ok(),
+                        Err(_) => None,
+                    };
+                }
+                if let Some(c) = conn.as_mut() {
+                    match drain(c).await {
+                        Ok(entries) => {
+                            let mut seen = into.lock().unwrap_or_else(|e| e.into_inner());
+                            for e in entries {
+                                let s: &mut Slowest = seen.entry(name_of(&e)).or_default();
+                                s.logged += 1;
+                                s.max_us = s.max_us.max(e.micros);
+                            }
+                        }
+                        Err(_) => conn = None,
+                    }
+                }
+                if done {
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = stopped.changed() => {}
+                }
+            }
+        });
+        Self { seen, stop, task }
+    }
+
+    /// Reads what is left and stops: the slowest call per script or command.
+    pub async fn finish(self) -> std::collections::BTreeMap<String, Slowest> {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.clone()
+    }
+}
+
+/// Every entry logged since the last drain, then the log reset.
+async fn drain(conn: &mut MultiplexedConnection) -> redis::RedisResult<Vec<SlowEntry>> {
+    let (reply, ()): (Vec<Value>, ()) = redis::pipe()
+        .cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .cmd("SLOWLOG")
+        .arg("RESET")
+        .query_async(conn)
+        .await?;
+    Ok(reply.iter().filter_map(parse).collect())
+}

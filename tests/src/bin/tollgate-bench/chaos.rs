@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::upstream::{Limit, Upstream};
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, slowlog, workspace_bin, RedisServer};
 
 use crate::waits;
 
@@ -983,8 +983,21 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let prefix = random_prefix();
     let dir = std::env::temp_dir().join(format!("tollgate-chaos-{prefix}"));
     std::fs::create_dir_all(&dir)?;
-    let redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", appendfsync]);
+    // Every command of 1 ms or more is logged and read back by `slow` (a
+    // restart keeps the arguments): at the end no script may have held Redis
+    // past slowlog::LIMIT_US.
+    let redis = RedisServer::start_with(&[
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        appendfsync,
+        "--slowlog-log-slower-than",
+        "1000",
+        "--slowlog-max-len",
+        "4096",
+    ]);
     let redis_url = redis.url();
+    let slow = slowlog::Watch::start(redis_url.clone(), Duration::from_millis(500));
     let limits = PROVIDERS
         .iter()
         .map(|p| {
@@ -1562,6 +1575,30 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         figure: format!(
             "used_memory {memory_before} -> {memory_after} (bound +{allowance}); keys without TTL beyond {NO_TTL:?}: {no_ttl:?}"
         ),
+    });
+
+    let slowest = slow.finish().await;
+    let scripts: Vec<String> = slowest
+        .iter()
+        .filter(|(name, _)| name.ends_with(".lua"))
+        .map(|(name, s)| {
+            format!(
+                "{name} {} over 1 ms, max {:.1} ms",
+                s.logged,
+                s.max_us as f64 / 1000.0
+            )
+        })
+        .collect();
+    checks.push(Check {
+        name: "no script held Redis past 5 ms (SLOWLOG)",
+        ok: slowest
+            .iter()
+            .all(|(name, s)| !name.ends_with(".lua") || s.max_us <= slowlog::LIMIT_US),
+        figure: if scripts.is_empty() {
+            "no script call of 1 ms or more".to_owned()
+        } else {
+            scripts.join("; ")
+        },
     });
 
     // The report.
