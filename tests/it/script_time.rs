@@ -17,7 +17,7 @@ use tollgate_tests::{random_prefix, slowlog, RedisServer};
 
 /// Events one test puts in a user's log: a walk of them all in one call
 /// (the code before slicing) takes tens of milliseconds.
-const EVENTS: usize = 30_000;
+const EVENTS: usize = 10_000;
 
 const CONFIG: &str = r#"
 default_plan = "short"
@@ -27,7 +27,7 @@ window = "6s"
 [plans.two]
 limits = [{ limit = 1000000000, window = "6s" }, { limit = 1000000000, window = "1h" }]
 [plans.full]
-limit = 30000
+limit = 10000
 window = "1h"
 "#;
 
