@@ -11,6 +11,7 @@ mod api_redis;
 mod auth_abuse;
 mod charging;
 mod charging_model;
+mod client;
 mod cli;
 mod cluster_failover;
 mod cluster_pubsub;
