@@ -55,7 +55,13 @@ impl Tollgate {
         std::fs::write(&path, config).unwrap();
         let url = redis.map(RedisServer::url);
         let prefix = random_prefix();
-        let mut args = vec!["all", "--listen", "127.0.0.1:0", "--config", path.to_str().unwrap()];
+        let mut args = vec![
+            "all",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            path.to_str().unwrap(),
+        ];
         if let Some(url) = &url {
             args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
         }
@@ -128,7 +134,12 @@ async fn budget_exhaustion_is_typed_with_the_exact_retry_after(redis: bool) {
     let tg = Tollgate::start(server.as_ref(), None);
     let client = tg.client();
     for i in 0..2 {
-        match client.call("echo.op", json!({"i": i})).send().await.unwrap() {
+        match client
+            .call("echo.op", json!({"i": i}))
+            .send()
+            .await
+            .unwrap()
+        {
             Outcome::Done(done) => {
                 assert_eq!(done.attempts, 1);
                 assert_eq!(done.cost, COST);
@@ -142,7 +153,11 @@ async fn budget_exhaustion_is_typed_with_the_exact_retry_after(redis: bool) {
     let first_at = usage.events.iter().map(|e| e.at_ms).min().unwrap();
 
     let before = now_ms();
-    let outcome = client.call("echo.op", json!({"i": 2})).send().await.unwrap();
+    let outcome = client
+        .call("echo.op", json!({"i": 2}))
+        .send()
+        .await
+        .unwrap();
     let after = now_ms();
     let Outcome::BudgetExhausted {
         retry_after,
@@ -190,7 +205,10 @@ async fn an_async_submission_is_waited_for(redis: bool) {
 
     let call = client.call("echo.op", json!({"q": "both"}));
     let outcome = call.submit_and_wait().await.unwrap();
-    assert_eq!(outcome.job_id(), Some(job_id_of("dev", call.key()).as_str()));
+    assert_eq!(
+        outcome.job_id(),
+        Some(job_id_of("dev", call.key()).as_str())
+    );
     assert_eq!(outcome.result().unwrap()["echo"], json!({"q": "both"}));
     // Submitting the same call again is the same job: nothing more charged.
     let again = call.submit_and_wait().await.unwrap();
@@ -225,7 +243,10 @@ async fn a_503_during_a_redis_restart_is_retried_with_the_same_key_and_charged_o
 
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while upstream.arrivals().is_empty() {
-        assert!(std::time::Instant::now() < deadline, "the call never reached the upstream");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the call never reached the upstream"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut server = server;
@@ -248,14 +269,17 @@ async fn a_503_during_a_redis_restart_is_retried_with_the_same_key_and_charged_o
         panic!("not done: {outcome:?}")
     };
     assert!(done.attempts >= 2, "no 503 was retried: {done:?}");
-    let job = job_id_of("dev", &key);
-    assert_eq!(done.job_id, job, "the answer is of the call's own key");
     let usage = client.usage().await.unwrap();
     assert_eq!(usage.used, COST, "charged once: {usage:?}");
+    let job = job_id_of("dev", &key);
+    assert_eq!(done.job_id, job, "the answer is of the call's own key");
     let ids: Vec<&str> = usage.events.iter().map(|e| e.request_id.as_str()).collect();
     assert_eq!(ids, [job.as_str()]);
     assert!(
-        upstream.arrivals().iter().all(|a| a.job.as_deref() == Some(job.as_str())),
+        upstream
+            .arrivals()
+            .iter()
+            .all(|a| a.job.as_deref() == Some(job.as_str())),
         "{:?}",
         upstream.arrivals()
     );

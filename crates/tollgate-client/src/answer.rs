@@ -329,12 +329,27 @@ mod tests {
         let retried = |status, body: &[u8]| {
             matches!(classify(status, &none, body, false), Step::Retry { .. })
         };
-        assert!(retried(503, &problem(503, "backend-unavailable", json!({}))));
+        assert!(retried(
+            503,
+            &problem(503, "backend-unavailable", json!({}))
+        ));
         assert!(retried(503, &problem(503, "overloaded", json!({}))));
-        assert!(retried(502, &problem(502, "provider-failure", json!({"charged": false}))));
-        assert!(retried(504, &problem(504, "throttle-timeout", json!({"charged": false}))));
-        assert!(!retried(504, &problem(504, "upstream-unanswered", json!({"charged": true}))));
-        assert!(!retried(502, &problem(502, "bad-upstream-response", json!({"charged": true}))));
+        assert!(retried(
+            502,
+            &problem(502, "provider-failure", json!({"charged": false}))
+        ));
+        assert!(retried(
+            504,
+            &problem(504, "throttle-timeout", json!({"charged": false}))
+        ));
+        assert!(!retried(
+            504,
+            &problem(504, "upstream-unanswered", json!({"charged": true}))
+        ));
+        assert!(!retried(
+            502,
+            &problem(502, "bad-upstream-response", json!({"charged": true}))
+        ));
         assert!(!retried(502, &problem(502, "provider-failure", json!({}))));
         assert!(retried(502, b"<html>bad gateway</html>"));
         assert!(!retried(429, &problem(429, "quota-exceeded", json!({}))));

@@ -96,10 +96,7 @@ impl Call {
     }
 
     fn progress(&self) -> Progress {
-        Progress::new(
-            self.deadline
-                .unwrap_or(self.client.inner.retry.deadline),
-        )
+        Progress::new(self.deadline.unwrap_or(self.client.inner.retry.deadline))
     }
 
     fn user(&self) -> Result<Option<&HeaderValue>, Error> {
@@ -174,7 +171,9 @@ impl Call {
             .ok()
             .filter(|_| !self.key.trim().is_empty() && self.key.len() <= 255)
             .ok_or_else(|| {
-                Error::Config("the Idempotency-Key must be 1 to 255 visible ASCII characters".into())
+                Error::Config(
+                    "the Idempotency-Key must be 1 to 255 visible ASCII characters".into(),
+                )
             })?;
         let prefer = match mode {
             // Answer (202 at worst) a second before the deadline.
@@ -298,7 +297,11 @@ pub(crate) async fn read(
             .http
             .get(format!("{}{path}{}", inner.base, query_string(query)))
             .header(reqwest::header::AUTHORIZATION, inner.auth.clone())
-            .timeout(progress.left().clamp(Duration::from_millis(100), Duration::from_secs(30)));
+            .timeout(
+                progress
+                    .left()
+                    .clamp(Duration::from_millis(100), Duration::from_secs(30)),
+            );
         if let Some(user) = user {
             req = req.header(USER_HEADER, user.clone());
         }
@@ -320,9 +323,9 @@ pub(crate) async fn read(
         progress.retries += 1;
         let pause = policy.backoff(progress.retries, hint);
         if progress.retries > policy.max_retries || pause >= progress.left() {
-            return Err(otherwise.err().unwrap_or_else(|| {
-                Error::Protocol(format!("GET {path}: no usable answer"))
-            }));
+            return Err(otherwise
+                .err()
+                .unwrap_or_else(|| Error::Protocol(format!("GET {path}: no usable answer"))));
         }
         tokio::time::sleep(pause).await;
     }

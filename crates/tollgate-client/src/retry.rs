@@ -90,13 +90,25 @@ mod tests {
         let p = RetryPolicy::default();
         for _ in 0..200 {
             let d = p.backoff(1, Some(Duration::from_secs(1)));
-            assert!(d >= Duration::from_secs(1) && d <= Duration::from_millis(1250), "{d:?}");
+            assert!(
+                d >= Duration::from_secs(1) && d <= Duration::from_millis(1250),
+                "{d:?}"
+            );
             let d = p.backoff(3, Some(Duration::from_secs(20)));
-            assert!(d >= Duration::from_secs(20) && d <= Duration::from_secs(21), "{d:?}");
+            assert!(
+                d >= Duration::from_secs(20) && d <= Duration::from_secs(21),
+                "{d:?}"
+            );
             let d = p.backoff(1, None);
-            assert!(d >= Duration::from_millis(100) && d <= Duration::from_millis(200), "{d:?}");
+            assert!(
+                d >= Duration::from_millis(100) && d <= Duration::from_millis(200),
+                "{d:?}"
+            );
             let d = p.backoff(30, None);
-            assert!(d >= Duration::from_millis(2500) && d <= Duration::from_secs(5), "{d:?}");
+            assert!(
+                d >= Duration::from_millis(2500) && d <= Duration::from_secs(5),
+                "{d:?}"
+            );
         }
     }
 
