@@ -248,7 +248,10 @@ async fn provider_failures_are_refunded(redis: bool) {
         match client.call("bad.op", json!({"q": 1})).send().await.unwrap() {
             tollgate_client::Outcome::Failed(f) => {
                 assert_eq!((f.status, f.kind.as_str()), (502, "provider-failure"));
-                assert_eq!((f.cause.as_deref(), f.charged), (Some("provider"), Some(false)));
+                assert_eq!(
+                    (f.cause.as_deref(), f.charged),
+                    (Some("provider"), Some(false))
+                );
             }
             other => panic!("not a provider failure: {other:?}"),
         }
@@ -263,8 +266,15 @@ async fn provider_failures_are_refunded(redis: bool) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The same user's good calls still work and are charged.
-    let done = client.call("good.op", json!({"q": 1})).send().await.unwrap();
-    assert!(matches!(done, tollgate_client::Outcome::Done(_)), "{done:?}");
+    let done = client
+        .call("good.op", json!({"q": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        matches!(done, tollgate_client::Outcome::Done(_)),
+        "{done:?}"
+    );
     assert_eq!(client.usage().await.unwrap().used, 8);
     sys.stop();
 }
