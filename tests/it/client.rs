@@ -34,7 +34,8 @@ impl Drop for Tollgate {
 }
 
 impl Tollgate {
-    /// `tollgate all` with a 16-token plan, `echo.op` on the built-in mock and,
+    /// `tollgate all` with a 16-token plan, `echo.op` on the built-in mock,
+    /// `busy.op` on a provider that holds one call then one per 100 s, and,
     /// with `upstream`, `slow.op` on it; on `redis` when given.
     fn start(redis: Option<&RedisServer>, upstream: Option<&str>) -> Self {
         let dir = std::env::temp_dir().join(format!("tollgate-client-{}", random_prefix()));
@@ -42,7 +43,9 @@ impl Tollgate {
         let mut config = format!(
             "default_plan = \"small\"\n[plans.small]\nlimit = {LIMIT}\nwindow = \"12h\"\n\
              [providers.mock]\nrate = 1000\nburst = 100\nmax_wait = \"10s\"\n\
-             [operations.\"echo.op\"]\ncost = {COST}\nprovider = \"mock\"\n"
+             [operations.\"echo.op\"]\ncost = {COST}\nprovider = \"mock\"\n\
+             [providers.busy]\nrate = 0.01\nburst = 1\nmax_wait = \"200ms\"\n\
+             [operations.\"busy.op\"]\ncost = 1\nprovider = \"busy\"\n"
         );
         if let Some(url) = upstream {
             config.push_str(&format!(
@@ -122,7 +125,8 @@ macro_rules! both_modes {
 
 both_modes!(
     budget_exhaustion_is_typed_with_the_exact_retry_after,
-    an_async_submission_is_waited_for
+    an_async_submission_is_waited_for,
+    a_saturated_provider_is_retried_then_provider_busy
 );
 
 /// Two calls fill the plan; the third is `BudgetExhausted` at once (not
@@ -214,6 +218,45 @@ async fn an_async_submission_is_waited_for(redis: bool) {
     let again = call.submit_and_wait().await.unwrap();
     assert_eq!(again.job_id(), outcome.job_id());
     assert_eq!(client.usage().await.unwrap().used, 2 * COST);
+}
+
+/// The provider's one slot is taken: the next call waits 200 ms at its
+/// throttle and fails refunded (504 throttle-timeout, `"charged": false`). The
+/// client retries it (a new attempt each time: the key was freed) until its
+/// deadline, then says `ProviderBusy`; nothing stays charged for it.
+async fn a_saturated_provider_is_retried_then_provider_busy(redis: bool) {
+    let server = redis.then(RedisServer::start);
+    let tg = Tollgate::start(server.as_ref(), None);
+    let client = Client::builder(&tg.base, &tg.key)
+        .deadline(Duration::from_millis(2500))
+        .build()
+        .unwrap();
+    let first = client.call("busy.op", json!({})).send().await.unwrap();
+    assert!(matches!(first, Outcome::Done(_)), "{first:?}");
+    let started = std::time::Instant::now();
+    let busy = client
+        .call("busy.op", json!({"n": 2}))
+        .send()
+        .await
+        .unwrap();
+    let Outcome::ProviderBusy { retry_after, .. } = busy else {
+        panic!("not ProviderBusy: {busy:?}")
+    };
+    assert!(
+        started.elapsed() < Duration::from_millis(3500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(retry_after > Duration::ZERO);
+    // Only the first call's token stays spent (every failed attempt was refunded).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while client.usage().await.unwrap().used != 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the refunds never landed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A sync call is charged and its job runs at the upstream when Redis is

@@ -13,6 +13,9 @@ use crate::{valid_id, Client, Error, Raw, USER_HEADER};
 
 /// The most a job's status is polled apart.
 const MAX_POLL: Duration = Duration::from_secs(1);
+/// Below this much time left, a sync call polls its pending job instead of
+/// asking the server to wait (in whole seconds) again.
+const LONG_POLL_LEFT: Duration = Duration::from_millis(1500);
 /// The most `Prefer: wait` an async submission asks for before polling.
 const SUBMIT_WAIT: Duration = Duration::from_secs(10);
 
@@ -141,12 +144,7 @@ impl Call {
                 }
                 other => other,
             };
-            let released = match &outcome {
-                Outcome::ProviderBusy { .. } => true,
-                Outcome::Failed(f) => f.charged == Some(false) && f.status != 503,
-                _ => false,
-            };
-            if !released {
+            if !released(&outcome) {
                 return Ok(outcome);
             }
             let policy = &self.client.inner.retry;
@@ -213,14 +211,22 @@ impl Call {
                 // The job outlived the server's wait: ask again with the same
                 // key, which waits for the same job, while time is left.
                 Step::Final(Ok(Outcome::Pending(p))) if mode == Mode::Sync => {
-                    if progress.left() < Duration::from_secs(1) {
-                        return Ok(stamp(Outcome::Pending(p), progress, &self.client));
+                    if progress.left() >= LONG_POLL_LEFT {
+                        if sent.elapsed() < Duration::from_millis(200) {
+                            tokio::time::sleep(poll).await;
+                            poll = (poll * 2).min(MAX_POLL);
+                        }
+                        continue;
                     }
-                    if sent.elapsed() < Duration::from_millis(200) {
-                        tokio::time::sleep(poll).await;
-                        poll = (poll * 2).min(MAX_POLL);
+                    // Too little time left for a server-side wait (whole
+                    // seconds): poll the job until the deadline instead.
+                    let user = self.user()?.cloned();
+                    let outcome =
+                        wait_job(&self.client, user.as_ref(), &p.job_id, progress).await?;
+                    if !released(&outcome) {
+                        return Ok(stamp(outcome, progress, &self.client));
                     }
-                    continue;
+                    (None, Ok(outcome))
                 }
                 Step::Final(Ok(o @ Outcome::BudgetExhausted { .. }))
                     if budget_wait(&o, policy.wait_for_budget).is_some() =>
@@ -238,6 +244,16 @@ impl Call {
             tracing::debug!(key = %self.key, retry = progress.retries, ?pause, "retrying with the same Idempotency-Key");
             tokio::time::sleep(pause).await;
         }
+    }
+}
+
+/// A job that failed and gave its charge back, so its key is free again: a
+/// retry is a new attempt.
+fn released(outcome: &Outcome) -> bool {
+    match outcome {
+        Outcome::ProviderBusy { .. } => true,
+        Outcome::Failed(f) => f.charged == Some(false) && f.status != 503,
+        _ => false,
     }
 }
 

@@ -34,6 +34,9 @@ USER_HEADER = "Tollgate-User"
 _ID = re.compile(r"^[A-Za-z0-9._@+=~-]{1,255}$")
 _KEY = re.compile(r"^[!-~]([ \t!-~]{0,253}[!-~])?$")
 _MAX_POLL = 1.0
+# Below this many seconds left, a sync call polls its pending job instead of
+# asking the server to wait (in whole seconds) again.
+_LONG_POLL_LEFT = 1.5
 _SUBMIT_WAIT = 10
 
 
@@ -140,6 +143,14 @@ def _stamp(outcome: Outcome, progress: _Progress, policy: RetryPolicy) -> Outcom
     return outcome
 
 
+def _released(outcome: Outcome) -> bool:
+    """A job that failed and gave its charge back: its key is free again, so a
+    retry is a new attempt."""
+    return isinstance(outcome, ProviderBusy) or (
+        isinstance(outcome, Failed) and outcome.charged is False and outcome.status != 503
+    )
+
+
 def _end(result: Union[Outcome, TollgateError], progress: _Progress, policy: RetryPolicy) -> Outcome:
     if isinstance(result, TollgateError):
         raise result
@@ -209,15 +220,21 @@ class _Core:
                 reason = str(got.status)
             if isinstance(step, Final):
                 result = step.result
-                if mode == "sync" and isinstance(result, Pending) and isinstance(got, _Answer):
-                    if progress.left() < 1.0:
-                        return _stamp(result, progress, self.retry)
-                    if got.elapsed < 0.2:
-                        yield _Sleep(poll)
-                        poll = min(poll * 2, _MAX_POLL)
-                    continue
                 budget = self.retry.wait_for_budget
-                if isinstance(result, BudgetExhausted) and budget is not None and result.retry_after <= budget:
+                if mode == "sync" and isinstance(result, Pending) and isinstance(got, _Answer):
+                    if progress.left() >= _LONG_POLL_LEFT:
+                        if got.elapsed < 0.2:
+                            yield _Sleep(poll)
+                            poll = min(poll * 2, _MAX_POLL)
+                        continue
+                    # Too little time left for a server-side wait (whole
+                    # seconds): poll the job until the deadline instead.
+                    outcome = yield from self._wait_flow(result.job_id, user, progress)
+                    if not _released(outcome):
+                        return _stamp(outcome, progress, self.retry)
+                    step = Retry(None, outcome)
+                    reason = "refunded"
+                elif isinstance(result, BudgetExhausted) and budget is not None and result.retry_after <= budget:
                     step = Retry(result.retry_after, result)
                     reason = "budget"
                 else:
@@ -270,10 +287,7 @@ class _Core:
             outcome = yield from self._post_flow(operation, body, key, user, "async", wait, progress)
             if isinstance(outcome, Pending):
                 outcome = yield from self._wait_flow(outcome.job_id, user, progress)
-            released = isinstance(outcome, ProviderBusy) or (
-                isinstance(outcome, Failed) and outcome.charged is False and outcome.status != 503
-            )
-            if not released:
+            if not _released(outcome):
                 return outcome
             pause = self._pause(progress, None, key, "refunded")
             if pause is None:
