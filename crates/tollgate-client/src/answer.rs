@@ -219,7 +219,7 @@ pub(crate) fn classify(status: u16, headers: &HeaderMap, body: &[u8], job_read: 
             max_stored_bytes: problem.max_stored_bytes.unwrap_or_default(),
         })),
         (401 | 403 | 429, _) => Step::Final(Err(Error::Auth {
-            problem,
+            problem: Box::new(problem),
             retry_after: hint,
         })),
         (_, "upstream-rejected") => Step::Final(Ok(Outcome::Rejected {
@@ -231,7 +231,7 @@ pub(crate) fn classify(status: u16, headers: &HeaderMap, body: &[u8], job_read: 
         (503, _) => Step::Retry {
             hint: Some(hint.unwrap_or(Duration::from_secs(1))),
             otherwise: Err(Error::Unavailable {
-                problem,
+                problem: Box::new(problem),
                 retry_after: hint,
             }),
         },
@@ -256,8 +256,12 @@ pub(crate) fn classify(status: u16, headers: &HeaderMap, body: &[u8], job_read: 
             }
         }
         (410, _) => Step::Final(Ok(failed(status, problem))),
-        (500..=599, _) => Step::Final(Err(Error::Server { problem })),
-        _ => Step::Final(Err(Error::Invalid { problem })),
+        (500..=599, _) => Step::Final(Err(Error::Server {
+            problem: Box::new(problem),
+        })),
+        _ => Step::Final(Err(Error::Invalid {
+            problem: Box::new(problem),
+        })),
     }
 }
 

@@ -21,25 +21,25 @@ pub enum Error {
     /// not do this (403), or too many bad keys from this address (429).
     #[error("refused credentials: {problem}")]
     Auth {
-        problem: Problem,
+        problem: Box<Problem>,
         retry_after: Option<Duration>,
     },
     /// tollgate refused the request as it is (400, 404, 409, 413, 415, 422):
     /// a malformed body, an unknown operation or job, an Idempotency-Key
     /// reused with another body, a cost over the plan's whole budget.
     #[error("refused request: {problem}")]
-    Invalid { problem: Problem },
+    Invalid { problem: Box<Problem> },
     /// tollgate could not serve the call (503: its store unreachable, the
     /// server overloaded) through every retry the deadline allowed. The call
     /// may have been charged: resend it with the same Idempotency-Key.
     #[error("tollgate unavailable: {problem}")]
     Unavailable {
-        problem: Problem,
+        problem: Box<Problem>,
         retry_after: Option<Duration>,
     },
     /// tollgate failed (500).
     #[error("tollgate failed: {problem}")]
-    Server { problem: Problem },
+    Server { problem: Box<Problem> },
     /// An answer the client does not understand (not tollgate's, or a newer
     /// one's): the status and the start of the body.
     #[error("unexpected answer: {0}")]
