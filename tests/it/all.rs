@@ -110,18 +110,6 @@ provider = "bad"
 }
 
 impl System {
-    async fn call(&self, key: &str, op: &str, asynchronous: bool) -> reqwest::Response {
-        let mut req = self
-            .http
-            .post(format!("{}/v1/ops/{op}", self.base))
-            .bearer_auth(key)
-            .json(&json!({"q": 1}));
-        if asynchronous {
-            req = req.header("Prefer", "respond-async");
-        }
-        req.send().await.unwrap()
-    }
-
     async fn get(&self, key: &str, path: &str) -> Value {
         self.http
             .get(format!("{}{path}", self.base))
@@ -251,15 +239,26 @@ async fn provider_failures_are_refunded(redis: bool) {
         .as_str()
         .unwrap_or_else(|| panic!("{created}"))
         .to_owned();
+    // Through the Rust client, without its retries: each answer as it comes.
+    let client = tollgate_client::Client::builder(&sys.base, &key)
+        .retry(tollgate_client::RetryPolicy::none())
+        .build()
+        .unwrap();
     for _ in 0..3 {
-        let r = sys.call(&key, "bad.op", false).await;
-        assert_eq!(r.status().as_u16(), 502);
-        let body: Value = r.json().await.unwrap();
-        assert!(body.to_string().contains("provider"), "{body}");
+        match client.call("bad.op", json!({"q": 1})).send().await.unwrap() {
+            tollgate_client::Outcome::Failed(f) => {
+                assert_eq!((f.status, f.kind.as_str()), (502, "provider-failure"));
+                assert_eq!(
+                    (f.cause.as_deref(), f.charged),
+                    (Some("provider"), Some(false))
+                );
+            }
+            other => panic!("not a provider failure: {other:?}"),
+        }
     }
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let used = sys.get(&key, "/v1/usage").await["used"].as_u64().unwrap();
+        let used = client.usage().await.unwrap().used;
         if used == 0 {
             break;
         }
@@ -267,11 +266,16 @@ async fn provider_failures_are_refunded(redis: bool) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The same user's good calls still work and are charged.
-    assert_eq!(
-        sys.call(&key, "good.op", false).await.status().as_u16(),
-        200
+    let done = client
+        .call("good.op", json!({"q": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        matches!(done, tollgate_client::Outcome::Done(_)),
+        "{done:?}"
     );
-    assert_eq!(sys.get(&key, "/v1/usage").await["used"], 8);
+    assert_eq!(client.usage().await.unwrap().used, 8);
     sys.stop();
 }
 

@@ -12,6 +12,7 @@ mod auth_abuse;
 mod charging;
 mod charging_model;
 mod cli;
+mod client;
 mod cluster_failover;
 mod cluster_pubsub;
 mod concurrency;

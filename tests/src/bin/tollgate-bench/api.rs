@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde_json::json;
+use tollgate_client::Outcome;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::stats::{us, Samples};
@@ -49,6 +50,9 @@ default_plan = "bench"
 [plans.bench]
 limit = 1000000000
 window = "12h"
+# Every call carries an Idempotency-Key, so its job record stays for the
+# result_ttl: room for every run's jobs.
+max_stored_bytes = 1073741824
 [plans.tiny]
 limit = 1
 window = "12h"
@@ -143,14 +147,18 @@ impl All {
     }
 }
 
+/// The load path's client: tollgate's Rust client (`tollgate-client`) on one
+/// shared connection pool, without retries, so that every answer counts as
+/// it comes. Each call carries its own Idempotency-Key, as an application's would.
 #[derive(Clone)]
 pub(crate) struct Client {
     pub(crate) http: reqwest::Client,
-    pub(crate) url: String,
+    pub(crate) base: String,
 }
 
 impl Client {
-    /// One operation call; `Err` unless the status is `want`.
+    /// One operation call of `bench`; `Err` unless it answered `want` (200:
+    /// done, 202: accepted, 429: over budget).
     pub(crate) async fn call(
         &self,
         key: &str,
@@ -158,22 +166,23 @@ impl Client {
         asynchronous: bool,
         want: u16,
     ) -> anyhow::Result<()> {
-        let mut req = self
-            .http
-            .post(&self.url)
-            .bearer_auth(key)
-            .json(&json!({ "i": i }));
-        if asynchronous {
-            req = req.header("Prefer", "respond-async");
-        }
-        let resp = req.send().await?;
-        let status = resp.status().as_u16();
-        let body = resp.bytes().await?;
-        anyhow::ensure!(
-            status == want,
-            "wanted {want}, got {status}: {}",
-            String::from_utf8_lossy(&body)
-        );
+        let api = tollgate_client::Client::builder(&self.base, key)
+            .http_client(self.http.clone())
+            .retry(tollgate_client::RetryPolicy::none())
+            .build()?;
+        let call = api.call("bench", json!({ "i": i }));
+        let outcome = if asynchronous {
+            call.submit().await?
+        } else {
+            call.send().await?
+        };
+        let got = match &outcome {
+            Outcome::Done(_) => 200,
+            Outcome::Pending(_) => 202,
+            Outcome::BudgetExhausted { .. } => 429,
+            _ => 0,
+        };
+        anyhow::ensure!(got == want, "wanted {want}, got {outcome:?}");
         Ok(())
     }
 }
@@ -279,7 +288,7 @@ async fn measure(mode: &str, all: &All, args: &Args) -> anyhow::Result<(Client, 
             .timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(args.clients * 2)
             .build()?,
-        url: format!("{}/v1/ops/bench", all.base),
+        base: all.base.clone(),
     };
     let tiny = exhausted_user(&c, &all.base, "tiny").await?;
     // Warm-up: connections, scripts, the worker's loops.
@@ -512,7 +521,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     std::fs::write(&config, CONFIG)?;
     println!(
         "tollgate all, POST /v1/ops/bench (cost 1, built-in mock provider, throttle never dry), \
-         keep-alive reqwest clients on 127.0.0.1, worker --concurrency {}",
+         tollgate-client (no retries, an Idempotency-Key per call) on keep-alive connections to 127.0.0.1, worker --concurrency {}",
         args.concurrency
     );
     println!("| mode | call | clients | calls | p50 | p99 | calls/s |");

@@ -95,7 +95,7 @@ async fn one(mode: Mode, config: &std::path::Path, args: &Args) -> anyhow::Resul
             .timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(args.clients * 2)
             .build()?,
-        url: format!("{}/v1/ops/bench", all.base),
+        base: all.base.clone(),
     };
     // Warm-up: connections, scripts, the worker's loops.
     concurrent(&c, &all.key, args.clients, 300, false, 200).await?;

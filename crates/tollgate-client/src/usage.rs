@@ -1,0 +1,50 @@
+//! `GET /v1/usage`: the caller's budget and one page of its audit trail.
+
+use serde::Deserialize;
+
+/// The budget as it stands, and one page of the live spend events.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Usage {
+    pub user: String,
+    pub plan: String,
+    /// Tokens used in the window closest to exhaustion (the figures below are that window's).
+    pub used: u64,
+    pub limit: u64,
+    pub remaining: u64,
+    pub window_secs: u64,
+    pub reset_after_secs: Option<u64>,
+    pub reset_at: Option<String>,
+    /// Every limit of the plan, longest window first.
+    #[serde(default)]
+    pub windows: Vec<UsageWindow>,
+    /// One page of events, oldest first.
+    #[serde(default)]
+    pub events: Vec<SpendEvent>,
+    /// Pass to [`Client::usage_page`](crate::Client::usage_page) for the next
+    /// page; `None` on the last.
+    pub next_cursor: Option<String>,
+}
+
+/// One limit of the plan and its use.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct UsageWindow {
+    pub policy: String,
+    pub limit: u64,
+    pub window_secs: u64,
+    pub used: u64,
+    pub remaining: u64,
+    pub reset_after_secs: Option<u64>,
+}
+
+/// One spend: which request, what it cost, when (RFC 3339 and ms since the epoch).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct SpendEvent {
+    pub request_id: String,
+    pub operation: Option<String>,
+    pub cost: u64,
+    /// The estimate reserved up front, for a charge settled to what the
+    /// provider reported (`cost` is then the actual).
+    pub estimate: Option<u64>,
+    pub at: String,
+    pub at_ms: u64,
+}
