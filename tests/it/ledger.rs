@@ -696,6 +696,7 @@ async fn released_holds_leave_every_window(b: &impl Backend) {
         fingerprint: "f1",
         deadline: Duration::from_millis(100),
         grace: Duration::from_millis(100),
+        service_key: None,
     };
     let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
     let ChargeOutcome::Charged { allowed, .. } = c else {
@@ -728,6 +729,7 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         fingerprint: "f1",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
+        service_key: None,
     };
     let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
     assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
@@ -848,6 +850,7 @@ async fn settling_down_never_passes_a_limit(b: &impl Backend) {
                 fingerprint: "f",
                 deadline: Duration::from_secs(60),
                 grace: Duration::from_secs(1),
+                service_key: None,
             };
             let c = l.charge(&u, &id, &charge).await.unwrap();
             if !matches!(c, ChargeOutcome::Charged { .. }) {
@@ -894,6 +897,7 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
         fingerprint: "f1",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
+        service_key: None,
     };
     l.charge(&u, &rid("held"), &charge("n1")).await.unwrap();
     assert_eq!(
@@ -1025,6 +1029,7 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
             fingerprint: "f1",
             deadline: Duration::from_secs(60),
             grace: Duration::from_secs(1),
+            service_key: None,
         };
         l.charge(u, &rid("job"), &charge).await.unwrap();
         l.settle_charge(u, &rid("job"), "n1", 3 + n as u64, true)

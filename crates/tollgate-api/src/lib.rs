@@ -113,6 +113,8 @@ fn guard(state: &mut ApiState) -> auth::AuthGuard {
             state.settings.trusted_proxy_header.clone(),
         )),
         legacy_keys: state.settings.legacy_keys,
+        ledger: Arc::clone(&state.ledger),
+        config: Arc::clone(&state.config),
     }
 }
 
