@@ -4,8 +4,10 @@
 //! Built on reqwest with rustls on the `ring` crypto provider (it builds with a
 //! C compiler alone, where aws-lc needs cmake) and the platform's root
 //! certificates; one client per provider, reusing connections.
-//! The credential header's value is read from an environment variable once, at
-//! start, and never logged.
+//! Every call carries the provider's static `headers`, and its secret ones
+//! (`secret_headers`, and the older single `auth_header`/`auth_env`), whose
+//! values are read from environment variables once, at start (a missing one
+//! refuses the start), marked sensitive and never logged.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
@@ -15,7 +17,10 @@ use async_trait::async_trait;
 use reqwest::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::Value;
 use tollgate_core::config::Upstream;
-use tollgate_core::{config::Config, job::Job};
+use tollgate_core::{
+    config::Config,
+    job::{Job, Rejection},
+};
 
 use tokio::time::Instant;
 
@@ -35,7 +40,8 @@ pub struct HttpClient {
     url: String,
     /// Operation name -> path appended to `url`.
     paths: BTreeMap<String, String>,
-    auth: Option<(HeaderName, HeaderValue)>,
+    /// Sent with every call: static headers, then secret ones (sensitive).
+    headers: Vec<(HeaderName, HeaderValue)>,
     client: reqwest::Client,
 }
 
@@ -44,34 +50,47 @@ impl std::fmt::Debug for HttpClient {
         f.debug_struct("HttpClient")
             .field("provider", &self.provider)
             .field("url", &self.url)
-            .field("auth", &self.auth.as_ref().map(|(h, _)| h))
+            .field(
+                "headers",
+                &self.headers.iter().map(|(h, _)| h).collect::<Vec<_>>(),
+            )
             .finish_non_exhaustive()
     }
 }
 
 impl HttpClient {
-    /// Reads the credential from `upstream.auth_env` now: a missing variable
-    /// fails at start, naming it.
+    /// Reads the secret headers' values from their environment variables
+    /// now: a missing variable fails at start, naming it (never its value).
     pub fn new(provider: &str, upstream: &Upstream, config: &Config) -> Result<Self, SetupError> {
         let client_err = |message: String| SetupError::Client {
             provider: provider.to_owned(),
             message,
         };
-        let auth = match (&upstream.auth_header, &upstream.auth_env) {
-            (Some(header), Some(var)) => {
-                let value = std::env::var(var).map_err(|_| SetupError::MissingSecret {
-                    provider: provider.to_owned(),
-                    var: var.clone(),
-                })?;
-                let name = HeaderName::from_bytes(header.as_bytes())
-                    .map_err(|e| client_err(format!("auth_header: {e}")))?;
-                let mut value = HeaderValue::from_str(&value)
-                    .map_err(|_| client_err(format!("{var} is not a valid header value")))?;
-                value.set_sensitive(true);
-                Some((name, value))
-            }
-            _ => None,
+        let name_of = |field: &str, header: &str| {
+            HeaderName::from_bytes(header.as_bytes())
+                .map_err(|e| client_err(format!("{field}.{header}: {e}")))
         };
+        let mut headers = Vec::new();
+        for (header, value) in &upstream.headers {
+            let value = HeaderValue::from_str(value)
+                .map_err(|_| client_err(format!("headers.{header}: not a valid header value")))?;
+            headers.push((name_of("headers", header)?, value));
+        }
+        let secrets = upstream
+            .secret_headers
+            .iter()
+            .map(|(h, v)| (h.as_str(), v.as_str()))
+            .chain(upstream.auth_header.as_deref().zip(upstream.auth_env.as_deref()));
+        for (header, var) in secrets {
+            let value = std::env::var(var).map_err(|_| SetupError::MissingSecret {
+                provider: provider.to_owned(),
+                var: var.to_owned(),
+            })?;
+            let mut value = HeaderValue::from_str(&value)
+                .map_err(|_| client_err(format!("{var} is not a valid header value")))?;
+            value.set_sensitive(true);
+            headers.push((name_of("secret_headers", header)?, value));
+        }
         install_crypto_provider();
         let client = reqwest::Client::builder()
             .timeout(upstream.timeout)
@@ -87,7 +106,7 @@ impl HttpClient {
             provider: provider.to_owned(),
             url: upstream.url.clone(),
             paths,
-            auth,
+            headers,
             client,
         })
     }
@@ -122,7 +141,7 @@ impl Transport for HttpClient {
         if let Some(trace) = &job.trace {
             req = req.header("traceparent", trace.child().to_string());
         }
-        if let Some((name, value)) = &self.auth {
+        for (name, value) in &self.headers {
             req = req.header(name.clone(), value.clone());
         }
         send_check(use_by)?;
@@ -140,7 +159,9 @@ impl Transport for HttpClient {
         let body = resp.bytes().await.map_err(|e| AttemptError::Unanswered {
             message: format!("{status}, then reading the body failed: {}", chain(&e)),
         })?;
-        let snippet = || String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+        // What an error keeps of the body: for the logs, and for the client
+        // when the operation exposes a rejection's body.
+        let snippet = || Rejection::bounded(&String::from_utf8_lossy(&body[..body.len().min(Rejection::BODY_LIMIT)]));
         if status.is_success() {
             return serde_json::from_slice(&body).map_err(|e| AttemptError::BadBody {
                 status: status.as_u16(),
@@ -344,7 +365,7 @@ path = "/v1/x"
             provider: "llm".into(),
             url: format!("http://upstream.test:{}", addr.port()),
             paths: BTreeMap::new(),
-            auth: None,
+            headers: Vec::new(),
             client: reqwest::Client::builder()
                 .dns_resolver(SlowDns(addr, delay))
                 .build()
