@@ -163,8 +163,8 @@ fn request(user: usize, key: u8, op: usize, body: u8) -> JobRequest {
         operation: OPS[op].into(),
         input: json!({ "body": body }),
         trace: None,
+        service_key: None,
     }
-    service_key: None,
 }
 
 /// A job's charge: (user, id, nonce).

@@ -80,8 +80,8 @@ fn request(id: &str, who: &str, operation: &str) -> JobRequest {
         operation: operation.into(),
         input: json!({ "prompt": id }),
         trace: None,
+        service_key: None,
     }
-    service_key: None,
 }
 
 /// A job queue under test, both sides, and its ledger.

@@ -30,6 +30,7 @@ mod outcomes;
 mod redis_ledger;
 mod redis_outages;
 mod redis_tls;
+mod service_keys;
 mod slow_clients;
 mod stored_bytes;
 mod throttle;

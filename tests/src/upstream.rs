@@ -43,6 +43,8 @@ pub struct Arrival {
     pub status: u16,
     /// The W3C `traceparent` header the worker sent.
     pub traceparent: Option<String>,
+    /// Every header of the call.
+    pub headers: HeaderMap,
 }
 
 #[derive(Debug)]
@@ -111,8 +113,9 @@ impl Drop for Upstream {
 /// ..., "after_ms": n}`: after `latency` plus `after_ms`, with `answer`:
 /// `"ok"` (the default: 200 and a JSON echo), `"text"` (200, plain text),
 /// `"empty"` (200, no body), `"204"`, `"1e400"` (200, a JSON number no
-/// parser holds), `"400"`, `"429"`, `"500"`, `"503"`, or `"cut"` (200 whose
-/// body stops halfway: the connection is dropped mid-reply).
+/// parser holds), `"400"`, `"401"`, `"404"`, `"413"`, `"415"`, `"422"` (each
+/// with a JSON body naming its status), `"429"`, `"500"`, `"503"`, or `"cut"`
+/// (200 whose body stops halfway: the connection is dropped mid-reply).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Behaviour {
     pub answer: String,
@@ -133,6 +136,11 @@ impl Behaviour {
         match self.answer.as_str() {
             "204" => 204,
             "400" => 400,
+            "401" => 401,
+            "404" => 404,
+            "413" => 413,
+            "415" => 415,
+            "422" => 422,
             "429" => 429,
             "500" => 500,
             "503" => 503,
@@ -149,6 +157,11 @@ impl Behaviour {
             "204" => StatusCode::NO_CONTENT.into_response(),
             "1e400" => (StatusCode::OK, json, "1e400").into_response(),
             "400" => (StatusCode::BAD_REQUEST, Json(json!({"error": "bad input"}))).into_response(),
+            "401" | "404" | "413" | "415" | "422" => {
+                let status = StatusCode::from_u16(self.status()).unwrap_or(StatusCode::BAD_REQUEST);
+                let error = format!("upstream says {} to this input", status.as_u16());
+                (status, Json(json!({"error": error}))).into_response()
+            }
             "429" => (
                 StatusCode::TOO_MANY_REQUESTS,
                 [("retry-after", "0")],
@@ -230,6 +243,7 @@ async fn call(
             job,
             status: if allowed { behaviour.status() } else { 429 },
             traceparent,
+            headers: headers.clone(),
         });
         allowed
     };

@@ -118,8 +118,7 @@ pub async fn create_user(
             if !allowed_plans.is_empty() {
                 return Err(ApiError::InvalidField {
                     field: "allowed_plans".into(),
-                    detail: "allowed_plans: only a service key gives plans (kind: service)"
-                        .into(),
+                    detail: "allowed_plans: only a service key gives plans (kind: service)".into(),
                 });
             }
             let plan = plan.unwrap_or_else(|| config.default_plan().name.clone());

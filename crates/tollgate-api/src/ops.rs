@@ -131,11 +131,9 @@ impl From<&JobInfo> for JobView {
             JobStatus::Queued => ("queued", None, None),
             JobStatus::Running => ("running", None, None),
             JobStatus::Succeeded { result } => ("succeeded", Some(result.clone()), None),
-            JobStatus::Failed { cause, message } => (
-                "failed",
-                None,
-                Some(JobErrorView::new(*cause, message)),
-            ),
+            JobStatus::Failed { cause, message } => {
+                ("failed", None, Some(JobErrorView::new(*cause, message)))
+            }
         };
         Self {
             job_id: info.job.id.to_string(),

@@ -893,7 +893,11 @@ fn parse_upstream(
     }
     let headers = p.headers.clone().unwrap_or_default();
     let secret_headers = p.secret_headers.clone().unwrap_or_default();
-    let mut seen: Vec<String> = p.auth_header.iter().map(|h| h.to_ascii_lowercase()).collect();
+    let mut seen: Vec<String> = p
+        .auth_header
+        .iter()
+        .map(|h| h.to_ascii_lowercase())
+        .collect();
     for (field, map) in [("headers", &headers), ("secret_headers", &secret_headers)] {
         for (name, value) in map {
             let at = || format!("{key}.{field}.{name}");
@@ -904,22 +908,30 @@ fn parse_upstream(
             if RESERVED_HEADERS.contains(&lower.as_str()) {
                 return Err(invalid(
                     at(),
-                    format!("tollgate sets this header itself (reserved: {})", RESERVED_HEADERS.join(", ")),
+                    format!(
+                        "tollgate sets this header itself (reserved: {})",
+                        RESERVED_HEADERS.join(", ")
+                    ),
                 ));
             }
             if seen.contains(&lower) {
                 return Err(invalid(
                     at(),
-                    "is set twice (headers, secret_headers and auth_header name each header once)".into(),
+                    "is set twice (headers, secret_headers and auth_header name each header once)"
+                        .into(),
                 ));
             }
             seen.push(lower);
             let ok = if field == "headers" {
-                value.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+                value
+                    .bytes()
+                    .all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
             } else {
                 !value.is_empty()
                     && !value.starts_with(|c: char| c.is_ascii_digit())
-                    && value.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                    && value
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_')
             };
             if !ok {
                 return Err(invalid(
@@ -927,7 +939,9 @@ fn parse_upstream(
                     if field == "headers" {
                         "must be visible ASCII (spaces and tabs allowed)".into()
                     } else {
-                        format!("must name an environment variable (letters, digits, _), got {value:?}")
+                        format!(
+                            "must name an environment variable (letters, digits, _), got {value:?}"
+                        )
                     },
                 ));
             }

@@ -17,9 +17,9 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
-    audit_op, split_audit_op, unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome,
-    Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome,
-    ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
+    audit_op, split_audit_op, unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome,
+    ChargeRequest, ClaimOutcome, Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError,
+    RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
 };
 
 const SHARDS: usize = 64;

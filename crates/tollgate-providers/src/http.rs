@@ -80,7 +80,12 @@ impl HttpClient {
             .secret_headers
             .iter()
             .map(|(h, v)| (h.as_str(), v.as_str()))
-            .chain(upstream.auth_header.as_deref().zip(upstream.auth_env.as_deref()));
+            .chain(
+                upstream
+                    .auth_header
+                    .as_deref()
+                    .zip(upstream.auth_env.as_deref()),
+            );
         for (header, var) in secrets {
             let value = std::env::var(var).map_err(|_| SetupError::MissingSecret {
                 provider: provider.to_owned(),
@@ -161,7 +166,11 @@ impl Transport for HttpClient {
         })?;
         // What an error keeps of the body: for the logs, and for the client
         // when the operation exposes a rejection's body.
-        let snippet = || Rejection::bounded(&String::from_utf8_lossy(&body[..body.len().min(Rejection::BODY_LIMIT)]));
+        let snippet = || {
+            Rejection::bounded(&String::from_utf8_lossy(
+                &body[..body.len().min(Rejection::BODY_LIMIT)],
+            ))
+        };
         if status.is_success() {
             return serde_json::from_slice(&body).map_err(|e| AttemptError::BadBody {
                 status: status.as_u16(),

@@ -572,8 +572,12 @@ impl<C: Transport> Client for ThrottledClient<C> {
                 // A retry that could only start after the deadline is none.
                 && deadline.is_none_or(|d| Instant::now() + wait < d);
             if !again {
-                if let (outcome::Class::Rejected, AttemptError::Status { status, message, .. }) =
-                    (class, &err)
+                if let (
+                    outcome::Class::Rejected,
+                    AttemptError::Status {
+                        status, message, ..
+                    },
+                ) = (class, &err)
                 {
                     let error = ProviderError::Rejected {
                         provider: name.clone(),
@@ -600,7 +604,9 @@ impl<C: Transport> Client for ThrottledClient<C> {
 /// Why the providers of a config could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
-    #[error("providers.{provider}: environment variable {var} (a secret header's value) is not set")]
+    #[error(
+        "providers.{provider}: environment variable {var} (a secret header's value) is not set"
+    )]
     MissingSecret { provider: String, var: String },
     #[error("providers.{provider}: cannot build the HTTP client: {message}")]
     Client { provider: String, message: String },
