@@ -1244,6 +1244,64 @@ provider = "llm"
     }
 
     #[test]
+    fn provider_headers_are_checked() {
+        let with = |lines: &str| {
+            OPERATIONS.replace(
+                "url = \"http://127.0.0.1:9100\"\n",
+                &format!("url = \"http://127.0.0.1:9100\"\n{lines}\n"),
+            )
+        };
+        let c = Config::parse(
+            &with("headers = { \"anthropic-version\" = \"2023-06-01\" }\nsecret_headers = { \"x-api-key\" = \"ANTHROPIC_API_KEY\" }"),
+            "t.toml",
+        )
+        .unwrap();
+        let up = c.upstream("llm").unwrap();
+        assert_eq!(up.headers["anthropic-version"], "2023-06-01");
+        assert_eq!(up.secret_headers["x-api-key"], "ANTHROPIC_API_KEY");
+        for (lines, key) in [
+            ("headers = { \"bad header\" = \"x\" }", "headers.bad header"),
+            ("headers = { \"x-a\" = \"line\\nbreak\" }", "headers.x-a"),
+            ("headers = { \"Content-Type\" = \"text/plain\" }", "reserved"),
+            ("headers = { \"Idempotency-Key\" = \"x\" }", "reserved"),
+            ("secret_headers = { \"x-api-key\" = \"NOT A VAR\" }", "secret_headers.x-api-key"),
+            ("secret_headers = { \"x-api-key\" = \"\" }", "secret_headers.x-api-key"),
+            (
+                "headers = { \"X-Key\" = \"a\" }\nsecret_headers = { \"x-key\" = \"K\" }",
+                "set twice",
+            ),
+            (
+                "auth_header = \"X-Key\"\nauth_env = \"K\"\nsecret_headers = { \"x-key\" = \"K2\" }",
+                "set twice",
+            ),
+        ] {
+            let e = err(&with(lines));
+            assert!(e.contains(key), "{lines}: {e}");
+        }
+        let no_url = OPERATIONS.replace(
+            "url = \"http://127.0.0.1:9100\"\n",
+            "headers = { \"a\" = \"b\" }\n",
+        );
+        assert!(err(&no_url).contains("needs `url`"), "{}", err(&no_url));
+        let exposed = OPERATIONS.replace(
+            "provider = \"llm\"\n",
+            "provider = \"llm\"\nexpose_upstream_errors = true\n",
+        );
+        let c = Config::parse(&exposed, "t.toml").unwrap();
+        assert!(
+            c.operation("llm.structured")
+                .unwrap()
+                .expose_upstream_errors
+        );
+        let c = Config::parse(OPERATIONS, "t.toml").unwrap();
+        assert!(
+            !c.operation("llm.structured")
+                .unwrap()
+                .expose_upstream_errors
+        );
+    }
+
+    #[test]
     fn reads_operations_and_upstreams() {
         let c = Config::parse(OPERATIONS, "t.toml").unwrap();
         let op = c.operation("llm.structured").unwrap();

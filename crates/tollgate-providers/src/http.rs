@@ -322,6 +322,44 @@ path = "/v1/x"
         assert_eq!(client.paths.get("x").map(String::as_str), Some("/v1/x"));
     }
 
+    #[test]
+    fn secret_headers_come_from_the_environment_and_never_show() {
+        let text = r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.llm]
+rate = 1
+burst = 1
+max_wait = "1s"
+url = "https://api.example.com/"
+headers = { "anthropic-version" = "2023-06-01" }
+secret_headers = { "x-api-key" = "TOLLGATE_TEST_HTTP_SECRET_HEADER" }
+[operations.x]
+cost = 1
+provider = "llm"
+"#;
+        let config = Config::parse(text, "t").unwrap();
+        let upstream = config.upstream("llm").unwrap();
+        std::env::remove_var("TOLLGATE_TEST_HTTP_SECRET_HEADER");
+        let e = HttpClient::new("llm", upstream, &config).unwrap_err();
+        assert!(
+            e.to_string().contains("TOLLGATE_TEST_HTTP_SECRET_HEADER"),
+            "{e}"
+        );
+        std::env::set_var("TOLLGATE_TEST_HTTP_SECRET_HEADER", "sk-very-secret");
+        let client = HttpClient::new("llm", upstream, &config).unwrap();
+        let shown = format!("{client:?}");
+        assert!(!shown.contains("sk-very-secret"), "{shown}");
+        assert!(shown.contains("x-api-key"), "{shown}");
+        let sent: Vec<_> = client
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.is_sensitive()))
+            .collect();
+        assert_eq!(sent, [("anthropic-version", false), ("x-api-key", true)]);
+    }
+
     /// Resolves every name to one address, after a delay: a connection that
     /// takes long to make, the way a pause of the process can make it.
     struct SlowDns(std::net::SocketAddr, Duration);
