@@ -50,6 +50,7 @@ both_backends!(
     an_exposed_rejection_carries_the_upstream_body,
     misconfiguration_answers_stay_502_without_the_upstream_text,
     providers_send_static_and_secret_headers,
+    operations_send_a_get_query_or_a_form_body,
     overload_answers_are_retried_then_released,
     a_server_error_is_released_and_counted_as_absorbed,
     a_reply_cut_midway_keeps_the_charge,
@@ -513,4 +514,45 @@ async fn a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most(red
     failed(&r, 504, "upstream-unanswered", "unanswered", true);
     assert_eq!(arrivals, 1);
     assert_eq!(s.used().await, COST);
+}
+
+/// `method = "GET"` sends the input as the query string of a bodiless GET;
+/// `body = "form"` as a form body; the default stays a JSON POST.
+async fn operations_send_a_get_query_or_a_form_body(redis: bool) {
+    let extra = format!(
+        "[operations.\"up.get\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/search\"\nmethod = \"GET\"\n\n\
+         [operations.\"up.form\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/token\"\nbody = \"form\"\n"
+    );
+    let s = Stage::start(redis, &extra).await;
+    let input = json!({"q": "rust & redis", "page": 2, "tag": ["a", "b"], "skip": null});
+    for operation in ["up.get", "up.form"] {
+        let before = s.ended();
+        let r =
+            s.h.post(&format!("/v1/ops/{operation}"), &s.key, input.clone())
+                .await;
+        s.wait_ended(before + 1).await;
+        assert_eq!(r.status.as_u16(), 200, "{operation}: {}", r.body);
+    }
+    let arrivals = s.upstream.arrivals();
+    let get = arrivals.iter().find(|a| a.path == "search").unwrap();
+    assert_eq!(get.method, "GET");
+    // The pairs in the input's member order (an array's in its own).
+    let sorted = |text: &str| {
+        let mut pairs: Vec<String> = text.split('&').map(str::to_owned).collect();
+        pairs.sort();
+        pairs
+    };
+    let expected = sorted("q=rust+%26+redis&page=2&tag=a&tag=b");
+    assert_eq!(sorted(get.query.as_deref().unwrap_or("")), expected);
+    assert!(get.body.is_empty());
+    let form = arrivals.iter().find(|a| a.path == "token").unwrap();
+    assert_eq!(form.method, "POST");
+    assert_eq!(
+        form.headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("application/x-www-form-urlencoded")
+    );
+    assert_eq!(sorted(&String::from_utf8_lossy(&form.body)), expected);
+    assert_eq!(s.used().await, 2 * COST);
 }

@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::any;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
@@ -45,6 +45,11 @@ pub struct Arrival {
     pub traceparent: Option<String>,
     /// Every header of the call.
     pub headers: HeaderMap,
+    pub method: String,
+    /// The query string, if any.
+    pub query: Option<String>,
+    /// The body as received.
+    pub body: Bytes,
 }
 
 #[derive(Debug)]
@@ -81,7 +86,7 @@ impl Upstream {
             inner: Mutex::default(),
         });
         let app = Router::new()
-            .route("/{*path}", post(call))
+            .route("/{*path}", any(call))
             .with_state(Arc::clone(&shared));
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
@@ -202,6 +207,8 @@ impl Behaviour {
 async fn call(
     State(shared): State<Arc<Shared>>,
     Path(path): Path<String>,
+    method: axum::http::Method,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -244,6 +251,9 @@ async fn call(
             status: if allowed { behaviour.status() } else { 429 },
             traceparent,
             headers: headers.clone(),
+            method: method.to_string(),
+            query: query.clone(),
+            body: body.clone(),
         });
         allowed
     };

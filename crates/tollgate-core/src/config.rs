@@ -196,6 +196,22 @@ pub struct Operation {
     /// false: only the status, since the body may say more than the end user
     /// should read (the operator's account, the upstream's internals).
     pub expose_upstream_errors: bool,
+    /// How the input goes upstream (`method`, `body`): a JSON POST by default.
+    pub request: RequestShape,
+}
+
+/// How an operation's input (a JSON object) is sent to its upstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RequestShape {
+    /// `POST` with the input as a JSON body (the default).
+    #[default]
+    Json,
+    /// `POST` with the input's members as an `application/x-www-form-urlencoded`
+    /// body (`body = "form"`).
+    Form,
+    /// `GET` with no body, the input's members as the query string
+    /// (`method = "GET"`).
+    Query,
 }
 
 /// Default `result_ttl` of an operation's finished jobs: long enough for an
@@ -345,6 +361,8 @@ struct RawOperation {
     retry_unanswered: Option<bool>,
     result_ttl: Option<String>,
     expose_upstream_errors: Option<bool>,
+    method: Option<String>,
+    body: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -735,6 +753,29 @@ fn parse_operations(
                 "must be between 100ms and 7d".into(),
             ));
         }
+        let request = match (o.method.as_deref(), o.body.as_deref()) {
+            (None | Some("POST"), None | Some("json")) => RequestShape::Json,
+            (None | Some("POST"), Some("form")) => RequestShape::Form,
+            (Some("GET"), None) => RequestShape::Query,
+            (Some("GET"), Some(_)) => {
+                return Err(invalid(
+                    format!("{key}.body"),
+                    "a GET sends no body: its input goes in the query string".into(),
+                ))
+            }
+            (None | Some("POST"), Some(b)) => {
+                return Err(invalid(
+                    format!("{key}.body"),
+                    format!("must be \"json\" or \"form\", got {b:?}"),
+                ))
+            }
+            (Some(m), _) => {
+                return Err(invalid(
+                    format!("{key}.method"),
+                    format!("must be \"POST\" or \"GET\", got {m:?}"),
+                ))
+            }
+        };
         operations.insert(
             name.clone(),
             Operation {
@@ -748,6 +789,7 @@ fn parse_operations(
                 retry_unanswered: o.retry_unanswered.unwrap_or(false),
                 result_ttl,
                 expose_upstream_errors: o.expose_upstream_errors.unwrap_or(false),
+                request,
             },
         );
     }
@@ -1299,6 +1341,38 @@ provider = "llm"
                 .unwrap()
                 .expose_upstream_errors
         );
+    }
+
+    #[test]
+    fn operations_choose_how_their_input_is_sent() {
+        let with = |lines: &str| {
+            OPERATIONS.replace(
+                "provider = \"llm\"\n",
+                &format!("provider = \"llm\"\n{lines}\n"),
+            )
+        };
+        let shape = |lines: &str| {
+            Config::parse(&with(lines), "t.toml")
+                .unwrap()
+                .operation("llm.structured")
+                .unwrap()
+                .request
+        };
+        assert_eq!(shape(""), RequestShape::Json);
+        assert_eq!(
+            shape("method = \"POST\"\nbody = \"json\""),
+            RequestShape::Json
+        );
+        assert_eq!(shape("body = \"form\""), RequestShape::Form);
+        assert_eq!(shape("method = \"GET\""), RequestShape::Query);
+        for (lines, key) in [
+            ("method = \"GET\"\nbody = \"form\"", "body"),
+            ("method = \"DELETE\"", "method"),
+            ("body = \"xml\"", "body"),
+        ] {
+            let e = err(&with(lines));
+            assert!(e.contains(&format!("llm.structured.{key}")), "{lines}: {e}");
+        }
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! The HTTP provider client: POSTs a job's input JSON to the provider's `url`
-//! (plus the operation's `path`) and takes the JSON answer as the result.
+//! (plus the operation's `path`) and takes the JSON answer as the result; an
+//! operation may instead send its input as a form body (`body = "form"`) or as
+//! the query string of a GET (`method = "GET"`, [`RequestShape`]).
 //!
 //! Built on reqwest with rustls on the `ring` crypto provider (it builds with a
 //! C compiler alone, where aws-lc needs cmake) and the platform's root
@@ -16,7 +18,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use reqwest::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::Value;
-use tollgate_core::config::Upstream;
+use tollgate_core::config::{RequestShape, Upstream};
 use tollgate_core::{
     config::Config,
     job::{Job, Rejection},
@@ -40,6 +42,8 @@ pub struct HttpClient {
     url: String,
     /// Operation name -> path appended to `url`.
     paths: BTreeMap<String, String>,
+    /// Operation name -> how its input is sent (absent: a JSON POST).
+    shapes: BTreeMap<String, RequestShape>,
     /// Sent with every call: static headers, then secret ones (sensitive).
     headers: Vec<(HeaderName, HeaderValue)>,
     client: reqwest::Client,
@@ -107,14 +111,40 @@ impl HttpClient {
             .filter(|o| o.provider == provider)
             .filter_map(|o| Some((o.name.clone(), o.path.clone()?)))
             .collect();
+        let shapes = config
+            .operations()
+            .filter(|o| o.provider == provider && o.request != RequestShape::Json)
+            .map(|o| (o.name.clone(), o.request))
+            .collect();
         Ok(Self {
             provider: provider.to_owned(),
             url: upstream.url.clone(),
             paths,
+            shapes,
             headers,
             client,
         })
     }
+}
+
+/// The members of a job's input as name/value pairs, for a form body or a
+/// query string: strings as they are, numbers and booleans as JSON writes
+/// them, each element of an array as a pair of its own, objects as JSON text;
+/// `null` members are left out.
+fn pairs(input: &Value) -> Vec<(String, String)> {
+    let text = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let mut out = Vec::new();
+    for (name, value) in input.as_object().into_iter().flatten() {
+        match value {
+            Value::Null => {}
+            Value::Array(items) => out.extend(items.iter().map(|v| (name.clone(), text(v)))),
+            v => out.push((name.clone(), text(v))),
+        }
+    }
+    out
 }
 
 /// `Retry-After` in seconds (integer or decimal); HTTP dates are ignored.
@@ -134,14 +164,42 @@ impl Transport for HttpClient {
     /// request is written (see [`checked_body`]).
     async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
         let path = self.paths.get(&job.operation).map_or("", String::as_str);
-        let input = job.input.to_string();
+        let url = format!("{}{path}", self.url);
         let late = Arc::new(OnceLock::new());
-        let mut req = self
-            .client
-            .post(format!("{}{path}", self.url))
-            .header(CONTENT_TYPE, "application/json")
-            .header("idempotency-key", job.id.as_str())
-            .body(checked_body(input, use_by, Arc::clone(&late)));
+        let shape = self.shapes.get(&job.operation).copied().unwrap_or_default();
+        let req = match shape {
+            RequestShape::Json => self
+                .client
+                .post(url)
+                .header(CONTENT_TYPE, "application/json")
+                .body(checked_body(
+                    job.input.to_string(),
+                    use_by,
+                    Arc::clone(&late),
+                )),
+            RequestShape::Form => {
+                let form = form_urlencoded::Serializer::new(String::new())
+                    .extend_pairs(pairs(&job.input))
+                    .finish();
+                self.client
+                    .post(url)
+                    .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
+                    .body(checked_body(form, use_by, Arc::clone(&late)))
+            }
+            // No body to check as it is written: the grant is checked at
+            // the send (`send_check` below), as for any request.
+            RequestShape::Query => {
+                let mut url = reqwest::Url::parse(&url).map_err(|e| AttemptError::NotSent {
+                    message: format!("bad url {url:?}: {e}"),
+                })?;
+                let pairs = pairs(&job.input);
+                if !pairs.is_empty() {
+                    url.query_pairs_mut().extend_pairs(pairs);
+                }
+                self.client.get(url)
+            }
+        };
+        let mut req = req.header("idempotency-key", job.id.as_str());
         // The call's trace continues upstream: same trace id, this hop's id.
         if let Some(trace) = &job.trace {
             req = req.header("traceparent", trace.child().to_string());
@@ -412,6 +470,7 @@ provider = "llm"
             provider: "llm".into(),
             url: format!("http://upstream.test:{}", addr.port()),
             paths: BTreeMap::new(),
+            shapes: BTreeMap::new(),
             headers: Vec::new(),
             client: reqwest::Client::builder()
                 .dns_resolver(SlowDns(addr, delay))
