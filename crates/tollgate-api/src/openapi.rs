@@ -163,7 +163,7 @@ impl Doc {
                 // Ids are validated like `UserId`/`RequestId`: say so, so that
                 // clients (and generators) know what the server accepts.
                 let schema = match name {
-                    "user" | "id" => id_schema(),
+                    "user" | "id" | "request_id" => id_schema(),
                     _ => json!({"type": "string"}),
                 };
                 json!({"name": name, "in": "path", "required": true, "schema": schema})
@@ -503,6 +503,10 @@ fn schemas(config: &Config) -> Value {
             },
             "kind": {"type": "string", "enum": ["user", "service"], "description": "user (default): the user's own key. service: a key (tg_svc_...) that acts for the user each call names in Tollgate-User; `user` is then the service's own name."},
             "allowed_plans": {"type": "array", "items": plan, "description": "A service key: the plans it may give users with Tollgate-Plan (default none)."}},
+            // A service key has no plan; only a service key gives plans.
+            "if": {"required": ["kind"], "properties": {"kind": {"const": "service"}}},
+            "then": {"properties": {"plan": {"type": "null"}}},
+            "else": {"properties": {"allowed_plans": {"maxItems": 0}}},
         },
         "CreatedUser": {
             "type": "object", "required": ["user", "kind", "key_id", "api_key"],
