@@ -13,7 +13,9 @@ use tollgate_api::state::ApiState;
 use tollgate_core::{backend::Backends, id::UserId};
 use tollgate_tests::{random_prefix, RedisServer};
 
-use crate::api::{redis_source, redis_state_with, settings, test_config_with, Harness, ADMIN};
+use tollgate_redis::{keys::KeySpace, pool::PoolOptions};
+
+use crate::api::{redis_source, settings, test_config_with, Harness, ADMIN};
 
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
@@ -79,8 +81,17 @@ impl Pods {
             redis,
             _cluster: None,
         };
-        let sa = redis_state_with(&server.url(), &prefix, settings(), Self::config()).await;
-        let sb = redis_state_with(&server.url(), &prefix, settings(), Self::config()).await;
+        // Each pod as `tollgate api` builds it: its own pool, the store's
+        // backends (the dashboard's activity log included).
+        let state = || async {
+            let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
+                .await
+                .unwrap();
+            let keys = KeySpace::new(&prefix).unwrap();
+            let backends = tollgate_redis::backends(pool, keys, Self::config(), "test".into());
+            ApiState::new(&backends, settings())
+        };
+        let (sa, sb) = (state().await, state().await);
         let source = redis_source(&server.url(), &sa).await;
         Self {
             b: pod(sb, Arc::clone(&source), None),
@@ -203,6 +214,29 @@ async fn a_service_key_charges_each_end_user_exactly_across_two_pods(pods: Pods)
             assert_eq!(e.service_key.as_deref(), Some(kid.as_str()), "{e:?}");
             assert_eq!(e.operation.as_deref(), Some("echo.custom"), "{e:?}");
         }
+    }
+    // The dashboard's newest spend events show the end users, via the key.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let r = pods
+            .b
+            .call("GET", "/admin/overview", Some(ADMIN), &[], None)
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        let events = r.body["events"].as_array().cloned().unwrap_or_default();
+        let ours: Vec<_> = events
+            .iter()
+            .filter(|e| users.contains(&e["user"].as_str().unwrap_or("")))
+            .collect();
+        if ours.len() == 4 {
+            assert!(
+                ours.iter().all(|e| e["service_key"] == kid.as_str()),
+                "{events:?}"
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", r.body);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     // The service itself was charged nothing: it is no user of the budget.
     let u = pods
