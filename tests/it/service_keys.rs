@@ -238,6 +238,35 @@ async fn a_service_key_charges_each_end_user_exactly_across_two_pods(pods: Pods)
         assert!(std::time::Instant::now() < deadline, "{}", r.body);
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    // An admin manages such a user's plan like any other's; a user nobody
+    // issued a key to or called for is still unknown.
+    let r = pods
+        .a
+        .call(
+            "PUT",
+            "/admin/users/ana-svc/plan",
+            Some(ADMIN),
+            &[],
+            Some(json!({"plan": "pro"}).to_string()),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let u = pods
+        .b
+        .call("GET", "/v1/usage", Some(&key), &service("ana-svc"), None)
+        .await;
+    assert_eq!(u.body["plan"], "pro", "{}", u.body);
+    let r = pods
+        .a
+        .call(
+            "PUT",
+            "/admin/users/nobody-svc/plan",
+            Some(ADMIN),
+            &[],
+            Some(json!({"plan": "pro"}).to_string()),
+        )
+        .await;
+    r.problem(ProblemType::NotFound);
     // The service itself was charged nothing: it is no user of the budget.
     let u = pods
         .a

@@ -194,10 +194,12 @@ pub async fn set_plan(
     })?;
     check_plan(&state.config, &body.plan)?;
     // A user exists once a key was issued to it (POST /admin/users, `tollgate
-    // users create`); a plan stored for a typo would charge nobody and hide it.
-    if !state.keys.has_user(&user).await? {
+    // users create`), or once a service key acted for it (its budget holds
+    // live events or a plan); a plan stored for a typo would charge nobody
+    // and hide it.
+    if !known_user(&state, &user).await? {
         return Err(ApiError::NotFound(format!(
-            "no user {:?}: create it with POST /admin/users",
+            "no user {:?}: create it with POST /admin/users (or call for it with a service key)",
             echo(user.as_str())
         )));
     }
@@ -207,6 +209,23 @@ pub async fn set_plan(
         plan: body.plan,
     })
     .into_response())
+}
+
+/// Whether `user` was issued a key, or has a budget of its own: live spend
+/// events, or a plan other than the default (a service key acted for it).
+async fn known_user(state: &ApiState, user: &UserId) -> Result<bool, ApiError> {
+    if state.keys.has_user(user).await? {
+        return Ok(true);
+    }
+    let usage = state
+        .ledger
+        .usage_page(
+            user,
+            tollgate_core::ledger::EventPage::new(None, 1)
+                .map_err(|e| ApiError::Internal(e.to_string()))?,
+        )
+        .await?;
+    Ok(!usage.events.is_empty() || usage.plan != state.config.default_plan().name)
 }
 
 /// `DELETE /admin/keys/{key_id}`
