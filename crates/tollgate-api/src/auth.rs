@@ -266,7 +266,11 @@ pub async fn authenticate(
     };
     match caller {
         Ok(caller) => {
-            tracing::Span::current().record("user", caller.user.as_str());
+            let span = tracing::Span::current();
+            span.record("user", caller.user.as_str());
+            if let Some(kid) = &caller.service_key {
+                span.record("service_key", kid.as_str());
+            }
             req.extensions_mut().insert(caller.user.clone());
             req.extensions_mut().insert(caller);
             next.run(req).await

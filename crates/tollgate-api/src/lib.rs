@@ -290,7 +290,8 @@ pub fn router(mut state: ApiState) -> Router {
                 method = %req.method(),
                 route,
                 trace_id,
-                user = tracing::field::Empty
+                user = tracing::field::Empty,
+                service_key = tracing::field::Empty
             )
         }))
         .layer(middleware::from_fn(trace_context))
