@@ -7,7 +7,9 @@
 -- ARGV[2] cost (integer >= 1)
 -- ARGV[3] nonce: names this charge; the job created for it carries it, and only
 --         that job can claim or release it
--- ARGV[4] operation, ARGV[5] fingerprint of the request body
+-- ARGV[4] operation, '/<key id>' appended when a service key acts for the user
+--         (recorded for the audit trail; not part of what the id is bound to)
+-- ARGV[5] fingerprint of the request body
 -- ARGV[6] the job's deadline after now (ms), ARGV[7] hold grace (ms): a charge no
 --         job has claimed by deadline + grace is released
 -- ARGV[8..] export maxlen, retention, then the plan table (lib/budget.lua)
@@ -45,7 +47,7 @@ if ev then
   if ev.state == 'r' then
     return { 4 }
   end
-  if o.op ~= op or o.fp ~= fp then
+  if string.match(o.op, '^[^/]*') ~= string.match(op, '^[^/]*') or o.fp ~= fp then
     return { 3, o.op }
   end
   return push_windows({ 2, now, o.deadline, ev.at, o.nonce, ev.state }, limits, used, now)

@@ -21,7 +21,7 @@ if not ttl or ttl < 1 or stored[2] < 1 then
 end
 if cause ~= 'provider' and cause ~= 'unanswered' and cause ~= 'bad_response'
     and cause ~= 'throttle_timeout' and cause ~= 'expired' and cause ~= 'abandoned'
-    and cause ~= 'cancelled' then
+    and cause ~= 'cancelled' and cause ~= 'rejected' then
   return redis.error_reply('job_fail: bad cause')
 end
 local f = redis.call('HMGET', JOB, 'state', 'seq')

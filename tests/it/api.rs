@@ -35,11 +35,16 @@ pub const ADMIN: &str = "admin-token-for-tests-0123456789";
 /// the generic route, and one on a provider that grants a slot every 100 s
 /// (nothing moves in its queue while a test looks).
 pub fn test_config() -> Arc<Config> {
+    test_config_with("")
+}
+
+/// [`test_config`] with `extra` appended.
+pub fn test_config_with(extra: &str) -> Arc<Config> {
     let text = format!(
         "{}\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n\n[plans.metered]\nlimits = [{{ limit = 50, window = \"1h\" }}, {{ limit = 10, window = \"1m\" }}]\n\n[operations.\"echo.custom\"]\ncost = 2\nprovider = \"llm\"\n\n\
          [operations.\"llm.fixed\"]\ncost = 8\nprovider = \"llm\"\n\n\
          [providers.glacier]\nrate = 0.01\nburst = 1\nmax_wait = \"60s\"\n\n\
-         [operations.\"glacier.call\"]\ncost = 1\nprovider = \"glacier\"\n",
+         [operations.\"glacier.call\"]\ncost = 1\nprovider = \"glacier\"\n{extra}",
         tollgate_core::config::BUILTIN
     );
     Arc::new(Config::parse(&text, "test").expect("test config"))
@@ -224,7 +229,16 @@ impl Harness {
 }
 
 pub async fn redis_state(url: &str, prefix: &str, settings: Settings) -> ApiState {
-    let config = test_config();
+    redis_state_with(url, prefix, settings, test_config()).await
+}
+
+/// [`redis_state`] over `config`.
+pub async fn redis_state_with(
+    url: &str,
+    prefix: &str,
+    settings: Settings,
+    config: Arc<Config>,
+) -> ApiState {
     let keys = KeySpace::new(prefix).unwrap();
     let pool = tollgate_redis::pool::connect(
         url,
@@ -278,7 +292,7 @@ pub async fn redis_source(url: &str, state: &ApiState) -> Arc<dyn JobSource> {
     ))
 }
 
-fn state_prefix(state: &ApiState) -> String {
+pub fn state_prefix(state: &ApiState) -> String {
     // RedisLedger's Debug shows its prefix: `RedisLedger { prefix: "t..", .. }`.
     let debug = format!("{:?}", state.ledger);
     debug
@@ -333,7 +347,62 @@ both_backends!(
     throttle_timeout_is_504_and_a_slow_job_is_202,
     a_job_waiting_for_its_provider_shows_where_it_stands,
     usage_pages_follow_next_cursor_and_bad_pages_are_400,
+    prefer_wait_on_an_async_call_waits_for_the_result_then_202,
 );
+
+/// `Prefer: respond-async, wait=N` waits up to N s for the job: the result
+/// when it ends in time, else 202 as without the wait. (Before: 202 at once,
+/// the wait ignored.)
+async fn prefer_wait_on_an_async_call_waits_for_the_result_then_202(h: Harness) {
+    let key = h.user("wendy", "free").await;
+    let worker = h.worker(0.0);
+    let started = Instant::now();
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/embeddings",
+            Some(&key),
+            &[("prefer", "respond-async, wait=5")],
+            Some(json!({"text": "soon"}).to_string()),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["status"], "succeeded", "{}", r.body);
+    assert_eq!(r.body["result"]["echo"]["text"], "soon", "{}", r.body);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // Nobody runs it: 202 once the wait (1 s) is over, not before.
+    worker.stop().await;
+    let started = Instant::now();
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/embeddings?async=true",
+            Some(&key),
+            &[("prefer", "wait=1")],
+            Some(json!({"text": "later"}).to_string()),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    assert_eq!(r.body["status"], "queued", "{}", r.body);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        "{waited:?}"
+    );
+    // wait=0: at once.
+    let started = Instant::now();
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/embeddings",
+            Some(&key),
+            &[("prefer", "respond-async, wait=0")],
+            Some(json!({"text": "now"}).to_string()),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    assert!(started.elapsed() < Duration::from_millis(900));
+}
 
 /// `GET /v1/usage?limit=&cursor=`: the totals on every page, the events a page
 /// at a time (default 50), `next_cursor` null at the end; a bad limit or

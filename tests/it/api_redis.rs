@@ -400,11 +400,38 @@ async fn users_cli_creates_a_working_key_and_revokes_it() {
         "{stderr}"
     );
 
+    // A service key, which may give its users the free plan.
+    let (code, stdout, stderr) = cli(&[
+        "create",
+        "--user",
+        "shop",
+        "--kind",
+        "service",
+        "--allowed-plan",
+        "free",
+        "--json",
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let service: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(service["kind"], "service", "{stdout}");
+    assert_eq!(service["allowed_plans"], json!(["free"]), "{stdout}");
+    let svc = service["api_key"].as_str().unwrap().to_owned();
+    assert!(svc.starts_with("tg_svc_"), "{svc}");
+    let (code, _, stderr) = cli(&["create", "--user", "s2", "--kind", "robot"]);
+    assert_eq!(code, Some(2), "{stderr}");
+
     let state = redis_state(&redis.url(), &prefix, settings()).await;
     let server = ApiServer::start(state).await;
     let usage = http::json(server.addr, "GET", "/v1/usage", Some(&key), None).await;
     assert_eq!(usage.status, 200, "{}", usage.text());
     assert_eq!(usage.json()["limit"], 20000);
+    let bearer = format!("Bearer {svc}");
+    let headers = [("authorization", bearer.as_str()), ("tollgate-user", "zed")];
+    let usage = http::send(server.addr, "GET", "/v1/usage", &headers, b"")
+        .await
+        .unwrap();
+    assert_eq!(usage.status, 200, "{}", usage.text());
+    assert_eq!(usage.json()["user"], "zed");
     let (code, stdout, stderr) = cli(&["revoke", "--key-id", &key_id]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stdout.contains(&key_id));

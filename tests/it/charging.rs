@@ -263,6 +263,7 @@ async fn a_key_outliving_its_job_record_is_never_free(
         operation: op.into(),
         input: body,
         trace: None,
+        service_key: None,
     };
     let r = queue.submit(req("work", json!({"a": 1}))).await.unwrap();
     assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");

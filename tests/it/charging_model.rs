@@ -163,6 +163,7 @@ fn request(user: usize, key: u8, op: usize, body: u8) -> JobRequest {
         operation: OPS[op].into(),
         input: json!({ "body": body }),
         trace: None,
+        service_key: None,
     }
 }
 
@@ -232,6 +233,7 @@ async fn run(
                     fingerprint: &fp,
                     deadline: op.deadline,
                     grace: config.hold_grace(),
+                    service_key: None,
                 };
                 let _ = ledger.charge(&r.user, &r.id, &charge).await;
             }

@@ -374,6 +374,7 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
         operation: "company.research".into(),
         input: serde_json::json!({ "id": id }),
         trace: None,
+        service_key: None,
     };
     let take = || async {
         let lease = queue

@@ -183,6 +183,7 @@ async fn cluster_readiness_signals_are_sharded_on_the_owning_primaries() {
         operation: "work".into(),
         input: json!({}),
         trace: None,
+        service_key: None,
     })
     .await
     .unwrap();

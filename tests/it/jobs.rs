@@ -80,6 +80,7 @@ fn request(id: &str, who: &str, operation: &str) -> JobRequest {
         operation: operation.into(),
         input: json!({ "prompt": id }),
         trace: None,
+        service_key: None,
     }
 }
 
@@ -898,6 +899,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         fingerprint: "feed",
         deadline: Duration::from_millis(300),
         grace: Duration::from_millis(200),
+        service_key: None,
     };
     // Step 1 of a submission, then nothing (the api pod died).
     let charged = ledger.charge(&ivan, &rid("crash1"), &charge).await.unwrap();

@@ -169,6 +169,7 @@ async fn submit_all(q: &Arc<RedisJobQueue>, n: usize) -> Vec<RequestId> {
                     operation: OP.into(),
                     input: json!({ "n": i }),
                     trace: None,
+                    service_key: None,
                 })
                 .await
                 .unwrap();

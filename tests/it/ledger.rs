@@ -715,6 +715,7 @@ async fn released_holds_leave_every_window(b: &impl Backend) {
         fingerprint: "f1",
         deadline: Duration::from_millis(100),
         grace: Duration::from_millis(100),
+        service_key: None,
     };
     let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
     let ChargeOutcome::Charged { allowed, .. } = c else {
@@ -737,6 +738,78 @@ async fn released_holds_leave_every_window(b: &impl Backend) {
     );
 }
 
+/// A charge made by a service key for a user records the key's id: in the
+/// usage events; a retry of the same request through another key is the same
+/// request (the first key stays recorded); another operation is a conflict
+/// naming the first operation alone.
+async fn a_charge_records_the_acting_service_key(b: &impl Backend) {
+    use tollgate_core::ledger::{ChargeOutcome, ChargeRequest};
+    let (l, u) = (b.ledger(), user("acted-for"));
+    let charge = ChargeRequest {
+        cost: 3,
+        nonce: "n1",
+        operation: "llm.structured",
+        fingerprint: "f1",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(60),
+        service_key: Some("kid_00000000000000aa"),
+    };
+    let c = l.charge(&u, &rid("svc-job"), &charge).await.unwrap();
+    assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
+    let again = ChargeRequest {
+        nonce: "n2",
+        service_key: Some("kid_00000000000000bb"),
+        ..charge
+    };
+    let c = l.charge(&u, &rid("svc-job"), &again).await.unwrap();
+    assert!(
+        matches!(c, ChargeOutcome::Existing { ref nonce, .. } if nonce == "n1"),
+        "{c:?}"
+    );
+    let other = ChargeRequest {
+        operation: "embeddings",
+        ..again
+    };
+    let c = l.charge(&u, &rid("svc-job"), &other).await.unwrap();
+    assert_eq!(
+        c,
+        ChargeOutcome::Conflict {
+            operation: Some("llm.structured".into())
+        }
+    );
+    let own = ChargeRequest {
+        nonce: "n3",
+        service_key: None,
+        ..charge
+    };
+    let c = l.charge(&u, &rid("own-job"), &own).await.unwrap();
+    assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.used, 6);
+    let events: Vec<_> = usage
+        .events
+        .iter()
+        .map(|e| {
+            (
+                e.request_id.as_str(),
+                e.operation.as_deref(),
+                e.service_key.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        events,
+        [
+            (
+                "svc-job",
+                Some("llm.structured"),
+                Some("kid_00000000000000aa")
+            ),
+            ("own-job", Some("llm.structured"), None),
+        ]
+    );
+}
+
 async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     use tollgate_core::ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome};
     let (l, u) = (b.ledger(), user("settler"));
@@ -747,6 +820,7 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         fingerprint: "f1",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
+        service_key: None,
     };
     let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
     assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
@@ -867,6 +941,7 @@ async fn settling_down_never_passes_a_limit(b: &impl Backend) {
                 fingerprint: "f",
                 deadline: Duration::from_secs(60),
                 grace: Duration::from_secs(1),
+                service_key: None,
             };
             let c = l.charge(&u, &id, &charge).await.unwrap();
             if !matches!(c, ChargeOutcome::Charged { .. }) {
@@ -913,6 +988,7 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
         fingerprint: "f1",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
+        service_key: None,
     };
     l.charge(&u, &rid("held"), &charge("n1")).await.unwrap();
     assert_eq!(
@@ -1044,6 +1120,7 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
             fingerprint: "f1",
             deadline: Duration::from_secs(60),
             grace: Duration::from_secs(1),
+            service_key: None,
         };
         l.charge(u, &rid("job"), &charge).await.unwrap();
         l.settle_charge(u, &rid("job"), "n1", 3 + n as u64, true)
@@ -1156,4 +1233,5 @@ conformance!(
     settling_down_never_passes_a_limit,
     an_operator_refund_cancels_a_held_charge,
     a_plan_round_trip_erases_nothing,
+    a_charge_records_the_acting_service_key,
 );

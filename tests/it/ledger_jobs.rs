@@ -115,6 +115,7 @@ impl Setup {
             operation: operation.into(),
             input: json!({ "prompt": id }),
             trace: None,
+            service_key: None,
         };
         self.queue.submit(request).await.unwrap()
     }
@@ -164,6 +165,7 @@ async fn concurrent_settled_calls_never_pass_the_limit(s: Setup) {
             operation: "llm".into(),
             input: json!({ "prompt": i }),
             trace: None,
+            service_key: None,
         };
         submits.spawn(async move { queue.submit(request).await.unwrap() });
     }

@@ -32,6 +32,7 @@ mod redis_ledger;
 mod redis_outages;
 mod redis_tls;
 mod script_time;
+mod service_keys;
 mod slow_clients;
 mod stored_bytes;
 mod throttle;

@@ -46,7 +46,11 @@ both_backends!(
     an_unanswered_call_is_sent_once_and_keeps_its_charge,
     a_deadline_passing_mid_call_lets_the_call_finish_and_charges_it,
     unparsable_2xx_answers_are_charged_once_each,
-    a_refused_call_is_released_and_not_retried,
+    a_rejected_input_is_a_4xx_released_and_not_retried,
+    an_exposed_rejection_carries_the_upstream_body,
+    misconfiguration_answers_stay_502_without_the_upstream_text,
+    providers_send_static_and_secret_headers,
+    operations_send_a_get_query_or_a_form_body,
     overload_answers_are_retried_then_released,
     a_server_error_is_released_and_counted_as_absorbed,
     a_reply_cut_midway_keeps_the_charge,
@@ -99,10 +103,16 @@ struct Stage {
 
 impl Stage {
     async fn start(redis: bool, extra: &str) -> Self {
+        Self::start_with(redis, extra, |_| String::new()).await
+    }
+
+    /// `more` adds config text that needs the upstream's URL.
+    async fn start_with(redis: bool, extra: &str, more: impl Fn(&str) -> String) -> Self {
         let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
             .await
             .unwrap();
-        let config = config(&upstream.url(), extra);
+        let extra = format!("{extra}\n{}", more(&upstream.url()));
+        let config = config(&upstream.url(), &extra);
         let (backends, server) = if redis {
             let server = RedisServer::start();
             let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
@@ -307,15 +317,126 @@ async fn unparsable_2xx_answers_are_charged_once_each(redis: bool) {
     }
 }
 
-/// A 400: the upstream rejected the input before any work; released, not
-/// retried.
-async fn a_refused_call_is_released_and_not_retried(redis: bool) {
+/// 400, 413, 415, 422: the upstream rejected the input before any work: the
+/// client gets 422 upstream-rejected with the upstream's status (its body
+/// only when the operation exposes it: not here); released, not retried.
+/// (Before: 502 provider-failure, the upstream's text in the detail.)
+async fn a_rejected_input_is_a_4xx_released_and_not_retried(redis: bool) {
     let s = Stage::start(redis, "").await;
-    let (r, arrivals) = s.call("up.call", "400", 0).await;
-    failed(&r, 502, "provider-failure", "provider", false);
+    for answer in ["400", "413", "415", "422"] {
+        let (r, arrivals) = s.call("up.call", answer, 0).await;
+        failed(&r, 422, "upstream-rejected", "rejected", false);
+        assert_eq!(
+            r.body["upstream_status"],
+            answer.parse::<u16>().unwrap(),
+            "{}",
+            r.body
+        );
+        assert!(r.body.get("upstream_body").is_none(), "{}", r.body);
+        let text = r.body.to_string();
+        assert!(
+            !text.contains("bad input") && !text.contains("upstream says"),
+            "{text}"
+        );
+        assert_eq!(arrivals, 1, "{answer}");
+        assert_eq!(s.used().await, 0, "{answer}");
+    }
+    assert_eq!(s.absorbed("server_error"), 0);
+    // The job's record says the same.
+    let before = s.ended();
+    let body = json!({"upstream": {"answer": "422"}}).to_string();
+    let r =
+        s.h.call(
+            "POST",
+            "/v1/ops/up.call",
+            Some(&s.key),
+            &[("idempotency-key", "rejected-1")],
+            Some(body),
+        )
+        .await;
+    s.wait_ended(before + 1).await;
+    failed(&r, 422, "upstream-rejected", "rejected", false);
+    let id = r.body["job_id"].as_str().unwrap();
+    let job =
+        s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
+            .await;
+    let error = &job.body["error"];
+    assert_eq!(error["cause"], "rejected", "{}", job.body);
+    assert_eq!(error["upstream_status"], 422, "{}", job.body);
+    assert_eq!(error["charged"], false, "{}", job.body);
+    assert!(error.get("upstream_body").is_none(), "{}", job.body);
+}
+
+/// An operation with `expose_upstream_errors = true`: the rejection carries
+/// the upstream's body, in the answer and in the job's record.
+async fn an_exposed_rejection_carries_the_upstream_body(redis: bool) {
+    let extra = format!(
+        "[operations.\"up.exposed\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/up\"\n\
+         expose_upstream_errors = true\n"
+    );
+    let s = Stage::start(redis, &extra).await;
+    let (r, arrivals) = s.call("up.exposed", "422", 0).await;
+    failed(&r, 422, "upstream-rejected", "rejected", false);
+    assert_eq!(r.body["upstream_status"], 422, "{}", r.body);
+    let body: Value = serde_json::from_str(r.body["upstream_body"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        body["error"], "upstream says 422 to this input",
+        "{}",
+        r.body
+    );
     assert_eq!(arrivals, 1);
     assert_eq!(s.used().await, 0);
-    assert_eq!(s.absorbed("server_error"), 0);
+    // A 5xx stays a 502, its text kept from the client even here.
+    let (r, _) = s.call("up.exposed", "500", 0).await;
+    failed(&r, 502, "provider-failure", "provider", false);
+    assert!(!r.body.to_string().contains("boom"), "{}", r.body);
+}
+
+/// 401 and 404 from the upstream are the operator's misconfiguration (a
+/// wrong key, a wrong path), not the client's input: 502, released, and the
+/// upstream's text does not reach the client.
+async fn misconfiguration_answers_stay_502_without_the_upstream_text(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    for answer in ["401", "404"] {
+        let (r, arrivals) = s.call("up.call", answer, 0).await;
+        failed(&r, 502, "provider-failure", "provider", false);
+        assert!(r.body.get("upstream_status").is_none(), "{}", r.body);
+        assert!(!r.body.to_string().contains("upstream says"), "{}", r.body);
+        assert_eq!(arrivals, 1, "{answer}");
+    }
+    assert_eq!(s.used().await, 0);
+}
+
+/// A provider's static `headers` and `secret_headers` (from the environment)
+/// reach the upstream on every call, beside the old `auth_header`.
+async fn providers_send_static_and_secret_headers(redis: bool) {
+    std::env::set_var("TOLLGATE_TEST_OUTCOMES_SECRET", "s3cret-value");
+    std::env::set_var("TOLLGATE_TEST_OUTCOMES_AUTH", "Bearer old-form");
+    let s = Stage::start_with(redis, "", |url| {
+        format!(
+            "[providers.hdr]\nrate = 1000\nburst = 100\nmax_wait = \"5s\"\nurl = \"{url}\"\n\
+             auth_header = \"Authorization\"\nauth_env = \"TOLLGATE_TEST_OUTCOMES_AUTH\"\n\
+             headers = {{ \"anthropic-version\" = \"2023-06-01\", \"x-static\" = \"a b\" }}\n\
+             secret_headers = {{ \"x-api-key\" = \"TOLLGATE_TEST_OUTCOMES_SECRET\" }}\n\n\
+             [operations.\"hdr.call\"]\ncost = {COST}\nprovider = \"hdr\"\npath = \"/hdr\"\n"
+        )
+    })
+    .await;
+    let (r, arrivals) = s.call("hdr.call", "ok", 0).await;
+    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
+    assert_eq!(arrivals, 1);
+    let arrival = s.upstream.arrivals().pop().unwrap();
+    let h = |name: &str| {
+        arrival
+            .headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    assert_eq!(h("anthropic-version").as_deref(), Some("2023-06-01"));
+    assert_eq!(h("x-static").as_deref(), Some("a b"));
+    assert_eq!(h("x-api-key").as_deref(), Some("s3cret-value"));
+    assert_eq!(h("authorization").as_deref(), Some("Bearer old-form"));
 }
 
 /// 503 and 429 refuse before work: retried within `retries` (2), then
@@ -393,4 +514,45 @@ async fn a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most(red
     failed(&r, 504, "upstream-unanswered", "unanswered", true);
     assert_eq!(arrivals, 1);
     assert_eq!(s.used().await, COST);
+}
+
+/// `method = "GET"` sends the input as the query string of a bodiless GET;
+/// `body = "form"` as a form body; the default stays a JSON POST.
+async fn operations_send_a_get_query_or_a_form_body(redis: bool) {
+    let extra = format!(
+        "[operations.\"up.get\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/search\"\nmethod = \"GET\"\n\n\
+         [operations.\"up.form\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/token\"\nbody = \"form\"\n"
+    );
+    let s = Stage::start(redis, &extra).await;
+    let input = json!({"q": "rust & redis", "page": 2, "tag": ["a", "b"], "skip": null});
+    for operation in ["up.get", "up.form"] {
+        let before = s.ended();
+        let r =
+            s.h.post(&format!("/v1/ops/{operation}"), &s.key, input.clone())
+                .await;
+        s.wait_ended(before + 1).await;
+        assert_eq!(r.status.as_u16(), 200, "{operation}: {}", r.body);
+    }
+    let arrivals = s.upstream.arrivals();
+    let get = arrivals.iter().find(|a| a.path == "search").unwrap();
+    assert_eq!(get.method, "GET");
+    // The pairs in the input's member order (an array's in its own).
+    let sorted = |text: &str| {
+        let mut pairs: Vec<String> = text.split('&').map(str::to_owned).collect();
+        pairs.sort();
+        pairs
+    };
+    let expected = sorted("q=rust+%26+redis&page=2&tag=a&tag=b");
+    assert_eq!(sorted(get.query.as_deref().unwrap_or("")), expected);
+    assert!(get.body.is_empty());
+    let form = arrivals.iter().find(|a| a.path == "token").unwrap();
+    assert_eq!(form.method, "POST");
+    assert_eq!(
+        form.headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("application/x-www-form-urlencoded")
+    );
+    assert_eq!(sorted(&String::from_utf8_lossy(&form.body)), expected);
+    assert_eq!(s.used().await, 2 * COST);
 }

@@ -454,6 +454,7 @@ limits = [{ limit = 1000000, window = "12h" }, { limit = 1000000, window = "1h" 
         fingerprint: "abcdef0123456789abcdef01",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
+        service_key: None,
     };
     match ledger.charge(&u, &rid(uuid), &req("other")).await.unwrap() {
         ChargeOutcome::Existing { nonce, claimed, .. } => {
@@ -610,6 +611,7 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
                 fingerprint: &fp,
                 deadline: Duration::from_secs(600),
                 grace: Duration::from_secs(1),
+                service_key: None,
             };
             let ChargeOutcome::Charged { deadline_ms, .. } =
                 ledger.charge(&u, &id, &req).await.unwrap()

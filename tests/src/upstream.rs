@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::any;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
@@ -43,6 +43,13 @@ pub struct Arrival {
     pub status: u16,
     /// The W3C `traceparent` header the worker sent.
     pub traceparent: Option<String>,
+    /// Every header of the call.
+    pub headers: HeaderMap,
+    pub method: String,
+    /// The query string, if any.
+    pub query: Option<String>,
+    /// The body as received.
+    pub body: Bytes,
 }
 
 #[derive(Debug)]
@@ -79,7 +86,7 @@ impl Upstream {
             inner: Mutex::default(),
         });
         let app = Router::new()
-            .route("/{*path}", post(call))
+            .route("/{*path}", any(call))
             .with_state(Arc::clone(&shared));
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
@@ -111,8 +118,9 @@ impl Drop for Upstream {
 /// ..., "after_ms": n}`: after `latency` plus `after_ms`, with `answer`:
 /// `"ok"` (the default: 200 and a JSON echo), `"text"` (200, plain text),
 /// `"empty"` (200, no body), `"204"`, `"1e400"` (200, a JSON number no
-/// parser holds), `"400"`, `"429"`, `"500"`, `"503"`, or `"cut"` (200 whose
-/// body stops halfway: the connection is dropped mid-reply).
+/// parser holds), `"400"`, `"401"`, `"404"`, `"413"`, `"415"`, `"422"` (each
+/// with a JSON body naming its status), `"429"`, `"500"`, `"503"`, or `"cut"`
+/// (200 whose body stops halfway: the connection is dropped mid-reply).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Behaviour {
     pub answer: String,
@@ -133,6 +141,11 @@ impl Behaviour {
         match self.answer.as_str() {
             "204" => 204,
             "400" => 400,
+            "401" => 401,
+            "404" => 404,
+            "413" => 413,
+            "415" => 415,
+            "422" => 422,
             "429" => 429,
             "500" => 500,
             "503" => 503,
@@ -149,6 +162,11 @@ impl Behaviour {
             "204" => StatusCode::NO_CONTENT.into_response(),
             "1e400" => (StatusCode::OK, json, "1e400").into_response(),
             "400" => (StatusCode::BAD_REQUEST, Json(json!({"error": "bad input"}))).into_response(),
+            "401" | "404" | "413" | "415" | "422" => {
+                let status = StatusCode::from_u16(self.status()).unwrap_or(StatusCode::BAD_REQUEST);
+                let error = format!("upstream says {} to this input", status.as_u16());
+                (status, Json(json!({"error": error}))).into_response()
+            }
             "429" => (
                 StatusCode::TOO_MANY_REQUESTS,
                 [("retry-after", "0")],
@@ -189,6 +207,8 @@ impl Behaviour {
 async fn call(
     State(shared): State<Arc<Shared>>,
     Path(path): Path<String>,
+    method: axum::http::Method,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -230,6 +250,10 @@ async fn call(
             job,
             status: if allowed { behaviour.status() } else { 429 },
             traceparent,
+            headers: headers.clone(),
+            method: method.to_string(),
+            query: query.clone(),
+            body: body.clone(),
         });
         allowed
     };

@@ -1,5 +1,5 @@
-//! `/admin/*`: create users (and issue their key), change plans, revoke keys,
-//! refund a spend event.
+//! `/admin/*`: create users (and issue their key) and service keys, change
+//! plans, revoke keys, refund a spend event.
 //! Every handler extracts [`Admin`], so none runs without the admin token.
 
 use axum::extract::{RawPathParams, State};
@@ -11,7 +11,7 @@ use tollgate_core::keystore::generate_key_id;
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
-    keystore::{ApiKey, KeyRecord, KeyStore},
+    keystore::{ApiKey, KeyKind, KeyRecord, KeyStore},
     ledger::{Ledger, RefundOutcome},
 };
 
@@ -23,15 +23,42 @@ use crate::state::ApiState;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateUser {
+    /// The user; for a service key, the service's own name.
     pub user: UserId,
-    /// A configured plan; the default plan when omitted.
+    /// A configured plan; the default plan when omitted. Not for a service
+    /// key (it pays nothing: each call charges the user it names).
     pub plan: Option<String>,
+    /// `user` (the default) or `service`: a key that acts for any user it
+    /// names in `Tollgate-User`.
+    #[serde(default)]
+    pub kind: KeyKind,
+    /// A service key: the configured plans it may give a user with
+    /// `Tollgate-Plan` (default none).
+    #[serde(default)]
+    pub allowed_plans: Vec<String>,
+}
+
+impl CreateUser {
+    /// A user's key on the default plan.
+    pub fn user(user: UserId) -> Self {
+        Self {
+            user,
+            plan: None,
+            kind: KeyKind::User,
+            allowed_plans: Vec::new(),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
 pub struct CreatedUser {
     pub user: String,
-    pub plan: String,
+    /// The user's plan (absent for a service key).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan: Option<String>,
+    pub kind: KeyKind,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allowed_plans: Vec<String>,
     pub key_id: String,
     /// The secret key: shown this once, stored only as a hash.
     pub api_key: String,
@@ -71,30 +98,68 @@ fn check_plan(config: &Config, plan: &str) -> Result<(), ApiError> {
     })
 }
 
-/// Issues a key for `user` on `plan`: what `POST /admin/users` and
-/// `tollgate users create` do.
+/// Issues a key: for `user` on `plan`, or a service key (`kind: service`)
+/// that may give the users it acts for its `allowed_plans`. What `POST
+/// /admin/users` and `tollgate users create` do.
 pub async fn create_user(
     config: &Config,
     ledger: &dyn Ledger,
     keys: &dyn KeyStore,
-    user: UserId,
-    plan: Option<String>,
+    body: CreateUser,
 ) -> Result<CreatedUser, ApiError> {
-    let plan = plan.unwrap_or_else(|| config.default_plan().name.clone());
-    check_plan(config, &plan)?;
-    ledger.set_plan(&user, &plan).await?;
-    let key = ApiKey::generate()?;
+    let CreateUser {
+        user,
+        plan,
+        kind,
+        mut allowed_plans,
+    } = body;
+    let plan = match kind {
+        KeyKind::User => {
+            if !allowed_plans.is_empty() {
+                return Err(ApiError::InvalidField {
+                    field: "allowed_plans".into(),
+                    detail: "allowed_plans: only a service key gives plans (kind: service)".into(),
+                });
+            }
+            let plan = plan.unwrap_or_else(|| config.default_plan().name.clone());
+            check_plan(config, &plan)?;
+            ledger.set_plan(&user, &plan).await?;
+            Some(plan)
+        }
+        KeyKind::Service => {
+            if plan.is_some() {
+                return Err(ApiError::InvalidField {
+                    field: "plan".into(),
+                    detail: "plan: a service key has no plan (each call charges the user it names); see allowed_plans".into(),
+                });
+            }
+            for p in &allowed_plans {
+                check_plan(config, p).map_err(|_| ApiError::InvalidField {
+                    field: "allowed_plans".into(),
+                    detail: format!("allowed_plans: unknown plan {:?}", echo(p)),
+                })?;
+            }
+            allowed_plans.sort();
+            allowed_plans.dedup();
+            None
+        }
+    };
+    let key = ApiKey::generate_kind(kind)?;
     let record = KeyRecord {
         key_id: generate_key_id()?,
         user: user.clone(),
         created_ms: SystemClock.now_ms(),
         revoked: false,
+        kind,
+        allowed_plans,
     };
     keys.insert(&key, &record).await?;
-    tracing::info!(user = %user, key_id = %record.key_id, plan = %plan, "API key issued");
+    tracing::info!(user = %user, key_id = %record.key_id, kind = kind.as_str(), plan = ?plan, "API key issued");
     Ok(CreatedUser {
         user: user.to_string(),
         plan,
+        kind,
+        allowed_plans: record.allowed_plans,
         key_id: record.key_id,
         api_key: key.expose().to_owned(),
     })
@@ -110,8 +175,7 @@ pub async fn create(
         &state.config,
         state.ledger.as_ref(),
         state.keys.as_ref(),
-        body.user,
-        body.plan,
+        body,
     )
     .await?;
     Ok((StatusCode::CREATED, axum::Json(created)).into_response())
@@ -130,10 +194,12 @@ pub async fn set_plan(
     })?;
     check_plan(&state.config, &body.plan)?;
     // A user exists once a key was issued to it (POST /admin/users, `tollgate
-    // users create`); a plan stored for a typo would charge nobody and hide it.
-    if !state.keys.has_user(&user).await? {
+    // users create`), or once a service key acted for it (its budget holds
+    // live events or a plan); a plan stored for a typo would charge nobody
+    // and hide it.
+    if !known_user(&state, &user).await? {
         return Err(ApiError::NotFound(format!(
-            "no user {:?}: create it with POST /admin/users",
+            "no user {:?}: create it with POST /admin/users (or call for it with a service key)",
             echo(user.as_str())
         )));
     }
@@ -143,6 +209,23 @@ pub async fn set_plan(
         plan: body.plan,
     })
     .into_response())
+}
+
+/// Whether `user` was issued a key, or has a budget of its own: live spend
+/// events, or a plan other than the default (a service key acted for it).
+async fn known_user(state: &ApiState, user: &UserId) -> Result<bool, ApiError> {
+    if state.keys.has_user(user).await? {
+        return Ok(true);
+    }
+    let usage = state
+        .ledger
+        .usage_page(
+            user,
+            tollgate_core::ledger::EventPage::new(None, 1)
+                .map_err(|e| ApiError::Internal(e.to_string()))?,
+        )
+        .await?;
+    Ok(!usage.events.is_empty() || usage.plan != state.config.default_plan().name)
 }
 
 /// `DELETE /admin/keys/{key_id}`

@@ -14,6 +14,12 @@
 //! from an address over its budget only one cached as valid passes; any other
 //! is answered 429 before a lookup (the old format cannot tell a random key from
 //! a real one, so looking each up would let a flood cost Redis a command each).
+//!
+//! A service key (`tg_svc_...`) acts for the user each call names in
+//! [`TOLLGATE_USER`]: that user becomes the caller (its budget pays, its jobs
+//! and usage are read), and the key's id rides along for the audit trail. A
+//! user key may name only its own user. [`TOLLGATE_PLAN`] lets a service give
+//! the user one of the plans the admin allowed the key (see [`assign_plan`]).
 
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::header::AUTHORIZATION;
@@ -21,7 +27,9 @@ use axum::http::request::Parts;
 use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use tollgate_core::keystore::{secrets_equal, KeyShape};
+use tollgate_core::config::Config;
+use tollgate_core::keystore::{secrets_equal, KeyKind, KeyRecord, KeyShape};
+use tollgate_core::ledger::Ledger;
 use tollgate_core::session::Role;
 use tollgate_core::{
     id::UserId,
@@ -42,7 +50,16 @@ pub struct AuthGuard {
     pub failures: std::sync::Arc<AuthFailures>,
     /// Whether keys of the old format (`tg_` + 64 hex digits) are looked up.
     pub legacy_keys: bool,
+    /// Where a service's `Tollgate-Plan` is stored.
+    pub ledger: std::sync::Arc<dyn Ledger>,
+    pub config: std::sync::Arc<Config>,
 }
+
+/// The header that names the user a service key acts for.
+pub const TOLLGATE_USER: &str = "tollgate-user";
+/// The header a service key gives a user a plan with (one of the key's
+/// `allowed_plans`).
+pub const TOLLGATE_PLAN: &str = "tollgate-plan";
 
 fn valid(record: &Option<tollgate_core::keystore::KeyRecord>) -> bool {
     record.as_ref().is_some_and(|r| !r.revoked)
@@ -61,7 +78,7 @@ fn well_formed(key: &str, legacy_keys: bool) -> Result<(&str, KeyShape), ApiErro
             "malformed API key: its checksum does not match (mistyped or truncated?)",
         )),
         Err(tollgate_core::keystore::MalformedKey::Shape) => Err(ApiError::Unauthorized(
-            "malformed API key: expected tg_user_...",
+            "malformed API key: expected tg_user_... or tg_svc_...",
         )),
     }
 }
@@ -69,8 +86,100 @@ fn well_formed(key: &str, legacy_keys: bool) -> Result<(&str, KeyShape), ApiErro
 /// The authenticated caller, put into the request extensions by [`authenticate`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
+    /// Whose budget pays and whose jobs and usage are read: the key's user,
+    /// or the user a service key names.
     pub user: UserId,
     pub key_id: String,
+    /// A service key acting for `user`: its id (the same as `key_id`),
+    /// recorded with each charge.
+    pub service_key: Option<String>,
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<Option<&'a str>, ApiError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    let bad = |detail: &str| ApiError::Malformed {
+        detail: format!("{name}: {detail}"),
+        field: Some(name.into()),
+    };
+    if values.next().is_some() {
+        return Err(bad("sent more than once"));
+    }
+    let text = value.to_str().map_err(|_| bad("must be visible ASCII"))?;
+    Ok(Some(text.trim()))
+}
+
+/// Who a call with the key of `record` is for, and the plan it asks for
+/// that user (`Tollgate-Plan`, checked against the key's `allowed_plans`).
+fn acting(headers: &HeaderMap, record: &KeyRecord) -> Result<(Caller, Option<String>), ApiError> {
+    let named = header(headers, TOLLGATE_USER)?
+        .map(|u| {
+            UserId::new(u).map_err(|e| ApiError::Malformed {
+                detail: format!("Tollgate-User: {e}"),
+                field: Some(TOLLGATE_USER.into()),
+            })
+        })
+        .transpose()?;
+    let plan = header(headers, TOLLGATE_PLAN)?.map(str::to_owned);
+    let caller = match (record.kind, named) {
+        (KeyKind::Service, Some(user)) => Caller {
+            user,
+            key_id: record.key_id.clone(),
+            service_key: Some(record.key_id.clone()),
+        },
+        (KeyKind::Service, None) => return Err(ApiError::UserRequired),
+        (KeyKind::User, Some(user)) if user != record.user => {
+            return Err(ApiError::ActingForAnotherUser)
+        }
+        (KeyKind::User, _) => Caller {
+            user: record.user.clone(),
+            key_id: record.key_id.clone(),
+            service_key: None,
+        },
+    };
+    if let Some(plan) = &plan {
+        if !record.allowed_plans.iter().any(|p| p == plan) {
+            return Err(ApiError::PlanNotAllowed(match record.kind {
+                KeyKind::User => "Tollgate-Plan: only a service key may name a plan".into(),
+                KeyKind::Service => format!(
+                    "Tollgate-Plan: this key may give users the plans [{}], not {:?}",
+                    record.allowed_plans.join(", "),
+                    crate::problem::echo(plan)
+                ),
+            }));
+        }
+    }
+    Ok((caller, plan))
+}
+
+/// A service names `plan` (one of its key's `allowed_plans`) for `user`:
+/// stored when the user's plan is the default (a user first seen) or another
+/// plan the key may give; a plan an admin set outside the key's allowed plans
+/// stays (the admin's word wins). One read, and a write only on a change.
+pub async fn assign_plan(
+    ledger: &dyn Ledger,
+    config: &Config,
+    user: &UserId,
+    plan: &str,
+    allowed: &[String],
+) -> Result<(), ApiError> {
+    if config.plan(plan).is_none() {
+        return Err(ApiError::PlanNotAllowed(format!(
+            "Tollgate-Plan: no plan {:?} is configured",
+            crate::problem::echo(plan)
+        )));
+    }
+    let current = ledger.plan(user).await?;
+    if current == plan {
+        return Ok(());
+    }
+    if current == config.default_plan().name || allowed.contains(&current) {
+        ledger.set_plan(user, plan).await?;
+        tracing::info!(user = %user, plan, from = %current, "plan given by a service key");
+    }
+    Ok(())
 }
 
 pub(crate) fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
@@ -127,12 +236,7 @@ pub async fn authenticate(
         let failure = match &record {
             None => ApiError::Unauthorized("unknown API key"),
             Some(r) if r.revoked => ApiError::Unauthorized("this API key was revoked"),
-            Some(r) => {
-                return Ok(Caller {
-                    user: r.user.clone(),
-                    key_id: r.key_id.clone(),
-                })
-            }
+            Some(r) => return Ok(r.clone()),
         };
         match guard
             .failures
@@ -143,9 +247,30 @@ pub async fn authenticate(
             None => Err(failure),
         }
     };
-    match caller.await {
+    let caller = match caller.await {
+        Ok(record) => acting(req.headers(), &record).map(|a| (a, record)),
+        Err(e) => Err(e),
+    };
+    let caller = match caller {
+        Ok(((caller, Some(plan)), record)) => assign_plan(
+            guard.ledger.as_ref(),
+            &guard.config,
+            &caller.user,
+            &plan,
+            &record.allowed_plans,
+        )
+        .await
+        .map(|()| caller),
+        Ok(((caller, None), _)) => Ok(caller),
+        Err(e) => Err(e),
+    };
+    match caller {
         Ok(caller) => {
-            tracing::Span::current().record("user", caller.user.as_str());
+            let span = tracing::Span::current();
+            span.record("user", caller.user.as_str());
+            if let Some(kid) = &caller.service_key {
+                span.record("service_key", kid.as_str());
+            }
             req.extensions_mut().insert(caller.user.clone());
             req.extensions_mut().insert(caller);
             next.run(req).await

@@ -432,6 +432,7 @@ pub fn schema() -> serde_json::Value {
                 "required": ["at_ms", "user", "cost", "request_id", "refunded"],
                 "properties": {
                     "at_ms": int, "user": {"type": "string"}, "operation": {"type": ["string", "null"]},
+                    "service_key": {"type": "string", "description": "The service key (its id) that made the charge for the user, if one did."},
                     "cost": int, "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
                 },
             }},

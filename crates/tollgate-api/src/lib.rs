@@ -113,6 +113,8 @@ fn guard(state: &mut ApiState) -> auth::AuthGuard {
             state.settings.trusted_proxy_header.clone(),
         )),
         legacy_keys: state.settings.legacy_keys,
+        ledger: Arc::clone(&state.ledger),
+        config: Arc::clone(&state.config),
     }
 }
 
@@ -288,7 +290,8 @@ pub fn router(mut state: ApiState) -> Router {
                 method = %req.method(),
                 route,
                 trace_id,
-                user = tracing::field::Empty
+                user = tracing::field::Empty,
+                service_key = tracing::field::Empty
             )
         }))
         .layer(middleware::from_fn(trace_context))

@@ -68,12 +68,18 @@ impl Doc {
         Self::new(Method::DELETE, path, summary)
     }
 
+    /// A route for API keys: a user's, or a service's naming the user
+    /// (`Tollgate-User`, `Tollgate-Plan`).
     pub fn user(mut self) -> Self {
         self.access = Access::User;
         self.errors.extend([
             ProblemType::Unauthorized,
             ProblemType::TooManyFailedAuthentications,
             ProblemType::BackendUnavailable,
+            ProblemType::MalformedRequest,
+            ProblemType::UserRequired,
+            ProblemType::ActingForAnotherUser,
+            ProblemType::PlanNotAllowed,
         ]);
         self
     }
@@ -157,13 +163,21 @@ impl Doc {
                 // Ids are validated like `UserId`/`RequestId`: say so, so that
                 // clients (and generators) know what the server accepts.
                 let schema = match name {
-                    "user" | "id" => id_schema(),
+                    "user" | "id" | "request_id" => id_schema(),
                     _ => json!({"type": "string"}),
                 };
                 json!({"name": name, "in": "path", "required": true, "schema": schema})
             })
             .collect();
         params.extend(self.query.iter().cloned());
+        if self.access == Access::User {
+            params.push(json!({"name": "Tollgate-User", "in": "header", "required": false,
+                "description": "With a service key (`tg_svc_...`, required): the user the call is for; its budget pays, its jobs and usage are read. With a user's key: only its own user (another: 403 acting-for-another-user).",
+                "schema": id_schema()}));
+            params.push(json!({"name": "Tollgate-Plan", "in": "header", "required": false,
+                "description": "With a service key: one of the key's allowed_plans, given to the named user when its plan is the default or another plan the key may give (a plan an admin set otherwise stays). Any other: 403 plan-not-allowed.",
+                "schema": {"type": "string"}}));
+        }
         if let Some(cost) = self.metered {
             params.push(json!({"name": "Idempotency-Key", "in": "header", "required": false,
                 "description": "Makes a retry safe: the same key (per user) is the same request, charged once, returning the same job.",
@@ -172,7 +186,7 @@ impl Doc {
                     // what `request_id` accepts once HTTP dropped the blanks around it.
                     "pattern": "^[!-~]([ \t!-~]{0,253}[!-~])?$"}}));
             params.push(json!({"name": "Prefer", "in": "header", "required": false,
-                "description": "`respond-async`: answer 202 at once; `wait=<seconds>`: wait at most that long.",
+                "description": "`respond-async`: answer 202 at once, or with `wait=<seconds>` once the job is final or that long passed (whichever first); `wait=<seconds>` alone: a sync call that waits at most that long. Every wait is capped by the sync timeout.",
                 "schema": {"type": "string"}}));
             params.push(json!({"name": "async", "in": "query", "required": false,
                 "description": "`true`: like `Prefer: respond-async`.", "schema": {"type": "boolean"}}));
@@ -311,6 +325,7 @@ impl Routes {
             ProblemType::ThrottleTimeout,
             ProblemType::JobExpired,
             ProblemType::JobAbandoned,
+            ProblemType::UpstreamRejected,
         ]);
         if cost.fixed().is_none() {
             doc.errors.push(ProblemType::UnknownOperation);
@@ -368,7 +383,7 @@ pub fn document(docs: &[Doc], config: &Config) -> Value {
         "paths": paths,
         "components": {
             "securitySchemes": {
-                "apiKey": {"type": "http", "scheme": "bearer", "description": "A user's API key (`tg_...`)."},
+                "apiKey": {"type": "http", "scheme": "bearer", "description": "A user's API key (`tg_user_...`), or a service key (`tg_svc_...`) with `Tollgate-User` naming the user the call is for."},
                 "adminToken": {"type": "http", "scheme": "bearer", "description": "The admin token (TOLLGATE_ADMIN_TOKEN)."},
                 "viewerToken": {"type": "http", "scheme": "bearer", "description": "The read-only viewer token (TOLLGATE_VIEWER_TOKEN): the dashboard's read-only routes only."},
             },
@@ -399,12 +414,14 @@ fn schemas(config: &Config) -> Value {
                 "detail": {"type": "string"},
                 "field": {"type": "string", "description": "The offending field (400/422)."},
                 "job_id": {"type": "string"},
-                "cause": {"type": "string", "enum": ["provider", "unanswered", "bad_response", "throttle_timeout", "expired", "abandoned"]},
+                "cause": {"type": "string", "enum": ["provider", "unanswered", "bad_response", "throttle_timeout", "expired", "abandoned", "cancelled", "rejected"]},
                 "charged": {"type": "boolean", "description": "A failed job: true when its charge stands (the upstream may have done the work: unanswered, bad_response), false when it was released."},
                 "retry_after_ms": {"type": "integer", "description": "429: exactly when this request fits."},
                 "waited_ms": {"type": "integer", "description": "A failed job (502/503/504, e.g. no provider slot within max_wait): from its submission to its end."},
                 "stored_bytes": {"type": "integer", "description": "429 stored-bytes-exceeded: the bytes your jobs store in the operation's queue now (inputs of unfinished jobs, results and errors still kept, 256 per job besides)."},
                 "max_stored_bytes": {"type": "integer", "description": "429 stored-bytes-exceeded: your plan's max_stored_bytes."},
+                "upstream_status": {"type": "integer", "description": "422 upstream-rejected: the upstream's status (400, 413, 414, 415 or 422)."},
+                "upstream_body": {"type": "string", "description": "422 upstream-rejected: the upstream's body (at most 1024 bytes), only for an operation with expose_upstream_errors = true."},
             },
         },
         "OperationInput": {"type": "object", "description": "The operation's input, passed to the provider as it is.", "additionalProperties": true},
@@ -430,7 +447,9 @@ fn schemas(config: &Config) -> Value {
                     },
                 },
                 "result": {"description": "The provider's result (succeeded)."},
-                "error": {"type": "object", "properties": {"cause": {"type": "string"}, "message": {"type": "string"}, "charged": {"type": "boolean", "description": "Whether the failed job's charge stands (the upstream may have done the work) or was released."}}},
+                "error": {"type": "object", "properties": {"cause": {"type": "string"}, "message": {"type": "string"}, "charged": {"type": "boolean", "description": "Whether the failed job's charge stands (the upstream may have done the work) or was released."},
+                    "upstream_status": {"type": "integer", "description": "Cause rejected: the upstream's status."},
+                    "upstream_body": {"type": "string", "description": "Cause rejected: the upstream's body (at most 1024 bytes), only for an operation with expose_upstream_errors = true."}}},
                 "cost": {"type": "integer"},
                 "enqueued_at": {"type": "string", "format": "date-time"},
                 "finished_at": {"type": "string", "format": "date-time"},
@@ -467,6 +486,7 @@ fn schemas(config: &Config) -> Value {
                     "properties": {
                         "request_id": {"type": "string"},
                         "operation": {"type": ["string", "null"]},
+                        "service_key": {"type": "string", "description": "The id (kid_...) of the service key that made the call for this user; absent: the user's own key."},
                         "cost": {"type": "integer"},
                         "estimate": {"type": ["integer", "null"], "description": "The estimate reserved up front, for a charge settled to what the provider reported (`cost` is the actual)."},
                         "at": {"type": "string", "format": "date-time"},
@@ -478,13 +498,22 @@ fn schemas(config: &Config) -> Value {
         "CreateUser": {
             "type": "object", "required": ["user"], "additionalProperties": false,
             "properties": {"user": id_schema(), "plan": {
-                "description": "A plan of the config; omitted or null: the default plan.",
-                "anyOf": [plan, {"type": "null"}],
-            }},
+                "description": "A plan of the config; omitted or null: the default plan. Not for a service key.",
+                "anyOf": [plan.clone(), {"type": "null"}],
+            },
+            "kind": {"type": "string", "enum": ["user", "service"], "description": "user (default): the user's own key. service: a key (tg_svc_...) that acts for the user each call names in Tollgate-User; `user` is then the service's own name."},
+            "allowed_plans": {"type": "array", "items": plan, "description": "A service key: the plans it may give users with Tollgate-Plan (default none)."}},
+            // A service key has no plan; only a service key gives plans.
+            "if": {"required": ["kind"], "properties": {"kind": {"const": "service"}}},
+            "then": {"properties": {"plan": {"type": "null"}}},
+            "else": {"properties": {"allowed_plans": {"maxItems": 0}}},
         },
         "CreatedUser": {
-            "type": "object", "required": ["user", "plan", "key_id", "api_key"],
-            "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "key_id": {"type": "string"},
+            "type": "object", "required": ["user", "kind", "key_id", "api_key"],
+            "properties": {"user": {"type": "string"}, "plan": {"type": "string", "description": "The user's plan (absent for a service key)."},
+                "kind": {"type": "string", "enum": ["user", "service"]},
+                "allowed_plans": {"type": "array", "items": {"type": "string"}},
+                "key_id": {"type": "string"},
                 "api_key": {"type": "string", "description": "Shown once; stored only as a SHA-256 hash."}},
         },
         "SetPlan": {"type": "object", "required": ["plan"], "additionalProperties": false, "properties": {"plan": plan}},

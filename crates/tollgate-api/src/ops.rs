@@ -25,7 +25,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tollgate_core::{
     id::RequestId,
-    job::{JobInfo, JobRequest, JobStatus, SubmitOutcome},
+    job::{FailureCause, JobInfo, JobRequest, JobStatus, Rejection, SubmitOutcome},
 };
 
 use crate::auth::Caller;
@@ -98,6 +98,31 @@ pub struct JobErrorView {
     /// Whether the job's charge stands (the upstream may have done the work)
     /// or was released.
     pub charged: bool,
+    /// Cause `rejected`: the upstream's status code.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_status: Option<u16>,
+    /// Cause `rejected`: the upstream's body, only when the operation sets
+    /// `expose_upstream_errors = true`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_body: Option<String>,
+}
+
+impl JobErrorView {
+    fn new(cause: FailureCause, message: &str) -> Self {
+        let rejection = (cause == FailureCause::Rejected)
+            .then(|| Rejection::parse(message))
+            .flatten();
+        Self {
+            cause: cause.as_str(),
+            message: match &rejection {
+                Some(r) => format!("the upstream answered {} to the input", r.upstream_status),
+                None => message.to_owned(),
+            },
+            charged: cause.charged(),
+            upstream_status: rejection.as_ref().map(|r| r.upstream_status),
+            upstream_body: rejection.and_then(|r| r.upstream_body),
+        }
+    }
 }
 
 impl From<&JobInfo> for JobView {
@@ -106,15 +131,9 @@ impl From<&JobInfo> for JobView {
             JobStatus::Queued => ("queued", None, None),
             JobStatus::Running => ("running", None, None),
             JobStatus::Succeeded { result } => ("succeeded", Some(result.clone()), None),
-            JobStatus::Failed { cause, message } => (
-                "failed",
-                None,
-                Some(JobErrorView {
-                    cause: cause.as_str(),
-                    message: message.clone(),
-                    charged: cause.charged(),
-                }),
-            ),
+            JobStatus::Failed { cause, message } => {
+                ("failed", None, Some(JobErrorView::new(*cause, message)))
+            }
         };
         Self {
             job_id: info.job.id.to_string(),
@@ -130,8 +149,9 @@ impl From<&JobInfo> for JobView {
     }
 }
 
-/// `Prefer: respond-async` (RFC 7240), and `wait=<seconds>` to shorten the
-/// synchronous wait.
+/// `Prefer: respond-async` (RFC 7240), and `wait=<seconds>`: how long to wait
+/// for the result before a 202 (a sync call's wait, shortened; an async
+/// call's, which is otherwise none). Either way at most the sync timeout.
 fn preferences(headers: &HeaderMap) -> (bool, Option<Duration>) {
     let mut respond_async = false;
     let mut wait = None;
@@ -193,13 +213,15 @@ pub async fn run(
     priced: Priced,
     flags: Flags,
     trace: Option<Extension<TraceParent>>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let operation = priced.operation.clone();
     let trace = trace.map(|Extension(t)| t);
-    let result = call(&state, priced, flags, trace, &headers, body).await;
+    let caller = caller.map(|Extension(c)| c);
+    let result = call(&state, priced, flags, trace, caller, &headers, body).await;
     state
         .metrics
         .operation_latency(&operation, started.elapsed());
@@ -211,6 +233,7 @@ async fn call(
     priced: Priced,
     flags: Flags,
     trace: Option<TraceParent>,
+    caller: Option<Caller>,
     headers: &HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
@@ -223,6 +246,7 @@ async fn call(
         });
     }
     let id = request_id(&priced.user, headers)?;
+    let service_key = caller.and_then(|c| c.service_key);
     // Before the job exists, so that its end cannot be missed.
     let watch = state.jobs.watch(&id);
     let outcome = state
@@ -233,6 +257,7 @@ async fn call(
             operation: operation.clone(),
             input,
             trace,
+            service_key,
         })
         .await?;
     let (info, allowed) = match outcome {
@@ -253,7 +278,8 @@ async fn call(
     };
     let rate_limit = crate::ratelimit::allowed(&allowed);
     let (prefer_async, prefer_wait) = preferences(headers);
-    let answer = if prefer_async || flags.get("async") == Some(true) {
+    let respond_async = prefer_async || flags.get("async") == Some(true);
+    let answer = if respond_async && prefer_wait.is_none_or(|w| w.is_zero()) {
         Ok(accepted(&info))
     } else {
         let timeout = prefer_wait.map_or(state.settings.sync_timeout, |w| {

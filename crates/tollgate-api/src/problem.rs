@@ -8,7 +8,7 @@ use serde::Serialize;
 use tollgate_core::{
     error::StoreError,
     id::RequestId,
-    job::{FailureCause, JobError},
+    job::{FailureCause, JobError, Rejection},
     keystore::KeyStoreError,
     ledger::{Denied, LedgerError},
 };
@@ -88,10 +88,14 @@ pub enum ProblemType {
     ReadOnlyCredential,
     CrossSiteRequest,
     StoredBytesExceeded,
+    UserRequired,
+    ActingForAnotherUser,
+    PlanNotAllowed,
+    UpstreamRejected,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 30] = [
+    pub const ALL: [ProblemType; 34] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -122,6 +126,10 @@ impl ProblemType {
         Self::ReadOnlyCredential,
         Self::CrossSiteRequest,
         Self::StoredBytesExceeded,
+        Self::UserRequired,
+        Self::ActingForAnotherUser,
+        Self::PlanNotAllowed,
+        Self::UpstreamRejected,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -156,6 +164,10 @@ impl ProblemType {
             Self::ReadOnlyCredential => "read-only-credential",
             Self::CrossSiteRequest => "cross-site-request",
             Self::StoredBytesExceeded => "stored-bytes-exceeded",
+            Self::UserRequired => "user-required",
+            Self::ActingForAnotherUser => "acting-for-another-user",
+            Self::PlanNotAllowed => "plan-not-allowed",
+            Self::UpstreamRejected => "upstream-rejected",
         }
     }
 
@@ -167,15 +179,18 @@ impl ProblemType {
     pub fn status(self) -> StatusCode {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::AdminDisabled | Self::ReadOnlyCredential | Self::CrossSiteRequest => {
-                StatusCode::FORBIDDEN
-            }
+            Self::AdminDisabled
+            | Self::ReadOnlyCredential
+            | Self::CrossSiteRequest
+            | Self::ActingForAnotherUser
+            | Self::PlanNotAllowed => StatusCode::FORBIDDEN,
             Self::NotFound | Self::UnknownOperation => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Self::MalformedRequest => StatusCode::BAD_REQUEST,
-            Self::InvalidField | Self::CostExceedsLimit | Self::IdempotencyKeyReused => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
+            Self::MalformedRequest | Self::UserRequired => StatusCode::BAD_REQUEST,
+            Self::InvalidField
+            | Self::CostExceedsLimit
+            | Self::IdempotencyKeyReused
+            | Self::UpstreamRejected => StatusCode::UNPROCESSABLE_ENTITY,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QuotaExceeded
@@ -254,6 +269,18 @@ impl ProblemType {
             Self::StoredBytesExceeded => {
                 "Your jobs' stored inputs and results are at the plan's limit: retry once some finish or their results expire; nothing was charged"
             }
+            Self::UserRequired => {
+                "A service key must name the user it acts for: send Tollgate-User: <user id>"
+            }
+            Self::ActingForAnotherUser => {
+                "A user's key acts only for its own user: Tollgate-User names someone else"
+            }
+            Self::PlanNotAllowed => {
+                "Tollgate-Plan names a plan this key may not give (see the key's allowed_plans)"
+            }
+            Self::UpstreamRejected => {
+                "The upstream rejected the input (upstream_status): change it before retrying; the budget was refunded"
+            }
         }
     }
 }
@@ -293,6 +320,13 @@ pub struct Problem {
     pub stored_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_stored_bytes: Option<u64>,
+    /// 422 upstream-rejected: the upstream's status code.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_status: Option<u16>,
+    /// 422 upstream-rejected: the upstream's body (at most 1024 bytes), only
+    /// when the operation sets `expose_upstream_errors = true`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_body: Option<String>,
 }
 
 /// Everything the api can answer with other than success.
@@ -344,6 +378,15 @@ pub enum ApiError {
     /// The user's stored job bytes and this job's would pass the plan's bound.
     #[error("your jobs store {stored} bytes in this operation's queue; with this request's they would pass the plan's max_stored_bytes of {limit}")]
     StoredBytesExceeded { stored: u64, limit: u64 },
+    /// A service key called without `Tollgate-User`.
+    #[error("a service key must name the user it acts for: send Tollgate-User: <user id>")]
+    UserRequired,
+    /// A user's key named another user in `Tollgate-User`.
+    #[error("Tollgate-User names another user: a user's key acts only for its own user")]
+    ActingForAnotherUser,
+    /// `Tollgate-User` with a plan the key may not give.
+    #[error("{0}")]
+    PlanNotAllowed(String),
     #[error("job {job_id} failed: {message}")]
     JobFailed {
         job_id: RequestId,
@@ -387,7 +430,11 @@ impl ApiError {
             Self::IdempotencyConflict(_) => ProblemType::IdempotencyConflict,
             Self::IdempotencyKeyReused { .. } => ProblemType::IdempotencyKeyReused,
             Self::ResultExpired(_) => ProblemType::ResultExpired,
+            Self::UserRequired => ProblemType::UserRequired,
+            Self::ActingForAnotherUser => ProblemType::ActingForAnotherUser,
+            Self::PlanNotAllowed(_) => ProblemType::PlanNotAllowed,
             Self::JobFailed { cause, .. } => match cause {
+                FailureCause::Rejected => ProblemType::UpstreamRejected,
                 FailureCause::Provider => ProblemType::ProviderFailure,
                 FailureCause::Unanswered => ProblemType::UpstreamUnanswered,
                 FailureCause::BadResponse => ProblemType::BadUpstreamResponse,
@@ -426,6 +473,8 @@ impl ApiError {
             waited_ms: None,
             stored_bytes: None,
             max_stored_bytes: None,
+            upstream_status: None,
+            upstream_body: None,
         };
         match self {
             Self::Store(e) if e.is_transient() => {
@@ -459,6 +508,31 @@ impl ApiError {
                 p.detail = Some(self.to_string());
                 p.field = Some("Idempotency-Key".into());
                 p.job_id = Some(job_id.to_string());
+            }
+            Self::JobFailed {
+                job_id,
+                cause: cause @ FailureCause::Rejected,
+                message,
+                waited_ms,
+            } => {
+                // The message is the rejection (JSON): its body reaches the
+                // client only as `upstream_body`, never inside the detail.
+                let rejection = Rejection::parse(message);
+                p.detail = Some(match &rejection {
+                    Some(r) => format!(
+                        "rejected: the upstream answered {} to the input",
+                        r.upstream_status
+                    ),
+                    None => "rejected: the upstream rejected the input".into(),
+                });
+                p.job_id = Some(job_id.to_string());
+                p.cause = Some(cause.as_str());
+                p.charged = Some(cause.charged());
+                p.waited_ms = *waited_ms;
+                if let Some(r) = rejection {
+                    p.upstream_status = Some(r.upstream_status);
+                    p.upstream_body = r.upstream_body;
+                }
             }
             Self::JobFailed {
                 job_id,

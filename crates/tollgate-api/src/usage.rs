@@ -1,5 +1,6 @@
 //! `GET /v1/usage?limit=&cursor=`: the caller's budget and one page of its
-//! audit trail (each live spend event with its request id, operation, cost and
+//! audit trail (each live spend event with its request id, operation, the
+//! service key that acted for the user if one did, cost and
 //! time); `next_cursor` leads to the next page.
 
 use axum::extract::{FromRequestParts, State};
@@ -58,6 +59,10 @@ pub struct EventView {
     pub request_id: String,
     /// The operation the request ran (`null` for a charge of a plain route).
     pub operation: Option<String>,
+    /// The id of the service key that made the call for the user (absent:
+    /// the user's own key).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_key: Option<String>,
     pub cost: u64,
     /// For a charge settled to what the provider reported: the estimate
     /// reserved up front (`cost` is the actual); `null` otherwise.
@@ -151,6 +156,7 @@ pub async fn usage(
             .map(|e| EventView {
                 request_id: e.request_id.to_string(),
                 operation: e.operation.clone(),
+                service_key: e.service_key.clone(),
                 cost: e.cost,
                 estimate: e.estimate,
                 at: rfc3339(e.at_ms),

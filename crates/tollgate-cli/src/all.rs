@@ -140,8 +140,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
         &config,
         backends.ledger.as_ref(),
         backends.keys.as_ref(),
-        args.dev_user.clone(),
-        None,
+        tollgate_api::admin::CreateUser::user(args.dev_user.clone()),
     )
     .await
     {
@@ -158,7 +157,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
         &backends.described,
         addr,
         &created.user,
-        &created.plan,
+        created.plan.as_deref().unwrap_or_default(),
         &created.api_key,
         &admin_token,
     );

@@ -7,6 +7,11 @@ use std::sync::Arc;
 use clap::{Args, Subcommand};
 use serde_json::json;
 use tollgate_core::id::UserId;
+use tollgate_core::keystore::KeyKind;
+
+fn parse_kind(s: &str) -> Result<KeyKind, String> {
+    KeyKind::parse(s).ok_or_else(|| format!("{s:?}: expected user or service"))
+}
 
 use crate::process::{exit, fail};
 use crate::store::{StoreArgs, Wait};
@@ -26,13 +31,24 @@ pub struct UsersArgs {
 
 #[derive(Debug, Subcommand)]
 enum UsersCommand {
-    /// Create a user on a plan and issue an API key (printed once; stored hashed).
+    /// Create a user on a plan and issue an API key (printed once; stored
+    /// hashed), or with `--kind service` a service key, which acts for the
+    /// users each call names in `Tollgate-User`.
     Create {
+        /// The user (for a service key: the service's own name).
         #[arg(long)]
         user: UserId,
-        /// A configured plan (default: the config's default plan).
+        /// A configured plan (default: the config's default plan); not for a
+        /// service key.
         #[arg(long)]
         plan: Option<String>,
+        /// `user` (default) or `service`.
+        #[arg(long, default_value = "user", value_parser = parse_kind)]
+        kind: KeyKind,
+        /// A service key: a plan it may give users with `Tollgate-Plan`
+        /// (repeat for several).
+        #[arg(long = "allowed-plan")]
+        allowed_plans: Vec<String>,
     },
     /// Revoke an API key by its public id (`kid_...`).
     Revoke {
@@ -56,16 +72,34 @@ pub async fn run(args: UsersArgs) -> ExitCode {
     };
     let store = backends.keys.as_ref();
     match args.command {
-        UsersCommand::Create { user, plan } => {
+        UsersCommand::Create {
+            user,
+            plan,
+            kind,
+            allowed_plans,
+        } => {
             let ledger = backends.ledger.as_ref();
-            match tollgate_api::admin::create_user(&config, ledger, store, user, plan).await {
+            let body = tollgate_api::admin::CreateUser {
+                user,
+                plan,
+                kind,
+                allowed_plans,
+            };
+            match tollgate_api::admin::create_user(&config, ledger, store, body).await {
                 Ok(created) => {
                     if args.json {
                         println!("{}", json!(created));
                     } else {
+                        let what = match &created.plan {
+                            Some(plan) => format!("on plan {plan}"),
+                            None => format!(
+                                "as a service key (plans it may give: [{}])",
+                                created.allowed_plans.join(", ")
+                            ),
+                        };
                         println!(
-                            "created {} on plan {} (key id {})\napi key (shown once, keep it safe): {}",
-                            created.user, created.plan, created.key_id, created.api_key
+                            "created {} {what} (key id {})\napi key (shown once, keep it safe): {}",
+                            created.user, created.key_id, created.api_key
                         );
                     }
                     ExitCode::SUCCESS

@@ -45,6 +45,9 @@ pub struct Spend {
     pub at_ms: u64,
     pub user: String,
     pub operation: Option<String>,
+    /// The service key that made the charge for `user` (its id), if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_key: Option<String>,
     pub cost: u64,
     pub request_id: String,
     /// Names this charge for its refund mark: the user, the request id and,
@@ -74,6 +77,9 @@ pub struct SpendView {
     pub at_ms: u64,
     pub user: String,
     pub operation: Option<String>,
+    /// The service key that acted for `user`, if one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_key: Option<String>,
     pub cost: u64,
     pub request_id: String,
     pub refunded: bool,
@@ -186,6 +192,7 @@ impl Spend {
             at_ms: self.at_ms,
             user: self.user.clone(),
             operation: self.operation.clone(),
+            service_key: self.service_key.clone(),
             cost: self.cost,
             request_id: self.request_id.clone(),
             refunded,
@@ -226,14 +233,15 @@ impl RecordingLedger {
         user: &UserId,
         request: &RequestId,
         nonce: Option<&str>,
-        operation: Option<&str>,
+        operation: Option<(&str, Option<&str>)>,
         cost: u64,
         at_ms: u64,
     ) {
         self.log.note(Note::Spent(Spend {
             at_ms,
             user: user.to_string(),
-            operation: operation.map(str::to_owned),
+            operation: operation.map(|(op, _)| op.to_owned()),
+            service_key: operation.and_then(|(_, kid)| kid).map(str::to_owned),
             cost,
             request_id: request.to_string(),
             key: spend_key(user, request, nonce),
@@ -324,7 +332,7 @@ impl Ledger for RecordingLedger {
                 user,
                 request,
                 Some(charge.nonce),
-                Some(charge.operation),
+                Some((charge.operation, charge.service_key)),
                 charge.cost,
                 allowed.at_ms,
             );
@@ -436,6 +444,7 @@ mod tests {
             at_ms: i,
             user: "u".into(),
             operation: None,
+            service_key: None,
             cost: 1,
             request_id: format!("r{i}"),
             key: key.into(),

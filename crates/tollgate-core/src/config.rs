@@ -142,6 +142,13 @@ pub struct Upstream {
     /// Environment variable holding the header's value (read when the worker
     /// starts; never stored in the config).
     pub auth_env: Option<String>,
+    /// Static headers sent with every call (`headers = { "anthropic-version"
+    /// = "2023-06-01" }`).
+    pub headers: BTreeMap<String, String>,
+    /// Secret headers: header name -> the environment variable holding its
+    /// value (read when the worker starts, which refuses to start without it;
+    /// never logged), e.g. `secret_headers = { "x-api-key" = "ANTHROPIC_API_KEY" }`.
+    pub secret_headers: BTreeMap<String, String>,
     /// Bounds one HTTP call.
     pub timeout: Duration,
     /// Retries after a 429 or 5xx (each after the upstream's `Retry-After`, or
@@ -184,6 +191,27 @@ pub struct Operation {
     /// How long a finished job (its result or error) stays readable
     /// (`result_ttl`, default [`DEFAULT_RESULT_TTL`]).
     pub result_ttl: Duration,
+    /// When the upstream rejects a call's input (400, 413, 414, 415, 422), the
+    /// client gets the upstream's body (`upstream_body`, at most 1 KiB). Default
+    /// false: only the status, since the body may say more than the end user
+    /// should read (the operator's account, the upstream's internals).
+    pub expose_upstream_errors: bool,
+    /// How the input goes upstream (`method`, `body`): a JSON POST by default.
+    pub request: RequestShape,
+}
+
+/// How an operation's input (a JSON object) is sent to its upstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RequestShape {
+    /// `POST` with the input as a JSON body (the default).
+    #[default]
+    Json,
+    /// `POST` with the input's members as an `application/x-www-form-urlencoded`
+    /// body (`body = "form"`).
+    Form,
+    /// `GET` with no body, the input's members as the query string
+    /// (`method = "GET"`).
+    Query,
 }
 
 /// Default `result_ttl` of an operation's finished jobs: long enough for an
@@ -314,6 +342,8 @@ struct RawProvider {
     url: Option<String>,
     auth_header: Option<String>,
     auth_env: Option<String>,
+    headers: Option<BTreeMap<String, String>>,
+    secret_headers: Option<BTreeMap<String, String>>,
     timeout: Option<String>,
     retries: Option<i64>,
     fairness: Option<String>,
@@ -330,6 +360,9 @@ struct RawOperation {
     settle: Option<RawSettle>,
     retry_unanswered: Option<bool>,
     result_ttl: Option<String>,
+    expose_upstream_errors: Option<bool>,
+    method: Option<String>,
+    body: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -577,6 +610,8 @@ impl Config {
                     url: url.clone(),
                     auth_header: None,
                     auth_env: None,
+                    headers: BTreeMap::new(),
+                    secret_headers: BTreeMap::new(),
                     timeout: DEFAULT_UPSTREAM_TIMEOUT,
                     retries: DEFAULT_RETRIES,
                 });
@@ -718,6 +753,29 @@ fn parse_operations(
                 "must be between 100ms and 7d".into(),
             ));
         }
+        let request = match (o.method.as_deref(), o.body.as_deref()) {
+            (None | Some("POST"), None | Some("json")) => RequestShape::Json,
+            (None | Some("POST"), Some("form")) => RequestShape::Form,
+            (Some("GET"), None) => RequestShape::Query,
+            (Some("GET"), Some(_)) => {
+                return Err(invalid(
+                    format!("{key}.body"),
+                    "a GET sends no body: its input goes in the query string".into(),
+                ))
+            }
+            (None | Some("POST"), Some(b)) => {
+                return Err(invalid(
+                    format!("{key}.body"),
+                    format!("must be \"json\" or \"form\", got {b:?}"),
+                ))
+            }
+            (Some(m), _) => {
+                return Err(invalid(
+                    format!("{key}.method"),
+                    format!("must be \"POST\" or \"GET\", got {m:?}"),
+                ))
+            }
+        };
         operations.insert(
             name.clone(),
             Operation {
@@ -730,6 +788,8 @@ fn parse_operations(
                 settle,
                 retry_unanswered: o.retry_unanswered.unwrap_or(false),
                 result_ttl,
+                expose_upstream_errors: o.expose_upstream_errors.unwrap_or(false),
+                request,
             },
         );
     }
@@ -810,6 +870,25 @@ pub fn http_url_with_host(url: &str) -> bool {
     let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0));
     !host.is_empty() && port_ok
 }
+/// Headers of an upstream call that tollgate sets itself: no provider's
+/// `headers` or `secret_headers` may name them.
+pub const RESERVED_HEADERS: [&str; 7] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "idempotency-key",
+    "traceparent",
+    "content-type",
+];
+
+/// An HTTP header name (an RFC 9110 token).
+fn header_name(h: &str) -> bool {
+    !h.is_empty()
+        && h.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c))
+}
+
 fn parse_upstream(
     key: &str,
     p: &RawProvider,
@@ -819,6 +898,8 @@ fn parse_upstream(
         for (field, set) in [
             ("auth_header", p.auth_header.is_some()),
             ("auth_env", p.auth_env.is_some()),
+            ("headers", p.headers.is_some()),
+            ("secret_headers", p.secret_headers.is_some()),
             ("timeout", p.timeout.is_some()),
             ("retries", p.retries.is_some()),
         ] {
@@ -845,14 +926,67 @@ fn parse_upstream(
         ));
     }
     if let Some(h) = &p.auth_header {
-        let token = !h.is_empty()
-            && h.chars()
-                .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c));
-        if !token {
+        if !header_name(h) {
             return Err(invalid(
                 format!("{key}.auth_header"),
                 format!("is not a valid header name: {h:?}"),
             ));
+        }
+    }
+    let headers = p.headers.clone().unwrap_or_default();
+    let secret_headers = p.secret_headers.clone().unwrap_or_default();
+    let mut seen: Vec<String> = p
+        .auth_header
+        .iter()
+        .map(|h| h.to_ascii_lowercase())
+        .collect();
+    for (field, map) in [("headers", &headers), ("secret_headers", &secret_headers)] {
+        for (name, value) in map {
+            let at = || format!("{key}.{field}.{name}");
+            if !header_name(name) {
+                return Err(invalid(at(), "is not a valid header name".into()));
+            }
+            let lower = name.to_ascii_lowercase();
+            if RESERVED_HEADERS.contains(&lower.as_str()) {
+                return Err(invalid(
+                    at(),
+                    format!(
+                        "tollgate sets this header itself (reserved: {})",
+                        RESERVED_HEADERS.join(", ")
+                    ),
+                ));
+            }
+            if seen.contains(&lower) {
+                return Err(invalid(
+                    at(),
+                    "is set twice (headers, secret_headers and auth_header name each header once)"
+                        .into(),
+                ));
+            }
+            seen.push(lower);
+            let ok = if field == "headers" {
+                value
+                    .bytes()
+                    .all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+            } else {
+                !value.is_empty()
+                    && !value.starts_with(|c: char| c.is_ascii_digit())
+                    && value
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            };
+            if !ok {
+                return Err(invalid(
+                    at(),
+                    if field == "headers" {
+                        "must be visible ASCII (spaces and tabs allowed)".into()
+                    } else {
+                        format!(
+                            "must name an environment variable (letters, digits, _), got {value:?}"
+                        )
+                    },
+                ));
+            }
         }
     }
     let timeout = match &p.timeout {
@@ -876,6 +1010,8 @@ fn parse_upstream(
         url: url.trim_end_matches('/').to_owned(),
         auth_header: p.auth_header.clone(),
         auth_env: p.auth_env.clone(),
+        headers,
+        secret_headers,
         timeout,
         retries: retries as u32,
     }))
@@ -1147,6 +1283,96 @@ provider = "llm"
         assert!(c.operation("llm.structured").unwrap().retry_unanswered);
         let e = err(&on.replace("retry_unanswered = true", "retry_unanswered = \"yes\""));
         assert!(e.contains("retry_unanswered") && e.contains("bool"), "{e}");
+    }
+
+    #[test]
+    fn provider_headers_are_checked() {
+        let with = |lines: &str| {
+            OPERATIONS.replace(
+                "url = \"http://127.0.0.1:9100\"\n",
+                &format!("url = \"http://127.0.0.1:9100\"\n{lines}\n"),
+            )
+        };
+        let c = Config::parse(
+            &with("headers = { \"anthropic-version\" = \"2023-06-01\" }\nsecret_headers = { \"x-api-key\" = \"ANTHROPIC_API_KEY\" }"),
+            "t.toml",
+        )
+        .unwrap();
+        let up = c.upstream("llm").unwrap();
+        assert_eq!(up.headers["anthropic-version"], "2023-06-01");
+        assert_eq!(up.secret_headers["x-api-key"], "ANTHROPIC_API_KEY");
+        for (lines, key) in [
+            ("headers = { \"bad header\" = \"x\" }", "headers.bad header"),
+            ("headers = { \"x-a\" = \"line\\nbreak\" }", "headers.x-a"),
+            ("headers = { \"Content-Type\" = \"text/plain\" }", "reserved"),
+            ("headers = { \"Idempotency-Key\" = \"x\" }", "reserved"),
+            ("secret_headers = { \"x-api-key\" = \"NOT A VAR\" }", "secret_headers.x-api-key"),
+            ("secret_headers = { \"x-api-key\" = \"\" }", "secret_headers.x-api-key"),
+            (
+                "headers = { \"X-Key\" = \"a\" }\nsecret_headers = { \"x-key\" = \"K\" }",
+                "set twice",
+            ),
+            (
+                "auth_header = \"X-Key\"\nauth_env = \"K\"\nsecret_headers = { \"x-key\" = \"K2\" }",
+                "set twice",
+            ),
+        ] {
+            let e = err(&with(lines));
+            assert!(e.contains(key), "{lines}: {e}");
+        }
+        let no_url = OPERATIONS.replace(
+            "url = \"http://127.0.0.1:9100\"\n",
+            "headers = { \"a\" = \"b\" }\n",
+        );
+        assert!(err(&no_url).contains("needs `url`"), "{}", err(&no_url));
+        let exposed = OPERATIONS.replace(
+            "provider = \"llm\"\n",
+            "provider = \"llm\"\nexpose_upstream_errors = true\n",
+        );
+        let c = Config::parse(&exposed, "t.toml").unwrap();
+        assert!(
+            c.operation("llm.structured")
+                .unwrap()
+                .expose_upstream_errors
+        );
+        let c = Config::parse(OPERATIONS, "t.toml").unwrap();
+        assert!(
+            !c.operation("llm.structured")
+                .unwrap()
+                .expose_upstream_errors
+        );
+    }
+
+    #[test]
+    fn operations_choose_how_their_input_is_sent() {
+        let with = |lines: &str| {
+            OPERATIONS.replace(
+                "provider = \"llm\"\n",
+                &format!("provider = \"llm\"\n{lines}\n"),
+            )
+        };
+        let shape = |lines: &str| {
+            Config::parse(&with(lines), "t.toml")
+                .unwrap()
+                .operation("llm.structured")
+                .unwrap()
+                .request
+        };
+        assert_eq!(shape(""), RequestShape::Json);
+        assert_eq!(
+            shape("method = \"POST\"\nbody = \"json\""),
+            RequestShape::Json
+        );
+        assert_eq!(shape("body = \"form\""), RequestShape::Form);
+        assert_eq!(shape("method = \"GET\""), RequestShape::Query);
+        for (lines, key) in [
+            ("method = \"GET\"\nbody = \"form\"", "body"),
+            ("method = \"DELETE\"", "method"),
+            ("body = \"xml\"", "body"),
+        ] {
+            let e = err(&with(lines));
+            assert!(e.contains(&format!("llm.structured.{key}")), "{lines}: {e}");
+        }
     }
 
     #[test]

@@ -84,6 +84,10 @@ pub struct JobRequest {
     /// The caller's trace (the api continues or starts one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceParent>,
+    /// The id of the service key that acts for `user` (`Tollgate-User`), if
+    /// one does: recorded with the charge, in the audit trail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_key: Option<String>,
 }
 
 /// Why a job failed. Each cause maps to the HTTP status the api role answers
@@ -112,13 +116,18 @@ pub enum FailureCause {
     /// An operator refunded its charge before it ran (`budget refund`): it
     /// never reached the provider.
     Cancelled,
+    /// The upstream rejected the input (400, 413, 414, 415, 422): it did no
+    /// work, so the charge is released; the client's input must change. The
+    /// record's message is the [`Rejection`].
+    Rejected,
 }
 
 impl FailureCause {
     /// 502 (provider, bad response), 504 (unanswered, throttle timeout,
-    /// expired), 503 (abandoned), 409 (cancelled).
+    /// expired), 503 (abandoned), 409 (cancelled), 422 (rejected).
     pub fn http_status(self) -> u16 {
         match self {
+            Self::Rejected => 422,
             Self::Provider | Self::BadResponse => 502,
             Self::Unanswered | Self::ThrottleTimeout | Self::Expired => 504,
             Self::Abandoned => 503,
@@ -141,6 +150,7 @@ impl FailureCause {
             Self::Expired => "expired",
             Self::Abandoned => "abandoned",
             Self::Cancelled => "cancelled",
+            Self::Rejected => "rejected",
         }
     }
 
@@ -154,8 +164,45 @@ impl FailureCause {
             "expired" => Self::Expired,
             "abandoned" => Self::Abandoned,
             "cancelled" => Self::Cancelled,
+            "rejected" => Self::Rejected,
             _ => return None,
         })
+    }
+}
+
+/// What the upstream answered when it rejected a job's input
+/// ([`FailureCause::Rejected`]); the job record's message holds it as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejection {
+    /// The upstream's status code.
+    pub upstream_status: u16,
+    /// The upstream's body, at most [`Rejection::BODY_LIMIT`] bytes, only for
+    /// an operation with `expose_upstream_errors = true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_body: Option<String>,
+}
+
+impl Rejection {
+    /// The most bytes of an upstream's body a rejection keeps.
+    pub const BODY_LIMIT: usize = 1024;
+
+    /// `body` cut to [`Self::BODY_LIMIT`] bytes, on a character boundary.
+    pub fn bounded(body: &str) -> String {
+        let mut end = body.len().min(Self::BODY_LIMIT);
+        while !body.is_char_boundary(end) {
+            end -= 1;
+        }
+        body[..end].to_owned()
+    }
+
+    /// The job record's message.
+    pub fn message(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// A rejected job's record message, read back.
+    pub fn parse(message: &str) -> Option<Self> {
+        serde_json::from_str(message).ok()
     }
 }
 
@@ -577,6 +624,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             cost: op.charged_cost(),
             nonce: &fresh,
             operation: &op.name,
+            service_key: request.service_key.as_deref(),
             fingerprint: &fingerprint,
             deadline: op.deadline,
             grace: self.config().hold_grace(),

@@ -3,7 +3,8 @@
 //!
 //! A key is `tg_<kind>_` + 36 base62 characters (from the OS's generator, ~214
 //! bits) + a 6-character base62 CRC32 of everything before it, e.g.
-//! `tg_user_…` (the kind `svc` is reserved for service keys). The checksum lets
+//! `tg_user_…` for a user's key, `tg_svc_…` for a service key (which acts for
+//! the users it names, see [`KeyKind::Service`]). The checksum lets
 //! [`KeyShape::of`] refuse a random or mistyped key in process, before any store
 //! is asked, as GitHub's `ghp_` tokens do. Keys issued before this format,
 //! `tg_` + 64 hex digits ([`KeyShape::Legacy`]), are still looked up.
@@ -27,7 +28,7 @@ use crate::id::UserId;
 pub const KEY_PREFIX: &str = "tg_";
 /// The prefix of a user's API key.
 pub const USER_KEY_PREFIX: &str = "tg_user_";
-/// The prefix reserved for service keys (none is issued yet).
+/// The prefix of a service key.
 pub const SERVICE_KEY_PREFIX: &str = "tg_svc_";
 /// Random base62 characters in a key.
 pub const KEY_RANDOM_LEN: usize = 36;
@@ -37,10 +38,41 @@ pub const KEY_CHECKSUM_LEN: usize = 6;
 pub const BASE62: &[u8; 62] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
 
 /// What kind of key a well-formed key is, by its prefix.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum KeyKind {
+    /// A user's own key: every call is that user's.
+    #[default]
     User,
+    /// A service's key: each call names the user it acts for
+    /// (`Tollgate-User`), whose budget pays; the audit trail records the key.
     Service,
+}
+
+impl KeyKind {
+    /// The prefix of this kind's keys.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Self::User => USER_KEY_PREFIX,
+            Self::Service => SERVICE_KEY_PREFIX,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::User => "user",
+            Self::Service => "service",
+        }
+    }
+
+    /// The inverse of [`as_str`](Self::as_str).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "user" => Some(Self::User),
+            "service" => Some(Self::Service),
+            _ => None,
+        }
+    }
 }
 
 /// The shape of a presented key, read without any store.
@@ -134,12 +166,18 @@ impl ApiKey {
     /// A user key: [`USER_KEY_PREFIX`], [`KEY_RANDOM_LEN`] base62 characters
     /// from the operating system's generator, and their [`checksum`].
     pub fn generate() -> Result<Self, KeyStoreError> {
-        let mut body = String::from(USER_KEY_PREFIX);
-        while body.len() < USER_KEY_PREFIX.len() + KEY_RANDOM_LEN {
+        Self::generate_kind(KeyKind::User)
+    }
+
+    /// A key of `kind`: its prefix, then as [`ApiKey::generate`].
+    pub fn generate_kind(kind: KeyKind) -> Result<Self, KeyStoreError> {
+        let prefix = kind.prefix();
+        let mut body = String::from(prefix);
+        while body.len() < prefix.len() + KEY_RANDOM_LEN {
             // Bytes >= 248 are dropped so that each character is uniform
             // (248 = 4 * 62).
             for b in random_bytes::<32>()? {
-                if b < 248 && body.len() < USER_KEY_PREFIX.len() + KEY_RANDOM_LEN {
+                if b < 248 && body.len() < prefix.len() + KEY_RANDOM_LEN {
                     body.push(char::from(BASE62[usize::from(b % 62)]));
                 }
             }
@@ -227,9 +265,15 @@ fn hex(bytes: &[u8]) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct KeyRecord {
     pub key_id: String,
+    /// The user whose key it is; for a service key, the service's own name
+    /// (it pays nothing: each call charges the user it names).
     pub user: UserId,
     pub created_ms: u64,
     pub revoked: bool,
+    pub kind: KeyKind,
+    /// A service key: the plans it may give a user with `Tollgate-Plan`
+    /// (empty: none; users it names keep their plan, or the default).
+    pub allowed_plans: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -349,6 +393,23 @@ mod tests {
     }
 
     #[test]
+    fn service_keys_have_their_prefix() {
+        let key = ApiKey::generate_kind(KeyKind::Service).unwrap();
+        assert!(key.expose().starts_with(SERVICE_KEY_PREFIX));
+        assert_eq!(
+            key.expose().len(),
+            SERVICE_KEY_PREFIX.len() + KEY_RANDOM_LEN + KEY_CHECKSUM_LEN
+        );
+        assert_eq!(
+            KeyShape::of(key.expose()),
+            Ok(KeyShape::Current(KeyKind::Service))
+        );
+        for kind in [KeyKind::User, KeyKind::Service] {
+            assert_eq!(KeyKind::parse(kind.as_str()), Some(kind));
+        }
+    }
+
+    #[test]
     fn crc32_is_zlibs() {
         // The standard check value of CRC-32/ISO-HDLC.
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
@@ -435,6 +496,8 @@ mod tests {
             user: UserId::new("alice").unwrap(),
             created_ms: 1,
             revoked: false,
+            kind: KeyKind::User,
+            allowed_plans: Vec::new(),
         };
         store.insert(&key, &record).await.unwrap();
         assert_eq!(

@@ -34,6 +34,10 @@ pub struct SpendEvent {
     pub at_ms: u64,
     /// The operation of a job's charge (`None` for a plain reserve).
     pub operation: Option<String>,
+    /// The id (`kid_...`) of the service key that acted for the user, when a
+    /// service key made the call (`Tollgate-User`); `None`: the user's own key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_key: Option<String>,
     /// For a job's charge settled to what the provider reported
     /// ([`Ledger::settle_charge`]): what was reserved up front (the most, or
     /// the estimate with `reserve = "estimate"`); `cost` is the actual.
@@ -70,6 +74,10 @@ pub struct ExportEntry {
     pub spent_at_ms: u64,
     /// The operation of a job's charge, on its spend.
     pub operation: Option<String>,
+    /// On the spend of a job's charge a service key made for the user: that
+    /// key's id (`kid_...`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_key: Option<String>,
 }
 
 impl ExportEntry {
@@ -90,6 +98,10 @@ pub struct ChargeRequest<'a> {
     /// Names this charge: only the job carrying it can claim or release it.
     pub nonce: &'a str,
     pub operation: &'a str,
+    /// The id of the service key acting for the user (`None`: the user's own
+    /// key): recorded with the charge, for the audit trail. Not part of what
+    /// the id is bound to: a retry through another key is the same request.
+    pub service_key: Option<&'a str>,
     /// A digest of the request body: the same id with another body is refused.
     pub fingerprint: &'a str,
     /// The job's deadline, from now on the ledger's clock.
@@ -615,6 +627,28 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
 
     /// The user's effective plan name: the stored one, else the default.
     async fn plan(&self, user: &UserId) -> Result<String, LedgerError>;
+}
+
+/// Separates the operation from the acting service key's id in the `op` a
+/// charge is recorded under ([`audit_op`]): no operation name has it.
+pub const AUDIT_OP_SEPARATOR: char = '/';
+
+/// The `op` both ledgers record a job's charge under: the operation, then
+/// `/<key id>` when a service key acted for the user. One field, so that the
+/// Redis budget log's packed records keep their shape.
+pub fn audit_op(operation: &str, service_key: Option<&str>) -> String {
+    match service_key {
+        Some(kid) => format!("{operation}{AUDIT_OP_SEPARATOR}{kid}"),
+        None => operation.to_owned(),
+    }
+}
+
+/// The inverse of [`audit_op`]: the operation, and the service key's id.
+pub fn split_audit_op(op: &str) -> (&str, Option<&str>) {
+    match op.split_once(AUDIT_OP_SEPARATOR) {
+        Some((operation, kid)) => (operation, Some(kid)),
+        None => (op, None),
+    }
 }
 
 /// Rejects costs no plan could ever admit (0, or past [`MAX_TOKENS`]); both

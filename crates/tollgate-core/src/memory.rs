@@ -17,9 +17,9 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
-    unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome,
-    Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome,
-    ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
+    audit_op, split_audit_op, unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome,
+    ChargeRequest, ClaimOutcome, Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError,
+    RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
 };
 
 const SHARDS: usize = 64;
@@ -352,7 +352,11 @@ impl UserLog {
             cost: e.cost,
             previous_cost: e.previous,
             spent_at_ms: e.at,
-            operation: e.operation.map(str::to_owned),
+            operation: e.operation.map(|op| split_audit_op(op).0.to_owned()),
+            service_key: e
+                .operation
+                .and_then(|op| split_audit_op(op).1)
+                .map(str::to_owned),
         });
         while self.exported.len() as u64 > self.export_max {
             self.exported.pop_front();
@@ -894,7 +898,15 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     request_id,
                     cost: e.cost,
                     at_ms: e.at,
-                    operation: e.owner.as_ref().map(|o| o.operation.to_string()),
+                    operation: e
+                        .owner
+                        .as_ref()
+                        .map(|o| split_audit_op(&o.operation).0.to_owned()),
+                    service_key: e
+                        .owner
+                        .as_ref()
+                        .and_then(|o| split_audit_op(&o.operation).1)
+                        .map(str::to_owned),
                     estimate: e.owner.as_ref().and_then(|o| o.estimate),
                 })
                 .collect();
@@ -931,9 +943,10 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 let Some(o) = e.owner.as_deref() else {
                     return Ok(ChargeOutcome::Conflict { operation: None });
                 };
-                if &*o.operation != charge.operation || &*o.fingerprint != charge.fingerprint {
+                let first = split_audit_op(&o.operation).0;
+                if first != charge.operation || &*o.fingerprint != charge.fingerprint {
                     return Ok(ChargeOutcome::Conflict {
-                        operation: Some(o.operation.to_string()),
+                        operation: Some(first.to_owned()),
                     });
                 }
                 let (nonce, deadline_ms, claimed) =
@@ -954,12 +967,13 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             let owner = Box::new(Owner {
                 nonce: charge.nonce.into(),
                 deadline_ms,
-                operation: charge.operation.into(),
+                operation: audit_op(charge.operation, charge.service_key).into(),
                 fingerprint: charge.fingerprint.into(),
                 hold: Some(hold),
                 estimate: None,
             });
-            let operation = Some(charge.operation);
+            let op = audit_op(charge.operation, charge.service_key);
+            let operation = Some(op.as_str());
             let allowed = match log.admit(request, cost, limits, now, operation, Some(owner)) {
                 Ok(a) => a,
                 Err(d) => return Ok(ChargeOutcome::Denied(d)),

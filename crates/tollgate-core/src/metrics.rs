@@ -401,7 +401,7 @@ impl Metrics {
         r.register(
             "tollgate_job_outcomes",
             "Final outcomes of the jobs the api waited for (succeeded, provider, \
-             throttle_timeout, expired, abandoned)",
+             throttle_timeout, expired, abandoned, rejected, ...)",
             job_outcomes.clone(),
         );
         let requests = counters();
@@ -521,7 +521,7 @@ impl Metrics {
         r.register(
             "tollgate_worker_refunds",
             "Job charges released to their users' budgets, by cause (provider, throttle_timeout, \
-             expired: by this worker; abandoned: by its maintenance)",
+             expired, rejected: by this worker; abandoned: by its maintenance)",
             worker_refunds.clone(),
         );
         let leases_lost = counters();
@@ -625,7 +625,13 @@ impl Metrics {
                 })
                 .inc_by(0);
         }
-        for cause in ["provider", "throttle_timeout", "expired", "abandoned"] {
+        for cause in [
+            "provider",
+            "throttle_timeout",
+            "expired",
+            "abandoned",
+            "rejected",
+        ] {
             worker_refunds
                 .get_or_create(&CauseLabel { cause })
                 .inc_by(0);

@@ -1,11 +1,15 @@
 //! The HTTP provider client: POSTs a job's input JSON to the provider's `url`
-//! (plus the operation's `path`) and takes the JSON answer as the result.
+//! (plus the operation's `path`) and takes the JSON answer as the result; an
+//! operation may instead send its input as a form body (`body = "form"`) or as
+//! the query string of a GET (`method = "GET"`, [`RequestShape`]).
 //!
 //! Built on reqwest with rustls on the `ring` crypto provider (it builds with a
 //! C compiler alone, where aws-lc needs cmake) and the platform's root
 //! certificates; one client per provider, reusing connections.
-//! The credential header's value is read from an environment variable once, at
-//! start, and never logged.
+//! Every call carries the provider's static `headers`, and its secret ones
+//! (`secret_headers`, and the older single `auth_header`/`auth_env`), whose
+//! values are read from environment variables once, at start (a missing one
+//! refuses the start), marked sensitive and never logged.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
@@ -14,8 +18,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use reqwest::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::Value;
-use tollgate_core::config::Upstream;
-use tollgate_core::{config::Config, job::Job};
+use tollgate_core::config::{RequestShape, Upstream};
+use tollgate_core::{
+    config::Config,
+    job::{Job, Rejection},
+};
 
 use tokio::time::Instant;
 
@@ -35,7 +42,10 @@ pub struct HttpClient {
     url: String,
     /// Operation name -> path appended to `url`.
     paths: BTreeMap<String, String>,
-    auth: Option<(HeaderName, HeaderValue)>,
+    /// Operation name -> how its input is sent (absent: a JSON POST).
+    shapes: BTreeMap<String, RequestShape>,
+    /// Sent with every call: static headers, then secret ones (sensitive).
+    headers: Vec<(HeaderName, HeaderValue)>,
     client: reqwest::Client,
 }
 
@@ -44,34 +54,52 @@ impl std::fmt::Debug for HttpClient {
         f.debug_struct("HttpClient")
             .field("provider", &self.provider)
             .field("url", &self.url)
-            .field("auth", &self.auth.as_ref().map(|(h, _)| h))
+            .field(
+                "headers",
+                &self.headers.iter().map(|(h, _)| h).collect::<Vec<_>>(),
+            )
             .finish_non_exhaustive()
     }
 }
 
 impl HttpClient {
-    /// Reads the credential from `upstream.auth_env` now: a missing variable
-    /// fails at start, naming it.
+    /// Reads the secret headers' values from their environment variables
+    /// now: a missing variable fails at start, naming it (never its value).
     pub fn new(provider: &str, upstream: &Upstream, config: &Config) -> Result<Self, SetupError> {
         let client_err = |message: String| SetupError::Client {
             provider: provider.to_owned(),
             message,
         };
-        let auth = match (&upstream.auth_header, &upstream.auth_env) {
-            (Some(header), Some(var)) => {
-                let value = std::env::var(var).map_err(|_| SetupError::MissingSecret {
-                    provider: provider.to_owned(),
-                    var: var.clone(),
-                })?;
-                let name = HeaderName::from_bytes(header.as_bytes())
-                    .map_err(|e| client_err(format!("auth_header: {e}")))?;
-                let mut value = HeaderValue::from_str(&value)
-                    .map_err(|_| client_err(format!("{var} is not a valid header value")))?;
-                value.set_sensitive(true);
-                Some((name, value))
-            }
-            _ => None,
+        let name_of = |field: &str, header: &str| {
+            HeaderName::from_bytes(header.as_bytes())
+                .map_err(|e| client_err(format!("{field}.{header}: {e}")))
         };
+        let mut headers = Vec::new();
+        for (header, value) in &upstream.headers {
+            let value = HeaderValue::from_str(value)
+                .map_err(|_| client_err(format!("headers.{header}: not a valid header value")))?;
+            headers.push((name_of("headers", header)?, value));
+        }
+        let secrets = upstream
+            .secret_headers
+            .iter()
+            .map(|(h, v)| (h.as_str(), v.as_str()))
+            .chain(
+                upstream
+                    .auth_header
+                    .as_deref()
+                    .zip(upstream.auth_env.as_deref()),
+            );
+        for (header, var) in secrets {
+            let value = std::env::var(var).map_err(|_| SetupError::MissingSecret {
+                provider: provider.to_owned(),
+                var: var.to_owned(),
+            })?;
+            let mut value = HeaderValue::from_str(&value)
+                .map_err(|_| client_err(format!("{var} is not a valid header value")))?;
+            value.set_sensitive(true);
+            headers.push((name_of("secret_headers", header)?, value));
+        }
         install_crypto_provider();
         let client = reqwest::Client::builder()
             .timeout(upstream.timeout)
@@ -83,14 +111,40 @@ impl HttpClient {
             .filter(|o| o.provider == provider)
             .filter_map(|o| Some((o.name.clone(), o.path.clone()?)))
             .collect();
+        let shapes = config
+            .operations()
+            .filter(|o| o.provider == provider && o.request != RequestShape::Json)
+            .map(|o| (o.name.clone(), o.request))
+            .collect();
         Ok(Self {
             provider: provider.to_owned(),
             url: upstream.url.clone(),
             paths,
-            auth,
+            shapes,
+            headers,
             client,
         })
     }
+}
+
+/// The members of a job's input as name/value pairs, for a form body or a
+/// query string: strings as they are, numbers and booleans as JSON writes
+/// them, each element of an array as a pair of its own, objects as JSON text;
+/// `null` members are left out.
+fn pairs(input: &Value) -> Vec<(String, String)> {
+    let text = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let mut out = Vec::new();
+    for (name, value) in input.as_object().into_iter().flatten() {
+        match value {
+            Value::Null => {}
+            Value::Array(items) => out.extend(items.iter().map(|v| (name.clone(), text(v)))),
+            v => out.push((name.clone(), text(v))),
+        }
+    }
+    out
 }
 
 /// `Retry-After` in seconds (integer or decimal); HTTP dates are ignored.
@@ -110,19 +164,47 @@ impl Transport for HttpClient {
     /// request is written (see [`checked_body`]).
     async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
         let path = self.paths.get(&job.operation).map_or("", String::as_str);
-        let input = job.input.to_string();
+        let url = format!("{}{path}", self.url);
         let late = Arc::new(OnceLock::new());
-        let mut req = self
-            .client
-            .post(format!("{}{path}", self.url))
-            .header(CONTENT_TYPE, "application/json")
-            .header("idempotency-key", job.id.as_str())
-            .body(checked_body(input, use_by, Arc::clone(&late)));
+        let shape = self.shapes.get(&job.operation).copied().unwrap_or_default();
+        let req = match shape {
+            RequestShape::Json => self
+                .client
+                .post(url)
+                .header(CONTENT_TYPE, "application/json")
+                .body(checked_body(
+                    job.input.to_string(),
+                    use_by,
+                    Arc::clone(&late),
+                )),
+            RequestShape::Form => {
+                let form = form_urlencoded::Serializer::new(String::new())
+                    .extend_pairs(pairs(&job.input))
+                    .finish();
+                self.client
+                    .post(url)
+                    .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
+                    .body(checked_body(form, use_by, Arc::clone(&late)))
+            }
+            // No body to check as it is written: the grant is checked at
+            // the send (`send_check` below), as for any request.
+            RequestShape::Query => {
+                let mut url = reqwest::Url::parse(&url).map_err(|e| AttemptError::NotSent {
+                    message: format!("bad url {url:?}: {e}"),
+                })?;
+                let pairs = pairs(&job.input);
+                if !pairs.is_empty() {
+                    url.query_pairs_mut().extend_pairs(pairs);
+                }
+                self.client.get(url)
+            }
+        };
+        let mut req = req.header("idempotency-key", job.id.as_str());
         // The call's trace continues upstream: same trace id, this hop's id.
         if let Some(trace) = &job.trace {
             req = req.header("traceparent", trace.child().to_string());
         }
-        if let Some((name, value)) = &self.auth {
+        for (name, value) in &self.headers {
             req = req.header(name.clone(), value.clone());
         }
         send_check(use_by)?;
@@ -140,7 +222,13 @@ impl Transport for HttpClient {
         let body = resp.bytes().await.map_err(|e| AttemptError::Unanswered {
             message: format!("{status}, then reading the body failed: {}", chain(&e)),
         })?;
-        let snippet = || String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+        // What an error keeps of the body: for the logs, and for the client
+        // when the operation exposes a rejection's body.
+        let snippet = || {
+            Rejection::bounded(&String::from_utf8_lossy(
+                &body[..body.len().min(Rejection::BODY_LIMIT)],
+            ))
+        };
         if status.is_success() {
             return serde_json::from_slice(&body).map_err(|e| AttemptError::BadBody {
                 status: status.as_u16(),
@@ -292,6 +380,44 @@ path = "/v1/x"
         assert_eq!(client.paths.get("x").map(String::as_str), Some("/v1/x"));
     }
 
+    #[test]
+    fn secret_headers_come_from_the_environment_and_never_show() {
+        let text = r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.llm]
+rate = 1
+burst = 1
+max_wait = "1s"
+url = "https://api.example.com/"
+headers = { "anthropic-version" = "2023-06-01" }
+secret_headers = { "x-api-key" = "TOLLGATE_TEST_HTTP_SECRET_HEADER" }
+[operations.x]
+cost = 1
+provider = "llm"
+"#;
+        let config = Config::parse(text, "t").unwrap();
+        let upstream = config.upstream("llm").unwrap();
+        std::env::remove_var("TOLLGATE_TEST_HTTP_SECRET_HEADER");
+        let e = HttpClient::new("llm", upstream, &config).unwrap_err();
+        assert!(
+            e.to_string().contains("TOLLGATE_TEST_HTTP_SECRET_HEADER"),
+            "{e}"
+        );
+        std::env::set_var("TOLLGATE_TEST_HTTP_SECRET_HEADER", "sk-very-secret");
+        let client = HttpClient::new("llm", upstream, &config).unwrap();
+        let shown = format!("{client:?}");
+        assert!(!shown.contains("sk-very-secret"), "{shown}");
+        assert!(shown.contains("x-api-key"), "{shown}");
+        let sent: Vec<_> = client
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.is_sensitive()))
+            .collect();
+        assert_eq!(sent, [("anthropic-version", false), ("x-api-key", true)]);
+    }
+
     /// Resolves every name to one address, after a delay: a connection that
     /// takes long to make, the way a pause of the process can make it.
     struct SlowDns(std::net::SocketAddr, Duration);
@@ -344,7 +470,8 @@ path = "/v1/x"
             provider: "llm".into(),
             url: format!("http://upstream.test:{}", addr.port()),
             paths: BTreeMap::new(),
-            auth: None,
+            shapes: BTreeMap::new(),
+            headers: Vec::new(),
             client: reqwest::Client::builder()
                 .dns_resolver(SlowDns(addr, delay))
                 .build()

@@ -46,13 +46,24 @@ pub enum ProviderError {
     /// No throttle slot (timeout), or the throttle's backend failed.
     #[error(transparent)]
     Throttle(#[from] ThrottleError),
-    /// The upstream answered an error, after the configured retries.
-    #[error("{provider} answered {status}{}: {message}", retried(*.attempts))]
+    /// The upstream answered an error, after the configured retries. Its
+    /// body (`message`) is for the logs: it is not in the error's text,
+    /// which becomes the job's message and reaches the client.
+    #[error("{provider} answered {status}{}", retried(*.attempts))]
     Upstream {
         provider: String,
         status: u16,
         attempts: u32,
         message: String,
+    },
+    /// The upstream rejected the input (400, 413, 414, 415, 422): released,
+    /// not retried. `body`: its answer, kept only for an operation with
+    /// `expose_upstream_errors`.
+    #[error("{provider} rejected the input ({status})")]
+    Rejected {
+        provider: String,
+        status: u16,
+        body: Option<String>,
     },
     /// The upstream could not be reached (no connection), after the retries.
     #[error("{provider} unreachable{}: {message}", retried(*.attempts))]
@@ -128,6 +139,33 @@ pub struct CallError {
 }
 
 impl CallError {
+    /// The failed job's record message: the [`Rejection`](tollgate_core::job::Rejection)
+    /// (JSON) of a rejected input, else the error's text.
+    pub fn record_message(&self) -> String {
+        match &self.error {
+            ProviderError::Rejected { status, body, .. }
+                if self.cause == FailureCause::Rejected =>
+            {
+                tollgate_core::job::Rejection {
+                    upstream_status: *status,
+                    upstream_body: body.clone(),
+                }
+                .message()
+            }
+            _ => self.error.to_string(),
+        }
+    }
+
+    /// The upstream's answer, for the logs (never the client's, unless
+    /// exposed as a rejection's body).
+    pub fn upstream_body(&self) -> Option<&str> {
+        match &self.error {
+            ProviderError::Upstream { message, .. } => Some(message),
+            ProviderError::Rejected { body, .. } => body.as_deref(),
+            _ => None,
+        }
+    }
+
     /// Whether the job may be handed back to run again instead of failing:
     /// the throttle's store failed, and no attempt may have made the
     /// upstream work.
@@ -264,6 +302,9 @@ pub struct ThrottledClient<C> {
     hold: Duration,
     /// Operations whose unanswered calls may be sent again (`retry_unanswered`).
     retry_unanswered: BTreeSet<String>,
+    /// Operations whose rejections carry the upstream's body to the client
+    /// (`expose_upstream_errors`).
+    exposed: BTreeSet<String>,
 }
 
 impl<C: Transport> ThrottledClient<C> {
@@ -283,7 +324,19 @@ impl<C: Transport> ThrottledClient<C> {
             shares: Arc::new(Shares::default_plan(Arc::new(Config::builtin()))),
             hold: tollgate_core::fair::DEFAULT_HOLD,
             retry_unanswered: BTreeSet::new(),
+            exposed: BTreeSet::new(),
         }
+    }
+
+    /// The operations of `config` on this provider whose rejected inputs
+    /// show the upstream's body to the client (`expose_upstream_errors`).
+    pub fn with_exposed_errors(mut self, config: &Config) -> Self {
+        self.exposed = config
+            .operations()
+            .filter(|o| o.provider == self.provider.name && o.expose_upstream_errors)
+            .map(|o| o.name.clone())
+            .collect();
+        self
     }
 
     /// The operations of `config` on this provider whose unanswered calls
@@ -519,6 +572,23 @@ impl<C: Transport> Client for ThrottledClient<C> {
                 // A retry that could only start after the deadline is none.
                 && deadline.is_none_or(|d| Instant::now() + wait < d);
             if !again {
+                if let (
+                    outcome::Class::Rejected,
+                    AttemptError::Status {
+                        status, message, ..
+                    },
+                ) = (class, &err)
+                {
+                    let error = ProviderError::Rejected {
+                        provider: name.clone(),
+                        status: *status,
+                        body: self
+                            .exposed
+                            .contains(&job.operation)
+                            .then(|| message.clone()),
+                    };
+                    return Err(fail(&tally, error, FailureCause::Rejected));
+                }
                 let error = ProviderError::of_attempt(name, attempt, err);
                 return Err(fail(&tally, error, FailureCause::Provider));
             }
@@ -534,7 +604,9 @@ impl<C: Transport> Client for ThrottledClient<C> {
 /// Why the providers of a config could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
-    #[error("providers.{provider}.auth_env: environment variable {var} is not set")]
+    #[error(
+        "providers.{provider}: environment variable {var} (a secret header's value) is not set"
+    )]
     MissingSecret { provider: String, var: String },
     #[error("providers.{provider}: cannot build the HTTP client: {message}")]
     Client { provider: String, message: String },
@@ -593,7 +665,8 @@ fn build(
                         Arc::clone(metrics),
                     )
                     .with_shares(Arc::clone(&shares), upstream.timeout + HOLD_MARGIN)
-                    .with_retry_unanswered(config),
+                    .with_retry_unanswered(config)
+                    .with_exposed_errors(config),
                 )
             }
             None => Arc::new(

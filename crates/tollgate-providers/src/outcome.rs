@@ -7,6 +7,7 @@
 //! |---|---|---|---|
 //! | never sent (no connection, a stale grant) | no | released | free |
 //! | refused (429, 503, other 4xx) | no | released | 429/503 within `retries` |
+//! | input rejected (400, 413, 414, 415, 422) | no | released | no: the client's input must change |
 //! | unanswered (sent, no whole answer) | yes | **stands** | only with `retry_unanswered` |
 //! | answered 2xx, body not JSON | yes | **stands** | no |
 //! | answered 5xx (but 503) | maybe | released, **absorbed** | within `retries` |
@@ -25,8 +26,12 @@ pub enum Class {
     /// Nothing reached the upstream.
     NeverSent,
     /// The upstream refused before doing work; `overload` (429, 503): it may
-    /// take the request a moment later.
+    /// take the request a moment later. Other refusals (401, 403, 404, ...)
+    /// are the operator's misconfiguration, not the client's: 502.
     Refused { overload: bool },
+    /// The upstream rejected the input (400, 413, 414, 415, 422): no work
+    /// done, and the same input would be rejected again.
+    Rejected,
     /// Sent, and no whole answer came back: it may have done the work.
     Unanswered,
     /// Answered 2xx, with a body that is not JSON: it did the work.
@@ -48,6 +53,7 @@ impl Class {
             AttemptError::BadBody { .. } => Self::BadAnswer,
             AttemptError::Status { status, .. } => match status {
                 429 | 503 => Self::Refused { overload: true },
+                400 | 413 | 414 | 415 | 422 => Self::Rejected,
                 500..=599 => Self::ServerError,
                 _ => Self::Refused { overload: false },
             },
@@ -59,7 +65,7 @@ impl Class {
         match self {
             Self::NeverSent | Self::ServerError | Self::Refused { overload: true } => true,
             Self::Unanswered => retry_unanswered,
-            Self::Refused { overload: false } | Self::BadAnswer => false,
+            Self::Refused { overload: false } | Self::Rejected | Self::BadAnswer => false,
         }
     }
 }
@@ -79,7 +85,7 @@ impl Tally {
             Class::BadAnswer => self.answered = true,
             Class::Unanswered => self.unanswered = true,
             Class::ServerError => self.absorbed = Some(SERVER_ERROR),
-            Class::NeverSent | Class::Refused { .. } => {}
+            Class::NeverSent | Class::Refused { .. } | Class::Rejected => {}
         }
     }
 
@@ -131,8 +137,13 @@ mod tests {
         let c = |e: AttemptError| Class::of(&e).unwrap();
         assert_eq!(c(status(429)), Class::Refused { overload: true });
         assert_eq!(c(status(503)), Class::Refused { overload: true });
-        assert_eq!(c(status(400)), Class::Refused { overload: false });
-        assert_eq!(c(status(404)), Class::Refused { overload: false });
+        for s in [400, 413, 414, 415, 422] {
+            assert_eq!(c(status(s)), Class::Rejected, "{s}");
+        }
+        for s in [401, 403, 404, 405, 409] {
+            assert_eq!(c(status(s)), Class::Refused { overload: false }, "{s}");
+        }
+        assert!(!Class::Rejected.retry(true));
         assert_eq!(c(status(500)), Class::ServerError);
         assert_eq!(c(status(504)), Class::ServerError);
         let unsent = AttemptError::NotSent {

@@ -9,7 +9,7 @@ use redis::{FromRedisValue, Pipeline};
 use tollgate_core::keystore::is_key_id;
 use tollgate_core::{
     id::UserId,
-    keystore::{ApiKey, KeyHash, KeyRecord, KeyStore, KeyStoreError},
+    keystore::{ApiKey, KeyHash, KeyKind, KeyRecord, KeyStore, KeyStoreError},
 };
 
 use crate::call;
@@ -64,20 +64,39 @@ impl RedisKeyStore {
 
     async fn record(&self, key: &str) -> Result<Option<KeyRecord>, KeyStoreError> {
         let mut pipe = redis::pipe();
-        pipe.cmd("HMGET")
-            .arg(key)
-            .arg(&["user", "key_id", "created_ms", "revoked"]);
+        pipe.cmd("HMGET").arg(key).arg(&[
+            "user",
+            "key_id",
+            "created_ms",
+            "revoked",
+            "kind",
+            "allowed_plans",
+        ]);
         let (fields,): (Vec<Option<String>>,) = self.read("apikey_get", &pipe).await?;
         let bad =
             || KeyStoreError::from(StoreError::backend(format!("malformed key record {key}")));
         match fields.as_slice() {
             [None, ..] => Ok(None),
-            [Some(user), Some(key_id), Some(created), revoked] => Ok(Some(KeyRecord {
-                user: UserId::new(user.as_str()).map_err(|_| bad())?,
-                key_id: key_id.clone(),
-                created_ms: created.parse().map_err(|_| bad())?,
-                revoked: revoked.as_deref() == Some("1"),
-            })),
+            [Some(user), Some(key_id), Some(created), revoked, kind, plans] => {
+                Ok(Some(KeyRecord {
+                    user: UserId::new(user.as_str()).map_err(|_| bad())?,
+                    key_id: key_id.clone(),
+                    created_ms: created.parse().map_err(|_| bad())?,
+                    revoked: revoked.as_deref() == Some("1"),
+                    // Records written before service keys have no kind: users'.
+                    kind: match kind {
+                        None => KeyKind::User,
+                        Some(k) => KeyKind::parse(k).ok_or_else(bad)?,
+                    },
+                    allowed_plans: plans
+                        .as_deref()
+                        .unwrap_or("")
+                        .split(',')
+                        .filter(|p| !p.is_empty())
+                        .map(str::to_owned)
+                        .collect(),
+                }))
+            }
             _ => Err(bad()),
         }
     }
@@ -119,6 +138,10 @@ impl KeyStore for RedisKeyStore {
             .arg(record.created_ms)
             .arg("revoked")
             .arg(if record.revoked { "1" } else { "0" })
+            .arg("kind")
+            .arg(record.kind.as_str())
+            .arg("allowed_plans")
+            .arg(record.allowed_plans.join(","))
             .ignore();
         self.pipe::<()>("apikey_insert", &pipe).await
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::{FromRedisValue, Value};
-use tollgate_core::ledger::{unknown_plan, validate_cost};
+use tollgate_core::ledger::{split_audit_op, unknown_plan, validate_cost};
 use tollgate_core::{
     config::{Config, MAX_LIMITS},
     id::{RequestId, UserId},
@@ -300,7 +300,10 @@ impl Ledger for RedisLedger {
                 Ok(ChargeOutcome::Denied(Denied::new(windows, &retry, now)))
             }
             Some(3) => Ok(ChargeOutcome::Conflict {
-                operation: r.get(1).and_then(text),
+                operation: r
+                    .get(1)
+                    .and_then(text)
+                    .map(|op| split_audit_op(&op).0.to_owned()),
             }),
             Some(4) => Ok(ChargeOutcome::Conflict { operation: None }),
             Some(-1) => Err(LedgerError::CostExceedsLimit { cost, limit: n(1)? }),
@@ -437,7 +440,14 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
         .get("id")
         .and_then(|r| RequestId::new(r.clone()).ok())
         .ok_or_else(bad)?;
-    let op = f.get("op").filter(|o| !o.is_empty()).cloned();
+    let op = f.get("op").filter(|o| !o.is_empty());
+    let (operation, service_key) = match op {
+        Some(op) => {
+            let (operation, kid) = split_audit_op(op);
+            (Some(operation.to_owned()), kid.map(str::to_owned))
+        }
+        None => (None, None),
+    };
     Ok(ExportEntry {
         id,
         kind,
@@ -445,7 +455,8 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
         cost: num("cost").ok_or_else(bad)?,
         previous_cost: (kind == ChangeKind::Settle).then(|| num("prev")).flatten(),
         spent_at_ms: num("at").ok_or_else(bad)?,
-        operation: op,
+        operation,
+        service_key,
     })
 }
 
@@ -537,13 +548,15 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
     let events = reply[head..]
         .chunks_exact(5)
         .map(|e| {
-            let operation = text(&e[3])?;
+            let op = text(&e[3])?;
+            let (operation, service_key) = split_audit_op(&op);
             Ok(SpendEvent {
                 request_id: RequestId::new(text(&e[0])?)
                     .map_err(|err| bad_reply::<LedgerError>("usage", err))?,
                 at_ms: int(&e[1])?,
                 cost: int(&e[2])?,
-                operation: (!operation.is_empty()).then_some(operation),
+                operation: (!operation.is_empty()).then(|| operation.to_owned()),
+                service_key: service_key.map(str::to_owned),
                 estimate: signed(&e[4]).and_then(|v| u64::try_from(v).ok()),
             })
         })

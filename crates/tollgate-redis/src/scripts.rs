@@ -307,7 +307,10 @@ pub fn charge(
     inv.arg(request)
         .arg(charge.cost)
         .arg(charge.nonce)
-        .arg(charge.operation)
+        .arg(tollgate_core::ledger::audit_op(
+            charge.operation,
+            charge.service_key,
+        ))
         .arg(charge.fingerprint)
         .arg(u64::try_from(charge.deadline.as_millis()).unwrap_or(u64::MAX))
         .arg(u64::try_from(charge.grace.as_millis()).unwrap_or(u64::MAX))

@@ -436,17 +436,18 @@ async fn job(
                     format!("{}; this run: {e}", job::LOST_MID_RUN),
                 )
             } else {
-                (e.cause, e.charge, e.to_string())
+                (e.cause, e.charge, e.record_message())
             };
+            let upstream_body = e.upstream_body().unwrap_or_default();
             match charge {
                 Charge::Keep => {
-                    tracing::info!(error = %e, cause = cause.as_str(), "job failed; the upstream may have worked: the charge stands");
+                    tracing::info!(error = %e, cause = cause.as_str(), upstream_body, "job failed; the upstream may have worked: the charge stands");
                     // No usage was reported: a charge that reserved the
                     // most comes down to the operation's estimate.
                     settle(source.as_ref(), lease, &serde_json::Value::Null).await;
                 }
                 Charge::Release { absorbed } => {
-                    tracing::info!(error = %e, cause = cause.as_str(), absorbed, "job failed; releasing its charge")
+                    tracing::info!(error = %e, cause = cause.as_str(), absorbed, upstream_body, "job failed; releasing its charge")
                 }
             }
             let recorded = finish("fail", || source.fail(lease, cause, charge, &message)).await;

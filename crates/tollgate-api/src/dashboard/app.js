@@ -164,7 +164,7 @@ function renderEvents(events) {
   const rows = events.map((e) => {
     const tr = row([
       el('td', new Date(e.at_ms).toLocaleTimeString()),
-      el('td', e.user),
+      el('td', e.service_key ? `${e.user} (via ${e.service_key})` : e.user),
       el('td', e.operation ?? '(plain reserve)'),
       num(e.cost),
       el('td', e.request_id, 'mono'),

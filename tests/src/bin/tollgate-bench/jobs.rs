@@ -87,6 +87,7 @@ async fn drive(
                     operation: "bench".into(),
                     input: serde_json::json!({ "i": i }),
                     trace: None,
+                    service_key: None,
                 })
                 .await?;
             anyhow::ensure!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");

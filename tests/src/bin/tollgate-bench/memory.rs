@@ -207,6 +207,7 @@ async fn fill(
                     fingerprint: &fp,
                     deadline: Duration::from_secs(600),
                     grace: Duration::from_secs(1),
+                    service_key: None,
                 };
                 let ChargeOutcome::Charged { deadline_ms, .. } =
                     ledger.charge(&user, &id, &req).await?
