@@ -87,3 +87,37 @@ def test_a_busy_provider_is_retried_then_reported(tollgate_all, caplog):
         assert body["retries"] >= 1, body
         assert int(r.headers["retry-after"]) >= 1
         assert any("provider busy, retrying" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_service_key_gives_each_logged_in_user_their_own_budget(tollgate_all):
+    # The app's own credential: a service key, acting for whoever is logged in.
+    import httpx
+
+    r = httpx.post(
+        f"{tollgate_all.base}/admin/users",
+        headers={"Authorization": f"Bearer {tollgate_all.admin_token}"},
+        json={"user": "summaries-app", "kind": "service"},
+    )
+    assert r.status_code in (200, 201), r.text
+    service_key = r.json()["api_key"]
+    assert service_key.startswith("tg_svc_")
+    app = create_app(tollgate_all.base, service_key=service_key)
+    with TestClient(app) as client:
+        alice, bob = login(client, "alice"), login(client, "bob")
+        for i in range(2):
+            r = client.post("/summaries", json={"text": f"a{i}"}, headers=alice)
+            assert r.status_code == 200, r.text
+        assert client.post("/summaries", json={"text": "a2"}, headers=alice).status_code == 429
+        # Alice's spend is hers: Bob's budget is whole.
+        budget = client.get("/me/budget", headers=bob).json()
+        assert (budget["used"], budget["remaining"]) == (0, 16), budget
+        r = client.post("/summaries", json={"text": "b0"}, headers=bob)
+        assert r.status_code == 200, r.text
+        assert client.get("/me/budget", headers=alice).json()["used"] == 16
+    # The audit trail names both: the end user's event, made by the service key.
+    usage = httpx.get(
+        f"{tollgate_all.base}/v1/usage",
+        headers={"Authorization": f"Bearer {service_key}", "Tollgate-User": "bob"},
+    ).json()
+    assert len(usage["events"]) == 1, usage
+    assert usage["events"][0].get("service_key", "").startswith("kid_"), usage
