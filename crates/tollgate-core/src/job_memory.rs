@@ -78,19 +78,48 @@ impl Record {
 struct State {
     jobs: HashMap<RequestId, Record>,
     queues: HashMap<String, VecDeque<RequestId>>,
-    /// The ids of each user's records, by operation: what counts towards the
-    /// user's `max_stored_bytes` in that queue.
-    by_user: HashMap<(UserId, String), HashSet<RequestId>>,
+    /// Each user's records, by operation: what counts towards the user's
+    /// `max_stored_bytes` in that queue.
+    by_user: HashMap<(UserId, String), Owned>,
+}
+
+/// A user's records in one queue.
+#[derive(Debug, Default)]
+struct Owned {
+    ids: HashSet<RequestId>,
+    /// What they store, counting a record whose result expired (it stores
+    /// nothing) until maintenance forgets it: an upper bound of the exact
+    /// figure, kept as records come, change and go, so that a submission
+    /// well under the limit is checked in O(1); only one near it counts its
+    /// records one by one.
+    bound: u64,
 }
 
 impl State {
     fn forget(&mut self, id: &RequestId) {
         if let Some(rec) = self.jobs.remove(id) {
             let owner = (rec.job.user, rec.job.operation);
-            if let Some(ids) = self.by_user.get_mut(&owner) {
-                ids.remove(id);
-                if ids.is_empty() {
+            if let Some(o) = self.by_user.get_mut(&owner) {
+                if o.ids.remove(id) {
+                    o.bound = o.bound.saturating_sub(job::stored_bytes(rec.kept_len));
+                }
+                if o.ids.is_empty() {
                     self.by_user.remove(&owner);
+                }
+            }
+        }
+    }
+
+    /// Sets what record `id` keeps (`kept_len`), and its owner's bound.
+    fn keep(&mut self, id: &RequestId, len: usize) {
+        let Self { jobs, by_user, .. } = self;
+        if let Some(rec) = jobs.get_mut(id) {
+            let (old, new) = (job::stored_bytes(rec.kept_len), job::stored_bytes(len));
+            rec.kept_len = len;
+            let owner = (rec.job.user.clone(), rec.job.operation.clone());
+            if let Some(o) = by_user.get_mut(&owner) {
+                if o.ids.contains(id) {
+                    o.bound = o.bound.saturating_sub(old).saturating_add(new);
                 }
             }
         }
@@ -181,10 +210,11 @@ impl MemoryJobQueue {
             Phase::Running { token, .. } if token == lease.token => {}
             _ => return Finish::LeaseLost,
         }
-        rec.kept_len = final_len(&status);
+        let len = final_len(&status);
         rec.job.input = Value::Null;
         rec.phase = Phase::Done { status, at_ms: now };
         rec.refund_pending = refund;
+        st.keep(&lease.job.id, len);
         drop(st);
         self.waiters.ring(lease.job.id.as_str());
         Finish::Recorded
@@ -214,13 +244,14 @@ impl MemoryJobQueue {
             let Some(rec) = st.jobs.get_mut(id) else {
                 return;
             };
-            rec.kept_len = message.len();
+            let len = message.len();
             rec.job.input = Value::Null;
             rec.phase = Phase::Done {
                 status: JobStatus::Failed { cause, message },
                 at_ms: now,
             };
             rec.refund_pending = release;
+            st.keep(id, len);
         }
         self.waiters.ring(id.as_str());
         if release {
@@ -306,18 +337,33 @@ impl JobQueue for MemoryJobQueue {
                 return Ok(Enqueued::Missing);
             }
             let owner = (job.user.clone(), job.operation.clone());
-            let stored: u64 = st.by_user.get(&owner).map_or(0, |ids| {
-                ids.iter()
-                    .filter(|id| **id != job.id)
-                    .filter_map(|id| st.jobs.get(id))
-                    .map(|r| r.stored(now, ttl))
-                    .sum()
-            });
-            if stored + job::stored_bytes(input_len) > max_stored {
-                return Ok(Enqueued::Full {
-                    stored,
-                    limit: max_stored,
+            let adding = job::stored_bytes(input_len);
+            let this = |st: &State| {
+                st.jobs
+                    .get(&job.id)
+                    .filter(|r| r.job.user == job.user && r.job.operation == job.operation)
+                    .map_or(0, |r| job::stored_bytes(r.kept_len))
+            };
+            let bound = st
+                .by_user
+                .get(&owner)
+                .map_or(0, |o| o.bound.saturating_sub(this(&st)));
+            if bound.saturating_add(adding) > max_stored {
+                // Near the limit: the exact figure (expired results store nothing).
+                let stored: u64 = st.by_user.get(&owner).map_or(0, |o| {
+                    o.ids
+                        .iter()
+                        .filter(|id| **id != job.id)
+                        .filter_map(|id| st.jobs.get(id))
+                        .map(|r| r.stored(now, ttl))
+                        .sum()
                 });
+                if stored + adding > max_stored {
+                    return Ok(Enqueued::Full {
+                        stored,
+                        limit: max_stored,
+                    });
+                }
             }
             // A new attempt replaces an earlier one; the fencing token carries on.
             let seq = st.jobs.get(&job.id).map_or(0, |r| r.seq);
@@ -328,7 +374,14 @@ impl JobQueue for MemoryJobQueue {
             {
                 st.forget(&job.id);
             }
-            st.by_user.entry(owner).or_default().insert(job.id.clone());
+            // An earlier attempt of this id in this queue leaves the bound as
+            // the new record enters it.
+            let earlier = this(&st);
+            let o = st.by_user.entry(owner).or_default();
+            if !o.ids.insert(job.id.clone()) {
+                o.bound = o.bound.saturating_sub(earlier);
+            }
+            o.bound = o.bound.saturating_add(adding);
             st.jobs.insert(
                 job.id.clone(),
                 Record {
