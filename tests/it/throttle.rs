@@ -218,6 +218,7 @@ conformance!(
     throttle_fair_a_cap_parks_the_rest_in_order,
     throttle_fair_a_user_queueing_again_takes_its_turn,
     throttle_position_of_a_waiting_call,
+    throttle_a_pause_holds_every_grant_until_it_ends,
 );
 
 fn share(weight: u32) -> Share {
@@ -445,6 +446,7 @@ async fn throttle_fair_a_cap_parks_the_rest_in_order(t: Arc<dyn Throttle>) {
         others_ahead: 0,
         users: 1,
         weight: 1,
+        paused: Duration::ZERO,
     };
     assert_eq!(c4, Some(expected));
     t.done(&first[0]).await.unwrap();
@@ -711,6 +713,7 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
         others_ahead: 2,
         users: 2,
         weight: 1,
+        paused: Duration::ZERO,
     };
     assert_eq!(a3, Some(expected));
     assert_eq!(a3.unwrap().grants_ahead(), 4);
@@ -720,6 +723,7 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
         others_ahead: 1,
         users: 2,
         weight: 2,
+        paused: Duration::ZERO,
     };
     assert_eq!(b5, Some(expected));
     assert_eq!(
@@ -744,6 +748,7 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
         others_ahead: 0,
         users: 1,
         weight: 1,
+        paused: Duration::ZERO,
     };
     assert_eq!(b3, Some(expected));
 
@@ -760,4 +765,88 @@ async fn throttle_position_of_a_waiting_call(t: Arc<dyn Throttle>) {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     panic!("a dropped wait still has a position");
+}
+
+/// An upstream's refusal pauses the bucket: nothing is granted before the
+/// pause ends, the queue's position shows it, and the rate comes back from an
+/// empty bucket (no burst). A refusal naming no pause backs off 1 s, then
+/// doubles when the next comes within that long after it ended; while one is
+/// in force, a refusal counts nothing and a shorter named pause shortens
+/// nothing.
+async fn throttle_a_pause_holds_every_grant_until_it_ends(t: Arc<dyn Throttle>) {
+    // `steady`: 20/s, burst 5, full. A Retry-After of 0 pauses nothing.
+    let none = t.pause("steady", Some(Duration::ZERO)).await.unwrap();
+    assert_eq!(none.left, Duration::ZERO);
+    t.acquire("steady", &rid("before"), Duration::from_secs(5))
+        .await
+        .expect("a full bucket's token");
+    let started = Instant::now();
+    let started_us = tollgate_tests::throttle::now_us();
+    let first = t.pause("steady", None).await.unwrap();
+    assert_eq!(first.strikes, 1);
+    assert!(
+        first.left > Duration::from_millis(900) && first.left <= Duration::from_secs(1),
+        "{first:?}"
+    );
+    let again = t.pause("steady", None).await.unwrap();
+    assert_eq!(
+        again.strikes, 1,
+        "a refusal during the pause counts nothing"
+    );
+    let shorter = t
+        .pause("steady", Some(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    assert!(shorter.left > Duration::from_millis(800), "{shorter:?}");
+    let stats = t.stats().await.unwrap();
+    let steady = stats.iter().find(|p| p.provider == "steady").unwrap();
+    assert!(
+        (800..=1000).contains(&steady.paused_ms) && steady.tokens < 1.0,
+        "{steady:?}"
+    );
+    // Every waiter waits for the pause's end, then goes at the rate.
+    let waiters = tokio::spawn(run_waiters(
+        Arc::clone(&t),
+        "steady",
+        "p",
+        4,
+        Duration::from_secs(5),
+    ));
+    until_waiting(&t, "steady", 4).await;
+    let position = t
+        .position("steady", "", &rid("p-0"))
+        .await
+        .unwrap()
+        .or(t.position("steady", "", &rid("p-1")).await.unwrap())
+        .expect("a waiter's place");
+    assert!(
+        position.paused > Duration::from_millis(500)
+            && position.estimated_wait(20.0) >= position.paused,
+        "{position:?}"
+    );
+    let records = waiters.await.unwrap();
+    for r in &records {
+        assert!(r.error.is_none(), "{r:?}");
+        assert!(
+            r.resumed_at_us >= started_us + 1_000_000,
+            "granted {} µs into a 1 s pause: {r:?}",
+            r.resumed_at_us - started_us
+        );
+    }
+    let paused_ms = started.elapsed().as_millis() as u64;
+    assert!(
+        paused_ms >= 1000 + 150,
+        "4 grants from an empty bucket at 20/s end >= 200 ms after the pause: {paused_ms} ms"
+    );
+    let times: Vec<u64> = records.iter().map(|r| r.granted_at_us.unwrap()).collect();
+    let span = times.iter().max().unwrap() - times.iter().min().unwrap();
+    assert!(
+        span >= 149_000,
+        "after a pause the bucket refills from empty: 4 grants over {span} µs"
+    );
+    // The next refusal within a back-off's length after the pause ended
+    // doubles it.
+    let second = t.pause("steady", None).await.unwrap();
+    assert_eq!(second.strikes, 2, "{second:?}");
+    assert!(second.left > Duration::from_millis(1900), "{second:?}");
 }

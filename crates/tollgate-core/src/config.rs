@@ -128,7 +128,18 @@ pub struct Provider {
     pub max_wait: Duration,
     /// How waiters share the provider when it is saturated.
     pub fairness: Fairness,
+    /// The longest pause of the bucket after an upstream refusal (a 429, or
+    /// a 503 with `Retry-After`): the upstream's `Retry-After`, or the
+    /// exponential back-off from [`FIRST_BACKOFF`] when it names none, is
+    /// cut to this.
+    pub max_pause: Duration,
 }
+
+/// Default `max_pause` of a provider.
+pub const DEFAULT_MAX_PAUSE: Duration = Duration::from_secs(60);
+/// The first back-off of a provider refused without a `Retry-After`; it
+/// doubles for each refusal in a row, up to `max_pause`.
+pub const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Where a provider's calls go. Without one, workers use the built-in
 /// in-process mock provider.
@@ -317,6 +328,7 @@ struct RawProvider {
     timeout: Option<String>,
     retries: Option<i64>,
     fairness: Option<String>,
+    max_pause: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -942,6 +954,23 @@ fn parse_providers(
                 ))
             }
         };
+        let max_pause = match &p.max_pause {
+            None => DEFAULT_MAX_PAUSE,
+            Some(text) => {
+                let d =
+                    duration::parse(text).map_err(|m| invalid(format!("{key}.max_pause"), m))?;
+                if d < FIRST_BACKOFF || d > MAX_WAIT_LIMIT {
+                    return Err(invalid(
+                        format!("{key}.max_pause"),
+                        format!(
+                            "must be between {} (the first back-off) and 1h",
+                            duration::format(FIRST_BACKOFF)
+                        ),
+                    ));
+                }
+                d
+            }
+        };
         if let Some(upstream) = parse_upstream(&key, &p, invalid)? {
             upstreams.insert(name.clone(), upstream);
         }
@@ -953,6 +982,7 @@ fn parse_providers(
                 burst,
                 max_wait,
                 fairness,
+                max_pause,
             },
         );
     }
