@@ -50,6 +50,11 @@ rate = 0.05
 burst = 1
 max_wait = "10s"
 fairness = "fifo"
+[providers.x-late]
+rate = 20
+burst = 5
+max_wait = "10s"
+late_allowance = "100ms"
 "#;
 
 pub fn config() -> Arc<Config> {
@@ -219,6 +224,7 @@ conformance!(
     throttle_fair_a_user_queueing_again_takes_its_turn,
     throttle_position_of_a_waiting_call,
     throttle_a_pause_holds_every_grant_until_it_ends,
+    throttle_a_late_allowance_is_carved_from_the_burst,
 );
 
 fn share(weight: u32) -> Share {
@@ -539,7 +545,8 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "tempo",
             "turnstile",
             "wicket",
-            "wicket-fifo"
+            "wicket-fifo",
+            "x-late"
         ]
     );
     assert_eq!(
@@ -849,4 +856,37 @@ async fn throttle_a_pause_holds_every_grant_until_it_ends(t: Arc<dyn Throttle>) 
     let second = t.pause("steady", None).await.unwrap();
     assert_eq!(second.strikes, 2, "{second:?}");
     assert!(second.left > Duration::from_millis(1900), "{second:?}");
+}
+
+/// `x-late`: 20/s, burst 5, grants usable for 100 ms (two tokens' time): the
+/// bucket grants from 5 - (20 * 0.1 - 1) = 4, so that calls sent up to 100 ms
+/// after their grant still keep the upstream within burst + rate·t + 1; a
+/// grant is usable for the allowance, not 1/rate.
+async fn throttle_a_late_allowance_is_carved_from_the_burst(t: Arc<dyn Throttle>) {
+    let first = t
+        .acquire("x-late", &rid("first"), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let left = first
+        .use_by
+        .expect("a use-by")
+        .saturating_duration_since(tokio::time::Instant::now());
+    assert!(
+        left > Duration::from_millis(60) && left <= Duration::from_millis(100),
+        "usable for the allowance, not 1/rate (50 ms): {left:?}"
+    );
+    let records = run_waiters(t, "x-late", "l", 9, Duration::from_secs(10)).await;
+    let mut times: Vec<u64> = records
+        .iter()
+        .map(|r| r.granted_at_us.unwrap_or_else(|| panic!("{r:?}")))
+        .collect();
+    times.push(first.granted_at_us);
+    assert!(
+        max_excess(&times, 20.0, 4) <= 1e-6,
+        "granted past burst 4 + rate·t: {times:?}"
+    );
+    times.sort_unstable();
+    // 4 from the bucket, then 6 at 20/s: 300 ms at least.
+    let span = times[9] - times[0];
+    assert!(span >= 299_000, "{span} µs");
 }

@@ -71,6 +71,17 @@ pub fn late_bound(rate: f64, late_grant: Duration) -> Duration {
     late_grant.min(token).max(MIN_LATE_GRANT)
 }
 
+/// The age past which a grant of provider `p` is late: its
+/// `late_allowance` when it has one (the bucket then grants from
+/// [`Provider::bucket_burst`]), else [`late_bound`]; never past `late_grant`
+/// nor below [`MIN_LATE_GRANT`].
+pub fn late_of(p: &Provider, late_grant: Duration) -> Duration {
+    match p.late_allowance {
+        Some(d) => d.min(late_grant).max(MIN_LATE_GRANT),
+        None => late_bound(p.rate, late_grant),
+    }
+}
+
 /// A slot that counts against a user's cap: what [`Throttle::done`] frees.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
@@ -319,7 +330,10 @@ pub struct MemoryThrottle {
 #[derive(Debug)]
 struct Bucket {
     rate: f64,
+    /// [`Provider::bucket_burst`].
     burst: f64,
+    /// [`Provider::late_allowance`].
+    late_allowance: Option<Duration>,
     fairness: Fairness,
     max_pause: Duration,
     state: Mutex<BucketState>,
@@ -358,11 +372,12 @@ impl Bucket {
     fn new(p: &Provider, metrics: Option<&Arc<Metrics>>) -> Self {
         Self {
             rate: p.rate,
-            burst: p.burst as f64,
+            burst: p.bucket_burst(),
+            late_allowance: p.late_allowance,
             fairness: p.fairness,
             max_pause: p.max_pause,
             state: Mutex::new(BucketState {
-                tokens: p.burst as f64,
+                tokens: p.bucket_burst(),
                 at: Instant::now(),
                 paused_until: None,
                 strikes: 0,
@@ -631,7 +646,10 @@ impl Throttle for MemoryThrottle {
         let started = Instant::now();
         let bucket = self.bucket(provider)?;
         let (user, share) = bucket.queue_of(waiter);
-        let late = late_bound(bucket.rate, self.late_grant);
+        let late = match bucket.late_allowance {
+            Some(d) => d.min(self.late_grant).max(MIN_LATE_GRANT),
+            None => late_bound(bucket.rate, self.late_grant),
+        };
         let grant = |(granted_at_us, made): (u64, Instant), ticket: u64| Grant {
             provider: provider.to_owned(),
             request_id: waiter.request_id.clone(),
@@ -758,6 +776,7 @@ mod tests {
             max_wait: Duration::from_secs(30),
             fairness: Fairness::Fair,
             max_pause: crate::config::DEFAULT_MAX_PAUSE,
+            late_allowance: None,
         }
     }
 

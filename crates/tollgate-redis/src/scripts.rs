@@ -365,14 +365,15 @@ fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BucketArgs {
     pub rate: f64,
-    pub burst: u64,
+    /// The capacity the bucket grants from (`Provider::bucket_burst`).
+    pub burst: f64,
 }
 
 impl From<&tollgate_core::config::Provider> for BucketArgs {
     fn from(p: &tollgate_core::config::Provider) -> Self {
         Self {
             rate: p.rate,
-            burst: p.burst,
+            burst: p.bucket_burst(),
         }
     }
 }

@@ -31,7 +31,7 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        late_bound, Dispatch, Dispatchers, Grant, Held, Pause, Position, ProviderStats, Pumped,
+        late_of, Dispatch, Dispatchers, Grant, Held, Pause, Position, ProviderStats, Pumped,
         Throttle, ThrottleError, Waiter,
     },
 };
@@ -270,7 +270,7 @@ impl Ticket<'_> {
     fn cancel_times(&self) -> (Duration, Duration) {
         (
             self.throttle.options.call_timeout,
-            late_bound(self.provider.rate, self.throttle.options.late_grant),
+            late_of(self.provider, self.throttle.options.late_grant),
         )
     }
 
@@ -536,7 +536,7 @@ impl Throttle for RedisThrottle {
                 Fairness::Fair => fair_users,
                 Fairness::Fifo => u64::from(waiters > 0),
             };
-            let burst = p.burst as f64;
+            let burst = p.bucket_burst();
             let tokens = match (tokens, at) {
                 (Some(t), Some(at)) if now_us > at => {
                     (t + (now_us - at) as f64 * p.rate / 1e6).min(burst)
@@ -740,7 +740,7 @@ impl RedisThrottle {
             user: f.user.to_owned(),
             ticket: ticket.id.clone(),
         });
-        let late = late_bound(p.rate, self.options.late_grant);
+        let late = late_of(p, self.options.late_grant);
         // [2, granted_at_us]: nobody was queued and the bucket had a token,
         // taken at once; [1, now_us]: queued.
         let (taken, redis_now_us) = match queued[..] {
