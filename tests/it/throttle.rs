@@ -691,7 +691,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo, x-late)"
     );
 }
 
