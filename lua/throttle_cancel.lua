@@ -15,7 +15,11 @@
 -- (the slot goes back, the token is lost: given back now, it would add to the
 -- tokens the bucket granted since, and a waiter paused for a while, cancelling
 -- its many grants at once, would refill the bucket past what time allows),
--- 0 when there is neither (served and consumed, or never queued). With the grant script this decides exactly once who owns a token:
+-- 4 when one had been made within the bound but the bucket is paused since
+-- (throttle_pause.lua: the pause emptied the bucket, and a token given back
+-- would be granted before the pause ends; the slot goes back, the token does
+-- not), 0 when there is neither (served and consumed, or never queued). With
+-- the grant script this decides exactly once who owns a token:
 -- the grant record is removed either here or never (a waiter that resumed
 -- does not cancel). The tag the ticket took stays spent (its user's later
 -- tickets keep theirs): at most 1/weight of a round.
@@ -63,6 +67,9 @@ if granted_at then
     return 3
   end
   local tokens, at = bucket_read(BUCKET, now, rate, burst)
+  if at > now then
+    return 4
+  end
   bucket_write(BUCKET, math.min(burst, tokens + 1), at, rate, burst)
   return 2
 end

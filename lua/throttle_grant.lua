@@ -22,7 +22,8 @@
 -- use on a Redis Cluster) gets an SPUBLISH instead: sharded pub/sub, sent on
 -- the shard that owns the provider rather than to every node.
 -- Returns { granted, skipped, wait_us, more, capped_us }: wait_us > 0 when the
--- bucket ran dry with tickets left (the exact time until the next token), more
+-- bucket ran dry with tickets left (the exact time until the next token, a
+-- pause's end included: lib/bucket.lua), more
 -- = 1 when the grant limit stopped the call with tickets left, capped_us > 0
 -- when only users held back by their cap have tickets left (the time until the
 -- first of their slots frees itself: a throttler blocks no longer than that).
@@ -84,7 +85,7 @@ while true do
       publish(inbox, ticket .. ' ' .. int(now))
       granted = granted + 1
     else
-      wait = until_token(tokens, rate)
+      wait = until_token(tokens, rate, at, now)
       break
     end
   end
@@ -128,7 +129,7 @@ while not fifo_left and wait == 0 and more == 0 do
       if granted >= limit then
         more = 1
       else
-        wait = until_token(tokens, rate)
+        wait = until_token(tokens, rate, at, now)
       end
     end
     break

@@ -5,16 +5,19 @@
 -- KEYS[3] tickets, KEYS[4] capped, KEYS[5] tags (lib/fair.lua)
 -- KEYS[6] lists    set: the throttlers that may hold tickets popped from the
 --                  queue (<base>:processing:<throttler>): served first (FIFO)
+-- KEYS[7] bucket   the token bucket (lib/bucket.lua): paused, it grants nothing
+--                  before its `at`
 -- ARGV[1] the call's request id (its tickets are "<request id>~<hex>.<hex>")
 -- ARGV[2] 'fair' or 'fifo': the provider's queue
 -- ARGV[3] the user of the call (fair)
 -- ARGV[4] the provider's key base
 -- ARGV[5] most tickets looked at (the scan is O(that))
--- Returns { ahead, others_ahead, users, weight } or {} when no waited-for
+-- Returns { ahead, others_ahead, users, weight, paused_us } or {} when no waited-for
 -- ticket of the request (and, fair, of the user) is found among ARGV[5]
 -- tickets: ahead, the calls of its user served before it (FIFO: every call);
 -- others_ahead, the calls of other users served before it as the queue stands
--- (FIFO: 0); users, the users waiting; weight, its user's share.
+-- (FIFO: 0); users, the users waiting; weight, its user's share; paused_us,
+-- how long the bucket still grants nothing (an upstream's refusal, 0: none).
 
 local QUEUE, WAITING = KEYS[1], KEYS[2]
 local F = { tickets = KEYS[3], capped = KEYS[4], tags = KEYS[5], waiting = WAITING,
@@ -22,6 +25,11 @@ local F = { tickets = KEYS[3], capped = KEYS[4], tags = KEYS[5], waiting = WAITI
 local id, mode, user, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[5])
 if id == '' or not limit or limit < 1 or not F.base or F.base == '' then
   return redis.error_reply('throttle_position: bad arguments')
+end
+-- µs until the bucket's `at` (lib/bucket.lua), when it is ahead of Redis TIME.
+local function paused()
+  local at = tonumber(redis.call('HGET', KEYS[7], 'at'))
+  return at and math.max(0, at - now_us()) or 0
 end
 local prefix = id .. '~'
 local n = #prefix
@@ -40,14 +48,14 @@ if mode ~= 'fair' then
   for _, member in ipairs(redis.call('SMEMBERS', KEYS[6])) do
     for _, ticket in ipairs(redis.call('LRANGE', F.base .. ':processing:' .. member, 0, limit - 1)) do
       if ours(ticket) then
-        return { ahead, 0, 1, 1 }
+        return { ahead, 0, 1, 1, paused() }
       end
       ahead = ahead + 1
     end
   end
   for i, ticket in ipairs(redis.call('LRANGE', QUEUE, 0, limit - 1)) do
     if ours(ticket) then
-      return { ahead + i - 1, 0, 1, 1 }
+      return { ahead + i - 1, 0, 1, 1, paused() }
     end
   end
   return {}
@@ -102,4 +110,4 @@ if parked then
 else
   before = redis.call('ZRANK', F.tickets, member)
 end
-return { ahead, math.max(0, before - ahead), tonumber(state[2]) or 0, weight }
+return { ahead, math.max(0, before - ahead), tonumber(state[2]) or 0, weight, paused() }

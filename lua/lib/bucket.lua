@@ -7,6 +7,13 @@
 -- A missing bucket is full. `rate` (tokens/s) and `burst` (capacity) come from the
 -- caller's config as ARGV. Time is Redis TIME: pod clocks never decide a slot.
 -- Over any interval t the bucket hands out at most burst + rate * t tokens.
+--
+-- A pause (the upstream refused: throttle_pause.lua) writes `tokens` 0 and
+-- `at` the moment it ends, in the future: the bucket refills only from then,
+-- so no script grants before it (read here as when Redis TIME went back), and
+-- after it the rate comes back from an empty bucket. A pause only takes
+-- tokens away: the bound holds through it. Its own fields: `until` (the end
+-- of the last pause) and `strikes` (back-offs in a row).
 
 local function int(n)
   return string.format('%d', n)
@@ -38,9 +45,10 @@ local function bucket_write(bucket, tokens, at, rate, burst)
   redis.call('PEXPIRE', bucket, int(math.ceil((burst - tokens) / rate * 1000) + 1000))
 end
 
--- µs until one whole token is due.
-local function until_token(tokens, rate)
-  return math.max(1, math.ceil((1 - tokens) * 1000000 / rate))
+-- µs from `now` until one whole token is due, for a bucket read at `at`
+-- (bucket_read): past `now` when the bucket is paused until then.
+local function until_token(tokens, rate, at, now)
+  return math.max(1, math.ceil((1 - tokens) * 1000000 / rate) + math.max(0, at - now))
 end
 
 -- Splits a `waiting` value "<deadline_us> <inbox channel>".

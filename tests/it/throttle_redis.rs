@@ -776,11 +776,11 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
     // queue); the throttler a full one.
     let waiters = BucketArgs {
         rate: 1.0,
-        burst: 1,
+        burst: 1.0,
     };
     let throttler = BucketArgs {
         rate: 1e6,
-        burst: 1_000_000,
+        burst: 1_000_000.0,
     };
     let enqueue = |user: &str, n: u64| {
         let fair = FairArgs {

@@ -63,6 +63,8 @@ struct Shared {
 struct Inner {
     buckets: HashMap<String, (f64, Instant)>,
     arrivals: Vec<Arrival>,
+    /// [`Upstream::refuse_at`]: from when, and the `Retry-After` to send.
+    refusal: Option<(Instant, String)>,
 }
 
 /// The upstream; it stops serving when dropped.
@@ -96,6 +98,15 @@ impl Upstream {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The first call that arrives at `at` or later (whatever its path) is
+    /// answered 429 with `Retry-After: <retry_after>` (and recorded so);
+    /// once.
+    pub fn refuse_at(&self, at: Instant, retry_after: &str) {
+        if let Ok(mut inner) = self.shared.inner.lock() {
+            inner.refusal = Some((at, retry_after.to_owned()));
+        }
     }
 
     /// Every call so far, in arrival order.
@@ -221,9 +232,16 @@ async fn call(
     let (job, traceparent) = (header("idempotency-key"), header("traceparent"));
     let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let behaviour = Behaviour::of(&input);
-    let allowed = {
+    let (allowed, refused) = {
         let Ok(mut inner) = shared.inner.lock() else {
             return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        };
+        let refused = match inner.refusal.take() {
+            Some((at, retry_after)) if Instant::now() >= at => Some(retry_after),
+            other => {
+                inner.refusal = other;
+                None
+            }
         };
         let allowed = match shared.limits.get(&path) {
             None => true,
@@ -248,15 +266,27 @@ async fn call(
             path,
             at_us: now_us(),
             job,
-            status: if allowed { behaviour.status() } else { 429 },
+            status: if allowed && refused.is_none() {
+                behaviour.status()
+            } else {
+                429
+            },
             traceparent,
             headers: headers.clone(),
             method: method.to_string(),
             query: query.clone(),
             body: body.clone(),
         });
-        allowed
+        (allowed, refused)
     };
+    if let Some(retry_after) = refused {
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", retry_after)],
+            Json(json!({"error": "refused at the test's moment"})),
+        )
+            .into_response();
+    }
     if !allowed {
         return (
             StatusCode::TOO_MANY_REQUESTS,

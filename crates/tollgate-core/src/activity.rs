@@ -30,7 +30,7 @@ use crate::ledger::{
     SettleOutcome, Usage,
 };
 use crate::lock;
-use crate::throttle::{Grant, Position, ProviderStats, Throttle, ThrottleError, Waiter};
+use crate::throttle::{Grant, Pause, Position, ProviderStats, Throttle, ThrottleError, Waiter};
 
 /// Spend events kept (the newest), and refund marks kept.
 pub const EVENTS_CAP: usize = 1000;
@@ -431,6 +431,14 @@ impl Throttle for RecordingThrottle {
 
     async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError> {
         self.inner.stats().await
+    }
+
+    async fn pause(
+        &self,
+        provider: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError> {
+        self.inner.pause(provider, retry_after).await
     }
 }
 

@@ -128,7 +128,39 @@ pub struct Provider {
     pub max_wait: Duration,
     /// How waiters share the provider when it is saturated.
     pub fairness: Fairness,
+    /// The longest pause of the bucket after an upstream refusal (a 429, or
+    /// a 503 with `Retry-After`): the upstream's `Retry-After`, or the
+    /// exponential back-off from [`FIRST_BACKOFF`] when it names none, is
+    /// cut to this.
+    pub max_pause: Duration,
+    /// How long a grant stays usable after it is made (`late_allowance`);
+    /// `None`: one token's time, 1/rate (see `throttle::late_of`). Longer,
+    /// the bucket grants from a burst reduced to keep the upstream's bound
+    /// ([`Provider::bucket_burst`]).
+    pub late_allowance: Option<Duration>,
 }
+
+impl Provider {
+    /// The capacity the bucket grants from: `burst`, less `rate * d - 1`
+    /// when grants stay usable for `d = late_allowance` longer than one
+    /// token's time. Calls reach the upstream at most `d` after their grant,
+    /// so over any `t` it sees at most the grants of `t + d`:
+    /// `burst - (rate * d - 1) + rate * (t + d) = burst + rate * t + 1`, the
+    /// bound a grant used within 1/rate keeps. At least 1 (the parser
+    /// refuses an allowance that would leave less).
+    pub fn bucket_burst(&self) -> f64 {
+        let carved = self
+            .late_allowance
+            .map_or(0.0, |d| (self.rate * d.as_secs_f64() - 1.0).max(0.0));
+        (self.burst as f64 - carved).max(1.0)
+    }
+}
+
+/// Default `max_pause` of a provider.
+pub const DEFAULT_MAX_PAUSE: Duration = Duration::from_secs(60);
+/// The first back-off of a provider refused without a `Retry-After`; it
+/// doubles for each refusal in a row, up to `max_pause`.
+pub const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Where a provider's calls go. Without one, workers use the built-in
 /// in-process mock provider.
@@ -347,6 +379,8 @@ struct RawProvider {
     timeout: Option<String>,
     retries: Option<i64>,
     fairness: Option<String>,
+    max_pause: Option<String>,
+    late_allowance: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -1078,6 +1112,43 @@ fn parse_providers(
                 ))
             }
         };
+        let max_pause = match &p.max_pause {
+            None => DEFAULT_MAX_PAUSE,
+            Some(text) => {
+                let d =
+                    duration::parse(text).map_err(|m| invalid(format!("{key}.max_pause"), m))?;
+                if d < FIRST_BACKOFF || d > MAX_WAIT_LIMIT {
+                    return Err(invalid(
+                        format!("{key}.max_pause"),
+                        format!(
+                            "must be between {} (the first back-off) and 1h",
+                            duration::format(FIRST_BACKOFF)
+                        ),
+                    ));
+                }
+                d
+            }
+        };
+        let late_allowance = match &p.late_allowance {
+            None => None,
+            Some(text) => {
+                let field = format!("{key}.late_allowance");
+                let d = duration::parse(text).map_err(|m| invalid(field.clone(), m))?;
+                // The bucket grants from burst - (rate * d - 1): it must keep one.
+                let most = Duration::from_secs_f64(burst as f64 / p.rate);
+                if d < Duration::from_millis(1) || d > most {
+                    return Err(invalid(
+                        field,
+                        format!(
+                            "must be between 1ms and burst / rate = {} (the bucket grants \
+                             from burst - (rate * late_allowance - 1), at least 1)",
+                            duration::format(most)
+                        ),
+                    ));
+                }
+                Some(d)
+            }
+        };
         if let Some(upstream) = parse_upstream(&key, &p, invalid)? {
             upstreams.insert(name.clone(), upstream);
         }
@@ -1089,6 +1160,8 @@ fn parse_providers(
                 burst,
                 max_wait,
                 fairness,
+                max_pause,
+                late_allowance,
             },
         );
     }
@@ -1251,10 +1324,30 @@ max_wait = "500ms"
             ),
             ("[providers.llm]", "[providers.\"a:b\"]", "providers.a:b"),
             ("burst = 10", "burst = 10\nbrust = 3", "brust"),
+            // burst 10 at 50/s: at most 200 ms (the bucket keeps one token).
+            (
+                "burst = 10",
+                "burst = 10\nlate_allowance = \"201ms\"",
+                "providers.llm.late_allowance",
+            ),
+            (
+                "burst = 10",
+                "burst = 10\nmax_pause = \"10ms\"",
+                "providers.llm.max_pause",
+            ),
         ] {
             let e = err(&PROVIDERS.replacen(from, to, 1));
             assert!(e.contains(key), "{to}: {e}");
         }
+        let lenient = PROVIDERS.replacen("burst = 10", "burst = 10\nlate_allowance = \"100ms\"", 1);
+        let c = Config::parse(&lenient, "test").unwrap();
+        let llm = c.provider("llm").unwrap();
+        // 10 - (50 * 0.1 - 1): the upstream still sees <= burst + rate·t + 1.
+        assert_eq!(
+            (llm.late_allowance, llm.bucket_burst()),
+            (Some(Duration::from_millis(100)), 6.0)
+        );
+        assert_eq!(c.provider("slow").unwrap().bucket_burst(), 1.0);
         let e = err(&PROVIDERS.replacen("rate = 50", "rate = \"fast\"", 1));
         assert!(e.contains("rate"), "{e}");
     }

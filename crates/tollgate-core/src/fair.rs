@@ -376,6 +376,7 @@ impl<T> FairQueue<T> {
             others_ahead: before - ahead,
             users: self.waiting(|_| true).1,
             weight: u.share.weight.max(1),
+            paused: Duration::ZERO,
         })
     }
 }
@@ -394,6 +395,9 @@ pub struct Position {
     pub users: u64,
     /// Its user's share (FIFO: 1).
     pub weight: u32,
+    /// How long the provider still grants nothing: paused after an upstream
+    /// refused a call (`Throttle::pause`); zero when it is not.
+    pub paused: Duration,
 }
 
 impl Position {
@@ -404,9 +408,10 @@ impl Position {
     }
 
     /// The estimated wait for its slot at `rate` grants per second:
-    /// `(grants_ahead + 1) / rate` (a saturated provider: no token to spare).
+    /// `paused + (grants_ahead + 1) / rate` (a saturated provider: no token
+    /// to spare; a paused one refills from an empty bucket when it resumes).
     pub fn estimated_wait(&self, rate: f64) -> Duration {
-        let secs = (self.grants_ahead() as f64 + 1.0) / rate.max(1e-9);
+        let secs = self.paused.as_secs_f64() + (self.grants_ahead() as f64 + 1.0) / rate.max(1e-9);
         Duration::from_secs_f64(secs.min(86_400.0 * 365.0))
     }
 }

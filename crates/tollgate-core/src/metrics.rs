@@ -263,6 +263,11 @@ const THROTTLE_TOKENS: (&str, &str) = (
     "tollgate_throttle_tokens",
     "Tokens in each provider's bucket now (shared state).",
 );
+const THROTTLE_PAUSED: (&str, &str) = (
+    "tollgate_throttle_paused_seconds",
+    "How long each provider's bucket still grants nothing after the upstream refused a call \
+     (a 429, or a 503 with Retry-After); 0 when it is not paused (shared state).",
+);
 const THROTTLE_THROTTLERS: (&str, &str) = (
     "tollgate_throttle_throttlers",
     "Throttlers alive for each provider (shared state; absent when embedded, where the \
@@ -317,6 +322,9 @@ impl Collector for StatsCollector {
             gauges(e, THROTTLE_USERS, by_provider, p, |s| Some(s.users))?;
             gauges(e, THROTTLE_TOKENS, by_provider, p, |s| Some(s.tokens))?;
             gauges(e, THROTTLE_THROTTLERS, by_provider, p, |s| s.throttlers)?;
+            gauges(e, THROTTLE_PAUSED, by_provider, p, |s| {
+                Some(s.paused_ms as f64 / 1000.0)
+            })?;
         }
         Ok(())
     }
@@ -345,6 +353,7 @@ pub struct Metrics {
     acquires: Family<ProviderOutcome, Counter>,
     tokens_returned: Family<ProviderReason, Counter>,
     late_grants: Family<ProviderLabel, Counter>,
+    pauses: Family<ProviderLabel, Counter>,
     // throttle, throttler side
     grants: Family<ProviderLabel, Counter>,
     skipped: Family<ProviderLabel, Counter>,
@@ -464,6 +473,13 @@ impl Metrics {
              and its call): the call waited for a fresh grant, or had given up; the token is not \
              returned",
             late_grants.clone(),
+        );
+        let pauses = Family::<ProviderLabel, Counter>::default();
+        r.register(
+            "tollgate_throttle_pauses",
+            "Upstream refusals (a 429, or a 503 with Retry-After) that paused a provider's \
+             bucket for every pod: for the Retry-After, or an exponential back-off",
+            pauses.clone(),
         );
         let max_wait = Family::<ProviderLabel, Gauge<f64, AtomicU64>>::default();
         r.register(
@@ -618,6 +634,11 @@ impl Metrics {
                     provider: provider(),
                 })
                 .inc_by(0);
+            pauses
+                .get_or_create(&ProviderLabel {
+                    provider: provider(),
+                })
+                .inc_by(0);
             tokens_returned
                 .get_or_create(&ProviderReason {
                     provider: provider(),
@@ -690,6 +711,7 @@ impl Metrics {
             acquires,
             tokens_returned,
             late_grants,
+            pauses,
             grants,
             skipped,
             reclaimed,
@@ -892,6 +914,15 @@ impl Metrics {
     /// A grant of `provider` was too old to use (its token is lost).
     pub fn late_grant(&self, provider: &str) {
         self.late_grants
+            .get_or_create(&ProviderLabel {
+                provider: provider.to_owned(),
+            })
+            .inc();
+    }
+
+    /// The upstream refused a call of `provider` and its bucket was paused.
+    pub fn paused(&self, provider: &str) {
+        self.pauses
             .get_or_create(&ProviderLabel {
                 provider: provider.to_owned(),
             })

@@ -17,7 +17,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, Fairness, Provider};
+use crate::config::{Config, Fairness, Provider, FIRST_BACKOFF};
 use crate::duration;
 use crate::error::StoreError;
 use crate::fair::FairQueue;
@@ -69,6 +69,17 @@ pub fn late_bound(rate: f64, late_grant: Duration) -> Duration {
         late_grant
     };
     late_grant.min(token).max(MIN_LATE_GRANT)
+}
+
+/// The age past which a grant of provider `p` is late: its
+/// `late_allowance` when it has one (the bucket then grants from
+/// [`Provider::bucket_burst`]), else [`late_bound`]; never past `late_grant`
+/// nor below [`MIN_LATE_GRANT`].
+pub fn late_of(p: &Provider, late_grant: Duration) -> Duration {
+    match p.late_allowance {
+        Some(d) => d.min(late_grant).max(MIN_LATE_GRANT),
+        None => late_bound(p.rate, late_grant),
+    }
 }
 
 /// A slot that counts against a user's cap: what [`Throttle::done`] frees.
@@ -195,6 +206,39 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
 
     /// Every configured provider's bucket and waiters, by name.
     async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError>;
+
+    /// The upstream refused a call of `provider` (a 429, or a 503 with
+    /// `Retry-After`): its bucket grants nothing, to any caller of any pod,
+    /// for `retry_after` from now, or when it is `None` for a back-off of
+    /// [`FIRST_BACKOFF`] doubled for each refusal in a row; either cut to
+    /// the provider's `max_pause`. A pause never shortens one in force; the
+    /// bucket refills from its end (no burst into an upstream that just
+    /// refused). In one atomic step with the grants' (Redis: `throttle_pause.lua`).
+    async fn pause(
+        &self,
+        provider: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError>;
+}
+
+/// A provider's pause, as [`Throttle::pause`] left it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pause {
+    /// How long from now the bucket grants nothing (zero: not paused, as
+    /// after a `Retry-After: 0`).
+    pub left: Duration,
+    /// Back-offs in a row (refusals that named no pause).
+    pub strikes: u32,
+}
+
+/// The back-off after `strikes` refusals in a row that named no pause:
+/// [`FIRST_BACKOFF`] doubled each time, at most `longest`.
+pub fn backoff(strikes: u32, longest: Duration) -> Duration {
+    let doublings = strikes.saturating_sub(1).min(40);
+    FIRST_BACKOFF
+        .checked_mul(1u32 << doublings.min(31))
+        .unwrap_or(longest)
+        .min(longest)
 }
 
 /// A provider's throttle as it stands: for metrics and the operations view.
@@ -212,6 +256,9 @@ pub struct ProviderStats {
     pub users: u64,
     /// Throttlers alive; `None` in process (the bucket grants by itself).
     pub throttlers: Option<u64>,
+    /// How long the bucket still grants nothing after an upstream refusal
+    /// ([`Throttle::pause`]), in ms; 0 when it is not paused.
+    pub paused_ms: u64,
 }
 
 /// What one [`Dispatch::pump`] did.
@@ -283,8 +330,12 @@ pub struct MemoryThrottle {
 #[derive(Debug)]
 struct Bucket {
     rate: f64,
+    /// [`Provider::bucket_burst`].
     burst: f64,
+    /// [`Provider::late_allowance`].
+    late_allowance: Option<Duration>,
     fairness: Fairness,
+    max_pause: Duration,
     state: Mutex<BucketState>,
     /// Wakes a sleeping driver when a token is handed back or a slot ends.
     handed_back: Notify,
@@ -295,7 +346,12 @@ struct Bucket {
 #[derive(Debug)]
 struct BucketState {
     tokens: f64,
+    /// When `tokens` was counted; ahead of now while the bucket is paused
+    /// ([`Throttle::pause`]): it refills from then.
     at: Instant,
+    /// The end of the last pause, and the back-offs in a row.
+    paused_until: Option<Instant>,
+    strikes: u32,
     queue: FairQueue<Slot>,
     driving: bool,
 }
@@ -316,11 +372,15 @@ impl Bucket {
     fn new(p: &Provider, metrics: Option<&Arc<Metrics>>) -> Self {
         Self {
             rate: p.rate,
-            burst: p.burst as f64,
+            burst: p.bucket_burst(),
+            late_allowance: p.late_allowance,
             fairness: p.fairness,
+            max_pause: p.max_pause,
             state: Mutex::new(BucketState {
-                tokens: p.burst as f64,
+                tokens: p.bucket_burst(),
                 at: Instant::now(),
+                paused_until: None,
+                strikes: 0,
                 queue: FairQueue::default(),
                 driving: false,
             }),
@@ -340,28 +400,73 @@ impl Bucket {
 
     fn refill(&self, st: &mut BucketState) {
         let now = Instant::now();
+        if now <= st.at {
+            return; // paused until `at`: it refills from then
+        }
         let dt = now.saturating_duration_since(st.at).as_secs_f64();
         st.tokens = (st.tokens + dt * self.rate).min(self.burst);
         st.at = now;
     }
 
-    /// Until one whole token is due, rounded up to the next µs.
-    fn until_next(&self, tokens: f64) -> Duration {
-        let secs = ((1.0 - tokens).max(0.0) / self.rate).min(3600.0);
-        Duration::from_micros((secs * 1e6).ceil() as u64)
+    /// Until one whole token is due, rounded up to the next µs (a pause's
+    /// end included).
+    fn until_next(&self, st: &BucketState) -> Duration {
+        let secs = ((1.0 - st.tokens).max(0.0) / self.rate).min(3600.0);
+        st.at.saturating_duration_since(Instant::now())
+            + Duration::from_micros((secs * 1e6).ceil() as u64)
     }
 
+    /// A token back: not while the bucket is paused (the pause emptied it;
+    /// the token would be granted before the pause ends).
     fn give_back(self: &Arc<Self>, held: Option<(&str, u64)>) {
         let mut st = lock(&self.state);
         self.refill(&mut st);
-        st.tokens = (st.tokens + 1.0).min(self.burst);
+        let paused = st.at > Instant::now();
+        if !paused {
+            st.tokens = (st.tokens + 1.0).min(self.burst);
+        }
         if let Some((user, ticket)) = held {
             st.queue.done(user, ticket);
         }
         drop(st);
         self.handed_back.notify_one();
-        if let Some((metrics, provider)) = &self.metrics {
+        if let (Some((metrics, provider)), false) = (&self.metrics, paused) {
             metrics.token_returned(provider, "cancelled");
+        }
+    }
+
+    /// See [`Throttle::pause`]; the same rules as `throttle_pause.lua`.
+    fn pause(&self, retry_after: Option<Duration>) -> Pause {
+        let mut st = lock(&self.state);
+        self.refill(&mut st);
+        let now = Instant::now();
+        let target = match (retry_after, st.paused_until) {
+            (Some(d), _) => now + d.min(self.max_pause),
+            (None, Some(last)) if now < last => last,
+            (None, last) => {
+                let in_a_row = st.strikes > 0
+                    && last.is_some_and(|l| now < l + backoff(st.strikes, self.max_pause));
+                st.strikes = if in_a_row { st.strikes + 1 } else { 1 };
+                now + backoff(st.strikes, self.max_pause)
+            }
+        };
+        let ends = target.max(st.at);
+        let strikes = st.strikes;
+        if ends <= now {
+            return Pause {
+                left: Duration::ZERO,
+                strikes,
+            };
+        }
+        st.tokens = 0.0;
+        st.at = ends;
+        st.paused_until = Some(ends);
+        drop(st);
+        // A sleeping driver sleeps on to the pause's end instead.
+        self.handed_back.notify_one();
+        Pause {
+            left: ends - now,
+            strikes,
         }
     }
 
@@ -403,7 +508,7 @@ impl Bucket {
                         }
                     };
                     if st.tokens < 1.0 {
-                        break self.until_next(st.tokens);
+                        break self.until_next(&st);
                     }
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
@@ -523,6 +628,10 @@ impl Throttle for MemoryThrottle {
                     waiters,
                     users,
                     throttlers: None,
+                    paused_ms: u64::try_from(
+                        st.at.saturating_duration_since(Instant::now()).as_millis(),
+                    )
+                    .unwrap_or(u64::MAX),
                 }
             })
             .collect())
@@ -537,7 +646,10 @@ impl Throttle for MemoryThrottle {
         let started = Instant::now();
         let bucket = self.bucket(provider)?;
         let (user, share) = bucket.queue_of(waiter);
-        let late = late_bound(bucket.rate, self.late_grant);
+        let late = match bucket.late_allowance {
+            Some(d) => d.min(self.late_grant).max(MIN_LATE_GRANT),
+            None => late_bound(bucket.rate, self.late_grant),
+        };
         let grant = |(granted_at_us, made): (u64, Instant), ticket: u64| Grant {
             provider: provider.to_owned(),
             request_id: waiter.request_id.clone(),
@@ -616,18 +728,28 @@ impl Throttle for MemoryThrottle {
         let probe = Waiter::of(request_id, user, Share::default());
         let (queue, _) = bucket.queue_of(&probe);
         let st = lock(&bucket.state);
+        let paused = st.at.saturating_duration_since(Instant::now());
         Ok(st
             .queue
             .position(queue, |slot| open(slot) && slot.request_id == *request_id)
             .map(|p| match bucket.fairness {
-                Fairness::Fair => p,
+                Fairness::Fair => Position { paused, ..p },
                 Fairness::Fifo => Position {
                     others_ahead: 0,
                     users: 1,
                     weight: 1,
+                    paused,
                     ..p
                 },
             }))
+    }
+
+    async fn pause(
+        &self,
+        provider: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError> {
+        Ok(self.bucket(provider)?.pause(retry_after))
     }
 
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
@@ -653,6 +775,8 @@ mod tests {
             burst,
             max_wait: Duration::from_secs(30),
             fairness: Fairness::Fair,
+            max_pause: crate::config::DEFAULT_MAX_PAUSE,
+            late_allowance: None,
         }
     }
 

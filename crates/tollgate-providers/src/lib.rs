@@ -397,6 +397,37 @@ impl<C: Transport> ThrottledClient<C> {
         }
     }
 
+    /// An upstream refusal pauses the provider for every caller of every pod
+    /// ([`Throttle::pause`]): a 429 for its `Retry-After` (a back-off when it
+    /// names none), a 503 only when it names one. A failed pause is logged:
+    /// this call's own retry still waits for the `Retry-After`.
+    async fn refused(&self, err: &AttemptError) {
+        let AttemptError::Status {
+            status,
+            retry_after,
+            ..
+        } = err
+        else {
+            return;
+        };
+        if !(*status == 429 || (*status == 503 && retry_after.is_some())) {
+            return;
+        }
+        let name = &self.provider.name;
+        match self.throttle.pause(name, *retry_after).await {
+            Ok(pause) => {
+                self.metrics.paused(name);
+                tracing::info!(
+                    provider = %name, status, ?retry_after, left = ?pause.left,
+                    strikes = pause.strikes, "the upstream refused a call: provider paused"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, provider = %name, "pausing the provider after a refusal failed")
+            }
+        }
+    }
+
     /// One attempt, sent only before `use_by`, observed: its time and how it
     /// ended (an attempt not sent, its grant late, is no call).
     async fn try_once(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
@@ -559,6 +590,7 @@ impl<C: Transport> Client for ThrottledClient<C> {
                 continue; // Late: dealt with above.
             };
             tally.record(class);
+            self.refused(&err).await;
             let wait = match &err {
                 AttemptError::Status {
                     retry_after: Some(w),

@@ -365,6 +365,8 @@ pub static THROTTLE_DONE: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_done.lua")));
 pub static THROTTLE_POSITION: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_position.lua")));
+pub static THROTTLE_PAUSE: LazyLock<Script> =
+    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_pause.lua")));
 
 /// The fair queue's keys, in the order the throttle scripts take them.
 fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
@@ -375,14 +377,15 @@ fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BucketArgs {
     pub rate: f64,
-    pub burst: u64,
+    /// The capacity the bucket grants from (`Provider::bucket_burst`).
+    pub burst: f64,
 }
 
 impl From<&tollgate_core::config::Provider> for BucketArgs {
     fn from(p: &tollgate_core::config::Provider) -> Self {
         Self {
             rate: p.rate,
-            burst: p.burst,
+            burst: p.bucket_burst(),
         }
     }
 }
@@ -517,6 +520,36 @@ pub fn throttle_done<'a>(
     inv
 }
 
+/// How an upstream's refusal pauses a provider's bucket (`throttle_pause.lua`).
+#[derive(Debug, Clone, Copy)]
+pub struct PauseArgs {
+    /// The pause the upstream named (`Retry-After`); `None`: back off.
+    pub named: Option<std::time::Duration>,
+    /// The first back-off, doubled for each refusal in a row.
+    pub first: std::time::Duration,
+    /// The longest pause, named or not.
+    pub longest: std::time::Duration,
+}
+
+/// `throttle_pause.lua`
+pub fn throttle_pause<'a>(
+    keys: &ThrottleKeys,
+    bucket: BucketArgs,
+    pause: PauseArgs,
+) -> redis::ScriptInvocation<'a> {
+    let us = |d: std::time::Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    let mut inv = THROTTLE_PAUSE.prepare_invoke();
+    inv.key(&keys.bucket);
+    inv.arg(bucket.rate).arg(bucket.burst);
+    match pause.named {
+        Some(d) => inv.arg(us(d)),
+        None => inv.arg(-1),
+    };
+    inv.arg(us(pause.first).max(1))
+        .arg(us(pause.longest).max(1));
+    inv
+}
+
 /// How many tickets of a queue `throttle_position.lua` looks at, at most.
 pub const POSITION_SCAN: u32 = 10_000;
 
@@ -530,7 +563,7 @@ pub fn throttle_position<'a>(
     let mut inv = THROTTLE_POSITION.prepare_invoke();
     inv.key(&keys.queue).key(&keys.waiting);
     fair_keys(&mut inv, keys);
-    inv.key(&keys.lists);
+    inv.key(&keys.lists).key(&keys.bucket);
     inv.arg(request_id);
     match user {
         Some(user) => inv.arg("fair").arg(user),
@@ -668,6 +701,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("throttle_position.lua", &THROTTLE_POSITION),
         ("throttle_grant.lua", &THROTTLE_GRANT),
         ("throttle_cancel.lua", &THROTTLE_CANCEL),
+        ("throttle_pause.lua", &THROTTLE_PAUSE),
         ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),
         ("liveness_reclaim.lua", &LIVENESS_RECLAIM),
         ("job_enqueue.lua", &JOB_ENQUEUE),

@@ -31,8 +31,8 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        late_bound, Dispatch, Dispatchers, Grant, Held, Position, ProviderStats, Pumped, Throttle,
-        ThrottleError, Waiter,
+        late_of, Dispatch, Dispatchers, Grant, Held, Pause, Position, ProviderStats, Pumped,
+        Throttle, ThrottleError, Waiter,
     },
 };
 
@@ -40,7 +40,7 @@ use crate::call::{self, bad_reply};
 use crate::clock::RedisClock;
 use crate::keys::{KeySpace, ThrottleKeys};
 use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, BucketArgs, FairArgs, Reclaim};
+use crate::scripts::{self, BucketArgs, FairArgs, PauseArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::job::LAPSED_KEPT;
@@ -270,7 +270,7 @@ impl Ticket<'_> {
     fn cancel_times(&self) -> (Duration, Duration) {
         (
             self.throttle.options.call_timeout,
-            late_bound(self.provider.rate, self.throttle.options.late_grant),
+            late_of(self.provider, self.throttle.options.late_grant),
         )
     }
 
@@ -536,7 +536,7 @@ impl Throttle for RedisThrottle {
                 Fairness::Fair => fair_users,
                 Fairness::Fifo => u64::from(waiters > 0),
             };
-            let burst = p.burst as f64;
+            let burst = p.bucket_burst();
             let tokens = match (tokens, at) {
                 (Some(t), Some(at)) if now_us > at => {
                     (t + (now_us - at) as f64 * p.rate / 1e6).min(burst)
@@ -545,6 +545,8 @@ impl Throttle for RedisThrottle {
                 _ => burst,
             };
             let now_ms = now_us / 1000;
+            // A paused bucket's `at` is its pause's end (lib/bucket.lua).
+            let paused_ms = at.map_or(0, |at| at.saturating_sub(now_us) / 1000);
             out.push(ProviderStats {
                 provider: p.name.clone(),
                 rate: p.rate,
@@ -553,6 +555,7 @@ impl Throttle for RedisThrottle {
                 waiters,
                 users,
                 throttlers: Some(lives.iter().filter(|until| **until >= now_ms).count() as u64),
+                paused_ms,
             });
         }
         Ok(out)
@@ -578,13 +581,44 @@ impl Throttle for RedisThrottle {
         .await?;
         match r[..] {
             [] => Ok(None),
-            [ahead, others_ahead, users, weight] => Ok(Some(Position {
+            [ahead, others_ahead, users, weight, paused_us] => Ok(Some(Position {
                 ahead,
                 others_ahead,
                 users,
                 weight: u32::try_from(weight).unwrap_or(1).max(1),
+                paused: Duration::from_micros(paused_us),
             })),
             _ => Err(bad_reply("throttle_position", r)),
+        }
+    }
+
+    async fn pause(
+        &self,
+        provider: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError> {
+        let p = self.providers.get(provider).ok_or_else(|| {
+            ThrottleError::unknown_provider(provider, self.providers.keys().map(String::as_str))
+        })?;
+        let keys = self.shared.keys.throttle(&p.name);
+        let pause = PauseArgs {
+            named: retry_after,
+            first: tollgate_core::config::FIRST_BACKOFF,
+            longest: p.max_pause,
+        };
+        let r: Vec<u64> = run_script(
+            &self.shared.pool,
+            self.options.call_timeout,
+            "throttle_pause",
+            scripts::throttle_pause(&keys, BucketArgs::from(p), pause),
+        )
+        .await?;
+        match r[..] {
+            [_, left_us, strikes] => Ok(Pause {
+                left: Duration::from_micros(left_us),
+                strikes: u32::try_from(strikes).unwrap_or(u32::MAX),
+            }),
+            _ => Err(bad_reply("throttle_pause", r)),
         }
     }
 
@@ -706,7 +740,7 @@ impl RedisThrottle {
             user: f.user.to_owned(),
             ticket: ticket.id.clone(),
         });
-        let late = late_bound(p.rate, self.options.late_grant);
+        let late = late_of(p, self.options.late_grant);
         // [2, granted_at_us]: nobody was queued and the bucket had a token,
         // taken at once; [1, now_us]: queued.
         let (taken, redis_now_us) = match queued[..] {

@@ -65,7 +65,11 @@ function renderProviders(providers, now) {
   const rows = providers.map((p) => {
     const tr = row([
       el('td', p.provider),
-      num(p.rate, 2), num(p.burst), num(p.tokens, 1), num(p.waiters),
+      num(p.rate, 2), num(p.burst),
+      p.paused_ms > 0
+        ? el('td', 'paused ' + (p.paused_ms / 1000).toFixed(1) + ' s', 'num error')
+        : num(p.tokens, 1),
+      num(p.waiters),
       num(p.grants_per_sec, 2), num(p.grants_last_minute),
       el('td', p.p95_wait_ms === null ? '–' : p.p95_wait_ms.toFixed(1) + ' ms', 'num'),
       num(p.throttlers),
