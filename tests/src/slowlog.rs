@@ -107,6 +107,8 @@ fn parse(v: &Value) -> Option<SlowEntry> {
 pub struct Slowest {
     /// Calls logged (each at or above the watch's threshold).
     pub logged: u64,
+    /// Calls above [`LIMIT_US`].
+    pub over_limit: u64,
     /// The slowest call (µs).
     pub max_us: u64,
 }
@@ -164,6 +166,7 @@ impl Watch {
                             for e in entries {
                                 let s: &mut Slowest = seen.entry(name_of(&e)).or_default();
                                 s.logged += 1;
+                                s.over_limit += u64::from(e.micros > LIMIT_US);
                                 s.max_us = s.max_us.max(e.micros);
                             }
                         }

