@@ -59,3 +59,27 @@ local function parse_waiting(v)
   end
   return tonumber(string.sub(v, 1, sp - 1)) or 0, string.sub(v, sp + 1)
 end
+
+-- A provider's `max_concurrent` (0: none): the `inflight` sorted set holds
+-- ticket -> the end of its slot's lease (µs). A slot is taken with its grant,
+-- renewed by its holder while the call runs and ended by it after
+-- (throttle_slot.lua); the slot of a holder that died ends with its lease.
+-- Slots free now (math.huge without a cap); expired slots are dropped.
+local function slots_free(inflight, cap, now)
+  if cap == 0 then
+    return math.huge
+  end
+  redis.call('ZREMRANGEBYSCORE', inflight, '-inf', '(' .. int(now))
+  return cap - redis.call('ZCARD', inflight)
+end
+
+local function slot_take(inflight, ticket, now, lease)
+  redis.call('ZADD', inflight, int(now + lease), ticket)
+  redis.call('PEXPIRE', inflight, int(lease / 1000 + 1000))
+end
+
+-- µs until the first slot's lease ends (at least 1).
+local function slot_next(inflight, now)
+  local first = redis.call('ZRANGE', inflight, 0, 0, 'WITHSCORES')
+  return math.max(1, (tonumber(first[2]) or now) - now)
+end

@@ -55,6 +55,11 @@ rate = 20
 burst = 5
 max_wait = "10s"
 late_allowance = "100ms"
+[providers.y-slots]
+rate = 100
+burst = 10
+max_wait = "10s"
+max_concurrent = 2
 "#;
 
 pub fn config() -> Arc<Config> {
@@ -225,6 +230,7 @@ conformance!(
     throttle_position_of_a_waiting_call,
     throttle_a_pause_holds_every_grant_until_it_ends,
     throttle_a_late_allowance_is_carved_from_the_burst,
+    throttle_max_concurrent_holds_a_slot_until_done,
 );
 
 fn share(weight: u32) -> Share {
@@ -546,7 +552,8 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "turnstile",
             "wicket",
             "wicket-fifo",
-            "x-late"
+            "x-late",
+            "y-slots"
         ]
     );
     assert_eq!(
@@ -691,7 +698,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo, x-late)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo, x-late, y-slots)"
     );
 }
 
@@ -891,4 +898,48 @@ async fn throttle_a_late_allowance_is_carved_from_the_burst(t: Arc<dyn Throttle>
     // 4 from the bucket, then 6 at 20/s: 300 ms at least.
     let span = times[9] - times[0];
     assert!(span >= 299_000, "{span} µs");
+}
+
+/// `y-slots`: at most 2 calls in flight across every caller, whatever the
+/// bucket holds: a slot is held from the grant to `done`; a waiter past its
+/// `max_wait` while all are held times out; the slot that ends goes to the
+/// next waiter at once (a throttler is woken, not polled).
+async fn throttle_max_concurrent_holds_a_slot_until_done(t: Arc<dyn Throttle>) {
+    let wait = Duration::from_secs(5);
+    let a = t.acquire("y-slots", &rid("s1"), wait).await.unwrap();
+    let b = t.acquire("y-slots", &rid("s2"), wait).await.unwrap();
+    assert!(a.slot.is_some() && b.slot.is_some(), "{a:?}");
+    let e = t
+        .acquire("y-slots", &rid("s3"), Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ThrottleError::Timeout { .. }), "{e:?}");
+    let third = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move { t.acquire("y-slots", &rid("s4"), wait).await })
+    };
+    until_waiting(&t, "y-slots", 1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!third.is_finished(), "granted with both slots held");
+    let ended = Instant::now();
+    t.done(&a).await.unwrap();
+    let c = third.await.unwrap().expect("the slot that ended");
+    assert!(
+        ended.elapsed() < Duration::from_millis(500),
+        "the ended slot went to the waiter after {:?}",
+        ended.elapsed()
+    );
+    t.done(&a).await.unwrap(); // twice: harmless
+    let e = t
+        .acquire("y-slots", &rid("s5"), Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, ThrottleError::Timeout { .. }),
+        "a done twice freed two slots"
+    );
+    t.done(&b).await.unwrap();
+    t.done(&c).await.unwrap();
+    let d = t.acquire("y-slots", &rid("s6"), wait).await.unwrap();
+    t.done(&d).await.unwrap();
 }

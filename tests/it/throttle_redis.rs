@@ -777,10 +777,12 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
     let waiters = BucketArgs {
         rate: 1.0,
         burst: 1.0,
+        slots: 0,
     };
     let throttler = BucketArgs {
         rate: 1e6,
         burst: 1_000_000.0,
+        slots: 0,
     };
     let enqueue = |user: &str, n: u64| {
         let fair = FairArgs {

@@ -138,7 +138,16 @@ pub struct Provider {
     /// the bucket grants from a burst reduced to keep the upstream's bound
     /// ([`Provider::bucket_burst`]).
     pub late_allowance: Option<Duration>,
+    /// Most calls in flight at the upstream at once, across every pod
+    /// (`max_concurrent`); `None`: no cap. A slot is held from the grant to
+    /// the end of the call, and frees itself [`SLOT_LEASE`] after its holder
+    /// stopped renewing it (the process died).
+    pub max_concurrent: Option<u32>,
 }
+
+/// How long a slot of a provider's `max_concurrent` outlives its holder's
+/// last renewal (renewed every third of it while the call runs).
+pub const SLOT_LEASE: Duration = Duration::from_secs(3);
 
 impl Provider {
     /// The capacity the bucket grants from: `burst`, less `rate * d - 1`
@@ -351,6 +360,7 @@ struct RawProvider {
     fairness: Option<String>,
     max_pause: Option<String>,
     late_allowance: Option<String>,
+    max_concurrent: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -1013,6 +1023,16 @@ fn parse_providers(
                 Some(d)
             }
         };
+        let max_concurrent = match p.max_concurrent {
+            None => None,
+            Some(n) if (1..=i64::from(MAX_IN_FLIGHT)).contains(&n) => Some(n as u32),
+            Some(n) => {
+                return Err(invalid(
+                    format!("{key}.max_concurrent"),
+                    format!("must be between 1 and {MAX_IN_FLIGHT}, got {n}"),
+                ))
+            }
+        };
         if let Some(upstream) = parse_upstream(&key, &p, invalid)? {
             upstreams.insert(name.clone(), upstream);
         }
@@ -1026,6 +1046,7 @@ fn parse_providers(
                 fairness,
                 max_pause,
                 late_allowance,
+                max_concurrent,
             },
         );
     }

@@ -8,7 +8,7 @@
 //! the bucket allows, in arrival order, or fails after `max_wait` with
 //! [`ThrottleError::Timeout`]; a call that gave up never burns a token.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,6 +39,10 @@ pub struct Grant {
     /// The slot counts against its user's `max_in_flight` until
     /// [`Throttle::done`] (or its hold ends): `None` when the user has no cap.
     pub held: Option<Held>,
+    /// The grant's slot of its provider's `max_concurrent`, held until
+    /// [`Throttle::done`] (renewed meanwhile; a holder that dies lets it
+    /// go after `SLOT_LEASE`): `None` when the provider has no cap.
+    pub slot: Option<String>,
     /// When the grant becomes late (on this process's monotonic clock): a call
     /// not sent by then must not be sent on it, since calls granted while it
     /// waited may have gone out already (a pause between the grant and the
@@ -334,6 +338,8 @@ struct Bucket {
     burst: f64,
     /// [`Provider::late_allowance`].
     late_allowance: Option<Duration>,
+    /// [`Provider::max_concurrent`].
+    max_concurrent: Option<u32>,
     fairness: Fairness,
     max_pause: Duration,
     state: Mutex<BucketState>,
@@ -352,6 +358,8 @@ struct BucketState {
     /// The end of the last pause, and the back-offs in a row.
     paused_until: Option<Instant>,
     strikes: u32,
+    /// The tickets holding a slot of `max_concurrent`.
+    slots: HashSet<u64>,
     queue: FairQueue<Slot>,
     driving: bool,
 }
@@ -374,6 +382,7 @@ impl Bucket {
             rate: p.rate,
             burst: p.bucket_burst(),
             late_allowance: p.late_allowance,
+            max_concurrent: p.max_concurrent,
             fairness: p.fairness,
             max_pause: p.max_pause,
             state: Mutex::new(BucketState {
@@ -381,6 +390,7 @@ impl Bucket {
                 at: Instant::now(),
                 paused_until: None,
                 strikes: 0,
+                slots: HashSet::new(),
                 queue: FairQueue::default(),
                 driving: false,
             }),
@@ -426,6 +436,7 @@ impl Bucket {
             st.tokens = (st.tokens + 1.0).min(self.burst);
         }
         if let Some((user, ticket)) = held {
+            st.slots.remove(&ticket);
             st.queue.done(user, ticket);
         }
         drop(st);
@@ -470,9 +481,23 @@ impl Bucket {
         }
     }
 
+    /// Whether every slot of `max_concurrent` is held.
+    fn full(&self, st: &BucketState) -> bool {
+        self.max_concurrent
+            .is_some_and(|cap| st.slots.len() >= cap as usize)
+    }
+
+    /// A grant's slot of `max_concurrent`, if the provider has one.
+    fn take_slot(&self, st: &mut BucketState, ticket: u64) {
+        if self.max_concurrent.is_some() {
+            st.slots.insert(ticket);
+        }
+    }
+
     /// A slot's call ended: its user may be back in the rotation.
     fn end(self: &Arc<Self>, user: &str, ticket: u64) {
         let mut st = lock(&self.state);
+        st.slots.remove(&ticket);
         st.queue.done(user, ticket);
         self.kick(&mut st);
         drop(st);
@@ -510,11 +535,17 @@ impl Bucket {
                     if st.tokens < 1.0 {
                         break self.until_next(&st);
                     }
+                    if self.full(&st) {
+                        // Until a slot ends (which wakes this driver).
+                        break Duration::from_secs(3600);
+                    }
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
+                        self.take_slot(&mut st, head.ticket);
                         if slot.tx.send((wall_us(), Instant::now())).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
+                            st.slots.remove(&head.ticket);
                             st.queue.done(&head.user, head.ticket);
                         }
                     }
@@ -655,17 +686,24 @@ impl Throttle for MemoryThrottle {
             request_id: waiter.request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
-            held: share.max_in_flight.map(|_| Held {
-                user: user.to_owned(),
-                ticket: ticket.to_string(),
+            held: (share.max_in_flight.is_some() || bucket.max_concurrent.is_some()).then(|| {
+                Held {
+                    user: user.to_owned(),
+                    ticket: ticket.to_string(),
+                }
             }),
+            slot: bucket.max_concurrent.map(|_| ticket.to_string()),
             use_by: Some(made + late),
         };
         let (rx, ticket) = {
             let mut st = lock(&bucket.state);
             bucket.refill(&mut st);
             let now = Instant::now();
-            if st.queue.is_empty() && st.tokens >= 1.0 && st.queue.below_cap(user, &share, now) {
+            if st.queue.is_empty()
+                && st.tokens >= 1.0
+                && !bucket.full(&st)
+                && st.queue.below_cap(user, &share, now)
+            {
                 // Through the queue, so that the slot counts against the cap.
                 let (tx, mut rx) = oneshot::channel();
                 let slot = Slot {
@@ -676,6 +714,7 @@ impl Throttle for MemoryThrottle {
                 if let Some(head) = st.queue.head(now, open).0 {
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
+                        bucket.take_slot(&mut st, head.ticket);
                         let _ = slot.tx.send((wall_us(), Instant::now()));
                     }
                 }
@@ -777,6 +816,7 @@ mod tests {
             fairness: Fairness::Fair,
             max_pause: crate::config::DEFAULT_MAX_PAUSE,
             late_allowance: None,
+            max_concurrent: None,
         }
     }
 

@@ -353,6 +353,8 @@ pub static THROTTLE_DONE: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_done.lua")));
 pub static THROTTLE_POSITION: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_position.lua")));
+pub static THROTTLE_SLOT: LazyLock<Script> =
+    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_slot.lua")));
 pub static THROTTLE_PAUSE: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_pause.lua")));
 
@@ -367,6 +369,8 @@ pub struct BucketArgs {
     pub rate: f64,
     /// The capacity the bucket grants from (`Provider::bucket_burst`).
     pub burst: f64,
+    /// `max_concurrent`, 0 for none.
+    pub slots: u32,
 }
 
 impl From<&tollgate_core::config::Provider> for BucketArgs {
@@ -374,6 +378,7 @@ impl From<&tollgate_core::config::Provider> for BucketArgs {
         Self {
             rate: p.rate,
             burst: p.bucket_burst(),
+            slots: p.max_concurrent.unwrap_or(0),
         }
     }
 }
@@ -388,13 +393,18 @@ pub fn throttle_enqueue<'a>(
     bucket: BucketArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = THROTTLE_ENQUEUE.prepare_invoke();
-    inv.key(&keys.queue).key(&keys.waiting).key(&keys.bucket);
+    inv.key(&keys.queue)
+        .key(&keys.waiting)
+        .key(&keys.bucket)
+        .key(&keys.inflight);
     inv.arg(ticket)
         .arg(inbox)
         .arg(max_wait_us)
         .arg(idle_ms)
         .arg(bucket.rate)
-        .arg(bucket.burst);
+        .arg(bucket.burst)
+        .arg(bucket.slots)
+        .arg(SLOT_LEASE_US);
     inv
 }
 
@@ -414,12 +424,15 @@ pub fn throttle_grant<'a>(
         .key(&keys.granted)
         .key(&keys.bucket);
     fair_keys(&mut inv, keys);
+    inv.key(&keys.inflight);
     inv.arg(bucket.rate)
         .arg(bucket.burst)
         .arg(limit)
         .arg(ready_ttl_us)
         .arg(idle_ms)
-        .arg(keys.base());
+        .arg(keys.base())
+        .arg(bucket.slots)
+        .arg(SLOT_LEASE_US);
     inv
 }
 
@@ -438,6 +451,7 @@ pub fn throttle_cancel<'a>(
         .key(&keys.granted)
         .key(&keys.bucket);
     fair_keys(&mut inv, keys);
+    inv.key(&keys.inflight);
     inv.arg(ticket).arg(bucket.rate).arg(bucket.burst);
     match user {
         Some(user) => inv.arg("fair").arg(user),
@@ -484,6 +498,7 @@ pub fn throttle_enqueue_fair<'a>(
     let mut inv = THROTTLE_ENQUEUE_FAIR.prepare_invoke();
     inv.key(&keys.queue).key(&keys.waiting).key(&keys.bucket);
     fair_keys(&mut inv, keys);
+    inv.key(&keys.inflight);
     inv.arg(ticket)
         .arg(inbox)
         .arg(max_wait_us)
@@ -491,7 +506,9 @@ pub fn throttle_enqueue_fair<'a>(
         .arg(bucket.rate)
         .arg(bucket.burst)
         .arg(fair.share())
-        .arg(keys.base());
+        .arg(keys.base())
+        .arg(bucket.slots)
+        .arg(SLOT_LEASE_US);
     inv
 }
 
@@ -505,6 +522,22 @@ pub fn throttle_done<'a>(
     inv.key(&keys.queue).key(&keys.waiting);
     fair_keys(&mut inv, keys);
     inv.arg(user).arg(ticket).arg(keys.base());
+    inv
+}
+
+/// A slot's lease, as the scripts take it (µs).
+const SLOT_LEASE_US: u64 = tollgate_core::config::SLOT_LEASE.as_micros() as u64;
+
+/// `throttle_slot.lua`: renews the slot of `ticket` for a lease from now, or
+/// ends it (`renew` false).
+pub fn throttle_slot<'a>(
+    keys: &ThrottleKeys,
+    ticket: &str,
+    renew: bool,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = THROTTLE_SLOT.prepare_invoke();
+    inv.key(&keys.inflight).key(&keys.queue);
+    inv.arg(ticket).arg(if renew { SLOT_LEASE_US } else { 0 });
     inv
 }
 
@@ -690,6 +723,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("throttle_grant.lua", &THROTTLE_GRANT),
         ("throttle_cancel.lua", &THROTTLE_CANCEL),
         ("throttle_pause.lua", &THROTTLE_PAUSE),
+        ("throttle_slot.lua", &THROTTLE_SLOT),
         ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),
         ("liveness_reclaim.lua", &LIVENESS_RECLAIM),
         ("job_enqueue.lua", &JOB_ENQUEUE),
