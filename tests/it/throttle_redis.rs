@@ -863,7 +863,8 @@ async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
             .key(&keys.bucket)
             .key(&keys.tickets)
             .key(&keys.capped)
-            .key(&keys.tags);
+            .key(&keys.tags)
+            .key(&keys.inflight);
         inv.arg("t1~0.1")
             .arg("inbox")
             .arg(60_000_000)
@@ -871,7 +872,9 @@ async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
             .arg(rate)
             .arg(1)
             .arg(share)
-            .arg(keys.base());
+            .arg(keys.base())
+            .arg(0)
+            .arg(3_000_000);
         inv
     };
     for (share, rate) in [
