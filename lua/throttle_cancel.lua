@@ -71,11 +71,11 @@ if granted_at then
   if now - granted_at > late then
     return 3
   end
-  local tokens, at = bucket_read(BUCKET, now, rate, burst)
+  local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
   if at > now then
     return 4
   end
-  bucket_write(BUCKET, math.min(burst, tokens + 1), at, rate, burst)
+  bucket_write(BUCKET, math.min(burst, tokens + 1), at, eff, burst, rate)
   return 2
 end
 return 0

@@ -30,9 +30,9 @@ if redis.call('HEXISTS', KEYS[2], ticket) == 1 then
 end
 local now = now_us()
 if redis.call('LLEN', KEYS[1]) == 0 then
-  local tokens, at = bucket_read(KEYS[3], now, rate, burst)
+  local tokens, at, eff = bucket_read(KEYS[3], now, rate, burst)
   if tokens >= 1 and slots_free(KEYS[4], slots, now) > 0 then
-    bucket_write(KEYS[3], tokens - 1, at, rate, burst)
+    bucket_write(KEYS[3], tokens - 1, at, eff, burst, rate)
     if slots > 0 then
       slot_take(KEYS[4], ticket, now, lease)
     end

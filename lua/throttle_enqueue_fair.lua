@@ -81,9 +81,9 @@ if idle_before and (cap == 0 or fair_held({ base = base }, user, now) < cap) the
   if not slots or slots < 0 or not lease or lease < 1 then
     return redis.error_reply('throttle_enqueue_fair: bad arguments')
   end
-  local tokens, at = bucket_read(BUCKET, now, rate, burst)
+  local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
   if tokens >= 1 and slots_free(KEYS[7], slots, now) > 0 then
-    bucket_write(BUCKET, tokens - 1, at, rate, burst)
+    bucket_write(BUCKET, tokens - 1, at, eff, burst, rate)
     if slots > 0 then
       slot_take(KEYS[7], ticket, now, lease)
     end

@@ -58,7 +58,7 @@ end
 
 local now = now_us()
 redis.call('ZREMRANGEBYSCORE', GRANTED, '-inf', '(' .. int(now - ready_ttl))
-local tokens, at = bucket_read(BUCKET, now, rate, burst)
+local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
 local free = slots_free(INFLIGHT, slots, now)
 -- Tickets wait for a slot of the provider's max_concurrent.
 local full = false
@@ -103,7 +103,7 @@ while true do
       publish(inbox, ticket .. ' ' .. int(now))
       granted = granted + 1
     else
-      wait = until_token(tokens, rate, at, now)
+      wait = until_token(tokens, eff, at, now)
       break
     end
   end
@@ -147,7 +147,7 @@ while not fifo_left and wait == 0 and more == 0 do
       if granted >= limit then
         more = 1
       elseif tokens < 1 then
-        wait = until_token(tokens, rate, at, now)
+        wait = until_token(tokens, eff, at, now)
       else
         full = true
       end
@@ -270,7 +270,7 @@ if full and wait == 0 and more == 0 then
 end
 
 if granted > 0 then
-  bucket_write(BUCKET, tokens, at, rate, burst)
+  bucket_write(BUCKET, tokens, at, eff, burst, rate)
   redis.call('PEXPIRE', GRANTED, int(idle))
 end
 return { granted, skipped, wait, more, capped_us }

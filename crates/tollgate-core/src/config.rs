@@ -143,6 +143,10 @@ pub struct Provider {
     /// the end of the call, and frees itself [`SLOT_LEASE`] after its holder
     /// stopped renewing it (the process died).
     pub max_concurrent: Option<u32>,
+    /// AIMD (`adaptive = true`): each refusal that pauses the bucket also
+    /// halves the rate it refills at (at least 1% of `rate`), which then
+    /// grows back by `rate / 10` per second up to `rate`.
+    pub adaptive: bool,
 }
 
 /// How long a slot of a provider's `max_concurrent` outlives its holder's
@@ -361,6 +365,7 @@ struct RawProvider {
     max_pause: Option<String>,
     late_allowance: Option<String>,
     max_concurrent: Option<i64>,
+    adaptive: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -1047,6 +1052,7 @@ fn parse_providers(
                 max_pause,
                 late_allowance,
                 max_concurrent,
+                adaptive: p.adaptive.unwrap_or(false),
             },
         );
     }

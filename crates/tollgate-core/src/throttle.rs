@@ -226,13 +226,16 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
 }
 
 /// A provider's pause, as [`Throttle::pause`] left it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pause {
     /// How long from now the bucket grants nothing (zero: not paused, as
     /// after a `Retry-After: 0`).
     pub left: Duration,
     /// Back-offs in a row (refusals that named no pause).
     pub strikes: u32,
+    /// The rate the bucket refills at after it: `rate`, or less on an
+    /// adaptive provider.
+    pub rate: f64,
 }
 
 /// The back-off after `strikes` refusals in a row that named no pause:
@@ -263,6 +266,20 @@ pub struct ProviderStats {
     /// How long the bucket still grants nothing after an upstream refusal
     /// ([`Throttle::pause`]), in ms; 0 when it is not paused.
     pub paused_ms: u64,
+    /// The rate the bucket refills at now: `rate`, or less on an adaptive
+    /// provider after a refusal (AIMD).
+    pub effective_rate: f64,
+}
+
+/// An adaptive bucket's rate at `t`: `e` at `since`, growing back by a tenth
+/// of `rate` per second, up to `rate` (the same as `lua/lib/bucket.lua`).
+fn aimd_rate(aimd: Option<(f64, Instant)>, rate: f64, t: Instant) -> f64 {
+    match aimd {
+        None => rate,
+        Some((e, since)) => {
+            rate.min(e + t.saturating_duration_since(since).as_secs_f64() * rate / 10.0)
+        }
+    }
 }
 
 /// What one [`Dispatch::pump`] did.
@@ -340,6 +357,8 @@ struct Bucket {
     late_allowance: Option<Duration>,
     /// [`Provider::max_concurrent`].
     max_concurrent: Option<u32>,
+    /// [`Provider::adaptive`].
+    adaptive: bool,
     fairness: Fairness,
     max_pause: Duration,
     state: Mutex<BucketState>,
@@ -360,6 +379,8 @@ struct BucketState {
     strikes: u32,
     /// The tickets holding a slot of `max_concurrent`.
     slots: HashSet<u64>,
+    /// An adaptive bucket's rate after its last refusal, and from when.
+    aimd: Option<(f64, Instant)>,
     queue: FairQueue<Slot>,
     driving: bool,
 }
@@ -383,6 +404,7 @@ impl Bucket {
             burst: p.bucket_burst(),
             late_allowance: p.late_allowance,
             max_concurrent: p.max_concurrent,
+            adaptive: p.adaptive,
             fairness: p.fairness,
             max_pause: p.max_pause,
             state: Mutex::new(BucketState {
@@ -391,6 +413,7 @@ impl Bucket {
                 paused_until: None,
                 strikes: 0,
                 slots: HashSet::new(),
+                aimd: None,
                 queue: FairQueue::default(),
                 driving: false,
             }),
@@ -414,14 +437,16 @@ impl Bucket {
             return; // paused until `at`: it refills from then
         }
         let dt = now.saturating_duration_since(st.at).as_secs_f64();
-        st.tokens = (st.tokens + dt * self.rate).min(self.burst);
+        let rate = aimd_rate(st.aimd, self.rate, st.at);
+        st.tokens = (st.tokens + dt * rate).min(self.burst);
         st.at = now;
     }
 
     /// Until one whole token is due, rounded up to the next µs (a pause's
     /// end included).
     fn until_next(&self, st: &BucketState) -> Duration {
-        let secs = ((1.0 - st.tokens).max(0.0) / self.rate).min(3600.0);
+        let rate = aimd_rate(st.aimd, self.rate, Instant::now().max(st.at));
+        let secs = ((1.0 - st.tokens).max(0.0) / rate).min(3600.0);
         st.at.saturating_duration_since(Instant::now())
             + Duration::from_micros((secs * 1e6).ceil() as u64)
     }
@@ -463,10 +488,18 @@ impl Bucket {
         };
         let ends = target.max(st.at);
         let strikes = st.strikes;
+        let mut rate = aimd_rate(st.aimd, self.rate, now.max(st.at));
+        // A refusal while a pause is in force (its calls in flight) halves
+        // nothing more.
+        if self.adaptive && st.paused_until.is_none_or(|last| now >= last) {
+            rate = (rate / 2.0).max(self.rate / 100.0);
+            st.aimd = Some((rate, ends.max(now)));
+        }
         if ends <= now {
             return Pause {
                 left: Duration::ZERO,
                 strikes,
+                rate,
             };
         }
         st.tokens = 0.0;
@@ -478,6 +511,7 @@ impl Bucket {
         Pause {
             left: ends - now,
             strikes,
+            rate,
         }
     }
 
@@ -663,6 +697,7 @@ impl Throttle for MemoryThrottle {
                         st.at.saturating_duration_since(Instant::now()).as_millis(),
                     )
                     .unwrap_or(u64::MAX),
+                    effective_rate: aimd_rate(st.aimd, b.rate, Instant::now().max(st.at)),
                 }
             })
             .collect())
@@ -817,6 +852,7 @@ mod tests {
             max_pause: crate::config::DEFAULT_MAX_PAUSE,
             late_allowance: None,
             max_concurrent: None,
+            adaptive: false,
         }
     }
 

@@ -550,6 +550,8 @@ pub struct PauseArgs {
     pub first: std::time::Duration,
     /// The longest pause, named or not.
     pub longest: std::time::Duration,
+    /// AIMD: the refusal halves the effective rate too.
+    pub adaptive: bool,
 }
 
 /// `throttle_pause.lua`
@@ -567,7 +569,8 @@ pub fn throttle_pause<'a>(
         None => inv.arg(-1),
     };
     inv.arg(us(pause.first).max(1))
-        .arg(us(pause.longest).max(1));
+        .arg(us(pause.longest).max(1))
+        .arg(u8::from(pause.adaptive));
     inv
 }
 

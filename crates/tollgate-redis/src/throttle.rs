@@ -568,6 +568,8 @@ impl Throttle for RedisThrottle {
                     .arg(&keys.bucket)
                     .arg("tokens")
                     .arg("at")
+                    .arg("aimd")
+                    .arg("aimd_at")
                     .to_owned(),
             );
             cmds.push(redis::cmd("HLEN").arg(&keys.waiting).to_owned());
@@ -592,8 +594,16 @@ impl Throttle for RedisThrottle {
         let now_us = secs * 1_000_000 + micros;
         let mut out = Vec::with_capacity(self.providers.len());
         for (p, r) in self.providers.values().zip(items[1..].chunks_exact(4)) {
-            let (tokens, at): (Option<f64>, Option<u64>) = redis::from_redis_value_ref(&r[0])
-                .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+            let (tokens, at, aimd, aimd_at): (Option<f64>, Option<u64>, Option<f64>, Option<u64>) =
+                redis::from_redis_value_ref(&r[0])
+                    .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+            // lib/bucket.lua's aimd_rate.
+            let aimd_rate = |t: u64| match (aimd, aimd_at) {
+                (Some(e), Some(since)) => p
+                    .rate
+                    .min(e + t.saturating_sub(since) as f64 * p.rate / 1e7),
+                _ => p.rate,
+            };
             let waiters: u64 = redis::from_redis_value_ref(&r[1])
                 .map_err(|e| bad_reply::<ThrottleError>("HLEN", e))?;
             let lives: Vec<u64> = redis::from_redis_value_ref(&r[2])
@@ -608,7 +618,7 @@ impl Throttle for RedisThrottle {
             let burst = p.bucket_burst();
             let tokens = match (tokens, at) {
                 (Some(t), Some(at)) if now_us > at => {
-                    (t + (now_us - at) as f64 * p.rate / 1e6).min(burst)
+                    (t + (now_us - at) as f64 * aimd_rate(at) / 1e6).min(burst)
                 }
                 (Some(t), Some(_)) => t,
                 _ => burst,
@@ -625,6 +635,7 @@ impl Throttle for RedisThrottle {
                 users,
                 throttlers: Some(lives.iter().filter(|until| **until >= now_ms).count() as u64),
                 paused_ms,
+                effective_rate: aimd_rate(now_us.max(at.unwrap_or(0))),
             });
         }
         Ok(out)
@@ -674,6 +685,7 @@ impl Throttle for RedisThrottle {
             named: retry_after,
             first: tollgate_core::config::FIRST_BACKOFF,
             longest: p.max_pause,
+            adaptive: p.adaptive,
         };
         let r: Vec<u64> = run_script(
             &self.shared.pool,
@@ -683,9 +695,10 @@ impl Throttle for RedisThrottle {
         )
         .await?;
         match r[..] {
-            [_, left_us, strikes] => Ok(Pause {
+            [_, left_us, strikes, milli] => Ok(Pause {
                 left: Duration::from_micros(left_us),
                 strikes: u32::try_from(strikes).unwrap_or(u32::MAX),
+                rate: milli as f64 / 1000.0,
             }),
             _ => Err(bad_reply("throttle_pause", r)),
         }
