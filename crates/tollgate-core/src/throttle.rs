@@ -924,6 +924,32 @@ mod tests {
         assert!(g.is_ok(), "{g:?}");
     }
 
+    #[test]
+    fn backoff_doubles_up_to_the_longest() {
+        let longest = Duration::from_secs(60);
+        let secs: Vec<u64> = (1..=8).map(|n| backoff(n, longest).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(backoff(u32::MAX, longest), longest);
+        assert_eq!(backoff(0, longest), FIRST_BACKOFF);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_holds_the_driver_and_the_bucket_refills_from_its_end() {
+        let t = Arc::new(MemoryThrottle::with_providers([&provider(10.0, 3)]));
+        let start = Instant::now();
+        let pause = t.pause("p", Some(Duration::from_secs(2))).await.unwrap();
+        assert_eq!(pause.left, Duration::from_secs(2));
+        let mut at = Vec::new();
+        for i in 0..3 {
+            t.acquire("p", &rid(i), Duration::from_secs(5))
+                .await
+                .unwrap();
+            at.push((Instant::now() - start).as_millis());
+        }
+        // Nothing before 2 s, then one per 100 ms from an empty bucket.
+        assert_eq!(at, vec![2100, 2200, 2300]);
+    }
+
     #[tokio::test]
     async fn unknown_provider_is_named() {
         let t = MemoryThrottle::with_providers([&provider(1.0, 1)]);
