@@ -2,6 +2,8 @@
 -- KEYS[1] queue, KEYS[2] waiting, KEYS[3] granted, KEYS[4] bucket
 --   (see throttle_grant.lua)
 -- KEYS[5] tickets, KEYS[6] capped, KEYS[7] tags (lib/fair.lua)
+-- KEYS[8] inflight (lib/bucket.lua): a granted ticket's slot of the
+--   provider's max_concurrent ends with it (a throttler is rung)
 -- ARGV[1] ticket, ARGV[2] rate, ARGV[3] burst
 -- ARGV[4] 'fair' or 'fifo': the queue the ticket was put in
 -- ARGV[5] the user of a fair ticket
@@ -59,6 +61,9 @@ end
 local granted_at = tonumber(redis.call('ZSCORE', GRANTED, ticket))
 if granted_at then
   redis.call('ZREM', GRANTED, ticket)
+  if redis.call('ZREM', KEYS[8], ticket) == 1 then
+    ring(QUEUE)
+  end
   local now = now_us()
   if user then
     fair_release(F, QUEUE, user, ticket, now)
@@ -66,11 +71,11 @@ if granted_at then
   if now - granted_at > late then
     return 3
   end
-  local tokens, at = bucket_read(BUCKET, now, rate, burst)
+  local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
   if at > now then
     return 4
   end
-  bucket_write(BUCKET, math.min(burst, tokens + 1), at, rate, burst)
+  bucket_write(BUCKET, math.min(burst, tokens + 1), at, eff, burst, rate)
   return 2
 end
 return 0

@@ -7,14 +7,20 @@
 -- ARGV[3] max_wait in µs: after that the ticket is worth nothing
 -- ARGV[4] idle ttl in ms of the provider's keys
 -- ARGV[5] rate (tokens/s), ARGV[6] burst
+-- KEYS[4] inflight the provider's slots (lib/bucket.lua)
+-- ARGV[7] max_concurrent (0: none), ARGV[8] a slot's lease, µs
 -- Returns { 2, now_us } granted at once: nobody is queued and the bucket has a
--- token, which this call takes (the waiter goes ahead: no throttler, no
+-- token (and a slot free), which this call takes (the waiter goes ahead: no throttler, no
 -- publish, no delay between the grant and its use); { 1, now_us } queued for a
 -- throttler; { 0 } when the ticket is already waiting.
 
 local ticket, inbox = ARGV[1], ARGV[2]
 local max_wait, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
 local rate, burst = tonumber(ARGV[5]), tonumber(ARGV[6])
+local slots, lease = tonumber(ARGV[7]), tonumber(ARGV[8])
+if not slots or slots < 0 or not lease or lease < 1 then
+  return redis.error_reply('throttle_enqueue: bad max_concurrent or lease')
+end
 if not max_wait or max_wait < 0 or not idle or idle < 1 or not rate or rate <= 0
     or not burst or burst < 1 then
   return redis.error_reply('throttle_enqueue: bad max_wait, idle ttl, rate or burst')
@@ -24,9 +30,12 @@ if redis.call('HEXISTS', KEYS[2], ticket) == 1 then
 end
 local now = now_us()
 if redis.call('LLEN', KEYS[1]) == 0 then
-  local tokens, at = bucket_read(KEYS[3], now, rate, burst)
-  if tokens >= 1 then
-    bucket_write(KEYS[3], tokens - 1, at, rate, burst)
+  local tokens, at, eff = bucket_read(KEYS[3], now, rate, burst)
+  if tokens >= 1 and slots_free(KEYS[4], slots, now) > 0 then
+    bucket_write(KEYS[3], tokens - 1, at, eff, burst, rate)
+    if slots > 0 then
+      slot_take(KEYS[4], ticket, now, lease)
+    end
     return { 2, now }
   end
 end

@@ -15,6 +15,8 @@
 --         `waiting` entry as it stands: one argument, checked by one pattern
 --         and copied (four checked one by one cost the enqueue ~1 µs).
 -- ARGV[8] the provider's key base (for the per-user keys)
+-- KEYS[7] inflight the provider's slots (lib/bucket.lua)
+-- ARGV[9] max_concurrent (0: none), ARGV[10] a slot's lease, µs
 -- Returns { 2, now_us } granted at once: nobody waits, the bucket has a token
 -- and the user is below its cap; { 1, now_us } queued for a throttler;
 -- { 0 } when the ticket is already waiting.
@@ -75,9 +77,16 @@ if idle_before and (cap == 0 or fair_held({ base = base }, user, now) < cap) the
   if not rate or rate <= 0 or not burst or burst < 1 then
     return redis.error_reply('throttle_enqueue_fair: bad arguments')
   end
-  local tokens, at = bucket_read(BUCKET, now, rate, burst)
-  if tokens >= 1 then
-    bucket_write(BUCKET, tokens - 1, at, rate, burst)
+  local slots, lease = tonumber(ARGV[9]), tonumber(ARGV[10])
+  if not slots or slots < 0 or not lease or lease < 1 then
+    return redis.error_reply('throttle_enqueue_fair: bad arguments')
+  end
+  local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
+  if tokens >= 1 and slots_free(KEYS[7], slots, now) > 0 then
+    bucket_write(BUCKET, tokens - 1, at, eff, burst, rate)
+    if slots > 0 then
+      slot_take(KEYS[7], ticket, now, lease)
+    end
     if cap > 0 then
       local held = held_key(base, user)
       redis.call('ZADD', held, int(now + hold), ticket)

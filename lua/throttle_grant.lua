@@ -5,11 +5,14 @@
 -- KEYS[4] granted     sorted set: ticket -> grant time (µs); the readiness record
 -- KEYS[5] bucket      the token bucket (lib/bucket.lua)
 -- KEYS[6] tickets, KEYS[7] capped, KEYS[8] tags (lib/fair.lua)
+-- KEYS[9] inflight    the provider's slots (lib/bucket.lua)
 -- ARGV[1] rate (tokens/s), ARGV[2] burst
 -- ARGV[3] most grants in this call
 -- ARGV[4] how long a readiness record lives, µs
 -- ARGV[5] idle ttl in ms of the provider's keys
 -- ARGV[6] the provider's key base (for the per-user keys of its fair queue)
+-- ARGV[7] max_concurrent (0: none), ARGV[8] a slot's lease, µs: a grant takes
+--         a slot too; with none free, nothing is granted
 -- Serves the processing list first, then the queue head, in order (FIFO
 -- tickets; bells are dropped), then the fair queue's tickets, least start
 -- tag first (lib/fair.lua; a ticket of a user at its cap is parked), popped
@@ -25,14 +28,19 @@
 -- bucket ran dry with tickets left (the exact time until the next token, a
 -- pause's end included: lib/bucket.lua), more
 -- = 1 when the grant limit stopped the call with tickets left, capped_us > 0
--- when only users held back by their cap have tickets left (the time until the
--- first of their slots frees itself: a throttler blocks no longer than that).
+-- when only users held back by their cap, or the provider's max_concurrent,
+-- hold tickets back (the time until the first of their slots frees itself: a
+-- throttler blocks no longer than that; a slot that ends rings it awake).
 
 local QUEUE, PROCESSING, WAITING, GRANTED, BUCKET = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local F = { tickets = KEYS[6], capped = KEYS[7], tags = KEYS[8], waiting = KEYS[3],
   base = ARGV[6], idle = tonumber(ARGV[5]) }
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local limit, ready_ttl, idle = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local INFLIGHT, slots, lease = KEYS[9], tonumber(ARGV[7]), tonumber(ARGV[8])
+if not slots or slots < 0 or not lease or lease < 1 then
+  return redis.error_reply('throttle_grant: bad max_concurrent or lease')
+end
 if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle
     or not F.base or F.base == '' then
   return redis.error_reply('throttle_grant: bad rate, burst or limits')
@@ -50,7 +58,10 @@ end
 
 local now = now_us()
 redis.call('ZREMRANGEBYSCORE', GRANTED, '-inf', '(' .. int(now - ready_ttl))
-local tokens, at = bucket_read(BUCKET, now, rate, burst)
+local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
+local free = slots_free(INFLIGHT, slots, now)
+-- Tickets wait for a slot of the provider's max_concurrent.
+local full = false
 local granted, skipped, wait, more = 0, 0, 0, 0
 while true do
   local src = PROCESSING
@@ -77,15 +88,22 @@ while true do
       redis.call('LPOP', src)
       redis.call('HDEL', WAITING, ticket)
       skipped = skipped + 1
+    elseif free < 1 then
+      full = true
+      break
     elseif tokens >= 1 then
       tokens = tokens - 1
+      free = free - 1
+      if slots > 0 then
+        slot_take(INFLIGHT, ticket, now, lease)
+      end
       redis.call('LPOP', src)
       redis.call('HDEL', WAITING, ticket)
       redis.call('ZADD', GRANTED, int(now), ticket)
       publish(inbox, ticket .. ' ' .. int(now))
       granted = granted + 1
     else
-      wait = until_token(tokens, rate, at, now)
+      wait = until_token(tokens, eff, at, now)
       break
     end
   end
@@ -93,7 +111,7 @@ end
 
 -- The fair queue. Users with parked tickets whose oldest slot freed itself
 -- (a caller that never said its call ended) get them back first.
-local fifo_left = wait > 0 or more == 1
+local fifo_left = wait > 0 or more == 1 or full
 -- Whether the fair queue had anyone (its keys' lives are renewed below).
 local fair_touched = false
 -- The virtual clock: the tag of the last grant, written once at the end.
@@ -123,20 +141,22 @@ local left = false
 local drained, nobody = false, false
 local now_s = int(now)
 while not fifo_left and wait == 0 and more == 0 do
-  if granted >= limit or tokens < 1 then
+  if granted >= limit or tokens < 1 or free < 1 then
     if redis.call('ZCARD', F.tickets) > 0 then
       fair_touched, left = true, true
       if granted >= limit then
         more = 1
+      elseif tokens < 1 then
+        wait = until_token(tokens, eff, at, now)
       else
-        wait = until_token(tokens, rate, at, now)
+        full = true
       end
     end
     break
   end
   -- As many tickets as could be granted, popped at once, least tag first:
   -- each is granted (a token), dropped (none) or parked (none).
-  local k = math.min(limit - granted, math.floor(tokens), BATCH)
+  local k = math.min(limit - granted, math.floor(tokens), BATCH, free)
   local top = redis.call('ZPOPMIN', F.tickets, k)
   local n = #top / 2
   if n == 0 then
@@ -170,6 +190,10 @@ while not fifo_left and wait == 0 and more == 0 do
     elseif cap == 0 or fair_fits(F, user, top[2 * i - 1], tonumber(tag), cap,
         granted_v and tonumber(granted_v) or v or fair_v(F), now) then
       tokens = tokens - 1
+      free = free - 1
+      if slots > 0 then
+        slot_take(INFLIGHT, ticket, now, lease)
+      end
       done[#done + 1] = ticket
       grants[#grants + 1] = now_s
       grants[#grants + 1] = ticket
@@ -240,9 +264,13 @@ if wait == 0 and more == 0 and not nobody then
     capped_us = math.max(1, tonumber(first[2]) - now)
   end
 end
+if full and wait == 0 and more == 0 then
+  local slot_us = slot_next(INFLIGHT, now)
+  capped_us = capped_us > 0 and math.min(capped_us, slot_us) or slot_us
+end
 
 if granted > 0 then
-  bucket_write(BUCKET, tokens, at, rate, burst)
+  bucket_write(BUCKET, tokens, at, eff, burst, rate)
   redis.call('PEXPIRE', GRANTED, int(idle))
 end
 return { granted, skipped, wait, more, capped_us }

@@ -6,6 +6,8 @@
 -- ARGV[3] the pause the upstream named, in µs from its answer, or -1 for none
 -- ARGV[4] the first back-off, µs (doubled for each refusal in a row)
 -- ARGV[5] the longest pause, µs (a named one is cut to it too)
+-- ARGV[6] 1 for an adaptive provider (lib/bucket.lua: AIMD): the effective
+--         rate is halved (at least 1% of rate), growing back from the pause's end
 -- The bucket is emptied and refills from the pause's end (`tokens` 0, `at` its
 -- end; lib/bucket.lua): no grant script grants before it, and after it the
 -- rate comes back from an empty bucket, not as a burst into an upstream that
@@ -14,8 +16,9 @@
 -- nothing (the calls in flight when it began come back refused too); one
 -- within a back-off's length after the last pause ended doubles it; later
 -- ones start again at the first.
--- Returns { until_us, pause_us, strikes }: Redis TIME of the pause's end, its
--- length from now (0: none, a named pause of 0), the back-offs in a row.
+-- Returns { until_us, pause_us, strikes, rate_milli }: Redis TIME of the
+-- pause's end, its length from now (0: none, a named pause of 0), the
+-- back-offs in a row, the effective rate after it (tokens per 1000 s).
 
 local BUCKET = KEYS[1]
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -25,6 +28,7 @@ if not rate or rate <= 0 or not burst or burst < 1 or not named or not first or 
   return redis.error_reply('throttle_pause: bad rate, burst or pause')
 end
 local now = now_us()
+local adaptive = ARGV[6] == '1'
 local v = redis.call('HMGET', BUCKET, 'strikes', 'until')
 local strikes, last = tonumber(v[1]) or 0, tonumber(v[2]) or 0
 local function backoff(n)
@@ -43,13 +47,23 @@ else
   end
   target = now + backoff(strikes)
 end
-local _, at = bucket_read(BUCKET, now, rate, burst)
+local _, at, eff = bucket_read(BUCKET, now, rate, burst)
 local ends = math.max(at, target)
+-- A refusal while a pause is in force (its calls in flight) halves nothing more.
+if adaptive and now >= last then
+  eff = math.max(rate / 100, eff / 2)
+  redis.call('HSET', BUCKET, 'aimd', string.format('%.17g', eff), 'aimd_at', int(math.max(ends, now)))
+end
+local milli = int(math.floor(eff * 1000))
 if ends <= now then
-  return { now, 0, strikes }
+  if adaptive then
+    redis.call('PEXPIRE', BUCKET, int(math.ceil(burst / eff * 1000) + 11000))
+  end
+  return { now, 0, strikes, milli }
 end
 redis.call('HSET', BUCKET, 'tokens', '0', 'at', int(ends), 'until', int(ends),
   'strikes', int(strikes))
--- Kept until it would be full again (a missing bucket is full).
-redis.call('PEXPIRE', BUCKET, int(math.ceil((ends - now) / 1000 + burst / rate * 1000) + 1000))
-return { ends, ends - now, strikes }
+-- Kept until it would be full again (a missing bucket is full), and an
+-- adaptive one's rate back (at most 10 s).
+redis.call('PEXPIRE', BUCKET, int(math.ceil((ends - now) / 1000 + burst / eff * 1000) + 11000))
+return { ends, ends - now, strikes, milli }

@@ -39,5 +39,6 @@ mod throttle;
 mod throttle_late;
 mod throttle_pause;
 mod throttle_redis;
+mod throttle_slots;
 mod trace;
 mod usage_redis;

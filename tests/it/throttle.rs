@@ -55,6 +55,16 @@ rate = 20
 burst = 5
 max_wait = "10s"
 late_allowance = "100ms"
+[providers.y-slots]
+rate = 100
+burst = 10
+max_wait = "10s"
+max_concurrent = 2
+[providers.z-adaptive]
+rate = 20
+burst = 2
+max_wait = "10s"
+adaptive = true
 "#;
 
 pub fn config() -> Arc<Config> {
@@ -225,6 +235,8 @@ conformance!(
     throttle_position_of_a_waiting_call,
     throttle_a_pause_holds_every_grant_until_it_ends,
     throttle_a_late_allowance_is_carved_from_the_burst,
+    throttle_max_concurrent_holds_a_slot_until_done,
+    throttle_adaptive_halves_the_rate_on_a_refusal,
 );
 
 fn share(weight: u32) -> Share {
@@ -546,7 +558,9 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "turnstile",
             "wicket",
             "wicket-fifo",
-            "x-late"
+            "x-late",
+            "y-slots",
+            "z-adaptive"
         ]
     );
     assert_eq!(
@@ -691,7 +705,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo, x-late)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo, x-late, y-slots, z-adaptive)"
     );
 }
 
@@ -790,7 +804,11 @@ async fn throttle_a_pause_holds_every_grant_until_it_ends(t: Arc<dyn Throttle>) 
     let started = Instant::now();
     let started_us = tollgate_tests::throttle::now_us();
     let first = t.pause("steady", None).await.unwrap();
-    assert_eq!(first.strikes, 1);
+    assert_eq!(
+        (first.strikes, first.rate),
+        (1, 20.0),
+        "not adaptive: the rate stays"
+    );
     assert!(
         first.left > Duration::from_millis(900) && first.left <= Duration::from_secs(1),
         "{first:?}"
@@ -891,4 +909,98 @@ async fn throttle_a_late_allowance_is_carved_from_the_burst(t: Arc<dyn Throttle>
     // 4 from the bucket, then 6 at 20/s: 300 ms at least.
     let span = times[9] - times[0];
     assert!(span >= 299_000, "{span} µs");
+}
+
+/// `y-slots`: at most 2 calls in flight across every caller, whatever the
+/// bucket holds: a slot is held from the grant to `done`; a waiter past its
+/// `max_wait` while all are held times out; the slot that ends goes to the
+/// next waiter at once (a throttler is woken, not polled).
+async fn throttle_max_concurrent_holds_a_slot_until_done(t: Arc<dyn Throttle>) {
+    let wait = Duration::from_secs(5);
+    let a = t.acquire("y-slots", &rid("s1"), wait).await.unwrap();
+    let b = t.acquire("y-slots", &rid("s2"), wait).await.unwrap();
+    assert!(a.slot.is_some() && b.slot.is_some(), "{a:?}");
+    let e = t
+        .acquire("y-slots", &rid("s3"), Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ThrottleError::Timeout { .. }), "{e:?}");
+    let third = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move { t.acquire("y-slots", &rid("s4"), wait).await })
+    };
+    until_waiting(&t, "y-slots", 1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!third.is_finished(), "granted with both slots held");
+    let ended = Instant::now();
+    t.done(&a).await.unwrap();
+    let c = third.await.unwrap().expect("the slot that ended");
+    assert!(
+        ended.elapsed() < Duration::from_millis(500),
+        "the ended slot went to the waiter after {:?}",
+        ended.elapsed()
+    );
+    t.done(&a).await.unwrap(); // twice: harmless
+    let e = t
+        .acquire("y-slots", &rid("s5"), Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, ThrottleError::Timeout { .. }),
+        "a done twice freed two slots"
+    );
+    t.done(&b).await.unwrap();
+    t.done(&c).await.unwrap();
+    let d = t.acquire("y-slots", &rid("s6"), wait).await.unwrap();
+    t.done(&d).await.unwrap();
+}
+
+/// `z-adaptive` (20/s, burst 2, `adaptive = true`): a refusal halves the rate
+/// the bucket refills at; one while the pause is in force (its calls in
+/// flight) halves nothing more; the next after it halves again, and the
+/// grants after it come at that rate, growing back by 2/s per second.
+async fn throttle_adaptive_halves_the_rate_on_a_refusal(t: Arc<dyn Throttle>) {
+    let rate = |t: &Arc<dyn Throttle>| {
+        let t = Arc::clone(t);
+        async move {
+            let stats = t.stats().await.unwrap();
+            stats
+                .iter()
+                .find(|p| p.provider == "z-adaptive")
+                .unwrap()
+                .effective_rate
+        }
+    };
+    assert_eq!(rate(&t).await, 20.0);
+    let first = t
+        .pause("z-adaptive", Some(Duration::from_millis(200)))
+        .await
+        .unwrap();
+    assert_eq!(first.rate, 10.0);
+    let during = t.pause("z-adaptive", None).await.unwrap();
+    assert_eq!(
+        during.rate, 10.0,
+        "a refusal during the pause halves nothing"
+    );
+    assert!((rate(&t).await - 10.0).abs() < 0.01);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let started = Instant::now();
+    let second = t
+        .pause("z-adaptive", Some(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    assert!(
+        second.rate > 5.0 && second.rate < 5.3,
+        "halved again (from ~10.1): {second:?}"
+    );
+    // From the pause's end, an empty bucket at ~5/s (growing 2/s per s): 3
+    // grants take ~0.55 s more (at 20/s they would take 0.15 s).
+    let records = run_waiters(Arc::clone(&t), "z-adaptive", "a", 3, Duration::from_secs(5)).await;
+    assert!(records.iter().all(|r| r.error.is_none()), "{records:?}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(550),
+        "3 grants after the pause at the halved rate took {took:?}"
+    );
+    assert!(rate(&t).await < 20.0);
 }

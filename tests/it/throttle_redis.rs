@@ -777,10 +777,12 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
     let waiters = BucketArgs {
         rate: 1.0,
         burst: 1.0,
+        slots: 0,
     };
     let throttler = BucketArgs {
         rate: 1e6,
         burst: 1_000_000.0,
+        slots: 0,
     };
     let enqueue = |user: &str, n: u64| {
         let fair = FairArgs {
@@ -861,7 +863,8 @@ async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
             .key(&keys.bucket)
             .key(&keys.tickets)
             .key(&keys.capped)
-            .key(&keys.tags);
+            .key(&keys.tags)
+            .key(&keys.inflight);
         inv.arg("t1~0.1")
             .arg("inbox")
             .arg(60_000_000)
@@ -869,7 +872,9 @@ async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
             .arg(rate)
             .arg(1)
             .arg(share)
-            .arg(keys.base());
+            .arg(keys.base())
+            .arg(0)
+            .arg(3_000_000);
         inv
     };
     for (share, rate) in [

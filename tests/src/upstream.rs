@@ -50,6 +50,10 @@ pub struct Arrival {
     pub query: Option<String>,
     /// The body as received.
     pub body: Bytes,
+    /// Calls in flight at the upstream as this one arrived, itself included
+    /// (a call is in flight until its answer is written, or its connection
+    /// dropped).
+    pub in_flight: usize,
 }
 
 #[derive(Debug)]
@@ -63,6 +67,7 @@ struct Shared {
 struct Inner {
     buckets: HashMap<String, (f64, Instant)>,
     arrivals: Vec<Arrival>,
+    in_flight: usize,
     /// [`Upstream::refuse_at`]: from when, and the `Retry-After` to send.
     refusal: Option<(Instant, String)>,
 }
@@ -215,6 +220,27 @@ impl Behaviour {
     }
 }
 
+/// One call in flight at the upstream, from its arrival until the handler
+/// ends or is dropped.
+struct InFlight(Arc<Shared>);
+
+impl InFlight {
+    fn enter(shared: &Arc<Shared>) -> Self {
+        if let Ok(mut inner) = shared.inner.lock() {
+            inner.in_flight += 1;
+        }
+        Self(Arc::clone(shared))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Ok(mut inner) = self.0.inner.lock() {
+            inner.in_flight = inner.in_flight.saturating_sub(1);
+        }
+    }
+}
+
 async fn call(
     State(shared): State<Arc<Shared>>,
     Path(path): Path<String>,
@@ -231,6 +257,7 @@ async fn call(
     };
     let (job, traceparent) = (header("idempotency-key"), header("traceparent"));
     let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let _in_flight = InFlight::enter(&shared);
     let behaviour = Behaviour::of(&input);
     let (allowed, refused) = {
         let Ok(mut inner) = shared.inner.lock() else {
@@ -262,6 +289,7 @@ async fn call(
                 refilled >= 1.0
             }
         };
+        let in_flight = inner.in_flight;
         inner.arrivals.push(Arrival {
             path,
             at_us: now_us(),
@@ -276,6 +304,7 @@ async fn call(
             method: method.to_string(),
             query: query.clone(),
             body: body.clone(),
+            in_flight,
         });
         (allowed, refused)
     };

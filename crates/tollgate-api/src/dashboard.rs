@@ -407,6 +407,7 @@ pub fn schema() -> serde_json::Value {
                     "waiters": int,
                     "throttlers": nullable_int,
                     "paused_ms": {"type": "integer", "minimum": 0, "description": "How long the bucket still grants nothing after the upstream refused a call (0: not paused)."},
+                    "effective_rate": {"type": "number", "description": "The rate the bucket refills at now: rate, or less on an adaptive provider after refusals."},
                     "grants_per_sec": {"type": "number", "description": "Grants per second over the last minute."},
                     "grants_last_minute": int,
                     "p95_wait_ms": {"type": ["number", "null"], "description": "The p95 wait for a slot over the last minute."},

@@ -138,7 +138,20 @@ pub struct Provider {
     /// the bucket grants from a burst reduced to keep the upstream's bound
     /// ([`Provider::bucket_burst`]).
     pub late_allowance: Option<Duration>,
+    /// Most calls in flight at the upstream at once, across every pod
+    /// (`max_concurrent`); `None`: no cap. A slot is held from the grant to
+    /// the end of the call, and frees itself [`SLOT_LEASE`] after its holder
+    /// stopped renewing it (the process died).
+    pub max_concurrent: Option<u32>,
+    /// AIMD (`adaptive = true`): each refusal that pauses the bucket also
+    /// halves the rate it refills at (at least 1% of `rate`), which then
+    /// grows back by `rate / 10` per second up to `rate`.
+    pub adaptive: bool,
 }
+
+/// How long a slot of a provider's `max_concurrent` outlives its holder's
+/// last renewal (renewed every third of it while the call runs).
+pub const SLOT_LEASE: Duration = Duration::from_secs(3);
 
 impl Provider {
     /// The capacity the bucket grants from: `burst`, less `rate * d - 1`
@@ -381,6 +394,8 @@ struct RawProvider {
     fairness: Option<String>,
     max_pause: Option<String>,
     late_allowance: Option<String>,
+    max_concurrent: Option<i64>,
+    adaptive: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -1149,6 +1164,16 @@ fn parse_providers(
                 Some(d)
             }
         };
+        let max_concurrent = match p.max_concurrent {
+            None => None,
+            Some(n) if (1..=i64::from(MAX_IN_FLIGHT)).contains(&n) => Some(n as u32),
+            Some(n) => {
+                return Err(invalid(
+                    format!("{key}.max_concurrent"),
+                    format!("must be between 1 and {MAX_IN_FLIGHT}, got {n}"),
+                ))
+            }
+        };
         if let Some(upstream) = parse_upstream(&key, &p, invalid)? {
             upstreams.insert(name.clone(), upstream);
         }
@@ -1162,6 +1187,8 @@ fn parse_providers(
                 fairness,
                 max_pause,
                 late_allowance,
+                max_concurrent,
+                adaptive: p.adaptive.unwrap_or(false),
             },
         );
     }

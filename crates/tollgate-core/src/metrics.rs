@@ -268,6 +268,11 @@ const THROTTLE_PAUSED: (&str, &str) = (
     "How long each provider's bucket still grants nothing after the upstream refused a call \
      (a 429, or a 503 with Retry-After); 0 when it is not paused (shared state).",
 );
+const THROTTLE_EFFECTIVE_RATE: (&str, &str) = (
+    "tollgate_throttle_effective_rate",
+    "The rate each provider's bucket refills at now: its rate, or less on an adaptive provider \
+     after the upstream refused calls (AIMD; shared state).",
+);
 const THROTTLE_THROTTLERS: (&str, &str) = (
     "tollgate_throttle_throttlers",
     "Throttlers alive for each provider (shared state; absent when embedded, where the \
@@ -324,6 +329,9 @@ impl Collector for StatsCollector {
             gauges(e, THROTTLE_THROTTLERS, by_provider, p, |s| s.throttlers)?;
             gauges(e, THROTTLE_PAUSED, by_provider, p, |s| {
                 Some(s.paused_ms as f64 / 1000.0)
+            })?;
+            gauges(e, THROTTLE_EFFECTIVE_RATE, by_provider, p, |s| {
+                Some(s.effective_rate)
             })?;
         }
         Ok(())

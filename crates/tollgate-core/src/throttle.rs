@@ -8,7 +8,7 @@
 //! the bucket allows, in arrival order, or fails after `max_wait` with
 //! [`ThrottleError::Timeout`]; a call that gave up never burns a token.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,6 +39,10 @@ pub struct Grant {
     /// The slot counts against its user's `max_in_flight` until
     /// [`Throttle::done`] (or its hold ends): `None` when the user has no cap.
     pub held: Option<Held>,
+    /// The grant's slot of its provider's `max_concurrent`, held until
+    /// [`Throttle::done`] (renewed meanwhile; a holder that dies lets it
+    /// go after `SLOT_LEASE`): `None` when the provider has no cap.
+    pub slot: Option<String>,
     /// When the grant becomes late (on this process's monotonic clock): a call
     /// not sent by then must not be sent on it, since calls granted while it
     /// waited may have gone out already (a pause between the grant and the
@@ -222,13 +226,16 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
 }
 
 /// A provider's pause, as [`Throttle::pause`] left it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pause {
     /// How long from now the bucket grants nothing (zero: not paused, as
     /// after a `Retry-After: 0`).
     pub left: Duration,
     /// Back-offs in a row (refusals that named no pause).
     pub strikes: u32,
+    /// The rate the bucket refills at after it: `rate`, or less on an
+    /// adaptive provider.
+    pub rate: f64,
 }
 
 /// The back-off after `strikes` refusals in a row that named no pause:
@@ -259,6 +266,20 @@ pub struct ProviderStats {
     /// How long the bucket still grants nothing after an upstream refusal
     /// ([`Throttle::pause`]), in ms; 0 when it is not paused.
     pub paused_ms: u64,
+    /// The rate the bucket refills at now: `rate`, or less on an adaptive
+    /// provider after a refusal (AIMD).
+    pub effective_rate: f64,
+}
+
+/// An adaptive bucket's rate at `t`: `e` at `since`, growing back by a tenth
+/// of `rate` per second, up to `rate` (the same as `lua/lib/bucket.lua`).
+fn aimd_rate(aimd: Option<(f64, Instant)>, rate: f64, t: Instant) -> f64 {
+    match aimd {
+        None => rate,
+        Some((e, since)) => {
+            rate.min(e + t.saturating_duration_since(since).as_secs_f64() * rate / 10.0)
+        }
+    }
 }
 
 /// What one [`Dispatch::pump`] did.
@@ -334,6 +355,10 @@ struct Bucket {
     burst: f64,
     /// [`Provider::late_allowance`].
     late_allowance: Option<Duration>,
+    /// [`Provider::max_concurrent`].
+    max_concurrent: Option<u32>,
+    /// [`Provider::adaptive`].
+    adaptive: bool,
     fairness: Fairness,
     max_pause: Duration,
     state: Mutex<BucketState>,
@@ -352,6 +377,10 @@ struct BucketState {
     /// The end of the last pause, and the back-offs in a row.
     paused_until: Option<Instant>,
     strikes: u32,
+    /// The tickets holding a slot of `max_concurrent`.
+    slots: HashSet<u64>,
+    /// An adaptive bucket's rate after its last refusal, and from when.
+    aimd: Option<(f64, Instant)>,
     queue: FairQueue<Slot>,
     driving: bool,
 }
@@ -374,6 +403,8 @@ impl Bucket {
             rate: p.rate,
             burst: p.bucket_burst(),
             late_allowance: p.late_allowance,
+            max_concurrent: p.max_concurrent,
+            adaptive: p.adaptive,
             fairness: p.fairness,
             max_pause: p.max_pause,
             state: Mutex::new(BucketState {
@@ -381,6 +412,8 @@ impl Bucket {
                 at: Instant::now(),
                 paused_until: None,
                 strikes: 0,
+                slots: HashSet::new(),
+                aimd: None,
                 queue: FairQueue::default(),
                 driving: false,
             }),
@@ -404,14 +437,16 @@ impl Bucket {
             return; // paused until `at`: it refills from then
         }
         let dt = now.saturating_duration_since(st.at).as_secs_f64();
-        st.tokens = (st.tokens + dt * self.rate).min(self.burst);
+        let rate = aimd_rate(st.aimd, self.rate, st.at);
+        st.tokens = (st.tokens + dt * rate).min(self.burst);
         st.at = now;
     }
 
     /// Until one whole token is due, rounded up to the next µs (a pause's
     /// end included).
     fn until_next(&self, st: &BucketState) -> Duration {
-        let secs = ((1.0 - st.tokens).max(0.0) / self.rate).min(3600.0);
+        let rate = aimd_rate(st.aimd, self.rate, Instant::now().max(st.at));
+        let secs = ((1.0 - st.tokens).max(0.0) / rate).min(3600.0);
         st.at.saturating_duration_since(Instant::now())
             + Duration::from_micros((secs * 1e6).ceil() as u64)
     }
@@ -426,6 +461,7 @@ impl Bucket {
             st.tokens = (st.tokens + 1.0).min(self.burst);
         }
         if let Some((user, ticket)) = held {
+            st.slots.remove(&ticket);
             st.queue.done(user, ticket);
         }
         drop(st);
@@ -452,10 +488,18 @@ impl Bucket {
         };
         let ends = target.max(st.at);
         let strikes = st.strikes;
+        let mut rate = aimd_rate(st.aimd, self.rate, now.max(st.at));
+        // A refusal while a pause is in force (its calls in flight) halves
+        // nothing more.
+        if self.adaptive && st.paused_until.is_none_or(|last| now >= last) {
+            rate = (rate / 2.0).max(self.rate / 100.0);
+            st.aimd = Some((rate, ends.max(now)));
+        }
         if ends <= now {
             return Pause {
                 left: Duration::ZERO,
                 strikes,
+                rate,
             };
         }
         st.tokens = 0.0;
@@ -467,12 +511,27 @@ impl Bucket {
         Pause {
             left: ends - now,
             strikes,
+            rate,
+        }
+    }
+
+    /// Whether every slot of `max_concurrent` is held.
+    fn full(&self, st: &BucketState) -> bool {
+        self.max_concurrent
+            .is_some_and(|cap| st.slots.len() >= cap as usize)
+    }
+
+    /// A grant's slot of `max_concurrent`, if the provider has one.
+    fn take_slot(&self, st: &mut BucketState, ticket: u64) {
+        if self.max_concurrent.is_some() {
+            st.slots.insert(ticket);
         }
     }
 
     /// A slot's call ended: its user may be back in the rotation.
     fn end(self: &Arc<Self>, user: &str, ticket: u64) {
         let mut st = lock(&self.state);
+        st.slots.remove(&ticket);
         st.queue.done(user, ticket);
         self.kick(&mut st);
         drop(st);
@@ -510,11 +569,17 @@ impl Bucket {
                     if st.tokens < 1.0 {
                         break self.until_next(&st);
                     }
+                    if self.full(&st) {
+                        // Until a slot ends (which wakes this driver).
+                        break Duration::from_secs(3600);
+                    }
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
+                        self.take_slot(&mut st, head.ticket);
                         if slot.tx.send((wall_us(), Instant::now())).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
+                            st.slots.remove(&head.ticket);
                             st.queue.done(&head.user, head.ticket);
                         }
                     }
@@ -632,6 +697,7 @@ impl Throttle for MemoryThrottle {
                         st.at.saturating_duration_since(Instant::now()).as_millis(),
                     )
                     .unwrap_or(u64::MAX),
+                    effective_rate: aimd_rate(st.aimd, b.rate, Instant::now().max(st.at)),
                 }
             })
             .collect())
@@ -655,17 +721,24 @@ impl Throttle for MemoryThrottle {
             request_id: waiter.request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
-            held: share.max_in_flight.map(|_| Held {
-                user: user.to_owned(),
-                ticket: ticket.to_string(),
+            held: (share.max_in_flight.is_some() || bucket.max_concurrent.is_some()).then(|| {
+                Held {
+                    user: user.to_owned(),
+                    ticket: ticket.to_string(),
+                }
             }),
+            slot: bucket.max_concurrent.map(|_| ticket.to_string()),
             use_by: Some(made + late),
         };
         let (rx, ticket) = {
             let mut st = lock(&bucket.state);
             bucket.refill(&mut st);
             let now = Instant::now();
-            if st.queue.is_empty() && st.tokens >= 1.0 && st.queue.below_cap(user, &share, now) {
+            if st.queue.is_empty()
+                && st.tokens >= 1.0
+                && !bucket.full(&st)
+                && st.queue.below_cap(user, &share, now)
+            {
                 // Through the queue, so that the slot counts against the cap.
                 let (tx, mut rx) = oneshot::channel();
                 let slot = Slot {
@@ -676,6 +749,7 @@ impl Throttle for MemoryThrottle {
                 if let Some(head) = st.queue.head(now, open).0 {
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
+                        bucket.take_slot(&mut st, head.ticket);
                         let _ = slot.tx.send((wall_us(), Instant::now()));
                     }
                 }
@@ -777,6 +851,8 @@ mod tests {
             fairness: Fairness::Fair,
             max_pause: crate::config::DEFAULT_MAX_PAUSE,
             late_allowance: None,
+            max_concurrent: None,
+            adaptive: false,
         }
     }
 
@@ -846,6 +922,32 @@ mod tests {
         // The bucket refilled untouched: one token at once.
         let g = t.acquire("p", &rid(2), Duration::from_millis(1)).await;
         assert!(g.is_ok(), "{g:?}");
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_longest() {
+        let longest = Duration::from_secs(60);
+        let secs: Vec<u64> = (1..=8).map(|n| backoff(n, longest).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(backoff(u32::MAX, longest), longest);
+        assert_eq!(backoff(0, longest), FIRST_BACKOFF);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_holds_the_driver_and_the_bucket_refills_from_its_end() {
+        let t = Arc::new(MemoryThrottle::with_providers([&provider(10.0, 3)]));
+        let start = Instant::now();
+        let pause = t.pause("p", Some(Duration::from_secs(2))).await.unwrap();
+        assert_eq!(pause.left, Duration::from_secs(2));
+        let mut at = Vec::new();
+        for i in 0..3 {
+            t.acquire("p", &rid(i), Duration::from_secs(5))
+                .await
+                .unwrap();
+            at.push((Instant::now() - start).as_millis());
+        }
+        // Nothing before 2 s, then one per 100 ms from an empty bucket.
+        assert_eq!(at, vec![2100, 2200, 2300]);
     }
 
     #[tokio::test]

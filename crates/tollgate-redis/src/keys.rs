@@ -96,6 +96,9 @@ pub struct ThrottleKeys {
     /// `:v` -> the virtual clock, `:n` -> the users waiting (see
     /// `lua/lib/fair.lua`).
     pub tags: String,
+    /// Sorted set: ticket -> end of its slot's lease (µs): the calls in
+    /// flight under the provider's `max_concurrent` (`lua/lib/bucket.lua`).
+    pub inflight: String,
     base: String,
 }
 
@@ -201,7 +204,7 @@ impl KeySpace {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|lists|processing:<id>`,
+    /// `<prefix>:v1:{p:<provider>}:queue|waiting|granted|bucket|throttlers|lists|inflight|processing:<id>`,
     /// and the fair queue's `tickets|capped|tags|parked:<user>|held:<user>`.
     /// Provider names are validated like ids when the config is read.
     pub fn throttle(&self, provider: &str) -> ThrottleKeys {
@@ -216,6 +219,7 @@ impl KeySpace {
             tickets: format!("{base}:tickets"),
             capped: format!("{base}:capped"),
             tags: format!("{base}:tags"),
+            inflight: format!("{base}:inflight"),
             base,
         }
     }

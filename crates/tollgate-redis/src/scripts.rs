@@ -365,6 +365,8 @@ pub static THROTTLE_DONE: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_done.lua")));
 pub static THROTTLE_POSITION: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_position.lua")));
+pub static THROTTLE_SLOT: LazyLock<Script> =
+    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_slot.lua")));
 pub static THROTTLE_PAUSE: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_pause.lua")));
 
@@ -379,6 +381,8 @@ pub struct BucketArgs {
     pub rate: f64,
     /// The capacity the bucket grants from (`Provider::bucket_burst`).
     pub burst: f64,
+    /// `max_concurrent`, 0 for none.
+    pub slots: u32,
 }
 
 impl From<&tollgate_core::config::Provider> for BucketArgs {
@@ -386,6 +390,7 @@ impl From<&tollgate_core::config::Provider> for BucketArgs {
         Self {
             rate: p.rate,
             burst: p.bucket_burst(),
+            slots: p.max_concurrent.unwrap_or(0),
         }
     }
 }
@@ -400,13 +405,18 @@ pub fn throttle_enqueue<'a>(
     bucket: BucketArgs,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = THROTTLE_ENQUEUE.prepare_invoke();
-    inv.key(&keys.queue).key(&keys.waiting).key(&keys.bucket);
+    inv.key(&keys.queue)
+        .key(&keys.waiting)
+        .key(&keys.bucket)
+        .key(&keys.inflight);
     inv.arg(ticket)
         .arg(inbox)
         .arg(max_wait_us)
         .arg(idle_ms)
         .arg(bucket.rate)
-        .arg(bucket.burst);
+        .arg(bucket.burst)
+        .arg(bucket.slots)
+        .arg(SLOT_LEASE_US);
     inv
 }
 
@@ -426,12 +436,15 @@ pub fn throttle_grant<'a>(
         .key(&keys.granted)
         .key(&keys.bucket);
     fair_keys(&mut inv, keys);
+    inv.key(&keys.inflight);
     inv.arg(bucket.rate)
         .arg(bucket.burst)
         .arg(limit)
         .arg(ready_ttl_us)
         .arg(idle_ms)
-        .arg(keys.base());
+        .arg(keys.base())
+        .arg(bucket.slots)
+        .arg(SLOT_LEASE_US);
     inv
 }
 
@@ -450,6 +463,7 @@ pub fn throttle_cancel<'a>(
         .key(&keys.granted)
         .key(&keys.bucket);
     fair_keys(&mut inv, keys);
+    inv.key(&keys.inflight);
     inv.arg(ticket).arg(bucket.rate).arg(bucket.burst);
     match user {
         Some(user) => inv.arg("fair").arg(user),
@@ -496,6 +510,7 @@ pub fn throttle_enqueue_fair<'a>(
     let mut inv = THROTTLE_ENQUEUE_FAIR.prepare_invoke();
     inv.key(&keys.queue).key(&keys.waiting).key(&keys.bucket);
     fair_keys(&mut inv, keys);
+    inv.key(&keys.inflight);
     inv.arg(ticket)
         .arg(inbox)
         .arg(max_wait_us)
@@ -503,7 +518,9 @@ pub fn throttle_enqueue_fair<'a>(
         .arg(bucket.rate)
         .arg(bucket.burst)
         .arg(fair.share())
-        .arg(keys.base());
+        .arg(keys.base())
+        .arg(bucket.slots)
+        .arg(SLOT_LEASE_US);
     inv
 }
 
@@ -520,6 +537,22 @@ pub fn throttle_done<'a>(
     inv
 }
 
+/// A slot's lease, as the scripts take it (µs).
+const SLOT_LEASE_US: u64 = tollgate_core::config::SLOT_LEASE.as_micros() as u64;
+
+/// `throttle_slot.lua`: renews the slot of `ticket` for a lease from now, or
+/// ends it (`renew` false).
+pub fn throttle_slot<'a>(
+    keys: &ThrottleKeys,
+    ticket: &str,
+    renew: bool,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = THROTTLE_SLOT.prepare_invoke();
+    inv.key(&keys.inflight).key(&keys.queue);
+    inv.arg(ticket).arg(if renew { SLOT_LEASE_US } else { 0 });
+    inv
+}
+
 /// How an upstream's refusal pauses a provider's bucket (`throttle_pause.lua`).
 #[derive(Debug, Clone, Copy)]
 pub struct PauseArgs {
@@ -529,6 +562,8 @@ pub struct PauseArgs {
     pub first: std::time::Duration,
     /// The longest pause, named or not.
     pub longest: std::time::Duration,
+    /// AIMD: the refusal halves the effective rate too.
+    pub adaptive: bool,
 }
 
 /// `throttle_pause.lua`
@@ -546,7 +581,8 @@ pub fn throttle_pause<'a>(
         None => inv.arg(-1),
     };
     inv.arg(us(pause.first).max(1))
-        .arg(us(pause.longest).max(1));
+        .arg(us(pause.longest).max(1))
+        .arg(u8::from(pause.adaptive));
     inv
 }
 
@@ -702,6 +738,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("throttle_grant.lua", &THROTTLE_GRANT),
         ("throttle_cancel.lua", &THROTTLE_CANCEL),
         ("throttle_pause.lua", &THROTTLE_PAUSE),
+        ("throttle_slot.lua", &THROTTLE_SLOT),
         ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),
         ("liveness_reclaim.lua", &LIVENESS_RECLAIM),
         ("job_enqueue.lua", &JOB_ENQUEUE),

@@ -164,6 +164,9 @@ struct Shared {
     /// drop them, leaving their tickets queued until their deadline).
     cancels: Mutex<tokio::task::JoinSet<()>>,
     metrics: Option<Arc<Metrics>>,
+    /// The renewals of the slots of `max_concurrent` this process holds, by
+    /// ticket (ended by `done`).
+    slots: Mutex<HashMap<String, tokio::task::AbortHandle>>,
     /// Per provider, Redis's clock as its enqueues bound it (how old a grant
     /// is when it arrives). Per provider: on a cluster, each provider's keys
     /// live on one node, and each node has its own clock.
@@ -330,6 +333,71 @@ async fn cancel(
     r
 }
 
+/// The longest a slot of `max_concurrent` is renewed for one grant: a caller
+/// that never says its call ended (it dropped the grant) holds the slot no
+/// longer than this (plus the lease).
+pub const SLOT_MAX_HOLD: Duration = Duration::from_secs(600);
+
+/// Renews the slot of `ticket` at `provider` every third of its lease while
+/// its call runs, until `done` ends it (or [`SLOT_MAX_HOLD`]); a process that
+/// dies stops renewing, and the slot ends with its lease.
+fn renew_slot(shared: &Arc<Shared>, provider: &str, ticket: &str) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let lease = tollgate_core::config::SLOT_LEASE;
+    let task = {
+        let shared = Arc::clone(shared);
+        let keys = shared.keys.throttle(provider);
+        let ticket = ticket.to_owned();
+        async move {
+            let started = Instant::now();
+            while started.elapsed() < SLOT_MAX_HOLD {
+                tokio::time::sleep(lease / 3).await;
+                let r: Result<i64, _> = run_script(
+                    &shared.pool,
+                    shared.call_timeout,
+                    "throttle_slot",
+                    scripts::throttle_slot(&keys, &ticket, true),
+                )
+                .await;
+                match r {
+                    Ok(1) => {}
+                    Ok(_) => {
+                        tracing::warn!(ticket, "a slot's lease ended before its call (a pause)");
+                        break;
+                    }
+                    Err(e) => tracing::warn!(error = %e, ticket, "renewing a slot failed"),
+                }
+            }
+            lock(&shared.slots).remove(&ticket);
+        }
+    };
+    let handle = rt.spawn(task).abort_handle();
+    lock(&shared.slots).insert(ticket.to_owned(), handle);
+}
+
+/// Ends the slot of `ticket` at `provider` (its renewal stops).
+async fn end_provider_slot(
+    shared: &Shared,
+    timeout: Duration,
+    provider: &str,
+    ticket: &str,
+) -> Result<(), ThrottleError> {
+    if let Some(renewal) = lock(&shared.slots).remove(ticket) {
+        renewal.abort();
+    }
+    let keys = shared.keys.throttle(provider);
+    let _: i64 = run_script(
+        &shared.pool,
+        timeout,
+        "throttle_slot",
+        scripts::throttle_slot(&keys, ticket, false),
+    )
+    .await?;
+    Ok(())
+}
+
 /// Ends the slot `held` of a capped user at `provider` (its call ended, or
 /// its grant was not used).
 async fn end_slot(
@@ -394,6 +462,7 @@ impl RedisThrottle {
             subscribed,
             call_timeout: options.call_timeout,
             cancels: Mutex::default(),
+            slots: Mutex::default(),
             metrics: options.metrics.clone(),
             clocks: config
                 .providers()
@@ -499,6 +568,8 @@ impl Throttle for RedisThrottle {
                     .arg(&keys.bucket)
                     .arg("tokens")
                     .arg("at")
+                    .arg("aimd")
+                    .arg("aimd_at")
                     .to_owned(),
             );
             cmds.push(redis::cmd("HLEN").arg(&keys.waiting).to_owned());
@@ -523,8 +594,16 @@ impl Throttle for RedisThrottle {
         let now_us = secs * 1_000_000 + micros;
         let mut out = Vec::with_capacity(self.providers.len());
         for (p, r) in self.providers.values().zip(items[1..].chunks_exact(4)) {
-            let (tokens, at): (Option<f64>, Option<u64>) = redis::from_redis_value_ref(&r[0])
-                .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+            let (tokens, at, aimd, aimd_at): (Option<f64>, Option<u64>, Option<f64>, Option<u64>) =
+                redis::from_redis_value_ref(&r[0])
+                    .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+            // lib/bucket.lua's aimd_rate.
+            let aimd_rate = |t: u64| match (aimd, aimd_at) {
+                (Some(e), Some(since)) => p
+                    .rate
+                    .min(e + t.saturating_sub(since) as f64 * p.rate / 1e7),
+                _ => p.rate,
+            };
             let waiters: u64 = redis::from_redis_value_ref(&r[1])
                 .map_err(|e| bad_reply::<ThrottleError>("HLEN", e))?;
             let lives: Vec<u64> = redis::from_redis_value_ref(&r[2])
@@ -539,7 +618,7 @@ impl Throttle for RedisThrottle {
             let burst = p.bucket_burst();
             let tokens = match (tokens, at) {
                 (Some(t), Some(at)) if now_us > at => {
-                    (t + (now_us - at) as f64 * p.rate / 1e6).min(burst)
+                    (t + (now_us - at) as f64 * aimd_rate(at) / 1e6).min(burst)
                 }
                 (Some(t), Some(_)) => t,
                 _ => burst,
@@ -556,6 +635,7 @@ impl Throttle for RedisThrottle {
                 users,
                 throttlers: Some(lives.iter().filter(|until| **until >= now_ms).count() as u64),
                 paused_ms,
+                effective_rate: aimd_rate(now_us.max(at.unwrap_or(0))),
             });
         }
         Ok(out)
@@ -605,6 +685,7 @@ impl Throttle for RedisThrottle {
             named: retry_after,
             first: tollgate_core::config::FIRST_BACKOFF,
             longest: p.max_pause,
+            adaptive: p.adaptive,
         };
         let r: Vec<u64> = run_script(
             &self.shared.pool,
@@ -614,15 +695,25 @@ impl Throttle for RedisThrottle {
         )
         .await?;
         match r[..] {
-            [_, left_us, strikes] => Ok(Pause {
+            [_, left_us, strikes, milli] => Ok(Pause {
                 left: Duration::from_micros(left_us),
                 strikes: u32::try_from(strikes).unwrap_or(u32::MAX),
+                rate: milli as f64 / 1000.0,
             }),
             _ => Err(bad_reply("throttle_pause", r)),
         }
     }
 
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
+        if let Some(slot) = &grant.slot {
+            end_provider_slot(
+                &self.shared,
+                self.options.call_timeout,
+                &grant.provider,
+                slot,
+            )
+            .await?;
+        }
         let Some(held) = &grant.held else {
             return Ok(());
         };
@@ -773,12 +864,14 @@ impl RedisThrottle {
         };
         // A grant made at `granted_at_us` is late once Redis's clock, at the
         // latest, passes `granted_at_us + late`.
+        let slot = p.max_concurrent.map(|_| ticket.id.clone());
         let grant = |granted_at_us: u64, (now, upper_us): (Instant, u64)| Grant {
             provider: p.name.clone(),
             request_id: request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
             held: held.clone(),
+            slot: slot.clone(),
             use_by: Some(RedisClock::earliest(
                 now,
                 upper_us,
@@ -788,6 +881,9 @@ impl RedisThrottle {
         if taken {
             ticket.armed = false;
             lock(&shared.pending).remove(&ticket.id);
+            if slot.is_some() {
+                renew_slot(shared, &p.name, &ticket.id);
+            }
             return Ok(Attempt::Granted(grant(redis_now_us, redis_now())));
         }
         match tokio::time::timeout_at(deadline, rx).await {
@@ -806,12 +902,22 @@ impl RedisThrottle {
                     ticket.armed = false;
                     // In the background, like a cancel: the caller's wait
                     // goes on (or times out) without waiting on Redis.
-                    if let Some(held) = held.clone() {
+                    if held.is_some() || slot.is_some() {
                         let shared = Arc::clone(shared);
                         let (provider, timeout) = (p.name.clone(), self.options.call_timeout);
+                        let (held, slot) = (held.clone(), slot.clone());
                         let task = async move {
-                            if let Err(e) = end_slot(&shared, timeout, &provider, &held).await {
-                                tracing::warn!(error = %e, "ending the slot of a late grant failed");
+                            if let Some(slot) = slot {
+                                if let Err(e) =
+                                    end_provider_slot(&shared, timeout, &provider, &slot).await
+                                {
+                                    tracing::warn!(error = %e, "ending the slot of a late grant failed");
+                                }
+                            }
+                            if let Some(held) = held {
+                                if let Err(e) = end_slot(&shared, timeout, &provider, &held).await {
+                                    tracing::warn!(error = %e, "ending the slot of a late grant failed");
+                                }
                             }
                         };
                         lock(&self.shared.cancels).spawn(task);
@@ -822,6 +928,9 @@ impl RedisThrottle {
                     return Ok(Attempt::Late { age });
                 }
                 ticket.armed = false;
+                if slot.is_some() {
+                    renew_slot(shared, &p.name, &ticket.id);
+                }
                 Ok(Attempt::Granted(grant(granted_at_us, now)))
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
