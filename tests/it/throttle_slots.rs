@@ -95,6 +95,7 @@ path = "/llm"
                 operation: "call".into(),
                 input: json!({ "n": i }),
                 trace: None,
+                service_key: None,
             })
             .await
             .unwrap();
