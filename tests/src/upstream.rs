@@ -70,6 +70,8 @@ struct Inner {
     in_flight: usize,
     /// [`Upstream::refuse_at`]: from when, and the `Retry-After` to send.
     refusal: Option<(Instant, String)>,
+    /// The calls refused so: path and arrival time (µs).
+    refused: Vec<(String, u64)>,
 }
 
 /// The upstream; it stops serving when dropped.
@@ -112,6 +114,16 @@ impl Upstream {
         if let Ok(mut inner) = self.shared.inner.lock() {
             inner.refusal = Some((at, retry_after.to_owned()));
         }
+    }
+
+    /// The calls [`Upstream::refuse_at`] refused: path and arrival time (µs
+    /// since the epoch), in order.
+    pub fn refusals(&self) -> Vec<(String, u64)> {
+        self.shared
+            .inner
+            .lock()
+            .map(|i| i.refused.clone())
+            .unwrap_or_default()
     }
 
     /// Every call so far, in arrival order.
@@ -290,9 +302,13 @@ async fn call(
             }
         };
         let in_flight = inner.in_flight;
+        let at_us = now_us();
+        if refused.is_some() {
+            inner.refused.push((path.clone(), at_us));
+        }
         inner.arrivals.push(Arrival {
             path,
-            at_us: now_us(),
+            at_us,
             job,
             status: if allowed && refused.is_none() {
                 behaviour.status()

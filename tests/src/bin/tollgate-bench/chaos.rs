@@ -1130,12 +1130,24 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         });
     }
     let mut rng = Rng(seed ^ 0x00c0_ffee);
+    // The upstream refuses one call (429, Retry-After: 1) at seeded moments,
+    // 6 to 12 s apart from 7 s in, until 8 s before the end (its own stream:
+    // the faults' schedule and the calls stay those of the seed).
+    let mut refusal_rng = Rng(seed ^ 0x0429);
+    let last_refusal = load_end
+        .checked_sub(Duration::from_secs(8))
+        .unwrap_or(load_start);
+    let mut next_refusal = load_start + Duration::from_secs(7);
     let run_tag = &prefix[1..9];
     let mut calls = tokio::task::JoinSet::new();
     let total = (args.rate * args.seconds as f64) as usize;
     for n in 0..total {
         let at = load_start + Duration::from_secs_f64(n as f64 / args.rate);
         tokio::time::sleep_until(at.into()).await;
+        if Instant::now() >= next_refusal && next_refusal < last_refusal {
+            upstream.refuse_at(Instant::now(), "1");
+            next_refusal += refusal_rng.ms(6_000, 12_000);
+        }
         let (user, op) = (
             rng.below(USERS as u64) as usize,
             rng.below(OPS.len() as u64) as usize,
@@ -1430,7 +1442,8 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             }
         ),
     });
-    let rejected = arrivals.iter().filter(|a| a.status == 429).count();
+    let refusals = upstream.refusals();
+    let rejected = arrivals.iter().filter(|a| a.status == 429).count() - refusals.len();
     let rejected_at: Vec<String> = arrivals
         .iter()
         .filter(|a| a.status == 429)
@@ -1472,15 +1485,60 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         ));
     }
     checks.push(Check {
-        name: "upstream: arrivals <= burst + rate*t + 1, no 429",
+        name: "upstream: arrivals <= burst + rate*t + 1, no 429 but the suite's refusals",
         ok: bound_ok,
         figure: format!(
-            "{}; {rejected} answered 429{}",
+            "{}; {rejected} answered 429 besides the {} the suite asked for{}",
             bound.join(", "),
+            refusals.len(),
             if rejected > 0 {
                 format!(" (at {} s into the load)", rejected_at.join(", "))
             } else {
                 String::new()
+            }
+        ),
+    });
+
+    // Each refusal paused its provider for every pod: no call of it reached
+    // the upstream during its Retry-After (1 s), past a grace for the calls
+    // granted before the pause was recorded (sent within their use-by, 1/rate
+    // = 125 ms at most here). A fault in force around it (Redis down, a cut or
+    // slow link, a worker stopped or killed) may hold the pause itself up: such
+    // a refusal is counted, not judged.
+    let (interrupting, latency_ends) = log
+        .lock()
+        .map(|l| (l.interrupting.clone(), l.latency_ends.clone()))
+        .unwrap_or_default();
+    const GRACE_US: u64 = 200_000;
+    let (mut judged, mut excused, mut inside) = (0, 0, Vec::new());
+    for (path, t) in &refusals {
+        let (from, to) = (t.saturating_sub(1_000_000), t + 1_000_000);
+        let faulted = interrupting.iter().any(|(s, e)| *s <= to && *e >= from)
+            || latency_ends
+                .iter()
+                .any(|(e, _)| *e >= from && *e <= t + 11_000_000);
+        if faulted {
+            excused += 1;
+            continue;
+        }
+        judged += 1;
+        inside.extend(
+            arrivals
+                .iter()
+                .filter(|a| a.path == *path && a.at_us > t + GRACE_US && a.at_us < t + 1_000_000)
+                .map(|a| format!("{path} +{} ms", (a.at_us - t) / 1000)),
+        );
+    }
+    checks.push(Check {
+        name: "a refusal (429, Retry-After: 1) paused its provider for every pod",
+        ok: inside.is_empty(),
+        figure: format!(
+            "{} refusals: {judged} judged, no call of their provider from 200 ms to 1 s after it{}; {excused} with a fault in force (not judged)",
+            refusals.len(),
+            if inside.is_empty() {
+                String::new()
+            } else {
+                format!(" BUT {}: {:?}", inside.len(), &inside[..inside.len().min(5)])
             }
         ),
     });
