@@ -8,7 +8,7 @@
 //! the bucket allows, in arrival order, or fails after `max_wait` with
 //! [`ThrottleError::Timeout`]; a call that gave up never burns a token.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -85,6 +85,11 @@ pub fn late_of(p: &Provider, late_grant: Duration) -> Duration {
         None => late_bound(p.rate, late_grant),
     }
 }
+
+/// The longest a grant holds its slot of `max_concurrent` when its caller
+/// never says its call ended (it dropped the grant): on Redis, its renewals
+/// stop then; in process, the slot frees itself.
+pub const SLOT_MAX_HOLD: Duration = Duration::from_secs(600);
 
 /// A slot that counts against a user's cap: what [`Throttle::done`] frees.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -378,7 +383,9 @@ struct BucketState {
     paused_until: Option<Instant>,
     strikes: u32,
     /// The tickets holding a slot of `max_concurrent`.
-    slots: HashSet<u64>,
+    /// (ticket -> when it frees itself: a grant dropped without `done`
+    /// holds it [`SLOT_MAX_HOLD`] at most.)
+    slots: HashMap<u64, Instant>,
     /// An adaptive bucket's rate after its last refusal, and from when.
     aimd: Option<(f64, Instant)>,
     queue: FairQueue<Slot>,
@@ -412,7 +419,7 @@ impl Bucket {
                 at: Instant::now(),
                 paused_until: None,
                 strikes: 0,
-                slots: HashSet::new(),
+                slots: HashMap::new(),
                 aimd: None,
                 queue: FairQueue::default(),
                 driving: false,
@@ -516,15 +523,19 @@ impl Bucket {
     }
 
     /// Whether every slot of `max_concurrent` is held.
-    fn full(&self, st: &BucketState) -> bool {
-        self.max_concurrent
-            .is_some_and(|cap| st.slots.len() >= cap as usize)
+    fn full(&self, st: &mut BucketState) -> bool {
+        let Some(cap) = self.max_concurrent else {
+            return false;
+        };
+        let now = Instant::now();
+        st.slots.retain(|_, until| *until > now);
+        st.slots.len() >= cap as usize
     }
 
     /// A grant's slot of `max_concurrent`, if the provider has one.
     fn take_slot(&self, st: &mut BucketState, ticket: u64) {
         if self.max_concurrent.is_some() {
-            st.slots.insert(ticket);
+            st.slots.insert(ticket, Instant::now() + SLOT_MAX_HOLD);
         }
     }
 
@@ -569,9 +580,13 @@ impl Bucket {
                     if st.tokens < 1.0 {
                         break self.until_next(&st);
                     }
-                    if self.full(&st) {
-                        // Until a slot ends (which wakes this driver).
-                        break Duration::from_secs(3600);
+                    if self.full(&mut st) {
+                        // Until a slot ends (which wakes this driver), or
+                        // the first frees itself.
+                        let first = st.slots.values().min().copied();
+                        break first.map_or(Duration::from_secs(3600), |until| {
+                            until.saturating_duration_since(now)
+                        });
                     }
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
@@ -736,7 +751,7 @@ impl Throttle for MemoryThrottle {
             let now = Instant::now();
             if st.queue.is_empty()
                 && st.tokens >= 1.0
-                && !bucket.full(&st)
+                && !bucket.full(&mut st)
                 && st.queue.below_cap(user, &share, now)
             {
                 // Through the queue, so that the slot counts against the cap.

@@ -333,10 +333,7 @@ async fn cancel(
     r
 }
 
-/// The longest a slot of `max_concurrent` is renewed for one grant: a caller
-/// that never says its call ended (it dropped the grant) holds the slot no
-/// longer than this (plus the lease).
-pub const SLOT_MAX_HOLD: Duration = Duration::from_secs(600);
+pub use tollgate_core::throttle::SLOT_MAX_HOLD;
 
 /// Renews the slot of `ticket` at `provider` every third of its lease while
 /// its call runs, until `done` ends it (or [`SLOT_MAX_HOLD`]); a process that
