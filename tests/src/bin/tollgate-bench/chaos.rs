@@ -1636,11 +1636,11 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     });
 
     let slowest = slow.finish().await;
-    // A script that walks what grows (a log, a queue) is slow on every call
-    // that meets it: many calls past 5 ms, or one far past it. A process
-    // descheduled on a loaded 2-core machine holds an O(1) script as long as
-    // any command (the slowest plain command is printed beside): one or two
-    // calls of 5-50 ms are that, not the script.
+    // A script that walks what grows (a log, a queue) holds Redis for tens or
+    // hundreds of ms when it meets it. A Redis descheduled on a loaded 2-core
+    // machine holds any command, an O(1) script or `SCRIPT LOAD`, for 5-20 ms
+    // (a CI run logged 40 such calls of 16 scripts, and SCRIPT at 16.7 ms): the
+    // calls over 5 ms are counted and printed, and only one over 50 ms fails.
     let scripts: Vec<String> = slowest
         .iter()
         .filter(|(name, _)| name.ends_with(".lua"))
@@ -1661,10 +1661,10 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             format!("{name} {:.1} ms", s.max_us as f64 / 1000.0)
         });
     checks.push(Check {
-        name: "no script held Redis long (SLOWLOG: at most 2 calls of a script over 5 ms, none over 50 ms)",
-        ok: slowest.iter().all(|(name, s)| {
-            !name.ends_with(".lua") || (s.over_limit <= 2 && s.max_us <= 10 * slowlog::LIMIT_US)
-        }),
+        name: "no script held Redis long (SLOWLOG: none over 50 ms; calls over 5 ms counted)",
+        ok: slowest
+            .iter()
+            .all(|(name, s)| !name.ends_with(".lua") || s.max_us <= 10 * slowlog::LIMIT_US),
         figure: format!(
             "{}; slowest plain command {plain}",
             if scripts.is_empty() {
