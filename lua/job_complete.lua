@@ -4,7 +4,7 @@
 -- ARGV[4] how long the finished record stays readable (ms), ARGV[5] channel
 --   (lib/job.lua: publish_done), ARGV[6] the stored-bytes key prefix (the
 --   user's name completes it), ARGV[7] the stored-bytes bucket width (ms)
--- The record drops its input (lib/job.lua: compact_final) and counts its
+-- The record drops its input (lib/job.lua: finalize) and counts its
 -- result against its user's stored bytes until it expires.
 -- Returns 1 recorded (and the id published), 0 refused: the token is not the
 -- current lease's (the lease expired and the job went to another worker, or it
@@ -16,15 +16,24 @@ local prefix, width = ARGV[6] or '', tonumber(ARGV[7]) or 60000
 if not ttl or ttl < 1 or width < 1 then
   return redis.error_reply('job_complete: bad ttl or width')
 end
-local f = redis.call('HMGET', JOB, 'state', 'seq', 'user')
-if f[1] ~= 'running' or f[2] ~= token then
+-- One read of the whole record: the fencing check, then finalize's rewrite.
+local all = redis.call('HGETALL', JOB)
+local state, seq = nil, nil
+for i = 1, #all, 2 do
+  if all[i] == 'state' then
+    state = all[i + 1]
+  elseif all[i] == 'seq' then
+    seq = all[i + 1]
+  end
+end
+if state ~= 'running' or seq ~= token then
   -- Not this lease's any more: the worker is done with its entry all the same.
   redis.call('LREM', PROCESSING, 1, id)
   return 0
 end
 local now = now_ms()
-redis.call('HSET', JOB, 'state', 'succeeded', 'result', result, 'finished', int(now))
-compact_final(JOB, f[3], prefix, #result, now + ttl, width)
+finalize(JOB, all, { 'state', 'succeeded', 'result', result, 'finished', int(now) },
+  prefix, #result, now + ttl, width)
 redis.call('PEXPIRE', JOB, int(ttl))
 redis.call('LREM', PROCESSING, 1, id)
 redis.call('ZREM', LEASES, id)

@@ -32,7 +32,7 @@ local prefix, width, limit = ARGV[12] or '', tonumber(ARGV[13]) or 60000, tonumb
 if not cost or cost < 1 or not enq or not deadline or nonce == '' or width < 1 or limit < 0 then
   return redis.error_reply('job_enqueue: bad cost, times, nonce, width or limit')
 end
-local f = redis.call('HMGET', JOB, 'user', 'nonce')
+local f = redis.call('HMGET', JOB, 'user', 'nonce', 'seq', 'state')
 if f[1] then
   if f[1] ~= user then
     return { -1 }
@@ -44,11 +44,16 @@ end
 if create ~= '1' then
   return { 0 }
 end
+-- An earlier attempt (or whatever is left of a record) is replaced; a fresh
+-- id (the common case) has nothing to clear.
+local earlier = f[1] or f[2] or f[3] or f[4]
 local stored = prefix .. user
 local bytes = #input + RECORD_BYTES
 if prefix ~= '' then
-  -- An earlier attempt's record is replaced: it no longer counts.
-  stored_drop(JOB, stored)
+  if earlier then
+    -- An earlier attempt's record is replaced: it no longer counts.
+    stored_drop(JOB, stored)
+  end
   if limit > 0 then
     local total = stored_total(stored, now_ms())
     if total + bytes > limit then
@@ -57,19 +62,25 @@ if prefix ~= '' then
   end
 end
 -- A fresh record; only the fencing token carries on from an earlier attempt.
-local seq = redis.call('HGET', JOB, 'seq') or '0'
-redis.call('DEL', JOB)
-redis.call('HSET', JOB, 'state', 'queued', 'user', user, 'op', op, 'provider', provider,
+if earlier then
+  redis.call('DEL', JOB)
+  redis.call('ZREM', LEASES, id)
+  redis.call('ZREM', REFUNDS, id)
+end
+local fields = { 'state', 'queued', 'user', user, 'op', op, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
-  'attempt', '0', 'nonce', nonce, 'seq', seq)
+  'attempt', '0', 'nonce', nonce, 'seq', f[3] or '0' }
 if tp ~= '' then
-  redis.call('HSET', JOB, 'tp', tp)
+  fields[#fields + 1] = 'tp'
+  fields[#fields + 1] = tp
 end
 if prefix ~= '' then
   -- Until the deadline's next bucket: a job not final by then stops counting.
-  stored_add(JOB, stored, bytes, deadline + width, width)
+  fields[#fields + 1] = 'sz'
+  fields[#fields + 1] = int(bytes)
+  fields[#fields + 1] = 'sb'
+  fields[#fields + 1] = stored_count(stored, bytes, deadline + width, width)
 end
-redis.call('ZREM', LEASES, id)
-redis.call('ZREM', REFUNDS, id)
+redis.call('HSET', JOB, unpack(fields))
 redis.call('LPUSH', QUEUE, id)
 return { 1 }

@@ -33,7 +33,7 @@ if not ttl or ttl < 1 or stored[2] < 1 then
 end
 local now = now_ms()
 local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
-  'enq', 'deadline', 'attempt', 'nonce', 'tp', 'started')
+  'enq', 'deadline', 'attempt', 'nonce', 'tp', 'started', 'seq')
 local state, user, jop, provider, input = f[1], f[2], f[3], f[4], f[5]
 local cost, enq, deadline, attempt = tonumber(f[6]), tonumber(f[7]), tonumber(f[8]), tonumber(f[9])
 local nonce = f[10]
@@ -65,27 +65,28 @@ if reason then
   return { 3, reason, user or '', nonce or '' }
 end
 
-attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
+attempt = attempt + 1
 local started = f[12] == '1'
-local cause = nil
+local cause, message, refund, fail_ttl = nil, nil, true, 1
 if started and (now >= deadline or attempt > max_attempts) then
   -- A run started and its worker was lost, maybe with the call sent: the
   -- upstream may have done the work, so the charge stands (job::given_up).
-  cause = 'unanswered'
-  fail_job(JOB, REFUNDS, id, cause, LOST_MID_RUN, now, channel, false, ttl, stored)
+  cause, message, refund, fail_ttl = 'unanswered', LOST_MID_RUN, false, ttl
 elseif now >= deadline then
-  cause = 'expired'
-  fail_job(JOB, REFUNDS, id, cause, 'the job passed its deadline before it ran', now, channel, true, 1, stored)
+  cause, message = 'expired', 'the job passed its deadline before it ran'
 elseif attempt > max_attempts then
-  cause = 'abandoned'
-  fail_job(JOB, REFUNDS, id, cause, 'the job used up its ' .. int(max_attempts) .. ' attempts', now, channel, true, 1, stored)
+  cause, message = 'abandoned', 'the job used up its ' .. int(max_attempts) .. ' attempts'
 end
 if cause then
+  redis.call('HSET', JOB, 'attempt', attempt)
+  fail_job(JOB, REFUNDS, id, cause, message, now, channel, refund, fail_ttl, stored)
   redis.call('LREM', PROCESSING, 1, id)
   return { 2, cause, user, nonce }
 end
-local token = redis.call('HINCRBY', JOB, 'seq', 1)
-redis.call('HSET', JOB, 'state', 'running', 'worker', worker, 'lease_until', int(now + lease))
+-- The attempt and the fencing token counted in the same write.
+local token = (tonumber(f[13]) or 0) + 1
+redis.call('HSET', JOB, 'attempt', attempt, 'seq', token, 'state', 'running', 'worker', worker,
+  'lease_until', int(now + lease))
 redis.call('ZADD', LEASES, int(now + lease), id)
 return { 1, token, deadline - now, 'user', user, 'op', jop, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),

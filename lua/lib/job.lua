@@ -41,30 +41,37 @@ end
 -- Redis overhead of a small hash (tollgate_core::job::RECORD_BYTES).
 local RECORD_BYTES = 256
 
+-- Takes `sz` bytes counted in bucket `sb` (as a record's fields hold them:
+-- strings, or nil when it counts nothing) out of the user's hash `stored`.
+local function stored_take(stored, sz, sb)
+  sz = tonumber(sz)
+  if sz and sb then
+    if redis.call('HINCRBY', stored, sb, -sz) <= 0 then
+      redis.call('HDEL', stored, sb)
+    end
+  end
+end
+
 -- Removes what `job` counts from its user's stored bytes (`stored`: that
 -- user's hash), if its bucket still counts.
 local function stored_drop(job, stored)
   local f = redis.call('HMGET', job, 'sz', 'sb')
-  local sz, sb = tonumber(f[1]), f[2]
-  if sz and sb then
-    local left = redis.call('HINCRBY', stored, sb, -sz)
-    if left <= 0 then
-      redis.call('HDEL', stored, sb)
-    end
+  if f[1] and f[2] then
+    stored_take(stored, f[1], f[2])
     redis.call('HDEL', job, 'sz', 'sb')
   end
 end
 
--- Counts `bytes` of `job` in its user's hash `stored` until `until_ms`,
--- rounded up to a bucket of `width` ms; the hash lives as long as its last bucket.
-local function stored_add(job, stored, bytes, until_ms, width)
+-- Counts `bytes` in the user's hash `stored` until `until_ms`, rounded up to
+-- a bucket of `width` ms; the hash lives as long as its last bucket. Returns
+-- the bucket (the record's `sb`, as a string).
+local function stored_count(stored, bytes, until_ms, width)
   local b = math.ceil(until_ms / width) * width
   redis.call('HINCRBY', stored, int(b), bytes)
-  local at = redis.call('PEXPIRETIME', stored)
-  if at < b then
+  if redis.call('PEXPIRETIME', stored) < b then
     redis.call('PEXPIREAT', stored, int(b))
   end
-  redis.call('HSET', job, 'sz', int(bytes), 'sb', int(b))
+  return int(b)
 end
 
 -- The bytes `stored` counts at `now`; deletes the buckets that ended. Bounded:
@@ -106,21 +113,25 @@ local function chunks(v)
   return out
 end
 
--- A job just became final with `kept` bytes of result or message: drops what
--- it can no longer use, counts what it keeps until `until_ms`, and writes the
--- record again as a fresh hash of short values (a small listpack: ~40% of the
--- hashtable a long input or result left). Its TTL is set by the caller after.
-local function compact_final(job, user, prefix, kept, until_ms, width)
-  redis.call('HDEL', job, 'input', 'provider', 'tp', 'worker', 'lease_until', 'started')
-  if user and prefix ~= '' then
-    local stored = prefix .. user
-    stored_drop(job, stored)
-    stored_add(job, stored, kept + RECORD_BYTES, until_ms, width)
+-- The fields a final record no longer uses: the job can no longer run.
+local RUN_ONLY = { input = true, provider = true, tp = true, worker = true,
+  lease_until = true, started = true, sz = true, sb = true }
+
+-- Makes `job` final in one read and one write: `set` = { name, value, ... }
+-- (its state and outcome), `kept` bytes of result or message counted against
+-- its user's stored bytes until `until_ms` (when `prefix` is set), the fields
+-- it can no longer use dropped, and the record written again as a fresh hash
+-- of short values (a small listpack: ~40% of the hashtable a long input or
+-- result left). `all`: the record's HGETALL when the caller has just read it,
+-- or nil. Its TTL is set by the caller after. Returns the record's user.
+local function finalize(job, all, set, prefix, kept, until_ms, width)
+  all = all or redis.call('HGETALL', job)
+  local old, setting = {}, {}
+  for i = 1, #set, 2 do
+    setting[set[i]] = true
   end
-  local all = redis.call('HGETALL', job)
   local fields = {}
-  for i = 1, #all, 2 do
-    local name, v = all[i], all[i + 1]
+  local function put(name, v)
     if #v > CHUNK and #v <= CHUNK * 60 then
       for n, c in ipairs(chunks(v)) do
         fields[#fields + 1] = name .. '#' .. n
@@ -131,10 +142,38 @@ local function compact_final(job, user, prefix, kept, until_ms, width)
       fields[#fields + 1] = v
     end
   end
+  for i = 1, #all, 2 do
+    local name = all[i]
+    old[name] = all[i + 1]
+    if not RUN_ONLY[name] and not setting[name] then
+      put(name, all[i + 1])
+    end
+  end
+  for i = 1, #set, 2 do
+    put(set[i], set[i + 1])
+  end
+  local user = old['user']
+  if user and prefix ~= '' then
+    local stored = prefix .. user
+    stored_take(stored, old['sz'], old['sb'])
+    local bytes = kept + RECORD_BYTES
+    local b = stored_count(stored, bytes, until_ms, width)
+    fields[#fields + 1] = 'sz'
+    fields[#fields + 1] = int(bytes)
+    fields[#fields + 1] = 'sb'
+    fields[#fields + 1] = b
+  elseif old['sz'] and old['sb'] then
+    -- Nothing to move (no user or no accounting): what it counted stays noted.
+    fields[#fields + 1] = 'sz'
+    fields[#fields + 1] = old['sz']
+    fields[#fields + 1] = 'sb'
+    fields[#fields + 1] = old['sb']
+  end
   redis.call('DEL', job)
   if #fields > 0 then
     redis.call('HSET', job, unpack(fields))
   end
+  return user
 end
 
 local function now_ms()
@@ -168,12 +207,13 @@ end
 -- and confirms. Without (the job never owned a charge), the record gets `ttl`.
 -- `stored` = { prefix, width, result ttl } of the stored-bytes accounting.
 local function fail_job(job, refunds, id, cause, message, now, channel, refund, ttl, stored)
-  redis.call('HSET', job, 'state', 'failed', 'cause', cause, 'message', message,
-    'finished', int(now))
-  compact_final(job, redis.call('HGET', job, 'user'), stored[1], #message,
-    now + stored[3] + (refund and stored[2] or 0), stored[2])
+  local set = { 'state', 'failed', 'cause', cause, 'message', message, 'finished', int(now) }
   if refund then
-    redis.call('HSET', job, 'refund', '1')
+    set[#set + 1] = 'refund'
+    set[#set + 1] = '1'
+  end
+  finalize(job, nil, set, stored[1], #message, now + stored[3] + (refund and stored[2] or 0), stored[2])
+  if refund then
     redis.call('ZADD', refunds, int(now), id)
   else
     redis.call('PEXPIRE', job, int(ttl))

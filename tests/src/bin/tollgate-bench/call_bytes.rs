@@ -1,8 +1,16 @@
-//! What a sync call leaves in Redis: `tollgate all` on Redis, N sync calls of
-//! POST /v1/ops/bench through HTTP, then Redis's `used_memory` delta per call
-//! (over every key, after a warm-up so one-time keys are not counted) and
-//! `MEMORY USAGE <key> SAMPLES 0` summed by kind of key. Side by side with
-//! `--baseline <tollgate binary>` (measured first, each on a fresh Redis).
+//! What a sync call costs Redis and leaves in it: `tollgate all` on Redis (the
+//! api, worker and throttler roles), N sync calls of POST /v1/ops/bench through
+//! HTTP, then per call:
+//! - the Redis commands run, by name, the scripts' own commands included, and
+//!   Redis's time in them (`INFO commandstats` deltas), and Redis's CPU
+//!   (`INFO cpu`, user + system: parsing, replies and networking too);
+//! - Redis's `used_memory` delta (over every key, after a warm-up so one-time
+//!   keys are not counted) and `MEMORY USAGE <key> SAMPLES 0` summed by kind of
+//!   key.
+//!
+//! The deltas include the roles' background loops (liveness, blocking takes
+//! that time out, activity flushes), as a deployment pays them. Side by side
+//! with `--baseline <tollgate binary>` (measured first, each on a fresh Redis).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -35,6 +43,40 @@ pub struct Args {
     /// Another `tollgate` binary measured the same way, before this build's.
     #[arg(long)]
     baseline: Option<PathBuf>,
+}
+
+/// `INFO commandstats` (`INFO` itself left out: it is this bench's probe):
+/// command -> (calls, µs), and Redis's CPU seconds so far (user + system).
+async fn command_stats(
+    conn: &mut MultiplexedConnection,
+) -> anyhow::Result<(BTreeMap<String, (u64, u64)>, f64)> {
+    let info: String = redis::cmd("INFO")
+        .arg("everything")
+        .query_async(conn)
+        .await?;
+    let mut out = BTreeMap::new();
+    let mut cpu = 0.0;
+    for line in info.lines() {
+        if let Some(rest) = line.strip_prefix("cmdstat_") {
+            let (name, stats) = rest.split_once(':').unwrap_or((rest, ""));
+            let field = |k: &str| -> u64 {
+                stats
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(k))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            };
+            if name != "info" {
+                out.insert(name.to_owned(), (field("calls="), field("usec=")));
+            }
+        } else if let Some(v) = line
+            .strip_prefix("used_cpu_user:")
+            .or_else(|| line.strip_prefix("used_cpu_sys:"))
+        {
+            cpu += v.trim().parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    Ok((out, cpu))
 }
 
 async fn used_memory(conn: &mut MultiplexedConnection) -> anyhow::Result<i64> {
@@ -183,6 +225,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let before_kinds = by_kind(&mut conn, &prefix).await?;
         let before = used_memory(&mut conn).await?;
+        let (stats_before, cpu_before) = command_stats(&mut conn).await?;
+        let started = std::time::Instant::now();
         calls(
             &all,
             50,
@@ -192,6 +236,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             args.keyed,
         )
         .await?;
+        let wall = started.elapsed();
+        let (stats_after, cpu_after) = command_stats(&mut conn).await?;
         // The pods' buffered activity notes are flushed.
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let after = used_memory(&mut conn).await?;
@@ -204,6 +250,38 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             args.calls,
             (after - before) as f64 / args.calls as f64
         );
+        let n = args.calls as f64;
+        let mut rows: Vec<(String, u64, u64)> = stats_after
+            .iter()
+            .map(|(name, &(calls, usec))| {
+                let (c0, u0) = stats_before.get(name).copied().unwrap_or((0, 0));
+                (name.clone(), calls - c0, usec - u0)
+            })
+            .filter(|r| r.1 > 0)
+            .collect();
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1));
+        let total: u64 = rows.iter().map(|r| r.1).sum();
+        let scripts: u64 = rows
+            .iter()
+            .filter(|r| matches!(r.0.as_str(), "evalsha" | "eval" | "fcall" | "fcall_ro"))
+            .map(|r| r.1)
+            .sum();
+        println!(
+            "- {:.0} calls/s; per call, all roles: **{:.1} Redis commands** ({:.2} scripts; the scripts' own commands included), **{:.0} µs of Redis CPU** (INFO cpu, user + system)",
+            n / wall.as_secs_f64(),
+            total as f64 / n,
+            scripts as f64 / n,
+            (cpu_after - cpu_before) * 1e6 / n,
+        );
+        println!("| command | per call | µs per call (commandstats) |");
+        println!("|---|---:|---:|");
+        for (name, calls, usec) in &rows {
+            println!(
+                "| {name} | {:.2} | {:.1} |",
+                *calls as f64 / n,
+                *usec as f64 / n
+            );
+        }
         println!("| kind of key | keys | MEMORY USAGE bytes | added per call |");
         println!("|---|---:|---:|---:|");
         for (k, (n, bytes)) in &kinds {
