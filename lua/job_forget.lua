@@ -8,12 +8,12 @@
 -- Returns 1 deleted, 0 left alone.
 
 local JOB, user, prefix, nonce = KEYS[1], ARGV[1], ARGV[2] or '', ARGV[3]
-local f = redis.call('HMGET', JOB, 'state', 'user', 'refund', 'nonce')
+local f = redis.call('HMGET', JOB, 'state', 'user', 'refund', 'nonce', 'sz', 'sb')
 if f[2] ~= user or f[4] ~= nonce or (f[1] ~= 'succeeded' and f[1] ~= 'failed') or f[3] == '1' then
   return 0
 end
 if prefix ~= '' then
-  stored_drop(JOB, prefix .. user)
+  stored_take(prefix .. user, f[5], f[6])
 end
 redis.call('DEL', JOB)
 return 1

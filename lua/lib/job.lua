@@ -67,8 +67,12 @@ end
 -- the bucket (the record's `sb`, as a string).
 local function stored_count(stored, bytes, until_ms, width)
   local b = math.ceil(until_ms / width) * width
-  redis.call('HINCRBY', stored, int(b), bytes)
-  if redis.call('PEXPIRETIME', stored) < b then
+  -- A bucket that already counted something was counted until its end (the
+  -- hash's expiry was checked when the bucket began): only a new one (its
+  -- total is these bytes: a bucket at zero or below is deleted) may need a
+  -- later expiry.
+  if redis.call('HINCRBY', stored, int(b), bytes) == bytes
+      and redis.call('PEXPIRETIME', stored) < b then
     redis.call('PEXPIREAT', stored, int(b))
   end
   return int(b)

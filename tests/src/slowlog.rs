@@ -109,6 +109,8 @@ pub struct Slowest {
     pub logged: u64,
     /// Calls above [`LIMIT_US`].
     pub over_limit: u64,
+    /// Calls above ten times [`LIMIT_US`] (50 ms).
+    pub over_hold: u64,
     /// The slowest call (µs).
     pub max_us: u64,
 }
@@ -167,6 +169,7 @@ impl Watch {
                                 let s: &mut Slowest = seen.entry(name_of(&e)).or_default();
                                 s.logged += 1;
                                 s.over_limit += u64::from(e.micros > LIMIT_US);
+                                s.over_hold += u64::from(e.micros > 10 * LIMIT_US);
                                 s.max_us = s.max_us.max(e.micros);
                             }
                         }

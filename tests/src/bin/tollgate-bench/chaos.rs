@@ -1639,16 +1639,21 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     // A script that walks what grows (a log, a queue) holds Redis for tens or
     // hundreds of ms when it meets it. A Redis descheduled on a loaded 2-core
     // machine holds any command, an O(1) script or `SCRIPT LOAD`, for 5-20 ms
-    // (a CI run logged 40 such calls of 16 scripts, and SCRIPT at 16.7 ms): the
-    // calls over 5 ms are counted and printed, and only one over 50 ms fails.
+    // (a CI run logged 40 such calls of 16 scripts, and SCRIPT at 16.7 ms; one
+    // at load average 6 logged one `claim.lua` of 77 ms among ~1,000): the
+    // calls over 5 ms are counted and printed; a script fails with two calls
+    // over 50 ms (a walk meets what it walks again on the next call) or one
+    // over 500 ms. The bound itself is asserted without the machine's noise
+    // by tests/it/script_time.rs (10,000 events, every path that walked).
     let scripts: Vec<String> = slowest
         .iter()
         .filter(|(name, _)| name.ends_with(".lua"))
         .map(|(name, s)| {
             format!(
-                "{name} {} of 1 ms or more, {} over 5 ms, max {:.1} ms",
+                "{name} {} of 1 ms or more, {} over 5 ms, {} over 50 ms, max {:.1} ms",
                 s.logged,
                 s.over_limit,
+                s.over_hold,
                 s.max_us as f64 / 1000.0
             )
         })
@@ -1661,10 +1666,10 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             format!("{name} {:.1} ms", s.max_us as f64 / 1000.0)
         });
     checks.push(Check {
-        name: "no script held Redis long (SLOWLOG: none over 50 ms; calls over 5 ms counted)",
-        ok: slowest
-            .iter()
-            .all(|(name, s)| !name.ends_with(".lua") || s.max_us <= 10 * slowlog::LIMIT_US),
+        name: "no script held Redis long (SLOWLOG: no script twice over 50 ms or once over 500 ms; calls over 5 ms counted)",
+        ok: slowest.iter().all(|(name, s)| {
+            !name.ends_with(".lua") || (s.over_hold < 2 && s.max_us <= 100 * slowlog::LIMIT_US)
+        }),
         figure: format!(
             "{}; slowest plain command {plain}",
             if scripts.is_empty() {
