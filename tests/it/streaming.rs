@@ -243,9 +243,9 @@ async fn whole_and_streamed_answers(redis: bool) {
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/event-stream");
     let body = r.text().await.unwrap();
-    let datas = datas(&body);
-    assert_eq!(datas.last().map(String::as_str), Some("[DONE]"), "{body}");
-    let chunks: Vec<Value> = datas[..datas.len() - 1]
+    let sent = datas(&body);
+    assert_eq!(sent.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let chunks: Vec<Value> = sent[..sent.len() - 1]
         .iter()
         .map(|d| serde_json::from_str(d).unwrap())
         .collect();
