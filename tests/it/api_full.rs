@@ -31,6 +31,7 @@ async fn mock(fail_rate: f64, stop: &watch::Receiver<bool>) -> String {
         burst: 100,
         fail_rate,
         latency: Duration::from_millis(2),
+        ..Default::default()
     };
     let mut stop = stop.clone();
     tokio::spawn(tollgate_mock_provider::run(listener, options, async move {

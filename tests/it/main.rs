@@ -35,6 +35,7 @@ mod script_time;
 mod service_keys;
 mod slow_clients;
 mod stored_bytes;
+mod streaming;
 mod throttle;
 mod throttle_late;
 mod throttle_pause;

@@ -201,6 +201,27 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
     Ok(token.trim())
 }
 
+/// The user's key: `Authorization: Bearer <key>`, or without that header
+/// `x-api-key: <key>` (the header Anthropic's SDKs send, so that they work
+/// through the pass-through routes unchanged).
+pub(crate) fn presented_key(headers: &HeaderMap) -> Result<&str, ApiError> {
+    if headers.contains_key(AUTHORIZATION) {
+        return bearer(headers);
+    }
+    match headers.get(X_API_KEY) {
+        Some(v) => v
+            .to_str()
+            .ok()
+            .map(str::trim)
+            .filter(|k| !k.is_empty())
+            .ok_or(ApiError::Unauthorized("malformed x-api-key header")),
+        None => bearer(headers),
+    }
+}
+
+/// The header Anthropic's SDKs carry their key in.
+pub const X_API_KEY: &str = "x-api-key";
+
 /// Middleware of the user routes: resolves the bearer key to a [`Caller`] (and
 /// its [`UserId`], which the [`Cost`](crate::cost::Cost) layer charges), or
 /// answers 401.
@@ -212,7 +233,7 @@ pub async fn authenticate(
     // Read and hash first: the request (its body is not Sync) must not be
     // borrowed across the store's await. A malformed key stops here: no
     // lookup, and it does not count against its address.
-    let key = bearer(req.headers()).and_then(|key| well_formed(key, guard.legacy_keys));
+    let key = presented_key(req.headers()).and_then(|key| well_formed(key, guard.legacy_keys));
     let legacy = matches!(key, Ok((_, KeyShape::Legacy)));
     let hash = key.map(|(key, _)| KeyHash::of(key));
     let client = guard.failures.client(&req);

@@ -178,6 +178,7 @@ pub struct Cost {
 enum Price {
     Tokens(u64),
     PerOperation,
+    PassThrough,
 }
 
 impl Cost {
@@ -209,6 +210,16 @@ impl Cost {
         }
     }
 
+    /// A pass-through job route (`/v1/passthrough/{provider}/{*path}`):
+    /// priced by the operation of that provider whose `path` is the rest of
+    /// the request's path ([`Config::passthrough`]); none: 404.
+    pub const fn passthrough() -> Self {
+        Self {
+            price: Price::PassThrough,
+            charges: false,
+        }
+    }
+
     /// A job route: the job's submission charges, not the layer.
     pub fn is_job(&self) -> bool {
         !self.charges
@@ -218,7 +229,7 @@ impl Cost {
     pub fn fixed(&self) -> Option<u64> {
         match self.price {
             Price::Tokens(n) => Some(n),
-            Price::PerOperation => None,
+            Price::PerOperation | Price::PassThrough => None,
         }
     }
 }
@@ -386,11 +397,8 @@ pub fn request_id(user: &UserId, headers: &HeaderMap) -> Result<RequestId, ApiEr
 }
 
 async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, String), ApiError> {
-    let operation = match RawPathParams::from_request_parts(parts, &()).await {
-        Ok(params) => params
-            .iter()
-            .find(|(k, _)| *k == "operation")
-            .map(|(_, v)| v.to_owned()),
+    let params = match RawPathParams::from_request_parts(parts, &()).await {
+        Ok(params) => params,
         Err(e) => {
             return Err(ApiError::Malformed {
                 detail: format!("bad path parameter: {e}"),
@@ -398,6 +406,25 @@ async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, S
             })
         }
     };
+    let param = |name: &str| {
+        params
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.to_owned())
+    };
+    let operation = param("operation");
+    if cost.price == Price::PassThrough {
+        let provider = param("provider").unwrap_or_default();
+        let path = format!("/{}", param("path").unwrap_or_default());
+        return match budget.config.passthrough(&provider, &path) {
+            Some(op) => Ok((op.charged_cost(), op.name.clone())),
+            None => Err(ApiError::UnknownOperation(format!(
+                "no operation of provider {:?} has the path {:?}",
+                crate::problem::echo(&provider),
+                crate::problem::echo(&path)
+            ))),
+        };
+    }
     match cost.price {
         Price::Tokens(n) => {
             let label = operation.unwrap_or_else(|| {
@@ -411,6 +438,7 @@ async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, S
             });
             Ok((n, label))
         }
+        Price::PassThrough => Err(ApiError::Internal("priced above".into())),
         Price::PerOperation => {
             let name = operation.ok_or_else(|| {
                 ApiError::Internal("Cost::per_operation on a route without {operation}".into())

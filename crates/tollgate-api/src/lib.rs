@@ -31,6 +31,7 @@ pub mod health;
 pub mod keycache;
 pub mod openapi;
 pub mod ops;
+pub mod passthrough;
 pub mod problem;
 pub mod ratelimit;
 pub mod state;
@@ -118,6 +119,9 @@ fn guard(state: &mut ApiState) -> auth::AuthGuard {
     }
 }
 
+/// The pass-through route: a provider's own API path after its name.
+pub const PASSTHROUGH: &str = "/v1/passthrough/{provider}/{*path}";
+
 /// Every route of the api, registered with its documentation.
 fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
     let user = Routes::new()
@@ -161,8 +165,15 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
         );
     let user = named_operations(user, state);
     let (user_router, user_docs) = user.into_parts();
-    let user_router =
-        user_router.route_layer(middleware::from_fn_with_state(guard, auth::authenticate));
+    // The providers' own APIs: their contract is the provider's, not in this
+    // document. Errors leave in the SDKs' shape (outside authentication).
+    let user_router = user_router
+        .route(
+            PASSTHROUGH,
+            post(passthrough::call).layer(Cost::passthrough()),
+        )
+        .route_layer(middleware::from_fn_with_state(guard, auth::authenticate))
+        .route_layer(middleware::from_fn(passthrough::sdk_errors));
 
     Routes::from_parts(user_router, user_docs)
         .route(
@@ -321,7 +332,9 @@ async fn trace_context(mut req: Request, next: Next) -> Response {
 /// operation call (sync by default, or `Prefer: wait`) waits for its job up to
 /// the sync timeout.
 fn waits_for_a_job(req: &Request) -> bool {
-    req.method() == axum::http::Method::POST && req.uri().path().starts_with("/v1/ops/")
+    let path = req.uri().path();
+    req.method() == axum::http::Method::POST
+        && (path.starts_with("/v1/ops/") || path.starts_with("/v1/passthrough/"))
 }
 
 /// Every route but an operation call answers within

@@ -184,7 +184,7 @@ fn accepted(info: &JobInfo) -> Response {
     response
 }
 
-fn finished(state: &ApiState, info: &JobInfo) -> Result<Response, ApiError> {
+pub(crate) fn finished(state: &ApiState, info: &JobInfo) -> Result<Response, ApiError> {
     match &info.status {
         JobStatus::Succeeded { .. } => {
             state.metrics.job_outcome(&info.job.operation, "succeeded");
@@ -238,7 +238,6 @@ async fn call(
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
     let JsonBody(input) = body?;
-    let operation = priced.operation.clone();
     if !input.is_object() {
         return Err(ApiError::InvalidField {
             field: "$".into(),
@@ -246,36 +245,9 @@ async fn call(
         });
     }
     let id = request_id(&priced.user, headers)?;
-    let service_key = caller.and_then(|c| c.service_key);
     // Before the job exists, so that its end cannot be missed.
     let watch = state.jobs.watch(&id);
-    let outcome = state
-        .jobs
-        .submit(JobRequest {
-            id: id.clone(),
-            user: priced.user.clone(),
-            operation: operation.clone(),
-            input,
-            trace,
-            service_key,
-        })
-        .await?;
-    let (info, allowed) = match outcome {
-        SubmitOutcome::Queued { job, allowed } => {
-            state.metrics.reservation(&operation, true);
-            let info = JobInfo {
-                job,
-                status: JobStatus::Queued,
-                finished_at_ms: None,
-            };
-            (info, allowed)
-        }
-        SubmitOutcome::Duplicate { info, allowed } => (info, allowed),
-        SubmitOutcome::Denied { denied } => {
-            state.metrics.reservation(&operation, false);
-            return Err(ApiError::QuotaExceeded(Box::new(denied)));
-        }
-    };
+    let (info, allowed) = submit(state, &priced, trace, caller, id.clone(), input).await?;
     let rate_limit = crate::ratelimit::allowed(&allowed);
     let (prefer_async, prefer_wait) = preferences(headers);
     let respond_async = prefer_async || flags.get("async") == Some(true);
@@ -306,12 +278,55 @@ async fn call(
     Ok(response)
 }
 
+/// Submits the job of a priced call ([`JobQueue::submit`](tollgate_core::job::JobQueue::submit):
+/// the one place a job is charged): its info and the budget it left, or the
+/// 429 of a denied charge. Open the job's watch (and a streamed job's reader)
+/// before: its end cannot be missed.
+pub(crate) async fn submit(
+    state: &ApiState,
+    priced: &Priced,
+    trace: Option<TraceParent>,
+    caller: Option<Caller>,
+    id: RequestId,
+    input: Value,
+) -> Result<(JobInfo, tollgate_core::ledger::Allowed), ApiError> {
+    let operation = priced.operation.clone();
+    let service_key = caller.and_then(|c| c.service_key);
+    let outcome = state
+        .jobs
+        .submit(JobRequest {
+            id,
+            user: priced.user.clone(),
+            operation: operation.clone(),
+            input,
+            trace,
+            service_key,
+        })
+        .await?;
+    match outcome {
+        SubmitOutcome::Queued { job, allowed } => {
+            state.metrics.reservation(&operation, true);
+            let info = JobInfo {
+                job,
+                status: JobStatus::Queued,
+                finished_at_ms: None,
+            };
+            Ok((info, allowed))
+        }
+        SubmitOutcome::Duplicate { info, allowed } => Ok((info, allowed)),
+        SubmitOutcome::Denied { denied } => {
+            state.metrics.reservation(&operation, false);
+            Err(ApiError::QuotaExceeded(Box::new(denied)))
+        }
+    }
+}
+
 /// A sync call without an Idempotency-Key is answered with its job's final
 /// outcome: nobody can ask for the job again (its id was never the client's),
 /// so its record goes now rather than at the end of the operation's
 /// `result_ttl` (in the background: the answer does not wait for it; if it
 /// fails, the record expires as usual).
-fn forget(state: &ApiState, info: &JobInfo) {
+pub(crate) fn forget(state: &ApiState, info: &JobInfo) {
     let jobs = std::sync::Arc::clone(&state.jobs);
     let info = info.clone();
     tokio::spawn(async move {

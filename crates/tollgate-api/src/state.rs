@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tollgate_core::{
     backend::Backends, config::Config, durability::DurabilityCheck, job::JobQueue,
-    keystore::KeyStore, ledger::Ledger, metrics::Metrics, throttle::Throttle,
+    keystore::KeyStore, ledger::Ledger, metrics::Metrics, stream::JobStreams, throttle::Throttle,
 };
 
 use crate::cost::{Budget, InFlight};
@@ -93,6 +93,8 @@ pub struct ApiState {
     pub dashboard: Arc<Dashboard>,
     /// What the store promises an accepted call (`/readyz`).
     pub durability: Arc<dyn DurabilityCheck>,
+    /// Streamed answers' readers (the pass-through routes).
+    pub streams: Arc<dyn JobStreams>,
 }
 
 impl ApiState {
@@ -106,6 +108,7 @@ impl ApiState {
             throttle: Arc::clone(&backends.throttle),
             metrics: Arc::clone(&backends.metrics),
             durability: Arc::clone(&backends.durability),
+            streams: Arc::clone(&backends.streams),
             dashboard: Arc::new(Dashboard::new(
                 Arc::clone(&backends.activity),
                 Arc::clone(&backends.sessions),

@@ -176,6 +176,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
     // and its /readyz every role's loops.
     let mut worker_cfg = WorkerConfig::new(Arc::clone(&config));
     worker_cfg.metrics = Arc::clone(&backends.metrics);
+    worker_cfg.streams = Arc::clone(&backends.streams);
     worker_cfg.concurrency = args.concurrency.max(1);
     let worker = tokio::spawn(tollgate_worker::run(
         worker_cfg,

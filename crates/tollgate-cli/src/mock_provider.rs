@@ -31,6 +31,10 @@ pub struct MockProviderArgs {
     /// Time spent on each accepted request, in ms.
     #[arg(long, default_value_t = 0)]
     latency_ms: u64,
+
+    /// Time between two events (one token each) of a streamed answer, in ms.
+    #[arg(long, default_value_t = 0)]
+    token_interval_ms: u64,
 }
 
 pub async fn run(args: MockProviderArgs) -> ExitCode {
@@ -39,6 +43,7 @@ pub async fn run(args: MockProviderArgs) -> ExitCode {
         burst: args.burst,
         fail_rate: args.fail_rate,
         latency: Duration::from_millis(args.latency_ms),
+        token_interval: Duration::from_millis(args.token_interval_ms),
     };
     if let Err(e) = options.validate() {
         return fail(exit::BAD_INPUT, e);

@@ -76,6 +76,7 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     };
     let mut cfg = WorkerConfig::new(Arc::clone(&config));
     cfg.metrics = Arc::clone(&backends.metrics);
+    cfg.streams = Arc::clone(&backends.streams);
     cfg.concurrency = args.concurrency;
     cfg.lease = Duration::from_millis(args.lease_ms);
     cfg.liveness = (cfg.lease / 2).max(Duration::from_millis(300));

@@ -15,6 +15,7 @@ use crate::ledger::Ledger;
 use crate::memory::MemoryLedger;
 use crate::metrics::{MeteredLedger, Metrics};
 use crate::session::{MemorySessions, SessionStore};
+use crate::stream::{JobStreams, MemoryStreams};
 use crate::throttle::{Dispatchers, MemoryThrottle, Throttle};
 
 /// The stores of one process, each behind its trait.
@@ -46,6 +47,9 @@ pub struct Backends {
     pub durability: Arc<dyn DurabilityCheck>,
     /// The dashboard's login sessions.
     pub sessions: Arc<dyn SessionStore>,
+    /// Streamed answers, from the worker running a job to the api holding
+    /// its client.
+    pub streams: Arc<dyn JobStreams>,
 }
 
 impl Backends {
@@ -78,6 +82,7 @@ impl Backends {
             activity,
             durability: Arc::new(MemoryDurability),
             sessions: Arc::new(MemorySessions::new()),
+            streams: Arc::new(MemoryStreams::new()),
         }
     }
 }

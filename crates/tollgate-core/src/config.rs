@@ -673,6 +673,19 @@ impl Config {
         self.operations.get(name)
     }
 
+    /// The operation a pass-through call of `provider` at `path` runs: the
+    /// provider's operation whose `path` is `path` (a trailing `/` aside; the
+    /// first by name when several share it).
+    pub fn passthrough(&self, provider: &str, path: &str) -> Option<&Operation> {
+        let path = path.trim_end_matches('/');
+        self.operations.values().find(|o| {
+            o.provider == provider
+                && o.path
+                    .as_deref()
+                    .is_some_and(|p| p.trim_end_matches('/') == path)
+        })
+    }
+
     /// Every configured operation, by name.
     pub fn operations(&self) -> impl Iterator<Item = &Operation> {
         self.operations.values()

@@ -25,6 +25,7 @@ pub mod memory;
 pub mod metrics;
 pub mod refund;
 pub mod session;
+pub mod stream;
 pub mod throttle;
 pub mod trace;
 

@@ -4,8 +4,16 @@
 //! `GET /stats`. The demo and the tests use it to show that the throttle keeps
 //! its `rate_limited` counter at 0.
 //!
+//! It also speaks the real protocols of the OpenAI and Anthropic APIs
+//! ([`protocols`]: chat completions, embeddings, messages; streamed or not,
+//! with usage, at a configurable token pace), so that the official SDKs, the
+//! demo and the tests run offline.
+//!
 //! A library (`run(listener, options, shutdown)`) so that `tollgate all` can
 //! start it in-process; `tollgate mock-provider` runs it on its own.
+
+pub mod protocols;
+pub mod text;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -32,6 +40,8 @@ pub struct MockOptions {
     pub fail_rate: f64,
     /// Time spent on each accepted request before answering.
     pub latency: Duration,
+    /// Between two events of a streamed answer (one token each).
+    pub token_interval: Duration,
 }
 
 impl Default for MockOptions {
@@ -41,6 +51,7 @@ impl Default for MockOptions {
             burst: 10,
             fail_rate: 0.0,
             latency: Duration::ZERO,
+            token_interval: Duration::ZERO,
         }
     }
 }
@@ -78,6 +89,9 @@ pub struct Stats {
     pub ok: u64,
     pub rate_limited: u64,
     pub failed: u64,
+    /// Streamed answers whose caller went away before their last event.
+    #[serde(default)]
+    pub streams_cut: u64,
 }
 
 #[derive(Debug)]
@@ -95,6 +109,7 @@ struct Mock {
     rate_limited: AtomicU64,
     failed: AtomicU64,
     accepted: AtomicU64,
+    streams_cut: Arc<AtomicU64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -125,12 +140,14 @@ impl Mock {
             ok: self.ok.load(Ordering::SeqCst),
             rate_limited: self.rate_limited.load(Ordering::SeqCst),
             failed: self.failed.load(Ordering::SeqCst),
+            streams_cut: self.streams_cut.load(Ordering::SeqCst),
         }
     }
 }
 
-/// The mock's routes: `POST /` and `POST /{*path}` (the call), `GET /stats`,
-/// `GET /healthz`.
+/// The mock's routes: `POST /` and `POST /{*path}` (the call: a path ending
+/// in `chat/completions`, `embeddings` or `messages` speaks that protocol,
+/// any other echoes its input), `GET /stats`, `GET /healthz`.
 pub fn router(options: MockOptions) -> Router {
     let mock = Arc::new(Mock {
         bucket: Mutex::new(Bucket {
@@ -143,6 +160,7 @@ pub fn router(options: MockOptions) -> Router {
         rate_limited: AtomicU64::new(0),
         failed: AtomicU64::new(0),
         accepted: AtomicU64::new(0),
+        streams_cut: Arc::new(AtomicU64::new(0)),
     });
     Router::new()
         .route("/", post(call_root))
@@ -192,6 +210,14 @@ async fn handle(State(mock): State<Arc<Mock>>, path: String, body: Bytes) -> Res
     }
     let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     mock.ok.fetch_add(1, Ordering::SeqCst);
+    if let Some(protocol) = protocols::Protocol::of(&path) {
+        return protocol.answer(
+            &input,
+            n,
+            mock.options.token_interval,
+            Arc::clone(&mock.streams_cut),
+        );
+    }
     // The usage a metered upstream reports (`settle` rules read it): the input's
     // `mock_total_tokens` when it is a number, else 800.
     let tokens = input["mock_total_tokens"].as_u64().unwrap_or(800);

@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use reqwest::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use reqwest::header::{HeaderName, HeaderValue, ACCEPT, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::Value;
 use tollgate_core::config::{RequestShape, Upstream};
 use tollgate_core::{
@@ -26,7 +26,8 @@ use tollgate_core::{
 
 use tokio::time::Instant;
 
-use crate::{late_by, send_check, AttemptError, SetupError, Transport};
+use crate::{late_by, send_check, stream, AttemptError, SetupError, Transport};
+use tollgate_core::stream::{StreamEvent, StreamWriter};
 
 /// Installs rustls' `ring` crypto provider as the process default, once (reqwest
 /// is built without a provider of its own). Idempotent; call before building
@@ -163,9 +164,93 @@ impl Transport for HttpClient {
     /// checked again when the connection asks for the body, just before the
     /// request is written (see [`checked_body`]).
     async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
+        let late = Arc::new(OnceLock::new());
+        let req = self.request(job, use_by, &late)?;
+        let resp = self.send(req, use_by, &late).await?;
+        let (status, body) = self.read_whole(resp).await?;
+        json_answer(status, &body)
+    }
+
+    /// As [`Self::attempt_by`], asking for `text/event-stream`: a 2xx
+    /// event-stream answer goes to `sink` event by event as it arrives, and
+    /// the attempt's answer is the usage it reported ([`crate::stream::Usage`]).
+    /// A body cut, an over-long event, or a sink that refuses (the client went
+    /// away: dropping the response closes the upstream connection) after the
+    /// answer began is [`AttemptError::Unanswered`].
+    async fn attempt_streaming(
+        &self,
+        job: &Job,
+        use_by: Option<Instant>,
+        sink: &dyn StreamWriter,
+    ) -> Result<Value, AttemptError> {
+        let late = Arc::new(OnceLock::new());
+        let req = self
+            .request(job, use_by, &late)?
+            .header(ACCEPT, "text/event-stream");
+        let mut resp = self.send(req, use_by, &late).await?;
+        let is_stream = resp
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if !resp.status().is_success() || !is_stream {
+            // An error, or a whole answer: as a plain call, passed on as one event.
+            let (status, body) = self.read_whole(resp).await?;
+            let v = json_answer(status, &body)?;
+            return match sink.push(StreamEvent::Data(format!("data: {v}"))).await {
+                Ok(true) => Ok(v),
+                Ok(false) => Err(AttemptError::Unanswered {
+                    message: stream::CLIENT_GONE.into(),
+                }),
+                Err(e) => Err(AttemptError::Unanswered {
+                    message: format!("{}: {e}", stream::SINK_FAILED),
+                }),
+            };
+        }
+        let status = resp.status();
+        let mut events = stream::Events::default();
+        let mut usage = stream::Usage::default();
+        let cut = |message: String| AttemptError::Unanswered { message };
+        loop {
+            let chunk = resp
+                .chunk()
+                .await
+                .map_err(|e| cut(format!("{status}, then the stream broke: {}", chain(&e))))?;
+            let (done, found) = match chunk {
+                Some(bytes) => (
+                    false,
+                    events
+                        .feed(&bytes)
+                        .map_err(|e| cut(format!("{status}, then {e}")))?,
+                ),
+                None => (true, events.rest().into_iter().collect()),
+            };
+            for event in found {
+                usage.see(&event);
+                match sink.push(StreamEvent::Data(event)).await {
+                    Ok(true) => {}
+                    Ok(false) => return Err(cut(stream::CLIENT_GONE.into())),
+                    Err(e) => return Err(cut(format!("{}: {e}", stream::SINK_FAILED))),
+                }
+            }
+            if done {
+                return Ok(usage.answer());
+            }
+        }
+    }
+}
+
+impl HttpClient {
+    /// The request of one attempt at `job`, its body checked against
+    /// `use_by` as it is written.
+    fn request(
+        &self,
+        job: &Job,
+        use_by: Option<Instant>,
+        late: &Arc<OnceLock<Duration>>,
+    ) -> Result<reqwest::RequestBuilder, AttemptError> {
         let path = self.paths.get(&job.operation).map_or("", String::as_str);
         let url = format!("{}{path}", self.url);
-        let late = Arc::new(OnceLock::new());
         let shape = self.shapes.get(&job.operation).copied().unwrap_or_default();
         let req = match shape {
             RequestShape::Json => self
@@ -175,7 +260,7 @@ impl Transport for HttpClient {
                 .body(checked_body(
                     job.input.to_string(),
                     use_by,
-                    Arc::clone(&late),
+                    Arc::clone(late),
                 )),
             RequestShape::Form => {
                 let form = form_urlencoded::Serializer::new(String::new())
@@ -184,10 +269,10 @@ impl Transport for HttpClient {
                 self.client
                     .post(url)
                     .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
-                    .body(checked_body(form, use_by, Arc::clone(&late)))
+                    .body(checked_body(form, use_by, Arc::clone(late)))
             }
             // No body to check as it is written: the grant is checked at
-            // the send (`send_check` below), as for any request.
+            // the send (`send_check`), as for any request.
             RequestShape::Query => {
                 let mut url = reqwest::Url::parse(&url).map_err(|e| AttemptError::NotSent {
                     message: format!("bad url {url:?}: {e}"),
@@ -207,40 +292,59 @@ impl Transport for HttpClient {
         for (name, value) in &self.headers {
             req = req.header(name.clone(), value.clone());
         }
+        Ok(req)
+    }
+
+    /// Sends `req` if `use_by` has not passed (the last step before it).
+    async fn send(
+        &self,
+        req: reqwest::RequestBuilder,
+        use_by: Option<Instant>,
+        late: &Arc<OnceLock<Duration>>,
+    ) -> Result<reqwest::Response, AttemptError> {
         send_check(use_by)?;
-        let resp = match req.send().await {
-            Ok(r) => r,
-            Err(_) if late.get().is_some() => {
-                return Err(AttemptError::Late {
-                    by: late.get().copied().unwrap_or_default(),
-                })
-            }
-            Err(e) => return Err(unanswered_unless_unsent(&e)),
-        };
+        match req.send().await {
+            Ok(r) => Ok(r),
+            Err(_) if late.get().is_some() => Err(AttemptError::Late {
+                by: late.get().copied().unwrap_or_default(),
+            }),
+            Err(e) => Err(unanswered_unless_unsent(&e)),
+        }
+    }
+
+    /// The status and whole body of `resp`; a non-2xx status is
+    /// [`AttemptError::Status`] (with the upstream's `Retry-After`).
+    async fn read_whole(
+        &self,
+        resp: reqwest::Response,
+    ) -> Result<(reqwest::StatusCode, bytes::Bytes), AttemptError> {
         let status = resp.status();
         let wait = retry_after(resp.headers().get(RETRY_AFTER));
         let body = resp.bytes().await.map_err(|e| AttemptError::Unanswered {
             message: format!("{status}, then reading the body failed: {}", chain(&e)),
         })?;
+        if status.is_success() {
+            return Ok((status, body));
+        }
         // What an error keeps of the body: for the logs, and for the client
         // when the operation exposes a rejection's body.
-        let snippet = || {
-            Rejection::bounded(&String::from_utf8_lossy(
-                &body[..body.len().min(Rejection::BODY_LIMIT)],
-            ))
-        };
-        if status.is_success() {
-            return serde_json::from_slice(&body).map_err(|e| AttemptError::BadBody {
-                status: status.as_u16(),
-                message: e.to_string(),
-            });
-        }
+        let snippet = Rejection::bounded(&String::from_utf8_lossy(
+            &body[..body.len().min(Rejection::BODY_LIMIT)],
+        ));
         Err(AttemptError::Status {
             status: status.as_u16(),
             retry_after: wait,
-            message: snippet(),
+            message: snippet,
         })
     }
+}
+
+/// A 2xx answer's body as JSON ([`AttemptError::BadBody`] when it is not).
+fn json_answer(status: reqwest::StatusCode, body: &[u8]) -> Result<Value, AttemptError> {
+    serde_json::from_slice(body).map_err(|e| AttemptError::BadBody {
+        status: status.as_u16(),
+        message: e.to_string(),
+    })
 }
 
 /// A send that failed: [`AttemptError::NotSent`] only when reqwest says no

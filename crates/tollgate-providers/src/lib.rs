@@ -21,6 +21,7 @@ pub mod http;
 pub mod mock;
 pub mod outcome;
 pub mod shares;
+pub mod stream;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -35,6 +36,7 @@ use tollgate_core::{
     job::{Charge, FailureCause, Job},
     ledger::Ledger,
     metrics::{CallOutcome, Metrics},
+    stream::{StreamEvent, StreamWriter},
     throttle::{Grant, Throttle, ThrottleError, Waiter},
 };
 
@@ -202,6 +204,21 @@ pub trait Client: Send + Sync + fmt::Debug {
         let _ = deadline;
         self.call(job).await
     }
+
+    /// The call of a job that asked to stream: each upstream event goes to
+    /// `sink` as it arrives, and the answer is the usage the stream reported
+    /// (`{"usage": {...}}`, see [`stream::Usage`]). This default makes the
+    /// whole answer one event.
+    async fn call_streaming(
+        &self,
+        job: &Job,
+        deadline: Option<Instant>,
+        sink: &dyn StreamWriter,
+    ) -> Result<Value, CallError> {
+        let v = self.call_by(job, deadline).await?;
+        let _ = sink.push(StreamEvent::Data(format!("data: {v}"))).await;
+        Ok(v)
+    }
 }
 
 /// How one attempt failed: what the transport saw. What it means for the
@@ -262,6 +279,29 @@ pub trait Transport: Send + Sync + fmt::Debug {
     async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
         send_check(use_by)?;
         self.attempt(job).await
+    }
+
+    /// One attempt whose answer is streamed to `sink` event by event (the
+    /// same check of `use_by` before the send). Once an event has gone to
+    /// `sink` a failure is [`AttemptError::Unanswered`]: the client has part
+    /// of an answer, the upstream did work. This default sends the whole
+    /// answer as one event.
+    async fn attempt_streaming(
+        &self,
+        job: &Job,
+        use_by: Option<Instant>,
+        sink: &dyn StreamWriter,
+    ) -> Result<Value, AttemptError> {
+        let v = self.attempt_by(job, use_by).await?;
+        match sink.push(StreamEvent::Data(format!("data: {v}"))).await {
+            Ok(true) => Ok(v),
+            Ok(false) => Err(AttemptError::Unanswered {
+                message: stream::CLIENT_GONE.into(),
+            }),
+            Err(e) => Err(AttemptError::Unanswered {
+                message: format!("{}: {e}", stream::SINK_FAILED),
+            }),
+        }
     }
 }
 
@@ -430,9 +470,17 @@ impl<C: Transport> ThrottledClient<C> {
 
     /// One attempt, sent only before `use_by`, observed: its time and how it
     /// ended (an attempt not sent, its grant late, is no call).
-    async fn try_once(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
+    async fn try_once(
+        &self,
+        job: &Job,
+        use_by: Option<Instant>,
+        sink: Option<&dyn StreamWriter>,
+    ) -> Result<Value, AttemptError> {
         let started = Instant::now();
-        let r = self.client.attempt_by(job, use_by).await;
+        let r = match sink {
+            Some(sink) => self.client.attempt_streaming(job, use_by, sink).await,
+            None => self.client.attempt_by(job, use_by).await,
+        };
         let outcome = match &r {
             Err(AttemptError::Late { .. }) => return r,
             Ok(_) => CallOutcome::Ok,
@@ -502,6 +550,28 @@ impl<C: Transport> Client for ThrottledClient<C> {
     }
 
     async fn call_by(&self, job: &Job, deadline: Option<Instant>) -> Result<Value, CallError> {
+        self.call_with(job, deadline, None).await
+    }
+
+    async fn call_streaming(
+        &self,
+        job: &Job,
+        deadline: Option<Instant>,
+        sink: &dyn StreamWriter,
+    ) -> Result<Value, CallError> {
+        self.call_with(job, deadline, Some(sink)).await
+    }
+}
+
+impl<C: Transport> ThrottledClient<C> {
+    /// The call, its attempts throttled and retried per the outcome policy;
+    /// with a `sink`, each attempt's answer is streamed to it.
+    async fn call_with(
+        &self,
+        job: &Job,
+        deadline: Option<Instant>,
+        sink: Option<&dyn StreamWriter>,
+    ) -> Result<Value, CallError> {
         let name = &self.provider.name;
         let retry_unanswered = self.retry_unanswered.contains(&job.operation);
         let mut tally = outcome::Tally::default();
@@ -553,7 +623,7 @@ impl<C: Transport> Client for ThrottledClient<C> {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            let r = self.try_once(job, use_by).await;
+            let r = self.try_once(job, use_by, sink).await;
             if let Err(AttemptError::Late { by }) = r {
                 if let Err(e) = self.throttle.done(&grant).await {
                     tracing::warn!(error = %e, provider = %name, "ending the slot of an unsent call failed");
@@ -599,7 +669,9 @@ impl<C: Transport> Client for ThrottledClient<C> {
                 _ => backoff,
             }
             .min(self.retry.max_backoff);
-            let again = class.retry(retry_unanswered)
+            // A streamed answer cut midway is never sent again: the client
+            // has its first part already.
+            let again = class.retry(retry_unanswered && sink.is_none())
                 && attempt <= self.retry.retries
                 // A retry that could only start after the deadline is none.
                 && deadline.is_none_or(|d| Instant::now() + wait < d);

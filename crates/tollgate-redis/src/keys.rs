@@ -280,6 +280,18 @@ impl JobKeys {
         format!("{}:processing:{worker}", self.base)
     }
 
+    /// Stream: the events of job `id`'s streamed answer, worker to api
+    /// (`lua/stream_push.lua`; bounded, expiring).
+    pub fn stream(&self, id: &str) -> String {
+        format!("{}:stream:{id}", self.base)
+    }
+
+    /// String: set when the reader of job `id`'s stream went away (the
+    /// client disconnected): the next append is refused and the call cut.
+    pub fn stream_cancel(&self, id: &str) -> String {
+        format!("{}:stream-cancel:{id}", self.base)
+    }
+
     /// The finished-jobs channel of this queue on a Redis Cluster: a sharded
     /// pub/sub channel in the queue's slot (the job scripts SPUBLISH there).
     pub fn done(&self) -> String {
@@ -288,7 +300,7 @@ impl JobKeys {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|lists|dead|job:<id>|processing:<worker>`.
+    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|lists|dead|job:<id>|processing:<worker>|stream:<id>|stream-cancel:<id>`.
     /// Operation names are validated like ids when the config is read.
     pub fn jobs(&self, operation: &str) -> JobKeys {
         let base = format!("{}:{SCHEMA}:{{q:{}}}", self.prefix, operation);

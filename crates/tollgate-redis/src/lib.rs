@@ -28,6 +28,7 @@ pub mod ledger;
 pub mod pool;
 pub mod scripts;
 pub mod sessions;
+pub mod streams;
 mod subscription;
 pub mod throttle;
 
@@ -89,6 +90,11 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         )),
         keys: Arc::new(RedisKeyStore::new(pool.clone(), keys.clone())),
         sessions: Arc::new(sessions::RedisSessions::new(pool.clone(), keys.clone())),
+        streams: Arc::new(streams::RedisStreams::new(
+            pool.clone(),
+            keys.clone(),
+            Arc::clone(&config),
+        )),
         dispatchers: Some(Arc::new(RedisDispatchers { pool, keys })),
         config,
         ledger,

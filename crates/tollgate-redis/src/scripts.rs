@@ -758,6 +758,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("activity_read.lua", &ACTIVITY_READ),
         ("session_open.lua", &SESSION_OPEN),
         ("session_touch.lua", &SESSION_TOUCH),
+        ("stream_push.lua", &STREAM_PUSH),
     ]
 }
 
@@ -1081,6 +1082,38 @@ pub fn session_open<'a>(
 pub fn session_touch<'a>(key: &str, idle_ms: u64) -> redis::ScriptInvocation<'a> {
     let mut inv = SESSION_TOUCH.prepare_invoke();
     inv.key(key).arg(idle_ms);
+    inv
+}
+
+pub static STREAM_PUSH: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/stream_push.lua")));
+
+/// One entry of a streamed job's answer (`stream_push.lua`).
+#[derive(Debug, Clone, Copy)]
+pub struct StreamPush<'a> {
+    pub attempt: u32,
+    pub seq: u64,
+    /// `d` data, `x` end, `e` error.
+    pub kind: &'static str,
+    pub text: &'a str,
+    pub maxlen: usize,
+    pub ttl_ms: u64,
+}
+
+/// `stream_push.lua`: 1 appended, 0 the reader went away.
+pub fn stream_push<'a>(
+    keys: &JobKeys,
+    id: &str,
+    push: StreamPush<'_>,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = STREAM_PUSH.prepare_invoke();
+    inv.key(keys.stream(id)).key(keys.stream_cancel(id));
+    inv.arg(push.attempt)
+        .arg(push.seq)
+        .arg(push.kind)
+        .arg(push.text)
+        .arg(push.maxlen)
+        .arg(push.ttl_ms);
     inv
 }
 

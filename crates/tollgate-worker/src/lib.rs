@@ -45,6 +45,7 @@ use tollgate_core::{
     id::RequestId,
     job::{self, Charge, FailureCause, Finish, JobSource, Lease},
     metrics::{Heartbeat, JobEnd, Metrics},
+    stream::{self, JobStreams, StreamEvent, StreamWriter},
 };
 use tollgate_providers::{outcome, CallError, Client};
 use tracing::Instrument;
@@ -71,6 +72,9 @@ pub struct WorkerConfig {
     /// Where the worker's metrics and loop heartbeats go: the process's
     /// registry (`Backends::metrics`); a private one by default.
     pub metrics: Arc<Metrics>,
+    /// Where streamed jobs' events go (`Backends::streams`): to the api pods'
+    /// readers. A private in-memory one by default (nobody reads it).
+    pub streams: Arc<dyn JobStreams>,
 }
 
 impl WorkerConfig {
@@ -78,6 +82,7 @@ impl WorkerConfig {
         Self {
             operations: config.operations().map(|o| o.name.clone()).collect(),
             metrics: Arc::new(Metrics::new(&config)),
+            streams: Arc::new(tollgate_core::stream::MemoryStreams::new()),
             config,
             concurrency: 32,
             lease: Duration::from_secs(10),
@@ -402,17 +407,39 @@ async fn job(
         stopped(&mut stop).await;
         tokio::time::sleep(cfg.shutdown_grace).await;
     };
+    // A streamed job's events go to the api pod holding its client, as the
+    // upstream sends them.
+    let sink = stream::wants_stream(&job.input).then(|| cfg.streams.writer(job));
+    if let (Some(sink), true) = (&sink, lease.ran_before) {
+        // An earlier run streamed part of the answer and was lost: its
+        // client cannot be given the rest, and the upstream may have worked.
+        return lost_stream(source.as_ref(), lease, sink.as_ref()).await;
+    }
+    let call = async {
+        match &sink {
+            Some(sink) => {
+                provider
+                    .call_streaming(job, Some(deadline), sink.as_ref())
+                    .await
+            }
+            None => provider.call_by(job, Some(deadline)).await,
+        }
+    };
     let ended = tokio::select! {
         // The lease first: after a pause it must be seen lost before a call
         // that became ready meanwhile goes out.
         biased;
         () = renew => Ended::LeaseLost,
-        r = provider.call_by(job, Some(deadline)) => Ended::Called(r),
+        r = call => Ended::Called(r),
         () = grace => Ended::Stopping,
     };
     let (recorded, ok, cause) = match ended {
         Ended::Called(Ok(result)) => {
             settle(source.as_ref(), lease, &result).await;
+            // Settled first: a client that read the end reads its usage.
+            if let Some(sink) = &sink {
+                end_stream(sink.as_ref(), StreamEvent::End).await;
+            }
             tracing::debug!("the provider answered; recording the result");
             let recorded = finish("complete", || source.complete(lease, result.clone())).await;
             (recorded, JobEnd::Succeeded, None)
@@ -450,6 +477,9 @@ async fn job(
                     tracing::info!(error = %e, cause = cause.as_str(), absorbed, upstream_body, "job failed; releasing its charge")
                 }
             }
+            if let Some(sink) = &sink {
+                end_stream(sink.as_ref(), StreamEvent::Error(e.error.to_string())).await;
+            }
             let recorded = finish("fail", || source.fail(lease, cause, charge, &message)).await;
             if let (
                 Some(Finish::Recorded),
@@ -480,6 +510,35 @@ async fn job(
     }
     let end = end_of(recorded, ok);
     (end, cause.filter(|_| end == JobEnd::Failed))
+}
+
+/// Appends the last event of a job's stream. A failure is logged: the reader
+/// then sees the job's final record without an end, which it reports as an
+/// incomplete answer.
+async fn end_stream(sink: &dyn StreamWriter, event: StreamEvent) {
+    if let Err(e) = sink.push(event).await {
+        tracing::warn!(error = %e, "ending the job's stream failed");
+    }
+}
+
+/// A streamed job taken again after a run that started and was lost: it is
+/// not run again (the client had part of an answer from the lost run); it
+/// fails unanswered, its charge kept (settled to the estimate), and its
+/// stream says so.
+async fn lost_stream(
+    source: &dyn JobSource,
+    lease: &Lease,
+    sink: &dyn StreamWriter,
+) -> (JobEnd, Option<FailureCause>) {
+    let message = job::LOST_MID_RUN.to_owned();
+    tracing::warn!("a streamed job's earlier run was lost mid-stream; failing it, charged");
+    settle(source, lease, &serde_json::Value::Null).await;
+    end_stream(sink, StreamEvent::Error(message.clone())).await;
+    let recorded = finish("fail", || {
+        source.fail(lease, FailureCause::Unanswered, Charge::Keep, &message)
+    })
+    .await;
+    (end_of(recorded, JobEnd::Failed), None)
 }
 
 /// Settles the job's charge to the cost the provider reported, when its

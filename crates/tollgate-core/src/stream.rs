@@ -1,0 +1,299 @@
+//! Streamed answers: a job whose input asks to stream (`"stream": true`)
+//! has its upstream's Server-Sent Events forwarded, as they arrive, from the
+//! worker that runs it to the api pod that holds its client ([`JobStreams`]).
+//!
+//! The api opens the job's [`StreamReader`] before it submits the job (no
+//! event can be missed); the worker appends through a [`StreamWriter`]. Each
+//! event carries the run (`attempt`) that wrote it and its place in that run
+//! (`seq`, from 1): a reader that sees a second run, or a gap (it fell behind
+//! a bounded stream), ends the client's stream with an error instead of
+//! presenting a repeated or truncated answer as whole. A writer learns that
+//! the reader went away (the client disconnected) from its next append, and
+//! the upstream call is cut.
+//!
+//! Memory: a bounded channel per stream (a slow reader holds the writer back).
+//! Redis: a Redis Stream per job, bounded and expiring (`tollgate-redis`).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+
+use crate::error::StoreError;
+use crate::id::RequestId;
+use crate::job::Job;
+
+/// One entry of a job's stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamEvent {
+    /// One upstream event, its text as received (`event:`/`data:` lines,
+    /// without the blank line that ended it).
+    Data(String),
+    /// The upstream's stream ended whole; the charge is settled.
+    End,
+    /// The stream cannot go on (the text says why): what came before is not
+    /// the whole answer.
+    Error(String),
+}
+
+/// A [`StreamEvent`] with the run that wrote it and its place in that run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamEntry {
+    pub attempt: u32,
+    /// 1 for a run's first event, then +1 for each.
+    pub seq: u64,
+    pub event: StreamEvent,
+}
+
+/// The most events a stream holds unread (memory: the channel's capacity;
+/// Redis: the stream's `MAXLEN`).
+pub const STREAM_CAPACITY: usize = 1024;
+/// The most bytes of one upstream event; a longer one fails the stream.
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
+/// How long a Redis stream outlives its last append (nobody read it, or the
+/// reader went away).
+pub const STREAM_TTL: Duration = Duration::from_secs(60);
+
+/// What reading a stream came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Read {
+    Event(StreamEvent),
+    /// Nothing within the wait.
+    Idle,
+}
+
+/// Checks each entry read: one run, no gap.
+#[derive(Debug, Default, Clone)]
+pub struct Continuity {
+    attempt: Option<u32>,
+    seq: u64,
+}
+
+impl Continuity {
+    /// The event of `entry`, or an error event when it is of another run or
+    /// out of order.
+    pub fn accept(&mut self, entry: StreamEntry) -> StreamEvent {
+        let first = *self.attempt.get_or_insert(entry.attempt);
+        if entry.attempt != first {
+            return StreamEvent::Error(
+                "the worker streaming this answer stopped mid-stream; the answer is incomplete"
+                    .into(),
+            );
+        }
+        if entry.seq != self.seq + 1 {
+            return StreamEvent::Error(format!(
+                "the stream lost events (expected event {}, got {}): the reader fell behind; the answer is incomplete",
+                self.seq + 1,
+                entry.seq
+            ));
+        }
+        self.seq = entry.seq;
+        entry.event
+    }
+}
+
+/// The api's end of one job's stream.
+#[async_trait]
+pub trait StreamReader: Send + fmt::Debug {
+    /// The next event, waiting at most `wait` ([`Read::Idle`] then). Entries
+    /// of another run or out of order come back as [`StreamEvent::Error`].
+    async fn next(&mut self, wait: Duration) -> Result<Read, StoreError>;
+}
+
+/// The worker's end of one job's stream.
+#[async_trait]
+pub trait StreamWriter: Send + Sync + fmt::Debug {
+    /// Appends `event`; `Ok(false)`: nobody reads it any more (the client
+    /// went away), the call should stop.
+    async fn push(&self, event: StreamEvent) -> Result<bool, StoreError>;
+}
+
+/// Where streamed jobs' events pass from worker to api.
+#[async_trait]
+pub trait JobStreams: Send + Sync + fmt::Debug {
+    /// The reader of job `id` (of `operation`): open it before the job is
+    /// submitted. Dropping it tells the writer nobody reads.
+    async fn open(
+        &self,
+        operation: &str,
+        id: &RequestId,
+    ) -> Result<Box<dyn StreamReader>, StoreError>;
+
+    /// The writer of `job`'s stream, for its current run.
+    fn writer(&self, job: &Job) -> Arc<dyn StreamWriter>;
+}
+
+/// Whether a job's input asks for a streamed answer (`"stream": true`, the
+/// OpenAI and Anthropic APIs' flag).
+pub fn wants_stream(input: &serde_json::Value) -> bool {
+    input.get("stream").and_then(serde_json::Value::as_bool) == Some(true)
+}
+
+/// The in-process streams: a bounded channel per open reader.
+#[derive(Debug, Default)]
+pub struct MemoryStreams {
+    open: Arc<Mutex<HashMap<String, mpsc::Sender<StreamEntry>>>>,
+}
+
+impl MemoryStreams {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Streams with a reader open now.
+    pub fn open_streams(&self) -> usize {
+        crate::lock(&self.open).len()
+    }
+}
+
+#[derive(Debug)]
+struct MemoryReader {
+    id: String,
+    rx: mpsc::Receiver<StreamEntry>,
+    open: Arc<Mutex<HashMap<String, mpsc::Sender<StreamEntry>>>>,
+    continuity: Continuity,
+}
+
+impl Drop for MemoryReader {
+    fn drop(&mut self) {
+        crate::lock(&self.open).remove(&self.id);
+    }
+}
+
+#[async_trait]
+impl StreamReader for MemoryReader {
+    async fn next(&mut self, wait: Duration) -> Result<Read, StoreError> {
+        match tokio::time::timeout(wait, self.rx.recv()).await {
+            Err(_) => Ok(Read::Idle),
+            Ok(Some(entry)) => Ok(Read::Event(self.continuity.accept(entry))),
+            // Every writer dropped; the reader's map entry keeps a sender,
+            // so this only happens once the entry was replaced.
+            Ok(None) => Ok(Read::Event(StreamEvent::Error(
+                "the stream was closed".into(),
+            ))),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct MemoryWriter {
+    tx: Option<mpsc::Sender<StreamEntry>>,
+    attempt: u32,
+    seq: std::sync::atomic::AtomicU64,
+}
+
+#[async_trait]
+impl StreamWriter for MemoryWriter {
+    async fn push(&self, event: StreamEvent) -> Result<bool, StoreError> {
+        let Some(tx) = &self.tx else {
+            // Nobody opened a reader (an operation call that asked to
+            // stream): the events go nowhere, the call runs to its end.
+            return Ok(true);
+        };
+        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        let entry = StreamEntry {
+            attempt: self.attempt,
+            seq,
+            event,
+        };
+        Ok(tx.send(entry).await.is_ok())
+    }
+}
+
+#[async_trait]
+impl JobStreams for MemoryStreams {
+    async fn open(
+        &self,
+        _operation: &str,
+        id: &RequestId,
+    ) -> Result<Box<dyn StreamReader>, StoreError> {
+        let (tx, rx) = mpsc::channel(STREAM_CAPACITY);
+        crate::lock(&self.open).insert(id.as_str().to_owned(), tx);
+        Ok(Box::new(MemoryReader {
+            id: id.as_str().to_owned(),
+            rx,
+            open: Arc::clone(&self.open),
+            continuity: Continuity::default(),
+        }))
+    }
+
+    fn writer(&self, job: &Job) -> Arc<dyn StreamWriter> {
+        Arc::new(MemoryWriter {
+            tx: crate::lock(&self.open).get(job.id.as_str()).cloned(),
+            attempt: job.attempt,
+            seq: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(attempt: u32, seq: u64) -> StreamEntry {
+        StreamEntry {
+            attempt,
+            seq,
+            event: StreamEvent::Data(format!("data: {seq}")),
+        }
+    }
+
+    #[test]
+    fn a_second_run_or_a_gap_is_an_error() {
+        let mut c = Continuity::default();
+        assert_eq!(c.accept(entry(2, 1)), StreamEvent::Data("data: 1".into()));
+        assert_eq!(c.accept(entry(2, 2)), StreamEvent::Data("data: 2".into()));
+        assert!(matches!(c.accept(entry(3, 1)), StreamEvent::Error(m) if m.contains("stopped")));
+        assert!(matches!(c.accept(entry(2, 4)), StreamEvent::Error(m) if m.contains("lost")));
+    }
+
+    #[tokio::test]
+    async fn memory_streams_pass_events_and_tell_the_writer_when_the_reader_left() {
+        let streams = MemoryStreams::new();
+        let id = RequestId::new("r1").unwrap();
+        let job = Job {
+            id: id.clone(),
+            user: crate::id::UserId::new("u").unwrap(),
+            operation: "op".into(),
+            provider: "p".into(),
+            input: serde_json::json!({"stream": true}),
+            cost: 1,
+            enqueued_at_ms: 0,
+            deadline_ms: u64::MAX,
+            attempt: 1,
+            nonce: "n".into(),
+            trace: None,
+        };
+        let mut reader = streams.open("op", &id).await.unwrap();
+        let writer = streams.writer(&job);
+        assert!(writer
+            .push(StreamEvent::Data("data: a".into()))
+            .await
+            .unwrap());
+        assert!(writer.push(StreamEvent::End).await.unwrap());
+        let wait = Duration::from_secs(1);
+        assert_eq!(
+            reader.next(wait).await.unwrap(),
+            Read::Event(StreamEvent::Data("data: a".into()))
+        );
+        assert_eq!(
+            reader.next(wait).await.unwrap(),
+            Read::Event(StreamEvent::End)
+        );
+        assert_eq!(
+            reader.next(Duration::from_millis(10)).await.unwrap(),
+            Read::Idle
+        );
+        drop(reader);
+        assert_eq!(streams.open_streams(), 0);
+        assert!(!writer
+            .push(StreamEvent::Data("data: b".into()))
+            .await
+            .unwrap());
+        // No reader at all: the events go nowhere, the call goes on.
+        assert!(streams.writer(&job).push(StreamEvent::End).await.unwrap());
+    }
+}

@@ -1,0 +1,452 @@
+//! Pass-through and streamed answers end to end, the same cases on both
+//! backends (`tollgate all` embedded, and on Redis): the mock speaks the
+//! OpenAI and Anthropic protocols; tollgate answers as the upstream does,
+//! relays a stream event by event, settles the charge to the usage the stream
+//! reported, answers a budget 429 in the SDK's shape, and a client that goes
+//! away mid-stream cuts the upstream call (charged: the upstream worked).
+
+use std::path::PathBuf;
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tollgate_tests::process::{spawn_reading, Procs};
+use tollgate_tests::{random_prefix, RedisServer};
+
+fn mock(args: &[&str]) -> (Child, String) {
+    let mut all = vec![
+        "mock-provider",
+        "--listen",
+        "127.0.0.1:0",
+        "--rate",
+        "1000",
+        "--burst",
+        "100",
+    ];
+    all.extend_from_slice(args);
+    let (child, lines) = spawn_reading(&all, |l| !l.is_empty());
+    let addr = lines[0]
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("mock said {lines:?}"))
+        .to_owned();
+    (child, format!("http://{addr}"))
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct System {
+    base: String,
+    admin: String,
+    mock: String,
+    http: reqwest::Client,
+    _dir: TempDir,
+    _procs: Procs,
+    _redis: Option<RedisServer>,
+}
+
+/// The config of both backends: an OpenAI-like and an Anthropic-like
+/// provider on the mock, each operation settled to its reported usage.
+fn config(mock: &str) -> String {
+    format!(
+        r#"
+default_plan = "free"
+[plans.free]
+limit = 1000
+window = "12h"
+[plans.tiny]
+limit = 200
+window = "12h"
+[providers.openai]
+rate = 100
+burst = 20
+max_wait = "10s"
+url = "{mock}/v1"
+retries = 0
+[providers.anthropic]
+rate = 100
+burst = 20
+max_wait = "10s"
+url = "{mock}"
+retries = 0
+[operations."openai.chat"]
+cost = 2
+provider = "openai"
+path = "/chat/completions"
+settle = {{ from = "/usage/total_tokens", per = 1, max = 200 }}
+[operations."openai.embeddings"]
+cost = 1
+provider = "openai"
+path = "/embeddings"
+settle = {{ from = "/usage/total_tokens", per = 1, max = 50 }}
+[operations."anthropic.messages"]
+cost = 2
+provider = "anthropic"
+path = "/v1/messages"
+settle = {{ from = "/usage/output_tokens", per = 1, max = 200 }}
+"#
+    )
+}
+
+fn start(redis: bool, token_interval_ms: u64) -> System {
+    let interval = token_interval_ms.to_string();
+    let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
+    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-stream-{}", random_prefix())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let path = dir.0.join("streaming.toml");
+    std::fs::write(&path, config(&mock_url)).unwrap();
+    let server = redis.then(RedisServer::start);
+    let prefix = random_prefix();
+    let url = server.as_ref().map(|s| s.url());
+    let mut args = vec![
+        "all",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        path.to_str().unwrap(),
+    ];
+    if let Some(url) = &url {
+        args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
+    }
+    let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
+    let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
+    tollgate_providers::http::install_crypto_provider();
+    System {
+        base: find("listening on "),
+        admin: find("admin token: "),
+        mock: mock_url,
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap(),
+        _dir: dir,
+        _procs: Procs(vec![mock_child, child]),
+        _redis: server,
+    }
+}
+
+impl System {
+    async fn user(&self, name: &str, plan: &str) -> String {
+        let r = self
+            .http
+            .post(format!("{}/admin/users", self.base))
+            .bearer_auth(&self.admin)
+            .json(&json!({"user": name, "plan": plan}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        r.json::<Value>().await.unwrap()["api_key"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
+    async fn used(&self, key: &str) -> u64 {
+        let v: Value = self
+            .http
+            .get(format!("{}/v1/usage", self.base))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        v["used"].as_u64().unwrap()
+    }
+
+    /// `used` once it equals `want`, or what it is after 10 s.
+    async fn used_until(&self, key: &str, want: u64) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let used = self.used(key).await;
+            if used == want || Instant::now() > deadline {
+                return used;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn mock_stats(&self) -> Value {
+        self.http
+            .get(format!("{}/stats", self.mock))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    fn openai(&self, key: &str, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .post(format!("{}/v1/passthrough/openai{path}", self.base))
+            .bearer_auth(key)
+    }
+
+    fn anthropic(&self, key: &str) -> reqwest::RequestBuilder {
+        self.http
+            .post(format!(
+                "{}/v1/passthrough/anthropic/v1/messages",
+                self.base
+            ))
+            .header("x-api-key", key)
+            .header("anthropic-version", "2023-06-01")
+    }
+}
+
+/// The `data:` payloads of an SSE body.
+fn datas(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(str::to_owned)
+        .collect()
+}
+
+async fn whole_and_streamed_answers(redis: bool) {
+    let sys = start(redis, 2);
+    let key = sys.user("ada", "free").await;
+
+    // Chat, whole: the upstream's body as-is; charged its total_tokens.
+    let r = sys
+        .openai(&key, "/chat/completions")
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": "hello there"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        "mock answer to: hello there"
+    );
+    let total = v["usage"]["total_tokens"].as_u64().unwrap();
+    assert_eq!(total, 2 + 5);
+    assert_eq!(sys.used_until(&key, total).await, total);
+
+    // Chat, streamed: every token in order, the usage chunk, [DONE].
+    let r = sys
+        .openai(&key, "/chat/completions")
+        .json(
+            &json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
+                      "messages": [{"role": "user", "content": "one two three"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let body = r.text().await.unwrap();
+    let sent = datas(&body);
+    assert_eq!(sent.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let chunks: Vec<Value> = sent[..sent.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, "mock answer to: one two three");
+    let streamed = chunks.last().unwrap()["usage"]["total_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(streamed, 3 + 6);
+    assert_eq!(
+        sys.used_until(&key, total + streamed).await,
+        total + streamed
+    );
+
+    // Embeddings (floats and base64).
+    let r = sys
+        .openai(&key, "/embeddings")
+        .json(&json!({"model": "e", "input": ["a b", "c"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+    assert_eq!(v["usage"]["total_tokens"], 3);
+    let so_far = total + streamed + 3;
+    assert_eq!(sys.used_until(&key, so_far).await, so_far);
+
+    // Anthropic messages, streamed, with its own key header.
+    let r = sys
+        .anthropic(&key)
+        .json(&json!({"model": "c", "max_tokens": 64, "stream": true,
+                      "messages": [{"role": "user", "content": "four five"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let events: Vec<Value> = datas(&body)
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds.first(), Some(&"message_start"), "{body}");
+    assert_eq!(kinds.last(), Some(&"message_stop"), "{body}");
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["delta"]["text"].as_str())
+        .collect();
+    assert_eq!(text, "mock answer to: four five");
+    let output = events
+        .iter()
+        .find(|e| e["type"] == "message_delta")
+        .unwrap()["usage"]["output_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(output, 5);
+    assert_eq!(sys.used_until(&key, so_far + output).await, so_far + output);
+
+    // A path no operation has: 404 in OpenAI's shape.
+    let r = sys
+        .openai(&key, "/images/generations")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    // A wrong key: 401 in Anthropic's shape.
+    let r = sys
+        .anthropic("tg_user_nope")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        (v["type"].as_str(), v["error"]["type"].as_str()),
+        (Some("error"), Some("authentication_error")),
+        "{v}"
+    );
+}
+
+/// Out of budget: 429 in each SDK's shape, with the exact Retry-After (and
+/// `retry-after-ms`), and a far one says not to retry.
+async fn budget_429_in_the_sdks_shape(redis: bool) {
+    let sys = start(redis, 0);
+    let key = sys.user("tim", "tiny").await;
+    let ask = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+    let r = sys
+        .openai(&key, "/chat/completions")
+        .json(&ask)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // 200 reserved up front (the most), settled to the few used: 200 more do not fit.
+    let r = sys
+        .openai(&key, "/chat/completions")
+        .json(&ask)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let secs: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let ms: u64 = r.headers()["retry-after-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(secs > 12 * 3600 - 120 && secs <= 12 * 3600, "{secs}");
+    assert_eq!(secs, ms.div_ceil(1000));
+    assert_eq!(r.headers()["x-should-retry"], "false");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+    assert_eq!(v["error"]["code"], "quota_exceeded", "{v}");
+    let r = sys
+        .anthropic(&key)
+        .json(&json!({"model": "c", "max_tokens": 8, "stream": true, "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+}
+
+/// A client that goes away mid-stream: the upstream call is cut (the mock
+/// sees its stream's caller leave), and the charge stands at the estimate
+/// (the upstream did work; no usage was reported).
+async fn a_client_gone_mid_stream_cuts_the_upstream(redis: bool) {
+    let sys = start(redis, 40);
+    let key = sys.user("cat", "free").await;
+    let words = vec!["w"; 60].join(" ");
+    let mut r = sys
+        .openai(&key, "/chat/completions")
+        .json(
+            &json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
+                      "messages": [{"role": "user", "content": words}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut got = 0;
+    while got < 3 {
+        let chunk = r.chunk().await.unwrap().expect("more of the stream");
+        got += String::from_utf8_lossy(&chunk).matches("data: ").count();
+    }
+    drop(r);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = sys.mock_stats().await;
+        if stats["streams_cut"] == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the upstream stream was not cut: {stats}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Reserved 200, settled to the estimate (2): the upstream may have worked.
+    assert_eq!(sys.used_until(&key, 2).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_whole_and_streamed_answers_embedded() {
+    whole_and_streamed_answers(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_whole_and_streamed_answers_redis() {
+    whole_and_streamed_answers(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_budget_429_embedded() {
+    budget_429_in_the_sdks_shape(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_budget_429_redis() {
+    budget_429_in_the_sdks_shape(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_client_gone_embedded() {
+    a_client_gone_mid_stream_cuts_the_upstream(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_client_gone_redis() {
+    a_client_gone_mid_stream_cuts_the_upstream(true).await;
+}
