@@ -132,6 +132,11 @@ struct CauseLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabel {
+    version: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SourceLabel {
     source: &'static str,
 }
@@ -596,6 +601,18 @@ impl Metrics {
              (a 5xx): what the outcome policy costs the operator, by provider and reason",
             absorbed.clone(),
         );
+
+        let build_info = Family::<VersionLabel, Gauge>::default();
+        r.register(
+            "tollgate_build_info",
+            "Always 1; its version label is the tollgate release this process runs",
+            build_info.clone(),
+        );
+        build_info
+            .get_or_create(&VersionLabel {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
 
         let stats_errors = counters();
         r.register(
@@ -1390,6 +1407,7 @@ mod tests {
             "tollgate_throttle_max_wait_seconds{provider=\"llm\"} 30",
             "tollgate_upstream_errors_total{provider=\"llm\",class=\"429\"} 0",
             "tollgate_worker_refunds_total{cause=\"provider\"} 0",
+            concat!("tollgate_build_info{version=\"", env!("CARGO_PKG_VERSION"), "\"} 1"),
         ] {
             assert!(text.contains(line), "{line}\n{text}");
         }
