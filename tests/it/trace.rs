@@ -186,14 +186,20 @@ async fn one_trace_id_from_request_to_provider() {
         assert_eq!(f["method"], "POST", "{line}");
         assert_eq!(f["status"], 200, "{line}");
         assert_eq!(f["cost"], 1, "{line}");
-        assert!(f["latency_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{line}");
+        assert!(
+            f["latency_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+            "{line}"
+        );
     }
     // A request that fails authentication has its line too, without a user.
     let denied = tollgate_tests::http::send(
         addr,
         "GET",
         "/v1/usage",
-        &[("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")],
+        &[(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )],
         b"",
     )
     .await
