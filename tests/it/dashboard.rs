@@ -14,7 +14,8 @@ use tollgate_core::activity::ActivityView;
 use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
 use tollgate_core::id::{RequestId, UserId};
-use tollgate_core::ledger::ChargeRequest;
+use tollgate_core::ledger::{ChargeRequest, ReserveOutcome};
+use tollgate_core::metrics::CallOutcome;
 use tollgate_redis::keys::KeySpace;
 use tollgate_redis::pool::PoolOptions;
 use tollgate_tests::process::{spawn_reading, Procs};
@@ -606,7 +607,28 @@ async fn activity_is_noted(b: Backends) {
         .await
         .unwrap();
 
-    let view = read_until(&b, |v| v.events.len() == 3 && !v.grants.is_empty()).await;
+    // A denial (5 used of 1000), and two upstream answers.
+    let denied = b
+        .ledger
+        .reserve(&user, &RequestId::new("too-much").unwrap(), 996)
+        .await
+        .unwrap();
+    assert!(matches!(denied, ReserveOutcome::Denied(_)), "{denied:?}");
+    for outcome in [CallOutcome::ServerError, CallOutcome::Ok] {
+        b.metrics
+            .provider_call(&provider, outcome, Duration::from_millis(1));
+    }
+
+    let view = read_until(&b, |v| {
+        v.events.len() == 3 && !v.grants.is_empty() && !v.denied.is_empty() && !v.answers.is_empty()
+    })
+    .await;
+    assert_eq!(view.denials[tollgate_core::activity::PLAIN], 1);
+    assert_eq!(view.denied[0].user, "alice");
+    assert_eq!(view.denied[0].operation, None);
+    assert!(view.denied[0].at_ms <= view.now_ms);
+    assert_eq!(view.answers[&provider]["5xx"], 1);
+    assert_eq!(view.answers[&provider]["2xx"], 1);
     let events: Vec<_> = view
         .events
         .iter()
