@@ -5,25 +5,33 @@
 -- KEYS[1] events    list: spend events (JSON, as the pod encoded them), newest first
 -- KEYS[2] refunded  sorted set: spend key -> when its refund was noted (ms, Redis TIME)
 -- KEYS[3] grants    hash: provider -> grants counted
--- KEYS[4..] waits   one list per provider: "<at_ms> <waited_us>", newest first
+-- KEYS[4] answers   hash: "<provider> <class>" -> upstream answers counted
+-- KEYS[5] denials   hash: operation ('(plain reserve)' for a plain one) -> denials counted
+-- KEYS[6] denied    list: "<at_ms> <user>[ <operation>]" of the newest denials (Redis TIME)
+-- KEYS[7..] waits   one list per provider: "<at_ms> <waited_us>", newest first
 -- ARGV[1] events cap (also the refund marks' cap), ARGV[2] waits cap,
--- ARGV[3] idle ttl in ms
--- ARGV[4..] notes, each one of:
+-- ARGV[3] idle ttl in ms, ARGV[4] denied cap
+-- ARGV[5..] notes, each one of:
 --   "e <json>"                               a spend event
 --   "r <spend key>"                          its refund
---   "g <i> <provider> <at_ms> <waited_us>"   a grant; its waits list is KEYS[3 + i]
+--   "g <i> <provider> <at_ms> <waited_us>"   a grant; its waits list is KEYS[6 + i]
+--   "d <user>[ <operation>]"                 a budget denial (no operation: a plain reserve)
+--   "a <provider> <class>"                   an upstream answer
 -- Returns the number of notes written (a malformed note is skipped).
 
 local events_cap, waits_cap, idle = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-if not events_cap or events_cap < 1 or not waits_cap or waits_cap < 1 or not idle or idle < 1 then
+local denied_cap = tonumber(ARGV[4])
+if not events_cap or events_cap < 1 or not waits_cap or waits_cap < 1 or not idle or idle < 1
+  or not denied_cap or denied_cap < 1 then
   return redis.error_reply('activity_record: bad caps or idle ttl')
 end
+local WAITS = 6
 
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local written = 0
 local touched = {}
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local kind, rest = string.match(ARGV[i], '^(%a) (.+)$')
   if kind == 'e' then
     redis.call('LPUSH', KEYS[1], rest)
@@ -36,11 +44,26 @@ for i = 4, #ARGV do
   elseif kind == 'g' then
     local idx, provider, at, waited = string.match(rest, '^(%d+) (%S+) (%d+) (%d+)$')
     idx = tonumber(idx)
-    if idx and idx >= 1 and 3 + idx <= #KEYS then
+    if idx and idx >= 1 and WAITS + idx <= #KEYS then
       redis.call('HINCRBY', KEYS[3], provider, 1)
-      redis.call('LPUSH', KEYS[3 + idx], at .. ' ' .. waited)
+      redis.call('LPUSH', KEYS[WAITS + idx], at .. ' ' .. waited)
       touched[3] = true
-      touched[3 + idx] = true
+      touched[WAITS + idx] = true
+      written = written + 1
+    end
+  elseif kind == 'd' then
+    local user, operation = string.match(rest, '^(%S+) ?(%S*)$')
+    if user then
+      redis.call('HINCRBY', KEYS[5], operation ~= '' and operation or '(plain reserve)', 1)
+      redis.call('LPUSH', KEYS[6], now_ms .. ' ' .. rest)
+      touched[5] = true
+      touched[6] = true
+      written = written + 1
+    end
+  elseif kind == 'a' then
+    if string.match(rest, '^%S+ %S+$') then
+      redis.call('HINCRBY', KEYS[4], rest, 1)
+      touched[4] = true
       written = written + 1
     end
   end
@@ -51,8 +74,11 @@ end
 if touched[2] then
   redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -(events_cap + 1))
 end
+if touched[6] then
+  redis.call('LTRIM', KEYS[6], 0, denied_cap - 1)
+end
 for k in pairs(touched) do
-  if k > 3 then
+  if k > WAITS then
     redis.call('LTRIM', KEYS[k], 0, waits_cap - 1)
   end
   redis.call('PEXPIRE', KEYS[k], idle)

@@ -14,7 +14,8 @@ use tollgate_core::activity::ActivityView;
 use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
 use tollgate_core::id::{RequestId, UserId};
-use tollgate_core::ledger::ChargeRequest;
+use tollgate_core::ledger::{ChargeRequest, ReserveOutcome};
+use tollgate_core::metrics::CallOutcome;
 use tollgate_redis::keys::KeySpace;
 use tollgate_redis::pool::PoolOptions;
 use tollgate_tests::process::{spawn_reading, Procs};
@@ -606,7 +607,28 @@ async fn activity_is_noted(b: Backends) {
         .await
         .unwrap();
 
-    let view = read_until(&b, |v| v.events.len() == 3 && !v.grants.is_empty()).await;
+    // A denial (5 used of 1000), and two upstream answers.
+    let denied = b
+        .ledger
+        .reserve(&user, &RequestId::new("too-much").unwrap(), 996)
+        .await
+        .unwrap();
+    assert!(matches!(denied, ReserveOutcome::Denied(_)), "{denied:?}");
+    for outcome in [CallOutcome::ServerError, CallOutcome::Ok] {
+        b.metrics
+            .provider_call(&provider, outcome, Duration::from_millis(1));
+    }
+
+    let view = read_until(&b, |v| {
+        v.events.len() == 3 && !v.grants.is_empty() && !v.denied.is_empty() && !v.answers.is_empty()
+    })
+    .await;
+    assert_eq!(view.denials[tollgate_core::activity::PLAIN], 1);
+    assert_eq!(view.denied[0].user, "alice");
+    assert_eq!(view.denied[0].operation, None);
+    assert!(view.denied[0].at_ms <= view.now_ms);
+    assert_eq!(view.answers[&provider]["5xx"], 1);
+    assert_eq!(view.answers[&provider]["2xx"], 1);
     let events: Vec<_> = view
         .events
         .iter()
@@ -650,4 +672,198 @@ async fn activity_is_noted_on_redis() {
 async fn activity_is_noted_on_a_cluster() {
     let cluster = TestCluster::get();
     activity_is_noted(redis_backends(&cluster.url(), Arc::new(Config::builtin())).await).await;
+}
+
+/// Logs the page in with `token` through its form and waits for the app.
+async fn log_in(c: &Client, base: &str, token: &str) {
+    c.goto(&format!("{base}/dashboard")).await.unwrap();
+    until(
+        c,
+        "!document.getElementById('login').hidden",
+        Duration::from_secs(10),
+    )
+    .await;
+    c.find(Locator::Id("token"))
+        .await
+        .unwrap()
+        .send_keys(token)
+        .await
+        .unwrap();
+    c.find(Locator::Id("login-submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until(
+        c,
+        "!document.getElementById('app').hidden",
+        Duration::from_secs(10),
+    )
+    .await;
+    hook_errors(c).await;
+}
+
+/// One call of `llm.call` as `key` with `input`; returns its status.
+async fn call_status(http: &reqwest::Client, base: &str, key: &str, input: Value) -> u16 {
+    http.post(format!("{base}/v1/ops/llm.call"))
+        .bearer_auth(key)
+        .json(&input)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+/// The operator's view of trouble, in a real browser, on `tollgate all` with
+/// a recording upstream: a call the upstream fails (503 after its retries)
+/// shows in the provider's answers by class and as a refunded row that says
+/// why; a user at its limit shows in the operation's denials, among the users
+/// most denied, and stays among the top users although it spends nothing new.
+#[tokio::test(flavor = "multi_thread")]
+async fn dashboard_shows_a_failing_upstream_and_a_user_at_its_limit() {
+    let upstream =
+        tollgate_tests::upstream::Upstream::start(std::collections::HashMap::new(), Duration::ZERO)
+            .await
+            .expect("start the upstream");
+    let config = std::env::temp_dir().join(format!("tollgate-dash-{}.toml", random_prefix()));
+    std::fs::write(
+        &config,
+        format!(
+            "default_plan = \"free\"\n[plans.free]\nlimit = 1000\nwindow = \"1h\"\n\
+             [plans.tiny]\nlimit = 2\nwindow = \"1h\"\n\
+             [providers.llm]\nrate = 50\nburst = 10\nmax_wait = \"10s\"\nurl = \"{}\"\nretries = 1\n\
+             [operations.\"llm.call\"]\ncost = 1\nprovider = \"llm\"\npath = \"/llm\"\n",
+            upstream.url()
+        ),
+    )
+    .unwrap();
+    let config_arg = config.to_string_lossy().into_owned();
+    let (child, lines) = spawn_reading(
+        &["all", "--listen", "127.0.0.1:0", "--config", &config_arg],
+        |l| l.iter().any(|l| l.contains("/v1/usage")),
+    );
+    let _procs = Procs(vec![child]);
+    let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
+    let (base, dev_key, admin) = (
+        find("listening on "),
+        find("Bearer "),
+        find("admin token: "),
+    );
+    let http = http();
+
+    // A user on a plan of 2 tokens: two calls pass, the next three are denied.
+    let created = http
+        .post(format!("{base}/admin/users"))
+        .bearer_auth(&admin)
+        .json(&json!({"user": "capped", "plan": "tiny"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let capped: Value = created.json().await.unwrap();
+    let capped_key = capped["api_key"].as_str().unwrap().to_owned();
+    for (i, expected) in [200, 200, 429, 429, 429].into_iter().enumerate() {
+        let status = call_status(&http, &base, &capped_key, json!({"n": i})).await;
+        assert_eq!(status, expected, "call {i} of the capped user");
+    }
+    // The upstream answers two calls, and fails one (503, then 503 on its retry).
+    for i in 0..2 {
+        assert_eq!(
+            call_status(&http, &base, &dev_key, json!({"ok": i})).await,
+            200
+        );
+    }
+    // With an Idempotency-Key, so its record (and so its reason) is kept: a
+    // sync call without one has its record forgotten once answered.
+    let failed = http
+        .post(format!("{base}/v1/ops/llm.call"))
+        .bearer_auth(&dev_key)
+        .header("idempotency-key", "fails-upstream")
+        .json(&json!({"upstream": {"answer": "503"}}))
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16();
+    assert_eq!(failed, 502, "a provider failure");
+    let fails = upstream
+        .arrivals()
+        .iter()
+        .filter(|a| a.status == 503)
+        .count();
+    assert!(fails >= 1, "the upstream never failed a call");
+
+    let driver = chromedriver();
+    let c = browser(&driver).await;
+    log_in(&c, &base, &admin).await;
+
+    // The provider's answers by class.
+    let answers = "document.querySelector('#answers tr[data-provider=\"llm\"]')";
+    until(
+        &c,
+        &format!("{answers} && Number({answers}.dataset.a2xx) >= 4 && Number({answers}.dataset.a5xx) >= 1"),
+        Duration::from_secs(20),
+    )
+    .await;
+    // The refunded job's row says why: the provider failed.
+    let reason = until(
+        &c,
+        "(document.querySelector('#events tr.refunded[data-reason]') || {dataset: {}}).dataset.reason",
+        Duration::from_secs(20),
+    )
+    .await;
+    assert!(
+        reason.as_str().unwrap().starts_with("provider: "),
+        "{reason}"
+    );
+    // The operation's denials, the user most denied, and that user among the
+    // top users (its window is full).
+    let denials = "document.querySelector('#denials tr[data-operation=\"llm.call\"]')";
+    until(
+        &c,
+        &format!("{denials} && Number({denials}.dataset.recent) === 3"),
+        Duration::from_secs(20),
+    )
+    .await;
+    let most = until(
+        &c,
+        "(document.querySelector('#most-denied tr[data-user]') || {dataset: {}}).dataset.user",
+        Duration::from_secs(20),
+    )
+    .await;
+    assert_eq!(most, json!("capped"));
+    assert_eq!(
+        c.execute(
+            "return document.querySelector('#most-denied tr[data-user=\"capped\"]').dataset.denials;",
+            vec![]
+        )
+        .await
+        .unwrap(),
+        json!("3")
+    );
+    until(
+        &c,
+        "document.querySelector('#top-users tr[data-user=\"capped\"]')",
+        Duration::from_secs(20),
+    )
+    .await;
+    let text = c
+        .execute("return document.getElementById('app').innerText;", vec![])
+        .await
+        .unwrap();
+    assert!(
+        text.as_str().unwrap().contains("2 / 2"),
+        "the capped user's used/limit is not shown:\n{text}"
+    );
+    assert_eq!(
+        page_errors(&c).await,
+        json!([]),
+        "the page's JavaScript logged errors"
+    );
+    let png = c.screenshot().await.unwrap();
+    std::fs::write(target_dir().join("dashboard-trouble.png"), &png).unwrap();
+    c.close().await.unwrap();
+    let _ = std::fs::remove_file(&config);
 }

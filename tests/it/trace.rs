@@ -1,7 +1,10 @@
 //! One trace id from request to provider: a call with a W3C `traceparent`
 //! through an `api` process and a `worker` process (JSON logs) to a recording
 //! upstream. Both processes' log lines about the call carry its `trace_id`,
-//! and the upstream receives the same trace.
+//! and the upstream receives the same trace. With `--access-log` the api
+//! writes one line per finished request, a successful one included, under the
+//! trace id the client sees (its own `traceparent`, or the `traceresponse`
+//! header of the answer when it sent none).
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -84,7 +87,12 @@ async fn one_trace_id_from_request_to_provider() {
     let port = tollgate_tests::redis_server::free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let listen = addr.to_string();
-    let api = Role::start(&["api", "--listen", &listen], &redis, &prefix, &config);
+    let api = Role::start(
+        &["api", "--listen", &listen, "--access-log"],
+        &redis,
+        &prefix,
+        &config,
+    );
     let worker = Role::start(&["worker"], &redis, &prefix, &config);
     let _throttler = Role::start(&["throttler"], &redis, &prefix, &config);
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -125,6 +133,89 @@ async fn one_trace_id_from_request_to_provider() {
     .expect("an answer within 60s")
     .expect("the call");
     assert_eq!(r.status, 200, "{}", r.text());
+    let echoed = r.header("traceresponse").expect("a traceresponse header");
+    assert!(echoed.starts_with(&format!("00-{TRACE_ID}-")), "{echoed}");
+
+    // A call without a traceparent: its answer names the trace it started.
+    let untraced = tollgate_tests::http::send(
+        addr,
+        "POST",
+        "/v1/ops/llm.call",
+        &[
+            ("Authorization", key.as_str()),
+            ("Content-Type", "application/json"),
+        ],
+        body.as_bytes(),
+    )
+    .await
+    .expect("the call");
+    assert_eq!(untraced.status, 200, "{}", untraced.text());
+    let started = untraced
+        .header("traceresponse")
+        .and_then(|v| v.split('-').nth(1))
+        .expect("a traceresponse header")
+        .to_owned();
+    assert_eq!(started.len(), 32, "{started}");
+    assert_ne!(started, TRACE_ID);
+
+    // The access log: one line for each call, under the trace id the client
+    // saw, with who, what, the price, the status and the latency.
+    for trace_id in [TRACE_ID, started.as_str()] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let line = loop {
+            let lines: Vec<Value> = api
+                .lines_with(trace_id)
+                .into_iter()
+                .filter(|l| l["target"] == "tollgate::access")
+                .collect();
+            if let Some(line) = lines.first() {
+                assert_eq!(lines.len(), 1, "one line per request: {lines:?}");
+                break line.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no access line for {trace_id} in the api's log"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let f = &line["fields"];
+        assert_eq!(f["trace_id"], trace_id, "{line}");
+        assert_eq!(f["user"], "tracer", "{line}");
+        assert_eq!(f["operation"], "llm.call", "{line}");
+        assert_eq!(f["route"], "/v1/ops/{operation}", "{line}");
+        assert_eq!(f["method"], "POST", "{line}");
+        assert_eq!(f["status"], 200, "{line}");
+        assert_eq!(f["cost"], 1, "{line}");
+        assert!(
+            f["latency_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+            "{line}"
+        );
+    }
+    // A request that fails authentication has its line too, without a user.
+    let denied = tollgate_tests::http::send(
+        addr,
+        "GET",
+        "/v1/usage",
+        &[(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )],
+        b"",
+    )
+    .await
+    .expect("the call");
+    assert_eq!(denied.status, 401);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let lines = api.lines_with("0af7651916cd43dd8448eb211c80319c");
+        if let Some(l) = lines.iter().find(|l| l["target"] == "tollgate::access") {
+            assert_eq!(l["fields"]["status"], 401, "{l}");
+            assert!(l["fields"].get("user").is_none(), "{l}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no access line for the 401");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // The upstream got the same trace, from the worker's own hop.
     let sent: Vec<String> = upstream
@@ -132,7 +223,7 @@ async fn one_trace_id_from_request_to_provider() {
         .into_iter()
         .filter_map(|a| a.traceparent)
         .collect();
-    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent.len(), 2, "{sent:?}");
     assert!(sent[0].starts_with(&format!("00-{TRACE_ID}-")), "{sent:?}");
     assert_ne!(
         sent[0], traceparent,

@@ -292,6 +292,11 @@ pub async fn authenticate(
             if let Some(kid) = &caller.service_key {
                 span.record("service_key", kid.as_str());
             }
+            crate::access_log::AccessNote::caller(
+                req.extensions(),
+                caller.user.as_str(),
+                caller.service_key.as_deref(),
+            );
             req.extensions_mut().insert(caller.user.clone());
             req.extensions_mut().insert(caller);
             next.run(req).await

@@ -478,6 +478,7 @@ where
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    crate::access_log::AccessNote::priced(&parts.extensions, &operation, tokens);
     if !cost.charges {
         parts.extensions.insert(Priced {
             user,

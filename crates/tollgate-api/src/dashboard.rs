@@ -16,9 +16,12 @@
 //! queue ([`JobQueue::stats`](tollgate_core::job::JobQueue::stats)), the roles
 //! alive (the workers' and throttlers' liveness records), and from the
 //! [`ActivityLog`]: grants per second and the p95 wait over the last minute,
-//! the newest spend events, and the top spenders (their used/limit read from
-//! the ledger). Each computation is also a sample of the per-provider charts
-//! (grants/s and waiters over the last [`HISTORY`]).
+//! the newest spend events (a refunded job's row says why, from its record),
+//! the top spenders (their used/limit read from the ledger), the upstream's
+//! answers per provider by class, the budget denials per operation and the
+//! users most denied. Each computation is also a sample of the per-provider
+//! charts (grants/s and waiters over the last [`HISTORY`]) and the baseline of
+//! the answer and denial counts over the last [`RECENT`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -31,9 +34,9 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde::Serialize;
-use tollgate_core::activity::{ActivityLog, ActivityView, SpendView, WAITS_CAP};
-use tollgate_core::id::UserId;
-use tollgate_core::job::QueueStats;
+use tollgate_core::activity::{ActivityLog, ActivityView, SpendView, ANSWER_CLASSES, WAITS_CAP};
+use tollgate_core::id::{RequestId, UserId};
+use tollgate_core::job::{JobStatus, QueueStats};
 use tollgate_core::session::SessionStore;
 use tollgate_core::throttle::{ProviderStats, ThrottleError};
 
@@ -48,6 +51,12 @@ use crate::state::ApiState;
 pub const OVERVIEW_INTERVAL: Duration = Duration::from_secs(1);
 /// How far back the charts go.
 pub const HISTORY: Duration = Duration::from_secs(5 * 60);
+/// The span of the answer and denial counts.
+pub const RECENT: Duration = HISTORY;
+/// The span of the users most denied.
+const DENIED_SPAN_MS: u64 = 3_600_000;
+/// Users most denied shown.
+const MOST_DENIED: usize = 8;
 /// The window of the rates and the p95.
 const MINUTE_MS: u64 = 60_000;
 /// Spend events in the overview (the newest).
@@ -80,13 +89,17 @@ pub struct Dashboard {
 struct Sampler {
     last: Option<(Instant, Arc<Overview>)>,
     history: BTreeMap<String, VecDeque<Sample>>,
+    /// `(at_ms, denial counters per operation)`, oldest first, over [`RECENT`].
+    denials: VecDeque<(u64, BTreeMap<String, u64>)>,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Sample {
     at_ms: u64,
     grants: u64,
     waiters: u64,
+    /// The provider's answer counters by class at this sample.
+    answers: BTreeMap<String, u64>,
 }
 
 impl Dashboard {
@@ -123,7 +136,43 @@ pub struct Overview {
     pub roles: Roles,
     pub top_users: Vec<TopUser>,
     /// The newest spend events, newest first.
-    pub events: Vec<SpendView>,
+    pub events: Vec<EventView>,
+    /// Budget denials per operation (every configured one, and plain
+    /// reserves once denied).
+    pub denials: Vec<OperationDenials>,
+    /// The users denied most in the last hour, most first.
+    pub most_denied: Vec<DeniedUser>,
+}
+
+/// A spend event, and why it was refunded.
+#[derive(Debug, Clone, Serialize)]
+pub struct EventView {
+    #[serde(flatten)]
+    pub spend: SpendView,
+    /// For a refunded job's charge: the job's failure as its record says it
+    /// (`<cause>: <message>`); `None` when not refunded, or the record is gone.
+    pub refund_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct OperationDenials {
+    pub operation: String,
+    /// Denials since `since_ms` ([`RECENT`] ago), or since the activity log
+    /// began (`None`: this pod has not sampled that long).
+    pub recent: u64,
+    pub since_ms: Option<u64>,
+    /// Since the activity log began.
+    pub total: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DeniedUser {
+    pub user: String,
+    /// Denials in the last hour (among the newest kept).
+    pub denials: u64,
+    /// The operations denied (`(plain reserve)` for plain ones).
+    pub operations: Vec<String>,
+    pub last_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -139,6 +188,11 @@ pub struct ProviderView {
     pub p95_wait_ms: Option<f64>,
     /// Oldest first: grants/s and waiters at each sample.
     pub history: Vec<Point>,
+    /// The upstream's answers by class (`2xx`, `4xx`, `429`, `5xx`,
+    /// `timeout`) since `answers_since_ms` ([`RECENT`] ago), or since the
+    /// activity log began (`None`: this pod has not sampled that long).
+    pub answers: BTreeMap<String, u64>,
+    pub answers_since_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -197,16 +251,24 @@ impl Sampler {
             .into_iter()
             .map(|s| {
                 let grants = activity.grants.get(&s.provider).copied().unwrap_or(0);
+                let answered = activity
+                    .answers
+                    .get(&s.provider)
+                    .cloned()
+                    .unwrap_or_default();
                 let history = self.history.entry(s.provider.clone()).or_default();
                 if history.back().is_none_or(|last| last.at_ms < now) {
                     history.push_back(Sample {
                         at_ms: now,
                         grants,
                         waiters: s.waiters,
+                        answers: answered.clone(),
                     });
                 }
+                // One sample at or before the horizon stays: the baseline of
+                // the counts over the last [`RECENT`].
                 let horizon = now.saturating_sub(HISTORY.as_millis() as u64);
-                while history.front().is_some_and(|f| f.at_ms < horizon) {
+                while history.get(1).is_some_and(|f| f.at_ms <= horizon) {
                     history.pop_front();
                 }
                 let points = history
@@ -243,7 +305,23 @@ impl Sampler {
                         _ => recent.len() as f64 / 60.0,
                     }
                 };
+                // The baseline is the sample at the span's start; a pod that
+                // has not sampled that long counts since the log began (a
+                // counter that restarted counts from 0).
+                let baseline = history.front().filter(|b| b.at_ms <= horizon);
+                let answers = ANSWER_CLASSES
+                    .iter()
+                    .map(|class| {
+                        let after = answered.get(*class).copied().unwrap_or(0);
+                        let before = baseline
+                            .and_then(|b| b.answers.get(*class).copied())
+                            .unwrap_or(0);
+                        ((*class).to_owned(), counted(before, after))
+                    })
+                    .collect();
                 ProviderView {
+                    answers,
+                    answers_since_ms: baseline.map(|b| b.at_ms),
                     grants_last_minute: (grants_per_sec * 60.0).round() as u64,
                     p95_wait_ms: p95(&mut recent).map(|us| us as f64 / 1000.0),
                     grants_per_sec,
@@ -253,6 +331,119 @@ impl Sampler {
             })
             .collect()
     }
+}
+
+impl Sampler {
+    /// Budget denials per operation over the last [`RECENT`], with this
+    /// reading as a sample.
+    fn denials(&mut self, state: &ApiState, activity: &ActivityView) -> Vec<OperationDenials> {
+        let now = activity.now_ms;
+        if self.denials.back().is_none_or(|(at, _)| *at < now) {
+            self.denials.push_back((now, activity.denials.clone()));
+        }
+        let horizon = now.saturating_sub(RECENT.as_millis() as u64);
+        while self.denials.get(1).is_some_and(|(at, _)| *at <= horizon) {
+            self.denials.pop_front();
+        }
+        let (since_ms, baseline) = self
+            .denials
+            .front()
+            .filter(|(at, _)| *at <= horizon)
+            .map_or((None, None), |(at, b)| (Some(*at), Some(b)));
+        let mut names: Vec<String> = state.config.operations().map(|o| o.name.clone()).collect();
+        for name in activity.denials.keys() {
+            if !names.contains(name) {
+                names.push(name.clone());
+            }
+        }
+        names
+            .into_iter()
+            .map(|operation| {
+                let total = activity.denials.get(&operation).copied().unwrap_or(0);
+                let before = baseline
+                    .and_then(|b| b.get(&operation).copied())
+                    .unwrap_or(0);
+                OperationDenials {
+                    recent: counted(before, total),
+                    since_ms,
+                    total,
+                    operation,
+                }
+            })
+            .collect()
+    }
+}
+
+/// The users denied most among the newest denials of the last hour.
+fn most_denied(activity: &ActivityView) -> Vec<DeniedUser> {
+    let since = activity.now_ms.saturating_sub(DENIED_SPAN_MS);
+    let mut by_user: HashMap<&str, DeniedUser> = HashMap::new();
+    for d in activity.denied.iter().filter(|d| d.at_ms >= since) {
+        let entry = by_user
+            .entry(d.user.as_str())
+            .or_insert_with(|| DeniedUser {
+                user: d.user.clone(),
+                denials: 0,
+                operations: Vec::new(),
+                last_ms: d.at_ms,
+            });
+        entry.denials += 1;
+        entry.last_ms = entry.last_ms.max(d.at_ms);
+        let op = d
+            .operation
+            .clone()
+            .unwrap_or_else(|| tollgate_core::activity::PLAIN.to_owned());
+        if !entry.operations.contains(&op) {
+            entry.operations.push(op);
+        }
+    }
+    let mut users: Vec<DeniedUser> = by_user.into_values().collect();
+    users.sort_by(|a, b| b.denials.cmp(&a.denials).then(a.user.cmp(&b.user)));
+    users.truncate(MOST_DENIED);
+    users
+}
+
+/// The shown events, each refunded job's with its record's failure.
+async fn events(state: &ApiState, activity: &ActivityView) -> Vec<EventView> {
+    let shown: Vec<SpendView> = activity.events.iter().take(EVENTS_SHOWN).cloned().collect();
+    let reasons = shown.iter().map(|e| {
+        let jobs = Arc::clone(&state.jobs);
+        let ids = (e.refunded && e.operation.is_some())
+            .then(|| {
+                Some((
+                    UserId::new(&e.user).ok()?,
+                    RequestId::new(&e.request_id).ok()?,
+                ))
+            })
+            .flatten();
+        async move {
+            let (user, id) = ids?;
+            let info = jobs.status(&user, &id).await.ok()??;
+            match info.status {
+                JobStatus::Failed { cause, message } => {
+                    Some(format!("{}: {message}", cause.as_str()))
+                }
+                _ => None,
+            }
+        }
+    });
+    let reasons = futures_util::future::join_all(reasons).await;
+    shown
+        .into_iter()
+        .zip(reasons)
+        .map(|(spend, refund_reason)| EventView {
+            refund_reason: if spend.refunded {
+                refund_reason.or_else(|| {
+                    spend.operation.is_none().then(|| {
+                        "a plain charge: refunded by an operator, or its route failed".to_owned()
+                    })
+                })
+            } else {
+                None
+            },
+            spend,
+        })
+        .collect()
 }
 
 /// Grants between two readings of a counter that restarts at 0 when the store
@@ -286,23 +477,35 @@ pub async fn compute(state: &ApiState) -> Result<Arc<Overview>, ApiError> {
         workers: queues.iter().filter_map(|q| q.workers).max(),
         throttlers: providers.iter().filter_map(|p| p.throttlers).max(),
     };
-    let top_users = top_users(state, &activity).await;
+    let most_denied = most_denied(&activity);
+    let (top_users, events) = tokio::join!(
+        top_users(state, &activity, &most_denied),
+        events(state, &activity)
+    );
     let providers = sampler.providers(providers, &activity);
+    let denials = sampler.denials(state, &activity);
     let overview = Arc::new(Overview {
         now_ms: activity.now_ms,
         providers,
         queues,
         roles,
         top_users,
-        events: activity.events.into_iter().take(EVENTS_SHOWN).collect(),
+        events,
+        denials,
+        most_denied,
     });
     sampler.last = Some((Instant::now(), Arc::clone(&overview)));
     Ok(overview)
 }
 
-/// The users who spent most in the log's (unrefunded) events, ranked by what
-/// their window holds now.
-async fn top_users(state: &ApiState, activity: &ActivityView) -> Vec<TopUser> {
+/// The users who spent most in the log's (unrefunded) events, and those
+/// denied most (a user stopped at its limit spends nothing new, but its window
+/// is full), ranked by what their window holds now.
+async fn top_users(
+    state: &ApiState,
+    activity: &ActivityView,
+    denied: &[DeniedUser],
+) -> Vec<TopUser> {
     let mut spent: HashMap<&str, u64> = HashMap::new();
     for e in activity.events.iter().filter(|e| !e.refunded) {
         *spent.entry(e.user.as_str()).or_default() += e.cost;
@@ -310,6 +513,11 @@ async fn top_users(state: &ApiState, activity: &ActivityView) -> Vec<TopUser> {
     let mut candidates: Vec<(&str, u64)> = spent.into_iter().collect();
     candidates.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
     candidates.truncate(TOP_CANDIDATES);
+    for d in denied {
+        if !candidates.iter().any(|(u, _)| *u == d.user) {
+            candidates.push((d.user.as_str(), 0));
+        }
+    }
     let reads = candidates.iter().filter_map(|(user, _)| {
         let user = UserId::new(*user).ok()?;
         let ledger = Arc::clone(&state.ledger);
@@ -393,7 +601,7 @@ pub fn schema() -> serde_json::Value {
     let nullable_int = serde_json::json!({"type": ["integer", "null"]});
     serde_json::json!({
         "type": "object",
-        "required": ["now_ms", "providers", "queues", "roles", "top_users", "events"],
+        "required": ["now_ms", "providers", "queues", "roles", "top_users", "events", "denials", "most_denied"],
         "properties": {
             "now_ms": int,
             "providers": {"type": "array", "items": {
@@ -414,6 +622,8 @@ pub fn schema() -> serde_json::Value {
                     "history": {"type": "array", "items": {"type": "object",
                         "required": ["at_ms", "grants_per_sec", "waiters"],
                         "properties": {"at_ms": int, "grants_per_sec": {"type": "number"}, "waiters": int}}},
+                    "answers": {"type": "object", "additionalProperties": int, "description": "The upstream's answers by class (2xx, 4xx, 429, 5xx, timeout) since answers_since_ms (at most 5 minutes ago)."},
+                    "answers_since_ms": nullable_int,
                 },
             }},
             "queues": {"type": "array", "items": {
@@ -436,7 +646,18 @@ pub fn schema() -> serde_json::Value {
                     "at_ms": int, "user": {"type": "string"}, "operation": {"type": ["string", "null"]},
                     "service_key": {"type": "string", "description": "The service key (its id) that made the charge for the user, if one did."},
                     "cost": int, "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
+                    "refund_reason": {"type": ["string", "null"], "description": "Why a refunded job's charge went back: its failure as the job's record says it."},
                 },
+            }},
+            "denials": {"type": "array", "items": {
+                "type": "object",
+                "required": ["operation", "recent", "since_ms", "total"],
+                "properties": {"operation": {"type": "string"}, "recent": int, "since_ms": nullable_int, "total": int},
+            }},
+            "most_denied": {"type": "array", "items": {
+                "type": "object",
+                "required": ["user", "denials", "operations", "last_ms"],
+                "properties": {"user": {"type": "string"}, "denials": int, "operations": {"type": "array", "items": {"type": "string"}}, "last_ms": int},
             }},
         },
     })

@@ -11,6 +11,7 @@
 //! - [`ops`], [`usage`], [`admin`]: the handlers;
 //! - [`dashboard`]: the live operations page at `/dashboard` and its
 //!   `/admin/overview`;
+//! - [`access_log`]: one line per finished request (`--access-log`);
 //! - [`health`]: `/healthz`, `/readyz`, `/metrics` (also served alone by a
 //!   worker's or throttler's `--metrics-listen`);
 //! - [`problem`]: every error as `application/problem+json`;
@@ -21,6 +22,7 @@
 //! job, and reads the job's outcome.
 
 pub mod abuse;
+pub mod access_log;
 pub mod admin;
 pub mod auth;
 pub mod cost;
@@ -286,6 +288,10 @@ pub fn router(mut state: ApiState) -> Router {
         .layer(middleware::from_fn_with_state(
             state.clone(),
             count_requests,
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            access_log::middleware,
         ))
         .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
             let route = req

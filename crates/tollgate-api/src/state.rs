@@ -42,6 +42,9 @@ pub struct Settings {
     /// The longest a request may take on a route that does not wait for a
     /// job (every route but the operation calls); then 503.
     pub request_timeout: Duration,
+    /// Whether each finished request writes its line to the log
+    /// ([`crate::access_log`]).
+    pub access_log: bool,
 }
 
 impl Default for Settings {
@@ -54,6 +57,7 @@ impl Default for Settings {
             trusted_proxy_header: None,
             legacy_keys: true,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            access_log: false,
         }
     }
 }
@@ -68,6 +72,7 @@ impl fmt::Debug for Settings {
             .field("trusted_proxy_header", &self.trusted_proxy_header)
             .field("legacy_keys", &self.legacy_keys)
             .field("request_timeout", &self.request_timeout)
+            .field("access_log", &self.access_log)
             .finish()
     }
 }

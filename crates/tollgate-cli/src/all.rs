@@ -107,6 +107,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
         trusted_proxy_header: args.trusted_proxy_header.clone(),
         legacy_keys: args.requests.legacy_keys(),
         request_timeout,
+        access_log: args.requests.access_log(),
         ..Settings::default()
     };
 

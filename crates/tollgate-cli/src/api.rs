@@ -123,6 +123,7 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         trusted_proxy_header: args.trusted_proxy_header,
         legacy_keys: args.requests.legacy_keys(),
         request_timeout,
+        access_log: args.requests.access_log(),
     };
     tracing::info!(
         store = %backends.described, admin = settings.admin_token.is_some(), "api starting"

@@ -71,6 +71,12 @@ pub struct RequestArgs {
     /// key was replaced: a key of that format is then refused without a lookup.
     #[arg(long, env = "TOLLGATE_LEGACY_KEYS", default_value_t = true, action = clap::ArgAction::Set)]
     legacy_keys: bool,
+
+    /// Write one line per finished request (target `tollgate::access`: trace
+    /// id, user, operation, cost, status, latency), so `grep <trace id>`
+    /// finds the api's side of any call, a successful one too.
+    #[arg(long, env = "TOLLGATE_ACCESS_LOG", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    access_log: bool,
 }
 
 impl RequestArgs {
@@ -85,6 +91,10 @@ impl RequestArgs {
 
     pub fn legacy_keys(&self) -> bool {
         self.legacy_keys
+    }
+
+    pub fn access_log(&self) -> bool {
+        self.access_log
     }
 }
 

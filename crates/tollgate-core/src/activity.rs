@@ -1,11 +1,15 @@
 //! The activity log: what the operations dashboard shows beyond the gauges of
 //! shared state: the newest spend events (the audit trail across users), which
-//! of them were refunded, and each provider's grants and their waits.
+//! of them were refunded, each provider's grants and their waits, the
+//! upstream's answers by class, and the budget denials (per operation, and
+//! the newest with their users).
 //!
 //! It is fed by two decorators every backend wraps its stores in:
-//! [`RecordingLedger`] (charges, reserves, refunds, releases) and
-//! [`RecordingThrottle`] (grants and how long they waited), so both backends
-//! record the same things the same way. The log is **observational**: noting
+//! [`RecordingLedger`] (charges, reserves, refunds, releases, denials) and
+//! [`RecordingThrottle`] (grants and how long they waited), and by the
+//! process's [`Metrics`](crate::metrics::Metrics) for each upstream answer
+//! ([`Metrics::note_answers_into`](crate::metrics::Metrics::note_answers_into)),
+//! so both backends record the same things the same way. The log is **observational**: noting
 //! never waits on the store and never fails a budget step; a note lost to a
 //! store failure only leaves a gap on the dashboard. Everything it keeps is
 //! bounded ([`EVENTS_CAP`], [`WAITS_CAP`]): it is a window on the recent past,
@@ -36,6 +40,13 @@ use crate::throttle::{Grant, Pause, Position, ProviderStats, Throttle, ThrottleE
 pub const EVENTS_CAP: usize = 1000;
 /// Grant waits kept per provider (the newest): enough for a p95.
 pub const WAITS_CAP: usize = 512;
+/// Budget denials kept (the newest), for the users most denied.
+pub const DENIED_CAP: usize = 1000;
+
+/// The classes of an upstream answer, as the dashboard shows them: a
+/// [`CallOutcome`](crate::metrics::CallOutcome) `ok` or `bad_response` is a
+/// `2xx`, `transport` (no answer: refused, reset, timed out) is `timeout`.
+pub const ANSWER_CLASSES: [&str; 5] = ["2xx", "4xx", "429", "5xx", "timeout"];
 
 /// One spend event as noted: a charge (a job's, with its operation) or a
 /// plain reserve.
@@ -69,7 +80,30 @@ pub enum Note {
         at_ms: u64,
         waited_us: u64,
     },
+    /// The budget denied `user` a call of `operation` (`None`: a plain
+    /// reserve); the log stamps it with its own clock.
+    Denied {
+        user: String,
+        operation: Option<String>,
+    },
+    /// `provider` answered an attempt; `class` is one of [`ANSWER_CLASSES`].
+    Answered {
+        provider: String,
+        class: &'static str,
+    },
 }
+
+/// One budget denial as read back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DenialView {
+    pub at_ms: u64,
+    pub user: String,
+    /// `None`: a plain reserve.
+    pub operation: Option<String>,
+}
+
+/// The name a plain reserve's denials are counted under.
+pub const PLAIN: &str = "(plain reserve)";
 
 /// A spend event as read back, with whether it was refunded since.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -97,6 +131,14 @@ pub struct ActivityView {
     pub grants: BTreeMap<String, u64>,
     /// Per provider, the newest grants' `(at_ms, waited_us)`, newest first.
     pub waits: BTreeMap<String, Vec<(u64, u64)>>,
+    /// Per provider and answer class ([`ANSWER_CLASSES`]), the upstream's
+    /// answers since the log began (counters, like `grants`).
+    pub answers: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Budget denials per operation ([`PLAIN`] for plain reserves) since the
+    /// log began (counters).
+    pub denials: BTreeMap<String, u64>,
+    /// The newest denials, newest first, at most [`DENIED_CAP`].
+    pub denied: Vec<DenialView>,
 }
 
 /// Where notes go; see the module docs.
@@ -126,6 +168,9 @@ struct MemoryState {
     refunded_set: HashSet<String>,
     grants: BTreeMap<String, u64>,
     waits: BTreeMap<String, VecDeque<(u64, u64)>>,
+    answers: BTreeMap<String, BTreeMap<String, u64>>,
+    denials: BTreeMap<String, u64>,
+    denied: VecDeque<DenialView>,
 }
 
 impl MemoryActivity {
@@ -163,6 +208,23 @@ impl ActivityLog for MemoryActivity {
                 waits.push_front((at_ms, waited_us));
                 waits.truncate(WAITS_CAP);
             }
+            Note::Denied { user, operation } => {
+                let name = operation.clone().unwrap_or_else(|| PLAIN.to_owned());
+                *st.denials.entry(name).or_default() += 1;
+                st.denied.push_front(DenialView {
+                    at_ms: SystemClock.now_ms(),
+                    user,
+                    operation,
+                });
+                st.denied.truncate(DENIED_CAP);
+            }
+            Note::Answered { provider, class } => {
+                *st.answers
+                    .entry(provider)
+                    .or_default()
+                    .entry(class.to_owned())
+                    .or_default() += 1;
+            }
         }
     }
 
@@ -181,6 +243,9 @@ impl ActivityLog for MemoryActivity {
                 .iter()
                 .map(|(p, w)| (p.clone(), w.iter().copied().collect()))
                 .collect(),
+            answers: st.answers.clone(),
+            denials: st.denials.clone(),
+            denied: st.denied.iter().cloned().collect(),
         })
     }
 }
@@ -258,10 +323,15 @@ impl Ledger for RecordingLedger {
         cost: u64,
     ) -> Result<ReserveOutcome, LedgerError> {
         let r = self.inner.reserve(user, request, cost).await;
-        if let Ok(ReserveOutcome::Allowed(a)) = &r {
-            if !a.duplicate {
+        match &r {
+            Ok(ReserveOutcome::Allowed(a)) if !a.duplicate => {
                 self.spent(user, request, None, None, cost, a.at_ms);
             }
+            Ok(ReserveOutcome::Denied(_)) => self.log.note(Note::Denied {
+                user: user.to_string(),
+                operation: None,
+            }),
+            _ => {}
         }
         r
     }
@@ -327,15 +397,20 @@ impl Ledger for RecordingLedger {
         charge: &ChargeRequest<'_>,
     ) -> Result<ChargeOutcome, LedgerError> {
         let r = self.inner.charge(user, request, charge).await;
-        if let Ok(ChargeOutcome::Charged { allowed, .. }) = &r {
-            self.spent(
+        match &r {
+            Ok(ChargeOutcome::Charged { allowed, .. }) => self.spent(
                 user,
                 request,
                 Some(charge.nonce),
                 Some((charge.operation, charge.service_key)),
                 charge.cost,
                 allowed.at_ms,
-            );
+            ),
+            Ok(ChargeOutcome::Denied(_)) => self.log.note(Note::Denied {
+                user: user.to_string(),
+                operation: Some(charge.operation.to_owned()),
+            }),
+            _ => {}
         }
         r
     }

@@ -58,6 +58,7 @@ impl Backends {
     pub fn memory(config: Arc<Config>) -> Self {
         let metrics = Arc::new(Metrics::new(&config));
         let activity: Arc<dyn ActivityLog> = Arc::new(MemoryActivity::new());
+        metrics.note_answers_into(Arc::clone(&activity));
         let ledger: Arc<dyn Ledger> = Arc::new(RecordingLedger::new(
             Arc::new(MeteredLedger::new(
                 Arc::new(MemoryLedger::new(Arc::clone(&config))),

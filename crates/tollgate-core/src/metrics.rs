@@ -132,6 +132,11 @@ struct CauseLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabel {
+    version: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SourceLabel {
     source: &'static str,
 }
@@ -174,6 +179,18 @@ impl CallOutcome {
             Self::ClientError => "4xx",
             Self::Transport => "transport",
             Self::BadResponse => "bad_response",
+        }
+    }
+
+    /// The dashboard's class of this outcome: one of
+    /// [`ANSWER_CLASSES`](crate::activity::ANSWER_CLASSES).
+    pub fn answer_class(self) -> &'static str {
+        match self {
+            Self::Ok | Self::BadResponse => "2xx",
+            Self::ClientError => "4xx",
+            Self::RateLimited => "429",
+            Self::ServerError => "5xx",
+            Self::Transport => "timeout",
         }
     }
 
@@ -379,6 +396,9 @@ pub struct Metrics {
     absorbed: Family<ProviderReason, Counter>,
     // scrapes
     stats_errors: Family<SourceLabel, Counter>,
+    /// Where each upstream answer is also noted (the dashboard's activity
+    /// log), once the backends are built.
+    answers_log: std::sync::OnceLock<Arc<dyn crate::activity::ActivityLog>>,
     /// Plan names by limit: a denial's limit names its plan when only one has it.
     plans_by_limit: BTreeMap<u64, Vec<String>>,
     plan_names: Vec<String>,
@@ -597,6 +617,18 @@ impl Metrics {
             absorbed.clone(),
         );
 
+        let build_info = Family::<VersionLabel, Gauge>::default();
+        r.register(
+            "tollgate_build_info",
+            "Always 1; its version label is the tollgate release this process runs",
+            build_info.clone(),
+        );
+        build_info
+            .get_or_create(&VersionLabel {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+
         let stats_errors = counters();
         r.register(
             "tollgate_stats_errors",
@@ -734,9 +766,17 @@ impl Metrics {
             retries,
             absorbed,
             stats_errors,
+            answers_log: std::sync::OnceLock::new(),
             plans_by_limit,
             plan_names: config.plans().map(|p| p.name.clone()).collect(),
         }
+    }
+
+    /// From now on each upstream answer ([`provider_call`](Self::provider_call))
+    /// is also noted into `log`, by class (the dashboard's view of the
+    /// upstream, from every pod); the first log set stays.
+    pub fn note_answers_into(&self, log: Arc<dyn crate::activity::ActivityLog>) {
+        let _ = self.answers_log.set(log);
     }
 
     /// The heartbeats of this process's loops.
@@ -1021,6 +1061,12 @@ impl Metrics {
                 outcome: outcome.as_str(),
             })
             .observe(took.as_secs_f64());
+        if let Some(log) = self.answers_log.get() {
+            log.note(crate::activity::Note::Answered {
+                provider: provider.to_owned(),
+                class: outcome.answer_class(),
+            });
+        }
         if outcome != CallOutcome::Ok {
             self.upstream_errors
                 .get_or_create(&ProviderClass {
@@ -1390,6 +1436,7 @@ mod tests {
             "tollgate_throttle_max_wait_seconds{provider=\"llm\"} 30",
             "tollgate_upstream_errors_total{provider=\"llm\",class=\"429\"} 0",
             "tollgate_worker_refunds_total{cause=\"provider\"} 0",
+            concat!("tollgate_build_info{version=\"", env!("CARGO_PKG_VERSION"), "\"} 1"),
         ] {
             assert!(text.contains(line), "{line}\n{text}");
         }

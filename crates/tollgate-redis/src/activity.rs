@@ -11,7 +11,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::Value;
 use tollgate_core::activity::{
-    ActivityLog, ActivityView, Note, Spend, EVENTS_CAP, FLUSH_INTERVAL, WAITS_CAP,
+    ActivityLog, ActivityView, DenialView, Note, Spend, DENIED_CAP, EVENTS_CAP, FLUSH_INTERVAL,
+    WAITS_CAP,
 };
 use tollgate_core::config::Config;
 use tollgate_core::error::StoreError;
@@ -98,6 +99,7 @@ impl Shared {
             let caps = ActivityCaps {
                 events: EVENTS_CAP,
                 waits: WAITS_CAP,
+                denied: DENIED_CAP,
                 idle_ms: IDLE.as_millis() as u64,
             };
             let inv = scripts::activity_record(&self.keys, &self.providers, caps, &notes);
@@ -119,6 +121,15 @@ impl Shared {
                 let i = self.providers.iter().position(|p| *p == provider)? + 1;
                 Some(format!("g {i} {provider} {at_ms} {waited_us}"))
             }
+            Note::Denied { user, operation } => Some(match operation {
+                Some(op) if !op.contains(char::is_whitespace) => format!("d {user} {op}"),
+                Some(_) => return None,
+                None => format!("d {user}"),
+            }),
+            Note::Answered { provider, class } => self
+                .providers
+                .contains(&provider)
+                .then(|| format!("a {provider} {class}")),
         }
     }
 }
@@ -131,6 +142,15 @@ fn strings(v: &Value) -> Vec<String> {
             .collect(),
         _ => Vec::new(),
     }
+}
+
+/// The `(field, count)` pairs of a flat HGETALL reply.
+fn counters(v: &Value) -> impl Iterator<Item = (String, u64)> {
+    strings(v)
+        .chunks_exact(2)
+        .filter_map(|kv| Some((kv[0].clone(), kv[1].parse::<u64>().ok()?)))
+        .collect::<Vec<_>>()
+        .into_iter()
 }
 
 #[async_trait]
@@ -149,7 +169,7 @@ impl ActivityLog for RedisActivity {
         let s = &self.shared;
         let inv = scripts::activity_read(&s.keys, &s.providers, EVENTS_CAP);
         let reply: Vec<Value> = call::script(&s.pool, TIMEOUT, "activity_read", &inv).await?;
-        if reply.len() != 4 + s.providers.len() {
+        if reply.len() != 7 + s.providers.len() {
             return Err(bad_reply("activity_read", &reply));
         }
         let now_ms: u64 = redis::from_redis_value_ref(&reply[0])
@@ -160,15 +180,38 @@ impl ActivityLog for RedisActivity {
             .filter_map(|j| serde_json::from_str::<Spend>(j).ok())
             .map(|spend| spend.view(refunded.contains(&spend.key)))
             .collect();
-        let flat = strings(&reply[3]);
-        let grants = flat
-            .chunks_exact(2)
-            .filter_map(|kv| Some((kv[0].clone(), kv[1].parse::<u64>().ok()?)))
+        let grants = counters(&reply[3]).collect();
+        let mut answers: std::collections::BTreeMap<
+            String,
+            std::collections::BTreeMap<String, u64>,
+        > = Default::default();
+        for (field, n) in counters(&reply[4]) {
+            if let Some((provider, class)) = field.split_once(' ') {
+                answers
+                    .entry(provider.to_owned())
+                    .or_default()
+                    .insert(class.to_owned(), n);
+            }
+        }
+        let denials = counters(&reply[5]).collect();
+        let denied = strings(&reply[6])
+            .iter()
+            .filter_map(|d| {
+                let mut parts = d.splitn(3, ' ');
+                let at_ms = parts.next()?.parse().ok()?;
+                let user = parts.next()?.to_owned();
+                let operation = parts.next().map(str::to_owned);
+                Some(DenialView {
+                    at_ms,
+                    user,
+                    operation,
+                })
+            })
             .collect();
         let waits = s
             .providers
             .iter()
-            .zip(&reply[4..])
+            .zip(&reply[7..])
             .map(|(p, v)| {
                 let samples = strings(v)
                     .iter()
@@ -185,6 +228,9 @@ impl ActivityLog for RedisActivity {
             events,
             grants,
             waits,
+            answers,
+            denials,
+            denied,
         })
     }
 }

@@ -332,6 +332,12 @@ pub struct ActivityKeys {
     pub refunded: String,
     /// Hash: provider -> grants counted.
     pub grants: String,
+    /// Hash: `"<provider> <class>"` -> upstream answers counted.
+    pub answers: String,
+    /// Hash: operation (or `(plain reserve)`) -> budget denials counted.
+    pub denials: String,
+    /// List: `"<at_ms> <user> <operation>"` of the newest denials, capped.
+    pub denied: String,
     base: String,
 }
 
@@ -343,13 +349,16 @@ impl ActivityKeys {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{activity}:events|refunded|grants|waits:<provider>`.
+    /// `<prefix>:v1:{activity}:events|refunded|grants|answers|denials|denied|waits:<provider>`.
     pub fn activity(&self) -> ActivityKeys {
         let base = format!("{}:{SCHEMA}:{{activity}}", self.prefix);
         ActivityKeys {
             events: format!("{base}:events"),
             refunded: format!("{base}:refunded"),
             grants: format!("{base}:grants"),
+            answers: format!("{base}:answers"),
+            denials: format!("{base}:denials"),
+            denied: format!("{base}:denied"),
             base,
         }
     }
@@ -429,7 +438,7 @@ mod tests {
         let k = KeySpace::new("tg").unwrap().activity();
         assert_eq!(k.events, "tg:v1:{activity}:events");
         assert_eq!(k.waits("llm"), "tg:v1:{activity}:waits:llm");
-        for key in [&k.refunded, &k.grants] {
+        for key in [&k.refunded, &k.grants, &k.answers, &k.denials, &k.denied] {
             assert!(key.starts_with("tg:v1:{activity}:"), "{key}");
         }
     }

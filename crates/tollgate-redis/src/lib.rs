@@ -53,6 +53,7 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
     let metrics = Arc::new(Metrics::new(&config));
     let activity: Arc<dyn ActivityLog> =
         Arc::new(activity::RedisActivity::start(pool.clone(), &keys, &config));
+    metrics.note_answers_into(Arc::clone(&activity));
     let ledger: Arc<dyn tollgate_core::ledger::Ledger> = Arc::new(RecordingLedger::new(
         Arc::new(MeteredLedger::new(
             Arc::new(RedisLedger::new(

@@ -1013,7 +1013,12 @@ pub static ACTIVITY_READ: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/activity_read.lua")));
 
 fn activity_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ActivityKeys, providers: &[String]) {
-    inv.key(&keys.events).key(&keys.refunded).key(&keys.grants);
+    inv.key(&keys.events)
+        .key(&keys.refunded)
+        .key(&keys.grants)
+        .key(&keys.answers)
+        .key(&keys.denials)
+        .key(&keys.denied);
     for p in providers {
         inv.key(keys.waits(p));
     }
@@ -1024,6 +1029,7 @@ fn activity_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ActivityKeys, pro
 pub struct ActivityCaps {
     pub events: usize,
     pub waits: usize,
+    pub denied: usize,
     pub idle_ms: u64,
 }
 
@@ -1037,7 +1043,10 @@ pub fn activity_record<'a>(
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = ACTIVITY_RECORD.prepare_invoke();
     activity_keys(&mut inv, keys, providers);
-    inv.arg(caps.events).arg(caps.waits).arg(caps.idle_ms);
+    inv.arg(caps.events)
+        .arg(caps.waits)
+        .arg(caps.idle_ms)
+        .arg(caps.denied);
     for n in notes {
         inv.arg(n);
     }
@@ -1052,7 +1061,7 @@ pub fn activity_read<'a>(
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = ACTIVITY_READ.prepare_invoke();
     activity_keys(&mut inv, keys, providers);
-    inv.arg(limit);
+    inv.arg(limit).arg(tollgate_core::activity::DENIED_CAP);
     inv
 }
 

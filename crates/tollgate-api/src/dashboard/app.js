@@ -73,12 +73,13 @@ function renderProviders(providers, now) {
       num(p.grants_per_sec, 2), num(p.grants_last_minute),
       el('td', p.p95_wait_ms === null ? '–' : p.p95_wait_ms.toFixed(1) + ' ms', 'num'),
       num(p.throttlers),
+      el('td', Number(p.effective_rate ?? p.rate).toFixed(2), p.effective_rate < p.rate ? 'num error' : 'num'),
     ]);
     tr.dataset.provider = p.provider;
     tr.dataset.grantsMinute = String(p.grants_last_minute);
     return tr;
   });
-  fill($('providers').tBodies[0], rows, 'no providers configured', 9);
+  fill($('providers').tBodies[0], rows, 'no providers configured', 10);
   const charts = $('charts');
   for (const p of providers) {
     let card = charts.querySelector('[data-chart="' + CSS.escape(p.provider) + '"]');
@@ -136,6 +137,50 @@ function draw(canvas, history, now) {
   }
 }
 
+const CLASSES = ['2xx', '4xx', '429', '5xx', 'timeout'];
+
+// Per provider: the upstream's answers by class, and whether its bucket is
+// paused (after a refusal) or refills below its rate (adaptive).
+function renderAnswers(providers) {
+  const rows = providers.map((p) => {
+    const answers = p.answers || {};
+    const cells = CLASSES.map((c) => {
+      const td = num(answers[c] || 0);
+      if (c !== '2xx' && answers[c] > 0) td.classList.add('error');
+      td.dataset.class = c;
+      return td;
+    });
+    let state = 'normal';
+    if (p.paused_ms > 0) state = 'paused ' + (p.paused_ms / 1000).toFixed(1) + ' s';
+    else if (p.effective_rate < p.rate) state = 'slowed to ' + p.effective_rate.toFixed(2) + ' /s';
+    const tr = row([el('td', p.provider), ...cells, el('td', state, state === 'normal' ? '' : 'error')]);
+    tr.dataset.provider = p.provider;
+    for (const c of CLASSES) tr.dataset['a' + c] = String(answers[c] || 0);
+    tr.dataset.state = state;
+    return tr;
+  });
+  fill($('answers').tBodies[0], rows, 'no providers configured', 7);
+}
+
+function renderDenials(denials, users) {
+  const rows = denials.map((d) => {
+    const tr = row([el('td', d.operation), num(d.recent), num(d.total)]);
+    tr.dataset.operation = d.operation;
+    tr.dataset.recent = String(d.recent);
+    if (d.recent > 0) tr.className = 'error';
+    return tr;
+  });
+  fill($('denials').tBodies[0], rows, 'no operations configured', 3);
+  const urows = users.map((u) => {
+    const tr = row([el('td', u.user), num(u.denials), el('td', u.operations.join(', ')),
+      el('td', new Date(u.last_ms).toLocaleTimeString())]);
+    tr.dataset.user = u.user;
+    tr.dataset.denials = String(u.denials);
+    return tr;
+  });
+  fill($('most-denied').tBodies[0], urows, 'nobody denied in the last hour', 4);
+}
+
 function renderQueues(queues) {
   const rows = queues.map((q) => {
     const tr = row([el('td', q.operation), num(q.queued), num(q.running), num(q.dead), num(q.workers)]);
@@ -172,9 +217,10 @@ function renderEvents(events) {
       el('td', e.operation ?? '(plain reserve)'),
       num(e.cost),
       el('td', e.request_id, 'mono'),
-      el('td', e.refunded ? 'refunded' : '', 'flag'),
+      el('td', e.refunded ? 'refunded' + (e.refund_reason ? ' (' + e.refund_reason + ')' : '') : '', 'flag'),
     ]);
     tr.dataset.requestId = e.request_id;
+    if (e.refund_reason) tr.dataset.reason = e.refund_reason;
     if (e.refunded) tr.className = 'refunded';
     return tr;
   });
@@ -184,6 +230,8 @@ function renderEvents(events) {
 function render(o) {
   renderRoles(o.roles);
   renderProviders(o.providers, o.now_ms);
+  renderAnswers(o.providers);
+  renderDenials(o.denials, o.most_denied);
   renderQueues(o.queues);
   renderTopUsers(o.top_users);
   renderEvents(o.events);
