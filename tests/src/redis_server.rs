@@ -17,6 +17,8 @@ pub struct RedisServer {
     dir: PathBuf,
     /// Arguments beyond the defaults, kept for [`RedisServer::restart`].
     extra: Vec<String>,
+    /// A command the server runs under (e.g. valgrind), or empty.
+    wrapper: Vec<String>,
 }
 
 const INSTALL_HINT: &str = "redis-server (Redis 7) is required by the Redis tests and was not found on PATH. \
@@ -32,19 +34,27 @@ impl RedisServer {
     /// Starts a server with `extra` arguments after the defaults (e.g.
     /// `["--enable-debug-command", "yes"]`).
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_under(&[], extra)
+    }
+
+    /// Starts a server run by `wrapper` (e.g. `["valgrind",
+    /// "--tool=callgrind", ...]`: the server's pid is then the wrapper's),
+    /// with `extra` arguments after the defaults.
+    pub fn start_under(wrapper: &[String], extra: &[&str]) -> Self {
         let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port();
             let dir =
                 std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
-            match spawn(port, &dir, &extra) {
+            match spawn(wrapper, port, &dir, &extra) {
                 Ok(child) => {
                     return Self {
                         child,
                         port,
                         dir,
                         extra,
+                        wrapper: wrapper.to_vec(),
                     }
                 }
                 Err(e) => last_error = e,
@@ -59,12 +69,13 @@ impl RedisServer {
         let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
         let dir =
             std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
-        let child = spawn(port, &dir, &extra)?;
+        let child = spawn(&[], port, &dir, &extra)?;
         Ok(Self {
             child,
             port,
             dir,
             extra,
+            wrapper: Vec::new(),
         })
     }
 
@@ -76,7 +87,7 @@ impl RedisServer {
         let mut last_error = String::new();
         // The port was ours a moment ago; give the kernel a few tries.
         for _ in 0..50 {
-            match spawn(self.port, &self.dir, &self.extra) {
+            match spawn(&self.wrapper, self.port, &self.dir, &self.extra) {
                 Ok(child) => {
                     self.child = child;
                     return;
@@ -128,10 +139,19 @@ impl Drop for RedisServer {
     }
 }
 
-/// Starts `redis-server` on `port` and waits until it answers PING.
-fn spawn(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String> {
+/// Starts `redis-server` (run by `wrapper` when not empty) on `port` and
+/// waits until it answers PING.
+fn spawn(wrapper: &[String], port: u16, dir: &Path, extra: &[String]) -> Result<Child, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-    let mut child = Command::new("redis-server")
+    let mut command = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut c = Command::new(program);
+            c.args(args).arg("redis-server");
+            c
+        }
+        None => Command::new("redis-server"),
+    };
+    let mut child = command
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
         .args(["--loglevel", "warning"])
@@ -148,7 +168,9 @@ fn spawn(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String> {
             }
             format!("spawn redis-server: {e}")
         })?;
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // A wrapper such as valgrind starts the server tens of times slower.
+    let wait = if wrapper.is_empty() { 10 } else { 60 };
+    let deadline = Instant::now() + Duration::from_secs(wait);
     while Instant::now() < deadline {
         if let Ok(Some(status)) = child.try_wait() {
             return Err(format!(
@@ -162,7 +184,7 @@ fn spawn(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String> {
     }
     let _ = child.kill();
     let _ = child.wait();
-    Err("redis-server did not answer PING within 10s".into())
+    Err(format!("redis-server did not answer PING within {wait}s"))
 }
 
 /// A port that was free a moment ago (bind to :0, read it, release it).

@@ -43,6 +43,108 @@ pub struct Args {
     /// Another `tollgate` binary measured the same way, before this build's.
     #[arg(long)]
     baseline: Option<PathBuf>,
+    /// Also count the instructions Redis executes per call (the server runs
+    /// under valgrind's callgrind, collecting only during the measured calls):
+    /// a figure that does not move with the machine's load, unlike µs.
+    #[arg(long)]
+    instructions: bool,
+    /// Seconds of an idle stretch measured before the calls: the roles'
+    /// background (liveness, blocking takes that time out, maintenance) per
+    /// second, subtracted from the calls' figures for the per-call ones.
+    #[arg(long, default_value_t = 3)]
+    idle_seconds: u64,
+}
+
+/// Commands (by name: calls, µs), Redis CPU seconds and instructions counted
+/// over one stretch.
+struct Stretch {
+    stats: BTreeMap<String, (u64, u64)>,
+    cpu: f64,
+    instructions: Option<u64>,
+    wall: Duration,
+}
+
+/// Runs `work` and returns what Redis did meanwhile.
+async fn stretch<F: std::future::Future<Output = anyhow::Result<()>>>(
+    conn: &mut MultiplexedConnection,
+    pid: Option<(u32, &std::path::Path)>,
+    work: F,
+) -> anyhow::Result<Stretch> {
+    let (before, cpu_before) = command_stats(conn).await?;
+    let instr_before = match pid {
+        Some((pid, out)) => {
+            let t = callgrind_total(pid, out)?;
+            callgrind_collect(pid, true)?;
+            t
+        }
+        None => 0,
+    };
+    let started = std::time::Instant::now();
+    work.await?;
+    let wall = started.elapsed();
+    let instructions = match pid {
+        Some((pid, out)) => {
+            callgrind_collect(pid, false)?;
+            Some(callgrind_total(pid, out)? - instr_before)
+        }
+        None => None,
+    };
+    let (after, cpu_after) = command_stats(conn).await?;
+    let stats = after
+        .iter()
+        .map(|(name, &(calls, usec))| {
+            let (c0, u0) = before.get(name).copied().unwrap_or((0, 0));
+            (name.clone(), (calls - c0, usec - u0))
+        })
+        .filter(|(_, (calls, _))| *calls > 0)
+        .collect();
+    Ok(Stretch {
+        stats,
+        cpu: cpu_after - cpu_before,
+        instructions,
+        wall,
+    })
+}
+
+/// Instructions callgrind counted in the process `pid` so far (collection
+/// switched on and off around the measured calls): dumps and reads the total.
+fn callgrind_total(pid: u32, out: &std::path::Path) -> anyhow::Result<u64> {
+    let status = std::process::Command::new("callgrind_control")
+        .arg("--dump")
+        .arg(pid.to_string())
+        .stdout(std::process::Stdio::null())
+        .status()?;
+    anyhow::ensure!(status.success(), "callgrind_control --dump {pid} failed");
+    let mut total = 0;
+    let dir = out.parent().unwrap_or(std::path::Path::new("."));
+    let stem = out.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if !name.starts_with(stem) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)?;
+        if let Some(v) = text
+            .lines()
+            .find_map(|l| l.strip_prefix("totals:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            total += v;
+        }
+    }
+    Ok(total)
+}
+
+fn callgrind_collect(pid: u32, on: bool) -> anyhow::Result<()> {
+    let status = std::process::Command::new("callgrind_control")
+        .arg(if on { "--instr=on" } else { "--instr=off" })
+        .arg(pid.to_string())
+        .stdout(std::process::Stdio::null())
+        .status()?;
+    anyhow::ensure!(status.success(), "callgrind_control --instr {pid} failed");
+    Ok(())
 }
 
 /// `INFO commandstats` (`INFO` itself left out: it is this bench's probe):
@@ -214,7 +316,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.clients
     );
     for bin in &builds {
-        let server = RedisServer::start();
+        let callgrind_out = dir.join(format!("callgrind.{}.out", random_prefix()));
+        let server = if args.instructions {
+            RedisServer::start_under(
+                &[
+                    "valgrind".to_owned(),
+                    "--tool=callgrind".to_owned(),
+                    "--instr-atstart=no".to_owned(),
+                    format!("--callgrind-out-file={}", callgrind_out.display()),
+                ],
+                &[],
+            )
+        } else {
+            RedisServer::start()
+        };
         let prefix = random_prefix();
         let all = All::start(bin, &config, 64, Some((&server.url(), &prefix)))?;
         let mut conn = redis::Client::open(server.url().as_str())?
@@ -225,19 +340,27 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let before_kinds = by_kind(&mut conn, &prefix).await?;
         let before = used_memory(&mut conn).await?;
-        let (stats_before, cpu_before) = command_stats(&mut conn).await?;
-        let started = std::time::Instant::now();
-        calls(
-            &all,
-            50,
-            args.calls,
-            args.clients,
-            args.body_bytes,
-            args.keyed,
+        let pid = args
+            .instructions
+            .then(|| (server.pid(), callgrind_out.as_path()));
+        let idle = stretch(&mut conn, pid, async {
+            tokio::time::sleep(Duration::from_secs(args.idle_seconds)).await;
+            Ok(())
+        })
+        .await?;
+        let load = stretch(
+            &mut conn,
+            pid,
+            calls(
+                &all,
+                50,
+                args.calls,
+                args.clients,
+                args.body_bytes,
+                args.keyed,
+            ),
         )
         .await?;
-        let wall = started.elapsed();
-        let (stats_after, cpu_after) = command_stats(&mut conn).await?;
         // The pods' buffered activity notes are flushed.
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let after = used_memory(&mut conn).await?;
@@ -251,33 +374,48 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             (after - before) as f64 / args.calls as f64
         );
         let n = args.calls as f64;
-        let mut rows: Vec<(String, u64, u64)> = stats_after
+        // The idle stretch's rate over the calls' wall time: what the roles'
+        // background would have cost anyway.
+        let scale = load.wall.as_secs_f64() / idle.wall.as_secs_f64();
+        let background = |name: &str| idle.stats.get(name).map_or(0.0, |s| s.0 as f64 * scale);
+        let mut rows: Vec<(String, u64, u64, f64)> = load
+            .stats
             .iter()
             .map(|(name, &(calls, usec))| {
-                let (c0, u0) = stats_before.get(name).copied().unwrap_or((0, 0));
-                (name.clone(), calls - c0, usec - u0)
+                let net = (calls as f64 - background(name)).max(0.0);
+                (name.clone(), calls, usec, net)
             })
-            .filter(|r| r.1 > 0)
             .collect();
-        rows.sort_by_key(|r| std::cmp::Reverse(r.1));
+        rows.sort_by(|a, b| b.3.total_cmp(&a.3));
         let total: u64 = rows.iter().map(|r| r.1).sum();
-        let scripts: u64 = rows
-            .iter()
-            .filter(|r| matches!(r.0.as_str(), "evalsha" | "eval" | "fcall" | "fcall_ro"))
-            .map(|r| r.1)
-            .sum();
+        let net_total: f64 = rows.iter().map(|r| r.3).sum();
+        let is_script = |name: &str| matches!(name, "evalsha" | "eval" | "fcall" | "fcall_ro");
+        let net_scripts: f64 = rows.iter().filter(|r| is_script(&r.0)).map(|r| r.3).sum();
         println!(
-            "- {:.0} calls/s; per call, all roles: **{:.1} Redis commands** ({:.2} scripts; the scripts' own commands included), **{:.0} µs of Redis CPU** (INFO cpu, user + system)",
-            n / wall.as_secs_f64(),
+            "- {:.0} calls/s; per call, all roles, the roles' idle background ({:.0} commands/s) subtracted: **{:.1} Redis commands** ({:.2} scripts; the scripts' own commands included; {:.1} with the background), **{:.0} µs of Redis CPU** (INFO cpu, user + system, background included)",
+            n / load.wall.as_secs_f64(),
+            idle.stats.values().map(|s| s.0).sum::<u64>() as f64 / idle.wall.as_secs_f64(),
+            net_total / n,
+            net_scripts / n,
             total as f64 / n,
-            scripts as f64 / n,
-            (cpu_after - cpu_before) * 1e6 / n,
+            load.cpu * 1e6 / n,
         );
-        println!("| command | per call | µs per call (commandstats) |");
-        println!("|---|---:|---:|");
-        for (name, calls, usec) in &rows {
+        if let (Some(i), Some(b)) = (load.instructions, idle.instructions) {
             println!(
-                "| {name} | {:.2} | {:.1} |",
+                "- **{:.0} instructions Redis executed per call** (callgrind; {:.0} with the background, which ran {:.0} per second idle)",
+                (i as f64 - b as f64 * scale) / n,
+                i as f64 / n,
+                b as f64 / idle.wall.as_secs_f64()
+            );
+        }
+        println!(
+            "| command | per call, background subtracted | with it | µs per call (commandstats) |"
+        );
+        println!("|---|---:|---:|---:|");
+        for (name, calls, usec, net) in &rows {
+            println!(
+                "| {name} | {:.2} | {:.2} | {:.1} |",
+                net / n,
                 *calls as f64 / n,
                 *usec as f64 / n
             );
