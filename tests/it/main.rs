@@ -37,6 +37,7 @@ mod slow_clients;
 mod stored_bytes;
 mod throttle;
 mod throttle_late;
+mod throttle_limits;
 mod throttle_pause;
 mod throttle_redis;
 mod throttle_slots;
