@@ -566,6 +566,8 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "steady",
             "tempo",
             "turnstile",
+            "w-fifo",
+            "w-limits",
             "wicket",
             "wicket-fifo",
             "x-late",
@@ -715,7 +717,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo, x-late, y-slots, z-adaptive)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive)"
     );
 }
 
@@ -1023,7 +1025,8 @@ async fn weighing(
     weight: u64,
 ) -> Result<Grant, ThrottleError> {
     let waiter = Waiter::anonymous(&rid(id)).weighing(weight);
-    t.acquire_as(provider, &waiter, Duration::from_secs(5)).await
+    t.acquire_as(provider, &waiter, Duration::from_secs(5))
+        .await
 }
 
 /// What each limit of `provider` holds now, by name.
@@ -1045,17 +1048,29 @@ async fn throttle_limits_a_grant_takes_from_every_limit(t: Arc<dyn Throttle>) {
     let full = available(&t, "w-limits").await;
     assert_eq!(
         full,
-        vec![("requests/1s".to_owned(), 4.0), ("tokens/1s".to_owned(), 30.0)],
+        vec![
+            ("requests/1s".to_owned(), 4.0),
+            ("tokens/1s".to_owned(), 30.0)
+        ],
         "a fresh provider's limits are full"
     );
     let started = Instant::now();
     for i in 0..3 {
-        let g = weighing(&t, "w-limits", &format!("h{i}"), 10).await.unwrap();
+        let g = weighing(&t, "w-limits", &format!("h{i}"), 10)
+            .await
+            .unwrap();
         assert_eq!(g.weight, 10);
     }
-    assert!(started.elapsed() < Duration::from_millis(100), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        started.elapsed()
+    );
     let after = available(&t, "w-limits").await;
-    assert!(after[1].1 < 3.0, "three calls of 10 took 30 tokens: {after:?}");
+    assert!(
+        after[1].1 < 3.0,
+        "three calls of 10 took 30 tokens: {after:?}"
+    );
     assert!(
         (0.9..2.0).contains(&after[0].1),
         "and three requests of 4: {after:?}"
@@ -1069,7 +1084,14 @@ async fn throttle_limits_a_grant_takes_from_every_limit(t: Arc<dyn Throttle>) {
     );
     // Weight 1: the request limit binds (35/s after its burst).
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let records = run_waiters(Arc::clone(&t), "w-limits", "light", 12, Duration::from_secs(5)).await;
+    let records = run_waiters(
+        Arc::clone(&t),
+        "w-limits",
+        "light",
+        12,
+        Duration::from_secs(5),
+    )
+    .await;
     let times: Vec<u64> = records
         .iter()
         .map(|r| r.granted_at_us.unwrap_or_else(|| panic!("{r:?}")))
@@ -1101,7 +1123,10 @@ async fn throttle_limits_usage_gives_back_and_takes_within_bounds(t: Arc<dyn Thr
     // It used 40 of its 20: 20 more taken, but only what is left (~5).
     assert_eq!(t.usage(&h, 40).await.unwrap(), Usage::Taken(20));
     let empty = available(&t, "w-limits").await[1].1;
-    assert!((0.0..1.5).contains(&empty), "taken to empty, not below: {empty}");
+    assert!(
+        (0.0..1.5).contains(&empty),
+        "taken to empty, not below: {empty}"
+    );
     let started = Instant::now();
     weighing(&t, "w-limits", "u2", 5).await.unwrap();
     let waited = started.elapsed();
@@ -1124,8 +1149,14 @@ async fn throttle_limits_a_heavy_call_waits_its_turn_or_is_refused(t: Arc<dyn Th
     let e = weighing(&t, "w-fifo", "big", 31).await.unwrap_err();
     assert!(started.elapsed() < Duration::from_millis(500));
     assert!(
-        matches!(&e, ThrottleError::TooHeavy { weight: 31, most: 30, .. })
-            && e.to_string().contains("tokens/1s"),
+        matches!(
+            &e,
+            ThrottleError::TooHeavy {
+                weight: 31,
+                most: 30,
+                ..
+            }
+        ) && e.to_string().contains("tokens/1s"),
         "{e}"
     );
     assert!(!e.is_transient());
@@ -1133,20 +1164,26 @@ async fn throttle_limits_a_heavy_call_waits_its_turn_or_is_refused(t: Arc<dyn Th
     let heavy = {
         let t = Arc::clone(&t);
         tokio::spawn(async move {
-            weighing(&t, "w-fifo", "heavy", 25).await.unwrap();
-            Instant::now()
+            let g = weighing(&t, "w-fifo", "heavy", 25).await.unwrap();
+            (g.granted_at_us, Instant::now())
         })
     };
     until_waiting(&t, "w-fifo", 1).await;
     let light = {
         let t = Arc::clone(&t);
         tokio::spawn(async move {
-            weighing(&t, "w-fifo", "light", 1).await.unwrap();
-            Instant::now()
+            weighing(&t, "w-fifo", "light", 1)
+                .await
+                .unwrap()
+                .granted_at_us
         })
     };
-    let (heavy, light) = (heavy.await.unwrap(), light.await.unwrap());
-    assert!(heavy <= light, "the light call passed the heavy one queued before it");
+    let ((heavy_at, heavy), light_at) = (heavy.await.unwrap(), light.await.unwrap());
+    // (Granted in one step, both have the same time: woken in either order.)
+    assert!(
+        heavy_at <= light_at,
+        "the light call passed the heavy one queued before it: {heavy_at} > {light_at}"
+    );
     let took = heavy.duration_since(started);
     assert!(
         took >= Duration::from_millis(300),

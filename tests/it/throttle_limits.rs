@@ -72,8 +72,15 @@ fn used(a: &Arrival) -> u64 {
 /// The upstream's view: every window within its limits, and the token
 /// limit used to at least 0.9 over the run.
 fn check(arrivals: &[Arrival]) {
-    assert_eq!(arrivals.len(), CALLS, "every call reached the upstream once");
-    assert!(arrivals.iter().all(|a| a.status == 200), "a call was refused");
+    assert_eq!(
+        arrivals.len(),
+        CALLS,
+        "every call reached the upstream once"
+    );
+    assert!(
+        arrivals.iter().all(|a| a.status == 200),
+        "a call was refused"
+    );
     let mut calls: Vec<(u64, u64)> = arrivals.iter().map(|a| (a.at_us, used(a))).collect();
     calls.sort_unstable();
     let per_us = TOKENS_PER.as_micros() as u64;
@@ -117,7 +124,8 @@ async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() 
         .expect("upstream");
     let config = Config::parse(&config_text(&upstream.url()), "limits test").unwrap();
     let metrics = Arc::new(Metrics::new(&config));
-    let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics)));
+    let throttle: Arc<dyn Throttle> =
+        Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics)));
     let clients = tollgate_providers::from_config(&config, throttle, &metrics).unwrap();
     let client = Arc::clone(&clients["llm"]);
     let mut calls = Vec::new();

@@ -307,7 +307,9 @@ pub fn reported_usage(pointer: &str, answer: &serde_json::Value) -> Option<u64> 
     let v = answer.pointer(pointer)?;
     match (v.as_u64(), v.as_f64()) {
         (Some(n), _) => Some(n.min(MAX_TOKENS)),
-        (None, Some(f)) if f.is_finite() && f >= 0.0 => Some(f.ceil().min(MAX_TOKENS as f64) as u64),
+        (None, Some(f)) if f.is_finite() && f >= 0.0 => {
+            Some(f.ceil().min(MAX_TOKENS as f64) as u64)
+        }
         _ => None,
     }
 }
@@ -990,12 +992,20 @@ fn parse_operations(
         let provider = &providers[&o.provider];
         let weighed = provider.max_weight().is_some();
         let weight = match (&o.weight, weighed) {
-            (Some(w), true) => Some(parse_weight(&format!("{key}.weight"), w, provider, invalid)?),
+            (Some(w), true) => Some(parse_weight(
+                &format!("{key}.weight"),
+                w,
+                provider,
+                invalid,
+            )?),
             (None, false) => None,
             (Some(_), false) => {
                 return Err(invalid(
                     format!("{key}.weight"),
-                    format!("provider {} has no token limit to weigh calls against", o.provider),
+                    format!(
+                        "provider {} has no token limit to weigh calls against",
+                        o.provider
+                    ),
                 ))
             }
             (None, true) => {
@@ -1010,7 +1020,12 @@ fn parse_operations(
             }
         };
         let usage = match o.usage {
-            Some(u) => Some(usage_pointer(&format!("{key}.usage"), u, &provider.limits, invalid)?),
+            Some(u) => Some(usage_pointer(
+                &format!("{key}.usage"),
+                u,
+                &provider.limits,
+                invalid,
+            )?),
             None => provider.usage.clone(),
         };
         operations.insert(
@@ -1269,7 +1284,10 @@ fn parse_provider_limits(
     if raw.len() > MAX_PROVIDER_LIMITS {
         return Err(invalid(
             format!("{key}.limits"),
-            format!("must hold at most {MAX_PROVIDER_LIMITS} limits, got {}", raw.len()),
+            format!(
+                "must hold at most {MAX_PROVIDER_LIMITS} limits, got {}",
+                raw.len()
+            ),
         ));
     }
     let mut out: Vec<RawLimitOf> = Vec::with_capacity(raw.len());
@@ -1302,15 +1320,13 @@ fn parse_provider_limits(
         let burst = match l.burst {
             None => (amount / 10).max(1),
             Some(b) if b >= 1 && (b as u64) < amount => b as u64,
-            Some(b) => {
-                return Err(invalid(
-                    format!("{key}.burst"),
-                    format!(
-                        "must be between 1 and {} (less than the limit: the rest is its rate), got {b}",
-                        amount - 1
-                    ),
-                ))
-            }
+            Some(b) => return Err(invalid(
+                format!("{key}.burst"),
+                format!(
+                    "must be between 1 and {} (less than the limit: the rest is its rate), got {b}",
+                    amount - 1
+                ),
+            )),
         };
         let per_ms = per.as_millis();
         if out
@@ -1486,7 +1502,10 @@ fn parse_weight(
     let weight = match raw {
         toml::Value::Integer(n) if *n >= 1 => Weight::Fixed(*n as u64),
         toml::Value::Table(t) => {
-            let from = t.get("from").and_then(toml::Value::as_str).ok_or_else(shape)?;
+            let from = t
+                .get("from")
+                .and_then(toml::Value::as_str)
+                .ok_or_else(shape)?;
             let default = t
                 .get("default")
                 .and_then(toml::Value::as_integer)
@@ -1809,6 +1828,162 @@ max_wait = "500ms"
         assert_eq!(c.provider("slow").unwrap().bucket_burst(), 1.0);
         let e = err(&PROVIDERS.replacen("rate = 50", "rate = \"fast\"", 1));
         assert!(e.contains("rate"), "{e}");
+    }
+
+    const LIMITS: &str = r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.llm]
+max_wait = "30s"
+limits = [{ tokens = 9000, per = "1m", burst = 900 }, { rate = 60, per = "1m", burst = 5 }]
+usage = "/usage/total_tokens"
+[operations.chat]
+cost = 1
+provider = "llm"
+weight = { from = "/max_tokens", default = 500 }
+"#;
+
+    #[test]
+    fn reads_several_provider_limits() {
+        let c = Config::parse(LIMITS, "t.toml").unwrap();
+        let llm = c.provider("llm").unwrap();
+        // The request limit is the request bucket: 5 + rate * 60 s + 1 = 60.
+        assert_eq!(llm.burst, 5);
+        assert!((llm.rate - 54.0 / 60.0).abs() < 1e-12, "{}", llm.rate);
+        assert_eq!(llm.bucket_burst(), 5.0);
+        assert_eq!(llm.rate_name(), "requests/1m");
+        // The token limit: 900 + rate * (60 s + 1/rate of requests) = 9000.
+        let tokens = &llm.limits[0];
+        assert_eq!(
+            (tokens.kind, tokens.burst, tokens.name()),
+            (LimitKind::Tokens, 900, "tokens/1m".into())
+        );
+        let d = 60.0 / 54.0;
+        assert!(
+            (tokens.rate - 8100.0 / (60.0 + d)).abs() < 1e-9,
+            "{}",
+            tokens.rate
+        );
+        assert_eq!(llm.max_weight(), Some(900));
+        let chat = c.operation("chat").unwrap();
+        assert_eq!(chat.usage.as_deref(), Some("/usage/total_tokens"));
+        let w = chat.weight.clone().unwrap();
+        assert_eq!(w.of(&serde_json::json!({"max_tokens": 120})), 120);
+        assert_eq!(w.of(&serde_json::json!({"max_tokens": 12.2})), 13);
+        for bad in [
+            serde_json::json!({}),
+            serde_json::json!({"max_tokens": -3}),
+            serde_json::json!({"max_tokens": "120"}),
+            serde_json::json!({"max_tokens": null}),
+            serde_json::json!([1, 2]),
+        ] {
+            assert_eq!(w.of(&bad), 500, "{bad}");
+        }
+        assert_eq!(w.of(&serde_json::json!({"max_tokens": 0})), 1);
+        assert_eq!(w.of(&serde_json::json!({"max_tokens": 1e300})), MAX_TOKENS);
+        assert_eq!(Weight::Fixed(7).of(&serde_json::Value::Null), 7);
+        assert_eq!(
+            reported_usage("/u", &serde_json::json!({"u": 3.5})),
+            Some(4)
+        );
+        assert_eq!(reported_usage("/u", &serde_json::json!({"u": -1})), None);
+        assert_eq!(reported_usage("/u", &serde_json::json!({})), None);
+        // The simple form with a token limit beside it.
+        let both = LIMITS.replace(
+            "max_wait = \"30s\"",
+            "max_wait = \"30s\"\nrate = 2\nburst = 4",
+        );
+        let c = Config::parse(&both, "t.toml").unwrap();
+        let llm = c.provider("llm").unwrap();
+        assert_eq!(
+            (llm.rate, llm.burst, llm.rate_name()),
+            (2.0, 4, "rate".to_owned())
+        );
+        assert_eq!(llm.limits.len(), 2, "both entries are extra buckets");
+    }
+
+    #[test]
+    fn provider_limit_errors_name_the_key() {
+        for (from, to, key) in [
+            (
+                "{ rate = 60,",
+                "{ rate = 60, tokens = 3,",
+                "providers.llm.limits[1]",
+            ),
+            (
+                "burst = 900",
+                "burst = 9000",
+                "providers.llm.limits[0].burst",
+            ),
+            (
+                "tokens = 9000",
+                "tokens = 1",
+                "providers.llm.limits[0].tokens",
+            ),
+            (
+                "per = \"1m\", burst = 5",
+                "per = \"soon\", burst = 5",
+                "providers.llm.limits[1].per",
+            ),
+            (
+                "{ rate = 60, per = \"1m\"",
+                "{ tokens = 60, per = \"1m\"",
+                "providers.llm.limits[1].per",
+            ),
+            (
+                "{ rate = 60, per = \"1m\", burst = 5 }",
+                "{ tokens = 60, per = \"1s\", burst = 5 }",
+                "providers.llm",
+            ),
+            (
+                "max_wait = \"30s\"",
+                "max_wait = \"30s\"\nrate = 3",
+                "providers.llm",
+            ),
+            (
+                "usage = \"/usage/total_tokens\"",
+                "usage = \"usage\"",
+                "providers.llm.usage",
+            ),
+            ("default = 500", "default = 901", "operations.chat.weight"),
+            (
+                "weight = { from = \"/max_tokens\", default = 500 }",
+                "weight = 0",
+                "operations.chat.weight",
+            ),
+            (
+                "weight = { from = \"/max_tokens\", default = 500 }",
+                "weight = \"big\"",
+                "operations.chat.weight",
+            ),
+            (
+                "weight = { from = \"/max_tokens\", default = 500 }",
+                "",
+                "operations.chat.weight",
+            ),
+            (
+                "default = 500",
+                "default = 500, max = 3",
+                "operations.chat.weight",
+            ),
+        ] {
+            let text = LIMITS.replacen(from, to, 1);
+            assert_ne!(text, LIMITS, "{from}");
+            let e = err(&text);
+            assert!(e.contains(key), "{to}: {e}");
+        }
+        // A weight, or a usage, without a token limit to weigh against.
+        let plain = "[plans.free]\nlimit = 1\nwindow = \"1h\"\n[providers.p]\nrate = 1\nburst = 1\nmax_wait = \"1s\"\n";
+        let e = err(&format!(
+            "{plain}[operations.o]\ncost = 1\nprovider = \"p\"\nweight = 3\n"
+        ));
+        assert!(
+            e.contains("operations.o.weight") && e.contains("no token limit"),
+            "{e}"
+        );
+        let e = err(&format!("{plain}usage = \"/u\"\n"));
+        assert!(e.contains("providers.p.usage"), "{e}");
     }
 
     const OPERATIONS: &str = r#"

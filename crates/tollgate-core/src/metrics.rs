@@ -331,7 +331,10 @@ fn limit_gauges(
     let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
     for p in providers {
         for l in &p.limits {
-            let labels = [("provider", p.provider.as_str()), ("limit", l.limit.as_str())];
+            let labels = [
+                ("provider", p.provider.as_str()),
+                ("limit", l.limit.as_str()),
+            ];
             ConstGauge::new(value(l)).encode(metric.encode_family(&labels)?)?;
         }
     }

@@ -377,12 +377,17 @@ pub fn limit_stats(
         burst: p.bucket_burst(),
         rate: effective_rate,
     }];
-    out.extend(p.limits.iter().zip(levels).map(|(l, available)| LimitStats {
-        limit: l.name(),
-        available,
-        burst: l.burst as f64,
-        rate: l.rate,
-    }));
+    out.extend(
+        p.limits
+            .iter()
+            .zip(levels)
+            .map(|(l, available)| LimitStats {
+                limit: l.name(),
+                available,
+                burst: l.burst as f64,
+                rate: l.rate,
+            }),
+    );
     out
 }
 

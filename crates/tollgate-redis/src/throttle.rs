@@ -854,14 +854,9 @@ impl RedisThrottle {
                 bucket,
                 fair,
             ),
-            None => scripts::throttle_enqueue(
-                &keys,
-                &ticket.id,
-                &inbox,
-                micros(left),
-                idle_ms,
-                bucket,
-            ),
+            None => {
+                scripts::throttle_enqueue(&keys, &ticket.id, &inbox, micros(left), idle_ms, bucket)
+            }
         };
         // Bounded by the wait's deadline too: a waiter is owed its slot or
         // its timeout within `max_wait`, and a stalled Redis must not hold it
