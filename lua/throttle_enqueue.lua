@@ -14,8 +14,10 @@
 -- Returns { 2, now_us } granted at once: nobody is queued and the bucket has a
 -- token (and a slot free), which this call takes (the waiter goes ahead: no throttler, no
 -- publish, no delay between the grant and its use); { 1, now_us } queued for a
--- throttler; { 0 } when the ticket is already waiting. An error when the
--- ticket weighs more than a limit's burst (it could never be granted).
+-- throttler; { 0 } when the ticket is already waiting. An error when it
+-- would be granted on the way in but weighs more than a limit's burst (the
+-- waiter refuses those before: ThrottleError::TooHeavy; a queued one is
+-- dropped by the grant script).
 
 local ticket, inbox = ARGV[1], ARGV[2]
 local max_wait, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -28,22 +30,24 @@ if not max_wait or max_wait < 0 or not idle or idle < 1 or not rate or rate <= 0
     or not burst or burst < 1 then
   return redis.error_reply('throttle_enqueue: bad max_wait, idle ttl, rate or burst')
 end
-local L = limits_parse(ARGV[9])
-if L == false then
-  return redis.error_reply('throttle_enqueue: bad limits')
-end
 if redis.call('HEXISTS', KEYS[2], ticket) == 1 then
   return { 0 }
 end
 local now = now_us()
-local w = L and weight_of(ticket) or 1
-if L then
-  limits_read(KEYS[3], L, now)
-  if limits_wait(L, w, now) == math.huge then
-    return redis.error_reply('throttle_enqueue: the ticket weighs more than a limit holds')
-  end
-end
 if redis.call('LLEN', KEYS[1]) == 0 then
+  -- The other limits are read only here: a saturated provider's enqueue
+  -- (the common case under load) only queues.
+  local L = limits_parse(ARGV[9])
+  if L == false then
+    return redis.error_reply('throttle_enqueue: bad limits')
+  end
+  local w = L and weight_of(ticket) or 1
+  if L then
+    limits_read(KEYS[3], L, now)
+    if limits_wait(L, w, now) == math.huge then
+      return redis.error_reply('throttle_enqueue: the ticket weighs more than a limit holds')
+    end
+  end
   local tokens, at, eff = bucket_read(KEYS[3], now, rate, burst)
   if tokens >= 1 and slots_free(KEYS[4], slots, now) > 0 and (not L or limits_wait(L, w, now) == 0) then
     bucket_write(KEYS[3], tokens - 1, at, eff, burst, rate)

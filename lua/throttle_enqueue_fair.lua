@@ -18,8 +18,9 @@
 -- KEYS[7] inflight the provider's slots (lib/bucket.lua)
 -- ARGV[9] max_concurrent (0: none), ARGV[10] a slot's lease, µs
 -- ARGV[11] the provider's other limits (lib/bucket.lua; "" for none); the
---          ticket's weight is its "*<weight>" tail. An error when it weighs
---          more than a limit's burst (it could never be granted).
+--          ticket's weight is its "*<weight>" tail. An error when it would be
+--          granted on the way in but weighs more than a limit's burst (the
+--          waiter refuses those before; a queued one is dropped by the grant).
 -- Returns { 2, now_us } granted at once: nobody waits, the bucket has a token
 -- and the user is below its cap; { 1, now_us } queued for a throttler;
 -- { 0 } when the ticket is already waiting.
@@ -66,18 +67,6 @@ else
   end
 end
 local now = now_us()
-local L = limits_parse(ARGV[11])
-if L == false then
-  return redis.error_reply('throttle_enqueue_fair: bad limits')
-end
-local w = 1
-if L then
-  w = weight_of(ticket)
-  limits_read(BUCKET, L, now)
-  if limits_wait(L, w, now) == math.huge then
-    return redis.error_reply('throttle_enqueue_fair: the ticket weighs more than a limit holds')
-  end
-end
 -- The user's count and finish tag, v, and the users waiting: one read (and
 -- one write below).
 local state = redis.call('HMGET', TAGS, user, ':v', ':n')
@@ -95,6 +84,19 @@ if idle_before and (cap == 0 or fair_held({ base = base }, user, now) < cap) the
   local slots, lease = tonumber(ARGV[9]), tonumber(ARGV[10])
   if not slots or slots < 0 or not lease or lease < 1 then
     return redis.error_reply('throttle_enqueue_fair: bad arguments')
+  end
+  -- The other limits are read only here: a saturated provider's enqueue
+  -- (the common case under load) only queues.
+  local L = limits_parse(ARGV[11])
+  if L == false then
+    return redis.error_reply('throttle_enqueue_fair: bad arguments')
+  end
+  local w = L and weight_of(ticket) or 1
+  if L then
+    limits_read(BUCKET, L, now)
+    if limits_wait(L, w, now) == math.huge then
+      return redis.error_reply('throttle_enqueue_fair: the ticket weighs more than a limit holds')
+    end
   end
   local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
   if tokens >= 1 and slots_free(KEYS[7], slots, now) > 0 and (not L or limits_wait(L, w, now) == 0) then

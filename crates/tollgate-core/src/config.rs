@@ -1320,13 +1320,15 @@ fn parse_provider_limits(
         let burst = match l.burst {
             None => (amount / 10).max(1),
             Some(b) if b >= 1 && (b as u64) < amount => b as u64,
-            Some(b) => return Err(invalid(
-                format!("{key}.burst"),
-                format!(
+            Some(b) => {
+                return Err(invalid(
+                    format!("{key}.burst"),
+                    format!(
                     "must be between 1 and {} (less than the limit: the rest is its rate), got {b}",
                     amount - 1
                 ),
-            )),
+                ))
+            }
         };
         let per_ms = per.as_millis();
         if out
