@@ -10,6 +10,9 @@
 -- ARGV[6] the provider's key base (for the per-user keys)
 -- ARGV[7] the provider's late bound in µs: a grant older than this is never
 --         used (the waiters' rule), and its token never comes back either
+-- ARGV[8] the provider's other limits (lib/bucket.lua; "" for none): a grant
+--         given back within the late bound gives back what it took of each
+--         (the ticket's weight: its "*<weight>" tail), paused or not
 -- Returns 1 when the ticket was still waiting (removed: no token was spent;
 -- a user with no ticket left is no longer counted as waiting), 2 when a grant
 -- had been made for it within the late bound (the token goes back to the
@@ -32,6 +35,10 @@ local F = { tickets = KEYS[5], capped = KEYS[6], tags = KEYS[7], waiting = WAITI
 local ticket, rate, burst = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local user = ARGV[4] == 'fair' and ARGV[5] or nil
 local late = tonumber(ARGV[7])
+local L = limits_parse(ARGV[8])
+if L == false then
+  return redis.error_reply('throttle_cancel: bad limits')
+end
 if not rate or rate <= 0 or not burst or burst < 1 or not F.base or F.base == ''
     or not late or late < 0 then
   return redis.error_reply('throttle_cancel: bad rate, burst, key base or late bound')
@@ -71,11 +78,21 @@ if granted_at then
   if now - granted_at > late then
     return 3
   end
+  -- The other limits are never paused: what the grant took goes back.
+  local keep = 0
+  if L then
+    limits_read(BUCKET, L, now)
+    limits_take(L, weight_of(ticket), -1)
+    keep = limits_write(BUCKET, L) + 1000
+  end
   local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
   if at > now then
     return 4
   end
   bucket_write(BUCKET, math.min(burst, tokens + 1), at, eff, burst, rate)
+  if L then
+    bucket_keep(BUCKET, keep)
+  end
   return 2
 end
 return 0

@@ -9,10 +9,15 @@
 -- ARGV[5] rate (tokens/s), ARGV[6] burst
 -- KEYS[4] inflight the provider's slots (lib/bucket.lua)
 -- ARGV[7] max_concurrent (0: none), ARGV[8] a slot's lease, µs
+-- ARGV[9] the provider's other limits (lib/bucket.lua; "" for none); the
+--         ticket's weight is its "*<weight>" tail
 -- Returns { 2, now_us } granted at once: nobody is queued and the bucket has a
 -- token (and a slot free), which this call takes (the waiter goes ahead: no throttler, no
 -- publish, no delay between the grant and its use); { 1, now_us } queued for a
--- throttler; { 0 } when the ticket is already waiting.
+-- throttler; { 0 } when the ticket is already waiting. An error when it
+-- would be granted on the way in but weighs more than a limit's burst (the
+-- waiter refuses those before: ThrottleError::TooHeavy; a queued one is
+-- dropped by the grant script).
 
 local ticket, inbox = ARGV[1], ARGV[2]
 local max_wait, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -30,9 +35,26 @@ if redis.call('HEXISTS', KEYS[2], ticket) == 1 then
 end
 local now = now_us()
 if redis.call('LLEN', KEYS[1]) == 0 then
+  -- The other limits are read only here: a saturated provider's enqueue
+  -- (the common case under load) only queues.
+  local L = limits_parse(ARGV[9])
+  if L == false then
+    return redis.error_reply('throttle_enqueue: bad limits')
+  end
+  local w = L and weight_of(ticket) or 1
+  if L then
+    limits_read(KEYS[3], L, now)
+    if limits_wait(L, w, now) == math.huge then
+      return redis.error_reply('throttle_enqueue: the ticket weighs more than a limit holds')
+    end
+  end
   local tokens, at, eff = bucket_read(KEYS[3], now, rate, burst)
-  if tokens >= 1 and slots_free(KEYS[4], slots, now) > 0 then
+  if tokens >= 1 and slots_free(KEYS[4], slots, now) > 0 and (not L or limits_wait(L, w, now) == 0) then
     bucket_write(KEYS[3], tokens - 1, at, eff, burst, rate)
+    if L then
+      limits_take(L, w, 1)
+      bucket_keep(KEYS[3], limits_write(KEYS[3], L) + 1000)
+    end
     if slots > 0 then
       slot_take(KEYS[4], ticket, now, lease)
     end

@@ -17,6 +17,10 @@
 -- ARGV[8] the provider's key base (for the per-user keys)
 -- KEYS[7] inflight the provider's slots (lib/bucket.lua)
 -- ARGV[9] max_concurrent (0: none), ARGV[10] a slot's lease, µs
+-- ARGV[11] the provider's other limits (lib/bucket.lua; "" for none); the
+--          ticket's weight is its "*<weight>" tail. An error when it would be
+--          granted on the way in but weighs more than a limit's burst (the
+--          waiter refuses those before; a queued one is dropped by the grant).
 -- Returns { 2, now_us } granted at once: nobody waits, the bucket has a token
 -- and the user is below its cap; { 1, now_us } queued for a throttler;
 -- { 0 } when the ticket is already waiting.
@@ -81,9 +85,26 @@ if idle_before and (cap == 0 or fair_held({ base = base }, user, now) < cap) the
   if not slots or slots < 0 or not lease or lease < 1 then
     return redis.error_reply('throttle_enqueue_fair: bad arguments')
   end
+  -- The other limits are read only here: a saturated provider's enqueue
+  -- (the common case under load) only queues.
+  local L = limits_parse(ARGV[11])
+  if L == false then
+    return redis.error_reply('throttle_enqueue_fair: bad arguments')
+  end
+  local w = L and weight_of(ticket) or 1
+  if L then
+    limits_read(BUCKET, L, now)
+    if limits_wait(L, w, now) == math.huge then
+      return redis.error_reply('throttle_enqueue_fair: the ticket weighs more than a limit holds')
+    end
+  end
   local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
-  if tokens >= 1 and slots_free(KEYS[7], slots, now) > 0 then
+  if tokens >= 1 and slots_free(KEYS[7], slots, now) > 0 and (not L or limits_wait(L, w, now) == 0) then
     bucket_write(BUCKET, tokens - 1, at, eff, burst, rate)
+    if L then
+      limits_take(L, w, 1)
+      bucket_keep(BUCKET, limits_write(BUCKET, L) + 1000)
+    end
     if slots > 0 then
       slot_take(KEYS[7], ticket, now, lease)
     end

@@ -13,6 +13,11 @@
 -- ARGV[6] the provider's key base (for the per-user keys of its fair queue)
 -- ARGV[7] max_concurrent (0: none), ARGV[8] a slot's lease, µs: a grant takes
 --         a slot too; with none free, nothing is granted
+-- ARGV[9] the provider's other limits (lib/bucket.lua; "" for none): a grant
+--         takes from each too (one request, or its ticket's weight); a
+--         ticket waits, in its turn, until every one holds enough, and one
+--         heavier than a limit's burst (refused at enqueue; left by a config
+--         change) is dropped
 -- Serves the processing list first, then the queue head, in order (FIFO
 -- tickets; bells are dropped), then the fair queue's tickets, least start
 -- tag first (lib/fair.lua; a ticket of a user at its cap is parked), popped
@@ -41,6 +46,10 @@ local INFLIGHT, slots, lease = KEYS[9], tonumber(ARGV[7]), tonumber(ARGV[8])
 if not slots or slots < 0 or not lease or lease < 1 then
   return redis.error_reply('throttle_grant: bad max_concurrent or lease')
 end
+local L = limits_parse(ARGV[9])
+if L == false then
+  return redis.error_reply('throttle_grant: bad limits')
+end
 if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle
     or not F.base or F.base == '' then
   return redis.error_reply('throttle_grant: bad rate, burst or limits')
@@ -59,6 +68,9 @@ end
 local now = now_us()
 redis.call('ZREMRANGEBYSCORE', GRANTED, '-inf', '(' .. int(now - ready_ttl))
 local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
+if L then
+  limits_read(BUCKET, L, now)
+end
 local free = slots_free(INFLIGHT, slots, now)
 -- Tickets wait for a slot of the provider's max_concurrent.
 local full = false
@@ -91,20 +103,31 @@ while true do
     elseif free < 1 then
       full = true
       break
-    elseif tokens >= 1 then
-      tokens = tokens - 1
-      free = free - 1
-      if slots > 0 then
-        slot_take(INFLIGHT, ticket, now, lease)
-      end
-      redis.call('LPOP', src)
-      redis.call('HDEL', WAITING, ticket)
-      redis.call('ZADD', GRANTED, int(now), ticket)
-      publish(inbox, ticket .. ' ' .. int(now))
-      granted = granted + 1
     else
-      wait = until_token(tokens, eff, at, now)
-      break
+      local w = L and weight_of(ticket) or 1
+      local lw = L and limits_wait(L, w, now) or 0
+      if lw == math.huge then
+        redis.call('LPOP', src)
+        redis.call('HDEL', WAITING, ticket)
+        skipped = skipped + 1
+      elseif tokens >= 1 and lw == 0 then
+        tokens = tokens - 1
+        free = free - 1
+        if L then
+          limits_take(L, w, 1)
+        end
+        if slots > 0 then
+          slot_take(INFLIGHT, ticket, now, lease)
+        end
+        redis.call('LPOP', src)
+        redis.call('HDEL', WAITING, ticket)
+        redis.call('ZADD', GRANTED, int(now), ticket)
+        publish(inbox, ticket .. ' ' .. int(now))
+        granted = granted + 1
+      else
+        wait = math.max(tokens >= 1 and 0 or until_token(tokens, eff, at, now), lw)
+        break
+      end
     end
   end
 end
@@ -173,6 +196,8 @@ while not fifo_left and wait == 0 and more == 0 do
   -- A ticket parked: `tickets` may have changed (the user's older parked
   -- tickets went back), so the rest of the batch goes back too.
   local parked_at
+  -- A ticket the other limits cannot grant yet: it and the rest go back.
+  local stop_at
   for i = 1, n do
     -- The tag as popped (a string: read as a number only where compared).
     local ticket, tag = ids[i], top[2 * i]
@@ -180,17 +205,29 @@ while not fifo_left and wait == 0 and more == 0 do
     if entries[i] then
       deadline, inbox, cap, hold, user = fair_fields(entries[i])
     end
+    local w, lw = 1, 0
+    if L and deadline and deadline >= now then
+      w = weight_of(ticket)
+      lw = limits_wait(L, w, now)
+    end
     if not deadline then
       -- No entry (its keys expired): nobody to serve.
       skipped = skipped + 1
-    elseif deadline < now then
+    elseif deadline < now or lw == math.huge then
       done[#done + 1] = ticket
       gone_of(user)
       skipped = skipped + 1
+    elseif lw > 0 then
+      stop_at = i
+      wait = lw
+      break
     elseif cap == 0 or fair_fits(F, user, top[2 * i - 1], tonumber(tag), cap,
         granted_v and tonumber(granted_v) or v or fair_v(F), now) then
       tokens = tokens - 1
       free = free - 1
+      if L then
+        limits_take(L, w, 1)
+      end
       if slots > 0 then
         slot_take(INFLIGHT, ticket, now, lease)
       end
@@ -211,9 +248,10 @@ while not fifo_left and wait == 0 and more == 0 do
       break
     end
   end
-  if parked_at and parked_at < n then
+  local back_from = stop_at or (parked_at and parked_at + 1)
+  if back_from and back_from <= n then
     local back = {}
-    for i = 2 * parked_at + 1, #top, 2 do
+    for i = 2 * back_from - 1, #top, 2 do
       back[#back + 1] = top[i + 1]
       back[#back + 1] = top[i]
     end
@@ -224,6 +262,10 @@ while not fifo_left and wait == 0 and more == 0 do
   end
   if #grants > 0 then
     redis.call('ZADD', GRANTED, unpack(grants))
+  end
+  if stop_at then
+    fair_touched, left = true, true
+    break
   end
   if n < k and not parked_at then
     drained = true
@@ -271,6 +313,9 @@ end
 
 if granted > 0 then
   bucket_write(BUCKET, tokens, at, eff, burst, rate)
+  if L then
+    bucket_keep(BUCKET, limits_write(BUCKET, L) + 1000)
+  end
   redis.call('PEXPIRE', GRANTED, int(idle))
 end
 return { granted, skipped, wait, more, capped_us }

@@ -57,7 +57,7 @@ end
 local milli = int(math.floor(eff * 1000))
 if ends <= now then
   if adaptive then
-    redis.call('PEXPIRE', BUCKET, int(math.ceil(burst / eff * 1000) + 11000))
+    bucket_keep(BUCKET, math.ceil(burst / eff * 1000) + 11000)
   end
   return { now, 0, strikes, milli }
 end
@@ -65,5 +65,6 @@ redis.call('HSET', BUCKET, 'tokens', '0', 'at', int(ends), 'until', int(ends),
   'strikes', int(strikes))
 -- Kept until it would be full again (a missing bucket is full), and an
 -- adaptive one's rate back (at most 10 s).
-redis.call('PEXPIRE', BUCKET, int(math.ceil((ends - now) / 1000 + burst / eff * 1000) + 11000))
+-- The provider's other limits in this hash may need longer: never shortened.
+bucket_keep(BUCKET, math.ceil((ends - now) / 1000 + burst / eff * 1000) + 11000)
 return { ends, ends - now, strikes, milli }

@@ -35,10 +35,11 @@ local prefix = id .. '~'
 local n = #prefix
 
 -- A ticket of exactly this request: the prefix, then the waiter's suffix
--- (an id may contain '~', the suffix cannot).
+-- (an id may contain '~', the suffix cannot), and its weight on a provider
+-- with other limits (lib/bucket.lua).
 local function ours(ticket)
   return string.sub(ticket, 1, n) == prefix
-    and string.find(string.sub(ticket, n + 1), '^%x+%.%x+$') ~= nil
+    and string.find(string.sub(ticket, n + 1), '^%x+%.%x+%*?%d*$') ~= nil
     and redis.call('HEXISTS', WAITING, ticket) == 1
 end
 

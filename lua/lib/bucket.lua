@@ -109,3 +109,106 @@ local function slot_next(inflight, now)
   local first = redis.call('ZRANGE', inflight, 0, 0, 'WITHSCORES')
   return math.max(1, (tonumber(first[2]) or now) - now)
 end
+
+-- A provider's other limits (`limits` in its config: a request limit past
+-- the first, token limits): each a bucket of its own, one field of the
+-- provider's `bucket` hash, "<level> <at_us>" (a missing field is full),
+-- refilled continuously from `at` and never paused. A grant takes one from
+-- each request limit and its ticket's weight from each token limit, with
+-- the request bucket's token, in the same script: it is made only when every
+-- one of them holds enough. The caller gives them as one ARGV, `spec`:
+-- "<field> <burst> <rate> ..." per limit, `field` "r:<per_ms>" or
+-- "t:<per_ms>" (the kind, then its window: one field per kind and window),
+-- "" for none. A ticket's weight rides at its end: "<ticket>*<weight>"
+-- (none: 1).
+
+-- The limits of `spec`: nil for none, false when it is malformed.
+local function limits_parse(spec)
+  if not spec or spec == '' then
+    return nil
+  end
+  local L = {}
+  for field, cap, rate in string.gmatch(spec, '(%S+) (%S+) (%S+)') do
+    cap, rate = tonumber(cap), tonumber(rate)
+    local kind = string.sub(field, 1, 2)
+    if not cap or cap < 1 or not rate or rate <= 0 or (kind ~= 'r:' and kind ~= 't:') then
+      return false
+    end
+    L[#L + 1] = { field = field, cap = cap, rate = rate, weighted = kind == 't:' }
+  end
+  return #L > 0 and L or false
+end
+
+-- A ticket's weight (its "*<weight>" tail; 1 without one).
+local function weight_of(ticket)
+  return tonumber(string.match(ticket, '%*(%d+)$')) or 1
+end
+
+-- Reads every limit's level at `now` (refilled, at most its burst) into L.
+local function limits_read(bucket, L, now)
+  local fields = {}
+  for i, l in ipairs(L) do
+    fields[i] = l.field
+  end
+  local v = redis.call('HMGET', bucket, unpack(fields))
+  for i, l in ipairs(L) do
+    local level, at
+    if v[i] then
+      local a, b = string.match(v[i], '^(%S+) (%d+)$')
+      level, at = tonumber(a), tonumber(b)
+    end
+    if not level or not at then
+      l.level, l.at = l.cap, now
+    elseif now > at then
+      l.level, l.at = math.min(l.cap, level + (now - at) * l.rate / 1000000), now
+    else
+      -- Redis TIME went back (failover): never refill twice.
+      l.level, l.at = math.min(l.cap, level), at
+    end
+  end
+end
+
+-- 0 when every limit holds what a grant of weight `w` takes, else the µs
+-- until all do; math.huge when one never can (`w` past its burst).
+local function limits_wait(L, w, now)
+  local wait = 0
+  for _, l in ipairs(L) do
+    local need = l.weighted and w or 1
+    if need > l.cap then
+      return math.huge
+    end
+    if l.level < need then
+      wait = math.max(wait, math.ceil((need - l.level) * 1000000 / l.rate) + math.max(0, l.at - now))
+    end
+  end
+  return wait
+end
+
+-- A grant of weight `w` takes from every limit (`sign` 1), or gives back
+-- (-1; at most to the burst).
+local function limits_take(L, w, sign)
+  for _, l in ipairs(L) do
+    l.level = math.min(l.cap, l.level - sign * (l.weighted and w or 1))
+  end
+end
+
+-- Writes every limit; returns the ms until the last is full again (the
+-- `bucket` key must live that long: a missing field reads as full).
+local function limits_write(bucket, L)
+  local args, ms = {}, 0
+  for _, l in ipairs(L) do
+    args[#args + 1] = l.field
+    args[#args + 1] = string.format('%.17g', l.level) .. ' ' .. int(l.at)
+    ms = math.max(ms, math.ceil((l.cap - l.level) / l.rate * 1000))
+  end
+  redis.call('HSET', bucket, unpack(args))
+  return ms
+end
+
+-- Keeps `bucket` at least `ms` more (never shortens its life).
+local function bucket_keep(bucket, ms)
+  local ttl = redis.call('PTTL', bucket)
+  if ttl ~= -2 and ttl < ms then
+    redis.call('PEXPIRE', bucket, int(ms))
+  end
+end

@@ -38,6 +38,7 @@ mod stored_bytes;
 mod streaming;
 mod throttle;
 mod throttle_late;
+mod throttle_limits;
 mod throttle_pause;
 mod throttle_redis;
 mod throttle_slots;

@@ -65,6 +65,13 @@ rate = 20
 burst = 2
 max_wait = "10s"
 adaptive = true
+[providers.w-limits]
+max_wait = "10s"
+limits = [{ rate = 40, per = "1s", burst = 4 }, { tokens = 100, per = "1s", burst = 30 }]
+[providers.w-fifo]
+max_wait = "10s"
+fairness = "fifo"
+limits = [{ rate = 40, per = "1s", burst = 4 }, { tokens = 100, per = "1s", burst = 30 }]
 "#;
 
 pub fn config() -> Arc<Config> {
@@ -237,6 +244,9 @@ conformance!(
     throttle_a_late_allowance_is_carved_from_the_burst,
     throttle_max_concurrent_holds_a_slot_until_done,
     throttle_adaptive_halves_the_rate_on_a_refusal,
+    throttle_limits_a_grant_takes_from_every_limit,
+    throttle_limits_usage_gives_back_and_takes_within_bounds,
+    throttle_limits_a_heavy_call_waits_its_turn_or_is_refused,
 );
 
 fn share(weight: u32) -> Share {
@@ -556,6 +566,8 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "steady",
             "tempo",
             "turnstile",
+            "w-fifo",
+            "w-limits",
             "wicket",
             "wicket-fifo",
             "x-late",
@@ -705,7 +717,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, wicket, wicket-fifo, x-late, y-slots, z-adaptive)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive)"
     );
 }
 
@@ -1003,4 +1015,178 @@ async fn throttle_adaptive_halves_the_rate_on_a_refusal(t: Arc<dyn Throttle>) {
         "3 grants after the pause at the halved rate took {took:?}"
     );
     assert!(rate(&t).await < 20.0);
+}
+
+/// A call of `weight` on `provider`, anonymous.
+async fn weighing(
+    t: &Arc<dyn Throttle>,
+    provider: &str,
+    id: &str,
+    weight: u64,
+) -> Result<Grant, ThrottleError> {
+    let waiter = Waiter::anonymous(&rid(id)).weighing(weight);
+    t.acquire_as(provider, &waiter, Duration::from_secs(5))
+        .await
+}
+
+/// What each limit of `provider` holds now, by name.
+async fn available(t: &Arc<dyn Throttle>, provider: &str) -> Vec<(String, f64)> {
+    let stats = t.stats().await.unwrap();
+    let p = stats.iter().find(|p| p.provider == provider).unwrap();
+    p.limits
+        .iter()
+        .map(|l| (l.limit.clone(), l.available))
+        .collect()
+}
+
+/// `w-limits`: 40 calls and 100 tokens per 1 s (bursts 4 and 30). A grant
+/// takes one request and its weight in one step: three calls of weight 10
+/// empty the token limit at once, and the fourth waits for 10 tokens (at
+/// (100 - 30) / (1 s + the late bound) ≈ 68/s: ~150 ms), though requests
+/// are left; calls of weight 1 are bound by the request limit instead.
+async fn throttle_limits_a_grant_takes_from_every_limit(t: Arc<dyn Throttle>) {
+    let full = available(&t, "w-limits").await;
+    assert_eq!(
+        full,
+        vec![
+            ("requests/1s".to_owned(), 4.0),
+            ("tokens/1s".to_owned(), 30.0)
+        ],
+        "a fresh provider's limits are full"
+    );
+    let started = Instant::now();
+    for i in 0..3 {
+        let g = weighing(&t, "w-limits", &format!("h{i}"), 10)
+            .await
+            .unwrap();
+        assert_eq!(g.weight, 10);
+    }
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        started.elapsed()
+    );
+    let after = available(&t, "w-limits").await;
+    assert!(
+        after[1].1 < 3.0,
+        "three calls of 10 took 30 tokens: {after:?}"
+    );
+    assert!(
+        (0.9..2.0).contains(&after[0].1),
+        "and three requests of 4: {after:?}"
+    );
+    let before = Instant::now();
+    weighing(&t, "w-limits", "h3", 10).await.unwrap();
+    let waited = before.elapsed();
+    assert!(
+        waited >= Duration::from_millis(110) && waited < Duration::from_millis(600),
+        "the fourth waited for 10 tokens at ~68/s: {waited:?}"
+    );
+    // Weight 1: the request limit binds (35/s after its burst).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let records = run_waiters(
+        Arc::clone(&t),
+        "w-limits",
+        "light",
+        12,
+        Duration::from_secs(5),
+    )
+    .await;
+    let times: Vec<u64> = records
+        .iter()
+        .map(|r| r.granted_at_us.unwrap_or_else(|| panic!("{r:?}")))
+        .collect();
+    assert!(
+        max_excess(&times, 35.0, 4) <= 1e-6,
+        "light calls went past the request limit: {times:?}"
+    );
+}
+
+/// `w-limits`: a reported usage below the weight gives the difference back
+/// (a waiting call then goes at once), one above takes more (never below
+/// empty), and nothing goes past the burst.
+async fn throttle_limits_usage_gives_back_and_takes_within_bounds(t: Arc<dyn Throttle>) {
+    use tollgate_core::throttle::Usage;
+    let g = weighing(&t, "w-limits", "u0", 30).await.unwrap();
+    assert!(available(&t, "w-limits").await[1].1 < 2.0);
+    assert_eq!(t.usage(&g, 30).await.unwrap(), Usage::Matched);
+    assert_eq!(t.usage(&g, 6).await.unwrap(), Usage::GivenBack(24));
+    let back = available(&t, "w-limits").await[1].1;
+    assert!((24.0..28.0).contains(&back), "24 given back: {back}");
+    let started = Instant::now();
+    let h = weighing(&t, "w-limits", "u1", 20).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_millis(60),
+        "the tokens given back were granted at once: {:?}",
+        started.elapsed()
+    );
+    // It used 40 of its 20: 20 more taken, but only what is left (~5).
+    assert_eq!(t.usage(&h, 40).await.unwrap(), Usage::Taken(20));
+    let empty = available(&t, "w-limits").await[1].1;
+    assert!(
+        (0.0..1.5).contains(&empty),
+        "taken to empty, not below: {empty}"
+    );
+    let started = Instant::now();
+    weighing(&t, "w-limits", "u2", 5).await.unwrap();
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(40),
+        "5 tokens from empty at ~68/s: {waited:?}"
+    );
+    // Full again, a give-back adds nothing past the burst.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(t.usage(&g, 0).await.unwrap(), Usage::GivenBack(30));
+    let capped = available(&t, "w-limits").await[1].1;
+    assert!(capped <= 30.0 + 1e-9, "past the burst: {capped}");
+}
+
+/// `w-fifo` (the same limits, one queue): a call heavier than the token
+/// burst is refused at once; a heavy call queued first is served first
+/// (lighter ones behind it do not pass it), when its tokens are there.
+async fn throttle_limits_a_heavy_call_waits_its_turn_or_is_refused(t: Arc<dyn Throttle>) {
+    let started = Instant::now();
+    let e = weighing(&t, "w-fifo", "big", 31).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_millis(500));
+    assert!(
+        matches!(
+            &e,
+            ThrottleError::TooHeavy {
+                weight: 31,
+                most: 30,
+                ..
+            }
+        ) && e.to_string().contains("tokens/1s"),
+        "{e}"
+    );
+    assert!(!e.is_transient());
+    weighing(&t, "w-fifo", "all", 30).await.unwrap();
+    let heavy = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move {
+            let g = weighing(&t, "w-fifo", "heavy", 25).await.unwrap();
+            (g.granted_at_us, Instant::now())
+        })
+    };
+    until_waiting(&t, "w-fifo", 1).await;
+    let light = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move {
+            weighing(&t, "w-fifo", "light", 1)
+                .await
+                .unwrap()
+                .granted_at_us
+        })
+    };
+    let ((heavy_at, heavy), light_at) = (heavy.await.unwrap(), light.await.unwrap());
+    // (Granted in one step, both have the same time: woken in either order.)
+    assert!(
+        heavy_at <= light_at,
+        "the light call passed the heavy one queued before it: {heavy_at} > {light_at}"
+    );
+    let took = heavy.duration_since(started);
+    assert!(
+        took >= Duration::from_millis(300),
+        "25 tokens from empty at ~68/s take ~370 ms: {took:?}"
+    );
 }

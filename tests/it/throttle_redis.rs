@@ -778,11 +778,13 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
         rate: 1.0,
         burst: 1.0,
         slots: 0,
+        limits: String::new(),
     };
     let throttler = BucketArgs {
         rate: 1e6,
         burst: 1_000_000.0,
         slots: 0,
+        limits: String::new(),
     };
     let enqueue = |user: &str, n: u64| {
         let fair = FairArgs {
@@ -792,7 +794,15 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
             hold_us: 60_000_000,
         };
         let ticket = format!("t{n}~0.{n:x}");
-        scripts::throttle_enqueue_fair(&keys, &ticket, "inbox", 60_000_000, 600_000, waiters, fair)
+        scripts::throttle_enqueue_fair(
+            &keys,
+            &ticket,
+            "inbox",
+            60_000_000,
+            600_000,
+            waiters.clone(),
+            fair,
+        )
     };
     // The bucket's one token, taken on the way in: what follows queues.
     let first: Vec<i64> = enqueue("first", 0).invoke_async(&mut conn).await.unwrap();
@@ -814,7 +824,7 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
         // the provider never idles).
         for limit in [50, 2] {
             let _: Vec<i64> =
-                scripts::throttle_grant(&keys, "t1", throttler, limit, 5_000_000, 600_000)
+                scripts::throttle_grant(&keys, "t1", throttler.clone(), limit, 5_000_000, 600_000)
                     .invoke_async(&mut conn)
                     .await
                     .unwrap();

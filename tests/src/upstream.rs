@@ -149,6 +149,8 @@ impl Drop for Upstream {
 /// parser holds), `"400"`, `"401"`, `"404"`, `"413"`, `"415"`, `"422"` (each
 /// with a JSON body naming its status), `"429"`, `"500"`, `"503"`, or `"cut"`
 /// (200 whose body stops halfway: the connection is dropped mid-reply).
+/// `"usage": n` makes an `"ok"` answer report `{"usage": {"total_tokens":
+/// n}}`, as an LLM API reports the tokens a call used.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Behaviour {
     pub answer: String,
@@ -227,7 +229,11 @@ impl Behaviour {
                 );
                 r
             }
-            _ => Json(json!({"ok": true, "echo": input})).into_response(),
+            _ => match input["upstream"]["usage"].as_u64() {
+                Some(n) => Json(json!({"ok": true, "echo": input, "usage": {"total_tokens": n}}))
+                    .into_response(),
+                None => Json(json!({"ok": true, "echo": input})).into_response(),
+            },
         }
     }
 }

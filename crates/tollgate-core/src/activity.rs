@@ -515,6 +515,14 @@ impl Throttle for RecordingThrottle {
     ) -> Result<Pause, ThrottleError> {
         self.inner.pause(provider, retry_after).await
     }
+
+    async fn usage(
+        &self,
+        grant: &Grant,
+        used: u64,
+    ) -> Result<crate::throttle::Usage, ThrottleError> {
+        self.inner.usage(grant, used).await
+    }
 }
 
 #[cfg(test)]

@@ -147,7 +147,73 @@ pub struct Provider {
     /// halves the rate it refills at (at least 1% of `rate`), which then
     /// grows back by `rate / 10` per second up to `rate`.
     pub adaptive: bool,
+    /// The entry of `limits` that `rate` and `burst` come from, when the
+    /// provider sets no `rate` and `burst` of its own (its first request
+    /// limit): the bucket then holds `burst` and refills at `rate` so that
+    /// the upstream sees at most its `amount` in any `per`.
+    pub rate_limit: Option<ProviderLimit>,
+    /// Its other `limits`: buckets of their own, each taken from by the same
+    /// grant as the request bucket (one request, or the call's weight), in
+    /// one atomic step.
+    pub limits: Vec<ProviderLimit>,
+    /// Where an answer reports the tokens a call used (`usage`, a JSON
+    /// pointer; operations may set their own): the difference from its
+    /// weight goes back to (or is taken from) the token limits.
+    pub usage: Option<String>,
 }
+
+/// What one of a provider's `limits` counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    /// Calls (`{ rate = N, per = "1m" }`): each grant takes one.
+    Requests,
+    /// Tokens of weight (`{ tokens = N, per = "1m" }`): each grant takes its
+    /// call's weight (the operation's `weight`).
+    Tokens,
+}
+
+/// One of a provider's `limits`: at most `amount` calls (or tokens of weight)
+/// reach the upstream in any window of `per`. A bucket of `burst` refilled at
+/// `rate` per second, `rate` chosen so that `burst + rate * (per + d)` is
+/// `amount`, where `d` is how late a grant may be used (its provider's
+/// `late_allowance`, or one token's time of its request bucket).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProviderLimit {
+    pub kind: LimitKind,
+    pub amount: u64,
+    pub per: Duration,
+    /// The bucket's capacity (`burst`, default a tenth of `amount`, at least
+    /// 1): the most one burst takes, and for tokens the heaviest call.
+    pub burst: u64,
+    /// Refill per second.
+    pub rate: f64,
+}
+
+impl ProviderLimit {
+    /// `requests/1m`, `tokens/1m`: the limit's name in metrics and errors.
+    pub fn name(&self) -> String {
+        let kind = match self.kind {
+            LimitKind::Requests => "requests",
+            LimitKind::Tokens => "tokens",
+        };
+        format!("{kind}/{}", duration::format(self.per))
+    }
+
+    pub fn per_ms(&self) -> u64 {
+        u64::try_from(self.per.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// What a grant of a call of `weight` takes from this limit.
+    pub fn take(&self, weight: u64) -> u64 {
+        match self.kind {
+            LimitKind::Requests => 1,
+            LimitKind::Tokens => weight,
+        }
+    }
+}
+
+/// Most `limits` one provider may set.
+pub const MAX_PROVIDER_LIMITS: usize = 8;
 
 /// How long a slot of a provider's `max_concurrent` outlives its holder's
 /// last renewal (renewed every third of it while the call runs).
@@ -162,10 +228,89 @@ impl Provider {
     /// bound a grant used within 1/rate keeps. At least 1 (the parser
     /// refuses an allowance that would leave less).
     pub fn bucket_burst(&self) -> f64 {
+        if self.rate_limit.is_some() {
+            // Its rate already leaves room for the lateness.
+            return self.burst as f64;
+        }
         let carved = self
             .late_allowance
             .map_or(0.0, |d| (self.rate * d.as_secs_f64() - 1.0).max(0.0));
         (self.burst as f64 - carved).max(1.0)
+    }
+}
+
+impl Provider {
+    /// The heaviest call a grant can ever be made for: the smallest capacity
+    /// of its token limits (`None`: it has none, weight counts nothing).
+    pub fn max_weight(&self) -> Option<u64> {
+        self.limits
+            .iter()
+            .filter(|l| l.kind == LimitKind::Tokens)
+            .map(|l| l.burst)
+            .min()
+    }
+
+    /// The bucket that `rate` and `burst` describe, named as in metrics:
+    /// `rate` for the simple form, else its `limits` entry's name.
+    pub fn rate_name(&self) -> String {
+        self.rate_limit
+            .as_ref()
+            .map_or_else(|| "rate".to_owned(), ProviderLimit::name)
+    }
+
+    /// The most a grant may be used late by: `late_allowance`, or one
+    /// token's time of the request bucket (never below 2 ms, the throttle's
+    /// `MIN_LATE_GRANT`). What the `limits` leave room for.
+    pub fn late_most(&self) -> Duration {
+        self.late_allowance
+            .unwrap_or_else(|| Duration::from_secs_f64((1.0 / self.rate).min(3600.0)))
+            .max(Duration::from_millis(2))
+    }
+}
+
+/// How much of a provider's token limits one call weighs (an operation's
+/// `weight`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Weight {
+    /// `weight = 500`: every call weighs this.
+    Fixed(u64),
+    /// `weight = { from = "/max_tokens", default = 1000 }`: a number in the
+    /// call's input at `from` (a JSON pointer; a fraction counts up, a value
+    /// past [`MAX_TOKENS`] as that), or `default` when there is none there,
+    /// it is not a number or it is negative.
+    From { from: String, default: u64 },
+}
+
+impl Weight {
+    /// The weight of a call whose input is `input`: at least 1.
+    pub fn of(&self, input: &serde_json::Value) -> u64 {
+        let (from, default) = match self {
+            Self::Fixed(n) => return (*n).max(1),
+            Self::From { from, default } => (from, *default),
+        };
+        let Some(v) = input.pointer(from) else {
+            return default;
+        };
+        let n = match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) => n,
+            (None, Some(f)) if f.is_finite() && f >= 0.0 => f.ceil().min(MAX_TOKENS as f64) as u64,
+            _ => return default,
+        };
+        n.clamp(1, MAX_TOKENS)
+    }
+}
+
+/// The tokens an answer reports at `pointer` (a provider's or an
+/// operation's `usage`): a whole number of at least 0 (a fraction counts
+/// up); `None` when there is none there, or it is negative or not a number.
+pub fn reported_usage(pointer: &str, answer: &serde_json::Value) -> Option<u64> {
+    let v = answer.pointer(pointer)?;
+    match (v.as_u64(), v.as_f64()) {
+        (Some(n), _) => Some(n.min(MAX_TOKENS)),
+        (None, Some(f)) if f.is_finite() && f >= 0.0 => {
+            Some(f.ceil().min(MAX_TOKENS as f64) as u64)
+        }
+        _ => None,
     }
 }
 
@@ -243,6 +388,12 @@ pub struct Operation {
     pub expose_upstream_errors: bool,
     /// How the input goes upstream (`method`, `body`): a JSON POST by default.
     pub request: RequestShape,
+    /// What one call weighs in its provider's token limits (`weight`); set
+    /// exactly when the provider has one.
+    pub weight: Option<Weight>,
+    /// Where its answers report the tokens a call used: its own `usage`, or
+    /// its provider's.
+    pub usage: Option<String>,
 }
 
 /// How an operation's input (a JSON object) is sent to its upstream.
@@ -381,8 +532,10 @@ struct RawExport {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawProvider {
-    rate: f64,
-    burst: i64,
+    rate: Option<f64>,
+    burst: Option<i64>,
+    limits: Option<Vec<RawProviderLimit>>,
+    usage: Option<String>,
     max_wait: String,
     url: Option<String>,
     auth_header: Option<String>,
@@ -400,7 +553,18 @@ struct RawProvider {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawProviderLimit {
+    rate: Option<i64>,
+    tokens: Option<i64>,
+    per: String,
+    burst: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawOperation {
+    weight: Option<toml::Value>,
+    usage: Option<String>,
     cost: i64,
     provider: String,
     path: Option<String>,
@@ -838,9 +1002,50 @@ fn parse_operations(
                 ))
             }
         };
+        let provider = &providers[&o.provider];
+        let weighed = provider.max_weight().is_some();
+        let weight = match (&o.weight, weighed) {
+            (Some(w), true) => Some(parse_weight(
+                &format!("{key}.weight"),
+                w,
+                provider,
+                invalid,
+            )?),
+            (None, false) => None,
+            (Some(_), false) => {
+                return Err(invalid(
+                    format!("{key}.weight"),
+                    format!(
+                        "provider {} has no token limit to weigh calls against",
+                        o.provider
+                    ),
+                ))
+            }
+            (None, true) => {
+                return Err(invalid(
+                    format!("{key}.weight"),
+                    format!(
+                        "is required: provider {} has a token limit (`weight = 500`, or \
+                         `weight = {{ from = \"/max_tokens\", default = 1000 }}`)",
+                        o.provider
+                    ),
+                ))
+            }
+        };
+        let usage = match o.usage {
+            Some(u) => Some(usage_pointer(
+                &format!("{key}.usage"),
+                u,
+                &provider.limits,
+                invalid,
+            )?),
+            None => provider.usage.clone(),
+        };
         operations.insert(
             name.clone(),
             Operation {
+                weight,
+                usage,
                 name,
                 cost: o.cost as u64,
                 provider: o.provider,
@@ -1081,6 +1286,274 @@ fn parse_upstream(
 
 type Providers = (BTreeMap<String, Provider>, BTreeMap<String, Upstream>);
 
+/// A `limits` entry as read: kind, amount, per, burst.
+type RawLimitOf = (LimitKind, u64, Duration, u64);
+
+fn parse_provider_limits(
+    key: &str,
+    raw: &[RawProviderLimit],
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Vec<RawLimitOf>, ConfigError> {
+    if raw.len() > MAX_PROVIDER_LIMITS {
+        return Err(invalid(
+            format!("{key}.limits"),
+            format!(
+                "must hold at most {MAX_PROVIDER_LIMITS} limits, got {}",
+                raw.len()
+            ),
+        ));
+    }
+    let mut out: Vec<RawLimitOf> = Vec::with_capacity(raw.len());
+    for (i, l) in raw.iter().enumerate() {
+        let key = format!("{key}.limits[{i}]");
+        let (kind, amount, field) = match (l.rate, l.tokens) {
+            (Some(n), None) => (LimitKind::Requests, n, "rate"),
+            (None, Some(n)) => (LimitKind::Tokens, n, "tokens"),
+            _ => {
+                return Err(invalid(
+                    key,
+                    "set either `rate` (calls) or `tokens` (weight), with `per`".into(),
+                ))
+            }
+        };
+        if amount < 2 || amount as u64 > MAX_TOKENS {
+            return Err(invalid(
+                format!("{key}.{field}"),
+                format!("must be between 2 and {MAX_TOKENS}, got {amount}"),
+            ));
+        }
+        let amount = amount as u64;
+        let per = duration::parse(&l.per).map_err(|m| invalid(format!("{key}.per"), m))?;
+        if per < Duration::from_millis(1) || per > Duration::from_secs(366 * 86_400) {
+            return Err(invalid(
+                format!("{key}.per"),
+                "must be between 1ms and 366d".into(),
+            ));
+        }
+        let burst = match l.burst {
+            None => (amount / 10).max(1),
+            Some(b) if b >= 1 && (b as u64) < amount => b as u64,
+            Some(b) => {
+                return Err(invalid(
+                    format!("{key}.burst"),
+                    format!(
+                    "must be between 1 and {} (less than the limit: the rest is its rate), got {b}",
+                    amount - 1
+                ),
+                ))
+            }
+        };
+        let per_ms = per.as_millis();
+        if out
+            .iter()
+            .any(|(k, _, p, _)| *k == kind && p.as_millis() == per_ms)
+        {
+            return Err(invalid(
+                format!("{key}.per"),
+                format!("a {field} limit per {} is set twice", l.per),
+            ));
+        }
+        out.push((kind, amount, per, burst));
+    }
+    Ok(out)
+}
+
+/// A limit of `amount` per `per` from a bucket of `burst`, its grants used
+/// at most `late` late: refilled at `(amount - burst) / (per + late)` per
+/// second, the upstream sees at most `amount` in any `per`.
+fn limit_of((kind, amount, per, burst): RawLimitOf, late: Duration) -> ProviderLimit {
+    ProviderLimit {
+        kind,
+        amount,
+        per,
+        burst,
+        rate: (amount - burst) as f64 / (per + late).as_secs_f64(),
+    }
+}
+
+/// The provider's request bucket (`rate`, `burst`: the simple form, or its
+/// first request limit) and its other limits, each with its rate.
+fn request_bucket(
+    key: &str,
+    simple: Option<(f64, i64)>,
+    mut raw: Vec<RawLimitOf>,
+    late_allowance: Option<Duration>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<(f64, u64, Option<ProviderLimit>, Vec<ProviderLimit>), ConfigError> {
+    let (rate, burst, rate_limit) = match simple {
+        Some((rate, burst)) => {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(invalid(
+                    format!("{key}.rate"),
+                    format!("must be > 0 (tokens per second), got {rate}"),
+                ));
+            }
+            if !(MIN_RATE..=MAX_RATE).contains(&rate) {
+                return Err(invalid(
+                    format!("{key}.rate"),
+                    format!(
+                        "must be between {MIN_RATE:.3e} (one call a day) and {MAX_RATE} tokens per second, got {rate:?}"
+                    ),
+                ));
+            }
+            if burst < 1 {
+                return Err(invalid(
+                    format!("{key}.burst"),
+                    format!("must be >= 1 (the bucket capacity), got {burst}"),
+                ));
+            }
+            let burst = burst as u64;
+            if burst > MAX_BURST {
+                return Err(invalid(
+                    format!("{key}.burst"),
+                    format!("must be <= {MAX_BURST}"),
+                ));
+            }
+            if let Some(d) = late_allowance {
+                // The bucket grants from burst - (rate * d - 1): it must keep one.
+                let most = Duration::from_secs_f64(burst as f64 / rate);
+                if d < Duration::from_millis(1) || d > most {
+                    return Err(invalid(
+                        format!("{key}.late_allowance"),
+                        format!(
+                            "must be between 1ms and burst / rate = {} (the bucket grants \
+                             from burst - (rate * late_allowance - 1), at least 1)",
+                            duration::format(most)
+                        ),
+                    ));
+                }
+            }
+            (rate, burst, None)
+        }
+        None => {
+            let Some(i) = raw.iter().position(|l| l.0 == LimitKind::Requests) else {
+                return Err(invalid(
+                    key.to_owned(),
+                    "needs a request limit: `rate` and `burst`, or `{ rate = N, per = \"1m\" }` \
+                     in `limits`"
+                        .into(),
+                ));
+            };
+            let first = raw.remove(i);
+            let (_, amount, per, burst) = first;
+            if let Some(d) = late_allowance {
+                if d < Duration::from_millis(1) || d > per {
+                    return Err(invalid(
+                        format!("{key}.late_allowance"),
+                        format!(
+                            "must be between 1ms and the request limit's per ({})",
+                            duration::format(per)
+                        ),
+                    ));
+                }
+            }
+            // Used at most 1/rate late (or 2 ms, the least late bound): burst
+            // + rate * per + 1 = amount, unless an allowance says longer.
+            let mut limit = limit_of(first, late_allowance.unwrap_or(Duration::ZERO));
+            if late_allowance.is_none() {
+                limit.rate = (amount - burst).saturating_sub(1) as f64 / per.as_secs_f64();
+                if limit.rate <= 0.0 || 1.0 / limit.rate < 0.002 {
+                    limit = limit_of(first, Duration::from_millis(2));
+                }
+            }
+            if !(MIN_RATE..=MAX_RATE).contains(&limit.rate) || burst > MAX_BURST {
+                return Err(invalid(
+                    format!("{key}.limits"),
+                    format!(
+                        "{}: {amount} per {} with a burst of {burst} refills at {:.3e} per second \
+                         (must be between {MIN_RATE:.3e} and {MAX_RATE}, burst <= {MAX_BURST})",
+                        limit.name(),
+                        duration::format(per),
+                        limit.rate
+                    ),
+                ));
+            }
+            (limit.rate, burst, Some(limit))
+        }
+    };
+    let late = late_allowance
+        .unwrap_or_else(|| Duration::from_secs_f64((1.0 / rate).min(3600.0)))
+        .max(Duration::from_millis(2));
+    let limits = raw.into_iter().map(|l| limit_of(l, late)).collect();
+    Ok((rate, burst, rate_limit, limits))
+}
+
+/// A `usage` pointer, valid only where there is a token limit to adjust.
+fn usage_pointer(
+    key: &str,
+    pointer: String,
+    limits: &[ProviderLimit],
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<String, ConfigError> {
+    if !pointer.starts_with('/') {
+        return Err(invalid(
+            key.to_owned(),
+            format!("must be a JSON pointer starting with /, got {pointer:?}"),
+        ));
+    }
+    if !limits.iter().any(|l| l.kind == LimitKind::Tokens) {
+        return Err(invalid(
+            key.to_owned(),
+            "needs a token limit (`{ tokens = N, per = \"1m\" }` in the provider's `limits`)"
+                .into(),
+        ));
+    }
+    Ok(pointer)
+}
+
+/// An operation's `weight`: a whole number, or `{ from, default }`.
+fn parse_weight(
+    key: &str,
+    raw: &toml::Value,
+    provider: &Provider,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Weight, ConfigError> {
+    let shape = || {
+        invalid(
+            key.to_owned(),
+            "must be a whole number >= 1, or `{ from = \"/max_tokens\", default = 1000 }`".into(),
+        )
+    };
+    let weight = match raw {
+        toml::Value::Integer(n) if *n >= 1 => Weight::Fixed(*n as u64),
+        toml::Value::Table(t) => {
+            let from = t
+                .get("from")
+                .and_then(toml::Value::as_str)
+                .ok_or_else(shape)?;
+            let default = t
+                .get("default")
+                .and_then(toml::Value::as_integer)
+                .filter(|n| *n >= 1)
+                .ok_or_else(shape)?;
+            if t.keys().any(|k| k != "from" && k != "default") || !from.starts_with('/') {
+                return Err(shape());
+            }
+            Weight::From {
+                from: from.to_owned(),
+                default: default as u64,
+            }
+        }
+        _ => return Err(shape()),
+    };
+    let most = provider.max_weight().unwrap_or(0);
+    let (n, what) = match &weight {
+        Weight::Fixed(n) => (*n, "weight"),
+        Weight::From { default, .. } => (*default, "default"),
+    };
+    if n > most {
+        return Err(invalid(
+            key.to_owned(),
+            format!(
+                "{what} {n} is more than provider {}'s smallest token burst ({most}): \
+                 such a call could never be granted",
+                provider.name
+            ),
+        ));
+    }
+    Ok(weight)
+}
+
 fn parse_providers(
     raw: BTreeMap<String, RawProvider>,
     invalid: &impl Fn(String, String) -> ConfigError,
@@ -1094,34 +1567,18 @@ fn parse_providers(
         if let Err(e) = crate::id::UserId::new(name.as_str()) {
             return Err(invalid(key, format!("bad provider name: {e}")));
         }
-        if !(p.rate.is_finite() && p.rate > 0.0) {
-            return Err(invalid(
-                format!("{key}.rate"),
-                format!("must be > 0 (tokens per second), got {}", p.rate),
-            ));
-        }
-        if !(MIN_RATE..=MAX_RATE).contains(&p.rate) {
-            return Err(invalid(
-                format!("{key}.rate"),
-                format!(
-                    "must be between {MIN_RATE:.3e} (one call a day) and {MAX_RATE} tokens per second, got {:?}",
-                    p.rate
-                ),
-            ));
-        }
-        if p.burst < 1 {
-            return Err(invalid(
-                format!("{key}.burst"),
-                format!("must be >= 1 (the bucket capacity), got {}", p.burst),
-            ));
-        }
-        let burst = p.burst as u64;
-        if burst > MAX_BURST {
-            return Err(invalid(
-                format!("{key}.burst"),
-                format!("must be <= {MAX_BURST}"),
-            ));
-        }
+        let raw_limits = parse_provider_limits(&key, p.limits.as_deref().unwrap_or(&[]), invalid)?;
+        // The request bucket: `rate` and `burst`, or the first request limit.
+        let simple = match (p.rate, p.burst) {
+            (Some(rate), Some(burst)) => Some((rate, burst)),
+            (None, None) => None,
+            _ => {
+                return Err(invalid(
+                    key,
+                    "`rate` and `burst` go together (or set a request limit in `limits`)".into(),
+                ))
+            }
+        };
         let max_wait =
             duration::parse(&p.max_wait).map_err(|m| invalid(format!("{key}.max_wait"), m))?;
         if max_wait < Duration::from_millis(1) || max_wait > MAX_WAIT_LIMIT {
@@ -1161,22 +1618,11 @@ fn parse_providers(
             None => None,
             Some(text) => {
                 let field = format!("{key}.late_allowance");
-                let d = duration::parse(text).map_err(|m| invalid(field.clone(), m))?;
-                // The bucket grants from burst - (rate * d - 1): it must keep one.
-                let most = Duration::from_secs_f64(burst as f64 / p.rate);
-                if d < Duration::from_millis(1) || d > most {
-                    return Err(invalid(
-                        field,
-                        format!(
-                            "must be between 1ms and burst / rate = {} (the bucket grants \
-                             from burst - (rate * late_allowance - 1), at least 1)",
-                            duration::format(most)
-                        ),
-                    ));
-                }
-                Some(d)
+                Some(duration::parse(text).map_err(|m| invalid(field, m))?)
             }
         };
+        let (rate, burst, rate_limit, limits) =
+            request_bucket(&key, simple, raw_limits, late_allowance, invalid)?;
         let max_concurrent = match p.max_concurrent {
             None => None,
             Some(n) if (1..=i64::from(MAX_IN_FLIGHT)).contains(&n) => Some(n as u32),
@@ -1190,11 +1636,15 @@ fn parse_providers(
         if let Some(upstream) = parse_upstream(&key, &p, invalid)? {
             upstreams.insert(name.clone(), upstream);
         }
+        let usage = match p.usage {
+            None => None,
+            Some(u) => Some(usage_pointer(&format!("{key}.usage"), u, &limits, invalid)?),
+        };
         providers.insert(
             name.clone(),
             Provider {
                 name,
-                rate: p.rate,
+                rate,
                 burst,
                 max_wait,
                 fairness,
@@ -1202,6 +1652,9 @@ fn parse_providers(
                 late_allowance,
                 max_concurrent,
                 adaptive: p.adaptive.unwrap_or(false),
+                rate_limit,
+                limits,
+                usage,
             },
         );
     }
@@ -1390,6 +1843,162 @@ max_wait = "500ms"
         assert_eq!(c.provider("slow").unwrap().bucket_burst(), 1.0);
         let e = err(&PROVIDERS.replacen("rate = 50", "rate = \"fast\"", 1));
         assert!(e.contains("rate"), "{e}");
+    }
+
+    const LIMITS: &str = r#"
+[plans.free]
+limit = 1
+window = "1h"
+[providers.llm]
+max_wait = "30s"
+limits = [{ tokens = 9000, per = "1m", burst = 900 }, { rate = 60, per = "1m", burst = 5 }]
+usage = "/usage/total_tokens"
+[operations.chat]
+cost = 1
+provider = "llm"
+weight = { from = "/max_tokens", default = 500 }
+"#;
+
+    #[test]
+    fn reads_several_provider_limits() {
+        let c = Config::parse(LIMITS, "t.toml").unwrap();
+        let llm = c.provider("llm").unwrap();
+        // The request limit is the request bucket: 5 + rate * 60 s + 1 = 60.
+        assert_eq!(llm.burst, 5);
+        assert!((llm.rate - 54.0 / 60.0).abs() < 1e-12, "{}", llm.rate);
+        assert_eq!(llm.bucket_burst(), 5.0);
+        assert_eq!(llm.rate_name(), "requests/1m");
+        // The token limit: 900 + rate * (60 s + 1/rate of requests) = 9000.
+        let tokens = &llm.limits[0];
+        assert_eq!(
+            (tokens.kind, tokens.burst, tokens.name()),
+            (LimitKind::Tokens, 900, "tokens/1m".into())
+        );
+        let d = 60.0 / 54.0;
+        assert!(
+            (tokens.rate - 8100.0 / (60.0 + d)).abs() < 1e-9,
+            "{}",
+            tokens.rate
+        );
+        assert_eq!(llm.max_weight(), Some(900));
+        let chat = c.operation("chat").unwrap();
+        assert_eq!(chat.usage.as_deref(), Some("/usage/total_tokens"));
+        let w = chat.weight.clone().unwrap();
+        assert_eq!(w.of(&serde_json::json!({"max_tokens": 120})), 120);
+        assert_eq!(w.of(&serde_json::json!({"max_tokens": 12.2})), 13);
+        for bad in [
+            serde_json::json!({}),
+            serde_json::json!({"max_tokens": -3}),
+            serde_json::json!({"max_tokens": "120"}),
+            serde_json::json!({"max_tokens": null}),
+            serde_json::json!([1, 2]),
+        ] {
+            assert_eq!(w.of(&bad), 500, "{bad}");
+        }
+        assert_eq!(w.of(&serde_json::json!({"max_tokens": 0})), 1);
+        assert_eq!(w.of(&serde_json::json!({"max_tokens": 1e300})), MAX_TOKENS);
+        assert_eq!(Weight::Fixed(7).of(&serde_json::Value::Null), 7);
+        assert_eq!(
+            reported_usage("/u", &serde_json::json!({"u": 3.5})),
+            Some(4)
+        );
+        assert_eq!(reported_usage("/u", &serde_json::json!({"u": -1})), None);
+        assert_eq!(reported_usage("/u", &serde_json::json!({})), None);
+        // The simple form with a token limit beside it.
+        let both = LIMITS.replace(
+            "max_wait = \"30s\"",
+            "max_wait = \"30s\"\nrate = 2\nburst = 4",
+        );
+        let c = Config::parse(&both, "t.toml").unwrap();
+        let llm = c.provider("llm").unwrap();
+        assert_eq!(
+            (llm.rate, llm.burst, llm.rate_name()),
+            (2.0, 4, "rate".to_owned())
+        );
+        assert_eq!(llm.limits.len(), 2, "both entries are extra buckets");
+    }
+
+    #[test]
+    fn provider_limit_errors_name_the_key() {
+        for (from, to, key) in [
+            (
+                "{ rate = 60,",
+                "{ rate = 60, tokens = 3,",
+                "providers.llm.limits[1]",
+            ),
+            (
+                "burst = 900",
+                "burst = 9000",
+                "providers.llm.limits[0].burst",
+            ),
+            (
+                "tokens = 9000",
+                "tokens = 1",
+                "providers.llm.limits[0].tokens",
+            ),
+            (
+                "per = \"1m\", burst = 5",
+                "per = \"soon\", burst = 5",
+                "providers.llm.limits[1].per",
+            ),
+            (
+                "{ rate = 60, per = \"1m\"",
+                "{ tokens = 60, per = \"1m\"",
+                "providers.llm.limits[1].per",
+            ),
+            (
+                "{ rate = 60, per = \"1m\", burst = 5 }",
+                "{ tokens = 60, per = \"1s\", burst = 5 }",
+                "providers.llm",
+            ),
+            (
+                "max_wait = \"30s\"",
+                "max_wait = \"30s\"\nrate = 3",
+                "providers.llm",
+            ),
+            (
+                "usage = \"/usage/total_tokens\"",
+                "usage = \"usage\"",
+                "providers.llm.usage",
+            ),
+            ("default = 500", "default = 901", "operations.chat.weight"),
+            (
+                "weight = { from = \"/max_tokens\", default = 500 }",
+                "weight = 0",
+                "operations.chat.weight",
+            ),
+            (
+                "weight = { from = \"/max_tokens\", default = 500 }",
+                "weight = \"big\"",
+                "operations.chat.weight",
+            ),
+            (
+                "weight = { from = \"/max_tokens\", default = 500 }",
+                "",
+                "operations.chat.weight",
+            ),
+            (
+                "default = 500",
+                "default = 500, max = 3",
+                "operations.chat.weight",
+            ),
+        ] {
+            let text = LIMITS.replacen(from, to, 1);
+            assert_ne!(text, LIMITS, "{from}");
+            let e = err(&text);
+            assert!(e.contains(key), "{to}: {e}");
+        }
+        // A weight, or a usage, without a token limit to weigh against.
+        let plain = "[plans.free]\nlimit = 1\nwindow = \"1h\"\n[providers.p]\nrate = 1\nburst = 1\nmax_wait = \"1s\"\n";
+        let e = err(&format!(
+            "{plain}[operations.o]\ncost = 1\nprovider = \"p\"\nweight = 3\n"
+        ));
+        assert!(
+            e.contains("operations.o.weight") && e.contains("no token limit"),
+            "{e}"
+        );
+        let e = err(&format!("{plain}usage = \"/u\"\n"));
+        assert!(e.contains("providers.p.usage"), "{e}");
     }
 
     const OPERATIONS: &str = r#"

@@ -247,6 +247,11 @@ impl<T> FairQueue<T> {
         }
     }
 
+    /// The item of the ticket served next (after [`FairQueue::head`]).
+    pub fn first(&self) -> Option<&T> {
+        self.tickets.first_key_value().map(|(_, (_, item))| item)
+    }
+
     /// Serves `head` (from [`FairQueue::head`]): the virtual clock moves to
     /// its tag, and a capped user's slot counts as in flight until
     /// [`FairQueue::done`] or its hold ends.

@@ -127,6 +127,12 @@ struct ProviderReason {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProviderDirection {
+    provider: String,
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CauseLabel {
     cause: &'static str,
 }
@@ -290,6 +296,16 @@ const THROTTLE_EFFECTIVE_RATE: (&str, &str) = (
     "The rate each provider's bucket refills at now: its rate, or less on an adaptive provider \
      after the upstream refused calls (AIMD; shared state).",
 );
+const THROTTLE_LIMIT_AVAILABLE: (&str, &str) = (
+    "tollgate_throttle_limit_available",
+    "What each limit of each provider holds now: requests, or tokens of weight (limit: rate for \
+     the rate/burst bucket, else requests/<per> or tokens/<per>; shared state).",
+);
+const THROTTLE_LIMIT_RATE: (&str, &str) = (
+    "tollgate_throttle_limit_rate",
+    "What each limit of each provider refills at now, per second (the rate bucket's is its \
+     effective rate; shared state).",
+);
 const THROTTLE_THROTTLERS: (&str, &str) = (
     "tollgate_throttle_throttlers",
     "Throttlers alive for each provider (shared state; absent when embedded, where the \
@@ -315,6 +331,29 @@ fn gauges<T, V: EncodeGaugeValue + std::fmt::Debug>(
     for (key, v) in values {
         let labels = [(label, key)];
         ConstGauge::new(v).encode(metric.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// One gauge family of every limit of every provider.
+fn limit_gauges(
+    encoder: &mut DescriptorEncoder,
+    (name, help): (&str, &str),
+    providers: &[ProviderStats],
+    value: impl Fn(&crate::throttle::LimitStats) -> f64,
+) -> Result<(), std::fmt::Error> {
+    if providers.iter().all(|p| p.limits.is_empty()) {
+        return Ok(());
+    }
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for p in providers {
+        for l in &p.limits {
+            let labels = [
+                ("provider", p.provider.as_str()),
+                ("limit", l.limit.as_str()),
+            ];
+            ConstGauge::new(value(l)).encode(metric.encode_family(&labels)?)?;
+        }
     }
     Ok(())
 }
@@ -350,6 +389,8 @@ impl Collector for StatsCollector {
             gauges(e, THROTTLE_EFFECTIVE_RATE, by_provider, p, |s| {
                 Some(s.effective_rate)
             })?;
+            limit_gauges(e, THROTTLE_LIMIT_AVAILABLE, p, |l| l.available)?;
+            limit_gauges(e, THROTTLE_LIMIT_RATE, p, |l| l.rate)?;
         }
         Ok(())
     }
@@ -379,6 +420,8 @@ pub struct Metrics {
     tokens_returned: Family<ProviderReason, Counter>,
     late_grants: Family<ProviderLabel, Counter>,
     pauses: Family<ProviderLabel, Counter>,
+    usage_adjustments: Family<ProviderDirection, Counter>,
+    usage_adjusted: Family<ProviderDirection, Counter>,
     // throttle, throttler side
     grants: Family<ProviderLabel, Counter>,
     skipped: Family<ProviderLabel, Counter>,
@@ -508,6 +551,21 @@ impl Metrics {
             "Upstream refusals (a 429, or a 503 with Retry-After) that paused a provider's \
              bucket for every pod: for the Retry-After, or an exponential back-off",
             pauses.clone(),
+        );
+        let usage_adjustments = counters();
+        r.register(
+            "tollgate_throttle_usage_adjustments",
+            "Answers whose reported usage differed from the call's weight, by provider and \
+             direction: given_back (it used less: the rest went back to the token limits) or \
+             taken (it used more)",
+            usage_adjustments.clone(),
+        );
+        let usage_adjusted = counters();
+        r.register(
+            "tollgate_throttle_usage_adjusted_tokens",
+            "Tokens given back to (given_back) or taken from (taken) the token limits of each \
+             provider after the answers reported their usage",
+            usage_adjusted.clone(),
         );
         let max_wait = Family::<ProviderLabel, Gauge<f64, AtomicU64>>::default();
         r.register(
@@ -685,6 +743,16 @@ impl Metrics {
                     reason: "cancelled",
                 })
                 .inc_by(0);
+            if p.max_weight().is_some() {
+                for direction in ["given_back", "taken"] {
+                    let l = ProviderDirection {
+                        provider: provider(),
+                        direction,
+                    };
+                    usage_adjustments.get_or_create(&l).inc_by(0);
+                    usage_adjusted.get_or_create(&l).inc_by(0);
+                }
+            }
         }
         for cause in [
             "provider",
@@ -752,6 +820,8 @@ impl Metrics {
             tokens_returned,
             late_grants,
             pauses,
+            usage_adjustments,
+            usage_adjusted,
             grants,
             skipped,
             reclaimed,
@@ -975,6 +1045,21 @@ impl Metrics {
                 provider: provider.to_owned(),
             })
             .inc();
+    }
+
+    /// An answer's reported usage differed from its call's weight.
+    pub fn usage_adjusted(&self, provider: &str, usage: crate::throttle::Usage) {
+        let (direction, n) = match usage {
+            crate::throttle::Usage::Matched => return,
+            crate::throttle::Usage::GivenBack(n) => ("given_back", n),
+            crate::throttle::Usage::Taken(n) => ("taken", n),
+        };
+        let l = ProviderDirection {
+            provider: provider.to_owned(),
+            direction,
+        };
+        self.usage_adjustments.get_or_create(&l).inc();
+        self.usage_adjusted.get_or_create(&l).inc_by(n);
     }
 
     /// A token went back to `provider`'s bucket: `cancelled`.

@@ -17,7 +17,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, Fairness, Provider, FIRST_BACKOFF};
+use crate::config::{Config, Fairness, LimitKind, Provider, ProviderLimit, FIRST_BACKOFF};
 use crate::duration;
 use crate::error::StoreError;
 use crate::fair::FairQueue;
@@ -50,6 +50,9 @@ pub struct Grant {
     /// unused and waits for a fresh one; its token is lost, not returned (see
     /// `ThrottledClient`). `None`: the grant never becomes late.
     pub use_by: Option<Instant>,
+    /// What it took from its provider's token limits (its waiter's weight;
+    /// 1 for a provider without any): [`Throttle::usage`] settles it.
+    pub weight: u64,
 }
 
 /// A grant is late past this age, or past one token's time at its provider's
@@ -106,6 +109,10 @@ pub struct Waiter {
     /// anonymous queue `""`.
     pub user: String,
     pub share: Share,
+    /// What its call weighs in the provider's token limits (its operation's
+    /// `weight`): a grant takes that much of each, and one request of each
+    /// request limit. At least 1; ignored by a provider without token limits.
+    pub weight: u64,
 }
 
 impl Waiter {
@@ -115,6 +122,7 @@ impl Waiter {
             request_id: request_id.clone(),
             user: String::new(),
             share: Share::default(),
+            weight: 1,
         }
     }
 
@@ -124,7 +132,15 @@ impl Waiter {
             request_id: request_id.clone(),
             user: user.to_owned(),
             share,
+            weight: 1,
         }
+    }
+
+    /// The same waiter, for a call of `weight` (at least 1).
+    #[must_use]
+    pub fn weighing(mut self, weight: u64) -> Self {
+        self.weight = weight.max(1);
+        self
     }
 }
 
@@ -139,6 +155,15 @@ pub enum ThrottleError {
     },
     #[error("unknown provider {name:?} (providers: {known})")]
     UnknownProvider { name: String, known: String },
+    /// The call weighs more than a token limit of the provider holds at
+    /// once: it could never be granted, so it is refused before it waits.
+    #[error("provider {provider}: a call of weight {weight} is more than its token limit {limit} holds at once ({most})")]
+    TooHeavy {
+        provider: String,
+        weight: u64,
+        limit: String,
+        most: u64,
+    },
     /// The throttle's store failed.
     #[error("throttle store: {0}")]
     Store(#[from] StoreError),
@@ -151,7 +176,7 @@ impl ThrottleError {
         match self {
             Self::Timeout { .. } => true,
             Self::Store(e) => e.is_transient(),
-            Self::UnknownProvider { .. } => false,
+            Self::UnknownProvider { .. } | Self::TooHeavy { .. } => false,
         }
     }
 
@@ -160,6 +185,46 @@ impl ThrottleError {
         Self::UnknownProvider {
             name: name.to_owned(),
             known: providers.collect::<Vec<_>>().join(", "),
+        }
+    }
+
+    /// `Err(TooHeavy)` when a call of `weight` could never be granted by
+    /// `provider` (a token limit's burst is less).
+    pub fn check_weight(provider: &Provider, weight: u64) -> Result<(), Self> {
+        match provider
+            .limits
+            .iter()
+            .find(|l| l.kind == LimitKind::Tokens && weight > l.burst)
+        {
+            Some(l) => Err(Self::TooHeavy {
+                provider: provider.name.clone(),
+                weight,
+                limit: l.name(),
+                most: l.burst,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What [`Throttle::usage`] did to a provider's token limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Usage {
+    /// The call used what it weighed (or the provider has no token limit).
+    Matched,
+    /// It used less: this much went back (each limit at most to full).
+    GivenBack(u64),
+    /// It used more: this much more was taken (each limit at most to empty).
+    Taken(u64),
+}
+
+impl Usage {
+    /// The difference between a grant's `weight` and what its call `used`.
+    pub fn of(weight: u64, used: u64) -> Self {
+        match weight.cmp(&used) {
+            std::cmp::Ordering::Equal => Self::Matched,
+            std::cmp::Ordering::Greater => Self::GivenBack(weight - used),
+            std::cmp::Ordering::Less => Self::Taken(used - weight),
         }
     }
 }
@@ -228,6 +293,13 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
         provider: &str,
         retry_after: Option<Duration>,
     ) -> Result<Pause, ThrottleError>;
+
+    /// The call made with `grant` used `used` tokens, as its answer reported:
+    /// the difference from its weight goes back to its provider's token
+    /// limits, or is taken from them, in one atomic step (never below empty,
+    /// never past full). Nothing to do for a provider without token limits.
+    /// Sent once: a lost answer leaves the weight standing, or adjusted.
+    async fn usage(&self, grant: &Grant, used: u64) -> Result<Usage, ThrottleError>;
 }
 
 /// A provider's pause, as [`Throttle::pause`] left it.
@@ -274,6 +346,49 @@ pub struct ProviderStats {
     /// The rate the bucket refills at now: `rate`, or less on an adaptive
     /// provider after a refusal (AIMD).
     pub effective_rate: f64,
+    /// Every limit's bucket: the request bucket (`rate`, `burst`) first,
+    /// then the provider's other `limits`.
+    pub limits: Vec<LimitStats>,
+}
+
+/// One limit's bucket of a provider, as it stands.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LimitStats {
+    /// `rate` (the simple form), `requests/1m`, `tokens/1m`.
+    pub limit: String,
+    /// What it holds now (requests, or tokens of weight).
+    pub available: f64,
+    pub burst: f64,
+    /// What it refills at now, per second.
+    pub rate: f64,
+}
+
+/// The stats of every limit of `p`: its request bucket holding `tokens` and
+/// refilling at `effective_rate`, then its other `limits` at `levels`.
+pub fn limit_stats(
+    p: &Provider,
+    tokens: f64,
+    effective_rate: f64,
+    levels: impl IntoIterator<Item = f64>,
+) -> Vec<LimitStats> {
+    let mut out = vec![LimitStats {
+        limit: p.rate_name(),
+        available: tokens,
+        burst: p.bucket_burst(),
+        rate: effective_rate,
+    }];
+    out.extend(
+        p.limits
+            .iter()
+            .zip(levels)
+            .map(|(l, available)| LimitStats {
+                limit: l.name(),
+                available,
+                burst: l.burst as f64,
+                rate: l.rate,
+            }),
+    );
+    out
 }
 
 /// An adaptive bucket's rate at `t`: `e` at `since`, growing back by a tenth
@@ -333,6 +448,11 @@ pub trait Dispatchers: Send + Sync + std::fmt::Debug {
     fn dispatcher(&self, provider: &Provider, throttler: &str) -> Arc<dyn Dispatch>;
 }
 
+/// A provider's other `limits` (as `BucketState::levels` holds them).
+fn limits(p: &Provider) -> std::slice::Iter<'_, ProviderLimit> {
+    p.limits.iter()
+}
+
 /// Microseconds since the Unix epoch on the process clock.
 fn wall_us() -> u64 {
     SystemClock.now_us()
@@ -366,6 +486,8 @@ struct Bucket {
     adaptive: bool,
     fairness: Fairness,
     max_pause: Duration,
+    /// Its provider: its other `limits` are `BucketState::levels`.
+    provider: Provider,
     state: Mutex<BucketState>,
     /// Wakes a sleeping driver when a token is handed back or a slot ends.
     handed_back: Notify,
@@ -388,6 +510,10 @@ struct BucketState {
     slots: HashMap<u64, Instant>,
     /// An adaptive bucket's rate after its last refusal, and from when.
     aimd: Option<(f64, Instant)>,
+    /// What each of the provider's other `limits` holds, as of `levels_at`
+    /// (never paused: they refill from then).
+    levels: Vec<f64>,
+    levels_at: Instant,
     queue: FairQueue<Slot>,
     driving: bool,
 }
@@ -397,6 +523,8 @@ struct BucketState {
 #[derive(Debug)]
 struct Slot {
     request_id: RequestId,
+    /// What its grant takes from the token limits.
+    weight: u64,
     tx: oneshot::Sender<(u64, Instant)>,
 }
 
@@ -414,6 +542,7 @@ impl Bucket {
             adaptive: p.adaptive,
             fairness: p.fairness,
             max_pause: p.max_pause,
+            provider: p.clone(),
             state: Mutex::new(BucketState {
                 tokens: p.bucket_burst(),
                 at: Instant::now(),
@@ -421,6 +550,8 @@ impl Bucket {
                 strikes: 0,
                 slots: HashMap::new(),
                 aimd: None,
+                levels: p.limits.iter().map(|l| l.burst as f64).collect(),
+                levels_at: Instant::now(),
                 queue: FairQueue::default(),
                 driving: false,
             }),
@@ -440,6 +571,11 @@ impl Bucket {
 
     fn refill(&self, st: &mut BucketState) {
         let now = Instant::now();
+        let dt = now.saturating_duration_since(st.levels_at).as_secs_f64();
+        for (level, l) in st.levels.iter_mut().zip(&self.provider.limits) {
+            *level = (*level + dt * l.rate).min(l.burst as f64);
+        }
+        st.levels_at = st.levels_at.max(now);
         if now <= st.at {
             return; // paused until `at`: it refills from then
         }
@@ -458,15 +594,67 @@ impl Bucket {
             + Duration::from_micros((secs * 1e6).ceil() as u64)
     }
 
+    /// Whether every other limit holds what a grant of `weight` takes
+    /// (refilled: [`Bucket::refill`]).
+    fn fits(&self, st: &BucketState, weight: u64) -> bool {
+        limits(&self.provider)
+            .zip(&st.levels)
+            .all(|(l, level)| *level >= l.take(weight) as f64)
+    }
+
+    /// Until every other limit holds what a grant of `weight` takes.
+    fn until_fits(&self, st: &BucketState, weight: u64) -> Duration {
+        limits(&self.provider)
+            .zip(&st.levels)
+            .map(|(l, level)| {
+                let short = (l.take(weight) as f64 - level).max(0.0);
+                Duration::from_micros(((short / l.rate).min(3600.0) * 1e6).ceil() as u64)
+            })
+            .max()
+            .unwrap_or(Duration::ZERO)
+    }
+
+    /// A grant of `weight` takes from every other limit (`sign` 1.0), or
+    /// gives it back (-1.0; at most to full).
+    fn take(&self, st: &mut BucketState, weight: u64, sign: f64) {
+        for (l, level) in limits(&self.provider).zip(st.levels.iter_mut()) {
+            *level = (*level - sign * l.take(weight) as f64).min(l.burst as f64);
+        }
+    }
+
+    /// See [`Throttle::usage`].
+    fn usage(&self, weight: u64, used: u64) -> Usage {
+        let usage = Usage::of(weight, used);
+        let delta = match usage {
+            Usage::Matched => return usage,
+            Usage::GivenBack(n) => n as f64,
+            Usage::Taken(n) => -(n as f64),
+        };
+        let mut st = lock(&self.state);
+        self.refill(&mut st);
+        for (l, level) in self.provider.limits.iter().zip(st.levels.iter_mut()) {
+            if l.kind == LimitKind::Tokens {
+                *level = (*level + delta).clamp(0.0, l.burst as f64);
+            }
+        }
+        drop(st);
+        if delta > 0.0 {
+            self.handed_back.notify_one();
+        }
+        usage
+    }
+
     /// A token back: not while the bucket is paused (the pause emptied it;
-    /// the token would be granted before the pause ends).
-    fn give_back(self: &Arc<Self>, held: Option<(&str, u64)>) {
+    /// the token would be granted before the pause ends); the other limits
+    /// get back what the grant of `weight` took.
+    fn give_back(self: &Arc<Self>, held: Option<(&str, u64)>, weight: u64) {
         let mut st = lock(&self.state);
         self.refill(&mut st);
         let paused = st.at > Instant::now();
         if !paused {
             st.tokens = (st.tokens + 1.0).min(self.burst);
         }
+        self.take(&mut st, weight, -1.0);
         if let Some((user, ticket)) = held {
             st.slots.remove(&ticket);
             st.queue.done(user, ticket);
@@ -577,8 +765,9 @@ impl Bucket {
                             }
                         }
                     };
-                    if st.tokens < 1.0 {
-                        break self.until_next(&st);
+                    let weight = st.queue.first().map_or(1, |slot| slot.weight);
+                    if st.tokens < 1.0 || !self.fits(&st, weight) {
+                        break self.until_next(&st).max(self.until_fits(&st, weight));
                     }
                     if self.full(&mut st) {
                         // Until a slot ends (which wakes this driver), or
@@ -590,10 +779,12 @@ impl Bucket {
                     }
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
+                        self.take(&mut st, slot.weight, 1.0);
                         self.take_slot(&mut st, head.ticket);
                         if slot.tx.send((wall_us(), Instant::now())).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
+                            self.take(&mut st, slot.weight, -1.0);
                             st.slots.remove(&head.ticket);
                             st.queue.done(&head.user, head.ticket);
                         }
@@ -619,6 +810,7 @@ struct Pending {
     ticket: u64,
     rx: Option<oneshot::Receiver<(u64, Instant)>>,
     late: Duration,
+    weight: u64,
 }
 
 impl Drop for Pending {
@@ -627,7 +819,8 @@ impl Drop for Pending {
             rx.close();
             if let Ok((_, made)) = rx.try_recv() {
                 if made.elapsed() <= self.late {
-                    self.bucket.give_back(Some((&self.user, self.ticket)));
+                    self.bucket
+                        .give_back(Some((&self.user, self.ticket)), self.weight);
                 } else {
                     self.bucket.end(&self.user, self.ticket);
                     if let Some((metrics, provider)) = &self.bucket.metrics {
@@ -700,6 +893,7 @@ impl Throttle for MemoryThrottle {
                 let mut st = lock(&b.state);
                 b.refill(&mut st);
                 let (waiters, users) = st.queue.waiting(open);
+                let effective_rate = aimd_rate(st.aimd, b.rate, Instant::now().max(st.at));
                 ProviderStats {
                     provider: name.clone(),
                     rate: b.rate,
@@ -712,7 +906,13 @@ impl Throttle for MemoryThrottle {
                         st.at.saturating_duration_since(Instant::now()).as_millis(),
                     )
                     .unwrap_or(u64::MAX),
-                    effective_rate: aimd_rate(st.aimd, b.rate, Instant::now().max(st.at)),
+                    effective_rate,
+                    limits: limit_stats(
+                        &b.provider,
+                        st.tokens,
+                        effective_rate,
+                        st.levels.iter().copied(),
+                    ),
                 }
             })
             .collect())
@@ -726,6 +926,8 @@ impl Throttle for MemoryThrottle {
     ) -> Result<Grant, ThrottleError> {
         let started = Instant::now();
         let bucket = self.bucket(provider)?;
+        ThrottleError::check_weight(&bucket.provider, waiter.weight)?;
+        let weight = waiter.weight.max(1);
         let (user, share) = bucket.queue_of(waiter);
         let late = match bucket.late_allowance {
             Some(d) => d.min(self.late_grant).max(MIN_LATE_GRANT),
@@ -744,6 +946,7 @@ impl Throttle for MemoryThrottle {
             }),
             slot: bucket.max_concurrent.map(|_| ticket.to_string()),
             use_by: Some(made + late),
+            weight,
         };
         let (rx, ticket) = {
             let mut st = lock(&bucket.state);
@@ -752,18 +955,21 @@ impl Throttle for MemoryThrottle {
             if st.queue.is_empty()
                 && st.tokens >= 1.0
                 && !bucket.full(&mut st)
+                && bucket.fits(&st, weight)
                 && st.queue.below_cap(user, &share, now)
             {
                 // Through the queue, so that the slot counts against the cap.
                 let (tx, mut rx) = oneshot::channel();
                 let slot = Slot {
                     request_id: waiter.request_id.clone(),
+                    weight,
                     tx,
                 };
                 let ticket = st.queue.push(user, share, slot);
                 if let Some(head) = st.queue.head(now, open).0 {
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
+                        bucket.take(&mut st, weight, 1.0);
                         bucket.take_slot(&mut st, head.ticket);
                         let _ = slot.tx.send((wall_us(), Instant::now()));
                     }
@@ -776,6 +982,7 @@ impl Throttle for MemoryThrottle {
             let (tx, rx) = oneshot::channel();
             let slot = Slot {
                 request_id: waiter.request_id.clone(),
+                weight,
                 tx,
             };
             let ticket = st.queue.push(user, share, slot);
@@ -788,6 +995,7 @@ impl Throttle for MemoryThrottle {
             ticket,
             rx: Some(rx),
             late,
+            weight,
         };
         let timeout = || ThrottleError::Timeout {
             provider: provider.to_owned(),
@@ -841,6 +1049,14 @@ impl Throttle for MemoryThrottle {
         Ok(self.bucket(provider)?.pause(retry_after))
     }
 
+    async fn usage(&self, grant: &Grant, used: u64) -> Result<Usage, ThrottleError> {
+        let bucket = self.bucket(&grant.provider)?;
+        if bucket.provider.max_weight().is_none() {
+            return Ok(Usage::Matched);
+        }
+        Ok(bucket.usage(grant.weight, used))
+    }
+
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
         let Some(held) = &grant.held else {
             return Ok(());
@@ -868,6 +1084,9 @@ mod tests {
             late_allowance: None,
             max_concurrent: None,
             adaptive: false,
+            rate_limit: None,
+            limits: Vec::new(),
+            usage: None,
         }
     }
 

@@ -174,6 +174,10 @@ impl CallError {
     pub fn may_hand_back(&self) -> bool {
         matches!(self.error, ProviderError::Throttle(_))
             && !self.error.is_throttle_timeout()
+            && !matches!(
+                self.error,
+                ProviderError::Throttle(ThrottleError::TooHeavy { .. })
+            )
             && self.charge == Charge::RELEASE
     }
 }
@@ -345,6 +349,10 @@ pub struct ThrottledClient<C> {
     /// Operations whose rejections carry the upstream's body to the client
     /// (`expose_upstream_errors`).
     exposed: BTreeSet<String>,
+    /// What a call of each operation weighs in the provider's token limits.
+    weights: BTreeMap<String, tollgate_core::config::Weight>,
+    /// Where each operation's answers report the tokens a call used.
+    usage: BTreeMap<String, String>,
 }
 
 impl<C: Transport> ThrottledClient<C> {
@@ -365,6 +373,46 @@ impl<C: Transport> ThrottledClient<C> {
             hold: tollgate_core::fair::DEFAULT_HOLD,
             retry_unanswered: BTreeSet::new(),
             exposed: BTreeSet::new(),
+            weights: BTreeMap::new(),
+            usage: BTreeMap::new(),
+        }
+    }
+
+    /// The `weight` and `usage` of the operations of `config` on this
+    /// provider: each call takes its weight from the token limits, and an
+    /// answer that reports its usage settles the difference.
+    pub fn with_weights(mut self, config: &Config) -> Self {
+        let ours = || {
+            config
+                .operations()
+                .filter(|o| o.provider == self.provider.name)
+        };
+        self.weights = ours()
+            .filter_map(|o| Some((o.name.clone(), o.weight.clone()?)))
+            .collect();
+        self.usage = ours()
+            .filter_map(|o| Some((o.name.clone(), o.usage.clone()?)))
+            .collect();
+        self
+    }
+
+    /// What the answer `answer` of `job`'s call reported it used goes to
+    /// the provider's token limits ([`Throttle::usage`]); an answer that
+    /// reports nothing leaves the weight standing.
+    async fn settle_usage(&self, job: &Job, grant: &Grant, answer: &Value) {
+        let Some(pointer) = self.usage.get(&job.operation) else {
+            return;
+        };
+        let name = &self.provider.name;
+        let Some(used) = tollgate_core::config::reported_usage(pointer, answer) else {
+            tracing::debug!(provider = %name, request_id = %job.id, pointer, "the answer reports no usage: its weight stands");
+            return;
+        };
+        match self.throttle.usage(grant, used).await {
+            Ok(usage) => self.metrics.usage_adjusted(name, usage),
+            Err(e) => {
+                tracing::warn!(error = %e, provider = %name, "settling a call's usage failed: its weight stands")
+            }
         }
     }
 
@@ -407,7 +455,11 @@ impl<C: Transport> ThrottledClient<C> {
         // stalled store falls back to the default plan's share).
         let deadline = Instant::now() + left;
         let share = self.shares.share(&job.user, self.hold, left).await;
-        let waiter = Waiter::of(&job.id, job.user.as_str(), share);
+        let weight = self
+            .weights
+            .get(&job.operation)
+            .map_or(1, |w| w.of(&job.input));
+        let waiter = Waiter::of(&job.id, job.user.as_str(), share).weighing(weight);
         let left = deadline.saturating_duration_since(Instant::now());
         let r = self
             .throttle
@@ -653,7 +705,10 @@ impl<C: Transport> ThrottledClient<C> {
                 tracing::warn!(error = %e, provider = %name, "reporting the end of a call failed");
             }
             let err = match r {
-                Ok(v) => return Ok(v),
+                Ok(v) => {
+                    self.settle_usage(job, &grant, &v).await;
+                    return Ok(v);
+                }
                 Err(e) => e,
             };
             let Some(class) = outcome::Class::of(&err) else {
@@ -769,6 +824,7 @@ fn build(
                         Arc::clone(metrics),
                     )
                     .with_shares(Arc::clone(&shares), upstream.timeout + HOLD_MARGIN)
+                    .with_weights(config)
                     .with_retry_unanswered(config)
                     .with_exposed_errors(config),
                 )
@@ -781,7 +837,8 @@ fn build(
                     mock::BuiltinMock::new(config),
                     Arc::clone(metrics),
                 )
-                .with_shares(Arc::clone(&shares), tollgate_core::fair::DEFAULT_HOLD),
+                .with_shares(Arc::clone(&shares), tollgate_core::fair::DEFAULT_HOLD)
+                .with_weights(config),
             ),
         };
         out.insert(p.name.clone(), provider);

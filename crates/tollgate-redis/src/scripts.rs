@@ -369,6 +369,8 @@ pub static THROTTLE_SLOT: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_slot.lua")));
 pub static THROTTLE_PAUSE: LazyLock<Script> =
     LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_pause.lua")));
+pub static THROTTLE_USAGE: LazyLock<Script> =
+    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_usage.lua")));
 
 /// The fair queue's keys, in the order the throttle scripts take them.
 fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
@@ -376,13 +378,16 @@ fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
 }
 
 /// A provider's bucket parameters as the throttle scripts read them.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BucketArgs {
     pub rate: f64,
     /// The capacity the bucket grants from (`Provider::bucket_burst`).
     pub burst: f64,
     /// `max_concurrent`, 0 for none.
     pub slots: u32,
+    /// The provider's other limits as `lua/lib/bucket.lua` reads them
+    /// ([`limits_spec`]); empty for none.
+    pub limits: String,
 }
 
 impl From<&tollgate_core::config::Provider> for BucketArgs {
@@ -391,7 +396,36 @@ impl From<&tollgate_core::config::Provider> for BucketArgs {
             rate: p.rate,
             burst: p.bucket_burst(),
             slots: p.max_concurrent.unwrap_or(0),
+            limits: limits_spec(&p.limits),
         }
+    }
+}
+
+/// `"<field> <burst> <rate> ..."`, a limit's field of the provider's
+/// `bucket` hash being its kind and window (`r:<per_ms>`, `t:<per_ms>`; the
+/// config allows one limit per kind and window): `lua/lib/bucket.lua`.
+pub fn limits_spec(limits: &[tollgate_core::config::ProviderLimit]) -> String {
+    use tollgate_core::config::LimitKind;
+    limits
+        .iter()
+        .map(|l| {
+            let kind = match l.kind {
+                LimitKind::Requests => 'r',
+                LimitKind::Tokens => 't',
+            };
+            format!("{kind}:{} {} {}", l.per_ms(), l.burst, l.rate)
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A ticket as the throttle scripts read its weight: `<ticket>*<weight>`
+/// for a provider with other limits (`lua/lib/bucket.lua`), else as it is.
+pub fn weighted_ticket(ticket: String, bucket: &BucketArgs, weight: u64) -> String {
+    if bucket.limits.is_empty() {
+        ticket
+    } else {
+        format!("{ticket}*{}", weight.max(1))
     }
 }
 
@@ -416,7 +450,8 @@ pub fn throttle_enqueue<'a>(
         .arg(bucket.rate)
         .arg(bucket.burst)
         .arg(bucket.slots)
-        .arg(SLOT_LEASE_US);
+        .arg(SLOT_LEASE_US)
+        .arg(&bucket.limits);
     inv
 }
 
@@ -444,7 +479,8 @@ pub fn throttle_grant<'a>(
         .arg(idle_ms)
         .arg(keys.base())
         .arg(bucket.slots)
-        .arg(SLOT_LEASE_US);
+        .arg(SLOT_LEASE_US)
+        .arg(&bucket.limits);
     inv
 }
 
@@ -469,7 +505,9 @@ pub fn throttle_cancel<'a>(
         Some(user) => inv.arg("fair").arg(user),
         None => inv.arg("fifo").arg(""),
     };
-    inv.arg(keys.base()).arg(late.as_micros() as u64);
+    inv.arg(keys.base())
+        .arg(late.as_micros() as u64)
+        .arg(&bucket.limits);
     inv
 }
 
@@ -520,7 +558,8 @@ pub fn throttle_enqueue_fair<'a>(
         .arg(fair.share())
         .arg(keys.base())
         .arg(bucket.slots)
-        .arg(SLOT_LEASE_US);
+        .arg(SLOT_LEASE_US)
+        .arg(&bucket.limits);
     inv
 }
 
@@ -583,6 +622,20 @@ pub fn throttle_pause<'a>(
     inv.arg(us(pause.first).max(1))
         .arg(us(pause.longest).max(1))
         .arg(u8::from(pause.adaptive));
+    inv
+}
+
+/// `throttle_usage.lua`: the call of a grant that took `weight` used `used`
+/// (a provider with other limits: `bucket.limits` is not empty).
+pub fn throttle_usage<'a>(
+    keys: &ThrottleKeys,
+    bucket: &BucketArgs,
+    weight: u64,
+    used: u64,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = THROTTLE_USAGE.prepare_invoke();
+    inv.key(&keys.bucket);
+    inv.arg(&bucket.limits).arg(weight).arg(used);
     inv
 }
 
@@ -739,6 +792,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("throttle_cancel.lua", &THROTTLE_CANCEL),
         ("throttle_pause.lua", &THROTTLE_PAUSE),
         ("throttle_slot.lua", &THROTTLE_SLOT),
+        ("throttle_usage.lua", &THROTTLE_USAGE),
         ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),
         ("liveness_reclaim.lua", &LIVENESS_RECLAIM),
         ("job_enqueue.lua", &JOB_ENQUEUE),

@@ -31,8 +31,8 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        late_of, Dispatch, Dispatchers, Grant, Held, Pause, Position, ProviderStats, Pumped,
-        Throttle, ThrottleError, Waiter,
+        late_of, limit_stats, Dispatch, Dispatchers, Grant, Held, Pause, Position, ProviderStats,
+        Pumped, Throttle, ThrottleError, Usage, Waiter,
     },
 };
 
@@ -40,7 +40,7 @@ use crate::call::{self, bad_reply};
 use crate::clock::RedisClock;
 use crate::keys::{KeySpace, ThrottleKeys};
 use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, BucketArgs, FairArgs, PauseArgs, Reclaim};
+use crate::scripts::{self, weighted_ticket, BucketArgs, FairArgs, PauseArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::job::LAPSED_KEPT;
@@ -560,6 +560,7 @@ impl Throttle for RedisThrottle {
         let mut cmds = vec![redis::cmd("TIME")];
         for name in self.providers.keys() {
             let keys = self.shared.keys.throttle(name);
+            let p = &self.providers[name];
             cmds.push(
                 redis::cmd("HMGET")
                     .arg(&keys.bucket)
@@ -567,6 +568,7 @@ impl Throttle for RedisThrottle {
                     .arg("at")
                     .arg("aimd")
                     .arg("aimd_at")
+                    .arg(limit_fields(p))
                     .to_owned(),
             );
             cmds.push(redis::cmd("HLEN").arg(&keys.waiting).to_owned());
@@ -591,9 +593,29 @@ impl Throttle for RedisThrottle {
         let now_us = secs * 1_000_000 + micros;
         let mut out = Vec::with_capacity(self.providers.len());
         for (p, r) in self.providers.values().zip(items[1..].chunks_exact(4)) {
-            let (tokens, at, aimd, aimd_at): (Option<f64>, Option<u64>, Option<f64>, Option<u64>) =
-                redis::from_redis_value_ref(&r[0])
-                    .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+            let fields: Vec<Option<String>> = redis::from_redis_value_ref(&r[0])
+                .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+            let field = |i: usize| fields.get(i).cloned().flatten();
+            let (tokens, at, aimd, aimd_at): (Option<f64>, Option<u64>, Option<f64>, Option<u64>) = (
+                field(0).and_then(|v| v.parse().ok()),
+                field(1).and_then(|v| v.parse().ok()),
+                field(2).and_then(|v| v.parse().ok()),
+                field(3).and_then(|v| v.parse().ok()),
+            );
+            // The other limits (lib/bucket.lua's limits_read).
+            let levels = p.limits.iter().enumerate().map(|(i, l)| {
+                let cap = l.burst as f64;
+                let parsed = field(4 + i).and_then(|v| {
+                    let (level, at) = v.split_once(' ')?;
+                    Some((level.parse::<f64>().ok()?, at.parse::<u64>().ok()?))
+                });
+                match parsed {
+                    Some((level, at)) => {
+                        (level + now_us.saturating_sub(at) as f64 * l.rate / 1e6).min(cap)
+                    }
+                    None => cap,
+                }
+            });
             // lib/bucket.lua's aimd_rate.
             let aimd_rate = |t: u64| match (aimd, aimd_at) {
                 (Some(e), Some(since)) => p
@@ -623,6 +645,7 @@ impl Throttle for RedisThrottle {
             let now_ms = now_us / 1000;
             // A paused bucket's `at` is its pause's end (lib/bucket.lua).
             let paused_ms = at.map_or(0, |at| at.saturating_sub(now_us) / 1000);
+            let effective_rate = aimd_rate(now_us.max(at.unwrap_or(0)));
             out.push(ProviderStats {
                 provider: p.name.clone(),
                 rate: p.rate,
@@ -632,7 +655,8 @@ impl Throttle for RedisThrottle {
                 users,
                 throttlers: Some(lives.iter().filter(|until| **until >= now_ms).count() as u64),
                 paused_ms,
-                effective_rate: aimd_rate(now_us.max(at.unwrap_or(0))),
+                effective_rate,
+                limits: limit_stats(p, tokens, effective_rate, levels),
             });
         }
         Ok(out)
@@ -701,6 +725,28 @@ impl Throttle for RedisThrottle {
         }
     }
 
+    async fn usage(&self, grant: &Grant, used: u64) -> Result<Usage, ThrottleError> {
+        let p = self.providers.get(&grant.provider).ok_or_else(|| {
+            ThrottleError::unknown_provider(
+                &grant.provider,
+                self.providers.keys().map(String::as_str),
+            )
+        })?;
+        let usage = Usage::of(grant.weight, used);
+        if p.max_weight().is_none() || usage == Usage::Matched {
+            return Ok(Usage::Matched);
+        }
+        let keys = self.shared.keys.throttle(&p.name);
+        let _: i64 = run_script(
+            &self.shared.pool,
+            self.options.call_timeout,
+            "throttle_usage",
+            scripts::throttle_usage(&keys, &BucketArgs::from(p), grant.weight, used),
+        )
+        .await?;
+        Ok(usage)
+    }
+
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
         if let Some(slot) = &grant.slot {
             end_provider_slot(
@@ -744,6 +790,9 @@ impl RedisThrottle {
         max_wait: Duration,
     ) -> Result<Attempt, ThrottleError> {
         let request_id = &waiter.request_id;
+        ThrottleError::check_weight(p, waiter.weight)?;
+        let bucket = BucketArgs::from(p);
+        let weight = waiter.weight.max(1);
         let fair = match p.fairness {
             Fairness::Fair => Some(FairArgs {
                 user: &waiter.user,
@@ -758,7 +807,12 @@ impl RedisThrottle {
         self.ensure_subscribed();
         let shared = &self.shared;
         let n = shared.next.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{request_id}~{}.{n:x}", shared.process);
+        // A provider with other limits reads the ticket's weight from it.
+        let id = weighted_ticket(
+            format!("{request_id}~{}.{n:x}", shared.process),
+            &bucket,
+            weight,
+        );
         let (tx, rx) = oneshot::channel();
         // Registered before the subscription is checked: a subscription that
         // drops from here on is followed by a re-check that includes this ticket.
@@ -797,17 +851,12 @@ impl RedisThrottle {
                 &inbox,
                 micros(left),
                 idle_ms,
-                BucketArgs::from(p),
+                bucket,
                 fair,
             ),
-            None => scripts::throttle_enqueue(
-                &keys,
-                &ticket.id,
-                &inbox,
-                micros(left),
-                idle_ms,
-                BucketArgs::from(p),
-            ),
+            None => {
+                scripts::throttle_enqueue(&keys, &ticket.id, &inbox, micros(left), idle_ms, bucket)
+            }
         };
         // Bounded by the wait's deadline too: a waiter is owed its slot or
         // its timeout within `max_wait`, and a stalled Redis must not hold it
@@ -874,6 +923,7 @@ impl RedisThrottle {
                 upper_us,
                 granted_at_us.saturating_add(micros(late)),
             )),
+            weight,
         };
         if taken {
             ticket.armed = false;
@@ -943,6 +993,16 @@ impl RedisThrottle {
     }
 }
 
+/// The fields of `p`'s other limits in its bucket hash (lib/bucket.lua).
+fn limit_fields(p: &Provider) -> Vec<String> {
+    let spec = scripts::limits_spec(&p.limits);
+    spec.split(' ')
+        .step_by(3)
+        .filter(|f| !f.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
 /// A throttler's liveness before its first heartbeat says its own (the
 /// role's default).
 const DEFAULT_LIVENESS: Duration = Duration::from_secs(3);
@@ -1009,7 +1069,7 @@ impl Dispatch for Dispatcher {
             scripts::throttle_grant(
                 &self.keys,
                 &self.throttler,
-                self.bucket,
+                self.bucket.clone(),
                 limit,
                 micros(self.ready_ttl),
                 u64::try_from(IDLE_TTL.as_millis()).unwrap_or(u64::MAX),

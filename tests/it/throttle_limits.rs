@@ -1,0 +1,246 @@
+//! A provider with a request limit and a token limit, against the recording
+//! upstream: calls of mixed weights (each its input's `max_tokens`), each
+//! answered with the tokens it used (half to all of its weight, given back
+//! after the answer). Per window, the upstream sees at most the request
+//! limit's calls and the token limit's reported tokens (+ one call's weight),
+//! and the binding limit (tokens) is used to at least 0.9. In process (the
+//! in-memory throttle under the provider clients) and with real processes (a
+//! `tollgate throttler`, two `tollgate worker`s on one Redis).
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tollgate_core::{
+    config::Config,
+    id::{RequestId, UserId},
+    job::{Job, JobQueue, JobRequest, JobStatus, SubmitOutcome},
+    metrics::Metrics,
+    throttle::{MemoryThrottle, Throttle},
+};
+use tollgate_tests::upstream::{Arrival, Upstream};
+use tollgate_tests::{process::Procs, random_prefix, workspace_bin, RedisServer};
+
+use crate::jobs::redis_queue;
+
+const CALLS: usize = 160;
+/// The limits: 60 calls per 1 s, 6000 tokens per 2 s.
+const REQUESTS: usize = 60;
+const TOKENS: u64 = 6000;
+const TOKENS_PER: Duration = Duration::from_secs(2);
+/// The heaviest call's weight.
+const HEAVIEST: u64 = 250;
+
+fn config_text(url: &str) -> String {
+    format!(
+        r#"
+[plans.free]
+limit = 100000000
+window = "1h"
+[providers.llm]
+max_wait = "60s"
+limits = [{{ rate = {REQUESTS}, per = "1s", burst = 3 }}, {{ tokens = {TOKENS}, per = "2s", burst = 300 }}]
+usage = "/usage/total_tokens"
+url = "{url}"
+timeout = "10s"
+retries = 0
+[operations.call]
+cost = 1
+provider = "llm"
+path = "/llm"
+weight = {{ from = "/max_tokens", default = 100 }}
+"#
+    )
+}
+
+/// Call `i`'s input: a weight of 50 to 250 (`max_tokens`), and the tokens
+/// the upstream reports it used: half to all of it.
+fn input(i: usize) -> Value {
+    let weight = 50 + (i as u64 * 37) % 201;
+    let used = weight * (50 + (i as u64 * 13) % 51) / 100;
+    json!({ "n": i, "max_tokens": weight, "upstream": { "usage": used } })
+}
+
+/// The tokens an arrival's call reported.
+fn used(a: &Arrival) -> u64 {
+    let body: Value = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
+    body["upstream"]["usage"].as_u64().unwrap_or(0)
+}
+
+/// The upstream's view: every window within its limits, and the token
+/// limit used to at least 0.9 over the run.
+fn check(arrivals: &[Arrival]) {
+    assert_eq!(
+        arrivals.len(),
+        CALLS,
+        "every call reached the upstream once"
+    );
+    assert!(
+        arrivals.iter().all(|a| a.status == 200),
+        "a call was refused"
+    );
+    let mut calls: Vec<(u64, u64)> = arrivals.iter().map(|a| (a.at_us, used(a))).collect();
+    calls.sort_unstable();
+    let per_us = TOKENS_PER.as_micros() as u64;
+    let mut worst_requests = 0;
+    let mut worst_tokens = 0;
+    for (i, (at, _)) in calls.iter().enumerate() {
+        let in_second = calls[i..].iter().take_while(|(t, _)| *t < at + 1_000_000);
+        worst_requests = worst_requests.max(in_second.count());
+        let tokens: u64 = calls[i..]
+            .iter()
+            .take_while(|(t, _)| *t < at + per_us)
+            .map(|(_, u)| u)
+            .sum();
+        worst_tokens = worst_tokens.max(tokens);
+    }
+    assert!(
+        worst_requests <= REQUESTS,
+        "{worst_requests} calls within 1 s (limit {REQUESTS})"
+    );
+    assert!(
+        worst_tokens <= TOKENS + HEAVIEST,
+        "{worst_tokens} tokens reported within 2 s (limit {TOKENS} + one call's {HEAVIEST})"
+    );
+    let span = (calls[calls.len() - 1].0 - calls[0].0) as f64 / 1e6;
+    let total: u64 = calls.iter().map(|(_, u)| u).sum();
+    let utilisation = total as f64 / (TOKENS as f64 / TOKENS_PER.as_secs_f64() * span);
+    eprintln!(
+        "throttle limits: {CALLS} calls over {span:.2} s, {total} tokens: utilisation {utilisation:.3}, \
+         worst 1 s {worst_requests} calls, worst 2 s {worst_tokens} tokens"
+    );
+    assert!(
+        utilisation >= 0.9,
+        "the token limit was used to {utilisation:.3} over {span:.2} s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() {
+    let upstream = Upstream::start(HashMap::new(), Duration::from_millis(20))
+        .await
+        .expect("upstream");
+    let config = Config::parse(&config_text(&upstream.url()), "limits test").unwrap();
+    let metrics = Arc::new(Metrics::new(&config));
+    let throttle: Arc<dyn Throttle> =
+        Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics)));
+    let clients = tollgate_providers::from_config(&config, throttle, &metrics).unwrap();
+    let client = Arc::clone(&clients["llm"]);
+    let mut calls = Vec::new();
+    for i in 0..CALLS {
+        let client = Arc::clone(&client);
+        let job = Job {
+            id: RequestId::new(format!("call-{i}")).unwrap(),
+            user: UserId::new("pat").unwrap(),
+            operation: "call".into(),
+            provider: "llm".into(),
+            input: input(i),
+            cost: 1,
+            enqueued_at_ms: 0,
+            deadline_ms: u64::MAX,
+            attempt: 1,
+            nonce: String::new(),
+            trace: None,
+        };
+        calls.push(tokio::spawn(async move { client.call(&job).await }));
+    }
+    for c in calls {
+        c.await.unwrap().expect("every call succeeds");
+    }
+    check(&upstream.arrivals());
+    let rendered = metrics.render();
+    let given_back = rendered
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "tollgate_throttle_usage_adjustments_total{provider=\"llm\",direction=\"given_back\"} ",
+            )
+        })
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(
+        given_back >= (CALLS / 2) as f64,
+        "answers that used less than their weight gave it back: {given_back}"
+    );
+}
+
+fn role(server: &RedisServer, prefix: &str, config: &std::path::Path, args: &[&str]) -> Child {
+    Command::new(workspace_bin("tollgate"))
+        .args([
+            args[0],
+            "--redis-url",
+            &server.url(),
+            "--key-prefix",
+            prefix,
+        ])
+        .arg("--config")
+        .arg(config)
+        .args(&args[1..])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn tollgate")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_limits_across_processes_keep_every_window_and_use_the_binding_one() {
+    let upstream = Upstream::start(HashMap::new(), Duration::from_millis(20))
+        .await
+        .expect("upstream");
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let dir = std::env::temp_dir().join(format!("tollgate-it-{prefix}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = config_text(&upstream.url());
+    let config_path = dir.join("limits.toml");
+    std::fs::write(&config_path, &text).unwrap();
+    let config = Arc::new(Config::parse(&text, "limits test").unwrap());
+    let (q, _ledger) = redis_queue(&server, &prefix, Arc::clone(&config)).await;
+    let user = UserId::new("pat").unwrap();
+    let mut ids = Vec::new();
+    for i in 0..CALLS {
+        let id = RequestId::new(format!("job-{i}")).unwrap();
+        let out = q
+            .submit(JobRequest {
+                id: id.clone(),
+                user: user.clone(),
+                operation: "call".into(),
+                input: input(i),
+                trace: None,
+                service_key: None,
+            })
+            .await
+            .unwrap();
+        assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
+        ids.push(id);
+    }
+    // Every job queued before the roles start: the limits bind from the first.
+    let worker = ["worker", "--concurrency", "16"];
+    let _procs = Procs(vec![
+        role(&server, &prefix, &config_path, &["throttler"]),
+        role(&server, &prefix, &config_path, &worker),
+        role(&server, &prefix, &config_path, &worker),
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut open = 0;
+        for id in &ids {
+            match q.status(&user, id).await.unwrap().map(|i| i.status) {
+                Some(JobStatus::Succeeded { .. }) => {}
+                Some(JobStatus::Failed { .. }) => panic!("job {id} failed"),
+                _ => open += 1,
+            }
+        }
+        if open == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{open} jobs not done in 60 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    check(&upstream.arrivals());
+    let _ = std::fs::remove_dir_all(&dir);
+}
