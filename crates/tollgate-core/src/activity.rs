@@ -444,9 +444,16 @@ pub trait ActivityLog: Send + Sync + std::fmt::Debug {
 pub const FLUSH_INTERVAL: Duration = Duration::from_millis(250);
 
 /// The activity log of one process, in memory (the embedded mode).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryActivity {
     state: Mutex<MemoryState>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for MemoryActivity {
+    fn default() -> Self {
+        Self::with_clock(Arc::new(SystemClock))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -470,6 +477,14 @@ struct MemoryState {
 impl MemoryActivity {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A log whose stamps and history slots read `clock` (tests).
+    pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            state: Mutex::default(),
+            clock,
+        }
     }
 }
 
@@ -527,7 +542,7 @@ impl ActivityLog for MemoryActivity {
                 let name = operation.clone().unwrap_or_else(|| PLAIN.to_owned());
                 *st.denials.entry(name).or_default() += 1;
                 st.denied.push_front(DenialView {
-                    at_ms: SystemClock.now_ms(),
+                    at_ms: self.clock.now_ms(),
                     user,
                     operation,
                 });
@@ -546,7 +561,7 @@ impl ActivityLog for MemoryActivity {
     async fn read(&self) -> Result<ActivityView, StoreError> {
         let st = lock(&self.state);
         Ok(ActivityView {
-            now_ms: SystemClock.now_ms(),
+            now_ms: self.clock.now_ms(),
             events: st
                 .events
                 .iter()
@@ -565,7 +580,7 @@ impl ActivityLog for MemoryActivity {
     }
 
     async fn sample(&self, interval: Duration, gauges: &Gauges) -> Result<Sampled, StoreError> {
-        let now = SystemClock.now_ms();
+        let now = self.clock.now_ms();
         let (slot_ms, next_in) = slot_of(now, millis(interval));
         let mut st = lock(&self.state);
         let written = !st.history.iter().any(|s| s.at_ms == slot_ms);
@@ -594,7 +609,7 @@ impl ActivityLog for MemoryActivity {
         while st
             .history
             .front()
-            .is_some_and(|s| s.at_ms <= horizon || st.history.len() > HISTORY_MAX_SAMPLES)
+            .is_some_and(|s| s.at_ms < horizon || st.history.len() > HISTORY_MAX_SAMPLES)
         {
             st.history.pop_front();
         }
@@ -1022,7 +1037,7 @@ impl JobSource for RecordingSource {
                     operation: lease.job.operation.clone(),
                     cause: cause.as_str().to_owned(),
                     charge_stands: matches!(charge, Charge::Keep),
-                    message: message.to_owned(),
+                    message: one_line(message),
                 },
             );
         }
@@ -1057,6 +1072,152 @@ mod tests {
             request_id: format!("r{i}"),
             key: key.into(),
         })
+    }
+
+    /// One sample per slot however often it is asked, gaps where no one
+    /// sampled, and never more than an hour and five minutes, nor more than
+    /// [`HISTORY_MAX_SAMPLES`], kept.
+    #[tokio::test]
+    async fn memory_history_is_one_sample_per_slot_and_bounded() {
+        let clock = Arc::new(crate::clock::ManualClock::new(1_000_000));
+        let log = MemoryActivity::with_clock(clock.clone());
+        let gauges = Gauges {
+            workers: Some(2),
+            ..Gauges::default()
+        };
+        let interval = Duration::from_secs(10);
+        let first = log.sample(interval, &gauges).await.unwrap();
+        assert!(first.written);
+        assert_eq!(first.slot_ms, 1_000_000);
+        assert_eq!(first.next_in, interval);
+        // The same slot again (another pod): not written.
+        clock.advance(Duration::from_secs(3));
+        let again = log.sample(interval, &Gauges::default()).await.unwrap();
+        assert!(!again.written);
+        assert_eq!(again.slot_ms, first.slot_ms);
+        assert_eq!(again.next_in, Duration::from_secs(7));
+        log.note(spend(1, "k1"));
+        // Two slots skipped: a gap.
+        clock.advance(Duration::from_secs(30));
+        assert!(log.sample(interval, &gauges).await.unwrap().written);
+        let h = log.history(None).await.unwrap();
+        assert_eq!(
+            h.iter().map(|s| s.at_ms).collect::<Vec<_>>(),
+            vec![1_000_000, 1_030_000]
+        );
+        assert_eq!(h[0].gauges.workers, Some(2), "the first pod's gauges");
+        assert_eq!(h[0].counters.calls.get(PLAIN), None);
+        assert_eq!(h[1].counters.calls[PLAIN], 1);
+        assert_eq!(log.history(Some(1_000_000)).await.unwrap().len(), 1);
+
+        // Two hours of samples: only the last 65 minutes stay.
+        for _ in 0..720 {
+            clock.advance(interval);
+            log.sample(interval, &gauges).await.unwrap();
+        }
+        let h = log.history(None).await.unwrap();
+        // The clock is 3 s into its slot: 390 slots of 10 s start within the span.
+        assert_eq!(h.len() as u64, HISTORY_SPAN.as_secs() / 10);
+        let horizon = clock.now_ms() - HISTORY_SPAN.as_millis() as u64;
+        assert!(h[0].at_ms >= horizon && h[0].at_ms < horizon + 10_000);
+        // A tiny interval: never more than the cap.
+        let tiny = Duration::from_millis(100);
+        for _ in 0..(HISTORY_MAX_SAMPLES + 50) {
+            clock.advance(tiny);
+            log.sample(tiny, &gauges).await.unwrap();
+        }
+        assert_eq!(log.history(None).await.unwrap().len(), HISTORY_MAX_SAMPLES);
+    }
+
+    /// Timelines: steps in order per job, capped per job and in number, and
+    /// failures listed newest first.
+    #[tokio::test]
+    async fn memory_timelines_are_bounded() {
+        let log = MemoryActivity::new();
+        let step = |id: &str, step: JobStep| {
+            Note::Job(JobNote {
+                id: id.into(),
+                user: "u".into(),
+                at_ms: 5,
+                step,
+            })
+        };
+        log.note(step(
+            "a",
+            JobStep::Charged {
+                operation: "op".into(),
+                cost: 3,
+            },
+        ));
+        for _ in 0..(STEPS_CAP + 4) {
+            log.note(step("a", JobStep::Started { attempt: 1 }));
+        }
+        log.note(step(
+            "a",
+            JobStep::Failed {
+                operation: "op".into(),
+                cause: "provider".into(),
+                charge_stands: false,
+                message: "bad\ngateway".into(),
+            },
+        ));
+        let t = log.timelines(&["a".into(), "b".into()]).await.unwrap();
+        assert_eq!(t[0].len(), STEPS_CAP);
+        assert!(t[1].is_empty());
+        let failed = log.failed(10).await.unwrap();
+        assert_eq!(failed.len(), 1);
+        assert_eq!(
+            (failed[0].id.as_str(), failed[0].cause.as_str()),
+            ("a", "provider")
+        );
+        for i in 0..(TIMELINES_CAP + 1) {
+            log.note(step(&format!("j{i}"), JobStep::Succeeded));
+        }
+        let t = log.timelines(&["a".into(), "j1".into()]).await.unwrap();
+        assert!(t[0].is_empty(), "the oldest timeline went past the cap");
+        assert_eq!(t[1].len(), 1);
+    }
+
+    #[test]
+    fn job_steps_read_back_as_written() {
+        let steps = [
+            JobStep::Charged {
+                operation: "llm.structured".into(),
+                cost: 8,
+            },
+            JobStep::Granted {
+                provider: "llm".into(),
+                waited_us: 1234,
+            },
+            JobStep::Started { attempt: 2 },
+            JobStep::Succeeded,
+            JobStep::Failed {
+                operation: "op".into(),
+                cause: "provider".into(),
+                charge_stands: true,
+                message: "upstream answered 502: bad gateway".into(),
+            },
+            JobStep::Released,
+            JobStep::Refunded,
+        ];
+        for step in steps {
+            let note = JobNote {
+                id: "id-1".into(),
+                user: "alice".into(),
+                at_ms: 42,
+                step,
+            };
+            assert_eq!(JobNote::parse_line("id-1", &note.line()), Some(note));
+        }
+        let long = JobStep::Failed {
+            operation: "op".into(),
+            cause: "provider".into(),
+            charge_stands: false,
+            message: "x\n".repeat(400),
+        };
+        let line = long.encode();
+        assert!(!line.contains('\n'));
+        assert!(line.len() < MESSAGE_LIMIT + 40);
     }
 
     #[tokio::test]
