@@ -166,6 +166,8 @@ function renderHistory() {
     ? '· ' + n + ' sample(s), every ' + (hist.interval_ms / 1000) + ' s'
     : '· no sample yet';
   document.body.dataset.historyPoints = String(n);
+  document.body.dataset.historyOldest = n ? String(hist.points[0].at_ms) : '';
+  document.body.dataset.historyNewest = n ? String(hist.points[n - 1].at_ms) : '';
   document.body.dataset.historyCharts = String(drawn);
 }
 

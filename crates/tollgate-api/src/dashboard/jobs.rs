@@ -429,7 +429,6 @@ fn charge(record: Option<&RecordView>, steps: &[JobNote]) -> String {
     let state = record.map(|r| r.state);
     let cause = record
         .and_then(|r| r.cause.clone().zip(r.message.clone()))
-        .map(|(c, m)| (c, m))
         .or_else(|| failed.as_ref().map(|(c, _, m)| (c.clone(), m.clone())));
     if refunded {
         return "refunded by an operator".into();
