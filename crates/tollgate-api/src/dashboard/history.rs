@@ -277,8 +277,12 @@ pub(super) fn points(
 pub async fn history(
     _: Operator,
     State(state): State<ApiState>,
-    Query(q): Query<HistoryQuery>,
+    q: Result<Query<HistoryQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
+    let Query(q) = q.map_err(|e| ApiError::Malformed {
+        detail: format!("bad query: {}", e.body_text()),
+        field: None,
+    })?;
     let dash = &state.dashboard;
     let interval_ms = state
         .settings
