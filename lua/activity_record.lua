@@ -8,35 +8,74 @@
 -- KEYS[4] answers   hash: "<provider> <class>" -> upstream answers counted
 -- KEYS[5] denials   hash: operation ('(plain reserve)' for a plain one) -> denials counted
 -- KEYS[6] denied    list: "<at_ms> <user>[ <operation>]" of the newest denials (Redis TIME)
--- KEYS[7..] waits   one list per provider: "<at_ms> <waited_us>", newest first
+-- KEYS[7] calls     hash: operation ('(plain reserve)' for a plain one) -> new charges counted
+-- KEYS[8] timelines hash: job id -> its steps, one "<at_ms> <user> <step>" per line
+-- KEYS[9] timeline_order  list: the timelines' ids, newest first (the oldest goes past the cap)
+-- KEYS[10] failed   list: "<at_ms> <id> <user> <operation> <cause>" of the newest job failures
+-- KEYS[11..] waits  one list per provider: "<at_ms> <waited_us>", newest first
 -- ARGV[1] events cap (also the refund marks' cap), ARGV[2] waits cap,
--- ARGV[3] idle ttl in ms, ARGV[4] denied cap
--- ARGV[5..] notes, each one of:
+-- ARGV[3] idle ttl in ms, ARGV[4] denied cap, ARGV[5] timelines cap,
+-- ARGV[6] steps kept per timeline, ARGV[7] failures cap
+-- ARGV[8..] notes, each one of:
 --   "e <json>"                               a spend event
 --   "r <spend key>"                          its refund
---   "g <i> <provider> <at_ms> <waited_us>"   a grant; its waits list is KEYS[6 + i]
+--   "g <i> <provider> <at_ms> <waited_us>"   a grant; its waits list is KEYS[10 + i]
 --   "d <user>[ <operation>]"                 a budget denial (no operation: a plain reserve)
 --   "a <provider> <class>"                   an upstream answer
+--   "j <id> <at_ms> <user> <step>"           a step of job <id>'s timeline
+--     (tollgate_core::activity::JobStep::encode); a "failed <operation>
+--     <cause> ..." step is also listed among the failures
 -- Returns the number of notes written (a malformed note is skipped).
 
 local events_cap, waits_cap, idle = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local denied_cap = tonumber(ARGV[4])
+local timelines_cap, steps_cap, failed_cap = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 if not events_cap or events_cap < 1 or not waits_cap or waits_cap < 1 or not idle or idle < 1
-  or not denied_cap or denied_cap < 1 then
+  or not denied_cap or denied_cap < 1 or not timelines_cap or timelines_cap < 1
+  or not steps_cap or steps_cap < 1 or not failed_cap or failed_cap < 1 then
   return redis.error_reply('activity_record: bad caps or idle ttl')
 end
-local WAITS = 6
+local WAITS = 10
+local CALLS, TIMELINES, ORDER, FAILED = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local written = 0
 local touched = {}
-for i = 5, #ARGV do
+for i = 8, #ARGV do
   local kind, rest = string.match(ARGV[i], '^(%a) (.+)$')
   if kind == 'e' then
     redis.call('LPUSH', KEYS[1], rest)
+    local ok, spend = pcall(cjson.decode, rest)
+    local op = ok and type(spend) == 'table' and spend.operation
+    redis.call('HINCRBY', CALLS, type(op) == 'string' and op or '(plain reserve)', 1)
     touched[1] = true
+    touched[7] = true
     written = written + 1
+  elseif kind == 'j' then
+    local id, line = string.match(rest, '^(%S+) (%d+ %S+ %a.*)$')
+    if id then
+      local steps = redis.call('HGET', TIMELINES, id)
+      if not steps then
+        redis.call('HSET', TIMELINES, id, line)
+        if redis.call('LPUSH', ORDER, id) > timelines_cap then
+          redis.call('HDEL', TIMELINES, redis.call('RPOP', ORDER))
+        end
+      else
+        local _, n = string.gsub(steps, '\n', '')
+        if n + 1 < steps_cap then
+          redis.call('HSET', TIMELINES, id, steps .. '\n' .. line)
+        end
+      end
+      local at, user, op, cause = string.match(line, '^(%d+) (%S+) failed (%S+) (%S+)')
+      if at then
+        redis.call('LPUSH', FAILED, at .. ' ' .. id .. ' ' .. user .. ' ' .. op .. ' ' .. cause)
+        touched[10] = true
+      end
+      touched[8] = true
+      touched[9] = true
+      written = written + 1
+    end
   elseif kind == 'r' then
     redis.call('ZADD', KEYS[2], now_ms, rest)
     touched[2] = true
@@ -76,6 +115,9 @@ if touched[2] then
 end
 if touched[6] then
   redis.call('LTRIM', KEYS[6], 0, denied_cap - 1)
+end
+if touched[10] then
+  redis.call('LTRIM', FAILED, 0, failed_cap - 1)
 end
 for k in pairs(touched) do
   if k > WAITS then

@@ -31,12 +31,17 @@ struct All {
 }
 
 fn start_all(redis: Option<&RedisServer>) -> All {
-    let prefix = random_prefix();
+    start_all_on(redis, &random_prefix(), &[])
+}
+
+/// `tollgate all` on `redis` (under `prefix`) or in memory, with `extra` flags.
+fn start_all_on(redis: Option<&RedisServer>, prefix: &str, extra: &[&str]) -> All {
     let url = redis.map(|r| r.url());
     let mut args = vec!["all", "--listen", "127.0.0.1:0"];
     if let Some(url) = &url {
-        args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
+        args.extend_from_slice(&["--redis-url", url, "--key-prefix", prefix]);
     }
+    args.extend_from_slice(extra);
     let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
     All {
@@ -866,4 +871,194 @@ async fn dashboard_shows_a_failing_upstream_and_a_user_at_its_limit() {
     std::fs::write(target_dir().join("dashboard-trouble.png"), &png).unwrap();
     c.close().await.unwrap();
     let _ = std::fs::remove_file(&config);
+}
+
+/// Looks job `id` up in the page's job browser and waits for its card.
+async fn find_job(c: &Client, id: &str) {
+    let input = c.find(Locator::Id("job-id")).await.unwrap();
+    input.clear().await.unwrap();
+    input.send_keys(id).await.unwrap();
+    c.find(Locator::Id("job-find"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until(
+        c,
+        &format!(
+            "document.getElementById('job-detail').dataset.id === {}",
+            json!(id)
+        ),
+        Duration::from_secs(10),
+    )
+    .await;
+}
+
+/// The steps of the job card shown, comma-separated.
+const STEPS: &str = "[...document.querySelectorAll('#job-detail-body tr[data-step]')].map((r) => r.dataset.step).join(',')";
+
+/// The job browser and the history, in a real browser, on Redis: a job
+/// found by its id shows its timeline (queued, started, waited for the
+/// provider, succeeded) and its charge; a keyless sync call's job, forgotten
+/// once answered, says so; the recent list shows the calls. The charts hold
+/// the server-side history: the same points after a page reload, and after
+/// the pod is restarted, with the restart drawn as a gap.
+#[tokio::test(flavor = "multi_thread")]
+async fn job_browser_and_history_survive_a_reload_and_a_restart() {
+    let redis = RedisServer::start();
+    let prefix = random_prefix();
+    let flags = ["--history-interval-ms", "500"];
+    let all = start_all_on(Some(&redis), &prefix, &flags);
+    let http = http();
+    let keyless = calls(&http, &all, 2).await;
+    let r = http
+        .post(format!("{}/v1/ops/llm.structured", all.base))
+        .bearer_auth(&all.key)
+        .header("Idempotency-Key", "browse-me-1")
+        .json(&json!({"prompt": "kept"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    let kept = r.json::<Value>().await.unwrap()["job_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let driver = chromedriver();
+    let c = browser(&driver).await;
+    log_in(&c, &all.base, &all.admin).await;
+
+    // By id: the record's job with its whole timeline and its charge.
+    find_job(&c, &kept).await;
+    let steps = until(
+        &c,
+        &format!("{STEPS}.includes('succeeded') && {STEPS}"),
+        Duration::from_secs(10),
+    )
+    .await;
+    let steps = steps.as_str().unwrap().to_owned();
+    for step in ["queued", "started", "granted", "succeeded"] {
+        assert!(steps.split(',').any(|s| s == step), "{step} in {steps}");
+    }
+    let card = c
+        .execute(
+            "const card = document.querySelector('#job-detail-body .job-card');
+             return [card.dataset.state, card.querySelector('.charge').textContent];",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(card[0], "succeeded", "{card}");
+    assert!(
+        card[1]
+            .as_str()
+            .unwrap()
+            .contains("charged: the job succeeded"),
+        "{card}"
+    );
+    // A keyless sync call's record is gone: the card says why, and the
+    // timeline the activity log kept is still there.
+    find_job(&c, &keyless[0]).await;
+    let gone = until(
+        &c,
+        "document.querySelector('#job-detail-body .note') && document.querySelector('#job-detail-body .note').textContent",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(
+        gone.as_str().unwrap().contains("forgotten once answered"),
+        "{gone}"
+    );
+    let steps = until(&c, STEPS, Duration::from_secs(5)).await;
+    assert!(steps.as_str().unwrap().contains("succeeded"), "{steps}");
+    // The recent list holds the three calls.
+    c.find(Locator::Id("job-list-submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until(
+        &c,
+        "Number(document.body.dataset.jobRows) >= 3",
+        Duration::from_secs(10),
+    )
+    .await;
+    let listed = c
+        .execute(
+            "return [...document.querySelectorAll('#job-list tbody tr[data-id]')].map((r) => r.dataset.id);",
+            vec![],
+        )
+        .await
+        .unwrap();
+    for id in keyless.iter().chain([&kept]) {
+        assert!(
+            listed.as_array().unwrap().contains(&json!(id)),
+            "{id} in {listed}"
+        );
+    }
+
+    // The history: a few samples, the same after a reload.
+    until(
+        &c,
+        "Number(document.body.dataset.historyPoints) >= 4",
+        Duration::from_secs(20),
+    )
+    .await;
+    let oldest = until(
+        &c,
+        "document.body.dataset.historyOldest",
+        Duration::from_secs(1),
+    )
+    .await;
+    c.refresh().await.unwrap();
+    until(
+        &c,
+        "!document.getElementById('app').hidden && Number(document.body.dataset.historyPoints) >= 4",
+        Duration::from_secs(20),
+    )
+    .await;
+    let after_reload = until(
+        &c,
+        "document.body.dataset.historyOldest",
+        Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(after_reload, oldest, "a reload shows the same history");
+    let newest: u64 = until(
+        &c,
+        "document.body.dataset.historyNewest",
+        Duration::from_secs(1),
+    )
+    .await
+    .as_str()
+    .unwrap()
+    .parse()
+    .unwrap();
+    let errors = page_errors(&c).await;
+    assert_eq!(errors, json!([]), "the page logged errors");
+
+    // A restart of the pod (nothing samples meanwhile): the history before it
+    // is still there, and the spell is a gap.
+    drop(all);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let all = start_all_on(Some(&redis), &prefix, &flags);
+    log_in(&c, &all.base, &all.admin).await;
+    let probe = format!(
+        "Number(document.body.dataset.historyNewest) > {newest} + 1000 && document.body.dataset.historyOldest"
+    );
+    let oldest_now = until(&c, &probe, Duration::from_secs(20)).await;
+    assert_eq!(oldest_now, oldest, "the history survived the restart");
+    let gaps = until(
+        &c,
+        "Number(document.querySelector('[data-chart=\"all\"]').dataset.gaps)",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(gaps.as_u64().unwrap() >= 1, "the restart is a gap: {gaps}");
+    let errors = page_errors(&c).await;
+    assert_eq!(errors, json!([]), "the page logged errors");
+    c.close().await.unwrap();
 }

@@ -17,6 +17,7 @@ mod cluster_failover;
 mod cluster_pubsub;
 mod concurrency;
 mod dashboard;
+mod dashboard_history;
 mod dashboard_sessions;
 mod durability;
 mod edge_keys;

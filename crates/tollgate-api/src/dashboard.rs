@@ -19,11 +19,16 @@
 //! the newest spend events (a refunded job's row says why, from its record),
 //! the top spenders (their used/limit read from the ledger), the upstream's
 //! answers per provider by class, the budget denials per operation and the
-//! users most denied. Each computation is also a sample of the per-provider
-//! charts (grants/s and waiters over the last [`HISTORY`]) and the baseline of
-//! the answer and denial counts over the last [`RECENT`].
+//! users most denied; the answer and denial counts over the last [`RECENT`]
+//! are taken against the history's sample of that moment.
+//!
+//! **The history** ([`history`]): the charts' points over the last hour,
+//! sampled server-side by every api process (at most one sample per interval
+//! across pods), `GET /admin/history`. **The job browser** ([`jobs`]): `GET
+//! /admin/jobs` (recent, failed, dead; by user, by operation) and `GET
+//! /admin/jobs/{id}` (a job's record and timeline).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,6 +46,8 @@ use tollgate_core::session::SessionStore;
 use tollgate_core::throttle::{ProviderStats, ThrottleError};
 
 pub mod access;
+pub mod history;
+pub mod jobs;
 
 use crate::abuse::AuthFailures;
 use crate::dashboard::access::Operator;
@@ -49,10 +56,8 @@ use crate::state::ApiState;
 
 /// Overview requests closer together than this share one computation.
 pub const OVERVIEW_INTERVAL: Duration = Duration::from_secs(1);
-/// How far back the charts go.
-pub const HISTORY: Duration = Duration::from_secs(5 * 60);
 /// The span of the answer and denial counts.
-pub const RECENT: Duration = HISTORY;
+pub const RECENT: Duration = Duration::from_secs(5 * 60);
 /// The span of the users most denied.
 const DENIED_SPAN_MS: u64 = 3_600_000;
 /// Users most denied shown.
@@ -79,27 +84,17 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
 /// with the charts' history.
 #[derive(Debug)]
 pub struct Dashboard {
-    activity: Arc<dyn ActivityLog>,
+    pub(crate) activity: Arc<dyn ActivityLog>,
     sessions: Arc<dyn SessionStore>,
     failures: AuthFailures,
-    sampler: tokio::sync::Mutex<Sampler>,
+    pub(crate) sampler: tokio::sync::Mutex<Sampler>,
 }
 
 #[derive(Debug, Default)]
-struct Sampler {
+pub(crate) struct Sampler {
     last: Option<(Instant, Arc<Overview>)>,
-    history: BTreeMap<String, VecDeque<Sample>>,
-    /// `(at_ms, denial counters per operation)`, oldest first, over [`RECENT`].
-    denials: VecDeque<(u64, BTreeMap<String, u64>)>,
-}
-
-#[derive(Debug, Clone)]
-struct Sample {
-    at_ms: u64,
-    grants: u64,
-    waiters: u64,
-    /// The provider's answer counters by class at this sample.
-    answers: BTreeMap<String, u64>,
+    /// The history as this process has read it.
+    pub(crate) ring: history::Ring,
 }
 
 impl Dashboard {
@@ -186,20 +181,11 @@ pub struct ProviderView {
     /// The 95th percentile of the waits for a slot granted in the last
     /// minute, in ms; `None` without grants.
     pub p95_wait_ms: Option<f64>,
-    /// Oldest first: grants/s and waiters at each sample.
-    pub history: Vec<Point>,
     /// The upstream's answers by class (`2xx`, `4xx`, `429`, `5xx`,
     /// `timeout`) since `answers_since_ms` ([`RECENT`] ago), or since the
     /// activity log began (`None`: this pod has not sampled that long).
     pub answers: BTreeMap<String, u64>,
     pub answers_since_ms: Option<u64>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Point {
-    pub at_ms: u64,
-    pub grants_per_sec: f64,
-    pub waiters: u64,
 }
 
 /// The roles alive, from their liveness records; `None` when embedded (the
@@ -221,7 +207,7 @@ pub struct TopUser {
     pub window_secs: u64,
 }
 
-fn throttle_error(e: ThrottleError) -> ApiError {
+pub(crate) fn throttle_error(e: ThrottleError) -> ApiError {
     match e {
         ThrottleError::Store(e) => ApiError::Store(e),
         other => ApiError::Internal(other.to_string()),
@@ -239,48 +225,21 @@ fn p95(values: &mut [u64]) -> Option<u64> {
 }
 
 impl Sampler {
-    /// Adds this reading to the history and returns each provider's view.
-    fn providers(
-        &mut self,
-        stats: Vec<ProviderStats>,
-        activity: &ActivityView,
-    ) -> Vec<ProviderView> {
+    /// Each provider's view; the counts over the last [`RECENT`] are taken
+    /// from the history's sample at or before its start.
+    fn providers(&self, stats: Vec<ProviderStats>, activity: &ActivityView) -> Vec<ProviderView> {
         let now = activity.now_ms;
         let since = now.saturating_sub(MINUTE_MS);
+        let horizon = now.saturating_sub(RECENT.as_millis() as u64);
+        let baseline = self.ring.at_or_before(horizon);
         stats
             .into_iter()
             .map(|s| {
-                let grants = activity.grants.get(&s.provider).copied().unwrap_or(0);
                 let answered = activity
                     .answers
                     .get(&s.provider)
                     .cloned()
                     .unwrap_or_default();
-                let history = self.history.entry(s.provider.clone()).or_default();
-                if history.back().is_none_or(|last| last.at_ms < now) {
-                    history.push_back(Sample {
-                        at_ms: now,
-                        grants,
-                        waiters: s.waiters,
-                        answers: answered.clone(),
-                    });
-                }
-                // One sample at or before the horizon stays: the baseline of
-                // the counts over the last [`RECENT`].
-                let horizon = now.saturating_sub(HISTORY.as_millis() as u64);
-                while history.get(1).is_some_and(|f| f.at_ms <= horizon) {
-                    history.pop_front();
-                }
-                let points = history
-                    .iter()
-                    .zip(history.iter().skip(1))
-                    .map(|(a, b)| Point {
-                        at_ms: b.at_ms,
-                        grants_per_sec: counted(a.grants, b.grants) as f64
-                            / ((b.at_ms - a.at_ms) as f64 / 1000.0),
-                        waiters: b.waiters,
-                    })
-                    .collect();
                 let mut recent: Vec<u64> = activity
                     .waits
                     .get(&s.provider)
@@ -292,29 +251,23 @@ impl Sampler {
                     })
                     .unwrap_or_default();
                 // The waits list holds every grant of the minute unless it is
-                // full; then the counter's samples tell the rate.
-                let grants_per_sec = if recent.len() < WAITS_CAP {
-                    recent.len() as f64 / 60.0
-                } else {
-                    let first = history.iter().find(|p| p.at_ms >= since);
-                    match (first, history.back()) {
-                        (Some(a), Some(b)) if b.at_ms > a.at_ms => {
-                            counted(a.grants, b.grants) as f64
-                                / ((b.at_ms - a.at_ms) as f64 / 1000.0)
-                        }
-                        _ => recent.len() as f64 / 60.0,
+                // full; then the grants counter against the history's sample
+                // of a minute ago tells the rate.
+                let grants_per_sec = match self.ring.at_or_before(since) {
+                    Some(a) if recent.len() >= WAITS_CAP && now > a.at_ms => {
+                        let before = a.counters.grants.get(&s.provider).copied().unwrap_or(0);
+                        let after = activity.grants.get(&s.provider).copied().unwrap_or(0);
+                        counted(before, after) as f64 / ((now - a.at_ms) as f64 / 1000.0)
                     }
+                    _ => recent.len() as f64 / 60.0,
                 };
-                // The baseline is the sample at the span's start; a pod that
-                // has not sampled that long counts since the log began (a
-                // counter that restarted counts from 0).
-                let baseline = history.front().filter(|b| b.at_ms <= horizon);
                 let answers = ANSWER_CLASSES
                     .iter()
                     .map(|class| {
                         let after = answered.get(*class).copied().unwrap_or(0);
+                        let key = format!("{} {class}", s.provider);
                         let before = baseline
-                            .and_then(|b| b.answers.get(*class).copied())
+                            .and_then(|b| b.counters.answers.get(&key).copied())
                             .unwrap_or(0);
                         ((*class).to_owned(), counted(before, after))
                     })
@@ -325,31 +278,17 @@ impl Sampler {
                     grants_last_minute: (grants_per_sec * 60.0).round() as u64,
                     p95_wait_ms: p95(&mut recent).map(|us| us as f64 / 1000.0),
                     grants_per_sec,
-                    history: points,
                     stats: s,
                 }
             })
             .collect()
     }
-}
 
-impl Sampler {
-    /// Budget denials per operation over the last [`RECENT`], with this
-    /// reading as a sample.
-    fn denials(&mut self, state: &ApiState, activity: &ActivityView) -> Vec<OperationDenials> {
-        let now = activity.now_ms;
-        if self.denials.back().is_none_or(|(at, _)| *at < now) {
-            self.denials.push_back((now, activity.denials.clone()));
-        }
-        let horizon = now.saturating_sub(RECENT.as_millis() as u64);
-        while self.denials.get(1).is_some_and(|(at, _)| *at <= horizon) {
-            self.denials.pop_front();
-        }
-        let (since_ms, baseline) = self
-            .denials
-            .front()
-            .filter(|(at, _)| *at <= horizon)
-            .map_or((None, None), |(at, b)| (Some(*at), Some(b)));
+    /// Budget denials per operation over the last [`RECENT`], against the
+    /// history's sample at or before its start.
+    fn denials(&self, state: &ApiState, activity: &ActivityView) -> Vec<OperationDenials> {
+        let horizon = activity.now_ms.saturating_sub(RECENT.as_millis() as u64);
+        let baseline = self.ring.at_or_before(horizon);
         let mut names: Vec<String> = state.config.operations().map(|o| o.name.clone()).collect();
         for name in activity.denials.keys() {
             if !names.contains(name) {
@@ -361,11 +300,11 @@ impl Sampler {
             .map(|operation| {
                 let total = activity.denials.get(&operation).copied().unwrap_or(0);
                 let before = baseline
-                    .and_then(|b| b.get(&operation).copied())
+                    .and_then(|b| b.counters.denials.get(&operation).copied())
                     .unwrap_or(0);
                 OperationDenials {
                     recent: counted(before, total),
-                    since_ms,
+                    since_ms: baseline.map(|b| b.at_ms),
                     total,
                     operation,
                 }
@@ -448,7 +387,7 @@ async fn events(state: &ApiState, activity: &ActivityView) -> Vec<EventView> {
 
 /// Grants between two readings of a counter that restarts at 0 when the store
 /// forgot an idle log.
-fn counted(before: u64, after: u64) -> u64 {
+pub(crate) fn counted(before: u64, after: u64) -> u64 {
     if after >= before {
         after - before
     } else {
@@ -482,6 +421,13 @@ pub async fn compute(state: &ApiState) -> Result<Arc<Overview>, ApiError> {
         top_users(state, &activity, &most_denied),
         events(state, &activity)
     );
+    if let Err(e) = sampler
+        .ring
+        .refresh(dash.activity.as_ref(), activity.now_ms)
+        .await
+    {
+        tracing::debug!(error = %e, "dashboard history not read: the recent counts start with the log");
+    }
     let providers = sampler.providers(providers, &activity);
     let denials = sampler.denials(state, &activity);
     let overview = Arc::new(Overview {
@@ -606,7 +552,7 @@ pub fn schema() -> serde_json::Value {
             "now_ms": int,
             "providers": {"type": "array", "items": {
                 "type": "object",
-                "required": ["provider", "rate", "burst", "tokens", "waiters", "grants_per_sec", "grants_last_minute", "history"],
+                "required": ["provider", "rate", "burst", "tokens", "waiters", "grants_per_sec", "grants_last_minute"],
                 "properties": {
                     "provider": {"type": "string"},
                     "rate": {"type": "number"},
@@ -622,10 +568,7 @@ pub fn schema() -> serde_json::Value {
                     "grants_per_sec": {"type": "number", "description": "Grants per second over the last minute."},
                     "grants_last_minute": int,
                     "p95_wait_ms": {"type": ["number", "null"], "description": "The p95 wait for a slot over the last minute."},
-                    "history": {"type": "array", "items": {"type": "object",
-                        "required": ["at_ms", "grants_per_sec", "waiters"],
-                        "properties": {"at_ms": int, "grants_per_sec": {"type": "number"}, "waiters": int}}},
-                    "answers": {"type": "object", "additionalProperties": int, "description": "The upstream's answers by class (2xx, 4xx, 429, 5xx, timeout) since answers_since_ms (at most 5 minutes ago)."},
+                    "answers": {"type": "object", "additionalProperties": int, "description": "The upstream's answers by class (2xx, 4xx, 429, 5xx, timeout) since answers_since_ms: the history's sample at or before 5 minutes ago (null: since the activity log began)."},
                     "answers_since_ms": nullable_int,
                 },
             }},

@@ -231,6 +231,62 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             get(dashboard::overview),
         )
         .route(
+            Doc::get(
+                "/admin/history",
+                "The dashboard's history: a point per sampled interval over the last hour (gaps where no pod sampled)",
+            )
+            .viewer()
+            .query(
+                "after_ms",
+                "Only the points after this slot (ms since the epoch).",
+                serde_json::json!({"type": "integer", "minimum": 0}),
+            )
+            .ok(200, "The points, oldest first.", Some(schema("History"))),
+            get(dashboard::history::history),
+        )
+        .route(
+            Doc::get(
+                "/admin/jobs",
+                "The job browser: recent, failed or dead jobs, by user and by operation (a bounded page)",
+            )
+            .viewer()
+            .query(
+                "view",
+                "recent (default), failed or dead.",
+                serde_json::json!({"type": "string", "enum": ["recent", "failed", "dead"]}),
+            )
+            .query("user", "Only this user's jobs.", serde_json::json!({"type": "string"}))
+            .query("operation", "Only this operation's jobs.", serde_json::json!({"type": "string"}))
+            .query(
+                "limit",
+                "Rows per page (default 25).",
+                serde_json::json!({"type": "integer", "minimum": 1, "maximum": dashboard::jobs::MAX_LIMIT}),
+            )
+            .query(
+                "offset",
+                "Rows skipped.",
+                serde_json::json!({"type": "integer", "minimum": 0, "maximum": tollgate_core::activity::EVENTS_CAP}),
+            )
+            .ok(200, "One page of jobs.", Some(schema("JobList")))
+            .errors(&[P::InvalidField, P::UnknownOperation]),
+            get(dashboard::jobs::list),
+        )
+        .route(
+            Doc::get(
+                "/admin/jobs/{id}",
+                "One job: its record, its timeline (queued, waited for the provider, started, outcome) and what became of its charge",
+            )
+            .viewer()
+            .query(
+                "user",
+                "Whose job (needed once the activity log no longer keeps its timeline).",
+                serde_json::json!({"type": "string"}),
+            )
+            .ok(200, "The job(s) of this id, or why none was found.", Some(schema("JobDetail")))
+            .errors(&[P::InvalidField]),
+            get(dashboard::jobs::detail),
+        )
+        .route(
             Doc::get("/healthz", "The process answers").ok(200, "Up.", Some(schema("Status"))),
             get(health::healthz),
         )

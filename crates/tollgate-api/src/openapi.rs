@@ -544,6 +544,9 @@ fn schemas(config: &Config) -> Value {
             }
         }},
         "Overview": crate::dashboard::schema(),
+        "History": crate::dashboard::history::schema(),
+        "JobList": crate::dashboard::jobs::list_schema(),
+        "JobDetail": crate::dashboard::jobs::detail_schema(),
     })
 }
 

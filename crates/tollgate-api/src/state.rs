@@ -45,6 +45,10 @@ pub struct Settings {
     /// Whether each finished request writes its line to the log
     /// ([`crate::access_log`]).
     pub access_log: bool,
+    /// How often this process samples the dashboard's history
+    /// ([`crate::dashboard::history`]); `None`: it samples nothing (the
+    /// dashboard shows what other pods sampled).
+    pub history_interval: Option<Duration>,
 }
 
 impl Default for Settings {
@@ -58,6 +62,7 @@ impl Default for Settings {
             legacy_keys: true,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             access_log: false,
+            history_interval: None,
         }
     }
 }
@@ -73,6 +78,7 @@ impl fmt::Debug for Settings {
             .field("legacy_keys", &self.legacy_keys)
             .field("request_timeout", &self.request_timeout)
             .field("access_log", &self.access_log)
+            .field("history_interval", &self.history_interval)
             .finish()
     }
 }
@@ -104,8 +110,9 @@ pub struct ApiState {
 
 impl ApiState {
     /// The api on `backends` (memory or Redis: it does not know which).
+    /// Starts the dashboard's history sampler when `settings` ask for one.
     pub fn new(backends: &Backends, settings: Settings) -> Self {
-        Self {
+        let state = Self {
             config: Arc::clone(&backends.config),
             ledger: Arc::clone(&backends.ledger),
             jobs: Arc::clone(&backends.jobs),
@@ -121,7 +128,16 @@ impl ApiState {
             )),
             settings,
             in_flight: InFlight::default(),
+        };
+        if let Some(interval) = state.settings.history_interval {
+            crate::dashboard::history::spawn(
+                Arc::downgrade(&state.dashboard),
+                Arc::clone(&state.jobs),
+                Arc::clone(&state.throttle),
+                interval,
+            );
         }
+        state
     }
 
     /// What `/readyz` and `/metrics` read.

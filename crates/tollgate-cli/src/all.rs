@@ -86,6 +86,10 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Ok(t) => t,
         Err(f) => return f.exit(),
     };
+    let history_interval = match args.requests.history_interval() {
+        Ok(t) => t,
+        Err(f) => return f.exit(),
+    };
     let admin_token = match &args.admin_token {
         Some(t) => match crate::edge::check_admin_token(t) {
             Ok(()) => t.clone(),
@@ -108,6 +112,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
         legacy_keys: args.requests.legacy_keys(),
         request_timeout,
         access_log: args.requests.access_log(),
+        history_interval,
         ..Settings::default()
     };
 

@@ -83,6 +83,10 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         Ok(t) => t,
         Err(f) => return f.exit(),
     };
+    let history_interval = match args.requests.history_interval() {
+        Ok(t) => t,
+        Err(f) => return f.exit(),
+    };
     // Listening before the store answers: a role started while Redis is down
     // is alive (`/healthz`) and says it is not ready yet.
     let listener = match listen(args.listen, "--listen").await {
@@ -124,6 +128,7 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         legacy_keys: args.requests.legacy_keys(),
         request_timeout,
         access_log: args.requests.access_log(),
+        history_interval,
     };
     tracing::info!(
         store = %backends.described, admin = settings.admin_token.is_some(), "api starting"

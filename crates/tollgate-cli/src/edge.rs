@@ -77,6 +77,13 @@ pub struct RequestArgs {
     /// finds the api's side of any call, a successful one too.
     #[arg(long, env = "TOLLGATE_ACCESS_LOG", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     access_log: bool,
+
+    /// How often the dashboard's history is sampled, in ms (at most one
+    /// sample per interval across every api pod; give every pod the same
+    /// value). 0: this process samples nothing (the dashboard still shows
+    /// what other pods sampled).
+    #[arg(long, env = "TOLLGATE_HISTORY_INTERVAL_MS", default_value_t = millis(tollgate_core::activity::HISTORY_INTERVAL))]
+    history_interval_ms: u64,
 }
 
 impl RequestArgs {
@@ -95,6 +102,20 @@ impl RequestArgs {
 
     pub fn access_log(&self) -> bool {
         self.access_log
+    }
+
+    pub fn history_interval(&self) -> Result<Option<Duration>, Failure> {
+        let interval = Duration::from_millis(self.history_interval_ms);
+        if self.history_interval_ms == 0 {
+            return Ok(None);
+        }
+        if interval < tollgate_core::activity::HISTORY_MIN_INTERVAL {
+            return Err(Failure::bad_input(format!(
+                "--history-interval-ms (TOLLGATE_HISTORY_INTERVAL_MS) must be 0 (off) or at least {}",
+                millis(tollgate_core::activity::HISTORY_MIN_INTERVAL)
+            )));
+        }
+        Ok(Some(interval))
     }
 }
 

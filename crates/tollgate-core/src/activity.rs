@@ -18,8 +18,23 @@
 //! In memory ([`MemoryActivity`]) it is a ring per kind; on Redis
 //! (`tollgate_redis::activity`) it is buffered and flushed by one script into
 //! capped keys under their own hash tag, so every pod sees every pod's notes.
+//!
+//! Two more things live here, for the job browser and the charts:
+//! - **Job timelines**: each job's steps as the decorators saw them
+//!   ([`JobNote`]: charged, granted a slot after a wait, started, succeeded or
+//!   failed with its cause, its charge released or refunded), for the newest
+//!   [`TIMELINES_CAP`] jobs, [`STEPS_CAP`] steps each, and the newest
+//!   [`FAILED_CAP`] failures. A timeline outlives the job's record (a sync
+//!   call without an Idempotency-Key is forgotten once answered).
+//!   [`RecordingSource`] notes the worker's steps.
+//! - **History** ([`ActivityLog::sample`], [`ActivityLog::history`]): a ring of
+//!   [`Sample`]s, at most one per interval *across every pod* (the slot is
+//!   the store's clock divided by the interval; the first pod to sample a
+//!   slot writes it, the others find it written), each holding the log's
+//!   counters and the gauges the sampling pod read, kept [`HISTORY_SPAN`].
+//!   An interval no pod sampled is simply absent: a gap, never a guess.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,6 +44,7 @@ use serde::{Deserialize, Serialize};
 use crate::clock::{Clock, SystemClock};
 use crate::error::StoreError;
 use crate::id::{RequestId, UserId};
+use crate::job::{Charge, FailureCause, Finish, JobError, JobSource, Lease, Maintenance, Settled};
 use crate::ledger::{
     ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger, LedgerError, RefundOutcome, ReserveOutcome,
     SettleOutcome, Usage,
@@ -42,6 +58,23 @@ pub const EVENTS_CAP: usize = 1000;
 pub const WAITS_CAP: usize = 512;
 /// Budget denials kept (the newest), for the users most denied.
 pub const DENIED_CAP: usize = 1000;
+
+/// How often the history is sampled by default (`--history-interval-ms`).
+pub const HISTORY_INTERVAL: Duration = Duration::from_secs(10);
+/// How far back the history is kept: the dashboard's hour and a margin.
+pub const HISTORY_SPAN: Duration = Duration::from_secs(65 * 60);
+/// The most samples kept, whatever the interval.
+pub const HISTORY_MAX_SAMPLES: usize = 4000;
+/// The shortest interval a sampler accepts.
+pub const HISTORY_MIN_INTERVAL: Duration = Duration::from_millis(100);
+/// Job timelines kept (the newest jobs noted).
+pub const TIMELINES_CAP: usize = 1000;
+/// Steps kept per job timeline (a job run again adds steps).
+pub const STEPS_CAP: usize = 16;
+/// Job failures kept (the newest).
+pub const FAILED_CAP: usize = 1000;
+/// The longest failure message a timeline keeps, in bytes.
+pub const MESSAGE_LIMIT: usize = 300;
 
 /// The classes of an upstream answer, as the dashboard shows them: a
 /// [`CallOutcome`](crate::metrics::CallOutcome) `ok` or `bad_response` is a
@@ -91,6 +124,246 @@ pub enum Note {
         provider: String,
         class: &'static str,
     },
+    /// A step of a job's timeline.
+    Job(JobNote),
+}
+
+/// One step of a job, as a decorator saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct JobNote {
+    /// The job's id (its budget request id).
+    pub id: String,
+    pub user: String,
+    /// On the clock of the step's source: the ledger's for a charge, the
+    /// throttle's for a grant, the noting process's for the worker's steps.
+    pub at_ms: u64,
+    #[serde(flatten)]
+    pub step: JobStep,
+}
+
+/// What happened to a job at one step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "step", rename_all = "snake_case")]
+pub enum JobStep {
+    /// The submission charged the budget: the job is queued.
+    Charged { operation: String, cost: u64 },
+    /// A provider slot was granted after `waited_us`.
+    Granted { provider: String, waited_us: u64 },
+    /// A worker's run claimed the charge, about to call the provider.
+    Started { attempt: u32 },
+    /// The job succeeded: the charge stands.
+    Succeeded,
+    /// The job failed for `cause` ([`FailureCause`](crate::job::FailureCause)
+    /// name); `charge_stands`: the upstream may have done the work.
+    Failed {
+        operation: String,
+        cause: String,
+        charge_stands: bool,
+        message: String,
+    },
+    /// The job's own charge went back to the user (its failure released it).
+    Released,
+    /// An operator refunded the charge (a queued job is cancelled by it).
+    Refunded,
+}
+
+impl JobStep {
+    /// The step as one line of text (`<kind>[ <fields>]`), the message last.
+    pub fn encode(&self) -> String {
+        match self {
+            Self::Charged { operation, cost } => format!("charged {operation} {cost}"),
+            Self::Granted {
+                provider,
+                waited_us,
+            } => format!("granted {provider} {waited_us}"),
+            Self::Started { attempt } => format!("started {attempt}"),
+            Self::Succeeded => "succeeded".into(),
+            Self::Failed {
+                operation,
+                cause,
+                charge_stands,
+                message,
+            } => format!(
+                "failed {operation} {cause} {} {}",
+                if *charge_stands { "stands" } else { "released" },
+                one_line(message)
+            ),
+            Self::Released => "released".into(),
+            Self::Refunded => "refunded".into(),
+        }
+    }
+
+    /// The inverse of [`encode`](Self::encode).
+    pub fn parse(s: &str) -> Option<Self> {
+        let (kind, rest) = s.split_once(' ').unwrap_or((s, ""));
+        let mut f = rest.splitn(4, ' ');
+        Some(match kind {
+            "charged" => Self::Charged {
+                operation: f.next()?.to_owned(),
+                cost: f.next()?.parse().ok()?,
+            },
+            "granted" => Self::Granted {
+                provider: f.next()?.to_owned(),
+                waited_us: f.next()?.parse().ok()?,
+            },
+            "started" => Self::Started {
+                attempt: f.next()?.parse().ok()?,
+            },
+            "succeeded" => Self::Succeeded,
+            "failed" => Self::Failed {
+                operation: f.next()?.to_owned(),
+                cause: f.next()?.to_owned(),
+                charge_stands: f.next()? == "stands",
+                message: f.next().unwrap_or("").to_owned(),
+            },
+            "released" => Self::Released,
+            "refunded" => Self::Refunded,
+            _ => return None,
+        })
+    }
+}
+
+/// `message` on one line, at most [`MESSAGE_LIMIT`] bytes.
+fn one_line(message: &str) -> String {
+    let flat: String = message
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    let mut end = flat.len().min(MESSAGE_LIMIT);
+    while !flat.is_char_boundary(end) {
+        end -= 1;
+    }
+    flat[..end].to_owned()
+}
+
+impl JobNote {
+    /// The note as a timeline line: `<at_ms> <user> <step>`.
+    pub fn line(&self) -> String {
+        format!("{} {} {}", self.at_ms, self.user, self.step.encode())
+    }
+
+    /// The inverse of [`line`](Self::line), for job `id`.
+    pub fn parse_line(id: &str, line: &str) -> Option<Self> {
+        let mut f = line.splitn(3, ' ');
+        Some(Self {
+            id: id.to_owned(),
+            at_ms: f.next()?.parse().ok()?,
+            user: f.next()?.to_owned(),
+            step: JobStep::parse(f.next()?)?,
+        })
+    }
+
+    /// The failure this note records, if it is one.
+    pub fn failure(&self) -> Option<FailedView> {
+        match &self.step {
+            JobStep::Failed {
+                operation, cause, ..
+            } => Some(FailedView {
+                at_ms: self.at_ms,
+                id: self.id.clone(),
+                user: self.user.clone(),
+                operation: operation.clone(),
+                cause: cause.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// One job failure as listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FailedView {
+    pub at_ms: u64,
+    pub id: String,
+    pub user: String,
+    pub operation: String,
+    pub cause: String,
+}
+
+impl FailedView {
+    /// `<at_ms> <id> <user> <operation> <cause>`, as the failures list keeps it.
+    pub fn line(&self) -> String {
+        format!(
+            "{} {} {} {} {}",
+            self.at_ms, self.id, self.user, self.operation, self.cause
+        )
+    }
+
+    pub fn parse_line(line: &str) -> Option<Self> {
+        let mut f = line.split(' ');
+        Some(Self {
+            at_ms: f.next()?.parse().ok()?,
+            id: f.next()?.to_owned(),
+            user: f.next()?.to_owned(),
+            operation: f.next()?.to_owned(),
+            cause: f.next()?.to_owned(),
+        })
+    }
+}
+
+/// What the sampling pod read of the shared state at a sample.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Gauges {
+    /// Per operation: jobs waiting for a worker.
+    #[serde(default)]
+    pub queued: BTreeMap<String, u64>,
+    /// Per operation: jobs a worker holds.
+    #[serde(default)]
+    pub running: BTreeMap<String, u64>,
+    /// Per provider: calls waiting for a slot.
+    #[serde(default)]
+    pub waiters: BTreeMap<String, u64>,
+    /// Workers alive (the most on any queue); `None` embedded.
+    #[serde(default)]
+    pub workers: Option<u64>,
+    /// Throttlers alive; `None` embedded.
+    #[serde(default)]
+    pub throttlers: Option<u64>,
+}
+
+/// The log's counters at a sample (each since the log began: a counter
+/// restarts at 0 when the store forgot an idle log).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Per operation ([`PLAIN`] for plain reserves): new charges.
+    #[serde(default)]
+    pub calls: BTreeMap<String, u64>,
+    /// Per provider: slots granted.
+    #[serde(default)]
+    pub grants: BTreeMap<String, u64>,
+    /// Per `"<provider> <class>"`: the upstream's answers.
+    #[serde(default)]
+    pub answers: BTreeMap<String, u64>,
+    /// Per operation ([`PLAIN`] for plain reserves): budget denials.
+    #[serde(default)]
+    pub denials: BTreeMap<String, u64>,
+}
+
+/// One sample of the history.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The start of the sample's interval (slot), on the store's clock.
+    pub at_ms: u64,
+    pub gauges: Gauges,
+    pub counters: Counters,
+}
+
+/// The answer to [`ActivityLog::sample`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sampled {
+    /// Whether this call wrote the slot's sample (false: a pod had already).
+    pub written: bool,
+    /// The slot's start (ms, the store's clock).
+    pub slot_ms: u64,
+    /// Until the next slot begins.
+    pub next_in: Duration,
+}
+
+/// The slot of `now_ms` for `interval_ms`, and the time to the next one.
+pub fn slot_of(now_ms: u64, interval_ms: u64) -> (u64, Duration) {
+    let interval_ms = interval_ms.max(1);
+    let slot = now_ms - now_ms % interval_ms;
+    (slot, Duration::from_millis(slot + interval_ms - now_ms))
 }
 
 /// One budget denial as read back.
@@ -150,15 +423,37 @@ pub trait ActivityLog: Send + Sync + std::fmt::Debug {
     /// The log as it stands (notes of the last moments may still be on their
     /// way: a buffered store flushes every [`FLUSH_INTERVAL`]).
     async fn read(&self) -> Result<ActivityView, StoreError>;
+
+    /// Writes the sample of the current slot of `interval` (the store's clock)
+    /// from the log's counters and `gauges`, unless the slot has one (another
+    /// pod sampled it); drops samples older than [`HISTORY_SPAN`].
+    async fn sample(&self, interval: Duration, gauges: &Gauges) -> Result<Sampled, StoreError>;
+
+    /// The samples kept whose slot starts after `after_ms` (every one kept:
+    /// `None`), oldest first.
+    async fn history(&self, after_ms: Option<u64>) -> Result<Vec<Sample>, StoreError>;
+
+    /// The timelines of jobs `ids` (empty: none kept), oldest step first.
+    async fn timelines(&self, ids: &[String]) -> Result<Vec<Vec<JobNote>>, StoreError>;
+
+    /// The newest job failures, newest first, at most `limit`.
+    async fn failed(&self, limit: usize) -> Result<Vec<FailedView>, StoreError>;
 }
 
 /// How often a buffered log writes its notes to the store.
 pub const FLUSH_INTERVAL: Duration = Duration::from_millis(250);
 
 /// The activity log of one process, in memory (the embedded mode).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryActivity {
     state: Mutex<MemoryState>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for MemoryActivity {
+    fn default() -> Self {
+        Self::with_clock(Arc::new(SystemClock))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -171,11 +466,25 @@ struct MemoryState {
     answers: BTreeMap<String, BTreeMap<String, u64>>,
     denials: BTreeMap<String, u64>,
     denied: VecDeque<DenialView>,
+    calls: BTreeMap<String, u64>,
+    history: VecDeque<Sample>,
+    timelines: HashMap<String, Vec<JobNote>>,
+    /// Timelines' ids, newest first: the oldest goes past [`TIMELINES_CAP`].
+    timeline_order: VecDeque<String>,
+    failed: VecDeque<FailedView>,
 }
 
 impl MemoryActivity {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A log whose stamps and history slots read `clock` (tests).
+    pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            state: Mutex::default(),
+            clock,
+        }
     }
 }
 
@@ -185,8 +494,29 @@ impl ActivityLog for MemoryActivity {
         let mut st = lock(&self.state);
         match note {
             Note::Spent(spend) => {
+                let name = spend.operation.clone().unwrap_or_else(|| PLAIN.to_owned());
+                *st.calls.entry(name).or_default() += 1;
                 st.events.push_front(spend);
                 st.events.truncate(EVENTS_CAP);
+            }
+            Note::Job(note) => {
+                if let Some(failed) = note.failure() {
+                    st.failed.push_front(failed);
+                    st.failed.truncate(FAILED_CAP);
+                }
+                if let Some(steps) = st.timelines.get_mut(&note.id) {
+                    if steps.len() < STEPS_CAP {
+                        steps.push(note);
+                    }
+                } else {
+                    st.timeline_order.push_front(note.id.clone());
+                    st.timelines.insert(note.id.clone(), vec![note]);
+                    while st.timeline_order.len() > TIMELINES_CAP {
+                        if let Some(old) = st.timeline_order.pop_back() {
+                            st.timelines.remove(&old);
+                        }
+                    }
+                }
             }
             Note::Refunded { key } => {
                 if st.refunded_set.insert(key.clone()) {
@@ -212,7 +542,7 @@ impl ActivityLog for MemoryActivity {
                 let name = operation.clone().unwrap_or_else(|| PLAIN.to_owned());
                 *st.denials.entry(name).or_default() += 1;
                 st.denied.push_front(DenialView {
-                    at_ms: SystemClock.now_ms(),
+                    at_ms: self.clock.now_ms(),
                     user,
                     operation,
                 });
@@ -231,7 +561,7 @@ impl ActivityLog for MemoryActivity {
     async fn read(&self) -> Result<ActivityView, StoreError> {
         let st = lock(&self.state);
         Ok(ActivityView {
-            now_ms: SystemClock.now_ms(),
+            now_ms: self.clock.now_ms(),
             events: st
                 .events
                 .iter()
@@ -248,6 +578,74 @@ impl ActivityLog for MemoryActivity {
             denied: st.denied.iter().cloned().collect(),
         })
     }
+
+    async fn sample(&self, interval: Duration, gauges: &Gauges) -> Result<Sampled, StoreError> {
+        let now = self.clock.now_ms();
+        let (slot_ms, next_in) = slot_of(now, millis(interval));
+        let mut st = lock(&self.state);
+        let written = !st.history.iter().any(|s| s.at_ms == slot_ms);
+        if written {
+            let counters = Counters {
+                calls: st.calls.clone(),
+                grants: st.grants.clone(),
+                answers: st
+                    .answers
+                    .iter()
+                    .flat_map(|(p, by)| by.iter().map(move |(c, n)| (format!("{p} {c}"), *n)))
+                    .collect(),
+                denials: st.denials.clone(),
+            };
+            let at = st.history.partition_point(|s| s.at_ms < slot_ms);
+            st.history.insert(
+                at,
+                Sample {
+                    at_ms: slot_ms,
+                    gauges: gauges.clone(),
+                    counters,
+                },
+            );
+        }
+        let horizon = now.saturating_sub(millis(HISTORY_SPAN));
+        while st
+            .history
+            .front()
+            .is_some_and(|s| s.at_ms < horizon || st.history.len() > HISTORY_MAX_SAMPLES)
+        {
+            st.history.pop_front();
+        }
+        Ok(Sampled {
+            written,
+            slot_ms,
+            next_in,
+        })
+    }
+
+    async fn history(&self, after_ms: Option<u64>) -> Result<Vec<Sample>, StoreError> {
+        let st = lock(&self.state);
+        Ok(st
+            .history
+            .iter()
+            .filter(|s| after_ms.is_none_or(|a| s.at_ms > a))
+            .cloned()
+            .collect())
+    }
+
+    async fn timelines(&self, ids: &[String]) -> Result<Vec<Vec<JobNote>>, StoreError> {
+        let st = lock(&self.state);
+        Ok(ids
+            .iter()
+            .map(|id| st.timelines.get(id).cloned().unwrap_or_default())
+            .collect())
+    }
+
+    async fn failed(&self, limit: usize) -> Result<Vec<FailedView>, StoreError> {
+        let st = lock(&self.state);
+        Ok(st.failed.iter().take(limit).cloned().collect())
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Spend {
@@ -347,6 +745,8 @@ impl Ledger for RecordingLedger {
             self.log.note(Note::Refunded {
                 key: spend_key(user, request, None),
             });
+            self.log
+                .note(job_note(request.as_str(), user.as_str(), JobStep::Refunded));
         }
         r
     }
@@ -398,14 +798,25 @@ impl Ledger for RecordingLedger {
     ) -> Result<ChargeOutcome, LedgerError> {
         let r = self.inner.charge(user, request, charge).await;
         match &r {
-            Ok(ChargeOutcome::Charged { allowed, .. }) => self.spent(
-                user,
-                request,
-                Some(charge.nonce),
-                Some((charge.operation, charge.service_key)),
-                charge.cost,
-                allowed.at_ms,
-            ),
+            Ok(ChargeOutcome::Charged { allowed, .. }) => {
+                self.spent(
+                    user,
+                    request,
+                    Some(charge.nonce),
+                    Some((charge.operation, charge.service_key)),
+                    charge.cost,
+                    allowed.at_ms,
+                );
+                self.log.note(Note::Job(JobNote {
+                    id: request.to_string(),
+                    user: user.to_string(),
+                    at_ms: allowed.at_ms,
+                    step: JobStep::Charged {
+                        operation: charge.operation.to_owned(),
+                        cost: charge.cost,
+                    },
+                }));
+            }
             Ok(ChargeOutcome::Denied(_)) => self.log.note(Note::Denied {
                 user: user.to_string(),
                 operation: Some(charge.operation.to_owned()),
@@ -436,6 +847,8 @@ impl Ledger for RecordingLedger {
             self.log.note(Note::Refunded {
                 key: spend_key(user, request, Some(nonce)),
             });
+            self.log
+                .note(job_note(request.as_str(), user.as_str(), JobStep::Released));
         }
         r
     }
@@ -478,11 +891,23 @@ impl Throttle for RecordingThrottle {
     ) -> Result<Grant, ThrottleError> {
         let r = self.inner.acquire_as(provider, waiter, max_wait).await;
         if let Ok(grant) = &r {
+            let waited_us = u64::try_from(grant.waited.as_micros()).unwrap_or(u64::MAX);
             self.log.note(Note::Granted {
                 provider: grant.provider.clone(),
                 at_ms: grant.granted_at_us / 1000,
-                waited_us: u64::try_from(grant.waited.as_micros()).unwrap_or(u64::MAX),
+                waited_us,
             });
+            if !waiter.user.is_empty() {
+                self.log.note(Note::Job(JobNote {
+                    id: waiter.request_id.to_string(),
+                    user: waiter.user.clone(),
+                    at_ms: grant.granted_at_us / 1000,
+                    step: JobStep::Granted {
+                        provider: grant.provider.clone(),
+                        waited_us,
+                    },
+                }));
+            }
         }
         r
     }
@@ -525,6 +950,121 @@ impl Throttle for RecordingThrottle {
     }
 }
 
+/// A job step noted now, on this process's clock.
+fn job_note(id: &str, user: &str, step: JobStep) -> Note {
+    Note::Job(JobNote {
+        id: id.to_owned(),
+        user: user.to_owned(),
+        at_ms: SystemClock.now_ms(),
+        step,
+    })
+}
+
+/// A [`JobSource`] that notes each job's worker steps (started, succeeded,
+/// failed with its cause and message) into an [`ActivityLog`]: the job
+/// browser's timelines, also for jobs whose record is gone. Its `Debug` is
+/// the inner source's.
+pub struct RecordingSource {
+    inner: Arc<dyn JobSource>,
+    log: Arc<dyn ActivityLog>,
+}
+
+impl std::fmt::Debug for RecordingSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl RecordingSource {
+    pub fn new(inner: Arc<dyn JobSource>, log: Arc<dyn ActivityLog>) -> Self {
+        Self { inner, log }
+    }
+
+    fn noted(&self, lease: &Lease, step: JobStep) {
+        self.log.note(job_note(
+            lease.job.id.as_str(),
+            lease.job.user.as_str(),
+            step,
+        ));
+    }
+}
+
+#[async_trait]
+impl JobSource for RecordingSource {
+    async fn take(
+        &self,
+        operation: &str,
+        worker: &str,
+        block: Duration,
+        lease: Duration,
+    ) -> Result<Option<Lease>, JobError> {
+        self.inner.take(operation, worker, block, lease).await
+    }
+
+    async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
+        let r = self.inner.start(lease).await;
+        if let Ok(true) = r {
+            self.noted(
+                lease,
+                JobStep::Started {
+                    attempt: lease.job.attempt,
+                },
+            );
+        }
+        r
+    }
+
+    async fn settle(&self, lease: &Lease, answer: &serde_json::Value) -> Result<Settled, JobError> {
+        self.inner.settle(lease, answer).await
+    }
+
+    async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError> {
+        self.inner.renew(lease, by).await
+    }
+
+    async fn complete(&self, lease: &Lease, result: serde_json::Value) -> Result<Finish, JobError> {
+        let r = self.inner.complete(lease, result).await;
+        if let Ok(Finish::Recorded) = r {
+            self.noted(lease, JobStep::Succeeded);
+        }
+        r
+    }
+
+    async fn fail(
+        &self,
+        lease: &Lease,
+        cause: FailureCause,
+        charge: Charge,
+        message: &str,
+    ) -> Result<Finish, JobError> {
+        let r = self.inner.fail(lease, cause, charge, message).await;
+        if let Ok(Finish::Recorded) = r {
+            self.noted(
+                lease,
+                JobStep::Failed {
+                    operation: lease.job.operation.clone(),
+                    cause: cause.as_str().to_owned(),
+                    charge_stands: matches!(charge, Charge::Keep),
+                    message: one_line(message),
+                },
+            );
+        }
+        r
+    }
+
+    async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
+        self.inner.hand_back(lease).await
+    }
+
+    async fn maintain(&self, worker: &str, lease: Duration) -> Result<Maintenance, JobError> {
+        self.inner.maintain(worker, lease).await
+    }
+
+    async fn retire(&self, worker: &str) -> Result<(), JobError> {
+        self.inner.retire(worker).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -540,6 +1080,152 @@ mod tests {
             request_id: format!("r{i}"),
             key: key.into(),
         })
+    }
+
+    /// One sample per slot however often it is asked, gaps where no one
+    /// sampled, and never more than an hour and five minutes, nor more than
+    /// [`HISTORY_MAX_SAMPLES`], kept.
+    #[tokio::test]
+    async fn memory_history_is_one_sample_per_slot_and_bounded() {
+        let clock = Arc::new(crate::clock::ManualClock::new(1_000_000));
+        let log = MemoryActivity::with_clock(clock.clone());
+        let gauges = Gauges {
+            workers: Some(2),
+            ..Gauges::default()
+        };
+        let interval = Duration::from_secs(10);
+        let first = log.sample(interval, &gauges).await.unwrap();
+        assert!(first.written);
+        assert_eq!(first.slot_ms, 1_000_000);
+        assert_eq!(first.next_in, interval);
+        // The same slot again (another pod): not written.
+        clock.advance(Duration::from_secs(3));
+        let again = log.sample(interval, &Gauges::default()).await.unwrap();
+        assert!(!again.written);
+        assert_eq!(again.slot_ms, first.slot_ms);
+        assert_eq!(again.next_in, Duration::from_secs(7));
+        log.note(spend(1, "k1"));
+        // Two slots skipped: a gap.
+        clock.advance(Duration::from_secs(30));
+        assert!(log.sample(interval, &gauges).await.unwrap().written);
+        let h = log.history(None).await.unwrap();
+        assert_eq!(
+            h.iter().map(|s| s.at_ms).collect::<Vec<_>>(),
+            vec![1_000_000, 1_030_000]
+        );
+        assert_eq!(h[0].gauges.workers, Some(2), "the first pod's gauges");
+        assert_eq!(h[0].counters.calls.get(PLAIN), None);
+        assert_eq!(h[1].counters.calls[PLAIN], 1);
+        assert_eq!(log.history(Some(1_000_000)).await.unwrap().len(), 1);
+
+        // Two hours of samples: only the last 65 minutes stay.
+        for _ in 0..720 {
+            clock.advance(interval);
+            log.sample(interval, &gauges).await.unwrap();
+        }
+        let h = log.history(None).await.unwrap();
+        // The clock is 3 s into its slot: 390 slots of 10 s start within the span.
+        assert_eq!(h.len() as u64, HISTORY_SPAN.as_secs() / 10);
+        let horizon = clock.now_ms() - HISTORY_SPAN.as_millis() as u64;
+        assert!(h[0].at_ms >= horizon && h[0].at_ms < horizon + 10_000);
+        // A tiny interval: never more than the cap.
+        let tiny = Duration::from_millis(100);
+        for _ in 0..(HISTORY_MAX_SAMPLES + 50) {
+            clock.advance(tiny);
+            log.sample(tiny, &gauges).await.unwrap();
+        }
+        assert_eq!(log.history(None).await.unwrap().len(), HISTORY_MAX_SAMPLES);
+    }
+
+    /// Timelines: steps in order per job, capped per job and in number, and
+    /// failures listed newest first.
+    #[tokio::test]
+    async fn memory_timelines_are_bounded() {
+        let log = MemoryActivity::new();
+        let step = |id: &str, step: JobStep| {
+            Note::Job(JobNote {
+                id: id.into(),
+                user: "u".into(),
+                at_ms: 5,
+                step,
+            })
+        };
+        log.note(step(
+            "a",
+            JobStep::Charged {
+                operation: "op".into(),
+                cost: 3,
+            },
+        ));
+        for _ in 0..(STEPS_CAP + 4) {
+            log.note(step("a", JobStep::Started { attempt: 1 }));
+        }
+        log.note(step(
+            "a",
+            JobStep::Failed {
+                operation: "op".into(),
+                cause: "provider".into(),
+                charge_stands: false,
+                message: "bad\ngateway".into(),
+            },
+        ));
+        let t = log.timelines(&["a".into(), "b".into()]).await.unwrap();
+        assert_eq!(t[0].len(), STEPS_CAP);
+        assert!(t[1].is_empty());
+        let failed = log.failed(10).await.unwrap();
+        assert_eq!(failed.len(), 1);
+        assert_eq!(
+            (failed[0].id.as_str(), failed[0].cause.as_str()),
+            ("a", "provider")
+        );
+        for i in 0..(TIMELINES_CAP + 1) {
+            log.note(step(&format!("j{i}"), JobStep::Succeeded));
+        }
+        let t = log.timelines(&["a".into(), "j1".into()]).await.unwrap();
+        assert!(t[0].is_empty(), "the oldest timeline went past the cap");
+        assert_eq!(t[1].len(), 1);
+    }
+
+    #[test]
+    fn job_steps_read_back_as_written() {
+        let steps = [
+            JobStep::Charged {
+                operation: "llm.structured".into(),
+                cost: 8,
+            },
+            JobStep::Granted {
+                provider: "llm".into(),
+                waited_us: 1234,
+            },
+            JobStep::Started { attempt: 2 },
+            JobStep::Succeeded,
+            JobStep::Failed {
+                operation: "op".into(),
+                cause: "provider".into(),
+                charge_stands: true,
+                message: "upstream answered 502: bad gateway".into(),
+            },
+            JobStep::Released,
+            JobStep::Refunded,
+        ];
+        for step in steps {
+            let note = JobNote {
+                id: "id-1".into(),
+                user: "alice".into(),
+                at_ms: 42,
+                step,
+            };
+            assert_eq!(JobNote::parse_line("id-1", &note.line()), Some(note));
+        }
+        let long = JobStep::Failed {
+            operation: "op".into(),
+            cause: "provider".into(),
+            charge_stands: false,
+            message: "x\n".repeat(400),
+        };
+        let line = long.encode();
+        assert!(!line.contains('\n'));
+        assert!(line.len() < MESSAGE_LIMIT + 40);
     }
 
     #[tokio::test]

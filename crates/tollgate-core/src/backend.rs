@@ -5,7 +5,9 @@
 
 use std::sync::Arc;
 
-use crate::activity::{ActivityLog, MemoryActivity, RecordingLedger, RecordingThrottle};
+use crate::activity::{
+    ActivityLog, MemoryActivity, RecordingLedger, RecordingSource, RecordingThrottle,
+};
 use crate::config::Config;
 use crate::durability::{DurabilityCheck, MemoryDurability};
 use crate::job::{JobQueue, JobSource};
@@ -75,7 +77,7 @@ impl Backends {
             config,
             ledger,
             jobs: queue.clone(),
-            source: queue,
+            source: Arc::new(RecordingSource::new(queue, Arc::clone(&activity))),
             keys: Arc::new(MemoryKeyStore::new()),
             dispatchers: None,
             described: "embedded: in-memory ledger, throttle and job queues".into(),

@@ -600,6 +600,11 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
     /// Every configured operation's queue, by operation name.
     async fn stats(&self) -> Result<Vec<QueueStats>, JobError>;
 
+    /// The newest `limit` entries of `operation`'s dead list, newest first:
+    /// entries moved aside as malformed (`"<entry> <reason>"`: a record
+    /// missing or unreadable), which no worker can run (the job browser).
+    async fn dead_page(&self, operation: &str, limit: usize) -> Result<Vec<String>, JobError>;
+
     /// Charges the operation to the user's budget and queues the job: see the
     /// module docs. Idempotent by `request.id`: the same request again returns
     /// [`SubmitOutcome::Duplicate`] with the first one's job, charging nothing;

@@ -294,6 +294,15 @@ impl JobQueue for MemoryJobQueue {
             .collect())
     }
 
+    /// Jobs in memory are typed values, never an entry to decode: nothing is
+    /// ever moved aside (`dead` is 0), so every page is empty.
+    async fn dead_page(&self, operation: &str, _limit: usize) -> Result<Vec<String>, JobError> {
+        if self.config.operation(operation).is_none() {
+            return Err(JobError::unknown_operation(&self.config, operation));
+        }
+        Ok(Vec::new())
+    }
+
     fn ledger(&self) -> &Arc<dyn Ledger> {
         &self.ledger
     }

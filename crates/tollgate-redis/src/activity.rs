@@ -4,6 +4,11 @@
 //! step or a grant never waits on it. A failed write is dropped (the log is
 //! observational: a gap on the dashboard, never a wrong budget); the notes of
 //! the last moments before a process exits may be lost the same way.
+//!
+//! The history is a sorted set of samples by their slot's start, written by
+//! `activity_sample.lua` (the first pod to sample a slot writes it) and read
+//! with `ZRANGEBYSCORE`; job timelines are one hash field per job, read with
+//! `HMGET`, the failures a capped list.
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -11,8 +16,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::Value;
 use tollgate_core::activity::{
-    ActivityLog, ActivityView, DenialView, Note, Spend, DENIED_CAP, EVENTS_CAP, FLUSH_INTERVAL,
-    WAITS_CAP,
+    ActivityLog, ActivityView, DenialView, FailedView, Gauges, JobNote, Note, Sample, Sampled,
+    Spend, DENIED_CAP, EVENTS_CAP, FAILED_CAP, FLUSH_INTERVAL, HISTORY_MAX_SAMPLES, HISTORY_SPAN,
+    STEPS_CAP, TIMELINES_CAP, WAITS_CAP,
 };
 use tollgate_core::config::Config;
 use tollgate_core::error::StoreError;
@@ -101,6 +107,9 @@ impl Shared {
                 waits: WAITS_CAP,
                 denied: DENIED_CAP,
                 idle_ms: IDLE.as_millis() as u64,
+                timelines: TIMELINES_CAP,
+                steps: STEPS_CAP,
+                failed: FAILED_CAP,
             };
             let inv = scripts::activity_record(&self.keys, &self.providers, caps, &notes);
             let _: u64 = call::script(&self.pool, TIMEOUT, "activity_record", &inv).await?;
@@ -130,6 +139,11 @@ impl Shared {
                 .providers
                 .contains(&provider)
                 .then(|| format!("a {provider} {class}")),
+            Note::Job(note) => {
+                let line = note.line();
+                let plain = |s: &str| !s.is_empty() && !s.contains(char::is_whitespace);
+                (plain(&note.id) && plain(&note.user)).then(|| format!("j {} {line}", note.id))
+            }
         }
     }
 }
@@ -232,5 +246,83 @@ impl ActivityLog for RedisActivity {
             denials,
             denied,
         })
+    }
+
+    async fn sample(&self, interval: Duration, gauges: &Gauges) -> Result<Sampled, StoreError> {
+        let s = &self.shared;
+        let gauges = serde_json::to_string(gauges)
+            .map_err(|e| StoreError::backend(format!("gauges: {e}")))?;
+        let inv = scripts::activity_sample(
+            &s.keys,
+            u64::try_from(interval.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+            HISTORY_SPAN.as_millis() as u64,
+            HISTORY_MAX_SAMPLES,
+            IDLE.as_millis() as u64,
+            &gauges,
+        );
+        let reply: Vec<u64> = call::script(&s.pool, TIMEOUT, "activity_sample", &inv).await?;
+        match reply[..] {
+            [written, slot_ms, next_in] => Ok(Sampled {
+                written: written == 1,
+                slot_ms,
+                next_in: Duration::from_millis(next_in),
+            }),
+            _ => Err(bad_reply("activity_sample", reply)),
+        }
+    }
+
+    async fn history(&self, after_ms: Option<u64>) -> Result<Vec<Sample>, StoreError> {
+        let s = &self.shared;
+        let mut cmd = redis::cmd("ZRANGEBYSCORE");
+        cmd.arg(&s.keys.history)
+            .arg(after_ms.map_or("-inf".to_owned(), |a| format!("({a}")))
+            .arg("+inf");
+        let raw: Vec<String> = call::command(&s.pool, TIMEOUT, "activity_history", &cmd).await?;
+        // A sample that does not parse (written by another version) is left
+        // out: a gap, not an error.
+        Ok(raw
+            .iter()
+            .filter_map(|j| serde_json::from_str::<Sample>(j).ok())
+            .collect())
+    }
+
+    async fn timelines(&self, ids: &[String]) -> Result<Vec<Vec<JobNote>>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = &self.shared;
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(&s.keys.timelines).arg(ids);
+        let raw: Vec<Option<String>> =
+            call::command(&s.pool, TIMEOUT, "activity_timelines", &cmd).await?;
+        Ok(ids
+            .iter()
+            .zip(raw)
+            .map(|(id, lines)| {
+                lines
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| JobNote::parse_line(id, l))
+                    .collect()
+            })
+            .collect())
+    }
+
+    async fn failed(&self, limit: usize) -> Result<Vec<FailedView>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let s = &self.shared;
+        let mut cmd = redis::cmd("LRANGE");
+        cmd.arg(&s.keys.failed)
+            .arg(0)
+            .arg(limit.min(FAILED_CAP) - 1);
+        let raw: Vec<String> = call::command(&s.pool, TIMEOUT, "activity_failed", &cmd).await?;
+        Ok(raw
+            .iter()
+            .filter_map(|l| FailedView::parse_line(l))
+            .collect())
     }
 }

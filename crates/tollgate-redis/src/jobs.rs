@@ -647,6 +647,21 @@ impl JobQueue for RedisJobQueue {
             .collect())
     }
 
+    async fn dead_page(&self, operation: &str, limit: usize) -> Result<Vec<String>, JobError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let (_, keys) = self.op_keys(operation)?;
+        // job_lease.lua appends: the newest are at the tail.
+        let mut cmd = redis::cmd("LRANGE");
+        cmd.arg(&keys.dead)
+            .arg(-i64::try_from(limit).unwrap_or(i64::MAX))
+            .arg(-1);
+        let mut page: Vec<String> = self.command("lrange", cmd).await?;
+        page.reverse();
+        Ok(page)
+    }
+
     fn ledger(&self) -> &Arc<dyn Ledger> {
         &self.ledger
     }

@@ -338,6 +338,16 @@ pub struct ActivityKeys {
     pub denials: String,
     /// List: `"<at_ms> <user> <operation>"` of the newest denials, capped.
     pub denied: String,
+    /// Hash: operation (or `(plain reserve)`) -> new charges counted.
+    pub calls: String,
+    /// Hash: job id -> its timeline, one `"<at_ms> <user> <step>"` per line.
+    pub timelines: String,
+    /// List: the timelines' job ids, newest first (the oldest goes past the cap).
+    pub timeline_order: String,
+    /// List: `"<at_ms> <id> <user> <operation> <cause>"` of the newest job failures.
+    pub failed: String,
+    /// Sorted set: the history's samples (JSON) by their slot's start (ms).
+    pub history: String,
     base: String,
 }
 
@@ -349,7 +359,7 @@ impl ActivityKeys {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{activity}:events|refunded|grants|answers|denials|denied|waits:<provider>`.
+    /// `<prefix>:v1:{activity}:events|refunded|grants|answers|denials|denied|calls|timelines|timeline_order|failed|history|waits:<provider>`.
     pub fn activity(&self) -> ActivityKeys {
         let base = format!("{}:{SCHEMA}:{{activity}}", self.prefix);
         ActivityKeys {
@@ -359,6 +369,11 @@ impl KeySpace {
             answers: format!("{base}:answers"),
             denials: format!("{base}:denials"),
             denied: format!("{base}:denied"),
+            calls: format!("{base}:calls"),
+            timelines: format!("{base}:timelines"),
+            timeline_order: format!("{base}:timeline_order"),
+            failed: format!("{base}:failed"),
+            history: format!("{base}:history"),
             base,
         }
     }
@@ -438,7 +453,18 @@ mod tests {
         let k = KeySpace::new("tg").unwrap().activity();
         assert_eq!(k.events, "tg:v1:{activity}:events");
         assert_eq!(k.waits("llm"), "tg:v1:{activity}:waits:llm");
-        for key in [&k.refunded, &k.grants, &k.answers, &k.denials, &k.denied] {
+        for key in [
+            &k.refunded,
+            &k.grants,
+            &k.answers,
+            &k.denials,
+            &k.denied,
+            &k.calls,
+            &k.timelines,
+            &k.timeline_order,
+            &k.failed,
+            &k.history,
+        ] {
             assert!(key.starts_with("tg:v1:{activity}:"), "{key}");
         }
     }

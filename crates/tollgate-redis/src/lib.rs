@@ -41,7 +41,7 @@ use crate::ledger::RedisLedger;
 use crate::pool::Pool;
 use crate::throttle::{RedisDispatchers, RedisThrottle, RedisThrottleOptions};
 
-use tollgate_core::activity::{ActivityLog, RecordingLedger, RecordingThrottle};
+use tollgate_core::activity::{ActivityLog, RecordingLedger, RecordingSource, RecordingThrottle};
 use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
 use tollgate_core::job::JobOptions;
@@ -100,7 +100,7 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         config,
         ledger,
         jobs: queue.clone(),
-        source: queue,
+        source: Arc::new(RecordingSource::new(queue, Arc::clone(&activity))),
         described,
         metrics,
         activity,

@@ -810,6 +810,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("job_forget.lua", &JOB_FORGET),
         ("activity_record.lua", &ACTIVITY_RECORD),
         ("activity_read.lua", &ACTIVITY_READ),
+        ("activity_sample.lua", &ACTIVITY_SAMPLE),
         ("session_open.lua", &SESSION_OPEN),
         ("session_touch.lua", &SESSION_TOUCH),
         ("stream_push.lua", &STREAM_PUSH),
@@ -1065,6 +1066,8 @@ pub static ACTIVITY_RECORD: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/activity_record.lua")));
 pub static ACTIVITY_READ: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/activity_read.lua")));
+pub static ACTIVITY_SAMPLE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_sample.lua")));
 
 fn activity_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ActivityKeys, providers: &[String]) {
     inv.key(&keys.events)
@@ -1085,6 +1088,33 @@ pub struct ActivityCaps {
     pub waits: usize,
     pub denied: usize,
     pub idle_ms: u64,
+    pub timelines: usize,
+    pub steps: usize,
+    pub failed: usize,
+}
+
+/// `activity_sample.lua`: the history's sample of the current slot of
+/// `interval_ms`, with `gauges` (JSON), unless a pod wrote it already.
+pub fn activity_sample<'a>(
+    keys: &ActivityKeys,
+    interval_ms: u64,
+    span_ms: u64,
+    max_samples: usize,
+    idle_ms: u64,
+    gauges: &str,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = ACTIVITY_SAMPLE.prepare_invoke();
+    inv.key(&keys.history)
+        .key(&keys.calls)
+        .key(&keys.grants)
+        .key(&keys.answers)
+        .key(&keys.denials);
+    inv.arg(interval_ms)
+        .arg(span_ms)
+        .arg(max_samples)
+        .arg(idle_ms)
+        .arg(gauges);
+    inv
 }
 
 /// `activity_record.lua`: `notes` encoded as the script reads them; a grant's
@@ -1096,11 +1126,26 @@ pub fn activity_record<'a>(
     notes: &[String],
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = ACTIVITY_RECORD.prepare_invoke();
-    activity_keys(&mut inv, keys, providers);
+    inv.key(&keys.events)
+        .key(&keys.refunded)
+        .key(&keys.grants)
+        .key(&keys.answers)
+        .key(&keys.denials)
+        .key(&keys.denied)
+        .key(&keys.calls)
+        .key(&keys.timelines)
+        .key(&keys.timeline_order)
+        .key(&keys.failed);
+    for p in providers {
+        inv.key(keys.waits(p));
+    }
     inv.arg(caps.events)
         .arg(caps.waits)
         .arg(caps.idle_ms)
-        .arg(caps.denied);
+        .arg(caps.denied)
+        .arg(caps.timelines)
+        .arg(caps.steps)
+        .arg(caps.failed);
     for n in notes {
         inv.arg(n);
     }

@@ -11,7 +11,6 @@ document.addEventListener('securitypolicyviolation', (e) =>
   window.tollgateErrors.push('CSP: ' + e.violatedDirective));
 
 const POLL_MS = 1000;
-const HISTORY_MS = 5 * 60 * 1000;
 const $ = (id) => document.getElementById(id);
 
 function el(tag, text, cls) {
@@ -61,7 +60,7 @@ function renderRoles(roles) {
   $('roles').className = !roles.embedded && (!roles.workers || !roles.throttlers) ? 'error' : '';
 }
 
-function renderProviders(providers, now) {
+function renderProviders(providers) {
   const rows = providers.map((p) => {
     const tr = row([
       el('td', p.provider),
@@ -80,61 +79,146 @@ function renderProviders(providers, now) {
     return tr;
   });
   fill($('providers').tBodies[0], rows, 'no providers configured', 10);
-  const charts = $('charts');
-  for (const p of providers) {
-    let card = charts.querySelector('[data-chart="' + CSS.escape(p.provider) + '"]');
-    if (!card) {
-      card = el('div', null, 'chart');
-      card.dataset.chart = p.provider;
-      card.appendChild(el('h3', p.provider));
-      card.appendChild(document.createElement('canvas'));
-      const legend = el('div', null, 'legend');
-      legend.appendChild(el('span', '— grants/s ', 'g'));
-      legend.appendChild(el('span', '— waiters', 'w'));
-      legend.appendChild(el('span', ' · up to the last 5 min'));
-      card.appendChild(legend);
-      charts.appendChild(card);
-    }
-    draw(card.querySelector('canvas'), p.history, now);
-  }
 }
 
-// Two lines over the history (one minute at least, five at most), each
-// scaled to its own maximum.
-function draw(canvas, history, now) {
-  const oldest = history.length ? history[0].at_ms : now;
-  const span = Math.min(HISTORY_MS, Math.max(60 * 1000, now - oldest));
+// --- the last hour (GET /admin/history) ---------------------------------
+// The page keeps the points it has read and asks only for newer ones.
+const hist = { points: [], interval_ms: 10000, span_ms: 3600 * 1000, now_ms: 0, last: 0 };
+const HISTORY_POLL_MS = 5000;
+
+async function pollHistory() {
+  try {
+    const newest = hist.points.length ? hist.points[hist.points.length - 1].at_ms : null;
+    const url = '/admin/history' + (newest === null ? '' : '?after_ms=' + newest);
+    const r = await fetch(url, { credentials: 'same-origin', cache: 'no-store' });
+    if (r.ok) {
+      const h = await r.json();
+      hist.interval_ms = h.interval_ms;
+      hist.span_ms = h.span_ms;
+      hist.now_ms = h.now_ms;
+      hist.points.push(...h.points);
+      const from = h.now_ms - h.span_ms;
+      while (hist.points.length && hist.points[0].at_ms < from) hist.points.shift();
+      renderHistory();
+    }
+  } catch (err) {
+    window.tollgateErrors.push('history: ' + err.message);
+  }
+  setTimeout(pollHistory, Math.min(HISTORY_POLL_MS, Math.max(1000, hist.interval_ms)));
+}
+
+// The series of one chart: [label, color, point -> value or null].
+function charts() {
+  const out = [
+    ['calls and denials per interval', 'all', [
+      ['calls', '#2f6fde', (p) => p.calls],
+      ['denials', '#c9372c', (p) => p.denials],
+    ]],
+    ['queue depth and workers alive', 'queues', [
+      ['queued', '#2f6fde', (p) => p.queued],
+      ['running', '#237a3b', (p) => p.running],
+      ['workers', '#c9372c', (p) => p.workers],
+    ]],
+  ];
+  const providers = new Set();
+  for (const p of hist.points) for (const name of Object.keys(p.providers || {})) providers.add(name);
+  for (const name of [...providers].sort()) {
+    const of = (p) => (p.providers || {})[name];
+    out.push([name + ': grants/s and waiters', 'provider:' + name, [
+      ['grants/s', '#2f6fde', (p) => of(p) ? of(p).grants_per_sec : null],
+      ['waiters', '#c9372c', (p) => of(p) ? of(p).waiters : null],
+      ['non-2xx answers', '#b7791f', (p) => {
+        const a = of(p) && of(p).answers;
+        return a ? (a['4xx'] || 0) + (a['429'] || 0) + (a['5xx'] || 0) + (a.timeout || 0) : null;
+      }],
+    ]]);
+  }
+  return out;
+}
+
+function renderHistory() {
+  const box = $('charts');
+  const now = hist.now_ms || Date.now();
+  let drawn = 0;
+  for (const [title, key, series] of charts()) {
+    let card = box.querySelector('[data-chart="' + CSS.escape(key) + '"]');
+    if (!card) {
+      card = el('div', null, 'chart');
+      card.dataset.chart = key;
+      card.appendChild(el('h3', title));
+      card.appendChild(document.createElement('canvas'));
+      const legend = el('div', null, 'legend');
+      for (const [label, color] of series) {
+        const span = el('span', '— ' + label + ' ');
+        span.style.color = color;
+        legend.appendChild(span);
+      }
+      card.appendChild(legend);
+      box.appendChild(card);
+    }
+    const stats = draw(card.querySelector('canvas'), series, now);
+    card.dataset.points = String(stats.points);
+    card.dataset.gaps = String(stats.gaps);
+    drawn += 1;
+  }
+  const n = hist.points.length;
+  $('history-note').textContent = n
+    ? '· ' + n + ' sample(s), every ' + (hist.interval_ms / 1000) + ' s'
+    : '· no sample yet';
+  document.body.dataset.historyPoints = String(n);
+  document.body.dataset.historyOldest = n ? String(hist.points[0].at_ms) : '';
+  document.body.dataset.historyNewest = n ? String(hist.points[n - 1].at_ms) : '';
+  document.body.dataset.historyCharts = String(drawn);
+}
+
+// Lines over the last hour, each scaled to its own maximum; a line breaks
+// where a slot has no sample (or a count is unknown after one): a gap is
+// drawn as a gap, never bridged.
+function draw(canvas, series, now) {
+  const span = hist.span_ms;
+  const gapAfter = hist.interval_ms * 1.5;
+  const pts = hist.points;
   const ratio = window.devicePixelRatio || 1;
   const w = canvas.clientWidth || 260, h = canvas.clientHeight || 90;
   canvas.width = Math.round(w * ratio);
   canvas.height = Math.round(h * ratio);
   const ctx = canvas.getContext('2d');
-  if (!ctx) return;
+  let gaps = 0;
+  for (let i = 1; i < pts.length; i++) if (pts[i].at_ms - pts[i - 1].at_ms > gapAfter) gaps += 1;
+  if (!ctx) return { points: pts.length, gaps };
   ctx.scale(ratio, ratio);
   ctx.clearRect(0, 0, w, h);
   ctx.strokeStyle = '#dde1e8';
   ctx.beginPath();
   ctx.moveTo(0, h - 0.5); ctx.lineTo(w, h - 0.5);
   ctx.stroke();
-  const series = [
-    ['grants_per_sec', '#2f6fde'],
-    ['waiters', '#c9372c'],
-  ];
-  for (const [key, color] of series) {
-    const max = Math.max(1, ...history.map((pt) => pt[key]));
+  const x = (at) => w - ((now - at) / span) * w;
+  series.forEach(([, color, value], n) => {
+    const values = pts.map(value);
+    const max = Math.max(1, ...values.filter((v) => v !== null && v !== undefined));
+    const y = (v) => h - 2 - (v / max) * (h - 8);
     ctx.strokeStyle = color;
-    ctx.lineWidth = 1.5;
-    ctx.beginPath();
-    history.forEach((pt, i) => {
-      const x = w - ((now - pt.at_ms) / span) * w;
-      const y = h - 2 - (pt[key] / max) * (h - 8);
-      if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
-    });
-    ctx.stroke();
     ctx.fillStyle = color;
+    ctx.lineWidth = 1.5;
+    let prev = null;
+    pts.forEach((p, i) => {
+      const v = values[i];
+      if (v === null || v === undefined) { prev = null; return; }
+      const joined = prev !== null && p.at_ms - pts[prev].at_ms <= gapAfter;
+      if (joined) {
+        ctx.beginPath();
+        ctx.moveTo(x(pts[prev].at_ms), y(values[prev]));
+        ctx.lineTo(x(p.at_ms), y(v));
+        ctx.stroke();
+      } else {
+        ctx.fillRect(x(p.at_ms) - 1, y(v) - 1, 2, 2);
+      }
+      prev = i;
+    });
     ctx.font = '10px system-ui, sans-serif';
-    ctx.fillText('max ' + (Number.isInteger(max) ? max : max.toFixed(2)), key === 'waiters' ? w - 60 : 4, 10);
-  }
+    ctx.fillText('max ' + (Number.isInteger(max) ? max : max.toFixed(2)), 4 + n * 70, 10);
+  });
+  return { points: pts.length, gaps };
 }
 
 const CLASSES = ['2xx', '4xx', '429', '5xx', 'timeout'];
@@ -229,7 +313,7 @@ function renderEvents(events) {
 
 function render(o) {
   renderRoles(o.roles);
-  renderProviders(o.providers, o.now_ms);
+  renderProviders(o.providers);
   renderAnswers(o.providers);
   renderDenials(o.denials, o.most_denied);
   renderQueues(o.queues);
@@ -281,4 +365,130 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
+// --- the job browser (GET /admin/jobs, /admin/jobs/{id}) ----------------
+const time = (ms) => (ms ? new Date(ms).toLocaleTimeString() : '–');
+
+async function getJSON(url) {
+  const r = await fetch(url, { credentials: 'same-origin', cache: 'no-store' });
+  const body = await r.json().catch(() => ({}));
+  if (!r.ok) throw new Error(body.detail || body.title || ('answered ' + r.status));
+  return body;
+}
+
+async function listJobs() {
+  const q = new URLSearchParams({ view: $('job-view').value, limit: '25' });
+  if ($('job-user').value.trim()) q.set('user', $('job-user').value.trim());
+  if ($('job-operation').value.trim()) q.set('operation', $('job-operation').value.trim());
+  const tbody = $('job-list').tBodies[0];
+  try {
+    const list = await getJSON('/admin/jobs?' + q);
+    $('job-scope').textContent = 'From ' + list.scope + (list.more ? ' · more match: narrow the search' : '');
+    let rows;
+    if (list.view === 'dead') {
+      rows = list.dead.map((d) => {
+        const tr = row([el('td', ''), el('td', d.entry, 'mono'), el('td', ''), el('td', d.operation),
+          el('td', ''), el('td', 'dead', 'error'), el('td', d.reason)]);
+        tr.dataset.id = d.entry;
+        return tr;
+      });
+    } else {
+      rows = list.rows.map((j) => {
+        const tr = row([el('td', time(j.at_ms)), el('td', j.id, 'mono'), el('td', j.user), el('td', j.operation),
+          num(j.cost), el('td', j.state + (j.cause ? ' (' + j.cause + ')' : ''), j.state === 'failed' ? 'error' : ''),
+          el('td', j.refunded ? 'went back' : '')]);
+        tr.dataset.id = j.id;
+        tr.dataset.user = j.user;
+        tr.dataset.state = j.state;
+        tr.addEventListener('click', () => showJob(j.id, j.user));
+        return tr;
+      });
+    }
+    fill(tbody, rows, 'no job matches', 7);
+    document.body.dataset.jobRows = String(rows.length);
+  } catch (err) {
+    fill(tbody, [], 'search failed: ' + err.message, 7);
+  }
+}
+
+async function showJob(id, user) {
+  const q = user ? '?user=' + encodeURIComponent(user) : '';
+  const box = $('job-detail-body');
+  $('job-detail').hidden = false;
+  $('job-detail-id').textContent = id;
+  try {
+    const d = await getJSON('/admin/jobs/' + encodeURIComponent(id) + q);
+    $('job-detail-note').textContent = d.note || '';
+    box.replaceChildren(...d.jobs.map(jobCard(id)));
+    $('job-detail').dataset.found = String(d.found);
+    $('job-detail').dataset.id = id;
+  } catch (err) {
+    $('job-detail-note').textContent = 'lookup failed: ' + err.message;
+    box.replaceChildren();
+  }
+}
+
+function jobCard(id) {
+  return (j) => {
+    const card = el('div', null, 'job-card');
+    const r = j.record;
+    card.appendChild(el('h4', 'user ' + j.user + (r ? ' · ' + r.operation + ' · ' + r.state
+      + ' · attempt ' + r.attempt : ' · record gone')));
+    if (j.note) card.appendChild(el('p', j.note, 'muted note'));
+    const table = document.createElement('table');
+    table.className = 'timeline';
+    const head = row([el('th', 'time'), el('th', 'step'), el('th', 'what')]);
+    table.appendChild(head);
+    for (const e of j.timeline) {
+      const tr = row([el('td', time(e.at_ms)), el('td', e.step), el('td', e.what)]);
+      tr.dataset.step = e.step;
+      table.appendChild(tr);
+    }
+    card.appendChild(table);
+    card.appendChild(el('p', 'charge: ' + j.charge, 'charge'));
+    card.dataset.user = j.user;
+    card.dataset.state = r ? r.state : 'gone';
+    if (j.cancellable && document.body.dataset.role === 'admin') card.appendChild(cancelForm(id, j.user));
+    return card;
+  };
+}
+
+// Cancelling a queued job refunds its charge through the operator refund
+// route, with the admin token typed here as Bearer: a session cookie alone
+// never opens a write.
+function cancelForm(id, user) {
+  const form = el('form', null, 'inline cancel');
+  const token = document.createElement('input');
+  token.type = 'password';
+  token.placeholder = 'admin token, to cancel';
+  token.className = 'cancel-token';
+  const button = el('button', 'Cancel job (refund its charge)');
+  button.type = 'submit';
+  const out = el('span', '', 'cancel-result');
+  form.append(token, button, out);
+  form.addEventListener('submit', async (ev) => {
+    ev.preventDefault();
+    try {
+      const r = await fetch('/admin/users/' + encodeURIComponent(user) + '/refunds/' + encodeURIComponent(id), {
+        method: 'POST', cache: 'no-store', credentials: 'omit',
+        headers: { Authorization: 'Bearer ' + token.value },
+      });
+      const body = await r.json().catch(() => ({}));
+      out.textContent = r.ok ? 'done: ' + (body.outcome || 'refunded') : 'refused: ' + (body.detail || r.status);
+      out.className = 'cancel-result ' + (r.ok ? 'ok' : 'error');
+      token.value = '';
+      if (r.ok) setTimeout(() => showJob(id, user), 300);
+    } catch (err) {
+      out.textContent = 'failed: ' + err.message;
+    }
+  });
+  return form;
+}
+
+$('job-search').addEventListener('submit', (ev) => { ev.preventDefault(); listJobs(); });
+$('job-find').addEventListener('click', () => {
+  const id = $('job-id').value.trim();
+  if (id) showJob(id, $('job-user').value.trim());
+});
+
 poll();
+pollHistory();
