@@ -236,6 +236,7 @@ async fn timelines_are_noted(b: Backends) {
         request_id: id.clone(),
         user: user.to_string(),
         share: Default::default(),
+        weight: 1,
     };
     let grant = b
         .throttle
