@@ -42,6 +42,7 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local written = 0
 local touched = {}
+local steps_of, jobs = {}, {}
 for i = 8, #ARGV do
   local kind, rest = string.match(ARGV[i], '^(%a) (.+)$')
   if kind == 'e' then
@@ -55,18 +56,15 @@ for i = 8, #ARGV do
   elseif kind == 'j' then
     local id, line = string.match(rest, '^(%S+) (%d+ %S+ %a.*)$')
     if id then
-      local steps = redis.call('HGET', TIMELINES, id)
-      if not steps then
-        redis.call('HSET', TIMELINES, id, line)
-        if redis.call('LPUSH', ORDER, id) > timelines_cap then
-          redis.call('HDEL', TIMELINES, redis.call('RPOP', ORDER))
-        end
-      else
-        local _, n = string.gsub(steps, '\n', '')
-        if n + 1 < steps_cap then
-          redis.call('HSET', TIMELINES, id, steps .. '\n' .. line)
-        end
+      -- A job's steps of one flush are written together (below): one read and
+      -- one write per job, not per step.
+      local lines = steps_of[id]
+      if not lines then
+        lines = {}
+        steps_of[id] = lines
+        jobs[#jobs + 1] = id
       end
+      lines[#lines + 1] = line
       local at, user, op, cause = string.match(line, '^(%d+) (%S+) failed (%S+) (%S+)')
       if at then
         redis.call('LPUSH', FAILED, at .. ' ' .. id .. ' ' .. user .. ' ' .. op .. ' ' .. cause)
@@ -105,6 +103,30 @@ for i = 8, #ARGV do
       touched[4] = true
       written = written + 1
     end
+  end
+end
+for _, id in ipairs(jobs) do
+  local lines = steps_of[id]
+  local steps = redis.call('HGET', TIMELINES, id)
+  local kept, n = {}, 0
+  if steps then
+    local _, breaks = string.gsub(steps, '\n', '')
+    n = breaks + 1
+    kept[1] = steps
+  end
+  for _, line in ipairs(lines) do
+    if n < steps_cap then
+      kept[#kept + 1] = line
+      n = n + 1
+    end
+  end
+  if not steps then
+    redis.call('HSET', TIMELINES, id, table.concat(kept, '\n'))
+    if redis.call('LPUSH', ORDER, id) > timelines_cap then
+      redis.call('HDEL', TIMELINES, redis.call('RPOP', ORDER))
+    end
+  elseif #kept > 1 then
+    redis.call('HSET', TIMELINES, id, table.concat(kept, '\n'))
   end
 end
 if touched[1] then
