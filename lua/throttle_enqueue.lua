@@ -34,7 +34,11 @@ if redis.call('HEXISTS', KEYS[2], ticket) == 1 then
   return { 0 }
 end
 local now = now_us()
-if redis.call('LLEN', KEYS[1]) == 0 then
+-- Nobody queued: not in the queue, and not popped into a throttler's
+-- processing list either (a ticket there is still `waiting` until granted or
+-- given up). An empty queue alone let a light call pass a heavy one that a
+-- throttler held, waiting for its tokens.
+if redis.call('HLEN', KEYS[2]) == 0 then
   -- The other limits are read only here: a saturated provider's enqueue
   -- (the common case under load) only queues.
   local L = limits_parse(ARGV[9])

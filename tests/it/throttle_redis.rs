@@ -924,3 +924,48 @@ async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
         .unwrap();
     assert_eq!(granted[0], 2, "{granted:?}");
 }
+
+/// FIFO: a ticket a throttler popped into its processing list (BLMOVE) and
+/// holds while its tokens refill is still queued. A call arriving then must
+/// queue behind it, not take the token on its way in because the queue list
+/// is empty: with several limits a heavy call waits longer, and the light one
+/// passed it (seen under load in the conformance suite).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_ticket_a_throttler_holds_is_not_passed_on_the_way_in() {
+    use tollgate_redis::scripts::{self, BucketArgs};
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    let keys = KeySpace::new(&random_prefix()).unwrap().throttle("fifo");
+    let bucket = BucketArgs {
+        rate: 1.0,
+        burst: 5.0,
+        slots: 0,
+        limits: String::new(),
+    };
+    let enqueue = |ticket: &str| {
+        scripts::throttle_enqueue(&keys, ticket, "inbox", 60_000_000, 600_000, bucket.clone())
+    };
+    // The bucket is emptied, and a first call queues.
+    set_tokens(&mut conn, &keys.bucket, 0.0).await;
+    let first: Vec<i64> = enqueue("heavy~0.1").invoke_async(&mut conn).await.unwrap();
+    assert_eq!(first[0], 1, "queued: {first:?}");
+    // A throttler takes it into its processing list, as its BLMOVE does,
+    // and the bucket refills a token meanwhile.
+    let moved: Option<String> = query(
+        &mut conn,
+        redis::cmd("LMOVE")
+            .arg(&keys.queue)
+            .arg(keys.processing("t1"))
+            .arg("LEFT")
+            .arg("RIGHT"),
+    )
+    .await;
+    assert_eq!(moved.as_deref(), Some("heavy~0.1"));
+    set_tokens(&mut conn, &keys.bucket, 1.0).await;
+    // The queue list is empty; the first call still waits: the next queues.
+    let second: Vec<i64> = enqueue("light~0.2").invoke_async(&mut conn).await.unwrap();
+    assert_eq!(
+        second[0], 1,
+        "the second call took the token on its way in, past the first: {second:?}"
+    );
+}
