@@ -3,7 +3,8 @@
 -- KEYS[1] the job's stream, KEYS[2] its cancel mark (set by the reader when
 --   its client went away); both under the queue's hash tag
 -- ARGV[1] the run (attempt), ARGV[2] the event's place in the run (from 1),
--- ARGV[3] kind: d (data), x (end), e (error), ARGV[4] the event's text,
+-- ARGV[3] kind: h (the answer's head, JSON), d (data), x (end), e (error),
+-- ARGV[4] the event's text,
 -- ARGV[5] MAXLEN (the most entries kept unread), ARGV[6] TTL in ms (from
 --   this append; the stream goes when nobody appends or reads)
 -- Returns 1 appended, 0 the reader went away (nothing appended: stop).
@@ -11,7 +12,7 @@
 local STREAM, CANCEL = KEYS[1], KEYS[2]
 local attempt, seq, kind, text = ARGV[1], ARGV[2], ARGV[3], ARGV[4] or ''
 local maxlen, ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
-if not attempt or not seq or (kind ~= 'd' and kind ~= 'x' and kind ~= 'e')
+if not attempt or not seq or (kind ~= 'h' and kind ~= 'd' and kind ~= 'x' and kind ~= 'e')
   or not maxlen or maxlen < 1 or not ttl or ttl < 1 then
   return redis.error_reply('stream_push: bad arguments')
 end

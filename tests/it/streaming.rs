@@ -89,6 +89,10 @@ cost = 2
 provider = "anthropic"
 path = "/v1/messages"
 settle = {{ from = "/usage/output_tokens", per = 1, max = 200 }}
+[operations."openai.echo"]
+cost = 1
+provider = "openai"
+path = "/echo"
 "#
     )
 }
@@ -419,6 +423,74 @@ async fn a_client_gone_mid_stream_cuts_the_upstream(redis: bool) {
     }
     // Reserved 200, settled to the estimate (2): the upstream may have worked.
     assert_eq!(sys.used_until(&key, 2).await, 2);
+}
+
+/// A pass-through answer carries the upstream's 2xx status and its request
+/// ids; never the provider's account or rate-limit headers (the mock sends
+/// `openai-organization` and `x-ratelimit-remaining-requests`).
+async fn upstream_status_and_safe_headers(redis: bool) {
+    let sys = start(redis, 0);
+    let key = sys.user("hal", "free").await;
+    let leaked = |h: &reqwest::header::HeaderMap| {
+        ["openai-organization", "x-ratelimit-remaining-requests"]
+            .into_iter()
+            .filter(|n| h.contains_key(*n))
+            .collect::<Vec<_>>()
+    };
+    // A 201 from the upstream is a 201 to the caller, its body as-is.
+    let r = sys
+        .openai(&key, "/echo")
+        .json(&json!({"mock_status": 201, "x": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    assert!(id.starts_with("req_mock_"), "{id}");
+    assert_eq!(r.headers()["openai-processing-ms"], "1");
+    assert_eq!(leaked(r.headers()), Vec::<&str>::new());
+    assert!(
+        r.headers().contains_key("ratelimit"),
+        "tollgate's own budget headers"
+    );
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["echo"]["x"], 1);
+
+    // Whole and streamed chat: the request ids of each protocol.
+    let r = sys
+        .openai(&key, "/chat/completions")
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().contains_key("x-request-id"));
+    assert_eq!(leaked(r.headers()), Vec::<&str>::new());
+    let r = sys
+        .anthropic(&key)
+        .json(&json!({"model": "c", "max_tokens": 8, "stream": true,
+                      "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    assert!(r.headers()["request-id"]
+        .to_str()
+        .unwrap()
+        .starts_with("req_mock_"));
+    assert_eq!(leaked(r.headers()), Vec::<&str>::new());
+    assert!(r.text().await.unwrap().contains("message_stop"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_upstream_status_and_headers_embedded() {
+    upstream_status_and_safe_headers(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_upstream_status_and_headers_redis() {
+    upstream_status_and_safe_headers(true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

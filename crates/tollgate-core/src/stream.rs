@@ -29,6 +29,9 @@ use crate::job::Job;
 /// One entry of a job's stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamEvent {
+    /// The upstream answer's status and safe headers, before its first
+    /// event (only when not a plain 200).
+    Head(crate::head::Head),
     /// One upstream event, its text as received (`event:`/`data:` lines,
     /// without the blank line that ended it).
     Data(String),

@@ -883,13 +883,16 @@ pub struct Kept {
     pub width_ms: u64,
 }
 
-/// `job_complete.lua`
+/// `job_complete.lua`; `head`: the upstream answer's status and safe headers
+/// (JSON), `""` when a plain 200.
+#[allow(clippy::too_many_arguments)]
 pub fn job_complete<'a>(
     keys: &JobKeys,
     id: &str,
     worker: &str,
     token: u64,
     result: &str,
+    head: &str,
     kept: Kept,
     channel: &str,
 ) -> redis::ScriptInvocation<'a> {
@@ -903,7 +906,8 @@ pub fn job_complete<'a>(
         .arg(kept.ttl_ms)
         .arg(channel)
         .arg(keys.stored_prefix())
-        .arg(kept.width_ms);
+        .arg(kept.width_ms)
+        .arg(head);
     inv
 }
 

@@ -66,12 +66,13 @@ impl RedisStreams {
     }
 }
 
-/// The kind letter of an event in the stream, and back.
-fn kind(event: &StreamEvent) -> (&'static str, &str) {
+/// The kind letter of an event in the stream and its text, and back.
+fn kind(event: &StreamEvent) -> (&'static str, std::borrow::Cow<'_, str>) {
     match event {
-        StreamEvent::Data(t) => ("d", t),
-        StreamEvent::End => ("x", ""),
-        StreamEvent::Error(t) => ("e", t),
+        StreamEvent::Head(h) => ("h", serde_json::to_string(h).unwrap_or_default().into()),
+        StreamEvent::Data(t) => ("d", t.into()),
+        StreamEvent::End => ("x", "".into()),
+        StreamEvent::Error(t) => ("e", t.into()),
     }
 }
 
@@ -97,7 +98,7 @@ impl StreamWriter for RedisWriter {
                 attempt: self.attempt,
                 seq,
                 kind,
-                text,
+                text: &text,
                 maxlen: STREAM_CAPACITY,
                 ttl_ms: u64::try_from(STREAM_TTL.as_millis()).unwrap_or(u64::MAX),
             },
@@ -212,6 +213,9 @@ fn entries(reply: Value) -> Result<Vec<(String, StreamEntry)>, StoreError> {
             let body = field(fields, "t").map(|t| String::from_utf8_lossy(t).into_owned());
             let event = match (field(fields, "k"), body) {
                 (Some(b"d"), Some(t)) => StreamEvent::Data(t),
+                (Some(b"h"), Some(t)) => {
+                    StreamEvent::Head(serde_json::from_str(&t).map_err(|_| bad())?)
+                }
                 (Some(b"x"), _) => StreamEvent::End,
                 (Some(b"e"), t) => StreamEvent::Error(t.unwrap_or_default()),
                 _ => return Err(bad()),
