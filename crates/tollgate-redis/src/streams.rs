@@ -236,12 +236,35 @@ fn entries(reply: Value) -> Result<Vec<(String, StreamEntry)>, StoreError> {
     Ok(out)
 }
 
+/// How long a reader keeps trying to read again after its connection failed
+/// (Redis restarting): a stream that survived (AOF) is read on from where it
+/// was; one that did not shows a gap, which ends the client's stream.
+const REREAD_FOR: Duration = Duration::from_secs(3);
+const REREAD_PAUSE: Duration = Duration::from_millis(100);
+
 #[async_trait]
 impl StreamReader for RedisReader {
     async fn next(&mut self, wait: Duration) -> Result<Read, StoreError> {
         if let Some(entry) = self.buffered.pop_front() {
             return Ok(Read::Event(self.continuity.accept(entry)));
         }
+        let failed_since = tokio::time::Instant::now();
+        loop {
+            match self.read(wait).await {
+                Ok(read) => return Ok(read),
+                Err(e) if failed_since.elapsed() < REREAD_FOR => {
+                    tracing::debug!(error = %e, "reading a stream failed; reading again from where it was");
+                    tokio::time::sleep(REREAD_PAUSE).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl RedisReader {
+    /// One `XREAD BLOCK` from the last entry read.
+    async fn read(&mut self, wait: Duration) -> Result<Read, StoreError> {
         let mut conn = match self.conn.take() {
             Some(c) => c,
             None => {
