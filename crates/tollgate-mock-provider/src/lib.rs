@@ -42,6 +42,10 @@ pub struct MockOptions {
     pub latency: Duration,
     /// Between two events of a streamed answer (one token each).
     pub token_interval: Duration,
+    /// Each streamed event opens with an SSE comment `: sent_us=<µs since
+    /// the epoch>` taken as it is written (every SSE client skips comments):
+    /// what `tollgate-bench stream` measures each event's delay from.
+    pub stamp_events: bool,
 }
 
 impl Default for MockOptions {
@@ -52,6 +56,7 @@ impl Default for MockOptions {
             fail_rate: 0.0,
             latency: Duration::ZERO,
             token_interval: Duration::ZERO,
+            stamp_events: false,
         }
     }
 }
@@ -214,7 +219,10 @@ async fn handle(State(mock): State<Arc<Mock>>, path: String, body: Bytes) -> Res
         Some(protocol) => protocol.answer(
             &input,
             n,
-            mock.options.token_interval,
+            protocols::Pace {
+                interval: mock.options.token_interval,
+                stamp: mock.options.stamp_events,
+            },
             Arc::clone(&mock.streams_cut),
         ),
         None => {
@@ -277,6 +285,12 @@ pub async fn run(
         .validate()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.0))?;
     tracing::info!(addr = ?listener.local_addr().ok(), ?options, "mock provider listening");
+    // No Nagle: a stream's events leave as written, as a real provider's do
+    // (else each small event waits for the previous one's ACK, 40 ms).
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router(options))
         .with_graceful_shutdown(shutdown)
         .await
