@@ -711,10 +711,17 @@ async fn streaming_redis_restarted_mid_stream() {
     let sent = System::rest(&mut r, body).await;
     let words = vec!["w"; 60].join(" ");
     let whole = whole_or_clean_error(&sent, &format!("mock answer to: {words}"));
-    let used = sys.used_until(&key, 60 + 63).await;
     if whole {
-        assert_eq!(used, 60 + 63);
+        assert_eq!(sys.used_until(&key, 60 + 63).await, 60 + 63);
     } else {
+        // Settled (to the usage or the estimate) within a few seconds, or
+        // left at the most reserved when the settle could not reach Redis.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut used = sys.used(&key).await;
+        while ![2, 60 + 63].contains(&used) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            used = sys.used(&key).await;
+        }
         assert!([2, 60 + 63, 200].contains(&used), "{used}");
     }
     // Back to normal: a stream after the restart is whole.

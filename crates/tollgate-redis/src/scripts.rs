@@ -1111,6 +1111,8 @@ pub struct StreamPush<'a> {
     pub text: &'a str,
     pub maxlen: usize,
     pub ttl_ms: u64,
+    /// The answer's head (JSON) riding with this entry, or `""`.
+    pub head: &'a str,
 }
 
 /// `stream_push.lua`: 1 appended, 0 the reader went away.
@@ -1126,7 +1128,8 @@ pub fn stream_push<'a>(
         .arg(push.kind)
         .arg(push.text)
         .arg(push.maxlen)
-        .arg(push.ttl_ms);
+        .arg(push.ttl_ms)
+        .arg(push.head);
     inv
 }
 

@@ -66,13 +66,14 @@ impl RedisStreams {
     }
 }
 
-/// The kind letter of an event in the stream and its text, and back.
-fn kind(event: &StreamEvent) -> (&'static str, std::borrow::Cow<'_, str>) {
+/// The kind letter of an event in the stream and its text, and back (a
+/// head rides with the next event: [`RedisWriter::push`]).
+fn kind(event: &StreamEvent) -> (&'static str, &str) {
     match event {
-        StreamEvent::Head(h) => ("h", serde_json::to_string(h).unwrap_or_default().into()),
-        StreamEvent::Data(t) => ("d", t.into()),
-        StreamEvent::End => ("x", "".into()),
-        StreamEvent::Error(t) => ("e", t.into()),
+        StreamEvent::Head(_) => ("", ""),
+        StreamEvent::Data(t) => ("d", t),
+        StreamEvent::End => ("x", ""),
+        StreamEvent::Error(t) => ("e", t),
     }
 }
 
@@ -83,12 +84,22 @@ struct RedisWriter {
     id: String,
     attempt: u32,
     seq: std::sync::atomic::AtomicU64,
+    /// A head held back to ride with the next event (one round trip less
+    /// before the first token).
+    head: Mutex<Option<String>>,
     timeout: Duration,
 }
 
 #[async_trait]
 impl StreamWriter for RedisWriter {
     async fn push(&self, event: StreamEvent) -> Result<bool, StoreError> {
+        if let StreamEvent::Head(h) = &event {
+            let json = serde_json::to_string(h)
+                .map_err(|e| StoreError::backend(format!("a stream's head as JSON: {e}")))?;
+            *lock(&self.head) = Some(json);
+            return Ok(true);
+        }
+        let head = lock(&self.head).take().unwrap_or_default();
         let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
         let (kind, text) = kind(&event);
         let inv = scripts::stream_push(
@@ -98,9 +109,10 @@ impl StreamWriter for RedisWriter {
                 attempt: self.attempt,
                 seq,
                 kind,
-                text: &text,
+                text,
                 maxlen: STREAM_CAPACITY,
                 ttl_ms: u64::try_from(STREAM_TTL.as_millis()).unwrap_or(u64::MAX),
+                head: &head,
             },
         );
         let appended: i64 = call::script(&self.pool, self.timeout, "stream_push", &inv).await?;
@@ -213,9 +225,6 @@ fn entries(reply: Value) -> Result<Vec<(String, StreamEntry)>, StoreError> {
             let body = field(fields, "t").map(|t| String::from_utf8_lossy(t).into_owned());
             let event = match (field(fields, "k"), body) {
                 (Some(b"d"), Some(t)) => StreamEvent::Data(t),
-                (Some(b"h"), Some(t)) => {
-                    StreamEvent::Head(serde_json::from_str(&t).map_err(|_| bad())?)
-                }
                 (Some(b"x"), _) => StreamEvent::End,
                 (Some(b"e"), t) => StreamEvent::Error(t.unwrap_or_default()),
                 _ => return Err(bad()),
@@ -223,10 +232,22 @@ fn entries(reply: Value) -> Result<Vec<(String, StreamEntry)>, StoreError> {
             let (Some(attempt), Some(seq)) = (num("a"), num("s")) else {
                 return Err(bad());
             };
+            let attempt = u32::try_from(attempt).unwrap_or(u32::MAX);
+            if let Some(head) = field(fields, "h") {
+                let head = serde_json::from_slice(head).map_err(|_| bad())?;
+                out.push((
+                    id.clone(),
+                    StreamEntry {
+                        attempt,
+                        seq,
+                        event: StreamEvent::Head(head),
+                    },
+                ));
+            }
             out.push((
                 id,
                 StreamEntry {
-                    attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
+                    attempt,
                     seq,
                     event,
                 },
@@ -332,6 +353,7 @@ impl JobStreams for RedisStreams {
             id: job.id.as_str().to_owned(),
             attempt: job.attempt,
             seq: std::sync::atomic::AtomicU64::new(0),
+            head: Mutex::new(None),
             timeout: self.timeout,
         })
     }
