@@ -3,7 +3,9 @@
 -- ARGV[1] id, ARGV[2] fencing token, ARGV[3] result (JSON text)
 -- ARGV[4] how long the finished record stays readable (ms), ARGV[5] channel
 --   (lib/job.lua: publish_done), ARGV[6] the stored-bytes key prefix (the
---   user's name completes it), ARGV[7] the stored-bytes bucket width (ms)
+--   user's name completes it), ARGV[7] the stored-bytes bucket width (ms),
+-- ARGV[8] the upstream answer's head (JSON: status, safe headers; '' or
+--   absent when a plain 200: no field)
 -- The record drops its input (lib/job.lua: finalize) and counts its
 -- result against its user's stored bytes until it expires.
 -- Returns 1 recorded (and the id published), 0 refused: the token is not the
@@ -13,6 +15,7 @@
 local JOB, PROCESSING, LEASES = KEYS[1], KEYS[2], KEYS[3]
 local id, token, result, ttl, channel = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local prefix, width = ARGV[6] or '', tonumber(ARGV[7]) or 60000
+local head = ARGV[8] or ''
 if not ttl or ttl < 1 or width < 1 then
   return redis.error_reply('job_complete: bad ttl or width')
 end
@@ -32,8 +35,12 @@ if state ~= 'running' or seq ~= token then
   return 0
 end
 local now = now_ms()
-finalize(JOB, all, { 'state', 'succeeded', 'result', result, 'finished', int(now) },
-  prefix, #result, now + ttl, width)
+local set = { 'state', 'succeeded', 'result', result, 'finished', int(now) }
+if head ~= '' then
+  set[#set + 1] = 'head'
+  set[#set + 1] = head
+end
+finalize(JOB, all, set, prefix, #result + #head, now + ttl, width)
 redis.call('PEXPIRE', JOB, int(ttl))
 redis.call('LREM', PROCESSING, 1, id)
 redis.call('ZREM', LEASES, id)

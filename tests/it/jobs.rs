@@ -344,7 +344,8 @@ async fn job_complete_wakes_the_waiter_and_keeps_the_charge(s: &Setup) {
     assert_eq!(
         info.status,
         JobStatus::Succeeded {
-            result: json!({ "answer": 42 })
+            result: json!({ "answer": 42 }),
+            head: None,
         }
     );
     assert!(info.finished_at_ms.is_some());
@@ -571,7 +572,7 @@ async fn job_long_results_and_messages_read_back_whole(s: &Setup) {
         .await
         .unwrap()
         .expect("the job");
-    assert_eq!(info.status, JobStatus::Succeeded { result });
+    assert_eq!(info.status, JobStatus::Succeeded { result, head: None });
     let message = format!("refused: {}", "ü".repeat(90));
     submit_ok(s, "lr2", "jo").await;
     let lease = take(s, "work", "w1").await;
@@ -612,7 +613,8 @@ async fn job_long_results_and_messages_read_back_whole(s: &Setup) {
     assert_eq!(
         info.status,
         JobStatus::Succeeded {
-            result: json!({ "ok": 2 })
+            result: json!({ "ok": 2 }),
+            head: None,
         }
     );
 }
@@ -656,7 +658,8 @@ async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     assert_eq!(
         info.unwrap().status,
         JobStatus::Succeeded {
-            result: json!("on time")
+            result: json!("on time"),
+            head: None,
         }
     );
 }
@@ -1154,7 +1157,7 @@ async fn job_embedded_worker_runs_jobs_on_memory() {
             .unwrap()
             .unwrap();
         match info.status {
-            JobStatus::Succeeded { result } => {
+            JobStatus::Succeeded { result, .. } => {
                 assert_eq!(result["mock"], json!(true));
                 assert_eq!(result["echo"], json!({ "prompt": format!("e{i}") }));
             }

@@ -4,14 +4,21 @@
 //! relays a stream event by event, settles the charge to the usage the stream
 //! reported, answers a budget 429 in the SDK's shape, and a client that goes
 //! away mid-stream cuts the upstream call (charged: the upstream worked).
+//!
+//! Faults with real processes: a worker SIGKILLed mid-stream (api, throttler
+//! and workers as separate processes) and Redis restarted mid-stream: the
+//! client sees a clean error event or the whole answer, never a cut answer
+//! presented as whole; the charge follows the outcome rules; every key a
+//! stream leaves in Redis expires within the stream's TTL.
 
-use std::path::PathBuf;
-use std::process::Child;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tollgate_core::stream::STREAM_TTL;
 use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 fn mock(args: &[&str]) -> (Child, String) {
     let mut all = vec![
@@ -47,7 +54,8 @@ struct System {
     http: reqwest::Client,
     _dir: TempDir,
     _procs: Procs,
-    _redis: Option<RedisServer>,
+    redis: Option<RedisServer>,
+    prefix: String,
 }
 
 /// The config of both backends: an OpenAI-like and an Anthropic-like
@@ -89,18 +97,28 @@ cost = 2
 provider = "anthropic"
 path = "/v1/messages"
 settle = {{ from = "/usage/output_tokens", per = 1, max = 200 }}
+[operations."openai.echo"]
+cost = 1
+provider = "openai"
+path = "/echo"
 "#
     )
 }
 
 fn start(redis: bool, token_interval_ms: u64) -> System {
+    start_with(redis.then_some(&[][..]), token_interval_ms)
+}
+
+/// `tollgate all`, on a redis-server started with `redis` arguments when
+/// given, else embedded.
+fn start_with(redis: Option<&[&str]>, token_interval_ms: u64) -> System {
     let interval = token_interval_ms.to_string();
     let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
     let dir = TempDir(std::env::temp_dir().join(format!("tollgate-stream-{}", random_prefix())));
     std::fs::create_dir_all(&dir.0).unwrap();
     let path = dir.0.join("streaming.toml");
     std::fs::write(&path, config(&mock_url)).unwrap();
-    let server = redis.then(RedisServer::start);
+    let server = redis.map(RedisServer::start_with);
     let prefix = random_prefix();
     let url = server.as_ref().map(|s| s.url());
     let mut args = vec![
@@ -126,8 +144,76 @@ fn start(redis: bool, token_interval_ms: u64) -> System {
             .unwrap(),
         _dir: dir,
         _procs: Procs(vec![mock_child, child]),
-        _redis: server,
+        redis: server,
+        prefix,
     }
+}
+
+/// One role of a split deployment, on `url` with `prefix`.
+fn role(args: &[&str], config: &Path, url: &str, prefix: &str) -> Child {
+    Command::new(workspace_bin("tollgate"))
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .env("TOLLGATE_REDIS_URL", url)
+        .env("TOLLGATE_KEY_PREFIX", prefix)
+        .env("TOLLGATE_ADMIN_TOKEN", crate::api::ADMIN)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"))
+}
+
+/// A split deployment on one redis-server: an api, a throttler and a worker
+/// (its lease `lease_ms`) as processes; the worker is returned apart, to be
+/// killed, with what starts another.
+async fn start_split(
+    token_interval_ms: u64,
+    lease_ms: &'static str,
+) -> (System, Child, impl Fn() -> Child) {
+    let interval = token_interval_ms.to_string();
+    let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
+    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-split-{}", random_prefix())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let path = dir.0.join("streaming.toml");
+    std::fs::write(&path, config(&mock_url)).unwrap();
+    let server = RedisServer::start();
+    let (url, prefix) = (server.url(), random_prefix());
+    let addr = format!("127.0.0.1:{}", tollgate_tests::redis_server::free_port());
+    let api = role(&["api", "--listen", &addr], &path, &url, &prefix);
+    let throttler = role(&["throttler"], &path, &url, &prefix);
+    let worker_args = ["worker", "--lease-ms", lease_ms];
+    let worker = role(&worker_args, &path, &url, &prefix);
+    let another = {
+        let (path, url, prefix) = (path.clone(), url.clone(), prefix.clone());
+        move || role(&worker_args, &path, &url, &prefix)
+    };
+    tollgate_providers::http::install_crypto_provider();
+    let sys = System {
+        base: format!("http://{addr}"),
+        admin: crate::api::ADMIN.to_owned(),
+        mock: mock_url,
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap(),
+        _dir: dir,
+        _procs: Procs(vec![mock_child, api, throttler]),
+        redis: Some(server),
+        prefix,
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ready = sys.http.get(format!("{}/readyz", sys.base)).send().await;
+        if matches!(&ready, Ok(r) if r.status() == 200) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the api is not ready: {ready:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (sys, worker, another)
 }
 
 impl System {
@@ -199,6 +285,104 @@ impl System {
             .header("x-api-key", key)
             .header("anthropic-version", "2023-06-01")
     }
+}
+
+impl System {
+    /// Every key of this deployment whose name has `stream`, with its PTTL.
+    async fn stream_keys(&self) -> Vec<(String, i64)> {
+        let server = self.redis.as_ref().expect("on Redis");
+        let client = redis::Client::open(server.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}*stream*", self.prefix))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        for k in keys {
+            let ttl: i64 = redis::cmd("PTTL")
+                .arg(&k)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            out.push((k, ttl));
+        }
+        out
+    }
+
+    /// No key of a stream stays longer than the stream's TTL (a reader gone
+    /// leaves its cancel mark, so there is one at least).
+    async fn streams_expire(&self) {
+        let ttl = i64::try_from(STREAM_TTL.as_millis()).unwrap();
+        let keys = self.stream_keys().await;
+        assert!(!keys.is_empty(), "no stream key under {}", self.prefix);
+        for (key, pttl) in keys {
+            assert!(pttl > 0 && pttl <= ttl, "{key} has PTTL {pttl}");
+        }
+    }
+
+    /// Reads `r`'s body until it ends (at most 30 s): its `data:` payloads.
+    async fn rest(r: &mut reqwest::Response, mut body: String) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, r.chunk()).await {
+                Ok(Ok(Some(chunk))) => body.push_str(&String::from_utf8_lossy(&chunk)),
+                Ok(Ok(None)) => return datas(&body),
+                Ok(Err(e)) => {
+                    panic!("the stream broke instead of ending cleanly: {e}; so far {body}")
+                }
+                Err(_) => panic!("the stream did not end within 30 s: {body}"),
+            }
+        }
+    }
+}
+
+/// Starts a long streamed chat (60 words at the mock's pace) and reads its
+/// first three events: the answer is under way.
+async fn long_stream(sys: &System, key: &str) -> (reqwest::Response, String) {
+    let words = vec!["w"; 60].join(" ");
+    let mut r = sys
+        .openai(key, "/chat/completions")
+        .json(
+            &json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
+                      "messages": [{"role": "user", "content": words}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut body = String::new();
+    while body.matches("data: ").count() < 3 {
+        let chunk = r.chunk().await.unwrap().expect("more of the stream");
+        body.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    (r, body)
+}
+
+/// Whether `datas` is a whole chat answer (its text complete, `[DONE]`
+/// last), or a cut one ending in an error event; panics on anything else.
+fn whole_or_clean_error(datas: &[String], text: &str) -> bool {
+    let last = datas.last().map(String::as_str);
+    if last == Some("[DONE]") {
+        let chunks: Vec<Value> = datas[..datas.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let got: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(got, text, "a cut answer presented as whole");
+        return true;
+    }
+    let error: Value = serde_json::from_str(last.unwrap_or("null")).unwrap_or(Value::Null);
+    assert!(
+        error["error"]["message"].as_str().is_some() && error["error"]["type"] == "server_error",
+        "neither whole nor a clean error event: {datas:?}"
+    );
+    assert!(!datas.iter().any(|d| d == "[DONE]"), "{datas:?}");
+    false
 }
 
 /// The `data:` payloads of an SSE body.
@@ -419,6 +603,149 @@ async fn a_client_gone_mid_stream_cuts_the_upstream(redis: bool) {
     }
     // Reserved 200, settled to the estimate (2): the upstream may have worked.
     assert_eq!(sys.used_until(&key, 2).await, 2);
+}
+
+/// A pass-through answer carries the upstream's 2xx status and its request
+/// ids; never the provider's account or rate-limit headers (the mock sends
+/// `openai-organization` and `x-ratelimit-remaining-requests`).
+async fn upstream_status_and_safe_headers(redis: bool) {
+    let sys = start(redis, 0);
+    let key = sys.user("hal", "free").await;
+    let leaked = |h: &reqwest::header::HeaderMap| {
+        ["openai-organization", "x-ratelimit-remaining-requests"]
+            .into_iter()
+            .filter(|n| h.contains_key(*n))
+            .collect::<Vec<_>>()
+    };
+    // A 201 from the upstream is a 201 to the caller, its body as-is.
+    let r = sys
+        .openai(&key, "/echo")
+        .json(&json!({"mock_status": 201, "x": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    assert!(id.starts_with("req_mock_"), "{id}");
+    assert_eq!(r.headers()["openai-processing-ms"], "1");
+    assert_eq!(leaked(r.headers()), Vec::<&str>::new());
+    assert!(
+        r.headers().contains_key("ratelimit"),
+        "tollgate's own budget headers"
+    );
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["echo"]["x"], 1);
+
+    // Whole and streamed chat: the request ids of each protocol.
+    let r = sys
+        .openai(&key, "/chat/completions")
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().contains_key("x-request-id"));
+    assert_eq!(leaked(r.headers()), Vec::<&str>::new());
+    let r = sys
+        .anthropic(&key)
+        .json(&json!({"model": "c", "max_tokens": 8, "stream": true,
+                      "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    assert!(r.headers()["request-id"]
+        .to_str()
+        .unwrap()
+        .starts_with("req_mock_"));
+    assert_eq!(leaked(r.headers()), Vec::<&str>::new());
+    assert!(r.text().await.unwrap().contains("message_stop"));
+}
+
+/// A worker SIGKILLed mid-stream (api, throttler, workers as processes):
+/// once its lease ends another worker takes the job, does not run it again
+/// (the client has part of the answer; the upstream worked) and ends the
+/// stream with an error event; the charge stands at the estimate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_worker_killed_mid_stream() {
+    let (sys, mut worker, another) = start_split(50, "1000").await;
+    let key = sys.user("kim", "free").await;
+    let (mut r, body) = long_stream(&sys, &key).await;
+    worker.kill().unwrap(); // SIGKILL
+    worker.wait().unwrap();
+    let _next = Procs(vec![another()]);
+    let datas = System::rest(&mut r, body).await;
+    let words = vec!["w"; 60].join(" ");
+    assert!(
+        !whole_or_clean_error(&datas, &format!("mock answer to: {words}")),
+        "the killed worker's answer could not have been finished: {datas:?}"
+    );
+    // Reserved 200, settled to the estimate (2): the upstream worked.
+    assert_eq!(sys.used_until(&key, 2).await, 2);
+    assert_eq!(sys.mock_stats().await["streams_cut"], 1);
+    sys.streams_expire().await;
+}
+
+/// Redis restarted mid-stream (its AOF kept): the client gets the whole
+/// answer (the reader reads on from where it was) or a clean error event,
+/// and the charge follows the upstream's work: the reported usage when the
+/// worker saw the stream's end, else it stands (the estimate, or the most
+/// reserved when the settle could not reach Redis). Then a new stream works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_redis_restarted_mid_stream() {
+    let mut sys = start_with(
+        Some(&["--appendonly", "yes", "--appendfsync", "always"]),
+        30,
+    );
+    let key = sys.user("rex", "free").await;
+    let (mut r, body) = long_stream(&sys, &key).await;
+    let mut server = sys.redis.take().unwrap();
+    let server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    sys.redis = Some(server);
+    let sent = System::rest(&mut r, body).await;
+    let words = vec!["w"; 60].join(" ");
+    let whole = whole_or_clean_error(&sent, &format!("mock answer to: {words}"));
+    if whole {
+        assert_eq!(sys.used_until(&key, 60 + 63).await, 60 + 63);
+    } else {
+        // Settled (to the usage or the estimate) within a few seconds, or
+        // left at the most reserved when the settle could not reach Redis.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut used = sys.used(&key).await;
+        while ![2, 60 + 63].contains(&used) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            used = sys.used(&key).await;
+        }
+        assert!([2, 60 + 63, 200].contains(&used), "{used}");
+    }
+    // Back to normal: a stream after the restart is whole.
+    let r = sys
+        .openai(&key, "/chat/completions")
+        .json(&json!({"model": "m", "stream": true,
+                      "messages": [{"role": "user", "content": "again"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let again = datas(&r.text().await.unwrap());
+    assert!(whole_or_clean_error(&again, "mock answer to: again"));
+    sys.streams_expire().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_upstream_status_and_headers_embedded() {
+    upstream_status_and_safe_headers(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_upstream_status_and_headers_redis() {
+    upstream_status_and_safe_headers(true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

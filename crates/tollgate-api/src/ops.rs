@@ -130,7 +130,7 @@ impl From<&JobInfo> for JobView {
         let (status, result, error) = match &info.status {
             JobStatus::Queued => ("queued", None, None),
             JobStatus::Running => ("running", None, None),
-            JobStatus::Succeeded { result } => ("succeeded", Some(result.clone()), None),
+            JobStatus::Succeeded { result, .. } => ("succeeded", Some(result.clone()), None),
             JobStatus::Failed { cause, message } => {
                 ("failed", None, Some(JobErrorView::new(*cause, message)))
             }

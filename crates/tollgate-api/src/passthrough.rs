@@ -24,12 +24,13 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
+use tollgate_core::head::Head;
 use tollgate_core::job::{JobInfo, JobStatus};
 use tollgate_core::stream::{wants_stream, Read, StreamEvent, StreamReader};
 use tollgate_core::trace::TraceParent;
@@ -267,15 +268,36 @@ fn whole(state: &ApiState, info: &JobInfo, headers: &HeaderMap) -> Result<Respon
         forget(state, info);
     }
     match &info.status {
-        JobStatus::Succeeded { result } => {
+        JobStatus::Succeeded { result, head } => {
             state.metrics.job_outcome(&info.job.operation, "succeeded");
-            Ok(axum::Json(result.clone()).into_response())
+            let mut response = axum::Json(result.clone()).into_response();
+            if let Some(head) = head {
+                apply_head(&mut response, head);
+            }
+            Ok(response)
         }
         JobStatus::Failed { .. } => finished(state, info),
         // Still running at the sync timeout: the SDK's timeout error, and a
         // retry with the same Idempotency-Key finds the same job.
         JobStatus::Queued | JobStatus::Running => {
             Err(ApiError::RequestTimeout(state.settings.sync_timeout))
+        }
+    }
+}
+
+/// The upstream answer's status (a 2xx) and safe headers on `response`.
+fn apply_head(response: &mut Response, head: &Head) {
+    if let Ok(status) = StatusCode::from_u16(head.status) {
+        if status.is_success() {
+            *response.status_mut() = status;
+        }
+    }
+    for (name, value) in &head.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            response.headers_mut().insert(name, value);
         }
     }
 }
@@ -332,12 +354,14 @@ async fn stream(
     let mut final_rx = watch_final(state, priced, info.clone(), watch);
     let mut final_info: Option<Option<JobInfo>> = None;
     let mut grace_end: Option<tokio::time::Instant> = None;
+    let mut head: Option<Head> = None;
     let first = loop {
         let wait = grace_end.map_or(READ_WAIT, |end| {
             end.saturating_duration_since(tokio::time::Instant::now())
         });
         tokio::select! {
             read = reader.next(wait) => match read? {
+                Read::Event(StreamEvent::Head(h)) => head = Some(h),
                 Read::Event(event @ StreamEvent::Data(_)) => break event,
                 Read::Event(StreamEvent::End) => break StreamEvent::End,
                 // Failed before any event: the job's own error, once recorded.
@@ -374,14 +398,18 @@ async fn stream(
             .await
             .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
     });
-    Ok((
+    let mut response = (
         [
             (header::CONTENT_TYPE, "text/event-stream"),
             (header::CACHE_CONTROL, "no-cache"),
         ],
         Body::from_stream(body),
     )
-        .into_response())
+        .into_response();
+    if let Some(head) = &head {
+        apply_head(&mut response, head);
+    }
+    Ok(response)
 }
 
 fn event_bytes(text: &str) -> Bytes {
@@ -420,6 +448,8 @@ async fn pump(
         };
         let bytes = match next {
             Ok(Read::Event(StreamEvent::Data(text))) => event_bytes(&text),
+            // A head comes first, before the answer began: none later.
+            Ok(Read::Event(StreamEvent::Head(_))) => continue,
             Ok(Read::Event(StreamEvent::End)) => return,
             Ok(Read::Event(StreamEvent::Error(message))) => {
                 let _ = tx.send(flavor.stream_error(&message)).await;

@@ -35,6 +35,11 @@ pub struct MockProviderArgs {
     /// Time between two events (one token each) of a streamed answer, in ms.
     #[arg(long, default_value_t = 0)]
     token_interval_ms: u64,
+
+    /// Open each streamed event with an SSE comment `: sent_us=<µs since the
+    /// epoch>`, its send time (what `tollgate-bench stream` measures from).
+    #[arg(long)]
+    stamp_events: bool,
 }
 
 pub async fn run(args: MockProviderArgs) -> ExitCode {
@@ -44,6 +49,7 @@ pub async fn run(args: MockProviderArgs) -> ExitCode {
         fail_rate: args.fail_rate,
         latency: Duration::from_millis(args.latency_ms),
         token_interval: Duration::from_millis(args.token_interval_ms),
+        stamp_events: args.stamp_events,
     };
     if let Err(e) = options.validate() {
         return fail(exit::BAD_INPUT, e);

@@ -375,8 +375,14 @@ pub enum JobStatus {
     Queued,
     /// A worker holds it.
     Running,
-    /// Done; the budget stays charged.
-    Succeeded { result: Value },
+    /// Done; the budget stays charged. `head`: the upstream answer's status
+    /// and safe headers, when they were not a plain 200 (a pass-through
+    /// answer carries them; the job's own answer does not show them).
+    Succeeded {
+        result: Value,
+        #[serde(skip)]
+        head: Option<crate::head::Head>,
+    },
     /// Done; the budget was (or is being) refunded, unless the cause says the
     /// charge stands ([`FailureCause::charged`]).
     Failed {
@@ -932,6 +938,19 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
 
     /// Records the result (kept for the result TTL) and wakes the waiters.
     async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError>;
+
+    /// [`complete`](Self::complete), keeping the upstream answer's `head`
+    /// (status, safe headers) with the result when it is not a plain 200.
+    /// This default drops the head.
+    async fn complete_with(
+        &self,
+        lease: &Lease,
+        result: Value,
+        head: Option<crate::head::Head>,
+    ) -> Result<Finish, JobError> {
+        let _ = head;
+        self.complete(lease, result).await
+    }
 
     /// Records a final failure, wakes the waiters, and does with the job's
     /// charge what `charge` says: releases it once, or leaves it standing.

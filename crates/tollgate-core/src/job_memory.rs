@@ -17,6 +17,7 @@ use tokio::sync::Notify;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
+use crate::head::Head;
 use crate::id::{RequestId, UserId};
 use crate::job::{
     self, millis, Charge, Enqueued, FailureCause, Finish, FullMarks, Job, JobError, JobInfo,
@@ -130,7 +131,9 @@ impl State {
 /// input is dropped: the job can no longer run).
 fn final_len(status: &JobStatus) -> usize {
     match status {
-        JobStatus::Succeeded { result } => result.to_string().len(),
+        JobStatus::Succeeded { result, head } => {
+            result.to_string().len() + head.as_ref().map_or(0, crate::head::Head::stored_len)
+        }
         JobStatus::Failed { message, .. } => message.len(),
         JobStatus::Queued | JobStatus::Running => 0,
     }
@@ -565,7 +568,17 @@ impl JobSource for MemoryJobQueue {
     }
 
     async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError> {
-        Ok(self.finish(lease, JobStatus::Succeeded { result }, false))
+        self.complete_with(lease, result, None).await
+    }
+
+    async fn complete_with(
+        &self,
+        lease: &Lease,
+        result: Value,
+        head: Option<Head>,
+    ) -> Result<Finish, JobError> {
+        let head = head.filter(|h| !h.is_plain());
+        Ok(self.finish(lease, JobStatus::Succeeded { result, head }, false))
     }
 
     async fn fail(

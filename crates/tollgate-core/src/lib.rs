@@ -16,6 +16,7 @@ pub mod durability;
 pub mod duration;
 pub mod error;
 pub mod fair;
+pub mod head;
 pub mod id;
 pub mod job;
 pub mod job_memory;

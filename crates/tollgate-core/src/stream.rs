@@ -29,6 +29,10 @@ use crate::job::Job;
 /// One entry of a job's stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamEvent {
+    /// The upstream answer's status and safe headers, before its first
+    /// event (only when not a plain 200). It takes no place in the run
+    /// (`seq`): a writer may hold it back and send it with the next event.
+    Head(crate::head::Head),
     /// One upstream event, its text as received (`event:`/`data:` lines,
     /// without the blank line that ended it).
     Data(String),
@@ -82,6 +86,9 @@ impl Continuity {
                 "the worker streaming this answer stopped mid-stream; the answer is incomplete"
                     .into(),
             );
+        }
+        if let StreamEvent::Head(_) = entry.event {
+            return entry.event; // No place in the run.
         }
         if entry.seq != self.seq + 1 {
             return StreamEvent::Error(format!(
@@ -193,7 +200,10 @@ impl StreamWriter for MemoryWriter {
             // stream): the events go nowhere, the call runs to its end.
             return Ok(true);
         };
-        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        let seq = match event {
+            StreamEvent::Head(_) => self.seq.load(std::sync::atomic::Ordering::SeqCst),
+            _ => self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1,
+        };
         let entry = StreamEntry {
             attempt: self.attempt,
             seq,
@@ -246,6 +256,14 @@ mod tests {
         let mut c = Continuity::default();
         assert_eq!(c.accept(entry(2, 1)), StreamEvent::Data("data: 1".into()));
         assert_eq!(c.accept(entry(2, 2)), StreamEvent::Data("data: 2".into()));
+        // A head takes no place in the run.
+        let head = crate::head::Head::safe(201, []);
+        let e = StreamEntry {
+            attempt: 2,
+            seq: 2,
+            event: StreamEvent::Head(head.clone()),
+        };
+        assert_eq!(c.accept(e), StreamEvent::Head(head));
         assert!(matches!(c.accept(entry(3, 1)), StreamEvent::Error(m) if m.contains("stopped")));
         assert!(matches!(c.accept(entry(2, 4)), StreamEvent::Error(m) if m.contains("lost")));
     }

@@ -42,6 +42,10 @@ pub struct MockOptions {
     pub latency: Duration,
     /// Between two events of a streamed answer (one token each).
     pub token_interval: Duration,
+    /// Each streamed event opens with an SSE comment `: sent_us=<µs since
+    /// the epoch>` taken as it is written (every SSE client skips comments):
+    /// what `tollgate-bench stream` measures each event's delay from.
+    pub stamp_events: bool,
 }
 
 impl Default for MockOptions {
@@ -52,6 +56,7 @@ impl Default for MockOptions {
             fail_rate: 0.0,
             latency: Duration::ZERO,
             token_interval: Duration::ZERO,
+            stamp_events: false,
         }
     }
 }
@@ -210,22 +215,64 @@ async fn handle(State(mock): State<Arc<Mock>>, path: String, body: Bytes) -> Res
     }
     let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     mock.ok.fetch_add(1, Ordering::SeqCst);
-    if let Some(protocol) = protocols::Protocol::of(&path) {
-        return protocol.answer(
+    let mut response = match protocols::Protocol::of(&path) {
+        Some(protocol) => protocol.answer(
             &input,
             n,
-            mock.options.token_interval,
+            protocols::Pace {
+                interval: mock.options.token_interval,
+                stamp: mock.options.stamp_events,
+            },
             Arc::clone(&mock.streams_cut),
-        );
+        ),
+        None => {
+            // The usage a metered upstream reports (`settle` rules read it): the
+            // input's `mock_total_tokens` when it is a number, else 800.
+            let tokens = input["mock_total_tokens"].as_u64().unwrap_or(800);
+            Json(json!({
+                "ok": true, "path": format!("/{path}"), "echo": input,
+                "usage": { "total_tokens": tokens },
+            }))
+            .into_response()
+        }
+    };
+    provider_headers(&mut response, n, &input);
+    response
+}
+
+/// What a real provider adds to an answer: request ids (OpenAI's
+/// `x-request-id`, Anthropic's `request-id`), timing, and headers that are
+/// its own business (its account, its rate limits); and the status the input
+/// asks for (`mock_status`, a 2xx), for tests of what tollgate passes on.
+fn provider_headers(response: &mut Response, n: u64, input: &Value) {
+    if response.status() != StatusCode::OK {
+        return;
     }
-    // The usage a metered upstream reports (`settle` rules read it): the input's
-    // `mock_total_tokens` when it is a number, else 800.
-    let tokens = input["mock_total_tokens"].as_u64().unwrap_or(800);
-    Json(json!({
-        "ok": true, "path": format!("/{path}"), "echo": input,
-        "usage": { "total_tokens": tokens },
-    }))
-    .into_response()
+    if let Some(status) = input["mock_status"]
+        .as_u64()
+        .and_then(|s| StatusCode::from_u16(u16::try_from(s).ok()?).ok())
+        .filter(StatusCode::is_success)
+    {
+        *response.status_mut() = status;
+    }
+    let h = response.headers_mut();
+    let id = header::HeaderValue::from_str(&format!("req_mock_{n}"));
+    if let Ok(id) = id {
+        h.insert("x-request-id", id.clone());
+        h.insert("request-id", id);
+    }
+    h.insert(
+        "openai-processing-ms",
+        header::HeaderValue::from_static("1"),
+    );
+    h.insert(
+        "openai-organization",
+        header::HeaderValue::from_static("mock-org"),
+    );
+    h.insert(
+        "x-ratelimit-remaining-requests",
+        header::HeaderValue::from_static("99"),
+    );
 }
 
 /// Serves the mock on `listener` until `shutdown` resolves.
@@ -238,6 +285,12 @@ pub async fn run(
         .validate()
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.0))?;
     tracing::info!(addr = ?listener.local_addr().ok(), ?options, "mock provider listening");
+    // No Nagle: a stream's events leave as written, as a real provider's do
+    // (else each small event waits for the previous one's ACK, 40 ms).
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router(options))
         .with_graceful_shutdown(shutdown)
         .await

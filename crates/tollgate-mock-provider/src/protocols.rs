@@ -50,14 +50,14 @@ impl Protocol {
 
     /// The answer to `body` (call number `n`, for ids).
     /// `cut` counts the streams whose caller went away before their end.
-    pub fn answer(self, body: &Value, n: u64, token_interval: Duration, cut: Cut) -> Response {
+    pub fn answer(self, body: &Value, n: u64, pace: Pace, cut: Cut) -> Response {
         if !body.is_object() {
             return bad_request(self, "the body must be a JSON object");
         }
         match self {
-            Self::OpenAiChat => openai_chat(body, n, token_interval, cut),
+            Self::OpenAiChat => openai_chat(body, n, pace, cut),
             Self::OpenAiEmbeddings => openai_embeddings(body),
-            Self::AnthropicMessages => anthropic_messages(body, n, token_interval, cut),
+            Self::AnthropicMessages => anthropic_messages(body, n, pace, cut),
         }
     }
 }
@@ -106,15 +106,34 @@ pub fn sse(event: Option<&str>, data: &str) -> Bytes {
     Bytes::from(out)
 }
 
+/// How a stream's events go out: `interval` apart, each stamped with its
+/// send time when `stamp` ([`crate::MockOptions::stamp_events`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pace {
+    pub interval: Duration,
+    pub stamp: bool,
+}
+
 /// A `text/event-stream` answer of `events`, the first at once, each next one
-/// `interval` later.
-fn event_stream(events: Vec<Bytes>, interval: Duration, cut: Cut) -> Response {
+/// `pace.interval` later.
+fn event_stream(events: Vec<Bytes>, pace: Pace, cut: Cut) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
     tokio::spawn(async move {
         for (i, e) in events.into_iter().enumerate() {
-            if i > 0 && !interval.is_zero() {
-                tokio::time::sleep(interval).await;
+            if i > 0 && !pace.interval.is_zero() {
+                tokio::time::sleep(pace.interval).await;
             }
+            let e = match pace.stamp {
+                true => {
+                    let us = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_micros());
+                    let mut stamped = format!(": sent_us={us}\n").into_bytes();
+                    stamped.extend_from_slice(&e);
+                    Bytes::from(stamped)
+                }
+                false => e,
+            };
             if tx.send(e).await.is_err() {
                 cut.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 return; // The caller went away.
@@ -136,7 +155,7 @@ fn event_stream(events: Vec<Bytes>, interval: Duration, cut: Cut) -> Response {
         .into_response()
 }
 
-fn openai_chat(body: &Value, n: u64, interval: Duration, cut: Cut) -> Response {
+fn openai_chat(body: &Value, n: u64, pace: Pace, cut: Cut) -> Response {
     if body.get("messages").and_then(Value::as_array).is_none() {
         return bad_request(Protocol::OpenAiChat, "messages: required, an array");
     }
@@ -196,7 +215,7 @@ fn openai_chat(body: &Value, n: u64, interval: Duration, cut: Cut) -> Response {
         events.push(sse(None, &last.to_string()));
     }
     events.push(sse(None, "[DONE]"));
-    event_stream(events, interval, cut)
+    event_stream(events, pace, cut)
 }
 
 fn openai_embeddings(body: &Value) -> Response {
@@ -246,7 +265,7 @@ fn openai_embeddings(body: &Value) -> Response {
     .into_response()
 }
 
-fn anthropic_messages(body: &Value, n: u64, interval: Duration, cut: Cut) -> Response {
+fn anthropic_messages(body: &Value, n: u64, pace: Pace, cut: Cut) -> Response {
     if body.get("messages").and_then(Value::as_array).is_none() {
         return bad_request(Protocol::AnthropicMessages, "messages: Field required");
     }
@@ -298,7 +317,7 @@ fn anthropic_messages(body: &Value, n: u64, interval: Duration, cut: Cut) -> Res
                "usage": {"output_tokens": output_tokens}}),
     ));
     events.push(ev("message_stop", json!({"type": "message_stop"})));
-    event_stream(events, interval, cut)
+    event_stream(events, pace, cut)
 }
 
 /// Standard base64 with padding (RFC 4648).

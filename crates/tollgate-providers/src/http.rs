@@ -26,7 +26,8 @@ use tollgate_core::{
 
 use tokio::time::Instant;
 
-use crate::{late_by, send_check, stream, AttemptError, SetupError, Transport};
+use crate::{late_by, send_check, stream, Answer, AttemptError, SetupError, Transport};
+use tollgate_core::head::Head;
 use tollgate_core::stream::{StreamEvent, StreamWriter};
 
 /// Installs rustls' `ring` crypto provider as the process default, once (reqwest
@@ -164,25 +165,79 @@ impl Transport for HttpClient {
     /// checked again when the connection asks for the body, just before the
     /// request is written (see [`checked_body`]).
     async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
-        let late = Arc::new(OnceLock::new());
-        let req = self.request(job, use_by, &late)?;
-        let resp = self.send(req, use_by, &late).await?;
-        let (status, body) = self.read_whole(resp).await?;
-        json_answer(status, &body)
+        Ok(self.attempt_answer(job, use_by, None).await?.body)
     }
 
-    /// As [`Self::attempt_by`], asking for `text/event-stream`: a 2xx
-    /// event-stream answer goes to `sink` event by event as it arrives, and
-    /// the attempt's answer is the usage it reported ([`crate::stream::Usage`]).
-    /// A body cut, an over-long event, or a sink that refuses (the client went
-    /// away: dropping the response closes the upstream connection) after the
-    /// answer began is [`AttemptError::Unanswered`].
     async fn attempt_streaming(
         &self,
         job: &Job,
         use_by: Option<Instant>,
         sink: &dyn StreamWriter,
     ) -> Result<Value, AttemptError> {
+        Ok(self.attempt_answer(job, use_by, Some(sink)).await?.body)
+    }
+
+    async fn attempt_answer(
+        &self,
+        job: &Job,
+        use_by: Option<Instant>,
+        sink: Option<&dyn StreamWriter>,
+    ) -> Result<Answer, AttemptError> {
+        match sink {
+            Some(sink) => self.streamed(job, use_by, sink).await,
+            None => {
+                let late = Arc::new(OnceLock::new());
+                let req = self.request(job, use_by, &late)?;
+                let resp = self.send(req, use_by, &late).await?;
+                let head = head_of(&resp);
+                let (status, body) = self.read_whole(resp).await?;
+                Ok(Answer {
+                    body: json_answer(status, &body)?,
+                    head: Some(head),
+                })
+            }
+        }
+    }
+}
+
+/// The status and safe headers of `resp` ([`Head::safe`]).
+fn head_of(resp: &reqwest::Response) -> Head {
+    Head::safe(
+        resp.status().as_u16(),
+        resp.headers()
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_bytes())),
+    )
+}
+
+/// Passes `event` to `sink`: a refusal (the reader left) or a failure after
+/// the answer began is [`AttemptError::Unanswered`].
+async fn pass_on(sink: &dyn StreamWriter, event: StreamEvent) -> Result<(), AttemptError> {
+    match sink.push(event).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(AttemptError::Unanswered {
+            message: stream::CLIENT_GONE.into(),
+        }),
+        Err(e) => Err(AttemptError::Unanswered {
+            message: format!("{}: {e}", stream::SINK_FAILED),
+        }),
+    }
+}
+
+impl HttpClient {
+    /// As a whole attempt, asking for `text/event-stream`: a 2xx answer's
+    /// head (when not a plain 200) goes to `sink` first, then its events one
+    /// by one as they arrive, and the attempt's answer is the usage it
+    /// reported ([`crate::stream::Usage`]). A body cut, an over-long event, or
+    /// a sink that refuses (the client went away: dropping the response
+    /// closes the upstream connection) after the answer began is
+    /// [`AttemptError::Unanswered`].
+    async fn streamed(
+        &self,
+        job: &Job,
+        use_by: Option<Instant>,
+        sink: &dyn StreamWriter,
+    ) -> Result<Answer, AttemptError> {
         let late = Arc::new(OnceLock::new());
         let req = self
             .request(job, use_by, &late)?
@@ -193,19 +248,22 @@ impl Transport for HttpClient {
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
+        let head = head_of(&resp);
         if !resp.status().is_success() || !is_stream {
             // An error, or a whole answer: as a plain call, passed on as one event.
             let (status, body) = self.read_whole(resp).await?;
             let v = json_answer(status, &body)?;
-            return match sink.push(StreamEvent::Data(format!("data: {v}"))).await {
-                Ok(true) => Ok(v),
-                Ok(false) => Err(AttemptError::Unanswered {
-                    message: stream::CLIENT_GONE.into(),
-                }),
-                Err(e) => Err(AttemptError::Unanswered {
-                    message: format!("{}: {e}", stream::SINK_FAILED),
-                }),
-            };
+            if !head.is_plain() {
+                pass_on(sink, StreamEvent::Head(head.clone())).await?;
+            }
+            pass_on(sink, StreamEvent::Data(format!("data: {v}"))).await?;
+            return Ok(Answer {
+                body: v,
+                head: Some(head),
+            });
+        }
+        if !head.is_plain() {
+            pass_on(sink, StreamEvent::Head(head.clone())).await?;
         }
         let status = resp.status();
         let mut events = stream::Events::default();
@@ -227,14 +285,13 @@ impl Transport for HttpClient {
             };
             for event in found {
                 usage.see(&event);
-                match sink.push(StreamEvent::Data(event)).await {
-                    Ok(true) => {}
-                    Ok(false) => return Err(cut(stream::CLIENT_GONE.into())),
-                    Err(e) => return Err(cut(format!("{}: {e}", stream::SINK_FAILED))),
-                }
+                pass_on(sink, StreamEvent::Data(event)).await?;
             }
             if done {
-                return Ok(usage.answer());
+                return Ok(Answer {
+                    body: usage.answer(),
+                    head: Some(head),
+                });
             }
         }
     }

@@ -33,6 +33,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 use tollgate_core::{
     config::Config,
+    head::Head,
     job::{Charge, FailureCause, Job},
     ledger::Ledger,
     metrics::{CallOutcome, Metrics},
@@ -197,6 +198,21 @@ impl ProviderError {
     }
 }
 
+/// A successful call's answer: its body (the job's result, what settles its
+/// charge) and its head (status and safe headers), when the transport saw one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    pub body: Value,
+    pub head: Option<Head>,
+}
+
+impl Answer {
+    /// A body without a head.
+    pub fn body(body: Value) -> Self {
+        Self { body, head: None }
+    }
+}
+
 /// One provider call, throttled and retried.
 #[async_trait]
 pub trait Client: Send + Sync + fmt::Debug {
@@ -222,6 +238,22 @@ pub trait Client: Send + Sync + fmt::Debug {
         let v = self.call_by(job, deadline).await?;
         let _ = sink.push(StreamEvent::Data(format!("data: {v}"))).await;
         Ok(v)
+    }
+
+    /// The call ([`Self::call_streaming`] with a `sink`, else
+    /// [`Self::call_by`]) with the answer's head when the transport reports
+    /// one. This default reports none.
+    async fn call_answer(
+        &self,
+        job: &Job,
+        deadline: Option<Instant>,
+        sink: Option<&dyn StreamWriter>,
+    ) -> Result<Answer, CallError> {
+        let body = match sink {
+            Some(sink) => self.call_streaming(job, deadline, sink).await?,
+            None => self.call_by(job, deadline).await?,
+        };
+        Ok(Answer::body(body))
     }
 }
 
@@ -306,6 +338,22 @@ pub trait Transport: Send + Sync + fmt::Debug {
                 message: format!("{}: {e}", stream::SINK_FAILED),
             }),
         }
+    }
+
+    /// One attempt ([`Self::attempt_streaming`] with a `sink`, else
+    /// [`Self::attempt_by`]) with the answer's head. This default reports
+    /// none.
+    async fn attempt_answer(
+        &self,
+        job: &Job,
+        use_by: Option<Instant>,
+        sink: Option<&dyn StreamWriter>,
+    ) -> Result<Answer, AttemptError> {
+        let body = match sink {
+            Some(sink) => self.attempt_streaming(job, use_by, sink).await?,
+            None => self.attempt_by(job, use_by).await?,
+        };
+        Ok(Answer::body(body))
     }
 }
 
@@ -527,12 +575,9 @@ impl<C: Transport> ThrottledClient<C> {
         job: &Job,
         use_by: Option<Instant>,
         sink: Option<&dyn StreamWriter>,
-    ) -> Result<Value, AttemptError> {
+    ) -> Result<Answer, AttemptError> {
         let started = Instant::now();
-        let r = match sink {
-            Some(sink) => self.client.attempt_streaming(job, use_by, sink).await,
-            None => self.client.attempt_by(job, use_by).await,
-        };
+        let r = self.client.attempt_answer(job, use_by, sink).await;
         let outcome = match &r {
             Err(AttemptError::Late { .. }) => return r,
             Ok(_) => CallOutcome::Ok,
@@ -602,7 +647,7 @@ impl<C: Transport> Client for ThrottledClient<C> {
     }
 
     async fn call_by(&self, job: &Job, deadline: Option<Instant>) -> Result<Value, CallError> {
-        self.call_with(job, deadline, None).await
+        Ok(self.call_with(job, deadline, None).await?.body)
     }
 
     async fn call_streaming(
@@ -611,7 +656,16 @@ impl<C: Transport> Client for ThrottledClient<C> {
         deadline: Option<Instant>,
         sink: &dyn StreamWriter,
     ) -> Result<Value, CallError> {
-        self.call_with(job, deadline, Some(sink)).await
+        Ok(self.call_with(job, deadline, Some(sink)).await?.body)
+    }
+
+    async fn call_answer(
+        &self,
+        job: &Job,
+        deadline: Option<Instant>,
+        sink: Option<&dyn StreamWriter>,
+    ) -> Result<Answer, CallError> {
+        self.call_with(job, deadline, sink).await
     }
 }
 
@@ -623,7 +677,7 @@ impl<C: Transport> ThrottledClient<C> {
         job: &Job,
         deadline: Option<Instant>,
         sink: Option<&dyn StreamWriter>,
-    ) -> Result<Value, CallError> {
+    ) -> Result<Answer, CallError> {
         let name = &self.provider.name;
         let retry_unanswered = self.retry_unanswered.contains(&job.operation);
         let mut tally = outcome::Tally::default();

@@ -50,6 +50,7 @@ use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, FailArgs, LeaseArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
+use tollgate_core::head::Head;
 use tollgate_core::trace::TraceParent;
 
 /// Most ids one maintenance step handles per set and operation.
@@ -523,6 +524,8 @@ fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo
         "running" => JobStatus::Running,
         "succeeded" => JobStatus::Succeeded {
             result: json(map, "result")?,
+            // Absent for a plain 200, and in records of earlier versions.
+            head: map.get("head").and_then(|h| serde_json::from_str(h).ok()),
         },
         "failed" => JobStatus::Failed {
             cause: FailureCause::parse(field(map, "cause")?).ok_or("unknown cause")?,
@@ -877,6 +880,20 @@ impl JobSource for RedisJobQueue {
     }
 
     async fn complete(&self, lease: &Lease, result: Json) -> Result<Finish, JobError> {
+        self.complete_with(lease, result, None).await
+    }
+
+    async fn complete_with(
+        &self,
+        lease: &Lease,
+        result: Json,
+        head: Option<Head>,
+    ) -> Result<Finish, JobError> {
+        let head = match head.filter(|h| !h.is_plain()) {
+            Some(h) => serde_json::to_string(&h)
+                .map_err(|e| StoreError::backend(format!("a job's head as JSON: {e}")))?,
+            None => String::new(),
+        };
         let (_, keys) = self.op_keys(&lease.job.operation)?;
         let r: i64 = self
             .script(
@@ -887,6 +904,7 @@ impl JobSource for RedisJobQueue {
                     &lease.worker,
                     lease.token,
                     &result.to_string(),
+                    &head,
                     scripts::Kept {
                         ttl_ms: self.ttl_ms(&lease.job.operation),
                         width_ms: self.width_ms(&lease.job.operation),

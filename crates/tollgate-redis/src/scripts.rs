@@ -938,13 +938,16 @@ pub struct Kept {
     pub width_ms: u64,
 }
 
-/// `job_complete.lua`
+/// `job_complete.lua`; `head`: the upstream answer's status and safe headers
+/// (JSON), `""` when a plain 200.
+#[allow(clippy::too_many_arguments)]
 pub fn job_complete<'a>(
     keys: &JobKeys,
     id: &str,
     worker: &str,
     token: u64,
     result: &str,
+    head: &str,
     kept: Kept,
     channel: &str,
 ) -> redis::ScriptInvocation<'a> {
@@ -958,7 +961,8 @@ pub fn job_complete<'a>(
         .arg(kept.ttl_ms)
         .arg(channel)
         .arg(keys.stored_prefix())
-        .arg(kept.width_ms);
+        .arg(kept.width_ms)
+        .arg(head);
     inv
 }
 
@@ -1206,6 +1210,8 @@ pub struct StreamPush<'a> {
     pub text: &'a str,
     pub maxlen: usize,
     pub ttl_ms: u64,
+    /// The answer's head (JSON) riding with this entry, or `""`.
+    pub head: &'a str,
 }
 
 /// `stream_push.lua`: 1 appended, 0 the reader went away.
@@ -1221,7 +1227,8 @@ pub fn stream_push<'a>(
         .arg(push.kind)
         .arg(push.text)
         .arg(push.maxlen)
-        .arg(push.ttl_ms);
+        .arg(push.ttl_ms)
+        .arg(push.head);
     inv
 }
 

@@ -66,9 +66,11 @@ impl RedisStreams {
     }
 }
 
-/// The kind letter of an event in the stream, and back.
+/// The kind letter of an event in the stream and its text, and back (a
+/// head rides with the next event: [`RedisWriter::push`]).
 fn kind(event: &StreamEvent) -> (&'static str, &str) {
     match event {
+        StreamEvent::Head(_) => ("", ""),
         StreamEvent::Data(t) => ("d", t),
         StreamEvent::End => ("x", ""),
         StreamEvent::Error(t) => ("e", t),
@@ -82,12 +84,22 @@ struct RedisWriter {
     id: String,
     attempt: u32,
     seq: std::sync::atomic::AtomicU64,
+    /// A head held back to ride with the next event (one round trip less
+    /// before the first token).
+    head: Mutex<Option<String>>,
     timeout: Duration,
 }
 
 #[async_trait]
 impl StreamWriter for RedisWriter {
     async fn push(&self, event: StreamEvent) -> Result<bool, StoreError> {
+        if let StreamEvent::Head(h) = &event {
+            let json = serde_json::to_string(h)
+                .map_err(|e| StoreError::backend(format!("a stream's head as JSON: {e}")))?;
+            *lock(&self.head) = Some(json);
+            return Ok(true);
+        }
+        let head = lock(&self.head).take().unwrap_or_default();
         let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
         let (kind, text) = kind(&event);
         let inv = scripts::stream_push(
@@ -100,6 +112,7 @@ impl StreamWriter for RedisWriter {
                 text,
                 maxlen: STREAM_CAPACITY,
                 ttl_ms: u64::try_from(STREAM_TTL.as_millis()).unwrap_or(u64::MAX),
+                head: &head,
             },
         );
         let appended: i64 = call::script(&self.pool, self.timeout, "stream_push", &inv).await?;
@@ -219,10 +232,22 @@ fn entries(reply: Value) -> Result<Vec<(String, StreamEntry)>, StoreError> {
             let (Some(attempt), Some(seq)) = (num("a"), num("s")) else {
                 return Err(bad());
             };
+            let attempt = u32::try_from(attempt).unwrap_or(u32::MAX);
+            if let Some(head) = field(fields, "h") {
+                let head = serde_json::from_slice(head).map_err(|_| bad())?;
+                out.push((
+                    id.clone(),
+                    StreamEntry {
+                        attempt,
+                        seq,
+                        event: StreamEvent::Head(head),
+                    },
+                ));
+            }
             out.push((
                 id,
                 StreamEntry {
-                    attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
+                    attempt,
                     seq,
                     event,
                 },
@@ -232,12 +257,35 @@ fn entries(reply: Value) -> Result<Vec<(String, StreamEntry)>, StoreError> {
     Ok(out)
 }
 
+/// How long a reader keeps trying to read again after its connection failed
+/// (Redis restarting): a stream that survived (AOF) is read on from where it
+/// was; one that did not shows a gap, which ends the client's stream.
+const REREAD_FOR: Duration = Duration::from_secs(3);
+const REREAD_PAUSE: Duration = Duration::from_millis(100);
+
 #[async_trait]
 impl StreamReader for RedisReader {
     async fn next(&mut self, wait: Duration) -> Result<Read, StoreError> {
         if let Some(entry) = self.buffered.pop_front() {
             return Ok(Read::Event(self.continuity.accept(entry)));
         }
+        let failed_since = tokio::time::Instant::now();
+        loop {
+            match self.read(wait).await {
+                Ok(read) => return Ok(read),
+                Err(e) if failed_since.elapsed() < REREAD_FOR => {
+                    tracing::debug!(error = %e, "reading a stream failed; reading again from where it was");
+                    tokio::time::sleep(REREAD_PAUSE).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl RedisReader {
+    /// One `XREAD BLOCK` from the last entry read.
+    async fn read(&mut self, wait: Duration) -> Result<Read, StoreError> {
         let mut conn = match self.conn.take() {
             Some(c) => c,
             None => {
@@ -305,6 +353,7 @@ impl JobStreams for RedisStreams {
             id: job.id.as_str().to_owned(),
             attempt: job.attempt,
             seq: std::sync::atomic::AtomicU64::new(0),
+            head: Mutex::new(None),
             timeout: self.timeout,
         })
     }

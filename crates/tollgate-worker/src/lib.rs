@@ -326,7 +326,7 @@ async fn fetch(
 }
 
 enum Ended {
-    Called(Result<serde_json::Value, CallError>),
+    Called(Result<tollgate_providers::Answer, CallError>),
     LeaseLost,
     Stopping,
 }
@@ -415,16 +415,7 @@ async fn job(
         // client cannot be given the rest, and the upstream may have worked.
         return lost_stream(source.as_ref(), lease, sink.as_ref()).await;
     }
-    let call = async {
-        match &sink {
-            Some(sink) => {
-                provider
-                    .call_streaming(job, Some(deadline), sink.as_ref())
-                    .await
-            }
-            None => provider.call_by(job, Some(deadline)).await,
-        }
-    };
+    let call = provider.call_answer(job, Some(deadline), sink.as_deref());
     let ended = tokio::select! {
         // The lease first: after a pause it must be seen lost before a call
         // that became ready meanwhile goes out.
@@ -434,14 +425,18 @@ async fn job(
         () = grace => Ended::Stopping,
     };
     let (recorded, ok, cause) = match ended {
-        Ended::Called(Ok(result)) => {
+        Ended::Called(Ok(answer)) => {
+            let (result, head) = (answer.body, answer.head);
             settle(source.as_ref(), lease, &result).await;
             // Settled first: a client that read the end reads its usage.
             if let Some(sink) = &sink {
                 end_stream(sink.as_ref(), StreamEvent::End).await;
             }
             tracing::debug!("the provider answered; recording the result");
-            let recorded = finish("complete", || source.complete(lease, result.clone())).await;
+            let recorded = finish("complete", || {
+                source.complete_with(lease, result.clone(), head.clone())
+            })
+            .await;
             (recorded, JobEnd::Succeeded, None)
         }
         Ended::Called(Err(e)) if e.may_hand_back() => {

@@ -20,6 +20,7 @@ mod memory;
 mod memory_embedded;
 mod scale;
 mod stats;
+mod stream;
 mod throttle;
 mod usage;
 mod waits;
@@ -96,6 +97,10 @@ enum Command {
     /// live events, a page and a walk of every page, against a previous script
     /// side by side; fails if a call held Redis past 5 ms.
     Usage(usage::Args),
+    /// Streaming: time to first token and each event's delay through tollgate
+    /// (embedded, on Redis) against the mock directly (and an A/A pair),
+    /// p50/p99 over rotating rounds; Redis memory per open stream.
+    Stream(stream::Args),
     /// Job lookups across users: another user's job against a missing one,
     /// through `tollgate api` (`--bin` for builds side by side).
     JobLookup(job_lookup::Args),
@@ -126,6 +131,7 @@ fn main() -> anyhow::Result<()> {
             Command::MemoryEmbedded(args) => memory_embedded::run(args).await,
             Command::Usage(args) => usage::run(args).await,
             Command::JobLookup(args) => job_lookup::run(args).await,
+            Command::Stream(args) => stream::run(args).await,
         }
     })
 }
