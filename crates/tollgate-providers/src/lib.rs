@@ -760,7 +760,7 @@ impl<C: Transport> ThrottledClient<C> {
             }
             let err = match r {
                 Ok(v) => {
-                    self.settle_usage(job, &grant, &v).await;
+                    self.settle_usage(job, &grant, &v.body).await;
                     return Ok(v);
                 }
                 Err(e) => e,
