@@ -255,7 +255,7 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
                 "recent (default), failed or dead.",
                 serde_json::json!({"type": "string", "enum": ["recent", "failed", "dead"]}),
             )
-            .query("user", "Only this user's jobs.", serde_json::json!({"type": "string"}))
+            .query("user", "Only this user's jobs (empty: every user's).", openapi::id_filter_schema())
             .query("operation", "Only this operation's jobs.", serde_json::json!({"type": "string"}))
             .query(
                 "limit",
@@ -279,8 +279,8 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             .viewer()
             .query(
                 "user",
-                "Whose job (needed once the activity log no longer keeps its timeline).",
-                serde_json::json!({"type": "string"}),
+                "Whose job (needed once the activity log no longer keeps its timeline; empty: not given).",
+                openapi::id_filter_schema(),
             )
             .ok(200, "The job(s) of this id, or why none was found.", Some(schema("JobDetail")))
             .errors(&[P::InvalidField]),

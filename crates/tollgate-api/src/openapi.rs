@@ -395,6 +395,12 @@ pub fn document(docs: &[Doc], config: &Config) -> Value {
     })
 }
 
+/// A user id as a query filter: an id, or empty for none (what the
+/// dashboard's forms send for a field left blank).
+pub(crate) fn id_filter_schema() -> Value {
+    json!({"type": "string", "maxLength": tollgate_core::id::MAX_ID_LEN, "pattern": "^[A-Za-z0-9._@+=~-]*$"})
+}
+
 /// A user id or request id: what `tollgate_core::id` accepts.
 fn id_schema() -> Value {
     json!({"type": "string", "minLength": 1, "maxLength": tollgate_core::id::MAX_ID_LEN, "pattern": "^[A-Za-z0-9._@+=~-]+$"})

@@ -170,6 +170,9 @@ pub async fn list(
     })?;
     let (limit, offset) = page_bounds(&q)?;
     let user = q.user.as_deref().filter(|u| !u.is_empty());
+    if let Some(u) = user {
+        UserId::new(u).map_err(|e| bad("user", format!("user: {e}")))?;
+    }
     let operation = q.operation.as_deref().filter(|o| !o.is_empty());
     if let Some(op) = operation {
         if state.config.operation(op).is_none() {
