@@ -108,7 +108,7 @@ struct Limited {
 
 const LIMITED: Limited = Limited {
     name: "tok",
-    requests: 20,
+    requests: 14,
     tokens: 1000,
     token_burst: 300,
     per_s: 2,
