@@ -1861,7 +1861,10 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
 ///   bound, which for tokens is one call's weight);
 /// - calls in flight (from each call's arrival to its end as the upstream
 ///   saw them): never more than `max_concurrent`.
-fn limited_checks(arrivals: &[tollgate_tests::upstream::Arrival], load_start_us: u64) -> Vec<Check> {
+fn limited_checks(
+    arrivals: &[tollgate_tests::upstream::Arrival],
+    load_start_us: u64,
+) -> Vec<Check> {
     let l = &LIMITED;
     let per_us = l.per_s * 1_000_000;
     let into_load = |us: u64| us.saturating_sub(load_start_us) as f64 / 1e6;
