@@ -54,6 +54,10 @@ pub struct Arrival {
     /// (a call is in flight until its answer is written, or its connection
     /// dropped).
     pub in_flight: usize,
+    /// When the call ended at the upstream (µs since the epoch): its answer
+    /// handed to the connection, or the connection dropped; `None` while it
+    /// runs.
+    pub end_us: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -239,15 +243,15 @@ impl Behaviour {
 }
 
 /// One call in flight at the upstream, from its arrival until the handler
-/// ends or is dropped.
-struct InFlight(Arc<Shared>);
+/// ends or is dropped; its end is written into its arrival (`end_us`).
+struct InFlight(Arc<Shared>, Option<usize>);
 
 impl InFlight {
     fn enter(shared: &Arc<Shared>) -> Self {
         if let Ok(mut inner) = shared.inner.lock() {
             inner.in_flight += 1;
         }
-        Self(Arc::clone(shared))
+        Self(Arc::clone(shared), None)
     }
 }
 
@@ -255,6 +259,9 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         if let Ok(mut inner) = self.0.inner.lock() {
             inner.in_flight = inner.in_flight.saturating_sub(1);
+            if let Some(a) = self.1.and_then(|i| inner.arrivals.get_mut(i)) {
+                a.end_us = Some(now_us());
+            }
         }
     }
 }
@@ -275,7 +282,7 @@ async fn call(
     };
     let (job, traceparent) = (header("idempotency-key"), header("traceparent"));
     let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let _in_flight = InFlight::enter(&shared);
+    let mut in_flight_guard = InFlight::enter(&shared);
     let behaviour = Behaviour::of(&input);
     let (allowed, refused) = {
         let Ok(mut inner) = shared.inner.lock() else {
@@ -309,6 +316,7 @@ async fn call(
         };
         let in_flight = inner.in_flight;
         let at_us = now_us();
+        in_flight_guard.1 = Some(inner.arrivals.len());
         if refused.is_some() {
             inner.refused.push((path.clone(), at_us));
         }
@@ -327,6 +335,7 @@ async fn call(
             query: query.clone(),
             body: body.clone(),
             in_flight,
+            end_us: None,
         });
         (allowed, refused)
     };

@@ -149,10 +149,19 @@ fn pairs(input: &Value) -> Vec<(String, String)> {
     out
 }
 
-/// `Retry-After` in seconds (integer or decimal); HTTP dates are ignored.
+/// `Retry-After` in seconds (integer or decimal), or an HTTP-date (RFC 9110):
+/// the time until it, none when it has passed; at most an hour either way.
 fn retry_after(h: Option<&HeaderValue>) -> Option<Duration> {
-    let secs: f64 = h?.to_str().ok()?.trim().parse().ok()?;
-    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(3600.0)))
+    let text = h?.to_str().ok()?.trim();
+    if let Ok(secs) = text.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0)
+            .then(|| Duration::from_secs_f64(secs.min(3600.0)));
+    }
+    let at = httpdate::parse_http_date(text).ok()?;
+    let wait = at
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or(Duration::ZERO);
+    Some(wait.min(Duration::from_secs(3600)))
 }
 
 #[async_trait]
@@ -501,10 +510,24 @@ mod tests {
             retry_after(h("0.25").as_ref()),
             Some(Duration::from_millis(250))
         );
+        // An HTTP-date: the time until it; one past means now.
         assert_eq!(
             retry_after(h("Wed, 21 Oct 2015 07:28:00 GMT").as_ref()),
-            None
+            Some(Duration::ZERO)
         );
+        let soon = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(30));
+        let wait = retry_after(h(&soon).as_ref()).unwrap_or_default();
+        assert!(
+            wait > Duration::from_secs(28) && wait <= Duration::from_secs(30),
+            "{soon}: {wait:?}"
+        );
+        let far =
+            httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(86_400));
+        assert_eq!(
+            retry_after(h(&far).as_ref()),
+            Some(Duration::from_secs(3600))
+        );
+        assert_eq!(retry_after(h("soon").as_ref()), None);
         assert_eq!(retry_after(None), None);
     }
 

@@ -89,6 +89,48 @@ const PROVIDERS: [Provider; 2] = [
     },
 ];
 
+/// The provider of the generated config with several limits: a request
+/// limit and a token limit over one window of `per`, and a cap on the calls in
+/// flight. Its calls weigh their `max_tokens` (or `DEFAULT_WEIGHT`), the
+/// upstream reports half to all of it as their usage, and takes 100 to 500 ms
+/// over each, so that the cap binds.
+struct Limited {
+    name: &'static str,
+    /// Calls in any window of `per`.
+    requests: u64,
+    /// Reported tokens in any window of `per`.
+    tokens: u64,
+    /// The token limit's burst: the most it grants at once.
+    token_burst: u64,
+    per_s: u64,
+    max_concurrent: usize,
+}
+
+const LIMITED: Limited = Limited {
+    name: "tok",
+    requests: 14,
+    tokens: 1000,
+    token_burst: 300,
+    per_s: 2,
+    max_concurrent: 2,
+};
+
+/// A `tok.call` without `max_tokens` weighs this (its operation's `weight.default`).
+const DEFAULT_WEIGHT: u64 = 100;
+/// The heaviest `max_tokens` the load sends.
+const MAX_WEIGHT: u64 = 250;
+
+impl Limited {
+    /// The request bucket these limits make (config.rs, `request_bucket`):
+    /// a tenth of the limit as its burst, refilled so that
+    /// `burst + rate * per + 1 = requests` (a grant used at most 1/rate late).
+    fn request_bucket(&self) -> (f64, u64) {
+        let burst = (self.requests / 10).max(1);
+        let rate = (self.requests - burst - 1) as f64 / self.per_s as f64;
+        (rate, burst)
+    }
+}
+
 /// An operation of the generated config.
 struct Op {
     name: &'static str,
@@ -96,7 +138,7 @@ struct Op {
     cost: u64,
 }
 
-const OPS: [Op; 3] = [
+const OPS: [Op; 4] = [
     Op {
         name: "llm.call",
         provider: "llm",
@@ -111,6 +153,11 @@ const OPS: [Op; 3] = [
         name: "emb.call",
         provider: "emb",
         cost: 1,
+    },
+    Op {
+        name: "tok.call",
+        provider: "tok",
+        cost: 3,
     },
 ];
 
@@ -129,6 +176,20 @@ fn config(upstream: &str) -> String {
             b = p.burst,
         );
     }
+    let l = &LIMITED;
+    let _ = write!(
+        out,
+        "[providers.{n}]\nlimits = [{{ rate = {r}, per = \"{p}s\" }}, \
+         {{ tokens = {t}, per = \"{p}s\", burst = {b} }}]\nmax_concurrent = {c}\n\
+         usage = \"/usage/total_tokens\"\nmax_wait = \"8s\"\n\
+         url = \"{upstream}\"\ntimeout = \"3s\"\nretries = 1\n",
+        n = l.name,
+        r = l.requests,
+        t = l.tokens,
+        b = l.token_burst,
+        p = l.per_s,
+        c = l.max_concurrent,
+    );
     for o in &OPS {
         let _ = write!(
             out,
@@ -138,6 +199,12 @@ fn config(upstream: &str) -> String {
             c = o.cost,
             p = o.provider,
         );
+        if o.provider == LIMITED.name {
+            let _ = writeln!(
+                out,
+                "weight = {{ from = \"/max_tokens\", default = {DEFAULT_WEIGHT} }}"
+            );
+        }
     }
     out
 }
@@ -739,6 +806,7 @@ async fn one_call(
     user: usize,
     op: usize,
     sync: bool,
+    body: Value,
     give_up: Instant,
 ) -> Call {
     let key = format!("{run}-{n}");
@@ -752,7 +820,6 @@ async fn one_call(
         retries: 0,
         id_mismatch: None,
     };
-    let body = json!({"marker": key});
     let mut attempt = n;
     while Instant::now() < give_up {
         let api = apis[attempt % apis.len()];
@@ -1153,6 +1220,26 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             rng.below(OPS.len() as u64) as usize,
         );
         let sync = rng.below(2) == 0;
+        let marker = format!("c{run_tag}-{n}");
+        let body = if OPS[op].provider == LIMITED.name {
+            // Mixed weights, an eighth without max_tokens (the default
+            // weight), each reporting half to all of its weight as used.
+            let explicit = rng.below(8) != 0;
+            let weight = if explicit {
+                50 + rng.below(MAX_WEIGHT - 50 + 1)
+            } else {
+                DEFAULT_WEIGHT
+            };
+            let usage = weight / 2 + rng.below(weight - weight / 2 + 1);
+            let upstream = json!({"usage": usage, "after_ms": 100 + rng.below(401)});
+            if explicit {
+                json!({"marker": marker, "max_tokens": weight, "upstream": upstream})
+            } else {
+                json!({"marker": marker, "upstream": upstream})
+            }
+        } else {
+            json!({"marker": marker})
+        };
         calls.spawn(one_call(
             http.clone(),
             apis.clone(),
@@ -1162,6 +1249,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             user,
             op,
             sync,
+            body,
             give_up,
         ));
     }
@@ -1499,6 +1587,8 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         ),
     });
 
+    checks.extend(limited_checks(&arrivals, load_start_us));
+
     // Each refusal paused its provider for every pod: no call of it reached
     // the upstream during its Retry-After (1 s), past a grace for the calls
     // granted before the pause was recorded (sent within their use-by, 1/rate
@@ -1609,6 +1699,18 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             health.push(format!("{}: {n} live throttlers", p.name));
         }
         liveness.push(format!("{} {n}t", p.name));
+    }
+    {
+        let n = live(
+            &redis_url,
+            &format!("{prefix}:v1:{{p:{}}}:throttlers", LIMITED.name),
+            now / 1000,
+        )
+        .await?;
+        if n < 2 {
+            health.push(format!("{}: {n} live throttlers", LIMITED.name));
+        }
+        liveness.push(format!("{} {n}t", LIMITED.name));
     }
     checks.push(Check {
         name: "every role recovered without a restart by the suite",
@@ -1745,4 +1847,119 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(all_ok)
+}
+
+/// The invariants of the provider with several limits ([`LIMITED`]), from the
+/// upstream's own records, through every fault of the run:
+/// - requests: over any interval `t`, at most `burst + rate*t + 1` calls of
+///   its request bucket (so at most `requests` in any window of `per`), the
+///   bound docs/src/throttling.md states for a grant used within its late bound;
+/// - tokens: the usage the upstream reported for the calls it answered 200,
+///   summed over any window of `per`, at most the token limit plus one call's
+///   weight (the design keeps the limit for what the upstream counts; a grant
+///   reaches the upstream a moment after it was made, the `+1` of the request
+///   bound, which for tokens is one call's weight);
+/// - calls in flight (from each call's arrival to its end as the upstream
+///   saw them): never more than `max_concurrent`.
+fn limited_checks(
+    arrivals: &[tollgate_tests::upstream::Arrival],
+    load_start_us: u64,
+) -> Vec<Check> {
+    let l = &LIMITED;
+    let per_us = l.per_s * 1_000_000;
+    let into_load = |us: u64| us.saturating_sub(load_start_us) as f64 / 1e6;
+    let mine: Vec<&tollgate_tests::upstream::Arrival> =
+        arrivals.iter().filter(|a| a.path == l.name).collect();
+    let mut times: Vec<u64> = mine.iter().map(|a| a.at_us).collect();
+    times.sort_unstable();
+    let (rate, burst) = l.request_bucket();
+    let (excess, _, _, _) = worst_interval_net(&times, rate, burst, &[]);
+    let (mut most_calls, mut most_calls_at, mut j) = (0, 0, 0);
+    for (i, &t) in times.iter().enumerate() {
+        while j < times.len() && times[j] < t + per_us {
+            j += 1;
+        }
+        if j - i > most_calls {
+            (most_calls, most_calls_at) = (j - i, t);
+        }
+    }
+    // Reported usage of the calls answered 200, in arrival order.
+    let mut used: Vec<(u64, u64)> = mine
+        .iter()
+        .filter(|a| a.status == 200)
+        .map(|a| {
+            let input: Value = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
+            (a.at_us, input["upstream"]["usage"].as_u64().unwrap_or(0))
+        })
+        .collect();
+    used.sort_unstable();
+    let (mut most_tokens, mut most_tokens_at, mut sum, mut j) = (0, 0, 0, 0);
+    for (i, &(t, _)) in used.iter().enumerate() {
+        while j < used.len() && used[j].0 < t + per_us {
+            sum += used[j].1;
+            j += 1;
+        }
+        if sum > most_tokens {
+            (most_tokens, most_tokens_at) = (sum, t);
+        }
+        sum -= used[i].1;
+    }
+    // Most calls in flight at once: ends before starts at the same moment
+    // (the worker frees its slot only after it has the answer).
+    let mut events: Vec<(u64, i64)> = Vec::new();
+    for a in &mine {
+        events.push((a.at_us, 1));
+        events.push((a.end_us.unwrap_or(u64::MAX), -1));
+    }
+    events.sort_unstable();
+    let (mut in_flight, mut most_in_flight, mut most_in_flight_at) = (0_i64, 0_i64, 0);
+    for (t, d) in events {
+        in_flight += d;
+        if in_flight > most_in_flight {
+            (most_in_flight, most_in_flight_at) = (in_flight, t);
+        }
+    }
+    let token_bound = l.tokens + MAX_WEIGHT;
+    vec![
+        Check {
+            name: "upstream (several limits): calls <= burst + rate*t + 1 of the request limit",
+            ok: excess <= 1.0 && most_calls as u64 <= l.requests,
+            figure: format!(
+                "{}: {} calls, max excess {excess:.2} over {burst} + {rate:.1}*t; \
+                 at most {most_calls} in a {} s window (limit {}, at {:.2} s into the load)",
+                l.name,
+                times.len(),
+                l.per_s,
+                l.requests,
+                into_load(most_calls_at)
+            ),
+        },
+        Check {
+            name: "upstream (several limits): reported tokens per window <= limit + one call's weight",
+            ok: most_tokens <= token_bound,
+            figure: format!(
+                "{}: {} calls answered 200, {} tokens reported; at most {most_tokens} in a {} s window \
+                 (limit {}, bound {token_bound}; {:.2} of the limit; at {:.2} s into the load)",
+                l.name,
+                used.len(),
+                used.iter().map(|u| u.1).sum::<u64>(),
+                l.per_s,
+                l.tokens,
+                most_tokens as f64 / l.tokens as f64,
+                into_load(most_tokens_at)
+            ),
+        },
+        Check {
+            name: "upstream (several limits): calls in flight <= max_concurrent",
+            ok: most_in_flight as usize <= l.max_concurrent && !mine.is_empty(),
+            figure: format!(
+                "{}: at most {most_in_flight} in flight (max_concurrent {}, at {:.2} s into the load); \
+                 {} calls never ended",
+                l.name,
+                l.max_concurrent,
+                into_load(most_in_flight_at),
+                mine.iter().filter(|a| a.end_us.is_none()).count()
+            ),
+        },
+    ]
 }
