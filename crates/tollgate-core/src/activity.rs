@@ -1030,6 +1030,19 @@ impl JobSource for RecordingSource {
         r
     }
 
+    async fn complete_with(
+        &self,
+        lease: &Lease,
+        result: serde_json::Value,
+        head: Option<crate::head::Head>,
+    ) -> Result<Finish, JobError> {
+        let r = self.inner.complete_with(lease, result, head).await;
+        if let Ok(Finish::Recorded) = r {
+            self.noted(lease, JobStep::Succeeded);
+        }
+        r
+    }
+
     async fn fail(
         &self,
         lease: &Lease,
