@@ -168,31 +168,40 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let mut succeeded_cost: HashMap<&str, u64> = HashMap::new();
-    let mut failures = 0;
+    // What each user pays: its succeeded jobs, and its failed jobs whose
+    // charge stands (a run whose worker was killed after the call may have
+    // gone out: the upstream may have done the work).
+    let mut paid: HashMap<&str, u64> = HashMap::new();
+    let (mut failures, mut charged_failures) = (0, 0);
     for job in &accepted {
-        match finished[&job.id].0.as_str() {
-            "succeeded" => *succeeded_cost.entry(job.user.as_str()).or_default() += job.cost,
-            _ => failures += 1,
+        let (status, v) = &finished[&job.id];
+        let charged = status == "succeeded" || v["error"]["charged"].as_bool() == Some(true);
+        if status != "succeeded" {
+            failures += 1;
+            charged_failures += usize::from(charged);
+        }
+        if charged {
+            *paid.entry(job.user.as_str()).or_default() += job.cost;
         }
     }
     println!(
-        "{} jobs finished: {} succeeded, {failures} failed",
+        "{} jobs finished: {} succeeded, {failures} failed ({charged_failures} of them charged: the upstream may have worked)",
         accepted.len(),
         accepted.len() - failures
     );
 
-    // 4. Usage is exactly the cost of the succeeded jobs: charged once, refunded
-    //    at most once, even with a worker killed mid-job.
+    // 4. Usage is exactly the cost of the jobs that succeeded or failed
+    //    charged: charged once, refunded at most once, even with a worker
+    //    killed mid-job.
     for (user, key) in [(&capped, &capped_key), (&busy, &busy_key)] {
         let usage = get_json(&http, &format!("{}/v1/usage", args.apis[0]), key).await?;
         let used = usage["used"].as_u64().context("usage.used")?;
-        let expected = succeeded_cost.get(user.as_str()).copied().unwrap_or(0);
+        let expected = paid.get(user.as_str()).copied().unwrap_or(0);
         ensure!(
             used == expected,
-            "{user}: usage {used} != cost of succeeded jobs {expected}"
+            "{user}: usage {used} != cost of its jobs that succeeded or failed charged {expected}"
         );
-        println!("{user}: used {used} == cost of its succeeded jobs");
+        println!("{user}: used {used} == cost of its jobs that succeeded or failed charged");
     }
 
     // 5. The throttle kept the upstream under its own limit.
