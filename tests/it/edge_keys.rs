@@ -35,6 +35,9 @@ impl Api {
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env_remove("TOLLGATE_CONFIG")
             .env("RUST_LOG", "warn")
+            // No dashboard history sampler: these tests count Redis commands
+            // (its sample, every 10 s, reads counters with HMGET).
+            .env("TOLLGATE_HISTORY_INTERVAL_MS", "0")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
