@@ -112,6 +112,18 @@ fn start(redis: bool, token_interval_ms: u64) -> System {
 /// `tollgate all`, on a redis-server started with `redis` arguments when
 /// given, else embedded.
 fn start_with(redis: Option<&[&str]>, token_interval_ms: u64) -> System {
+    start_on(redis, None, token_interval_ms)
+}
+
+/// `tollgate all` on the suite's Redis Cluster (a stream's key shares its
+/// queue's hash tag).
+fn start_cluster(token_interval_ms: u64) -> (System, tollgate_tests::TestCluster) {
+    let cluster = tollgate_tests::TestCluster::get();
+    let sys = start_on(None, Some(cluster.url()), token_interval_ms);
+    (sys, cluster)
+}
+
+fn start_on(redis: Option<&[&str]>, cluster: Option<String>, token_interval_ms: u64) -> System {
     let interval = token_interval_ms.to_string();
     let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
     let dir = TempDir(std::env::temp_dir().join(format!("tollgate-stream-{}", random_prefix())));
@@ -120,7 +132,7 @@ fn start_with(redis: Option<&[&str]>, token_interval_ms: u64) -> System {
     std::fs::write(&path, config(&mock_url)).unwrap();
     let server = redis.map(RedisServer::start_with);
     let prefix = random_prefix();
-    let url = server.as_ref().map(|s| s.url());
+    let url = server.as_ref().map(|s| s.url()).or(cluster);
     let mut args = vec![
         "all",
         "--listen",
@@ -394,7 +406,10 @@ fn datas(body: &str) -> Vec<String> {
 }
 
 async fn whole_and_streamed_answers(redis: bool) {
-    let sys = start(redis, 2);
+    whole_and_streamed_answers_on(start(redis, 2)).await;
+}
+
+async fn whole_and_streamed_answers_on(sys: System) {
     let key = sys.user("ada", "free").await;
 
     // Chat, whole: the upstream's body as-is; charged its total_tokens.
@@ -776,4 +791,12 @@ async fn streaming_client_gone_embedded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_client_gone_redis() {
     a_client_gone_mid_stream_cuts_the_upstream(true).await;
+}
+
+/// The same answers on a Redis Cluster: `stream_push.lua` and the stream's
+/// `XREAD` on the node that owns the job's queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_whole_and_streamed_answers_cluster() {
+    let (sys, _cluster) = start_cluster(2);
+    whole_and_streamed_answers_on(sys).await;
 }
