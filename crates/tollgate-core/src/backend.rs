@@ -8,6 +8,8 @@ use std::sync::Arc;
 use crate::activity::{
     ActivityLog, MemoryActivity, RecordingLedger, RecordingSource, RecordingThrottle,
 };
+use crate::alerts::{AlertOutbox, MemoryAlerts};
+use crate::clock::SystemClock;
 use crate::config::Config;
 use crate::durability::{DurabilityCheck, MemoryDurability};
 use crate::job::{JobQueue, JobSource};
@@ -52,6 +54,9 @@ pub struct Backends {
     /// Streamed answers, from the worker running a job to the api holding
     /// its client.
     pub streams: Arc<dyn JobStreams>,
+    /// Budget alerts queued by the ledger's steps, drained by the deliverer
+    /// (`tollgate-alerts`); never written without `[alerts]`.
+    pub alerts: Arc<dyn AlertOutbox>,
 }
 
 impl Backends {
@@ -61,9 +66,10 @@ impl Backends {
         let metrics = Arc::new(Metrics::new(&config));
         let activity: Arc<dyn ActivityLog> = Arc::new(MemoryActivity::new());
         metrics.note_answers_into(Arc::clone(&activity));
+        let alerts = MemoryAlerts::new(Arc::new(SystemClock));
         let ledger: Arc<dyn Ledger> = Arc::new(RecordingLedger::new(
             Arc::new(MeteredLedger::new(
-                Arc::new(MemoryLedger::new(Arc::clone(&config))),
+                Arc::new(MemoryLedger::new(Arc::clone(&config)).with_alerts(alerts.clone())),
                 Arc::clone(&metrics),
             )),
             Arc::clone(&activity),
@@ -86,6 +92,7 @@ impl Backends {
             durability: Arc::new(MemoryDurability),
             sessions: Arc::new(MemorySessions::new()),
             streams: Arc::new(MemoryStreams::new()),
+            alerts: Arc::new(alerts),
         }
     }
 }

@@ -18,6 +18,7 @@
 //! `TIME`; so are job records and queues.
 
 pub mod activity;
+pub mod alerts;
 pub mod call;
 pub mod clock;
 pub mod durability;
@@ -96,6 +97,7 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
             keys.clone(),
             Arc::clone(&config),
         )),
+        alerts: Arc::new(alerts::RedisAlerts::new(pool.clone(), keys.clone())),
         dispatchers: Some(Arc::new(RedisDispatchers { pool, keys })),
         config,
         ledger,
