@@ -227,6 +227,8 @@ struct Pods {
     _cluster: Option<TestCluster>,
 }
 
+type Stores = (Vec<Arc<dyn Ledger>>, Vec<Arc<dyn AlertOutbox>>);
+
 #[derive(Clone, Copy)]
 enum Store {
     Memory,
@@ -237,7 +239,7 @@ enum Store {
 impl Pods {
     async fn start(store: Store, config: Arc<Config>) -> Self {
         let (mut server, mut cluster) = (None, None);
-        let (ledgers, outboxes): (Vec<Arc<dyn Ledger>>, Vec<Arc<dyn AlertOutbox>>) = match store {
+        let (ledgers, outboxes): Stores = match store {
             Store::Memory => {
                 let alerts = MemoryAlerts::new(Arc::new(SystemClock));
                 let ledger: Arc<dyn Ledger> =

@@ -151,11 +151,14 @@ pub struct Crossing {
     pub at_ms: u64,
 }
 
-/// One plan's thresholds per limit, as the budget steps check them:
-/// `(limit, window_ms, [(threshold_bp, tokens)])`, the limits in the plan's order.
+/// One limit's thresholds: `(limit, window_ms, [(threshold_bp, tokens)])`.
+pub type LimitMarks = (u64, u64, Vec<(u32, u64)>);
+
+/// One plan's thresholds per limit, as the budget steps check them, the
+/// limits in the plan's order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AlertMarks {
-    pub limits: Vec<(u64, u64, Vec<(u32, u64)>)>,
+    pub limits: Vec<LimitMarks>,
 }
 
 impl AlertMarks {

@@ -141,7 +141,7 @@ impl AlertOutbox for RedisAlerts {
             let dropped = r.get(2).and_then(int).ok_or_else(bad)?;
             taken.dropped += u64::try_from(dropped).unwrap_or(0);
             let leased = &r[3..];
-            if leased.len() % 3 != 0 {
+            if !leased.len().is_multiple_of(3) {
                 return Err(bad());
             }
             for e in leased.chunks_exact(3) {
