@@ -55,7 +55,8 @@
 -- The ARGV tail is the export's maxlen (0: no export), the retention (ms: the
 -- longest window of any configured plan), then the plan table as pairs (name,
 -- limits), the default plan first; limits is 'limit:window_ms,...', longest
--- window first. The log keeps every event for the retention, whatever the
+-- window first, then, with alerts, '|' and per threshold '<basis points>:<tokens
+-- in limit 1>:<tokens in limit 2>...', comma separated (see `alert_marks`). The log keeps every event for the retention, whatever the
 -- user's plan, so a plan change never erases spend; a reservation must fit
 -- every window of the user's plan.
 -- Time is Redis TIME: pod clocks never decide a budget.
@@ -101,6 +102,20 @@ local SIZE, SPLIT, RETAIN = 1, 0, 0
 local KEPT = 0
 -- Parsed plan limits by their text, across the calls of one library load.
 local PARSED, PARSED_N = {}, 0
+-- Alerts (see `crossed`): the limits of this call's plan (their `marks`:
+-- thresholds), whether this call queued an alert or found one whose outbox
+-- pointer may be lost (then the reply is wrapped, see `finish`), and meta's
+-- 'a': when an alert was queued that no deliverer has looked at since.
+local LIMITS, POINT, PENDING = nil, false, nil
+-- An outbox no deliverer looked at this long after an alert was queued has
+-- its pointer added again by the next call's caller (its first caller may
+-- have died before adding it).
+local REPOINT_MS = 10000
+-- A subject's outbox: at most this many alerts (OUTBOX_MAX in
+-- tollgate_core::alerts), kept this long (ms) past its last write (more than
+-- the longest `[alerts] keep`).
+local OUTBOX_MAX = 1000
+local OUTBOX_TTL = 8 * 86400 * 1000
 
 -- Starts one call: its keys and arguments, and the state above reset.
 local function begin(keys, args)
@@ -110,6 +125,7 @@ local function begin(keys, args)
   BASE = string.sub(META, 1, -6)
   SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, RETAIN = {}, false, 2, 0, 0, 1, 0, 0
   KEPT, WORK = 0, SLICE
+  LIMITS, POINT, PENDING = nil, false, nil
 end
 
 local function int(n)
@@ -146,6 +162,28 @@ local function tohex(s)
   return table.concat(out)
 end
 
+-- Reads a plan's alert thresholds ('<bp>:<tokens>:<tokens>,...': per
+-- threshold its basis points, then the token count that reaches it in each
+-- limit, in the limits' order) into each limit's `marks` ({ bp, at }).
+local function alert_marks(limits, text)
+  for group in string.gmatch(text, '[^,]+') do
+    local bp, k = nil, 0
+    for n in string.gmatch(group, '%d+') do
+      if not bp then
+        bp = tonumber(n)
+      else
+        k = k + 1
+        local l = limits[k]
+        if l then
+          l.marks = l.marks or {}
+          l.marks[#l.marks + 1] = { bp = bp, at = tonumber(n) }
+          limits.alerting = true
+        end
+      end
+    end
+  end
+end
+
 -- Returns the name and limits ({ limit, window } each, longest window first) of
 -- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
 local function resolve_plan(i)
@@ -167,8 +205,12 @@ local function resolve_plan(i)
   local limits = PARSED[spec]
   if not limits then
     limits = {}
-    for l, w in string.gmatch(spec, '(%d+):(%d+)') do
+    local bar = string.find(spec, '|', 1, true)
+    for l, w in string.gmatch(bar and string.sub(spec, 1, bar - 1) or spec, '(%d+):(%d+)') do
       limits[#limits + 1] = { limit = tonumber(l), window = tonumber(w) }
+    end
+    if bar then
+      alert_marks(limits, string.sub(spec, bar + 1))
     end
     if PARSED_N >= 64 then
       PARSED, PARSED_N = {}, 0
@@ -180,6 +222,7 @@ local function resolve_plan(i)
     RETAIN = longest
   end
   FIRST = longest >= RETAIN and 2 or 1
+  LIMITS = limits
   return name, limits
 end
 
@@ -483,9 +526,10 @@ end
 -- in meta's 'r' ('<sum> <ID of the last entry summed>'); a call that leaves
 -- some answers TOLLGATE_AGAIN.
 local function read_total()
-  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r')
+  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r', 'a')
   SIZE, SPLIT = tonumber(m[2]) or 1, tonumber(m[3]) or 0
   KEPT = tonumber(m[4]) or 0
+  PENDING = tonumber(m[6])
   local raw = m[1]
   if raw then
     local used = tonumber(raw)
@@ -628,6 +672,64 @@ local function migrate(now)
   return false
 end
 
+-- The subject of this call's budget, from its keys' hash tag (BASE ends
+-- '{u:<user>}'): its kind, its name, and its outbox pointer (BASE after the
+-- prefix and schema: the deliverer builds the outbox keys from it).
+local KINDS = { u = 'user', o = 'org' }
+local function subject()
+  local k, name = string.match(BASE, '(%w+):([^:{}]+)}?$')
+  return KINDS[k] or k or '?', name or '', string.match(BASE, '({.*)$') or BASE
+end
+
+-- An alert was queued and no deliverer has looked at the outbox for
+-- REPOINT_MS: its caller may have died before adding the outbox's pointer to
+-- the due set, so this call's caller adds it (again; adding is idempotent).
+local function repoint(now)
+  if PENDING and now - PENDING >= REPOINT_MS then
+    redis.call('HSET', META, 'a', int(now))
+    POINT = true
+  end
+end
+
+-- Appends an alert to the subject's outbox (keys '<base>:alerts', a hash id ->
+-- '<window_ms> <bp> <used> <limit> <at_ms> <kind> <name>' plus 'n:<id>' its
+-- attempts, '#' the id counter, '!' alerts dropped when full; and
+-- '<base>:alertq', a sorted set id -> when it is due: queued, retried, or its
+-- lease's end). Its id is '<kind>:<name>:<at_ms>-<n>'. The caller adds the
+-- outbox's pointer to the due set (the reply says so, see `finish`).
+local function queue_alert(l, bp, used, now)
+  local kind, name = subject()
+  local box, due = BASE .. ':alerts', BASE .. ':alertq'
+  if redis.call('ZCARD', due) >= OUTBOX_MAX then
+    local old = redis.call('ZPOPMIN', due)
+    redis.call('HDEL', box, old[1], 'n:' .. old[1])
+    redis.call('HINCRBY', box, '!', 1)
+  end
+  local id = kind .. ':' .. name .. ':' .. int(now) .. '-' .. int(redis.call('HINCRBY', box, '#', 1))
+  redis.call('HSET', box, id, int(l.window) .. ' ' .. int(bp) .. ' ' .. int(used) .. ' '
+    .. int(l.limit) .. ' ' .. int(now) .. ' ' .. kind .. ' ' .. name)
+  redis.call('ZADD', due, now, id)
+  redis.call('PEXPIRE', box, OUTBOX_TTL)
+  redis.call('PEXPIRE', due, OUTBOX_TTL)
+  if not PENDING then
+    PENDING = now
+    redis.call('HSET', META, 'a', int(now))
+  end
+  POINT = true
+end
+
+-- A script's reply, wrapped as { 'TOLLGATE_ALERT', <outbox pointer>, reply }
+-- when the caller must add the outbox's pointer to the due set (this call
+-- queued an alert, or found one no deliverer looked at; see `repoint`). The
+-- ledger unwraps it. Errors pass as they are.
+local function finish(r)
+  if not POINT or (type(r) == 'table' and r.err) then
+    return r
+  end
+  local _, _, pointer = subject()
+  return { 'TOLLGATE_ALERT', pointer, r }
+end
+
 -- Saves the totals and answers TOLLGATE_AGAIN: this call read its SLICE of
 -- the log before every window reached `now`. What it did is kept, and
 -- consistent (each window's total matches its cursor), so the next call goes
@@ -654,6 +756,7 @@ local function expire(now, limits)
   end
   local used, shorts, changed = read_total()
   TOTAL = used
+  repoint(now)
   load_shorts(shorts, limits)
   changed = changed or SHORTS_STALE
   local behind = false
@@ -748,6 +851,40 @@ local function window_used(k, _used)
   return SHORTS[k - FIRST + 1].total
 end
 
+-- Every window's total, in the plan's order, when its plan has alert
+-- thresholds (else nil): taken before a change, for `crossed`.
+local function snapshot()
+  if not (LIMITS and LIMITS.alerting) then
+    return nil
+  end
+  local t = {}
+  for k = 1, #LIMITS do
+    t[k] = window_used(k)
+  end
+  return t
+end
+
+-- Queues an alert for each threshold a change crossed: a window's total went
+-- from below the threshold's tokens (`before`, from `snapshot`) to at or
+-- above them. Called by `record` and `recost`, where a total goes up, so
+-- exactly one call sees each crossing; a total that fell back below (events
+-- leaving, refunds) crosses anew when it rises again.
+local function crossed(before, now)
+  if not before then
+    return
+  end
+  for k, l in ipairs(LIMITS) do
+    if l.marks then
+      local after = window_used(k)
+      for _, m in ipairs(l.marks) do
+        if before[k] < m.at and after >= m.at then
+          queue_alert(l, m.bp, after, now)
+        end
+      end
+    end
+  end
+end
+
 -- Whether `cost` fits every limit (`used`: ignored, see window_used).
 local function fits(limits, used, cost)
   for k, l in ipairs(limits) do
@@ -837,6 +974,7 @@ end
 -- Sets a live event's cost (from `find`; >= 1) in every window it is inside;
 -- returns the longest window's total after.
 local function recost(ev, cost, now)
+  local before = snapshot()
   local previous = ev.cost
   if #SHORTS > 0 or EXPORT > 0 then
     unshort(ev.at, previous - cost, now)
@@ -845,7 +983,9 @@ local function recost(ev, cost, now)
   ev.cost = cost
   update(ev)
   TOTAL = TOTAL - previous + cost
-  return write_total(now)
+  local used = write_total(now)
+  crossed(before, now)
+  return used
 end
 
 -- Records a spend event of `cost` at `now` (inside every window); `o`: the
@@ -854,6 +994,7 @@ end
 -- leaves nothing behind. Returns the total and the event's time: now, or the
 -- log's last time if the clock went back. (`limits`, `used`: ignored.)
 local function record(request, cost, now, limits, used, o, slot)
+  local before = snapshot()
   local packed = pack_record(request, o)
   local sid = redis.pcall('XADD', LOG, int(now) .. '-*', 'r', packed)
   if type(sid) ~= 'string' then
@@ -881,5 +1022,6 @@ local function record(request, cost, now, limits, used, o, slot)
   if o then
     redis.call('PEXPIRE', HOLDS, int(RETAIN))
   end
+  crossed(before, now)
   return used, ev.at
 end

@@ -28,6 +28,7 @@ macro_rules! on_each_backend {
     };
 }
 
+mod alerts;
 mod all;
 mod api;
 mod api_edges;

@@ -39,8 +39,18 @@ pub fn banner_value(lines: &[String], needle: &str) -> String {
 /// Spawns `tollgate <args>` and reads stdout until `pick` finds what it wants
 /// (within 30 s); returns the child and every line read.
 pub fn spawn_reading(args: &[&str], pick: impl Fn(&[String]) -> bool) -> (Child, Vec<String>) {
+    spawn_reading_with(args, &[], pick)
+}
+
+/// [`spawn_reading`] with environment variables `envs` set for the child.
+pub fn spawn_reading_with(
+    args: &[&str],
+    envs: &[(&str, &str)],
+    pick: impl Fn(&[String]) -> bool,
+) -> (Child, Vec<String>) {
     let mut child = Command::new(workspace_bin("tollgate"))
         .args(args)
+        .envs(envs.iter().copied())
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -82,6 +82,10 @@ pub async fn run(args: AllArgs) -> ExitCode {
         }
     }
     let config = Arc::new(config);
+    let alert_secret = match crate::alerts::secret(&config) {
+        Ok(s) => s,
+        Err(f) => return f.exit(),
+    };
     let request_timeout = match args.requests.request_timeout() {
         Ok(t) => t,
         Err(f) => return f.exit(),
@@ -200,6 +204,11 @@ pub async fn run(args: AllArgs) -> ExitCode {
             stopped(stop_rx.clone()),
         ))
     });
+    let deliverer =
+        match crate::alerts::spawn(&config, alert_secret, &backends, stopped(stop_rx.clone())) {
+            Ok(d) => d,
+            Err(f) => return f.exit(),
+        };
     let state = ApiState::new(&backends, settings);
     let api = tollgate_api::run(state, listener, stopped(stop_rx.clone())).await;
 
@@ -211,6 +220,11 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Ok(Ok(())) => {}
         Ok(Err(e)) => code = fail(exit::BAD_INPUT, format!("worker: {e}")),
         Err(e) => code = fail(exit::FAILURE, format!("worker task: {e}")),
+    }
+    if let Some(d) = deliverer {
+        if let Err(e) = d.await {
+            code = fail(exit::FAILURE, format!("alerts deliverer task: {e}"));
+        }
     }
     let _ = backends
         .throttle

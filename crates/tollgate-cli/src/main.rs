@@ -1,6 +1,7 @@
 //! The `tollgate` binary: parses flags, sets up logging, and hands over to a role
 //! or an operator command. Everything of substance lives in the library crates.
 
+mod alerts;
 mod all;
 mod api;
 mod budget;

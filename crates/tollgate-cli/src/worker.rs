@@ -46,6 +46,10 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     if args.lease_ms < 300 {
         return Failure::bad_input("--lease-ms must be >= 300").exit();
     }
+    let alert_secret = match crate::alerts::secret(&config) {
+        Ok(s) => s,
+        Err(f) => return f.exit(),
+    };
     // Listening before the store answers (see `probes`).
     let probes = match args.probes.bind().await {
         Ok(l) => l.map(probes::spawn),
@@ -88,13 +92,30 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     if let Some(p) = &probes {
         p.ready(&backends);
     }
+    // One shutdown for the worker and the alerts' deliverer.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let deliverer =
+        match crate::alerts::spawn(&config, alert_secret, &backends, stopped(stop_rx.clone())) {
+            Ok(d) => d,
+            Err(f) => return f.exit(),
+        };
     let ran = tollgate_worker::run(
         cfg,
         Arc::clone(&backends.source),
         providers,
-        shutdown_signal(),
+        stopped(stop_rx),
     )
     .await;
+    if let Some(d) = deliverer {
+        let _ = d.await;
+    }
     // The waits dropped at shutdown cancel their tickets before the runtime
     // stops (else they stay queued until their deadline).
     let left = backends.throttle.drain(Duration::from_secs(5)).await;

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use crate::activity::{
     ActivityLog, MemoryActivity, RecordingLedger, RecordingSource, RecordingThrottle,
 };
+use crate::alerts::{AlertOutbox, MemoryAlerts};
+use crate::clock::SystemClock;
 use crate::config::Config;
 use crate::durability::{DurabilityCheck, MemoryDurability};
 use crate::job::{JobQueue, JobSource};
@@ -52,6 +54,9 @@ pub struct Backends {
     /// Streamed answers, from the worker running a job to the api holding
     /// its client.
     pub streams: Arc<dyn JobStreams>,
+    /// Budget alerts queued by the ledger's steps, drained by the deliverer
+    /// (`tollgate-alerts`); never written without `[alerts]`.
+    pub alerts: Arc<dyn AlertOutbox>,
 }
 
 /// What a backend builds besides its ledger and job queue: the stores no
@@ -65,6 +70,7 @@ pub struct Stores {
     pub durability: Arc<dyn DurabilityCheck>,
     pub sessions: Arc<dyn SessionStore>,
     pub streams: Arc<dyn JobStreams>,
+    pub alerts: Arc<dyn AlertOutbox>,
 }
 
 impl Backends {
@@ -104,6 +110,7 @@ impl Backends {
             durability: stores.durability,
             sessions: stores.sessions,
             streams: stores.streams,
+            alerts: stores.alerts,
         }
     }
 
@@ -112,6 +119,7 @@ impl Backends {
     pub fn memory(config: Arc<Config>) -> Self {
         let metrics = Arc::new(Metrics::new(&config));
         let activity: Arc<dyn ActivityLog> = Arc::new(MemoryActivity::new());
+        let alerts = MemoryAlerts::new(Arc::new(SystemClock));
         let stores = Stores {
             throttle: Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics))),
             keys: Arc::new(MemoryKeyStore::new()),
@@ -120,8 +128,9 @@ impl Backends {
             durability: Arc::new(MemoryDurability),
             sessions: Arc::new(MemorySessions::new()),
             streams: Arc::new(MemoryStreams::new()),
+            alerts: Arc::new(alerts.clone()),
         };
-        let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+        let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)).with_alerts(alerts));
         let queue_config = Arc::clone(&config);
         Self::assemble(
             config,

@@ -59,7 +59,53 @@ pub struct Plan {
     /// inputs of jobs not finished, results and errors still kept, each job
     /// counted with [`JOB_RECORD_BYTES`] more. Checked when a job is submitted.
     pub max_stored_bytes: u64,
+    /// Usage alerts (`alerts = [0.8, 1.0]`): the fractions of each limit
+    /// whose crossing queues a webhook (with `[alerts]` configured), in basis
+    /// points (1/10000), ascending, each in 1..=10000.
+    pub alerts: Vec<u32>,
 }
+
+/// The most thresholds a plan's `alerts` may list.
+pub const MAX_ALERT_THRESHOLDS: usize = 8;
+
+/// The token count at or above which `bp` basis points of `limit` are
+/// reached: `ceil(limit * bp / 10000)`, in integers (exact for every limit).
+pub fn threshold_tokens(limit: u64, bp: u32) -> u64 {
+    let n = u128::from(limit) * u128::from(bp);
+    u64::try_from(n.div_ceil(10_000)).unwrap_or(u64::MAX)
+}
+
+/// A threshold in basis points as the fraction it was written as (`0.8`, `1`).
+pub fn threshold_text(bp: u32) -> String {
+    let whole = bp / 10_000;
+    let frac = bp % 10_000;
+    if frac == 0 {
+        return whole.to_string();
+    }
+    let digits = format!("{frac:04}");
+    format!("{whole}.{}", digits.trim_end_matches('0'))
+}
+
+/// `[alerts]`: where usage alerts are sent (see `docs/src/alerts.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Alerts {
+    /// The webhook's URL (`http://` or `https://`).
+    pub url: String,
+    /// The environment variable holding the HMAC-SHA256 secret the
+    /// `Tollgate-Signature` header is made with (read at start-up).
+    pub secret_env: String,
+    /// How long one delivery attempt may take (`timeout`, default 10 s).
+    pub timeout: Duration,
+    /// How long an alert is retried before it is dropped and counted as
+    /// failed (`keep`, default 24 h, at most [`MAX_ALERT_KEEP`]).
+    pub keep: Duration,
+}
+
+/// Default `[alerts] timeout` and `keep`, and the most `keep` may be (the
+/// Redis outbox keys expire a little after it).
+pub const DEFAULT_ALERT_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_ALERT_KEEP: Duration = Duration::from_secs(24 * 3600);
+pub const MAX_ALERT_KEEP: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Default `max_stored_bytes` of a plan: 8 MiB per operation queue.
 pub const DEFAULT_MAX_STORED_BYTES: u64 = 8 << 20;
@@ -485,6 +531,7 @@ pub struct Config {
     default_plan: String,
     hold_grace: Duration,
     export: Option<u64>,
+    alerts: Option<Alerts>,
     plans: BTreeMap<String, Plan>,
     providers: BTreeMap<String, Provider>,
     upstreams: BTreeMap<String, Upstream>,
@@ -515,6 +562,7 @@ struct RawConfig {
     default_plan: Option<String>,
     hold_grace: Option<String>,
     export: Option<RawExport>,
+    alerts: Option<RawAlerts>,
     #[serde(default)]
     plans: BTreeMap<String, RawPlan>,
     #[serde(default)]
@@ -527,6 +575,15 @@ struct RawConfig {
 #[serde(deny_unknown_fields)]
 struct RawExport {
     maxlen: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAlerts {
+    url: String,
+    secret_env: String,
+    timeout: Option<String>,
+    keep: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -596,6 +653,7 @@ struct RawPlan {
     share: Option<i64>,
     max_in_flight: Option<i64>,
     max_stored_bytes: Option<i64>,
+    alerts: Option<Vec<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -679,6 +737,7 @@ impl Config {
                     ))
                 }
             };
+            let alerts = parse_thresholds(&key, p.alerts.unwrap_or_default(), &invalid)?;
             plans.insert(
                 name.clone(),
                 Plan {
@@ -687,6 +746,7 @@ impl Config {
                     share: share as u32,
                     max_in_flight,
                     max_stored_bytes,
+                    alerts,
                 },
             );
         }
@@ -733,12 +793,17 @@ impl Config {
                 ))
             }
         };
+        let alerts = match raw.alerts {
+            None => None,
+            Some(a) => Some(parse_alerts(a, &invalid)?),
+        };
         let (providers, upstreams) = parse_providers(raw.providers, &invalid)?;
         let operations = parse_operations(raw.operations, &providers, &invalid)?;
         Ok(Self {
             default_plan,
             hold_grace,
             export,
+            alerts,
             plans,
             providers,
             upstreams,
@@ -759,6 +824,22 @@ impl Config {
     /// user's export stream, kept to about this many entries (`None`: no export).
     pub fn export_maxlen(&self) -> Option<u64> {
         self.export
+    }
+
+    /// `[alerts]`: where usage alerts go (`None`: no alert is ever queued,
+    /// whatever the plans' `alerts` say).
+    pub fn alerts(&self) -> Option<&Alerts> {
+        self.alerts.as_ref()
+    }
+
+    /// The thresholds (basis points) of `plan` that queue alerts: its
+    /// `alerts`, or none without `[alerts]`.
+    pub fn alert_thresholds<'a>(&self, plan: &'a Plan) -> &'a [u32] {
+        if self.alerts.is_some() {
+            &plan.alerts
+        } else {
+            &[]
+        }
     }
 
     /// The plan of users who have none stored.
@@ -854,6 +935,103 @@ impl Config {
     pub fn operations(&self) -> impl Iterator<Item = &Operation> {
         self.operations.values()
     }
+}
+
+/// A plan's `alerts`: fractions of each limit in (0, 1] with at most 4
+/// decimals, distinct; returned in basis points, ascending.
+fn parse_thresholds(
+    key: &str,
+    raw: Vec<f64>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Vec<u32>, ConfigError> {
+    let key = format!("{key}.alerts");
+    if raw.len() > MAX_ALERT_THRESHOLDS {
+        return Err(invalid(
+            key,
+            format!(
+                "at most {MAX_ALERT_THRESHOLDS} thresholds, got {}",
+                raw.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    for t in raw {
+        if !(t.is_finite() && t > 0.0 && t <= 1.0) {
+            return Err(invalid(
+                key,
+                format!("each threshold must be a fraction of the limit in (0, 1], got {t}"),
+            ));
+        }
+        let bp = (t * 10_000.0).round();
+        if (bp - t * 10_000.0).abs() > 1e-6 || bp < 1.0 {
+            return Err(invalid(
+                key,
+                format!("thresholds have at most 4 decimals (0.0001 steps), got {t}"),
+            ));
+        }
+        let bp = bp as u32;
+        if out.contains(&bp) {
+            return Err(invalid(key, format!("{t} is listed twice")));
+        }
+        out.push(bp);
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+fn parse_alerts(
+    raw: RawAlerts,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Alerts, ConfigError> {
+    let url = raw.url.trim().to_owned();
+    let scheme_ok = url.starts_with("http://") || url.starts_with("https://");
+    if !scheme_ok || url.len() > 2048 || url.chars().any(char::is_whitespace) {
+        return Err(invalid(
+            "alerts.url".into(),
+            format!("must be an http:// or https:// URL, got {url:?}"),
+        ));
+    }
+    let env_ok = !raw.secret_env.is_empty()
+        && raw.secret_env.len() <= 128
+        && raw
+            .secret_env
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !env_ok {
+        return Err(invalid(
+            "alerts.secret_env".into(),
+            format!(
+                "must name an environment variable (ASCII letters, digits, _), got {:?}",
+                raw.secret_env
+            ),
+        ));
+    }
+    let timeout = match &raw.timeout {
+        Some(d) => duration::parse(d).map_err(|m| invalid("alerts.timeout".into(), m))?,
+        None => DEFAULT_ALERT_TIMEOUT,
+    };
+    if timeout < Duration::from_millis(100) || timeout > Duration::from_secs(300) {
+        return Err(invalid(
+            "alerts.timeout".into(),
+            "must be between 100ms and 5m".into(),
+        ));
+    }
+    let keep = match &raw.keep {
+        Some(d) => duration::parse(d).map_err(|m| invalid("alerts.keep".into(), m))?,
+        None => DEFAULT_ALERT_KEEP,
+    };
+    if keep < Duration::from_secs(1) || keep > MAX_ALERT_KEEP {
+        return Err(invalid(
+            "alerts.keep".into(),
+            "must be between 1s and 7d".into(),
+        ));
+    }
+    Ok(Alerts {
+        url,
+        secret_env: raw.secret_env,
+        timeout,
+        keep,
+    })
 }
 
 fn parse_limits(

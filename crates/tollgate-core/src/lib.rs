@@ -9,6 +9,7 @@
 //! `tollgate-redis`.
 
 pub mod activity;
+pub mod alerts;
 pub mod backend;
 pub mod clock;
 pub mod config;

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 
+use crate::alerts::{AlertMarks, Crossing, MemoryAlerts};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
@@ -42,6 +43,9 @@ pub struct MemoryLedger<C: Clock = SystemClock> {
     ops: AtomicU64,
     /// When an operation next sweeps every shard (clock ms).
     next_full_sweep: AtomicU64,
+    /// Where crossings go (`None`: no `[alerts]`), and each plan's thresholds.
+    alerts: Option<MemoryAlerts>,
+    marks: HashMap<String, Arc<AlertMarks>>,
 }
 
 /// One user's sliding window log.
@@ -81,6 +85,10 @@ struct UserLog {
     /// Removed from its shard by the sweeper; a caller holding a stale `Arc`
     /// looks the user up again.
     retired: bool,
+    /// The thresholds of the plan of the call under way (`None`: no alerts).
+    marks: Option<Arc<AlertMarks>>,
+    /// Crossings this call made, queued to the outbox when it ends.
+    crossings: Vec<Crossing>,
 }
 
 /// One spend event: live, or the hole a removed one left (`request: None`).
@@ -369,6 +377,36 @@ impl UserLog {
         operation: Option<&str>,
         owner: Option<Box<Owner>>,
     ) -> u64 {
+        let before = self.window_totals();
+        let at = self.record_event(request, cost, now, operation, owner);
+        self.note_crossings(before, now);
+        at
+    }
+
+    /// Every window's total, in the plan's order, when the call's plan has
+    /// alert thresholds (`lua/lib/budget.lua`'s `snapshot`).
+    fn window_totals(&self) -> Option<Vec<u64>> {
+        let marks = self.marks.as_ref()?;
+        Some((0..marks.limits.len()).map(|i| self.used(i)).collect())
+    }
+
+    /// Notes the thresholds a change crossed (from the totals `before` it).
+    fn note_crossings(&mut self, before: Option<Vec<u64>>, now: u64) {
+        let (Some(before), Some(marks)) = (before, self.marks.clone()) else {
+            return;
+        };
+        let after: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
+        self.crossings.extend(marks.crossings(&before, &after, now));
+    }
+
+    fn record_event(
+        &mut self,
+        request: &RequestId,
+        cost: u64,
+        now: u64,
+        operation: Option<&str>,
+        owner: Option<Box<Owner>>,
+    ) -> u64 {
         let at = self.events.last_at().map_or(now, |last| now.max(last));
         let change = Change {
             request: request.as_str(),
@@ -495,6 +533,13 @@ impl UserLog {
 
     /// Changes the cost of a live event (number `seq`) in every window it is inside.
     fn recost(&mut self, seq: u64, cost: u64, now: u64) -> Option<u64> {
+        let before = self.window_totals();
+        let previous = self.recost_event(seq, cost, now);
+        self.note_crossings(before, now);
+        previous
+    }
+
+    fn recost_event(&mut self, seq: u64, cost: u64, now: u64) -> Option<u64> {
         let slot = self.events.get_mut(seq)?;
         let previous = std::mem::replace(&mut slot.cost, cost);
         let at = slot.at;
@@ -575,7 +620,23 @@ impl<C: Clock> MemoryLedger<C> {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             ops: AtomicU64::new(0),
             next_full_sweep: AtomicU64::new(0),
+            alerts: None,
+            marks: HashMap::new(),
         }
+    }
+
+    /// Queues the crossings of the plans' `alerts` thresholds into `alerts`
+    /// (with `[alerts]` configured; else nothing is ever queued).
+    pub fn with_alerts(mut self, alerts: MemoryAlerts) -> Self {
+        self.marks = self
+            .config
+            .plans()
+            .filter_map(|p| Some((p.name.clone(), Arc::new(AlertMarks::of(&self.config, p)?))))
+            .collect();
+        if !self.marks.is_empty() {
+            self.alerts = Some(alerts);
+        }
+        self
     }
 
     fn shard(&self, user: &UserId) -> &Shard {
@@ -636,7 +697,15 @@ impl<C: Clock> MemoryLedger<C> {
             let now = self.clock.now_ms();
             log.export_max = self.config.export_maxlen().unwrap_or(0);
             log.retain = self.retention;
-            return f(&mut log, now);
+            let Some(alerts) = &self.alerts else {
+                return f(&mut log, now);
+            };
+            log.marks = self.marks.get(&self.plan_of(&log).name).cloned();
+            let r = f(&mut log, now);
+            if !log.crossings.is_empty() {
+                alerts.queue("user", user.as_str(), std::mem::take(&mut log.crossings));
+            }
+            return r;
         }
     }
 

@@ -99,6 +99,14 @@ struct StepLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+/// The results of [`Metrics::alert_delivery`].
+pub const ALERT_RESULTS: [&str; 3] = ["delivered", "retried", "failed"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PlanLabel {
     plan: String,
 }
@@ -437,6 +445,10 @@ pub struct Metrics {
     upstream_errors: Family<ProviderClass, Counter>,
     retries: Family<ProviderLabel, Counter>,
     absorbed: Family<ProviderReason, Counter>,
+    // alerts
+    alert_deliveries: Family<ResultLabel, Counter>,
+    alert_subjects: Gauge,
+    alert_overdue: Gauge,
     // scrapes
     stats_errors: Family<SourceLabel, Counter>,
     /// Where each upstream answer is also noted (the dashboard's activity
@@ -536,6 +548,33 @@ impl Metrics {
             "Tokens handed back to a provider's bucket: cancelled (granted to a waiter that had \
              given up)",
             tokens_returned.clone(),
+        );
+        let alert_deliveries = Family::<ResultLabel, Counter>::default();
+        r.register(
+            "tollgate_alert_deliveries",
+            "Budget alert webhook attempts by result: delivered (2xx), retried (failed, due \
+             again after a back-off), failed (given up past [alerts] keep, or dropped from a \
+             full outbox)",
+            alert_deliveries.clone(),
+        );
+        for result in ALERT_RESULTS {
+            alert_deliveries
+                .get_or_create(&ResultLabel { result })
+                .inc_by(0);
+        }
+        let alert_subjects = Gauge::default();
+        r.register(
+            "tollgate_alert_outbox_subjects",
+            "Users (or organisations) with budget alerts waiting to be delivered, as this pod's \
+             deliverer last read it (shared state: aggregate with max)",
+            alert_subjects.clone(),
+        );
+        let alert_overdue = Gauge::default();
+        r.register(
+            "tollgate_alert_outbox_overdue_seconds",
+            "How long the most overdue outbox of budget alerts has been due, as this pod's \
+             deliverer last read it (shared state: aggregate with max)",
+            alert_overdue.clone(),
         );
         let late_grants = Family::<ProviderLabel, Counter>::default();
         r.register(
@@ -836,6 +875,9 @@ impl Metrics {
             retries,
             absorbed,
             stats_errors,
+            alert_deliveries,
+            alert_subjects,
+            alert_overdue,
             answers_log: std::sync::OnceLock::new(),
             plans_by_limit,
             plan_names: config.plans().map(|p| p.name.clone()).collect(),
@@ -1027,6 +1069,21 @@ impl Metrics {
                 outcome,
             })
             .inc();
+    }
+
+    /// One budget alert's attempt ended `result` (one of [`ALERT_RESULTS`]).
+    pub fn alert_delivery(&self, result: &'static str, n: u64) {
+        self.alert_deliveries
+            .get_or_create(&ResultLabel { result })
+            .inc_by(n);
+    }
+
+    /// The alerts' outbox as the deliverer last read it.
+    pub fn alert_outbox(&self, depth: crate::alerts::OutboxDepth) {
+        self.alert_subjects
+            .set(i64::try_from(depth.subjects).unwrap_or(i64::MAX));
+        self.alert_overdue
+            .set(i64::try_from(depth.overdue_ms / 1000).unwrap_or(i64::MAX));
     }
 
     /// A grant of `provider` was too old to use (its token is lost).

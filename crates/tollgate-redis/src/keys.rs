@@ -61,6 +61,17 @@ pub struct BudgetKeys {
     pub cancelled: String,
 }
 
+/// One subject's alert outbox, in its budget's slot (`lua/alert_lease.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxKeys {
+    /// Hash: alert id -> its record, `n:<id>` its attempts, `#`, `!`.
+    pub alerts: String,
+    /// Sorted set: alert id -> when it is due.
+    pub alertq: String,
+    /// The subject's budget meta (its field `a`).
+    pub meta: String,
+}
+
 impl BudgetKeys {
     /// Hash: index bucket `n` (request id digest -> the event's changing part).
     pub fn bucket(&self, n: u64) -> String {
@@ -172,6 +183,32 @@ impl KeySpace {
             meta: format!("{base}:meta"),
             cancelled: format!("{base}:cancelled"),
         }
+    }
+
+    /// Sorted set: the budget alerts' due set, outbox pointer -> when a
+    /// deliverer should look at that outbox (`lua/alert_take.lua`):
+    /// `<prefix>:v1:{alerts}:due`.
+    pub fn alert_due(&self) -> String {
+        format!("{}:{SCHEMA}:{{alerts}}:due", self.prefix)
+    }
+
+    /// The outbox of the subject whose budget keys are `<prefix>:v1:<pointer>:*`
+    /// (a pointer is `{u:<user>}`, as `lua/lib/budget.lua`'s `subject`
+    /// builds it): `None` for a pointer that is not a hash tag's keys.
+    pub fn outbox(&self, pointer: &str) -> Option<OutboxKeys> {
+        let ok = pointer.starts_with('{')
+            && pointer.contains('}')
+            && pointer.len() <= 512
+            && !pointer.chars().any(|c| c.is_whitespace() || c.is_control());
+        if !ok {
+            return None;
+        }
+        let base = format!("{}:{SCHEMA}:{pointer}", self.prefix);
+        Some(OutboxKeys {
+            alerts: format!("{base}:alerts"),
+            alertq: format!("{base}:alertq"),
+            meta: format!("{base}:meta"),
+        })
     }
 
     /// Hash: one API key's record (`user`, `key_id`, `created_ms`, `revoked`),

@@ -91,12 +91,56 @@ impl RedisLedger {
         inv: scripts::FunctionCall,
     ) -> Result<T, LedgerError> {
         let mut calls = 0;
-        loop {
+        let v: Value = loop {
             match call::function(&self.pool, self.timeout, op, &inv).await {
                 Err(e) if calls < AGAIN_CALLS && is_again(&e) => calls += 1,
-                r => return Ok(r?),
+                r => break r?,
             }
-        }
+        };
+        let v = match v {
+            Value::Array(mut parts)
+                if parts.len() == 3 && text(&parts[0]).as_deref() == Some(scripts::ALERT_MARK) =>
+            {
+                let reply = parts.pop().unwrap_or(Value::Nil);
+                if let Some(pointer) = text(&parts[1]) {
+                    self.point(pointer);
+                }
+                reply
+            }
+            v => v,
+        };
+        T::from_redis_value(v).map_err(|e| bad_reply(op, e))
+    }
+
+    /// Adds a subject's outbox pointer to the alerts' due set, due at once:
+    /// at minus this pod's clock (ms; negative marks a budget step's pointer,
+    /// see `lua/alert_point.lua`; `ZADD LT` lowers a deliverer's time),
+    /// in the background: the budget step is done, its answer waits for
+    /// nothing. A pointer lost here (the process dies first, Redis fails) is
+    /// added again by a later budget step of the subject (`repoint` in
+    /// `lua/lib/budget.lua`).
+    fn point(&self, pointer: String) {
+        let pool = self.pool.clone();
+        let timeout = self.timeout;
+        let mut cmd = redis::cmd("ZADD");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| {
+                i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+            });
+        cmd.arg(self.keys.alert_due())
+            .arg("LT")
+            .arg(-now)
+            .arg(&pointer);
+        tokio::spawn(async move {
+            if let Err(e) = call::command::<i64>(&pool, timeout, "alert_point", &cmd).await {
+                tracing::warn!(
+                    pointer,
+                    error = %e,
+                    "could not add an alert outbox's pointer; the subject's next budget step adds it"
+                );
+            }
+        });
     }
 
     /// The exact retry_after of each window of a denial: a walk the denial

@@ -18,6 +18,7 @@
 //! `TIME`; so are job records and queues.
 
 pub mod activity;
+pub mod alerts;
 pub mod call;
 pub mod clock;
 pub mod durability;
@@ -79,6 +80,7 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
             keys.clone(),
             Arc::clone(&config),
         )),
+        alerts: Arc::new(alerts::RedisAlerts::new(pool.clone(), keys.clone())),
     };
     let ledger = Arc::new(RedisLedger::new(
         pool.clone(),

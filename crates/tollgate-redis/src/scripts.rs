@@ -39,6 +39,17 @@ pub struct Library {
 impl Library {
     /// `scripts`: (name, body) per function.
     pub fn new(name: &str, prelude: &str, scripts: &[(&str, &str)]) -> Self {
+        Self::build(name, prelude, scripts, None)
+    }
+
+    /// Like [`Library::new`], each function's reply passed through the
+    /// prelude's function `finish` (the budget library's: it wraps a reply
+    /// whose caller must add an alert pointer, see `lua/lib/budget.lua`).
+    pub fn with_finish(name: &str, prelude: &str, scripts: &[(&str, &str)], finish: &str) -> Self {
+        Self::build(name, prelude, scripts, Some(finish))
+    }
+
+    fn build(name: &str, prelude: &str, scripts: &[(&str, &str)], finish: Option<&str>) -> Self {
         let mut parts = prelude.to_owned();
         for (script, body) in scripts {
             parts.push('\0');
@@ -52,6 +63,10 @@ impl Library {
         let prefix = format!("{library}_");
         let mut text = format!("#!lua name={library}\n{prelude}");
         for (script, body) in scripts {
+            let body = match finish {
+                Some(f) => format!("return {f}((function()\n{body}\nend)())"),
+                None => (*body).to_owned(),
+            };
             text.push_str(&format!(
                 "\nredis.register_function('{prefix}{script}', function(keys, args)\n\
                  begin(keys, args)\n{body}\nend)\n"
@@ -177,7 +192,7 @@ const BUDGET_LIB: &str = include_str!("../../../lua/lib/budget.lua");
 /// The budget scripts, one function each of one library. Adding a script is
 /// one line here.
 pub static BUDGET: LazyLock<Library> = LazyLock::new(|| {
-    Library::new(
+    Library::with_finish(
         "budget",
         BUDGET_LIB,
         &[
@@ -190,8 +205,14 @@ pub static BUDGET: LazyLock<Library> = LazyLock::new(|| {
             ("release", include_str!("../../../lua/release.lua")),
             ("retry", include_str!("../../../lua/retry.lua")),
         ],
+        "finish",
     )
 });
+
+/// What a budget script answers in place of its reply when its caller must
+/// add the subject's outbox pointer to the alerts' due set:
+/// `[ALERT_MARK, pointer, reply]` (`finish` in `lua/lib/budget.lua`).
+pub const ALERT_MARK: &str = "TOLLGATE_ALERT";
 
 /// The budget scripts by their file in `lua/` (see [`all`]).
 pub const BUDGET_SCRIPTS: [&str; 8] = [
@@ -217,11 +238,35 @@ impl PlanArgs {
         let rest = config.plans().filter(|p| p.name != default.name);
         let export = config.export_maxlen().unwrap_or(0).to_string();
         let retention = config.retention_ms().to_string();
-        let plans = std::iter::once(default)
-            .chain(rest)
-            .flat_map(|p| [p.name.clone(), Self::limits(p)]);
+        let plans = std::iter::once(default).chain(rest).flat_map(|p| {
+            let mut spec = Self::limits(p);
+            spec.push_str(&Self::alerts(p, config.alert_thresholds(p)));
+            [p.name.clone(), spec]
+        });
         let args = [export, retention].into_iter().chain(plans).collect();
         Self(args)
+    }
+
+    /// The plan's alert thresholds as lib/budget.lua's `alert_marks` reads
+    /// them after its limits: `|<bp>:<tokens>:<tokens>,...` (per threshold
+    /// its basis points, then the tokens that reach it in each limit), or
+    /// nothing (no thresholds, or no `[alerts]`: no alert is ever queued).
+    pub fn alerts(plan: &tollgate_core::config::Plan, thresholds: &[u32]) -> String {
+        if thresholds.is_empty() {
+            return String::new();
+        }
+        let groups = thresholds
+            .iter()
+            .map(|&bp| {
+                let mut g = bp.to_string();
+                for l in &plan.limits {
+                    g.push(':');
+                    g.push_str(&tollgate_core::config::threshold_tokens(l.limit, bp).to_string());
+                }
+                g
+            })
+            .collect::<Vec<_>>();
+        format!("|{}", groups.join(","))
     }
 
     /// `limit:window_ms,...`, as lib/budget.lua's `resolve_plan` reads it.
@@ -799,8 +844,23 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("session_open.lua", &SESSION_OPEN),
         ("session_touch.lua", &SESSION_TOUCH),
         ("stream_push.lua", &STREAM_PUSH),
+        ("alert_take.lua", &ALERT_TAKE),
+        ("alert_lease.lua", &ALERT_LEASE),
+        ("alert_done.lua", &ALERT_DONE),
+        ("alert_point.lua", &ALERT_POINT),
     ]
 }
+
+/// The alerts' outbox scripts (see each one's header and
+/// `tollgate_redis::alerts`).
+pub static ALERT_TAKE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_take.lua")));
+pub static ALERT_LEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_lease.lua")));
+pub static ALERT_DONE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_done.lua")));
+pub static ALERT_POINT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_point.lua")));
 
 /// `job_enqueue.lua`: creates `job` (queued) unless it exists.
 pub fn job_enqueue<'a>(

@@ -1,0 +1,406 @@
+//! Budget alerts: a crossing of a plan's `alerts` threshold, queued by the
+//! budget step that made it, and the outbox the deliverer drains.
+//!
+//! A crossing is a change (a spend recorded, a settle raising a cost) that
+//! takes a window's total from below `ceil(threshold * limit)` to at or above
+//! it. It is detected inside the atomic budget step (`lua/lib/budget.lua`,
+//! `memory.rs`), so exactly one request sees each crossing, on any number of
+//! pods; usage falling back below (events leaving the window, refunds) and
+//! rising again is a new crossing. The step only appends the alert to its
+//! subject's outbox; the deliverer (`tollgate-alerts`) sends it later, off the
+//! request path, with retries, and acks it. See `docs/src/alerts.md`.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::Serialize;
+
+use crate::clock::Clock;
+use crate::config::threshold_text;
+use crate::error::StoreError;
+
+/// One queued alert: a window of a subject crossing a threshold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Alert {
+    /// Unique: `<kind>:<name>:<at_ms>-<n>`; sent as `Tollgate-Alert-Id`.
+    pub id: String,
+    /// `user` (organisations: `org`).
+    pub kind: String,
+    /// The user's (or organisation's) id.
+    pub subject: String,
+    pub window_ms: u64,
+    /// The threshold crossed, in basis points of the limit (8000: 0.8).
+    pub threshold_bp: u32,
+    /// Tokens spent in the window just after the crossing.
+    pub used: u64,
+    pub limit: u64,
+    /// When the crossing happened (the ledger's clock, ms).
+    pub at_ms: u64,
+}
+
+/// The webhook's JSON body (see `docs/src/alerts.md`).
+#[derive(Debug, Serialize)]
+struct Body<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind_of_event: &'static str,
+    subject: Subject<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    user: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    org: Option<&'a str>,
+    window_ms: u64,
+    threshold: serde_json::Value,
+    used: u64,
+    limit: u64,
+    at_ms: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Subject<'a> {
+    kind: &'a str,
+    id: &'a str,
+}
+
+impl Alert {
+    /// The webhook's JSON body.
+    pub fn body(&self) -> String {
+        let threshold = threshold_text(self.threshold_bp)
+            .parse::<serde_json::Number>()
+            .map(serde_json::Value::Number)
+            .unwrap_or(serde_json::Value::Null);
+        let body = Body {
+            id: &self.id,
+            kind_of_event: "budget.threshold_crossed",
+            subject: Subject {
+                kind: &self.kind,
+                id: &self.subject,
+            },
+            user: (self.kind == "user").then_some(self.subject.as_str()),
+            org: (self.kind == "org").then_some(self.subject.as_str()),
+            window_ms: self.window_ms,
+            threshold,
+            used: self.used,
+            limit: self.limit,
+            at_ms: self.at_ms,
+        };
+        serde_json::to_string(&body).unwrap_or_default()
+    }
+}
+
+/// An alert leased to one deliverer until its lease ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Leased {
+    pub alert: Alert,
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    /// The store's clock when it was leased (ms).
+    pub now_ms: u64,
+    /// The alert's outbox (one per subject): the backend's handle on it
+    /// (Redis: the subject's pointer in the due set).
+    pub outbox: String,
+}
+
+/// What one [`AlertOutbox::take`] leased.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Taken {
+    pub alerts: Vec<Leased>,
+    /// Alerts dropped unsent because their subject's outbox was full
+    /// ([`OUTBOX_MAX`]) since the last look: counted as failed.
+    pub dropped: u64,
+}
+
+/// How far behind the outbox is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct OutboxDepth {
+    /// Subjects with alerts waiting (sent, retried or leased).
+    pub subjects: u64,
+    /// How long the most overdue subject has been due (ms; 0: none is).
+    pub overdue_ms: u64,
+}
+
+/// The most alerts one subject's outbox holds: a crossing past it drops the
+/// oldest (counted as failed), so a receiver down for long costs bounded memory.
+pub const OUTBOX_MAX: usize = 1000;
+
+/// The queued alerts of every subject, as the deliverer sees them. Every
+/// step is atomic in the store; a lease keeps two deliverers from sending one
+/// alert at once (a deliverer paused past its lease can still send a
+/// duplicate, which the receiver drops by `Tollgate-Alert-Id`).
+#[async_trait]
+pub trait AlertOutbox: Send + Sync + std::fmt::Debug {
+    /// Leases up to `max` alerts that are due, for `lease`.
+    async fn take(&self, max: usize, lease: Duration) -> Result<Taken, StoreError>;
+    /// Removes a delivered (or given up) alert.
+    async fn ack(&self, alert: &Leased) -> Result<(), StoreError>;
+    /// Makes an alert due again `after` from now, unless another lease took
+    /// it meanwhile.
+    async fn retry(&self, alert: &Leased, after: Duration) -> Result<(), StoreError>;
+    async fn depth(&self) -> Result<OutboxDepth, StoreError>;
+}
+
+/// A crossing found by a budget step, before it has an id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Crossing {
+    pub window_ms: u64,
+    pub threshold_bp: u32,
+    pub used: u64,
+    pub limit: u64,
+    pub at_ms: u64,
+}
+
+/// One limit's thresholds: `(limit, window_ms, [(threshold_bp, tokens)])`.
+pub type LimitMarks = (u64, u64, Vec<(u32, u64)>);
+
+/// One plan's thresholds per limit, as the budget steps check them, the
+/// limits in the plan's order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AlertMarks {
+    pub limits: Vec<LimitMarks>,
+}
+
+impl AlertMarks {
+    /// `None` when the plan queues no alert (no thresholds, or no `[alerts]`).
+    pub fn of(config: &crate::config::Config, plan: &crate::config::Plan) -> Option<Self> {
+        let bps = config.alert_thresholds(plan);
+        if bps.is_empty() {
+            return None;
+        }
+        let limits = plan
+            .limits
+            .iter()
+            .map(|l| {
+                let marks = bps
+                    .iter()
+                    .map(|&bp| (bp, crate::config::threshold_tokens(l.limit, bp)))
+                    .collect();
+                (l.limit, l.window_ms(), marks)
+            })
+            .collect();
+        Some(Self { limits })
+    }
+
+    /// The crossings of a change that took the windows' totals from `before`
+    /// to `after` (one per limit, in order).
+    pub fn crossings(&self, before: &[u64], after: &[u64], at_ms: u64) -> Vec<Crossing> {
+        let mut out = Vec::new();
+        for (k, (limit, window_ms, marks)) in self.limits.iter().enumerate() {
+            let (Some(&b), Some(&a)) = (before.get(k), after.get(k)) else {
+                continue;
+            };
+            for &(bp, tokens) in marks {
+                if b < tokens && a >= tokens {
+                    out.push(Crossing {
+                        window_ms: *window_ms,
+                        threshold_bp: bp,
+                        used: a,
+                        limit: *limit,
+                        at_ms,
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    alert: Alert,
+    due: u64,
+    attempt: u32,
+}
+
+#[derive(Debug, Default)]
+struct Outbox {
+    entries: BTreeMap<String, Entry>,
+    seq: u64,
+    dropped: u64,
+}
+
+/// The embedded outbox: the in-memory ledger queues into it, the deliverer
+/// of the same process drains it. The same semantics as the Redis outbox,
+/// for one process.
+#[derive(Debug, Clone)]
+pub struct MemoryAlerts {
+    inner: Arc<Mutex<Outbox>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl MemoryAlerts {
+    pub fn new(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            inner: Arc::default(),
+            clock,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Outbox> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends the crossings of one budget step of `kind` `subject`.
+    pub fn queue(&self, kind: &str, subject: &str, crossings: Vec<Crossing>) {
+        let mut out = self.lock();
+        for c in crossings {
+            out.seq += 1;
+            let id = format!("{kind}:{subject}:{}-{}", c.at_ms, out.seq);
+            let same_subject = |e: &Entry| e.alert.kind == kind && e.alert.subject == subject;
+            if out.entries.values().filter(|e| same_subject(e)).count() >= OUTBOX_MAX {
+                let oldest = out
+                    .entries
+                    .iter()
+                    .filter(|(_, e)| same_subject(e))
+                    .min_by_key(|(_, e)| e.due)
+                    .map(|(id, _)| id.clone());
+                if let Some(oldest) = oldest {
+                    out.entries.remove(&oldest);
+                    out.dropped += 1;
+                }
+            }
+            let alert = Alert {
+                id: id.clone(),
+                kind: kind.to_owned(),
+                subject: subject.to_owned(),
+                window_ms: c.window_ms,
+                threshold_bp: c.threshold_bp,
+                used: c.used,
+                limit: c.limit,
+                at_ms: c.at_ms,
+            };
+            out.entries.insert(
+                id,
+                Entry {
+                    alert,
+                    due: c.at_ms,
+                    attempt: 0,
+                },
+            );
+        }
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[async_trait]
+impl AlertOutbox for MemoryAlerts {
+    async fn take(&self, max: usize, lease: Duration) -> Result<Taken, StoreError> {
+        let now = self.clock.now_ms();
+        let mut out = self.lock();
+        let mut due: Vec<(u64, String)> = out
+            .entries
+            .iter()
+            .filter(|(_, e)| e.due <= now)
+            .map(|(id, e)| (e.due, id.clone()))
+            .collect();
+        due.sort();
+        due.truncate(max);
+        let mut alerts = Vec::with_capacity(due.len());
+        for (_, id) in due {
+            if let Some(e) = out.entries.get_mut(&id) {
+                e.attempt += 1;
+                e.due = now.saturating_add(ms(lease));
+                alerts.push(Leased {
+                    outbox: format!("{}:{}", e.alert.kind, e.alert.subject),
+                    alert: e.alert.clone(),
+                    attempt: e.attempt,
+                    now_ms: now,
+                });
+            }
+        }
+        let dropped = std::mem::take(&mut out.dropped);
+        Ok(Taken { alerts, dropped })
+    }
+
+    async fn ack(&self, alert: &Leased) -> Result<(), StoreError> {
+        self.lock().entries.remove(&alert.alert.id);
+        Ok(())
+    }
+
+    async fn retry(&self, alert: &Leased, after: Duration) -> Result<(), StoreError> {
+        let now = self.clock.now_ms();
+        if let Some(e) = self.lock().entries.get_mut(&alert.alert.id) {
+            if e.attempt == alert.attempt {
+                e.due = now.saturating_add(ms(after));
+            }
+        }
+        Ok(())
+    }
+
+    async fn depth(&self) -> Result<OutboxDepth, StoreError> {
+        let now = self.clock.now_ms();
+        let out = self.lock();
+        let mut subjects = std::collections::HashSet::new();
+        let mut first_due = u64::MAX;
+        for e in out.entries.values() {
+            subjects.insert((&e.alert.kind, &e.alert.subject));
+            first_due = first_due.min(e.due);
+        }
+        Ok(OutboxDepth {
+            subjects: subjects.len() as u64,
+            overdue_ms: now.saturating_sub(first_due.min(now)),
+        })
+    }
+}
+
+/// An outbox where nothing is ever queued (no `[alerts]`).
+#[derive(Debug, Default)]
+pub struct NoAlerts;
+
+#[async_trait]
+impl AlertOutbox for NoAlerts {
+    async fn take(&self, _max: usize, _lease: Duration) -> Result<Taken, StoreError> {
+        Ok(Taken::default())
+    }
+    async fn ack(&self, _alert: &Leased) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn retry(&self, _alert: &Leased, _after: Duration) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn depth(&self) -> Result<OutboxDepth, StoreError> {
+        Ok(OutboxDepth::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_crossing_is_from_below_to_at_or_above() {
+        let marks = AlertMarks {
+            limits: vec![(10, 1000, vec![(8000, 8), (10_000, 10)])],
+        };
+        assert!(marks.crossings(&[7], &[7], 1).is_empty());
+        assert_eq!(marks.crossings(&[7], &[8], 1).len(), 1);
+        assert!(marks.crossings(&[8], &[9], 1).is_empty());
+        let both = marks.crossings(&[0], &[10], 1);
+        assert_eq!(
+            both.iter().map(|c| c.threshold_bp).collect::<Vec<_>>(),
+            [8000, 10_000]
+        );
+    }
+
+    #[test]
+    fn the_body_names_the_threshold_as_written() {
+        let a = Alert {
+            id: "user:alice:5-1".into(),
+            kind: "user".into(),
+            subject: "alice".into(),
+            window_ms: 1000,
+            threshold_bp: 8000,
+            used: 8,
+            limit: 10,
+            at_ms: 5,
+        };
+        let v: serde_json::Value = serde_json::from_str(&a.body()).expect("json");
+        assert_eq!(v["threshold"], serde_json::json!(0.8));
+        assert_eq!(v["user"], "alice");
+        assert_eq!(v["subject"]["kind"], "user");
+    }
+}
