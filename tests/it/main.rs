@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
+mod admin_surface;
 mod all;
 mod api;
 mod api_edges;

@@ -814,7 +814,18 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("session_open.lua", &SESSION_OPEN),
         ("session_touch.lua", &SESSION_TOUCH),
         ("stream_push.lua", &STREAM_PUSH),
+        ("plan_set.lua", &PLAN_SET),
     ]
+}
+
+pub static PLAN_SET: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/plan_set.lua")));
+
+/// `plan_set.lua`: the user's plan, replacing limits of its own.
+pub fn plan_set<'a>(keys: &BudgetKeys, plan: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = PLAN_SET.prepare_invoke();
+    inv.key(&keys.plan).key(keys.limits()).arg(plan);
+    inv
 }
 
 /// `job_enqueue.lua`: creates `job` (queued) unless it exists.
