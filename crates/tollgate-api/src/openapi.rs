@@ -530,7 +530,8 @@ fn schemas(config: &Config) -> Value {
                 "description": "As a plan's `limits`: distinct windows, none longer than the longest window of any configured plan (the log's retention).",
                 "items": {"type": "object", "required": ["limit", "window"], "additionalProperties": false, "properties": {
                     "limit": {"type": "integer", "minimum": 1, "maximum": tollgate_core::config::MAX_TOKENS},
-                    "window": {"type": "string", "description": "A duration: `90s`, `15m`, `1h`, `7d`.", "examples": ["1h"]},
+                    "window": {"type": "string", "maxLength": 32, "pattern": "^([0-9]+(ms|s|m|h|d))+$",
+                        "description": "A duration: `90s`, `15m`, `1h`, `1h30m`; at least 1ms, at most the retention.", "examples": ["1h"]},
                 }}},
         }},
         "Limits": {"type": "object", "required": ["user", "plan", "base_plan", "custom_limits", "limits"], "properties": {
