@@ -638,6 +638,38 @@ async fn a_users_keys_never_show_their_secrets(h: Harness) {
         r.1
     );
 
+    // Every key, by user: this user's two, then the next page's user.
+    h.user("keys-bob", "tiny").await;
+    let r = call(
+        &h.app,
+        "GET",
+        "/admin/keys?prefix=keys-&limit=1",
+        ADMIN,
+        None,
+    )
+    .await;
+    assert_eq!(r.0, StatusCode::OK, "{}", r.1);
+    let rows = r.1["keys"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{}", r.1);
+    assert!(rows.iter().all(|k| k["user"] == "keys-ann"), "{}", r.1);
+    assert_eq!(r.1["next_cursor"], "keys-ann");
+    let r = call(
+        &h.app,
+        "GET",
+        "/admin/keys?prefix=keys-&limit=1&cursor=keys-ann",
+        ADMIN,
+        None,
+    )
+    .await;
+    assert_eq!(r.1["keys"].as_array().unwrap().len(), 1, "{}", r.1);
+    assert_eq!(
+        (&r.1["keys"][0]["user"], &r.1["next_cursor"]),
+        (&json!("keys-bob"), &Value::Null)
+    );
+    assert!(!r.1.to_string().contains("tg_user_"), "{}", r.1);
+    let r = call(&h.app, "GET", "/admin/keys?limit=0", ADMIN, None).await;
+    problem(&r, ProblemType::MalformedRequest);
+
     let r = call(&h.app, "GET", "/admin/users/nobody-here/keys", ADMIN, None).await;
     problem(&r, ProblemType::NotFound);
     let r = call(&h.app, "GET", "/admin/users/nobody-here/usage", ADMIN, None).await;

@@ -1042,6 +1042,7 @@ pub fn check_openapi(doc: &Value) {
         ("delete", "/admin/users/{user}/limits"),
         ("get", "/admin/users"),
         ("get", "/admin/users/{user}/keys"),
+        ("get", "/admin/keys"),
         ("get", "/admin/users/{user}/usage"),
         ("delete", "/admin/keys/{key_id}"),
         ("post", "/admin/users/{user}/refunds/{request_id}"),

@@ -615,22 +615,7 @@ pub async fn users(
         detail: format!("bad query: {}", e.body_text()),
         field: None,
     })?;
-    let query = UserQuery::new(
-        q.prefix.as_deref().unwrap_or(""),
-        q.cursor.as_deref().filter(|c| !c.is_empty()),
-        q.limit.unwrap_or(UserQuery::DEFAULT_LIMIT),
-    )
-    .map_err(|e| {
-        let field = match e {
-            UserQueryError::BadLimit(_) => "limit",
-            UserQueryError::BadPrefix(_) => "prefix",
-            UserQueryError::BadCursor => "cursor",
-        };
-        ApiError::Malformed {
-            detail: format!("query parameter {field}: {e}"),
-            field: Some(field.to_owned()),
-        }
-    })?;
+    let query = users_query(&q)?;
     let list = list_users(
         &state.config,
         state.ledger.as_ref(),
@@ -703,4 +688,72 @@ pub async fn user_usage(
         base_plan,
     })
     .into_response())
+}
+
+/// One key of `GET /admin/keys`: its user and what [`KeyView`] shows.
+#[derive(Debug, Serialize)]
+pub struct KeyRow {
+    pub user: String,
+    #[serde(flatten)]
+    pub key: KeyView,
+}
+
+/// `GET /admin/keys`: one page.
+#[derive(Debug, Serialize)]
+pub struct KeyList {
+    pub keys: Vec<KeyRow>,
+    /// Pass as `cursor` for the next page; `null`: the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// `GET /admin/keys?cursor=&limit=`: every key, by user (the users index):
+/// a page holds the keys of up to `limit` users, each user's all in one
+/// page, oldest first.
+pub async fn keys(
+    _: Admin,
+    State(state): State<ApiState>,
+    q: Result<Query<UsersQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) = q.map_err(|e| ApiError::Malformed {
+        detail: format!("bad query: {}", e.body_text()),
+        field: None,
+    })?;
+    let query = users_query(&q)?;
+    let page = state.keys.users(&query).await?;
+    let keys = state.keys.as_ref();
+    let records =
+        futures_util::future::try_join_all(page.users.iter().map(|u| keys.user_keys(u))).await?;
+    Ok(axum::Json(KeyList {
+        keys: records
+            .iter()
+            .flatten()
+            .map(|r| KeyRow {
+                user: r.user.to_string(),
+                key: KeyView::of(r),
+            })
+            .collect(),
+        next_cursor: page.next_cursor.map(|u| u.to_string()),
+    })
+    .into_response())
+}
+
+/// The users page a `prefix`/`cursor`/`limit` query asks for (400 naming a
+/// bad parameter).
+fn users_query(q: &UsersQuery) -> Result<UserQuery, ApiError> {
+    UserQuery::new(
+        q.prefix.as_deref().unwrap_or(""),
+        q.cursor.as_deref().filter(|c| !c.is_empty()),
+        q.limit.unwrap_or(UserQuery::DEFAULT_LIMIT),
+    )
+    .map_err(|e| {
+        let field = match e {
+            UserQueryError::BadLimit(_) => "limit",
+            UserQueryError::BadPrefix(_) => "prefix",
+            UserQueryError::BadCursor => "cursor",
+        };
+        ApiError::Malformed {
+            detail: format!("query parameter {field}: {e}"),
+            field: Some(field.to_owned()),
+        }
+    })
 }

@@ -246,6 +246,30 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             get(admin::users),
         )
         .route(
+            Doc::get(
+                "/admin/keys",
+                "Every key (never a secret), by user: a page holds the keys of up to `limit` users",
+            )
+            .admin()
+            .query(
+                "prefix",
+                "Only the keys of users whose id starts with this.",
+                openapi::id_filter_schema(),
+            )
+            .query(
+                "cursor",
+                "The `next_cursor` of the previous page: the page starts after it.",
+                openapi::id_filter_schema(),
+            )
+            .query(
+                "limit",
+                "Users per page (default 50), each with all its keys.",
+                serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::keystore::UserQuery::MAX_LIMIT}),
+            )
+            .ok(200, "One page of keys, by user, each user's oldest first.", Some(schema("KeyList"))),
+            get(admin::keys),
+        )
+        .route(
             Doc::get("/admin/users/{user}/keys", "A user's keys (never their secrets)")
                 .admin()
                 .ok(200, "Every key issued to the user, oldest first.", Some(schema("UserKeys")))

@@ -560,14 +560,11 @@ fn schemas(config: &Config) -> Value {
         }},
         "UserKeys": {"type": "object", "required": ["user", "keys"], "properties": {
             "user": {"type": "string"},
-            "keys": {"type": "array", "items": {"type": "object", "required": ["key_id", "kind", "created", "created_ms", "revoked"], "properties": {
-                "key_id": {"type": "string"},
-                "kind": {"type": "string", "enum": ["user", "service"]},
-                "created": {"type": "string", "format": "date-time"},
-                "created_ms": {"type": "integer"},
-                "revoked": {"type": "boolean"},
-                "allowed_plans": {"type": "array", "items": {"type": "string"}},
-            }}},
+            "keys": {"type": "array", "items": key_view(false)},
+        }},
+        "KeyList": {"type": "object", "required": ["keys", "next_cursor"], "properties": {
+            "keys": {"type": "array", "items": key_view(true)},
+            "next_cursor": {"type": ["string", "null"], "description": "Pass it as `cursor` for the next page; `null`: the last page."},
         }},
         "AdminUsage": {"allOf": [schema("Usage"), {"type": "object", "required": ["base_plan"], "properties": {
             "base_plan": {"type": "string", "description": "The user's named plan (what it returns to when its own limits are cleared)."},
@@ -602,6 +599,26 @@ fn schemas(config: &Config) -> Value {
         "JobList": crate::dashboard::jobs::list_schema(),
         "JobDetail": crate::dashboard::jobs::detail_schema(),
     })
+}
+
+/// One key as the admin views show it (never its secret or hash); `user`:
+/// with its user.
+fn key_view(user: bool) -> Value {
+    let mut v = json!({"type": "object", "required": ["key_id", "kind", "created", "created_ms", "revoked"], "properties": {
+        "key_id": {"type": "string"},
+        "kind": {"type": "string", "enum": ["user", "service"]},
+        "created": {"type": "string", "format": "date-time"},
+        "created_ms": {"type": "integer"},
+        "revoked": {"type": "boolean"},
+        "allowed_plans": {"type": "array", "items": {"type": "string"}},
+    }});
+    if user {
+        if let Some(required) = v["required"].as_array_mut() {
+            required.push(json!("user"));
+        }
+        v["properties"]["user"] = json!({"type": "string"});
+    }
+    v
 }
 
 /// A list of limits as the admin views show them.
