@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 
@@ -22,6 +22,7 @@ use crate::ledger::{
     EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
     SpendEvent, Usage, WindowUse, CUSTOM_PLAN,
 };
+use crate::lock;
 use std::borrow::Cow;
 
 const SHARDS: usize = 64;
@@ -239,12 +240,6 @@ struct Owner {
     hold: Option<(u64, u64)>,
     /// The cost charged up front, once the charge was settled to the actual.
     estimate: Option<u64>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic elsewhere never leaves a log half-written (every mutation below is
-    // panic-free), so a poisoned lock's data is still consistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The subject of one exported change.
