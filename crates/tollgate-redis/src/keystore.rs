@@ -130,7 +130,7 @@ impl RedisKeyStore {
         )
         .await
         .map_err(|_| StoreError::unavailable("Redis did not answer CLUSTER NODES in time"))?
-        .map_err(call::store_error)?;
+        .map_err(crate::pool::store_error)?;
         let text: String = redis::from_redis_value(reply)
             .map_err(|e| call::bad_reply::<StoreError>("CLUSTER NODES", e))?;
         // `<id> <host:port@cport[,hostname]> <flags> ...`: the live primaries.
@@ -173,7 +173,7 @@ impl RedisKeyStore {
                 let reply = tokio::time::timeout(self.timeout, conn.route_command(cmd, routing))
                     .await
                     .map_err(|_| StoreError::unavailable("Redis did not answer SCAN in time"))?
-                    .map_err(call::store_error)?;
+                    .map_err(crate::pool::store_error)?;
                 Ok(redis::from_redis_value(reply)
                     .map_err(|e| call::bad_reply::<StoreError>("SCAN", e))?)
             }
