@@ -33,6 +33,10 @@
 --                   of two and split pointer (absent: 1 and 0); 'x': the time
 --                   (ms) the log's and meta's expiry was last set to.
 --   KEYS[3] plan    string: the user's plan name (absent: the default plan)
+--   '<base>:limits' string: limits an admin set for this user, in the plan
+--                   table's 'limit:window_ms,...' form; they replace its
+--                   plan's (the plan is then named 'custom:<plan>'), read in
+--                   the same step; absent: the plan's.
 --   KEYS[5] holds   sorted set: request id -> end of the hold (ms) of each 'h'
 --                   charge: its job's deadline plus a grace. A charge still held
 --                   then has no job that can run (a job past its deadline never
@@ -190,7 +194,9 @@ local function resolve_plan(i)
   EXPORT = tonumber(ARGV[i]) or 0
   RETAIN = tonumber(ARGV[i + 1]) or 0
   i = i + 2
-  local stored = redis.call('GET', PLAN)
+  local stored = redis.call('MGET', PLAN, BASE .. ':limits')
+  local custom = stored[2]
+  stored = stored[1]
   -- No stored plan, or one the config no longer has: the default.
   local name, spec = ARGV[i], ARGV[i + 1]
   if stored then
@@ -200,6 +206,10 @@ local function resolve_plan(i)
         break
       end
     end
+  end
+  -- The user's own limits (no plan name has a ':').
+  if custom then
+    name, spec = 'custom:' .. name, custom
   end
   spec = spec or ''
   local limits = PARSED[spec]

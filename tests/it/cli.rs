@@ -415,3 +415,120 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
     let v = cli.json(&["usage", "--user", "carol"], 0);
     assert_eq!(v["used"].as_u64(), Some(20), "nothing refunded: {v}");
 }
+
+/// `tollgate users list|show|set-limits|clear-limits|reindex` against a real
+/// Redis: JSON output, exit codes, one-line errors.
+#[test]
+fn users_list_show_and_custom_limits() {
+    let cli = Cli::new();
+    let users = |args: &[&str]| {
+        Command::new(workspace_bin("tollgate"))
+            .arg("users")
+            .args(args)
+            .env("TOLLGATE_REDIS_URL", cli.server.url())
+            .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
+            .env_remove("TOLLGATE_CONFIG")
+            .output()
+            .expect("run tollgate")
+    };
+    let json = |args: &[&str], code: i32| {
+        let mut all = args.to_vec();
+        all.push("--json");
+        let out = users(&all);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {out:?}");
+        serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out:?}"))
+    };
+    for u in ["cli-a", "cli-b", "cli-c", "zed"] {
+        json(&["create", "--user", u], 0);
+    }
+
+    let page = json(&["list", "--prefix", "cli-", "--limit", "2"], 0);
+    let names: Vec<&str> = page["users"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u["user"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["cli-a", "cli-b"]);
+    let cursor = page["next_cursor"].as_str().unwrap().to_owned();
+    let page = json(&["list", "--prefix", "cli-", "--cursor", &cursor], 0);
+    assert_eq!(page["users"][0]["user"], "cli-c");
+    assert_eq!(page["next_cursor"], serde_json::Value::Null);
+    let text = String::from_utf8_lossy(&users(&["list", "--limit", "3"]).stdout).into_owned();
+    assert!(
+        text.contains("cli-a\tuser\tfree\t1 live key(s) of 1"),
+        "{text}"
+    );
+    assert!(text.contains("next cursor: cli-c"), "{text}");
+
+    let v = json(
+        &[
+            "set-limits",
+            "cli-b",
+            "--limit",
+            "100/1m",
+            "--limit",
+            "900/1h",
+        ],
+        0,
+    );
+    assert_eq!(
+        (&v["plan"], &v["base_plan"], &v["custom_limits"]),
+        (&"custom".into(), &"free".into(), &true.into())
+    );
+    assert_eq!(v["limits"][0]["window"], "1h");
+    // The budget commands see them at once.
+    let r = Command::new(workspace_bin("tollgate"))
+        .args([
+            "budget", "reserve", "--user", "cli-b", "--cost", "101", "--json",
+        ])
+        .env("TOLLGATE_REDIS_URL", cli.server.url())
+        .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
+        .env_remove("TOLLGATE_CONFIG")
+        .output()
+        .unwrap();
+    assert_eq!(r.status.code(), Some(2), "101 > the 1m limit of 100: {r:?}");
+    let shown = json(&["show", "cli-b"], 0);
+    assert_eq!(shown["usage"]["plan"], "custom");
+    assert_eq!(shown["usage"]["windows"].as_array().unwrap().len(), 2);
+    assert_eq!(shown["keys"].as_array().unwrap().len(), 1);
+    assert!(shown["keys"][0]["key_id"]
+        .as_str()
+        .unwrap()
+        .starts_with("kid_"));
+    assert!(!shown.to_string().contains("tg_user_"), "{shown}");
+    let text = String::from_utf8_lossy(&users(&["show", "cli-b"]).stdout).into_owned();
+    assert!(
+        text.contains("custom limits 900 tokens / 1h + 100 tokens / 1m (plan free when cleared)"),
+        "{text}"
+    );
+
+    let v = json(&["clear-limits", "cli-b"], 0);
+    assert_eq!(
+        (&v["plan"], &v["custom_limits"]),
+        (&"free".into(), &false.into())
+    );
+
+    // Bad input: exit 2, one line.
+    for args in [
+        &["set-limits", "cli-b", "--limit", "10/13h"][..],
+        &["set-limits", "nobody", "--limit", "10/1h"][..],
+        &["list", "--limit", "0"][..],
+        &["show", "nobody"][..],
+    ] {
+        let out = users(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        let err = one_line_error(&out);
+        if args.contains(&"10/13h") {
+            assert!(err.contains("retention"), "{err}");
+        }
+    }
+    // A limit clap cannot read: its usage error, exit 2.
+    let out = users(&["set-limits", "cli-b", "--limit", "ten/1h"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a number of tokens"));
+
+    let v = json(&["reindex"], 0);
+    assert_eq!(v["users_seen"], 4);
+}

@@ -28,6 +28,7 @@ macro_rules! on_each_backend {
     };
 }
 
+mod admin_surface;
 mod alerts;
 mod all;
 mod api;

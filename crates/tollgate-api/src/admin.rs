@@ -1,24 +1,27 @@
 //! `/admin/*`: create users (and issue their key) and service keys, change
-//! plans, revoke keys, refund a spend event.
+//! plans or set a user's own limits, revoke keys, refund a spend event; list
+//! and search users (paged), one user's keys and usage.
 //! Every handler extracts [`Admin`], so none runs without the admin token.
 
-use axum::extract::{RawPathParams, State};
+use axum::extract::{Query, RawPathParams, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use tollgate_core::clock::{Clock, SystemClock};
-use tollgate_core::keystore::generate_key_id;
+use tollgate_core::clock::{rfc3339, Clock, SystemClock};
+use tollgate_core::keystore::{generate_key_id, UserQuery, UserQueryError};
 use tollgate_core::{
-    config::Config,
+    config::{Config, Limit},
+    duration,
     id::{RequestId, UserId},
     keystore::{ApiKey, KeyKind, KeyRecord, KeyStore},
-    ledger::{Ledger, RefundOutcome},
+    ledger::{EventPage, Ledger, RefundOutcome, CUSTOM_PLAN},
 };
 
 use crate::auth::Admin;
 use crate::extract::{JsonBody, PathParam};
 use crate::problem::{echo, ApiError};
 use crate::state::ApiState;
+use crate::usage::{PageQuery, UsageView};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -308,4 +311,449 @@ pub async fn refund(
         outcome,
     })
     .into_response())
+}
+
+/// `PUT /admin/users/{user}/limits`: a user's own limits, as a `[plans.X]
+/// limits` list.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetLimits {
+    pub limits: Vec<LimitBody>,
+}
+
+/// One limit: at most `limit` tokens in any trailing `window` (`"1h"`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitBody {
+    pub limit: i64,
+    pub window: String,
+}
+
+/// One limit as the admin views show it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LimitView {
+    pub limit: u64,
+    /// The window as the config writes it (`1h`, `90s`).
+    pub window: String,
+    pub window_ms: u64,
+}
+
+impl LimitView {
+    pub fn of(limits: &[Limit]) -> Vec<Self> {
+        limits
+            .iter()
+            .map(|l| Self {
+                limit: l.limit,
+                window: duration::format(l.window),
+                window_ms: l.window_ms(),
+            })
+            .collect()
+    }
+}
+
+/// A user's limits: its own (`custom_limits`) or its plan's.
+#[derive(Debug, Serialize)]
+pub struct LimitsView {
+    pub user: String,
+    /// `custom` when an admin set the user's limits, else its plan.
+    pub plan: String,
+    /// The named plan: what the user returns to when its own limits are
+    /// cleared, and whose other settings (share, max_in_flight,
+    /// max_stored_bytes) apply meanwhile.
+    pub base_plan: String,
+    pub custom_limits: bool,
+    /// The limits that apply, longest window first.
+    pub limits: Vec<LimitView>,
+}
+
+/// The limits `user` is held to now, as [`LimitsView`].
+pub async fn limits_view(
+    config: &Config,
+    ledger: &dyn Ledger,
+    user: &UserId,
+) -> Result<LimitsView, ApiError> {
+    let base = ledger.plan(user).await?;
+    let custom = ledger.custom_limits(user).await?;
+    let limits = match &custom {
+        Some(l) => l.clone(),
+        None => config.plan_or_default(Some(&base)).limits.clone(),
+    };
+    Ok(LimitsView {
+        user: user.to_string(),
+        plan: if custom.is_some() {
+            CUSTOM_PLAN.to_owned()
+        } else {
+            base.clone()
+        },
+        base_plan: base,
+        custom_limits: custom.is_some(),
+        limits: LimitView::of(&limits),
+    })
+}
+
+/// Sets `user`'s own limits (validated as a plan's, none past the
+/// retention): what `PUT /admin/users/{user}/limits` and `tollgate users
+/// set-limits` do. An unknown user is a 404 (as for its plan).
+pub async fn set_user_limits(
+    config: &Config,
+    ledger: &dyn Ledger,
+    keys: &dyn KeyStore,
+    user: &UserId,
+    limits: Vec<LimitBody>,
+) -> Result<LimitsView, ApiError> {
+    let limits = config
+        .override_limits(limits.into_iter().map(|l| (l.limit, l.window)).collect())
+        .map_err(|detail| ApiError::InvalidField {
+            field: "limits".into(),
+            detail,
+        })?;
+    require_user(ledger, keys, config, user).await?;
+    ledger.set_limits(user, &limits).await?;
+    tracing::info!(user = %user, limits = ?limits, "custom limits set");
+    limits_view(config, ledger, user).await
+}
+
+/// Returns `user` to its plan's limits: `DELETE /admin/users/{user}/limits`,
+/// `tollgate users clear-limits`. Clearing twice is no error.
+pub async fn clear_user_limits(
+    config: &Config,
+    ledger: &dyn Ledger,
+    keys: &dyn KeyStore,
+    user: &UserId,
+) -> Result<LimitsView, ApiError> {
+    require_user(ledger, keys, config, user).await?;
+    if ledger.clear_limits(user).await? {
+        tracing::info!(user = %user, "custom limits cleared");
+    }
+    limits_view(config, ledger, user).await
+}
+
+/// A 404 unless `user` was issued a key or has a budget of its own.
+async fn require_user(
+    ledger: &dyn Ledger,
+    keys: &dyn KeyStore,
+    config: &Config,
+    user: &UserId,
+) -> Result<(), ApiError> {
+    if keys.has_user(user).await? {
+        return Ok(());
+    }
+    let usage = ledger
+        .usage_page(
+            user,
+            EventPage::new(None, 1).map_err(|e| ApiError::Internal(e.to_string()))?,
+        )
+        .await?;
+    if !usage.events.is_empty() || usage.custom_limits || usage.plan != config.default_plan().name {
+        return Ok(());
+    }
+    Err(ApiError::NotFound(format!(
+        "no user {:?}: create it with POST /admin/users (or call for it with a service key)",
+        echo(user.as_str())
+    )))
+}
+
+fn path_user(user: String) -> Result<UserId, ApiError> {
+    UserId::new(user).map_err(|e| ApiError::InvalidField {
+        field: "user".into(),
+        detail: format!("user: {e}"),
+    })
+}
+
+/// `PUT /admin/users/{user}/limits`
+pub async fn set_limits(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParam(user): PathParam,
+    JsonBody(body): JsonBody<SetLimits>,
+) -> Result<Response, ApiError> {
+    let user = path_user(user)?;
+    let view = set_user_limits(
+        &state.config,
+        state.ledger.as_ref(),
+        state.keys.as_ref(),
+        &user,
+        body.limits,
+    )
+    .await?;
+    Ok(axum::Json(view).into_response())
+}
+
+/// `DELETE /admin/users/{user}/limits`
+pub async fn clear_limits(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParam(user): PathParam,
+) -> Result<Response, ApiError> {
+    let user = path_user(user)?;
+    let view = clear_user_limits(
+        &state.config,
+        state.ledger.as_ref(),
+        state.keys.as_ref(),
+        &user,
+    )
+    .await?;
+    Ok(axum::Json(view).into_response())
+}
+
+/// One key as the admin views show it: never its secret or its hash.
+#[derive(Debug, Clone, Serialize)]
+pub struct KeyView {
+    pub key_id: String,
+    pub kind: KeyKind,
+    pub created: String,
+    pub created_ms: u64,
+    pub revoked: bool,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allowed_plans: Vec<String>,
+}
+
+impl KeyView {
+    pub fn of(r: &KeyRecord) -> Self {
+        Self {
+            key_id: r.key_id.clone(),
+            kind: r.kind,
+            created: rfc3339(r.created_ms),
+            created_ms: r.created_ms,
+            revoked: r.revoked,
+            allowed_plans: r.allowed_plans.clone(),
+        }
+    }
+}
+
+/// One user of the users list.
+#[derive(Debug, Serialize)]
+pub struct UserSummary {
+    pub user: String,
+    /// `custom` (its own limits) or its plan.
+    pub plan: String,
+    pub base_plan: String,
+    pub custom_limits: bool,
+    pub limits: Vec<LimitView>,
+    /// `service` when every key of the user is a service key, else `user`.
+    pub kind: KeyKind,
+    /// Keys not revoked.
+    pub live_keys: usize,
+    pub keys: usize,
+    /// When its first key was issued (`null`: none readable).
+    pub created: Option<String>,
+    pub created_ms: Option<u64>,
+}
+
+/// `GET /admin/users`: one page.
+#[derive(Debug, Serialize)]
+pub struct UserList {
+    pub users: Vec<UserSummary>,
+    /// Pass as `cursor` for the next page; `null`: the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// One user's summary (its plan and keys).
+pub async fn user_summary(
+    config: &Config,
+    ledger: &dyn Ledger,
+    keys: &dyn KeyStore,
+    user: &UserId,
+) -> Result<UserSummary, ApiError> {
+    let (limits, records) = tokio::try_join!(limits_view(config, ledger, user), async {
+        keys.user_keys(user).await.map_err(ApiError::from)
+    })?;
+    let kind = if !records.is_empty() && records.iter().all(|r| r.kind == KeyKind::Service) {
+        KeyKind::Service
+    } else {
+        KeyKind::User
+    };
+    let created_ms = records.iter().map(|r| r.created_ms).min();
+    Ok(UserSummary {
+        user: user.to_string(),
+        plan: limits.plan,
+        base_plan: limits.base_plan,
+        custom_limits: limits.custom_limits,
+        limits: limits.limits,
+        kind,
+        live_keys: records.iter().filter(|r| !r.revoked).count(),
+        keys: records.len(),
+        created: created_ms.map(rfc3339),
+        created_ms,
+    })
+}
+
+/// One page of users (`GET /admin/users`, `tollgate users list`).
+pub async fn list_users(
+    config: &Config,
+    ledger: &dyn Ledger,
+    keys: &dyn KeyStore,
+    query: &UserQuery,
+) -> Result<UserList, ApiError> {
+    let page = keys.users(query).await?;
+    let users = futures_util::future::try_join_all(
+        page.users
+            .iter()
+            .map(|u| user_summary(config, ledger, keys, u)),
+    )
+    .await?;
+    Ok(UserList {
+        users,
+        next_cursor: page.next_cursor.map(|u| u.to_string()),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+pub struct UsersQuery {
+    pub prefix: Option<String>,
+    pub cursor: Option<String>,
+    pub limit: Option<usize>,
+}
+
+/// `GET /admin/users?prefix=&cursor=&limit=`
+pub async fn users(
+    _: Admin,
+    State(state): State<ApiState>,
+    q: Result<Query<UsersQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) = q.map_err(|e| ApiError::Malformed {
+        detail: format!("bad query: {}", e.body_text()),
+        field: None,
+    })?;
+    let query = users_query(&q)?;
+    let list = list_users(
+        &state.config,
+        state.ledger.as_ref(),
+        state.keys.as_ref(),
+        &query,
+    )
+    .await?;
+    Ok(axum::Json(list).into_response())
+}
+
+/// `GET /admin/users/{user}/keys`
+#[derive(Debug, Serialize)]
+pub struct UserKeys {
+    pub user: String,
+    pub keys: Vec<KeyView>,
+}
+
+/// `GET /admin/users/{user}/keys`: every key issued to the user, oldest
+/// first (ids, kinds, times, revoked or not; never a secret or its hash).
+pub async fn user_keys(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParam(user): PathParam,
+) -> Result<Response, ApiError> {
+    let user = path_user(user)?;
+    let records = state.keys.user_keys(&user).await?;
+    if records.is_empty() && !state.keys.has_user(&user).await? {
+        return Err(ApiError::NotFound(format!(
+            "no key was issued to user {:?}",
+            echo(user.as_str())
+        )));
+    }
+    Ok(axum::Json(UserKeys {
+        user: user.to_string(),
+        keys: records.iter().map(KeyView::of).collect(),
+    })
+    .into_response())
+}
+
+/// `GET /admin/users/{user}/usage`: what `/v1/usage` shows the user, and
+/// the plan it returns to.
+#[derive(Debug, Serialize)]
+pub struct AdminUsage {
+    #[serde(flatten)]
+    pub usage: UsageView,
+    pub base_plan: String,
+}
+
+/// `GET /admin/users/{user}/usage?cursor=&limit=`
+pub async fn user_usage(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParam(user): PathParam,
+    PageQuery(page): PageQuery,
+) -> Result<Response, ApiError> {
+    let user = path_user(user)?;
+    require_user(
+        state.ledger.as_ref(),
+        state.keys.as_ref(),
+        &state.config,
+        &user,
+    )
+    .await?;
+    let (usage, base_plan) = tokio::try_join!(
+        state.ledger.usage_page(&user, page),
+        state.ledger.plan(&user)
+    )?;
+    Ok(axum::Json(AdminUsage {
+        usage: UsageView::of(&user, &usage),
+        base_plan,
+    })
+    .into_response())
+}
+
+/// One key of `GET /admin/keys`: its user and what [`KeyView`] shows.
+#[derive(Debug, Serialize)]
+pub struct KeyRow {
+    pub user: String,
+    #[serde(flatten)]
+    pub key: KeyView,
+}
+
+/// `GET /admin/keys`: one page.
+#[derive(Debug, Serialize)]
+pub struct KeyList {
+    pub keys: Vec<KeyRow>,
+    /// Pass as `cursor` for the next page; `null`: the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// `GET /admin/keys?cursor=&limit=`: every key, by user (the users index):
+/// a page holds the keys of up to `limit` users, each user's all in one
+/// page, oldest first.
+pub async fn keys(
+    _: Admin,
+    State(state): State<ApiState>,
+    q: Result<Query<UsersQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(q) = q.map_err(|e| ApiError::Malformed {
+        detail: format!("bad query: {}", e.body_text()),
+        field: None,
+    })?;
+    let query = users_query(&q)?;
+    let page = state.keys.users(&query).await?;
+    let keys = state.keys.as_ref();
+    let records =
+        futures_util::future::try_join_all(page.users.iter().map(|u| keys.user_keys(u))).await?;
+    Ok(axum::Json(KeyList {
+        keys: records
+            .iter()
+            .flatten()
+            .map(|r| KeyRow {
+                user: r.user.to_string(),
+                key: KeyView::of(r),
+            })
+            .collect(),
+        next_cursor: page.next_cursor.map(|u| u.to_string()),
+    })
+    .into_response())
+}
+
+/// The users page a `prefix`/`cursor`/`limit` query asks for (400 naming a
+/// bad parameter).
+fn users_query(q: &UsersQuery) -> Result<UserQuery, ApiError> {
+    UserQuery::new(
+        q.prefix.as_deref().unwrap_or(""),
+        q.cursor.as_deref().filter(|c| !c.is_empty()),
+        q.limit.unwrap_or(UserQuery::DEFAULT_LIMIT),
+    )
+    .map_err(|e| {
+        let field = match e {
+            UserQueryError::BadLimit(_) => "limit",
+            UserQueryError::BadPrefix(_) => "prefix",
+            UserQueryError::BadCursor => "cursor",
+        };
+        ApiError::Malformed {
+            detail: format!("query parameter {field}: {e}"),
+            field: Some(field.to_owned()),
+        }
+    })
 }

@@ -200,7 +200,9 @@ pub struct Roles {
 #[derive(Debug, Clone, Serialize)]
 pub struct TopUser {
     pub user: String,
+    /// The user's plan, or `custom` when an admin set its limits.
     pub plan: String,
+    pub custom_limits: bool,
     /// Tokens used in the user's window now, and the limit.
     pub used: u64,
     pub limit: u64,
@@ -477,6 +479,7 @@ async fn top_users(
             (usage.used > 0).then(|| TopUser {
                 user: user.to_string(),
                 plan: usage.plan,
+                custom_limits: usage.custom_limits,
                 used: usage.used,
                 limit: usage.limit,
                 window_secs: usage.window_ms / 1000,
@@ -583,7 +586,7 @@ pub fn schema() -> serde_json::Value {
             "top_users": {"type": "array", "items": {
                 "type": "object",
                 "required": ["user", "plan", "used", "limit", "window_secs"],
-                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "used": int, "limit": int, "window_secs": int},
+                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "custom_limits": {"type": "boolean", "description": "An admin set this user's limits (plan is then `custom`)."}, "used": int, "limit": int, "window_secs": int},
             }},
             "events": {"type": "array", "items": {
                 "type": "object",

@@ -100,4 +100,19 @@ impl KeyStore for KeyCache {
     async fn ping(&self) -> Result<(), KeyStoreError> {
         self.inner.ping().await
     }
+
+    async fn users(
+        &self,
+        query: &tollgate_core::keystore::UserQuery,
+    ) -> Result<tollgate_core::keystore::UserPage, KeyStoreError> {
+        self.inner.users(query).await
+    }
+
+    async fn user_keys(&self, user: &UserId) -> Result<Vec<KeyRecord>, KeyStoreError> {
+        self.inner.user_keys(user).await
+    }
+
+    async fn reindex(&self) -> Result<u64, KeyStoreError> {
+        self.inner.reindex().await
+    }
 }

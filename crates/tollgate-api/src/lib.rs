@@ -201,6 +201,102 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             put(admin::set_plan),
         )
         .route(
+            Doc::put(
+                "/admin/users/{user}/limits",
+                "Set a user's own limits (a custom plan for one user), replacing its plan's until cleared or a plan is set",
+            )
+            .admin()
+            .body(schema("SetLimits"))
+            .ok(200, "The limits the user is held to now.", Some(schema("Limits")))
+            .errors(&[P::NotFound]),
+            put(admin::set_limits),
+        )
+        .route(
+            Doc::delete(
+                "/admin/users/{user}/limits",
+                "Return a user to its plan's limits",
+            )
+            .admin()
+            .ok(200, "The limits the user is held to now.", Some(schema("Limits")))
+            .errors(&[P::MalformedRequest, P::InvalidField, P::NotFound]),
+            delete(admin::clear_limits),
+        )
+        .route(
+            Doc::get(
+                "/admin/users",
+                "List and search the users issued a key, by id (paged)",
+            )
+            .admin()
+            .query(
+                "prefix",
+                "Only users whose id starts with this.",
+                openapi::id_filter_schema(),
+            )
+            .query(
+                "cursor",
+                "The `next_cursor` of the previous page: the page starts after it.",
+                openapi::id_filter_schema(),
+            )
+            .query(
+                "limit",
+                "Users per page (default 50).",
+                serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::keystore::UserQuery::MAX_LIMIT}),
+            )
+            .ok(200, "One page of users, by id.", Some(schema("UserList"))),
+            get(admin::users),
+        )
+        .route(
+            Doc::get(
+                "/admin/keys",
+                "Every key (never a secret), by user: a page holds the keys of up to `limit` users",
+            )
+            .admin()
+            .query(
+                "prefix",
+                "Only the keys of users whose id starts with this.",
+                openapi::id_filter_schema(),
+            )
+            .query(
+                "cursor",
+                "The `next_cursor` of the previous page: the page starts after it.",
+                openapi::id_filter_schema(),
+            )
+            .query(
+                "limit",
+                "Users per page (default 50), each with all its keys.",
+                serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::keystore::UserQuery::MAX_LIMIT}),
+            )
+            .ok(200, "One page of keys, by user, each user's oldest first.", Some(schema("KeyList"))),
+            get(admin::keys),
+        )
+        .route(
+            Doc::get("/admin/users/{user}/keys", "A user's keys (never their secrets)")
+                .admin()
+                .ok(200, "Every key issued to the user, oldest first.", Some(schema("UserKeys")))
+                .errors(&[P::MalformedRequest, P::InvalidField, P::NotFound]),
+            get(admin::user_keys),
+        )
+        .route(
+            Doc::get(
+                "/admin/users/{user}/usage",
+                "A user's budget: its plan or own limits, every window, one page of its spend events",
+            )
+            .admin()
+            .query(
+                "limit",
+                "Events per page (default 50).",
+                serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::ledger::EventPage::MAX_LIMIT}),
+            )
+            .query(
+                "cursor",
+                "The `next_cursor` of the previous page: the page starts after it (opaque).",
+                serde_json::json!({"type": "string", "pattern": "^[0-9]{1,15}-[0-9]{1,19}$"}),
+            )
+            .ok(200, "What /v1/usage shows the user, and its base plan.", Some(schema("AdminUsage")))
+            .errors(&[P::InvalidField, P::NotFound]),
+            get(admin::user_usage),
+        )
+        .route(
             Doc::delete("/admin/keys/{key_id}", "Revoke an API key")
                 .admin()
                 .ok(200, "The revoked key.", Some(schema("RevokedKey")))

@@ -463,10 +463,11 @@ fn schemas(config: &Config) -> Value {
         },
         "Usage": {
             "type": "object",
-            "required": ["user", "plan", "used", "limit", "remaining", "window_secs", "windows", "events", "next_cursor"],
+            "required": ["user", "plan", "custom_limits", "used", "limit", "remaining", "window_secs", "windows", "events", "next_cursor"],
             "properties": {
                 "user": {"type": "string"},
-                "plan": {"type": "string"},
+                "plan": {"type": "string", "description": "The user's plan, or `custom` when an admin set its limits."},
+                "custom_limits": {"type": "boolean", "description": "True when an admin set this user's limits (PUT /admin/users/{user}/limits): `windows` are those, not its plan's."},
                 "used": {"type": "integer"},
                 "limit": {"type": "integer"},
                 "remaining": {"type": "integer"},
@@ -524,6 +525,50 @@ fn schemas(config: &Config) -> Value {
         },
         "SetPlan": {"type": "object", "required": ["plan"], "additionalProperties": false, "properties": {"plan": plan}},
         "Plan": {"type": "object", "required": ["user", "plan"], "properties": {"user": {"type": "string"}, "plan": {"type": "string"}}},
+        "SetLimits": {"type": "object", "required": ["limits"], "additionalProperties": false, "properties": {
+            "limits": {"type": "array", "minItems": 1, "maxItems": tollgate_core::config::MAX_LIMITS,
+                "description": "As a plan's `limits`: distinct windows, none longer than the longest window of any configured plan (the log's retention).",
+                "items": {"type": "object", "required": ["limit", "window"], "additionalProperties": false, "properties": {
+                    "limit": {"type": "integer", "minimum": 1, "maximum": tollgate_core::config::MAX_TOKENS},
+                    "window": {"type": "string", "maxLength": 32, "pattern": "^([0-9]+(ms|s|m|h|d))+$",
+                        "description": "A duration: `90s`, `15m`, `1h`, `1h30m`; at least 1ms, at most the retention.", "examples": ["1h"]},
+                }}},
+        }},
+        "Limits": {"type": "object", "required": ["user", "plan", "base_plan", "custom_limits", "limits"], "properties": {
+            "user": {"type": "string"},
+            "plan": {"type": "string", "description": "`custom` when the user has its own limits, else its plan."},
+            "base_plan": {"type": "string", "description": "The named plan: what the user returns to when its own limits are cleared; its other settings (share, max_in_flight, max_stored_bytes) apply meanwhile."},
+            "custom_limits": {"type": "boolean"},
+            "limits": limit_list(),
+        }},
+        "UserList": {"type": "object", "required": ["users", "next_cursor"], "properties": {
+            "users": {"type": "array", "items": {"type": "object",
+                "required": ["user", "plan", "base_plan", "custom_limits", "limits", "kind", "live_keys", "keys", "created", "created_ms"],
+                "properties": {
+                    "user": {"type": "string"},
+                    "plan": {"type": "string", "description": "`custom` (its own limits) or its plan."},
+                    "base_plan": {"type": "string"},
+                    "custom_limits": {"type": "boolean"},
+                    "limits": limit_list(),
+                    "kind": {"type": "string", "enum": ["user", "service"], "description": "`service` when every key of the user is a service key."},
+                    "live_keys": {"type": "integer", "minimum": 0, "description": "Keys not revoked."},
+                    "keys": {"type": "integer", "minimum": 0},
+                    "created": {"type": ["string", "null"], "format": "date-time", "description": "When its first key was issued."},
+                    "created_ms": {"type": ["integer", "null"]},
+                }}},
+            "next_cursor": {"type": ["string", "null"], "description": "Pass it as `cursor` for the next page; `null`: the last page."},
+        }},
+        "UserKeys": {"type": "object", "required": ["user", "keys"], "properties": {
+            "user": {"type": "string"},
+            "keys": {"type": "array", "items": key_view(false)},
+        }},
+        "KeyList": {"type": "object", "required": ["keys", "next_cursor"], "properties": {
+            "keys": {"type": "array", "items": key_view(true)},
+            "next_cursor": {"type": ["string", "null"], "description": "Pass it as `cursor` for the next page; `null`: the last page."},
+        }},
+        "AdminUsage": {"allOf": [schema("Usage"), {"type": "object", "required": ["base_plan"], "properties": {
+            "base_plan": {"type": "string", "description": "The user's named plan (what it returns to when its own limits are cleared)."},
+        }}]},
         "RevokedKey": {"type": "object", "required": ["key_id", "user", "revoked"],
             "properties": {"key_id": {"type": "string"}, "user": {"type": "string"}, "revoked": {"type": "boolean"}}},
         "Refund": {"type": "object", "required": ["user", "request_id", "outcome", "used"],
@@ -554,6 +599,36 @@ fn schemas(config: &Config) -> Value {
         "JobList": crate::dashboard::jobs::list_schema(),
         "JobDetail": crate::dashboard::jobs::detail_schema(),
     })
+}
+
+/// One key as the admin views show it (never its secret or hash); `user`:
+/// with its user.
+fn key_view(user: bool) -> Value {
+    let mut v = json!({"type": "object", "required": ["key_id", "kind", "created", "created_ms", "revoked"], "properties": {
+        "key_id": {"type": "string"},
+        "kind": {"type": "string", "enum": ["user", "service"]},
+        "created": {"type": "string", "format": "date-time"},
+        "created_ms": {"type": "integer"},
+        "revoked": {"type": "boolean"},
+        "allowed_plans": {"type": "array", "items": {"type": "string"}},
+    }});
+    if user {
+        if let Some(required) = v["required"].as_array_mut() {
+            required.push(json!("user"));
+        }
+        v["properties"]["user"] = json!({"type": "string"});
+    }
+    v
+}
+
+/// A list of limits as the admin views show them.
+fn limit_list() -> Value {
+    json!({"type": "array", "description": "Longest window first.", "items": {"type": "object",
+    "required": ["limit", "window", "window_ms"], "properties": {
+        "limit": {"type": "integer"},
+        "window": {"type": "string"},
+        "window_ms": {"type": "integer"},
+    }}})
 }
 
 /// `{"$ref": "#/components/schemas/<name>"}`

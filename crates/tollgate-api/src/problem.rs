@@ -622,6 +622,10 @@ impl From<LedgerError> for ApiError {
                 field: "plan".into(),
                 detail: e.to_string(),
             },
+            LedgerError::BadLimits(_) => Self::InvalidField {
+                field: "limits".into(),
+                detail: e.to_string(),
+            },
             LedgerError::Store(e) => Self::Store(e),
         }
     }

@@ -19,7 +19,12 @@ use crate::state::ApiState;
 #[derive(Debug, Serialize)]
 pub struct UsageView {
     pub user: String,
+    /// The user's plan, or `custom` when an admin set its limits
+    /// (`custom_limits`).
     pub plan: String,
+    /// True when an admin set this user's limits (`PUT
+    /// /admin/users/{user}/limits`): `windows` are those.
+    pub custom_limits: bool,
     pub used: u64,
     pub limit: u64,
     pub remaining: u64,
@@ -127,46 +132,54 @@ pub async fn usage(
     PageQuery(page): PageQuery,
 ) -> Result<Response, ApiError> {
     let usage = state.ledger.usage_page(&caller.user, page).await?;
-    let view = UsageView {
-        user: caller.user.to_string(),
-        plan: usage.plan.clone(),
-        used: usage.used,
-        limit: usage.limit,
-        remaining: usage.remaining,
-        window_secs: ceil_secs(usage.window_ms),
-        reset_after_secs: usage.reset_after_ms.map(ceil_secs),
-        reset_at: usage
-            .reset_after_ms
-            .map(|r| rfc3339(usage.now_ms.saturating_add(r))),
-        windows: usage
-            .windows
-            .iter()
-            .map(|w| WindowView {
-                policy: ratelimit::policy_name(&usage.windows, w.window_ms),
-                limit: w.limit,
-                window_secs: ceil_secs(w.window_ms),
-                used: w.used,
-                remaining: w.remaining,
-                reset_after_secs: w.reset_after_ms.map(ceil_secs),
-            })
-            .collect(),
-        events: usage
-            .events
-            .iter()
-            .map(|e| EventView {
-                request_id: e.request_id.to_string(),
-                operation: e.operation.clone(),
-                service_key: e.service_key.clone(),
-                cost: e.cost,
-                estimate: e.estimate,
-                at: rfc3339(e.at_ms),
-                at_ms: e.at_ms,
-            })
-            .collect(),
-        next_cursor: usage.next_cursor.map(|c| c.to_string()),
-    };
+    let view = UsageView::of(&caller.user, &usage);
     let headers = ratelimit::usage(&usage);
     let mut response = axum::Json(view).into_response();
     headers.apply(response.headers_mut());
     Ok(response)
+}
+
+impl UsageView {
+    /// What `/v1/usage` (and the admin's view of a user) shows of `usage`.
+    pub fn of(user: &tollgate_core::id::UserId, usage: &tollgate_core::ledger::Usage) -> Self {
+        UsageView {
+            user: user.to_string(),
+            plan: usage.plan.clone(),
+            custom_limits: usage.custom_limits,
+            used: usage.used,
+            limit: usage.limit,
+            remaining: usage.remaining,
+            window_secs: ceil_secs(usage.window_ms),
+            reset_after_secs: usage.reset_after_ms.map(ceil_secs),
+            reset_at: usage
+                .reset_after_ms
+                .map(|r| rfc3339(usage.now_ms.saturating_add(r))),
+            windows: usage
+                .windows
+                .iter()
+                .map(|w| WindowView {
+                    policy: ratelimit::policy_name(&usage.windows, w.window_ms),
+                    limit: w.limit,
+                    window_secs: ceil_secs(w.window_ms),
+                    used: w.used,
+                    remaining: w.remaining,
+                    reset_after_secs: w.reset_after_ms.map(ceil_secs),
+                })
+                .collect(),
+            events: usage
+                .events
+                .iter()
+                .map(|e| EventView {
+                    request_id: e.request_id.to_string(),
+                    operation: e.operation.clone(),
+                    service_key: e.service_key.clone(),
+                    cost: e.cost,
+                    estimate: e.estimate,
+                    at: rfc3339(e.at_ms),
+                    at_ms: e.at_ms,
+                })
+                .collect(),
+            next_cursor: usage.next_cursor.map(|c| c.to_string()),
+        }
+    }
 }

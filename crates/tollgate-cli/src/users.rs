@@ -1,13 +1,17 @@
-//! `tollgate users ...`: create users (printing their API key once) and revoke
-//! keys, against the Redis the api pods share.
+//! `tollgate users ...`: create users (printing their API key once), revoke
+//! keys, list users, show one, set or clear a user's own limits, and rebuild
+//! the users index, against the Redis the api pods share.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use serde_json::json;
+use tollgate_api::admin::{self, LimitBody, LimitView, LimitsView};
+use tollgate_api::problem::ApiError;
+use tollgate_api::usage::UsageView;
 use tollgate_core::id::UserId;
-use tollgate_core::keystore::KeyKind;
+use tollgate_core::keystore::{KeyKind, UserQuery};
 
 fn parse_kind(s: &str) -> Result<KeyKind, String> {
     KeyKind::parse(s).ok_or_else(|| format!("{s:?}: expected user or service"))
@@ -55,6 +59,80 @@ enum UsersCommand {
         #[arg(long)]
         key_id: String,
     },
+    /// List the users issued a key, by id, a page at a time (the users
+    /// index; see `reindex`).
+    List {
+        /// Only users whose id starts with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Users per page (1 to 100).
+        #[arg(long, default_value_t = UserQuery::DEFAULT_LIMIT)]
+        limit: usize,
+        /// The next page: the `next cursor` the previous page printed.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// One user: its plan or own limits, every window as it stands, its keys
+    /// (ids only) and the first page of its spend events.
+    Show { user: UserId },
+    /// Set a user's own limits (a custom plan for one user): they replace its
+    /// plan's from its next call on, until `clear-limits` or a plan is set.
+    SetLimits {
+        user: UserId,
+        /// `<tokens>/<window>`, e.g. `1000/1h` (repeat for several windows).
+        #[arg(long = "limit", required = true, value_parser = parse_limit)]
+        limits: Vec<LimitBody>,
+    },
+    /// Return a user to its plan's limits.
+    ClearLimits { user: UserId },
+    /// Add to the users index every user whose keys were issued before it
+    /// existed (a SCAN of the key store, on a cluster of each primary, a
+    /// thousand keys per step). Safe to run again, and while keys are issued.
+    Reindex,
+}
+
+/// `1000/1h` -> limit 1000 over a window of 1h (the window is checked with
+/// the rest, as a plan's).
+fn parse_limit(s: &str) -> Result<LimitBody, String> {
+    let (limit, window) = s
+        .split_once('/')
+        .ok_or_else(|| format!("{s:?}: expected <tokens>/<window>, e.g. 1000/1h"))?;
+    let limit = limit
+        .trim()
+        .parse::<i64>()
+        .map_err(|_| format!("{s:?}: {limit:?} is not a number of tokens"))?;
+    Ok(LimitBody {
+        limit,
+        window: window.trim().to_owned(),
+    })
+}
+
+fn describe(limits: &[LimitView]) -> String {
+    limits
+        .iter()
+        .map(|l| format!("{} tokens / {}", l.limit, l.window))
+        .collect::<Vec<_>>()
+        .join(" + ")
+}
+
+fn plan_line(v: &LimitsView) -> String {
+    if v.custom_limits {
+        format!(
+            "custom limits {} (plan {} when cleared)",
+            describe(&v.limits),
+            v.base_plan
+        )
+    } else {
+        format!("plan {} ({})", v.plan, describe(&v.limits))
+    }
+}
+
+fn client_error(e: ApiError) -> ExitCode {
+    if e.status().is_client_error() {
+        fail(exit::BAD_INPUT, e)
+    } else {
+        fail(exit::FAILURE, e)
+    }
 }
 
 pub async fn run(args: UsersArgs) -> ExitCode {
@@ -121,6 +199,152 @@ pub async fn run(args: UsersArgs) -> ExitCode {
                 ExitCode::SUCCESS
             }
             Ok(None) => fail(exit::BAD_INPUT, format!("no key {key_id:?}")),
+            Err(e) => fail(exit::FAILURE, e),
+        },
+        UsersCommand::List {
+            prefix,
+            limit,
+            cursor,
+        } => {
+            let query = match UserQuery::new(&prefix, cursor.as_deref(), limit) {
+                Ok(q) => q,
+                Err(e) => return fail(exit::BAD_INPUT, e),
+            };
+            let ledger = backends.ledger.as_ref();
+            match admin::list_users(&config, ledger, store, &query).await {
+                Ok(list) => {
+                    if args.json {
+                        println!("{}", json!(list));
+                    } else {
+                        for u in &list.users {
+                            let plan = if u.custom_limits {
+                                format!("custom ({})", describe(&u.limits))
+                            } else {
+                                u.plan.clone()
+                            };
+                            println!(
+                                "{}\t{}\t{}\t{} live key(s) of {}\tcreated {}",
+                                u.user,
+                                u.kind.as_str(),
+                                plan,
+                                u.live_keys,
+                                u.keys,
+                                u.created.as_deref().unwrap_or("-")
+                            );
+                        }
+                        match &list.next_cursor {
+                            Some(c) => println!("next cursor: {c}"),
+                            None => println!("({} user(s), last page)", list.users.len()),
+                        }
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => client_error(e),
+            }
+        }
+        UsersCommand::Show { user } => {
+            let ledger = backends.ledger.as_ref();
+            let shown = async {
+                let summary = admin::user_summary(&config, ledger, store, &user).await?;
+                let limits = admin::limits_view(&config, ledger, &user).await?;
+                let keys = store.user_keys(&user).await?;
+                let usage = ledger.usage(&user).await?;
+                Ok::<_, ApiError>((summary, limits, keys, usage))
+            };
+            match shown.await {
+                Ok((summary, limits, keys, usage)) => {
+                    if summary.keys == 0 && usage.events.is_empty() && !limits.custom_limits {
+                        return fail(exit::BAD_INPUT, format!("no user {user:?}"));
+                    }
+                    let keys: Vec<_> = keys.iter().map(admin::KeyView::of).collect();
+                    if args.json {
+                        println!(
+                            "{}",
+                            json!({
+                                "user": user,
+                                "plan": limits.plan,
+                                "base_plan": limits.base_plan,
+                                "custom_limits": limits.custom_limits,
+                                "limits": limits.limits,
+                                "kind": summary.kind,
+                                "keys": keys,
+                                "usage": UsageView::of(&user, &usage),
+                            })
+                        );
+                    } else {
+                        println!("{user}: {}", plan_line(&limits));
+                        for w in &usage.windows {
+                            println!(
+                                "  window {}: {} of {} used, {} left",
+                                tollgate_core::duration::format(std::time::Duration::from_millis(
+                                    w.window_ms
+                                )),
+                                w.used,
+                                w.limit,
+                                w.remaining
+                            );
+                        }
+                        for k in &keys {
+                            println!(
+                                "  key {} ({}, created {}{})",
+                                k.key_id,
+                                k.kind.as_str(),
+                                k.created,
+                                if k.revoked { ", revoked" } else { "" }
+                            );
+                        }
+                        println!(
+                            "  {} live spend event(s) on this page{}",
+                            usage.events.len(),
+                            if usage.next_cursor.is_some() {
+                                " (more: GET /admin/users/{user}/usage)"
+                            } else {
+                                ""
+                            }
+                        );
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => client_error(e),
+            }
+        }
+        UsersCommand::SetLimits { user, limits } => {
+            let ledger = backends.ledger.as_ref();
+            match admin::set_user_limits(&config, ledger, store, &user, limits).await {
+                Ok(view) => {
+                    if args.json {
+                        println!("{}", json!(view));
+                    } else {
+                        println!("{user}: {}", plan_line(&view));
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => client_error(e),
+            }
+        }
+        UsersCommand::ClearLimits { user } => {
+            let ledger = backends.ledger.as_ref();
+            match admin::clear_user_limits(&config, ledger, store, &user).await {
+                Ok(view) => {
+                    if args.json {
+                        println!("{}", json!(view));
+                    } else {
+                        println!("{user}: {}", plan_line(&view));
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => client_error(e),
+            }
+        }
+        UsersCommand::Reindex => match store.reindex().await {
+            Ok(seen) => {
+                if args.json {
+                    println!("{}", json!({"users_seen": seen}));
+                } else {
+                    println!("users index: {seen} user(s) with keys found and indexed");
+                }
+                ExitCode::SUCCESS
+            }
             Err(e) => fail(exit::FAILURE, e),
         },
     }

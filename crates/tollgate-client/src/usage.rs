@@ -6,7 +6,11 @@ use serde::Deserialize;
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Usage {
     pub user: String,
+    /// The user's plan, or `custom` when an admin set its limits.
     pub plan: String,
+    /// True when an admin set this user's limits: `windows` are those.
+    #[serde(default)]
+    pub custom_limits: bool,
     /// Tokens used in the window closest to exhaustion (the figures below are that window's).
     pub used: u64,
     pub limit: u64,

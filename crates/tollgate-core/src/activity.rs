@@ -860,6 +860,25 @@ impl Ledger for RecordingLedger {
     async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
         self.inner.plan(user).await
     }
+
+    async fn set_limits(
+        &self,
+        user: &UserId,
+        limits: &[crate::config::Limit],
+    ) -> Result<(), LedgerError> {
+        self.inner.set_limits(user, limits).await
+    }
+
+    async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError> {
+        self.inner.clear_limits(user).await
+    }
+
+    async fn custom_limits(
+        &self,
+        user: &UserId,
+    ) -> Result<Option<Vec<crate::config::Limit>>, LedgerError> {
+        self.inner.custom_limits(user).await
+    }
 }
 
 /// A [`Throttle`] that notes every grant (its provider, time and wait) into an

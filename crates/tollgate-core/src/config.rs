@@ -868,6 +868,54 @@ impl Config {
         self.plans().map(Plan::window_ms).max().unwrap_or(0)
     }
 
+    /// Validates a user's own limits (an admin's override of its plan's,
+    /// `PUT /admin/users/{user}/limits`) as a `[plans.X] limits` list: 1 to
+    /// [`MAX_LIMITS`] limits, each `limit` 1 to [`MAX_TOKENS`], windows
+    /// distinct; and no window longer than the retention
+    /// ([`retention_ms`](Self::retention_ms)): the log keeps no event longer,
+    /// so such a window could never count what it claims to. Returns them
+    /// longest window first; the error is `limits[i].<field>: why`.
+    pub fn override_limits(&self, raw: Vec<(i64, String)>) -> Result<Vec<Limit>, String> {
+        let invalid = |key: String, message: String| ConfigError::Invalid {
+            origin: String::new(),
+            key,
+            message,
+        };
+        // Errors name a window as it was written: keep that short.
+        if let Some(i) = raw.iter().position(|(_, w)| w.len() > 32) {
+            return Err(format!(
+                "limits[{i}].window: not a duration (at most 32 characters, e.g. 90s, 15m, 1h, 7d)"
+            ));
+        }
+        let raw = raw
+            .into_iter()
+            .map(|(limit, window)| RawLimit { limit, window })
+            .collect::<Vec<_>>();
+        let single = raw.len() == 1;
+        // parse_limits names its keys after a plan's (`<plan>.limits[i].limit`,
+        // `<plan>.limit` for a single one): here they are the body's.
+        let limits = parse_limits("", raw, &invalid).map_err(|e| match e {
+            ConfigError::Invalid { key, message, .. } => {
+                let key = key.trim_start_matches('.');
+                if single && !key.starts_with("limits") {
+                    format!("limits[0].{key}: {message}")
+                } else {
+                    format!("{key}: {message}")
+                }
+            }
+            other => other.to_string(),
+        })?;
+        let retention = self.retention_ms();
+        if let Some(l) = limits.iter().find(|l| l.window_ms() > retention) {
+            return Err(format!(
+                "limits: window {} is longer than the retention, {} (the longest window of any configured plan): the log keeps no event longer, so that window could not count its spend",
+                duration::format(l.window),
+                duration::format(Duration::from_millis(retention)),
+            ));
+        }
+        Ok(limits)
+    }
+
     /// The provider called `name`, if configured.
     pub fn provider(&self, name: &str) -> Option<&Provider> {
         self.providers.get(name)

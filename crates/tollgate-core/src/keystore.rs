@@ -292,6 +292,94 @@ impl KeyStoreError {
     }
 }
 
+/// A request for one page of the users index ([`KeyStore::users`]): the
+/// users issued a key whose id starts with `prefix`, in byte order of their
+/// ids, after `after` (from the first when `None`), at most `limit`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserQuery {
+    prefix: String,
+    after: Option<UserId>,
+    limit: usize,
+}
+
+/// A bad [`UserQuery`] (the HTTP edge answers 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UserQueryError {
+    #[error("limit must be between 1 and {max}, got {0}", max = UserQuery::MAX_LIMIT)]
+    BadLimit(usize),
+    #[error("prefix: {0}")]
+    BadPrefix(String),
+    #[error("cursor: not a cursor this server returned (expected the next_cursor of a page)")]
+    BadCursor,
+}
+
+impl UserQuery {
+    /// Users per page when the caller names no limit.
+    pub const DEFAULT_LIMIT: usize = 50;
+    /// The most a page holds: each user of a page costs a few reads (its
+    /// keys, its plan) besides the one range read of the index.
+    pub const MAX_LIMIT: usize = 100;
+
+    /// `prefix` is empty or the start of a user id (its characters);
+    /// `cursor` the `next_cursor` of the page before (a user id).
+    pub fn new(prefix: &str, cursor: Option<&str>, limit: usize) -> Result<Self, UserQueryError> {
+        if limit == 0 || limit > Self::MAX_LIMIT {
+            return Err(UserQueryError::BadLimit(limit));
+        }
+        if !prefix.is_empty() {
+            UserId::new(prefix).map_err(|e| UserQueryError::BadPrefix(e.to_string()))?;
+        }
+        let after = cursor
+            .map(|c| UserId::new(c).map_err(|_| UserQueryError::BadCursor))
+            .transpose()?;
+        Ok(Self {
+            prefix: prefix.to_owned(),
+            after,
+            limit,
+        })
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn after(&self) -> Option<&UserId> {
+        self.after.as_ref()
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Where the page starts: after `after`, or at `prefix` when `after` is
+    /// before it. `(true, s)`: after `s`; `(false, s)`: at `s` (inclusive).
+    pub fn start(&self) -> (bool, &str) {
+        match &self.after {
+            Some(a) if a.as_str() >= self.prefix.as_str() => (true, a.as_str()),
+            _ => (false, self.prefix.as_str()),
+        }
+    }
+
+    /// Whether `user` belongs to this query's range (prefix and cursor).
+    pub fn matches(&self, user: &UserId) -> bool {
+        let (exclusive, start) = self.start();
+        user.as_str().starts_with(&self.prefix)
+            && if exclusive {
+                user.as_str() > start
+            } else {
+                user.as_str() >= start
+            }
+    }
+}
+
+/// One page of users ([`KeyStore::users`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct UserPage {
+    pub users: Vec<UserId>,
+    /// Pass as the next query's cursor; `None`: the last page.
+    pub next_cursor: Option<UserId>,
+}
+
 /// Where API keys live: Redis for pods, memory for the embedded mode.
 #[async_trait]
 pub trait KeyStore: Send + Sync + fmt::Debug {
@@ -311,6 +399,17 @@ pub trait KeyStore: Send + Sync + fmt::Debug {
 
     /// Succeeds when the store can be reached (readiness checks).
     async fn ping(&self) -> Result<(), KeyStoreError>;
+
+    /// One page of the users issued a key (the users index): O(page).
+    async fn users(&self, query: &UserQuery) -> Result<UserPage, KeyStoreError>;
+
+    /// Every key issued to `user` (revoked ones too), oldest first.
+    async fn user_keys(&self, user: &UserId) -> Result<Vec<KeyRecord>, KeyStoreError>;
+
+    /// Adds to the users index every user with a key that is missing from
+    /// it (keys issued before the index existed); returns how many users it
+    /// saw. Idempotent; safe while keys are issued.
+    async fn reindex(&self) -> Result<u64, KeyStoreError>;
 }
 
 /// The embedded key store.
@@ -323,6 +422,8 @@ pub struct MemoryKeyStore {
 struct MemoryKeys {
     by_hash: HashMap<KeyHash, KeyRecord>,
     by_id: HashMap<String, KeyHash>,
+    /// The users index: user -> its key ids, in issue order.
+    by_user: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 impl MemoryKeyStore {
@@ -341,6 +442,10 @@ impl KeyStore for MemoryKeyStore {
         let mut keys = self.lock();
         keys.by_id.insert(record.key_id.clone(), key.hash());
         keys.by_hash.insert(key.hash(), record.clone());
+        keys.by_user
+            .entry(record.user.as_str().to_owned())
+            .or_default()
+            .push(record.key_id.clone());
         Ok(())
     }
 
@@ -360,11 +465,53 @@ impl KeyStore for MemoryKeyStore {
     }
 
     async fn has_user(&self, user: &UserId) -> Result<bool, KeyStoreError> {
-        Ok(self.lock().by_hash.values().any(|r| &r.user == user))
+        Ok(self.lock().by_user.contains_key(user.as_str()))
     }
 
     async fn ping(&self) -> Result<(), KeyStoreError> {
         Ok(())
+    }
+
+    async fn users(&self, query: &UserQuery) -> Result<UserPage, KeyStoreError> {
+        let keys = self.lock();
+        let (exclusive, start) = query.start();
+        let from = if exclusive {
+            std::ops::Bound::Excluded(start)
+        } else {
+            std::ops::Bound::Included(start)
+        };
+        let mut users: Vec<UserId> = keys
+            .by_user
+            .range::<str, _>((from, std::ops::Bound::Unbounded))
+            .map(|(u, _)| u)
+            .take_while(|u| u.starts_with(query.prefix()))
+            .take(query.limit() + 1)
+            .filter_map(|u| UserId::new(u.as_str()).ok())
+            .collect();
+        let more = users.len() > query.limit();
+        users.truncate(query.limit());
+        Ok(UserPage {
+            next_cursor: users.last().filter(|_| more).cloned(),
+            users,
+        })
+    }
+
+    async fn user_keys(&self, user: &UserId) -> Result<Vec<KeyRecord>, KeyStoreError> {
+        let keys = self.lock();
+        let mut records: Vec<KeyRecord> = keys
+            .by_user
+            .get(user.as_str())
+            .into_iter()
+            .flatten()
+            .filter_map(|id| keys.by_hash.get(keys.by_id.get(id)?).cloned())
+            .collect();
+        records.sort_by(|a, b| (a.created_ms, &a.key_id).cmp(&(b.created_ms, &b.key_id)));
+        Ok(records)
+    }
+
+    async fn reindex(&self) -> Result<u64, KeyStoreError> {
+        // Indexed as each key is inserted.
+        Ok(self.lock().by_user.len() as u64)
     }
 }
 

@@ -456,7 +456,14 @@ pub struct Usage {
     pub next_cursor: Option<EventCursor>,
     /// Every limit of the plan, longest window first.
     pub windows: Vec<WindowUse>,
+    /// True when an admin set this user's limits directly
+    /// ([`Ledger::set_limits`]): `plan` is then [`CUSTOM_PLAN`] and `windows`
+    /// are the override's.
+    pub custom_limits: bool,
 }
+
+/// The plan name a user with its own limits ([`Ledger::set_limits`]) shows.
+pub const CUSTOM_PLAN: &str = "custom";
 
 impl Usage {
     pub fn new(
@@ -479,7 +486,16 @@ impl Usage {
             events,
             next_cursor,
             windows,
+            custom_limits: false,
         }
+    }
+
+    /// The same usage of a user whose limits an admin set: `plan` becomes
+    /// [`CUSTOM_PLAN`].
+    pub fn with_custom_limits(mut self) -> Self {
+        self.plan = CUSTOM_PLAN.to_owned();
+        self.custom_limits = true;
+        self
     }
 }
 
@@ -493,6 +509,9 @@ pub enum LedgerError {
     CostTooLarge { cost: u64 },
     #[error("unknown plan {name:?} (configured: {known})")]
     UnknownPlan { name: String, known: String },
+    /// Limits no plan could have ([`check_custom_limits`]).
+    #[error("limits: {0}")]
+    BadLimits(String),
     /// The budget store failed.
     #[error("budget store: {0}")]
     Store(#[from] StoreError),
@@ -626,7 +645,36 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
     async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError>;
 
     /// The user's effective plan name: the stored one, else the default.
+    /// Limits an admin set ([`set_limits`](Self::set_limits)) replace this
+    /// plan's limits only: its other settings (share, `max_in_flight`,
+    /// `max_stored_bytes`) still apply, and it is the plan the user returns
+    /// to when they are cleared.
     async fn plan(&self, user: &UserId) -> Result<String, LedgerError>;
+
+    /// An admin sets the user's own limits (a custom plan for one user):
+    /// every budget step from the next on checks these instead of its plan's,
+    /// on every pod, read in the same atomic step as the log. `limits` were
+    /// validated ([`Config::override_limits`]: longest window first, none
+    /// past the retention). The log is kept as it is: a lower limit refuses
+    /// until enough spend leaves its window; a window the plan did not have
+    /// counts the live events already in it. [`set_plan`](Self::set_plan)
+    /// replaces them.
+    ///
+    /// [`Config::override_limits`]: crate::config::Config::override_limits
+    async fn set_limits(
+        &self,
+        user: &UserId,
+        limits: &[crate::config::Limit],
+    ) -> Result<(), LedgerError>;
+
+    /// Returns the user to its plan's limits; true when it had limits of its own.
+    async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError>;
+
+    /// The limits an admin set for the user (longest window first), if any.
+    async fn custom_limits(
+        &self,
+        user: &UserId,
+    ) -> Result<Option<Vec<crate::config::Limit>>, LedgerError>;
 }
 
 /// Separates the operation from the acting service key's id in the `op` a
@@ -676,4 +724,39 @@ pub fn unknown_plan(config: &crate::config::Config, name: &str) -> LedgerError {
             .collect::<Vec<_>>()
             .join(", "),
     }
+}
+
+/// What both ledgers check of the limits given to [`Ledger::set_limits`]
+/// (the api validated them with [`Config::override_limits`], which also
+/// holds them to the retention): 1 to [`MAX_LIMITS`], each limit 1 to
+/// [`MAX_TOKENS`], windows of at least 1 ms, distinct, longest first.
+///
+/// [`Config::override_limits`]: crate::config::Config::override_limits
+/// [`MAX_LIMITS`]: crate::config::MAX_LIMITS
+/// [`MAX_TOKENS`]: crate::config::MAX_TOKENS
+pub fn check_custom_limits(limits: &[crate::config::Limit]) -> Result<(), LedgerError> {
+    use crate::config::{MAX_LIMITS, MAX_TOKENS};
+    if limits.is_empty() || limits.len() > MAX_LIMITS {
+        return Err(LedgerError::BadLimits(format!(
+            "1 to {MAX_LIMITS} limits, got {}",
+            limits.len()
+        )));
+    }
+    if limits
+        .iter()
+        .any(|l| l.limit == 0 || l.limit > MAX_TOKENS || l.window_ms() == 0)
+    {
+        return Err(LedgerError::BadLimits(format!(
+            "every limit 1 to {MAX_TOKENS} tokens over a window of at least 1ms"
+        )));
+    }
+    if limits
+        .windows(2)
+        .any(|w| w[0].window_ms() <= w[1].window_ms())
+    {
+        return Err(LedgerError::BadLimits(
+            "windows distinct, longest first".into(),
+        ));
+    }
+    Ok(())
 }

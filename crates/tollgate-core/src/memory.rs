@@ -18,11 +18,13 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Limit, Plan};
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
-    audit_op, split_audit_op, unknown_plan, validate_cost, Allowed, ChangeKind, ChargeOutcome,
-    ChargeRequest, ClaimOutcome, Denied, EventCursor, EventPage, ExportEntry, Ledger, LedgerError,
-    RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
+    audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
+    Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, EventCursor,
+    EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
+    SpendEvent, Usage, WindowUse, CUSTOM_PLAN,
 };
 use crate::lock;
+use std::borrow::Cow;
 
 const SHARDS: usize = 64;
 /// One shard is swept for idle users every this many operations.
@@ -52,6 +54,9 @@ pub struct MemoryLedger<C: Clock = SystemClock> {
 #[derive(Default)]
 struct UserLog {
     plan: Option<String>,
+    /// The limits an admin set for this user ([`Ledger::set_limits`]): they
+    /// replace its plan's.
+    custom: Option<Vec<Limit>>,
     /// The live events in time order.
     events: Log,
     /// request -> its sequence number in `events`. The id's text is shared
@@ -716,10 +721,14 @@ impl<C: Clock> MemoryLedger<C> {
             let Ok(mut log) = entry.try_lock() else {
                 return true; // busy: certainly not idle
             };
-            let limits = &self.config.plan_or_default(log.plan.as_deref()).limits;
+            let plan = self.plan_of(&log);
             log.retain = self.retention;
-            log.expire(now, limits);
-            if log.events.is_empty() && log.plan.is_none() && log.cancelled.is_empty() {
+            log.expire(now, &plan.limits);
+            if log.events.is_empty()
+                && log.plan.is_none()
+                && log.custom.is_none()
+                && log.cancelled.is_empty()
+            {
                 log.retired = true;
                 return false;
             }
@@ -760,8 +769,18 @@ impl<C: Clock> MemoryLedger<C> {
         })
     }
 
-    fn plan_of(&self, log: &UserLog) -> &Plan {
-        self.config.plan_or_default(log.plan.as_deref())
+    /// The user's plan; with limits of its own, its plan under
+    /// [`CUSTOM_PLAN`] with those limits.
+    fn plan_of<'a>(&'a self, log: &UserLog) -> Cow<'a, Plan> {
+        let plan = self.config.plan_or_default(log.plan.as_deref());
+        match &log.custom {
+            None => Cow::Borrowed(plan),
+            Some(limits) => Cow::Owned(Plan {
+                name: CUSTOM_PLAN.to_owned(),
+                limits: limits.clone(),
+                ..plan.clone()
+            }),
+        }
     }
 
     /// Drops every user whose window is empty and who has no stored plan: what
@@ -974,13 +993,18 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     estimate: e.owner.as_ref().and_then(|o| o.estimate),
                 })
                 .collect();
-            Usage::new(
+            let usage = Usage::new(
                 plan.name.clone(),
                 log.windows(&plan.limits, now),
                 now,
                 events,
                 next_cursor,
-            )
+            );
+            if log.custom.is_some() {
+                usage.with_custom_limits()
+            } else {
+                usage
+            }
         }))
     }
 
@@ -1118,12 +1142,35 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         if self.config.plan(plan).is_none() {
             return Err(unknown_plan(&self.config, plan));
         }
-        self.with_user(user, true, |log, _| log.plan = Some(plan.to_owned()));
+        // A named plan replaces limits of the user's own.
+        self.with_user(user, true, |log, _| {
+            log.plan = Some(plan.to_owned());
+            log.custom = None;
+        });
         Ok(())
     }
 
     async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
-        Ok(self.with_user(user, false, |log, _| self.plan_of(log).name.clone()))
+        Ok(self.with_user(user, false, |log, _| {
+            self.config
+                .plan_or_default(log.plan.as_deref())
+                .name
+                .clone()
+        }))
+    }
+
+    async fn set_limits(&self, user: &UserId, limits: &[Limit]) -> Result<(), LedgerError> {
+        check_custom(limits)?;
+        self.with_user(user, true, |log, _| log.custom = Some(limits.to_vec()));
+        Ok(())
+    }
+
+    async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError> {
+        Ok(self.with_user(user, false, |log, _| log.custom.take().is_some()))
+    }
+
+    async fn custom_limits(&self, user: &UserId) -> Result<Option<Vec<Limit>>, LedgerError> {
+        Ok(self.with_user(user, false, |log, _| log.custom.clone()))
     }
 }
 

@@ -61,8 +61,19 @@ const LEDGER_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 ];
 /// The steps of [`MeteredLedger`] (the `step` label).
-const LEDGER_STEPS: [&str; 9] = [
-    "reserve", "refund", "settle", "usage", "charge", "claim", "release", "set_plan", "plan",
+const LEDGER_STEPS: [&str; 12] = [
+    "reserve",
+    "refund",
+    "settle",
+    "usage",
+    "charge",
+    "claim",
+    "release",
+    "set_plan",
+    "plan",
+    "set_limits",
+    "clear_limits",
+    "custom_limits",
 ];
 /// A wait for a throttle slot, in seconds: dense around the usual `max_wait`
 /// values, so that "p95 above half of max_wait" is read from real buckets.
@@ -1539,6 +1550,28 @@ impl Ledger for MeteredLedger {
 
     async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
         self.timed("plan", self.inner.plan(user)).await
+    }
+
+    async fn set_limits(
+        &self,
+        user: &UserId,
+        limits: &[crate::config::Limit],
+    ) -> Result<(), LedgerError> {
+        self.timed("set_limits", self.inner.set_limits(user, limits))
+            .await
+    }
+
+    async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError> {
+        self.timed("clear_limits", self.inner.clear_limits(user))
+            .await
+    }
+
+    async fn custom_limits(
+        &self,
+        user: &UserId,
+    ) -> Result<Option<Vec<crate::config::Limit>>, LedgerError> {
+        self.timed("custom_limits", self.inner.custom_limits(user))
+            .await
     }
 }
 

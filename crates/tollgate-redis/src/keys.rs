@@ -77,6 +77,13 @@ impl BudgetKeys {
     pub fn bucket(&self, n: u64) -> String {
         format!("{}:e:{n}", self.meta.trim_end_matches(":meta"))
     }
+
+    /// String: the limits an admin set for the user, `limit:window_ms,...`
+    /// longest window first (`lib/budget.lua`'s `resolve_plan` reads it with
+    /// the plan); absent: the plan's. Never expires, like the plan.
+    pub fn limits(&self) -> String {
+        format!("{}:limits", self.meta.trim_end_matches(":meta"))
+    }
 }
 
 /// The keys of one provider's throttle, sharing the provider's hash tag.
@@ -221,6 +228,21 @@ impl KeySpace {
     /// exists for `/admin/users/{user}/*`. `<prefix>:v1:apikey-user:<user>`.
     pub fn api_key_user(&self, user: &UserId) -> String {
         format!("{}:{SCHEMA}:apikey-user:{user}", self.prefix)
+    }
+
+    /// Sorted set: the users index, every user issued a key (score 0,
+    /// ordered by id: `ZRANGE BYLEX` pages and prefix searches), written
+    /// with each key; `tollgate users reindex` adds users whose keys came
+    /// before it. `<prefix>:v1:users`.
+    pub fn user_index(&self) -> String {
+        format!("{}:{SCHEMA}:users", self.prefix)
+    }
+
+    /// The `SCAN MATCH` pattern of every [`api_key_user`](Self::api_key_user)
+    /// key, and the part of each name before its user id.
+    pub fn api_key_user_scan(&self) -> (String, String) {
+        let head = format!("{}:{SCHEMA}:apikey-user:", self.prefix);
+        (format!("{head}*"), head)
     }
 
     /// String: a key id's key hash, for revoking by id:
@@ -455,6 +477,7 @@ mod tests {
         assert_eq!(k.events, "tg:v1:{u:alice}:events");
         assert_eq!(k.costs, "tg:v1:{u:alice}:costs");
         assert_eq!(k.plan, "tg:v1:{u:alice}:plan");
+        assert_eq!(k.limits(), "tg:v1:{u:alice}:limits");
         assert_eq!(k.owners, "tg:v1:{u:alice}:owners");
         assert_eq!(k.holds, "tg:v1:{u:alice}:holds");
         assert_eq!(k.audit, "tg:v1:{u:alice}:audit");

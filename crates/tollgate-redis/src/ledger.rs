@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::{FromRedisValue, Value};
-use tollgate_core::ledger::{split_audit_op, unknown_plan, validate_cost};
+use tollgate_core::config::{Limit, Plan};
+use tollgate_core::ledger::{
+    check_custom_limits, split_audit_op, unknown_plan, validate_cost, CUSTOM_PLAN,
+};
 use tollgate_core::{
     config::{Config, MAX_LIMITS},
     error::StoreError,
@@ -413,9 +416,10 @@ impl Ledger for RedisLedger {
         if self.config.plan(plan).is_none() {
             return Err(unknown_plan(&self.config, plan));
         }
-        let mut cmd = redis::cmd("SET");
-        cmd.arg(self.keys.budget(user).plan).arg(plan);
-        self.command("set_plan", cmd).await
+        // The plan and the end of limits of the user's own, in one step.
+        let inv = scripts::plan_set(&self.keys.budget(user), plan);
+        let _: i64 = call::script(&self.pool, self.timeout, "set_plan", &inv).await?;
+        Ok(())
     }
 
     async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
@@ -424,6 +428,50 @@ impl Ledger for RedisLedger {
         let stored: Option<String> = self.command("plan", cmd).await?;
         Ok(self.config.plan_or_default(stored.as_deref()).name.clone())
     }
+
+    async fn set_limits(&self, user: &UserId, limits: &[Limit]) -> Result<(), LedgerError> {
+        check_custom_limits(limits)?;
+        let plan = Plan {
+            name: CUSTOM_PLAN.to_owned(),
+            limits: limits.to_vec(),
+            ..self.config.default_plan().clone()
+        };
+        // One SET: the budget scripts read it with the plan (`resolve_plan`).
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.keys.budget(user).limits())
+            .arg(PlanArgs::limits(&plan));
+        self.command("set_limits", cmd).await
+    }
+
+    async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError> {
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(self.keys.budget(user).limits());
+        let removed: i64 = self.command("clear_limits", cmd).await?;
+        Ok(removed > 0)
+    }
+
+    async fn custom_limits(&self, user: &UserId) -> Result<Option<Vec<Limit>>, LedgerError> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.keys.budget(user).limits());
+        let stored: Option<String> = self.command("custom_limits", cmd).await?;
+        stored
+            .map(|spec| parse_spec(&spec).ok_or_else(|| bad_reply("custom_limits", spec)))
+            .transpose()
+    }
+}
+
+/// Limits in the plan table's `limit:window_ms,...` form ([`PlanArgs::limits`]).
+fn parse_spec(spec: &str) -> Option<Vec<Limit>> {
+    spec.split(',')
+        .map(|part| {
+            let (limit, window) = part.split_once(':')?;
+            Some(Limit {
+                limit: limit.parse().ok()?,
+                window: Duration::from_millis(window.parse().ok()?),
+            })
+        })
+        .collect::<Option<Vec<_>>>()
+        .filter(|l| !l.is_empty())
 }
 
 fn refund_outcome(what: &str, r: &[i64]) -> Result<RefundOutcome, LedgerError> {
@@ -615,11 +663,13 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
             .first()
             .ok_or_else(|| bad_reply::<LedgerError>("usage", "empty"))?,
     )?;
-    Ok(Usage::new(
-        plan,
-        windows,
-        int(&reply[1])?,
-        events,
-        next_cursor,
-    ))
+    // `lib/budget.lua` names the plan of a user with limits of its own
+    // `custom:<plan>` (no plan name has a ':').
+    let custom = plan.starts_with("custom:");
+    let usage = Usage::new(plan, windows, int(&reply[1])?, events, next_cursor);
+    Ok(if custom {
+        usage.with_custom_limits()
+    } else {
+        usage
+    })
 }

@@ -848,6 +848,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("alert_lease.lua", &ALERT_LEASE),
         ("alert_done.lua", &ALERT_DONE),
         ("alert_point.lua", &ALERT_POINT),
+        ("plan_set.lua", &PLAN_SET),
     ]
 }
 
@@ -861,6 +862,16 @@ pub static ALERT_DONE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/alert_done.lua")));
 pub static ALERT_POINT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/alert_point.lua")));
+
+pub static PLAN_SET: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/plan_set.lua")));
+
+/// `plan_set.lua`: the user's plan, replacing limits of its own.
+pub fn plan_set<'a>(keys: &BudgetKeys, plan: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = PLAN_SET.prepare_invoke();
+    inv.key(&keys.plan).key(keys.limits()).arg(plan);
+    inv
+}
 
 /// `job_enqueue.lua`: creates `job` (queued) unless it exists.
 pub fn job_enqueue<'a>(

@@ -98,6 +98,8 @@ class Usage:
     windows: List[dict]
     events: List[dict]
     next_cursor: Optional[str]
+    # True when an admin set this user's limits (``plan`` is then "custom").
+    custom_limits: bool = False
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,7 @@ class _Core:
                 windows=b.get("windows", []),
                 events=b.get("events", []),
                 next_cursor=b.get("next_cursor"),
+                custom_limits=bool(b.get("custom_limits", False)),
             )
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"a usage body that does not parse: {e}") from None

@@ -285,7 +285,7 @@ function renderTopUsers(users) {
     bar.appendChild(fillDiv);
     const barCell = el('td');
     barCell.appendChild(bar);
-    const tr = row([el('td', u.user), el('td', u.plan), el('td', u.used + ' / ' + u.limit, 'num'), barCell,
+    const tr = row([el('td', u.user), el('td', u.custom_limits ? u.plan + ' (own limits)' : u.plan), el('td', u.used + ' / ' + u.limit, 'num'), barCell,
       el('td', u.window_secs >= 3600 ? (u.window_secs / 3600).toFixed(1) + ' h' : u.window_secs + ' s')]);
     tr.dataset.user = u.user;
     return tr;
