@@ -1,12 +1,12 @@
-//! `tollgate users ...`: create users (printing their API key once) and revoke
-//! keys, against the Redis the api pods share.
+//! `tollgate users ...`: create users (printing their API key once), revoke
+//! keys and put users in organisations, against the Redis the api pods share.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use serde_json::json;
-use tollgate_core::id::UserId;
+use tollgate_core::id::{OrgId, UserId};
 use tollgate_core::keystore::KeyKind;
 
 fn parse_kind(s: &str) -> Result<KeyKind, String> {
@@ -54,6 +54,18 @@ enum UsersCommand {
     Revoke {
         #[arg(long)]
         key_id: String,
+    },
+    /// Put a user in an organisation (created with `tollgate orgs set`), or
+    /// with `--none` in none, moving its live spend events with it. Run it
+    /// again after an interruption: it finishes the move.
+    SetOrg {
+        user: UserId,
+        /// The organisation.
+        #[arg(required_unless_present = "none", conflicts_with = "none")]
+        org: Option<OrgId>,
+        /// In no organisation.
+        #[arg(long)]
+        none: bool,
     },
 }
 
@@ -105,6 +117,30 @@ pub async fn run(args: UsersArgs) -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(e) if e.status().is_client_error() => fail(exit::BAD_INPUT, e),
+                Err(e) => fail(exit::FAILURE, e),
+            }
+        }
+        UsersCommand::SetOrg { user, org, none: _ } => {
+            match backends.ledger.set_user_org(&user, org.as_ref()).await {
+                Ok(moved) => {
+                    let org = moved.org.map(|o| o.to_string());
+                    if args.json {
+                        println!(
+                            "{}",
+                            json!({"user": user, "org": org, "moved_events": moved.events})
+                        );
+                    } else {
+                        println!(
+                            "{user} is in {} ({} live events moved)",
+                            org.as_deref().unwrap_or("no organisation"),
+                            moved.events
+                        );
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e @ tollgate_core::ledger::LedgerError::UnknownOrg(_)) => {
+                    fail(exit::BAD_INPUT, e)
+                }
                 Err(e) => fail(exit::FAILURE, e),
             }
         }
