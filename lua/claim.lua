@@ -31,8 +31,11 @@ local now = now_ms()
 -- previous key layout, or a hold at or past its end, takes the full step.
 local fast = now < hold_until and redis.call('EXISTS', EVENTS, COSTS, OWNERS) == 0
 if fast then
-  check_at(redis.call('GET', AT))
-  local m = redis.call('HMGET', META, 'l', 's')
+  if is_member() then
+    check_at(redis.call('GET', AT))
+  end
+  local m = redis.call('HMGET', META, 'l', 's', 'w')
+  check_home(m[3])
   SIZE, SPLIT = tonumber(m[1]) or 1, tonumber(m[2]) or 0
 else
   local _, limits = resolve_plan(4)

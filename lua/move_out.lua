@@ -6,6 +6,9 @@
 -- again.
 -- KEYS[1..9] the user's budget keys at this location (see lib/budget.lua),
 --   KEYS[10..18] its organisation's when the location is a member's.
+-- Freezing sets the location's marker (lib/budget.lua, AT): '<base>:at' at a
+-- member's location; at the user's own tag meta's 'w' (meta then persists)
+-- and the pointer '<base>:at'.
 -- ARGV[1] step: 'freeze' | 'batch' | 'drop'
 -- ARGV[2] freeze: where the user moves ('-': its own tag, 'o:<org>');
 --         batch: how many log entries to read (1..100);
@@ -25,7 +28,13 @@
 
 NOCHECK = true
 local step, arg = ARGV[1], ARGV[2]
-local at = redis.call('GET', AT)
+-- The marker: a member's '<base>:at', or meta's 'w' at the user's own tag.
+local at
+if is_member() then
+  at = redis.call('GET', AT)
+else
+  at = redis.call('HGET', META, 'w')
+end
 local frozen = at and string.sub(at, 1, 7) == 'moving '
 if step == 'freeze' then
   if frozen then
@@ -33,6 +42,12 @@ if step == 'freeze' then
   end
   if (is_member() and at ~= 'here') or (not is_member() and at) then
     return { -1, at or '' }
+  end
+  if not is_member() then
+    -- Meta keeps the marker: it no longer expires (the mover's last step
+    -- sets its expiry again when the user comes back).
+    redis.call('HSET', META, 'w', 'moving ' .. arg)
+    redis.call('PERSIST', META)
   end
   redis.call('SET', AT, 'moving ' .. arg)
   return { 1 }
@@ -45,6 +60,11 @@ if step == 'batch' then
   local n = tonumber(arg)
   if not n or n < 1 or n > SLICE then
     return redis.error_reply('TOLLGATE_BAD_MOVE batch size must be 1..100')
+  end
+  -- Events of the previous key layout move to this one first.
+  resolve_plan(3)
+  if migrate(now_ms()) then
+    error({ err = 'TOLLGATE_MIGRATING events of the previous layout are left: call again' })
   end
   local m = redis.call('HMGET', META, 'l', 's')
   SIZE, SPLIT = tonumber(m[1]) or 1, tonumber(m[2]) or 0

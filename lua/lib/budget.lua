@@ -121,11 +121,14 @@ local RELEASED = {}
 -- walk's cursor per shorter window (nil: the set is empty). MOVED is
 -- '<base>:mv'.
 local MOVED, MV = nil, nil
--- A location's marker ('<base>:at'): at a user's own tag, absent while the
--- user lives there, 'o:<org>' once it lives in that organisation (the pointer
--- callers read), 'moving <to>' while a move freezes it; at a member's
--- location, 'here' while the user lives there. A script at a location the
--- user left answers TOLLGATE_MOVED, at a frozen one TOLLGATE_MOVING.
+-- Where the user lives. At a member's location the marker '<base>:at' says
+-- 'here' while the user lives there, 'moving <to>' while a move freezes it.
+-- At a user's own tag, meta's field 'w' (read with the totals: no extra
+-- command for a user in no organisation): absent while the user lives there,
+-- 'moving <to>' while a move freezes it, 'o:<org>' once it lives in that
+-- organisation (meta then never expires); '<base>:at' there is the pointer
+-- callers read (the same values). A script at a location the user left
+-- answers TOLLGATE_MOVED, at a frozen one TOLLGATE_MOVING.
 local AT = nil
 -- Set by the move scripts: they read and write a frozen location.
 local NOCHECK = false
@@ -223,6 +226,13 @@ local function check_at(at)
   end
 end
 
+-- At a user's own tag: meta's 'w' (see AT).
+local function check_home(w)
+  if w and SUBJECT == 'user' and not NOCHECK and not is_member() then
+    check_at(w)
+  end
+end
+
 -- Returns the name and limits ({ limit, window } each, longest window first) of
 -- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
 local function resolve_plan(i)
@@ -230,7 +240,7 @@ local function resolve_plan(i)
   RETAIN = tonumber(ARGV[i + 1]) or 0
   i = i + 2
   local stored
-  if SUBJECT == 'user' and not NOCHECK then
+  if SUBJECT == 'user' and not NOCHECK and is_member() then
     local got = redis.call('MGET', PLAN, AT)
     stored = got[1]
     check_at(got[2])
@@ -621,7 +631,8 @@ end
 -- in meta's 'r' ('<sum> <ID of the last entry summed>'); a call that leaves
 -- some answers TOLLGATE_AGAIN.
 local function read_total()
-  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r', 'v')
+  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r', 'v', 'w')
+  check_home(m[7])
   SIZE, SPLIT = tonumber(m[2]) or 1, tonumber(m[3]) or 0
   KEPT = tonumber(m[4]) or 0
   MV = nil

@@ -571,6 +571,104 @@ async fn moving_users_mid_load_loses_and_doubles_nothing(b: &impl Backend) {
     assert_eq!(org_used(pods[0].as_ref(), &orgs[1]).await, 0);
 }
 
+/// A move stopped between its steps (the mover died after the destination
+/// took a batch, before the source dropped it): meanwhile the user's calls
+/// wait (the source is frozen) and the batch counts at both organisations
+/// (never an overspend); the next call of the same move finishes it, adding
+/// nothing twice, and the waiting call then lands at the new place.
+async fn an_interrupted_move_finishes_on_the_next_call(b: &Redis) {
+    use tollgate_redis::{call, scripts};
+    let l = b.ledger().await;
+    let other_pod = b.pod().await;
+    let (u, v, o1, o2) = (user("ivy"), user("jack"), org("from"), org("to"));
+    for o in [&o1, &o2] {
+        l.set_org_plan(o, "wide").await.unwrap();
+    }
+    l.set_plan(&u, "wide").await.unwrap();
+    l.set_user_org(&u, Some(&o1)).await.unwrap();
+    l.set_user_org(&v, Some(&o1)).await.unwrap();
+    for i in 0..5 {
+        allowed(
+            other_pod
+                .reserve(&u, &rid(&format!("i{i}")), 2)
+                .await
+                .unwrap(),
+        );
+    }
+    allowed(l.reserve(&v, &rid("j0"), 2).await.unwrap());
+    let plans = scripts::PlanArgs::new(&config()).without_export();
+    let (from, to) = (
+        l.keys().location(&u, Some(&o1)),
+        l.keys().location(&u, Some(&o2)),
+    );
+    let t = Duration::from_secs(5);
+    let step = |inv: tollgate_redis::scripts::FunctionCall| {
+        let pool = l.pool().clone();
+        async move {
+            call::function::<::redis::Value>(&pool, t, "move_out", &inv)
+                .await
+                .unwrap()
+        }
+    };
+    step(scripts::move_freeze(&from, "o:to", &plans)).await;
+    // Frozen: the user's calls wait for the move.
+    let waiting = {
+        let pod = Arc::clone(&other_pod);
+        let u = u.clone();
+        tokio::spawn(async move { pod.reserve(&u, &rid("i5"), 2).await })
+    };
+    let batch = step(scripts::move_batch(&from, 50, &plans)).await;
+    let ::redis::Value::Array(parts) = batch else {
+        panic!("batch: {batch:?}")
+    };
+    let fields: Vec<Vec<u8>> = parts[3..]
+        .iter()
+        .map(|v| match v {
+            ::redis::Value::Int(i) => i.to_string().into_bytes(),
+            ::redis::Value::BulkString(s) => s.clone(),
+            other => panic!("field {other:?}"),
+        })
+        .collect();
+    assert_eq!(fields.len(), 50, "five events of ten fields");
+    let plan = match &parts[0] {
+        ::redis::Value::BulkString(s) => String::from_utf8(s.clone()).unwrap(),
+        other => panic!("plan {other:?}"),
+    };
+    step(scripts::move_in(&to, &plan, "", &fields, &plans)).await;
+    // The mover dies here. The batch counts at both (conservative).
+    assert_eq!(org_used(&l, &o1).await, 12);
+    assert_eq!(org_used(&l, &o2).await, 10);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiting.is_finished(), "a call at a frozen location waits");
+    // The same move, again: it finishes what is under way.
+    let m = l.set_user_org(&u, Some(&o2)).await.unwrap();
+    assert_eq!(m.org, Some(o2.clone()));
+    allowed(waiting.await.unwrap().unwrap());
+    assert_eq!(org_used(&l, &o1).await, 2);
+    assert_eq!(org_used(&l, &o2).await, 12);
+    let events = tollgate_tests::all_events(&l, &u).await.unwrap();
+    let ids: Vec<String> = events.iter().map(|e| e.request_id.to_string()).collect();
+    assert_eq!(ids, ["i0", "i1", "i2", "i3", "i4", "i5"]);
+    assert_eq!(l.plan(&u).await.unwrap(), "wide");
+    assert_eq!(
+        l.org_usage(&o1, None, 10).await.unwrap().members,
+        vec![v.clone()]
+    );
+    assert_eq!(l.org_usage(&o2, None, 10).await.unwrap().members, vec![u]);
+}
+
+mod interrupted {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn redis() {
+        super::an_interrupted_move_finishes_on_the_next_call(&super::Redis::start()).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn cluster() {
+        super::an_interrupted_move_finishes_on_the_next_call(&super::Redis::cluster()).await
+    }
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {

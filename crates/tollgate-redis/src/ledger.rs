@@ -329,7 +329,24 @@ impl RedisLedger {
             let mut cmd = redis::cmd("SET");
             cmd.arg(&pointer).arg(format!("o:{b}"));
             let () = self.command("set_user_org", cmd).await?;
+            if src.is_none() {
+                // The scripts at the user's own tag read meta's 'w'.
+                let mut cmd = redis::cmd("HSET");
+                cmd.arg(self.keys.budget(user).meta)
+                    .arg("w")
+                    .arg(format!("o:{b}"));
+                let _: i64 = self.command("set_user_org", cmd).await?;
+            }
         } else {
+            // Home again: meta expires with the log again (its next write
+            // sets the expiry anew; this one bounds it meanwhile).
+            let meta = self.keys.budget(user).meta;
+            let mut cmd = redis::cmd("HDEL");
+            cmd.arg(&meta).arg("w").arg("x");
+            let _: i64 = self.command("set_user_org", cmd).await?;
+            let mut cmd = redis::cmd("PEXPIRE");
+            cmd.arg(&meta).arg(self.config.retention_ms().max(1));
+            let _: i64 = self.command("set_user_org", cmd).await?;
             let mut cmd = redis::cmd("DEL");
             cmd.arg(&pointer);
             let _: i64 = self.command("set_user_org", cmd).await?;
