@@ -32,7 +32,7 @@ local now = now_ms()
 local fast = now < hold_until and redis.call('EXISTS', EVENTS, COSTS, OWNERS) == 0
 if fast then
   if is_member() then
-    check_at(redis.call('GET', AT))
+    check_at(redis.call('GET', at_key()))
   end
   local m = redis.call('HMGET', META, 'l', 's', 'w')
   check_home(m[3])

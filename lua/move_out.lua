@@ -31,7 +31,7 @@ local step, arg = ARGV[1], ARGV[2]
 -- The marker: a member's '<base>:at', or meta's 'w' at the user's own tag.
 local at
 if is_member() then
-  at = redis.call('GET', AT)
+  at = redis.call('GET', at_key())
 else
   at = redis.call('HGET', META, 'w')
 end
@@ -49,7 +49,7 @@ if step == 'freeze' then
     redis.call('HSET', META, 'w', 'moving ' .. arg)
     redis.call('PERSIST', META)
   end
-  redis.call('SET', AT, 'moving ' .. arg)
+  redis.call('SET', at_key(), 'moving ' .. arg)
   return { 1 }
 end
 if not frozen then

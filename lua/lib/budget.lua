@@ -110,17 +110,17 @@ local PARSED, PARSED_N = {}, 0
 -- `fits`, `record`, `remove` and `recost` apply to either; a member's script
 -- applies them to both. A member is a call with more than 9 KEYS.
 -- The subject in use, and the other one's saved state.
-local SUBJECT, SAVED = 'user', {}
+local SUBJECT, SAVED = 'user', nil
 -- Requests whose held charge `expire` released this call (the organisation
 -- releases its copies of them: `org_open`).
-local RELEASED = {}
+local RELEASED = nil
 -- Events moved in from another location with their past time (`insert`) when
 -- the log already held later ones: appended to the log at the move's time and
 -- kept in the sorted set MOVED (request -> real time, ms), walked by `expire`
 -- so that each still leaves each window at its real time. MV: the moved
 -- walk's cursor per shorter window (nil: the set is empty). MOVED is
 -- '<base>:mv'.
-local MOVED, MV = nil, nil
+local MV = nil
 -- Where the user lives. At a member's location the marker '<base>:at' says
 -- 'here' while the user lives there, 'moving <to>' while a move freezes it.
 -- At a user's own tag, meta's field 'w' (read with the totals: no extra
@@ -129,7 +129,6 @@ local MOVED, MV = nil, nil
 -- organisation (meta then never expires); '<base>:at' there is the pointer
 -- callers read (the same values). A script at a location the user left
 -- answers TOLLGATE_MOVED, at a frozen one TOLLGATE_MOVING.
-local AT = nil
 -- Set by the move scripts: they read and write a frozen location.
 local NOCHECK = false
 
@@ -138,7 +137,16 @@ local function set_keys(keys, o)
     keys[o + 1], keys[o + 2], keys[o + 3], keys[o + 4], keys[o + 5], keys[o + 6], keys[o + 7],
     keys[o + 8], keys[o + 9]
   BASE = string.sub(META, 1, -6)
-  MOVED, AT = BASE .. ':mv', BASE .. ':at'
+end
+
+-- The location's marker and moved set (built when needed: most calls need
+-- neither).
+local function at_key()
+  return BASE .. ':at'
+end
+
+local function moved_key()
+  return BASE .. ':mv'
 end
 
 -- Starts one call: its keys and arguments, and the state above reset.
@@ -147,7 +155,8 @@ local function begin(keys, args)
   set_keys(keys, 0)
   SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, RETAIN = {}, false, 2, 0, 0, 1, 0, 0
   KEPT, WORK = 0, SLICE
-  SUBJECT, SAVED, RELEASED, MV, NOCHECK = 'user', {}, {}, nil, false
+  -- SAVED and RELEASED are made when first needed: most calls need neither.
+  SUBJECT, SAVED, RELEASED, MV, NOCHECK = 'user', nil, nil, nil, false
 end
 
 -- Switches the per-call state to `subject` ('user' or 'org': a member's
@@ -157,12 +166,13 @@ local function use(subject)
   if subject == SUBJECT then
     return
   end
-  SAVED[SUBJECT] = { EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE, MOVED,
-    AT, SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV }
+  SAVED = SAVED or {}
+  SAVED[SUBJECT] = { EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE,
+    SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV }
   local s = SAVED[subject]
   if s then
-    EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE, MOVED, AT, SHORTS,
-      SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV = unpack(s, 1, 21)
+    EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE, SHORTS,
+      SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV = unpack(s, 1, 19)
   else
     set_keys(KEYS, subject == 'org' and 9 or 0)
     SHORTS, SHORTS_STALE, FIRST, TOTAL, SIZE, SPLIT, KEPT, MV = {}, false, 2, 0, 1, 0, 0, nil
@@ -241,7 +251,7 @@ local function resolve_plan(i)
   i = i + 2
   local stored
   if SUBJECT == 'user' and not NOCHECK and is_member() then
-    local got = redis.call('MGET', PLAN, AT)
+    local got = redis.call('MGET', PLAN, at_key())
     stored = got[1]
     check_at(got[2])
   else
@@ -563,7 +573,7 @@ end
 -- when WORK ran out: whole milliseconds only) and whether WORK ran out.
 local function moved_slice(lo, hi)
   local n = math.max(math.min(BATCH, WORK), 1)
-  local rows = redis.call('ZRANGE', MOVED, '(' .. int(lo), int(hi), 'BYSCORE', 'LIMIT', 0, n + 1,
+  local rows = redis.call('ZRANGE', moved_key(), '(' .. int(lo), int(hi), 'BYSCORE', 'LIMIT', 0, n + 1,
     'WITHSCORES')
   local count = #rows / 2
   WORK = WORK - count
@@ -573,7 +583,7 @@ local function moved_slice(lo, hi)
     -- read all of that millisecond.
     local last = tonumber(rows[2 * count])
     if tonumber(rows[2]) == last then
-      rows = redis.call('ZRANGE', MOVED, int(last), int(last), 'BYSCORE', 'WITHSCORES')
+      rows = redis.call('ZRANGE', moved_key(), int(last), int(last), 'BYSCORE', 'WITHSCORES')
       stop = last
     else
       stop = last - 1
@@ -701,7 +711,7 @@ local function write_total(now)
     redis.call('PEXPIREAT', LOG, int(KEPT))
     redis.call('PEXPIREAT', META, int(KEPT))
     if MV then
-      redis.call('PEXPIREAT', MOVED, int(KEPT))
+      redis.call('PEXPIREAT', moved_key(), int(KEPT))
     end
   else
     redis.call('HSET', META, 't', value)
@@ -734,7 +744,7 @@ local function drop(ev)
   redis.call('HDEL', ev.key, ev.field)
   redis.call('XDEL', LOG, entry_id(ev))
   if ev.real then
-    redis.call('ZREM', MOVED, ev.rec.id)
+    redis.call('ZREM', moved_key(), ev.rec.id)
   end
 end
 
@@ -875,9 +885,9 @@ local function expire(now, limits)
   end
   while MV do
     local n = math.min(BATCH, WORK)
-    local ids = redis.call('ZRANGE', MOVED, '-inf', int(now - RETAIN), 'BYSCORE', 'LIMIT', 0, math.max(n, 1))
+    local ids = redis.call('ZRANGE', moved_key(), '-inf', int(now - RETAIN), 'BYSCORE', 'LIMIT', 0, math.max(n, 1))
     if #ids == 0 then
-      if redis.call('EXISTS', MOVED) == 0 then
+      if redis.call('EXISTS', moved_key()) == 0 then
         MV = nil
         redis.call('HDEL', META, 'v')
       end
@@ -894,7 +904,7 @@ local function expire(now, limits)
         drop(ev)
       end
     end
-    redis.call('ZREM', MOVED, unpack(ids))
+    redis.call('ZREM', moved_key(), unpack(ids))
     changed = true
   end
   while true do
@@ -937,6 +947,7 @@ local function expire(now, limits)
         unshort(spent(ev), ev.cost, now)
         export('refund', id, ev.cost, spent(ev))
         drop(ev)
+        RELEASED = RELEASED or {}
         RELEASED[#RELEASED + 1] = id
       end
     end
@@ -1122,13 +1133,13 @@ local function insert(request, at, ev, o, now, slot)
         MV[k] = now - s.window
       end
     end
-    redis.call('ZADD', MOVED, int(at), request)
+    redis.call('ZADD', moved_key(), int(at), request)
   end
   local ms, seq = string.match(sid, '^(%d+)-(%d+)$')
   ev.at, ev.seq = tonumber(ms), tonumber(seq)
-  local at_key = int(now + 2 * RETAIN + slack())
-  redis.call('HSET', slot.key, '~', at_key, slot.field, pack_value(ev))
-  redis.call('PEXPIREAT', slot.key, at_key)
+  local keep_until = int(now + 2 * RETAIN + slack())
+  redis.call('HSET', slot.key, '~', keep_until, slot.field, pack_value(ev))
+  redis.call('PEXPIREAT', slot.key, keep_until)
   for _, s in ipairs(SHORTS) do
     -- After `expire` nothing in (cursor, now - window] is left to subtract
     -- (its walk may leave the cursor behind when it found nothing): move it
@@ -1146,7 +1157,7 @@ local function insert(request, at, ev, o, now, slot)
   KEPT = 0
   write_total(now)
   if ev.real then
-    redis.call('PEXPIREAT', MOVED, int(KEPT))
+    redis.call('PEXPIREAT', moved_key(), int(KEPT))
   end
 end
 
@@ -1167,8 +1178,8 @@ local function org_open(now, i)
     return nil
   end
   MEMBER = string.match(BASE, ':u:([^:]+)$')
-  local released = RELEASED
-  RELEASED = {}
+  local released = RELEASED or {}
+  RELEASED = nil
   use('org')
   local name, limits = resolve_plan(i)
   EXPORT = 0
