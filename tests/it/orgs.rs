@@ -707,3 +707,130 @@ conformance!(
     sixteen_way_race_never_passes_either_level,
     moving_users_mid_load_loses_and_doubles_nothing,
 );
+
+/// The race through the HTTP api: 2 organisations x 4 users x 2 api pods (two
+/// api states, each with its own pool and cache of where users live) on one
+/// Redis, or on the cluster; 16 tasks submit jobs of cost 2 until refused.
+/// No user passes its 20, no organisation its 60, and each organisation ends
+/// at exactly 60 (its limit binds: 4 x 20 > 60).
+async fn sixteen_way_race_over_two_api_pods(url: &str) {
+    use crate::api::{redis_source, redis_state_with, settings, test_config_with, Harness, ADMIN};
+    use axum::http::StatusCode;
+    use serde_json::json;
+    let config = test_config_with(
+        "[plans.u20]\nlimit = 20\nwindow = \"1h\"\n\n[plans.o60]\nlimit = 60\nwindow = \"1h\"\n",
+    );
+    let prefix = random_prefix();
+    let mut pods = Vec::new();
+    for _ in 0..2 {
+        let state = redis_state_with(url, &prefix, settings(), Arc::clone(&config)).await;
+        let source = redis_source(url, &state).await;
+        pods.push(Arc::new(Harness {
+            app: tollgate_api::router(state.clone()),
+            state,
+            source,
+            redis: None,
+            _cluster: None,
+        }));
+    }
+    let mut users = Vec::new();
+    for o in 0..2 {
+        for u in 0..4 {
+            let name = format!("pod-racer-{o}-{u}");
+            let key = pods[0].user(&name, "u20").await;
+            // The second pod learns where the user lives before it joins.
+            pods[1].usage(&key).await;
+            users.push((o, name, key));
+        }
+    }
+    for o in 0..2 {
+        let r = pods[0]
+            .call(
+                "PUT",
+                &format!("/admin/orgs/team-{o}"),
+                Some(ADMIN),
+                &[],
+                Some(json!({"plan": "o60"}).to_string()),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    }
+    for (o, name, _) in &users {
+        let body = json!({"org": format!("team-{o}")}).to_string();
+        let r = pods[0]
+            .call(
+                "PUT",
+                &format!("/admin/users/{name}/org"),
+                Some(ADMIN),
+                &[],
+                Some(body),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    }
+    let mut tasks = Vec::new();
+    for (o, name, key) in users.iter().cloned() {
+        for (p, pod) in pods.iter().enumerate() {
+            let (pod, name, key) = (Arc::clone(pod), name.clone(), key.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut admitted = 0u64;
+                for i in 0.. {
+                    let idem = format!("{name}-{p}-{i}");
+                    let r = pod
+                        .call(
+                            "POST",
+                            "/v1/ops/echo.custom?async=true",
+                            Some(&key),
+                            &[("idempotency-key", &idem)],
+                            Some(json!({"i": i}).to_string()),
+                        )
+                        .await;
+                    match r.status {
+                        StatusCode::ACCEPTED => admitted += 2,
+                        StatusCode::TOO_MANY_REQUESTS => break,
+                        other => panic!("{other}: {}", r.body),
+                    }
+                }
+                (o, name, key, admitted)
+            }));
+        }
+    }
+    let mut per_org = [0u64; 2];
+    let mut per_user: BTreeMap<String, (String, u64)> = BTreeMap::new();
+    for t in tasks {
+        let (o, name, key, admitted) = t.await.unwrap();
+        per_org[o] += admitted;
+        per_user.entry(name).or_insert((key, 0)).1 += admitted;
+    }
+    assert_eq!(per_org, [60, 60]);
+    for o in 0..2 {
+        let r = pods[1]
+            .call(
+                "GET",
+                &format!("/admin/orgs/team-{o}"),
+                Some(ADMIN),
+                &[],
+                None,
+            )
+            .await;
+        assert_eq!(r.body["windows"][0]["used"], 60, "{}", r.body);
+    }
+    for (name, (key, admitted)) in per_user {
+        assert!(admitted <= 20, "{name}: {admitted}");
+        assert_eq!(pods[1].usage(&key).await["used"], admitted, "{name}");
+    }
+}
+
+mod api_pods {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn redis() {
+        let server = tollgate_tests::RedisServer::start();
+        super::sixteen_way_race_over_two_api_pods(&server.url()).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn cluster() {
+        let cluster = tollgate_tests::TestCluster::get();
+        super::sixteen_way_race_over_two_api_pods(&cluster.url()).await
+    }
+}
