@@ -279,25 +279,11 @@ async fn provider_failures_are_refunded(redis: bool) {
     sys.stop();
 }
 
-macro_rules! both_modes {
-    ($($case:ident),* $(,)?) => {
-        mod embedded {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(false).await
-                }
-            )*
-        }
-        mod distributed {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(true).await
-                }
-            )*
-        }
-    };
-}
-
-both_modes!(budget_429s_and_throttling, provider_failures_are_refunded);
+on_each_backend!(
+    [
+        budget_429s_and_throttling,
+        provider_failures_are_refunded,
+    ]
+    embedded => false,
+    distributed => true,
+);

@@ -302,53 +302,28 @@ pub fn state_prefix(state: &ApiState) -> String {
         .to_owned()
 }
 
-/// Runs one async test body on each backend.
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::memory(super::settings()).await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::redis(super::settings()).await).await;
-                }
-            )*
-        }
-        mod cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::cluster(super::settings()).await).await;
-                }
-            )*
-        }
-    };
-}
-
-both_backends!(
-    admin_creates_users_changes_plans_and_revokes_keys,
-    missing_unknown_and_revoked_keys_are_401,
-    sync_call_returns_the_result_with_ratelimit_headers,
-    async_call_is_202_and_jobs_are_private,
-    idempotency_key_charges_once_and_returns_the_same_job,
-    provider_failure_is_502_and_refunded,
-    an_operator_refund_cancels_a_queued_job,
-    over_budget_is_429_with_exact_retry_after,
-    several_windows_name_every_policy_and_the_closest_to_exhaustion,
-    bad_requests_are_problems_naming_the_field,
-    health_metrics_and_openapi,
-    throttle_timeout_is_504_and_a_slow_job_is_202,
-    a_job_waiting_for_its_provider_shows_where_it_stands,
-    usage_pages_follow_next_cursor_and_bad_pages_are_400,
-    prefer_wait_on_an_async_call_waits_for_the_result_then_202,
-    organisations_over_the_admin_api,
+on_each_backend!(
+    [
+        admin_creates_users_changes_plans_and_revokes_keys,
+        missing_unknown_and_revoked_keys_are_401,
+        sync_call_returns_the_result_with_ratelimit_headers,
+        async_call_is_202_and_jobs_are_private,
+        idempotency_key_charges_once_and_returns_the_same_job,
+        provider_failure_is_502_and_refunded,
+        an_operator_refund_cancels_a_queued_job,
+        over_budget_is_429_with_exact_retry_after,
+        several_windows_name_every_policy_and_the_closest_to_exhaustion,
+        bad_requests_are_problems_naming_the_field,
+        health_metrics_and_openapi,
+        throttle_timeout_is_504_and_a_slow_job_is_202,
+        a_job_waiting_for_its_provider_shows_where_it_stands,
+        usage_pages_follow_next_cursor_and_bad_pages_are_400,
+        prefer_wait_on_an_async_call_waits_for_the_result_then_202,
+        organisations_over_the_admin_api,
+    ]
+    memory => super::Harness::memory(super::settings()).await,
+    redis => super::Harness::redis(super::settings()).await,
+    cluster => super::Harness::cluster(super::settings()).await,
 );
 
 /// Organisations through the admin routes: created on a plan, users put in

@@ -7,30 +7,13 @@ use tollgate_api::problem::ProblemType;
 
 use crate::api::{settings, Harness, ADMIN};
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::memory(super::settings()).await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Harness::redis(super::settings()).await).await;
-                }
-            )*
-        }
-    };
-}
-
-both_backends!(
-    setting_the_plan_of_an_unknown_user_is_404,
-    errors_do_not_echo_long_input,
+on_each_backend!(
+    [
+        setting_the_plan_of_an_unknown_user_is_404,
+        errors_do_not_echo_long_input,
+    ]
+    memory => super::Harness::memory(super::settings()).await,
+    redis => super::Harness::redis(super::settings()).await,
 );
 
 /// A user exists once a key was issued to it; a plan for a typo is a 404, and

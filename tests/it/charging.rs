@@ -27,30 +27,13 @@ use tollgate_tests::RedisServer;
 
 use crate::api::{redis_source, redis_state, settings, Harness};
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(crate::api::Harness::memory(crate::api::settings()).await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(crate::api::Harness::redis(crate::api::settings()).await).await;
-                }
-            )*
-        }
-    };
-}
-
-both_backends!(
-    a_slow_request_cannot_refund_the_charge_of_another_with_its_key,
-    a_failed_job_retried_with_its_key_is_charged_again_and_runs,
+on_each_backend!(
+    [
+        a_slow_request_cannot_refund_the_charge_of_another_with_its_key,
+        a_failed_job_retried_with_its_key_is_charged_again_and_runs,
+    ]
+    memory => crate::api::Harness::memory(crate::api::settings()).await,
+    redis => crate::api::Harness::redis(crate::api::settings()).await,
 );
 
 /// Request A (`embeddings`, cost 1) sends its headers, then stalls before its

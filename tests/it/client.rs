@@ -102,31 +102,14 @@ fn job_id_of(user: &str, key: &str) -> String {
     format!("idem-{hex}")
 }
 
-macro_rules! both_modes {
-    ($($case:ident),* $(,)?) => {
-        mod embedded {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(false).await
-                }
-            )*
-        }
-        mod on_redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(true).await
-                }
-            )*
-        }
-    };
-}
-
-both_modes!(
-    budget_exhaustion_is_typed_with_the_exact_retry_after,
-    an_async_submission_is_waited_for,
-    a_saturated_provider_is_retried_then_provider_busy
+on_each_backend!(
+    [
+        budget_exhaustion_is_typed_with_the_exact_retry_after,
+        an_async_submission_is_waited_for,
+        a_saturated_provider_is_retried_then_provider_busy,
+    ]
+    embedded => false,
+    on_redis => true,
 );
 
 /// Two calls fill the plan; the third is `BudgetExhausted` at once (not

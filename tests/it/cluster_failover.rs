@@ -13,10 +13,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tollgate_tests::process::Procs;
 use tollgate_tests::throttle::max_excess;
 use tollgate_tests::upstream::{Limit, Upstream};
 use tollgate_tests::{random_prefix, workspace_bin, RedisCluster};
@@ -58,17 +59,6 @@ pub(crate) fn primary_of(via: u16, key: &str) -> Option<u16> {
         }
     }
     None
-}
-
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// Status and job id of one call (`None`: no answer).

@@ -798,50 +798,26 @@ async fn job_stats_count_queued_and_running_jobs(s: &Setup) {
     s.source.retire("w1").await.unwrap();
 }
 
-macro_rules! conformance {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(&super::Setup::memory()).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(&super::Setup::redis().await).await
-                }
-            )*
-        }
-        mod cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(&super::Setup::cluster().await).await
-                }
-            )*
-        }
-    };
-}
-
-conformance!(
-    job_submit_reserves_once_and_only_the_owner_sees_it,
-    job_denied_submission_leaves_nothing,
-    job_cost_over_the_plan_is_an_error_and_leaves_nothing,
-    job_complete_wakes_the_waiter_and_keeps_the_charge,
-    job_failure_refunds_exactly_once,
-    job_expired_lease_goes_back_and_the_old_token_is_refused,
-    job_past_max_attempts_is_abandoned_and_refunded,
-    job_whose_started_runs_were_lost_is_given_up_charged,
-    job_take_gives_up_what_it_must_and_returns_the_next,
-    job_hand_back_requeues_without_counting_the_attempt,
-    job_stats_count_queued_and_running_jobs,
-    job_finished_records_drop_inputs_and_stored_bytes_are_bounded,
-    job_answered_without_a_key_leaves_no_record,
-    job_long_results_and_messages_read_back_whole,
+on_each_backend!(
+    [
+        job_submit_reserves_once_and_only_the_owner_sees_it,
+        job_denied_submission_leaves_nothing,
+        job_cost_over_the_plan_is_an_error_and_leaves_nothing,
+        job_complete_wakes_the_waiter_and_keeps_the_charge,
+        job_failure_refunds_exactly_once,
+        job_expired_lease_goes_back_and_the_old_token_is_refused,
+        job_past_max_attempts_is_abandoned_and_refunded,
+        job_whose_started_runs_were_lost_is_given_up_charged,
+        job_take_gives_up_what_it_must_and_returns_the_next,
+        job_hand_back_requeues_without_counting_the_attempt,
+        job_stats_count_queued_and_running_jobs,
+        job_finished_records_drop_inputs_and_stored_bytes_are_bounded,
+        job_answered_without_a_key_leaves_no_record,
+        job_long_results_and_messages_read_back_whole,
+    ]
+    memory => &super::Setup::memory(),
+    redis => &super::Setup::redis().await,
+    cluster => &super::Setup::cluster().await,
 );
 
 /// What a worker's BLMOVE does, without the lease that follows it: the oldest

@@ -16,24 +16,13 @@ use tollgate_core::{
     ledger::Ledger,
 };
 use tollgate_redis::jobs::RedisJobQueue;
+use tollgate_tests::process::Procs;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::jobs::{inject_malformed, redis_queue};
 
 const OP: &str = "llm.structured";
 const COST: u64 = 8;
-
-/// Children killed (and reaped) on drop.
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 struct Env {
     server: RedisServer,

@@ -1181,57 +1181,34 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
     }
 }
 
-macro_rules! conformance {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::MemoryBackend::new()).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::RedisBackend::start().await).await
-                }
-            )*
-        }
-        mod cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::RedisBackend::cluster().await).await
-                }
-            )*
-        }
-    };
-}
-
-conformance!(
-    allows_up_to_the_limit_and_denies_past_it,
-    retry_after_is_exact,
-    retry_after_is_exact_past_a_slice,
-    events_expire_as_time_passes,
-    reserve_is_idempotent_per_request_id,
-    refund_once_twice_and_unknown,
-    zero_and_oversized_costs_are_errors,
-    plans_default_and_per_user,
-    settle_corrects_a_reservation,
-    same_millisecond_requests_are_separate_events,
-    users_are_independent,
-    concurrent_reserves_never_overspend,
-    usage_pages_walk_every_live_event_once,
-    every_window_must_fit,
-    refund_and_settle_move_every_window,
-    plan_changes_keep_the_log,
-    released_holds_leave_every_window,
-    a_job_settles_its_charge_by_its_nonce,
-    the_export_rebuilds_every_users_usage,
-    settling_down_never_passes_a_limit,
-    an_operator_refund_cancels_a_held_charge,
-    a_plan_round_trip_erases_nothing,
-    a_charge_records_the_acting_service_key,
+on_each_backend!(
+    threads 4,
+    [
+        allows_up_to_the_limit_and_denies_past_it,
+        retry_after_is_exact,
+        retry_after_is_exact_past_a_slice,
+        events_expire_as_time_passes,
+        reserve_is_idempotent_per_request_id,
+        refund_once_twice_and_unknown,
+        zero_and_oversized_costs_are_errors,
+        plans_default_and_per_user,
+        settle_corrects_a_reservation,
+        same_millisecond_requests_are_separate_events,
+        users_are_independent,
+        concurrent_reserves_never_overspend,
+        usage_pages_walk_every_live_event_once,
+        every_window_must_fit,
+        refund_and_settle_move_every_window,
+        plan_changes_keep_the_log,
+        released_holds_leave_every_window,
+        a_job_settles_its_charge_by_its_nonce,
+        the_export_rebuilds_every_users_usage,
+        settling_down_never_passes_a_limit,
+        an_operator_refund_cancels_a_held_charge,
+        a_plan_round_trip_erases_nothing,
+        a_charge_records_the_acting_service_key,
+    ]
+    memory => &super::MemoryBackend::new(),
+    redis => &super::RedisBackend::start().await,
+    cluster => &super::RedisBackend::cluster().await,
 );

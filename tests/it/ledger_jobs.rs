@@ -319,30 +319,13 @@ async fn an_operator_refund_cancels_a_queued_job(s: Setup) {
     ));
 }
 
-macro_rules! both {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(super::Setup::memory()).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(super::Setup::redis().await).await
-                }
-            )*
-        }
-    };
-}
-
-both!(
-    concurrent_settled_calls_never_pass_the_limit,
-    a_settle_comes_down_to_the_reported_cost,
-    a_plan_round_trip_keeps_the_record,
-    an_operator_refund_cancels_a_queued_job,
+on_each_backend!(
+    [
+        concurrent_settled_calls_never_pass_the_limit,
+        a_settle_comes_down_to_the_reported_cost,
+        a_plan_round_trip_keeps_the_record,
+        an_operator_refund_cancels_a_queued_job,
+    ]
+    memory => super::Setup::memory(),
+    redis => super::Setup::redis().await,
 );

@@ -3,6 +3,31 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
+/// Runs each case once per backend, in a module named after it:
+/// `on_each_backend!([case_a, case_b] memory => ARG, redis => ARG)`, where
+/// each `case` is an `async fn case(arg)` beside the call and each `ARG` its
+/// argument on that backend, written as seen from inside the module (paths
+/// through `super::`). `threads N,` first sets the runtime's worker threads
+/// (default 2).
+macro_rules! on_each_backend {
+    (threads $n:literal, $cases:tt $($backend:ident => $arg:expr),+ $(,)?) => {
+        $( on_each_backend!(@module $n, $backend, $arg, $cases); )+
+    };
+    ($cases:tt $($backend:ident => $arg:expr),+ $(,)?) => {
+        $( on_each_backend!(@module 2, $backend, $arg, $cases); )+
+    };
+    (@module $n:literal, $backend:ident, $arg:expr, [$($case:ident),* $(,)?]) => {
+        mod $backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = $n)]
+                async fn $case() {
+                    super::$case($arg).await;
+                }
+            )*
+        }
+    };
+}
+
 mod all;
 mod api;
 mod api_edges;

@@ -21,42 +21,25 @@ use tollgate_tests::{random_prefix, RedisServer};
 
 use crate::api::{settings, Harness};
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(false).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(true).await;
-                }
-            )*
-        }
-    };
-}
-
-both_backends!(
-    an_unanswered_call_is_sent_once_and_keeps_its_charge,
-    a_deadline_passing_mid_call_lets_the_call_finish_and_charges_it,
-    unparsable_2xx_answers_are_charged_once_each,
-    a_rejected_input_is_a_4xx_released_and_not_retried,
-    an_exposed_rejection_carries_the_upstream_body,
-    misconfiguration_answers_stay_502_without_the_upstream_text,
-    providers_send_static_and_secret_headers,
-    operations_send_a_get_query_or_a_form_body,
-    overload_answers_are_retried_then_released,
-    a_server_error_is_released_and_counted_as_absorbed,
-    a_reply_cut_midway_keeps_the_charge,
-    an_unreachable_upstream_is_retried_free_and_released,
-    retry_unanswered_lets_an_operation_resend,
-    a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most,
+on_each_backend!(
+    [
+        an_unanswered_call_is_sent_once_and_keeps_its_charge,
+        a_deadline_passing_mid_call_lets_the_call_finish_and_charges_it,
+        unparsable_2xx_answers_are_charged_once_each,
+        a_rejected_input_is_a_4xx_released_and_not_retried,
+        an_exposed_rejection_carries_the_upstream_body,
+        misconfiguration_answers_stay_502_without_the_upstream_text,
+        providers_send_static_and_secret_headers,
+        operations_send_a_get_query_or_a_form_body,
+        overload_answers_are_retried_then_released,
+        a_server_error_is_released_and_counted_as_absorbed,
+        a_reply_cut_midway_keeps_the_charge,
+        an_unreachable_upstream_is_retried_free_and_released,
+        retry_unanswered_lets_an_operation_resend,
+        a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most,
+    ]
+    memory => false,
+    redis => true,
 );
 
 /// The cost of every operation below.

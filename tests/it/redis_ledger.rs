@@ -12,10 +12,10 @@ use tollgate_tests::{random_prefix, RedisServer};
 
 use crate::ledger::{config, redis_ledger, rid, user, CONFIG, WINDOW};
 
+/// A connection for direct pokes and pipelines of thousands of scripts (a
+/// loaded test machine may take seconds to answer those).
 async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
+    tollgate_tests::bulk_connection(&server.url())
         .await
         .unwrap()
 }

@@ -17,31 +17,14 @@ use tollgate_redis::{keys::KeySpace, pool::PoolOptions};
 
 use crate::api::{redis_source, settings, test_config_with, Harness, ADMIN};
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Pods::memory().await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Pods::redis().await).await;
-                }
-            )*
-        }
-    };
-}
-
-both_backends!(
-    a_service_key_charges_each_end_user_exactly_across_two_pods,
-    a_user_key_never_acts_for_another_user,
-    service_keys_are_created_checked_and_revoked,
+on_each_backend!(
+    [
+        a_service_key_charges_each_end_user_exactly_across_two_pods,
+        a_user_key_never_acts_for_another_user,
+        service_keys_are_created_checked_and_revoked,
+    ]
+    memory => super::Pods::memory().await,
+    redis => super::Pods::redis().await,
 );
 
 /// Two api pods over one backend (on Redis: two pools, two key caches).

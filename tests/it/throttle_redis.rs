@@ -2,7 +2,7 @@
 //! and real processes (3 `tollgate throttler` + waiter processes, kill -9).
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,6 +11,7 @@ use tollgate_redis::{
     keys::{KeySpace, ThrottleKeys},
     throttle::{Dispatcher, RedisThrottleOptions},
 };
+use tollgate_tests::process::Procs;
 use tollgate_tests::throttle::{max_excess, now_us, GrantRecord};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
@@ -278,17 +279,6 @@ async fn throttle_a_timeout_is_on_time_while_redis_stalls() {
         async move { query::<i64>(&mut c, redis::cmd("HLEN").arg(&w)).await == 0 }
     })
     .await;
-}
-
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 const PROCESS_CONFIG: &str = r#"

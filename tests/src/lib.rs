@@ -80,14 +80,26 @@ pub async fn bulk_reserve(
     scripts::BUDGET.load_async(conn).await?;
     let mut left = n;
     while left > 0 {
-        let mut pipe = redis::pipe();
-        for _ in 0..left.min(batch.max(1)) {
-            let id = tollgate_core::id::RequestId::generate();
-            pipe.add_command(scripts::reserve_cmd(keys, id.as_str(), 1, plans))
-                .ignore();
+        let ids: Vec<_> = (0..left.min(batch.max(1)))
+            .map(|_| tollgate_core::id::RequestId::generate())
+            .collect();
+        // A batch that took longer than a short window of the plan finds
+        // events leaving it: a reserve then keeps its progress and answers
+        // TOLLGATE_AGAIN (the pipeline fails). The batch is sent again with
+        // the same ids: those already recorded are idempotent repeats.
+        let mut tries = 0;
+        loop {
+            let mut pipe = redis::pipe();
+            for id in &ids {
+                pipe.add_command(scripts::reserve_cmd(keys, id.as_str(), 1, plans))
+                    .ignore();
+            }
+            match pipe.exec_async(conn).await {
+                Err(e) if tries < 1000 && e.to_string().contains("TOLLGATE_AGAIN") => tries += 1,
+                r => break r?,
+            }
         }
-        pipe.exec_async(conn).await?;
-        left -= left.min(batch.max(1));
+        left -= ids.len();
     }
     Ok(())
 }

@@ -54,38 +54,82 @@ pub struct Backends {
     pub streams: Arc<dyn JobStreams>,
 }
 
+/// What a backend builds besides its ledger and job queue: the stores no
+/// decorator wraps, and the throttle before its activity recording.
+#[derive(Debug)]
+pub struct Stores {
+    pub throttle: Arc<dyn Throttle>,
+    pub keys: Arc<dyn KeyStore>,
+    pub dispatchers: Option<Arc<dyn Dispatchers>>,
+    pub described: String,
+    pub durability: Arc<dyn DurabilityCheck>,
+    pub sessions: Arc<dyn SessionStore>,
+    pub streams: Arc<dyn JobStreams>,
+}
+
 impl Backends {
-    /// Everything in this process's memory: the embedded mode (`tollgate all`
-    /// without Redis) and tests. Nothing is shared with another process.
-    pub fn memory(config: Arc<Config>) -> Self {
-        let metrics = Arc::new(Metrics::new(&config));
-        let activity: Arc<dyn ActivityLog> = Arc::new(MemoryActivity::new());
+    /// The one assembly step of every backend: wraps what it built with this
+    /// process's metrics and activity recording, the same way whatever the
+    /// store. `ledger` is the backend's own; `queue` builds its job queue on
+    /// the wrapped ledger (the queue charges and claims through it, so its
+    /// steps are counted and noted too).
+    pub fn assemble<Q: JobQueue + JobSource + 'static>(
+        config: Arc<Config>,
+        metrics: Arc<Metrics>,
+        activity: Arc<dyn ActivityLog>,
+        ledger: Arc<dyn Ledger>,
+        queue: impl FnOnce(Arc<dyn Ledger>) -> Arc<Q>,
+        stores: Stores,
+    ) -> Self {
         metrics.note_answers_into(Arc::clone(&activity));
         let ledger: Arc<dyn Ledger> = Arc::new(RecordingLedger::new(
-            Arc::new(MeteredLedger::new(
-                Arc::new(MemoryLedger::new(Arc::clone(&config))),
-                Arc::clone(&metrics),
-            )),
+            Arc::new(MeteredLedger::new(ledger, Arc::clone(&metrics))),
             Arc::clone(&activity),
         ));
-        let queue = Arc::new(MemoryJobQueue::new(Arc::clone(&config), ledger.clone()));
+        let queue = queue(Arc::clone(&ledger));
         Self {
             throttle: Arc::new(RecordingThrottle::new(
-                Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics))),
+                stores.throttle,
                 Arc::clone(&activity),
             )),
             config,
             ledger,
             jobs: queue.clone(),
             source: Arc::new(RecordingSource::new(queue, Arc::clone(&activity))),
+            keys: stores.keys,
+            dispatchers: stores.dispatchers,
+            described: stores.described,
+            metrics,
+            activity,
+            durability: stores.durability,
+            sessions: stores.sessions,
+            streams: stores.streams,
+        }
+    }
+
+    /// Everything in this process's memory: the embedded mode (`tollgate all`
+    /// without Redis) and tests. Nothing is shared with another process.
+    pub fn memory(config: Arc<Config>) -> Self {
+        let metrics = Arc::new(Metrics::new(&config));
+        let activity: Arc<dyn ActivityLog> = Arc::new(MemoryActivity::new());
+        let stores = Stores {
+            throttle: Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics))),
             keys: Arc::new(MemoryKeyStore::new()),
             dispatchers: None,
             described: "embedded: in-memory ledger, throttle and job queues".into(),
-            metrics,
-            activity,
             durability: Arc::new(MemoryDurability),
             sessions: Arc::new(MemorySessions::new()),
             streams: Arc::new(MemoryStreams::new()),
-        }
+        };
+        let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+        let queue_config = Arc::clone(&config);
+        Self::assemble(
+            config,
+            metrics,
+            activity,
+            ledger,
+            |ledger| Arc::new(MemoryJobQueue::new(queue_config, ledger)),
+            stores,
+        )
     }
 }

@@ -8,7 +8,7 @@
 //! Redis backend's steps).
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -24,6 +24,7 @@ use crate::job::{
     JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
 };
 use crate::ledger::Ledger;
+use crate::lock;
 
 #[derive(Debug, Clone)]
 enum Phase {
@@ -160,10 +161,6 @@ impl std::fmt::Debug for MemoryJobQueue {
             .field("jobs", &lock(&self.state).jobs.len())
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    crate::lock(m)
 }
 
 impl MemoryJobQueue {

@@ -1,6 +1,6 @@
 //! The budget ledger: the one interface both backends implement.
 //!
-//! Semantics (DESIGN.md, "Budget semantics"): each user has one pool, limited by
+//! Semantics (docs/src/budgets.md): each user has one pool, limited by
 //! each of the plan's limits (`limit` tokens over a sliding `window`; one or
 //! several), kept as one log of spend events as long as the longest window.
 //! `reserve` is one atomic step (drop expired events, check every limit,

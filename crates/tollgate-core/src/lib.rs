@@ -30,8 +30,10 @@ pub mod stream;
 pub mod throttle;
 pub mod trace;
 
-/// Locks `m`. Every critical section in this crate is panic-free, so a poisoned
-/// lock's data is still consistent.
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Locks `m`, whether or not a thread panicked while holding it. Every
+/// critical section that uses it (in this crate and the backends built on it)
+/// is panic-free: no panic leaves the data half-written, so a poisoned lock's
+/// data is still consistent.
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 
@@ -28,6 +28,7 @@ use crate::ledger::{
     Moved, OrgList, OrgUsage, OrgWindows, RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent,
     Usage, WindowUse,
 };
+use crate::lock;
 
 const SHARDS: usize = 64;
 /// One shard is swept for idle users every this many operations.
@@ -458,12 +459,6 @@ struct Owner {
     hold: Option<(u64, u64)>,
     /// The cost charged up front, once the charge was settled to the actual.
     estimate: Option<u64>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic elsewhere never leaves a log half-written (every mutation below is
-    // panic-free), so a poisoned lock's data is still consistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The subject of one exported change.

@@ -3,7 +3,7 @@
 //! call of a provider client pass the throttle is `tollgate_providers`'
 //! `ThrottledClient`.
 //!
-//! Semantics (DESIGN.md, "Throttle semantics"): one token bucket per provider of
+//! Semantics (docs/src/throttling.md): one token bucket per provider of
 //! `burst` tokens refilled at `rate` per second; a caller gets its slot as soon as
 //! the bucket allows, in arrival order, or fails after `max_wait` with
 //! [`ThrottleError::Timeout`]; a call that gave up never burns a token.

@@ -27,6 +27,7 @@ use crate::call::{self, bad_reply};
 use crate::keys::{ActivityKeys, KeySpace};
 use crate::pool::Pool;
 use crate::scripts::{self, ActivityCaps};
+use tollgate_core::lock;
 
 /// Notes held at most between two writes; past it, new ones are dropped.
 const BUFFER_CAP: usize = 10_000;
@@ -50,10 +51,6 @@ struct Shared {
 #[derive(Debug)]
 pub struct RedisActivity {
     shared: Arc<Shared>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl RedisActivity {

@@ -1,6 +1,7 @@
 //! Every pooled Redis round trip goes through here: one checkout from the pool,
 //! one timeout (a stalled Redis fails closed), one tracing span, eviction of a
-//! connection that broke, and one classification of failures: a [`StoreError`],
+//! connection that broke, and one classification of failures
+//! ([`store_error`]): a [`StoreError`],
 //! transient or not, that each backend's error carries.
 //!
 //! **Retries.** A request that failed at the connection level is sent again, once,
@@ -36,25 +37,8 @@ use tollgate_core::durability::Durability;
 use tollgate_core::error::StoreError;
 use tracing::Instrument;
 
-use crate::pool::{checkout, is_busy, is_connection_error, Blocking, Pool};
-use crate::scripts::{is_missing_function, FunctionCall};
-
-/// A Redis failure as a [`StoreError`]: transient when Redis cannot be reached
-/// now (refused, reset, timed out, no connection) or answers "not now"
-/// (`LOADING` its data after a restart; a script flushed as it was loaded),
-/// not when it answered with an error.
-pub fn store_error(e: RedisError) -> StoreError {
-    // NOSCRIPT (a function not found) here: the script (library) was flushed
-    // again after each of its loads (see `invoke`): it did not run, and a
-    // retry soon may find it loaded.
-    let failed =
-        if is_connection_error(&e) || is_busy(&e) || is_noscript(&e) || is_missing_function(&e) {
-            StoreError::unavailable(e.to_string())
-        } else {
-            StoreError::backend(e.to_string())
-        };
-    failed.with_source(e)
-}
+use crate::pool::{checkout, is_connection_error, store_error, Blocking, Pool};
+use crate::scripts::{is_noscript, FunctionCall};
 
 /// The error for a reply of a shape the caller did not expect, as any
 /// backend's error.
@@ -360,10 +344,6 @@ async fn invoke<T: FromRedisValue>(
             done => return done,
         }
     }
-}
-
-fn is_noscript(e: &RedisError) -> bool {
-    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
 /// One request on `conn`, whichever kind of connection it is.

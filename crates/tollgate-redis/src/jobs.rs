@@ -24,7 +24,7 @@
 //! publish the job id, and a waiter also re-reads the record every `poll`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -51,14 +51,11 @@ use crate::scripts::{self, FailArgs, LeaseArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::head::Head;
+use tollgate_core::lock;
 use tollgate_core::trace::TraceParent;
 
 /// Most ids one maintenance step handles per set and operation.
 const MAINTAIN_BATCH: u32 = 100;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)

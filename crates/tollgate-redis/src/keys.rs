@@ -16,8 +16,6 @@ use tollgate_core::{
     keystore::KeyHash,
 };
 
-use crate::scripts::{Head, Members};
-
 /// Key schema version: part of every key.
 pub const SCHEMA: &str = "v1";
 
@@ -458,6 +456,27 @@ impl Default for KeySpace {
             prefix: DEFAULT_PREFIX.to_owned(),
         }
     }
+}
+
+/// The members of a queue that pop ids into processing lists of their own
+/// (workers of an operation's job queue, throttlers of a provider's ticket
+/// queue): the keys `liveness_heartbeat.lua` and `liveness_reclaim.lua` use.
+#[derive(Debug, Clone, Copy)]
+pub struct Members<'k> {
+    /// Hash: member id -> end of its liveness (ms).
+    pub members: &'k str,
+    /// Set: every member id that may have a processing list.
+    pub lists: &'k str,
+    pub queue: &'k str,
+    /// The queue's head: where the next id is popped from.
+    pub head: Head,
+}
+
+/// The end of a queue its ids are popped from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    Left,
+    Right,
 }
 
 #[cfg(test)]

@@ -881,10 +881,14 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
 /// Fields per window in a budget script's reply (`push_windows` in lib/budget.lua).
 const WINDOW_FIELDS: usize = 5;
 
-/// Whether a budget script kept its progress and asks to be called again.
-fn is_again(e: &impl std::fmt::Display) -> bool {
-    let text = e.to_string();
-    text.contains(AGAIN) || text.contains(MIGRATING)
+/// Whether a budget script kept its progress and asks to be called again:
+/// its error reply's code (the first word, `error({ err = 'CODE ...' })` in
+/// Lua), read from the Redis error the store error keeps as its source.
+fn is_again(e: &StoreError) -> bool {
+    let code = std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<redis::RedisError>())
+        .and_then(redis::RedisError::code);
+    matches!(code, Some(AGAIN | MIGRATING))
 }
 
 /// A window's retry_after in a denial: known (ms; 0 when the cost fits), or

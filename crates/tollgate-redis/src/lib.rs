@@ -41,11 +41,11 @@ use crate::ledger::RedisLedger;
 use crate::pool::Pool;
 use crate::throttle::{RedisDispatchers, RedisThrottle, RedisThrottleOptions};
 
-use tollgate_core::activity::{ActivityLog, RecordingLedger, RecordingSource, RecordingThrottle};
-use tollgate_core::backend::Backends;
+use tollgate_core::activity::ActivityLog;
+use tollgate_core::backend::{Backends, Stores};
 use tollgate_core::config::Config;
 use tollgate_core::job::JobOptions;
-use tollgate_core::metrics::{MeteredLedger, Metrics};
+use tollgate_core::metrics::Metrics;
 
 /// Every backend on one Redis: the pool the caller connected, the key space of
 /// one deployment. `described` names the Redis (without its password).
@@ -53,57 +53,53 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
     let metrics = Arc::new(Metrics::new(&config));
     let activity: Arc<dyn ActivityLog> =
         Arc::new(activity::RedisActivity::start(pool.clone(), &keys, &config));
-    metrics.note_answers_into(Arc::clone(&activity));
-    let ledger: Arc<dyn tollgate_core::ledger::Ledger> = Arc::new(RecordingLedger::new(
-        Arc::new(MeteredLedger::new(
-            Arc::new(RedisLedger::new(
-                pool.clone(),
-                keys.clone(),
-                Arc::clone(&config),
-            )),
-            Arc::clone(&metrics),
-        )),
-        Arc::clone(&activity),
-    ));
-    let queue = Arc::new(RedisJobQueue::new(
-        pool.clone(),
-        keys.clone(),
-        Arc::clone(&config),
-        Arc::clone(&ledger),
-        JobOptions::default(),
-    ));
-    let durability = Arc::new(durability::RedisDurability::new(
-        pool.clone(),
-        pool::DEFAULT_TIMEOUT,
-    ));
-    Backends {
-        throttle: Arc::new(RecordingThrottle::new(
-            Arc::new(RedisThrottle::start(
-                pool.clone(),
-                keys.clone(),
-                &config,
-                RedisThrottleOptions {
-                    metrics: Some(Arc::clone(&metrics)),
-                    ..RedisThrottleOptions::default()
-                },
-            )),
-            Arc::clone(&activity),
+    let stores = Stores {
+        throttle: Arc::new(RedisThrottle::start(
+            pool.clone(),
+            keys.clone(),
+            &config,
+            RedisThrottleOptions {
+                metrics: Some(Arc::clone(&metrics)),
+                ..RedisThrottleOptions::default()
+            },
         )),
         keys: Arc::new(RedisKeyStore::new(pool.clone(), keys.clone())),
+        dispatchers: Some(Arc::new(RedisDispatchers {
+            pool: pool.clone(),
+            keys: keys.clone(),
+        })),
+        described,
+        durability: Arc::new(durability::RedisDurability::new(
+            pool.clone(),
+            pool::DEFAULT_TIMEOUT,
+        )),
         sessions: Arc::new(sessions::RedisSessions::new(pool.clone(), keys.clone())),
         streams: Arc::new(streams::RedisStreams::new(
             pool.clone(),
             keys.clone(),
             Arc::clone(&config),
         )),
-        dispatchers: Some(Arc::new(RedisDispatchers { pool, keys })),
+    };
+    let ledger = Arc::new(RedisLedger::new(
+        pool.clone(),
+        keys.clone(),
+        Arc::clone(&config),
+    ));
+    let queue_config = Arc::clone(&config);
+    Backends::assemble(
         config,
-        ledger,
-        jobs: queue.clone(),
-        source: Arc::new(RecordingSource::new(queue, Arc::clone(&activity))),
-        described,
         metrics,
         activity,
-        durability,
-    }
+        ledger,
+        |ledger| {
+            Arc::new(RedisJobQueue::new(
+                pool,
+                keys,
+                queue_config,
+                ledger,
+                JobOptions::default(),
+            ))
+        },
+        stores,
+    )
 }

@@ -46,8 +46,8 @@ use tokio::task::JoinHandle;
 use tollgate_core::durability::Durability;
 use tollgate_core::error::StoreError;
 
-use crate::call::store_error;
 use crate::durability;
+use crate::scripts::{is_missing_function, is_noscript};
 
 /// How long one call may wait for a connection, or for Redis to answer, before it
 /// fails as unavailable (fail closed rather than hang).
@@ -439,6 +439,23 @@ impl Manager {
             ))),
         }
     }
+}
+
+/// A Redis failure as a [`StoreError`]: transient when Redis cannot be reached
+/// now (refused, reset, timed out, no connection) or answers "not now"
+/// (`LOADING` its data after a restart; a script flushed as it was loaded),
+/// not when it answered with an error.
+pub fn store_error(e: RedisError) -> StoreError {
+    // NOSCRIPT (a function not found) here: the script (library) was flushed
+    // again after each of its loads (see `invoke`): it did not run, and a
+    // retry soon may find it loaded.
+    let failed =
+        if is_connection_error(&e) || is_busy(&e) || is_noscript(&e) || is_missing_function(&e) {
+            StoreError::unavailable(e.to_string())
+        } else {
+            StoreError::backend(e.to_string())
+        };
+    failed.with_source(e)
 }
 
 /// True for failures of the connection (refused, reset, timed out) rather than

@@ -13,7 +13,7 @@ use std::sync::LazyLock;
 
 use redis::{Cmd, RedisError, RedisResult, Script};
 
-use crate::keys::{ActivityKeys, BudgetKeys, JobKeys, Location, ThrottleKeys};
+use crate::keys::{ActivityKeys, BudgetKeys, Head, JobKeys, Location, Members, ThrottleKeys};
 
 /// A Redis function library: a shared Lua prelude, then one function per
 /// script, each script's text the body of its function (called with the
@@ -103,6 +103,12 @@ impl Library {
 /// loaded there): the call did not run.
 pub fn is_missing_function(e: &RedisError) -> bool {
     e.code() == Some("ERR") && e.to_string().contains("Function not found")
+}
+
+/// Whether Redis answered that it has no such script (`NOSCRIPT`: flushed,
+/// or never loaded there): the call did not run.
+pub fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
 /// One `FCALL` of a [`Library`]'s function.
@@ -754,27 +760,6 @@ pub fn throttle_position<'a>(
     };
     inv.arg(keys.base()).arg(POSITION_SCAN);
     inv
-}
-
-/// The members of a queue that pop ids into processing lists of their own
-/// (workers of an operation's job queue, throttlers of a provider's ticket
-/// queue): the keys `liveness_heartbeat.lua` and `liveness_reclaim.lua` use.
-#[derive(Debug, Clone, Copy)]
-pub struct Members<'k> {
-    /// Hash: member id -> end of its liveness (ms).
-    pub members: &'k str,
-    /// Set: every member id that may have a processing list.
-    pub lists: &'k str,
-    pub queue: &'k str,
-    /// The queue's head: where the next id is popped from.
-    pub head: Head,
-}
-
-/// The end of a queue its ids are popped from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Head {
-    Left,
-    Right,
 }
 
 pub static LIVENESS_HEARTBEAT: LazyLock<Script> =

@@ -30,6 +30,7 @@ use crate::call;
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, StreamPush};
+use tollgate_core::lock;
 
 /// The Redis side of [`JobStreams`].
 #[derive(Debug)]
@@ -40,10 +41,6 @@ pub struct RedisStreams {
     /// Idle connections for `XREAD BLOCK`, one per open reader.
     idle: Arc<Mutex<Vec<Blocking>>>,
     timeout: Duration,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl RedisStreams {

@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tollgate_core::error::StoreError;
 
 use crate::pool::{ClusterPool, Pool};
+use tollgate_core::lock;
 
 /// What a subscription does with its channel.
 #[async_trait]
@@ -312,8 +313,4 @@ impl<L: Listener> Session<'_, L> {
         }
         self.listener.live(false);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }

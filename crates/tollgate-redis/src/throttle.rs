@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -44,6 +44,7 @@ use crate::scripts::{self, weighted_ticket, BucketArgs, FairArgs, PauseArgs, Rec
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::job::LAPSED_KEPT;
+use tollgate_core::lock;
 use tollgate_core::metrics::Metrics;
 
 /// The least time a readiness record outlives its grant. A provider's records
@@ -61,10 +62,6 @@ pub fn ready_ttl(provider: &Provider) -> Duration {
 
 /// Idle provider keys (no waiter, no grant) expire after this.
 pub const IDLE_TTL: Duration = Duration::from_secs(2 * 3600);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)

@@ -40,6 +40,7 @@ use std::time::Duration;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tollgate_core::lock;
 use tollgate_core::{
     config::Config,
     id::RequestId,
@@ -204,10 +205,6 @@ pub async fn run(
 /// When this worker's last successful maintenance round began (its
 /// heartbeats are at least that recent).
 type Listed = Arc<Mutex<Option<Instant>>>;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 async fn maintenance(
     source: Arc<dyn JobSource>,

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use reqwest::Client;
 use serde_json::{json, Value};
+use tollgate_tests::process::Procs;
 use tollgate_tests::throttle::{max_excess, now_us};
 use tollgate_tests::upstream::{Limit, Upstream};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
@@ -76,18 +77,6 @@ path = "/llm"
 deadline = "600s"
 "#
     )
-}
-
-/// Children killed (and reaped) on drop.
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 fn role(dir: &Path, url: &str, prefix: &str, name: &str, args: &[&str]) -> anyhow::Result<Child> {

@@ -17,6 +17,7 @@ use tollgate_core::{
     throttle::{MemoryThrottle, Throttle},
 };
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
+use tollgate_tests::process::Procs;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::stats::{us, Samples};
@@ -49,17 +50,6 @@ max_wait = "30s"
 cost = 1
 provider = "bench"
 "#;
-
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// Submits `n` jobs, `in_flight` at a time, each awaited to the end; returns
 /// (per-job submit latencies, per-job end-to-end latencies, wall time).
