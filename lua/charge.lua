@@ -23,6 +23,9 @@
 --   { 4 }              the id is charged by a plain reserve: nothing charged
 --   { -1, max_cost }   cost can never fit this plan
 -- windows: see push_windows in lib/budget.lua.
+-- A member of an organisation (see lib/budget.lua): KEYS[10..18] the
+-- organisation's budget keys; the organisation's plan name and windows follow
+-- the user's in the reply (`org_windows`), and the step applies to both.
 -- A refunded charge is forgotten with its event: the same request then charges anew.
 
 local request, cost, nonce, op, fp = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
@@ -34,12 +37,16 @@ if not deadline_after or deadline_after < 1 or not grace or grace < 0
 end
 local _, limits = resolve_plan(8)
 local most = max_cost(limits)
-if not cost or cost < 1 or cost > most then
+if too_costly(limits, cost) then
   return { -1, most }
 end
 
 local now = now_ms()
 local used = expire(now, limits)
+local org = org_open(now, 8)
+if org and cost > max_cost(org.limits) then
+  return { -1, math.min(most, max_cost(org.limits)) }
+end
 
 local ev, slot = find(request)
 if ev then
@@ -50,14 +57,16 @@ if ev then
   if string.match(o.op, '^[^/]*') ~= string.match(op, '^[^/]*') or o.fp ~= fp then
     return { 3, o.op }
   end
-  return push_windows({ 2, now, o.deadline, ev.at, o.nonce, ev.state }, limits, used, now)
+  return org_windows(push_windows({ 2, now, o.deadline, spent(ev), o.nonce, ev.state }, limits, used,
+    now), org, now)
 end
 
-if not fits(limits, used, cost) then
-  return push_windows({ 0, now }, limits, used, now, cost)
+if not fits(limits, used, cost) or not org_fits(org, cost) then
+  return org_windows(push_windows({ 0, now }, limits, used, now, cost), org, now, cost)
 end
 
 local deadline = now + deadline_after
 used = record(request, cost, now, limits, used, { nonce = nonce, deadline = deadline, op = op, fp = fp }, slot)
 redis.call('ZADD', HOLDS, int(deadline + grace), request)
-return push_windows({ 1, now, deadline }, limits, used, now)
+org_record(org, request, cost, now)
+return org_windows(push_windows({ 1, now, deadline }, limits, used, now), org, now)

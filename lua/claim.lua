@@ -13,7 +13,8 @@
 -- ended and the charge was released), and the job must not run; 2 cancelled:
 -- an operator refunded the charge while it was held (refund.lua), and the job
 -- must not run.
--- Idempotent: a job claims again after a worker died.
+-- Idempotent: a job claims again after a worker died. A member's claim reads
+-- its organisation only on the full step (a released hold leaves both).
 
 local request, nonce = ARGV[1], ARGV[2]
 local hold_until = tonumber(ARGV[3])
@@ -30,11 +31,16 @@ local now = now_ms()
 -- previous key layout, or a hold at or past its end, takes the full step.
 local fast = now < hold_until and redis.call('EXISTS', EVENTS, COSTS, OWNERS) == 0
 if fast then
-  local m = redis.call('HMGET', META, 'l', 's')
+  if is_member() then
+    check_at(redis.call('GET', at_key()))
+  end
+  local m = redis.call('HMGET', META, 'l', 's', 'w')
+  check_home(m[3])
   SIZE, SPLIT = tonumber(m[1]) or 1, tonumber(m[2]) or 0
 else
   local _, limits = resolve_plan(4)
   expire(now, limits)
+  org_open(now, 4)
 end
 
 local ev = find(request)

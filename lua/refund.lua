@@ -24,12 +24,15 @@ local request, final = ARGV[1], ARGV[2]
 local _, limits = resolve_plan(3)
 local now = now_ms()
 local used = expire(now, limits)
+local org = org_open(now, 3)
 local ev = find(request)
 if not ev then
   return { 0, used }
 end
 if ev.state == 'r' or (final ~= '' and ev.rec.nonce == final) then
-  return { 1, ev.cost, remove(ev, used, now) }
+  used = remove(ev, used, now)
+  org_recost(org, request, 0, now)
+  return { 1, ev.cost, used }
 end
 if ev.state == 'j' then
   return { 3, used }
@@ -41,4 +44,6 @@ redis.call('ZADD', CANCELLED, int(hold_end), ev.rec.nonce)
 if redis.call('PTTL', CANCELLED) < hold_end - now then
   redis.call('PEXPIRE', CANCELLED, int(hold_end - now + 1))
 end
-return { 2, ev.cost, remove(ev, used, now) }
+used = remove(ev, used, now)
+org_recost(org, request, 0, now)
+return { 2, ev.cost, used }

@@ -11,27 +11,36 @@
 --   { 0, 0, now_ms, windows... }       denied: does not fit (retry_after per window)
 --   { -1, max_cost }                   cost can never fit this plan
 -- windows: see push_windows in lib/budget.lua.
+-- A member of an organisation (see lib/budget.lua): KEYS[10..18] the
+-- organisation's budget keys; the organisation's plan name and windows follow
+-- the user's in the reply (`org_windows`), and the step applies to both.
+-- A member's cost must fit both; { -1, max_cost } is the smaller plan's.
 -- Idempotent per request id; two requests in one millisecond are two events.
 
 local request, cost = ARGV[1], tonumber(ARGV[2])
 local _, limits = resolve_plan(3)
 local most = max_cost(limits)
-if not cost or cost < 1 or cost > most then
+if too_costly(limits, cost) then
   return { -1, most }
 end
 
 local now = now_ms()
 local used = expire(now, limits)
+local org = org_open(now, 3)
+if org and cost > max_cost(org.limits) then
+  return { -1, math.min(most, max_cost(org.limits)) }
+end
 
 local ev, slot = find(request)
 if ev then
-  return push_windows({ 2, ev.at, now }, limits, used, now)
+  return org_windows(push_windows({ 2, spent(ev), now }, limits, used, now), org, now)
 end
 
-if not fits(limits, used, cost) then
-  return push_windows({ 0, 0, now }, limits, used, now, cost)
+if not fits(limits, used, cost) or not org_fits(org, cost) then
+  return org_windows(push_windows({ 0, 0, now }, limits, used, now, cost), org, now, cost)
 end
 
 local at
 used, at = record(request, cost, now, limits, used, nil, slot)
-return push_windows({ 1, at, now }, limits, used, now)
+org_record(org, request, cost, now)
+return org_windows(push_windows({ 1, at, now }, limits, used, now), org, now)

@@ -24,6 +24,7 @@ if not actual or actual < 0 or (nonce ~= '' and actual < 1) or (raise ~= '0' and
 end
 local now = now_ms()
 local used = expire(now, limits)
+local org = org_open(now, 5)
 local ev = find(request)
 if not ev then
   return { 0, used }
@@ -39,6 +40,10 @@ if raise == '0' and actual > previous then
   actual = previous
 end
 if actual == 0 then
-  return { 1, previous, 0, remove(ev, used, now) }
+  used = remove(ev, used, now)
+  org_recost(org, request, 0, now)
+  return { 1, previous, 0, used }
 end
-return { 1, previous, actual, recost(ev, actual, now) }
+used = recost(ev, actual, now)
+org_recost(org, request, actual, now)
+return { 1, previous, actual, used }

@@ -16,6 +16,9 @@
 -- oldest first; next_cursor is '' when the page reached the newest event;
 -- operation is '' for a plain reserve, estimate -1 unless the charge was
 -- settled. windows: see push_windows in lib/budget.lua.
+-- A member's reply has its organisation's plan name and windows right after
+-- its own windows, a user in no organisation's '' there:
+-- { plan, now_ms, windows..., org_plan | '', [org windows...], next_cursor, ... }.
 -- Errors: TOLLGATE_BAD_PAGE (a cursor or limit out of shape).
 
 local cursor, limit = ARGV[1], tonumber(ARGV[2])
@@ -29,7 +32,13 @@ end
 local name, limits = resolve_plan(3)
 local now = now_ms()
 local used = expire(now, limits)
+local org = org_open(now, 3)
 local out = push_windows({ name, now }, limits, used, now)
+if org then
+  org_windows(out, org, now)
+else
+  out[#out + 1] = ''
+end
 -- A page starts inside the plan's longest window, and after the cursor.
 local lo = now - limits[1].window + 1
 local start = int(lo)
@@ -43,7 +52,7 @@ for i = 1, math.min(#batch, limit) do
   local ev = at_entry(e[1], e[2][2])
   if ev then
     out[#out + 1] = ev.rec.id
-    out[#out + 1] = ev.at
+    out[#out + 1] = spent(ev)
     out[#out + 1] = ev.cost
     out[#out + 1] = ev.rec.op or ''
     out[#out + 1] = ev.estimate or -1

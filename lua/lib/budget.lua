@@ -106,11 +106,12 @@ local SIZE, SPLIT, RETAIN = 1, 0, 0
 local KEPT = 0
 -- Parsed plan limits by their text, across the calls of one library load.
 local PARSED, PARSED_N = {}, 0
--- Alerts (see `crossed`): the limits of this call's plan (their `marks`:
--- thresholds), whether this call queued an alert or found one whose outbox
--- pointer may be lost (then the reply is wrapped, see `finish`), and meta's
--- 'a': when an alert was queued that no deliverer has looked at since.
-local LIMITS, POINT, PENDING = nil, false, nil
+-- Alerts (see `crossed`): the limits of the subject's plan (their `marks`:
+-- thresholds), the outbox pointers the caller must add (this call queued an
+-- alert or found one whose pointer may be lost; then the reply is wrapped,
+-- see `finish`), and meta's 'a': when an alert was queued that no deliverer
+-- has looked at since. LIMITS and PENDING are the subject's (see `use`).
+local LIMITS, POINTS, PENDING = nil, nil, nil
 -- An outbox no deliverer looked at this long after an alert was queued has
 -- its pointer added again by the next call's caller (its first caller may
 -- have died before adding it).
@@ -121,15 +122,89 @@ local REPOINT_MS = 10000
 local OUTBOX_MAX = 1000
 local OUTBOX_TTL = 8 * 86400 * 1000
 
+-- Organisations. A member's budget keys (KEYS[1..9]) live under its
+-- organisation's hash tag, next to the organisation's own budget (KEYS[10..18]):
+-- the same structure over the organisation's plan, whose events are keyed by
+-- '<request>/<user>' (ids never hold '/'). `use` switches every per-call
+-- state above between the two subjects ('user', 'org'), so that `expire`,
+-- `fits`, `record`, `remove` and `recost` apply to either; a member's script
+-- applies them to both. A member is a call with more than 9 KEYS.
+-- The subject in use, and the other one's saved state.
+local SUBJECT, SAVED = 'user', nil
+-- Requests whose held charge `expire` released this call (the organisation
+-- releases its copies of them: `org_open`).
+local RELEASED = nil
+-- Events moved in from another location with their past time (`insert`) when
+-- the log already held later ones: appended to the log at the move's time and
+-- kept in the sorted set MOVED (request -> real time, ms), walked by `expire`
+-- so that each still leaves each window at its real time. MV: the moved
+-- walk's cursor per shorter window (nil: the set is empty). MOVED is
+-- '<base>:mv'.
+local MV = nil
+-- Where the user lives. At a member's location the marker '<base>:at' says
+-- 'here' while the user lives there, 'moving <to>' while a move freezes it.
+-- At a user's own tag, meta's field 'w' (read with the totals: no extra
+-- command for a user in no organisation): absent while the user lives there,
+-- 'moving <to>' while a move freezes it, 'o:<org>' once it lives in that
+-- organisation (meta then never expires); '<base>:at' there is the pointer
+-- callers read (the same values). A script at a location the user left
+-- answers TOLLGATE_MOVED, at a frozen one TOLLGATE_MOVING.
+-- Set by the move scripts: they read and write a frozen location.
+local NOCHECK = false
+
+local function set_keys(keys, o)
+  EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED =
+    keys[o + 1], keys[o + 2], keys[o + 3], keys[o + 4], keys[o + 5], keys[o + 6], keys[o + 7],
+    keys[o + 8], keys[o + 9]
+  BASE = string.sub(META, 1, -6)
+end
+
+-- The location's marker and moved set (built when needed: most calls need
+-- neither).
+local function at_key()
+  return BASE .. ':at'
+end
+
+local function moved_key()
+  return BASE .. ':mv'
+end
+
 -- Starts one call: its keys and arguments, and the state above reset.
 local function begin(keys, args)
   KEYS, ARGV = keys, args
-  EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED =
-    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8], keys[9]
-  BASE = string.sub(META, 1, -6)
+  set_keys(keys, 0)
   SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, RETAIN = {}, false, 2, 0, 0, 1, 0, 0
   KEPT, WORK = 0, SLICE
-  LIMITS, POINT, PENDING = nil, false, nil
+  LIMITS, POINTS, PENDING = nil, nil, nil
+  -- SAVED and RELEASED are made when first needed: most calls need neither.
+  SUBJECT, SAVED, RELEASED, MV, NOCHECK = 'user', nil, nil, nil, false
+end
+
+-- Switches the per-call state to `subject` ('user' or 'org': a member's
+-- organisation, KEYS[10..18]), saving the other's. The organisation keeps no
+-- export (EXPORT 0): the export is per user.
+local function use(subject)
+  if subject == SUBJECT then
+    return
+  end
+  SAVED = SAVED or {}
+  SAVED[SUBJECT] = { EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE,
+    SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV, LIMITS, PENDING }
+  local s = SAVED[subject]
+  if s then
+    EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE, SHORTS,
+      SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV, LIMITS, PENDING = unpack(s, 1, 21)
+  else
+    set_keys(KEYS, subject == 'org' and 9 or 0)
+    SHORTS, SHORTS_STALE, FIRST, TOTAL, SIZE, SPLIT, KEPT, MV = {}, false, 2, 0, 1, 0, 0, nil
+    EXPORT, LIMITS, PENDING = 0, nil, nil
+  end
+  SUBJECT = subject
+end
+
+-- Whether this call is a member's (its organisation's keys follow its own).
+local function is_member()
+  return #KEYS > 9
 end
 
 local function int(n)
@@ -188,15 +263,43 @@ local function alert_marks(limits, text)
   end
 end
 
+-- Answers TOLLGATE_MOVING when the user's location is frozen by a move, and
+-- TOLLGATE_MOVED when the user does not live here (see AT): the caller reads
+-- the user's pointer again and calls the location it names.
+local function check_at(at)
+  if at and string.sub(at, 1, 6) == 'moving' then
+    error({ err = 'TOLLGATE_MOVING the user is moving between organisations: call again shortly' })
+  end
+  if is_member() then
+    if at ~= 'here' then
+      error({ err = 'TOLLGATE_MOVED the user is not a member of this organisation' })
+    end
+  elseif at then
+    error({ err = 'TOLLGATE_MOVED ' .. at })
+  end
+end
+
+-- At a user's own tag: meta's 'w' (see AT).
+local function check_home(w)
+  if w and SUBJECT == 'user' and not NOCHECK and not is_member() then
+    check_at(w)
+  end
+end
+
 -- Returns the name and limits ({ limit, window } each, longest window first) of
 -- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
 local function resolve_plan(i)
   EXPORT = tonumber(ARGV[i]) or 0
   RETAIN = tonumber(ARGV[i + 1]) or 0
   i = i + 2
-  local stored = redis.call('MGET', PLAN, BASE .. ':limits')
-  local custom = stored[2]
-  stored = stored[1]
+  local got
+  if SUBJECT == 'user' and not NOCHECK and is_member() then
+    got = redis.call('MGET', PLAN, BASE .. ':limits', at_key())
+    check_at(got[3])
+  else
+    got = redis.call('MGET', PLAN, BASE .. ':limits')
+  end
+  local stored, custom = got[1], got[2]
   -- No stored plan, or one the config no longer has: the default.
   local name, spec = ARGV[i], ARGV[i + 1]
   if stored then
@@ -245,6 +348,22 @@ local function max_cost(limits)
     end
   end
   return m or 0
+end
+
+-- Whether `cost` is no cost at all or one `limits` could never admit (past
+-- their smallest limit). Answered only where the user lives: at a place it
+-- left (a pod's stale idea of where it lives) the caller gets TOLLGATE_MOVED
+-- first, not the refusal of a plan or limits the user no longer has there.
+-- (A member's place was checked by `resolve_plan`; at the user's own tag the
+-- marker is read here, on this refusal's path only.)
+local function too_costly(limits, cost)
+  if cost and cost >= 1 and cost <= max_cost(limits) then
+    return false
+  end
+  if SUBJECT == 'user' and not NOCHECK and not is_member() then
+    check_home(redis.call('HGET', META, 'w'))
+  end
+  return true
 end
 
 -- The packed request id: 'u' + 16 bytes (a lowercase UUID), 'i' + 16 bytes
@@ -299,8 +418,13 @@ local function unpack_token(r, i)
   return string.sub(r, i + 1, i + n), i + 1 + n
 end
 
--- The record of the log: id, and for a charge nonce, fp, deadline, op.
+-- The record of the log: id, and for a charge nonce, fp, deadline, op. An
+-- organisation's: the request id packed, then the user ('<request>/<user>').
 local function pack_record(id, o)
+  if SUBJECT == 'org' then
+    local request, user = string.match(id, '^([^/]+)/(.+)$')
+    return pack_id(request) .. user
+  end
   local r = pack_id(id)
   if o then
     r = r .. pack_token(o.nonce) .. pack_token(o.fp) .. struct.pack('>I6', o.deadline) .. o.op
@@ -310,6 +434,10 @@ end
 
 local function unpack_record(r)
   local id, i = unpack_id(r)
+  if SUBJECT == 'org' then
+    local user = string.sub(r, i)
+    return { id = id .. '/' .. user, request = id, user = user }
+  end
   local rec = { id = id }
   if i <= #r then
     rec.nonce, i = unpack_token(r, i)
@@ -320,19 +448,29 @@ local function unpack_record(r)
   return rec
 end
 
--- An index value: { at, seq, state, cost, estimate }.
+-- An index value: { at, seq, state, cost, estimate, real }: `at` and `seq`
+-- name its log entry; `real`, only for an event moved in with its past time
+-- behind later ones (see MOVED), the time it was spent.
 local function pack_value(ev)
   local v = struct.pack('>I6', ev.at) .. ev.state .. int(ev.seq) .. ' ' .. int(ev.cost)
   if ev.estimate then
     v = v .. ' ' .. int(ev.estimate)
   end
+  if ev.real then
+    v = v .. ' @' .. int(ev.real)
+  end
   return v
 end
 
 local function unpack_value(v)
-  local seq, cost, est = string.match(string.sub(v, 8), '^(%d+) (%d+) ?(%d*)$')
+  local seq, cost, est, real = string.match(string.sub(v, 8), '^(%d+) (%d+) ?(%d*) ?@?(%d*)$')
   return { at = struct.unpack('>I6', string.sub(v, 1, 6)), state = string.sub(v, 7, 7),
-    seq = tonumber(seq), cost = tonumber(cost), estimate = tonumber(est) }
+    seq = tonumber(seq), cost = tonumber(cost), estimate = tonumber(est), real = tonumber(real) }
+end
+
+-- When an event was spent (its log entry's time, or a moved one's real time).
+local function spent(ev)
+  return ev.real or ev.at
 end
 
 -- The digest field of a request id and the 32-bit hash that picks its bucket.
@@ -484,7 +622,7 @@ local function sum_slice(start, hi)
     WORK = WORK - #batch
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
-      if ev then
+      if ev and not ev.real then
         sum = sum + ev.cost
       end
     end
@@ -496,6 +634,41 @@ local function sum_slice(start, hi)
       return sum, batch[#batch][1], true
     end
   end
+end
+
+-- The sum of the costs of the moved events (MOVED) spent in (lo, hi], reading
+-- at most WORK of them. Returns the sum, the cursor reached (hi, or short of it
+-- when WORK ran out: whole milliseconds only) and whether WORK ran out.
+local function moved_slice(lo, hi)
+  local n = math.max(math.min(BATCH, WORK), 1)
+  local rows = redis.call('ZRANGE', moved_key(), '(' .. int(lo), int(hi), 'BYSCORE', 'LIMIT', 0, n + 1,
+    'WITHSCORES')
+  local count = #rows / 2
+  WORK = WORK - count
+  local stop, out = nil, false
+  if count > n then
+    -- Stop before the last millisecond read, unless it is the only one: then
+    -- read all of that millisecond.
+    local last = tonumber(rows[2 * count])
+    if tonumber(rows[2]) == last then
+      rows = redis.call('ZRANGE', moved_key(), int(last), int(last), 'BYSCORE', 'WITHSCORES')
+      stop = last
+    else
+      stop = last - 1
+    end
+    out = true
+  end
+  local sum = 0
+  for i = 1, #rows, 2 do
+    local at = tonumber(rows[i + 1])
+    if not stop or at <= stop then
+      local ev = find(rows[i])
+      if ev and ev.real then
+        sum = sum + ev.cost
+      end
+    end
+  end
+  return sum, stop or hi, out
 end
 
 -- Reads the totals of the windows shorter than the retention. A plan whose
@@ -536,10 +709,18 @@ end
 -- in meta's 'r' ('<sum> <ID of the last entry summed>'); a call that leaves
 -- some answers TOLLGATE_AGAIN.
 local function read_total()
-  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r', 'a')
+  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r', 'v', 'w', 'a')
+  check_home(m[7])
   SIZE, SPLIT = tonumber(m[2]) or 1, tonumber(m[3]) or 0
   KEPT = tonumber(m[4]) or 0
-  PENDING = tonumber(m[6])
+  PENDING = tonumber(m[8])
+  MV = nil
+  if m[6] then
+    MV = {}
+    for c in string.gmatch(m[6], '%-?%d+') do
+      MV[#MV + 1] = tonumber(c)
+    end
+  end
   local raw = m[1]
   if raw then
     local used = tonumber(raw)
@@ -586,11 +767,21 @@ local function write_total(now)
     value = table.concat(parts, ' ')
   end
   SHORTS_STALE = false
+  if MV then
+    local parts = { 'm' }
+    for k = 1, #SHORTS do
+      parts[#parts + 1] = int(MV[k] or 0)
+    end
+    redis.call('HSET', META, 'v', table.concat(parts, ' '))
+  end
   if KEPT < now + RETAIN then
     KEPT = now + RETAIN + slack()
     redis.call('HSET', META, 't', value, 'x', int(KEPT))
     redis.call('PEXPIREAT', LOG, int(KEPT))
     redis.call('PEXPIREAT', META, int(KEPT))
+    if MV then
+      redis.call('PEXPIREAT', moved_key(), int(KEPT))
+    end
   else
     redis.call('HSET', META, 't', value)
   end
@@ -621,6 +812,9 @@ end
 local function drop(ev)
   redis.call('HDEL', ev.key, ev.field)
   redis.call('XDEL', LOG, entry_id(ev))
+  if ev.real then
+    redis.call('ZREM', moved_key(), ev.rec.id)
+  end
 end
 
 -- Moves up to MIGRATE_BATCH events of the previous layout (oldest first) into
@@ -685,10 +879,32 @@ end
 -- The subject of this call's budget, from its keys' hash tag (BASE ends
 -- '{u:<user>}'): its kind, its name, and its outbox pointer (BASE after the
 -- prefix and schema: the deliverer builds the outbox keys from it).
-local KINDS = { u = 'user', o = 'org' }
+-- A member's budget is '{o:<org>}:u:<user>', its organisation's '{o:<org>}:org'.
 local function subject()
-  local k, name = string.match(BASE, '(%w+):([^:{}]+)}?$')
-  return KINDS[k] or k or '?', name or '', string.match(BASE, '({.*)$') or BASE
+  local pointer = string.match(BASE, '({.*)$') or BASE
+  local user = string.match(pointer, '^{u:([^{}]+)}$') or string.match(pointer, '^{o:[^{}]+}:u:([^:{}]+)$')
+  if user then
+    return 'user', user, pointer
+  end
+  local org = string.match(pointer, '^{o:([^{}]+)}:org$')
+  if org then
+    return 'org', org, pointer
+  end
+  return '?', '', pointer
+end
+
+-- Notes that the caller must add this subject's outbox pointer to the due
+-- set (`finish`): a member's call may have to add its own and its
+-- organisation's.
+local function point()
+  local _, _, pointer = subject()
+  POINTS = POINTS or {}
+  for _, p in ipairs(POINTS) do
+    if p == pointer then
+      return
+    end
+  end
+  POINTS[#POINTS + 1] = pointer
 end
 
 -- An alert was queued and no deliverer has looked at the outbox for
@@ -697,7 +913,7 @@ end
 local function repoint(now)
   if PENDING and now - PENDING >= REPOINT_MS then
     redis.call('HSET', META, 'a', int(now))
-    POINT = true
+    point()
   end
 end
 
@@ -725,19 +941,24 @@ local function queue_alert(l, bp, used, now)
     PENDING = now
     redis.call('HSET', META, 'a', int(now))
   end
-  POINT = true
+  point()
 end
 
--- A script's reply, wrapped as { 'TOLLGATE_ALERT', <outbox pointer>, reply }
--- when the caller must add the outbox's pointer to the due set (this call
--- queued an alert, or found one no deliverer looked at; see `repoint`). The
--- ledger unwraps it. Errors pass as they are.
+-- A script's reply, wrapped as { 'TOLLGATE_ALERT', <outbox pointer>...,
+-- reply } when the caller must add outbox pointers to the due set (this call
+-- queued an alert, or found one no deliverer looked at; see `repoint`): the
+-- user's, its organisation's, or both. The ledger unwraps it. Errors pass as
+-- they are.
 local function finish(r)
-  if not POINT or (type(r) == 'table' and r.err) then
+  if not POINTS or (type(r) == 'table' and r.err) then
     return r
   end
-  local _, _, pointer = subject()
-  return { 'TOLLGATE_ALERT', pointer, r }
+  local out = { 'TOLLGATE_ALERT' }
+  for _, p in ipairs(POINTS) do
+    out[#out + 1] = p
+  end
+  out[#out + 1] = r
+  return out
 end
 
 -- Saves the totals and answers TOLLGATE_AGAIN: this call read its SLICE of
@@ -782,7 +1003,7 @@ local function expire(now, limits)
         WORK = WORK - #rest
         for _, e in ipairs(rest) do
           local ev = at_entry(e[1], e[2][2])
-          if ev then
+          if ev and not ev.real then
             left = left + ev.cost
           end
         end
@@ -795,8 +1016,51 @@ local function expire(now, limits)
       end
     end
   end
+  if MV then
+    -- Windows rebuilt from the log start their moved walk over.
+    if SHORTS_STALE or #MV ~= #SHORTS then
+      for k = 1, #SHORTS do
+        MV[k] = 0
+      end
+      changed = true
+    end
+    for k, s in ipairs(SHORTS) do
+      local edge = now - s.window
+      if edge > MV[k] then
+        local left, cursor, out = moved_slice(MV[k], edge)
+        behind = behind or out
+        if left > 0 or cursor ~= MV[k] then
+          s.total, MV[k], changed = s.total - left, cursor, true
+        end
+      end
+    end
+  end
   if behind then
     again(now, 'events are leaving a window')
+  end
+  while MV do
+    local n = math.min(BATCH, WORK)
+    local ids = redis.call('ZRANGE', moved_key(), '-inf', int(now - RETAIN), 'BYSCORE', 'LIMIT', 0, math.max(n, 1))
+    if #ids == 0 then
+      if redis.call('EXISTS', moved_key()) == 0 then
+        MV = nil
+        redis.call('HDEL', META, 'v')
+      end
+      break
+    end
+    if n <= 0 then
+      again(now, 'moved events are leaving the retention')
+    end
+    WORK = WORK - #ids
+    for _, id in ipairs(ids) do
+      local ev = find(id)
+      if ev and ev.real then
+        TOTAL = TOTAL - ev.cost
+        drop(ev)
+      end
+    end
+    redis.call('ZREM', moved_key(), unpack(ids))
+    changed = true
   end
   while true do
     local n = math.min(BATCH, WORK)
@@ -835,9 +1099,11 @@ local function expire(now, limits)
       if ev then
         -- A released hold is a refund; an event leaving the window is not a change.
         TOTAL = TOTAL - ev.cost
-        unshort(ev.at, ev.cost, now)
-        export('refund', id, ev.cost, ev.at)
+        unshort(spent(ev), ev.cost, now)
+        export('refund', id, ev.cost, spent(ev))
         drop(ev)
+        RELEASED = RELEASED or {}
+        RELEASED[#RELEASED + 1] = id
       end
     end
     redis.call('ZREM', HOLDS, unpack(ids))
@@ -922,7 +1188,9 @@ local function retry_walk(window, need, freed, start, now)
     WORK = WORK - #batch
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
-      if ev then
+      -- A moved event (MOVED) is not in time order here: leaving it out
+      -- only ever answers later, never too early.
+      if ev and not ev.real then
         freed = freed + ev.cost
         if freed >= need then
           return ev.at + window - now
@@ -972,8 +1240,8 @@ end
 -- after (`used`: ignored, see window_used).
 local function remove(ev, _used, now)
   if #SHORTS > 0 or EXPORT > 0 then
-    unshort(ev.at, ev.cost, now)
-    export('refund', ev.rec.id, ev.cost, ev.at)
+    unshort(spent(ev), ev.cost, now)
+    export('refund', ev.rec.id, ev.cost, spent(ev))
   end
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)
@@ -987,8 +1255,8 @@ local function recost(ev, cost, now)
   local before = snapshot()
   local previous = ev.cost
   if #SHORTS > 0 or EXPORT > 0 then
-    unshort(ev.at, previous - cost, now)
-    export('settle', ev.rec.id, cost, ev.at, previous)
+    unshort(spent(ev), previous - cost, now)
+    export('settle', ev.rec.id, cost, spent(ev), previous)
   end
   ev.cost = cost
   update(ev)
@@ -1034,4 +1302,140 @@ local function record(request, cost, now, limits, used, o, slot)
   end
   crossed(before, now)
   return used, ev.at
+end
+
+-- Inserts an event moved in from another location (a user moving between
+-- organisations), after `expire`, with the time `at` it was spent (inside the
+-- retention): appended to the log in time order when nothing later is there,
+-- else appended now and kept in MOVED by its real time, so that it still
+-- leaves each window at `at`. Counted in every window it is still inside.
+-- `ev`: { state, cost, estimate }; `o`: a charge's owner record; `slot`: from
+-- `find`.
+local function insert(request, at, ev, o, now, slot)
+  local packed = pack_record(request, o)
+  local sid = redis.pcall('XADD', LOG, int(at) .. '-*', 'r', packed)
+  if type(sid) ~= 'string' then
+    sid = redis.pcall('XADD', LOG, int(now) .. '-*', 'r', packed)
+    if type(sid) ~= 'string' then
+      sid = redis.call('XADD', LOG, '*', 'r', packed)
+    end
+    ev.real = at
+    if not MV then
+      -- After `expire` every window's moved walk starts at its edge.
+      MV = {}
+      for k, s in ipairs(SHORTS) do
+        MV[k] = now - s.window
+      end
+    end
+    redis.call('ZADD', moved_key(), int(at), request)
+  end
+  local ms, seq = string.match(sid, '^(%d+)-(%d+)$')
+  ev.at, ev.seq = tonumber(ms), tonumber(seq)
+  local keep_until = int(now + 2 * RETAIN + slack())
+  redis.call('HSET', slot.key, '~', keep_until, slot.field, pack_value(ev))
+  redis.call('PEXPIREAT', slot.key, keep_until)
+  for _, s in ipairs(SHORTS) do
+    -- After `expire` nothing in (cursor, now - window] is left to subtract
+    -- (its walk may leave the cursor behind when it found nothing): move it
+    -- up, so that an event appended in order that already left the window
+    -- is not subtracted later.
+    if s.cursor < now - s.window then
+      s.cursor = now - s.window
+    end
+    if at > now - s.window then
+      s.total = s.total + ev.cost
+    end
+  end
+  TOTAL = TOTAL + ev.cost
+  grow(now)
+  KEPT = 0
+  write_total(now)
+  if ev.real then
+    redis.call('PEXPIREAT', moved_key(), int(KEPT))
+  end
+end
+
+-- A member's organisation. MEMBER: the user (from its keys' names).
+local MEMBER = nil
+
+local function org_id(request)
+  return request .. '/' .. MEMBER
+end
+
+-- Opens the organisation's side of a member's call, after the user's
+-- `expire`: resolves the organisation's plan (ARGV from `i`, as
+-- `resolve_plan`), brings its windows to now and removes its copies of the
+-- charges the user's `expire` released. Returns { name, limits }, or nil for
+-- a user in no organisation. Leaves the user's subject in use.
+local function org_open(now, i)
+  if not is_member() then
+    return nil
+  end
+  MEMBER = string.match(BASE, ':u:([^:]+)$')
+  local released = RELEASED or {}
+  RELEASED = nil
+  use('org')
+  local name, limits = resolve_plan(i)
+  EXPORT = 0
+  expire(now, limits)
+  for _, id in ipairs(released) do
+    local ev = find(org_id(id))
+    if ev then
+      remove(ev, 0, now)
+    end
+  end
+  use('user')
+  return { name = name, limits = limits }
+end
+
+-- Whether `cost` fits every window of the organisation's plan too.
+local function org_fits(org, cost)
+  if not org then
+    return true
+  end
+  use('org')
+  local ok = fits(org.limits, 0, cost)
+  use('user')
+  return ok
+end
+
+-- Records the organisation's copy of a member's new event.
+local function org_record(org, request, cost, now)
+  if not org then
+    return
+  end
+  use('org')
+  local ev, slot = find(org_id(request))
+  if not ev then
+    record(org_id(request), cost, now, org.limits, 0, nil, slot)
+  end
+  use('user')
+end
+
+-- Sets (cost >= 1) or removes (0) the organisation's copy of a member's event.
+local function org_recost(org, request, cost, now)
+  if not org then
+    return
+  end
+  use('org')
+  local ev = find(org_id(request))
+  if ev and cost == 0 then
+    remove(ev, 0, now)
+  elseif ev and ev.cost ~= cost then
+    recost(ev, cost, now)
+  end
+  use('user')
+end
+
+-- Appends the organisation's plan name and windows (see push_windows; with
+-- `cost`: its retry_after per window) to a member's reply.
+local function org_windows(out, org, now, cost)
+  if not org then
+    return out
+  end
+  use('org')
+  out[#out + 1] = org.name
+  push_windows(out, org.limits, 0, now, cost)
+  use('user')
+  return out
 end

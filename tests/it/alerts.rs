@@ -20,7 +20,7 @@ use tollgate_alerts::Deliverer;
 use tollgate_core::alerts::{AlertOutbox, MemoryAlerts};
 use tollgate_core::clock::SystemClock;
 use tollgate_core::config::Config;
-use tollgate_core::id::{RequestId, UserId};
+use tollgate_core::id::{OrgId, RequestId, UserId};
 use tollgate_core::ledger::{Ledger, ReserveOutcome};
 use tollgate_core::memory::MemoryLedger;
 use tollgate_core::metrics::Metrics;
@@ -211,6 +211,9 @@ alerts = [0.8, 1.0]
 limit = 10
 window = "1500ms"
 alerts = [0.8]
+[plans.quiet]
+limit = 1000
+window = "1h"
 "#
     );
     Arc::new(Config::parse(&text, "alerts test").unwrap())
@@ -480,39 +483,65 @@ async fn falling_below_and_rising_again_is_a_new_crossing(store: Store) {
     pods.stop().await;
 }
 
-macro_rules! conformance {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(super::Store::Memory).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(super::Store::Redis).await
-                }
-            )*
-        }
-        mod cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(super::Store::Cluster).await
-                }
-            )*
-        }
-    };
+/// Two members of one organisation on two pods spend 120 tokens at once on
+/// plans that never alert; the organisation's plan (100, alerts at 80 % and
+/// 100 %) binds: its two crossings are the organisation's alerts, each
+/// delivered once, and no user alert is queued.
+async fn an_organisations_crossings_are_its_own_alerts(store: Store) {
+    let receiver = Receiver::start().await;
+    let pods = Pods::start(store, config(&receiver.url, true)).await;
+    let org = OrgId::new(format!("acme-{}", random_prefix())).unwrap();
+    let first = pods.ledgers[0].as_ref();
+    first.set_org_plan(&org, "p").await.unwrap();
+    let members = [user("orga"), user("orgb")];
+    for u in &members {
+        first.set_plan(u, "quiet").await.unwrap();
+        first.set_user_org(u, Some(&org)).await.unwrap();
+    }
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..120 {
+        let ledger = Arc::clone(&pods.ledgers[i % 2]);
+        let u = members[(i / 2) % 2].clone();
+        calls.spawn(async move { reserve(ledger.as_ref(), &u, 1).await });
+    }
+    let mut allowed = 0;
+    while let Some(ok) = calls.join_next().await {
+        allowed += usize::from(ok.unwrap());
+    }
+    assert_eq!(allowed, 100, "the organisation's limit binds");
+    receiver.wait_for(2, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let delivered = receiver.delivered();
+    assert_eq!(delivered.len(), 2, "{:?}", receiver.arrivals());
+    let mut seen = BTreeSet::new();
+    for (a, v) in &delivered {
+        assert!(signature_ok(SECRET, &a.signature, &a.body), "{a:?}");
+        assert_eq!(v["subject"]["kind"], "org", "{v}");
+        assert_eq!(v["subject"]["id"], org.as_str(), "{v}");
+        assert_eq!(v["org"], org.as_str(), "{v}");
+        assert!(v.get("user").is_none(), "{v}");
+        assert!(a.id.starts_with("org:"), "{}", a.id);
+        assert_eq!(v["limit"], 100);
+        seen.insert((v["threshold"].to_string(), v["used"].as_u64().unwrap()));
+    }
+    assert_eq!(
+        seen,
+        BTreeSet::from([("0.8".to_owned(), 80), ("1".to_owned(), 100)])
+    );
+    pods.stop().await;
 }
 
-conformance!(
-    crossings_are_delivered_exactly_once,
-    a_receiver_down_gets_the_alert_once_it_is_back,
-    falling_below_and_rising_again_is_a_new_crossing,
+on_each_backend!(
+    threads 4,
+    [
+        crossings_are_delivered_exactly_once,
+        a_receiver_down_gets_the_alert_once_it_is_back,
+        falling_below_and_rising_again_is_a_new_crossing,
+        an_organisations_crossings_are_its_own_alerts,
+    ]
+    memory => super::Store::Memory,
+    redis => super::Store::Redis,
+    cluster => super::Store::Cluster,
 );
 
 /// Without `[alerts]` a plan's thresholds queue nothing: no outbox key is

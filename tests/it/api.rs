@@ -319,11 +319,123 @@ on_each_backend!(
         a_job_waiting_for_its_provider_shows_where_it_stands,
         usage_pages_follow_next_cursor_and_bad_pages_are_400,
         prefer_wait_on_an_async_call_waits_for_the_result_then_202,
+        organisations_over_the_admin_api,
     ]
     memory => super::Harness::memory(super::settings()).await,
     redis => super::Harness::redis(super::settings()).await,
     cluster => super::Harness::cluster(super::settings()).await,
 );
+
+/// Organisations through the admin routes: created on a plan, users put in
+/// and taken out (their spend moves along); a member refused by its
+/// organisation's budget gets a 429 saying so (`scope`), and its usage shows
+/// the organisation; bad names and pages are problems.
+async fn organisations_over_the_admin_api(h: Harness) {
+    let put = |path: String, body: Value| {
+        let h = &h;
+        async move {
+            h.call("PUT", &path, Some(ADMIN), &[], Some(body.to_string()))
+                .await
+        }
+    };
+    let alice = h.user("alice", "tiny").await;
+    let bob = h.user("bob", "tiny").await;
+    let r = put("/admin/orgs/acme".into(), json!({"plan": "tiny"})).await;
+    assert_eq!(
+        (r.status, &r.body),
+        (StatusCode::OK, &json!({"org": "acme", "plan": "tiny"}))
+    );
+    let r = put("/admin/orgs/acme".into(), json!({"plan": "gold"})).await;
+    assert_eq!(r.problem(ProblemType::InvalidField)["field"], "plan");
+    for u in ["alice", "bob"] {
+        let r = put(format!("/admin/users/{u}/org"), json!({"org": "acme"})).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.body["org"], "acme");
+    }
+    let r = put("/admin/users/alice/org".into(), json!({})).await;
+    assert_eq!(r.problem(ProblemType::InvalidField)["field"], "org");
+    r.problem(ProblemType::InvalidField);
+    let r = put("/admin/users/alice/org".into(), json!({"org": "nowhere"})).await;
+    r.problem(ProblemType::NotFound);
+    let r = put("/admin/users/ghost/org".into(), json!({"org": "acme"})).await;
+    r.problem(ProblemType::NotFound);
+    for i in 0..2 {
+        let r = h
+            .call(
+                "POST",
+                "/v1/ops/echo.custom?async=true",
+                Some(&alice),
+                &[("idempotency-key", &format!("a{i}"))],
+                Some(json!({"i": i}).to_string()),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    }
+    // Bob has 5 of his own left; the organisation has 1.
+    let r = h
+        .call(
+            "POST",
+            "/v1/ops/echo.custom?async=true",
+            Some(&bob),
+            &[],
+            Some(json!({}).to_string()),
+        )
+        .await;
+    let p = r.problem(ProblemType::QuotaExceeded);
+    assert_eq!(p["scope"], "organisation", "{p}");
+    assert!(
+        p["detail"].as_str().unwrap().contains("organisation"),
+        "{p}"
+    );
+    let u = h.usage(&bob).await;
+    assert_eq!(u["used"], 0, "{u}");
+    assert_eq!(u["organisation"]["org"], "acme", "{u}");
+    assert_eq!(u["organisation"]["windows"][0]["used"], 4, "{u}");
+    let r = h.call("GET", "/admin/orgs", Some(ADMIN), &[], None).await;
+    assert_eq!(r.body, json!({"orgs": ["acme"], "next": null}));
+    let r = h
+        .call("GET", "/admin/orgs/acme?limit=1", Some(ADMIN), &[], None)
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        (&r.body["members"], &r.body["next_member"]),
+        (&json!(["alice"]), &json!("alice"))
+    );
+    assert_eq!(r.body["windows"][0]["used"], 4);
+    let r = h
+        .call(
+            "GET",
+            "/admin/orgs/acme?after=alice",
+            Some(ADMIN),
+            &[],
+            None,
+        )
+        .await;
+    assert_eq!(r.body["members"], json!(["bob"]));
+    let r = h
+        .call("GET", "/admin/orgs/acme?limit=0", Some(ADMIN), &[], None)
+        .await;
+    r.problem(ProblemType::InvalidField);
+    let r = h
+        .call("GET", "/admin/orgs/nowhere", Some(ADMIN), &[], None)
+        .await;
+    r.problem(ProblemType::NotFound);
+    let r = h.call("GET", "/admin/orgs", Some(&alice), &[], None).await;
+    r.problem(ProblemType::Unauthorized);
+    let r = put("/admin/users/alice/org".into(), json!({"org": null})).await;
+    assert_eq!(
+        r.body,
+        json!({"user": "alice", "org": null, "moved_events": 2})
+    );
+    assert!(h.usage(&alice).await.get("organisation").is_none());
+    let r = h
+        .call("GET", "/admin/orgs/acme", Some(ADMIN), &[], None)
+        .await;
+    assert_eq!(
+        (&r.body["members"], &r.body["windows"][0]["used"]),
+        (&json!(["bob"]), &json!(0))
+    );
+}
 
 /// `Prefer: respond-async, wait=N` waits up to N s for the job: the result
 /// when it ends in time, else 202 as without the wait. (Before: 202 at once,
@@ -1019,6 +1131,10 @@ pub fn check_openapi(doc: &Value) {
         ("get", "/admin/users/{user}/keys"),
         ("get", "/admin/keys"),
         ("get", "/admin/users/{user}/usage"),
+        ("put", "/admin/users/{user}/org"),
+        ("put", "/admin/orgs/{org}"),
+        ("get", "/admin/orgs"),
+        ("get", "/admin/orgs/{org}"),
         ("delete", "/admin/keys/{key_id}"),
         ("post", "/admin/users/{user}/refunds/{request_id}"),
         ("get", "/admin/overview"),

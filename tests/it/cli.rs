@@ -532,3 +532,63 @@ fn users_list_show_and_custom_limits() {
     let v = json(&["reindex"], 0);
     assert_eq!(v["users_seen"], 4);
 }
+
+/// `tollgate orgs ...` and `tollgate users set-org`: an organisation on a
+/// plan, a user put in it (its spend moves along), shown and listed; bad
+/// names are one-line errors with exit 2.
+#[test]
+fn organisations_from_the_command_line() {
+    let cli = Cli::new();
+    let run = |args: &[&str]| {
+        Command::new(workspace_bin("tollgate"))
+            .args(args)
+            .env("TOLLGATE_REDIS_URL", cli.server.url())
+            .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
+            .env_remove("TOLLGATE_CONFIG")
+            .output()
+            .expect("run tollgate")
+    };
+    let json = |args: &[&str]| {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+        serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out:?}"))
+    };
+    let v = json(&["orgs", "set", "acme", "--plan", "free", "--json"]);
+    assert_eq!(v["plan"], "free");
+    cli.json(
+        &[
+            "reserve",
+            "--user",
+            "alice",
+            "--cost",
+            "7",
+            "--request-id",
+            "r1",
+        ],
+        0,
+    );
+    let v = json(&["users", "set-org", "alice", "acme", "--json"]);
+    assert_eq!(
+        (&v["org"], &v["moved_events"]),
+        (&serde_json::json!("acme"), &serde_json::json!(1))
+    );
+    let v = json(&["orgs", "show", "acme", "--json"]);
+    assert_eq!(v["members"], serde_json::json!(["alice"]));
+    assert_eq!(v["windows"][0]["used"], 7);
+    let v = json(&["orgs", "list", "--json"]);
+    assert_eq!(v["orgs"], serde_json::json!(["acme"]));
+    let v = cli.json(&["usage", "--user", "alice"], 0);
+    assert_eq!(v["organisation"]["org"], "acme", "{v}");
+    let v = json(&["users", "set-org", "alice", "--none", "--json"]);
+    assert_eq!(v["org"], serde_json::Value::Null);
+    for bad in [
+        &["users", "set-org", "alice", "nowhere"][..],
+        &["orgs", "set", "acme", "--plan", "platinum"],
+        &["orgs", "show", "nowhere"],
+    ] {
+        let out = run(bad);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
+        one_line_error(&out);
+    }
+}

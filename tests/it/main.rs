@@ -55,6 +55,7 @@ mod ledger;
 mod ledger_jobs;
 mod observability;
 mod openapi;
+mod orgs;
 mod outcomes;
 mod redis_ledger;
 mod redis_outages;

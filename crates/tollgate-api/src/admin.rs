@@ -12,7 +12,7 @@ use tollgate_core::keystore::{generate_key_id, UserQuery, UserQueryError};
 use tollgate_core::{
     config::{Config, Limit},
     duration,
-    id::{RequestId, UserId},
+    id::{OrgId, RequestId, UserId},
     keystore::{ApiKey, KeyKind, KeyRecord, KeyStore},
     ledger::{EventPage, Ledger, RefundOutcome, CUSTOM_PLAN},
 };
@@ -655,6 +655,142 @@ pub async fn user_keys(
     .into_response())
 }
 
+/// `PUT /admin/users/{user}/org`: `{"org": "<org>"}` or `{"org": null}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetOrg {
+    /// Required; `null`: in no organisation.
+    #[serde(default, deserialize_with = "present")]
+    pub org: Option<Option<String>>,
+}
+
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(d).map(Some)
+}
+
+#[derive(Debug, Serialize)]
+pub struct OrgPlanView {
+    pub org: String,
+    pub plan: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct UserOrgView {
+    pub user: String,
+    pub org: Option<String>,
+    /// Live spend events this call moved with the user.
+    pub moved_events: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct OrgDetailView {
+    pub org: String,
+    pub plan: String,
+    pub windows: Vec<crate::usage::WindowView>,
+    pub members: Vec<String>,
+    /// Pass as `after` for the next page of members; absent on the last.
+    pub next_member: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct OrgListView {
+    pub orgs: Vec<String>,
+    /// Pass as `after` for the next page; absent on the last.
+    pub next: Option<String>,
+}
+
+/// `?after=<name>&limit=<n>` of the organisation lists.
+#[derive(Debug, Deserialize)]
+pub struct PageParams {
+    pub after: Option<String>,
+    pub limit: Option<usize>,
+}
+
+/// Names per page of the organisation lists: the default and the most.
+pub const ORG_PAGE: usize = 50;
+pub const ORG_PAGE_MAX: usize = 500;
+
+fn org_id(field: &str, s: String) -> Result<OrgId, ApiError> {
+    OrgId::new(s).map_err(|e| ApiError::InvalidField {
+        field: field.into(),
+        detail: format!("{field}: {e}"),
+    })
+}
+
+type OrgPageQuery =
+    Result<axum::extract::Query<PageParams>, axum::extract::rejection::QueryRejection>;
+
+fn page_params(q: OrgPageQuery) -> Result<(Option<String>, usize), ApiError> {
+    let axum::extract::Query(q) = q.map_err(|e| ApiError::Malformed {
+        detail: format!("bad query: {}", e.body_text()),
+        field: None,
+    })?;
+    let limit = q.limit.unwrap_or(ORG_PAGE);
+    if !(1..=ORG_PAGE_MAX).contains(&limit) {
+        return Err(ApiError::InvalidField {
+            field: "limit".into(),
+            detail: format!("limit: expected 1 to {ORG_PAGE_MAX}, got {limit}"),
+        });
+    }
+    Ok((q.after.filter(|a| !a.is_empty()), limit))
+}
+
+/// `PUT /admin/orgs/{org}`: creates the organisation on a plan, or changes it.
+pub async fn set_org(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParam(org): PathParam,
+    JsonBody(body): JsonBody<SetPlan>,
+) -> Result<Response, ApiError> {
+    let org = org_id("org", org)?;
+    check_plan(&state.config, &body.plan)?;
+    state.ledger.set_org_plan(&org, &body.plan).await?;
+    tracing::info!(org = %org, plan = %body.plan, "organisation plan set");
+    Ok(axum::Json(OrgPlanView {
+        org: org.to_string(),
+        plan: body.plan,
+    })
+    .into_response())
+}
+
+/// `PUT /admin/users/{user}/org`: puts the user in an organisation (or in
+/// none), moving its live spend events with it.
+pub async fn set_user_org(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParam(user): PathParam,
+    JsonBody(body): JsonBody<SetOrg>,
+) -> Result<Response, ApiError> {
+    let user = UserId::new(user).map_err(|e| ApiError::InvalidField {
+        field: "user".into(),
+        detail: format!("user: {e}"),
+    })?;
+    let org = match body.org {
+        None => {
+            return Err(ApiError::InvalidField {
+                field: "org".into(),
+                detail: "org: required (null: in no organisation)".into(),
+            })
+        }
+        Some(None) => None,
+        Some(Some(o)) => Some(org_id("org", o)?),
+    };
+    if !known_user(&state, &user).await? {
+        return Err(ApiError::NotFound(format!(
+            "no user {:?}: create it with POST /admin/users (or call for it with a service key)",
+            echo(user.as_str())
+        )));
+    }
+    let moved = state.ledger.set_user_org(&user, org.as_ref()).await?;
+    tracing::info!(user = %user, org = ?moved.org, events = moved.events, "user organisation set");
+    Ok(axum::Json(UserOrgView {
+        user: user.to_string(),
+        org: moved.org.map(|o| o.to_string()),
+        moved_events: moved.events,
+    })
+    .into_response())
+}
+
 /// `GET /admin/users/{user}/usage`: what `/v1/usage` shows the user, and
 /// the plan it returns to.
 #[derive(Debug, Serialize)]
@@ -737,6 +873,35 @@ pub async fn keys(
     .into_response())
 }
 
+/// `GET /admin/orgs/{org}?after=&limit=`: the organisation's plan, windows
+/// and a page of its members.
+pub async fn org(
+    _: Admin,
+    State(state): State<ApiState>,
+    PathParam(org): PathParam,
+    q: OrgPageQuery,
+) -> Result<Response, ApiError> {
+    let org = org_id("org", org)?;
+    let (after, limit) = page_params(q)?;
+    let after = after
+        .map(|a| {
+            UserId::new(a).map_err(|e| ApiError::InvalidField {
+                field: "after".into(),
+                detail: format!("after: {e}"),
+            })
+        })
+        .transpose()?;
+    let u = state.ledger.org_usage(&org, after.as_ref(), limit).await?;
+    Ok(axum::Json(OrgDetailView {
+        org: u.org.to_string(),
+        plan: u.plan,
+        windows: crate::usage::window_views(&u.windows),
+        members: u.members.iter().map(ToString::to_string).collect(),
+        next_member: u.next_member.map(|m| m.to_string()),
+    })
+    .into_response())
+}
+
 /// The users page a `prefix`/`cursor`/`limit` query asks for (400 naming a
 /// bad parameter).
 fn users_query(q: &UsersQuery) -> Result<UserQuery, ApiError> {
@@ -756,4 +921,20 @@ fn users_query(q: &UsersQuery) -> Result<UserQuery, ApiError> {
             field: Some(field.to_owned()),
         }
     })
+}
+
+/// `GET /admin/orgs?after=&limit=`: the organisations by name, a page at a time.
+pub async fn orgs(
+    _: Admin,
+    State(state): State<ApiState>,
+    q: OrgPageQuery,
+) -> Result<Response, ApiError> {
+    let (after, limit) = page_params(q)?;
+    let after = after.map(|a| org_id("after", a)).transpose()?;
+    let list = state.ledger.orgs(after.as_ref(), limit).await?;
+    Ok(axum::Json(OrgListView {
+        orgs: list.orgs.iter().map(ToString::to_string).collect(),
+        next: list.next.map(|o| o.to_string()),
+    })
+    .into_response())
 }

@@ -297,6 +297,64 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             get(admin::user_usage),
         )
         .route(
+            Doc::put(
+                "/admin/users/{user}/org",
+                "Put a user in an organisation (or in none: null), moving its live spend events with it",
+            )
+            .admin()
+            .body(schema("SetOrg"))
+            .ok(200, "The user's organisation.", Some(schema("UserOrg")))
+            .errors(&[P::NotFound]),
+            put(admin::set_user_org),
+        )
+        .route(
+            Doc::put(
+                "/admin/orgs/{org}",
+                "Create an organisation on a plan, or change its plan",
+            )
+            .admin()
+            .body(schema("SetPlan"))
+            .ok(200, "The organisation's plan.", Some(schema("OrgPlan"))),
+            put(admin::set_org),
+        )
+        .route(
+            Doc::get("/admin/orgs", "The organisations, by name (a page)")
+                .admin()
+                .query(
+                    "after",
+                    "Start after this organisation (the page before's next).",
+                    openapi::id_filter_schema(),
+                )
+                .query(
+                    "limit",
+                    "Organisations per page (default 50).",
+                    serde_json::json!({"type": "integer", "minimum": 1, "maximum": admin::ORG_PAGE_MAX}),
+                )
+                .ok(200, "One page of organisations.", Some(schema("OrgList")))
+                .errors(&[P::InvalidField]),
+            get(admin::orgs),
+        )
+        .route(
+            Doc::get(
+                "/admin/orgs/{org}",
+                "One organisation: its plan, its windows' usage and a page of its members",
+            )
+            .admin()
+            .query(
+                "after",
+                "Members after this user (the page before's next_member).",
+                openapi::id_filter_schema(),
+            )
+            .query(
+                "limit",
+                "Members per page (default 50).",
+                serde_json::json!({"type": "integer", "minimum": 1, "maximum": admin::ORG_PAGE_MAX}),
+            )
+            .ok(200, "The organisation.", Some(schema("Org")))
+            .errors(&[P::InvalidField, P::NotFound]),
+            get(admin::org),
+        )
+        .route(
             Doc::delete("/admin/keys/{key_id}", "Revoke an API key")
                 .admin()
                 .ok(200, "The revoked key.", Some(schema("RevokedKey")))

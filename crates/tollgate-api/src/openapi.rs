@@ -163,7 +163,7 @@ impl Doc {
                 // Ids are validated like `UserId`/`RequestId`: say so, so that
                 // clients (and generators) know what the server accepts.
                 let schema = match name {
-                    "user" | "id" | "request_id" => id_schema(),
+                    "user" | "id" | "request_id" | "org" => id_schema(),
                     _ => json!({"type": "string"}),
                 };
                 json!({"name": name, "in": "path", "required": true, "schema": schema})
@@ -428,6 +428,7 @@ fn schemas(config: &Config) -> Value {
                 "max_stored_bytes": {"type": "integer", "description": "429 stored-bytes-exceeded: your plan's max_stored_bytes."},
                 "upstream_status": {"type": "integer", "description": "422 upstream-rejected: the upstream's status (400, 413, 414, 415 or 422)."},
                 "upstream_body": {"type": "string", "description": "422 upstream-rejected: the upstream's body (at most 1024 bytes), only for an operation with expose_upstream_errors = true."},
+                "scope": {"type": "string", "enum": ["user", "organisation"], "description": "429 quota-exceeded: whose budget held the request back: the user's own, or its organisation's."},
             },
         },
         "OperationInput": {"type": "object", "description": "The operation's input, passed to the provider as it is.", "additionalProperties": true},
@@ -487,6 +488,10 @@ fn schemas(config: &Config) -> Value {
                     },
                 }},
                 "next_cursor": {"type": ["string", "null"], "description": "Pass it as `cursor` for the next page of events; `null`: this page reached the newest event."},
+                "organisation": {"type": "object", "description": "A member of an organisation: the organisation's windows (each charge must fit them as well as the user's own).",
+                    "required": ["org", "plan", "windows"],
+                    "properties": {"org": {"type": "string"}, "plan": {"type": "string"},
+                        "windows": {"type": "array", "items": {"$ref": "#/components/schemas/Window"}}}},
                 "events": {"type": "array", "description": "One page of the live spend events, oldest first (`limit` at most).", "items": {
                     "type": "object",
                     "required": ["request_id", "cost", "at", "at_ms"],
@@ -569,6 +574,27 @@ fn schemas(config: &Config) -> Value {
         "AdminUsage": {"allOf": [schema("Usage"), {"type": "object", "required": ["base_plan"], "properties": {
             "base_plan": {"type": "string", "description": "The user's named plan (what it returns to when its own limits are cleared)."},
         }}]},
+        "Window": {
+            "type": "object",
+            "required": ["policy", "limit", "window_secs", "used", "remaining"],
+            "properties": {
+                "policy": {"type": "string"},
+                "limit": {"type": "integer"},
+                "window_secs": {"type": "integer"},
+                "used": {"type": "integer"},
+                "remaining": {"type": "integer"},
+                "reset_after_secs": {"type": ["integer", "null"]},
+            },
+        },
+        "SetOrg": {"type": "object", "required": ["org"], "additionalProperties": false, "properties": {"org": {"oneOf": [id_schema(), {"type": "null"}], "description": "An organisation created with PUT /admin/orgs/{org}; null: in no organisation."}}},
+        "UserOrg": {"type": "object", "required": ["user", "org", "moved_events"], "properties": {"user": {"type": "string"}, "org": {"type": ["string", "null"]}, "moved_events": {"type": "integer", "description": "Live spend events this call moved with the user."}}},
+        "OrgPlan": {"type": "object", "required": ["org", "plan"], "properties": {"org": {"type": "string"}, "plan": {"type": "string"}}},
+        "OrgList": {"type": "object", "required": ["orgs", "next"], "properties": {"orgs": {"type": "array", "items": {"type": "string"}}, "next": {"type": ["string", "null"], "description": "after= for the next page; null on the last."}}},
+        "Org": {"type": "object", "required": ["org", "plan", "windows", "members", "next_member"], "properties": {
+            "org": {"type": "string"}, "plan": {"type": "string"},
+            "windows": {"type": "array", "items": {"$ref": "#/components/schemas/Window"}},
+            "members": {"type": "array", "items": {"type": "string"}},
+            "next_member": {"type": ["string", "null"], "description": "after= for the next page of members; null on the last."}}},
         "RevokedKey": {"type": "object", "required": ["key_id", "user", "revoked"],
             "properties": {"key_id": {"type": "string"}, "user": {"type": "string"}, "revoked": {"type": "boolean"}}},
         "Refund": {"type": "object", "required": ["user", "request_id", "outcome", "used"],

@@ -327,6 +327,10 @@ pub struct Problem {
     /// when the operation sets `expose_upstream_errors = true`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_body: Option<String>,
+    /// 429 quota-exceeded: whose budget held the request back, `user` or
+    /// `organisation` (the user's organisation's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scope: Option<tollgate_core::ledger::Scope>,
 }
 
 /// Everything the api can answer with other than success.
@@ -475,6 +479,7 @@ impl ApiError {
             max_stored_bytes: None,
             upstream_status: None,
             upstream_body: None,
+            scope: None,
         };
         match self {
             Self::Store(e) if e.is_transient() => {
@@ -493,11 +498,16 @@ impl ApiError {
                 let window = tollgate_core::duration::format(std::time::Duration::from_millis(
                     denied.window_ms,
                 ));
+                let whose = match denied.scope {
+                    tollgate_core::ledger::Scope::User => "",
+                    tollgate_core::ledger::Scope::Organisation => "your organisation ",
+                };
                 p.detail = Some(format!(
-                    "used {} of {} tokens per {window}; this request fits in {} ms",
+                    "{whose}used {} of {} tokens per {window}; this request fits in {} ms",
                     denied.used, denied.limit, denied.retry_after_ms
                 ));
                 p.retry_after_ms = Some(denied.retry_after_ms);
+                p.scope = Some(denied.scope);
             }
             Self::StoredBytesExceeded { stored, limit } => {
                 p.detail = Some(self.to_string());
@@ -626,6 +636,7 @@ impl From<LedgerError> for ApiError {
                 field: "limits".into(),
                 detail: e.to_string(),
             },
+            LedgerError::UnknownOrg(_) => Self::NotFound(e.to_string()),
             LedgerError::Store(e) => Self::Store(e),
         }
     }

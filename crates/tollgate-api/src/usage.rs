@@ -41,6 +41,32 @@ pub struct UsageView {
     pub events: Vec<EventView>,
     /// The `cursor` of the next page; `null`: this page reached the newest event.
     pub next_cursor: Option<String>,
+    /// A member's organisation: its name, plan and windows (every charge
+    /// must fit them as well as the user's own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub organisation: Option<OrgView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct OrgView {
+    pub org: String,
+    pub plan: String,
+    pub windows: Vec<WindowView>,
+}
+
+/// The windows of a budget as the api shows them.
+pub fn window_views(windows: &[tollgate_core::ledger::WindowUse]) -> Vec<WindowView> {
+    windows
+        .iter()
+        .map(|w| WindowView {
+            policy: ratelimit::policy_name(windows, w.window_ms),
+            limit: w.limit,
+            window_secs: ceil_secs(w.window_ms),
+            used: w.used,
+            remaining: w.remaining,
+            reset_after_secs: w.reset_after_ms.map(ceil_secs),
+        })
+        .collect()
 }
 
 /// One limit of the plan, as the caller stands in it.
@@ -180,6 +206,11 @@ impl UsageView {
                 })
                 .collect(),
             next_cursor: usage.next_cursor.map(|c| c.to_string()),
+            organisation: usage.organisation.as_ref().map(|o| OrgView {
+                org: o.org.to_string(),
+                plan: o.plan.clone(),
+                windows: window_views(&o.windows),
+            }),
         }
     }
 }

@@ -355,7 +355,7 @@ fn usage_json(user: &UserId, u: &Usage) -> Value {
         "user": user, "plan": u.plan, "used": u.used, "limit": u.limit, "remaining": u.remaining,
         "window_secs": u.window_ms / 1000, "window_ms": u.window_ms, "now_ms": u.now_ms,
         "reset_after_ms": u.reset_after_ms, "windows": u.windows, "events": u.events,
-        "next_cursor": u.next_cursor,
+        "next_cursor": u.next_cursor, "organisation": u.organisation,
     })
 }
 
@@ -371,6 +371,16 @@ fn usage_text(user: &UserId, u: &Usage) -> String {
             s += &format!(
                 "; the oldest event in it frees its tokens in {}",
                 duration::format_approx(std::time::Duration::from_millis(r))
+            );
+        }
+    }
+    if let Some(o) = &u.organisation {
+        s += &format!("\n  in organisation {} on plan {}:", o.org, o.plan);
+        for w in &o.windows {
+            let window = duration::format(std::time::Duration::from_millis(w.window_ms));
+            s += &format!(
+                "\n    used {}/{} tokens in the last {window}, {} remaining",
+                w.used, w.limit, w.remaining
             );
         }
     }

@@ -8,6 +8,7 @@ mod budget;
 mod edge;
 mod logging;
 mod mock_provider;
+mod orgs;
 mod probes;
 mod process;
 mod store;
@@ -55,6 +56,9 @@ enum Command {
     MockProvider(mock_provider::MockProviderArgs),
     /// Operator commands on users: create (issues an API key), revoke a key.
     Users(users::UsersArgs),
+    /// Operator commands on organisations: create one on a plan, show one
+    /// (windows, members), list them.
+    Orgs(orgs::OrgsArgs),
 }
 
 /// Help and version print as clap renders them; a bad or missing flag is one
@@ -108,6 +112,7 @@ fn main() -> ExitCode {
             Command::Worker(args) => worker::run(args).await,
             Command::MockProvider(args) => mock_provider::run(args).await,
             Command::Users(args) => users::run(args).await,
+            Command::Orgs(args) => orgs::run(args).await,
         }
     })
 }

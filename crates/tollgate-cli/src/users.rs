@@ -1,6 +1,7 @@
 //! `tollgate users ...`: create users (printing their API key once), revoke
-//! keys, list users, show one, set or clear a user's own limits, and rebuild
-//! the users index, against the Redis the api pods share.
+//! keys, list users, show one, set or clear a user's own limits, put users
+//! in organisations, and rebuild the users index, against the Redis the api
+//! pods share.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use serde_json::json;
 use tollgate_api::admin::{self, LimitBody, LimitView, LimitsView};
 use tollgate_api::problem::ApiError;
 use tollgate_api::usage::UsageView;
-use tollgate_core::id::UserId;
+use tollgate_core::id::{OrgId, UserId};
 use tollgate_core::keystore::{KeyKind, UserQuery};
 
 fn parse_kind(s: &str) -> Result<KeyKind, String> {
@@ -89,6 +90,18 @@ enum UsersCommand {
     /// existed (a SCAN of the key store, on a cluster of each primary, a
     /// thousand keys per step). Safe to run again, and while keys are issued.
     Reindex,
+    /// Put a user in an organisation (created with `tollgate orgs set`), or
+    /// with `--none` in none, moving its live spend events with it. Run it
+    /// again after an interruption: it finishes the move.
+    SetOrg {
+        user: UserId,
+        /// The organisation.
+        #[arg(required_unless_present = "none", conflicts_with = "none")]
+        org: Option<OrgId>,
+        /// In no organisation.
+        #[arg(long)]
+        none: bool,
+    },
 }
 
 /// `1000/1h` -> limit 1000 over a window of 1h (the window is checked with
@@ -183,6 +196,30 @@ pub async fn run(args: UsersArgs) -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(e) if e.status().is_client_error() => fail(exit::BAD_INPUT, e),
+                Err(e) => fail(exit::FAILURE, e),
+            }
+        }
+        UsersCommand::SetOrg { user, org, none: _ } => {
+            match backends.ledger.set_user_org(&user, org.as_ref()).await {
+                Ok(moved) => {
+                    let org = moved.org.map(|o| o.to_string());
+                    if args.json {
+                        println!(
+                            "{}",
+                            json!({"user": user, "org": org, "moved_events": moved.events})
+                        );
+                    } else {
+                        println!(
+                            "{user} is in {} ({} live events moved)",
+                            org.as_deref().unwrap_or("no organisation"),
+                            moved.events
+                        );
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e @ tollgate_core::ledger::LedgerError::UnknownOrg(_)) => {
+                    fail(exit::BAD_INPUT, e)
+                }
                 Err(e) => fail(exit::FAILURE, e),
             }
         }

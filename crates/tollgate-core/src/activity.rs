@@ -43,12 +43,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::{Clock, SystemClock};
 use crate::error::StoreError;
-use crate::id::{RequestId, UserId};
+use crate::id::{OrgId, RequestId, UserId};
 use crate::job::{Charge, FailureCause, Finish, JobError, JobSource, Lease, Maintenance, Settled};
 use crate::ledger::{
     ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger, LedgerError, RefundOutcome, ReserveOutcome,
     SettleOutcome, Usage,
 };
+use crate::ledger::{Moved, OrgList, OrgUsage};
 use crate::lock;
 use crate::throttle::{Grant, Pause, Position, ProviderStats, Throttle, ThrottleError, Waiter};
 
@@ -878,6 +879,31 @@ impl Ledger for RecordingLedger {
         user: &UserId,
     ) -> Result<Option<Vec<crate::config::Limit>>, LedgerError> {
         self.inner.custom_limits(user).await
+    }
+
+    async fn set_org_plan(&self, org: &OrgId, plan: &str) -> Result<(), LedgerError> {
+        self.inner.set_org_plan(org, plan).await
+    }
+
+    async fn set_user_org(&self, user: &UserId, org: Option<&OrgId>) -> Result<Moved, LedgerError> {
+        self.inner.set_user_org(user, org).await
+    }
+
+    async fn user_org(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError> {
+        self.inner.user_org(user).await
+    }
+
+    async fn org_usage(
+        &self,
+        org: &OrgId,
+        after: Option<&UserId>,
+        limit: usize,
+    ) -> Result<OrgUsage, LedgerError> {
+        self.inner.org_usage(org, after, limit).await
+    }
+
+    async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError> {
+        self.inner.orgs(after, limit).await
     }
 }
 

@@ -113,6 +113,13 @@ id_type!(
     "request id"
 );
 
+id_type!(
+    /// An organisation: a budget over its plan that every member's charge
+    /// must fit as well as the member's own.
+    OrgId,
+    "organisation id"
+);
+
 impl RequestId {
     /// A fresh random id (UUID v4, 122 random bits).
     pub fn generate() -> Self {

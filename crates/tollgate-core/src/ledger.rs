@@ -24,7 +24,7 @@ use async_trait::async_trait;
 use serde::Serialize;
 
 use crate::error::StoreError;
-use crate::id::{RequestId, UserId};
+use crate::id::{OrgId, RequestId, UserId};
 
 /// One entry of the audit trail: `cost` tokens spent by `request_id` at `at_ms`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -238,6 +238,24 @@ impl Allowed {
     }
 }
 
+/// Which budget held a denial back: the user's own, or its organisation's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    #[default]
+    User,
+    Organisation,
+}
+
+/// A member's organisation as it stands: its name, plan and windows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OrgWindows {
+    pub org: OrgId,
+    pub plan: String,
+    /// Every limit of the organisation's plan, longest window first.
+    pub windows: Vec<WindowUse>,
+}
+
 /// The reservation does not fit; nothing was recorded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Denied {
@@ -252,9 +270,40 @@ pub struct Denied {
     pub now_ms: u64,
     /// Every limit of the plan, longest window first.
     pub windows: Vec<WindowUse>,
+    /// Whose budget binds: the top-level figures are that budget's window's.
+    pub scope: Scope,
+    /// A member's organisation (its windows as they stand).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub organisation: Option<Box<OrgWindows>>,
 }
 
 impl Denied {
+    /// A member's denial: `user` over its own windows, `org` (with the
+    /// retry_after of each of its windows) over its organisation's; the
+    /// retry_after is the later of the two (both must fit), and the binding
+    /// window is that level's.
+    pub fn member(user: Denied, org: OrgWindows, org_retry: &[u64]) -> Self {
+        let o = Denied::new(org.windows.clone(), org_retry, user.now_ms);
+        let binds = o.retry_after_ms > user.retry_after_ms
+            || (o.retry_after_ms == user.retry_after_ms && o.remaining < user.remaining);
+        let top = if binds { &o } else { &user };
+        Self {
+            used: top.used,
+            limit: top.limit,
+            window_ms: top.window_ms,
+            remaining: top.remaining,
+            retry_after_ms: user.retry_after_ms.max(o.retry_after_ms),
+            now_ms: user.now_ms,
+            windows: user.windows.clone(),
+            scope: if binds {
+                Scope::Organisation
+            } else {
+                Scope::User
+            },
+            organisation: Some(Box::new(org)),
+        }
+    }
+
     /// `retry_after[i]` is when the cost fits `windows[i]` (0: it fits now).
     pub fn new(windows: Vec<WindowUse>, retry_after: &[u64], now_ms: u64) -> Self {
         let binding = (0..windows.len())
@@ -272,6 +321,8 @@ impl Denied {
             retry_after_ms: retry_after.iter().copied().max().unwrap_or(0),
             now_ms,
             windows,
+            scope: Scope::User,
+            organisation: None,
         }
     }
 }
@@ -460,6 +511,10 @@ pub struct Usage {
     /// ([`Ledger::set_limits`]): `plan` is then [`CUSTOM_PLAN`] and `windows`
     /// are the override's.
     pub custom_limits: bool,
+    /// The user's organisation, when it is a member: its windows (every
+    /// charge must fit them too).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub organisation: Option<OrgWindows>,
 }
 
 /// The plan name a user with its own limits ([`Ledger::set_limits`]) shows.
@@ -487,6 +542,7 @@ impl Usage {
             next_cursor,
             windows,
             custom_limits: false,
+            organisation: None,
         }
     }
 
@@ -497,6 +553,38 @@ impl Usage {
         self.custom_limits = true;
         self
     }
+}
+
+/// An organisation as the admin api shows it: its plan, windows and one page
+/// of its members.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OrgUsage {
+    pub org: OrgId,
+    pub plan: String,
+    pub now_ms: u64,
+    /// Every limit of the plan, longest window first.
+    pub windows: Vec<WindowUse>,
+    /// Members, in name order, after the page's `after`.
+    pub members: Vec<UserId>,
+    /// The last member of this page when there are more.
+    pub next_member: Option<UserId>,
+}
+
+/// One page of the organisations, in name order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OrgList {
+    pub orgs: Vec<OrgId>,
+    /// The last of this page when there are more.
+    pub next: Option<OrgId>,
+}
+
+/// Where a user's budget lives, and what a move did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Moved {
+    /// The organisation the user is in now (`None`: none).
+    pub org: Option<OrgId>,
+    /// Live events moved with the user.
+    pub events: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -512,6 +600,9 @@ pub enum LedgerError {
     /// Limits no plan could have ([`check_custom_limits`]).
     #[error("limits: {0}")]
     BadLimits(String),
+    /// An organisation is created with a plan (`set_org_plan`) before users join.
+    #[error("no organisation {0:?}: create it with a plan first")]
+    UnknownOrg(String),
     /// The budget store failed.
     #[error("budget store: {0}")]
     Store(#[from] StoreError),
@@ -675,6 +766,32 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         &self,
         user: &UserId,
     ) -> Result<Option<Vec<crate::config::Limit>>, LedgerError>;
+
+    /// Creates the organisation `org` on `plan` (it must be configured), or
+    /// changes its plan.
+    async fn set_org_plan(&self, org: &OrgId, plan: &str) -> Result<(), LedgerError>;
+
+    /// Puts `user` in `org` (`None`: in no organisation), moving its live
+    /// events (and held charges) with it: none lost, none counted twice once
+    /// the move is done. Idempotent, and resumable: a move interrupted at any
+    /// step is finished by the next call. `UnknownOrg` for an organisation
+    /// never created.
+    async fn set_user_org(&self, user: &UserId, org: Option<&OrgId>) -> Result<Moved, LedgerError>;
+
+    /// The organisation `user` is in (`None`: none).
+    async fn user_org(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError>;
+
+    /// The organisation's plan, windows and up to `limit` members after
+    /// `after` (name order). `UnknownOrg` for one never created.
+    async fn org_usage(
+        &self,
+        org: &OrgId,
+        after: Option<&UserId>,
+        limit: usize,
+    ) -> Result<OrgUsage, LedgerError>;
+
+    /// Up to `limit` organisations after `after`, in name order.
+    async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError>;
 }
 
 /// Separates the operation from the acting service key's id in the `op` a

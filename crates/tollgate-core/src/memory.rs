@@ -5,6 +5,12 @@
 //! to find or insert a user's entry, never while a budget is computed, so one hot
 //! user serialises only its own requests. Idle users (empty log, no stored plan)
 //! are swept a shard at a time as operations go by, the way Redis keys expire.
+//!
+//! Organisations: a member's log lives in its organisation (`Org`), next to
+//! the organisation's own log (`OrgLog`), behind the organisation's lock; the
+//! user's entry in its shard keeps only the pointer (`UserLog::org`). A call
+//! holds the user's entry's lock, then the organisation's: a move (which takes
+//! the user's entry first too) never interleaves with the user's calls.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
@@ -16,12 +22,12 @@ use async_trait::async_trait;
 use crate::alerts::{AlertMarks, Crossing, MemoryAlerts};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Limit, Plan};
-use crate::id::{RequestId, UserId};
+use crate::id::{OrgId, RequestId, UserId};
 use crate::ledger::{
     audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
     Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, EventCursor,
-    EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
-    SpendEvent, Usage, WindowUse, CUSTOM_PLAN,
+    EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage, OrgWindows,
+    RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse, CUSTOM_PLAN,
 };
 use crate::lock;
 use std::borrow::Cow;
@@ -48,6 +54,247 @@ pub struct MemoryLedger<C: Clock = SystemClock> {
     /// Where crossings go (`None`: no `[alerts]`), and each plan's thresholds.
     alerts: Option<MemoryAlerts>,
     marks: HashMap<String, Arc<AlertMarks>>,
+    /// Every organisation, by name.
+    orgs: Mutex<BTreeMap<OrgId, Arc<Mutex<Org>>>>,
+}
+
+/// An organisation: its plan, its own log, and its members' logs.
+struct Org {
+    plan: String,
+    log: OrgLog,
+    members: BTreeMap<UserId, UserLog>,
+}
+
+/// An organisation's log: every live event of its members, keyed by
+/// `<request>/<user>`, with the same running window totals as a user's. An
+/// event moved in with a past time is inserted at that time (a map ordered
+/// by time), so it leaves each window when it would have.
+#[derive(Default)]
+struct OrgLog {
+    events: BTreeMap<(u64, Arc<str>), u64>,
+    index: HashMap<Arc<str>, u64>,
+    total: u64,
+    shorts: Vec<Short>,
+    first: usize,
+    /// Each window's total once the call under way brought them to now
+    /// (`OrgSide::sync`): what the call's change is compared with for alert
+    /// crossings.
+    before: Vec<u64>,
+}
+
+/// The thresholds of `marks` each window of `log` crossed since its `before`.
+fn org_crossings(log: &OrgLog, marks: &AlertMarks, now: u64) -> Vec<Crossing> {
+    let mut out = Vec::new();
+    for (i, (limit, window_ms, thresholds)) in marks.limits.iter().enumerate() {
+        let (Some(&before), after) = (log.before.get(i), log.used(i)) else {
+            continue;
+        };
+        for &(threshold_bp, tokens) in thresholds {
+            if before < tokens && after >= tokens {
+                out.push(Crossing {
+                    window_ms: *window_ms,
+                    threshold_bp,
+                    used: after,
+                    limit: *limit,
+                    at_ms: now,
+                });
+            }
+        }
+    }
+    out
+}
+
+fn org_key(user: &UserId, request: &str) -> Arc<str> {
+    Arc::from(format!("{request}/{user}"))
+}
+
+impl OrgLog {
+    /// Brings every window to `now` (as `UserLog::expire`).
+    fn expire(&mut self, now: u64, limits: &[Limit], retain: u64) {
+        let longest = limits.first().map_or(0, Limit::window_ms);
+        let retain = retain.max(longest);
+        self.first = usize::from(longest >= retain);
+        let wanted = limits.iter().skip(self.first).map(Limit::window_ms);
+        let Self { shorts, events, .. } = self;
+        if !shorts.iter().map(|s| s.window).eq(wanted.clone()) {
+            *shorts = wanted
+                .map(|window| {
+                    let edge = now.saturating_sub(window);
+                    Short {
+                        window,
+                        total: events
+                            .range((edge + 1, Arc::from(""))..)
+                            .map(|(_, c)| c)
+                            .sum(),
+                        cursor: edge,
+                    }
+                })
+                .collect();
+        } else {
+            for s in shorts.iter_mut() {
+                let edge = now.saturating_sub(s.window);
+                if edge > s.cursor {
+                    let left: u64 = events
+                        .range((s.cursor + 1, Arc::from(""))..(edge + 1, Arc::from("")))
+                        .map(|(_, c)| c)
+                        .sum();
+                    s.total = s.total.saturating_sub(left);
+                    s.cursor = edge;
+                }
+            }
+        }
+        while let Some(entry) = self.events.first_entry() {
+            if entry.key().0.saturating_add(retain) > now {
+                break;
+            }
+            let ((_, key), cost) = entry.remove_entry();
+            self.index.remove(&key);
+            self.total = self.total.saturating_sub(cost);
+        }
+    }
+
+    fn used(&self, i: usize) -> u64 {
+        match i.checked_sub(self.first) {
+            None => self.total,
+            Some(k) => self.shorts.get(k).map_or(0, |s| s.total),
+        }
+    }
+
+    fn fits(&self, limits: &[Limit], cost: u64) -> bool {
+        limits
+            .iter()
+            .enumerate()
+            .all(|(i, l)| self.used(i) + cost <= l.limit)
+    }
+
+    /// Adds an event spent at `at` (after `expire`): counted in every window
+    /// it is still inside.
+    fn add(&mut self, key: Arc<str>, at: u64, cost: u64, now: u64, retain: u64) {
+        if self.index.contains_key(&key) || at.saturating_add(retain) <= now {
+            return;
+        }
+        self.events.insert((at, Arc::clone(&key)), cost);
+        self.index.insert(key, at);
+        self.total += cost;
+        for s in &mut self.shorts {
+            if at > s.cursor {
+                s.total += cost;
+            }
+        }
+    }
+
+    /// Sets an event's cost (0 removes it).
+    fn recost(&mut self, key: &str, cost: u64) {
+        let Some(&at) = self.index.get(key) else {
+            return;
+        };
+        let key: Arc<str> = Arc::from(key);
+        let Some(previous) = self.events.get(&(at, Arc::clone(&key))).copied() else {
+            return;
+        };
+        if cost == 0 {
+            self.events.remove(&(at, Arc::clone(&key)));
+            self.index.remove(&key);
+        } else {
+            self.events.insert((at, key), cost);
+        }
+        self.total = (self.total + cost).saturating_sub(previous);
+        for s in &mut self.shorts {
+            if at > s.cursor {
+                s.total = (s.total + cost).saturating_sub(previous);
+            }
+        }
+    }
+
+    fn windows(&self, limits: &[Limit], now: u64) -> Vec<WindowUse> {
+        limits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let w = l.window_ms();
+                let edge = now.saturating_sub(w);
+                let reset = self
+                    .events
+                    .range((edge + 1, Arc::from(""))..)
+                    .next()
+                    .map(|((at, _), _)| (at + w).saturating_sub(now));
+                WindowUse::new(l.limit, w, self.used(i), reset)
+            })
+            .collect()
+    }
+
+    fn retry_after(&self, i: usize, l: &Limit, cost: u64, now: u64) -> u64 {
+        let (used, w) = (self.used(i), l.window_ms());
+        let need = (used + cost).saturating_sub(l.limit);
+        if need == 0 {
+            return 0;
+        }
+        let edge = now.saturating_sub(w);
+        let mut freed = 0;
+        for ((at, _), c) in self.events.range((edge + 1, Arc::from(""))..) {
+            freed += c;
+            if freed >= need {
+                return (at + w).saturating_sub(now);
+            }
+        }
+        w
+    }
+}
+
+/// A member's organisation, as a call sees it (under its lock).
+struct OrgSide<'a> {
+    org: &'a OrgId,
+    plan: &'a Plan,
+    log: &'a mut OrgLog,
+    user: &'a UserId,
+    retain: u64,
+}
+
+impl OrgSide<'_> {
+    /// After the user's `expire`: the organisation's windows to now, and its
+    /// copies of the charges that released gone too.
+    fn sync(&mut self, user: &mut UserLog, now: u64) {
+        self.log.expire(now, &self.plan.limits, self.retain);
+        for request in user.released.drain(..) {
+            self.log.recost(&org_key(self.user, &request), 0);
+        }
+        self.log.before = (0..self.plan.limits.len())
+            .map(|i| self.log.used(i))
+            .collect();
+    }
+
+    fn add(&mut self, request: &str, at: u64, cost: u64, now: u64) {
+        let key = org_key(self.user, request);
+        self.log.add(key, at, cost, now, self.retain);
+    }
+
+    fn recost(&mut self, request: &str, cost: u64) {
+        self.log.recost(&org_key(self.user, request), cost);
+    }
+
+    fn windows(&self, now: u64) -> OrgWindows {
+        OrgWindows {
+            org: self.org.clone(),
+            plan: self.plan.name.clone(),
+            windows: self.log.windows(&self.plan.limits, now),
+        }
+    }
+
+    /// The denial of `cost` when it does not fit the user's or the
+    /// organisation's windows.
+    fn deny(&self, user: &UserLog, limits: &[Limit], cost: u64, now: u64) -> Option<Denied> {
+        if user.fits(limits, cost) && self.log.fits(&self.plan.limits, cost) {
+            return None;
+        }
+        let retry: Vec<u64> = (self.plan.limits.iter().enumerate())
+            .map(|(i, l)| self.log.retry_after(i, l, cost, now))
+            .collect();
+        Some(Denied::member(
+            user.denial(limits, cost, now),
+            self.windows(now),
+            &retry,
+        ))
+    }
 }
 
 /// One user's sliding window log.
@@ -94,6 +341,11 @@ struct UserLog {
     marks: Option<Arc<AlertMarks>>,
     /// Crossings this call made, queued to the outbox when it ends.
     crossings: Vec<Crossing>,
+    /// The organisation the user lives in: its log is there (this entry
+    /// keeps only the pointer).
+    org: Option<OrgId>,
+    /// Charges `expire` released this call (the organisation's copies go too).
+    released: Vec<Arc<str>>,
 }
 
 /// One spend event: live, or the hole a removed one left (`request: None`).
@@ -295,6 +547,7 @@ impl UserLog {
             }
             let request = entry.remove();
             self.remove(&request, now);
+            self.released.push(request);
         }
         while let Some(first) = self.cancel_ends.first() {
             if first.0 > now {
@@ -510,6 +763,23 @@ impl UserLog {
         w
     }
 
+    fn fits(&self, limits: &[Limit], cost: u64) -> bool {
+        limits
+            .iter()
+            .enumerate()
+            .all(|(i, l)| self.used(i) + cost <= l.limit)
+    }
+
+    /// The denial of `cost` (the retry_after of each window; 0 where it fits).
+    fn denial(&self, limits: &[Limit], cost: u64, now: u64) -> Denied {
+        let retry: Vec<u64> = limits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| self.retry_after(i, l, cost, now))
+            .collect();
+        Denied::new(self.windows(limits, now), &retry, now)
+    }
+
     /// Records `cost` if it fits every limit; else the denial.
     fn admit(
         &mut self,
@@ -624,6 +894,7 @@ impl<C: Clock> MemoryLedger<C> {
             hasher: RandomState::new(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             ops: AtomicU64::new(0),
+            orgs: Mutex::new(BTreeMap::new()),
             next_full_sweep: AtomicU64::new(0),
             alerts: None,
             marks: HashMap::new(),
@@ -654,7 +925,7 @@ impl<C: Clock> MemoryLedger<C> {
         &self,
         user: &UserId,
         create: bool,
-        f: impl FnOnce(&mut UserLog, u64) -> R,
+        f: impl FnOnce(&mut UserLog, Option<OrgSide<'_>>, u64) -> R,
     ) -> R {
         let n = self.ops.fetch_add(1, Ordering::Relaxed);
         if n % SWEEP_EVERY == SWEEP_EVERY - 1 {
@@ -689,7 +960,7 @@ impl<C: Clock> MemoryLedger<C> {
                             retain: self.retention,
                             ..UserLog::default()
                         };
-                        return f(&mut empty, self.clock.now_ms());
+                        return f(&mut empty, None, self.clock.now_ms());
                     }
                 }
             };
@@ -702,13 +973,54 @@ impl<C: Clock> MemoryLedger<C> {
             let now = self.clock.now_ms();
             log.export_max = self.config.export_maxlen().unwrap_or(0);
             log.retain = self.retention;
-            let Some(alerts) = &self.alerts else {
-                return f(&mut log, now);
+            log.released.clear();
+            let Some(org) = log.org.clone() else {
+                let Some(alerts) = &self.alerts else {
+                    return f(&mut log, None, now);
+                };
+                log.marks = self.marks.get(&self.plan_of(&log).name).cloned();
+                let r = f(&mut log, None, now);
+                if !log.crossings.is_empty() {
+                    alerts.queue("user", user.as_str(), std::mem::take(&mut log.crossings));
+                }
+                return r;
             };
-            log.marks = self.marks.get(&self.plan_of(&log).name).cloned();
-            let r = f(&mut log, now);
-            if !log.crossings.is_empty() {
-                alerts.queue("user", user.as_str(), std::mem::take(&mut log.crossings));
+            let o = Arc::clone(lock(&self.orgs).get(&org).expect("a member's organisation"));
+            let mut og = lock(&o);
+            let Org {
+                plan,
+                log: olog,
+                members,
+            } = &mut *og;
+            let plan = self.config.plan_or_default(Some(plan.as_str()));
+            let member = members.entry(user.clone()).or_default();
+            member.export_max = log.export_max;
+            member.retain = self.retention;
+            member.released.clear();
+            if self.alerts.is_some() {
+                member.marks = self.marks.get(&self.plan_of(member).name).cloned();
+            }
+            olog.before.clear();
+            let side = OrgSide {
+                org: &org,
+                plan,
+                log: olog,
+                user,
+                retain: self.retention,
+            };
+            let r = f(member, Some(side), now);
+            if let Some(alerts) = &self.alerts {
+                if !member.crossings.is_empty() {
+                    alerts.queue("user", user.as_str(), std::mem::take(&mut member.crossings));
+                }
+                // The organisation's windows that this call took across a
+                // threshold (from where they stood once brought to now).
+                if let Some(marks) = self.marks.get(&plan.name) {
+                    let crossings = org_crossings(olog, marks, now);
+                    if !crossings.is_empty() {
+                        alerts.queue("org", org.as_str(), crossings);
+                    }
+                }
             }
             return r;
         }
@@ -728,6 +1040,7 @@ impl<C: Clock> MemoryLedger<C> {
                 && log.plan.is_none()
                 && log.custom.is_none()
                 && log.cancelled.is_empty()
+                && log.org.is_none()
             {
                 log.retired = true;
                 return false;
@@ -750,18 +1063,26 @@ impl<C: Clock> MemoryLedger<C> {
         request: &RequestId,
         owns: impl FnOnce(Option<&Owner>) -> bool,
     ) -> RefundOutcome {
-        self.with_user(user, false, |log, now| {
+        self.with_user(user, false, |log, mut side, now| {
             log.expire(now, &self.plan_of(log).limits);
+            if let Some(side) = side.as_mut() {
+                side.sync(log, now);
+            }
             if !owns(log.owner(request.as_str())) {
                 return RefundOutcome::NotFound {
                     used: log.longest_used(),
                 };
             }
             match log.remove(request.as_str(), now) {
-                Some(cost) => RefundOutcome::Refunded {
-                    cost,
-                    used: log.longest_used(),
-                },
+                Some(cost) => {
+                    if let Some(side) = side.as_mut() {
+                        side.recost(request.as_str(), 0);
+                    }
+                    RefundOutcome::Refunded {
+                        cost,
+                        used: log.longest_used(),
+                    }
+                }
                 None => RefundOutcome::NotFound {
                     used: log.longest_used(),
                 },
@@ -817,16 +1138,19 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         cost: u64,
     ) -> Result<ReserveOutcome, LedgerError> {
         validate_cost(cost)?;
-        self.with_user(user, true, |log, now| {
+        self.with_user(user, true, |log, mut side, now| {
             let plan = self.plan_of(log);
             let limits = &plan.limits;
-            if cost > plan.max_cost() {
-                return Err(LedgerError::CostExceedsLimit {
-                    cost,
-                    limit: plan.max_cost(),
-                });
+            let most = side
+                .as_ref()
+                .map_or(plan.max_cost(), |s| plan.max_cost().min(s.plan.max_cost()));
+            if cost > most {
+                return Err(LedgerError::CostExceedsLimit { cost, limit: most });
             }
             log.expire(now, limits);
+            if let Some(side) = side.as_mut() {
+                side.sync(log, now);
+            }
             if let Some((_, e)) = log.event(request.as_str()) {
                 let at = e.at;
                 return Ok(ReserveOutcome::Allowed(Allowed::new(
@@ -836,8 +1160,16 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     true,
                 )));
             }
+            if let Some(d) = side.as_ref().and_then(|s| s.deny(log, limits, cost, now)) {
+                return Ok(ReserveOutcome::Denied(d));
+            }
             Ok(match log.admit(request, cost, limits, now, None, None) {
-                Ok(a) => ReserveOutcome::Allowed(a),
+                Ok(a) => {
+                    if let Some(side) = side.as_mut() {
+                        side.add(request.as_str(), a.at_ms, cost, now);
+                    }
+                    ReserveOutcome::Allowed(a)
+                }
                 Err(d) => ReserveOutcome::Denied(d),
             })
         })
@@ -850,8 +1182,11 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         finished: Option<&str>,
     ) -> Result<RefundOutcome, LedgerError> {
         // A user without a log has nothing to refund or cancel.
-        Ok(self.with_user(user, false, |log, now| {
+        Ok(self.with_user(user, false, |log, mut side, now| {
             log.expire(now, &self.plan_of(log).limits);
+            if let Some(side) = side.as_mut() {
+                side.sync(log, now);
+            }
             let owner = log.owner(request.as_str());
             let held = owner.and_then(|o| Some((o.hold?.0, o.nonce.clone())));
             let credit = match owner {
@@ -869,6 +1204,9 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 };
             }
             let cost = log.remove(request.as_str(), now).unwrap_or(0);
+            if let Some(side) = side.as_mut() {
+                side.recost(request.as_str(), 0);
+            }
             let used = log.longest_used();
             match held {
                 Some((hold_end, nonce)) if !credit => {
@@ -889,13 +1227,19 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         if actual_cost > crate::config::MAX_TOKENS {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
-        Ok(self.with_user(user, false, |log, now| {
+        Ok(self.with_user(user, false, |log, mut side, now| {
             log.expire(now, &self.plan_of(log).limits);
+            if let Some(side) = side.as_mut() {
+                side.sync(log, now);
+            }
             let Some(&key) = log.index.get(request.as_str()) else {
                 return SettleOutcome::NotFound {
                     used: log.longest_used(),
                 };
             };
+            if let Some(side) = side.as_mut() {
+                side.recost(request.as_str(), actual_cost);
+            }
             if actual_cost == 0 {
                 let previous_cost = log.remove(request.as_str(), now).unwrap_or(0);
                 return SettleOutcome::Settled {
@@ -926,8 +1270,11 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError> {
         validate_cost(actual_cost)?;
-        Ok(self.with_user(user, false, |log, now| {
+        Ok(self.with_user(user, false, |log, mut side, now| {
             log.expire(now, &self.plan_of(log).limits);
+            if let Some(side) = side.as_mut() {
+                side.sync(log, now);
+            }
             let owned = log
                 .owner(request.as_str())
                 .is_some_and(|o| &*o.nonce == nonce);
@@ -951,6 +1298,9 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             if let Some(o) = log.owner_mut(request.as_str()) {
                 o.estimate.get_or_insert(previous_cost);
             }
+            if let Some(side) = side.as_mut() {
+                side.recost(request.as_str(), actual_cost);
+            }
             SettleOutcome::Settled {
                 previous_cost,
                 cost: actual_cost,
@@ -960,9 +1310,12 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     }
 
     async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
-        Ok(self.with_user(user, false, |log, now| {
+        Ok(self.with_user(user, false, |log, mut side, now| {
             let plan = self.plan_of(log);
             log.expire(now, &plan.limits);
+            if let Some(side) = side.as_mut() {
+                side.sync(log, now);
+            }
             // The log may keep older events for another plan's longer window:
             // a page starts inside this plan's longest window.
             let (slice, more) = log.events.page(
@@ -993,13 +1346,14 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     estimate: e.owner.as_ref().and_then(|o| o.estimate),
                 })
                 .collect();
-            let usage = Usage::new(
+            let mut usage = Usage::new(
                 plan.name.clone(),
                 log.windows(&plan.limits, now),
                 now,
                 events,
                 next_cursor,
             );
+            usage.organisation = side.map(|s| s.windows(now));
             if log.custom.is_some() {
                 usage.with_custom_limits()
             } else {
@@ -1016,16 +1370,19 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     ) -> Result<ChargeOutcome, LedgerError> {
         let cost = charge.cost;
         validate_cost(cost)?;
-        self.with_user(user, true, |log, now| {
+        self.with_user(user, true, |log, mut side, now| {
             let plan = self.plan_of(log);
             let limits = &plan.limits;
-            if cost > plan.max_cost() {
-                return Err(LedgerError::CostExceedsLimit {
-                    cost,
-                    limit: plan.max_cost(),
-                });
+            let most = side
+                .as_ref()
+                .map_or(plan.max_cost(), |s| plan.max_cost().min(s.plan.max_cost()));
+            if cost > most {
+                return Err(LedgerError::CostExceedsLimit { cost, limit: most });
             }
             log.expire(now, limits);
+            if let Some(side) = side.as_mut() {
+                side.sync(log, now);
+            }
             if let Some((_, e)) = log.event(request.as_str()) {
                 let at = e.at;
                 let Some(o) = e.owner.as_deref() else {
@@ -1045,6 +1402,9 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     deadline_ms,
                     claimed,
                 });
+            }
+            if let Some(d) = side.as_ref().and_then(|s| s.deny(log, limits, cost, now)) {
+                return Ok(ChargeOutcome::Denied(d));
             }
             let deadline_ms = now.saturating_add(crate::job::millis(charge.deadline));
             log.seq += 1;
@@ -1066,6 +1426,9 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 Ok(a) => a,
                 Err(d) => return Ok(ChargeOutcome::Denied(d)),
             };
+            if let Some(side) = side.as_mut() {
+                side.add(request.as_str(), allowed.at_ms, cost, now);
+            }
             if let Some((kept, _)) = log.index.get_key_value(request.as_str()) {
                 let kept = Arc::clone(kept);
                 log.holds.insert(hold, kept);
@@ -1084,8 +1447,11 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         nonce: &str,
         hold_until_ms: u64,
     ) -> Result<ClaimOutcome, LedgerError> {
-        Ok(self.with_user(user, false, |log, now| {
+        Ok(self.with_user(user, false, |log, mut side, now| {
             log.expire(now, &self.plan_of(log).limits);
+            if let Some(side) = side.as_mut() {
+                side.sync(log, now);
+            }
             if let Some(o) = log.owner_mut(request.as_str()) {
                 if &*o.nonce != nonce {
                     return ClaimOutcome::Refused;
@@ -1128,7 +1494,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         since_ms: u64,
         count: usize,
     ) -> Result<Vec<ExportEntry>, LedgerError> {
-        Ok(self.with_user(user, false, |log, _| {
+        Ok(self.with_user(user, false, |log, _, _| {
             log.exported
                 .iter()
                 .filter(|e| e.at_ms() >= since_ms)
@@ -1143,7 +1509,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             return Err(unknown_plan(&self.config, plan));
         }
         // A named plan replaces limits of the user's own.
-        self.with_user(user, true, |log, _| {
+        self.with_user(user, true, |log, _, _| {
             log.plan = Some(plan.to_owned());
             log.custom = None;
         });
@@ -1151,7 +1517,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     }
 
     async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
-        Ok(self.with_user(user, false, |log, _| {
+        // The named plan, whatever limits of its own the user has.
+        Ok(self.with_user(user, false, |log, _, _| {
             self.config
                 .plan_or_default(log.plan.as_deref())
                 .name
@@ -1161,16 +1528,178 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
 
     async fn set_limits(&self, user: &UserId, limits: &[Limit]) -> Result<(), LedgerError> {
         check_custom(limits)?;
-        self.with_user(user, true, |log, _| log.custom = Some(limits.to_vec()));
+        self.with_user(user, true, |log, _, _| log.custom = Some(limits.to_vec()));
         Ok(())
     }
 
     async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError> {
-        Ok(self.with_user(user, false, |log, _| log.custom.take().is_some()))
+        Ok(self.with_user(user, false, |log, _, _| log.custom.take().is_some()))
     }
 
     async fn custom_limits(&self, user: &UserId) -> Result<Option<Vec<Limit>>, LedgerError> {
-        Ok(self.with_user(user, false, |log, _| log.custom.clone()))
+        Ok(self.with_user(user, false, |log, _, _| log.custom.clone()))
+    }
+
+    async fn set_org_plan(&self, org: &OrgId, plan: &str) -> Result<(), LedgerError> {
+        if self.config.plan(plan).is_none() {
+            return Err(unknown_plan(&self.config, plan));
+        }
+        let o = Arc::clone(lock(&self.orgs).entry(org.clone()).or_insert_with(|| {
+            Arc::new(Mutex::new(Org {
+                plan: plan.to_owned(),
+                log: OrgLog::default(),
+                members: BTreeMap::new(),
+            }))
+        }));
+        lock(&o).plan = plan.to_owned();
+        Ok(())
+    }
+
+    async fn set_user_org(&self, user: &UserId, org: Option<&OrgId>) -> Result<Moved, LedgerError> {
+        let target = match org {
+            Some(o) => Some(
+                lock(&self.orgs)
+                    .get(o)
+                    .cloned()
+                    .ok_or_else(|| LedgerError::UnknownOrg(o.to_string()))?,
+            ),
+            None => None,
+        };
+        // The user's entry, held for the whole move: none of its calls runs
+        // in between (they take it first too).
+        let entry = loop {
+            let e = Arc::clone(lock(self.shard(user)).entry(user.clone()).or_default());
+            if !lock(&e).retired {
+                break e;
+            }
+        };
+        let mut home = lock(&entry);
+        let now = self.clock.now_ms();
+        let src = home.org.clone();
+        if src.as_ref() == org {
+            return Ok(Moved {
+                org: src,
+                events: 0,
+            });
+        }
+        let mut moved = match &src {
+            None => {
+                let mut log = std::mem::take(&mut *home);
+                log.org = None;
+                log
+            }
+            Some(a) => {
+                let o = Arc::clone(lock(&self.orgs).get(a).expect("a member's organisation"));
+                let mut og = lock(&o);
+                let mut log = og.members.remove(user).unwrap_or_default();
+                let limits = self.plan_of(&log).limits.clone();
+                log.retain = self.retention;
+                log.expire(now, &limits);
+                let retain = self.retention;
+                let org_limits = self
+                    .config
+                    .plan_or_default(Some(og.plan.as_str()))
+                    .limits
+                    .clone();
+                og.log.expire(now, &org_limits, retain);
+                for request in log.released.drain(..) {
+                    og.log.recost(&org_key(user, &request), 0);
+                }
+                for e in log.events.between(None, None) {
+                    if let Some(request) = &e.request {
+                        og.log.recost(&org_key(user, request), 0);
+                    }
+                }
+                log
+            }
+        };
+        moved.released.clear();
+        let events = moved.index.len() as u64;
+        match (org, target) {
+            (Some(b), Some(o)) => {
+                let mut og = lock(&o);
+                let org_limits = self
+                    .config
+                    .plan_or_default(Some(og.plan.as_str()))
+                    .limits
+                    .clone();
+                og.log.expire(now, &org_limits, self.retention);
+                for e in moved.events.between(None, None) {
+                    if let Some(request) = &e.request {
+                        og.log
+                            .add(org_key(user, request), e.at, e.cost, now, self.retention);
+                    }
+                }
+                og.members.insert(user.clone(), moved);
+                *home = UserLog {
+                    org: Some(b.clone()),
+                    retain: self.retention,
+                    ..UserLog::default()
+                };
+            }
+            _ => *home = moved,
+        }
+        Ok(Moved {
+            org: org.cloned(),
+            events,
+        })
+    }
+
+    async fn user_org(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError> {
+        Ok(self.with_user(user, false, |_, side, _| side.map(|s| s.org.clone())))
+    }
+
+    async fn org_usage(
+        &self,
+        org: &OrgId,
+        after: Option<&UserId>,
+        limit: usize,
+    ) -> Result<OrgUsage, LedgerError> {
+        let o = lock(&self.orgs)
+            .get(org)
+            .cloned()
+            .ok_or_else(|| LedgerError::UnknownOrg(org.to_string()))?;
+        let mut og = lock(&o);
+        let now = self.clock.now_ms();
+        let plan = self.config.plan_or_default(Some(og.plan.as_str()));
+        og.log.expire(now, &plan.limits, self.retention);
+        let limit = limit.clamp(1, 1000);
+        let mut names = og
+            .members
+            .keys()
+            .filter(|m| after.is_none_or(|a| *m > a))
+            .take(limit + 1)
+            .cloned()
+            .collect::<Vec<_>>();
+        let more = names.len() > limit;
+        names.truncate(limit);
+        Ok(OrgUsage {
+            org: org.clone(),
+            plan: plan.name.clone(),
+            now_ms: now,
+            windows: og.log.windows(&plan.limits, now),
+            next_member: more.then(|| names.last().cloned()).flatten(),
+            members: names,
+        })
+    }
+
+    async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError> {
+        let limit = limit.clamp(1, 1000);
+        let orgs = lock(&self.orgs);
+        let mut names: Vec<OrgId> = match after {
+            Some(a) => orgs
+                .range::<OrgId, _>((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded))
+                .map(|(k, _)| k.clone())
+                .take(limit + 1)
+                .collect(),
+            None => orgs.keys().take(limit + 1).cloned().collect(),
+        };
+        let more = names.len() > limit;
+        names.truncate(limit);
+        Ok(OrgList {
+            next: more.then(|| names.last().cloned()).flatten(),
+            orgs: names,
+        })
     }
 }
 
@@ -1239,7 +1768,7 @@ mod tests {
             .collect();
         let want: Vec<_> = (0..10).map(|k| format!("r{}", k * 100)).collect();
         assert_eq!(kept, want, "the live events, in time order");
-        ledger.with_user(&user, false, |log, _| {
+        ledger.with_user(&user, false, |log, _, _| {
             assert!(
                 log.events.slots.len() <= 10 + 64,
                 "{} slots for 10 events",

@@ -32,12 +32,13 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::config::Config;
-use crate::id::{RequestId, UserId};
+use crate::id::{OrgId, RequestId, UserId};
 use crate::job::{JobQueue, Maintenance, QueueStats};
 use crate::ledger::{
     ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger, LedgerError, RefundOutcome, ReserveOutcome,
     SettleOutcome, Usage,
 };
+use crate::ledger::{Moved, OrgList, OrgUsage};
 use crate::lock;
 use crate::throttle::{ProviderStats, Throttle};
 
@@ -61,7 +62,7 @@ const LEDGER_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 ];
 /// The steps of [`MeteredLedger`] (the `step` label).
-const LEDGER_STEPS: [&str; 12] = [
+const LEDGER_STEPS: [&str; 14] = [
     "reserve",
     "refund",
     "settle",
@@ -74,6 +75,8 @@ const LEDGER_STEPS: [&str; 12] = [
     "set_limits",
     "clear_limits",
     "custom_limits",
+    "orgs",
+    "move",
 ];
 /// A wait for a throttle slot, in seconds: dense around the usual `max_wait`
 /// values, so that "p95 above half of max_wait" is read from real buckets.
@@ -1572,6 +1575,32 @@ impl Ledger for MeteredLedger {
     ) -> Result<Option<Vec<crate::config::Limit>>, LedgerError> {
         self.timed("custom_limits", self.inner.custom_limits(user))
             .await
+    }
+
+    async fn set_org_plan(&self, org: &OrgId, plan: &str) -> Result<(), LedgerError> {
+        self.timed("orgs", self.inner.set_org_plan(org, plan)).await
+    }
+
+    async fn set_user_org(&self, user: &UserId, org: Option<&OrgId>) -> Result<Moved, LedgerError> {
+        self.timed("move", self.inner.set_user_org(user, org)).await
+    }
+
+    async fn user_org(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError> {
+        self.timed("orgs", self.inner.user_org(user)).await
+    }
+
+    async fn org_usage(
+        &self,
+        org: &OrgId,
+        after: Option<&UserId>,
+        limit: usize,
+    ) -> Result<OrgUsage, LedgerError> {
+        self.timed("orgs", self.inner.org_usage(org, after, limit))
+            .await
+    }
+
+    async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError> {
+        self.timed("orgs", self.inner.orgs(after, limit)).await
     }
 }
 

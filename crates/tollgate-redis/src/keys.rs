@@ -11,7 +11,10 @@
 //! User ids cannot contain `{`, `}` or `:` ([`tollgate_core::id`]), so a user id
 //! can neither widen the hash tag nor forge another part of the name.
 
-use tollgate_core::{id::UserId, keystore::KeyHash};
+use tollgate_core::{
+    id::{OrgId, UserId},
+    keystore::KeyHash,
+};
 
 /// Key schema version: part of every key.
 pub const SCHEMA: &str = "v1";
@@ -84,6 +87,27 @@ impl BudgetKeys {
     pub fn limits(&self) -> String {
         format!("{}:limits", self.meta.trim_end_matches(":meta"))
     }
+
+    /// String: this location's marker (`lua/lib/budget.lua`, `AT`): at a
+    /// user's own tag, the pointer to the organisation it lives in.
+    pub fn at(&self) -> String {
+        format!("{}:at", self.meta.trim_end_matches(":meta"))
+    }
+
+    /// Sorted set: events moved in behind later ones, by the time they were
+    /// spent (`lua/lib/budget.lua`, `MOVED`).
+    pub fn moved(&self) -> String {
+        format!("{}:mv", self.meta.trim_end_matches(":meta"))
+    }
+}
+
+/// Where one user's budget lives: its own tag, or its organisation's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    /// The user's budget keys there.
+    pub user: BudgetKeys,
+    /// The organisation's budget keys (same slot), for a member.
+    pub org: Option<BudgetKeys>,
 }
 
 /// The keys of one provider's throttle, sharing the provider's hash tag.
@@ -216,6 +240,55 @@ impl KeySpace {
             alertq: format!("{base}:alertq"),
             meta: format!("{base}:meta"),
         })
+    }
+
+    fn budget_at(base: String) -> BudgetKeys {
+        BudgetKeys {
+            events: format!("{base}:events"),
+            costs: format!("{base}:costs"),
+            plan: format!("{base}:plan"),
+            owners: format!("{base}:owners"),
+            holds: format!("{base}:holds"),
+            audit: format!("{base}:audit"),
+            log: format!("{base}:log"),
+            meta: format!("{base}:meta"),
+            cancelled: format!("{base}:cancelled"),
+        }
+    }
+
+    /// A member's budget keys, under its organisation's hash tag so that one
+    /// script reaches both: `<prefix>:v1:{o:<org>}:u:<user>:log|meta|...`.
+    pub fn member_budget(&self, org: &OrgId, user: &UserId) -> BudgetKeys {
+        Self::budget_at(format!("{}:{SCHEMA}:{{o:{org}}}:u:{user}", self.prefix))
+    }
+
+    /// The organisation's own budget: `<prefix>:v1:{o:<org>}:org:log|meta|plan|...`.
+    pub fn org_budget(&self, org: &OrgId) -> BudgetKeys {
+        Self::budget_at(format!("{}:{SCHEMA}:{{o:{org}}}:org", self.prefix))
+    }
+
+    /// Where `user`'s budget lives when it is in `org` (`None`: its own tag).
+    pub fn location(&self, user: &UserId, org: Option<&OrgId>) -> Location {
+        match org {
+            None => Location {
+                user: self.budget(user),
+                org: None,
+            },
+            Some(org) => Location {
+                user: self.member_budget(org, user),
+                org: Some(self.org_budget(org)),
+            },
+        }
+    }
+
+    /// Sorted set (all scores 0): the organisation's members, by name.
+    pub fn org_members(&self, org: &OrgId) -> String {
+        format!("{}:{SCHEMA}:{{o:{org}}}:members", self.prefix)
+    }
+
+    /// Sorted set (all scores 0): every organisation, by name.
+    pub fn orgs(&self) -> String {
+        format!("{}:{SCHEMA}:orgs", self.prefix)
     }
 
     /// Hash: one API key's record (`user`, `key_id`, `created_ms`, `revoked`),

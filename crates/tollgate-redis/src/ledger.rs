@@ -1,28 +1,29 @@
 //! The Redis ledger: each operation is one script call (see `lua/`), on a pooled
 //! multiplexed connection, bounded by a timeout so a stalled Redis fails closed.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::{FromRedisValue, Value};
 use tollgate_core::config::{Limit, Plan};
+use tollgate_core::error::StoreError;
 use tollgate_core::ledger::{
     check_custom_limits, split_audit_op, unknown_plan, validate_cost, CUSTOM_PLAN,
 };
 use tollgate_core::{
     config::{Config, MAX_LIMITS},
-    error::StoreError,
-    id::{RequestId, UserId},
+    id::{OrgId, RequestId, UserId},
     ledger::{
         Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, EventCursor,
-        EventPage, ExportEntry, Ledger, LedgerError, RefundOutcome, ReserveOutcome, SettleOutcome,
-        SpendEvent, Usage, WindowUse,
+        EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage, OrgWindows,
+        RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
     },
 };
 
 use crate::call::{self, bad_reply};
-use crate::keys::KeySpace;
+use crate::keys::{KeySpace, Location};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts::{self, PlanArgs};
 
@@ -33,7 +34,24 @@ pub struct RedisLedger {
     config: Arc<Config>,
     plans: PlanArgs,
     timeout: Duration,
+    /// Where each user's budget lives (its organisation, or `None`), as last
+    /// read from its pointer: a script at a location the user left answers
+    /// TOLLGATE_MOVED and the pointer is read again, so a stale entry costs
+    /// one more round trip, never a write in the wrong place.
+    homes: Mutex<HashMap<UserId, Option<OrgId>>>,
 }
+
+/// Users whose location a process keeps (then it starts over).
+const HOMES: usize = 100_000;
+/// The errors of a budget script at a location the user left, or one a move
+/// froze; how long a call waits for a move (polls of MOVING_POLL) before it
+/// answers 503.
+const MOVED: &str = "TOLLGATE_MOVED";
+const MOVING: &str = "TOLLGATE_MOVING";
+const MOVING_POLL: Duration = Duration::from_millis(25);
+const MOVING_POLLS: usize = 200;
+/// Log entries a move reads per batch.
+const MOVE_BATCH: usize = 50;
 
 impl std::fmt::Debug for RedisLedger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -66,6 +84,77 @@ impl RedisLedger {
             config,
             plans,
             timeout: DEFAULT_TIMEOUT,
+            homes: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn cached_home(&self, user: &UserId) -> Option<Option<OrgId>> {
+        let homes = self.homes.lock().unwrap_or_else(|e| e.into_inner());
+        homes.get(user).cloned()
+    }
+
+    fn cache_home(&self, user: &UserId, org: Option<OrgId>) {
+        let mut homes = self.homes.lock().unwrap_or_else(|e| e.into_inner());
+        if homes.len() >= HOMES {
+            homes.clear();
+        }
+        homes.insert(user.clone(), org);
+    }
+
+    /// The organisation `user` lives in, from its pointer (`{u:<user>}:at`).
+    async fn read_home(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.keys.budget(user).at());
+        let at: Option<String> = self.command("user_org", cmd).await?;
+        let org = at
+            .as_deref()
+            .and_then(|a| a.strip_prefix("o:"))
+            .and_then(|o| OrgId::new(o).ok());
+        self.cache_home(user, org.clone());
+        Ok(org)
+    }
+
+    async fn home(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError> {
+        match self.cached_home(user) {
+            Some(org) => Ok(org),
+            None => self.read_home(user).await,
+        }
+    }
+
+    /// One budget script at `user`'s location: `make` builds the call for
+    /// it. A location the user left answers TOLLGATE_MOVED (the pointer is
+    /// read again and the call made there); one a move froze, TOLLGATE_MOVING
+    /// (the call waits, up to MOVING_POLLS polls, then fails as unavailable:
+    /// 503, retry).
+    async fn at_home<T: FromRedisValue>(
+        &self,
+        op: &'static str,
+        user: &UserId,
+        make: impl Fn(&Location) -> scripts::FunctionCall,
+    ) -> Result<(T, Location, Option<OrgId>), LedgerError> {
+        let mut org = self.home(user).await?;
+        let mut polls = 0;
+        loop {
+            let loc = self.keys.location(user, org.as_ref());
+            match self.script::<T>(op, make(&loc)).await {
+                Ok(v) => return Ok((v, loc, org)),
+                Err(e) if is_error(&e, MOVED) && polls < MOVING_POLLS => {
+                    polls += 1;
+                    org = self.read_home(user).await?;
+                }
+                Err(e) if is_error(&e, MOVING) => {
+                    if polls >= MOVING_POLLS {
+                        return Err(StoreError::unavailable(
+                            "the user is moving between organisations: retry shortly",
+                        )
+                        .into());
+                    }
+                    polls += 1;
+                    tokio::time::sleep(MOVING_POLL).await;
+                    org = self.read_home(user).await?;
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
 
@@ -102,10 +191,10 @@ impl RedisLedger {
         };
         let v = match v {
             Value::Array(mut parts)
-                if parts.len() == 3 && text(&parts[0]).as_deref() == Some(scripts::ALERT_MARK) =>
+                if parts.len() >= 3 && text(&parts[0]).as_deref() == Some(scripts::ALERT_MARK) =>
             {
                 let reply = parts.pop().unwrap_or(Value::Nil);
-                if let Some(pointer) = text(&parts[1]) {
+                for pointer in parts[1..].iter().filter_map(text) {
                     self.point(pointer);
                 }
                 reply
@@ -151,12 +240,12 @@ impl RedisLedger {
     /// `retry.lua`, a slice per call.
     async fn retry_after(
         &self,
-        user: &UserId,
+        keys: &crate::keys::BudgetKeys,
+        org: bool,
         windows: &[WindowUse],
         retry: Vec<Retry>,
         now_ms: u64,
     ) -> Result<Vec<u64>, LedgerError> {
-        let keys = self.keys.budget(user);
         let mut out = Vec::with_capacity(retry.len());
         for (w, r) in windows.iter().zip(retry) {
             let mut r = r;
@@ -169,7 +258,7 @@ impl RedisLedger {
                     Retry::More(_) if calls >= AGAIN_CALLS => break w.window_ms,
                     Retry::More(more) => {
                         calls += 1;
-                        let inv = scripts::retry(&keys, &more, w.window_ms, now_ms);
+                        let inv = scripts::retry(keys, &more, w.window_ms, now_ms, org);
                         let v: Value = self.script("retry", inv).await?;
                         r = Retry::parse(&v)
                             .ok_or_else(|| bad_reply::<LedgerError>("retry", &v))?;
@@ -179,6 +268,157 @@ impl RedisLedger {
             out.push(ms);
         }
         Ok(out)
+    }
+
+    /// A denial from a reply: the user's windows at `at`, and a member's
+    /// organisation's after them; each level's retry_after walked to the end.
+    async fn denial(
+        &self,
+        what: &str,
+        r: &[Value],
+        at: usize,
+        now: u64,
+        loc: &Location,
+        org: Option<&OrgId>,
+    ) -> Result<Denied, LedgerError> {
+        let (windows, retry) = windows(what, r, at)?;
+        let next = at + 1 + windows.len() * WINDOW_FIELDS;
+        let retry = self
+            .retry_after(&loc.user, false, &windows, retry, now)
+            .await?;
+        let user = Denied::new(windows, &retry, now);
+        match (org_section(what, r, next)?, org, &loc.org) {
+            (Some((plan, windows, retry)), Some(org), Some(keys)) => {
+                let retry = self.retry_after(keys, true, &windows, retry, now).await?;
+                let org = OrgWindows {
+                    org: org.clone(),
+                    plan,
+                    windows,
+                };
+                Ok(Denied::member(user, org, &retry))
+            }
+            _ => Ok(user),
+        }
+    }
+
+    /// Copies the live events of `user` at `src` to `dst` a batch at a time
+    /// (oldest first), then drops them from `src`; returns how many moved.
+    /// Each step is idempotent: run again after a crash, it adds nothing twice.
+    async fn copy(
+        &self,
+        user: &UserId,
+        src: Option<&OrgId>,
+        dst: Option<&OrgId>,
+    ) -> Result<u64, LedgerError> {
+        let from = self.keys.location(user, src);
+        let to = self.keys.location(user, dst);
+        let plans = self.plans.without_export();
+        let mut moved = 0;
+        loop {
+            let b: Vec<Value> = self
+                .script("move_out", scripts::move_batch(&from, MOVE_BATCH, &plans))
+                .await?;
+            let bad = || bad_reply::<LedgerError>("move_out", &b);
+            let plan = b.first().and_then(text).ok_or_else(bad)?;
+            let cancelled = b.get(1).and_then(text).ok_or_else(bad)?;
+            let read = b.get(2).and_then(int).ok_or_else(bad)?;
+            let fields: Vec<Vec<u8>> = b[3..]
+                .iter()
+                .map(|v| match v {
+                    Value::Int(i) => Ok(i.to_string().into_bytes()),
+                    Value::BulkString(s) => Ok(s.clone()),
+                    Value::SimpleString(s) => Ok(s.clone().into_bytes()),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<_, _>>()?;
+            if !fields.len().is_multiple_of(10) {
+                return Err(bad());
+            }
+            let _: Vec<i64> = self
+                .script(
+                    "move_in",
+                    scripts::move_in(&to, &plan, &cancelled, &fields, &plans),
+                )
+                .await?;
+            let ids: Vec<String> = fields
+                .chunks_exact(10)
+                .map(|e| String::from_utf8_lossy(&e[0]).into_owned())
+                .collect();
+            if !ids.is_empty() {
+                let _: Vec<i64> = self
+                    .script("move_out", scripts::move_drop(&from, &ids, &plans))
+                    .await?;
+                moved += ids.len() as u64;
+            }
+            if read == 0 {
+                return Ok(moved);
+            }
+        }
+    }
+
+    /// The end of a move whose events all moved: the destination's marker,
+    /// the pointer, then the source's marker (each a plain write; a crash
+    /// between them leaves the source frozen, and the next call finishes).
+    async fn finish(
+        &self,
+        user: &UserId,
+        src: Option<&OrgId>,
+        dst: Option<&OrgId>,
+    ) -> Result<(), LedgerError> {
+        let pointer = self.keys.budget(user).at();
+        if let Some(b) = dst {
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(self.keys.member_budget(b, user).at()).arg("here");
+            let () = self.command("set_user_org", cmd).await?;
+            let mut cmd = redis::cmd("ZADD");
+            cmd.arg(self.keys.org_members(b)).arg(0).arg(user.as_str());
+            let _: i64 = self.command("set_user_org", cmd).await?;
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(&pointer).arg(format!("o:{b}"));
+            let () = self.command("set_user_org", cmd).await?;
+            if src.is_none() {
+                // The scripts at the user's own tag read meta's 'w'.
+                let mut cmd = redis::cmd("HSET");
+                cmd.arg(self.keys.budget(user).meta)
+                    .arg("w")
+                    .arg(format!("o:{b}"));
+                let _: i64 = self.command("set_user_org", cmd).await?;
+            }
+        } else {
+            // Home again: meta expires with the log again (its next write
+            // sets the expiry anew; this one bounds it meanwhile).
+            let meta = self.keys.budget(user).meta;
+            let mut cmd = redis::cmd("HDEL");
+            cmd.arg(&meta).arg("w").arg("x");
+            let _: i64 = self.command("set_user_org", cmd).await?;
+            let mut cmd = redis::cmd("PEXPIRE");
+            cmd.arg(&meta).arg(self.config.retention_ms().max(1));
+            let _: i64 = self.command("set_user_org", cmd).await?;
+            let mut cmd = redis::cmd("DEL");
+            cmd.arg(&pointer);
+            let _: i64 = self.command("set_user_org", cmd).await?;
+        }
+        if let Some(a) = src {
+            let keys = self.keys.member_budget(a, user);
+            let mut cmd = redis::cmd("DEL");
+            cmd.arg(keys.at()).arg(&keys.plan).arg(&keys.cancelled);
+            let _: i64 = self.command("set_user_org", cmd).await?;
+            let mut cmd = redis::cmd("ZREM");
+            cmd.arg(self.keys.org_members(a)).arg(user.as_str());
+            let _: i64 = self.command("set_user_org", cmd).await?;
+        }
+        self.cache_home(user, dst.cloned());
+        Ok(())
+    }
+
+    async fn org_exists(&self, org: &OrgId) -> Result<(), LedgerError> {
+        let mut cmd = redis::cmd("EXISTS");
+        cmd.arg(self.keys.org_budget(org).plan);
+        let n: i64 = self.command("org", cmd).await?;
+        if n == 0 {
+            return Err(LedgerError::UnknownOrg(org.to_string()));
+        }
+        Ok(())
     }
 
     async fn command<T: FromRedisValue>(
@@ -200,16 +440,18 @@ impl RedisLedger {
         actual_cost: u64,
         may_raise: bool,
     ) -> Result<SettleOutcome, LedgerError> {
-        let keys = self.keys.budget(user);
-        let inv = scripts::settle(
-            &keys,
-            request.as_str(),
-            actual_cost,
-            nonce,
-            may_raise,
-            &self.plans,
-        );
-        let r: Vec<i64> = self.script("settle", inv).await?;
+        let (r, _, _): (Vec<i64>, _, _) = self
+            .at_home("settle", user, |loc| {
+                scripts::settle(
+                    loc,
+                    request.as_str(),
+                    actual_cost,
+                    nonce,
+                    may_raise,
+                    &self.plans,
+                )
+            })
+            .await?;
         match r.as_slice() {
             &[1, previous, cost, used] => Ok(SettleOutcome::Settled {
                 previous_cost: to_u64(previous),
@@ -231,12 +473,10 @@ impl Ledger for RedisLedger {
         cost: u64,
     ) -> Result<ReserveOutcome, LedgerError> {
         validate_cost(cost)?;
-        let keys = self.keys.budget(user);
-        let r: Vec<Value> = self
-            .script(
-                "reserve",
-                scripts::reserve(&keys, request.as_str(), cost, &self.plans),
-            )
+        let (r, loc, org): (Vec<Value>, _, _) = self
+            .at_home("reserve", user, |loc| {
+                scripts::reserve(loc, request.as_str(), cost, &self.plans)
+            })
             .await?;
         let bad = || bad_reply::<LedgerError>("reserve", &r);
         let n = |i: usize| r.get(i).and_then(int).ok_or_else(bad);
@@ -251,10 +491,11 @@ impl Ledger for RedisLedger {
                 )))
             }
             Some(0) => {
-                let (windows, retry) = windows("reserve", &r, 3)?;
                 let now = n(2)?;
-                let retry = self.retry_after(user, &windows, retry, now).await?;
-                Ok(ReserveOutcome::Denied(Denied::new(windows, &retry, now)))
+                let denied = self
+                    .denial("reserve", &r, 3, now, &loc, org.as_ref())
+                    .await?;
+                Ok(ReserveOutcome::Denied(denied))
             }
             Some(-1) => Err(LedgerError::CostExceedsLimit { cost, limit: n(1)? }),
             _ => Err(bad()),
@@ -267,9 +508,11 @@ impl Ledger for RedisLedger {
         request: &RequestId,
         finished: Option<&str>,
     ) -> Result<RefundOutcome, LedgerError> {
-        let keys = self.keys.budget(user);
-        let inv = scripts::refund(&keys, request.as_str(), finished.unwrap_or(""), &self.plans);
-        let r: Vec<i64> = self.script("refund", inv).await?;
+        let (r, _, _): (Vec<i64>, _, _) = self
+            .at_home("refund", user, |loc| {
+                scripts::refund(loc, request.as_str(), finished.unwrap_or(""), &self.plans)
+            })
+            .await?;
         match *r.as_slice() {
             [2, cost, used] => Ok(RefundOutcome::Cancelled {
                 cost: to_u64(cost),
@@ -306,11 +549,10 @@ impl Ledger for RedisLedger {
     }
 
     async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
-        let keys = self.keys.budget(user);
-        let reply: Vec<Value> = self
-            .script("usage", scripts::usage(&keys, page, &self.plans))
+        let (reply, _, org): (Vec<Value>, _, _) = self
+            .at_home("usage", user, |loc| scripts::usage(loc, page, &self.plans))
             .await?;
-        parse_usage(reply)
+        parse_usage(reply, org)
     }
 
     async fn charge(
@@ -321,12 +563,10 @@ impl Ledger for RedisLedger {
     ) -> Result<ChargeOutcome, LedgerError> {
         let cost = charge.cost;
         validate_cost(cost)?;
-        let keys = self.keys.budget(user);
-        let r: Vec<Value> = self
-            .script(
-                call::CHARGE,
-                scripts::charge(&keys, request.as_str(), charge, &self.plans),
-            )
+        let (r, loc, org): (Vec<Value>, _, _) = self
+            .at_home(call::CHARGE, user, |loc| {
+                scripts::charge(loc, request.as_str(), charge, &self.plans)
+            })
             .await?;
         let bad = || bad_reply::<LedgerError>("charge", &r);
         let n = |i: usize| r.get(i).and_then(int).ok_or_else(bad);
@@ -342,10 +582,11 @@ impl Ledger for RedisLedger {
                 claimed: r.get(5).and_then(text).as_deref() == Some("j"),
             }),
             Some(0) => {
-                let (windows, retry) = windows("charge", &r, 2)?;
                 let now = n(1)?;
-                let retry = self.retry_after(user, &windows, retry, now).await?;
-                Ok(ChargeOutcome::Denied(Denied::new(windows, &retry, now)))
+                let denied = self
+                    .denial("charge", &r, 2, now, &loc, org.as_ref())
+                    .await?;
+                Ok(ChargeOutcome::Denied(denied))
             }
             Some(3) => Ok(ChargeOutcome::Conflict {
                 operation: r
@@ -366,12 +607,10 @@ impl Ledger for RedisLedger {
         nonce: &str,
         hold_until_ms: u64,
     ) -> Result<ClaimOutcome, LedgerError> {
-        let keys = self.keys.budget(user);
-        let r: i64 = self
-            .script(
-                "claim",
-                scripts::claim(&keys, request.as_str(), nonce, hold_until_ms, &self.plans),
-            )
+        let (r, _, _): (i64, _, _) = self
+            .at_home("claim", user, |loc| {
+                scripts::claim(loc, request.as_str(), nonce, hold_until_ms, &self.plans)
+            })
             .await?;
         Ok(match r {
             1 => ClaimOutcome::Claimed,
@@ -386,12 +625,10 @@ impl Ledger for RedisLedger {
         request: &RequestId,
         nonce: &str,
     ) -> Result<RefundOutcome, LedgerError> {
-        let keys = self.keys.budget(user);
-        let r: Vec<i64> = self
-            .script(
-                "release",
-                scripts::release(&keys, request.as_str(), nonce, &self.plans),
-            )
+        let (r, _, _): (Vec<i64>, _, _) = self
+            .at_home("release", user, |loc| {
+                scripts::release(loc, request.as_str(), nonce, &self.plans)
+            })
             .await?;
         refund_outcome("release", &r)
     }
@@ -402,8 +639,9 @@ impl Ledger for RedisLedger {
         since_ms: u64,
         count: usize,
     ) -> Result<Vec<ExportEntry>, LedgerError> {
+        let org = self.home(user).await?;
         let mut cmd = redis::cmd("XRANGE");
-        cmd.arg(self.keys.budget(user).audit)
+        cmd.arg(self.keys.location(user, org.as_ref()).user.audit)
             .arg(since_ms)
             .arg("+")
             .arg("COUNT")
@@ -416,15 +654,18 @@ impl Ledger for RedisLedger {
         if self.config.plan(plan).is_none() {
             return Err(unknown_plan(&self.config, plan));
         }
-        // The plan and the end of limits of the user's own, in one step.
-        let inv = scripts::plan_set(&self.keys.budget(user), plan);
+        // The plan and the end of limits of the user's own, in one step, where
+        // the user lives.
+        let org = self.read_home(user).await?;
+        let inv = scripts::plan_set(&self.keys.location(user, org.as_ref()).user, plan);
         let _: i64 = call::script(&self.pool, self.timeout, "set_plan", &inv).await?;
         Ok(())
     }
 
     async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
+        let org = self.home(user).await?;
         let mut cmd = redis::cmd("GET");
-        cmd.arg(self.keys.budget(user).plan);
+        cmd.arg(self.keys.location(user, org.as_ref()).user.plan);
         let stored: Option<String> = self.command("plan", cmd).await?;
         Ok(self.config.plan_or_default(stored.as_deref()).name.clone())
     }
@@ -436,28 +677,208 @@ impl Ledger for RedisLedger {
             limits: limits.to_vec(),
             ..self.config.default_plan().clone()
         };
-        // One SET: the budget scripts read it with the plan (`resolve_plan`).
+        // One SET where the user lives: the budget scripts read it with the
+        // plan (`resolve_plan`); a move between organisations carries it.
+        let org = self.read_home(user).await?;
         let mut cmd = redis::cmd("SET");
-        cmd.arg(self.keys.budget(user).limits())
+        cmd.arg(self.keys.location(user, org.as_ref()).user.limits())
             .arg(PlanArgs::limits(&plan));
         self.command("set_limits", cmd).await
     }
 
     async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError> {
+        let org = self.read_home(user).await?;
         let mut cmd = redis::cmd("DEL");
-        cmd.arg(self.keys.budget(user).limits());
+        cmd.arg(self.keys.location(user, org.as_ref()).user.limits());
         let removed: i64 = self.command("clear_limits", cmd).await?;
         Ok(removed > 0)
     }
 
     async fn custom_limits(&self, user: &UserId) -> Result<Option<Vec<Limit>>, LedgerError> {
+        let org = self.read_home(user).await?;
         let mut cmd = redis::cmd("GET");
-        cmd.arg(self.keys.budget(user).limits());
+        cmd.arg(self.keys.location(user, org.as_ref()).user.limits());
         let stored: Option<String> = self.command("custom_limits", cmd).await?;
         stored
             .map(|spec| parse_spec(&spec).ok_or_else(|| bad_reply("custom_limits", spec)))
             .transpose()
     }
+
+    async fn set_org_plan(&self, org: &OrgId, plan: &str) -> Result<(), LedgerError> {
+        if self.config.plan(plan).is_none() {
+            return Err(unknown_plan(&self.config, plan));
+        }
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.keys.org_budget(org).plan).arg(plan);
+        let () = self.command("set_org_plan", cmd).await?;
+        let mut cmd = redis::cmd("ZADD");
+        cmd.arg(self.keys.orgs()).arg(0).arg(org.as_str());
+        let _: i64 = self.command("set_org_plan", cmd).await?;
+        Ok(())
+    }
+
+    async fn set_user_org(&self, user: &UserId, org: Option<&OrgId>) -> Result<Moved, LedgerError> {
+        if let Some(o) = org {
+            self.org_exists(o).await?;
+        }
+        let target = match org {
+            Some(o) => format!("o:{o}"),
+            None => "-".to_owned(),
+        };
+        let parse = |to: &str| -> Result<Option<OrgId>, LedgerError> {
+            match to {
+                "-" => Ok(None),
+                t => t
+                    .strip_prefix("o:")
+                    .and_then(|o| OrgId::new(o).ok())
+                    .map(Some)
+                    .ok_or_else(|| bad_reply("set_user_org", t)),
+            }
+        };
+        let mut events = 0;
+        // Each round finishes a move under way or starts ours; a move another
+        // caller races with is finished, then ours made.
+        for _ in 0..16 {
+            let mut cmd = redis::cmd("GET");
+            cmd.arg(self.keys.budget(user).at());
+            let pointer: Option<String> = self.command("set_user_org", cmd).await?;
+            let (src, pending) = match pointer.as_deref() {
+                None => (None, None),
+                Some(p) if p.starts_with("moving ") => (None, Some(p[7..].to_owned())),
+                Some(p) => {
+                    let a = parse(p)?;
+                    let mut cmd = redis::cmd("GET");
+                    if let Some(a) = &a {
+                        cmd.arg(self.keys.member_budget(a, user).at());
+                    }
+                    let at: Option<String> = self.command("set_user_org", cmd).await?;
+                    let pending = at.and_then(|m| m.strip_prefix("moving ").map(str::to_owned));
+                    (a, pending)
+                }
+            };
+            if let Some(to) = pending {
+                let dst = parse(&to)?;
+                events += self.copy(user, src.as_ref(), dst.as_ref()).await?;
+                self.finish(user, src.as_ref(), dst.as_ref()).await?;
+                continue;
+            }
+            if src.as_ref() == org {
+                self.cache_home(user, src.clone());
+                return Ok(Moved { org: src, events });
+            }
+            let loc = self.keys.location(user, src.as_ref());
+            let plans = self.plans.without_export();
+            let _: Vec<Value> = self
+                .script("move_out", scripts::move_freeze(&loc, &target, &plans))
+                .await?;
+        }
+        Err(StoreError::unavailable("the user's organisation keeps changing: retry").into())
+    }
+
+    async fn user_org(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError> {
+        self.read_home(user).await
+    }
+
+    async fn org_usage(
+        &self,
+        org: &OrgId,
+        after: Option<&UserId>,
+        limit: usize,
+    ) -> Result<OrgUsage, LedgerError> {
+        self.org_exists(org).await?;
+        let r: Vec<Value> = self
+            .script(
+                "org_usage",
+                scripts::org_usage(&self.keys.org_budget(org), &self.plans),
+            )
+            .await?;
+        let bad = || bad_reply::<LedgerError>("org_usage", &r);
+        let plan = r.first().and_then(text).ok_or_else(bad)?;
+        let now_ms = r.get(1).and_then(int).ok_or_else(bad)?;
+        let (windows, _) = windows("org_usage", &r, 2)?;
+        let (members, next_member) = self
+            .page(self.keys.org_members(org), after.map(UserId::as_str), limit)
+            .await?;
+        let members = members
+            .into_iter()
+            .filter_map(|m| UserId::new(m).ok())
+            .collect();
+        Ok(OrgUsage {
+            org: org.clone(),
+            plan,
+            now_ms,
+            windows,
+            members,
+            next_member: next_member.and_then(|m| UserId::new(m).ok()),
+        })
+    }
+
+    async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError> {
+        let (orgs, next) = self
+            .page(self.keys.orgs(), after.map(OrgId::as_str), limit)
+            .await?;
+        Ok(OrgList {
+            orgs: orgs
+                .into_iter()
+                .filter_map(|o| OrgId::new(o).ok())
+                .collect(),
+            next: next.and_then(|o| OrgId::new(o).ok()),
+        })
+    }
+}
+
+impl RedisLedger {
+    /// A page of a name-ordered sorted set (all scores 0): up to `limit`
+    /// names after `after`, and the page's last when there are more.
+    async fn page(
+        &self,
+        key: String,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<(Vec<String>, Option<String>), LedgerError> {
+        let limit = limit.clamp(1, 1000);
+        let start = match after {
+            Some(a) => format!("({a}"),
+            None => "-".to_owned(),
+        };
+        let mut cmd = redis::cmd("ZRANGE");
+        cmd.arg(key)
+            .arg(start)
+            .arg("+")
+            .arg("BYLEX")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit + 1);
+        let mut names: Vec<String> = self.command("org_page", cmd).await?;
+        let more = names.len() > limit;
+        names.truncate(limit);
+        let next = more.then(|| names.last().cloned()).flatten();
+        Ok((names, next))
+    }
+}
+
+/// A member's organisation section of a reply at `at` (the plan's name, then
+/// its windows, as `push_windows`): `None` when the reply ends there (a user
+/// in no organisation) or holds `''` there (usage.lua's).
+#[allow(clippy::type_complexity)]
+fn org_section(
+    what: &str,
+    r: &[Value],
+    at: usize,
+) -> Result<Option<(String, Vec<WindowUse>, Vec<Retry>)>, LedgerError> {
+    match r.get(at).and_then(text) {
+        None => Ok(None),
+        Some(plan) if plan.is_empty() => Ok(None),
+        Some(plan) => {
+            let (windows, retry) = windows(what, r, at + 1)?;
+            Ok(Some((plan, windows, retry)))
+        }
+    }
+}
+
+/// Whether a budget script answered the error `code`.
+fn is_error(e: &impl std::fmt::Display, code: &str) -> bool {
+    e.to_string().contains(code)
 }
 
 /// Limits in the plan table's `limit:window_ms,...` form ([`PlanArgs::limits`]).
@@ -610,7 +1031,7 @@ fn windows(
     Ok((windows, retry))
 }
 
-fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
+fn parse_usage(reply: Vec<Value>, org: Option<OrgId>) -> Result<Usage, LedgerError> {
     fn int(v: &Value) -> Result<u64, LedgerError> {
         match v {
             Value::Int(i) => Ok(to_u64(*i)),
@@ -626,6 +1047,11 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
     }
     let (windows, _) = windows("usage", &reply, 2)?;
     let head = 3 + windows.len() * WINDOW_FIELDS;
+    let section = org_section("usage", &reply, head)?;
+    let head = match &section {
+        Some((_, w, _)) => head + 2 + w.len() * WINDOW_FIELDS,
+        None => head + 1,
+    };
     let next = text(
         reply
             .get(head)
@@ -666,7 +1092,10 @@ fn parse_usage(reply: Vec<Value>) -> Result<Usage, LedgerError> {
     // `lib/budget.lua` names the plan of a user with limits of its own
     // `custom:<plan>` (no plan name has a ':').
     let custom = plan.starts_with("custom:");
-    let usage = Usage::new(plan, windows, int(&reply[1])?, events, next_cursor);
+    let mut usage = Usage::new(plan, windows, int(&reply[1])?, events, next_cursor);
+    if let (Some((plan, windows, _)), Some(org)) = (section, org) {
+        usage.organisation = Some(OrgWindows { org, plan, windows });
+    }
     Ok(if custom {
         usage.with_custom_limits()
     } else {

@@ -13,7 +13,7 @@ use std::sync::LazyLock;
 
 use redis::{Cmd, RedisError, RedisResult, Script};
 
-use crate::keys::{ActivityKeys, BudgetKeys, Head, JobKeys, Members, ThrottleKeys};
+use crate::keys::{ActivityKeys, BudgetKeys, Head, JobKeys, Location, Members, ThrottleKeys};
 
 /// A Redis function library: a shared Lua prelude, then one function per
 /// script, each script's text the body of its function (called with the
@@ -204,6 +204,9 @@ pub static BUDGET: LazyLock<Library> = LazyLock::new(|| {
             ("claim", include_str!("../../../lua/claim.lua")),
             ("release", include_str!("../../../lua/release.lua")),
             ("retry", include_str!("../../../lua/retry.lua")),
+            ("move_out", include_str!("../../../lua/move_out.lua")),
+            ("move_in", include_str!("../../../lua/move_in.lua")),
+            ("org_usage", include_str!("../../../lua/org_usage.lua")),
         ],
         "finish",
     )
@@ -211,12 +214,23 @@ pub static BUDGET: LazyLock<Library> = LazyLock::new(|| {
 
 /// What a budget script answers in place of its reply when its caller must
 /// add the subject's outbox pointer to the alerts' due set:
-/// `[ALERT_MARK, pointer, reply]` (`finish` in `lua/lib/budget.lua`).
+/// `[ALERT_MARK, pointer..., reply]`: the user's outbox, its organisation's,
+/// or both (`finish` in `lua/lib/budget.lua`).
 pub const ALERT_MARK: &str = "TOLLGATE_ALERT";
 
 /// The budget scripts by their file in `lua/` (see [`all`]).
-pub const BUDGET_SCRIPTS: [&str; 8] = [
-    "reserve", "refund", "settle", "usage", "charge", "claim", "release", "retry",
+pub const BUDGET_SCRIPTS: [&str; 11] = [
+    "reserve",
+    "refund",
+    "settle",
+    "usage",
+    "charge",
+    "claim",
+    "release",
+    "retry",
+    "move_out",
+    "move_in",
+    "org_usage",
 ];
 
 /// The ARGV tail of every budget script: the export's maxlen (0: none), the
@@ -231,6 +245,16 @@ impl PlanArgs {
     /// The ARGV tail itself (for a bare EVALSHA, as benches send it).
     pub fn args(&self) -> &[String] {
         &self.0
+    }
+
+    /// The same tail with no export: a move's steps export nothing (the
+    /// events neither leave nor come: they change place).
+    pub fn without_export(&self) -> Self {
+        let mut args = self.0.clone();
+        if let Some(first) = args.first_mut() {
+            *first = "0".to_owned();
+        }
+        Self(args)
     }
 
     pub fn new(config: &tollgate_core::config::Config) -> Self {
@@ -279,8 +303,7 @@ impl PlanArgs {
     }
 }
 
-fn invocation(script: &str, keys: &BudgetKeys) -> FunctionCall {
-    let mut inv = BUDGET.prepare(script);
+fn budget_keys(inv: &mut FunctionCall, keys: &BudgetKeys) {
     inv.key(&keys.events)
         .key(&keys.costs)
         .key(&keys.plan)
@@ -290,11 +313,68 @@ fn invocation(script: &str, keys: &BudgetKeys) -> FunctionCall {
         .key(&keys.log)
         .key(&keys.meta)
         .key(&keys.cancelled);
+}
+
+/// A budget script at a user's location: its keys, then, for a member, its
+/// organisation's (the script applies each step to both).
+fn invocation(script: &str, loc: &Location) -> FunctionCall {
+    let mut inv = BUDGET.prepare(script);
+    budget_keys(&mut inv, &loc.user);
+    if let Some(org) = &loc.org {
+        budget_keys(&mut inv, org);
+    }
+    inv
+}
+
+/// `move_out.lua`'s `freeze` step: `to` is `-` (the user's own tag) or `o:<org>`.
+pub fn move_freeze(loc: &Location, to: &str, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("move_out", loc);
+    inv.arg("freeze").arg(to).arg(&plans.0);
+    inv
+}
+
+/// `move_out.lua`'s `batch` step: up to `n` of the oldest live events.
+pub fn move_batch(loc: &Location, n: usize, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("move_out", loc);
+    inv.arg("batch").arg(n).arg(&plans.0);
+    inv
+}
+
+/// `move_out.lua`'s `drop` step: drops `ids` (moved) from the location.
+pub fn move_drop(loc: &Location, ids: &[String], plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("move_out", loc);
+    inv.arg("drop").arg(ids.join(" ")).arg(&plans.0);
+    inv
+}
+
+/// `move_in.lua`: `events` are the batch's fields, ten per event, as
+/// `move_out.lua` reads them.
+pub fn move_in(
+    loc: &Location,
+    plan: &str,
+    cancelled: &str,
+    events: &[Vec<u8>],
+    plans: &PlanArgs,
+) -> FunctionCall {
+    let mut inv = invocation("move_in", loc);
+    inv.arg(events.len() / 10).arg(plan).arg(cancelled);
+    for f in events {
+        inv.arg(f.as_slice());
+    }
+    inv.arg(&plans.0);
+    inv
+}
+
+/// `org_usage.lua`: an organisation's plan and windows.
+pub fn org_usage(org: &BudgetKeys, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = BUDGET.prepare("org_usage");
+    budget_keys(&mut inv, org);
+    inv.arg(&plans.0);
     inv
 }
 
 /// `reserve.lua`: returns the raw reply (see the script's header).
-pub fn reserve(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) -> FunctionCall {
+pub fn reserve(keys: &Location, request: &str, cost: u64, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("reserve", keys);
     inv.arg(request).arg(cost).arg(&plans.0);
     inv
@@ -304,12 +384,16 @@ pub fn reserve(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) ->
 /// pipeline (bulk loads in tests and benches): a pipeline does not load the
 /// library on "Function not found", so load [`BUDGET`] on the server first.
 pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) -> redis::Cmd {
-    reserve(keys, request, cost, plans).cmd()
+    let loc = Location {
+        user: keys.clone(),
+        org: None,
+    };
+    reserve(&loc, request, cost, plans).cmd()
 }
 
 /// `refund.lua`: `finished` is the nonce of the charge's job when it was read
 /// as final (the refund is then a plain credit), or `""`.
-pub fn refund(keys: &BudgetKeys, request: &str, finished: &str, plans: &PlanArgs) -> FunctionCall {
+pub fn refund(keys: &Location, request: &str, finished: &str, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("refund", keys);
     inv.arg(request).arg(finished).arg(&plans.0);
     inv
@@ -319,7 +403,7 @@ pub fn refund(keys: &BudgetKeys, request: &str, finished: &str, plans: &PlanArgs
 /// the nonce of the job settling its own charge; `may_raise` false settles
 /// only down.
 pub fn settle(
-    keys: &BudgetKeys,
+    keys: &Location,
     request: &str,
     actual_cost: u64,
     nonce: &str,
@@ -337,7 +421,7 @@ pub fn settle(
 
 /// `usage.lua`: the budget and one page of the audit trail.
 pub fn usage(
-    keys: &BudgetKeys,
+    keys: &Location,
     page: tollgate_core::ledger::EventPage,
     plans: &PlanArgs,
 ) -> FunctionCall {
@@ -349,7 +433,7 @@ pub fn usage(
 
 /// `charge.lua`: returns the raw reply (see the script's header).
 pub fn charge(
-    keys: &BudgetKeys,
+    keys: &Location,
     request: &str,
     charge: &tollgate_core::ledger::ChargeRequest<'_>,
     plans: &PlanArgs,
@@ -371,7 +455,7 @@ pub fn charge(
 
 /// `claim.lua`: 1 claimed, 0 refused, 2 cancelled by an operator.
 pub fn claim(
-    keys: &BudgetKeys,
+    keys: &Location,
     request: &str,
     nonce: &str,
     hold_until_ms: u64,
@@ -383,7 +467,7 @@ pub fn claim(
 }
 
 /// `release.lua`
-pub fn release(keys: &BudgetKeys, request: &str, nonce: &str, plans: &PlanArgs) -> FunctionCall {
+pub fn release(keys: &Location, request: &str, nonce: &str, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("release", keys);
     inv.arg(request).arg(nonce).arg(&plans.0);
     inv
@@ -391,9 +475,20 @@ pub fn release(keys: &BudgetKeys, request: &str, nonce: &str, plans: &PlanArgs) 
 
 /// `retry.lua`: goes on with a denial's walk toward its exact retry_after
 /// (`more`: the text the denial answered for a window of `window_ms`).
-pub fn retry(keys: &BudgetKeys, more: &str, window_ms: u64, now_ms: u64) -> FunctionCall {
-    let mut inv = invocation("retry", keys);
-    inv.arg(more).arg(window_ms).arg(now_ms);
+/// `org`: the walk is over an organisation's log (`keys` its budget keys).
+pub fn retry(
+    keys: &BudgetKeys,
+    more: &str,
+    window_ms: u64,
+    now_ms: u64,
+    org: bool,
+) -> FunctionCall {
+    let mut inv = BUDGET.prepare("retry");
+    budget_keys(&mut inv, keys);
+    inv.arg(more)
+        .arg(window_ms)
+        .arg(now_ms)
+        .arg(if org { "org" } else { "user" });
     inv
 }
 
