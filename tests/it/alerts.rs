@@ -403,6 +403,12 @@ async fn crossings_are_delivered_exactly_once(store: Store) {
     );
     assert_ne!(delivered[0].0.id, delivered[1].0.id);
     assert_eq!(pods.counted("delivered"), 2);
+    // What the dashboard reads, the same from either pod: both deliverers'
+    // attempts, counted where they share the store.
+    for outbox in &pods.outboxes {
+        let d = outbox.deliveries().await.unwrap();
+        assert_eq!((d.delivered, d.retried, d.failed), (2, 0, 0), "{d:?}");
+    }
     // Everything acked: the outbox is empty.
     let depth = pods.outboxes[0].depth().await.unwrap();
     assert_eq!(depth.subjects, 0, "{depth:?}");
@@ -440,6 +446,12 @@ async fn a_receiver_down_gets_the_alert_once_it_is_back(store: Store) {
     assert!(pods.counted("retried") >= 3);
     assert_eq!(pods.counted("delivered"), 1);
     assert_eq!(pods.counted("failed"), 0);
+    // The dashboard's panel: the retries and why, then the delivery.
+    let d = pods.outboxes[1].deliveries().await.unwrap();
+    assert_eq!(d.delivered, 1, "{d:?}");
+    assert!(d.retried >= 3, "{d:?}");
+    assert_eq!(d.last_failure.as_deref(), Some("answered 500"), "{d:?}");
+    assert!(d.last_failure_ms.is_some(), "{d:?}");
     pods.stop().await;
 }
 
@@ -703,7 +715,11 @@ async fn tollgate_all_delivers_its_crossings_once() {
     );
     let _procs = tollgate_tests::process::Procs(vec![child]);
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
-    let (base, key) = (find("listening on "), find("Bearer "));
+    let (base, key, admin) = (
+        find("listening on "),
+        find("Bearer "),
+        find("admin token: "),
+    );
     tollgate_providers::http::install_crypto_provider();
     let http = reqwest::Client::new();
     let mut calls = tokio::task::JoinSet::new();
@@ -758,6 +774,20 @@ async fn tollgate_all_delivers_its_crossings_once() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+    // The dashboard's alerts panel: the deliveries, nothing waiting.
+    let overview: Value = http
+        .get(format!("{base}/admin/overview"))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let panel = &overview["alerts"];
+    assert_eq!(panel["delivered"], 2, "{overview}");
+    assert_eq!(panel["failed"], 0, "{overview}");
+    assert_eq!(panel["waiting_subjects"], 0, "{overview}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -188,7 +188,12 @@ impl Deliverer {
                 dropped = taken.dropped,
                 "budget alerts dropped unsent: a subject's outbox was full"
             );
-            self.metrics.alert_delivery("failed", taken.dropped);
+            self.counted(
+                "failed",
+                taken.dropped,
+                Some("dropped unsent: the subject's outbox was full"),
+            )
+            .await;
         }
         if taken.alerts.is_empty() {
             return false;
@@ -242,7 +247,7 @@ impl Deliverer {
         };
         let Some(failure) = failure else {
             match self.outbox.ack(&leased).await {
-                Ok(()) => self.metrics.alert_delivery("delivered", 1),
+                Ok(()) => self.counted("delivered", 1, None).await,
                 // Sent: its lease ends and it is sent again (the receiver
                 // drops the duplicate by its id).
                 Err(e) => {
@@ -263,7 +268,7 @@ impl Deliverer {
             retry_in_ms = backoff.as_millis() as u64,
             "budget alert not delivered; retrying"
         );
-        self.metrics.alert_delivery("retried", 1);
+        self.counted("retried", 1, Some(&failure)).await;
         if let Err(e) = self.outbox.retry(&leased, backoff).await {
             tracing::warn!(id = %alert.id, error = %e, "could not reschedule an alert; due again at its lease's end");
         }
@@ -275,7 +280,17 @@ impl Deliverer {
             tracing::warn!(id = %leased.alert.id, error = %e, "could not drop a given up alert");
             return;
         }
-        self.metrics.alert_delivery("failed", 1);
+        self.counted("failed", 1, Some(why)).await;
+    }
+
+    /// Counts attempts that ended in `result`: in this process's metrics, and
+    /// in the store for every pod's dashboard (a failure to note them there
+    /// is logged: the alert itself is not affected).
+    async fn counted(&self, result: &'static str, n: u64, detail: Option<&str>) {
+        self.metrics.alert_delivery(result, n);
+        if let Err(e) = self.outbox.note(result, n, detail).await {
+            tracing::debug!(error = %e, result, "could not note an alert delivery for the dashboard");
+        }
     }
 
     /// `first_backoff * 2^(attempt-1)`, at most `max_backoff`, jittered down

@@ -137,6 +137,38 @@ pub struct Overview {
     pub denials: Vec<OperationDenials>,
     /// The users denied most in the last hour, most first.
     pub most_denied: Vec<DeniedUser>,
+    /// Budget alerts, when `[alerts]` is configured (`None` otherwise).
+    pub alerts: Option<AlertsView>,
+}
+
+/// The budget alerts' panel: what waits in the outboxes, and every
+/// deliverer's attempts (shared through the store, whichever pod runs them).
+#[derive(Debug, Clone, Serialize)]
+pub struct AlertsView {
+    /// Subjects with alerts waiting to be delivered.
+    pub waiting_subjects: u64,
+    /// How long the most overdue outbox has waited (ms; 0: none).
+    pub overdue_ms: u64,
+    #[serde(flatten)]
+    pub deliveries: tollgate_core::alerts::Deliveries,
+}
+
+/// The alerts' panel (`None` without `[alerts]`, or when the store could not
+/// say: the panel is left out rather than the overview failing).
+async fn alerts_view(state: &ApiState) -> Option<AlertsView> {
+    state.config.alerts()?;
+    let (depth, deliveries) = tokio::join!(state.alerts.depth(), state.alerts.deliveries());
+    match (depth, deliveries) {
+        (Ok(depth), Ok(deliveries)) => Some(AlertsView {
+            waiting_subjects: depth.subjects,
+            overdue_ms: depth.overdue_ms,
+            deliveries,
+        }),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::debug!(error = %e, "the alerts panel is left out of this overview");
+            None
+        }
+    }
 }
 
 /// A spend event, and why it was refunded.
@@ -419,9 +451,10 @@ pub async fn compute(state: &ApiState) -> Result<Arc<Overview>, ApiError> {
         throttlers: providers.iter().filter_map(|p| p.throttlers).max(),
     };
     let most_denied = most_denied(&activity);
-    let (top_users, events) = tokio::join!(
+    let (top_users, events, alerts) = tokio::join!(
         top_users(state, &activity, &most_denied),
-        events(state, &activity)
+        events(state, &activity),
+        alerts_view(state)
     );
     if let Err(e) = sampler
         .ring
@@ -441,6 +474,7 @@ pub async fn compute(state: &ApiState) -> Result<Arc<Overview>, ApiError> {
         events,
         denials,
         most_denied,
+        alerts,
     });
     sampler.last = Some((Instant::now(), Arc::clone(&overview)));
     Ok(overview)
@@ -608,6 +642,12 @@ pub fn schema() -> serde_json::Value {
                 "required": ["user", "denials", "operations", "last_ms"],
                 "properties": {"user": {"type": "string"}, "denials": int, "operations": {"type": "array", "items": {"type": "string"}}, "last_ms": int},
             }},
+            "alerts": {"type": ["object", "null"], "description": "Budget alerts (null without [alerts]): outboxes waiting, and every deliverer's attempts.",
+                "required": ["waiting_subjects", "overdue_ms", "delivered", "retried", "failed"],
+                "properties": {
+                    "waiting_subjects": int, "overdue_ms": int, "delivered": int, "retried": int, "failed": int,
+                    "last_failure_ms": nullable_int, "last_failure": {"type": ["string", "null"]},
+                }},
         },
     })
 }

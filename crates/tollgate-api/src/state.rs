@@ -106,6 +106,9 @@ pub struct ApiState {
     pub durability: Arc<dyn DurabilityCheck>,
     /// Streamed answers' readers (the pass-through routes).
     pub streams: Arc<dyn JobStreams>,
+    /// The budget alerts' outbox: the dashboard shows its depth and what
+    /// every deliverer noted.
+    pub alerts: Arc<dyn tollgate_core::alerts::AlertOutbox>,
 }
 
 impl ApiState {
@@ -121,6 +124,7 @@ impl ApiState {
             metrics: Arc::clone(&backends.metrics),
             durability: Arc::clone(&backends.durability),
             streams: Arc::clone(&backends.streams),
+            alerts: Arc::clone(&backends.alerts),
             dashboard: Arc::new(Dashboard::new(
                 Arc::clone(&backends.activity),
                 Arc::clone(&backends.sessions),

@@ -139,6 +139,34 @@ pub trait AlertOutbox: Send + Sync + std::fmt::Debug {
     /// it meanwhile.
     async fn retry(&self, alert: &Leased, after: Duration) -> Result<(), StoreError>;
     async fn depth(&self) -> Result<OutboxDepth, StoreError>;
+    /// Counts `n` attempts that ended in `result` (`delivered`, `retried`,
+    /// `failed`) where every pod's dashboard reads them; `detail`: why a
+    /// retried or failed one did not go through (kept as the last failure).
+    async fn note(&self, result: &str, n: u64, detail: Option<&str>) -> Result<(), StoreError>;
+    /// What every deliverer noted so far.
+    async fn deliveries(&self) -> Result<Deliveries, StoreError>;
+}
+
+/// Delivery attempts of every deliverer sharing the store, by result, and
+/// the last failure (the dashboard's alerts panel).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Deliveries {
+    pub delivered: u64,
+    pub retried: u64,
+    pub failed: u64,
+    /// When (ms, the store's clock) and why the last attempt did not go through.
+    pub last_failure_ms: Option<u64>,
+    pub last_failure: Option<String>,
+}
+
+/// A failure's text as stored for the dashboard: one line, at most 200
+/// characters.
+pub fn failure_text(detail: &str) -> String {
+    detail
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(200)
+        .collect()
 }
 
 /// A crossing found by a budget step, before it has an id.
@@ -218,6 +246,7 @@ struct Outbox {
     entries: BTreeMap<String, Entry>,
     seq: u64,
     dropped: u64,
+    deliveries: Deliveries,
 }
 
 /// The embedded outbox: the in-memory ledger queues into it, the deliverer
@@ -331,6 +360,26 @@ impl AlertOutbox for MemoryAlerts {
         Ok(())
     }
 
+    async fn note(&self, result: &str, n: u64, detail: Option<&str>) -> Result<(), StoreError> {
+        let now = self.clock.now_ms();
+        let mut out = self.lock();
+        let d = &mut out.deliveries;
+        match result {
+            "delivered" => d.delivered += n,
+            "retried" => d.retried += n,
+            _ => d.failed += n,
+        }
+        if let Some(detail) = detail {
+            d.last_failure_ms = Some(now);
+            d.last_failure = Some(failure_text(detail));
+        }
+        Ok(())
+    }
+
+    async fn deliveries(&self) -> Result<Deliveries, StoreError> {
+        Ok(self.lock().deliveries.clone())
+    }
+
     async fn depth(&self) -> Result<OutboxDepth, StoreError> {
         let now = self.clock.now_ms();
         let out = self.lock();
@@ -364,6 +413,12 @@ impl AlertOutbox for NoAlerts {
     }
     async fn depth(&self) -> Result<OutboxDepth, StoreError> {
         Ok(OutboxDepth::default())
+    }
+    async fn note(&self, _result: &str, _n: u64, _detail: Option<&str>) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn deliveries(&self) -> Result<Deliveries, StoreError> {
+        Ok(Deliveries::default())
     }
 }
 

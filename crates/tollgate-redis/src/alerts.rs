@@ -21,7 +21,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::Value;
-use tollgate_core::alerts::{Alert, AlertOutbox, Leased, OutboxDepth, Taken};
+use tollgate_core::alerts::{
+    failure_text, Alert, AlertOutbox, Deliveries, Leased, OutboxDepth, Taken,
+};
 use tollgate_core::error::StoreError;
 
 use crate::call::{self, bad_reply};
@@ -172,6 +174,55 @@ impl AlertOutbox for RedisAlerts {
 
     async fn retry(&self, alert: &Leased, after: Duration) -> Result<(), StoreError> {
         self.done(alert, "retry", ms(after)).await
+    }
+
+    async fn note(&self, result: &str, n: u64, detail: Option<&str>) -> Result<(), StoreError> {
+        // A count, and the last failure stamped with this pod's clock (a
+        // dashboard line, not a decision): one round trip.
+        let key = self.keys.alert_deliveries();
+        let mut pipe = redis::pipe();
+        pipe.cmd("HINCRBY").arg(&key).arg(result).arg(n).ignore();
+        if let Some(detail) = detail {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            pipe.cmd("HSET")
+                .arg(&key)
+                .arg("last")
+                .arg(format!("{now} {}", failure_text(detail)))
+                .ignore();
+        }
+        let () = call::pipeline(&self.pool, self.timeout, "alert_note", &pipe).await?;
+        Ok(())
+    }
+
+    async fn deliveries(&self) -> Result<Deliveries, StoreError> {
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(self.keys.alert_deliveries())
+            .arg("delivered")
+            .arg("retried")
+            .arg("failed")
+            .arg("last");
+        let mut pipe = redis::pipe();
+        pipe.add_command(cmd);
+        let ((delivered, retried, failed, last),): ((
+            Option<u64>,
+            Option<u64>,
+            Option<u64>,
+            Option<String>,
+        ),) = call::read(&self.pool, self.timeout, "alert_deliveries", &pipe).await?;
+        let (last_failure_ms, last_failure) = match last.as_deref().and_then(|l| l.split_once(' '))
+        {
+            Some((ms, why)) => (ms.parse().ok(), Some(why.to_owned())),
+            None => (None, None),
+        };
+        Ok(Deliveries {
+            delivered: delivered.unwrap_or(0),
+            retried: retried.unwrap_or(0),
+            failed: failed.unwrap_or(0),
+            last_failure_ms,
+            last_failure,
+        })
     }
 
     async fn depth(&self) -> Result<OutboxDepth, StoreError> {

@@ -223,6 +223,14 @@ impl KeySpace {
         format!("{}:{SCHEMA}:{{alerts}}:due", self.prefix)
     }
 
+    /// Hash: every deliverer's attempts by result (`delivered`, `retried`,
+    /// `failed`) and the last failure (`last`: '<ms> <why>'), for the
+    /// dashboard: `<prefix>:v1:{alerts}:deliveries`. A few fields, never
+    /// expiring (counters since the deployment began).
+    pub fn alert_deliveries(&self) -> String {
+        format!("{}:{SCHEMA}:{{alerts}}:deliveries", self.prefix)
+    }
+
     /// The outbox of the subject whose budget keys are `<prefix>:v1:<pointer>:*`
     /// (a pointer is `{u:<user>}`, as `lua/lib/budget.lua`'s `subject`
     /// builds it): `None` for a pointer that is not a hash tag's keys.

@@ -265,6 +265,23 @@ function renderDenials(denials, users) {
   fill($('most-denied').tBodies[0], urows, 'nobody denied in the last hour', 4);
 }
 
+// Budget alerts ([alerts] configured): every deliverer's attempts, what
+// waits in the outboxes, and the last failure.
+function renderAlerts(a) {
+  const panel = $('alerts-panel');
+  panel.hidden = !a;
+  if (!a) return;
+  const failure = a.last_failure
+    ? new Date(a.last_failure_ms).toLocaleTimeString() + ': ' + a.last_failure
+    : '';
+  const tr = row([num(a.delivered), num(a.retried), num(a.failed), num(a.waiting_subjects),
+    el('td', a.overdue_ms ? (a.overdue_ms / 1000).toFixed(1) + ' s' : '', 'num'), el('td', failure)]);
+  tr.dataset.delivered = String(a.delivered);
+  tr.dataset.failed = String(a.failed);
+  if (a.failed > 0 || a.overdue_ms > 60000) tr.className = 'error';
+  fill($('alerts').tBodies[0], [tr], '', 6);
+}
+
 function renderQueues(queues) {
   const rows = queues.map((q) => {
     const tr = row([el('td', q.operation), num(q.queued), num(q.running), num(q.dead), num(q.workers)]);
@@ -316,6 +333,7 @@ function render(o) {
   renderProviders(o.providers);
   renderAnswers(o.providers);
   renderDenials(o.denials, o.most_denied);
+  renderAlerts(o.alerts);
   renderQueues(o.queues);
   renderTopUsers(o.top_users);
   renderEvents(o.events);
