@@ -976,13 +976,20 @@ const SHOULD_BE_EMPTY: [&str; 9] = [
     "{u}:holds",
 ];
 
-/// Keys that are meant to live without a TTL: a user's plan, API keys, and
-/// the sets through which dead workers' and throttlers' lists are found.
-const NO_TTL: [&str; 6] = [
+/// Keys that are meant to live without a TTL: a user's plan and limits of
+/// its own, API keys and the index of users issued one, the organisations'
+/// index, the alert deliveries' counters, and the sets through which dead
+/// workers' and throttlers' lists are found. (Each is bounded by users,
+/// organisations or members, never by calls.)
+const NO_TTL: [&str; 10] = [
     "{u}:plan",
+    "{u}:limits",
     "apikey",
     "apikey-id",
     "apikey-user",
+    "users",
+    "orgs",
+    "{alerts}:deliveries",
     "{q}:lists",
     "{p}:lists",
 ];
