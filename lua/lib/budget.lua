@@ -71,7 +71,9 @@
 -- another's state).
 local KEYS, ARGV
 local EVENTS, COSTS, PLAN, OWNERS, HOLDS, AUDIT, LOG, META, CANCELLED, BASE
-local BATCH = 500
+-- Log entries read per command in a walk: the time bound below is checked
+-- between two batches.
+local BATCH = 25
 -- Events of the previous layout moved per call (each a handful of writes).
 local MIGRATE_BATCH = 250
 -- How many log entries one call may read while it brings the windows to now
@@ -83,6 +85,13 @@ local MIGRATE_BATCH = 250
 local SLICE = 100
 -- Log entries this call may still read (SLICE at the start of each call).
 local WORK = 0
+-- And a bound in time, for a machine where an entry costs more than here:
+-- once a call has run SLICE_US microseconds (Redis TIME, from its first
+-- `now_ms`), it reads no further batch (`spend`). A call always reads one
+-- batch, so every call makes progress.
+local SLICE_US = 1000
+-- This call's start in microseconds (Redis TIME), set by its first `now_ms`.
+local T0 = nil
 -- Events per bucket before one splits: a bucket not yet split this round holds
 -- up to twice that, which must stay under Redis' hash-max-listpack-entries (128).
 local LOAD = 40
@@ -174,7 +183,7 @@ local function begin(keys, args)
   KEYS, ARGV = keys, args
   set_keys(keys, 0)
   SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, RETAIN = {}, false, 2, 0, 0, 1, 0, 0
-  KEPT, WORK = 0, SLICE
+  KEPT, WORK, T0 = 0, SLICE, nil
   LIMITS, POINTS, PENDING = nil, nil, nil
   -- SAVED and RELEASED are made when first needed: most calls need neither.
   SUBJECT, SAVED, RELEASED, MV, NOCHECK = 'user', nil, nil, nil, false
@@ -211,9 +220,29 @@ local function int(n)
   return string.format('%d', n)
 end
 
-local function now_ms()
+-- Microseconds since the epoch, Redis TIME.
+local function now_us()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local function now_ms()
+  local us = now_us()
+  T0 = T0 or us
+  return math.floor(us / 1000)
+end
+
+-- Counts `k` log entries read against WORK; once the call has run SLICE_US,
+-- WORK is spent whatever is left of it.
+local function spend(k)
+  WORK = WORK - k
+  if k > 0 and WORK > 0 then
+    local us = now_us()
+    T0 = T0 or us
+    if us - T0 >= SLICE_US then
+      WORK = 0
+    end
+  end
 end
 
 -- Hex text <-> bytes, 8 hex digits (4 bytes) at a time where they can be.
@@ -619,7 +648,7 @@ local function sum_slice(start, hi)
       return sum, nil, true
     end
     local batch = redis.call('XRANGE', LOG, start, hi, 'COUNT', n)
-    WORK = WORK - #batch
+    spend(#batch)
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
       if ev and not ev.real then
@@ -644,7 +673,7 @@ local function moved_slice(lo, hi)
   local rows = redis.call('ZRANGE', moved_key(), '(' .. int(lo), int(hi), 'BYSCORE', 'LIMIT', 0, n + 1,
     'WITHSCORES')
   local count = #rows / 2
-  WORK = WORK - count
+  spend(count)
   local stop, out = nil, false
   if count > n then
     -- Stop before the last millisecond read, unless it is the only one: then
@@ -1000,7 +1029,7 @@ local function expire(now, limits)
         -- The rest of the last millisecond read (a cursor is a millisecond).
         cursor = tonumber(string.match(stop, '^(%d+)'))
         local rest = redis.call('XRANGE', LOG, '(' .. stop, int(cursor))
-        WORK = WORK - #rest
+        spend(#rest)
         for _, e in ipairs(rest) do
           local ev = at_entry(e[1], e[2][2])
           if ev and not ev.real then
@@ -1051,7 +1080,7 @@ local function expire(now, limits)
     if n <= 0 then
       again(now, 'moved events are leaving the retention')
     end
-    WORK = WORK - #ids
+    spend(#ids)
     for _, id in ipairs(ids) do
       local ev = find(id)
       if ev and ev.real then
@@ -1071,7 +1100,7 @@ local function expire(now, limits)
     if n <= 0 then
       again(now, 'events are leaving the retention')
     end
-    WORK = WORK - #batch
+    spend(#batch)
     local sids = {}
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
@@ -1093,7 +1122,7 @@ local function expire(now, limits)
     if n <= 0 then
       again(now, 'charges past their hold are being released')
     end
-    WORK = WORK - #ids
+    spend(#ids)
     for _, id in ipairs(ids) do
       local ev = find(id)
       if ev then
@@ -1185,7 +1214,7 @@ local function retry_walk(window, need, freed, start, now)
       return 'more ' .. start .. ' ' .. int(freed) .. ' ' .. int(need)
     end
     local batch = redis.call('XRANGE', LOG, start, '+', 'COUNT', n)
-    WORK = WORK - #batch
+    spend(#batch)
     for _, e in ipairs(batch) do
       local ev = at_entry(e[1], e[2][2])
       -- A moved event (MOVED) is not in time order here: leaving it out
