@@ -195,39 +195,18 @@ fn custom_limits_are_validated_as_a_plans() {
     assert!(check_custom_limits(&[limit(1, 10), limit(2, 20)]).is_err());
 }
 
-macro_rules! ledger_cases {
-    ($($case:ident),* $(,)?) => {
-        mod ledger_memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::MemoryBackend::new()).await
-                }
-            )*
-        }
-        mod ledger_redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::RedisBackend::start().await).await
-                }
-            )*
-        }
-        mod ledger_cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::RedisBackend::cluster().await).await
-                }
-            )*
-        }
-    };
+/// The ledger's side, on every backend.
+mod ledger {
+    use super::*;
+    on_each_backend!(threads 4, [
+        custom_limits_replace_the_plan_until_cleared,
+        a_window_added_by_custom_limits_counts_live_events,
+    ]
+        memory => &super::MemoryBackend::new(),
+        redis => &super::RedisBackend::start().await,
+        cluster => &super::RedisBackend::cluster().await,
+    );
 }
-
-ledger_cases!(
-    custom_limits_replace_the_plan_until_cleared,
-    a_window_added_by_custom_limits_counts_live_events,
-);
 
 /// On Redis, a second ledger (another pod) on the same keys sees custom
 /// limits on its very next call.
@@ -721,40 +700,19 @@ async fn a_users_keys_never_show_their_secrets(h: Harness) {
     assert_eq!(r.0, StatusCode::UNAUTHORIZED);
 }
 
-macro_rules! api_cases {
-    ($($case:ident),* $(,)?) => {
-        mod api_memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(crate::api::Harness::memory(crate::api::settings()).await).await;
-                }
-            )*
-        }
-        mod api_redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(crate::api::Harness::redis(crate::api::settings()).await).await;
-                }
-            )*
-        }
-        mod api_cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    super::$case(crate::api::Harness::cluster(crate::api::settings()).await).await;
-                }
-            )*
-        }
-    };
+/// The HTTP side, on every backend.
+mod http {
+    use super::*;
+    on_each_backend!([
+        limits_routes_apply_on_every_pod,
+        users_are_listed_by_pages_and_searched_by_prefix,
+        a_users_keys_never_show_their_secrets,
+    ]
+        memory => crate::api::Harness::memory(crate::api::settings()).await,
+        redis => crate::api::Harness::redis(crate::api::settings()).await,
+        cluster => crate::api::Harness::cluster(crate::api::settings()).await,
+    );
 }
-
-api_cases!(
-    limits_routes_apply_on_every_pod,
-    users_are_listed_by_pages_and_searched_by_prefix,
-    a_users_keys_never_show_their_secrets,
-);
 
 // ---------------------------------------------------------------- reindex
 

@@ -710,36 +710,7 @@ async fn a_members_own_limits_bind_and_move_with_it(b: &impl Backend) {
     allowed(other.reserve(&u, &rid("iv5"), 5).await.unwrap());
 }
 
-macro_rules! conformance {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::Memory::new()).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::Redis::start()).await
-                }
-            )*
-        }
-        mod cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::$case(&super::Redis::cluster()).await
-                }
-            )*
-        }
-    };
-}
-
-conformance!(
+on_each_backend!(threads 4, [
     the_organisation_binds_its_members,
     every_step_applies_to_both_levels,
     unknown_organisations_and_plans_are_errors,
@@ -748,6 +719,10 @@ conformance!(
     sixteen_way_race_never_passes_either_level,
     moving_users_mid_load_loses_and_doubles_nothing,
     a_members_own_limits_bind_and_move_with_it,
+]
+    memory => &super::Memory::new(),
+    redis => &super::Redis::start(),
+    cluster => &super::Redis::cluster(),
 );
 
 /// The race through the HTTP api: 2 organisations x 4 users x 2 api pods (two

@@ -202,18 +202,7 @@ impl KeySpace {
     /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds|audit|log|meta|cancelled`
     /// (and `e:<n>`)
     pub fn budget(&self, user: &UserId) -> BudgetKeys {
-        let base = format!("{}:{SCHEMA}:{{u:{}}}", self.prefix, user);
-        BudgetKeys {
-            events: format!("{base}:events"),
-            costs: format!("{base}:costs"),
-            plan: format!("{base}:plan"),
-            owners: format!("{base}:owners"),
-            holds: format!("{base}:holds"),
-            audit: format!("{base}:audit"),
-            log: format!("{base}:log"),
-            meta: format!("{base}:meta"),
-            cancelled: format!("{base}:cancelled"),
-        }
+        Self::budget_at(format!("{}:{SCHEMA}:{{u:{}}}", self.prefix, user))
     }
 
     /// Sorted set: the budget alerts' due set, outbox pointer -> when a

@@ -876,9 +876,13 @@ fn org_section(
     }
 }
 
-/// Whether a budget script answered the error `code`.
-fn is_error(e: &impl std::fmt::Display, code: &str) -> bool {
-    e.to_string().contains(code)
+/// Whether a budget script answered the error `code` (the Redis error's
+/// code, as [`is_again`] reads it; never a match in the message's text).
+fn is_error(e: &LedgerError, code: &str) -> bool {
+    match e {
+        LedgerError::Store(e) => error_code(e) == Some(code),
+        _ => false,
+    }
 }
 
 /// Limits in the plan table's `limit:window_ms,...` form ([`PlanArgs::limits`]).
@@ -981,10 +985,15 @@ const WINDOW_FIELDS: usize = 5;
 /// its error reply's code (the first word, `error({ err = 'CODE ...' })` in
 /// Lua), read from the Redis error the store error keeps as its source.
 fn is_again(e: &StoreError) -> bool {
-    let code = std::error::Error::source(e)
+    matches!(error_code(e), Some(AGAIN | MIGRATING))
+}
+
+/// The code of the Redis error reply a store error keeps as its source (the
+/// first word of a script's `error({ err = 'CODE ...' })`).
+fn error_code(e: &StoreError) -> Option<&str> {
+    std::error::Error::source(e)
         .and_then(|s| s.downcast_ref::<redis::RedisError>())
-        .and_then(redis::RedisError::code);
-    matches!(code, Some(AGAIN | MIGRATING))
+        .and_then(redis::RedisError::code)
 }
 
 /// A window's retry_after in a denial: known (ms; 0 when the cost fits), or
