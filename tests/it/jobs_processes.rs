@@ -230,7 +230,7 @@ async fn settled_usage(ledger: &Arc<dyn Ledger>, expected: u64) -> u64 {
 async fn job_processes_500_jobs_3_workers_2_throttlers_no_429() {
     let mut env = start(&["--rate", "50", "--burst", "20"], 45, 2);
     for _ in 0..2 {
-        env.spawn("throttler", &["--lease-ms", "1000"]);
+        env.spawn("throttler", &["--liveness-ms", "1000"]);
     }
     for _ in 0..3 {
         env.spawn("worker", &["--concurrency", "64"]);

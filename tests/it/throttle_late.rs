@@ -21,7 +21,7 @@ use tollgate_core::{
     throttle::{late_bound, MemoryThrottle, Throttle, LATE_GRANT},
 };
 use tollgate_providers::{
-    http::HttpClient, AttemptError, Client, Retry, ThrottledClient, Transport,
+    http::HttpTransport, AttemptError, Client, Retry, ThrottledClient, Transport,
 };
 use tollgate_redis::throttle::RedisThrottleOptions;
 use tollgate_tests::throttle::late_grants;
@@ -64,7 +64,7 @@ path = "/slow"
 /// the request is built: what a pause of the process there does.
 #[derive(Debug)]
 struct Stalls {
-    inner: HttpClient,
+    inner: HttpTransport,
     stall: Duration,
     stalled: AtomicBool,
 }
@@ -107,7 +107,7 @@ async fn stale_grant_is_handed_back(
     }
     let late = late_bound(p.rate, LATE_GRANT);
     let transport = Stalls {
-        inner: HttpClient::new(provider, config.upstream(provider).expect("url"), config)
+        inner: HttpTransport::new(provider, config.upstream(provider).expect("url"), config)
             .expect("http client"),
         stall: late + Duration::from_millis(300),
         stalled: AtomicBool::new(false),

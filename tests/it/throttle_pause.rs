@@ -17,7 +17,7 @@ use tollgate_core::{
     metrics::Metrics,
     throttle::{MemoryThrottle, Throttle},
 };
-use tollgate_providers::{http::HttpClient, Client, Retry, ThrottledClient};
+use tollgate_providers::{http::HttpTransport, Client, Retry, ThrottledClient};
 use tollgate_redis::{
     keys::KeySpace,
     pool::PoolOptions,
@@ -69,7 +69,7 @@ async fn load(
             throttle,
             p.clone(),
             Retry::default(),
-            HttpClient::new("steady", config.upstream("steady").expect("url"), config)
+            HttpTransport::new("steady", config.upstream("steady").expect("url"), config)
                 .expect("http client"),
             Arc::clone(metrics),
         ));

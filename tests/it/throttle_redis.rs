@@ -298,6 +298,7 @@ fn throttlers(n: usize, url: &str, prefix: &str, config: &Path) -> Procs {
             .map(|_| {
                 Command::new(&bin)
                     .args(["throttler", "--redis-url", url, "--key-prefix", prefix])
+                    // The liveness flag's deprecated former name, still accepted.
                     .args(["--lease-ms", "1000"])
                     .arg("--config")
                     .arg(config)
@@ -380,7 +381,7 @@ async fn waiter_processes_of(
 async fn wait_for_throttlers(server: &RedisServer, prefix: &str, n: i64) {
     let conn = raw(server).await;
     let key = KeySpace::new(prefix).unwrap().throttle("llm").throttlers;
-    eventually("the throttlers hold leases", || {
+    eventually("the throttlers hold livenesses", || {
         let mut c = conn.clone();
         let k = key.clone();
         async move { query::<i64>(&mut c, redis::cmd("HLEN").arg(&k)).await == n }
@@ -455,7 +456,7 @@ async fn throttle_three_throttlers_keep_the_rate_global_over_many_users() {
 }
 
 /// kill -9 one throttler mid-run: the others carry on, its popped ticket goes
-/// back to the queue when its lease ends, nobody waits past max_wait.
+/// back to the queue when its liveness ends, nobody waits past max_wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_killed_throttler_strands_nobody() {
     let server = RedisServer::start();

@@ -26,7 +26,8 @@ pub struct ThrottlerArgs {
 
     /// How long the tickets popped by a throttler that stopped renewing its
     /// liveness (died, paused) stay its own before other throttlers put them
-    /// back in the queue, in ms.
+    /// back in the queue, in ms. `--lease-ms` is its former name, still
+    /// accepted (deprecated: the throttler holds a liveness, not a lease).
     #[arg(
         long,
         alias = "lease-ms",

@@ -39,7 +39,7 @@ pub fn install_crypto_provider() {
 }
 
 /// One provider's HTTP upstream.
-pub struct HttpClient {
+pub struct HttpTransport {
     provider: String,
     url: String,
     /// Operation name -> path appended to `url`.
@@ -51,9 +51,9 @@ pub struct HttpClient {
     client: reqwest::Client,
 }
 
-impl std::fmt::Debug for HttpClient {
+impl std::fmt::Debug for HttpTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HttpClient")
+        f.debug_struct("HttpTransport")
             .field("provider", &self.provider)
             .field("url", &self.url)
             .field(
@@ -64,7 +64,7 @@ impl std::fmt::Debug for HttpClient {
     }
 }
 
-impl HttpClient {
+impl HttpTransport {
     /// Reads the secret headers' values from their environment variables
     /// now: a missing variable fails at start, naming it (never its value).
     pub fn new(provider: &str, upstream: &Upstream, config: &Config) -> Result<Self, SetupError> {
@@ -165,7 +165,7 @@ fn retry_after(h: Option<&HeaderValue>) -> Option<Duration> {
 }
 
 #[async_trait]
-impl Transport for HttpClient {
+impl Transport for HttpTransport {
     async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
         self.attempt_by(job, None).await
     }
@@ -233,7 +233,7 @@ async fn pass_on(sink: &dyn StreamWriter, event: StreamEvent) -> Result<(), Atte
     }
 }
 
-impl HttpClient {
+impl HttpTransport {
     /// As a whole attempt, asking for `text/event-stream`: a 2xx answer's
     /// head (when not a plain 200) goes to `sink` first, then its events one
     /// by one as they arrive, and the attempt's answer is the usage it
@@ -306,7 +306,7 @@ impl HttpClient {
     }
 }
 
-impl HttpClient {
+impl HttpTransport {
     /// The request of one attempt at `job`, its body checked against
     /// `use_by` as it is written.
     fn request(
@@ -551,7 +551,7 @@ path = "/v1/x"
 "#;
         let config = Config::parse(text, "t").unwrap();
         let upstream = config.upstream("llm").unwrap();
-        let e = HttpClient::new("llm", upstream, &config).unwrap_err();
+        let e = HttpTransport::new("llm", upstream, &config).unwrap_err();
         assert!(
             e.to_string().contains("TOLLGATE_TEST_SURELY_UNSET_KEY"),
             "{e}"
@@ -559,7 +559,7 @@ path = "/v1/x"
         let mut open = upstream.clone();
         open.auth_header = None;
         open.auth_env = None;
-        let client = HttpClient::new("llm", &open, &config).unwrap();
+        let client = HttpTransport::new("llm", &open, &config).unwrap();
         assert_eq!(client.url, "https://api.example.com");
         assert_eq!(client.paths.get("x").map(String::as_str), Some("/v1/x"));
     }
@@ -584,13 +584,13 @@ provider = "llm"
         let config = Config::parse(text, "t").unwrap();
         let upstream = config.upstream("llm").unwrap();
         std::env::remove_var("TOLLGATE_TEST_HTTP_SECRET_HEADER");
-        let e = HttpClient::new("llm", upstream, &config).unwrap_err();
+        let e = HttpTransport::new("llm", upstream, &config).unwrap_err();
         assert!(
             e.to_string().contains("TOLLGATE_TEST_HTTP_SECRET_HEADER"),
             "{e}"
         );
         std::env::set_var("TOLLGATE_TEST_HTTP_SECRET_HEADER", "sk-very-secret");
-        let client = HttpClient::new("llm", upstream, &config).unwrap();
+        let client = HttpTransport::new("llm", upstream, &config).unwrap();
         let shown = format!("{client:?}");
         assert!(!shown.contains("sk-very-secret"), "{shown}");
         assert!(shown.contains("x-api-key"), "{shown}");
@@ -648,9 +648,9 @@ provider = "llm"
         (addr, rx)
     }
 
-    fn slow_client(addr: std::net::SocketAddr, delay: Duration) -> HttpClient {
+    fn slow_client(addr: std::net::SocketAddr, delay: Duration) -> HttpTransport {
         install_crypto_provider();
-        HttpClient {
+        HttpTransport {
             provider: "llm".into(),
             url: format!("http://upstream.test:{}", addr.port()),
             paths: BTreeMap::new(),

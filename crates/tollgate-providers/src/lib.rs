@@ -3,7 +3,7 @@
 //! first takes a throttle slot, so a retry after a 429 never adds calls beyond
 //! the shared bucket.
 //!
-//! - [`http::HttpClient`]: POSTs the job's input JSON to the provider's `url`
+//! - [`http::HttpTransport`]: POSTs the job's input JSON to the provider's `url`
 //!   (+ the operation's `path`) with reqwest; what is retried (after the
 //!   upstream's `Retry-After`, or an exponential backoff) and who pays is the
 //!   [`outcome`] policy's decision.
@@ -864,7 +864,7 @@ fn build(
     for p in config.providers() {
         let provider: Arc<dyn Client> = match config.upstream(&p.name) {
             Some(upstream) => {
-                let client = http::HttpClient::new(&p.name, upstream, config)?;
+                let client = http::HttpTransport::new(&p.name, upstream, config)?;
                 let retry = Retry {
                     retries: upstream.retries,
                     ..Retry::default()

@@ -63,8 +63,9 @@ const ADMIN: &str = "chaos-admin-token-0123456789";
 const USERS: usize = 4;
 /// The worker's job lease; SIGSTOP lasts longer than this.
 const WORKER_LEASE_MS: u64 = 3000;
-/// The throttler's lease on its popped tickets (its default).
-const THROTTLER_LEASE_MS: u64 = 3000;
+/// How long a throttler's popped tickets stay its own once it stops renewing
+/// its liveness (its default).
+const THROTTLER_LIVENESS_MS: u64 = 3000;
 /// How long calls keep being retried, and jobs awaited, after the load stops.
 const DRAIN: Duration = Duration::from_secs(60);
 
@@ -290,7 +291,9 @@ fn schedule(seed: u64, seconds: u64) -> Vec<Planned> {
         let length = match fault {
             Fault::RedisDown => rng.ms(5_000, 15_000),
             Fault::StopWorker => rng.ms(WORKER_LEASE_MS + 1_000, WORKER_LEASE_MS + 4_000),
-            Fault::StopThrottler => rng.ms(THROTTLER_LEASE_MS + 1_000, THROTTLER_LEASE_MS + 4_000),
+            Fault::StopThrottler => {
+                rng.ms(THROTTLER_LIVENESS_MS + 1_000, THROTTLER_LIVENESS_MS + 4_000)
+            }
             Fault::ProxyLatency => rng.ms(3_000, 10_000),
             // How long new connections are refused after the cut.
             Fault::ProxyDrop => rng.ms(500, 5_000),
@@ -1117,8 +1120,8 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     for i in 0..2 {
         let args = vec![
             "throttler".into(),
-            "--lease-ms".into(),
-            THROTTLER_LEASE_MS.to_string(),
+            "--liveness-ms".into(),
+            THROTTLER_LIVENESS_MS.to_string(),
         ];
         procs.push(proc(Role::Throttler, format!("throttler-{i}"), args, None));
     }
