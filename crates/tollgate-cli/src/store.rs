@@ -230,7 +230,7 @@ impl StoreArgs {
                     durability.name()
                 )));
             }
-            return Ok(Backends::memory(config));
+            return Ok(tollgate_memory::backends(config));
         };
         let keys =
             KeySpace::new(&self.key_prefix).map_err(|e| Failure::bad_input(e.to_string()))?;
