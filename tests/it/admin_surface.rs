@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 use tollgate_api::problem::ProblemType;
 use tollgate_core::config::Limit;
 use tollgate_core::ledger::{check_custom_limits, EventPage, Ledger, ReserveOutcome};
+use tollgate_memory::keystore::MemoryKeyStore;
 use tollgate_redis::ledger::RedisLedger;
 use tower::ServiceExt;
 
@@ -820,9 +821,7 @@ async fn reindex_on_the_cluster() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_memory_key_store_lists_users_by_pages() {
-    use tollgate_core::keystore::{
-        ApiKey, KeyKind, KeyRecord, KeyStore, MemoryKeyStore, UserQuery,
-    };
+    use tollgate_core::keystore::{ApiKey, KeyKind, KeyRecord, KeyStore, UserQuery};
     let store = MemoryKeyStore::new();
     for n in ["b", "a", "ab", "c"] {
         store

@@ -18,7 +18,6 @@ use tollgate_api::{
 };
 use tollgate_core::job::JobOptions;
 use tollgate_core::{
-    backend::Backends,
     config::Config,
     job::{FailureCause, JobSource},
     ledger::Ledger,
@@ -99,7 +98,7 @@ pub fn settings() -> Settings {
 
 impl Harness {
     pub async fn memory(settings: Settings) -> Self {
-        let backends = Backends::memory(test_config());
+        let backends = tollgate_memory::backends(test_config());
         let state = ApiState::new(&backends, settings);
         Self {
             app: tollgate_api::router(state.clone()),

@@ -17,10 +17,10 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{JobError, JobQueue, JobRequest, JobSource, SubmitOutcome},
-    job_memory::MemoryJobQueue,
     ledger::Ledger,
-    memory::MemoryLedger,
 };
+use tollgate_memory::jobs::MemoryJobQueue;
+use tollgate_memory::ledger::MemoryLedger;
 use tollgate_tests::api::ApiServer;
 use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::RedisServer;

@@ -31,10 +31,10 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{Charge, FailureCause, Finish, JobQueue, JobRequest, JobSource, JobStatus},
-    job_memory::MemoryJobQueue,
     ledger::{ChargeRequest, Ledger, RefundOutcome},
-    memory::MemoryLedger,
 };
+use tollgate_memory::jobs::MemoryJobQueue;
+use tollgate_memory::ledger::MemoryLedger;
 use tollgate_providers::outcome;
 use tollgate_tests::RedisServer;
 

@@ -662,7 +662,7 @@ async fn activity_is_noted(b: Backends) {
 
 #[tokio::test]
 async fn activity_is_noted_in_memory() {
-    activity_is_noted(Backends::memory(Arc::new(Config::builtin()))).await;
+    activity_is_noted(tollgate_memory::backends(Arc::new(Config::builtin()))).await;
 }
 
 #[tokio::test]

@@ -109,7 +109,7 @@ async fn one_sample_per_slot(a: Backends, b: Backends) {
 #[tokio::test]
 async fn history_in_memory_is_one_sample_per_slot() {
     // One process: its two samplers (say, two api states) share the log.
-    let b = Backends::memory(Arc::new(Config::builtin()));
+    let b = tollgate_memory::backends(Arc::new(Config::builtin()));
     one_sample_per_slot(b.clone(), b).await;
 }
 
@@ -316,7 +316,7 @@ async fn timelines_are_noted(b: Backends) {
 
 #[tokio::test]
 async fn timelines_are_noted_in_memory() {
-    timelines_are_noted(Backends::memory(Arc::new(Config::builtin()))).await;
+    timelines_are_noted(tollgate_memory::backends(Arc::new(Config::builtin()))).await;
 }
 
 #[tokio::test]

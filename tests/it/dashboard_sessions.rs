@@ -633,7 +633,7 @@ async fn sessions_end(store: std::sync::Arc<dyn SessionStore>) {
 #[tokio::test]
 async fn sessions_end_in_memory() {
     sessions_end(std::sync::Arc::new(
-        tollgate_core::session::MemorySessions::new(),
+        tollgate_memory::sessions::MemorySessions::new(),
     ))
     .await;
 }

@@ -17,10 +17,10 @@ use tollgate_core::{
         Charge, FailureCause, Finish, JobError, JobQueue, JobRequest, JobSource, JobStatus, Lease,
         Maintenance, SubmitOutcome,
     },
-    job_memory::MemoryJobQueue,
     ledger::Ledger,
-    memory::MemoryLedger,
 };
+use tollgate_memory::jobs::MemoryJobQueue;
+use tollgate_memory::ledger::MemoryLedger;
 use tollgate_providers::{CallError, Client};
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
@@ -1045,7 +1045,7 @@ path = "/v1/work"
     );
     let config = Config::parse(&text, "http test").unwrap();
     let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
-        Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
+        Arc::new(tollgate_memory::throttle::MemoryThrottle::new(&config));
     let metrics = Arc::new(tollgate_core::metrics::Metrics::new(&config));
     let providers = tollgate_providers::from_config(&config, throttle, &metrics).unwrap();
     let p = &providers["p"];
@@ -1104,7 +1104,7 @@ async fn job_embedded_worker_runs_jobs_on_memory() {
     let s = Setup::memory();
     let config = config();
     let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
-        Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
+        Arc::new(tollgate_memory::throttle::MemoryThrottle::new(&config));
     let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
     let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics).unwrap();
     cfg.concurrency = 4;
@@ -1151,7 +1151,7 @@ async fn job_embedded_worker_runs_jobs_on_memory() {
 async fn worker_settles_charges_to_the_reported_usage(s: &Setup) {
     let config = config();
     let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
-        Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
+        Arc::new(tollgate_memory::throttle::MemoryThrottle::new(&config));
     let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
     let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics).unwrap();
     cfg.block = Duration::from_millis(100);

@@ -13,8 +13,8 @@ use tollgate_core::{
         EventCursor, EventPage, Ledger, LedgerError, PageError, RefundOutcome, ReserveOutcome,
         SettleOutcome,
     },
-    memory::MemoryLedger,
 };
+use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 

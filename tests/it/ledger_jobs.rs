@@ -13,10 +13,10 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{FailureCause, JobOptions, JobQueue, JobRequest, JobSource, JobStatus, SubmitOutcome},
-    job_memory::MemoryJobQueue,
     ledger::{Ledger, RefundOutcome},
-    memory::MemoryLedger,
 };
+use tollgate_memory::jobs::MemoryJobQueue;
+use tollgate_memory::ledger::MemoryLedger;
 use tollgate_tests::{random_prefix, RedisServer};
 
 const CONFIG: &str = r#"

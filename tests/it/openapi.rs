@@ -6,7 +6,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use tollgate_api::state::{ApiState, Settings};
-use tollgate_core::{backend::Backends, config::Config};
+use tollgate_core::config::Config;
 
 /// The Python that has openapi-spec-validator: `TOLLGATE_TEST_PYTHON` (set by
 /// scripts/test), else `python3`.
@@ -16,7 +16,7 @@ fn python() -> String {
 
 #[test]
 fn openapi_document_passes_openapi_spec_validator() {
-    let backends = Backends::memory(Arc::new(Config::builtin()));
+    let backends = tollgate_memory::backends(Arc::new(Config::builtin()));
     let state = ApiState::new(&backends, Settings::default());
     let doc = tollgate_api::openapi(&state);
     let path = std::env::temp_dir().join(format!(

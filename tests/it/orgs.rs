@@ -13,8 +13,8 @@ use tollgate_core::{
     config::{Config, Limit},
     id::{OrgId, RequestId, UserId},
     ledger::{ChargeRequest, ClaimOutcome, Ledger, LedgerError, ReserveOutcome, Scope},
-    memory::MemoryLedger,
 };
+use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 

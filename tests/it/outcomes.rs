@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 use tollgate_api::state::ApiState;
-use tollgate_core::{backend::Backends, config::Config, metrics::Metrics};
+use tollgate_core::{config::Config, metrics::Metrics};
 use tollgate_redis::{keys::KeySpace, pool::PoolOptions};
 use tollgate_tests::upstream::Upstream;
 use tollgate_tests::{random_prefix, RedisServer};
@@ -105,7 +105,7 @@ impl Stage {
             let b = tollgate_redis::backends(pool, keys, Arc::clone(&config), "test".into());
             (b, Some(server))
         } else {
-            (Backends::memory(Arc::clone(&config)), None)
+            (tollgate_memory::backends(Arc::clone(&config)), None)
         };
         let (stop, stop_rx) = watch::channel(false);
         let stopped = |mut rx: watch::Receiver<bool>| async move {

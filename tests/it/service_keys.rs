@@ -10,7 +10,7 @@ use axum::http::StatusCode;
 use serde_json::{json, Value};
 use tollgate_api::problem::ProblemType;
 use tollgate_api::state::ApiState;
-use tollgate_core::{backend::Backends, id::UserId};
+use tollgate_core::id::UserId;
 use tollgate_tests::{random_prefix, RedisServer};
 
 use tollgate_redis::{keys::KeySpace, pool::PoolOptions};
@@ -39,7 +39,7 @@ impl Pods {
     }
 
     async fn memory() -> Self {
-        let backends = Backends::memory(Self::config());
+        let backends = tollgate_memory::backends(Self::config());
         let state = ApiState::new(&backends, settings());
         let pod = |state: ApiState| Harness {
             app: tollgate_api::router(state.clone()),

@@ -9,8 +9,9 @@ use tokio::sync::oneshot;
 use tollgate_core::{
     config::Config,
     id::RequestId,
-    throttle::{Grant, MemoryThrottle, Position, Share, Throttle, ThrottleError, Waiter},
+    throttle::{Grant, Position, Share, Throttle, ThrottleError, Waiter},
 };
+use tollgate_memory::throttle::MemoryThrottle;
 use tollgate_redis::{
     keys::KeySpace,
     pool::PoolOptions,

@@ -14,12 +14,14 @@ use async_trait::async_trait;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 use tollgate_core::{
-    activity::{ActivityLog, MemoryActivity, RecordingThrottle},
+    activity::{ActivityLog, RecordingThrottle},
     config::Config,
     job::Job,
     metrics::Metrics,
-    throttle::{late_bound, MemoryThrottle, Throttle, LATE_GRANT},
+    throttle::{late_bound, Throttle, LATE_GRANT},
 };
+use tollgate_memory::activity::MemoryActivity;
+use tollgate_memory::throttle::MemoryThrottle;
 use tollgate_providers::{
     http::HttpTransport, AttemptError, Client, Retry, ThrottledClient, Transport,
 };

@@ -18,8 +18,9 @@ use tollgate_core::{
     id::{RequestId, UserId},
     job::{Job, JobQueue, JobRequest, JobStatus, SubmitOutcome},
     metrics::Metrics,
-    throttle::{MemoryThrottle, Throttle},
+    throttle::Throttle,
 };
+use tollgate_memory::throttle::MemoryThrottle;
 use tollgate_tests::upstream::{Arrival, Upstream};
 use tollgate_tests::{process::Procs, random_prefix, workspace_bin, RedisServer};
 

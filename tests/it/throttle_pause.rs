@@ -10,13 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tollgate_core::{
-    config::Config,
-    id::UserId,
-    job::Job,
-    metrics::Metrics,
-    throttle::{MemoryThrottle, Throttle},
-};
+use tollgate_core::{config::Config, id::UserId, job::Job, metrics::Metrics, throttle::Throttle};
+use tollgate_memory::throttle::MemoryThrottle;
 use tollgate_providers::{http::HttpTransport, Client, Retry, ThrottledClient};
 use tollgate_redis::{
     keys::KeySpace,

@@ -5,7 +5,8 @@
 //! use std::sync::Arc;
 //! use axum::{body::Body, http::Request, routing::post, Extension, Router};
 //! use tollgate_api::cost::{Budget, Cost, Reservation};
-//! use tollgate_core::{config::Config, ledger::Ledger, memory::MemoryLedger, id::UserId};
+//! use tollgate_core::{config::Config, ledger::Ledger, id::UserId};
+//! use tollgate_memory::ledger::MemoryLedger;
 //! use tower::ServiceExt;
 //!
 //! async fn summarize(reservation: Reservation) -> String {
@@ -569,7 +570,7 @@ mod tests {
     use axum::http::HeaderValue;
     use axum::routing::post;
     use axum::{Extension, Router};
-    use tollgate_core::memory::MemoryLedger;
+    use tollgate_memory::ledger::MemoryLedger;
     use tower::ServiceExt;
 
     fn app(handler: axum::routing::MethodRouter) -> (Router, Arc<dyn Ledger>) {

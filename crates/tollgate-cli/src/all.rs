@@ -12,14 +12,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Args;
-use tokio::sync::watch;
 use tollgate_api::state::{ApiState, Settings};
 use tollgate_core::config::Config;
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_throttler::ThrottlerConfig;
-use tollgate_worker::WorkerConfig;
 
-use crate::process::{exit, fail, listen, shutdown_signal};
+use crate::process::{exit, fail, listen};
+use crate::role::{self, Stop};
 use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
@@ -128,14 +127,9 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Ok(b) => b,
         Err(f) => return f.exit(),
     };
-    let providers = match tollgate_providers::from_config_with_plans(
-        &config,
-        Arc::clone(&backends.throttle),
-        &backends.metrics,
-        Arc::clone(&backends.ledger),
-    ) {
+    let providers = match role::providers(&config, &backends) {
         Ok(p) => p,
-        Err(e) => return fail(exit::BAD_INPUT, e),
+        Err(f) => return f.exit(),
     };
     let listener = match listen(args.listen, "--listen").await {
         Ok(l) => l,
@@ -172,45 +166,31 @@ pub async fn run(args: AllArgs) -> ExitCode {
         &admin_token,
     );
 
-    // One shutdown for every role: SIGINT/SIGTERM flips it.
-    let (stop_tx, stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        let _ = stop_tx.send(true);
-    });
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
+    // One stop for every role.
+    let stop = Stop::on_signal();
 
     // One registry for the whole process: the api's /metrics shows every role,
     // and its /readyz every role's loops.
-    let mut worker_cfg = WorkerConfig::new(Arc::clone(&config));
-    worker_cfg.metrics = Arc::clone(&backends.metrics);
-    worker_cfg.streams = Arc::clone(&backends.streams);
+    let mut worker_cfg = role::worker_config(&config, &backends);
     worker_cfg.concurrency = args.concurrency.max(1);
     let worker = tokio::spawn(tollgate_worker::run(
         worker_cfg,
         Arc::clone(&backends.source),
         providers,
-        stopped(stop_rx.clone()),
+        stop.stopped(),
     ));
     // A throttle that does not grant by itself (Redis) gets its throttler here.
     let throttler = backends.dispatchers.clone().map(|dispatchers| {
         let mut cfg = ThrottlerConfig::new(Arc::clone(&config));
         cfg.metrics = Arc::clone(&backends.metrics);
-        tokio::spawn(tollgate_throttler::run(
-            cfg,
-            dispatchers,
-            stopped(stop_rx.clone()),
-        ))
+        tokio::spawn(tollgate_throttler::run(cfg, dispatchers, stop.stopped()))
     });
-    let deliverer =
-        match crate::alerts::spawn(&config, alert_secret, &backends, stopped(stop_rx.clone())) {
-            Ok(d) => d,
-            Err(f) => return f.exit(),
-        };
+    let deliverer = match crate::alerts::spawn(&config, alert_secret, &backends, stop.stopped()) {
+        Ok(d) => d,
+        Err(f) => return f.exit(),
+    };
     let state = ApiState::new(&backends, settings);
-    let api = tollgate_api::run(state, listener, stopped(stop_rx.clone())).await;
+    let api = tollgate_api::run(state, listener, stop.stopped()).await;
 
     let mut code = ExitCode::SUCCESS;
     if let Err(e) = api {

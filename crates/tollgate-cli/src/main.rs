@@ -11,6 +11,7 @@ mod mock_provider;
 mod orgs;
 mod probes;
 mod process;
+mod role;
 mod store;
 mod throttler;
 mod users;

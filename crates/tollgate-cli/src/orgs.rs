@@ -3,7 +3,6 @@
 //! Users join with `tollgate users set-org`.
 
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use serde_json::json;
@@ -11,7 +10,7 @@ use tollgate_core::id::{OrgId, UserId};
 use tollgate_core::ledger::LedgerError;
 
 use crate::process::{exit, fail};
-use crate::store::{StoreArgs, Wait};
+use crate::store::StoreArgs;
 
 #[derive(Debug, Args)]
 pub struct OrgsArgs {
@@ -61,16 +60,8 @@ fn failed(e: LedgerError) -> ExitCode {
 }
 
 pub async fn run(args: OrgsArgs) -> ExitCode {
-    let config = match args.store.load_config() {
-        Ok(c) => Arc::new(c),
-        Err(f) => return f.exit(),
-    };
-    let backends = match args
-        .store
-        .shared("orgs commands", Arc::clone(&config), 2, Wait::No)
-        .await
-    {
-        Ok(b) => b,
+    let (_, backends) = match args.store.operator("orgs commands", 2).await {
+        Ok(opened) => opened,
         Err(f) => return f.exit(),
     };
     let ledger = backends.ledger.as_ref();

@@ -215,6 +215,21 @@ impl StoreArgs {
         self.open(config, pool_size, wait).await
     }
 
+    /// An operator command's config and backends on the shared store, with
+    /// `pool_size` connections: it fails at once on a Redis that is down.
+    /// `commands` names them in errors.
+    pub async fn operator(
+        &self,
+        commands: &str,
+        pool_size: usize,
+    ) -> Result<(Arc<Config>, Backends), Failure> {
+        let config = Arc::new(self.load_config()?);
+        let backends = self
+            .shared(commands, Arc::clone(&config), pool_size, Wait::No)
+            .await?;
+        Ok((config, backends))
+    }
+
     /// The backends: in memory for `memory` or no URL, else on Redis.
     pub async fn open(
         &self,
@@ -230,7 +245,7 @@ impl StoreArgs {
                     durability.name()
                 )));
             }
-            return Ok(Backends::memory(config));
+            return Ok(tollgate_memory::backends(config));
         };
         let keys =
             KeySpace::new(&self.key_prefix).map_err(|e| Failure::bad_input(e.to_string()))?;

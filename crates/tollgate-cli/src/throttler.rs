@@ -8,9 +8,10 @@ use std::time::Duration;
 use clap::Args;
 use tollgate_throttler::ThrottlerConfig;
 
-use crate::probes::{self, ProbeArgs};
-use crate::process::{exit, fail, shutdown_signal};
-use crate::store::{Failure, StoreArgs, Wait};
+use crate::probes::ProbeArgs;
+use crate::process::shutdown_signal;
+use crate::role::Pod;
+use crate::store::{Failure, StoreArgs};
 
 #[derive(Debug, Args)]
 pub struct ThrottlerArgs {
@@ -38,48 +39,29 @@ pub struct ThrottlerArgs {
 }
 
 pub async fn run(args: ThrottlerArgs) -> ExitCode {
-    let config = match args.store.load_config() {
-        Ok(c) => Arc::new(c),
+    let (batch, liveness_ms) = (args.batch, args.liveness_ms);
+    let started = Pod::start("the throttler role", &args.store, &args.probes, |_| {
+        if batch == 0 || liveness_ms < 300 {
+            return Err(Failure::bad_input(
+                "--batch must be >= 1 and --liveness-ms >= 300",
+            ));
+        }
+        Ok(())
+    })
+    .await;
+    let pod = match started {
+        Ok((pod, ())) => pod,
         Err(f) => return f.exit(),
     };
-    if args.batch == 0 || args.liveness_ms < 300 {
-        return Failure::bad_input("--batch must be >= 1 and --liveness-ms >= 300").exit();
-    }
-    // Listening before the store answers (see `probes`).
-    let probes = match args.probes.bind().await {
-        Ok(l) => l.map(probes::spawn),
-        Err(f) => return f.exit(),
-    };
-    let backends = match args
-        .store
-        .shared(
-            "the throttler role",
-            Arc::clone(&config),
-            8,
-            Wait::UntilReachable,
-        )
-        .await
-    {
-        Ok(b) => b,
-        Err(f) => return f.exit(),
-    };
-    let Some(dispatchers) = backends.dispatchers.clone() else {
+    let Some(dispatchers) = pod.backends.dispatchers.clone() else {
         return Failure::bad_input("this store's throttle needs no throttler").exit();
     };
-    tracing::info!(store = %backends.described, "throttler starting");
-    let mut cfg = ThrottlerConfig::new(config);
-    cfg.metrics = Arc::clone(&backends.metrics);
+    tracing::info!(store = %pod.backends.described, "throttler starting");
+    let mut cfg = ThrottlerConfig::new(Arc::clone(&pod.config));
+    cfg.metrics = Arc::clone(&pod.backends.metrics);
     cfg.batch = args.batch;
     cfg.liveness = Duration::from_millis(args.liveness_ms);
-    if let Some(p) = &probes {
-        p.ready(&backends);
-    }
+    pod.ready();
     let ran = tollgate_throttler::run(cfg, dispatchers, shutdown_signal()).await;
-    if let Some(p) = probes {
-        p.stop().await;
-    }
-    match ran {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(exit::BAD_INPUT, e),
-    }
+    pod.finish(ran).await
 }

@@ -4,7 +4,6 @@
 //! pods share.
 
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use serde_json::json;
@@ -19,7 +18,7 @@ fn parse_kind(s: &str) -> Result<KeyKind, String> {
 }
 
 use crate::process::{exit, fail};
-use crate::store::{StoreArgs, Wait};
+use crate::store::StoreArgs;
 
 #[derive(Debug, Args)]
 pub struct UsersArgs {
@@ -149,16 +148,8 @@ fn client_error(e: ApiError) -> ExitCode {
 }
 
 pub async fn run(args: UsersArgs) -> ExitCode {
-    let config = match args.store.load_config() {
-        Ok(c) => Arc::new(c),
-        Err(f) => return f.exit(),
-    };
-    let backends = match args
-        .store
-        .shared("users commands", Arc::clone(&config), 2, Wait::No)
-        .await
-    {
-        Ok(b) => b,
+    let (config, backends) = match args.store.operator("users commands", 2).await {
+        Ok(opened) => opened,
         Err(f) => return f.exit(),
     };
     let store = backends.keys.as_ref();

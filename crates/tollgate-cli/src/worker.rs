@@ -6,11 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use tollgate_worker::WorkerConfig;
 
-use crate::probes::{self, ProbeArgs};
-use crate::process::{exit, fail, shutdown_signal};
-use crate::store::{Failure, StoreArgs, Wait};
+use crate::probes::ProbeArgs;
+use crate::role::{self, Pod, Stop};
+use crate::store::{Failure, StoreArgs};
 
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
@@ -39,48 +38,25 @@ pub struct WorkerArgs {
 }
 
 pub async fn run(args: WorkerArgs) -> ExitCode {
-    let config = match args.store.load_config() {
-        Ok(c) => Arc::new(c),
-        Err(f) => return f.exit(),
-    };
-    if args.lease_ms < 300 {
-        return Failure::bad_input("--lease-ms must be >= 300").exit();
-    }
-    let alert_secret = match crate::alerts::secret(&config) {
+    let lease_ms = args.lease_ms;
+    let started = Pod::start("the worker role", &args.store, &args.probes, |config| {
+        if lease_ms < 300 {
+            return Err(Failure::bad_input("--lease-ms must be >= 300"));
+        }
+        crate::alerts::secret(config)
+    })
+    .await;
+    let (pod, alert_secret) = match started {
         Ok(s) => s,
         Err(f) => return f.exit(),
     };
-    // Listening before the store answers (see `probes`).
-    let probes = match args.probes.bind().await {
-        Ok(l) => l.map(probes::spawn),
-        Err(f) => return f.exit(),
-    };
-    let backends = match args
-        .store
-        .shared(
-            "the worker role",
-            Arc::clone(&config),
-            8,
-            Wait::UntilReachable,
-        )
-        .await
-    {
-        Ok(b) => b,
-        Err(f) => return f.exit(),
-    };
+    let (config, backends) = (&pod.config, &pod.backends);
     tracing::info!(store = %backends.described, "worker starting");
-    let providers = match tollgate_providers::from_config_with_plans(
-        &config,
-        Arc::clone(&backends.throttle),
-        &backends.metrics,
-        Arc::clone(&backends.ledger),
-    ) {
+    let providers = match role::providers(config, backends) {
         Ok(p) => p,
-        Err(e) => return fail(exit::BAD_INPUT, e),
+        Err(f) => return f.exit(),
     };
-    let mut cfg = WorkerConfig::new(Arc::clone(&config));
-    cfg.metrics = Arc::clone(&backends.metrics);
-    cfg.streams = Arc::clone(&backends.streams);
+    let mut cfg = role::worker_config(config, backends);
     cfg.concurrency = args.concurrency;
     cfg.lease = Duration::from_millis(args.lease_ms);
     cfg.liveness = (cfg.lease / 2).max(Duration::from_millis(300));
@@ -89,30 +65,15 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     if !args.operations.is_empty() {
         cfg.operations = args.operations;
     }
-    if let Some(p) = &probes {
-        p.ready(&backends);
-    }
-    // One shutdown for the worker and the alerts' deliverer.
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        let _ = stop_tx.send(true);
-    });
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
+    pod.ready();
+    // One stop for the worker and the alerts' deliverer.
+    let stop = Stop::on_signal();
+    let deliverer = match crate::alerts::spawn(config, alert_secret, backends, stop.stopped()) {
+        Ok(d) => d,
+        Err(f) => return f.exit(),
     };
-    let deliverer =
-        match crate::alerts::spawn(&config, alert_secret, &backends, stopped(stop_rx.clone())) {
-            Ok(d) => d,
-            Err(f) => return f.exit(),
-        };
-    let ran = tollgate_worker::run(
-        cfg,
-        Arc::clone(&backends.source),
-        providers,
-        stopped(stop_rx),
-    )
-    .await;
+    let ran =
+        tollgate_worker::run(cfg, Arc::clone(&backends.source), providers, stop.stopped()).await;
     if let Some(d) = deliverer {
         let _ = d.await;
     }
@@ -125,11 +86,5 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
             "throttle tickets not cancelled at exit; they expire at their deadline"
         );
     }
-    if let Some(p) = probes {
-        p.stop().await;
-    }
-    match ran {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(exit::BAD_INPUT, e),
-    }
+    pod.finish(ran).await
 }

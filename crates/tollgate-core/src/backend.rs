@@ -1,26 +1,22 @@
 //! [`Backends`]: the one seam between the roles and their store. Every role
 //! (api, worker, throttler, `all`) and every operator command receives one,
-//! built once from a backend URL by the binary: in memory here
-//! ([`Backends::memory`]), on Redis by `tollgate-redis`. No role names a backend.
+//! built once from a backend URL by the binary: in memory by `tollgate-memory`,
+//! on Redis by `tollgate-redis`, both through [`Backends::assemble`]. No role
+//! names a backend.
 
 use std::sync::Arc;
 
-use crate::activity::{
-    ActivityLog, MemoryActivity, RecordingLedger, RecordingSource, RecordingThrottle,
-};
-use crate::alerts::{AlertOutbox, MemoryAlerts};
-use crate::clock::SystemClock;
+use crate::activity::{ActivityLog, RecordingLedger, RecordingSource, RecordingThrottle};
+use crate::alerts::AlertOutbox;
 use crate::config::Config;
-use crate::durability::{DurabilityCheck, MemoryDurability};
+use crate::durability::DurabilityCheck;
 use crate::job::{JobQueue, JobSource};
-use crate::job_memory::MemoryJobQueue;
-use crate::keystore::{KeyStore, MemoryKeyStore};
+use crate::keystore::KeyStore;
 use crate::ledger::Ledger;
-use crate::memory::MemoryLedger;
 use crate::metrics::{MeteredLedger, Metrics};
-use crate::session::{MemorySessions, SessionStore};
-use crate::stream::{JobStreams, MemoryStreams};
-use crate::throttle::{Dispatchers, MemoryThrottle, Throttle};
+use crate::session::SessionStore;
+use crate::stream::JobStreams;
+use crate::throttle::{Dispatchers, Throttle};
 
 /// The stores of one process, each behind its trait.
 #[derive(Clone, Debug)]
@@ -112,33 +108,5 @@ impl Backends {
             streams: stores.streams,
             alerts: stores.alerts,
         }
-    }
-
-    /// Everything in this process's memory: the embedded mode (`tollgate all`
-    /// without Redis) and tests. Nothing is shared with another process.
-    pub fn memory(config: Arc<Config>) -> Self {
-        let metrics = Arc::new(Metrics::new(&config));
-        let activity: Arc<dyn ActivityLog> = Arc::new(MemoryActivity::new());
-        let alerts = MemoryAlerts::new(Arc::new(SystemClock));
-        let stores = Stores {
-            throttle: Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics))),
-            keys: Arc::new(MemoryKeyStore::new()),
-            dispatchers: None,
-            described: "embedded: in-memory ledger, throttle and job queues".into(),
-            durability: Arc::new(MemoryDurability),
-            sessions: Arc::new(MemorySessions::new()),
-            streams: Arc::new(MemoryStreams::new()),
-            alerts: Arc::new(alerts.clone()),
-        };
-        let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)).with_alerts(alerts));
-        let queue_config = Arc::clone(&config);
-        Self::assemble(
-            config,
-            metrics,
-            activity,
-            ledger,
-            |ledger| Arc::new(MemoryJobQueue::new(queue_config, ledger)),
-            stores,
-        )
     }
 }

@@ -89,22 +89,3 @@ pub trait DurabilityCheck: Send + Sync + fmt::Debug {
         None
     }
 }
-
-/// The in-memory store: nothing outlives the process, so only `none` is
-/// possible (the binary refuses the others without Redis).
-#[derive(Debug, Default)]
-pub struct MemoryDurability;
-
-#[async_trait]
-impl DurabilityCheck for MemoryDurability {
-    async fn check(&self) -> DurabilityReport {
-        DurabilityReport {
-            mode: Durability::None.name(),
-            appendonly: "n/a".into(),
-            appendfsync: "n/a".into(),
-            replicas: None,
-            loss_window: "everything: the state lives in this process".into(),
-            problem: None,
-        }
-    }
-}

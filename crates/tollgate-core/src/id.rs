@@ -128,7 +128,7 @@ impl RequestId {
 
     /// The id back from the shared text a store keeps of it (it was validated
     /// as a `RequestId` when it went in).
-    pub(crate) fn from_kept(kept: &str) -> Self {
+    pub fn from_kept(kept: &str) -> Self {
         Self(kept.to_owned())
     }
 }

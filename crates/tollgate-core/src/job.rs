@@ -1011,6 +1011,8 @@ impl JobOptions {
     }
 }
 
-pub(crate) fn millis(d: Duration) -> u64 {
+/// `d` in whole milliseconds, saturating (a store's deadlines and TTLs are
+/// counted in ms).
+pub fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

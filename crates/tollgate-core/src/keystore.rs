@@ -1,5 +1,5 @@
 //! API keys: how they are made, how they are stored (only as a SHA-256 hash), and
-//! the [`KeyStore`] interface with its in-memory backend.
+//! the [`KeyStore`] interface (its in-memory backend is `tollgate_memory::keystore`).
 //!
 //! A key is `tg_<kind>_` + 36 base62 characters (from the OS's generator, ~214
 //! bits) + a 6-character base62 CRC32 of everything before it, e.g.
@@ -13,9 +13,7 @@
 //! [`KeyRecord`], so a leaked store reveals no usable key. Each key also has a
 //! public id (`kid_...`) that names it in logs and in `DELETE /admin/keys/{key_id}`.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::Mutex;
 
 use async_trait::async_trait;
 use serde::Serialize;
@@ -412,109 +410,6 @@ pub trait KeyStore: Send + Sync + fmt::Debug {
     async fn reindex(&self) -> Result<u64, KeyStoreError>;
 }
 
-/// The embedded key store.
-#[derive(Debug, Default)]
-pub struct MemoryKeyStore {
-    inner: Mutex<MemoryKeys>,
-}
-
-#[derive(Debug, Default)]
-struct MemoryKeys {
-    by_hash: HashMap<KeyHash, KeyRecord>,
-    by_id: HashMap<String, KeyHash>,
-    /// The users index: user -> its key ids, in issue order.
-    by_user: std::collections::BTreeMap<String, Vec<String>>,
-}
-
-impl MemoryKeyStore {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, MemoryKeys> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-#[async_trait]
-impl KeyStore for MemoryKeyStore {
-    async fn insert(&self, key: &ApiKey, record: &KeyRecord) -> Result<(), KeyStoreError> {
-        let mut keys = self.lock();
-        keys.by_id.insert(record.key_id.clone(), key.hash());
-        keys.by_hash.insert(key.hash(), record.clone());
-        keys.by_user
-            .entry(record.user.as_str().to_owned())
-            .or_default()
-            .push(record.key_id.clone());
-        Ok(())
-    }
-
-    async fn lookup(&self, hash: &KeyHash) -> Result<Option<KeyRecord>, KeyStoreError> {
-        Ok(self.lock().by_hash.get(hash).cloned())
-    }
-
-    async fn revoke(&self, key_id: &str) -> Result<Option<KeyRecord>, KeyStoreError> {
-        let mut keys = self.lock();
-        let Some(hash) = keys.by_id.get(key_id).cloned() else {
-            return Ok(None);
-        };
-        Ok(keys.by_hash.get_mut(&hash).map(|r| {
-            r.revoked = true;
-            r.clone()
-        }))
-    }
-
-    async fn has_user(&self, user: &UserId) -> Result<bool, KeyStoreError> {
-        Ok(self.lock().by_user.contains_key(user.as_str()))
-    }
-
-    async fn ping(&self) -> Result<(), KeyStoreError> {
-        Ok(())
-    }
-
-    async fn users(&self, query: &UserQuery) -> Result<UserPage, KeyStoreError> {
-        let keys = self.lock();
-        let (exclusive, start) = query.start();
-        let from = if exclusive {
-            std::ops::Bound::Excluded(start)
-        } else {
-            std::ops::Bound::Included(start)
-        };
-        let mut users: Vec<UserId> = keys
-            .by_user
-            .range::<str, _>((from, std::ops::Bound::Unbounded))
-            .map(|(u, _)| u)
-            .take_while(|u| u.starts_with(query.prefix()))
-            .take(query.limit() + 1)
-            .filter_map(|u| UserId::new(u.as_str()).ok())
-            .collect();
-        let more = users.len() > query.limit();
-        users.truncate(query.limit());
-        Ok(UserPage {
-            next_cursor: users.last().filter(|_| more).cloned(),
-            users,
-        })
-    }
-
-    async fn user_keys(&self, user: &UserId) -> Result<Vec<KeyRecord>, KeyStoreError> {
-        let keys = self.lock();
-        let mut records: Vec<KeyRecord> = keys
-            .by_user
-            .get(user.as_str())
-            .into_iter()
-            .flatten()
-            .filter_map(|id| keys.by_hash.get(keys.by_id.get(id)?).cloned())
-            .collect();
-        records.sort_by(|a, b| (a.created_ms, &a.key_id).cmp(&(b.created_ms, &b.key_id)));
-        Ok(records)
-    }
-
-    async fn reindex(&self) -> Result<u64, KeyStoreError> {
-        // Indexed as each key is inserted.
-        Ok(self.lock().by_user.len() as u64)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -632,27 +527,5 @@ mod tests {
         assert!(secrets_equal("s3cret", "s3cret"));
         assert!(!secrets_equal("s3cret", "s3creT"));
         assert!(!secrets_equal("s3cret", ""));
-    }
-
-    #[tokio::test]
-    async fn memory_store_revokes() {
-        let store = MemoryKeyStore::new();
-        let key = ApiKey::generate().unwrap();
-        let record = KeyRecord {
-            key_id: generate_key_id().unwrap(),
-            user: UserId::new("alice").unwrap(),
-            created_ms: 1,
-            revoked: false,
-            kind: KeyKind::User,
-            allowed_plans: Vec::new(),
-        };
-        store.insert(&key, &record).await.unwrap();
-        assert_eq!(
-            store.lookup(&key.hash()).await.unwrap(),
-            Some(record.clone())
-        );
-        assert!(store.revoke(&record.key_id).await.unwrap().unwrap().revoked);
-        assert!(store.lookup(&key.hash()).await.unwrap().unwrap().revoked);
-        assert_eq!(store.revoke("kid_0000000000000000").await.unwrap(), None);
     }
 }

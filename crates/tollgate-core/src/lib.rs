@@ -2,10 +2,11 @@
 //! operations, config), the [`ledger::Ledger`], [`throttle::Throttle`] and job
 //! ([`job::JobQueue`], [`job::JobSource`]) traits that backends implement, the
 //! [`backend::Backends`] bundle through which every role reaches them, and the
-//! in-memory backends that the embedded mode runs on.
+//! protocols written once for both backends (e.g. [`job::JobQueue::submit`]).
 //!
 //! Every public name has one path: its module's (nothing is re-exported at the
-//! root). Nothing here talks to the network; the Redis backend lives in
+//! root). Nothing here talks to the network. The backends that implement the
+//! traits live beside it: in memory in `tollgate-memory`, on Redis in
 //! `tollgate-redis`.
 
 pub mod activity;
@@ -20,10 +21,8 @@ pub mod fair;
 pub mod head;
 pub mod id;
 pub mod job;
-pub mod job_memory;
 pub mod keystore;
 pub mod ledger;
-pub mod memory;
 pub mod metrics;
 pub mod refund;
 pub mod session;

@@ -1711,64 +1711,6 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn shared_state_gauges_come_from_the_stores_at_scrape_time() {
-        let config = Arc::new(Config::builtin());
-        let backends = crate::backend::Backends::memory(Arc::clone(&config));
-        let m = &backends.metrics;
-        assert!(!m.render().contains("tollgate_queue_depth"));
-        let failed = m
-            .refresh(
-                backends.jobs.as_ref(),
-                backends.throttle.as_ref(),
-                STATS_TIMEOUT,
-            )
-            .await;
-        assert!(failed.is_empty(), "{failed:?}");
-        let text = m.render();
-        for line in [
-            "tollgate_queue_depth{operation=\"llm.structured\"} 0",
-            "tollgate_queue_dead{operation=\"llm.structured\"} 0",
-            "tollgate_throttle_tokens{provider=\"llm\"} 10",
-            "tollgate_throttle_waiters{provider=\"llm\"} 0",
-            "tollgate_stats_errors_total{source=\"jobs\"} 0",
-        ] {
-            assert!(text.contains(line), "{line}\n{text}");
-        }
-        // In process there are no worker or throttler records to count.
-        assert!(!text.contains("tollgate_queue_workers"), "{text}");
-        assert!(!text.contains("tollgate_throttle_throttlers"), "{text}");
-    }
-
-    #[tokio::test]
-    async fn denials_are_counted_by_plan() {
-        let config = Arc::new(Config::builtin());
-        let backends = crate::backend::Backends::memory(Arc::clone(&config));
-        let user = UserId::new("u").unwrap();
-        let free = config.plan("free").unwrap().max_cost();
-        let r = backends
-            .ledger
-            .reserve(&user, &RequestId::new("r1").unwrap(), free)
-            .await
-            .unwrap();
-        assert!(r.is_allowed());
-        let r = backends
-            .ledger
-            .reserve(&user, &RequestId::new("r2").unwrap(), 1)
-            .await
-            .unwrap();
-        assert!(!r.is_allowed());
-        let text = backends.metrics.render();
-        assert!(
-            text.contains("tollgate_budget_denials_total{plan=\"free\"} 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("tollgate_ledger_duration_seconds_count{step=\"reserve\"} 2"),
-            "{text}"
-        );
-    }
-
     #[test]
     fn loops_report_when_they_end_or_fall_silent() {
         let loops = Loops::default();

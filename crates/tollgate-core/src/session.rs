@@ -1,4 +1,5 @@
-//! Dashboard sessions: the [`SessionStore`] interface and its in-memory backend.
+//! Dashboard sessions: the [`SessionStore`] interface (its in-memory backend
+//! is `tollgate_memory::sessions`).
 //!
 //! A login opens a session in the store and sets a cookie holding only its
 //! [`SessionId`] (32 random bytes); the store keeps the session under the id's
@@ -8,15 +9,12 @@
 //! an idle time without a request. The store's clock decides both expiries
 //! (Redis `TIME` on Redis), never a pod's.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 
-use crate::clock::{Clock, SystemClock};
 use crate::error::StoreError;
 
 /// What a session may do: both read the dashboard; neither changes anything
@@ -165,67 +163,6 @@ pub trait SessionStore: Send + Sync + fmt::Debug {
 
     /// Ends the session under `id` (nothing when there is none).
     async fn close(&self, id: &SessionHash) -> Result<(), StoreError>;
-}
-
-/// Sessions in this process's memory (`tollgate all` without Redis).
-#[derive(Debug, Default)]
-pub struct MemorySessions {
-    sessions: Mutex<HashMap<SessionHash, (Session, Instant)>>,
-}
-
-impl MemorySessions {
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-#[async_trait]
-impl SessionStore for MemorySessions {
-    async fn open(
-        &self,
-        id: &SessionHash,
-        session: &NewSession,
-        limits: SessionLimits,
-    ) -> Result<Session, StoreError> {
-        let now = SystemClock.now_ms();
-        let lifetime = u64::try_from(limits.lifetime.as_millis()).unwrap_or(u64::MAX);
-        let stored = Session {
-            role: session.role,
-            csrf: session.csrf.clone(),
-            credential: session.credential.clone(),
-            expires_ms: now.saturating_add(lifetime),
-        };
-        let idle_until = Instant::now() + limits.idle.min(limits.lifetime);
-        let mut sessions = crate::lock(&self.sessions);
-        // Forget the expired ones: the map holds only live sessions.
-        sessions.retain(|_, (s, idle)| s.expires_ms > now && *idle > Instant::now());
-        if sessions.contains_key(id) {
-            return Err(StoreError::backend("session id already in use"));
-        }
-        sessions.insert(id.clone(), (stored.clone(), idle_until));
-        Ok(stored)
-    }
-
-    async fn touch(&self, id: &SessionHash, idle: Duration) -> Result<Option<Session>, StoreError> {
-        let now_ms = SystemClock.now_ms();
-        let now = Instant::now();
-        let mut sessions = crate::lock(&self.sessions);
-        let Some((session, idle_until)) = sessions.get_mut(id) else {
-            return Ok(None);
-        };
-        if session.expires_ms <= now_ms || *idle_until <= now {
-            sessions.remove(id);
-            return Ok(None);
-        }
-        let left = Duration::from_millis(session.expires_ms - now_ms);
-        *idle_until = now + idle.min(left);
-        Ok(Some(session.clone()))
-    }
-
-    async fn close(&self, id: &SessionHash) -> Result<(), StoreError> {
-        crate::lock(&self.sessions).remove(id);
-        Ok(())
-    }
 }
 
 #[cfg(test)]

@@ -11,16 +11,15 @@
 //! the reader went away (the client disconnected) from its next append, and
 //! the upstream call is cut.
 //!
-//! Memory: a bounded channel per stream (a slow reader holds the writer back).
+//! Memory: a bounded channel per stream, a slow reader holds the writer back
+//! (`tollgate-memory`).
 //! Redis: a Redis Stream per job, bounded and expiring (`tollgate-redis`).
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::mpsc;
 
 use crate::error::StoreError;
 use crate::id::RequestId;
@@ -139,106 +138,6 @@ pub fn wants_stream(input: &serde_json::Value) -> bool {
     input.get("stream").and_then(serde_json::Value::as_bool) == Some(true)
 }
 
-/// The in-process streams: a bounded channel per open reader.
-#[derive(Debug, Default)]
-pub struct MemoryStreams {
-    open: Arc<Mutex<HashMap<String, mpsc::Sender<StreamEntry>>>>,
-}
-
-impl MemoryStreams {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Streams with a reader open now.
-    pub fn open_streams(&self) -> usize {
-        crate::lock(&self.open).len()
-    }
-}
-
-#[derive(Debug)]
-struct MemoryReader {
-    id: String,
-    rx: mpsc::Receiver<StreamEntry>,
-    open: Arc<Mutex<HashMap<String, mpsc::Sender<StreamEntry>>>>,
-    continuity: Continuity,
-}
-
-impl Drop for MemoryReader {
-    fn drop(&mut self) {
-        crate::lock(&self.open).remove(&self.id);
-    }
-}
-
-#[async_trait]
-impl StreamReader for MemoryReader {
-    async fn next(&mut self, wait: Duration) -> Result<Read, StoreError> {
-        match tokio::time::timeout(wait, self.rx.recv()).await {
-            Err(_) => Ok(Read::Idle),
-            Ok(Some(entry)) => Ok(Read::Event(self.continuity.accept(entry))),
-            // Every writer dropped; the reader's map entry keeps a sender,
-            // so this only happens once the entry was replaced.
-            Ok(None) => Ok(Read::Event(StreamEvent::Error(
-                "the stream was closed".into(),
-            ))),
-        }
-    }
-}
-
-#[derive(Debug)]
-struct MemoryWriter {
-    tx: Option<mpsc::Sender<StreamEntry>>,
-    attempt: u32,
-    seq: std::sync::atomic::AtomicU64,
-}
-
-#[async_trait]
-impl StreamWriter for MemoryWriter {
-    async fn push(&self, event: StreamEvent) -> Result<bool, StoreError> {
-        let Some(tx) = &self.tx else {
-            // Nobody opened a reader (an operation call that asked to
-            // stream): the events go nowhere, the call runs to its end.
-            return Ok(true);
-        };
-        let seq = match event {
-            StreamEvent::Head(_) => self.seq.load(std::sync::atomic::Ordering::SeqCst),
-            _ => self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1,
-        };
-        let entry = StreamEntry {
-            attempt: self.attempt,
-            seq,
-            event,
-        };
-        Ok(tx.send(entry).await.is_ok())
-    }
-}
-
-#[async_trait]
-impl JobStreams for MemoryStreams {
-    async fn open(
-        &self,
-        _operation: &str,
-        id: &RequestId,
-    ) -> Result<Box<dyn StreamReader>, StoreError> {
-        let (tx, rx) = mpsc::channel(STREAM_CAPACITY);
-        crate::lock(&self.open).insert(id.as_str().to_owned(), tx);
-        Ok(Box::new(MemoryReader {
-            id: id.as_str().to_owned(),
-            rx,
-            open: Arc::clone(&self.open),
-            continuity: Continuity::default(),
-        }))
-    }
-
-    fn writer(&self, job: &Job) -> Arc<dyn StreamWriter> {
-        Arc::new(MemoryWriter {
-            tx: crate::lock(&self.open).get(job.id.as_str()).cloned(),
-            attempt: job.attempt,
-            seq: std::sync::atomic::AtomicU64::new(0),
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -266,52 +165,5 @@ mod tests {
         assert_eq!(c.accept(e), StreamEvent::Head(head));
         assert!(matches!(c.accept(entry(3, 1)), StreamEvent::Error(m) if m.contains("stopped")));
         assert!(matches!(c.accept(entry(2, 4)), StreamEvent::Error(m) if m.contains("lost")));
-    }
-
-    #[tokio::test]
-    async fn memory_streams_pass_events_and_tell_the_writer_when_the_reader_left() {
-        let streams = MemoryStreams::new();
-        let id = RequestId::new("r1").unwrap();
-        let job = Job {
-            id: id.clone(),
-            user: crate::id::UserId::new("u").unwrap(),
-            operation: "op".into(),
-            provider: "p".into(),
-            input: serde_json::json!({"stream": true}),
-            cost: 1,
-            enqueued_at_ms: 0,
-            deadline_ms: u64::MAX,
-            attempt: 1,
-            nonce: "n".into(),
-            trace: None,
-        };
-        let mut reader = streams.open("op", &id).await.unwrap();
-        let writer = streams.writer(&job);
-        assert!(writer
-            .push(StreamEvent::Data("data: a".into()))
-            .await
-            .unwrap());
-        assert!(writer.push(StreamEvent::End).await.unwrap());
-        let wait = Duration::from_secs(1);
-        assert_eq!(
-            reader.next(wait).await.unwrap(),
-            Read::Event(StreamEvent::Data("data: a".into()))
-        );
-        assert_eq!(
-            reader.next(wait).await.unwrap(),
-            Read::Event(StreamEvent::End)
-        );
-        assert_eq!(
-            reader.next(Duration::from_millis(10)).await.unwrap(),
-            Read::Idle
-        );
-        drop(reader);
-        assert_eq!(streams.open_streams(), 0);
-        assert!(!writer
-            .push(StreamEvent::Data("data: b".into()))
-            .await
-            .unwrap());
-        // No reader at all: the events go nowhere, the call goes on.
-        assert!(streams.writer(&job).push(StreamEvent::End).await.unwrap());
     }
 }

@@ -83,7 +83,7 @@ impl WorkerConfig {
         Self {
             operations: config.operations().map(|o| o.name.clone()).collect(),
             metrics: Arc::new(Metrics::new(&config)),
-            streams: Arc::new(tollgate_core::stream::MemoryStreams::new()),
+            streams: Arc::new(tollgate_memory::streams::MemoryStreams::new()),
             config,
             concurrency: 32,
             lease: Duration::from_secs(10),

@@ -11,11 +11,12 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{JobQueue, JobRequest, JobSource, JobStatus, SubmitOutcome},
-    job_memory::MemoryJobQueue,
     ledger::Ledger,
-    memory::MemoryLedger,
-    throttle::{MemoryThrottle, Throttle},
+    throttle::Throttle,
 };
+use tollgate_memory::jobs::MemoryJobQueue;
+use tollgate_memory::ledger::MemoryLedger;
+use tollgate_memory::throttle::MemoryThrottle;
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::process::Procs;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};

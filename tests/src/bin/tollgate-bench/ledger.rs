@@ -13,8 +13,8 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     ledger::Ledger,
-    memory::MemoryLedger,
 };
+use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts};
 use tollgate_tests::{slowlog, RedisServer};
 

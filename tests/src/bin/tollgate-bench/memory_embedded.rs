@@ -16,8 +16,8 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     ledger::{ChargeOutcome, ChargeRequest, Ledger, ReserveOutcome},
-    memory::MemoryLedger,
 };
+use tollgate_memory::ledger::MemoryLedger;
 
 use crate::alloc;
 

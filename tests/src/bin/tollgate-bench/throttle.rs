@@ -273,7 +273,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
         return Ok(());
     }
-    let memory = Arc::new(tollgate_core::throttle::MemoryThrottle::new(&config));
+    let memory = Arc::new(tollgate_memory::throttle::MemoryThrottle::new(&config));
     let (p50, p99) = latency(memory.as_ref(), args.latency_samples).await?;
     let rate = throughput(memory, args.in_flight, args.seconds).await?;
     println!(

@@ -15,16 +15,16 @@ use async_trait::async_trait;
 use serde_json::Value;
 use tokio::sync::Notify;
 
-use crate::clock::{Clock, SystemClock};
-use crate::config::Config;
-use crate::head::Head;
-use crate::id::{RequestId, UserId};
-use crate::job::{
+use tollgate_core::clock::{Clock, SystemClock};
+use tollgate_core::config::Config;
+use tollgate_core::head::Head;
+use tollgate_core::id::{RequestId, UserId};
+use tollgate_core::job::{
     self, millis, Charge, Enqueued, FailureCause, Finish, FullMarks, Job, JobError, JobInfo,
     JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
 };
-use crate::ledger::Ledger;
-use crate::lock;
+use tollgate_core::ledger::Ledger;
+use tollgate_core::lock;
 
 #[derive(Debug, Clone)]
 enum Phase {
@@ -133,7 +133,10 @@ impl State {
 fn final_len(status: &JobStatus) -> usize {
     match status {
         JobStatus::Succeeded { result, head } => {
-            result.to_string().len() + head.as_ref().map_or(0, crate::head::Head::stored_len)
+            result.to_string().len()
+                + head
+                    .as_ref()
+                    .map_or(0, tollgate_core::head::Head::stored_len)
         }
         JobStatus::Failed { message, .. } => message.len(),
         JobStatus::Queued | JobStatus::Running => 0,

@@ -19,18 +19,19 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 
-use crate::alerts::{AlertMarks, Crossing, MemoryAlerts};
-use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, Limit, Plan};
-use crate::id::{OrgId, RequestId, UserId};
-use crate::ledger::{
+use crate::alerts::MemoryAlerts;
+use std::borrow::Cow;
+use tollgate_core::alerts::{AlertMarks, Crossing};
+use tollgate_core::clock::{Clock, SystemClock};
+use tollgate_core::config::{Config, Limit, Plan};
+use tollgate_core::id::{OrgId, RequestId, UserId};
+use tollgate_core::ledger::{
     audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
     Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, EventCursor,
     EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage, OrgWindows,
     RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse, CUSTOM_PLAN,
 };
-use crate::lock;
-use std::borrow::Cow;
+use tollgate_core::lock;
 
 const SHARDS: usize = 64;
 /// One shard is swept for idle users every this many operations.
@@ -1224,7 +1225,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         request: &RequestId,
         actual_cost: u64,
     ) -> Result<SettleOutcome, LedgerError> {
-        if actual_cost > crate::config::MAX_TOKENS {
+        if actual_cost > tollgate_core::config::MAX_TOKENS {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
         Ok(self.with_user(user, false, |log, mut side, now| {
@@ -1406,10 +1407,10 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             if let Some(d) = side.as_ref().and_then(|s| s.deny(log, limits, cost, now)) {
                 return Ok(ChargeOutcome::Denied(d));
             }
-            let deadline_ms = now.saturating_add(crate::job::millis(charge.deadline));
+            let deadline_ms = now.saturating_add(tollgate_core::job::millis(charge.deadline));
             log.seq += 1;
             let hold = (
-                deadline_ms.saturating_add(crate::job::millis(charge.grace)),
+                deadline_ms.saturating_add(tollgate_core::job::millis(charge.grace)),
                 log.seq,
             );
             let owner = Box::new(Owner {
@@ -1706,8 +1707,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
     use std::time::Duration;
+    use tollgate_core::clock::ManualClock;
 
     #[tokio::test]
     async fn idle_users_are_swept() {
