@@ -85,24 +85,8 @@ struct OrgLog {
 
 /// The thresholds of `marks` each window of `log` crossed since its `before`.
 fn org_crossings(log: &OrgLog, marks: &AlertMarks, now: u64) -> Vec<Crossing> {
-    let mut out = Vec::new();
-    for (i, (limit, window_ms, thresholds)) in marks.limits.iter().enumerate() {
-        let (Some(&before), after) = (log.before.get(i), log.used(i)) else {
-            continue;
-        };
-        for &(threshold_bp, tokens) in thresholds {
-            if before < tokens && after >= tokens {
-                out.push(Crossing {
-                    window_ms: *window_ms,
-                    threshold_bp,
-                    used: after,
-                    limit: *limit,
-                    at_ms: now,
-                });
-            }
-        }
-    }
-    out
+    let after: Vec<u64> = (0..log.before.len()).map(|i| log.used(i)).collect();
+    marks.crossings(&log.before, &after, now)
 }
 
 fn org_key(user: &UserId, request: &str) -> Arc<str> {
