@@ -44,9 +44,22 @@ pub struct Args {
     /// Streams open at once for the memory measure (on Redis).
     #[arg(long, default_value_t = 50)]
     open_streams: usize,
+    /// Another `tollgate` binary (e.g. the release build of an earlier
+    /// commit): its `all`, embedded and on Redis (the same redis-server,
+    /// another key prefix), join the rounds as two more targets, so that both
+    /// builds are measured in one session, in the same rotation.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
 }
 
-const TARGETS: [&str; 4] = ["direct", "direct (A/A)", "embedded", "redis"];
+const TARGETS: [&str; 6] = [
+    "direct",
+    "direct (A/A)",
+    "embedded",
+    "redis",
+    "embedded (base)",
+    "redis (base)",
+];
 
 fn config(mock: &str) -> String {
     format!(
@@ -212,30 +225,45 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let path = path.to_str().context("config path")?.to_owned();
     let redis = RedisServer::start();
     let prefix = random_prefix();
-    let all = |extra: &[&str]| {
+    let all = |bin: &std::path::Path, extra: &[&str]| {
         let mut a = vec!["all", "--listen", "127.0.0.1:0", "--config", &path];
         a.extend_from_slice(extra);
-        let (child, lines) =
-            spawn_reading(&bin, &a, |l| l.iter().any(|l| l.contains("/v1/usage")))?;
+        let (child, lines) = spawn_reading(bin, &a, |l| l.iter().any(|l| l.contains("/v1/usage")))?;
         let base = banner_value(&lines, "listening on ");
         let key = banner_value(&lines, "Bearer ");
         anyhow::Ok((child, base, key))
     };
-    let (emb_child, emb, emb_key) = all(&[])?;
+    let (emb_child, emb, emb_key) = all(&bin, &[])?;
     let redis_url = redis.url();
-    let (red_child, red, red_key) = all(&["--redis-url", &redis_url, "--key-prefix", &prefix])?;
-    let _procs = Procs(vec![mock_child, emb_child, red_child]);
+    let (red_child, red, red_key) =
+        all(&bin, &["--redis-url", &redis_url, "--key-prefix", &prefix])?;
+    let mut procs = vec![mock_child, emb_child, red_child];
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()?;
     let direct = format!("{mock}/v1/chat/completions");
     let through = |base: &str| format!("{base}/v1/passthrough/openai/chat/completions");
-    let targets: [(String, Option<&str>); 4] = [
+    let mut targets: Vec<(String, Option<String>)> = vec![
         (direct.clone(), None),
         (direct.clone(), None),
-        (through(&emb), Some(emb_key.as_str())),
-        (through(&red), Some(red_key.as_str())),
+        (through(&emb), Some(emb_key.clone())),
+        (through(&red), Some(red_key.clone())),
     ];
+    if let Some(baseline) = &args.baseline {
+        let base_prefix = random_prefix();
+        let (c, url, key) = all(baseline, &[])?;
+        procs.push(c);
+        targets.push((through(&url), Some(key)));
+        let (c, url, key) = all(
+            baseline,
+            &["--redis-url", &redis_url, "--key-prefix", &base_prefix],
+        )?;
+        procs.push(c);
+        targets.push((through(&url), Some(key)));
+        println!("baseline: {}", baseline.display());
+    }
+    let _procs = Procs(procs);
+    let n = targets.len();
     println!(
         "stream bench ({}): {} rounds x {} streams per target, {} events per stream, {} ms apart; load average {}",
         bin.display(),
@@ -248,18 +276,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // Warm-up: connections, script loads, first jobs.
     for (url, key) in &targets {
         for _ in 0..3 {
-            one_stream(&http, url, *key, args.words).await?;
+            one_stream(&http, url, key.as_deref(), args.words).await?;
         }
     }
-    let mut ttfts: [Vec<Duration>; 4] = Default::default();
-    let mut delays: [Vec<Duration>; 4] = Default::default();
+    let mut ttfts: Vec<Vec<Duration>> = vec![Vec::new(); n];
+    let mut delays: Vec<Vec<Duration>> = vec![Vec::new(); n];
     let mut events = 0;
     for round in 0..args.rounds {
-        for k in 0..TARGETS.len() {
-            let t = (round + k) % TARGETS.len();
+        for k in 0..n {
+            let t = (round + k) % n;
             let (url, key) = &targets[t];
             for _ in 0..args.streams {
-                let s = one_stream(&http, url, *key, args.words).await?;
+                let s = one_stream(&http, url, key.as_deref(), args.words).await?;
                 ttfts[t].push(s.ttft);
                 delays[t].extend(s.delays);
                 events = s.events;
@@ -268,17 +296,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     println!("{events} data events per stream (tokens, the role and stop chunks, [DONE])");
     println!(
-        "{:<14} {:>10} {:>10} {:>14} {:>14} {:>10}",
+        "{:<16} {:>10} {:>10} {:>14} {:>14} {:>10}",
         "target", "ttft p50", "ttft p99", "event p50", "event p99", "events"
     );
-    let mut p50s = [(0.0, 0.0); 4];
-    for t in 0..TARGETS.len() {
+    let mut p50s = vec![(0.0, 0.0); n];
+    for t in 0..n {
         let ttft = Samples::new(ttfts[t].clone());
         let n = delays[t].len();
         let delay = Samples::new(delays[t].clone());
         p50s[t] = (ms(ttft.median()), ms(delay.median()));
         println!(
-            "{:<14} {:>8.2}ms {:>8.2}ms {:>12.3}ms {:>12.3}ms {:>10}",
+            "{:<16} {:>8.2}ms {:>8.2}ms {:>12.3}ms {:>12.3}ms {:>10}",
             TARGETS[t],
             ms(ttft.median()),
             ms(ttft.pct(99.0)),
@@ -288,9 +316,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     let base = p50s[0];
-    for t in 1..TARGETS.len() {
+    for t in 1..n {
         println!(
-            "added over direct at p50, {:<13} first token {:+.2} ms, per event {:+.3} ms",
+            "added over direct at p50, {:<16} first token {:+.2} ms, per event {:+.3} ms",
             TARGETS[t],
             p50s[t].0 - base.0,
             p50s[t].1 - base.1
