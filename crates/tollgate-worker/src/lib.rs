@@ -535,12 +535,16 @@ async fn lost_stream(
 
 /// Settles the job's charge to the cost the provider reported, when its
 /// operation says where to read it (`Null`: no answer, the estimate). A store
-/// failure is retried briefly, then the charge stays what it is (never lost:
-/// the most reserved, or the estimate).
+/// failure is retried with backoff as long as a finishing call is
+/// ([`RECORD_FOR`]): an outage the job's recording waits out (a Redis
+/// restart) leaves the charge where the outcome rules put it, not at the most
+/// reserved. Past that the charge stays what it is (never lost: the most
+/// reserved, or the estimate).
 async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Value) {
     use tollgate_core::job::Settled;
+    let give_up = tokio::time::Instant::now() + RECORD_FOR;
     let mut backoff = Duration::from_millis(50);
-    for attempt in 1..=3 {
+    loop {
         match source.settle(lease, answer).await {
             Ok(Settled::Fixed) => {}
             Ok(Settled::To { estimate, cost }) => {
@@ -557,14 +561,14 @@ async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Valu
             Ok(Settled::NotOwned) => {
                 tracing::warn!("the charge is not this job's any more; nothing settled");
             }
-            Err(e) if attempt < 3 => {
-                tracing::warn!(error = %e, "settling the charge failed; retrying");
+            Err(e) if tokio::time::Instant::now() + backoff < give_up => {
+                tracing::warn!(error = %e, ?backoff, "settling the charge failed; retrying");
                 tokio::time::sleep(backoff).await;
-                backoff *= 2;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
                 continue;
             }
             Err(e) => {
-                tracing::error!(error = %e, "settling the charge failed; the estimate stands");
+                tracing::error!(error = %e, "settling the charge failed; the charge stays as it is");
             }
         }
         return;
