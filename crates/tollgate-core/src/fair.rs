@@ -124,9 +124,10 @@ impl<T> Default for FairQueue<T> {
     }
 }
 
-/// The head of the queue: whose waiter is served next.
+/// Whose waiter is served next (the front of the queue; not an upstream
+/// answer's [`crate::head::Head`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Head {
+pub struct Next {
     pub user: String,
     pub ticket: u64,
 }
@@ -202,7 +203,7 @@ impl<T> FairQueue<T> {
     /// The next waiter to serve: drops waiters for whom `alive` is false at
     /// the head (returns how many), parks the tickets of users at their cap.
     /// `None` when nobody can be served now.
-    pub fn head(&mut self, now: Instant, alive: impl Fn(&T) -> bool) -> (Option<Head>, u64) {
+    pub fn head(&mut self, now: Instant, alive: impl Fn(&T) -> bool) -> (Option<Next>, u64) {
         let mut skipped = 0;
         loop {
             let Some((&key, (user, item))) = self.tickets.first_key_value() else {
@@ -238,7 +239,7 @@ impl<T> FairQueue<T> {
                 }
             }
             return (
-                Some(Head {
+                Some(Next {
                     user,
                     ticket: key.1,
                 }),
@@ -255,7 +256,7 @@ impl<T> FairQueue<T> {
     /// Serves `head` (from [`FairQueue::head`]): the virtual clock moves to
     /// its tag, and a capped user's slot counts as in flight until
     /// [`FairQueue::done`] or its hold ends.
-    pub fn grant(&mut self, head: &Head, now: Instant) -> Option<T> {
+    pub fn grant(&mut self, head: &Next, now: Instant) -> Option<T> {
         let (&key, _) = self.tickets.first_key_value()?;
         if key.1 != head.ticket {
             return None;
