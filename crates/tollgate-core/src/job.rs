@@ -232,10 +232,10 @@ impl Charge {
     }
 }
 
-/// Waiters by job id, woken when a job finishes: both queues use it (the memory
+/// Watchers by job id, woken when a job finishes: both queues use it (the memory
 /// queue when it records an outcome, the Redis queue from its one subscription).
 #[derive(Debug, Default)]
-pub struct Waiters {
+pub struct Watchers {
     by_id: Mutex<HashMap<String, Arc<Bell>>>,
 }
 
@@ -254,7 +254,7 @@ impl Bell {
     }
 }
 
-impl Waiters {
+impl Watchers {
     /// Registers interest in job `id`: every later ring of it is seen by the
     /// returned [`Watch`]. Register before the job can finish.
     pub fn watch(self: &Arc<Self>, id: &RequestId) -> Watch {
@@ -266,7 +266,7 @@ impl Waiters {
         Watch {
             seen: bell.rings.load(Ordering::SeqCst),
             bell,
-            waiters: Arc::clone(self),
+            watchers: Arc::clone(self),
             id: id.as_str().to_owned(),
         }
     }
@@ -286,10 +286,10 @@ impl Waiters {
     }
 }
 
-/// Interest in one job's outcome; see [`Waiters::watch`].
+/// Interest in one job's outcome; see [`Watchers::watch`].
 #[derive(Debug)]
 pub struct Watch {
-    waiters: Arc<Waiters>,
+    watchers: Arc<Watchers>,
     bell: Arc<Bell>,
     id: String,
     seen: u64,
@@ -297,7 +297,7 @@ pub struct Watch {
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        let mut map = crate::lock(&self.waiters.by_id);
+        let mut map = crate::lock(&self.watchers.by_id);
         // Two references left: the map's and this watch's.
         if map.get(&self.id).is_some_and(|b| Arc::strong_count(b) <= 2) {
             map.remove(&self.id);
@@ -600,7 +600,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
     /// Registers interest in job `id` (before it can finish).
     fn watch(&self, id: &RequestId) -> Watch;
 
-    /// How often a waiter re-reads a job besides being woken.
+    /// How often a watcher re-reads a job besides being woken.
     fn poll(&self) -> Duration;
 
     /// Every configured operation's queue, by operation name.
@@ -936,7 +936,7 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     /// Extends the lease; `Finish::LeaseLost` when it is not ours any more.
     async fn renew(&self, lease: &Lease, by: Duration) -> Result<Finish, JobError>;
 
-    /// Records the result (kept for the result TTL) and wakes the waiters.
+    /// Records the result (kept for the result TTL) and wakes the watchers.
     async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError>;
 
     /// [`complete`](Self::complete), keeping the upstream answer's `head`
@@ -952,7 +952,7 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
         self.complete(lease, result).await
     }
 
-    /// Records a final failure, wakes the waiters, and does with the job's
+    /// Records a final failure, wakes the watchers, and does with the job's
     /// charge what `charge` says: releases it once, or leaves it standing.
     /// `charge` must agree with `cause` ([`FailureCause::charged`]): the
     /// status says whether the user was charged from the cause.
@@ -985,7 +985,7 @@ pub struct JobOptions {
     /// operation's own `result_ttl` applies up to this ([`Self::result_ttl`]).
     /// Default 7 days (the most `result_ttl` may be): the config decides.
     pub result_ttl: Duration,
-    /// How often a waiter re-reads the status besides being woken.
+    /// How often a watcher re-reads the status besides being woken.
     pub poll: Duration,
     /// A failed job's refund left pending this long is finished by maintenance.
     pub refund_grace: Duration,

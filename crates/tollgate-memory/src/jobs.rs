@@ -21,7 +21,7 @@ use tollgate_core::head::Head;
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{
     self, millis, Charge, Enqueued, FailureCause, Finish, FullMarks, Job, JobError, JobInfo,
-    JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
+    JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Watchers, Watch,
 };
 use tollgate_core::ledger::Ledger;
 use tollgate_core::lock;
@@ -153,7 +153,7 @@ pub struct MemoryJobQueue {
     /// Woken when a job is queued.
     queued: Notify,
     /// Rung when a job finishes.
-    waiters: Arc<Waiters>,
+    watchers: Arc<Watchers>,
     /// Refusals for stored bytes remembered in process.
     full_marks: FullMarks,
 }
@@ -184,7 +184,7 @@ impl MemoryJobQueue {
             options,
             state: Mutex::new(State::default()),
             queued: Notify::new(),
-            waiters: Arc::default(),
+            watchers: Arc::default(),
             full_marks: FullMarks::default(),
         }
     }
@@ -219,7 +219,7 @@ impl MemoryJobQueue {
         rec.refund_pending = refund;
         st.keep(&lease.job.id, len);
         drop(st);
-        self.waiters.ring(lease.job.id.as_str());
+        self.watchers.ring(lease.job.id.as_str());
         Finish::Recorded
     }
 
@@ -256,7 +256,7 @@ impl MemoryJobQueue {
             rec.refund_pending = release;
             st.keep(id, len);
         }
-        self.waiters.ring(id.as_str());
+        self.watchers.ring(id.as_str());
         if release {
             // A release that fails here stays pending; the next `maintain` retries it.
             let _ = self.release(id).await;
@@ -323,7 +323,7 @@ impl JobQueue for MemoryJobQueue {
     }
 
     fn watch(&self, id: &RequestId) -> Watch {
-        self.waiters.watch(id)
+        self.watchers.watch(id)
     }
 
     async fn enqueue(

@@ -20,8 +20,8 @@
 //! attempt's charge), confirm (`job_refunded.lua`). Maintenance finishes
 //! releases left pending by a crash.
 //!
-//! **Waking waiters** does not depend on pub/sub alone: finishing scripts
-//! publish the job id, and a waiter also re-reads the record every `poll`.
+//! **Waking watchers** does not depend on pub/sub alone: finishing scripts
+//! publish the job id, and a watcher also re-reads the record every `poll`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -38,7 +38,7 @@ use tollgate_core::{
     id::{RequestId, UserId},
     job::{
         Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource,
-        JobStatus, Lease, Maintenance, QueueStats, Waiters, Watch,
+        JobStatus, Lease, Maintenance, QueueStats, Watchers, Watch,
     },
     ledger::Ledger,
 };
@@ -72,13 +72,13 @@ pub struct RedisJobQueue {
     channel: String,
     /// Idle connections for BLMOVE, one per concurrent take.
     blocking: Mutex<Vec<Blocking>>,
-    waiters: Arc<Waiters>,
+    watchers: Arc<Watchers>,
     /// Refusals for stored bytes remembered in process.
     full_marks: job::FullMarks,
     /// Ids seen in this process's processing lists with their job still
     /// queued (never leased), by list: moved back if still so next round.
     suspects: Mutex<HashMap<String, HashSet<String>>>,
-    /// The waiters' subscription, started by the first wait; dropping it
+    /// The watchers' subscription, started by the first wait; dropping it
     /// stops the subscription.
     subscription: Mutex<Option<oneshot::Sender<()>>>,
 }
@@ -92,7 +92,7 @@ impl std::fmt::Debug for RedisJobQueue {
 }
 
 impl RedisJobQueue {
-    /// A queue on `pool` (blocking takes and the waiters' subscription open
+    /// A queue on `pool` (blocking takes and the watchers' subscription open
     /// connections of their own to the same Redis). `ledger` charges and
     /// releases.
     pub fn new(
@@ -111,7 +111,7 @@ impl RedisJobQueue {
             options,
             timeout: DEFAULT_TIMEOUT,
             blocking: Mutex::new(Vec::new()),
-            waiters: Arc::new(Waiters::default()),
+            watchers: Arc::new(Watchers::default()),
             full_marks: job::FullMarks::default(),
             suspects: Mutex::default(),
             subscription: Mutex::new(None),
@@ -291,7 +291,7 @@ impl RedisJobQueue {
             *subscription = Some(subscription::spawn(
                 &self.pool,
                 channels,
-                Arc::clone(&self.waiters),
+                Arc::clone(&self.watchers),
                 Duration::from_millis(200),
             ));
         }
@@ -446,11 +446,11 @@ enum Taken {
     Empty,
 }
 
-/// The finished-jobs channel rings the waiters of each job; after every
-/// (re)subscription every waiter is rung to re-read its job (what was published
+/// The finished-jobs channel rings the watchers of each job; after every
+/// (re)subscription every watcher is rung to re-read its job (what was published
 /// while the subscription was down is found that way).
 #[async_trait]
-impl Listener for Waiters {
+impl Listener for Watchers {
     fn name(&self) -> &'static str {
         "finished jobs"
     }
@@ -680,7 +680,7 @@ impl JobQueue for RedisJobQueue {
 
     fn watch(&self, id: &RequestId) -> Watch {
         self.ensure_subscriber();
-        self.waiters.watch(id)
+        self.watchers.watch(id)
     }
 
     #[tracing::instrument(skip_all, fields(request_id = %job.id, user = %job.user, operation = %job.operation))]
