@@ -49,9 +49,9 @@ enum Command {
     Api(api::ApiArgs),
     /// Operator commands on user budgets: reserve, refund, settle, usage, plans.
     Budget(budget::BudgetArgs),
-    /// The throttler role: grants provider slots from the shared token buckets.
+    /// The throttler role: grants calls to providers from the shared token buckets.
     Throttler(throttler::ThrottlerArgs),
-    /// The worker role: takes jobs, calls providers through the throttle, stores results or refunds.
+    /// The worker role: takes jobs, calls providers through the throttle, stores results or releases charges.
     Worker(worker::WorkerArgs),
     /// A mock upstream provider with its own rate limit, failures and /stats (demo and tests).
     MockProvider(mock_provider::MockProviderArgs),

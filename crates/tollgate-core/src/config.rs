@@ -388,7 +388,7 @@ pub struct Upstream {
     /// Bounds one HTTP call.
     pub timeout: Duration,
     /// Retries after a 429 or 5xx (each after the upstream's `Retry-After`, or
-    /// an exponential backoff, and a new throttle slot).
+    /// an exponential backoff, and a new throttle grant).
     pub retries: u32,
 }
 

@@ -108,7 +108,7 @@ id_type!(
 );
 id_type!(
     /// Identifies one operation end to end: the spend event, the job and the
-    /// throttle slot all carry it. Reserving twice with one id charges once.
+    /// throttle grant all carry it. Reserving twice with one id charges once.
     RequestId,
     "request id"
 );

@@ -48,7 +48,7 @@ use crate::trace::TraceParent;
 /// One unit of work: a provider call paid for by `user`'s budget.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Job {
-    /// The budget request id: the spend event, the job and the throttle slot share it.
+    /// The budget request id: the spend event, the job and the throttle grant share it.
     pub id: RequestId,
     pub user: UserId,
     /// The operation's name in the config (`[operations."llm.structured"]`).
@@ -106,7 +106,7 @@ pub enum FailureCause {
     /// The upstream answered 2xx with a body that is not a JSON document: the
     /// work was done, so the charge stands.
     BadResponse,
-    /// No throttle slot within the provider's `max_wait`.
+    /// No throttle grant within the provider's `max_wait`.
     ThrottleTimeout,
     /// The job was not finished before its deadline.
     Expired,

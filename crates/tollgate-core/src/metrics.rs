@@ -78,7 +78,7 @@ const LEDGER_STEPS: [&str; 14] = [
     "orgs",
     "move",
 ];
-/// A wait for a throttle slot, in seconds: dense around the usual `max_wait`
+/// A wait for a throttle grant, in seconds: dense around the usual `max_wait`
 /// values, so that "p95 above half of max_wait" is read from real buckets.
 const WAIT_BUCKETS: [f64; 18] = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0,
@@ -552,7 +552,7 @@ impl Metrics {
         let acquires = counters();
         r.register(
             "tollgate_throttle_acquires",
-            "Waits for a throttle slot by how they ended: granted, timeout (max_wait passed), \
+            "Waits for a throttle grant by how they ended: granted, timeout (max_wait passed), \
              cancelled (the caller gave up), error (the throttle's store failed)",
             acquires.clone(),
         );
@@ -1264,7 +1264,7 @@ impl Drop for Running {
     }
 }
 
-/// One wait for a throttle slot, observed by its caller: end it with
+/// One wait for a throttle grant, observed by its caller: end it with
 /// [`granted`](Self::granted), [`timed_out`](Self::timed_out) or
 /// [`failed`](Self::failed); dropped before that (the caller's future was
 /// dropped), it counts as `cancelled`.

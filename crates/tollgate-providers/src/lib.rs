@@ -1,6 +1,6 @@
 //! Provider clients behind one trait, [`Client`], each wrapped by the
 //! provider's throttle ([`ThrottledClient`]): every attempt, retries included,
-//! first takes a throttle slot, so a retry after a 429 never adds calls beyond
+//! first takes a throttle grant, so a retry after a 429 never adds calls beyond
 //! the shared bucket.
 //!
 //! - [`http::HttpTransport`]: POSTs the job's input JSON to the provider's `url`
@@ -46,7 +46,7 @@ pub use shares::Shares;
 /// Why a provider call failed for good.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {
-    /// No throttle slot (timeout), or the throttle's backend failed.
+    /// No throttle grant (timeout), or the throttle's backend failed.
     #[error(transparent)]
     Throttle(#[from] ThrottleError),
     /// The upstream answered an error, after the configured retries. Its
