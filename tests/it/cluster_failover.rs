@@ -36,6 +36,39 @@ pub(crate) fn redis_cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// Waits (up to 10 s) until every replica of the primary on `port` has
+/// acknowledged all it has written so far, as the primary's `INFO
+/// replication` says (its `master_repl_offset` against each `slaveN`'s
+/// `offset`): a kill after this loses none of those writes, where a fixed
+/// sleep is only likely to on a loaded machine.
+pub(crate) async fn replicated(port: u16) {
+    let field = |info: &str, name: &str| -> Option<i64> {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let info = redis_cli(port, &["info", "replication"]);
+    let written = field(&info, "master_repl_offset:").expect("a primary's replication offset");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let info = redis_cli(port, &["info", "replication"]);
+        let offsets: Vec<i64> = info
+            .lines()
+            .filter(|l| l.starts_with("slave") && l.contains("offset="))
+            .filter_map(|l| l.split(',').find_map(|kv| kv.strip_prefix("offset=")))
+            .filter_map(|v| v.trim().parse().ok())
+            .collect();
+        if !offsets.is_empty() && offsets.iter().all(|&o| o >= written) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replicas of {port} never reached offset {written}: {info}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// The port of the live primary that serves `key`'s slot, asked of `via`
 /// (`None` while its primary has failed and no replica has taken over).
 pub(crate) fn primary_of(via: u16, key: &str) -> Option<u16> {

@@ -25,7 +25,7 @@ use tollgate_redis::{
 };
 use tollgate_tests::{random_prefix, RedisCluster};
 
-use crate::cluster_failover::{primary_of, redis_cli};
+use crate::cluster_failover::{primary_of, redis_cli, replicated};
 
 const CONFIG: &str = r#"
 [plans.free]
@@ -264,10 +264,11 @@ async fn cluster_a_waiter_gets_its_grant_after_its_providers_primary_fails_over(
         !inbox.is_empty(),
         "the waiter's process listens on the provider's primary"
     );
-    // Replicated before the kill (replication is asynchronous).
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
+    // Replicated before the kill (replication is asynchronous): a ticket the
+    // replica never saw is lost with its primary, and its waiter waits out
+    // its max_wait (a 300 ms sleep here failed once in CI).
     let victim = primary_of(via, &bucket_key).expect("a primary");
+    replicated(victim).await;
     cluster.kill_node(victim);
     let live = cluster
         .nodes

@@ -21,7 +21,7 @@ use tollgate_core::head::Head;
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{
     self, millis, Charge, Enqueued, FailureCause, Finish, FullMarks, Job, JobError, JobInfo,
-    JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Watchers, Watch,
+    JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Watch, Watchers,
 };
 use tollgate_core::ledger::Ledger;
 use tollgate_core::lock;

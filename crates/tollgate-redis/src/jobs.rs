@@ -38,7 +38,7 @@ use tollgate_core::{
     id::{RequestId, UserId},
     job::{
         Charge, Enqueued, FailureCause, Finish, Job, JobError, JobInfo, JobQueue, JobSource,
-        JobStatus, Lease, Maintenance, QueueStats, Watchers, Watch,
+        JobStatus, Lease, Maintenance, QueueStats, Watch, Watchers,
     },
     ledger::Ledger,
 };
