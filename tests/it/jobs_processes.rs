@@ -261,11 +261,14 @@ async fn job_processes_fail_rate_one_refunds_everything() {
         1,
     );
     env.spawn("throttler", &[]);
-    env.spawn("worker", &[]);
-    env.spawn("worker", &[]);
     let (q, ledger) = env.queue().await;
     let ids = submit_all(&q, 60).await;
+    // Every submission charged; the workers start after, so that none of
+    // the jobs has failed and released its charge yet (with workers running,
+    // the first jobs could fail before the last were submitted).
     assert_eq!(used(&ledger).await, 60 * COST);
+    env.spawn("worker", &[]);
+    env.spawn("worker", &[]);
     let (ok, failed) = wait_all(&q, &ids, Duration::from_secs(60)).await;
     assert!(ok.is_empty());
     assert_eq!(failed.len(), 60);
