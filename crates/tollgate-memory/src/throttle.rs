@@ -79,6 +79,11 @@ struct Bucket {
     handed_back: Notify,
     /// Where handed-back tokens are counted.
     metrics: Option<(Arc<Metrics>, String)>,
+    /// One instant and the wall clock's µs then: a grant's time is the
+    /// monotonic instant its token was counted at, put on the wall clock
+    /// from here ([`Bucket::grant_time`]), so that grants' times differ by
+    /// exactly what the bucket counted between them.
+    anchor: (Instant, u64),
 }
 
 #[derive(Debug)]
@@ -143,7 +148,20 @@ impl Bucket {
             }),
             handed_back: Notify::new(),
             metrics: metrics.map(|m| (Arc::clone(m), p.name.clone())),
+            anchor: (Instant::now(), wall_us()),
         }
+    }
+
+    /// A grant's time: the instant the last refill counted the tokens at
+    /// (never ahead of now), in µs since the epoch, and on the monotonic
+    /// clock. Reading the wall clock at the grant instead could put it a
+    /// preemption later than the instant its token was counted at, and two
+    /// grants would look closer than the rate allows.
+    fn grant_time(&self, st: &BucketState) -> (u64, Instant) {
+        let at = st.at.min(Instant::now());
+        let since = u64::try_from(at.saturating_duration_since(self.anchor.0).as_micros())
+            .unwrap_or(u64::MAX);
+        (self.anchor.1.saturating_add(since), at)
     }
 
     /// The queue `waiter` joins and the share it counts with: its own on a
@@ -367,7 +385,7 @@ impl Bucket {
                         st.tokens -= 1.0;
                         self.take(&mut st, slot.weight, 1.0);
                         self.take_slot(&mut st, head.ticket);
-                        if slot.tx.send((wall_us(), Instant::now())).is_err() {
+                        if slot.tx.send(self.grant_time(&st)).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
                             self.take(&mut st, slot.weight, -1.0);
@@ -557,7 +575,7 @@ impl Throttle for MemoryThrottle {
                         st.tokens -= 1.0;
                         bucket.take(&mut st, weight, 1.0);
                         bucket.take_slot(&mut st, head.ticket);
-                        let _ = slot.tx.send((wall_us(), Instant::now()));
+                        let _ = slot.tx.send(bucket.grant_time(&st));
                     }
                 }
                 if let Ok(at) = rx.try_recv() {
