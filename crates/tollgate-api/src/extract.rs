@@ -3,7 +3,7 @@
 //! for malformed JSON, 422 for a value of the wrong shape.
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, FromRequestParts, RawPathParams, Request};
+use axum::extract::{FromRequest, FromRequestParts, Query, RawPathParams, Request};
 use axum::http::header::CONTENT_TYPE;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
@@ -74,6 +74,25 @@ impl<S: Send + Sync> FromRequestParts<S> for PathParam {
         value
             .map(PathParam)
             .ok_or_else(|| ApiError::Internal("route has no path parameter".into()))
+    }
+}
+
+/// The query string as `T`: one that does not parse is a 400 (`bad query:
+/// …`) naming no field.
+#[derive(Debug, Clone)]
+pub struct QueryParams<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for QueryParams<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Query(q) = Query::<T>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::Malformed {
+                detail: format!("bad query: {}", e.body_text()),
+                field: None,
+            })?;
+        Ok(Self(q))
     }
 }
 
