@@ -297,16 +297,11 @@ impl KeyStore for RedisKeyStore {
                 "malformed user {u:?} in the users index"
             )))
         };
-        let mut users = found
+        let users = found
             .iter()
             .map(|u| UserId::new(u.as_str()).map_err(|_| bad(u)))
             .collect::<Result<Vec<_>, _>>()?;
-        let more = users.len() > query.limit();
-        users.truncate(query.limit());
-        Ok(UserPage {
-            next_cursor: users.last().filter(|_| more).cloned(),
-            users,
-        })
+        Ok(UserPage::read(query, users))
     }
 
     async fn user_keys(&self, user: &UserId) -> Result<Vec<KeyRecord>, KeyStoreError> {
