@@ -87,17 +87,16 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         keys.clone(),
         Arc::clone(&config),
     ));
-    let queue_config = Arc::clone(&config);
     Backends::assemble(
         config,
         metrics,
         activity,
         ledger,
-        |ledger| {
+        |config, ledger| {
             Arc::new(RedisJobQueue::new(
                 pool,
                 keys,
-                queue_config,
+                config,
                 ledger,
                 JobOptions::default(),
             ))
