@@ -28,9 +28,7 @@ pub struct RedisKeyStore {
 
 impl std::fmt::Debug for RedisKeyStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisKeyStore")
-            .field("prefix", &self.keys.prefix())
-            .finish_non_exhaustive()
+        self.keys.debug_store(f, "RedisKeyStore")
     }
 }
 
