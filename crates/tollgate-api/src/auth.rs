@@ -38,6 +38,7 @@ use tollgate_core::{
 
 use crate::abuse::AuthFailures;
 use crate::dashboard::access;
+use crate::extract::extension;
 use crate::keycache::KeyCache;
 use crate::problem::ApiError;
 use crate::state::ApiState;
@@ -309,11 +310,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        parts
-            .extensions
-            .get::<Caller>()
-            .cloned()
-            .ok_or(ApiError::Unauthorized("authentication required"))
+        extension(parts, || ApiError::Unauthorized("authentication required"))
     }
 }
 

@@ -96,6 +96,14 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for QueryParams<T>
     }
 }
 
+/// The `T` a layer put in the request's extensions; `missing()` when none did.
+pub(crate) fn extension<T: Clone + Send + Sync + 'static>(
+    parts: &Parts,
+    missing: impl FnOnce() -> ApiError,
+) -> Result<T, ApiError> {
+    parts.extensions.get::<T>().cloned().ok_or_else(missing)
+}
+
 /// Query flags of the form `name=true|false|1|0` (or a bare `name`); unknown
 /// names are ignored, a bad value is a 400 naming the parameter.
 #[derive(Debug, Clone, Default)]
