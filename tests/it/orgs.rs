@@ -12,7 +12,10 @@ use tollgate_core::{
     clock::ManualClock,
     config::{Config, Limit},
     id::{OrgId, RequestId, UserId},
-    ledger::{ChargeRequest, ClaimOutcome, Ledger, LedgerError, ReserveOutcome, Scope},
+    ledger::{
+        ChargeRequest, ClaimOutcome, ClaimRequest, Ledger, LedgerError, ReserveOutcome, Scope,
+        SettleRequest,
+    },
 };
 use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
@@ -252,10 +255,10 @@ async fn every_step_applies_to_both_levels(b: &impl Backend) {
     assert_eq!(org_used(l.as_ref(), &o).await, 6);
     let hold = u64::MAX / 2;
     assert_eq!(
-        l.claim(&a, &rid("j1"), "n1", hold).await.unwrap(),
+        l.claim(&a, &rid("j1"), &ClaimRequest { nonce: "n1", hold_until_ms: hold }).await.unwrap(),
         ClaimOutcome::Claimed
     );
-    l.settle_charge(&a, &rid("j1"), "n1", 5, false)
+    l.settle_charge(&a, &rid("j1"), &SettleRequest { nonce: "n1", actual_cost: 5, may_raise: false })
         .await
         .unwrap();
     assert_eq!(
@@ -347,7 +350,7 @@ async fn moving_a_user_moves_its_events(b: &impl Backend) {
     assert_eq!(org_used(l.as_ref(), &o2).await, 11);
     // The job's charge moved with its owner record: its claim finds it.
     assert_eq!(
-        l.claim(&a, &rid("gj"), "gn", u64::MAX / 2).await.unwrap(),
+        l.claim(&a, &rid("gj"), &ClaimRequest { nonce: "gn", hold_until_ms: u64::MAX / 2 }).await.unwrap(),
         ClaimOutcome::Claimed
     );
     let ids: HashSet<String> = tollgate_tests::all_events(l.as_ref(), &a)

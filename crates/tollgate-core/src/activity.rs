@@ -46,8 +46,8 @@ use crate::error::StoreError;
 use crate::id::{OrgId, RequestId, UserId};
 use crate::job::{Charge, FailureCause, Finish, JobError, JobSource, Lease, Maintenance, Settled};
 use crate::ledger::{
-    ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger, LedgerError, RefundOutcome, ReserveOutcome,
-    SettleOutcome, Usage,
+    ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Ledger, LedgerError, RefundOutcome,
+    ReserveOutcome, SettleOutcome, SettleRequest, Usage,
 };
 use crate::ledger::{Moved, OrgList, OrgUsage};
 use crate::throttle::{Grant, Pause, Position, ProviderStats, Throttle, ThrottleError, Waiter};
@@ -559,13 +559,9 @@ impl Ledger for RecordingLedger {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        actual_cost: u64,
-        may_raise: bool,
+        settle: &SettleRequest<'_>,
     ) -> Result<SettleOutcome, LedgerError> {
-        self.inner
-            .settle_charge(user, request, nonce, actual_cost, may_raise)
-            .await
+        self.inner.settle_charge(user, request, settle).await
     }
 
     async fn exported(
@@ -625,10 +621,9 @@ impl Ledger for RecordingLedger {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        hold_until_ms: u64,
+        claim: &ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, LedgerError> {
-        self.inner.claim(user, request, nonce, hold_until_ms).await
+        self.inner.claim(user, request, claim).await
     }
 
     async fn release(

@@ -35,8 +35,8 @@ use crate::config::Config;
 use crate::id::{OrgId, RequestId, UserId};
 use crate::job::{JobQueue, Maintenance, QueueStats};
 use crate::ledger::{
-    ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger, LedgerError, RefundOutcome, ReserveOutcome,
-    SettleOutcome, Usage,
+    ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Ledger, LedgerError, RefundOutcome,
+    ReserveOutcome, SettleOutcome, SettleRequest, Usage,
 };
 use crate::ledger::{Moved, OrgList, OrgUsage};
 use crate::lock;
@@ -1478,16 +1478,10 @@ impl Ledger for MeteredLedger {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        actual_cost: u64,
-        may_raise: bool,
+        settle: &SettleRequest<'_>,
     ) -> Result<SettleOutcome, LedgerError> {
-        self.timed(
-            "settle",
-            self.inner
-                .settle_charge(user, request, nonce, actual_cost, may_raise),
-        )
-        .await
+        self.timed("settle", self.inner.settle_charge(user, request, settle))
+            .await
     }
 
     async fn exported(
@@ -1526,14 +1520,10 @@ impl Ledger for MeteredLedger {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        hold_until_ms: u64,
+        claim: &ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, LedgerError> {
-        self.timed(
-            "claim",
-            self.inner.claim(user, request, nonce, hold_until_ms),
-        )
-        .await
+        self.timed("claim", self.inner.claim(user, request, claim))
+            .await
     }
 
     async fn release(

@@ -399,22 +399,20 @@ pub fn refund(keys: &Location, request: &str, finished: &str, plans: &PlanArgs) 
     inv
 }
 
-/// `settle.lua`: `nonce` is `""` for an operator's correction of any event, or
-/// the nonce of the job settling its own charge; `may_raise` false settles
-/// only down.
+/// `settle.lua`: `settle.nonce` is `""` for an operator's correction of any
+/// event, or the nonce of the job settling its own charge; `may_raise` false
+/// settles only down.
 pub fn settle(
     keys: &Location,
     request: &str,
-    actual_cost: u64,
-    nonce: &str,
-    may_raise: bool,
+    settle: &tollgate_core::ledger::SettleRequest<'_>,
     plans: &PlanArgs,
 ) -> FunctionCall {
     let mut inv = invocation("settle", keys);
     inv.arg(request)
-        .arg(actual_cost)
-        .arg(nonce)
-        .arg(if may_raise { "1" } else { "0" })
+        .arg(settle.actual_cost)
+        .arg(settle.nonce)
+        .arg(if settle.may_raise { "1" } else { "0" })
         .arg(&plans.0);
     inv
 }
@@ -457,12 +455,14 @@ pub fn charge(
 pub fn claim(
     keys: &Location,
     request: &str,
-    nonce: &str,
-    hold_until_ms: u64,
+    claim: &tollgate_core::ledger::ClaimRequest<'_>,
     plans: &PlanArgs,
 ) -> FunctionCall {
     let mut inv = invocation("claim", keys);
-    inv.arg(request).arg(nonce).arg(hold_until_ms).arg(&plans.0);
+    inv.arg(request)
+        .arg(claim.nonce)
+        .arg(claim.hold_until_ms)
+        .arg(&plans.0);
     inv
 }
 
