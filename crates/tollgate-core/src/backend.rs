@@ -6,14 +6,15 @@
 
 use std::sync::Arc;
 
-use crate::activity::{ActivityLog, RecordingLedger, RecordingSource, RecordingThrottle};
+use crate::activity::{ActivityLog, RecordingSource, RecordingThrottle};
 use crate::alerts::AlertOutbox;
 use crate::config::Config;
 use crate::durability::DurabilityCheck;
 use crate::job::{JobQueue, JobSource};
 use crate::keystore::KeyStore;
 use crate::ledger::Ledger;
-use crate::metrics::{MeteredLedger, Metrics};
+use crate::metrics::Metrics;
+use crate::observed::ObservedLedger;
 use crate::session::SessionStore;
 use crate::stream::JobStreams;
 use crate::throttle::{Dispatchers, Throttle};
@@ -84,8 +85,9 @@ impl Backends {
         stores: Stores,
     ) -> Self {
         metrics.note_answers_into(Arc::clone(&activity));
-        let ledger: Arc<dyn Ledger> = Arc::new(RecordingLedger::new(
-            Arc::new(MeteredLedger::new(ledger, Arc::clone(&metrics))),
+        let ledger: Arc<dyn Ledger> = Arc::new(ObservedLedger::new(
+            ledger,
+            Arc::clone(&metrics),
             Arc::clone(&activity),
         ));
         let queue = queue(Arc::clone(&config), Arc::clone(&ledger));
