@@ -826,27 +826,60 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
     let hold = 1u64 << 50;
     assert_eq!(
-        l.claim(&u, &rid("job"), &ClaimRequest { nonce: "n1", hold_until_ms: hold }).await.unwrap(),
+        l.claim(
+            &u,
+            &rid("job"),
+            &ClaimRequest {
+                nonce: "n1",
+                hold_until_ms: hold
+            }
+        )
+        .await
+        .unwrap(),
         ClaimOutcome::Claimed
     );
     // Another attempt's nonce, a plain reserve, a cost of 0: nothing settles.
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), &SettleRequest { nonce: "n2", actual_cost: 7, may_raise: true })
-            .await
-            .unwrap(),
+        l.settle_charge(
+            &u,
+            &rid("job"),
+            &SettleRequest {
+                nonce: "n2",
+                actual_cost: 7,
+                may_raise: true
+            }
+        )
+        .await
+        .unwrap(),
         SettleOutcome::NotFound { used: 4 }
     );
     allowed(l.reserve(&u, &rid("plain"), 1).await.unwrap());
     assert_eq!(
-        l.settle_charge(&u, &rid("plain"), &SettleRequest { nonce: "n1", actual_cost: 3, may_raise: true })
-            .await
-            .unwrap(),
+        l.settle_charge(
+            &u,
+            &rid("plain"),
+            &SettleRequest {
+                nonce: "n1",
+                actual_cost: 3,
+                may_raise: true
+            }
+        )
+        .await
+        .unwrap(),
         SettleOutcome::NotFound { used: 5 }
     );
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), &SettleRequest { nonce: "n1", actual_cost: 0, may_raise: true })
-            .await
-            .unwrap_err(),
+        l.settle_charge(
+            &u,
+            &rid("job"),
+            &SettleRequest {
+                nonce: "n1",
+                actual_cost: 0,
+                may_raise: true
+            }
+        )
+        .await
+        .unwrap_err(),
         LedgerError::ZeroCost
     );
     let settled = SettleOutcome::Settled {
@@ -855,16 +888,32 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         used: 8,
     };
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), &SettleRequest { nonce: "n1", actual_cost: 7, may_raise: true })
-            .await
-            .unwrap(),
+        l.settle_charge(
+            &u,
+            &rid("job"),
+            &SettleRequest {
+                nonce: "n1",
+                actual_cost: 7,
+                may_raise: true
+            }
+        )
+        .await
+        .unwrap(),
         settled
     );
     // A retried settle sets the same cost: nothing more is charged.
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), &SettleRequest { nonce: "n1", actual_cost: 7, may_raise: true })
-            .await
-            .unwrap(),
+        l.settle_charge(
+            &u,
+            &rid("job"),
+            &SettleRequest {
+                nonce: "n1",
+                actual_cost: 7,
+                may_raise: true
+            }
+        )
+        .await
+        .unwrap(),
         SettleOutcome::Settled {
             previous_cost: 7,
             cost: 7,
@@ -890,15 +939,32 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     assert_eq!(plain.estimate, None);
     // The job still owns its charge (a worker that died claims again).
     assert_eq!(
-        l.claim(&u, &rid("job"), &ClaimRequest { nonce: "n1", hold_until_ms: hold }).await.unwrap(),
+        l.claim(
+            &u,
+            &rid("job"),
+            &ClaimRequest {
+                nonce: "n1",
+                hold_until_ms: hold
+            }
+        )
+        .await
+        .unwrap(),
         ClaimOutcome::Claimed
     );
     // Settling past the limit is recorded: used shows more than the limit, and
     // the next reserve waits until enough leaves the window.
     assert!(matches!(
-        l.settle_charge(&u, &rid("job"), &SettleRequest { nonce: "n1", actual_cost: 12, may_raise: true })
-            .await
-            .unwrap(),
+        l.settle_charge(
+            &u,
+            &rid("job"),
+            &SettleRequest {
+                nonce: "n1",
+                actual_cost: 12,
+                may_raise: true
+            }
+        )
+        .await
+        .unwrap(),
         SettleOutcome::Settled { used: 13, .. }
     ));
     let usage = l.usage(&u).await.unwrap();
@@ -915,9 +981,17 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         RefundOutcome::Refunded { cost: 12, used: 1 }
     );
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), &SettleRequest { nonce: "n1", actual_cost: 5, may_raise: true })
-            .await
-            .unwrap(),
+        l.settle_charge(
+            &u,
+            &rid("job"),
+            &SettleRequest {
+                nonce: "n1",
+                actual_cost: 5,
+                may_raise: true
+            }
+        )
+        .await
+        .unwrap(),
         SettleOutcome::NotFound { used: 1 }
     );
 }
@@ -949,12 +1023,42 @@ async fn settling_down_never_passes_a_limit(b: &impl Backend) {
             }
             let hold = 1u64 << 50;
             assert_eq!(
-                l.claim(&u, &id, &ClaimRequest { nonce: &nonce, hold_until_ms: hold }).await.unwrap(),
+                l.claim(
+                    &u,
+                    &id,
+                    &ClaimRequest {
+                        nonce: &nonce,
+                        hold_until_ms: hold
+                    }
+                )
+                .await
+                .unwrap(),
                 ClaimOutcome::Claimed
             );
             // Down to 8, then a second settle reporting 40 leaves it at 8.
-            l.settle_charge(&u, &id, &SettleRequest { nonce: &nonce, actual_cost: 8, may_raise: false }).await.unwrap();
-            let again = l.settle_charge(&u, &id, &SettleRequest { nonce: &nonce, actual_cost: 40, may_raise: false }).await.unwrap();
+            l.settle_charge(
+                &u,
+                &id,
+                &SettleRequest {
+                    nonce: &nonce,
+                    actual_cost: 8,
+                    may_raise: false,
+                },
+            )
+            .await
+            .unwrap();
+            let again = l
+                .settle_charge(
+                    &u,
+                    &id,
+                    &SettleRequest {
+                        nonce: &nonce,
+                        actual_cost: 40,
+                        may_raise: false,
+                    },
+                )
+                .await
+                .unwrap();
             assert!(
                 matches!(again, SettleOutcome::Settled { cost: 8, .. }),
                 "{again:?}"
@@ -996,7 +1100,16 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
         RefundOutcome::Cancelled { cost: 4, used: 0 }
     );
     assert_eq!(
-        l.claim(&u, &rid("held"), &ClaimRequest { nonce: "n1", hold_until_ms: hold }).await.unwrap(),
+        l.claim(
+            &u,
+            &rid("held"),
+            &ClaimRequest {
+                nonce: "n1",
+                hold_until_ms: hold
+            }
+        )
+        .await
+        .unwrap(),
         ClaimOutcome::Cancelled
     );
     assert_eq!(
@@ -1006,7 +1119,16 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
     // The same request charged anew (a retry) is another job: it may run.
     l.charge(&u, &rid("held"), &charge("n2")).await.unwrap();
     assert_eq!(
-        l.claim(&u, &rid("held"), &ClaimRequest { nonce: "n2", hold_until_ms: hold }).await.unwrap(),
+        l.claim(
+            &u,
+            &rid("held"),
+            &ClaimRequest {
+                nonce: "n2",
+                hold_until_ms: hold
+            }
+        )
+        .await
+        .unwrap(),
         ClaimOutcome::Claimed
     );
     // Claimed: a conflict, unless the job is final (its nonce named).
@@ -1042,9 +1164,16 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
     l.refund(&u, &rid("brief")).await.unwrap();
     b.pass(Duration::from_millis(300)).await;
     assert_eq!(
-        l.claim(&u, &rid("brief"), &ClaimRequest { nonce: "n3", hold_until_ms: deadline_ms + 100 })
-            .await
-            .unwrap(),
+        l.claim(
+            &u,
+            &rid("brief"),
+            &ClaimRequest {
+                nonce: "n3",
+                hold_until_ms: deadline_ms + 100
+            }
+        )
+        .await
+        .unwrap(),
         ClaimOutcome::Refused
     );
 }
@@ -1123,9 +1252,17 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
             service_key: None,
         };
         l.charge(u, &rid("job"), &charge).await.unwrap();
-        l.settle_charge(u, &rid("job"), &SettleRequest { nonce: "n1", actual_cost: 3 + n as u64, may_raise: true })
-            .await
-            .unwrap();
+        l.settle_charge(
+            u,
+            &rid("job"),
+            &SettleRequest {
+                nonce: "n1",
+                actual_cost: 3 + n as u64,
+                may_raise: true,
+            },
+        )
+        .await
+        .unwrap();
         // A charge no job claims: released when its hold ends (a refund).
         let held = ChargeRequest {
             deadline: Duration::from_millis(50),

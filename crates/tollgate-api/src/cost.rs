@@ -352,7 +352,9 @@ impl<S: Send + Sync> FromRequestParts<S> for Reservation {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        extension(parts, || ApiError::Internal("the route has no charging Cost layer".into()))
+        extension(parts, || {
+            ApiError::Internal("the route has no charging Cost layer".into())
+        })
     }
 }
 
@@ -360,7 +362,9 @@ impl<S: Send + Sync> FromRequestParts<S> for Priced {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        extension(parts, || ApiError::Internal("the route has no job Cost layer".into()))
+        extension(parts, || {
+            ApiError::Internal("the route has no job Cost layer".into())
+        })
     }
 }
 

@@ -41,8 +41,8 @@ use crate::config::Config;
 use crate::error::StoreError;
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
-    Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Denied, Ledger,
-    LedgerError, SettleRequest,
+    Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Denied, Ledger, LedgerError,
+    SettleRequest,
 };
 use crate::trace::TraceParent;
 

@@ -1028,7 +1028,12 @@ impl Metrics {
 
     // --- ledger ----------------------------------------------------------
 
-    pub(crate) fn ledger_step<T>(&self, step: &'static str, took: Duration, r: &Result<T, LedgerError>) {
+    pub(crate) fn ledger_step<T>(
+        &self,
+        step: &'static str,
+        took: Duration,
+        r: &Result<T, LedgerError>,
+    ) {
         let l = StepLabel { step };
         self.ledger_duration
             .get_or_create(&l)

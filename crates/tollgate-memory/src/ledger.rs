@@ -28,9 +28,9 @@ use tollgate_core::id::{OrgId, RequestId, UserId};
 use tollgate_core::ledger::{
     audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
     Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Denied,
-    EventCursor, EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage,
-    OrgWindows, RefundOutcome, ReserveOutcome, SettleOutcome, SettleRequest, SpendEvent, Usage,
-    WindowUse, CUSTOM_PLAN,
+    EventCursor, EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage, OrgWindows,
+    RefundOutcome, ReserveOutcome, SettleOutcome, SettleRequest, SpendEvent, Usage, WindowUse,
+    CUSTOM_PLAN,
 };
 use tollgate_core::lock;
 

@@ -215,7 +215,14 @@ async fn fill(
                     bail!("bench charge not charged");
                 };
                 if ledger
-                    .claim(&user, &id, &ClaimRequest { nonce: &nonce, hold_until_ms: deadline_ms + 1_000 })
+                    .claim(
+                        &user,
+                        &id,
+                        &ClaimRequest {
+                            nonce: &nonce,
+                            hold_until_ms: deadline_ms + 1_000,
+                        },
+                    )
                     .await?
                     != ClaimOutcome::Claimed
                 {

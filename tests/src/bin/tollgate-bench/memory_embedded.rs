@@ -98,7 +98,14 @@ async fn fill(charges: bool, n: usize) -> anyhow::Result<Figure> {
             }
             // The job claims it, as a worker does: the charge is no longer held.
             ledger
-                .claim(&user, &id, &ClaimRequest { nonce: &nonce, hold_until_ms: clock.now_ms() + 600_000 })
+                .claim(
+                    &user,
+                    &id,
+                    &ClaimRequest {
+                        nonce: &nonce,
+                        hold_until_ms: clock.now_ms() + 600_000,
+                    },
+                )
                 .await
                 .context("claim")?;
         } else {
