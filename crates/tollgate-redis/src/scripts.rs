@@ -492,6 +492,13 @@ pub fn retry(
     inv
 }
 
+const CLOCK_LIB: &str = include_str!("../../../lua/lib/clock.lua");
+
+/// A script that needs only the time: `lua/lib/clock.lua`, then `body`.
+fn clock_script(body: &str) -> Script {
+    Script::new(&format!("{CLOCK_LIB}\n{body}"))
+}
+
 const BUCKET_LIB: &str = include_str!("../../../lua/lib/bucket.lua");
 const FAIR_LIB: &str = include_str!("../../../lua/lib/fair.lua");
 
@@ -809,9 +816,9 @@ pub fn throttle_position<'a>(
 }
 
 pub static LIVENESS_HEARTBEAT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/liveness_heartbeat.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/liveness_heartbeat.lua")));
 pub static LIVENESS_RECLAIM: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/liveness_reclaim.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/liveness_reclaim.lua")));
 
 /// `liveness_heartbeat.lua`: the listed members whose liveness lapsed.
 pub fn liveness_heartbeat<'a>(
@@ -950,11 +957,11 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
 /// The alerts' outbox scripts (see each one's header and
 /// `tollgate_redis::alerts`).
 pub static ALERT_TAKE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_take.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/alert_take.lua")));
 pub static ALERT_LEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_lease.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/alert_lease.lua")));
 pub static ALERT_DONE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_done.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/alert_done.lua")));
 pub static ALERT_POINT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/alert_point.lua")));
 
@@ -1218,11 +1225,11 @@ pub fn job_unstick<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptI
 }
 
 pub static ACTIVITY_RECORD: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_record.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/activity_record.lua")));
 pub static ACTIVITY_READ: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_read.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/activity_read.lua")));
 pub static ACTIVITY_SAMPLE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_sample.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/activity_sample.lua")));
 
 fn activity_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ActivityKeys, providers: &[String]) {
     inv.key(&keys.events)
@@ -1320,9 +1327,9 @@ pub fn activity_read<'a>(
 }
 
 pub static SESSION_OPEN: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/session_open.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/session_open.lua")));
 pub static SESSION_TOUCH: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/session_touch.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/session_touch.lua")));
 
 /// `session_open.lua`
 pub fn session_open<'a>(
