@@ -826,60 +826,29 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
     let hold = 1u64 << 50;
     assert_eq!(
-        l.claim(
-            &u,
-            &rid("job"),
-            &ClaimRequest {
-                nonce: "n1",
-                hold_until_ms: hold
-            }
-        )
-        .await
-        .unwrap(),
+        l.claim(&u, &rid("job"), &ClaimRequest::new("n1", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
     // Another attempt's nonce, a plain reserve, a cost of 0: nothing settles.
     assert_eq!(
-        l.settle_charge(
-            &u,
-            &rid("job"),
-            &SettleRequest {
-                nonce: "n2",
-                actual_cost: 7,
-                may_raise: true
-            }
-        )
-        .await
-        .unwrap(),
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n2", 7, true))
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 4 }
     );
     allowed(l.reserve(&u, &rid("plain"), 1).await.unwrap());
     assert_eq!(
-        l.settle_charge(
-            &u,
-            &rid("plain"),
-            &SettleRequest {
-                nonce: "n1",
-                actual_cost: 3,
-                may_raise: true
-            }
-        )
-        .await
-        .unwrap(),
+        l.settle_charge(&u, &rid("plain"), &SettleRequest::new("n1", 3, true))
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 5 }
     );
     assert_eq!(
-        l.settle_charge(
-            &u,
-            &rid("job"),
-            &SettleRequest {
-                nonce: "n1",
-                actual_cost: 0,
-                may_raise: true
-            }
-        )
-        .await
-        .unwrap_err(),
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 0, true))
+            .await
+            .unwrap_err(),
         LedgerError::ZeroCost
     );
     let settled = SettleOutcome::Settled {
@@ -888,32 +857,16 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         used: 8,
     };
     assert_eq!(
-        l.settle_charge(
-            &u,
-            &rid("job"),
-            &SettleRequest {
-                nonce: "n1",
-                actual_cost: 7,
-                may_raise: true
-            }
-        )
-        .await
-        .unwrap(),
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 7, true))
+            .await
+            .unwrap(),
         settled
     );
     // A retried settle sets the same cost: nothing more is charged.
     assert_eq!(
-        l.settle_charge(
-            &u,
-            &rid("job"),
-            &SettleRequest {
-                nonce: "n1",
-                actual_cost: 7,
-                may_raise: true
-            }
-        )
-        .await
-        .unwrap(),
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 7, true))
+            .await
+            .unwrap(),
         SettleOutcome::Settled {
             previous_cost: 7,
             cost: 7,
@@ -939,32 +892,17 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     assert_eq!(plain.estimate, None);
     // The job still owns its charge (a worker that died claims again).
     assert_eq!(
-        l.claim(
-            &u,
-            &rid("job"),
-            &ClaimRequest {
-                nonce: "n1",
-                hold_until_ms: hold
-            }
-        )
-        .await
-        .unwrap(),
+        l.claim(&u, &rid("job"), &ClaimRequest::new("n1", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
     // Settling past the limit is recorded: used shows more than the limit, and
     // the next reserve waits until enough leaves the window.
     assert!(matches!(
-        l.settle_charge(
-            &u,
-            &rid("job"),
-            &SettleRequest {
-                nonce: "n1",
-                actual_cost: 12,
-                may_raise: true
-            }
-        )
-        .await
-        .unwrap(),
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 12, true))
+            .await
+            .unwrap(),
         SettleOutcome::Settled { used: 13, .. }
     ));
     let usage = l.usage(&u).await.unwrap();
@@ -981,17 +919,9 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         RefundOutcome::Refunded { cost: 12, used: 1 }
     );
     assert_eq!(
-        l.settle_charge(
-            &u,
-            &rid("job"),
-            &SettleRequest {
-                nonce: "n1",
-                actual_cost: 5,
-                may_raise: true
-            }
-        )
-        .await
-        .unwrap(),
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 5, true))
+            .await
+            .unwrap(),
         SettleOutcome::NotFound { used: 1 }
     );
 }
@@ -1023,40 +953,17 @@ async fn settling_down_never_passes_a_limit(b: &impl Backend) {
             }
             let hold = 1u64 << 50;
             assert_eq!(
-                l.claim(
-                    &u,
-                    &id,
-                    &ClaimRequest {
-                        nonce: &nonce,
-                        hold_until_ms: hold
-                    }
-                )
-                .await
-                .unwrap(),
+                l.claim(&u, &id, &ClaimRequest::new(&nonce, hold))
+                    .await
+                    .unwrap(),
                 ClaimOutcome::Claimed
             );
             // Down to 8, then a second settle reporting 40 leaves it at 8.
-            l.settle_charge(
-                &u,
-                &id,
-                &SettleRequest {
-                    nonce: &nonce,
-                    actual_cost: 8,
-                    may_raise: false,
-                },
-            )
-            .await
-            .unwrap();
+            l.settle_charge(&u, &id, &SettleRequest::new(&nonce, 8, false))
+                .await
+                .unwrap();
             let again = l
-                .settle_charge(
-                    &u,
-                    &id,
-                    &SettleRequest {
-                        nonce: &nonce,
-                        actual_cost: 40,
-                        may_raise: false,
-                    },
-                )
+                .settle_charge(&u, &id, &SettleRequest::new(&nonce, 40, false))
                 .await
                 .unwrap();
             assert!(
@@ -1100,16 +1007,9 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
         RefundOutcome::Cancelled { cost: 4, used: 0 }
     );
     assert_eq!(
-        l.claim(
-            &u,
-            &rid("held"),
-            &ClaimRequest {
-                nonce: "n1",
-                hold_until_ms: hold
-            }
-        )
-        .await
-        .unwrap(),
+        l.claim(&u, &rid("held"), &ClaimRequest::new("n1", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Cancelled
     );
     assert_eq!(
@@ -1119,16 +1019,9 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
     // The same request charged anew (a retry) is another job: it may run.
     l.charge(&u, &rid("held"), &charge("n2")).await.unwrap();
     assert_eq!(
-        l.claim(
-            &u,
-            &rid("held"),
-            &ClaimRequest {
-                nonce: "n2",
-                hold_until_ms: hold
-            }
-        )
-        .await
-        .unwrap(),
+        l.claim(&u, &rid("held"), &ClaimRequest::new("n2", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
     // Claimed: a conflict, unless the job is final (its nonce named).
@@ -1167,10 +1060,7 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
         l.claim(
             &u,
             &rid("brief"),
-            &ClaimRequest {
-                nonce: "n3",
-                hold_until_ms: deadline_ms + 100
-            }
+            &ClaimRequest::new("n3", deadline_ms + 100)
         )
         .await
         .unwrap(),
@@ -1255,11 +1145,7 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
         l.settle_charge(
             u,
             &rid("job"),
-            &SettleRequest {
-                nonce: "n1",
-                actual_cost: 3 + n as u64,
-                may_raise: true,
-            },
+            &SettleRequest::new("n1", 3 + n as u64, true),
         )
         .await
         .unwrap();

@@ -255,29 +255,14 @@ async fn every_step_applies_to_both_levels(b: &impl Backend) {
     assert_eq!(org_used(l.as_ref(), &o).await, 6);
     let hold = u64::MAX / 2;
     assert_eq!(
-        l.claim(
-            &a,
-            &rid("j1"),
-            &ClaimRequest {
-                nonce: "n1",
-                hold_until_ms: hold
-            }
-        )
-        .await
-        .unwrap(),
+        l.claim(&a, &rid("j1"), &ClaimRequest::new("n1", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
-    l.settle_charge(
-        &a,
-        &rid("j1"),
-        &SettleRequest {
-            nonce: "n1",
-            actual_cost: 5,
-            may_raise: false,
-        },
-    )
-    .await
-    .unwrap();
+    l.settle_charge(&a, &rid("j1"), &SettleRequest::new("n1", 5, false))
+        .await
+        .unwrap();
     assert_eq!(
         (used(l.as_ref(), &a).await, org_used(l.as_ref(), &o).await),
         (5, 5)
@@ -367,16 +352,9 @@ async fn moving_a_user_moves_its_events(b: &impl Backend) {
     assert_eq!(org_used(l.as_ref(), &o2).await, 11);
     // The job's charge moved with its owner record: its claim finds it.
     assert_eq!(
-        l.claim(
-            &a,
-            &rid("gj"),
-            &ClaimRequest {
-                nonce: "gn",
-                hold_until_ms: u64::MAX / 2
-            }
-        )
-        .await
-        .unwrap(),
+        l.claim(&a, &rid("gj"), &ClaimRequest::new("gn", u64::MAX / 2))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
     let ids: HashSet<String> = tollgate_tests::all_events(l.as_ref(), &a)

@@ -474,10 +474,7 @@ limits = [{ limit = 1000000, window = "12h" }, { limit = 1000000, window = "1h" 
             .claim(
                 &u,
                 &rid(uuid),
-                &ClaimRequest {
-                    nonce: "00112233445566aa",
-                    hold_until_ms: hold_until
-                }
+                &ClaimRequest::new("00112233445566aa", hold_until)
             )
             .await
             .unwrap(),
@@ -627,14 +624,7 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
             };
             assert_eq!(
                 ledger
-                    .claim(
-                        &u,
-                        &id,
-                        &ClaimRequest {
-                            nonce: &nonce,
-                            hold_until_ms: deadline_ms + 1_000
-                        }
-                    )
+                    .claim(&u, &id, &ClaimRequest::new(&nonce, deadline_ms + 1_000))
                     .await
                     .unwrap(),
                 ClaimOutcome::Claimed

@@ -120,6 +120,15 @@ pub struct ClaimRequest<'a> {
     pub hold_until_ms: u64,
 }
 
+impl<'a> ClaimRequest<'a> {
+    pub fn new(nonce: &'a str, hold_until_ms: u64) -> Self {
+        Self {
+            nonce,
+            hold_until_ms,
+        }
+    }
+}
+
 /// What a job settles its charge to ([`Ledger::settle_charge`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SettleRequest<'a> {
@@ -130,6 +139,16 @@ pub struct SettleRequest<'a> {
     /// The operation reserved its estimate: the cost may rise past the
     /// charge's, and a window past its limit.
     pub may_raise: bool,
+}
+
+impl<'a> SettleRequest<'a> {
+    pub fn new(nonce: &'a str, actual_cost: u64, may_raise: bool) -> Self {
+        Self {
+            nonce,
+            actual_cost,
+            may_raise,
+        }
+    }
 }
 
 /// The answer to [`Ledger::charge`].

@@ -215,14 +215,7 @@ async fn fill(
                     bail!("bench charge not charged");
                 };
                 if ledger
-                    .claim(
-                        &user,
-                        &id,
-                        &ClaimRequest {
-                            nonce: &nonce,
-                            hold_until_ms: deadline_ms + 1_000,
-                        },
-                    )
+                    .claim(&user, &id, &ClaimRequest::new(&nonce, deadline_ms + 1_000))
                     .await?
                     != ClaimOutcome::Claimed
                 {

@@ -101,10 +101,7 @@ async fn fill(charges: bool, n: usize) -> anyhow::Result<Figure> {
                 .claim(
                     &user,
                     &id,
-                    &ClaimRequest {
-                        nonce: &nonce,
-                        hold_until_ms: clock.now_ms() + 600_000,
-                    },
+                    &ClaimRequest::new(&nonce, clock.now_ms() + 600_000),
                 )
                 .await
                 .context("claim")?;
