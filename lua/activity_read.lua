@@ -11,8 +11,7 @@ local limit, denied = tonumber(ARGV[1]), tonumber(ARGV[2])
 if not limit or limit < 1 or not denied or denied < 1 then
   return redis.error_reply('activity_read: bad limit')
 end
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_ms = time_ms()
 local events = redis.call('LRANGE', KEYS[1], 0, limit - 1)
 local out = { now_ms, events, redis.call('ZRANGE', KEYS[2], 0, -1), redis.call('HGETALL', KEYS[3]),
   redis.call('HGETALL', KEYS[4]), redis.call('HGETALL', KEYS[5]), redis.call('LRANGE', KEYS[6], 0, denied - 1) }

@@ -38,8 +38,7 @@ end
 local WAITS = 10
 local CALLS, TIMELINES, ORDER, FAILED = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_ms = time_ms()
 local written = 0
 local touched = {}
 local steps_of, jobs = {}, {}

@@ -23,8 +23,7 @@ if not ok or type(gauges) ~= 'table' then
   return redis.error_reply('activity_sample: the gauges are not a JSON object')
 end
 
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_ms = time_ms()
 local slot = now_ms - now_ms % interval
 local next_in = slot + interval - now_ms
 if redis.call('ZCOUNT', KEYS[1], slot, slot) > 0 then

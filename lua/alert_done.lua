@@ -12,8 +12,7 @@ if what == 'ack' then
   redis.call('ZREM', KEYS[2], id)
 elseif what == 'retry' and delay and delay >= 0 then
   if redis.call('HGET', KEYS[1], 'n:' .. id) == attempt then
-    local t = redis.call('TIME')
-    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local now = time_ms()
     redis.call('ZADD', KEYS[2], 'XX', now + delay, id)
   end
 else

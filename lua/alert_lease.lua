@@ -15,8 +15,7 @@ local max, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
 if not max or max < 1 or not lease or lease < 1 then
   return redis.error_reply('alert_lease: bad count or lease')
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = time_ms()
 redis.call('HDEL', KEYS[3], 'a')
 local dropped = tonumber(redis.call('HGET', KEYS[1], '!')) or 0
 if dropped > 0 then

@@ -12,8 +12,7 @@ local max, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
 if not max or max < 1 or not lease or lease < 1 then
   return redis.error_reply('alert_take: bad count or lease')
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = time_ms()
 local until_ms = now + lease
 local out = { now, until_ms }
 local due = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, max)

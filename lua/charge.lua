@@ -35,20 +35,11 @@ if not deadline_after or deadline_after < 1 or not grace or grace < 0
     or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 then
   return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
 end
-local _, limits = resolve_plan(8)
-local most = max_cost(limits)
-if too_costly(limits, cost) then
-  return { -1, most }
+local never, limits, now, used, org, ev, slot = open_spend(request, cost, 8)
+if never then
+  return never
 end
 
-local now = now_ms()
-local used = expire(now, limits)
-local org = org_open(now, 8)
-if org and cost > max_cost(org.limits) then
-  return { -1, math.min(most, max_cost(org.limits)) }
-end
-
-local ev, slot = find(request)
 if ev then
   local o = ev.rec
   if ev.state == 'r' then

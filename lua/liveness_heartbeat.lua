@@ -14,8 +14,7 @@ local MEMBERS, LISTS, me, liveness = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]
 if not liveness or liveness < 1 then
   return redis.error_reply('liveness_heartbeat: bad liveness')
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = time_ms()
 redis.call('HSET', MEMBERS, me, string.format('%d', now + liveness))
 redis.call('PEXPIRE', MEMBERS, string.format('%d', liveness * 10))
 redis.call('SADD', LISTS, me)

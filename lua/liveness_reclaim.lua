@@ -29,8 +29,7 @@ if not forget or forget < 0 then
   return redis.error_reply('liveness_reclaim: bad forget')
 end
 local newest = head == 'LEFT' and 'RIGHT' or 'LEFT'
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = time_ms()
 local live = tonumber(redis.call('HGET', MEMBERS, id))
 if not force and live and live >= now then
   return -1

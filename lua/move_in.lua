@@ -36,10 +36,7 @@ if own ~= '' then
 else
   redis.call('DEL', BASE .. ':limits')
 end
-local _, limits = resolve_plan(tail)
-local now = now_ms()
-expire(now, limits)
-local org = org_open(now, tail)
+local now, _, org = open_budget(tail)
 
 local c = {}
 for w in string.gmatch(ARGV[3], '%S+') do

@@ -96,10 +96,7 @@ if step == 'batch' then
 end
 
 if step == 'drop' then
-  local _, limits = resolve_plan(3)
-  local now = now_ms()
-  expire(now, limits)
-  local org = org_open(now, 3)
+  local now, _, org = open_budget(3)
   for id in string.gmatch(arg, '%S+') do
     local ev = find(id)
     if ev then

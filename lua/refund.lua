@@ -21,10 +21,7 @@
 -- decide the race between a worker and an operator: whichever runs first wins.
 
 local request, final = ARGV[1], ARGV[2]
-local _, limits = resolve_plan(3)
-local now = now_ms()
-local used = expire(now, limits)
-local org = org_open(now, 3)
+local now, used, org = open_budget(3)
 local ev = find(request)
 if not ev then
   return { 0, used }

@@ -9,10 +9,7 @@
 -- attempt, which this job does not own).
 
 local request, nonce = ARGV[1], ARGV[2]
-local _, limits = resolve_plan(3)
-local now = now_ms()
-local used = expire(now, limits)
-local org = org_open(now, 3)
+local now, used, org = open_budget(3)
 local ev = find(request)
 if not ev or ev.state == 'r' or ev.rec.nonce ~= nonce then
   return { 0, used }

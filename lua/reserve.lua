@@ -18,20 +18,11 @@
 -- Idempotent per request id; two requests in one millisecond are two events.
 
 local request, cost = ARGV[1], tonumber(ARGV[2])
-local _, limits = resolve_plan(3)
-local most = max_cost(limits)
-if too_costly(limits, cost) then
-  return { -1, most }
+local never, limits, now, used, org, ev, slot = open_spend(request, cost, 3)
+if never then
+  return never
 end
 
-local now = now_ms()
-local used = expire(now, limits)
-local org = org_open(now, 3)
-if org and cost > max_cost(org.limits) then
-  return { -1, math.min(most, max_cost(org.limits)) }
-end
-
-local ev, slot = find(request)
 if ev then
   return org_windows(push_windows({ 2, spent(ev), now }, limits, used, now), org, now)
 end

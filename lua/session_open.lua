@@ -14,8 +14,7 @@ end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.error_reply('session_open: id in use')
 end
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_ms = time_ms()
 local expires = now_ms + lifetime
 redis.call('HSET', KEYS[1], 'role', role, 'csrf', csrf, 'credential', credential,
   'expires_ms', tostring(expires))

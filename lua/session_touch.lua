@@ -14,8 +14,7 @@ local expires = tonumber(s[4])
 if not s[1] or not expires then
   return false
 end
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_ms = time_ms()
 if now_ms >= expires then
   redis.call('DEL', KEYS[1])
   return false

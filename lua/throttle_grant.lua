@@ -72,6 +72,20 @@ if L then
   limits_read(BUCKET, L, now)
 end
 local free = slots_free(INFLIGHT, slots, now)
+
+-- What a grant of `ticket` (weight `w`) takes: a token, its weight of the
+-- other limits, and a slot of the provider's max_concurrent.
+local function take(ticket, w)
+  tokens = tokens - 1
+  free = free - 1
+  if L then
+    limits_take(L, w, 1)
+  end
+  if slots > 0 then
+    slot_take(INFLIGHT, ticket, now, lease)
+  end
+end
+
 -- Tickets wait for a slot of the provider's max_concurrent.
 local full = false
 local granted, skipped, wait, more = 0, 0, 0, 0
@@ -111,14 +125,7 @@ while true do
         redis.call('HDEL', WAITING, ticket)
         skipped = skipped + 1
       elseif tokens >= 1 and lw == 0 then
-        tokens = tokens - 1
-        free = free - 1
-        if L then
-          limits_take(L, w, 1)
-        end
-        if slots > 0 then
-          slot_take(INFLIGHT, ticket, now, lease)
-        end
+        take(ticket, w)
         redis.call('LPOP', src)
         redis.call('HDEL', WAITING, ticket)
         redis.call('ZADD', GRANTED, int(now), ticket)
@@ -223,14 +230,7 @@ while not fifo_left and wait == 0 and more == 0 do
       break
     elseif cap == 0 or fair_fits(F, user, top[2 * i - 1], tonumber(tag), cap,
         granted_v and tonumber(granted_v) or v or fair_v(F), now) then
-      tokens = tokens - 1
-      free = free - 1
-      if L then
-        limits_take(L, w, 1)
-      end
-      if slots > 0 then
-        slot_take(INFLIGHT, ticket, now, lease)
-      end
+      take(ticket, w)
       done[#done + 1] = ticket
       grants[#grants + 1] = now_s
       grants[#grants + 1] = ticket

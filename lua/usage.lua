@@ -29,10 +29,7 @@ if not limit or limit < 1 or limit > 50 or limit ~= math.floor(limit) then
   return redis.error_reply('TOLLGATE_BAD_PAGE limit must be an integer in 1..50')
 end
 
-local name, limits = resolve_plan(3)
-local now = now_ms()
-local used = expire(now, limits)
-local org = org_open(now, 3)
+local now, used, org, limits, name = open_budget(3)
 local out = push_windows({ name, now }, limits, used, now)
 if org then
   org_windows(out, org, now)

@@ -1417,6 +1417,36 @@ local function org_open(now, i)
   return { name = name, limits = limits }
 end
 
+-- The start of a step on the budget (the plan table from ARGV[i]): resolve
+-- the plan, expire, then open the organisation. Returns now, what `expire`
+-- left used, the organisation (`org_open`), the plan's limits and its name.
+local function open_budget(i)
+  local name, limits = resolve_plan(i)
+  local now = now_ms()
+  local used = expire(now, limits)
+  return now, used, org_open(now, i), limits, name
+end
+
+-- The start of a step that spends `cost` on `request` (the plan table from
+-- ARGV[i]): expire, open the organisation, then find the request's event.
+-- Returns the reply { -1, max_cost } when the cost can never fit the user's
+-- plan or its organisation's (the smaller max_cost of the two), else nil,
+-- limits, now, used, org, and the event and slot of `find`.
+local function open_spend(request, cost, i)
+  local _, limits = resolve_plan(i)
+  local most = max_cost(limits)
+  if too_costly(limits, cost) then
+    return { -1, most }
+  end
+  local now = now_ms()
+  local used = expire(now, limits)
+  local org = org_open(now, i)
+  if org and cost > max_cost(org.limits) then
+    return { -1, math.min(most, max_cost(org.limits)) }
+  end
+  return nil, limits, now, used, org, find(request)
+end
+
 -- Whether `cost` fits every window of the organisation's plan too.
 local function org_fits(org, cost)
   if not org then

@@ -10,8 +10,8 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     ledger::{
-        EventCursor, EventPage, Ledger, LedgerError, PageError, RefundOutcome, ReserveOutcome,
-        SettleOutcome,
+        ClaimRequest, EventCursor, EventPage, Ledger, LedgerError, PageError, RefundOutcome,
+        ReserveOutcome, SettleOutcome, SettleRequest,
     },
 };
 use tollgate_memory::ledger::MemoryLedger;
@@ -826,25 +826,27 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
     let hold = 1u64 << 50;
     assert_eq!(
-        l.claim(&u, &rid("job"), "n1", hold).await.unwrap(),
+        l.claim(&u, &rid("job"), &ClaimRequest::new("n1", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
     // Another attempt's nonce, a plain reserve, a cost of 0: nothing settles.
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n2", 7, true)
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n2", 7, true))
             .await
             .unwrap(),
         SettleOutcome::NotFound { used: 4 }
     );
     allowed(l.reserve(&u, &rid("plain"), 1).await.unwrap());
     assert_eq!(
-        l.settle_charge(&u, &rid("plain"), "n1", 3, true)
+        l.settle_charge(&u, &rid("plain"), &SettleRequest::new("n1", 3, true))
             .await
             .unwrap(),
         SettleOutcome::NotFound { used: 5 }
     );
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 0, true)
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 0, true))
             .await
             .unwrap_err(),
         LedgerError::ZeroCost
@@ -855,14 +857,14 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         used: 8,
     };
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 7, true)
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 7, true))
             .await
             .unwrap(),
         settled
     );
     // A retried settle sets the same cost: nothing more is charged.
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 7, true)
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 7, true))
             .await
             .unwrap(),
         SettleOutcome::Settled {
@@ -890,13 +892,15 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     assert_eq!(plain.estimate, None);
     // The job still owns its charge (a worker that died claims again).
     assert_eq!(
-        l.claim(&u, &rid("job"), "n1", hold).await.unwrap(),
+        l.claim(&u, &rid("job"), &ClaimRequest::new("n1", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
     // Settling past the limit is recorded: used shows more than the limit, and
     // the next reserve waits until enough leaves the window.
     assert!(matches!(
-        l.settle_charge(&u, &rid("job"), "n1", 12, true)
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 12, true))
             .await
             .unwrap(),
         SettleOutcome::Settled { used: 13, .. }
@@ -915,7 +919,7 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         RefundOutcome::Refunded { cost: 12, used: 1 }
     );
     assert_eq!(
-        l.settle_charge(&u, &rid("job"), "n1", 5, true)
+        l.settle_charge(&u, &rid("job"), &SettleRequest::new("n1", 5, true))
             .await
             .unwrap(),
         SettleOutcome::NotFound { used: 1 }
@@ -949,12 +953,19 @@ async fn settling_down_never_passes_a_limit(b: &impl Backend) {
             }
             let hold = 1u64 << 50;
             assert_eq!(
-                l.claim(&u, &id, &nonce, hold).await.unwrap(),
+                l.claim(&u, &id, &ClaimRequest::new(&nonce, hold))
+                    .await
+                    .unwrap(),
                 ClaimOutcome::Claimed
             );
             // Down to 8, then a second settle reporting 40 leaves it at 8.
-            l.settle_charge(&u, &id, &nonce, 8, false).await.unwrap();
-            let again = l.settle_charge(&u, &id, &nonce, 40, false).await.unwrap();
+            l.settle_charge(&u, &id, &SettleRequest::new(&nonce, 8, false))
+                .await
+                .unwrap();
+            let again = l
+                .settle_charge(&u, &id, &SettleRequest::new(&nonce, 40, false))
+                .await
+                .unwrap();
             assert!(
                 matches!(again, SettleOutcome::Settled { cost: 8, .. }),
                 "{again:?}"
@@ -996,7 +1007,9 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
         RefundOutcome::Cancelled { cost: 4, used: 0 }
     );
     assert_eq!(
-        l.claim(&u, &rid("held"), "n1", hold).await.unwrap(),
+        l.claim(&u, &rid("held"), &ClaimRequest::new("n1", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Cancelled
     );
     assert_eq!(
@@ -1006,7 +1019,9 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
     // The same request charged anew (a retry) is another job: it may run.
     l.charge(&u, &rid("held"), &charge("n2")).await.unwrap();
     assert_eq!(
-        l.claim(&u, &rid("held"), "n2", hold).await.unwrap(),
+        l.claim(&u, &rid("held"), &ClaimRequest::new("n2", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
     // Claimed: a conflict, unless the job is final (its nonce named).
@@ -1042,9 +1057,13 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
     l.refund(&u, &rid("brief")).await.unwrap();
     b.pass(Duration::from_millis(300)).await;
     assert_eq!(
-        l.claim(&u, &rid("brief"), "n3", deadline_ms + 100)
-            .await
-            .unwrap(),
+        l.claim(
+            &u,
+            &rid("brief"),
+            &ClaimRequest::new("n3", deadline_ms + 100)
+        )
+        .await
+        .unwrap(),
         ClaimOutcome::Refused
     );
 }
@@ -1123,9 +1142,13 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
             service_key: None,
         };
         l.charge(u, &rid("job"), &charge).await.unwrap();
-        l.settle_charge(u, &rid("job"), "n1", 3 + n as u64, true)
-            .await
-            .unwrap();
+        l.settle_charge(
+            u,
+            &rid("job"),
+            &SettleRequest::new("n1", 3 + n as u64, true),
+        )
+        .await
+        .unwrap();
         // A charge no job claims: released when its hold ends (a refund).
         let held = ChargeRequest {
             deadline: Duration::from_millis(50),

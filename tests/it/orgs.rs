@@ -12,7 +12,10 @@ use tollgate_core::{
     clock::ManualClock,
     config::{Config, Limit},
     id::{OrgId, RequestId, UserId},
-    ledger::{ChargeRequest, ClaimOutcome, Ledger, LedgerError, ReserveOutcome, Scope},
+    ledger::{
+        ChargeRequest, ClaimOutcome, ClaimRequest, Ledger, LedgerError, ReserveOutcome, Scope,
+        SettleRequest,
+    },
 };
 use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
@@ -252,10 +255,12 @@ async fn every_step_applies_to_both_levels(b: &impl Backend) {
     assert_eq!(org_used(l.as_ref(), &o).await, 6);
     let hold = u64::MAX / 2;
     assert_eq!(
-        l.claim(&a, &rid("j1"), "n1", hold).await.unwrap(),
+        l.claim(&a, &rid("j1"), &ClaimRequest::new("n1", hold))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
-    l.settle_charge(&a, &rid("j1"), "n1", 5, false)
+    l.settle_charge(&a, &rid("j1"), &SettleRequest::new("n1", 5, false))
         .await
         .unwrap();
     assert_eq!(
@@ -347,7 +352,9 @@ async fn moving_a_user_moves_its_events(b: &impl Backend) {
     assert_eq!(org_used(l.as_ref(), &o2).await, 11);
     // The job's charge moved with its owner record: its claim finds it.
     assert_eq!(
-        l.claim(&a, &rid("gj"), "gn", u64::MAX / 2).await.unwrap(),
+        l.claim(&a, &rid("gj"), &ClaimRequest::new("gn", u64::MAX / 2))
+            .await
+            .unwrap(),
         ClaimOutcome::Claimed
     );
     let ids: HashSet<String> = tollgate_tests::all_events(l.as_ref(), &a)

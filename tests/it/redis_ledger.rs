@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use redis::AsyncCommands;
 use tollgate_core::config::Config;
-use tollgate_core::ledger::{Ledger, LedgerError, ReserveOutcome};
+use tollgate_core::ledger::{ClaimRequest, Ledger, LedgerError, ReserveOutcome};
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger};
 use tollgate_tests::{random_prefix, RedisServer};
 
@@ -471,7 +471,11 @@ limits = [{ limit = 1000000, window = "12h" }, { limit = 1000000, window = "1h" 
     let hold_until = usage.now_ms + 120_000;
     assert_eq!(
         ledger
-            .claim(&u, &rid(uuid), "00112233445566aa", hold_until)
+            .claim(
+                &u,
+                &rid(uuid),
+                &ClaimRequest::new("00112233445566aa", hold_until)
+            )
             .await
             .unwrap(),
         ClaimOutcome::Claimed
@@ -620,7 +624,7 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
             };
             assert_eq!(
                 ledger
-                    .claim(&u, &id, &nonce, deadline_ms + 1_000)
+                    .claim(&u, &id, &ClaimRequest::new(&nonce, deadline_ms + 1_000))
                     .await
                     .unwrap(),
                 ClaimOutcome::Claimed

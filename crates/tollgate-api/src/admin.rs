@@ -3,7 +3,7 @@
 //! and search users (paged), one user's keys and usage.
 //! Every handler extracts [`Admin`], so none runs without the admin token.
 
-use axum::extract::{Query, RawPathParams, State};
+use axum::extract::{RawPathParams, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -18,7 +18,7 @@ use tollgate_core::{
 };
 
 use crate::auth::Admin;
-use crate::extract::{JsonBody, PathParam};
+use crate::extract::{JsonBody, PathParam, QueryParams};
 use crate::problem::{echo, ApiError};
 use crate::state::ApiState;
 use crate::usage::{PageQuery, UsageView};
@@ -609,12 +609,8 @@ pub struct UsersQuery {
 pub async fn users(
     _: Admin,
     State(state): State<ApiState>,
-    q: Result<Query<UsersQuery>, axum::extract::rejection::QueryRejection>,
+    QueryParams(q): QueryParams<UsersQuery>,
 ) -> Result<Response, ApiError> {
-    let Query(q) = q.map_err(|e| ApiError::Malformed {
-        detail: format!("bad query: {}", e.body_text()),
-        field: None,
-    })?;
     let query = users_query(&q)?;
     let list = list_users(
         &state.config,
@@ -717,14 +713,7 @@ fn org_id(field: &str, s: String) -> Result<OrgId, ApiError> {
     })
 }
 
-type OrgPageQuery =
-    Result<axum::extract::Query<PageParams>, axum::extract::rejection::QueryRejection>;
-
-fn page_params(q: OrgPageQuery) -> Result<(Option<String>, usize), ApiError> {
-    let axum::extract::Query(q) = q.map_err(|e| ApiError::Malformed {
-        detail: format!("bad query: {}", e.body_text()),
-        field: None,
-    })?;
+fn page_params(q: PageParams) -> Result<(Option<String>, usize), ApiError> {
     let limit = q.limit.unwrap_or(ORG_PAGE);
     if !(1..=ORG_PAGE_MAX).contains(&limit) {
         return Err(ApiError::InvalidField {
@@ -848,12 +837,8 @@ pub struct KeyList {
 pub async fn keys(
     _: Admin,
     State(state): State<ApiState>,
-    q: Result<Query<UsersQuery>, axum::extract::rejection::QueryRejection>,
+    QueryParams(q): QueryParams<UsersQuery>,
 ) -> Result<Response, ApiError> {
-    let Query(q) = q.map_err(|e| ApiError::Malformed {
-        detail: format!("bad query: {}", e.body_text()),
-        field: None,
-    })?;
     let query = users_query(&q)?;
     let page = state.keys.users(&query).await?;
     let keys = state.keys.as_ref();
@@ -879,10 +864,10 @@ pub async fn org(
     _: Admin,
     State(state): State<ApiState>,
     PathParam(org): PathParam,
-    q: OrgPageQuery,
+    q: Result<QueryParams<PageParams>, ApiError>,
 ) -> Result<Response, ApiError> {
     let org = org_id("org", org)?;
-    let (after, limit) = page_params(q)?;
+    let (after, limit) = page_params(q?.0)?;
     let after = after
         .map(|a| {
             UserId::new(a).map_err(|e| ApiError::InvalidField {
@@ -927,7 +912,7 @@ fn users_query(q: &UsersQuery) -> Result<UserQuery, ApiError> {
 pub async fn orgs(
     _: Admin,
     State(state): State<ApiState>,
-    q: OrgPageQuery,
+    QueryParams(q): QueryParams<PageParams>,
 ) -> Result<Response, ApiError> {
     let (after, limit) = page_params(q)?;
     let after = after.map(|a| org_id("after", a)).transpose()?;

@@ -37,7 +37,8 @@ use tollgate_core::{
 };
 
 use crate::abuse::AuthFailures;
-use crate::dashboard::access;
+use crate::dashboard::access::{self, Credential};
+use crate::extract::extension;
 use crate::keycache::KeyCache;
 use crate::problem::ApiError;
 use crate::state::ApiState;
@@ -309,11 +310,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        parts
-            .extensions
-            .get::<Caller>()
-            .cloned()
-            .ok_or(ApiError::Unauthorized("authentication required"))
+        extension(parts, || ApiError::Unauthorized("authentication required"))
     }
 }
 
@@ -329,22 +326,15 @@ impl FromRequestParts<ApiState> for Admin {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, ApiError> {
-        if state.settings.admin_token.is_none() {
-            return Err(ApiError::AdminDisabled);
-        }
-        if parts.headers.contains_key(AUTHORIZATION) {
-            return match access::bearer_role(parts, state)? {
-                Role::Admin => Ok(Admin),
-                Role::Viewer => Err(ApiError::ReadOnly(
-                    "the viewer token only reads the dashboard: this route needs the admin token",
-                )),
-            };
-        }
-        match access::session(&parts.headers, state).await? {
-            Some(_) => Err(ApiError::ReadOnly(
+        match access::credential(parts, state).await? {
+            Credential::Bearer(Role::Admin) => Ok(Admin),
+            Credential::Bearer(Role::Viewer) => Err(ApiError::ReadOnly(
+                "the viewer token only reads the dashboard: this route needs the admin token",
+            )),
+            Credential::Session(Some(_)) => Err(ApiError::ReadOnly(
                 "a dashboard session only reads: send Authorization: Bearer <admin token>",
             )),
-            None => Err(ApiError::Unauthorized(
+            Credential::Session(None) => Err(ApiError::Unauthorized(
                 "missing Authorization: Bearer <admin token>",
             )),
         }

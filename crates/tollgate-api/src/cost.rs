@@ -75,6 +75,7 @@ use tollgate_core::{
 };
 use tower::{Layer, Service};
 
+use crate::extract::extension;
 use crate::problem::ApiError;
 use crate::ratelimit;
 use tollgate_core::metrics::Metrics;
@@ -351,11 +352,9 @@ impl<S: Send + Sync> FromRequestParts<S> for Reservation {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        parts
-            .extensions
-            .get::<Reservation>()
-            .cloned()
-            .ok_or_else(|| ApiError::Internal("the route has no charging Cost layer".into()))
+        extension(parts, || {
+            ApiError::Internal("the route has no charging Cost layer".into())
+        })
     }
 }
 
@@ -363,11 +362,9 @@ impl<S: Send + Sync> FromRequestParts<S> for Priced {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        parts
-            .extensions
-            .get::<Priced>()
-            .cloned()
-            .ok_or_else(|| ApiError::Internal("the route has no job Cost layer".into()))
+        extension(parts, || {
+            ApiError::Internal("the route has no job Cost layer".into())
+        })
     }
 }
 

@@ -3,7 +3,7 @@
 //! for malformed JSON, 422 for a value of the wrong shape.
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, FromRequestParts, RawPathParams, Request};
+use axum::extract::{FromRequest, FromRequestParts, Query, RawPathParams, Request};
 use axum::http::header::CONTENT_TYPE;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
@@ -75,6 +75,33 @@ impl<S: Send + Sync> FromRequestParts<S> for PathParam {
             .map(PathParam)
             .ok_or_else(|| ApiError::Internal("route has no path parameter".into()))
     }
+}
+
+/// The query string as `T`: one that does not parse is a 400 (`bad query:
+/// …`) naming no field.
+#[derive(Debug, Clone)]
+pub struct QueryParams<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for QueryParams<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Query(q) = Query::<T>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::Malformed {
+                detail: format!("bad query: {}", e.body_text()),
+                field: None,
+            })?;
+        Ok(Self(q))
+    }
+}
+
+/// The `T` a layer put in the request's extensions; `missing()` when none did.
+pub(crate) fn extension<T: Clone + Send + Sync + 'static>(
+    parts: &Parts,
+    missing: impl FnOnce() -> ApiError,
+) -> Result<T, ApiError> {
+    parts.extensions.get::<T>().cloned().ok_or_else(missing)
 }
 
 /// Query flags of the form `name=true|false|1|0` (or a bare `name`); unknown

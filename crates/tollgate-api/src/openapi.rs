@@ -475,18 +475,7 @@ fn schemas(config: &Config) -> Value {
                 "window_secs": {"type": "integer"},
                 "reset_after_secs": {"type": ["integer", "null"]},
                 "reset_at": {"type": ["string", "null"], "format": "date-time"},
-                "windows": {"type": "array", "description": "Every limit of the plan, longest window first; the figures above are the one closest to exhaustion's.", "items": {
-                    "type": "object",
-                    "required": ["policy", "limit", "window_secs", "used", "remaining"],
-                    "properties": {
-                        "policy": {"type": "string"},
-                        "limit": {"type": "integer"},
-                        "window_secs": {"type": "integer"},
-                        "used": {"type": "integer"},
-                        "remaining": {"type": "integer"},
-                        "reset_after_secs": {"type": ["integer", "null"]},
-                    },
-                }},
+                "windows": {"type": "array", "description": "Every limit of the plan, longest window first; the figures above are the one closest to exhaustion's.", "items": window()},
                 "next_cursor": {"type": ["string", "null"], "description": "Pass it as `cursor` for the next page of events; `null`: this page reached the newest event."},
                 "organisation": {"type": "object", "description": "A member of an organisation: the organisation's windows (each charge must fit them as well as the user's own).",
                     "required": ["org", "plan", "windows"],
@@ -574,18 +563,7 @@ fn schemas(config: &Config) -> Value {
         "AdminUsage": {"allOf": [schema("Usage"), {"type": "object", "required": ["base_plan"], "properties": {
             "base_plan": {"type": "string", "description": "The user's named plan (what it returns to when its own limits are cleared)."},
         }}]},
-        "Window": {
-            "type": "object",
-            "required": ["policy", "limit", "window_secs", "used", "remaining"],
-            "properties": {
-                "policy": {"type": "string"},
-                "limit": {"type": "integer"},
-                "window_secs": {"type": "integer"},
-                "used": {"type": "integer"},
-                "remaining": {"type": "integer"},
-                "reset_after_secs": {"type": ["integer", "null"]},
-            },
-        },
+        "Window": window(),
         "SetOrg": {"type": "object", "required": ["org"], "additionalProperties": false, "properties": {"org": {"oneOf": [id_schema(), {"type": "null"}], "description": "An organisation created with PUT /admin/orgs/{org}; null: in no organisation."}}},
         "UserOrg": {"type": "object", "required": ["user", "org", "moved_events"], "properties": {"user": {"type": "string"}, "org": {"type": ["string", "null"]}, "moved_events": {"type": "integer", "description": "Live spend events this call moved with the user."}}},
         "OrgPlan": {"type": "object", "required": ["org", "plan"], "properties": {"org": {"type": "string"}, "plan": {"type": "string"}}},
@@ -645,6 +623,22 @@ fn key_view(user: bool) -> Value {
         v["properties"]["user"] = json!({"type": "string"});
     }
     v
+}
+
+/// One limit of a plan and its use (`Window`, and inline in `Usage`).
+fn window() -> Value {
+    json!({
+        "type": "object",
+        "required": ["policy", "limit", "window_secs", "used", "remaining"],
+        "properties": {
+            "policy": {"type": "string"},
+            "limit": {"type": "integer"},
+            "window_secs": {"type": "integer"},
+            "used": {"type": "integer"},
+            "remaining": {"type": "integer"},
+            "reset_after_secs": {"type": ["integer", "null"]},
+        },
+    })
 }
 
 /// A list of limits as the admin views show them.

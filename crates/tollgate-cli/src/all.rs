@@ -17,7 +17,7 @@ use tollgate_core::config::Config;
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_throttler::ThrottlerConfig;
 
-use crate::process::{exit, fail, listen};
+use crate::process::{exit, fail};
 use crate::role::{self, Stop};
 use crate::store::{Failure, StoreArgs, Wait};
 
@@ -28,15 +28,9 @@ pub struct AllArgs {
     #[command(flatten)]
     store: StoreArgs,
 
+    /// Where the api listens, and its bounds and request knobs.
     #[command(flatten)]
     edge: crate::edge::EdgeArgs,
-
-    #[command(flatten)]
-    requests: crate::edge::RequestArgs,
-
-    /// Address the api listens on (port 0: any free port).
-    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
-    listen: SocketAddr,
 
     /// Send every provider's calls to this HTTP upstream (e.g. a `tollgate
     /// mock-provider`) instead of the built-in mock or the config's urls.
@@ -85,12 +79,8 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Ok(s) => s,
         Err(f) => return f.exit(),
     };
-    let request_timeout = match args.requests.request_timeout() {
-        Ok(t) => t,
-        Err(f) => return f.exit(),
-    };
-    let history_interval = match args.requests.history_interval() {
-        Ok(t) => t,
+    let requests = match args.edge.requests.settings() {
+        Ok(s) => s,
         Err(f) => return f.exit(),
     };
     let admin_token = match &args.admin_token {
@@ -112,11 +102,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
         admin_token: Some(admin_token.clone()),
         viewer_token: args.viewer_token.clone(),
         trusted_proxy_header: args.trusted_proxy_header.clone(),
-        legacy_keys: args.requests.legacy_keys(),
-        request_timeout,
-        access_log: args.requests.access_log(),
-        history_interval,
-        ..Settings::default()
+        ..requests
     };
 
     let backends = match args
@@ -131,15 +117,11 @@ pub async fn run(args: AllArgs) -> ExitCode {
         Ok(p) => p,
         Err(f) => return f.exit(),
     };
-    let listener = match listen(args.listen, "--listen").await {
+    let listener = match args.edge.bind().await {
         Ok(l) => l,
         Err(f) => return f.exit(),
     };
-    let listener = match args.edge.listener(listener) {
-        Ok(l) => l,
-        Err(f) => return f.exit(),
-    };
-    let addr = listener.local_addr().unwrap_or(args.listen);
+    let addr = listener.local_addr().unwrap_or(args.edge.listen);
     let created = match tollgate_api::admin::create_user(
         &config,
         backends.ledger.as_ref(),

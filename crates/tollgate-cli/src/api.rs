@@ -2,7 +2,6 @@
 //! then finishes the requests in flight. It listens from its start: while it
 //! waits for Redis, `/healthz` answers and the rest is 503 (`health::Starting`).
 
-use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +10,7 @@ use clap::Args;
 use tollgate_api::health::Starting;
 use tollgate_api::state::{ApiState, Settings};
 
-use crate::process::{exit, fail, listen, shutdown_signal};
+use crate::process::{exit, fail, shutdown_signal};
 use crate::store::{Failure, StoreArgs, Wait};
 
 #[derive(Debug, Args)]
@@ -19,15 +18,9 @@ pub struct ApiArgs {
     #[command(flatten)]
     store: StoreArgs,
 
+    /// Where the api listens, and its bounds and request knobs.
     #[command(flatten)]
     edge: crate::edge::EdgeArgs,
-
-    #[command(flatten)]
-    requests: crate::edge::RequestArgs,
-
-    /// Address to listen on.
-    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
-    listen: SocketAddr,
 
     /// Token that guards /admin/* (unset: the admin routes answer 403).
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
@@ -79,21 +72,13 @@ pub async fn run(args: ApiArgs) -> ExitCode {
             return f.exit();
         }
     }
-    let request_timeout = match args.requests.request_timeout() {
-        Ok(t) => t,
-        Err(f) => return f.exit(),
-    };
-    let history_interval = match args.requests.history_interval() {
-        Ok(t) => t,
+    let requests = match args.edge.requests.settings() {
+        Ok(s) => s,
         Err(f) => return f.exit(),
     };
     // Listening before the store answers: a role started while Redis is down
     // is alive (`/healthz`) and says it is not ready yet.
-    let listener = match listen(args.listen, "--listen").await {
-        Ok(l) => l,
-        Err(f) => return f.exit(),
-    };
-    let listener = match args.edge.listener(listener) {
+    let listener = match args.edge.bind().await {
         Ok(l) => l,
         Err(f) => return f.exit(),
     };
@@ -125,10 +110,7 @@ pub async fn run(args: ApiArgs) -> ExitCode {
         body_limit: args.body_limit,
         sync_timeout: Duration::from_millis(args.sync_timeout_ms),
         trusted_proxy_header: args.trusted_proxy_header,
-        legacy_keys: args.requests.legacy_keys(),
-        request_timeout,
-        access_log: args.requests.access_log(),
-        history_interval,
+        ..requests
     };
     tracing::info!(
         store = %backends.described, admin = settings.admin_token.is_some(), "api starting"

@@ -1,16 +1,23 @@
-//! The flags of the api's edge (`tollgate api`, `tollgate all`): how long a
-//! client may take to send a request and how many connections it may hold
-//! ([`tollgate_api::edge::Edge`]).
+//! The flags of the api's edge (`tollgate api`, `tollgate all`): where it
+//! listens, how long a client may take to send a request, how many
+//! connections it may hold ([`tollgate_api::edge::Edge`]), and the request
+//! knobs ([`RequestArgs`]).
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Args;
 use tollgate_api::edge::{self, Edge, Listener};
+use tollgate_api::state::Settings;
 
 use crate::store::Failure;
 
 #[derive(Debug, Args)]
 pub struct EdgeArgs {
+    /// Address the api listens on (port 0: any free port).
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+
     /// How long a request's head may take to arrive, and a keep-alive
     /// connection may stay idle, in ms; then the connection is closed.
     #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT_MS", default_value_t = millis(edge::DEFAULT_HEADER_TIMEOUT))]
@@ -28,6 +35,9 @@ pub struct EdgeArgs {
     /// proxy, the proxy's).
     #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS_PER_CLIENT", default_value_t = edge::DEFAULT_MAX_PER_CLIENT)]
     max_connections_per_client: usize,
+
+    #[command(flatten)]
+    pub requests: RequestArgs,
 }
 
 fn millis(d: Duration) -> u64 {
@@ -51,8 +61,9 @@ impl EdgeArgs {
         Ok(edge)
     }
 
-    /// `tcp` under these bounds.
-    pub fn listener(&self, tcp: tokio::net::TcpListener) -> Result<Listener, Failure> {
+    /// A listener on `--listen`, under these bounds.
+    pub async fn bind(&self) -> Result<Listener, Failure> {
+        let tcp = crate::process::listen(self.listen, "--listen").await?;
         Ok(Listener::new(tcp, self.edge()?))
     }
 }
@@ -87,7 +98,19 @@ pub struct RequestArgs {
 }
 
 impl RequestArgs {
-    pub fn request_timeout(&self) -> Result<Duration, Failure> {
+    /// The api's settings these flags make, checked (a bad one fails at
+    /// start, naming the flag); the others are the defaults.
+    pub fn settings(&self) -> Result<Settings, Failure> {
+        Ok(Settings {
+            legacy_keys: self.legacy_keys,
+            request_timeout: self.request_timeout()?,
+            access_log: self.access_log,
+            history_interval: self.history_interval()?,
+            ..Settings::default()
+        })
+    }
+
+    fn request_timeout(&self) -> Result<Duration, Failure> {
         if self.request_timeout_ms == 0 {
             return Err(Failure::bad_input(
                 "--request-timeout-ms (TOLLGATE_REQUEST_TIMEOUT_MS) must be > 0",
@@ -96,15 +119,7 @@ impl RequestArgs {
         Ok(Duration::from_millis(self.request_timeout_ms))
     }
 
-    pub fn legacy_keys(&self) -> bool {
-        self.legacy_keys
-    }
-
-    pub fn access_log(&self) -> bool {
-        self.access_log
-    }
-
-    pub fn history_interval(&self) -> Result<Option<Duration>, Failure> {
+    fn history_interval(&self) -> Result<Option<Duration>, Failure> {
         let interval = Duration::from_millis(self.history_interval_ms);
         if self.history_interval_ms == 0 {
             return Ok(None);

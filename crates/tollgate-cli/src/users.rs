@@ -139,6 +139,22 @@ fn plan_line(v: &LimitsView) -> String {
     }
 }
 
+/// What `set-limits` and `clear-limits` print: the limits the user is held to
+/// now.
+fn limits_now(json: bool, user: &UserId, view: Result<LimitsView, ApiError>) -> ExitCode {
+    match view {
+        Ok(view) => {
+            if json {
+                println!("{}", json!(view));
+            } else {
+                println!("{user}: {}", plan_line(&view));
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => client_error(e),
+    }
+}
+
 fn client_error(e: ApiError) -> ExitCode {
     if e.status().is_client_error() {
         fail(exit::BAD_INPUT, e)
@@ -338,31 +354,13 @@ pub async fn run(args: UsersArgs) -> ExitCode {
         }
         UsersCommand::SetLimits { user, limits } => {
             let ledger = backends.ledger.as_ref();
-            match admin::set_user_limits(&config, ledger, store, &user, limits).await {
-                Ok(view) => {
-                    if args.json {
-                        println!("{}", json!(view));
-                    } else {
-                        println!("{user}: {}", plan_line(&view));
-                    }
-                    ExitCode::SUCCESS
-                }
-                Err(e) => client_error(e),
-            }
+            let set = admin::set_user_limits(&config, ledger, store, &user, limits).await;
+            limits_now(args.json, &user, set)
         }
         UsersCommand::ClearLimits { user } => {
             let ledger = backends.ledger.as_ref();
-            match admin::clear_user_limits(&config, ledger, store, &user).await {
-                Ok(view) => {
-                    if args.json {
-                        println!("{}", json!(view));
-                    } else {
-                        println!("{user}: {}", plan_line(&view));
-                    }
-                    ExitCode::SUCCESS
-                }
-                Err(e) => client_error(e),
-            }
+            let cleared = admin::clear_user_limits(&config, ledger, store, &user).await;
+            limits_now(args.json, &user, cleared)
         }
         UsersCommand::Reindex => match store.reindex().await {
             Ok(seen) => {

@@ -5,7 +5,8 @@
 //! the newest with their users).
 //!
 //! It is fed by two decorators every backend wraps its stores in:
-//! [`RecordingLedger`] (charges, reserves, refunds, releases, denials) and
+//! [`ObservedLedger`](crate::observed::ObservedLedger) (charges, reserves,
+//! refunds, releases, denials) and
 //! [`RecordingThrottle`] (grants and how long they waited), and by the
 //! process's [`Metrics`](crate::metrics::Metrics) for each upstream answer
 //! ([`Metrics::note_answers_into`](crate::metrics::Metrics::note_answers_into)),
@@ -43,13 +44,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::{Clock, SystemClock};
 use crate::error::StoreError;
-use crate::id::{OrgId, RequestId, UserId};
+use crate::id::{RequestId, UserId};
 use crate::job::{Charge, FailureCause, Finish, JobError, JobSource, Lease, Maintenance, Settled};
-use crate::ledger::{
-    ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger, LedgerError, RefundOutcome, ReserveOutcome,
-    SettleOutcome, Usage,
-};
-use crate::ledger::{Moved, OrgList, OrgUsage};
 use crate::throttle::{Grant, Pause, Position, ProviderStats, Throttle, ThrottleError, Waiter};
 
 /// Spend events kept (the newest), and refund marks kept.
@@ -459,245 +455,10 @@ impl Spend {
 }
 
 /// The [`Spend::key`] of a charge: `user request_id [nonce]`.
-fn spend_key(user: &UserId, request: &RequestId, nonce: Option<&str>) -> String {
+pub(crate) fn spend_key(user: &UserId, request: &RequestId, nonce: Option<&str>) -> String {
     match nonce {
         Some(nonce) => format!("{user} {request} {nonce}"),
         None => format!("{user} {request}"),
-    }
-}
-
-/// A [`Ledger`] that notes every new charge and every refund of another one
-/// into an [`ActivityLog`]. A duplicate (nothing charged again) is not noted;
-/// a charge the ledger releases by itself (its job never claimed it) is not
-/// seen here. Its `Debug` is the inner ledger's.
-pub struct RecordingLedger {
-    inner: Arc<dyn Ledger>,
-    log: Arc<dyn ActivityLog>,
-}
-
-impl std::fmt::Debug for RecordingLedger {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.inner.fmt(f)
-    }
-}
-
-impl RecordingLedger {
-    pub fn new(inner: Arc<dyn Ledger>, log: Arc<dyn ActivityLog>) -> Self {
-        Self { inner, log }
-    }
-
-    fn spent(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        nonce: Option<&str>,
-        operation: Option<(&str, Option<&str>)>,
-        cost: u64,
-        at_ms: u64,
-    ) {
-        self.log.note(Note::Spent(Spend {
-            at_ms,
-            user: user.to_string(),
-            operation: operation.map(|(op, _)| op.to_owned()),
-            service_key: operation.and_then(|(_, kid)| kid).map(str::to_owned),
-            cost,
-            request_id: request.to_string(),
-            key: spend_key(user, request, nonce),
-        }));
-    }
-}
-
-#[async_trait]
-impl Ledger for RecordingLedger {
-    async fn reserve(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        cost: u64,
-    ) -> Result<ReserveOutcome, LedgerError> {
-        let r = self.inner.reserve(user, request, cost).await;
-        match &r {
-            Ok(ReserveOutcome::Allowed(a)) if !a.duplicate => {
-                self.spent(user, request, None, None, cost, a.at_ms);
-            }
-            Ok(ReserveOutcome::Denied(_)) => self.log.note(Note::Denied {
-                user: user.to_string(),
-                operation: None,
-            }),
-            _ => {}
-        }
-        r
-    }
-
-    async fn refund_charge(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        finished: Option<&str>,
-    ) -> Result<RefundOutcome, LedgerError> {
-        let r = self.inner.refund_charge(user, request, finished).await;
-        if let Ok(RefundOutcome::Refunded { .. } | RefundOutcome::Cancelled { .. }) = &r {
-            self.log.note(Note::Refunded {
-                key: spend_key(user, request, None),
-            });
-            self.log
-                .note(job_note(request.as_str(), user.as_str(), JobStep::Refunded));
-        }
-        r
-    }
-
-    async fn settle(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        actual_cost: u64,
-    ) -> Result<SettleOutcome, LedgerError> {
-        self.inner.settle(user, request, actual_cost).await
-    }
-
-    async fn settle_charge(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        nonce: &str,
-        actual_cost: u64,
-        may_raise: bool,
-    ) -> Result<SettleOutcome, LedgerError> {
-        self.inner
-            .settle_charge(user, request, nonce, actual_cost, may_raise)
-            .await
-    }
-
-    async fn exported(
-        &self,
-        user: &UserId,
-        since_ms: u64,
-        count: usize,
-    ) -> Result<Vec<crate::ledger::ExportEntry>, LedgerError> {
-        self.inner.exported(user, since_ms, count).await
-    }
-
-    async fn usage_page(
-        &self,
-        user: &UserId,
-        page: crate::ledger::EventPage,
-    ) -> Result<Usage, LedgerError> {
-        self.inner.usage_page(user, page).await
-    }
-
-    async fn charge(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        charge: &ChargeRequest<'_>,
-    ) -> Result<ChargeOutcome, LedgerError> {
-        let r = self.inner.charge(user, request, charge).await;
-        match &r {
-            Ok(ChargeOutcome::Charged { allowed, .. }) => {
-                self.spent(
-                    user,
-                    request,
-                    Some(charge.nonce),
-                    Some((charge.operation, charge.service_key)),
-                    charge.cost,
-                    allowed.at_ms,
-                );
-                self.log.note(Note::Job(JobNote {
-                    id: request.to_string(),
-                    user: user.to_string(),
-                    at_ms: allowed.at_ms,
-                    step: JobStep::Charged {
-                        operation: charge.operation.to_owned(),
-                        cost: charge.cost,
-                    },
-                }));
-            }
-            Ok(ChargeOutcome::Denied(_)) => self.log.note(Note::Denied {
-                user: user.to_string(),
-                operation: Some(charge.operation.to_owned()),
-            }),
-            _ => {}
-        }
-        r
-    }
-
-    async fn claim(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        nonce: &str,
-        hold_until_ms: u64,
-    ) -> Result<ClaimOutcome, LedgerError> {
-        self.inner.claim(user, request, nonce, hold_until_ms).await
-    }
-
-    async fn release(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        nonce: &str,
-    ) -> Result<RefundOutcome, LedgerError> {
-        let r = self.inner.release(user, request, nonce).await;
-        if let Ok(RefundOutcome::Refunded { .. }) = &r {
-            self.log.note(Note::Refunded {
-                key: spend_key(user, request, Some(nonce)),
-            });
-            self.log
-                .note(job_note(request.as_str(), user.as_str(), JobStep::Released));
-        }
-        r
-    }
-
-    async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError> {
-        self.inner.set_plan(user, plan).await
-    }
-
-    async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
-        self.inner.plan(user).await
-    }
-
-    async fn set_limits(
-        &self,
-        user: &UserId,
-        limits: &[crate::config::Limit],
-    ) -> Result<(), LedgerError> {
-        self.inner.set_limits(user, limits).await
-    }
-
-    async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError> {
-        self.inner.clear_limits(user).await
-    }
-
-    async fn custom_limits(
-        &self,
-        user: &UserId,
-    ) -> Result<Option<Vec<crate::config::Limit>>, LedgerError> {
-        self.inner.custom_limits(user).await
-    }
-
-    async fn set_org_plan(&self, org: &OrgId, plan: &str) -> Result<(), LedgerError> {
-        self.inner.set_org_plan(org, plan).await
-    }
-
-    async fn set_user_org(&self, user: &UserId, org: Option<&OrgId>) -> Result<Moved, LedgerError> {
-        self.inner.set_user_org(user, org).await
-    }
-
-    async fn user_org(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError> {
-        self.inner.user_org(user).await
-    }
-
-    async fn org_usage(
-        &self,
-        org: &OrgId,
-        after: Option<&UserId>,
-        limit: usize,
-    ) -> Result<OrgUsage, LedgerError> {
-        self.inner.org_usage(org, after, limit).await
-    }
-
-    async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError> {
-        self.inner.orgs(after, limit).await
     }
 }
 
@@ -790,7 +551,7 @@ impl Throttle for RecordingThrottle {
 }
 
 /// A job step noted now, on this process's clock.
-fn job_note(id: &str, user: &str, step: JobStep) -> Note {
+pub(crate) fn job_note(id: &str, user: &str, step: JobStep) -> Note {
     Note::Job(JobNote {
         id: id.to_owned(),
         user: user.to_owned(),

@@ -6,14 +6,15 @@
 
 use std::sync::Arc;
 
-use crate::activity::{ActivityLog, RecordingLedger, RecordingSource, RecordingThrottle};
+use crate::activity::{ActivityLog, RecordingSource, RecordingThrottle};
 use crate::alerts::AlertOutbox;
 use crate::config::Config;
 use crate::durability::DurabilityCheck;
 use crate::job::{JobQueue, JobSource};
 use crate::keystore::KeyStore;
 use crate::ledger::Ledger;
-use crate::metrics::{MeteredLedger, Metrics};
+use crate::metrics::Metrics;
+use crate::observed::ObservedLedger;
 use crate::session::SessionStore;
 use crate::stream::JobStreams;
 use crate::throttle::{Dispatchers, Throttle};
@@ -72,23 +73,24 @@ pub struct Stores {
 impl Backends {
     /// The one assembly step of every backend: wraps what it built with this
     /// process's metrics and activity recording, the same way whatever the
-    /// store. `ledger` is the backend's own; `queue` builds its job queue on
-    /// the wrapped ledger (the queue charges and claims through it, so its
-    /// steps are counted and noted too).
+    /// store. `ledger` is the backend's own; `queue` builds its job queue, of
+    /// `config`, on the wrapped ledger (the queue charges and claims through
+    /// it, so its steps are counted and noted too).
     pub fn assemble<Q: JobQueue + JobSource + 'static>(
         config: Arc<Config>,
         metrics: Arc<Metrics>,
         activity: Arc<dyn ActivityLog>,
         ledger: Arc<dyn Ledger>,
-        queue: impl FnOnce(Arc<dyn Ledger>) -> Arc<Q>,
+        queue: impl FnOnce(Arc<Config>, Arc<dyn Ledger>) -> Arc<Q>,
         stores: Stores,
     ) -> Self {
         metrics.note_answers_into(Arc::clone(&activity));
-        let ledger: Arc<dyn Ledger> = Arc::new(RecordingLedger::new(
-            Arc::new(MeteredLedger::new(ledger, Arc::clone(&metrics))),
+        let ledger: Arc<dyn Ledger> = Arc::new(ObservedLedger::new(
+            ledger,
+            Arc::clone(&metrics),
             Arc::clone(&activity),
         ));
-        let queue = queue(Arc::clone(&ledger));
+        let queue = queue(Arc::clone(&config), Arc::clone(&ledger));
         Self {
             throttle: Arc::new(RecordingThrottle::new(
                 stores.throttle,

@@ -433,6 +433,14 @@ mod tests {
         }
     }
 
+    /// A share of weight 1 with at most `max_in_flight` in flight.
+    fn capped(max_in_flight: u32) -> Share {
+        Share {
+            max_in_flight: Some(max_in_flight),
+            ..share(1)
+        }
+    }
+
     fn serve(q: &mut FairQueue<&'static str>, n: usize) -> Vec<&'static str> {
         let now = Instant::now();
         (0..n)
@@ -479,10 +487,7 @@ mod tests {
     #[test]
     fn a_capped_user_waits_for_its_slot() {
         let mut q = FairQueue::default();
-        let capped = Share {
-            max_in_flight: Some(1),
-            ..share(1)
-        };
+        let capped = capped(1);
         q.push("a", capped, "a1");
         q.push("a", capped, "a2");
         let now = Instant::now();
@@ -561,10 +566,7 @@ mod tests {
     #[test]
     fn a_cap_parks_the_rest_in_order() {
         let mut q = FairQueue::default();
-        let capped = Share {
-            max_in_flight: Some(2),
-            ..share(1)
-        };
+        let capped = capped(2);
         for item in ["c1", "c2", "c3", "c4", "c5"] {
             q.push("c", capped, item);
         }
@@ -593,9 +595,8 @@ mod tests {
     fn a_lost_slot_frees_itself() {
         let mut q = FairQueue::default();
         let capped = Share {
-            max_in_flight: Some(1),
             hold: Duration::from_secs(5),
-            ..share(1)
+            ..capped(1)
         };
         q.push("a", capped, "a1");
         q.push("a", capped, "a2");

@@ -41,7 +41,8 @@ use crate::config::Config;
 use crate::error::StoreError;
 use crate::id::{RequestId, UserId};
 use crate::ledger::{
-    Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, Ledger, LedgerError,
+    Allowed, ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Denied, Ledger, LedgerError,
+    SettleRequest,
 };
 use crate::trace::TraceParent;
 
@@ -786,10 +787,11 @@ pub async fn claim(
     job: &Job,
     grace: Duration,
 ) -> Result<ClaimOutcome, JobError> {
-    let hold_until = job.deadline_ms.saturating_add(millis(grace));
-    Ok(ledger
-        .claim(&job.user, &job.id, &job.nonce, hold_until)
-        .await?)
+    let claim = ClaimRequest {
+        nonce: &job.nonce,
+        hold_until_ms: job.deadline_ms.saturating_add(millis(grace)),
+    };
+    Ok(ledger.claim(&job.user, &job.id, &claim).await?)
 }
 
 /// How a job whose claim was not granted fails (unpaid: it owns no charge to
@@ -841,9 +843,12 @@ pub async fn settle(
         None if may_raise => return Ok(Settled::NoUsage),
         None => (op.cost, false),
     };
-    let outcome = ledger
-        .settle_charge(&job.user, &job.id, &job.nonce, cost, may_raise)
-        .await?;
+    let settle = SettleRequest {
+        nonce: &job.nonce,
+        actual_cost: cost,
+        may_raise,
+    };
+    let outcome = ledger.settle_charge(&job.user, &job.id, &settle).await?;
     Ok(match outcome {
         crate::ledger::SettleOutcome::Settled { .. } if !reported => Settled::NoUsage,
         crate::ledger::SettleOutcome::Settled { cost, .. } => Settled::To {

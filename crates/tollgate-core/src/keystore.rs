@@ -378,6 +378,20 @@ pub struct UserPage {
     pub next_cursor: Option<UserId>,
 }
 
+impl UserPage {
+    /// The page `query` asked for, from the users read in order after its
+    /// start, up to `query.limit() + 1`: one past the limit only says that
+    /// there is a next page.
+    pub fn read(query: &UserQuery, mut users: Vec<UserId>) -> Self {
+        let more = users.len() > query.limit();
+        users.truncate(query.limit());
+        Self {
+            next_cursor: users.last().filter(|_| more).cloned(),
+            users,
+        }
+    }
+}
+
 /// Where API keys live: Redis for pods, memory for the embedded mode.
 #[async_trait]
 pub trait KeyStore: Send + Sync + fmt::Debug {

@@ -110,6 +110,47 @@ pub struct ChargeRequest<'a> {
     pub grace: std::time::Duration,
 }
 
+/// How a job takes its charge over ([`Ledger::claim`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest<'a> {
+    /// The nonce the charge was taken under (the job's).
+    pub nonce: &'a str,
+    /// The end of the charge's hold (the job's deadline plus the grace it was
+    /// charged with), on the ledger's clock.
+    pub hold_until_ms: u64,
+}
+
+impl<'a> ClaimRequest<'a> {
+    pub fn new(nonce: &'a str, hold_until_ms: u64) -> Self {
+        Self {
+            nonce,
+            hold_until_ms,
+        }
+    }
+}
+
+/// What a job settles its charge to ([`Ledger::settle_charge`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SettleRequest<'a> {
+    /// The nonce the charge was taken under (the job's).
+    pub nonce: &'a str,
+    /// What the provider reported, >= 1.
+    pub actual_cost: u64,
+    /// The operation reserved its estimate: the cost may rise past the
+    /// charge's, and a window past its limit.
+    pub may_raise: bool,
+}
+
+impl<'a> SettleRequest<'a> {
+    pub fn new(nonce: &'a str, actual_cost: u64, may_raise: bool) -> Self {
+        Self {
+            nonce,
+            actual_cost,
+            may_raise,
+        }
+    }
+}
+
 /// The answer to [`Ledger::charge`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
@@ -661,9 +702,9 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         actual_cost: u64,
     ) -> Result<SettleOutcome, LedgerError>;
 
-    /// The job with `nonce` settles its charge to `actual_cost` (>= 1), what
-    /// the provider reported, and the event keeps the cost it was charged at
-    /// up front. A charge that is not this job's (released, left the window,
+    /// The job with `settle.nonce` settles its charge to `actual_cost` (>= 1),
+    /// what the provider reported, and the event keeps the cost it was charged
+    /// at up front. A charge that is not this job's (released, left the window,
     /// or charged anew under another nonce) is `NotFound`, untouched. The cost
     /// is set, not added: a retried settle changes nothing more. With
     /// `may_raise` (an operation that reserved its estimate), like `settle`, it
@@ -674,9 +715,7 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        actual_cost: u64,
-        may_raise: bool,
+        settle: &SettleRequest<'_>,
     ) -> Result<SettleOutcome, LedgerError>;
 
     /// The user's budget and the first page of its audit trail
@@ -701,15 +740,12 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         charge: &ChargeRequest<'_>,
     ) -> Result<ChargeOutcome, LedgerError>;
 
-    /// The job with `nonce` takes its charge over (idempotent). `hold_until_ms`
-    /// is the end of the charge's hold (the job's deadline plus the grace it
-    /// was charged with), on the ledger's clock.
+    /// The job with `claim.nonce` takes its charge over (idempotent).
     async fn claim(
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        hold_until_ms: u64,
+        claim: &ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, LedgerError>;
 
     /// The job with `nonce` failed: removes its charge, at most once. A charge

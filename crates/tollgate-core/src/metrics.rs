@@ -3,7 +3,7 @@
 //! and [`Loops`], the heartbeats of the roles' loops that `/readyz` reads.
 //!
 //! Counters and histograms are observed where things happen: the api's
-//! requests, the ledger's steps ([`MeteredLedger`]), a provider call's
+//! requests, the ledger's steps ([`ObservedLedger`]), a provider call's
 //! throttle wait and attempts (`tollgate_providers::ThrottledClient`), a
 //! worker's jobs, a throttler's grants. Gauges of shared state (queue depths,
 //! dead lists, waiters, tokens, live workers and throttlers) are read at scrape
@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
     DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric,
@@ -32,13 +31,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::config::Config;
-use crate::id::{OrgId, RequestId, UserId};
 use crate::job::{JobQueue, Maintenance, QueueStats};
-use crate::ledger::{
-    ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger, LedgerError, RefundOutcome, ReserveOutcome,
-    SettleOutcome, Usage,
-};
-use crate::ledger::{Moved, OrgList, OrgUsage};
+use crate::ledger::LedgerError;
 use crate::lock;
 use crate::throttle::{ProviderStats, Throttle};
 
@@ -61,7 +55,9 @@ const REQUEST_BUCKETS: [f64; 12] = [
 const LEDGER_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 ];
-/// The steps of [`MeteredLedger`] (the `step` label).
+/// The steps of [`ObservedLedger`] (the `step` label).
+///
+/// [`ObservedLedger`]: crate::observed::ObservedLedger
 const LEDGER_STEPS: [&str; 14] = [
     "reserve",
     "refund",
@@ -1032,7 +1028,12 @@ impl Metrics {
 
     // --- ledger ----------------------------------------------------------
 
-    fn ledger_step<T>(&self, step: &'static str, took: Duration, r: &Result<T, LedgerError>) {
+    pub(crate) fn ledger_step<T>(
+        &self,
+        step: &'static str,
+        took: Duration,
+        r: &Result<T, LedgerError>,
+    ) {
         let l = StepLabel { step };
         self.ledger_duration
             .get_or_create(&l)
@@ -1044,14 +1045,14 @@ impl Metrics {
 
     /// The plans a denial's `limit` may belong to: one name when only one plan
     /// has that limit.
-    fn plan_of_limit(&self, limit: u64) -> Option<&str> {
+    pub(crate) fn plan_of_limit(&self, limit: u64) -> Option<&str> {
         match self.plans_by_limit.get(&limit).map(Vec::as_slice) {
             Some([one]) => Some(one),
             _ => None,
         }
     }
 
-    fn denied(&self, plan: &str) {
+    pub(crate) fn denied(&self, plan: &str) {
         let plan = if self.plan_names.iter().any(|p| p == plan) {
             plan
         } else {
@@ -1391,216 +1392,6 @@ impl Loops {
                     .then(|| format!("{} silent for {} ms past its due beat", b.name, now - due))
             })
             .collect()
-    }
-}
-
-/// A [`Ledger`] that times every step of another one and counts its errors
-/// and denials (by plan). Both backends wrap their ledger in it, so the job
-/// queue's charges, the api's plain reserves and the worker's claims and
-/// releases are all observed. Its `Debug` is the inner ledger's.
-pub struct MeteredLedger {
-    inner: Arc<dyn Ledger>,
-    metrics: Arc<Metrics>,
-}
-
-impl std::fmt::Debug for MeteredLedger {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.inner.fmt(f)
-    }
-}
-
-impl MeteredLedger {
-    pub fn new(inner: Arc<dyn Ledger>, metrics: Arc<Metrics>) -> Self {
-        Self { inner, metrics }
-    }
-
-    async fn timed<T, F>(&self, step: &'static str, f: F) -> Result<T, LedgerError>
-    where
-        F: std::future::Future<Output = Result<T, LedgerError>>,
-    {
-        let started = Instant::now();
-        let r = f.await;
-        self.metrics.ledger_step(step, started.elapsed(), &r);
-        r
-    }
-
-    /// Counts a denial under the user's plan: known from the limit when one
-    /// plan has it, else read from the store (a failure counts as `unknown`).
-    async fn denial(&self, user: &UserId, limit: u64) {
-        match self.metrics.plan_of_limit(limit) {
-            Some(plan) => self.metrics.denied(plan),
-            None => {
-                let plan = self.inner.plan(user).await.unwrap_or_default();
-                self.metrics.denied(&plan);
-            }
-        }
-    }
-}
-
-#[async_trait]
-impl Ledger for MeteredLedger {
-    async fn reserve(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        cost: u64,
-    ) -> Result<ReserveOutcome, LedgerError> {
-        let r = self
-            .timed("reserve", self.inner.reserve(user, request, cost))
-            .await;
-        if let Ok(ReserveOutcome::Denied(d)) = &r {
-            self.denial(user, d.limit).await;
-        }
-        r
-    }
-
-    async fn refund_charge(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        finished: Option<&str>,
-    ) -> Result<RefundOutcome, LedgerError> {
-        self.timed("refund", self.inner.refund_charge(user, request, finished))
-            .await
-    }
-
-    async fn settle(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        actual_cost: u64,
-    ) -> Result<SettleOutcome, LedgerError> {
-        self.timed("settle", self.inner.settle(user, request, actual_cost))
-            .await
-    }
-
-    async fn settle_charge(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        nonce: &str,
-        actual_cost: u64,
-        may_raise: bool,
-    ) -> Result<SettleOutcome, LedgerError> {
-        self.timed(
-            "settle",
-            self.inner
-                .settle_charge(user, request, nonce, actual_cost, may_raise),
-        )
-        .await
-    }
-
-    async fn exported(
-        &self,
-        user: &UserId,
-        since_ms: u64,
-        count: usize,
-    ) -> Result<Vec<crate::ledger::ExportEntry>, LedgerError> {
-        self.inner.exported(user, since_ms, count).await
-    }
-
-    async fn usage_page(
-        &self,
-        user: &UserId,
-        page: crate::ledger::EventPage,
-    ) -> Result<Usage, LedgerError> {
-        self.timed("usage", self.inner.usage_page(user, page)).await
-    }
-
-    async fn charge(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        charge: &ChargeRequest<'_>,
-    ) -> Result<ChargeOutcome, LedgerError> {
-        let r = self
-            .timed("charge", self.inner.charge(user, request, charge))
-            .await;
-        if let Ok(ChargeOutcome::Denied(d)) = &r {
-            self.denial(user, d.limit).await;
-        }
-        r
-    }
-
-    async fn claim(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        nonce: &str,
-        hold_until_ms: u64,
-    ) -> Result<ClaimOutcome, LedgerError> {
-        self.timed(
-            "claim",
-            self.inner.claim(user, request, nonce, hold_until_ms),
-        )
-        .await
-    }
-
-    async fn release(
-        &self,
-        user: &UserId,
-        request: &RequestId,
-        nonce: &str,
-    ) -> Result<RefundOutcome, LedgerError> {
-        self.timed("release", self.inner.release(user, request, nonce))
-            .await
-    }
-
-    async fn set_plan(&self, user: &UserId, plan: &str) -> Result<(), LedgerError> {
-        self.timed("set_plan", self.inner.set_plan(user, plan))
-            .await
-    }
-
-    async fn plan(&self, user: &UserId) -> Result<String, LedgerError> {
-        self.timed("plan", self.inner.plan(user)).await
-    }
-
-    async fn set_limits(
-        &self,
-        user: &UserId,
-        limits: &[crate::config::Limit],
-    ) -> Result<(), LedgerError> {
-        self.timed("set_limits", self.inner.set_limits(user, limits))
-            .await
-    }
-
-    async fn clear_limits(&self, user: &UserId) -> Result<bool, LedgerError> {
-        self.timed("clear_limits", self.inner.clear_limits(user))
-            .await
-    }
-
-    async fn custom_limits(
-        &self,
-        user: &UserId,
-    ) -> Result<Option<Vec<crate::config::Limit>>, LedgerError> {
-        self.timed("custom_limits", self.inner.custom_limits(user))
-            .await
-    }
-
-    async fn set_org_plan(&self, org: &OrgId, plan: &str) -> Result<(), LedgerError> {
-        self.timed("orgs", self.inner.set_org_plan(org, plan)).await
-    }
-
-    async fn set_user_org(&self, user: &UserId, org: Option<&OrgId>) -> Result<Moved, LedgerError> {
-        self.timed("move", self.inner.set_user_org(user, org)).await
-    }
-
-    async fn user_org(&self, user: &UserId) -> Result<Option<OrgId>, LedgerError> {
-        self.timed("orgs", self.inner.user_org(user)).await
-    }
-
-    async fn org_usage(
-        &self,
-        org: &OrgId,
-        after: Option<&UserId>,
-        limit: usize,
-    ) -> Result<OrgUsage, LedgerError> {
-        self.timed("orgs", self.inner.org_usage(org, after, limit))
-            .await
-    }
-
-    async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError> {
-        self.timed("orgs", self.inner.orgs(after, limit)).await
     }
 }
 

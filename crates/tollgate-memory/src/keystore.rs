@@ -80,7 +80,7 @@ impl KeyStore for MemoryKeyStore {
         } else {
             std::ops::Bound::Included(start)
         };
-        let mut users: Vec<UserId> = keys
+        let users: Vec<UserId> = keys
             .by_user
             .range::<str, _>((from, std::ops::Bound::Unbounded))
             .map(|(u, _)| u)
@@ -88,12 +88,7 @@ impl KeyStore for MemoryKeyStore {
             .take(query.limit() + 1)
             .filter_map(|u| UserId::new(u.as_str()).ok())
             .collect();
-        let more = users.len() > query.limit();
-        users.truncate(query.limit());
-        Ok(UserPage {
-            next_cursor: users.last().filter(|_| more).cloned(),
-            users,
-        })
+        Ok(UserPage::read(query, users))
     }
 
     async fn user_keys(&self, user: &UserId) -> Result<Vec<KeyRecord>, KeyStoreError> {

@@ -27,9 +27,10 @@ use tollgate_core::config::{Config, Limit, Plan};
 use tollgate_core::id::{OrgId, RequestId, UserId};
 use tollgate_core::ledger::{
     audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
-    Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, EventCursor,
-    EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage, OrgWindows,
-    RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse, CUSTOM_PLAN,
+    Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Denied,
+    EventCursor, EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage, OrgWindows,
+    RefundOutcome, ReserveOutcome, SettleOutcome, SettleRequest, SpendEvent, Usage, WindowUse,
+    CUSTOM_PLAN,
 };
 use tollgate_core::lock;
 
@@ -1250,10 +1251,13 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        actual_cost: u64,
-        may_raise: bool,
+        settle: &SettleRequest<'_>,
     ) -> Result<SettleOutcome, LedgerError> {
+        let &SettleRequest {
+            nonce,
+            actual_cost,
+            may_raise,
+        } = settle;
         validate_cost(actual_cost)?;
         Ok(self.with_user(user, false, |log, mut side, now| {
             log.expire(now, &self.plan_of(log).limits);
@@ -1429,9 +1433,12 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        hold_until_ms: u64,
+        claim: &ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, LedgerError> {
+        let &ClaimRequest {
+            nonce,
+            hold_until_ms,
+        } = claim;
         Ok(self.with_user(user, false, |log, mut side, now| {
             log.expire(now, &self.plan_of(log).limits);
             if let Some(side) = side.as_mut() {

@@ -65,13 +65,12 @@ pub fn backends(config: Arc<Config>) -> Backends {
         alerts: Arc::new(alerts.clone()),
     };
     let ledger = Arc::new(MemoryLedger::new(Arc::clone(&config)).with_alerts(alerts));
-    let queue_config = Arc::clone(&config);
     Backends::assemble(
         config,
         metrics,
         activity,
         ledger,
-        |ledger| Arc::new(MemoryJobQueue::new(queue_config, ledger)),
+        |config, ledger| Arc::new(MemoryJobQueue::new(config, ledger)),
         stores,
     )
 }

@@ -18,7 +18,7 @@ use redis::{FromRedisValue, Value};
 use tollgate_core::durability::{Durability, DurabilityCheck, DurabilityReport};
 
 use crate::call;
-use crate::pool::Pool;
+use crate::pool::{ClusterPool, Pool};
 
 /// What one Redis node said of its persistence; `Err`: why it could not be read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,22 +94,33 @@ async fn read(pool: &Pool, timeout: Duration) -> Result<Persistence, String> {
             let mut each = Vec::new();
             for name in ["appendonly", "appendfsync"] {
                 let cmd = redis::cmd("CONFIG").arg("GET").arg(name).to_owned();
-                let mut conn = c.connection();
-                let all = tokio::time::timeout(
-                    timeout,
-                    conn.route_command(
-                        cmd,
-                        RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
-                    ),
-                )
-                .await
-                .map_err(|_| format!("no answer to CONFIG GET within {timeout:?}"))?
-                .map_err(|e| e.to_string())?;
+                let all = on_every_primary(c, cmd, timeout, "CONFIG GET").await?;
                 each.push(per_node(name, all)?);
             }
             weakest(&each[0], &each[1])
         }
     }
+}
+
+/// `cmd` sent to every primary of the cluster: `{node: reply}`; `what` names
+/// it when they do not all answer within `timeout`.
+async fn on_every_primary(
+    c: &ClusterPool,
+    cmd: redis::Cmd,
+    timeout: Duration,
+    what: &str,
+) -> Result<Value, String> {
+    let mut conn = c.connection();
+    tokio::time::timeout(
+        timeout,
+        conn.route_command(
+            cmd,
+            RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
+        ),
+    )
+    .await
+    .map_err(|_| format!("no answer to {what} within {timeout:?}"))?
+    .map_err(|e| e.to_string())
 }
 
 /// `{node: {name: value}}` (a command sent to every primary) as the values of
@@ -169,17 +180,7 @@ async fn replicas(pool: &Pool, timeout: Duration) -> Result<u32, String> {
             vec![info]
         }
         Pool::Cluster(c) => {
-            let mut conn = c.connection();
-            let all = tokio::time::timeout(
-                timeout,
-                conn.route_command(
-                    cmd,
-                    RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
-                ),
-            )
-            .await
-            .map_err(|_| format!("no answer to INFO within {timeout:?}"))?
-            .map_err(|e| e.to_string())?;
+            let all = on_every_primary(c, cmd, timeout, "INFO").await?;
             let Value::Map(nodes) = all else {
                 return Err(format!("INFO replication: unexpected reply {all:?}"));
             };

@@ -85,9 +85,7 @@ pub struct RedisJobQueue {
 
 impl std::fmt::Debug for RedisJobQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisJobQueue")
-            .field("prefix", &self.keys.prefix())
-            .finish_non_exhaustive()
+        self.keys.debug_store(f, "RedisJobQueue")
     }
 }
 

@@ -199,6 +199,14 @@ impl KeySpace {
         &self.prefix
     }
 
+    /// The `Debug` of the store `name` on this key space: its prefix, never
+    /// the pool's addresses.
+    pub fn debug_store(&self, f: &mut std::fmt::Formatter<'_>, name: &str) -> std::fmt::Result {
+        f.debug_struct(name)
+            .field("prefix", &self.prefix())
+            .finish_non_exhaustive()
+    }
+
     /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds|audit|log|meta|cancelled`
     /// (and `e:<n>`)
     pub fn budget(&self, user: &UserId) -> BudgetKeys {

@@ -28,9 +28,7 @@ pub struct RedisKeyStore {
 
 impl std::fmt::Debug for RedisKeyStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisKeyStore")
-            .field("prefix", &self.keys.prefix())
-            .finish_non_exhaustive()
+        self.keys.debug_store(f, "RedisKeyStore")
     }
 }
 
@@ -297,16 +295,11 @@ impl KeyStore for RedisKeyStore {
                 "malformed user {u:?} in the users index"
             )))
         };
-        let mut users = found
+        let users = found
             .iter()
             .map(|u| UserId::new(u.as_str()).map_err(|_| bad(u)))
             .collect::<Result<Vec<_>, _>>()?;
-        let more = users.len() > query.limit();
-        users.truncate(query.limit());
-        Ok(UserPage {
-            next_cursor: users.last().filter(|_| more).cloned(),
-            users,
-        })
+        Ok(UserPage::read(query, users))
     }
 
     async fn user_keys(&self, user: &UserId) -> Result<Vec<KeyRecord>, KeyStoreError> {

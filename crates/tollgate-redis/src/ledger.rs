@@ -16,9 +16,10 @@ use tollgate_core::{
     config::{Config, MAX_LIMITS},
     id::{OrgId, RequestId, UserId},
     ledger::{
-        Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, Denied, EventCursor,
-        EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage, OrgWindows,
-        RefundOutcome, ReserveOutcome, SettleOutcome, SpendEvent, Usage, WindowUse,
+        Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Denied,
+        EventCursor, EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage,
+        OrgWindows, RefundOutcome, ReserveOutcome, SettleOutcome, SettleRequest, SpendEvent, Usage,
+        WindowUse,
     },
 };
 
@@ -436,20 +437,11 @@ impl RedisLedger {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        actual_cost: u64,
-        may_raise: bool,
+        settle: &SettleRequest<'_>,
     ) -> Result<SettleOutcome, LedgerError> {
         let (r, _, _): (Vec<i64>, _, _) = self
             .at_home("settle", user, |loc| {
-                scripts::settle(
-                    loc,
-                    request.as_str(),
-                    actual_cost,
-                    nonce,
-                    may_raise,
-                    &self.plans,
-                )
+                scripts::settle(loc, request.as_str(), settle, &self.plans)
             })
             .await?;
         match r.as_slice() {
@@ -532,20 +524,22 @@ impl Ledger for RedisLedger {
         if actual_cost > tollgate_core::config::MAX_TOKENS {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
-        self.settle_with(user, request, "", actual_cost, true).await
+        let any = SettleRequest {
+            nonce: "",
+            actual_cost,
+            may_raise: true,
+        };
+        self.settle_with(user, request, &any).await
     }
 
     async fn settle_charge(
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        actual_cost: u64,
-        may_raise: bool,
+        settle: &SettleRequest<'_>,
     ) -> Result<SettleOutcome, LedgerError> {
-        validate_cost(actual_cost)?;
-        self.settle_with(user, request, nonce, actual_cost, may_raise)
-            .await
+        validate_cost(settle.actual_cost)?;
+        self.settle_with(user, request, settle).await
     }
 
     async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
@@ -604,12 +598,11 @@ impl Ledger for RedisLedger {
         &self,
         user: &UserId,
         request: &RequestId,
-        nonce: &str,
-        hold_until_ms: u64,
+        claim: &ClaimRequest<'_>,
     ) -> Result<ClaimOutcome, LedgerError> {
         let (r, _, _): (i64, _, _) = self
             .at_home("claim", user, |loc| {
-                scripts::claim(loc, request.as_str(), nonce, hold_until_ms, &self.plans)
+                scripts::claim(loc, request.as_str(), claim, &self.plans)
             })
             .await?;
         Ok(match r {

@@ -17,6 +17,11 @@
 //! by the scripts in `lua/`, one atomic script per operation, with time from Redis
 //! `TIME`; so are job records and queues.
 
+// The budget steps' futures nest deep (an async-trait method, the step's
+// retries across a move, the pool's call with its WAIT): computing their
+// layouts takes the compiler past its default depth of 128.
+#![recursion_limit = "256"]
+
 pub mod activity;
 pub mod alerts;
 pub mod call;
@@ -87,17 +92,16 @@ pub fn backends(pool: Pool, keys: KeySpace, config: Arc<Config>, described: Stri
         keys.clone(),
         Arc::clone(&config),
     ));
-    let queue_config = Arc::clone(&config);
     Backends::assemble(
         config,
         metrics,
         activity,
         ledger,
-        |ledger| {
+        |config, ledger| {
             Arc::new(RedisJobQueue::new(
                 pool,
                 keys,
-                queue_config,
+                config,
                 ledger,
                 JobOptions::default(),
             ))

@@ -399,22 +399,20 @@ pub fn refund(keys: &Location, request: &str, finished: &str, plans: &PlanArgs) 
     inv
 }
 
-/// `settle.lua`: `nonce` is `""` for an operator's correction of any event, or
-/// the nonce of the job settling its own charge; `may_raise` false settles
-/// only down.
+/// `settle.lua`: `settle.nonce` is `""` for an operator's correction of any
+/// event, or the nonce of the job settling its own charge; `may_raise` false
+/// settles only down.
 pub fn settle(
     keys: &Location,
     request: &str,
-    actual_cost: u64,
-    nonce: &str,
-    may_raise: bool,
+    settle: &tollgate_core::ledger::SettleRequest<'_>,
     plans: &PlanArgs,
 ) -> FunctionCall {
     let mut inv = invocation("settle", keys);
     inv.arg(request)
-        .arg(actual_cost)
-        .arg(nonce)
-        .arg(if may_raise { "1" } else { "0" })
+        .arg(settle.actual_cost)
+        .arg(settle.nonce)
+        .arg(if settle.may_raise { "1" } else { "0" })
         .arg(&plans.0);
     inv
 }
@@ -457,12 +455,14 @@ pub fn charge(
 pub fn claim(
     keys: &Location,
     request: &str,
-    nonce: &str,
-    hold_until_ms: u64,
+    claim: &tollgate_core::ledger::ClaimRequest<'_>,
     plans: &PlanArgs,
 ) -> FunctionCall {
     let mut inv = invocation("claim", keys);
-    inv.arg(request).arg(nonce).arg(hold_until_ms).arg(&plans.0);
+    inv.arg(request)
+        .arg(claim.nonce)
+        .arg(claim.hold_until_ms)
+        .arg(&plans.0);
     inv
 }
 
@@ -490,6 +490,13 @@ pub fn retry(
         .arg(now_ms)
         .arg(if org { "org" } else { "user" });
     inv
+}
+
+const CLOCK_LIB: &str = include_str!("../../../lua/lib/clock.lua");
+
+/// A script that needs only the time: `lua/lib/clock.lua`, then `body`.
+fn clock_script(body: &str) -> Script {
+    Script::new(&format!("{CLOCK_LIB}\n{body}"))
 }
 
 const BUCKET_LIB: &str = include_str!("../../../lua/lib/bucket.lua");
@@ -809,9 +816,9 @@ pub fn throttle_position<'a>(
 }
 
 pub static LIVENESS_HEARTBEAT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/liveness_heartbeat.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/liveness_heartbeat.lua")));
 pub static LIVENESS_RECLAIM: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/liveness_reclaim.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/liveness_reclaim.lua")));
 
 /// `liveness_heartbeat.lua`: the listed members whose liveness lapsed.
 pub fn liveness_heartbeat<'a>(
@@ -950,11 +957,11 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
 /// The alerts' outbox scripts (see each one's header and
 /// `tollgate_redis::alerts`).
 pub static ALERT_TAKE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_take.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/alert_take.lua")));
 pub static ALERT_LEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_lease.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/alert_lease.lua")));
 pub static ALERT_DONE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/alert_done.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/alert_done.lua")));
 pub static ALERT_POINT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/alert_point.lua")));
 
@@ -1218,11 +1225,11 @@ pub fn job_unstick<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptI
 }
 
 pub static ACTIVITY_RECORD: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_record.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/activity_record.lua")));
 pub static ACTIVITY_READ: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_read.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/activity_read.lua")));
 pub static ACTIVITY_SAMPLE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/activity_sample.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/activity_sample.lua")));
 
 fn activity_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ActivityKeys, providers: &[String]) {
     inv.key(&keys.events)
@@ -1320,9 +1327,9 @@ pub fn activity_read<'a>(
 }
 
 pub static SESSION_OPEN: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/session_open.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/session_open.lua")));
 pub static SESSION_TOUCH: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/session_touch.lua")));
+    LazyLock::new(|| clock_script(include_str!("../../../lua/session_touch.lua")));
 
 /// `session_open.lua`
 pub fn session_open<'a>(

@@ -24,9 +24,7 @@ pub struct RedisSessions {
 
 impl std::fmt::Debug for RedisSessions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisSessions")
-            .field("prefix", &self.keys.prefix())
-            .finish_non_exhaustive()
+        self.keys.debug_store(f, "RedisSessions")
     }
 }
 

@@ -124,25 +124,43 @@ pub struct Operator {
     pub session: Option<Session>,
 }
 
+/// What a request to the admin or dashboard routes presents.
+#[derive(Debug)]
+pub enum Credential {
+    /// A right admin or viewer token as `Authorization: Bearer`.
+    Bearer(Role),
+    /// No `Authorization`: the live session of its cookie, if any.
+    Session(Option<Session>),
+}
+
+/// The request's credential, once the admin routes are on (a configured admin
+/// token; else `AdminDisabled`). A wrong token is refused here (401, or 429
+/// past its address's budget of failures).
+pub async fn credential(parts: &Parts, state: &ApiState) -> Result<Credential, ApiError> {
+    if state.settings.admin_token.is_none() {
+        return Err(ApiError::AdminDisabled);
+    }
+    if parts.headers.contains_key(AUTHORIZATION) {
+        return bearer_role(parts, state).map(Credential::Bearer);
+    }
+    let session = session(&parts.headers, state).await?;
+    Ok(Credential::Session(session.map(|(_, s)| s)))
+}
+
 impl FromRequestParts<ApiState> for Operator {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &ApiState) -> Result<Self, ApiError> {
-        if state.settings.admin_token.is_none() {
-            return Err(ApiError::AdminDisabled);
-        }
-        if parts.headers.contains_key(AUTHORIZATION) {
-            return bearer_role(parts, state).map(|role| Operator {
+        match credential(parts, state).await? {
+            Credential::Bearer(role) => Ok(Operator {
                 role,
                 session: None,
-            });
-        }
-        match session(&parts.headers, state).await? {
-            Some((_, s)) => Ok(Operator {
+            }),
+            Credential::Session(Some(s)) => Ok(Operator {
                 role: s.role,
                 session: Some(s),
             }),
-            None => Err(ApiError::Unauthorized(
+            Credential::Session(None) => Err(ApiError::Unauthorized(
                 "log in at /dashboard, or send Authorization: Bearer <admin or viewer token>",
             )),
         }

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use tollgate_core::activity::{
@@ -31,6 +31,7 @@ use tollgate_core::throttle::Throttle;
 
 use super::access::Operator;
 use super::{counted, Dashboard};
+use crate::extract::QueryParams;
 use crate::problem::ApiError;
 use crate::state::ApiState;
 
@@ -277,12 +278,8 @@ pub(super) fn points(
 pub async fn history(
     _: Operator,
     State(state): State<ApiState>,
-    q: Result<Query<HistoryQuery>, axum::extract::rejection::QueryRejection>,
+    QueryParams(q): QueryParams<HistoryQuery>,
 ) -> Result<Response, ApiError> {
-    let Query(q) = q.map_err(|e| ApiError::Malformed {
-        detail: format!("bad query: {}", e.body_text()),
-        field: None,
-    })?;
     let dash = &state.dashboard;
     let interval_ms = state
         .settings

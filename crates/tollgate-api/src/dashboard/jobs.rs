@@ -17,7 +17,7 @@
 
 use std::collections::HashSet;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use tollgate_core::activity::{JobNote, JobStep, EVENTS_CAP, FAILED_CAP, TIMELINES_CAP};
@@ -25,6 +25,7 @@ use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{FailureCause, JobInfo, JobStatus};
 
 use super::access::Operator;
+use crate::extract::QueryParams;
 use crate::problem::ApiError;
 use crate::state::ApiState;
 
@@ -162,12 +163,8 @@ fn page_bounds(q: &ListQuery) -> Result<(usize, usize), ApiError> {
 pub async fn list(
     _: Operator,
     State(state): State<ApiState>,
-    q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+    QueryParams(q): QueryParams<ListQuery>,
 ) -> Result<Response, ApiError> {
-    let Query(q) = q.map_err(|e| ApiError::Malformed {
-        detail: format!("bad query: {}", e.body_text()),
-        field: None,
-    })?;
     let (limit, offset) = page_bounds(&q)?;
     let user = q.user.as_deref().filter(|u| !u.is_empty());
     if let Some(u) = user {
@@ -465,12 +462,8 @@ pub async fn detail(
     _: Operator,
     State(state): State<ApiState>,
     Path(id): Path<String>,
-    q: Result<Query<DetailQuery>, axum::extract::rejection::QueryRejection>,
+    QueryParams(q): QueryParams<DetailQuery>,
 ) -> Result<Response, ApiError> {
-    let Query(q) = q.map_err(|e| ApiError::Malformed {
-        detail: format!("bad query: {}", e.body_text()),
-        field: None,
-    })?;
     let id = RequestId::new(&id).map_err(|e| bad("id", format!("id: {e}")))?;
     let given = q
         .user

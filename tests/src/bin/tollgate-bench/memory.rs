@@ -17,7 +17,7 @@ use serde_json::json;
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
-    ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger},
+    ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Ledger},
 };
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts::PlanArgs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
@@ -215,7 +215,7 @@ async fn fill(
                     bail!("bench charge not charged");
                 };
                 if ledger
-                    .claim(&user, &id, &nonce, deadline_ms + 1_000)
+                    .claim(&user, &id, &ClaimRequest::new(&nonce, deadline_ms + 1_000))
                     .await?
                     != ClaimOutcome::Claimed
                 {

@@ -15,7 +15,7 @@ use tollgate_core::{
     clock::{Clock, ManualClock},
     config::Config,
     id::{RequestId, UserId},
-    ledger::{ChargeOutcome, ChargeRequest, Ledger, ReserveOutcome},
+    ledger::{ChargeOutcome, ChargeRequest, ClaimRequest, Ledger, ReserveOutcome},
 };
 use tollgate_memory::ledger::MemoryLedger;
 
@@ -98,7 +98,11 @@ async fn fill(charges: bool, n: usize) -> anyhow::Result<Figure> {
             }
             // The job claims it, as a worker does: the charge is no longer held.
             ledger
-                .claim(&user, &id, &nonce, clock.now_ms() + 600_000)
+                .claim(
+                    &user,
+                    &id,
+                    &ClaimRequest::new(&nonce, clock.now_ms() + 600_000),
+                )
                 .await
                 .context("claim")?;
         } else {
