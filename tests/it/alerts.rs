@@ -29,6 +29,7 @@ use tollgate_redis::alerts::RedisAlerts;
 use tollgate_redis::keys::KeySpace;
 use tollgate_redis::ledger::RedisLedger;
 use tollgate_redis::pool::PoolOptions;
+use tollgate_tests::http::FetchJson;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
 const SECRET: &[u8] = b"whsec_test_0123456789";
@@ -779,12 +780,8 @@ async fn tollgate_all_delivers_its_crossings_once() {
     let overview: Value = http
         .get(format!("{base}/admin/overview"))
         .bearer_auth(&admin)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .fetch_json()
+        .await;
     let panel = &overview["alerts"];
     assert_eq!(panel["delivered"], 2, "{overview}");
     assert_eq!(panel["failed"], 0, "{overview}");

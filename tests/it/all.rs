@@ -7,6 +7,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tollgate_tests::http::FetchJson;
 use tollgate_tests::process::{spawn_reading, Procs};
 use tollgate_tests::{random_prefix, RedisServer};
 
@@ -114,12 +115,8 @@ impl System {
         self.http
             .get(format!("{}{path}", self.base))
             .bearer_auth(key)
-            .send()
+            .fetch_json()
             .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
     }
 
     /// SIGTERM, then the process must exit 0 by itself.
@@ -209,12 +206,8 @@ async fn budget_429s_and_throttling(redis: bool) {
     let stats: Value = sys
         .http
         .get(format!("{}/stats", sys.good_mock))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .fetch_json()
+        .await;
     assert_eq!(stats["rate_limited"], 0, "{stats}");
     assert!(stats["ok"].as_u64().unwrap() >= 125, "{stats}");
     sys.stop();
@@ -229,12 +222,8 @@ async fn provider_failures_are_refunded(redis: bool) {
         .post(format!("{}/admin/users", sys.base))
         .bearer_auth(&sys.admin)
         .json(&json!({"user": "erin", "plan": "free"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .fetch_json()
+        .await;
     let key = created["api_key"]
         .as_str()
         .unwrap_or_else(|| panic!("{created}"))

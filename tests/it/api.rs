@@ -24,6 +24,7 @@ use tollgate_core::{
     throttle::{Share, Waiter},
 };
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
+use tollgate_tests::jobs::take_one;
 use tollgate_tests::api::StandInWorker;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 use tower::ServiceExt;
@@ -837,17 +838,8 @@ async fn an_operator_refund_cancels_a_queued_job(h: Harness) {
         h.call("POST", &path, Some(ADMIN), &[], None).await
     };
     let take = || async {
-        let lease = h
-            .source
-            .take(
-                "company.research",
-                "w",
-                Duration::from_millis(200),
-                Duration::from_secs(30),
-            )
-            .await
-            .unwrap()
-            .expect("a queued job");
+        let wait = Duration::from_millis(200);
+        let lease = take_one(&*h.source, "company.research", "w", wait).await;
         let claimed = h.source.start(&lease).await.unwrap();
         (lease, claimed)
     };

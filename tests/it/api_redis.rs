@@ -67,19 +67,7 @@ impl ApiProcess {
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate api");
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Ok(r) = http::send(addr, "GET", "/readyz", &[], b"").await {
-                if r.status == 200 {
-                    break;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "tollgate api did not come up on {addr}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
         Self { child, addr }
     }
 }

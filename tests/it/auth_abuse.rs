@@ -36,29 +36,9 @@ fn behind_proxy() -> Settings {
 
 /// Commands Redis has run, per command name (INFO commandstats), INFO excluded.
 fn commands(h: &Harness) -> std::collections::BTreeMap<String, u64> {
-    let url = h.redis.as_ref().unwrap().url();
-    let mut conn = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut conn)
-        .unwrap();
-    info.lines()
-        .filter_map(|l| l.strip_prefix("cmdstat_"))
-        .filter_map(|l| {
-            let (name, rest) = l.split_once(':')?;
-            let calls = rest
-                .strip_prefix("calls=")?
-                .split(',')
-                .next()?
-                .parse()
-                .ok()?;
-            Some((name.to_owned(), calls))
-        })
-        .filter(|(name, _)| name != "info")
-        .collect()
+    let mut calls = tollgate_tests::redis_info::command_calls(&h.redis.as_ref().unwrap().url());
+    calls.remove("info");
+    calls
 }
 
 fn total(stats: &std::collections::BTreeMap<String, u64>) -> u64 {

@@ -369,14 +369,7 @@ impl Drop for Role {
 }
 
 async fn up(addr: std::net::SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !matches!(
-        tollgate_tests::http::send(addr, "GET", "/readyz", &[], b"").await,
-        Ok(r) if r.status == 200
-    ) {
-        assert!(Instant::now() < deadline, "no api on {addr}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    tollgate_tests::http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
 }
 
 /// Pod clocks never decide a charge or a job's deadline: with one api process

@@ -3,6 +3,7 @@
 
 use std::process::{Command, Output};
 
+use tollgate_tests::jobs::take_one;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 struct Cli {
@@ -377,16 +378,8 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
         service_key: None,
     };
     let take = || async {
-        let lease = queue
-            .take(
-                "company.research",
-                "w",
-                Duration::from_millis(200),
-                Duration::from_secs(30),
-            )
-            .await
-            .unwrap()
-            .expect("a queued job");
+        let wait = Duration::from_millis(200);
+        let lease = take_one(&*queue, "company.research", "w", wait).await;
         let claimed = queue.start(&lease).await.unwrap();
         (lease, claimed)
     };

@@ -206,11 +206,7 @@ async fn cluster_a_primary_killed_under_load_loses_nothing_it_promised() {
     }
     let deadline = Instant::now() + Duration::from_secs(20);
     for a in &apis {
-        while !matches!(tollgate_tests::http::send(*a, "GET", "/readyz", &[], b"").await, Ok(r) if r.status == 200)
-        {
-            assert!(Instant::now() < deadline, "api {a} not ready");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        tollgate_tests::http::wait_ready(*a, deadline).await;
     }
     let mut keys = BTreeMap::new();
     for u in &users {

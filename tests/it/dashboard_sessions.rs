@@ -51,14 +51,7 @@ async fn pod(redis: &RedisServer, prefix: &str, env: &[(&str, &str)]) -> Pod {
     }
     let child = cmd.spawn().expect("start tollgate api");
     let pod = Pod { child, addr };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !matches!(http::send(addr, "GET", "/readyz", &[], b"").await, Ok(r) if r.status == 200) {
-        assert!(
-            Instant::now() < deadline,
-            "tollgate api did not come up on {addr}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
     pod
 }
 

@@ -13,6 +13,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tollgate_tests::process::{spawn_reading, Procs};
+use tollgate_tests::redis_info::command_calls;
 use tollgate_tests::{http, random_prefix, workspace_bin, RedisServer};
 
 const ADMIN: &str = "edge-keys-admin-token-0123456789";
@@ -43,16 +44,7 @@ impl Api {
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate api");
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Ok(r) = http::send(addr, "GET", "/readyz", &[], b"").await {
-                if r.status == 200 {
-                    break;
-                }
-            }
-            assert!(Instant::now() < deadline, "tollgate api did not come up");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
         Self { child, addr }
     }
 
@@ -92,41 +84,18 @@ impl Drop for Api {
 
 /// Calls Redis has run of `command` (INFO commandstats).
 fn calls(redis: &RedisServer, command: &str) -> u64 {
-    let mut conn = redis::Client::open(redis.url().as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut conn)
-        .unwrap();
-    let needle = format!("cmdstat_{command}:calls=");
-    info.lines()
-        .find_map(|l| l.strip_prefix(needle.as_str()))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
+    command_calls(&redis.url())
+        .get(command)
+        .copied()
         .unwrap_or(0)
 }
 
 /// Commands Redis has run, INFO's own left out.
 fn all_calls(redis: &RedisServer) -> u64 {
-    let mut conn = redis::Client::open(redis.url().as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut conn)
-        .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
+    command_calls(&redis.url())
+        .iter()
+        .filter(|(name, _)| *name != "info")
+        .map(|(_, calls)| calls)
         .sum()
 }
 

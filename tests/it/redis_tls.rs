@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use tollgate_tests::http::FetchJson;
 use tollgate_tests::process::{spawn_reading, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisCluster, RedisServer};
 
@@ -242,12 +243,8 @@ fn one_call_over(url: &str, ca: &str) -> String {
             .post(format!("{base}/admin/users"))
             .bearer_auth("tls-admin-token-0123456789")
             .json(&serde_json::json!({ "user": "tls-user" }))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+            .fetch_json()
+            .await;
         let key = created["api_key"].as_str().unwrap().to_owned();
         let resp = http
             .post(format!("{base}/v1/ops/embeddings"))

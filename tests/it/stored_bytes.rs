@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tollgate_tests::http::FetchJson;
 use tollgate_tests::process::{banner_value, spawn_reading, Procs};
+use tollgate_tests::redis_info::memory_usage;
 use tollgate_tests::upstream::Upstream;
 use tollgate_tests::{random_prefix, RedisServer};
 
@@ -49,14 +51,7 @@ async fn keyspace(conn: &mut redis::aio::MultiplexedConnection, pattern: &str) -
         .unwrap();
     let mut total = 0;
     for k in keys {
-        let b: Option<i64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(conn)
-            .await
-            .unwrap();
+        let b: Option<i64> = memory_usage(conn, &k).await.unwrap();
         total += b.unwrap_or(0);
     }
     total
@@ -71,14 +66,7 @@ async fn job_records(conn: &mut redis::aio::MultiplexedConnection) -> (usize, i6
         .unwrap();
     let mut biggest = 0;
     for k in &keys {
-        let b: Option<i64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(conn)
-            .await
-            .unwrap();
+        let b: Option<i64> = memory_usage(conn, k).await.unwrap();
         biggest = biggest.max(b.unwrap_or(0));
     }
     (keys.len(), biggest)
@@ -166,12 +154,8 @@ deadline = "60s"
             let v: Value = http
                 .get(format!("{base}/v1/usage"))
                 .bearer_auth(&key)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+                .fetch_json()
+                .await;
             v["used"].as_u64().unwrap()
         }
     };
@@ -256,12 +240,8 @@ deadline = "60s"
             let v: Value = http
                 .get(format!("{base}/v1/jobs/{id}"))
                 .bearer_auth(&key)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+                .fetch_json()
+                .await;
             if v["status"] == "failed" {
                 break;
             }

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tollgate_core::stream::STREAM_TTL;
+use tollgate_tests::http::FetchJson;
 use tollgate_tests::process::{spawn_reading, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
@@ -250,12 +251,8 @@ impl System {
             .http
             .get(format!("{}/v1/usage", self.base))
             .bearer_auth(key)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+            .fetch_json()
+            .await;
         v["used"].as_u64().unwrap()
     }
 
@@ -274,12 +271,8 @@ impl System {
     async fn mock_stats(&self) -> Value {
         self.http
             .get(format!("{}/stats", self.mock))
-            .send()
+            .fetch_json()
             .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
     }
 
     fn openai(&self, key: &str, path: &str) -> reqwest::RequestBuilder {

@@ -122,19 +122,8 @@ async fn stale_grant_is_handed_back(
         Arc::clone(&metrics),
     );
     let operation = if provider == "tempo" { "w" } else { "s" };
-    let job = Job {
-        id: rid(&format!("stale-{provider}")),
-        user: tollgate_core::id::UserId::new("u").expect("user"),
-        operation: operation.into(),
-        provider: provider.into(),
-        input: json!({ "q": 1 }),
-        cost: 1,
-        enqueued_at_ms: 0,
-        deadline_ms: u64::MAX,
-        attempt: 1,
-        nonce: "n".into(),
-        trace: None,
-    };
+    let id = format!("stale-{provider}");
+    let job = tollgate_tests::jobs::job(&id, "u", operation, provider, json!({ "q": 1 }));
     let answer = client
         .call(&job)
         .await

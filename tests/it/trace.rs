@@ -95,14 +95,7 @@ async fn one_trace_id_from_request_to_provider() {
     );
     let worker = Role::start(&["worker"], &redis, &prefix, &config);
     let _throttler = Role::start(&["throttler"], &redis, &prefix, &config);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !matches!(
-        tollgate_tests::http::send(addr, "GET", "/readyz", &[], b"").await,
-        Ok(r) if r.status == 200
-    ) {
-        assert!(Instant::now() < deadline, "no api on {addr}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    tollgate_tests::http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
     let created = tollgate_tests::http::json(
         addr,
         "POST",

@@ -4,7 +4,8 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::future::Future;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -88,6 +89,37 @@ pub async fn json(
     .await
     .unwrap_or_else(|_| panic!("{method} {path}: no answer within 60s"))
     .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// Waits until `GET /readyz` on `addr` answers 200, polling every 50 ms;
+/// panics once `deadline` has passed first.
+pub async fn wait_ready(addr: SocketAddr, deadline: Instant) {
+    while !matches!(send(addr, "GET", "/readyz", &[], b"").await, Ok(r) if r.status == 200) {
+        assert!(
+            Instant::now() < deadline,
+            "tollgate api did not come up on {addr}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A `reqwest` request sent and its body read as JSON, panicking on a
+/// transport error or a body that is not JSON (a failed test).
+pub trait FetchJson {
+    fn fetch_json(self) -> impl Future<Output = serde_json::Value> + Send;
+}
+
+impl FetchJson for reqwest::RequestBuilder {
+    async fn fetch_json(self) -> serde_json::Value {
+        let response = self
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("request failed: {e}"));
+        response
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("not a JSON body: {e}"))
+    }
 }
 
 fn parse(raw: &[u8]) -> std::io::Result<Response> {

@@ -4,9 +4,11 @@
 
 pub mod api;
 pub mod http;
+pub mod jobs;
 pub mod process;
 pub mod proxy;
 pub mod redis_cluster;
+pub mod redis_info;
 pub mod redis_server;
 pub mod slowlog;
 pub mod throttle;

@@ -21,7 +21,7 @@ use std::time::Duration;
 use anyhow::bail;
 use redis::aio::MultiplexedConnection;
 use serde_json::json;
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, redis_info, workspace_bin, RedisServer};
 
 use crate::api::{All, CONFIG as API_CONFIG};
 
@@ -217,30 +217,10 @@ async fn by_kind(
     conn: &mut MultiplexedConnection,
     prefix: &str,
 ) -> anyhow::Result<BTreeMap<String, (usize, u64)>> {
-    let mut keys: Vec<String> = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        keys.extend(batch);
-        cursor = next;
-        if cursor == 0 {
-            break;
-        }
-    }
+    let keys = redis_info::scan_keys(conn, "*").await?;
     let mut out: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     for k in &keys {
-        let b: Option<u64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(conn)
-            .await?;
+        let b: Option<u64> = redis_info::memory_usage(conn, k).await?;
         let e = out.entry(kind(prefix, k)).or_default();
         e.0 += 1;
         e.1 += b.unwrap_or(0);

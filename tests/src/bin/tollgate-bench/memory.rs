@@ -20,7 +20,7 @@ use tollgate_core::{
     ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger},
 };
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts::PlanArgs};
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, redis_info, workspace_bin, RedisServer};
 
 use crate::api::{All, CONFIG as API_CONFIG};
 
@@ -66,32 +66,10 @@ fn charge_args(i: usize) -> (String, String) {
 
 /// `MEMORY USAGE ... SAMPLES 0` of every key matching `pattern`: (keys, bytes).
 async fn bytes_of(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Result<(usize, u64)> {
-    let mut keys: Vec<String> = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        keys.extend(batch);
-        cursor = next;
-        if cursor == 0 {
-            break;
-        }
-    }
+    let keys = redis_info::scan_keys(conn, pattern).await?;
     let mut total = 0;
     for k in &keys {
-        let b: Option<u64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(conn)
-            .await?;
+        let b: Option<u64> = redis_info::memory_usage(conn, k).await?;
         total += b.unwrap_or(0);
     }
     Ok((keys.len(), total))
@@ -266,16 +244,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut conn = redis::Client::open(url.as_str())?
         .get_multiplexed_async_connection()
         .await?;
-    let version: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(&mut conn)
-        .await?;
-    let version = version
-        .lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .unwrap_or("?")
-        .trim()
-        .to_owned();
+    let version = redis_info::version(&mut conn).await?;
     println!(
         "## Redis memory per live spend event (redis {version}, MEMORY USAGE SAMPLES 0 of every key of the user, UUID request ids)"
     );

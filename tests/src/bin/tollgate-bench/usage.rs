@@ -160,16 +160,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let pool = tollgate_redis::pool::connect(&url, &PoolOptions::default()).await?;
     let ledger = RedisLedger::new(pool, space.clone(), Arc::clone(&config));
     let mut conn = tollgate_tests::bulk_connection(&url).await?;
-    let version: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(&mut conn)
-        .await?;
-    let version = version
-        .lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .unwrap_or("?")
-        .trim()
-        .to_owned();
+    let version = tollgate_tests::redis_info::version(&mut conn).await?;
     let baseline = match &args.baseline_script {
         Some(path) => {
             let text = std::fs::read_to_string(path)
