@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,41 +13,30 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tollgate_tests::api::ApiServer;
 use tollgate_tests::http;
+use tollgate_tests::process::{command, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};
 
 /// A `tollgate` process, killed when dropped.
-struct Process {
-    child: Child,
-}
+struct Process(Procs);
 
 impl Process {
     fn start(args: &[&str], redis: &RedisServer, prefix: &str, config: &std::path::Path) -> Self {
-        let child = Command::new(workspace_bin("tollgate"))
-            .args(args)
+        let child = command(args)
             .env("TOLLGATE_REDIS_URL", redis.url())
             .env("TOLLGATE_KEY_PREFIX", prefix)
             .env("TOLLGATE_CONFIG", config)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate");
-        Self { child }
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        Self(Procs(vec![child]))
     }
 }
 
 /// A `tollgate api` process, killed when dropped.
 struct ApiProcess {
-    child: Child,
+    _procs: Procs,
     addr: SocketAddr,
 }
 
@@ -55,27 +44,20 @@ impl ApiProcess {
     async fn start(redis: &RedisServer, prefix: &str, config: &std::path::Path) -> Self {
         let port = tollgate_tests::redis_server::free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = Command::new(workspace_bin("tollgate"))
-            .arg("api")
+        let child = command(&["api"])
             .env("TOLLGATE_LISTEN", addr.to_string())
             .env("TOLLGATE_REDIS_URL", redis.url())
             .env("TOLLGATE_KEY_PREFIX", prefix)
             .env("TOLLGATE_CONFIG", config)
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate api");
         http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
-        Self { child, addr }
-    }
-}
-
-impl Drop for ApiProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        Self {
+            _procs: Procs(vec![child]),
+            addr,
+        }
     }
 }
 
@@ -519,8 +501,7 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
         });
     }
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let _ = doomed.child.kill(); // SIGKILL
-    let _ = doomed.child.wait();
+    drop(doomed); // SIGKILL
     while calls.join_next().await.is_some() {}
 
     // Jobs finish (3 s of llm throttle at most); a charge the dead pod took

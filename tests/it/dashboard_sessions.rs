@@ -8,12 +8,13 @@
 //! stores keep the same rules on memory, Redis and a Redis Cluster.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tollgate_core::session::{NewSession, Role, SessionId, SessionLimits, SessionStore};
 use tollgate_tests::http::{self, Response};
+use tollgate_tests::process::Procs;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::api::ADMIN;
@@ -22,35 +23,28 @@ const VIEWER: &str = "viewer-token-for-tests-0123456789";
 
 /// A `tollgate api` pod, killed on drop.
 struct Pod {
-    child: Child,
+    _procs: Procs,
     addr: SocketAddr,
-}
-
-impl Drop for Pod {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 async fn pod(redis: &RedisServer, prefix: &str, env: &[(&str, &str)]) -> Pod {
     let port = tollgate_tests::redis_server::free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut cmd = Command::new(workspace_bin("tollgate"));
-    cmd.arg("api")
-        .env("TOLLGATE_LISTEN", addr.to_string())
+    let mut cmd = tollgate_tests::process::command(&["api"]);
+    cmd.env("TOLLGATE_LISTEN", addr.to_string())
         .env("TOLLGATE_REDIS_URL", redis.url())
         .env("TOLLGATE_KEY_PREFIX", prefix)
         .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
         .env("TOLLGATE_VIEWER_TOKEN", VIEWER)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
         .stdout(Stdio::null());
     for (k, v) in env {
         cmd.env(k, v);
     }
     let child = cmd.spawn().expect("start tollgate api");
-    let pod = Pod { child, addr };
+    let pod = Pod {
+        _procs: Procs(vec![child]),
+        addr,
+    };
     http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
     pod
 }

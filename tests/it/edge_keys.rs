@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
-use tollgate_tests::process::{spawn_reading, Procs};
+use tollgate_tests::process::{command, spawn_reading, Procs};
 use tollgate_tests::redis_info::command_calls;
-use tollgate_tests::{http, random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{http, random_prefix, RedisServer};
 
 const ADMIN: &str = "edge-keys-admin-token-0123456789";
 
@@ -28,19 +28,16 @@ impl Api {
     async fn start(redis: &RedisServer, prefix: &str, env: &[(&str, &str)]) -> Self {
         let port = tollgate_tests::redis_server::free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = Command::new(workspace_bin("tollgate"))
-            .arg("api")
+        let child = command(&["api"])
             .env("TOLLGATE_LISTEN", addr.to_string())
             .env("TOLLGATE_REDIS_URL", redis.url())
             .env("TOLLGATE_KEY_PREFIX", prefix)
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env_remove("TOLLGATE_CONFIG")
-            .env("RUST_LOG", "warn")
             // No dashboard history sampler: these tests count Redis commands
             // (its sample, every 10 s, reads counters with HMGET).
             .env("TOLLGATE_HISTORY_INTERVAL_MS", "0")
             .envs(env.iter().copied())
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate api");
@@ -535,15 +532,12 @@ async fn bad_settings_are_refused_at_start() {
     ];
     for (env, named) in cases {
         let started = Instant::now();
-        let mut child = Command::new(workspace_bin("tollgate"))
-            .arg("api")
+        let mut child = command(&["api"])
             .env("TOLLGATE_LISTEN", "127.0.0.1:0")
             .env("TOLLGATE_REDIS_URL", redis.url())
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env_remove("TOLLGATE_CONFIG")
-            .env("RUST_LOG", "warn")
             .envs(env.iter().copied())
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -572,14 +566,11 @@ async fn bad_settings_are_refused_at_start() {
     }
 
     // The compose file's default token: the api starts, and says so loudly.
-    let mut child = Command::new(workspace_bin("tollgate"))
-        .arg("api")
+    let mut child = command(&["api"])
         .env("TOLLGATE_LISTEN", "127.0.0.1:0")
         .env("TOLLGATE_REDIS_URL", redis.url())
         .env("TOLLGATE_ADMIN_TOKEN", "dev-admin-token-change-me")
         .env_remove("TOLLGATE_CONFIG")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tollgate_tests::http::FetchJson;
 use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{random_prefix, workspace_bin, RedisCluster, RedisServer};
+use tollgate_tests::{random_prefix, RedisCluster, RedisServer};
 
 /// A CA, a server certificate for 127.0.0.1 and localhost signed by it, a
 /// client certificate signed by it, and a second CA that signed nothing here.
@@ -170,10 +170,7 @@ fn usage_of_u(url: &str, ca: &str) -> Vec<String> {
 
 /// `tollgate <args>` run to its end: exit code and stderr.
 fn run(args: &[String]) -> (Option<i32>, String) {
-    let mut child = Command::new(workspace_bin("tollgate"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
+    let mut child = tollgate_tests::process::command(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

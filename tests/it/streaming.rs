@@ -12,14 +12,14 @@
 //! stream leaves in Redis expires within the stream's TTL.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tollgate_core::stream::STREAM_TTL;
 use tollgate_tests::http::FetchJson;
 use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, RedisServer};
 
 fn mock(args: &[&str]) -> (Child, String) {
     let mut all = vec![
@@ -164,15 +164,13 @@ fn start_on(redis: Option<&[&str]>, cluster: Option<String>, token_interval_ms: 
 
 /// One role of a split deployment, on `url` with `prefix`.
 fn role(args: &[&str], config: &Path, url: &str, prefix: &str) -> Child {
-    Command::new(workspace_bin("tollgate"))
-        .args(args)
+    tollgate_tests::process::command(args)
         .arg("--config")
         .arg(config)
         .env("TOLLGATE_REDIS_URL", url)
         .env("TOLLGATE_KEY_PREFIX", prefix)
         .env("TOLLGATE_ADMIN_TOKEN", crate::api::ADMIN)
         .env("RUST_LOG", "error")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()

@@ -30,6 +30,16 @@ fn uuid_like() -> String {
         .replace('-', "")
 }
 
+/// Writes `text` to a file `name` in a new folder `tollgate-{tag}-<random
+/// prefix>` under the temp dir; returns the folder and the file's path.
+pub fn temp_file(tag: &str, name: &str, text: &str) -> std::io::Result<(PathBuf, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("tollgate-{tag}-{}", random_prefix()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(name);
+    std::fs::write(&path, text)?;
+    Ok((dir, path))
+}
+
 /// The path of a binary built from this workspace (`tollgate`, `tollgate-bench`),
 /// next to the running test executable's `deps/` folder. Panics with the build
 /// command to run when it is missing: the test command builds the binaries first.

@@ -1,7 +1,9 @@
 //! `tollgate` processes for the end-to-end tests: spawned with their stdout
 //! read until they say what a test needs, killed (and reaped) on drop.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -48,11 +50,8 @@ pub fn spawn_reading_with(
     envs: &[(&str, &str)],
     pick: impl Fn(&[String]) -> bool,
 ) -> (Child, Vec<String>) {
-    let mut child = Command::new(workspace_bin("tollgate"))
-        .args(args)
+    let mut child = command(args)
         .envs(envs.iter().copied())
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -79,12 +78,30 @@ pub fn spawn_reading_with(
 /// Spawns `tollgate <args>` with its stdout discarded (a role that prints
 /// nothing there: a worker, a throttler).
 pub fn spawn(args: &[&str]) -> Child {
-    Command::new(workspace_bin("tollgate"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
+    command(args)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"))
+}
+
+/// `tollgate <args>` with `RUST_LOG=warn` and no stdin: a test sets its
+/// outputs (and any other environment) and spawns it.
+pub fn command<S: AsRef<OsStr>>(args: &[S]) -> Command {
+    let mut cmd = Command::new(workspace_bin("tollgate"));
+    cmd.args(args).env("RUST_LOG", "warn").stdin(Stdio::null());
+    cmd
+}
+
+/// The role `args[0]` (`worker`, `throttler` …) on the Redis at `url` under
+/// `prefix`, with `config` and then the rest of `args`; its output discarded.
+pub fn spawn_role(url: &str, prefix: &str, config: &Path, args: &[&str]) -> Child {
+    command(&[args[0], "--redis-url", url, "--key-prefix", prefix])
+        .arg("--config")
+        .arg(config)
+        .args(&args[1..])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"))
 }

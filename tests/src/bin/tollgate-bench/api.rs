@@ -514,11 +514,7 @@ async fn drained(url: &str, prefix: &str) -> anyhow::Result<()> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    tollgate_providers::http::install_crypto_provider();
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-api-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, CONFIG)?;
+    let (dir, config) = crate::bench_config("api", CONFIG)?;
     println!(
         "tollgate all, POST /v1/ops/bench (cost 1, built-in mock provider, throttle never dry), \
          tollgate-client (no retries, an Idempotency-Key per call) on keep-alive connections to 127.0.0.1, worker --concurrency {}",

@@ -278,11 +278,7 @@ async fn calls(
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    tollgate_providers::http::install_crypto_provider();
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-call-bytes-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, API_CONFIG)?;
+    let (dir, config) = crate::bench_config("call-bytes", API_CONFIG)?;
     let mut builds = Vec::new();
     if let Some(b) = &args.baseline {
         builds.push(b.clone());

@@ -128,11 +128,7 @@ async fn online(url: &str) -> anyhow::Result<()> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    tollgate_providers::http::install_crypto_provider();
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-durability-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, CONFIG)?;
+    let (dir, config) = crate::bench_config("durability", CONFIG)?;
     println!(
         "tollgate all on Redis with AOF (dir {}), POST /v1/ops/bench sync: {} clients x {} calls, then {} sequential; load average before: {}",
         std::env::temp_dir().display(),

@@ -106,6 +106,21 @@ enum Command {
     JobLookup(job_lookup::Args),
 }
 
+/// What a bench through `tollgate` processes does first: the TLS provider
+/// installed, and `config` written to `bench.toml` in a new temp folder
+/// `tollgate-bench-{name}-…`; returns the folder and the file.
+fn bench_config(
+    name: &str,
+    config: &str,
+) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
+    tollgate_providers::http::install_crypto_provider();
+    Ok(tollgate_tests::temp_file(
+        &format!("bench-{name}"),
+        "bench.toml",
+        config,
+    )?)
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()

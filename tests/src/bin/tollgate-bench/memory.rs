@@ -288,10 +288,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     );
     println!("| build | calls | user keys | bytes | bytes/call |");
     println!("|---|---:|---:|---:|---:|");
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-memory-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, API_CONFIG)?;
+    let (dir, config) = crate::bench_config("memory", API_CONFIG)?;
     let mut builds = Vec::new();
     if let Some(b) = &args.baseline {
         builds.push(b.clone());
