@@ -2,25 +2,13 @@
 //! (no Redis at all) and with `--redis-url`. Budgets, 429s, refunds on provider
 //! failure and throttling must behave alike.
 
-use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tollgate_tests::http::FetchJson;
-use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{random_prefix, RedisServer};
-
-fn mock(args: &[&str]) -> (Child, String) {
-    let mut all = vec!["mock-provider", "--listen", "127.0.0.1:0"];
-    all.extend_from_slice(args);
-    let (child, lines) = spawn_reading(&all, |l| !l.is_empty());
-    let addr = lines[0]
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("mock said {lines:?}"))
-        .to_owned();
-    (child, format!("http://{addr}"))
-}
+use tollgate_tests::process::{spawn_all, spawn_mock as mock, Procs};
+use tollgate_tests::{random_prefix, RedisServer, TempDir};
 
 struct System {
     base: String,
@@ -33,22 +21,13 @@ struct System {
     _redis: Option<RedisServer>,
 }
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Starts two mock providers (one healthy with its own limit, one failing every
 /// call) and `tollgate all` on a config that throttles the healthy one below
 /// that limit; with `redis`, against a private redis-server.
 fn start(redis: bool) -> System {
     let (good, good_url) = mock(&["--rate", "60", "--burst", "10", "--latency-ms", "5"]);
     let (bad, bad_url) = mock(&["--fail-rate", "1.0"]);
-    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-all-{}", random_prefix())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = TempDir::new("all");
     let config = dir.0.join("all.toml");
     std::fs::write(
         &config,
@@ -80,19 +59,8 @@ provider = "bad"
     )
     .unwrap();
     let server = redis.then(RedisServer::start);
-    let prefix = random_prefix();
     let url = server.as_ref().map(|s| s.url());
-    let mut args = vec![
-        "all",
-        "--listen",
-        "127.0.0.1:0",
-        "--config",
-        config.to_str().unwrap(),
-    ];
-    if let Some(url) = &url {
-        args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
-    }
-    let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
+    let (child, lines) = spawn_all(&config, url.as_deref(), &random_prefix());
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
     tollgate_providers::http::install_crypto_provider();
     System {

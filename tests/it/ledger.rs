@@ -140,14 +140,14 @@ impl Backend for RedisBackend {
     }
 }
 
-fn allowed(o: ReserveOutcome) -> tollgate_core::ledger::Allowed {
+pub fn allowed(o: ReserveOutcome) -> tollgate_core::ledger::Allowed {
     match o {
         ReserveOutcome::Allowed(a) => a,
         ReserveOutcome::Denied(d) => panic!("expected allowed, got {d:?}"),
     }
 }
 
-fn denied(o: ReserveOutcome) -> tollgate_core::ledger::Denied {
+pub fn denied(o: ReserveOutcome) -> tollgate_core::ledger::Denied {
     match o {
         ReserveOutcome::Denied(d) => d,
         ReserveOutcome::Allowed(a) => panic!("expected denied, got {a:?}"),

@@ -11,41 +11,20 @@
 //! presented as whole; the charge follows the outcome rules; every key a
 //! stream leaves in Redis expires within the stream's TTL.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tollgate_core::stream::STREAM_TTL;
 use tollgate_tests::http::FetchJson;
-use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_tests::process::{spawn_all, spawn_mock, Procs};
+use tollgate_tests::{random_prefix, RedisServer, TempDir};
 
 fn mock(args: &[&str]) -> (Child, String) {
-    let mut all = vec![
-        "mock-provider",
-        "--listen",
-        "127.0.0.1:0",
-        "--rate",
-        "1000",
-        "--burst",
-        "100",
-    ];
+    let mut all = vec!["--rate", "1000", "--burst", "100"];
     all.extend_from_slice(args);
-    let (child, lines) = spawn_reading(&all, |l| !l.is_empty());
-    let addr = lines[0]
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("mock said {lines:?}"))
-        .to_owned();
-    (child, format!("http://{addr}"))
-}
-
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    spawn_mock(&all)
 }
 
 struct System {
@@ -127,24 +106,13 @@ fn start_cluster(token_interval_ms: u64) -> (System, tollgate_tests::TestCluster
 fn start_on(redis: Option<&[&str]>, cluster: Option<String>, token_interval_ms: u64) -> System {
     let interval = token_interval_ms.to_string();
     let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
-    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-stream-{}", random_prefix())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = TempDir::new("stream");
     let path = dir.0.join("streaming.toml");
     std::fs::write(&path, config(&mock_url)).unwrap();
     let server = redis.map(RedisServer::start_with);
     let prefix = random_prefix();
     let url = server.as_ref().map(|s| s.url()).or(cluster);
-    let mut args = vec![
-        "all",
-        "--listen",
-        "127.0.0.1:0",
-        "--config",
-        path.to_str().unwrap(),
-    ];
-    if let Some(url) = &url {
-        args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
-    }
-    let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
+    let (child, lines) = spawn_all(&path, url.as_deref(), &prefix);
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
     tollgate_providers::http::install_crypto_provider();
     System {
@@ -186,8 +154,7 @@ async fn start_split(
 ) -> (System, Child, impl Fn() -> Child) {
     let interval = token_interval_ms.to_string();
     let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
-    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-split-{}", random_prefix())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = TempDir::new("split");
     let path = dir.0.join("streaming.toml");
     std::fs::write(&path, config(&mock_url)).unwrap();
     let server = RedisServer::start();

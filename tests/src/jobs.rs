@@ -4,10 +4,26 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{
     FailureCause, Job, JobQueue, JobRequest, JobSource, JobStatus, Lease, SubmitOutcome,
 };
+
+/// The job id the api derives from `user`'s Idempotency-Key `key`
+/// (`cost::request_id`), written out apart from the product's: known here
+/// even for a call that never got an answer.
+pub fn idempotent_job_id(user: &str, key: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(user.as_bytes());
+    h.update([0]);
+    h.update(key.as_bytes());
+    let hex: String = h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("idem-{hex}")
+}
 
 /// A job of `user` for `operation` on `provider`, as a provider client is
 /// handed one: cost 1, first attempt, no deadline, nonce `"n"`, no trace.

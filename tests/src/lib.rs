@@ -30,6 +30,26 @@ fn uuid_like() -> String {
         .replace('-', "")
 }
 
+/// A new folder `tollgate-{tag}-<random prefix>` under the temp dir,
+/// removed with everything in it when dropped.
+#[derive(Debug)]
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("tollgate-{tag}-{}", random_prefix()));
+        std::fs::create_dir_all(&dir)
+            .unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Writes `text` to a file `name` in a new folder `tollgate-{tag}-<random
 /// prefix>` under the temp dir; returns the folder and the file's path.
 pub fn temp_file(tag: &str, name: &str, text: &str) -> std::io::Result<(PathBuf, PathBuf)> {

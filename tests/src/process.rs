@@ -75,6 +75,30 @@ pub fn spawn_reading_with(
     (child, lines)
 }
 
+/// `tollgate mock-provider` on a free loopback port with `args`: the child
+/// and the mock's base URL.
+pub fn spawn_mock(args: &[&str]) -> (Child, String) {
+    let mut all = vec!["mock-provider", "--listen", "127.0.0.1:0"];
+    all.extend_from_slice(args);
+    let (child, lines) = spawn_reading(&all, |l| !l.is_empty());
+    let addr = lines[0]
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("mock said {lines:?}"));
+    (child, format!("http://{addr}"))
+}
+
+/// `tollgate all` with `config` on a free loopback port, embedded or (with
+/// `url`) on that Redis under `prefix`, read until its banner lists
+/// `/v1/usage`: the child and the banner (see [`banner_value`]).
+pub fn spawn_all(config: &Path, url: Option<&str>, prefix: &str) -> (Child, Vec<String>) {
+    let config = config.to_str().expect("a UTF-8 config path");
+    let mut args = vec!["all", "--listen", "127.0.0.1:0", "--config", config];
+    if let Some(url) = url {
+        args.extend_from_slice(&["--redis-url", url, "--key-prefix", prefix]);
+    }
+    spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")))
+}
+
 /// Spawns `tollgate <args>` with its stdout discarded (a role that prints
 /// nothing there: a worker, a throttler).
 pub fn spawn(args: &[&str]) -> Child {
