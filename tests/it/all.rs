@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tollgate_tests::http::FetchJson;
+use tollgate_tests::http::{reqwest_client, FetchJson};
 use tollgate_tests::process::{spawn_all, spawn_mock as mock, Procs};
 use tollgate_tests::{random_prefix, RedisServer, TempDir};
 
@@ -62,16 +62,12 @@ provider = "bad"
     let url = server.as_ref().map(|s| s.url());
     let (child, lines) = spawn_all(&config, url.as_deref(), &random_prefix());
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
-    tollgate_providers::http::install_crypto_provider();
     System {
         base: find("listening on "),
         key: find("Bearer "),
         admin: find("admin token: "),
         good_mock: good_url,
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .unwrap(),
+        http: reqwest_client(Duration::from_secs(60)),
         _dir: dir,
         procs: Procs(vec![good, bad, child]),
         _redis: server,
@@ -96,17 +92,9 @@ impl System {
             .unwrap();
         assert!(status.success());
         let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                assert!(status.success(), "tollgate all exited with {status}");
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "tollgate all did not stop on SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let status = tollgate_tests::process::exit_by(child, deadline)
+            .expect("tollgate all did not stop on SIGTERM");
+        assert!(status.success(), "tollgate all exited with {status}");
     }
 }
 

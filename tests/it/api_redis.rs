@@ -13,7 +13,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tollgate_tests::api::ApiServer;
 use tollgate_tests::http;
-use tollgate_tests::process::{command, Procs};
+use tollgate_tests::process::{api_command, command, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};
@@ -42,12 +42,8 @@ struct ApiProcess {
 
 impl ApiProcess {
     async fn start(redis: &RedisServer, prefix: &str, config: &std::path::Path) -> Self {
-        let port = tollgate_tests::redis_server::free_port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = command(&["api"])
-            .env("TOLLGATE_LISTEN", addr.to_string())
-            .env("TOLLGATE_REDIS_URL", redis.url())
-            .env("TOLLGATE_KEY_PREFIX", prefix)
+        let (mut api, addr) = api_command(&redis.url(), prefix);
+        let child = api
             .env("TOLLGATE_CONFIG", config)
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .stdout(Stdio::null())

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tollgate_core::session::{NewSession, Role, SessionId, SessionLimits, SessionStore};
 use tollgate_tests::http::{self, Response};
-use tollgate_tests::process::Procs;
+use tollgate_tests::process::{exit_by, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::api::ADMIN;
@@ -28,13 +28,8 @@ struct Pod {
 }
 
 async fn pod(redis: &RedisServer, prefix: &str, env: &[(&str, &str)]) -> Pod {
-    let port = tollgate_tests::redis_server::free_port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut cmd = tollgate_tests::process::command(&["api"]);
-    cmd.env("TOLLGATE_LISTEN", addr.to_string())
-        .env("TOLLGATE_REDIS_URL", redis.url())
-        .env("TOLLGATE_KEY_PREFIX", prefix)
-        .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
+    let (mut cmd, addr) = tollgate_tests::process::api_command(&redis.url(), prefix);
+    cmd.env("TOLLGATE_ADMIN_TOKEN", ADMIN)
         .env("TOLLGATE_VIEWER_TOKEN", VIEWER)
         .stdout(Stdio::null());
     for (k, v) in env {
@@ -524,18 +519,8 @@ fn bad_viewer_tokens_are_refused_at_start() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("tollgate {role} started with viewer token {viewer:?}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let status = exit_by(&mut child, Instant::now() + Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("tollgate {role} started with viewer token {viewer:?}"));
         let mut stderr = String::new();
         std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
         assert!(!status.success(), "{role} {viewer:?}: {stderr}");

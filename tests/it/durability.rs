@@ -223,17 +223,8 @@ fn a_role_in_fsync_mode_refuses_to_start_on_everysec() {
         .spawn()
         .unwrap();
     // Bounded so that a role that waits instead fails the test, not hangs it.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the worker kept waiting instead of refusing to start");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = tollgate_tests::process::exit_by(&mut child, Instant::now() + Duration::from_secs(30))
+        .expect("the worker kept waiting instead of refusing to start");
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(status.code(), Some(1), "{err}");

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
-use tollgate_tests::process::{command, spawn_reading, Procs};
+use tollgate_tests::process::{api_command, command, spawn_reading, Procs};
 use tollgate_tests::redis_info::command_calls;
 use tollgate_tests::{http, random_prefix, RedisServer};
 
@@ -26,12 +26,8 @@ struct Api {
 
 impl Api {
     async fn start(redis: &RedisServer, prefix: &str, env: &[(&str, &str)]) -> Self {
-        let port = tollgate_tests::redis_server::free_port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = command(&["api"])
-            .env("TOLLGATE_LISTEN", addr.to_string())
-            .env("TOLLGATE_REDIS_URL", redis.url())
-            .env("TOLLGATE_KEY_PREFIX", prefix)
+        let (mut api, addr) = api_command(&redis.url(), prefix);
+        let child = api
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env_remove("TOLLGATE_CONFIG")
             // No dashboard history sampler: these tests count Redis commands

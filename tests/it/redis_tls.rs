@@ -176,14 +176,8 @@ fn run(args: &[String]) -> (Option<i32>, String) {
         .spawn()
         .unwrap();
     // Bounded: a TLS failure must not hang the command.
-    for _ in 0..300 {
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    if child.try_wait().unwrap().is_none() {
-        let _ = child.kill();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    if tollgate_tests::process::exit_by(&mut child, deadline).is_none() {
         panic!("tollgate {args:?} did not end within 15 s");
     }
     let out = child.wait_with_output().unwrap();

@@ -125,11 +125,7 @@ deadline = "60s"
     let _procs = Procs(vec![child]);
     let base = banner_value(&lines, "listening on ");
     let key = banner_value(&lines, "Bearer ");
-    tollgate_providers::http::install_crypto_provider();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
+    let http = tollgate_tests::http::reqwest_client(Duration::from_secs(60));
     let mut conn = redis::Client::open(url.as_str())
         .unwrap()
         .get_multiplexed_async_connection()

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tollgate_core::stream::STREAM_TTL;
-use tollgate_tests::http::FetchJson;
+use tollgate_tests::http::{reqwest_client, FetchJson};
 use tollgate_tests::process::{spawn_all, spawn_mock, Procs};
 use tollgate_tests::{random_prefix, RedisServer, TempDir};
 
@@ -114,15 +114,11 @@ fn start_on(redis: Option<&[&str]>, cluster: Option<String>, token_interval_ms: 
     let url = server.as_ref().map(|s| s.url()).or(cluster);
     let (child, lines) = spawn_all(&path, url.as_deref(), &prefix);
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
-    tollgate_providers::http::install_crypto_provider();
     System {
         base: find("listening on "),
         admin: find("admin token: "),
         mock: mock_url,
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .unwrap(),
+        http: reqwest_client(Duration::from_secs(60)),
         _dir: dir,
         _procs: Procs(vec![mock_child, child]),
         redis: server,
@@ -168,15 +164,11 @@ async fn start_split(
         let (path, url, prefix) = (path.clone(), url.clone(), prefix.clone());
         move || role(&worker_args, &path, &url, &prefix)
     };
-    tollgate_providers::http::install_crypto_provider();
     let sys = System {
         base: format!("http://{addr}"),
         admin: crate::api::ADMIN.to_owned(),
         mock: mock_url,
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .unwrap(),
+        http: reqwest_client(Duration::from_secs(60)),
         _dir: dir,
         _procs: Procs(vec![mock_child, api, throttler]),
         redis: Some(server),

@@ -103,6 +103,16 @@ pub async fn wait_ready(addr: SocketAddr, deadline: Instant) {
     }
 }
 
+/// A `reqwest` client whose requests give up after `timeout`, with the
+/// process's TLS provider installed first.
+pub fn reqwest_client(timeout: Duration) -> reqwest::Client {
+    tollgate_providers::http::install_crypto_provider();
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .unwrap_or_else(|e| panic!("a reqwest client: {e}"))
+}
+
 /// A `reqwest` request sent and its body read as JSON, panicking on a
 /// transport error or a body that is not JSON (a failed test).
 pub trait FetchJson {

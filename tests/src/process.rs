@@ -3,8 +3,9 @@
 
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::workspace_bin;
@@ -36,6 +37,22 @@ pub fn banner_value(lines: &[String], needle: &str) -> String {
         .next()
         .unwrap_or_default()
         .to_owned()
+}
+
+/// `child`'s exit status once it exits (looking every 50 ms); none if it
+/// still runs at `deadline`, when it is killed and reaped.
+pub fn exit_by(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
+    loop {
+        if let Some(status) = child.try_wait().unwrap_or_else(|e| panic!("try_wait: {e}")) {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Spawns `tollgate <args>` and reads stdout until `pick` finds what it wants
@@ -115,6 +132,17 @@ pub fn command<S: AsRef<OsStr>>(args: &[S]) -> Command {
     let mut cmd = Command::new(workspace_bin("tollgate"));
     cmd.args(args).env("RUST_LOG", "warn").stdin(Stdio::null());
     cmd
+}
+
+/// `tollgate api` (as [`command`] makes it) to listen on a free loopback
+/// port, on the Redis at `url` under `prefix`; and that port's address.
+pub fn api_command(url: &str, prefix: &str) -> (Command, SocketAddr) {
+    let addr = SocketAddr::from(([127, 0, 0, 1], crate::redis_server::free_port()));
+    let mut cmd = command(&["api"]);
+    cmd.env("TOLLGATE_LISTEN", addr.to_string())
+        .env("TOLLGATE_REDIS_URL", url)
+        .env("TOLLGATE_KEY_PREFIX", prefix);
+    (cmd, addr)
 }
 
 /// The role `args[0]` (`worker`, `throttler` …) on the Redis at `url` under
