@@ -19,6 +19,8 @@ pub use redis_server::RedisServer;
 
 use std::path::PathBuf;
 
+use tollgate_core::config::Config;
+
 /// A key prefix no other test uses: tests share nothing through Redis keys.
 pub fn random_prefix() -> String {
     format!("t{}", &uuid_like()[..12])
@@ -58,6 +60,16 @@ pub fn temp_file(tag: &str, name: &str, text: &str) -> std::io::Result<(PathBuf,
     let path = dir.join(name);
     std::fs::write(&path, text)?;
     Ok((dir, path))
+}
+
+/// A config of one plan, `name`, the default: `limit` per `window` (as
+/// "12h"), and nothing else.
+pub fn one_plan_config(name: &str, limit: u64, window: &str) -> std::sync::Arc<Config> {
+    let text = format!(
+        "default_plan = \"{name}\"\n[plans.{name}]\nlimit = {limit}\nwindow = \"{window}\"\n"
+    );
+    let config = Config::parse(&text, name).unwrap_or_else(|e| panic!("{text}: {e}"));
+    std::sync::Arc::new(config)
 }
 
 /// The path of a binary built from this workspace (`tollgate`, `tollgate-bench`),

@@ -18,7 +18,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::bail;
 use redis::aio::MultiplexedConnection;
 use serde_json::json;
 use tollgate_tests::{random_prefix, redis_info, workspace_bin, RedisServer};
@@ -262,12 +261,7 @@ async fn calls(
                 if keyed {
                     req = req.header("Idempotency-Key", format!("bench-{i}"));
                 }
-                let resp = req.send().await?;
-                let status = resp.status();
-                let body = resp.text().await?;
-                if !status.is_success() {
-                    bail!("call {i}: {status} {body}");
-                }
+                crate::ensure_success(req.send().await?, &format!("call {i}")).await?;
             }
         });
     }

@@ -15,7 +15,6 @@ use anyhow::bail;
 use redis::aio::MultiplexedConnection;
 use serde_json::json;
 use tollgate_core::{
-    config::Config,
     id::{RequestId, UserId},
     ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, Ledger},
 };
@@ -40,13 +39,6 @@ pub struct Args {
     #[arg(long)]
     baseline: Option<PathBuf>,
 }
-
-const CONFIG: &str = r#"
-default_plan = "bench"
-[plans.bench]
-limit = 1000000000000000
-window = "12h"
-"#;
 
 /// The budget scripts of the previous layout.
 const LEGACY_LIB: &str = include_str!("../../../it/legacy/budget.lua");
@@ -205,13 +197,7 @@ async fn fill(
     while let Some(r) = tasks.join_next().await {
         r??;
     }
-    let live = tollgate_tests::all_events(ledger.as_ref(), user)
-        .await?
-        .len();
-    if live != n {
-        bail!("{user}: {live} live events, wanted {n}");
-    }
-    Ok(())
+    crate::ensure_live(ledger.as_ref(), user, n, user.as_str()).await
 }
 
 fn row(layout: &str, what: &str, n: usize, keys: usize, bytes: u64) {
@@ -225,7 +211,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     tollgate_providers::http::install_crypto_provider();
     let server = RedisServer::start();
     let url = server.url();
-    let config = Arc::new(Config::parse(CONFIG, "bench")?);
+    let config = tollgate_tests::one_plan_config("bench", 1_000_000_000_000_000, "12h");
     let plan = {
         let p = config.default_plan();
         vec!["0".to_owned(), p.name.clone(), PlanArgs::limits(p)]
@@ -322,11 +308,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                         .json(&json!({ "i": i }))
                         .send()
                         .await?;
-                    let status = resp.status();
-                    let body = resp.text().await?;
-                    if !status.is_success() {
-                        bail!("call {i}: {status} {body}");
-                    }
+                    crate::ensure_success(resp, &format!("call {i}")).await?;
                 }
             });
         }
