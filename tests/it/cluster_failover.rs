@@ -230,12 +230,7 @@ async fn cluster_a_primary_killed_under_load_loses_nothing_it_promised() {
         if round == 3 {
             cluster.kill_node(victim);
             // Its replica takes over within a few node timeouts.
-            let live = cluster
-                .nodes
-                .iter()
-                .map(|n| n.port())
-                .find(|p| *p != victim)
-                .unwrap();
+            let live = cluster.node_other_than(victim);
             let hot_key = format!("{prefix}:v1:{{u:{hot}}}:events");
             let promoted = Instant::now() + Duration::from_secs(30);
             while primary_of(live, &hot_key).is_none_or(|p| p == victim) {

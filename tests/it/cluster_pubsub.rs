@@ -262,12 +262,7 @@ async fn cluster_a_waiter_gets_its_grant_after_its_providers_primary_fails_over(
     let victim = primary_of(via, &bucket_key).expect("a primary");
     replicated(victim).await;
     cluster.kill_node(victim);
-    let live = cluster
-        .nodes
-        .iter()
-        .map(|n| n.port())
-        .find(|p| *p != victim)
-        .unwrap();
+    let live = cluster.node_other_than(victim);
     let promoted = Instant::now() + Duration::from_secs(30);
     let new_primary = loop {
         match primary_of(live, &bucket_key) {

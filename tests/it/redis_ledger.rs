@@ -337,14 +337,7 @@ limits = [{ limit = 1000000, window = "12h" }, { limit = 1000000, window = "1h" 
     // The ARGV tail as the scripts read it: no export, the one plan.
     let two = config.default_plan();
     let plan_args: Vec<String> = vec!["0".into(), two.name.clone(), PlanArgs::limits(two)];
-    let old_keys = [
-        &keys.events,
-        &keys.costs,
-        &keys.plan,
-        &keys.owners,
-        &keys.holds,
-        &keys.audit,
-    ];
+    let old_keys = tollgate_tests::previous_layout_keys(&keys);
     let reserve = redis::Script::new(&format!("{}\n{}", legacy::LIB, legacy::RESERVE));
     let charge = redis::Script::new(&format!("{}\n{}", legacy::LIB, legacy::CHARGE));
     // 2,100 plain reserves of cost 2, pipelined.

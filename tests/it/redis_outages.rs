@@ -51,14 +51,7 @@ async fn the_first_calls_after_a_redis_restart_succeed() {
         done.unwrap().unwrap();
     }
 
-    let mut server = h.redis.take().unwrap();
-    let server = tokio::task::spawn_blocking(move || {
-        server.restart();
-        server
-    })
-    .await
-    .unwrap();
-    h.redis = Some(server);
+    RedisServer::restart_in(&mut h.redis).await;
 
     // The restarted Redis is empty: recreate the user, then the first call of
     // each kind (readiness, a script, a plain read) must succeed.

@@ -668,14 +668,7 @@ async fn streaming_redis_restarted_mid_stream() {
     );
     let key = sys.user("rex", "free").await;
     let (mut r, body) = long_stream(&sys, &key).await;
-    let mut server = sys.redis.take().unwrap();
-    let server = tokio::task::spawn_blocking(move || {
-        server.restart();
-        server
-    })
-    .await
-    .unwrap();
-    sys.redis = Some(server);
+    RedisServer::restart_in(&mut sys.redis).await;
     let sent = System::rest(&mut r, body).await;
     let words = vec!["w"; 60].join(" ");
     let whole = whole_or_clean_error(&sent, &format!("mock answer to: {words}"));

@@ -75,22 +75,15 @@ async fn quick(
     page: EventPage,
     what: &str,
 ) -> tollgate_core::ledger::Usage {
-    let mut seen = Vec::new();
-    for _ in 0..3 {
+    slowlog::quick_in_three_tries(what, async |_| {
         redis::cmd("SLOWLOG")
             .arg("RESET")
-            .exec_async(conn)
+            .exec_async(&mut *conn)
             .await
             .unwrap();
         let usage = ledger.usage_page(&USER, page).await.unwrap();
-        let (slow, text) = slowlog::over_limit(conn).await.unwrap();
-        if slow.is_empty() {
-            return usage;
-        }
-        seen.push(text);
-    }
-    panic!(
-        "{what} held Redis past 5 ms in three tries: {}",
-        seen.join(" | ")
-    );
+        let (slow, text) = slowlog::over_limit(&mut *conn).await.unwrap();
+        (usage, if slow.is_empty() { String::new() } else { text })
+    })
+    .await
 }
