@@ -565,10 +565,7 @@ async fn without_alerts_nothing_is_queued() {
     let config = config("http://127.0.0.1:9/unused", false);
     let server = RedisServer::start();
     let prefix = random_prefix();
-    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
-        .await
-        .unwrap();
-    let ledger = RedisLedger::new(pool, KeySpace::new(&prefix).unwrap(), Arc::clone(&config));
+    let ledger = tollgate_tests::redis_ledger(&server.url(), &prefix, Arc::clone(&config)).await;
     let u = user("quiet");
     assert!(reserve(&ledger, &u, 100).await);
     let client = ::redis::Client::open(server.url()).unwrap();

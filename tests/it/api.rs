@@ -112,7 +112,13 @@ impl Harness {
 
     pub async fn redis(settings: Settings) -> Self {
         let server = RedisServer::start();
-        let state = redis_state(&server.url(), &random_prefix(), settings).await;
+        Self::redis_via(&server.url(), server, settings).await
+    }
+
+    /// The api reaching `server` at `url` (a proxy's, say); the worker side
+    /// reaching it directly.
+    pub async fn redis_via(url: &str, server: RedisServer, settings: Settings) -> Self {
+        let state = redis_state(url, &random_prefix(), settings).await;
         let source = redis_source(&server.url(), &state).await;
         Self {
             app: tollgate_api::router(state.clone()),

@@ -10,21 +10,11 @@ use axum::http::{HeaderName, StatusCode};
 use tollgate_api::abuse::{FAILURE_BURST, FAILURE_INTERVAL};
 use tollgate_api::keycache::KEY_TTL;
 use tollgate_api::{problem::ProblemType, state::Settings};
-use tollgate_tests::{random_prefix, RedisServer};
 
-use crate::api::{redis_source, redis_state, settings, Harness};
+use crate::api::{settings, Harness};
 
 async fn harness(settings: Settings) -> Harness {
-    let server = RedisServer::start();
-    let state = redis_state(&server.url(), &random_prefix(), settings).await;
-    let source = redis_source(&server.url(), &state).await;
-    Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source,
-        redis: Some(server),
-        _cluster: None,
-    }
+    Harness::redis(settings).await
 }
 
 fn behind_proxy() -> Settings {

@@ -25,7 +25,7 @@ use tollgate_tests::api::ApiServer;
 use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::RedisServer;
 
-use crate::api::{redis_source, redis_state, settings, Harness};
+use crate::api::{settings, Harness};
 
 on_each_backend!(
     [
@@ -147,15 +147,7 @@ async fn a_failed_job_retried_with_its_key_is_charged_again_and_runs(h: Harness)
 async fn a_lost_reply_is_not_taken_as_a_failure() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
-    let state = redis_state(&proxy.url(), &tollgate_tests::random_prefix(), settings()).await;
-    let source = redis_source(&server.url(), &state).await;
-    let h = Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source,
-        redis: Some(server),
-        _cluster: None,
-    };
+    let h = Harness::redis_via(&proxy.url(), server, settings()).await;
     let key = h.user("lou", "free").await;
     let worker = h.worker(0.0);
     let call = |idem: &'static str| {

@@ -15,7 +15,7 @@ use tollgate_core::{
     ledger::{ChargeRequest, ClaimOutcome, Ledger, LedgerError, ReserveOutcome, Scope},
 };
 use tollgate_memory::ledger::MemoryLedger;
-use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
+use tollgate_redis::ledger::RedisLedger;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
 use crate::ledger::{allowed, denied};
@@ -120,10 +120,7 @@ impl Redis {
     }
 
     async fn ledger(&self) -> RedisLedger {
-        let pool = tollgate_redis::pool::connect(&self.url, &PoolOptions::default())
-            .await
-            .expect("connect to the test Redis");
-        RedisLedger::new(pool, KeySpace::new(&self.prefix).unwrap(), config())
+        tollgate_tests::redis_ledger(&self.url, &self.prefix, config()).await
     }
 }
 

@@ -122,6 +122,22 @@ pub async fn all_events(
     Ok(events)
 }
 
+/// A Redis ledger on the Redis at `url` under `prefix`, pooled with the
+/// default options.
+pub async fn redis_ledger(
+    url: &str,
+    prefix: &str,
+    config: std::sync::Arc<Config>,
+) -> tollgate_redis::ledger::RedisLedger {
+    let options = tollgate_redis::pool::PoolOptions::default();
+    let pool = tollgate_redis::pool::connect(url, &options)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    let keys = tollgate_redis::keys::KeySpace::new(prefix)
+        .unwrap_or_else(|e| panic!("key prefix {prefix:?}: {e}"));
+    tollgate_redis::ledger::RedisLedger::new(pool, keys, config)
+}
+
 /// Records `n` reserves of cost 1 (fresh UUID request ids) for the user of
 /// `keys`, through `reserve.lua` with its typed wrapper's KEYS and ARGV,
 /// pipelined `batch` at a time: a quick way to fill a large window that still
