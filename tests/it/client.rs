@@ -4,7 +4,6 @@
 //! submission is waited for; a 503 while Redis restarts under a running call
 //! is retried with the call's Idempotency-Key, and the call is charged once.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -225,9 +224,7 @@ async fn a_saturated_provider_is_retried_then_provider_busy(redis: bool) {
 /// that sent a new key on the retry would queue a second job and spend 16.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_503_during_a_redis_restart_is_retried_with_the_same_key_and_charged_once() {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .unwrap();
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
     let tg = Tollgate::start(Some(&server), Some(&upstream.url()));
     let client = Client::builder(&tg.base, &tg.key)

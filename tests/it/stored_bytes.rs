@@ -7,7 +7,6 @@
 //! keeps no input). Before the bound, 300 such calls grew the keys by 20 MB,
 //! kept for an hour.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -74,9 +73,7 @@ async fn job_records(conn: &mut redis::aio::MultiplexedConnection) -> (usize, i6
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_refused_large_calls_grows_redis_by_at_most_the_users_bound() {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .unwrap();
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let redis = RedisServer::start();
     let dir = std::env::temp_dir().join(format!("tollgate-stored-{}", random_prefix()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -5,7 +5,6 @@
 //! the way in (the bucket had a token) and for one a throttler made (queued
 //! first).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -154,9 +153,7 @@ async fn stale_grant_is_handed_back(
 }
 
 async fn memory_case(provider: &str, queued: bool) {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let config = config(&upstream.url());
     let metrics = Arc::new(Metrics::new(&config));
     let throttle: Arc<dyn Throttle> =
@@ -165,9 +162,7 @@ async fn memory_case(provider: &str, queued: bool) {
 }
 
 async fn redis_case(provider: &str, queued: bool) {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let config = config(&upstream.url());
     let metrics = Arc::new(Metrics::new(&config));
     let setup = RedisSetup::start(

@@ -7,7 +7,6 @@
 //! in-memory throttle under the provider clients) and with real processes (a
 //! `tollgate throttler`, two `tollgate worker`s on one Redis).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -121,9 +120,7 @@ fn check(arrivals: &[Arrival]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() {
-    let upstream = Upstream::start(HashMap::new(), Duration::from_millis(20))
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::from_millis(20)).await;
     let config = Config::parse(&config_text(&upstream.url()), "limits test").unwrap();
     let metrics = Arc::new(Metrics::new(&config));
     let throttle: Arc<dyn Throttle> =
@@ -170,9 +167,7 @@ async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_limits_across_processes_keep_every_window_and_use_the_binding_one() {
-    let upstream = Upstream::start(HashMap::new(), Duration::from_millis(20))
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::from_millis(20)).await;
     let server = RedisServer::start();
     let prefix = random_prefix();
     let text = config_text(&upstream.url());

@@ -5,7 +5,6 @@
 //! reaches the upstream during those 2 s, from any pod, and the rate is back
 //! afterwards. In process, three clients share the one bucket.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -153,9 +152,7 @@ async fn refused_once_pauses_every_pod(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_pause_a_refusal_pauses_every_pod_memory() {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let config = config(&upstream.url());
     let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::new(&config));
     let throttles = vec![Arc::clone(&throttle); 3];
@@ -164,9 +161,7 @@ async fn throttle_pause_a_refusal_pauses_every_pod_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_pause_a_refusal_pauses_every_pod_redis() {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let config = config(&upstream.url());
     let setup = RedisSetup::start(true, RedisThrottleOptions::default()).await;
     let mut throttles: Vec<Arc<dyn Throttle>> = Vec::new();

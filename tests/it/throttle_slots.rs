@@ -6,7 +6,6 @@
 //! slots are leased, and they come back within their lease (3 s after the last
 //! renewal), then every job ends.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,9 +27,7 @@ const JOBS: usize = 24;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_slots_a_killed_worker_gives_its_slots_back_within_their_lease() {
-    let upstream = Upstream::start(HashMap::new(), Duration::from_millis(400))
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::from_millis(400)).await;
     let server = RedisServer::start();
     let prefix = random_prefix();
     let text = format!(

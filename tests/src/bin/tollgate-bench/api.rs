@@ -157,6 +157,18 @@ pub(crate) struct Client {
 }
 
 impl Client {
+    /// A client of `base` for `clients` concurrent callers (60 s a call).
+    pub(crate) fn new(base: &str, clients: usize) -> anyhow::Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(clients * 2)
+            .build()?;
+        Ok(Self {
+            http,
+            base: base.to_owned(),
+        })
+    }
+
     /// One operation call of `bench`; `Err` unless it answered `want` (200:
     /// done, 202: accepted, 429: over budget).
     pub(crate) async fn call(
@@ -283,13 +295,7 @@ async fn exhausted_user(c: &Client, base: &str, user: &str) -> anyhow::Result<St
 
 /// Every measurement against one running `tollgate all`.
 async fn measure(mode: &str, all: &All, args: &Args) -> anyhow::Result<(Client, String)> {
-    let c = Client {
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(args.clients * 2)
-            .build()?,
-        base: all.base.clone(),
-    };
+    let c = Client::new(&all.base, args.clients)?;
     let tiny = exhausted_user(&c, &all.base, "tiny").await?;
     // Warm-up: connections, scripts, the worker's loops.
     concurrent(&c, &all.key, args.clients, 500, false, 200).await?;

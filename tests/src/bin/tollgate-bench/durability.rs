@@ -90,13 +90,7 @@ async fn one(mode: Mode, config: &std::path::Path, args: &Args) -> anyhow::Resul
         Some((&primary.url(), &prefix)),
         &[("TOLLGATE_DURABILITY", durability)],
     )?;
-    let c = Client {
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(args.clients * 2)
-            .build()?,
-        base: all.base.clone(),
-    };
+    let c = Client::new(&all.base, args.clients)?;
     // Warm-up: connections, scripts, the worker's loops.
     concurrent(&c, &all.key, args.clients, 300, false, 200).await?;
     let (_, wall) = concurrent(&c, &all.key, args.clients, args.total, false, 200).await?;
