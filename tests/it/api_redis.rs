@@ -34,6 +34,22 @@ impl Process {
     }
 }
 
+/// The roles behind the apis: a mock provider on `mock_addr`, a throttler
+/// and a worker.
+fn backend_roles(
+    redis: &RedisServer,
+    prefix: &str,
+    config: &std::path::Path,
+    mock_addr: &str,
+) -> [Process; 3] {
+    let mock = ["mock-provider", "--listen", mock_addr, "--rate", "1000", "--burst", "100"];
+    [
+        Process::start(&mock, redis, prefix, config),
+        Process::start(&["throttler"], redis, prefix, config),
+        Process::start(&["worker"], redis, prefix, config),
+    ]
+}
+
 /// A `tollgate api` process, killed when dropped.
 struct ApiProcess {
     _procs: Procs,
@@ -80,34 +96,10 @@ async fn two_api_processes_admit_exactly_the_budget() {
     let mock_port = tollgate_tests::redis_server::free_port();
     let mock_addr = format!("127.0.0.1:{mock_port}");
     let config = write_config(&prefix, &format!("http://{mock_addr}"));
-    let _mock = Process::start(
-        &[
-            "mock-provider",
-            "--listen",
-            &mock_addr,
-            "--rate",
-            "1000",
-            "--burst",
-            "100",
-        ],
-        &redis,
-        &prefix,
-        &config,
-    );
-    let _throttler = Process::start(&["throttler"], &redis, &prefix, &config);
-    let _worker = Process::start(&["worker"], &redis, &prefix, &config);
+    let _roles = backend_roles(&redis, &prefix, &config, &mock_addr);
     let a = ApiProcess::start(&redis, &prefix, &config).await;
     let b = ApiProcess::start(&redis, &prefix, &config).await;
-    let created = http::json(
-        a.addr,
-        "POST",
-        "/admin/users",
-        Some(ADMIN),
-        Some(&json!({"user": "load", "plan": "free"})),
-    )
-    .await;
-    assert_eq!(created.status, 201, "{}", created.text());
-    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+    let key = http::user_key(a.addr, ADMIN, "load", "free").await;
 
     let mut calls = tokio::task::JoinSet::new();
     for i in 0..400 {
@@ -227,14 +219,7 @@ async fn client_disconnects_leak_no_reservation() {
     let source = redis_source(&redis.url(), &state).await;
     let server = ApiServer::start(state.clone()).await;
     let addr = server.addr;
-    let created = http::json(
-        addr,
-        "POST",
-        "/admin/users",
-        Some(ADMIN),
-        Some(&json!({"user": "flaky", "plan": "pro"})),
-    )
-    .await;
+    let created = http::create_user(addr, ADMIN, "flaky", "pro").await;
     let key = created.json()["api_key"].as_str().unwrap().to_owned();
     let worker = tollgate_tests::api::StandInWorker::start(
         Arc::clone(&source),
@@ -436,32 +421,10 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
         "[operations.\"llm.structured\"]\ndeadline = \"5s\"\n",
     );
     std::fs::write(&config, format!("hold_grace = \"1s\"\n{text}")).unwrap();
-    let _mock = Process::start(
-        &[
-            "mock-provider",
-            "--listen",
-            &mock_addr,
-            "--rate",
-            "1000",
-            "--burst",
-            "100",
-        ],
-        &redis,
-        &prefix,
-        &config,
-    );
-    let _throttler = Process::start(&["throttler"], &redis, &prefix, &config);
-    let _worker = Process::start(&["worker"], &redis, &prefix, &config);
+    let _roles = backend_roles(&redis, &prefix, &config, &mock_addr);
     let mut doomed = ApiProcess::start(&redis, &prefix, &config).await;
     let survivor = ApiProcess::start(&redis, &prefix, &config).await;
-    let created = http::json(
-        survivor.addr,
-        "POST",
-        "/admin/users",
-        Some(ADMIN),
-        Some(&json!({"user": "kim", "plan": "pro"})),
-    )
-    .await;
+    let created = http::create_user(survivor.addr, ADMIN, "kim", "pro").await;
     let key = created.json()["api_key"].as_str().unwrap().to_owned();
 
     let mut calls = tokio::task::JoinSet::new();

@@ -388,16 +388,7 @@ async fn pods_with_skewed_clocks_decide_nothing() {
     let _worker = Role::start(&["worker"], &redis, &prefix, Some("+1h"));
     up(addrs[0]).await;
     up(addrs[1]).await;
-    let created = tollgate_tests::http::json(
-        addrs[0],
-        "POST",
-        "/admin/users",
-        Some(crate::api::ADMIN),
-        Some(&json!({"user": "skew", "plan": "free"})),
-    )
-    .await;
-    assert_eq!(created.status, 201, "{}", created.text());
-    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+    let key = tollgate_tests::http::user_key(addrs[0], crate::api::ADMIN, "skew", "free").await;
     for i in 0..20 {
         let r = tollgate_tests::http::json(
             addrs[i % 2],

@@ -210,16 +210,8 @@ async fn cluster_a_primary_killed_under_load_loses_nothing_it_promised() {
     }
     let mut keys = BTreeMap::new();
     for u in &users {
-        let r = tollgate_tests::http::json(
-            apis[0],
-            "POST",
-            "/admin/users",
-            Some(crate::api::ADMIN),
-            Some(&json!({"user": u, "plan": "free"})),
-        )
-        .await;
-        assert_eq!(r.status, 201, "{}", r.text());
-        keys.insert(u.clone(), r.json()["api_key"].as_str().unwrap().to_owned());
+        let key = tollgate_tests::http::user_key(apis[0], crate::api::ADMIN, u, "free").await;
+        keys.insert(u.clone(), key);
     }
 
     // The load: 8 rounds of one async call per user per api, the primary

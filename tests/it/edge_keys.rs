@@ -42,16 +42,7 @@ impl Api {
     }
 
     async fn user(&self, name: &str) -> String {
-        let r = http::json(
-            self.addr,
-            "POST",
-            "/admin/users",
-            Some(ADMIN),
-            Some(&json!({"user": name, "plan": "free"})),
-        )
-        .await;
-        assert_eq!(r.status, 201, "{}", r.text());
-        r.json()["api_key"].as_str().unwrap().to_owned()
+        http::user_key(self.addr, ADMIN, name, "free").await
     }
 
     async fn usage(&self, key: &str) -> http::Response {

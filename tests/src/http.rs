@@ -91,6 +91,22 @@ pub async fn json(
     .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
 }
 
+/// `POST /admin/users` as `admin`: creates `user` on `plan`.
+pub async fn create_user(addr: SocketAddr, admin: &str, user: &str, plan: &str) -> Response {
+    let body = serde_json::json!({"user": user, "plan": plan});
+    json(addr, "POST", "/admin/users", Some(admin), Some(&body)).await
+}
+
+/// [`create_user`], which must answer 201: the new user's api key.
+pub async fn user_key(addr: SocketAddr, admin: &str, user: &str, plan: &str) -> String {
+    let created = create_user(addr, admin, user, plan).await;
+    assert_eq!(created.status, 201, "{}", created.text());
+    created.json()["api_key"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no api_key in {}", created.text()))
+        .to_owned()
+}
+
 /// Waits until `GET /readyz` on `addr` answers 200, polling every 50 ms;
 /// panics once `deadline` has passed first.
 pub async fn wait_ready(addr: SocketAddr, deadline: Instant) {
