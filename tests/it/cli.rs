@@ -236,14 +236,8 @@ fn bad_input_is_exit_2_with_one_line() {
 #[test]
 fn config_errors_name_the_key() {
     let cli = Cli::new();
-    let dir = std::env::temp_dir().join(format!("tollgate-cli-{}", random_prefix()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let good = dir.join("good.toml");
-    std::fs::write(
-        &good,
-        "default_plan = \"tiny\"\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n",
-    )
-    .unwrap();
+    let good = "default_plan = \"tiny\"\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n";
+    let (dir, good) = tollgate_tests::temp_file("cli", "good.toml", good).unwrap();
     let v = cli.json(
         &["--config", good.to_str().unwrap(), "usage", "--user", "c"],
         0,

@@ -441,14 +441,8 @@ async fn job_processes_sigterm_hands_back_jobs_in_flight() {
 /// the key, with the bad-input exit code, before it touches Redis.
 #[test]
 fn job_cli_worker_rejects_a_bad_config() {
-    let dir = std::env::temp_dir().join(format!("tollgate-it-{}", random_prefix()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("bad.toml");
-    std::fs::write(
-        &path,
-        "[plans.free]\nlimit = 10\nwindow = \"1h\"\n[operations.x]\ncost = 1\nprovider = \"gpt\"\n",
-    )
-    .unwrap();
+    let bad = "[plans.free]\nlimit = 10\nwindow = \"1h\"\n[operations.x]\ncost = 1\nprovider = \"gpt\"\n";
+    let (dir, path) = tollgate_tests::temp_file("it", "bad.toml", bad).unwrap();
     let out = Command::new(workspace_bin("tollgate"))
         .args(["worker", "--redis-url", "redis://127.0.0.1:1/"])
         .arg("--config")

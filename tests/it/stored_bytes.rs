@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tollgate_tests::http::FetchJson;
-use tollgate_tests::process::{banner_value, spawn_reading, Procs};
+use tollgate_tests::process::{banner_value, spawn_all, Procs};
 use tollgate_tests::redis_info::memory_usage;
 use tollgate_tests::upstream::Upstream;
-use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_tests::{random_prefix, temp_file, RedisServer};
 
 /// The plan's bound, and the flood: `calls()` calls of `PAD` bytes each.
 const BOUND: u64 = 1 << 20;
@@ -75,14 +75,9 @@ async fn job_records(conn: &mut redis::aio::MultiplexedConnection) -> (usize, i6
 async fn a_flood_of_refused_large_calls_grows_redis_by_at_most_the_users_bound() {
     let upstream = Upstream::unlimited(Duration::ZERO).await;
     let redis = RedisServer::start();
-    let dir = std::env::temp_dir().join(format!("tollgate-stored-{}", random_prefix()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("stored.toml");
     // The provider serves 4 calls a second: the flood queues up behind it.
-    std::fs::write(
-        &config,
-        format!(
-            r#"
+    let text = format!(
+        r#"
 default_plan = "free"
 [plans.free]
 limit = 1000000
@@ -99,26 +94,12 @@ cost = 1
 provider = "up"
 deadline = "60s"
 "#,
-            upstream.url()
-        ),
-    )
-    .unwrap();
+        upstream.url()
+    );
+    let (dir, config) = temp_file("stored", "stored.toml", &text).unwrap();
     let prefix = random_prefix();
     let url = redis.url();
-    let (child, lines) = spawn_reading(
-        &[
-            "all",
-            "--listen",
-            "127.0.0.1:0",
-            "--config",
-            config.to_str().unwrap(),
-            "--redis-url",
-            &url,
-            "--key-prefix",
-            &prefix,
-        ],
-        |l| l.iter().any(|l| l.contains("/v1/usage")),
-    );
+    let (child, lines) = spawn_all(&config, Some(&url), &prefix);
     let _procs = Procs(vec![child]);
     let base = banner_value(&lines, "listening on ");
     let key = banner_value(&lines, "Bearer ");
