@@ -24,8 +24,8 @@ use tollgate_core::{
     throttle::{Share, Waiter},
 };
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
-use tollgate_tests::jobs::take_one;
 use tollgate_tests::api::StandInWorker;
+use tollgate_tests::jobs::take_one;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 use tower::ServiceExt;
 

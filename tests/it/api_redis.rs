@@ -19,7 +19,9 @@ use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};
 
 /// A `tollgate` process, killed when dropped.
-struct Process(Procs);
+struct Process {
+    _procs: Procs,
+}
 
 impl Process {
     fn start(args: &[&str], redis: &RedisServer, prefix: &str, config: &std::path::Path) -> Self {
@@ -30,7 +32,9 @@ impl Process {
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate");
-        Self(Procs(vec![child]))
+        Self {
+            _procs: Procs(vec![child]),
+        }
     }
 }
 
@@ -42,7 +46,15 @@ fn backend_roles(
     config: &std::path::Path,
     mock_addr: &str,
 ) -> [Process; 3] {
-    let mock = ["mock-provider", "--listen", mock_addr, "--rate", "1000", "--burst", "100"];
+    let mock = [
+        "mock-provider",
+        "--listen",
+        mock_addr,
+        "--rate",
+        "1000",
+        "--burst",
+        "100",
+    ];
     [
         Process::start(&mock, redis, prefix, config),
         Process::start(&["throttler"], redis, prefix, config),
@@ -422,7 +434,7 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
     );
     std::fs::write(&config, format!("hold_grace = \"1s\"\n{text}")).unwrap();
     let _roles = backend_roles(&redis, &prefix, &config, &mock_addr);
-    let mut doomed = ApiProcess::start(&redis, &prefix, &config).await;
+    let doomed = ApiProcess::start(&redis, &prefix, &config).await;
     let survivor = ApiProcess::start(&redis, &prefix, &config).await;
     let created = http::create_user(survivor.addr, ADMIN, "kim", "pro").await;
     let key = created.json()["api_key"].as_str().unwrap().to_owned();

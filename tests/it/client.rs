@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
-use tollgate_tests::jobs::idempotent_job_id as job_id_of;
 use tollgate_client::{Client, Outcome, RetryPolicy};
+use tollgate_tests::jobs::idempotent_job_id as job_id_of;
 use tollgate_tests::process::{banner_value, spawn_all, Procs};
 use tollgate_tests::upstream::Upstream;
 use tollgate_tests::{random_prefix, RedisServer};

@@ -223,8 +223,9 @@ fn a_role_in_fsync_mode_refuses_to_start_on_everysec() {
         .spawn()
         .unwrap();
     // Bounded so that a role that waits instead fails the test, not hangs it.
-    let status = tollgate_tests::process::exit_by(&mut child, Instant::now() + Duration::from_secs(30))
-        .expect("the worker kept waiting instead of refusing to start");
+    let status =
+        tollgate_tests::process::exit_by(&mut child, Instant::now() + Duration::from_secs(30))
+            .expect("the worker kept waiting instead of refusing to start");
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(status.code(), Some(1), "{err}");

@@ -441,7 +441,8 @@ async fn job_processes_sigterm_hands_back_jobs_in_flight() {
 /// the key, with the bad-input exit code, before it touches Redis.
 #[test]
 fn job_cli_worker_rejects_a_bad_config() {
-    let bad = "[plans.free]\nlimit = 10\nwindow = \"1h\"\n[operations.x]\ncost = 1\nprovider = \"gpt\"\n";
+    let bad =
+        "[plans.free]\nlimit = 10\nwindow = \"1h\"\n[operations.x]\ncost = 1\nprovider = \"gpt\"\n";
     let (dir, path) = tollgate_tests::temp_file("it", "bad.toml", bad).unwrap();
     let out = Command::new(workspace_bin("tollgate"))
         .args(["worker", "--redis-url", "redis://127.0.0.1:1/"])
@@ -465,11 +466,17 @@ async fn job_processes_a_worker_started_without_redis_waits_for_it() {
     let mut redis = RedisServer::start();
     let prefix = random_prefix();
     redis.stop();
-    let mut worker = command(&["worker", "--redis-url", &redis.url(), "--key-prefix", &prefix])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut worker = command(&[
+        "worker",
+        "--redis-url",
+        &redis.url(),
+        "--key-prefix",
+        &prefix,
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
         worker.try_wait().unwrap().is_none(),

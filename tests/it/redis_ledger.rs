@@ -567,7 +567,8 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
     let config = Config::parse("[plans.big]\nlimit = 1000000\nwindow = \"12h\"\n", "mem");
     let server = RedisServer::start();
     let prefix = random_prefix();
-    let ledger = tollgate_tests::redis_ledger(&server.url(), &prefix, Arc::new(config.unwrap())).await;
+    let ledger =
+        tollgate_tests::redis_ledger(&server.url(), &prefix, Arc::new(config.unwrap())).await;
     let mut conn = raw(&server).await;
     const N: usize = 2_000;
     for (name, charges, most) in [("mem-r", false, 70.0), ("mem-c", true, 120.0)] {

@@ -19,9 +19,9 @@ use tollgate_core::{
     throttle::Throttle,
 };
 use tollgate_memory::throttle::MemoryThrottle;
-use tollgate_tests::upstream::{Arrival, Upstream};
 use tollgate_tests::jobs::{submit_queued, wait_final};
 use tollgate_tests::process::{spawn_role, Procs};
+use tollgate_tests::upstream::{Arrival, Upstream};
 use tollgate_tests::{random_prefix, temp_file, RedisServer};
 
 use crate::jobs::redis_queue;

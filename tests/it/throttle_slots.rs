@@ -14,10 +14,10 @@ use tollgate_core::{
     config::{Config, SLOT_LEASE},
     id::UserId,
 };
-use tollgate_tests::throttle::now_us;
-use tollgate_tests::upstream::Upstream;
 use tollgate_tests::jobs::{submit_queued, wait_final};
 use tollgate_tests::process::{spawn_role, Procs};
+use tollgate_tests::throttle::now_us;
+use tollgate_tests::upstream::Upstream;
 use tollgate_tests::{random_prefix, temp_file, RedisServer};
 
 use crate::jobs::redis_queue;
@@ -67,8 +67,12 @@ path = "/llm"
         assert!(started.elapsed() < Duration::from_secs(20), "no calls");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    procs.0.push(spawn_role(&server.url(), &prefix, &config_path, &worker));
-    procs.0.push(spawn_role(&server.url(), &prefix, &config_path, &worker));
+    procs
+        .0
+        .push(spawn_role(&server.url(), &prefix, &config_path, &worker));
+    procs
+        .0
+        .push(spawn_role(&server.url(), &prefix, &config_path, &worker));
     let _ = procs.0[1].kill(); // SIGKILL, its 3 calls in flight
     let _ = procs.0[1].wait();
     let killed_us = now_us();

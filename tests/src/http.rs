@@ -3,8 +3,8 @@
 //! client-disconnect tests need and a full client library would hide.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -40,8 +40,7 @@ pub struct TempDir(pub PathBuf);
 impl TempDir {
     pub fn new(tag: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("tollgate-{tag}-{}", random_prefix()));
-        std::fs::create_dir_all(&dir)
-            .unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
         Self(dir)
     }
 }

@@ -44,7 +44,10 @@ pub async fn version(conn: &mut MultiplexedConnection) -> RedisResult<String> {
 }
 
 /// Every key matching `pattern`, walked with SCAN (1,000 a step).
-pub async fn scan_keys(conn: &mut MultiplexedConnection, pattern: &str) -> RedisResult<Vec<String>> {
+pub async fn scan_keys(
+    conn: &mut MultiplexedConnection,
+    pattern: &str,
+) -> RedisResult<Vec<String>> {
     let mut keys: Vec<String> = Vec::new();
     let mut cursor = 0u64;
     loop {

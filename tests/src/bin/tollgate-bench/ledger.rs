@@ -159,7 +159,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &function,
             &[
                 tollgate_tests::previous_layout_keys(&keys).as_slice(),
-                &[keys.log.as_str(), keys.meta.as_str(), keys.cancelled.as_str()],
+                &[
+                    keys.log.as_str(),
+                    keys.meta.as_str(),
+                    keys.cancelled.as_str(),
+                ],
             ]
             .concat(),
             &plan_args,

@@ -86,7 +86,7 @@ async fn fill_legacy(
             .await?;
         shas.push(sha);
     }
-    let old = tollgate_tests::previous_layout_keys(&keys);
+    let old = tollgate_tests::previous_layout_keys(keys);
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let mut pipe = redis::pipe();
         for &i in chunk {
