@@ -205,6 +205,11 @@ impl Harness {
             .await
     }
 
+    pub async fn put(&self, path: &str, token: &str, body: Value) -> Resp {
+        self.call("PUT", path, Some(token), &[], Some(body.to_string()))
+            .await
+    }
+
     /// Creates `user` on `plan` through the admin route; returns the API key.
     pub async fn user(&self, user: &str, plan: &str) -> String {
         let r = self
@@ -588,25 +593,13 @@ async fn admin_creates_users_changes_plans_and_revokes_keys(h: Harness) {
     assert_eq!(h.usage(&key).await["limit"], 1000);
 
     let r = h
-        .call(
-            "PUT",
-            "/admin/users/alice/plan",
-            Some(ADMIN),
-            &[],
-            Some(json!({"plan": "pro"}).to_string()),
-        )
+        .put("/admin/users/alice/plan", ADMIN, json!({"plan": "pro"}))
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(h.usage(&key).await["limit"], 20000);
 
     let r = h
-        .call(
-            "PUT",
-            "/admin/users/alice/plan",
-            Some(ADMIN),
-            &[],
-            Some(json!({"plan": "gold"}).to_string()),
-        )
+        .put("/admin/users/alice/plan", ADMIN, json!({"plan": "gold"}))
         .await;
     assert_eq!(r.problem(ProblemType::InvalidField)["field"], "plan");
     let r = h.post("/admin/users", ADMIN, json!({"plan": "pro"})).await;

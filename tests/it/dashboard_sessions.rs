@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tollgate_core::session::{NewSession, Role, SessionId, SessionLimits, SessionStore};
 use tollgate_tests::http::{self, Response};
-use tollgate_tests::process::{exit_by, Procs};
+use tollgate_tests::process::{run_until, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::api::ADMIN;
@@ -508,21 +508,15 @@ fn bad_viewer_tokens_are_refused_at_start() {
         ("all", ADMIN),
         ("all", "short"),
     ] {
-        let mut child = Command::new(workspace_bin("tollgate"))
-            .args([role, "--listen", "127.0.0.1:0"])
+        let mut cmd = Command::new(workspace_bin("tollgate"));
+        cmd.args([role, "--listen", "127.0.0.1:0"])
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env("TOLLGATE_VIEWER_TOKEN", viewer)
             .env("TOLLGATE_REDIS_URL", "redis://127.0.0.1:1/")
-            .env_remove("TOLLGATE_CONFIG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let status = exit_by(&mut child, Instant::now() + Duration::from_secs(10))
+            .env_remove("TOLLGATE_CONFIG");
+        let (status, stderr) = run_until(&mut cmd, Instant::now() + Duration::from_secs(10));
+        let status = status
             .unwrap_or_else(|| panic!("tollgate {role} started with viewer token {viewer:?}"));
-        let mut stderr = String::new();
-        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
         assert!(!status.success(), "{role} {viewer:?}: {stderr}");
         assert!(
             stderr.contains("TOLLGATE_VIEWER_TOKEN"),

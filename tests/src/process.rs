@@ -55,6 +55,24 @@ pub fn exit_by(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
     }
 }
 
+/// Runs `cmd` with no stdin, its stdout discarded and its stderr read, until
+/// it exits or `deadline` passes (see [`exit_by`]): its exit status (none if
+/// it was still running) and its stderr.
+pub fn run_until(cmd: &mut Command, deadline: Instant) -> (Option<ExitStatus>, String) {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    let status = exit_by(&mut child, deadline);
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+    }
+    (status, stderr)
+}
+
 /// Spawns `tollgate <args>` and reads stdout until `pick` finds what it wants
 /// (within 30 s); returns the child and every line read.
 pub fn spawn_reading(args: &[&str], pick: impl Fn(&[String]) -> bool) -> (Child, Vec<String>) {
