@@ -29,6 +29,7 @@ use tollgate_redis::alerts::RedisAlerts;
 use tollgate_redis::keys::KeySpace;
 use tollgate_redis::ledger::RedisLedger;
 use tollgate_redis::pool::PoolOptions;
+use tollgate_tests::http::FetchJson;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
 const SECRET: &[u8] = b"whsec_test_0123456789";
@@ -564,10 +565,7 @@ async fn without_alerts_nothing_is_queued() {
     let config = config("http://127.0.0.1:9/unused", false);
     let server = RedisServer::start();
     let prefix = random_prefix();
-    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
-        .await
-        .unwrap();
-    let ledger = RedisLedger::new(pool, KeySpace::new(&prefix).unwrap(), Arc::clone(&config));
+    let ledger = tollgate_tests::redis_ledger(&server.url(), &prefix, Arc::clone(&config)).await;
     let u = user("quiet");
     assert!(reserve(&ledger, &u, 100).await);
     let client = ::redis::Client::open(server.url()).unwrap();
@@ -779,12 +777,8 @@ async fn tollgate_all_delivers_its_crossings_once() {
     let overview: Value = http
         .get(format!("{base}/admin/overview"))
         .bearer_auth(&admin)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .fetch_json()
+        .await;
     let panel = &overview["alerts"];
     assert_eq!(panel["delivered"], 2, "{overview}");
     assert_eq!(panel["failed"], 0, "{overview}");

@@ -2,24 +2,13 @@
 //! (no Redis at all) and with `--redis-url`. Budgets, 429s, refunds on provider
 //! failure and throttling must behave alike.
 
-use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{random_prefix, RedisServer};
-
-fn mock(args: &[&str]) -> (Child, String) {
-    let mut all = vec!["mock-provider", "--listen", "127.0.0.1:0"];
-    all.extend_from_slice(args);
-    let (child, lines) = spawn_reading(&all, |l| !l.is_empty());
-    let addr = lines[0]
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("mock said {lines:?}"))
-        .to_owned();
-    (child, format!("http://{addr}"))
-}
+use tollgate_tests::http::{reqwest_client, FetchJson};
+use tollgate_tests::process::{spawn_all, spawn_mock as mock, Procs};
+use tollgate_tests::{random_prefix, RedisServer, TempDir};
 
 struct System {
     base: String,
@@ -32,22 +21,13 @@ struct System {
     _redis: Option<RedisServer>,
 }
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Starts two mock providers (one healthy with its own limit, one failing every
 /// call) and `tollgate all` on a config that throttles the healthy one below
 /// that limit; with `redis`, against a private redis-server.
 fn start(redis: bool) -> System {
     let (good, good_url) = mock(&["--rate", "60", "--burst", "10", "--latency-ms", "5"]);
     let (bad, bad_url) = mock(&["--fail-rate", "1.0"]);
-    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-all-{}", random_prefix())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = TempDir::new("all");
     let config = dir.0.join("all.toml");
     std::fs::write(
         &config,
@@ -79,30 +59,15 @@ provider = "bad"
     )
     .unwrap();
     let server = redis.then(RedisServer::start);
-    let prefix = random_prefix();
     let url = server.as_ref().map(|s| s.url());
-    let mut args = vec![
-        "all",
-        "--listen",
-        "127.0.0.1:0",
-        "--config",
-        config.to_str().unwrap(),
-    ];
-    if let Some(url) = &url {
-        args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
-    }
-    let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
+    let (child, lines) = spawn_all(&config, url.as_deref(), &random_prefix());
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
-    tollgate_providers::http::install_crypto_provider();
     System {
         base: find("listening on "),
         key: find("Bearer "),
         admin: find("admin token: "),
         good_mock: good_url,
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .unwrap(),
+        http: reqwest_client(Duration::from_secs(60)),
         _dir: dir,
         procs: Procs(vec![good, bad, child]),
         _redis: server,
@@ -114,12 +79,8 @@ impl System {
         self.http
             .get(format!("{}{path}", self.base))
             .bearer_auth(key)
-            .send()
+            .fetch_json()
             .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
     }
 
     /// SIGTERM, then the process must exit 0 by itself.
@@ -131,17 +92,9 @@ impl System {
             .unwrap();
         assert!(status.success());
         let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                assert!(status.success(), "tollgate all exited with {status}");
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "tollgate all did not stop on SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let status = tollgate_tests::process::exit_by(child, deadline)
+            .expect("tollgate all did not stop on SIGTERM");
+        assert!(status.success(), "tollgate all exited with {status}");
     }
 }
 
@@ -209,12 +162,8 @@ async fn budget_429s_and_throttling(redis: bool) {
     let stats: Value = sys
         .http
         .get(format!("{}/stats", sys.good_mock))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .fetch_json()
+        .await;
     assert_eq!(stats["rate_limited"], 0, "{stats}");
     assert!(stats["ok"].as_u64().unwrap() >= 125, "{stats}");
     sys.stop();
@@ -229,12 +178,8 @@ async fn provider_failures_are_refunded(redis: bool) {
         .post(format!("{}/admin/users", sys.base))
         .bearer_auth(&sys.admin)
         .json(&json!({"user": "erin", "plan": "free"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .fetch_json()
+        .await;
     let key = created["api_key"]
         .as_str()
         .unwrap_or_else(|| panic!("{created}"))

@@ -25,6 +25,7 @@ use tollgate_core::{
 };
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::api::StandInWorker;
+use tollgate_tests::jobs::take_one;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 use tower::ServiceExt;
 
@@ -111,7 +112,13 @@ impl Harness {
 
     pub async fn redis(settings: Settings) -> Self {
         let server = RedisServer::start();
-        let state = redis_state(&server.url(), &random_prefix(), settings).await;
+        Self::redis_via(&server.url(), server, settings).await
+    }
+
+    /// The api reaching `server` at `url` (a proxy's, say); the worker side
+    /// reaching it directly.
+    pub async fn redis_via(url: &str, server: RedisServer, settings: Settings) -> Self {
+        let state = redis_state(url, &random_prefix(), settings).await;
         let source = redis_source(&server.url(), &state).await;
         Self {
             app: tollgate_api::router(state.clone()),
@@ -195,6 +202,11 @@ impl Harness {
 
     pub async fn post(&self, path: &str, token: &str, body: Value) -> Resp {
         self.call("POST", path, Some(token), &[], Some(body.to_string()))
+            .await
+    }
+
+    pub async fn put(&self, path: &str, token: &str, body: Value) -> Resp {
+        self.call("PUT", path, Some(token), &[], Some(body.to_string()))
             .await
     }
 
@@ -581,25 +593,13 @@ async fn admin_creates_users_changes_plans_and_revokes_keys(h: Harness) {
     assert_eq!(h.usage(&key).await["limit"], 1000);
 
     let r = h
-        .call(
-            "PUT",
-            "/admin/users/alice/plan",
-            Some(ADMIN),
-            &[],
-            Some(json!({"plan": "pro"}).to_string()),
-        )
+        .put("/admin/users/alice/plan", ADMIN, json!({"plan": "pro"}))
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(h.usage(&key).await["limit"], 20000);
 
     let r = h
-        .call(
-            "PUT",
-            "/admin/users/alice/plan",
-            Some(ADMIN),
-            &[],
-            Some(json!({"plan": "gold"}).to_string()),
-        )
+        .put("/admin/users/alice/plan", ADMIN, json!({"plan": "gold"}))
         .await;
     assert_eq!(r.problem(ProblemType::InvalidField)["field"], "plan");
     let r = h.post("/admin/users", ADMIN, json!({"plan": "pro"})).await;
@@ -837,17 +837,8 @@ async fn an_operator_refund_cancels_a_queued_job(h: Harness) {
         h.call("POST", &path, Some(ADMIN), &[], None).await
     };
     let take = || async {
-        let lease = h
-            .source
-            .take(
-                "company.research",
-                "w",
-                Duration::from_millis(200),
-                Duration::from_secs(30),
-            )
-            .await
-            .unwrap()
-            .expect("a queued job");
+        let wait = Duration::from_millis(200);
+        let lease = take_one(&*h.source, "company.research", "w", wait).await;
         let claimed = h.source.start(&lease).await.unwrap();
         (lease, claimed)
     };

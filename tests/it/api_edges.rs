@@ -22,12 +22,10 @@ async fn setting_the_plan_of_an_unknown_user_is_404(h: Harness) {
     let put = |user: &'static str| {
         let h = &h;
         async move {
-            h.call(
-                "PUT",
+            h.put(
                 &format!("/admin/users/{user}/plan"),
-                Some(ADMIN),
-                &[],
-                Some(json!({"plan": "pro"}).to_string()),
+                ADMIN,
+                json!({"plan": "pro"}),
             )
             .await
         }
@@ -97,13 +95,7 @@ async fn errors_do_not_echo_long_input(h: Harness) {
     // The body's own values are bounded too (the test body limit is 4 KiB).
     let long = "a".repeat(1_000);
     let r = h
-        .call(
-            "PUT",
-            "/admin/users/alice/plan",
-            Some(ADMIN),
-            &[],
-            Some(json!({"plan": long}).to_string()),
-        )
+        .put("/admin/users/alice/plan", ADMIN, json!({"plan": long}))
         .await;
     r.problem(ProblemType::InvalidField);
     assert!(!r.body.to_string().contains(&"a".repeat(65)), "{}", r.body);

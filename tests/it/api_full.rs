@@ -112,16 +112,7 @@ async fn full_path_answers_results_and_refunds_provider_failures() {
     let mut state = redis_state(&redis.url(), &prefix, settings()).await;
     state.config = Arc::clone(&config);
     let api = ApiServer::start(state).await;
-    let created = http::json(
-        api.addr,
-        "POST",
-        "/admin/users",
-        Some(ADMIN),
-        Some(&json!({"user": "zoe", "plan": "free"})),
-    )
-    .await;
-    assert_eq!(created.status, 201, "{}", created.text());
-    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+    let key = http::user_key(api.addr, ADMIN, "zoe", "free").await;
 
     for i in 0..3 {
         let r = http::json(
@@ -179,14 +170,7 @@ async fn full_path_answers_results_and_refunds_provider_failures() {
 
     // Reproduction 6 over HTTP: 100 concurrent calls (estimate 8, max 40), each
     // answered with the most (4,000 tokens), under a limit of 1,000.
-    let created = http::json(
-        api.addr,
-        "POST",
-        "/admin/users",
-        Some(ADMIN),
-        Some(&json!({"user": "burst", "plan": "free"})),
-    )
-    .await;
+    let created = http::create_user(api.addr, ADMIN, "burst", "free").await;
     let burst = created.json()["api_key"].as_str().unwrap().to_owned();
     let mut calls = tokio::task::JoinSet::new();
     for i in 0..100 {

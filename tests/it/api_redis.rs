@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,81 +13,75 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tollgate_tests::api::ApiServer;
 use tollgate_tests::http;
+use tollgate_tests::process::{api_command, command, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};
 
 /// A `tollgate` process, killed when dropped.
 struct Process {
-    child: Child,
+    _procs: Procs,
 }
 
 impl Process {
     fn start(args: &[&str], redis: &RedisServer, prefix: &str, config: &std::path::Path) -> Self {
-        let child = Command::new(workspace_bin("tollgate"))
-            .args(args)
+        let child = command(args)
             .env("TOLLGATE_REDIS_URL", redis.url())
             .env("TOLLGATE_KEY_PREFIX", prefix)
             .env("TOLLGATE_CONFIG", config)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate");
-        Self { child }
+        Self {
+            _procs: Procs(vec![child]),
+        }
     }
 }
 
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The roles behind the apis: a mock provider on `mock_addr`, a throttler
+/// and a worker.
+fn backend_roles(
+    redis: &RedisServer,
+    prefix: &str,
+    config: &std::path::Path,
+    mock_addr: &str,
+) -> [Process; 3] {
+    let mock = [
+        "mock-provider",
+        "--listen",
+        mock_addr,
+        "--rate",
+        "1000",
+        "--burst",
+        "100",
+    ];
+    [
+        Process::start(&mock, redis, prefix, config),
+        Process::start(&["throttler"], redis, prefix, config),
+        Process::start(&["worker"], redis, prefix, config),
+    ]
 }
 
 /// A `tollgate api` process, killed when dropped.
 struct ApiProcess {
-    child: Child,
+    _procs: Procs,
     addr: SocketAddr,
 }
 
 impl ApiProcess {
     async fn start(redis: &RedisServer, prefix: &str, config: &std::path::Path) -> Self {
-        let port = tollgate_tests::redis_server::free_port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = Command::new(workspace_bin("tollgate"))
-            .arg("api")
-            .env("TOLLGATE_LISTEN", addr.to_string())
-            .env("TOLLGATE_REDIS_URL", redis.url())
-            .env("TOLLGATE_KEY_PREFIX", prefix)
+        let (mut api, addr) = api_command(&redis.url(), prefix);
+        let child = api
             .env("TOLLGATE_CONFIG", config)
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate api");
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Ok(r) = http::send(addr, "GET", "/readyz", &[], b"").await {
-                if r.status == 200 {
-                    break;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "tollgate api did not come up on {addr}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
+        Self {
+            _procs: Procs(vec![child]),
+            addr,
         }
-        Self { child, addr }
-    }
-}
-
-impl Drop for ApiProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -114,34 +108,10 @@ async fn two_api_processes_admit_exactly_the_budget() {
     let mock_port = tollgate_tests::redis_server::free_port();
     let mock_addr = format!("127.0.0.1:{mock_port}");
     let config = write_config(&prefix, &format!("http://{mock_addr}"));
-    let _mock = Process::start(
-        &[
-            "mock-provider",
-            "--listen",
-            &mock_addr,
-            "--rate",
-            "1000",
-            "--burst",
-            "100",
-        ],
-        &redis,
-        &prefix,
-        &config,
-    );
-    let _throttler = Process::start(&["throttler"], &redis, &prefix, &config);
-    let _worker = Process::start(&["worker"], &redis, &prefix, &config);
+    let _roles = backend_roles(&redis, &prefix, &config, &mock_addr);
     let a = ApiProcess::start(&redis, &prefix, &config).await;
     let b = ApiProcess::start(&redis, &prefix, &config).await;
-    let created = http::json(
-        a.addr,
-        "POST",
-        "/admin/users",
-        Some(ADMIN),
-        Some(&json!({"user": "load", "plan": "free"})),
-    )
-    .await;
-    assert_eq!(created.status, 201, "{}", created.text());
-    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+    let key = http::user_key(a.addr, ADMIN, "load", "free").await;
 
     let mut calls = tokio::task::JoinSet::new();
     for i in 0..400 {
@@ -261,14 +231,7 @@ async fn client_disconnects_leak_no_reservation() {
     let source = redis_source(&redis.url(), &state).await;
     let server = ApiServer::start(state.clone()).await;
     let addr = server.addr;
-    let created = http::json(
-        addr,
-        "POST",
-        "/admin/users",
-        Some(ADMIN),
-        Some(&json!({"user": "flaky", "plan": "pro"})),
-    )
-    .await;
+    let created = http::create_user(addr, ADMIN, "flaky", "pro").await;
     let key = created.json()["api_key"].as_str().unwrap().to_owned();
     let worker = tollgate_tests::api::StandInWorker::start(
         Arc::clone(&source),
@@ -470,32 +433,10 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
         "[operations.\"llm.structured\"]\ndeadline = \"5s\"\n",
     );
     std::fs::write(&config, format!("hold_grace = \"1s\"\n{text}")).unwrap();
-    let _mock = Process::start(
-        &[
-            "mock-provider",
-            "--listen",
-            &mock_addr,
-            "--rate",
-            "1000",
-            "--burst",
-            "100",
-        ],
-        &redis,
-        &prefix,
-        &config,
-    );
-    let _throttler = Process::start(&["throttler"], &redis, &prefix, &config);
-    let _worker = Process::start(&["worker"], &redis, &prefix, &config);
-    let mut doomed = ApiProcess::start(&redis, &prefix, &config).await;
+    let _roles = backend_roles(&redis, &prefix, &config, &mock_addr);
+    let doomed = ApiProcess::start(&redis, &prefix, &config).await;
     let survivor = ApiProcess::start(&redis, &prefix, &config).await;
-    let created = http::json(
-        survivor.addr,
-        "POST",
-        "/admin/users",
-        Some(ADMIN),
-        Some(&json!({"user": "kim", "plan": "pro"})),
-    )
-    .await;
+    let created = http::create_user(survivor.addr, ADMIN, "kim", "pro").await;
     let key = created.json()["api_key"].as_str().unwrap().to_owned();
 
     let mut calls = tokio::task::JoinSet::new();
@@ -531,8 +472,7 @@ async fn killed_api_pod_leaves_no_charge_without_a_job() {
         });
     }
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let _ = doomed.child.kill(); // SIGKILL
-    let _ = doomed.child.wait();
+    drop(doomed); // SIGKILL
     while calls.join_next().await.is_some() {}
 
     // Jobs finish (3 s of llm throttle at most); a charge the dead pod took

@@ -10,21 +10,11 @@ use axum::http::{HeaderName, StatusCode};
 use tollgate_api::abuse::{FAILURE_BURST, FAILURE_INTERVAL};
 use tollgate_api::keycache::KEY_TTL;
 use tollgate_api::{problem::ProblemType, state::Settings};
-use tollgate_tests::{random_prefix, RedisServer};
 
-use crate::api::{redis_source, redis_state, settings, Harness};
+use crate::api::{settings, Harness};
 
 async fn harness(settings: Settings) -> Harness {
-    let server = RedisServer::start();
-    let state = redis_state(&server.url(), &random_prefix(), settings).await;
-    let source = redis_source(&server.url(), &state).await;
-    Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source,
-        redis: Some(server),
-        _cluster: None,
-    }
+    Harness::redis(settings).await
 }
 
 fn behind_proxy() -> Settings {
@@ -36,29 +26,9 @@ fn behind_proxy() -> Settings {
 
 /// Commands Redis has run, per command name (INFO commandstats), INFO excluded.
 fn commands(h: &Harness) -> std::collections::BTreeMap<String, u64> {
-    let url = h.redis.as_ref().unwrap().url();
-    let mut conn = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut conn)
-        .unwrap();
-    info.lines()
-        .filter_map(|l| l.strip_prefix("cmdstat_"))
-        .filter_map(|l| {
-            let (name, rest) = l.split_once(':')?;
-            let calls = rest
-                .strip_prefix("calls=")?
-                .split(',')
-                .next()?
-                .parse()
-                .ok()?;
-            Some((name.to_owned(), calls))
-        })
-        .filter(|(name, _)| name != "info")
-        .collect()
+    let mut calls = tollgate_tests::redis_info::command_calls(&h.redis.as_ref().unwrap().url());
+    calls.remove("info");
+    calls
 }
 
 fn total(stats: &std::collections::BTreeMap<String, u64>) -> u64 {

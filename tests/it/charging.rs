@@ -25,7 +25,7 @@ use tollgate_tests::api::ApiServer;
 use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::RedisServer;
 
-use crate::api::{redis_source, redis_state, settings, Harness};
+use crate::api::{settings, Harness};
 
 on_each_backend!(
     [
@@ -147,15 +147,7 @@ async fn a_failed_job_retried_with_its_key_is_charged_again_and_runs(h: Harness)
 async fn a_lost_reply_is_not_taken_as_a_failure() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).await;
-    let state = redis_state(&proxy.url(), &tollgate_tests::random_prefix(), settings()).await;
-    let source = redis_source(&server.url(), &state).await;
-    let h = Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source,
-        redis: Some(server),
-        _cluster: None,
-    };
+    let h = Harness::redis_via(&proxy.url(), server, settings()).await;
     let key = h.user("lou", "free").await;
     let worker = h.worker(0.0);
     let call = |idem: &'static str| {
@@ -369,14 +361,7 @@ impl Drop for Role {
 }
 
 async fn up(addr: std::net::SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !matches!(
-        tollgate_tests::http::send(addr, "GET", "/readyz", &[], b"").await,
-        Ok(r) if r.status == 200
-    ) {
-        assert!(Instant::now() < deadline, "no api on {addr}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    tollgate_tests::http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
 }
 
 /// Pod clocks never decide a charge or a job's deadline: with one api process
@@ -403,16 +388,7 @@ async fn pods_with_skewed_clocks_decide_nothing() {
     let _worker = Role::start(&["worker"], &redis, &prefix, Some("+1h"));
     up(addrs[0]).await;
     up(addrs[1]).await;
-    let created = tollgate_tests::http::json(
-        addrs[0],
-        "POST",
-        "/admin/users",
-        Some(crate::api::ADMIN),
-        Some(&json!({"user": "skew", "plan": "free"})),
-    )
-    .await;
-    assert_eq!(created.status, 201, "{}", created.text());
-    let key = created.json()["api_key"].as_str().unwrap().to_owned();
+    let key = tollgate_tests::http::user_key(addrs[0], crate::api::ADMIN, "skew", "free").await;
     for i in 0..20 {
         let r = tollgate_tests::http::json(
             addrs[i % 2],

@@ -3,6 +3,7 @@
 
 use std::process::{Command, Output};
 
+use tollgate_tests::jobs::take_one;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 struct Cli {
@@ -235,14 +236,8 @@ fn bad_input_is_exit_2_with_one_line() {
 #[test]
 fn config_errors_name_the_key() {
     let cli = Cli::new();
-    let dir = std::env::temp_dir().join(format!("tollgate-cli-{}", random_prefix()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let good = dir.join("good.toml");
-    std::fs::write(
-        &good,
-        "default_plan = \"tiny\"\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n",
-    )
-    .unwrap();
+    let good = "default_plan = \"tiny\"\n[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n";
+    let (dir, good) = tollgate_tests::temp_file("cli", "good.toml", good).unwrap();
     let v = cli.json(
         &["--config", good.to_str().unwrap(), "usage", "--user", "c"],
         0,
@@ -377,16 +372,8 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
         service_key: None,
     };
     let take = || async {
-        let lease = queue
-            .take(
-                "company.research",
-                "w",
-                Duration::from_millis(200),
-                Duration::from_secs(30),
-            )
-            .await
-            .unwrap()
-            .expect("a queued job");
+        let wait = Duration::from_millis(200);
+        let lease = take_one(&*queue, "company.research", "w", wait).await;
         let claimed = queue.start(&lease).await.unwrap();
         (lease, claimed)
     };

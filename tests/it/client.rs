@@ -4,14 +4,13 @@
 //! submission is waited for; a 503 while Redis restarts under a running call
 //! is retried with the call's Idempotency-Key, and the call is charged once.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
-use sha2::{Digest, Sha256};
 use tollgate_client::{Client, Outcome, RetryPolicy};
-use tollgate_tests::process::{banner_value, spawn_reading, Procs};
+use tollgate_tests::jobs::idempotent_job_id as job_id_of;
+use tollgate_tests::process::{banner_value, spawn_all, Procs};
 use tollgate_tests::upstream::Upstream;
 use tollgate_tests::{random_prefix, RedisServer};
 
@@ -57,18 +56,7 @@ impl Tollgate {
         let path = dir.join("client.toml");
         std::fs::write(&path, config).unwrap();
         let url = redis.map(RedisServer::url);
-        let prefix = random_prefix();
-        let mut args = vec![
-            "all",
-            "--listen",
-            "127.0.0.1:0",
-            "--config",
-            path.to_str().unwrap(),
-        ];
-        if let Some(url) = &url {
-            args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
-        }
-        let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
+        let (child, lines) = spawn_all(&path, url.as_deref(), &random_prefix());
         Self {
             base: banner_value(&lines, "listening on "),
             key: banner_value(&lines, "Bearer "),
@@ -87,19 +75,6 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64
-}
-
-/// The job id tollgate makes of a user's Idempotency-Key.
-fn job_id_of(user: &str, key: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(user.as_bytes());
-    h.update([0]);
-    h.update(key.as_bytes());
-    let hex: String = h.finalize()[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("idem-{hex}")
 }
 
 on_each_backend!(
@@ -249,9 +224,7 @@ async fn a_saturated_provider_is_retried_then_provider_busy(redis: bool) {
 /// that sent a new key on the retry would queue a second job and spend 16.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_503_during_a_redis_restart_is_retried_with_the_same_key_and_charged_once() {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .unwrap();
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
     let tg = Tollgate::start(Some(&server), Some(&upstream.url()));
     let client = Client::builder(&tg.base, &tg.key)

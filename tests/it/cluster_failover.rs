@@ -206,24 +206,12 @@ async fn cluster_a_primary_killed_under_load_loses_nothing_it_promised() {
     }
     let deadline = Instant::now() + Duration::from_secs(20);
     for a in &apis {
-        while !matches!(tollgate_tests::http::send(*a, "GET", "/readyz", &[], b"").await, Ok(r) if r.status == 200)
-        {
-            assert!(Instant::now() < deadline, "api {a} not ready");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        tollgate_tests::http::wait_ready(*a, deadline).await;
     }
     let mut keys = BTreeMap::new();
     for u in &users {
-        let r = tollgate_tests::http::json(
-            apis[0],
-            "POST",
-            "/admin/users",
-            Some(crate::api::ADMIN),
-            Some(&json!({"user": u, "plan": "free"})),
-        )
-        .await;
-        assert_eq!(r.status, 201, "{}", r.text());
-        keys.insert(u.clone(), r.json()["api_key"].as_str().unwrap().to_owned());
+        let key = tollgate_tests::http::user_key(apis[0], crate::api::ADMIN, u, "free").await;
+        keys.insert(u.clone(), key);
     }
 
     // The load: 8 rounds of one async call per user per api, the primary
@@ -234,12 +222,7 @@ async fn cluster_a_primary_killed_under_load_loses_nothing_it_promised() {
         if round == 3 {
             cluster.kill_node(victim);
             // Its replica takes over within a few node timeouts.
-            let live = cluster
-                .nodes
-                .iter()
-                .map(|n| n.port())
-                .find(|p| *p != victim)
-                .unwrap();
+            let live = cluster.node_other_than(victim);
             let hot_key = format!("{prefix}:v1:{{u:{hot}}}:events");
             let promoted = Instant::now() + Duration::from_secs(30);
             while primary_of(live, &hot_key).is_none_or(|p| p == victim) {

@@ -23,6 +23,7 @@ use tollgate_redis::{
     pool::{Pool, PoolOptions},
     throttle::{Dispatcher, RedisThrottle, RedisThrottleOptions},
 };
+use tollgate_tests::jobs::take_one;
 use tollgate_tests::{random_prefix, RedisCluster};
 
 use crate::cluster_failover::{primary_of, redis_cli, replicated};
@@ -194,16 +195,7 @@ async fn cluster_readiness_signals_are_sharded_on_the_owning_primaries() {
     };
     // The waiter is subscribed before the job ends.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let lease = q
-        .take(
-            "work",
-            "w1",
-            Duration::from_secs(5),
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap()
-        .expect("the job");
+    let lease = take_one(&*q, "work", "w1", Duration::from_secs(5)).await;
     assert!(q.start(&lease).await.unwrap());
     q.complete(&lease, json!({"ok": true})).await.unwrap();
     let info = waiter.await.unwrap().unwrap().expect("the job");
@@ -270,12 +262,7 @@ async fn cluster_a_waiter_gets_its_grant_after_its_providers_primary_fails_over(
     let victim = primary_of(via, &bucket_key).expect("a primary");
     replicated(victim).await;
     cluster.kill_node(victim);
-    let live = cluster
-        .nodes
-        .iter()
-        .map(|n| n.port())
-        .find(|p| *p != victim)
-        .unwrap();
+    let live = cluster.node_other_than(victim);
     let promoted = Instant::now() + Duration::from_secs(30);
     let new_primary = loop {
         match primary_of(live, &bucket_key) {

@@ -7,7 +7,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use std::sync::Arc;
 
 use tollgate_core::{config::Config, ledger::Ledger};
-use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, RedisServer};
 
 use crate::ledger::user;
@@ -50,14 +49,8 @@ async fn processes_sharing_one_redis_admit_exactly_125() {
     assert_eq!((allowed, denied), (125, 3200 - 125));
     // The ledger agrees: exactly the limit, one event per admitted reserve.
     // (With the built-in config the load processes used: free = 1000 / 12h.)
-    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
-        .await
-        .unwrap();
-    let ledger = RedisLedger::new(
-        pool,
-        KeySpace::new(&prefix).unwrap(),
-        Arc::new(Config::builtin()),
-    );
+    let config = Arc::new(Config::builtin());
+    let ledger = tollgate_tests::redis_ledger(&server.url(), &prefix, config).await;
     let usage = ledger.usage(&user("hot")).await.unwrap();
     let events = tollgate_tests::all_events(&ledger, &user("hot"))
         .await

@@ -4,7 +4,7 @@
 //! reads, the same on both backends.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,15 +82,8 @@ async fn calls(http: &reqwest::Client, all: &All, n: usize) -> Vec<String> {
 /// chromedriver on a free port, killed on drop. It must be installed: a test
 /// that cannot run fails and says why.
 struct Driver {
-    child: Child,
+    _procs: Procs,
     url: String,
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn chromedriver() -> Driver {
@@ -108,7 +101,7 @@ fn chromedriver() -> Driver {
             )
         });
     let driver = Driver {
-        child,
+        _procs: Procs(vec![child]),
         url: format!("http://127.0.0.1:{port}"),
     };
     let deadline = Instant::now() + Duration::from_secs(30);

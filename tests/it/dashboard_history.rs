@@ -14,6 +14,7 @@ use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::JobRequest;
 use tollgate_redis::keys::KeySpace;
 use tollgate_redis::pool::PoolOptions;
+use tollgate_tests::jobs::take_one;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
 async fn redis_backends(url: &str, prefix: &str) -> Backends {
@@ -219,17 +220,7 @@ async fn timelines_are_noted(b: Backends) {
         matches!(submitted, tollgate_core::job::SubmitOutcome::Queued { .. }),
         "{submitted:?}"
     );
-    let lease = b
-        .source
-        .take(
-            "llm.structured",
-            "w-1",
-            Duration::from_secs(5),
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap()
-        .expect("the job is taken");
+    let lease = take_one(&*b.source, "llm.structured", "w-1", Duration::from_secs(5)).await;
     assert!(b.source.start(&lease).await.unwrap());
     let provider = lease.job.provider.clone();
     let waiter = tollgate_core::throttle::Waiter {

@@ -8,12 +8,13 @@
 //! stores keep the same rules on memory, Redis and a Redis Cluster.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tollgate_core::session::{NewSession, Role, SessionId, SessionLimits, SessionStore};
 use tollgate_tests::http::{self, Response};
+use tollgate_tests::process::{run_until, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::api::ADMIN;
@@ -22,43 +23,24 @@ const VIEWER: &str = "viewer-token-for-tests-0123456789";
 
 /// A `tollgate api` pod, killed on drop.
 struct Pod {
-    child: Child,
+    _procs: Procs,
     addr: SocketAddr,
 }
 
-impl Drop for Pod {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 async fn pod(redis: &RedisServer, prefix: &str, env: &[(&str, &str)]) -> Pod {
-    let port = tollgate_tests::redis_server::free_port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut cmd = Command::new(workspace_bin("tollgate"));
-    cmd.arg("api")
-        .env("TOLLGATE_LISTEN", addr.to_string())
-        .env("TOLLGATE_REDIS_URL", redis.url())
-        .env("TOLLGATE_KEY_PREFIX", prefix)
-        .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
+    let (mut cmd, addr) = tollgate_tests::process::api_command(&redis.url(), prefix);
+    cmd.env("TOLLGATE_ADMIN_TOKEN", ADMIN)
         .env("TOLLGATE_VIEWER_TOKEN", VIEWER)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
         .stdout(Stdio::null());
     for (k, v) in env {
         cmd.env(k, v);
     }
     let child = cmd.spawn().expect("start tollgate api");
-    let pod = Pod { child, addr };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !matches!(http::send(addr, "GET", "/readyz", &[], b"").await, Ok(r) if r.status == 200) {
-        assert!(
-            Instant::now() < deadline,
-            "tollgate api did not come up on {addr}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let pod = Pod {
+        _procs: Procs(vec![child]),
+        addr,
+    };
+    http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
     pod
 }
 
@@ -526,31 +508,15 @@ fn bad_viewer_tokens_are_refused_at_start() {
         ("all", ADMIN),
         ("all", "short"),
     ] {
-        let mut child = Command::new(workspace_bin("tollgate"))
-            .args([role, "--listen", "127.0.0.1:0"])
+        let mut cmd = Command::new(workspace_bin("tollgate"));
+        cmd.args([role, "--listen", "127.0.0.1:0"])
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env("TOLLGATE_VIEWER_TOKEN", viewer)
             .env("TOLLGATE_REDIS_URL", "redis://127.0.0.1:1/")
-            .env_remove("TOLLGATE_CONFIG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("tollgate {role} started with viewer token {viewer:?}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let mut stderr = String::new();
-        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+            .env_remove("TOLLGATE_CONFIG");
+        let (status, stderr) = run_until(&mut cmd, Instant::now() + Duration::from_secs(10));
+        let status = status
+            .unwrap_or_else(|| panic!("tollgate {role} started with viewer token {viewer:?}"));
         assert!(!status.success(), "{role} {viewer:?}: {stderr}");
         assert!(
             stderr.contains("TOLLGATE_VIEWER_TOKEN"),

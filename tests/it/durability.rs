@@ -6,7 +6,7 @@
 //! accepting writes (WAIT), else 503 — on a primary with a replica and on the
 //! test cluster.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
@@ -212,30 +212,15 @@ async fn a_hidden_config_command_is_unknown_and_fails_closed_in_fsync_mode() {
 #[test]
 fn a_role_in_fsync_mode_refuses_to_start_on_everysec() {
     let server = RedisServer::start_with(&EVERYSEC);
-    let mut child = Command::new(workspace_bin("tollgate"))
-        .args(["worker", "--durability", "fsync"])
+    let mut cmd = Command::new(workspace_bin("tollgate"));
+    cmd.args(["worker", "--durability", "fsync"])
         .env("TOLLGATE_REDIS_URL", server.url())
         .env("TOLLGATE_KEY_PREFIX", random_prefix())
-        .env_remove("TOLLGATE_CONFIG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .env_remove("TOLLGATE_CONFIG");
     // Bounded so that a role that waits instead fails the test, not hangs it.
     let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the worker kept waiting instead of refusing to start");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (status, err) = tollgate_tests::process::run_until(&mut cmd, deadline);
+    let status = status.expect("the worker kept waiting instead of refusing to start");
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(err.contains("appendfsync everysec"), "{err}");
     assert!(err.contains("--durability none"), "{err}");

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
-use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{http, random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::process::{api_command, command, spawn_reading, Procs};
+use tollgate_tests::redis_info::command_calls;
+use tollgate_tests::{http, random_prefix, RedisServer};
 
 const ADMIN: &str = "edge-keys-admin-token-0123456789";
 
@@ -25,48 +26,23 @@ struct Api {
 
 impl Api {
     async fn start(redis: &RedisServer, prefix: &str, env: &[(&str, &str)]) -> Self {
-        let port = tollgate_tests::redis_server::free_port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = Command::new(workspace_bin("tollgate"))
-            .arg("api")
-            .env("TOLLGATE_LISTEN", addr.to_string())
-            .env("TOLLGATE_REDIS_URL", redis.url())
-            .env("TOLLGATE_KEY_PREFIX", prefix)
+        let (mut api, addr) = api_command(&redis.url(), prefix);
+        let child = api
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env_remove("TOLLGATE_CONFIG")
-            .env("RUST_LOG", "warn")
             // No dashboard history sampler: these tests count Redis commands
             // (its sample, every 10 s, reads counters with HMGET).
             .env("TOLLGATE_HISTORY_INTERVAL_MS", "0")
             .envs(env.iter().copied())
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
             .expect("start tollgate api");
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Ok(r) = http::send(addr, "GET", "/readyz", &[], b"").await {
-                if r.status == 200 {
-                    break;
-                }
-            }
-            assert!(Instant::now() < deadline, "tollgate api did not come up");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
         Self { child, addr }
     }
 
     async fn user(&self, name: &str) -> String {
-        let r = http::json(
-            self.addr,
-            "POST",
-            "/admin/users",
-            Some(ADMIN),
-            Some(&json!({"user": name, "plan": "free"})),
-        )
-        .await;
-        assert_eq!(r.status, 201, "{}", r.text());
-        r.json()["api_key"].as_str().unwrap().to_owned()
+        http::user_key(self.addr, ADMIN, name, "free").await
     }
 
     async fn usage(&self, key: &str) -> http::Response {
@@ -92,41 +68,18 @@ impl Drop for Api {
 
 /// Calls Redis has run of `command` (INFO commandstats).
 fn calls(redis: &RedisServer, command: &str) -> u64 {
-    let mut conn = redis::Client::open(redis.url().as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut conn)
-        .unwrap();
-    let needle = format!("cmdstat_{command}:calls=");
-    info.lines()
-        .find_map(|l| l.strip_prefix(needle.as_str()))
-        .and_then(|rest| rest.split(',').next()?.parse().ok())
+    command_calls(&redis.url())
+        .get(command)
+        .copied()
         .unwrap_or(0)
 }
 
 /// Commands Redis has run, INFO's own left out.
 fn all_calls(redis: &RedisServer) -> u64 {
-    let mut conn = redis::Client::open(redis.url().as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut conn)
-        .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
+    command_calls(&redis.url())
+        .iter()
+        .filter(|(name, _)| *name != "info")
+        .map(|(_, calls)| calls)
         .sum()
 }
 
@@ -566,15 +519,12 @@ async fn bad_settings_are_refused_at_start() {
     ];
     for (env, named) in cases {
         let started = Instant::now();
-        let mut child = Command::new(workspace_bin("tollgate"))
-            .arg("api")
+        let mut child = command(&["api"])
             .env("TOLLGATE_LISTEN", "127.0.0.1:0")
             .env("TOLLGATE_REDIS_URL", redis.url())
             .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
             .env_remove("TOLLGATE_CONFIG")
-            .env("RUST_LOG", "warn")
             .envs(env.iter().copied())
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -603,14 +553,11 @@ async fn bad_settings_are_refused_at_start() {
     }
 
     // The compose file's default token: the api starts, and says so loudly.
-    let mut child = Command::new(workspace_bin("tollgate"))
-        .arg("api")
+    let mut child = command(&["api"])
         .env("TOLLGATE_LISTEN", "127.0.0.1:0")
         .env("TOLLGATE_REDIS_URL", redis.url())
         .env("TOLLGATE_ADMIN_TOKEN", "dev-admin-token-change-me")
         .env_remove("TOLLGATE_CONFIG")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

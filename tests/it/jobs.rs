@@ -1049,19 +1049,7 @@ path = "/v1/work"
     let metrics = Arc::new(tollgate_core::metrics::Metrics::new(&config));
     let providers = tollgate_providers::from_config(&config, throttle, &metrics).unwrap();
     let p = &providers["p"];
-    let job = |id: &str| tollgate_core::job::Job {
-        id: rid(id),
-        user: user("u"),
-        operation: "work".into(),
-        provider: "p".into(),
-        input: json!({ "q": id }),
-        cost: 1,
-        enqueued_at_ms: 0,
-        deadline_ms: u64::MAX,
-        attempt: 1,
-        nonce: "n".into(),
-        trace: None,
-    };
+    let job = |id: &str| tollgate_tests::jobs::job(id, "u", "work", "p", json!({ "q": id }));
     let first = p.call(&job("h1")).await.unwrap();
     assert_eq!(first["echo"], json!({ "q": "h1" }));
     assert_eq!(first["path"], json!("/v1/work"));

@@ -16,7 +16,7 @@ use tollgate_core::{
     ledger::Ledger,
 };
 use tollgate_redis::jobs::RedisJobQueue;
-use tollgate_tests::process::Procs;
+use tollgate_tests::process::{command, Procs};
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
 use crate::jobs::{inject_malformed, redis_queue};
@@ -179,28 +179,7 @@ async fn wait_all(
     ids: &[RequestId],
     within: Duration,
 ) -> (Vec<RequestId>, Vec<(RequestId, FailureCause)>) {
-    let deadline = Instant::now() + within;
-    loop {
-        let mut ok = Vec::new();
-        let mut failed = Vec::new();
-        let mut open = 0;
-        for id in ids {
-            match q.status(&user(), id).await.unwrap().map(|i| i.status) {
-                Some(JobStatus::Succeeded { .. }) => ok.push(id.clone()),
-                Some(JobStatus::Failed { cause, .. }) => failed.push((id.clone(), cause)),
-                _ => open += 1,
-            }
-        }
-        if open == 0 {
-            return (ok, failed);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{open} of {} jobs not final within {within:?}",
-            ids.len()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    tollgate_tests::jobs::wait_final(&**q, &user(), ids, within).await
 }
 
 async fn used(ledger: &Arc<dyn Ledger>) -> u64 {
@@ -462,14 +441,9 @@ async fn job_processes_sigterm_hands_back_jobs_in_flight() {
 /// the key, with the bad-input exit code, before it touches Redis.
 #[test]
 fn job_cli_worker_rejects_a_bad_config() {
-    let dir = std::env::temp_dir().join(format!("tollgate-it-{}", random_prefix()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("bad.toml");
-    std::fs::write(
-        &path,
-        "[plans.free]\nlimit = 10\nwindow = \"1h\"\n[operations.x]\ncost = 1\nprovider = \"gpt\"\n",
-    )
-    .unwrap();
+    let bad =
+        "[plans.free]\nlimit = 10\nwindow = \"1h\"\n[operations.x]\ncost = 1\nprovider = \"gpt\"\n";
+    let (dir, path) = tollgate_tests::temp_file("it", "bad.toml", bad).unwrap();
     let out = Command::new(workspace_bin("tollgate"))
         .args(["worker", "--redis-url", "redis://127.0.0.1:1/"])
         .arg("--config")
@@ -492,20 +466,17 @@ async fn job_processes_a_worker_started_without_redis_waits_for_it() {
     let mut redis = RedisServer::start();
     let prefix = random_prefix();
     redis.stop();
-    let mut worker = Command::new(workspace_bin("tollgate"))
-        .args([
-            "worker",
-            "--redis-url",
-            &redis.url(),
-            "--key-prefix",
-            &prefix,
-        ])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut worker = command(&[
+        "worker",
+        "--redis-url",
+        &redis.url(),
+        "--key-prefix",
+        &prefix,
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(
         worker.try_wait().unwrap().is_none(),

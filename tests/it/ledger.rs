@@ -15,7 +15,7 @@ use tollgate_core::{
     },
 };
 use tollgate_memory::ledger::MemoryLedger;
-use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
+use tollgate_redis::ledger::RedisLedger;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
 /// The window of every plan in the suite: long enough that a loaded CI machine
@@ -120,10 +120,7 @@ impl RedisBackend {
 }
 
 pub async fn redis_ledger(url: &str, prefix: &str) -> RedisLedger {
-    let pool = tollgate_redis::pool::connect(url, &PoolOptions::default())
-        .await
-        .expect("connect to the test redis-server");
-    RedisLedger::new(pool, KeySpace::new(prefix).expect("prefix"), config())
+    tollgate_tests::redis_ledger(url, prefix, config()).await
 }
 
 impl Backend for RedisBackend {
@@ -140,14 +137,14 @@ impl Backend for RedisBackend {
     }
 }
 
-fn allowed(o: ReserveOutcome) -> tollgate_core::ledger::Allowed {
+pub fn allowed(o: ReserveOutcome) -> tollgate_core::ledger::Allowed {
     match o {
         ReserveOutcome::Allowed(a) => a,
         ReserveOutcome::Denied(d) => panic!("expected allowed, got {d:?}"),
     }
 }
 
-fn denied(o: ReserveOutcome) -> tollgate_core::ledger::Denied {
+pub fn denied(o: ReserveOutcome) -> tollgate_core::ledger::Denied {
     match o {
         ReserveOutcome::Denied(d) => d,
         ReserveOutcome::Allowed(a) => panic!("expected denied, got {a:?}"),

@@ -102,11 +102,7 @@ fn exposed(text: &str, into: &mut BTreeSet<String>) {
 }
 
 fn client() -> reqwest::Client {
-    tollgate_providers::http::install_crypto_provider();
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap()
+    tollgate_tests::http::reqwest_client(Duration::from_secs(10))
 }
 
 /// GET `url` until it answers `status` (at most 30 s); returns the last body.

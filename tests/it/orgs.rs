@@ -18,8 +18,10 @@ use tollgate_core::{
     },
 };
 use tollgate_memory::ledger::MemoryLedger;
-use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
+use tollgate_redis::ledger::RedisLedger;
 use tollgate_tests::{random_prefix, RedisServer, TestCluster};
+
+use crate::ledger::{allowed, denied};
 
 const WINDOW: Duration = Duration::from_millis(1500);
 
@@ -121,10 +123,7 @@ impl Redis {
     }
 
     async fn ledger(&self) -> RedisLedger {
-        let pool = tollgate_redis::pool::connect(&self.url, &PoolOptions::default())
-            .await
-            .expect("connect to the test Redis");
-        RedisLedger::new(pool, KeySpace::new(&self.prefix).unwrap(), config())
+        tollgate_tests::redis_ledger(&self.url, &self.prefix, config()).await
     }
 }
 
@@ -134,20 +133,6 @@ impl Backend for Redis {
     }
     async fn pass(&self, d: Duration) {
         tokio::time::sleep(d + Duration::from_millis(5)).await;
-    }
-}
-
-fn allowed(o: ReserveOutcome) -> tollgate_core::ledger::Allowed {
-    match o {
-        ReserveOutcome::Allowed(a) => a,
-        ReserveOutcome::Denied(d) => panic!("expected allowed, got {d:?}"),
-    }
-}
-
-fn denied(o: ReserveOutcome) -> tollgate_core::ledger::Denied {
-    match o {
-        ReserveOutcome::Denied(d) => d,
-        ReserveOutcome::Allowed(a) => panic!("expected denied, got {a:?}"),
     }
 }
 

@@ -7,7 +7,6 @@
 //! as a success (3 upstream calls for 0 tokens after a timeout; a deadline
 //! that abandoned a call the upstream answered; 2xx bodies it could not parse).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -91,9 +90,7 @@ impl Stage {
 
     /// `more` adds config text that needs the upstream's URL.
     async fn start_with(redis: bool, extra: &str, more: impl Fn(&str) -> String) -> Self {
-        let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-            .await
-            .unwrap();
+        let upstream = Upstream::unlimited(Duration::ZERO).await;
         let extra = format!("{extra}\n{}", more(&upstream.url()));
         let config = config(&upstream.url(), &extra);
         let (backends, server) = if redis {

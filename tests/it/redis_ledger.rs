@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use redis::AsyncCommands;
 use tollgate_core::config::Config;
 use tollgate_core::ledger::{ClaimRequest, Ledger, LedgerError, ReserveOutcome};
-use tollgate_redis::{keys::KeySpace, ledger::RedisLedger};
+use tollgate_redis::keys::KeySpace;
 use tollgate_tests::{random_prefix, RedisServer};
 
 use crate::ledger::{config, redis_ledger, rid, user, CONFIG, WINDOW};
@@ -42,10 +42,7 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     let short = Arc::new(Config::parse(&text, "short").unwrap());
     assert_eq!(short.retention_ms(), WINDOW.as_millis() as u64);
     let prefix = random_prefix();
-    let pool = tollgate_redis::pool::connect(&server.url(), &Default::default())
-        .await
-        .unwrap();
-    let ledger = RedisLedger::new(pool, KeySpace::new(&prefix).unwrap(), short);
+    let ledger = tollgate_tests::redis_ledger(&server.url(), &prefix, short).await;
     let u = user("idle");
     ledger.reserve(&u, &rid("r1"), 3).await.unwrap();
     ledger.set_plan(&u, "small").await.unwrap();
@@ -322,7 +319,7 @@ async fn events_of_the_previous_layout_are_moved_on_first_touch() {
         config::Config,
         ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, RefundOutcome},
     };
-    use tollgate_redis::{ledger::RedisLedger, pool::PoolOptions, scripts::PlanArgs};
+    use tollgate_redis::scripts::PlanArgs;
     const CONF: &str = r#"
 default_plan = "two"
 [plans.two]
@@ -337,14 +334,7 @@ limits = [{ limit = 1000000, window = "12h" }, { limit = 1000000, window = "1h" 
     // The ARGV tail as the scripts read it: no export, the one plan.
     let two = config.default_plan();
     let plan_args: Vec<String> = vec!["0".into(), two.name.clone(), PlanArgs::limits(two)];
-    let old_keys = [
-        &keys.events,
-        &keys.costs,
-        &keys.plan,
-        &keys.owners,
-        &keys.holds,
-        &keys.audit,
-    ];
+    let old_keys = tollgate_tests::previous_layout_keys(&keys);
     let reserve = redis::Script::new(&format!("{}\n{}", legacy::LIB, legacy::RESERVE));
     let charge = redis::Script::new(&format!("{}\n{}", legacy::LIB, legacy::CHARGE));
     // 2,100 plain reserves of cost 2, pipelined.
@@ -400,10 +390,7 @@ limits = [{ limit = 1000000, window = "12h" }, { limit = 1000000, window = "1h" 
     let times: Vec<(String, u64)> = conn.zrange_withscores(&keys.events, 0, -1).await.unwrap();
     assert_eq!(times.len(), 2102);
 
-    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
-        .await
-        .unwrap();
-    let ledger = RedisLedger::new(pool, KeySpace::new(&prefix).unwrap(), Arc::clone(&config));
+    let ledger = tollgate_tests::redis_ledger(&server.url(), &prefix, Arc::clone(&config)).await;
     let usage = ledger.usage(&u).await.unwrap();
     assert_eq!(usage.used, 4208, "{:?}", usage.windows);
     assert_eq!(
@@ -581,18 +568,11 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
         id::RequestId,
         ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome},
     };
-    use tollgate_redis::{ledger::RedisLedger, pool::PoolOptions};
     let config = Config::parse("[plans.big]\nlimit = 1000000\nwindow = \"12h\"\n", "mem");
     let server = RedisServer::start();
     let prefix = random_prefix();
-    let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
-        .await
-        .unwrap();
-    let ledger = RedisLedger::new(
-        pool,
-        KeySpace::new(&prefix).unwrap(),
-        Arc::new(config.unwrap()),
-    );
+    let ledger =
+        tollgate_tests::redis_ledger(&server.url(), &prefix, Arc::new(config.unwrap())).await;
     let mut conn = raw(&server).await;
     const N: usize = 2_000;
     for (name, charges, most) in [("mem-r", false, 70.0), ("mem-c", true, 120.0)] {

@@ -14,7 +14,7 @@ use tollgate_core::id::{RequestId, UserId};
 use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::{random_prefix, RedisServer};
 
-use crate::api::{redis_source, redis_state, settings, Harness, ADMIN};
+use crate::api::{settings, Harness, ADMIN};
 
 async fn harness(server: RedisServer) -> Harness {
     harness_via(&server.url(), server).await
@@ -22,15 +22,7 @@ async fn harness(server: RedisServer) -> Harness {
 
 /// The api reaches Redis at `url` (a proxy's); the worker side reaches it directly.
 async fn harness_via(url: &str, server: RedisServer) -> Harness {
-    let state = redis_state(url, &random_prefix(), settings()).await;
-    let source = redis_source(&server.url(), &state).await;
-    Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source,
-        redis: Some(server),
-        _cluster: None,
-    }
+    Harness::redis_via(url, server, settings()).await
 }
 
 /// Before the fix the pool handed out its idle connections as they were after a
@@ -51,14 +43,7 @@ async fn the_first_calls_after_a_redis_restart_succeed() {
         done.unwrap().unwrap();
     }
 
-    let mut server = h.redis.take().unwrap();
-    let server = tokio::task::spawn_blocking(move || {
-        server.restart();
-        server
-    })
-    .await
-    .unwrap();
-    h.redis = Some(server);
+    RedisServer::restart_in(&mut h.redis).await;
 
     // The restarted Redis is empty: recreate the user, then the first call of
     // each kind (readiness, a script, a plain read) must succeed.

@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use tollgate_tests::http::FetchJson;
 use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{random_prefix, workspace_bin, RedisCluster, RedisServer};
+use tollgate_tests::{random_prefix, RedisCluster, RedisServer};
 
 /// A CA, a server certificate for 127.0.0.1 and localhost signed by it, a
 /// client certificate signed by it, and a second CA that signed nothing here.
@@ -169,23 +170,14 @@ fn usage_of_u(url: &str, ca: &str) -> Vec<String> {
 
 /// `tollgate <args>` run to its end: exit code and stderr.
 fn run(args: &[String]) -> (Option<i32>, String) {
-    let mut child = Command::new(workspace_bin("tollgate"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
+    let mut child = tollgate_tests::process::command(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     // Bounded: a TLS failure must not hang the command.
-    for _ in 0..300 {
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    if child.try_wait().unwrap().is_none() {
-        let _ = child.kill();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    if tollgate_tests::process::exit_by(&mut child, deadline).is_none() {
         panic!("tollgate {args:?} did not end within 15 s");
     }
     let out = child.wait_with_output().unwrap();
@@ -242,12 +234,8 @@ fn one_call_over(url: &str, ca: &str) -> String {
             .post(format!("{base}/admin/users"))
             .bearer_auth("tls-admin-token-0123456789")
             .json(&serde_json::json!({ "user": "tls-user" }))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+            .fetch_json()
+            .await;
         let key = created["api_key"].as_str().unwrap().to_owned();
         let resp = http
             .post(format!("{base}/v1/ops/embeddings"))

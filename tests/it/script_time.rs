@@ -97,18 +97,7 @@ async fn quick<T>(
     what: &str,
     mut scenario: impl AsyncFnMut(&mut Fixture, usize) -> (T, String),
 ) -> T {
-    let mut seen = Vec::new();
-    for attempt in 0..3 {
-        let (out, slow) = scenario(f, attempt).await;
-        if slow.is_empty() {
-            return out;
-        }
-        seen.push(slow);
-    }
-    panic!(
-        "{what} held Redis past 5 ms in three tries: {}",
-        seen.join(" | ")
-    );
+    slowlog::quick_in_three_tries(what, async |attempt| scenario(f, attempt).await).await
 }
 
 /// A log entry as XRANGE answers it: its ID and its fields.

@@ -225,13 +225,7 @@ async fn a_service_key_charges_each_end_user_exactly_across_two_pods(pods: Pods)
     // issued a key to or called for is still unknown.
     let r = pods
         .a
-        .call(
-            "PUT",
-            "/admin/users/ana-svc/plan",
-            Some(ADMIN),
-            &[],
-            Some(json!({"plan": "pro"}).to_string()),
-        )
+        .put("/admin/users/ana-svc/plan", ADMIN, json!({"plan": "pro"}))
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     let u = pods
@@ -241,12 +235,10 @@ async fn a_service_key_charges_each_end_user_exactly_across_two_pods(pods: Pods)
     assert_eq!(u.body["plan"], "pro", "{}", u.body);
     let r = pods
         .a
-        .call(
-            "PUT",
+        .put(
             "/admin/users/nobody-svc/plan",
-            Some(ADMIN),
-            &[],
-            Some(json!({"plan": "pro"}).to_string()),
+            ADMIN,
+            json!({"plan": "pro"}),
         )
         .await;
     r.problem(ProblemType::NotFound);

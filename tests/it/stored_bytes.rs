@@ -7,13 +7,14 @@
 //! keeps no input). Before the bound, 300 such calls grew the keys by 20 MB,
 //! kept for an hour.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tollgate_tests::process::{banner_value, spawn_reading, Procs};
+use tollgate_tests::http::FetchJson;
+use tollgate_tests::process::{banner_value, spawn_all, Procs};
+use tollgate_tests::redis_info::memory_usage;
 use tollgate_tests::upstream::Upstream;
-use tollgate_tests::{random_prefix, RedisServer};
+use tollgate_tests::{random_prefix, temp_file, RedisServer};
 
 /// The plan's bound, and the flood: `calls()` calls of `PAD` bytes each.
 const BOUND: u64 = 1 << 20;
@@ -49,14 +50,7 @@ async fn keyspace(conn: &mut redis::aio::MultiplexedConnection, pattern: &str) -
         .unwrap();
     let mut total = 0;
     for k in keys {
-        let b: Option<i64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(conn)
-            .await
-            .unwrap();
+        let b: Option<i64> = memory_usage(conn, &k).await.unwrap();
         total += b.unwrap_or(0);
     }
     total
@@ -71,14 +65,7 @@ async fn job_records(conn: &mut redis::aio::MultiplexedConnection) -> (usize, i6
         .unwrap();
     let mut biggest = 0;
     for k in &keys {
-        let b: Option<i64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(conn)
-            .await
-            .unwrap();
+        let b: Option<i64> = memory_usage(conn, k).await.unwrap();
         biggest = biggest.max(b.unwrap_or(0));
     }
     (keys.len(), biggest)
@@ -86,18 +73,11 @@ async fn job_records(conn: &mut redis::aio::MultiplexedConnection) -> (usize, i6
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_refused_large_calls_grows_redis_by_at_most_the_users_bound() {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .unwrap();
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let redis = RedisServer::start();
-    let dir = std::env::temp_dir().join(format!("tollgate-stored-{}", random_prefix()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("stored.toml");
     // The provider serves 4 calls a second: the flood queues up behind it.
-    std::fs::write(
-        &config,
-        format!(
-            r#"
+    let text = format!(
+        r#"
 default_plan = "free"
 [plans.free]
 limit = 1000000
@@ -114,34 +94,16 @@ cost = 1
 provider = "up"
 deadline = "60s"
 "#,
-            upstream.url()
-        ),
-    )
-    .unwrap();
+        upstream.url()
+    );
+    let (dir, config) = temp_file("stored", "stored.toml", &text).unwrap();
     let prefix = random_prefix();
     let url = redis.url();
-    let (child, lines) = spawn_reading(
-        &[
-            "all",
-            "--listen",
-            "127.0.0.1:0",
-            "--config",
-            config.to_str().unwrap(),
-            "--redis-url",
-            &url,
-            "--key-prefix",
-            &prefix,
-        ],
-        |l| l.iter().any(|l| l.contains("/v1/usage")),
-    );
+    let (child, lines) = spawn_all(&config, Some(&url), &prefix);
     let _procs = Procs(vec![child]);
     let base = banner_value(&lines, "listening on ");
     let key = banner_value(&lines, "Bearer ");
-    tollgate_providers::http::install_crypto_provider();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
+    let http = tollgate_tests::http::reqwest_client(Duration::from_secs(60));
     let mut conn = redis::Client::open(url.as_str())
         .unwrap()
         .get_multiplexed_async_connection()
@@ -166,12 +128,8 @@ deadline = "60s"
             let v: Value = http
                 .get(format!("{base}/v1/usage"))
                 .bearer_auth(&key)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+                .fetch_json()
+                .await;
             v["used"].as_u64().unwrap()
         }
     };
@@ -256,12 +214,8 @@ deadline = "60s"
             let v: Value = http
                 .get(format!("{base}/v1/jobs/{id}"))
                 .bearer_auth(&key)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+                .fetch_json()
+                .await;
             if v["status"] == "failed" {
                 break;
             }

@@ -11,40 +11,20 @@
 //! presented as whole; the charge follows the outcome rules; every key a
 //! stream leaves in Redis expires within the stream's TTL.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tollgate_core::stream::STREAM_TTL;
-use tollgate_tests::process::{spawn_reading, Procs};
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::http::{reqwest_client, FetchJson};
+use tollgate_tests::process::{spawn_all, spawn_mock, Procs};
+use tollgate_tests::{random_prefix, RedisServer, TempDir};
 
 fn mock(args: &[&str]) -> (Child, String) {
-    let mut all = vec![
-        "mock-provider",
-        "--listen",
-        "127.0.0.1:0",
-        "--rate",
-        "1000",
-        "--burst",
-        "100",
-    ];
+    let mut all = vec!["--rate", "1000", "--burst", "100"];
     all.extend_from_slice(args);
-    let (child, lines) = spawn_reading(&all, |l| !l.is_empty());
-    let addr = lines[0]
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("mock said {lines:?}"))
-        .to_owned();
-    (child, format!("http://{addr}"))
-}
-
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    spawn_mock(&all)
 }
 
 struct System {
@@ -126,34 +106,19 @@ fn start_cluster(token_interval_ms: u64) -> (System, tollgate_tests::TestCluster
 fn start_on(redis: Option<&[&str]>, cluster: Option<String>, token_interval_ms: u64) -> System {
     let interval = token_interval_ms.to_string();
     let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
-    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-stream-{}", random_prefix())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = TempDir::new("stream");
     let path = dir.0.join("streaming.toml");
     std::fs::write(&path, config(&mock_url)).unwrap();
     let server = redis.map(RedisServer::start_with);
     let prefix = random_prefix();
     let url = server.as_ref().map(|s| s.url()).or(cluster);
-    let mut args = vec![
-        "all",
-        "--listen",
-        "127.0.0.1:0",
-        "--config",
-        path.to_str().unwrap(),
-    ];
-    if let Some(url) = &url {
-        args.extend_from_slice(&["--redis-url", url, "--key-prefix", &prefix]);
-    }
-    let (child, lines) = spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")));
+    let (child, lines) = spawn_all(&path, url.as_deref(), &prefix);
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
-    tollgate_providers::http::install_crypto_provider();
     System {
         base: find("listening on "),
         admin: find("admin token: "),
         mock: mock_url,
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .unwrap(),
+        http: reqwest_client(Duration::from_secs(60)),
         _dir: dir,
         _procs: Procs(vec![mock_child, child]),
         redis: server,
@@ -163,15 +128,13 @@ fn start_on(redis: Option<&[&str]>, cluster: Option<String>, token_interval_ms: 
 
 /// One role of a split deployment, on `url` with `prefix`.
 fn role(args: &[&str], config: &Path, url: &str, prefix: &str) -> Child {
-    Command::new(workspace_bin("tollgate"))
-        .args(args)
+    tollgate_tests::process::command(args)
         .arg("--config")
         .arg(config)
         .env("TOLLGATE_REDIS_URL", url)
         .env("TOLLGATE_KEY_PREFIX", prefix)
         .env("TOLLGATE_ADMIN_TOKEN", crate::api::ADMIN)
         .env("RUST_LOG", "error")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
@@ -187,8 +150,7 @@ async fn start_split(
 ) -> (System, Child, impl Fn() -> Child) {
     let interval = token_interval_ms.to_string();
     let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
-    let dir = TempDir(std::env::temp_dir().join(format!("tollgate-split-{}", random_prefix())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = TempDir::new("split");
     let path = dir.0.join("streaming.toml");
     std::fs::write(&path, config(&mock_url)).unwrap();
     let server = RedisServer::start();
@@ -202,15 +164,11 @@ async fn start_split(
         let (path, url, prefix) = (path.clone(), url.clone(), prefix.clone());
         move || role(&worker_args, &path, &url, &prefix)
     };
-    tollgate_providers::http::install_crypto_provider();
     let sys = System {
         base: format!("http://{addr}"),
         admin: crate::api::ADMIN.to_owned(),
         mock: mock_url,
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .unwrap(),
+        http: reqwest_client(Duration::from_secs(60)),
         _dir: dir,
         _procs: Procs(vec![mock_child, api, throttler]),
         redis: Some(server),
@@ -250,12 +208,8 @@ impl System {
             .http
             .get(format!("{}/v1/usage", self.base))
             .bearer_auth(key)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+            .fetch_json()
+            .await;
         v["used"].as_u64().unwrap()
     }
 
@@ -274,12 +228,8 @@ impl System {
     async fn mock_stats(&self) -> Value {
         self.http
             .get(format!("{}/stats", self.mock))
-            .send()
+            .fetch_json()
             .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
     }
 
     fn openai(&self, key: &str, path: &str) -> reqwest::RequestBuilder {
@@ -718,14 +668,7 @@ async fn streaming_redis_restarted_mid_stream() {
     );
     let key = sys.user("rex", "free").await;
     let (mut r, body) = long_stream(&sys, &key).await;
-    let mut server = sys.redis.take().unwrap();
-    let server = tokio::task::spawn_blocking(move || {
-        server.restart();
-        server
-    })
-    .await
-    .unwrap();
-    sys.redis = Some(server);
+    RedisServer::restart_in(&mut sys.redis).await;
     let sent = System::rest(&mut r, body).await;
     let words = vec!["w"; 60].join(" ");
     let whole = whole_or_clean_error(&sent, &format!("mock answer to: {words}"));

@@ -5,7 +5,6 @@
 //! the way in (the bucket had a token) and for one a throttler made (queued
 //! first).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -122,19 +121,8 @@ async fn stale_grant_is_handed_back(
         Arc::clone(&metrics),
     );
     let operation = if provider == "tempo" { "w" } else { "s" };
-    let job = Job {
-        id: rid(&format!("stale-{provider}")),
-        user: tollgate_core::id::UserId::new("u").expect("user"),
-        operation: operation.into(),
-        provider: provider.into(),
-        input: json!({ "q": 1 }),
-        cost: 1,
-        enqueued_at_ms: 0,
-        deadline_ms: u64::MAX,
-        attempt: 1,
-        nonce: "n".into(),
-        trace: None,
-    };
+    let id = format!("stale-{provider}");
+    let job = tollgate_tests::jobs::job(&id, "u", operation, provider, json!({ "q": 1 }));
     let answer = client
         .call(&job)
         .await
@@ -165,9 +153,7 @@ async fn stale_grant_is_handed_back(
 }
 
 async fn memory_case(provider: &str, queued: bool) {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let config = config(&upstream.url());
     let metrics = Arc::new(Metrics::new(&config));
     let throttle: Arc<dyn Throttle> =
@@ -176,9 +162,7 @@ async fn memory_case(provider: &str, queued: bool) {
 }
 
 async fn redis_case(provider: &str, queued: bool) {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let config = config(&upstream.url());
     let metrics = Arc::new(Metrics::new(&config));
     let setup = RedisSetup::start(

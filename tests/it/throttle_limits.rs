@@ -7,22 +7,22 @@
 //! in-memory throttle under the provider clients) and with real processes (a
 //! `tollgate throttler`, two `tollgate worker`s on one Redis).
 
-use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
-    job::{Job, JobQueue, JobRequest, JobStatus, SubmitOutcome},
+    job::Job,
     metrics::Metrics,
     throttle::Throttle,
 };
 use tollgate_memory::throttle::MemoryThrottle;
+use tollgate_tests::jobs::{submit_queued, wait_final};
+use tollgate_tests::process::{spawn_role, Procs};
 use tollgate_tests::upstream::{Arrival, Upstream};
-use tollgate_tests::{process::Procs, random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, temp_file, RedisServer};
 
 use crate::jobs::redis_queue;
 
@@ -120,9 +120,7 @@ fn check(arrivals: &[Arrival]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() {
-    let upstream = Upstream::start(HashMap::new(), Duration::from_millis(20))
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::from_millis(20)).await;
     let config = Config::parse(&config_text(&upstream.url()), "limits test").unwrap();
     let metrics = Arc::new(Metrics::new(&config));
     let throttle: Arc<dyn Throttle> =
@@ -167,81 +165,26 @@ async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() 
     );
 }
 
-fn role(server: &RedisServer, prefix: &str, config: &std::path::Path, args: &[&str]) -> Child {
-    Command::new(workspace_bin("tollgate"))
-        .args([
-            args[0],
-            "--redis-url",
-            &server.url(),
-            "--key-prefix",
-            prefix,
-        ])
-        .arg("--config")
-        .arg(config)
-        .args(&args[1..])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn tollgate")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_limits_across_processes_keep_every_window_and_use_the_binding_one() {
-    let upstream = Upstream::start(HashMap::new(), Duration::from_millis(20))
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::from_millis(20)).await;
     let server = RedisServer::start();
     let prefix = random_prefix();
-    let dir = std::env::temp_dir().join(format!("tollgate-it-{prefix}"));
-    std::fs::create_dir_all(&dir).unwrap();
     let text = config_text(&upstream.url());
-    let config_path = dir.join("limits.toml");
-    std::fs::write(&config_path, &text).unwrap();
+    let (dir, config_path) = temp_file("it", "limits.toml", &text).unwrap();
     let config = Arc::new(Config::parse(&text, "limits test").unwrap());
     let (q, _ledger) = redis_queue(&server, &prefix, Arc::clone(&config)).await;
     let user = UserId::new("pat").unwrap();
-    let mut ids = Vec::new();
-    for i in 0..CALLS {
-        let id = RequestId::new(format!("job-{i}")).unwrap();
-        let out = q
-            .submit(JobRequest {
-                id: id.clone(),
-                user: user.clone(),
-                operation: "call".into(),
-                input: input(i),
-                trace: None,
-                service_key: None,
-            })
-            .await
-            .unwrap();
-        assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
-        ids.push(id);
-    }
+    let ids = submit_queued(&*q, &user, "call", (0..CALLS).map(input)).await;
     // Every job queued before the roles start: the limits bind from the first.
     let worker = ["worker", "--concurrency", "16"];
     let _procs = Procs(vec![
-        role(&server, &prefix, &config_path, &["throttler"]),
-        role(&server, &prefix, &config_path, &worker),
-        role(&server, &prefix, &config_path, &worker),
+        spawn_role(&server.url(), &prefix, &config_path, &["throttler"]),
+        spawn_role(&server.url(), &prefix, &config_path, &worker),
+        spawn_role(&server.url(), &prefix, &config_path, &worker),
     ]);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let mut open = 0;
-        for id in &ids {
-            match q.status(&user, id).await.unwrap().map(|i| i.status) {
-                Some(JobStatus::Succeeded { .. }) => {}
-                Some(JobStatus::Failed { .. }) => panic!("job {id} failed"),
-                _ => open += 1,
-            }
-        }
-        if open == 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{open} jobs not done in 60 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let (_, failed) = wait_final(&*q, &user, &ids, Duration::from_secs(60)).await;
+    assert!(failed.is_empty(), "jobs failed: {failed:?}");
     check(&upstream.arrivals());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,12 +5,11 @@
 //! reaches the upstream during those 2 s, from any pod, and the rate is back
 //! afterwards. In process, three clients share the one bucket.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tollgate_core::{config::Config, id::UserId, job::Job, metrics::Metrics, throttle::Throttle};
+use tollgate_core::{config::Config, metrics::Metrics, throttle::Throttle};
 use tollgate_memory::throttle::MemoryThrottle;
 use tollgate_providers::{http::HttpTransport, Client, Retry, ThrottledClient};
 use tollgate_redis::{
@@ -21,7 +20,7 @@ use tollgate_redis::{
 use tollgate_tests::throttle::max_excess;
 use tollgate_tests::upstream::Upstream;
 
-use crate::throttle::{rid, RedisSetup};
+use crate::throttle::RedisSetup;
 
 /// `steady` as the conformance config has it (20/s, burst 5: the throttler
 /// role of [`RedisSetup`] serves it so), calling the recording upstream.
@@ -74,19 +73,8 @@ async fn load(
                 let mut n = 0;
                 while Instant::now() < until {
                     n += 1;
-                    let job = Job {
-                        id: rid(&format!("pod{pod}-l{l}-{n}")),
-                        user: UserId::new("u").expect("user"),
-                        operation: "w".into(),
-                        provider: "steady".into(),
-                        input: json!({ "n": n }),
-                        cost: 1,
-                        enqueued_at_ms: 0,
-                        deadline_ms: u64::MAX,
-                        attempt: 1,
-                        nonce: "n".into(),
-                        trace: None,
-                    };
+                    let id = format!("pod{pod}-l{l}-{n}");
+                    let job = tollgate_tests::jobs::job(&id, "u", "w", "steady", json!({ "n": n }));
                     let deadline = tokio::time::Instant::from_std(until);
                     // A throttle timeout or an expiry at the end is no failure here.
                     let _ = client.call_by(&job, Some(deadline)).await;
@@ -164,9 +152,7 @@ async fn refused_once_pauses_every_pod(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_pause_a_refusal_pauses_every_pod_memory() {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let config = config(&upstream.url());
     let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::new(&config));
     let throttles = vec![Arc::clone(&throttle); 3];
@@ -175,9 +161,7 @@ async fn throttle_pause_a_refusal_pauses_every_pod_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_pause_a_refusal_pauses_every_pod_redis() {
-    let upstream = Upstream::start(HashMap::new(), Duration::ZERO)
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::ZERO).await;
     let config = config(&upstream.url());
     let setup = RedisSetup::start(true, RedisThrottleOptions::default()).await;
     let mut throttles: Vec<Arc<dyn Throttle>> = Vec::new();

@@ -6,55 +6,30 @@
 //! slots are leased, and they come back within their lease (3 s after the last
 //! renewal), then every job ends.
 
-use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tollgate_core::{
     config::{Config, SLOT_LEASE},
-    id::{RequestId, UserId},
-    job::{JobQueue, JobRequest, JobStatus, SubmitOutcome},
+    id::UserId,
 };
+use tollgate_tests::jobs::{submit_queued, wait_final};
+use tollgate_tests::process::{spawn_role, Procs};
 use tollgate_tests::throttle::now_us;
 use tollgate_tests::upstream::Upstream;
-use tollgate_tests::{process::Procs, random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, temp_file, RedisServer};
 
 use crate::jobs::redis_queue;
 
 const SLOTS: usize = 3;
 const JOBS: usize = 24;
 
-fn role(server: &RedisServer, prefix: &str, config: &std::path::Path, args: &[&str]) -> Child {
-    Command::new(workspace_bin("tollgate"))
-        .args([
-            args[0],
-            "--redis-url",
-            &server.url(),
-            "--key-prefix",
-            prefix,
-        ])
-        .arg("--config")
-        .arg(config)
-        .args(&args[1..])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn tollgate")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_slots_a_killed_worker_gives_its_slots_back_within_their_lease() {
-    let upstream = Upstream::start(HashMap::new(), Duration::from_millis(400))
-        .await
-        .expect("upstream");
+    let upstream = Upstream::unlimited(Duration::from_millis(400)).await;
     let server = RedisServer::start();
     let prefix = random_prefix();
-    let dir = std::env::temp_dir().join(format!("tollgate-it-{prefix}"));
-    std::fs::create_dir_all(&dir).unwrap();
     let text = format!(
         r#"
 [plans.free]
@@ -75,59 +50,33 @@ path = "/llm"
 "#,
         upstream.url()
     );
-    let config_path = dir.join("slots.toml");
-    std::fs::write(&config_path, &text).unwrap();
+    let (dir, config_path) = temp_file("it", "slots.toml", &text).unwrap();
     let config = Arc::new(Config::parse(&text, "slots test").unwrap());
     let worker = ["worker", "--lease-ms", "1500", "--concurrency", "4"];
     let mut procs = Procs(vec![
-        role(&server, &prefix, &config_path, &["throttler"]),
-        role(&server, &prefix, &config_path, &worker),
+        spawn_role(&server.url(), &prefix, &config_path, &["throttler"]),
+        spawn_role(&server.url(), &prefix, &config_path, &worker),
     ]);
     let (q, _ledger) = redis_queue(&server, &prefix, Arc::clone(&config)).await;
     let user = UserId::new("pat").unwrap();
-    let mut ids = Vec::new();
-    for i in 0..JOBS {
-        let id = RequestId::new(format!("job-{i}")).unwrap();
-        let out = q
-            .submit(JobRequest {
-                id: id.clone(),
-                user: user.clone(),
-                operation: "call".into(),
-                input: json!({ "n": i }),
-                trace: None,
-                service_key: None,
-            })
-            .await
-            .unwrap();
-        assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
-        ids.push(id);
-    }
+    let inputs = (0..JOBS).map(|i| json!({ "n": i }));
+    let ids = submit_queued(&*q, &user, "call", inputs).await;
     // The first worker alone: it takes the 3 slots.
     let started = Instant::now();
     while upstream.arrivals().len() < SLOTS {
         assert!(started.elapsed() < Duration::from_secs(20), "no calls");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    procs.0.push(role(&server, &prefix, &config_path, &worker));
-    procs.0.push(role(&server, &prefix, &config_path, &worker));
+    procs
+        .0
+        .push(spawn_role(&server.url(), &prefix, &config_path, &worker));
+    procs
+        .0
+        .push(spawn_role(&server.url(), &prefix, &config_path, &worker));
     let _ = procs.0[1].kill(); // SIGKILL, its 3 calls in flight
     let _ = procs.0[1].wait();
     let killed_us = now_us();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let mut open = 0;
-        for id in &ids {
-            match q.status(&user, id).await.unwrap().map(|i| i.status) {
-                Some(JobStatus::Succeeded { .. } | JobStatus::Failed { .. }) => {}
-                _ => open += 1,
-            }
-        }
-        if open == 0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{open} jobs not final in 60 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_final(&*q, &user, &ids, Duration::from_secs(60)).await;
     let arrivals = upstream.arrivals();
     let most = arrivals.iter().map(|a| a.in_flight).max().unwrap_or(0);
     assert!(

@@ -95,24 +95,9 @@ async fn one_trace_id_from_request_to_provider() {
     );
     let worker = Role::start(&["worker"], &redis, &prefix, &config);
     let _throttler = Role::start(&["throttler"], &redis, &prefix, &config);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !matches!(
-        tollgate_tests::http::send(addr, "GET", "/readyz", &[], b"").await,
-        Ok(r) if r.status == 200
-    ) {
-        assert!(Instant::now() < deadline, "no api on {addr}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let created = tollgate_tests::http::json(
-        addr,
-        "POST",
-        "/admin/users",
-        Some(crate::api::ADMIN),
-        Some(&json!({"user": "tracer", "plan": "free"})),
-    )
-    .await;
-    assert_eq!(created.status, 201, "{}", created.text());
-    let key = format!("Bearer {}", created.json()["api_key"].as_str().unwrap());
+    tollgate_tests::http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;
+    let key = tollgate_tests::http::user_key(addr, crate::api::ADMIN, "tracer", "free").await;
+    let key = format!("Bearer {key}");
     let traceparent = format!("00-{TRACE_ID}-00f067aa0ba902b7-01");
     let body = json!({"prompt": "hi"}).to_string();
     let r = tokio::time::timeout(

@@ -5,19 +5,11 @@
 use std::sync::Arc;
 
 use tollgate_core::{
-    config::Config,
     id::UserId,
     ledger::{EventPage, Ledger},
 };
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts::PlanArgs};
 use tollgate_tests::{random_prefix, slowlog, RedisServer};
-
-const CONFIG: &str = r#"
-default_plan = "huge"
-[plans.huge]
-limit = 1000000000
-window = "12h"
-"#;
 
 const EVENTS: usize = 100_000;
 
@@ -27,7 +19,7 @@ static USER: std::sync::LazyLock<UserId> =
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_of_100k_live_events_never_holds_redis_past_5ms() {
     let server = RedisServer::start();
-    let config = Arc::new(Config::parse(CONFIG, "usage-slowlog").unwrap());
+    let config = tollgate_tests::one_plan_config("huge", 1_000_000_000, "12h");
     let prefix = random_prefix();
     let space = KeySpace::new(&prefix).unwrap();
     let pool = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
@@ -83,22 +75,15 @@ async fn quick(
     page: EventPage,
     what: &str,
 ) -> tollgate_core::ledger::Usage {
-    let mut seen = Vec::new();
-    for _ in 0..3 {
+    slowlog::quick_in_three_tries(what, async |_| {
         redis::cmd("SLOWLOG")
             .arg("RESET")
-            .exec_async(conn)
+            .exec_async(&mut *conn)
             .await
             .unwrap();
         let usage = ledger.usage_page(&USER, page).await.unwrap();
-        let (slow, text) = slowlog::over_limit(conn).await.unwrap();
-        if slow.is_empty() {
-            return usage;
-        }
-        seen.push(text);
-    }
-    panic!(
-        "{what} held Redis past 5 ms in three tries: {}",
-        seen.join(" | ")
-    );
+        let (slow, text) = slowlog::over_limit(&mut *conn).await.unwrap();
+        (usage, if slow.is_empty() { String::new() } else { text })
+    })
+    .await
 }

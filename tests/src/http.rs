@@ -3,8 +3,9 @@
 //! client-disconnect tests need and a full client library would hide.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -88,6 +89,63 @@ pub async fn json(
     .await
     .unwrap_or_else(|_| panic!("{method} {path}: no answer within 60s"))
     .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// `POST /admin/users` as `admin`: creates `user` on `plan`.
+pub async fn create_user(addr: SocketAddr, admin: &str, user: &str, plan: &str) -> Response {
+    let body = serde_json::json!({"user": user, "plan": plan});
+    json(addr, "POST", "/admin/users", Some(admin), Some(&body)).await
+}
+
+/// [`create_user`], which must answer 201: the new user's api key.
+pub async fn user_key(addr: SocketAddr, admin: &str, user: &str, plan: &str) -> String {
+    let created = create_user(addr, admin, user, plan).await;
+    assert_eq!(created.status, 201, "{}", created.text());
+    created.json()["api_key"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no api_key in {}", created.text()))
+        .to_owned()
+}
+
+/// Waits until `GET /readyz` on `addr` answers 200, polling every 50 ms;
+/// panics once `deadline` has passed first.
+pub async fn wait_ready(addr: SocketAddr, deadline: Instant) {
+    while !matches!(send(addr, "GET", "/readyz", &[], b"").await, Ok(r) if r.status == 200) {
+        assert!(
+            Instant::now() < deadline,
+            "tollgate api did not come up on {addr}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A `reqwest` client whose requests give up after `timeout`, with the
+/// process's TLS provider installed first.
+pub fn reqwest_client(timeout: Duration) -> reqwest::Client {
+    tollgate_providers::http::install_crypto_provider();
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .unwrap_or_else(|e| panic!("a reqwest client: {e}"))
+}
+
+/// A `reqwest` request sent and its body read as JSON, panicking on a
+/// transport error or a body that is not JSON (a failed test).
+pub trait FetchJson {
+    fn fetch_json(self) -> impl Future<Output = serde_json::Value> + Send;
+}
+
+impl FetchJson for reqwest::RequestBuilder {
+    async fn fetch_json(self) -> serde_json::Value {
+        let response = self
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("request failed: {e}"));
+        response
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("not a JSON body: {e}"))
+    }
 }
 
 fn parse(raw: &[u8]) -> std::io::Result<Response> {

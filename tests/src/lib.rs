@@ -4,9 +4,11 @@
 
 pub mod api;
 pub mod http;
+pub mod jobs;
 pub mod process;
 pub mod proxy;
 pub mod redis_cluster;
+pub mod redis_info;
 pub mod redis_server;
 pub mod slowlog;
 pub mod throttle;
@@ -17,6 +19,8 @@ pub use redis_server::RedisServer;
 
 use std::path::PathBuf;
 
+use tollgate_core::config::Config;
+
 /// A key prefix no other test uses: tests share nothing through Redis keys.
 pub fn random_prefix() -> String {
     format!("t{}", &uuid_like()[..12])
@@ -26,6 +30,58 @@ fn uuid_like() -> String {
     tollgate_core::id::RequestId::generate()
         .as_str()
         .replace('-', "")
+}
+
+/// A new folder `tollgate-{tag}-<random prefix>` under the temp dir,
+/// removed with everything in it when dropped.
+#[derive(Debug)]
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("tollgate-{tag}-{}", random_prefix()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Writes `text` to a file `name` in a new folder `tollgate-{tag}-<random
+/// prefix>` under the temp dir; returns the folder and the file's path.
+pub fn temp_file(tag: &str, name: &str, text: &str) -> std::io::Result<(PathBuf, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("tollgate-{tag}-{}", random_prefix()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(name);
+    std::fs::write(&path, text)?;
+    Ok((dir, path))
+}
+
+/// A config of one plan, `name`, the default: `limit` per `window` (as
+/// "12h"), and nothing else.
+pub fn one_plan_config(name: &str, limit: u64, window: &str) -> std::sync::Arc<Config> {
+    let text = format!(
+        "default_plan = \"{name}\"\n[plans.{name}]\nlimit = {limit}\nwindow = \"{window}\"\n"
+    );
+    let config = Config::parse(&text, name).unwrap_or_else(|e| panic!("{text}: {e}"));
+    std::sync::Arc::new(config)
+}
+
+/// The KEYS of the previous layout's budget scripts (`it/legacy`), in their
+/// order.
+pub fn previous_layout_keys(keys: &tollgate_redis::keys::BudgetKeys) -> [&str; 6] {
+    [
+        &keys.events,
+        &keys.costs,
+        &keys.plan,
+        &keys.owners,
+        &keys.holds,
+        &keys.audit,
+    ]
 }
 
 /// The path of a binary built from this workspace (`tollgate`, `tollgate-bench`),
@@ -63,6 +119,22 @@ pub async fn all_events(
         events.append(&mut usage.events);
     }
     Ok(events)
+}
+
+/// A Redis ledger on the Redis at `url` under `prefix`, pooled with the
+/// default options.
+pub async fn redis_ledger(
+    url: &str,
+    prefix: &str,
+    config: std::sync::Arc<Config>,
+) -> tollgate_redis::ledger::RedisLedger {
+    let options = tollgate_redis::pool::PoolOptions::default();
+    let pool = tollgate_redis::pool::connect(url, &options)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+    let keys = tollgate_redis::keys::KeySpace::new(prefix)
+        .unwrap_or_else(|e| panic!("key prefix {prefix:?}: {e}"));
+    tollgate_redis::ledger::RedisLedger::new(pool, keys, config)
 }
 
 /// Records `n` reserves of cost 1 (fresh UUID request ids) for the user of

@@ -1,8 +1,11 @@
 //! `tollgate` processes for the end-to-end tests: spawned with their stdout
 //! read until they say what a test needs, killed (and reaped) on drop.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::workspace_bin;
@@ -36,6 +39,40 @@ pub fn banner_value(lines: &[String], needle: &str) -> String {
         .to_owned()
 }
 
+/// `child`'s exit status once it exits (looking every 50 ms); none if it
+/// still runs at `deadline`, when it is killed and reaped.
+pub fn exit_by(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
+    loop {
+        if let Some(status) = child.try_wait().unwrap_or_else(|e| panic!("try_wait: {e}")) {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs `cmd` with no stdin, its stdout discarded and its stderr read, until
+/// it exits or `deadline` passes (see [`exit_by`]): its exit status (none if
+/// it was still running) and its stderr.
+pub fn run_until(cmd: &mut Command, deadline: Instant) -> (Option<ExitStatus>, String) {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    let status = exit_by(&mut child, deadline);
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+    }
+    (status, stderr)
+}
+
 /// Spawns `tollgate <args>` and reads stdout until `pick` finds what it wants
 /// (within 30 s); returns the child and every line read.
 pub fn spawn_reading(args: &[&str], pick: impl Fn(&[String]) -> bool) -> (Child, Vec<String>) {
@@ -48,11 +85,8 @@ pub fn spawn_reading_with(
     envs: &[(&str, &str)],
     pick: impl Fn(&[String]) -> bool,
 ) -> (Child, Vec<String>) {
-    let mut child = Command::new(workspace_bin("tollgate"))
-        .args(args)
+    let mut child = command(args)
         .envs(envs.iter().copied())
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -76,15 +110,68 @@ pub fn spawn_reading_with(
     (child, lines)
 }
 
+/// `tollgate mock-provider` on a free loopback port with `args`: the child
+/// and the mock's base URL.
+pub fn spawn_mock(args: &[&str]) -> (Child, String) {
+    let mut all = vec!["mock-provider", "--listen", "127.0.0.1:0"];
+    all.extend_from_slice(args);
+    let (child, lines) = spawn_reading(&all, |l| !l.is_empty());
+    let addr = lines[0]
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("mock said {lines:?}"));
+    (child, format!("http://{addr}"))
+}
+
+/// `tollgate all` with `config` on a free loopback port, embedded or (with
+/// `url`) on that Redis under `prefix`, read until its banner lists
+/// `/v1/usage`: the child and the banner (see [`banner_value`]).
+pub fn spawn_all(config: &Path, url: Option<&str>, prefix: &str) -> (Child, Vec<String>) {
+    let config = config.to_str().expect("a UTF-8 config path");
+    let mut args = vec!["all", "--listen", "127.0.0.1:0", "--config", config];
+    if let Some(url) = url {
+        args.extend_from_slice(&["--redis-url", url, "--key-prefix", prefix]);
+    }
+    spawn_reading(&args, |l| l.iter().any(|l| l.contains("/v1/usage")))
+}
+
 /// Spawns `tollgate <args>` with its stdout discarded (a role that prints
 /// nothing there: a worker, a throttler).
 pub fn spawn(args: &[&str]) -> Child {
-    Command::new(workspace_bin("tollgate"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
+    command(args)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"))
+}
+
+/// `tollgate <args>` with `RUST_LOG=warn` and no stdin: a test sets its
+/// outputs (and any other environment) and spawns it.
+pub fn command<S: AsRef<OsStr>>(args: &[S]) -> Command {
+    let mut cmd = Command::new(workspace_bin("tollgate"));
+    cmd.args(args).env("RUST_LOG", "warn").stdin(Stdio::null());
+    cmd
+}
+
+/// `tollgate api` (as [`command`] makes it) to listen on a free loopback
+/// port, on the Redis at `url` under `prefix`; and that port's address.
+pub fn api_command(url: &str, prefix: &str) -> (Command, SocketAddr) {
+    let addr = SocketAddr::from(([127, 0, 0, 1], crate::redis_server::free_port()));
+    let mut cmd = command(&["api"]);
+    cmd.env("TOLLGATE_LISTEN", addr.to_string())
+        .env("TOLLGATE_REDIS_URL", url)
+        .env("TOLLGATE_KEY_PREFIX", prefix);
+    (cmd, addr)
+}
+
+/// The role `args[0]` (`worker`, `throttler` …) on the Redis at `url` under
+/// `prefix`, with `config` and then the rest of `args`; its output discarded.
+pub fn spawn_role(url: &str, prefix: &str, config: &Path, args: &[&str]) -> Child {
+    command(&[args[0], "--redis-url", url, "--key-prefix", prefix])
+        .arg("--config")
+        .arg(config)
+        .args(&args[1..])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("spawn tollgate {args:?}: {e}"))
 }

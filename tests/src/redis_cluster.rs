@@ -115,6 +115,16 @@ impl RedisCluster {
         self.down.push(port);
     }
 
+    /// The port of the first node listed that is not on `port`: one to ask
+    /// once the node on `port` was killed.
+    pub fn node_other_than(&self, port: u16) -> u16 {
+        self.nodes
+            .iter()
+            .map(|n| n.port())
+            .find(|p| *p != port)
+            .unwrap_or_else(|| panic!("no node but the one on {port}"))
+    }
+
     /// Waits until every live node says `cluster_state:ok` and every live
     /// replica's link to its primary is up, at most `within`.
     pub fn wait_ok(&self, within: Duration) {

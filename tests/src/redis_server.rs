@@ -99,6 +99,19 @@ impl RedisServer {
         panic!("could not restart redis-server: {last_error}");
     }
 
+    /// [`restart`](Self::restart)s the server in `slot` off the async
+    /// runtime's threads (a restart blocks until the server answers).
+    pub async fn restart_in(slot: &mut Option<Self>) {
+        let mut server = slot.take().expect("a server to restart");
+        let server = tokio::task::spawn_blocking(move || {
+            server.restart();
+            server
+        })
+        .await
+        .expect("the restart ran");
+        *slot = Some(server);
+    }
+
     /// Kills the server (SIGKILL) and leaves it down, its data directory (and
     /// so its AOF, when started with `--appendonly yes`) kept for
     /// [`RedisServer::resume`].

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use tollgate_core::{
     id::RequestId,
-    throttle::{Share, Throttle, Waiter},
+    throttle::{Grant, Share, Throttle, ThrottleError, Waiter},
 };
 
 /// One waiter's outcome, as `tollgate-bench throttle-waiters` prints it.
@@ -80,24 +80,10 @@ pub async fn run_waiters_of(
                 Ok(id) => throttle.acquire(&provider, &id, max_wait).await,
                 Err(e) => Err(tollgate_core::error::StoreError::backend(e.to_string()).into()),
             };
-            let waited_ms = started.elapsed().as_millis() as u64;
-            GrantRecord {
-                request_id,
-                granted_at_us: r.as_ref().ok().map(|g| g.granted_at_us),
-                resumed_at_us: now_us(),
-                waited_ms,
-                error: r.err().map(|e| e.to_string()),
-            }
+            record(request_id, started, r)
         });
     }
-    let mut out = Vec::with_capacity(count);
-    while let Some(r) = set.join_next().await {
-        if let Ok(rec) = r {
-            out.push(rec);
-        }
-    }
-    out.sort_by(|a, b| a.request_id.cmp(&b.request_id));
-    out
+    in_request_order(set).await
 }
 
 /// `count` concurrent waiters of `user` on `provider`, with `share`.
@@ -125,16 +111,31 @@ pub async fn run_waiters_as(
                 }
                 Err(e) => Err(tollgate_core::error::StoreError::backend(e.to_string()).into()),
             };
-            GrantRecord {
-                request_id,
-                granted_at_us: r.as_ref().ok().map(|g| g.granted_at_us),
-                resumed_at_us: now_us(),
-                waited_ms: started.elapsed().as_millis() as u64,
-                error: r.err().map(|e| e.to_string()),
-            }
+            record(request_id, started, r)
         });
     }
-    let mut out = Vec::with_capacity(count);
+    in_request_order(set).await
+}
+
+/// A waiter's record: its outcome `r`, after waiting since `started`.
+fn record(
+    request_id: String,
+    started: std::time::Instant,
+    r: Result<Grant, ThrottleError>,
+) -> GrantRecord {
+    let waited_ms = started.elapsed().as_millis() as u64;
+    GrantRecord {
+        request_id,
+        granted_at_us: r.as_ref().ok().map(|g| g.granted_at_us),
+        resumed_at_us: now_us(),
+        waited_ms,
+        error: r.err().map(|e| e.to_string()),
+    }
+}
+
+/// The records of every waiter of `set` that ended, by request id.
+async fn in_request_order(mut set: tokio::task::JoinSet<GrantRecord>) -> Vec<GrantRecord> {
+    let mut out = Vec::with_capacity(set.len());
     while let Some(r) = set.join_next().await {
         if let Ok(rec) = r {
             out.push(rec);

@@ -87,6 +87,14 @@ pub struct Upstream {
 }
 
 impl Upstream {
+    /// [`start`](Self::start)s one with no limits (a call is never refused);
+    /// panics when it cannot serve.
+    pub async fn unlimited(latency: Duration) -> Self {
+        Self::start(HashMap::new(), latency)
+            .await
+            .unwrap_or_else(|e| panic!("start the upstream: {e}"))
+    }
+
     /// Serves on `127.0.0.1:<free port>`; a path without a limit is never refused.
     /// Each call takes `latency` before it is answered, so that a fault can land
     /// while a call is in flight.

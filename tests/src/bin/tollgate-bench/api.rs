@@ -157,6 +157,18 @@ pub(crate) struct Client {
 }
 
 impl Client {
+    /// A client of `base` for `clients` concurrent callers (60 s a call).
+    pub(crate) fn new(base: &str, clients: usize) -> anyhow::Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(clients * 2)
+            .build()?;
+        Ok(Self {
+            http,
+            base: base.to_owned(),
+        })
+    }
+
     /// One operation call of `bench`; `Err` unless it answered `want` (200:
     /// done, 202: accepted, 429: over budget).
     pub(crate) async fn call(
@@ -283,13 +295,7 @@ async fn exhausted_user(c: &Client, base: &str, user: &str) -> anyhow::Result<St
 
 /// Every measurement against one running `tollgate all`.
 async fn measure(mode: &str, all: &All, args: &Args) -> anyhow::Result<(Client, String)> {
-    let c = Client {
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(args.clients * 2)
-            .build()?,
-        base: all.base.clone(),
-    };
+    let c = Client::new(&all.base, args.clients)?;
     let tiny = exhausted_user(&c, &all.base, "tiny").await?;
     // Warm-up: connections, scripts, the worker's loops.
     concurrent(&c, &all.key, args.clients, 500, false, 200).await?;
@@ -514,11 +520,7 @@ async fn drained(url: &str, prefix: &str) -> anyhow::Result<()> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    tollgate_providers::http::install_crypto_provider();
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-api-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, CONFIG)?;
+    let (dir, config) = crate::bench_config("api", CONFIG)?;
     println!(
         "tollgate all, POST /v1/ops/bench (cost 1, built-in mock provider, throttle never dry), \
          tollgate-client (no retries, an Idempotency-Key per call) on keep-alive connections to 127.0.0.1, worker --concurrency {}",

@@ -18,10 +18,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::bail;
 use redis::aio::MultiplexedConnection;
 use serde_json::json;
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, redis_info, workspace_bin, RedisServer};
 
 use crate::api::{All, CONFIG as API_CONFIG};
 
@@ -217,30 +216,10 @@ async fn by_kind(
     conn: &mut MultiplexedConnection,
     prefix: &str,
 ) -> anyhow::Result<BTreeMap<String, (usize, u64)>> {
-    let mut keys: Vec<String> = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        keys.extend(batch);
-        cursor = next;
-        if cursor == 0 {
-            break;
-        }
-    }
+    let keys = redis_info::scan_keys(conn, "*").await?;
     let mut out: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     for k in &keys {
-        let b: Option<u64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(conn)
-            .await?;
+        let b: Option<u64> = redis_info::memory_usage(conn, k).await?;
         let e = out.entry(kind(prefix, k)).or_default();
         e.0 += 1;
         e.1 += b.unwrap_or(0);
@@ -282,12 +261,7 @@ async fn calls(
                 if keyed {
                     req = req.header("Idempotency-Key", format!("bench-{i}"));
                 }
-                let resp = req.send().await?;
-                let status = resp.status();
-                let body = resp.text().await?;
-                if !status.is_success() {
-                    bail!("call {i}: {status} {body}");
-                }
+                crate::ensure_success(req.send().await?, &format!("call {i}")).await?;
             }
         });
     }
@@ -298,11 +272,7 @@ async fn calls(
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    tollgate_providers::http::install_crypto_provider();
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-call-bytes-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, API_CONFIG)?;
+    let (dir, config) = crate::bench_config("call-bytes", API_CONFIG)?;
     let mut builds = Vec::new();
     if let Some(b) = &args.baseline {
         builds.push(b.clone());

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use reqwest::Client;
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
+use tollgate_tests::jobs::idempotent_job_id as job_id;
 use tollgate_tests::proxy::FaultProxy;
 use tollgate_tests::upstream::{Limit, Upstream};
 use tollgate_tests::{random_prefix, slowlog, workspace_bin, RedisServer};
@@ -778,20 +778,6 @@ struct Call {
     retries: u32,
     /// The api said another job id than the one the Idempotency-Key gives.
     id_mismatch: Option<String>,
-}
-
-/// The job id the api derives from an Idempotency-Key (`cost::request_id`):
-/// known here even for a call that never got an answer.
-fn job_id(user: &str, key: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(user.as_bytes());
-    h.update([0]);
-    h.update(key.as_bytes());
-    let hex: String = h.finalize()[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("idem-{hex}")
 }
 
 struct User {

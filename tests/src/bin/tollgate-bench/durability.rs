@@ -90,13 +90,7 @@ async fn one(mode: Mode, config: &std::path::Path, args: &Args) -> anyhow::Resul
         Some((&primary.url(), &prefix)),
         &[("TOLLGATE_DURABILITY", durability)],
     )?;
-    let c = Client {
-        http: reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(args.clients * 2)
-            .build()?,
-        base: all.base.clone(),
-    };
+    let c = Client::new(&all.base, args.clients)?;
     // Warm-up: connections, scripts, the worker's loops.
     concurrent(&c, &all.key, args.clients, 300, false, 200).await?;
     let (_, wall) = concurrent(&c, &all.key, args.clients, args.total, false, 200).await?;
@@ -128,11 +122,7 @@ async fn online(url: &str) -> anyhow::Result<()> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    tollgate_providers::http::install_crypto_provider();
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-durability-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, CONFIG)?;
+    let (dir, config) = crate::bench_config("durability", CONFIG)?;
     println!(
         "tollgate all on Redis with AOF (dir {}), POST /v1/ops/bench sync: {} clients x {} calls, then {} sequential; load average before: {}",
         std::env::temp_dir().display(),

@@ -16,7 +16,7 @@ use tollgate_core::{
 };
 use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts};
-use tollgate_tests::{slowlog, RedisServer};
+use tollgate_tests::slowlog;
 
 use crate::stats::{median_f64, us, Samples};
 
@@ -58,14 +58,7 @@ limits = [{ limit = 1000000000000000, window = "31d" }, { limit = 10000000000000
 "#;
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let server = match args.redis_url {
-        Some(_) => None,
-        None => Some(RedisServer::start()),
-    };
-    let url = args
-        .redis_url
-        .clone()
-        .unwrap_or_else(|| server.as_ref().map(|s| s.url()).unwrap_or_default());
+    let (server, url) = crate::redis_or_start(args.redis_url.as_deref());
     let text = CONFIG.replacen("\"bench\"", &format!("{:?}", args.plan), 1);
     let config = Arc::new(Config::parse(&text, "bench")?);
     println!("plan: {}", config.default_plan().describe());
@@ -165,16 +158,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &url,
             &function,
             &[
-                &keys.events,
-                &keys.costs,
-                &keys.plan,
-                &keys.owners,
-                &keys.holds,
-                &keys.audit,
-                &keys.log,
-                &keys.meta,
-                &keys.cancelled,
-            ],
+                tollgate_tests::previous_layout_keys(&keys).as_slice(),
+                &[
+                    keys.log.as_str(),
+                    keys.meta.as_str(),
+                    keys.cancelled.as_str(),
+                ],
+            ]
+            .concat(),
             &plan_args,
             args.clients,
             args.ops,
@@ -241,13 +232,7 @@ async fn prefill(ledger: &Arc<dyn Ledger>, user: &UserId, n: usize) -> anyhow::R
     while let Some(r) = tasks.join_next().await {
         r??;
     }
-    let live = tollgate_tests::all_events(ledger.as_ref(), user)
-        .await?
-        .len();
-    if live != n {
-        bail!("prefill of {user}: {live} live events, wanted {n}");
-    }
-    Ok(())
+    crate::ensure_live(ledger.as_ref(), user, n, &format!("prefill of {user}")).await
 }
 
 async fn latency(

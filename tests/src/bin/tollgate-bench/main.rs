@@ -106,6 +106,55 @@ enum Command {
     JobLookup(job_lookup::Args),
 }
 
+/// What a bench through `tollgate` processes does first: the TLS provider
+/// installed, and `config` written to `bench.toml` in a new temp folder
+/// `tollgate-bench-{name}-…`; returns the folder and the file.
+fn bench_config(
+    name: &str,
+    config: &str,
+) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
+    tollgate_providers::http::install_crypto_provider();
+    Ok(tollgate_tests::temp_file(
+        &format!("bench-{name}"),
+        "bench.toml",
+        config,
+    )?)
+}
+
+/// The Redis at `--redis-url` when given, else a private redis-server
+/// started here (kept running by the returned handle): the handle and the URL.
+fn redis_or_start(url: Option<&str>) -> (Option<tollgate_tests::RedisServer>, String) {
+    match url {
+        Some(url) => (None, url.to_owned()),
+        None => {
+            let server = tollgate_tests::RedisServer::start();
+            let url = server.url();
+            (Some(server), url)
+        }
+    }
+}
+
+/// An error unless `resp` is a success (its body read either way), named
+/// `what` with the status and body.
+async fn ensure_success(resp: reqwest::Response, what: &str) -> anyhow::Result<()> {
+    let status = resp.status();
+    let body = resp.text().await?;
+    anyhow::ensure!(status.is_success(), "{what}: {status} {body}");
+    Ok(())
+}
+
+/// An error named `what` unless `user` has exactly `n` live events.
+async fn ensure_live(
+    ledger: &dyn tollgate_core::ledger::Ledger,
+    user: &tollgate_core::id::UserId,
+    n: usize,
+    what: &str,
+) -> anyhow::Result<()> {
+    let live = tollgate_tests::all_events(ledger, user).await?.len();
+    anyhow::ensure!(live == n, "{what}: {live} live events, wanted {n}");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()

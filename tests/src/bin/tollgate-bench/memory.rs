@@ -15,12 +15,11 @@ use anyhow::bail;
 use redis::aio::MultiplexedConnection;
 use serde_json::json;
 use tollgate_core::{
-    config::Config,
     id::{RequestId, UserId},
     ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Ledger},
 };
 use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts::PlanArgs};
-use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
+use tollgate_tests::{random_prefix, redis_info, workspace_bin, RedisServer};
 
 use crate::api::{All, CONFIG as API_CONFIG};
 
@@ -41,13 +40,6 @@ pub struct Args {
     baseline: Option<PathBuf>,
 }
 
-const CONFIG: &str = r#"
-default_plan = "bench"
-[plans.bench]
-limit = 1000000000000000
-window = "12h"
-"#;
-
 /// The budget scripts of the previous layout.
 const LEGACY_LIB: &str = include_str!("../../../it/legacy/budget.lua");
 const LEGACY_RESERVE: &str = include_str!("../../../it/legacy/reserve.lua");
@@ -66,32 +58,10 @@ fn charge_args(i: usize) -> (String, String) {
 
 /// `MEMORY USAGE ... SAMPLES 0` of every key matching `pattern`: (keys, bytes).
 async fn bytes_of(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Result<(usize, u64)> {
-    let mut keys: Vec<String> = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        keys.extend(batch);
-        cursor = next;
-        if cursor == 0 {
-            break;
-        }
-    }
+    let keys = redis_info::scan_keys(conn, pattern).await?;
     let mut total = 0;
     for k in &keys {
-        let b: Option<u64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(conn)
-            .await?;
+        let b: Option<u64> = redis_info::memory_usage(conn, k).await?;
         total += b.unwrap_or(0);
     }
     Ok((keys.len(), total))
@@ -116,14 +86,7 @@ async fn fill_legacy(
             .await?;
         shas.push(sha);
     }
-    let old = [
-        &keys.events,
-        &keys.costs,
-        &keys.plan,
-        &keys.owners,
-        &keys.holds,
-        &keys.audit,
-    ];
+    let old = tollgate_tests::previous_layout_keys(keys);
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let mut pipe = redis::pipe();
         for &i in chunk {
@@ -227,13 +190,7 @@ async fn fill(
     while let Some(r) = tasks.join_next().await {
         r??;
     }
-    let live = tollgate_tests::all_events(ledger.as_ref(), user)
-        .await?
-        .len();
-    if live != n {
-        bail!("{user}: {live} live events, wanted {n}");
-    }
-    Ok(())
+    crate::ensure_live(ledger.as_ref(), user, n, user.as_str()).await
 }
 
 fn row(layout: &str, what: &str, n: usize, keys: usize, bytes: u64) {
@@ -247,7 +204,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     tollgate_providers::http::install_crypto_provider();
     let server = RedisServer::start();
     let url = server.url();
-    let config = Arc::new(Config::parse(CONFIG, "bench")?);
+    let config = tollgate_tests::one_plan_config("bench", 1_000_000_000_000_000, "12h");
     let plan = {
         let p = config.default_plan();
         vec!["0".to_owned(), p.name.clone(), PlanArgs::limits(p)]
@@ -266,16 +223,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut conn = redis::Client::open(url.as_str())?
         .get_multiplexed_async_connection()
         .await?;
-    let version: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(&mut conn)
-        .await?;
-    let version = version
-        .lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .unwrap_or("?")
-        .trim()
-        .to_owned();
+    let version = redis_info::version(&mut conn).await?;
     println!(
         "## Redis memory per live spend event (redis {version}, MEMORY USAGE SAMPLES 0 of every key of the user, UUID request ids)"
     );
@@ -319,10 +267,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     );
     println!("| build | calls | user keys | bytes | bytes/call |");
     println!("|---|---:|---:|---:|---:|");
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-memory-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, API_CONFIG)?;
+    let (dir, config) = crate::bench_config("memory", API_CONFIG)?;
     let mut builds = Vec::new();
     if let Some(b) = &args.baseline {
         builds.push(b.clone());
@@ -356,11 +301,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                         .json(&json!({ "i": i }))
                         .send()
                         .await?;
-                    let status = resp.status();
-                    let body = resp.text().await?;
-                    if !status.is_success() {
-                        bail!("call {i}: {status} {body}");
-                    }
+                    crate::ensure_success(resp, &format!("call {i}")).await?;
                 }
             });
         }

@@ -13,7 +13,6 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use tollgate_core::{
     clock::{Clock, ManualClock},
-    config::Config,
     id::{RequestId, UserId},
     ledger::{ChargeOutcome, ChargeRequest, ClaimRequest, Ledger, ReserveOutcome},
 };
@@ -31,20 +30,13 @@ pub struct Args {
     idle_users: usize,
 }
 
-const CONFIG: &str = r#"
-default_plan = "bench"
-[plans.bench]
-limit = 1000000000000000
-window = "1h"
-"#;
-
 /// Request ids as the api makes them: a UUID, or `idem-` and 32 hex digits.
 fn api_id(i: usize) -> anyhow::Result<RequestId> {
     Ok(RequestId::new(format!("idem-{i:032x}"))?)
 }
 
 fn ledger(clock: &Arc<ManualClock>) -> anyhow::Result<MemoryLedger<Arc<ManualClock>>> {
-    let config = Arc::new(Config::parse(CONFIG, "bench")?);
+    let config = tollgate_tests::one_plan_config("bench", 1_000_000_000_000_000, "1h");
     Ok(MemoryLedger::with_clock(config, Arc::clone(clock)))
 }
 

@@ -416,11 +416,7 @@ async fn sync_calls(config: &Path, store: &Store, args: &Args, pods: usize) -> a
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    tollgate_providers::http::install_crypto_provider();
-    let dir = std::env::temp_dir().join(format!("tollgate-bench-scale-{}", random_prefix()));
-    std::fs::create_dir_all(&dir)?;
-    let config = dir.join("bench.toml");
-    std::fs::write(&config, CONFIG)?;
+    let (dir, config) = crate::bench_config("scale", CONFIG)?;
     let bench: PathBuf = std::env::current_exe()?;
     println!(
         "{} users for reserves, {} with keys for sync calls, {} s per point, {} reserving tasks per process, {} HTTP clients",

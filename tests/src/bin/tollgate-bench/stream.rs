@@ -378,13 +378,7 @@ async fn memory(
         .await?;
     let (mut bytes, mut entries) = (Vec::new(), Vec::new());
     for k in &keys {
-        let b: Option<i64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(k)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(&mut conn)
-            .await?;
+        let b: Option<i64> = tollgate_tests::redis_info::memory_usage(&mut conn, k).await?;
         let n: i64 = redis::cmd("XLEN").arg(k).query_async(&mut conn).await?;
         if let Some(b) = b {
             bytes.push(b);

@@ -283,26 +283,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     for throttlers in [1, 3] {
         let prefix = random_prefix();
         let _procs = start_throttlers(throttlers, &server.url(), &prefix, &config_path)?;
-        let pool = tollgate_redis::pool::connect(
-            &server.url(),
-            &PoolOptions {
-                max_size: 32,
-                ..PoolOptions::default()
-            },
-        )
-        .await?;
-        let throttle = Arc::new(RedisThrottle::start(
-            pool,
-            KeySpace::new(&prefix)?,
-            &config,
-            RedisThrottleOptions::default(),
-        ));
-        anyhow::ensure!(
-            throttle.subscribed(Duration::from_secs(5)).await,
-            "no subscription"
-        );
-        // Warm up: scripts loaded, throttlers blocked on the queue.
-        latency(throttle.as_ref(), 50).await?;
+        let throttle = warm_redis_throttle(&server.url(), &prefix, &config).await?;
         let (p50, p99) = latency(throttle.as_ref(), args.latency_samples).await?;
         let rate = throughput(throttle, args.in_flight, args.seconds).await?;
         println!(
@@ -313,6 +294,32 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     fairness_cost(&server, &dir, &args).await?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// A Redis throttle (a pool of 32) on `url` under `prefix`, subscribed and
+/// warmed up: its scripts loaded, the throttlers blocked on the queue.
+async fn warm_redis_throttle(
+    url: &str,
+    prefix: &str,
+    config: &Config,
+) -> anyhow::Result<Arc<RedisThrottle>> {
+    let options = PoolOptions {
+        max_size: 32,
+        ..PoolOptions::default()
+    };
+    let pool = tollgate_redis::pool::connect(url, &options).await?;
+    let throttle = Arc::new(RedisThrottle::start(
+        pool,
+        KeySpace::new(prefix)?,
+        config,
+        RedisThrottleOptions::default(),
+    ));
+    anyhow::ensure!(
+        throttle.subscribed(Duration::from_secs(5)).await,
+        "no subscription"
+    );
+    latency(throttle.as_ref(), 50).await?;
+    Ok(throttle)
 }
 
 /// The waiters' side of the grant-path figures: a bucket of one token, so
@@ -375,25 +382,7 @@ async fn fairness_cost(
                 for (u, users) in [1, 1000].into_iter().enumerate() {
                     let prefix = random_prefix();
                     let _procs = start_throttlers(1, &server.url(), &prefix, &throttler_config)?;
-                    let pool = tollgate_redis::pool::connect(
-                        &server.url(),
-                        &PoolOptions {
-                            max_size: 32,
-                            ..PoolOptions::default()
-                        },
-                    )
-                    .await?;
-                    let throttle = Arc::new(RedisThrottle::start(
-                        pool,
-                        KeySpace::new(&prefix)?,
-                        &config,
-                        RedisThrottleOptions::default(),
-                    ));
-                    anyhow::ensure!(
-                        throttle.subscribed(Duration::from_secs(5)).await,
-                        "no subscription"
-                    );
-                    latency(throttle.as_ref(), 50).await?;
+                    let throttle = warm_redis_throttle(&server.url(), &prefix, &config).await?;
                     let stats_before = if args.commandstats {
                         commandstats(&mut info).await?
                     } else {

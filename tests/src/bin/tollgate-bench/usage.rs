@@ -10,7 +10,6 @@ use anyhow::{bail, Context};
 use redis::aio::MultiplexedConnection;
 use redis::Value;
 use tollgate_core::{
-    config::Config,
     id::UserId,
     ledger::{EventPage, Ledger},
 };
@@ -20,7 +19,7 @@ use tollgate_redis::{
     pool::PoolOptions,
     scripts::{self, PlanArgs},
 };
-use tollgate_tests::{slowlog, RedisServer};
+use tollgate_tests::slowlog;
 
 use crate::stats::median_f64;
 
@@ -41,13 +40,6 @@ pub struct Args {
     #[arg(long)]
     baseline_script: Option<std::path::PathBuf>,
 }
-
-const CONFIG: &str = r#"
-default_plan = "bench"
-[plans.bench]
-limit = 1000000000000000
-window = "12h"
-"#;
 
 /// The Redis time (µs) of the script call `cmd` makes, from `INFO
 /// commandstats` (reset before it): logging every command in SLOWLOG would
@@ -138,15 +130,8 @@ impl Figure {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let server = match args.redis_url {
-        Some(_) => None,
-        None => Some(RedisServer::start()),
-    };
-    let url = args
-        .redis_url
-        .clone()
-        .unwrap_or_else(|| server.as_ref().map(|s| s.url()).unwrap_or_default());
-    let config = Arc::new(Config::parse(CONFIG, "bench")?);
+    let (server, url) = crate::redis_or_start(args.redis_url.as_deref());
+    let config = tollgate_tests::one_plan_config("bench", 1_000_000_000_000_000, "12h");
     let plans = PlanArgs::new(&config);
     // The previous script's ARGV tail: export maxlen, then the plan table.
     let old_plan = [
@@ -160,16 +145,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let pool = tollgate_redis::pool::connect(&url, &PoolOptions::default()).await?;
     let ledger = RedisLedger::new(pool, space.clone(), Arc::clone(&config));
     let mut conn = tollgate_tests::bulk_connection(&url).await?;
-    let version: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(&mut conn)
-        .await?;
-    let version = version
-        .lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .unwrap_or("?")
-        .trim()
-        .to_owned();
+    let version = tollgate_tests::redis_info::version(&mut conn).await?;
     let baseline = match &args.baseline_script {
         Some(path) => {
             let text = std::fs::read_to_string(path)
