@@ -16,7 +16,7 @@ use tollgate_api::{
     problem::ProblemType,
     state::{ApiState, Settings},
 };
-use tollgate_core::job::JobOptions;
+use tollgate_core::job::{JobOptions, Taker};
 use tollgate_core::{
     config::Config,
     job::{FailureCause, JobSource},
@@ -1246,9 +1246,7 @@ async fn a_job_waiting_for_its_provider_shows_where_it_stands(h: Harness) {
             .source
             .take(
                 "glacier.call",
-                "w1",
-                Duration::from_secs(1),
-                Duration::from_secs(30),
+                Taker::new("w1", Duration::from_secs(1), Duration::from_secs(30)),
             )
             .await
             .unwrap();

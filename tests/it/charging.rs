@@ -11,7 +11,7 @@ use axum::http::StatusCode;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tollgate_api::problem::ProblemType;
-use tollgate_core::job::JobOptions;
+use tollgate_core::job::{JobOptions, Taker};
 use tollgate_core::{
     clock::ManualClock,
     config::Config,
@@ -243,7 +243,10 @@ async fn a_key_outliving_its_job_record_is_never_free(
     let r = queue.submit(req("work", json!({"a": 1}))).await.unwrap();
     assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
     let lease = source
-        .take("work", "w", Duration::from_secs(2), Duration::from_secs(5))
+        .take(
+            "work",
+            Taker::new("w", Duration::from_secs(2), Duration::from_secs(5)),
+        )
         .await
         .unwrap()
         .expect("the job");
@@ -265,9 +268,7 @@ async fn a_key_outliving_its_job_record_is_never_free(
     assert!(source
         .take(
             "work",
-            "w",
-            Duration::from_millis(100),
-            Duration::from_secs(5)
+            Taker::new("w", Duration::from_millis(100), Duration::from_secs(5))
         )
         .await
         .unwrap()

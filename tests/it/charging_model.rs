@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use serde_json::json;
-use tollgate_core::job::JobOptions;
+use tollgate_core::job::{Failure, JobOptions, Taker};
 use tollgate_core::{
     clock::ManualClock,
     config::Config,
@@ -214,7 +214,7 @@ async fn run(
     let config = queue.config().clone();
     let mut upstream = Upstream::default();
     let lease = Duration::from_millis(400);
-    let take = |op: usize| source.take(OPS[op], "w", block, lease);
+    let take = |op: usize| source.take(OPS[op], Taker::new("w", block, lease));
     for s in steps {
         match *s {
             Step::Submit(u, k, o, b) => {
@@ -278,7 +278,10 @@ async fn run(
                     if l.ran_before {
                         (cause, charge) = outcome::after_lost_run(cause, charge);
                     }
-                    let recorded = source.fail(&l, cause, charge, "boom").await.unwrap();
+                    let recorded = source
+                        .fail(&l, Failure::new(cause, charge, "boom"))
+                        .await
+                        .unwrap();
                     let may_have_worked = !matches!(class, outcome::Class::Refused { .. });
                     if recorded == Finish::Recorded && may_have_worked {
                         let absorbed = matches!(charge, Charge::Release { absorbed: Some(_) });

@@ -11,7 +11,7 @@ use tollgate_core::activity::{Gauges, JobStep, Sampled, HISTORY_MAX_SAMPLES, HIS
 use tollgate_core::backend::Backends;
 use tollgate_core::config::Config;
 use tollgate_core::id::{RequestId, UserId};
-use tollgate_core::job::JobRequest;
+use tollgate_core::job::{Failure, JobRequest};
 use tollgate_redis::keys::KeySpace;
 use tollgate_redis::pool::PoolOptions;
 use tollgate_tests::jobs::take_one;
@@ -238,9 +238,11 @@ async fn timelines_are_noted(b: Backends) {
     b.source
         .fail(
             &lease,
-            tollgate_core::job::FailureCause::Provider,
-            tollgate_core::job::Charge::RELEASE,
-            "upstream answered 502\nbad gateway",
+            Failure::new(
+                tollgate_core::job::FailureCause::Provider,
+                tollgate_core::job::Charge::RELEASE,
+                "upstream answered 502\nbad gateway",
+            ),
         )
         .await
         .unwrap();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tollgate_core::job::JobOptions;
+use tollgate_core::job::{Failure, JobOptions, Taker};
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
@@ -182,7 +182,7 @@ async fn redis_queue_at(
 async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::job::Lease {
     let lease = s
         .source
-        .take(operation, worker, Duration::from_secs(2), LEASE)
+        .take(operation, Taker::new(worker, Duration::from_secs(2), LEASE))
         .await
         .unwrap()
         .expect("a job within 2s");
@@ -196,7 +196,7 @@ async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::job::L
 /// A lease whose run never starts (no claim, no call).
 async fn take_unstarted(s: &Setup, operation: &str, worker: &str) -> tollgate_core::job::Lease {
     s.source
-        .take(operation, worker, Duration::from_secs(2), LEASE)
+        .take(operation, Taker::new(worker, Duration::from_secs(2), LEASE))
         .await
         .unwrap()
         .expect("a job within 2s")
@@ -286,7 +286,10 @@ async fn job_denied_submission_leaves_nothing(s: &Setup) {
     // The id is free again once the budget allows.
     let lease = take(s, "work", "w").await;
     s.source
-        .fail(&lease, FailureCause::Provider, Charge::RELEASE, "boom")
+        .fail(
+            &lease,
+            Failure::new(FailureCause::Provider, Charge::RELEASE, "boom"),
+        )
         .await
         .unwrap();
     submit_ok(s, "d10", "carol").await;
@@ -357,7 +360,10 @@ async fn job_complete_wakes_the_waiter_and_keeps_the_charge(s: &Setup) {
     );
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::Provider, Charge::RELEASE, "late")
+            .fail(
+                &lease,
+                Failure::new(FailureCause::Provider, Charge::RELEASE, "late")
+            )
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -380,9 +386,7 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
         s.source
             .fail(
                 &lease,
-                FailureCause::ThrottleTimeout,
-                Charge::RELEASE,
-                "no slot"
+                Failure::new(FailureCause::ThrottleTimeout, Charge::RELEASE, "no slot")
             )
             .await
             .unwrap(),
@@ -400,7 +404,10 @@ async fn job_failure_refunds_exactly_once(s: &Setup) {
     }
     assert_eq!(
         s.source
-            .fail(&lease, FailureCause::Provider, Charge::RELEASE, "again")
+            .fail(
+                &lease,
+                Failure::new(FailureCause::Provider, Charge::RELEASE, "again")
+            )
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -473,9 +480,7 @@ async fn job_finished_records_drop_inputs_and_stored_bytes_are_bounded(s: &Setup
         s.source
             .fail(
                 &b,
-                FailureCause::Provider,
-                Charge::RELEASE,
-                "refused upstream"
+                Failure::new(FailureCause::Provider, Charge::RELEASE, "refused upstream")
             )
             .await
             .unwrap(),
@@ -577,7 +582,10 @@ async fn job_long_results_and_messages_read_back_whole(s: &Setup) {
     submit_ok(s, "lr2", "jo").await;
     let lease = take(s, "work", "w1").await;
     s.source
-        .fail(&lease, FailureCause::Provider, Charge::RELEASE, &message)
+        .fail(
+            &lease,
+            Failure::new(FailureCause::Provider, Charge::RELEASE, &message),
+        )
         .await
         .unwrap();
     let info = s
@@ -643,7 +651,10 @@ async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
     );
     assert_eq!(
         s.source
-            .fail(&old, FailureCause::Provider, Charge::RELEASE, "late")
+            .fail(
+                &old,
+                Failure::new(FailureCause::Provider, Charge::RELEASE, "late")
+            )
             .await
             .unwrap(),
         Finish::LeaseLost
@@ -681,7 +692,7 @@ async fn job_past_max_attempts_is_abandoned_and_refunded(s: &Setup) {
     // The third take gives the job up instead of running it.
     let third = s
         .source
-        .take("work", "w1", Duration::from_millis(300), LEASE)
+        .take("work", Taker::new("w1", Duration::from_millis(300), LEASE))
         .await
         .unwrap();
     assert!(third.is_none(), "{third:?}");
@@ -713,7 +724,7 @@ async fn job_take_gives_up_what_it_must_and_returns_the_next(s: &Setup) {
     submit_ok(s, "g3", "ivy").await;
     let next = s
         .source
-        .take("work", "w1", Duration::from_millis(300), LEASE)
+        .take("work", Taker::new("w1", Duration::from_millis(300), LEASE))
         .await
         .unwrap();
     assert_eq!(next.map(|l| l.job.id), Some(rid("g3")));
@@ -744,7 +755,7 @@ async fn job_whose_started_runs_were_lost_is_given_up_charged(s: &Setup) {
     }
     let third = s
         .source
-        .take("work", "w1", Duration::from_millis(300), LEASE)
+        .take("work", Taker::new("w1", Duration::from_millis(300), LEASE))
         .await
         .unwrap();
     assert!(third.is_none(), "{third:?}");
@@ -915,7 +926,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
     assert_eq!(ledger.usage(&ivan).await.unwrap().used, 0);
     // crash2's job, past its deadline, is failed by the lease script, unrun.
     assert!(q
-        .take("work", "w", Duration::from_millis(200), LEASE)
+        .take("work", Taker::new("w", Duration::from_millis(200), LEASE))
         .await
         .unwrap()
         .is_none());
@@ -953,7 +964,7 @@ async fn job_redis_malformed_entries_are_moved_aside() {
     let lease = loop {
         if let Some(l) = s
             .source
-            .take("work", "w", Duration::from_millis(500), LEASE)
+            .take("work", Taker::new("w", Duration::from_millis(500), LEASE))
             .await
             .unwrap()
         {
@@ -1225,14 +1236,8 @@ impl Cuttable {
 
 #[async_trait::async_trait]
 impl JobSource for Cuttable {
-    async fn take(
-        &self,
-        operation: &str,
-        worker: &str,
-        block: Duration,
-        lease: Duration,
-    ) -> Result<Option<Lease>, JobError> {
-        self.reach()?.take(operation, worker, block, lease).await
+    async fn take(&self, operation: &str, taker: Taker<'_>) -> Result<Option<Lease>, JobError> {
+        self.reach()?.take(operation, taker).await
     }
     async fn settle(
         &self,
@@ -1251,14 +1256,8 @@ impl JobSource for Cuttable {
     async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError> {
         self.reach()?.complete(lease, result).await
     }
-    async fn fail(
-        &self,
-        lease: &Lease,
-        cause: FailureCause,
-        charge: Charge,
-        message: &str,
-    ) -> Result<Finish, JobError> {
-        self.reach()?.fail(lease, cause, charge, message).await
+    async fn fail(&self, lease: &Lease, failure: Failure<'_>) -> Result<Finish, JobError> {
+        self.reach()?.fail(lease, failure).await
     }
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
         self.reach()?.hand_back(lease).await
@@ -1388,7 +1387,7 @@ async fn a_taken_but_never_leased_job_goes_back(
     let second = q.maintain("w1", Duration::from_secs(5)).await.unwrap();
     assert_eq!(second.requeued, 1, "{second:?}");
     let lease = q
-        .take("work", "w1", Duration::from_secs(2), LEASE)
+        .take("work", Taker::new("w1", Duration::from_secs(2), LEASE))
         .await
         .unwrap()
         .expect("the job is back");

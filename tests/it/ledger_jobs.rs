@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use tollgate_core::job::Taker;
 use tollgate_core::{
     clock::ManualClock,
     config::Config,
@@ -127,9 +128,7 @@ impl Setup {
             .source
             .take(
                 operation,
-                "w",
-                Duration::from_millis(50),
-                Duration::from_secs(30),
+                Taker::new("w", Duration::from_millis(50), Duration::from_secs(30)),
             )
             .await
             .unwrap()?;

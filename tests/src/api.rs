@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tollgate_api::state::ApiState;
+use tollgate_core::job::{Failure, Taker};
 use tollgate_core::{
     id::RequestId,
     job::{Charge, FailureCause, JobSource},
@@ -101,9 +102,11 @@ impl StandInWorker {
                         let lease = match source
                             .take(
                                 &op,
-                                &worker,
-                                Duration::from_millis(100),
-                                Duration::from_secs(30),
+                                Taker::new(
+                                    &worker,
+                                    Duration::from_millis(100),
+                                    Duration::from_secs(30),
+                                ),
                             )
                             .await
                         {
@@ -131,7 +134,14 @@ impl StandInWorker {
                                 > (n as f64 * fail_rate).floor();
                         if fail {
                             if source
-                                .fail(&lease, cause, Charge::of(cause), "mock provider: HTTP 500")
+                                .fail(
+                                    &lease,
+                                    Failure::new(
+                                        cause,
+                                        Charge::of(cause),
+                                        "mock provider: HTTP 500",
+                                    ),
+                                )
                                 .await
                                 .is_ok()
                             {

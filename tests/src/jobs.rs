@@ -7,7 +7,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{
-    FailureCause, Job, JobQueue, JobRequest, JobSource, JobStatus, Lease, SubmitOutcome,
+    FailureCause, Job, JobQueue, JobRequest, JobSource, JobStatus, Lease, SubmitOutcome, Taker,
 };
 
 /// The job id the api derives from `user`'s Idempotency-Key `key`
@@ -52,7 +52,10 @@ pub async fn take_one(
     block: Duration,
 ) -> Lease {
     source
-        .take(operation, worker, block, Duration::from_secs(30))
+        .take(
+            operation,
+            Taker::new(worker, block, Duration::from_secs(30)),
+        )
         .await
         .unwrap_or_else(|e| panic!("take {operation}: {e}"))
         .unwrap_or_else(|| panic!("no job of {operation} within {block:?}"))

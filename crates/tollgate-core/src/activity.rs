@@ -45,7 +45,9 @@ use serde::{Deserialize, Serialize};
 use crate::clock::{Clock, SystemClock};
 use crate::error::StoreError;
 use crate::id::{RequestId, UserId};
-use crate::job::{Charge, FailureCause, Finish, JobError, JobSource, Lease, Maintenance, Settled};
+use crate::job::{
+    Charge, Failure, Finish, JobError, JobSource, Lease, Maintenance, Settled, Taker,
+};
 use crate::throttle::{Grant, Pause, Position, ProviderStats, Throttle, ThrottleError, Waiter};
 
 /// Spend events kept (the newest), and refund marks kept.
@@ -591,14 +593,8 @@ impl RecordingSource {
 
 #[async_trait]
 impl JobSource for RecordingSource {
-    async fn take(
-        &self,
-        operation: &str,
-        worker: &str,
-        block: Duration,
-        lease: Duration,
-    ) -> Result<Option<Lease>, JobError> {
-        self.inner.take(operation, worker, block, lease).await
+    async fn take(&self, operation: &str, taker: Taker<'_>) -> Result<Option<Lease>, JobError> {
+        self.inner.take(operation, taker).await
     }
 
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
@@ -643,22 +639,16 @@ impl JobSource for RecordingSource {
         r
     }
 
-    async fn fail(
-        &self,
-        lease: &Lease,
-        cause: FailureCause,
-        charge: Charge,
-        message: &str,
-    ) -> Result<Finish, JobError> {
-        let r = self.inner.fail(lease, cause, charge, message).await;
+    async fn fail(&self, lease: &Lease, failure: Failure<'_>) -> Result<Finish, JobError> {
+        let r = self.inner.fail(lease, failure).await;
         if let Ok(Finish::Recorded) = r {
             self.noted(
                 lease,
                 JobStep::Failed {
                     operation: lease.job.operation.clone(),
-                    cause: cause.as_str().to_owned(),
-                    charge_stands: matches!(charge, Charge::Keep),
-                    message: one_line(message),
+                    cause: failure.cause.as_str().to_owned(),
+                    charge_stands: matches!(failure.charge, Charge::Keep),
+                    message: one_line(failure.message),
                 },
             );
         }

@@ -910,20 +910,55 @@ pub fn may_pop(since: Option<Duration>, liveness: Duration) -> bool {
     since.is_some_and(|s| s < liveness * LAPSED_KEPT / 2)
 }
 
+/// A job's final failure as [`JobSource::fail`] records it: its cause, what
+/// happens to its charge (which must agree with the cause:
+/// [`FailureCause::charged`]), and the message the caller sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failure<'a> {
+    pub cause: FailureCause,
+    pub charge: Charge,
+    pub message: &'a str,
+}
+
+impl<'a> Failure<'a> {
+    pub fn new(cause: FailureCause, charge: Charge, message: &'a str) -> Self {
+        Self {
+            cause,
+            charge,
+            message,
+        }
+    }
+}
+
+/// Who takes jobs, and on what terms: the worker's name, how long a take
+/// waits for a job, and how long the lease it gets lasts. A worker makes one
+/// and passes it to every [`JobSource::take`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Taker<'a> {
+    pub worker: &'a str,
+    pub block: Duration,
+    pub lease: Duration,
+}
+
+impl<'a> Taker<'a> {
+    pub fn new(worker: &'a str, block: Duration, lease: Duration) -> Self {
+        Self {
+            worker,
+            block,
+            lease,
+        }
+    }
+}
+
 /// The worker side of a job backend.
 #[async_trait]
 pub trait JobSource: Send + Sync + std::fmt::Debug {
-    /// Waits at most `block` for a job of `operation` and leases it to `worker`
-    /// for `lease`; [`start`](Self::start) it before calling the provider. Malformed entries (unreadable, unknown operation) are moved
-    /// aside and logged, never returned. A job past its deadline, or past its
-    /// attempts, is failed and refunded here and not returned.
-    async fn take(
-        &self,
-        operation: &str,
-        worker: &str,
-        block: Duration,
-        lease: Duration,
-    ) -> Result<Option<Lease>, JobError>;
+    /// Waits at most `taker.block` for a job of `operation` and leases it to
+    /// `taker.worker` for `taker.lease`; [`start`](Self::start) it before
+    /// calling the provider. Malformed entries (unreadable, unknown operation)
+    /// are moved aside and logged, never returned. A job past its deadline, or
+    /// past its attempts, is failed and refunded here and not returned.
+    async fn take(&self, operation: &str, taker: Taker<'_>) -> Result<Option<Lease>, JobError>;
 
     /// The step between a lease and the provider call: the job claims its
     /// charge ([`Ledger::claim`]), and the record notes that a run started
@@ -961,13 +996,7 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     /// charge what `charge` says: releases it once, or leaves it standing.
     /// `charge` must agree with `cause` ([`FailureCause::charged`]): the
     /// status says whether the user was charged from the cause.
-    async fn fail(
-        &self,
-        lease: &Lease,
-        cause: FailureCause,
-        charge: Charge,
-        message: &str,
-    ) -> Result<Finish, JobError>;
+    async fn fail(&self, lease: &Lease, failure: Failure<'_>) -> Result<Finish, JobError>;
 
     /// Puts the job back at the head of its queue without counting the attempt
     /// (a worker shutting down).

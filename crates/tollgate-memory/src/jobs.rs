@@ -20,8 +20,9 @@ use tollgate_core::config::Config;
 use tollgate_core::head::Head;
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{
-    self, millis, Charge, Enqueued, FailureCause, Finish, FullMarks, Job, JobError, JobInfo,
-    JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Watch, Watchers,
+    self, millis, Charge, Enqueued, Failure, FailureCause, Finish, FullMarks, Job, JobError,
+    JobInfo, JobOptions, JobQueue, JobSource, JobStatus, Lease, Maintenance, QueueStats, Taker,
+    Watch, Watchers,
 };
 use tollgate_core::ledger::Ledger;
 use tollgate_core::lock;
@@ -452,13 +453,12 @@ impl JobQueue for MemoryJobQueue {
 
 #[async_trait]
 impl JobSource for MemoryJobQueue {
-    async fn take(
-        &self,
-        operation: &str,
-        worker: &str,
-        block: Duration,
-        lease: Duration,
-    ) -> Result<Option<Lease>, JobError> {
+    async fn take(&self, operation: &str, taker: Taker<'_>) -> Result<Option<Lease>, JobError> {
+        let Taker {
+            worker,
+            block,
+            lease,
+        } = taker;
         let op = self
             .config
             .operation(operation)
@@ -581,13 +581,12 @@ impl JobSource for MemoryJobQueue {
         Ok(self.finish(lease, JobStatus::Succeeded { result, head }, false))
     }
 
-    async fn fail(
-        &self,
-        lease: &Lease,
-        cause: FailureCause,
-        charge: Charge,
-        message: &str,
-    ) -> Result<Finish, JobError> {
+    async fn fail(&self, lease: &Lease, failure: Failure<'_>) -> Result<Finish, JobError> {
+        let Failure {
+            cause,
+            charge,
+            message,
+        } = failure;
         let status = JobStatus::Failed {
             cause,
             message: message.to_owned(),

@@ -32,7 +32,7 @@ use async_trait::async_trait;
 use redis::{FromRedisValue, ScriptInvocation, Value};
 use serde_json::Value as Json;
 use tokio::sync::oneshot;
-use tollgate_core::job::{self, JobOptions, LAPSED_KEPT};
+use tollgate_core::job::{self, Failure, JobOptions, Taker, LAPSED_KEPT};
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
@@ -790,13 +790,12 @@ impl JobQueue for RedisJobQueue {
 
 #[async_trait]
 impl JobSource for RedisJobQueue {
-    async fn take(
-        &self,
-        operation: &str,
-        worker: &str,
-        block: Duration,
-        lease: Duration,
-    ) -> Result<Option<Lease>, JobError> {
+    async fn take(&self, operation: &str, taker: Taker<'_>) -> Result<Option<Lease>, JobError> {
+        let Taker {
+            worker,
+            block,
+            lease,
+        } = taker;
         // An entry failed or moved aside on the way (past its deadline or its
         // attempts, stale, malformed) is not a job to return, and not the end
         // of the queue either: the next one is taken, within what is left of
@@ -915,13 +914,12 @@ impl JobSource for RedisJobQueue {
         })
     }
 
-    async fn fail(
-        &self,
-        lease: &Lease,
-        cause: FailureCause,
-        charge: Charge,
-        message: &str,
-    ) -> Result<Finish, JobError> {
+    async fn fail(&self, lease: &Lease, failure: Failure<'_>) -> Result<Finish, JobError> {
+        let Failure {
+            cause,
+            charge,
+            message,
+        } = failure;
         let release = matches!(charge, Charge::Release { .. });
         let (_, keys) = self.op_keys(&lease.job.operation)?;
         let id = lease.job.id.as_str();

@@ -44,7 +44,7 @@ use tollgate_core::lock;
 use tollgate_core::{
     config::Config,
     id::RequestId,
-    job::{self, Charge, FailureCause, Finish, JobSource, Lease},
+    job::{self, Charge, Failure, FailureCause, Finish, JobSource, Lease, Taker},
     metrics::{Heartbeat, JobEnd, Metrics},
     stream::{self, JobStreams, StreamEvent, StreamWriter},
 };
@@ -254,6 +254,7 @@ async fn fetch(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = Duration::from_millis(50);
+    let taker = Taker::new(&worker, cfg.block, cfg.lease);
     while !*stop.borrow() {
         heartbeat.beat(cfg.block);
         // Not listed for sure (no heartbeat yet, or none for long: Redis is
@@ -281,7 +282,7 @@ async fn fetch(
             }
         };
         let taken = tokio::select! {
-            r = source.take(&operation, &worker, cfg.block, cfg.lease) => r,
+            r = source.take(&operation, taker) => r,
             // A take dropped here may have moved an id into this worker's
             // processing list: `retire` gives it back.
             () = stopped(&mut stop) => return,
@@ -472,7 +473,10 @@ async fn job(
             if let Some(sink) = &sink {
                 end_stream(sink.as_ref(), StreamEvent::Error(e.error.to_string())).await;
             }
-            let recorded = finish("fail", || source.fail(lease, cause, charge, &message)).await;
+            let recorded = finish("fail", || {
+                source.fail(lease, Failure::new(cause, charge, &message))
+            })
+            .await;
             if let (
                 Some(Finish::Recorded),
                 Charge::Release {
@@ -527,7 +531,10 @@ async fn lost_stream(
     settle(source, lease, &serde_json::Value::Null).await;
     end_stream(sink, StreamEvent::Error(message.clone())).await;
     let recorded = finish("fail", || {
-        source.fail(lease, FailureCause::Unanswered, Charge::Keep, &message)
+        source.fail(
+            lease,
+            Failure::new(FailureCause::Unanswered, Charge::Keep, &message),
+        )
     })
     .await;
     (end_of(recorded, JobEnd::Failed), None)
