@@ -8,7 +8,7 @@
 --   absent when a plain 200: no field)
 -- The record drops its input (lib/job.lua: finalize) and counts its
 -- result against its user's stored bytes until it expires.
--- Returns 1 recorded (and the id published), 0 refused: the token is not the
+-- Returns 1 recorded (and published: lib/job.lua publish_done), 0 refused: the token is not the
 -- current lease's (the lease expired and the job went to another worker, or it
 -- ended): nothing is written.
 
@@ -40,9 +40,9 @@ if head ~= '' then
   set[#set + 1] = 'head'
   set[#set + 1] = head
 end
-finalize(JOB, all, set, prefix, #result + #head, now + ttl, width)
+local _, fields, waiter = finalize(JOB, all, set, prefix, #result + #head, now + ttl, width)
 redis.call('PEXPIRE', JOB, int(ttl))
 redis.call('LREM', PROCESSING, 1, id)
 redis.call('ZREM', LEASES, id)
-publish_done(channel, JOB, id)
+publish_done(channel, JOB, id, fields, waiter, #result + #head)
 return 1

@@ -12,6 +12,8 @@
 -- ARGV[12] the stored-bytes key prefix (the user's name completes it; same
 --          hash tag), ARGV[13] its bucket width (ms), ARGV[14] the most bytes
 --          the user may have stored in this queue (0: no bound)
+-- ARGV[15] the submitting pod (field `w`: its final record is sent to that
+--          pod's channel, lib/job.lua publish_done), or '' (absent: none)
 -- Returns one of
 --   { 1 }           created and queued
 --   { -2, stored, limit }  not created: the user's stored bytes (`stored`,
@@ -29,6 +31,7 @@ local id, user, op, provider, input = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5
 local cost, enq, deadline = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local nonce, create, tp = ARGV[9], ARGV[10], ARGV[11] or ''
 local prefix, width, limit = ARGV[12] or '', tonumber(ARGV[13]) or 60000, tonumber(ARGV[14]) or 0
+local waiter = ARGV[15] or ''
 if not cost or cost < 1 or not enq or not deadline or nonce == '' or width < 1 or limit < 0 then
   return redis.error_reply('job_enqueue: bad cost, times, nonce, width or limit')
 end
@@ -73,6 +76,10 @@ local fields = { 'state', 'queued', 'user', user, 'op', op, 'provider', provider
 if tp ~= '' then
   fields[#fields + 1] = 'tp'
   fields[#fields + 1] = tp
+end
+if waiter ~= '' then
+  fields[#fields + 1] = 'w'
+  fields[#fields + 1] = waiter
 end
 if prefix ~= '' then
   -- Until the deadline's next bucket: a job not final by then stops counting.

@@ -119,7 +119,7 @@ end
 
 -- The fields a final record no longer uses: the job can no longer run.
 local RUN_ONLY = { input = true, provider = true, tp = true, worker = true,
-  lease_until = true, started = true, sz = true, sb = true }
+  lease_until = true, started = true, sz = true, sb = true, w = true }
 
 -- Makes `job` final in one read and one write: `set` = { name, value, ... }
 -- (its state and outcome), `kept` bytes of result or message counted against
@@ -127,7 +127,8 @@ local RUN_ONLY = { input = true, provider = true, tp = true, worker = true,
 -- it can no longer use dropped, and the record written again as a fresh hash
 -- of short values (a small listpack: ~40% of the hashtable a long input or
 -- result left). `all`: the record's HGETALL when the caller has just read it,
--- or nil. Its TTL is set by the caller after. Returns the record's user.
+-- or nil. Its TTL is set by the caller after. Returns the record's user, its
+-- fields as written, and the pod waiting for it (`w`: see publish_done).
 local function finalize(job, all, set, prefix, kept, until_ms, width)
   all = all or redis.call('HGETALL', job)
   local old, setting = {}, {}
@@ -177,7 +178,7 @@ local function finalize(job, all, set, prefix, kept, until_ms, width)
   if #fields > 0 then
     redis.call('HSET', job, unpack(fields))
   end
-  return user
+  return user, fields, old['w']
 end
 
 local function now_ms()
@@ -185,10 +186,10 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Publishes a finished job's id on `channel`: SPUBLISH when the channel
--- shares `key`'s hash tag (a queue's own channel `{q:<operation>}:done`, what
--- a Redis Cluster uses: sharded pub/sub, sent on the shard that owns the
--- queue), PUBLISH otherwise (a single Redis's one channel).
+-- Publishes `payload` on `channel`: SPUBLISH when the channel shares `key`'s
+-- hash tag (a queue's own channels `{q:<operation>}:done...`, what a Redis
+-- Cluster uses: sharded pub/sub, sent on the shard that owns the queue),
+-- PUBLISH otherwise (a single Redis's channels).
 local function hash_tag(name)
   local tag = string.match(name, '{([^}]*)}')
   if tag == '' then
@@ -197,13 +198,32 @@ local function hash_tag(name)
   return tag
 end
 
-local function publish_done(channel, key, id)
+local function publish(channel, key, payload)
   local tag = hash_tag(channel)
   if tag and tag == hash_tag(key) then
-    redis.call('SPUBLISH', channel, id)
+    redis.call('SPUBLISH', channel, payload)
   else
-    redis.call('PUBLISH', channel, id)
+    redis.call('PUBLISH', channel, payload)
   end
+end
+
+-- The most bytes of result and head a finished record may carry to its
+-- waiting pod in the message itself; a larger one is read by the pod.
+local PUSH_MAX = 16384
+
+-- Tells who waits that job `id` (record `key`) is final. The pod that
+-- submitted it (the record's `w`, set by job_enqueue.lua) gets the final
+-- record itself, `fields` as finalize wrote them, on its own channel
+-- `<channel>:<w>` as "<id>\n<JSON array of names and values>", when its
+-- `kept` bytes of result and head are at most PUSH_MAX: its waiting call
+-- answers without reading the record back. Every pod gets the id on
+-- `channel`: a watcher elsewhere (the same Idempotency-Key on another pod)
+-- reads the record. Pub/sub may drop either: a watcher also polls.
+local function publish_done(channel, key, id, fields, waiter, kept)
+  if waiter and waiter ~= '' and fields and kept <= PUSH_MAX then
+    publish(channel .. ':' .. waiter, key, id .. '\n' .. cjson.encode(fields))
+  end
+  publish(channel, key, id)
 end
 
 -- Ends the job as failed and publishes its id on `channel`. With `refund`, its
@@ -216,11 +236,12 @@ local function fail_job(job, refunds, id, cause, message, now, channel, refund, 
     set[#set + 1] = 'refund'
     set[#set + 1] = '1'
   end
-  finalize(job, nil, set, stored[1], #message, now + stored[3] + (refund and stored[2] or 0), stored[2])
+  local _, fields, waiter = finalize(job, nil, set, stored[1], #message,
+    now + stored[3] + (refund and stored[2] or 0), stored[2])
   if refund then
     redis.call('ZADD', refunds, int(now), id)
   else
     redis.call('PEXPIRE', job, int(ttl))
   end
-  publish_done(channel, job, id)
+  publish_done(channel, job, id, fields, waiter, #message)
 end

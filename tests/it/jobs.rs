@@ -1494,3 +1494,206 @@ async fn job_redis_a_blmove_landing_after_retire_is_reclaimed() {
     let queued = llen(&mut conn, &keys.queue).await;
     assert_eq!(queued, 1);
 }
+
+/// The pod that submitted a job gets its final record in the message that
+/// says it finished (`publish_done`): its waiting call answers without reading
+/// the record back (no `look`). Another pod waiting for the same job still
+/// wakes on the id and reads it; a result too large to send along is read
+/// too, whole; a failure comes along like a success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_the_submitting_pod_gets_the_final_record_without_a_read() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    finals_reach_the_submitting_pod(|| redis_queue(&server, &prefix, config())).await;
+}
+
+/// The same on a Redis Cluster: the pods' own channels are sharded, in the
+/// queue's slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_cluster_the_submitting_pod_gets_the_final_record_without_a_read() {
+    let cluster = TestCluster::get();
+    let (url, prefix) = (cluster.url(), random_prefix());
+    finals_reach_the_submitting_pod(|| redis_queue_at(&url, &prefix, config(), options())).await;
+}
+
+async fn finals_reach_the_submitting_pod<F, Fut>(pod: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = (Arc<RedisJobQueue>, Arc<dyn Ledger>)>,
+{
+    // Three processes' queues on one store: the api pod that submits, another
+    // api pod, and a worker.
+    let (api, _) = pod().await;
+    let (other, _) = pod().await;
+    let (worker, _) = pod().await;
+    for q in [&api, &other] {
+        assert!(q.subscribed(Duration::from_secs(10)).await, "subscribed");
+    }
+    // A look every 60 s at most: within the test only a ring makes one.
+    let (timeout, poll) = (Duration::from_secs(20), Duration::from_secs(60));
+    let looks = |q: &Arc<RedisJobQueue>, id: &'static str, counter: &Arc<AtomicU32>| {
+        let (q, counter) = (Arc::clone(q), Arc::clone(counter));
+        move || {
+            let (q, counter) = (Arc::clone(&q), Arc::clone(&counter));
+            async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                q.read(&user("pia"), "work", &rid(id)).await
+            }
+        }
+    };
+    let big = "x".repeat(20_000);
+    let cases: [(&'static str, Option<Value>); 3] = [
+        ("f1", Some(json!({ "answer": 42 }))),
+        ("f2", None),
+        ("f3", Some(json!({ "text": big }))),
+    ];
+    for (id, result) in cases {
+        let (mine, theirs) = (api.watch(&rid(id)), other.watch(&rid(id)));
+        let job = submit_on(&api, id).await;
+        let queued = tollgate_core::job::JobInfo {
+            job,
+            status: JobStatus::Queued,
+            finished_at_ms: None,
+        };
+        let (my_looks, their_looks) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let mine = tokio::spawn(mine.until_final(
+            Some(queued.clone()),
+            timeout,
+            poll,
+            looks(&api, id, &my_looks),
+        ));
+        let theirs = tokio::spawn(theirs.until_final(
+            Some(queued),
+            timeout,
+            poll,
+            looks(&other, id, &their_looks),
+        ));
+        let lease = worker
+            .take("work", Taker::new("w1", Duration::from_secs(2), LEASE))
+            .await
+            .unwrap()
+            .expect("the job");
+        assert!(worker.start(&lease).await.unwrap());
+        let recorded = match &result {
+            Some(r) => worker.complete(&lease, r.clone()).await.unwrap(),
+            None => worker
+                .fail(
+                    &lease,
+                    Failure::new(FailureCause::Unanswered, Charge::Keep, "no answer"),
+                )
+                .await
+                .unwrap(),
+        };
+        assert_eq!(recorded, Finish::Recorded);
+        for (label, waiter, counter) in
+            [("mine", mine, &my_looks), ("theirs", theirs, &their_looks)]
+        {
+            let info = waiter.await.unwrap().unwrap().expect("the job");
+            match &result {
+                Some(r) => assert_eq!(
+                    info.status,
+                    JobStatus::Succeeded {
+                        result: r.clone(),
+                        head: None
+                    },
+                    "{id} {label}"
+                ),
+                None => assert!(
+                    matches!(
+                        info.status,
+                        JobStatus::Failed {
+                            cause: FailureCause::Unanswered,
+                            ..
+                        }
+                    ),
+                    "{id} {label}: {:?}",
+                    info.status
+                ),
+            }
+            assert_eq!(
+                info.job.provider, "p",
+                "{id} {label}: the provider from the config"
+            );
+            let read = counter.load(Ordering::SeqCst);
+            if label == "mine" && id != "f3" {
+                assert_eq!(read, 0, "{id}: the submitting pod read the record back");
+            } else {
+                assert!(
+                    read >= 1,
+                    "{id} {label}: woken by the id, it reads ({read})"
+                );
+            }
+        }
+    }
+}
+
+async fn submit_on(q: &RedisJobQueue, id: &str) -> tollgate_core::job::Job {
+    match q.submit(request(id, "pia", "work")).await.unwrap() {
+        SubmitOutcome::Queued { job, .. } => job,
+        other => panic!("not queued: {other:?}"),
+    }
+}
+
+/// A worker sends its claim and its run's start mark together. When the
+/// claim's answer is not known (here Redis refuses the worker's `FCALL`: an
+/// ACL without it), the run never called the provider: the mark is taken
+/// back and the job handed back, so its next run does not count this one as
+/// started (a failure of that run then releases the charge, as for a run that
+/// never started).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_a_claim_that_failed_takes_its_start_mark_back() {
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let mut conn = raw(&server).await;
+    let _: () = ::redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER",
+                "claimless",
+                "on",
+                "nopass",
+                "~*",
+                "&*",
+                "+@all",
+                "-fcall",
+            ][..],
+        )
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let (api, _) = redis_queue(&server, &prefix, config()).await;
+    let claimless = format!("redis://claimless:any@127.0.0.1:{}/", server.port());
+    let (cut, _) = redis_queue_at(&claimless, &prefix, config(), options()).await;
+    submit_on(&api, "m1").await;
+    let lease = cut
+        .take("work", Taker::new("w1", Duration::from_secs(2), LEASE))
+        .await
+        .unwrap()
+        .expect("the job");
+    assert!(!lease.ran_before);
+    let err = cut.start(&lease).await.expect_err("the claim cannot run");
+    assert!(err.to_string().contains("fcall"), "{err}");
+    let job = KeySpace::new(&prefix).unwrap().jobs("work").job("m1");
+    let started: Option<String> = ::redis::cmd("HGET")
+        .arg(&job)
+        .arg("started")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(started, None, "the start mark was taken back");
+    assert_eq!(cut.hand_back(&lease).await.unwrap(), Finish::Recorded);
+    let again = api
+        .take("work", Taker::new("w2", Duration::from_secs(2), LEASE))
+        .await
+        .unwrap()
+        .expect("the job, handed back");
+    assert!(!again.ran_before, "the failed start did not count as a run");
+    assert!(api.start(&again).await.unwrap());
+    let marked: Option<String> = ::redis::cmd("HGET")
+        .arg(&job)
+        .arg("started")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(marked.as_deref(), Some("1"), "a claimed run is marked");
+}

@@ -241,11 +241,13 @@ pub struct Watchers {
 }
 
 /// One job's wake-ups: a ring counter, so that a ring between two looks is
-/// never lost, and a [`Notify`] to sleep on.
+/// never lost, and a [`Notify`] to sleep on; with the final record when the
+/// store sent it along ([`Watchers::deliver`]).
 #[derive(Debug, Default)]
 struct Bell {
     rings: AtomicU64,
     notify: Notify,
+    delivered: Mutex<Option<JobInfo>>,
 }
 
 impl Bell {
@@ -279,6 +281,19 @@ impl Watchers {
         }
     }
 
+    /// Job `id` is final and the store sent its record along (the Redis
+    /// queue's message to the pod that submitted it): its watchers take it
+    /// instead of reading it back, when it is the attempt they wait for (the
+    /// same charge: [`Job::nonce`]). Nobody watching: nothing is kept.
+    pub fn deliver(&self, id: &str, info: JobInfo) {
+        if let Some(bell) = crate::lock(&self.by_id).get(id) {
+            if info.status.is_final() {
+                *crate::lock(&bell.delivered) = Some(info);
+            }
+            bell.ring();
+        }
+    }
+
     /// Every watcher looks again (after a lost subscription came back).
     pub fn ring_all(&self) {
         for bell in crate::lock(&self.by_id).values() {
@@ -307,10 +322,21 @@ impl Drop for Watch {
 }
 
 impl Watch {
+    /// The final record delivered for the attempt `known` is (same user, same
+    /// charge), if one was.
+    fn delivered(&self, known: Option<&JobInfo>) -> Option<JobInfo> {
+        let known = known?;
+        crate::lock(&self.bell.delivered)
+            .as_ref()
+            .filter(|d| d.job.nonce == known.job.nonce && d.job.user == known.job.user)
+            .cloned()
+    }
+
     /// Waits until the job is final, at most `timeout`, and returns what `look`
     /// read last. `known` is the job as the caller last saw it (`None`: look
     /// first). `look` runs when the job was rung, and every `poll` anyway, so
-    /// waking never depends on a notification alone.
+    /// waking never depends on a notification alone; a ring that brought the
+    /// final record of the attempt `known` names (its nonce) needs no look.
     pub async fn until_final<F, Fut>(
         mut self,
         known: Option<JobInfo>,
@@ -332,7 +358,10 @@ impl Watch {
             let rings = self.bell.rings.load(Ordering::SeqCst);
             if stale || rings != self.seen {
                 self.seen = rings;
-                info = look().await?;
+                info = match self.delivered(info.as_ref()) {
+                    Some(delivered) => Some(delivered),
+                    None => look().await?,
+                };
             }
             match &info {
                 Some(i) if !i.status.is_final() => {}

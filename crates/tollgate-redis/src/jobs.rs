@@ -20,8 +20,14 @@
 //! attempt's charge), confirm (`job_refunded.lua`). Maintenance finishes
 //! releases left pending by a crash.
 //!
+//! **Starting a run**: the claim and `job_started.lua` go out together (one
+//! round trip, not two); a claim that failed takes the mark back.
+//!
 //! **Waking watchers** does not depend on pub/sub alone: finishing scripts
-//! publish the job id, and a watcher also re-reads the record every `poll`.
+//! publish the job id to every pod, and the final record itself (when small)
+//! to the pod that submitted the job, on that pod's own channel (`w` in the
+//! record: this queue's `pod`), so its waiting call needs no read; a watcher
+//! also re-reads the record every `poll`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -70,9 +76,14 @@ pub struct RedisJobQueue {
     options: JobOptions,
     timeout: Duration,
     channel: String,
+    /// This process's name among the api pods: jobs it submits carry it, and
+    /// their final records come back on its own channels (`<done>:<pod>`).
+    pod: String,
     /// Idle connections for BLMOVE, one per concurrent take.
     blocking: Mutex<Vec<Blocking>>,
     watchers: Arc<Watchers>,
+    /// The finished-jobs subscription's listener (it rings `watchers`).
+    finished: Arc<Finished>,
     /// Refusals for stored bytes remembered in process.
     full_marks: job::FullMarks,
     /// Ids seen in this process's processing lists with their job still
@@ -100,16 +111,24 @@ impl RedisJobQueue {
         ledger: Arc<dyn Ledger>,
         options: JobOptions,
     ) -> Self {
+        let watchers = Arc::new(Watchers::default());
+        let finished = Arc::new(Finished {
+            watchers: Arc::clone(&watchers),
+            config: Arc::clone(&config),
+            subscribed: tokio::sync::watch::channel(false).0,
+        });
         Self {
             pool,
             channel: keys.jobs_done(),
+            pod: RequestId::generate().as_str().replace('-', ""),
             keys,
             config,
             ledger,
             options,
             timeout: DEFAULT_TIMEOUT,
             blocking: Mutex::new(Vec::new()),
-            watchers: Arc::new(Watchers::default()),
+            watchers,
+            finished,
             full_marks: job::FullMarks::default(),
             suspects: Mutex::default(),
             subscription: Mutex::new(None),
@@ -159,13 +178,8 @@ impl RedisJobQueue {
     }
 
     /// A final record keeps no provider: the operation's, from the config.
-    fn with_provider(&self, mut info: JobInfo) -> JobInfo {
-        if info.job.provider.is_empty() {
-            if let Some(op) = self.config.operation(&info.job.operation) {
-                info.job.provider = op.provider.clone();
-            }
-        }
-        info
+    fn with_provider(&self, info: JobInfo) -> JobInfo {
+        with_provider(&self.config, info)
     }
 
     /// How long `operation`'s finished records stay readable (ms).
@@ -278,7 +292,8 @@ impl RedisJobQueue {
     fn ensure_subscriber(&self) {
         let mut subscription = lock(&self.subscription);
         if subscription.is_none() {
-            let channels = if self.pool.is_cluster() {
+            // Every pod's channel(s), and this pod's own (`publish_done`).
+            let shared: Vec<String> = if self.pool.is_cluster() {
                 self.config
                     .operations()
                     .map(|op| self.keys.jobs(&op.name).done())
@@ -286,13 +301,25 @@ impl RedisJobQueue {
             } else {
                 vec![self.channel.clone()]
             };
+            let own = shared.iter().map(|c| format!("{c}:{}", self.pod));
+            let channels = shared.iter().cloned().chain(own).collect();
             *subscription = Some(subscription::spawn(
                 &self.pool,
                 channels,
-                Arc::clone(&self.watchers),
+                Arc::clone(&self.finished),
                 Duration::from_millis(200),
             ));
         }
+    }
+
+    /// Starts the finished-jobs subscription if no watch has, and waits until
+    /// it is live and its first re-check rang every watcher, at most `within`.
+    pub async fn subscribed(&self, within: Duration) -> bool {
+        self.ensure_subscriber();
+        let mut rx = self.finished.subscribed.subscribe();
+        tokio::time::timeout(within, rx.wait_for(|s| *s))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 
     /// Jobs waiting in `operation`'s queue (tests and metrics).
@@ -444,23 +471,77 @@ enum Taken {
     Empty,
 }
 
-/// The finished-jobs channel rings the watchers of each job; after every
-/// (re)subscription every watcher is rung to re-read its job (what was published
-/// while the subscription was down is found that way).
+/// A final record keeps no provider: the operation's, from `config`.
+fn with_provider(config: &Config, mut info: JobInfo) -> JobInfo {
+    if info.job.provider.is_empty() {
+        if let Some(op) = config.operation(&info.job.operation) {
+            info.job.provider = op.provider.clone();
+        }
+    }
+    info
+}
+
+/// The finished-jobs channels' listener: an id rings the watchers of that job;
+/// an id with its final record (`"<id>\n<JSON array of names and values>"`,
+/// this pod's own channel: `lib/job.lua` publish_done) is delivered to them.
+/// After every (re)subscription every watcher is rung to re-read its job (what
+/// was published while the subscription was down is found that way).
+struct Finished {
+    watchers: Arc<Watchers>,
+    config: Arc<Config>,
+    /// Live, and every watcher rung since it last was not.
+    subscribed: tokio::sync::watch::Sender<bool>,
+}
+
+impl Finished {
+    /// The job of a message with its record; `None` when it is unreadable
+    /// (the watchers then read the record themselves).
+    fn record(&self, id: &str, record: &str) -> Option<JobInfo> {
+        let rid = RequestId::new(id).ok()?;
+        let flat: Vec<String> = serde_json::from_str(record).ok()?;
+        let map: HashMap<String, String> = flat
+            .chunks_exact(2)
+            .map(|kv| (kv[0].clone(), kv[1].clone()))
+            .collect();
+        let info = decode(&rid, &map).ok()??;
+        Some(with_provider(&self.config, info))
+    }
+}
+
 #[async_trait]
-impl Listener for Watchers {
+impl Listener for Finished {
     fn name(&self) -> &'static str {
         "finished jobs"
     }
 
     async fn resync(&self) -> Result<(), StoreError> {
-        self.ring_all();
+        self.watchers.ring_all();
+        self.subscribed.send_replace(true);
         Ok(())
     }
 
+    fn live(&self, live: bool) {
+        if !live {
+            self.subscribed.send_replace(false);
+        }
+    }
+
     fn deliver(&self, payload: &[u8]) {
-        if let Ok(id) = std::str::from_utf8(payload) {
-            self.ring(id);
+        let Ok(text) = std::str::from_utf8(payload) else {
+            return;
+        };
+        match text.split_once('\n') {
+            None => self.watchers.ring(text),
+            Some((id, record)) => match self.record(id, record) {
+                Some(info) => self.watchers.deliver(id, info),
+                None => {
+                    tracing::warn!(
+                        request_id = id,
+                        "a finished job's message has an unreadable record; reading it instead"
+                    );
+                    self.watchers.ring(id);
+                }
+            },
         }
     }
 }
@@ -697,7 +778,7 @@ impl JobQueue for RedisJobQueue {
         let reply: Vec<Value> = self
             .script(
                 call::ENQUEUE,
-                scripts::job_enqueue(&keys, job, &input, create, stored),
+                scripts::job_enqueue(&keys, job, &input, create, stored, &self.pod),
             )
             .await?;
         match reply.first().and_then(int_signed) {
@@ -827,16 +908,41 @@ impl JobSource for RedisJobQueue {
     }
 
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
-        let claim = job::claim(&*self.ledger, &lease.job, self.config.hold_grace()).await?;
+        let (_, keys) = self.op_keys(&lease.job.operation)?;
+        let (id, token) = (lease.job.id.as_str(), lease.token);
+        // The claim and the start mark go out together: one round trip, not
+        // two. The mark says a run may have called the provider (a run lost
+        // after it keeps its charge, `job::given_up`); the two land within
+        // moments of each other, so a worker lost between them counts as
+        // started (its job's later failure keeps the charge): the cautious
+        // side. A claim refused fails the job unrun below (the mark changes
+        // nothing then); a claim whose answer is unknown takes the mark back
+        // (unless an earlier run had set it), and the job is handed back.
+        let grace = self.config.hold_grace();
+        let (claim, marked) = tokio::join!(
+            job::claim(&*self.ledger, &lease.job, grace),
+            self.script::<i64>("job_started", scripts::job_started(&keys, id, token, true)),
+        );
+        let claim = match claim {
+            Ok(claim) => claim,
+            Err(e) => {
+                if !lease.ran_before {
+                    let unmark = scripts::job_started(&keys, id, token, false);
+                    if let Err(e) = self.script::<i64>("job_started", unmark).await {
+                        tracing::warn!(error = %e, request_id = id, "taking back the start mark failed: a later run counts this one as started");
+                    }
+                }
+                return Err(e);
+            }
+        };
         if let Some((cause, message)) = job::unrun(claim) {
-            let (_, keys) = self.op_keys(&lease.job.operation)?;
             tracing::warn!(request_id = %lease.job.id, %message, "the job's charge is not its own; failing it unrun");
             self.record_failure(
                 &keys,
                 FailArgs {
-                    id: lease.job.id.as_str(),
+                    id,
                     worker: &lease.worker,
-                    token: lease.token,
+                    token,
                     cause: cause.as_str(),
                     message,
                     release: false,
@@ -847,14 +953,7 @@ impl JobSource for RedisJobQueue {
             .await?;
             return Ok(false);
         }
-        // Before the call: a run that starts and is lost keeps its charge.
-        let (_, keys) = self.op_keys(&lease.job.operation)?;
-        let _: i64 = self
-            .script(
-                "job_started",
-                scripts::job_started(&keys, lease.job.id.as_str(), lease.token),
-            )
-            .await?;
+        marked?;
         Ok(true)
     }
 

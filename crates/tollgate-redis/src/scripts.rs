@@ -982,6 +982,7 @@ pub fn job_enqueue<'a>(
     input: &str,
     create: bool,
     stored: Stored,
+    waiter: &str,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_ENQUEUE.prepare_invoke();
     inv.key(keys.job(job.id.as_str()))
@@ -1006,7 +1007,8 @@ pub fn job_enqueue<'a>(
         )
         .arg(keys.stored_prefix())
         .arg(stored.width_ms)
-        .arg(stored.limit);
+        .arg(stored.limit)
+        .arg(waiter);
     inv
 }
 
@@ -1080,11 +1082,16 @@ pub fn job_renew<'a>(
     inv
 }
 
-/// `job_started.lua`
-pub fn job_started<'a>(keys: &JobKeys, id: &str, token: u64) -> redis::ScriptInvocation<'a> {
+/// `job_started.lua`: marks the run started (`mark`), or takes the mark back.
+pub fn job_started<'a>(
+    keys: &JobKeys,
+    id: &str,
+    token: u64,
+    mark: bool,
+) -> redis::ScriptInvocation<'a> {
     let mut inv = JOB_STARTED.prepare_invoke();
     inv.key(keys.job(id));
-    inv.arg(token);
+    inv.arg(token).arg(if mark { "1" } else { "0" });
     inv
 }
 
