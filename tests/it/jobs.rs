@@ -1697,3 +1697,71 @@ async fn job_redis_a_claim_that_failed_takes_its_start_mark_back() {
         .unwrap();
     assert_eq!(marked.as_deref(), Some("1"), "a claimed run is marked");
 }
+
+/// A worker asks for its job's first slot while the job claims its charge.
+/// A job that then does not run (an operator cancelled its charge before the
+/// claim) ends the slot it was granted: the provider's only slot
+/// (`max_concurrent = 1`) goes to the next job at once, not at the end of
+/// the slot's hold (10 minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_a_slot_granted_to_a_job_that_does_not_run_is_ended() {
+    let toml = CONFIG.replace("max_wait = \"5s\"", "max_wait = \"5s\"\nmax_concurrent = 1");
+    let config = Arc::new(Config::parse(&toml, "one slot").unwrap());
+    // A job queue on Redis, whose claim takes a round trip: the slot (an
+    // in-process throttle's, granted at once) is granted meanwhile.
+    let server = RedisServer::start();
+    let (queue, ledger) = redis_queue(&server, &random_prefix(), Arc::clone(&config)).await;
+    let r = queue.submit(request("x1", "uma", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+    let refund =
+        tollgate_core::refund::operator_refund(&*ledger, &*queue, &user("uma"), &rid("x1"))
+            .await
+            .unwrap();
+    assert!(
+        matches!(
+            refund,
+            tollgate_core::ledger::RefundOutcome::Cancelled { .. }
+        ),
+        "{refund:?}"
+    );
+    let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
+        Arc::new(tollgate_memory::throttle::MemoryThrottle::new(&config));
+    let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
+    let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics).unwrap();
+    cfg.block = Duration::from_millis(100);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let source: Arc<dyn JobSource> = queue.clone();
+    let role = tokio::spawn(tollgate_worker::run(cfg, source, providers, async {
+        let _ = stopped.await;
+    }));
+    let cancelled = queue
+        .wait(&user("uma"), &rid("x1"), Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(
+            cancelled.status,
+            JobStatus::Failed {
+                cause: FailureCause::Cancelled,
+                ..
+            }
+        ),
+        "{:?}",
+        cancelled.status
+    );
+    let r = queue.submit(request("x2", "uma", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+    let next = queue
+        .wait(&user("uma"), &rid("x2"), Duration::from_secs(10))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(next.status, JobStatus::Succeeded { .. }),
+        "the only slot was not given back: {:?}",
+        next.status
+    );
+    let _ = stop.send(());
+    role.await.unwrap().unwrap();
+}

@@ -255,7 +255,46 @@ pub trait Client: Send + Sync + fmt::Debug {
         };
         Ok(Answer::body(body))
     }
+
+    /// The wait for the first attempt's slot, to begin ahead of the call
+    /// (the worker waits for it while its job claims its charge: one round
+    /// trip instead of two). `None` (this default): the call takes its slots
+    /// itself. The slot's wait ends by `deadline` and the provider's
+    /// `max_wait`, as the call's own would.
+    fn first_slot<'a>(&'a self, job: &'a Job, deadline: Option<Instant>) -> Option<FirstSlot<'a>> {
+        let _ = (job, deadline);
+        None
+    }
+
+    /// Ends a slot of [`Self::first_slot`] that no call will use (its job
+    /// does not run): its token is spent (never given back: see
+    /// [`ThrottledClient`]), its place in the caps freed.
+    async fn unused_slot(&self, grant: &Grant) {
+        let _ = grant;
+    }
+
+    /// [`Self::call_answer`], its first attempt on `first` (from
+    /// [`Self::first_slot`]) when given. This default ends a slot it was
+    /// given unused and calls as usual.
+    async fn call_answer_with(
+        &self,
+        job: &Job,
+        deadline: Option<Instant>,
+        sink: Option<&dyn StreamWriter>,
+        first: Option<FirstSlot<'_>>,
+    ) -> Result<Answer, CallError> {
+        if let Some(first) = first {
+            if let Ok(grant) = first.await {
+                self.unused_slot(&grant).await;
+            }
+        }
+        self.call_answer(job, deadline, sink).await
+    }
 }
+
+/// The wait for a call's first slot, begun ahead of it ([`Client::first_slot`]).
+pub type FirstSlot<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Grant, ThrottleError>> + Send + 'a>>;
 
 /// How one attempt failed: what the transport saw. What it means for the
 /// charge and the retries is the [`outcome`] policy's.
@@ -647,7 +686,7 @@ impl<C: Transport> Client for ThrottledClient<C> {
     }
 
     async fn call_by(&self, job: &Job, deadline: Option<Instant>) -> Result<Value, CallError> {
-        Ok(self.call_with(job, deadline, None).await?.body)
+        Ok(self.call_with(job, deadline, None, None).await?.body)
     }
 
     async fn call_streaming(
@@ -656,7 +695,7 @@ impl<C: Transport> Client for ThrottledClient<C> {
         deadline: Option<Instant>,
         sink: &dyn StreamWriter,
     ) -> Result<Value, CallError> {
-        Ok(self.call_with(job, deadline, Some(sink)).await?.body)
+        Ok(self.call_with(job, deadline, Some(sink), None).await?.body)
     }
 
     async fn call_answer(
@@ -665,18 +704,42 @@ impl<C: Transport> Client for ThrottledClient<C> {
         deadline: Option<Instant>,
         sink: Option<&dyn StreamWriter>,
     ) -> Result<Answer, CallError> {
-        self.call_with(job, deadline, sink).await
+        self.call_with(job, deadline, sink, None).await
+    }
+
+    fn first_slot<'a>(&'a self, job: &'a Job, deadline: Option<Instant>) -> Option<FirstSlot<'a>> {
+        let to_deadline = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let left = to_deadline.map_or(self.provider.max_wait, |d| d.min(self.provider.max_wait));
+        Some(Box::pin(self.slot(job, left)))
+    }
+
+    async fn unused_slot(&self, grant: &Grant) {
+        if let Err(e) = self.throttle.done(grant).await {
+            tracing::warn!(error = %e, provider = %self.provider.name, "ending an unused slot failed; it frees itself at the end of its hold");
+        }
+    }
+
+    async fn call_answer_with(
+        &self,
+        job: &Job,
+        deadline: Option<Instant>,
+        sink: Option<&dyn StreamWriter>,
+        first: Option<FirstSlot<'_>>,
+    ) -> Result<Answer, CallError> {
+        self.call_with(job, deadline, sink, first).await
     }
 }
 
 impl<C: Transport> ThrottledClient<C> {
     /// The call, its attempts throttled and retried per the outcome policy;
-    /// with a `sink`, each attempt's answer is streamed to it.
+    /// with a `sink`, each attempt's answer is streamed to it; the first
+    /// attempt on `first`'s slot when given ([`Client::first_slot`]).
     async fn call_with(
         &self,
         job: &Job,
         deadline: Option<Instant>,
         sink: Option<&dyn StreamWriter>,
+        mut first: Option<FirstSlot<'_>>,
     ) -> Result<Answer, CallError> {
         let name = &self.provider.name;
         let retry_unanswered = self.retry_unanswered.contains(&job.operation);
@@ -701,6 +764,14 @@ impl<C: Transport> ThrottledClient<C> {
         let mut waiting_since = Instant::now();
         loop {
             if past(deadline) {
+                // A slot asked for ahead is ended unused (its wait is
+                // bounded by the deadline: it ends at once).
+                if let Some(Ok(grant)) = match first.take() {
+                    Some(first) => Some(first.await),
+                    None => None,
+                } {
+                    self.unused_slot(&grant).await;
+                }
                 return Err(fail(&tally, expired(attempt), FailureCause::Expired));
             }
             let max_wait = self
@@ -709,7 +780,11 @@ impl<C: Transport> ThrottledClient<C> {
                 .saturating_sub(waiting_since.elapsed());
             let to_deadline = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             let left = to_deadline.map_or(max_wait, |d| d.min(max_wait));
-            let grant = match self.slot(job, left).await {
+            let slot = match first.take() {
+                Some(first) => first.await,
+                None => self.slot(job, left).await,
+            };
+            let grant = match slot {
                 Ok(grant) => grant,
                 Err(ThrottleError::Timeout { .. }) if past(deadline) => {
                     return Err(fail(&tally, expired(attempt), FailureCause::Expired))

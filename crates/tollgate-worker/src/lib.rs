@@ -41,6 +41,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tollgate_core::lock;
+use tollgate_core::throttle::{Grant, ThrottleError};
 use tollgate_core::{
     config::Config,
     id::RequestId,
@@ -48,7 +49,7 @@ use tollgate_core::{
     metrics::{Heartbeat, JobEnd, Metrics},
     stream::{self, JobStreams, StreamEvent, StreamWriter},
 };
-use tollgate_providers::{outcome, CallError, Client};
+use tollgate_providers::{outcome, CallError, Client, FirstSlot};
 use tracing::Instrument;
 
 /// Tunables of the worker role.
@@ -365,22 +366,41 @@ async fn job(
     mut stop: watch::Receiver<bool>,
 ) -> (JobEnd, Option<FailureCause>) {
     let job = &lease.job;
-    match source.start(lease).await {
+    // The store's clock said how long the job had left when it was leased: a
+    // monotonic timer from there, never this pod's wall clock. It bounds what
+    // is sent, not what is in flight (see the module docs).
+    let deadline = tokio::time::Instant::now() + lease.time_left;
+    // A streamed job's events go to the api pod holding its client, as the
+    // upstream sends them.
+    let sink = stream::wants_stream(&job.input).then(|| cfg.streams.writer(job));
+    // An earlier run streamed part of the answer and was lost: no call now.
+    let lost_mid_stream = sink.is_some() && lease.ran_before;
+    // The first slot is waited for while the job claims its charge: one
+    // round trip in sequence, not two.
+    let first = if lost_mid_stream {
+        None
+    } else {
+        provider.first_slot(job, Some(deadline))
+    };
+    let (started, first) = start_with(source.as_ref(), lease, first).await;
+    match started {
         Ok(true) => {}
         Ok(false) => {
+            if let Some(slot) = first {
+                slot.unused(provider.as_ref()).await;
+            }
             tracing::warn!("the job's charge is not its own: failed unrun, nothing to refund");
             return (JobEnd::Unpaid, None);
         }
         Err(e) => {
+            if let Some(slot) = first {
+                slot.unused(provider.as_ref()).await;
+            }
             tracing::warn!(error = %e, "claiming the job's charge failed; handing the job back");
             let recorded = finish("hand back", || source.hand_back(lease)).await;
             return (end_of(recorded, JobEnd::HandedBack), None);
         }
     }
-    // The store's clock said how long the job had left when it was leased: a
-    // monotonic timer from there, never this pod's wall clock. It bounds what
-    // is sent, not what is in flight (see the module docs).
-    let deadline = tokio::time::Instant::now() + lease.time_left;
     let renew = async {
         loop {
             let asleep = tokio::time::Instant::now();
@@ -405,15 +425,12 @@ async fn job(
         stopped(&mut stop).await;
         tokio::time::sleep(cfg.shutdown_grace).await;
     };
-    // A streamed job's events go to the api pod holding its client, as the
-    // upstream sends them.
-    let sink = stream::wants_stream(&job.input).then(|| cfg.streams.writer(job));
-    if let (Some(sink), true) = (&sink, lease.ran_before) {
-        // An earlier run streamed part of the answer and was lost: its
-        // client cannot be given the rest, and the upstream may have worked.
+    if let (Some(sink), true) = (&sink, lost_mid_stream) {
+        // Its client cannot be given the rest, and the upstream may have worked.
         return lost_stream(source.as_ref(), lease, sink.as_ref()).await;
     }
-    let call = provider.call_answer(job, Some(deadline), sink.as_deref());
+    let first = first.map(Slot::into_first);
+    let call = provider.call_answer_with(job, Some(deadline), sink.as_deref(), first);
     let ended = tokio::select! {
         // The lease first: after a pause it must be seen lost before a call
         // that became ready meanwhile goes out.
@@ -506,6 +523,60 @@ async fn job(
     }
     let end = end_of(recorded, ok);
     (end, cause.filter(|_| end == JobEnd::Failed))
+}
+
+/// The first slot of a job's call, asked for while the job started
+/// ([`start_with`]).
+enum Slot<'a> {
+    /// Granted (or refused) during the start.
+    Ready(Result<Grant, ThrottleError>),
+    /// Still waited for.
+    Waiting(FirstSlot<'a>),
+}
+
+impl<'a> Slot<'a> {
+    /// For the call's first attempt.
+    fn into_first(self) -> FirstSlot<'a> {
+        match self {
+            Slot::Ready(r) => Box::pin(std::future::ready(r)),
+            Slot::Waiting(f) => f,
+        }
+    }
+
+    /// The job will not call: a slot granted is ended unused; a wait still
+    /// going is given up (dropped: no token taken).
+    async fn unused(self, provider: &dyn Client) {
+        if let Slot::Ready(Ok(grant)) = self {
+            provider.unused_slot(&grant).await;
+        }
+    }
+}
+
+/// Starts the run ([`JobSource::start`]: the claim) while the `first` slot is
+/// waited for; the slot comes back granted or still waited for.
+async fn start_with<'a>(
+    source: &dyn JobSource,
+    lease: &Lease,
+    first: Option<FirstSlot<'a>>,
+) -> (Result<bool, job::JobError>, Option<Slot<'a>>) {
+    let Some(mut first) = first else {
+        return (source.start(lease).await, None);
+    };
+    let start = source.start(lease);
+    tokio::pin!(start);
+    let mut granted = None;
+    let started = loop {
+        tokio::select! {
+            biased;
+            r = &mut start => break r,
+            g = &mut first, if granted.is_none() => granted = Some(g),
+        }
+    };
+    let slot = match granted {
+        Some(g) => Slot::Ready(g),
+        None => Slot::Waiting(first),
+    };
+    (started, Some(slot))
 }
 
 /// Appends the last event of a job's stream. A failure is logged: the reader
