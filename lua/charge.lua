@@ -14,8 +14,8 @@
 --         job has claimed by deadline + grace is released
 -- ARGV[8..] export maxlen, retention, then the plan table (lib/budget.lua)
 -- Returns one of
---   { 1, now_ms, deadline_ms, windows... }    charged, held for its job
---   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows... }
+--   { 1, now_ms, deadline_ms, windows..., plan }    charged, held for its job
+--   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows..., plan }
 --        the same request (operation and fingerprint) is charged already, under
 --        `nonce`; state 'h' (no job has claimed it) or 'j' (its job has)
 --   { 0, now_ms, windows... }                 denied: does not fit (retry_after per window)
@@ -26,6 +26,10 @@
 -- A member of an organisation (see lib/budget.lua): KEYS[10..18] the
 -- organisation's budget keys; the organisation's plan name and windows follow
 -- the user's in the reply (`org_windows`), and the step applies to both.
+-- plan: the user's plan name as `resolve_plan` names it ('custom:<plan>' for
+-- a user with limits of its own), always the reply's last element, after an
+-- organisation's windows: the caller takes the plan's other settings
+-- (max_stored_bytes) from it without reading the plan key.
 -- A refunded charge is forgotten with its event: the same request then charges anew.
 
 local request, cost, nonce, op, fp = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
@@ -35,7 +39,7 @@ if not deadline_after or deadline_after < 1 or not grace or grace < 0
     or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 then
   return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
 end
-local never, limits, now, used, org, ev, slot = open_spend(request, cost, 8)
+local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 8)
 if never then
   return never
 end
@@ -48,8 +52,10 @@ if ev then
   if string.match(o.op, '^[^/]*') ~= string.match(op, '^[^/]*') or o.fp ~= fp then
     return { 3, o.op }
   end
-  return org_windows(push_windows({ 2, now, o.deadline, spent(ev), o.nonce, ev.state }, limits, used,
-    now), org, now)
+  local out = org_windows(push_windows({ 2, now, o.deadline, spent(ev), o.nonce, ev.state }, limits,
+    used, now), org, now)
+  out[#out + 1] = plan
+  return out
 end
 
 if not fits(limits, used, cost) or not org_fits(org, cost) then
@@ -60,4 +66,6 @@ local deadline = now + deadline_after
 used = record(request, cost, now, limits, used, { nonce = nonce, deadline = deadline, op = op, fp = fp }, slot)
 redis.call('ZADD', HOLDS, int(deadline + grace), request)
 org_record(org, request, cost, now)
-return org_windows(push_windows({ 1, now, deadline }, limits, used, now), org, now)
+local out = org_windows(push_windows({ 1, now, deadline }, limits, used, now), org, now)
+out[#out + 1] = plan
+return out

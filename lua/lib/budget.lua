@@ -1431,9 +1431,10 @@ end
 -- ARGV[i]): expire, open the organisation, then find the request's event.
 -- Returns the reply { -1, max_cost } when the cost can never fit the user's
 -- plan or its organisation's (the smaller max_cost of the two), else nil,
--- limits, now, used, org, and the event and slot of `find`.
+-- limits, now, used, org, the event and slot of `find`, and the user's plan
+-- name (`resolve_plan`'s).
 local function open_spend(request, cost, i)
-  local _, limits = resolve_plan(i)
+  local name, limits = resolve_plan(i)
   local most = max_cost(limits)
   if too_costly(limits, cost) then
     return { -1, most }
@@ -1444,7 +1445,8 @@ local function open_spend(request, cost, i)
   if org and cost > max_cost(org.limits) then
     return { -1, math.min(most, max_cost(org.limits)) }
   end
-  return nil, limits, now, used, org, find(request)
+  local ev, slot = find(request)
+  return nil, limits, now, used, org, ev, slot, name
 end
 
 -- Whether `cost` fits every window of the organisation's plan too.

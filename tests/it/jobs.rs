@@ -27,10 +27,15 @@ use tollgate_tests::{random_prefix, RedisServer, TestCluster};
 
 pub const CONFIG: &str = r#"
 hold_grace = "200ms"
+default_plan = "free"
 [plans.free]
 limit = 100
 window = "1h"
 max_stored_bytes = 20000
+[plans.roomy]
+limit = 100
+window = "1h"
+max_stored_bytes = 40000
 [providers.p]
 rate = 1000
 burst = 100
@@ -446,6 +451,42 @@ async fn job_finished_records_drop_inputs_and_stored_bytes_are_bounded(s: &Setup
         3,
         "the refused submission is released"
     );
+    // The bound is the user's plan's: 7 such jobs fit a roomy user's 40,000
+    // bytes. Limits of a user's own replace its plan's limits only: its
+    // plan's bound still holds.
+    let limits = [tollgate_core::config::Limit {
+        limit: 1000,
+        window: Duration::from_secs(3600),
+    }];
+    for (who, plan, custom, fit, bound) in [
+        ("ruth", "roomy", false, 7, 40000),
+        ("cole", "free", true, 3, 20000),
+        ("rhea", "roomy", true, 7, 40000),
+    ] {
+        s.ledger.set_plan(&user(who), plan).await.unwrap();
+        if custom {
+            s.ledger.set_limits(&user(who), &limits).await.unwrap();
+        }
+        for i in 0..fit {
+            let r = JobRequest {
+                user: user(who),
+                ..big(&format!("{who}{i}"))
+            };
+            match s.queue.submit(r).await.unwrap() {
+                SubmitOutcome::Queued { .. } => {}
+                other => panic!("{who}'s job {i} not queued: {other:?}"),
+            }
+        }
+        let r = JobRequest {
+            user: user(who),
+            ..big(&format!("{who}{fit}"))
+        };
+        match s.queue.submit(r).await {
+            Err(JobError::StoredBytesExceeded { limit, .. }) => assert_eq!(limit, bound, "{who}"),
+            other => panic!("{who} not refused: {other:?}"),
+        }
+        assert_eq!(s.used(who).await, fit, "{who}");
+    }
     // For FULL_MARK_TTL the queue's refusal is answered in process, before any
     // charge, to a job that would not fit beside what it counted; a job that
     // fits still goes to the queue.
@@ -942,6 +983,47 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         "{info:?}"
     );
     assert_eq!(ledger.usage(&ivan).await.unwrap().used, 0);
+}
+
+/// A submission's only round trips are its charge and its enqueue: the
+/// user's plan, whose `max_stored_bytes` bounds the enqueue (the suite's
+/// plans differ in it), comes back with the charge, so Redis runs no `GET`
+/// (before, one `GET` of the plan key per submission, in sequence between
+/// the two). Counted on the test's own server (INFO commandstats), for a new
+/// charge, a duplicate and a user with limits of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_submit_takes_the_plan_from_its_charge() {
+    let server = RedisServer::start();
+    let (q, ledger) = redis_queue(&server, &random_prefix(), config()).await;
+    let gets = || {
+        tollgate_tests::redis_info::command_calls(&server.url())
+            .get("get")
+            .copied()
+            .unwrap_or(0)
+    };
+    // Where each user lives is read once (a `GET` of its `at` pointer) and
+    // kept by the ledger: setting a plan or reading usage reads it.
+    ledger.set_plan(&user("paul"), "roomy").await.unwrap();
+    ledger.set_plan(&user("cara"), "roomy").await.unwrap();
+    let limits = [tollgate_core::config::Limit {
+        limit: 1000,
+        window: Duration::from_secs(3600),
+    }];
+    ledger.set_limits(&user("cara"), &limits).await.unwrap();
+    ledger.usage(&user("walt")).await.unwrap();
+    let before = gets();
+    for (id, who) in [
+        ("g1", "paul"),
+        ("g2", "paul"),
+        ("g3", "cara"),
+        ("g4", "walt"),
+    ] {
+        let r = q.submit(request(id, who, "work")).await.unwrap();
+        assert!(matches!(r, SubmitOutcome::Queued { .. }), "{id}: {r:?}");
+    }
+    let r = q.submit(request("g1", "paul", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Duplicate { .. }), "{r:?}");
+    assert_eq!(gets() - before, 0, "GETs during 5 submissions");
 }
 
 /// Garbage in a queue (an id without a record, unreadable JSON, a job of another

@@ -807,6 +807,61 @@ async fn a_charge_records_the_acting_service_key(b: &impl Backend) {
     );
 }
 
+/// A charge answers the user's plan, read in its atomic step, named as
+/// `plan` names it: the default, a stored plan, the named plan of a user with
+/// limits of its own (its plan's other settings still apply), and a member's
+/// own plan (not its organisation's); the same for a request charged already.
+async fn a_charge_answers_the_users_plan(b: &impl Backend) {
+    use tollgate_core::config::Limit;
+    use tollgate_core::id::OrgId;
+    use tollgate_core::ledger::{ChargeOutcome, ChargeRequest};
+    let (l, u) = (b.ledger(), user("planned"));
+    let charge = |nonce| ChargeRequest {
+        cost: 1,
+        nonce,
+        operation: "llm.structured",
+        fingerprint: "f1",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(1),
+        service_key: None,
+    };
+    // (charged or found charged, the plan it answered)
+    let plan_of = |c: ChargeOutcome| match c {
+        ChargeOutcome::Charged { plan, .. } => (true, plan),
+        ChargeOutcome::Existing { plan, .. } => (false, plan),
+        other => panic!("expected a charge, got {other:?}"),
+    };
+    let c = l.charge(&u, &rid("p1"), &charge("n1")).await.unwrap();
+    assert_eq!(plan_of(c), (true, "small".to_owned()), "the default");
+    l.set_plan(&u, "big").await.unwrap();
+    let c = l.charge(&u, &rid("p2"), &charge("n2")).await.unwrap();
+    assert_eq!(plan_of(c), (true, "big".to_owned()));
+    let c = l.charge(&u, &rid("p2"), &charge("n3")).await.unwrap();
+    assert_eq!(plan_of(c), (false, "big".to_owned()), "charged already");
+    let own = [Limit {
+        limit: 50,
+        window: WINDOW,
+    }];
+    l.set_limits(&u, &own).await.unwrap();
+    let c = l.charge(&u, &rid("p3"), &charge("n4")).await.unwrap();
+    assert_eq!(plan_of(c), (true, "big".to_owned()), "limits of its own");
+    assert_eq!(l.plan(&u).await.unwrap(), "big");
+    let c = l.charge(&u, &rid("p3"), &charge("n5")).await.unwrap();
+    assert_eq!(plan_of(c), (false, "big".to_owned()));
+    // A member: its organisation's plan and windows come before it in the
+    // Redis reply.
+    let o = OrgId::new("planners").unwrap();
+    l.set_org_plan(&o, "thousand").await.unwrap();
+    l.set_user_org(&u, Some(&o)).await.unwrap();
+    let c = l.charge(&u, &rid("p4"), &charge("n6")).await.unwrap();
+    assert_eq!(plan_of(c), (true, "big".to_owned()), "a member");
+    let c = l.charge(&u, &rid("p4"), &charge("n7")).await.unwrap();
+    assert_eq!(plan_of(c), (false, "big".to_owned()));
+    l.clear_limits(&u).await.unwrap();
+    let c = l.charge(&u, &rid("p5"), &charge("n8")).await.unwrap();
+    assert_eq!(plan_of(c), (true, "big".to_owned()));
+}
+
 async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
     use tollgate_core::ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome};
     let (l, u) = (b.ledger(), user("settler"));
@@ -1227,6 +1282,7 @@ on_each_backend!(
         an_operator_refund_cancels_a_held_charge,
         a_plan_round_trip_erases_nothing,
         a_charge_records_the_acting_service_key,
+        a_charge_answers_the_users_plan,
     ]
     memory => &super::MemoryBackend::new(),
     redis => &super::RedisBackend::start().await,

@@ -232,9 +232,10 @@ async fn every_step_applies_to_both_levels(b: &impl Backend) {
         (0, 0)
     );
     // A job's charge: held, claimed, settled, released.
+    // It answers the member's own plan (the default), not its organisation's.
     let c = l.charge(&a, &rid("j1"), &charge(6, "n1")).await.unwrap();
     assert!(
-        matches!(c, tollgate_core::ledger::ChargeOutcome::Charged { .. }),
+        matches!(c, tollgate_core::ledger::ChargeOutcome::Charged { ref plan, .. } if plan == "small"),
         "{c:?}"
     );
     assert_eq!(org_used(l.as_ref(), &o).await, 6);

@@ -14,9 +14,11 @@
 //!    (operation and a fingerprint of the body: another one is
 //!    [`JobError::KeyReused`]), reserves the cost and records the charge under a
 //!    fresh nonce, *held* for its job until the job's deadline plus
-//!    [`Config::hold_grace`]: the submission owns it.
+//!    [`Config::hold_grace`]: the submission owns it. It answers the user's
+//!    plan too, read in the same step.
 //! 2. [`JobQueue::enqueue`] creates the job carrying that nonce (or finds it: a
-//!    retry, or a second request with the same key, gets the same job).
+//!    retry, or a second request with the same key, gets the same job), within
+//!    that plan's `max_stored_bytes`: no round trip between the two steps.
 //! 3. A worker, before the provider call, [`claim`]s the charge: the job owns it
 //!    from then on, and [`Ledger::release`]s it if it fails, at most once.
 //!
@@ -670,7 +672,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             deadline: op.deadline,
             grace: self.config().hold_grace(),
         };
-        let (allowed, nonce, deadline_ms, create, charged) = match self
+        let (allowed, nonce, deadline_ms, create, charged, plan) = match self
             .ledger()
             .charge(&request.user, &request.id, &charge)
             .await?
@@ -678,13 +680,15 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             ChargeOutcome::Charged {
                 allowed,
                 deadline_ms,
-            } => (allowed, fresh, deadline_ms, true, true),
+                plan,
+            } => (allowed, fresh, deadline_ms, true, true, plan),
             ChargeOutcome::Existing {
                 allowed,
                 nonce,
                 deadline_ms,
                 claimed,
-            } => (allowed, nonce, deadline_ms, !claimed, false),
+                plan,
+            } => (allowed, nonce, deadline_ms, !claimed, false, plan),
             ChargeOutcome::Denied(denied) => return Ok(SubmitOutcome::Denied { denied }),
             ChargeOutcome::Conflict {
                 operation: Some(operation),
@@ -698,7 +702,8 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
                 return Err(JobError::IdInUse(request.id))
             }
         };
-        let max_stored = self.max_stored_bytes(&request.user).await?;
+        // The plan came with the charge: its bound needs no read of its own.
+        let max_stored = self.config().plan_or_default(Some(&plan)).max_stored_bytes;
         let job = Job {
             id: request.id,
             user: request.user,
@@ -748,18 +753,6 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
                 Err(JobError::StoredBytesExceeded { stored, limit })
             }
         }
-    }
-
-    /// `user`'s plan's `max_stored_bytes`: the ledger is asked for the plan
-    /// only when plans differ in it.
-    async fn max_stored_bytes(&self, user: &UserId) -> Result<u64, JobError> {
-        let config = self.config();
-        let default = config.default_plan().max_stored_bytes;
-        if config.plans().all(|p| p.max_stored_bytes == default) {
-            return Ok(default);
-        }
-        let plan = self.ledger().plan(user).await?;
-        Ok(config.plan_or_default(Some(&plan)).max_stored_bytes)
     }
 
     /// Waits until the job is final, at most `timeout`, and returns its info

@@ -151,12 +151,19 @@ impl<'a> SettleRequest<'a> {
     }
 }
 
-/// The answer to [`Ledger::charge`].
+/// The answer to [`Ledger::charge`]. `plan`, when charged or found charged:
+/// the user's plan name as [`Ledger::plan`] answers it (the named plan, also
+/// for a user with limits of its own), read in the same atomic step, so that
+/// the plan's other settings (`max_stored_bytes`) need no further read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ChargeOutcome {
     /// Charged now, held for the job until its deadline plus the grace.
-    Charged { allowed: Allowed, deadline_ms: u64 },
+    Charged {
+        allowed: Allowed,
+        deadline_ms: u64,
+        plan: String,
+    },
     /// The same request (operation and fingerprint) is charged already, under
     /// `nonce`; `claimed` once its job has taken the charge over.
     Existing {
@@ -164,6 +171,7 @@ pub enum ChargeOutcome {
         nonce: String,
         deadline_ms: u64,
         claimed: bool,
+        plan: String,
     },
     /// The budget does not allow it: nothing charged.
     Denied(Denied),

@@ -1360,6 +1360,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         let cost = charge.cost;
         validate_cost(cost)?;
         self.with_user(user, true, |log, mut side, now| {
+            // The named plan, as `plan` answers it (also with limits of its own).
+            let named = &self.config.plan_or_default(log.plan.as_deref()).name;
             let plan = self.plan_of(log);
             let limits = &plan.limits;
             let most = side
@@ -1390,6 +1392,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     nonce,
                     deadline_ms,
                     claimed,
+                    plan: named.clone(),
                 });
             }
             if let Some(d) = side.as_ref().and_then(|s| s.deny(log, limits, cost, now)) {
@@ -1425,6 +1428,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             Ok(ChargeOutcome::Charged {
                 allowed,
                 deadline_ms,
+                plan: named.clone(),
             })
         })
     }

@@ -53,6 +53,9 @@ const MOVING_POLL: Duration = Duration::from_millis(25);
 const MOVING_POLLS: usize = 200;
 /// Log entries a move reads per batch.
 const MOVE_BATCH: usize = 50;
+/// How `lib/budget.lua` (`resolve_plan`) names the plan of a user with limits
+/// of its own: this, then the named plan (no plan name has a ':').
+const CUSTOM_PREFIX: &str = "custom:";
 
 impl std::fmt::Debug for RedisLedger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -564,16 +567,27 @@ impl Ledger for RedisLedger {
             .await?;
         let bad = || bad_reply::<LedgerError>("charge", &r);
         let n = |i: usize| r.get(i).and_then(int).ok_or_else(bad);
+        // The user's plan, the reply's last element, as `plan` answers it:
+        // the named plan, also for a user with limits of its own.
+        let plan = || {
+            let name = r.last().and_then(text).ok_or_else(bad)?;
+            Ok::<_, LedgerError>(match name.strip_prefix(CUSTOM_PREFIX) {
+                Some(named) => named.to_owned(),
+                None => name,
+            })
+        };
         match r.first().and_then(signed) {
             Some(1) => Ok(ChargeOutcome::Charged {
                 allowed: Allowed::new(windows("charge", &r, 3)?.0, n(1)?, n(1)?, false),
                 deadline_ms: n(2)?,
+                plan: plan()?,
             }),
             Some(2) => Ok(ChargeOutcome::Existing {
                 allowed: Allowed::new(windows("charge", &r, 6)?.0, n(3)?, n(1)?, true),
                 deadline_ms: n(2)?,
                 nonce: r.get(4).and_then(text).ok_or_else(bad)?,
                 claimed: r.get(5).and_then(text).as_deref() == Some("j"),
+                plan: plan()?,
             }),
             Some(0) => {
                 let now = n(1)?;
@@ -1091,9 +1105,7 @@ fn parse_usage(reply: Vec<Value>, org: Option<OrgId>) -> Result<Usage, LedgerErr
             .first()
             .ok_or_else(|| bad_reply::<LedgerError>("usage", "empty"))?,
     )?;
-    // `lib/budget.lua` names the plan of a user with limits of its own
-    // `custom:<plan>` (no plan name has a ':').
-    let custom = plan.starts_with("custom:");
+    let custom = plan.starts_with(CUSTOM_PREFIX);
     let mut usage = Usage::new(plan, windows, int(&reply[1])?, events, next_cursor);
     if let (Some((plan, windows, _)), Some(org)) = (section, org) {
         usage.organisation = Some(OrgWindows { org, plan, windows });
