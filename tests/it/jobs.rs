@@ -200,7 +200,12 @@ async fn take(s: &Setup, operation: &str, worker: &str) -> tollgate_core::job::L
 
 /// A lease whose run never starts (no claim, no call).
 async fn take_unstarted(s: &Setup, operation: &str, worker: &str) -> tollgate_core::job::Lease {
-    s.source
+    lease_from(&*s.source, operation, worker).await
+}
+
+/// The next job of `operation` from `source`, leased to `worker` (within 2 s).
+async fn lease_from(source: &dyn JobSource, operation: &str, worker: &str) -> Lease {
+    source
         .take(operation, Taker::new(worker, Duration::from_secs(2), LEASE))
         .await
         .unwrap()
@@ -1180,25 +1185,40 @@ path = "/v1/work"
 
 /// The embedded mode end to end: the worker role on `MemoryJobQueue`, the
 /// in-process throttle and the built-in mock provider.
+/// The worker role on `source`, the config's providers throttled in
+/// process, 100 ms takes: it runs until the returned [`Worker`] is stopped.
+fn worker_role(config: &Arc<Config>, source: Arc<dyn JobSource>, concurrency: usize) -> Worker {
+    let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
+        Arc::new(tollgate_memory::throttle::MemoryThrottle::new(config));
+    let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(config));
+    let providers = tollgate_providers::from_config(config, throttle, &cfg.metrics).unwrap();
+    cfg.concurrency = concurrency;
+    cfg.block = Duration::from_millis(100);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let role = tokio::spawn(tollgate_worker::run(cfg, source, providers, async {
+        let _ = stopped.await;
+    }));
+    Worker { stop, role }
+}
+
+/// A worker role of [`worker_role`].
+struct Worker {
+    stop: tokio::sync::oneshot::Sender<()>,
+    role: tokio::task::JoinHandle<Result<(), tollgate_worker::WorkerError>>,
+}
+
+impl Worker {
+    /// Stops the role and waits until it ended cleanly.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.role.await.unwrap().unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn job_embedded_worker_runs_jobs_on_memory() {
     let s = Setup::memory();
-    let config = config();
-    let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
-        Arc::new(tollgate_memory::throttle::MemoryThrottle::new(&config));
-    let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
-    let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics).unwrap();
-    cfg.concurrency = 4;
-    cfg.block = Duration::from_millis(100);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let role = tokio::spawn(tollgate_worker::run(
-        cfg,
-        Arc::clone(&s.source),
-        providers,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let worker = worker_role(&config(), Arc::clone(&s.source), 4);
     for i in 0..10 {
         submit_ok(&s, &format!("e{i}"), "kim").await;
     }
@@ -1222,29 +1242,14 @@ async fn job_embedded_worker_runs_jobs_on_memory() {
         }
     }
     assert_eq!(s.used("kim").await, 100);
-    let _ = stop.send(());
-    role.await.unwrap().unwrap();
+    worker.stop().await;
 }
 
 /// The worker role settles a job's charge to what the provider reported (the
 /// built-in mock reports the input's `mock_total_tokens`), clamped to the
 /// rule's `max`, and the event keeps the estimate.
 async fn worker_settles_charges_to_the_reported_usage(s: &Setup) {
-    let config = config();
-    let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
-        Arc::new(tollgate_memory::throttle::MemoryThrottle::new(&config));
-    let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
-    let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics).unwrap();
-    cfg.block = Duration::from_millis(100);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let role = tokio::spawn(tollgate_worker::run(
-        cfg,
-        Arc::clone(&s.source),
-        providers,
-        async {
-            let _ = stopped.await;
-        },
-    ));
+    let worker = worker_role(&config(), Arc::clone(&s.source), 32);
     for (id, tokens) in [
         ("s1", json!(2550)),
         ("s2", json!(99_999)),
@@ -1284,8 +1289,7 @@ async fn worker_settles_charges_to_the_reported_usage(s: &Setup) {
         ]
     );
     assert_eq!(usage.used, 66);
-    let _ = stop.send(());
-    role.await.unwrap().unwrap();
+    worker.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1650,11 +1654,7 @@ where
             poll,
             looks(&other, id, &their_looks),
         ));
-        let lease = worker
-            .take("work", Taker::new("w1", Duration::from_secs(2), LEASE))
-            .await
-            .unwrap()
-            .expect("the job");
+        let lease = lease_from(&*worker, "work", "w1").await;
         assert!(worker.start(&lease).await.unwrap());
         let recorded = match &result {
             Some(r) => worker.complete(&lease, r.clone()).await.unwrap(),
@@ -1747,37 +1747,37 @@ async fn job_redis_a_claim_that_failed_takes_its_start_mark_back() {
     let claimless = format!("redis://claimless:any@127.0.0.1:{}/", server.port());
     let (cut, _) = redis_queue_at(&claimless, &prefix, config(), options()).await;
     submit_on(&api, "m1").await;
-    let lease = cut
-        .take("work", Taker::new("w1", Duration::from_secs(2), LEASE))
-        .await
-        .unwrap()
-        .expect("the job");
+    let lease = lease_from(&*cut, "work", "w1").await;
     assert!(!lease.ran_before);
     let err = cut.start(&lease).await.expect_err("the claim cannot run");
     assert!(err.to_string().contains("fcall"), "{err}");
     let job = KeySpace::new(&prefix).unwrap().jobs("work").job("m1");
-    let started: Option<String> = ::redis::cmd("HGET")
-        .arg(&job)
-        .arg("started")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(started, None, "the start mark was taken back");
+    let started = |mut conn: ::redis::aio::MultiplexedConnection| {
+        let job = job.clone();
+        async move {
+            let mark: Option<String> = ::redis::cmd("HGET")
+                .arg(&job)
+                .arg("started")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            mark
+        }
+    };
+    assert_eq!(
+        started(conn.clone()).await,
+        None,
+        "the start mark was taken back"
+    );
     assert_eq!(cut.hand_back(&lease).await.unwrap(), Finish::Recorded);
-    let again = api
-        .take("work", Taker::new("w2", Duration::from_secs(2), LEASE))
-        .await
-        .unwrap()
-        .expect("the job, handed back");
+    let again = lease_from(&*api, "work", "w2").await;
     assert!(!again.ran_before, "the failed start did not count as a run");
     assert!(api.start(&again).await.unwrap());
-    let marked: Option<String> = ::redis::cmd("HGET")
-        .arg(&job)
-        .arg("started")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(marked.as_deref(), Some("1"), "a claimed run is marked");
+    assert_eq!(
+        started(conn).await.as_deref(),
+        Some("1"),
+        "a claimed run is marked"
+    );
 }
 
 /// A worker asks for its job's first slot while the job claims its charge.
@@ -1806,16 +1806,7 @@ async fn job_a_slot_granted_to_a_job_that_does_not_run_is_ended() {
         ),
         "{refund:?}"
     );
-    let throttle: Arc<dyn tollgate_core::throttle::Throttle> =
-        Arc::new(tollgate_memory::throttle::MemoryThrottle::new(&config));
-    let mut cfg = tollgate_worker::WorkerConfig::new(Arc::clone(&config));
-    let providers = tollgate_providers::from_config(&config, throttle, &cfg.metrics).unwrap();
-    cfg.block = Duration::from_millis(100);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let source: Arc<dyn JobSource> = queue.clone();
-    let role = tokio::spawn(tollgate_worker::run(cfg, source, providers, async {
-        let _ = stopped.await;
-    }));
+    let worker = worker_role(&config, queue.clone(), 32);
     let cancelled = queue
         .wait(&user("uma"), &rid("x1"), Duration::from_secs(10))
         .await
@@ -1844,6 +1835,5 @@ async fn job_a_slot_granted_to_a_job_that_does_not_run_is_ended() {
         "the only slot was not given back: {:?}",
         next.status
     );
-    let _ = stop.send(());
-    role.await.unwrap().unwrap();
+    worker.stop().await;
 }

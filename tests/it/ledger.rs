@@ -701,18 +701,28 @@ async fn plan_changes_keep_the_log(b: &impl Backend) {
     );
 }
 
+/// A job's charge of `cost` for `llm.structured` under `nonce` (fingerprint
+/// `f1`, a 60 s deadline, 1 s of grace, no service key).
+fn job_charge(cost: u64, nonce: &str) -> tollgate_core::ledger::ChargeRequest<'_> {
+    tollgate_core::ledger::ChargeRequest {
+        cost,
+        nonce,
+        operation: "llm.structured",
+        fingerprint: "f1",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(1),
+        service_key: None,
+    }
+}
+
 async fn released_holds_leave_every_window(b: &impl Backend) {
     use tollgate_core::ledger::{ChargeOutcome, ChargeRequest};
     let (l, u) = (b.ledger(), user("multi-d"));
     l.set_plan(&u, "multi").await.unwrap();
     let charge = ChargeRequest {
-        cost: 5,
-        nonce: "n1",
-        operation: "llm.structured",
-        fingerprint: "f1",
         deadline: Duration::from_millis(100),
         grace: Duration::from_millis(100),
-        service_key: None,
+        ..job_charge(5, "n1")
     };
     let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
     let ChargeOutcome::Charged { allowed, .. } = c else {
@@ -743,13 +753,9 @@ async fn a_charge_records_the_acting_service_key(b: &impl Backend) {
     use tollgate_core::ledger::{ChargeOutcome, ChargeRequest};
     let (l, u) = (b.ledger(), user("acted-for"));
     let charge = ChargeRequest {
-        cost: 3,
-        nonce: "n1",
-        operation: "llm.structured",
-        fingerprint: "f1",
-        deadline: Duration::from_secs(60),
         grace: Duration::from_secs(60),
         service_key: Some("kid_00000000000000aa"),
+        ..job_charge(3, "n1")
     };
     let c = l.charge(&u, &rid("svc-job"), &charge).await.unwrap();
     assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
@@ -814,17 +820,9 @@ async fn a_charge_records_the_acting_service_key(b: &impl Backend) {
 async fn a_charge_answers_the_users_plan(b: &impl Backend) {
     use tollgate_core::config::Limit;
     use tollgate_core::id::OrgId;
-    use tollgate_core::ledger::{ChargeOutcome, ChargeRequest};
+    use tollgate_core::ledger::ChargeOutcome;
     let (l, u) = (b.ledger(), user("planned"));
-    let charge = |nonce| ChargeRequest {
-        cost: 1,
-        nonce,
-        operation: "llm.structured",
-        fingerprint: "f1",
-        deadline: Duration::from_secs(60),
-        grace: Duration::from_secs(1),
-        service_key: None,
-    };
+    let charge = |nonce| job_charge(1, nonce);
     // (charged or found charged, the plan it answered)
     let plan_of = |c: ChargeOutcome| match c {
         ChargeOutcome::Charged { plan, .. } => (true, plan),
@@ -1044,15 +1042,7 @@ async fn an_operator_refund_cancels_a_held_charge(b: &impl Backend) {
     use tollgate_core::ledger::{ChargeRequest, ClaimOutcome};
     let (l, u) = (b.ledger(), user("operator"));
     let hold = 1u64 << 50;
-    let charge = |nonce: &'static str| ChargeRequest {
-        cost: 4,
-        nonce,
-        operation: "llm.structured",
-        fingerprint: "f1",
-        deadline: Duration::from_secs(60),
-        grace: Duration::from_secs(1),
-        service_key: None,
-    };
+    let charge = |nonce: &'static str| job_charge(4, nonce);
     l.charge(&u, &rid("held"), &charge("n1")).await.unwrap();
     assert_eq!(
         l.refund(&u, &rid("held")).await.unwrap(),
