@@ -23,7 +23,7 @@ use tollgate_memory::jobs::MemoryJobQueue;
 use tollgate_memory::ledger::MemoryLedger;
 use tollgate_providers::{CallError, Client};
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
-use tollgate_tests::{random_prefix, RedisServer, TestCluster};
+use tollgate_tests::{random_prefix, slowlog, RedisServer, TestCluster};
 
 pub const CONFIG: &str = r#"
 hold_grace = "200ms"
@@ -1836,4 +1836,70 @@ async fn job_a_slot_granted_to_a_job_that_does_not_run_is_ended() {
         next.status
     );
     worker.stop().await;
+}
+
+/// A job's input is never parsed by a script. A large one (~1 MB of small
+/// JSON objects) is submitted, leased and finished without holding Redis:
+/// `SLOWLOG` logs nothing above 5 ms (the lease decoded it in Lua before,
+/// ~18 ms here). One that is not JSON (a record damaged in Redis) is failed
+/// by the worker that leased it, and its charge released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_inputs_are_parsed_by_the_worker_not_in_redis() {
+    let toml = CONFIG.replace("max_stored_bytes = 20000", "max_stored_bytes = 40000000");
+    let config = Arc::new(Config::parse(&toml, "large inputs").unwrap());
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let (q, ledger) = redis_queue(&server, &prefix, config).await;
+    let mut conn = raw(&server).await;
+    let messages: Vec<Value> = (0..20_000)
+        .map(|i| json!({ "role": "user", "content": format!("hello world number {i}") }))
+        .collect();
+    let input = json!({ "messages": messages });
+    assert!(input.to_string().len() > 1_000_000);
+    slowlog::quick_in_three_tries("a job with a 1 MB input", async |attempt| {
+        slowlog::start(&mut conn, slowlog::LIMIT_US, 128)
+            .await
+            .unwrap();
+        let id = format!("big{attempt}");
+        let mut call = request(&id, "omar", "work");
+        call.input = input.clone();
+        let r = q.submit(call).await.unwrap();
+        assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+        let lease = lease_from(&*q, "work", "w1").await;
+        assert_eq!(lease.job.input, input);
+        assert!(q.start(&lease).await.unwrap());
+        let done = q.complete(&lease, json!({ "ok": true })).await.unwrap();
+        assert_eq!(done, Finish::Recorded);
+        ((), slowlog::over_limit(&mut conn).await.unwrap().1)
+    })
+    .await;
+    let used = ledger.usage(&user("omar")).await.unwrap().used;
+    let r = q.submit(request("damaged", "omar", "work")).await.unwrap();
+    assert!(matches!(r, SubmitOutcome::Queued { .. }), "{r:?}");
+    let key = KeySpace::new(&prefix).unwrap().jobs("work").job("damaged");
+    let _: () = ::redis::cmd("HSET")
+        .arg(&key)
+        .arg("input")
+        .arg("{not json")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let none = q
+        .take("work", Taker::new("w1", Duration::from_millis(300), LEASE))
+        .await
+        .unwrap();
+    assert!(none.is_none(), "a damaged job is not run: {none:?}");
+    let info = q.status(&user("omar"), &rid("damaged")).await.unwrap();
+    match info.expect("the damaged job").status {
+        JobStatus::Failed { cause, message } => {
+            assert_eq!(cause, FailureCause::Abandoned);
+            assert!(message.contains("malformed"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        ledger.usage(&user("omar")).await.unwrap().used,
+        used,
+        "the damaged job's charge was released"
+    );
 }
