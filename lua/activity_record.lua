@@ -26,6 +26,8 @@
 --     (tollgate_core::activity::JobStep::encode); a "failed <operation>
 --     <cause> ..." step is also listed among the failures
 -- Returns the number of notes written (a malformed note is skipped).
+-- Every key gets one write per flush (a counter: one per field), however many
+-- notes it holds.
 
 local events_cap, waits_cap, idle = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local denied_cap = tonumber(ARGV[4])
@@ -38,25 +40,54 @@ end
 local WAITS = 10
 local CALLS, TIMELINES, ORDER, FAILED = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 
+-- The notes are gathered first, then written per key.
 local now_ms = time_ms()
 local written = 0
-local touched = {}
+-- pushes[k]: values LPUSHed to KEYS[k], in the notes' order.
+local pushes = {}
+local function push(k, v)
+  local list = pushes[k]
+  if not list then
+    list = {}
+    pushes[k] = list
+  end
+  list[#list + 1] = v
+end
+-- counts[k][field]: HINCRBY of KEYS[k]; fields[k]: their first-seen order.
+local counts, fields = {}, {}
+local function count(k, field)
+  local c = counts[k]
+  if not c then
+    c = {}
+    counts[k] = c
+    fields[k] = {}
+  end
+  if not c[field] then
+    c[field] = 0
+    local f = fields[k]
+    f[#f + 1] = field
+  end
+  c[field] = c[field] + 1
+end
+local refunds = {}
 local steps_of, jobs = {}, {}
 for i = 8, #ARGV do
   local kind, rest = string.match(ARGV[i], '^(%a) (.+)$')
   if kind == 'e' then
-    redis.call('LPUSH', KEYS[1], rest)
-    local ok, spend = pcall(cjson.decode, rest)
-    local op = ok and type(spend) == 'table' and spend.operation
-    redis.call('HINCRBY', CALLS, type(op) == 'string' and op or '(plain reserve)', 1)
-    touched[1] = true
-    touched[7] = true
+    push(1, rest)
+    -- The operation as the pod's JSON encoder wrote it (an unescaped key,
+    -- which no string value can imitate); decoded only when escaped.
+    local op = string.match(rest, '[{,]"operation":"([^"\\]+)"')
+    if not op then
+      local ok, spend = pcall(cjson.decode, rest)
+      op = ok and type(spend) == 'table' and spend.operation
+    end
+    count(7, type(op) == 'string' and op or '(plain reserve)')
     written = written + 1
   elseif kind == 'j' then
     local id, line = string.match(rest, '^(%S+) (%d+ %S+ %a.*)$')
     if id then
-      -- A job's steps of one flush are written together (below): one read and
-      -- one write per job, not per step.
+      -- A job's steps of one flush are written together (below).
       local lines = steps_of[id]
       if not lines then
         lines = {}
@@ -66,67 +97,95 @@ for i = 8, #ARGV do
       lines[#lines + 1] = line
       local at, user, op, cause = string.match(line, '^(%d+) (%S+) failed (%S+) (%S+)')
       if at then
-        redis.call('LPUSH', FAILED, at .. ' ' .. id .. ' ' .. user .. ' ' .. op .. ' ' .. cause)
-        touched[10] = true
+        push(10, at .. ' ' .. id .. ' ' .. user .. ' ' .. op .. ' ' .. cause)
       end
-      touched[8] = true
-      touched[9] = true
       written = written + 1
     end
   elseif kind == 'r' then
-    redis.call('ZADD', KEYS[2], now_ms, rest)
-    touched[2] = true
+    refunds[#refunds + 1] = now_ms
+    refunds[#refunds + 1] = rest
     written = written + 1
   elseif kind == 'g' then
     local idx, provider, at, waited = string.match(rest, '^(%d+) (%S+) (%d+) (%d+)$')
     idx = tonumber(idx)
     if idx and idx >= 1 and WAITS + idx <= #KEYS then
-      redis.call('HINCRBY', KEYS[3], provider, 1)
-      redis.call('LPUSH', KEYS[WAITS + idx], at .. ' ' .. waited)
-      touched[3] = true
-      touched[WAITS + idx] = true
+      count(3, provider)
+      push(WAITS + idx, at .. ' ' .. waited)
       written = written + 1
     end
   elseif kind == 'd' then
     local user, operation = string.match(rest, '^(%S+) ?(%S*)$')
     if user then
-      redis.call('HINCRBY', KEYS[5], operation ~= '' and operation or '(plain reserve)', 1)
-      redis.call('LPUSH', KEYS[6], now_ms .. ' ' .. rest)
-      touched[5] = true
-      touched[6] = true
+      count(5, operation ~= '' and operation or '(plain reserve)')
+      push(6, now_ms .. ' ' .. rest)
       written = written + 1
     end
   elseif kind == 'a' then
     if string.match(rest, '^%S+ %S+$') then
-      redis.call('HINCRBY', KEYS[4], rest, 1)
-      touched[4] = true
+      count(4, rest)
       written = written + 1
     end
   end
 end
-for _, id in ipairs(jobs) do
-  local lines = steps_of[id]
-  local steps = redis.call('HGET', TIMELINES, id)
-  local kept, n = {}, 0
-  if steps then
-    local _, breaks = string.gsub(steps, '\n', '')
-    n = breaks + 1
-    kept[1] = steps
+
+local touched = {}
+for k, list in pairs(pushes) do
+  redis.call('LPUSH', KEYS[k], unpack(list))
+  touched[k] = true
+end
+for k, order in pairs(fields) do
+  local c = counts[k]
+  for _, field in ipairs(order) do
+    redis.call('HINCRBY', KEYS[k], field, c[field])
   end
-  for _, line in ipairs(lines) do
-    if n < steps_cap then
-      kept[#kept + 1] = line
-      n = n + 1
+  touched[k] = true
+end
+if #refunds > 0 then
+  redis.call('ZADD', KEYS[2], unpack(refunds))
+  touched[2] = true
+end
+-- The timelines: one read and one write for all the flush's jobs. A job
+-- seen for the first time joins the order list; past its cap, the oldest
+-- go, with their steps.
+if #jobs > 0 then
+  local old = redis.call('HMGET', TIMELINES, unpack(jobs))
+  local set, new = {}, {}
+  for i, id in ipairs(jobs) do
+    local steps = old[i]
+    local kept, n = {}, 0
+    if steps then
+      local _, breaks = string.gsub(steps, '\n', '')
+      n = breaks + 1
+      kept[1] = steps
+    end
+    for _, line in ipairs(steps_of[id]) do
+      if n < steps_cap then
+        kept[#kept + 1] = line
+        n = n + 1
+      end
+    end
+    if not steps then
+      new[#new + 1] = id
+    end
+    if not steps or #kept > 1 then
+      set[#set + 1] = id
+      set[#set + 1] = table.concat(kept, '\n')
     end
   end
-  if not steps then
-    redis.call('HSET', TIMELINES, id, table.concat(kept, '\n'))
-    if redis.call('LPUSH', ORDER, id) > timelines_cap then
-      redis.call('HDEL', TIMELINES, redis.call('RPOP', ORDER))
-    end
-  elseif #kept > 1 then
-    redis.call('HSET', TIMELINES, id, table.concat(kept, '\n'))
+  if #set > 0 then
+    redis.call('HSET', TIMELINES, unpack(set))
   end
+  if #new > 0 then
+    local len = redis.call('LPUSH', ORDER, unpack(new))
+    if len > timelines_cap then
+      local gone = redis.call('RPOP', ORDER, len - timelines_cap)
+      if type(gone) == 'table' and #gone > 0 then
+        redis.call('HDEL', TIMELINES, unpack(gone))
+      end
+    end
+  end
+  touched[8] = true
+  touched[9] = true
 end
 if touched[1] then
   redis.call('LTRIM', KEYS[1], 0, events_cap - 1)

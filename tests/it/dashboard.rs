@@ -1055,3 +1055,130 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
     assert_eq!(errors, json!([]), "the page logged errors");
     c.close().await.unwrap();
 }
+
+/// One flush of a pod's activity notes writes each key once (a counter once
+/// per field), however many notes it holds, and keeps every cap: the newest
+/// events, waits, denials and failures; a job's steps up to its cap; the
+/// newest jobs' timelines, an evicted job's steps deleted with it.
+#[tokio::test]
+async fn activity_flush_writes_each_key_once() {
+    let server = RedisServer::start();
+    let keys = KeySpace::new(&random_prefix()).unwrap().activity();
+    let providers = vec!["p1".to_owned(), "p2".to_owned()];
+    let caps = tollgate_redis::scripts::ActivityCaps {
+        events: 5,
+        waits: 3,
+        denied: 2,
+        idle_ms: 60_000,
+        timelines: 3,
+        steps: 2,
+        failed: 2,
+    };
+    let conn = ::redis::Client::open(server.url().as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let flush = |notes: Vec<String>| {
+        let inv = tollgate_redis::scripts::activity_record(&keys, &providers, caps, &notes);
+        let mut conn = conn.clone();
+        async move { inv.invoke_async::<u64>(&mut conn).await.unwrap() }
+    };
+    let mut notes = Vec::new();
+    for i in 1..=8 {
+        let op = if i % 2 == 0 { "a" } else { "b" };
+        notes.push(format!(
+            "e {}",
+            json!({"operation": op, "user": "u", "i": i})
+        ));
+    }
+    for i in 1..=6 {
+        notes.push(format!("g 1 p1 {i} {}", i * 10));
+    }
+    notes.extend((0..4).map(|_| "a p1 2xx".to_owned()));
+    notes.extend((1..=3).map(|i| format!("d u{i} a")));
+    for j in 1..=5 {
+        for s in 1..=3 {
+            notes.push(format!("j j{j} {s} u charged a {s}"));
+        }
+    }
+    notes.push("j j5 9 u failed a upstream boom".to_owned());
+    notes.push("r spend-1".to_owned());
+    notes.push("r spend-2".to_owned());
+    let before = tollgate_tests::redis_info::command_calls(&server.url());
+    let n = notes.len() as u64;
+    assert_eq!(flush(notes).await, n, "every note is written");
+    let after = tollgate_tests::redis_info::command_calls(&server.url());
+    let ran = |c: &str| after.get(c).copied().unwrap_or(0) - before.get(c).copied().unwrap_or(0);
+    // events, p1's waits, denied, timeline order, failed: one LPUSH each.
+    assert_eq!(ran("lpush"), 5, "one LPUSH per list");
+    // calls a and b, grants p1, answers "p1 2xx", denials a.
+    assert_eq!(ran("hincrby"), 5, "one HINCRBY per counter");
+    assert_eq!(ran("hset"), 1, "the timelines in one write");
+    assert_eq!(ran("zadd"), 1, "the refunds in one write");
+
+    let list = |key: String| {
+        let mut conn = conn.clone();
+        async move {
+            ::redis::cmd("LRANGE")
+                .arg(key)
+                .arg(0)
+                .arg(-1)
+                .query_async::<Vec<String>>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    let hash = |key: String| {
+        let mut conn = conn.clone();
+        async move {
+            ::redis::cmd("HGETALL")
+                .arg(key)
+                .query_async::<std::collections::BTreeMap<String, String>>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    let events: Vec<i64> = list(keys.events.clone())
+        .await
+        .iter()
+        .map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["i"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(events, [8, 7, 6, 5, 4], "the newest events, newest first");
+    let calls = hash(keys.calls.clone()).await;
+    assert_eq!((calls["a"].as_str(), calls["b"].as_str()), ("4", "4"));
+    assert_eq!(hash(keys.grants.clone()).await["p1"], "6");
+    assert_eq!(list(keys.waits("p1")).await, ["6 60", "5 50", "4 40"]);
+    assert_eq!(hash(keys.answers.clone()).await["p1 2xx"], "4");
+    assert_eq!(hash(keys.denials.clone()).await["a"], "3");
+    assert_eq!(list(keys.denied.clone()).await.len(), 2);
+    assert_eq!(list(keys.failed.clone()).await.len(), 1);
+    assert_eq!(list(keys.timeline_order.clone()).await, ["j5", "j4", "j3"]);
+    let timelines = hash(keys.timelines.clone()).await;
+    assert_eq!(
+        timelines.keys().collect::<Vec<_>>(),
+        ["j3", "j4", "j5"],
+        "the oldest jobs' steps go with them"
+    );
+    assert_eq!(
+        timelines["j4"], "1 u charged a 1\n2 u charged a 2",
+        "steps capped"
+    );
+
+    // A later flush: a known job's steps stay capped, a new job evicts the
+    // oldest, the counters add up.
+    let later = vec![
+        "j j3 10 u charged a 10".to_owned(),
+        "j j6 11 u charged a 11".to_owned(),
+        format!("e {}", json!({"operation": "a", "i": 9})),
+    ];
+    assert_eq!(flush(later).await, 3);
+    assert_eq!(list(keys.timeline_order.clone()).await, ["j6", "j5", "j4"]);
+    let timelines = hash(keys.timelines.clone()).await;
+    assert_eq!(timelines.keys().collect::<Vec<_>>(), ["j4", "j5", "j6"]);
+    assert_eq!(hash(keys.calls.clone()).await["a"], "5");
+}
