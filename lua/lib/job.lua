@@ -1,5 +1,7 @@
--- lib/job.lua: shared by every job script; the `scripts` module prepends it to
--- job_*.lua before loading them.
+-- lib/job.lua: shared by every job script: the prelude of the job function
+-- library (tollgate-redis `scripts::JOBS`), each job_*.lua the body of one of
+-- its functions, which starts with `begin(keys, args)`. This top level runs
+-- once, when Redis loads the library, not on every call.
 --
 -- A job record is a hash on its queue's hash tag ({q:<operation>}):
 --   state        queued | running | succeeded | failed
@@ -27,6 +29,15 @@
 -- bucket. A bucket past its end no longer counts and is deleted at the next
 -- submit, so an expired record (whose expiry runs no script), or a record lost
 -- any other way, stops counting by itself: nothing stays counted forever.
+
+-- The calling function's KEYS and ARGV, set by `begin` at the start of each
+-- call (a function gets them as arguments; the bodies read them as a script
+-- reads its own).
+local KEYS, ARGV
+
+local function begin(keys, args)
+  KEYS, ARGV = keys, args
+end
 
 -- Why a job whose run started, and whose worker was lost, failed at its take
 -- (the same words as tollgate_core::job::LOST_MID_RUN).

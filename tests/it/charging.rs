@@ -172,10 +172,8 @@ async fn a_lost_reply_is_not_taken_as_a_failure() {
         .unwrap()
         .charged_cost();
     let charge = tollgate_redis::scripts::BUDGET.function("charge");
-    let scripts = [
-        ("enqueue", tollgate_redis::scripts::JOB_ENQUEUE.get_hash()),
-        ("charge", charge.as_str()),
-    ];
+    let enqueue = tollgate_redis::scripts::JOBS.function("job_enqueue");
+    let scripts = [("enqueue", enqueue.as_str()), ("charge", charge.as_str())];
     for (n, (what, sha)) in scripts.into_iter().enumerate() {
         let idem = ["lost-enqueue", "lost-charge"][n];
         proxy.lose_reply_of(sha.as_bytes());

@@ -1717,8 +1717,9 @@ async fn submit_on(q: &RedisJobQueue, id: &str) -> tollgate_core::job::Job {
 }
 
 /// A worker sends its claim and its run's start mark together. When the
-/// claim's answer is not known (here Redis refuses the worker's `FCALL`: an
-/// ACL without it), the run never called the provider: the mark is taken
+/// claim's answer is not known (here Redis refuses it: the worker's ACL
+/// reaches the queue's keys, not the user's budget), the run never called
+/// the provider: the mark is taken
 /// back and the job handed back, so its next run does not count this one as
 /// started (a failure of that run then releases the charge, as for a run that
 /// never started).
@@ -1734,10 +1735,9 @@ async fn job_redis_a_claim_that_failed_takes_its_start_mark_back() {
                 "claimless",
                 "on",
                 "nopass",
-                "~*",
+                "~*{q:*",
                 "&*",
                 "+@all",
-                "-fcall",
             ][..],
         )
         .query_async(&mut conn)
@@ -1750,7 +1750,7 @@ async fn job_redis_a_claim_that_failed_takes_its_start_mark_back() {
     let lease = lease_from(&*cut, "work", "w1").await;
     assert!(!lease.ran_before);
     let err = cut.start(&lease).await.expect_err("the claim cannot run");
-    assert!(err.to_string().contains("fcall"), "{err}");
+    assert!(err.to_string().contains("no permissions"), "{err}");
     let job = KeySpace::new(&prefix).unwrap().jobs("work").job("m1");
     let started = |mut conn: ::redis::aio::MultiplexedConnection| {
         let job = job.clone();
@@ -1902,4 +1902,51 @@ async fn job_redis_inputs_are_parsed_by_the_worker_not_in_redis() {
         used,
         "the damaged job's charge was released"
     );
+}
+
+/// The job scripts are one function library (`FCALL`; its shared prelude runs
+/// once per load, not per call), loaded by the first call a Redis answers
+/// "Function not found": a flushed server loads it again, and no step of a
+/// job runs a script by `EVALSHA`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_the_job_scripts_are_one_library_loaded_again_after_a_flush() {
+    let server = RedisServer::start();
+    let (queue, _) = redis_queue(&server, &random_prefix(), config()).await;
+    let conn = raw(&server).await;
+    let listed = || {
+        let mut conn = conn.clone();
+        async move {
+            ::redis::cmd("FUNCTION")
+                .arg("LIST")
+                .arg("LIBRARYNAME")
+                .arg(tollgate_redis::scripts::JOBS.name())
+                .query_async::<Vec<::redis::Value>>(&mut conn)
+                .await
+                .unwrap()
+                .len()
+        }
+    };
+    let evalsha = || {
+        tollgate_tests::redis_info::command_calls(&server.url())
+            .get("evalsha")
+            .copied()
+            .unwrap_or(0)
+    };
+    let before = evalsha();
+    submit_on(&queue, "f1").await;
+    assert_eq!(listed().await, 1, "the job library is loaded");
+    ::redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async::<()>(&mut conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(listed().await, 0);
+    let lease = lease_from(&*queue, "work", "w1").await;
+    assert_eq!(listed().await, 1, "loaded again");
+    assert!(queue.start(&lease).await.unwrap());
+    assert_eq!(
+        queue.complete(&lease, json!({"ok": true})).await.unwrap(),
+        Finish::Recorded
+    );
+    assert_eq!(evalsha(), before, "no job step ran a script by EVALSHA");
 }

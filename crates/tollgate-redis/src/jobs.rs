@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use redis::{FromRedisValue, ScriptInvocation, Value};
+use redis::{FromRedisValue, Value};
 use serde_json::Value as Json;
 use tokio::sync::oneshot;
 use tollgate_core::job::{self, Failure, JobOptions, Taker, LAPSED_KEPT};
@@ -53,7 +53,7 @@ use crate::call::{self, bad_reply};
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{blocking_connection, Blocking};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, FailArgs, LeaseArgs, Reclaim};
+use crate::scripts::{self, FailArgs, FunctionCall, LeaseArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::head::Head;
@@ -139,10 +139,20 @@ impl RedisJobQueue {
         &self.keys
     }
 
+    /// One job script: its function of [`scripts::JOBS`].
     async fn script<T: FromRedisValue>(
         &self,
         op: &'static str,
-        inv: ScriptInvocation<'_>,
+        f: FunctionCall,
+    ) -> Result<T, JobError> {
+        Ok(call::function(&self.pool, self.timeout, op, &f).await?)
+    }
+
+    /// A script shared with the other roles (EVALSHA): the liveness scripts.
+    async fn shared_script<T: FromRedisValue>(
+        &self,
+        op: &'static str,
+        inv: redis::ScriptInvocation<'_>,
     ) -> Result<T, JobError> {
         Ok(call::script(&self.pool, self.timeout, op, &inv).await?)
     }
@@ -1080,14 +1090,14 @@ impl JobSource for RedisJobQueue {
             let keys = self.keys.jobs(&operation);
             // Workers whose liveness ended: their moved-but-unleased ids go back.
             let dead: Vec<String> = self
-                .script(
+                .shared_script(
                     "liveness_heartbeat",
                     scripts::liveness_heartbeat(keys.members(), worker, millis(liveness)),
                 )
                 .await?;
             for other in dead {
                 let n: i64 = self
-                    .script(
+                    .shared_script(
                         "liveness_reclaim",
                         scripts::liveness_reclaim(
                             keys.members(),
@@ -1153,7 +1163,7 @@ impl JobSource for RedisJobQueue {
         for operation in operations {
             let keys = self.keys.jobs(&operation);
             let _: i64 = self
-                .script(
+                .shared_script(
                     "liveness_reclaim",
                     scripts::liveness_reclaim(
                         keys.members(),

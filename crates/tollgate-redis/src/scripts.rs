@@ -868,31 +868,54 @@ pub fn liveness_reclaim<'a>(
 
 const JOB_LIB: &str = include_str!("../../../lua/lib/job.lua");
 
-fn job_script(body: &str) -> Script {
-    Script::new(&format!("{JOB_LIB}\n{body}"))
-}
+/// The job scripts, one function each of one library (see [`Library`]): the
+/// shared `lua/lib/job.lua` runs once when Redis loads it, not on every call.
+/// Adding a script is one line here and one in [`JOB_SCRIPTS`].
+pub static JOBS: LazyLock<Library> = LazyLock::new(|| {
+    Library::new(
+        "job",
+        JOB_LIB,
+        &[
+            ("job_enqueue", include_str!("../../../lua/job_enqueue.lua")),
+            ("job_lease", include_str!("../../../lua/job_lease.lua")),
+            ("job_renew", include_str!("../../../lua/job_renew.lua")),
+            ("job_started", include_str!("../../../lua/job_started.lua")),
+            (
+                "job_complete",
+                include_str!("../../../lua/job_complete.lua"),
+            ),
+            ("job_fail", include_str!("../../../lua/job_fail.lua")),
+            (
+                "job_refunded",
+                include_str!("../../../lua/job_refunded.lua"),
+            ),
+            (
+                "job_hand_back",
+                include_str!("../../../lua/job_hand_back.lua"),
+            ),
+            ("job_due", include_str!("../../../lua/job_due.lua")),
+            ("job_requeue", include_str!("../../../lua/job_requeue.lua")),
+            ("job_unstick", include_str!("../../../lua/job_unstick.lua")),
+            ("job_forget", include_str!("../../../lua/job_forget.lua")),
+        ],
+    )
+});
 
-macro_rules! job_scripts {
-    ($($name:ident => $file:literal),* $(,)?) => {
-        $(pub static $name: LazyLock<Script> =
-            LazyLock::new(|| job_script(include_str!(concat!("../../../lua/", $file))));)*
-    };
-}
-
-job_scripts! {
-    JOB_ENQUEUE => "job_enqueue.lua",
-    JOB_LEASE => "job_lease.lua",
-    JOB_RENEW => "job_renew.lua",
-    JOB_STARTED => "job_started.lua",
-    JOB_COMPLETE => "job_complete.lua",
-    JOB_FAIL => "job_fail.lua",
-    JOB_REFUNDED => "job_refunded.lua",
-    JOB_HAND_BACK => "job_hand_back.lua",
-    JOB_DUE => "job_due.lua",
-    JOB_REQUEUE => "job_requeue.lua",
-    JOB_UNSTICK => "job_unstick.lua",
-    JOB_FORGET => "job_forget.lua",
-}
+/// The job scripts by their file in `lua/` (see [`all`]).
+pub const JOB_SCRIPTS: [&str; 12] = [
+    "job_enqueue",
+    "job_lease",
+    "job_renew",
+    "job_started",
+    "job_complete",
+    "job_fail",
+    "job_refunded",
+    "job_hand_back",
+    "job_due",
+    "job_requeue",
+    "job_unstick",
+    "job_forget",
+];
 
 /// `job_status.lua`, bare (no job library): a job's record for its owner only.
 /// Sent as `EVAL` with this source, so that it rides in a pipeline of plain
@@ -913,7 +936,7 @@ pub fn job_status(keys: &JobKeys, id: &str, user: &str) -> redis::Cmd {
 /// Every script called by EVALSHA, by the name of its file in `lua/`: what the
 /// cluster audit checks ran on the suite's Redis Cluster (`tollgate-bench
 /// cluster-audit`). The budget scripts are [`BUDGET`]'s functions
-/// ([`BUDGET_SCRIPTS`]).
+/// ([`BUDGET_SCRIPTS`]), the job scripts [`JOBS`]' ([`JOB_SCRIPTS`]).
 pub fn all() -> Vec<(&'static str, &'static Script)> {
     vec![
         ("throttle_enqueue.lua", &THROTTLE_ENQUEUE),
@@ -927,19 +950,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("throttle_usage.lua", &THROTTLE_USAGE),
         ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),
         ("liveness_reclaim.lua", &LIVENESS_RECLAIM),
-        ("job_enqueue.lua", &JOB_ENQUEUE),
-        ("job_lease.lua", &JOB_LEASE),
-        ("job_renew.lua", &JOB_RENEW),
-        ("job_started.lua", &JOB_STARTED),
-        ("job_complete.lua", &JOB_COMPLETE),
-        ("job_fail.lua", &JOB_FAIL),
-        ("job_refunded.lua", &JOB_REFUNDED),
-        ("job_hand_back.lua", &JOB_HAND_BACK),
-        ("job_due.lua", &JOB_DUE),
-        ("job_requeue.lua", &JOB_REQUEUE),
-        ("job_unstick.lua", &JOB_UNSTICK),
         ("job_status.lua", &JOB_STATUS),
-        ("job_forget.lua", &JOB_FORGET),
         ("activity_record.lua", &ACTIVITY_RECORD),
         ("activity_read.lua", &ACTIVITY_READ),
         ("activity_sample.lua", &ACTIVITY_SAMPLE),
@@ -976,15 +987,15 @@ pub fn plan_set<'a>(keys: &BudgetKeys, plan: &str) -> redis::ScriptInvocation<'a
 }
 
 /// `job_enqueue.lua`: creates `job` (queued) unless it exists.
-pub fn job_enqueue<'a>(
+pub fn job_enqueue(
     keys: &JobKeys,
     job: &tollgate_core::job::Job,
     input: &str,
     create: bool,
     stored: Stored,
     waiter: &str,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_ENQUEUE.prepare_invoke();
+) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_enqueue");
     inv.key(keys.job(job.id.as_str()))
         .key(&keys.queue)
         .key(&keys.leases)
@@ -1046,12 +1057,8 @@ pub struct LeaseArgs<'a> {
 }
 
 /// `job_lease.lua`
-pub fn job_lease<'a>(
-    keys: &JobKeys,
-    a: LeaseArgs<'_>,
-    channel: &str,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_LEASE.prepare_invoke();
+pub fn job_lease(keys: &JobKeys, a: LeaseArgs<'_>, channel: &str) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_lease");
     inv.key(keys.job(a.id))
         .key(keys.processing(a.worker))
         .key(&keys.leases)
@@ -1070,26 +1077,16 @@ pub fn job_lease<'a>(
 }
 
 /// `job_renew.lua`
-pub fn job_renew<'a>(
-    keys: &JobKeys,
-    id: &str,
-    token: u64,
-    lease_ms: u64,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_RENEW.prepare_invoke();
+pub fn job_renew(keys: &JobKeys, id: &str, token: u64, lease_ms: u64) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_renew");
     inv.key(keys.job(id)).key(&keys.leases);
     inv.arg(id).arg(token).arg(lease_ms);
     inv
 }
 
 /// `job_started.lua`: marks the run started (`mark`), or takes the mark back.
-pub fn job_started<'a>(
-    keys: &JobKeys,
-    id: &str,
-    token: u64,
-    mark: bool,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_STARTED.prepare_invoke();
+pub fn job_started(keys: &JobKeys, id: &str, token: u64, mark: bool) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_started");
     inv.key(keys.job(id));
     inv.arg(token).arg(if mark { "1" } else { "0" });
     inv
@@ -1106,7 +1103,7 @@ pub struct Kept {
 /// `job_complete.lua`; `head`: the upstream answer's status and safe headers
 /// (JSON), `""` when a plain 200.
 #[allow(clippy::too_many_arguments)]
-pub fn job_complete<'a>(
+pub fn job_complete(
     keys: &JobKeys,
     id: &str,
     worker: &str,
@@ -1115,8 +1112,8 @@ pub fn job_complete<'a>(
     head: &str,
     kept: Kept,
     channel: &str,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_COMPLETE.prepare_invoke();
+) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_complete");
     inv.key(keys.job(id))
         .key(keys.processing(worker))
         .key(&keys.leases);
@@ -1132,13 +1129,8 @@ pub fn job_complete<'a>(
 }
 
 /// `job_forget.lua`: 1 deleted (a final record of `user` owing nothing), 0 left alone.
-pub fn job_forget<'a>(
-    keys: &JobKeys,
-    id: &str,
-    user: &str,
-    nonce: &str,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_FORGET.prepare_invoke();
+pub fn job_forget(keys: &JobKeys, id: &str, user: &str, nonce: &str) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_forget");
     inv.key(keys.job(id));
     inv.arg(user).arg(keys.stored_prefix()).arg(nonce);
     inv
@@ -1161,8 +1153,8 @@ pub struct FailArgs<'a> {
 }
 
 /// `job_fail.lua`
-pub fn job_fail<'a>(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_FAIL.prepare_invoke();
+pub fn job_fail(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_fail");
     inv.key(keys.job(a.id))
         .key(keys.processing(a.worker))
         .key(&keys.leases)
@@ -1180,21 +1172,16 @@ pub fn job_fail<'a>(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> redis::Sc
 }
 
 /// `job_refunded.lua`
-pub fn job_refunded<'a>(keys: &JobKeys, id: &str, ttl_ms: u64) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_REFUNDED.prepare_invoke();
+pub fn job_refunded(keys: &JobKeys, id: &str, ttl_ms: u64) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_refunded");
     inv.key(keys.job(id)).key(&keys.refunds);
     inv.arg(id).arg(ttl_ms);
     inv
 }
 
 /// `job_hand_back.lua`
-pub fn job_hand_back<'a>(
-    keys: &JobKeys,
-    id: &str,
-    worker: &str,
-    token: u64,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_HAND_BACK.prepare_invoke();
+pub fn job_hand_back(keys: &JobKeys, id: &str, worker: &str, token: u64) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_hand_back");
     inv.key(keys.job(id))
         .key(keys.processing(worker))
         .key(&keys.leases)
@@ -1204,15 +1191,15 @@ pub fn job_hand_back<'a>(
 }
 
 /// `job_due.lua` on one of the time-scored sets of `keys`.
-pub fn job_due<'a>(set: &str, age_ms: u64, limit: u32) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_DUE.prepare_invoke();
+pub fn job_due(set: &str, age_ms: u64, limit: u32) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_due");
     inv.key(set).arg(age_ms).arg(limit);
     inv
 }
 
 /// `job_requeue.lua`
-pub fn job_requeue<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_REQUEUE.prepare_invoke();
+pub fn job_requeue(keys: &JobKeys, id: &str, worker: &str) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_requeue");
     inv.key(keys.job(id))
         .key(&keys.leases)
         .key(&keys.queue)
@@ -1222,8 +1209,8 @@ pub fn job_requeue<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptI
 }
 
 /// `job_unstick.lua`: 1 requeued, 0 dropped as stale, -1 left alone.
-pub fn job_unstick<'a>(keys: &JobKeys, id: &str, worker: &str) -> redis::ScriptInvocation<'a> {
-    let mut inv = JOB_UNSTICK.prepare_invoke();
+pub fn job_unstick(keys: &JobKeys, id: &str, worker: &str) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_unstick");
     inv.key(keys.job(id))
         .key(keys.processing(worker))
         .key(&keys.queue);
@@ -1413,6 +1400,7 @@ mod tests {
         files.sort();
         let mut listed: Vec<String> = super::all().iter().map(|(n, _)| (*n).to_owned()).collect();
         listed.extend(super::BUDGET_SCRIPTS.iter().map(|n| format!("{n}.lua")));
+        listed.extend(super::JOB_SCRIPTS.iter().map(|n| format!("{n}.lua")));
         listed.sort();
         assert_eq!(files, listed, "lua/*.lua and scripts::all() differ");
     }

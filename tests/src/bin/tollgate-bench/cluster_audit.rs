@@ -55,8 +55,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let scripts = tollgate_redis::scripts::all();
     let mut ran = vec![false; scripts.len()];
     let mut crossslot = Vec::new();
-    // The budget scripts are one function library: loaded on every primary.
-    let library = tollgate_redis::scripts::BUDGET.name();
+    // The budget scripts and the job scripts are function libraries: each is
+    // loaded on every primary.
+    let libraries = [
+        tollgate_redis::scripts::BUDGET.name(),
+        tollgate_redis::scripts::JOBS.name(),
+    ];
     let mut without_library = Vec::new();
     for addr in &addrs {
         let mut conn = connect(addr).await?;
@@ -76,14 +80,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             cmd.arg(script.get_hash());
         }
         let exists: Vec<i64> = cmd.query_async(&mut conn).await?;
-        let listed: Vec<redis::Value> = redis::cmd("FUNCTION")
-            .arg("LIST")
-            .arg("LIBRARYNAME")
-            .arg(library)
-            .query_async(&mut conn)
-            .await?;
-        if listed.is_empty() {
-            without_library.push(addr.clone());
+        for library in libraries {
+            let listed: Vec<redis::Value> = redis::cmd("FUNCTION")
+                .arg("LIST")
+                .arg("LIBRARYNAME")
+                .arg(library)
+                .query_async(&mut conn)
+                .await?;
+            if listed.is_empty() {
+                without_library.push(format!("{addr} ({library})"));
+            }
         }
         for (r, e) in ran.iter_mut().zip(exists) {
             *r |= e == 1;
@@ -108,7 +114,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     );
     anyhow::ensure!(
         without_library.is_empty(),
-        "primaries without the budget library {library}: {without_library:?}"
+        "primaries without a function library: {without_library:?}"
     );
     anyhow::ensure!(
         never.is_empty(),
