@@ -1,5 +1,8 @@
--- lib/bucket.lua: shared by every throttle script; the `scripts` module prepends
--- it to throttle_*.lua before loading them.
+-- lib/bucket.lua: shared by every throttle script: with lib/fair.lua, the
+-- prelude of the throttle function library (tollgate-redis
+-- `scripts::THROTTLE`), each throttle_*.lua the body of one of its functions,
+-- which starts with `begin(keys, args)`. This top level runs once, when Redis
+-- loads the library, not on every call.
 --
 -- A provider's token bucket is one hash (the `bucket` key of the provider):
 --   tokens  tokens left at time `at` (a float: refill is continuous)
@@ -20,6 +23,15 @@
 -- then, and `aimd_at`, the pause's end), and from then it grows back by a
 -- tenth of `rate` per second, up to `rate`. Without those fields it is `rate`.
 -- Never above `rate`: the bound holds.
+
+-- The calling function's KEYS and ARGV, set by `begin` at the start of each
+-- call (a function gets them as arguments; the bodies read them as a script
+-- reads its own).
+local KEYS, ARGV
+
+local function begin(keys, args)
+  KEYS, ARGV = keys, args
+end
 
 local function int(n)
   return string.format('%d', n)

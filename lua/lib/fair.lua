@@ -1,5 +1,5 @@
--- lib/fair.lua: a provider's fair queue, shared by the throttle scripts; the
--- `scripts` module prepends it, after lib/bucket.lua.
+-- lib/fair.lua: a provider's fair queue, shared by the throttle scripts: part of
+-- the throttle library's prelude, after lib/bucket.lua.
 -- `crates/tollgate-core/src/fair.rs` is the same queue in process.
 --
 -- Start-time fair queuing with a tag per ticket, given when it is queued:

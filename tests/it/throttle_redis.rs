@@ -796,7 +796,10 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
         )
     };
     // The bucket's one token, taken on the way in: what follows queues.
-    let first: Vec<i64> = enqueue("first", 0).invoke_async(&mut conn).await.unwrap();
+    let first: Vec<i64> = enqueue("first", 0)
+        .invoke_async(&mut conn, 1)
+        .await
+        .unwrap();
     assert_eq!(first[0], 2, "{first:?}");
     let mut n = 0u64;
     for round in 0..40 {
@@ -807,7 +810,7 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
             .chain((0..3).map(|_| "flood".to_owned()));
         for user in users {
             n += 1;
-            let queued: Vec<i64> = enqueue(&user, n).invoke_async(&mut conn).await.unwrap();
+            let queued: Vec<i64> = enqueue(&user, n).invoke_async(&mut conn, 1).await.unwrap();
             assert_eq!(queued[0], 1, "{queued:?}");
         }
         // The 50 first (v stays: their finish tags are above it, so their
@@ -816,7 +819,7 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
         for limit in [50, 2] {
             let _: Vec<i64> =
                 scripts::throttle_grant(&keys, "t1", throttler.clone(), limit, 5_000_000, 600_000)
-                    .invoke_async(&mut conn)
+                    .invoke_async(&mut conn, 1)
                     .await
                     .unwrap();
         }
@@ -853,12 +856,12 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
 /// any write too.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
-    use tollgate_redis::scripts::THROTTLE_ENQUEUE_FAIR;
+    use tollgate_redis::scripts::THROTTLE;
     let server = RedisServer::start();
     let mut conn = raw(&server).await;
     let keys = KeySpace::new(&random_prefix()).unwrap().throttle("llm");
     let enqueue = |share: &str, rate: &str| {
-        let mut inv = THROTTLE_ENQUEUE_FAIR.prepare_invoke();
+        let mut inv = THROTTLE.prepare("throttle_enqueue_fair");
         inv.key(&keys.queue)
             .key(&keys.waiting)
             .key(&keys.bucket)
@@ -888,7 +891,7 @@ async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
         ("1 0 1000 u", "x"),
     ] {
         let err = enqueue(share, rate)
-            .invoke_async::<Vec<i64>>(&mut conn)
+            .invoke_async::<Vec<i64>>(&mut conn, 1)
             .await
             .expect_err(&format!("share {share:?}, rate {rate}: accepted"));
         assert!(
@@ -910,7 +913,7 @@ async fn throttle_fair_enqueue_refuses_bad_arguments_and_writes_nothing() {
     }
     // The same call, well formed, is granted on the way in.
     let granted: Vec<i64> = enqueue("1 0 1000 u", "1")
-        .invoke_async(&mut conn)
+        .invoke_async(&mut conn, 1)
         .await
         .unwrap();
     assert_eq!(granted[0], 2, "{granted:?}");
@@ -938,7 +941,10 @@ async fn throttle_a_ticket_a_throttler_holds_is_not_passed_on_the_way_in() {
     };
     // The bucket is emptied, and a first call queues.
     set_tokens(&mut conn, &keys.bucket, 0.0).await;
-    let first: Vec<i64> = enqueue("heavy~0.1").invoke_async(&mut conn).await.unwrap();
+    let first: Vec<i64> = enqueue("heavy~0.1")
+        .invoke_async(&mut conn, 1)
+        .await
+        .unwrap();
     assert_eq!(first[0], 1, "queued: {first:?}");
     // A throttler takes it into its processing list, as its BLMOVE does,
     // and the bucket refills a token meanwhile.
@@ -954,7 +960,10 @@ async fn throttle_a_ticket_a_throttler_holds_is_not_passed_on_the_way_in() {
     assert_eq!(moved.as_deref(), Some("heavy~0.1"));
     set_tokens(&mut conn, &keys.bucket, 1.0).await;
     // The queue list is empty; the first call still waits: the next queues.
-    let second: Vec<i64> = enqueue("light~0.2").invoke_async(&mut conn).await.unwrap();
+    let second: Vec<i64> = enqueue("light~0.2")
+        .invoke_async(&mut conn, 1)
+        .await
+        .unwrap();
     assert_eq!(
         second[0], 1,
         "the second call took the token on its way in, past the first: {second:?}"

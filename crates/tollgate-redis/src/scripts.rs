@@ -502,31 +502,69 @@ fn clock_script(body: &str) -> Script {
 const BUCKET_LIB: &str = include_str!("../../../lua/lib/bucket.lua");
 const FAIR_LIB: &str = include_str!("../../../lua/lib/fair.lua");
 
-fn bucket_script(body: &str) -> Script {
-    Script::new(&format!("{BUCKET_LIB}\n{FAIR_LIB}\n{body}"))
-}
+/// The throttle scripts, one function each of one library (see [`Library`]):
+/// `lua/lib/bucket.lua` and `lua/lib/fair.lua` are its prelude, run once when
+/// Redis loads it, not on every call. Adding a script is one line here and
+/// one in [`THROTTLE_SCRIPTS`].
+pub static THROTTLE: LazyLock<Library> = LazyLock::new(|| {
+    Library::new(
+        "throttle",
+        &format!("{BUCKET_LIB}\n{FAIR_LIB}"),
+        &[
+            (
+                "throttle_enqueue",
+                include_str!("../../../lua/throttle_enqueue.lua"),
+            ),
+            (
+                "throttle_grant",
+                include_str!("../../../lua/throttle_grant.lua"),
+            ),
+            (
+                "throttle_cancel",
+                include_str!("../../../lua/throttle_cancel.lua"),
+            ),
+            (
+                "throttle_enqueue_fair",
+                include_str!("../../../lua/throttle_enqueue_fair.lua"),
+            ),
+            (
+                "throttle_done",
+                include_str!("../../../lua/throttle_done.lua"),
+            ),
+            (
+                "throttle_position",
+                include_str!("../../../lua/throttle_position.lua"),
+            ),
+            (
+                "throttle_slot",
+                include_str!("../../../lua/throttle_slot.lua"),
+            ),
+            (
+                "throttle_pause",
+                include_str!("../../../lua/throttle_pause.lua"),
+            ),
+            (
+                "throttle_usage",
+                include_str!("../../../lua/throttle_usage.lua"),
+            ),
+        ],
+    )
+});
 
-pub static THROTTLE_ENQUEUE: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_enqueue.lua")));
-pub static THROTTLE_GRANT: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_grant.lua")));
-pub static THROTTLE_CANCEL: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_cancel.lua")));
-pub static THROTTLE_ENQUEUE_FAIR: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_enqueue_fair.lua")));
-pub static THROTTLE_DONE: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_done.lua")));
-pub static THROTTLE_POSITION: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_position.lua")));
-pub static THROTTLE_SLOT: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_slot.lua")));
-pub static THROTTLE_PAUSE: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_pause.lua")));
-pub static THROTTLE_USAGE: LazyLock<Script> =
-    LazyLock::new(|| bucket_script(include_str!("../../../lua/throttle_usage.lua")));
+/// The throttle scripts by their file in `lua/` (see [`all`]).
+pub const THROTTLE_SCRIPTS: [&str; 9] = [
+    "throttle_enqueue",
+    "throttle_grant",
+    "throttle_cancel",
+    "throttle_enqueue_fair",
+    "throttle_done",
+    "throttle_position",
+    "throttle_slot",
+    "throttle_pause",
+    "throttle_usage",
+];
 
-/// The fair queue's keys, in the order the throttle scripts take them.
-fn fair_keys(inv: &mut redis::ScriptInvocation<'_>, keys: &ThrottleKeys) {
+fn fair_keys(inv: &mut FunctionCall, keys: &ThrottleKeys) {
     inv.key(&keys.tickets).key(&keys.capped).key(&keys.tags);
 }
 
@@ -583,15 +621,15 @@ pub fn weighted_ticket(ticket: String, bucket: &BucketArgs, weight: u64) -> Stri
 }
 
 /// `throttle_enqueue.lua`
-pub fn throttle_enqueue<'a>(
+pub fn throttle_enqueue(
     keys: &ThrottleKeys,
     ticket: &str,
     inbox: &str,
     max_wait_us: u64,
     idle_ms: u64,
     bucket: BucketArgs,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_ENQUEUE.prepare_invoke();
+) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_enqueue");
     inv.key(&keys.queue)
         .key(&keys.waiting)
         .key(&keys.bucket)
@@ -609,15 +647,15 @@ pub fn throttle_enqueue<'a>(
 }
 
 /// `throttle_grant.lua`
-pub fn throttle_grant<'a>(
+pub fn throttle_grant(
     keys: &ThrottleKeys,
     throttler: &str,
     bucket: BucketArgs,
     limit: u32,
     ready_ttl_us: u64,
     idle_ms: u64,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_GRANT.prepare_invoke();
+) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_grant");
     inv.key(&keys.queue)
         .key(keys.processing(throttler))
         .key(&keys.waiting)
@@ -639,14 +677,14 @@ pub fn throttle_grant<'a>(
 
 /// `throttle_cancel.lua`; `user`: the fair queue the ticket is in, `None`
 /// for a FIFO ticket.
-pub fn throttle_cancel<'a>(
+pub fn throttle_cancel(
     keys: &ThrottleKeys,
     ticket: &str,
     bucket: BucketArgs,
     user: Option<&str>,
     late: std::time::Duration,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_CANCEL.prepare_invoke();
+) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_cancel");
     inv.key(&keys.queue)
         .key(&keys.waiting)
         .key(&keys.granted)
@@ -689,7 +727,7 @@ impl FairArgs<'_> {
 }
 
 /// `throttle_enqueue_fair.lua`
-pub fn throttle_enqueue_fair<'a>(
+pub fn throttle_enqueue_fair(
     keys: &ThrottleKeys,
     ticket: &str,
     inbox: &str,
@@ -697,8 +735,8 @@ pub fn throttle_enqueue_fair<'a>(
     idle_ms: u64,
     bucket: BucketArgs,
     fair: FairArgs<'_>,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_ENQUEUE_FAIR.prepare_invoke();
+) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_enqueue_fair");
     inv.key(&keys.queue).key(&keys.waiting).key(&keys.bucket);
     fair_keys(&mut inv, keys);
     inv.key(&keys.inflight);
@@ -717,12 +755,8 @@ pub fn throttle_enqueue_fair<'a>(
 }
 
 /// `throttle_done.lua`
-pub fn throttle_done<'a>(
-    keys: &ThrottleKeys,
-    user: &str,
-    ticket: &str,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_DONE.prepare_invoke();
+pub fn throttle_done(keys: &ThrottleKeys, user: &str, ticket: &str) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_done");
     inv.key(&keys.queue).key(&keys.waiting);
     fair_keys(&mut inv, keys);
     inv.arg(user).arg(ticket).arg(keys.base());
@@ -734,12 +768,8 @@ const SLOT_LEASE_US: u64 = tollgate_core::config::SLOT_LEASE.as_micros() as u64;
 
 /// `throttle_slot.lua`: renews the slot of `ticket` for a lease from now, or
 /// ends it (`renew` false).
-pub fn throttle_slot<'a>(
-    keys: &ThrottleKeys,
-    ticket: &str,
-    renew: bool,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_SLOT.prepare_invoke();
+pub fn throttle_slot(keys: &ThrottleKeys, ticket: &str, renew: bool) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_slot");
     inv.key(&keys.inflight).key(&keys.queue);
     inv.arg(ticket).arg(if renew { SLOT_LEASE_US } else { 0 });
     inv
@@ -759,13 +789,9 @@ pub struct PauseArgs {
 }
 
 /// `throttle_pause.lua`
-pub fn throttle_pause<'a>(
-    keys: &ThrottleKeys,
-    bucket: BucketArgs,
-    pause: PauseArgs,
-) -> redis::ScriptInvocation<'a> {
+pub fn throttle_pause(keys: &ThrottleKeys, bucket: BucketArgs, pause: PauseArgs) -> FunctionCall {
     let us = |d: std::time::Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-    let mut inv = THROTTLE_PAUSE.prepare_invoke();
+    let mut inv = THROTTLE.prepare("throttle_pause");
     inv.key(&keys.bucket);
     inv.arg(bucket.rate).arg(bucket.burst);
     match pause.named {
@@ -780,13 +806,13 @@ pub fn throttle_pause<'a>(
 
 /// `throttle_usage.lua`: the call of a grant that took `weight` used `used`
 /// (a provider with other limits: `bucket.limits` is not empty).
-pub fn throttle_usage<'a>(
+pub fn throttle_usage(
     keys: &ThrottleKeys,
     bucket: &BucketArgs,
     weight: u64,
     used: u64,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_USAGE.prepare_invoke();
+) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_usage");
     inv.key(&keys.bucket);
     inv.arg(&bucket.limits).arg(weight).arg(used);
     inv
@@ -797,12 +823,12 @@ pub const POSITION_SCAN: u32 = 10_000;
 
 /// `throttle_position.lua`; `user`: the fair queue to look in, `None` for a
 /// FIFO provider's one queue.
-pub fn throttle_position<'a>(
+pub fn throttle_position(
     keys: &ThrottleKeys,
     request_id: &str,
     user: Option<&str>,
-) -> redis::ScriptInvocation<'a> {
-    let mut inv = THROTTLE_POSITION.prepare_invoke();
+) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_position");
     inv.key(&keys.queue).key(&keys.waiting);
     fair_keys(&mut inv, keys);
     inv.key(&keys.lists).key(&keys.bucket);
@@ -936,18 +962,10 @@ pub fn job_status(keys: &JobKeys, id: &str, user: &str) -> redis::Cmd {
 /// Every script called by EVALSHA, by the name of its file in `lua/`: what the
 /// cluster audit checks ran on the suite's Redis Cluster (`tollgate-bench
 /// cluster-audit`). The budget scripts are [`BUDGET`]'s functions
-/// ([`BUDGET_SCRIPTS`]), the job scripts [`JOBS`]' ([`JOB_SCRIPTS`]).
+/// ([`BUDGET_SCRIPTS`]), the job scripts [`JOBS`]' ([`JOB_SCRIPTS`]) and the throttle scripts
+/// [`THROTTLE`]'s ([`THROTTLE_SCRIPTS`]).
 pub fn all() -> Vec<(&'static str, &'static Script)> {
     vec![
-        ("throttle_enqueue.lua", &THROTTLE_ENQUEUE),
-        ("throttle_enqueue_fair.lua", &THROTTLE_ENQUEUE_FAIR),
-        ("throttle_done.lua", &THROTTLE_DONE),
-        ("throttle_position.lua", &THROTTLE_POSITION),
-        ("throttle_grant.lua", &THROTTLE_GRANT),
-        ("throttle_cancel.lua", &THROTTLE_CANCEL),
-        ("throttle_pause.lua", &THROTTLE_PAUSE),
-        ("throttle_slot.lua", &THROTTLE_SLOT),
-        ("throttle_usage.lua", &THROTTLE_USAGE),
         ("liveness_heartbeat.lua", &LIVENESS_HEARTBEAT),
         ("liveness_reclaim.lua", &LIVENESS_RECLAIM),
         ("job_status.lua", &JOB_STATUS),
@@ -1401,6 +1419,7 @@ mod tests {
         let mut listed: Vec<String> = super::all().iter().map(|(n, _)| (*n).to_owned()).collect();
         listed.extend(super::BUDGET_SCRIPTS.iter().map(|n| format!("{n}.lua")));
         listed.extend(super::JOB_SCRIPTS.iter().map(|n| format!("{n}.lua")));
+        listed.extend(super::THROTTLE_SCRIPTS.iter().map(|n| format!("{n}.lua")));
         listed.sort();
         assert_eq!(files, listed, "lua/*.lua and scripts::all() differ");
     }

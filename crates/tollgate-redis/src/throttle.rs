@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use redis::{FromRedisValue, ScriptInvocation};
+use redis::FromRedisValue;
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tollgate_core::{
@@ -40,7 +40,9 @@ use crate::call::{self, bad_reply};
 use crate::clock::RedisClock;
 use crate::keys::{KeySpace, ThrottleKeys};
 use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
-use crate::scripts::{self, weighted_ticket, BucketArgs, FairArgs, PauseArgs, Reclaim};
+use crate::scripts::{
+    self, weighted_ticket, BucketArgs, FairArgs, FunctionCall, PauseArgs, Reclaim,
+};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::job::LAPSED_KEPT;
@@ -71,11 +73,22 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// One throttle script: its function of [`scripts::THROTTLE`].
 async fn run_script<T: FromRedisValue>(
     pool: &Pool,
     timeout: Duration,
     op: &'static str,
-    inv: ScriptInvocation<'_>,
+    f: FunctionCall,
+) -> Result<T, ThrottleError> {
+    Ok(call::function(pool, timeout, op, &f).await?)
+}
+
+/// A script shared with the other roles (EVALSHA): the liveness scripts.
+async fn shared_script<T: FromRedisValue>(
+    pool: &Pool,
+    timeout: Duration,
+    op: &'static str,
+    inv: redis::ScriptInvocation<'_>,
 ) -> Result<T, ThrottleError> {
     Ok(call::script(pool, timeout, op, &inv).await?)
 }
@@ -1109,7 +1122,7 @@ impl Dispatch for Dispatcher {
 
     async fn heartbeat(&self, liveness: Duration) -> Result<Vec<String>, ThrottleError> {
         self.liveness_ms.store(millis(liveness), Ordering::Relaxed);
-        run_script(
+        shared_script(
             &self.pool,
             self.timeout,
             "liveness_heartbeat",
@@ -1142,7 +1155,7 @@ impl Dispatcher {
     /// `liveness_reclaim.lua` on `member`'s processing list: how many tickets
     /// went back, -1 when it is alive (and `force` is false).
     async fn reclaim_of(&self, member: &str, reclaim: Reclaim) -> Result<i64, ThrottleError> {
-        run_script(
+        shared_script(
             &self.pool,
             self.timeout,
             "liveness_reclaim",

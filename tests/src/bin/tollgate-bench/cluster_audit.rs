@@ -55,11 +55,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let scripts = tollgate_redis::scripts::all();
     let mut ran = vec![false; scripts.len()];
     let mut crossslot = Vec::new();
-    // The budget scripts and the job scripts are function libraries: each is
+    // The budget, job and throttle scripts are function libraries: each is
     // loaded on every primary.
     let libraries = [
         tollgate_redis::scripts::BUDGET.name(),
         tollgate_redis::scripts::JOBS.name(),
+        tollgate_redis::scripts::THROTTLE.name(),
     ];
     let mut without_library = Vec::new();
     for addr in &addrs {
