@@ -619,9 +619,16 @@ pub fn cluster_seeds(url: &str) -> Option<Result<Vec<String>, String>> {
     Some(Ok(seeds))
 }
 
-/// Builds a pool for `url` (a standalone Redis, or a cluster's seeds) and
-/// checks that Redis answers a PING.
+/// Builds a pool for `url` (a standalone Redis, or a cluster's seeds),
+/// checks that Redis answers a PING, and loads the script libraries it lacks
+/// ([`crate::scripts::preload`]).
 pub async fn connect(url: &str, options: &PoolOptions) -> Result<Pool, RedisBackendError> {
+    let pool = connect_pool(url, options).await?;
+    crate::scripts::preload(&pool, options.timeout).await;
+    Ok(pool)
+}
+
+async fn connect_pool(url: &str, options: &PoolOptions) -> Result<Pool, RedisBackendError> {
     let shown = redact_url(url);
     let bad_url = |message: String| RedisBackendError::BadUrl {
         url: shown.clone(),

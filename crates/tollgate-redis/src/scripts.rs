@@ -97,6 +97,14 @@ impl Library {
         cmd
     }
 
+    /// `FUNCTION LOAD <library>`, answered "already exists" when Redis has
+    /// this version (without compiling it again).
+    fn load_if_missing_cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LOAD").arg(&self.text);
+        cmd
+    }
+
     /// Loads the library on `conn`'s server.
     pub async fn load_async(&self, conn: &mut impl redis::aio::ConnectionLike) -> RedisResult<()> {
         self.load_cmd().query_async::<redis::Value>(conn).await?;
@@ -110,6 +118,26 @@ impl Library {
             function: self.function(script),
             keys: Vec::new(),
             args: Vec::new(),
+        }
+    }
+}
+
+/// Loads the function libraries (budget, job, throttle) on `pool`'s Redis (every
+/// primary of a cluster) where it lacks this build's version: a process
+/// does it as it connects, so that no call waits for Redis to compile a
+/// library (a first call on a new version would otherwise pay for it, and a
+/// grant's use-by shrinks by the time its call took). Best effort: a Redis
+/// that refuses (an ACL without `FUNCTION`) loads on the first call's
+/// "Function not found" as before.
+pub async fn preload(pool: &crate::pool::Pool, timeout: std::time::Duration) {
+    for library in [&*BUDGET, &*JOBS, &*THROTTLE] {
+        let cmd = library.load_if_missing_cmd();
+        match crate::call::command::<redis::Value>(pool, timeout, "function_load", &cmd).await {
+            Ok(_) => {}
+            Err(e) if e.to_string().contains("already exists") => {}
+            Err(e) => {
+                tracing::debug!(library = library.name(), error = %e, "function library not preloaded: the first call loads it");
+            }
         }
     }
 }
