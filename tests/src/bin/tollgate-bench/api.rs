@@ -350,7 +350,7 @@ async fn measure(mode: &str, all: &All, args: &Args) -> anyhow::Result<(Client, 
 /// Commands sent to Redis by clients (not those scripts run), by command; an
 /// EVALSHA is named by the kind and suffix of its first key
 /// (`{u:dev}:events` -> `EVALSHA u:*:events`), FCALL by its script
-/// (`tollgate_budget_<version>_reserve` -> `FCALL budget reserve`).
+/// (`tollgate_job_<version>_job_lease` -> `FCALL job job_lease`).
 #[derive(Default)]
 struct Tally(BTreeMap<String, u64>);
 
@@ -367,9 +367,15 @@ fn command_of(line: &str) -> Option<String> {
         .collect();
     let cmd = args.first()?.to_ascii_uppercase();
     if cmd == "FCALL" {
+        // tollgate_<library>_<version>_<script>; the script's name may hold '_'.
         let name = args.get(1).copied().unwrap_or("?");
-        let script = name.rsplit('_').next().unwrap_or(name);
-        return Some(format!("FCALL budget {script}"));
+        let mut parts = name
+            .strip_prefix("tollgate_")
+            .unwrap_or(name)
+            .splitn(3, '_');
+        let library = parts.next().unwrap_or("?");
+        let script = parts.nth(1).unwrap_or(name);
+        return Some(format!("FCALL {library} {script}"));
     }
     if cmd == "EVALSHA" {
         let key = args.get(3).copied().unwrap_or("");
@@ -558,4 +564,38 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::command_of;
+
+    #[test]
+    fn monitor_lines_are_named_by_library_and_script() {
+        let line = |args: &str| format!("1700000000.123456 [0 127.0.0.1:53422] {args}");
+        assert_eq!(
+            command_of(&line(
+                r#""FCALL" "tollgate_job_0123456789abcdef_job_enqueue" "3" "k""#
+            )),
+            Some("FCALL job job_enqueue".into())
+        );
+        assert_eq!(
+            command_of(&line(
+                r#""FCALL" "tollgate_budget_0123456789abcdef_charge" "9""#
+            )),
+            Some("FCALL budget charge".into())
+        );
+        assert_eq!(
+            command_of(&line(r#""EVALSHA" "abc" "1" "{u:dev}:events""#)),
+            Some("EVALSHA u:*:events".into())
+        );
+        assert_eq!(
+            command_of("1700000000.1 [0 lua] \"HGET\" \"k\" \"f\""),
+            None
+        );
+        assert_eq!(
+            command_of(&line(r#""blmove" "a" "b""#)),
+            Some("BLMOVE".into())
+        );
+    }
 }
