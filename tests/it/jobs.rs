@@ -1950,3 +1950,84 @@ async fn job_redis_the_job_scripts_are_one_library_loaded_again_after_a_flush() 
     );
     assert_eq!(evalsha(), before, "no job step ran a script by EVALSHA");
 }
+
+/// A process loads the budget, job and throttle libraries as it connects, so
+/// that no call pays for compiling one (a grant's use-by would shrink by it):
+/// the libraries are there before any `FCALL`, a second process finds them
+/// and connects all the same, and a Redis user that may not run `FUNCTION`
+/// connects too (its first call loads them, as before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_a_process_loads_the_libraries_as_it_connects() {
+    use tollgate_redis::scripts::{BUDGET, JOBS, THROTTLE};
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    let libraries = |mut conn: ::redis::aio::MultiplexedConnection| async move {
+        let mut names = Vec::new();
+        for lib in [&*BUDGET, &*JOBS, &*THROTTLE] {
+            let listed: Vec<::redis::Value> = ::redis::cmd("FUNCTION")
+                .arg("LIST")
+                .arg("LIBRARYNAME")
+                .arg(lib.name())
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            if !listed.is_empty() {
+                names.push(lib.name().to_owned());
+            }
+        }
+        names
+    };
+    let fcalls = || {
+        tollgate_tests::redis_info::command_calls(&server.url())
+            .get("fcall")
+            .copied()
+            .unwrap_or(0)
+    };
+    assert!(
+        libraries(conn.clone()).await.is_empty(),
+        "a new Redis has none"
+    );
+    let _first = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        libraries(conn.clone()).await.len(),
+        3,
+        "all three are loaded"
+    );
+    assert_eq!(fcalls(), 0, "before any call");
+    let _second = tollgate_redis::pool::connect(&server.url(), &PoolOptions::default())
+        .await
+        .expect("a process connects to a Redis that has the libraries");
+    assert_eq!(libraries(conn.clone()).await.len(), 3);
+
+    let _: () = ::redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = ::redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER",
+                "nofunction",
+                "on",
+                "nopass",
+                "~*",
+                "&*",
+                "+@all",
+                "-function",
+            ][..],
+        )
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let url = format!("redis://nofunction:any@127.0.0.1:{}/", server.port());
+    let _limited = tollgate_redis::pool::connect(&url, &PoolOptions::default())
+        .await
+        .expect("a Redis user without FUNCTION connects all the same");
+    assert!(
+        libraries(conn.clone()).await.is_empty(),
+        "that user could not load them"
+    );
+}
