@@ -200,12 +200,51 @@ fn spawn(wrapper: &[String], port: u16, dir: &Path, extra: &[String]) -> Result<
     Err(format!("redis-server did not answer PING within {wait}s"))
 }
 
-/// A port that was free a moment ago (bind to :0, read it, release it).
+/// A port that was free a moment ago, below the kernel's ephemeral range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`) when there is room for it.
+///
+/// A port from the ephemeral range (what binding to :0 gives) can be handed
+/// out as the source port of an outgoing connection while the process that
+/// listens on it is down: a role or a Redis that the harness kills and starts
+/// again on the same port then cannot listen until that connection closes (a
+/// pooled one may stay open for the rest of the run). Chaos saw it: a killed
+/// api restarted 123 times on "Address already in use".
 pub fn free_port() -> u16 {
+    let (low, _) = ephemeral_range();
+    if low > FIXED_PORTS_FROM + 1_000 {
+        let span = u32::from(low - FIXED_PORTS_FROM);
+        for _ in 0..200 {
+            let port = FIXED_PORTS_FROM + (random_u32() % span) as u16;
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("bind 127.0.0.1:0")
+}
+
+/// The lowest port [`free_port`] picks (a Redis Cluster node's bus port,
+/// `port + 10000`, stays under 65536).
+const FIXED_PORTS_FROM: u16 = 20_000;
+
+/// The kernel's range of ephemeral ports (Linux's default when unreadable).
+fn ephemeral_range() -> (u16, u16) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| {
+            let mut it = text.split_whitespace().map(|p| p.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32_768, 60_999))
+}
+
+fn random_u32() -> u32 {
+    let id = tollgate_core::id::RequestId::generate();
+    let hex: String = id.as_str().chars().filter(|c| *c != '-').take(8).collect();
+    u32::from_str_radix(&hex, 16).unwrap_or(0)
 }
 
 fn ping(port: u16) -> bool {
@@ -218,4 +257,25 @@ fn ping(port: u16) -> bool {
     }
     let mut buf = [0u8; 7];
     s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ephemeral_range, free_port, FIXED_PORTS_FROM};
+
+    #[test]
+    fn free_ports_are_outside_the_ephemeral_range() {
+        let (low, high) = ephemeral_range();
+        assert!(low <= high, "{low}..{high}");
+        for _ in 0..50 {
+            let port = free_port();
+            if low > FIXED_PORTS_FROM + 1_000 {
+                assert!(
+                    (FIXED_PORTS_FROM..low).contains(&port),
+                    "{port} is not in {FIXED_PORTS_FROM}..{low}"
+                );
+            }
+            std::net::TcpListener::bind(("127.0.0.1", port)).expect("the port is free");
+        }
+    }
 }
