@@ -1951,6 +1951,47 @@ async fn job_redis_the_job_scripts_are_one_library_loaded_again_after_a_flush() 
     assert_eq!(evalsha(), before, "no job step ran a script by EVALSHA");
 }
 
+/// A library is loaded without `REPLACE`: a second load of a version Redis
+/// has answers "already exists" (and compiles nothing) and counts as done, so
+/// that pods which all found a flushed library missing compile it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_redis_a_library_redis_has_is_not_compiled_again() {
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    for library in [
+        &*tollgate_redis::scripts::JOBS,
+        &*tollgate_redis::scripts::BUDGET,
+    ] {
+        library.load_async(&mut conn).await.expect("loaded");
+        library
+            .load_async(&mut conn)
+            .await
+            .expect("already there: done");
+    }
+    let info: String = ::redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let loads = info
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_function|load:"))
+        .unwrap_or_else(|| panic!("no FUNCTION LOAD in {info}"));
+    let stat = |name: &str| -> u64 {
+        loads
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {loads}"))
+    };
+    assert_eq!(stat("calls"), 4, "{loads}");
+    assert_eq!(
+        stat("failed_calls"),
+        2,
+        "each second load was refused: {loads}"
+    );
+}
+
 /// A process loads the budget, job and throttle libraries as it connects, so
 /// that no call pays for compiling one (a grant's use-by would shrink by it):
 /// the libraries are there before any `FCALL`, a second process finds them
