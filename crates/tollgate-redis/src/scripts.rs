@@ -106,7 +106,7 @@ impl Library {
     pub async fn load_async(&self, conn: &mut impl redis::aio::ConnectionLike) -> RedisResult<()> {
         match self.load_cmd().query_async::<redis::Value>(conn).await {
             Ok(_) => Ok(()),
-            Err(e) if is_already_loaded(&e) => Ok(()),
+            Err(e) if already_loaded(&e.to_string()) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -134,7 +134,7 @@ pub async fn preload(pool: &crate::pool::Pool, timeout: std::time::Duration) {
         let cmd = library.load_cmd();
         match crate::call::command::<redis::Value>(pool, timeout, "function_load", &cmd).await {
             Ok(_) => {}
-            Err(e) if e.to_string().contains("already exists") => {}
+            Err(e) if already_loaded(&e.to_string()) => {}
             Err(e) => {
                 tracing::debug!(library = library.name(), error = %e, "function library not preloaded: the first call loads it");
             }
@@ -142,10 +142,10 @@ pub async fn preload(pool: &crate::pool::Pool, timeout: std::time::Duration) {
     }
 }
 
-/// Whether Redis answered a `FUNCTION LOAD` that it has this library
-/// already (a load without `REPLACE`).
-fn is_already_loaded(e: &RedisError) -> bool {
-    e.to_string().contains("already exists")
+/// Whether an error's text is Redis answering a `FUNCTION LOAD` (without
+/// `REPLACE`) that it has this library already: the load's goal holds.
+fn already_loaded(message: &str) -> bool {
+    message.contains("already exists")
 }
 
 /// Whether Redis answered that it has no such function (the library is not
