@@ -242,9 +242,7 @@ fn ephemeral_range() -> (u16, u16) {
 }
 
 fn random_u32() -> u32 {
-    let id = tollgate_core::id::RequestId::generate();
-    let hex: String = id.as_str().chars().filter(|c| *c != '-').take(8).collect();
-    u32::from_str_radix(&hex, 16).unwrap_or(0)
+    u32::from_str_radix(&crate::uuid_like()[..8], 16).unwrap_or(0)
 }
 
 fn ping(port: u16) -> bool {
