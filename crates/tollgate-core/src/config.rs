@@ -437,9 +437,39 @@ pub struct Operation {
     /// What one call weighs in its provider's token limits (`weight`); set
     /// exactly when the provider has one.
     pub weight: Option<Weight>,
+    /// How a streamed call's usage is had (`stream_usage`).
+    pub stream_usage: StreamUsage,
     /// Where its answers report the tokens a call used: its own `usage`, or
     /// its provider's.
     pub usage: Option<String>,
+}
+
+/// How a streamed call's usage is had from its upstream (`stream_usage`): a
+/// stream is charged what it used only when its usage is seen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StreamUsage {
+    /// `"ask"`: the upstream reports usage only when asked (OpenAI's chat and
+    /// completions APIs: `stream_options.include_usage`): the worker asks on
+    /// the client's behalf, and a client that did not ask is relayed the
+    /// stream it would have had (no usage chunk, no `"usage": null`). The
+    /// default of an operation whose `path` ends in `/chat/completions` or
+    /// `/completions`.
+    Ask,
+    /// `"reported"`: the upstream reports usage unasked (Anthropic's
+    /// `message_start`/`message_delta`, OpenAI's Responses API): the request
+    /// goes as sent. The default of every other operation.
+    #[default]
+    Reported,
+}
+
+impl StreamUsage {
+    /// The default for an operation at `path`.
+    pub fn for_path(path: Option<&str>) -> Self {
+        match path {
+            Some(p) if p.ends_with("/chat/completions") || p.ends_with("/completions") => Self::Ask,
+            _ => Self::Reported,
+        }
+    }
 }
 
 /// How an operation's input (a JSON object) is sent to its upstream.
@@ -487,7 +517,7 @@ pub enum SettleReserve {
 
 impl Settle {
     /// The actual cost of a job that answered `answer`; `None` when the answer
-    /// has no number at `from` (the estimate then stands).
+    /// has no number at `from` (the call is then charged the most: [`crate::job::settle`]).
     pub fn cost(&self, answer: &serde_json::Value) -> Option<u64> {
         let v = answer.pointer(&self.from)?;
         let units = match (v.as_u64(), v.as_f64()) {
@@ -633,6 +663,7 @@ struct RawOperation {
     expose_upstream_errors: Option<bool>,
     method: Option<String>,
     body: Option<String>,
+    stream_usage: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -1228,6 +1259,17 @@ fn parse_operations(
                 ))
             }
         };
+        let stream_usage = match o.stream_usage.as_deref() {
+            None => StreamUsage::for_path(o.path.as_deref()),
+            Some("ask") => StreamUsage::Ask,
+            Some("reported") => StreamUsage::Reported,
+            Some(other) => {
+                return Err(invalid(
+                    format!("{key}.stream_usage"),
+                    format!("must be \"ask\" or \"reported\", got {other:?}"),
+                ))
+            }
+        };
         let provider = &providers[&o.provider];
         let weighed = provider.max_weight().is_some();
         let weight = match (&o.weight, weighed) {
@@ -1283,6 +1325,7 @@ fn parse_operations(
                 result_ttl,
                 expose_upstream_errors: o.expose_upstream_errors.unwrap_or(false),
                 request,
+                stream_usage,
             },
         );
     }

@@ -11,14 +11,14 @@
 //! values are read from environment variables once, at start (a missing one
 //! refuses the start), marked sensitive and never logged.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use reqwest::header::{HeaderName, HeaderValue, ACCEPT, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::Value;
-use tollgate_core::config::{RequestShape, Upstream};
+use tollgate_core::config::{RequestShape, StreamUsage, Upstream};
 use tollgate_core::{
     config::Config,
     job::{Job, Rejection},
@@ -46,6 +46,9 @@ pub struct HttpTransport {
     paths: BTreeMap<String, String>,
     /// Operation name -> how its input is sent (absent: a JSON POST).
     shapes: BTreeMap<String, RequestShape>,
+    /// Operations whose upstream reports a stream's usage only when asked
+    /// ([`StreamUsage::Ask`]).
+    ask_usage: BTreeSet<String>,
     /// Sent with every call: static headers, then secret ones (sensitive).
     headers: Vec<(HeaderName, HeaderValue)>,
     client: reqwest::Client,
@@ -118,11 +121,17 @@ impl HttpTransport {
             .filter(|o| o.provider == provider && o.request != RequestShape::Json)
             .map(|o| (o.name.clone(), o.request))
             .collect();
+        let ask_usage = config
+            .operations()
+            .filter(|o| o.provider == provider && o.stream_usage == StreamUsage::Ask)
+            .map(|o| o.name.clone())
+            .collect();
         Ok(Self {
             provider: provider.to_owned(),
             url: upstream.url.clone(),
             paths,
             shapes,
+            ask_usage,
             headers,
             client,
         })
@@ -196,7 +205,7 @@ impl Transport for HttpTransport {
             Some(sink) => self.streamed(job, use_by, sink).await,
             None => {
                 let late = Arc::new(OnceLock::new());
-                let req = self.request(job, use_by, &late)?;
+                let req = self.request(job, &job.input, use_by, &late)?;
                 let resp = self.send(req, use_by, &late).await?;
                 let head = head_of(&resp);
                 let (status, body) = self.read_whole(resp).await?;
@@ -240,7 +249,12 @@ impl HttpTransport {
     /// reported ([`crate::stream::Usage`]). A body cut, an over-long event, or
     /// a sink that refuses (the client went away: dropping the response
     /// closes the upstream connection) after the answer began is
-    /// [`AttemptError::Unanswered`].
+    /// [`AttemptError::Unanswered`], unless the stream's final usage was seen
+    /// already: the work is done and paid what it used.
+    ///
+    /// An upstream that reports usage only when asked ([`StreamUsage::Ask`])
+    /// is asked ([`stream::asking_usage`]) when the client did not; the
+    /// client is then relayed the stream it asked for ([`stream::as_unasked`]).
     async fn streamed(
         &self,
         job: &Job,
@@ -248,8 +262,13 @@ impl HttpTransport {
         sink: &dyn StreamWriter,
     ) -> Result<Answer, AttemptError> {
         let late = Arc::new(OnceLock::new());
+        let asked = self
+            .ask_usage
+            .contains(&job.operation)
+            .then(|| stream::asking_usage(&job.input))
+            .flatten();
         let req = self
-            .request(job, use_by, &late)?
+            .request(job, asked.as_ref().unwrap_or(&job.input), use_by, &late)?
             .header(ACCEPT, "text/event-stream");
         let mut resp = self.send(req, use_by, &late).await?;
         let is_stream = resp
@@ -294,7 +313,22 @@ impl HttpTransport {
             };
             for event in found {
                 usage.see(&event);
-                pass_on(sink, StreamEvent::Data(event)).await?;
+                let relayed = match asked {
+                    Some(_) => stream::as_unasked(&event).map(std::borrow::Cow::into_owned),
+                    None => Some(event),
+                };
+                let Some(relayed) = relayed else { continue };
+                if let Err(e) = pass_on(sink, StreamEvent::Data(relayed)).await {
+                    if usage.is_complete() {
+                        // Only the stream's end was left: the call did
+                        // its work and reported it.
+                        return Ok(Answer {
+                            body: usage.answer(),
+                            head: Some(head),
+                        });
+                    }
+                    return Err(e);
+                }
             }
             if done {
                 return Ok(Answer {
@@ -307,11 +341,13 @@ impl HttpTransport {
 }
 
 impl HttpTransport {
-    /// The request of one attempt at `job`, its body checked against
-    /// `use_by` as it is written.
+    /// The request of one attempt at `job` sending `input` (its own, or as
+    /// asked for on its behalf), its body checked against `use_by` as it is
+    /// written.
     fn request(
         &self,
         job: &Job,
+        input: &Value,
         use_by: Option<Instant>,
         late: &Arc<OnceLock<Duration>>,
     ) -> Result<reqwest::RequestBuilder, AttemptError> {
@@ -323,14 +359,10 @@ impl HttpTransport {
                 .client
                 .post(url)
                 .header(CONTENT_TYPE, "application/json")
-                .body(checked_body(
-                    job.input.to_string(),
-                    use_by,
-                    Arc::clone(late),
-                )),
+                .body(checked_body(input.to_string(), use_by, Arc::clone(late))),
             RequestShape::Form => {
                 let form = form_urlencoded::Serializer::new(String::new())
-                    .extend_pairs(pairs(&job.input))
+                    .extend_pairs(pairs(input))
                     .finish();
                 self.client
                     .post(url)
@@ -343,7 +375,7 @@ impl HttpTransport {
                 let mut url = reqwest::Url::parse(&url).map_err(|e| AttemptError::NotSent {
                     message: format!("bad url {url:?}: {e}"),
                 })?;
-                let pairs = pairs(&job.input);
+                let pairs = pairs(input);
                 if !pairs.is_empty() {
                     url.query_pairs_mut().extend_pairs(pairs);
                 }
@@ -655,6 +687,7 @@ provider = "llm"
             url: format!("http://upstream.test:{}", addr.port()),
             paths: BTreeMap::new(),
             shapes: BTreeMap::new(),
+            ask_usage: BTreeSet::new(),
             headers: Vec::new(),
             client: reqwest::Client::builder()
                 .dns_resolver(SlowDns(addr, delay))
