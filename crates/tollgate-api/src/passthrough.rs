@@ -31,7 +31,7 @@ use axum::Extension;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 use tollgate_core::head::Head;
-use tollgate_core::job::{JobInfo, JobStatus};
+use tollgate_core::job::{self, JobInfo, JobStatus};
 use tollgate_core::stream::{wants_stream, Read, StreamEvent, StreamReader};
 use tollgate_core::trace::TraceParent;
 
@@ -224,8 +224,27 @@ async fn run(
             detail: "the request body must be a JSON object".into(),
         });
     }
-    let id = request_id(&priced.user, headers)?;
     let streamed = wants_stream(&input);
+    // A whole call without an Idempotency-Key: an SDK's retry of it (after
+    // its connection was cut, say) joins the job it left running.
+    let retry = (!streamed && !headers.contains_key(crate::cost::IDEMPOTENCY_KEY))
+        .then(|| job::retry_key(&priced.user, &priced.operation, &input));
+    let joined = match &retry {
+        Some(key) if is_retry(headers) => {
+            match state.jobs.retry_target(&priced.operation, key).await {
+                Ok(target) => target,
+                Err(e) => {
+                    tracing::warn!(error = %e, "looking up the job a retry joins failed; a new job");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    let id = match &joined {
+        Some(id) => id.clone(),
+        None => request_id(&priced.user, headers)?,
+    };
     // Before the job exists: no event and no end can be missed.
     let reader = match streamed {
         true => Some(state.streams.open(&priced.operation, &id).await?),
@@ -242,18 +261,36 @@ async fn run(
         Some(reader) => stream(state, &priced, info, watch, reader, Flavor::of(headers)).await,
         None => {
             let (user, op) = (&priced.user, info.job.operation.clone());
-            let wait = watch.until_final(
-                Some(info.clone()),
-                state.settings.sync_timeout,
-                state.jobs.poll(),
-                || state.jobs.read(user, &op, &id),
-            );
-            tokio::select! {
-                waited = wait => {
-                    let info = waited?.unwrap_or(info);
-                    whole(state, &info, headers)
+            // Held until the job ends: an answer before it (a 503 the SDK
+            // retries) would have the work done twice.
+            let hold = hold_for(state, &op, headers);
+            let wait = watch.until_final(Some(info.clone()), hold, state.jobs.poll(), || {
+                state.jobs.read(user, &op, &id)
+            });
+            let waited = tokio::select! {
+                waited = wait => Some(waited?.unwrap_or(info)),
+                () = priced.client_gone() => None,
+            };
+            match waited {
+                Some(info) if info.status.is_final() => {
+                    // A job a retry joined keeps its record for the next.
+                    let keep =
+                        joined.is_some() || headers.contains_key(crate::cost::IDEMPOTENCY_KEY);
+                    whole(state, &info, !keep)
                 }
-                () = priced.client_gone() => Err(ApiError::RequestTimeout(state.settings.sync_timeout)),
+                // Left unanswered while its job runs: a retry finds the job.
+                unanswered => {
+                    if let Some(key) = &retry {
+                        let ttl = hold + RETRY_TARGET_MARGIN;
+                        if let Err(e) = state.jobs.remember_retry_target(&op, key, &id, ttl).await {
+                            tracing::warn!(error = %e, "remembering the job a retry would join failed");
+                        }
+                    }
+                    match unanswered {
+                        Some(info) => whole(state, &info, false),
+                        None => Err(ApiError::RequestTimeout(hold)),
+                    }
+                }
             }
         }
     };
@@ -262,9 +299,53 @@ async fn run(
     Ok(response)
 }
 
-/// A whole answer: the upstream's JSON as-is, or the job's error.
-fn whole(state: &ApiState, info: &JobInfo, headers: &HeaderMap) -> Result<Response, ApiError> {
-    if info.status.is_final() && !headers.contains_key(crate::cost::IDEMPOTENCY_KEY) {
+/// Whether a request says it is a client's retry: the OpenAI and Anthropic
+/// SDKs number their attempts (`x-stainless-retry-count`, 0 for the first).
+fn is_retry(headers: &HeaderMap) -> bool {
+    headers
+        .get("x-stainless-retry-count")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .is_some_and(|n| n > 0)
+}
+
+/// How long past its hold a call left unanswered can be joined by a retry.
+const RETRY_TARGET_MARGIN: Duration = Duration::from_secs(60);
+/// What a whole call waits past its operation's deadline and its upstream's
+/// timeout: the job's failure to be recorded.
+const HOLD_MARGIN: Duration = Duration::from_secs(5);
+
+/// How long a whole call waits for its job: until the job must have ended
+/// (its deadline, plus a call sent just before it), but answered a second
+/// before the client says it stops reading (`x-stainless-read-timeout`,
+/// seconds), so that its retry is one that joins.
+fn hold_for(state: &ApiState, operation: &str, headers: &HeaderMap) -> Duration {
+    let config = &state.config;
+    let op = config.operation(operation);
+    let deadline = op.map_or(tollgate_core::config::DEFAULT_JOB_DEADLINE, |o| o.deadline);
+    let upstream = op
+        .and_then(|o| config.upstream(&o.provider))
+        .map_or(Duration::ZERO, |u| u.timeout);
+    let hold = deadline + upstream + HOLD_MARGIN;
+    let client = headers
+        .get("x-stainless-read-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(|s| Duration::from_secs_f64(s.min(86_400.0)));
+    match client {
+        Some(c) => hold.min(
+            c.saturating_sub(Duration::from_secs(1))
+                .max(Duration::from_secs(1)),
+        ),
+        None => hold,
+    }
+}
+
+/// A whole answer: the upstream's JSON as-is, or the job's error; a final
+/// record nobody can ask for again goes when `forget_it`.
+fn whole(state: &ApiState, info: &JobInfo, forget_it: bool) -> Result<Response, ApiError> {
+    if info.status.is_final() && forget_it {
         forget(state, info);
     }
     match &info.status {
@@ -378,7 +459,7 @@ async fn stream(
                 Read::Idle if grace_end.is_some_and(|e| tokio::time::Instant::now() >= e) => {
                     // Final without a single event: the record answers.
                     return match final_info.flatten() {
-                        Some(info) if info.status.is_final() => whole(state, &info, &HeaderMap::new()),
+                        Some(info) if info.status.is_final() => whole(state, &info, true),
                         _ => Err(ApiError::RequestTimeout(state.settings.sync_timeout)),
                     };
                 }

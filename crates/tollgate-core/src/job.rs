@@ -617,6 +617,24 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
     /// owing a release stays until the release is confirmed).
     async fn answered(&self, info: &JobInfo) -> Result<(), JobError>;
 
+    /// Remembers for `ttl` that a call of `operation` whose request has the
+    /// retry key `key` ([`retry_key`]) runs as job `id`, its client not
+    /// answered (it left, or the wait ended first): the client's retry of the
+    /// same request finds that job ([`Self::retry_target`]) instead of
+    /// starting the work again.
+    async fn remember_retry_target(
+        &self,
+        operation: &str,
+        key: &str,
+        id: &RequestId,
+        ttl: Duration,
+    ) -> Result<(), JobError>;
+
+    /// The job a retry with key `key` joins, remembered by
+    /// [`Self::remember_retry_target`] and not expired.
+    async fn retry_target(&self, operation: &str, key: &str)
+        -> Result<Option<RequestId>, JobError>;
+
     /// One read of job `id` of `operation`, when `user` owns it.
     async fn read(
         &self,
@@ -831,13 +849,30 @@ pub fn unrun(claim: ClaimOutcome) -> Option<(FailureCause, &'static str)> {
 pub enum Settled {
     /// The operation has no `settle` rule: the estimate is the cost.
     Fixed,
-    /// The answer has no number where the rule reads one: the estimate stands
-    /// (a charge of the most was settled down to it).
+    /// The answer has no number where the rule reads one (or there is no
+    /// answer: the call was cut): the call is charged what it may have used,
+    /// never the small estimate. A charge of the most stays the most; one of
+    /// the estimate (`reserve = "estimate"`) rises to `settle.max`.
     NoUsage,
     /// The charge now costs `cost` (it was charged at `estimate`).
     To { estimate: u64, cost: u64 },
     /// The charge is not this job's any more (released, or left the window).
     NotOwned,
+}
+
+/// The retry key of a request without an Idempotency-Key: its user, its
+/// operation and its body ([`fingerprint`]), hashed. A client's retry of the
+/// same request has the same key.
+pub fn retry_key(user: &UserId, operation: &str, input: &Value) -> String {
+    let mut h = Sha256::new();
+    for part in [user.as_str(), operation, &fingerprint(input)] {
+        h.update(part.as_bytes());
+        h.update([0]);
+    }
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// The worker's step after a successful call, before the result is recorded:
@@ -858,12 +893,15 @@ pub async fn settle(
         return Ok(Settled::Fixed);
     };
     let may_raise = op.settle_may_raise();
-    // No usage in the answer: the estimate stands. A charge of the most
-    // settles down to it; one of the estimate is it already.
+    // No usage in the answer (none reported, a stream cut before its usage,
+    // no answer at all): the user may have had the most, so the charge is the
+    // most. Who decides whether usage is reported (a client closing a stream
+    // early, a request shaped to leave it out) must not decide the price. A
+    // charge of the most stays as it is; one of the estimate rises to it.
     let (cost, reported) = match rule.cost(answer) {
         Some(cost) => (cost, true),
-        None if may_raise => return Ok(Settled::NoUsage),
-        None => (op.cost, false),
+        None if !may_raise => return Ok(Settled::NoUsage),
+        None => (rule.max.max(op.cost), false),
     };
     let settle = SettleRequest {
         nonce: &job.nonce,

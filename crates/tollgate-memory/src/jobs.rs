@@ -157,6 +157,9 @@ pub struct MemoryJobQueue {
     watchers: Arc<Watchers>,
     /// Refusals for stored bytes remembered in process.
     full_marks: FullMarks,
+    /// `"<operation> <retry key>"` -> the job a retry joins, and until when
+    /// (on `clock`).
+    retry_targets: Mutex<HashMap<String, (RequestId, u64)>>,
 }
 
 impl std::fmt::Debug for MemoryJobQueue {
@@ -187,6 +190,7 @@ impl MemoryJobQueue {
             queued: Notify::new(),
             watchers: Arc::default(),
             full_marks: FullMarks::default(),
+            retry_targets: Mutex::new(HashMap::new()),
         }
     }
 
@@ -427,6 +431,35 @@ impl JobQueue for MemoryJobQueue {
             st.forget(&info.job.id);
         }
         Ok(())
+    }
+
+    async fn remember_retry_target(
+        &self,
+        operation: &str,
+        key: &str,
+        id: &RequestId,
+        ttl: Duration,
+    ) -> Result<(), JobError> {
+        let now = self.clock.now_ms();
+        let until = now.saturating_add(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+        let mut targets = lock(&self.retry_targets);
+        // Bounded by the calls left unanswered within a ttl: the expired go
+        // whenever one is added.
+        targets.retain(|_, (_, until)| *until > now);
+        targets.insert(format!("{operation} {key}"), (id.clone(), until));
+        Ok(())
+    }
+
+    async fn retry_target(
+        &self,
+        operation: &str,
+        key: &str,
+    ) -> Result<Option<RequestId>, JobError> {
+        let now = self.clock.now_ms();
+        Ok(lock(&self.retry_targets)
+            .get(&format!("{operation} {key}"))
+            .filter(|(_, until)| *until > now)
+            .map(|(id, _)| id.clone()))
     }
 
     async fn read(

@@ -829,6 +829,35 @@ impl JobQueue for RedisJobQueue {
         Ok(())
     }
 
+    async fn remember_retry_target(
+        &self,
+        operation: &str,
+        key: &str,
+        id: &RequestId,
+        ttl: Duration,
+    ) -> Result<(), JobError> {
+        let (_, keys) = self.op_keys(operation)?;
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(keys.retry_target(key))
+            .arg(id.as_str())
+            .arg("PX")
+            .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
+        self.command::<()>("retry_target_set", cmd).await
+    }
+
+    async fn retry_target(
+        &self,
+        operation: &str,
+        key: &str,
+    ) -> Result<Option<RequestId>, JobError> {
+        let (_, keys) = self.op_keys(operation)?;
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(keys.retry_target(key));
+        let id: Option<String> = self.command("retry_target", cmd).await?;
+        // A value that is no request id (written by hand) joins nothing.
+        Ok(id.and_then(|id| RequestId::new(id).ok()))
+    }
+
     async fn read(
         &self,
         user: &UserId,

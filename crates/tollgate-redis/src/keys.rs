@@ -410,6 +410,13 @@ impl JobKeys {
         format!("{}:stored:", self.base)
     }
 
+    /// String: the job a client's retry of a call left unanswered joins
+    /// (its request id), by the request's retry key (`job::retry_key`: a hash
+    /// of the user, the operation and the body); expiring.
+    pub fn retry_target(&self, key: &str) -> String {
+        format!("{}:retry:{key}", self.base)
+    }
+
     /// List: the job ids worker `worker` moved out of the queue and holds.
     pub fn processing(&self, worker: &str) -> String {
         format!("{}:processing:{worker}", self.base)
@@ -435,7 +442,7 @@ impl JobKeys {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|lists|dead|job:<id>|processing:<worker>|stream:<id>|stream-cancel:<id>`.
+    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|lists|dead|job:<id>|processing:<worker>|retry:<key>|stream:<id>|stream-cancel:<id>`.
     /// Operation names are validated like ids when the config is read.
     pub fn jobs(&self, operation: &str) -> JobKeys {
         let base = format!("{}:{SCHEMA}:{{q:{}}}", self.prefix, operation);

@@ -479,8 +479,8 @@ async fn job(
             match charge {
                 Charge::Keep => {
                     tracing::info!(error = %e, cause = cause.as_str(), upstream_body, "job failed; the upstream may have worked: the charge stands");
-                    // No usage was reported: a charge that reserved the
-                    // most comes down to the operation's estimate.
+                    // No usage was reported: the call is charged the most
+                    // it may have used (the reservation), never the estimate.
                     settle(source.as_ref(), lease, &serde_json::Value::Null).await;
                 }
                 Charge::Release { absorbed } => {
@@ -590,7 +590,7 @@ async fn end_stream(sink: &dyn StreamWriter, event: StreamEvent) {
 
 /// A streamed job taken again after a run that started and was lost: it is
 /// not run again (the client had part of an answer from the lost run); it
-/// fails unanswered, its charge kept (settled to the estimate), and its
+/// fails unanswered, its charge kept (the most it may have used), and its
 /// stream says so.
 async fn lost_stream(
     source: &dyn JobSource,
@@ -612,7 +612,8 @@ async fn lost_stream(
 }
 
 /// Settles the job's charge to the cost the provider reported, when its
-/// operation says where to read it (`Null`: no answer, the estimate). A store
+/// operation says where to read it (`Null`: no answer, the most it may have
+/// used: [`job::settle`]). A store
 /// failure is retried with backoff as long as a finishing call is
 /// ([`RECORD_FOR`]): an outage the job's recording waits out (a Redis
 /// restart) leaves the charge where the outcome rules put it, not at the most
@@ -629,11 +630,11 @@ async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Valu
                 tracing::debug!(estimate, cost, "the charge settled to the reported cost");
             }
             Ok(Settled::NoUsage) if answer.is_null() => {
-                tracing::debug!("no answer to read usage from; the estimate stands");
+                tracing::debug!("no answer to read usage from; charged the most it may have used");
             }
             Ok(Settled::NoUsage) => {
                 tracing::warn!(
-                    "the answer reports no usage where the operation reads it; the estimate stands"
+                    "the answer reports no usage where the operation reads it; charged the most it may have used"
                 );
             }
             Ok(Settled::NotOwned) => {
