@@ -81,12 +81,13 @@ settle = {{ from = "/usage/total_tokens", per = 1, max = 50 }}
 class System:
     """The mock, tollgate in front of it, and an admin to make users."""
 
-    def __init__(self, backend: str) -> None:
-        self.mock = MockProvider("--rate", "1000", "--burst", "100", "--token-interval-ms", "2")
+    def __init__(self, backend: str, mock_flags: tuple = (), flags: tuple = ()) -> None:
+        self.mock = MockProvider("--rate", "1000", "--burst", "100", "--token-interval-ms", "2", *mock_flags)
         self.redis = Redis() if backend == "redis" else None
         self.tollgate = Tollgate(
             CONFIG.format(mock=self.mock.url, max=SETTLE_MAX),
             self.redis.url if self.redis else None,
+            flags=flags,
         )
         self.base = self.tollgate.base
         self.http = httpx.Client(timeout=30)
@@ -117,6 +118,23 @@ class System:
             if used == want or time.monotonic() > deadline:
                 return used
             time.sleep(0.02)
+
+    def settled_used(self, key: str) -> int:
+        """``used`` once the user's last job has ended (its charge settled,
+        kept or released), within 10 s."""
+        events = self.usage(key)["events"]
+        assert events, "no charge"
+        job = max(events, key=lambda e: e["at_ms"])["request_id"]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            r = self.http.get(f"{self.base}/v1/jobs/{job}", headers={"Authorization": f"Bearer {key}"})
+            if r.status_code == 200 and r.json()["status"] in ("succeeded", "failed"):
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"job {job} did not end")
+        time.sleep(0.1)  # A settle after the record: none, but a margin costs little.
+        return self.usage(key)["used"]
 
     def mock_stats(self) -> dict:
         return self.http.get(f"{self.mock.url}/stats").json()
@@ -178,11 +196,72 @@ def test_chat_completions_streamed(system):
     assert usage is not None and usage == direct[-1].usage
     assert system.used(key, usage.total_tokens) == usage.total_tokens == 9
 
-    # Without include_usage the stream reports none: settled to the estimate.
+    # Without include_usage the client sees no usage, and pays the same:
+    # tollgate asked the upstream for it.
     chunks = list(system.openai(key).chat.completions.create(**ask))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert all(c.usage is None for c in chunks)
-    assert system.used(key, 9 + 2) == 9 + 2
+    assert system.used(key, 9 + 9) == 9 + 9
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The events of a streamed answer, the mock's per-call id and time
+    taken out (they differ between two calls)."""
+    import re
+
+    text = "".join(response.iter_text())
+    text = re.sub(r"chatcmpl-mock-\d+", "chatcmpl-mock-N", text)
+    text = re.sub(r'"created":\d+', '"created":0', text)
+    return [e for e in text.split("\n\n") if e.strip()]
+
+
+def test_a_plain_stream_is_relayed_byte_for_byte_and_pays_its_usage(system):
+    key = system.user()
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "six seven eight"}]}
+    with system.http.stream(
+        "POST", f"{system.base}/v1/passthrough/openai/chat/completions",
+        headers={"Authorization": f"Bearer {key}"}, json=body,
+    ) as r:
+        assert r.status_code == 200
+        relayed = sse_events(r)
+    with system.http.stream("POST", f"{system.mock.url}/v1/chat/completions", json=body) as r:
+        direct = sse_events(r)
+    assert relayed == direct
+    assert all('"usage"' not in e for e in relayed)
+    # What the same call pays when the client asks for usage itself.
+    asked = dict(body, stream_options={"include_usage": True})
+    chunks = list(system.openai(key).chat.completions.create(**asked))
+    total = chunks[-1].usage.total_tokens
+    assert system.used(key, 2 * total) == 2 * total
+
+
+def test_a_stream_closed_before_its_end_pays_at_least_the_whole(system):
+    words = " ".join(f"w{i}" for i in range(60))
+    ask = dict(model="m", messages=[{"role": "user", "content": words}], stream=True)
+    whole = system.direct_openai().chat.completions.create(model="m", messages=ask["messages"])
+    events = len(list(system.direct_openai().chat.completions.create(**ask)))
+    for keep in (events * 99 // 100, events - 1):
+        key = system.user()
+        stream = system.openai(key).chat.completions.create(**ask)
+        for i, _ in enumerate(stream):
+            if i + 1 >= keep:
+                break
+        stream.close()
+        used = system.settled_used(key)
+        assert used >= whole.usage.total_tokens, (keep, events, used)
+
+    # Anthropic, closed after its last content delta (before message_delta).
+    key = system.user()
+    ask = dict(model="c", max_tokens=150, messages=[{"role": "user", "content": words}])
+    direct = system.direct_anthropic().messages.create(**ask)
+    with system.anthropic(key).messages.create(stream=True, **ask) as stream:
+        seen = []
+        for event in stream:
+            seen.append(event.type)
+            if event.type == "content_block_stop":
+                break
+    used = system.settled_used(key)
+    assert used >= direct.usage.output_tokens, (seen[-3:], used)
 
 
 def test_embeddings(system):
@@ -321,3 +400,25 @@ def test_a_saturated_provider_makes_the_sdk_wait_never_a_500(system):
             statuses.append(e.status_code)
             assert e.response.headers["retry-after"] == "1"
     assert 503 in statuses and set(statuses) <= {200, 503}, statuses
+
+
+def test_a_whole_call_outliving_the_sync_timeout_runs_once_with_the_sdks_retries():
+    """The upstream takes 3 s; tollgate's sync timeout is 1 s. The SDK, with
+    its default retries, gets its answer from one upstream call, paid once;
+    with a read timeout of 2.5 s it times out once and its retry joins the
+    job its first attempt left running."""
+    sys = System("embedded", mock_flags=("--latency-ms", "3000"), flags=("--sync-timeout-ms", "1000"))
+    try:
+        for timeout in (None, 2.5):
+            key = sys.user()
+            before = sys.mock_stats()["requests"]
+            kw = {} if timeout is None else {"timeout": timeout}
+            started = time.monotonic()
+            answer = sys.openai(key, **kw).chat.completions.create(model="m", messages=MESSAGES)
+            took = time.monotonic() - started
+            assert answer.choices[0].message.content == "mock answer to: hello there"
+            assert sys.mock_stats()["requests"] - before == 1, timeout
+            assert sys.used(key, answer.usage.total_tokens) == answer.usage.total_tokens
+            assert 2.9 < took < 8, (timeout, took)
+    finally:
+        sys.close()

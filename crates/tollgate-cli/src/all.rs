@@ -59,6 +59,12 @@ pub struct AllArgs {
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXY_HEADER")]
     trusted_proxy_header: Option<tollgate_api::HeaderName>,
 
+    /// How long a synchronous operation call waits for its result, in ms,
+    /// before answering 202 with the job's Location (a whole pass-through
+    /// call waits for its job's end).
+    #[arg(long, env = "TOLLGATE_SYNC_TIMEOUT_MS", default_value_t = 30_000)]
+    sync_timeout_ms: u64,
+
     /// Jobs the in-process worker runs at once.
     #[arg(long, env = "TOLLGATE_WORKER_CONCURRENCY", default_value_t = 32)]
     concurrency: usize,
@@ -102,6 +108,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
         admin_token: Some(admin_token.clone()),
         viewer_token: args.viewer_token.clone(),
         trusted_proxy_header: args.trusted_proxy_header.clone(),
+        sync_timeout: std::time::Duration::from_millis(args.sync_timeout_ms),
         ..requests
     };
 

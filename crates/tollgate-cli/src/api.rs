@@ -38,7 +38,8 @@ pub struct ApiArgs {
     body_limit: usize,
 
     /// How long a synchronous operation call waits for its result, in ms,
-    /// before answering 202 with the job's Location.
+    /// before answering 202 with the job's Location (a whole pass-through
+    /// call waits for its job's end).
     #[arg(long, env = "TOLLGATE_SYNC_TIMEOUT_MS", default_value_t = 30_000)]
     sync_timeout_ms: u64,
 
