@@ -254,10 +254,11 @@ async fn run(
                             Some(t) => json!({ "tokens": t }),
                             None => json!({}),
                         };
-                        // Settled down to what was reported, or to the estimate.
+                        // Settled down to what was reported; nothing
+                        // reported keeps the reservation.
                         let op = config.operation(&l.job.operation).unwrap();
                         let cost = match &op.settle {
-                            Some(rule) => rule.cost(&answer).unwrap_or(op.cost).min(l.job.cost),
+                            Some(rule) => rule.cost(&answer).unwrap_or(l.job.cost).min(l.job.cost),
                             None => l.job.cost,
                         };
                         source.settle(&l, &answer).await.unwrap();

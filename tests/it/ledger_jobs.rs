@@ -198,8 +198,9 @@ async fn concurrent_settled_calls_never_pass_the_limit(s: Setup) {
     );
 }
 
-/// A settle comes down to what the provider reported, or to the estimate when
-/// it reported nothing; the event keeps what was reserved.
+/// A settle comes down to what the provider reported; an answer that
+/// reports nothing keeps what was reserved (the most it may have used, never
+/// the estimate); the settled event keeps what was reserved.
 async fn a_settle_comes_down_to_the_reported_cost(s: Setup) {
     let user = UserId::new("down").unwrap();
     let SubmitOutcome::Queued { job, allowed } = s.submit(&user, "small", "llm").await else {
@@ -215,9 +216,13 @@ async fn a_settle_comes_down_to_the_reported_cost(s: Setup) {
     s.source.settle(&lease, &json!({})).await.unwrap();
     s.source.complete(&lease, json!({})).await.unwrap();
     let usage = s.ledger.usage(&user).await.unwrap();
-    assert_eq!(usage.used, 3 + 8, "no usage reported: the estimate stands");
+    assert_eq!(
+        usage.used,
+        3 + 40,
+        "no usage reported: the reservation stands"
+    );
     let figures: Vec<_> = usage.events.iter().map(|e| (e.cost, e.estimate)).collect();
-    assert_eq!(figures, [(3, Some(40)), (8, Some(40))]);
+    assert_eq!(figures, [(3, Some(40)), (40, None)]);
 }
 
 /// Reproduction 5: thirty per day → a one-second plan → back; a queued job

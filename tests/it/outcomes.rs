@@ -35,7 +35,7 @@ on_each_backend!(
         a_reply_cut_midway_keeps_the_charge,
         an_unreachable_upstream_is_retried_free_and_released,
         retry_unanswered_lets_an_operation_resend,
-        a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most,
+        a_settled_operation_left_unanswered_keeps_its_most_not_its_estimate,
     ]
     memory => false,
     redis => true,
@@ -482,9 +482,10 @@ async fn retry_unanswered_lets_an_operation_resend(redis: bool) {
 }
 
 /// An operation that settles reserves its most (40) up front; unanswered, no
-/// usage is ever reported, and the charge that stands is its estimate (5),
-/// not the most. (Before: the most stood.)
-async fn a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most(redis: bool) {
+/// usage is ever reported, and the charge that stands is the most, not its
+/// estimate (5): the upstream may have done all the call allowed, and the
+/// price must not depend on whether its report arrived.
+async fn a_settled_operation_left_unanswered_keeps_its_most_not_its_estimate(redis: bool) {
     let extra = format!(
         "[operations.\"up.settled\"]\ncost = {COST}\nprovider = \"up\"\npath = \"/up\"\n\
          settle = {{ from = \"/usage/total_tokens\", per = 100, max = 40 }}\n"
@@ -493,7 +494,7 @@ async fn a_settled_operation_left_unanswered_keeps_its_estimate_not_its_most(red
     let (r, arrivals) = s.call("up.settled", "ok", 2000).await;
     failed(&r, 504, "upstream-unanswered", "unanswered", true);
     assert_eq!(arrivals, 1);
-    assert_eq!(s.used().await, COST);
+    assert_eq!(s.used().await, 40);
 }
 
 /// `method = "GET"` sends the input as the query string of a bodiless GET;

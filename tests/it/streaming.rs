@@ -225,6 +225,45 @@ impl System {
         }
     }
 
+    /// `used` once the user's latest job has ended (at most 10 s): its
+    /// charge settled, kept or released.
+    async fn settled_used(&self, key: &str) -> u64 {
+        let v: Value = self
+            .http
+            .get(format!("{}/v1/usage", self.base))
+            .bearer_auth(key)
+            .fetch_json()
+            .await;
+        let events = v["events"].as_array().expect("events");
+        let last = events
+            .iter()
+            .max_by_key(|e| e["at_ms"].as_u64())
+            .expect("a charge");
+        let id = last["request_id"].as_str().unwrap().to_owned();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = self
+                .http
+                .get(format!("{}/v1/jobs/{id}", self.base))
+                .bearer_auth(key)
+                .send()
+                .await
+                .unwrap();
+            let status = r.json::<Value>().await.ok().map(|v| v["status"].clone());
+            if matches!(
+                status.as_ref().and_then(Value::as_str),
+                Some("succeeded" | "failed")
+            ) {
+                return self.used(key).await;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job {id} did not end: {status:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     async fn mock_stats(&self) -> Value {
         self.http
             .get(format!("{}/stats", self.mock))
@@ -531,19 +570,19 @@ async fn budget_429_in_the_sdks_shape(redis: bool) {
     assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
 }
 
-/// A client that goes away mid-stream: the upstream call is cut (the mock
-/// sees its stream's caller leave), and the charge stands at the estimate
-/// (the upstream did work; no usage was reported).
+/// A client that goes away mid-stream (a plain `stream: true`, usage not
+/// asked for): the upstream call is cut (the mock sees its stream's caller
+/// leave), and the charge stands at the reservation: the upstream did work
+/// and its usage was never seen, so the client cannot pick the price by
+/// leaving (the old code settled it to the estimate, 2).
 async fn a_client_gone_mid_stream_cuts_the_upstream(redis: bool) {
     let sys = start(redis, 40);
     let key = sys.user("cat", "free").await;
     let words = vec!["w"; 60].join(" ");
     let mut r = sys
         .openai(&key, "/chat/completions")
-        .json(
-            &json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
-                      "messages": [{"role": "user", "content": words}]}),
-        )
+        .json(&json!({"model": "m", "stream": true,
+                      "messages": [{"role": "user", "content": words}]}))
         .send()
         .await
         .unwrap();
@@ -566,8 +605,8 @@ async fn a_client_gone_mid_stream_cuts_the_upstream(redis: bool) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Reserved 200, settled to the estimate (2): the upstream may have worked.
-    assert_eq!(sys.used_until(&key, 2).await, 2);
+    // Reserved 200, and it stands: the upstream may have done all of it.
+    assert_eq!(sys.settled_used(&key).await, 200);
 }
 
 /// A pass-through answer carries the upstream's 2xx status and its request
@@ -631,7 +670,8 @@ async fn upstream_status_and_safe_headers(redis: bool) {
 /// A worker SIGKILLed mid-stream (api, throttler, workers as processes):
 /// once its lease ends another worker takes the job, does not run it again
 /// (the client has part of the answer; the upstream worked) and ends the
-/// stream with an error event; the charge stands at the estimate.
+/// stream with an error event; the charge stands at the reservation (no
+/// usage was seen).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_worker_killed_mid_stream() {
     let (sys, mut worker, another) = start_split(50, "1000").await;
@@ -646,8 +686,8 @@ async fn streaming_worker_killed_mid_stream() {
         !whole_or_clean_error(&datas, &format!("mock answer to: {words}")),
         "the killed worker's answer could not have been finished: {datas:?}"
     );
-    // Reserved 200, settled to the estimate (2): the upstream worked.
-    assert_eq!(sys.used_until(&key, 2).await, 2);
+    // Reserved 200, and it stands: the upstream worked, its usage unseen.
+    assert_eq!(sys.settled_used(&key).await, 200);
     assert_eq!(sys.mock_stats().await["streams_cut"], 1);
     sys.streams_expire().await;
 }
@@ -657,9 +697,9 @@ async fn streaming_worker_killed_mid_stream() {
 /// and the charge is the one the outcome rules give for it: the reported
 /// usage for a whole answer; for a clean error (the worker's append failed
 /// while Redis was down: the answer was cut after the upstream began) the
-/// estimate, the charge standing. The worker's settle waits the restart out
-/// (as its recording does), so the charge is never left at the most
-/// reserved. Then a new stream works.
+/// reservation, the charge standing with its usage unseen. The worker's
+/// settle waits the restart out (as its recording does), so a whole answer
+/// is paid its usage. Then a new stream works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_redis_restarted_mid_stream() {
     let mut sys = start_with(
@@ -675,7 +715,7 @@ async fn streaming_redis_restarted_mid_stream() {
     if whole {
         assert_eq!(sys.used_until(&key, 60 + 63).await, 60 + 63);
     } else {
-        assert_eq!(sys.used_until(&key, 2).await, 2, "cut: the estimate");
+        assert_eq!(sys.settled_used(&key).await, 200, "cut: the reservation");
     }
     // Back to normal: a stream after the restart is whole.
     let r = sys
