@@ -64,6 +64,7 @@ mod script_time;
 mod service_keys;
 mod slow_clients;
 mod stored_bytes;
+mod stream_readers;
 mod streaming;
 mod throttle;
 mod throttle_late;

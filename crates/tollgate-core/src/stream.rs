@@ -11,9 +11,16 @@
 //! the reader went away (the client disconnected) from its next append, and
 //! the upstream call is cut.
 //!
+//! A stream nobody reads is bounded: the writer's append is refused, like a
+//! reader gone (`Ok(false)`: the upstream call is cut), once the reader is
+//! [`STREAM_FULL_WAIT`] behind (memory) or [`STREAM_BACKLOG_BYTES`] behind
+//! (Redis).
+//!
 //! Memory: a bounded channel per stream, a slow reader holds the writer back
-//! (`tollgate-memory`).
-//! Redis: a Redis Stream per job, bounded and expiring (`tollgate-redis`).
+//! for at most [`STREAM_FULL_WAIT`] (`tollgate-memory`).
+//! Redis: a Redis Stream per job, its unread backlog bounded in bytes and
+//! expiring; an api pod reads its open streams through a hub of few
+//! connections (`tollgate-redis`).
 
 use std::fmt;
 use std::sync::Arc;
@@ -51,9 +58,20 @@ pub struct StreamEntry {
     pub event: StreamEvent,
 }
 
-/// The most events a stream holds unread (memory: the channel's capacity;
-/// Redis: the stream's `MAXLEN`).
+/// The most events a stream holds unread in memory (the channel's capacity).
 pub const STREAM_CAPACITY: usize = 1024;
+/// How long a memory writer waits for room in a full channel (its reader
+/// is slow, or nobody reads) before its append is refused (`Ok(false)`, as
+/// for a reader gone): a stream nobody reads does not hold a worker slot
+/// for the whole upstream call.
+pub const STREAM_FULL_WAIT: Duration = Duration::from_secs(5);
+/// The most unread bytes of a Redis stream: an append finding this many
+/// (or more) not yet read is refused (`Ok(false)`, as for a reader gone),
+/// so an unread stream holds at most this plus one event
+/// ([`MAX_EVENT_BYTES`]). What counts is each entry's text and head plus a
+/// fixed overhead per entry; the reader releases what it read in batches,
+/// so a reader that keeps up stays far below.
+pub const STREAM_BACKLOG_BYTES: u64 = 256 * 1024;
 /// The most bytes of one upstream event; a longer one fails the stream.
 pub const MAX_EVENT_BYTES: usize = 1 << 20;
 /// How long a Redis stream outlives its last append (nobody read it, or the

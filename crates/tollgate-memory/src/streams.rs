@@ -1,6 +1,9 @@
 //! Streamed answers in one process ([`MemoryStreams`]): a bounded channel per
-//! open reader, so a slow reader holds the writer back. What a stream carries
-//! and the [`JobStreams`] trait are `tollgate_core::stream`.
+//! open reader, so a slow reader holds the writer back, for at most
+//! [`STREAM_FULL_WAIT`] per event: a channel full for longer refuses the
+//! append (`Ok(false)`, as for a reader gone), so a reader that stopped
+//! reading does not hold a worker slot for the whole upstream call. What a
+//! stream carries and the [`JobStreams`] trait are `tollgate_core::stream`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -14,7 +17,7 @@ use tollgate_core::id::RequestId;
 use tollgate_core::job::Job;
 use tollgate_core::stream::{
     Continuity, JobStreams, Read, StreamEntry, StreamEvent, StreamReader, StreamWriter,
-    STREAM_CAPACITY,
+    STREAM_CAPACITY, STREAM_FULL_WAIT,
 };
 
 /// The in-process streams: a bounded channel per open reader.
@@ -87,7 +90,11 @@ impl StreamWriter for MemoryWriter {
             seq,
             event,
         };
-        Ok(tx.send(entry).await.is_ok())
+        match tokio::time::timeout(STREAM_FULL_WAIT, tx.send(entry)).await {
+            Ok(sent) => Ok(sent.is_ok()),
+            // Full for the whole wait: the reader is that far behind.
+            Err(_) => Ok(false),
+        }
     }
 }
 
@@ -168,5 +175,41 @@ mod tests {
             .unwrap());
         // No reader at all: the events go nowhere, the call goes on.
         assert!(streams.writer(&job).push(StreamEvent::End).await.unwrap());
+    }
+
+    /// A reader that reads nothing holds its writer back for at most
+    /// [`STREAM_FULL_WAIT`] once the channel is full: then the append is
+    /// refused, as for a reader gone.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_channel_refuses_the_append_after_its_wait() {
+        let streams = MemoryStreams::new();
+        let id = RequestId::new("r2").unwrap();
+        let job = Job {
+            id: id.clone(),
+            user: tollgate_core::id::UserId::new("u").unwrap(),
+            operation: "op".into(),
+            provider: "p".into(),
+            input: serde_json::json!({"stream": true}),
+            cost: 1,
+            enqueued_at_ms: 0,
+            deadline_ms: u64::MAX,
+            attempt: 1,
+            nonce: "n".into(),
+            trace: None,
+        };
+        let _reader = streams.open("op", &id).await.unwrap();
+        let writer = streams.writer(&job);
+        for _ in 0..STREAM_CAPACITY {
+            assert!(writer
+                .push(StreamEvent::Data("data: x".into()))
+                .await
+                .unwrap());
+        }
+        let start = tokio::time::Instant::now();
+        assert!(!writer
+            .push(StreamEvent::Data("data: y".into()))
+            .await
+            .unwrap());
+        assert_eq!(start.elapsed(), STREAM_FULL_WAIT);
     }
 }

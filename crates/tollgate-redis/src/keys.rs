@@ -423,9 +423,27 @@ impl JobKeys {
     }
 
     /// Stream: the events of job `id`'s streamed answer, worker to api
-    /// (`lua/stream_push.lua`; bounded, expiring).
+    /// (`lua/stream_push.lua`; its unread bytes bounded, expiring; trimmed
+    /// of what its reader read by `lua/stream_trim.lua`).
     pub fn stream(&self, id: &str) -> String {
         format!("{}:stream:{id}", self.base)
+    }
+
+    /// String: the bytes appended to job `id`'s stream and not yet released
+    /// by its reader (`lua/stream_push.lua` adds, refusing appends once it
+    /// reaches `STREAM_BACKLOG_BYTES`; `lua/stream_trim.lua` subtracts),
+    /// expiring with the stream.
+    pub fn stream_bytes(&self, id: &str) -> String {
+        format!("{}:stream-bytes:{id}", self.base)
+    }
+
+    /// Stream (at most one entry, expiring): the wake-up of one stream-hub
+    /// connection `hub` of an api pod (a random id and a number: no `{ } :`).
+    /// The hub's `XREAD BLOCK` reads it beside the streams it multiplexes;
+    /// opening (or resuming) a stream `XADD`s to it so that the blocked read
+    /// returns and the next one includes the new stream at once.
+    pub fn stream_wake(&self, hub: &str) -> String {
+        format!("{}:stream-wake:{hub}", self.base)
     }
 
     /// String: set when the reader of job `id`'s stream went away (the
@@ -442,7 +460,7 @@ impl JobKeys {
 }
 
 impl KeySpace {
-    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|lists|dead|job:<id>|processing:<worker>|retry:<key>|stream:<id>|stream-cancel:<id>`.
+    /// `<prefix>:v1:{q:<operation>}:queue|leases|refunds|workers|lists|dead|job:<id>|processing:<worker>|retry:<key>|stream:<id>|stream-cancel:<id>|stream-bytes:<id>|stream-wake:<hub>`.
     /// Operation names are validated like ids when the config is read.
     pub fn jobs(&self, operation: &str) -> JobKeys {
         let base = format!("{}:{SCHEMA}:{{q:{}}}", self.prefix, operation);

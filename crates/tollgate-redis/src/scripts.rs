@@ -1009,6 +1009,7 @@ pub fn all() -> Vec<(&'static str, &'static Script)> {
         ("session_open.lua", &SESSION_OPEN),
         ("session_touch.lua", &SESSION_TOUCH),
         ("stream_push.lua", &STREAM_PUSH),
+        ("stream_trim.lua", &STREAM_TRIM),
         ("alert_take.lua", &ALERT_TAKE),
         ("alert_lease.lua", &ALERT_LEASE),
         ("alert_done.lua", &ALERT_DONE),
@@ -1412,27 +1413,65 @@ pub struct StreamPush<'a> {
     /// `d` data, `x` end, `e` error.
     pub kind: &'static str,
     pub text: &'a str,
-    pub maxlen: usize,
+    /// The most unread bytes: an append finding that many is refused.
+    pub backlog: u64,
     pub ttl_ms: u64,
     /// The answer's head (JSON) riding with this entry, or `""`.
     pub head: &'a str,
+    /// The bytes this entry counts for (`streams::entry_bytes`).
+    pub size: u64,
 }
 
-/// `stream_push.lua`: 1 appended, 0 the reader went away.
+/// `stream_push.lua`'s answer: appended.
+pub const STREAM_APPENDED: i64 = 1;
+/// `stream_push.lua`'s answer: the reader went away.
+pub const STREAM_CANCELLED: i64 = 0;
+/// `stream_push.lua`'s answer: the stream's unread backlog is full.
+pub const STREAM_FULL: i64 = 2;
+
+/// `stream_push.lua`: [`STREAM_APPENDED`], [`STREAM_CANCELLED`] or
+/// [`STREAM_FULL`].
 pub fn stream_push<'a>(
     keys: &JobKeys,
     id: &str,
     push: StreamPush<'_>,
 ) -> redis::ScriptInvocation<'a> {
     let mut inv = STREAM_PUSH.prepare_invoke();
-    inv.key(keys.stream(id)).key(keys.stream_cancel(id));
+    inv.key(keys.stream(id))
+        .key(keys.stream_cancel(id))
+        .key(keys.stream_bytes(id));
     inv.arg(push.attempt)
         .arg(push.seq)
         .arg(push.kind)
         .arg(push.text)
-        .arg(push.maxlen)
+        .arg(push.backlog)
         .arg(push.ttl_ms)
-        .arg(push.head);
+        .arg(push.head)
+        .arg(push.size);
+    inv
+}
+
+pub static STREAM_TRIM: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/stream_trim.lua")));
+
+/// What a reader read of one stream and releases (`stream_trim.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamTrim {
+    /// The job's id.
+    pub id: String,
+    /// Entries with an id below this one were read (`XTRIM MINID`).
+    pub minid: String,
+    /// The bytes they counted for.
+    pub bytes: u64,
+}
+
+/// `stream_trim.lua` for streams of one operation (`keys`): how many it trimmed.
+pub fn stream_trim<'a>(keys: &JobKeys, trims: &[StreamTrim]) -> redis::ScriptInvocation<'a> {
+    let mut inv = STREAM_TRIM.prepare_invoke();
+    for t in trims {
+        inv.key(keys.stream(&t.id)).key(keys.stream_bytes(&t.id));
+        inv.arg(&t.minid).arg(t.bytes);
+    }
     inv
 }
 
