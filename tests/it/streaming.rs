@@ -50,6 +50,10 @@ window = "12h"
 [plans.tiny]
 limit = 200
 window = "12h"
+[plans.few]
+limit = 100000
+window = "12h"
+max_open_streams = 2
 [providers.openai]
 rate = 100
 burst = 20
@@ -609,6 +613,77 @@ async fn a_client_gone_mid_stream_cuts_the_upstream(redis: bool) {
     assert_eq!(sys.settled_used(&key).await, 200);
 }
 
+/// A user with its plan's `max_open_streams` (2) open: one more stream is
+/// refused at once, 429 `too-many-streams` in the SDK's shape with
+/// `Retry-After: 1`, before anything is charged; another user's stream is
+/// served meanwhile; once one of the two ends, a new one is admitted.
+async fn streams_past_the_plans_bound_are_refused(redis: bool) {
+    let sys = start(redis, 40);
+    let key = sys.user("fay", "few").await;
+    let (first, _) = long_stream(&sys, &key).await;
+    let (_second, _) = long_stream(&sys, &key).await;
+    let used = sys.used(&key).await;
+    assert_eq!(used, 2 * 200, "each stream reserved its most");
+    let r = sys
+        .openai(&key, "/chat/completions")
+        .json(&json!({"model": "m", "stream": true,
+                      "messages": [{"role": "user", "content": "third"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "too_many_streams", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_open_streams of 2"),
+        "{v}"
+    );
+    assert_eq!(
+        sys.used(&key).await,
+        used,
+        "a refused stream is not charged"
+    );
+
+    // Another user's stream is served meanwhile.
+    let other = sys.user("gus", "free").await;
+    let r = sys
+        .openai(&other, "/chat/completions")
+        .json(&json!({"model": "m", "stream": true,
+                      "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(whole_or_clean_error(
+        &datas(&r.text().await.unwrap()),
+        "mock answer to: hi"
+    ));
+
+    // One of the two gone: a new one is admitted (its place frees as soon as
+    // the api sees its client leave).
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = sys
+            .openai(&key, "/chat/completions")
+            .json(&json!({"model": "m", "stream": true,
+                          "messages": [{"role": "user", "content": "again"}]}))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            break;
+        }
+        assert_eq!(r.status(), 429);
+        assert!(Instant::now() < deadline, "the stream's place never freed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A pass-through answer carries the upstream's 2xx status and its request
 /// ids; never the provider's account or rate-limit headers (the mock sends
 /// `openai-organization` and `x-ratelimit-remaining-requests`).
@@ -777,4 +852,14 @@ async fn streaming_client_gone_redis() {
 async fn streaming_whole_and_streamed_answers_cluster() {
     let (sys, _cluster) = start_cluster(2);
     whole_and_streamed_answers_on(sys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_max_open_streams_embedded() {
+    streams_past_the_plans_bound_are_refused(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_max_open_streams_redis() {
+    streams_past_the_plans_bound_are_refused(true).await;
 }

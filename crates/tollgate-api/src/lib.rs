@@ -31,6 +31,7 @@ pub mod edge;
 pub mod extract;
 pub mod health;
 pub mod keycache;
+pub mod open_streams;
 pub mod openapi;
 pub mod ops;
 pub mod passthrough;

@@ -38,6 +38,7 @@ use tollgate_core::trace::TraceParent;
 use crate::auth::Caller;
 use crate::cost::{request_id, Priced};
 use crate::extract::JsonBody;
+use crate::open_streams::StreamSlot;
 use crate::ops::{finished, forget, submit};
 use crate::problem::ApiError;
 use crate::state::ApiState;
@@ -245,9 +246,16 @@ async fn run(
         Some(id) => id.clone(),
         None => request_id(&priced.user, headers)?,
     };
-    // Before the job exists: no event and no end can be missed.
+    // Within the user's open streams, before anything is charged; then,
+    // before the job exists, its reader: no event and no end can be missed.
     let reader = match streamed {
-        true => Some(state.streams.open(&priced.operation, &id).await?),
+        true => {
+            let slot = state
+                .open_streams
+                .admit(&state.config, state.ledger.as_ref(), &priced.user)
+                .await?;
+            Some((slot, state.streams.open(&priced.operation, &id).await?))
+        }
         false => None,
     };
     let watch = state.jobs.watch(&id);
@@ -258,7 +266,17 @@ async fn run(
             "this Idempotency-Key's streamed answer was given already; a stream is not replayed"
                 .into(),
         )),
-        Some(reader) => stream(state, &priced, info, watch, reader, Flavor::of(headers)).await,
+        Some((slot, reader)) => {
+            stream(
+                state,
+                &priced,
+                info,
+                watch,
+                (slot, reader),
+                Flavor::of(headers),
+            )
+            .await
+        }
         None => {
             let (user, op) = (&priced.user, info.job.operation.clone());
             // Held until the job ends: an answer before it (a 503 the SDK
@@ -429,7 +447,7 @@ async fn stream(
     priced: &Priced,
     info: JobInfo,
     watch: tollgate_core::job::Watch,
-    mut reader: Box<dyn StreamReader>,
+    (slot, mut reader): (StreamSlot, Box<dyn StreamReader>),
     flavor: Flavor,
 ) -> Result<Response, ApiError> {
     let mut final_rx = watch_final(state, priced, info.clone(), watch);
@@ -473,7 +491,10 @@ async fn stream(
         }
     };
     let (tx, rx) = mpsc::channel::<Bytes>(CLIENT_BUFFER);
-    tokio::spawn(pump(reader, first, tx, final_rx, final_info, flavor));
+    tokio::spawn(async move {
+        pump(reader, first, tx, final_rx, final_info, flavor).await;
+        drop(slot); // The stream is over: its place in the user's count frees.
+    });
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
             .await

@@ -92,10 +92,11 @@ pub enum ProblemType {
     ActingForAnotherUser,
     PlanNotAllowed,
     UpstreamRejected,
+    TooManyStreams,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 34] = [
+    pub const ALL: [ProblemType; 35] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -130,6 +131,7 @@ impl ProblemType {
         Self::ActingForAnotherUser,
         Self::PlanNotAllowed,
         Self::UpstreamRejected,
+        Self::TooManyStreams,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -168,6 +170,7 @@ impl ProblemType {
             Self::ActingForAnotherUser => "acting-for-another-user",
             Self::PlanNotAllowed => "plan-not-allowed",
             Self::UpstreamRejected => "upstream-rejected",
+            Self::TooManyStreams => "too-many-streams",
         }
     }
 
@@ -195,7 +198,8 @@ impl ProblemType {
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QuotaExceeded
             | Self::TooManyFailedAuthentications
-            | Self::StoredBytesExceeded => StatusCode::TOO_MANY_REQUESTS,
+            | Self::StoredBytesExceeded
+            | Self::TooManyStreams => StatusCode::TOO_MANY_REQUESTS,
             Self::IdempotencyConflict | Self::JobCancelled | Self::ChargeOwnedByJob => {
                 StatusCode::CONFLICT
             }
@@ -280,6 +284,9 @@ impl ProblemType {
             }
             Self::UpstreamRejected => {
                 "The upstream rejected the input (upstream_status): change it before retrying; the budget was refunded"
+            }
+            Self::TooManyStreams => {
+                "Your plan's most streamed answers are open on this server: retry once one ends; nothing was charged"
             }
         }
     }
@@ -382,6 +389,9 @@ pub enum ApiError {
     /// The user's stored job bytes and this job's would pass the plan's bound.
     #[error("your jobs store {stored} bytes in this operation's queue; with this request's they would pass the plan's max_stored_bytes of {limit}")]
     StoredBytesExceeded { stored: u64, limit: u64 },
+    /// The user has its plan's `max_open_streams` open on this pod.
+    #[error("you have {open} streamed answers open on this server, your plan's max_open_streams of {limit}; retry once one ends")]
+    TooManyStreams { open: u32, limit: u32 },
     /// A service key called without `Tollgate-User`.
     #[error("a service key must name the user it acts for: send Tollgate-User: <user id>")]
     UserRequired,
@@ -451,6 +461,7 @@ impl ApiError {
             Self::ReadOnly(_) => ProblemType::ReadOnlyCredential,
             Self::CrossSite(_) => ProblemType::CrossSiteRequest,
             Self::StoredBytesExceeded { .. } => ProblemType::StoredBytesExceeded,
+            Self::TooManyStreams { .. } => ProblemType::TooManyStreams,
             Self::Store(e) if e.is_transient() => ProblemType::BackendUnavailable,
             Self::NotReady(_) => ProblemType::NotReady,
             Self::Store(_) | Self::Internal(_) => ProblemType::Internal,
@@ -606,7 +617,7 @@ impl IntoResponse for ApiError {
             Self::Store(e) if e.is_transient() => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
-            Self::RequestTimeout(_) => {
+            Self::RequestTimeout(_) | Self::TooManyStreams { .. } => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             Self::JobFailed {

@@ -106,6 +106,9 @@ pub struct ApiState {
     pub durability: Arc<dyn DurabilityCheck>,
     /// Streamed answers' readers (the pass-through routes).
     pub streams: Arc<dyn JobStreams>,
+    /// Each user's streamed answers open on this pod, within its plan's
+    /// `max_open_streams`.
+    pub open_streams: Arc<crate::open_streams::OpenStreams>,
     /// The budget alerts' outbox: the dashboard shows its depth and what
     /// every deliverer noted.
     pub alerts: Arc<dyn tollgate_core::alerts::AlertOutbox>,
@@ -124,6 +127,7 @@ impl ApiState {
             metrics: Arc::clone(&backends.metrics),
             durability: Arc::clone(&backends.durability),
             streams: Arc::clone(&backends.streams),
+            open_streams: Arc::default(),
             alerts: Arc::clone(&backends.alerts),
             dashboard: Arc::new(Dashboard::new(
                 Arc::clone(&backends.activity),

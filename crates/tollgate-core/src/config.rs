@@ -59,6 +59,11 @@ pub struct Plan {
     /// inputs of jobs not finished, results and errors still kept, each job
     /// counted with [`JOB_RECORD_BYTES`] more. Checked when a job is submitted.
     pub max_stored_bytes: u64,
+    /// At most this many of a user's streamed answers are open at once on
+    /// one api pod (`max_open_streams`, default [`DEFAULT_MAX_OPEN_STREAMS`]):
+    /// one more is refused before anything is charged (429
+    /// `too-many-streams`).
+    pub max_open_streams: u32,
     /// Usage alerts (`alerts = [0.8, 1.0]`): the fractions of each limit
     /// whose crossing queues a webhook (with `[alerts]` configured), in basis
     /// points (1/10000), ascending, each in 1..=10000.
@@ -106,6 +111,13 @@ pub struct Alerts {
 pub const DEFAULT_ALERT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_ALERT_KEEP: Duration = Duration::from_secs(24 * 3600);
 pub const MAX_ALERT_KEEP: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Default `max_open_streams` of a plan: more streams at once than an
+/// application serving one person opens, few enough that one user's
+/// streams hold a small part of a pod's stream readers.
+pub const DEFAULT_MAX_OPEN_STREAMS: u32 = 32;
+/// The most `max_open_streams` may be.
+pub const MAX_OPEN_STREAMS: u32 = 100_000;
 
 /// Default `max_stored_bytes` of a plan: 8 MiB per operation queue.
 pub const DEFAULT_MAX_STORED_BYTES: u64 = 8 << 20;
@@ -684,6 +696,7 @@ struct RawPlan {
     share: Option<i64>,
     max_in_flight: Option<i64>,
     max_stored_bytes: Option<i64>,
+    max_open_streams: Option<i64>,
     alerts: Option<Vec<f64>>,
 }
 
@@ -768,6 +781,16 @@ impl Config {
                     ))
                 }
             };
+            let max_open_streams = match p.max_open_streams {
+                None => DEFAULT_MAX_OPEN_STREAMS,
+                Some(n) if (1..=i64::from(MAX_OPEN_STREAMS)).contains(&n) => n as u32,
+                Some(n) => {
+                    return Err(invalid(
+                        format!("{key}.max_open_streams"),
+                        format!("must be between 1 and {MAX_OPEN_STREAMS}, got {n}"),
+                    ))
+                }
+            };
             let alerts = parse_thresholds(&key, p.alerts.unwrap_or_default(), &invalid)?;
             plans.insert(
                 name.clone(),
@@ -777,6 +800,7 @@ impl Config {
                     share: share as u32,
                     max_in_flight,
                     max_stored_bytes,
+                    max_open_streams,
                     alerts,
                 },
             );
