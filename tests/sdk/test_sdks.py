@@ -402,12 +402,13 @@ def test_a_saturated_provider_makes_the_sdk_wait_never_a_500(system):
     assert 503 in statuses and set(statuses) <= {200, 503}, statuses
 
 
-def test_a_whole_call_outliving_the_sync_timeout_runs_once_with_the_sdks_retries():
+@pytest.mark.parametrize("backend", ["embedded", "redis"])
+def test_a_whole_call_outliving_the_sync_timeout_runs_once_with_the_sdks_retries(backend):
     """The upstream takes 3 s; tollgate's sync timeout is 1 s. The SDK, with
     its default retries, gets its answer from one upstream call, paid once;
     with a read timeout of 2.5 s it times out once and its retry joins the
     job its first attempt left running."""
-    sys = System("embedded", mock_flags=("--latency-ms", "3000"), flags=("--sync-timeout-ms", "1000"))
+    sys = System(backend, mock_flags=("--latency-ms", "3000"), flags=("--sync-timeout-ms", "1000"))
     try:
         for timeout in (None, 2.5):
             key = sys.user()
