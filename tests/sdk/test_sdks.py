@@ -423,3 +423,87 @@ def test_a_whole_call_outliving_the_sync_timeout_runs_once_with_the_sdks_retries
             assert 2.9 < took < 8, (timeout, took)
     finally:
         sys.close()
+
+
+def test_a_worker_killed_mid_stream_leaves_the_reservation_charged(tmp_path):
+    """A split deployment on Redis (api, throttler and worker processes): the
+    worker streaming an answer is SIGKILLed; the job is not run again (the
+    client had part of the answer), the SDK raises, and the charge is the
+    reservation: the upstream worked and its usage was never seen."""
+    import signal
+    import subprocess
+
+    from tollgate.testing import binary, free_port
+
+    mock = MockProvider("--rate", "1000", "--burst", "100", "--token-interval-ms", "40")
+    redis = Redis()
+    config = tmp_path / "tollgate.toml"
+    config.write_text(CONFIG.format(mock=mock.url, max=SETTLE_MAX))
+    admin = "sdk-admin-token-" + os.urandom(8).hex()
+    env = {
+        **os.environ,
+        "TOLLGATE_REDIS_URL": redis.url,
+        "TOLLGATE_KEY_PREFIX": "sdk" + os.urandom(4).hex(),
+        "TOLLGATE_ADMIN_TOKEN": admin,
+        "TOLLGATE_CONFIG": str(config),
+        "RUST_LOG": "error",
+    }
+    port = free_port()
+
+    def role(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([binary(), *args], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+    procs = [role("api", "--listen", f"127.0.0.1:{port}"), role("throttler")]
+    worker = role("worker", "--lease-ms", "1000")
+    base = f"http://127.0.0.1:{port}"
+    http = httpx.Client(timeout=30)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if http.get(f"{base}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the api is not ready"
+            time.sleep(0.05)
+
+        words = " ".join(f"w{i}" for i in range(60))
+        for kind in ("openai", "anthropic"):
+            r = http.post(f"{base}/admin/users", headers={"Authorization": f"Bearer {admin}"},
+                          json={"user": f"killed-{kind}"})
+            assert r.status_code == 201, r.text
+            key = r.json()["api_key"]
+            if kind == "openai":
+                client = openai.OpenAI(base_url=f"{base}/v1/passthrough/openai", api_key=key, max_retries=0)
+                stream = client.chat.completions.create(
+                    model="m", stream=True, messages=[{"role": "user", "content": words}])
+            else:
+                client = anthropic.Anthropic(base_url=f"{base}/v1/passthrough/anthropic", api_key=key, max_retries=0)
+                stream = client.messages.create(
+                    model="c", max_tokens=150, stream=True, messages=[{"role": "user", "content": words}])
+            events = iter(stream)
+            for _ in range(3):
+                next(events)
+            worker.send_signal(signal.SIGKILL)
+            worker.wait(timeout=10)
+            worker = role("worker", "--lease-ms", "1000")
+            with pytest.raises((openai.APIError, anthropic.APIError)):
+                for _ in events:
+                    pass
+            # The job ends failed (charged) once the new worker takes it.
+            events_of = http.get(f"{base}/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()["events"]
+            job = events_of[0]["request_id"]
+            deadline = time.monotonic() + 15
+            while http.get(f"{base}/v1/jobs/{job}", headers={"Authorization": f"Bearer {key}"}).json()["status"] != "failed":
+                assert time.monotonic() < deadline, "the job did not end"
+                time.sleep(0.05)
+            used = http.get(f"{base}/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()["used"]
+            assert used == SETTLE_MAX, (kind, used)
+    finally:
+        http.close()
+        for p in [*procs, worker]:
+            p.kill()
+            p.wait(timeout=10)
+        mock.stop()
+        redis.close()
