@@ -6,6 +6,13 @@
 //! A call can ask for a misbehaving answer in its own input (see [`Behaviour`]):
 //! a slow answer, a body that is not JSON, a refusal, a failure, a reply cut
 //! halfway; every one is recorded as an arrival all the same.
+//!
+//! A call whose body has `"stream": true` is answered as OpenAI's chat
+//! completions API streams (see [`Streamed`]): paced
+//! `chat.completion.chunk` events, the usage chunk only when the request
+//! asks for it (`stream_options.include_usage: true`), then `data: [DONE]`;
+//! its arrival records the usage the stream reports and whether it was sent
+//! whole or cut by its caller going away.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -56,8 +63,44 @@ pub struct Arrival {
     pub in_flight: usize,
     /// When the call ended at the upstream (µs since the epoch): its answer
     /// handed to the connection, or the connection dropped; `None` while it
-    /// runs.
+    /// runs. (A streamed answer ends with its last event, or its cut.)
     pub end_us: Option<u64>,
+    /// For a streamed answer: what was sent of it.
+    pub stream: Option<Streamed>,
+}
+
+/// A streamed answer as the upstream sent it. The call's input sets it in
+/// `"upstream"`: `"usage": n` the tokens it reports (`total_tokens`, default
+/// 10), `"chunks": k` its content chunks (default 5), `"every_ms": ms` the
+/// pause before each event after the first (default 30). The content of
+/// chunk `i` is `"t{i} "` ([`streamed_text`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Streamed {
+    /// The usage the stream reports: the work the upstream did for it (also
+    /// when it is cut before its usage chunk, or was not asked for it).
+    pub usage: u64,
+    /// The request asked for the usage chunk (`stream_options.include_usage`).
+    pub asked_usage: bool,
+    /// Events handed to the connection so far.
+    pub events_sent: u32,
+    /// The usage chunk was handed to the connection.
+    pub usage_sent: bool,
+    /// Every event was handed to the connection, `data: [DONE]` last.
+    pub whole: bool,
+    /// The answer ended: sent whole, or cut (its caller went away).
+    pub ended: bool,
+}
+
+impl Streamed {
+    /// Ended without its `[DONE]`: the caller went away mid-stream.
+    pub fn cut(&self) -> bool {
+        self.ended && !self.whole
+    }
+}
+
+/// The text a whole streamed answer of `chunks` chunks carries.
+pub fn streamed_text(chunks: u32) -> String {
+    (0..chunks).map(|i| format!("t{i} ")).collect()
 }
 
 #[derive(Debug)]
@@ -269,9 +312,128 @@ impl Drop for InFlight {
             inner.in_flight = inner.in_flight.saturating_sub(1);
             if let Some(a) = self.1.and_then(|i| inner.arrivals.get_mut(i)) {
                 a.end_us = Some(now_us());
+                if let Some(s) = &mut a.stream {
+                    s.ended = true;
+                }
             }
         }
     }
+}
+
+impl InFlight {
+    /// Notes on this call's arrival that `event` was handed to the connection.
+    fn sent(&self, event: &SseEvent) {
+        if let Ok(mut inner) = self.0.inner.lock() {
+            if let Some(s) = self
+                .1
+                .and_then(|i| inner.arrivals.get_mut(i))
+                .and_then(|a| a.stream.as_mut())
+            {
+                s.events_sent += 1;
+                match event {
+                    SseEvent::Usage(_) => s.usage_sent = true,
+                    SseEvent::Done => s.whole = true,
+                    SseEvent::Chunk(_) => {}
+                }
+            }
+        }
+    }
+}
+
+/// One event of a streamed answer.
+#[derive(Debug, Clone)]
+enum SseEvent {
+    Chunk(Value),
+    Usage(Value),
+    Done,
+}
+
+impl SseEvent {
+    fn bytes(&self) -> Bytes {
+        match self {
+            Self::Chunk(v) | Self::Usage(v) => Bytes::from(format!("data: {v}\n\n")),
+            Self::Done => Bytes::from_static(b"data: [DONE]\n\n"),
+        }
+    }
+}
+
+/// Whether a call asks for a streamed answer.
+fn wants_stream(input: &Value) -> bool {
+    input["stream"] == Value::Bool(true)
+}
+
+/// What a streamed answer to `input` will send, as [`Streamed`] says.
+fn stream_plan(input: &Value, job: Option<&str>) -> (Streamed, Vec<SseEvent>, Duration) {
+    let b = &input["upstream"];
+    let usage = b["usage"].as_u64().unwrap_or(10);
+    let chunks = b["chunks"].as_u64().unwrap_or(5);
+    let every = Duration::from_millis(b["every_ms"].as_u64().unwrap_or(30));
+    let asked = input.pointer("/stream_options/include_usage") == Some(&Value::Bool(true));
+    let id = format!("chatcmpl-{}", job.unwrap_or("none"));
+    let model = input["model"].as_str().unwrap_or("m");
+    let chunk = |delta: Value, finish: Value| {
+        let mut c = json!({"id": id, "object": "chat.completion.chunk", "created": 0,
+            "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+        // Asked for usage, OpenAI gives every other chunk `"usage": null`.
+        if asked {
+            c["usage"] = Value::Null;
+        }
+        SseEvent::Chunk(c)
+    };
+    let mut events = vec![chunk(
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+    )];
+    for i in 0..chunks {
+        events.push(chunk(json!({"content": format!("t{i} ")}), Value::Null));
+    }
+    events.push(chunk(json!({}), json!("stop")));
+    if asked {
+        let prompt = usage.min(usage / 3 + 1);
+        events.push(SseEvent::Usage(
+            json!({"id": id, "object": "chat.completion.chunk",
+            "created": 0, "model": model, "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": usage - prompt,
+                      "total_tokens": usage}}),
+        ));
+    }
+    events.push(SseEvent::Done);
+    let streamed = Streamed {
+        usage,
+        asked_usage: asked,
+        ..Streamed::default()
+    };
+    (streamed, events, every)
+}
+
+/// The streamed answer: `events`, the first at once, then one every
+/// `every`; each noted on the call's arrival as it is handed to the
+/// connection. The call stays in flight until the last is sent or the
+/// connection drops (the body is dropped: `guard` notes the end).
+fn stream_response(guard: InFlight, events: Vec<SseEvent>, every: Duration) -> Response {
+    let body = futures_util::stream::unfold(
+        (guard, events.into_iter(), true),
+        move |(guard, mut events, first)| async move {
+            let event = events.next()?;
+            if !first {
+                tokio::time::sleep(every).await;
+            }
+            guard.sent(&event);
+            Some((
+                Ok::<_, std::convert::Infallible>(event.bytes()),
+                (guard, events, false),
+            ))
+        },
+    );
+    (
+        StatusCode::OK,
+        [
+            ("content-type", "text/event-stream"),
+            ("cache-control", "no-cache"),
+        ],
+        axum::body::Body::from_stream(body),
+    )
+        .into_response()
 }
 
 async fn call(
@@ -292,6 +454,8 @@ async fn call(
     let input: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let mut in_flight_guard = InFlight::enter(&shared);
     let behaviour = Behaviour::of(&input);
+    let streamed = (wants_stream(&input) && behaviour.answer == "ok")
+        .then(|| stream_plan(&input, job.as_deref()));
     let (allowed, refused) = {
         let Ok(mut inner) = shared.inner.lock() else {
             return StatusCode::INTERNAL_SERVER_ERROR.into_response();
@@ -344,6 +508,10 @@ async fn call(
             body: body.clone(),
             in_flight,
             end_us: None,
+            stream: streamed
+                .as_ref()
+                .filter(|_| allowed && refused.is_none())
+                .map(|(s, _, _)| s.clone()),
         });
         (allowed, refused)
     };
@@ -364,5 +532,8 @@ async fn call(
             .into_response();
     }
     tokio::time::sleep(shared.latency + behaviour.after).await;
-    behaviour.respond(input)
+    match streamed {
+        Some((_, events, every)) => stream_response(in_flight_guard, events, every),
+        None => behaviour.respond(input),
+    }
 }

@@ -469,9 +469,20 @@ async fn stream(
                         Some(last) => last,
                         None => tokio::time::timeout(END_GRACE, &mut final_rx).await.ok().and_then(Result::ok).flatten(),
                     };
+                    // The watch may have ended on a store fault before the
+                    // worker recorded the failure (it records it right after
+                    // its error event): read the record itself.
+                    let last = match last {
+                        Some(info) if info.status.is_final() => Some(info),
+                        _ => final_record(state, priced, &info).await,
+                    };
                     return match last {
                         Some(info) if info.status.is_final() => finished(state, &info),
-                        _ => Err(ApiError::Internal(message)),
+                        // Not readable yet: a fault of the store, not a bug.
+                        _ => {
+                            tracing::warn!(error = %message, "a stream failed before its first event and its record is not readable yet");
+                            Err(ApiError::RequestTimeout(state.settings.sync_timeout))
+                        }
                     };
                 }
                 Read::Idle if grace_end.is_some_and(|e| tokio::time::Instant::now() >= e) => {
@@ -512,6 +523,27 @@ async fn stream(
         apply_head(&mut response, head);
     }
     Ok(response)
+}
+
+/// The job's final record, read again until [`END_GRACE`] has passed (a
+/// read that fails is tried again): `None` when it is not final by then.
+async fn final_record(state: &ApiState, priced: &Priced, info: &JobInfo) -> Option<JobInfo> {
+    let end = tokio::time::Instant::now() + END_GRACE;
+    loop {
+        let read = state
+            .jobs
+            .read(&priced.user, &info.job.operation, &info.job.id)
+            .await;
+        if let Ok(Some(last)) = read {
+            if last.status.is_final() {
+                return Some(last);
+            }
+        }
+        if tokio::time::Instant::now() >= end {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn event_bytes(text: &str) -> Bytes {

@@ -4,7 +4,9 @@
 //! restart of any role, SIGSTOP past a lease, killed Redis connections, a
 //! flushed script cache, Redis down and back from its AOF, and on the proxy
 //! through which every role reaches Redis: latency added each way, or every
-//! connection cut and new ones refused for a while. Then the load stops,
+//! connection cut and new ones refused for a while. Part of the load is
+//! streamed pass-through calls ([`STREAMS`]) whose clients read them whole or
+//! go away mid-stream. Then the load stops,
 //! the deployment drains, and the invariants are checked and printed with their
 //! figures; the run fails (naming its seed) if one does not hold.
 //!
@@ -162,6 +164,33 @@ const OPS: [Op; 4] = [
     },
 ];
 
+/// The streamed pass-through calls: an operation at `/chat/completions` (an
+/// OpenAI-style upstream that reports a stream's usage only when asked: the
+/// worker asks on the client's behalf) of their own provider, settled to the
+/// usage the stream reports, reserving `max` up front.
+struct Streams {
+    provider: &'static str,
+    operation: &'static str,
+    /// The operation's estimate (`cost`): what a stream whose usage was
+    /// never seen was charged before it stood at its reservation.
+    cost: u64,
+    /// `settle.max`: the reservation.
+    max: u64,
+    /// The usage the upstream reports for a stream: from `usage.0` to `usage.1`.
+    usage: (u64, u64),
+    /// Percent of the load's calls that are streamed.
+    percent: u64,
+}
+
+const STREAMS: Streams = Streams {
+    provider: "sse",
+    operation: "sse.chat",
+    cost: 2,
+    max: 400,
+    usage: (20, 300),
+    percent: 15,
+};
+
 fn config(upstream: &str) -> String {
     let mut out = String::from(
         "default_plan = \"chaos\"\nhold_grace = \"2s\"\n\
@@ -207,6 +236,21 @@ fn config(upstream: &str) -> String {
             );
         }
     }
+    // The streams' provider: no limit of its own at the upstream; a timeout
+    // that holds a whole stream (it bounds the body as well).
+    let s = &STREAMS;
+    let _ = write!(
+        out,
+        "[providers.{p}]\nrate = 4\nburst = 4\nmax_wait = \"8s\"\n\
+         url = \"{upstream}/{p}\"\ntimeout = \"10s\"\nretries = 1\n\
+         [operations.\"{n}\"]\ncost = {c}\nprovider = \"{p}\"\npath = \"/chat/completions\"\n\
+         settle = {{ from = \"/usage/total_tokens\", per = 1, max = {m} }}\n\
+         deadline = \"10s\"\nmax_attempts = 3\n",
+        p = s.provider,
+        n = s.operation,
+        c = s.cost,
+        m = s.max,
+    );
     out
 }
 
@@ -778,6 +822,44 @@ struct Call {
     retries: u32,
     /// The api said another job id than the one the Idempotency-Key gives.
     id_mismatch: Option<String>,
+    /// A streamed pass-through call ([`STREAMS`]): what its client read.
+    stream: Option<StreamRead>,
+}
+
+impl Call {
+    fn operation(&self) -> &'static str {
+        match self.stream {
+            Some(_) => STREAMS.operation,
+            None => OPS[self.op].name,
+        }
+    }
+}
+
+/// A streamed call as its client read it.
+#[derive(Debug, Clone, Default)]
+struct StreamRead {
+    /// The content chunks the upstream sends.
+    chunks: u32,
+    /// The client drops the connection after this many events (`None`: it
+    /// reads to the end).
+    drop_after: Option<u32>,
+    /// `data:` events read.
+    events: u32,
+    /// It read `data: [DONE]`.
+    done: bool,
+    /// What it read was the whole answer (its text complete, `[DONE]` last).
+    whole: bool,
+    /// It read a usage chunk, or a `"usage"` member (it did not ask for either).
+    saw_usage: bool,
+    /// It dropped the connection mid-stream, as planned.
+    dropped: bool,
+    /// The stream ended with an error event.
+    error: bool,
+    /// The connection broke mid-stream (an api killed), or the stream stopped
+    /// without an end.
+    broke: bool,
+    /// From the call's first attempt to the stream's end (µs since the epoch).
+    span_us: (u64, u64),
 }
 
 struct User {
@@ -808,6 +890,7 @@ async fn one_call(
         status: None,
         retries: 0,
         id_mismatch: None,
+        stream: None,
     };
     let mut attempt = n;
     while Instant::now() < give_up {
@@ -841,6 +924,146 @@ async fn one_call(
         }
     }
     call
+}
+
+/// One streamed pass-through call of the load, `"stream": true` and no
+/// `stream_options` (tollgate asks for the usage itself): retried with its
+/// Idempotency-Key while no stream has begun (503, timeout, connection
+/// error), then read to its end, or dropped after `drop_after` events.
+#[allow(clippy::too_many_arguments)]
+async fn one_stream(
+    http: Client,
+    apis: Vec<SocketAddr>,
+    users: Arc<Vec<User>>,
+    run: String,
+    n: usize,
+    user: usize,
+    read: StreamRead,
+    body: Value,
+    give_up: Instant,
+) -> Call {
+    let key = format!("{run}-{n}");
+    let u = &users[user];
+    let start = tollgate_tests::throttle::now_us();
+    let mut call = Call {
+        user,
+        op: 0,
+        sync: true,
+        job_id: job_id(&u.name, &key),
+        status: None,
+        retries: 0,
+        id_mismatch: None,
+        stream: None,
+    };
+    let mut read = read;
+    let mut attempt = n;
+    while Instant::now() < give_up {
+        let api = apis[attempt % apis.len()];
+        attempt += 1;
+        let sent = http
+            .post(format!(
+                "http://{api}/v1/passthrough/{}/chat/completions",
+                STREAMS.provider
+            ))
+            .bearer_auth(&u.key)
+            .header("Idempotency-Key", &key)
+            .json(&body)
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await;
+        let mut r = match sent {
+            Ok(r) if r.status().as_u16() != 503 => r,
+            _ => {
+                call.retries += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        call.status = Some(r.status().as_u16());
+        let is_stream = r
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if !is_stream {
+            // An error before the stream began (a 502/504, a budget 429, or
+            // a 409 for a retry of a stream given already).
+            break;
+        }
+        let (mut buf, mut text) = (String::new(), String::new());
+        'read: loop {
+            match r.chunk().await {
+                Ok(Some(bytes)) => buf.push_str(&String::from_utf8_lossy(&bytes)),
+                Ok(None) => {
+                    read.broke = !read.done && !read.error;
+                    break;
+                }
+                Err(_) => {
+                    read.broke = true;
+                    break;
+                }
+            }
+            while let Some(at) = buf.find("\n\n") {
+                let event: String = buf.drain(..at + 2).collect();
+                let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                    continue;
+                };
+                read.events += 1;
+                if data == "[DONE]" {
+                    read.done = true;
+                    read.whole = text == tollgate_tests::upstream::streamed_text(read.chunks);
+                    break 'read;
+                }
+                let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+                if v.get("error").is_some() {
+                    read.error = true;
+                    break 'read;
+                }
+                read.saw_usage |= v.get("usage").is_some();
+                if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+                    text.push_str(t);
+                }
+                if read.drop_after.is_some_and(|k| read.events >= k) {
+                    // Gone mid-stream: the connection closes with `r`.
+                    read.dropped = true;
+                    break 'read;
+                }
+            }
+        }
+        drop(r);
+        break;
+    }
+    read.span_us = (start, tollgate_tests::throttle::now_us());
+    call.stream = Some(read);
+    call
+}
+
+/// The charges standing for a user: `used`, and the cost of each live
+/// spend event by request id, every page of `/v1/usage`.
+async fn charges(
+    http: &Client,
+    api: SocketAddr,
+    key: &str,
+) -> anyhow::Result<(u64, HashMap<String, u64>)> {
+    let (mut used, mut costs, mut cursor) = (None, HashMap::new(), None::<String>);
+    loop {
+        let url = match &cursor {
+            Some(c) => format!("http://{api}/v1/usage?limit=50&cursor={c}"),
+            None => format!("http://{api}/v1/usage?limit=50"),
+        };
+        let v: Value = http.get(url).bearer_auth(key).send().await?.json().await?;
+        used = used.or(v["used"].as_u64());
+        for e in v["events"].as_array().into_iter().flatten() {
+            if let (Some(id), Some(cost)) = (e["request_id"].as_str(), e["cost"].as_u64()) {
+                *costs.entry(id.to_owned()).or_default() += cost;
+            }
+        }
+        match v["next_cursor"].as_str() {
+            Some(c) if Some(c) != cursor.as_deref() => cursor = Some(c.to_owned()),
+            _ => break,
+        }
+    }
+    Ok((used.unwrap_or(u64::MAX), costs))
 }
 
 /// A job's end as `GET /v1/jobs/{id}` says it.
@@ -1201,6 +1424,8 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         .checked_sub(Duration::from_secs(8))
         .unwrap_or(load_start);
     let mut next_refusal = load_start + Duration::from_secs(7);
+    // Which calls are streamed, and how, on a stream of their own too.
+    let mut stream_rng = Rng(seed ^ 0x55e0);
     let run_tag = &prefix[1..9];
     let mut calls = tokio::task::JoinSet::new();
     let total = (args.rate * args.seconds as f64) as usize;
@@ -1210,6 +1435,42 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         if Instant::now() >= next_refusal && next_refusal < last_refusal {
             upstream.refuse_at(Instant::now(), "1");
             next_refusal += refusal_rng.ms(6_000, 12_000);
+        }
+        if stream_rng.below(100) < STREAMS.percent {
+            // A streamed chat: 4 to 12 content chunks 20 to 50 ms apart,
+            // its usage seeded; half its clients read it to the end, half
+            // go away after 1 to chunks + 2 events (the role chunk, some
+            // content, at most the finish chunk: never its [DONE]).
+            let user = stream_rng.below(USERS as u64) as usize;
+            let chunks = 4 + stream_rng.below(9) as u32;
+            let (lo, hi) = STREAMS.usage;
+            let usage = lo + stream_rng.below(hi - lo + 1);
+            let every = 20 + stream_rng.below(31);
+            let drop_after = (stream_rng.below(2) == 0)
+                .then(|| 1 + stream_rng.below(u64::from(chunks) + 2) as u32);
+            let body = json!({
+                "model": "m",
+                "stream": true,
+                "messages": [{"role": "user", "content": format!("c{run_tag}-{n}")}],
+                "upstream": {"usage": usage, "chunks": chunks, "every_ms": every},
+            });
+            let read = StreamRead {
+                chunks,
+                drop_after,
+                ..StreamRead::default()
+            };
+            calls.spawn(one_stream(
+                http.clone(),
+                apis.clone(),
+                Arc::clone(&users),
+                format!("c{run_tag}"),
+                n,
+                user,
+                read,
+                body,
+                give_up,
+            ));
+            continue;
         }
         let (user, op) = (
             rng.below(USERS as u64) as usize,
@@ -1395,7 +1656,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         .iter()
         .filter(|c| matches!(ends.get(&c.job_id), Some(JobEnd::Open(_))))
     {
-        let key = format!("{prefix}:v1:{{q:{}}}:job:{}", OPS[c.op].name, c.job_id);
+        let key = format!("{prefix}:v1:{{q:{}}}:job:{}", c.operation(), c.job_id);
         let record: Vec<String> = redis_cmd(&redis_url, redis::cmd("HGETALL").arg(&key))
             .await
             .unwrap_or_default();
@@ -1410,27 +1671,37 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         figure: format!("{residue:?}"),
     });
 
+    // Each user's live charges by request id (a job's id is its request's).
     let mut usage_bad = Vec::new();
+    let mut charged: HashMap<String, u64> = HashMap::new();
     for (i, u) in users.iter().enumerate() {
-        let expected: u64 = accepted
-            .iter()
-            .filter(|c| c.user == i && paid(ends.get(&c.job_id)))
-            .map(|c| OPS[c.op].cost)
-            .sum();
-        let v: Value = http
-            .get(format!("http://{}/v1/usage", apis[i % apis.len()]))
-            .bearer_auth(&u.key)
-            .send()
-            .await?
-            .json()
-            .await?;
-        let used = v["used"].as_u64().unwrap_or(u64::MAX);
+        let (used, costs) = charges(&http, apis[i % apis.len()], &u.key).await?;
+        // A fixed operation's job costs its `cost`; a stream is settled to
+        // what it used (judged below): its charge counts as it stands, but
+        // only a paid job may have one, and a paid one must.
+        let mut expected = 0;
+        for c in accepted.iter().filter(|c| c.user == i) {
+            let is_paid = paid(ends.get(&c.job_id));
+            match (&c.stream, costs.get(&c.job_id)) {
+                (None, _) if is_paid => expected += OPS[c.op].cost,
+                (None, _) => {}
+                (Some(_), Some(&cost)) if is_paid => expected += cost,
+                (Some(_), None) if !is_paid => {}
+                (Some(_), cost) => usage_bad.push(format!(
+                    "{}: stream {} ended {:?} but its charge is {cost:?}",
+                    u.name,
+                    c.job_id,
+                    ends.get(&c.job_id)
+                )),
+            }
+        }
         if used != expected {
             usage_bad.push(format!("{}: used {used} != {expected}", u.name));
         }
+        charged.extend(costs);
     }
     checks.push(Check {
-        name: "per user, used = cost of its jobs that succeeded or failed charged",
+        name: "per user, used = cost of its jobs that succeeded or failed charged (a stream's settled charge)",
         ok: usage_bad.is_empty(),
         figure: if usage_bad.is_empty() {
             format!("{USERS} users match")
@@ -1467,15 +1738,27 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         ),
     });
     // Every call the upstream saw, kept with the logs for a failure's diagnosis.
-    let mut calls_tsv = String::from("at_s\tpath\tjob\tstatus\n");
+    let mut calls_tsv = String::from("at_s\tpath\tjob\tstatus\tstream\n");
     for a in &arrivals {
         let _ = writeln!(
             calls_tsv,
-            "{:.6}\t{}\t{}\t{}",
+            "{:.6}\t{}\t{}\t{}\t{}",
             a.at_us.saturating_sub(load_start_us) as f64 / 1e6,
             a.path,
             a.job.as_deref().unwrap_or("-"),
-            a.status
+            a.status,
+            a.stream.as_ref().map_or("-".to_owned(), |s| format!(
+                "usage {} events {}{}",
+                s.usage,
+                s.events_sent,
+                if s.whole {
+                    " whole"
+                } else if s.cut() {
+                    " cut"
+                } else {
+                    " open"
+                }
+            )),
         );
     }
     let _ = std::fs::write(dir.join("upstream.tsv"), calls_tsv);
@@ -1526,6 +1809,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             }
         ),
     });
+    checks.extend(stream_checks(&made, &arrivals, &charged, &windows));
     let refusals = upstream.refusals();
     let rejected = arrivals.iter().filter(|a| a.status == 429).count() - refusals.len();
     let rejected_at: Vec<String> = arrivals
@@ -1696,17 +1980,17 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         }
         liveness.push(format!("{} {n}t", p.name));
     }
-    {
+    for name in [LIMITED.name, STREAMS.provider] {
         let n = live(
             &redis_url,
-            &format!("{prefix}:v1:{{p:{}}}:throttlers", LIMITED.name),
+            &format!("{prefix}:v1:{{p:{name}}}:throttlers"),
             now / 1000,
         )
         .await?;
         if n < 2 {
-            health.push(format!("{}: {n} live throttlers", LIMITED.name));
+            health.push(format!("{name}: {n} live throttlers"));
         }
-        liveness.push(format!("{} {n}t", LIMITED.name));
+        liveness.push(format!("{name} {n}t"));
     }
     checks.push(Check {
         name: "every role recovered without a restart by the suite",
@@ -1843,6 +2127,140 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(all_ok)
+}
+
+/// The invariants of the streamed calls ([`STREAMS`]), from the upstream's
+/// record of each stream (the usage it reported, sent whole or cut), what
+/// each client read, and each job's standing charge (`charged`, by request
+/// id, from the users' `/v1/usage` events):
+/// - every stream that did work upstream (answered 200) is paid at least
+///   the usage it reported: its usage when tollgate saw it, else its
+///   reservation (`settle.max`, above any usage): a client that goes away,
+///   a worker killed, a cut connection never lower the price;
+/// - every stream its client read to `[DONE]` was the whole answer, carried
+///   no usage (the client did not ask: tollgate asked for it), and is paid
+///   exactly its reported usage, or at least it when a fault that can come
+///   between the stream and its settle (`faults`, µs) hit it.
+fn stream_checks(
+    made: &[Call],
+    arrivals: &[tollgate_tests::upstream::Arrival],
+    charged: &HashMap<String, u64>,
+    faults: &[(u64, u64)],
+) -> Vec<Check> {
+    let s = &STREAMS;
+    // Per job the upstream streamed for: the usage it reported, whether a
+    // run of it was sent whole, and whether one was cut.
+    let mut worked: BTreeMap<&str, (u64, bool, bool)> = BTreeMap::new();
+    for a in arrivals.iter().filter(|a| a.status == 200) {
+        if let (Some(job), Some(st)) = (a.job.as_deref(), &a.stream) {
+            let w = worked.entry(job).or_default();
+            *w = (w.0.max(st.usage), w.1 || st.whole, w.2 || st.cut());
+        }
+    }
+    let charge = |job: &str| charged.get(job).copied().unwrap_or(0);
+    let (mut exact, mut reservation, mut between, mut over) = (0, 0, 0, 0);
+    let mut under = Vec::new();
+    for (job, &(usage, _, cut)) in &worked {
+        let paid = charge(job);
+        if paid < usage {
+            under.push(format!(
+                "{job}: reported {usage}, charged {paid} ({})",
+                if cut { "cut" } else { "sent whole" }
+            ));
+        } else if paid == usage {
+            exact += 1;
+        } else if paid == s.max {
+            reservation += 1;
+        } else if paid > s.max {
+            over += 1;
+        } else {
+            between += 1;
+        }
+    }
+    let sent_whole = worked.values().filter(|w| w.1).count();
+    let cut = worked.values().filter(|w| w.2).count();
+    // The clients' side.
+    let streams: Vec<(&Call, &StreamRead)> = made
+        .iter()
+        .filter_map(|c| Some((c, c.stream.as_ref()?)))
+        .collect();
+    let count = |f: &dyn Fn(&StreamRead) -> bool| streams.iter().filter(|(_, r)| f(r)).count();
+    let began = |c: &Call, r: &StreamRead| c.status == Some(200) && r.events > 0;
+    let mut not_begun: BTreeMap<String, usize> = BTreeMap::new();
+    for (c, r) in &streams {
+        if !began(c, r) {
+            let status = c.status.map_or("none".to_owned(), |s| s.to_string());
+            *not_begun.entry(status).or_default() += 1;
+        }
+    }
+    let check1 = Check {
+        name: "every stream that did work upstream is paid at least its usage or its reservation",
+        ok: under.is_empty() && !worked.is_empty() && cut > 0,
+        figure: format!(
+            "{} streams made: {} read whole, {} dropped by their client mid-stream, {} ended by an error event, \
+             {} broken off, not begun {not_begun:?}; upstream streamed {} jobs: {sent_whole} sent whole, {cut} cut; \
+             paid exactly their usage {exact}, paid the reservation ({}) {reservation}, between {between}, \
+             over the reservation {over}; under-paid {} (must be 0){}",
+            streams.len(),
+            count(&|r| r.done),
+            count(&|r| r.dropped),
+            count(&|r| r.error),
+            count(&|r| r.broke),
+            worked.len(),
+            s.max,
+            under.len(),
+            if under.is_empty() {
+                String::new()
+            } else {
+                format!(" (e.g. {:?})", &under[..under.len().min(3)])
+            }
+        ),
+    };
+    let faulted = |(from, to): (u64, u64)| {
+        faults
+            .iter()
+            .any(|&(start, end)| start <= to + 5_000_000 && end + 2_000_000 >= from)
+    };
+    let (mut completed, mut settled, mut excused) = (0, 0, 0);
+    let mut bad = Vec::new();
+    for (c, r) in streams.iter().filter(|(_, r)| r.done) {
+        completed += 1;
+        let job = c.job_id.as_str();
+        if !r.whole {
+            bad.push(format!("{job}: [DONE] after a cut answer"));
+        }
+        if r.saw_usage {
+            bad.push(format!("{job}: usage relayed to a client that did not ask"));
+        }
+        let Some(&(usage, _, _)) = worked.get(job) else {
+            bad.push(format!("{job}: read whole, but no stream of it upstream"));
+            continue;
+        };
+        let paid = charge(job);
+        if paid == usage {
+            settled += 1;
+        } else if paid > usage && faulted(r.span_us) {
+            excused += 1;
+        } else {
+            bad.push(format!("{job}: reported {usage}, charged {paid}"));
+        }
+    }
+    let check2 = Check {
+        name: "every stream read whole was the whole answer, without a usage it did not ask for, \
+         and paid exactly its reported usage (at least it when a fault hit it)",
+        ok: bad.is_empty() && completed > 0,
+        figure: format!(
+            "{completed} read to [DONE]: {settled} paid exactly their usage, {excused} more with a fault in force; \
+             {} otherwise{}",
+            bad.len(),
+            if bad.is_empty() {
+                String::new()
+            } else {
+                format!(" (e.g. {:?})", &bad[..bad.len().min(3)])
+            }
+        ),
+    };
+    vec![check1, check2]
 }
 
 /// The invariants of the provider with several limits ([`LIMITED`]), from the
