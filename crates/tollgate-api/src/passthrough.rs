@@ -262,6 +262,9 @@ async fn run(
     let (info, allowed) = submit(state, &priced, trace, caller, id.clone(), input).await?;
     let rate_limit = crate::ratelimit::allowed(&allowed);
     let answer = match reader {
+        // A retry of a stream that failed: its job's error, as the first
+        // attempt had it (or would have, had it begun).
+        Some(_) if matches!(info.status, JobStatus::Failed { .. }) => finished(state, &info),
         Some(_) if info.status.is_final() => Err(ApiError::IdempotencyConflict(
             "this Idempotency-Key's streamed answer was given already; a stream is not replayed"
                 .into(),
