@@ -1348,6 +1348,9 @@ impl JobSource for Cuttable {
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
         self.reach()?.hand_back(lease).await
     }
+    async fn defer(&self, lease: &Lease) -> Result<Finish, JobError> {
+        self.reach()?.defer(lease).await
+    }
     async fn maintain(&self, worker: &str, lease: Duration) -> Result<Maintenance, JobError> {
         self.reach()?.maintain(worker, lease).await
     }
@@ -2070,5 +2073,152 @@ async fn job_redis_a_process_loads_the_libraries_as_it_connects() {
     assert!(
         libraries(conn.clone()).await.is_empty(),
         "that user could not load them"
+    );
+}
+
+/// Workers shared fairly between users (`WorkerConfig::user_share`).
+mod fair {
+    use super::*;
+
+    /// A provider whose calls wait until the test opens its gate, counting the
+    /// calls of each user under way (and the most at once).
+    #[derive(Debug)]
+    struct Held {
+        open: tokio::sync::watch::Sender<bool>,
+        running: std::sync::Mutex<std::collections::HashMap<String, (u32, u32)>>,
+    }
+
+    impl Held {
+        fn new() -> Self {
+            Self {
+                open: tokio::sync::watch::channel(false).0,
+                running: std::sync::Mutex::default(),
+            }
+        }
+
+        /// (under way now, most at once) of `who`.
+        fn of(&self, who: &str) -> (u32, u32) {
+            self.running
+                .lock()
+                .unwrap()
+                .get(who)
+                .copied()
+                .unwrap_or_default()
+        }
+
+        /// Waits (at most `within`) until `who` has `n` calls under way.
+        async fn until_running(&self, who: &str, n: u32, within: Duration) -> bool {
+            let deadline = tokio::time::Instant::now() + within;
+            while self.of(who).0 < n {
+                if tokio::time::Instant::now() >= deadline {
+                    return false;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            true
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Client for Held {
+        async fn call(&self, job: &tollgate_core::job::Job) -> Result<Value, CallError> {
+            {
+                let mut running = self.running.lock().unwrap();
+                let (now, most) = running.entry(job.user.to_string()).or_default();
+                *now += 1;
+                *most = (*most).max(*now);
+            }
+            let mut open = self.open.subscribe();
+            let _ = open.wait_for(|o| *o).await;
+            if let Some((now, _)) = self.running.lock().unwrap().get_mut(job.user.as_str()) {
+                *now -= 1;
+            }
+            Ok(json!({}))
+        }
+    }
+
+    /// Workers shared fairly: one user's jobs hold at most half of a worker's
+    /// slots (the default `user_share`), and a worker with a free slot takes
+    /// another user's job past that user's backlog (the taken jobs of a user at
+    /// its cap go back to the tail of the queue, their attempt not counted).
+    /// Before: user A's 10 blocked calls held all 4 slots and B's job waited
+    /// behind them.
+    async fn job_a_users_jobs_hold_at_most_its_share_of_a_worker(s: &Setup) {
+        let provider = Arc::new(Held::new());
+        let mut cfg = tollgate_worker::WorkerConfig::new(config());
+        cfg.concurrency = 4;
+        cfg.block = Duration::from_millis(100);
+        cfg.operations = vec!["other".into()];
+        let metrics = Arc::clone(&cfg.metrics);
+        let providers = BTreeMap::from([("p".to_owned(), Arc::clone(&provider) as Arc<dyn Client>)]);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let role = tokio::spawn(tollgate_worker::run(
+            cfg,
+            Arc::clone(&s.source),
+            providers,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let mut ids = Vec::new();
+        for i in 0..10 {
+            let id = format!("a{i}");
+            let out = s.queue.submit(request(&id, "ann", "other")).await.unwrap();
+            assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
+            ids.push(rid(&id));
+        }
+        assert!(
+            provider
+                .until_running("ann", 2, Duration::from_secs(5))
+                .await,
+            "ann's calls did not start"
+        );
+        let out = s.queue.submit(request("b0", "bob", "other")).await.unwrap();
+        assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
+        assert!(
+            provider
+                .until_running("bob", 1, Duration::from_secs(3))
+                .await,
+            "bob's job did not start while ann's held the worker: {:?}",
+            provider.of("ann")
+        );
+        // A while longer: ann never holds more than her share (2 of 4).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(provider.of("ann"), (2, 2), "ann's calls under way, most at once");
+        assert!(
+            metrics
+                .render()
+                .lines()
+                .any(|l| l.starts_with("tollgate_worker_jobs_deferred_total{operation=\"other\"}")
+                    && !l.ends_with(" 0")),
+            "deferred takes are counted"
+        );
+        provider.open.send_replace(true);
+        ids.push(rid("b0"));
+        let (ok, failed) =
+            tollgate_tests::jobs::wait_final(&*s.queue, &user("ann"), &ids[..10], Duration::from_secs(10))
+                .await;
+        assert_eq!((ok.len(), failed), (10, vec![]));
+        let info = s
+            .queue
+            .wait(&user("bob"), &rid("b0"), Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(matches!(info.status, JobStatus::Succeeded { .. }), "{info:?}");
+        // Each charged once, whatever went round the queue.
+        assert_eq!((s.used("ann").await, s.used("bob").await), (10, 1));
+        for id in &ids[..10] {
+            let info = s.queue.status(&user("ann"), id).await.unwrap().unwrap();
+            assert_eq!(info.job.attempt, 1, "a deferred take counts no attempt");
+        }
+        let _ = stop.send(());
+        role.await.unwrap().unwrap();
+    }
+
+    on_each_backend!(
+        [job_a_users_jobs_hold_at_most_its_share_of_a_worker]
+        memory => &super::Setup::memory(),
+        redis => &super::Setup::redis().await,
     );
 }
