@@ -2150,7 +2150,8 @@ mod fair {
         cfg.block = Duration::from_millis(100);
         cfg.operations = vec!["other".into()];
         let metrics = Arc::clone(&cfg.metrics);
-        let providers = BTreeMap::from([("p".to_owned(), Arc::clone(&provider) as Arc<dyn Client>)]);
+        let providers =
+            BTreeMap::from([("p".to_owned(), Arc::clone(&provider) as Arc<dyn Client>)]);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let role = tokio::spawn(tollgate_worker::run(
             cfg,
@@ -2184,20 +2185,26 @@ mod fair {
         );
         // A while longer: ann never holds more than her share (2 of 4).
         tokio::time::sleep(Duration::from_millis(500)).await;
-        assert_eq!(provider.of("ann"), (2, 2), "ann's calls under way, most at once");
+        assert_eq!(
+            provider.of("ann"),
+            (2, 2),
+            "ann's calls under way, most at once"
+        );
         assert!(
-            metrics
-                .render()
-                .lines()
-                .any(|l| l.starts_with("tollgate_worker_jobs_deferred_total{operation=\"other\"}")
-                    && !l.ends_with(" 0")),
+            metrics.render().lines().any(|l| l
+                .starts_with("tollgate_worker_jobs_deferred_total{operation=\"other\"}")
+                && !l.ends_with(" 0")),
             "deferred takes are counted"
         );
         provider.open.send_replace(true);
         ids.push(rid("b0"));
-        let (ok, failed) =
-            tollgate_tests::jobs::wait_final(&*s.queue, &user("ann"), &ids[..10], Duration::from_secs(10))
-                .await;
+        let (ok, failed) = tollgate_tests::jobs::wait_final(
+            &*s.queue,
+            &user("ann"),
+            &ids[..10],
+            Duration::from_secs(10),
+        )
+        .await;
         assert_eq!((ok.len(), failed), (10, vec![]));
         let info = s
             .queue
@@ -2205,7 +2212,10 @@ mod fair {
             .await
             .unwrap()
             .unwrap();
-        assert!(matches!(info.status, JobStatus::Succeeded { .. }), "{info:?}");
+        assert!(
+            matches!(info.status, JobStatus::Succeeded { .. }),
+            "{info:?}"
+        );
         // Each charged once, whatever went round the queue.
         assert_eq!((s.used("ann").await, s.used("bob").await), (10, 1));
         for id in &ids[..10] {

@@ -45,8 +45,8 @@ use tollgate_core::throttle::{Grant, ThrottleError};
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
-    ledger::Ledger,
     job::{self, Charge, Failure, FailureCause, Finish, JobSource, Lease, Taker},
+    ledger::Ledger,
     metrics::{Heartbeat, JobEnd, Metrics},
     stream::{self, JobStreams, StreamEvent, StreamWriter},
 };
@@ -488,9 +488,9 @@ impl Users {
     /// `user`'s cap here: its plan's `max_in_flight`, else the default.
     async fn cap(&self, user: &UserId) -> usize {
         let share = self.plans.share(user, Duration::ZERO, PLAN_WITHIN).await;
-        share
-            .max_in_flight
-            .map_or(self.cap, |m| usize::try_from(m).unwrap_or(usize::MAX).max(1))
+        share.max_in_flight.map_or(self.cap, |m| {
+            usize::try_from(m).unwrap_or(usize::MAX).max(1)
+        })
     }
 
     /// One more job of `user` running here, unless it is at its cap.
