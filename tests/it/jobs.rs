@@ -832,6 +832,36 @@ async fn job_hand_back_requeues_without_counting_the_attempt(s: &Setup) {
     s.source.retire("w1").await.unwrap();
 }
 
+/// A deferred job (taken, not started: its user holds its share of the
+/// worker) goes to the tail of its queue, its attempt not counted, its charge
+/// untouched (still held for it); the deferring lease is over.
+async fn job_defer_puts_the_job_at_the_tail_uncounted(s: &Setup) {
+    submit_ok(s, "d1", "dora").await;
+    submit_ok(s, "d2", "dora").await;
+    let first = take_unstarted(s, "work", "w1").await;
+    assert_eq!(first.job.id, rid("d1"), "oldest first");
+    assert_eq!(s.source.defer(&first).await.unwrap(), Finish::Recorded);
+    let next = take(s, "work", "w2").await;
+    assert_eq!(next.job.id, rid("d2"), "the deferred job went to the tail");
+    let again = take(s, "work", "w2").await;
+    assert_eq!((again.job.id.clone(), again.job.attempt), (rid("d1"), 1));
+    assert_eq!(s.source.defer(&first).await.unwrap(), Finish::LeaseLost);
+    assert_eq!(
+        s.source.complete(&first, json!(0)).await.unwrap(),
+        Finish::LeaseLost
+    );
+    assert_eq!(s.used("dora").await, 20, "both charges stand, once each");
+    for lease in [next, again] {
+        assert_eq!(
+            s.source.complete(&lease, json!(1)).await.unwrap(),
+            Finish::Recorded
+        );
+    }
+    assert_eq!(s.used("dora").await, 20);
+    s.source.retire("w1").await.unwrap();
+    s.source.retire("w2").await.unwrap();
+}
+
 async fn job_stats_count_queued_and_running_jobs(s: &Setup) {
     let stats = s.queue.stats().await.unwrap();
     let names: Vec<&str> = stats.iter().map(|q| q.operation.as_str()).collect();
@@ -867,6 +897,7 @@ on_each_backend!(
         job_whose_started_runs_were_lost_is_given_up_charged,
         job_take_gives_up_what_it_must_and_returns_the_next,
         job_hand_back_requeues_without_counting_the_attempt,
+        job_defer_puts_the_job_at_the_tail_uncounted,
         job_stats_count_queued_and_running_jobs,
         job_finished_records_drop_inputs_and_stored_bytes_are_bounded,
         job_answered_without_a_key_leaves_no_record,
@@ -2222,6 +2253,99 @@ mod fair {
             let info = s.queue.status(&user("ann"), id).await.unwrap().unwrap();
             assert_eq!(info.job.attempt, 1, "a deferred take counts no attempt");
         }
+        let _ = stop.send(());
+        role.await.unwrap().unwrap();
+    }
+
+    /// What deferral costs Redis: one worker (4 slots), one user at its cap
+    /// (2 calls held) with 98 more of its jobs queued (its whole budget); the
+    /// worker takes and defers them round after round, waiting between rounds
+    /// (50 ms doubling to 1 s). Measured over 6 s once the waits reached 1 s:
+    /// each round is ~98 x (BLMOVE + job_lease + job_defer), about one a
+    /// second.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn job_redis_a_backlog_of_capped_jobs_is_not_spun_on() {
+        let s = Setup::redis().await;
+        let url = s._server.as_ref().unwrap().url();
+        s.ledger.set_plan(&user("ann"), "roomy").await.unwrap();
+        let provider = Arc::new(Held::new());
+        let mut cfg = tollgate_worker::WorkerConfig::new(config());
+        cfg.concurrency = 4;
+        cfg.operations = vec!["other".into()];
+        let metrics = Arc::clone(&cfg.metrics);
+        let providers =
+            BTreeMap::from([("p".to_owned(), Arc::clone(&provider) as Arc<dyn Client>)]);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let role = tokio::spawn(tollgate_worker::run(
+            cfg,
+            Arc::clone(&s.source),
+            providers,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        for i in 0..100 {
+            let out = s
+                .queue
+                .submit(request(&format!("a{i}"), "ann", "other"))
+                .await
+                .unwrap();
+            assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
+        }
+        assert!(
+            provider
+                .until_running("ann", 2, Duration::from_secs(5))
+                .await
+        );
+        // The waits reach their longest (1 s) within 50+100+...+1000 ms.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let deferred = |m: &tollgate_core::metrics::Metrics| -> u64 {
+            m.render()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("tollgate_worker_jobs_deferred_total{operation=\"other\"} ")
+                })
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0)
+        };
+        let (before, d0) = (
+            tollgate_tests::redis_info::command_calls(&url),
+            deferred(&metrics),
+        );
+        let window = Duration::from_secs(6);
+        tokio::time::sleep(window).await;
+        let (after, d1) = (
+            tollgate_tests::redis_info::command_calls(&url),
+            deferred(&metrics),
+        );
+        let total: u64 = after
+            .iter()
+            .map(|(k, n)| n - before.get(k).copied().unwrap_or(0))
+            .sum();
+        let per_second = total as f64 / window.as_secs_f64();
+        let deferrals = (d1 - d0) as f64 / window.as_secs_f64();
+        eprintln!(
+            "deferral cost: {per_second:.0} Redis commands/s, {deferrals:.0} deferrals/s, {:?}",
+            after
+                .iter()
+                .map(|(k, n)| (k.as_str(), n - before.get(k).copied().unwrap_or(0)))
+                .filter(|(_, n)| *n > 0)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(provider.of("ann"), (2, 2));
+        // Spinning: thousands of deferrals a second (3 round trips each).
+        assert!(deferrals < 300.0, "{deferrals} deferrals/s");
+        provider.open.send_replace(true);
+        let ids: Vec<RequestId> = (0..100).map(|i| rid(&format!("a{i}"))).collect();
+        let (ok, failed) = tollgate_tests::jobs::wait_final(
+            &*s.queue,
+            &user("ann"),
+            &ids,
+            Duration::from_secs(20),
+        )
+        .await;
+        assert_eq!((ok.len(), failed), (100, vec![]));
+        assert_eq!(s.used("ann").await, 100);
         let _ = stop.send(());
         role.await.unwrap().unwrap();
     }
