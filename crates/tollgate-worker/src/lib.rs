@@ -22,10 +22,20 @@
 //! Periodically every worker runs the queue's maintenance (requeue expired
 //! leases, reclaim dead workers' jobs, abandon stale holds, finish refunds).
 //!
+//! Workers are shared between users: one user's jobs hold at most its cap of
+//! this worker's slots ([`WorkerConfig::user_share`], or its plan's
+//! `max_in_flight`), counted per user by a guard each running job holds. A
+//! job taken while its user is at its cap is deferred before its claim
+//! ([`JobSource::defer`]: to its queue's tail, attempt uncounted, charge
+//! untouched) and its slot is free at once; a fetch loop that takes again a
+//! job it deferred lately has gone round its queue and waits before the next
+//! round (`Rounds`).
+//!
 //! Shutdown: stop taking, give in-flight jobs `shutdown_grace` to finish, hand
 //! the rest back to their queue, give back moved-but-unleased ids, exit.
 //!
 //! Observed in [`WorkerConfig::metrics`]: jobs in flight, how each ended,
+//! the jobs deferred,
 //! the charges released, leases lost, maintenance's reclaims; every fetch loop
 //! and the maintenance loop beat a heartbeat (`/readyz` reports a silent one).
 //! **Invariant:** a worker touches a budget only as its job's charge's owner:
