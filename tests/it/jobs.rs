@@ -832,6 +832,36 @@ async fn job_hand_back_requeues_without_counting_the_attempt(s: &Setup) {
     s.source.retire("w1").await.unwrap();
 }
 
+/// A deferred job (taken, not started: its user holds its share of the
+/// worker) goes to the tail of its queue, its attempt not counted, its charge
+/// untouched (still held for it); the deferring lease is over.
+async fn job_defer_puts_the_job_at_the_tail_uncounted(s: &Setup) {
+    submit_ok(s, "d1", "dora").await;
+    submit_ok(s, "d2", "dora").await;
+    let first = take_unstarted(s, "work", "w1").await;
+    assert_eq!(first.job.id, rid("d1"), "oldest first");
+    assert_eq!(s.source.defer(&first).await.unwrap(), Finish::Recorded);
+    let next = take(s, "work", "w2").await;
+    assert_eq!(next.job.id, rid("d2"), "the deferred job went to the tail");
+    let again = take(s, "work", "w2").await;
+    assert_eq!((again.job.id.clone(), again.job.attempt), (rid("d1"), 1));
+    assert_eq!(s.source.defer(&first).await.unwrap(), Finish::LeaseLost);
+    assert_eq!(
+        s.source.complete(&first, json!(0)).await.unwrap(),
+        Finish::LeaseLost
+    );
+    assert_eq!(s.used("dora").await, 20, "both charges stand, once each");
+    for lease in [next, again] {
+        assert_eq!(
+            s.source.complete(&lease, json!(1)).await.unwrap(),
+            Finish::Recorded
+        );
+    }
+    assert_eq!(s.used("dora").await, 20);
+    s.source.retire("w1").await.unwrap();
+    s.source.retire("w2").await.unwrap();
+}
+
 async fn job_stats_count_queued_and_running_jobs(s: &Setup) {
     let stats = s.queue.stats().await.unwrap();
     let names: Vec<&str> = stats.iter().map(|q| q.operation.as_str()).collect();
@@ -867,6 +897,7 @@ on_each_backend!(
         job_whose_started_runs_were_lost_is_given_up_charged,
         job_take_gives_up_what_it_must_and_returns_the_next,
         job_hand_back_requeues_without_counting_the_attempt,
+        job_defer_puts_the_job_at_the_tail_uncounted,
         job_stats_count_queued_and_running_jobs,
         job_finished_records_drop_inputs_and_stored_bytes_are_bounded,
         job_answered_without_a_key_leaves_no_record,
@@ -1347,6 +1378,9 @@ impl JobSource for Cuttable {
     }
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
         self.reach()?.hand_back(lease).await
+    }
+    async fn defer(&self, lease: &Lease) -> Result<Finish, JobError> {
+        self.reach()?.defer(lease).await
     }
     async fn maintain(&self, worker: &str, lease: Duration) -> Result<Maintenance, JobError> {
         self.reach()?.maintain(worker, lease).await
@@ -2070,5 +2104,255 @@ async fn job_redis_a_process_loads_the_libraries_as_it_connects() {
     assert!(
         libraries(conn.clone()).await.is_empty(),
         "that user could not load them"
+    );
+}
+
+/// Workers shared fairly between users (`WorkerConfig::user_share`).
+mod fair {
+    use super::*;
+
+    /// A provider whose calls wait until the test opens its gate, counting the
+    /// calls of each user under way (and the most at once).
+    #[derive(Debug)]
+    struct Held {
+        open: tokio::sync::watch::Sender<bool>,
+        running: std::sync::Mutex<std::collections::HashMap<String, (u32, u32)>>,
+    }
+
+    impl Held {
+        fn new() -> Self {
+            Self {
+                open: tokio::sync::watch::channel(false).0,
+                running: std::sync::Mutex::default(),
+            }
+        }
+
+        /// (under way now, most at once) of `who`.
+        fn of(&self, who: &str) -> (u32, u32) {
+            self.running
+                .lock()
+                .unwrap()
+                .get(who)
+                .copied()
+                .unwrap_or_default()
+        }
+
+        /// Waits (at most `within`) until `who` has `n` calls under way.
+        async fn until_running(&self, who: &str, n: u32, within: Duration) -> bool {
+            let deadline = tokio::time::Instant::now() + within;
+            while self.of(who).0 < n {
+                if tokio::time::Instant::now() >= deadline {
+                    return false;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            true
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Client for Held {
+        async fn call(&self, job: &tollgate_core::job::Job) -> Result<Value, CallError> {
+            {
+                let mut running = self.running.lock().unwrap();
+                let (now, most) = running.entry(job.user.to_string()).or_default();
+                *now += 1;
+                *most = (*most).max(*now);
+            }
+            let mut open = self.open.subscribe();
+            let _ = open.wait_for(|o| *o).await;
+            if let Some((now, _)) = self.running.lock().unwrap().get_mut(job.user.as_str()) {
+                *now -= 1;
+            }
+            Ok(json!({}))
+        }
+    }
+
+    /// Workers shared fairly: one user's jobs hold at most half of a worker's
+    /// slots (the default `user_share`), and a worker with a free slot takes
+    /// another user's job past that user's backlog (the taken jobs of a user at
+    /// its cap go back to the tail of the queue, their attempt not counted).
+    /// Before: user A's 10 blocked calls held all 4 slots and B's job waited
+    /// behind them.
+    async fn job_a_users_jobs_hold_at_most_its_share_of_a_worker(s: &Setup) {
+        let provider = Arc::new(Held::new());
+        let mut cfg = tollgate_worker::WorkerConfig::new(config());
+        cfg.concurrency = 4;
+        cfg.block = Duration::from_millis(100);
+        cfg.operations = vec!["other".into()];
+        let metrics = Arc::clone(&cfg.metrics);
+        let providers =
+            BTreeMap::from([("p".to_owned(), Arc::clone(&provider) as Arc<dyn Client>)]);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let role = tokio::spawn(tollgate_worker::run(
+            cfg,
+            Arc::clone(&s.source),
+            providers,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let mut ids = Vec::new();
+        for i in 0..10 {
+            let id = format!("a{i}");
+            let out = s.queue.submit(request(&id, "ann", "other")).await.unwrap();
+            assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
+            ids.push(rid(&id));
+        }
+        assert!(
+            provider
+                .until_running("ann", 2, Duration::from_secs(5))
+                .await,
+            "ann's calls did not start"
+        );
+        let out = s.queue.submit(request("b0", "bob", "other")).await.unwrap();
+        assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
+        assert!(
+            provider
+                .until_running("bob", 1, Duration::from_secs(3))
+                .await,
+            "bob's job did not start while ann's held the worker: {:?}",
+            provider.of("ann")
+        );
+        // A while longer: ann never holds more than her share (2 of 4).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            provider.of("ann"),
+            (2, 2),
+            "ann's calls under way, most at once"
+        );
+        assert!(
+            metrics.render().lines().any(|l| l
+                .starts_with("tollgate_worker_jobs_deferred_total{operation=\"other\"}")
+                && !l.ends_with(" 0")),
+            "deferred takes are counted"
+        );
+        provider.open.send_replace(true);
+        ids.push(rid("b0"));
+        let (ok, failed) = tollgate_tests::jobs::wait_final(
+            &*s.queue,
+            &user("ann"),
+            &ids[..10],
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!((ok.len(), failed), (10, vec![]));
+        let info = s
+            .queue
+            .wait(&user("bob"), &rid("b0"), Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            matches!(info.status, JobStatus::Succeeded { .. }),
+            "{info:?}"
+        );
+        // Each charged once, whatever went round the queue.
+        assert_eq!((s.used("ann").await, s.used("bob").await), (10, 1));
+        for id in &ids[..10] {
+            let info = s.queue.status(&user("ann"), id).await.unwrap().unwrap();
+            assert_eq!(info.job.attempt, 1, "a deferred take counts no attempt");
+        }
+        let _ = stop.send(());
+        role.await.unwrap().unwrap();
+    }
+
+    /// What deferral costs Redis: one worker (4 slots), one user at its cap
+    /// (2 calls held) with 98 more of its jobs queued (its whole budget); the
+    /// worker takes and defers them round after round, waiting between rounds
+    /// (50 ms doubling to 1 s). Measured over 6 s once the waits reached 1 s:
+    /// each round is ~98 x (BLMOVE + job_lease + job_defer), about one a
+    /// second.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn job_redis_a_backlog_of_capped_jobs_is_not_spun_on() {
+        let s = Setup::redis().await;
+        let url = s._server.as_ref().unwrap().url();
+        s.ledger.set_plan(&user("ann"), "roomy").await.unwrap();
+        let provider = Arc::new(Held::new());
+        let mut cfg = tollgate_worker::WorkerConfig::new(config());
+        cfg.concurrency = 4;
+        cfg.operations = vec!["other".into()];
+        let metrics = Arc::clone(&cfg.metrics);
+        let providers =
+            BTreeMap::from([("p".to_owned(), Arc::clone(&provider) as Arc<dyn Client>)]);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let role = tokio::spawn(tollgate_worker::run(
+            cfg,
+            Arc::clone(&s.source),
+            providers,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        for i in 0..100 {
+            let out = s
+                .queue
+                .submit(request(&format!("a{i}"), "ann", "other"))
+                .await
+                .unwrap();
+            assert!(matches!(out, SubmitOutcome::Queued { .. }), "{out:?}");
+        }
+        assert!(
+            provider
+                .until_running("ann", 2, Duration::from_secs(5))
+                .await
+        );
+        // The waits reach their longest (1 s) within 50+100+...+1000 ms.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let deferred = |m: &tollgate_core::metrics::Metrics| -> u64 {
+            m.render()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("tollgate_worker_jobs_deferred_total{operation=\"other\"} ")
+                })
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0)
+        };
+        let (before, d0) = (
+            tollgate_tests::redis_info::command_calls(&url),
+            deferred(&metrics),
+        );
+        let window = Duration::from_secs(6);
+        tokio::time::sleep(window).await;
+        let (after, d1) = (
+            tollgate_tests::redis_info::command_calls(&url),
+            deferred(&metrics),
+        );
+        let total: u64 = after
+            .iter()
+            .map(|(k, n)| n - before.get(k).copied().unwrap_or(0))
+            .sum();
+        let per_second = total as f64 / window.as_secs_f64();
+        let deferrals = (d1 - d0) as f64 / window.as_secs_f64();
+        eprintln!(
+            "deferral cost: {per_second:.0} Redis commands/s, {deferrals:.0} deferrals/s, {:?}",
+            after
+                .iter()
+                .map(|(k, n)| (k.as_str(), n - before.get(k).copied().unwrap_or(0)))
+                .filter(|(_, n)| *n > 0)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(provider.of("ann"), (2, 2));
+        // Spinning: thousands of deferrals a second (3 round trips each).
+        assert!(deferrals < 300.0, "{deferrals} deferrals/s");
+        provider.open.send_replace(true);
+        let ids: Vec<RequestId> = (0..100).map(|i| rid(&format!("a{i}"))).collect();
+        let (ok, failed) = tollgate_tests::jobs::wait_final(
+            &*s.queue,
+            &user("ann"),
+            &ids,
+            Duration::from_secs(20),
+        )
+        .await;
+        assert_eq!((ok.len(), failed), (100, vec![]));
+        assert_eq!(s.used("ann").await, 100);
+        let _ = stop.send(());
+        role.await.unwrap().unwrap();
+    }
+
+    on_each_backend!(
+        [job_a_users_jobs_hold_at_most_its_share_of_a_worker]
+        memory => &super::Setup::memory(),
+        redis => &super::Setup::redis().await,
     );
 }

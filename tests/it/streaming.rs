@@ -54,6 +54,9 @@ window = "12h"
 limit = 100000
 window = "12h"
 max_open_streams = 2
+[plans.big]
+limit = 100000
+window = "12h"
 [providers.openai]
 rate = 100
 burst = 20
@@ -152,6 +155,14 @@ async fn start_split(
     token_interval_ms: u64,
     lease_ms: &'static str,
 ) -> (System, Child, impl Fn() -> Child) {
+    start_split_with(token_interval_ms, vec!["worker", "--lease-ms", lease_ms]).await
+}
+
+/// [`start_split`], its workers started with `worker_args`.
+async fn start_split_with(
+    token_interval_ms: u64,
+    worker_args: Vec<&'static str>,
+) -> (System, Child, impl Fn() -> Child) {
     let interval = token_interval_ms.to_string();
     let (mock_child, mock_url) = mock(&["--token-interval-ms", &interval]);
     let dir = TempDir::new("split");
@@ -162,7 +173,6 @@ async fn start_split(
     let addr = format!("127.0.0.1:{}", tollgate_tests::redis_server::free_port());
     let api = role(&["api", "--listen", &addr], &path, &url, &prefix);
     let throttler = role(&["throttler"], &path, &url, &prefix);
-    let worker_args = ["worker", "--lease-ms", lease_ms];
     let worker = role(&worker_args, &path, &url, &prefix);
     let another = {
         let (path, url, prefix) = (path.clone(), url.clone(), prefix.clone());
@@ -765,6 +775,70 @@ async fn streaming_worker_killed_mid_stream() {
     assert_eq!(sys.settled_used(&key).await, 200);
     assert_eq!(sys.mock_stats().await["streams_cut"], 1);
     sys.streams_expire().await;
+}
+
+/// Workers shared fairly (split deployment: api, throttler, 2 workers of 8
+/// slots): one user opens 20 streams of ~15 s through the pass-through (the
+/// config's plans set no `max_in_flight`); another user's sync call to
+/// another provider answers within its upstream time (none: the mock answers
+/// at once) + 1 s. Each worker gives one user at most half of its slots
+/// (`--user-share` 0.5). Before (as with `--user-share 1`): the streams held
+/// all 16 slots and the call waited for one to end (past a 15 s sync timeout
+/// with 40 s streams).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_one_users_streams_leave_the_workers_to_others() {
+    let (sys, worker, another) = start_split_with(150, vec!["worker", "--concurrency", "8"]).await;
+    let _workers = Procs(vec![worker, another()]);
+    let heavy = sys.user("hal", "big").await;
+    let light = sys.user("lia", "free").await;
+    // ~15 s each: still under way once the old workers had let them hold
+    // every slot (a slot every second per idle fetch loop).
+    let words = vec!["w"; 100].join(" ");
+    let mut streams = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let r = sys
+            .openai(&heavy, "/chat/completions")
+            .json(&json!({"model": "m", "stream": true,
+                          "messages": [{"role": "user", "content": words}]}));
+        streams.spawn(async move {
+            let mut r = r.send().await.unwrap();
+            while let Ok(Some(_)) = r.chunk().await {}
+        });
+    }
+    // The streams under way, as many as the workers let them hold: no new
+    // one for 3 s (a worker's idle fetch loop of another operation lets its
+    // slot go every second, its take's block).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut streaming, mut since) = (0, Instant::now());
+    loop {
+        let now = sys.mock_stats().await["requests"].as_u64().unwrap_or(0);
+        if now != streaming {
+            (streaming, since) = (now, Instant::now());
+        } else if streaming >= 8 && since.elapsed() > Duration::from_secs(3) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the streams did not start: {streaming}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let began = Instant::now();
+    let r = sys
+        .anthropic(&light)
+        .json(&json!({"model": "c", "max_tokens": 8,
+                      "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let took = began.elapsed();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    assert!(
+        took < Duration::from_secs(1),
+        "another user's call waited {took:?} behind {streaming} streams"
+    );
+    assert_eq!(streaming, 8, "one user's streams hold half of each worker");
+    streams.abort_all();
 }
 
 /// Redis restarted mid-stream (its AOF kept): the client gets the whole

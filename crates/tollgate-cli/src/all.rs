@@ -68,6 +68,17 @@ pub struct AllArgs {
     /// Jobs the in-process worker runs at once.
     #[arg(long, env = "TOLLGATE_WORKER_CONCURRENCY", default_value_t = 32)]
     concurrency: usize,
+
+    /// The most of a worker's slots one user's jobs hold at once, as a
+    /// fraction of --concurrency in (0, 1]: at most max(1, ceil(concurrency ×
+    /// share)) of them, the rest of a user's jobs waiting in the queue behind
+    /// other users' (a job taken past it goes back to the queue's tail). The
+    /// default, 0.5: one user's flood of long calls (streams) never holds more
+    /// than half of a worker, leaving the other half to everyone else. 1: no
+    /// bound (a deployment with one heavy user); a plan's `max_in_flight`
+    /// sets its users' cap instead.
+    #[arg(long, env = "TOLLGATE_WORKER_USER_SHARE", default_value_t = tollgate_worker::USER_SHARE, value_parser = crate::worker::user_share)]
+    user_share: f64,
 }
 
 pub async fn run(args: AllArgs) -> ExitCode {
@@ -162,6 +173,7 @@ pub async fn run(args: AllArgs) -> ExitCode {
     // and its /readyz every role's loops.
     let mut worker_cfg = role::worker_config(&config, &backends);
     worker_cfg.concurrency = args.concurrency.max(1);
+    worker_cfg.user_share = args.user_share;
     let worker = tokio::spawn(tollgate_worker::run(
         worker_cfg,
         Arc::clone(&backends.source),

@@ -105,6 +105,7 @@ pub fn worker_config(config: &Arc<Config>, backends: &Backends) -> WorkerConfig 
     let mut cfg = WorkerConfig::new(Arc::clone(config));
     cfg.metrics = Arc::clone(&backends.metrics);
     cfg.streams = Arc::clone(&backends.streams);
+    cfg.plans = Some(Arc::clone(&backends.ledger));
     cfg
 }
 

@@ -35,6 +35,25 @@ pub struct WorkerArgs {
     /// On SIGTERM, how long in-flight jobs may finish before they are handed back, in ms.
     #[arg(long, env = "TOLLGATE_WORKER_GRACE_MS", default_value_t = 10_000)]
     grace_ms: u64,
+
+    /// The most of a worker's slots one user's jobs hold at once, as a
+    /// fraction of --concurrency in (0, 1]: at most max(1, ceil(concurrency ×
+    /// share)) of them, the rest of a user's jobs waiting in the queue behind
+    /// other users' (a job taken past it goes back to the queue's tail). The
+    /// default, 0.5: one user's flood of long calls (streams) never holds more
+    /// than half of a worker, leaving the other half to everyone else. 1: no
+    /// bound (a deployment with one heavy user); a plan's `max_in_flight`
+    /// sets its users' cap instead.
+    #[arg(long, env = "TOLLGATE_WORKER_USER_SHARE", default_value_t = tollgate_worker::USER_SHARE, value_parser = user_share)]
+    user_share: f64,
+}
+
+/// `--user-share`: a fraction in (0, 1].
+pub fn user_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!("must be a number in (0, 1], got {s:?}")),
+    }
 }
 
 pub async fn run(args: WorkerArgs) -> ExitCode {
@@ -58,6 +77,7 @@ pub async fn run(args: WorkerArgs) -> ExitCode {
     };
     let mut cfg = role::worker_config(config, backends);
     cfg.concurrency = args.concurrency;
+    cfg.user_share = args.user_share;
     cfg.lease = Duration::from_millis(args.lease_ms);
     cfg.liveness = (cfg.lease / 2).max(Duration::from_millis(300));
     cfg.maintain_every = (cfg.liveness / 3).max(Duration::from_millis(100));

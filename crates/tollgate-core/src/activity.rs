@@ -659,6 +659,10 @@ impl JobSource for RecordingSource {
         self.inner.hand_back(lease).await
     }
 
+    async fn defer(&self, lease: &Lease) -> Result<Finish, JobError> {
+        self.inner.defer(lease).await
+    }
+
     async fn maintain(&self, worker: &str, lease: Duration) -> Result<Maintenance, JobError> {
         self.inner.maintain(worker, lease).await
     }

@@ -1062,6 +1062,15 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     /// (a worker shutting down).
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError>;
 
+    /// Puts a job taken but not [`start`](Self::start)ed back at the *tail*
+    /// of its queue, without counting the attempt: its worker will not run it
+    /// now (its user holds its share of the worker: `tollgate_worker`), and
+    /// the jobs queued behind it are taken first. The lease ends; nothing is
+    /// claimed, charged or released: the charge stays held for the job, as
+    /// it was before the take. Fenced like [`hand_back`](Self::hand_back):
+    /// `Finish::LeaseLost` when the lease is not this token's any more.
+    async fn defer(&self, lease: &Lease) -> Result<Finish, JobError>;
+
     /// Housekeeping that any worker runs periodically: renews `worker`'s
     /// liveness for `lease`, requeues jobs whose lease expired or whose worker
     /// died (failing those past their attempts), finishes pending releases.

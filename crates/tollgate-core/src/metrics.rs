@@ -449,6 +449,7 @@ pub struct Metrics {
     jobs: Family<OperationOutcome, Counter>,
     worker_refunds: Family<CauseLabel, Counter>,
     leases_lost: Family<OperationLabel, Counter>,
+    deferred: Family<OperationLabel, Counter>,
     jobs_reclaimed: Counter,
     jobs_abandoned: Counter,
     call_duration: Histograms<ProviderOutcome>,
@@ -682,6 +683,14 @@ impl Metrics {
              its lease), by operation",
             leases_lost.clone(),
         );
+        let deferred = counters();
+        r.register(
+            "tollgate_worker_jobs_deferred",
+            "Jobs this worker took and put back at the tail of their queue unrun, their user \
+             holding its share of the worker's slots (--user-share, or its plan's \
+             max_in_flight), by operation",
+            deferred.clone(),
+        );
         let jobs_reclaimed = Counter::default();
         r.register(
             "tollgate_worker_jobs_reclaimed",
@@ -820,6 +829,7 @@ impl Metrics {
             };
             in_flight.get_or_create(&l).set(0);
             leases_lost.get_or_create(&l).inc_by(0);
+            deferred.get_or_create(&l).inc_by(0);
             let outcome = JobEnd::Succeeded.as_str();
             jobs.get_or_create(&OperationOutcome {
                 operation: op.name.clone(),
@@ -878,6 +888,7 @@ impl Metrics {
             jobs,
             worker_refunds,
             leases_lost,
+            deferred,
             jobs_reclaimed,
             jobs_abandoned,
             call_duration,
@@ -1191,6 +1202,16 @@ impl Metrics {
         }
     }
 
+    /// A job of `operation` was taken and deferred: its user held its share
+    /// of this worker.
+    pub fn job_deferred(&self, operation: &str) {
+        self.deferred
+            .get_or_create(&OperationLabel {
+                operation: operation.to_owned(),
+            })
+            .inc();
+    }
+
     /// A job's charge went back to its user, for `cause` (a
     /// [`FailureCause`](crate::job::FailureCause) name).
     pub fn job_refunded(&self, cause: &'static str) {
@@ -1492,11 +1513,13 @@ mod tests {
         let _b = m.job_running("embeddings");
         drop(a);
         m.job_ended("embeddings", JobEnd::LeaseLost);
+        m.job_deferred("embeddings");
         let text = m.render();
         for line in [
             "tollgate_worker_jobs_in_flight{operation=\"embeddings\"} 1",
             "tollgate_worker_jobs_total{operation=\"embeddings\",outcome=\"lease_lost\"} 1",
             "tollgate_worker_leases_lost_total{operation=\"embeddings\"} 1",
+            "tollgate_worker_jobs_deferred_total{operation=\"embeddings\"} 1",
         ] {
             assert!(text.contains(line), "{line}\n{text}");
         }

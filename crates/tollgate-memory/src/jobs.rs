@@ -144,6 +144,13 @@ fn final_len(status: &JobStatus) -> usize {
     }
 }
 
+/// Which end of its queue a job goes back to: the head is taken next.
+#[derive(Debug, Clone, Copy)]
+enum End {
+    Head,
+    Tail,
+}
+
 /// The embedded job queue (both sides: [`JobQueue`] and [`JobSource`]).
 pub struct MemoryJobQueue {
     config: Arc<Config>,
@@ -266,6 +273,31 @@ impl MemoryJobQueue {
             // A release that fails here stays pending; the next `maintain` retries it.
             let _ = self.release(id).await;
         }
+    }
+
+    /// Puts a leased job back in its queue, at `end`, without counting the
+    /// attempt, if `lease` is current ([`JobSource::hand_back`]: the head;
+    /// [`JobSource::defer`]: the tail).
+    fn requeue_leased(&self, lease: &Lease, end: End) -> Finish {
+        {
+            let mut st = lock(&self.state);
+            let Some(rec) = st.jobs.get_mut(&lease.job.id) else {
+                return Finish::LeaseLost;
+            };
+            match rec.phase {
+                Phase::Running { token, .. } if token == lease.token => {}
+                _ => return Finish::LeaseLost,
+            }
+            rec.phase = Phase::Queued;
+            rec.job.attempt = rec.job.attempt.saturating_sub(1);
+            let queue = st.queues.entry(lease.job.operation.clone()).or_default();
+            match end {
+                End::Head => queue.push_front(lease.job.id.clone()),
+                End::Tail => queue.push_back(lease.job.id.clone()),
+            }
+        }
+        self.queued.notify_waiters();
+        Finish::Recorded
     }
 
     /// The job was leased but its claim was refused (or it was cancelled): it
@@ -635,24 +667,11 @@ impl JobSource for MemoryJobQueue {
     }
 
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
-        {
-            let mut st = lock(&self.state);
-            let Some(rec) = st.jobs.get_mut(&lease.job.id) else {
-                return Ok(Finish::LeaseLost);
-            };
-            match rec.phase {
-                Phase::Running { token, .. } if token == lease.token => {}
-                _ => return Ok(Finish::LeaseLost),
-            }
-            rec.phase = Phase::Queued;
-            rec.job.attempt = rec.job.attempt.saturating_sub(1);
-            st.queues
-                .entry(lease.job.operation.clone())
-                .or_default()
-                .push_front(lease.job.id.clone());
-        }
-        self.queued.notify_waiters();
-        Ok(Finish::Recorded)
+        Ok(self.requeue_leased(lease, End::Head))
+    }
+
+    async fn defer(&self, lease: &Lease) -> Result<Finish, JobError> {
+        Ok(self.requeue_leased(lease, End::Tail))
     }
 
     async fn maintain(&self, _worker: &str, _lease: Duration) -> Result<Maintenance, JobError> {

@@ -42,6 +42,17 @@ impl Shares {
         }
     }
 
+    /// Shares whose only use is their `max_in_flight` (the worker's bound of
+    /// a user's jobs): the ledger is asked only when some plan sets one.
+    pub fn for_caps(config: Arc<Config>, ledger: Arc<dyn Ledger>) -> Self {
+        let uncapped = config.plans().all(|p| p.max_in_flight.is_none());
+        Self {
+            config,
+            ledger: (!uncapped).then_some(ledger),
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
     /// Everyone on the default plan (no ledger at hand).
     pub fn default_plan(config: Arc<Config>) -> Self {
         Self {

@@ -11,8 +11,10 @@
 //! go to the `dead` list), counts the attempt, increments the fencing token.
 //! Before the provider call, the job claims its charge (`start`: `claim.lua`,
 //! on the user's keys), outside the fetch loop.
-//! `job_complete.lua` / `job_fail.lua` / `job_hand_back.lua` check that token in
-//! the same script that writes, so a worker that lost its lease writes nothing.
+//! `job_complete.lua` / `job_fail.lua` / `job_hand_back.lua` / `job_defer.lua`
+//! check that token in the same script that writes, so a worker that lost its
+//! lease writes nothing. A job taken but not run now (its user holds its share
+//! of the worker) is deferred: `job_defer.lua` puts it at the queue's tail.
 //!
 //! **Releases** cross hash tags (the job lives on the queue's tag, the charge on
 //! the user's), so they go in order: mark the job failed with its release
@@ -1103,6 +1105,21 @@ impl JobSource for RedisJobQueue {
             .script(
                 "job_hand_back",
                 scripts::job_hand_back(&keys, lease.job.id.as_str(), &lease.worker, lease.token),
+            )
+            .await?;
+        Ok(if r == 1 {
+            Finish::Recorded
+        } else {
+            Finish::LeaseLost
+        })
+    }
+
+    async fn defer(&self, lease: &Lease) -> Result<Finish, JobError> {
+        let (_, keys) = self.op_keys(&lease.job.operation)?;
+        let r: i64 = self
+            .script(
+                "job_defer",
+                scripts::job_defer(&keys, lease.job.id.as_str(), &lease.worker, lease.token),
             )
             .await?;
         Ok(if r == 1 {

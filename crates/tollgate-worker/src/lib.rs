@@ -22,10 +22,20 @@
 //! Periodically every worker runs the queue's maintenance (requeue expired
 //! leases, reclaim dead workers' jobs, abandon stale holds, finish refunds).
 //!
+//! Workers are shared between users: one user's jobs hold at most its cap of
+//! this worker's slots ([`WorkerConfig::user_share`], or its plan's
+//! `max_in_flight`), counted per user by a guard each running job holds. A
+//! job taken while its user is at its cap is deferred before its claim
+//! ([`JobSource::defer`]: to its queue's tail, attempt uncounted, charge
+//! untouched) and its slot is free at once; a fetch loop that takes again a
+//! job it deferred lately has gone round its queue and waits before the next
+//! round (`Rounds`).
+//!
 //! Shutdown: stop taking, give in-flight jobs `shutdown_grace` to finish, hand
 //! the rest back to their queue, give back moved-but-unleased ids, exit.
 //!
 //! Observed in [`WorkerConfig::metrics`]: jobs in flight, how each ended,
+//! the jobs deferred,
 //! the charges released, leases lost, maintenance's reclaims; every fetch loop
 //! and the maintenance loop beat a heartbeat (`/readyz` reports a silent one).
 //! **Invariant:** a worker touches a budget only as its job's charge's owner:
@@ -33,7 +43,7 @@
 //! success (by the charge's nonce), and releases it, when the outcome policy
 //! says so, through the job source's fenced `fail` (refund once).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,12 +54,13 @@ use tollgate_core::lock;
 use tollgate_core::throttle::{Grant, ThrottleError};
 use tollgate_core::{
     config::Config,
-    id::RequestId,
+    id::{RequestId, UserId},
     job::{self, Charge, Failure, FailureCause, Finish, JobSource, Lease, Taker},
+    ledger::Ledger,
     metrics::{Heartbeat, JobEnd, Metrics},
     stream::{self, JobStreams, StreamEvent, StreamWriter},
 };
-use tollgate_providers::{outcome, CallError, Client, FirstSlot};
+use tollgate_providers::{outcome, CallError, Client, FirstSlot, Shares};
 use tracing::Instrument;
 
 /// Tunables of the worker role.
@@ -77,7 +88,21 @@ pub struct WorkerConfig {
     /// Where streamed jobs' events go (`Backends::streams`): to the api pods'
     /// readers. A private in-memory one by default (nobody reads it).
     pub streams: Arc<dyn JobStreams>,
+    /// The most of this worker's slots one user's jobs hold at once, as a
+    /// fraction of `concurrency`, in (0, 1]: a user's cap is
+    /// `max(1, ceil(concurrency × user_share))` (1: no bound). A user whose
+    /// plan sets `max_in_flight` has that as its cap instead. Default
+    /// [`USER_SHARE`]: one user's flood of long calls (streams) leaves half
+    /// of every worker to everyone else.
+    pub user_share: f64,
+    /// Where a user's plan is read, for its `max_in_flight` (`Backends::ledger`);
+    /// asked only when some plan sets one. `None`: every user has the
+    /// default cap.
+    pub plans: Option<Arc<dyn Ledger>>,
 }
+
+/// The default [`WorkerConfig::user_share`].
+pub const USER_SHARE: f64 = 0.5;
 
 impl WorkerConfig {
     pub fn new(config: Arc<Config>) -> Self {
@@ -92,7 +117,22 @@ impl WorkerConfig {
             maintain_every: Duration::from_secs(1),
             block: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(10),
+            user_share: USER_SHARE,
+            plans: None,
         }
+    }
+
+    /// The most slots of this worker one user's jobs hold by default:
+    /// `max(1, ceil(concurrency × user_share))`.
+    pub fn user_cap(&self) -> usize {
+        // Both small: `concurrency` is a count of tasks, the share at most 1.
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss
+        )]
+        let cap = (self.concurrency as f64 * self.user_share).ceil() as usize;
+        cap.clamp(1, self.concurrency.max(1))
     }
 }
 
@@ -106,6 +146,8 @@ pub enum WorkerError {
     MissingProvider { operation: String, provider: String },
     #[error("--concurrency must be >= 1")]
     ZeroConcurrency,
+    #[error("--user-share must be in (0, 1], got {0}")]
+    BadUserShare(f64),
 }
 
 async fn stopped(stop: &mut watch::Receiver<bool>) {
@@ -121,6 +163,9 @@ pub async fn run(
 ) -> Result<(), WorkerError> {
     if cfg.concurrency == 0 {
         return Err(WorkerError::ZeroConcurrency);
+    }
+    if !(cfg.user_share > 0.0 && cfg.user_share <= 1.0) {
+        return Err(WorkerError::BadUserShare(cfg.user_share));
     }
     if cfg.operations.is_empty() {
         return Err(WorkerError::NoOperations);
@@ -153,6 +198,7 @@ pub async fn run(
     }
     let (stop_tx, stop) = watch::channel(false);
     let slots = Arc::new(Semaphore::new(cfg.concurrency));
+    let users = Arc::new(Users::new(&cfg));
     let mut tasks = JoinSet::new();
     let loops = cfg.metrics.loops();
     tasks.spawn(maintenance(
@@ -174,6 +220,7 @@ pub async fn run(
                 worker.clone(),
                 cfg.clone(),
                 Arc::clone(&slots),
+                Arc::clone(&users),
                 Arc::clone(&listed),
                 heartbeat,
                 stop.clone(),
@@ -250,11 +297,13 @@ async fn fetch(
     worker: String,
     cfg: WorkerConfig,
     slots: Arc<Semaphore>,
+    users: Arc<Users>,
     listed: Listed,
     heartbeat: Heartbeat,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = Duration::from_millis(50);
+    let mut rounds = Rounds::default();
     let taker = Taker::new(&worker, cfg.block, cfg.lease);
     while !*stop.borrow() {
         heartbeat.beat(cfg.block);
@@ -291,6 +340,24 @@ async fn fetch(
         match taken {
             Ok(Some(lease)) => {
                 backoff = Duration::from_millis(50);
+                // Its user at its cap here: back to the tail of the queue,
+                // before its charge is claimed; the slot is free at once.
+                let Some(held) = users.admit(&lease.job.user).await else {
+                    drop(permit);
+                    cfg.metrics.job_deferred(&operation);
+                    defer(source.as_ref(), &lease).await;
+                    // Taken again within moments: every job queued belongs
+                    // to users at their cap; wait before the next round.
+                    if let Some(pause) = rounds.deferred(&lease.job.id) {
+                        tracing::debug!(?pause, "every queued job's user is at its cap; waiting");
+                        tokio::select! {
+                            () = tokio::time::sleep(pause) => {}
+                            () = stopped(&mut stop) => return,
+                        }
+                    }
+                    continue;
+                };
+                rounds.ran();
                 let span = tracing::info_span!(
                     "job",
                     request_id = %lease.job.id,
@@ -304,7 +371,7 @@ async fn fetch(
                         Arc::clone(&provider),
                         lease,
                         cfg.clone(),
-                        permit,
+                        (permit, held),
                         stop.clone(),
                     )
                     .instrument(span),
@@ -324,6 +391,155 @@ async fn fetch(
     }
 }
 
+/// Puts a job taken past its user's cap back at the tail of its queue
+/// ([`JobSource::defer`]). Tried once: a store that fails it fails the next
+/// take too, and a lease not given back lapses and goes back by maintenance
+/// (its attempt counted).
+async fn defer(source: &dyn JobSource, lease: &Lease) {
+    match source.defer(lease).await {
+        Ok(Finish::Recorded) => {
+            tracing::debug!(request_id = %lease.job.id, user = %lease.job.user, "the user holds its share of this worker; job deferred");
+        }
+        Ok(Finish::LeaseLost) => {
+            tracing::warn!(request_id = %lease.job.id, "deferring a job found its lease lost");
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, request_id = %lease.job.id, "deferring a job failed; its lease will lapse");
+        }
+    }
+}
+
+/// How long a deferred id is remembered: taken again within this, the fetch
+/// loop has gone round its queue.
+const RECENT: Duration = Duration::from_secs(2);
+/// The most deferred ids remembered: a round of this many deferrals counts
+/// as gone round too (a backlog larger than that is not cycled without pause).
+const RECENT_MAX: usize = 4096;
+/// A fetch loop's first wait once it has gone round; doubled each round up
+/// to [`PAUSE_MAX`], back to this when it runs a job.
+const PAUSE_MIN: Duration = Duration::from_millis(50);
+const PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// A fetch loop's deferrals: the ids it deferred lately, to see when it has
+/// gone round its queue (every job in it belongs to a user at its cap), and
+/// how long it then waits before taking again. Without it, a queue of such
+/// jobs would be taken and deferred in a loop as fast as Redis answers.
+#[derive(Debug)]
+struct Rounds {
+    recent: HashMap<RequestId, Instant>,
+    pause: Duration,
+}
+
+impl Default for Rounds {
+    fn default() -> Self {
+        Self {
+            recent: HashMap::new(),
+            pause: PAUSE_MIN,
+        }
+    }
+}
+
+impl Rounds {
+    /// Job `id` was deferred: `Some(wait)` when the loop has gone round its
+    /// queue (it deferred `id` lately, or [`RECENT_MAX`] ids). A new round
+    /// starts then: one wait per round, not one per job of the round.
+    fn deferred(&mut self, id: &RequestId) -> Option<Duration> {
+        let now = Instant::now();
+        if self.recent.len() >= RECENT_MAX {
+            self.recent.retain(|_, at| now.duration_since(*at) < RECENT);
+        }
+        let again = self
+            .recent
+            .get(id)
+            .is_some_and(|at| now.duration_since(*at) < RECENT);
+        if !again && self.recent.len() < RECENT_MAX {
+            self.recent.insert(id.clone(), now);
+            return None;
+        }
+        self.recent.clear();
+        self.recent.insert(id.clone(), now);
+        let pause = self.pause;
+        self.pause = (self.pause * 2).min(PAUSE_MAX);
+        Some(pause)
+    }
+
+    /// The loop ran a job: the next round waits the least again.
+    fn ran(&mut self) {
+        self.pause = PAUSE_MIN;
+    }
+}
+
+/// Each user's jobs running in this worker, bounded by its cap
+/// ([`WorkerConfig::user_share`], or its plan's `max_in_flight`).
+struct Users {
+    cap: usize,
+    /// Plans read for their `max_in_flight` (cached; asked only when some
+    /// plan sets one).
+    plans: Shares,
+    running: Mutex<HashMap<UserId, usize>>,
+}
+
+/// How long a plan look-up may take before the default cap is used.
+const PLAN_WITHIN: Duration = Duration::from_millis(500);
+
+impl Users {
+    fn new(cfg: &WorkerConfig) -> Self {
+        let config = Arc::clone(&cfg.config);
+        Self {
+            cap: cfg.user_cap(),
+            plans: match &cfg.plans {
+                Some(ledger) => Shares::for_caps(config, Arc::clone(ledger)),
+                None => Shares::default_plan(config),
+            },
+            running: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `user`'s cap here: its plan's `max_in_flight`, else the default.
+    async fn cap(&self, user: &UserId) -> usize {
+        let share = self.plans.share(user, Duration::ZERO, PLAN_WITHIN).await;
+        share.max_in_flight.map_or(self.cap, |m| {
+            usize::try_from(m).unwrap_or(usize::MAX).max(1)
+        })
+    }
+
+    /// One more job of `user` running here, unless it is at its cap.
+    async fn admit(self: &Arc<Self>, user: &UserId) -> Option<Held> {
+        let cap = self.cap(user).await;
+        let mut running = lock(&self.running);
+        let n = running.entry(user.clone()).or_default();
+        if *n >= cap {
+            if *n == 0 {
+                running.remove(user);
+            }
+            return None;
+        }
+        *n += 1;
+        Some(Held {
+            users: Arc::clone(self),
+            user: user.clone(),
+        })
+    }
+}
+
+/// A job of `user` running here: counted until dropped.
+struct Held {
+    users: Arc<Users>,
+    user: UserId,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut running = lock(&self.users.running);
+        if let Some(n) = running.get_mut(&self.user) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                running.remove(&self.user);
+            }
+        }
+    }
+}
+
 enum Ended {
     Called(Result<tollgate_providers::Answer, CallError>),
     LeaseLost,
@@ -335,7 +551,8 @@ async fn run_job(
     provider: Arc<dyn Client>,
     lease: Lease,
     cfg: WorkerConfig,
-    _permit: OwnedSemaphorePermit,
+    // Both given back however the job ends (a panic too): dropped with the task.
+    _held: (OwnedSemaphorePermit, Held),
     stop: watch::Receiver<bool>,
 ) {
     let metrics = Arc::clone(&cfg.metrics);
