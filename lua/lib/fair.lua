@@ -14,9 +14,10 @@
 -- a tag per ticket, rather than a queue per user served in turn, is what keeps
 -- it near the cost of the FIFO queue (a queue per user made nearly every
 -- enqueue over many users create a key and move its user between sets;
--- BENCHMARKS.md, "The cost of it"). A user's state is one hash field, read
--- with v by one HMGET and written by one HSET: the enqueue writes one sorted
--- set, `tickets`, as the FIFO enqueue writes one list (a user's finish tag,
+-- docs/history/benchmarks-fairness.md, "The cost of it"). A user's state is
+-- one hash field, read with v by one HMGET and written by one HSET: the
+-- enqueue writes one sorted set, `tickets`, as the FIFO enqueue writes one
+-- list (a user's finish tag,
 -- its count and v in three sorted sets cost 7-10% more Redis CPU per grant).
 --
 -- Keys, all on the provider's hash tag; the per-user ones are built here from
