@@ -52,7 +52,17 @@ path = "/llm"
     );
     let (dir, config_path) = temp_file("it", "slots.toml", &text).unwrap();
     let config = Arc::new(Config::parse(&text, "slots test").unwrap());
-    let worker = ["worker", "--lease-ms", "1500", "--concurrency", "4"];
+    // One user: no share of the worker held back for others (the first
+    // worker alone must fill the provider's 3 slots).
+    let worker = [
+        "worker",
+        "--lease-ms",
+        "1500",
+        "--concurrency",
+        "4",
+        "--user-share",
+        "1",
+    ];
     let mut procs = Procs(vec![
         spawn_role(&server.url(), &prefix, &config_path, &["throttler"]),
         spawn_role(&server.url(), &prefix, &config_path, &worker),
