@@ -14,7 +14,7 @@ use serde::Deserialize;
 use crate::duration;
 
 /// The config compiled into the binary, used when no file is given.
-pub const BUILTIN: &str = include_str!("default.toml");
+pub const BUILTIN: &str = include_str!("../default.toml");
 
 /// Largest limit or cost accepted: budgets are summed in Lua numbers (doubles),
 /// which are exact integers up to 2^53.
