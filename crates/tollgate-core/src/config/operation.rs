@@ -1,0 +1,667 @@
+//! `[operations.X]`: a kind of job: its cost, provider, deadline, how its
+//! input is sent, how its charge settles and what a call weighs.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::provider::{usage_pointer, Provider};
+use super::{ConfigError, MAX_TOKENS};
+use crate::duration;
+
+/// How much of a provider's token limits one call weighs (an operation's
+/// `weight`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Weight {
+    /// `weight = 500`: every call weighs this.
+    Fixed(u64),
+    /// `weight = { from = "/max_tokens", default = 1000 }`: a number in the
+    /// call's input at `from` (a JSON pointer; a fraction counts up, a value
+    /// past [`MAX_TOKENS`] as that), or `default` when there is none there,
+    /// it is not a number or it is negative.
+    From { from: String, default: u64 },
+}
+
+impl Weight {
+    /// The weight of a call whose input is `input`: at least 1.
+    pub fn of(&self, input: &serde_json::Value) -> u64 {
+        let (from, default) = match self {
+            Self::Fixed(n) => return (*n).max(1),
+            Self::From { from, default } => (from, *default),
+        };
+        let Some(v) = input.pointer(from) else {
+            return default;
+        };
+        let n = match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) => n,
+            (None, Some(f)) if f.is_finite() && f >= 0.0 => f.ceil().min(MAX_TOKENS as f64) as u64,
+            _ => return default,
+        };
+        n.clamp(1, MAX_TOKENS)
+    }
+}
+
+/// Default `deadline` of an operation's jobs.
+pub const DEFAULT_JOB_DEADLINE: Duration = Duration::from_secs(300);
+
+/// Default `max_attempts` of an operation's jobs.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+
+/// A kind of job: what it costs, which provider runs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Operation {
+    pub name: String,
+    /// Tokens reserved from the user's budget per job, >= 1.
+    pub cost: u64,
+    /// A configured provider.
+    pub provider: String,
+    /// Appended to the provider's `url` (e.g. `/v1/structured`).
+    pub path: Option<String>,
+    /// A job not finished this long after it was queued fails as expired.
+    pub deadline: Duration,
+    /// Times a job is taken before it is given up (workers died running it).
+    pub max_attempts: u32,
+    /// Settle the charge to what the provider reported (`None`: `cost` stays).
+    pub settle: Option<Settle>,
+    /// A call sent and not answered (a timeout after the write, a reply cut
+    /// midway) may be sent again within the provider's `retries`: the
+    /// operation is safe to repeat (idempotent upstream). Default false: the
+    /// upstream may have done the work, so the job fails with its charge kept.
+    pub retry_unanswered: bool,
+    /// How long a finished job (its result or error) stays readable
+    /// (`result_ttl`, default [`DEFAULT_RESULT_TTL`]).
+    pub result_ttl: Duration,
+    /// When the upstream rejects a call's input (400, 413, 414, 415, 422), the
+    /// client gets the upstream's body (`upstream_body`, at most 1 KiB). Default
+    /// false: only the status, since the body may say more than the end user
+    /// should read (the operator's account, the upstream's internals).
+    pub expose_upstream_errors: bool,
+    /// How the input goes upstream (`method`, `body`): a JSON POST by default.
+    pub request: RequestShape,
+    /// What one call weighs in its provider's token limits (`weight`); set
+    /// exactly when the provider has one.
+    pub weight: Option<Weight>,
+    /// How a streamed call's usage is had (`stream_usage`).
+    pub stream_usage: StreamUsage,
+    /// Where its answers report the tokens a call used: its own `usage`, or
+    /// its provider's.
+    pub usage: Option<String>,
+}
+
+/// How a streamed call's usage is had from its upstream (`stream_usage`): a
+/// stream is charged what it used only when its usage is seen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StreamUsage {
+    /// `"ask"`: the upstream reports usage only when asked (OpenAI's chat and
+    /// completions APIs: `stream_options.include_usage`): the worker asks on
+    /// the client's behalf, and a client that did not ask is relayed the
+    /// stream it would have had (no usage chunk, no `"usage": null`). The
+    /// default of an operation whose `path` ends in `/chat/completions` or
+    /// `/completions`.
+    Ask,
+    /// `"reported"`: the upstream reports usage unasked (Anthropic's
+    /// `message_start`/`message_delta`, OpenAI's Responses API): the request
+    /// goes as sent. The default of every other operation.
+    #[default]
+    Reported,
+}
+
+impl StreamUsage {
+    /// The default for an operation at `path`.
+    pub fn for_path(path: Option<&str>) -> Self {
+        match path {
+            Some(p) if p.ends_with("/chat/completions") || p.ends_with("/completions") => Self::Ask,
+            _ => Self::Reported,
+        }
+    }
+}
+
+/// How an operation's input (a JSON object) is sent to its upstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RequestShape {
+    /// `POST` with the input as a JSON body (the default).
+    #[default]
+    Json,
+    /// `POST` with the input's members as an `application/x-www-form-urlencoded`
+    /// body (`body = "form"`).
+    Form,
+    /// `GET` with no body, the input's members as the query string
+    /// (`method = "GET"`).
+    Query,
+}
+
+/// Default `result_ttl` of an operation's finished jobs: long enough for an
+/// async caller's polls and for a retry with the same Idempotency-Key after a
+/// lost answer; a sync call answered without a key keeps nothing.
+pub const DEFAULT_RESULT_TTL: Duration = Duration::from_secs(15 * 60);
+
+/// How a job's charge is settled to its actual cost: read a number at `from`
+/// (a JSON pointer, RFC 6901) in the provider's answer; the cost is
+/// `ceil(value / per)` tokens, clamped to `1..=max`. `cost` is the estimate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settle {
+    pub from: String,
+    pub per: u64,
+    pub max: u64,
+    /// What the submission reserves up front.
+    pub reserve: SettleReserve,
+}
+
+/// What an operation with `settle` reserves up front (`settle.reserve`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleReserve {
+    /// `max` (the default): authorise the most, settle down to the actual; a
+    /// window never passes its limit.
+    Max,
+    /// `cost` (the estimate), settled up or down: cheaper to admit, but
+    /// concurrent jobs can take a window past its limit by up to
+    /// `concurrency × (max − cost)`.
+    Estimate,
+}
+
+impl Settle {
+    /// The actual cost of a job that answered `answer`; `None` when the answer
+    /// has no number at `from` (the call is then charged the most: [`crate::job::settle`]).
+    pub fn cost(&self, answer: &serde_json::Value) -> Option<u64> {
+        let v = answer.pointer(&self.from)?;
+        let units = match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) => n.div_ceil(self.per),
+            (None, Some(f)) if f.is_finite() => {
+                // Negative and fractional amounts: a call costs at least 1.
+                (f.max(0.0) / self.per as f64).ceil().min(MAX_TOKENS as f64) as u64
+            }
+            _ => return None,
+        };
+        Some(units.clamp(1, self.max))
+    }
+}
+
+impl Operation {
+    /// The tokens a job of this operation is charged up front: `settle.max`
+    /// when it settles down from the most (`reserve = "max"`), else `cost`.
+    pub fn charged_cost(&self) -> u64 {
+        match &self.settle {
+            Some(s) if s.reserve == SettleReserve::Max => s.max.max(self.cost),
+            _ => self.cost,
+        }
+    }
+
+    /// Whether a settle may raise the charge above what was charged up front
+    /// (`reserve = "estimate"`); with `max` it only ever settles down.
+    pub fn settle_may_raise(&self) -> bool {
+        self.settle
+            .as_ref()
+            .is_some_and(|s| s.reserve == SettleReserve::Estimate)
+    }
+
+    pub fn deadline_ms(&self) -> u64 {
+        u64::try_from(self.deadline.as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOperation {
+    weight: Option<toml::Value>,
+    usage: Option<String>,
+    cost: i64,
+    provider: String,
+    path: Option<String>,
+    deadline: Option<String>,
+    max_attempts: Option<i64>,
+    settle: Option<RawSettle>,
+    retry_unanswered: Option<bool>,
+    result_ttl: Option<String>,
+    expose_upstream_errors: Option<bool>,
+    method: Option<String>,
+    body: Option<String>,
+    stream_usage: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSettle {
+    from: String,
+    per: Option<i64>,
+    max: i64,
+    reserve: Option<String>,
+}
+
+pub(super) fn parse_operations(
+    raw: BTreeMap<String, RawOperation>,
+    providers: &BTreeMap<String, Provider>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<BTreeMap<String, Operation>, ConfigError> {
+    let mut operations = BTreeMap::new();
+    for (name, o) in raw {
+        let key = format!("operations.{name}");
+        // Operation names end up in Redis key names, like provider names.
+        if let Err(e) = crate::id::UserId::new(name.as_str()) {
+            return Err(invalid(key, format!("bad operation name: {e}")));
+        }
+        if o.cost < 1 || o.cost as u64 > MAX_TOKENS {
+            return Err(invalid(
+                format!("{key}.cost"),
+                format!("must be between 1 and {MAX_TOKENS} tokens, got {}", o.cost),
+            ));
+        }
+        if !providers.contains_key(&o.provider) {
+            let known = providers.keys().cloned().collect::<Vec<_>>().join(", ");
+            return Err(invalid(
+                format!("{key}.provider"),
+                format!("{:?} is not a provider (providers: {known})", o.provider),
+            ));
+        }
+        if let Some(path) = &o.path {
+            if !path.starts_with('/') || path.chars().any(|c| c.is_whitespace()) {
+                return Err(invalid(
+                    format!("{key}.path"),
+                    format!("must start with / and contain no whitespace, got {path:?}"),
+                ));
+            }
+        }
+        let deadline = match &o.deadline {
+            Some(d) => duration::parse(d).map_err(|m| invalid(format!("{key}.deadline"), m))?,
+            None => DEFAULT_JOB_DEADLINE,
+        };
+        if deadline < Duration::from_millis(100) || deadline > Duration::from_secs(7 * 86_400) {
+            return Err(invalid(
+                format!("{key}.deadline"),
+                "must be between 100ms and 7d".into(),
+            ));
+        }
+        let max_attempts = o.max_attempts.unwrap_or(i64::from(DEFAULT_MAX_ATTEMPTS));
+        if !(1..=100).contains(&max_attempts) {
+            return Err(invalid(
+                format!("{key}.max_attempts"),
+                format!("must be between 1 and 100, got {max_attempts}"),
+            ));
+        }
+        let settle = match o.settle {
+            None => None,
+            Some(r) => Some(parse_settle(&format!("{key}.settle"), r, invalid)?),
+        };
+        let result_ttl = match &o.result_ttl {
+            Some(d) => duration::parse(d).map_err(|m| invalid(format!("{key}.result_ttl"), m))?,
+            None => DEFAULT_RESULT_TTL,
+        };
+        if result_ttl < Duration::from_millis(100) || result_ttl > Duration::from_secs(7 * 86_400) {
+            return Err(invalid(
+                format!("{key}.result_ttl"),
+                "must be between 100ms and 7d".into(),
+            ));
+        }
+        let request = match (o.method.as_deref(), o.body.as_deref()) {
+            (None | Some("POST"), None | Some("json")) => RequestShape::Json,
+            (None | Some("POST"), Some("form")) => RequestShape::Form,
+            (Some("GET"), None) => RequestShape::Query,
+            (Some("GET"), Some(_)) => {
+                return Err(invalid(
+                    format!("{key}.body"),
+                    "a GET sends no body: its input goes in the query string".into(),
+                ))
+            }
+            (None | Some("POST"), Some(b)) => {
+                return Err(invalid(
+                    format!("{key}.body"),
+                    format!("must be \"json\" or \"form\", got {b:?}"),
+                ))
+            }
+            (Some(m), _) => {
+                return Err(invalid(
+                    format!("{key}.method"),
+                    format!("must be \"POST\" or \"GET\", got {m:?}"),
+                ))
+            }
+        };
+        let stream_usage = match o.stream_usage.as_deref() {
+            None => StreamUsage::for_path(o.path.as_deref()),
+            Some("ask") => StreamUsage::Ask,
+            Some("reported") => StreamUsage::Reported,
+            Some(other) => {
+                return Err(invalid(
+                    format!("{key}.stream_usage"),
+                    format!("must be \"ask\" or \"reported\", got {other:?}"),
+                ))
+            }
+        };
+        let provider = &providers[&o.provider];
+        let weighed = provider.max_weight().is_some();
+        let weight = match (&o.weight, weighed) {
+            (Some(w), true) => Some(parse_weight(
+                &format!("{key}.weight"),
+                w,
+                provider,
+                invalid,
+            )?),
+            (None, false) => None,
+            (Some(_), false) => {
+                return Err(invalid(
+                    format!("{key}.weight"),
+                    format!(
+                        "provider {} has no token limit to weigh calls against",
+                        o.provider
+                    ),
+                ))
+            }
+            (None, true) => {
+                return Err(invalid(
+                    format!("{key}.weight"),
+                    format!(
+                        "is required: provider {} has a token limit (`weight = 500`, or \
+                         `weight = {{ from = \"/max_tokens\", default = 1000 }}`)",
+                        o.provider
+                    ),
+                ))
+            }
+        };
+        let usage = match o.usage {
+            Some(u) => Some(usage_pointer(
+                &format!("{key}.usage"),
+                u,
+                &provider.limits,
+                invalid,
+            )?),
+            None => provider.usage.clone(),
+        };
+        operations.insert(
+            name.clone(),
+            Operation {
+                weight,
+                usage,
+                name,
+                cost: o.cost as u64,
+                provider: o.provider,
+                path: o.path,
+                deadline,
+                max_attempts: max_attempts as u32,
+                settle,
+                retry_unanswered: o.retry_unanswered.unwrap_or(false),
+                result_ttl,
+                expose_upstream_errors: o.expose_upstream_errors.unwrap_or(false),
+                request,
+                stream_usage,
+            },
+        );
+    }
+    Ok(operations)
+}
+
+fn parse_settle(
+    key: &str,
+    r: RawSettle,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Settle, ConfigError> {
+    if !(r.from.is_empty() || r.from.starts_with('/')) {
+        return Err(invalid(
+            format!("{key}.from"),
+            format!(
+                "must be a JSON pointer (\"\" or starting with /), got {:?}",
+                r.from
+            ),
+        ));
+    }
+    let per = r.per.unwrap_or(1);
+    if per < 1 || per as u64 > MAX_TOKENS {
+        return Err(invalid(
+            format!("{key}.per"),
+            format!("must be between 1 and {MAX_TOKENS}, got {per}"),
+        ));
+    }
+    if r.max < 1 || r.max as u64 > MAX_TOKENS {
+        return Err(invalid(
+            format!("{key}.max"),
+            format!("must be between 1 and {MAX_TOKENS} tokens, got {}", r.max),
+        ));
+    }
+    let reserve = match r.reserve.as_deref() {
+        None | Some("max") => SettleReserve::Max,
+        Some("estimate") => SettleReserve::Estimate,
+        Some(other) => {
+            return Err(invalid(
+                format!("{key}.reserve"),
+                format!("must be \"max\" or \"estimate\", got {other:?}"),
+            ))
+        }
+    };
+    Ok(Settle {
+        from: r.from,
+        per: per as u64,
+        max: r.max as u64,
+        reserve,
+    })
+}
+
+/// An operation's `weight`: a whole number, or `{ from, default }`.
+fn parse_weight(
+    key: &str,
+    raw: &toml::Value,
+    provider: &Provider,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<Weight, ConfigError> {
+    let shape = || {
+        invalid(
+            key.to_owned(),
+            "must be a whole number >= 1, or `{ from = \"/max_tokens\", default = 1000 }`".into(),
+        )
+    };
+    let weight = match raw {
+        toml::Value::Integer(n) if *n >= 1 => Weight::Fixed(*n as u64),
+        toml::Value::Table(t) => {
+            let from = t
+                .get("from")
+                .and_then(toml::Value::as_str)
+                .ok_or_else(shape)?;
+            let default = t
+                .get("default")
+                .and_then(toml::Value::as_integer)
+                .filter(|n| *n >= 1)
+                .ok_or_else(shape)?;
+            if t.keys().any(|k| k != "from" && k != "default") || !from.starts_with('/') {
+                return Err(shape());
+            }
+            Weight::From {
+                from: from.to_owned(),
+                default: default as u64,
+            }
+        }
+        _ => return Err(shape()),
+    };
+    let most = provider.max_weight().unwrap_or(0);
+    let (n, what) = match &weight {
+        Weight::Fixed(n) => (*n, "weight"),
+        Weight::From { default, .. } => (*default, "default"),
+    };
+    if n > most {
+        return Err(invalid(
+            key.to_owned(),
+            format!(
+                "{what} {n} is more than provider {}'s smallest token burst ({most}): \
+                 such a call could never be granted",
+                provider.name
+            ),
+        ));
+    }
+    Ok(weight)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::{err, OPERATIONS};
+    use crate::config::{Config, DEFAULT_RETRIES};
+
+    #[test]
+    fn retry_unanswered_is_a_boolean() {
+        let on = OPERATIONS.replace(
+            "provider = \"llm\"\n",
+            "provider = \"llm\"\nretry_unanswered = true\n",
+        );
+        let c = Config::parse(&on, "t.toml").unwrap();
+        assert!(c.operation("llm.structured").unwrap().retry_unanswered);
+        let e = err(&on.replace("retry_unanswered = true", "retry_unanswered = \"yes\""));
+        assert!(e.contains("retry_unanswered") && e.contains("bool"), "{e}");
+    }
+
+    #[test]
+    fn operations_choose_how_their_input_is_sent() {
+        let with = |lines: &str| {
+            OPERATIONS.replace(
+                "provider = \"llm\"\n",
+                &format!("provider = \"llm\"\n{lines}\n"),
+            )
+        };
+        let shape = |lines: &str| {
+            Config::parse(&with(lines), "t.toml")
+                .unwrap()
+                .operation("llm.structured")
+                .unwrap()
+                .request
+        };
+        assert_eq!(shape(""), RequestShape::Json);
+        assert_eq!(
+            shape("method = \"POST\"\nbody = \"json\""),
+            RequestShape::Json
+        );
+        assert_eq!(shape("body = \"form\""), RequestShape::Form);
+        assert_eq!(shape("method = \"GET\""), RequestShape::Query);
+        for (lines, key) in [
+            ("method = \"GET\"\nbody = \"form\"", "body"),
+            ("method = \"DELETE\"", "method"),
+            ("body = \"xml\"", "body"),
+        ] {
+            let e = err(&with(lines));
+            assert!(e.contains(&format!("llm.structured.{key}")), "{lines}: {e}");
+        }
+    }
+
+    #[test]
+    fn reads_operations_and_upstreams() {
+        let c = Config::parse(OPERATIONS, "t.toml").unwrap();
+        let op = c.operation("llm.structured").unwrap();
+        assert_eq!((op.cost, op.provider.as_str()), (8, "llm"));
+        assert_eq!(op.deadline, DEFAULT_JOB_DEADLINE);
+        assert_eq!(op.max_attempts, DEFAULT_MAX_ATTEMPTS);
+        assert!(
+            !op.retry_unanswered,
+            "an unanswered call is not resent by default"
+        );
+        let up = c.upstream("llm").unwrap();
+        assert_eq!(up.url, "http://127.0.0.1:9100");
+        assert_eq!(up.retries, DEFAULT_RETRIES);
+        let builtin = Config::builtin();
+        let costs: Vec<(&str, u64)> = builtin
+            .operations()
+            .map(|o| (o.name.as_str(), o.cost))
+            .collect();
+        assert_eq!(
+            costs,
+            vec![
+                ("company.research", 20),
+                ("embeddings", 1),
+                ("jobs.extract", 5),
+                ("llm.structured", 8),
+                ("salary.lookup", 3),
+            ]
+        );
+        assert!(builtin.upstream("llm").is_none(), "built-in: the mock");
+    }
+
+    #[test]
+    fn operation_errors_name_the_key() {
+        for (from, to, key) in [
+            ("cost = 8", "cost = 0", "operations.llm.structured.cost"),
+            (
+                "provider = \"llm\"",
+                "provider = \"gpt\"",
+                "operations.llm.structured.provider",
+            ),
+            (
+                "provider = \"llm\"",
+                "provider = \"llm\"\npath = \"v1\"",
+                "operations.llm.structured.path",
+            ),
+            (
+                "provider = \"llm\"",
+                "provider = \"llm\"\nmax_attempts = 0",
+                "operations.llm.structured.max_attempts",
+            ),
+            (
+                "url = \"http://127.0.0.1:9100\"",
+                "url = \"ftp://x\"",
+                "providers.llm.url",
+            ),
+            (
+                "url = \"http://127.0.0.1:9100\"",
+                "url = \"http://\"",
+                "providers.llm.url",
+            ),
+            (
+                "url = \"http://127.0.0.1:9100\"",
+                "url = \"https://:443/v1\"",
+                "providers.llm.url",
+            ),
+            (
+                "url = \"http://127.0.0.1:9100\"",
+                "url = \"http://x\"\nauth_header = \"X-Key\"",
+                "providers.llm.auth_env",
+            ),
+            ("cost = 8", "cost = 8\ncots = 1", "cots"),
+        ] {
+            let e = err(&OPERATIONS.replacen(from, to, 1));
+            assert!(e.contains(key), "{to}: {e}");
+        }
+        let e = err(&OPERATIONS.replacen("url = \"http://127.0.0.1:9100\"", "retries = 3", 1));
+        assert!(
+            e.contains("providers.llm.retries") && e.contains("url"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn settle_reads_the_answer_and_clamps() {
+        let text = OPERATIONS.replacen(
+            "provider = \"llm\"",
+            "provider = \"llm\"\nsettle = { from = \"/usage/total_tokens\", per = 100, max = 40 }",
+            1,
+        );
+        let c = Config::parse(&text, "t.toml").unwrap();
+        let s = c
+            .operation("llm.structured")
+            .unwrap()
+            .settle
+            .clone()
+            .unwrap();
+        let at =
+            |v: serde_json::Value| s.cost(&serde_json::json!({ "usage": { "total_tokens": v } }));
+        assert_eq!(at(serde_json::json!(2501)), Some(26));
+        assert_eq!(at(serde_json::json!(800)), Some(8));
+        assert_eq!(at(serde_json::json!(0)), Some(1), "at least 1");
+        assert_eq!(at(serde_json::json!(-5)), Some(1));
+        assert_eq!(at(serde_json::json!(1e12)), Some(40), "at most max");
+        assert_eq!(at(serde_json::json!(150.5)), Some(2));
+        assert_eq!(at(serde_json::json!("lots")), None);
+        assert_eq!(s.cost(&serde_json::json!({ "usage": {} })), None);
+        for (from, to, k) in [
+            ("per = 100", "per = 0", "settle.per"),
+            ("max = 40", "max = 0", "settle.max"),
+            ("\"/usage/total_tokens\"", "\"usage\"", "settle.from"),
+            ("max = 40", "max = 40, maxx = 1", "maxx"),
+            ("max = 40", "max = 40, reserve = \"most\"", "settle.reserve"),
+        ] {
+            let e = err(&text.replacen(from, to, 1));
+            assert!(e.contains(k), "{to}: {e}");
+        }
+        // Reserve the most, settle down: the charge up front is `max`.
+        let op = c.operation("llm.structured").unwrap();
+        assert_eq!(
+            (op.cost, op.charged_cost(), op.settle_may_raise()),
+            (8, 40, false)
+        );
+        let estimate = text.replacen("max = 40", "max = 40, reserve = \"estimate\"", 1);
+        let c = Config::parse(&estimate, "t.toml").unwrap();
+        let op = c.operation("llm.structured").unwrap();
+        assert_eq!((op.charged_cost(), op.settle_may_raise()), (8, true));
+    }
+}
