@@ -60,7 +60,7 @@ use tollgate_core::{
     metrics::{Heartbeat, JobEnd, Metrics},
     stream::{self, JobStreams, StreamEvent, StreamWriter},
 };
-use tollgate_providers::{outcome, CallError, Client, FirstSlot, Shares};
+use tollgate_providers::{outcome, CallError, CallOptions, Client, FirstSlot, Shares};
 use tracing::Instrument;
 
 /// Tunables of the worker role.
@@ -647,7 +647,14 @@ async fn job(
         return lost_stream(source.as_ref(), lease, sink.as_ref()).await;
     }
     let first = first.map(Slot::into_first);
-    let call = provider.call_answer_with(job, Some(deadline), sink.as_deref(), first);
+    let call = provider.call(
+        job,
+        CallOptions {
+            deadline: Some(deadline),
+            sink: sink.as_deref(),
+            first,
+        },
+    );
     let ended = tokio::select! {
         // The lease first: after a pause it must be seen lost before a call
         // that became ready meanwhile goes out.
