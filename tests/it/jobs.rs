@@ -21,7 +21,7 @@ use tollgate_core::{
 };
 use tollgate_memory::jobs::MemoryJobQueue;
 use tollgate_memory::ledger::MemoryLedger;
-use tollgate_providers::{CallError, Client};
+use tollgate_providers::{Answer, CallError, CallOptions, Client};
 use tollgate_redis::{jobs::RedisJobQueue, keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, slowlog, RedisServer, TestCluster};
 
@@ -1179,11 +1179,19 @@ path = "/v1/work"
     let providers = tollgate_providers::from_config(&config, throttle, &metrics).unwrap();
     let p = &providers["p"];
     let job = |id: &str| tollgate_tests::jobs::job(id, "u", "work", "p", json!({ "q": id }));
-    let first = p.call(&job("h1")).await.unwrap();
+    let first = p
+        .call(&job("h1"), CallOptions::default())
+        .await
+        .unwrap()
+        .body;
     assert_eq!(first["echo"], json!({ "q": "h1" }));
     assert_eq!(first["path"], json!("/v1/work"));
     let started = std::time::Instant::now();
-    let second = p.call(&job("h2")).await.unwrap();
+    let second = p
+        .call(&job("h2"), CallOptions::default())
+        .await
+        .unwrap()
+        .body;
     assert_eq!(second["echo"], json!({ "q": "h2" }));
     assert!(
         started.elapsed() >= Duration::from_millis(900),
@@ -1401,11 +1409,16 @@ struct Gated {
 
 #[async_trait::async_trait]
 impl Client for Gated {
-    async fn call(&self, _job: &tollgate_core::job::Job) -> Result<Value, CallError> {
+    /// Asks for no slot ahead and streams nothing: `_opts` unused.
+    async fn call(
+        &self,
+        _job: &tollgate_core::job::Job,
+        _opts: CallOptions<'_>,
+    ) -> Result<Answer, CallError> {
         self.entered.notify_one();
         self.open.notified().await;
         self.calls.fetch_add(1, Ordering::SeqCst);
-        Ok(json!({}))
+        Ok(Answer::body(json!({})))
     }
 }
 
@@ -2152,7 +2165,12 @@ mod fair {
 
     #[async_trait::async_trait]
     impl Client for Held {
-        async fn call(&self, job: &tollgate_core::job::Job) -> Result<Value, CallError> {
+        /// Asks for no slot ahead and streams nothing: `_opts` unused.
+        async fn call(
+            &self,
+            job: &tollgate_core::job::Job,
+            _opts: CallOptions<'_>,
+        ) -> Result<Answer, CallError> {
             {
                 let mut running = self.running.lock().unwrap();
                 let (now, most) = running.entry(job.user.to_string()).or_default();
@@ -2164,7 +2182,7 @@ mod fair {
             if let Some((now, _)) = self.running.lock().unwrap().get_mut(job.user.as_str()) {
                 *now -= 1;
             }
-            Ok(json!({}))
+            Ok(Answer::body(json!({})))
         }
     }
 

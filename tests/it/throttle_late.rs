@@ -10,8 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use serde_json::{json, Value};
-use tokio::time::Instant;
+use serde_json::json;
 use tollgate_core::{
     activity::{ActivityLog, RecordingThrottle},
     config::Config,
@@ -22,7 +21,8 @@ use tollgate_core::{
 use tollgate_memory::activity::MemoryActivity;
 use tollgate_memory::throttle::MemoryThrottle;
 use tollgate_providers::{
-    http::HttpTransport, AttemptError, Client, Retry, ThrottledClient, Transport,
+    http::HttpTransport, Answer, AttemptError, AttemptOptions, CallOptions, Client, Retry,
+    ThrottledClient, Transport,
 };
 use tollgate_redis::throttle::RedisThrottleOptions;
 use tollgate_tests::throttle::late_grants;
@@ -72,15 +72,11 @@ struct Stalls {
 
 #[async_trait]
 impl Transport for Stalls {
-    async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
-        self.inner.attempt(job).await
-    }
-
-    async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
+    async fn attempt(&self, job: &Job, opts: AttemptOptions<'_>) -> Result<Answer, AttemptError> {
         if !self.stalled.swap(true, Ordering::SeqCst) {
             tokio::time::sleep(self.stall).await;
         }
-        self.inner.attempt_by(job, use_by).await
+        self.inner.attempt(job, opts).await
     }
 }
 
@@ -124,10 +120,10 @@ async fn stale_grant_is_handed_back(
     let id = format!("stale-{provider}");
     let job = tollgate_tests::jobs::job(&id, "u", operation, provider, json!({ "q": 1 }));
     let answer = client
-        .call(&job)
+        .call(&job, CallOptions::default())
         .await
         .expect("sent on a fresh grant, within max_wait");
-    assert_eq!(answer["echo"], json!({ "q": 1 }));
+    assert_eq!(answer.body["echo"], json!({ "q": 1 }));
     let arrivals: Vec<_> = upstream
         .arrivals()
         .into_iter()

@@ -19,6 +19,7 @@ use tollgate_core::{
     throttle::Throttle,
 };
 use tollgate_memory::throttle::MemoryThrottle;
+use tollgate_providers::CallOptions;
 use tollgate_tests::jobs::{submit_queued, wait_final};
 use tollgate_tests::process::{spawn_role, Procs};
 use tollgate_tests::upstream::{Arrival, Upstream};
@@ -143,7 +144,9 @@ async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() 
             nonce: String::new(),
             trace: None,
         };
-        calls.push(tokio::spawn(async move { client.call(&job).await }));
+        calls.push(tokio::spawn(async move {
+            client.call(&job, CallOptions::default()).await
+        }));
     }
     for c in calls {
         c.await.unwrap().expect("every call succeeds");

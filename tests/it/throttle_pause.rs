@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tollgate_core::{config::Config, metrics::Metrics, throttle::Throttle};
 use tollgate_memory::throttle::MemoryThrottle;
-use tollgate_providers::{http::HttpTransport, Client, Retry, ThrottledClient};
+use tollgate_providers::{http::HttpTransport, CallOptions, Client, Retry, ThrottledClient};
 use tollgate_redis::{
     keys::KeySpace,
     pool::PoolOptions,
@@ -77,7 +77,11 @@ async fn load(
                     let job = tollgate_tests::jobs::job(&id, "u", "w", "steady", json!({ "n": n }));
                     let deadline = tokio::time::Instant::from_std(until);
                     // A throttle timeout or an expiry at the end is no failure here.
-                    let _ = client.call_by(&job, Some(deadline)).await;
+                    let opts = CallOptions {
+                        deadline: Some(deadline),
+                        ..CallOptions::default()
+                    };
+                    let _ = client.call(&job, opts).await;
                 }
             });
         }

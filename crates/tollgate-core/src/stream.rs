@@ -150,6 +150,41 @@ pub trait JobStreams: Send + Sync + fmt::Debug {
     fn writer(&self, job: &Job) -> Arc<dyn StreamWriter>;
 }
 
+/// Streams nobody reads: each writer accepts every event and drops it
+/// (`Ok(true)`: the call runs to its end), as a memory stream whose reader
+/// was never opened does; no reader can be opened. The default of a worker
+/// given no streams (`WorkerConfig::new`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoReaders;
+
+/// The writer of [`NoReaders`]: drops every event.
+#[derive(Debug)]
+struct Dropped;
+
+#[async_trait]
+impl StreamWriter for Dropped {
+    async fn push(&self, _event: StreamEvent) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+}
+
+#[async_trait]
+impl JobStreams for NoReaders {
+    async fn open(
+        &self,
+        _operation: &str,
+        id: &RequestId,
+    ) -> Result<Box<dyn StreamReader>, StoreError> {
+        Err(StoreError::backend(format!(
+            "the stream of {id} cannot be read: these streams have no readers"
+        )))
+    }
+
+    fn writer(&self, _job: &Job) -> Arc<dyn StreamWriter> {
+        Arc::new(Dropped)
+    }
+}
+
 /// Whether a job's input asks for a streamed answer (`"stream": true`, the
 /// OpenAI and Anthropic APIs' flag).
 pub fn wants_stream(input: &serde_json::Value) -> bool {
@@ -166,6 +201,28 @@ mod tests {
             seq,
             event: StreamEvent::Data(format!("data: {seq}")),
         }
+    }
+
+    #[tokio::test]
+    async fn no_readers_drops_every_event() {
+        let job = Job {
+            id: RequestId::new("r1").unwrap(),
+            user: crate::id::UserId::new("u").unwrap(),
+            operation: "op".into(),
+            provider: "p".into(),
+            input: serde_json::json!({ "stream": true }),
+            cost: 1,
+            enqueued_at_ms: 0,
+            deadline_ms: u64::MAX,
+            attempt: 1,
+            nonce: "n".into(),
+            trace: None,
+        };
+        let writer = NoReaders.writer(&job);
+        for event in [StreamEvent::Data("data: 1".into()), StreamEvent::End] {
+            assert_eq!(writer.push(event).await, Ok(true));
+        }
+        assert!(NoReaders.open("op", &job.id).await.is_err());
     }
 
     #[test]

@@ -26,7 +26,10 @@ use tollgate_core::{
 
 use tokio::time::Instant;
 
-use crate::{late_by, send_check, stream, Answer, AttemptError, SetupError, Transport};
+use crate::{
+    late_by, pass_on, send_check, stream, Answer, AttemptError, AttemptOptions, SetupError,
+    Transport,
+};
 use tollgate_core::head::Head;
 use tollgate_core::stream::{StreamEvent, StreamWriter};
 
@@ -175,31 +178,13 @@ fn retry_after(h: Option<&HeaderValue>) -> Option<Duration> {
 
 #[async_trait]
 impl Transport for HttpTransport {
-    async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
-        self.attempt_by(job, None).await
-    }
-
     /// The request is built, then checked against `use_by`, then sent; and
     /// checked again when the connection asks for the body, just before the
     /// request is written (see [`checked_body`]).
-    async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
-        Ok(self.attempt_answer(job, use_by, None).await?.body)
-    }
-
-    async fn attempt_streaming(
+    async fn attempt(
         &self,
         job: &Job,
-        use_by: Option<Instant>,
-        sink: &dyn StreamWriter,
-    ) -> Result<Value, AttemptError> {
-        Ok(self.attempt_answer(job, use_by, Some(sink)).await?.body)
-    }
-
-    async fn attempt_answer(
-        &self,
-        job: &Job,
-        use_by: Option<Instant>,
-        sink: Option<&dyn StreamWriter>,
+        AttemptOptions { use_by, sink }: AttemptOptions<'_>,
     ) -> Result<Answer, AttemptError> {
         match sink {
             Some(sink) => self.streamed(job, use_by, sink).await,
@@ -226,20 +211,6 @@ fn head_of(resp: &reqwest::Response) -> Head {
             .iter()
             .map(|(n, v)| (n.as_str(), v.as_bytes())),
     )
-}
-
-/// Passes `event` to `sink`: a refusal (the reader left) or a failure after
-/// the answer began is [`AttemptError::Unanswered`].
-async fn pass_on(sink: &dyn StreamWriter, event: StreamEvent) -> Result<(), AttemptError> {
-    match sink.push(event).await {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(AttemptError::Unanswered {
-            message: stream::CLIENT_GONE.into(),
-        }),
-        Err(e) => Err(AttemptError::Unanswered {
-            message: format!("{}: {e}", stream::SINK_FAILED),
-        }),
-    }
 }
 
 impl HttpTransport {
@@ -712,6 +683,14 @@ provider = "llm"
         }
     }
 
+    /// A whole attempt on a grant usable until `use_by`.
+    fn by(use_by: Instant) -> AttemptOptions<'static> {
+        AttemptOptions {
+            use_by: Some(use_by),
+            sink: None,
+        }
+    }
+
     /// The grant is fresh at the send but goes stale while the connection is
     /// made: nothing of the request reaches the upstream.
     #[tokio::test]
@@ -719,7 +698,7 @@ provider = "llm"
         let (addr, got) = raw_upstream();
         let client = slow_client(addr, Duration::from_millis(300));
         let use_by = Instant::now() + Duration::from_millis(100);
-        let out = client.attempt_by(&job(), Some(use_by)).await;
+        let out = client.attempt(&job(), by(use_by)).await;
         assert!(
             matches!(out, Err(AttemptError::Late { by }) if by >= Duration::from_millis(150)),
             "{out:?}"
@@ -733,8 +712,8 @@ provider = "llm"
         // Still fresh once connected: the request goes out whole.
         let client = slow_client(addr, Duration::from_millis(10));
         let use_by = Instant::now() + Duration::from_secs(5);
-        let out = client.attempt_by(&job(), Some(use_by)).await;
-        assert_eq!(out.ok(), Some(serde_json::json!({})));
+        let out = client.attempt(&job(), by(use_by)).await;
+        assert_eq!(out.ok().map(|a| a.body), Some(serde_json::json!({})));
         let bytes = got.recv_timeout(Duration::from_secs(5)).unwrap();
         let text = String::from_utf8_lossy(&bytes);
         assert!(text.starts_with("POST / HTTP/1.1"), "{text}");

@@ -213,82 +213,60 @@ impl Answer {
     }
 }
 
+/// How a [`Client::call`] is made. `CallOptions::default()`: no deadline, a
+/// whole answer, the call's slots all taken by the call itself.
+#[derive(Default)]
+pub struct CallOptions<'a> {
+    /// No attempt is sent after it; an attempt sent before it runs to its
+    /// end (bounded by the provider's `timeout`). `None`: no deadline.
+    pub deadline: Option<Instant>,
+    /// The job asked to stream: each upstream event goes to `sink` as it
+    /// arrives, and the answer is the usage the stream reported
+    /// (`{"usage": {...}}`, see [`stream::Usage`]). `None`: a whole answer.
+    pub sink: Option<&'a dyn StreamWriter>,
+    /// The wait for the first attempt's slot, begun ahead of the call
+    /// ([`Client::first_slot`]): the first attempt goes on it. A call that
+    /// does not use the slot it was given (it ends before its first attempt)
+    /// ends it with [`Client::unused_slot`].
+    pub first: Option<FirstSlot<'a>>,
+}
+
+impl fmt::Debug for CallOptions<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CallOptions")
+            .field("deadline", &self.deadline)
+            .field("sink", &self.sink)
+            .field("first", &self.first.as_ref().map(|_| "FirstSlot"))
+            .finish()
+    }
+}
+
 /// One provider call, throttled and retried.
 #[async_trait]
 pub trait Client: Send + Sync + fmt::Debug {
-    async fn call(&self, job: &Job) -> Result<Value, CallError>;
-
-    /// The call, no attempt of which is sent after `deadline`; an attempt
-    /// sent before it runs to its end. This default ignores the deadline.
-    async fn call_by(&self, job: &Job, deadline: Option<Instant>) -> Result<Value, CallError> {
-        let _ = deadline;
-        self.call(job).await
-    }
-
-    /// The call of a job that asked to stream: each upstream event goes to
-    /// `sink` as it arrives, and the answer is the usage the stream reported
-    /// (`{"usage": {...}}`, see [`stream::Usage`]). This default makes the
-    /// whole answer one event.
-    async fn call_streaming(
-        &self,
-        job: &Job,
-        deadline: Option<Instant>,
-        sink: &dyn StreamWriter,
-    ) -> Result<Value, CallError> {
-        let v = self.call_by(job, deadline).await?;
-        let _ = sink.push(StreamEvent::Data(format!("data: {v}"))).await;
-        Ok(v)
-    }
-
-    /// The call ([`Self::call_streaming`] with a `sink`, else
-    /// [`Self::call_by`]) with the answer's head when the transport reports
-    /// one. This default reports none.
-    async fn call_answer(
-        &self,
-        job: &Job,
-        deadline: Option<Instant>,
-        sink: Option<&dyn StreamWriter>,
-    ) -> Result<Answer, CallError> {
-        let body = match sink {
-            Some(sink) => self.call_streaming(job, deadline, sink).await?,
-            None => self.call_by(job, deadline).await?,
-        };
-        Ok(Answer::body(body))
-    }
+    /// The call, as `opts` say (see [`CallOptions`]): no attempt sent after
+    /// the deadline, the answer streamed to a sink, the first attempt on a
+    /// slot asked for ahead. The answer carries its head when the transport
+    /// reports one.
+    async fn call(&self, job: &Job, opts: CallOptions<'_>) -> Result<Answer, CallError>;
 
     /// The wait for the first attempt's slot, to begin ahead of the call
     /// (the worker waits for it while its job claims its charge: one round
-    /// trip instead of two). `None` (this default): the call takes its slots
-    /// itself. The slot's wait ends by `deadline` and the provider's
-    /// `max_wait`, as the call's own would.
+    /// trip instead of two), then given to the call ([`CallOptions::first`]).
+    /// `None` (this default): the call takes its slots itself. The slot's
+    /// wait ends by `deadline` and the provider's `max_wait`, as the call's
+    /// own would.
     fn first_slot<'a>(&'a self, job: &'a Job, deadline: Option<Instant>) -> Option<FirstSlot<'a>> {
         let _ = (job, deadline);
         None
     }
 
     /// Ends a slot of [`Self::first_slot`] that no call will use (its job
-    /// does not run): its token is spent (never given back: see
-    /// [`ThrottledClient`]), its place in the caps freed.
+    /// does not run, or its call ends before its first attempt): its token
+    /// is spent (never given back: see [`ThrottledClient`]), its place in
+    /// the caps freed.
     async fn unused_slot(&self, grant: &Grant) {
         let _ = grant;
-    }
-
-    /// [`Self::call_answer`], its first attempt on `first` (from
-    /// [`Self::first_slot`]) when given. This default ends a slot it was
-    /// given unused and calls as usual.
-    async fn call_answer_with(
-        &self,
-        job: &Job,
-        deadline: Option<Instant>,
-        sink: Option<&dyn StreamWriter>,
-        first: Option<FirstSlot<'_>>,
-    ) -> Result<Answer, CallError> {
-        if let Some(first) = first {
-            if let Ok(grant) = first.await {
-                self.unused_slot(&grant).await;
-            }
-        }
-        self.call_answer(job, deadline, sink).await
     }
 }
 
@@ -341,59 +319,56 @@ pub fn late_by(use_by: Option<Instant>) -> Option<Duration> {
         .map(|by| now.saturating_duration_since(by))
 }
 
+/// How one [`Transport::attempt`] is made. `AttemptOptions::default()`: no
+/// bound on the send, a whole answer.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttemptOptions<'a> {
+    /// The attempt's grant is usable until then ([`Grant::use_by`], the
+    /// call's deadline included): [`send_check`] must be the last step
+    /// before the request is sent, with no `await` between (a pause anywhere
+    /// before it is then caught). `None`: no bound.
+    pub use_by: Option<Instant>,
+    /// The answer is streamed to `sink` event by event, and the attempt's
+    /// answer is the usage the stream reported. Once an event has gone to
+    /// `sink` a failure is [`AttemptError::Unanswered`]: the client has part
+    /// of an answer, the upstream did work. `None`: a whole answer.
+    pub sink: Option<&'a dyn StreamWriter>,
+}
+
+impl AttemptOptions<'_> {
+    /// The attempt's answer when it came whole (`body`, no head): with a
+    /// sink, passed on to it as one event ([`pass_on`]). For a transport
+    /// that cannot stream.
+    pub async fn whole(&self, body: Value) -> Result<Answer, AttemptError> {
+        if let Some(sink) = self.sink {
+            pass_on(sink, StreamEvent::Data(format!("data: {body}"))).await?;
+        }
+        Ok(Answer::body(body))
+    }
+}
+
+/// Passes `event` to `sink`: a refusal (the reader left) or a failure after
+/// the answer began is [`AttemptError::Unanswered`].
+pub async fn pass_on(sink: &dyn StreamWriter, event: StreamEvent) -> Result<(), AttemptError> {
+    match sink.push(event).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(AttemptError::Unanswered {
+            message: stream::CLIENT_GONE.into(),
+        }),
+        Err(e) => Err(AttemptError::Unanswered {
+            message: format!("{}: {e}", stream::SINK_FAILED),
+        }),
+    }
+}
+
 /// One unthrottled attempt at a provider call: what [`ThrottledClient`] wraps.
 #[async_trait]
 pub trait Transport: Send + Sync + fmt::Debug {
-    async fn attempt(&self, job: &Job) -> Result<Value, AttemptError>;
-
-    /// One attempt on a grant usable until `use_by`: [`send_check`] must be
-    /// the last step before the request is sent, with no `await` between (a
-    /// pause anywhere before it is then caught). This default checks, then
-    /// runs [`Transport::attempt`]: right for a transport that prepares
-    /// nothing before it sends.
-    async fn attempt_by(&self, job: &Job, use_by: Option<Instant>) -> Result<Value, AttemptError> {
-        send_check(use_by)?;
-        self.attempt(job).await
-    }
-
-    /// One attempt whose answer is streamed to `sink` event by event (the
-    /// same check of `use_by` before the send). Once an event has gone to
-    /// `sink` a failure is [`AttemptError::Unanswered`]: the client has part
-    /// of an answer, the upstream did work. This default sends the whole
-    /// answer as one event.
-    async fn attempt_streaming(
-        &self,
-        job: &Job,
-        use_by: Option<Instant>,
-        sink: &dyn StreamWriter,
-    ) -> Result<Value, AttemptError> {
-        let v = self.attempt_by(job, use_by).await?;
-        match sink.push(StreamEvent::Data(format!("data: {v}"))).await {
-            Ok(true) => Ok(v),
-            Ok(false) => Err(AttemptError::Unanswered {
-                message: stream::CLIENT_GONE.into(),
-            }),
-            Err(e) => Err(AttemptError::Unanswered {
-                message: format!("{}: {e}", stream::SINK_FAILED),
-            }),
-        }
-    }
-
-    /// One attempt ([`Self::attempt_streaming`] with a `sink`, else
-    /// [`Self::attempt_by`]) with the answer's head. This default reports
-    /// none.
-    async fn attempt_answer(
-        &self,
-        job: &Job,
-        use_by: Option<Instant>,
-        sink: Option<&dyn StreamWriter>,
-    ) -> Result<Answer, AttemptError> {
-        let body = match sink {
-            Some(sink) => self.attempt_streaming(job, use_by, sink).await?,
-            None => self.attempt_by(job, use_by).await?,
-        };
-        Ok(Answer::body(body))
-    }
+    /// One attempt, as `opts` say (see [`AttemptOptions`]): sent only while
+    /// its grant is fresh ([`send_check`] the last step before the send), its
+    /// answer streamed to a sink. The answer carries its head when the
+    /// transport sees one.
+    async fn attempt(&self, job: &Job, opts: AttemptOptions<'_>) -> Result<Answer, AttemptError>;
 }
 
 /// Retry policy of a [`ThrottledClient`].
@@ -616,7 +591,10 @@ impl<C: Transport> ThrottledClient<C> {
         sink: Option<&dyn StreamWriter>,
     ) -> Result<Answer, AttemptError> {
         let started = Instant::now();
-        let r = self.client.attempt_answer(job, use_by, sink).await;
+        let r = self
+            .client
+            .attempt(job, AttemptOptions { use_by, sink })
+            .await;
         let outcome = match &r {
             Err(AttemptError::Late { .. }) => return r,
             Ok(_) => CallOutcome::Ok,
@@ -681,30 +659,8 @@ impl Drop for WaitTrace<'_> {
 
 #[async_trait]
 impl<C: Transport> Client for ThrottledClient<C> {
-    async fn call(&self, job: &Job) -> Result<Value, CallError> {
-        self.call_by(job, None).await
-    }
-
-    async fn call_by(&self, job: &Job, deadline: Option<Instant>) -> Result<Value, CallError> {
-        Ok(self.call_with(job, deadline, None, None).await?.body)
-    }
-
-    async fn call_streaming(
-        &self,
-        job: &Job,
-        deadline: Option<Instant>,
-        sink: &dyn StreamWriter,
-    ) -> Result<Value, CallError> {
-        Ok(self.call_with(job, deadline, Some(sink), None).await?.body)
-    }
-
-    async fn call_answer(
-        &self,
-        job: &Job,
-        deadline: Option<Instant>,
-        sink: Option<&dyn StreamWriter>,
-    ) -> Result<Answer, CallError> {
-        self.call_with(job, deadline, sink, None).await
+    async fn call(&self, job: &Job, opts: CallOptions<'_>) -> Result<Answer, CallError> {
+        self.call_with(job, opts).await
     }
 
     fn first_slot<'a>(&'a self, job: &'a Job, deadline: Option<Instant>) -> Option<FirstSlot<'a>> {
@@ -718,16 +674,6 @@ impl<C: Transport> Client for ThrottledClient<C> {
             tracing::warn!(error = %e, provider = %self.provider.name, "ending an unused slot failed; it frees itself at the end of its hold");
         }
     }
-
-    async fn call_answer_with(
-        &self,
-        job: &Job,
-        deadline: Option<Instant>,
-        sink: Option<&dyn StreamWriter>,
-        first: Option<FirstSlot<'_>>,
-    ) -> Result<Answer, CallError> {
-        self.call_with(job, deadline, sink, first).await
-    }
 }
 
 impl<C: Transport> ThrottledClient<C> {
@@ -737,9 +683,11 @@ impl<C: Transport> ThrottledClient<C> {
     async fn call_with(
         &self,
         job: &Job,
-        deadline: Option<Instant>,
-        sink: Option<&dyn StreamWriter>,
-        mut first: Option<FirstSlot<'_>>,
+        CallOptions {
+            deadline,
+            sink,
+            mut first,
+        }: CallOptions<'_>,
     ) -> Result<Answer, CallError> {
         let name = &self.provider.name;
         let retry_unanswered = self.retry_unanswered.contains(&job.operation);

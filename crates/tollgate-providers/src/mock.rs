@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use serde_json::{json, Value};
+use serde_json::json;
 use tollgate_core::{config::Config, job::Job};
 
-use crate::{AttemptError, Transport};
+use crate::{send_check, Answer, AttemptError, AttemptOptions, Transport};
 
 /// Echoes the job: `{"mock": true, "operation", "provider", "echo": input,
 /// "usage": {"total_tokens": n}}`, where n is the input's `mock_total_tokens`
@@ -37,7 +37,10 @@ impl BuiltinMock {
 
 #[async_trait]
 impl Transport for BuiltinMock {
-    async fn attempt(&self, job: &Job) -> Result<Value, AttemptError> {
+    /// Nothing is prepared before the send: the grant is checked, then the
+    /// answer made (with a sink, passed on as one event).
+    async fn attempt(&self, job: &Job, opts: AttemptOptions<'_>) -> Result<Answer, AttemptError> {
+        send_check(opts.use_by)?;
         let estimate = self
             .estimates
             .get(&job.operation)
@@ -46,12 +49,13 @@ impl Transport for BuiltinMock {
         let tokens = job.input["mock_total_tokens"]
             .as_u64()
             .unwrap_or(estimate.saturating_mul(100));
-        Ok(json!({
+        let body = json!({
             "mock": true,
             "operation": job.operation,
             "provider": job.provider,
             "echo": job.input,
             "usage": { "total_tokens": tokens },
-        }))
+        });
+        opts.whole(body).await
     }
 }

@@ -58,9 +58,9 @@ use tollgate_core::{
     job::{self, Charge, Failure, FailureCause, Finish, JobSource, Lease, Taker},
     ledger::Ledger,
     metrics::{Heartbeat, JobEnd, Metrics},
-    stream::{self, JobStreams, StreamEvent, StreamWriter},
+    stream::{self, JobStreams, NoReaders, StreamEvent, StreamWriter},
 };
-use tollgate_providers::{outcome, CallError, Client, FirstSlot, Shares};
+use tollgate_providers::{outcome, CallError, CallOptions, Client, FirstSlot, Shares};
 use tracing::Instrument;
 
 /// Tunables of the worker role.
@@ -86,7 +86,7 @@ pub struct WorkerConfig {
     /// registry (`Backends::metrics`); a private one by default.
     pub metrics: Arc<Metrics>,
     /// Where streamed jobs' events go (`Backends::streams`): to the api pods'
-    /// readers. A private in-memory one by default (nobody reads it).
+    /// readers. By default none ([`NoReaders`]: every event is dropped).
     pub streams: Arc<dyn JobStreams>,
     /// The most of this worker's slots one user's jobs hold at once, as a
     /// fraction of `concurrency`, in (0, 1]: a user's cap is
@@ -109,7 +109,7 @@ impl WorkerConfig {
         Self {
             operations: config.operations().map(|o| o.name.clone()).collect(),
             metrics: Arc::new(Metrics::new(&config)),
-            streams: Arc::new(tollgate_memory::streams::MemoryStreams::new()),
+            streams: Arc::new(NoReaders),
             config,
             concurrency: 32,
             lease: Duration::from_secs(10),
@@ -647,7 +647,14 @@ async fn job(
         return lost_stream(source.as_ref(), lease, sink.as_ref()).await;
     }
     let first = first.map(Slot::into_first);
-    let call = provider.call_answer_with(job, Some(deadline), sink.as_deref(), first);
+    let call = provider.call(
+        job,
+        CallOptions {
+            deadline: Some(deadline),
+            sink: sink.as_deref(),
+            first,
+        },
+    );
     let ended = tokio::select! {
         // The lease first: after a pause it must be seen lost before a call
         // that became ready meanwhile goes out.
