@@ -231,11 +231,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let (child, lines) = spawn_reading(bin, &a, |l| l.iter().any(|l| l.contains("/v1/usage")))?;
         let base = banner_value(&lines, "listening on ");
         let key = banner_value(&lines, "Bearer ");
-        anyhow::Ok((child, base, key))
+        let admin = banner_value(&lines, "admin token: ");
+        anyhow::Ok((child, base, key, admin))
     };
-    let (emb_child, emb, emb_key) = all(&bin, &[])?;
+    let (emb_child, emb, emb_key, _) = all(&bin, &[])?;
     let redis_url = redis.url();
-    let (red_child, red, red_key) =
+    let (red_child, red, red_key, red_admin) =
         all(&bin, &["--redis-url", &redis_url, "--key-prefix", &prefix])?;
     let mut procs = vec![mock_child, emb_child, red_child];
     let http = reqwest::Client::builder()
@@ -251,10 +252,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ];
     if let Some(baseline) = &args.baseline {
         let base_prefix = random_prefix();
-        let (c, url, key) = all(baseline, &[])?;
+        let (c, url, key, _) = all(baseline, &[])?;
         procs.push(c);
         targets.push((through(&url), Some(key)));
-        let (c, url, key) = all(
+        let (c, url, key, _) = all(
             baseline,
             &["--redis-url", &redis_url, "--key-prefix", &base_prefix],
         )?;
@@ -324,7 +325,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             p50s[t].1 - base.1
         );
     }
-    memory(&args, &http, &through(&red), &red_key, &redis, &prefix).await?;
+    // A user may have 32 streams open on a pod (the default plan's
+    // `max_open_streams`): the streams are spread over enough users.
+    let mut keys = vec![red_key.clone()];
+    for i in 1..args.open_streams.div_ceil(32) {
+        let r = http
+            .post(format!("{red}/admin/users"))
+            .bearer_auth(&red_admin)
+            .json(&json!({"user": format!("bench-stream-{i}")}))
+            .send()
+            .await?;
+        let v: serde_json::Value = r.error_for_status()?.json().await?;
+        keys.push(v["api_key"].as_str().context("an api key")?.to_owned());
+    }
+    memory(&args, &http, &through(&red), &keys, &redis, &prefix).await?;
     println!("load average at the end: {}", load_average());
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
@@ -337,7 +351,7 @@ async fn memory(
     args: &Args,
     http: &reqwest::Client,
     url: &str,
-    key: &str,
+    keys: &[String],
     redis: &RedisServer,
     prefix: &str,
 ) -> anyhow::Result<()> {
@@ -356,8 +370,9 @@ async fn memory(
     let before = used(before);
     let words = args.words;
     let tasks: Vec<_> = (0..args.open_streams)
-        .map(|_| {
-            let (http, url, key) = (http.clone(), url.to_owned(), key.to_owned());
+        .map(|i| {
+            let key = keys[i % keys.len()].clone();
+            let (http, url) = (http.clone(), url.to_owned());
             tokio::spawn(async move { one_stream(&http, &url, Some(&key), words).await })
         })
         .collect();
