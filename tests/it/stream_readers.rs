@@ -295,12 +295,36 @@ async fn an_unread_stream_refuses_appends_past_its_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_that_keeps_up_is_never_refused() {
     let s = setup().await;
+    keeps_up(&s.api, &s.worker, 5000).await;
+}
+
+/// The same on the suite's Redis Cluster (`stream_push.lua` and the hub's
+/// `stream_trim.lua` on the node of the operation's hash tag): 1,500 events,
+/// more than the bound, each released as read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_keeps_up_is_never_refused_on_a_cluster() {
+    let cluster = tollgate_tests::TestCluster::get();
+    let config = Arc::new(Config::parse(CONFIG, "stream readers").unwrap());
+    let prefix = random_prefix();
+    let streams = || async {
+        let pool = tollgate_redis::pool::connect(&cluster.url(), &PoolOptions::default())
+            .await
+            .unwrap();
+        RedisStreams::new(pool, KeySpace::new(&prefix).unwrap(), Arc::clone(&config))
+    };
+    let (api, worker) = (streams().await, streams().await);
+    keeps_up(&api, &worker, 1500).await;
+}
+
+/// `events` events of 200 bytes through one stream whose reader keeps up:
+/// none refused, all read in order.
+async fn keeps_up(api: &RedisStreams, worker: &RedisStreams, events: usize) {
     let id = RequestId::new("long").unwrap();
-    let reader = s.api.open("work", &id).await.unwrap();
+    let reader = api.open("work", &id).await.unwrap();
     let read = tokio::spawn(read_all(reader));
-    let w = s.worker.writer(&job(&id));
+    let w = worker.writer(&job(&id));
     let pad = "y".repeat(190);
-    for n in 0..5000 {
+    for n in 0..events {
         assert!(
             w.push(StreamEvent::Data(format!("{n:>8} {pad}")))
                 .await
@@ -310,7 +334,7 @@ async fn a_reader_that_keeps_up_is_never_refused() {
     }
     assert!(w.push(StreamEvent::End).await.unwrap());
     let got = read.await.unwrap();
-    assert_eq!(got.len(), 5000);
+    assert_eq!(got.len(), events);
     for (n, t) in got.iter().enumerate() {
         assert_eq!(t, &format!("{n:>8} {pad}"));
     }
