@@ -2279,7 +2279,7 @@ mod fair {
     /// (2 calls held) with 98 more of its jobs queued (its whole budget); the
     /// worker takes and defers them round after round, waiting between rounds
     /// (50 ms doubling to 1 s). Measured over 6 s once the waits reached 1 s:
-    /// each round is ~98 x (BLMOVE + job_lease + job_defer), about one a
+    /// each round is ~98 x (BLMOVE + job_lease + job_hand_back), about one a
     /// second.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn job_redis_a_backlog_of_capped_jobs_is_not_spun_on() {

@@ -11,10 +11,10 @@
 //! go to the `dead` list), counts the attempt, increments the fencing token.
 //! Before the provider call, the job claims its charge (`start`: `claim.lua`,
 //! on the user's keys), outside the fetch loop.
-//! `job_complete.lua` / `job_fail.lua` / `job_hand_back.lua` / `job_defer.lua`
+//! `job_complete.lua` / `job_fail.lua` / `job_hand_back.lua` (head or tail)
 //! check that token in the same script that writes, so a worker that lost its
 //! lease writes nothing. A job taken but not run now (its user holds its share
-//! of the worker) is deferred: `job_defer.lua` puts it at the queue's tail.
+//! of the worker) is deferred: `job_hand_back.lua` puts it at the queue's tail.
 //!
 //! **Releases** cross hash tags (the job lives on the queue's tag, the charge on
 //! the user's), so they go in order: mark the job failed with its release
@@ -165,6 +165,24 @@ impl RedisJobQueue {
         cmd: redis::Cmd,
     ) -> Result<T, JobError> {
         Ok(call::command(&self.pool, self.timeout, op, &cmd).await?)
+    }
+
+    /// `job_hand_back.lua`: a leased job not run, back to `end` of its queue.
+    async fn put_back(&self, lease: &Lease, end: scripts::QueueEnd) -> Result<Finish, JobError> {
+        let (_, keys) = self.op_keys(&lease.job.operation)?;
+        let call = scripts::job_hand_back(
+            &keys,
+            lease.job.id.as_str(),
+            &lease.worker,
+            lease.token,
+            end,
+        );
+        let r: i64 = self.script("job_hand_back", call).await?;
+        Ok(if r == 1 {
+            Finish::Recorded
+        } else {
+            Finish::LeaseLost
+        })
     }
 
     fn op_keys(
@@ -1100,33 +1118,11 @@ impl JobSource for RedisJobQueue {
     }
 
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError> {
-        let (_, keys) = self.op_keys(&lease.job.operation)?;
-        let r: i64 = self
-            .script(
-                "job_hand_back",
-                scripts::job_hand_back(&keys, lease.job.id.as_str(), &lease.worker, lease.token),
-            )
-            .await?;
-        Ok(if r == 1 {
-            Finish::Recorded
-        } else {
-            Finish::LeaseLost
-        })
+        self.put_back(lease, scripts::QueueEnd::Head).await
     }
 
     async fn defer(&self, lease: &Lease) -> Result<Finish, JobError> {
-        let (_, keys) = self.op_keys(&lease.job.operation)?;
-        let r: i64 = self
-            .script(
-                "job_defer",
-                scripts::job_defer(&keys, lease.job.id.as_str(), &lease.worker, lease.token),
-            )
-            .await?;
-        Ok(if r == 1 {
-            Finish::Recorded
-        } else {
-            Finish::LeaseLost
-        })
+        self.put_back(lease, scripts::QueueEnd::Tail).await
     }
 
     async fn maintain(&self, worker: &str, liveness: Duration) -> Result<Maintenance, JobError> {

@@ -953,7 +953,6 @@ pub static JOBS: LazyLock<Library> = LazyLock::new(|| {
                 "job_hand_back",
                 include_str!("../../../lua/job_hand_back.lua"),
             ),
-            ("job_defer", include_str!("../../../lua/job_defer.lua")),
             ("job_due", include_str!("../../../lua/job_due.lua")),
             ("job_requeue", include_str!("../../../lua/job_requeue.lua")),
             ("job_unstick", include_str!("../../../lua/job_unstick.lua")),
@@ -963,7 +962,7 @@ pub static JOBS: LazyLock<Library> = LazyLock::new(|| {
 });
 
 /// The job scripts by their file in `lua/` (see [`all`]).
-pub const JOB_SCRIPTS: [&str; 13] = [
+pub const JOB_SCRIPTS: [&str; 12] = [
     "job_enqueue",
     "job_lease",
     "job_renew",
@@ -972,7 +971,6 @@ pub const JOB_SCRIPTS: [&str; 13] = [
     "job_fail",
     "job_refunded",
     "job_hand_back",
-    "job_defer",
     "job_due",
     "job_requeue",
     "job_unstick",
@@ -1234,26 +1232,34 @@ pub fn job_refunded(keys: &JobKeys, id: &str, ttl_ms: u64) -> FunctionCall {
     inv
 }
 
-/// `job_hand_back.lua`
-pub fn job_hand_back(keys: &JobKeys, id: &str, worker: &str, token: u64) -> FunctionCall {
+/// Where [`job_hand_back`] puts a job back in its queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueEnd {
+    /// Next to be taken (a worker stopping).
+    Head,
+    /// Behind every queued job (a deferral).
+    Tail,
+}
+
+/// `job_hand_back.lua`: job `id`, taken by `worker` under fencing `token` and
+/// not run, back to `end` of its queue.
+pub fn job_hand_back(
+    keys: &JobKeys,
+    id: &str,
+    worker: &str,
+    token: u64,
+    end: QueueEnd,
+) -> FunctionCall {
     let mut inv = JOBS.prepare("job_hand_back");
     inv.key(keys.job(id))
         .key(keys.processing(worker))
         .key(&keys.leases)
         .key(&keys.queue);
-    inv.arg(id).arg(token);
-    inv
-}
-
-/// `job_defer.lua`: job `id`, taken by `worker` under fencing `token` and not
-/// started, back to the tail of its queue.
-pub fn job_defer(keys: &JobKeys, id: &str, worker: &str, token: u64) -> FunctionCall {
-    let mut inv = JOBS.prepare("job_defer");
-    inv.key(keys.job(id))
-        .key(keys.processing(worker))
-        .key(&keys.leases)
-        .key(&keys.queue);
-    inv.arg(id).arg(token);
+    let side = match end {
+        QueueEnd::Head => "head",
+        QueueEnd::Tail => "tail",
+    };
+    inv.arg(id).arg(token).arg(side);
     inv
 }
 
