@@ -1,16 +1,18 @@
 //! [`Cost`]: the tower layer that states a route's price where the route is
-//! declared, and charges it to the caller's budget around the handler.
+//! declared, for the job the route's handler submits.
 //!
 //! ```
 //! use std::sync::Arc;
 //! use axum::{body::Body, http::Request, routing::post, Extension, Router};
-//! use tollgate_api::cost::{Budget, Cost, Reservation};
+//! use tollgate_api::cost::{Budget, Cost, Priced};
 //! use tollgate_core::{config::Config, ledger::Ledger, id::UserId};
 //! use tollgate_memory::ledger::MemoryLedger;
 //! use tower::ServiceExt;
 //!
-//! async fn summarize(reservation: Reservation) -> String {
-//!     format!("charged {} tokens", reservation.cost)
+//! // A job route's handler: it submits the job that charges `priced.cost`
+//! // (here it only says what it would charge).
+//! async fn summarize(priced: Priced) -> String {
+//!     format!("{} would pay {} tokens", priced.user, priced.cost)
 //! }
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -18,7 +20,7 @@
 //! let config = Arc::new(Config::builtin());
 //! let ledger: Arc<dyn Ledger> = Arc::new(MemoryLedger::new(Arc::clone(&config)));
 //! let app: Router = Router::new()
-//!     .route("/summarize", post(summarize).layer(Cost::tokens(8)))
+//!     .route("/summarize", post(summarize).layer(Cost::job(8)))
 //!     // Your authentication puts the caller's `UserId` into the request
 //!     // extensions; here everyone is alice.
 //!     .layer(axum::middleware::map_request(|mut req: axum::extract::Request| async move {
@@ -30,29 +32,22 @@
 //! let request = Request::post("/summarize").body(Body::empty()).expect("request");
 //! let response = app.oneshot(request).await.expect("infallible");
 //! assert_eq!(response.status(), 200);
-//! // Built-in plan: 1000 tokens per 12 h, 8 spent.
-//! assert_eq!(response.headers()["ratelimit"], "\"budget\";r=992;t=43200");
-//! assert_eq!(ledger.usage(&UserId::new("alice").expect("id")).await.expect("usage").used, 8);
+//! // The layer states the price; only the job's submission charges it.
+//! assert_eq!(ledger.usage(&UserId::new("alice").expect("id")).await.expect("usage").used, 0);
 //! # }
 //! ```
 //!
-//! Two kinds of route:
-//! - **Plain** ([`Cost::tokens`]): the layer charges the price around the
-//!   handler. It takes the request id from the `Idempotency-Key` header (scoped
-//!   to the user) or makes one, reserves (denied: 429 with `Retry-After` and the
-//!   `RateLimit-Policy` / `RateLimit` headers, the handler never runs), runs the
-//!   handler with a [`Reservation`], refunds if the handler answered an error,
-//!   and adds the rate-limit headers. A key already charged is a 409: the
-//!   handler does not run again, and only the request that charged refunds.
-//! - **Job** ([`Cost::per_operation`], [`Cost::job`]): the layer states the
-//!   price and hands the handler a [`Priced`]; the handler submits a job, and
-//!   the job's submission is the one place that charges it
-//!   ([`tollgate_core::job::JobQueue::submit`]), after the body has been read and
-//!   fingerprinted. The layer never refunds a job's charge: the job owns it.
+//! A route is priced by a fixed cost ([`Cost::job`]), the `cost` of the
+//! operation its path names ([`Cost::per_operation`]) or its pass-through
+//! operation ([`Cost::passthrough`]). The layer states the price and hands
+//! the handler a [`Priced`]; the handler submits a job, and the job's
+//! submission is the one place that charges it
+//! ([`tollgate_core::job::JobQueue::submit`]), after the body has been read and
+//! fingerprinted. The layer never charges or refunds: the job owns its charge.
 //!
-//! Either way the handler runs in a spawned task that the request awaits: when
-//! the client disconnects, hyper drops the request's future, but the task goes
-//! on to the end, so a charge is never cut off half way by a client.
+//! The handler runs in a spawned task that the request awaits: when the
+//! client disconnects, hyper drops the request's future, but the task goes on
+//! to the end, so a submission is never cut off half way by a client.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -71,13 +66,12 @@ use tokio::sync::watch;
 use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
-    ledger::{Allowed, Ledger, RefundOutcome, ReserveOutcome},
+    ledger::Ledger,
 };
 use tower::{Layer, Service};
 
 use crate::extract::extension;
 use crate::problem::ApiError;
-use crate::ratelimit;
 use tollgate_core::metrics::Metrics;
 
 /// The header a client sets to make a retry safe.
@@ -85,7 +79,7 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Longest accepted `Idempotency-Key`.
 pub const MAX_IDEMPOTENCY_KEY: usize = 255;
 
-/// What the [`Cost`] layer charges with: put it in the request extensions
+/// What the [`Cost`] layer prices with: put it in the request extensions
 /// (`.layer(Extension(budget))`).
 #[derive(Clone, Debug)]
 pub struct Budget {
@@ -153,7 +147,7 @@ impl Budget {
         self
     }
 
-    /// Counts reservations and refunds in `metrics`.
+    /// Counts reservations in `metrics`.
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
         self
@@ -172,8 +166,6 @@ impl Budget {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cost {
     price: Price,
-    /// Plain route: the layer charges. Job route: the job's submission does.
-    charges: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -184,21 +176,11 @@ enum Price {
 }
 
 impl Cost {
-    /// A plain route's fixed price in budget tokens (>= 1): the layer charges
-    /// it around the handler.
-    pub const fn tokens(n: u64) -> Self {
-        Self {
-            price: Price::Tokens(n),
-            charges: true,
-        }
-    }
-
     /// A job route's fixed price (>= 1), stated at the route: the handler
     /// receives a [`Priced`], and the job's submission charges it.
     pub const fn job(n: u64) -> Self {
         Self {
             price: Price::Tokens(n),
-            charges: false,
         }
     }
 
@@ -208,7 +190,6 @@ impl Cost {
     pub const fn per_operation() -> Self {
         Self {
             price: Price::PerOperation,
-            charges: false,
         }
     }
 
@@ -218,13 +199,7 @@ impl Cost {
     pub const fn passthrough() -> Self {
         Self {
             price: Price::PassThrough,
-            charges: false,
         }
-    }
-
-    /// A job route: the job's submission charges, not the layer.
-    pub fn is_job(&self) -> bool {
-        !self.charges
     }
 
     /// The fixed price, if it is one.
@@ -275,7 +250,7 @@ where
             .map(|b| b.in_flight.start());
         let task = tokio::spawn(async move {
             let _guard = guard;
-            charge(inner, cost, req, gone).await
+            priced(inner, cost, req, gone).await
         });
         Box::pin(async move {
             // Dropped with this future when the client goes away: tells the
@@ -291,34 +266,12 @@ where
     }
 }
 
-/// Signals [`Reservation::client_gone`] when the request's future is dropped.
+/// Signals [`Priced::client_gone`] when the request's future is dropped.
 struct ClientGuard(watch::Sender<bool>);
 
 impl Drop for ClientGuard {
     fn drop(&mut self) {
         let _ = self.0.send(true);
-    }
-}
-
-/// The reservation a plain route's layer made for this request; extract it in
-/// the handler.
-#[derive(Debug, Clone)]
-pub struct Reservation {
-    pub user: UserId,
-    pub request_id: RequestId,
-    /// The route's operation label (the `{operation}` path parameter, or the
-    /// last segment of the path).
-    pub operation: String,
-    pub cost: u64,
-    pub allowed: Allowed,
-    gone: watch::Receiver<bool>,
-}
-
-impl Reservation {
-    /// Resolves when the client has gone away (hyper dropped the request); the
-    /// handler keeps running in its own task either way.
-    pub async fn client_gone(&self) {
-        client_gone(&self.gone).await;
     }
 }
 
@@ -346,16 +299,6 @@ impl Priced {
 async fn client_gone(gone: &watch::Receiver<bool>) {
     let mut gone = gone.clone();
     let _ = gone.wait_for(|g| *g).await;
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for Reservation {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
-        extension(parts, || {
-            ApiError::Internal("the route has no charging Cost layer".into())
-        })
-    }
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for Priced {
@@ -460,7 +403,7 @@ async fn price(cost: Cost, budget: &Budget, parts: &mut Parts) -> Result<(u64, S
     }
 }
 
-async fn charge<S>(mut inner: S, cost: Cost, req: Request, gone: watch::Receiver<bool>) -> Response
+async fn priced<S>(mut inner: S, cost: Cost, req: Request, gone: watch::Receiver<bool>) -> Response
 where
     S: Service<Request, Response = Response, Error = Infallible>,
 {
@@ -477,87 +420,13 @@ where
         Err(e) => return e.into_response(),
     };
     crate::access_log::AccessNote::priced(&parts.extensions, &operation, tokens);
-    if !cost.charges {
-        parts.extensions.insert(Priced {
-            user,
-            operation,
-            cost: tokens,
-            gone,
-        });
-        let Ok(response) = inner.call(Request::from_parts(parts, body)).await;
-        return response;
-    }
-    let request_id = match request_id(&user, &parts.headers) {
-        Ok(id) => id,
-        Err(e) => return e.into_response(),
-    };
-    let outcome = match budget.ledger.reserve(&user, &request_id, tokens).await {
-        Ok(o) => o,
-        // Whether the reserve happened is unknown: answered as unavailable,
-        // never refunded on a guess.
-        Err(e) => return ApiError::from(e).into_response(),
-    };
-    let metrics = budget.metrics.clone();
-    let allowed = match outcome {
-        ReserveOutcome::Allowed(a) if a.duplicate => {
-            // Another request with this key charged already, and owns the
-            // charge: the handler does not run again for free.
-            let mut response = ApiError::IdempotencyConflict(
-                "this Idempotency-Key was charged already; the answer of a plain route is not kept"
-                    .into(),
-            )
-            .into_response();
-            ratelimit::allowed(&a).apply(response.headers_mut());
-            return response;
-        }
-        ReserveOutcome::Allowed(a) => a,
-        ReserveOutcome::Denied(denied) => {
-            if let Some(m) = &metrics {
-                m.reservation(&operation, false);
-            }
-            return ApiError::QuotaExceeded(Box::new(denied)).into_response();
-        }
-    };
-    if let Some(m) = &metrics {
-        m.reservation(&operation, true);
-    }
-    let reservation = Reservation {
-        user: user.clone(),
-        request_id: request_id.clone(),
-        operation: operation.clone(),
+    parts.extensions.insert(Priced {
+        user,
+        operation,
         cost: tokens,
-        allowed: allowed.clone(),
         gone,
-    };
-    parts.extensions.insert(reservation);
-    let Ok(mut response) = inner.call(Request::from_parts(parts, body)).await;
-
-    let mut headers = ratelimit::allowed(&allowed);
-    let failed = response.status().is_client_error() || response.status().is_server_error();
-    // The handler ran here and answered an error: this request made the charge
-    // (a duplicate never gets this far), so it gives it back.
-    if failed {
-        match budget.ledger.refund(&user, &request_id).await {
-            Ok(RefundOutcome::Refunded { cost, .. }) => {
-                if let Some(m) = &metrics {
-                    m.refund(&operation);
-                }
-                headers = ratelimit::allowed(&allowed.refunded(cost));
-            }
-            // A job's charge under this id is never this request's (its
-            // reserve answered a duplicate, which never gets this far).
-            Ok(
-                RefundOutcome::NotFound { .. }
-                | RefundOutcome::Cancelled { .. }
-                | RefundOutcome::Running { .. },
-            ) => {}
-            Err(e) => tracing::error!(
-                user = %user, request_id = %request_id, error = %e,
-                "refund of a failed plain request failed; the charge stays"
-            ),
-        }
-    }
-    headers.apply(response.headers_mut());
+    });
+    let Ok(response) = inner.call(Request::from_parts(parts, body)).await;
     response
 }
 
@@ -574,7 +443,7 @@ mod tests {
         let config = Arc::new(Config::builtin());
         let ledger: Arc<dyn Ledger> = Arc::new(MemoryLedger::new(Arc::clone(&config)));
         let app = Router::new()
-            .route("/op", handler.layer(Cost::tokens(8)))
+            .route("/op", handler.layer(Cost::job(8)))
             .layer(axum::middleware::map_request(
                 |mut req: Request| async move {
                     req.extensions_mut().insert(UserId::new("alice").unwrap());
@@ -590,11 +459,11 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn failures_are_refunded_and_a_charged_key_does_not_run_again() {
-        let (failing, ledger) = app(post(|| async {
-            (axum::http::StatusCode::BAD_GATEWAY, "no")
+    async fn the_layer_states_the_price_and_charges_nothing() {
+        let (app, ledger) = app(post(|p: Priced| async move {
+            format!("{} {} {}", p.user, p.operation, p.cost)
         }));
-        let r = failing
+        let r = app
             .oneshot(
                 Request::post("/op")
                     .body(axum::body::Body::empty())
@@ -602,38 +471,18 @@ mod tests {
             )
             .await
             .unwrap();
-        assert_eq!(r.status(), 502);
-        assert_eq!(r.headers()["ratelimit"], "\"budget\";r=1000;t=43200");
+        assert_eq!(r.status(), 200);
+        let body = axum::body::to_bytes(r.into_body(), 1024).await.unwrap();
+        assert_eq!(&body[..], b"alice op 8");
         assert_eq!(ledger.usage(&alice()).await.unwrap().used, 0);
-
-        let runs = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&runs);
-        let (once, ledger) = app(post(move || {
-            let runs = Arc::clone(&counted);
-            async move {
-                runs.fetch_add(1, Ordering::SeqCst);
-                "done"
-            }
-        }));
-        let keyed = || {
-            Request::post("/op")
-                .header(IDEMPOTENCY_KEY, "k-1")
-                .body(axum::body::Body::empty())
-                .unwrap()
-        };
-        assert_eq!(once.clone().oneshot(keyed()).await.unwrap().status(), 200);
-        let again = once.oneshot(keyed()).await.unwrap();
-        assert_eq!(again.status(), 409);
-        assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
-        assert_eq!(ledger.usage(&alice()).await.unwrap().used, 8);
     }
 
     #[tokio::test]
     async fn a_dropped_request_finishes_its_handler_and_signals_client_gone() {
         let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
         let done_tx = Arc::new(std::sync::Mutex::new(Some(done_tx)));
-        let (app, ledger) = app(post(move |r: Reservation| async move {
-            r.client_gone().await;
+        let (app, _ledger) = app(post(move |p: Priced| async move {
+            p.client_gone().await;
             if let Some(tx) = done_tx.lock().unwrap().take() {
                 let _ = tx.send(());
             }
@@ -652,7 +501,6 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(ledger.usage(&alice()).await.unwrap().used, 8);
     }
 
     #[test]

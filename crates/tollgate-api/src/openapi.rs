@@ -330,10 +330,8 @@ impl Routes {
         if cost.fixed().is_none() {
             doc.errors.push(ProblemType::UnknownOperation);
         }
-        if cost.is_job() {
-            doc.errors.push(ProblemType::ResultExpired);
-            doc.errors.push(ProblemType::StoredBytesExceeded);
-        }
+        doc.errors.push(ProblemType::ResultExpired);
+        doc.errors.push(ProblemType::StoredBytesExceeded);
         self.route(doc, handler.layer(cost))
     }
 

@@ -88,7 +88,7 @@ pub struct WindowView {
 #[derive(Debug, Serialize)]
 pub struct EventView {
     pub request_id: String,
-    /// The operation the request ran (`null` for a charge of a plain route).
+    /// The operation the request ran (`null` for an operator's reserve).
     pub operation: Option<String>,
     /// The id of the service key that made the call for the user (absent:
     /// the user's own key).

@@ -424,7 +424,6 @@ pub struct Metrics {
     loops: Loops,
     // api
     reservations: Family<OperationOutcome, Counter>,
-    refunds: Family<OperationLabel, Counter>,
     job_outcomes: Family<OperationOutcome, Counter>,
     requests: Family<RouteLabels, Counter>,
     operation_duration: Histograms<OperationLabel>,
@@ -492,13 +491,6 @@ impl Metrics {
             "tollgate_reservations",
             "Budget reservations by operation and outcome (allowed, denied)",
             reservations.clone(),
-        );
-        let refunds = counters();
-        r.register(
-            "tollgate_refunds",
-            "Charges of plain (jobless) routes refunded by the api because the handler failed; a \
-             job releases its own charge (tollgate_worker_refunds_total)",
-            refunds.clone(),
         );
         let job_outcomes = counters();
         r.register(
@@ -867,7 +859,6 @@ impl Metrics {
             refreshed: tokio::sync::Mutex::new(None),
             loops: Loops::default(),
             reservations,
-            refunds,
             job_outcomes,
             requests,
             operation_duration,
@@ -992,15 +983,6 @@ impl Metrics {
             .get_or_create(&OperationOutcome {
                 operation: operation.to_owned(),
                 outcome,
-            })
-            .inc();
-    }
-
-    /// A plain route's charge refunded by the api (its handler failed).
-    pub fn refund(&self, operation: &str) {
-        self.refunds
-            .get_or_create(&OperationLabel {
-                operation: operation.to_owned(),
             })
             .inc();
     }
@@ -1430,7 +1412,6 @@ mod tests {
         let m = metrics();
         m.reservation("llm.structured", true);
         m.reservation("llm.structured", false);
-        m.refund("llm.structured");
         m.job_outcome("llm.structured", "provider");
         m.operation_latency("llm.structured", Duration::from_millis(30));
         m.request("/v1/ops/{operation}", "POST", 200);
@@ -1440,7 +1421,6 @@ mod tests {
             "# TYPE tollgate_reservations_total counter",
             "tollgate_reservations_total{operation=\"llm.structured\",outcome=\"allowed\"} 1",
             "tollgate_reservations_total{operation=\"llm.structured\",outcome=\"denied\"} 1",
-            "tollgate_refunds_total{operation=\"llm.structured\"} 1",
             "tollgate_job_outcomes_total{operation=\"llm.structured\",outcome=\"provider\"} 1",
             "# TYPE tollgate_operation_duration_seconds histogram",
             "tollgate_operation_duration_seconds_bucket{operation=\"llm.structured\",le=\"0.05\"} 1",
