@@ -605,7 +605,7 @@ async fn job_answered_without_a_key_leaves_no_record(s: &Setup) {
     );
 }
 
-/// A final record stores its long values in pieces (Redis: `lib/job.lua`,
+/// A final record stores its long values in pieces (Redis: `jobs/lib/job.lua`,
 /// compact_final); results and messages of any length and script read back
 /// whole, and a new attempt of the id starts from a clean record.
 async fn job_long_results_and_messages_read_back_whole(s: &Setup) {

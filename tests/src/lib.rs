@@ -71,19 +71,6 @@ pub fn one_plan_config(name: &str, limit: u64, window: &str) -> std::sync::Arc<C
     std::sync::Arc::new(config)
 }
 
-/// The KEYS of the previous layout's budget scripts (`it/legacy`), in their
-/// order.
-pub fn previous_layout_keys(keys: &tollgate_redis::keys::BudgetKeys) -> [&str; 6] {
-    [
-        &keys.events,
-        &keys.costs,
-        &keys.plan,
-        &keys.owners,
-        &keys.holds,
-        &keys.audit,
-    ]
-}
-
 /// The path of a binary built from this workspace (`tollgate`, `tollgate-bench`),
 /// next to the running test executable's `deps/` folder. Panics with the build
 /// command to run when it is missing: the test command builds the binaries first.

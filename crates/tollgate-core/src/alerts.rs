@@ -3,7 +3,7 @@
 //!
 //! A crossing is a change (a spend recorded, a settle raising a cost) that
 //! takes a window's total from below `ceil(threshold * limit)` to at or above
-//! it. It is detected inside the atomic budget step (`lua/lib/budget.lua`,
+//! it. It is detected inside the atomic budget step (`lua/budget/lib/state.lua`,
 //! `tollgate-memory`'s ledger), so exactly one request sees each crossing, on any number of
 //! pods; usage falling back below (events leaving the window, refunds) and
 //! rising again is a new crossing. The step only appends the alert to its

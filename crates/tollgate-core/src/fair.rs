@@ -1,6 +1,6 @@
 //! The in-process fair queue of one provider: start-time fair queuing with a
 //! tag per ticket, and an optional per-user cap on calls in flight. The Redis
-//! throttle keeps the same queue in keys (`lua/lib/fair.lua`); the two are
+//! throttle keeps the same queue in keys (`lua/throttle/lib/fair.lua`); the two are
 //! held to one behaviour by the throttle conformance suite.
 //!
 //! A ticket gets its *start tag* on a virtual clock when it is queued:

@@ -382,7 +382,7 @@ impl Watch {
 /// What a job counts towards its user's `max_stored_bytes`: the bytes of its
 /// input (while it can still run) or of its result or error message (once
 /// final), as JSON text, plus [`JOB_RECORD_BYTES`](crate::config::JOB_RECORD_BYTES).
-/// `lua/lib/job.lua` counts the same way.
+/// `lua/jobs/lib/job.lua` counts the same way.
 pub fn stored_bytes(text_len: usize) -> u64 {
     text_len as u64 + crate::config::JOB_RECORD_BYTES
 }

@@ -17,7 +17,7 @@
 //! submission; the job created for it (carrying the nonce) claims it before it
 //! calls the provider, and releases it if it fails. Each move is one atomic step
 //! of the ledger, and a charge whose job never claimed it by the job's deadline
-//! plus a grace is released by the ledger itself (see `lua/lib/budget.lua`): a
+//! plus a grace is released by the ledger itself (see `lua/budget/lib/state.lua`): a
 //! job past its deadline never starts, so no job can claim it any more.
 
 use async_trait::async_trait;

@@ -476,7 +476,7 @@ impl Log {
     }
 }
 
-/// The owner record of a job's charge (the `owners` hash of `lua/lib/budget.lua`).
+/// The owner record of a job's charge (the packed log record of `lua/budget/lib/codec.lua`).
 struct Owner {
     nonce: Box<str>,
     deadline_ms: u64,
@@ -628,7 +628,7 @@ impl UserLog {
     }
 
     /// Every window's total, in the plan's order, when the call's plan has
-    /// alert thresholds (`lua/lib/budget.lua`'s `snapshot`).
+    /// alert thresholds (`lua/budget/lib/alerts.lua`'s `snapshot`).
     fn window_totals(&self) -> Option<Vec<u64>> {
         let marks = self.marks.as_ref()?;
         Some((0..marks.limits.len()).map(|i| self.used(i)).collect())

@@ -24,7 +24,7 @@ use tollgate_core::throttle::{
 };
 
 /// An adaptive bucket's rate at `t`: `e` at `since`, growing back by a tenth
-/// of `rate` per second, up to `rate` (the same as `lua/lib/bucket.lua`).
+/// of `rate` per second, up to `rate` (the same as `lua/throttle/lib/bucket.lua`).
 fn aimd_rate(aimd: Option<(f64, Instant)>, rate: f64, t: Instant) -> f64 {
     match aimd {
         None => rate,

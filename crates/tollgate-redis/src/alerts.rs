@@ -1,7 +1,7 @@
 //! The budget alerts' outbox on Redis ([`RedisAlerts`]).
 //!
 //! A budget step that crosses a threshold appends the alert to its subject's
-//! outbox, in the subject's slot (`lua/lib/budget.lua`'s `queue_alert`), and
+//! outbox, in the subject's slot (`lua/budget/lib/alerts.lua`'s `queue_alert`), and
 //! its caller adds the outbox's pointer to one due set
 //! ([`KeySpace::alert_due`]; `RedisLedger` does, after the step). A
 //! deliverer leases pointers that are due (`alert_take.lua`), then each
@@ -30,6 +30,7 @@ use crate::call::{self, bad_reply};
 use crate::keys::KeySpace;
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts;
+use crate::scripts::reply::{signed as int, text};
 
 /// Pointers one [`AlertOutbox::take`] leases at most.
 const POINTERS: usize = 16;
@@ -72,21 +73,6 @@ impl RedisAlerts {
             .arg(delay_ms);
         let next: i64 = call::script(&self.pool, self.timeout, "alert_done", &inv).await?;
         self.point(&alert.outbox, next).await
-    }
-}
-
-fn text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    }
-}
-
-fn int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(i) => Some(*i),
-        _ => None,
     }
 }
 

@@ -55,6 +55,7 @@ use crate::call::{self, bad_reply};
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{blocking_connection, Blocking};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
+use crate::scripts::reply::{loose_int as int, loose_text as text, signed as int_signed};
 use crate::scripts::{self, FailArgs, FunctionCall, LeaseArgs, Reclaim};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
@@ -513,7 +514,7 @@ fn with_provider(config: &Config, mut info: JobInfo) -> JobInfo {
 
 /// The finished-jobs channels' listener: an id rings the watchers of that job;
 /// an id with its final record (`"<id>\n<JSON array of names and values>"`,
-/// this pod's own channel: `lib/job.lua` publish_done) is delivered to them.
+/// this pod's own channel: `jobs/lib/job.lua` publish_done) is delivered to them.
 /// After every (re)subscription every watcher is rung to re-read its job (what
 /// was published while the subscription was down is found that way).
 struct Finished {
@@ -599,7 +600,7 @@ fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, Strin
         id: id.clone(),
         user: UserId::new(field(map, "user")?).map_err(|e| e.to_string())?,
         operation: field(map, "op")?.to_owned(),
-        // A final record keeps neither (lib/job.lua: compact_final).
+        // A final record keeps neither (jobs/lib/job.lua: compact_final).
         provider: map.get("provider").cloned().unwrap_or_default(),
         input: match map.get("input") {
             Some(_) => json(map, "input")?,
@@ -652,7 +653,7 @@ fn parse_record(id: &RequestId, map: &HashMap<String, String>) -> Result<JobInfo
 }
 
 /// A final record's long values are stored in pieces, `<field>#1`, `<field>#2`,
-/// ... (`lua/lib/job.lua`: compact_final): the whole values again.
+/// ... (`lua/jobs/lib/job.lua`: compact_final): the whole values again.
 fn joined(map: &HashMap<String, String>) -> std::borrow::Cow<'_, HashMap<String, String>> {
     if !map.keys().any(|k| k.contains('#')) {
         return std::borrow::Cow::Borrowed(map);
@@ -685,29 +686,6 @@ fn decode(id: &RequestId, map: &HashMap<String, String>) -> Result<Option<JobInf
     parse_record(id, &joined(map))
         .map(Some)
         .map_err(|e| StoreError::backend(format!("job {id}: {e}")).into())
-}
-
-fn text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        Value::Int(i) => Some(i.to_string()),
-        _ => None,
-    }
-}
-
-fn int(v: &Value) -> Option<u64> {
-    match v {
-        Value::Int(i) => u64::try_from(*i).ok(),
-        other => text(other)?.parse().ok(),
-    }
-}
-
-fn int_signed(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(i) => Some(*i),
-        _ => None,
-    }
 }
 
 #[async_trait]

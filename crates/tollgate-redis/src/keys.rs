@@ -37,19 +37,12 @@ pub struct KeySpace {
 }
 
 /// The keys of one user's budget, in the order the budget scripts take them
-/// (`lua/lib/budget.lua` describes them). Besides these, the scripts keep the
+/// (`lua/budget/lib/state.lua` describes them). Besides these, the scripts keep the
 /// index buckets `<base>:e:<n>` in the user's slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BudgetKeys {
-    /// The previous layout's sorted set (request id -> time spent), read only to
-    /// move a user to the current layout.
-    pub events: String,
-    /// The previous layout's hash of costs and `:total` (moved, then dropped).
-    pub costs: String,
     /// String: the user's plan name; never expires.
     pub plan: String,
-    /// The previous layout's hash of charge owners (moved, then dropped).
-    pub owners: String,
     /// Sorted set: request id -> end of the hold of a charge no job has claimed.
     pub holds: String,
     /// Stream: the export of every spend, refund and settle (`[export]`); in
@@ -64,7 +57,7 @@ pub struct BudgetKeys {
     pub cancelled: String,
 }
 
-/// One subject's alert outbox, in its budget's slot (`lua/alert_lease.lua`).
+/// One subject's alert outbox, in its budget's slot (`lua/alerts/alert_lease.lua`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxKeys {
     /// Hash: alert id -> its record, `n:<id>` its attempts, `#`, `!`.
@@ -76,26 +69,38 @@ pub struct OutboxKeys {
 }
 
 impl BudgetKeys {
+    /// The keys in the order the budget scripts take them (KEYS[1..6]).
+    pub fn ordered(&self) -> [&str; 6] {
+        [
+            &self.plan,
+            &self.holds,
+            &self.audit,
+            &self.log,
+            &self.meta,
+            &self.cancelled,
+        ]
+    }
+
     /// Hash: index bucket `n` (request id digest -> the event's changing part).
     pub fn bucket(&self, n: u64) -> String {
         format!("{}:e:{n}", self.meta.trim_end_matches(":meta"))
     }
 
     /// String: the limits an admin set for the user, `limit:window_ms,...`
-    /// longest window first (`lib/budget.lua`'s `resolve_plan` reads it with
+    /// longest window first (`budget/lib/plan.lua`'s `resolve_plan` reads it with
     /// the plan); absent: the plan's. Never expires, like the plan.
     pub fn limits(&self) -> String {
         format!("{}:limits", self.meta.trim_end_matches(":meta"))
     }
 
-    /// String: this location's marker (`lua/lib/budget.lua`, `AT`): at a
+    /// String: this location's marker (`lua/budget/lib/state.lua`, `AT`): at a
     /// user's own tag, the pointer to the organisation it lives in.
     pub fn at(&self) -> String {
         format!("{}:at", self.meta.trim_end_matches(":meta"))
     }
 
     /// Sorted set: events moved in behind later ones, by the time they were
-    /// spent (`lua/lib/budget.lua`, `MOVED`).
+    /// spent (`lua/budget/lib/state.lua`, `MOVED`).
     pub fn moved(&self) -> String {
         format!("{}:mv", self.meta.trim_end_matches(":meta"))
     }
@@ -127,17 +132,17 @@ pub struct ThrottleKeys {
     /// Set: every throttler id that may have a processing list (see
     /// `liveness_heartbeat.lua`); it does not expire.
     pub lists: String,
-    /// The fair queue (`lua/lib/fair.lua`). Sorted set: `"<stamp><ticket>"`
+    /// The fair queue (`lua/throttle/lib/fair.lua`). Sorted set: `"<stamp><ticket>"`
     /// -> start tag: every ticket waiting, served least tag first.
     pub tickets: String,
     /// Sorted set: user with tickets parked by its cap -> when to look again (µs).
     pub capped: String,
     /// Hash: user -> `"<tickets waiting> <finish tag of its last ticket>"`;
     /// `:v` -> the virtual clock, `:n` -> the users waiting (see
-    /// `lua/lib/fair.lua`).
+    /// `lua/throttle/lib/fair.lua`).
     pub tags: String,
     /// Sorted set: ticket -> end of its slot's lease (µs): the calls in
-    /// flight under the provider's `max_concurrent` (`lua/lib/bucket.lua`).
+    /// flight under the provider's `max_concurrent` (`lua/throttle/lib/bucket.lua`).
     pub inflight: String,
     base: String,
 }
@@ -159,14 +164,14 @@ impl ThrottleKeys {
     }
 
     /// The prefix of every key of this provider: the fair queue's scripts
-    /// build the per-user keys of capped users from it (`lua/lib/fair.lua`:
+    /// build the per-user keys of capped users from it (`lua/throttle/lib/fair.lua`:
     /// `<base>:parked:<user>`, tickets held back by the cap, and
     /// `<base>:held:<user>`, its slots in flight).
     pub fn base(&self) -> &str {
         &self.base
     }
 
-    /// Sorted set: `user`'s tickets parked by its cap (`lua/lib/fair.lua`).
+    /// Sorted set: `user`'s tickets parked by its cap (`lua/throttle/lib/fair.lua`).
     pub fn parked(&self, user: &str) -> String {
         format!("{}:parked:{user}", self.base)
     }
@@ -207,14 +212,14 @@ impl KeySpace {
             .finish_non_exhaustive()
     }
 
-    /// `<prefix>:v1:{u:<user>}:events|costs|plan|owners|holds|audit|log|meta|cancelled`
+    /// `<prefix>:v1:{u:<user>}:plan|holds|audit|log|meta|cancelled`
     /// (and `e:<n>`)
     pub fn budget(&self, user: &UserId) -> BudgetKeys {
         Self::budget_at(format!("{}:{SCHEMA}:{{u:{}}}", self.prefix, user))
     }
 
     /// Sorted set: the budget alerts' due set, outbox pointer -> when a
-    /// deliverer should look at that outbox (`lua/alert_take.lua`):
+    /// deliverer should look at that outbox (`lua/alerts/alert_take.lua`):
     /// `<prefix>:v1:{alerts}:due`.
     pub fn alert_due(&self) -> String {
         format!("{}:{SCHEMA}:{{alerts}}:due", self.prefix)
@@ -229,7 +234,7 @@ impl KeySpace {
     }
 
     /// The outbox of the subject whose budget keys are `<prefix>:v1:<pointer>:*`
-    /// (a pointer is `{u:<user>}`, as `lua/lib/budget.lua`'s `subject`
+    /// (a pointer is `{u:<user>}`, as `lua/budget/lib/alerts.lua`'s `subject`
     /// builds it): `None` for a pointer that is not a hash tag's keys.
     pub fn outbox(&self, pointer: &str) -> Option<OutboxKeys> {
         let ok = pointer.starts_with('{')
@@ -249,10 +254,7 @@ impl KeySpace {
 
     fn budget_at(base: String) -> BudgetKeys {
         BudgetKeys {
-            events: format!("{base}:events"),
-            costs: format!("{base}:costs"),
             plan: format!("{base}:plan"),
-            owners: format!("{base}:owners"),
             holds: format!("{base}:holds"),
             audit: format!("{base}:audit"),
             log: format!("{base}:log"),
@@ -405,7 +407,7 @@ impl JobKeys {
 
     /// The prefix of each user's stored-bytes hash in this queue
     /// (`<prefix><user>`: time bucket end (ms) -> bytes counted until then;
-    /// `lua/lib/job.lua`). The scripts complete it with the record's user.
+    /// `lua/jobs/lib/job.lua`). The scripts complete it with the record's user.
     pub fn stored_prefix(&self) -> String {
         format!("{}:stored:", self.base)
     }
@@ -423,15 +425,15 @@ impl JobKeys {
     }
 
     /// Stream: the events of job `id`'s streamed answer, worker to api
-    /// (`lua/stream_push.lua`; its unread bytes bounded, expiring; trimmed
-    /// of what its reader read by `lua/stream_trim.lua`).
+    /// (`lua/streams/stream_push.lua`; its unread bytes bounded, expiring; trimmed
+    /// of what its reader read by `lua/streams/stream_trim.lua`).
     pub fn stream(&self, id: &str) -> String {
         format!("{}:stream:{id}", self.base)
     }
 
     /// String: the bytes appended to job `id`'s stream and not yet released
-    /// by its reader (`lua/stream_push.lua` adds, refusing appends once it
-    /// reaches `STREAM_BACKLOG_BYTES`; `lua/stream_trim.lua` subtracts),
+    /// by its reader (`lua/streams/stream_push.lua` adds, refusing appends once it
+    /// reaches `STREAM_BACKLOG_BYTES`; `lua/streams/stream_trim.lua` subtracts),
     /// expiring with the stream.
     pub fn stream_bytes(&self, id: &str) -> String {
         format!("{}:stream-bytes:{id}", self.base)
@@ -577,11 +579,8 @@ mod tests {
         let k = KeySpace::new("tg")
             .unwrap()
             .budget(&UserId::new("alice").unwrap());
-        assert_eq!(k.events, "tg:v1:{u:alice}:events");
-        assert_eq!(k.costs, "tg:v1:{u:alice}:costs");
         assert_eq!(k.plan, "tg:v1:{u:alice}:plan");
         assert_eq!(k.limits(), "tg:v1:{u:alice}:limits");
-        assert_eq!(k.owners, "tg:v1:{u:alice}:owners");
         assert_eq!(k.holds, "tg:v1:{u:alice}:holds");
         assert_eq!(k.audit, "tg:v1:{u:alice}:audit");
         assert_eq!(k.log, "tg:v1:{u:alice}:log");

@@ -26,6 +26,7 @@ use tollgate_core::{
 use crate::call::{self, bad_reply};
 use crate::keys::{KeySpace, Location};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
+use crate::scripts::reply::{int, signed, text};
 use crate::scripts::{self, PlanArgs};
 
 /// The distributed budget ledger.
@@ -53,7 +54,7 @@ const MOVING_POLL: Duration = Duration::from_millis(25);
 const MOVING_POLLS: usize = 200;
 /// Log entries a move reads per batch.
 const MOVE_BATCH: usize = 50;
-/// How `lib/budget.lua` (`resolve_plan`) names the plan of a user with limits
+/// How `budget/lib/plan.lua` (`resolve_plan`) names the plan of a user with limits
 /// of its own: this, then the named plan (no plan name has a ':').
 const CUSTOM_PREFIX: &str = "custom:";
 
@@ -66,12 +67,10 @@ impl std::fmt::Debug for RedisLedger {
     }
 }
 
-/// The errors a budget script answers when it kept its progress and must be
-/// called again: it moved a batch of a user's events from the previous key
-/// layout, or read its slice of the log before every window reached now
-/// (`lib/budget.lua`'s `expire`). How many such calls a request makes at most
-/// (each moves 250 events or reads 100: 10 million).
-const MIGRATING: &str = "TOLLGATE_MIGRATING";
+/// The error a budget script answers when it kept its progress and must be
+/// called again: it read its slice of the log before every window reached now
+/// (`budget/lib/expire.lua`'s `expire`). How many such calls a request makes at most
+/// (each reads 100 entries: 10 million).
 const AGAIN: &str = "TOLLGATE_AGAIN";
 const AGAIN_CALLS: usize = 100_000;
 
@@ -177,9 +176,8 @@ impl RedisLedger {
     }
 
     /// One budget script. No call reads more than a slice of the user's log:
-    /// one that would (a user still in the previous key layout, a whole log
-    /// leaving the window at once, a window's total being rebuilt) keeps its
-    /// progress and answers `TOLLGATE_MIGRATING` or `TOLLGATE_AGAIN`, and is
+    /// one that would (a whole log leaving the window at once, a window's
+    /// total being rebuilt) keeps its progress and answers `TOLLGATE_AGAIN`, and is
     /// called again, so other users' calls run in between.
     async fn script<T: FromRedisValue>(
         &self,
@@ -210,11 +208,11 @@ impl RedisLedger {
 
     /// Adds a subject's outbox pointer to the alerts' due set, due at once:
     /// at minus this pod's clock (ms; negative marks a budget step's pointer,
-    /// see `lua/alert_point.lua`; `ZADD LT` lowers a deliverer's time),
+    /// see `lua/alerts/alert_point.lua`; `ZADD LT` lowers a deliverer's time),
     /// in the background: the budget step is done, its answer waits for
     /// nothing. A pointer lost here (the process dies first, Redis fails) is
     /// added again by a later budget step of the subject (`repoint` in
-    /// `lua/lib/budget.lua`).
+    /// `lua/budget/lib/state.lua`).
     fn point(&self, pointer: String) {
         let pool = self.pool.clone();
         let timeout = self.timeout;
@@ -917,27 +915,8 @@ fn refund_outcome(what: &str, r: &[i64]) -> Result<RefundOutcome, LedgerError> {
     }
 }
 
-fn signed(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(i) => Some(*i),
-        _ => None,
-    }
-}
-
-fn int(v: &Value) -> Option<u64> {
-    signed(v).and_then(|i| u64::try_from(i).ok())
-}
-
-fn text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    }
-}
-
 /// One XRANGE entry of the export stream: `[id, [field, value, ...]]` (the
-/// fields of lib/budget.lua's `export`).
+/// fields of budget/lib/windows.lua's `export`).
 pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
     let bad = || bad_reply::<LedgerError>("exported", v);
     let Value::Array(parts) = v else {
@@ -985,14 +964,14 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
     })
 }
 
-/// Fields per window in a budget script's reply (`push_windows` in lib/budget.lua).
+/// Fields per window in a budget script's reply (`push_windows` in budget/lib/events.lua).
 const WINDOW_FIELDS: usize = 5;
 
 /// Whether a budget script kept its progress and asks to be called again:
 /// its error reply's code (the first word, `error({ err = 'CODE ...' })` in
 /// Lua), read from the Redis error the store error keeps as its source.
 fn is_again(e: &StoreError) -> bool {
-    matches!(error_code(e), Some(AGAIN | MIGRATING))
+    matches!(error_code(e), Some(AGAIN))
 }
 
 /// The code of the Redis error reply a store error keeps as its source (the

@@ -14,6 +14,7 @@ use tollgate_core::session::{NewSession, Role, Session, SessionHash, SessionLimi
 use crate::call;
 use crate::keys::KeySpace;
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
+use crate::scripts::reply::text;
 
 /// The distributed [`SessionStore`].
 pub struct RedisSessions {
@@ -40,14 +41,6 @@ impl RedisSessions {
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
-fn text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    }
 }
 
 #[async_trait]

@@ -76,6 +76,7 @@ use tollgate_core::stream::{
 use crate::call;
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{blocking_connection, Blocking, Pool, DEFAULT_TIMEOUT};
+use crate::scripts::reply::text;
 use crate::scripts::{
     self, StreamPush, StreamTrim, STREAM_APPENDED, STREAM_CANCELLED, STREAM_FULL,
 };
@@ -773,14 +774,6 @@ fn field<'a>(fields: &'a [Value], name: &str) -> Option<&'a [u8]> {
         [Value::BulkString(k), Value::BulkString(v)] if k == name.as_bytes() => Some(v.as_slice()),
         _ => None,
     })
-}
-
-fn text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    }
 }
 
 fn bad() -> StoreError {

@@ -565,7 +565,7 @@ impl Throttle for RedisThrottle {
 
     /// One read-only pipeline: Redis TIME, then per provider its bucket, its
     /// waiting tickets and its throttlers' liveness. The bucket is refilled to
-    /// now as the scripts would (lib/bucket.lua), without writing it.
+    /// now as the scripts would (throttle/lib/bucket.lua), without writing it.
     async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError> {
         let mut cmds = vec![redis::cmd("TIME")];
         for name in self.providers.keys() {
@@ -612,7 +612,7 @@ impl Throttle for RedisThrottle {
                 field(2).and_then(|v| v.parse().ok()),
                 field(3).and_then(|v| v.parse().ok()),
             );
-            // The other limits (lib/bucket.lua's limits_read).
+            // The other limits (throttle/lib/bucket.lua's limits_read).
             let levels = p.limits.iter().enumerate().map(|(i, l)| {
                 let cap = l.burst as f64;
                 let parsed = field(4 + i).and_then(|v| {
@@ -626,7 +626,7 @@ impl Throttle for RedisThrottle {
                     None => cap,
                 }
             });
-            // lib/bucket.lua's aimd_rate.
+            // throttle/lib/bucket.lua's aimd_rate.
             let aimd_rate = |t: u64| match (aimd, aimd_at) {
                 (Some(e), Some(since)) => p
                     .rate
@@ -653,7 +653,7 @@ impl Throttle for RedisThrottle {
                 _ => burst,
             };
             let now_ms = now_us / 1000;
-            // A paused bucket's `at` is its pause's end (lib/bucket.lua).
+            // A paused bucket's `at` is its pause's end (throttle/lib/bucket.lua).
             let paused_ms = at.map_or(0, |at| at.saturating_sub(now_us) / 1000);
             let effective_rate = aimd_rate(now_us.max(at.unwrap_or(0)));
             out.push(ProviderStats {
@@ -1003,7 +1003,7 @@ impl RedisThrottle {
     }
 }
 
-/// The fields of `p`'s other limits in its bucket hash (lib/bucket.lua).
+/// The fields of `p`'s other limits in its bucket hash (throttle/lib/bucket.lua).
 fn limit_fields(p: &Provider) -> Vec<String> {
     let spec = scripts::limits_spec(&p.limits);
     spec.split(' ')

@@ -157,15 +157,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let rps = redis_benchmark(
             &url,
             &function,
-            &[
-                tollgate_tests::previous_layout_keys(&keys).as_slice(),
-                &[
-                    keys.log.as_str(),
-                    keys.meta.as_str(),
-                    keys.cancelled.as_str(),
-                ],
-            ]
-            .concat(),
+            &keys.ordered(),
             &plan_args,
             args.clients,
             args.ops,

@@ -1,9 +1,6 @@
 //! The memory bench: Redis bytes per live spend event, counted as `MEMORY USAGE
 //! <key> SAMPLES 0` summed over every key of the user, divided by its live
-//! events. Side by side in one run: the previous key layout (the budget
-//! scripts as they were before the log was packed, kept in
-//! `tests/it/legacy/`) and the current one, through the ledger scripts; then
-//! calls through the api (`tollgate all` on Redis: charge, claim, settle of a
+//! events: events put through the ledger scripts; then calls through the api (`tollgate all` on Redis: charge, claim, settle of a
 //! job per call), of this build and of an optional baseline binary.
 
 use std::path::PathBuf;
@@ -18,7 +15,7 @@ use tollgate_core::{
     id::{RequestId, UserId},
     ledger::{ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Ledger},
 };
-use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions, scripts::PlanArgs};
+use tollgate_redis::{keys::KeySpace, ledger::RedisLedger, pool::PoolOptions};
 use tollgate_tests::{random_prefix, redis_info, workspace_bin, RedisServer};
 
 use crate::api::{All, CONFIG as API_CONFIG};
@@ -34,17 +31,11 @@ pub struct Args {
     /// Concurrent callers (ledger fills and api calls).
     #[arg(long, default_value_t = 32)]
     clients: usize,
-    /// Another `tollgate` binary (e.g. a build of the previous layout) whose api
+    /// Another `tollgate` binary (e.g. a build of main) whose api
     /// is measured the same way, before this build's.
     #[arg(long)]
     baseline: Option<PathBuf>,
 }
-
-/// The budget scripts of the previous layout.
-const LEGACY_LIB: &str = include_str!("../../../it/legacy/budget.lua");
-const LEGACY_RESERVE: &str = include_str!("../../../it/legacy/reserve.lua");
-const LEGACY_CHARGE: &str = include_str!("../../../it/legacy/charge.lua");
-const LEGACY_CLAIM: &str = include_str!("../../../it/legacy/claim.lua");
 
 const OP: &str = "llm.structured";
 
@@ -65,77 +56,6 @@ async fn bytes_of(conn: &mut MultiplexedConnection, pattern: &str) -> anyhow::Re
         total += b.unwrap_or(0);
     }
     Ok((keys.len(), total))
-}
-
-/// `n` events for `user` through the previous layout's scripts (pipelined
-/// EVALSHA): plain reserves, or charges claimed by their job.
-async fn fill_legacy(
-    conn: &mut MultiplexedConnection,
-    keys: &tollgate_redis::keys::BudgetKeys,
-    plan: &[String],
-    n: usize,
-    charges: bool,
-) -> anyhow::Result<()> {
-    let load = |body: &str| format!("{LEGACY_LIB}\n{body}");
-    let mut shas = Vec::new();
-    for body in [LEGACY_RESERVE, LEGACY_CHARGE, LEGACY_CLAIM] {
-        let sha: String = redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(load(body))
-            .query_async(conn)
-            .await?;
-        shas.push(sha);
-    }
-    let old = tollgate_tests::previous_layout_keys(keys);
-    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
-        let mut pipe = redis::pipe();
-        for &i in chunk {
-            let id = RequestId::generate();
-            if charges {
-                let (nonce, fp) = charge_args(i);
-                pipe.cmd("EVALSHA")
-                    .arg(&shas[1])
-                    .arg(6)
-                    .arg(&old[..])
-                    .arg(id.as_str())
-                    .arg(1)
-                    .arg(&nonce)
-                    .arg(OP)
-                    .arg(&fp)
-                    .arg(600_000)
-                    .arg(1_000)
-                    .arg(plan)
-                    .ignore();
-                pipe.cmd("EVALSHA")
-                    .arg(&shas[2])
-                    .arg(6)
-                    .arg(&old[..])
-                    .arg(id.as_str())
-                    .arg(&nonce)
-                    .arg(u64::MAX / 2)
-                    .arg(plan)
-                    .ignore();
-            } else {
-                pipe.cmd("EVALSHA")
-                    .arg(&shas[0])
-                    .arg(6)
-                    .arg(&old[..])
-                    .arg(id.as_str())
-                    .arg(1)
-                    .arg(plan)
-                    .ignore();
-            }
-        }
-        let () = pipe.query_async(conn).await?;
-    }
-    let live: usize = redis::cmd("ZCARD")
-        .arg(&keys.events)
-        .query_async(conn)
-        .await?;
-    if live != n {
-        bail!("previous layout: {live} live events, wanted {n}");
-    }
-    Ok(())
 }
 
 /// `n` events for `user` through [`RedisLedger`]: plain reserves, or charges
@@ -193,9 +113,9 @@ async fn fill(
     crate::ensure_live(ledger.as_ref(), user, n, user.as_str()).await
 }
 
-fn row(layout: &str, what: &str, n: usize, keys: usize, bytes: u64) {
+fn row(what: &str, n: usize, keys: usize, bytes: u64) {
     println!(
-        "| {layout} | {what} | {n} | {keys} | {bytes} | {:.1} |",
+        "| {what} | {n} | {keys} | {bytes} | {:.1} |",
         bytes as f64 / n as f64
     );
 }
@@ -205,10 +125,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let server = RedisServer::start();
     let url = server.url();
     let config = tollgate_tests::one_plan_config("bench", 1_000_000_000_000_000, "12h");
-    let plan = {
-        let p = config.default_plan();
-        vec!["0".to_owned(), p.name.clone(), PlanArgs::limits(p)]
-    };
     let prefix = random_prefix();
     let space = KeySpace::new(&prefix)?;
     let pool = tollgate_redis::pool::connect(
@@ -227,35 +143,21 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!(
         "## Redis memory per live spend event (redis {version}, MEMORY USAGE SAMPLES 0 of every key of the user, UUID request ids)"
     );
-    println!("| layout | events | live events | keys | bytes | bytes/event |");
-    println!("|---|---|---:|---:|---:|---:|");
+    println!("| events | live events | keys | bytes | bytes/event |");
+    println!("|---|---:|---:|---:|---:|");
     for charges in [false, true] {
         let what = if charges {
             "charges (claimed, op llm.structured)"
         } else {
             "reserves"
         };
-        for legacy in [true, false] {
-            let user = UserId::new(format!(
-                "mem-{}-{}",
-                if legacy { "old" } else { "new" },
-                if charges { "charge" } else { "reserve" }
-            ))?;
-            let keys = space.budget(&user);
-            if legacy {
-                fill_legacy(&mut conn, &keys, &plan, args.events, charges).await?;
-            } else {
-                fill(&ledger, &user, args.events, args.clients, charges).await?;
-            }
-            let (n, bytes) = bytes_of(&mut conn, &format!("{prefix}:v1:{{u:{user}}}*")).await?;
-            row(
-                if legacy { "previous" } else { "current" },
-                what,
-                args.events,
-                n,
-                bytes,
-            );
-        }
+        let user = UserId::new(format!(
+            "mem-{}",
+            if charges { "charge" } else { "reserve" }
+        ))?;
+        fill(&ledger, &user, args.events, args.clients, charges).await?;
+        let (n, bytes) = bytes_of(&mut conn, &format!("{prefix}:v1:{{u:{user}}}*")).await?;
+        row(what, args.events, n, bytes);
     }
     drop(conn);
     drop(server);

@@ -34,9 +34,9 @@ pub struct Args {
     /// Calls per figure (interleaved over the sizes); medians and maxima are printed.
     #[arg(long, default_value_t = 15)]
     samples: usize,
-    /// A previous usage script, whole (its lib/budget.lua prepended), called
+    /// A previous usage script, whole (its budget/lib/state.lua prepended), called
     /// with KEYS and the export + plan ARGV: the "before" column. E.g.
-    /// `{ git show main:lua/lib/budget.lua; echo; git show main:lua/usage.lua; } > old.lua`
+    /// `{ git show main:lua/budget/lib/state.lua; echo; git show main:lua/budget/usage.lua; } > old.lua`
     #[arg(long)]
     baseline_script: Option<std::path::PathBuf>,
 }
@@ -71,16 +71,8 @@ async fn timed(conn: &mut MultiplexedConnection, cmd: &redis::Cmd) -> anyhow::Re
 }
 
 fn budget_keys(cmd: &mut redis::Cmd, keys: &BudgetKeys) {
-    cmd.arg(9)
-        .arg(&keys.events)
-        .arg(&keys.costs)
-        .arg(&keys.plan)
-        .arg(&keys.owners)
-        .arg(&keys.holds)
-        .arg(&keys.audit)
-        .arg(&keys.log)
-        .arg(&keys.meta)
-        .arg(&keys.cancelled);
+    let ordered = keys.ordered();
+    cmd.arg(ordered.len()).arg(&ordered[..]);
 }
 
 /// Our usage.lua, for one page.

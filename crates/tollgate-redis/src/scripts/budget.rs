@@ -1,0 +1,289 @@
+//! The budget family (`lua/budget/`): reserve, charge, claim, release,
+//! refund, settle, usage, retry, moves between organisations, and a user's
+//! plan.
+
+use super::FunctionCall;
+use crate::keys::{BudgetKeys, Location};
+
+library! {
+    /// The budget scripts, one function each of one library; their replies
+    /// pass through the prelude's `finish` (an alert pointer to add).
+    static BUDGET, const BUDGET_SCRIPTS = "budget" in "budget" {
+        prelude: [
+            "state", "plan", "codec", "index", "windows", "alerts", "expire", "events", "orgs",
+        ],
+        finish: "finish",
+        scripts: [
+            "reserve", "refund", "settle", "usage", "charge", "claim", "release", "retry",
+            "move_out", "move_in", "org_usage",
+        ],
+    }
+}
+
+eval_scripts!(static BUDGET_EVAL in "budget" {
+    PLAN_SET = "plan_set";
+});
+
+/// What a budget script answers in place of its reply when its caller must
+/// add the subject's outbox pointer to the alerts' due set:
+/// `[ALERT_MARK, pointer..., reply]`: the user's outbox, its organisation's,
+/// or both (`finish` in `lua/budget/lib/alerts.lua`).
+pub const ALERT_MARK: &str = "TOLLGATE_ALERT";
+
+/// The ARGV tail of every budget script: the export's maxlen (0: none), the
+/// retention (ms: the longest window of any plan, how long the log keeps an
+/// event), then the plan table, `name, limits` pairs, the default plan first,
+/// where limits is `limit:window_ms,...` longest window first. Built once per
+/// config.
+#[derive(Debug, Clone)]
+pub struct PlanArgs(Vec<String>);
+
+impl PlanArgs {
+    /// The ARGV tail itself (for a bare EVALSHA, as benches send it).
+    pub fn args(&self) -> &[String] {
+        &self.0
+    }
+
+    /// The same tail with no export: a move's steps export nothing (the
+    /// events neither leave nor come: they change place).
+    pub fn without_export(&self) -> Self {
+        let mut args = self.0.clone();
+        if let Some(first) = args.first_mut() {
+            *first = "0".to_owned();
+        }
+        Self(args)
+    }
+
+    pub fn new(config: &tollgate_core::config::Config) -> Self {
+        let default = config.default_plan();
+        let rest = config.plans().filter(|p| p.name != default.name);
+        let export = config.export_maxlen().unwrap_or(0).to_string();
+        let retention = config.retention_ms().to_string();
+        let plans = std::iter::once(default).chain(rest).flat_map(|p| {
+            let mut spec = Self::limits(p);
+            spec.push_str(&Self::alerts(p, config.alert_thresholds(p)));
+            [p.name.clone(), spec]
+        });
+        let args = [export, retention].into_iter().chain(plans).collect();
+        Self(args)
+    }
+
+    /// The plan's alert thresholds as budget/lib/plan.lua's `alert_marks` reads
+    /// them after its limits: `|<bp>:<tokens>:<tokens>,...` (per threshold
+    /// its basis points, then the tokens that reach it in each limit), or
+    /// nothing (no thresholds, or no `[alerts]`: no alert is ever queued).
+    pub fn alerts(plan: &tollgate_core::config::Plan, thresholds: &[u32]) -> String {
+        if thresholds.is_empty() {
+            return String::new();
+        }
+        let groups = thresholds
+            .iter()
+            .map(|&bp| {
+                let mut g = bp.to_string();
+                for l in &plan.limits {
+                    g.push(':');
+                    g.push_str(&tollgate_core::config::threshold_tokens(l.limit, bp).to_string());
+                }
+                g
+            })
+            .collect::<Vec<_>>();
+        format!("|{}", groups.join(","))
+    }
+
+    /// `limit:window_ms,...`, as budget/lib/plan.lua's `resolve_plan` reads it.
+    pub fn limits(plan: &tollgate_core::config::Plan) -> String {
+        plan.limits
+            .iter()
+            .map(|l| format!("{}:{}", l.limit, l.window_ms()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+fn budget_keys(inv: &mut FunctionCall, keys: &BudgetKeys) {
+    inv.key(&keys.ordered()[..]);
+}
+
+/// A budget script at a user's location: its keys, then, for a member, its
+/// organisation's (the script applies each step to both).
+fn invocation(script: &str, loc: &Location) -> FunctionCall {
+    let mut inv = BUDGET.prepare(script);
+    budget_keys(&mut inv, &loc.user);
+    if let Some(org) = &loc.org {
+        budget_keys(&mut inv, org);
+    }
+    inv
+}
+
+/// `move_out.lua`'s `freeze` step: `to` is `-` (the user's own tag) or `o:<org>`.
+pub fn move_freeze(loc: &Location, to: &str, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("move_out", loc);
+    inv.arg("freeze").arg(to).arg(&plans.0);
+    inv
+}
+
+/// `move_out.lua`'s `batch` step: up to `n` of the oldest live events.
+pub fn move_batch(loc: &Location, n: usize, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("move_out", loc);
+    inv.arg("batch").arg(n).arg(&plans.0);
+    inv
+}
+
+/// `move_out.lua`'s `drop` step: drops `ids` (moved) from the location.
+pub fn move_drop(loc: &Location, ids: &[String], plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("move_out", loc);
+    inv.arg("drop").arg(ids.join(" ")).arg(&plans.0);
+    inv
+}
+
+/// `move_in.lua`: `events` are the batch's fields, ten per event, as
+/// `move_out.lua` reads them.
+pub fn move_in(
+    loc: &Location,
+    plan: &str,
+    cancelled: &str,
+    events: &[Vec<u8>],
+    plans: &PlanArgs,
+) -> FunctionCall {
+    let mut inv = invocation("move_in", loc);
+    inv.arg(events.len() / 10).arg(plan).arg(cancelled);
+    for f in events {
+        inv.arg(f.as_slice());
+    }
+    inv.arg(&plans.0);
+    inv
+}
+
+/// `org_usage.lua`: an organisation's plan and windows.
+pub fn org_usage(org: &BudgetKeys, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = BUDGET.prepare("org_usage");
+    budget_keys(&mut inv, org);
+    inv.arg(&plans.0);
+    inv
+}
+
+/// `reserve.lua`: returns the raw reply (see the script's header).
+pub fn reserve(keys: &Location, request: &str, cost: u64, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("reserve", keys);
+    inv.arg(request).arg(cost).arg(&plans.0);
+    inv
+}
+
+/// `reserve.lua` as a bare `FCALL` with [`reserve`]'s KEYS and ARGV, for a
+/// pipeline (bulk loads in tests and benches): a pipeline does not load the
+/// library on "Function not found", so load [`BUDGET`] on the server first.
+pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs) -> redis::Cmd {
+    let loc = Location {
+        user: keys.clone(),
+        org: None,
+    };
+    reserve(&loc, request, cost, plans).cmd()
+}
+
+/// `refund.lua`: `finished` is the nonce of the charge's job when it was read
+/// as final (the refund is then a plain credit), or `""`.
+pub fn refund(keys: &Location, request: &str, finished: &str, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("refund", keys);
+    inv.arg(request).arg(finished).arg(&plans.0);
+    inv
+}
+
+/// `settle.lua`: `settle.nonce` is `""` for an operator's correction of any
+/// event, or the nonce of the job settling its own charge; `may_raise` false
+/// settles only down.
+pub fn settle(
+    keys: &Location,
+    request: &str,
+    settle: &tollgate_core::ledger::SettleRequest<'_>,
+    plans: &PlanArgs,
+) -> FunctionCall {
+    let mut inv = invocation("settle", keys);
+    inv.arg(request)
+        .arg(settle.actual_cost)
+        .arg(settle.nonce)
+        .arg(if settle.may_raise { "1" } else { "0" })
+        .arg(&plans.0);
+    inv
+}
+
+/// `usage.lua`: the budget and one page of the audit trail.
+pub fn usage(
+    keys: &Location,
+    page: tollgate_core::ledger::EventPage,
+    plans: &PlanArgs,
+) -> FunctionCall {
+    let mut inv = invocation("usage", keys);
+    let cursor = page.after().map(|c| c.to_string()).unwrap_or_default();
+    inv.arg(cursor).arg(page.limit()).arg(&plans.0);
+    inv
+}
+
+/// `charge.lua`: returns the raw reply (see the script's header).
+pub fn charge(
+    keys: &Location,
+    request: &str,
+    charge: &tollgate_core::ledger::ChargeRequest<'_>,
+    plans: &PlanArgs,
+) -> FunctionCall {
+    let mut inv = invocation("charge", keys);
+    inv.arg(request)
+        .arg(charge.cost)
+        .arg(charge.nonce)
+        .arg(tollgate_core::ledger::audit_op(
+            charge.operation,
+            charge.service_key,
+        ))
+        .arg(charge.fingerprint)
+        .arg(u64::try_from(charge.deadline.as_millis()).unwrap_or(u64::MAX))
+        .arg(u64::try_from(charge.grace.as_millis()).unwrap_or(u64::MAX))
+        .arg(&plans.0);
+    inv
+}
+
+/// `claim.lua`: 1 claimed, 0 refused, 2 cancelled by an operator.
+pub fn claim(
+    keys: &Location,
+    request: &str,
+    claim: &tollgate_core::ledger::ClaimRequest<'_>,
+    plans: &PlanArgs,
+) -> FunctionCall {
+    let mut inv = invocation("claim", keys);
+    inv.arg(request)
+        .arg(claim.nonce)
+        .arg(claim.hold_until_ms)
+        .arg(&plans.0);
+    inv
+}
+
+/// `release.lua`
+pub fn release(keys: &Location, request: &str, nonce: &str, plans: &PlanArgs) -> FunctionCall {
+    let mut inv = invocation("release", keys);
+    inv.arg(request).arg(nonce).arg(&plans.0);
+    inv
+}
+
+/// `retry.lua`: goes on with a denial's walk toward its exact retry_after
+/// (`more`: the text the denial answered for a window of `window_ms`).
+/// `org`: the walk is over an organisation's log (`keys` its budget keys).
+pub fn retry(
+    keys: &BudgetKeys,
+    more: &str,
+    window_ms: u64,
+    now_ms: u64,
+    org: bool,
+) -> FunctionCall {
+    let mut inv = BUDGET.prepare("retry");
+    budget_keys(&mut inv, keys);
+    inv.arg(more)
+        .arg(window_ms)
+        .arg(now_ms)
+        .arg(if org { "org" } else { "user" });
+    inv
+}
+
+/// `plan_set.lua`: the user's plan, replacing limits of its own.
+pub fn plan_set<'a>(keys: &BudgetKeys, plan: &str) -> redis::ScriptInvocation<'a> {
+    let mut inv = PLAN_SET.prepare_invoke();
+    inv.key(&keys.plan).key(keys.limits()).arg(plan);
+    inv
+}
