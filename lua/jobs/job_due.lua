@@ -1,5 +1,5 @@
 -- job_due.lua: the members of a time-scored set that are due, for maintenance.
--- KEYS[1] a sorted set scored in ms (leases or refunds)
+-- KEYS[1] a sorted set scored in ms (leases or releases)
 -- ARGV[1] age (ms): due when score <= now - age, ARGV[2] most ids returned
 -- Returns the due ids, oldest first.
 

@@ -2,7 +2,7 @@
 -- (charge.lua, on the user's keys); create its job, queued, unless it exists.
 -- KEYS[1] job     the record (jobs/lib/job.lua)
 -- KEYS[2] queue   list of queued ids
--- KEYS[3] leases, KEYS[4] refunds   (cleared of the id when an old attempt is replaced)
+-- KEYS[3] leases, KEYS[4] releases   (cleared of the id when an old attempt is replaced)
 -- ARGV[1] id, ARGV[2] user, ARGV[3] operation, ARGV[4] provider
 -- ARGV[5] input (JSON text), ARGV[6] cost, ARGV[7] enqueued at (ms), ARGV[8] deadline (ms)
 -- ARGV[9] nonce of the charge that pays for the job
@@ -26,7 +26,7 @@
 -- replaces it with a fresh job. Its fencing token (`seq`) carries on, so a
 -- worker still holding the old attempt's lease can record nothing.
 
-local JOB, QUEUE, LEASES, REFUNDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local JOB, QUEUE, LEASES, RELEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local id, user, op, provider, input = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local cost, enq, deadline = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local nonce, create, tp = ARGV[9], ARGV[10], ARGV[11] or ''
@@ -68,7 +68,7 @@ end
 if earlier then
   redis.call('DEL', JOB)
   redis.call('ZREM', LEASES, id)
-  redis.call('ZREM', REFUNDS, id)
+  redis.call('ZREM', RELEASES, id)
 end
 local fields = { 'state', 'queued', 'user', user, 'op', op, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),

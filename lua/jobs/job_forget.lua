@@ -4,7 +4,7 @@
 -- KEYS[1] job
 -- ARGV[1] user, ARGV[2] the stored-bytes key prefix, ARGV[3] the nonce of the
 --   answered attempt (only that attempt's record, of that user, goes)
--- Only a final record that owes no refund goes (a pending refund needs it).
+-- Only a final record that owes no release goes (a pending release needs it).
 -- Returns 1 deleted, 0 left alone.
 
 local JOB, user, prefix, nonce = KEYS[1], ARGV[1], ARGV[2] or '', ARGV[3]

@@ -1,5 +1,5 @@
 -- job_lease.lua: a worker moved a job id into its processing list (BLMOVE): lease it.
--- KEYS[1] job, KEYS[2] processing (this worker's), KEYS[3] leases, KEYS[4] refunds
+-- KEYS[1] job, KEYS[2] processing (this worker's), KEYS[3] leases, KEYS[4] releases
 -- KEYS[5] dead  list of malformed entries moved aside (the newest 10,000 are kept)
 -- ARGV[1] id, ARGV[2] worker, ARGV[3] lease (ms), ARGV[4] max attempts
 -- ARGV[5] the queue's operation, ARGV[6] channel for finished job ids
@@ -7,10 +7,10 @@
 -- ARGV[8] the stored-bytes key prefix, ARGV[9] its bucket width (ms)
 -- Validates the record first: a missing record or unreadable fields (another
 -- operation, a missing one) move the entry to `dead`; a record with a user is
--- also failed with its refund pending. The input is not parsed here: decoding
+-- also failed with its release pending. The input is not parsed here: decoding
 -- a large one held Redis (~18 ms for 1 MB); the worker parses it and fails an
 -- unreadable one, released. Then counts the attempt: past the
--- deadline, or past max attempts, the job fails (refund pending); when a run
+-- deadline, or past max attempts, the job fails (release pending); when a run
 -- had started (`started`: its worker was lost, maybe with the call sent), it
 -- fails 'unanswered' instead and its charge stands.
 -- A lease's fields end with 'started' ('1' or ''): an earlier run started.
@@ -23,7 +23,7 @@
 --                                      pending; unanswered: the charge stands)
 --   { 3, reason, user|'', nonce|'' }   malformed: moved aside (release pending if a nonce)
 
-local JOB, PROCESSING, LEASES, REFUNDS, DEAD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local JOB, PROCESSING, LEASES, RELEASES, DEAD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local id, worker, lease, max_attempts = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local op, channel, ttl = ARGV[5], ARGV[6], tonumber(ARGV[7])
 if not lease or lease < 1 or not max_attempts or max_attempts < 1 then
@@ -60,18 +60,18 @@ if reason then
   redis.call('RPUSH', DEAD, id .. ' ' .. reason)
   redis.call('LTRIM', DEAD, -10000, -1)
   if state and state ~= 'succeeded' and state ~= 'failed' then
-    fail_job(JOB, REFUNDS, id, 'abandoned', 'malformed job: ' .. reason, now, channel, nonce and true or false, 1, stored)
+    fail_job(JOB, RELEASES, id, 'abandoned', 'malformed job: ' .. reason, now, channel, nonce and true or false, 1, stored)
   end
   return { 3, reason, user or '', nonce or '' }
 end
 
 attempt = attempt + 1
 local started = f[12] == '1'
-local cause, message, refund, fail_ttl = nil, nil, true, 1
+local cause, message, release, fail_ttl = nil, nil, true, 1
 if started and (now >= deadline or attempt > max_attempts) then
   -- A run started and its worker was lost, maybe with the call sent: the
   -- upstream may have done the work, so the charge stands (job::given_up).
-  cause, message, refund, fail_ttl = 'unanswered', LOST_MID_RUN, false, ttl
+  cause, message, release, fail_ttl = 'unanswered', LOST_MID_RUN, false, ttl
 elseif now >= deadline then
   cause, message = 'expired', 'the job passed its deadline before it ran'
 elseif attempt > max_attempts then
@@ -79,7 +79,7 @@ elseif attempt > max_attempts then
 end
 if cause then
   redis.call('HSET', JOB, 'attempt', attempt)
-  fail_job(JOB, REFUNDS, id, cause, message, now, channel, refund, fail_ttl, stored)
+  fail_job(JOB, RELEASES, id, cause, message, now, channel, release, fail_ttl, stored)
   redis.call('LREM', PROCESSING, 1, id)
   return { 2, cause, user, nonce }
 end

@@ -4,7 +4,7 @@
 -- KEYS[2] waiting, KEYS[3] tickets, KEYS[4] capped, KEYS[5] tags (throttle/lib/fair.lua)
 -- ARGV[1] user, ARGV[2] ticket of the grant, ARGV[3] the provider's key base
 -- Returns 1 when the slot was held, 0 when it was not (already ended, handed
--- back, or freed by its hold): calling it twice is harmless.
+-- back, or freed by its lease): calling it twice is harmless.
 
 local F = { waiting = KEYS[2], tickets = KEYS[3], capped = KEYS[4], tags = KEYS[5],
   base = ARGV[3] }

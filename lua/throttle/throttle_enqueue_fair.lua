@@ -9,8 +9,8 @@
 -- ARGV[3] max_wait in µs: after that the ticket is worth nothing
 -- ARGV[4] idle ttl in ms of the provider's keys
 -- ARGV[5] rate (tokens/s), ARGV[6] burst
--- ARGV[7] the waiter's share: "<weight> <max_in_flight> <hold> <user>":
---         weight >= 1, max_in_flight 0 for none, hold of a slot in µs > 0,
+-- ARGV[7] the waiter's share: "<weight> <max_in_flight> <slot lease> <user>":
+--         weight >= 1, max_in_flight 0 for none, its slots' lease under the cap, µs > 0,
 --         user "" for the anonymous queue. It is the tail of the ticket's
 --         `waiting` entry as it stands: one argument, checked by one pattern
 --         and copied (four checked one by one cost the enqueue ~1 µs).
@@ -49,20 +49,20 @@ local QUEUE, WAITING, BUCKET = KEYS[1], KEYS[2], KEYS[3]
 local TICKETS, CAPPED, TAGS = KEYS[4], KEYS[5], KEYS[6]
 local ticket, inbox, share, base = ARGV[1], ARGV[2], ARGV[7], ARGV[8]
 local max_wait, idle = tonumber(ARGV[3]), tonumber(ARGV[4])
-local weight, cap, hold, user = string.match(share or '', '^(%d+) (%d+) (%d+) (.*)$')
+local weight, cap, cap_lease, user = string.match(share or '', '^(%d+) (%d+) (%d+) (.*)$')
 weight = tonumber(weight)
 if not max_wait or max_wait < 0 or not idle or idle < 1 or not weight or weight < 1
     or not base or base == '' or inbox == '' or string.find(inbox, ' ', 1, true) then
   return redis.error_reply('throttle_enqueue_fair: bad arguments')
 end
 -- Numbers are read only where they are used (a tonumber costs about as much
--- as a Redis command called from here): the hold under a cap, the bucket's
+-- as a Redis command called from here): the lease under a cap, the bucket's
 -- rate and burst when the provider is idle; checked before any write.
 if cap == '0' then
   cap = 0
 else
-  cap, hold = tonumber(cap), tonumber(hold)
-  if hold < 1 then
+  cap, cap_lease = tonumber(cap), tonumber(cap_lease)
+  if cap_lease < 1 then
     return redis.error_reply('throttle_enqueue_fair: bad arguments')
   end
 end
@@ -110,8 +110,8 @@ if idle_before and (cap == 0 or fair_held({ base = base }, user, now) < cap) the
     end
     if cap > 0 then
       local held = held_key(base, user)
-      redis.call('ZADD', held, int(now + hold), ticket)
-      redis.call('PEXPIRE', held, int(hold / 1000 + 1000))
+      redis.call('ZADD', held, int(now + cap_lease), ticket)
+      redis.call('PEXPIRE', held, int(cap_lease / 1000 + 1000))
     end
     return { 2, now }
   end

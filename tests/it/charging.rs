@@ -215,7 +215,7 @@ fn short_options() -> JobOptions {
     JobOptions {
         result_ttl: Duration::from_millis(300),
         poll: Duration::from_millis(50),
-        refund_grace: Duration::ZERO,
+        release_grace: Duration::ZERO,
     }
 }
 

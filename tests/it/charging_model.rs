@@ -52,17 +52,17 @@ max_wait = "5s"
 cost = 10
 provider = "p"
 deadline = "1s"
-max_attempts = 2
+max_runs = 2
 [operations.b]
 cost = 3
 provider = "p"
 deadline = "1s"
-max_attempts = 2
+max_runs = 2
 [operations.s]
 cost = 4
 provider = "p"
 deadline = "1s"
-max_attempts = 2
+max_runs = 2
 settle = { from = "/tokens", max = 15 }
 [plans.brief]
 limit = 30
@@ -77,7 +77,7 @@ fn options() -> JobOptions {
     JobOptions {
         result_ttl: Duration::from_secs(3600),
         poll: Duration::from_millis(20),
-        refund_grace: Duration::ZERO,
+        release_grace: Duration::ZERO,
     }
 }
 

@@ -206,7 +206,7 @@ async fn a_saturated_provider_is_retried_then_provider_busy(redis: bool) {
         started.elapsed()
     );
     assert!(retry_after > Duration::ZERO);
-    // Only the first call's token stays spent (every failed attempt was refunded).
+    // Only the first call's token stays spent (every failed job's charge was released).
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while client.usage().await.unwrap().used != 1 {
         assert!(

@@ -168,7 +168,7 @@ async fn cluster_readiness_signals_are_sharded_on_the_owning_primaries() {
         result_ttl: Duration::from_secs(60),
         // Woken by the message, not by polling.
         poll: Duration::from_secs(60),
-        refund_grace: Duration::ZERO,
+        release_grace: Duration::ZERO,
     };
     let q = Arc::new(RedisJobQueue::new(
         t.pool.clone(),

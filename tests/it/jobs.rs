@@ -43,7 +43,7 @@ max_wait = "5s"
 [operations.work]
 cost = 10
 provider = "p"
-max_attempts = 2
+max_runs = 2
 [operations.metered]
 cost = 10
 provider = "p"
@@ -62,7 +62,7 @@ pub fn options() -> JobOptions {
     JobOptions {
         result_ttl: Duration::from_secs(60),
         poll: Duration::from_millis(100),
-        refund_grace: Duration::ZERO,
+        release_grace: Duration::ZERO,
     }
 }
 
@@ -224,7 +224,7 @@ async fn submit_ok(s: &Setup, id: &str, who: &str) -> tollgate_core::job::Job {
 
 async fn job_submit_reserves_once_and_only_the_owner_sees_it(s: &Setup) {
     let job = submit_ok(s, "j1", "alice").await;
-    assert_eq!((job.cost, job.provider.as_str(), job.attempt), (10, "p", 0));
+    assert_eq!((job.cost, job.provider.as_str(), job.run), (10, "p", 0));
     assert!(job.deadline_ms > job.enqueued_at_ms);
     assert_eq!(s.used("alice").await, 10);
     // Idempotent by id: the same job back, nothing charged again.
@@ -337,7 +337,7 @@ async fn job_complete_wakes_the_waiter_and_keeps_the_charge(s: &Setup) {
         })
     };
     let lease = take(s, "work", "w1").await;
-    assert_eq!(lease.job.attempt, 1);
+    assert_eq!(lease.job.run, 1);
     let running = s.queue.status(&user("dave"), &rid("c1")).await.unwrap();
     assert_eq!(running.unwrap().status, JobStatus::Running);
     assert_eq!(
@@ -684,7 +684,7 @@ async fn job_expired_lease_goes_back_and_the_old_token_is_refused(s: &Setup) {
         .unwrap();
     assert!(m.requeued >= 1, "{m:?}");
     let new = take(s, "work", "w2").await;
-    assert_eq!(new.job.attempt, 2);
+    assert_eq!(new.job.run, 2);
     assert!(new.token > old.token);
     // The paused worker wakes up: nothing it does counts.
     assert_eq!(
@@ -728,7 +728,7 @@ async fn job_past_max_attempts_is_abandoned_and_refunded(s: &Setup) {
     submit_ok(s, "a1", "gina").await;
     for attempt in 1..=2 {
         let lease = take_unstarted(s, "work", "w1").await;
-        assert_eq!(lease.job.attempt, attempt);
+        assert_eq!(lease.job.run, attempt);
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
         s.source
             .maintain("w2", Duration::from_secs(5))
@@ -791,7 +791,7 @@ async fn job_whose_started_runs_were_lost_is_given_up_charged(s: &Setup) {
     submit_ok(s, "s1", "gina").await;
     for attempt in 1..=2 {
         let lease = take(s, "work", "w1").await;
-        assert_eq!(lease.job.attempt, attempt);
+        assert_eq!(lease.job.run, attempt);
         assert_eq!(lease.ran_before, attempt > 1, "attempt {attempt}");
         tokio::time::sleep(LEASE + Duration::from_millis(200)).await;
         s.source
@@ -824,7 +824,7 @@ async fn job_hand_back_requeues_without_counting_the_attempt(s: &Setup) {
     assert_eq!(s.source.hand_back(&first).await.unwrap(), Finish::Recorded);
     let again = take(s, "work", "w2").await;
     assert_eq!(again.job.id, rid("h1"), "handed back to the head");
-    assert_eq!(again.job.attempt, 1);
+    assert_eq!(again.job.run, 1);
     assert_eq!(
         s.source.complete(&first, json!(0)).await.unwrap(),
         Finish::LeaseLost
@@ -844,7 +844,7 @@ async fn job_defer_puts_the_job_at_the_tail_uncounted(s: &Setup) {
     let next = take(s, "work", "w2").await;
     assert_eq!(next.job.id, rid("d2"), "the deferred job went to the tail");
     let again = take(s, "work", "w2").await;
-    assert_eq!((again.job.id.clone(), again.job.attempt), (rid("d1"), 1));
+    assert_eq!((again.job.id.clone(), again.job.run), (rid("d1"), 1));
     assert_eq!(s.source.defer(&first).await.unwrap(), Finish::LeaseLost);
     assert_eq!(
         s.source.complete(&first, json!(0)).await.unwrap(),
@@ -952,7 +952,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
     let prefix = random_prefix();
     let config = Arc::new(
         Config::parse(
-            &CONFIG.replace("max_attempts = 2", "max_attempts = 2\ndeadline = \"300ms\""),
+            &CONFIG.replace("max_runs = 2", "max_runs = 2\ndeadline = \"300ms\""),
             "short deadline",
         )
         .unwrap(),
@@ -990,7 +990,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         cost: 10,
         enqueued_at_ms: deadline_ms - 300,
         deadline_ms,
-        attempt: 0,
+        run: 0,
         nonce: charge.nonce.into(),
         trace: None,
     };
@@ -2269,7 +2269,7 @@ mod fair {
         assert_eq!((s.used("ann").await, s.used("bob").await), (10, 1));
         for id in &ids[..10] {
             let info = s.queue.status(&user("ann"), id).await.unwrap().unwrap();
-            assert_eq!(info.job.attempt, 1, "a deferred take counts no attempt");
+            assert_eq!(info.job.run, 1, "a deferred take counts no attempt");
         }
         let _ = stop.send(());
         role.await.unwrap().unwrap();

@@ -308,7 +308,7 @@ async fn job_processes_kill_9_worker_every_job_ends_once() {
     // The killed worker held jobs: they ran again once its leases ended.
     let mut rerun = 0;
     for id in &ids {
-        if q.status(&user(), id).await.unwrap().unwrap().job.attempt >= 2 {
+        if q.status(&user(), id).await.unwrap().unwrap().job.run >= 2 {
             rerun += 1;
         }
     }
@@ -349,7 +349,7 @@ async fn job_processes_sigstopped_worker_cannot_record_late() {
     let (ok, _) = wait_all(&q, &ids, Duration::from_secs(30)).await;
     assert_eq!(ok.len(), 1);
     let info = q.status(&user(), id).await.unwrap().unwrap();
-    assert_eq!(info.job.attempt, 2, "run again by the other worker");
+    assert_eq!(info.job.run, 2, "run again by the other worker");
     signal(&stopped, "-CONT");
     // Its answer is buffered: it tries to record, and is refused.
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -428,7 +428,7 @@ async fn job_processes_sigterm_hands_back_jobs_in_flight() {
     for id in &ids {
         let info = q.status(&user(), id).await.unwrap().unwrap();
         assert_eq!(info.status, JobStatus::Queued, "handed back");
-        assert_eq!(info.job.attempt, 0, "the attempt is not counted");
+        assert_eq!(info.job.run, 0, "the attempt is not counted");
     }
     assert_eq!(q.queued_len(OP).await.unwrap(), 2);
     env.spawn("worker", &[]);

@@ -62,7 +62,7 @@ fn options() -> JobOptions {
     JobOptions {
         result_ttl: Duration::from_secs(3600),
         poll: Duration::from_millis(20),
-        refund_grace: Duration::ZERO,
+        release_grace: Duration::ZERO,
     }
 }
 

@@ -48,6 +48,7 @@ mod dashboard_history;
 mod dashboard_sessions;
 mod durability;
 mod edge_keys;
+mod glossary;
 mod jobs;
 mod jobs_processes;
 mod key_format;

@@ -152,7 +152,7 @@ async fn every_metric_of_the_dashboard_and_the_alerts_is_exposed() {
         "tollgate_upstream_errors_total",
         "tollgate_throttle_wait_seconds_bucket",
         "tollgate_throttle_max_wait_seconds",
-        "tollgate_worker_refunds_total",
+        "tollgate_worker_releases_total",
         "tollgate_throttle_throttlers",
         "tollgate_queue_dead",
     ] {

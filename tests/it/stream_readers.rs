@@ -69,7 +69,7 @@ fn job(id: &RequestId) -> Job {
         cost: 1,
         enqueued_at_ms: 0,
         deadline_ms: u64::MAX,
-        attempt: 1,
+        run: 1,
         nonce: "n".into(),
         trace: None,
     }

@@ -394,7 +394,7 @@ async fn throttle_fair_a_user_at_its_cap_waits_for_a_slot_to_end(t: Arc<dyn Thro
         )
         .await
         .unwrap();
-    assert!(first.held.is_some(), "{first:?}");
+    assert!(first.user_slot.is_some(), "{first:?}");
     let second = {
         let t = Arc::clone(&t);
         tokio::spawn(async move {

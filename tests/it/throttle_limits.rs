@@ -140,7 +140,7 @@ async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() 
             cost: 1,
             enqueued_at_ms: 0,
             deadline_ms: u64::MAX,
-            attempt: 1,
+            run: 1,
             nonce: String::new(),
             trace: None,
         };

@@ -679,7 +679,7 @@ async fn throttle_a_capped_user_rejoins_when_its_slot_frees_itself() {
     let capped = Share {
         weight: 1,
         max_in_flight: Some(1),
-        hold: Duration::from_millis(300),
+        slot_lease: Duration::from_millis(300),
     };
     let first = t
         .acquire_as(
@@ -689,7 +689,7 @@ async fn throttle_a_capped_user_rejoins_when_its_slot_frees_itself() {
         )
         .await
         .unwrap();
-    assert!(first.held.is_some(), "{first:?}");
+    assert!(first.user_slot.is_some(), "{first:?}");
     // Never `done`: the slot frees itself after its hold.
     let second = t
         .acquire_as(

@@ -37,7 +37,7 @@ pub fn job(id: &str, user: &str, operation: &str, provider: &str, input: Value) 
         cost: 1,
         enqueued_at_ms: 0,
         deadline_ms: u64::MAX,
-        attempt: 1,
+        run: 1,
         nonce: "n".into(),
         trace: None,
     }

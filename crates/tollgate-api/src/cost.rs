@@ -43,7 +43,7 @@
 //! the handler a [`Priced`]; the handler submits a job, and the job's
 //! submission is the one place that charges it
 //! ([`tollgate_core::job::JobQueue::submit`]), after the body has been read and
-//! fingerprinted. The layer never charges or refunds: the job owns its charge.
+//! fingerprinted. The layer never charges or releases: the job owns its charge.
 //!
 //! The handler runs in a spawned task that the request awaits: when the
 //! client disconnects, hyper drops the request's future, but the task goes on

@@ -6,13 +6,13 @@
 //! ([`JobQueue::submit`](tollgate_core::job::JobQueue::submit): the one place a job
 //! is charged, bound to the request id, the operation and the body), then
 //! answers at once (async) or waits for the job up to the sync timeout. It
-//! never refunds: the job owns its charge.
+//! never releases: the job owns its charge.
 //!
 //! Idempotency (draft-ietf-httpapi-idempotency-key-header): the same key with
 //! the same operation and body is the same job, charged once (answered with
 //! that job, waiting for it when it is still in flight); with another
 //! operation or body, a 422; once the first job's charge has left the window
-//! (or was refunded after a failure), a new attempt, charged and run again.
+//! (or was released after a failure), a new run, charged and run again.
 
 use std::time::{Duration, Instant};
 

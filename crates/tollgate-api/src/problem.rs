@@ -238,7 +238,7 @@ impl ProblemType {
             Self::ResultExpired => {
                 "The request with this Idempotency-Key ran and was charged; its result is no longer kept"
             }
-            Self::ProviderFailure => "The upstream provider failed; the budget was refunded",
+            Self::ProviderFailure => "The upstream provider failed; its charge was released",
             Self::UpstreamUnanswered => {
                 "The upstream did not answer; it may have done the work, so the budget stays charged"
             }
@@ -246,10 +246,10 @@ impl ProblemType {
                 "The upstream answered with a body that is not JSON; the work was done, so the budget stays charged"
             }
             Self::ThrottleTimeout => {
-                "The provider is saturated: no slot in time; the budget was refunded"
+                "The provider is saturated: no slot in time; its charge was released"
             }
-            Self::JobExpired => "The job missed its deadline; the budget was refunded",
-            Self::JobAbandoned => "The job was given up; the budget was refunded",
+            Self::JobExpired => "The job missed its deadline; its charge was released",
+            Self::JobAbandoned => "The job was given up; its charge was released",
             Self::BackendUnavailable => "The backing store is unavailable; retry shortly",
             Self::NotReady => {
                 "A loop of this process is stuck or stopped, it is shutting down, or its store does not keep the durability asked for"
@@ -283,7 +283,7 @@ impl ProblemType {
                 "Tollgate-Plan names a plan this key may not give (see the key's allowed_plans)"
             }
             Self::UpstreamRejected => {
-                "The upstream rejected the input (upstream_status): change it before retrying; the budget was refunded"
+                "The upstream rejected the input (upstream_status): change it before retrying; its charge was released"
             }
             Self::TooManyStreams => {
                 "Your plan's most streamed answers are open on this server: retry once one ends; nothing was charged"

@@ -99,7 +99,7 @@ impl Stop {
     }
 }
 
-/// The worker role's config on `backends`: its metrics and loop heartbeats
+/// The worker role's config on `backends`: its metrics and loop beats
 /// in the process's one registry, its streamed answers to the api's readers.
 pub fn worker_config(config: &Arc<Config>, backends: &Backends) -> WorkerConfig {
     let mut cfg = WorkerConfig::new(Arc::clone(config));

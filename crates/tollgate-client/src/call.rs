@@ -128,7 +128,7 @@ impl Call {
 
     /// Submits asynchronously, then waits for the job to end (`Prefer:
     /// wait` on the submission, then polling `GET /v1/jobs/{id}`) within the
-    /// deadline. A job that failed and was refunded is submitted again with
+    /// deadline. A job that failed and whose charge was released is submitted again with
     /// the same key while the retry policy allows.
     pub async fn submit_and_wait(&self) -> Result<Outcome, Error> {
         let mut progress = self.progress();
@@ -153,7 +153,7 @@ impl Call {
             if progress.retries > policy.max_retries || pause >= progress.left() {
                 return Ok(stamp(outcome, &progress, &self.client));
             }
-            tracing::debug!(key = %self.key, retry = progress.retries, ?pause, "the job failed and was refunded: submitting it again");
+            tracing::debug!(key = %self.key, retry = progress.retries, ?pause, "the job failed and its charge was released: submitting it again");
             tokio::time::sleep(pause).await;
         }
     }

@@ -148,7 +148,7 @@ pub enum JobStep {
     /// A provider slot was granted after `waited_us`.
     Granted { provider: String, waited_us: u64 },
     /// A worker's run claimed the charge, about to call the provider.
-    Started { attempt: u32 },
+    Started { run: u32 },
     /// The job succeeded: the charge stands.
     Succeeded,
     /// The job failed for `cause` ([`FailureCause`](crate::job::FailureCause)
@@ -174,7 +174,7 @@ impl JobStep {
                 provider,
                 waited_us,
             } => format!("granted {provider} {waited_us}"),
-            Self::Started { attempt } => format!("started {attempt}"),
+            Self::Started { run } => format!("started {run}"),
             Self::Succeeded => "succeeded".into(),
             Self::Failed {
                 operation,
@@ -205,7 +205,7 @@ impl JobStep {
                 waited_us: f.next()?.parse().ok()?,
             },
             "started" => Self::Started {
-                attempt: f.next()?.parse().ok()?,
+                run: f.next()?.parse().ok()?,
             },
             "succeeded" => Self::Succeeded,
             "failed" => Self::Failed {
@@ -600,12 +600,7 @@ impl JobSource for RecordingSource {
     async fn start(&self, lease: &Lease) -> Result<bool, JobError> {
         let r = self.inner.start(lease).await;
         if let Ok(true) = r {
-            self.noted(
-                lease,
-                JobStep::Started {
-                    attempt: lease.job.attempt,
-                },
-            );
+            self.noted(lease, JobStep::Started { run: lease.job.run });
         }
         r
     }
@@ -687,7 +682,7 @@ mod tests {
                 provider: "llm".into(),
                 waited_us: 1234,
             },
-            JobStep::Started { attempt: 2 },
+            JobStep::Started { run: 2 },
             JobStep::Succeeded,
             JobStep::Failed {
                 operation: "op".into(),

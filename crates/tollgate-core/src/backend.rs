@@ -38,7 +38,7 @@ pub struct Backends {
     pub dispatchers: Option<Arc<dyn Dispatchers>>,
     /// Where the state lives, for logs and banners (no secrets).
     pub described: String,
-    /// The process's one metrics registry (and its loops' heartbeats): every
+    /// The process's one metrics registry (and its loops' beats): every
     /// role of the process records into it, `/metrics` renders it.
     pub metrics: Arc<Metrics>,
     /// The recent activity (spend events, refunds, grants) the operations

@@ -47,18 +47,18 @@ pub struct Share {
     pub max_in_flight: Option<u32>,
     /// How long a granted slot counts as in flight without its end being
     /// reported (a caller that crashed): then it frees itself.
-    pub hold: Duration,
+    pub slot_lease: Duration,
 }
 
-/// Default [`Share::hold`]: longer than an upstream call may take by default.
-pub const DEFAULT_HOLD: Duration = Duration::from_secs(60);
+/// Default [`Share::slot_lease`]: longer than an upstream call may take by default.
+pub const DEFAULT_SLOT_LEASE: Duration = Duration::from_secs(60);
 
 impl Default for Share {
     fn default() -> Self {
         Self {
             weight: 1,
             max_in_flight: None,
-            hold: DEFAULT_HOLD,
+            slot_lease: DEFAULT_SLOT_LEASE,
         }
     }
 }
@@ -266,7 +266,7 @@ impl<T> FairQueue<T> {
         if let Some(u) = self.users.get_mut(&user) {
             u.queued = u.queued.saturating_sub(1);
             if u.share.max_in_flight.is_some() {
-                u.in_flight.insert(head.ticket, now + u.share.hold);
+                u.in_flight.insert(head.ticket, now + u.share.slot_lease);
             }
         }
         self.prune();
@@ -595,7 +595,7 @@ mod tests {
     fn a_lost_slot_frees_itself() {
         let mut q = FairQueue::default();
         let capped = Share {
-            hold: Duration::from_secs(5),
+            slot_lease: Duration::from_secs(5),
             ..capped(1)
         };
         q.push("a", capped, "a1");

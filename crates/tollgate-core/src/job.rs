@@ -64,10 +64,10 @@ pub struct Job {
     pub cost: u64,
     /// When the job was queued (ms since the epoch, on the backend's clock).
     pub enqueued_at_ms: u64,
-    /// A job not finished by then fails as [`FailureCause::Expired`] (and is refunded).
+    /// A job not finished by then fails as [`FailureCause::Expired`] (and its charge is released).
     pub deadline_ms: u64,
     /// How many times a worker has taken the job (1 on the first run).
-    pub attempt: u32,
+    pub run: u32,
     /// The charge that pays for the job ([`Ledger::charge`]'s nonce).
     pub nonce: String,
     /// The trace of the call that submitted it: its logs and its provider
@@ -415,7 +415,7 @@ pub enum JobStatus {
         #[serde(skip)]
         head: Option<crate::head::Head>,
     },
-    /// Done; the budget was (or is being) refunded, unless the cause says the
+    /// Done; the charge was (or is being) released, unless the cause says the
     /// charge stands ([`FailureCause::charged`]).
     Failed {
         cause: FailureCause,
@@ -731,7 +731,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             cost: op.charged_cost(),
             enqueued_at_ms: allowed.now_ms,
             deadline_ms,
-            attempt: 0,
+            run: 0,
             nonce,
             trace: request.trace,
         };
@@ -938,10 +938,10 @@ pub struct Lease {
 /// What a finishing call did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
-    /// Recorded (for a failure: and refunded).
+    /// Recorded (for a failure: and its charge released).
     Recorded,
     /// Refused: the lease was lost (expired and handed to another worker, or the
-    /// job already ended). Nothing was recorded or refunded.
+    /// job already ended). Nothing was recorded or released.
     LeaseLost,
 }
 
@@ -950,10 +950,10 @@ pub enum Finish {
 pub struct Maintenance {
     /// Jobs whose lease expired (or whose worker died), put back in the queue.
     pub requeued: u64,
-    /// Jobs that used up their attempts: failed and released.
+    /// Jobs that used up their runs: failed and released.
     pub abandoned: u64,
-    /// Pending refunds finished.
-    pub refunded: u64,
+    /// Pending releases finished.
+    pub released: u64,
 }
 
 /// How many livenesses a lapsed member of a queue (a worker, a throttler)
@@ -1017,7 +1017,7 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     /// `taker.worker` for `taker.lease`; [`start`](Self::start) it before
     /// calling the provider. Malformed entries (unreadable, unknown operation)
     /// are moved aside and logged, never returned. A job past its deadline, or
-    /// past its attempts, is failed and refunded here and not returned.
+    /// past its runs, is failed and released here and not returned.
     async fn take(&self, operation: &str, taker: Taker<'_>) -> Result<Option<Lease>, JobError>;
 
     /// The step between a lease and the provider call: the job claims its
@@ -1063,7 +1063,7 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     async fn hand_back(&self, lease: &Lease) -> Result<Finish, JobError>;
 
     /// Puts a job taken but not [`start`](Self::start)ed back at the *tail*
-    /// of its queue, without counting the attempt: its worker will not run it
+    /// of its queue, without counting the run: its worker will not run it
     /// now (its user holds its share of the worker: `tollgate_worker`), and
     /// the jobs queued behind it are taken first. The lease ends; nothing is
     /// claimed, charged or released: the charge stays held for the job, as
@@ -1090,8 +1090,8 @@ pub struct JobOptions {
     pub result_ttl: Duration,
     /// How often a watcher re-reads the status besides being woken.
     pub poll: Duration,
-    /// A failed job's refund left pending this long is finished by maintenance.
-    pub refund_grace: Duration,
+    /// A failed job's release left pending this long is finished by maintenance.
+    pub release_grace: Duration,
 }
 
 impl Default for JobOptions {
@@ -1099,7 +1099,7 @@ impl Default for JobOptions {
         Self {
             result_ttl: Duration::from_secs(7 * 86_400),
             poll: Duration::from_millis(500),
-            refund_grace: Duration::from_secs(5),
+            release_grace: Duration::from_secs(5),
         }
     }
 }

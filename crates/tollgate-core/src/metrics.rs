@@ -1,6 +1,6 @@
 //! [`Metrics`]: the one Prometheus registry of a process, shared by every role
 //! in it (`tollgate all` serves one registry for api, worker and throttler),
-//! and [`Loops`], the heartbeats of the roles' loops that `/readyz` reads.
+//! and [`Loops`], the beats of the roles' loops that `/readyz` reads.
 //!
 //! Counters and histograms are observed where things happen: the api's
 //! requests, the ledger's steps ([`ObservedLedger`]), a provider call's
@@ -446,7 +446,7 @@ pub struct Metrics {
     // worker
     in_flight: Family<OperationLabel, Gauge>,
     jobs: Family<OperationOutcome, Counter>,
-    worker_refunds: Family<CauseLabel, Counter>,
+    worker_releases: Family<CauseLabel, Counter>,
     leases_lost: Family<OperationLabel, Counter>,
     deferred: Family<OperationLabel, Counter>,
     jobs_reclaimed: Counter,
@@ -661,12 +661,19 @@ impl Metrics {
              unpaid, lease_lost, unrecorded)",
             jobs.clone(),
         );
-        let worker_refunds = counters();
+        let worker_releases = counters();
         r.register(
-            "tollgate_worker_refunds",
+            "tollgate_worker_releases",
             "Job charges released to their users' budgets, by cause (provider, throttle_timeout, \
              expired, rejected: by this worker; abandoned: by its maintenance)",
-            worker_refunds.clone(),
+            worker_releases.clone(),
+        );
+        // The same counters under their name before the glossary's: kept so
+        // that operators' alerts and dashboards on it keep working.
+        r.register(
+            "tollgate_worker_refunds",
+            "Deprecated alias of tollgate_worker_releases_total (same counters)",
+            worker_releases.clone(),
         );
         let leases_lost = counters();
         r.register(
@@ -811,7 +818,7 @@ impl Metrics {
             "abandoned",
             "rejected",
         ] {
-            worker_refunds
+            worker_releases
                 .get_or_create(&CauseLabel { cause })
                 .inc_by(0);
         }
@@ -877,7 +884,7 @@ impl Metrics {
             reclaimed,
             in_flight,
             jobs,
-            worker_refunds,
+            worker_releases,
             leases_lost,
             deferred,
             jobs_reclaimed,
@@ -903,7 +910,7 @@ impl Metrics {
         let _ = self.answers_log.set(log);
     }
 
-    /// The heartbeats of this process's loops.
+    /// The beats of this process's loops.
     pub fn loops(&self) -> &Loops {
         &self.loops
     }
@@ -1196,8 +1203,8 @@ impl Metrics {
 
     /// A job's charge went back to its user, for `cause` (a
     /// [`FailureCause`](crate::job::FailureCause) name).
-    pub fn job_refunded(&self, cause: &'static str) {
-        self.worker_refunds
+    pub fn job_released(&self, cause: &'static str) {
+        self.worker_releases
             .get_or_create(&CauseLabel { cause })
             .inc();
     }
@@ -1207,7 +1214,7 @@ impl Metrics {
         self.jobs_reclaimed.inc_by(m.requeued);
         self.jobs_abandoned.inc_by(m.abandoned);
         if m.abandoned > 0 {
-            self.worker_refunds
+            self.worker_releases
                 .get_or_create(&CauseLabel { cause: "abandoned" })
                 .inc_by(m.abandoned);
         }
@@ -1320,9 +1327,9 @@ fn method_label(method: &str) -> &'static str {
     KNOWN.into_iter().find(|m| *m == method).unwrap_or("other")
 }
 
-/// The heartbeats of a process's long-running loops (a worker's fetch and
-/// maintenance loops, a throttler's serve and heartbeat loops). Each loop
-/// [`register`](Self::register)s a [`Heartbeat`] and beats it every round,
+/// The beats of a process's long-running loops (a worker's fetch and
+/// maintenance loops, a throttler's serve and liveness loops). Each loop
+/// [`register`](Self::register)s a [`LoopBeat`] and beats it every round,
 /// saying when its next beat is due at the latest; `/readyz` reports the loops
 /// that are overdue (stuck) or ended (panicked or stopped).
 #[derive(Debug, Default)]
@@ -1343,12 +1350,12 @@ struct Beat {
     ended: AtomicBool,
 }
 
-/// One loop's heartbeat; see [`Loops`]. Dropping it (the loop returned or
+/// One loop's beat; see [`Loops`]. Dropping it (the loop returned or
 /// panicked) marks the loop ended.
 #[derive(Debug)]
-pub struct Heartbeat(Arc<Beat>);
+pub struct LoopBeat(Arc<Beat>);
 
-impl Heartbeat {
+impl LoopBeat {
     /// The loop is alive, and beats again within `next` (plus [`LOOP_SLACK`]).
     pub fn beat(&self, next: Duration) {
         let due = self.0.base.elapsed() + next + LOOP_SLACK;
@@ -1359,7 +1366,7 @@ impl Heartbeat {
     }
 }
 
-impl Drop for Heartbeat {
+impl Drop for LoopBeat {
     fn drop(&mut self) {
         self.0.ended.store(true, Ordering::Relaxed);
     }
@@ -1367,14 +1374,14 @@ impl Drop for Heartbeat {
 
 impl Loops {
     /// A new loop named `name`, alive from now for `first` (plus [`LOOP_SLACK`]).
-    pub fn register(&self, name: impl Into<String>, first: Duration) -> Heartbeat {
+    pub fn register(&self, name: impl Into<String>, first: Duration) -> LoopBeat {
         let beat = Arc::new(Beat {
             name: name.into(),
             base: Instant::now(),
             due_ms: AtomicU64::new(0),
             ended: AtomicBool::new(false),
         });
-        let hb = Heartbeat(Arc::clone(&beat));
+        let hb = LoopBeat(Arc::clone(&beat));
         hb.beat(first);
         lock(&self.beats).push(beat);
         hb
@@ -1431,6 +1438,8 @@ mod tests {
             // The config's providers, and the series alerts rely on, from the start.
             "tollgate_throttle_max_wait_seconds{provider=\"llm\"} 30",
             "tollgate_upstream_errors_total{provider=\"llm\",class=\"429\"} 0",
+            "tollgate_worker_releases_total{cause=\"provider\"} 0",
+            // Its alias, the name before the glossary's.
             "tollgate_worker_refunds_total{cause=\"provider\"} 0",
             concat!("tollgate_build_info{version=\"", env!("CARGO_PKG_VERSION"), "\"} 1"),
         ] {

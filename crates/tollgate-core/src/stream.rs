@@ -52,7 +52,7 @@ pub enum StreamEvent {
 /// A [`StreamEvent`] with the run that wrote it and its place in that run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamEntry {
-    pub attempt: u32,
+    pub run: u32,
     /// 1 for a run's first event, then +1 for each.
     pub seq: u64,
     pub event: StreamEvent,
@@ -89,7 +89,7 @@ pub enum Read {
 /// Checks each entry read: one run, no gap.
 #[derive(Debug, Default, Clone)]
 pub struct Continuity {
-    attempt: Option<u32>,
+    run: Option<u32>,
     seq: u64,
 }
 
@@ -97,8 +97,8 @@ impl Continuity {
     /// The event of `entry`, or an error event when it is of another run or
     /// out of order.
     pub fn accept(&mut self, entry: StreamEntry) -> StreamEvent {
-        let first = *self.attempt.get_or_insert(entry.attempt);
-        if entry.attempt != first {
+        let first = *self.run.get_or_insert(entry.run);
+        if entry.run != first {
             return StreamEvent::Error(
                 "the worker streaming this answer stopped mid-stream; the answer is incomplete"
                     .into(),
@@ -195,7 +195,7 @@ pub fn wants_stream(input: &serde_json::Value) -> bool {
 mod tests {
     use super::*;
 
-    fn entry(attempt: u32, seq: u64) -> StreamEntry {
+    fn entry(run: u32, seq: u64) -> StreamEntry {
         StreamEntry {
             attempt,
             seq,
@@ -214,7 +214,7 @@ mod tests {
             cost: 1,
             enqueued_at_ms: 0,
             deadline_ms: u64::MAX,
-            attempt: 1,
+            run: 1,
             nonce: "n".into(),
             trace: None,
         };
@@ -233,7 +233,7 @@ mod tests {
         // A head takes no place in the run.
         let head = crate::head::Head::safe(201, []);
         let e = StreamEntry {
-            attempt: 2,
+            run: 2,
             seq: 2,
             event: StreamEvent::Head(head.clone()),
         };

@@ -32,8 +32,8 @@ pub struct Grant {
     /// clock (Redis `TIME` in distributed mode, the process clock in-process).
     pub granted_at_us: u64,
     /// The slot counts against its user's `max_in_flight` until
-    /// [`Throttle::done`] (or its hold ends): `None` when the user has no cap.
-    pub held: Option<Held>,
+    /// [`Throttle::done`] (or its lease ends, [`Share::slot_lease`](crate::fair::Share::slot_lease)): `None` when the user has no cap.
+    pub user_slot: Option<UserSlot>,
     /// The grant's slot of its provider's `max_concurrent`, held until
     /// [`Throttle::done`] (renewed meanwhile; a holder that dies lets it
     /// go after `SLOT_LEASE`): `None` when the provider has no cap.
@@ -87,11 +87,11 @@ pub fn late_of(p: &Provider, late_grant: Duration) -> Duration {
 /// The longest a grant holds its slot of `max_concurrent` when its caller
 /// never says its call ended (it dropped the grant): on Redis, its renewals
 /// stop then; in process, the slot frees itself.
-pub const SLOT_MAX_HOLD: Duration = Duration::from_secs(600);
+pub const SLOT_LEASE_MAX: Duration = Duration::from_secs(600);
 
 /// A slot that counts against a user's cap: what [`Throttle::done`] frees.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Held {
+pub struct UserSlot {
     pub user: String,
     pub ticket: String,
 }
@@ -423,7 +423,7 @@ pub trait Dispatch: Send + Sync + std::fmt::Debug {
     async fn reclaim(&self, lapsed: &str) -> Result<Option<u64>, ThrottleError>;
 
     /// This throttler stops: its tickets go back to the queue, its liveness ends.
-    async fn release(&self) -> Result<u64, ThrottleError>;
+    async fn retire(&self) -> Result<u64, ThrottleError>;
 }
 
 /// Makes the [`Dispatch`] of each provider for a throttler.

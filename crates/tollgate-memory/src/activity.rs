@@ -317,7 +317,7 @@ mod tests {
             },
         ));
         for _ in 0..(STEPS_CAP + 4) {
-            log.note(step("a", JobStep::Started { attempt: 1 }));
+            log.note(step("a", JobStep::Started { run: 1 }));
         }
         log.note(step(
             "a",

@@ -1,7 +1,7 @@
 //! The in-memory job queue: the embedded backend, with the same semantics as the
 //! Redis queue (the submission sequence of [`JobQueue::submit`]; leases with
 //! fencing tokens; a claim of the charge before the provider call; requeue on
-//! lease expiry up to `max_attempts`; release at most once).
+//! lease expiry up to `max_runs`; release at most once).
 //!
 //! One mutex guards every job and queue; it is never held across an await (the
 //! ledger calls happen between critical sections, in the same order as the
@@ -41,7 +41,7 @@ struct Record {
     /// The last fencing token handed out.
     seq: u64,
     /// A failed job whose release has not been confirmed yet.
-    refund_pending: bool,
+    release_pending: bool,
     /// A run claimed the charge, about to call the provider.
     started: bool,
     /// What the record stores: the input's JSON text while the job can run,
@@ -55,7 +55,7 @@ impl Record {
     fn stored(&self, now: u64, ttl: u64) -> u64 {
         match self.phase {
             Phase::Done { at_ms, .. }
-                if !self.refund_pending && at_ms.saturating_add(ttl) <= now =>
+                if !self.release_pending && at_ms.saturating_add(ttl) <= now =>
             {
                 0
             }
@@ -213,9 +213,9 @@ impl MemoryJobQueue {
         self.clock.now_ms()
     }
 
-    /// Marks a leased job done if `token` is current; `refund` marks its
+    /// Marks a leased job done if `token` is current; `release` marks its
     /// release pending.
-    fn finish(&self, lease: &Lease, status: JobStatus, refund: bool) -> Finish {
+    fn finish(&self, lease: &Lease, status: JobStatus, release: bool) -> Finish {
         let now = self.now();
         let mut st = lock(&self.state);
         let Some(rec) = st.jobs.get_mut(&lease.job.id) else {
@@ -228,7 +228,7 @@ impl MemoryJobQueue {
         let len = final_len(&status);
         rec.job.input = Value::Null;
         rec.phase = Phase::Done { status, at_ms: now };
-        rec.refund_pending = refund;
+        rec.release_pending = release;
         st.keep(&lease.job.id, len);
         drop(st);
         self.watchers.ring(lease.job.id.as_str());
@@ -243,7 +243,7 @@ impl MemoryJobQueue {
         self.ledger.release(&job.user, &job.id, &job.nonce).await?;
         if let Some(rec) = lock(&self.state).jobs.get_mut(id) {
             if rec.job.nonce == job.nonce {
-                rec.refund_pending = false;
+                rec.release_pending = false;
             }
         }
         Ok(())
@@ -265,7 +265,7 @@ impl MemoryJobQueue {
                 status: JobStatus::Failed { cause, message },
                 at_ms: now,
             };
-            rec.refund_pending = release;
+            rec.release_pending = release;
             st.keep(id, len);
         }
         self.watchers.ring(id.as_str());
@@ -289,7 +289,7 @@ impl MemoryJobQueue {
                 _ => return Finish::LeaseLost,
             }
             rec.phase = Phase::Queued;
-            rec.job.attempt = rec.job.attempt.saturating_sub(1);
+            rec.job.run = rec.job.run.saturating_sub(1);
             let queue = st.queues.entry(lease.job.operation.clone()).or_default();
             match end {
                 End::Head => queue.push_front(lease.job.id.clone()),
@@ -437,7 +437,7 @@ impl JobQueue for MemoryJobQueue {
                     job: job.clone(),
                     phase: Phase::Queued,
                     seq,
-                    refund_pending: false,
+                    release_pending: false,
                     started: false,
                     kept_len: input_len,
                 },
@@ -457,7 +457,7 @@ impl JobQueue for MemoryJobQueue {
             r.job.user == info.job.user
                 && r.job.nonce == info.job.nonce
                 && matches!(r.phase, Phase::Done { .. })
-                && !r.refund_pending
+                && !r.release_pending
         });
         if done {
             st.forget(&info.job.id);
@@ -540,14 +540,14 @@ impl JobSource for MemoryJobQueue {
                 let id = st.queues.get_mut(operation).and_then(VecDeque::pop_front);
                 match id.and_then(|id| st.jobs.get_mut(&id)) {
                     Some(rec) if matches!(rec.phase, Phase::Queued) => {
-                        rec.job.attempt += 1;
+                        rec.job.run += 1;
                         if now >= rec.job.deadline_ms {
                             give_up = Some((
                                 rec.job.id.clone(),
                                 job::given_up(FailureCause::Expired, rec.started),
                             ));
                             None
-                        } else if rec.job.attempt > op.max_attempts {
+                        } else if rec.job.run > op.max_runs {
                             give_up = Some((
                                 rec.job.id.clone(),
                                 job::given_up(FailureCause::Abandoned, rec.started),
@@ -677,17 +677,17 @@ impl JobSource for MemoryJobQueue {
     async fn maintain(&self, _worker: &str, _lease: Duration) -> Result<Maintenance, JobError> {
         let now = self.now();
         let mut report = Maintenance::default();
-        let mut refunds = Vec::new();
+        let mut releases = Vec::new();
         {
             let mut st = lock(&self.state);
-            let grace = millis(self.options.refund_grace);
+            let grace = millis(self.options.release_grace);
             let expired: Vec<RequestId> = st
                 .jobs
                 .values()
                 .filter(|r| match r.phase {
                     Phase::Done { at_ms, .. } => {
                         let ttl = millis(self.options.result_ttl(&self.config, &r.job.operation));
-                        !r.refund_pending && at_ms.saturating_add(ttl) <= now
+                        !r.release_pending && at_ms.saturating_add(ttl) <= now
                     }
                     _ => false,
                 })
@@ -704,9 +704,9 @@ impl JobSource for MemoryJobQueue {
                         requeue.push((rec.job.operation.clone(), rec.job.id.clone()));
                     }
                     Phase::Done { at_ms, .. }
-                        if rec.refund_pending && at_ms.saturating_add(grace) <= now =>
+                        if rec.release_pending && at_ms.saturating_add(grace) <= now =>
                     {
-                        refunds.push(rec.job.id.clone());
+                        releases.push(rec.job.id.clone());
                     }
                     _ => {}
                 }
@@ -719,9 +719,9 @@ impl JobSource for MemoryJobQueue {
         if report.requeued > 0 {
             self.queued.notify_waiters();
         }
-        for id in refunds {
+        for id in releases {
             self.release(&id).await?;
-            report.refunded += 1;
+            report.released += 1;
         }
         Ok(report)
     }

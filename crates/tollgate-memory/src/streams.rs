@@ -69,7 +69,7 @@ impl StreamReader for MemoryReader {
 #[derive(Debug)]
 struct MemoryWriter {
     tx: Option<mpsc::Sender<StreamEntry>>,
-    attempt: u32,
+    run: u32,
     seq: std::sync::atomic::AtomicU64,
 }
 
@@ -86,7 +86,7 @@ impl StreamWriter for MemoryWriter {
             _ => self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1,
         };
         let entry = StreamEntry {
-            attempt: self.attempt,
+            run: self.run,
             seq,
             event,
         };
@@ -120,7 +120,7 @@ impl JobStreams for MemoryStreams {
             tx: tollgate_core::lock(&self.open)
                 .get(job.id.as_str())
                 .cloned(),
-            attempt: job.attempt,
+            run: job.run,
             seq: std::sync::atomic::AtomicU64::new(0),
         })
     }
@@ -143,7 +143,7 @@ mod tests {
             cost: 1,
             enqueued_at_ms: 0,
             deadline_ms: u64::MAX,
-            attempt: 1,
+            run: 1,
             nonce: "n".into(),
             trace: None,
         };
@@ -193,7 +193,7 @@ mod tests {
             cost: 1,
             enqueued_at_ms: 0,
             deadline_ms: u64::MAX,
-            attempt: 1,
+            run: 1,
             nonce: "n".into(),
             trace: None,
         };

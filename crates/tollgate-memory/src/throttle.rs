@@ -19,8 +19,8 @@ use tollgate_core::id::RequestId;
 use tollgate_core::lock;
 use tollgate_core::metrics::Metrics;
 use tollgate_core::throttle::{
-    backoff, late_bound, limit_stats, Grant, Held, Pause, Position, ProviderStats, Share, Throttle,
-    ThrottleError, Usage, Waiter, LATE_GRANT, MIN_LATE_GRANT, SLOT_MAX_HOLD,
+    backoff, late_bound, limit_stats, Grant, Pause, Position, ProviderStats, Share, Throttle,
+    ThrottleError, Usage, UserSlot, Waiter, LATE_GRANT, MIN_LATE_GRANT, SLOT_LEASE_MAX,
 };
 
 /// An adaptive bucket's rate at `t`: `e` at `since`, growing back by a tenth
@@ -97,7 +97,7 @@ struct BucketState {
     strikes: u32,
     /// The tickets holding a slot of `max_concurrent`.
     /// (ticket -> when it frees itself: a grant dropped without `done`
-    /// holds it [`SLOT_MAX_HOLD`] at most.)
+    /// holds it [`SLOT_LEASE_MAX`] at most.)
     slots: HashMap<u64, Instant>,
     /// An adaptive bucket's rate after its last refusal, and from when.
     aimd: Option<(f64, Instant)>,
@@ -327,7 +327,7 @@ impl Bucket {
     /// A grant's slot of `max_concurrent`, if the provider has one.
     fn take_slot(&self, st: &mut BucketState, ticket: u64) {
         if self.max_concurrent.is_some() {
-            st.slots.insert(ticket, Instant::now() + SLOT_MAX_HOLD);
+            st.slots.insert(ticket, Instant::now() + SLOT_LEASE_MAX);
         }
     }
 
@@ -542,12 +542,12 @@ impl Throttle for MemoryThrottle {
             request_id: waiter.request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
-            held: (share.max_in_flight.is_some() || bucket.max_concurrent.is_some()).then(|| {
-                Held {
+            user_slot: (share.max_in_flight.is_some() || bucket.max_concurrent.is_some()).then(
+                || UserSlot {
                     user: user.to_owned(),
                     ticket: ticket.to_string(),
-                }
-            }),
+                },
+            ),
             slot: bucket.max_concurrent.map(|_| ticket.to_string()),
             use_by: Some(made + late),
             weight,
@@ -662,7 +662,7 @@ impl Throttle for MemoryThrottle {
     }
 
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
-        let Some(held) = &grant.held else {
+        let Some(held) = &grant.user_slot else {
             return Ok(());
         };
         let bucket = self.bucket(&grant.provider)?;

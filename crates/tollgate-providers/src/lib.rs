@@ -432,7 +432,7 @@ impl<C: Transport> ThrottledClient<C> {
             client,
             metrics,
             shares: Arc::new(Shares::default_plan(Arc::new(Config::builtin()))),
-            hold: tollgate_core::fair::DEFAULT_HOLD,
+            hold: tollgate_core::fair::DEFAULT_SLOT_LEASE,
             retry_unanswered: BTreeSet::new(),
             exposed: BTreeSet::new(),
             weights: BTreeMap::new(),
@@ -914,7 +914,7 @@ fn build(
                     mock::BuiltinMock::new(config),
                     Arc::clone(metrics),
                 )
-                .with_shares(Arc::clone(&shares), tollgate_core::fair::DEFAULT_HOLD)
+                .with_shares(Arc::clone(&shares), tollgate_core::fair::DEFAULT_SLOT_LEASE)
                 .with_weights(config),
             ),
         };

@@ -19,7 +19,7 @@
 //! **Releases** cross hash tags (the job lives on the queue's tag, the charge on
 //! the user's), so they go in order: mark the job failed with its release
 //! pending, release (by the job's nonce: at most once, and never a later
-//! attempt's charge), confirm (`job_refunded.lua`). Maintenance finishes
+//! attempt's charge), confirm (`job_released.lua`). Maintenance finishes
 //! releases left pending by a crash.
 //!
 //! **Starting a run**: the claim and `job_started.lua` go out together (one
@@ -244,7 +244,7 @@ impl RedisJobQueue {
             }
         }
         let _: i64 = self
-            .script("job_refunded", scripts::job_refunded(keys, id, ttl_ms))
+            .script("job_released", scripts::job_released(keys, id, ttl_ms))
             .await?;
         Ok(())
     }
@@ -410,7 +410,7 @@ impl RedisJobQueue {
                         id: &id,
                         worker,
                         lease_ms: millis(lease),
-                        max_attempts: op.max_attempts,
+                        max_runs: op.max_runs,
                         operation: &op.name,
                         result_ttl_ms: self.ttl_ms(&op.name),
                         width_ms: self.width_ms(&op.name),
@@ -610,7 +610,7 @@ fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, Strin
         cost: num(map, "cost")?,
         enqueued_at_ms: num(map, "enq")?,
         deadline_ms: num(map, "deadline")?,
-        attempt: u32::try_from(num(map, "attempt")?).unwrap_or(u32::MAX),
+        run: u32::try_from(num(map, "attempt")?).unwrap_or(u32::MAX),
         nonce: field(map, "nonce")?.to_owned(),
         // Absent in records of earlier versions, and for calls with no trace.
         trace: map.get("tp").and_then(|v| TraceParent::parse(v)),
@@ -1159,8 +1159,8 @@ impl JobSource for RedisJobQueue {
                 .script(
                     "job_due",
                     scripts::job_due(
-                        &keys.refunds,
-                        millis(self.options.refund_grace),
+                        &keys.releases,
+                        millis(self.options.release_grace),
                         MAINTAIN_BATCH,
                     ),
                 )
@@ -1172,7 +1172,7 @@ impl JobSource for RedisJobQueue {
                 let field = |i: usize| f.get(i).cloned().flatten().unwrap_or_default();
                 self.release(&keys, &id, &field(0), &field(1), self.ttl_ms(&operation))
                     .await?;
-                report.refunded += 1;
+                report.released += 1;
             }
         }
         Ok(report)

@@ -377,8 +377,8 @@ pub struct JobKeys {
     pub queue: String,
     /// Sorted set: running job id -> end of its lease (ms).
     pub leases: String,
-    /// Sorted set: failed job id -> when it failed (ms): refunds not yet confirmed.
-    pub refunds: String,
+    /// Sorted set: failed job id -> when it failed (ms): releases not yet confirmed.
+    pub releases: String,
     /// Hash: worker id -> end of its liveness lease (ms, Redis TIME).
     pub workers: String,
     /// Set: the worker ids that may have a processing list (never expires).
@@ -469,7 +469,9 @@ impl KeySpace {
         JobKeys {
             queue: format!("{base}:queue"),
             leases: format!("{base}:leases"),
-            refunds: format!("{base}:refunds"),
+            // Stored as `refunds`, its name before the glossary's: an upgrade
+            // finds the releases pending in it.
+            releases: format!("{base}:refunds"),
             workers: format!("{base}:workers"),
             lists: format!("{base}:lists"),
             dead: format!("{base}:dead"),
@@ -619,7 +621,7 @@ mod tests {
         assert_eq!(k.processing("w1"), "tg:v1:{q:llm.structured}:processing:w1");
         for key in [
             &k.leases,
-            &k.refunds,
+            &k.releases,
             &k.workers,
             &k.lists,
             &k.dead,

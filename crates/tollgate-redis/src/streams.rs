@@ -179,7 +179,7 @@ struct RedisWriter {
     pool: Pool,
     keys: JobKeys,
     id: String,
-    attempt: u32,
+    run: u32,
     seq: AtomicU64,
     /// A head held back to ride with the next event (one round trip less
     /// before the first token).
@@ -203,7 +203,7 @@ impl StreamWriter for RedisWriter {
             &self.keys,
             &self.id,
             StreamPush {
-                attempt: self.attempt,
+                run: self.run,
                 seq,
                 kind,
                 text,
@@ -898,7 +898,7 @@ impl JobStreams for RedisStreams {
             pool: self.pool.clone(),
             keys: self.keys.jobs(&job.operation),
             id: job.id.as_str().to_owned(),
-            attempt: job.attempt,
+            run: job.run,
             seq: AtomicU64::new(0),
             head: Mutex::new(None),
             timeout: self.timeout,

@@ -31,8 +31,8 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        late_of, limit_stats, Dispatch, Dispatchers, Grant, Held, Pause, Position, ProviderStats,
-        Pumped, Throttle, ThrottleError, Usage, Waiter,
+        late_of, limit_stats, Dispatch, Dispatchers, Grant, Pause, Position, ProviderStats, Pumped,
+        Throttle, ThrottleError, Usage, UserSlot, Waiter,
     },
 };
 
@@ -343,10 +343,10 @@ async fn cancel(
     r
 }
 
-pub use tollgate_core::throttle::SLOT_MAX_HOLD;
+pub use tollgate_core::throttle::SLOT_LEASE_MAX;
 
 /// Renews the slot of `ticket` at `provider` every third of its lease while
-/// its call runs, until `done` ends it (or [`SLOT_MAX_HOLD`]); a process that
+/// its call runs, until `done` ends it (or [`SLOT_LEASE_MAX`]); a process that
 /// dies stops renewing, and the slot ends with its lease.
 fn renew_slot(shared: &Arc<Shared>, provider: &str, ticket: &str) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -359,7 +359,7 @@ fn renew_slot(shared: &Arc<Shared>, provider: &str, ticket: &str) {
         let ticket = ticket.to_owned();
         async move {
             let started = Instant::now();
-            while started.elapsed() < SLOT_MAX_HOLD {
+            while started.elapsed() < SLOT_LEASE_MAX {
                 tokio::time::sleep(lease / 3).await;
                 let r: Result<i64, _> = run_script(
                     &shared.pool,
@@ -411,7 +411,7 @@ async fn end_slot(
     shared: &Shared,
     timeout: Duration,
     provider: &str,
-    held: &Held,
+    held: &UserSlot,
 ) -> Result<(), ThrottleError> {
     let keys = shared.keys.throttle(provider);
     let _: i64 = run_script(
@@ -767,7 +767,7 @@ impl Throttle for RedisThrottle {
             )
             .await?;
         }
-        let Some(held) = &grant.held else {
+        let Some(held) = &grant.user_slot else {
             return Ok(());
         };
         end_slot(
@@ -808,7 +808,7 @@ impl RedisThrottle {
                 user: &waiter.user,
                 weight: waiter.share.weight,
                 max_in_flight: waiter.share.max_in_flight.unwrap_or(0),
-                hold_us: micros(waiter.share.hold),
+                slot_lease_us: micros(waiter.share.slot_lease),
             }),
             Fairness::Fifo => None,
         };
@@ -883,7 +883,7 @@ impl RedisThrottle {
             Ok(queued) => queued?,
             Err(_) => return Err(timeout()),
         };
-        let held = fair.filter(|f| f.max_in_flight > 0).map(|f| Held {
+        let held = fair.filter(|f| f.max_in_flight > 0).map(|f| UserSlot {
             user: f.user.to_owned(),
             ticket: ticket.id.clone(),
         });
@@ -926,7 +926,7 @@ impl RedisThrottle {
             request_id: request_id.clone(),
             waited: started.elapsed(),
             granted_at_us,
-            held: held.clone(),
+            user_slot: held.clone(),
             slot: slot.clone(),
             use_by: Some(RedisClock::earliest(
                 now,
@@ -1143,7 +1143,7 @@ impl Dispatch for Dispatcher {
         Ok(u64::try_from(r).ok())
     }
 
-    async fn release(&self) -> Result<u64, ThrottleError> {
+    async fn retire(&self) -> Result<u64, ThrottleError> {
         Ok(self
             .reclaim_of(&self.throttler, Reclaim::Stopping)
             .await?

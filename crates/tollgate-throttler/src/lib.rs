@@ -11,7 +11,7 @@
 //!
 //! Observed in [`ThrottlerConfig::metrics`]: grants and skipped tickets per
 //! provider (from each [`Dispatch::pump`]), tickets reclaimed from dead
-//! throttlers; each serve loop and the heartbeat loop beat a heartbeat
+//! throttlers; each serve loop and the liveness loop beat a [`LoopBeat`]
 //! (`/readyz` reports a silent one).
 
 use std::sync::Arc;
@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tollgate_core::{
     config::{Config, Provider},
     id::RequestId,
-    metrics::{Heartbeat, Metrics},
+    metrics::{LoopBeat, Metrics},
     throttle::{Dispatch, Dispatchers},
 };
 use tracing::Instrument;
@@ -37,7 +37,7 @@ pub struct ThrottlerConfig {
     pub liveness: Duration,
     /// How long one BLMOVE blocks before the loop looks at shutdown again.
     pub block: Duration,
-    /// Where the throttler's metrics and loop heartbeats go: the process's
+    /// Where the throttler's metrics and loop beats go: the process's
     /// registry (`Backends::metrics`); a private one by default.
     pub metrics: Arc<Metrics>,
 }
@@ -100,13 +100,13 @@ pub async fn run(
     ));
     for (d, p) in dispatchers.iter().zip(&providers) {
         let span = tracing::info_span!("serve", provider = %p.name);
-        let heartbeat = loops.register(format!("throttler serve {}", p.name), cfg.block);
+        let beat = loops.register(format!("throttler serve {}", p.name), cfg.block);
         tasks.spawn(
             serve(
                 Arc::clone(d),
                 p.name.clone(),
                 cfg.clone(),
-                heartbeat,
+                beat,
                 stop.clone(),
             )
             .instrument(span),
@@ -117,9 +117,9 @@ pub async fn run(
     let _ = stop_tx.send(true);
     while tasks.join_next().await.is_some() {}
     for d in &dispatchers {
-        match d.release().await {
-            Ok(n) => tracing::info!(returned = n, "liveness released"),
-            Err(e) => tracing::warn!(error = %e, "releasing the liveness failed"),
+        match d.retire().await {
+            Ok(n) => tracing::info!(returned = n, "retired: its tickets are back in the queue"),
+            Err(e) => tracing::warn!(error = %e, "retiring failed"),
         }
     }
     Ok(())
@@ -135,12 +135,12 @@ async fn serve(
     d: Arc<dyn Dispatch>,
     provider: String,
     cfg: ThrottlerConfig,
-    heartbeat: Heartbeat,
+    beat: LoopBeat,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = Duration::from_millis(50);
     while !*stop.borrow() {
-        heartbeat.beat(cfg.block);
+        beat.beat(cfg.block);
         let step = async {
             let pumped = d.pump(cfg.batch).await?;
             if pumped.granted > 0 || pumped.skipped > 0 {
@@ -150,7 +150,7 @@ async fn serve(
             }
             if let Some(wait) = pumped.wait {
                 // A slow bucket sleeps long: the loop says so first.
-                heartbeat.beat(wait);
+                beat.beat(wait);
                 tokio::time::sleep(wait).await;
             } else if !pumped.more {
                 // A user held back by its cap whose slot frees itself rejoins
@@ -175,7 +175,7 @@ async fn serve(
                 }
             },
             // A BLMOVE dropped here may still move a ticket: it waits in this
-            // throttler's processing list until `release` puts it back.
+            // throttler's processing list until `retire` puts it back.
             () = stopped(&mut stop) => {}
         }
     }
@@ -186,7 +186,7 @@ async fn heartbeats(
     ds: Vec<(String, Arc<dyn Dispatch>)>,
     liveness: Duration,
     metrics: Arc<Metrics>,
-    heartbeat: Heartbeat,
+    beat: LoopBeat,
     mut stop: watch::Receiver<bool>,
 ) {
     let every = liveness / 3;
@@ -211,7 +211,7 @@ async fn heartbeats(
                 Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
             }
         }
-        heartbeat.beat(every);
+        beat.beat(every);
         tokio::select! {
             () = tokio::time::sleep(every) => {}
             () = stopped(&mut stop) => return,

@@ -20,7 +20,7 @@
 //! sees lapsed on waking from a pause, abandons the call, and
 //! the fencing token refuses anything this worker still tries to record.
 //! Periodically every worker runs the queue's maintenance (requeue expired
-//! leases, reclaim dead workers' jobs, abandon stale holds, finish refunds).
+//! leases, reclaim dead workers' jobs, abandon stale holds, finish releases).
 //!
 //! Workers are shared between users: one user's jobs hold at most its cap of
 //! this worker's slots ([`WorkerConfig::user_share`], or its plan's
@@ -37,11 +37,11 @@
 //! Observed in [`WorkerConfig::metrics`]: jobs in flight, how each ended,
 //! the jobs deferred,
 //! the charges released, leases lost, maintenance's reclaims; every fetch loop
-//! and the maintenance loop beat a heartbeat (`/readyz` reports a silent one).
+//! and the maintenance loop beat a [`LoopBeat`] (`/readyz` reports a silent one).
 //! **Invariant:** a worker touches a budget only as its job's charge's owner:
 //! it claims it before the call, settles it to the reported cost after a
 //! success (by the charge's nonce), and releases it, when the outcome policy
-//! says so, through the job source's fenced `fail` (refund once).
+//! says so, through the job source's fenced `fail` (release once).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -57,7 +57,7 @@ use tollgate_core::{
     id::{RequestId, UserId},
     job::{self, Charge, Failure, FailureCause, Finish, JobSource, Lease, Taker},
     ledger::Ledger,
-    metrics::{Heartbeat, JobEnd, Metrics},
+    metrics::{JobEnd, LoopBeat, Metrics},
     stream::{self, JobStreams, NoReaders, StreamEvent, StreamWriter},
 };
 use tollgate_providers::{outcome, CallError, CallOptions, Client, FirstSlot, Shares};
@@ -82,7 +82,7 @@ pub struct WorkerConfig {
     pub shutdown_grace: Duration,
     /// Operations served (default: every configured one).
     pub operations: Vec<String>,
-    /// Where the worker's metrics and loop heartbeats go: the process's
+    /// Where the worker's metrics and loop beats go: the process's
     /// registry (`Backends::metrics`); a private one by default.
     pub metrics: Arc<Metrics>,
     /// Where streamed jobs' events go (`Backends::streams`): to the api pods'
@@ -211,7 +211,7 @@ pub async fn run(
     ));
     for (operation, provider) in routes {
         let span = tracing::info_span!("fetch", operation = %operation);
-        let heartbeat = loops.register(format!("worker fetch {operation}"), cfg.block);
+        let beat = loops.register(format!("worker fetch {operation}"), cfg.block);
         tasks.spawn(
             fetch(
                 Arc::clone(&source),
@@ -222,7 +222,7 @@ pub async fn run(
                 Arc::clone(&slots),
                 Arc::clone(&users),
                 Arc::clone(&listed),
-                heartbeat,
+                beat,
                 stop.clone(),
             )
             .instrument(span),
@@ -259,7 +259,7 @@ async fn maintenance(
     worker: String,
     cfg: WorkerConfig,
     listed: Listed,
-    heartbeat: Heartbeat,
+    beat: LoopBeat,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -274,14 +274,14 @@ async fn maintenance(
                 tracing::info!(
                     requeued = m.requeued,
                     abandoned = m.abandoned,
-                    refunded = m.refunded,
+                    released = m.released,
                     "maintenance"
                 )
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "maintenance failed"),
         }
-        heartbeat.beat(cfg.maintain_every);
+        beat.beat(cfg.maintain_every);
         tokio::select! {
             () = tokio::time::sleep(cfg.maintain_every) => {}
             () = stopped(&mut stop) => return,
@@ -299,14 +299,14 @@ async fn fetch(
     slots: Arc<Semaphore>,
     users: Arc<Users>,
     listed: Listed,
-    heartbeat: Heartbeat,
+    beat: LoopBeat,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = Duration::from_millis(50);
     let mut rounds = Rounds::default();
     let taker = Taker::new(&worker, cfg.block, cfg.lease);
     while !*stop.borrow() {
-        heartbeat.beat(cfg.block);
+        beat.beat(cfg.block);
         // Not listed for sure (no heartbeat yet, or none for long: Redis is
         // unreachable for this worker): a pop now might land in a list that
         // the others have forgotten by the time this worker dies.
@@ -327,7 +327,7 @@ async fn fetch(
                     Ok(p) => break p,
                     Err(_) => return,
                 },
-                () = tokio::time::sleep(cfg.block) => heartbeat.beat(cfg.block),
+                () = tokio::time::sleep(cfg.block) => beat.beat(cfg.block),
                 () = stopped(&mut stop) => return,
             }
         };
@@ -362,7 +362,7 @@ async fn fetch(
                     "job",
                     request_id = %lease.job.id,
                     user = %lease.job.user,
-                    attempt = lease.job.attempt,
+                    run = lease.job.run,
                     trace_id = lease.job.trace.as_ref().map(|t| t.trace_id()),
                 );
                 tokio::spawn(
@@ -557,10 +557,10 @@ async fn run_job(
 ) {
     let metrics = Arc::clone(&cfg.metrics);
     let _running = metrics.job_running(&lease.job.operation);
-    let (end, refunded) = job(source, provider, &lease, cfg, stop).await;
+    let (end, released) = job(source, provider, &lease, cfg, stop).await;
     metrics.job_ended(&lease.job.operation, end);
-    if let Some(cause) = refunded {
-        metrics.job_refunded(cause.as_str());
+    if let Some(cause) = released {
+        metrics.job_released(cause.as_str());
     }
 }
 
@@ -606,7 +606,7 @@ async fn job(
             if let Some(slot) = first {
                 slot.unused(provider.as_ref()).await;
             }
-            tracing::warn!("the job's charge is not its own: failed unrun, nothing to refund");
+            tracing::warn!("the job's charge is not its own: failed unrun, nothing to release");
             return (JobEnd::Unpaid, None);
         }
         Err(e) => {
@@ -742,7 +742,7 @@ async fn job(
     };
     if recorded == Some(Finish::LeaseLost) {
         tracing::warn!(
-            "lease lost: another worker owns the job; nothing recorded, nothing refunded"
+            "lease lost: another worker owns the job; nothing recorded, nothing released"
         );
     }
     let end = end_of(recorded, ok);

@@ -5,7 +5,10 @@
 --
 -- A job record is a hash on its queue's hash tag ({q:<operation>}):
 --   state        queued | running | succeeded | failed
---   user, op, provider, input (JSON text), cost, enq (ms), deadline (ms), attempt
+--   user, op, provider, input (JSON text), cost, enq (ms), deadline (ms),
+--   attempt      the job's runs so far (the stored names `attempt`, `refund` and
+--                the queue's `refunds` key predate the glossary: kept, so that
+--                an upgrade finds the jobs in flight)
 --   nonce        the charge that pays for the job (charge.lua): the worker claims
 --                it before the provider call and releases it if the job fails
 --   seq          the fencing token of the latest lease (incremented per lease)
@@ -16,7 +19,7 @@
 --   refund       '1' while a failed job's release is not confirmed
 --   sz, sb       the bytes the record counts against its user's stored bytes,
 --                and the bucket of the user's stored-bytes hash they are in
--- A record gets a TTL only once it is final and owes no refund. Once final it
+-- A record gets a TTL only once it is final and owes no release. Once final it
 -- keeps only what its status needs: the input, provider, trace, worker and
 -- lease fields are dropped (the job can no longer run).
 -- Time is Redis TIME.
@@ -237,20 +240,20 @@ local function publish_done(channel, key, id, fields, waiter, kept)
   publish(channel, key, id)
 end
 
--- Ends the job as failed and publishes its id on `channel`. With `refund`, its
--- release is pending (listed in `refunds`): the caller then releases the charge
+-- Ends the job as failed and publishes its id on `channel`. With `release`, its
+-- release is pending (listed in `releases`): the caller then releases the charge
 -- and confirms. Without (the job never owned a charge), the record gets `ttl`.
 -- `stored` = { prefix, width, result ttl } of the stored-bytes accounting.
-local function fail_job(job, refunds, id, cause, message, now, channel, refund, ttl, stored)
+local function fail_job(job, releases, id, cause, message, now, channel, release, ttl, stored)
   local set = { 'state', 'failed', 'cause', cause, 'message', message, 'finished', int(now) }
-  if refund then
+  if release then
     set[#set + 1] = 'refund'
     set[#set + 1] = '1'
   end
   local _, fields, waiter = finalize(job, nil, set, stored[1], #message,
-    now + stored[3] + (refund and stored[2] or 0), stored[2])
-  if refund then
-    redis.call('ZADD', refunds, int(now), id)
+    now + stored[3] + (release and stored[2] or 0), stored[2])
+  if release then
+    redis.call('ZADD', releases, int(now), id)
   else
     redis.call('PEXPIRE', job, int(ttl))
   end

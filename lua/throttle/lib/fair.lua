@@ -44,7 +44,7 @@
 --                         tickets of a user at its cap, out of `tickets` until
 --                         a slot ends; they go back at max(v, their tag)
 -- A ticket's `waiting` entry is "<deadline_us> <inbox> <stamp> <weight>
--- <max_in_flight, 0 for none> <hold µs> <user>": what its grant needs.
+-- <max_in_flight, 0 for none> <slot lease µs> <user>": what its grant needs.
 -- With nobody waiting, `tags` is dropped: start tags (and v) start again at 0.
 
 -- Every throttle script, FIFO ones too, runs this file's top level on each
@@ -85,27 +85,27 @@ local function fair_stamp(now)
   return string.format('%014x', now) -- STAMP hex digits
 end
 
--- A fair ticket's `waiting` entry; `share`: "<weight> <max_in_flight> <hold>
+-- A fair ticket's `waiting` entry; `share`: "<weight> <max_in_flight> <slot lease>
 -- <user>" (throttle_enqueue_fair.lua's ARGV[7], checked there).
 local function fair_entry(deadline, inbox, stamp, share)
   return int(deadline) .. ' ' .. inbox .. ' ' .. stamp .. ' ' .. share
 end
 
--- deadline, inbox, stamp, weight, cap, hold, user of a fair `waiting` entry
+-- deadline, inbox, stamp, weight, cap, lease, user of a fair `waiting` entry
 -- (nil when it is not one).
 local function fair_parse(w)
-  local d, inbox, stamp, weight, cap, hold, user =
+  local d, inbox, stamp, weight, cap, lease, user =
     string.match(w, '^(%d+) (%S+) (%x+) (%d+) (%d+) (%d+) (.*)$')
   if not d then
     return nil
   end
-  return tonumber(d), inbox, stamp, tonumber(weight), tonumber(cap), tonumber(hold), user
+  return tonumber(d), inbox, stamp, tonumber(weight), tonumber(cap), tonumber(lease), user
 end
 
--- deadline, inbox, cap, hold, user of a fair `waiting` entry (nil when it is
+-- deadline, inbox, cap, lease, user of a fair `waiting` entry (nil when it is
 -- not one): what a grant needs, found by position (the grant's hot path, once
 -- per ticket: a pattern over the entry costs about twice as much), and the
--- hold read only under a cap (0 without one).
+-- lease read only under a cap (0 without one).
 local function fair_fields(w)
   local sp = string.find(w, ' ', 1, true)
   local sp2 = sp and string.find(w, ' ', sp + 1, true)
@@ -116,17 +116,17 @@ local function fair_fields(w)
   if not sp5 or string.sub(w, sp2 + STAMP + 1, sp2 + STAMP + 1) ~= ' ' then
     return nil
   end
-  local cap, hold = string.sub(w, sp3 + 1, sp4 - 1), 0
+  local cap, lease = string.sub(w, sp3 + 1, sp4 - 1), 0
   if cap == '0' then
     cap = 0
   else
-    cap, hold = tonumber(cap), tonumber(string.sub(w, sp4 + 1, sp5 - 1))
+    cap, lease = tonumber(cap), tonumber(string.sub(w, sp4 + 1, sp5 - 1))
   end
   local deadline = tonumber(string.sub(w, 1, sp - 1))
-  if not deadline or not cap or not hold then
+  if not deadline or not cap or not lease then
     return nil
   end
-  return deadline, string.sub(w, sp + 1, sp2 - 1), cap, hold, string.sub(w, sp5 + 1)
+  return deadline, string.sub(w, sp + 1, sp2 - 1), cap, lease, string.sub(w, sp5 + 1)
 end
 
 local function fair_v(F)
@@ -228,10 +228,10 @@ local function fair_unpark(F, user, v, now)
   local pk = parked_key(F.base, user)
   local head = redis.call('ZRANGE', pk, 0, 0)[1]
   local w = head and redis.call('HGET', F.waiting, string.sub(head, STAMP + 1))
-  local cap, hold
+  local cap, lease
   if w then
     local _
-    _, _, _, _, cap, hold = fair_parse(w)
+    _, _, _, _, cap, lease = fair_parse(w)
   end
   if not head then
     redis.call('ZREM', F.capped, user)
@@ -253,7 +253,7 @@ local function fair_unpark(F, user, v, now)
     redis.call('ZREM', F.capped, user)
   else
     -- Looked at again when its oldest slot frees itself (or one ends).
-    redis.call('ZADD', F.capped, int(first or (now + hold)), user)
+    redis.call('ZADD', F.capped, int(first or (now + lease)), user)
   end
 end
 

@@ -450,7 +450,7 @@ function jobCard(id) {
     const card = el('div', null, 'job-card');
     const r = j.record;
     card.appendChild(el('h4', 'user ' + j.user + (r ? ' · ' + r.operation + ' · ' + r.state
-      + ' · attempt ' + r.attempt : ' · record gone')));
+      + ' · run ' + r.run : ' · record gone')));
     if (j.note) card.appendChild(el('p', j.note, 'muted note'));
     const table = document.createElement('table');
     table.className = 'timeline';

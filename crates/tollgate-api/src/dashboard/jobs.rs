@@ -322,7 +322,7 @@ pub struct RecordView {
     pub operation: String,
     pub provider: String,
     pub cost: u64,
-    pub attempt: u32,
+    pub run: u32,
     pub enqueued_at_ms: u64,
     pub deadline_ms: u64,
     pub finished_at_ms: Option<u64>,
@@ -361,7 +361,7 @@ fn record_view(info: &JobInfo) -> RecordView {
         operation: info.job.operation.clone(),
         provider: info.job.provider.clone(),
         cost: info.job.cost,
-        attempt: info.job.attempt,
+        run: info.job.run,
         enqueued_at_ms: info.job.enqueued_at_ms,
         deadline_ms: info.job.deadline_ms,
         finished_at_ms: info.finished_at_ms,
@@ -385,7 +385,7 @@ fn entry(n: &JobNote) -> Entry {
                 *waited_us as f64 / 1000.0
             ),
         ),
-        JobStep::Started { attempt } => ("started", format!("run {attempt} started")),
+        JobStep::Started { run } => ("started", format!("run {attempt} started")),
         JobStep::Succeeded => ("succeeded", "succeeded".to_owned()),
         JobStep::Failed {
             cause,
@@ -612,10 +612,10 @@ pub fn detail_schema() -> serde_json::Value {
                 "properties": {
                     "user": string,
                     "record": {"type": ["object", "null"],
-                        "required": ["state", "operation", "provider", "cost", "attempt", "enqueued_at_ms", "deadline_ms", "finished_at_ms", "cause", "message"],
+                        "required": ["state", "operation", "provider", "cost", "run", "enqueued_at_ms", "deadline_ms", "finished_at_ms", "cause", "message"],
                         "properties": {
                             "state": {"type": "string", "enum": ["queued", "running", "succeeded", "failed"]},
-                            "operation": string, "provider": string, "cost": int, "attempt": int,
+                            "operation": string, "provider": string, "cost": int, "run": int,
                             "enqueued_at_ms": int, "deadline_ms": int,
                             "finished_at_ms": {"type": ["integer", "null"]},
                             "cause": nullable_string, "message": nullable_string,

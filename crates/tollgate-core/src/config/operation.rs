@@ -45,8 +45,8 @@ impl Weight {
 /// Default `deadline` of an operation's jobs.
 pub const DEFAULT_JOB_DEADLINE: Duration = Duration::from_secs(300);
 
-/// Default `max_attempts` of an operation's jobs.
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+/// Default `max_runs` of an operation's jobs.
+pub const DEFAULT_MAX_RUNS: u32 = 3;
 
 /// A kind of job: what it costs, which provider runs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,7 +61,7 @@ pub struct Operation {
     /// A job not finished this long after it was queued fails as expired.
     pub deadline: Duration,
     /// Times a job is taken before it is given up (workers died running it).
-    pub max_attempts: u32,
+    pub max_runs: u32,
     /// Settle the charge to what the provider reported (`None`: `cost` stays).
     pub settle: Option<Settle>,
     /// A call sent and not answered (a timeout after the write, a reply cut
@@ -209,7 +209,9 @@ pub(super) struct RawOperation {
     provider: String,
     path: Option<String>,
     deadline: Option<String>,
-    max_attempts: Option<i64>,
+    // `max_attempts`: its name before the glossary's, still accepted.
+    #[serde(alias = "max_attempts")]
+    max_runs: Option<i64>,
     settle: Option<RawSettle>,
     retry_unanswered: Option<bool>,
     result_ttl: Option<String>,
@@ -271,11 +273,11 @@ pub(super) fn parse_operations(
                 "must be between 100ms and 7d".into(),
             ));
         }
-        let max_attempts = o.max_attempts.unwrap_or(i64::from(DEFAULT_MAX_ATTEMPTS));
-        if !(1..=100).contains(&max_attempts) {
+        let max_runs = o.max_runs.unwrap_or(i64::from(DEFAULT_MAX_RUNS));
+        if !(1..=100).contains(&max_runs) {
             return Err(invalid(
-                format!("{key}.max_attempts"),
-                format!("must be between 1 and 100, got {max_attempts}"),
+                format!("{key}.max_runs"),
+                format!("must be between 1 and 100, got {max_runs}"),
             ));
         }
         let settle = match o.settle {
@@ -375,7 +377,7 @@ pub(super) fn parse_operations(
                 provider: o.provider,
                 path: o.path,
                 deadline,
-                max_attempts: max_attempts as u32,
+                max_runs: max_runs as u32,
                 settle,
                 retry_unanswered: o.retry_unanswered.unwrap_or(false),
                 result_ttl,
@@ -542,7 +544,7 @@ mod tests {
         let op = c.operation("llm.structured").unwrap();
         assert_eq!((op.cost, op.provider.as_str()), (8, "llm"));
         assert_eq!(op.deadline, DEFAULT_JOB_DEADLINE);
-        assert_eq!(op.max_attempts, DEFAULT_MAX_ATTEMPTS);
+        assert_eq!(op.max_runs, DEFAULT_MAX_RUNS);
         assert!(
             !op.retry_unanswered,
             "an unanswered call is not resent by default"
@@ -585,7 +587,7 @@ mod tests {
             (
                 "provider = \"llm\"",
                 "provider = \"llm\"\nmax_attempts = 0",
-                "operations.llm.structured.max_attempts",
+                "operations.llm.structured.max_runs",
             ),
             (
                 "url = \"http://127.0.0.1:9100\"",
@@ -617,6 +619,28 @@ mod tests {
             e.contains("providers.llm.retries") && e.contains("url"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn max_runs_is_also_read_under_its_former_name() {
+        // `max_attempts`: the name before the glossary's.
+        for key in ["max_runs", "max_attempts"] {
+            let text = OPERATIONS.replacen(
+                "provider = \"llm\"",
+                &format!("provider = \"llm\"\n{key} = 5"),
+                1,
+            );
+            let c = Config::parse(&text, "t.toml").unwrap();
+            assert_eq!(c.operation("llm.structured").unwrap().max_runs, 5, "{key}");
+        }
+        // Both names (one of them before the glossary's) at once: refused.
+        let both = OPERATIONS.replacen(
+            "provider = \"llm\"",
+            "provider = \"llm\"\nmax_runs = 5\nmax_attempts = 4",
+            1,
+        );
+        let e = Config::parse(&both, "t.toml").unwrap_err().to_string();
+        assert!(e.contains("max_runs"), "{e}");
     }
 
     #[test]

@@ -11,7 +11,7 @@ library! {
         prelude: ["job"],
         scripts: [
             "job_enqueue", "job_lease", "job_renew", "job_started", "job_complete", "job_fail",
-            "job_refunded", "job_hand_back", "job_due", "job_requeue", "job_unstick", "job_forget",
+            "job_released", "job_hand_back", "job_due", "job_requeue", "job_unstick", "job_forget",
         ],
     }
 }
@@ -95,7 +95,7 @@ pub fn job_enqueue(
     inv.key(keys.job(job.id.as_str()))
         .key(&keys.queue)
         .key(&keys.leases)
-        .key(&keys.refunds);
+        .key(&keys.releases);
     inv.arg(job.id.as_str())
         .arg(job.user.as_str())
         .arg(&job.operation)
@@ -143,7 +143,7 @@ pub struct LeaseArgs<'a> {
     pub id: &'a str,
     pub worker: &'a str,
     pub lease_ms: u64,
-    pub max_attempts: u32,
+    pub max_runs: u32,
     /// The queue's operation.
     pub operation: &'a str,
     /// How long a record failed here with nothing to release stays readable.
@@ -158,12 +158,12 @@ pub fn job_lease(keys: &JobKeys, a: LeaseArgs<'_>, channel: &str) -> FunctionCal
     inv.key(keys.job(a.id))
         .key(keys.processing(a.worker))
         .key(&keys.leases)
-        .key(&keys.refunds)
+        .key(&keys.releases)
         .key(&keys.dead);
     inv.arg(a.id)
         .arg(a.worker)
         .arg(a.lease_ms)
-        .arg(a.max_attempts)
+        .arg(a.max_runs)
         .arg(a.operation)
         .arg(channel)
         .arg(a.result_ttl_ms)
@@ -254,7 +254,7 @@ pub fn job_fail(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> FunctionCall 
     inv.key(keys.job(a.id))
         .key(keys.processing(a.worker))
         .key(&keys.leases)
-        .key(&keys.refunds);
+        .key(&keys.releases);
     inv.arg(a.id)
         .arg(a.token)
         .arg(a.cause)
@@ -267,10 +267,10 @@ pub fn job_fail(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> FunctionCall 
     inv
 }
 
-/// `job_refunded.lua`
-pub fn job_refunded(keys: &JobKeys, id: &str, ttl_ms: u64) -> FunctionCall {
-    let mut inv = JOBS.prepare("job_refunded");
-    inv.key(keys.job(id)).key(&keys.refunds);
+/// `job_released.lua`
+pub fn job_released(keys: &JobKeys, id: &str, ttl_ms: u64) -> FunctionCall {
+    let mut inv = JOBS.prepare("job_released");
+    inv.key(keys.job(id)).key(&keys.releases);
     inv.arg(id).arg(ttl_ms);
     inv
 }

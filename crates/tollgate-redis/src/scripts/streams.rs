@@ -11,7 +11,7 @@ eval_scripts!(static STREAM_EVAL in "streams" {
 /// One entry of a streamed job's answer (`stream_push.lua`).
 #[derive(Debug, Clone, Copy)]
 pub struct StreamPush<'a> {
-    pub attempt: u32,
+    pub run: u32,
     pub seq: u64,
     /// `d` data, `x` end, `e` error.
     pub kind: &'static str,
@@ -43,7 +43,7 @@ pub fn stream_push<'a>(
     inv.key(keys.stream(id))
         .key(keys.stream_cancel(id))
         .key(keys.stream_bytes(id));
-    inv.arg(push.attempt)
+    inv.arg(push.run)
         .arg(push.seq)
         .arg(push.kind)
         .arg(push.text)

@@ -161,11 +161,11 @@ pub struct FairArgs<'a> {
     pub user: &'a str,
     pub weight: u32,
     pub max_in_flight: u32,
-    pub hold_us: u64,
+    pub slot_lease_us: u64,
 }
 
 impl FairArgs<'_> {
-    /// `"<weight> <max_in_flight> <hold µs> <user>"`: one argument of the
+    /// `"<weight> <max_in_flight> <slot lease µs> <user>"`: one argument of the
     /// script, and the tail of the ticket's `waiting` entry as it is (the
     /// script checks it with one pattern and copies it; `lua/throttle/lib/fair.lua`).
     fn share(&self) -> String {
@@ -173,7 +173,7 @@ impl FairArgs<'_> {
             "{} {} {} {}",
             self.weight.max(1),
             self.max_in_flight,
-            self.hold_us.max(1),
+            self.slot_lease_us.max(1),
             self.user
         )
     }
