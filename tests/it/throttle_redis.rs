@@ -782,7 +782,7 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
             user,
             weight: 1,
             max_in_flight: 0,
-            hold_us: 60_000_000,
+            slot_lease_us: 60_000_000,
         };
         let ticket = format!("t{n}~0.{n:x}");
         scripts::throttle_enqueue_fair(

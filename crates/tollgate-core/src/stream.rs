@@ -197,7 +197,7 @@ mod tests {
 
     fn entry(run: u32, seq: u64) -> StreamEntry {
         StreamEntry {
-            attempt,
+            run,
             seq,
             event: StreamEvent::Data(format!("data: {seq}")),
         }

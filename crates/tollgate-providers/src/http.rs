@@ -698,7 +698,7 @@ provider = "llm"
         let (addr, got) = raw_upstream();
         let client = slow_client(addr, Duration::from_millis(300));
         let use_by = Instant::now() + Duration::from_millis(100);
-        let out = client.run(&job(), by(use_by)).await;
+        let out = client.attempt(&job(), by(use_by)).await;
         assert!(
             matches!(out, Err(AttemptError::Late { by }) if by >= Duration::from_millis(150)),
             "{out:?}"
@@ -712,7 +712,7 @@ provider = "llm"
         // Still fresh once connected: the request goes out whole.
         let client = slow_client(addr, Duration::from_millis(10));
         let use_by = Instant::now() + Duration::from_secs(5);
-        let out = client.run(&job(), by(use_by)).await;
+        let out = client.attempt(&job(), by(use_by)).await;
         assert_eq!(out.ok().map(|a| a.body), Some(serde_json::json!({})));
         let bytes = got.recv_timeout(Duration::from_secs(5)).unwrap();
         let text = String::from_utf8_lossy(&bytes);

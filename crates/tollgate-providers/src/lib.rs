@@ -405,7 +405,7 @@ pub struct ThrottledClient<C> {
     shares: Arc<Shares>,
     /// How long a slot counts as in flight when its end is never reported
     /// (the process died): longer than one attempt may take.
-    hold: Duration,
+    slot_lease: Duration,
     /// Operations whose unanswered calls may be sent again (`retry_unanswered`).
     retry_unanswered: BTreeSet<String>,
     /// Operations whose rejections carry the upstream's body to the client
@@ -432,7 +432,7 @@ impl<C: Transport> ThrottledClient<C> {
             client,
             metrics,
             shares: Arc::new(Shares::default_plan(Arc::new(Config::builtin()))),
-            hold: tollgate_core::fair::DEFAULT_SLOT_LEASE,
+            slot_lease: tollgate_core::fair::DEFAULT_SLOT_LEASE,
             retry_unanswered: BTreeSet::new(),
             exposed: BTreeSet::new(),
             weights: BTreeMap::new(),
@@ -500,11 +500,11 @@ impl<C: Transport> ThrottledClient<C> {
         self
     }
 
-    /// Users' shares from `shares`; a slot frees itself `hold` after its grant
+    /// Users' shares from `shares`; a slot frees itself `slot_lease` after its grant
     /// if its end is never reported.
-    pub fn with_shares(mut self, shares: Arc<Shares>, hold: Duration) -> Self {
+    pub fn with_shares(mut self, shares: Arc<Shares>, slot_lease: Duration) -> Self {
         self.shares = shares;
-        self.hold = hold;
+        self.slot_lease = slot_lease;
         self
     }
 
@@ -516,7 +516,7 @@ impl<C: Transport> ThrottledClient<C> {
         // The whole wait is bounded by `left`, the plan look-up included (a
         // stalled store falls back to the default plan's share).
         let deadline = Instant::now() + left;
-        let share = self.shares.share(&job.user, self.hold, left).await;
+        let share = self.shares.share(&job.user, self.slot_lease, left).await;
         let weight = self
             .weights
             .get(&job.operation)

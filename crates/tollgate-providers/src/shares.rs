@@ -62,28 +62,28 @@ impl Shares {
         }
     }
 
-    fn of_plan(&self, plan: Option<&str>, hold: Duration) -> Share {
+    fn of_plan(&self, plan: Option<&str>, slot_lease: Duration) -> Share {
         let plan = self.config.plan_or_default(plan);
         Share {
             weight: plan.share,
             max_in_flight: plan.max_in_flight,
-            hold,
+            slot_lease,
         }
     }
 
-    /// `user`'s share; a slot it holds frees itself after `hold`. A failed
+    /// `user`'s share; a slot it holds frees itself after `slot_lease`. A failed
     /// look-up, or one slower than `within` (the caller's wait), counts as the
     /// default plan (and is not kept).
-    pub async fn share(&self, user: &UserId, hold: Duration, within: Duration) -> Share {
+    pub async fn share(&self, user: &UserId, slot_lease: Duration, within: Duration) -> Share {
         let Some(ledger) = &self.ledger else {
-            return self.of_plan(None, hold);
+            return self.of_plan(None, slot_lease);
         };
         let now = Instant::now();
         {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             if let Some((at, share)) = cache.get(user) {
                 if now.duration_since(*at) < SHARE_TTL {
-                    return Share { hold, ..*share };
+                    return Share { slot_lease, ..*share };
                 }
             }
         }
@@ -91,12 +91,12 @@ impl Shares {
             Ok(plan) => plan,
             Err(_) => {
                 tracing::warn!(user = %user, ?within, "plan look-up too slow; the default plan's share is used");
-                return self.of_plan(None, hold);
+                return self.of_plan(None, slot_lease);
             }
         };
         match plan {
             Ok(plan) => {
-                let share = self.of_plan(Some(&plan), hold);
+                let share = self.of_plan(Some(&plan), slot_lease);
                 let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
                 if cache.len() > 100_000 {
                     cache.retain(|_, (at, _)| now.duration_since(*at) < SHARE_TTL);
@@ -106,7 +106,7 @@ impl Shares {
             }
             Err(e) => {
                 tracing::warn!(error = %e, user = %user, "plan look-up failed; the default plan's share is used");
-                self.of_plan(None, hold)
+                self.of_plan(None, slot_lease)
             }
         }
     }

@@ -853,13 +853,13 @@ fn entry(item: Value) -> Result<(Sid, Vec<StreamEntry>, u64), StoreError> {
     if let Some(head) = raw_head {
         let head = serde_json::from_slice(head).map_err(|_| bad())?;
         out.push(StreamEntry {
-            attempt,
+            run: attempt,
             seq,
             event: StreamEvent::Head(head),
         });
     }
     out.push(StreamEntry {
-        attempt,
+        run: attempt,
         seq,
         event,
     });

@@ -385,7 +385,7 @@ fn entry(n: &JobNote) -> Entry {
                 *waited_us as f64 / 1000.0
             ),
         ),
-        JobStep::Started { run } => ("started", format!("run {attempt} started")),
+        JobStep::Started { run } => ("started", format!("run {run} started")),
         JobStep::Succeeded => ("succeeded", "succeeded".to_owned()),
         JobStep::Failed {
             cause,
