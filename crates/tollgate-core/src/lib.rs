@@ -24,6 +24,7 @@ pub mod job;
 pub mod keystore;
 pub mod ledger;
 pub mod metrics;
+pub mod money;
 pub mod observed;
 pub mod refund;
 pub mod session;
