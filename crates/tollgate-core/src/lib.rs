@@ -26,6 +26,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod money;
 pub mod observed;
+pub mod price;
 pub mod refund;
 pub mod session;
 pub mod stream;
