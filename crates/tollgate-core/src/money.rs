@@ -17,8 +17,7 @@ use std::fmt;
 
 /// The largest amount (in minor units) any parser here accepts: amounts flow
 /// into Redis Lua scripts, whose numbers (Lua 5.1) are doubles, exact integers
-/// only up to 2^53. Below it, sums of a few amounts still stay exact enough to
-/// compare against a limit; past it, a budget could silently round.
+/// only up to 2^53: past it, an amount could silently round.
 pub const MAX_AMOUNT: u64 = (1 << 53) - 1;
 
 /// Decimal places of every money currency: its minor unit is the micro-unit.

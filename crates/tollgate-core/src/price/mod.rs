@@ -37,6 +37,11 @@ pub const PRICE_PER_MINOR: u64 = 1_000_000;
 /// (`max_tokens`), OpenAI Responses (`max_output_tokens`).
 pub const OUTPUT_BOUNDS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
 
+/// The request fields that ask for several completions, each up to the output
+/// bound and all billed: OpenAI's `n` (Chat Completions, Completions) and
+/// `best_of` (Completions).
+pub const CHOICES: [&str; 2] = ["n", "best_of"];
+
 /// What one model costs, from a [`PriceSheet`]. Every price is in
 /// [`PRICE_PER_MINOR`]ths of the minor unit, per token (the sheet's price per
 /// million tokens), per request or per unit.
@@ -83,8 +88,8 @@ pub enum ReserveError {
          the call's cost has no bound"
     )]
     NoOutputBound { entry: String },
-    #[error("{field} must be a whole number of tokens, got {value}")]
-    BadOutputBound { field: &'static str, value: String },
+    #[error("{field} must be a whole number, got {value}")]
+    BadBound { field: &'static str, value: String },
     #[error(
         "{entry} prices the unit {pointer:?} but sets no max_units for it: the call's cost \
          has no bound"
@@ -145,8 +150,9 @@ impl Entry {
     ///   charge is the cost), at the highest of the input, cached-input and
     ///   cache-write prices;
     /// - output: at most the largest of the request's [`OUTPUT_BOUNDS`], no
-    ///   more than `max_output`; or `max_output` when it sets none; at the
-    ///   higher of the output and reasoning prices;
+    ///   more than `max_output`; or `max_output` when it sets none; times the
+    ///   largest of its [`CHOICES`] (1 when none); at the higher of the output
+    ///   and reasoning prices;
     /// - the request fee, and each priced unit's `max_units`.
     ///
     /// So `reserve >= cost` for any usage within those bounds.
@@ -180,27 +186,40 @@ impl Entry {
 
     /// The most output tokens `request` can produce: see [`Entry::reserve`].
     fn output_bound(&self, request: &serde_json::Value) -> Result<u64, ReserveError> {
-        let mut asked: Option<u64> = None;
-        for field in OUTPUT_BOUNDS {
-            match request.get(field) {
-                None | Some(serde_json::Value::Null) => {}
-                Some(v) => {
-                    let n = v.as_u64().ok_or_else(|| ReserveError::BadOutputBound {
-                        field,
-                        value: v.to_string().chars().take(40).collect(),
-                    })?;
-                    asked = Some(asked.map_or(n, |a| a.max(n)));
-                }
+        let each = match (largest(request, &OUTPUT_BOUNDS)?, self.max_output) {
+            (Some(a), Some(m)) => a.min(m),
+            (Some(n), None) | (None, Some(n)) => n,
+            (None, None) => {
+                return Err(ReserveError::NoOutputBound {
+                    entry: self.key.clone(),
+                })
+            }
+        };
+        let choices = largest(request, &CHOICES)?.unwrap_or(1).max(1);
+        Ok(each.saturating_mul(choices))
+    }
+}
+
+/// The largest whole number among `request`'s top-level `fields` (`null` is
+/// absent), `None` when there is none.
+fn largest(
+    request: &serde_json::Value,
+    fields: &[&'static str],
+) -> Result<Option<u64>, ReserveError> {
+    let mut most: Option<u64> = None;
+    for &field in fields {
+        match request.get(field) {
+            None | Some(serde_json::Value::Null) => {}
+            Some(v) => {
+                let n = v.as_u64().ok_or_else(|| ReserveError::BadBound {
+                    field,
+                    value: v.to_string().chars().take(40).collect(),
+                })?;
+                most = Some(most.map_or(n, |m| m.max(n)));
             }
         }
-        match (asked, self.max_output) {
-            (Some(a), Some(m)) => Ok(a.min(m)),
-            (Some(n), None) | (None, Some(n)) => Ok(n),
-            (None, None) => Err(ReserveError::NoOutputBound {
-                entry: self.key.clone(),
-            }),
-        }
     }
+    Ok(most)
 }
 
 /// `fee` plus Σ count × price, exactly (saturating far past any real sum).
@@ -373,6 +392,21 @@ mod tests {
         // None, or more than the model's limit: max_output (16,384 × 0.60 = 9,830.4).
         assert_eq!(mini.reserve(&json!({}), 0), Ok(9831));
         assert_eq!(mini.reserve(&json!({"max_tokens": 1_000_000}), 0), Ok(9831));
+        // n completions, each up to the bound: 4,000 × 0.15 + 3 × 1,000 × 0.60.
+        assert_eq!(
+            mini.reserve(&json!({"max_tokens": 1000, "n": 3}), 4000),
+            Ok(2400)
+        );
+        assert_eq!(
+            mini.reserve(&json!({"max_tokens": 1000, "n": 1, "best_of": 2}), 0),
+            Ok(1200)
+        );
+        assert_eq!(
+            mini.reserve(&json!({"max_tokens": 1000, "n": 0}), 0),
+            Ok(600)
+        );
+        let e = mini.reserve(&json!({"n": "3"}), 0).unwrap_err();
+        assert!(e.to_string().contains("n must be a whole number"), "{e}");
         // Input at the highest input-side price: Claude's cache write, 3.75.
         let claude = s.entry("claude-sonnet-4").unwrap();
         assert_eq!(claude.reserve(&json!({"max_tokens": 0}), 1000), Ok(3750));
@@ -418,7 +452,7 @@ mod tests {
         assert!(
             matches!(
                 e,
-                ReserveError::BadOutputBound {
+                ReserveError::BadBound {
                     field: "max_tokens",
                     ..
                 }
@@ -551,16 +585,19 @@ mod tests {
 
             let bytes = (next() % 2_000_000) as usize;
             let asked = next() % 300_000;
-            let request = match next() % 3 {
+            let choices = 1 + next() % 4;
+            let request = match next() % 4 {
                 0 => json!({}),
                 1 => json!({"max_tokens": asked}),
+                2 => json!({"max_tokens": asked, "n": choices}),
                 _ => json!({"max_completion_tokens": asked, "max_tokens": asked / 2}),
             };
             let out_most = request
                 .get("max_completion_tokens")
                 .or(request.get("max_tokens"))
                 .and_then(|v| v.as_u64())
-                .map_or(max_output, |a| a.min(max_output));
+                .map_or(max_output, |a| a.min(max_output))
+                * request.get("n").and_then(|v| v.as_u64()).unwrap_or(1);
             // A usage within the request's bounds: input ≤ bytes, output ≤ max.
             let input_all = random_count(&mut next, bytes as u64);
             let cached = random_count(&mut next, input_all);

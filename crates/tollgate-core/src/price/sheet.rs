@@ -18,6 +18,7 @@ use crate::money::{decimal, format_scaled, Currency, DecimalError, MAX_AMOUNT};
 /// characters, then a longer literal prefix, then the smaller key in
 /// lexicographic order: `gpt-4o-mini*` before `gpt-4o*` before `*-mini*`);
 /// else `[default]`; else none (the caller refuses the call, naming the model).
+/// Names and patterns are case-sensitive, as the providers' model names are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PriceSheet {
     currency: Currency,
