@@ -24,10 +24,10 @@
 --   { 3, reason, user|'', nonce|'' }   malformed: moved aside (release pending if a nonce)
 
 local JOB, PROCESSING, LEASES, RELEASES, DEAD = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local id, worker, lease, max_attempts = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local id, worker, lease, max_runs = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local op, channel, ttl = ARGV[5], ARGV[6], tonumber(ARGV[7])
-if not lease or lease < 1 or not max_attempts or max_attempts < 1 then
-  return redis.error_reply('job_lease: bad lease or max attempts')
+if not lease or lease < 1 or not max_runs or max_runs < 1 then
+  return redis.error_reply('job_lease: bad lease or max runs')
 end
 local stored = { ARGV[8] or '', tonumber(ARGV[9]) or 60000, ttl }
 if not ttl or ttl < 1 or stored[2] < 1 then
@@ -35,7 +35,7 @@ if not ttl or ttl < 1 or stored[2] < 1 then
 end
 local now = now_ms()
 local f = redis.call('HMGET', JOB, 'state', 'user', 'op', 'provider', 'input', 'cost',
-  'enq', 'deadline', 'attempt', 'nonce', 'tp', 'started', 'seq')
+  'enq', 'deadline', 'attempt', 'nonce', 'tp', 'started', 'seq', 'pr')
 local state, user, jop, provider, input = f[1], f[2], f[3], f[4], f[5]
 local cost, enq, deadline, attempt = tonumber(f[6]), tonumber(f[7]), tonumber(f[8]), tonumber(f[9])
 local nonce = f[10]
@@ -68,14 +68,14 @@ end
 attempt = attempt + 1
 local started = f[12] == '1'
 local cause, message, release, fail_ttl = nil, nil, true, 1
-if started and (now >= deadline or attempt > max_attempts) then
+if started and (now >= deadline or attempt > max_runs) then
   -- A run started and its worker was lost, maybe with the call sent: the
   -- upstream may have done the work, so the charge stands (job::given_up).
   cause, message, release, fail_ttl = 'unanswered', LOST_MID_RUN, false, ttl
 elseif now >= deadline then
   cause, message = 'expired', 'the job passed its deadline before it ran'
-elseif attempt > max_attempts then
-  cause, message = 'abandoned', 'the job used up its ' .. int(max_attempts) .. ' attempts'
+elseif attempt > max_runs then
+  cause, message = 'abandoned', 'the job used up its ' .. int(max_runs) .. ' runs'
 end
 if cause then
   redis.call('HSET', JOB, 'attempt', attempt)
@@ -88,6 +88,11 @@ local token = (tonumber(f[13]) or 0) + 1
 redis.call('HSET', JOB, 'attempt', attempt, 'seq', token, 'state', 'running', 'worker', worker,
   'lease_until', int(now + lease))
 redis.call('ZADD', LEASES, int(now + lease), id)
-return { 1, token, deadline - now, 'user', user, 'op', jop, 'provider', provider,
+local reply = { 1, token, deadline - now, 'user', user, 'op', jop, 'provider', provider,
   'input', input, 'cost', int(cost), 'enq', int(enq), 'deadline', int(deadline),
   'attempt', attempt, 'nonce', nonce, 'tp', f[11] or '', 'started', f[12] or '' }
+if f[14] then
+  reply[#reply + 1] = 'pr'
+  reply[#reply + 1] = f[14]
+end
+return reply

@@ -581,7 +581,7 @@ impl JobSource for MemoryJobQueue {
                 let message = match cause {
                     FailureCause::Expired => "the job passed its deadline before it ran",
                     FailureCause::Unanswered => job::LOST_MID_RUN,
-                    _ => "the job used up its attempts",
+                    _ => "the job used up its runs",
                 };
                 self.fail_unleased(&id, cause, message.into()).await;
                 continue;
