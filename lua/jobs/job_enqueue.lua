@@ -14,6 +14,7 @@
 --          the user may have stored in this queue (0: no bound)
 -- ARGV[15] the submitting pod (field `w`: its final record is sent to that
 --          pod's channel, jobs/lib/job.lua publish_done), or '' (absent: none)
+-- ARGV[16] the prices a priced call was reserved at (field `pr`), or ''
 -- Returns one of
 --   { 1 }           created and queued
 --   { -2, stored, limit }  not created: the user's stored bytes (`stored`,
@@ -31,7 +32,7 @@ local id, user, op, provider, input = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5
 local cost, enq, deadline = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local nonce, create, tp = ARGV[9], ARGV[10], ARGV[11] or ''
 local prefix, width, limit = ARGV[12] or '', tonumber(ARGV[13]) or 60000, tonumber(ARGV[14]) or 0
-local waiter = ARGV[15] or ''
+local waiter, price = ARGV[15] or '', ARGV[16] or ''
 if not cost or cost < 1 or not enq or not deadline or nonce == '' or width < 1 or limit < 0 then
   return redis.error_reply('job_enqueue: bad cost, times, nonce, width or limit')
 end
@@ -80,6 +81,10 @@ end
 if waiter ~= '' then
   fields[#fields + 1] = 'w'
   fields[#fields + 1] = waiter
+end
+if price ~= '' then
+  fields[#fields + 1] = 'pr'
+  fields[#fields + 1] = price
 end
 if prefix ~= '' then
   -- Until the deadline's next bucket: a job not final by then stops counting.

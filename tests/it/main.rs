@@ -54,6 +54,7 @@ mod jobs_processes;
 mod key_format;
 mod ledger;
 mod ledger_jobs;
+mod money;
 mod observability;
 mod openapi;
 mod orgs;

@@ -72,6 +72,7 @@ fn job(id: &RequestId) -> Job {
         run: 1,
         nonce: "n".into(),
         trace: None,
+        price: None,
     }
 }
 

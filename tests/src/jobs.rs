@@ -40,6 +40,7 @@ pub fn job(id: &str, user: &str, operation: &str, provider: &str, input: Value) 
         run: 1,
         nonce: "n".into(),
         trace: None,
+        price: None,
     }
 }
 

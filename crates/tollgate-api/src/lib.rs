@@ -597,9 +597,41 @@ pub async fn run(
     listener: impl Into<edge::Listener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let prices = tokio::spawn(reload_prices(std::sync::Arc::clone(&state.config)));
     let served = serve(router(state.clone()), listener, shutdown).await;
+    prices.abort();
     drain(&state).await;
     served
+}
+
+/// How often the api looks for a changed price sheet file.
+pub const PRICES_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Reads each price sheet again when its file changed (every
+/// [`PRICES_EVERY`]): an operator's new prices apply to the calls reserved
+/// from then on; a call reserved before keeps the prices it was reserved at.
+/// A sheet that no longer parses is refused, and the prices in use stay.
+async fn reload_prices(config: std::sync::Arc<tollgate_core::config::Config>) {
+    if config.price_sheets().next().is_none() {
+        return;
+    }
+    let mut tick = tokio::time::interval(PRICES_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        for prices in config.price_sheets() {
+            let path = prices.path().display();
+            match prices.reload() {
+                Ok(true) => tracing::info!(%path, "price sheet reloaded: new prices apply"),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(
+                    %path,
+                    error = %e,
+                    "price sheet not reloaded: the prices in use stay"
+                ),
+            }
+        }
+    }
 }
 
 /// Serves `app` (the [`router`], or a [`health::Starting`]'s while the role

@@ -6,6 +6,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use tollgate_core::{
+    config::PriceError,
     error::StoreError,
     id::RequestId,
     job::{FailureCause, JobError, Rejection},
@@ -665,6 +666,15 @@ impl From<JobError> for ApiError {
             JobError::StoredBytesExceeded { stored, limit } => {
                 Self::StoredBytesExceeded { stored, limit }
             }
+            // A call its operation's price sheet cannot price: 422 naming
+            // what is missing, nothing charged.
+            JobError::Unpriced(p) => Self::InvalidField {
+                field: match &p {
+                    PriceError::Reserve(_) => "max_tokens".into(),
+                    PriceError::Model(_) | PriceError::Unpriced(_) => "model".into(),
+                },
+                detail: p.to_string(),
+            },
             JobError::Ledger(l) => l.into(),
             JobError::Store(e) => Self::Store(e),
         }

@@ -233,7 +233,7 @@ fn print_banner(
     let base = format!("http://{addr}");
     let limit = config
         .plan(plan)
-        .map(tollgate_core::config::Plan::describe)
+        .map(|p| p.describe(config.currency()))
         .unwrap_or_default();
     let ops = config
         .operations()

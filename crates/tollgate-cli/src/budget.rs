@@ -461,7 +461,7 @@ async fn demo(ledger: Arc<dyn Ledger>, on: &str, config: &Config) -> Result<(), 
         "plans: {}",
         config
             .plans()
-            .map(|p| format!("{} = {}", p.name, p.describe()))
+            .map(|p| format!("{} = {}", p.name, p.describe(config.currency())))
             .collect::<Vec<_>>()
             .join(", ")
     );

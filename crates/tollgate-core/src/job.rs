@@ -60,7 +60,8 @@ pub struct Job {
     pub provider: String,
     /// The input posted to the provider, as the client sent it.
     pub input: Value,
-    /// Tokens reserved from the user's budget.
+    /// What was reserved from the user's budget, in minor units (tokens, or
+    /// micro-units of money).
     pub cost: u64,
     /// When the job was queued (ms since the epoch, on the backend's clock).
     pub enqueued_at_ms: u64,
@@ -74,6 +75,11 @@ pub struct Job {
     /// call carry it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceParent>,
+    /// The prices a priced operation's call was reserved at
+    /// ([`crate::price::Applied::to_text`]): its settle prices the reported
+    /// usage at them, whatever the sheet says by then. `None`: not priced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub price: Option<String>,
 }
 
 /// What a caller asks for; the backend fills in provider, cost and times from
@@ -492,6 +498,10 @@ pub enum JobError {
     /// charged, no job was made.
     #[error("stored job bytes would pass the plan's limit ({stored} of {limit} bytes stored)")]
     StoredBytesExceeded { stored: u64, limit: u64 },
+    /// A priced operation's call that cannot be priced (no model, a model the
+    /// sheet does not price, no bound on its output): nothing was charged.
+    #[error(transparent)]
+    Unpriced(#[from] crate::config::PriceError),
     #[error(transparent)]
     Ledger(#[from] LedgerError),
     /// The job store failed.
@@ -679,10 +689,19 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
                 return Err(JobError::StoredBytesExceeded { stored, limit });
             }
         }
+        // A priced call reserves its worst case at today's prices, and keeps
+        // them for its settle; nothing is charged for one that cannot be priced.
+        let (cost, price) = match &op.pricing {
+            Some(pricing) => {
+                let quote = pricing.quote(&request.input)?;
+                (quote.reserve, Some(quote.applied.to_text()))
+            }
+            None => (op.charged_cost(), None),
+        };
         let fingerprint = fingerprint(&request.input);
         let fresh = nonce();
         let charge = ChargeRequest {
-            cost: op.charged_cost(),
+            cost,
             nonce: &fresh,
             operation: &op.name,
             service_key: request.service_key.as_deref(),
@@ -728,12 +747,13 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             operation: op.name.clone(),
             provider: op.provider.clone(),
             input: request.input,
-            cost: op.charged_cost(),
+            cost,
             enqueued_at_ms: allowed.now_ms,
             deadline_ms,
             run: 0,
             nonce,
             trace: request.trace,
+            price,
         };
         match self.enqueue(&job, create, max_stored).await? {
             Enqueued::Created if charged => Ok(SubmitOutcome::Queued { job, allowed }),
@@ -886,6 +906,9 @@ pub async fn settle(
     job: &Job,
     answer: &Value,
 ) -> Result<Settled, JobError> {
+    if let Some(applied) = job.price.as_deref().and_then(crate::price::Applied::parse) {
+        return settle_priced(ledger, job, &applied, answer).await;
+    }
     let Some((op, rule)) = config
         .operation(&job.operation)
         .and_then(|o| Some((o, o.settle.as_ref()?)))
@@ -917,6 +940,34 @@ pub async fn settle(
         },
         crate::ledger::SettleOutcome::NotFound { .. } => Settled::NotOwned,
     })
+}
+
+/// [`settle`] of a priced call: its usage at the prices it was reserved at,
+/// never above the reservation (its worst case); no usage reported keeps the
+/// reservation, as for any call whose usage is not seen.
+async fn settle_priced(
+    ledger: &dyn Ledger,
+    job: &Job,
+    applied: &crate::price::Applied,
+    answer: &Value,
+) -> Result<Settled, JobError> {
+    let Some(cost) = applied.cost_of(answer) else {
+        return Ok(Settled::NoUsage);
+    };
+    let settle = SettleRequest {
+        nonce: &job.nonce,
+        actual_cost: cost,
+        may_raise: false,
+    };
+    Ok(
+        match ledger.settle_charge(&job.user, &job.id, &settle).await? {
+            crate::ledger::SettleOutcome::Settled { cost, .. } => Settled::To {
+                estimate: job.cost,
+                cost,
+            },
+            crate::ledger::SettleOutcome::NotFound { .. } => Settled::NotOwned,
+        },
+    )
 }
 
 /// A job leased to a worker. Only the holder of the current `token` can finish it.

@@ -217,6 +217,7 @@ mod tests {
             run: 1,
             nonce: "n".into(),
             trace: None,
+            price: None,
         };
         let writer = NoReaders.writer(&job);
         for event in [StreamEvent::Data("data: 1".into()), StreamEvent::End] {

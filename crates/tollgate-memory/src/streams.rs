@@ -146,6 +146,7 @@ mod tests {
             run: 1,
             nonce: "n".into(),
             trace: None,
+            price: None,
         };
         let mut reader = streams.open("op", &id).await.unwrap();
         let writer = streams.writer(&job);
@@ -196,6 +197,7 @@ mod tests {
             run: 1,
             nonce: "n".into(),
             trace: None,
+            price: None,
         };
         let _reader = streams.open("op", &id).await.unwrap();
         let writer = streams.writer(&job);

@@ -680,6 +680,7 @@ provider = "llm"
             run: 1,
             nonce: "n".into(),
             trace: None,
+            price: None,
         }
     }
 

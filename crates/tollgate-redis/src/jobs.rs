@@ -614,6 +614,7 @@ fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, Strin
         nonce: field(map, "nonce")?.to_owned(),
         // Absent in records of earlier versions, and for calls with no trace.
         trace: map.get("tp").and_then(|v| TraceParent::parse(v)),
+        price: map.get("pr").filter(|p| !p.is_empty()).cloned(),
     })
 }
 

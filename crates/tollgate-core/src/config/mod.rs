@@ -14,6 +14,7 @@ mod alerts;
 mod error;
 mod operation;
 mod plan;
+mod pricing;
 mod provider;
 mod upstream;
 
@@ -34,6 +35,7 @@ pub use plan::{
     DEFAULT_MAX_STORED_BYTES, JOB_RECORD_BYTES, MAX_ALERT_THRESHOLDS, MAX_IN_FLIGHT, MAX_LIMITS,
     MAX_OPEN_STREAMS, MAX_SHARE, MAX_STORED_BYTES,
 };
+pub use pricing::{ModelSource, PriceError, Prices, Pricing, Quote};
 pub use provider::{
     reported_usage, Fairness, LimitKind, Provider, ProviderLimit, DEFAULT_MAX_PAUSE, FIRST_BACKOFF,
     MAX_BURST, MAX_PROVIDER_LIMITS, MAX_RATE, MAX_WAIT_LIMIT, MIN_RATE, SLOT_LEASE,
@@ -43,6 +45,7 @@ pub use upstream::{
 };
 
 use crate::duration;
+use crate::money::Currency;
 use alerts::{parse_alerts, RawAlerts};
 use operation::{parse_operations, RawOperation};
 use plan::{parse_limits, parse_plans, RawLimit, RawPlan};
@@ -64,6 +67,7 @@ pub const DEFAULT_HOLD_GRACE: Duration = Duration::from_secs(60);
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
+    currency: Currency,
     default_plan: String,
     hold_grace: Duration,
     export: Option<u64>,
@@ -72,11 +76,14 @@ pub struct Config {
     providers: BTreeMap<String, Provider>,
     upstreams: BTreeMap<String, Upstream>,
     operations: BTreeMap<String, Operation>,
+    /// Every price sheet the operations use, by file.
+    prices: BTreeMap<std::path::PathBuf, std::sync::Arc<Prices>>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
+    currency: Option<String>,
     default_plan: Option<String>,
     hold_grace: Option<String>,
     export: Option<RawExport>,
@@ -110,12 +117,19 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        Self::parse(&text, &path.display().to_string())
+        Self::parse_in(&text, &path.display().to_string(), path.parent())
     }
 
     /// Parses and validates a TOML document; `origin` names it in errors.
+    /// Relative `prices` files are read from the working directory.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        Self::parse_in(text, origin, None)
+    }
+
+    /// [`parse`](Self::parse), reading relative `prices` files from `base`
+    /// (the config file's folder).
+    pub fn parse_in(text: &str, origin: &str, base: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             origin: origin.to_owned(),
             message: e.to_string().trim_end().to_owned(),
         })?;
@@ -125,7 +139,11 @@ impl Config {
             message,
         };
 
-        let plans = parse_plans(raw.plans, &invalid)?;
+        let currency = match &raw.currency {
+            Some(c) => Currency::parse(c).map_err(|m| invalid("currency".into(), m))?,
+            None => Currency::Tokens,
+        };
+        let plans = parse_plans(raw.plans, currency, &invalid)?;
         if plans.is_empty() {
             return Err(invalid(
                 "plans".into(),
@@ -173,9 +191,21 @@ impl Config {
             None => None,
             Some(a) => Some(parse_alerts(a, &invalid)?),
         };
+        let mut sheets = pricing::Sheets {
+            currency,
+            base: base.filter(|b| !b.as_os_str().is_empty()),
+            providers: raw
+                .providers
+                .iter_mut()
+                .filter_map(|(name, p)| Some((name.clone(), p.prices.take()?)))
+                .collect(),
+            loaded: BTreeMap::new(),
+        };
         let (providers, upstreams) = parse_providers(raw.providers, &invalid)?;
-        let operations = parse_operations(raw.operations, &providers, &invalid)?;
+        let operations = parse_operations(raw.operations, &providers, &mut sheets, &invalid)?;
         Ok(Self {
+            currency,
+            prices: sheets.loaded,
             default_plan,
             hold_grace,
             export,
@@ -194,6 +224,18 @@ impl Config {
     /// pod must read the same value.
     pub fn hold_grace(&self) -> Duration {
         self.hold_grace
+    }
+
+    /// What budgets, costs and prices are counted in (`currency`, default
+    /// tokens); amounts are integers of its minor unit.
+    pub fn currency(&self) -> Currency {
+        self.currency
+    }
+
+    /// Every price sheet the operations use: [`Prices::reload`] each to pick
+    /// up an operator's new prices.
+    pub fn price_sheets(&self) -> impl Iterator<Item = &std::sync::Arc<Prices>> {
+        self.prices.values()
     }
 
     /// `[export] maxlen`: every spend, refund and settle is also appended to the
@@ -263,14 +305,23 @@ impl Config {
                 "limits[{i}].window: not a duration (at most 32 characters, e.g. 90s, 15m, 1h, 7d)"
             ));
         }
+        // The body's limits are integers of the minor unit (what answers
+        // print): spelled as the decimal amount they are, read as a plan's.
+        let currency = self.currency;
         let raw = raw
             .into_iter()
-            .map(|(limit, window)| RawLimit { limit, window })
+            .map(|(limit, window)| RawLimit {
+                limit: match u64::try_from(limit) {
+                    Ok(n) => toml::Value::String(crate::money::format_amount(currency, n)),
+                    Err(_) => toml::Value::Integer(limit),
+                },
+                window,
+            })
             .collect::<Vec<_>>();
         let single = raw.len() == 1;
         // parse_limits names its keys after a plan's (`<plan>.limits[i].limit`,
         // `<plan>.limit` for a single one): here they are the body's.
-        let limits = parse_limits("", raw, &invalid).map_err(|e| match e {
+        let limits = parse_limits("", raw, currency, &invalid).map_err(|e| match e {
             ConfigError::Invalid { key, message, .. } => {
                 let key = key.trim_start_matches('.');
                 if single && !key.starts_with("limits") {

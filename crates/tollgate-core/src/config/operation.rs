@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::pricing::{Pricing, Sheets};
 use super::provider::{usage_pointer, Provider};
 use super::{ConfigError, MAX_TOKENS};
 use crate::duration;
+use crate::money::Currency;
 
 /// How much of a provider's token limits one call weighs (an operation's
 /// `weight`).
@@ -87,6 +89,9 @@ pub struct Operation {
     /// Where its answers report the tokens a call used: its own `usage`, or
     /// its provider's.
     pub usage: Option<String>,
+    /// Its price sheet and model (`prices`, `model`), when it is priced per
+    /// model: then `cost` is 0 and each call reserves its own worst case.
+    pub pricing: Option<Pricing>,
 }
 
 /// How a streamed call's usage is had from its upstream (`stream_usage`): a
@@ -205,7 +210,13 @@ impl Operation {
 pub(super) struct RawOperation {
     weight: Option<toml::Value>,
     usage: Option<String>,
-    cost: i64,
+    cost: Option<toml::Value>,
+    /// A price sheet file (else its provider's, if any): the operation is
+    /// priced per model.
+    prices: Option<String>,
+    /// Where a priced call's model comes from: a JSON pointer (default
+    /// `/model`) or a fixed name.
+    model: Option<String>,
     provider: String,
     path: Option<String>,
     deadline: Option<String>,
@@ -233,6 +244,7 @@ struct RawSettle {
 pub(super) fn parse_operations(
     raw: BTreeMap<String, RawOperation>,
     providers: &BTreeMap<String, Provider>,
+    money: &mut Sheets<'_>,
     invalid: &impl Fn(String, String) -> ConfigError,
 ) -> Result<BTreeMap<String, Operation>, ConfigError> {
     let mut operations = BTreeMap::new();
@@ -241,12 +253,6 @@ pub(super) fn parse_operations(
         // Operation names end up in Redis key names, like provider names.
         if let Err(e) = crate::id::UserId::new(name.as_str()) {
             return Err(invalid(key, format!("bad operation name: {e}")));
-        }
-        if o.cost < 1 || o.cost as u64 > MAX_TOKENS {
-            return Err(invalid(
-                format!("{key}.cost"),
-                format!("must be between 1 and {MAX_TOKENS} tokens, got {}", o.cost),
-            ));
         }
         if !providers.contains_key(&o.provider) {
             let known = providers.keys().cloned().collect::<Vec<_>>().join(", ");
@@ -284,6 +290,50 @@ pub(super) fn parse_operations(
             None => None,
             Some(r) => Some(parse_settle(&format!("{key}.settle"), r, invalid)?),
         };
+        let pricing = money.pricing(
+            &key,
+            &o.provider,
+            o.prices.as_deref(),
+            o.model.as_deref(),
+            invalid,
+        )?;
+        let cost = match (&pricing, &o.cost) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    format!("{key}.cost"),
+                    "a priced operation reserves its request's worst case at its prices: \
+                     remove `cost`"
+                        .into(),
+                ))
+            }
+            (Some(_), None) => 0,
+            (None, None) => {
+                return Err(invalid(
+                    format!("{key}.cost"),
+                    "is required (or `prices`: a price sheet)".into(),
+                ))
+            }
+            (None, Some(v)) => {
+                let c = crate::money::parse_toml(money.currency, v)
+                    .map_err(|m| invalid(format!("{key}.cost"), m))?;
+                if c == 0 || c > MAX_TOKENS {
+                    return Err(invalid(
+                        format!("{key}.cost"),
+                        format!(
+                            "must be more than 0 and at most {MAX_TOKENS} minor units, got {c}"
+                        ),
+                    ));
+                }
+                c
+            }
+        };
+        if settle.is_some() && (pricing.is_some() || money.currency != Currency::Tokens) {
+            return Err(invalid(
+                format!("{key}.settle"),
+                "budgets in money settle at a price sheet's prices (`prices`): remove `settle`"
+                    .into(),
+            ));
+        }
         let result_ttl = match &o.result_ttl {
             Some(d) => duration::parse(d).map_err(|m| invalid(format!("{key}.result_ttl"), m))?,
             None => DEFAULT_RESULT_TTL,
@@ -373,7 +423,8 @@ pub(super) fn parse_operations(
                 weight,
                 usage,
                 name,
-                cost: o.cost as u64,
+                cost,
+                pricing,
                 provider: o.provider,
                 path: o.path,
                 deadline,

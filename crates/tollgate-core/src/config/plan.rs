@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::{ConfigError, MAX_TOKENS};
 use crate::duration;
+use crate::money::Currency;
 
 /// One limit of a plan: at most `limit` tokens spent in any trailing `window`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,11 +105,18 @@ impl Plan {
         self.limits.iter().map(|l| l.limit).min().unwrap_or(0)
     }
 
-    /// `1000 tokens / 12h` or `1000 tokens / 12h + 100 tokens / 1m`.
-    pub fn describe(&self) -> String {
+    /// `1000 tokens / 12h` or `1000 tokens / 12h + 100 tokens / 1m`; in a
+    /// money `currency`, `20 USD / 30d`.
+    pub fn describe(&self, currency: Currency) -> String {
         self.limits
             .iter()
-            .map(|l| format!("{} tokens / {}", l.limit, duration::format(l.window)))
+            .map(|l| {
+                format!(
+                    "{} {currency} / {}",
+                    crate::money::format_amount(currency, l.limit),
+                    duration::format(l.window)
+                )
+            })
             .collect::<Vec<_>>()
             .join(" + ")
     }
@@ -121,7 +129,7 @@ pub const MAX_IN_FLIGHT: u32 = 100_000;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPlan {
-    limit: Option<i64>,
+    limit: Option<toml::Value>,
     window: Option<String>,
     limits: Option<Vec<RawLimit>>,
     share: Option<i64>,
@@ -134,7 +142,8 @@ pub(super) struct RawPlan {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLimit {
-    pub(super) limit: i64,
+    /// An amount of the deployment's currency: an integer or a decimal string.
+    pub(super) limit: toml::Value,
     pub(super) window: String,
 }
 
@@ -142,6 +151,7 @@ pub(super) struct RawLimit {
 /// thresholds).
 pub(super) fn parse_plans(
     raw: BTreeMap<String, RawPlan>,
+    currency: Currency,
     invalid: &impl Fn(String, String) -> ConfigError,
 ) -> Result<BTreeMap<String, Plan>, ConfigError> {
     let mut plans = BTreeMap::new();
@@ -161,7 +171,7 @@ pub(super) fn parse_plans(
                 ))
             }
         };
-        let limits = parse_limits(&key, raw_limits, invalid)?;
+        let limits = parse_limits(&key, raw_limits, currency, invalid)?;
         let share = p.share.unwrap_or(1);
         if !(1..=i64::from(MAX_SHARE)).contains(&share) {
             return Err(invalid(
@@ -261,6 +271,7 @@ fn parse_thresholds(
 pub(super) fn parse_limits(
     key: &str,
     raw: Vec<RawLimit>,
+    currency: Currency,
     invalid: &impl Fn(String, String) -> ConfigError,
 ) -> Result<Vec<Limit>, ConfigError> {
     if raw.is_empty() || raw.len() > MAX_LIMITS {
@@ -277,13 +288,11 @@ pub(super) fn parse_limits(
         } else {
             format!("{key}.limits[{i}]")
         };
-        if l.limit <= 0 {
-            return Err(invalid(
-                format!("{key}.limit"),
-                format!("must be > 0, got {}", l.limit),
-            ));
+        let limit = crate::money::parse_toml(currency, &l.limit)
+            .map_err(|m| invalid(format!("{key}.limit"), m))?;
+        if limit == 0 {
+            return Err(invalid(format!("{key}.limit"), "must be > 0, got 0".into()));
         }
-        let limit = l.limit as u64;
         if limit > MAX_TOKENS {
             return Err(invalid(
                 format!("{key}.limit"),
@@ -336,7 +345,7 @@ limits = [{ limit = 100, window = "1m" }, { limit = 1000, window = "12h" }, { li
         assert_eq!(p.window_ms(), 43_200_000);
         assert_eq!(p.max_cost(), 5);
         assert_eq!(
-            p.describe(),
+            p.describe(crate::money::Currency::Tokens),
             "1000 tokens / 12h + 100 tokens / 1m + 5 tokens / 1s"
         );
     }

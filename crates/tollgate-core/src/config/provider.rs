@@ -211,6 +211,9 @@ pub(super) struct RawProvider {
     limits: Option<Vec<RawProviderLimit>>,
     usage: Option<String>,
     max_wait: String,
+    /// A price sheet file for its operations (`prices`): taken out before
+    /// the rest is read (`config/pricing.rs`).
+    pub(super) prices: Option<String>,
     pub(super) url: Option<String>,
     pub(super) auth_header: Option<String>,
     pub(super) auth_env: Option<String>,

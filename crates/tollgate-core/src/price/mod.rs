@@ -15,6 +15,7 @@
 //! parsing in `sheet.rs`, patterns in `glob.rs`, [`Usage`] in `usage.rs`,
 //! [`ModelFrom`] in `model.rs`.
 
+mod applied;
 mod glob;
 mod model;
 mod sheet;
@@ -22,6 +23,7 @@ mod usage;
 
 use std::collections::BTreeMap;
 
+pub use applied::Applied;
 pub use model::{ModelError, ModelFrom};
 pub use sheet::PriceSheet;
 pub use usage::Usage;

@@ -115,7 +115,8 @@ pub fn job_enqueue(
         .arg(keys.stored_prefix())
         .arg(stored.width_ms)
         .arg(stored.limit)
-        .arg(waiter);
+        .arg(waiter)
+        .arg(job.price.as_deref().unwrap_or(""));
     inv
 }
 

@@ -61,7 +61,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let (server, url) = crate::redis_or_start(args.redis_url.as_deref());
     let text = CONFIG.replacen("\"bench\"", &format!("{:?}", args.plan), 1);
     let config = Arc::new(Config::parse(&text, "bench")?);
-    println!("plan: {}", config.default_plan().describe());
+    println!(
+        "plan: {}",
+        config.default_plan().describe(config.currency())
+    );
     let prefix = tollgate_tests::random_prefix();
     let pool = tollgate_redis::pool::connect(
         &url,
