@@ -6,6 +6,8 @@
 --   user's name completes it), ARGV[7] the stored-bytes bucket width (ms),
 -- ARGV[8] the upstream answer's head (JSON: status, safe headers; '' or
 --   absent when a plain 200: no field)
+-- ARGV[9] what the job's charge settled to (field `charged`), or '' (absent:
+--   its reservation, `cost`, stands)
 -- The record drops its input (jobs/lib/job.lua: finalize) and counts its
 -- result against its user's stored bytes until it expires.
 -- Returns 1 recorded (and published: jobs/lib/job.lua publish_done), 0 refused: the token is not the
@@ -15,7 +17,7 @@
 local JOB, PROCESSING, LEASES = KEYS[1], KEYS[2], KEYS[3]
 local id, token, result, ttl, channel = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local prefix, width = ARGV[6] or '', tonumber(ARGV[7]) or 60000
-local head = ARGV[8] or ''
+local head, charged = ARGV[8] or '', ARGV[9] or ''
 if not ttl or ttl < 1 or width < 1 then
   return redis.error_reply('job_complete: bad ttl or width')
 end
@@ -39,6 +41,10 @@ local set = { 'state', 'succeeded', 'result', result, 'finished', int(now) }
 if head ~= '' then
   set[#set + 1] = 'head'
   set[#set + 1] = head
+end
+if charged ~= '' then
+  set[#set + 1] = 'charged'
+  set[#set + 1] = charged
 end
 local _, fields, waiter = finalize(JOB, all, set, prefix, #result + #head, now + ttl, width)
 redis.call('PEXPIRE', JOB, int(ttl))

@@ -994,6 +994,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         nonce: charge.nonce.into(),
         trace: None,
         price: None,
+        charged: None,
     };
     assert_eq!(
         tollgate_core::job::claim(&*ledger, &job, Duration::from_millis(200))

@@ -125,9 +125,13 @@ impl Setup {
             .expect("take")
             .expect("a job within 2 s");
         assert!(self.source.start(&lease).await.expect("start"));
-        self.source.settle(&lease, answer).await.expect("settle");
+        // As a worker does: the settled charge is recorded with the result.
+        let charged = match self.source.settle(&lease, answer).await.expect("settle") {
+            tollgate_core::job::Settled::To { cost, .. } => Some(cost),
+            _ => None,
+        };
         self.source
-            .complete(&lease, answer.clone())
+            .complete_with(&lease, answer.clone(), None, charged)
             .await
             .expect("complete");
         lease.job.cost
@@ -190,6 +194,14 @@ async fn priced_calls_pay_exactly_their_usage(s: &Setup) {
     let openai = micro(234 * 150_000 + 1000 * 75_000 + 467 * 600_000 + 100 * 600_000);
     assert_eq!(openai, 451);
     assert_eq!(s.used("ann").await, openai);
+    // Its record says what it was charged, beside what was reserved.
+    let info = s
+        .queue
+        .status(&user("ann"), &RequestId::new("o1").expect("id"))
+        .await
+        .expect("status")
+        .expect("the job");
+    assert_eq!((info.job.charged, info.job.cost), (Some(openai), reserve));
 
     // Anthropic: cache reads and writes are beside input_tokens, not in it.
     submit(&*s.queue, "a1", "ann", chat("claude-sonnet-4", 3_000, 100))

@@ -73,6 +73,7 @@ fn job(id: &RequestId) -> Job {
         nonce: "n".into(),
         trace: None,
         price: None,
+        charged: None,
     }
 }
 

@@ -144,6 +144,7 @@ async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() 
             nonce: String::new(),
             trace: None,
             price: None,
+            charged: None,
         };
         calls.push(tokio::spawn(async move {
             client.call(&job, CallOptions::default()).await

@@ -41,6 +41,7 @@ pub fn job(id: &str, user: &str, operation: &str, provider: &str, input: Value) 
         nonce: "n".into(),
         trace: None,
         price: None,
+        charged: None,
     }
 }
 

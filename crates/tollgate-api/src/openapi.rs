@@ -432,7 +432,7 @@ fn schemas(config: &Config) -> Value {
         "OperationInput": {"type": "object", "description": "The operation's input, passed to the provider as it is.", "additionalProperties": true},
         "Job": {
             "type": "object",
-            "required": ["job_id", "operation", "status", "cost", "enqueued_at"],
+            "required": ["job_id", "operation", "status", "cost", "reserved", "enqueued_at"],
             "properties": {
                 "job_id": {"type": "string"},
                 "operation": {"type": "string"},
@@ -455,7 +455,8 @@ fn schemas(config: &Config) -> Value {
                 "error": {"type": "object", "properties": {"cause": {"type": "string"}, "message": {"type": "string"}, "charged": {"type": "boolean", "description": "Whether the failed job's charge stands (the upstream may have done the work) or was released."},
                     "upstream_status": {"type": "integer", "description": "Cause rejected: the upstream's status."},
                     "upstream_body": {"type": "string", "description": "Cause rejected: the upstream's body (at most 1024 bytes), only for an operation with expose_upstream_errors = true."}}},
-                "cost": {"type": "integer"},
+                "cost": {"type": "integer", "minimum": 0, "description": "What the job is charged, in minor units (tokens, or micro-units of the currency): its settled charge once the upstream reported usage, else its reservation."},
+                "reserved": {"type": "integer", "minimum": 0, "description": "What was reserved up front: the most the job can be charged."},
                 "enqueued_at": {"type": "string", "format": "date-time"},
                 "finished_at": {"type": "string", "format": "date-time"},
             },

@@ -53,7 +53,11 @@ pub struct JobView {
     pub result: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<JobErrorView>,
+    /// What the job is charged, in minor units: its settled charge once the
+    /// upstream reported usage, else its reservation.
     pub cost: u64,
+    /// What was reserved up front (the most it could be charged).
+    pub reserved: u64,
     pub enqueued_at: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
@@ -142,7 +146,8 @@ impl From<&JobInfo> for JobView {
             provider_queue: None,
             result,
             error,
-            cost: info.job.cost,
+            cost: info.job.charged.unwrap_or(info.job.cost),
+            reserved: info.job.cost,
             enqueued_at: rfc3339(info.job.enqueued_at_ms),
             finished_at: info.finished_at_ms.map(rfc3339),
         }

@@ -626,8 +626,9 @@ impl JobSource for RecordingSource {
         lease: &Lease,
         result: serde_json::Value,
         head: Option<crate::head::Head>,
+        charged: Option<u64>,
     ) -> Result<Finish, JobError> {
-        let r = self.inner.complete_with(lease, result, head).await;
+        let r = self.inner.complete_with(lease, result, head, charged).await;
         if let Ok(Finish::Recorded) = r {
             self.noted(lease, JobStep::Succeeded);
         }

@@ -80,6 +80,10 @@ pub struct Job {
     /// usage at them, whatever the sheet says by then. `None`: not priced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub price: Option<String>,
+    /// What its charge settled to, recorded with its result
+    /// ([`JobSource::complete_with`]); `None`: the reservation, `cost`, stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charged: Option<u64>,
 }
 
 /// What a caller asks for; the backend fills in provider, cost and times from
@@ -754,6 +758,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             nonce,
             trace: request.trace,
             price,
+            charged: None,
         };
         match self.enqueue(&job, create, max_stored).await? {
             Enqueued::Created if charged => Ok(SubmitOutcome::Queued { job, allowed }),
@@ -1091,15 +1096,18 @@ pub trait JobSource: Send + Sync + std::fmt::Debug {
     async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError>;
 
     /// [`complete`](Self::complete), keeping the upstream answer's `head`
-    /// (status, safe headers) with the result when it is not a plain 200.
-    /// This default drops the head.
+    /// (status, safe headers) with the result when it is not a plain 200, and
+    /// what the job's charge settled to (`charged`, when its settle changed
+    /// it: answers then say what was charged, not what was reserved). This
+    /// default drops both.
     async fn complete_with(
         &self,
         lease: &Lease,
         result: Value,
         head: Option<crate::head::Head>,
+        charged: Option<u64>,
     ) -> Result<Finish, JobError> {
-        let _ = head;
+        let _ = (head, charged);
         self.complete(lease, result).await
     }
 

@@ -218,6 +218,7 @@ mod tests {
             nonce: "n".into(),
             trace: None,
             price: None,
+            charged: None,
         };
         let writer = NoReaders.writer(&job);
         for event in [StreamEvent::Data("data: 1".into()), StreamEvent::End] {

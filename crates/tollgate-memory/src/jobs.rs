@@ -215,7 +215,13 @@ impl MemoryJobQueue {
 
     /// Marks a leased job done if `token` is current; `release` marks its
     /// release pending.
-    fn finish(&self, lease: &Lease, status: JobStatus, release: bool) -> Finish {
+    fn finish(
+        &self,
+        lease: &Lease,
+        status: JobStatus,
+        release: bool,
+        charged: Option<u64>,
+    ) -> Finish {
         let now = self.now();
         let mut st = lock(&self.state);
         let Some(rec) = st.jobs.get_mut(&lease.job.id) else {
@@ -227,6 +233,9 @@ impl MemoryJobQueue {
         }
         let len = final_len(&status);
         rec.job.input = Value::Null;
+        if charged.is_some() {
+            rec.job.charged = charged;
+        }
         rec.phase = Phase::Done { status, at_ms: now };
         rec.release_pending = release;
         st.keep(&lease.job.id, len);
@@ -307,7 +316,7 @@ impl MemoryJobQueue {
             cause,
             message: message.into(),
         };
-        self.finish(lease, status, false);
+        self.finish(lease, status, false, None);
     }
 }
 
@@ -633,7 +642,7 @@ impl JobSource for MemoryJobQueue {
     }
 
     async fn complete(&self, lease: &Lease, result: Value) -> Result<Finish, JobError> {
-        self.complete_with(lease, result, None).await
+        self.complete_with(lease, result, None, None).await
     }
 
     async fn complete_with(
@@ -641,9 +650,10 @@ impl JobSource for MemoryJobQueue {
         lease: &Lease,
         result: Value,
         head: Option<Head>,
+        charged: Option<u64>,
     ) -> Result<Finish, JobError> {
         let head = head.filter(|h| !h.is_plain());
-        Ok(self.finish(lease, JobStatus::Succeeded { result, head }, false))
+        Ok(self.finish(lease, JobStatus::Succeeded { result, head }, false, charged))
     }
 
     async fn fail(&self, lease: &Lease, failure: Failure<'_>) -> Result<Finish, JobError> {
@@ -657,7 +667,7 @@ impl JobSource for MemoryJobQueue {
             message: message.to_owned(),
         };
         let release = matches!(charge, Charge::Release { .. });
-        if self.finish(lease, status, release) == Finish::LeaseLost {
+        if self.finish(lease, status, release, None) == Finish::LeaseLost {
             return Ok(Finish::LeaseLost);
         }
         if release {

@@ -147,6 +147,7 @@ mod tests {
             nonce: "n".into(),
             trace: None,
             price: None,
+            charged: None,
         };
         let mut reader = streams.open("op", &id).await.unwrap();
         let writer = streams.writer(&job);
@@ -198,6 +199,7 @@ mod tests {
             nonce: "n".into(),
             trace: None,
             price: None,
+            charged: None,
         };
         let _reader = streams.open("op", &id).await.unwrap();
         let writer = streams.writer(&job);

@@ -681,6 +681,7 @@ provider = "llm"
             nonce: "n".into(),
             trace: None,
             price: None,
+            charged: None,
         }
     }
 

@@ -615,6 +615,7 @@ fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, Strin
         // Absent in records of earlier versions, and for calls with no trace.
         trace: map.get("tp").and_then(|v| TraceParent::parse(v)),
         price: map.get("pr").filter(|p| !p.is_empty()).cloned(),
+        charged: map.get("charged").and_then(|c| c.parse().ok()),
     })
 }
 
@@ -1011,7 +1012,7 @@ impl JobSource for RedisJobQueue {
     }
 
     async fn complete(&self, lease: &Lease, result: Json) -> Result<Finish, JobError> {
-        self.complete_with(lease, result, None).await
+        self.complete_with(lease, result, None, None).await
     }
 
     async fn complete_with(
@@ -1019,6 +1020,7 @@ impl JobSource for RedisJobQueue {
         lease: &Lease,
         result: Json,
         head: Option<Head>,
+        charged: Option<u64>,
     ) -> Result<Finish, JobError> {
         let head = match head.filter(|h| !h.is_plain()) {
             Some(h) => serde_json::to_string(&h)
@@ -1036,6 +1038,7 @@ impl JobSource for RedisJobQueue {
                     lease.token,
                     &result.to_string(),
                     &head,
+                    charged,
                     scripts::Kept {
                         ttl_ms: self.ttl_ms(&lease.job.operation),
                         width_ms: self.width_ms(&lease.job.operation),

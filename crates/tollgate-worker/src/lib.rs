@@ -666,14 +666,14 @@ async fn job(
     let (recorded, ok, cause) = match ended {
         Ended::Called(Ok(answer)) => {
             let (result, head) = (answer.body, answer.head);
-            settle(source.as_ref(), lease, &result).await;
+            let charged = settle(source.as_ref(), lease, &result).await;
             // Settled first: a client that read the end reads its usage.
             if let Some(sink) = &sink {
                 end_stream(sink.as_ref(), StreamEvent::End).await;
             }
             tracing::debug!("the provider answered; recording the result");
             let recorded = finish("complete", || {
-                source.complete_with(lease, result.clone(), head.clone())
+                source.complete_with(lease, result.clone(), head.clone(), charged)
             })
             .await;
             (recorded, JobEnd::Succeeded, None)
@@ -843,7 +843,7 @@ async fn lost_stream(
 /// restart) leaves the charge where the outcome rules put it, not at the most
 /// reserved. Past that the charge stays what it is (never lost: the most
 /// reserved, or the estimate).
-async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Value) {
+async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Value) -> Option<u64> {
     use tollgate_core::job::Settled;
     let give_up = tokio::time::Instant::now() + RECORD_FOR;
     let mut backoff = Duration::from_millis(50);
@@ -852,6 +852,7 @@ async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Valu
             Ok(Settled::Fixed) => {}
             Ok(Settled::To { estimate, cost }) => {
                 tracing::debug!(estimate, cost, "the charge settled to the reported cost");
+                return Some(cost);
             }
             Ok(Settled::NoUsage) if answer.is_null() => {
                 tracing::debug!("no answer to read usage from; charged the most it may have used");
@@ -874,7 +875,7 @@ async fn settle(source: &dyn JobSource, lease: &Lease, answer: &serde_json::Valu
                 tracing::error!(error = %e, "settling the charge failed; the charge stays as it is");
             }
         }
-        return;
+        return None;
     }
 }
 

@@ -360,7 +360,7 @@ fn record_view(info: &JobInfo) -> RecordView {
         state,
         operation: info.job.operation.clone(),
         provider: info.job.provider.clone(),
-        cost: info.job.cost,
+        cost: info.job.charged.unwrap_or(info.job.cost),
         run: info.job.run,
         enqueued_at_ms: info.job.enqueued_at_ms,
         deadline_ms: info.job.deadline_ms,

@@ -207,6 +207,7 @@ pub fn job_complete(
     token: u64,
     result: &str,
     head: &str,
+    charged: Option<u64>,
     kept: Kept,
     channel: &str,
 ) -> FunctionCall {
@@ -221,7 +222,8 @@ pub fn job_complete(
         .arg(channel)
         .arg(keys.stored_prefix())
         .arg(kept.width_ms)
-        .arg(head);
+        .arg(head)
+        .arg(charged.map(|c| c.to_string()).unwrap_or_default());
     inv
 }
 
