@@ -209,10 +209,7 @@ fn bring_to_now(
     if cost > most {
         return Err(LedgerError::CostExceedsLimit { cost, limit: most });
     }
-    log.expire(now, &plan.limits);
-    if let Some(side) = side {
-        side.sync(log, now);
-    }
+    log.expire_with_org(now, &plan.limits, side);
     Ok(())
 }
 
@@ -606,6 +603,16 @@ impl UserLog {
             if let Some((_, nonce)) = self.cancel_ends.pop_first() {
                 self.cancelled.remove(&nonce);
             }
+        }
+    }
+
+    /// Brings the user's windows, and then its organisation's (when it has
+    /// one), to `now`: the first step of every call that reads or changes
+    /// them.
+    fn expire_with_org(&mut self, now: u64, limits: &[Limit], side: Option<&mut OrgSide<'_>>) {
+        self.expire(now, limits);
+        if let Some(side) = side {
+            side.sync(self, now);
         }
     }
 
@@ -1063,10 +1070,7 @@ impl<C: Clock> MemoryLedger<C> {
         owns: impl FnOnce(Option<&Owner>) -> bool,
     ) -> RefundOutcome {
         self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             if !owns(log.owner(request.as_str())) {
                 return RefundOutcome::NotFound {
                     used: log.longest_used(),
@@ -1173,10 +1177,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     ) -> Result<RefundOutcome, LedgerError> {
         // A user without a log has nothing to refund or cancel.
         Ok(self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             let owner = log.owner(request.as_str());
             let held = owner.and_then(|o| Some((o.hold?.0, o.nonce.clone())));
             let credit = match owner {
@@ -1218,10 +1219,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
         Ok(self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             let Some(&key) = log.index.get(request.as_str()) else {
                 return SettleOutcome::NotFound {
                     used: log.longest_used(),
@@ -1264,10 +1262,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         } = settle;
         validate_cost(actual_cost)?;
         Ok(self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             let owned = log
                 .owner(request.as_str())
                 .is_some_and(|o| &*o.nonce == nonce);
@@ -1305,10 +1300,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
         Ok(self.with_user(user, false, |log, mut side, now| {
             let plan = self.plan_of(log);
-            log.expire(now, &plan.limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &plan.limits, side.as_mut());
             // The log may keep older events for another plan's longer window:
             // a page starts inside this plan's longest window.
             let (slice, more) = log.events.page(
@@ -1439,10 +1431,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             hold_until_ms,
         } = claim;
         Ok(self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             if let Some(o) = log.owner_mut(request.as_str()) {
                 if &*o.nonce != nonce {
                     return ClaimOutcome::Refused;
