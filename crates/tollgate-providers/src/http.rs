@@ -668,19 +668,7 @@ provider = "llm"
     }
 
     fn job() -> Job {
-        Job {
-            id: tollgate_core::id::RequestId::new("r1").unwrap(),
-            user: tollgate_core::id::UserId::new("u").unwrap(),
-            operation: "x".into(),
-            provider: "llm".into(),
-            input: serde_json::json!({}),
-            cost: 1,
-            enqueued_at_ms: 0,
-            deadline_ms: u64::MAX,
-            run: 1,
-            nonce: "n".into(),
-            trace: None,
-        }
+        tollgate_core::testing::job("r1", "x", "llm", serde_json::json!({}))
     }
 
     /// A whole attempt on a grant usable until `use_by`.
