@@ -83,7 +83,10 @@ impl Shares {
             let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             if let Some((at, share)) = cache.get(user) {
                 if now.duration_since(*at) < SHARE_TTL {
-                    return Share { slot_lease, ..*share };
+                    return Share {
+                        slot_lease,
+                        ..*share
+                    };
                 }
             }
         }
