@@ -693,35 +693,6 @@ impl UserLog {
         owner: Option<Box<Owner>>,
     ) -> u64 {
         let before = self.window_totals();
-        let at = self.record_event(request, cost, now, operation, owner);
-        self.note_crossings(before, now);
-        at
-    }
-
-    /// Every window's total, in the plan's order, when the call's plan has
-    /// alert thresholds (`lua/budget/lib/alerts.lua`'s `snapshot`).
-    fn window_totals(&self) -> Option<Vec<u64>> {
-        let marks = self.marks.as_ref()?;
-        Some((0..marks.limits.len()).map(|i| self.used(i)).collect())
-    }
-
-    /// Notes the thresholds a change crossed (from the totals `before` it).
-    fn note_crossings(&mut self, before: Option<Vec<u64>>, now: u64) {
-        let (Some(before), Some(marks)) = (before, self.marks.clone()) else {
-            return;
-        };
-        let after: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
-        self.crossings.extend(marks.crossings(&before, &after, now));
-    }
-
-    fn record_event(
-        &mut self,
-        request: &RequestId,
-        cost: u64,
-        now: u64,
-        operation: Option<&str>,
-        owner: Option<Box<Owner>>,
-    ) -> u64 {
         let at = self.events.last_at().map_or(now, |last| now.max(last));
         let change = Change {
             request: request.as_str(),
@@ -744,7 +715,24 @@ impl UserLog {
         for s in &mut self.shorts {
             s.total += cost;
         }
+        self.note_crossings(before, now);
         at
+    }
+
+    /// Every window's total, in the plan's order, when the call's plan has
+    /// alert thresholds (`lua/budget/lib/alerts.lua`'s `snapshot`).
+    fn window_totals(&self) -> Option<Vec<u64>> {
+        let marks = self.marks.as_ref()?;
+        Some((0..marks.limits.len()).map(|i| self.used(i)).collect())
+    }
+
+    /// Notes the thresholds a change crossed (from the totals `before` it).
+    fn note_crossings(&mut self, before: Option<Vec<u64>>, now: u64) {
+        let (Some(before), Some(marks)) = (before, self.marks.clone()) else {
+            return;
+        };
+        let after: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
+        self.crossings.extend(marks.crossings(&before, &after, now));
     }
 
     /// Gives back the index's capacity once it is mostly empty.
