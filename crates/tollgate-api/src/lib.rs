@@ -106,6 +106,51 @@ fn operation_doc(path: &str, summary: &str) -> Doc {
         )
 }
 
+/// A page size's schema: one at the least, at the most what the handler
+/// serves (a larger one is a 400, not a silently shorter page).
+fn page_limit(max: usize) -> Value {
+    serde_json::json!({"type": "integer", "minimum": 1, "maximum": max})
+}
+
+/// The `limit` and opaque `cursor` of a page of spend events: the user's own
+/// usage and an admin's view of it page alike.
+fn event_page(doc: Doc) -> Doc {
+    doc.query(
+        "limit",
+        "Events per page (default 50).",
+        page_limit(tollgate_core::ledger::EventPage::MAX_LIMIT),
+    )
+    .query(
+        "cursor",
+        "The `next_cursor` of the previous page: the page starts after it (opaque).",
+        serde_json::json!({"type": "string", "pattern": "^[0-9]{1,15}-[0-9]{1,19}$"}),
+    )
+}
+
+/// The `prefix`, `cursor` and `limit` of a page by user id (the users and
+/// the keys, which a page holds by user); `prefix` and `limit` say what is
+/// filtered and counted.
+fn user_page(doc: Doc, prefix: &str, limit: &str) -> Doc {
+    doc.query("prefix", prefix, openapi::id_filter_schema())
+        .query(
+            "cursor",
+            "The `next_cursor` of the previous page: the page starts after it.",
+            openapi::id_filter_schema(),
+        )
+        .query(
+            "limit",
+            limit,
+            page_limit(tollgate_core::keystore::UserQuery::MAX_LIMIT),
+        )
+}
+
+/// The `after` and `limit` of a page of an organisation list (the
+/// organisations, or one's members).
+fn org_page(doc: Doc, after: &str, limit: &str) -> Doc {
+    doc.query("after", after, openapi::id_filter_schema())
+        .query("limit", limit, page_limit(admin::ORG_PAGE_MAX))
+}
+
 /// The key cache and failure limiter of one router; `state.keys` becomes the
 /// cache, so the admin routes' revocations clear it.
 fn guard(state: &mut ApiState) -> auth::AuthGuard {
@@ -147,23 +192,11 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             get(ops::status),
         )
         .route(
-            Doc::get("/v1/usage", "Your budget and audit trail")
-                .user()
-                .query(
-                    "limit",
-                    "Events per page (default 50).",
-                    serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::ledger::EventPage::MAX_LIMIT}),
-                )
-                .query(
-                    "cursor",
-                    "The `next_cursor` of the previous page: the page starts after it (opaque).",
-                    serde_json::json!({"type": "string", "pattern": "^[0-9]{1,15}-[0-9]{1,19}$"}),
-                )
-                .ok(
-                    200,
-                    "Used, limit, remaining, window, reset time and one page of the live spend events.",
-                    Some(schema("Usage")),
-                ),
+            event_page(Doc::get("/v1/usage", "Your budget and audit trail").user()).ok(
+                200,
+                "Used, limit, remaining, window, reset time and one page of the live spend events.",
+                Some(schema("Usage")),
+            ),
             get(usage::usage),
         );
     let user = named_operations(user, state);
@@ -223,49 +256,27 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             delete(admin::clear_limits),
         )
         .route(
-            Doc::get(
-                "/admin/users",
-                "List and search the users issued a key, by id (paged)",
-            )
-            .admin()
-            .query(
-                "prefix",
+            user_page(
+                Doc::get(
+                    "/admin/users",
+                    "List and search the users issued a key, by id (paged)",
+                )
+                .admin(),
                 "Only users whose id starts with this.",
-                openapi::id_filter_schema(),
-            )
-            .query(
-                "cursor",
-                "The `next_cursor` of the previous page: the page starts after it.",
-                openapi::id_filter_schema(),
-            )
-            .query(
-                "limit",
                 "Users per page (default 50).",
-                serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::keystore::UserQuery::MAX_LIMIT}),
             )
             .ok(200, "One page of users, by id.", Some(schema("UserList"))),
             get(admin::users),
         )
         .route(
-            Doc::get(
-                "/admin/keys",
-                "Every key (never a secret), by user: a page holds the keys of up to `limit` users",
-            )
-            .admin()
-            .query(
-                "prefix",
+            user_page(
+                Doc::get(
+                    "/admin/keys",
+                    "Every key (never a secret), by user: a page holds the keys of up to `limit` users",
+                )
+                .admin(),
                 "Only the keys of users whose id starts with this.",
-                openapi::id_filter_schema(),
-            )
-            .query(
-                "cursor",
-                "The `next_cursor` of the previous page: the page starts after it.",
-                openapi::id_filter_schema(),
-            )
-            .query(
-                "limit",
                 "Users per page (default 50), each with all its keys.",
-                serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::keystore::UserQuery::MAX_LIMIT}),
             )
             .ok(200, "One page of keys, by user, each user's oldest first.", Some(schema("KeyList"))),
             get(admin::keys),
@@ -278,20 +289,12 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             get(admin::user_keys),
         )
         .route(
-            Doc::get(
-                "/admin/users/{user}/usage",
-                "A user's budget: its plan or own limits, every window, one page of its spend events",
-            )
-            .admin()
-            .query(
-                "limit",
-                "Events per page (default 50).",
-                serde_json::json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::ledger::EventPage::MAX_LIMIT}),
-            )
-            .query(
-                "cursor",
-                "The `next_cursor` of the previous page: the page starts after it (opaque).",
-                serde_json::json!({"type": "string", "pattern": "^[0-9]{1,15}-[0-9]{1,19}$"}),
+            event_page(
+                Doc::get(
+                    "/admin/users/{user}/usage",
+                    "A user's budget: its plan or own limits, every window, one page of its spend events",
+                )
+                .admin(),
             )
             .ok(200, "What /v1/usage shows the user, and its base plan.", Some(schema("AdminUsage")))
             .errors(&[P::InvalidField, P::NotFound]),
@@ -319,37 +322,24 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             put(admin::set_org),
         )
         .route(
-            Doc::get("/admin/orgs", "The organisations, by name (a page)")
-                .admin()
-                .query(
-                    "after",
-                    "Start after this organisation (the page before's next).",
-                    openapi::id_filter_schema(),
-                )
-                .query(
-                    "limit",
-                    "Organisations per page (default 50).",
-                    serde_json::json!({"type": "integer", "minimum": 1, "maximum": admin::ORG_PAGE_MAX}),
-                )
-                .ok(200, "One page of organisations.", Some(schema("OrgList")))
-                .errors(&[P::InvalidField]),
+            org_page(
+                Doc::get("/admin/orgs", "The organisations, by name (a page)").admin(),
+                "Start after this organisation (the page before's next).",
+                "Organisations per page (default 50).",
+            )
+            .ok(200, "One page of organisations.", Some(schema("OrgList")))
+            .errors(&[P::InvalidField]),
             get(admin::orgs),
         )
         .route(
-            Doc::get(
-                "/admin/orgs/{org}",
-                "One organisation: its plan, its windows' usage and a page of its members",
-            )
-            .admin()
-            .query(
-                "after",
+            org_page(
+                Doc::get(
+                    "/admin/orgs/{org}",
+                    "One organisation: its plan, its windows' usage and a page of its members",
+                )
+                .admin(),
                 "Members after this user (the page before's next_member).",
-                openapi::id_filter_schema(),
-            )
-            .query(
-                "limit",
                 "Members per page (default 50).",
-                serde_json::json!({"type": "integer", "minimum": 1, "maximum": admin::ORG_PAGE_MAX}),
             )
             .ok(200, "The organisation.", Some(schema("Org")))
             .errors(&[P::InvalidField, P::NotFound]),
@@ -415,7 +405,7 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             .query(
                 "limit",
                 "Rows per page (default 25).",
-                serde_json::json!({"type": "integer", "minimum": 1, "maximum": dashboard::jobs::MAX_LIMIT}),
+                page_limit(dashboard::jobs::MAX_LIMIT),
             )
             .query(
                 "offset",

@@ -30,6 +30,8 @@ pub mod price;
 pub mod refund;
 pub mod session;
 pub mod stream;
+#[cfg(any(test, feature = "test-support"))]
+pub mod testing;
 pub mod throttle;
 pub mod trace;
 

@@ -205,21 +205,7 @@ mod tests {
 
     #[tokio::test]
     async fn no_readers_drops_every_event() {
-        let job = Job {
-            id: RequestId::new("r1").unwrap(),
-            user: crate::id::UserId::new("u").unwrap(),
-            operation: "op".into(),
-            provider: "p".into(),
-            input: serde_json::json!({ "stream": true }),
-            cost: 1,
-            enqueued_at_ms: 0,
-            deadline_ms: u64::MAX,
-            run: 1,
-            nonce: "n".into(),
-            trace: None,
-            price: None,
-            charged: None,
-        };
+        let job = crate::testing::job("r1", "op", "p", serde_json::json!({ "stream": true }));
         let writer = NoReaders.writer(&job);
         for event in [StreamEvent::Data("data: 1".into()), StreamEvent::End] {
             assert_eq!(writer.push(event).await, Ok(true));

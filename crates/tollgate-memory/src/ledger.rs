@@ -139,20 +139,6 @@ impl OrgLog {
         }
     }
 
-    fn used(&self, i: usize) -> u64 {
-        match i.checked_sub(self.first) {
-            None => self.total,
-            Some(k) => self.shorts.get(k).map_or(0, |s| s.total),
-        }
-    }
-
-    fn fits(&self, limits: &[Limit], cost: u64) -> bool {
-        limits
-            .iter()
-            .enumerate()
-            .all(|(i, l)| self.used(i) + cost <= l.limit)
-    }
-
     /// Adds an event spent at `at` (after `expire`): counted in every window
     /// it is still inside.
     fn add(&mut self, key: Arc<str>, at: u64, cost: u64, now: u64, retain: u64) {
@@ -191,40 +177,40 @@ impl OrgLog {
             }
         }
     }
+}
 
-    fn windows(&self, limits: &[Limit], now: u64) -> Vec<WindowUse> {
-        limits
-            .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                let w = l.window_ms();
-                let edge = now.saturating_sub(w);
-                let reset = self
-                    .events
-                    .range((edge + 1, Arc::from(""))..)
-                    .next()
-                    .map(|((at, _), _)| (at + w).saturating_sub(now));
-                WindowUse::new(l.limit, w, self.used(i), reset)
-            })
-            .collect()
+impl Windowed for OrgLog {
+    fn totals(&self) -> (u64, &[Short], usize) {
+        (self.total, &self.shorts, self.first)
     }
 
-    fn retry_after(&self, i: usize, l: &Limit, cost: u64, now: u64) -> u64 {
-        let (used, w) = (self.used(i), l.window_ms());
-        let need = (used + cost).saturating_sub(l.limit);
-        if need == 0 {
-            return 0;
-        }
+    fn inside(&self, now: u64, w: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
         let edge = now.saturating_sub(w);
-        let mut freed = 0;
-        for ((at, _), c) in self.events.range((edge + 1, Arc::from(""))..) {
-            freed += c;
-            if freed >= need {
-                return (at + w).saturating_sub(now);
-            }
-        }
-        w
+        self.events
+            .range((edge + 1, Arc::from(""))..)
+            .map(|((at, _), cost)| (*at, *cost))
     }
+}
+
+/// The first step of a reserve or a charge of `cost` (under the user's
+/// lock): refuses a cost that the user's plan, or its organisation's, could
+/// never hold, then brings the user's windows and its organisation's to
+/// `now`.
+fn bring_to_now(
+    log: &mut UserLog,
+    side: Option<&mut OrgSide<'_>>,
+    plan: &Plan,
+    cost: u64,
+    now: u64,
+) -> Result<(), LedgerError> {
+    let most = side
+        .as_ref()
+        .map_or(plan.max_cost(), |s| plan.max_cost().min(s.plan.max_cost()));
+    if cost > most {
+        return Err(LedgerError::CostExceedsLimit { cost, limit: most });
+    }
+    log.expire_with_org(now, &plan.limits, side);
+    Ok(())
 }
 
 /// A member's organisation, as a call sees it (under its lock).
@@ -506,6 +492,81 @@ struct Short {
     cursor: u64,
 }
 
+/// A log of spend events with running window totals, read alike whether it
+/// is a user's (a deque of events) or an organisation's (a map by time):
+/// each window's use, reset and wait come from the totals and the events
+/// still inside it.
+trait Windowed {
+    /// The running totals: of the windows as long as the retention, of each
+    /// shorter one, and the index of the first limit that is shorter.
+    fn totals(&self) -> (u64, &[Short], usize);
+
+    /// The (time, cost) of the live events inside a window of `w` ms that
+    /// ends at `now`, oldest first.
+    fn inside(&self, now: u64, w: u64) -> impl Iterator<Item = (u64, u64)> + '_;
+
+    /// Tokens spent in limit `i`'s window (after `expire`).
+    fn used(&self, i: usize) -> u64 {
+        let (total, shorts, first) = self.totals();
+        match i.checked_sub(first) {
+            None => total,
+            Some(k) => shorts.get(k).map_or(0, |s| s.total),
+        }
+    }
+
+    fn fits(&self, limits: &[Limit], cost: u64) -> bool {
+        limits
+            .iter()
+            .enumerate()
+            .all(|(i, l)| self.used(i) + cost <= l.limit)
+    }
+
+    /// Every limit as it stands at `now` (after `expire`).
+    fn windows(&self, limits: &[Limit], now: u64) -> Vec<WindowUse> {
+        limits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let w = l.window_ms();
+                let reset = self
+                    .inside(now, w)
+                    .next()
+                    .map(|(at, _)| (at + w).saturating_sub(now));
+                WindowUse::new(l.limit, w, self.used(i), reset)
+            })
+            .collect()
+    }
+
+    /// Exactly how long until enough old events leave limit `i`'s window for
+    /// `cost` to fit it (0: it fits). Terminates within the log because
+    /// cost <= limit.
+    fn retry_after(&self, i: usize, l: &Limit, cost: u64, now: u64) -> u64 {
+        let (used, w) = (self.used(i), l.window_ms());
+        let need = (used + cost).saturating_sub(l.limit);
+        if need == 0 {
+            return 0;
+        }
+        let mut freed = 0;
+        for (at, cost) in self.inside(now, w) {
+            freed += cost;
+            if freed >= need {
+                return (at + w).saturating_sub(now);
+            }
+        }
+        w
+    }
+}
+
+impl Windowed for UserLog {
+    fn totals(&self) -> (u64, &[Short], usize) {
+        (self.total, &self.shorts, self.first)
+    }
+
+    fn inside(&self, now: u64, w: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.events.inside(now, w).map(|e| (e.at, e.cost))
+    }
+}
+
 impl UserLog {
     /// Brings every window's total to `now` (subtracting what left the windows
     /// shorter than the retention, dropping what left the retention), then
@@ -542,6 +603,16 @@ impl UserLog {
             if let Some((_, nonce)) = self.cancel_ends.pop_first() {
                 self.cancelled.remove(&nonce);
             }
+        }
+    }
+
+    /// Brings the user's windows, and then its organisation's (when it has
+    /// one), to `now`: the first step of every call that reads or changes
+    /// them.
+    fn expire_with_org(&mut self, now: u64, limits: &[Limit], side: Option<&mut OrgSide<'_>>) {
+        self.expire(now, limits);
+        if let Some(side) = side {
+            side.sync(self, now);
         }
     }
 
@@ -622,35 +693,6 @@ impl UserLog {
         owner: Option<Box<Owner>>,
     ) -> u64 {
         let before = self.window_totals();
-        let at = self.record_event(request, cost, now, operation, owner);
-        self.note_crossings(before, now);
-        at
-    }
-
-    /// Every window's total, in the plan's order, when the call's plan has
-    /// alert thresholds (`lua/budget/lib/alerts.lua`'s `snapshot`).
-    fn window_totals(&self) -> Option<Vec<u64>> {
-        let marks = self.marks.as_ref()?;
-        Some((0..marks.limits.len()).map(|i| self.used(i)).collect())
-    }
-
-    /// Notes the thresholds a change crossed (from the totals `before` it).
-    fn note_crossings(&mut self, before: Option<Vec<u64>>, now: u64) {
-        let (Some(before), Some(marks)) = (before, self.marks.clone()) else {
-            return;
-        };
-        let after: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
-        self.crossings.extend(marks.crossings(&before, &after, now));
-    }
-
-    fn record_event(
-        &mut self,
-        request: &RequestId,
-        cost: u64,
-        now: u64,
-        operation: Option<&str>,
-        owner: Option<Box<Owner>>,
-    ) -> u64 {
         let at = self.events.last_at().map_or(now, |last| now.max(last));
         let change = Change {
             request: request.as_str(),
@@ -673,7 +715,24 @@ impl UserLog {
         for s in &mut self.shorts {
             s.total += cost;
         }
+        self.note_crossings(before, now);
         at
+    }
+
+    /// Every window's total, in the plan's order, when the call's plan has
+    /// alert thresholds (`lua/budget/lib/alerts.lua`'s `snapshot`).
+    fn window_totals(&self) -> Option<Vec<u64>> {
+        let marks = self.marks.as_ref()?;
+        Some((0..marks.limits.len()).map(|i| self.used(i)).collect())
+    }
+
+    /// Notes the thresholds a change crossed (from the totals `before` it).
+    fn note_crossings(&mut self, before: Option<Vec<u64>>, now: u64) {
+        let (Some(before), Some(marks)) = (before, self.marks.clone()) else {
+            return;
+        };
+        let after: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
+        self.crossings.extend(marks.crossings(&before, &after, now));
     }
 
     /// Gives back the index's capacity once it is mostly empty.
@@ -699,61 +758,10 @@ impl UserLog {
         self.events.get_mut(seq)?.owner.as_deref_mut()
     }
 
-    /// Tokens spent in limit `i`'s window (after `expire`).
-    fn used(&self, i: usize) -> u64 {
-        match i.checked_sub(self.first) {
-            None => self.total,
-            Some(k) => self.shorts.get(k).map_or(0, |s| s.total),
-        }
-    }
-
     /// Tokens spent in the plan's longest window: the `used` of refunds and
     /// settles.
     fn longest_used(&self) -> u64 {
         self.used(0)
-    }
-
-    /// Every limit as it stands at `now` (after `expire`).
-    fn windows(&self, limits: &[Limit], now: u64) -> Vec<WindowUse> {
-        limits
-            .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                let w = l.window_ms();
-                let reset = self
-                    .events
-                    .inside(now, w)
-                    .next()
-                    .map(|e| (e.at + w).saturating_sub(now));
-                WindowUse::new(l.limit, w, self.used(i), reset)
-            })
-            .collect()
-    }
-
-    /// Exactly how long until enough old events leave limit `i`'s window for
-    /// `cost` to fit it (0: it fits). Terminates within the log because
-    /// cost <= limit.
-    fn retry_after(&self, i: usize, l: &Limit, cost: u64, now: u64) -> u64 {
-        let (used, w) = (self.used(i), l.window_ms());
-        let need = (used + cost).saturating_sub(l.limit);
-        if need == 0 {
-            return 0;
-        }
-        let mut freed = 0;
-        for e in self.events.inside(now, w) {
-            freed += e.cost;
-            if freed >= need {
-                return (e.at + w).saturating_sub(now);
-            }
-        }
-        w
-    }
-
-    fn fits(&self, limits: &[Limit], cost: u64) -> bool {
-        limits
-            .iter()
-            .enumerate()
-            .all(|(i, l)| self.used(i) + cost <= l.limit)
     }
 
     /// The denial of `cost` (the retry_after of each window; 0 where it fits).
@@ -1050,10 +1058,7 @@ impl<C: Clock> MemoryLedger<C> {
         owns: impl FnOnce(Option<&Owner>) -> bool,
     ) -> RefundOutcome {
         self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             if !owns(log.owner(request.as_str())) {
                 return RefundOutcome::NotFound {
                     used: log.longest_used(),
@@ -1127,16 +1132,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         self.with_user(user, true, |log, mut side, now| {
             let plan = self.plan_of(log);
             let limits = &plan.limits;
-            let most = side
-                .as_ref()
-                .map_or(plan.max_cost(), |s| plan.max_cost().min(s.plan.max_cost()));
-            if cost > most {
-                return Err(LedgerError::CostExceedsLimit { cost, limit: most });
-            }
-            log.expire(now, limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            bring_to_now(log, side.as_mut(), &plan, cost, now)?;
             if let Some((_, e)) = log.event(request.as_str()) {
                 let at = e.at;
                 return Ok(ReserveOutcome::Allowed(Allowed::new(
@@ -1169,10 +1165,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     ) -> Result<RefundOutcome, LedgerError> {
         // A user without a log has nothing to refund or cancel.
         Ok(self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             let owner = log.owner(request.as_str());
             let held = owner.and_then(|o| Some((o.hold?.0, o.nonce.clone())));
             let credit = match owner {
@@ -1214,10 +1207,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             return Err(LedgerError::CostTooLarge { cost: actual_cost });
         }
         Ok(self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             let Some(&key) = log.index.get(request.as_str()) else {
                 return SettleOutcome::NotFound {
                     used: log.longest_used(),
@@ -1260,10 +1250,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         } = settle;
         validate_cost(actual_cost)?;
         Ok(self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             let owned = log
                 .owner(request.as_str())
                 .is_some_and(|o| &*o.nonce == nonce);
@@ -1301,10 +1288,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
     async fn usage_page(&self, user: &UserId, page: EventPage) -> Result<Usage, LedgerError> {
         Ok(self.with_user(user, false, |log, mut side, now| {
             let plan = self.plan_of(log);
-            log.expire(now, &plan.limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &plan.limits, side.as_mut());
             // The log may keep older events for another plan's longer window:
             // a page starts inside this plan's longest window.
             let (slice, more) = log.events.page(
@@ -1364,16 +1348,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             let named = &self.config.plan_or_default(log.plan.as_deref()).name;
             let plan = self.plan_of(log);
             let limits = &plan.limits;
-            let most = side
-                .as_ref()
-                .map_or(plan.max_cost(), |s| plan.max_cost().min(s.plan.max_cost()));
-            if cost > most {
-                return Err(LedgerError::CostExceedsLimit { cost, limit: most });
-            }
-            log.expire(now, limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            bring_to_now(log, side.as_mut(), &plan, cost, now)?;
             if let Some((_, e)) = log.event(request.as_str()) {
                 let at = e.at;
                 let Some(o) = e.owner.as_deref() else {
@@ -1444,10 +1419,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             hold_until_ms,
         } = claim;
         Ok(self.with_user(user, false, |log, mut side, now| {
-            log.expire(now, &self.plan_of(log).limits);
-            if let Some(side) = side.as_mut() {
-                side.sync(log, now);
-            }
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
             if let Some(o) = log.owner_mut(request.as_str()) {
                 if &*o.nonce != nonce {
                     return ClaimOutcome::Refused;

@@ -130,25 +130,15 @@ impl JobStreams for MemoryStreams {
 mod tests {
     use super::*;
 
+    fn stream_job(id: &str) -> Job {
+        tollgate_core::testing::job(id, "op", "p", serde_json::json!({"stream": true}))
+    }
+
     #[tokio::test]
     async fn memory_streams_pass_events_and_tell_the_writer_when_the_reader_left() {
         let streams = MemoryStreams::new();
-        let id = RequestId::new("r1").unwrap();
-        let job = Job {
-            id: id.clone(),
-            user: tollgate_core::id::UserId::new("u").unwrap(),
-            operation: "op".into(),
-            provider: "p".into(),
-            input: serde_json::json!({"stream": true}),
-            cost: 1,
-            enqueued_at_ms: 0,
-            deadline_ms: u64::MAX,
-            run: 1,
-            nonce: "n".into(),
-            trace: None,
-            price: None,
-            charged: None,
-        };
+        let job = stream_job("r1");
+        let id = job.id.clone();
         let mut reader = streams.open("op", &id).await.unwrap();
         let writer = streams.writer(&job);
         assert!(writer
@@ -185,22 +175,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_full_channel_refuses_the_append_after_its_wait() {
         let streams = MemoryStreams::new();
-        let id = RequestId::new("r2").unwrap();
-        let job = Job {
-            id: id.clone(),
-            user: tollgate_core::id::UserId::new("u").unwrap(),
-            operation: "op".into(),
-            provider: "p".into(),
-            input: serde_json::json!({"stream": true}),
-            cost: 1,
-            enqueued_at_ms: 0,
-            deadline_ms: u64::MAX,
-            run: 1,
-            nonce: "n".into(),
-            trace: None,
-            price: None,
-            charged: None,
-        };
+        let job = stream_job("r2");
+        let id = job.id.clone();
         let _reader = streams.open("op", &id).await.unwrap();
         let writer = streams.writer(&job);
         for _ in 0..STREAM_CAPACITY {

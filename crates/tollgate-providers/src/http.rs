@@ -534,9 +534,12 @@ mod tests {
         assert_eq!(retry_after(None), None);
     }
 
-    #[test]
-    fn builds_https_clients_and_names_a_missing_secret() {
-        let text = r#"
+    /// A config of one provider `llm` at https://api.example.com/, with
+    /// `provider`'s further lines, and one operation `x` on it, with
+    /// `operation`'s.
+    fn example_config(provider: &str, operation: &str) -> Config {
+        let text = format!(
+            r#"
 [plans.free]
 limit = 1
 window = "1h"
@@ -545,14 +548,23 @@ rate = 1
 burst = 1
 max_wait = "1s"
 url = "https://api.example.com/"
-auth_header = "Authorization"
-auth_env = "TOLLGATE_TEST_SURELY_UNSET_KEY"
+{provider}
 [operations.x]
 cost = 1
 provider = "llm"
-path = "/v1/x"
-"#;
-        let config = Config::parse(text, "t").unwrap();
+{operation}
+"#
+        );
+        Config::parse(&text, "t").unwrap()
+    }
+
+    #[test]
+    fn builds_https_clients_and_names_a_missing_secret() {
+        let config = example_config(
+            r#"auth_header = "Authorization"
+auth_env = "TOLLGATE_TEST_SURELY_UNSET_KEY""#,
+            r#"path = "/v1/x""#,
+        );
         let upstream = config.upstream("llm").unwrap();
         let e = HttpTransport::new("llm", upstream, &config).unwrap_err();
         assert!(
@@ -569,22 +581,11 @@ path = "/v1/x"
 
     #[test]
     fn secret_headers_come_from_the_environment_and_never_show() {
-        let text = r#"
-[plans.free]
-limit = 1
-window = "1h"
-[providers.llm]
-rate = 1
-burst = 1
-max_wait = "1s"
-url = "https://api.example.com/"
-headers = { "anthropic-version" = "2023-06-01" }
-secret_headers = { "x-api-key" = "TOLLGATE_TEST_HTTP_SECRET_HEADER" }
-[operations.x]
-cost = 1
-provider = "llm"
-"#;
-        let config = Config::parse(text, "t").unwrap();
+        let config = example_config(
+            r#"headers = { "anthropic-version" = "2023-06-01" }
+secret_headers = { "x-api-key" = "TOLLGATE_TEST_HTTP_SECRET_HEADER" }"#,
+            "",
+        );
         let upstream = config.upstream("llm").unwrap();
         std::env::remove_var("TOLLGATE_TEST_HTTP_SECRET_HEADER");
         let e = HttpTransport::new("llm", upstream, &config).unwrap_err();
@@ -668,21 +669,7 @@ provider = "llm"
     }
 
     fn job() -> Job {
-        Job {
-            id: tollgate_core::id::RequestId::new("r1").unwrap(),
-            user: tollgate_core::id::UserId::new("u").unwrap(),
-            operation: "x".into(),
-            provider: "llm".into(),
-            input: serde_json::json!({}),
-            cost: 1,
-            enqueued_at_ms: 0,
-            deadline_ms: u64::MAX,
-            run: 1,
-            nonce: "n".into(),
-            trace: None,
-            price: None,
-            charged: None,
-        }
+        tollgate_core::testing::job("r1", "x", "llm", serde_json::json!({}))
     }
 
     /// A whole attempt on a grant usable until `use_by`.

@@ -32,7 +32,7 @@ use async_trait::async_trait;
 use serde_json::Value;
 use tokio::time::Instant;
 use tollgate_core::{
-    config::Config,
+    config::{Config, Operation},
     head::Head,
     job::{Charge, FailureCause, Job},
     ledger::Ledger,
@@ -481,23 +481,29 @@ impl<C: Transport> ThrottledClient<C> {
     /// The operations of `config` on this provider whose rejected inputs
     /// show the upstream's body to the client (`expose_upstream_errors`).
     pub fn with_exposed_errors(mut self, config: &Config) -> Self {
-        self.exposed = config
-            .operations()
-            .filter(|o| o.provider == self.provider.name && o.expose_upstream_errors)
-            .map(|o| o.name.clone())
-            .collect();
+        self.exposed = self.operations_where(config, |o| o.expose_upstream_errors);
         self
     }
 
     /// The operations of `config` on this provider whose unanswered calls
     /// may be sent again (`retry_unanswered = true`).
     pub fn with_retry_unanswered(mut self, config: &Config) -> Self {
-        self.retry_unanswered = config
-            .operations()
-            .filter(|o| o.provider == self.provider.name && o.retry_unanswered)
-            .map(|o| o.name.clone())
-            .collect();
+        self.retry_unanswered = self.operations_where(config, |o| o.retry_unanswered);
         self
+    }
+
+    /// The names of the operations of `config` on this provider that `flag`
+    /// picks: each per-operation setting is kept as such a set.
+    fn operations_where(
+        &self,
+        config: &Config,
+        flag: impl Fn(&Operation) -> bool,
+    ) -> BTreeSet<String> {
+        config
+            .operations()
+            .filter(|o| o.provider == self.provider.name && flag(o))
+            .map(|o| o.name.clone())
+            .collect()
     }
 
     /// Users' shares from `shares`; a slot frees itself `slot_lease` after its grant
