@@ -81,11 +81,11 @@ settle = {{ from = "/usage/total_tokens", per = 1, max = 50 }}
 class System:
     """The mock, tollgate in front of it, and an admin to make users."""
 
-    def __init__(self, backend: str, mock_flags: tuple = (), flags: tuple = ()) -> None:
+    def __init__(self, backend: str, mock_flags: tuple = (), flags: tuple = (), config: str = CONFIG) -> None:
         self.mock = MockProvider("--rate", "1000", "--burst", "100", "--token-interval-ms", "2", *mock_flags)
         self.redis = Redis() if backend == "redis" else None
         self.tollgate = Tollgate(
-            CONFIG.format(mock=self.mock.url, max=SETTLE_MAX),
+            config.format(mock=self.mock.url, max=SETTLE_MAX),
             self.redis.url if self.redis else None,
             flags=flags,
         )

@@ -88,6 +88,33 @@ fn model(body: &Value) -> String {
         .to_owned()
 }
 
+/// The usage fields price sheets read beyond plain counts, reported as the
+/// providers do for a model whose name asks for them (so that tests can
+/// price every kind): a model named `*cache*` reads half its prompt from a
+/// cache (OpenAI: `prompt_tokens_details.cached_tokens`, part of
+/// `prompt_tokens`; Anthropic: `cache_read_input_tokens` as much as its
+/// input and `cache_creation_input_tokens` half of it, beside
+/// `input_tokens`), one named `*reason*` spends a third of its completion on
+/// reasoning (`completion_tokens_details.reasoning_tokens`, part of
+/// `completion_tokens`).
+fn extra_usage(usage: &mut Value, model: &str, anthropic: bool) {
+    let n = |k: &str, u: &Value| u.get(k).and_then(Value::as_u64).unwrap_or(0);
+    if model.contains("cache") {
+        if anthropic {
+            let input = n("input_tokens", usage);
+            usage["cache_read_input_tokens"] = json!(input);
+            usage["cache_creation_input_tokens"] = json!(input / 2);
+        } else {
+            let cached = n("prompt_tokens", usage) / 2;
+            usage["prompt_tokens_details"] = json!({"cached_tokens": cached});
+        }
+    }
+    if model.contains("reason") && !anthropic {
+        let reasoning = n("completion_tokens", usage) / 3;
+        usage["completion_tokens_details"] = json!({"reasoning_tokens": reasoning});
+    }
+}
+
 fn streams(body: &Value) -> bool {
     body.get("stream").and_then(Value::as_bool) == Some(true)
 }
@@ -166,12 +193,13 @@ fn openai_chat(body: &Value, n: u64, pace: Pace, cut: Cut) -> Response {
     let words = text::answer(&text::last_message(body), max);
     let prompt_tokens = text::count(&text::prompt(body));
     let completion_tokens = words.len() as u64;
-    let usage = json!({
+    let mut usage = json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     });
     let (id, created, model) = (format!("chatcmpl-mock-{n}"), now_secs(), model(body));
+    extra_usage(&mut usage, &model, false);
     if !streams(body) {
         return Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
@@ -274,15 +302,20 @@ fn anthropic_messages(body: &Value, n: u64, pace: Pace, cut: Cut) -> Response {
     let input_tokens = text::count(&text::prompt(body));
     let output_tokens = words.len() as u64;
     let (id, model) = (format!("msg_mock_{n}"), model(body));
+    let mut usage = json!({"input_tokens": input_tokens, "output_tokens": output_tokens});
+    extra_usage(&mut usage, &model, true);
     if !streams(body) {
         return Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
             "content": [{"type": "text", "text": text::answer_text(&words)}],
             "stop_reason": "end_turn", "stop_sequence": null,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+            "usage": usage,
         }))
         .into_response();
     }
+    // The stream's first usage: its input (and cache) counts, 1 output token.
+    let mut start_usage = usage.clone();
+    start_usage["output_tokens"] = json!(1);
     let ev = |name: &str, data: Value| sse(Some(name), &data.to_string());
     let mut events = vec![
         ev(
@@ -290,7 +323,7 @@ fn anthropic_messages(body: &Value, n: u64, pace: Pace, cut: Cut) -> Response {
             json!({"type": "message_start", "message": {
                 "id": id, "type": "message", "role": "assistant", "model": model,
                 "content": [], "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": input_tokens, "output_tokens": 1},
+                "usage": start_usage,
             }}),
         ),
         ev(
