@@ -8,6 +8,7 @@ sheet does not price is the SDK's 422, charging nothing."""
 from __future__ import annotations
 
 import shutil
+import time
 import tempfile
 from pathlib import Path
 
@@ -189,3 +190,27 @@ def test_a_call_whose_worst_case_passes_the_limit_is_refused_before_the_upstream
     answer = money.openai(key).chat.completions.create(model="m", messages=msgs, max_tokens=100)
     want = openai_cost(answer.usage)
     assert money.used(key, want) == want
+
+
+def spend_metric(money, labels: str) -> int:
+    """The value of ``tollgate_spend_total{labels}`` on /metrics (0 when absent)."""
+    text = money.http.get(f"{money.base}/metrics").text
+    for line in text.splitlines():
+        if line.startswith("tollgate_spend_total{") and labels in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def test_spend_is_counted_by_provider_operation_and_sheet_entry(money):
+    labels = 'provider="openai",operation="openai.chat",model="m*"'
+    before = spend_metric(money, labels)
+    key = money.user()
+    answer = money.openai(key).chat.completions.create(
+        model="m-cache-reason", messages=[{"role": "user", "content": WORDS}]
+    )
+    want = openai_cost(answer.usage)
+    assert money.used(key, want) == want
+    deadline = time.monotonic() + 5
+    while spend_metric(money, labels) - before != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert spend_metric(money, labels) - before == want

@@ -151,6 +151,13 @@ struct ProviderDirection {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SpendLabels {
+    provider: String,
+    operation: String,
+    model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CauseLabel {
     cause: &'static str,
 }
@@ -455,6 +462,7 @@ pub struct Metrics {
     upstream_errors: Family<ProviderClass, Counter>,
     retries: Family<ProviderLabel, Counter>,
     absorbed: Family<ProviderReason, Counter>,
+    spend: Family<SpendLabels, Counter>,
     // alerts
     alert_deliveries: Family<ResultLabel, Counter>,
     alert_subjects: Gauge,
@@ -731,6 +739,14 @@ impl Metrics {
              (a 5xx): what the outcome policy costs the operator, by provider and reason",
             absorbed.clone(),
         );
+        let spend = counters();
+        r.register(
+            "tollgate_spend",
+            "What finished jobs charged their users, in minor units of the currency (tokens, or \
+             micro-units of money), by provider, operation and price sheet entry (`model`: the \
+             entry's name or pattern, never the raw model a request named; \"\" when unpriced)",
+            spend.clone(),
+        );
 
         let build_info = Family::<VersionLabel, Gauge>::default();
         r.register(
@@ -893,6 +909,7 @@ impl Metrics {
             upstream_errors,
             retries,
             absorbed,
+            spend,
             stats_errors,
             alert_deliveries,
             alert_subjects,
@@ -1253,6 +1270,18 @@ impl Metrics {
                 reason,
             })
             .inc();
+    }
+
+    /// A finished job of `operation` at `provider` charged `amount` minor
+    /// units, priced by the sheet entry `model` (`""` when unpriced).
+    pub fn spent(&self, provider: &str, operation: &str, model: &str, amount: u64) {
+        self.spend
+            .get_or_create(&SpendLabels {
+                provider: provider.to_owned(),
+                operation: operation.to_owned(),
+                model: model.to_owned(),
+            })
+            .inc_by(amount);
     }
 
     /// An upstream attempt of `provider` is retried.

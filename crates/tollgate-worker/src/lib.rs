@@ -557,8 +557,12 @@ async fn run_job(
 ) {
     let metrics = Arc::clone(&cfg.metrics);
     let _running = metrics.job_running(&lease.job.operation);
-    let (end, released) = job(source, provider, &lease, cfg, stop).await;
+    let (end, released, spent) = job(source, provider, &lease, cfg, stop).await;
     metrics.job_ended(&lease.job.operation, end);
+    if spent > 0 {
+        let j = &lease.job;
+        metrics.spent(&j.provider, &j.operation, &priced_as(j), spent);
+    }
     if let Some(cause) = released {
         metrics.job_released(cause.as_str());
     }
@@ -573,15 +577,33 @@ fn end_of(recorded: Option<Finish>, ok: JobEnd) -> JobEnd {
     }
 }
 
-/// Runs one leased job; returns how it ended and, when its charge was
-/// released, why.
+/// The price sheet entry a job was priced by, as a metric label: its name or
+/// pattern (bounded by the sheet, unlike the model a request names), `""`
+/// when unpriced.
+fn priced_as(job: &tollgate_core::job::Job) -> String {
+    job.price
+        .as_deref()
+        .and_then(tollgate_core::price::Applied::parse)
+        .map(|a| {
+            let key = a.entry.key;
+            match key.strip_prefix("models.") {
+                Some(k) => k.trim_matches('"').to_owned(),
+                None => key,
+            }
+        })
+        .unwrap_or_default()
+}
+
+/// Runs one leased job; returns how it ended, when its charge was released,
+/// why, and what it charged once recorded (0 when released or not recorded
+/// by this run).
 async fn job(
     source: Arc<dyn JobSource>,
     provider: Arc<dyn Client>,
     lease: &Lease,
     cfg: WorkerConfig,
     mut stop: watch::Receiver<bool>,
-) -> (JobEnd, Option<FailureCause>) {
+) -> (JobEnd, Option<FailureCause>, u64) {
     let job = &lease.job;
     // The store's clock said how long the job had left when it was leased: a
     // monotonic timer from there, never this pod's wall clock. It bounds what
@@ -607,7 +629,7 @@ async fn job(
                 slot.unused(provider.as_ref()).await;
             }
             tracing::warn!("the job's charge is not its own: failed unrun, nothing to release");
-            return (JobEnd::Unpaid, None);
+            return (JobEnd::Unpaid, None, 0);
         }
         Err(e) => {
             if let Some(slot) = first {
@@ -615,7 +637,7 @@ async fn job(
             }
             tracing::warn!(error = %e, "claiming the job's charge failed; handing the job back");
             let recorded = finish("hand back", || source.hand_back(lease)).await;
-            return (end_of(recorded, JobEnd::HandedBack), None);
+            return (end_of(recorded, JobEnd::HandedBack), None, 0);
         }
     }
     let renew = async {
@@ -663,10 +685,13 @@ async fn job(
         r = call => Ended::Called(r),
         () = grace => Ended::Stopping,
     };
+    // What the job charges if this run records its end.
+    let mut spent = 0;
     let (recorded, ok, cause) = match ended {
         Ended::Called(Ok(answer)) => {
             let (result, head) = (answer.body, answer.head);
             let charged = settle(source.as_ref(), lease, &result).await;
+            spent = charged.unwrap_or(job.cost);
             // Settled first: a client that read the end reads its usage.
             if let Some(sink) = &sink {
                 end_stream(sink.as_ref(), StreamEvent::End).await;
@@ -705,7 +730,8 @@ async fn job(
                     tracing::info!(error = %e, cause = cause.as_str(), upstream_body, "job failed; the upstream may have worked: the charge stands");
                     // No usage was reported: the call is charged the most
                     // it may have used (the reservation), never the estimate.
-                    settle(source.as_ref(), lease, &serde_json::Value::Null).await;
+                    let kept = settle(source.as_ref(), lease, &serde_json::Value::Null).await;
+                    spent = kept.unwrap_or(job.cost);
                 }
                 Charge::Release { absorbed } => {
                     tracing::info!(error = %e, cause = cause.as_str(), absorbed, upstream_body, "job failed; releasing its charge")
@@ -737,7 +763,7 @@ async fn job(
         ),
         Ended::LeaseLost => {
             tracing::warn!("lease lost while running; the call is abandoned");
-            return (JobEnd::LeaseLost, None);
+            return (JobEnd::LeaseLost, None, 0);
         }
     };
     if recorded == Some(Finish::LeaseLost) {
@@ -746,7 +772,12 @@ async fn job(
         );
     }
     let end = end_of(recorded, ok);
-    (end, cause.filter(|_| end == JobEnd::Failed))
+    let spent = if recorded == Some(Finish::Recorded) {
+        spent
+    } else {
+        0
+    };
+    (end, cause.filter(|_| end == JobEnd::Failed), spent)
 }
 
 /// The first slot of a job's call, asked for while the job started
@@ -820,10 +851,10 @@ async fn lost_stream(
     source: &dyn JobSource,
     lease: &Lease,
     sink: &dyn StreamWriter,
-) -> (JobEnd, Option<FailureCause>) {
+) -> (JobEnd, Option<FailureCause>, u64) {
     let message = job::LOST_MID_RUN.to_owned();
     tracing::warn!("a streamed job's earlier run was lost mid-stream; failing it, charged");
-    settle(source, lease, &serde_json::Value::Null).await;
+    let kept = settle(source, lease, &serde_json::Value::Null).await;
     end_stream(sink, StreamEvent::Error(message.clone())).await;
     let recorded = finish("fail", || {
         source.fail(
@@ -832,7 +863,11 @@ async fn lost_stream(
         )
     })
     .await;
-    (end_of(recorded, JobEnd::Failed), None)
+    let spent = match recorded {
+        Some(Finish::Recorded) => kept.unwrap_or(lease.job.cost),
+        _ => 0,
+    };
+    (end_of(recorded, JobEnd::Failed), None, spent)
 }
 
 /// Settles the job's charge to the cost the provider reported, when its
