@@ -129,7 +129,9 @@ def test_openai_whole_pays_exactly_its_usage(money, model):
     assert want > 0
     assert money.used(key, want) == want
     # Its spend event says what it was charged, beside the worst case reserved.
-    (event,) = money.usage(key)["events"]
+    usage = money.usage(key)
+    assert usage["currency"] == "USD"
+    (event,) = usage["events"]
     assert event["cost"] == want < event["estimate"], event
 
 

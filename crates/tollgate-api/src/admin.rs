@@ -809,7 +809,7 @@ pub async fn user_usage(
         state.ledger.plan(&user)
     )?;
     Ok(axum::Json(AdminUsage {
-        usage: UsageView::of(&user, &usage),
+        usage: UsageView::of(&user, &usage, state.config.currency()),
         base_plan,
     })
     .into_response())

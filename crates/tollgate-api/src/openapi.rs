@@ -463,9 +463,10 @@ fn schemas(config: &Config) -> Value {
         },
         "Usage": {
             "type": "object",
-            "required": ["user", "plan", "custom_limits", "used", "limit", "remaining", "window_secs", "windows", "events", "next_cursor"],
+            "required": ["user", "plan", "custom_limits", "currency", "used", "limit", "remaining", "window_secs", "windows", "events", "next_cursor"],
             "properties": {
                 "user": {"type": "string"},
+                "currency": {"type": "string", "description": "What the amounts count: tokens, or an ISO 4217 currency whose amounts are integers of its micro-unit (1 USD = 1,000,000)."},
                 "plan": {"type": "string", "description": "The user's plan, or `custom` when an admin set its limits."},
                 "custom_limits": {"type": "boolean", "description": "True when an admin set this user's limits (PUT /admin/users/{user}/limits): `windows` are those, not its plan's."},
                 "used": {"type": "integer"},

@@ -25,6 +25,9 @@ pub struct UsageView {
     /// True when an admin set this user's limits (`PUT
     /// /admin/users/{user}/limits`): `windows` are those.
     pub custom_limits: bool,
+    /// What the amounts count: `tokens`, or an ISO 4217 currency, whose
+    /// amounts are integers of its micro-unit (1 USD = 1,000,000).
+    pub currency: String,
     pub used: u64,
     pub limit: u64,
     pub remaining: u64,
@@ -158,7 +161,7 @@ pub async fn usage(
     PageQuery(page): PageQuery,
 ) -> Result<Response, ApiError> {
     let usage = state.ledger.usage_page(&caller.user, page).await?;
-    let view = UsageView::of(&caller.user, &usage);
+    let view = UsageView::of(&caller.user, &usage, state.config.currency());
     let headers = ratelimit::usage(&usage);
     let mut response = axum::Json(view).into_response();
     headers.apply(response.headers_mut());
@@ -166,12 +169,18 @@ pub async fn usage(
 }
 
 impl UsageView {
-    /// What `/v1/usage` (and the admin's view of a user) shows of `usage`.
-    pub fn of(user: &tollgate_core::id::UserId, usage: &tollgate_core::ledger::Usage) -> Self {
+    /// What `/v1/usage` (and the admin's view of a user) shows of `usage`,
+    /// counted in `currency`.
+    pub fn of(
+        user: &tollgate_core::id::UserId,
+        usage: &tollgate_core::ledger::Usage,
+        currency: tollgate_core::money::Currency,
+    ) -> Self {
         UsageView {
             user: user.to_string(),
             plan: usage.plan.clone(),
             custom_limits: usage.custom_limits,
+            currency: currency.to_string(),
             used: usage.used,
             limit: usage.limit,
             remaining: usage.remaining,

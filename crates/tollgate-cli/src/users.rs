@@ -312,7 +312,7 @@ pub async fn run(args: UsersArgs) -> ExitCode {
                                 "limits": limits.limits,
                                 "kind": summary.kind,
                                 "keys": keys,
-                                "usage": UsageView::of(&user, &usage),
+                                "usage": UsageView::of(&user, &usage, config.currency()),
                             })
                         );
                     } else {

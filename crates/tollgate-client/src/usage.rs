@@ -11,7 +11,11 @@ pub struct Usage {
     /// True when an admin set this user's limits: `windows` are those.
     #[serde(default)]
     pub custom_limits: bool,
-    /// Tokens used in the window closest to exhaustion (the figures below are that window's).
+    /// What the amounts count: `tokens`, or an ISO 4217 currency whose
+    /// amounts are integers of its micro-unit (1 USD = 1,000,000).
+    #[serde(default = "tokens")]
+    pub currency: String,
+    /// Used in the window closest to exhaustion (the figures below are that window's).
     pub used: u64,
     pub limit: u64,
     pub remaining: u64,
@@ -27,6 +31,10 @@ pub struct Usage {
     /// Pass to [`Client::usage_page`](crate::Client::usage_page) for the next
     /// page; `None` on the last.
     pub next_cursor: Option<String>,
+}
+
+fn tokens() -> String {
+    "tokens".into()
 }
 
 /// One limit of the plan and its use.

@@ -100,6 +100,9 @@ class Usage:
     next_cursor: Optional[str]
     # True when an admin set this user's limits (``plan`` is then "custom").
     custom_limits: bool = False
+    # What the amounts count: "tokens", or an ISO 4217 currency whose amounts
+    # are integers of its micro-unit (1 USD = 1,000,000).
+    currency: str = "tokens"
 
 
 @dataclass(frozen=True)
@@ -333,6 +336,7 @@ class _Core:
                 events=b.get("events", []),
                 next_cursor=b.get("next_cursor"),
                 custom_limits=bool(b.get("custom_limits", False)),
+                currency=str(b.get("currency", "tokens")),
             )
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"a usage body that does not parse: {e}") from None
