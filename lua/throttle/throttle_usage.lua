@@ -6,12 +6,15 @@
 -- ARGV[1] the provider's other limits (throttle/lib/bucket.lua), not ""
 -- ARGV[2] the weight the grant took, ARGV[3] the tokens the call used
 -- Each token limit is refilled to now, then moved by weight - used, never
--- below empty nor past its burst; request limits are left alone (the call
--- was one request whatever it weighed). Given back, the tokens are as if the
--- grant had taken only what was used: the limit never holds more than then,
--- so the upstream's bound holds for what it counts. Taken, they are the
--- debt of an estimate too low, paid as far as the limit holds (never below
--- empty: what is left unpaid is what the upstream may see past the limit).
+-- past its burst nor below minus its burst; request limits are left alone
+-- (the call was one request whatever it weighed). Given back, the tokens are
+-- as if the grant had taken only what was used: the limit never holds more
+-- than then, so the upstream's bound holds for what it counts. Taken, they
+-- are the debt of a declared weight too low (a client's max_tokens of 1 on
+-- a call that used 500): the level goes below empty, and later grants wait
+-- for the refill to pay it, so no declaration buys more than the upstream
+-- allows over time. The debt is bounded by one burst (a call that used more
+-- than a whole window's worth delays the provider by at most two windows).
 -- Sent once, as every bucket script (a lost reply is not sent again).
 -- Returns the signed difference asked for (weight - used).
 
@@ -28,7 +31,7 @@ local now = now_us()
 limits_read(KEYS[1], L, now)
 for _, l in ipairs(L) do
   if l.weighted then
-    l.level = math.max(0, math.min(l.cap, l.level + delta))
+    l.level = math.max(-l.cap, math.min(l.cap, l.level + delta))
   end
 end
 bucket_keep(KEYS[1], limits_write(KEYS[1], L) + 1000)

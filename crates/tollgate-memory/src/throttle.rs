@@ -238,7 +238,9 @@ impl Bucket {
         self.refill(&mut st);
         for (l, level) in self.provider.limits.iter().zip(st.levels.iter_mut()) {
             if l.kind == LimitKind::Tokens {
-                *level = (*level + delta).clamp(0.0, l.burst as f64);
+                // Below empty: the debt of a weight declared too low, paid
+                // by later grants' waits (at most one burst of it).
+                *level = (*level + delta).clamp(-(l.burst as f64), l.burst as f64);
             }
         }
         drop(st);
