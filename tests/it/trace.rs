@@ -66,6 +66,37 @@ impl Drop for Role {
     }
 }
 
+/// Logs written to a file or a container's stream (not a terminal) are plain
+/// text: no ANSI colour codes.
+#[test]
+fn text_logs_off_a_terminal_have_no_colour_codes() {
+    let log = std::env::temp_dir().join(format!("tollgate-colour-{}.log", random_prefix()));
+    let file = std::fs::File::create(&log).expect("log file");
+    let mut child = Command::new(workspace_bin("tollgate"))
+        .args(["mock-provider", "--listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .env_remove("NO_COLOR")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(file)
+        .spawn()
+        .expect("start tollgate");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut text = String::new();
+    while Instant::now() < deadline && !text.contains("listening") {
+        std::thread::sleep(Duration::from_millis(50));
+        text = std::fs::read_to_string(&log).unwrap_or_default();
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_file(&log);
+    assert!(text.contains("listening"), "no log line: {text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "ANSI codes in a file's log: {text:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_id_from_request_to_provider() {
     let redis = RedisServer::start();
@@ -87,12 +118,8 @@ async fn one_trace_id_from_request_to_provider() {
     let port = tollgate_tests::redis_server::free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let listen = addr.to_string();
-    let api = Role::start(
-        &["api", "--listen", &listen, "--access-log"],
-        &redis,
-        &prefix,
-        &config,
-    );
+    // No --access-log: the access log is on by default.
+    let api = Role::start(&["api", "--listen", &listen], &redis, &prefix, &config);
     let worker = Role::start(&["worker"], &redis, &prefix, &config);
     let _throttler = Role::start(&["throttler"], &redis, &prefix, &config);
     tollgate_tests::http::wait_ready(addr, Instant::now() + Duration::from_secs(15)).await;

@@ -85,8 +85,9 @@ pub struct RequestArgs {
 
     /// Write one line per finished request (target `tollgate::access`: trace
     /// id, user, operation, cost, status, latency), so `grep <trace id>`
-    /// finds the api's side of any call, a successful one too.
-    #[arg(long, env = "TOLLGATE_ACCESS_LOG", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    /// finds the api's side of any call, a successful one too. On by
+    /// default; `--access-log false` turns it off.
+    #[arg(long, env = "TOLLGATE_ACCESS_LOG", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     access_log: bool,
 
     /// How often the dashboard's history is sampled, in ms (at most one
