@@ -507,3 +507,19 @@ def test_a_worker_killed_mid_stream_leaves_the_reservation_charged(tmp_path):
             p.wait(timeout=10)
         mock.stop()
         redis.close()
+
+
+def test_tollgate_all_with_no_config_streams_through_the_official_sdks():
+    """A new user's first minute: `tollgate all`, no config file, and the
+    official SDKs at the base URLs its banner prints: a streamed chat
+    completion and an Anthropic message, on the built-in mock."""
+    with Tollgate(None) as t:
+        client = openai.OpenAI(base_url=f"{t.base}/v1/passthrough/openai", api_key=t.key)
+        chunks = client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "hello there"}], stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "mock answer to: hello there"
+        claude = anthropic.Anthropic(base_url=f"{t.base}/v1/passthrough/anthropic", api_key=t.key)
+        answer = claude.messages.create(model="claude", max_tokens=50, messages=[{"role": "user", "content": "hi"}])
+        assert answer.content[0].text == "mock answer to: hi"

@@ -81,10 +81,78 @@ pub struct AllArgs {
     user_share: f64,
 }
 
+/// What `tollgate all` adds to the built-in config when it runs with none
+/// (and no `--provider-url`): OpenAI- and Anthropic-compatible providers on a
+/// mock served in-process (`tollgate mock-provider`'s), so that the official
+/// SDKs work at once through the pass-through routes.
+const SDK_DEMO: &str = r#"
+[providers.openai]
+rate = 50
+burst = 20
+max_wait = "30s"
+url = "{mock}/v1"
+[providers.anthropic]
+rate = 50
+burst = 20
+max_wait = "30s"
+url = "{mock}"
+[operations."openai.chat"]
+cost = 2
+provider = "openai"
+path = "/chat/completions"
+settle = { from = "/usage/total_tokens", per = 1, max = 200 }
+[operations."openai.embeddings"]
+cost = 1
+provider = "openai"
+path = "/embeddings"
+settle = { from = "/usage/total_tokens", per = 1, max = 50 }
+[operations."anthropic.messages"]
+cost = 2
+provider = "anthropic"
+path = "/v1/messages"
+settle = { from = "/usage/output_tokens", per = 1, max = 200 }
+"#;
+
+/// The built-in config with [`SDK_DEMO`]'s providers on a mock this process
+/// serves on a free loopback port; returns it and the mock's address.
+async fn builtin_with_sdk_mock() -> Result<(Config, SocketAddr), Failure> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| Failure::other(format!("cannot start the built-in SDK mock: {e}")))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Failure::other(e.to_string()))?;
+    let options = tollgate_mock_provider::MockOptions {
+        rate: 1000.0,
+        burst: 100,
+        ..Default::default()
+    };
+    tokio::spawn(tollgate_mock_provider::run(
+        listener,
+        options,
+        std::future::pending(),
+    ));
+    let text = format!(
+        "{}\n{}",
+        tollgate_core::config::BUILTIN,
+        SDK_DEMO.replace("{mock}", &format!("http://{addr}"))
+    );
+    let config = Config::parse(&text, "<built-in>").map_err(|e| Failure::other(e.to_string()))?;
+    Ok((config, addr))
+}
+
 pub async fn run(args: AllArgs) -> ExitCode {
-    let mut config = match args.store.load_config() {
-        Ok(c) => c,
-        Err(f) => return f.exit(),
+    let sdk_mock = args.store.config.is_none() && args.provider_url.is_none();
+    let mut config = if sdk_mock {
+        match builtin_with_sdk_mock().await {
+            Ok((c, _)) => c,
+            Err(f) => return f.exit(),
+        }
+    } else {
+        match args.store.load_config() {
+            Ok(c) => c,
+            Err(f) => return f.exit(),
+        }
     };
     if let Some(url) = &args.provider_url {
         if let Err(e) = config.route_all_providers_to(url) {
@@ -261,5 +329,13 @@ fn print_banner(
         "  curl -s -X POST {base}/v1/ops/llm.structured -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' -d '{{\"prompt\": \"hello\"}}'"
     );
     println!("  curl -s {base}/v1/usage -H 'Authorization: Bearer {key}'");
+    if config.provider("openai").is_some() && config.provider("anthropic").is_some() {
+        println!();
+        println!("The official SDKs, through the pass-through routes:");
+        println!(
+            "  python3 -c 'from openai import OpenAI; c = OpenAI(base_url=\"{base}/v1/passthrough/openai\", api_key=\"{key}\"); print(c.chat.completions.create(model=\"gpt-4o-mini\", messages=[{{\"role\": \"user\", \"content\": \"hello\"}}]).choices[0].message.content)'"
+        );
+        println!("  Anthropic(base_url=\"{base}/v1/passthrough/anthropic\", api_key=\"{key}\")");
+    }
     println!();
 }

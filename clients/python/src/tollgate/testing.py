@@ -78,17 +78,20 @@ class _Spawned:
 
 
 class Tollgate(_Spawned):
-    """``tollgate all`` on a free port with ``config`` (TOML text); on Redis
-    when ``redis_url`` is given. ``base`` is its URL, ``key`` the development
-    user's API key, ``admin_token`` the admin token."""
+    """``tollgate all`` on a free port with ``config`` (TOML text; ``None``:
+    none, the built-in config with its SDK mock); on Redis when ``redis_url``
+    is given. ``base`` is its URL, ``key`` the development user's API key,
+    ``admin_token`` the admin token."""
 
     def __init__(
-        self, config: str, redis_url: Optional[str] = None, dev_user: str = "dev", flags: Sequence[str] = ()
+        self, config: Optional[str], redis_url: Optional[str] = None, dev_user: str = "dev", flags: Sequence[str] = ()
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tollgate-py-"))
-        path = self.dir / "tollgate.toml"
-        path.write_text(config)
-        args = [binary(), "all", "--listen", "127.0.0.1:0", "--config", str(path), "--dev-user", dev_user, *flags]
+        args = [binary(), "all", "--listen", "127.0.0.1:0", "--dev-user", dev_user, *flags]
+        if config is not None:
+            path = self.dir / "tollgate.toml"
+            path.write_text(config)
+            args += ["--config", str(path)]
         if redis_url:
             args += ["--redis-url", redis_url, "--key-prefix", f"py{os.urandom(6).hex()}"]
         super().__init__(args, until="/v1/usage")
