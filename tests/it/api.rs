@@ -398,6 +398,14 @@ async fn organisations_over_the_admin_api(h: Harness) {
         p["detail"].as_str().unwrap().contains("organisation"),
         "{p}"
     );
+    // It says what the request needed, not only what is used.
+    assert!(
+        p["detail"]
+            .as_str()
+            .unwrap()
+            .contains("this request needs 2 tokens"),
+        "{p}"
+    );
     let u = h.usage(&bob).await;
     assert_eq!(u["used"], 0, "{u}");
     assert_eq!(u["organisation"]["org"], "acme", "{u}");

@@ -307,6 +307,19 @@ async fn concurrent_calls_never_pass_a_money_limit(s: &Setup) {
         reserved.len()
     );
     assert_eq!(s.used("cy").await, total);
+    // One more is refused, saying what it needed, in USD.
+    match s
+        .queue
+        .submit(request("c-more", "cy", chat("claude-sonnet-4", 200, 1_000)))
+        .await
+        .expect("submit")
+    {
+        SubmitOutcome::Denied { denied } => {
+            assert_eq!(denied.needed, reserved[0], "{denied:?}");
+            assert_eq!(denied.currency.to_string(), "USD");
+        }
+        other => panic!("{other:?}"),
+    }
     let mut exact = 0;
     for i in 0..reserved.len() as u128 {
         let (input, output) = (10 + i, 1 + i * 7);

@@ -514,9 +514,19 @@ impl ApiError {
                     tollgate_core::ledger::Scope::User => "",
                     tollgate_core::ledger::Scope::Organisation => "your organisation ",
                 };
+                let amount = |n: u64| match denied.currency {
+                    tollgate_core::money::Currency::Tokens => format!("{n} tokens"),
+                    c => format!("{} {c}", tollgate_core::money::format_amount(c, n)),
+                };
+                let needs = match denied.needed {
+                    0 => String::new(),
+                    n => format!("; this request needs {}", amount(n)),
+                };
                 p.detail = Some(format!(
-                    "{whose}used {} of {} tokens per {window}; this request fits in {} ms",
-                    denied.used, denied.limit, denied.retry_after_ms
+                    "{whose}used {} of {} per {window}{needs}; it fits in {} ms",
+                    amount(denied.used),
+                    amount(denied.limit),
+                    denied.retry_after_ms
                 ));
                 p.retry_after_ms = Some(denied.retry_after_ms);
                 p.scope = Some(denied.scope);

@@ -730,7 +730,12 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
                 claimed,
                 plan,
             } => (allowed, nonce, deadline_ms, !claimed, false, plan),
-            ChargeOutcome::Denied(denied) => return Ok(SubmitOutcome::Denied { denied }),
+            ChargeOutcome::Denied(mut denied) => {
+                // The refusal says what the request needed, in the budgets' unit.
+                denied.needed = cost;
+                denied.currency = self.config().currency();
+                return Ok(SubmitOutcome::Denied { denied });
+            }
             ChargeOutcome::Conflict {
                 operation: Some(operation),
             } => {

@@ -324,6 +324,18 @@ pub struct Denied {
     /// A member's organisation (its windows as they stand).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub organisation: Option<Box<OrgWindows>>,
+    /// What the refused request needed (its reservation), where its caller
+    /// knows it (a job's submission: [`crate::job::JobQueue::submit`]); 0
+    /// when not said.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub needed: u64,
+    /// What the amounts count, for messages.
+    #[serde(skip)]
+    pub currency: crate::money::Currency,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Denied {
@@ -350,6 +362,8 @@ impl Denied {
                 Scope::User
             },
             organisation: Some(Box::new(org)),
+            needed: 0,
+            currency: crate::money::Currency::Tokens,
         }
     }
 
@@ -372,6 +386,8 @@ impl Denied {
             windows,
             scope: Scope::User,
             organisation: None,
+            needed: 0,
+            currency: crate::money::Currency::Tokens,
         }
     }
 }
