@@ -403,6 +403,69 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
     assert_eq!(v["used"].as_u64(), Some(20), "nothing refunded: {v}");
 }
 
+/// Issue 51: `budget settle --cost 0` of a running job's charge was accepted
+/// (exit 0) where a refund is refused, and the job then succeeded unpaid. Now
+/// it is the same conflict (exit 4); once the job succeeded, a settle to 0
+/// needs --force.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settle_of_a_running_job_is_a_conflict_and_to_zero_after_it_needs_force() {
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tollgate_core::{
+        config::Config,
+        id::{RequestId, UserId},
+        job::{JobOptions, JobQueue, JobRequest, JobSource},
+    };
+    let cli = Cli::new();
+    let config = Arc::new(Config::builtin());
+    let (queue, _) =
+        crate::jobs::redis_queue_with(&cli.server, &cli.prefix, config, JobOptions::default())
+            .await;
+    let user = UserId::new("dave").unwrap();
+    queue
+        .submit(JobRequest {
+            id: RequestId::new("running").unwrap(),
+            user: user.clone(),
+            operation: "company.research".into(),
+            input: serde_json::json!({ "id": "running" }),
+            trace: None,
+            service_key: None,
+        })
+        .await
+        .unwrap();
+    let wait = Duration::from_millis(200);
+    let lease = take_one(&*queue, "company.research", "w", wait).await;
+    assert!(queue.start(&lease).await.unwrap());
+    let settle = [
+        "settle",
+        "--user",
+        "dave",
+        "--request-id",
+        "running",
+        "--cost",
+        "0",
+    ];
+    let out = cli.run(&settle);
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
+    let err = one_line_error(&out);
+    assert!(err.contains("not final"), "{err}");
+    let v = cli.json(&["usage", "--user", "dave"], 0);
+    assert_eq!(v["used"].as_u64(), Some(20), "nothing settled: {v}");
+
+    queue.complete(&lease, serde_json::json!({})).await.unwrap();
+    let out = cli.run(&settle);
+    assert_eq!(out.status.code(), Some(4), "it ran: {out:?}");
+    assert!(one_line_error(&out).contains("--force"), "{out:?}");
+    let mut forced = settle.to_vec();
+    forced.push("--force");
+    let v = cli.json(&forced, 0);
+    assert_eq!(
+        (v["settled"].as_bool(), v["used"].as_u64()),
+        (Some(true), Some(0)),
+        "{v}"
+    );
+}
+
 /// `tollgate users list|show|set-limits|clear-limits|reindex` against a real
 /// Redis: JSON output, exit codes, one-line errors.
 #[test]

@@ -14,7 +14,7 @@ use tollgate_core::{
     config::Config,
     id::{RequestId, UserId},
     job::{FailureCause, JobOptions, JobQueue, JobRequest, JobSource, JobStatus, SubmitOutcome},
-    ledger::{Ledger, RefundOutcome},
+    ledger::{ChangeKind, Ledger, OperatorSettleOutcome, RefundOutcome},
 };
 use tollgate_memory::jobs::MemoryJobQueue;
 use tollgate_memory::ledger::MemoryLedger;
@@ -23,6 +23,8 @@ use tollgate_tests::{random_prefix, RedisServer};
 const CONFIG: &str = r#"
 default_plan = "thousand"
 hold_grace = "60s"
+[export]
+maxlen = 10000
 [plans.thousand]
 limit = 1000
 window = "1d"
@@ -323,12 +325,107 @@ async fn an_operator_refund_cancels_a_queued_job(s: Setup) {
     ));
 }
 
+async fn settle(
+    s: &Setup,
+    user: &UserId,
+    id: &str,
+    cost: u64,
+    force: bool,
+) -> OperatorSettleOutcome {
+    let id = RequestId::new(id).unwrap();
+    tollgate_core::correction::operator_settle(&*s.ledger, &*s.queue, user, &id, cost, force)
+        .await
+        .unwrap()
+}
+
+/// Issue 51: an operator's settle to 0 of a running job's charge was accepted
+/// (where a refund is refused), and the job then succeeded unpaid. A job's
+/// charge is settled only once the job is final; to 0, when the job may have
+/// run, only with force, and the export says so.
+async fn an_operator_settle_waits_for_the_job_and_a_forced_one_is_exported(s: Setup) {
+    let user = UserId::new("corrected").unwrap();
+    // Queued (held) and running (owned): a conflict, nothing changes.
+    s.submit(&user, "job", "research").await;
+    assert_eq!(
+        settle(&s, &user, "job", 0, false).await,
+        OperatorSettleOutcome::Running { used: 20 }
+    );
+    let (lease, claimed) = s.take("research").await.unwrap();
+    assert!(claimed, "the charge is still the job's");
+    for (cost, force) in [(0, false), (0, true), (3, false)] {
+        assert_eq!(
+            settle(&s, &user, "job", cost, force).await,
+            OperatorSettleOutcome::Running { used: 20 },
+            "settle to {cost} (force: {force}) of a running job"
+        );
+    }
+    s.source.complete(&lease, json!({})).await.unwrap();
+    assert_eq!(s.used(&user).await, 20, "the job ran paid");
+    // Final and it ran: to 0 only with force; another cost is a correction.
+    assert_eq!(
+        settle(&s, &user, "job", 0, false).await,
+        OperatorSettleOutcome::MayHaveRun
+    );
+    assert_eq!(s.used(&user).await, 20);
+    assert_eq!(
+        settle(&s, &user, "job", 5, false).await,
+        OperatorSettleOutcome::Settled {
+            previous_cost: 20,
+            cost: 5,
+            used: 5
+        }
+    );
+    assert_eq!(
+        settle(&s, &user, "job", 0, true).await,
+        OperatorSettleOutcome::Settled {
+            previous_cost: 5,
+            cost: 0,
+            used: 0
+        }
+    );
+    let export = s.ledger.exported(&user, 0, 100).await.unwrap();
+    let kinds: Vec<_> = export.iter().map(|e| (e.kind, e.cost, e.forced)).collect();
+    assert_eq!(
+        kinds,
+        [
+            (ChangeKind::Spend, 20, false),
+            (ChangeKind::Settle, 5, false),
+            (ChangeKind::Refund, 5, true),
+        ],
+        "{export:?}"
+    );
+    // A plain reserve is settled to 0 without force, and not marked.
+    let plain = RequestId::new("plain").unwrap();
+    assert!(s
+        .ledger
+        .reserve(&user, &plain, 7)
+        .await
+        .unwrap()
+        .is_allowed());
+    assert_eq!(
+        settle(&s, &user, "plain", 0, false).await,
+        OperatorSettleOutcome::Settled {
+            previous_cost: 7,
+            cost: 0,
+            used: 0
+        }
+    );
+    let export = s.ledger.exported(&user, 0, 100).await.unwrap();
+    assert!(
+        export
+            .last()
+            .is_some_and(|e| e.kind == ChangeKind::Refund && !e.forced),
+        "{export:?}"
+    );
+}
+
 on_each_backend!(
     [
         concurrent_settled_calls_never_pass_the_limit,
         a_settle_comes_down_to_the_reported_cost,
         a_plan_round_trip_keeps_the_record,
         an_operator_refund_cancels_a_queued_job,
+        an_operator_settle_waits_for_the_job_and_a_forced_one_is_exported,
     ]
     memory => super::Setup::memory(),
     redis => super::Setup::redis().await,

@@ -196,3 +196,121 @@ async fn one_address_cannot_take_the_connections_of_others() {
     }
     assert_eq!(served, "HTTP/1.1 200 OK");
 }
+
+/// Writes `bytes` one at a time, one every `every`, until the server ends the
+/// connection (a write or a read fails, or it reads EOF); `Some(after)` from
+/// the start when it did, `None` when every byte was sent and it was open.
+async fn trickle_until_closed(
+    conn: &mut TcpStream,
+    bytes: &[u8],
+    every: Duration,
+) -> Option<Duration> {
+    let start = Instant::now();
+    let mut buf = [0u8; 1024];
+    for b in bytes {
+        if conn.write_all(&[*b]).await.is_err() {
+            return Some(start.elapsed());
+        }
+        // Reads until `every` passed: whatever the server answered, then EOF.
+        let until = Instant::now() + every;
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            match tokio::time::timeout(left, conn.read(&mut buf)).await {
+                Err(_) => break,
+                Ok(Ok(0)) | Ok(Err(_)) => return Some(start.elapsed()),
+                Ok(Ok(_)) => continue,
+            }
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steadily_trickled_body_is_cut_off_at_its_total_deadline() {
+    // The body deadline is 1 s in all; a byte comes every 200 ms, so an idle
+    // timer of 1 s would never fire (it did: a byte per 5 s held a
+    // connection for over 100 s under the 30 s default).
+    let api = serve(Edge {
+        header_timeout: Duration::from_secs(5),
+        body_timeout: Duration::from_secs(1),
+        ..edge()
+    })
+    .await;
+    let mut c = connect_from([127, 0, 0, 41], api.addr).await;
+    let head = format!(
+        "POST /v1/ops/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n",
+        api.key
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    // 50 bytes of the 100 declared, over 10 s at most.
+    let body = [b' '; 50];
+    let closed = trickle_until_closed(&mut c, &body, Duration::from_millis(200)).await;
+    let after = closed.expect("a body trickled a byte per 200 ms held its connection for 10 s");
+    assert!(
+        after <= Duration::from_secs(3),
+        "closed after {after:?}: past the total body deadline (1 s) + 2 s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declared_body_over_the_limit_is_refused_unread() {
+    // A long body deadline: the answer must not wait for it.
+    let api = serve(Edge {
+        body_timeout: Duration::from_secs(60),
+        ..edge()
+    })
+    .await;
+    let mut c = connect_from([127, 0, 0, 42], api.addr).await;
+    // 10 GB declared (the body limit is 4096 here), 1 KB sent.
+    let head = format!(
+        "POST /v1/ops/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n",
+        api.key
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    c.write_all(&[b' '; 1024]).await.unwrap();
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out);
+    assert!(
+        read.is_ok(),
+        "no answer and still open after 10 s (body deadline 60 s): {text:?}"
+    );
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("application/problem+json"), "{text}");
+    assert!(text.contains("/problems/payload-too-large"), "{text}");
+}
+
+/// The status line of a GET /healthz whose head carries a header of `pad`
+/// bytes; "" when the connection was closed (or reset) without one.
+async fn healthz_with_header_of(from: [u8; 4], to: SocketAddr, pad: usize) -> String {
+    let mut conn = connect_from(from, to).await;
+    let head = format!(
+        "GET /healthz HTTP/1.1\r\nHost: t\r\nX-Pad: {}\r\nConnection: close\r\n\r\n",
+        "a".repeat(pad)
+    );
+    // The server may stop reading (and close) before the whole head is sent.
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.write_all(head.as_bytes())).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out)
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_is_bounded_in_bytes() {
+    let api = serve(edge()).await;
+    assert_eq!(
+        healthz_with_header_of([127, 0, 0, 43], api.addr, 16 * 1024).await,
+        "HTTP/1.1 200 OK",
+        "a 16 KiB header is served"
+    );
+    // Over `MAX_HEADER_BYTES` (64 KiB), under hyper's own default (~400 KiB).
+    let big = 96 * 1024;
+    let status = healthz_with_header_of([127, 0, 0, 44], api.addr, big).await;
+    assert!(
+        status.is_empty() || status.starts_with("HTTP/1.1 431"),
+        "a head over MAX_HEADER_BYTES was answered {status:?}"
+    );
+}

@@ -8,8 +8,14 @@
 //!   whole within it, or the connection is closed. hyper starts the timer when
 //!   it waits for a head, so it also bounds how long a keep-alive connection
 //!   may sit idle between requests.
+//! - **Head size** ([`MAX_HEADER_BYTES`]): a head that does not fit is answered
+//!   `431` and the connection closed, so a head costs at most that much memory.
 //! - **Body time** ([`Edge::body_timeout`]): a request's body must arrive whole
-//!   within it (a body trickled a byte at a time is cut off).
+//!   within it, counted from the end of its head: a **total** deadline, not an
+//!   idle timer, so a body trickled a byte at a time is cut off then however
+//!   steadily it trickles (reading it fails, the request is answered and the
+//!   connection closed). A body the client declares larger than the body
+//!   limit is refused at once, unread (`413`, see the router).
 //! - **Connections** ([`Edge::max_connections`], [`Edge::max_per_client`]): a
 //!   connection over either cap is shed as soon as it is accepted: it is
 //!   answered a fixed `503` with `Retry-After` (written without reading the
@@ -41,7 +47,8 @@ pub struct Edge {
     /// The longest a request's head may take to arrive, and a keep-alive
     /// connection may stay idle.
     pub header_timeout: Duration,
-    /// The longest a request's body may take to arrive.
+    /// The longest a request's body may take to arrive, in all, from the end
+    /// of its head (a total deadline, not an idle timer).
     pub body_timeout: Duration,
     /// Connections open at once, over every client.
     pub max_connections: usize,
@@ -65,8 +72,13 @@ content-length: 130\r\n\r\n\
 
 /// 10 s for a head: a browser or an SDK sends one in milliseconds.
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// 30 s for a body: a 2 MiB body at ~70 KB/s.
+/// 30 s for a whole body: a 2 MiB body at ~70 KB/s.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most bytes a request's head (request line and headers) may take, so
+/// the memory a connection holds while its head arrives is bounded; a longer
+/// head is answered `431` and its connection closed. 64 KiB: twice what
+/// common proxies accept by default.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// Well under the 65,536 file descriptors a container usually gets.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// Room for a busy client (an application server's pool, a NAT) without
@@ -201,8 +213,8 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(edge.header_timeout)
+        .max_header_size(MAX_HEADER_BYTES)
         .keep_alive(true);
-    let app = tower_http::timeout::RequestBodyTimeout::new(app, edge.body_timeout);
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -232,7 +244,8 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let service = app
             .clone()
-            .map_request(move |mut req: axum::extract::Request<_>| {
+            .map_request(move |req: hyper::Request<hyper::body::Incoming>| {
+                let mut req = req.map(|body| Deadline::body(body, edge.body_timeout));
                 req.extensions_mut().insert(ConnectInfo(peer));
                 req
             });
@@ -252,6 +265,77 @@ pub async fn serve(
     drop(tcp);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// A request body that must arrive whole by a deadline set when its head was
+/// read ([`Edge::body_timeout`]): past it, reading fails with
+/// [`BodyDeadlinePassed`], however recently a byte came.
+struct Deadline<B> {
+    inner: B,
+    timeout: Duration,
+    at: std::pin::Pin<Box<tokio::time::Sleep>>,
+    passed: bool,
+}
+
+/// The error of a body read past its deadline.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive whole within {0:?}")]
+pub struct BodyDeadlinePassed(Duration);
+
+impl<B> Deadline<B>
+where
+    B: hyper::body::Body<Data = hyper::body::Bytes> + Unpin + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    /// `body` under a deadline `timeout` from now; an empty body as it is
+    /// (no timer to keep).
+    fn body(body: B, timeout: Duration) -> axum::body::Body {
+        if body.is_end_stream() {
+            return axum::body::Body::new(body);
+        }
+        axum::body::Body::new(Self {
+            inner: body,
+            timeout,
+            at: Box::pin(tokio::time::sleep(timeout)),
+            passed: false,
+        })
+    }
+}
+
+impl<B> hyper::body::Body for Deadline<B>
+where
+    B: hyper::body::Body<Data = hyper::body::Bytes> + Unpin,
+    B::Error: Into<axum::BoxError>,
+{
+    type Data = hyper::body::Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        use std::future::Future as _;
+        let this = self.get_mut();
+        if this.passed {
+            return std::task::Poll::Ready(None);
+        }
+        // The deadline first: a body that keeps a byte ready is cut off too.
+        if this.at.as_mut().poll(cx).is_ready() {
+            this.passed = true;
+            return std::task::Poll::Ready(Some(Err(BodyDeadlinePassed(this.timeout).into())));
+        }
+        std::pin::Pin::new(&mut this.inner)
+            .poll_frame(cx)
+            .map_err(Into::into)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.passed || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Answers `stream` the fixed 503 and closes it, in a task holding one of the

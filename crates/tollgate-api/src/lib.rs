@@ -488,6 +488,10 @@ pub fn router(mut state: ApiState) -> Router {
         ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
+            refuse_declared_too_large,
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
             count_requests,
         ))
         .layer(middleware::from_fn_with_state(
@@ -532,6 +536,33 @@ async fn trace_context(mut req: Request, next: Next) -> Response {
         .and_then(|v| v.to_str().ok());
     let trace = TraceParent::continue_or_start(header).child();
     req.extensions_mut().insert(trace);
+    next.run(req).await
+}
+
+/// A request whose `Content-Length` declares more than the body limit is
+/// answered `413` at once, its body unread (waiting for a body that would be
+/// refused anyway only holds the connection), and the connection closed. A
+/// body without a length is cut off at the limit as it is read
+/// ([`DefaultBodyLimit`]).
+async fn refuse_declared_too_large(
+    State(state): State<ApiState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let limit = u64::try_from(state.settings.body_limit).unwrap_or(u64::MAX);
+    if declared.is_some_and(|n| n > limit) {
+        let mut response = ApiError::PayloadTooLarge.into_response();
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+        return response;
+    }
     next.run(req).await
 }
 

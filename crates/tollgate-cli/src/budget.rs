@@ -1,7 +1,8 @@
 //! `tollgate budget ...`: operator commands on user budgets, against Redis.
 //!
-//! Exit codes: 0 done, 3 denied by the budget, 4 a conflict (the refund of a
-//! charge its running job owns), 2 bad input, 1 anything else (Redis
+//! Exit codes: 0 done, 3 denied by the budget, 4 a conflict (the refund or
+//! settle of a charge whose job is not final, a settle to 0 of one whose job
+//! may have run without --force), 2 bad input, 1 anything else (Redis
 //! unreachable). Errors are one line on stderr; `--json` puts the result on
 //! stdout as one JSON object.
 
@@ -15,8 +16,8 @@ use tollgate_core::{
     duration,
     id::{RequestId, UserId},
     ledger::{
-        EventCursor, EventPage, ExportEntry, Ledger, LedgerError, PageError, RefundOutcome,
-        ReserveOutcome, SettleOutcome, Usage,
+        EventCursor, EventPage, ExportEntry, Ledger, LedgerError, OperatorSettleOutcome, PageError,
+        RefundOutcome, ReserveOutcome, SettleOutcome, Usage,
     },
 };
 
@@ -57,7 +58,11 @@ enum BudgetCommand {
         #[arg(long)]
         request_id: RequestId,
     },
-    /// Correct a reservation to what the call really cost (0 removes it).
+    /// Correct a reservation to what the call really cost (0 removes it). A
+    /// job's charge is corrected only once its job is final: before, it is
+    /// refused (exit 4), as a refund is. A settle to 0 of the charge of a job
+    /// that may have run (it succeeded, or failed keeping its charge) is
+    /// refused (exit 4) unless --force; the export records a forced one.
     Settle {
         #[arg(long)]
         user: UserId,
@@ -65,6 +70,10 @@ enum BudgetCommand {
         request_id: RequestId,
         #[arg(long)]
         cost: u64,
+        /// Remove (--cost 0) the charge of a job that may have run: its
+        /// upstream's work goes unpaid (exported as a forced correction).
+        #[arg(long)]
+        force: bool,
     },
     /// Show used / limit / remaining / window and a page of the live spend
     /// events (oldest first), with the cursor of the next page.
@@ -199,8 +208,13 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
                         .as_deref()
                         .map(|o| format!(" {o}"))
                         .unwrap_or_default();
+                    let forced = if e.forced {
+                        " (an operator's forced correction)"
+                    } else {
+                        ""
+                    };
                     println!(
-                        "{} {} {} {} tokens{previous}, spent at {} ms{op}",
+                        "{} {} {} {} tokens{previous}, spent at {} ms{op}{forced}",
                         e.id,
                         format!("{:?}", e.kind).to_lowercase(),
                         e.request_id,
@@ -242,24 +256,46 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             user,
             request_id,
             cost,
+            force,
         } => {
-            let outcome = ledger.settle(&user, &request_id, cost).await?;
+            let outcome = tollgate_core::correction::operator_settle(
+                ledger.as_ref(),
+                backends.jobs.as_ref(),
+                &user,
+                &request_id,
+                cost,
+                force,
+            )
+            .await
+            .map_err(|e| Failure::other(e.to_string()))?;
             let text = match &outcome {
-                SettleOutcome::Settled {
+                OperatorSettleOutcome::Settled {
                     previous_cost,
                     cost,
                     used,
                 } => {
                     format!("settled {request_id} of {user}: {previous_cost} -> {cost} tokens; used now {used}")
                 }
-                SettleOutcome::NotFound { used } => {
+                OperatorSettleOutcome::NotFound { used } => {
                     format!("nothing to settle: {user} has no live event {request_id}; used {used}")
+                }
+                OperatorSettleOutcome::Running { used } => {
+                    return Err(Failure {
+                        code: exit::CONFLICT,
+                        message: format!("job {request_id} of {user} is not final and may yet call the provider: nothing settled (used {used}); settle it once the job is final"),
+                    });
+                }
+                OperatorSettleOutcome::MayHaveRun => {
+                    return Err(Failure {
+                        code: exit::CONFLICT,
+                        message: format!("job {request_id} of {user} may have run (the upstream may have done the work): nothing settled; settle it to 0 with --force to leave it unpaid (exported as a forced correction)"),
+                    });
                 }
             };
             let mut value = serde_json::to_value(&outcome).unwrap_or(Value::Null);
             value["user"] = json!(user);
             value["request_id"] = json!(request_id);
-            value["settled"] = json!(matches!(outcome, SettleOutcome::Settled { .. }));
+            value["settled"] = json!(matches!(outcome, OperatorSettleOutcome::Settled { .. }));
             out.print(value, || text);
             Ok(0)
         }

@@ -23,7 +23,9 @@ pub struct EdgeArgs {
     #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT_MS", default_value_t = millis(edge::DEFAULT_HEADER_TIMEOUT))]
     header_timeout_ms: u64,
 
-    /// How long a request's body may take to arrive, in ms.
+    /// How long a request's body may take to arrive in all, in ms, from the
+    /// end of its head (a total deadline: a body still arriving then is cut
+    /// off, however steadily it trickles).
     #[arg(long, env = "TOLLGATE_BODY_TIMEOUT_MS", default_value_t = millis(edge::DEFAULT_BODY_TIMEOUT))]
     body_timeout_ms: u64,
 

@@ -78,6 +78,11 @@ pub struct ExportEntry {
     /// key's id (`kid_...`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_key: Option<String>,
+    /// An operator's forced correction: the removal (a settle to 0, `tollgate
+    /// budget settle --force`) of the charge of a job that may have run, so
+    /// the upstream's work goes unpaid by the operator's decision.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub forced: bool,
 }
 
 impl ExportEntry {
@@ -436,6 +441,28 @@ pub enum SettleOutcome {
     },
 }
 
+/// The answer to an operator's settle ([`Ledger::settle_operator`],
+/// [`crate::correction::operator_settle`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum OperatorSettleOutcome {
+    /// The event's cost is now `cost` (0 removes the event).
+    Settled {
+        previous_cost: u64,
+        cost: u64,
+        used: u64,
+    },
+    /// No live event has this id.
+    NotFound { used: u64 },
+    /// The charge is its job's, and the job is not final (held for it, or
+    /// owned by it: it may yet call the provider): nothing changed (a
+    /// conflict, as for a refund; settle it once the job is final).
+    Running { used: u64 },
+    /// A settle to 0 of the charge of a job that may have run (succeeded, or
+    /// failed keeping its charge) without force: nothing changed.
+    MayHaveRun,
+}
+
 /// Where a page of the audit trail resumes: the position, in the user's log, of
 /// the last event of the page before (`<ms>-<seq>`, the Redis stream entry ID;
 /// the embedded backend numbers its events the same way). Clients treat it as
@@ -725,6 +752,22 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         request: &RequestId,
         actual_cost: u64,
     ) -> Result<SettleOutcome, LedgerError>;
+
+    /// An operator's correction of `request` to `actual_cost` (0 removes it),
+    /// in one step. A plain reserve is settled as by [`settle`](Self::settle);
+    /// a job's charge only when `finished` is its job's nonce (the caller read
+    /// that job as final), else `Running`, untouched: held or owned, its job
+    /// may yet call the provider, and would then run at the corrected cost.
+    /// `forced`: the change is exported as a forced correction
+    /// ([`ExportEntry::forced`]). Never answers `MayHaveRun` (the caller's).
+    async fn settle_operator(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        actual_cost: u64,
+        finished: Option<&str>,
+        forced: bool,
+    ) -> Result<OperatorSettleOutcome, LedgerError>;
 
     /// The job with `settle.nonce` settles its charge to `actual_cost` (>= 1),
     /// what the provider reported, and the event keeps the cost it was charged

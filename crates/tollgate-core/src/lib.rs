@@ -14,6 +14,7 @@ pub mod alerts;
 pub mod backend;
 pub mod clock;
 pub mod config;
+pub mod correction;
 pub mod durability;
 pub mod duration;
 pub mod error;

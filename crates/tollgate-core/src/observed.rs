@@ -142,6 +142,22 @@ impl Ledger for ObservedLedger {
             .await
     }
 
+    async fn settle_operator(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        actual_cost: u64,
+        finished: Option<&str>,
+        forced: bool,
+    ) -> Result<crate::ledger::OperatorSettleOutcome, LedgerError> {
+        self.timed(
+            "settle",
+            self.inner
+                .settle_operator(user, request, actual_cost, finished, forced),
+        )
+        .await
+    }
+
     async fn settle_charge(
         &self,
         user: &UserId,

@@ -28,9 +28,9 @@ use tollgate_core::id::{OrgId, RequestId, UserId};
 use tollgate_core::ledger::{
     audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
     Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Denied,
-    EventCursor, EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage, OrgWindows,
-    RefundOutcome, ReserveOutcome, SettleOutcome, SettleRequest, SpendEvent, Usage, WindowUse,
-    CUSTOM_PLAN,
+    EventCursor, EventPage, ExportEntry, Ledger, LedgerError, Moved, OperatorSettleOutcome,
+    OrgList, OrgUsage, OrgWindows, RefundOutcome, ReserveOutcome, SettleOutcome, SettleRequest,
+    SpendEvent, Usage, WindowUse, CUSTOM_PLAN,
 };
 use tollgate_core::lock;
 
@@ -675,6 +675,7 @@ impl UserLog {
                 .operation
                 .and_then(|op| split_audit_op(op).1)
                 .map(str::to_owned),
+            forced: false,
         });
         while self.exported.len() as u64 > self.export_max {
             self.exported.pop_front();
@@ -828,6 +829,19 @@ impl UserLog {
             }
         }
         Some(previous)
+    }
+
+    /// [`remove`](Self::remove), exported as an operator's forced correction
+    /// when `forced`.
+    fn remove_forced(&mut self, request: &str, now: u64, forced: bool) -> Option<u64> {
+        let cost = self.remove(request, now)?;
+        // `remove` exported the change last (when there is an export).
+        if forced && self.export_max > 0 {
+            if let Some(last) = self.exported.back_mut() {
+                last.forced = true;
+            }
+        }
+        Some(cost)
     }
 
     /// Removes a live event before it left the window (a refund): exported.
@@ -1231,6 +1245,59 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     used: log.longest_used(),
                 },
                 None => SettleOutcome::NotFound {
+                    used: log.longest_used(),
+                },
+            }
+        }))
+    }
+
+    async fn settle_operator(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        actual_cost: u64,
+        finished: Option<&str>,
+        forced: bool,
+    ) -> Result<OperatorSettleOutcome, LedgerError> {
+        if actual_cost > tollgate_core::config::MAX_TOKENS {
+            return Err(LedgerError::CostTooLarge { cost: actual_cost });
+        }
+        Ok(self.with_user(user, false, |log, mut side, now| {
+            log.expire_with_org(now, &self.plan_of(log).limits, side.as_mut());
+            let Some(&key) = log.index.get(request.as_str()) else {
+                return OperatorSettleOutcome::NotFound {
+                    used: log.longest_used(),
+                };
+            };
+            // A job's charge only once its job is final (the caller read it).
+            if log
+                .owner(request.as_str())
+                .is_some_and(|o| finished != Some(&*o.nonce))
+            {
+                return OperatorSettleOutcome::Running {
+                    used: log.longest_used(),
+                };
+            }
+            if let Some(side) = side.as_mut() {
+                side.recost(request.as_str(), actual_cost);
+            }
+            if actual_cost == 0 {
+                let previous_cost = log
+                    .remove_forced(request.as_str(), now, forced)
+                    .unwrap_or(0);
+                return OperatorSettleOutcome::Settled {
+                    previous_cost,
+                    cost: 0,
+                    used: log.longest_used(),
+                };
+            }
+            match log.recost(key, actual_cost, now) {
+                Some(previous_cost) => OperatorSettleOutcome::Settled {
+                    previous_cost,
+                    cost: actual_cost,
+                    used: log.longest_used(),
+                },
+                None => OperatorSettleOutcome::NotFound {
                     used: log.longest_used(),
                 },
             }

@@ -17,9 +17,9 @@ use tollgate_core::{
     id::{OrgId, RequestId, UserId},
     ledger::{
         Allowed, ChangeKind, ChargeOutcome, ChargeRequest, ClaimOutcome, ClaimRequest, Denied,
-        EventCursor, EventPage, ExportEntry, Ledger, LedgerError, Moved, OrgList, OrgUsage,
-        OrgWindows, RefundOutcome, ReserveOutcome, SettleOutcome, SettleRequest, SpendEvent, Usage,
-        WindowUse,
+        EventCursor, EventPage, ExportEntry, Ledger, LedgerError, Moved, OperatorSettleOutcome,
+        OrgList, OrgUsage, OrgWindows, RefundOutcome, ReserveOutcome, SettleOutcome, SettleRequest,
+        SpendEvent, Usage, WindowUse,
     },
 };
 
@@ -533,6 +533,41 @@ impl Ledger for RedisLedger {
         self.settle_with(user, request, &any).await
     }
 
+    async fn settle_operator(
+        &self,
+        user: &UserId,
+        request: &RequestId,
+        actual_cost: u64,
+        finished: Option<&str>,
+        forced: bool,
+    ) -> Result<OperatorSettleOutcome, LedgerError> {
+        if actual_cost > tollgate_core::config::MAX_TOKENS {
+            return Err(LedgerError::CostTooLarge { cost: actual_cost });
+        }
+        let (r, _, _): (Vec<i64>, _, _) = self
+            .at_home("settle", user, |loc| {
+                scripts::settle_operator(
+                    loc,
+                    request.as_str(),
+                    actual_cost,
+                    finished,
+                    forced,
+                    &self.plans,
+                )
+            })
+            .await?;
+        match r.as_slice() {
+            &[1, previous, cost, used] => Ok(OperatorSettleOutcome::Settled {
+                previous_cost: to_u64(previous),
+                cost: to_u64(cost),
+                used: to_u64(used),
+            }),
+            &[0, used] => Ok(OperatorSettleOutcome::NotFound { used: to_u64(used) }),
+            &[3, used] => Ok(OperatorSettleOutcome::Running { used: to_u64(used) }),
+            other => Err(bad_reply("settle", other)),
+        }
+    }
+
     async fn settle_charge(
         &self,
         user: &UserId,
@@ -961,6 +996,7 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
         spent_at_ms: num("at").ok_or_else(bad)?,
         operation,
         service_key,
+        forced: f.get("forced").is_some_and(|v| v == "1"),
     })
 }
 

@@ -77,11 +77,12 @@ local function push_windows(out, limits, used, now, cost)
 end
 
 -- Removes one live event (from `find`); returns the longest window's total
--- after (`used`: ignored, see window_used).
-local function remove(ev, _used, now)
+-- after (`used`: ignored, see window_used). `forced`: exported as an
+-- operator's forced correction (settle.lua).
+local function remove(ev, _used, now, forced)
   if #SHORTS > 0 or EXPORT > 0 then
     unshort(spent(ev), ev.cost, now)
-    export('refund', ev.rec.id, ev.cost, spent(ev))
+    export('refund', ev.rec.id, ev.cost, spent(ev), nil, nil, forced)
   end
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)

@@ -52,7 +52,9 @@
 --                   settle, in order (XADD MAXLEN ~): fields kind (spend | refund
 --                   | settle), id, cost (settle: the new cost), prev (settle: the
 --                   old one), at (when the event was spent, ms), op (spend of a
---                   job's charge). It outlives the window; billing jobs read it.
+--                   job's charge), forced ('1' on an operator's forced
+--                   correction, else absent). It outlives the window; billing
+--                   jobs read it.
 -- The ARGV tail is the export's maxlen (0: no export), the retention (ms: the
 -- longest window of any configured plan), then the plan table as pairs (name,
 -- limits), the default plan first; limits is 'limit:window_ms,...', longest

@@ -183,11 +183,17 @@ local function write_total(now)
   return TOTAL
 end
 
--- Appends one change to the export stream (when there is one).
-local function export(kind, request, cost, at, prev, op)
+-- Appends one change to the export stream (when there is one); `forced`: an
+-- operator's forced correction, with a field forced '1'.
+local function export(kind, request, cost, at, prev, op, forced)
   if EXPORT > 0 then
-    redis.call('XADD', AUDIT, 'MAXLEN', '~', int(EXPORT), '*', 'kind', kind, 'id', request,
-      'cost', int(cost), 'prev', int(prev or 0), 'at', int(at or 0), 'op', op or '')
+    if forced then
+      redis.call('XADD', AUDIT, 'MAXLEN', '~', int(EXPORT), '*', 'kind', kind, 'id', request,
+        'cost', int(cost), 'prev', int(prev or 0), 'at', int(at or 0), 'op', op or '', 'forced', '1')
+    else
+      redis.call('XADD', AUDIT, 'MAXLEN', '~', int(EXPORT), '*', 'kind', kind, 'id', request,
+        'cost', int(cost), 'prev', int(prev or 0), 'at', int(at or 0), 'op', op or '')
+    end
   end
 end
 

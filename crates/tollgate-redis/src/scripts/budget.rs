@@ -206,6 +206,25 @@ pub fn settle(
     inv
 }
 
+/// `settle.lua` for an operator: `finished` the nonce of the charge's job read
+/// as final (`None`: no such job); `forced` exports a removal as forced.
+pub fn settle_operator(
+    keys: &Location,
+    request: &str,
+    actual_cost: u64,
+    finished: Option<&str>,
+    forced: bool,
+    plans: &PlanArgs,
+) -> FunctionCall {
+    let mut inv = invocation("settle", keys);
+    inv.arg(request)
+        .arg(actual_cost)
+        .arg(finished.unwrap_or(""))
+        .arg(if forced { "f" } else { "o" })
+        .arg(&plans.0);
+    inv
+}
+
 /// `usage.lua`: the budget and one page of the audit trail.
 pub fn usage(
     keys: &Location,
