@@ -36,6 +36,7 @@ on_each_backend!(
         an_unreachable_upstream_is_retried_free_and_released,
         retry_unanswered_lets_an_operation_resend,
         a_settled_operation_left_unanswered_keeps_its_most_not_its_estimate,
+        failed_keyless_sync_calls_leave_no_job_record,
     ]
     memory => false,
     redis => true,
@@ -536,4 +537,62 @@ async fn operations_send_a_get_query_or_a_form_body(redis: bool) {
     );
     assert_eq!(sorted(&String::from_utf8_lossy(&form.body)), expected);
     assert_eq!(s.used().await, 2 * COST);
+}
+
+/// A sync call without an Idempotency-Key leaves no job record once answered,
+/// failed or not: a failure whose charge is released (5xx, 503, a rejected
+/// input) is answered while its release is still pending, so its record could
+/// not go then; it goes once the release is confirmed. (Before: the record of
+/// most such calls stayed for the operation's `result_ttl`.)
+async fn failed_keyless_sync_calls_leave_no_job_record(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let mut ids = Vec::new();
+    for answer in ["500", "503", "400"].iter().cycle().take(12) {
+        let (r, _) = s.call("up.call", answer, 0).await;
+        assert!(
+            matches!(r.status.as_u16(), 422 | 502),
+            "{answer}: {}",
+            r.body
+        );
+        ids.push(r.body["job_id"].as_str().expect("job_id").to_owned());
+    }
+    assert_eq!(s.used().await, 0, "every charge released");
+    // The records go in the background, just after the answer (or the
+    // release): wait for that, boundedly.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut left = Vec::new();
+        for id in &ids {
+            let r =
+                s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
+                    .await;
+            if r.status.as_u16() != 404 {
+                left.push((id.clone(), r.status.as_u16()));
+            }
+        }
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} keyless failed calls left a job record: {left:?}",
+            left.len(),
+            ids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if let Some(server) = &s.h.redis {
+        // Nothing else of theirs either: no job key in Redis at all.
+        let mut c = ::redis::Client::open(server.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let keys: Vec<String> = ::redis::cmd("KEYS")
+            .arg("*:job:*")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert!(keys.is_empty(), "{keys:?}");
+    }
 }
