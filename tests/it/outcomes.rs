@@ -17,6 +17,7 @@ use tollgate_core::{config::Config, metrics::Metrics};
 use tollgate_redis::{keys::KeySpace, pool::PoolOptions};
 use tollgate_tests::upstream::Upstream;
 use tollgate_tests::{random_prefix, RedisServer};
+use tracing_subscriber::util::SubscriberInitExt;
 
 use crate::api::{settings, Harness};
 
@@ -594,5 +595,106 @@ async fn failed_keyless_sync_calls_leave_no_job_record(redis: bool) {
             .await
             .unwrap();
         assert!(keys.is_empty(), "{keys:?}");
+    }
+}
+
+/// Log lines, as the `tollgate` binary writes them (without colours), kept
+/// in memory.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut b) = self.0.lock() {
+            b.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        self.0
+            .lock()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// An upstream 401 whose body echoes the operator's credentials: the
+/// worker's log at INFO has neither the body nor a credential; at DEBUG it
+/// has the body, with every secret header's value masked. (Before: the body
+/// at INFO, both keys in it.) One thread runs the test and every task it
+/// spawns, so the subscriber set for this thread sees all of the worker's
+/// lines.
+async fn an_upstream_error_body_is_logged_at_debug_with_secrets_masked(redis: bool) {
+    const SECRET: &str = "sk-live-0123456789abcdef-SECRET";
+    const BEARER: &str = "bearer-0123456789-OTHER-SECRET";
+    std::env::set_var("TOLLGATE_TEST_LOG_SECRET", SECRET);
+    std::env::set_var("TOLLGATE_TEST_LOG_AUTH", format!("Bearer {BEARER}"));
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let _subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish()
+        .set_default();
+    let s = Stage::start_with(redis, "", |url| {
+        format!(
+            "[providers.keyed]\nrate = 1000\nburst = 100\nmax_wait = \"5s\"\nurl = \"{url}\"\n\
+             auth_header = \"Authorization\"\nauth_env = \"TOLLGATE_TEST_LOG_AUTH\"\n\
+             secret_headers = {{ \"x-api-key\" = \"TOLLGATE_TEST_LOG_SECRET\" }}\n\n\
+             [operations.\"keyed.call\"]\ncost = {COST}\nprovider = \"keyed\"\npath = \"/keyed\"\n"
+        )
+    })
+    .await;
+    let (r, arrivals) = s.call("keyed.call", "401-echo", 0).await;
+    failed(&r, 502, "provider-failure", "provider", false);
+    assert_eq!(arrivals, 1);
+    assert!(!r.body.to_string().contains(SECRET), "{}", r.body);
+    let text = captured.text();
+    let at = |level: &str| -> Vec<&str> {
+        text.lines()
+            .filter(|l| l.split_whitespace().nth(1) == Some(level))
+            .collect()
+    };
+    let info = at("INFO");
+    assert!(
+        info.iter().any(|l| l.contains("job failed")),
+        "the failure is logged at INFO: {text}"
+    );
+    for line in &info {
+        assert!(
+            !line.contains("Incorrect API key"),
+            "no upstream body at INFO: {line}"
+        );
+    }
+    let debug = at("DEBUG");
+    assert!(
+        debug
+            .iter()
+            .any(|l| l.contains("Incorrect API key provided")),
+        "the body at DEBUG: {text}"
+    );
+    for secret in [SECRET, BEARER] {
+        assert!(!text.contains(secret), "{secret} in the log: {text}");
+    }
+}
+
+/// On a runtime of one thread (the test's own): the subscriber set for the
+/// thread sees every task.
+mod upstream_logs {
+    #[tokio::test(flavor = "current_thread")]
+    async fn memory() {
+        super::an_upstream_error_body_is_logged_at_debug_with_secrets_masked(false).await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn redis() {
+        super::an_upstream_error_body_is_logged_at_debug_with_secrets_masked(true).await;
     }
 }
