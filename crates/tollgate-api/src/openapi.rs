@@ -313,7 +313,9 @@ impl Routes {
 
     /// Adds a metered operation route: `cost` wraps `handler` (the price sits
     /// next to the path), and the document shows the price and the budget
-    /// problems.
+    /// problems, and every failure of its job (one type per
+    /// [`FailureCause`](tollgate_core::job::FailureCause), as `ApiError::kind`
+    /// maps them).
     pub fn metered(self, mut doc: Doc, cost: Cost, handler: MethodRouter<ApiState>) -> Self {
         doc.metered = Some(cost);
         doc.errors.extend([
@@ -326,6 +328,9 @@ impl Routes {
             ProblemType::JobExpired,
             ProblemType::JobAbandoned,
             ProblemType::UpstreamRejected,
+            ProblemType::UpstreamUnanswered,
+            ProblemType::BadUpstreamResponse,
+            ProblemType::JobCancelled,
         ]);
         if cost.fixed().is_none() {
             doc.errors.push(ProblemType::UnknownOperation);
