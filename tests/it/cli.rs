@@ -642,3 +642,114 @@ fn organisations_from_the_command_line() {
         one_line_error(&out);
     }
 }
+
+/// A budget-only deployment (plans, no `[operations]`): every `tollgate
+/// budget ...` and `tollgate users ...` command works against Redis. (A refund
+/// used to fail for every request id: the job store's look-up sent Redis an
+/// empty pipeline, one command per operation of none.)
+#[test]
+fn every_budget_and_users_command_runs_on_a_budget_only_config() {
+    let cli = Cli::new();
+    let text = "default_plan = \"tiny\"\n[plans.tiny]\nlimit = 50\nwindow = \"1h\"\n\
+                [plans.big]\nlimit = 500\nwindow = \"1h\"\n";
+    let (dir, config) = tollgate_tests::temp_file("cli", "budget-only.toml", text).unwrap();
+    let config = config.to_str().unwrap().to_owned();
+    let run = |args: &[&str]| {
+        Command::new(workspace_bin("tollgate"))
+            .args(args)
+            .env("TOLLGATE_REDIS_URL", cli.server.url())
+            .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
+            .env("TOLLGATE_CONFIG", &config)
+            .output()
+            .expect("run tollgate")
+    };
+    let ok = |args: &[&str]| {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
+        out
+    };
+    let json = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.push("--json");
+        let out = ok(&all);
+        serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out:?}"))
+    };
+
+    fn budget<'a>(rest: &[&'a str]) -> Vec<&'a str> {
+        [&["budget"][..], rest].concat()
+    }
+    let v = json(&budget(&[
+        "reserve",
+        "--user",
+        "solo",
+        "--cost",
+        "5",
+        "--request-id",
+        "r1",
+    ]));
+    assert_eq!(v["used"], 5, "{v}");
+    json(&budget(&[
+        "reserve",
+        "--user",
+        "solo",
+        "--cost",
+        "3",
+        "--request-id",
+        "r2",
+    ]));
+    let v = json(&budget(&["refund", "--user", "solo", "--request-id", "r1"]));
+    assert_eq!(
+        (&v["refunded"], &v["used"]),
+        (&true.into(), &3.into()),
+        "{v}"
+    );
+    // An id that names nothing: nothing to refund, still exit 0.
+    let v = json(&budget(&[
+        "refund",
+        "--user",
+        "solo",
+        "--request-id",
+        "none",
+    ]));
+    assert_eq!(v["refunded"], false, "{v}");
+    let v = json(&budget(&[
+        "settle",
+        "--user",
+        "solo",
+        "--request-id",
+        "r2",
+        "--cost",
+        "2",
+    ]));
+    assert_eq!(v["settled"], true, "{v}");
+    let v = json(&budget(&["usage", "--user", "solo", "--all"]));
+    assert_eq!(v["used"], 2, "{v}");
+    ok(&budget(&["events", "--user", "solo"]));
+    json(&budget(&["set-plan", "--user", "solo", "--plan", "big"]));
+    assert_eq!(
+        json(&budget(&["get-plan", "--user", "solo"]))["plan"],
+        "big"
+    );
+    ok(&budget(&["demo"]));
+
+    fn users<'a>(rest: &[&'a str]) -> Vec<&'a str> {
+        [&["users"][..], rest].concat()
+    }
+    let v = json(&users(&["create", "--user", "solo"]));
+    let key_id = v["key_id"].as_str().expect("key_id").to_owned();
+    json(&users(&["create", "--user", "svc", "--kind", "service"]));
+    let v = json(&users(&["list"]));
+    assert_eq!(v["users"].as_array().map(Vec::len), Some(2), "{v}");
+    let v = json(&users(&["show", "solo"]));
+    // `create` without --plan puts the user on the default plan.
+    assert_eq!(v["usage"]["plan"], "tiny", "{v}");
+    json(&users(&["set-limits", "solo", "--limit", "10/1h"]));
+    json(&users(&["clear-limits", "solo"]));
+    json(&users(&["reindex"]));
+    ok(&["orgs", "set", "acme", "--plan", "big"]);
+    json(&users(&["set-org", "solo", "acme"]));
+    json(&users(&["set-org", "solo", "--none"]));
+    json(&users(&["revoke", "--key-id", &key_id]));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -47,3 +47,91 @@ fn openapi_document_passes_openapi_spec_validator() {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "valid");
 }
+
+/// Whether `doc` declares answer `r` (its status, and its problem type when
+/// it is a problem) for `method path`.
+fn declared(doc: &serde_json::Value, method: &str, path: &str, r: &crate::api::Resp) -> bool {
+    let answer = &doc["paths"][path][method]["responses"][r.status.as_str()];
+    match r.body["type"].as_str() {
+        Some(ty) => answer["x-problem-types"]
+            .as_array()
+            .is_some_and(|types| types.iter().any(|t| t == ty)),
+        None => answer.is_object(),
+    }
+}
+
+/// Every answer an operation call gives, driven through the router on the
+/// memory backend (each failure cause of its job, a key reused with another
+/// body, a key taken by another operation), is declared for its route, the
+/// named ones and `/v1/ops/{operation}` alike: status and problem type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_of_an_operation_call_is_declared() {
+    use serde_json::json;
+    use std::time::Duration;
+    use tollgate_core::job::FailureCause;
+
+    let h = crate::api::Harness::memory(crate::api::settings()).await;
+    let doc = tollgate_api::openapi(&h.state);
+    let key = h.user("contract", "pro").await;
+    let mut answers = Vec::new();
+    let check = |answers: &Vec<crate::api::Resp>| {
+        for r in answers {
+            for path in ["/v1/ops/jobs.extract", "/v1/ops/{operation}"] {
+                assert!(
+                    declared(&doc, "post", path, r),
+                    "POST {path} does not declare {} {}",
+                    r.status,
+                    r.body
+                );
+            }
+        }
+    };
+    let call = |id: String, body: serde_json::Value| {
+        let key = key.clone();
+        let h = &h;
+        async move {
+            h.call(
+                "POST",
+                "/v1/ops/jobs.extract",
+                Some(&key),
+                &[("idempotency-key", id.as_str())],
+                Some(body.to_string()),
+            )
+            .await
+        }
+    };
+    for (i, cause) in [
+        FailureCause::Provider,
+        FailureCause::Unanswered,
+        FailureCause::BadResponse,
+        FailureCause::ThrottleTimeout,
+        FailureCause::Expired,
+        FailureCause::Abandoned,
+        FailureCause::Cancelled,
+        FailureCause::Rejected,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let worker = h.worker_failing(1.0, cause, Duration::ZERO);
+        let r = call(format!("fail-{i}"), json!({"url": i})).await;
+        assert!(
+            r.status.as_u16() >= 400,
+            "{cause:?}: {} {}",
+            r.status,
+            r.body
+        );
+        answers.push(r);
+        worker.stop().await;
+    }
+    let worker = h.worker(0.0);
+    let r = call("kept".into(), json!({"url": "a"})).await;
+    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
+    answers.push(r);
+    // The same key, another body: 422 idempotency-key-reused.
+    let r = call("kept".into(), json!({"url": "b"})).await;
+    assert_eq!(r.status.as_u16(), 422, "{}", r.body);
+    answers.push(r);
+    worker.stop().await;
+    check(&answers);
+}

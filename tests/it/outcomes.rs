@@ -17,6 +17,7 @@ use tollgate_core::{config::Config, metrics::Metrics};
 use tollgate_redis::{keys::KeySpace, pool::PoolOptions};
 use tollgate_tests::upstream::Upstream;
 use tollgate_tests::{random_prefix, RedisServer};
+use tracing_subscriber::util::SubscriberInitExt;
 
 use crate::api::{settings, Harness};
 
@@ -36,6 +37,7 @@ on_each_backend!(
         an_unreachable_upstream_is_retried_free_and_released,
         retry_unanswered_lets_an_operation_resend,
         a_settled_operation_left_unanswered_keeps_its_most_not_its_estimate,
+        failed_keyless_sync_calls_leave_no_job_record,
     ]
     memory => false,
     redis => true,
@@ -536,4 +538,163 @@ async fn operations_send_a_get_query_or_a_form_body(redis: bool) {
     );
     assert_eq!(sorted(&String::from_utf8_lossy(&form.body)), expected);
     assert_eq!(s.used().await, 2 * COST);
+}
+
+/// A sync call without an Idempotency-Key leaves no job record once answered,
+/// failed or not: a failure whose charge is released (5xx, 503, a rejected
+/// input) is answered while its release is still pending, so its record could
+/// not go then; it goes once the release is confirmed. (Before: the record of
+/// most such calls stayed for the operation's `result_ttl`.)
+async fn failed_keyless_sync_calls_leave_no_job_record(redis: bool) {
+    let s = Stage::start(redis, "").await;
+    let mut ids = Vec::new();
+    for answer in ["500", "503", "400"].iter().cycle().take(12) {
+        let (r, _) = s.call("up.call", answer, 0).await;
+        assert!(
+            matches!(r.status.as_u16(), 422 | 502),
+            "{answer}: {}",
+            r.body
+        );
+        ids.push(r.body["job_id"].as_str().expect("job_id").to_owned());
+    }
+    assert_eq!(s.used().await, 0, "every charge released");
+    // The records go in the background, just after the answer (or the
+    // release): wait for that, boundedly.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut left = Vec::new();
+        for id in &ids {
+            let r =
+                s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
+                    .await;
+            if r.status.as_u16() != 404 {
+                left.push((id.clone(), r.status.as_u16()));
+            }
+        }
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} keyless failed calls left a job record: {left:?}",
+            left.len(),
+            ids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if let Some(server) = &s.h.redis {
+        // Nothing else of theirs either: no job key in Redis at all.
+        let mut c = ::redis::Client::open(server.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let keys: Vec<String> = ::redis::cmd("KEYS")
+            .arg("*:job:*")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert!(keys.is_empty(), "{keys:?}");
+    }
+}
+
+/// Log lines, as the `tollgate` binary writes them (without colours), kept
+/// in memory.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut b) = self.0.lock() {
+            b.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        self.0
+            .lock()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// An upstream 401 whose body echoes the operator's credentials: the
+/// worker's log at INFO has neither the body nor a credential; at DEBUG it
+/// has the body, with every secret header's value masked. (Before: the body
+/// at INFO, both keys in it.) One thread runs the test and every task it
+/// spawns, so the subscriber set for this thread sees all of the worker's
+/// lines.
+async fn an_upstream_error_body_is_logged_at_debug_with_secrets_masked(redis: bool) {
+    const SECRET: &str = "sk-live-0123456789abcdef-SECRET";
+    const BEARER: &str = "bearer-0123456789-OTHER-SECRET";
+    std::env::set_var("TOLLGATE_TEST_LOG_SECRET", SECRET);
+    std::env::set_var("TOLLGATE_TEST_LOG_AUTH", format!("Bearer {BEARER}"));
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let _subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish()
+        .set_default();
+    let s = Stage::start_with(redis, "", |url| {
+        format!(
+            "[providers.keyed]\nrate = 1000\nburst = 100\nmax_wait = \"5s\"\nurl = \"{url}\"\n\
+             auth_header = \"Authorization\"\nauth_env = \"TOLLGATE_TEST_LOG_AUTH\"\n\
+             secret_headers = {{ \"x-api-key\" = \"TOLLGATE_TEST_LOG_SECRET\" }}\n\n\
+             [operations.\"keyed.call\"]\ncost = {COST}\nprovider = \"keyed\"\npath = \"/keyed\"\n"
+        )
+    })
+    .await;
+    let (r, arrivals) = s.call("keyed.call", "401-echo", 0).await;
+    failed(&r, 502, "provider-failure", "provider", false);
+    assert_eq!(arrivals, 1);
+    assert!(!r.body.to_string().contains(SECRET), "{}", r.body);
+    let text = captured.text();
+    let at = |level: &str| -> Vec<&str> {
+        text.lines()
+            .filter(|l| l.split_whitespace().nth(1) == Some(level))
+            .collect()
+    };
+    let info = at("INFO");
+    assert!(
+        info.iter().any(|l| l.contains("job failed")),
+        "the failure is logged at INFO: {text}"
+    );
+    for line in &info {
+        assert!(
+            !line.contains("Incorrect API key"),
+            "no upstream body at INFO: {line}"
+        );
+    }
+    let debug = at("DEBUG");
+    assert!(
+        debug
+            .iter()
+            .any(|l| l.contains("Incorrect API key provided")),
+        "the body at DEBUG: {text}"
+    );
+    for secret in [SECRET, BEARER] {
+        assert!(!text.contains(secret), "{secret} in the log: {text}");
+    }
+}
+
+/// On a runtime of one thread (the test's own): the subscriber set for the
+/// thread sees every task.
+mod upstream_logs {
+    #[tokio::test(flavor = "current_thread")]
+    async fn memory() {
+        super::an_upstream_error_body_is_logged_at_debug_with_secrets_masked(false).await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn redis() {
+        super::an_upstream_error_body_is_logged_at_debug_with_secrets_masked(true).await;
+    }
 }

@@ -22,6 +22,7 @@ on_each_backend!(
         a_service_key_charges_each_end_user_exactly_across_two_pods,
         a_user_key_never_acts_for_another_user,
         service_keys_are_created_checked_and_revoked,
+        dot_segment_user_ids_are_refused_wherever_an_id_enters,
     ]
     memory => super::Pods::memory().await,
     redis => super::Pods::redis().await,
@@ -425,4 +426,121 @@ async fn service_keys_are_created_checked_and_revoked(pods: Pods) {
         )
         .await;
     r.problem(ProblemType::Unauthorized);
+}
+
+/// `.` and `..` are no user ids (a URL path drops such a segment: the
+/// dashboard's links and forms would name another route): refused, with an
+/// error that says so, by the admin's create (user or service key), by a
+/// service key's `Tollgate-User`, and in every admin route's `{user}`; an
+/// organisation too. Nothing is charged or created. (Before: each was a valid
+/// id, and a user named so was created.) A user stored so before the rule
+/// stays readable and refundable.
+async fn dot_segment_user_ids_are_refused_wherever_an_id_enters(pods: Pods) {
+    let h = &pods.a;
+    let refused = |r: &crate::api::Resp, what: &str| {
+        assert!(
+            matches!(r.status.as_u16(), 400 | 422),
+            "{what}: {} {}",
+            r.status,
+            r.body
+        );
+        let text = r.body.to_string();
+        assert!(
+            text.contains("\\\"..\\\""),
+            "{what}: the error says why: {text}"
+        );
+    };
+    for bad in [".", ".."] {
+        for kind in ["user", "service"] {
+            let r = h
+                .post("/admin/users", ADMIN, json!({"user": bad, "kind": kind}))
+                .await;
+            refused(&r, &format!("create {kind} {bad:?}"));
+        }
+    }
+    let (key, _) = pods.service("dots-app", &[]).await;
+    for bad in [".", ".."] {
+        let r = h
+            .call(
+                "POST",
+                "/v1/ops/echo.custom",
+                Some(&key),
+                &[("tollgate-user", bad)],
+                Some(json!({"text": "x"}).to_string()),
+            )
+            .await;
+        refused(&r, &format!("Tollgate-User {bad:?}"));
+        let r = h
+            .call(
+                "GET",
+                "/v1/usage",
+                Some(&key),
+                &[("tollgate-user", bad)],
+                None,
+            )
+            .await;
+        refused(&r, &format!("Tollgate-User {bad:?} (usage)"));
+    }
+    for bad in [".", ".."] {
+        for (method, path, body) in [
+            (
+                "PUT",
+                format!("/admin/users/{bad}/plan"),
+                Some(json!({"plan": "free"})),
+            ),
+            (
+                "PUT",
+                format!("/admin/users/{bad}/limits"),
+                Some(json!({"limits": [{"limit": 10, "window": "1h"}]})),
+            ),
+            ("DELETE", format!("/admin/users/{bad}/limits"), None),
+            (
+                "PUT",
+                format!("/admin/users/{bad}/org"),
+                Some(json!({"org": null})),
+            ),
+            (
+                "PUT",
+                format!("/admin/orgs/{bad}"),
+                Some(json!({"plan": "free"})),
+            ),
+        ] {
+            let r = h
+                .call(method, &path, Some(ADMIN), &[], body.map(|b| b.to_string()))
+                .await;
+            refused(&r, &format!("{method} {path}"));
+        }
+    }
+    let r = h
+        .call("GET", "/admin/users?limit=100", Some(ADMIN), &[], None)
+        .await;
+    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
+    let users = r.body["users"].as_array().unwrap();
+    assert!(
+        users.iter().all(|u| u["user"] != "." && u["user"] != ".."),
+        "{users:?}"
+    );
+
+    // A user stored as `..` before the rule: its usage reads, its spend
+    // refunds.
+    let old = tollgate_core::id::UserId::existing("..").unwrap();
+    let rid = tollgate_core::id::RequestId::new("before-the-rule").unwrap();
+    let reserved = h.state.ledger.reserve(&old, &rid, 3).await.unwrap();
+    assert!(reserved.is_allowed());
+    let r = h
+        .call("GET", "/admin/users/../usage", Some(ADMIN), &[], None)
+        .await;
+    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
+    assert_eq!(r.body["used"], 3, "{}", r.body);
+    let r = h
+        .call(
+            "POST",
+            "/admin/users/../refunds/before-the-rule",
+            Some(ADMIN),
+            &[],
+            None,
+        )
+        .await;
+    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
+    assert_eq!(r.body["used"], 0, "{}", r.body);
 }

@@ -202,8 +202,10 @@ impl Drop for Upstream {
 /// `"ok"` (the default: 200 and a JSON echo), `"text"` (200, plain text),
 /// `"empty"` (200, no body), `"204"`, `"1e400"` (200, a JSON number no
 /// parser holds), `"400"`, `"401"`, `"404"`, `"413"`, `"415"`, `"422"` (each
-/// with a JSON body naming its status), `"429"`, `"500"`, `"503"`, or `"cut"`
-/// (200 whose body stops halfway: the connection is dropped mid-reply).
+/// with a JSON body naming its status), `"401-echo"` (401 whose body echoes the
+/// credentials the call carried, `authorization` and `x-api-key`, as some APIs
+/// do), `"429"`, `"500"`, `"503"`, or `"cut"` (200 whose body stops halfway:
+/// the connection is dropped mid-reply).
 /// `"usage": n` makes an `"ok"` answer report `{"usage": {"total_tokens":
 /// n}}`, as an LLM API reports the tokens a call used.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -226,7 +228,7 @@ impl Behaviour {
         match self.answer.as_str() {
             "204" => 204,
             "400" => 400,
-            "401" => 401,
+            "401" | "401-echo" => 401,
             "404" => 404,
             "413" => 413,
             "415" => 415,
@@ -239,9 +241,24 @@ impl Behaviour {
         }
     }
 
-    fn respond(&self, input: Value) -> Response {
+    fn respond(&self, input: Value, headers: &HeaderMap) -> Response {
         let json = [("content-type", "application/json")];
         match self.answer.as_str() {
+            "401-echo" => {
+                let sent = |name: &str| {
+                    headers
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_owned()
+                };
+                let error = format!(
+                    "Incorrect API key provided: {} (x-api-key: {})",
+                    sent("authorization"),
+                    sent("x-api-key")
+                );
+                (StatusCode::UNAUTHORIZED, Json(json!({"error": error}))).into_response()
+            }
             "text" => (StatusCode::OK, "plain words, not JSON").into_response(),
             "empty" => (StatusCode::OK, json, "").into_response(),
             "204" => StatusCode::NO_CONTENT.into_response(),
@@ -534,6 +551,6 @@ async fn call(
     tokio::time::sleep(shared.latency + behaviour.after).await;
     match streamed {
         Some((_, events, every)) => stream_response(in_flight_guard, events, every),
-        None => behaviour.respond(input),
+        None => behaviour.respond(input, &headers),
     }
 }

@@ -283,10 +283,7 @@ pub async fn refund(
             .map(|(_, v)| v.to_owned())
             .ok_or_else(|| ApiError::Internal(format!("route has no {{{name}}}")))
     };
-    let user = UserId::new(param("user")?).map_err(|e| ApiError::InvalidField {
-        field: "user".into(),
-        detail: format!("user: {e}"),
-    })?;
+    let user = existing_user(param("user")?)?;
     let request = RequestId::new(param("request_id")?).map_err(|e| ApiError::InvalidField {
         field: "request_id".into(),
         detail: format!("request_id: {e}"),
@@ -455,6 +452,15 @@ async fn require_user(
 
 fn path_user(user: String) -> Result<UserId, ApiError> {
     UserId::new(user).map_err(|e| ApiError::InvalidField {
+        field: "user".into(),
+        detail: format!("user: {e}"),
+    })
+}
+
+/// A `{user}` a read or a refund names: also one stored before `.` and `..`
+/// were refused ([`UserId::existing`]), so that what it has stays reachable.
+fn existing_user(user: String) -> Result<UserId, ApiError> {
+    UserId::existing(user).map_err(|e| ApiError::InvalidField {
         field: "user".into(),
         detail: format!("user: {e}"),
     })
@@ -636,7 +642,7 @@ pub async fn user_keys(
     State(state): State<ApiState>,
     PathParam(user): PathParam,
 ) -> Result<Response, ApiError> {
-    let user = path_user(user)?;
+    let user = existing_user(user)?;
     let records = state.keys.user_keys(&user).await?;
     if records.is_empty() && !state.keys.has_user(&user).await? {
         return Err(ApiError::NotFound(format!(
@@ -796,7 +802,7 @@ pub async fn user_usage(
     PathParam(user): PathParam,
     PageQuery(page): PageQuery,
 ) -> Result<Response, ApiError> {
-    let user = path_user(user)?;
+    let user = existing_user(user)?;
     require_user(
         state.ledger.as_ref(),
         state.keys.as_ref(),

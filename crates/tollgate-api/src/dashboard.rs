@@ -384,7 +384,7 @@ async fn events(state: &ApiState, activity: &ActivityView) -> Vec<EventView> {
         let ids = (e.refunded && e.operation.is_some())
             .then(|| {
                 Some((
-                    UserId::new(&e.user).ok()?,
+                    UserId::existing(&e.user).ok()?,
                     RequestId::new(&e.request_id).ok()?,
                 ))
             })
@@ -501,7 +501,7 @@ async fn top_users(
         }
     }
     let reads = candidates.iter().filter_map(|(user, _)| {
-        let user = UserId::new(*user).ok()?;
+        let user = UserId::existing(*user).ok()?;
         let ledger = Arc::clone(&state.ledger);
         Some(async move { (ledger.usage(&user).await, user) })
     });

@@ -163,7 +163,8 @@ impl Doc {
                 // Ids are validated like `UserId`/`RequestId`: say so, so that
                 // clients (and generators) know what the server accepts.
                 let schema = match name {
-                    "user" | "id" | "request_id" | "org" => id_schema(),
+                    "user" | "org" => subject_id_schema(),
+                    "id" | "request_id" => id_schema(),
                     _ => json!({"type": "string"}),
                 };
                 json!({"name": name, "in": "path", "required": true, "schema": schema})
@@ -173,7 +174,7 @@ impl Doc {
         if self.access == Access::User {
             params.push(json!({"name": "Tollgate-User", "in": "header", "required": false,
                 "description": "With a service key (`tg_svc_...`, required): the user the call is for; its budget pays, its jobs and usage are read. With a user's key: only its own user (another: 403 acting-for-another-user).",
-                "schema": id_schema()}));
+                "schema": subject_id_schema()}));
             params.push(json!({"name": "Tollgate-Plan", "in": "header", "required": false,
                 "description": "With a service key: one of the key's allowed_plans, given to the named user when its plan is the default or another plan the key may give (a plan an admin set otherwise stays). Any other: 403 plan-not-allowed.",
                 "schema": {"type": "string"}}));
@@ -313,7 +314,9 @@ impl Routes {
 
     /// Adds a metered operation route: `cost` wraps `handler` (the price sits
     /// next to the path), and the document shows the price and the budget
-    /// problems.
+    /// problems, and every failure of its job (one type per
+    /// [`FailureCause`](tollgate_core::job::FailureCause), as `ApiError::kind`
+    /// maps them).
     pub fn metered(self, mut doc: Doc, cost: Cost, handler: MethodRouter<ApiState>) -> Self {
         doc.metered = Some(cost);
         doc.errors.extend([
@@ -326,6 +329,9 @@ impl Routes {
             ProblemType::JobExpired,
             ProblemType::JobAbandoned,
             ProblemType::UpstreamRejected,
+            ProblemType::UpstreamUnanswered,
+            ProblemType::BadUpstreamResponse,
+            ProblemType::JobCancelled,
         ]);
         if cost.fixed().is_none() {
             doc.errors.push(ProblemType::UnknownOperation);
@@ -399,9 +405,16 @@ pub(crate) fn id_filter_schema() -> Value {
     json!({"type": "string", "maxLength": tollgate_core::id::MAX_ID_LEN, "pattern": "^[A-Za-z0-9._@+=~-]*$"})
 }
 
-/// A user id or request id: what `tollgate_core::id` accepts.
+/// A request id: what `tollgate_core::id` accepts.
 fn id_schema() -> Value {
     json!({"type": "string", "minLength": 1, "maxLength": tollgate_core::id::MAX_ID_LEN, "pattern": "^[A-Za-z0-9._@+=~-]+$"})
+}
+
+/// A user or organisation id: a request id's alphabet, but never `.` nor
+/// `..` (a URL path drops such a segment).
+fn subject_id_schema() -> Value {
+    json!({"type": "string", "minLength": 1, "maxLength": tollgate_core::id::MAX_ID_LEN,
+        "pattern": "^(?!\\.\\.?$)[A-Za-z0-9._@+=~-]+$"})
 }
 
 fn schemas(config: &Config) -> Value {
@@ -498,7 +511,7 @@ fn schemas(config: &Config) -> Value {
         },
         "CreateUser": {
             "type": "object", "required": ["user"], "additionalProperties": false,
-            "properties": {"user": id_schema(), "plan": {
+            "properties": {"user": subject_id_schema(), "plan": {
                 "description": "A plan of the config; omitted or null: the default plan. Not for a service key.",
                 "anyOf": [plan.clone(), {"type": "null"}],
             },
@@ -564,7 +577,7 @@ fn schemas(config: &Config) -> Value {
             "base_plan": {"type": "string", "description": "The user's named plan (what it returns to when its own limits are cleared)."},
         }}]},
         "Window": window(),
-        "SetOrg": {"type": "object", "required": ["org"], "additionalProperties": false, "properties": {"org": {"oneOf": [id_schema(), {"type": "null"}], "description": "An organisation created with PUT /admin/orgs/{org}; null: in no organisation."}}},
+        "SetOrg": {"type": "object", "required": ["org"], "additionalProperties": false, "properties": {"org": {"oneOf": [subject_id_schema(), {"type": "null"}], "description": "An organisation created with PUT /admin/orgs/{org}; null: in no organisation."}}},
         "UserOrg": {"type": "object", "required": ["user", "org", "moved_events"], "properties": {"user": {"type": "string"}, "org": {"type": ["string", "null"]}, "moved_events": {"type": "integer", "description": "Live spend events this call moved with the user."}}},
         "OrgPlan": {"type": "object", "required": ["org", "plan"], "properties": {"org": {"type": "string"}, "plan": {"type": "string"}}},
         "OrgList": {"type": "object", "required": ["orgs", "next"], "properties": {"orgs": {"type": "array", "items": {"type": "string"}}, "next": {"type": ["string", "null"], "description": "after= for the next page; null on the last."}}},

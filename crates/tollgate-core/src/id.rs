@@ -4,6 +4,14 @@
 //! at the edge, and carried as newtypes afterwards. The charset excludes everything
 //! that has a meaning in a key (`{` `}` open a hash tag, `:` separates key parts,
 //! `*` is a glob) and whitespace, so no input can address another tenant's keys.
+//!
+//! User and organisation ids are also path segments (`/admin/users/{user}/...`,
+//! the dashboard's links and forms): `.` and `..` as a whole id are refused,
+//! since a browser or HTTP client normalises such a segment away and the URL
+//! then names another route. The alphabet: ASCII letters, digits and
+//! `- _ . @ + = ~`, 1 to 128 bytes, not `.` nor `..`. Ids stored before that
+//! rule are read back with [`UserId::existing`], so that such a user's keys,
+//! jobs, usage and refunds keep working.
 
 use std::fmt;
 use std::str::FromStr;
@@ -22,13 +30,19 @@ pub enum IdError {
     TooLong { kind: &'static str, len: usize },
     #[error("{kind} contains {found:?}; allowed are ASCII letters, digits and - _ . @ + = ~")]
     BadChar { kind: &'static str, found: char },
+    #[error("{kind} must not be \".\" or \"..\" (a URL path drops such a segment)")]
+    DotSegment { kind: &'static str },
 }
 
 fn allowed(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@' | '+' | '=' | '~')
 }
 
-fn validate(kind: &'static str, s: &str) -> Result<(), IdError> {
+/// `dots`: whether `.` and `..` are refused as a whole id.
+fn validate(kind: &'static str, s: &str, dots: bool) -> Result<(), IdError> {
+    if dots && (s == "." || s == "..") {
+        return Err(IdError::DotSegment { kind });
+    }
     if s.is_empty() {
         return Err(IdError::Empty { kind });
     }
@@ -42,7 +56,7 @@ fn validate(kind: &'static str, s: &str) -> Result<(), IdError> {
 }
 
 macro_rules! id_type {
-    ($(#[$doc:meta])* $name:ident, $kind:literal) => {
+    ($(#[$doc:meta])* $name:ident, $kind:literal, dots: $dots:literal) => {
         $(#[$doc])*
         #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
         #[serde(try_from = "String", into = "String")]
@@ -52,7 +66,17 @@ macro_rules! id_type {
             /// Validates `s` and wraps it.
             pub fn new(s: impl Into<String>) -> Result<Self, IdError> {
                 let s = s.into();
-                validate($kind, &s)?;
+                validate($kind, &s, $dots)?;
+                Ok(Self(s))
+            }
+
+            /// An id already stored: validated as [`Self::new`] does but
+            /// for the refusal of `.` and `..`, which came later. For what
+            /// a store reads back, and for the routes that read or refund
+            /// what such an id already has; never to create one.
+            pub fn existing(s: impl Into<String>) -> Result<Self, IdError> {
+                let s = s.into();
+                validate($kind, &s, false)?;
                 Ok(Self(s))
             }
 
@@ -104,20 +128,23 @@ macro_rules! id_type {
 id_type!(
     /// A user (tenant) of the service: owns one budget pool.
     UserId,
-    "user id"
+    "user id",
+    dots: true
 );
 id_type!(
     /// Identifies one operation end to end: the spend event, the job and the
     /// throttle grant all carry it. Reserving twice with one id charges once.
     RequestId,
-    "request id"
+    "request id",
+    dots: false
 );
 
 id_type!(
     /// An organisation: a budget over its plan that every member's charge
     /// must fit as well as the member's own.
     OrgId,
-    "organisation id"
+    "organisation id",
+    dots: true
 );
 
 impl RequestId {
@@ -165,6 +192,31 @@ mod tests {
             RequestId::new("x".repeat(MAX_ID_LEN + 1)),
             Err(IdError::TooLong { len: 129, .. })
         ));
+    }
+
+    #[test]
+    fn dot_segments_are_refused_as_whole_user_and_org_ids() {
+        for bad in [".", ".."] {
+            assert_eq!(
+                UserId::new(bad).unwrap_err(),
+                IdError::DotSegment { kind: "user id" }
+            );
+            assert!(UserId::new(bad).unwrap_err().to_string().contains("\"..\""));
+            assert_eq!(
+                OrgId::new(bad).unwrap_err(),
+                IdError::DotSegment {
+                    kind: "organisation id"
+                }
+            );
+            assert!(bad.parse::<UserId>().is_err());
+            assert!(serde_json::from_str::<UserId>(&format!("\"{bad}\"")).is_err());
+            // One stored before the rule is still read back.
+            assert_eq!(UserId::existing(bad).unwrap().as_str(), bad);
+        }
+        for ok in ["...", ".a", "a.", "a..b", "..."] {
+            assert!(UserId::new(ok).is_ok(), "{ok}");
+        }
+        assert!(UserId::existing("a:b").is_err(), "the alphabet still holds");
     }
 
     #[test]

@@ -628,7 +628,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
     /// A sync call was answered with job `info`'s final outcome, and its id
     /// was no Idempotency-Key: no one can ask for the job again, so its record
     /// goes now instead of at the end of its `result_ttl` (a record still
-    /// owing a release stays until the release is confirmed).
+    /// owing a release stays until the release is confirmed, and goes then).
     async fn answered(&self, info: &JobInfo) -> Result<(), JobError>;
 
     /// Remembers for `ttl` that a call of `operation` whose request has the

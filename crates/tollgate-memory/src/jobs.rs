@@ -42,6 +42,9 @@ struct Record {
     seq: u64,
     /// A failed job whose release has not been confirmed yet.
     release_pending: bool,
+    /// Its keyless sync call was answered while the release was pending:
+    /// the record goes once the release is confirmed.
+    forget_on_release: bool,
     /// A run claimed the charge, about to call the provider.
     started: bool,
     /// What the record stores: the input's JSON text while the job can run,
@@ -250,9 +253,13 @@ impl MemoryJobQueue {
             return Ok(());
         };
         self.ledger.release(&job.user, &job.id, &job.nonce).await?;
-        if let Some(rec) = lock(&self.state).jobs.get_mut(id) {
+        let mut st = lock(&self.state);
+        if let Some(rec) = st.jobs.get_mut(id) {
             if rec.job.nonce == job.nonce {
                 rec.release_pending = false;
+                if rec.forget_on_release {
+                    st.forget(id);
+                }
             }
         }
         Ok(())
@@ -447,6 +454,7 @@ impl JobQueue for MemoryJobQueue {
                     phase: Phase::Queued,
                     seq,
                     release_pending: false,
+                    forget_on_release: false,
                     started: false,
                     kept_len: input_len,
                 },
@@ -462,13 +470,17 @@ impl JobQueue for MemoryJobQueue {
 
     async fn answered(&self, info: &JobInfo) -> Result<(), JobError> {
         let mut st = lock(&self.state);
-        let done = st.jobs.get(&info.job.id).is_some_and(|r| {
+        let Some(rec) = st.jobs.get_mut(&info.job.id).filter(|r| {
             r.job.user == info.job.user
                 && r.job.nonce == info.job.nonce
                 && matches!(r.phase, Phase::Done { .. })
-                && !r.release_pending
-        });
-        if done {
+        }) else {
+            return Ok(());
+        };
+        if rec.release_pending {
+            // Needed until the release is confirmed: it goes then.
+            rec.forget_on_release = true;
+        } else {
             st.forget(&info.job.id);
         }
         Ok(())

@@ -86,7 +86,7 @@ impl KeyStore for MemoryKeyStore {
             .map(|(u, _)| u)
             .take_while(|u| u.starts_with(query.prefix()))
             .take(query.limit() + 1)
-            .filter_map(|u| UserId::new(u.as_str()).ok())
+            .filter_map(|u| UserId::existing(u.as_str()).ok())
             .collect();
         Ok(UserPage::read(query, users))
     }

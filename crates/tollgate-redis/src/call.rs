@@ -305,6 +305,12 @@ pub async fn gather<T: FromRedisValue>(
     op: &'static str,
     cmds: &[Cmd],
 ) -> Result<T, StoreError> {
+    // No command (a read across the operations of a config that has none: a
+    // budget-only deployment) is no answer, not a round trip: redis-rs refuses
+    // an empty pipeline ("empty command").
+    if cmds.is_empty() {
+        return T::from_redis_value(Value::Array(Vec::new())).map_err(|e| bad_reply(op, e));
+    }
     match pool {
         Pool::Single(_) => {
             let mut pipe = redis::pipe();

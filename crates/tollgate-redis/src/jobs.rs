@@ -237,7 +237,7 @@ impl RedisJobQueue {
         nonce: &str,
         ttl_ms: u64,
     ) -> Result<(), JobError> {
-        if let (Ok(rid), Ok(uid)) = (RequestId::new(id), UserId::new(user)) {
+        if let (Ok(rid), Ok(uid)) = (RequestId::new(id), UserId::existing(user)) {
             if !nonce.is_empty() {
                 let r = self.ledger.release(&uid, &rid, nonce).await?;
                 tracing::debug!(request_id = id, user, outcome = ?r, "job's charge released");
@@ -598,7 +598,7 @@ fn json(map: &HashMap<String, String>, name: &str) -> Result<Json, String> {
 fn parse_job(id: &RequestId, map: &HashMap<String, String>) -> Result<Job, String> {
     Ok(Job {
         id: id.clone(),
-        user: UserId::new(field(map, "user")?).map_err(|e| e.to_string())?,
+        user: UserId::existing(field(map, "user")?).map_err(|e| e.to_string())?,
         operation: field(map, "op")?.to_owned(),
         // A final record keeps neither (jobs/lib/job.lua: compact_final).
         provider: map.get("provider").cloned().unwrap_or_default(),

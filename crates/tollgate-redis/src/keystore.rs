@@ -79,7 +79,7 @@ impl RedisKeyStore {
             [None, ..] => Ok(None),
             [Some(user), Some(key_id), Some(created), revoked, kind, plans] => {
                 Ok(Some(KeyRecord {
-                    user: UserId::new(user.as_str()).map_err(|_| bad())?,
+                    user: UserId::existing(user.as_str()).map_err(|_| bad())?,
                     key_id: key_id.clone(),
                     created_ms: created.parse().map_err(|_| bad())?,
                     revoked: revoked.as_deref() == Some("1"),
@@ -297,7 +297,7 @@ impl KeyStore for RedisKeyStore {
         };
         let users = found
             .iter()
-            .map(|u| UserId::new(u.as_str()).map_err(|_| bad(u)))
+            .map(|u| UserId::existing(u.as_str()).map_err(|_| bad(u)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(UserPage::read(query, users))
     }
@@ -349,7 +349,7 @@ impl KeyStore for RedisKeyStore {
                 let users: Vec<&str> = names
                     .iter()
                     .filter_map(|n| n.strip_prefix(head.as_str()))
-                    .filter(|u| UserId::new(*u).is_ok())
+                    .filter(|u| UserId::existing(*u).is_ok())
                     .collect();
                 if !users.is_empty() {
                     let mut zadd = redis::cmd("ZADD");

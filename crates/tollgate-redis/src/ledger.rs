@@ -841,7 +841,7 @@ impl Ledger for RedisLedger {
             .await?;
         let members = members
             .into_iter()
-            .filter_map(|m| UserId::new(m).ok())
+            .filter_map(|m| UserId::existing(m).ok())
             .collect();
         Ok(OrgUsage {
             org: org.clone(),
@@ -849,7 +849,7 @@ impl Ledger for RedisLedger {
             now_ms,
             windows,
             members,
-            next_member: next_member.and_then(|m| UserId::new(m).ok()),
+            next_member: next_member.and_then(|m| UserId::existing(m).ok()),
         })
     }
 

@@ -724,17 +724,26 @@ async fn job(
             } else {
                 (e.cause, e.charge, e.record_message())
             };
-            let upstream_body = e.upstream_body().unwrap_or_default();
+            // The upstream's answer may echo what it was sent (a 401 that
+            // quotes the key): at DEBUG only, cut, its provider's secrets masked.
+            if let Some(body) = e.upstream_body() {
+                let secrets = cfg
+                    .config
+                    .upstream(&job.provider)
+                    .map(secret_values)
+                    .unwrap_or_default();
+                tracing::debug!(upstream_body = %loggable_body(body, &secrets), "the upstream's error answer");
+            }
             match charge {
                 Charge::Keep => {
-                    tracing::info!(error = %e, cause = cause.as_str(), upstream_body, "job failed; the upstream may have worked: the charge stands");
+                    tracing::info!(error = %e, cause = cause.as_str(), "job failed; the upstream may have worked: the charge stands");
                     // No usage was reported: the call is charged the most
                     // it may have used (the reservation), never the estimate.
                     let kept = settle(source.as_ref(), lease, &serde_json::Value::Null).await;
                     spent = kept.unwrap_or(job.cost);
                 }
                 Charge::Release { absorbed } => {
-                    tracing::info!(error = %e, cause = cause.as_str(), absorbed, upstream_body, "job failed; releasing its charge")
+                    tracing::info!(error = %e, cause = cause.as_str(), absorbed, "job failed; releasing its charge")
                 }
             }
             if let Some(sink) = &sink {
@@ -809,6 +818,54 @@ impl<'a> Slot<'a> {
 
 /// Starts the run ([`JobSource::start`]: the claim) while the `first` slot is
 /// waited for; the slot comes back granted or still waited for.
+/// What of an upstream's error answer is logged, at most.
+const LOGGED_BODY: usize = 256;
+
+/// The values of `upstream`'s secret headers (`secret_headers`, `auth_env`),
+/// as the worker sent them, read from the environment (unset ones: none). A
+/// value sent as `Bearer <token>` counts its token too, which an echo may
+/// quote alone.
+fn secret_values(upstream: &tollgate_core::config::Upstream) -> Vec<String> {
+    let mut values = Vec::new();
+    for var in upstream
+        .secret_headers
+        .values()
+        .chain(upstream.auth_env.as_ref())
+    {
+        if let Ok(v) = std::env::var(var) {
+            if let Some((_, token)) = v.split_once(' ') {
+                values.push(token.trim().to_owned());
+            }
+            values.push(v);
+        }
+    }
+    values.retain(|v| !v.is_empty());
+    // The longest first: a token inside its own `Bearer` value is masked with it.
+    values.sort_by_key(|v| std::cmp::Reverse(v.len()));
+    values
+}
+
+/// `body` for a log line: each of `secrets` masked, then cut to
+/// [`LOGGED_BODY`] bytes (on a character's boundary), so that a cut never
+/// leaves part of a secret unmasked.
+fn loggable_body(body: &str, secrets: &[String]) -> String {
+    let mut text = body.to_owned();
+    for secret in secrets {
+        if !secret.is_empty() {
+            text = text.replace(secret.as_str(), "[masked]");
+        }
+    }
+    if text.len() > LOGGED_BODY {
+        let mut end = LOGGED_BODY;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push_str("...");
+    }
+    text
+}
+
 async fn start_with<'a>(
     source: &dyn JobSource,
     lease: &Lease,
@@ -959,5 +1016,25 @@ where
                 return None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{loggable_body, LOGGED_BODY};
+
+    #[test]
+    fn an_upstream_body_is_logged_masked_then_cut() {
+        let secrets = vec!["sk-0123456789".to_owned()];
+        let body = format!("bad key sk-0123456789 {}", "é".repeat(400));
+        let logged = loggable_body(&body, &secrets);
+        assert!(logged.starts_with("bad key [masked] "), "{logged}");
+        assert!(logged.len() <= LOGGED_BODY + 3, "{}", logged.len());
+        assert!(logged.ends_with("..."));
+        // A secret across the cut is masked before the cut: no prefix of it stays.
+        let body = format!("{}sk-0123456789", "x".repeat(LOGGED_BODY - 5));
+        let logged = loggable_body(&body, &secrets);
+        assert!(!logged.contains("sk-01"), "{logged}");
+        assert_eq!(loggable_body("short", &secrets), "short");
     }
 }

@@ -17,6 +17,8 @@
 --                (job_started.lua): a later run's failure keeps the charge
 --   result (JSON text) | cause, message; finished (ms)   once final
 --   refund       '1' while a failed job's release is not confirmed
+--   forget       '1': its keyless sync call was answered while the release was
+--                pending; the record goes once the release is confirmed
 --   sz, sb       the bytes the record counts against its user's stored bytes,
 --                and the bucket of the user's stored-bytes hash they are in
 -- A record gets a TTL only once it is final and owes no release. Once final it

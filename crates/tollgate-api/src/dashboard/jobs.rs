@@ -491,7 +491,7 @@ pub async fn detail(
     }
     let mut jobs = Vec::new();
     for user in users {
-        let Ok(uid) = UserId::new(&user) else {
+        let Ok(uid) = UserId::existing(&user) else {
             continue;
         };
         let info = state.jobs.status(&uid, &id).await?;

@@ -327,6 +327,22 @@ pub(super) fn parse_operations(
                 c
             }
         };
+        // `max` is the most a call may cost and `cost` its estimate: a max
+        // below the estimate would reserve more than any call can settle to
+        // (`reserve = "estimate"`), or cap every call under its own price.
+        if let Some(s) = settle
+            .as_ref()
+            .filter(|s| pricing.is_none() && s.max < cost)
+        {
+            return Err(invalid(
+                format!("{key}.settle.max"),
+                format!(
+                    "must be at least the operation's cost ({cost}): it is the most a call may \
+                     cost, got {}",
+                    s.max
+                ),
+            ));
+        }
         if settle.is_some() && (pricing.is_some() || money.currency != Currency::Tokens) {
             return Err(invalid(
                 format!("{key}.settle"),
@@ -738,5 +754,34 @@ mod tests {
         let c = Config::parse(&estimate, "t.toml").unwrap();
         let op = c.operation("llm.structured").unwrap();
         assert_eq!((op.charged_cost(), op.settle_may_raise()), (8, true));
+    }
+
+    /// `settle.max` is the most a call may cost: below the operation's `cost`
+    /// (the estimate) it would settle every call below what it was priced at,
+    /// and with `reserve = "estimate"` reserve more than it may ever settle
+    /// to. Refused at start, naming the key.
+    #[test]
+    fn settle_max_below_cost_is_refused() {
+        let with = |settle: &str| {
+            OPERATIONS.replacen(
+                "provider = \"llm\"",
+                &format!(
+                    "provider = \"llm\"\nsettle = {{ from = \"/usage/total_tokens\", {settle} }}"
+                ),
+                1,
+            )
+        };
+        // The operation's cost is 8.
+        for settle in ["max = 7", "max = 1", "max = 7, reserve = \"estimate\""] {
+            let e = err(&with(settle));
+            assert!(
+                e.contains("operations.llm.structured.settle.max"),
+                "{settle}: {e}"
+            );
+            assert!(e.contains("cost"), "{settle}: {e}");
+        }
+        for settle in ["max = 8", "max = 9", "max = 8, reserve = \"estimate\""] {
+            Config::parse(&with(settle), "t.toml").unwrap_or_else(|e| panic!("{settle}: {e}"));
+        }
     }
 }

@@ -227,7 +227,8 @@ pub fn job_complete(
     inv
 }
 
-/// `job_forget.lua`: 1 deleted (a final record of `user` owing nothing), 0 left alone.
+/// `job_forget.lua`: 1 deleted (a final record of `user` owing nothing), 2
+/// marked to go once its pending release is confirmed, 0 left alone.
 pub fn job_forget(keys: &JobKeys, id: &str, user: &str, nonce: &str) -> FunctionCall {
     let mut inv = JOBS.prepare("job_forget");
     inv.key(keys.job(id));
@@ -270,11 +271,12 @@ pub fn job_fail(keys: &JobKeys, a: FailArgs<'_>, channel: &str) -> FunctionCall 
     inv
 }
 
-/// `job_released.lua`
+/// `job_released.lua`: a record marked to be forgotten is deleted (its
+/// stored bytes given back), any other kept `ttl_ms`.
 pub fn job_released(keys: &JobKeys, id: &str, ttl_ms: u64) -> FunctionCall {
     let mut inv = JOBS.prepare("job_released");
     inv.key(keys.job(id)).key(&keys.releases);
-    inv.arg(id).arg(ttl_ms);
+    inv.arg(id).arg(ttl_ms).arg(keys.stored_prefix());
     inv
 }
 
