@@ -923,6 +923,57 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
     let c = browser(&driver).await;
     log_in(&c, &all.base, &all.admin).await;
 
+    // The list loads on open, without pressing List; each id links to its
+    // card, and the link opens it (a reload of a shared link too).
+    until(
+        &c,
+        "Number(document.body.dataset.jobRows || 0) >= 3",
+        Duration::from_secs(10),
+    )
+    .await;
+    let href = c
+        .execute(
+            &format!(
+                "const a = [...document.querySelectorAll('#job-list tbody td.mono a')]
+                   .find((a) => a.textContent === {});
+                 return a ? a.getAttribute('href') : null;",
+                json!(kept)
+            ),
+            vec![],
+        )
+        .await
+        .unwrap();
+    let href = href
+        .as_str()
+        .expect("the kept job's id is a link")
+        .to_owned();
+    assert!(href.starts_with("#job="), "{href}");
+    c.goto(&format!("{}/dashboard{href}", all.base))
+        .await
+        .unwrap();
+    c.refresh().await.unwrap();
+    until(
+        &c,
+        &format!(
+            "document.getElementById('job-detail').dataset.id === {}",
+            json!(kept)
+        ),
+        Duration::from_secs(10),
+    )
+    .await;
+    // Every table fits an 820 px window and a 1,400 px one: the page never
+    // scrolls sideways.
+    for width in [820u32, 1400] {
+        c.set_window_size(width, 1700).await.unwrap();
+        let fits = until(
+            &c,
+            "document.documentElement.scrollWidth <= window.innerWidth && [document.documentElement.scrollWidth, window.innerWidth]",
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(fits.is_array(), "{width} px: {fits}");
+    }
+
     // By id: the record's job with its whole timeline and its charge.
     find_job(&c, &kept).await;
     let steps = until(

@@ -11,6 +11,7 @@ document.addEventListener('securitypolicyviolation', (e) =>
   window.tollgateErrors.push('CSP: ' + e.violatedDirective));
 
 const POLL_MS = 1000;
+let listedOnOpen = false;
 const $ = (id) => document.getElementById(id);
 
 function el(tag, text, cls) {
@@ -376,6 +377,13 @@ async function poll() {
     render(await r.json());
     if (!$('csrf').value) await loadSession();
     show('app');
+    // The lists load on open (once logged in), without pressing List; a
+    // link to a job's card (#job=<id>) opens it.
+    if (!listedOnOpen) {
+      listedOnOpen = true;
+      listJobs();
+      openFromHash();
+    }
   } catch (err) {
     $('status').textContent = 'no answer from the api (' + err.message + '); retrying';
     $('status').className = 'status stale';
@@ -393,14 +401,19 @@ async function getJSON(url) {
   return body;
 }
 
+// How many rows the list asks for: 25, doubled by "Show more" (at most 100,
+// the route's bound), back to 25 on a new search.
+let jobLimit = 25;
+
 async function listJobs() {
-  const q = new URLSearchParams({ view: $('job-view').value, limit: '25' });
+  const q = new URLSearchParams({ view: $('job-view').value, limit: String(jobLimit) });
   if ($('job-user').value.trim()) q.set('user', $('job-user').value.trim());
   if ($('job-operation').value.trim()) q.set('operation', $('job-operation').value.trim());
   const tbody = $('job-list').tBodies[0];
   try {
     const list = await getJSON('/admin/jobs?' + q);
-    $('job-scope').textContent = 'From ' + list.scope + (list.more ? ' · more match: narrow the search' : '');
+    $('job-scope').textContent = 'From ' + list.scope + (list.more ? ' · more match' : '');
+    $('job-more').hidden = !list.more || jobLimit >= 100;
     let rows;
     if (list.view === 'dead') {
       rows = list.dead.map((d) => {
@@ -411,7 +424,12 @@ async function listJobs() {
       });
     } else {
       rows = list.rows.map((j) => {
-        const tr = row([el('td', time(j.at_ms)), el('td', j.id, 'mono'), el('td', j.user), el('td', j.operation),
+        // The id links to its card (#job=<id>: a link that can be shared).
+        const idCell = el('td', null, 'mono');
+        const link = el('a', j.id);
+        link.href = '#job=' + encodeURIComponent(j.id) + '&user=' + encodeURIComponent(j.user);
+        idCell.appendChild(link);
+        const tr = row([el('td', time(j.at_ms)), idCell, el('td', j.user), el('td', j.operation),
           num(j.cost), el('td', j.state + (j.cause ? ' (' + j.cause + ')' : ''), j.state === 'failed' ? 'error' : ''),
           el('td', j.refunded ? 'went back' : '')]);
         tr.dataset.id = j.id;
@@ -502,7 +520,14 @@ function cancelForm(id, user) {
   return form;
 }
 
-$('job-search').addEventListener('submit', (ev) => { ev.preventDefault(); listJobs(); });
+$('job-search').addEventListener('submit', (ev) => { ev.preventDefault(); jobLimit = 25; listJobs(); });
+$('job-more').addEventListener('click', () => { jobLimit = Math.min(100, jobLimit * 2); listJobs(); });
+// A link to a job (#job=<id>&user=<user>) opens its card, on load and on click.
+function openFromHash() {
+  const h = new URLSearchParams(location.hash.slice(1));
+  if (h.get('job')) showJob(h.get('job'), h.get('user') || '');
+}
+window.addEventListener('hashchange', openFromHash);
 $('job-find').addEventListener('click', () => {
   const id = $('job-id').value.trim();
   if (id) showJob(id, $('job-user').value.trim());
