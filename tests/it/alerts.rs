@@ -21,7 +21,7 @@ use tollgate_core::alerts::AlertOutbox;
 use tollgate_core::clock::SystemClock;
 use tollgate_core::config::Config;
 use tollgate_core::id::{OrgId, RequestId, UserId};
-use tollgate_core::ledger::{Ledger, ReserveOutcome};
+use tollgate_core::ledger::{ChargeOutcome, ChargeRequest, Ledger, RefundOutcome, ReserveOutcome};
 use tollgate_core::metrics::Metrics;
 use tollgate_memory::alerts::MemoryAlerts;
 use tollgate_memory::ledger::MemoryLedger;
@@ -457,10 +457,11 @@ async fn a_receiver_down_gets_the_alert_once_it_is_back(store: Store) {
     pods.stop().await;
 }
 
-/// A window's usage falling back below a threshold and rising again is a new
-/// crossing: by a refund, by events leaving the window; a settle that raises
-/// a cost crosses too; rising further above does not.
-async fn falling_below_and_rising_again_is_a_new_crossing(store: Store) {
+/// A window's usage that falls back below a threshold by a refund or a
+/// settle down and rises to it again crosses nothing new: the threshold
+/// stays crossed; only the window sliding (events leaving it) re-arms it.
+/// Rising further above crosses nothing either.
+async fn falling_below_and_rising_again_is_a_new_crossing_only_once_the_window_slid(store: Store) {
     let receiver = Receiver::start().await;
     let pods = Pods::start(store, config(&receiver.url, true)).await;
     let ledger = pods.ledgers[0].as_ref();
@@ -470,18 +471,22 @@ async fn falling_below_and_rising_again_is_a_new_crossing(store: Store) {
     let first = rid();
     assert!(ledger.reserve(&u, &first, 8).await.unwrap().is_allowed());
     assert!(reserve(ledger, &u, 1).await, "9: no new crossing");
-    // A refund takes it below; a raised settle takes it back up.
+    // A refund takes it below; a raised settle takes it back up: the same
+    // crossing, no new alert.
     ledger.refund(&u, &first).await.unwrap();
     let settled = rid();
     assert!(ledger.reserve(&u, &settled, 2).await.unwrap().is_allowed());
     ledger.settle(&u, &settled, 7).await.unwrap();
+    // Down by a settle, up again by a reserve: still the same crossing.
+    ledger.settle(&u, &settled, 1).await.unwrap();
+    assert!(reserve(ledger, &u, 6).await);
     // Events leave the 1.5 s window; 8 more cross again.
     tokio::time::sleep(Duration::from_millis(1700)).await;
     assert!(reserve(ledger, &u, 8).await);
-    receiver.wait_for(3, Duration::from_secs(30)).await;
+    receiver.wait_for(2, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let delivered = receiver.delivered();
-    assert_eq!(delivered.len(), 3, "{:?}", receiver.arrivals());
+    assert_eq!(delivered.len(), 2, "{:?}", receiver.arrivals());
     let mut used: Vec<u64> = Vec::new();
     let mut ids = BTreeSet::new();
     for (a, v) in &delivered {
@@ -492,8 +497,92 @@ async fn falling_below_and_rising_again_is_a_new_crossing(store: Store) {
         ids.insert(a.id.clone());
     }
     used.sort_unstable();
-    assert_eq!(used, [8, 8, 8]);
-    assert_eq!(ids.len(), 3);
+    assert_eq!(used, [8, 8]);
+    assert_eq!(ids.len(), 2);
+    pods.stop().await;
+}
+
+fn job_charge(nonce: &str, cost: u64) -> ChargeRequest<'_> {
+    ChargeRequest {
+        cost,
+        nonce,
+        operation: "op",
+        service_key: None,
+        fingerprint: "f",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(5),
+    }
+}
+
+/// A job charged (and admitted), then released because it failed: `n`
+/// times, each a charge that crosses `u`'s threshold at admission.
+async fn failing_calls(ledger: &dyn Ledger, u: &UserId, n: usize, cost: u64) {
+    for i in 0..n {
+        let (request, nonce) = (rid(), format!("n{i}"));
+        let charged = ledger
+            .charge(u, &request, &job_charge(&nonce, cost))
+            .await
+            .unwrap();
+        assert!(
+            matches!(charged, ChargeOutcome::Charged { .. }),
+            "{charged:?}"
+        );
+        let released = ledger.release(u, &request, &nonce).await.unwrap();
+        assert!(
+            matches!(released, RefundOutcome::Refunded { .. }),
+            "{released:?}"
+        );
+    }
+}
+
+/// A user parked just below 80 % whose 50 calls each cross it at admission
+/// and are released (the job failed): one crossing, one alert; nothing
+/// spent.
+async fn free_failing_calls_cross_once(store: Store) {
+    let receiver = Receiver::start().await;
+    let pods = Pods::start(store, config(&receiver.url, true)).await;
+    let ledger = pods.ledgers[0].as_ref();
+    let u = user("free");
+    assert!(reserve(ledger, &u, 79).await);
+    failing_calls(ledger, &u, 50, 1).await;
+    assert_eq!(ledger.usage(&u).await.unwrap().used, 79, "used unchanged");
+    receiver.wait_for(1, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let delivered = receiver.delivered();
+    assert_eq!(delivered.len(), 1, "{:?}", receiver.arrivals());
+    let (a, v) = &delivered[0];
+    check_delivery(a, v);
+    assert_eq!(v["threshold"].as_f64(), Some(0.8));
+    assert_eq!(v["used"], 80);
+    let depth = pods.outboxes[0].depth().await.unwrap();
+    assert_eq!(depth.subjects, 0, "nothing else queued: {depth:?}");
+    pods.stop().await;
+}
+
+/// Free failing calls cross once; once the user's old events left the
+/// window, crossing again (the same way) is a new crossing: one alert per
+/// window.
+async fn the_window_sliding_re_arms_a_threshold(store: Store) {
+    let receiver = Receiver::start().await;
+    let pods = Pods::start(store, config(&receiver.url, true)).await;
+    let ledger = pods.ledgers[0].as_ref();
+    let u = user("slide");
+    ledger.set_plan(&u, "short").await.unwrap();
+    assert!(reserve(ledger, &u, 7).await);
+    failing_calls(ledger, &u, 4, 1).await;
+    // The 7 leave the 1.5 s window (and so do the released calls).
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    assert!(reserve(ledger, &u, 7).await);
+    failing_calls(ledger, &u, 4, 1).await;
+    receiver.wait_for(2, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let delivered = receiver.delivered();
+    assert_eq!(delivered.len(), 2, "{:?}", receiver.arrivals());
+    for (a, v) in &delivered {
+        check_delivery(a, v);
+        assert_eq!(v["window_ms"], 1500);
+        assert_eq!(v["used"], 8);
+    }
     pods.stop().await;
 }
 
@@ -550,7 +639,9 @@ on_each_backend!(
     [
         crossings_are_delivered_exactly_once,
         a_receiver_down_gets_the_alert_once_it_is_back,
-        falling_below_and_rising_again_is_a_new_crossing,
+        falling_below_and_rising_again_is_a_new_crossing_only_once_the_window_slid,
+        free_failing_calls_cross_once,
+        the_window_sliding_re_arms_a_threshold,
         an_organisations_crossings_are_its_own_alerts,
     ]
     memory => super::Store::Memory,

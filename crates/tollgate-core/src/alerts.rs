@@ -208,15 +208,31 @@ impl AlertMarks {
     }
 
     /// The crossings of a change that took the windows' totals from `before`
-    /// to `after` (one per limit, in order).
-    pub fn crossings(&self, before: &[u64], after: &[u64], at_ms: u64) -> Vec<Crossing> {
+    /// to `after` (one per limit, in order), but none of a threshold the
+    /// window crossed already and left only by releases (`latches`, kept by
+    /// [`lowered`](Self::lowered); see [`Latch`]). Latches the thresholds
+    /// crossed.
+    pub fn crossings(
+        &self,
+        before: &[u64],
+        after: &[u64],
+        at_ms: u64,
+        latches: &mut Vec<Latch>,
+    ) -> Vec<Crossing> {
+        self.fit(latches);
         let mut out = Vec::new();
         for (k, (limit, window_ms, marks)) in self.limits.iter().enumerate() {
             let (Some(&b), Some(&a)) = (before.get(k), after.get(k)) else {
                 continue;
             };
-            for &(bp, tokens) in marks {
+            let latch = &mut latches[k];
+            latch.lapse(at_ms);
+            for (i, &(bp, tokens)) in marks.iter().enumerate() {
                 if b < tokens && a >= tokens {
+                    if latch.latched[i] && b.saturating_add(latch.released) >= tokens {
+                        continue;
+                    }
+                    latch.latched[i] = true;
                     out.push(Crossing {
                         window_ms: *window_ms,
                         threshold_bp: bp,
@@ -228,6 +244,91 @@ impl AlertMarks {
             }
         }
         out
+    }
+
+    /// A release, a refund or a settle down of an event spent at `spent_ms`
+    /// took the windows' totals from `before` to `after`: while a window's
+    /// threshold stays latched, what it gave back is added to the window's
+    /// `released` until that event would have left the window.
+    pub fn lowered(
+        &self,
+        before: &[u64],
+        after: &[u64],
+        spent_ms: u64,
+        now_ms: u64,
+        latches: &mut Vec<Latch>,
+    ) {
+        self.fit(latches);
+        for (k, (_, window_ms, marks)) in self.limits.iter().enumerate() {
+            let (Some(&b), Some(&a)) = (before.get(k), after.get(k)) else {
+                continue;
+            };
+            if a >= b {
+                continue;
+            }
+            let latch = &mut latches[k];
+            latch.lapse(now_ms);
+            // A threshold the window left by sliding is re-armed.
+            let gross = b.saturating_add(latch.released);
+            for (i, &(_, tokens)) in marks.iter().enumerate() {
+                if gross < tokens {
+                    latch.latched[i] = false;
+                }
+            }
+            if latch.latched.iter().any(|&l| l) {
+                latch.released += b - a;
+                latch.until_ms = latch.until_ms.max(spent_ms.saturating_add(*window_ms));
+            } else {
+                latch.released = 0;
+                latch.until_ms = 0;
+            }
+        }
+    }
+
+    /// `latches` as this plan's (one per limit, one flag per threshold); a
+    /// plan whose limits changed starts unlatched.
+    fn fit(&self, latches: &mut Vec<Latch>) {
+        let fits = latches.len() == self.limits.len()
+            && latches
+                .iter()
+                .zip(&self.limits)
+                .all(|(l, (_, _, m))| l.latched.len() == m.len());
+        if !fits {
+            *latches = self
+                .limits
+                .iter()
+                .map(|(_, _, m)| Latch {
+                    latched: vec![false; m.len()],
+                    ..Latch::default()
+                })
+                .collect();
+        }
+    }
+}
+
+/// One window's thresholds crossed (each alerted once) and what releases,
+/// refunds and settles down gave back since: a threshold stays crossed
+/// while the window's total plus `released` is at or above it, so a total
+/// brought back below it by a release and up again crosses nothing new.
+/// Only the window sliding re-arms it: events leaving the window lower the
+/// total and not `released`, and `released` itself lapses once every event
+/// it counts would have left the window (`until_ms`). Kept by the budget
+/// step, as `lua/budget/lib/alerts.lua` keeps meta's field 'q'.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Latch {
+    pub released: u64,
+    pub until_ms: u64,
+    /// Per threshold, in the plan's order: crossed (alerted) and not re-armed.
+    pub latched: Vec<bool>,
+}
+
+impl Latch {
+    /// Forgets `released` once every event it counts left the window.
+    fn lapse(&mut self, now_ms: u64) {
+        if self.released > 0 && now_ms >= self.until_ms {
+            self.released = 0;
+            self.until_ms = 0;
+        }
     }
 }
 
@@ -266,14 +367,36 @@ mod tests {
         let marks = AlertMarks {
             limits: vec![(10, 1000, vec![(8000, 8), (10_000, 10)])],
         };
-        assert!(marks.crossings(&[7], &[7], 1).is_empty());
-        assert_eq!(marks.crossings(&[7], &[8], 1).len(), 1);
-        assert!(marks.crossings(&[8], &[9], 1).is_empty());
-        let both = marks.crossings(&[0], &[10], 1);
+        let fresh = || Vec::new();
+        assert!(marks.crossings(&[7], &[7], 1, &mut fresh()).is_empty());
+        assert_eq!(marks.crossings(&[7], &[8], 1, &mut fresh()).len(), 1);
+        assert!(marks.crossings(&[8], &[9], 1, &mut fresh()).is_empty());
+        let both = marks.crossings(&[0], &[10], 1, &mut fresh());
         assert_eq!(
             both.iter().map(|c| c.threshold_bp).collect::<Vec<_>>(),
             [8000, 10_000]
         );
+    }
+
+    #[test]
+    fn a_release_does_not_re_arm_a_threshold_the_window_sliding_does() {
+        let marks = AlertMarks {
+            limits: vec![(10, 1000, vec![(8000, 8)])],
+        };
+        let mut l = Vec::new();
+        assert_eq!(marks.crossings(&[7], &[8], 100, &mut l).len(), 1);
+        // Released (spent at 100), charged again: the same crossing.
+        for now in 101..150 {
+            marks.lowered(&[8], &[7], 100, now, &mut l);
+            assert!(marks.crossings(&[7], &[8], now, &mut l).is_empty());
+        }
+        // The 7 left by sliding (to 0), then 8 more: a new crossing.
+        assert_eq!(marks.crossings(&[0], &[8], 1200, &mut l).len(), 1);
+        // Slid below (7 left, 1 stays) with releases still counted: a
+        // release there finds the threshold re-armed.
+        marks.lowered(&[8], &[7], 1200, 1300, &mut l);
+        marks.lowered(&[1], &[0], 1250, 2100, &mut l);
+        assert_eq!(marks.crossings(&[7], &[8], 2150, &mut l).len(), 1);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use async_trait::async_trait;
 
 use crate::alerts::MemoryAlerts;
 use std::borrow::Cow;
-use tollgate_core::alerts::{AlertMarks, Crossing};
+use tollgate_core::alerts::{AlertMarks, Crossing, Latch};
 use tollgate_core::clock::{Clock, SystemClock};
 use tollgate_core::config::{Config, Limit, Plan};
 use tollgate_core::id::{OrgId, RequestId, UserId};
@@ -82,12 +82,17 @@ struct OrgLog {
     /// (`OrgSide::sync`): what the call's change is compared with for alert
     /// crossings.
     before: Vec<u64>,
+    /// The thresholds of the organisation's plan in the call under way
+    /// (`None`: no alerts), and the crossings its windows keep
+    /// ([`Latch`]).
+    marks: Option<Arc<AlertMarks>>,
+    latches: Vec<Latch>,
 }
 
 /// The thresholds of `marks` each window of `log` crossed since its `before`.
-fn org_crossings(log: &OrgLog, marks: &AlertMarks, now: u64) -> Vec<Crossing> {
+fn org_crossings(log: &mut OrgLog, marks: &AlertMarks, now: u64) -> Vec<Crossing> {
     let after: Vec<u64> = (0..log.before.len()).map(|i| log.used(i)).collect();
-    marks.crossings(&log.before, &after, now)
+    marks.crossings(&log.before, &after, now, &mut log.latches)
 }
 
 fn org_key(user: &UserId, request: &str) -> Arc<str> {
@@ -153,6 +158,23 @@ impl OrgLog {
                 s.total += cost;
             }
         }
+    }
+
+    /// Sets an event's cost (0 removes it) for a release, a refund or a
+    /// settle: what it gives back keeps the thresholds crossed
+    /// ([`Latch`]).
+    fn give_back(&mut self, key: &str, cost: u64, now: u64) {
+        let Some(marks) = self.marks.clone() else {
+            self.recost(key, cost);
+            return;
+        };
+        let Some(&at) = self.index.get(key) else {
+            return;
+        };
+        let before: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
+        self.recost(key, cost);
+        let after: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
+        marks.lowered(&before, &after, at, now, &mut self.latches);
     }
 
     /// Sets an event's cost (0 removes it).
@@ -228,7 +250,7 @@ impl OrgSide<'_> {
     fn sync(&mut self, user: &mut UserLog, now: u64) {
         self.log.expire(now, &self.plan.limits, self.retain);
         for request in user.released.drain(..) {
-            self.log.recost(&org_key(self.user, &request), 0);
+            self.log.give_back(&org_key(self.user, &request), 0, now);
         }
         self.log.before = (0..self.plan.limits.len())
             .map(|i| self.log.used(i))
@@ -240,8 +262,8 @@ impl OrgSide<'_> {
         self.log.add(key, at, cost, now, self.retain);
     }
 
-    fn recost(&mut self, request: &str, cost: u64) {
-        self.log.recost(&org_key(self.user, request), cost);
+    fn recost(&mut self, request: &str, cost: u64, now: u64) {
+        self.log.give_back(&org_key(self.user, request), cost, now);
     }
 
     fn windows(&self, now: u64) -> OrgWindows {
@@ -311,8 +333,10 @@ struct UserLog {
     retired: bool,
     /// The thresholds of the plan of the call under way (`None`: no alerts).
     marks: Option<Arc<AlertMarks>>,
-    /// Crossings this call made, queued to the outbox when it ends.
+    /// Crossings this call made, queued to the outbox when it ends, and the
+    /// thresholds the windows keep crossed ([`Latch`]).
     crossings: Vec<Crossing>,
+    latches: Vec<Latch>,
     /// The organisation the user lives in: its log is there (this entry
     /// keeps only the pointer).
     org: Option<OrgId>,
@@ -733,7 +757,19 @@ impl UserLog {
             return;
         };
         let after: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
-        self.crossings.extend(marks.crossings(&before, &after, now));
+        self.crossings
+            .extend(marks.crossings(&before, &after, now, &mut self.latches));
+    }
+
+    /// Notes what a release, a refund or a settle down of an event spent at
+    /// `at` gave back (from the totals `before` it): the thresholds crossed
+    /// stay crossed ([`Latch`]).
+    fn note_lowered(&mut self, before: Option<Vec<u64>>, at: u64, now: u64) {
+        let (Some(before), Some(marks)) = (before, self.marks.clone()) else {
+            return;
+        };
+        let after: Vec<u64> = (0..marks.limits.len()).map(|i| self.used(i)).collect();
+        marks.lowered(&before, &after, at, now, &mut self.latches);
     }
 
     /// Gives back the index's capacity once it is mostly empty.
@@ -805,7 +841,13 @@ impl UserLog {
     fn recost(&mut self, seq: u64, cost: u64, now: u64) -> Option<u64> {
         let before = self.window_totals();
         let previous = self.recost_event(seq, cost, now);
-        self.note_crossings(before, now);
+        match previous {
+            Some(p) if p > cost => {
+                let at = self.events.get(seq).map_or(now, |e| e.at);
+                self.note_lowered(before, at, now);
+            }
+            _ => self.note_crossings(before, now),
+        }
         previous
     }
 
@@ -846,7 +888,9 @@ impl UserLog {
 
     /// Removes a live event before it left the window (a refund): exported.
     fn remove(&mut self, request: &str, now: u64) -> Option<u64> {
+        let before = self.window_totals();
         let (at, cost) = self.take(request, now)?;
+        self.note_lowered(before, at, now);
         let change = Change {
             request,
             cost,
@@ -1009,6 +1053,10 @@ impl<C: Clock> MemoryLedger<C> {
                 member.marks = self.marks.get(&self.plan_of(member).name).cloned();
             }
             olog.before.clear();
+            olog.marks = self
+                .alerts
+                .as_ref()
+                .and_then(|_| self.marks.get(&plan.name).cloned());
             let side = OrgSide {
                 org: &org,
                 plan,
@@ -1081,7 +1129,7 @@ impl<C: Clock> MemoryLedger<C> {
             match log.remove(request.as_str(), now) {
                 Some(cost) => {
                     if let Some(side) = side.as_mut() {
-                        side.recost(request.as_str(), 0);
+                        side.recost(request.as_str(), 0, now);
                     }
                     RefundOutcome::Refunded {
                         cost,
@@ -1198,7 +1246,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             }
             let cost = log.remove(request.as_str(), now).unwrap_or(0);
             if let Some(side) = side.as_mut() {
-                side.recost(request.as_str(), 0);
+                side.recost(request.as_str(), 0, now);
             }
             let used = log.longest_used();
             match held {
@@ -1228,7 +1276,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 };
             };
             if let Some(side) = side.as_mut() {
-                side.recost(request.as_str(), actual_cost);
+                side.recost(request.as_str(), actual_cost, now);
             }
             if actual_cost == 0 {
                 let previous_cost = log.remove(request.as_str(), now).unwrap_or(0);
@@ -1279,7 +1327,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 };
             }
             if let Some(side) = side.as_mut() {
-                side.recost(request.as_str(), actual_cost);
+                side.recost(request.as_str(), actual_cost, now);
             }
             if actual_cost == 0 {
                 let previous_cost = log
@@ -1342,7 +1390,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 o.estimate.get_or_insert(previous_cost);
             }
             if let Some(side) = side.as_mut() {
-                side.recost(request.as_str(), actual_cost);
+                side.recost(request.as_str(), actual_cost, now);
             }
             SettleOutcome::Settled {
                 previous_cost,

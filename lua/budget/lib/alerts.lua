@@ -108,23 +108,142 @@ local function snapshot()
   return t
 end
 
+-- The thresholds the subject's windows keep crossed (meta's 'q'), one per
+-- limit of its plan: { released, till, flags }. A threshold crossed (alerted)
+-- is latched (flags[i]) and stays crossed while the window's total plus
+-- `released` is at or above it: what releases, refunds and settles down gave
+-- back since, until every event it counts would have left the window
+-- (`till`, ms). So a total brought back below by a release and up again
+-- crosses nothing new; only the window sliding re-arms a threshold (events
+-- leaving lower the total, not `released`). One HGET, only on a change that
+-- crosses or lowers a total of a plan with thresholds. A plan whose limits
+-- changed starts unlatched. (tollgate_core::alerts::Latch: the same.)
+local function latches()
+  LATCHES = LATCHES or {}
+  local q = LATCHES[META]
+  if q then
+    return q
+  end
+  q = {}
+  local raw = redis.call('HGET', META, 'q')
+  local ok = raw ~= false and raw ~= nil
+  if ok then
+    for r, t, f in string.gmatch(raw, '(%d+):(%d+):([01]*)') do
+      local flags = {}
+      for i = 1, #f do
+        flags[i] = string.sub(f, i, i) == '1'
+      end
+      q[#q + 1] = { released = tonumber(r), till = tonumber(t), flags = flags }
+    end
+    ok = #q == #LIMITS
+    for k, l in ipairs(LIMITS) do
+      ok = ok and #q[k].flags == #(l.marks or {})
+    end
+  end
+  if not ok then
+    q = {}
+    for k, l in ipairs(LIMITS) do
+      local flags = {}
+      for i = 1, #(l.marks or {}) do
+        flags[i] = false
+      end
+      q[k] = { released = 0, till = 0, flags = flags }
+    end
+  end
+  LATCHES[META] = q
+  return q
+end
+
+local function save_latches(q)
+  local parts = {}
+  for k, c in ipairs(q) do
+    local f = {}
+    for i, on in ipairs(c.flags) do
+      f[i] = on and '1' or '0'
+    end
+    parts[k] = int(c.released) .. ':' .. int(c.till) .. ':' .. table.concat(f)
+  end
+  redis.call('HSET', META, 'q', table.concat(parts, ','))
+end
+
+-- Forgets what a window's latch counts as given back once every event it
+-- counts left the window.
+local function lapse(c, now)
+  if c.released > 0 and now >= c.till then
+    c.released, c.till = 0, 0
+  end
+end
+
 -- Queues an alert for each threshold a change crossed: a window's total went
 -- from below the threshold's tokens (`before`, from `snapshot`) to at or
--- above them. Called by `record` and `recost`, where a total goes up, so
--- exactly one call sees each crossing; a total that fell back below (events
--- leaving, refunds) crosses anew when it rises again.
+-- above them, unless the threshold is latched and was left only by what
+-- releases gave back (`latches`). Called by `record` and `recost`, where a
+-- total goes up, so exactly one call sees each crossing; a total that fell
+-- back below by events leaving the window crosses anew when it rises again.
 local function crossed(before, now)
   if not before then
     return
   end
+  local q = nil
   for k, l in ipairs(LIMITS) do
     if l.marks then
       local after = window_used(k)
-      for _, m in ipairs(l.marks) do
+      for i, m in ipairs(l.marks) do
         if before[k] < m.at and after >= m.at then
-          queue_alert(l, m.bp, after, now)
+          q = q or latches()
+          local c = q[k]
+          lapse(c, now)
+          if not (c.flags[i] and before[k] + c.released >= m.at) then
+            c.flags[i] = true
+            q.dirty = true
+            queue_alert(l, m.bp, after, now)
+          end
         end
       end
     end
+  end
+  if q and q.dirty then
+    q.dirty = nil
+    save_latches(q)
+  end
+end
+
+-- A release, a refund or a settle down of an event spent at `at` lowered
+-- the totals from `before` (from `snapshot`): a latched threshold the
+-- window's total plus `released` had already fallen below (events left the
+-- window) is re-armed; while one stays latched, what this gave back counts
+-- in `released` until the event would have left the window.
+local function lowered(before, at, now)
+  if not before or NOCHECK then
+    return
+  end
+  local q = nil
+  for k, l in ipairs(LIMITS) do
+    local after = window_used(k)
+    if l.marks and after < before[k] then
+      q = q or latches()
+      local c = q[k]
+      lapse(c, now)
+      local gross, any = before[k] + c.released, false
+      for i, m in ipairs(l.marks) do
+        if c.flags[i] and gross < m.at then
+          c.flags[i] = false
+          q.dirty = true
+        end
+        any = any or c.flags[i]
+      end
+      if any then
+        c.released = c.released + before[k] - after
+        c.till = math.max(c.till, at + l.window)
+        q.dirty = true
+      elseif c.released > 0 then
+        c.released, c.till = 0, 0
+        q.dirty = true
+      end
+    end
+  end
+  if q and q.dirty then
+    q.dirty = nil
+    save_latches(q)
   end
 end

@@ -80,6 +80,7 @@ end
 -- after (`used`: ignored, see window_used). `forced`: exported as an
 -- operator's forced correction (settle.lua).
 local function remove(ev, _used, now, forced)
+  local before = snapshot()
   if #SHORTS > 0 or EXPORT > 0 then
     unshort(spent(ev), ev.cost, now)
     export('refund', ev.rec.id, ev.cost, spent(ev), nil, nil, forced)
@@ -87,7 +88,9 @@ local function remove(ev, _used, now, forced)
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)
   TOTAL = TOTAL - ev.cost
-  return write_total(now)
+  local used = write_total(now)
+  lowered(before, spent(ev), now)
+  return used
 end
 
 -- Sets a live event's cost (from `find`; >= 1) in every window it is inside;
@@ -103,7 +106,11 @@ local function recost(ev, cost, now)
   update(ev)
   TOTAL = TOTAL - previous + cost
   local used = write_total(now)
-  crossed(before, now)
+  if cost < previous then
+    lowered(before, spent(ev), now)
+  else
+    crossed(before, now)
+  end
   return used
 end
 

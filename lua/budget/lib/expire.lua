@@ -135,10 +135,12 @@ local function expire(now, limits)
       local ev = find(id)
       if ev then
         -- A released hold is a refund; an event leaving the window is not a change.
+        local before = snapshot()
         TOTAL = TOTAL - ev.cost
         unshort(spent(ev), ev.cost, now)
         export('refund', id, ev.cost, spent(ev))
         drop(ev)
+        lowered(before, spent(ev), now)
         RELEASED = RELEASED or {}
         RELEASED[#RELEASED + 1] = id
       end

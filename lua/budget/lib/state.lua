@@ -36,6 +36,10 @@
 --                   cursor were subtracted); 'l', 's': the bucket count's power
 --                   of two and split pointer (absent: 1 and 0); 'x': the time
 --                   (ms) the log's and meta's expiry was last set to.
+--                   'q' (plans with alert thresholds, once one was crossed):
+--                   per limit '<released>:<until_ms>:<flags>', comma
+--                   separated, the thresholds crossed and not re-armed (see
+--                   `latches` in budget/lib/alerts.lua).
 --   KEYS[1] plan    string: the user's plan name (absent: the default plan)
 --   '<base>:limits' string: limits an admin set for this user, in the plan
 --                   table's 'limit:window_ms,...' form; they replace its
@@ -118,6 +122,9 @@ local PARSED, PARSED_N = {}, 0
 -- see `finish`), and meta's 'a': when an alert was queued that no deliverer
 -- has looked at since. LIMITS and PENDING are the subject's (see `use`).
 local LIMITS, POINTS, PENDING = nil, nil, nil
+-- The thresholds each subject's windows keep crossed (meta's 'q', see
+-- `latches`), by meta key, read at most once a call.
+local LATCHES = nil
 -- An outbox no deliverer looked at this long after an alert was queued has
 -- its pointer added again by the next call's caller (its first caller may
 -- have died before adding it).
@@ -180,7 +187,7 @@ local function begin(keys, args)
   set_keys(keys, 0)
   SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, RETAIN = {}, false, 2, 0, 0, 1, 0, 0
   KEPT, WORK, T0 = 0, SLICE, nil
-  LIMITS, POINTS, PENDING = nil, nil, nil
+  LIMITS, POINTS, PENDING, LATCHES = nil, nil, nil, nil
   -- SAVED and RELEASED are made when first needed: most calls need neither.
   SUBJECT, SAVED, RELEASED, MV, NOCHECK = 'user', nil, nil, nil, false
 end
