@@ -13,8 +13,9 @@
 -- are the debt of a declared weight too low (a client's max_tokens of 1 on
 -- a call that used 500): the level goes below empty, and later grants wait
 -- for the refill to pay it, so no declaration buys more than the upstream
--- allows over time. The debt is bounded by one burst (a call that used more
--- than a whole window's worth delays the provider by at most two windows).
+-- allows over time. The debt is bounded by a minute of the limit's refill
+-- (or its burst, if more): a report past any sense delays the provider by
+-- about a minute at most, not forever.
 -- Sent once, as every bucket script (a lost reply is not sent again).
 -- Returns the signed difference asked for (weight - used).
 
@@ -31,7 +32,7 @@ local now = now_us()
 limits_read(KEYS[1], L, now)
 for _, l in ipairs(L) do
   if l.weighted then
-    l.level = math.max(-l.cap, math.min(l.cap, l.level + delta))
+    l.level = math.max(-math.max(l.cap, l.rate * 60), math.min(l.cap, l.level + delta))
   end
 end
 bucket_keep(KEYS[1], limits_write(KEYS[1], L) + 1000)

@@ -1137,15 +1137,13 @@ async fn throttle_limits_usage_gives_back_and_takes_within_bounds(t: Arc<dyn Thr
         waited >= Duration::from_millis(200),
         "5 tokens from ~15 below empty at ~68/s: {waited:?}"
     );
-    // A call that used far more than a burst owes one burst at most.
-    assert_eq!(t.usage(&h, 500).await.unwrap(), Usage::Taken(480));
-    let floor = available(&t, "w-limits").await[1].1;
-    assert!(
-        (-30.0..-28.0).contains(&floor),
-        "at most one burst of debt: {floor}"
-    );
-    // Full again, a give-back adds nothing past the burst.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // A call that used far more than a burst owes all of it (up to a
+    // minute of the refill), not only one burst.
+    assert_eq!(t.usage(&h, 200).await.unwrap(), Usage::Taken(180));
+    let owed = available(&t, "w-limits").await[1].1;
+    assert!((-200.0..-160.0).contains(&owed), "the whole debt: {owed}");
+    // Full again (~210 tokens at ~68/s), a give-back adds nothing past the burst.
+    tokio::time::sleep(Duration::from_millis(3600)).await;
     assert_eq!(t.usage(&g, 0).await.unwrap(), Usage::GivenBack(30));
     let capped = available(&t, "w-limits").await[1].1;
     assert!(capped <= 30.0 + 1e-9, "past the burst: {capped}");

@@ -170,6 +170,71 @@ async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() 
     );
 }
 
+/// Calls that declare a weight far below what they use (`max_tokens` 0, 1,
+/// or none: the operation's default of 100), each using 250 tokens: the
+/// throttle takes what each used past its weight below empty, a debt the
+/// next grants wait for. Before, the rest was forgiven at empty, and the
+/// upstream saw every 2 s window far past its 6,000 tokens (the request
+/// limit alone bound it: ~120 calls, ~30,000 tokens).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_limits_hold_against_calls_that_under_declare_their_weight() {
+    const USED: u64 = 250;
+    const UNDER: usize = 90;
+    let upstream = Upstream::unlimited(Duration::from_millis(20)).await;
+    let config = Config::parse(&config_text(&upstream.url()), "limits test").unwrap();
+    let metrics = Arc::new(Metrics::new(&config));
+    let throttle: Arc<dyn Throttle> =
+        Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics)));
+    let clients = tollgate_providers::from_config(&config, throttle, &metrics).unwrap();
+    let client = Arc::clone(&clients["llm"]);
+    let mut calls = Vec::new();
+    for i in 0..UNDER {
+        let client = Arc::clone(&client);
+        let mut input = json!({ "n": i, "upstream": { "usage": USED } });
+        match i % 3 {
+            0 => input["max_tokens"] = json!(0),
+            1 => input["max_tokens"] = json!(1),
+            _ => {}
+        }
+        let job = Job {
+            id: RequestId::new(format!("under-{i}")).unwrap(),
+            user: UserId::new("pat").unwrap(),
+            operation: "call".into(),
+            provider: "llm".into(),
+            input,
+            cost: 1,
+            enqueued_at_ms: 0,
+            deadline_ms: u64::MAX,
+            run: 1,
+            nonce: String::new(),
+            trace: None,
+            price: None,
+            charged: None,
+        };
+        calls.push(tokio::spawn(async move {
+            client.call(&job, CallOptions::default()).await
+        }));
+    }
+    for c in calls {
+        c.await.unwrap().expect("every call succeeds");
+    }
+    let mut at: Vec<u64> = upstream.arrivals().iter().map(|a| a.at_us).collect();
+    at.sort_unstable();
+    assert_eq!(at.len(), UNDER);
+    let per_us = TOKENS_PER.as_micros() as u64;
+    let worst = (0..at.len())
+        .map(|i| at[i..].iter().take_while(|t| **t < at[i] + per_us).count() as u64 * USED)
+        .max()
+        .unwrap_or(0);
+    // What the upstream saw in any 2 s: the limit, and the calls granted
+    // before the first usage came back (a burst of the request limit) and
+    // one in flight: a few calls' worth, never the ~30,000 of before.
+    assert!(
+        worst <= TOKENS + 4 * USED,
+        "{worst} tokens within 2 s (limit {TOKENS})"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_limits_across_processes_keep_every_window_and_use_the_binding_one() {
     let upstream = Upstream::unlimited(Duration::from_millis(20)).await;

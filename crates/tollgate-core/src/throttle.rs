@@ -209,8 +209,8 @@ pub enum Usage {
     Matched,
     /// It used less: this much went back (each limit at most to full).
     GivenBack(u64),
-    /// It used more: this much more was taken (each limit at most to minus
-    /// its burst: a debt later grants wait for).
+    /// It used more: this much more was taken (below empty: a debt later
+    /// grants wait for, at most a minute of the limit's refill).
     Taken(u64),
 }
 
@@ -293,8 +293,9 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
     /// The call made with `grant` used `used` tokens, as its answer reported:
     /// the difference from its weight goes back to its provider's token
     /// limits, or is taken from them, in one atomic step (never past full;
-    /// taken below empty as a debt later grants wait for, at most one burst
-    /// of it: a weight declared too low cannot buy more than the limit). Nothing to do for a provider without token limits.
+    /// taken below empty as a debt later grants wait for, at most a minute
+    /// of the limit's refill: a weight declared too low cannot buy more than
+    /// the limit over time). Nothing to do for a provider without token limits.
     /// Sent once: a lost answer leaves the weight standing, or adjusted.
     async fn usage(&self, grant: &Grant, used: u64) -> Result<Usage, ThrottleError>;
 }

@@ -239,8 +239,9 @@ impl Bucket {
         for (l, level) in self.provider.limits.iter().zip(st.levels.iter_mut()) {
             if l.kind == LimitKind::Tokens {
                 // Below empty: the debt of a weight declared too low, paid
-                // by later grants' waits (at most one burst of it).
-                *level = (*level + delta).clamp(-(l.burst as f64), l.burst as f64);
+                // by later grants' waits (at most a minute of the refill).
+                let floor = (l.burst as f64).max(l.rate * 60.0);
+                *level = (*level + delta).clamp(-floor, l.burst as f64);
             }
         }
         drop(st);
