@@ -17,6 +17,7 @@ from tollgate import (
     AsyncClient,
     BudgetExhausted,
     BudgetExhaustedError,
+    ConfigError,
     Client,
     Done,
     Pending,
@@ -109,6 +110,29 @@ def test_an_async_submission_is_waited_for(server):
         done = client.submit_and_wait("echo.op", {"q": "both"}, idempotency_key="order-2")
         assert isinstance(done, Done) and done.result["echo"] == {"q": "both"}, done
         assert client.usage().used == 2 * COST
+
+
+def test_a_service_keys_job_is_waited_for_without_naming_its_user_again(server):
+    """A service key submits for an end user; wait() and job() of that job
+    find it without the user named again (the client remembers it)."""
+    http = httpx.Client(timeout=10)
+    r = http.post(
+        f"{server.base}/admin/users",
+        headers={"Authorization": f"Bearer {server.admin_token}"},
+        json={"user": "backend", "kind": "service"},
+    )
+    assert r.status_code == 201, r.text
+    service_key = r.json()["api_key"]
+    http.close()
+    with Client(server.base, service_key) as client:
+        pending = client.submit("echo.op", {"q": "for carol"}, on_behalf_of="carol")
+        assert isinstance(pending, Pending), pending
+        done = client.wait(pending.job_id, timeout=30)
+        assert isinstance(done, Done), done
+        assert done.result["echo"] == {"q": "for carol"}
+        assert isinstance(client.job(pending.job_id), Done)
+        with pytest.raises(ConfigError):
+            client.submit("echo.op", {}, on_behalf_of="..")
 
 
 def test_a_503_during_a_redis_restart_is_retried_with_the_same_key_and_charged_once():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json as _json
 import random
+from collections import OrderedDict
 import re
 import time
 import uuid
@@ -38,6 +39,8 @@ _MAX_POLL = 1.0
 # asking the server to wait (in whole seconds) again.
 _LONG_POLL_LEFT = 1.5
 _SUBMIT_WAIT = 10
+# How many submitted jobs' users a client remembers (see _Core._remember).
+_JOB_USERS = 4096
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,19 @@ class _Core:
         self.user = _check_user(on_behalf_of) if on_behalf_of is not None else None
         self.retry = retry or RetryPolicy()
         self.on_retry = on_retry
+        # The user each job was submitted for (a service key's call names one):
+        # job() and wait() of that job need not name it again. The newest
+        # _JOB_USERS jobs are remembered.
+        self._job_users: "OrderedDict[str, str]" = OrderedDict()
+
+    def _remember(self, job_id: str, user: Optional[str]) -> None:
+        u = user if user is not None else self.user
+        if u is None:
+            return
+        self._job_users[job_id] = u
+        self._job_users.move_to_end(job_id)
+        while len(self._job_users) > _JOB_USERS:
+            self._job_users.popitem(last=False)
 
     def _headers(self, user: Optional[str]) -> Dict[str, str]:
         h = {"Authorization": self._auth}
@@ -243,6 +259,8 @@ class _Core:
                     step = Retry(result.retry_after, result)
                     reason = "budget"
                 else:
+                    if isinstance(result, Pending):
+                        self._remember(result.job_id, user)
                     return _end(result, progress, self.retry)
             pause = self._pause(progress, step.hint, key, reason)
             if pause is None:
@@ -274,6 +292,8 @@ class _Core:
     def _job_flow(self, job_id: str, user: Optional[str], progress: _Progress) -> Flow:
         if not _ID.match(job_id):
             raise ConfigError(f"{job_id!r} is not a job id")
+        if user is None:
+            user = self._job_users.get(job_id)
         got = yield from self._read_flow(f"/v1/jobs/{job_id}", user, progress)
         return _stamp(job_outcome(got.body), progress, self.retry)
 
@@ -343,7 +363,7 @@ class _Core:
 
 
 def _check_user(user: str) -> str:
-    if not _ID.match(user):
+    if not _ID.match(user) or user in (".", ".."):
         raise ConfigError(f"{user!r} is not a valid user id")
     return user
 
