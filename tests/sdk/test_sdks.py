@@ -523,3 +523,27 @@ def test_tollgate_all_with_no_config_streams_through_the_official_sdks():
         claude = anthropic.Anthropic(base_url=f"{t.base}/v1/passthrough/anthropic", api_key=t.key)
         answer = claude.messages.create(model="claude", max_tokens=50, messages=[{"role": "user", "content": "hi"}])
         assert answer.content[0].text == "mock answer to: hi"
+
+
+def test_the_documented_pass_through_config_runs_as_written(monkeypatch):
+    """docs/src/streaming.md's config, as written but for the two upstream
+    urls (the mock's) and the secret variables it names (set to anything):
+    a plan that holds a call, and both SDKs through it."""
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "src" / "streaming.md"
+    config = re.search(r"```toml\n(.*?)```", page.read_text(), re.S).group(1)
+    assert 'url = "https://api.openai.com/v1"' in config and 'url = "https://api.anthropic.com"' in config
+    monkeypatch.setenv("OPENAI_AUTHORIZATION", "Bearer sk-test")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")
+    with MockProvider() as mock:
+        config = config.replace("https://api.openai.com/v1", f"{mock.url}/v1")
+        config = config.replace("https://api.anthropic.com", mock.url)
+        with Tollgate(config) as t:
+            client = openai.OpenAI(base_url=f"{t.base}/v1/passthrough/openai", api_key=t.key)
+            answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert answer.choices[0].message.content == "mock answer to: hi"
+            claude = anthropic.Anthropic(base_url=f"{t.base}/v1/passthrough/anthropic", api_key=t.key)
+            message = claude.messages.create(model="c", max_tokens=16, messages=[{"role": "user", "content": "hi"}])
+            assert message.content[0].text == "mock answer to: hi"
