@@ -106,17 +106,6 @@ async fn invocation<T: FromRedisValue>(
     inv: Invocation<'_, '_>,
 ) -> Result<T, StoreError> {
     match pool.durability() {
-        // Fsync mode reads the setting again where a call is accepted (at
-        // most every FSYNC_RECHECK): a Redis reconfigured at runtime stops
-        // accepting calls on every pod, not only on new connections.
-        Durability::Fsync if ACCEPTING.contains(&op) => {
-            if let Some(problem) = crate::durability::fsync_problem(pool, timeout).await {
-                return Err(StoreError::unavailable(format!(
-                    "Redis no longer keeps an accepted call: {problem}"
-                )));
-            }
-            call(pool, timeout, op, Request::Script(inv), Repeat::Never).await
-        }
         Durability::Replica {
             replicas,
             timeout: wait,
