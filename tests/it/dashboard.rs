@@ -1071,6 +1071,21 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
     )
     .await;
     assert_eq!(after_reload, oldest, "a reload shows the same history");
+    // The charts' time axis is scaled to the samples there are (from the
+    // oldest, at least a minute), not to the whole hour, and has ticks.
+    let axis = until(
+        &c,
+        "(() => { const c = document.querySelector('[data-chart=\"all\"]'); \
+         return c && Number(c.dataset.ticks) >= 2 && [Number(c.dataset.fromMs), Number(c.dataset.ticks)]; })()",
+        Duration::from_secs(5),
+    )
+    .await;
+    let from = axis[0].as_u64().unwrap();
+    let oldest_ms: u64 = oldest.as_str().unwrap().parse().unwrap();
+    assert!(
+        from <= oldest_ms && oldest_ms - from <= 61_000,
+        "the axis starts at the oldest sample or a minute back: {axis} (oldest {oldest_ms})"
+    );
     let newest: u64 = until(
         &c,
         "document.body.dataset.historyNewest",

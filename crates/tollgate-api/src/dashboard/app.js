@@ -160,6 +160,8 @@ function renderHistory() {
     const stats = draw(card.querySelector('canvas'), series, now);
     card.dataset.points = String(stats.points);
     card.dataset.gaps = String(stats.gaps);
+    card.dataset.fromMs = String(stats.from);
+    card.dataset.ticks = String(stats.ticks);
     drawn += 1;
   }
   const n = hist.points.length;
@@ -172,9 +174,15 @@ function renderHistory() {
   document.body.dataset.historyCharts = String(drawn);
 }
 
-// Lines over the last hour, each scaled to its own maximum; a line breaks
-// where a slot has no sample (or a count is unknown after one): a gap is
-// drawn as a gap, never bridged.
+// The steps a time axis may tick at, smallest first.
+const TICK_STEPS = [10e3, 30e3, 60e3, 120e3, 300e3, 600e3, 900e3, 1800e3];
+const AXIS = 12; // px under the lines for the time labels
+
+// Lines over the samples there are (from the oldest, at least the last
+// minute, at most the hour the server keeps: the first minutes after a start
+// fill the width, not its right edge), each scaled to its own maximum, over a
+// time axis; a line breaks where a slot has no sample (or a count is unknown
+// after one): a gap is drawn as a gap, never bridged.
 function draw(canvas, series, now) {
   const span = hist.span_ms;
   const gapAfter = hist.interval_ms * 1.5;
@@ -186,18 +194,35 @@ function draw(canvas, series, now) {
   const ctx = canvas.getContext('2d');
   let gaps = 0;
   for (let i = 1; i < pts.length; i++) if (pts[i].at_ms - pts[i - 1].at_ms > gapAfter) gaps += 1;
-  if (!ctx) return { points: pts.length, gaps };
+  const oldest = pts.length ? pts[0].at_ms : now;
+  const from = Math.max(now - span, Math.min(oldest, now - 60e3));
+  const step = TICK_STEPS.find((s) => (now - from) / s <= 4) || 3600e3;
+  const ticks = [];
+  for (let t = Math.ceil(from / step) * step; t <= now; t += step) ticks.push(t);
+  if (!ctx) return { points: pts.length, gaps, from, ticks: ticks.length };
   ctx.scale(ratio, ratio);
   ctx.clearRect(0, 0, w, h);
+  const x = (at) => ((at - from) / Math.max(1, now - from)) * w;
+  const base = h - AXIS;
   ctx.strokeStyle = '#dde1e8';
   ctx.beginPath();
-  ctx.moveTo(0, h - 0.5); ctx.lineTo(w, h - 0.5);
+  ctx.moveTo(0, base - 0.5); ctx.lineTo(w, base - 0.5);
   ctx.stroke();
-  const x = (at) => w - ((now - at) / span) * w;
+  ctx.font = '10px system-ui, sans-serif';
+  ctx.fillStyle = '#677287';
+  for (const t of ticks) {
+    const tx = x(t);
+    ctx.fillRect(tx, base, 1, 3);
+    const label = new Date(t).toLocaleTimeString([], step < 60e3
+      ? { hour: '2-digit', minute: '2-digit', second: '2-digit' }
+      : { hour: '2-digit', minute: '2-digit' });
+    const lw = ctx.measureText(label).width;
+    ctx.fillText(label, Math.min(Math.max(0, tx - lw / 2), w - lw), h - 1);
+  }
   series.forEach(([, color, value], n) => {
     const values = pts.map(value);
     const max = Math.max(1, ...values.filter((v) => v !== null && v !== undefined));
-    const y = (v) => h - 2 - (v / max) * (h - 8);
+    const y = (v) => base - 2 - (v / max) * (base - 8);
     ctx.strokeStyle = color;
     ctx.fillStyle = color;
     ctx.lineWidth = 1.5;
@@ -219,7 +244,7 @@ function draw(canvas, series, now) {
     ctx.font = '10px system-ui, sans-serif';
     ctx.fillText('max ' + (Number.isInteger(max) ? max : max.toFixed(2)), 4 + n * 70, 10);
   });
-  return { points: pts.length, gaps };
+  return { points: pts.length, gaps, from, ticks: ticks.length };
 }
 
 const CLASSES = ['2xx', '4xx', '429', '5xx', 'timeout'];
