@@ -375,6 +375,45 @@ async fn dashboard_in_a_real_browser() {
     let errors = page_errors(&c).await;
     assert_eq!(errors, json!([]), "the page's JavaScript logged errors");
 
+    // Paging: more calls than a page; the list's Show more brings the rest,
+    // and hides itself once nothing more matches. The labels say what they
+    // count.
+    calls(&http, &all, 24).await;
+    c.find(Locator::Id("job-list-submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until(
+        &c,
+        "Number(document.body.dataset.jobRows) === 25 && !document.getElementById('job-more').hidden",
+        Duration::from_secs(10),
+    )
+    .await;
+    c.find(Locator::Id("job-more"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until(
+        &c,
+        "Number(document.body.dataset.jobRows) >= 27 && document.getElementById('job-more').hidden",
+        Duration::from_secs(10),
+    )
+    .await;
+    let label = c
+        .execute(
+            "return document.getElementById('most-denied').previousElementSibling.textContent;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert!(
+        label.as_str().unwrap_or_default().contains("at most 1,000"),
+        "{label}"
+    );
     let png = c.screenshot().await.unwrap();
     let path = target_dir().join("dashboard.png");
     std::fs::write(&path, &png).unwrap();
