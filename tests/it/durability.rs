@@ -182,6 +182,58 @@ async fn fsync_mode_is_ready_on_always_and_fails_closed_once_redis_stops_fsyncin
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
 }
 
+/// A Redis reconfigured at runtime stops accepting calls on pooled
+/// connections too, on every pod, within the recheck bound: before, calls
+/// went on answering 202 for as long as the pool kept its connections
+/// (/readyz alone said not ready).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsync_mode_stops_accepting_on_pooled_connections_once_redis_stops_fsyncing() {
+    async fn accept(h: &Harness, key: &str, text: &str) -> crate::api::Resp {
+        h.post(
+            "/v1/ops/embeddings?async=true",
+            key,
+            json!({ "text": text }),
+        )
+        .await
+    }
+    let server = RedisServer::start_with(&ALWAYS);
+    let pods = [
+        api(&server.url(), Durability::Fsync).await.unwrap(),
+        api(&server.url(), Durability::Fsync).await.unwrap(),
+    ];
+    let mut keys = Vec::new();
+    for (i, h) in pods.iter().enumerate() {
+        keys.push(h.user(&format!("pod{i}"), "free").await);
+    }
+    for (h, key) in pods.iter().zip(&keys) {
+        let r = accept(h, key, "kept").await;
+        assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+    }
+    let recheck = tollgate_redis::durability::FSYNC_RECHECK + Duration::from_millis(200);
+    for (setting, value) in [("appendfsync", "everysec"), ("appendonly", "no")] {
+        redis_cmd::<()>(&server.url(), &config_set(setting, value)).await;
+        tokio::time::sleep(recheck).await;
+        // The pools' connections are the same ones that accepted above.
+        for (h, key) in pods.iter().zip(&keys) {
+            let r = accept(h, key, "lost?").await;
+            assert_eq!(
+                r.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{setting}: {}",
+                r.body
+            );
+            r.problem(ProblemType::BackendUnavailable);
+        }
+        redis_cmd::<()>(&server.url(), &config_set("appendonly", "yes")).await;
+        redis_cmd::<()>(&server.url(), &config_set("appendfsync", "always")).await;
+        tokio::time::sleep(recheck).await;
+        for (h, key) in pods.iter().zip(&keys) {
+            let r = accept(h, key, "kept again").await;
+            assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hidden_config_command_is_unknown_and_fails_closed_in_fsync_mode() {
     let server = RedisServer::start_with(&[

@@ -270,6 +270,9 @@ async fn run(
                 .into(),
         )),
         Some((slot, reader)) => {
+            // A job a retry joined, or one its key can ask for again, keeps
+            // its record for the next.
+            let keep = joined.is_some() || headers.contains_key(crate::cost::IDEMPOTENCY_KEY);
             stream(
                 state,
                 &priced,
@@ -277,6 +280,7 @@ async fn run(
                 watch,
                 (slot, reader),
                 Flavor::of(headers),
+                keep,
             )
             .await
         }
@@ -444,7 +448,9 @@ fn watch_final(
 
 /// A streamed answer: waits for its first event (an error before any is the
 /// job's error, as a whole answer's), then answers `text/event-stream` and
-/// pumps the rest to the client.
+/// pumps the rest to the client. A job final without a single event is
+/// answered with its record, which goes unless `keep` (a retry with the same
+/// Idempotency-Key must find it).
 async fn stream(
     state: &ApiState,
     priced: &Priced,
@@ -452,6 +458,7 @@ async fn stream(
     watch: tollgate_core::job::Watch,
     (slot, mut reader): (StreamSlot, Box<dyn StreamReader>),
     flavor: Flavor,
+    keep: bool,
 ) -> Result<Response, ApiError> {
     let mut final_rx = watch_final(state, priced, info.clone(), watch);
     let mut final_info: Option<Option<JobInfo>> = None;
@@ -491,7 +498,7 @@ async fn stream(
                 Read::Idle if grace_end.is_some_and(|e| tokio::time::Instant::now() >= e) => {
                     // Final without a single event: the record answers.
                     return match final_info.flatten() {
-                        Some(info) if info.status.is_final() => whole(state, &info, true),
+                        Some(info) if info.status.is_final() => whole(state, &info, !keep),
                         _ => Err(ApiError::RequestTimeout(state.settings.sync_timeout)),
                     };
                 }

@@ -57,6 +57,52 @@ impl DurabilityCheck for RedisDurability {
     }
 }
 
+/// How long fsync mode trusts its last reading of Redis's AOF setting where
+/// a call is accepted: a Redis that stops fsyncing every write (`CONFIG SET
+/// appendfsync everysec`, `appendonly no`) turns the next accepting write
+/// into a 503 within this, on every pod.
+pub const FSYNC_RECHECK: Duration = Duration::from_secs(1);
+
+/// Fsync mode's check where a call is accepted: the AOF setting read again at
+/// most every [`FSYNC_RECHECK`] (one `CONFIG GET` pair a second per pod,
+/// whatever the load; one caller reads while the others wait for its
+/// verdict). A connection is checked when it is made, but a pooled one lives
+/// on: without this, a Redis reconfigured at runtime kept accepting calls.
+#[derive(Debug, Default)]
+pub struct FsyncGate {
+    /// When the setting was last read, and what was wrong with it.
+    last: std::sync::Mutex<Option<(std::time::Instant, Option<String>)>>,
+    reading: tokio::sync::Mutex<()>,
+}
+
+impl FsyncGate {
+    fn fresh(&self) -> Option<Option<String>> {
+        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        match &*last {
+            Some((at, problem)) if at.elapsed() < FSYNC_RECHECK => Some(problem.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// Why `pool`'s Redis may not accept a call in fsync mode now (`None`: it
+/// fsyncs every write, as last read within [`FSYNC_RECHECK`]). Unreadable
+/// counts as not durable: fail closed.
+pub(crate) async fn fsync_problem(pool: &Pool, timeout: Duration) -> Option<String> {
+    let gate = pool.fsync_gate();
+    if let Some(problem) = gate.fresh() {
+        return problem;
+    }
+    let _reading = gate.reading.lock().await;
+    if let Some(problem) = gate.fresh() {
+        return problem;
+    }
+    let problem = judge(Durability::Fsync, read(pool, timeout).await, None).problem;
+    *gate.last.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some((std::time::Instant::now(), problem.clone()));
+    problem
+}
+
 /// The two CONFIG GETs, as one pipeline.
 pub(crate) fn config_get() -> redis::Pipeline {
     let mut pipe = redis::pipe();

@@ -80,6 +80,8 @@ pub struct ClusterPool {
     tls: Tls,
     timeout: Duration,
     durability: Durability,
+    /// Fsync mode's check where a call is accepted ([`durability::FsyncGate`]).
+    gate: std::sync::Arc<durability::FsyncGate>,
 }
 
 impl std::fmt::Debug for ClusterPool {
@@ -136,6 +138,14 @@ impl Pool {
         match self {
             Self::Single(p) => p.manager().durability,
             Self::Cluster(c) => c.durability,
+        }
+    }
+
+    /// Fsync mode's check where a call is accepted.
+    pub(crate) fn fsync_gate(&self) -> &durability::FsyncGate {
+        match self {
+            Self::Single(p) => &p.manager().gate,
+            Self::Cluster(c) => &c.gate,
         }
     }
 
@@ -264,6 +274,8 @@ pub struct Manager {
     /// The last refusal's reason, until a connection is accepted again: what
     /// `/readyz` says while no call can be made.
     refusal: Mutex<Option<String>>,
+    /// Fsync mode's check where a call is accepted ([`durability::FsyncGate`]).
+    gate: std::sync::Arc<durability::FsyncGate>,
 }
 
 impl Manager {
@@ -649,6 +661,7 @@ async fn connect_pool(url: &str, options: &PoolOptions) -> Result<Pool, RedisBac
         timeout: options.timeout,
         durability: options.durability,
         refusal: Mutex::default(),
+        gate: std::sync::Arc::default(),
     })
     .max_size(options.max_size)
     .wait_timeout(Some(options.timeout))
@@ -720,6 +733,7 @@ async fn connect_cluster(
                 tls: options.tls.clone(),
                 timeout: options.timeout,
                 durability: options.durability,
+                gate: std::sync::Arc::default(),
             }));
             // No connection of a cluster is made here (redis-rs makes them):
             // fsync mode is checked on every primary at start and by /readyz.
