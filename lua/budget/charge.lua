@@ -12,7 +12,10 @@
 -- ARGV[5] fingerprint of the request body
 -- ARGV[6] the job's deadline after now (ms), ARGV[7] hold grace (ms): a charge no
 --         job has claimed by deadline + grace is released
--- ARGV[8..] export maxlen, retention, then the plan table (budget/lib/state.lua)
+-- ARGV[8] '1' when no new charge may be accepted now (fsync mode, and Redis is
+--         not known to fsync every write): the same request charged already is
+--         still answered (a retry finds its job), a new one is refused
+-- ARGV[9..] export maxlen, retention, then the plan table (budget/lib/state.lua)
 -- Returns one of
 --   { 1, now_ms, deadline_ms, windows..., plan }    charged, held for its job
 --   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows..., plan }
@@ -22,6 +25,7 @@
 --   { 3, operation }   the id is charged for another operation or body: nothing charged
 --   { 4 }              the id is charged by a plain reserve: nothing charged
 --   { -1, max_cost }   cost can never fit this plan
+--   { 5 }              a new charge, refused as ARGV[8] asks: nothing charged
 -- windows: see push_windows in budget/lib/events.lua.
 -- A member of an organisation (see budget/lib/state.lua): KEYS[7..12] the
 -- organisation's budget keys; the organisation's plan name and windows follow
@@ -33,13 +37,13 @@
 -- A refunded charge is forgotten with its event: the same request then charges anew.
 
 local request, cost, nonce, op, fp = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local deadline_after, grace = tonumber(ARGV[6]), tonumber(ARGV[7])
+local deadline_after, grace, refuse_new = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8] == '1'
 if not deadline_after or deadline_after < 1 or not grace or grace < 0
     or not string.match(nonce, '^%w+$') or not string.match(op, '^%S+$')
     or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 then
   return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
 end
-local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 8)
+local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 9)
 if never then
   return never
 end
@@ -56,6 +60,10 @@ if ev then
     used, now), org, now)
   out[#out + 1] = plan
   return out
+end
+
+if refuse_new then
+  return { 5 }
 end
 
 if not fits(limits, used, cost) or not org_fits(org, cost) then

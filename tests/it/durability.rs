@@ -182,17 +182,22 @@ async fn fsync_mode_is_ready_on_always_and_fails_closed_once_redis_stops_fsyncin
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
 }
 
-/// A Redis reconfigured at runtime stops accepting calls on pooled
+/// A Redis reconfigured at runtime stops accepting new calls on pooled
 /// connections too, on every pod, within the recheck bound: before, calls
 /// went on answering 202 for as long as the pool kept its connections
-/// (/readyz alone said not ready).
+/// (/readyz alone said not ready). A retry of a call accepted before still
+/// finds its job (202, the same job, nothing charged again): a 503 there
+/// would tell its client "not accepted" of a job that runs and is charged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fsync_mode_stops_accepting_on_pooled_connections_once_redis_stops_fsyncing() {
-    async fn accept(h: &Harness, key: &str, text: &str) -> crate::api::Resp {
-        h.post(
+    async fn accept(h: &Harness, key: &str, text: &str, id: &str) -> crate::api::Resp {
+        let body = json!({ "text": text }).to_string();
+        h.call(
+            "POST",
             "/v1/ops/embeddings?async=true",
-            key,
-            json!({ "text": text }),
+            Some(key),
+            &[("idempotency-key", id)],
+            Some(body),
         )
         .await
     }
@@ -205,17 +210,27 @@ async fn fsync_mode_stops_accepting_on_pooled_connections_once_redis_stops_fsync
     for (i, h) in pods.iter().enumerate() {
         keys.push(h.user(&format!("pod{i}"), "free").await);
     }
+    let mut first = Vec::new();
     for (h, key) in pods.iter().zip(&keys) {
-        let r = accept(h, key, "kept").await;
+        let r = accept(h, key, "kept", "first").await;
         assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
+        first.push(r.body["job_id"].clone());
     }
+    let used = |v: serde_json::Value| v["used"].as_u64().unwrap();
     let recheck = tollgate_redis::durability::FSYNC_RECHECK + Duration::from_millis(200);
-    for (setting, value) in [("appendfsync", "everysec"), ("appendonly", "no")] {
+    for (round, (setting, value)) in [("appendfsync", "everysec"), ("appendonly", "no")]
+        .into_iter()
+        .enumerate()
+    {
+        let mut before = Vec::new();
+        for (h, key) in pods.iter().zip(&keys) {
+            before.push(used(h.usage(key).await));
+        }
         redis_cmd::<()>(&server.url(), &config_set(setting, value)).await;
         tokio::time::sleep(recheck).await;
         // The pools' connections are the same ones that accepted above.
-        for (h, key) in pods.iter().zip(&keys) {
-            let r = accept(h, key, "lost?").await;
+        for ((h, key), job) in pods.iter().zip(&keys).zip(&first) {
+            let r = accept(h, key, "lost?", &format!("new-{round}")).await;
             assert_eq!(
                 r.status,
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -223,12 +238,23 @@ async fn fsync_mode_stops_accepting_on_pooled_connections_once_redis_stops_fsync
                 r.body
             );
             r.problem(ProblemType::BackendUnavailable);
+            let again = accept(h, key, "kept", "first").await;
+            assert_eq!(
+                again.status,
+                StatusCode::ACCEPTED,
+                "{setting}: a retry: {}",
+                again.body
+            );
+            assert_eq!(&again.body["job_id"], job, "{}", again.body);
+        }
+        for ((h, key), was) in pods.iter().zip(&keys).zip(&before) {
+            assert_eq!(used(h.usage(key).await), *was, "{setting}: nothing charged");
         }
         redis_cmd::<()>(&server.url(), &config_set("appendonly", "yes")).await;
         redis_cmd::<()>(&server.url(), &config_set("appendfsync", "always")).await;
         tokio::time::sleep(recheck).await;
         for (h, key) in pods.iter().zip(&keys) {
-            let r = accept(h, key, "kept again").await;
+            let r = accept(h, key, "kept again", &format!("new-{round}")).await;
             assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
         }
     }

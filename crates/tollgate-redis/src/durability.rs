@@ -59,48 +59,77 @@ impl DurabilityCheck for RedisDurability {
 
 /// How long fsync mode trusts its last reading of Redis's AOF setting where
 /// a call is accepted: a Redis that stops fsyncing every write (`CONFIG SET
-/// appendfsync everysec`, `appendonly no`) turns the next accepting write
-/// into a 503 within this, on every pod.
+/// appendfsync everysec`, `appendonly no`) turns the next call's charge into
+/// a 503 within this, on every pod.
 pub const FSYNC_RECHECK: Duration = Duration::from_secs(1);
 
+/// A verdict this old is read again in the background, while calls go on
+/// using it: under steady traffic no call waits for a reading.
+const FSYNC_REFRESH: Duration = Duration::from_millis(500);
+
 /// Fsync mode's check where a call is accepted: the AOF setting read again at
-/// most every [`FSYNC_RECHECK`] (one `CONFIG GET` pair a second per pod,
-/// whatever the load; one caller reads while the others wait for its
-/// verdict). A connection is checked when it is made, but a pooled one lives
+/// most every [`FSYNC_REFRESH`] (one `CONFIG GET` pair per half second per
+/// pod, whatever the load). A verdict younger than [`FSYNC_REFRESH`] is used
+/// as it is; one younger than [`FSYNC_RECHECK`] too, while one task reads the
+/// setting again; an older one (a quiet pod, or an unreachable Redis) is read
+/// again by the call, one caller reading while the others wait for its
+/// verdict. A connection is checked when it is made, but a pooled one lives
 /// on: without this, a Redis reconfigured at runtime kept accepting calls.
 #[derive(Debug, Default)]
 pub struct FsyncGate {
     /// When the setting was last read, and what was wrong with it.
     last: std::sync::Mutex<Option<(std::time::Instant, Option<String>)>>,
-    reading: tokio::sync::Mutex<()>,
+    /// A reading in flight (the background one, or a caller's).
+    reading: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 impl FsyncGate {
-    fn fresh(&self) -> Option<Option<String>> {
+    /// The last verdict and its age.
+    fn last(&self) -> Option<(Duration, Option<String>)> {
         let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        match &*last {
-            Some((at, problem)) if at.elapsed() < FSYNC_RECHECK => Some(problem.clone()),
-            _ => None,
-        }
+        last.as_ref()
+            .map(|(at, problem)| (at.elapsed(), problem.clone()))
+    }
+
+    fn set(&self, problem: Option<String>) {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((std::time::Instant::now(), problem));
     }
 }
 
+/// Reads the setting and keeps the verdict (unreadable counts as not
+/// durable: fail closed).
+async fn reread(pool: &Pool, timeout: Duration) -> Option<String> {
+    let problem = judge(Durability::Fsync, read(pool, timeout).await, None).problem;
+    pool.fsync_gate().set(problem.clone());
+    problem
+}
+
 /// Why `pool`'s Redis may not accept a call in fsync mode now (`None`: it
-/// fsyncs every write, as last read within [`FSYNC_RECHECK`]). Unreadable
-/// counts as not durable: fail closed.
+/// fsyncs every write, as read within [`FSYNC_RECHECK`]).
 pub(crate) async fn fsync_problem(pool: &Pool, timeout: Duration) -> Option<String> {
     let gate = pool.fsync_gate();
-    if let Some(problem) = gate.fresh() {
-        return problem;
+    if let Some((age, problem)) = gate.last() {
+        if age < FSYNC_RECHECK {
+            if age >= FSYNC_REFRESH {
+                // Read ahead of the bound, off the call's path; one reading
+                // at a time (a held lock means one is under way).
+                if let Ok(guard) = std::sync::Arc::clone(&gate.reading).try_lock_owned() {
+                    let pool = pool.clone();
+                    tokio::spawn(async move {
+                        let _guard = guard;
+                        reread(&pool, timeout).await;
+                    });
+                }
+            }
+            return problem;
+        }
     }
     let _reading = gate.reading.lock().await;
-    if let Some(problem) = gate.fresh() {
-        return problem;
+    match gate.last() {
+        Some((age, problem)) if age < FSYNC_RECHECK => problem,
+        _ => reread(pool, timeout).await,
     }
-    let problem = judge(Durability::Fsync, read(pool, timeout).await, None).problem;
-    *gate.last.lock().unwrap_or_else(|e| e.into_inner()) =
-        Some((std::time::Instant::now(), problem.clone()));
-    problem
 }
 
 /// The two CONFIG GETs, as one pipeline.

@@ -593,9 +593,23 @@ impl Ledger for RedisLedger {
     ) -> Result<ChargeOutcome, LedgerError> {
         let cost = charge.cost;
         validate_cost(cost)?;
+        // Fsync mode reads Redis's AOF setting again where a call is
+        // accepted (a verdict at most FSYNC_RECHECK old), so a Redis
+        // reconfigured at runtime stops accepting calls on pooled
+        // connections too. The charge script applies it: a retry of a call
+        // accepted before is still answered with its job (a 503 there would
+        // tell the client "not accepted" of a call that runs and is charged);
+        // only a new charge is refused.
+        let not_durable = match self.pool.durability() {
+            tollgate_core::durability::Durability::Fsync => {
+                crate::durability::fsync_problem(&self.pool, self.timeout).await
+            }
+            _ => None,
+        };
+        let refuse_new = not_durable.is_some();
         let (r, loc, org): (Vec<Value>, _, _) = self
             .at_home(call::CHARGE, user, |loc| {
-                scripts::charge(loc, request.as_str(), charge, &self.plans)
+                scripts::charge(loc, request.as_str(), charge, refuse_new, &self.plans)
             })
             .await?;
         let bad = || bad_reply::<LedgerError>("charge", &r);
@@ -636,6 +650,11 @@ impl Ledger for RedisLedger {
                     .map(|op| split_audit_op(&op).0.to_owned()),
             }),
             Some(4) => Ok(ChargeOutcome::Conflict { operation: None }),
+            Some(5) => Err(StoreError::unavailable(format!(
+                "Redis no longer keeps an accepted call: {}",
+                not_durable.unwrap_or_default()
+            ))
+            .into()),
             Some(-1) => Err(LedgerError::CostExceedsLimit { cost, limit: n(1)? }),
             _ => Err(bad()),
         }

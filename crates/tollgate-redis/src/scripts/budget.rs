@@ -238,10 +238,13 @@ pub fn usage(
 }
 
 /// `charge.lua`: returns the raw reply (see the script's header).
+/// `refuse_new`: answer a request charged already, but charge no new one
+/// (fsync mode while Redis is not known to fsync every write).
 pub fn charge(
     keys: &Location,
     request: &str,
     charge: &tollgate_core::ledger::ChargeRequest<'_>,
+    refuse_new: bool,
     plans: &PlanArgs,
 ) -> FunctionCall {
     let mut inv = invocation("charge", keys);
@@ -255,6 +258,7 @@ pub fn charge(
         .arg(charge.fingerprint)
         .arg(u64::try_from(charge.deadline.as_millis()).unwrap_or(u64::MAX))
         .arg(u64::try_from(charge.grace.as_millis()).unwrap_or(u64::MAX))
+        .arg(if refuse_new { "1" } else { "0" })
         .arg(&plans.0);
     inv
 }
