@@ -223,6 +223,18 @@ fn bad_input_is_exit_2_with_one_line() {
             &["refund", "--user", "a", "--request-id", "x y"][..],
             "request id",
         ),
+        (
+            &[
+                "reserve",
+                "--user",
+                "a",
+                "--cost",
+                "1",
+                "--request-id",
+                "..",
+            ][..],
+            "must not be \".\" or \"..\"",
+        ),
     ] {
         let out = cli.run(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");

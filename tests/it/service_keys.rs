@@ -434,7 +434,8 @@ async fn service_keys_are_created_checked_and_revoked(pods: Pods) {
 /// service key's `Tollgate-User`, and in every admin route's `{user}`; an
 /// organisation too. Nothing is charged or created. (Before: each was a valid
 /// id, and a user named so was created.) A user stored so before the rule
-/// stays readable and refundable.
+/// stays readable and refundable; so does a request id (no new one may be
+/// `.` or `..` either).
 async fn dot_segment_user_ids_are_refused_wherever_an_id_enters(pods: Pods) {
     let h = &pods.a;
     let refused = |r: &crate::api::Resp, what: &str| {
@@ -536,6 +537,43 @@ async fn dot_segment_user_ids_are_refused_wherever_an_id_enters(pods: Pods) {
         .call(
             "POST",
             "/admin/users/../refunds/before-the-rule",
+            Some(ADMIN),
+            &[],
+            None,
+        )
+        .await;
+    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
+    assert_eq!(r.body["used"], 0, "{}", r.body);
+
+    // Request ids too: no new one may be `.` or `..`; one stored before the
+    // rule lists in the usage and refunds by its id.
+    for bad in [".", ".."] {
+        assert!(tollgate_core::id::RequestId::new(bad).is_err(), "{bad:?}");
+    }
+    let user = tollgate_core::id::UserId::new("dots-request").unwrap();
+    let rid = tollgate_core::id::RequestId::existing("..").unwrap();
+    assert!(h
+        .state
+        .ledger
+        .reserve(&user, &rid, 2)
+        .await
+        .unwrap()
+        .is_allowed());
+    let r = h
+        .call(
+            "GET",
+            "/admin/users/dots-request/usage",
+            Some(ADMIN),
+            &[],
+            None,
+        )
+        .await;
+    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
+    assert_eq!(r.body["events"][0]["request_id"], "..", "{}", r.body);
+    let r = h
+        .call(
+            "POST",
+            "/admin/users/dots-request/refunds/..",
             Some(ADMIN),
             &[],
             None,

@@ -284,10 +284,11 @@ pub async fn refund(
             .ok_or_else(|| ApiError::Internal(format!("route has no {{{name}}}")))
     };
     let user = existing_user(param("user")?)?;
-    let request = RequestId::new(param("request_id")?).map_err(|e| ApiError::InvalidField {
-        field: "request_id".into(),
-        detail: format!("request_id: {e}"),
-    })?;
+    let request =
+        RequestId::existing(param("request_id")?).map_err(|e| ApiError::InvalidField {
+            field: "request_id".into(),
+            detail: format!("request_id: {e}"),
+        })?;
     let outcome = tollgate_core::refund::operator_refund(
         state.ledger.as_ref(),
         state.jobs.as_ref(),

@@ -385,7 +385,7 @@ async fn events(state: &ApiState, activity: &ActivityView) -> Vec<EventView> {
             .then(|| {
                 Some((
                     UserId::existing(&e.user).ok()?,
-                    RequestId::new(&e.request_id).ok()?,
+                    RequestId::existing(&e.request_id).ok()?,
                 ))
             })
             .flatten();

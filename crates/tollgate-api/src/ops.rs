@@ -348,7 +348,7 @@ pub async fn status(
     PathParam(id): PathParam,
 ) -> Result<Response, ApiError> {
     let not_found = || ApiError::NotFound(format!("no job {:?}", crate::problem::echo(&id)));
-    let id = RequestId::new(id.as_str()).map_err(|_| not_found())?;
+    let id = RequestId::existing(id.as_str()).map_err(|_| not_found())?;
     let info = state
         .jobs
         .status(&caller.user, &id)

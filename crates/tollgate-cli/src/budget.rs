@@ -55,7 +55,7 @@ enum BudgetCommand {
     Refund {
         #[arg(long)]
         user: UserId,
-        #[arg(long)]
+        #[arg(long, value_parser = existing_request)]
         request_id: RequestId,
     },
     /// Correct a reservation to what the call really cost (0 removes it). A
@@ -66,7 +66,7 @@ enum BudgetCommand {
     Settle {
         #[arg(long)]
         user: UserId,
-        #[arg(long)]
+        #[arg(long, value_parser = existing_request)]
         request_id: RequestId,
         #[arg(long)]
         cost: u64,
@@ -589,4 +589,10 @@ async fn demo(ledger: Arc<dyn Ledger>, on: &str, config: &Config) -> Result<(), 
     }
     println!("\nnext: `tollgate budget --help` for the operator commands against Redis");
     Ok(())
+}
+
+/// A request id a refund or a settle names: one stored before `.` and `..`
+/// were refused is still addressable (a new reservation may not take one).
+fn existing_request(s: &str) -> Result<RequestId, String> {
+    RequestId::existing(s).map_err(|e| e.to_string())
 }

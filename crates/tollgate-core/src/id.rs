@@ -136,7 +136,7 @@ id_type!(
     /// throttle grant all carry it. Reserving twice with one id charges once.
     RequestId,
     "request id",
-    dots: false
+    dots: true
 );
 
 id_type!(
@@ -176,6 +176,22 @@ mod tests {
             assert!(UserId::new(ok).is_ok(), "{ok}");
         }
         assert!(RequestId::new(RequestId::generate().as_str()).is_ok());
+    }
+
+    #[test]
+    fn dot_segments_are_refused_as_new_ids_but_existing_ones_stay_addressable() {
+        for dots in [".", ".."] {
+            assert_eq!(
+                RequestId::new(dots).unwrap_err(),
+                IdError::DotSegment { kind: "request id" }
+            );
+            assert!(dots.parse::<RequestId>().is_err());
+            assert!(serde_json::from_str::<RequestId>(&format!("\"{dots}\"")).is_err());
+            assert_eq!(RequestId::existing(dots).unwrap().as_str(), dots);
+        }
+        for fine in ["...", ".a", "a.", "a..b"] {
+            assert!(RequestId::new(fine).is_ok(), "{fine}");
+        }
     }
 
     #[test]

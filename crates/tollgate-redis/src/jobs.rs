@@ -237,7 +237,7 @@ impl RedisJobQueue {
         nonce: &str,
         ttl_ms: u64,
     ) -> Result<(), JobError> {
-        if let (Ok(rid), Ok(uid)) = (RequestId::new(id), UserId::existing(user)) {
+        if let (Ok(rid), Ok(uid)) = (RequestId::existing(id), UserId::existing(user)) {
             if !nonce.is_empty() {
                 let r = self.ledger.release(&uid, &rid, nonce).await?;
                 tracing::debug!(request_id = id, user, outcome = ?r, "job's charge released");
@@ -426,7 +426,7 @@ impl RedisJobQueue {
                     .filter_map(|kv| Some((text(&kv[0])?, text(&kv[1])?)))
                     .collect();
                 let token = int(&reply[1]);
-                let parsed = RequestId::new(id.as_str())
+                let parsed = RequestId::existing(id.as_str())
                     .map_err(|e| e.to_string())
                     .and_then(|rid| parse_job(&rid, &fields));
                 let (Some(token), Ok(job)) = (token, parsed) else {
@@ -528,7 +528,7 @@ impl Finished {
     /// The job of a message with its record; `None` when it is unreadable
     /// (the watchers then read the record themselves).
     fn record(&self, id: &str, record: &str) -> Option<JobInfo> {
-        let rid = RequestId::new(id).ok()?;
+        let rid = RequestId::existing(id).ok()?;
         let flat: Vec<String> = serde_json::from_str(record).ok()?;
         let map: HashMap<String, String> = flat
             .chunks_exact(2)
@@ -855,7 +855,7 @@ impl JobQueue for RedisJobQueue {
         cmd.arg(keys.retry_target(key));
         let id: Option<String> = self.command("retry_target", cmd).await?;
         // A value that is no request id (written by hand) joins nothing.
-        Ok(id.and_then(|id| RequestId::new(id).ok()))
+        Ok(id.and_then(|id| RequestId::existing(id).ok()))
     }
 
     async fn read(

@@ -996,7 +996,7 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
     };
     let request_id = f
         .get("id")
-        .and_then(|r| RequestId::new(r.clone()).ok())
+        .and_then(|r| RequestId::existing(r.clone()).ok())
         .ok_or_else(bad)?;
     let op = f.get("op").filter(|o| !o.is_empty());
     let (operation, service_key) = match op {
@@ -1124,7 +1124,7 @@ fn parse_usage(reply: Vec<Value>, org: Option<OrgId>) -> Result<Usage, LedgerErr
             let op = text(&e[3])?;
             let (operation, service_key) = split_audit_op(&op);
             Ok(SpendEvent {
-                request_id: RequestId::new(text(&e[0])?)
+                request_id: RequestId::existing(text(&e[0])?)
                     .map_err(|err| bad_reply::<LedgerError>("usage", err))?,
                 at_ms: int(&e[1])?,
                 cost: int(&e[2])?,

@@ -464,7 +464,7 @@ pub async fn detail(
     Path(id): Path<String>,
     QueryParams(q): QueryParams<DetailQuery>,
 ) -> Result<Response, ApiError> {
-    let id = RequestId::new(&id).map_err(|e| bad("id", format!("id: {e}")))?;
+    let id = RequestId::existing(&id).map_err(|e| bad("id", format!("id: {e}")))?;
     let given = q
         .user
         .as_deref()
