@@ -5,7 +5,9 @@
 //! second everysec run as the A/A pair that shows the noise. Every mode runs
 //! once per round on a fresh Redis and a fresh process, in an order that
 //! alternates from round to round; the load average is printed before and
-//! after, since the machine may be shared.
+//! after, since the machine may be shared. With `--baseline <tollgate
+//! binary>`, fsync mode also runs on that build, in the same rounds: what a
+//! change to the fsync path costs, against the build before it.
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +30,10 @@ pub struct Args {
     /// Sequential calls of the latency measurement.
     #[arg(long, default_value_t = 300)]
     calls: usize,
+    /// Another build's `tollgate` binary: fsync mode runs on it too, in the
+    /// same rounds.
+    #[arg(long)]
+    baseline: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +41,8 @@ enum Mode {
     Everysec,
     EverysecAgain,
     Always,
+    /// Fsync mode on the `--baseline` build.
+    AlwaysBaseline,
     Replica,
 }
 
@@ -51,6 +59,7 @@ impl Mode {
             Self::Everysec => "everysec, --durability none (A)",
             Self::EverysecAgain => "everysec, --durability none (A')",
             Self::Always => "always, --durability fsync",
+            Self::AlwaysBaseline => "always, --durability fsync (baseline build)",
             Self::Replica => "everysec + 1 replica, --durability replica",
         }
     }
@@ -65,7 +74,7 @@ fn load_average() -> String {
 /// One measurement: calls/s of `clients` concurrent sync calls, and the p50 of
 /// sequential ones.
 async fn one(mode: Mode, config: &std::path::Path, args: &Args) -> anyhow::Result<(f64, f64)> {
-    let fsync = if mode == Mode::Always {
+    let fsync = if matches!(mode, Mode::Always | Mode::AlwaysBaseline) {
         "always"
     } else {
         "everysec"
@@ -78,13 +87,17 @@ async fn one(mode: Mode, config: &std::path::Path, args: &Args) -> anyhow::Resul
         online(&primary.url()).await?;
     }
     let durability = match mode {
-        Mode::Always => "fsync",
+        Mode::Always | Mode::AlwaysBaseline => "fsync",
         Mode::Replica => "replica",
         _ => "none",
     };
     let prefix = random_prefix();
+    let bin = match (mode, &args.baseline) {
+        (Mode::AlwaysBaseline, Some(baseline)) => baseline.clone(),
+        _ => workspace_bin("tollgate"),
+    };
     let all = All::start_with_env(
-        &workspace_bin("tollgate"),
+        &bin,
         config,
         64,
         Some((&primary.url(), &prefix)),
@@ -131,11 +144,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.calls,
         load_average()
     );
+    let mut modes = MODES.to_vec();
+    if let Some(baseline) = &args.baseline {
+        anyhow::ensure!(baseline.is_file(), "no binary at {}", baseline.display());
+        modes.insert(2, Mode::AlwaysBaseline);
+    }
     let mut results: Vec<(Mode, Vec<f64>, Vec<f64>)> =
-        MODES.iter().map(|m| (*m, Vec::new(), Vec::new())).collect();
+        modes.iter().map(|m| (*m, Vec::new(), Vec::new())).collect();
     for round in 0..args.rounds {
         // Alternate the order: forward on even rounds, backward on odd ones.
-        let mut order = MODES.to_vec();
+        let mut order = modes.clone();
         if round % 2 == 1 {
             order.reverse();
         }
