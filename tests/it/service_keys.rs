@@ -528,22 +528,17 @@ async fn dot_segment_user_ids_are_refused_wherever_an_id_enters(pods: Pods) {
     let rid = tollgate_core::id::RequestId::new("before-the-rule").unwrap();
     let reserved = h.state.ledger.reserve(&old, &rid, 3).await.unwrap();
     assert!(reserved.is_allowed());
-    let r = h
-        .call("GET", "/admin/users/../usage", Some(ADMIN), &[], None)
-        .await;
-    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
-    assert_eq!(r.body["used"], 3, "{}", r.body);
-    let r = h
-        .call(
-            "POST",
-            "/admin/users/../refunds/before-the-rule",
-            Some(ADMIN),
-            &[],
-            None,
-        )
-        .await;
-    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
-    assert_eq!(r.body["used"], 0, "{}", r.body);
+    // The admin's view of a stored id: its usage reads (`used`, the events),
+    // its spend refunds to 0.
+    let admin = |method: &'static str, path: String| async move {
+        let r = h.call(method, &path, Some(ADMIN), &[], None).await;
+        assert_eq!(r.status.as_u16(), 200, "{method} {path}: {}", r.body);
+        r.body
+    };
+    let usage = admin("GET", "/admin/users/../usage".into()).await;
+    assert_eq!(usage["used"], 3, "{usage}");
+    let refund = admin("POST", "/admin/users/../refunds/before-the-rule".into()).await;
+    assert_eq!(refund["used"], 0, "{refund}");
 
     // Request ids too: no new one may be `.` or `..`; one stored before the
     // rule lists in the usage and refunds by its id.
@@ -552,33 +547,10 @@ async fn dot_segment_user_ids_are_refused_wherever_an_id_enters(pods: Pods) {
     }
     let user = tollgate_core::id::UserId::new("dots-request").unwrap();
     let rid = tollgate_core::id::RequestId::existing("..").unwrap();
-    assert!(h
-        .state
-        .ledger
-        .reserve(&user, &rid, 2)
-        .await
-        .unwrap()
-        .is_allowed());
-    let r = h
-        .call(
-            "GET",
-            "/admin/users/dots-request/usage",
-            Some(ADMIN),
-            &[],
-            None,
-        )
-        .await;
-    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
-    assert_eq!(r.body["events"][0]["request_id"], "..", "{}", r.body);
-    let r = h
-        .call(
-            "POST",
-            "/admin/users/dots-request/refunds/..",
-            Some(ADMIN),
-            &[],
-            None,
-        )
-        .await;
-    assert_eq!(r.status.as_u16(), 200, "{}", r.body);
-    assert_eq!(r.body["used"], 0, "{}", r.body);
+    let reserved = h.state.ledger.reserve(&user, &rid, 2).await.unwrap();
+    assert!(reserved.is_allowed());
+    let usage = admin("GET", "/admin/users/dots-request/usage".into()).await;
+    assert_eq!(usage["events"][0]["request_id"], "..", "{usage}");
+    let refund = admin("POST", "/admin/users/dots-request/refunds/..".into()).await;
+    assert_eq!(refund["used"], 0, "{refund}");
 }
