@@ -25,10 +25,7 @@ use crate::api::{redis_state, settings, state_prefix, Harness, ADMIN};
 use crate::ledger::{config, rid, user, Backend, MemoryBackend, RedisBackend};
 
 fn limit(limit: u64, window_ms: u64) -> Limit {
-    Limit {
-        limit,
-        window: Duration::from_millis(window_ms),
-    }
+    Limit::window(limit, Duration::from_millis(window_ms))
 }
 
 fn allowed(r: &ReserveOutcome) -> bool {
