@@ -1,0 +1,418 @@
+//! Calendar periods (`period = "day" | "week" | "month"`), written once and
+//! run on both ledgers with the ledger's own clock set to chosen instants:
+//! the embedded ledger's a manual clock (exact), Redis's `TIME` offset by
+//! libfaketime ([`ClockedRedis`]: it starts at the instant set and runs on,
+//! so Redis reads a few milliseconds past it). The pod computing the
+//! boundaries runs on the real clock, months away from the ledger's: its
+//! first call is refused and it learns the ledger's clock (see
+//! `lua/budget/lib/periods.lua`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_core::{
+    clock::{Clock, ManualClock},
+    config::Config,
+    id::{RequestId, UserId},
+    ledger::{Ledger, RefundOutcome, ReserveOutcome, SettleOutcome},
+};
+use tollgate_memory::ledger::MemoryLedger;
+use tollgate_redis::ledger::RedisLedger;
+use tollgate_tests::frozen_redis::ClockedRedis;
+
+const CONFIG: &str = r#"
+default_plan = "berlin"
+[plans.berlin]
+limit = 10
+period = "month"
+tz = "Europe/Berlin"
+[plans.feb31]
+limit = 10
+period = "month"
+anchor = 31
+[plans.ny14]
+limit = 10
+period = "month"
+anchor = 14
+tz = "America/New_York"
+[plans.nyday]
+limits = [{ limit = 10, period = "day", tz = "America/New_York" }, { limit = 50, window = "2h" }]
+[plans.berlinday]
+limit = 10
+period = "day"
+tz = "Europe/Berlin"
+[plans.utc]
+limits = [{ limit = 10, period = "month" }, { limit = 1000, period = "week", week_start = "sunday" }]
+[plans.million]
+limit = 100000000
+period = "month"
+"#;
+
+fn config() -> Arc<Config> {
+    Arc::new(Config::parse(CONFIG, "periods").expect("test config"))
+}
+
+fn user(s: &str) -> UserId {
+    UserId::new(s).expect("valid user id")
+}
+
+fn rid(s: &str) -> RequestId {
+    RequestId::new(s).expect("valid request id")
+}
+
+/// Milliseconds of the local time `y-m-d h:mi:s.ms` in `tz`.
+fn local(tz: &str, (y, m, d): (i16, i8, i8), (h, mi, s, ms): (i8, i8, i8, i32)) -> u64 {
+    let dt = jiff::civil::date(y, m, d).at(h, mi, s, ms * 1_000_000);
+    let z = dt
+        .to_zoned(jiff::tz::db().get(tz).expect("a time zone"))
+        .expect("a local time");
+    u64::try_from(z.timestamp().as_millisecond()).expect("after 1970")
+}
+
+/// A ledger and its clock.
+pub enum Clocked {
+    Memory {
+        clock: Arc<ManualClock>,
+        ledger: Arc<MemoryLedger<Arc<ManualClock>>>,
+    },
+    Redis {
+        clock: ClockedRedis,
+        ledger: Arc<RedisLedger>,
+    },
+}
+
+impl Clocked {
+    fn ledger(&self) -> Arc<dyn Ledger> {
+        match self {
+            Clocked::Memory { ledger, .. } => ledger.clone(),
+            Clocked::Redis { ledger, .. } => ledger.clone(),
+        }
+    }
+
+    /// Whether the clock stays where it is set (else it runs on from there).
+    fn exact(&self) -> bool {
+        matches!(self, Clocked::Memory { .. })
+    }
+
+    /// Sets the ledger's clock to `at_ms` (the manual one only forward).
+    async fn set(&self, at_ms: u64) {
+        match self {
+            Clocked::Memory { clock, .. } => {
+                let now = clock.now_ms();
+                assert!(at_ms >= now, "the manual clock only goes forward");
+                clock.advance(Duration::from_millis(at_ms - now));
+            }
+            Clocked::Redis { clock, ledger } => {
+                tokio::task::block_in_place(|| clock.set(at_ms));
+                // The restart dropped the pool's connections: one call that
+                // may fail on them before the case's calls.
+                for _ in 0..20 {
+                    if ledger.plan(&user("warm-up")).await.is_ok() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("the restarted Redis does not answer");
+            }
+        }
+    }
+}
+
+/// Which backend a case runs on.
+#[derive(Debug, Clone, Copy)]
+pub enum On {
+    Memory,
+    Redis,
+}
+
+impl On {
+    /// The ledger, its clock reading `at_ms`.
+    async fn start(self, at_ms: u64) -> Clocked {
+        match self {
+            On::Memory => {
+                let clock = Arc::new(ManualClock::new(at_ms));
+                let ledger = Arc::new(MemoryLedger::with_clock(config(), Arc::clone(&clock)));
+                Clocked::Memory { clock, ledger }
+            }
+            On::Redis => {
+                let clock = ClockedRedis::start(at_ms);
+                let ledger = tollgate_tests::redis_ledger(
+                    &clock.url(),
+                    &tollgate_tests::random_prefix(),
+                    config(),
+                )
+                .await;
+                Clocked::Redis {
+                    clock,
+                    ledger: Arc::new(ledger),
+                }
+            }
+        }
+    }
+}
+
+fn allowed(r: &ReserveOutcome) -> &tollgate_core::ledger::Allowed {
+    match r {
+        ReserveOutcome::Allowed(a) => a,
+        ReserveOutcome::Denied(d) => panic!("denied: {d:?}"),
+    }
+}
+
+fn denied(r: &ReserveOutcome) -> &tollgate_core::ledger::Denied {
+    match r {
+        ReserveOutcome::Denied(d) => d,
+        ReserveOutcome::Allowed(a) => panic!("allowed: {a:?}"),
+    }
+}
+
+/// A user of `plan` at 100 % of its period limit (a period ending at
+/// `end_ms`, filled at `full_ms`) is refused just before the end (the
+/// embedded ledger at exactly 23:59:59.900 local: 100 ms before; Redis in
+/// the last second), told to come back exactly when the period ends, and
+/// admitted at the end (exactly 00:00:00.000 local; Redis a few ms past it),
+/// into a period starting there.
+async fn refused_until_the_period_ends(on: On, plan: &str, full_ms: u64, end_ms: u64) {
+    let b = on.start(full_ms).await;
+    let l = b.ledger();
+    let u = user("pat");
+    l.set_plan(&u, plan).await.unwrap();
+    let r = l.reserve(&u, &rid("fill"), 10).await.unwrap();
+    let a = allowed(&r);
+    let k = a.windows.iter().position(|w| w.period.is_some()).unwrap();
+    let w = &a.windows[k];
+    assert_eq!(w.period.map(|p| p.end_ms), Some(end_ms), "{plan}: {w:?}");
+    assert_eq!((w.used, w.remaining), (10, 0));
+    assert_eq!(w.reset_after_ms, Some(end_ms - a.now_ms));
+
+    let before = if b.exact() { 100 } else { 1000 };
+    b.set(end_ms - before).await;
+    let r = l.reserve(&u, &rid("eve"), 1).await.unwrap();
+    let d = denied(&r);
+    assert!(d.now_ms < end_ms, "{plan}: {d:?}");
+    assert_eq!(d.retry_after_ms, end_ms - d.now_ms, "{plan}: {d:?}");
+    if b.exact() {
+        assert_eq!(d.retry_after_ms, 100);
+    }
+    assert_eq!(d.windows[k].reset_after_ms, Some(end_ms - d.now_ms));
+    assert_eq!(d.windows[k].period.map(|p| p.end_ms), Some(end_ms));
+    assert_eq!((d.used, d.limit), (10, 10));
+
+    b.set(end_ms).await;
+    let r = l.reserve(&u, &rid("dawn"), 1).await.unwrap();
+    let a = allowed(&r);
+    let w = &a.windows[k];
+    assert_eq!(w.period.map(|p| p.start_ms), Some(end_ms), "{plan}: {w:?}");
+    assert_eq!(w.used, 1);
+    assert!(a.now_ms >= end_ms && a.now_ms < end_ms + 5000, "{a:?}");
+    if b.exact() {
+        assert_eq!(a.now_ms, end_ms);
+    }
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.windows[k].used, 1);
+}
+
+/// A month anchored on the 1st in Berlin: the month ends at local
+/// midnight (22:00 UTC in summer time), in a month an hour short.
+async fn a_month_ends_at_local_midnight(on: On) {
+    let full = local("Europe/Berlin", (2027, 3, 20), (12, 0, 0, 0));
+    let end = local("Europe/Berlin", (2027, 4, 1), (0, 0, 0, 0));
+    refused_until_the_period_ends(on, "berlin", full, end).await;
+}
+
+/// A month anchored on the 31st ends on the 28th of February, and on the
+/// 29th in a leap year.
+async fn an_anchor_of_31_resets_at_the_end_of_february(on: On) {
+    let full = local("UTC", (2027, 2, 10), (9, 0, 0, 0));
+    let end = local("UTC", (2027, 2, 28), (0, 0, 0, 0));
+    refused_until_the_period_ends(on, "feb31", full, end).await;
+}
+
+async fn an_anchor_of_31_in_a_leap_february(on: On) {
+    let full = local("UTC", (2028, 2, 10), (9, 0, 0, 0));
+    let end = local("UTC", (2028, 2, 29), (0, 0, 0, 0));
+    refused_until_the_period_ends(on, "feb31", full, end).await;
+}
+
+/// A New York month anchored on the 14th ends where the 23-hour day of
+/// 2027-03-14 begins; that day, as a daily period, ends 23 hours later.
+async fn a_23_hour_day(on: On) {
+    let full = local("America/New_York", (2027, 3, 1), (12, 0, 0, 0));
+    let end = local("America/New_York", (2027, 3, 14), (0, 0, 0, 0));
+    refused_until_the_period_ends(on, "ny14", full, end).await;
+    let start = local("America/New_York", (2027, 3, 14), (0, 0, 0, 0));
+    let end = local("America/New_York", (2027, 3, 15), (0, 0, 0, 0));
+    assert_eq!(end - start, 23 * 3_600_000);
+    refused_until_the_period_ends(on, "nyday", start + 3_600_000, end).await;
+}
+
+/// Berlin's 2027-10-31 is 25 hours long.
+async fn a_25_hour_day(on: On) {
+    let start = local("Europe/Berlin", (2027, 10, 31), (0, 0, 0, 0));
+    let end = local("Europe/Berlin", (2027, 11, 1), (0, 0, 0, 0));
+    assert_eq!(end - start, 25 * 3_600_000);
+    refused_until_the_period_ends(on, "berlinday", start + 1000, end).await;
+}
+
+/// A refund, a settle or a release of a charge made in a period that ended
+/// changes nothing in the current one; in the current one, it gives back.
+async fn refunds_land_in_the_period_of_their_charge(on: On) {
+    let eve = local("UTC", (2027, 2, 28), (23, 59, 59, 0));
+    let b = on.start(eve).await;
+    let l = b.ledger();
+    let u = user("rue");
+    l.set_plan(&u, "utc").await.unwrap();
+    allowed(&l.reserve(&u, &rid("old-a"), 4).await.unwrap());
+    allowed(&l.reserve(&u, &rid("old-b"), 3).await.unwrap());
+
+    b.set(local("UTC", (2027, 3, 1), (0, 0, 0, 500))).await;
+    let a = l.reserve(&u, &rid("new"), 9).await.unwrap();
+    assert_eq!(allowed(&a).windows[0].used, 9, "a new month starts empty");
+    // The week (from Sunday 2027-02-28) holds all three.
+    assert_eq!(allowed(&a).windows[1].used, 16);
+    denied(&l.reserve(&u, &rid("more"), 2).await.unwrap());
+
+    let r = l.refund(&u, &rid("old-a")).await.unwrap();
+    assert!(
+        matches!(r, RefundOutcome::Refunded { cost: 4, .. }),
+        "{r:?}"
+    );
+    let s = l.settle(&u, &rid("old-b"), 1).await.unwrap();
+    assert!(
+        matches!(
+            s,
+            SettleOutcome::Settled {
+                previous_cost: 3,
+                cost: 1,
+                ..
+            }
+        ),
+        "{s:?}"
+    );
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.windows[0].used, 9, "the month's spend stands");
+    assert_eq!(usage.windows[1].used, 10, "the week gave back 4 and 2");
+    denied(&l.reserve(&u, &rid("more"), 2).await.unwrap());
+
+    // In its own period a settle and a refund give back.
+    let s = l.settle(&u, &rid("new"), 5).await.unwrap();
+    assert!(matches!(s, SettleOutcome::Settled { cost: 5, .. }), "{s:?}");
+    assert_eq!(
+        allowed(&l.reserve(&u, &rid("more"), 2).await.unwrap()).windows[0].used,
+        7
+    );
+    l.refund(&u, &rid("new")).await.unwrap();
+    let a = l.reserve(&u, &rid("most"), 8).await.unwrap();
+    assert_eq!(allowed(&a).windows[0].used, 10);
+}
+
+/// The log keeps a day of events for a plan of periods: a month's charges
+/// older than that are gone from it, and still counted in the month.
+async fn the_period_outlives_the_log(on: On) {
+    let first = local("UTC", (2027, 5, 3), (10, 0, 0, 0));
+    let b = on.start(first).await;
+    let l = b.ledger();
+    let u = user("lou");
+    l.set_plan(&u, "utc").await.unwrap();
+    for i in 0..4 {
+        allowed(&l.reserve(&u, &rid(&format!("r{i}")), 2).await.unwrap());
+    }
+    b.set(first + 3 * 86_400_000).await;
+    let usage = l.usage(&u).await.unwrap();
+    assert!(usage.events.is_empty(), "{:?}", usage.events);
+    assert_eq!(usage.windows[0].used, 8);
+    let r = l.refund(&u, &rid("r0")).await.unwrap();
+    assert!(matches!(r, RefundOutcome::NotFound { .. }), "{r:?}");
+    allowed(&l.reserve(&u, &rid("r9"), 2).await.unwrap());
+    denied(&l.reserve(&u, &rid("r10"), 1).await.unwrap());
+}
+
+on_each_backend!(
+    [
+        a_month_ends_at_local_midnight,
+        an_anchor_of_31_resets_at_the_end_of_february,
+        an_anchor_of_31_in_a_leap_february,
+        a_23_hour_day,
+        a_25_hour_day,
+        refunds_land_in_the_period_of_their_charge,
+        the_period_outlives_the_log,
+    ]
+    memory => super::On::Memory,
+    redis => super::On::Redis,
+);
+
+/// A month's total is one field, whatever the number of charges: the
+/// period key's `MEMORY USAGE` after 10 charges and after 10,000 is the
+/// same (BENCHMARKS.md), and once the log's day has passed the user holds
+/// a few hundred bytes for a month of charges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_period_is_one_counter_however_many_charges() {
+    let start = local("UTC", (2027, 6, 2), (8, 0, 0, 0));
+    let b = On::Redis.start(start).await;
+    let Clocked::Redis { clock, ledger } = &b else {
+        unreachable!()
+    };
+    let mut con = ::redis::Client::open(clock.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut sizes = Vec::new();
+    for (name, n) in [("ten", 10u64), ("tenk", 10_000)] {
+        let u = user(name);
+        ledger.set_plan(&u, "million").await.unwrap();
+        for i in 0..n {
+            let r = ledger.reserve(&u, &rid(&format!("{name}-{i}")), 1).await;
+            allowed(&r.unwrap());
+        }
+        let key = ledger.keys().budget(&u).periods();
+        let fields: u64 = ::redis::cmd("HLEN")
+            .arg(&key)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(fields, 1, "one counter for the month");
+        let bytes: u64 = ::redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&key)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        sizes.push(bytes);
+        let usage = ledger.usage(&u).await.unwrap();
+        assert_eq!(usage.windows[0].used, n);
+    }
+    assert_eq!(sizes[0], sizes[1], "bytes of the period key: {sizes:?}");
+    assert!(sizes[0] < 200, "{sizes:?}");
+    // Six days on (the same month): the log's day and the index buckets' two
+    // days past it are over; the month stands.
+    b.set(start + 6 * 86_400_000).await;
+    let mut con = ::redis::Client::open(clock.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let u = user("tenk");
+    let usage = ledger.usage(&u).await.unwrap();
+    assert_eq!(usage.windows[0].used, 10_000);
+    let keys: Vec<String> = ::redis::cmd("KEYS")
+        .arg(format!("*{{u:{u}}}*"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let mut total = 0u64;
+    for k in &keys {
+        let bytes: Option<u64> = ::redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(k)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        total += bytes.unwrap_or(0);
+    }
+    eprintln!(
+        "period key: {} B after 10 and after 10000 charges; user after the log's day: {total} B in {} keys",
+        sizes[0],
+        keys.len()
+    );
+    assert!(total < 2000, "{total} B in {keys:?}");
+}
