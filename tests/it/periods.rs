@@ -416,3 +416,53 @@ async fn a_period_is_one_counter_however_many_charges() {
     );
     assert!(total < 2000, "{total} B in {keys:?}");
 }
+
+/// The book's example (docs/src/money.md, "Calendar periods") is a config
+/// that runs: its month from the 15th, Berlin time, ends where the page says.
+#[tokio::test]
+async fn the_books_monthly_plan_resets_on_its_anchor() {
+    let page = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src/money.md"),
+    )
+    .unwrap();
+    let section = page.split("## Calendar periods").nth(1).unwrap();
+    let toml = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .unwrap();
+    let config = Arc::new(Config::parse(toml, "money.md").unwrap());
+    let start = local("Europe/Berlin", (2027, 3, 20), (10, 0, 0, 0));
+    let clock = Arc::new(ManualClock::new(start));
+    let l = MemoryLedger::with_clock(config, Arc::clone(&clock));
+    let u = user("ada");
+    // 2.50 a day, 0.50 a minute: eight days of five minutes reach 20 USD.
+    for day in 0..8u64 {
+        for minute in 0..5 {
+            let r = l
+                .reserve(&u, &rid(&format!("d{day}-{minute}")), 500_000)
+                .await
+                .unwrap();
+            allowed(&r);
+            clock.advance(Duration::from_millis(60_000));
+        }
+        let r = l
+            .reserve(&u, &rid(&format!("d{day}-more")), 1)
+            .await
+            .unwrap();
+        let day_window = &denied(&r).windows[2];
+        assert_eq!(
+            (day_window.label().as_str(), day_window.remaining),
+            ("day", 0)
+        );
+        clock.advance(Duration::from_millis(86_400_000 - 5 * 60_000));
+    }
+    let r = l.reserve(&u, &rid("more"), 1).await.unwrap();
+    let d = denied(&r);
+    let month = d.windows.iter().find(|w| w.label() == "month").unwrap();
+    let end = month.period.unwrap().end_ms;
+    assert_eq!(end, local("Europe/Berlin", (2027, 4, 15), (0, 0, 0, 0)));
+    assert_eq!(d.retry_after_ms, end - clock.now_ms());
+    clock.advance(Duration::from_millis(end - clock.now_ms()));
+    allowed(&l.reserve(&u, &rid("more"), 1).await.unwrap());
+}

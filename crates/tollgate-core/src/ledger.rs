@@ -246,6 +246,20 @@ impl WindowUse {
         }
     }
 
+    /// What the limit is over, for names and messages: the trailing
+    /// window's length (`12h`), or the calendar period (`day`, `week`,
+    /// `month`, told apart by the period's length: a day is 23 to 25 hours,
+    /// a week 7 days give or take one, a month 28 to 31 days).
+    pub fn label(&self) -> String {
+        const HOUR: u64 = 3_600_000;
+        match self.period {
+            Some(p) if p.len_ms() <= 25 * HOUR => "day".to_owned(),
+            Some(p) if p.len_ms() <= 7 * 24 * HOUR + HOUR => "week".to_owned(),
+            Some(_) => "month".to_owned(),
+            None => crate::duration::format(std::time::Duration::from_millis(self.window_ms)),
+        }
+    }
+
     /// How long until `cost` fits a calendar period's limit: 0, or until
     /// the period ends (nothing leaves a period before).
     pub fn period_retry_after(&self, cost: u64, now_ms: u64) -> u64 {
