@@ -13,8 +13,9 @@ use std::time::Duration;
 use tollgate_core::{
     clock::{Clock, ManualClock},
     config::Config,
+    id::OrgId,
     id::{RequestId, UserId},
-    ledger::{Ledger, RefundOutcome, ReserveOutcome, SettleOutcome},
+    ledger::{Ledger, RefundOutcome, ReserveOutcome, Scope, SettleOutcome},
 };
 use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::ledger::RedisLedger;
@@ -45,6 +46,9 @@ tz = "Europe/Berlin"
 limits = [{ limit = 10, period = "month" }, { limit = 1000, period = "week", week_start = "sunday" }]
 [plans.million]
 limit = 100000000
+period = "month"
+[plans.orgmonth]
+limit = 15
 period = "month"
 "#;
 
@@ -326,8 +330,43 @@ async fn the_period_outlives_the_log(on: On) {
     denied(&l.reserve(&u, &rid("r10"), 1).await.unwrap());
 }
 
+/// An organisation's monthly limit binds its members (scope organisation,
+/// back when the month ends), a refund in the month gives back to both
+/// levels, and the next month starts empty.
+async fn an_organisations_month_binds_its_members(on: On) {
+    let start = local("UTC", (2027, 4, 30), (12, 0, 0, 0));
+    let end = local("UTC", (2027, 5, 1), (0, 0, 0, 0));
+    let b = on.start(start).await;
+    let l = b.ledger();
+    let (a, bb, o) = (user("ann"), user("ben"), OrgId::new("initech").unwrap());
+    l.set_org_plan(&o, "orgmonth").await.unwrap();
+    for u in [&a, &bb] {
+        l.set_plan(u, "million").await.unwrap();
+        l.set_user_org(u, Some(&o)).await.unwrap();
+    }
+    allowed(&l.reserve(&a, &rid("a1"), 10).await.unwrap());
+    let r = l.reserve(&bb, &rid("b1"), 8).await.unwrap();
+    let d = denied(&r);
+    assert_eq!(d.scope, Scope::Organisation, "{d:?}");
+    assert_eq!(d.retry_after_ms, end - d.now_ms);
+    let org = d.organisation.as_ref().unwrap();
+    assert_eq!(org.windows[0].period.map(|p| p.end_ms), Some(end));
+    assert_eq!(org.windows[0].used, 10);
+    l.refund(&a, &rid("a1")).await.unwrap();
+    allowed(&l.reserve(&bb, &rid("b1"), 8).await.unwrap());
+    let ou = l.org_usage(&o, None, 10).await.unwrap();
+    assert_eq!(ou.windows[0].used, 8);
+    b.set(end).await;
+    let r = l.reserve(&a, &rid("a2"), 15).await.unwrap();
+    assert_eq!(allowed(&r).windows[0].used, 15, "the member's own month");
+    let ou = l.org_usage(&o, None, 10).await.unwrap();
+    assert_eq!(ou.windows[0].used, 15);
+    assert_eq!(ou.windows[0].period.map(|p| p.start_ms), Some(end));
+}
+
 on_each_backend!(
     [
+        an_organisations_month_binds_its_members,
         a_month_ends_at_local_midnight,
         an_anchor_of_31_resets_at_the_end_of_february,
         an_anchor_of_31_in_a_leap_february,

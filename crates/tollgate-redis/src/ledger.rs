@@ -189,6 +189,26 @@ impl RedisLedger {
         Ok(())
     }
 
+    /// One budget script whose ARGV carries the period boundaries (`make`
+    /// builds it anew with the current ones): a refusal of the boundaries
+    /// is answered by computing them around the ledger's clock, once.
+    async fn planned<T: FromRedisValue>(
+        &self,
+        op: &'static str,
+        make: impl Fn() -> scripts::FunctionCall,
+    ) -> Result<T, LedgerError> {
+        let mut tries = 0;
+        loop {
+            match self.script(op, make()).await {
+                Err(e) if period_clock(&e).is_some() => {
+                    tries += 1;
+                    self.period_refused(&e, tries)?;
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// Bounds every call (waiting for a connection included) by `timeout`.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -365,10 +385,9 @@ impl RedisLedger {
                 return Err(bad());
             }
             let _: Vec<i64> = self
-                .script(
-                    "move_in",
-                    scripts::move_in(&to, &plan, &cancelled, &fields, &plans),
-                )
+                .planned("move_in", || {
+                    scripts::move_in(&to, &plan, &cancelled, &fields, &plans)
+                })
                 .await?;
             let ids: Vec<String> = fields
                 .chunks_exact(10)
@@ -376,7 +395,7 @@ impl RedisLedger {
                 .collect();
             if !ids.is_empty() {
                 let _: Vec<i64> = self
-                    .script("move_out", scripts::move_drop(&from, &ids, &plans))
+                    .planned("move_out", || scripts::move_drop(&from, &ids, &plans))
                     .await?;
                 moved += ids.len() as u64;
             }
@@ -854,17 +873,10 @@ impl Ledger for RedisLedger {
         limit: usize,
     ) -> Result<OrgUsage, LedgerError> {
         self.org_exists(org).await?;
-        let mut tries = 0;
-        let r: Vec<Value> = loop {
-            let inv = scripts::org_usage(&self.keys.org_budget(org), &self.plans);
-            match self.script("org_usage", inv).await {
-                Err(e) if period_clock(&e).is_some() => {
-                    tries += 1;
-                    self.period_refused(&e, tries)?;
-                }
-                r => break r?,
-            }
-        };
+        let keys = self.keys.org_budget(org);
+        let r: Vec<Value> = self
+            .planned("org_usage", || scripts::org_usage(&keys, &self.plans))
+            .await?;
         let bad = || bad_reply::<LedgerError>("org_usage", &r);
         let plan = r.first().and_then(text).ok_or_else(bad)?;
         let now_ms = r.get(1).and_then(int).ok_or_else(bad)?;
