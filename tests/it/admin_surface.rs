@@ -380,6 +380,18 @@ async fn limits_routes_apply_on_every_pod(h: Harness) {
     )
     .await;
     assert!(r.0.is_client_error(), "{}", r.1);
+    // A user's own limits are trailing windows: a calendar period is refused
+    // by name (periods are set by plans).
+    let r = call(
+        &h.app,
+        "PUT",
+        path,
+        ADMIN,
+        Some(json!({"limits": [{"limit": 1, "period": "month"}]})),
+    )
+    .await;
+    assert!(r.0.is_client_error(), "{}", r.1);
+    assert!(r.1.to_string().contains("period"), "{}", r.1);
     let r = call(
         &h.app,
         "PUT",

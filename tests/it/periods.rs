@@ -364,8 +364,26 @@ async fn an_organisations_month_binds_its_members(on: On) {
     assert_eq!(ou.windows[0].period.map(|p| p.start_ms), Some(end));
 }
 
+/// A user's own limits (an admin's override) are trailing windows: a
+/// period among them is refused, and nothing changes.
+async fn a_users_own_limits_refuse_a_period(on: On) {
+    let b = on.start(local("UTC", (2027, 7, 1), (0, 0, 0, 0))).await;
+    let l = b.ledger();
+    let u = user("own");
+    let month = Config::parse(CONFIG, "periods")
+        .unwrap()
+        .plan("utc")
+        .unwrap()
+        .limits[0];
+    assert!(month.is_period());
+    let e = l.set_limits(&u, &[month]).await.unwrap_err();
+    assert!(e.to_string().contains("period"), "{e}");
+    assert_eq!(l.custom_limits(&u).await.unwrap(), None);
+}
+
 on_each_backend!(
     [
+        a_users_own_limits_refuse_a_period,
         an_organisations_month_binds_its_members,
         a_month_ends_at_local_midnight,
         an_anchor_of_31_resets_at_the_end_of_february,
