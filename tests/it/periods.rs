@@ -381,8 +381,34 @@ async fn a_users_own_limits_refuse_a_period(on: On) {
     assert_eq!(l.custom_limits(&u).await.unwrap(), None);
 }
 
+/// A user moving into an organisation and out again keeps its month's
+/// total, though the log kept only the last day of the events it counts.
+async fn a_move_keeps_the_users_month(on: On) {
+    let start = local("UTC", (2027, 8, 2), (9, 0, 0, 0));
+    let b = on.start(start).await;
+    let l = b.ledger();
+    let (u, o) = (user("mo"), OrgId::new("hooli").unwrap());
+    l.set_org_plan(&o, "million").await.unwrap();
+    l.set_plan(&u, "utc").await.unwrap();
+    allowed(&l.reserve(&u, &rid("m1"), 6).await.unwrap());
+    b.set(start + 3 * 86_400_000).await;
+    allowed(&l.reserve(&u, &rid("m2"), 1).await.unwrap());
+    l.set_user_org(&u, Some(&o)).await.unwrap();
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.windows[0].used, 7, "{usage:?}");
+    // The organisation counts what moved in with its member: the last day.
+    let ou = l.org_usage(&o, None, 10).await.unwrap();
+    assert_eq!(ou.windows[0].used, 1);
+    denied(&l.reserve(&u, &rid("m3"), 4).await.unwrap());
+    allowed(&l.reserve(&u, &rid("m3"), 3).await.unwrap());
+    l.set_user_org(&u, None).await.unwrap();
+    assert_eq!(l.usage(&u).await.unwrap().windows[0].used, 10);
+    denied(&l.reserve(&u, &rid("m4"), 1).await.unwrap());
+}
+
 on_each_backend!(
     [
+        a_move_keeps_the_users_month,
         a_users_own_limits_refuse_a_period,
         an_organisations_month_binds_its_members,
         a_month_ends_at_local_midnight,

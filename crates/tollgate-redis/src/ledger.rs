@@ -363,6 +363,17 @@ impl RedisLedger {
         let from = self.keys.location(user, src);
         let to = self.keys.location(user, dst);
         let plans = self.plans.without_export();
+        // The user's period totals travel whole (the log keeps only a day
+        // of the events they count), read once: the location is frozen, and
+        // a move's steps leave them as they are.
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(from.user.periods());
+        let periods: Vec<(String, u64)> = self.command("set_user_org", cmd).await?;
+        let periods = periods
+            .iter()
+            .map(|(field, total)| format!("{field}={total}"))
+            .collect::<Vec<_>>()
+            .join(" ");
         let mut moved = 0;
         loop {
             let b: Vec<Value> = self
@@ -370,6 +381,7 @@ impl RedisLedger {
                 .await?;
             let bad = || bad_reply::<LedgerError>("move_out", &b);
             let plan = b.first().and_then(text).ok_or_else(bad)?;
+            let plan = format!("{plan}\n{periods}");
             let cancelled = b.get(1).and_then(text).ok_or_else(bad)?;
             let read = b.get(2).and_then(int).ok_or_else(bad)?;
             let fields: Vec<Vec<u8>> = b[3..]

@@ -81,7 +81,9 @@ end
 -- Counts `delta` in every current period that an event spent at `at`
 -- (nil: now) was spent in.
 local function period_move(at, delta)
-  if not PERIODS or delta == 0 then
+  -- A move's steps (NOCHECK) leave the user's totals alone: move_in.lua
+  -- carries them whole; an organisation's follow its member's events.
+  if not PERIODS or delta == 0 or (NOCHECK and SUBJECT == 'user') then
     return
   end
   for k = LIMITS.nw + 1, #LIMITS do
