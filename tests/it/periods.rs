@@ -19,7 +19,7 @@ use tollgate_core::{
 };
 use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::ledger::RedisLedger;
-use tollgate_tests::frozen_redis::ClockedRedis;
+use tollgate_tests::clocked_redis::ClockedRedis;
 
 const CONFIG: &str = r#"
 default_plan = "berlin"
