@@ -8,7 +8,9 @@
 -- KEYS[1..6] the user's budget keys at this location, KEYS[7..12] its
 --   organisation's when the location is a member's.
 -- ARGV[1] n: events in this batch; ARGV[2] the user's plan and limits of
---   its own, '<plan>\n<limits>' (each '' when none);
+--   its own, '<plan>\n<limits>' (each '' when none), then optionally
+--   '\n<period totals>' ('<start>-<end>=<total> ...', the user's at the
+--   location it leaves: they replace the ones here, see periods.lua);
 -- ARGV[3] cancelled '<nonce> <hold end> ...' (see move_out.lua)
 -- ARGV[4 .. 3 + 10n] per event: id, at, state, cost, estimate (-1: none),
 --   nonce, fingerprint, deadline, op, hold_end (-1: none), as move_out.lua
@@ -25,7 +27,7 @@ local tail = 4 + 10 * n
 -- The user's plan and limits of its own ('<plan>\n<limits>', each '' when
 -- none; a bare plan name from an older mover): what an earlier stay left
 -- here goes.
-local plan, own = string.match(ARGV[2], '^([^\n]*)\n?(.*)$')
+local plan, own, periods = string.match(ARGV[2], '^([^\n]*)\n?([^\n]*)\n?(.*)$')
 if plan ~= '' then
   redis.call('SET', PLAN, plan)
 else
@@ -35,6 +37,19 @@ if own ~= '' then
   redis.call('SET', BASE .. ':limits', own)
 else
   redis.call('DEL', BASE .. ':limits')
+end
+-- The user's period totals, carried whole (a move's inserts do not count
+-- in the user's periods: `period_move`).
+local carried, last = {}, 0
+for f, stop, t in string.gmatch(periods or '', '(%d+%-(%d+))=(%d+)') do
+  carried[#carried + 1] = f
+  carried[#carried + 1] = t
+  last = math.max(last, tonumber(stop))
+end
+redis.call('DEL', BASE .. ':p')
+if #carried > 0 then
+  redis.call('HSET', BASE .. ':p', unpack(carried))
+  redis.call('PEXPIREAT', BASE .. ':p', int(last + PERIOD_GRACE))
 end
 local now, _, org = open_budget(tail)
 

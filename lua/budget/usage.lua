@@ -37,7 +37,8 @@ else
   out[#out + 1] = ''
 end
 -- A page starts inside the plan's longest window, and after the cursor.
-local lo = now - limits[1].window + 1
+-- (A plan of periods only: the events the log keeps.)
+local lo = now - (limits.nw > 0 and limits[1].window or RETAIN) + 1
 local start = int(lo)
 if cursor ~= '' and tonumber(string.match(cursor, '^(%d+)')) >= lo then
   start = '(' .. cursor

@@ -25,10 +25,7 @@ use crate::api::{redis_state, settings, state_prefix, Harness, ADMIN};
 use crate::ledger::{config, rid, user, Backend, MemoryBackend, RedisBackend};
 
 fn limit(limit: u64, window_ms: u64) -> Limit {
-    Limit {
-        limit,
-        window: Duration::from_millis(window_ms),
-    }
+    Limit::window(limit, Duration::from_millis(window_ms))
 }
 
 fn allowed(r: &ReserveOutcome) -> bool {
@@ -383,6 +380,18 @@ async fn limits_routes_apply_on_every_pod(h: Harness) {
     )
     .await;
     assert!(r.0.is_client_error(), "{}", r.1);
+    // A user's own limits are trailing windows: a calendar period is refused
+    // by name (periods are set by plans).
+    let r = call(
+        &h.app,
+        "PUT",
+        path,
+        ADMIN,
+        Some(json!({"limits": [{"limit": 1, "period": "month"}]})),
+    )
+    .await;
+    assert!(r.0.is_client_error(), "{}", r.1);
+    assert!(r.1.to_string().contains("period"), "{}", r.1);
     let r = call(
         &h.app,
         "PUT",

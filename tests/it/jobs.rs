@@ -459,10 +459,10 @@ async fn job_finished_records_drop_inputs_and_stored_bytes_are_bounded(s: &Setup
     // The bound is the user's plan's: 7 such jobs fit a roomy user's 40,000
     // bytes. Limits of a user's own replace its plan's limits only: its
     // plan's bound still holds.
-    let limits = [tollgate_core::config::Limit {
-        limit: 1000,
-        window: Duration::from_secs(3600),
-    }];
+    let limits = [tollgate_core::config::Limit::window(
+        1000,
+        Duration::from_secs(3600),
+    )];
     for (who, plan, custom, fit, bound) in [
         ("ruth", "roomy", false, 7, 40000),
         ("cole", "free", true, 3, 20000),
@@ -1043,10 +1043,10 @@ async fn job_redis_submit_takes_the_plan_from_its_charge() {
     // kept by the ledger: setting a plan or reading usage reads it.
     ledger.set_plan(&user("paul"), "roomy").await.unwrap();
     ledger.set_plan(&user("cara"), "roomy").await.unwrap();
-    let limits = [tollgate_core::config::Limit {
-        limit: 1000,
-        window: Duration::from_secs(3600),
-    }];
+    let limits = [tollgate_core::config::Limit::window(
+        1000,
+        Duration::from_secs(3600),
+    )];
     ledger.set_limits(&user("cara"), &limits).await.unwrap();
     ledger.usage(&user("walt")).await.unwrap();
     let before = gets();

@@ -836,10 +836,7 @@ async fn a_charge_answers_the_users_plan(b: &impl Backend) {
     assert_eq!(plan_of(c), (true, "big".to_owned()));
     let c = l.charge(&u, &rid("p2"), &charge("n3")).await.unwrap();
     assert_eq!(plan_of(c), (false, "big".to_owned()), "charged already");
-    let own = [Limit {
-        limit: 50,
-        window: WINDOW,
-    }];
+    let own = [Limit::window(50, WINDOW)];
     l.set_limits(&u, &own).await.unwrap();
     let c = l.charge(&u, &rid("p3"), &charge("n4")).await.unwrap();
     assert_eq!(plan_of(c), (true, "big".to_owned()), "limits of its own");

@@ -59,6 +59,7 @@ mod observability;
 mod openapi;
 mod orgs;
 mod outcomes;
+mod periods;
 mod redis_ledger;
 mod redis_outages;
 mod redis_tls;

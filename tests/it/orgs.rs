@@ -673,10 +673,7 @@ async fn a_members_own_limits_bind_and_move_with_it(b: &impl Backend) {
     l.set_org_plan(&o2, "wide").await.unwrap();
     l.set_plan(&u, "wide").await.unwrap();
     l.set_user_org(&u, Some(&o1)).await.unwrap();
-    let own = [Limit {
-        limit: 3,
-        window: Duration::from_millis(1500),
-    }];
+    let own = [Limit::window(3, Duration::from_millis(1500))];
     l.set_limits(&u, &own).await.unwrap();
     // Another pod, whose cache has never seen the user, is held to them too.
     let other = b.pod().await;

@@ -3,6 +3,7 @@
 //! by the `tollgate-bench` binary.
 
 pub mod api;
+pub mod clocked_redis;
 pub mod http;
 pub mod jobs;
 pub mod process;

@@ -331,9 +331,14 @@ pub struct LimitBody {
 #[derive(Debug, Clone, Serialize)]
 pub struct LimitView {
     pub limit: u64,
-    /// The window as the config writes it (`1h`, `90s`).
+    /// The window as the config writes it (`1h`, `90s`); a calendar
+    /// period's: the period, its anchor and time zone (`month (anchor 15,
+    /// Europe/Berlin)`), with `window_ms` 0.
     pub window: String,
     pub window_ms: u64,
+    /// A calendar period's limit: `day`, `week` or `month`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub period: Option<String>,
 }
 
 impl LimitView {
@@ -342,8 +347,11 @@ impl LimitView {
             .iter()
             .map(|l| Self {
                 limit: l.limit,
-                window: duration::format(l.window),
+                window: l
+                    .period
+                    .map_or_else(|| duration::format(l.window), |c| c.describe()),
                 window_ms: l.window_ms(),
+                period: l.period.map(|c| c.kind.word().to_owned()),
             })
             .collect()
     }

@@ -239,6 +239,12 @@ pub struct TopUser {
     pub used: u64,
     pub limit: u64,
     pub window_secs: u64,
+    /// When that limit is a calendar period's: the period (`month`) and the
+    /// instant it resets (RFC 3339).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub period: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resets_at: Option<String>,
 }
 
 pub(crate) fn throttle_error(e: ThrottleError) -> ApiError {
@@ -510,6 +516,12 @@ async fn top_users(
         .into_iter()
         .filter_map(|(usage, user)| {
             let usage = usage.ok()?;
+            // The limit the figures are of (the closest to exhaustion).
+            let period = usage
+                .windows
+                .iter()
+                .find(|w| w.window_ms == usage.window_ms && w.limit == usage.limit)
+                .and_then(|w| w.period.map(|p| (w.label(), p.end_ms)));
             (usage.used > 0).then(|| TopUser {
                 user: user.to_string(),
                 plan: usage.plan,
@@ -517,6 +529,8 @@ async fn top_users(
                 used: usage.used,
                 limit: usage.limit,
                 window_secs: usage.window_ms / 1000,
+                period: period.as_ref().map(|(word, _)| word.clone()),
+                resets_at: period.map(|(_, end)| tollgate_core::clock::rfc3339(end)),
             })
         })
         .collect();
@@ -620,7 +634,7 @@ pub fn schema() -> serde_json::Value {
             "top_users": {"type": "array", "items": {
                 "type": "object",
                 "required": ["user", "plan", "used", "limit", "window_secs"],
-                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "custom_limits": {"type": "boolean", "description": "An admin set this user's limits (plan is then `custom`)."}, "used": int, "limit": int, "window_secs": int},
+                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "custom_limits": {"type": "boolean", "description": "An admin set this user's limits (plan is then `custom`)."}, "used": int, "limit": int, "window_secs": int, "period": {"type": "string", "description": "The limit is a calendar period's (day, week, month)."}, "resets_at": {"type": "string", "format": "date-time", "description": "When that period ends and resets."}},
             }},
             "events": {"type": "array", "items": {
                 "type": "object",

@@ -650,6 +650,9 @@ fn window() -> Value {
             "used": {"type": "integer"},
             "remaining": {"type": "integer"},
             "reset_after_secs": {"type": ["integer", "null"]},
+            "period": {"type": "string", "enum": ["day", "week", "month"], "description": "A calendar period's limit (absent: a trailing window)."},
+            "period_start": {"type": "string", "format": "date-time"},
+            "resets_at": {"type": "string", "format": "date-time", "description": "When the current period ends and its total resets."},
         },
     })
 }

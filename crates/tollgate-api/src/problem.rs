@@ -507,9 +507,18 @@ impl ApiError {
                 p.field = Some(field.clone());
             }
             Self::QuotaExceeded(denied) => {
-                let window = tollgate_core::duration::format(std::time::Duration::from_millis(
-                    denied.window_ms,
-                ));
+                // The binding limit's window (`12h`) or period (`month`).
+                let window = denied
+                    .windows
+                    .iter()
+                    .chain(denied.organisation.iter().flat_map(|o| o.windows.iter()))
+                    .find(|w| w.window_ms == denied.window_ms && w.limit == denied.limit)
+                    .map(tollgate_core::ledger::WindowUse::label)
+                    .unwrap_or_else(|| {
+                        tollgate_core::duration::format(std::time::Duration::from_millis(
+                            denied.window_ms,
+                        ))
+                    });
                 let whose = match denied.scope {
                     tollgate_core::ledger::Scope::User => "",
                     tollgate_core::ledger::Scope::Organisation => "your organisation ",

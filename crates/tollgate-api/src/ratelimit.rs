@@ -10,7 +10,11 @@
 //! A plan of several limits names one policy item per window, longest first
 //! (`"budget-12h";q=1000;w=43200, "budget-1m";q=100;w=60`), and `RateLimit`
 //! shows the window closest to exhaustion (on a 429: the one that holds the
-//! request back longest, with `t` = when the cost fits every window).
+//! request back longest, with `t` = when the cost fits every window). A
+//! calendar period is an item too (`"budget-month";q=2000;w=2678400`: `w` the
+//! current period's length); its `t` and a 429's `Retry-After` are the
+//! seconds until the period ends, rounded up (the exact instant is in
+//! `/v1/usage`: `windows[].period.end_ms`).
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use tollgate_core::duration;
@@ -36,14 +40,18 @@ pub struct RateLimitHeaders {
 }
 
 /// The policy name of the window `window_ms` of a plan with `windows`:
-/// `budget`, or `budget-<window>` when the plan has several.
+/// `budget`, or `budget-<window>` when the plan has several (a calendar
+/// period's: `budget-month`, `budget-week`, `budget-day`).
 pub fn policy_name(windows: &[WindowUse], window_ms: u64) -> String {
     if windows.len() <= 1 {
-        POLICY.to_owned()
-    } else {
-        let w = duration::format(std::time::Duration::from_millis(window_ms));
-        format!("{POLICY}-{w}")
+        return POLICY.to_owned();
     }
+    let label = windows
+        .iter()
+        .find(|w| w.window_ms == window_ms)
+        .map(WindowUse::label)
+        .unwrap_or_else(|| duration::format(std::time::Duration::from_millis(window_ms)));
+    format!("{POLICY}-{label}")
 }
 
 fn headers(windows: &[WindowUse], window_ms: u64, remaining: u64, t_ms: u64) -> RateLimitHeaders {
@@ -140,5 +148,33 @@ mod tests {
         // Denied by the long window only: it names that one.
         let d = Denied::new(windows, &[40_000_000, 0], 0);
         assert_eq!(denied(&d).state, "\"budget-12h\";r=700;t=40000");
+    }
+
+    #[test]
+    fn a_period_is_named_by_its_kind_and_resets_when_it_ends() {
+        use tollgate_core::period::Span;
+        // 31 days from the 1st: now is 2.5 s before the end.
+        let month = Span {
+            start_ms: 1_000,
+            end_ms: 1_000 + 31 * 86_400_000,
+        };
+        let now = month.end_ms - 2_500;
+        let windows = vec![
+            WindowUse::new(100, 60_000, 10, Some(30_000)),
+            WindowUse::period(2000, month, 2000, now),
+        ];
+        let d = Denied::new(
+            windows.clone(),
+            &[0, windows[1].period_retry_after(1, now)],
+            now,
+        );
+        let h = denied(&d);
+        assert_eq!(
+            h.policy,
+            "\"budget-1m\";q=100;w=60, \"budget-month\";q=2000;w=2678400"
+        );
+        assert_eq!(h.state, "\"budget-month\";r=0;t=3");
+        assert_eq!(h.retry_after, Some(3));
+        assert_eq!(windows[1].label(), "month");
     }
 }

@@ -59,17 +59,7 @@ pub struct OrgView {
 
 /// The windows of a budget as the api shows them.
 pub fn window_views(windows: &[tollgate_core::ledger::WindowUse]) -> Vec<WindowView> {
-    windows
-        .iter()
-        .map(|w| WindowView {
-            policy: ratelimit::policy_name(windows, w.window_ms),
-            limit: w.limit,
-            window_secs: ceil_secs(w.window_ms),
-            used: w.used,
-            remaining: w.remaining,
-            reset_after_secs: w.reset_after_ms.map(ceil_secs),
-        })
-        .collect()
+    windows.iter().map(|w| WindowView::of(windows, w)).collect()
 }
 
 /// One limit of the plan, as the caller stands in it.
@@ -84,8 +74,38 @@ pub struct WindowView {
     /// it past `limit` for a while (reserves wait until it fits again).
     pub used: u64,
     pub remaining: u64,
-    /// Seconds until the oldest event in this window leaves it.
+    /// Seconds until the oldest event in this window leaves it (a calendar
+    /// period's: until it ends).
     pub reset_after_secs: Option<u64>,
+    /// A calendar period's limit: `day`, `week` or `month`, and the current
+    /// period's start and end (the exact instant it resets), RFC 3339 with
+    /// milliseconds. Absent for a trailing window.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub period: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub period_start: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resets_at: Option<String>,
+}
+
+impl WindowView {
+    /// `w`, one of `windows` (a plan's).
+    pub fn of(
+        windows: &[tollgate_core::ledger::WindowUse],
+        w: &tollgate_core::ledger::WindowUse,
+    ) -> Self {
+        WindowView {
+            policy: ratelimit::policy_name(windows, w.window_ms),
+            limit: w.limit,
+            window_secs: ceil_secs(w.window_ms),
+            used: w.used,
+            remaining: w.remaining,
+            reset_after_secs: w.reset_after_ms.map(ceil_secs),
+            period: w.period.map(|_| w.label()),
+            period_start: w.period.map(|p| rfc3339(p.start_ms)),
+            resets_at: w.period.map(|p| rfc3339(p.end_ms)),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -189,18 +209,7 @@ impl UsageView {
             reset_at: usage
                 .reset_after_ms
                 .map(|r| rfc3339(usage.now_ms.saturating_add(r))),
-            windows: usage
-                .windows
-                .iter()
-                .map(|w| WindowView {
-                    policy: ratelimit::policy_name(&usage.windows, w.window_ms),
-                    limit: w.limit,
-                    window_secs: ceil_secs(w.window_ms),
-                    used: w.used,
-                    remaining: w.remaining,
-                    reset_after_secs: w.reset_after_ms.map(ceil_secs),
-                })
-                .collect(),
+            windows: window_views(&usage.windows),
             events: usage
                 .events
                 .iter()

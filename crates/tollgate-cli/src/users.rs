@@ -318,11 +318,16 @@ pub async fn run(args: UsersArgs) -> ExitCode {
                     } else {
                         println!("{user}: {}", plan_line(&limits));
                         for w in &usage.windows {
+                            // A calendar period says when it resets.
+                            let resets = w
+                                .period
+                                .map(|p| {
+                                    format!(", resets {}", tollgate_core::clock::rfc3339(p.end_ms))
+                                })
+                                .unwrap_or_default();
                             println!(
-                                "  window {}: {} of {} used, {} left",
-                                tollgate_core::duration::format(std::time::Duration::from_millis(
-                                    w.window_ms
-                                )),
+                                "  window {}: {} of {} used, {} left{resets}",
+                                w.label(),
                                 w.used,
                                 w.limit,
                                 w.remaining

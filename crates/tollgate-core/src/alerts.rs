@@ -184,6 +184,10 @@ pub type LimitMarks = (u64, u64, Vec<(u32, u64)>);
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AlertMarks {
     pub limits: Vec<LimitMarks>,
+    /// Each limit's calendar period (`None`: a trailing window): a period's
+    /// crossings are per period, and what a release gave back counts until
+    /// the period ends.
+    pub periods: Vec<Option<&'static crate::period::Calendar>>,
 }
 
 impl AlertMarks {
@@ -204,7 +208,20 @@ impl AlertMarks {
                 (l.limit, l.window_ms(), marks)
             })
             .collect();
-        Some(Self { limits })
+        let periods = plan.limits.iter().map(|l| l.period).collect();
+        Some(Self { limits, periods })
+    }
+
+    /// Limit `k`'s window as a crossing names it (a period's: the length of
+    /// the one holding `at_ms`), and when an event spent at `spent_ms` has
+    /// left it (a period's: when that period ends).
+    fn span(&self, k: usize, window_ms: u64, at_ms: u64) -> (u64, u64) {
+        match self.periods.get(k).copied().flatten() {
+            Some(c) => c
+                .period_at(at_ms)
+                .map_or((0, at_ms), |p| (p.len_ms(), p.end_ms)),
+            None => (window_ms, at_ms.saturating_add(window_ms)),
+        }
     }
 
     /// The crossings of a change that took the windows' totals from `before`
@@ -234,7 +251,7 @@ impl AlertMarks {
                     }
                     latch.latched[i] = true;
                     out.push(Crossing {
-                        window_ms: *window_ms,
+                        window_ms: self.span(k, *window_ms, at_ms).0,
                         threshold_bp: bp,
                         used: a,
                         limit: *limit,
@@ -277,7 +294,7 @@ impl AlertMarks {
             }
             if latch.latched.iter().any(|&l| l) {
                 latch.released += b - a;
-                latch.until_ms = latch.until_ms.max(spent_ms.saturating_add(*window_ms));
+                latch.until_ms = latch.until_ms.max(self.span(k, *window_ms, spent_ms).1);
             } else {
                 latch.released = 0;
                 latch.until_ms = 0;
@@ -366,6 +383,7 @@ mod tests {
     fn a_crossing_is_from_below_to_at_or_above() {
         let marks = AlertMarks {
             limits: vec![(10, 1000, vec![(8000, 8), (10_000, 10)])],
+            ..AlertMarks::default()
         };
         let fresh = || Vec::new();
         assert!(marks.crossings(&[7], &[7], 1, &mut fresh()).is_empty());
@@ -379,9 +397,34 @@ mod tests {
     }
 
     #[test]
+    fn a_period_alerts_once_per_period() {
+        use crate::period::{Calendar, PeriodKind};
+        let day = Calendar::new(PeriodKind::Day, "UTC")
+            .unwrap()
+            .intern()
+            .unwrap();
+        let marks = AlertMarks {
+            limits: vec![(10, 0, vec![(8000, 8)])],
+            periods: vec![Some(day)],
+        };
+        const DAY: u64 = 86_400_000;
+        let mut l = Vec::new();
+        let c = marks.crossings(&[7], &[8], 100, &mut l);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].window_ms, DAY);
+        // A refund in the day, then charged again: the same crossing, even
+        // late in the day.
+        marks.lowered(&[8], &[5], 100, 200, &mut l);
+        assert!(marks.crossings(&[5], &[8], DAY - 1, &mut l).is_empty());
+        // The next day starts from 0: its crossing alerts.
+        assert_eq!(marks.crossings(&[0], &[8], DAY + 5, &mut l).len(), 1);
+    }
+
+    #[test]
     fn a_release_does_not_re_arm_a_threshold_the_window_sliding_does() {
         let marks = AlertMarks {
             limits: vec![(10, 1000, vec![(8000, 8)])],
+            ..AlertMarks::default()
         };
         let mut l = Vec::new();
         assert_eq!(marks.crossings(&[7], &[8], 100, &mut l).len(), 1);

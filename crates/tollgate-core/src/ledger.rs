@@ -210,7 +210,14 @@ pub struct WindowUse {
     pub used: u64,
     pub remaining: u64,
     /// Until the oldest event in this window leaves it; `None` when none is in it.
+    /// A calendar period's: until the period ends (its total resets then).
     pub reset_after_ms: Option<u64>,
+    /// A calendar period's limit (`period = "month"`): the current period,
+    /// `[start_ms, end_ms)` on the ledger's clock (`end_ms` is the exact
+    /// reset instant; `window_ms` is the period's length). `None`: a
+    /// trailing window.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub period: Option<crate::period::Span>,
 }
 
 impl WindowUse {
@@ -221,6 +228,46 @@ impl WindowUse {
             used,
             remaining: limit.saturating_sub(used),
             reset_after_ms,
+            period: None,
+        }
+    }
+
+    /// A calendar period's limit as it stands at `now_ms` (inside `span`):
+    /// it resets at the period's end.
+    pub fn period(limit: u64, span: crate::period::Span, used: u64, now_ms: u64) -> Self {
+        Self {
+            period: Some(span),
+            ..Self::new(
+                limit,
+                span.len_ms(),
+                used,
+                Some(span.end_ms.saturating_sub(now_ms)),
+            )
+        }
+    }
+
+    /// What the limit is over, for names and messages: the trailing
+    /// window's length (`12h`), or the calendar period (`day`, `week`,
+    /// `month`, told apart by the period's length: a day is 23 to 25 hours,
+    /// a week 7 days give or take one, a month 28 to 31 days).
+    pub fn label(&self) -> String {
+        const HOUR: u64 = 3_600_000;
+        match self.period {
+            Some(p) if p.len_ms() <= 25 * HOUR => "day".to_owned(),
+            Some(p) if p.len_ms() <= 7 * 24 * HOUR + HOUR => "week".to_owned(),
+            Some(_) => "month".to_owned(),
+            None => crate::duration::format(std::time::Duration::from_millis(self.window_ms)),
+        }
+    }
+
+    /// How long until `cost` fits a calendar period's limit: 0, or until
+    /// the period ends (nothing leaves a period before).
+    pub fn period_retry_after(&self, cost: u64, now_ms: u64) -> u64 {
+        match self.period {
+            Some(span) if self.used.saturating_add(cost) > self.limit => {
+                span.end_ms.saturating_sub(now_ms)
+            }
+            _ => 0,
         }
     }
 }
@@ -280,12 +327,12 @@ impl Allowed {
             .windows
             .iter()
             .map(|w| {
-                WindowUse::new(
-                    w.limit,
-                    w.window_ms,
-                    w.used.saturating_sub(cost),
-                    w.reset_after_ms,
-                )
+                let used = w.used.saturating_sub(cost);
+                WindowUse {
+                    used,
+                    remaining: w.limit.saturating_sub(used),
+                    ..w.clone()
+                }
             })
             .collect();
         Self::new(windows, self.at_ms, self.now_ms, self.duplicate)
@@ -961,6 +1008,11 @@ pub fn check_custom_limits(limits: &[crate::config::Limit]) -> Result<(), Ledger
             "1 to {MAX_LIMITS} limits, got {}",
             limits.len()
         )));
+    }
+    if limits.iter().any(|l| l.is_period()) {
+        return Err(LedgerError::BadLimits(
+            "a user's own limits are trailing windows: calendar periods are set by plans".into(),
+        ));
     }
     if limits
         .iter()

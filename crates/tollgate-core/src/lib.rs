@@ -27,6 +27,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod money;
 pub mod observed;
+pub mod period;
 pub mod price;
 pub mod refund;
 pub mod session;

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 
 use crate::alerts::MemoryAlerts;
+use crate::periods::Periods;
 use std::borrow::Cow;
 use tollgate_core::alerts::{AlertMarks, Crossing, Latch};
 use tollgate_core::clock::{Clock, SystemClock};
@@ -33,6 +34,7 @@ use tollgate_core::ledger::{
     SpendEvent, Usage, WindowUse, CUSTOM_PLAN,
 };
 use tollgate_core::lock;
+use tollgate_core::period::Span;
 
 const SHARDS: usize = 64;
 /// One shard is swept for idle users every this many operations.
@@ -78,6 +80,8 @@ struct OrgLog {
     total: u64,
     shorts: Vec<Short>,
     first: usize,
+    /// The totals of the plan's calendar periods.
+    periods: Periods,
     /// Each window's total once the call under way brought them to now
     /// (`OrgSide::sync`): what the call's change is compared with for alert
     /// crossings.
@@ -102,10 +106,11 @@ fn org_key(user: &UserId, request: &str) -> Arc<str> {
 impl OrgLog {
     /// Brings every window to `now` (as `UserLog::expire`).
     fn expire(&mut self, now: u64, limits: &[Limit], retain: u64) {
-        let longest = limits.first().map_or(0, Limit::window_ms);
+        let longest = longest_window(limits);
         let retain = retain.max(longest);
-        self.first = usize::from(longest >= retain);
-        let wanted = limits.iter().skip(self.first).map(Limit::window_ms);
+        self.first = usize::from(longest > 0 && longest >= retain);
+        self.periods.sync(now, limits);
+        let wanted = windows_from(limits, self.first);
         let Self { shorts, events, .. } = self;
         if !shorts.iter().map(|s| s.window).eq(wanted.clone()) {
             *shorts = wanted
@@ -153,6 +158,7 @@ impl OrgLog {
         self.events.insert((at, Arc::clone(&key)), cost);
         self.index.insert(key, at);
         self.total += cost;
+        self.periods.add_at(at, cost);
         for s in &mut self.shorts {
             if at > s.cursor {
                 s.total += cost;
@@ -193,6 +199,7 @@ impl OrgLog {
             self.events.insert((at, key), cost);
         }
         self.total = (self.total + cost).saturating_sub(previous);
+        self.periods.recost(at, previous, cost);
         for s in &mut self.shorts {
             if at > s.cursor {
                 s.total = (s.total + cost).saturating_sub(previous);
@@ -204,6 +211,10 @@ impl OrgLog {
 impl Windowed for OrgLog {
     fn totals(&self) -> (u64, &[Short], usize) {
         (self.total, &self.shorts, self.first)
+    }
+
+    fn periods(&self) -> &Periods {
+        &self.periods
     }
 
     fn inside(&self, now: u64, w: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
@@ -314,6 +325,8 @@ struct UserLog {
     /// 1 when the plan's longest window spans the retention (its total is
     /// `total`), else 0.
     first: usize,
+    /// The totals of the plan's calendar periods (limits after the windows).
+    periods: Periods,
     /// How long the log keeps an event: the longest window of any plan.
     retain: u64,
     /// Charges an operator refunded while they were held: their jobs are
@@ -507,6 +520,23 @@ struct Change<'a> {
     operation: Option<&'a str>,
 }
 
+/// The longest trailing window of `limits` (windows come first; 0: none).
+fn longest_window(limits: &[Limit]) -> u64 {
+    limits
+        .first()
+        .filter(|l| !l.is_period())
+        .map_or(0, Limit::window_ms)
+}
+
+/// The lengths of the trailing windows of `limits` from the `first`-th on.
+fn windows_from(limits: &[Limit], first: usize) -> impl Iterator<Item = u64> + Clone + '_ {
+    limits
+        .iter()
+        .skip(first)
+        .filter(|l| !l.is_period())
+        .map(Limit::window_ms)
+}
+
 /// The running total of one of the plan's windows shorter than the retention
 /// (the others' is `UserLog::total`).
 struct Short {
@@ -525,16 +555,27 @@ trait Windowed {
     /// shorter one, and the index of the first limit that is shorter.
     fn totals(&self) -> (u64, &[Short], usize);
 
+    /// The totals of the calendar periods (the limits after the windows).
+    fn periods(&self) -> &Periods;
+
     /// The (time, cost) of the live events inside a window of `w` ms that
     /// ends at `now`, oldest first.
     fn inside(&self, now: u64, w: u64) -> impl Iterator<Item = (u64, u64)> + '_;
+
+    /// How many of the plan's limits are trailing windows (after
+    /// `expire`; its periods follow them).
+    fn windows_n(&self) -> usize {
+        let (_, shorts, first) = self.totals();
+        first + shorts.len()
+    }
 
     /// Tokens spent in limit `i`'s window (after `expire`).
     fn used(&self, i: usize) -> u64 {
         let (total, shorts, first) = self.totals();
         match i.checked_sub(first) {
             None => total,
-            Some(k) => shorts.get(k).map_or(0, |s| s.total),
+            Some(k) if k < shorts.len() => shorts[k].total,
+            Some(k) => self.periods().get(k - shorts.len()).map_or(0, |(_, t)| t),
         }
     }
 
@@ -551,6 +592,15 @@ trait Windowed {
             .iter()
             .enumerate()
             .map(|(i, l)| {
+                if l.is_period() {
+                    let span = self.periods().get(i.saturating_sub(self.windows_n()));
+                    let span = span.map(|(s, _)| s);
+                    let span = span.unwrap_or(Span {
+                        start_ms: now,
+                        end_ms: now,
+                    });
+                    return WindowUse::period(l.limit, span, self.used(i), now);
+                }
                 let w = l.window_ms();
                 let reset = self
                     .inside(now, w)
@@ -570,6 +620,13 @@ trait Windowed {
         if need == 0 {
             return 0;
         }
+        if l.is_period() {
+            // Nothing leaves a period before it ends.
+            return self
+                .periods()
+                .get(i.saturating_sub(self.windows_n()))
+                .map_or(0, |(s, _)| s.end_ms.saturating_sub(now));
+        }
         let mut freed = 0;
         for (at, cost) in self.inside(now, w) {
             freed += cost;
@@ -586,6 +643,10 @@ impl Windowed for UserLog {
         (self.total, &self.shorts, self.first)
     }
 
+    fn periods(&self) -> &Periods {
+        &self.periods
+    }
+
     fn inside(&self, now: u64, w: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.events.inside(now, w).map(|e| (e.at, e.cost))
     }
@@ -597,10 +658,11 @@ impl UserLog {
     /// releases charges still held past their hold (no job can claim them any
     /// more), and forgets cancelled jobs' holds that ended.
     fn expire(&mut self, now: u64, limits: &[Limit]) {
-        let longest = limits.first().map_or(0, Limit::window_ms);
+        let longest = longest_window(limits);
         self.retain = self.retain.max(longest);
-        self.first = usize::from(longest >= self.retain);
+        self.first = usize::from(longest > 0 && longest >= self.retain);
         self.sync_shorts(now, limits);
+        self.periods.sync(now, limits);
         let window = self.retain;
         while let Some((_, e)) = self.events.first() {
             if e.at.saturating_add(window) > now {
@@ -653,7 +715,7 @@ impl UserLog {
     /// plan whose windows changed (a plan change) has them rebuilt from the
     /// log, once.
     fn sync_shorts(&mut self, now: u64, limits: &[Limit]) {
-        let wanted = limits.iter().skip(self.first).map(Limit::window_ms);
+        let wanted = windows_from(limits, self.first);
         let Self { shorts, events, .. } = self;
         if !shorts.iter().map(|s| s.window).eq(wanted.clone()) {
             *shorts = wanted
@@ -737,6 +799,7 @@ impl UserLog {
         });
         self.index.insert(request, seq);
         self.total += cost;
+        self.periods.add_now(cost);
         for s in &mut self.shorts {
             s.total += cost;
         }
@@ -865,6 +928,7 @@ impl UserLog {
         };
         self.export(now, ChangeKind::Settle, change);
         self.total = (self.total + cost).saturating_sub(previous);
+        self.periods.recost(at, previous, cost);
         for s in &mut self.shorts {
             if at.saturating_add(s.window) > now {
                 s.total = (s.total + cost).saturating_sub(previous);
@@ -890,6 +954,9 @@ impl UserLog {
     fn remove(&mut self, request: &str, now: u64) -> Option<u64> {
         let before = self.window_totals();
         let (at, cost) = self.take(request, now)?;
+        // A refund lands in the period the charge was made in (an event
+        // leaving the retention, `take` alone, stays counted in its period).
+        self.periods.recost(at, cost, 0);
         self.note_lowered(before, at, now);
         let change = Change {
             request,
@@ -1093,6 +1160,7 @@ impl<C: Clock> MemoryLedger<C> {
             log.retain = self.retention;
             log.expire(now, &plan.limits);
             if log.events.is_empty()
+                && log.periods.is_empty()
                 && log.plan.is_none()
                 && log.custom.is_none()
                 && log.cancelled.is_empty()

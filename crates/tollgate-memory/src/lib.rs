@@ -24,6 +24,7 @@ pub mod alerts;
 pub mod jobs;
 pub mod keystore;
 pub mod ledger;
+mod periods;
 pub mod sessions;
 pub mod streams;
 pub mod throttle;

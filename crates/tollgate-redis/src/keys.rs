@@ -93,6 +93,13 @@ impl BudgetKeys {
         format!("{}:limits", self.meta.trim_end_matches(":meta"))
     }
 
+    /// Hash: the totals of the plan's calendar periods, `<start_ms>-<end_ms>`
+    /// -> total (`lua/budget/lib/periods.lua`); expires after the last
+    /// period it counts ends.
+    pub fn periods(&self) -> String {
+        format!("{}:p", self.meta.trim_end_matches(":meta"))
+    }
+
     /// String: this location's marker (`lua/budget/lib/state.lua`, `AT`): at a
     /// user's own tag, the pointer to the organisation it lives in.
     pub fn at(&self) -> String {

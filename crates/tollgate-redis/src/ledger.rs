@@ -73,6 +73,10 @@ impl std::fmt::Debug for RedisLedger {
 /// (each reads 100 entries: 10 million).
 const AGAIN: &str = "TOLLGATE_AGAIN";
 const AGAIN_CALLS: usize = 100_000;
+/// The error of a budget script whose period boundaries do not hold Redis's
+/// clock, and how many times a call computes them again before it fails.
+const PERIOD: &str = "TOLLGATE_PERIOD";
+const PERIOD_TRIES: usize = 2;
 
 fn to_u64(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
@@ -137,10 +141,15 @@ impl RedisLedger {
     ) -> Result<(T, Location, Option<OrgId>), LedgerError> {
         let mut org = self.home(user).await?;
         let mut polls = 0;
+        let mut periods = 0;
         loop {
             let loc = self.keys.location(user, org.as_ref());
             match self.script::<T>(op, make(&loc)).await {
                 Ok(v) => return Ok((v, loc, org)),
+                Err(e) if period_clock(&e).is_some() => {
+                    periods += 1;
+                    self.period_refused(&e, periods)?;
+                }
                 Err(e) if is_error(&e, MOVED) && polls < MOVING_POLLS => {
                     polls += 1;
                     org = self.read_home(user).await?;
@@ -157,6 +166,45 @@ impl RedisLedger {
                     org = self.read_home(user).await?;
                 }
                 Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A script refused the period boundaries passed (`TOLLGATE_PERIOD
+    /// <ledger now>`: the ledger's clock is outside them, this pod's clock
+    /// being off by more than a period): the next boundaries are computed
+    /// around the ledger's clock, once; a second refusal in a row fails as
+    /// unavailable (503, retry).
+    fn period_refused(&self, e: &LedgerError, tries: usize) -> Result<(), LedgerError> {
+        let Some(ledger_ms) = period_clock(e) else {
+            return Ok(());
+        };
+        self.plans.calendars().learn(ledger_ms);
+        if tries > PERIOD_TRIES {
+            return Err(StoreError::unavailable(
+                "the period boundaries computed here do not hold the ledger's clock: retry shortly",
+            )
+            .into());
+        }
+        Ok(())
+    }
+
+    /// One budget script whose ARGV carries the period boundaries (`make`
+    /// builds it anew with the current ones): a refusal of the boundaries
+    /// is answered by computing them around the ledger's clock, once.
+    async fn planned<T: FromRedisValue>(
+        &self,
+        op: &'static str,
+        make: impl Fn() -> scripts::FunctionCall,
+    ) -> Result<T, LedgerError> {
+        let mut tries = 0;
+        loop {
+            match self.script(op, make()).await {
+                Err(e) if period_clock(&e).is_some() => {
+                    tries += 1;
+                    self.period_refused(&e, tries)?;
+                }
+                r => return r,
             }
         }
     }
@@ -315,6 +363,17 @@ impl RedisLedger {
         let from = self.keys.location(user, src);
         let to = self.keys.location(user, dst);
         let plans = self.plans.without_export();
+        // The user's period totals travel whole (the log keeps only a day
+        // of the events they count), read once: the location is frozen, and
+        // a move's steps leave them as they are.
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(from.user.periods());
+        let periods: Vec<(String, u64)> = self.command("set_user_org", cmd).await?;
+        let periods = periods
+            .iter()
+            .map(|(field, total)| format!("{field}={total}"))
+            .collect::<Vec<_>>()
+            .join(" ");
         let mut moved = 0;
         loop {
             let b: Vec<Value> = self
@@ -322,6 +381,7 @@ impl RedisLedger {
                 .await?;
             let bad = || bad_reply::<LedgerError>("move_out", &b);
             let plan = b.first().and_then(text).ok_or_else(bad)?;
+            let plan = format!("{plan}\n{periods}");
             let cancelled = b.get(1).and_then(text).ok_or_else(bad)?;
             let read = b.get(2).and_then(int).ok_or_else(bad)?;
             let fields: Vec<Vec<u8>> = b[3..]
@@ -337,10 +397,9 @@ impl RedisLedger {
                 return Err(bad());
             }
             let _: Vec<i64> = self
-                .script(
-                    "move_in",
-                    scripts::move_in(&to, &plan, &cancelled, &fields, &plans),
-                )
+                .planned("move_in", || {
+                    scripts::move_in(&to, &plan, &cancelled, &fields, &plans)
+                })
                 .await?;
             let ids: Vec<String> = fields
                 .chunks_exact(10)
@@ -348,7 +407,7 @@ impl RedisLedger {
                 .collect();
             if !ids.is_empty() {
                 let _: Vec<i64> = self
-                    .script("move_out", scripts::move_drop(&from, &ids, &plans))
+                    .planned("move_out", || scripts::move_drop(&from, &ids, &plans))
                     .await?;
                 moved += ids.len() as u64;
             }
@@ -845,11 +904,9 @@ impl Ledger for RedisLedger {
         limit: usize,
     ) -> Result<OrgUsage, LedgerError> {
         self.org_exists(org).await?;
+        let keys = self.keys.org_budget(org);
         let r: Vec<Value> = self
-            .script(
-                "org_usage",
-                scripts::org_usage(&self.keys.org_budget(org), &self.plans),
-            )
+            .planned("org_usage", || scripts::org_usage(&keys, &self.plans))
             .await?;
         let bad = || bad_reply::<LedgerError>("org_usage", &r);
         let plan = r.first().and_then(text).ok_or_else(bad)?;
@@ -949,10 +1006,10 @@ fn parse_spec(spec: &str) -> Option<Vec<Limit>> {
     spec.split(',')
         .map(|part| {
             let (limit, window) = part.split_once(':')?;
-            Some(Limit {
-                limit: limit.parse().ok()?,
-                window: Duration::from_millis(window.parse().ok()?),
-            })
+            Some(Limit::window(
+                limit.parse().ok()?,
+                Duration::from_millis(window.parse().ok()?),
+            ))
         })
         .collect::<Option<Vec<_>>>()
         .filter(|l| !l.is_empty())
@@ -1020,11 +1077,24 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
 }
 
 /// Fields per window in a budget script's reply (`push_windows` in budget/lib/events.lua).
-const WINDOW_FIELDS: usize = 5;
+const WINDOW_FIELDS: usize = 6;
 
 /// Whether a budget script kept its progress and asks to be called again:
 /// its error reply's code (the first word, `error({ err = 'CODE ...' })` in
 /// Lua), read from the Redis error the store error keeps as its source.
+/// The ledger's clock (ms) of a script's refusal of the period boundaries
+/// passed (`TOLLGATE_PERIOD <now_ms> ...`, budget/lib/periods.lua).
+fn period_clock(e: &LedgerError) -> Option<u64> {
+    let LedgerError::Store(e) = e else {
+        return None;
+    };
+    let r = std::error::Error::source(e)?.downcast_ref::<redis::RedisError>()?;
+    if r.code() != Some(PERIOD) {
+        return None;
+    }
+    r.detail()?.split_whitespace().next()?.parse().ok()
+}
+
 fn is_again(e: &StoreError) -> bool {
     matches!(error_code(e), Some(AGAIN))
 }
@@ -1075,7 +1145,15 @@ fn windows(
     for w in fields.chunks_exact(WINDOW_FIELDS) {
         let n = |i: usize| int(&w[i]).ok_or_else(|| bad_reply::<LedgerError>(what, w));
         let reset = signed(&w[3]).and_then(|v| u64::try_from(v).ok());
-        windows.push(WindowUse::new(n(1)?, n(2)?, n(0)?, reset));
+        let mut window = WindowUse::new(n(1)?, n(2)?, n(0)?, reset);
+        // A calendar period's start (-1: a trailing window).
+        if let Some(start) = signed(&w[5]).and_then(|v| u64::try_from(v).ok()) {
+            window.period = Some(tollgate_core::period::Span {
+                start_ms: start,
+                end_ms: start.saturating_add(window.window_ms),
+            });
+        }
+        windows.push(window);
         retry.push(Retry::parse(&w[4]).ok_or_else(|| bad_reply::<LedgerError>(what, w))?);
     }
     Ok((windows, retry))

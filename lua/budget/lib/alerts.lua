@@ -57,7 +57,7 @@ local function queue_alert(l, bp, used, now)
     redis.call('HINCRBY', box, '!', 1)
   end
   local id = kind .. ':' .. name .. ':' .. int(now) .. '-' .. int(redis.call('HINCRBY', box, '#', 1))
-  redis.call('HSET', box, id, int(l.window) .. ' ' .. int(bp) .. ' ' .. int(used) .. ' '
+  redis.call('HSET', box, id, int(l.cal and l.stop - l.start or l.window) .. ' ' .. int(bp) .. ' ' .. int(used) .. ' '
     .. int(l.limit) .. ' ' .. int(now) .. ' ' .. kind .. ' ' .. name)
   redis.call('ZADD', due, now, id)
   redis.call('PEXPIRE', box, OUTBOX_TTL)
@@ -89,6 +89,10 @@ end
 -- Tokens spent in limit k's window (after expire). `used`, kept for the
 -- scripts' calls, is ignored: the totals are read from TOTAL and SHORTS.
 local function window_used(k, _used)
+  local l = LIMITS[k]
+  if l.cal then
+    return period_used(l)
+  end
   if k < FIRST then
     return TOTAL
   end
@@ -234,7 +238,8 @@ local function lowered(before, at, now)
       end
       if any then
         c.released = c.released + before[k] - after
-        c.till = math.max(c.till, at + l.window)
+        -- A period's: what it gave back counts until the period ends.
+        c.till = math.max(c.till, l.cal and l.stop or at + l.window)
         q.dirty = true
       elseif c.released > 0 then
         c.released, c.till = 0, 0

@@ -51,6 +51,10 @@ local function retry_after(k, l, used, cost, now)
   if need <= 0 then
     return 0
   end
+  if l.cal then
+    -- Nothing leaves a period before it ends.
+    return l.stop - now
+  end
   return retry_walk(l.window, need, 0, int(now - l.window + 1), now)
 end
 
@@ -58,20 +62,32 @@ end
 -- reset_after_ms (until its oldest event leaves it; -1 when none is in it) and
 -- retry_after_ms (with `cost`: until that cost fits it; else 0; or, when the
 -- walk to it ran out of this call's slice, the text 'more <bound> <freed>
--- <need>': the caller goes on with `retry.lua`).
+-- <need>': the caller goes on with `retry.lua`), and the period's start (-1:
+-- a trailing window). A period's window_ms is its length, its reset_after_ms
+-- until it ends.
 local function push_windows(out, limits, used, now, cost)
   out[#out + 1] = #limits
   for k, l in ipairs(limits) do
-    local oldest = redis.call('XRANGE', LOG, k < FIRST and '-' or int(now - l.window + 1), '+', 'COUNT', 1)
-    local reset = -1
-    if #oldest > 0 then
-      reset = tonumber(string.match(oldest[1][1], '^(%d+)')) + l.window - now
+    if l.cal then
+      out[#out + 1] = window_used(k, used)
+      out[#out + 1] = l.limit
+      out[#out + 1] = l.stop - l.start
+      out[#out + 1] = l.stop - now
+      out[#out + 1] = cost and retry_after(k, l, used, cost, now) or 0
+      out[#out + 1] = l.start
+    else
+      local oldest = redis.call('XRANGE', LOG, k < FIRST and '-' or int(now - l.window + 1), '+', 'COUNT', 1)
+      local reset = -1
+      if #oldest > 0 then
+        reset = tonumber(string.match(oldest[1][1], '^(%d+)')) + l.window - now
+      end
+      out[#out + 1] = window_used(k, used)
+      out[#out + 1] = l.limit
+      out[#out + 1] = l.window
+      out[#out + 1] = reset
+      out[#out + 1] = cost and retry_after(k, l, used, cost, now) or 0
+      out[#out + 1] = -1
     end
-    out[#out + 1] = window_used(k, used)
-    out[#out + 1] = l.limit
-    out[#out + 1] = l.window
-    out[#out + 1] = reset
-    out[#out + 1] = cost and retry_after(k, l, used, cost, now) or 0
   end
   return out
 end
@@ -85,6 +101,7 @@ local function remove(ev, _used, now, forced)
     unshort(spent(ev), ev.cost, now)
     export('refund', ev.rec.id, ev.cost, spent(ev), nil, nil, forced)
   end
+  period_move(spent(ev), -ev.cost)
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)
   TOTAL = TOTAL - ev.cost
@@ -102,6 +119,7 @@ local function recost(ev, cost, now)
     unshort(spent(ev), previous - cost, now)
     export('settle', ev.rec.id, cost, spent(ev), previous)
   end
+  period_move(spent(ev), cost - previous)
   ev.cost = cost
   update(ev)
   TOTAL = TOTAL - previous + cost
@@ -139,6 +157,7 @@ local function record(request, cost, now, limits, used, o, slot)
   for _, s in ipairs(SHORTS) do
     s.total = s.total + cost
   end
+  period_move(nil, cost)
   TOTAL = TOTAL + cost
   -- A log this entry started has no expiry yet, whatever meta says.
   if grow(now) == 1 then
@@ -194,6 +213,7 @@ local function insert(request, at, ev, o, now, slot)
       s.total = s.total + ev.cost
     end
   end
+  period_move(at, ev.cost)
   TOTAL = TOTAL + ev.cost
   grow(now)
   KEPT = 0

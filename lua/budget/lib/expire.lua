@@ -26,6 +26,7 @@ local function expire(now, limits)
   TOTAL = used
   repoint(now)
   load_shorts(shorts, limits)
+  load_periods(now, limits)
   changed = changed or SHORTS_STALE
   local behind = false
   for _, s in ipairs(SHORTS) do
@@ -138,6 +139,7 @@ local function expire(now, limits)
         local before = snapshot()
         TOTAL = TOTAL - ev.cost
         unshort(spent(ev), ev.cost, now)
+        period_move(spent(ev), -ev.cost)
         export('refund', id, ev.cost, spent(ev))
         drop(ev)
         lowered(before, spent(ev), now)
@@ -151,8 +153,5 @@ local function expire(now, limits)
   if changed then
     write_total(now)
   end
-  if FIRST == 1 then
-    return SHORTS[1].total
-  end
-  return TOTAL
+  return longest_used()
 end

@@ -29,7 +29,7 @@ end
 local function resolve_plan(i)
   EXPORT = tonumber(ARGV[i]) or 0
   RETAIN = tonumber(ARGV[i + 1]) or 0
-  i = i + 2
+  i = read_calendars(i + 2)
   local got
   if SUBJECT == 'user' and not NOCHECK and is_member() then
     got = redis.call('MGET', PLAN, BASE .. ':limits', at_key())
@@ -57,8 +57,16 @@ local function resolve_plan(i)
   if not limits then
     limits = {}
     local bar = string.find(spec, '|', 1, true)
-    for l, w in string.gmatch(bar and string.sub(spec, 1, bar - 1) or spec, '(%d+):(%d+)') do
-      limits[#limits + 1] = { limit = tonumber(l), window = tonumber(w) }
+    -- Windows first ({ limit, window }), then periods ({ limit, cal },
+    -- window 0): `nw` is the number of windows.
+    limits.nw = 0
+    for l, p, w in string.gmatch(bar and string.sub(spec, 1, bar - 1) or spec, '(%d+):(p?)(%d+)') do
+      if p == 'p' then
+        limits[#limits + 1] = { limit = tonumber(l), window = 0, cal = tonumber(w) }
+      else
+        limits[#limits + 1] = { limit = tonumber(l), window = tonumber(w) }
+        limits.nw = limits.nw + 1
+      end
     end
     if bar then
       alert_marks(limits, string.sub(spec, bar + 1))
@@ -72,7 +80,7 @@ local function resolve_plan(i)
   if RETAIN < longest then
     RETAIN = longest
   end
-  FIRST = longest >= RETAIN and 2 or 1
+  FIRST = (limits.nw > 0 and longest >= RETAIN) and 2 or 1
   LIMITS = limits
   return name, limits
 end

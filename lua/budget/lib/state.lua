@@ -59,10 +59,16 @@
 --                   job's charge), forced ('1' on an operator's forced
 --                   correction, else absent). It outlives the window; billing
 --                   jobs read it.
+--   '<base>:p'      hash: the totals of the plan's calendar periods, one field
+--                   per period '<start_ms>-<end_ms>' -> total (see
+--                   budget/lib/periods.lua); expires after the last period
+--                   it counts ends.
 -- The ARGV tail is the export's maxlen (0: no export), the retention (ms: the
--- longest window of any configured plan), then the plan table as pairs (name,
+-- longest window of any configured plan, at least a day with a period limit),
+-- the calendars' count n and n boundaries ('<prev start> <start> <end> <next
+-- end>', see budget/lib/periods.lua), then the plan table as pairs (name,
 -- limits), the default plan first; limits is 'limit:window_ms,...', longest
--- window first, then, with alerts, '|' and per threshold '<basis points>:<tokens
+-- window first, then each period limit as 'limit:p<calendar>', then, with alerts, '|' and per threshold '<basis points>:<tokens
 -- in limit 1>:<tokens in limit 2>...', comma separated (see `alert_marks`). The log keeps every event for the retention, whatever the
 -- user's plan, so a plan change never erases spend; a reservation must fit
 -- every window of the user's plan.
@@ -135,6 +141,14 @@ local REPOINT_MS = 10000
 local OUTBOX_MAX = 1000
 local OUTBOX_TTL = 8 * 86400 * 1000
 
+-- Calendar periods (budget/lib/periods.lua): each calendar's boundaries
+-- from ARGV ({ prev start, start, end, next end }, by calendar number), and
+-- the subject's current periods' totals by field (nil: its plan has none),
+-- whether one changed, whether one is new (its field was absent).
+local CALS, PERIODS, PERIODS_DIRTY, PERIODS_NEW = {}, nil, false, false
+-- How long a period's totals are kept past its end (ms).
+local PERIOD_GRACE = 3600 * 1000
+
 -- Organisations. A member's budget keys (KEYS[1..6]) live under its
 -- organisation's hash tag, next to the organisation's own budget (KEYS[7..12]):
 -- the same structure over the organisation's plan, whose events are keyed by
@@ -188,6 +202,7 @@ local function begin(keys, args)
   SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, RETAIN = {}, false, 2, 0, 0, 1, 0, 0
   KEPT, WORK, T0 = 0, SLICE, nil
   LIMITS, POINTS, PENDING, LATCHES = nil, nil, nil, nil
+  CALS, PERIODS, PERIODS_DIRTY, PERIODS_NEW = {}, nil, false, false
   -- SAVED and RELEASED are made when first needed: most calls need neither.
   SUBJECT, SAVED, RELEASED, MV, NOCHECK = 'user', nil, nil, nil, false
 end
@@ -201,15 +216,18 @@ local function use(subject)
   end
   SAVED = SAVED or {}
   SAVED[SUBJECT] = { PLAN, HOLDS, AUDIT, LOG, META, CANCELLED, BASE,
-    SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV, LIMITS, PENDING }
+    SHORTS, SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV, LIMITS, PENDING,
+    PERIODS, PERIODS_DIRTY, PERIODS_NEW }
   local s = SAVED[subject]
   if s then
     PLAN, HOLDS, AUDIT, LOG, META, CANCELLED, BASE, SHORTS,
-      SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV, LIMITS, PENDING = unpack(s, 1, 18)
+      SHORTS_STALE, FIRST, TOTAL, EXPORT, SIZE, SPLIT, KEPT, MV, LIMITS, PENDING,
+      PERIODS, PERIODS_DIRTY, PERIODS_NEW = unpack(s, 1, 21)
   else
     set_keys(KEYS, subject == 'org' and 6 or 0)
     SHORTS, SHORTS_STALE, FIRST, TOTAL, SIZE, SPLIT, KEPT, MV = {}, false, 2, 0, 1, 0, 0, nil
     EXPORT, LIMITS, PENDING = 0, nil, nil
+    PERIODS, PERIODS_DIRTY, PERIODS_NEW = nil, false, false
   end
   SUBJECT = subject
 end

@@ -78,10 +78,10 @@ local function load_shorts(raw, limits)
       SHORTS[#SHORTS + 1] = { window = tonumber(w), total = tonumber(t), cursor = tonumber(c) }
     end
   end
-  if #SHORTS ~= #limits - FIRST + 1 then
+  if #SHORTS ~= limits.nw - FIRST + 1 then
     ok = false
   else
-    for k = FIRST, #limits do
+    for k = FIRST, limits.nw do
       if SHORTS[k - FIRST + 1].window ~= limits[k].window then
         ok = false
       end
@@ -91,7 +91,7 @@ local function load_shorts(raw, limits)
     return
   end
   SHORTS, SHORTS_STALE = {}, true
-  for k = FIRST, #limits do
+  for k = FIRST, limits.nw do
     SHORTS[k - FIRST + 1] = { window = limits[k].window, total = TOTAL, cursor = 0 }
   end
 end
@@ -141,7 +141,21 @@ local function read_total()
   return sum, nil, sum > 0
 end
 
--- Writes the totals (TOTAL, and the windows'); returns the longest window's.
+-- The total of the plan's first limit: its longest window's, or (a plan of
+-- periods only) its longest period's.
+local function longest_used()
+  local l = LIMITS and LIMITS[1]
+  if l and l.cal then
+    return period_used(l)
+  end
+  if FIRST == 1 and SHORTS[1] then
+    return SHORTS[1].total
+  end
+  return TOTAL
+end
+
+-- Writes the totals (TOTAL, the windows' and the periods'); returns the
+-- longest window's (`longest_used`).
 -- Keeps the log and meta a retention past `now` (see KEPT).
 local function write_total(now)
   if TOTAL < 0 then
@@ -159,6 +173,7 @@ local function write_total(now)
     value = table.concat(parts, ' ')
   end
   SHORTS_STALE = false
+  save_periods(now)
   if MV then
     local parts = { 'm' }
     for k = 1, #SHORTS do
@@ -177,10 +192,7 @@ local function write_total(now)
   else
     redis.call('HSET', META, 't', value)
   end
-  if FIRST == 1 then
-    return SHORTS[1].total
-  end
-  return TOTAL
+  return longest_used()
 end
 
 -- Appends one change to the export stream (when there is one); `forced`: an

@@ -329,7 +329,8 @@ function renderTopUsers(users) {
     const barCell = el('td');
     barCell.appendChild(bar);
     const tr = row([el('td', u.user), el('td', u.custom_limits ? u.plan + ' (own limits)' : u.plan), el('td', u.used + ' / ' + u.limit, 'num'), barCell,
-      el('td', u.window_secs >= 3600 ? (u.window_secs / 3600).toFixed(1) + ' h' : u.window_secs + ' s')]);
+      el('td', u.resets_at ? u.period + ', resets ' + u.resets_at
+        : u.window_secs >= 3600 ? (u.window_secs / 3600).toFixed(1) + ' h' : u.window_secs + ' s')]);
     tr.dataset.user = u.user;
     return tr;
   });

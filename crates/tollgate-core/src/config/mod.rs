@@ -283,7 +283,7 @@ impl Config {
     /// How long a user's log keeps a spend event: the longest window of any
     /// plan, so that a plan change never erases spend a plan could count.
     pub fn retention_ms(&self) -> u64 {
-        self.plans().map(Plan::window_ms).max().unwrap_or(0)
+        self.plans().map(Plan::log_ms).max().unwrap_or(0)
     }
 
     /// Validates a user's own limits (an admin's override of its plan's,
@@ -310,12 +310,14 @@ impl Config {
         let currency = self.currency;
         let raw = raw
             .into_iter()
-            .map(|(limit, window)| RawLimit {
-                limit: match u64::try_from(limit) {
-                    Ok(n) => toml::Value::String(crate::money::format_amount(currency, n)),
-                    Err(_) => toml::Value::Integer(limit),
-                },
-                window,
+            .map(|(limit, window)| {
+                RawLimit::window(
+                    match u64::try_from(limit) {
+                        Ok(n) => toml::Value::String(crate::money::format_amount(currency, n)),
+                        Err(_) => toml::Value::Integer(limit),
+                    },
+                    window,
+                )
             })
             .collect::<Vec<_>>();
         let single = raw.len() == 1;
@@ -454,10 +456,7 @@ provider = "llm"
         assert_eq!(c.default_plan().max_cost(), 1000);
         assert_eq!(
             c.plan("pro").unwrap().limits,
-            vec![Limit {
-                limit: 20000,
-                window: Duration::from_secs(12 * 3600)
-            }]
+            vec![Limit::window(20000, Duration::from_secs(12 * 3600))]
         );
         assert_eq!(c.plan_or_default(Some("gone")).name, "free");
         // The built-in config has the same plans, plus providers.

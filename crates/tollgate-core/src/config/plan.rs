@@ -9,19 +9,44 @@ use serde::Deserialize;
 use super::{ConfigError, MAX_TOKENS};
 use crate::duration;
 use crate::money::Currency;
+use crate::period::{Calendar, PeriodKind};
 
-/// One limit of a plan: at most `limit` tokens spent in any trailing `window`.
+/// One limit of a plan: at most `limit` tokens spent in any trailing `window`,
+/// or, with a `period`, in each calendar period (then `window` is zero).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limit {
     pub limit: u64,
     pub window: Duration,
+    /// A calendar period's limit (`period = "month"`): its total resets at
+    /// each period's start ([`crate::period`]).
+    pub period: Option<&'static Calendar>,
 }
 
 impl Limit {
+    /// A trailing window's limit.
+    pub fn window(limit: u64, window: Duration) -> Self {
+        Self {
+            limit,
+            window,
+            period: None,
+        }
+    }
+
+    /// A trailing window's length (0 for a period's limit).
     pub fn window_ms(&self) -> u64 {
         u64::try_from(self.window.as_millis()).unwrap_or(u64::MAX)
     }
+
+    pub fn is_period(&self) -> bool {
+        self.period.is_some()
+    }
 }
+
+/// How long the log keeps events for a plan with period limits, at least:
+/// what refunds, settles and releases of a job's charge need (no job's
+/// deadline is near it), not the period's length: each period's total is a
+/// counter of its own, so a month's plan keeps no month of events.
+pub const PERIOD_LOG_MS: u64 = 24 * 3600 * 1000;
 
 /// Most limits one plan may set.
 pub const MAX_LIMITS: usize = 8;
@@ -31,7 +56,8 @@ pub const MAX_LIMITS: usize = 8;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     pub name: String,
-    /// Never empty; windows distinct, longest first.
+    /// Never empty; windows distinct, longest first, then the periods
+    /// (distinct), longest first.
     pub limits: Vec<Limit>,
     /// The plan's weight in a saturated provider's fair queue (`share`,
     /// default 1): while users of two plans both wait, grants go to them in
@@ -100,6 +126,17 @@ impl Plan {
         self.limits.first().map_or(0, Limit::window_ms)
     }
 
+    /// How long the log must keep events for this plan: its longest window,
+    /// and [`PERIOD_LOG_MS`] when it has a period limit.
+    pub fn log_ms(&self) -> u64 {
+        let periods = if self.limits.iter().any(Limit::is_period) {
+            PERIOD_LOG_MS
+        } else {
+            0
+        };
+        self.window_ms().max(periods)
+    }
+
     /// The smallest limit: the largest cost the plan could ever admit.
     pub fn max_cost(&self) -> u64 {
         self.limits.iter().map(|l| l.limit).min().unwrap_or(0)
@@ -114,7 +151,10 @@ impl Plan {
                 format!(
                     "{} {currency} / {}",
                     crate::money::format_amount(currency, l.limit),
-                    duration::format(l.window)
+                    match l.period {
+                        Some(c) => c.describe(),
+                        None => duration::format(l.window),
+                    }
                 )
             })
             .collect::<Vec<_>>()
@@ -131,6 +171,10 @@ pub const MAX_IN_FLIGHT: u32 = 100_000;
 pub(super) struct RawPlan {
     limit: Option<toml::Value>,
     window: Option<String>,
+    period: Option<String>,
+    tz: Option<String>,
+    week_start: Option<String>,
+    anchor: Option<i64>,
     limits: Option<Vec<RawLimit>>,
     share: Option<i64>,
     max_in_flight: Option<i64>,
@@ -144,7 +188,29 @@ pub(super) struct RawPlan {
 pub(super) struct RawLimit {
     /// An amount of the deployment's currency: an integer or a decimal string.
     pub(super) limit: toml::Value,
-    pub(super) window: String,
+    /// A trailing window (`12h`), or else a calendar `period` (`day`,
+    /// `week`, `month`) with its time zone `tz` (default UTC), `week_start`
+    /// (weeks; default monday) and `anchor` (months: the day it starts, 1 to
+    /// 31, default 1).
+    pub(super) window: Option<String>,
+    pub(super) period: Option<String>,
+    pub(super) tz: Option<String>,
+    pub(super) week_start: Option<String>,
+    pub(super) anchor: Option<i64>,
+}
+
+impl RawLimit {
+    /// A trailing window's limit, as the admin's override writes it.
+    pub(super) fn window(limit: toml::Value, window: String) -> Self {
+        Self {
+            limit,
+            window: Some(window),
+            period: None,
+            tz: None,
+            week_start: None,
+            anchor: None,
+        }
+    }
 }
 
 /// The `[plans.X]` tables, each checked (its name, limits, share, caps and
@@ -160,13 +226,22 @@ pub(super) fn parse_plans(
         if let Err(e) = crate::id::UserId::new(name.as_str()) {
             return Err(invalid(key, format!("bad plan name: {e}")));
         }
-        let raw_limits = match (p.limit, p.window, p.limits) {
-            (Some(limit), Some(window), None) => vec![RawLimit { limit, window }],
-            (None, None, Some(limits)) => limits,
+        let single = p.window.is_some() || p.period.is_some();
+        let calendar = p.tz.is_some() || p.week_start.is_some() || p.anchor.is_some();
+        let raw_limits = match (p.limit, single, p.limits) {
+            (Some(limit), true, None) => vec![RawLimit {
+                limit,
+                window: p.window,
+                period: p.period,
+                tz: p.tz,
+                week_start: p.week_start,
+                anchor: p.anchor,
+            }],
+            (None, false, Some(limits)) if !calendar => limits,
             _ => {
                 return Err(invalid(
                     key,
-                    "set either `limit` and `window`, or `limits = [{ limit, window }, ...]`"
+                    "set either `limit` and `window` (or `period`), or `limits = [{ limit, window }, { limit, period }, ...]`"
                         .into(),
                 ))
             }
@@ -299,7 +374,51 @@ pub(super) fn parse_limits(
                 format!("must be <= {MAX_TOKENS}"),
             ));
         }
-        let window = duration::parse(&l.window).map_err(|m| invalid(format!("{key}.window"), m))?;
+        let window = match (l.window, l.period) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    format!("{key}.period"),
+                    "set either `window` (a trailing window) or `period` (a calendar period), not both".into(),
+                ))
+            }
+            (None, None) => {
+                return Err(invalid(
+                    format!("{key}.window"),
+                    "set `window` (a trailing window, e.g. \"12h\") or `period` (\"day\", \"week\" or \"month\")".into(),
+                ))
+            }
+            (None, Some(period)) => {
+                let c = parse_period(&key, &period, l.tz, l.week_start, l.anchor, invalid)?;
+                if limits.iter().any(|o| o.period == Some(c)) {
+                    return Err(invalid(
+                        format!("{key}.period"),
+                        format!("{} is set twice in one plan", c.describe()),
+                    ));
+                }
+                limits.push(Limit {
+                    limit,
+                    window: Duration::ZERO,
+                    period: Some(c),
+                });
+                continue;
+            }
+            (Some(window), None) => {
+                for (set, name) in [
+                    (l.tz.is_some(), "tz"),
+                    (l.week_start.is_some(), "week_start"),
+                    (l.anchor.is_some(), "anchor"),
+                ] {
+                    if set {
+                        return Err(invalid(
+                            format!("{key}.{name}"),
+                            "only a calendar `period` has one, not a trailing `window`".into(),
+                        ));
+                    }
+                }
+                window
+            }
+        };
+        let window = duration::parse(&window).map_err(|m| invalid(format!("{key}.window"), m))?;
         if window < Duration::from_millis(1) {
             return Err(invalid(
                 format!("{key}.window"),
@@ -313,17 +432,86 @@ pub(super) fn parse_limits(
             ));
         }
         // Milliseconds are what the ledger counts in: two windows equal there are one.
-        let ms = Limit { limit, window }.window_ms();
-        if limits.iter().any(|o| o.window_ms() == ms) {
+        let ms = Limit::window(limit, window).window_ms();
+        if limits.iter().any(|o| !o.is_period() && o.window_ms() == ms) {
             return Err(invalid(
                 format!("{key}.window"),
-                format!("{} is set twice in one plan", l.window),
+                format!("{} is set twice in one plan", duration::format(window)),
             ));
         }
-        limits.push(Limit { limit, window });
+        limits.push(Limit::window(limit, window));
     }
-    limits.sort_by_key(|l| std::cmp::Reverse(l.window));
+    // Windows longest first, then periods longest first (months, weeks, days).
+    limits.sort_by_key(|l| {
+        let kind = l.period.map_or(0, |c| match c.kind {
+            PeriodKind::Month { .. } => 1,
+            PeriodKind::Week { .. } => 2,
+            PeriodKind::Day => 3,
+        });
+        (kind, std::cmp::Reverse(l.window))
+    });
     Ok(limits)
+}
+
+/// A limit's calendar period: `period` with its `tz`, `week_start` and
+/// `anchor` (each refused where it does not belong).
+fn parse_period(
+    key: &str,
+    period: &str,
+    tz: Option<String>,
+    week_start: Option<String>,
+    anchor: Option<i64>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<&'static Calendar, ConfigError> {
+    let kind = match period {
+        "day" => PeriodKind::Day,
+        "week" => {
+            let start = match week_start.as_deref() {
+                None => jiff::civil::Weekday::Monday,
+                Some(w) => crate::period::parse_weekday(w).ok_or_else(|| {
+                    invalid(
+                        format!("{key}.week_start"),
+                        format!("unknown day {w:?} (monday, tuesday, ..., sunday)"),
+                    )
+                })?,
+            };
+            PeriodKind::Week { start }
+        }
+        "month" => {
+            let anchor = anchor.unwrap_or(1);
+            if !(1..=31).contains(&anchor) {
+                return Err(invalid(
+                    format!("{key}.anchor"),
+                    format!("must be a day of the month, 1 to 31, got {anchor} (a shorter month starts its period on its last day)"),
+                ));
+            }
+            PeriodKind::Month {
+                anchor: anchor as i8,
+            }
+        }
+        other => {
+            return Err(invalid(
+                format!("{key}.period"),
+                format!("unknown period {other:?} (day, week or month)"),
+            ))
+        }
+    };
+    if week_start.is_some() && !matches!(kind, PeriodKind::Week { .. }) {
+        return Err(invalid(
+            format!("{key}.week_start"),
+            "only a `period = \"week\"` has one".into(),
+        ));
+    }
+    if anchor.is_some() && !matches!(kind, PeriodKind::Month { .. }) {
+        return Err(invalid(
+            format!("{key}.anchor"),
+            "only a `period = \"month\"` has one".into(),
+        ));
+    }
+    let tz = tz.unwrap_or_else(|| "UTC".to_owned());
+    Calendar::new(kind, &tz)
+        .and_then(Calendar::intern)
+        .map_err(|m| invalid(format!("{key}.tz"), m))
 }
 
 #[cfg(test)]
@@ -347,6 +535,124 @@ limits = [{ limit = 100, window = "1m" }, { limit = 1000, window = "12h" }, { li
         assert_eq!(
             p.describe(crate::money::Currency::Tokens),
             "1000 tokens / 12h + 100 tokens / 1m + 5 tokens / 1s"
+        );
+    }
+
+    const PERIODS: &str = r#"
+[plans.free]
+limits = [
+  { limit = "20", period = "month", anchor = 15, tz = "Europe/Berlin" },
+  { limit = 5, window = "1h" },
+  { limit = 3, period = "day" },
+  { limit = 4, period = "week", week_start = "sunday", tz = "America/New_York" },
+]
+"#;
+
+    #[test]
+    fn reads_periods_beside_windows_windows_first() {
+        let c = Config::parse(PERIODS, "t.toml").unwrap();
+        let p = c.default_plan();
+        let shape: Vec<String> = p
+            .limits
+            .iter()
+            .map(|l| match l.period {
+                Some(c) => format!("{} {}", l.limit, c.describe()),
+                None => format!("{} {}", l.limit, l.window_ms()),
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                "5 3600000",
+                "20 month (anchor 15, Europe/Berlin)",
+                "4 week (from sunday, America/New_York)",
+                "3 day (UTC)"
+            ]
+        );
+        assert_eq!(p.max_cost(), 3);
+        // The log keeps a day for the periods' refunds, not a month.
+        assert_eq!(c.retention_ms(), super::PERIOD_LOG_MS);
+        let single = "[plans.free]\nlimit = 7\nperiod = \"month\"\nanchor = 31\n";
+        let c = Config::parse(single, "t.toml").unwrap();
+        let l = c.default_plan().limits[0];
+        assert_eq!(
+            l.period.map(|c| c.describe()).as_deref(),
+            Some("month (anchor 31, UTC)")
+        );
+    }
+
+    #[test]
+    fn bad_periods_name_their_key_and_say_why() {
+        for (from, to, key, why) in [
+            (
+                "\"Europe/Berlin\"",
+                "\"Europe/Berlyn\"",
+                "plans.free.limits[0].tz",
+                "unknown time zone",
+            ),
+            (
+                "anchor = 15",
+                "anchor = 0",
+                "plans.free.limits[0].anchor",
+                "1 to 31",
+            ),
+            (
+                "anchor = 15",
+                "anchor = 32",
+                "plans.free.limits[0].anchor",
+                "1 to 31",
+            ),
+            (
+                "\"sunday\"",
+                "\"sonday\"",
+                "plans.free.limits[3].week_start",
+                "unknown day",
+            ),
+            (
+                "period = \"day\"",
+                "period = \"fortnight\"",
+                "plans.free.limits[2].period",
+                "unknown period",
+            ),
+            (
+                "period = \"day\"",
+                "period = \"day\", window = \"1d\"",
+                "plans.free.limits[2].period",
+                "not both",
+            ),
+            (
+                "period = \"day\"",
+                "period = \"day\", anchor = 3",
+                "plans.free.limits[2].anchor",
+                "month",
+            ),
+            (
+                "window = \"1h\"",
+                "window = \"1h\", tz = \"UTC\"",
+                "plans.free.limits[1].tz",
+                "period",
+            ),
+            (
+                "{ limit = 3, period = \"day\" }",
+                "{ limit = 3 }",
+                "plans.free.limits[2].window",
+                "period",
+            ),
+            (
+                "{ limit = 3, period = \"day\" }",
+                "{ limit = 3, period = \"month\", tz = \"Europe/Berlin\", anchor = 15 }",
+                "plans.free.limits[2].period",
+                "twice",
+            ),
+        ] {
+            assert!(PERIODS.contains(from), "{from}");
+            let e = err(&PERIODS.replacen(from, to, 1));
+            assert!(e.contains(key) && e.contains(why), "{to}: {e}");
+        }
+        let e = err("[plans.free]\nlimit = 3\nperiod = \"month\"\nanchor = 0\n");
+        assert!(
+            e.contains("plans.free.anchor") && e.contains("1 to 31"),
+            "{e}"
         );
     }
 

@@ -2,6 +2,11 @@
 //! refund, settle, usage, retry, moves between organisations, and a user's
 //! plan.
 
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tollgate_core::period::{Bounds, Calendar};
+
 use super::FunctionCall;
 use crate::keys::{BudgetKeys, Location};
 
@@ -10,7 +15,8 @@ library! {
     /// pass through the prelude's `finish` (an alert pointer to add).
     static BUDGET, const BUDGET_SCRIPTS = "budget" in "budget" {
         prelude: [
-            "state", "plan", "codec", "index", "windows", "alerts", "expire", "events", "orgs",
+            "state", "periods", "plan", "codec", "index", "windows", "alerts", "expire", "events",
+            "orgs",
         ],
         finish: "finish",
         scripts: [
@@ -32,40 +38,147 @@ pub const ALERT_MARK: &str = "TOLLGATE_ALERT";
 
 /// The ARGV tail of every budget script: the export's maxlen (0: none), the
 /// retention (ms: the longest window of any plan, how long the log keeps an
-/// event), then the plan table, `name, limits` pairs, the default plan first,
-/// where limits is `limit:window_ms,...` longest window first. Built once per
-/// config.
+/// event; at least [`PERIOD_LOG_MS`] with a period limit), the calendars'
+/// boundaries (their count, then `<prev start> <start> <end> <next end>`
+/// each, around the ledger's clock: see [`Calendars`]), then the plan table,
+/// `name, limits` pairs, the default plan first, where limits is
+/// `limit:window_ms,...` longest window first, then `limit:p<calendar>` per
+/// period limit. Built once per config, but for the boundaries.
+///
+/// [`PERIOD_LOG_MS`]: tollgate_core::config::PERIOD_LOG_MS
 #[derive(Debug, Clone)]
-pub struct PlanArgs(Vec<String>);
+pub struct PlanArgs {
+    export: String,
+    retention: String,
+    table: Vec<String>,
+    calendars: Arc<Calendars>,
+}
+
+/// The calendars of the config's period limits, numbered from 1 in the order
+/// the plan table names them (`p<n>`), and the boundaries last computed for
+/// each. The script decides which period Redis `TIME` falls in; the
+/// boundaries are computed around this pod's clock corrected by what the
+/// ledger's clock was last seen to be ([`Calendars::learn`]), so a pod whose
+/// clock is off is refused at most once per period.
+#[derive(Debug, Default)]
+pub struct Calendars {
+    list: Vec<&'static Calendar>,
+    /// The ledger's clock minus this pod's (ms), as last learned.
+    skew_ms: AtomicI64,
+    /// Per calendar, the boundaries last computed.
+    bounds: Mutex<Vec<Option<Bounds>>>,
+}
+
+impl Calendars {
+    fn of(config: &tollgate_core::config::Config) -> Self {
+        let mut list: Vec<&'static Calendar> = Vec::new();
+        for p in config.plans() {
+            for c in p.limits.iter().filter_map(|l| l.period) {
+                if !list.iter().any(|o| std::ptr::eq(*o, c)) {
+                    list.push(c);
+                }
+            }
+        }
+        let bounds = Mutex::new(vec![None; list.len()]);
+        Self {
+            list,
+            skew_ms: AtomicI64::new(0),
+            bounds,
+        }
+    }
+
+    /// The number the plan table gives calendar `c` (from 1).
+    fn number(&self, c: &'static Calendar) -> usize {
+        self.list
+            .iter()
+            .position(|o| std::ptr::eq(*o, c))
+            .map_or(0, |i| i + 1)
+    }
+
+    /// The ledger's clock as this pod reckons it (ms).
+    fn now_ms(&self) -> u64 {
+        let pod = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        u64::try_from(pod.saturating_add(self.skew_ms.load(Ordering::Relaxed))).unwrap_or(0)
+    }
+
+    /// The ledger's clock read `ledger_ms` (a script refused boundaries that
+    /// did not hold it): the next boundaries are computed around it.
+    pub fn learn(&self, ledger_ms: u64) {
+        let pod = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        let ledger = i64::try_from(ledger_ms).unwrap_or(i64::MAX);
+        self.skew_ms
+            .store(ledger.saturating_sub(pod), Ordering::Relaxed);
+    }
+
+    /// The ARGV section: the count, then each calendar's boundaries around
+    /// now (computed again once now leaves the current period).
+    fn push_args(&self, out: &mut Vec<String>) {
+        out.push(self.list.len().to_string());
+        if self.list.is_empty() {
+            return;
+        }
+        let now = self.now_ms();
+        let mut cached = tollgate_core::lock(&self.bounds);
+        for (c, b) in self.list.iter().zip(cached.iter_mut()) {
+            if !b.is_some_and(|b| b[1] <= now && now < b[2]) {
+                *b = c.bounds(now);
+            }
+            // No boundaries (a clock past the calendar's range): none hold
+            // the ledger's clock, and the script refuses.
+            let [a, s, e, n] = b.unwrap_or([0; 4]);
+            out.push(format!("{a} {s} {e} {n}"));
+        }
+    }
+}
 
 impl PlanArgs {
-    /// The ARGV tail itself (for a bare EVALSHA, as benches send it).
-    pub fn args(&self) -> &[String] {
-        &self.0
+    /// The ARGV tail itself, with the boundaries around now (for a bare
+    /// EVALSHA, as benches send it).
+    pub fn args(&self) -> Vec<String> {
+        let mut out = Vec::with_capacity(3 + self.calendars.list.len() + self.table.len());
+        out.push(self.export.clone());
+        out.push(self.retention.clone());
+        self.calendars.push_args(&mut out);
+        out.extend(self.table.iter().cloned());
+        out
+    }
+
+    /// The calendars (to [`learn`](Calendars::learn) the ledger's clock).
+    pub fn calendars(&self) -> &Calendars {
+        &self.calendars
     }
 
     /// The same tail with no export: a move's steps export nothing (the
     /// events neither leave nor come: they change place).
     pub fn without_export(&self) -> Self {
-        let mut args = self.0.clone();
-        if let Some(first) = args.first_mut() {
-            *first = "0".to_owned();
+        Self {
+            export: "0".to_owned(),
+            ..self.clone()
         }
-        Self(args)
     }
 
     pub fn new(config: &tollgate_core::config::Config) -> Self {
+        let calendars = Calendars::of(config);
         let default = config.default_plan();
         let rest = config.plans().filter(|p| p.name != default.name);
-        let export = config.export_maxlen().unwrap_or(0).to_string();
-        let retention = config.retention_ms().to_string();
-        let plans = std::iter::once(default).chain(rest).flat_map(|p| {
-            let mut spec = Self::limits(p);
-            spec.push_str(&Self::alerts(p, config.alert_thresholds(p)));
-            [p.name.clone(), spec]
-        });
-        let args = [export, retention].into_iter().chain(plans).collect();
-        Self(args)
+        let table = std::iter::once(default)
+            .chain(rest)
+            .flat_map(|p| {
+                let mut spec = Self::spec(p, &calendars);
+                spec.push_str(&Self::alerts(p, config.alert_thresholds(p)));
+                [p.name.clone(), spec]
+            })
+            .collect();
+        Self {
+            export: config.export_maxlen().unwrap_or(0).to_string(),
+            retention: config.retention_ms().to_string(),
+            table,
+            calendars: Arc::new(calendars),
+        }
     }
 
     /// The plan's alert thresholds as budget/lib/plan.lua's `alert_marks` reads
@@ -90,11 +203,20 @@ impl PlanArgs {
         format!("|{}", groups.join(","))
     }
 
-    /// `limit:window_ms,...`, as budget/lib/plan.lua's `resolve_plan` reads it.
+    /// `limit:window_ms,...`, as budget/lib/plan.lua's `resolve_plan` reads it
+    /// (a user's own limits: windows only).
     pub fn limits(plan: &tollgate_core::config::Plan) -> String {
+        Self::spec(plan, &Calendars::default())
+    }
+
+    /// `limit:window_ms,...,limit:p<calendar>,...`.
+    fn spec(plan: &tollgate_core::config::Plan, calendars: &Calendars) -> String {
         plan.limits
             .iter()
-            .map(|l| format!("{}:{}", l.limit, l.window_ms()))
+            .map(|l| match l.period {
+                Some(c) => format!("{}:p{}", l.limit, calendars.number(c)),
+                None => format!("{}:{}", l.limit, l.window_ms()),
+            })
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -118,21 +240,21 @@ fn invocation(script: &str, loc: &Location) -> FunctionCall {
 /// `move_out.lua`'s `freeze` step: `to` is `-` (the user's own tag) or `o:<org>`.
 pub fn move_freeze(loc: &Location, to: &str, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("move_out", loc);
-    inv.arg("freeze").arg(to).arg(&plans.0);
+    inv.arg("freeze").arg(to).arg(plans.args());
     inv
 }
 
 /// `move_out.lua`'s `batch` step: up to `n` of the oldest live events.
 pub fn move_batch(loc: &Location, n: usize, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("move_out", loc);
-    inv.arg("batch").arg(n).arg(&plans.0);
+    inv.arg("batch").arg(n).arg(plans.args());
     inv
 }
 
 /// `move_out.lua`'s `drop` step: drops `ids` (moved) from the location.
 pub fn move_drop(loc: &Location, ids: &[String], plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("move_out", loc);
-    inv.arg("drop").arg(ids.join(" ")).arg(&plans.0);
+    inv.arg("drop").arg(ids.join(" ")).arg(plans.args());
     inv
 }
 
@@ -150,7 +272,7 @@ pub fn move_in(
     for f in events {
         inv.arg(f.as_slice());
     }
-    inv.arg(&plans.0);
+    inv.arg(plans.args());
     inv
 }
 
@@ -158,14 +280,14 @@ pub fn move_in(
 pub fn org_usage(org: &BudgetKeys, plans: &PlanArgs) -> FunctionCall {
     let mut inv = BUDGET.prepare("org_usage");
     budget_keys(&mut inv, org);
-    inv.arg(&plans.0);
+    inv.arg(plans.args());
     inv
 }
 
 /// `reserve.lua`: returns the raw reply (see the script's header).
 pub fn reserve(keys: &Location, request: &str, cost: u64, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("reserve", keys);
-    inv.arg(request).arg(cost).arg(&plans.0);
+    inv.arg(request).arg(cost).arg(plans.args());
     inv
 }
 
@@ -184,7 +306,7 @@ pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs
 /// as final (the refund is then a plain credit), or `""`.
 pub fn refund(keys: &Location, request: &str, finished: &str, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("refund", keys);
-    inv.arg(request).arg(finished).arg(&plans.0);
+    inv.arg(request).arg(finished).arg(plans.args());
     inv
 }
 
@@ -202,7 +324,7 @@ pub fn settle(
         .arg(settle.actual_cost)
         .arg(settle.nonce)
         .arg(if settle.may_raise { "1" } else { "0" })
-        .arg(&plans.0);
+        .arg(plans.args());
     inv
 }
 
@@ -221,7 +343,7 @@ pub fn settle_operator(
         .arg(actual_cost)
         .arg(finished.unwrap_or(""))
         .arg(if forced { "f" } else { "o" })
-        .arg(&plans.0);
+        .arg(plans.args());
     inv
 }
 
@@ -233,7 +355,7 @@ pub fn usage(
 ) -> FunctionCall {
     let mut inv = invocation("usage", keys);
     let cursor = page.after().map(|c| c.to_string()).unwrap_or_default();
-    inv.arg(cursor).arg(page.limit()).arg(&plans.0);
+    inv.arg(cursor).arg(page.limit()).arg(plans.args());
     inv
 }
 
@@ -259,7 +381,7 @@ pub fn charge(
         .arg(u64::try_from(charge.deadline.as_millis()).unwrap_or(u64::MAX))
         .arg(u64::try_from(charge.grace.as_millis()).unwrap_or(u64::MAX))
         .arg(if refuse_new { "1" } else { "0" })
-        .arg(&plans.0);
+        .arg(plans.args());
     inv
 }
 
@@ -274,14 +396,14 @@ pub fn claim(
     inv.arg(request)
         .arg(claim.nonce)
         .arg(claim.hold_until_ms)
-        .arg(&plans.0);
+        .arg(plans.args());
     inv
 }
 
 /// `release.lua`
 pub fn release(keys: &Location, request: &str, nonce: &str, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("release", keys);
-    inv.arg(request).arg(nonce).arg(&plans.0);
+    inv.arg(request).arg(nonce).arg(plans.args());
     inv
 }
 
