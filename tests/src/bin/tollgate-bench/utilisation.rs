@@ -12,7 +12,7 @@
 //!   excess       the largest excess of arrivals over burst + rate·t in any
 //!                interval: the upstream's bound is excess <= 1
 //!   late         grants the workers logged as too old to use, on delivery
-//!                and at the send
+//!                and at the send (tokens lost), and those re-dated instead
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -105,7 +105,8 @@ fn role(
         .env("TOLLGATE_KEY_PREFIX", prefix)
         .env("TOLLGATE_CONFIG", dir.join("utilisation.toml"))
         .env("TOLLGATE_ADMIN_TOKEN", ADMIN)
-        .env("RUST_LOG", "warn")
+        // Re-dated grants are logged at debug.
+        .env("RUST_LOG", "warn,tollgate_redis::throttle=debug")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
@@ -130,6 +131,7 @@ struct Outcome {
     excess: f64,
     late_delivered: usize,
     late_at_send: usize,
+    redated: usize,
     span_s: f64,
 }
 
@@ -268,6 +270,7 @@ async fn chain(args: &Args, bin: &Path, server: &RedisServer) -> anyhow::Result<
         excess: max_excess(&times, RATE, BURST),
         late_delivered: count_in_worker_logs(&dir, "a grant arrived late"),
         late_at_send: count_in_worker_logs(&dir, "went stale before its call was sent"),
+        redated: count_in_worker_logs(&dir, "a late grant re-dated"),
         span_s,
     };
     if args.keep_logs {
@@ -314,13 +317,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let o = chain(&args, &bins[i], &server).await?;
             println!(
                 "round {round} bin {i} ({}): load {load} utilisation {:.3} span {:.2}s excess {:.2} \
-                 late {} delivered + {} at send",
+                 late {} delivered + {} at send, {} re-dated",
                 bins[i].display(),
                 o.utilisation,
                 o.span_s,
                 o.excess,
                 o.late_delivered,
-                o.late_at_send
+                o.late_at_send,
+                o.redated
             );
             by_bin[i].push(o.utilisation);
         }
