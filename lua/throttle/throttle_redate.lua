@@ -9,22 +9,26 @@
 -- ARGV[3] rate (tokens/s), ARGV[4] burst (the capacity the bucket grants from)
 -- ARGV[5] the provider's other limits (throttle/lib/bucket.lua; "" for none):
 --         a provider with any never re-dates (their buckets keep no `hi`)
+-- ARGV[6] idle ttl in ms of the provider's keys (the record's key lives that long)
 -- Returns { 1, now_us } re-dated: the readiness record says now (the grant is
 -- one made now: re-dated again from now, or handed back by a cancel within
 -- the late bound of now, as such a grant would be); { 0, now_us } not: the
--- record is not this grant's (cancelled, or re-dated already), the
+-- record is not this grant's (re-dated already), the
 -- provider has other limits, a pause began since the grant, the level may
 -- have stood above its floor since it, or too many grants were re-dated since.
 
 local GRANTED, BUCKET = KEYS[1], KEYS[2]
 local ticket, g = ARGV[1], tonumber(ARGV[2])
 local rate, burst = tonumber(ARGV[3]), tonumber(ARGV[4])
-if not g or not rate or rate <= 0 or not burst or burst < 1 then
+if not g or not rate or rate <= 0 or not burst or burst < 1 or not tonumber(ARGV[6]) then
   return redis.error_reply('throttle_redate: bad grant time, rate or burst')
 end
 local now = now_us()
+-- A grant taken on the way in has no record until it is re-dated: none is
+-- its first re-dating; a record must say g (a grant re-dated since says
+-- later). A cancelled grant has no holder left to re-date it.
 local recorded = tonumber(redis.call('ZSCORE', GRANTED, ticket))
-if recorded ~= g or (ARGV[5] and ARGV[5] ~= '') then
+if (recorded and recorded ~= g) or (ARGV[5] and ARGV[5] ~= '') then
   return { 0, now }
 end
 local tokens, at, _, hi = bucket_read(BUCKET, now, rate, burst)
@@ -53,5 +57,6 @@ while #recent > margin + 1 do
   table.remove(recent)
 end
 redis.call('ZADD', GRANTED, int(now), ticket)
+redis.call('PEXPIRE', GRANTED, int(tonumber(ARGV[6])))
 redis.call('HSET', BUCKET, 'rf', table.concat(recent, ' '))
 return { 1, now }

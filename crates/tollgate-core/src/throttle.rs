@@ -49,8 +49,7 @@ pub struct Grant {
     /// 1 for a provider without any): [`Throttle::usage`] settles it.
     pub weight: u64,
     /// The throttle's name for the grant, by which [`Throttle::redate`]
-    /// finds it; `None` when it cannot be re-dated (taken on the way in,
-    /// with nobody queued: it was used at once).
+    /// finds it; `None` when it cannot be re-dated.
     pub ticket: Option<String>,
 }
 

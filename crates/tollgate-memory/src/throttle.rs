@@ -601,9 +601,7 @@ impl Throttle for MemoryThrottle {
         let weight = waiter.weight.max(1);
         let (user, share) = bucket.queue_of(waiter);
         let late = self.late(bucket);
-        // A grant of the driver can be re-dated, one taken on the way in not
-        // (as on Redis, where only a throttler's grant leaves a record).
-        let grant = |(granted_at_us, made): (u64, Instant), ticket: u64, queued: bool| Grant {
+        let grant = |(granted_at_us, made): (u64, Instant), ticket: u64| Grant {
             provider: provider.to_owned(),
             request_id: waiter.request_id.clone(),
             waited: started.elapsed(),
@@ -617,7 +615,7 @@ impl Throttle for MemoryThrottle {
             slot: bucket.max_concurrent.map(|_| ticket.to_string()),
             use_by: Some(made + late),
             weight,
-            ticket: queued.then(|| ticket.to_string()),
+            ticket: Some(ticket.to_string()),
         };
         let (rx, ticket) = {
             let mut st = lock(&bucket.state);
@@ -647,7 +645,7 @@ impl Throttle for MemoryThrottle {
                     }
                 }
                 if let Ok(at) = rx.try_recv() {
-                    return Ok(grant(at, ticket, false));
+                    return Ok(grant(at, ticket));
                 }
                 return Err(StoreError::backend("the fast path lost its own slot").into());
             }
@@ -679,7 +677,7 @@ impl Throttle for MemoryThrottle {
         match tokio::time::timeout(max_wait, rx).await {
             Ok(Ok(at)) => {
                 pending.rx = None;
-                Ok(grant(at, ticket, true))
+                Ok(grant(at, ticket))
             }
             Ok(Err(_)) => Err(StoreError::backend("the bucket's driver stopped").into()),
             // Dropping `pending` hands back a token that raced the timeout.

@@ -970,8 +970,7 @@ impl RedisThrottle {
         // A grant made at `granted_at_us` is late once Redis's clock, at the
         // latest, passes `granted_at_us + late`.
         let slot = p.max_concurrent.map(|_| ticket.id.clone());
-        // A grant of a throttler has a readiness record to re-date by.
-        let grant = |granted_at_us: u64, (now, upper_us): (Instant, u64), redatable: bool| Grant {
+        let grant = |granted_at_us: u64, (now, upper_us): (Instant, u64)| Grant {
             provider: p.name.clone(),
             request_id: request_id.clone(),
             waited: started.elapsed(),
@@ -984,7 +983,7 @@ impl RedisThrottle {
                 granted_at_us.saturating_add(micros(late)),
             )),
             weight,
-            ticket: redatable.then(|| ticket.id.clone()),
+            ticket: Some(ticket.id.clone()),
         };
         if taken {
             ticket.armed = false;
@@ -992,7 +991,7 @@ impl RedisThrottle {
             if slot.is_some() {
                 renew_slot(shared, &p.name, &ticket.id);
             }
-            return Ok(Attempt::Granted(grant(redis_now_us, redis_now(), false)));
+            return Ok(Attempt::Granted(grant(redis_now_us, redis_now())));
         }
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(granted_at_us)) => {
@@ -1013,7 +1012,7 @@ impl RedisThrottle {
                         if slot.is_some() {
                             renew_slot(shared, &p.name, &ticket.id);
                         }
-                        return Ok(Attempt::Granted(grant(redated, redis_now(), true)));
+                        return Ok(Attempt::Granted(grant(redated, redis_now())));
                     }
                     // Not used, and its token is lost, not returned: given back
                     // now, a token taken before the bucket refilled to its cap
@@ -1051,7 +1050,7 @@ impl RedisThrottle {
                 if slot.is_some() {
                     renew_slot(shared, &p.name, &ticket.id);
                 }
-                Ok(Attempt::Granted(grant(granted_at_us, now, true)))
+                Ok(Attempt::Granted(grant(granted_at_us, now)))
             }
             Ok(Err(_)) => Err(StoreError::backend("the throttle subscriber stopped").into()),
             // On time, whatever Redis is doing: the ticket is cancelled
@@ -1089,7 +1088,13 @@ impl RedisThrottle {
             &shared.pool,
             self.options.call_timeout,
             "throttle_redate",
-            scripts::throttle_redate(&keys, ticket, granted_at_us, &BucketArgs::from(p)),
+            scripts::throttle_redate(
+                &keys,
+                ticket,
+                granted_at_us,
+                &BucketArgs::from(p),
+                millis(IDLE_TTL),
+            ),
         );
         let reply = match tokio::time::timeout_at(deadline, call).await {
             Ok(Ok(reply)) => reply,

@@ -223,6 +223,7 @@ pub fn throttle_redate(
     ticket: &str,
     granted_at_us: u64,
     bucket: &BucketArgs,
+    idle_ms: u64,
 ) -> FunctionCall {
     let mut inv = THROTTLE.prepare("throttle_redate");
     inv.key(&keys.granted).key(&keys.bucket);
@@ -230,7 +231,8 @@ pub fn throttle_redate(
         .arg(granted_at_us)
         .arg(bucket.rate)
         .arg(bucket.burst)
-        .arg(&bucket.limits);
+        .arg(&bucket.limits)
+        .arg(idle_ms);
     inv
 }
 

@@ -87,18 +87,26 @@ impl Throttle for AsSent {
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let mut grant = self.inner.acquire_as(provider, waiter, left).await?;
+            let made = grant.granted_at_us;
+            let mut redated = 0;
             for _ in 0..3 {
                 if fresh(&grant) {
                     return Ok(grant);
                 }
                 match self.inner.redate(&grant).await? {
-                    Some(redated) => grant = redated,
+                    Some(r) => {
+                        grant = r;
+                        redated += 1;
+                    }
                     None => break,
                 }
             }
             if fresh(&grant) {
                 return Ok(grant);
             }
+            // On stderr, for a look at a run: when the lost grant was
+            // made, and how often it was re-dated first.
+            eprintln!("stale_at_send {made} {redated}");
             self.inner.done(&grant).await?;
             self.metrics.late_grant(provider);
         }
