@@ -132,6 +132,8 @@ struct Outcome {
     late_delivered: usize,
     late_at_send: usize,
     redated: usize,
+    /// Calls the upstream refused (past burst + rate·t + 1 on its clock).
+    refused: usize,
     span_s: f64,
 }
 
@@ -271,6 +273,7 @@ async fn chain(args: &Args, bin: &Path, server: &RedisServer) -> anyhow::Result<
         late_delivered: count_in_worker_logs(&dir, "a grant arrived late"),
         late_at_send: count_in_worker_logs(&dir, "went stale before its call was sent"),
         redated: count_in_worker_logs(&dir, "a late grant re-dated"),
+        refused: arrivals.iter().filter(|a| a.status != 200).count(),
         span_s,
     };
     if args.keep_logs {
@@ -317,11 +320,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let o = chain(&args, &bins[i], &server).await?;
             println!(
                 "round {round} bin {i} ({}): load {load} utilisation {:.3} span {:.2}s excess {:.2} \
-                 late {} delivered + {} at send, {} re-dated",
+                 ({} refused) late {} delivered + {} at send, {} re-dated",
                 bins[i].display(),
                 o.utilisation,
                 o.span_s,
                 o.excess,
+                o.refused,
                 o.late_delivered,
                 o.late_at_send,
                 o.redated
