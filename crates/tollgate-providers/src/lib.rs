@@ -767,7 +767,7 @@ impl<C: Transport> ThrottledClient<C> {
                 }
                 match self.throttle.redate(&grant).await {
                     Ok(Some(fresh)) => {
-                        tracing::debug!(provider = %name, request_id = %job.id, "a late grant re-dated");
+                        tracing::debug!(provider = %name, request_id = %job.id, "a stale grant re-dated before its send");
                         grant = fresh;
                         r = self.try_once(job, use_by(&grant), sink).await;
                     }
