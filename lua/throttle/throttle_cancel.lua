@@ -85,11 +85,11 @@ if granted_at then
     limits_take(L, weight_of(ticket), -1)
     keep = limits_write(BUCKET, L) + 1000
   end
-  local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
+  local tokens, at, eff, hi = bucket_read(BUCKET, now, rate, burst)
   if at > now then
     return 4
   end
-  bucket_write(BUCKET, math.min(burst, tokens + 1), at, eff, burst, rate)
+  bucket_write(BUCKET, math.min(burst, tokens + 1), at, eff, burst, rate, tokens, hi)
   if L then
     bucket_keep(BUCKET, keep)
   end

@@ -52,9 +52,9 @@ if redis.call('HLEN', KEYS[2]) == 0 then
       return redis.error_reply('throttle_enqueue: the ticket weighs more than a limit holds')
     end
   end
-  local tokens, at, eff = bucket_read(KEYS[3], now, rate, burst)
+  local tokens, at, eff, hi = bucket_read(KEYS[3], now, rate, burst)
   if tokens >= 1 and slots_free(KEYS[4], slots, now) > 0 and (not L or limits_wait(L, w, now) == 0) then
-    bucket_write(KEYS[3], tokens - 1, at, eff, burst, rate)
+    bucket_write(KEYS[3], tokens - 1, at, eff, burst, rate, tokens, hi)
     if L then
       limits_take(L, w, 1)
       bucket_keep(KEYS[3], limits_write(KEYS[3], L) + 1000)

@@ -98,9 +98,9 @@ if idle_before and (cap == 0 or fair_held({ base = base }, user, now) < cap) the
       return redis.error_reply('throttle_enqueue_fair: the ticket weighs more than a limit holds')
     end
   end
-  local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
+  local tokens, at, eff, hi = bucket_read(BUCKET, now, rate, burst)
   if tokens >= 1 and slots_free(KEYS[7], slots, now) > 0 and (not L or limits_wait(L, w, now) == 0) then
-    bucket_write(BUCKET, tokens - 1, at, eff, burst, rate)
+    bucket_write(BUCKET, tokens - 1, at, eff, burst, rate, tokens, hi)
     if L then
       limits_take(L, w, 1)
       bucket_keep(BUCKET, limits_write(BUCKET, L) + 1000)

@@ -67,7 +67,8 @@ end
 
 local now = now_us()
 redis.call('ZREMRANGEBYSCORE', GRANTED, '-inf', '(' .. int(now - ready_ttl))
-local tokens, at, eff = bucket_read(BUCKET, now, rate, burst)
+local tokens, at, eff, hi = bucket_read(BUCKET, now, rate, burst)
+local pre = tokens
 if L then
   limits_read(BUCKET, L, now)
 end
@@ -312,7 +313,7 @@ if full and wait == 0 and more == 0 then
 end
 
 if granted > 0 then
-  bucket_write(BUCKET, tokens, at, eff, burst, rate)
+  bucket_write(BUCKET, tokens, at, eff, burst, rate, pre, hi)
   if L then
     bucket_keep(BUCKET, limits_write(BUCKET, L) + 1000)
   end

@@ -66,6 +66,12 @@ rate = 20
 burst = 2
 max_wait = "10s"
 adaptive = true
+# Re-dating: at most 2 re-dated grants open at once, the level at most 3
+# since a grant for it to be re-dated (6 - 1 - 2); late past 250 ms.
+[providers.v-redate]
+rate = 4
+burst = 6
+max_wait = "10s"
 [providers.w-limits]
 max_wait = "10s"
 limits = [{ rate = 40, per = "1s", burst = 4 }, { tokens = 100, per = "1s", burst = 30 }]
@@ -252,6 +258,9 @@ conformance!(
     throttle_limits_a_grant_takes_from_every_limit,
     throttle_limits_usage_gives_back_and_takes_within_bounds,
     throttle_limits_a_heavy_call_waits_its_turn_or_is_refused,
+    throttle_a_late_grant_is_redated_while_the_bucket_stays_low,
+    throttle_a_late_grant_is_not_redated_past_a_full_bucket,
+    throttle_a_late_grant_is_not_redated_past_a_pause,
 );
 
 fn share(weight: u32) -> Share {
@@ -571,6 +580,7 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "steady",
             "tempo",
             "turnstile",
+            "v-redate",
             "w-fifo",
             "w-limits",
             "wicket",
@@ -722,7 +732,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive)"
     );
 }
 
@@ -926,6 +936,120 @@ async fn throttle_a_late_allowance_is_carved_from_the_burst(t: Arc<dyn Throttle>
     // 4 from the bucket, then 6 at 20/s: 300 ms at least.
     let span = times[9] - times[0];
     assert!(span >= 299_000, "{span} µs");
+}
+
+/// `v-redate`'s bucket emptied by 6 calls taken on the way in, then one
+/// call granted by the queue's server (a throttler, or the bucket's driver)
+/// once a token is due: that grant, and when the bucket's 6 went.
+async fn redate_setup(t: &Arc<dyn Throttle>) -> (Grant, u64) {
+    let mut first = Vec::new();
+    for i in 0..6 {
+        let g = t
+            .acquire(
+                "v-redate",
+                &rid(&format!("first-{i}")),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap();
+        first.push(g.granted_at_us);
+    }
+    // Queued, unless a slow machine let a token come meanwhile.
+    for i in 0..20 {
+        let g = t
+            .acquire(
+                "v-redate",
+                &rid(&format!("queued-{i}")),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap();
+        if g.ticket.is_some() {
+            return (g, first.into_iter().max().unwrap());
+        }
+    }
+    panic!("no call queued behind an empty bucket");
+}
+
+/// Late past 250 ms (1/rate) with the bucket low since: re-dated, to be used
+/// now, within 250 ms from now; the bucket gives no token for it.
+async fn throttle_a_late_grant_is_redated_while_the_bucket_stays_low(t: Arc<dyn Throttle>) {
+    let (late, _) = redate_setup(&t).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let redated = t
+        .redate(&late)
+        .await
+        .unwrap()
+        .expect("re-dated: the bucket held at most 1.2 of its 3 since the grant");
+    assert!(
+        redated.granted_at_us >= late.granted_at_us + 250_000,
+        "{} after {}",
+        redated.granted_at_us,
+        late.granted_at_us
+    );
+    let left = redated
+        .use_by
+        .expect("a use-by")
+        .saturating_duration_since(tokio::time::Instant::now());
+    assert!(
+        left > Duration::ZERO && left <= Duration::from_millis(250),
+        "{left:?}"
+    );
+    assert_eq!(redated.ticket, late.ticket);
+    let stats = t.stats().await.unwrap();
+    let bucket = stats.iter().find(|p| p.provider == "v-redate").unwrap();
+    assert!(
+        bucket.tokens < 1.5,
+        "no token taken or given: {}",
+        bucket.tokens
+    );
+    t.done(&redated).await.unwrap();
+}
+
+/// The grant went late and the bucket refilled to its 6 meanwhile (its
+/// refill past the cap wasted): 6 calls take them at once. Re-dated now,
+/// the late grant would be a seventh call at once, past burst + rate·t.
+async fn throttle_a_late_grant_is_not_redated_past_a_full_bucket(t: Arc<dyn Throttle>) {
+    let (late, _) = redate_setup(&t).await;
+    // Full again 1.5 s after the grant (0 + 4/s): a margin for a slow machine.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let mut times = vec![late.granted_at_us];
+    for i in 0..6 {
+        let g = t
+            .acquire(
+                "v-redate",
+                &rid(&format!("full-{i}")),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap();
+        times.push(g.granted_at_us);
+    }
+    let redated = t.redate(&late).await.unwrap();
+    if let Some(r) = &redated {
+        // Its call would go now, on a token counted at the grant.
+        times[0] = r.granted_at_us;
+    }
+    let excess = max_excess(&times, 4.0, 6);
+    assert!(
+        redated.is_none() && excess <= 1e-6,
+        "re-dated past a full bucket: {redated:?}, {excess} calls past burst + rate·t"
+    );
+}
+
+/// A pause since the grant emptied the bucket: a grant made before it is
+/// never re-dated (its call would be one the pause's end does not allow).
+async fn throttle_a_late_grant_is_not_redated_past_a_pause(t: Arc<dyn Throttle>) {
+    let (late, _) = redate_setup(&t).await;
+    t.pause("v-redate", Some(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        t.redate(&late).await.unwrap(),
+        None,
+        "re-dated past a pause"
+    );
 }
 
 /// `y-slots`: at most 2 calls in flight across every caller, whatever the

@@ -422,13 +422,12 @@ async fn throttle_three_throttlers_keep_the_rate_global() {
     assert!(excess <= 1e-6, "more than burst + rate*t grants: {excess}");
     let span = (times.iter().max().unwrap() - times.iter().min().unwrap()) as f64 / 1e6;
     // The throttlers granted every call once, and the grants a waiter found
-    // too old (a slow wake-up on this shared machine; their tokens are lost
-    // by design, `late_bound`) once more: the rate is used by both.
+    // too old and could not re-date (a slow wake-up on this shared machine;
+    // their tokens are lost, `late_bound`) once more: the rate is used by
+    // both. (A re-dated grant takes no other token, but its time moves: the
+    // first grants' too, so the span may be shorter than the tokens' time;
+    // the bound over the grants' own times is checked above.)
     let ideal = (300.0 + late as f64 - 10.0) / 50.0;
-    assert!(
-        span >= ideal - 1e-3,
-        "the bound makes this >= {ideal}s: {span}"
-    );
     assert!(
         ideal / span >= 0.95,
         "utilisation {:.3} ({span}s, {late} grants found late)",

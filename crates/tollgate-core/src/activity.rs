@@ -518,6 +518,11 @@ impl Throttle for RecordingThrottle {
         self.inner.done(grant).await
     }
 
+    /// Not a grant of its own (no token): not noted.
+    async fn redate(&self, grant: &Grant) -> Result<Option<Grant>, ThrottleError> {
+        self.inner.redate(grant).await
+    }
+
     async fn position(
         &self,
         provider: &str,

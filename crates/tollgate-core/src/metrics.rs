@@ -443,6 +443,7 @@ pub struct Metrics {
     acquires: Family<ProviderOutcome, Counter>,
     tokens_returned: Family<ProviderReason, Counter>,
     late_grants: Family<ProviderLabel, Counter>,
+    redated_grants: Family<ProviderLabel, Counter>,
     pauses: Family<ProviderLabel, Counter>,
     usage_adjustments: Family<ProviderDirection, Counter>,
     usage_adjusted: Family<ProviderDirection, Counter>,
@@ -594,6 +595,13 @@ impl Metrics {
              and its call): the call waited for a fresh grant, or had given up; the token is not \
              returned",
             late_grants.clone(),
+        );
+        let redated_grants = Family::<ProviderLabel, Counter>::default();
+        r.register(
+            "tollgate_throttle_redated_grants",
+            "Grants that reached their waiter too old to use and were re-dated to then (the bucket \
+             allowed it): used, their token not lost",
+            redated_grants.clone(),
         );
         let pauses = Family::<ProviderLabel, Counter>::default();
         r.register(
@@ -805,6 +813,11 @@ impl Metrics {
                     provider: provider(),
                 })
                 .inc_by(0);
+            redated_grants
+                .get_or_create(&ProviderLabel {
+                    provider: provider(),
+                })
+                .inc_by(0);
             pauses
                 .get_or_create(&ProviderLabel {
                     provider: provider(),
@@ -892,6 +905,7 @@ impl Metrics {
             acquires,
             tokens_returned,
             late_grants,
+            redated_grants,
             pauses,
             usage_adjustments,
             usage_adjusted,
@@ -1121,6 +1135,15 @@ impl Metrics {
     /// A grant of `provider` was too old to use (its token is lost).
     pub fn late_grant(&self, provider: &str) {
         self.late_grants
+            .get_or_create(&ProviderLabel {
+                provider: provider.to_owned(),
+            })
+            .inc();
+    }
+
+    /// A late grant of `provider` was re-dated and used (its token kept).
+    pub fn grant_redated(&self, provider: &str) {
+        self.redated_grants
             .get_or_create(&ProviderLabel {
                 provider: provider.to_owned(),
             })

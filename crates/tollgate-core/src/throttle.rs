@@ -48,6 +48,9 @@ pub struct Grant {
     /// What it took from its provider's token limits (its waiter's weight;
     /// 1 for a provider without any): [`Throttle::usage`] settles it.
     pub weight: u64,
+    /// The throttle's name for the grant, by which [`Throttle::redate`]
+    /// finds it; `None` when it cannot be re-dated.
+    pub ticket: Option<String>,
 }
 
 /// A grant is late past this age, or past one token's time at its provider's
@@ -251,6 +254,17 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
         waiter: &Waiter,
         max_wait: Duration,
     ) -> Result<Grant, ThrottleError>;
+
+    /// `grant` went stale before its call could be sent (its `use_by`
+    /// passed, or it reached its waiter late): the same grant re-dated to
+    /// now, with its `granted_at_us` and `use_by` as if made now, when its
+    /// bucket shows that moving its token from then to now keeps the
+    /// provider's bound (docs/src/throttling.md, "Late grants"); `None` when
+    /// it does not, and then the token stays lost. Nothing changes in the
+    /// bucket: a re-dated grant takes no other token. A grant is re-dated once
+    /// (the re-dated one may be again); a provider with other `limits` never
+    /// re-dates.
+    async fn redate(&self, grant: &Grant) -> Result<Option<Grant>, ThrottleError>;
 
     /// The call made with `grant` ended: its slot no longer counts against its
     /// user's `max_in_flight`. Nothing to do for a grant that holds nothing.

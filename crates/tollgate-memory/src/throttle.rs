@@ -3,7 +3,7 @@
 //! (the [`Throttle`] trait, grants, waiters, errors, the late-grant bound) is
 //! `tollgate_core::throttle`; semantics in docs/src/throttling.md.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -107,6 +107,22 @@ struct BucketState {
     levels_at: Instant,
     queue: FairQueue<Slot>,
     driving: bool,
+    /// A grant made before this is never re-dated: the level may have stood
+    /// above [`redate_floor`] since (as `hi` in `lua/throttle/lib/bucket.lua`).
+    hi: Instant,
+    /// When the last `redate_margin + 1` re-datings were made, newest first.
+    redated: VecDeque<Instant>,
+}
+
+/// How many re-dated grants may be open at once, and the level the bucket
+/// must have stayed at or below since a grant for it to be re-dated: their
+/// sum is `burst - 1` (`lua/throttle/lib/bucket.lua` says why).
+fn redate_margin(burst: f64) -> usize {
+    ((burst - 1.0) / 2.0).floor().max(0.0) as usize
+}
+
+fn redate_floor(burst: f64) -> f64 {
+    burst - 1.0 - redate_margin(burst) as f64
 }
 
 /// A queued caller: the request it waits for, and where its grant goes (the
@@ -145,6 +161,8 @@ impl Bucket {
                 levels_at: Instant::now(),
                 queue: FairQueue::default(),
                 driving: false,
+                hi: Instant::now(),
+                redated: VecDeque::new(),
             }),
             handed_back: Notify::new(),
             metrics: metrics.map(|m| (Arc::clone(m), p.name.clone())),
@@ -187,6 +205,41 @@ impl Bucket {
         let rate = aimd_rate(st.aimd, self.rate, st.at);
         st.tokens = (st.tokens + dt * rate).min(self.burst);
         st.at = now;
+        // The level climbed to this since the last count.
+        if st.tokens > redate_floor(self.burst) {
+            st.hi = st.hi.max(now);
+        }
+    }
+
+    /// After the level changed at `st.at`: above the floor, grants made
+    /// then or before are not re-dated.
+    fn mark(&self, st: &mut BucketState) {
+        if st.tokens > redate_floor(self.burst) {
+            st.hi = st.hi.max(st.at + Duration::from_micros(1));
+        }
+    }
+
+    /// A grant made at `made`, re-dated to now if the bucket allows (the
+    /// rules of `throttle_redate.lua`): its new time.
+    fn redate(&self, made: Instant) -> Option<(u64, Instant)> {
+        if !self.provider.limits.is_empty() {
+            return None;
+        }
+        let mut st = lock(&self.state);
+        self.refill(&mut st);
+        let now = Instant::now();
+        let margin = redate_margin(self.burst);
+        if st.at > now
+            || st.paused_until.is_some_and(|until| until > made)
+            || made < st.hi
+            || st.tokens > redate_floor(self.burst)
+            || st.redated.iter().filter(|t| **t > made).count() > margin
+        {
+            return None;
+        }
+        st.redated.push_front(now);
+        st.redated.truncate(margin + 1);
+        Some(self.grant_time(&st))
     }
 
     /// Until one whole token is due, rounded up to the next µs (a pause's
@@ -260,6 +313,7 @@ impl Bucket {
         let paused = st.at > Instant::now();
         if !paused {
             st.tokens = (st.tokens + 1.0).min(self.burst);
+            self.mark(&mut st);
         }
         self.take(&mut st, weight, -1.0);
         if let Some((user, ticket)) = held {
@@ -386,11 +440,13 @@ impl Bucket {
                     }
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
+                        self.mark(&mut st);
                         self.take(&mut st, slot.weight, 1.0);
                         self.take_slot(&mut st, head.ticket);
                         if slot.tx.send(self.grant_time(&st)).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
+                            self.mark(&mut st);
                             self.take(&mut st, slot.weight, -1.0);
                             st.slots.remove(&head.ticket);
                             st.queue.done(&head.user, head.ticket);
@@ -483,6 +539,14 @@ impl MemoryThrottle {
             .unwrap_or(0)
     }
 
+    /// The age past which a grant of `bucket` is late.
+    fn late(&self, bucket: &Bucket) -> Duration {
+        match bucket.late_allowance {
+            Some(d) => d.min(self.late_grant).max(MIN_LATE_GRANT),
+            None => late_bound(bucket.rate, self.late_grant),
+        }
+    }
+
     fn bucket(&self, provider: &str) -> Result<&Arc<Bucket>, ThrottleError> {
         self.buckets.get(provider).ok_or_else(|| {
             ThrottleError::unknown_provider(provider, self.buckets.keys().map(String::as_str))
@@ -536,10 +600,7 @@ impl Throttle for MemoryThrottle {
         ThrottleError::check_weight(&bucket.provider, waiter.weight)?;
         let weight = waiter.weight.max(1);
         let (user, share) = bucket.queue_of(waiter);
-        let late = match bucket.late_allowance {
-            Some(d) => d.min(self.late_grant).max(MIN_LATE_GRANT),
-            None => late_bound(bucket.rate, self.late_grant),
-        };
+        let late = self.late(bucket);
         let grant = |(granted_at_us, made): (u64, Instant), ticket: u64| Grant {
             provider: provider.to_owned(),
             request_id: waiter.request_id.clone(),
@@ -554,6 +615,7 @@ impl Throttle for MemoryThrottle {
             slot: bucket.max_concurrent.map(|_| ticket.to_string()),
             use_by: Some(made + late),
             weight,
+            ticket: Some(ticket.to_string()),
         };
         let (rx, ticket) = {
             let mut st = lock(&bucket.state);
@@ -576,6 +638,7 @@ impl Throttle for MemoryThrottle {
                 if let Some(head) = st.queue.head(now, open).0 {
                     if let Some(slot) = st.queue.grant(&head, now) {
                         st.tokens -= 1.0;
+                        bucket.mark(&mut st);
                         bucket.take(&mut st, weight, 1.0);
                         bucket.take_slot(&mut st, head.ticket);
                         let _ = slot.tx.send(bucket.grant_time(&st));
@@ -662,6 +725,26 @@ impl Throttle for MemoryThrottle {
             return Ok(Usage::Matched);
         }
         Ok(bucket.usage(grant.weight, used))
+    }
+
+    async fn redate(&self, grant: &Grant) -> Result<Option<Grant>, ThrottleError> {
+        let bucket = self.bucket(&grant.provider)?;
+        if grant.ticket.is_none() {
+            return Ok(None);
+        }
+        let (anchor, anchor_us) = bucket.anchor;
+        let made = anchor + Duration::from_micros(grant.granted_at_us.saturating_sub(anchor_us));
+        let Some((granted_at_us, now)) = bucket.redate(made) else {
+            return Ok(None);
+        };
+        if let Some((metrics, provider)) = &bucket.metrics {
+            metrics.grant_redated(provider);
+        }
+        Ok(Some(Grant {
+            granted_at_us,
+            use_by: Some(now + self.late(bucket)),
+            ..grant.clone()
+        }))
     }
 
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {

@@ -738,7 +738,7 @@ impl<C: Transport> ThrottledClient<C> {
                 Some(first) => first.await,
                 None => self.slot(job, left).await,
             };
-            let grant = match slot {
+            let mut grant = match slot {
                 Ok(grant) => grant,
                 Err(ThrottleError::Timeout { .. }) if past(deadline) => {
                     return Err(fail(&tally, expired(attempt), FailureCause::Expired))
@@ -754,11 +754,30 @@ impl<C: Transport> ThrottledClient<C> {
             };
             // The deadline is checked where the grant's freshness is: as the
             // request is about to be written, and not after.
-            let use_by = match (grant.use_by, deadline) {
+            let use_by = |grant: &Grant| match (grant.use_by, deadline) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            let r = self.try_once(job, use_by, sink).await;
+            let mut r = self.try_once(job, use_by(&grant), sink).await;
+            // Stale before it was sent (a slow process): re-dated when its
+            // bucket allows, it is used at once, its token not lost.
+            for _ in 0..MAX_REDATES {
+                if !matches!(r, Err(AttemptError::Late { .. })) || past(deadline) {
+                    break;
+                }
+                match self.throttle.redate(&grant).await {
+                    Ok(Some(fresh)) => {
+                        tracing::debug!(provider = %name, request_id = %job.id, "a stale grant re-dated before its send");
+                        grant = fresh;
+                        r = self.try_once(job, use_by(&grant), sink).await;
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, provider = %name, "re-dating a stale grant failed");
+                        break;
+                    }
+                }
+            }
             if let Err(AttemptError::Late { by }) = r {
                 if let Err(e) = self.throttle.done(&grant).await {
                     tracing::warn!(error = %e, provider = %name, "ending the slot of an unsent call failed");
@@ -842,6 +861,11 @@ impl<C: Transport> ThrottledClient<C> {
         }
     }
 }
+
+/// The most times one attempt's grant is re-dated ([`Throttle::redate`])
+/// before it is given up as late: a process that keeps being too slow to send
+/// waits for a fresh grant instead.
+const MAX_REDATES: u32 = 3;
 
 /// Why the providers of a config could not be built.
 #[derive(Debug, thiserror::Error)]

@@ -13,6 +13,10 @@
 //! followed by a re-check of the readiness records of all pending tickets: a grant
 //! published while the subscription was down is found there.
 //!
+//! **A slow wake-up costs a round trip, not a token.** A grant that reaches
+//! its waiter past the late bound is re-dated to now when the bucket shows it
+//! keeps the bound (`throttle_redate.lua`); only otherwise is its token lost.
+//!
 //! **Nothing burns a token for nobody.** A waiter that gives up runs
 //! `throttle_cancel.lua`: still queued, it leaves the queue; already granted, the
 //! token goes back to the bucket. Throttlers skip tickets nobody waits for.
@@ -105,17 +109,20 @@ pub struct RedisThrottleOptions {
     /// A grant that reaches its waiter older than this, or than one token's
     /// time at the provider's rate if that is shorter (but never less than
     /// [`MIN_LATE_GRANT`]: the process was paused, its subscription or its
-    /// link was slow or down), is not used: its token is lost (given back
-    /// late, a token taken before the bucket refilled to its cap would be one
-    /// more than the bucket allows) and the waiter queues again. Used within
+    /// link was slow or down), is re-dated to now when its bucket allows
+    /// (`throttle_redate.lua`: used as a grant made now), else not used: its
+    /// token is lost (given back late, a token taken before the bucket
+    /// refilled to its cap would be one more than the bucket allows) and the
+    /// waiter queues again. Used within
     /// 1/rate of being made, grants can bunch at the upstream by at most one
     /// call: it never sees more than burst + rate·t + 1 (for rates up to
     /// 1/MIN_LATE_GRANT = 500/s; above it, by at most rate · 2 ms of delivery
     /// jitter). The same bound is checked again right before the call is sent
     /// ([`Grant::use_by`]).
     pub late_grant: Duration,
-    /// Where tokens handed back to a bucket and late grants are counted
-    /// (`tollgate_throttle_tokens_returned_total`, `_late_grants_total`).
+    /// Where tokens handed back to a bucket, late grants and re-dated ones
+    /// are counted (`tollgate_throttle_tokens_returned_total`,
+    /// `_late_grants_total`, `_redated_grants_total`).
     pub metrics: Option<Arc<Metrics>>,
 }
 
@@ -757,6 +764,48 @@ impl Throttle for RedisThrottle {
         Ok(usage)
     }
 
+    async fn redate(&self, grant: &Grant) -> Result<Option<Grant>, ThrottleError> {
+        let p = self.providers.get(&grant.provider).ok_or_else(|| {
+            ThrottleError::unknown_provider(
+                &grant.provider,
+                self.providers.keys().map(String::as_str),
+            )
+        })?;
+        let Some(ticket) = &grant.ticket else {
+            return Ok(None);
+        };
+        let deadline = Instant::now() + self.options.call_timeout;
+        let sent = Instant::now();
+        let Some(now_us) = self
+            .redate_at(p, ticket, grant.granted_at_us, deadline)
+            .await
+        else {
+            return Ok(None);
+        };
+        let late = late_of(p, self.options.late_grant);
+        // Without a bound (one proven wrong meanwhile), from this call alone.
+        let (now, upper_us) = self
+            .shared
+            .clocks
+            .get(&p.name)
+            .and_then(RedisClock::now)
+            .unwrap_or_else(|| {
+                (
+                    Instant::now(),
+                    now_us.saturating_add(micros(sent.elapsed())),
+                )
+            });
+        Ok(Some(Grant {
+            granted_at_us: now_us,
+            use_by: Some(RedisClock::earliest(
+                now,
+                upper_us,
+                now_us.saturating_add(micros(late)),
+            )),
+            ..grant.clone()
+        }))
+    }
+
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
         if let Some(slot) = &grant.slot {
             end_provider_slot(
@@ -934,6 +983,7 @@ impl RedisThrottle {
                 granted_at_us.saturating_add(micros(late)),
             )),
             weight,
+            ticket: Some(ticket.id.clone()),
         };
         if taken {
             ticket.armed = false;
@@ -952,6 +1002,18 @@ impl RedisThrottle {
                 let now = redis_now();
                 let age = Duration::from_micros(now.1.saturating_sub(granted_at_us));
                 if age > late {
+                    // Re-dated to now when the bucket allows (a slow wake-up
+                    // then costs a round trip, not a token).
+                    if let Some(redated) =
+                        self.redate_at(p, &ticket.id, granted_at_us, deadline).await
+                    {
+                        tracing::debug!(provider = %p.name, ?age, "a grant that arrived late is re-dated");
+                        ticket.armed = false;
+                        if slot.is_some() {
+                            renew_slot(shared, &p.name, &ticket.id);
+                        }
+                        return Ok(Attempt::Granted(grant(redated, redis_now())));
+                    }
                     // Not used, and its token is lost, not returned: given back
                     // now, a token taken before the bucket refilled to its cap
                     // would add to it (see `late_grant`). Its slot of the
@@ -998,6 +1060,69 @@ impl RedisThrottle {
             Err(_) => {
                 ticket.cancel_within(CANCEL_INLINE).await;
                 Err(timeout())
+            }
+        }
+    }
+}
+
+impl RedisThrottle {
+    /// Re-dates `ticket`'s late grant, made at `granted_at_us`, to now if the
+    /// bucket allows (`throttle_redate.lua`): the new grant time, or `None`
+    /// (not allowed, or Redis did not answer by `deadline` or the call's
+    /// timeout: the grant stays late).
+    async fn redate_at(
+        &self,
+        p: &Provider,
+        ticket: &str,
+        granted_at_us: u64,
+        deadline: Instant,
+    ) -> Option<u64> {
+        let clock = self.shared.clocks.get(&p.name);
+        if !p.limits.is_empty() {
+            return None;
+        }
+        let shared = &self.shared;
+        let keys = shared.keys.throttle(&p.name);
+        let sent = Instant::now();
+        let call = run_script::<Vec<i64>>(
+            &shared.pool,
+            self.options.call_timeout,
+            "throttle_redate",
+            scripts::throttle_redate(
+                &keys,
+                ticket,
+                granted_at_us,
+                &BucketArgs::from(p),
+                millis(IDLE_TTL),
+            ),
+        );
+        let reply = match tokio::time::timeout_at(deadline, call).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, provider = %p.name, "re-dating a late grant failed");
+                return None;
+            }
+            Err(_) => return None,
+        };
+        match reply[..] {
+            [redated, now_us] => {
+                let now_us = u64::try_from(now_us).unwrap_or(0);
+                // The reply carries Redis's clock: a bound like an enqueue's.
+                if let Some(clock) = clock {
+                    clock.observe(sent, Instant::now(), now_us);
+                }
+                if redated != 1 {
+                    return None;
+                }
+                tracing::debug!(provider = %p.name, "a late grant re-dated");
+                if let Some(m) = &shared.metrics {
+                    m.grant_redated(&p.name);
+                }
+                Some(now_us)
+            }
+            _ => {
+                tracing::warn!(?reply, "throttle_redate: unexpected reply");
+                None
             }
         }
     }

@@ -18,6 +18,28 @@
 -- tokens away: the bound holds through it. Its own fields: `until` (the end
 -- of the last pause) and `strikes` (back-offs in a row).
 --
+-- A grant that reaches its waiter later than its provider's late bound may be
+-- re-dated instead of lost (throttle_redate.lua): used now, as if granted now.
+-- Moving a take from `g` to `r` leaves the bucket's bound (burst + rate·t over
+-- the takes' times) intact exactly when the level, with the take moved, would
+-- not have reached the cap in between: a bucket that never took it stands one
+-- higher on [g, r), and capped there it would have wasted that token's refill.
+-- Each re-dating still open over that time adds one more. So a grant made at
+-- `g` is re-dated at `r` only while the level stayed at most `floor` =
+-- burst - 1 - margin from g to r (`hi`, below) and at most `margin` other
+-- grants were re-dated after g (`rf`): level plus those stays <= burst - 1.
+-- Its fields: `hi` the time before which the level may have stood above
+-- `floor` (a grant made before it is not re-dated; written by every write,
+-- at most `at` + 1), `rf` the times of the last margin + 1 re-datings.
+-- A pause since `g` (its `until`) forbids it too: no call in a pause.
+local function redate_margin(burst)
+  return math.floor((burst - 1) / 2)
+end
+
+local function redate_floor(burst)
+  return burst - 1 - redate_margin(burst)
+end
+
 -- An adaptive provider (`adaptive = true`: AIMD) refills at an effective
 -- rate: a refusal halves it (throttle_pause.lua writes `aimd`, the rate
 -- then, and `aimd_at`, the pause's end), and from then it grows back by a
@@ -53,14 +75,14 @@ local function aimd_rate(e, since, rate, t)
 end
 
 -- Tokens available at `now` (refilled, capped at burst), the time they refer
--- to, and the effective rate now (`rate` unless adaptive). The refill since
--- the last write counts at the effective rate of then (a growing rate: never
--- more than it allows).
+-- to, the effective rate now (`rate` unless adaptive) and `hi` (above; nil
+-- when unwritten). The refill since the last write counts at the effective
+-- rate of then (a growing rate: never more than it allows).
 local function bucket_read(bucket, now, rate, burst)
-  local v = redis.call('HMGET', bucket, 'tokens', 'at', 'aimd', 'aimd_at')
+  local v = redis.call('HMGET', bucket, 'tokens', 'at', 'aimd', 'aimd_at', 'hi')
   local tokens, at = tonumber(v[1]), tonumber(v[2])
   if not tokens or not at then
-    return burst, now, rate
+    return burst, now, rate, nil
   end
   if now > at then
     local r = aimd_rate(v[3], v[4], rate, at)
@@ -68,12 +90,27 @@ local function bucket_read(bucket, now, rate, burst)
   else
     now = at -- Redis TIME went back (failover): never refill twice
   end
-  return tokens, now, aimd_rate(v[3], v[4], rate, now)
+  return tokens, now, aimd_rate(v[3], v[4], rate, now), tonumber(v[5])
 end
 
--- `eff` is the effective rate bucket_read gave, `rate` the configured one.
-local function bucket_write(bucket, tokens, at, eff, burst, rate)
-  redis.call('HSET', bucket, 'tokens', string.format('%.17g', tokens), 'at', int(at))
+-- `eff` and `hi` are what bucket_read gave, with `pre` its tokens (before
+-- this script took or gave any), `rate` the configured one. The level
+-- climbed to `pre` since the last write, and is `tokens` from `at` on: above
+-- `floor` either way, no grant made before (or, `tokens`, at) `at` is
+-- re-dated (`hi`). Unwritten, `hi` starts at `at`: what came before is not known.
+local function bucket_write(bucket, tokens, at, eff, burst, rate, pre, hi)
+  local floor = redate_floor(burst)
+  local mark = (tokens > floor and at + 1) or (pre > floor and at) or nil
+  if hi and mark then
+    mark = mark > hi and mark or nil
+  elseif not hi then
+    mark = mark or at
+  end
+  if mark then
+    redis.call('HSET', bucket, 'tokens', string.format('%.17g', tokens), 'at', int(at), 'hi', int(mark))
+  else
+    redis.call('HSET', bucket, 'tokens', string.format('%.17g', tokens), 'at', int(at))
+  end
   -- Once full again the bucket equals a missing one: let the key go then
   -- (an adaptive one once its rate is back too: at most 10 s more).
   local ttl = math.ceil((burst - tokens) / eff * 1000) + 1000

@@ -12,7 +12,7 @@ library! {
         scripts: [
             "throttle_enqueue", "throttle_grant", "throttle_cancel", "throttle_enqueue_fair",
             "throttle_done", "throttle_position", "throttle_slot", "throttle_pause",
-            "throttle_usage",
+            "throttle_usage", "throttle_redate",
         ],
     }
 }
@@ -213,6 +213,26 @@ pub fn throttle_done(keys: &ThrottleKeys, user: &str, ticket: &str) -> FunctionC
     inv.key(&keys.queue).key(&keys.waiting);
     fair_keys(&mut inv, keys);
     inv.arg(user).arg(ticket).arg(keys.base());
+    inv
+}
+
+/// `throttle_redate.lua`: re-dates `ticket`'s grant, made at
+/// `granted_at_us`, to now when the bucket allows.
+pub fn throttle_redate(
+    keys: &ThrottleKeys,
+    ticket: &str,
+    granted_at_us: u64,
+    bucket: &BucketArgs,
+    idle_ms: u64,
+) -> FunctionCall {
+    let mut inv = THROTTLE.prepare("throttle_redate");
+    inv.key(&keys.granted).key(&keys.bucket);
+    inv.arg(ticket)
+        .arg(granted_at_us)
+        .arg(bucket.rate)
+        .arg(bucket.burst)
+        .arg(&bucket.limits)
+        .arg(idle_ms);
     inv
 }
 

@@ -23,6 +23,7 @@ mod stats;
 mod stream;
 mod throttle;
 mod usage;
+mod utilisation;
 mod waits;
 
 use clap::{Parser, Subcommand};
@@ -104,6 +105,10 @@ enum Command {
     /// Job lookups across users: another user's job against a missing one,
     /// through `tollgate api` (`--bin` for builds side by side).
     JobLookup(job_lookup::Args),
+    /// One saturated provider (rate 50, burst 10) on the full chain (1 api,
+    /// 3 throttlers, 2 workers): the share of its rate that reaches the
+    /// upstream, and the upstream's bound, builds side by side.
+    Utilisation(utilisation::Args),
 }
 
 /// What a bench through `tollgate` processes does first: the TLS provider
@@ -181,6 +186,7 @@ fn main() -> anyhow::Result<()> {
             Command::Usage(args) => usage::run(args).await,
             Command::JobLookup(args) => job_lookup::run(args).await,
             Command::Stream(args) => stream::run(args).await,
+            Command::Utilisation(args) => utilisation::run(args).await,
         }
     })
 }

@@ -11,7 +11,9 @@ use tollgate_core::{
     duration,
     id::RequestId,
     metrics::Metrics,
-    throttle::{Share, Throttle, Waiter},
+    throttle::{
+        Grant, Pause, Position, ProviderStats, Share, Throttle, ThrottleError, Usage, Waiter,
+    },
 };
 use tollgate_redis::{
     keys::KeySpace,
@@ -57,9 +59,98 @@ pub struct WaiterArgs {
     share: u32,
 }
 
+/// Acquires as a worker's call is sent (`ThrottledClient`): a grant found past
+/// its use-by is re-dated when its bucket allows, else ended unused (its token
+/// lost, counted as late) and the wait starts over; the grant it returns is
+/// fresh when its waiter resumes (its record's `resumed_at_us`: the send).
+#[derive(Debug)]
+struct AsSent {
+    inner: Arc<dyn Throttle>,
+    metrics: Arc<Metrics>,
+}
+
+fn fresh(grant: &Grant) -> bool {
+    grant
+        .use_by
+        .is_none_or(|by| tokio::time::Instant::now() < by)
+}
+
+#[async_trait::async_trait]
+impl Throttle for AsSent {
+    async fn acquire_as(
+        &self,
+        provider: &str,
+        waiter: &Waiter,
+        max_wait: Duration,
+    ) -> Result<Grant, ThrottleError> {
+        let deadline = tokio::time::Instant::now() + max_wait;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let mut grant = self.inner.acquire_as(provider, waiter, left).await?;
+            let made = grant.granted_at_us;
+            let mut redated = 0;
+            for _ in 0..3 {
+                if fresh(&grant) {
+                    return Ok(grant);
+                }
+                match self.inner.redate(&grant).await? {
+                    Some(r) => {
+                        grant = r;
+                        redated += 1;
+                    }
+                    None => break,
+                }
+            }
+            if fresh(&grant) {
+                return Ok(grant);
+            }
+            // On stderr, for a look at a run: when the lost grant was
+            // made, and how often it was re-dated first.
+            eprintln!("stale_at_send {made} {redated}");
+            self.inner.done(&grant).await?;
+            self.metrics.late_grant(provider);
+        }
+    }
+
+    async fn redate(&self, grant: &Grant) -> Result<Option<Grant>, ThrottleError> {
+        self.inner.redate(grant).await
+    }
+
+    async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
+        self.inner.done(grant).await
+    }
+
+    async fn position(
+        &self,
+        provider: &str,
+        user: &str,
+        request_id: &RequestId,
+    ) -> Result<Option<Position>, ThrottleError> {
+        self.inner.position(provider, user, request_id).await
+    }
+
+    async fn stats(&self) -> Result<Vec<ProviderStats>, ThrottleError> {
+        self.inner.stats().await
+    }
+
+    async fn pause(
+        &self,
+        provider: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError> {
+        self.inner.pause(provider, retry_after).await
+    }
+
+    async fn usage(&self, grant: &Grant, used: u64) -> Result<Usage, ThrottleError> {
+        self.inner.usage(grant, used).await
+    }
+}
+
 /// Prints a JSON array of [`tollgate_tests::throttle::GrantRecord`] on stdout,
 /// and on stderr a line `late_grants <n>`: the grants its waiters found too
-/// old to use (their tokens are lost; each waiter queued again).
+/// old to use, on delivery or as their call would be sent (their tokens are
+/// lost; each waiter queued again). Each waiter resumes as its call would be
+/// sent, on a fresh grant (`AsSent`).
 pub async fn waiters(args: WaiterArgs) -> anyhow::Result<()> {
     let config = Config::load(Some(&args.config))?;
     let provider = config
@@ -81,6 +172,10 @@ pub async fn waiters(args: WaiterArgs) -> anyhow::Result<()> {
         throttle.subscribed(Duration::from_secs(5)).await,
         "no subscription within 5s"
     );
+    let throttle = AsSent {
+        inner: Arc::new(throttle),
+        metrics: Arc::clone(&metrics),
+    };
     if let Some(at) = args.start_at_us {
         let now = now_us();
         if at > now {
