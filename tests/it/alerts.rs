@@ -216,6 +216,9 @@ alerts = [0.8]
 [plans.quiet]
 limit = 1000
 window = "1h"
+[plans.monthly]
+limits = [{{ limit = 100, period = "month", tz = "Europe/Berlin" }}, {{ limit = 1000, window = "1h" }}]
+alerts = [0.8]
 "#
     );
     Arc::new(Config::parse(&text, "alerts test").unwrap())
@@ -586,6 +589,37 @@ async fn the_window_sliding_re_arms_a_threshold(store: Store) {
     pods.stop().await;
 }
 
+/// A calendar period's threshold counts once per crossing per period, on the
+/// period's own counter: a user parked just below 80 % of its month whose 50
+/// calls each cross it at admission and are released sends one alert, whose
+/// span is the month's, and its hourly window (not near 80 %) sends none.
+async fn a_periods_free_failing_calls_cross_once(store: Store) {
+    let receiver = Receiver::start().await;
+    let pods = Pods::start(store, config(&receiver.url, true)).await;
+    let ledger = pods.ledgers[0].as_ref();
+    let u = user("month");
+    ledger.set_plan(&u, "monthly").await.unwrap();
+    assert!(reserve(ledger, &u, 79).await);
+    failing_calls(ledger, &u, 50, 1).await;
+    assert_eq!(ledger.usage(&u).await.unwrap().used, 79, "used unchanged");
+    receiver.wait_for(1, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let delivered = receiver.delivered();
+    assert_eq!(delivered.len(), 1, "{:?}", receiver.arrivals());
+    let (a, v) = &delivered[0];
+    check_delivery(a, v);
+    assert_eq!(v["threshold"].as_f64(), Some(0.8), "{v}");
+    assert_eq!(v["used"], 80, "{v}");
+    assert_eq!(v["limit"], 100, "the month's limit: {v}");
+    // A month in Berlin is 28 to 31 days, give or take a DST hour.
+    let span = v["window_ms"].as_u64().unwrap();
+    assert!(
+        (28 * 86_400_000 - 3_600_000..=31 * 86_400_000 + 3_600_000).contains(&span),
+        "the month's span: {v}"
+    );
+    pods.stop().await;
+}
+
 /// Two members of one organisation on two pods spend 120 tokens at once on
 /// plans that never alert; the organisation's plan (100, alerts at 80 % and
 /// 100 %) binds: its two crossings are the organisation's alerts, each
@@ -642,6 +676,7 @@ on_each_backend!(
         falling_below_and_rising_again_is_a_new_crossing_only_once_the_window_slid,
         free_failing_calls_cross_once,
         the_window_sliding_re_arms_a_threshold,
+        a_periods_free_failing_calls_cross_once,
         an_organisations_crossings_are_its_own_alerts,
     ]
     memory => super::Store::Memory,
