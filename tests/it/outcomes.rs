@@ -241,9 +241,7 @@ async fn an_unanswered_call_is_sent_once_and_keeps_its_charge(redis: bool) {
     let id = r.body["job_id"].as_str().unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let gone =
-            s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
-                .await;
+        let gone = s.h.get(&format!("/v1/jobs/{id}"), &s.key, &[]).await;
         if gone.status.as_u16() == 404 {
             break;
         }
@@ -265,9 +263,7 @@ async fn an_unanswered_call_is_sent_once_and_keeps_its_charge(redis: bool) {
     s.wait_ended(before + 1).await;
     failed(&r, 504, "upstream-unanswered", "unanswered", true);
     let id = r.body["job_id"].as_str().unwrap();
-    let job =
-        s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
-            .await;
+    let job = s.h.get(&format!("/v1/jobs/{id}"), &s.key, &[]).await;
     assert_eq!(job.body["status"], "failed", "{}", job.body);
     assert_eq!(job.body["error"]["cause"], "unanswered", "{}", job.body);
     assert_eq!(job.body["error"]["charged"], true, "{}", job.body);
@@ -339,9 +335,7 @@ async fn a_rejected_input_is_a_4xx_released_and_not_retried(redis: bool) {
     s.wait_ended(before + 1).await;
     failed(&r, 422, "upstream-rejected", "rejected", false);
     let id = r.body["job_id"].as_str().unwrap();
-    let job =
-        s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
-            .await;
+    let job = s.h.get(&format!("/v1/jobs/{id}"), &s.key, &[]).await;
     let error = &job.body["error"];
     assert_eq!(error["cause"], "rejected", "{}", job.body);
     assert_eq!(error["upstream_status"], 422, "{}", job.body);
@@ -564,9 +558,7 @@ async fn failed_keyless_sync_calls_leave_no_job_record(redis: bool) {
     loop {
         let mut left = Vec::new();
         for id in &ids {
-            let r =
-                s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
-                    .await;
+            let r = s.h.get(&format!("/v1/jobs/{id}"), &s.key, &[]).await;
             if r.status.as_u16() != 404 {
                 left.push((id.clone(), r.status.as_u16()));
             }
