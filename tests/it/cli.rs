@@ -2,7 +2,13 @@
 //! Redis, checking exit codes, JSON output and one-line errors.
 
 use std::process::{Command, Output};
+use std::sync::Arc;
+use std::time::Duration;
 
+use tollgate_core::config::Config;
+use tollgate_core::id::{RequestId, UserId};
+use tollgate_core::job::{JobOptions, JobQueue, JobRequest, JobSource, Lease};
+use tollgate_redis::jobs::RedisJobQueue;
 use tollgate_tests::jobs::take_one;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
@@ -357,39 +363,45 @@ fn help_never_shows_secret_values() {
     }
 }
 
-/// `budget refund` of a job's charge: a queued job's is refunded and the job
-/// cancelled (its claim is refused: it never runs); a running job's is a
-/// conflict (exit 4, one line, nothing changed).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
-    use std::sync::Arc;
-    use std::time::Duration;
-    use tollgate_core::{
-        config::Config,
-        id::{RequestId, UserId},
-        job::{JobOptions, JobQueue, JobRequest, JobSource},
-    };
-    let cli = Cli::new();
+/// The job queue the CLI's budget commands act on: its Redis and prefix, the
+/// built-in config.
+async fn cli_queue(cli: &Cli) -> Arc<RedisJobQueue> {
     let config = Arc::new(Config::builtin());
-    let (queue, _) =
-        crate::jobs::redis_queue_with(&cli.server, &cli.prefix, config, JobOptions::default())
-            .await;
-    let user = UserId::new("carol").unwrap();
-    let submit = |id: &str| JobRequest {
+    let options = JobOptions::default();
+    let (queue, _) = crate::jobs::redis_queue_with(&cli.server, &cli.prefix, config, options).await;
+    queue
+}
+
+/// Queues `id`, a `company.research` job of `user` (it costs 20).
+async fn submit_research(queue: &RedisJobQueue, user: &str, id: &str) {
+    let request = JobRequest {
         id: RequestId::new(id).unwrap(),
-        user: user.clone(),
+        user: UserId::new(user).unwrap(),
         operation: "company.research".into(),
         input: serde_json::json!({ "id": id }),
         trace: None,
         service_key: None,
     };
-    let take = || async {
-        let wait = Duration::from_millis(200);
-        let lease = take_one(&*queue, "company.research", "w", wait).await;
-        let claimed = queue.start(&lease).await.unwrap();
-        (lease, claimed)
-    };
-    queue.submit(submit("queued")).await.unwrap();
+    queue.submit(request).await.unwrap();
+}
+
+/// Takes the next `company.research` job and starts it: its lease, and
+/// whether the start claimed it.
+async fn take_research(queue: &RedisJobQueue) -> (Lease, bool) {
+    let wait = Duration::from_millis(200);
+    let lease = take_one(queue, "company.research", "w", wait).await;
+    let claimed = queue.start(&lease).await.unwrap();
+    (lease, claimed)
+}
+
+/// `budget refund` of a job's charge: a queued job's is refunded and the job
+/// cancelled (its claim is refused: it never runs); a running job's is a
+/// conflict (exit 4, one line, nothing changed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
+    let cli = Cli::new();
+    let queue = cli_queue(&cli).await;
+    submit_research(&queue, "carol", "queued").await;
     let v = cli.json(&["refund", "--user", "carol", "--request-id", "queued"], 0);
     assert_eq!(
         (&v["refunded"], &v["cancelled"], &v["cost"], &v["used"]),
@@ -401,11 +413,11 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
         ),
         "{v}"
     );
-    let (_, claimed) = take().await;
+    let (_, claimed) = take_research(&queue).await;
     assert!(!claimed, "a cancelled job never runs");
 
-    queue.submit(submit("running")).await.unwrap();
-    let (_, claimed) = take().await;
+    submit_research(&queue, "carol", "running").await;
+    let (_, claimed) = take_research(&queue).await;
     assert!(claimed);
     let out = cli.run(&["refund", "--user", "carol", "--request-id", "running"]);
     assert_eq!(out.status.code(), Some(4), "{out:?}");
@@ -421,33 +433,11 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
 /// needs --force.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settle_of_a_running_job_is_a_conflict_and_to_zero_after_it_needs_force() {
-    use std::sync::Arc;
-    use std::time::Duration;
-    use tollgate_core::{
-        config::Config,
-        id::{RequestId, UserId},
-        job::{JobOptions, JobQueue, JobRequest, JobSource},
-    };
     let cli = Cli::new();
-    let config = Arc::new(Config::builtin());
-    let (queue, _) =
-        crate::jobs::redis_queue_with(&cli.server, &cli.prefix, config, JobOptions::default())
-            .await;
-    let user = UserId::new("dave").unwrap();
-    queue
-        .submit(JobRequest {
-            id: RequestId::new("running").unwrap(),
-            user: user.clone(),
-            operation: "company.research".into(),
-            input: serde_json::json!({ "id": "running" }),
-            trace: None,
-            service_key: None,
-        })
-        .await
-        .unwrap();
-    let wait = Duration::from_millis(200);
-    let lease = take_one(&*queue, "company.research", "w", wait).await;
-    assert!(queue.start(&lease).await.unwrap());
+    let queue = cli_queue(&cli).await;
+    submit_research(&queue, "dave", "running").await;
+    let (lease, claimed) = take_research(&queue).await;
+    assert!(claimed);
     let settle = [
         "settle",
         "--user",
