@@ -455,49 +455,35 @@ async fn organisations_over_the_admin_api(h: Harness) {
 async fn prefer_wait_on_an_async_call_waits_for_the_result_then_202(h: Harness) {
     let key = h.user("wendy", "free").await;
     let worker = h.worker(0.0);
-    let started = Instant::now();
-    let r = h
-        .post_with(
-            "/v1/ops/embeddings",
-            &key,
-            &[("prefer", "respond-async, wait=5")],
-            json!({"text": "soon"}),
-        )
-        .await;
+    // The answer to `path` with `Prefer: prefer`, and how long it took.
+    let call = |path: &'static str, prefer: &'static str, text: &'static str| {
+        let (h, key) = (&h, &key);
+        async move {
+            let started = Instant::now();
+            let r = h
+                .post_with(path, key, &[("prefer", prefer)], json!({ "text": text }))
+                .await;
+            (r, started.elapsed())
+        }
+    };
+    let (r, took) = call("/v1/ops/embeddings", "respond-async, wait=5", "soon").await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["status"], "succeeded", "{}", r.body);
     assert_eq!(r.body["result"]["echo"]["text"], "soon", "{}", r.body);
-    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(took < Duration::from_secs(5));
     // Nobody runs it: 202 once the wait (1 s) is over, not before.
     worker.stop().await;
-    let started = Instant::now();
-    let r = h
-        .post_with(
-            "/v1/ops/embeddings?async=true",
-            &key,
-            &[("prefer", "wait=1")],
-            json!({"text": "later"}),
-        )
-        .await;
+    let (r, waited) = call("/v1/ops/embeddings?async=true", "wait=1", "later").await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
     assert_eq!(r.body["status"], "queued", "{}", r.body);
-    let waited = started.elapsed();
     assert!(
         waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
         "{waited:?}"
     );
     // wait=0: at once.
-    let started = Instant::now();
-    let r = h
-        .post_with(
-            "/v1/ops/embeddings",
-            &key,
-            &[("prefer", "respond-async, wait=0")],
-            json!({"text": "now"}),
-        )
-        .await;
+    let (r, took) = call("/v1/ops/embeddings", "respond-async, wait=0", "now").await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
-    assert!(started.elapsed() < Duration::from_millis(900));
+    assert!(took < Duration::from_millis(900));
 }
 
 /// `GET /v1/usage?limit=&cursor=`: the totals on every page, the events a page
@@ -969,38 +955,19 @@ async fn bad_requests_are_problems_naming_the_field(h: Harness) {
     let big = json!({"text": "x".repeat(5000)});
     let r = h.post("/v1/ops/embeddings", &key, big).await;
     r.problem(ProblemType::PayloadTooLarge);
+    // A call of `embeddings` with `headers` and this body, as it is.
+    let (harness, token) = (&h, key.as_str());
+    let raw = move |headers: &'static [(&'static str, &'static str)], body: Option<String>| {
+        harness.call("POST", "/v1/ops/embeddings", Some(token), headers, body)
+    };
     // 400: not JSON.
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[],
-            Some("{\"text\": ".into()),
-        )
-        .await;
+    let r = raw(&[], Some("{\"text\": ".into())).await;
     r.problem(ProblemType::MalformedRequest);
     // 415: no JSON content type.
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[("content-type", "text/plain")],
-            None,
-        )
-        .await;
+    let r = raw(&[("content-type", "text/plain")], None).await;
     r.problem(ProblemType::UnsupportedMediaType);
     // 422: the input must be an object.
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[],
-            Some("[1, 2]".into()),
-        )
-        .await;
+    let r = raw(&[], Some("[1, 2]".into())).await;
     assert_eq!(r.problem(ProblemType::InvalidField)["field"], "$");
     // 404: unknown operation, never charged; 400: not even UTF-8.
     let r = h.post("/v1/ops/no.such.op", &key, json!({})).await;
@@ -1022,20 +989,10 @@ async fn bad_requests_are_problems_naming_the_field(h: Harness) {
     r.problem(ProblemType::MalformedRequest);
     // Deeply nested JSON is refused, not a stack overflow.
     let deep = format!("{{\"d\":{}{}}}", "[".repeat(5000), "]".repeat(5000));
-    let r = h
-        .call("POST", "/v1/ops/embeddings", Some(&key), &[], Some(deep))
-        .await;
+    let r = raw(&[], Some(deep)).await;
     assert!(r.status == 400 || r.status == 413, "{}", r.body);
     // 400: a bad Idempotency-Key.
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[("idempotency-key", "   ")],
-            Some("{}".into()),
-        )
-        .await;
+    let r = raw(&[("idempotency-key", "   ")], Some("{}".into())).await;
     assert_eq!(
         r.problem(ProblemType::MalformedRequest)["field"],
         "Idempotency-Key"
