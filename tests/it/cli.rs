@@ -25,9 +25,9 @@ impl Cli {
         }
     }
 
-    fn run(&self, args: &[&str]) -> Output {
+    /// `tollgate <args>` on this Redis and prefix, with no config file.
+    fn tollgate(&self, args: &[&str]) -> Output {
         Command::new(workspace_bin("tollgate"))
-            .arg("budget")
             .args(args)
             .env("TOLLGATE_REDIS_URL", self.server.url())
             .env("TOLLGATE_KEY_PREFIX", &self.prefix)
@@ -36,13 +36,27 @@ impl Cli {
             .expect("run tollgate")
     }
 
-    fn json(&self, args: &[&str], code: i32) -> serde_json::Value {
+    /// `tollgate <group> <args>` on this Redis and prefix.
+    fn run_in(&self, group: &str, args: &[&str]) -> Output {
+        self.tollgate(&[&[group], args].concat())
+    }
+
+    /// `tollgate <group> <args> --json`, which must exit with `code`: its JSON.
+    fn json_in(&self, group: &str, args: &[&str], code: i32) -> serde_json::Value {
         let mut all = args.to_vec();
         all.push("--json");
-        let out = self.run(&all);
+        let out = self.run_in(group, &all);
         assert_eq!(out.status.code(), Some(code), "{args:?}: {out:?}");
         serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out:?}"))
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.run_in("budget", args)
+    }
+
+    fn json(&self, args: &[&str], code: i32) -> serde_json::Value {
+        self.json_in("budget", args, code)
     }
 }
 
@@ -56,18 +70,16 @@ fn one_line_error(out: &Output) -> String {
 #[test]
 fn reserve_deny_refund_and_usage() {
     let cli = Cli::new();
-    let v = cli.json(
-        &[
-            "reserve",
-            "--user",
-            "alice",
-            "--cost",
-            "600",
-            "--request-id",
-            "r1",
-        ],
-        0,
-    );
+    let reserve_r1 = [
+        "reserve",
+        "--user",
+        "alice",
+        "--cost",
+        "600",
+        "--request-id",
+        "r1",
+    ];
+    let v = cli.json(&reserve_r1, 0);
     assert_eq!(
         (
             v["allowed"].as_bool(),
@@ -87,18 +99,7 @@ fn reserve_deny_refund_and_usage() {
     );
 
     // Retrying r1 charges nothing.
-    let v = cli.json(
-        &[
-            "reserve",
-            "--user",
-            "alice",
-            "--cost",
-            "600",
-            "--request-id",
-            "r1",
-        ],
-        0,
-    );
+    let v = cli.json(&reserve_r1, 0);
     assert_eq!(
         (v["duplicate"].as_bool(), v["used"].as_u64()),
         (Some(true), Some(600))
@@ -473,24 +474,8 @@ async fn settle_of_a_running_job_is_a_conflict_and_to_zero_after_it_needs_force(
 #[test]
 fn users_list_show_and_custom_limits() {
     let cli = Cli::new();
-    let users = |args: &[&str]| {
-        Command::new(workspace_bin("tollgate"))
-            .arg("users")
-            .args(args)
-            .env("TOLLGATE_REDIS_URL", cli.server.url())
-            .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
-            .env_remove("TOLLGATE_CONFIG")
-            .output()
-            .expect("run tollgate")
-    };
-    let json = |args: &[&str], code: i32| {
-        let mut all = args.to_vec();
-        all.push("--json");
-        let out = users(&all);
-        assert_eq!(out.status.code(), Some(code), "{args:?}: {out:?}");
-        serde_json::from_slice::<serde_json::Value>(&out.stdout)
-            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out:?}"))
-    };
+    let users = |args: &[&str]| cli.run_in("users", args);
+    let json = |args: &[&str], code: i32| cli.json_in("users", args, code);
     for u in ["cli-a", "cli-b", "cli-c", "zed"] {
         json(&["create", "--user", u], 0);
     }
@@ -531,15 +516,7 @@ fn users_list_show_and_custom_limits() {
     );
     assert_eq!(v["limits"][0]["window"], "1h");
     // The budget commands see them at once.
-    let r = Command::new(workspace_bin("tollgate"))
-        .args([
-            "budget", "reserve", "--user", "cli-b", "--cost", "101", "--json",
-        ])
-        .env("TOLLGATE_REDIS_URL", cli.server.url())
-        .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
-        .env_remove("TOLLGATE_CONFIG")
-        .output()
-        .unwrap();
+    let r = cli.run(&["reserve", "--user", "cli-b", "--cost", "101", "--json"]);
     assert_eq!(r.status.code(), Some(2), "101 > the 1m limit of 100: {r:?}");
     let shown = json(&["show", "cli-b"], 0);
     assert_eq!(shown["usage"]["plan"], "custom");
@@ -591,15 +568,7 @@ fn users_list_show_and_custom_limits() {
 #[test]
 fn organisations_from_the_command_line() {
     let cli = Cli::new();
-    let run = |args: &[&str]| {
-        Command::new(workspace_bin("tollgate"))
-            .args(args)
-            .env("TOLLGATE_REDIS_URL", cli.server.url())
-            .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
-            .env_remove("TOLLGATE_CONFIG")
-            .output()
-            .expect("run tollgate")
-    };
+    let run = |args: &[&str]| cli.tollgate(args);
     let json = |args: &[&str]| {
         let out = run(args);
         assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");
