@@ -200,9 +200,25 @@ impl Harness {
         }
     }
 
-    pub async fn post(&self, path: &str, token: &str, body: Value) -> Resp {
-        self.call("POST", path, Some(token), &[], Some(body.to_string()))
+    /// `GET path` as `token`, with `headers`.
+    pub async fn get(&self, path: &str, token: &str, headers: &[(&str, &str)]) -> Resp {
+        self.call("GET", path, Some(token), headers, None).await
+    }
+
+    /// `POST path` of the JSON `body` as `token`, with `headers`.
+    pub async fn post_with(
+        &self,
+        path: &str,
+        token: &str,
+        headers: &[(&str, &str)],
+        body: Value,
+    ) -> Resp {
+        self.call("POST", path, Some(token), headers, Some(body.to_string()))
             .await
+    }
+
+    pub async fn post(&self, path: &str, token: &str, body: Value) -> Resp {
+        self.post_with(path, token, &[], body).await
     }
 
     pub async fn put(&self, path: &str, token: &str, body: Value) -> Resp {
@@ -220,7 +236,7 @@ impl Harness {
     }
 
     pub async fn usage(&self, key: &str) -> Value {
-        let r = self.call("GET", "/v1/usage", Some(key), &[], None).await;
+        let r = self.get("/v1/usage", key, &[]).await;
         assert_eq!(r.status, StatusCode::OK, "{}", r.body);
         r.body
     }
@@ -372,25 +388,18 @@ async fn organisations_over_the_admin_api(h: Harness) {
     r.problem(ProblemType::NotFound);
     for i in 0..2 {
         let r = h
-            .call(
-                "POST",
+            .post_with(
                 "/v1/ops/echo.custom?async=true",
-                Some(&alice),
+                &alice,
                 &[("idempotency-key", &format!("a{i}"))],
-                Some(json!({"i": i}).to_string()),
+                json!({"i": i}),
             )
             .await;
         assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
     }
     // Bob has 5 of his own left; the organisation has 1.
     let r = h
-        .call(
-            "POST",
-            "/v1/ops/echo.custom?async=true",
-            Some(&bob),
-            &[],
-            Some(json!({}).to_string()),
-        )
+        .post("/v1/ops/echo.custom?async=true", &bob, json!({}))
         .await;
     let p = r.problem(ProblemType::QuotaExceeded);
     assert_eq!(p["scope"], "organisation", "{p}");
@@ -410,36 +419,22 @@ async fn organisations_over_the_admin_api(h: Harness) {
     assert_eq!(u["used"], 0, "{u}");
     assert_eq!(u["organisation"]["org"], "acme", "{u}");
     assert_eq!(u["organisation"]["windows"][0]["used"], 4, "{u}");
-    let r = h.call("GET", "/admin/orgs", Some(ADMIN), &[], None).await;
+    let r = h.get("/admin/orgs", ADMIN, &[]).await;
     assert_eq!(r.body, json!({"orgs": ["acme"], "next": null}));
-    let r = h
-        .call("GET", "/admin/orgs/acme?limit=1", Some(ADMIN), &[], None)
-        .await;
+    let r = h.get("/admin/orgs/acme?limit=1", ADMIN, &[]).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(
         (&r.body["members"], &r.body["next_member"]),
         (&json!(["alice"]), &json!("alice"))
     );
     assert_eq!(r.body["windows"][0]["used"], 4);
-    let r = h
-        .call(
-            "GET",
-            "/admin/orgs/acme?after=alice",
-            Some(ADMIN),
-            &[],
-            None,
-        )
-        .await;
+    let r = h.get("/admin/orgs/acme?after=alice", ADMIN, &[]).await;
     assert_eq!(r.body["members"], json!(["bob"]));
-    let r = h
-        .call("GET", "/admin/orgs/acme?limit=0", Some(ADMIN), &[], None)
-        .await;
+    let r = h.get("/admin/orgs/acme?limit=0", ADMIN, &[]).await;
     r.problem(ProblemType::InvalidField);
-    let r = h
-        .call("GET", "/admin/orgs/nowhere", Some(ADMIN), &[], None)
-        .await;
+    let r = h.get("/admin/orgs/nowhere", ADMIN, &[]).await;
     r.problem(ProblemType::NotFound);
-    let r = h.call("GET", "/admin/orgs", Some(&alice), &[], None).await;
+    let r = h.get("/admin/orgs", &alice, &[]).await;
     r.problem(ProblemType::Unauthorized);
     let r = put("/admin/users/alice/org".into(), json!({"org": null})).await;
     assert_eq!(
@@ -447,9 +442,7 @@ async fn organisations_over_the_admin_api(h: Harness) {
         json!({"user": "alice", "org": null, "moved_events": 2})
     );
     assert!(h.usage(&alice).await.get("organisation").is_none());
-    let r = h
-        .call("GET", "/admin/orgs/acme", Some(ADMIN), &[], None)
-        .await;
+    let r = h.get("/admin/orgs/acme", ADMIN, &[]).await;
     assert_eq!(
         (&r.body["members"], &r.body["windows"][0]["used"]),
         (&json!(["bob"]), &json!(0))
@@ -462,52 +455,35 @@ async fn organisations_over_the_admin_api(h: Harness) {
 async fn prefer_wait_on_an_async_call_waits_for_the_result_then_202(h: Harness) {
     let key = h.user("wendy", "free").await;
     let worker = h.worker(0.0);
-    let started = Instant::now();
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[("prefer", "respond-async, wait=5")],
-            Some(json!({"text": "soon"}).to_string()),
-        )
-        .await;
+    // The answer to `path` with `Prefer: prefer`, and how long it took.
+    let call = |path: &'static str, prefer: &'static str, text: &'static str| {
+        let (h, key) = (&h, &key);
+        async move {
+            let started = Instant::now();
+            let r = h
+                .post_with(path, key, &[("prefer", prefer)], json!({ "text": text }))
+                .await;
+            (r, started.elapsed())
+        }
+    };
+    let (r, took) = call("/v1/ops/embeddings", "respond-async, wait=5", "soon").await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["status"], "succeeded", "{}", r.body);
     assert_eq!(r.body["result"]["echo"]["text"], "soon", "{}", r.body);
-    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(took < Duration::from_secs(5));
     // Nobody runs it: 202 once the wait (1 s) is over, not before.
     worker.stop().await;
-    let started = Instant::now();
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings?async=true",
-            Some(&key),
-            &[("prefer", "wait=1")],
-            Some(json!({"text": "later"}).to_string()),
-        )
-        .await;
+    let (r, waited) = call("/v1/ops/embeddings?async=true", "wait=1", "later").await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
     assert_eq!(r.body["status"], "queued", "{}", r.body);
-    let waited = started.elapsed();
     assert!(
         waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
         "{waited:?}"
     );
     // wait=0: at once.
-    let started = Instant::now();
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[("prefer", "respond-async, wait=0")],
-            Some(json!({"text": "now"}).to_string()),
-        )
-        .await;
+    let (r, took) = call("/v1/ops/embeddings", "respond-async, wait=0", "now").await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
-    assert!(started.elapsed() < Duration::from_millis(900));
+    assert!(took < Duration::from_millis(900));
 }
 
 /// `GET /v1/usage?limit=&cursor=`: the totals on every page, the events a page
@@ -536,7 +512,7 @@ async fn usage_pages_follow_next_cursor_and_bad_pages_are_400(h: Harness) {
     let mut seen = Vec::new();
     let mut path = "/v1/usage?limit=40".to_owned();
     loop {
-        let r = h.call("GET", &path, Some(&key), &[], None).await;
+        let r = h.get(&path, &key, &[]).await;
         assert_eq!(r.status, StatusCode::OK, "{}", r.body);
         assert_eq!(r.body["used"], 130, "{}", r.body);
         let events = r.body["events"].as_array().unwrap();
@@ -574,9 +550,7 @@ async fn usage_pages_follow_next_cursor_and_bad_pages_are_400(h: Harness) {
         ("cursor=1-99999999999999999999", "cursor"),
         ("cursor=%00", "cursor"),
     ] {
-        let r = h
-            .call("GET", &format!("/v1/usage?{query}"), Some(&key), &[], None)
-            .await;
+        let r = h.get(&format!("/v1/usage?{query}"), &key, &[]).await;
         let body = r.problem(ProblemType::MalformedRequest);
         assert_eq!(body["field"], field, "{query}: {body}");
     }
@@ -630,7 +604,7 @@ async fn admin_creates_users_changes_plans_and_revokes_keys(h: Harness) {
     let r = h.call("DELETE", &path, Some(ADMIN), &[], None).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["revoked"], true);
-    let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+    let r = h.get("/v1/usage", &key, &[]).await;
     r.problem(ProblemType::Unauthorized);
     let r = h
         .call(
@@ -717,12 +691,11 @@ async fn async_call_is_202_and_jobs_are_private(h: Harness) {
     let key = h.user("carol", "free").await;
     let other = h.user("dave", "free").await;
     let r = h
-        .call(
-            "POST",
+        .post_with(
             "/v1/ops/embeddings",
-            Some(&key),
+            &key,
             &[("prefer", "respond-async")],
-            Some(json!({"text": "x"}).to_string()),
+            json!({"text": "x"}),
         )
         .await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
@@ -733,7 +706,7 @@ async fn async_call_is_202_and_jobs_are_private(h: Harness) {
     assert!(r.header("ratelimit").starts_with("\"budget\";r=999"));
 
     // Nobody runs it yet: still queued; then a worker does.
-    let r = h.call("GET", &location, Some(&key), &[], None).await;
+    let r = h.get(&location, &key, &[]).await;
     assert_eq!(
         (r.status, r.body["status"].as_str()),
         (StatusCode::OK, Some("queued"))
@@ -741,7 +714,7 @@ async fn async_call_is_202_and_jobs_are_private(h: Harness) {
     let _worker = h.worker(0.0);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let r = h.call("GET", &location, Some(&key), &[], None).await;
+        let r = h.get(&location, &key, &[]).await;
         if r.body["status"] == "succeeded" {
             assert_eq!(r.body["result"]["echo"]["text"], "x");
             break;
@@ -755,10 +728,10 @@ async fn async_call_is_202_and_jobs_are_private(h: Harness) {
         .await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
 
-    let r = h.call("GET", &location, Some(&other), &[], None).await;
+    let r = h.get(&location, &other, &[]).await;
     r.problem(ProblemType::NotFound);
     for bad in ["/v1/jobs/nope", "/v1/jobs/a:b", "/v1/jobs/%7Bx%7D"] {
-        let r = h.call("GET", bad, Some(&key), &[], None).await;
+        let r = h.get(bad, &key, &[]).await;
         r.problem(ProblemType::NotFound);
     }
 }
@@ -770,12 +743,11 @@ async fn idempotency_key_charges_once_and_returns_the_same_job(h: Harness) {
     let call = |k: String| {
         let h = &h;
         async move {
-            h.call(
-                "POST",
+            h.post_with(
                 "/v1/ops/llm.structured",
-                Some(&k),
+                &k,
                 &[("idempotency-key", "order-42")],
-                Some(json!({"n": 1}).to_string()),
+                json!({"n": 1}),
             )
             .await
         }
@@ -791,12 +763,11 @@ async fn idempotency_key_charges_once_and_returns_the_same_job(h: Harness) {
     assert_eq!(u["events"].as_array().unwrap().len(), 1);
     // The same key with another body is refused, charging nothing more.
     let r = h
-        .call(
-            "POST",
+        .post_with(
             "/v1/ops/llm.structured",
-            Some(&key),
+            &key,
             &[("idempotency-key", "order-42")],
-            Some(json!({"n": 2}).to_string()),
+            json!({"n": 2}),
         )
         .await;
     let p = r.problem(ProblemType::IdempotencyKeyReused);
@@ -863,9 +834,7 @@ async fn an_operator_refund_cancels_a_queued_job(h: Harness) {
     );
     let (_, claimed) = take().await;
     assert!(!claimed, "a cancelled job must never reach the provider");
-    let r = h
-        .call("GET", &format!("/v1/jobs/{queued}"), Some(&key), &[], None)
-        .await;
+    let r = h.get(&format!("/v1/jobs/{queued}"), &key, &[]).await;
     assert_eq!(r.body["status"], "failed", "{}", r.body);
     assert_eq!(r.body["error"]["cause"], "cancelled", "{}", r.body);
     h.wait_used(&key, 0).await;
@@ -986,38 +955,19 @@ async fn bad_requests_are_problems_naming_the_field(h: Harness) {
     let big = json!({"text": "x".repeat(5000)});
     let r = h.post("/v1/ops/embeddings", &key, big).await;
     r.problem(ProblemType::PayloadTooLarge);
+    // A call of `embeddings` with `headers` and this body, as it is.
+    let (harness, token) = (&h, key.as_str());
+    let raw = move |headers: &'static [(&'static str, &'static str)], body: Option<String>| {
+        harness.call("POST", "/v1/ops/embeddings", Some(token), headers, body)
+    };
     // 400: not JSON.
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[],
-            Some("{\"text\": ".into()),
-        )
-        .await;
+    let r = raw(&[], Some("{\"text\": ".into())).await;
     r.problem(ProblemType::MalformedRequest);
     // 415: no JSON content type.
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[("content-type", "text/plain")],
-            None,
-        )
-        .await;
+    let r = raw(&[("content-type", "text/plain")], None).await;
     r.problem(ProblemType::UnsupportedMediaType);
     // 422: the input must be an object.
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[],
-            Some("[1, 2]".into()),
-        )
-        .await;
+    let r = raw(&[], Some("[1, 2]".into())).await;
     assert_eq!(r.problem(ProblemType::InvalidField)["field"], "$");
     // 404: unknown operation, never charged; 400: not even UTF-8.
     let r = h.post("/v1/ops/no.such.op", &key, json!({})).await;
@@ -1039,30 +989,18 @@ async fn bad_requests_are_problems_naming_the_field(h: Harness) {
     r.problem(ProblemType::MalformedRequest);
     // Deeply nested JSON is refused, not a stack overflow.
     let deep = format!("{{\"d\":{}{}}}", "[".repeat(5000), "]".repeat(5000));
-    let r = h
-        .call("POST", "/v1/ops/embeddings", Some(&key), &[], Some(deep))
-        .await;
+    let r = raw(&[], Some(deep)).await;
     assert!(r.status == 400 || r.status == 413, "{}", r.body);
     // 400: a bad Idempotency-Key.
-    let r = h
-        .call(
-            "POST",
-            "/v1/ops/embeddings",
-            Some(&key),
-            &[("idempotency-key", "   ")],
-            Some("{}".into()),
-        )
-        .await;
+    let r = raw(&[("idempotency-key", "   ")], Some("{}".into())).await;
     assert_eq!(
         r.problem(ProblemType::MalformedRequest)["field"],
         "Idempotency-Key"
     );
     // 404 and 405 for routes.
-    let r = h.call("GET", "/v2/nothing", Some(&key), &[], None).await;
+    let r = h.get("/v2/nothing", &key, &[]).await;
     r.problem(ProblemType::NotFound);
-    let r = h
-        .call("GET", "/v1/ops/embeddings", Some(&key), &[], None)
-        .await;
+    let r = h.get("/v1/ops/embeddings", &key, &[]).await;
     r.problem(ProblemType::MethodNotAllowed);
     // None of the requests above was charged: a job's charge is taken only
     // once its body has been read and checked, so nothing needed a refund.
@@ -1199,12 +1137,11 @@ async fn throttle_timeout_is_504_and_a_slow_job_is_202(h: Harness) {
     // No worker yet: the sync wait (shortened by `Prefer: wait=1`) ends with a
     // 202 and the job's Location; the job keeps its charge.
     let r = h
-        .call(
-            "POST",
+        .post_with(
             "/v1/ops/jobs.extract",
-            Some(&key),
+            &key,
             &[("prefer", "wait=1")],
-            Some(json!({"url": "x"}).to_string()),
+            json!({"url": "x"}),
         )
         .await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
@@ -1262,7 +1199,7 @@ async fn a_job_waiting_for_its_provider_shows_where_it_stands(h: Harness) {
         }
     };
     assert!(h.source.start(&lease).await.unwrap());
-    let r = h.call("GET", &location, Some(&key), &[], None).await;
+    let r = h.get(&location, &key, &[]).await;
     assert_eq!(r.body["status"], "running", "{}", r.body);
     let throttle = Arc::clone(&h.state.throttle);
     throttle
@@ -1278,7 +1215,7 @@ async fn a_job_waiting_for_its_provider_shows_where_it_stands(h: Harness) {
     });
     let deadline = Instant::now() + Duration::from_secs(10);
     let view = loop {
-        let r = h.call("GET", &location, Some(&key), &[], None).await;
+        let r = h.get(&location, &key, &[]).await;
         if r.body["status"] == "waiting_for_provider" {
             break r.body;
         }
@@ -1297,7 +1234,7 @@ async fn a_job_waiting_for_its_provider_shows_where_it_stands(h: Harness) {
     let _ = waiting.await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let r = h.call("GET", &location, Some(&key), &[], None).await;
+        let r = h.get(&location, &key, &[]).await;
         if r.body["status"] == "running" {
             assert!(r.body.get("provider_queue").is_none(), "{}", r.body);
             break;
@@ -1309,6 +1246,6 @@ async fn a_job_waiting_for_its_provider_shows_where_it_stands(h: Harness) {
         .complete(&lease, json!({"ok": true}))
         .await
         .unwrap();
-    let r = h.call("GET", &location, Some(&key), &[], None).await;
+    let r = h.get(&location, &key, &[]).await;
     assert_eq!(r.body["status"], "succeeded", "{}", r.body);
 }

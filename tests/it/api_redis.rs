@@ -194,7 +194,7 @@ async fn redis_unreachable_is_503_and_the_api_recovers() {
         assert!(ok, "kill {sig} {pid}");
     };
     signal("-STOP");
-    let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+    let r = h.get("/v1/usage", &key, &[]).await;
     let p = r
         .problem(tollgate_api::problem::ProblemType::BackendUnavailable)
         .clone();
@@ -204,7 +204,7 @@ async fn redis_unreachable_is_503_and_the_api_recovers() {
     signal("-CONT");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+        let r = h.get("/v1/usage", &key, &[]).await;
         if r.status == 200 {
             break;
         }

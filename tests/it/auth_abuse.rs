@@ -217,7 +217,7 @@ async fn revocation_is_honoured_within_the_cache_period() {
         )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
-    let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+    let r = h.get("/v1/usage", &key, &[]).await;
     r.problem(ProblemType::Unauthorized);
 
     let key2 = h.user("bob", "free").await;
@@ -229,7 +229,7 @@ async fn revocation_is_honoured_within_the_cache_period() {
     h.state.keys.revoke(&kid).await.unwrap();
     let deadline = Instant::now() + KEY_TTL + Duration::from_secs(2);
     loop {
-        let r = h.call("GET", "/v1/usage", Some(&key2), &[], None).await;
+        let r = h.get("/v1/usage", &key2, &[]).await;
         if r.status == StatusCode::UNAUTHORIZED {
             break;
         }

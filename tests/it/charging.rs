@@ -103,12 +103,11 @@ async fn a_failed_job_retried_with_its_key_is_charged_again_and_runs(h: Harness)
         let key = key.clone();
         let h = &h;
         async move {
-            h.call(
-                "POST",
+            h.post_with(
                 "/v1/ops/jobs.extract",
-                Some(&key),
+                &key,
                 &headers,
-                Some(json!({"url": "https://example.com/job"}).to_string()),
+                json!({"url": "https://example.com/job"}),
             )
             .await
         }
@@ -154,12 +153,11 @@ async fn a_lost_reply_is_not_taken_as_a_failure() {
         let key = key.clone();
         let h = &h;
         async move {
-            h.call(
-                "POST",
+            h.post_with(
                 "/v1/ops/llm.structured",
-                Some(&key),
+                &key,
                 &[("idempotency-key", idem)],
-                Some(json!({"prompt": idem}).to_string()),
+                json!({"prompt": idem}),
             )
             .await
         }

@@ -2,7 +2,13 @@
 //! Redis, checking exit codes, JSON output and one-line errors.
 
 use std::process::{Command, Output};
+use std::sync::Arc;
+use std::time::Duration;
 
+use tollgate_core::config::Config;
+use tollgate_core::id::{RequestId, UserId};
+use tollgate_core::job::{JobOptions, JobQueue, JobRequest, JobSource, Lease};
+use tollgate_redis::jobs::RedisJobQueue;
 use tollgate_tests::jobs::take_one;
 use tollgate_tests::{random_prefix, workspace_bin, RedisServer};
 
@@ -19,9 +25,9 @@ impl Cli {
         }
     }
 
-    fn run(&self, args: &[&str]) -> Output {
+    /// `tollgate <args>` on this Redis and prefix, with no config file.
+    fn tollgate(&self, args: &[&str]) -> Output {
         Command::new(workspace_bin("tollgate"))
-            .arg("budget")
             .args(args)
             .env("TOLLGATE_REDIS_URL", self.server.url())
             .env("TOLLGATE_KEY_PREFIX", &self.prefix)
@@ -30,13 +36,27 @@ impl Cli {
             .expect("run tollgate")
     }
 
-    fn json(&self, args: &[&str], code: i32) -> serde_json::Value {
+    /// `tollgate <group> <args>` on this Redis and prefix.
+    fn run_in(&self, group: &str, args: &[&str]) -> Output {
+        self.tollgate(&[&[group], args].concat())
+    }
+
+    /// `tollgate <group> <args> --json`, which must exit with `code`: its JSON.
+    fn json_in(&self, group: &str, args: &[&str], code: i32) -> serde_json::Value {
         let mut all = args.to_vec();
         all.push("--json");
-        let out = self.run(&all);
+        let out = self.run_in(group, &all);
         assert_eq!(out.status.code(), Some(code), "{args:?}: {out:?}");
         serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out:?}"))
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.run_in("budget", args)
+    }
+
+    fn json(&self, args: &[&str], code: i32) -> serde_json::Value {
+        self.json_in("budget", args, code)
     }
 }
 
@@ -50,18 +70,16 @@ fn one_line_error(out: &Output) -> String {
 #[test]
 fn reserve_deny_refund_and_usage() {
     let cli = Cli::new();
-    let v = cli.json(
-        &[
-            "reserve",
-            "--user",
-            "alice",
-            "--cost",
-            "600",
-            "--request-id",
-            "r1",
-        ],
-        0,
-    );
+    let reserve_r1 = [
+        "reserve",
+        "--user",
+        "alice",
+        "--cost",
+        "600",
+        "--request-id",
+        "r1",
+    ];
+    let v = cli.json(&reserve_r1, 0);
     assert_eq!(
         (
             v["allowed"].as_bool(),
@@ -81,18 +99,7 @@ fn reserve_deny_refund_and_usage() {
     );
 
     // Retrying r1 charges nothing.
-    let v = cli.json(
-        &[
-            "reserve",
-            "--user",
-            "alice",
-            "--cost",
-            "600",
-            "--request-id",
-            "r1",
-        ],
-        0,
-    );
+    let v = cli.json(&reserve_r1, 0);
     assert_eq!(
         (v["duplicate"].as_bool(), v["used"].as_u64()),
         (Some(true), Some(600))
@@ -357,39 +364,45 @@ fn help_never_shows_secret_values() {
     }
 }
 
-/// `budget refund` of a job's charge: a queued job's is refunded and the job
-/// cancelled (its claim is refused: it never runs); a running job's is a
-/// conflict (exit 4, one line, nothing changed).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
-    use std::sync::Arc;
-    use std::time::Duration;
-    use tollgate_core::{
-        config::Config,
-        id::{RequestId, UserId},
-        job::{JobOptions, JobQueue, JobRequest, JobSource},
-    };
-    let cli = Cli::new();
+/// The job queue the CLI's budget commands act on: its Redis and prefix, the
+/// built-in config.
+async fn cli_queue(cli: &Cli) -> Arc<RedisJobQueue> {
     let config = Arc::new(Config::builtin());
-    let (queue, _) =
-        crate::jobs::redis_queue_with(&cli.server, &cli.prefix, config, JobOptions::default())
-            .await;
-    let user = UserId::new("carol").unwrap();
-    let submit = |id: &str| JobRequest {
+    let options = JobOptions::default();
+    let (queue, _) = crate::jobs::redis_queue_with(&cli.server, &cli.prefix, config, options).await;
+    queue
+}
+
+/// Queues `id`, a `company.research` job of `user` (it costs 20).
+async fn submit_research(queue: &RedisJobQueue, user: &str, id: &str) {
+    let request = JobRequest {
         id: RequestId::new(id).unwrap(),
-        user: user.clone(),
+        user: UserId::new(user).unwrap(),
         operation: "company.research".into(),
         input: serde_json::json!({ "id": id }),
         trace: None,
         service_key: None,
     };
-    let take = || async {
-        let wait = Duration::from_millis(200);
-        let lease = take_one(&*queue, "company.research", "w", wait).await;
-        let claimed = queue.start(&lease).await.unwrap();
-        (lease, claimed)
-    };
-    queue.submit(submit("queued")).await.unwrap();
+    queue.submit(request).await.unwrap();
+}
+
+/// Takes the next `company.research` job and starts it: its lease, and
+/// whether the start claimed it.
+async fn take_research(queue: &RedisJobQueue) -> (Lease, bool) {
+    let wait = Duration::from_millis(200);
+    let lease = take_one(queue, "company.research", "w", wait).await;
+    let claimed = queue.start(&lease).await.unwrap();
+    (lease, claimed)
+}
+
+/// `budget refund` of a job's charge: a queued job's is refunded and the job
+/// cancelled (its claim is refused: it never runs); a running job's is a
+/// conflict (exit 4, one line, nothing changed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
+    let cli = Cli::new();
+    let queue = cli_queue(&cli).await;
+    submit_research(&queue, "carol", "queued").await;
     let v = cli.json(&["refund", "--user", "carol", "--request-id", "queued"], 0);
     assert_eq!(
         (&v["refunded"], &v["cancelled"], &v["cost"], &v["used"]),
@@ -401,11 +414,11 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
         ),
         "{v}"
     );
-    let (_, claimed) = take().await;
+    let (_, claimed) = take_research(&queue).await;
     assert!(!claimed, "a cancelled job never runs");
 
-    queue.submit(submit("running")).await.unwrap();
-    let (_, claimed) = take().await;
+    submit_research(&queue, "carol", "running").await;
+    let (_, claimed) = take_research(&queue).await;
     assert!(claimed);
     let out = cli.run(&["refund", "--user", "carol", "--request-id", "running"]);
     assert_eq!(out.status.code(), Some(4), "{out:?}");
@@ -421,33 +434,11 @@ async fn refund_cancels_a_queued_job_and_refuses_a_running_one() {
 /// needs --force.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settle_of_a_running_job_is_a_conflict_and_to_zero_after_it_needs_force() {
-    use std::sync::Arc;
-    use std::time::Duration;
-    use tollgate_core::{
-        config::Config,
-        id::{RequestId, UserId},
-        job::{JobOptions, JobQueue, JobRequest, JobSource},
-    };
     let cli = Cli::new();
-    let config = Arc::new(Config::builtin());
-    let (queue, _) =
-        crate::jobs::redis_queue_with(&cli.server, &cli.prefix, config, JobOptions::default())
-            .await;
-    let user = UserId::new("dave").unwrap();
-    queue
-        .submit(JobRequest {
-            id: RequestId::new("running").unwrap(),
-            user: user.clone(),
-            operation: "company.research".into(),
-            input: serde_json::json!({ "id": "running" }),
-            trace: None,
-            service_key: None,
-        })
-        .await
-        .unwrap();
-    let wait = Duration::from_millis(200);
-    let lease = take_one(&*queue, "company.research", "w", wait).await;
-    assert!(queue.start(&lease).await.unwrap());
+    let queue = cli_queue(&cli).await;
+    submit_research(&queue, "dave", "running").await;
+    let (lease, claimed) = take_research(&queue).await;
+    assert!(claimed);
     let settle = [
         "settle",
         "--user",
@@ -483,24 +474,8 @@ async fn settle_of_a_running_job_is_a_conflict_and_to_zero_after_it_needs_force(
 #[test]
 fn users_list_show_and_custom_limits() {
     let cli = Cli::new();
-    let users = |args: &[&str]| {
-        Command::new(workspace_bin("tollgate"))
-            .arg("users")
-            .args(args)
-            .env("TOLLGATE_REDIS_URL", cli.server.url())
-            .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
-            .env_remove("TOLLGATE_CONFIG")
-            .output()
-            .expect("run tollgate")
-    };
-    let json = |args: &[&str], code: i32| {
-        let mut all = args.to_vec();
-        all.push("--json");
-        let out = users(&all);
-        assert_eq!(out.status.code(), Some(code), "{args:?}: {out:?}");
-        serde_json::from_slice::<serde_json::Value>(&out.stdout)
-            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out:?}"))
-    };
+    let users = |args: &[&str]| cli.run_in("users", args);
+    let json = |args: &[&str], code: i32| cli.json_in("users", args, code);
     for u in ["cli-a", "cli-b", "cli-c", "zed"] {
         json(&["create", "--user", u], 0);
     }
@@ -541,15 +516,7 @@ fn users_list_show_and_custom_limits() {
     );
     assert_eq!(v["limits"][0]["window"], "1h");
     // The budget commands see them at once.
-    let r = Command::new(workspace_bin("tollgate"))
-        .args([
-            "budget", "reserve", "--user", "cli-b", "--cost", "101", "--json",
-        ])
-        .env("TOLLGATE_REDIS_URL", cli.server.url())
-        .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
-        .env_remove("TOLLGATE_CONFIG")
-        .output()
-        .unwrap();
+    let r = cli.run(&["reserve", "--user", "cli-b", "--cost", "101", "--json"]);
     assert_eq!(r.status.code(), Some(2), "101 > the 1m limit of 100: {r:?}");
     let shown = json(&["show", "cli-b"], 0);
     assert_eq!(shown["usage"]["plan"], "custom");
@@ -601,15 +568,7 @@ fn users_list_show_and_custom_limits() {
 #[test]
 fn organisations_from_the_command_line() {
     let cli = Cli::new();
-    let run = |args: &[&str]| {
-        Command::new(workspace_bin("tollgate"))
-            .args(args)
-            .env("TOLLGATE_REDIS_URL", cli.server.url())
-            .env("TOLLGATE_KEY_PREFIX", &cli.prefix)
-            .env_remove("TOLLGATE_CONFIG")
-            .output()
-            .expect("run tollgate")
-    };
+    let run = |args: &[&str]| cli.tollgate(args);
     let json = |args: &[&str]| {
         let out = run(args);
         assert_eq!(out.status.code(), Some(0), "{args:?}: {out:?}");

@@ -142,35 +142,62 @@ async fn browser(driver: &Driver) -> Client {
 /// Hooks `console.error` and `window.onerror` of the page just loaded into
 /// `window.testErrors` (the page itself also keeps `window.tollgateErrors`).
 async fn hook_errors(c: &Client) {
-    c.execute(
+    js(
+        c,
         "window.testErrors = window.testErrors || [];
          const original = console.error;
          console.error = function (...args) { window.testErrors.push(args.join(' ')); original.apply(console, args); };
          window.addEventListener('error', (e) => window.testErrors.push(String(e.message)));",
-        vec![],
     )
-    .await
-    .unwrap();
+    .await;
 }
 
-async fn page_errors(c: &Client) -> Value {
-    c.execute(
+/// The page's JavaScript logged no error since it was loaded.
+async fn assert_no_page_errors(c: &Client) {
+    let errors = js(
+        c,
         "return (window.tollgateErrors || []).concat(window.testErrors || []);",
-        vec![],
     )
-    .await
-    .unwrap()
+    .await;
+    assert_eq!(errors, json!([]), "the page's JavaScript logged errors");
 }
 
-/// Evaluates `expr` in the page until it is truthy (at most `limit`);
+/// How many times the page has rendered an overview.
+async fn renders(c: &Client) -> u64 {
+    js(c, "return Number(document.body.dataset.renders);")
+        .await
+        .as_u64()
+        .unwrap()
+}
+
+/// Runs `script` in the page; returns what it returns.
+async fn js(c: &Client, script: &str) -> Value {
+    c.execute(script, vec![]).await.unwrap()
+}
+
+/// Clicks the element with id `id`.
+async fn click(c: &Client, id: &str) {
+    c.find(Locator::Id(id))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+}
+
+/// Types `token` into the login form and submits it.
+async fn submit_token(c: &Client, token: &str) {
+    let input = c.find(Locator::Id("token")).await.unwrap();
+    input.send_keys(token).await.unwrap();
+    click(c, "login-submit").await;
+}
+
+/// Evaluates `expr` in the page until it is truthy (at most `secs` seconds);
 /// returns its value.
-async fn until(c: &Client, expr: &str, limit: Duration) -> Value {
-    let deadline = Instant::now() + limit;
+async fn until(c: &Client, expr: &str, secs: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
-        let v = c
-            .execute(&format!("return ({expr});"), vec![])
-            .await
-            .unwrap();
+        let v = js(c, &format!("return ({expr});")).await;
         let truthy =
             !matches!(&v, Value::Null | Value::Bool(false)) && v != json!(0) && v != json!("");
         if truthy {
@@ -207,53 +234,29 @@ async fn dashboard_in_a_real_browser() {
     c.goto(&format!("{}/", all.base)).await.unwrap();
     assert_eq!(c.current_url().await.unwrap().path(), "/dashboard");
     hook_errors(&c).await;
-    until(
-        &c,
-        "!document.getElementById('login').hidden",
-        Duration::from_secs(10),
-    )
-    .await;
+    until(&c, "!document.getElementById('login').hidden", 10).await;
     assert_eq!(
-        c.execute("return document.getElementById('app').hidden;", vec![])
-            .await
-            .unwrap(),
+        js(&c, "return document.getElementById('app').hidden;").await,
         json!(true)
     );
 
     // A wrong token is refused, and nothing is shown.
-    c.find(Locator::Id("token"))
-        .await
-        .unwrap()
-        .send_keys("not-the-admin-token")
-        .await
-        .unwrap();
-    c.find(Locator::Id("login-submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    until(
-        &c,
-        "location.search === '?login=failed'",
-        Duration::from_secs(10),
-    )
-    .await;
+    submit_token(&c, "not-the-admin-token").await;
+    until(&c, "location.search === '?login=failed'", 10).await;
     hook_errors(&c).await;
     let message = until(
         &c,
         "!document.getElementById('login-error').hidden && document.getElementById('login-error').textContent",
-        Duration::from_secs(10),
+        10,
     )
     .await;
     assert_eq!(message, json!("Wrong token."));
     assert_eq!(
-        c.execute(
+        js(
+            &c,
             "return [document.getElementById('app').hidden, document.querySelectorAll('#events tbody tr').length];",
-            vec![]
         )
-        .await
-        .unwrap(),
+        .await,
         json!([true, 0])
     );
     // Over HTTP too: no token, a wrong one, a forged cookie.
@@ -272,51 +275,27 @@ async fn dashboard_in_a_real_browser() {
     }
 
     // The admin token opens it.
-    c.find(Locator::Id("token"))
-        .await
-        .unwrap()
-        .send_keys(&all.admin)
-        .await
-        .unwrap();
-    c.find(Locator::Id("login-submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    until(
-        &c,
-        "!document.getElementById('app').hidden",
-        Duration::from_secs(10),
-    )
-    .await;
+    submit_token(&c, &all.admin).await;
+    until(&c, "!document.getElementById('app').hidden", 10).await;
     hook_errors(&c).await;
     let cookie = c.get_named_cookie("tollgate_dashboard").await.unwrap();
     assert_eq!(cookie.http_only(), Some(true));
     assert_eq!(format!("{:?}", cookie.same_site()), "Some(Strict)");
-    until(&c, "document.body.dataset.renders", Duration::from_secs(10)).await;
+    until(&c, "document.body.dataset.renders", 10).await;
     assert_eq!(
-        c.execute(
-            "return document.querySelectorAll('#events tbody tr[data-request-id]').length;",
-            vec![]
+        js(
+            &c,
+            "return document.querySelectorAll('#events tbody tr[data-request-id]').length;"
         )
-        .await
-        .unwrap(),
+        .await,
         json!(0)
     );
 
     // Calls show up on the page that is already open: no reload.
-    c.execute("window.sameDocument = true;", vec![])
-        .await
-        .unwrap();
+    js(&c, "window.sameDocument = true;").await;
     let ids = calls(&http, &all, 3).await;
     let done = Instant::now();
-    let renders_before: u64 = c
-        .execute("return Number(document.body.dataset.renders);", vec![])
-        .await
-        .unwrap()
-        .as_u64()
-        .unwrap();
+    let renders_before = renders(&c).await;
     let shown = ids
         .iter()
         .map(|id| format!("document.querySelector('#events tr[data-request-id=\"{id}\"]')"))
@@ -324,19 +303,9 @@ async fn dashboard_in_a_real_browser() {
         .join(" && ");
     let grants = "[...document.querySelectorAll('#providers tr[data-provider]')]\
                   .reduce((n, tr) => n + Number(tr.dataset.grantsMinute), 0) >= 3";
-    until(
-        &c,
-        &format!("({shown}) && ({grants})"),
-        Duration::from_secs(20),
-    )
-    .await;
+    until(&c, &format!("({shown}) && ({grants})"), 20).await;
     let seen_after = done.elapsed();
-    let renders_after: u64 = c
-        .execute("return Number(document.body.dataset.renders);", vec![])
-        .await
-        .unwrap()
-        .as_u64()
-        .unwrap();
+    let renders_after = renders(&c).await;
     println!(
         "dashboard: calls visible {seen_after:?} after they finished, {} render(s) later",
         renders_after - renders_before
@@ -350,66 +319,43 @@ async fn dashboard_in_a_real_browser() {
         renders_after - renders_before
     );
     assert_eq!(
-        c.execute("return window.sameDocument === true;", vec![])
-            .await
-            .unwrap(),
+        js(&c, "return window.sameDocument === true;").await,
         json!(true),
         "the page was reloaded"
     );
     // The rest of the panel: the development user's spend, the queues, the roles.
-    let text = c
-        .execute("return document.getElementById('app').innerText;", vec![])
-        .await
-        .unwrap();
+    let text = js(&c, "return document.getElementById('app').innerText;").await;
     let text = text.as_str().unwrap();
     for needle in ["llm.structured", "embedded"] {
         assert!(text.contains(needle), "no {needle:?} on the page:\n{text}");
     }
-    until(
-        &c,
-        "document.querySelector('#top-users tr[data-user]')",
-        Duration::from_secs(10),
-    )
-    .await;
+    until(&c, "document.querySelector('#top-users tr[data-user]')", 10).await;
 
-    let errors = page_errors(&c).await;
-    assert_eq!(errors, json!([]), "the page's JavaScript logged errors");
+    assert_no_page_errors(&c).await;
 
     // Paging: more calls than a page; the list's Show more brings the rest,
     // and hides itself once nothing more matches. The labels say what they
     // count.
     calls(&http, &all, 24).await;
-    c.find(Locator::Id("job-list-submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&c, "job-list-submit").await;
     until(
         &c,
         "Number(document.body.dataset.jobRows) === 25 && !document.getElementById('job-more').hidden",
-        Duration::from_secs(10),
+        10,
     )
     .await;
-    c.find(Locator::Id("job-more"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&c, "job-more").await;
     until(
         &c,
         "Number(document.body.dataset.jobRows) >= 27 && document.getElementById('job-more').hidden",
-        Duration::from_secs(10),
+        10,
     )
     .await;
-    let label = c
-        .execute(
-            "return document.getElementById('most-denied').previousElementSibling.textContent;",
-            vec![],
-        )
-        .await
-        .unwrap();
+    let label = js(
+        &c,
+        "return document.getElementById('most-denied').previousElementSibling.textContent;",
+    )
+    .await;
     assert!(
         label.as_str().unwrap_or_default().contains("at most 1,000"),
         "{label}"
@@ -446,23 +392,13 @@ async fn dashboard_in_a_real_browser() {
         until(
             &c,
             "document.getElementById('csrf').value.length === 32 && document.body.dataset.role",
-            Duration::from_secs(10),
+            10
         )
         .await,
         json!("admin")
     );
-    c.find(Locator::Id("logout-submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    until(
-        &c,
-        "!document.getElementById('login').hidden",
-        Duration::from_secs(10),
-    )
-    .await;
+    click(&c, "logout-submit").await;
+    until(&c, "!document.getElementById('login').hidden", 10).await;
     assert!(
         c.get_named_cookie("tollgate_dashboard").await.is_err(),
         "the browser kept the cookie"
@@ -714,30 +650,9 @@ async fn activity_is_noted_on_a_cluster() {
 /// Logs the page in with `token` through its form and waits for the app.
 async fn log_in(c: &Client, base: &str, token: &str) {
     c.goto(&format!("{base}/dashboard")).await.unwrap();
-    until(
-        c,
-        "!document.getElementById('login').hidden",
-        Duration::from_secs(10),
-    )
-    .await;
-    c.find(Locator::Id("token"))
-        .await
-        .unwrap()
-        .send_keys(token)
-        .await
-        .unwrap();
-    c.find(Locator::Id("login-submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    until(
-        c,
-        "!document.getElementById('app').hidden",
-        Duration::from_secs(10),
-    )
-    .await;
+    until(c, "!document.getElementById('login').hidden", 10).await;
+    submit_token(c, token).await;
+    until(c, "!document.getElementById('app').hidden", 10).await;
     hook_errors(c).await;
 }
 
@@ -841,14 +756,14 @@ async fn dashboard_shows_a_failing_upstream_and_a_user_at_its_limit() {
     until(
         &c,
         &format!("{answers} && Number({answers}.dataset.a2xx) >= 4 && Number({answers}.dataset.a5xx) >= 1"),
-        Duration::from_secs(20),
+        20,
     )
     .await;
     // The refunded job's row says why: the provider failed.
     let reason = until(
         &c,
         "(document.querySelector('#events tr.refunded[data-reason]') || {dataset: {}}).dataset.reason",
-        Duration::from_secs(20),
+        20,
     )
     .await;
     assert!(
@@ -861,44 +776,36 @@ async fn dashboard_shows_a_failing_upstream_and_a_user_at_its_limit() {
     until(
         &c,
         &format!("{denials} && Number({denials}.dataset.recent) === 3"),
-        Duration::from_secs(20),
+        20,
     )
     .await;
     let most = until(
         &c,
         "(document.querySelector('#most-denied tr[data-user]') || {dataset: {}}).dataset.user",
-        Duration::from_secs(20),
+        20,
     )
     .await;
     assert_eq!(most, json!("capped"));
     assert_eq!(
-        c.execute(
+        js(
+            &c,
             "return document.querySelector('#most-denied tr[data-user=\"capped\"]').dataset.denials;",
-            vec![]
         )
-        .await
-        .unwrap(),
+        .await,
         json!("3")
     );
     until(
         &c,
         "document.querySelector('#top-users tr[data-user=\"capped\"]')",
-        Duration::from_secs(20),
+        20,
     )
     .await;
-    let text = c
-        .execute("return document.getElementById('app').innerText;", vec![])
-        .await
-        .unwrap();
+    let text = js(&c, "return document.getElementById('app').innerText;").await;
     assert!(
         text.as_str().unwrap().contains("2 / 2"),
         "the capped user's used/limit is not shown:\n{text}"
     );
-    assert_eq!(
-        page_errors(&c).await,
-        json!([]),
-        "the page's JavaScript logged errors"
-    );
+    assert_no_page_errors(&c).await;
     let png = c.screenshot().await.unwrap();
     std::fs::write(target_dir().join("dashboard-trouble.png"), &png).unwrap();
     c.close().await.unwrap();
@@ -910,21 +817,17 @@ async fn find_job(c: &Client, id: &str) {
     let input = c.find(Locator::Id("job-id")).await.unwrap();
     input.clear().await.unwrap();
     input.send_keys(id).await.unwrap();
-    c.find(Locator::Id("job-find"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    until(
-        c,
-        &format!(
-            "document.getElementById('job-detail').dataset.id === {}",
-            json!(id)
-        ),
-        Duration::from_secs(10),
-    )
-    .await;
+    click(c, "job-find").await;
+    until_job_card(c, id).await;
+}
+
+/// Waits for the page to show job `id`'s card.
+async fn until_job_card(c: &Client, id: &str) {
+    let expr = format!(
+        "document.getElementById('job-detail').dataset.id === {}",
+        json!(id)
+    );
+    until(c, &expr, 10).await;
 }
 
 /// The steps of the job card shown, comma-separated.
@@ -964,12 +867,7 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
 
     // The list loads on open, without pressing List; each id links to its
     // card, and the link opens it (a reload of a shared link too).
-    until(
-        &c,
-        "Number(document.body.dataset.jobRows || 0) >= 3",
-        Duration::from_secs(10),
-    )
-    .await;
+    until(&c, "Number(document.body.dataset.jobRows || 0) >= 3", 10).await;
     let href = c
         .execute(
             &format!(
@@ -991,15 +889,7 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
         .await
         .unwrap();
     c.refresh().await.unwrap();
-    until(
-        &c,
-        &format!(
-            "document.getElementById('job-detail').dataset.id === {}",
-            json!(kept)
-        ),
-        Duration::from_secs(10),
-    )
-    .await;
+    until_job_card(&c, &kept).await;
     // Every table fits an 820 px window and a 1,400 px one: the page never
     // scrolls sideways.
     for width in [820u32, 1400] {
@@ -1007,7 +897,7 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
         let fits = until(
             &c,
             "document.documentElement.scrollWidth <= window.innerWidth && [document.documentElement.scrollWidth, window.innerWidth]",
-            Duration::from_secs(5),
+            5,
         )
         .await;
         assert!(fits.is_array(), "{width} px: {fits}");
@@ -1015,24 +905,17 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
 
     // By id: the record's job with its whole timeline and its charge.
     find_job(&c, &kept).await;
-    let steps = until(
-        &c,
-        &format!("{STEPS}.includes('succeeded') && {STEPS}"),
-        Duration::from_secs(10),
-    )
-    .await;
+    let steps = until(&c, &format!("{STEPS}.includes('succeeded') && {STEPS}"), 10).await;
     let steps = steps.as_str().unwrap().to_owned();
     for step in ["queued", "started", "granted", "succeeded"] {
         assert!(steps.split(',').any(|s| s == step), "{step} in {steps}");
     }
-    let card = c
-        .execute(
-            "const card = document.querySelector('#job-detail-body .job-card');
-             return [card.dataset.state, card.querySelector('.charge').textContent];",
-            vec![],
-        )
-        .await
-        .unwrap();
+    let card = js(
+        &c,
+        "const card = document.querySelector('#job-detail-body .job-card');
+         return [card.dataset.state, card.querySelector('.charge').textContent];",
+    )
+    .await;
     assert_eq!(card[0], "succeeded", "{card}");
     assert!(
         card[1]
@@ -1047,35 +930,23 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
     let gone = until(
         &c,
         "document.querySelector('#job-detail-body .note') && document.querySelector('#job-detail-body .note').textContent",
-        Duration::from_secs(10),
+        10,
     )
     .await;
     assert!(
         gone.as_str().unwrap().contains("forgotten once answered"),
         "{gone}"
     );
-    let steps = until(&c, STEPS, Duration::from_secs(5)).await;
+    let steps = until(&c, STEPS, 5).await;
     assert!(steps.as_str().unwrap().contains("succeeded"), "{steps}");
     // The recent list holds the three calls.
-    c.find(Locator::Id("job-list-submit"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    until(
+    click(&c, "job-list-submit").await;
+    until(&c, "Number(document.body.dataset.jobRows) >= 3", 10).await;
+    let listed = js(
         &c,
-        "Number(document.body.dataset.jobRows) >= 3",
-        Duration::from_secs(10),
+        "return [...document.querySelectorAll('#job-list tbody tr[data-id]')].map((r) => r.dataset.id);",
     )
     .await;
-    let listed = c
-        .execute(
-            "return [...document.querySelectorAll('#job-list tbody tr[data-id]')].map((r) => r.dataset.id);",
-            vec![],
-        )
-        .await
-        .unwrap();
     for id in keyless.iter().chain([&kept]) {
         assert!(
             listed.as_array().unwrap().contains(&json!(id)),
@@ -1084,31 +955,16 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
     }
 
     // The history: a few samples, the same after a reload.
-    until(
-        &c,
-        "Number(document.body.dataset.historyPoints) >= 4",
-        Duration::from_secs(20),
-    )
-    .await;
-    let oldest = until(
-        &c,
-        "document.body.dataset.historyOldest",
-        Duration::from_secs(1),
-    )
-    .await;
+    until(&c, "Number(document.body.dataset.historyPoints) >= 4", 20).await;
+    let oldest = until(&c, "document.body.dataset.historyOldest", 1).await;
     c.refresh().await.unwrap();
     until(
         &c,
         "!document.getElementById('app').hidden && Number(document.body.dataset.historyPoints) >= 4",
-        Duration::from_secs(20),
+        20,
     )
     .await;
-    let after_reload = until(
-        &c,
-        "document.body.dataset.historyOldest",
-        Duration::from_secs(1),
-    )
-    .await;
+    let after_reload = until(&c, "document.body.dataset.historyOldest", 1).await;
     assert_eq!(after_reload, oldest, "a reload shows the same history");
     // The charts' time axis is scaled to the samples there are (from the
     // oldest, at least a minute), not to the whole hour, and has ticks.
@@ -1116,7 +972,7 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
         &c,
         "(() => { const c = document.querySelector('[data-chart=\"all\"]'); \
          return c && Number(c.dataset.ticks) >= 2 && [Number(c.dataset.fromMs), Number(c.dataset.ticks)]; })()",
-        Duration::from_secs(5),
+        5,
     )
     .await;
     let from = axis[0].as_u64().unwrap();
@@ -1125,18 +981,13 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
         from <= oldest_ms && oldest_ms - from <= 61_000,
         "the axis starts at the oldest sample or a minute back: {axis} (oldest {oldest_ms})"
     );
-    let newest: u64 = until(
-        &c,
-        "document.body.dataset.historyNewest",
-        Duration::from_secs(1),
-    )
-    .await
-    .as_str()
-    .unwrap()
-    .parse()
-    .unwrap();
-    let errors = page_errors(&c).await;
-    assert_eq!(errors, json!([]), "the page logged errors");
+    let newest: u64 = until(&c, "document.body.dataset.historyNewest", 1)
+        .await
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_no_page_errors(&c).await;
 
     // A restart of the pod (nothing samples meanwhile): the history before it
     // is still there, and the spell is a gap.
@@ -1147,17 +998,16 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
     let probe = format!(
         "Number(document.body.dataset.historyNewest) > {newest} + 1000 && document.body.dataset.historyOldest"
     );
-    let oldest_now = until(&c, &probe, Duration::from_secs(20)).await;
+    let oldest_now = until(&c, &probe, 20).await;
     assert_eq!(oldest_now, oldest, "the history survived the restart");
     let gaps = until(
         &c,
         "Number(document.querySelector('[data-chart=\"all\"]').dataset.gaps)",
-        Duration::from_secs(5),
+        5,
     )
     .await;
     assert!(gaps.as_u64().unwrap() >= 1, "the restart is a gap: {gaps}");
-    let errors = page_errors(&c).await;
-    assert_eq!(errors, json!([]), "the page logged errors");
+    assert_no_page_errors(&c).await;
     c.close().await.unwrap();
 }
 

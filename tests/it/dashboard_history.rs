@@ -29,6 +29,13 @@ async fn redis_backends(url: &str, prefix: &str) -> Backends {
     )
 }
 
+/// The backends of two pods on `url`, under one new prefix.
+async fn two_pods(url: &str) -> (Backends, Backends) {
+    let prefix = random_prefix();
+    let a = redis_backends(url, &prefix).await;
+    (a, redis_backends(url, &prefix).await)
+}
+
 fn gauges(workers: u64) -> Gauges {
     Gauges {
         queued: BTreeMap::from([("llm.structured".to_owned(), 3)]),
@@ -117,18 +124,14 @@ async fn history_in_memory_is_one_sample_per_slot() {
 #[tokio::test]
 async fn history_on_redis_is_one_sample_per_slot_across_pods() {
     let redis = RedisServer::start();
-    let prefix = random_prefix();
-    let a = redis_backends(&redis.url(), &prefix).await;
-    let b = redis_backends(&redis.url(), &prefix).await;
+    let (a, b) = two_pods(&redis.url()).await;
     one_sample_per_slot(a, b).await;
 }
 
 #[tokio::test]
 async fn history_on_a_cluster_is_one_sample_per_slot_across_pods() {
     let cluster = TestCluster::get();
-    let prefix = random_prefix();
-    let a = redis_backends(&cluster.url(), &prefix).await;
-    let b = redis_backends(&cluster.url(), &prefix).await;
+    let (a, b) = two_pods(&cluster.url()).await;
     one_sample_per_slot(a, b).await;
 }
 

@@ -98,10 +98,13 @@ fn session_cookie(r: &Response) -> String {
     set.split(';').next().unwrap().trim().to_owned()
 }
 
+/// `GET /admin/overview` with `headers`.
+async fn get_overview(addr: SocketAddr, headers: &[(&str, &str)]) -> Response {
+    send(addr, "GET", "/admin/overview", headers, "").await
+}
+
 async fn overview(addr: SocketAddr, auth: (&str, &str)) -> u16 {
-    send(addr, "GET", "/admin/overview", &[auth], "")
-        .await
-        .status
+    get_overview(addr, &[auth]).await.status
 }
 
 /// The session's CSRF token, as the page reads it.
@@ -233,14 +236,7 @@ async fn wrong_admin_tokens_are_limited_and_the_right_one_always_passes() {
     let mut counts = std::collections::BTreeMap::<u16, u32>::new();
     for i in 0..600 {
         let bearer = format!("Bearer wrong-admin-token-{i:04}");
-        let r = send(
-            a.addr,
-            "GET",
-            "/admin/overview",
-            &[("Authorization", &bearer)],
-            "",
-        )
-        .await;
+        let r = get_overview(a.addr, &[("Authorization", &bearer)]).await;
         if r.status == 429 {
             assert_eq!(
                 r.json()["type"],
@@ -252,14 +248,7 @@ async fn wrong_admin_tokens_are_limited_and_the_right_one_always_passes() {
         // Every 100 wrong guesses, the right token from the same address.
         if i % 100 == 99 {
             let bearer = format!("Bearer {ADMIN}");
-            let ok = send(
-                a.addr,
-                "GET",
-                "/admin/overview",
-                &[("Authorization", &bearer)],
-                "",
-            )
-            .await;
+            let ok = get_overview(a.addr, &[("Authorization", &bearer)]).await;
             assert_eq!(
                 ok.status, 200,
                 "the admin was locked out after {i} wrong tokens"
@@ -299,15 +288,12 @@ async fn wrong_admin_tokens_are_limited_and_the_right_one_always_passes() {
     let mut limited = 0;
     for i in 0..40 {
         let bearer = format!("Bearer wrong-{i}");
-        let r = send(
+        let r = get_overview(
             b.addr,
-            "GET",
-            "/admin/overview",
             &[
                 ("Authorization", &bearer),
                 ("X-Forwarded-For", "203.0.113.9"),
             ],
-            "",
         )
         .await;
         limited += u32::from(r.status == 429);
@@ -316,15 +302,12 @@ async fn wrong_admin_tokens_are_limited_and_the_right_one_always_passes() {
         limited > 0,
         "40 wrong tokens from one address were never limited"
     );
-    let r = send(
+    let r = get_overview(
         b.addr,
-        "GET",
-        "/admin/overview",
         &[
             ("Authorization", "Bearer wrong"),
             ("X-Forwarded-For", "198.51.100.4"),
         ],
-        "",
     )
     .await;
     assert_eq!(r.status, 401, "another address was limited");

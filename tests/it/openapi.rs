@@ -90,12 +90,11 @@ async fn every_answer_of_an_operation_call_is_declared() {
         let key = key.clone();
         let h = &h;
         async move {
-            h.call(
-                "POST",
+            h.post_with(
                 "/v1/ops/jobs.extract",
-                Some(&key),
+                &key,
                 &[("idempotency-key", id.as_str())],
-                Some(body.to_string()),
+                body,
             )
             .await
         }

@@ -175,6 +175,33 @@ impl Stage {
         (r, self.upstream.arrivals().len() - seen)
     }
 
+    /// One synchronous call of `up.call` with Idempotency-Key `key`, asking
+    /// the upstream for `upstream`; returns once the worker is done with it.
+    async fn keyed_call(&self, key: &str, upstream: Value) -> crate::api::Resp {
+        let before = self.ended();
+        let body = json!({ "upstream": upstream });
+        let r = self
+            .h
+            .post_with(
+                "/v1/ops/up.call",
+                &self.key,
+                &[("idempotency-key", key)],
+                body,
+            )
+            .await;
+        self.wait_ended(before + 1).await;
+        r
+    }
+
+    /// The job record of the call answered `r`.
+    async fn job_of(&self, r: &crate::api::Resp) -> Value {
+        let id = r.body["job_id"].as_str().unwrap();
+        self.h
+            .get(&format!("/v1/jobs/{id}"), &self.key, &[])
+            .await
+            .body
+    }
+
     /// Jobs the worker ended so far (recorded, released when it released).
     fn ended(&self) -> u64 {
         metric_sum(&self.metrics.render(), "tollgate_worker_jobs_total{")
@@ -241,9 +268,7 @@ async fn an_unanswered_call_is_sent_once_and_keeps_its_charge(redis: bool) {
     let id = r.body["job_id"].as_str().unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let gone =
-            s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
-                .await;
+        let gone = s.h.get(&format!("/v1/jobs/{id}"), &s.key, &[]).await;
         if gone.status.as_u16() == 404 {
             break;
         }
@@ -251,26 +276,13 @@ async fn an_unanswered_call_is_sent_once_and_keeps_its_charge(redis: bool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // With a key, the job's status says so too.
-    let before = s.ended();
-    let body = json!({"upstream": {"answer": "ok", "after_ms": 2000}}).to_string();
-    let r =
-        s.h.call(
-            "POST",
-            "/v1/ops/up.call",
-            Some(&s.key),
-            &[("idempotency-key", "unanswered-1")],
-            Some(body),
-        )
-        .await;
-    s.wait_ended(before + 1).await;
+    let upstream = json!({"answer": "ok", "after_ms": 2000});
+    let r = s.keyed_call("unanswered-1", upstream).await;
     failed(&r, 504, "upstream-unanswered", "unanswered", true);
-    let id = r.body["job_id"].as_str().unwrap();
-    let job =
-        s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
-            .await;
-    assert_eq!(job.body["status"], "failed", "{}", job.body);
-    assert_eq!(job.body["error"]["cause"], "unanswered", "{}", job.body);
-    assert_eq!(job.body["error"]["charged"], true, "{}", job.body);
+    let job = s.job_of(&r).await;
+    assert_eq!(job["status"], "failed", "{job}");
+    assert_eq!(job["error"]["cause"], "unanswered", "{job}");
+    assert_eq!(job["error"]["charged"], true, "{job}");
 }
 
 /// The job's deadline (1 s) passes while its call (answered after 1.5 s,
@@ -325,28 +337,14 @@ async fn a_rejected_input_is_a_4xx_released_and_not_retried(redis: bool) {
     }
     assert_eq!(s.absorbed("server_error"), 0);
     // The job's record says the same.
-    let before = s.ended();
-    let body = json!({"upstream": {"answer": "422"}}).to_string();
-    let r =
-        s.h.call(
-            "POST",
-            "/v1/ops/up.call",
-            Some(&s.key),
-            &[("idempotency-key", "rejected-1")],
-            Some(body),
-        )
-        .await;
-    s.wait_ended(before + 1).await;
+    let r = s.keyed_call("rejected-1", json!({"answer": "422"})).await;
     failed(&r, 422, "upstream-rejected", "rejected", false);
-    let id = r.body["job_id"].as_str().unwrap();
-    let job =
-        s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
-            .await;
-    let error = &job.body["error"];
-    assert_eq!(error["cause"], "rejected", "{}", job.body);
-    assert_eq!(error["upstream_status"], 422, "{}", job.body);
-    assert_eq!(error["charged"], false, "{}", job.body);
-    assert!(error.get("upstream_body").is_none(), "{}", job.body);
+    let job = s.job_of(&r).await;
+    let error = &job["error"];
+    assert_eq!(error["cause"], "rejected", "{job}");
+    assert_eq!(error["upstream_status"], 422, "{job}");
+    assert_eq!(error["charged"], false, "{job}");
+    assert!(error.get("upstream_body").is_none(), "{job}");
 }
 
 /// An operation with `expose_upstream_errors = true`: the rejection carries
@@ -564,9 +562,7 @@ async fn failed_keyless_sync_calls_leave_no_job_record(redis: bool) {
     loop {
         let mut left = Vec::new();
         for id in &ids {
-            let r =
-                s.h.call("GET", &format!("/v1/jobs/{id}"), Some(&s.key), &[], None)
-                    .await;
+            let r = s.h.get(&format!("/v1/jobs/{id}"), &s.key, &[]).await;
             if r.status.as_u16() != 404 {
                 left.push((id.clone(), r.status.as_u16()));
             }

@@ -56,10 +56,10 @@ async fn the_first_calls_after_a_redis_restart_succeed() {
         .reserve(&user, &RequestId::generate(), 1)
         .await;
     assert!(reserved.is_ok(), "{reserved:?}");
-    let r = h.call("GET", "/v1/usage", Some(&key2), &[], None).await;
+    let r = h.get("/v1/usage", &key2, &[]).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     // alice's key lived in the old Redis only.
-    let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+    let r = h.get("/v1/usage", &key, &[]).await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{}", r.body);
 }
 
@@ -117,7 +117,7 @@ async fn a_loading_redis_is_503_with_retry_after() {
         .await;
     r.problem(ProblemType::BackendUnavailable);
     assert_eq!(r.header("retry-after"), "1");
-    let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+    let r = h.get("/v1/usage", &key, &[]).await;
     r.problem(ProblemType::BackendUnavailable);
     assert_eq!(r.header("retry-after"), "1");
     let r = h.call("GET", "/readyz", None, &[], None).await;
@@ -144,7 +144,7 @@ async fn calls_fail_as_unavailable_through_a_partition_and_succeed_after_it() {
     assert!(open > 0, "the api's connections go through the proxy");
     assert!(proxy.partitioned());
     for _ in 0..3 {
-        let r = h.call("GET", "/v1/usage", Some(&key), &[], None).await;
+        let r = h.get("/v1/usage", &key, &[]).await;
         r.problem(ProblemType::BackendUnavailable);
         let r = h.call("GET", "/readyz", None, &[], None).await;
         r.problem(ProblemType::BackendUnavailable);

@@ -152,9 +152,7 @@ async fn a_service_key_charges_each_end_user_exactly_across_two_pods(pods: Pods)
         let jobs = &admitted[user];
         assert_eq!(jobs.len(), 2, "{user}: {jobs:?}");
         for pod in [&pods.a, &pods.b] {
-            let u = pod
-                .call("GET", "/v1/usage", Some(&key), &service(user), None)
-                .await;
+            let u = pod.get("/v1/usage", &key, &service(user)).await;
             assert_eq!(u.status, StatusCode::OK, "{}", u.body);
             assert_eq!(u.body["user"], user, "{}", u.body);
             assert_eq!(u.body["plan"], "tiny", "{}", u.body);
@@ -261,13 +259,7 @@ async fn a_user_key_never_acts_for_another_user(pods: Pods) {
     let h = &pods.a;
     let carol = h.user("carol", "free").await;
     let own = h
-        .call(
-            "GET",
-            "/v1/usage",
-            Some(&carol),
-            &[("tollgate-user", "carol")],
-            None,
-        )
+        .get("/v1/usage", &carol, &[("tollgate-user", "carol")])
         .await;
     assert_eq!(own.status, StatusCode::OK, "{}", own.body);
     assert_eq!(own.body["user"], "carol");
@@ -292,19 +284,13 @@ async fn a_user_key_never_acts_for_another_user(pods: Pods) {
         r.problem(ProblemType::ActingForAnotherUser);
     }
     let r = h
-        .call(
-            "GET",
-            "/v1/usage",
-            Some(&carol),
-            &[("tollgate-plan", "tiny")],
-            None,
-        )
+        .get("/v1/usage", &carol, &[("tollgate-plan", "tiny")])
         .await;
     r.problem(ProblemType::PlanNotAllowed);
     assert_eq!(h.usage(&carol).await["used"], 0);
 
     let (svc, _) = pods.service("svc-rules", &["tiny"]).await;
-    let r = h.call("GET", "/v1/usage", Some(&svc), &[], None).await;
+    let r = h.get("/v1/usage", &svc, &[]).await;
     r.problem(ProblemType::UserRequired);
     let r = h
         .call(
@@ -317,51 +303,31 @@ async fn a_user_key_never_acts_for_another_user(pods: Pods) {
         .await;
     r.problem(ProblemType::UserRequired);
     for bad in ["not a user", "a:b", "{x}"] {
-        let r = h
-            .call(
-                "GET",
-                "/v1/usage",
-                Some(&svc),
-                &[("tollgate-user", bad)],
-                None,
-            )
-            .await;
+        let r = h.get("/v1/usage", &svc, &[("tollgate-user", bad)]).await;
         let p = r.problem(ProblemType::MalformedRequest);
         assert_eq!(p["field"], "tollgate-user", "{p}");
     }
     let r = h
-        .call(
-            "GET",
+        .get(
             "/v1/usage",
-            Some(&svc),
+            &svc,
             &[("tollgate-user", "erin"), ("tollgate-plan", "pro")],
-            None,
         )
         .await;
     r.problem(ProblemType::PlanNotAllowed);
     // An admin put erin on pro: a service's tiny does not take it away.
     h.user("erin", "pro").await;
     let r = h
-        .call(
-            "GET",
+        .get(
             "/v1/usage",
-            Some(&svc),
+            &svc,
             &[("tollgate-user", "erin"), ("tollgate-plan", "tiny")],
-            None,
         )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["plan"], "pro", "{}", r.body);
     // A user first seen without Tollgate-Plan is on the default plan.
-    let r = h
-        .call(
-            "GET",
-            "/v1/usage",
-            Some(&svc),
-            &[("tollgate-user", "fay")],
-            None,
-        )
-        .await;
+    let r = h.get("/v1/usage", &svc, &[("tollgate-user", "fay")]).await;
     assert_eq!(r.body["plan"], "free", "{}", r.body);
 }
 
@@ -416,15 +382,7 @@ async fn service_keys_are_created_checked_and_revoked(pods: Pods) {
         )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
-    let r = h
-        .call(
-            "GET",
-            "/v1/usage",
-            Some(&svc),
-            &[("tollgate-user", "gus")],
-            None,
-        )
-        .await;
+    let r = h.get("/v1/usage", &svc, &[("tollgate-user", "gus")]).await;
     r.problem(ProblemType::Unauthorized);
 }
 
@@ -462,24 +420,15 @@ async fn dot_segment_user_ids_are_refused_wherever_an_id_enters(pods: Pods) {
     let (key, _) = pods.service("dots-app", &[]).await;
     for bad in [".", ".."] {
         let r = h
-            .call(
-                "POST",
+            .post_with(
                 "/v1/ops/echo.custom",
-                Some(&key),
+                &key,
                 &[("tollgate-user", bad)],
-                Some(json!({"text": "x"}).to_string()),
+                json!({"text": "x"}),
             )
             .await;
         refused(&r, &format!("Tollgate-User {bad:?}"));
-        let r = h
-            .call(
-                "GET",
-                "/v1/usage",
-                Some(&key),
-                &[("tollgate-user", bad)],
-                None,
-            )
-            .await;
+        let r = h.get("/v1/usage", &key, &[("tollgate-user", bad)]).await;
         refused(&r, &format!("Tollgate-User {bad:?} (usage)"));
     }
     for bad in [".", ".."] {
@@ -512,9 +461,7 @@ async fn dot_segment_user_ids_are_refused_wherever_an_id_enters(pods: Pods) {
             refused(&r, &format!("{method} {path}"));
         }
     }
-    let r = h
-        .call("GET", "/admin/users?limit=100", Some(ADMIN), &[], None)
-        .await;
+    let r = h.get("/admin/users?limit=100", ADMIN, &[]).await;
     assert_eq!(r.status.as_u16(), 200, "{}", r.body);
     let users = r.body["users"].as_array().unwrap();
     assert!(

@@ -66,6 +66,25 @@ async fn closed_within(conn: &mut TcpStream, limit: Duration) -> Option<Duration
 }
 
 /// One whole request on a fresh connection from `from`: the status line.
+/// A new connection from `from` that has sent the head of a call of
+/// `embeddings` as `key`, declaring a JSON body of `length` bytes.
+async fn post_head(from: [u8; 4], to: SocketAddr, key: &str, length: u64) -> TcpStream {
+    let mut conn = connect_from(from, to).await;
+    let head = format!(
+        "POST /v1/ops/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn
+}
+
+/// Whether a new connection from `from` is closed within 5 s, unasked.
+async fn refused(from: [u8; 4], to: SocketAddr) -> bool {
+    let mut conn = connect_from(from, to).await;
+    closed_within(&mut conn, Duration::from_secs(5))
+        .await
+        .is_some()
+}
+
 async fn get_healthz(from: [u8; 4], to: SocketAddr) -> String {
     let mut conn = connect_from(from, to).await;
     conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
@@ -129,12 +148,8 @@ async fn slow_headers_and_idle_connections_are_closed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trickled_body_is_cut_off() {
     let api = serve(edge()).await;
-    let mut c = connect_from([127, 0, 0, 40], api.addr).await;
-    let head = format!(
-        "POST /v1/ops/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"in",
-        api.key
-    );
-    c.write_all(head.as_bytes()).await.unwrap();
+    let mut c = post_head([127, 0, 0, 40], api.addr, &api.key, 100).await;
+    c.write_all(b"{\"in").await.unwrap();
     let closed = closed_within(&mut c, Duration::from_secs(10)).await;
     let after = closed.expect("a body stalled at 4 of 100 bytes held its connection for 10 s");
     // Cut off by the body timeout (0.5 s), not refused up front.
@@ -159,11 +174,8 @@ async fn one_address_cannot_take_the_connections_of_others() {
         held.push(connect_from([127, 0, 0, 2], api.addr).await);
     }
     // Its fifth is closed at once; another address is served.
-    let mut fifth = connect_from([127, 0, 0, 2], api.addr).await;
     assert!(
-        closed_within(&mut fifth, Duration::from_secs(5))
-            .await
-            .is_some(),
+        refused([127, 0, 0, 2], api.addr).await,
         "a fifth connection of 127.0.0.2 was kept (its share is 4)"
     );
     assert_eq!(
@@ -177,11 +189,8 @@ async fn one_address_cannot_take_the_connections_of_others() {
     }
     // The accepts above are handled in order: a request sent now is the
     // ninth connection.
-    let mut ninth = connect_from([127, 0, 0, 4], api.addr).await;
     assert!(
-        closed_within(&mut ninth, Duration::from_secs(5))
-            .await
-            .is_some(),
+        refused([127, 0, 0, 4], api.addr).await,
         "a ninth connection was kept (the api's most is 8)"
     );
     drop(held.pop());
@@ -235,12 +244,7 @@ async fn a_steadily_trickled_body_is_cut_off_at_its_total_deadline() {
         ..edge()
     })
     .await;
-    let mut c = connect_from([127, 0, 0, 41], api.addr).await;
-    let head = format!(
-        "POST /v1/ops/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n",
-        api.key
-    );
-    c.write_all(head.as_bytes()).await.unwrap();
+    let mut c = post_head([127, 0, 0, 41], api.addr, &api.key, 100).await;
     // 50 bytes of the 100 declared, over 10 s at most.
     let body = [b' '; 50];
     let closed = trickle_until_closed(&mut c, &body, Duration::from_millis(200)).await;
@@ -259,13 +263,8 @@ async fn a_declared_body_over_the_limit_is_refused_unread() {
         ..edge()
     })
     .await;
-    let mut c = connect_from([127, 0, 0, 42], api.addr).await;
     // 10 GB declared (the body limit is 4096 here), 1 KB sent.
-    let head = format!(
-        "POST /v1/ops/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n",
-        api.key
-    );
-    c.write_all(head.as_bytes()).await.unwrap();
+    let mut c = post_head([127, 0, 0, 42], api.addr, &api.key, 10_000_000_000).await;
     c.write_all(&[b' '; 1024]).await.unwrap();
     let mut out = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut out)).await;

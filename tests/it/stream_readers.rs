@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tollgate_core::config::Config;
-use tollgate_core::id::{RequestId, UserId};
+use tollgate_core::id::RequestId;
 use tollgate_core::job::Job;
 use tollgate_core::stream::{JobStreams, Read, StreamEvent, StreamReader, STREAM_BACKLOG_BYTES};
 use tollgate_redis::keys::KeySpace;
@@ -59,22 +59,15 @@ async fn setup() -> Setup {
     }
 }
 
+/// A streamed job `id` of `work` on `p`.
 fn job(id: &RequestId) -> Job {
-    Job {
-        id: id.clone(),
-        user: UserId::new("u").unwrap(),
-        operation: "work".into(),
-        provider: "p".into(),
-        input: serde_json::json!({"stream": true}),
-        cost: 1,
-        enqueued_at_ms: 0,
-        deadline_ms: u64::MAX,
-        run: 1,
-        nonce: "n".into(),
-        trace: None,
-        price: None,
-        charged: None,
-    }
+    tollgate_tests::jobs::job(
+        id.as_str(),
+        "u",
+        "work",
+        "p",
+        serde_json::json!({"stream": true}),
+    )
 }
 
 async fn conn(server: &RedisServer) -> redis::aio::MultiplexedConnection {

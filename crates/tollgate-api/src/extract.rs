@@ -55,6 +55,22 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// The body of a call, which must be a JSON object: anything else is a 422
+/// naming `$`, `detail` saying what the object is to the route.
+pub fn json_object(
+    body: Result<JsonBody<serde_json::Value>, ApiError>,
+    detail: &str,
+) -> Result<serde_json::Value, ApiError> {
+    let JsonBody(input) = body?;
+    if !input.is_object() {
+        return Err(ApiError::InvalidField {
+            field: "$".into(),
+            detail: detail.into(),
+        });
+    }
+    Ok(input)
+}
+
 /// The route's single path parameter, percent-decoded; a parameter that is not
 /// UTF-8 is a 400 problem rather than axum's plain-text rejection.
 #[derive(Debug, Clone)]

@@ -30,7 +30,7 @@ use tollgate_core::{
 
 use crate::auth::Caller;
 use crate::cost::{request_id, Priced};
-use crate::extract::{Flags, JsonBody, PathParam};
+use crate::extract::{json_object, Flags, JsonBody, PathParam};
 use crate::problem::ApiError;
 use crate::state::ApiState;
 use tollgate_core::clock::{rfc3339, Clock, SystemClock};
@@ -222,14 +222,25 @@ pub async fn run(
     headers: HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let started = Instant::now();
     let operation = priced.operation.clone();
     let trace = trace.map(|Extension(t)| t);
     let caller = caller.map(|Extension(c)| c);
-    let result = call(&state, priced, flags, trace, caller, &headers, body).await;
+    let call = call(&state, priced, flags, trace, caller, &headers, body);
+    timed(&state, &operation, call).await
+}
+
+/// Awaits `call`, a call of `operation`, and records how long it took
+/// whatever its outcome.
+pub(crate) async fn timed<T>(
+    state: &ApiState,
+    operation: &str,
+    call: impl std::future::Future<Output = T>,
+) -> T {
+    let started = Instant::now();
+    let result = call.await;
     state
         .metrics
-        .operation_latency(&operation, started.elapsed());
+        .operation_latency(operation, started.elapsed());
     result
 }
 
@@ -242,13 +253,7 @@ async fn call(
     headers: &HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let JsonBody(input) = body?;
-    if !input.is_object() {
-        return Err(ApiError::InvalidField {
-            field: "$".into(),
-            detail: "the operation's input must be a JSON object".into(),
-        });
-    }
+    let input = json_object(body, "the operation's input must be a JSON object")?;
     let id = request_id(&priced.user, headers)?;
     // Before the job exists, so that its end cannot be missed.
     let watch = state.jobs.watch(&id);

@@ -37,9 +37,9 @@ use tollgate_core::trace::TraceParent;
 
 use crate::auth::Caller;
 use crate::cost::{request_id, Priced};
-use crate::extract::JsonBody;
+use crate::extract::{json_object, JsonBody};
 use crate::open_streams::StreamSlot;
-use crate::ops::{finished, forget, submit};
+use crate::ops::{finished, forget, submit, timed};
 use crate::problem::ApiError;
 use crate::state::ApiState;
 
@@ -193,21 +193,11 @@ pub async fn call(
     headers: HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let started = std::time::Instant::now();
     let operation = priced.operation.clone();
-    let r = run(
-        &state,
-        priced,
-        trace.map(|Extension(t)| t),
-        caller.map(|Extension(c)| c),
-        &headers,
-        body,
-    )
-    .await;
-    state
-        .metrics
-        .operation_latency(&operation, started.elapsed());
-    r
+    let trace = trace.map(|Extension(t)| t);
+    let caller = caller.map(|Extension(c)| c);
+    let run = run(&state, priced, trace, caller, &headers, body);
+    timed(&state, &operation, run).await
 }
 
 async fn run(
@@ -218,13 +208,7 @@ async fn run(
     headers: &HeaderMap,
     body: Result<JsonBody<Value>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let JsonBody(input) = body?;
-    if !input.is_object() {
-        return Err(ApiError::InvalidField {
-            field: "$".into(),
-            detail: "the request body must be a JSON object".into(),
-        });
-    }
+    let input = json_object(body, "the request body must be a JSON object")?;
     let streamed = wants_stream(&input);
     // A whole call without an Idempotency-Key: an SDK's retry of it (after
     // its connection was cut, say) joins the job it left running.

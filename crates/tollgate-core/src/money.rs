@@ -275,6 +275,7 @@ pub(crate) fn decimal(text: &str, scale: u32) -> Result<u128, DecimalError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::rng;
 
     fn usd() -> Currency {
         Currency::parse("USD").unwrap()
@@ -424,17 +425,6 @@ mod tests {
             format_amount(Currency::Tokens, u64::MAX),
             u64::MAX.to_string()
         );
-    }
-
-    /// xorshift64*: a deterministic stream of test values, no dependency.
-    fn rng(seed: u64) -> impl FnMut() -> u64 {
-        let mut x = seed;
-        move || {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
     }
 
     #[test]

@@ -30,3 +30,14 @@ pub fn job(id: &str, operation: &str, provider: &str, input: Value) -> Job {
         charged: None,
     }
 }
+
+/// xorshift64*: a deterministic stream of test values, no dependency.
+pub fn rng(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed;
+    move || {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}

@@ -102,6 +102,12 @@ struct Owned {
 }
 
 impl State {
+    /// The record of `lease`'s job while `lease` is the one it runs under.
+    fn leased(&mut self, lease: &Lease) -> Option<&mut Record> {
+        let current = |rec: &&mut Record| matches!(rec.phase, Phase::Running { token, .. } if token == lease.token);
+        self.jobs.get_mut(&lease.job.id).filter(current)
+    }
+
     fn forget(&mut self, id: &RequestId) {
         if let Some(rec) = self.jobs.remove(id) {
             let owner = (rec.job.user, rec.job.operation);
@@ -227,13 +233,9 @@ impl MemoryJobQueue {
     ) -> Finish {
         let now = self.now();
         let mut st = lock(&self.state);
-        let Some(rec) = st.jobs.get_mut(&lease.job.id) else {
+        let Some(rec) = st.leased(lease) else {
             return Finish::LeaseLost;
         };
-        match rec.phase {
-            Phase::Running { token, .. } if token == lease.token => {}
-            _ => return Finish::LeaseLost,
-        }
         let len = final_len(&status);
         rec.job.input = Value::Null;
         if charged.is_some() {
@@ -297,13 +299,9 @@ impl MemoryJobQueue {
     fn requeue_leased(&self, lease: &Lease, end: End) -> Finish {
         {
             let mut st = lock(&self.state);
-            let Some(rec) = st.jobs.get_mut(&lease.job.id) else {
+            let Some(rec) = st.leased(lease) else {
                 return Finish::LeaseLost;
             };
-            match rec.phase {
-                Phase::Running { token, .. } if token == lease.token => {}
-                _ => return Finish::LeaseLost,
-            }
             rec.phase = Phase::Queued;
             rec.job.run = rec.job.run.saturating_sub(1);
             let queue = st.queues.entry(lease.job.operation.clone()).or_default();
@@ -633,10 +631,8 @@ impl JobSource for MemoryJobQueue {
             return Ok(false);
         }
         let mut st = lock(&self.state);
-        if let Some(rec) = st.jobs.get_mut(&lease.job.id) {
-            if matches!(rec.phase, Phase::Running { token, .. } if token == lease.token) {
-                rec.started = true;
-            }
+        if let Some(rec) = st.leased(lease) {
+            rec.started = true;
         }
         Ok(true)
     }

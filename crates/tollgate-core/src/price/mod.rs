@@ -244,6 +244,7 @@ mod tests {
     use super::sheet::tests::SHEET;
     use super::*;
     use crate::money::Currency;
+    use crate::testing::rng;
     use serde_json::json;
 
     fn sheet() -> PriceSheet {
@@ -473,17 +474,6 @@ mod tests {
             e.to_string().contains("models.search") && e.to_string().contains("\"/usage/results\""),
             "{e}"
         );
-    }
-
-    /// xorshift64*: a deterministic stream of test values, no dependency.
-    fn rng(seed: u64) -> impl FnMut() -> u64 {
-        let mut x = seed;
-        move || {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
     }
 
     /// A random price per million tokens, in micro-dollars (so per token in

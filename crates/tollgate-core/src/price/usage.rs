@@ -57,25 +57,11 @@ impl Usage {
         let usage = answer.get("usage")?.as_object()?;
         let has = |k: &str| usage.get(k).is_some_and(|v| !v.is_null());
         let mut u = if has("prompt_tokens") {
-            let (input, cached_input) = split(
-                count(usage.get("prompt_tokens"))?,
-                count(detail(usage, "prompt_tokens_details", "cached_tokens"))?,
-            );
-            let (output, reasoning) = split(
-                count(usage.get("completion_tokens"))?,
-                count(detail(
-                    usage,
-                    "completion_tokens_details",
-                    "reasoning_tokens",
-                ))?,
-            );
-            Self {
-                input,
-                cached_input,
-                output,
-                reasoning,
-                ..Self::default()
-            }
+            Self::inclusive(
+                usage,
+                ["prompt_tokens", "prompt_tokens_details"],
+                ["completion_tokens", "completion_tokens_details"],
+            )?
         } else if has("cache_read_input_tokens") || has("cache_creation_input_tokens") {
             Self {
                 input: count(usage.get("input_tokens"))?,
@@ -85,26 +71,41 @@ impl Usage {
                 ..Self::default()
             }
         } else if has("input_tokens") || has("output_tokens") {
-            let (input, cached_input) = split(
-                count(usage.get("input_tokens"))?,
-                count(detail(usage, "input_tokens_details", "cached_tokens"))?,
-            );
-            let (output, reasoning) = split(
-                count(usage.get("output_tokens"))?,
-                count(detail(usage, "output_tokens_details", "reasoning_tokens"))?,
-            );
-            Self {
-                input,
-                cached_input,
-                output,
-                reasoning,
-                ..Self::default()
-            }
+            Self::inclusive(
+                usage,
+                ["input_tokens", "input_tokens_details"],
+                ["output_tokens", "output_tokens_details"],
+            )?
         } else {
             return None;
         };
         u.units = units(answer, unit_pointers)?;
         Some(u)
+    }
+
+    /// OpenAI's counts, `[whole, its details object]` for the input and the
+    /// output: the input includes its `cached_tokens` and the output its
+    /// `reasoning_tokens`, each split off its whole.
+    fn inclusive(
+        usage: &Map<String, Value>,
+        [input, input_details]: [&str; 2],
+        [output, output_details]: [&str; 2],
+    ) -> Option<Self> {
+        let (input, cached_input) = split(
+            count(usage.get(input))?,
+            count(detail(usage, input_details, "cached_tokens"))?,
+        );
+        let (output, reasoning) = split(
+            count(usage.get(output))?,
+            count(detail(usage, output_details, "reasoning_tokens"))?,
+        );
+        Some(Self {
+            input,
+            cached_input,
+            output,
+            reasoning,
+            ..Self::default()
+        })
     }
 
     /// Only the counts at `unit_pointers` (every token field 0): the usage of

@@ -827,6 +827,20 @@ struct Call {
 }
 
 impl Call {
+    /// A call not answered yet, nor retried.
+    fn new(user: usize, op: usize, sync: bool, job_id: String) -> Self {
+        Self {
+            user,
+            op,
+            sync,
+            job_id,
+            status: None,
+            retries: 0,
+            id_mismatch: None,
+            stream: None,
+        }
+    }
+
     fn operation(&self) -> &'static str {
         match self.stream {
             Some(_) => STREAMS.operation,
@@ -867,36 +881,40 @@ struct User {
     key: String,
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn one_call(
+/// What every call of the load is sent with: the client, the api pods it
+/// goes round, the users, the run's tag (the start of each Idempotency-Key)
+/// and when to stop retrying.
+#[derive(Clone)]
+struct Load {
     http: Client,
     apis: Vec<SocketAddr>,
     users: Arc<Vec<User>>,
     run: String,
-    n: usize,
-    user: usize,
-    op: usize,
-    sync: bool,
-    body: Value,
     give_up: Instant,
-) -> Call {
-    let key = format!("{run}-{n}");
-    let u = &users[user];
-    let mut call = Call {
-        user,
-        op,
-        sync,
-        job_id: job_id(&u.name, &key),
-        status: None,
-        retries: 0,
-        id_mismatch: None,
-        stream: None,
-    };
+}
+
+impl Load {
+    /// Call `n`'s Idempotency-Key.
+    fn key(&self, n: usize) -> String {
+        format!("{}-{n}", self.run)
+    }
+
+    /// The api pod an attempt goes to: each in turn.
+    fn api(&self, attempt: usize) -> SocketAddr {
+        self.apis[attempt % self.apis.len()]
+    }
+}
+
+async fn one_call(load: Load, n: usize, user: usize, op: usize, sync: bool, body: Value) -> Call {
+    let key = load.key(n);
+    let u = &load.users[user];
+    let mut call = Call::new(user, op, sync, job_id(&u.name, &key));
     let mut attempt = n;
-    while Instant::now() < give_up {
-        let api = apis[attempt % apis.len()];
+    while Instant::now() < load.give_up {
+        let api = load.api(attempt);
         attempt += 1;
-        let mut req = http
+        let mut req = load
+            .http
             .post(format!("http://{api}/v1/ops/{}", OPS[op].name))
             .bearer_auth(&u.key)
             .header("Idempotency-Key", &key)
@@ -930,37 +948,18 @@ async fn one_call(
 /// `stream_options` (tollgate asks for the usage itself): retried with its
 /// Idempotency-Key while no stream has begun (503, timeout, connection
 /// error), then read to its end, or dropped after `drop_after` events.
-#[allow(clippy::too_many_arguments)]
-async fn one_stream(
-    http: Client,
-    apis: Vec<SocketAddr>,
-    users: Arc<Vec<User>>,
-    run: String,
-    n: usize,
-    user: usize,
-    read: StreamRead,
-    body: Value,
-    give_up: Instant,
-) -> Call {
-    let key = format!("{run}-{n}");
-    let u = &users[user];
+async fn one_stream(load: Load, n: usize, user: usize, read: StreamRead, body: Value) -> Call {
+    let key = load.key(n);
+    let u = &load.users[user];
     let start = tollgate_tests::throttle::now_us();
-    let mut call = Call {
-        user,
-        op: 0,
-        sync: true,
-        job_id: job_id(&u.name, &key),
-        status: None,
-        retries: 0,
-        id_mismatch: None,
-        stream: None,
-    };
+    let mut call = Call::new(user, 0, true, job_id(&u.name, &key));
     let mut read = read;
     let mut attempt = n;
-    while Instant::now() < give_up {
-        let api = apis[attempt % apis.len()];
+    while Instant::now() < load.give_up {
+        let api = load.api(attempt);
         attempt += 1;
-        let sent = http
+        let sent = load
+            .http
             .post(format!(
                 "http://{api}/v1/passthrough/{}/chat/completions",
                 STREAMS.provider
@@ -1427,6 +1426,13 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     // Which calls are streamed, and how, on a stream of their own too.
     let mut stream_rng = Rng(seed ^ 0x55e0);
     let run_tag = &prefix[1..9];
+    let load = Load {
+        http: http.clone(),
+        apis: apis.clone(),
+        users: Arc::clone(&users),
+        run: format!("c{run_tag}"),
+        give_up,
+    };
     let mut calls = tokio::task::JoinSet::new();
     let total = (args.rate * args.seconds as f64) as usize;
     for n in 0..total {
@@ -1459,17 +1465,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
                 drop_after,
                 ..StreamRead::default()
             };
-            calls.spawn(one_stream(
-                http.clone(),
-                apis.clone(),
-                Arc::clone(&users),
-                format!("c{run_tag}"),
-                n,
-                user,
-                read,
-                body,
-                give_up,
-            ));
+            calls.spawn(one_stream(load.clone(), n, user, read, body));
             continue;
         }
         let (user, op) = (
@@ -1497,18 +1493,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         } else {
             json!({"marker": marker})
         };
-        calls.spawn(one_call(
-            http.clone(),
-            apis.clone(),
-            Arc::clone(&users),
-            format!("c{run_tag}"),
-            n,
-            user,
-            op,
-            sync,
-            body,
-            give_up,
-        ));
+        calls.spawn(one_call(load.clone(), n, user, op, sync, body));
     }
     while faults.join_next().await.is_some() {}
     let mut made = Vec::new();
