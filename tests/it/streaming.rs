@@ -88,6 +88,18 @@ settle = {{ from = "/usage/output_tokens", per = 1, max = 200 }}
 cost = 1
 provider = "openai"
 path = "/echo"
+[providers.brief]
+rate = 100
+burst = 20
+max_wait = "10s"
+url = "{mock}/v1"
+retries = 0
+[operations."brief.chat"]
+cost = 2
+provider = "brief"
+path = "/chat/completions"
+deadline = "1s"
+settle = {{ from = "/usage/total_tokens", per = 1, max = 200 }}
 "#
     )
 }
@@ -775,6 +787,68 @@ async fn streaming_worker_killed_mid_stream() {
     assert_eq!(sys.settled_used(&key).await, 200);
     assert_eq!(sys.mock_stats().await["streams_cut"], 1);
     sys.streams_expire().await;
+}
+
+/// A streamed call with an Idempotency-Key whose job ends before a single
+/// event (here: it expired in its queue while no worker ran) is answered
+/// from its record, and the record stays once its charge's release is
+/// confirmed: a retry with the key must find the job. Before, the stream's
+/// path forgot it as if the call had no key (GET of the job: 404 once the
+/// release was confirmed); under faults, a charge could then stand for a job
+/// nobody could read (chaos --seed 1 --durable).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_keyed_call_ended_before_any_event_keeps_its_record() {
+    use sha2::{Digest, Sha256};
+    let (sys, mut worker, another) = start_split(50, "1000").await;
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    let key = sys.user("kit", "free").await;
+    let restart = tokio::spawn(async move {
+        // Past the job's 1 s deadline: the worker fails it as expired, with
+        // no stream event.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        another()
+    });
+    let r = sys
+        .http
+        .post(format!("{}/v1/passthrough/brief/chat/completions", sys.base))
+        .bearer_auth(&key)
+        .header("idempotency-key", "brief-1")
+        .json(&json!({ "model": "m", "stream": true, "messages": [{ "role": "user", "content": "hi" }] }))
+        .send()
+        .await
+        .unwrap();
+    let _worker = Procs(vec![restart.await.unwrap()]);
+    let status = r.status();
+    let body = r.text().await.unwrap();
+    assert!(
+        body.contains("expired"),
+        "an expired job's answer: {status} {body}"
+    );
+    // The release confirmed (used back to 0): a forgotten record goes then.
+    assert_eq!(
+        sys.used_until(&key, 0).await,
+        0,
+        "the expired job's charge is released"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut h = Sha256::new();
+    h.update(b"kit\0brief-1");
+    let id: String = h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let job = sys
+        .http
+        .get(format!("{}/v1/jobs/idem-{id}", sys.base))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .unwrap();
+    let job_status = job.status();
+    let job: Value = job.json().await.unwrap_or(Value::Null);
+    assert_eq!(job_status, 200, "the keyed job's record is kept: {job}");
+    assert_eq!(job["status"], "failed", "{job}");
 }
 
 /// Workers shared fairly (split deployment: api, throttler, 2 workers of 8
