@@ -538,14 +538,18 @@ async fn failing_calls(ledger: &dyn Ledger, u: &UserId, n: usize, cost: u64) {
     }
 }
 
-/// A user parked just below 80 % whose 50 calls each cross it at admission
-/// and are released (the job failed): one crossing, one alert; nothing
-/// spent.
-async fn free_failing_calls_cross_once(store: Store) {
+/// A user on `plan` (the default when `None`) parked at 79 of 100 whose 50
+/// calls each cross 80 % at admission and are released (the job failed):
+/// nothing spent, and exactly one alert delivered, at 0.8 with `used` 80.
+/// Returns the pods and that alert's payload.
+async fn park_and_fail(store: Store, name: &str, plan: Option<&str>) -> (Pods, Value) {
     let receiver = Receiver::start().await;
     let pods = Pods::start(store, config(&receiver.url, true)).await;
     let ledger = pods.ledgers[0].as_ref();
-    let u = user("free");
+    let u = user(name);
+    if let Some(plan) = plan {
+        ledger.set_plan(&u, plan).await.unwrap();
+    }
     assert!(reserve(ledger, &u, 79).await);
     failing_calls(ledger, &u, 50, 1).await;
     assert_eq!(ledger.usage(&u).await.unwrap().used, 79, "used unchanged");
@@ -555,8 +559,16 @@ async fn free_failing_calls_cross_once(store: Store) {
     assert_eq!(delivered.len(), 1, "{:?}", receiver.arrivals());
     let (a, v) = &delivered[0];
     check_delivery(a, v);
-    assert_eq!(v["threshold"].as_f64(), Some(0.8));
-    assert_eq!(v["used"], 80);
+    assert_eq!(v["threshold"].as_f64(), Some(0.8), "{v}");
+    assert_eq!(v["used"], 80, "{v}");
+    (pods, v.clone())
+}
+
+/// A user parked just below 80 % whose 50 calls each cross it at admission
+/// and are released (the job failed): one crossing, one alert; nothing
+/// spent.
+async fn free_failing_calls_cross_once(store: Store) {
+    let (pods, _) = park_and_fail(store, "free", None).await;
     let depth = pods.outboxes[0].depth().await.unwrap();
     assert_eq!(depth.subjects, 0, "nothing else queued: {depth:?}");
     pods.stop().await;
@@ -594,22 +606,7 @@ async fn the_window_sliding_re_arms_a_threshold(store: Store) {
 /// calls each cross it at admission and are released sends one alert, whose
 /// span is the month's, and its hourly window (not near 80 %) sends none.
 async fn a_periods_free_failing_calls_cross_once(store: Store) {
-    let receiver = Receiver::start().await;
-    let pods = Pods::start(store, config(&receiver.url, true)).await;
-    let ledger = pods.ledgers[0].as_ref();
-    let u = user("month");
-    ledger.set_plan(&u, "monthly").await.unwrap();
-    assert!(reserve(ledger, &u, 79).await);
-    failing_calls(ledger, &u, 50, 1).await;
-    assert_eq!(ledger.usage(&u).await.unwrap().used, 79, "used unchanged");
-    receiver.wait_for(1, Duration::from_secs(30)).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let delivered = receiver.delivered();
-    assert_eq!(delivered.len(), 1, "{:?}", receiver.arrivals());
-    let (a, v) = &delivered[0];
-    check_delivery(a, v);
-    assert_eq!(v["threshold"].as_f64(), Some(0.8), "{v}");
-    assert_eq!(v["used"], 80, "{v}");
+    let (pods, v) = park_and_fail(store, "month", Some("monthly")).await;
     assert_eq!(v["limit"], 100, "the month's limit: {v}");
     // A month in Berlin is 28 to 31 days, give or take a DST hour.
     let span = v["window_ms"].as_u64().unwrap();
