@@ -1196,13 +1196,17 @@ async fn throttle_limits_a_grant_takes_from_every_limit(t: Arc<dyn Throttle>) {
         started.elapsed()
     );
     let after = available(&t, "w-limits").await;
+    // What refilled since the first grant (100 tokens and 40 requests a
+    // second) is allowed for: a loaded machine stretches it.
+    let since = started.elapsed().as_secs_f64();
     assert!(
-        after[1].1 < 3.0,
+        after[1].1 < 0.5 + 100.0 * since,
         "three calls of 10 took 30 tokens: {after:?}"
     );
+    let refilled = 40.0 * since;
     assert!(
-        (0.9..2.0).contains(&after[0].1),
-        "and three requests of 4: {after:?}"
+        after[0].1 >= 0.9 && after[0].1 < 1.1 + refilled,
+        "and three requests of 4 ({refilled:.2} refilled since): {after:?}"
     );
     let before = Instant::now();
     weighing(&t, "w-limits", "h3", 10).await.unwrap();
