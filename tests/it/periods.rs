@@ -38,6 +38,10 @@ anchor = 14
 tz = "America/New_York"
 [plans.nyday]
 limits = [{ limit = 10, period = "day", tz = "America/New_York" }, { limit = 50, window = "2h" }]
+[plans.berlinbig]
+limit = 20
+period = "month"
+tz = "Europe/Berlin"
 [plans.berlinday]
 limit = 10
 period = "day"
@@ -406,8 +410,66 @@ async fn a_move_keeps_the_users_month(on: On) {
     denied(&l.reserve(&u, &rid("m4"), 1).await.unwrap());
 }
 
+/// A plan change keeps a period's spend when the new plan's period is the
+/// same calendar span (an upgrade mid-month: what was spent still counts
+/// against the larger limit); a plan whose month runs on another calendar
+/// (another time zone or anchor day) counts its own span from zero, as a
+/// new billing cycle; and going back finds the first counter where it was.
+async fn a_plan_change_keeps_the_spend_of_the_same_calendar(on: On) {
+    let start = local("Europe/Berlin", (2027, 6, 10), (12, 0, 0, 0));
+    let b = on.start(start).await;
+    let l = b.ledger();
+    let u = user("pia");
+    l.set_plan(&u, "berlin").await.unwrap();
+    allowed(&l.reserve(&u, &rid("p1"), 6).await.unwrap());
+    denied(&l.reserve(&u, &rid("p2"), 5).await.unwrap());
+
+    l.set_plan(&u, "berlinbig").await.unwrap();
+    let a = l.reserve(&u, &rid("p2"), 5).await.unwrap();
+    let w = &allowed(&a).windows[0];
+    assert_eq!((w.used, w.limit), (11, 20), "the month's 6 carried: {w:?}");
+    let month = w.period.unwrap();
+    assert_eq!(
+        (month.start_ms, month.end_ms),
+        (
+            local("Europe/Berlin", (2027, 6, 1), (0, 0, 0, 0)),
+            local("Europe/Berlin", (2027, 7, 1), (0, 0, 0, 0))
+        )
+    );
+
+    // (A counter made in the millisecond of an event counts it: a second on.)
+    b.set(start + 1000).await;
+    l.set_plan(&u, "utc").await.unwrap();
+    let a = l.reserve(&u, &rid("p3"), 1).await.unwrap();
+    let w = &allowed(&a).windows[0];
+    assert_eq!(
+        w.used, 1,
+        "another calendar's month counts from zero: {w:?}"
+    );
+    assert_eq!(
+        w.period.unwrap().start_ms,
+        local("UTC", (2027, 6, 1), (0, 0, 0, 0))
+    );
+    // A refund of a charge of the Berlin month gives back to its own
+    // counter, never to the UTC month's.
+    l.refund(&u, &rid("p2")).await.unwrap();
+    assert_eq!(l.usage(&u).await.unwrap().windows[0].used, 1);
+
+    b.set(start + 2000).await;
+    l.set_plan(&u, "berlin").await.unwrap();
+    let usage = l.usage(&u).await.unwrap();
+    assert_eq!(usage.windows[0].used, 6, "the Berlin month kept 11 - 5");
+    // A UTC month's charge is none of the Berlin month's: its refund gives
+    // nothing back there.
+    l.refund(&u, &rid("p3")).await.unwrap();
+    assert_eq!(l.usage(&u).await.unwrap().windows[0].used, 6);
+    allowed(&l.reserve(&u, &rid("p4"), 4).await.unwrap());
+    denied(&l.reserve(&u, &rid("p5"), 1).await.unwrap());
+}
+
 on_each_backend!(
     [
+        a_plan_change_keeps_the_spend_of_the_same_calendar,
         a_move_keeps_the_users_month,
         a_users_own_limits_refuse_a_period,
         an_organisations_month_binds_its_members,
@@ -453,7 +515,7 @@ async fn a_period_is_one_counter_however_many_charges() {
             .query_async(&mut con)
             .await
             .unwrap();
-        assert_eq!(fields, 1, "one counter for the month");
+        assert_eq!(fields, 2, "one counter for the month, and its since");
         let bytes: u64 = ::redis::cmd("MEMORY")
             .arg("USAGE")
             .arg(&key)

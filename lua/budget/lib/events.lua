@@ -213,7 +213,7 @@ local function insert(request, at, ev, o, now, slot)
       s.total = s.total + ev.cost
     end
   end
-  period_move(at, ev.cost)
+  period_move(at, ev.cost, true)
   TOTAL = TOTAL + ev.cost
   grow(now)
   KEPT = 0
