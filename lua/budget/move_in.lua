@@ -9,7 +9,7 @@
 --   organisation's when the location is a member's.
 -- ARGV[1] n: events in this batch; ARGV[2] the user's plan and limits of
 --   its own, '<plan>\n<limits>' (each '' when none), then optionally
---   '\n<period totals>' ('<start>-<end>=<total> s<start>-<end>=<since> ...', the user's at the
+--   '\n<period totals>' ('<field>=<value> ...' as periods.lua keeps them, the user's at the
 --   location it leaves: they replace the ones here, see periods.lua);
 -- ARGV[3] cancelled '<nonce> <hold end> ...' (see move_out.lua)
 -- ARGV[4 .. 3 + 10n] per event: id, at, state, cost, estimate (-1: none),
@@ -41,7 +41,7 @@ end
 -- The user's period totals, carried whole (a move's inserts do not count
 -- in the user's periods: `period_move`).
 local carried, last = {}, 0
-for f, stop, t in string.gmatch(periods or '', '([su]?%d+%-(%d+))=(%d+)') do
+for f, stop, t in string.gmatch(periods or '', '([sx]?%d+%-(%d+))=([%d:]+)') do
   carried[#carried + 1] = f
   carried[#carried + 1] = t
   last = math.max(last, tonumber(stop))

@@ -368,7 +368,8 @@ impl RedisLedger {
         // a move's steps leave them as they are.
         let mut cmd = redis::cmd("HGETALL");
         cmd.arg(from.user.periods());
-        let periods: Vec<(String, u64)> = self.command("set_user_org", cmd).await?;
+        // Totals and eras (some '<total>:<since>:<till>', periods.lua).
+        let periods: Vec<(String, String)> = self.command("set_user_org", cmd).await?;
         let periods = periods
             .iter()
             .map(|(field, total)| format!("{field}={total}"))

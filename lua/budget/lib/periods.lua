@@ -10,8 +10,8 @@
 -- caller computes them again around that time and calls again.
 --
 -- Each period's total is one field of the hash '<base>:p' (the subject's
--- hash tag): '<start_ms>-<end_ms>' -> total, so a month of a million charges
--- is one field (and one for its era, below). A charge adds to the current period; a refund, release,
+-- hash tag): '<start_ms>-<end_ms>' -> total (and its era, below), so a month
+-- of a million charges is one counter. A charge adds to the current period; a refund, release,
 -- settle or operator correction lands in the period its charge was spent in
 -- (`period_move`): in a period that ended it changes nothing current (that
 -- period's field is gone or going). An event leaving the log's retention
@@ -38,33 +38,82 @@ local function read_calendars(i)
 end
 
 -- A counter's era: the time from which it has counted the subject's charges
--- of its span without a break (the field 's<start>-<end>'), and, when no
--- current limit uses it though its period has not ended (a plan change to
--- another calendar), the time it stopped ('u<start>-<end>'). A refund,
--- release or settle of an event lands in every counter whose span and era
--- hold the event's time, current or not; an event spent outside them was
--- never counted there (a counter a plan change made after it; another
--- calendar's while it was spent). A counter current again starts a new era:
--- a charge of its first era then gives nothing back (the safe side: it
--- stays counted). A counter of an older version has no since: 0, as before.
-local function since_field(f)
-  return 's' .. f
-end
+-- of its span without a break, and, once no current limit uses it though its
+-- period has not ended (a plan change to another calendar), the time it
+-- stopped. A refund, release or settle of an event lands in every counter
+-- whose span and era hold the event's time, current or not; an event spent
+-- outside them was never counted there (a counter a plan change made after
+-- it; another calendar's while it was spent). A counter current again starts
+-- a new era: a charge of its first era then gives nothing back (the safe
+-- side: it stays counted).
+-- Fields: '<start>-<end>' -> the total of a current counter (an integer: a
+-- reserve reads and writes that alone), 's<start>-<end>' -> its since
+-- (written when the counter is made or reopened; none: 0, an older
+-- version's), 'x<start>-<end>' -> '<total>:<since>:<till>' for a counter a
+-- plan change left.
 
-local function until_field(f)
-  return 'u' .. f
+-- Reads the whole hash (a few fields), once per call, when the eras matter:
+-- a new period or a plan change (a counter to make, reopen or leave), or a
+-- correction of an event (`period_move`). A counter no current limit uses
+-- leaves now; one left before is read with its era.
+local function load_others()
+  if PERIODS.others then
+    return
+  end
+  PERIODS.others = true
+  local got = redis.call('HGETALL', periods_key())
+  local have = {}
+  for j = 1, #got, 2 do
+    have[got[j]] = got[j + 1]
+  end
+  local now = PERIODS.now
+  for _, c in ipairs(PERIODS.list) do
+    local left = have['x' .. c.field]
+    if c.total then
+      c.since = tonumber(have['s' .. c.field]) or 0
+    elseif left then
+      c.total = tonumber(string.match(left, '^(%d+)')) or 0
+      c.since, c.dirty, c.era = now, true, true
+      PERIODS.gone[#PERIODS.gone + 1] = 'x' .. c.field
+    else
+      PERIODS_NEW = true
+      c.total, c.since, c.dirty, c.era = 0, now, true, true
+    end
+  end
+  for j = 1, #got, 2 do
+    local f = got[j]
+    local x, start, stop = string.match(f, '^(x?)(%d+)%-(%d+)$')
+    stop = tonumber(stop)
+    local plain = x == ''
+    if stop and stop > now and not (plain and PERIODS[f]) and not (not plain and PERIODS[string.sub(f, 2)]) then
+      local c = { field = plain and f or string.sub(f, 2), start = tonumber(start), stop = stop }
+      if plain then
+        c.total, c.since, c.till, c.dirty = tonumber(got[j + 1]) or 0, tonumber(have['s' .. f]) or 0, now, true
+        PERIODS.gone[#PERIODS.gone + 1] = f
+        PERIODS.gone[#PERIODS.gone + 1] = 's' .. f
+      else
+        local t, si, ti = string.match(got[j + 1], '^(%d+):(%d+):(%d+)$')
+        c.total, c.since, c.till = tonumber(t) or 0, tonumber(si) or 0, tonumber(ti) or now
+      end
+      PERIODS[c.field] = c
+      PERIODS.list[#PERIODS.list + 1] = c
+    end
+  end
 end
 
 -- Picks the period `now` falls in for each period limit of `limits` (its
--- `start`, `stop` and `field`) and reads every counter whose period has not
--- ended, with its era (one HGETALL of a few fields). Refuses a time outside
--- the boundaries passed.
+-- `start`, `stop` and `field`) and reads their totals (one HMGET; the eras
+-- only when they matter: `load_others`). Refuses a time outside the
+-- boundaries passed. PERIODS: the counters by field, and in `list`; each
+-- { field, start, stop, total, since, till (nil: current), dirty (its
+-- value to write), era (its since to write) }; `gone`: fields to delete.
 local function load_periods(now, limits)
   PERIODS, PERIODS_DIRTY, PERIODS_NEW = nil, false, false
   if limits.nw == #limits then
     return
   end
-  local current = {}
+  PERIODS = { list = {}, gone = {}, now = now }
+  local fields = {}
   for k = limits.nw + 1, #limits do
     local l = limits[k]
     local cal = CALS[l.cal]
@@ -79,45 +128,29 @@ local function load_periods(now, limits)
     else
       l.start, l.stop = cal[3], cal[4]
     end
-    l.field = int(l.start) .. '-' .. int(l.stop)
-    current[l.field] = { l.start, l.stop }
-  end
-  local got = redis.call('HGETALL', periods_key())
-  local have = {}
-  for j = 1, #got, 2 do
-    have[got[j]] = tonumber(got[j + 1])
-  end
-  -- fields: every counter loaded, in order; span, era by field; reopened:
-  -- the 'u' fields to delete at the next write.
-  PERIODS = { fields = {}, span = {}, reopened = {} }
-  for f, span in pairs(current) do
-    local total, since, stop = have[f], have[since_field(f)] or 0, have[until_field(f)]
-    if not total then
-      PERIODS_NEW = true
-      total, since = 0, now
-    elseif stop then
-      since, stop = now, nil
-      PERIODS.reopened[#PERIODS.reopened + 1] = until_field(f)
+    local f = int(l.start) .. '-' .. int(l.stop)
+    l.field = f
+    if not PERIODS[f] then
+      local c = { field = f, start = l.start, stop = l.stop }
+      PERIODS[f] = c
+      PERIODS.list[#PERIODS.list + 1] = c
+      fields[#fields + 1] = f
     end
-    PERIODS.fields[#PERIODS.fields + 1] = f
-    PERIODS.span[f] = span
-    PERIODS[f], PERIODS[since_field(f)], PERIODS[until_field(f)] = total, since, nil
   end
-  for f, total in pairs(have) do
-    local start, stop = string.match(f, '^(%d+)%-(%d+)$')
-    start, stop = tonumber(start), tonumber(stop)
-    if stop and stop > now and not current[f] then
-      PERIODS.fields[#PERIODS.fields + 1] = f
-      PERIODS.span[f] = { start, stop }
-      PERIODS[f], PERIODS[since_field(f)] = total, have[since_field(f)] or 0
-      PERIODS[until_field(f)] = have[until_field(f)] or now
-    end
+  local got = redis.call('HMGET', periods_key(), unpack(fields))
+  local missing = false
+  for j, c in ipairs(PERIODS.list) do
+    c.total = tonumber(got[j])
+    missing = missing or not c.total
+  end
+  if missing then
+    load_others()
   end
 end
 
 -- What limit `l` (a period's) counts now.
 local function period_used(l)
-  return PERIODS and PERIODS[l.field] or 0
+  return PERIODS and PERIODS[l.field].total or 0
 end
 
 -- Counts `delta` in every counter that counted an event spent at `at` (nil:
@@ -130,24 +163,26 @@ local function period_move(at, delta, moved)
   if not PERIODS or delta == 0 or (NOCHECK and SUBJECT == 'user') then
     return
   end
-  for _, f in ipairs(PERIODS.fields) do
-    local span, since, stop = PERIODS.span[f], PERIODS[since_field(f)], PERIODS[until_field(f)]
+  if at then
+    load_others()
+  end
+  for _, c in ipairs(PERIODS.list) do
     local counts
     if not at then
-      counts = not stop
-    elseif at < span[1] or at >= span[2] then
+      counts = not c.till
+    elseif at < c.start or at >= c.stop then
       counts = false
     elseif moved then
-      counts = not stop
-      if counts and at < since then
-        PERIODS[since_field(f)] = at
+      counts = not c.till
+      if counts and at < c.since then
+        c.since, c.era = at, true
       end
     else
-      counts = at >= since and (not stop or at < stop)
+      counts = at >= c.since and (not c.till or at < c.till)
     end
     if counts then
-      local t = PERIODS[f] + delta
-      PERIODS[f] = t > 0 and t or 0
+      local t = c.total + delta
+      c.total, c.dirty = t > 0 and t or 0, true
       PERIODS_DIRTY = true
     end
   end
@@ -162,29 +197,38 @@ local function save_periods(now)
   end
   PERIODS_DIRTY = false
   local key, args, last = periods_key(), {}, 0
-  for _, f in ipairs(PERIODS.fields) do
-    args[#args + 1] = f
-    args[#args + 1] = int(PERIODS[f])
-    args[#args + 1] = since_field(f)
-    args[#args + 1] = int(PERIODS[since_field(f)])
-    if PERIODS[until_field(f)] then
-      args[#args + 1] = until_field(f)
-      args[#args + 1] = int(PERIODS[until_field(f)])
+  for _, c in ipairs(PERIODS.list) do
+    if c.dirty then
+      c.dirty = false
+      if c.till then
+        args[#args + 1] = 'x' .. c.field
+        args[#args + 1] = int(c.total) .. ':' .. int(c.since) .. ':' .. int(c.till)
+      else
+        args[#args + 1] = c.field
+        args[#args + 1] = int(c.total)
+      end
     end
-    if PERIODS.span[f][2] > last then
-      last = PERIODS.span[f][2]
+    if c.era then
+      c.era = false
+      args[#args + 1] = 's' .. c.field
+      args[#args + 1] = int(c.since)
+    end
+    if c.stop > last then
+      last = c.stop
     end
   end
-  redis.call('HSET', key, unpack(args))
-  if #PERIODS.reopened > 0 then
-    redis.call('HDEL', key, unpack(PERIODS.reopened))
-    PERIODS.reopened = {}
+  if #args > 0 then
+    redis.call('HSET', key, unpack(args))
+  end
+  if #PERIODS.gone > 0 then
+    redis.call('HDEL', key, unpack(PERIODS.gone))
+    PERIODS.gone = {}
   end
   if PERIODS_NEW then
     PERIODS_NEW = false
     local old = {}
     for _, f in ipairs(redis.call('HKEYS', key)) do
-      local stop = tonumber(string.match(f, '^[su]?%d+%-(%d+)$'))
+      local stop = tonumber(string.match(f, '^[sx]?%d+%-(%d+)$'))
       if not stop or stop <= now then
         old[#old + 1] = f
       elseif stop > last then
