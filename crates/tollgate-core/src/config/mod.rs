@@ -12,6 +12,7 @@
 
 mod alerts;
 mod error;
+mod member;
 mod operation;
 mod plan;
 mod pricing;
@@ -26,6 +27,7 @@ use serde::Deserialize;
 
 pub use alerts::{Alerts, DEFAULT_ALERT_KEEP, DEFAULT_ALERT_TIMEOUT, MAX_ALERT_KEEP};
 pub use error::ConfigError;
+pub use member::{Member, MAX_MEMBERS, MAX_MEMBER_WEIGHT, MAX_MODEL_LEN};
 pub use operation::{
     Operation, RequestShape, Settle, SettleReserve, StreamUsage, Weight, DEFAULT_JOB_DEADLINE,
     DEFAULT_MAX_RUNS, DEFAULT_RESULT_TTL,
@@ -385,6 +387,7 @@ impl Config {
                     secret_headers: BTreeMap::new(),
                     timeout: DEFAULT_UPSTREAM_TIMEOUT,
                     retries: DEFAULT_RETRIES,
+                    model: None,
                 });
         }
         Ok(())
