@@ -4,10 +4,13 @@
 //! itself, configured as today.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::provider::{parse_provider_limits, request_bucket, ProviderLimit, RawProviderLimit};
+use super::provider::{
+    parse_provider_limits, request_bucket, LimitKind, ProviderLimit, RawProviderLimit,
+};
 use super::upstream::{parse_upstream, Upstream, UpstreamFields};
 use super::{ConfigError, MAX_IN_FLIGHT};
 
@@ -68,8 +71,8 @@ pub(super) struct RawMember {
 /// What a provider's members take from the provider: how late its grants
 /// may be used, and its calls' `timeout` and `retries` (already checked).
 pub(super) struct Inherited {
-    pub late_allowance: Option<std::time::Duration>,
-    pub timeout: std::time::Duration,
+    pub late_allowance: Option<Duration>,
+    pub timeout: Duration,
     pub retries: u32,
 }
 
@@ -149,6 +152,23 @@ pub(super) fn parse_members(
             ));
         };
         let raw_limits = parse_provider_limits(&at, raw_limits, invalid)?;
+        // The provider's `late_allowance` applies to each member's request
+        // bucket: named where it is set.
+        let first_per = raw_limits
+            .iter()
+            .find(|l| l.0 == LimitKind::Requests)
+            .map(|l| l.2);
+        if let (Some(d), Some(per)) = (inherited.late_allowance, first_per) {
+            if d < Duration::from_millis(1) || d > per {
+                return Err(invalid(
+                    format!("{key}.late_allowance"),
+                    format!(
+                        "must be between 1ms and the per of {at}'s request limit ({})",
+                        crate::duration::format(per)
+                    ),
+                ));
+            }
+        }
         let (rate, burst, rate_limit, limits) =
             request_bucket(&at, None, raw_limits, inherited.late_allowance, invalid)?;
         let max_concurrent = match m.max_concurrent {
@@ -192,8 +212,7 @@ pub(super) fn parse_members(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
+    use super::Duration;
     use crate::config::tests::err;
     use crate::config::{Config, LimitKind};
 
@@ -364,6 +383,11 @@ weight = { from = "/max_tokens", default = 500 }
                 POOL.replacen("max_wait = \"30s\"", "max_wait = \"30s\"\nsecret_headers = { k = \"K\" }", 1),
                 "providers.llm.secret_headers",
                 "is set per member",
+            ),
+            (
+                POOL.replacen("timeout = \"20s\"", "timeout = \"20s\"\nlate_allowance = \"2m\"", 1),
+                "providers.llm.late_allowance",
+                "request limit (1m)",
             ),
             (
                 POOL.replacen("timeout = \"20s\"", "timeout = \"20h\"", 1),
