@@ -12,9 +12,9 @@
 
 mod alerts;
 mod error;
-mod member;
 mod operation;
 mod plan;
+mod pool;
 mod pricing;
 mod provider;
 mod upstream;
@@ -27,7 +27,6 @@ use serde::Deserialize;
 
 pub use alerts::{Alerts, DEFAULT_ALERT_KEEP, DEFAULT_ALERT_TIMEOUT, MAX_ALERT_KEEP};
 pub use error::ConfigError;
-pub use member::{Member, MAX_MEMBERS, MAX_MEMBER_WEIGHT, MAX_MODEL_LEN};
 pub use operation::{
     Operation, RequestShape, Settle, SettleReserve, StreamUsage, Weight, DEFAULT_JOB_DEADLINE,
     DEFAULT_MAX_RUNS, DEFAULT_RESULT_TTL,
@@ -37,6 +36,7 @@ pub use plan::{
     DEFAULT_MAX_STORED_BYTES, JOB_RECORD_BYTES, MAX_ALERT_THRESHOLDS, MAX_IN_FLIGHT, MAX_LIMITS,
     MAX_OPEN_STREAMS, MAX_SHARE, MAX_STORED_BYTES,
 };
+pub use pool::{PoolMember, MAX_MEMBERS, MAX_MEMBER_WEIGHT, MAX_MODEL_LEN};
 pub use pricing::{ModelSource, PriceError, Prices, Pricing, Quote};
 pub use provider::{
     reported_usage, Fairness, LimitKind, Provider, ProviderLimit, DEFAULT_MAX_PAUSE, FIRST_BACKOFF,

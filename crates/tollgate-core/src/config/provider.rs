@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::member::{parse_members, Inherited, Member, RawMember};
+use super::pool::{parse_members, Inherited, PoolMember, RawPoolMember};
 use super::upstream::{parse_call_policy, parse_upstream, Upstream, UpstreamFields};
 use super::{ConfigError, MAX_IN_FLIGHT, MAX_TOKENS};
 use crate::duration;
@@ -79,7 +79,7 @@ pub struct Provider {
     /// Its pool's members (`members`), in order; empty: a pool of one, the
     /// provider itself. A pool of one member is served as that member: its
     /// limits, `max_concurrent` and upstream are the provider's.
-    pub members: Vec<Member>,
+    pub members: Vec<PoolMember>,
 }
 
 /// What one of a provider's `limits` counts.
@@ -237,7 +237,7 @@ pub(super) struct RawProvider {
     late_allowance: Option<String>,
     max_concurrent: Option<i64>,
     adaptive: Option<bool>,
-    members: Option<Vec<RawMember>>,
+    members: Option<Vec<RawPoolMember>>,
 }
 
 #[derive(Deserialize)]

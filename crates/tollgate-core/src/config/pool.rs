@@ -23,7 +23,7 @@ pub const MAX_MODEL_LEN: usize = 256;
 
 /// One upstream account of a provider's pool.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Member {
+pub struct PoolMember {
     /// Unique in its provider; the id charset (it names the member in
     /// metrics, the job timeline and Redis keys).
     pub name: String,
@@ -47,7 +47,7 @@ pub struct Member {
     pub upstream: Upstream,
 }
 
-impl Member {
+impl PoolMember {
     /// The heaviest call it can ever grant: its smallest token burst (`None`:
     /// it has no token limit).
     pub fn max_weight(&self) -> Option<u64> {
@@ -57,7 +57,7 @@ impl Member {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct RawMember {
+pub(super) struct RawPoolMember {
     name: Option<String>,
     url: Option<String>,
     headers: Option<BTreeMap<String, String>>,
@@ -79,10 +79,10 @@ pub(super) struct Inherited {
 /// The members of provider `key` (`providers.X`), each checked, in order.
 pub(super) fn parse_members(
     key: &str,
-    raw: &[RawMember],
+    raw: &[RawPoolMember],
     inherited: &Inherited,
     invalid: &impl Fn(String, String) -> ConfigError,
-) -> Result<Vec<Member>, ConfigError> {
+) -> Result<Vec<PoolMember>, ConfigError> {
     if raw.is_empty() || raw.len() > MAX_MEMBERS {
         return Err(invalid(
             format!("{key}.members"),
@@ -92,7 +92,7 @@ pub(super) fn parse_members(
             ),
         ));
     }
-    let mut out: Vec<Member> = Vec::with_capacity(raw.len());
+    let mut out: Vec<PoolMember> = Vec::with_capacity(raw.len());
     for (i, m) in raw.iter().enumerate() {
         let at = format!("{key}.members[{i}]");
         let Some(name) = &m.name else {
@@ -195,7 +195,7 @@ pub(super) fn parse_members(
         upstream.timeout = inherited.timeout;
         upstream.retries = inherited.retries;
         upstream.model.clone_from(&model);
-        out.push(Member {
+        out.push(PoolMember {
             name: name.clone(),
             weight,
             model,
