@@ -252,6 +252,12 @@ fn bad_input_is_exit_2_with_one_line() {
     assert_eq!(cli.json(&["usage", "--user", "a"], 0)["used"], 0);
 }
 
+/// A pool `p` whose members are these lines.
+const POOL_MEMBERS_NO_URL: &str = "[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n[providers.p]\nmax_wait = \"1s\"\nmembers = [{ name = \"a\", limits = [{ rate = 60, per = \"1m\" }] }]\n";
+const POOL_MEMBERS_TWICE: &str = "[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n[providers.p]\nmax_wait = \"1s\"\nmembers = [{ name = \"a\", url = \"http://127.0.0.1:9\", limits = [{ rate = 60, per = \"1m\" }] }, { name = \"a\", url = \"http://127.0.0.1:8\", limits = [{ rate = 60, per = \"1m\" }] }]\n";
+const POOL_MEMBERS_WEIGHT_0: &str = "[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n[providers.p]\nmax_wait = \"1s\"\nmembers = [{ name = \"a\", url = \"http://127.0.0.1:9\", weight = 0, limits = [{ rate = 60, per = \"1m\" }] }]\n";
+const POOL_MEMBERS_TOO_LIGHT: &str = "[plans.tiny]\nlimit = 5\nwindow = \"1h\"\n[providers.p]\nmax_wait = \"1s\"\nmembers = [{ name = \"a\", url = \"http://127.0.0.1:9\", limits = [{ rate = 60, per = \"1m\" }, { tokens = 1000, per = \"1m\", burst = 100 }] }]\n[operations.o]\ncost = 1\nprovider = \"p\"\nweight = 101\n";
+
 #[test]
 fn config_errors_name_the_key() {
     let cli = Cli::new();
@@ -279,6 +285,12 @@ fn config_errors_name_the_key() {
             "[plans.tiny]\nlimit = 5\nwindow = \"an hour\"\n",
             "plans.tiny.window",
         ),
+        // Pools: a member without url, a name twice, a weight of 0, limits
+        // that could never grant an operation's weight.
+        (POOL_MEMBERS_NO_URL, "providers.p.members[0].url"),
+        (POOL_MEMBERS_TWICE, "providers.p.members[1].name"),
+        (POOL_MEMBERS_WEIGHT_0, "providers.p.members[0].weight"),
+        (POOL_MEMBERS_TOO_LIGHT, "providers.p.members[0].limits"),
     ] {
         let bad = dir.join("bad.toml");
         std::fs::write(&bad, text).unwrap();

@@ -83,6 +83,10 @@ limits = [{ rate = 40, per = "1s", burst = 4 }, { tokens = 100, per = "1s", burs
 # lost and the call queues again, behind the lighter call: the order this
 # provider's test checks is the queue's, so its grants may be used late.
 late_allowance = "100ms"
+# A pool of one member: served as that member, with w-limits' limits.
+[providers.zz-pool]
+max_wait = "10s"
+members = [{ name = "only", url = "http://127.0.0.1:9", limits = [{ rate = 40, per = "1s", burst = 4 }, { tokens = 100, per = "1s", burst = 30 }] }]
 "#;
 
 pub fn config() -> Arc<Config> {
@@ -256,6 +260,7 @@ conformance!(
     throttle_max_concurrent_holds_a_slot_until_done,
     throttle_adaptive_halves_the_rate_on_a_refusal,
     throttle_limits_a_grant_takes_from_every_limit,
+    throttle_a_pool_of_one_grants_from_its_members_limits,
     throttle_limits_usage_gives_back_and_takes_within_bounds,
     throttle_limits_a_heavy_call_waits_its_turn_or_is_refused,
     throttle_a_late_grant_is_redated_while_the_bucket_stays_low,
@@ -587,7 +592,8 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "wicket-fifo",
             "x-late",
             "y-slots",
-            "z-adaptive"
+            "z-adaptive",
+            "zz-pool"
         ]
     );
     assert_eq!(
@@ -732,7 +738,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive, zz-pool)"
     );
 }
 
@@ -1166,6 +1172,46 @@ async fn available(t: &Arc<dyn Throttle>, provider: &str) -> Vec<(String, f64)> 
         .iter()
         .map(|l| (l.limit.clone(), l.available))
         .collect()
+}
+
+/// `zz-pool`: a pool of one member whose limits are w-limits': its grants
+/// take from them (three calls of 10 empty its token burst of 30 at once),
+/// the fourth waits for the refill, and they go to the member's url.
+async fn throttle_a_pool_of_one_grants_from_its_members_limits(t: Arc<dyn Throttle>) {
+    let full = available(&t, "zz-pool").await;
+    assert_eq!(
+        full,
+        vec![
+            ("requests/1s".to_owned(), 4.0),
+            ("tokens/1s".to_owned(), 30.0)
+        ],
+        "the member's limits are the pool's"
+    );
+    let started = Instant::now();
+    for i in 0..3 {
+        let g = weighing(&t, "zz-pool", &format!("m{i}"), 10).await.unwrap();
+        assert_eq!((g.provider.as_str(), g.weight), ("zz-pool", 10));
+    }
+    let since = started.elapsed().as_secs_f64();
+    let after = available(&t, "zz-pool").await;
+    assert!(after[1].1 < 0.5 + 100.0 * since, "{after:?}");
+    let before = Instant::now();
+    weighing(&t, "zz-pool", "m3", 10).await.unwrap();
+    let waited = before.elapsed();
+    assert!(
+        waited >= Duration::from_millis(110) && waited < Duration::from_millis(600),
+        "the fourth waited for 10 tokens at ~68/s: {waited:?}"
+    );
+    // Heavier than the member's token burst: refused before it waits.
+    let e = weighing(&t, "zz-pool", "m4", 31).await.unwrap_err();
+    assert!(
+        matches!(e, ThrottleError::TooHeavy { most: 30, .. }),
+        "{e:?}"
+    );
+    let pool = config();
+    let p = pool.provider("zz-pool").unwrap();
+    assert_eq!(p.members[0].name, "only");
+    assert_eq!(pool.upstream("zz-pool").unwrap().url, "http://127.0.0.1:9");
 }
 
 /// `w-limits`: 40 calls and 100 tokens per 1 s (bursts 4 and 30). A grant

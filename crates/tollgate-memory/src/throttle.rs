@@ -777,6 +777,7 @@ mod tests {
             rate_limit: None,
             limits: Vec::new(),
             usage: None,
+            members: Vec::new(),
         }
     }
 

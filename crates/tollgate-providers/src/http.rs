@@ -54,6 +54,9 @@ pub struct HttpTransport {
     ask_usage: BTreeSet<String>,
     /// Sent with every call: static headers, then secret ones (sensitive).
     headers: Vec<(HeaderName, HeaderValue)>,
+    /// Sent as the body's `model` in place of the request's (a pool
+    /// member's `model`).
+    model: Option<String>,
     client: reqwest::Client,
 }
 
@@ -136,8 +139,22 @@ impl HttpTransport {
             shapes,
             ask_usage,
             headers,
+            model: upstream.model.clone(),
             client,
         })
+    }
+}
+
+/// `input` with its `model` set to `model` (a pool member's name for the
+/// model), when it is an object and `model` is set; else `input` as it is.
+fn with_model<'a>(input: &'a Value, model: Option<&str>) -> std::borrow::Cow<'a, Value> {
+    match (input, model) {
+        (Value::Object(o), Some(m)) => {
+            let mut o = o.clone();
+            o.insert("model".to_owned(), Value::String(m.to_owned()));
+            std::borrow::Cow::Owned(Value::Object(o))
+        }
+        _ => std::borrow::Cow::Borrowed(input),
     }
 }
 
@@ -324,6 +341,7 @@ impl HttpTransport {
     ) -> Result<reqwest::RequestBuilder, AttemptError> {
         let path = self.paths.get(&job.operation).map_or("", String::as_str);
         let url = format!("{}{path}", self.url);
+        let input = &with_model(input, self.model.as_deref());
         let shape = self.shapes.get(&job.operation).copied().unwrap_or_default();
         let req = match shape {
             RequestShape::Json => self
@@ -661,6 +679,7 @@ secret_headers = { "x-api-key" = "TOLLGATE_TEST_HTTP_SECRET_HEADER" }"#,
             shapes: BTreeMap::new(),
             ask_usage: BTreeSet::new(),
             headers: Vec::new(),
+            model: None,
             client: reqwest::Client::builder()
                 .dns_resolver(SlowDns(addr, delay))
                 .build()
@@ -707,5 +726,37 @@ secret_headers = { "x-api-key" = "TOLLGATE_TEST_HTTP_SECRET_HEADER" }"#,
         let text = String::from_utf8_lossy(&bytes);
         assert!(text.starts_with("POST / HTTP/1.1"), "{text}");
         assert!(text.contains("content-length: 2"), "{text}");
+    }
+
+    /// A pool member's `model` replaces the request's in the body sent; the
+    /// rest of the body is as it came.
+    #[tokio::test]
+    async fn a_member_sends_its_own_model_name() {
+        let (addr, got) = raw_upstream();
+        let mut client = slow_client(addr, Duration::ZERO);
+        client.model = Some("gpt-4o-eu".into());
+        let job = tollgate_core::testing::job(
+            "r1",
+            "x",
+            "llm",
+            serde_json::json!({"model": "gpt-4o", "q": {}}),
+        );
+        let use_by = Instant::now() + Duration::from_secs(5);
+        let out = client.attempt(&job, by(use_by)).await;
+        assert_eq!(out.ok().map(|a| a.body), Some(serde_json::json!({})));
+        let bytes = got.recv_timeout(Duration::from_secs(5)).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        let body = text.split("\r\n\r\n").nth(1).unwrap_or_default();
+        let sent: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(sent, serde_json::json!({"model": "gpt-4o-eu", "q": {}}));
+        // Not an object: nothing to set, sent as it came.
+        assert_eq!(
+            with_model(&serde_json::json!([1]), Some("m")).into_owned(),
+            serde_json::json!([1])
+        );
+        assert_eq!(
+            with_model(&serde_json::json!({"a": 1}), None).into_owned(),
+            serde_json::json!({"a": 1})
+        );
     }
 }

@@ -14,6 +14,7 @@ mod alerts;
 mod error;
 mod operation;
 mod plan;
+mod pool;
 mod pricing;
 mod provider;
 mod upstream;
@@ -35,6 +36,7 @@ pub use plan::{
     DEFAULT_MAX_STORED_BYTES, JOB_RECORD_BYTES, MAX_ALERT_THRESHOLDS, MAX_IN_FLIGHT, MAX_LIMITS,
     MAX_OPEN_STREAMS, MAX_SHARE, MAX_STORED_BYTES,
 };
+pub use pool::{PoolMember, MAX_MEMBERS, MAX_MEMBER_WEIGHT, MAX_MODEL_LEN};
 pub use pricing::{ModelSource, PriceError, Prices, Pricing, Quote};
 pub use provider::{
     reported_usage, Fairness, LimitKind, Provider, ProviderLimit, DEFAULT_MAX_PAUSE, FIRST_BACKOFF,
@@ -385,6 +387,7 @@ impl Config {
                     secret_headers: BTreeMap::new(),
                     timeout: DEFAULT_UPSTREAM_TIMEOUT,
                     retries: DEFAULT_RETRIES,
+                    model: None,
                 });
         }
         Ok(())

@@ -542,6 +542,19 @@ fn parse_weight(
         Weight::Fixed(n) => (*n, "weight"),
         Weight::From { default, .. } => (*default, "default"),
     };
+    // A member that could never grant it: its limits are wrong for the
+    // operation (a pool of one member has the provider's own).
+    for (i, m) in provider.members.iter().enumerate() {
+        if let Some(most) = m.max_weight().filter(|most| n > *most) {
+            return Err(invalid(
+                format!("providers.{}.members[{i}].limits", provider.name),
+                format!(
+                    "its smallest token burst ({most}) could never grant a call of {key} \
+                     ({what} {n})"
+                ),
+            ));
+        }
+    }
     if n > most {
         return Err(invalid(
             key.to_owned(),

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::upstream::{parse_upstream, Upstream};
+use super::pool::{parse_members, Inherited, PoolMember, RawPoolMember};
+use super::upstream::{parse_call_policy, parse_upstream, Upstream, UpstreamFields};
 use super::{ConfigError, MAX_IN_FLIGHT, MAX_TOKENS};
 use crate::duration;
 
@@ -75,6 +76,10 @@ pub struct Provider {
     /// pointer; operations may set their own): the difference from its
     /// weight goes back to (or is taken from) the token limits.
     pub usage: Option<String>,
+    /// Its pool's members (`members`), in order; empty: a pool of one, the
+    /// provider itself. A pool of one member is served as that member: its
+    /// limits, `max_concurrent` and upstream are the provider's.
+    pub members: Vec<PoolMember>,
 }
 
 /// What one of a provider's `limits` counts.
@@ -158,11 +163,7 @@ impl Provider {
     /// The heaviest call a grant can ever be made for: the smallest capacity
     /// of its token limits (`None`: it has none, weight counts nothing).
     pub fn max_weight(&self) -> Option<u64> {
-        self.limits
-            .iter()
-            .filter(|l| l.kind == LimitKind::Tokens)
-            .map(|l| l.burst)
-            .min()
+        max_token_burst(&self.limits)
     }
 
     /// The bucket that `rate` and `burst` describe, named as in metrics:
@@ -181,6 +182,16 @@ impl Provider {
             .unwrap_or_else(|| Duration::from_secs_f64((1.0 / self.rate).min(3600.0)))
             .max(Duration::from_millis(2))
     }
+}
+
+/// The smallest burst of the token limits among `limits`: the heaviest call
+/// they can ever grant (`None`: there is no token limit).
+pub(super) fn max_token_burst(limits: &[ProviderLimit]) -> Option<u64> {
+    limits
+        .iter()
+        .filter(|l| l.kind == LimitKind::Tokens)
+        .map(|l| l.burst)
+        .min()
 }
 
 /// The tokens an answer reports at `pointer` (a provider's or an
@@ -226,11 +237,12 @@ pub(super) struct RawProvider {
     late_allowance: Option<String>,
     max_concurrent: Option<i64>,
     adaptive: Option<bool>,
+    members: Option<Vec<RawPoolMember>>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawProviderLimit {
+pub(super) struct RawProviderLimit {
     rate: Option<i64>,
     tokens: Option<i64>,
     per: String,
@@ -242,7 +254,7 @@ pub(super) type Providers = (BTreeMap<String, Provider>, BTreeMap<String, Upstre
 /// A `limits` entry as read: kind, amount, per, burst.
 type RawLimitOf = (LimitKind, u64, Duration, u64);
 
-fn parse_provider_limits(
+pub(super) fn parse_provider_limits(
     key: &str,
     raw: &[RawProviderLimit],
     invalid: &impl Fn(String, String) -> ConfigError,
@@ -326,7 +338,7 @@ fn limit_of((kind, amount, per, burst): RawLimitOf, late: Duration) -> ProviderL
 
 /// The provider's request bucket (`rate`, `burst`: the simple form, or its
 /// first request limit) and its other limits, each with its rate.
-fn request_bucket(
+pub(super) fn request_bucket(
     key: &str,
     simple: Option<(f64, i64)>,
     mut raw: Vec<RawLimitOf>,
@@ -454,6 +466,47 @@ pub(super) fn usage_pointer(
     Ok(pointer)
 }
 
+/// The upstream fields of a provider without members.
+fn upstream_fields(p: &RawProvider) -> UpstreamFields<'_> {
+    UpstreamFields {
+        url: p.url.as_ref(),
+        auth_header: p.auth_header.as_ref(),
+        auth_env: p.auth_env.as_ref(),
+        headers: p.headers.as_ref(),
+        secret_headers: p.secret_headers.as_ref(),
+        timeout: p.timeout.as_ref(),
+        retries: p.retries,
+    }
+}
+
+/// With `members`, what each member sets for itself is not set on the
+/// provider: which one would a call use?
+fn member_keys_only(
+    key: &str,
+    p: &RawProvider,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<(), ConfigError> {
+    for (field, set) in [
+        ("rate", p.rate.is_some()),
+        ("burst", p.burst.is_some()),
+        ("limits", p.limits.is_some()),
+        ("max_concurrent", p.max_concurrent.is_some()),
+        ("url", p.url.is_some()),
+        ("auth_header", p.auth_header.is_some()),
+        ("auth_env", p.auth_env.is_some()),
+        ("headers", p.headers.is_some()),
+        ("secret_headers", p.secret_headers.is_some()),
+    ] {
+        if set {
+            return Err(invalid(
+                format!("{key}.{field}"),
+                "is set per member when the provider lists `members`".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn parse_providers(
     raw: BTreeMap<String, RawProvider>,
     invalid: &impl Fn(String, String) -> ConfigError,
@@ -521,19 +574,64 @@ pub(super) fn parse_providers(
                 Some(duration::parse(text).map_err(|m| invalid(field, m))?)
             }
         };
-        let (rate, burst, rate_limit, limits) =
-            request_bucket(&key, simple, raw_limits, late_allowance, invalid)?;
-        let max_concurrent = match p.max_concurrent {
-            None => None,
-            Some(n) if (1..=i64::from(MAX_IN_FLIGHT)).contains(&n) => Some(n as u32),
-            Some(n) => {
-                return Err(invalid(
-                    format!("{key}.max_concurrent"),
-                    format!("must be between 1 and {MAX_IN_FLIGHT}, got {n}"),
-                ))
+        let (rate, burst, rate_limit, limits, max_concurrent, upstream, members) = match &p.members
+        {
+            None => {
+                let (rate, burst, rate_limit, limits) =
+                    request_bucket(&key, simple, raw_limits, late_allowance, invalid)?;
+                let max_concurrent = match p.max_concurrent {
+                    None => None,
+                    Some(n) if (1..=i64::from(MAX_IN_FLIGHT)).contains(&n) => Some(n as u32),
+                    Some(n) => {
+                        return Err(invalid(
+                            format!("{key}.max_concurrent"),
+                            format!("must be between 1 and {MAX_IN_FLIGHT}, got {n}"),
+                        ))
+                    }
+                };
+                let upstream = parse_upstream(&key, &upstream_fields(&p), invalid)?;
+                (
+                    rate,
+                    burst,
+                    rate_limit,
+                    limits,
+                    max_concurrent,
+                    upstream,
+                    Vec::new(),
+                )
+            }
+            Some(raw_members) => {
+                member_keys_only(&key, &p, invalid)?;
+                let (timeout, retries) =
+                    parse_call_policy(&key, p.timeout.as_ref(), p.retries, invalid)?;
+                let inherited = Inherited {
+                    late_allowance,
+                    timeout,
+                    retries,
+                };
+                let members = parse_members(&key, raw_members, &inherited, invalid)?;
+                let [one] = members.as_slice() else {
+                    return Err(invalid(
+                        format!("{key}.members"),
+                        format!(
+                            "lists {} members: this version serves a pool of one member \
+                                 only (grants per member are not built yet)",
+                            members.len()
+                        ),
+                    ));
+                };
+                (
+                    one.rate,
+                    one.burst,
+                    one.rate_limit.clone(),
+                    one.limits.clone(),
+                    one.max_concurrent,
+                    Some(one.upstream.clone()),
+                    members,
+                )
             }
         };
-        if let Some(upstream) = parse_upstream(&key, &p, invalid)? {
+        if let Some(upstream) = upstream {
             upstreams.insert(name.clone(), upstream);
         }
         let usage = match p.usage {
@@ -555,6 +653,7 @@ pub(super) fn parse_providers(
                 rate_limit,
                 limits,
                 usage,
+                members,
             },
         );
     }

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::provider::RawProvider;
 use super::ConfigError;
 use crate::duration;
 
@@ -32,6 +31,23 @@ pub struct Upstream {
     /// Retries after a 429 or 5xx (each after the upstream's `Retry-After`, or
     /// an exponential backoff, and a new throttle grant).
     pub retries: u32,
+    /// The model name sent in place of the request's `model` (a pool
+    /// member's `model`: the same model under another deployment's name);
+    /// `None`: the request's own.
+    pub model: Option<String>,
+}
+
+/// The upstream fields of a `[providers.X]` table, or of one of its
+/// `members` (which has no `auth_*`, and takes `timeout` and `retries` from
+/// its provider).
+pub(super) struct UpstreamFields<'a> {
+    pub url: Option<&'a String>,
+    pub auth_header: Option<&'a String>,
+    pub auth_env: Option<&'a String>,
+    pub headers: Option<&'a BTreeMap<String, String>>,
+    pub secret_headers: Option<&'a BTreeMap<String, String>>,
+    pub timeout: Option<&'a String>,
+    pub retries: Option<i64>,
 }
 
 /// Default `timeout` of an upstream call.
@@ -89,10 +105,10 @@ fn header_name(h: &str) -> bool {
 
 pub(super) fn parse_upstream(
     key: &str,
-    p: &RawProvider,
+    p: &UpstreamFields<'_>,
     invalid: &impl Fn(String, String) -> ConfigError,
 ) -> Result<Option<Upstream>, ConfigError> {
-    let Some(url) = &p.url else {
+    let Some(url) = p.url else {
         for (field, set) in [
             ("auth_header", p.auth_header.is_some()),
             ("auth_env", p.auth_env.is_some()),
@@ -123,7 +139,7 @@ pub(super) fn parse_upstream(
                 .into(),
         ));
     }
-    if let Some(h) = &p.auth_header {
+    if let Some(h) = p.auth_header {
         if !header_name(h) {
             return Err(invalid(
                 format!("{key}.auth_header"),
@@ -131,8 +147,8 @@ pub(super) fn parse_upstream(
             ));
         }
     }
-    let headers = p.headers.clone().unwrap_or_default();
-    let secret_headers = p.secret_headers.clone().unwrap_or_default();
+    let headers = p.headers.cloned().unwrap_or_default();
+    let secret_headers = p.secret_headers.cloned().unwrap_or_default();
     let mut seen: Vec<String> = p
         .auth_header
         .iter()
@@ -187,7 +203,28 @@ pub(super) fn parse_upstream(
             }
         }
     }
-    let timeout = match &p.timeout {
+    let (timeout, retries) = parse_call_policy(key, p.timeout, p.retries, invalid)?;
+    Ok(Some(Upstream {
+        url: url.trim_end_matches('/').to_owned(),
+        auth_header: p.auth_header.cloned(),
+        auth_env: p.auth_env.cloned(),
+        headers,
+        secret_headers,
+        timeout,
+        retries,
+        model: None,
+    }))
+}
+
+/// `timeout` (default [`DEFAULT_UPSTREAM_TIMEOUT`]) and `retries` (default
+/// [`DEFAULT_RETRIES`]) of `key`.
+pub(super) fn parse_call_policy(
+    key: &str,
+    timeout: Option<&String>,
+    retries: Option<i64>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<(Duration, u32), ConfigError> {
+    let timeout = match timeout {
         Some(t) => duration::parse(t).map_err(|m| invalid(format!("{key}.timeout"), m))?,
         None => DEFAULT_UPSTREAM_TIMEOUT,
     };
@@ -197,22 +234,14 @@ pub(super) fn parse_upstream(
             "must be between 1ms and 10m".into(),
         ));
     }
-    let retries = p.retries.unwrap_or(i64::from(DEFAULT_RETRIES));
+    let retries = retries.unwrap_or(i64::from(DEFAULT_RETRIES));
     if !(0..=10).contains(&retries) {
         return Err(invalid(
             format!("{key}.retries"),
             format!("must be between 0 and 10, got {retries}"),
         ));
     }
-    Ok(Some(Upstream {
-        url: url.trim_end_matches('/').to_owned(),
-        auth_header: p.auth_header.clone(),
-        auth_env: p.auth_env.clone(),
-        headers,
-        secret_headers,
-        timeout,
-        retries: retries as u32,
-    }))
+    Ok((timeout, retries as u32))
 }
 
 #[cfg(test)]
