@@ -100,6 +100,17 @@ provider = "brief"
 path = "/chat/completions"
 deadline = "1s"
 settle = {{ from = "/usage/total_tokens", per = 1, max = 200 }}
+[providers.bounded]
+max_wait = "10s"
+url = "{mock}/v1"
+retries = 0
+limits = [{{ rate = 100, per = "1s" }}, {{ tokens = 100000, per = "1m", burst = 10000 }}]
+usage = "/usage/total_tokens"
+[operations."bounded.chat"]
+cost = 2
+provider = "bounded"
+path = "/chat/completions"
+weight = {{ from = "/max_tokens", default = 3, input = "bytes" }}
 "#
     )
 }
@@ -555,6 +566,59 @@ async fn whole_and_streamed_answers_on(sys: System) {
 
 /// Out of budget: 429 in each SDK's shape, with the exact Retry-After (and
 /// `retry-after-ms`), and a far one says not to retry.
+/// A call of an operation whose weight reads `max_tokens` goes upstream
+/// with the operation's default (3) when it sets none, whole or streamed,
+/// so the upstream writes no more than its weight counts: the mock's answer
+/// ("mock answer to: one two three four five") stops after 3 words. One that
+/// sets its own keeps it.
+async fn a_call_without_max_tokens_goes_with_its_default(redis: bool) {
+    let sys = start(redis, 2);
+    let key = sys.user("bo", "big").await;
+    let messages = json!([{"role": "user", "content": "one two three four five"}]);
+    let bounded = |path: &str| {
+        sys.http
+            .post(format!("{}/v1/passthrough/bounded{path}", sys.base))
+            .bearer_auth(&key)
+    };
+    let r = bounded("/chat/completions")
+        .json(&json!({"model": "m", "messages": messages}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v["choices"][0]["message"]["content"], "mock answer to:",
+        "{v}"
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    let r = bounded("/chat/completions")
+        .json(&json!({"model": "m", "stream": true, "messages": messages}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let text: String = datas(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(text, "mock answer to:", "{body}");
+    let r = bounded("/chat/completions")
+        .json(&json!({"model": "m", "max_tokens": 5, "messages": messages}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+}
+
 async fn budget_429_in_the_sdks_shape(redis: bool) {
     let sys = start(redis, 0);
     let key = sys.user("tim", "tiny").await;
@@ -977,6 +1041,16 @@ async fn streaming_whole_and_streamed_answers_embedded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_whole_and_streamed_answers_redis() {
     whole_and_streamed_answers(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_default_output_bound_sent_embedded() {
+    a_call_without_max_tokens_goes_with_its_default(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_default_output_bound_sent_redis() {
+    a_call_without_max_tokens_goes_with_its_default(true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

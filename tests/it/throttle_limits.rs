@@ -22,7 +22,7 @@ use tollgate_memory::throttle::MemoryThrottle;
 use tollgate_providers::CallOptions;
 use tollgate_tests::jobs::{submit_queued, wait_final};
 use tollgate_tests::process::{spawn_role, Procs};
-use tollgate_tests::upstream::{Arrival, Upstream};
+use tollgate_tests::upstream::{honoured, Arrival, Upstream};
 use tollgate_tests::{random_prefix, temp_file, RedisServer};
 
 use crate::jobs::redis_queue;
@@ -65,10 +65,11 @@ fn input(i: usize) -> Value {
     json!({ "n": i, "max_tokens": weight, "upstream": { "usage": used } })
 }
 
-/// The tokens an arrival's call reported.
+/// The tokens an arrival's call reported: what it asked for, within the
+/// `max_tokens` it was sent with.
 fn used(a: &Arrival) -> u64 {
     let body: Value = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
-    body["upstream"]["usage"].as_u64().unwrap_or(0)
+    honoured(body["upstream"]["usage"].as_u64().unwrap_or(0), &body)
 }
 
 /// The upstream's view: every window within its limits, and the token
@@ -170,18 +171,90 @@ async fn throttle_limits_in_process_keep_every_window_and_use_the_binding_one() 
     );
 }
 
-/// Calls that declare a weight far below what they use (`max_tokens` 0, 1,
-/// or none: the operation's default of 100), each using 250 tokens: the
-/// throttle takes what each used past its weight below empty, a debt the
-/// next grants wait for. Before, the rest was forgiven at empty, and the
-/// upstream saw every 2 s window far past its 6,000 tokens (the request
-/// limit alone bound it: ~120 calls, ~30,000 tokens).
+/// The under-declaring calls' config: the same limits, with room for a
+/// burst of 10 calls, and a weight that bounds the input too.
+fn under_config_text(url: &str) -> String {
+    config_text(url)
+        .replace(
+            &format!("rate = {REQUESTS}, per = \"1s\", burst = 3"),
+            &format!("rate = {REQUESTS}, per = \"1s\", burst = 10"),
+        )
+        .replace("default = 100 }", "default = 100, input = \"bytes\" }")
+}
+
+/// What an under-declaring call would use, unbounded.
+const WOULD_USE: u64 = 1000;
+const UNDER: usize = 90;
+
+/// Call `i` of the under-declaring ones: a 100-byte prompt, and `max_tokens`
+/// 0, 1 or none (the operation's default of 100); each would use 1,000
+/// tokens if the upstream let it.
+fn under_input(i: usize) -> Value {
+    let mut input =
+        json!({ "n": i, "prompt": "p".repeat(100), "upstream": { "usage": WOULD_USE } });
+    match i % 3 {
+        0 => input["max_tokens"] = json!(0),
+        1 => input["max_tokens"] = json!(1),
+        _ => {}
+    }
+    input
+}
+
+/// The upstream's view of the under-declaring calls: in any 2 s, the
+/// tokens reported stay within the limit plus one call's weight (the
+/// heaviest's), and the calls sent without `max_tokens` went with the
+/// default written in.
+fn check_under(config: &Config, arrivals: &[Arrival]) {
+    assert_eq!(
+        arrivals.len(),
+        UNDER,
+        "every call reached the upstream once"
+    );
+    let weight = config.operation("call").unwrap().weight.clone().unwrap();
+    let heaviest = (0..UNDER)
+        .map(|i| weight.of(&under_input(i)))
+        .max()
+        .unwrap();
+    let mut calls: Vec<(u64, u64)> = Vec::new();
+    for a in arrivals {
+        assert_eq!(a.status, 200, "a call was refused");
+        let body: Value = serde_json::from_slice(&a.body).unwrap();
+        assert!(body["max_tokens"].is_u64(), "sent without a bound: {body}");
+        calls.push((a.at_us, used(a)));
+    }
+    calls.sort_unstable();
+    let per_us = TOKENS_PER.as_micros() as u64;
+    let worst = (0..calls.len())
+        .map(|i| {
+            calls[i..]
+                .iter()
+                .take_while(|(t, _)| *t < calls[i].0 + per_us)
+                .map(|(_, u)| u)
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    eprintln!(
+        "under-declared: worst 2 s {worst} tokens (limit {TOKENS}, heaviest call {heaviest})"
+    );
+    assert!(
+        worst <= TOKENS + heaviest,
+        "{worst} tokens within 2 s (limit {TOKENS} + one call's {heaviest})"
+    );
+}
+
+/// Calls that declare a weight far below what they would use (`max_tokens`
+/// 0, 1, or none), each able to use 1,000 tokens: the weight bounds what
+/// the upstream can do (the input's bytes plus the output bound, and the
+/// operation's default sent upstream when the call declares none), so the
+/// upstream sees at most the limit plus one call's weight in any 2 s, from
+/// the first burst on. Before, the burst granted before the first usage came
+/// back went far past it (a call weighed its `max_tokens` alone, 1, and one
+/// without went with no bound, using 1,000).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttle_limits_hold_against_calls_that_under_declare_their_weight() {
-    const USED: u64 = 250;
-    const UNDER: usize = 90;
-    let upstream = Upstream::unlimited(Duration::from_millis(20)).await;
-    let config = Config::parse(&config_text(&upstream.url()), "limits test").unwrap();
+    let upstream = Upstream::unlimited(Duration::from_millis(100)).await;
+    let config = Config::parse(&under_config_text(&upstream.url()), "limits test").unwrap();
     let metrics = Arc::new(Metrics::new(&config));
     let throttle: Arc<dyn Throttle> =
         Arc::new(MemoryThrottle::metered(&config, Arc::clone(&metrics)));
@@ -190,18 +263,12 @@ async fn throttle_limits_hold_against_calls_that_under_declare_their_weight() {
     let mut calls = Vec::new();
     for i in 0..UNDER {
         let client = Arc::clone(&client);
-        let mut input = json!({ "n": i, "upstream": { "usage": USED } });
-        match i % 3 {
-            0 => input["max_tokens"] = json!(0),
-            1 => input["max_tokens"] = json!(1),
-            _ => {}
-        }
         let job = Job {
             id: RequestId::new(format!("under-{i}")).unwrap(),
             user: UserId::new("pat").unwrap(),
             operation: "call".into(),
             provider: "llm".into(),
-            input,
+            input: under_input(i),
             cost: 1,
             enqueued_at_ms: 0,
             deadline_ms: u64::MAX,
@@ -218,21 +285,32 @@ async fn throttle_limits_hold_against_calls_that_under_declare_their_weight() {
     for c in calls {
         c.await.unwrap().expect("every call succeeds");
     }
-    let mut at: Vec<u64> = upstream.arrivals().iter().map(|a| a.at_us).collect();
-    at.sort_unstable();
-    assert_eq!(at.len(), UNDER);
-    let per_us = TOKENS_PER.as_micros() as u64;
-    let worst = (0..at.len())
-        .map(|i| at[i..].iter().take_while(|t| **t < at[i] + per_us).count() as u64 * USED)
-        .max()
-        .unwrap_or(0);
-    // What the upstream saw in any 2 s: the limit, and the calls granted
-    // before the first usage came back (a burst of the request limit) and
-    // one in flight: a few calls' worth, never the ~30,000 of before.
-    assert!(
-        worst <= TOKENS + 4 * USED,
-        "{worst} tokens within 2 s (limit {TOKENS})"
-    );
+    check_under(&config, &upstream.arrivals());
+}
+
+/// The same across processes: a `tollgate throttler` and two `tollgate
+/// worker`s on one Redis, every job queued before they start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_limits_across_processes_hold_against_calls_that_under_declare_their_weight() {
+    let upstream = Upstream::unlimited(Duration::from_millis(100)).await;
+    let server = RedisServer::start();
+    let prefix = random_prefix();
+    let text = under_config_text(&upstream.url());
+    let (dir, config_path) = temp_file("it", "under.toml", &text).unwrap();
+    let config = Arc::new(Config::parse(&text, "limits test").unwrap());
+    let (q, _ledger) = redis_queue(&server, &prefix, Arc::clone(&config)).await;
+    let user = UserId::new("pat").unwrap();
+    let ids = submit_queued(&*q, &user, "call", (0..UNDER).map(under_input)).await;
+    let worker = ["worker", "--concurrency", "16"];
+    let _procs = Procs(vec![
+        spawn_role(&server.url(), &prefix, &config_path, &["throttler"]),
+        spawn_role(&server.url(), &prefix, &config_path, &worker),
+        spawn_role(&server.url(), &prefix, &config_path, &worker),
+    ]);
+    let (_, failed) = wait_final(&*q, &user, &ids, Duration::from_secs(60)).await;
+    assert!(failed.is_empty(), "jobs failed: {failed:?}");
+    check_under(&config, &upstream.arrivals());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

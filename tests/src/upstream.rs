@@ -207,7 +207,9 @@ impl Drop for Upstream {
 /// do), `"429"`, `"500"`, `"503"`, or `"cut"` (200 whose body stops halfway:
 /// the connection is dropped mid-reply).
 /// `"usage": n` makes an `"ok"` answer report `{"usage": {"total_tokens":
-/// n}}`, as an LLM API reports the tokens a call used.
+/// n}}`, as an LLM API reports the tokens a call used; and, as an LLM API
+/// honours it, a whole-number `max_tokens` in the body bounds the output
+/// ([`honoured`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Behaviour {
     pub answer: String,
@@ -302,12 +304,31 @@ impl Behaviour {
                 r
             }
             _ => match input["upstream"]["usage"].as_u64() {
-                Some(n) => Json(json!({"ok": true, "echo": input, "usage": {"total_tokens": n}}))
-                    .into_response(),
+                Some(n) => {
+                    let n = honoured(n, &input);
+                    Json(json!({"ok": true, "echo": input, "usage": {"total_tokens": n}}))
+                        .into_response()
+                }
                 None => Json(json!({"ok": true, "echo": input})).into_response(),
             },
         }
     }
+}
+
+/// The tokens a call that would use `asked` reports when its body sets a
+/// whole-number `max_tokens`: its prompt (the bytes of the body's `prompt`
+/// text, at most `asked`: a token is at least a byte) and at most
+/// `max_tokens` of the rest, as an LLM API never writes more output than
+/// `max_tokens`.
+pub fn honoured(asked: u64, input: &Value) -> u64 {
+    let Some(max) = input["max_tokens"].as_u64() else {
+        return asked;
+    };
+    let prompt = input["prompt"]
+        .as_str()
+        .map_or(0, |p| p.len() as u64)
+        .min(asked);
+    prompt + (asked - prompt).min(max)
 }
 
 /// One call in flight at the upstream, from its arrival until the handler
@@ -382,7 +403,7 @@ fn wants_stream(input: &Value) -> bool {
 /// What a streamed answer to `input` will send, as [`Streamed`] says.
 fn stream_plan(input: &Value, job: Option<&str>) -> (Streamed, Vec<SseEvent>, Duration) {
     let b = &input["upstream"];
-    let usage = b["usage"].as_u64().unwrap_or(10);
+    let usage = honoured(b["usage"].as_u64().unwrap_or(10), input);
     let chunks = b["chunks"].as_u64().unwrap_or(5);
     let every = Duration::from_millis(b["every_ms"].as_u64().unwrap_or(30));
     let asked = input.pointer("/stream_options/include_usage") == Some(&Value::Bool(true));

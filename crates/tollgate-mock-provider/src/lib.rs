@@ -227,8 +227,21 @@ async fn handle(State(mock): State<Arc<Mock>>, path: String, body: Bytes) -> Res
         ),
         None => {
             // The usage a metered upstream reports (`settle` rules read it): the
-            // input's `mock_total_tokens` when it is a number, else 800.
-            let tokens = input["mock_total_tokens"].as_u64().unwrap_or(800);
+            // input's `mock_total_tokens` when it is a number, else 800; as an
+            // LLM API, never more output than a whole-number `max_tokens`
+            // (the prompt, the bytes of the input's `prompt` text, and at
+            // most `max_tokens` more).
+            let asked = input["mock_total_tokens"].as_u64().unwrap_or(800);
+            let tokens = match input["max_tokens"].as_u64() {
+                Some(max) => {
+                    let prompt = input["prompt"]
+                        .as_str()
+                        .map_or(0, |p| p.len() as u64)
+                        .min(asked);
+                    prompt + (asked - prompt).min(max)
+                }
+                None => asked,
+            };
             Json(json!({
                 "ok": true, "path": format!("/{path}"), "echo": input,
                 "usage": { "total_tokens": tokens },

@@ -89,6 +89,13 @@ pub enum ProviderError {
         status: u16,
         message: String,
     },
+    /// The call's output bound (its operation's `weight.from`) could not be
+    /// written into its input: not sent, released.
+    #[error("{provider}: {error}; not sent")]
+    Unbounded {
+        provider: String,
+        error: tollgate_core::config::BoundError,
+    },
     /// The job's deadline passed before an attempt could be sent.
     #[error("the job's deadline passed before its call to {provider} could be sent{}", retried(*.attempts))]
     Expired { provider: String, attempts: u32 },
@@ -711,6 +718,35 @@ impl<C: Transport> ThrottledClient<C> {
             attempts,
         };
         let past = |d: Option<Instant>| d.is_some_and(|d| Instant::now() >= d);
+        // The call goes upstream with the output bound its weight counts
+        // (`weight.from`, written when the input does not hold it): an
+        // upstream that honours it uses no more than the weight. The stored
+        // job, its input and its fingerprint stay as the client sent them.
+        let bounded = match self
+            .weights
+            .get(&job.operation)
+            .map(|w| w.bounded(&job.input))
+        {
+            Some(Ok(Some(input))) => Some(Job {
+                input,
+                ..job.clone()
+            }),
+            Some(Err(error)) => {
+                if let Some(Ok(grant)) = match first.take() {
+                    Some(first) => Some(first.await),
+                    None => None,
+                } {
+                    self.unused_slot(&grant).await;
+                }
+                let error = ProviderError::Unbounded {
+                    provider: name.clone(),
+                    error,
+                };
+                return Err(fail(&tally, error, FailureCause::Provider));
+            }
+            _ => None,
+        };
+        let sent = bounded.as_ref().unwrap_or(job);
         let mut backoff = self.retry.backoff;
         let mut attempt = 0;
         // Each attempt waits for its slot at most `max_wait`, from here, and
@@ -758,7 +794,7 @@ impl<C: Transport> ThrottledClient<C> {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            let mut r = self.try_once(job, use_by(&grant), sink).await;
+            let mut r = self.try_once(sent, use_by(&grant), sink).await;
             // Stale before it was sent (a slow process): re-dated when its
             // bucket allows, it is used at once, its token not lost.
             for _ in 0..MAX_REDATES {
@@ -769,7 +805,7 @@ impl<C: Transport> ThrottledClient<C> {
                     Ok(Some(fresh)) => {
                         tracing::debug!(provider = %name, request_id = %job.id, "a stale grant re-dated before its send");
                         grant = fresh;
-                        r = self.try_once(job, use_by(&grant), sink).await;
+                        r = self.try_once(sent, use_by(&grant), sink).await;
                     }
                     Ok(None) => break,
                     Err(e) => {

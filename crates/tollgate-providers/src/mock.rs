@@ -15,7 +15,8 @@ use crate::{send_check, Answer, AttemptError, AttemptOptions, Transport};
 /// when it is a number, else 100 per token of the operation's estimate (its
 /// `cost`), so a `settle` rule with `per = 100` settles to the estimate unless
 /// the caller asks otherwise. (A job's own `cost` is what was reserved: the
-/// most, for an operation that settles.)
+/// most, for an operation that settles.) It honours `max_tokens` as an LLM
+/// API does ([`honoured`]).
 #[derive(Debug, Clone, Default)]
 pub struct BuiltinMock {
     estimates: Arc<BTreeMap<String, u64>>,
@@ -46,9 +47,10 @@ impl Transport for BuiltinMock {
             .get(&job.operation)
             .copied()
             .unwrap_or(job.cost);
-        let tokens = job.input["mock_total_tokens"]
+        let asked = job.input["mock_total_tokens"]
             .as_u64()
             .unwrap_or(estimate.saturating_mul(100));
+        let tokens = honoured(asked, &job.input);
         let body = json!({
             "mock": true,
             "operation": job.operation,
@@ -57,5 +59,35 @@ impl Transport for BuiltinMock {
             "usage": { "total_tokens": tokens },
         });
         opts.whole(body).await
+    }
+}
+
+/// The tokens a call that would use `asked` reports when its input sets a
+/// whole-number `max_tokens`: its prompt (the bytes of the input's `prompt`
+/// text, at most `asked`) and at most `max_tokens` of the rest, as an LLM API
+/// never writes more output than `max_tokens`.
+fn honoured(asked: u64, input: &serde_json::Value) -> u64 {
+    let Some(max) = input["max_tokens"].as_u64() else {
+        return asked;
+    };
+    let prompt = input["prompt"]
+        .as_str()
+        .map_or(0, |p| p.len() as u64)
+        .min(asked);
+    prompt + (asked - prompt).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::honoured;
+    use serde_json::json;
+
+    #[test]
+    fn the_mock_honours_max_tokens() {
+        assert_eq!(honoured(800, &json!({})), 800);
+        assert_eq!(honoured(800, &json!({"max_tokens": 5})), 5);
+        assert_eq!(honoured(800, &json!({"max_tokens": 0, "prompt": "abc"})), 3);
+        assert_eq!(honoured(2, &json!({"max_tokens": 0, "prompt": "abc"})), 2);
+        assert_eq!(honoured(800, &json!({"max_tokens": 900})), 800);
     }
 }

@@ -28,8 +28,8 @@ use serde::Deserialize;
 pub use alerts::{Alerts, DEFAULT_ALERT_KEEP, DEFAULT_ALERT_TIMEOUT, MAX_ALERT_KEEP};
 pub use error::ConfigError;
 pub use operation::{
-    Operation, RequestShape, Settle, SettleReserve, StreamUsage, Weight, DEFAULT_JOB_DEADLINE,
-    DEFAULT_MAX_RUNS, DEFAULT_RESULT_TTL,
+    BoundError, InputBound, Operation, RequestShape, Settle, SettleReserve, StreamUsage, Weight,
+    DEFAULT_JOB_DEADLINE, DEFAULT_MAX_RUNS, DEFAULT_RESULT_TTL,
 };
 pub use plan::{
     threshold_text, threshold_tokens, Limit, Plan, DEFAULT_MAX_OPEN_STREAMS,

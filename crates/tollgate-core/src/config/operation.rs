@@ -18,29 +18,145 @@ use crate::money::Currency;
 pub enum Weight {
     /// `weight = 500`: every call weighs this.
     Fixed(u64),
-    /// `weight = { from = "/max_tokens", default = 1000 }`: a number in the
-    /// call's input at `from` (a JSON pointer; a fraction counts up, a value
-    /// past [`MAX_TOKENS`] as that), or `default` when there is none there,
-    /// it is not a number or it is negative.
-    From { from: String, default: u64 },
+    /// `weight = { from = "/max_tokens", default = 1000, input = "bytes" }`:
+    /// the call's output bound, a number in its input at `from` (a JSON
+    /// pointer; a fraction counts up, a value past [`MAX_TOKENS`] as that), or
+    /// `default` when there is none there, it is not a number or it is
+    /// negative; plus, with `input = "bytes"`, a bound of its input (see
+    /// [`InputBound`]). The call goes upstream with that output bound written
+    /// at `from` ([`Weight::bounded`]), so an upstream that honours it cannot
+    /// use more than the weight.
+    From {
+        from: String,
+        default: u64,
+        input: InputBound,
+    },
+}
+
+/// What a weight read `from` the input counts of the input itself (`input`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum InputBound {
+    /// Nothing (no `input`): the weight is the output bound alone, which
+    /// bounds what the upstream counts only when its limit counts output
+    /// tokens alone.
+    #[default]
+    None,
+    /// `input = "bytes"`: the length of the input as JSON, in bytes. A BPE
+    /// token is at least one byte of text, so it bounds the prompt's tokens
+    /// (overstating them about 4×: the usage an answer reports gives the rest
+    /// back), as a price sheet's worst case counts it.
+    Bytes,
+}
+
+/// Why a call's output bound cannot be written into its input at the
+/// weight's `from` (a member on the way is not an object).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the input has no object at {at:?} to hold its output bound ({from})")]
+pub struct BoundError {
+    pub from: String,
+    pub at: String,
 }
 
 impl Weight {
-    /// The weight of a call whose input is `input`: at least 1.
-    pub fn of(&self, input: &serde_json::Value) -> u64 {
-        let (from, default) = match self {
-            Self::Fixed(n) => return (*n).max(1),
-            Self::From { from, default } => (from, *default),
+    /// The output bound of a call whose input is `input`, as it goes
+    /// upstream (`None` for a fixed weight, which writes nothing).
+    pub fn output_bound(&self, input: &serde_json::Value) -> Option<u64> {
+        let Self::From { from, default, .. } = self else {
+            return None;
         };
         let Some(v) = input.pointer(from) else {
-            return default;
+            return Some(*default);
         };
-        let n = match (v.as_u64(), v.as_f64()) {
-            (Some(n), _) => n,
+        Some(match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) => n.min(MAX_TOKENS),
             (None, Some(f)) if f.is_finite() && f >= 0.0 => f.ceil().min(MAX_TOKENS as f64) as u64,
-            _ => return default,
+            _ => *default,
+        })
+    }
+
+    /// The weight of a call whose input is `input`: at least 1. For a weight
+    /// read `from` the input, its output bound plus its input bound.
+    pub fn of(&self, input: &serde_json::Value) -> u64 {
+        let bound = match self {
+            Self::Fixed(n) => return (*n).max(1),
+            Self::From { input, .. } => *input,
         };
-        n.clamp(1, MAX_TOKENS)
+        let out = self.output_bound(input).unwrap_or(0);
+        let inp = match bound {
+            InputBound::None => 0,
+            InputBound::Bytes => u64::try_from(input.to_string().len()).unwrap_or(MAX_TOKENS),
+        };
+        out.saturating_add(inp).clamp(1, MAX_TOKENS)
+    }
+
+    /// `input` as it goes upstream: with its output bound
+    /// ([`Weight::output_bound`]) written at `from` when it does not hold
+    /// that whole number already (missing, `null`, a string, a negative
+    /// number, a fraction, past [`MAX_TOKENS`]); `None` when it goes as it
+    /// is. Missing objects on the way are made; a member on the way that is
+    /// not an object (nor an array holding the index) is an error.
+    pub fn bounded(
+        &self,
+        input: &serde_json::Value,
+    ) -> Result<Option<serde_json::Value>, BoundError> {
+        let Some(out) = self.output_bound(input) else {
+            return Ok(None);
+        };
+        let Self::From { from, .. } = self else {
+            return Ok(None);
+        };
+        if input.pointer(from).and_then(serde_json::Value::as_u64) == Some(out) {
+            return Ok(None);
+        }
+        let mut sent = input.clone();
+        let tokens: Vec<String> = from
+            .split('/')
+            .skip(1)
+            .map(|t| t.replace("~1", "/").replace("~0", "~"))
+            .collect();
+        let mut at = &mut sent;
+        let mut path = String::new();
+        for (i, token) in tokens.iter().enumerate() {
+            let last = i + 1 == tokens.len();
+            let err = |path: &str| BoundError {
+                from: from.clone(),
+                at: if path.is_empty() {
+                    "/".into()
+                } else {
+                    path.to_owned()
+                },
+            };
+            at = match at {
+                serde_json::Value::Object(members) => {
+                    if last {
+                        members.insert(token.clone(), serde_json::Value::from(out));
+                        return Ok(Some(sent));
+                    }
+                    members
+                        .entry(token.clone())
+                        .or_insert_with(|| serde_json::Value::Object(serde_json::Map::new()))
+                }
+                serde_json::Value::Array(items) => {
+                    let item = token.parse::<usize>().ok().and_then(|n| items.get_mut(n));
+                    match (item, last) {
+                        (Some(item), true) => {
+                            *item = serde_json::Value::from(out);
+                            return Ok(Some(sent));
+                        }
+                        (Some(item), false) => item,
+                        (None, _) => return Err(err(&path)),
+                    }
+                }
+                _ => return Err(err(&path)),
+            };
+            path.push('/');
+            path.push_str(from.split('/').nth(i + 1).unwrap_or_default());
+        }
+        // `from` is "/": the input itself is no place for a number.
+        Err(BoundError {
+            from: from.clone(),
+            at: "/".into(),
+        })
     }
 }
 
@@ -512,7 +628,9 @@ fn parse_weight(
     let shape = || {
         invalid(
             key.to_owned(),
-            "must be a whole number >= 1, or `{ from = \"/max_tokens\", default = 1000 }`".into(),
+            "must be a whole number >= 1, or `{ from = \"/max_tokens\", default = 1000 }` \
+             (optionally with `input = \"bytes\"`)"
+                .into(),
         )
     };
     let weight = match raw {
@@ -527,12 +645,28 @@ fn parse_weight(
                 .and_then(toml::Value::as_integer)
                 .filter(|n| *n >= 1)
                 .ok_or_else(shape)?;
-            if t.keys().any(|k| k != "from" && k != "default") || !from.starts_with('/') {
+            if t.keys()
+                .any(|k| !["from", "default", "input"].contains(&k.as_str()))
+                || !from.starts_with('/')
+            {
                 return Err(shape());
             }
+            let input = match t.get("input") {
+                None => InputBound::None,
+                Some(v) if v.as_str() == Some("bytes") => InputBound::Bytes,
+                Some(v) => {
+                    return Err(invalid(
+                        format!("{key}.input"),
+                        format!(
+                            "must be \"bytes\" (the input's length bounds its tokens), got {v:?}"
+                        ),
+                    ))
+                }
+            };
             Weight::From {
                 from: from.to_owned(),
                 default: default as u64,
+                input,
             }
         }
         _ => return Err(shape()),

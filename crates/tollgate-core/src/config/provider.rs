@@ -794,6 +794,55 @@ weight = { from = "/max_tokens", default = 500 }
         assert_eq!(w.of(&serde_json::json!({"max_tokens": 0})), 1);
         assert_eq!(w.of(&serde_json::json!({"max_tokens": 1e300})), MAX_TOKENS);
         assert_eq!(Weight::Fixed(7).of(&serde_json::Value::Null), 7);
+        assert_eq!(Weight::Fixed(7).bounded(&serde_json::json!({})), Ok(None));
+        // The call goes upstream with the bound its weight counted.
+        let sent = |input: serde_json::Value| w.bounded(&input).unwrap();
+        assert_eq!(sent(serde_json::json!({"max_tokens": 120})), None);
+        assert_eq!(sent(serde_json::json!({"max_tokens": 0})), None);
+        for (input, bound) in [
+            (serde_json::json!({"m": "x"}), 500),
+            (serde_json::json!({"m": "x", "max_tokens": null}), 500),
+            (serde_json::json!({"m": "x", "max_tokens": "5000"}), 500),
+            (serde_json::json!({"m": "x", "max_tokens": -3}), 500),
+            (serde_json::json!({"m": "x", "max_tokens": 12.2}), 13),
+            (
+                serde_json::json!({"m": "x", "max_tokens": 1e300}),
+                MAX_TOKENS,
+            ),
+        ] {
+            let out = sent(input.clone()).unwrap_or_else(|| panic!("{input}"));
+            assert_eq!(out["max_tokens"], serde_json::json!(bound), "{input}");
+            assert_eq!(out["m"], "x");
+            assert_eq!(w.of(&input), bound, "{input}");
+        }
+        // With `input = "bytes"`: the output bound plus the input's length.
+        let c = Config::parse(
+            &LIMITS.replace("default = 500 }", "default = 500, input = \"bytes\" }"),
+            "t.toml",
+        )
+        .unwrap();
+        let w = c.operation("chat").unwrap().weight.clone().unwrap();
+        let input = serde_json::json!({"prompt": "four", "max_tokens": 0});
+        assert_eq!(w.of(&input), input.to_string().len() as u64);
+        let input = serde_json::json!({"prompt": "four"});
+        assert_eq!(w.of(&input), 500 + input.to_string().len() as u64);
+        // A nested pointer makes its objects, and refuses a non-object.
+        let nested = Weight::From {
+            from: "/options/num_predict".into(),
+            default: 64,
+            input: crate::config::InputBound::None,
+        };
+        assert_eq!(
+            nested.bounded(&serde_json::json!({"a": 1})).unwrap(),
+            Some(serde_json::json!({"a": 1, "options": {"num_predict": 64}}))
+        );
+        let e = nested
+            .bounded(&serde_json::json!({"options": [1]}))
+            .unwrap_err();
+        assert_eq!(e.at, "/options", "{e}");
+        assert!(nested
+            .bounded(&serde_json::json!({"options": "x"}))
+            .is_err());
         assert_eq!(
             reported_usage("/u", &serde_json::json!({"u": 3.5})),
             Some(4)
@@ -877,6 +926,11 @@ weight = { from = "/max_tokens", default = 500 }
                 "default = 500",
                 "default = 500, max = 3",
                 "operations.chat.weight",
+            ),
+            (
+                "default = 500",
+                "default = 500, input = \"tokens\"",
+                "operations.chat.weight.input",
             ),
         ] {
             let text = LIMITS.replacen(from, to, 1);
