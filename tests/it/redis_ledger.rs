@@ -382,6 +382,7 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
                 cost: 1,
                 nonce: &nonce,
                 operation: "llm.structured",
+                model: "",
                 fingerprint: &fp,
                 deadline: Duration::from_secs(600),
                 grace: Duration::from_secs(1),
