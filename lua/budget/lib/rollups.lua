@@ -25,6 +25,11 @@
 local KEEP_H, KEEP_D = 0, 0
 -- The dimensions of this call's new charge (charge.lua, reserve.lua).
 local DIMS = ''
+-- Meta's 'k': '<code>|<dims>', the user's last charge's dimensions and code
+-- (read with the totals, so that a user charging under the same dimensions
+-- as before needs no dictionary read); NEW_DIMS: this call's, to write with
+-- the totals (`write_total`).
+local LAST_DIMS, NEW_DIMS = nil, nil
 local HOUR_MS, DAY_MS = 3600000, 86400000
 
 -- Reads the keeps from ARGV[i] ('<hourly_ms> <daily_ms>').
@@ -43,13 +48,19 @@ local function dims_code()
   if not rolling() then
     return nil
   end
-  local key = BASE .. ':sd'
-  local code = redis.call('HGET', key, '=' .. DIMS)
-  if code then
-    return tonumber(code)
+  if LAST_DIMS then
+    local c, d = string.match(LAST_DIMS, '^(%d+)|(.*)$')
+    if d == DIMS then
+      return tonumber(c)
+    end
   end
-  code = redis.call('HINCRBY', key, 'n', 1)
-  redis.call('HSET', key, '=' .. DIMS, code, 'c' .. int(code), DIMS)
+  local key = BASE .. ':sd'
+  local code = tonumber(redis.call('HGET', key, '=' .. DIMS))
+  if not code then
+    code = redis.call('HINCRBY', key, 'n', 1)
+    redis.call('HSET', key, '=' .. DIMS, code, 'c' .. int(code), DIMS)
+  end
+  NEW_DIMS = int(code) .. '|' .. DIMS
   return code
 end
 
@@ -97,5 +108,7 @@ local function rollup(at, code, delta, now)
     return
   end
   bump(BASE .. ':sh', HOUR_MS, KEEP_H, 0, at, code, delta, now)
-  bump(BASE .. ':sd', DAY_MS, KEEP_D, RETAIN, at, code, delta, now)
+  -- The dictionary outlives meta's 'k' (meta lives at most 1.125 retentions
+  -- past a write; a day's key 3 past the day, renewed each new day).
+  bump(BASE .. ':sd', DAY_MS, KEEP_D, 3 * RETAIN, at, code, delta, now)
 end
