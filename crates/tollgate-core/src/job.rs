@@ -698,7 +698,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
         let (cost, price, entry) = match &op.pricing {
             Some(pricing) => {
                 let quote = pricing.quote(&request.input)?;
-                let entry = quote.applied.entry.key.clone();
+                let entry = quote.applied.entry.label();
                 (quote.reserve, Some(quote.applied.to_text()), entry)
             }
             None => (op.charged_cost(), None, String::new()),
