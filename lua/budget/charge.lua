@@ -15,7 +15,9 @@
 -- ARGV[8] '1' when no new charge may be accepted now (fsync mode, and Redis is
 --         not known to fsync every write): the same request charged already is
 --         still answered (a retry finds its job), a new one is refused
--- ARGV[9..] export maxlen, retention, then the plan table (budget/lib/state.lua)
+-- ARGV[9] the charge's dimensions in the spend rollups: '<org>\t<operation>\t
+--         <provider>\t<model>' (see budget/lib/rollups.lua)
+-- ARGV[10..] export maxlen, retention, then the plan table (budget/lib/state.lua)
 -- Returns one of
 --   { 1, now_ms, deadline_ms, windows..., plan }    charged, held for its job
 --   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows..., plan }
@@ -43,7 +45,8 @@ if not deadline_after or deadline_after < 1 or not grace or grace < 0
     or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 then
   return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
 end
-local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 9)
+DIMS = ARGV[9]
+local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 10)
 if never then
   return never
 end

@@ -4,7 +4,9 @@
 --   (see budget/lib/state.lua)
 -- ARGV[1] request id
 -- ARGV[2] cost (integer >= 1; checked by the caller too)
--- ARGV[3..] export maxlen, retention, then the plan table (budget/lib/state.lua)
+-- ARGV[3] the event's dimensions in the spend rollups: '<org>\t\t\t' (a plain
+--         reserve names no operation; see budget/lib/rollups.lua)
+-- ARGV[4..] export maxlen, retention, then the plan table (budget/lib/state.lua)
 -- Returns one of
 --   { 1, at_ms, now_ms, windows... }   recorded
 --   { 2, at_ms, now_ms, windows... }   already recorded (idempotent retry)
@@ -18,7 +20,8 @@
 -- Idempotent per request id; two requests in one millisecond are two events.
 
 local request, cost = ARGV[1], tonumber(ARGV[2])
-local never, limits, now, used, org, ev, slot = open_spend(request, cost, 3)
+DIMS = ARGV[3]
+local never, limits, now, used, org, ev, slot = open_spend(request, cost, 4)
 if never then
   return never
 end

@@ -510,6 +510,7 @@ fn job_charge(nonce: &str, cost: u64) -> ChargeRequest<'_> {
         cost,
         nonce,
         operation: "op",
+        model: "",
         service_key: None,
         fingerprint: "f",
         deadline: Duration::from_secs(60),

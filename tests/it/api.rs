@@ -1074,6 +1074,7 @@ pub fn check_openapi(doc: &Value) {
         ("post", "/admin/users/{user}/refunds/{request_id}"),
         ("get", "/admin/overview"),
         ("get", "/admin/history"),
+        ("get", "/admin/spend"),
         ("get", "/admin/jobs"),
         ("get", "/admin/jobs/{id}"),
         ("get", "/healthz"),

@@ -230,6 +230,7 @@ async fn run(
                     cost: op.charged_cost(),
                     nonce: &nonce,
                     operation: &op.name,
+                    model: "",
                     fingerprint: &fp,
                     deadline: op.deadline,
                     grace: config.hold_grace(),

@@ -736,3 +736,43 @@ fn every_budget_and_users_command_runs_on_a_budget_only_config() {
     json(&users(&["revoke", "--key-id", &key_id]));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `tollgate spend`: what `budget reserve` charged, by user, as JSON, CSV or
+/// a table; a bad flag is exit 2 with one line naming it.
+#[test]
+fn spend_reports_from_the_command_line() {
+    let cli = Cli::new();
+    for u in ["sp-a", "sp-b"] {
+        cli.json_in("users", &["create", "--user", u], 0);
+    }
+    for (u, cost) in [("sp-a", "3"), ("sp-a", "4"), ("sp-b", "5")] {
+        cli.json(&["reserve", "--user", u, "--cost", cost], 0);
+    }
+    let spend = |args: &[&str]| cli.run_in("spend", args);
+    let out = spend(&["--by", "user", "--step", "1h", "--format", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let page: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows: Vec<(String, u64)> = page["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["key"].as_str().unwrap().to_owned(),
+                r["amount"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    // One bucket each (unless the hour turned between the reserves).
+    let sum = |u: &str| rows.iter().filter(|r| r.0 == u).map(|r| r.1).sum::<u64>();
+    assert_eq!((sum("sp-a"), sum("sp-b")), (7, 5), "{page}");
+    assert_eq!(page["total"], 12);
+    let csv =
+        String::from_utf8_lossy(&spend(&["--by", "org", "--format", "csv"]).stdout).into_owned();
+    assert!(csv.starts_with("org,start,amount\n"), "{csv}");
+    let table = String::from_utf8_lossy(&spend(&["--by", "operation"]).stdout).into_owned();
+    assert!(table.contains("total") && table.contains("12"), "{table}");
+    let bad = spend(&["--by", "team"]);
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    assert!(one_line_error(&bad).contains("by"));
+}

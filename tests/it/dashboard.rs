@@ -557,6 +557,7 @@ async fn activity_is_noted(b: Backends) {
         cost: 5,
         nonce,
         operation: "llm.structured",
+        model: "",
         fingerprint: "f",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(5),

@@ -963,6 +963,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         cost: 10,
         nonce: "0123456789abcdef",
         operation: "work",
+        model: "",
         fingerprint: "feed",
         deadline: Duration::from_millis(300),
         grace: Duration::from_millis(200),

@@ -708,6 +708,7 @@ fn job_charge(cost: u64, nonce: &str) -> tollgate_core::ledger::ChargeRequest<'_
         cost,
         nonce,
         operation: "llm.structured",
+        model: "",
         fingerprint: "f1",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
@@ -771,6 +772,7 @@ async fn a_charge_records_the_acting_service_key(b: &impl Backend) {
     );
     let other = ChargeRequest {
         operation: "embeddings",
+        model: "",
         ..again
     };
     let c = l.charge(&u, &rid("svc-job"), &other).await.unwrap();
@@ -864,6 +866,7 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         cost: 4,
         nonce: "n1",
         operation: "llm.structured",
+        model: "",
         fingerprint: "f1",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
@@ -989,6 +992,7 @@ async fn settling_down_never_passes_a_limit(b: &impl Backend) {
                 cost: 40,
                 nonce: &nonce,
                 operation: "llm.structured",
+                model: "",
                 fingerprint: "f",
                 deadline: Duration::from_secs(60),
                 grace: Duration::from_secs(1),
@@ -1175,6 +1179,7 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
             cost: 8,
             nonce: "n1",
             operation: "llm.structured",
+            model: "",
             fingerprint: "f1",
             deadline: Duration::from_secs(60),
             grace: Duration::from_secs(1),

@@ -66,6 +66,7 @@ mod redis_tls;
 mod script_time;
 mod service_keys;
 mod slow_clients;
+mod spend;
 mod stored_bytes;
 mod stream_readers;
 mod streaming;

@@ -234,6 +234,34 @@ async fn priced_calls_pay_exactly_their_usage(s: &Setup) {
         s.used("ann").await,
         openai + anthropic + responses + reserve
     );
+
+    // The spend rollups count each call under the sheet entry that priced
+    // it (never the raw model named), its operation and provider, settled.
+    let now = tollgate_core::clock::Clock::now_ms(&tollgate_core::clock::SystemClock);
+    let day = tollgate_core::spend::DAY_MS;
+    let mut by_model = std::collections::BTreeMap::new();
+    for b in s
+        .ledger
+        .spend(
+            &user("ann"),
+            tollgate_core::spend::Step::Day,
+            now - day,
+            now + day,
+        )
+        .await
+        .expect("spend")
+    {
+        assert_eq!(
+            (b.dims.operation.as_str(), b.dims.provider.as_str()),
+            ("chat", "llm")
+        );
+        *by_model.entry(b.dims.model).or_insert(0) += b.amount;
+    }
+    let expected = std::collections::BTreeMap::from([
+        ("claude-sonnet*".to_owned(), anthropic),
+        ("gpt-4o-mini*".to_owned(), openai + responses + reserve),
+    ]);
+    assert_eq!(by_model, expected);
 }
 
 async fn a_call_that_cannot_be_priced_is_refused_and_charges_nothing(s: &Setup) {

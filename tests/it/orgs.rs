@@ -150,6 +150,7 @@ fn charge(cost: u64, nonce: &str) -> ChargeRequest<'_> {
         cost,
         nonce,
         operation: "llm.structured",
+        model: "",
         service_key: None,
         fingerprint: "f00d",
         deadline: Duration::from_secs(60),

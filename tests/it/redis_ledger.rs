@@ -51,9 +51,18 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     let all: Vec<String> = conn.keys(format!("{prefix}:*")).await.unwrap();
     assert_eq!(
         all.len(),
-        5,
-        "log, meta, one index bucket, plan, audit: {all:?}"
+        7,
+        "log, meta, one index bucket, plan, audit, the hourly and daily spend rollups: {all:?}"
     );
+    // The spend rollups expire their keep after their latest bucket.
+    let keep = tollgate_core::spend::Keep::default();
+    for (key, most) in [
+        (keys.spend_hourly(), keep.hourly + Duration::from_secs(3600)),
+        (keys.spend_daily(), keep.daily + Duration::from_secs(86_400)),
+    ] {
+        let ttl: i64 = conn.pttl(&key).await.unwrap();
+        assert!(ttl > 0 && ttl as u128 <= most.as_millis(), "{key}: {ttl}");
+    }
     assert!(all.iter().all(|k| k.contains("{u:idle}")), "{all:?}");
     let window = WINDOW.as_millis() as i64;
     for key in [&keys.log, &keys.meta] {
@@ -77,8 +86,16 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
     tokio::time::sleep(WINDOW).await;
     let mut left: Vec<String> = conn.keys(format!("{prefix}:*")).await.unwrap();
     left.sort();
-    // The export outlives the window (bounded by its maxlen), as billing needs.
-    assert_eq!(left, vec![keys.audit.clone(), keys.plan.clone()]);
+    // The export outlives the window (bounded by its maxlen), as billing
+    // needs, and the spend rollups (bounded by their keeps).
+    let mut kept = vec![
+        keys.audit.clone(),
+        keys.plan.clone(),
+        keys.spend_daily(),
+        keys.spend_hourly(),
+    ];
+    kept.sort();
+    assert_eq!(left, kept);
 }
 
 /// What docs/src/budgets.md tells a billing job to do: find the users' export streams,
@@ -382,6 +399,7 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
                 cost: 1,
                 nonce: &nonce,
                 operation: "llm.structured",
+                model: "",
                 fingerprint: &fp,
                 deadline: Duration::from_secs(600),
                 grace: Duration::from_secs(1),

@@ -37,6 +37,7 @@ pub mod ops;
 pub mod passthrough;
 pub mod problem;
 pub mod ratelimit;
+pub mod spend;
 pub mod state;
 pub mod usage;
 
@@ -374,6 +375,50 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
                 Some(schema("Overview")),
             ),
             get(dashboard::overview),
+        )
+        .route(
+            Doc::get(
+                "/admin/spend",
+                "Spend by user, organisation, model, operation or provider, per hour or day, from the rollups kept as charges change (JSON or CSV, paged)",
+            )
+            .viewer()
+            .query(
+                "by",
+                "Required: user, org, model (the price sheet entry), operation or provider.",
+                serde_json::json!({"type": "string", "enum": ["user", "org", "model", "operation", "provider"]}),
+            )
+            .query(
+                "step",
+                "1h or 1d (default): hourly buckets are kept 48 h, daily ones 400 days by default (`[spend]`).",
+                serde_json::json!({"type": "string", "enum": ["1h", "1d"]}),
+            )
+            .query(
+                "from",
+                "The first bucket: an RFC 3339 time or a date (UTC midnight), rounded down to the step; default `to` less a day (1h) or 30 days (1d).",
+                serde_json::json!({"type": "string"}),
+            )
+            .query(
+                "to",
+                "Buckets starting before this (RFC 3339 or a date); default the end of the current step. At most 400 buckets.",
+                serde_json::json!({"type": "string"}),
+            )
+            .query(
+                "cursor",
+                "The `next_cursor` of the previous page (CSV: its `Tollgate-Next-Cursor` header).",
+                serde_json::json!({"type": "string"}),
+            )
+            .query(
+                "limit",
+                "Rows per page (default 1000); by user, a page ends after the user that reaches it.",
+                page_limit(tollgate_core::spend::SpendQuery::MAX_LIMIT),
+            )
+            .query(
+                "format",
+                "json or csv; without it, `Accept: text/csv` asks for CSV.",
+                serde_json::json!({"type": "string", "enum": ["json", "csv"]}),
+            )
+            .ok(200, "One page of rows, by key then bucket start; amounts in minor units of the currency.", Some(schema("SpendPage"))),
+            get(spend::spend),
         )
         .route(
             Doc::get(

@@ -235,6 +235,10 @@ impl Doc {
                     "application/json"
                 };
                 r["content"] = json!({media: {"schema": schema}});
+                if *status == 200 && self.path == "/admin/spend" {
+                    r["content"]["text/csv"] = json!({"schema": {"type": "string",
+                        "description": "A header `<by>,start,amount`, then a line per row (RFC 4180)."}});
+                }
             }
             if self.metered.is_some() {
                 r["headers"] = ratelimit_headers(false);
@@ -420,7 +424,7 @@ fn subject_id_schema() -> Value {
 fn schemas(config: &Config) -> Value {
     let plans: Vec<&str> = config.plans().map(|p| p.name.as_str()).collect();
     let plan = json!({"type": "string", "enum": plans, "description": "A plan of the config."});
-    json!({
+    let mut all = json!({
         "Problem": {
             "type": "object",
             "required": ["type", "title", "status"],
@@ -615,7 +619,10 @@ fn schemas(config: &Config) -> Value {
         "History": crate::dashboard::history::schema(),
         "JobList": crate::dashboard::jobs::list_schema(),
         "JobDetail": crate::dashboard::jobs::detail_schema(),
-    })
+    });
+    // Past the one `json!` above: it is at the macro's recursion limit.
+    all["SpendPage"] = spend_page_schema();
+    all
 }
 
 /// One key as the admin views show it (never its secret or hash); `user`:
@@ -670,4 +677,23 @@ fn limit_list() -> Value {
 /// `{"$ref": "#/components/schemas/<name>"}`
 pub fn schema(name: &str) -> Value {
     json!({"$ref": format!("#/components/schemas/{name}")})
+}
+
+/// `GET /admin/spend`'s JSON page.
+fn spend_page_schema() -> Value {
+    json!({"type": "object", "required": ["by", "step", "from", "to", "currency", "rows", "total"], "properties": {
+        "by": {"type": "string", "enum": ["user", "org", "model", "operation", "provider"]},
+        "step": {"type": "string", "enum": ["1h", "1d"]},
+        "from": {"type": "string", "format": "date-time"},
+        "to": {"type": "string", "format": "date-time"},
+        "currency": {"type": "string", "description": "`tokens` or an ISO 4217 code: amounts are integers of its minor unit (micro-units of money)."},
+        "rows": {"type": "array", "items": {"type": "object", "required": ["key", "start", "start_ms", "amount"], "properties": {
+            "key": {"type": "string", "description": "The user, organisation, sheet entry, operation or provider; \"\" for charges without one (no organisation, an unpriced call)."},
+            "start": {"type": "string", "format": "date-time", "description": "The bucket's start."},
+            "start_ms": {"type": "integer", "minimum": 0},
+            "amount": {"type": "integer", "minimum": 1, "description": "What the charges made in the bucket cost, as they stand (settled, refunds taken off)."},
+        }}},
+        "total": {"type": "integer", "minimum": 0, "description": "The sum of this page's rows."},
+        "next_cursor": {"type": "string", "description": "Pass it as `cursor` for the next page; absent on the last page."},
+    }})
 }

@@ -12,6 +12,7 @@ mod orgs;
 mod probes;
 mod process;
 mod role;
+mod spend;
 mod store;
 mod throttler;
 mod users;
@@ -60,6 +61,9 @@ enum Command {
     /// Operator commands on organisations: create one on a plan, show one
     /// (windows, members), list them.
     Orgs(orgs::OrgsArgs),
+    /// Spend by user, organisation, model, operation or provider, per hour
+    /// or day, from the rollups kept as charges change (table, JSON or CSV).
+    Spend(spend::SpendArgs),
 }
 
 /// Help and version print as clap renders them; a bad or missing flag is one
@@ -114,6 +118,7 @@ fn main() -> ExitCode {
             Command::MockProvider(args) => mock_provider::run(args).await,
             Command::Users(args) => users::run(args).await,
             Command::Orgs(args) => orgs::run(args).await,
+            Command::Spend(args) => spend::run(args).await,
         }
     })
 }

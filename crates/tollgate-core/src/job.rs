@@ -695,12 +695,13 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
         }
         // A priced call reserves its worst case at today's prices, and keeps
         // them for its settle; nothing is charged for one that cannot be priced.
-        let (cost, price) = match &op.pricing {
+        let (cost, price, entry) = match &op.pricing {
             Some(pricing) => {
                 let quote = pricing.quote(&request.input)?;
-                (quote.reserve, Some(quote.applied.to_text()))
+                let entry = quote.applied.entry.label();
+                (quote.reserve, Some(quote.applied.to_text()), entry)
             }
-            None => (op.charged_cost(), None),
+            None => (op.charged_cost(), None, String::new()),
         };
         let fingerprint = fingerprint(&request.input);
         let fresh = nonce();
@@ -708,6 +709,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             cost,
             nonce: &fresh,
             operation: &op.name,
+            model: &entry,
             service_key: request.service_key.as_deref(),
             fingerprint: &fingerprint,
             deadline: op.deadline,

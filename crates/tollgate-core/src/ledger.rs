@@ -103,6 +103,11 @@ pub struct ChargeRequest<'a> {
     /// Names this charge: only the job carrying it can claim or release it.
     pub nonce: &'a str,
     pub operation: &'a str,
+    /// The price sheet entry that priced the call (its name or pattern), ""
+    /// for an unpriced one: the charge's `model` in the spend rollups
+    /// ([`Ledger::spend`]), with its operation, the operation's provider and
+    /// the user's organisation.
+    pub model: &'a str,
     /// The id of the service key acting for the user (`None`: the user's own
     /// key): recorded with the charge, for the audit trail. Not part of what
     /// the id is bound to: a retry through another key is the same request.
@@ -942,6 +947,23 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
 
     /// Up to `limit` organisations after `after`, in name order.
     async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError>;
+
+    /// The user's spend rollup: its `step` buckets whose start is in
+    /// `[from_ms, to_ms)` and still kept ([`Config::spend_keep`]), one per
+    /// bucket and dimensions, in no particular order. Kept in the same atomic
+    /// step as every charge, settle, refund and release changes a charge (a
+    /// change lands in the bucket of the time the charge was made), so each
+    /// bucket equals the cost of the charges made in it, as they stand. One
+    /// bounded read: at most the user's kept buckets.
+    ///
+    /// [`Config::spend_keep`]: crate::config::Config::spend_keep
+    async fn spend(
+        &self,
+        user: &UserId,
+        step: crate::spend::Step,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> Result<Vec<crate::spend::Bucket>, LedgerError>;
 }
 
 /// Separates the operation from the acting service key's id in the `op` a

@@ -31,6 +31,7 @@ pub mod period;
 pub mod price;
 pub mod refund;
 pub mod session;
+pub mod spend;
 pub mod stream;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;

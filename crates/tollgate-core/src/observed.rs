@@ -307,4 +307,15 @@ impl Ledger for ObservedLedger {
     async fn orgs(&self, after: Option<&OrgId>, limit: usize) -> Result<OrgList, LedgerError> {
         self.timed("orgs", self.inner.orgs(after, limit)).await
     }
+
+    async fn spend(
+        &self,
+        user: &UserId,
+        step: crate::spend::Step,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> Result<Vec<crate::spend::Bucket>, LedgerError> {
+        self.timed("spend", self.inner.spend(user, step, from_ms, to_ms))
+            .await
+    }
 }

@@ -21,6 +21,7 @@ use async_trait::async_trait;
 
 use crate::alerts::MemoryAlerts;
 use crate::periods::Periods;
+use crate::rollups::Rollups;
 use std::borrow::Cow;
 use tollgate_core::alerts::{AlertMarks, Crossing, Latch};
 use tollgate_core::clock::{Clock, SystemClock};
@@ -35,6 +36,7 @@ use tollgate_core::ledger::{
 };
 use tollgate_core::lock;
 use tollgate_core::period::Span;
+use tollgate_core::spend::{Bucket, Dims, Step};
 
 const SHARDS: usize = 64;
 /// One shard is swept for idle users every this many operations.
@@ -60,6 +62,8 @@ pub struct MemoryLedger<C: Clock = SystemClock> {
     marks: HashMap<String, Arc<AlertMarks>>,
     /// Every organisation, by name.
     orgs: Mutex<BTreeMap<OrgId, Arc<Mutex<Org>>>>,
+    /// The spend rollups (taken under a user's lock, never the other way).
+    rollups: Mutex<Rollups>,
 }
 
 /// An organisation: its plan, its own log, and its members' logs.
@@ -355,6 +359,11 @@ struct UserLog {
     org: Option<OrgId>,
     /// Charges `expire` released this call (the organisation's copies go too).
     released: Vec<Arc<str>>,
+    /// The dimensions' code of the event this call records (0: none).
+    code: u32,
+    /// The changes this call made to its charges, for the spend rollups
+    /// (`MemoryLedger::roll` counts them before the call returns).
+    spent: Vec<crate::rollups::Change>,
 }
 
 /// One spend event: live, or the hole a removed one left (`request: None`).
@@ -364,6 +373,8 @@ struct Event {
     /// its position, as a Redis stream entry ID is, and the cursor of a page
     /// of the audit trail (`Log::page`). Stable when other events leave.
     seq: u32,
+    /// Its dimensions' code in the spend rollups (0: none).
+    code: u32,
     request: Option<Arc<str>>,
     cost: u64,
     /// Who owns a job's charge (`charge`); plain reserves have none.
@@ -428,6 +439,7 @@ impl Log {
         let hole = Event {
             at: slot.at,
             seq: slot.seq,
+            code: 0,
             request: None,
             cost: 0,
             owner: None,
@@ -790,9 +802,13 @@ impl UserLog {
         };
         self.export(now, ChangeKind::Spend, change);
         let request: Arc<str> = Arc::from(request.as_str());
+        if self.code != 0 {
+            self.spent.push((at, self.code, cost as i64));
+        }
         let seq = self.events.push(Event {
             at,
             seq: 0,
+            code: self.code,
             request: Some(Arc::clone(&request)),
             cost,
             owner,
@@ -918,6 +934,10 @@ impl UserLog {
         let slot = self.events.get_mut(seq)?;
         let previous = std::mem::replace(&mut slot.cost, cost);
         let at = slot.at;
+        if slot.code != 0 {
+            self.spent
+                .push((at, slot.code, cost as i64 - previous as i64));
+        }
         let request = slot.request.clone()?;
         let change = Change {
             request: &request,
@@ -953,7 +973,10 @@ impl UserLog {
     /// Removes a live event before it left the window (a refund): exported.
     fn remove(&mut self, request: &str, now: u64) -> Option<u64> {
         let before = self.window_totals();
-        let (at, cost) = self.take(request, now)?;
+        let (at, cost, code) = self.take(request, now)?;
+        if code != 0 {
+            self.spent.push((at, code, -(cost as i64)));
+        }
         // A refund lands in the period the charge was made in (an event
         // leaving the retention, `take` alone, stays counted in its period).
         self.periods.recost(at, cost, 0);
@@ -969,11 +992,15 @@ impl UserLog {
         Some(cost)
     }
 
-    /// Removes an event; returns its time and cost.
-    fn take(&mut self, request: &str, now: u64) -> Option<(u64, u64)> {
+    /// Removes an event; returns its time, cost and dimensions' code.
+    fn take(&mut self, request: &str, now: u64) -> Option<(u64, u64, u32)> {
         let seq = self.index.remove(request)?;
         let Event {
-            at, cost, owner, ..
+            at,
+            cost,
+            owner,
+            code,
+            ..
         } = self.events.remove(seq)?;
         if let Some(hold) = owner.and_then(|o| o.hold) {
             self.holds.remove(&hold);
@@ -994,7 +1021,7 @@ impl UserLog {
                 }
             });
         }
-        Some((at, cost))
+        Some((at, cost, code))
     }
 }
 
@@ -1014,6 +1041,7 @@ impl<C: Clock> MemoryLedger<C> {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             ops: AtomicU64::new(0),
             orgs: Mutex::new(BTreeMap::new()),
+            rollups: Mutex::new(Rollups::default()),
             next_full_sweep: AtomicU64::new(0),
             alerts: None,
             marks: HashMap::new(),
@@ -1093,12 +1121,16 @@ impl<C: Clock> MemoryLedger<C> {
             log.export_max = self.config.export_maxlen().unwrap_or(0);
             log.retain = self.retention;
             log.released.clear();
+            log.code = 0;
             let Some(org) = log.org.clone() else {
                 let Some(alerts) = &self.alerts else {
-                    return f(&mut log, None, now);
+                    let r = f(&mut log, None, now);
+                    self.roll(user, &mut log, now);
+                    return r;
                 };
                 log.marks = self.marks.get(&self.plan_of(&log).name).cloned();
                 let r = f(&mut log, None, now);
+                self.roll(user, &mut log, now);
                 if !log.crossings.is_empty() {
                     alerts.queue("user", user.as_str(), std::mem::take(&mut log.crossings));
                 }
@@ -1116,6 +1148,7 @@ impl<C: Clock> MemoryLedger<C> {
             member.export_max = log.export_max;
             member.retain = self.retention;
             member.released.clear();
+            member.code = 0;
             if self.alerts.is_some() {
                 member.marks = self.marks.get(&self.plan_of(member).name).cloned();
             }
@@ -1132,6 +1165,7 @@ impl<C: Clock> MemoryLedger<C> {
                 retain: self.retention,
             };
             let r = f(member, Some(side), now);
+            self.roll(user, member, now);
             if let Some(alerts) = &self.alerts {
                 if !member.crossings.is_empty() {
                     alerts.queue("user", user.as_str(), std::mem::take(&mut member.crossings));
@@ -1152,13 +1186,14 @@ impl<C: Clock> MemoryLedger<C> {
     fn sweep_shard(&self, i: usize) {
         let mut shard = lock(&self.shards[i]);
         let now = self.clock.now_ms();
-        shard.retain(|_, entry| {
+        shard.retain(|user, entry| {
             let Ok(mut log) = entry.try_lock() else {
                 return true; // busy: certainly not idle
             };
             let plan = self.plan_of(&log);
             log.retain = self.retention;
             log.expire(now, &plan.limits);
+            self.roll(user, &mut log, now);
             if log.events.is_empty()
                 && log.periods.is_empty()
                 && log.plan.is_none()
@@ -1233,6 +1268,32 @@ impl<C: Clock> MemoryLedger<C> {
         for i in 0..SHARDS {
             self.sweep_shard(i);
         }
+        let now = self.clock.now_ms();
+        lock(&self.rollups).sweep(&self.config.spend_keep(), now);
+    }
+
+    /// The code of a new charge's dimensions in the spend rollups.
+    fn dims_code(&self, org: Option<&OrgId>, operation: &str, model: &str) -> u32 {
+        let provider = self
+            .config
+            .operation(operation)
+            .map(|op| op.provider.clone())
+            .unwrap_or_default();
+        lock(&self.rollups).code(Dims {
+            org: org.map(ToString::to_string).unwrap_or_default(),
+            operation: operation.to_owned(),
+            provider,
+            model: model.to_owned(),
+        })
+    }
+
+    /// Counts the changes `log`'s call made to `user`'s charges in the
+    /// spend rollups (under the user's lock: before the call returns).
+    fn roll(&self, user: &UserId, log: &mut UserLog, now: u64) {
+        if log.spent.is_empty() {
+            return;
+        }
+        lock(&self.rollups).apply(user, log.spent.drain(..), &self.config.spend_keep(), now);
     }
 
     /// Users currently held in memory (for tests and metrics).
@@ -1275,6 +1336,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             if let Some(d) = side.as_ref().and_then(|s| s.deny(log, limits, cost, now)) {
                 return Ok(ReserveOutcome::Denied(d));
             }
+            log.code = self.dims_code(side.as_ref().map(|s| s.org), "", "");
             Ok(match log.admit(request, cost, limits, now, None, None) {
                 Ok(a) => {
                     if let Some(side) = side.as_mut() {
@@ -1572,6 +1634,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             });
             let op = audit_op(charge.operation, charge.service_key);
             let operation = Some(op.as_str());
+            log.code = self.dims_code(side.as_ref().map(|s| s.org), charge.operation, charge.model);
             let allowed = match log.admit(request, cost, limits, now, operation, Some(owner)) {
                 Ok(a) => a,
                 Err(d) => return Ok(ChargeOutcome::Denied(d)),
@@ -1765,6 +1828,8 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             }
         };
         moved.released.clear();
+        // What its organisation's `expire` released above counts now.
+        self.roll(user, &mut moved, now);
         let events = moved.index.len() as u64;
         match (org, target) {
             (Some(b), Some(o)) => {
@@ -1851,6 +1916,18 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             next: more.then(|| names.last().cloned()).flatten(),
             orgs: names,
         })
+    }
+
+    async fn spend(
+        &self,
+        user: &UserId,
+        step: Step,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> Result<Vec<Bucket>, LedgerError> {
+        let now = self.clock.now_ms();
+        let keep = self.config.spend_keep();
+        Ok(lock(&self.rollups).buckets(user, step, from_ms, to_ms, &keep, now))
     }
 }
 

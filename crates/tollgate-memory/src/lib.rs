@@ -25,6 +25,7 @@ pub mod jobs;
 pub mod keystore;
 pub mod ledger;
 mod periods;
+mod rollups;
 pub mod sessions;
 pub mod streams;
 pub mod throttle;

@@ -111,6 +111,19 @@ impl BudgetKeys {
     pub fn moved(&self) -> String {
         format!("{}:mv", self.meta.trim_end_matches(":meta"))
     }
+
+    /// Hash: the hourly spend rollup, `<hour>:<code>` -> amount
+    /// (`lua/budget/lib/rollups.lua`); expires its keep after its latest hour.
+    pub fn spend_hourly(&self) -> String {
+        format!("{}:sh", self.meta.trim_end_matches(":meta"))
+    }
+
+    /// Hash: the daily spend rollup, `<day>:<code>` -> amount, and the
+    /// dimensions' dictionary, `c<code>` -> `<org>\t<operation>\t<provider>\t<model>`
+    /// (`lua/budget/lib/rollups.lua`).
+    pub fn spend_daily(&self) -> String {
+        format!("{}:sd", self.meta.trim_end_matches(":meta"))
+    }
 }
 
 /// Where one user's budget lives: its own tag, or its organisation's.
@@ -120,6 +133,9 @@ pub struct Location {
     pub user: BudgetKeys,
     /// The organisation's budget keys (same slot), for a member.
     pub org: Option<BudgetKeys>,
+    /// The organisation's name, for a member (the spend rollups count a
+    /// charge under it).
+    pub org_name: Option<String>,
 }
 
 /// The keys of one provider's throttle, sharing the provider's hash tag.
@@ -287,10 +303,12 @@ impl KeySpace {
             None => Location {
                 user: self.budget(user),
                 org: None,
+                org_name: None,
             },
             Some(org) => Location {
                 user: self.member_budget(org, user),
                 org: Some(self.org_budget(org)),
+                org_name: Some(org.to_string()),
             },
         }
     }

@@ -23,6 +23,8 @@ use tollgate_core::{
     },
 };
 
+use tollgate_core::spend::{Bucket, Dims, Step};
+
 use crate::call::{self, bad_reply};
 use crate::keys::{KeySpace, Location};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
@@ -52,6 +54,8 @@ const MOVED: &str = "TOLLGATE_MOVED";
 const MOVING: &str = "TOLLGATE_MOVING";
 const MOVING_POLL: Duration = Duration::from_millis(25);
 const MOVING_POLLS: usize = 200;
+/// Fields one `HSCAN` step of a spend rollup reads.
+const SPEND_SCAN: usize = 500;
 /// Log entries a move reads per batch.
 const MOVE_BATCH: usize = 50;
 /// How `budget/lib/plan.lua` (`resolve_plan`) names the plan of a user with limits
@@ -667,9 +671,20 @@ impl Ledger for RedisLedger {
             _ => None,
         };
         let refuse_new = not_durable.is_some();
+        let provider = self
+            .config
+            .operation(charge.operation)
+            .map_or("", |op| op.provider.as_str());
         let (r, loc, org): (Vec<Value>, _, _) = self
             .at_home(call::CHARGE, user, |loc| {
-                scripts::charge(loc, request.as_str(), charge, refuse_new, &self.plans)
+                scripts::charge(
+                    loc,
+                    request.as_str(),
+                    charge,
+                    provider,
+                    refuse_new,
+                    &self.plans,
+                )
             })
             .await?;
         let bad = || bad_reply::<LedgerError>("charge", &r);
@@ -942,9 +957,73 @@ impl Ledger for RedisLedger {
             next: next.and_then(|o| OrgId::new(o).ok()),
         })
     }
+
+    async fn spend(
+        &self,
+        user: &UserId,
+        step: Step,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> Result<Vec<Bucket>, LedgerError> {
+        let org = self.home(user).await?;
+        let loc = self.keys.location(user, org.as_ref());
+        let daily = self.hash_fields(loc.user.spend_daily()).await?;
+        let buckets = match step {
+            Step::Day => &daily,
+            Step::Hour => &self.hash_fields(loc.user.spend_hourly()).await?,
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let keep = self.config.spend_keep();
+        let mut out = Vec::new();
+        for (field, value) in buckets {
+            let Some((n, code)) = field.split_once(':') else {
+                continue; // the dictionary, '^'
+            };
+            let (Ok(n), Ok(amount)) = (n.parse::<u64>(), value.parse::<u64>()) else {
+                continue;
+            };
+            let start_ms = n.saturating_mul(step.ms());
+            if start_ms < from_ms || start_ms >= to_ms || !keep.kept(step, start_ms, now) {
+                continue;
+            }
+            let Some(dims) = daily.get(&format!("c{code}")).and_then(|d| Dims::parse(d)) else {
+                continue;
+            };
+            if amount > 0 {
+                out.push(Bucket {
+                    start_ms,
+                    dims,
+                    amount,
+                });
+            }
+        }
+        Ok(out)
+    }
 }
 
 impl RedisLedger {
+    /// Every field of hash `key`, a bounded `HSCAN` step at a time (a field
+    /// `HSCAN` gives twice counts once).
+    async fn hash_fields(&self, key: String) -> Result<HashMap<String, String>, LedgerError> {
+        let mut out = HashMap::new();
+        let mut cursor = 0u64;
+        loop {
+            let mut cmd = redis::cmd("HSCAN");
+            cmd.arg(&key).arg(cursor).arg("COUNT").arg(SPEND_SCAN);
+            let (next, items): (u64, Vec<String>) = self.command("spend", cmd).await?;
+            let mut it = items.into_iter();
+            while let (Some(f), Some(v)) = (it.next(), it.next()) {
+                out.insert(f, v);
+            }
+            if next == 0 {
+                return Ok(out);
+            }
+            cursor = next;
+        }
+    }
+
     /// A page of a name-ordered sorted set (all scores 0): up to `limit`
     /// names after `after`, and the page's last when there are more.
     async fn page(

@@ -108,9 +108,11 @@ local function unpack_record(r)
   return rec
 end
 
--- An index value: { at, seq, state, cost, estimate, real }: `at` and `seq`
--- name its log entry; `real`, only for an event moved in with its past time
--- behind later ones (see MOVED), the time it was spent.
+-- An index value: { at, seq, state, cost, estimate, real, code }: `at` and
+-- `seq` name its log entry; `real`, only for an event moved in with its past
+-- time behind later ones (see MOVED), the time it was spent; `code`, its
+-- dimensions' code in the spend rollups (budget/lib/rollups.lua; absent: the
+-- event counts in none).
 local function pack_value(ev)
   local v = struct.pack('>I6', ev.at) .. ev.state .. int(ev.seq) .. ' ' .. int(ev.cost)
   if ev.estimate then
@@ -119,13 +121,18 @@ local function pack_value(ev)
   if ev.real then
     v = v .. ' @' .. int(ev.real)
   end
+  if ev.code then
+    v = v .. '#' .. int(ev.code)
+  end
   return v
 end
 
 local function unpack_value(v)
-  local seq, cost, est, real = string.match(string.sub(v, 8), '^(%d+) (%d+) ?(%d*) ?@?(%d*)$')
+  local rest, code = string.match(string.sub(v, 8), '^([^#]*)#?(%d*)$')
+  local seq, cost, est, real = string.match(rest, '^(%d+) (%d+) ?(%d*) ?@?(%d*)$')
   return { at = struct.unpack('>I6', string.sub(v, 1, 6)), state = string.sub(v, 7, 7),
-    seq = tonumber(seq), cost = tonumber(cost), estimate = tonumber(est), real = tonumber(real) }
+    seq = tonumber(seq), cost = tonumber(cost), estimate = tonumber(est), real = tonumber(real),
+    code = tonumber(code) }
 end
 
 -- When an event was spent (its log entry's time, or a moved one's real time).

@@ -102,6 +102,7 @@ local function remove(ev, _used, now, forced)
     export('refund', ev.rec.id, ev.cost, spent(ev), nil, nil, forced)
   end
   period_move(spent(ev), -ev.cost)
+  rollup(spent(ev), ev.code, -ev.cost, now)
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)
   TOTAL = TOTAL - ev.cost
@@ -120,6 +121,7 @@ local function recost(ev, cost, now)
     export('settle', ev.rec.id, cost, spent(ev), previous)
   end
   period_move(spent(ev), cost - previous)
+  rollup(spent(ev), ev.code, cost - previous, now)
   ev.cost = cost
   update(ev)
   TOTAL = TOTAL - previous + cost
@@ -145,7 +147,8 @@ local function record(request, cost, now, limits, used, o, slot)
     sid = redis.call('XADD', LOG, '*', 'r', packed)
   end
   local ms, seq = string.match(sid, '^(%d+)-(%d+)$')
-  local ev = { at = tonumber(ms), seq = tonumber(seq), state = o and 'h' or 'r', cost = cost }
+  local ev = { at = tonumber(ms), seq = tonumber(seq), state = o and 'h' or 'r', cost = cost,
+    code = dims_code() }
   if slot.kept < now + 2 * RETAIN then
     local at = int(now + 2 * RETAIN + slack())
     redis.call('HSET', slot.key, '~', at, slot.field, pack_value(ev))
@@ -158,6 +161,7 @@ local function record(request, cost, now, limits, used, o, slot)
     s.total = s.total + cost
   end
   period_move(nil, cost)
+  rollup(ev.at, ev.code, cost, now)
   TOTAL = TOTAL + cost
   -- A log this entry started has no expiry yet, whatever meta says.
   if grow(now) == 1 then

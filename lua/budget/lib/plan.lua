@@ -29,7 +29,8 @@ end
 local function resolve_plan(i)
   EXPORT = tonumber(ARGV[i]) or 0
   RETAIN = tonumber(ARGV[i + 1]) or 0
-  i = read_calendars(i + 2)
+  read_keeps(i + 2)
+  i = read_calendars(i + 3)
   local got
   if SUBJECT == 'user' and not NOCHECK and is_member() then
     got = redis.call('MGET', PLAN, BASE .. ':limits', at_key())

@@ -59,13 +59,17 @@
 --                   job's charge), forced ('1' on an operator's forced
 --                   correction, else absent). It outlives the window; billing
 --                   jobs read it.
+--   '<base>:sh', '<base>:sd'  hashes: the spend rollups, hourly and daily,
+--                   and the dimensions' dictionary (budget/lib/rollups.lua);
+--                   meta's 'k' the code and dimensions of the user's last
+--                   charge.
 --   '<base>:p'      hash: the totals of the plan's calendar periods, one field
 --                   per period '<start_ms>-<end_ms>' -> total (see
 --                   budget/lib/periods.lua); expires after the last period
 --                   it counts ends.
 -- The ARGV tail is the export's maxlen (0: no export), the retention (ms: the
 -- longest window of any configured plan, at least a day with a period limit),
--- the calendars' count n and n boundaries ('<prev start> <start> <end> <next
+-- the spend rollups' keeps ('<hourly_ms> <daily_ms>'), the calendars' count n and n boundaries ('<prev start> <start> <end> <next
 -- end>', see budget/lib/periods.lua), then the plan table as pairs (name,
 -- limits), the default plan first; limits is 'limit:window_ms,...', longest
 -- window first, then each period limit as 'limit:p<calendar>', then, with alerts, '|' and per threshold '<basis points>:<tokens

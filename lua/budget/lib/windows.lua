@@ -101,8 +101,11 @@ end
 -- in meta's 'r' ('<sum> <ID of the last entry summed>'); a call that leaves
 -- some answers TOLLGATE_AGAIN.
 local function read_total()
-  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r', 'v', 'w', 'a')
+  local m = redis.call('HMGET', META, 't', 'l', 's', 'x', 'r', 'v', 'w', 'a', 'k')
   check_home(m[7])
+  if SUBJECT == 'user' then
+    LAST_DIMS, NEW_DIMS = m[9], nil
+  end
   SIZE, SPLIT = tonumber(m[2]) or 1, tonumber(m[3]) or 0
   KEPT = tonumber(m[4]) or 0
   PENDING = tonumber(m[8])
@@ -181,14 +184,25 @@ local function write_total(now)
     end
     redis.call('HSET', META, 'v', table.concat(parts, ' '))
   end
+  local k = SUBJECT == 'user' and NEW_DIMS
+  if k then
+    -- The dimensions this call charged under, and their code (`dims_code`).
+    LAST_DIMS, NEW_DIMS = k, nil
+  end
   if KEPT < now + RETAIN then
     KEPT = now + RETAIN + slack()
-    redis.call('HSET', META, 't', value, 'x', int(KEPT))
+    if k then
+      redis.call('HSET', META, 't', value, 'x', int(KEPT), 'k', k)
+    else
+      redis.call('HSET', META, 't', value, 'x', int(KEPT))
+    end
     redis.call('PEXPIREAT', LOG, int(KEPT))
     redis.call('PEXPIREAT', META, int(KEPT))
     if MV then
       redis.call('PEXPIREAT', moved_key(), int(KEPT))
     end
+  elseif k then
+    redis.call('HSET', META, 't', value, 'k', k)
   else
     redis.call('HSET', META, 't', value)
   end

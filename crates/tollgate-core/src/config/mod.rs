@@ -73,6 +73,7 @@ pub struct Config {
     default_plan: String,
     hold_grace: Duration,
     export: Option<u64>,
+    spend: crate::spend::Keep,
     alerts: Option<Alerts>,
     plans: BTreeMap<String, Plan>,
     providers: BTreeMap<String, Provider>,
@@ -89,6 +90,7 @@ struct RawConfig {
     default_plan: Option<String>,
     hold_grace: Option<String>,
     export: Option<RawExport>,
+    spend: Option<RawSpend>,
     alerts: Option<RawAlerts>,
     #[serde(default)]
     plans: BTreeMap<String, RawPlan>,
@@ -102,6 +104,13 @@ struct RawConfig {
 #[serde(deny_unknown_fields)]
 struct RawExport {
     maxlen: i64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSpend {
+    hourly_keep: Option<String>,
+    daily_keep: Option<String>,
 }
 
 impl Config {
@@ -189,6 +198,7 @@ impl Config {
                 ))
             }
         };
+        let spend = parse_spend(raw.spend, &invalid)?;
         let alerts = match raw.alerts {
             None => None,
             Some(a) => Some(parse_alerts(a, &invalid)?),
@@ -211,6 +221,7 @@ impl Config {
             default_plan,
             hold_grace,
             export,
+            spend,
             alerts,
             plans,
             providers,
@@ -244,6 +255,12 @@ impl Config {
     /// user's export stream, kept to about this many entries (`None`: no export).
     pub fn export_maxlen(&self) -> Option<u64> {
         self.export
+    }
+
+    /// `[spend]`: how long the spend rollups keep their hourly and daily
+    /// buckets (`crate::spend`).
+    pub fn spend_keep(&self) -> crate::spend::Keep {
+        self.spend
     }
 
     /// `[alerts]`: where usage alerts go (`None`: no alert is ever queued,
@@ -417,6 +434,53 @@ impl Config {
     }
 }
 
+/// `[spend] hourly_keep`, `daily_keep`: each a duration, a whole number of
+/// its step, from one step to its maximum.
+fn parse_spend(
+    raw: Option<RawSpend>,
+    invalid: &impl Fn(String, String) -> ConfigError,
+) -> Result<crate::spend::Keep, ConfigError> {
+    use crate::spend::{Keep, Step, MAX_DAILY_KEEP, MAX_HOURLY_KEEP};
+    let mut keep = Keep::default();
+    let Some(raw) = raw else {
+        return Ok(keep);
+    };
+    let one = |key: &str, text: Option<String>, step: Step, max: Duration, default: Duration| {
+        let Some(text) = text else {
+            return Ok(default);
+        };
+        let d = duration::parse(&text).map_err(|m| invalid(format!("spend.{key}"), m))?;
+        let ms = d.as_millis();
+        if ms == 0 || ms % u128::from(step.ms()) != 0 || d > max {
+            return Err(invalid(
+                format!("spend.{key}"),
+                format!(
+                    "must be a whole number of {} from {} to {}, got {text:?}",
+                    if step == Step::Hour { "hours" } else { "days" },
+                    step.as_str(),
+                    if step == Step::Hour { "31d" } else { "1098d" },
+                ),
+            ));
+        }
+        Ok(d)
+    };
+    keep.hourly = one(
+        "hourly_keep",
+        raw.hourly_keep,
+        Step::Hour,
+        MAX_HOURLY_KEEP,
+        keep.hourly,
+    )?;
+    keep.daily = one(
+        "daily_keep",
+        raw.daily_keep,
+        Step::Day,
+        MAX_DAILY_KEEP,
+        keep.daily,
+    )?;
+    Ok(keep)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -495,5 +559,27 @@ provider = "llm"
     fn missing_file_names_the_path() {
         let e = Config::load(Some(Path::new("/nonexistent/tollgate.toml"))).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/tollgate.toml"));
+    }
+
+    #[test]
+    fn spend_keeps_are_whole_steps_within_bounds() {
+        let base = "[plans.p]\nlimit = 5\nwindow = \"1h\"\n";
+        let keep =
+            |extra: &str| Config::parse(&format!("{base}{extra}"), "t").map(|c| c.spend_keep());
+        assert_eq!(keep("").unwrap(), crate::spend::Keep::default());
+        let k = keep("[spend]\nhourly_keep = \"72h\"\ndaily_keep = \"30d\"\n").unwrap();
+        assert_eq!(k.hourly, Duration::from_secs(72 * 3600));
+        assert_eq!(k.daily, Duration::from_secs(30 * 86_400));
+        for bad in [
+            "hourly_keep = \"90m\"",
+            "hourly_keep = \"0h\"",
+            "hourly_keep = \"32d\"",
+            "daily_keep = \"36h\"",
+            "daily_keep = \"2000d\"",
+        ] {
+            let e = keep(&format!("[spend]\n{bad}\n")).unwrap_err().to_string();
+            assert!(e.contains("spend."), "{bad}: {e}");
+        }
+        assert!(keep("[spend]\nweekly_keep = \"1d\"\n").is_err());
     }
 }

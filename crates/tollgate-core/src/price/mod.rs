@@ -100,6 +100,16 @@ pub enum ReserveError {
 }
 
 impl Entry {
+    /// Its name or pattern as a label (`gpt-4o*` for `models."gpt-4o*"`,
+    /// `default`): what the spend rollups count a call under, bounded by
+    /// the sheet.
+    pub fn label(&self) -> String {
+        match self.key.strip_prefix("models.") {
+            Some(k) => k.trim_matches('"').to_owned(),
+            None => self.key.clone(),
+        }
+    }
+
     /// Whether any token has a price: if not, the answer need not report tokens.
     pub fn prices_tokens(&self) -> bool {
         [

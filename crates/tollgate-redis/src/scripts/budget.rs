@@ -15,7 +15,7 @@ library! {
     /// pass through the prelude's `finish` (an alert pointer to add).
     static BUDGET, const BUDGET_SCRIPTS = "budget" in "budget" {
         prelude: [
-            "state", "periods", "plan", "codec", "index", "windows", "alerts", "expire", "events",
+            "state", "periods", "rollups", "plan", "codec", "index", "windows", "alerts", "expire", "events",
             "orgs",
         ],
         finish: "finish",
@@ -38,7 +38,8 @@ pub const ALERT_MARK: &str = "TOLLGATE_ALERT";
 
 /// The ARGV tail of every budget script: the export's maxlen (0: none), the
 /// retention (ms: the longest window of any plan, how long the log keeps an
-/// event; at least [`PERIOD_LOG_MS`] with a period limit), the calendars'
+/// event; at least [`PERIOD_LOG_MS`] with a period limit), the spend
+/// rollups' keeps (`<hourly_ms> <daily_ms>`, `lua/budget/lib/rollups.lua`), the calendars'
 /// boundaries (their count, then `<prev start> <start> <end> <next end>`
 /// each, around the ledger's clock: see [`Calendars`]), then the plan table,
 /// `name, limits` pairs, the default plan first, where limits is
@@ -50,6 +51,7 @@ pub const ALERT_MARK: &str = "TOLLGATE_ALERT";
 pub struct PlanArgs {
     export: String,
     retention: String,
+    keeps: String,
     table: Vec<String>,
     calendars: Arc<Calendars>,
 }
@@ -139,9 +141,10 @@ impl PlanArgs {
     /// The ARGV tail itself, with the boundaries around now (for a bare
     /// EVALSHA, as benches send it).
     pub fn args(&self) -> Vec<String> {
-        let mut out = Vec::with_capacity(3 + self.calendars.list.len() + self.table.len());
+        let mut out = Vec::with_capacity(4 + self.calendars.list.len() + self.table.len());
         out.push(self.export.clone());
         out.push(self.retention.clone());
+        out.push(self.keeps.clone());
         self.calendars.push_args(&mut out);
         out.extend(self.table.iter().cloned());
         out
@@ -176,6 +179,10 @@ impl PlanArgs {
         Self {
             export: config.export_maxlen().unwrap_or(0).to_string(),
             retention: config.retention_ms().to_string(),
+            keeps: {
+                let k = config.spend_keep();
+                format!("{} {}", k.hourly.as_millis(), k.daily.as_millis())
+            },
             table,
             calendars: Arc::new(calendars),
         }
@@ -287,7 +294,14 @@ pub fn org_usage(org: &BudgetKeys, plans: &PlanArgs) -> FunctionCall {
 /// `reserve.lua`: returns the raw reply (see the script's header).
 pub fn reserve(keys: &Location, request: &str, cost: u64, plans: &PlanArgs) -> FunctionCall {
     let mut inv = invocation("reserve", keys);
-    inv.arg(request).arg(cost).arg(plans.args());
+    let dims = tollgate_core::spend::Dims {
+        org: keys.org_name.clone().unwrap_or_default(),
+        ..Default::default()
+    };
+    inv.arg(request)
+        .arg(cost)
+        .arg(dims.to_text())
+        .arg(plans.args());
     inv
 }
 
@@ -298,6 +312,7 @@ pub fn reserve_cmd(keys: &BudgetKeys, request: &str, cost: u64, plans: &PlanArgs
     let loc = Location {
         user: keys.clone(),
         org: None,
+        org_name: None,
     };
     reserve(&loc, request, cost, plans).cmd()
 }
@@ -362,14 +377,22 @@ pub fn usage(
 /// `charge.lua`: returns the raw reply (see the script's header).
 /// `refuse_new`: answer a request charged already, but charge no new one
 /// (fsync mode while Redis is not known to fsync every write).
+/// `provider`: the operation's, counted with the charge in the spend rollups.
 pub fn charge(
     keys: &Location,
     request: &str,
     charge: &tollgate_core::ledger::ChargeRequest<'_>,
+    provider: &str,
     refuse_new: bool,
     plans: &PlanArgs,
 ) -> FunctionCall {
     let mut inv = invocation("charge", keys);
+    let dims = tollgate_core::spend::Dims {
+        org: keys.org_name.clone().unwrap_or_default(),
+        operation: charge.operation.to_owned(),
+        provider: provider.to_owned(),
+        model: charge.model.to_owned(),
+    };
     inv.arg(request)
         .arg(charge.cost)
         .arg(charge.nonce)
@@ -381,6 +404,7 @@ pub fn charge(
         .arg(u64::try_from(charge.deadline.as_millis()).unwrap_or(u64::MAX))
         .arg(u64::try_from(charge.grace.as_millis()).unwrap_or(u64::MAX))
         .arg(if refuse_new { "1" } else { "0" })
+        .arg(dims.to_text())
         .arg(plans.args());
     inv
 }

@@ -87,6 +87,7 @@ async fn fill(
                     cost: 1,
                     nonce: &nonce,
                     operation: OP,
+                    model: "",
                     fingerprint: &fp,
                     deadline: Duration::from_secs(600),
                     grace: Duration::from_secs(1),

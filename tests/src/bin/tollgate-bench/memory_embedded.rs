@@ -79,6 +79,7 @@ async fn fill(charges: bool, n: usize) -> anyhow::Result<Figure> {
                 cost: 1,
                 nonce: &nonce,
                 operation: "llm.structured",
+                model: "",
                 fingerprint: &fingerprint,
                 deadline: Duration::from_secs(300),
                 grace: Duration::from_secs(60),
