@@ -15,13 +15,14 @@ use tollgate_core::{
     id::{OrgId, RequestId, UserId},
     keystore::{ApiKey, KeyKind, KeyRecord, KeyStore},
     ledger::{EventPage, Ledger, RefundOutcome, CUSTOM_PLAN},
+    money::{self, Amount, Currency},
 };
 
 use crate::auth::Admin;
 use crate::extract::{JsonBody, PathParam, QueryParams};
 use crate::problem::{echo, ApiError};
 use crate::state::ApiState;
-use crate::usage::{PageQuery, UsageView};
+use crate::usage::{money_code, PageQuery, UsageView};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -319,18 +320,21 @@ pub struct SetLimits {
     pub limits: Vec<LimitBody>,
 }
 
-/// One limit: at most `limit` tokens in any trailing `window` (`"1h"`).
+/// One limit: at most `limit` in any trailing `window` (`"1h"`). The
+/// limit is an amount of the deployment's currency as requests write it
+/// ([`tollgate_core::money::parse_json`]): an integer of tokens, or a
+/// decimal string of money (`"20"`, `"0.0025"`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LimitBody {
-    pub limit: i64,
+    pub limit: serde_json::Value,
     pub window: String,
 }
 
 /// One limit as the admin views show it.
 #[derive(Debug, Clone, Serialize)]
 pub struct LimitView {
-    pub limit: u64,
+    pub limit: Amount,
     /// The window as the config writes it (`1h`, `90s`); a calendar
     /// period's: the period, its anchor and time zone (`month (anchor 15,
     /// Europe/Berlin)`), with `window_ms` 0.
@@ -342,11 +346,11 @@ pub struct LimitView {
 }
 
 impl LimitView {
-    pub fn of(limits: &[Limit]) -> Vec<Self> {
+    pub fn of(limits: &[Limit], currency: Currency) -> Vec<Self> {
         limits
             .iter()
             .map(|l| Self {
-                limit: l.limit,
+                limit: Amount::new(currency, l.limit),
                 window: l
                     .period
                     .map_or_else(|| duration::format(l.window), |c| c.describe()),
@@ -368,6 +372,10 @@ pub struct LimitsView {
     /// max_stored_bytes) apply meanwhile.
     pub base_plan: String,
     pub custom_limits: bool,
+    /// Money: its ISO 4217 code, in which `limits` are decimal strings
+    /// (absent for tokens: integers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
     /// The limits that apply, longest window first.
     pub limits: Vec<LimitView>,
 }
@@ -393,7 +401,8 @@ pub async fn limits_view(
         },
         base_plan: base,
         custom_limits: custom.is_some(),
-        limits: LimitView::of(&limits),
+        currency: money_code(config.currency()),
+        limits: LimitView::of(&limits, config.currency()),
     })
 }
 
@@ -407,8 +416,26 @@ pub async fn set_user_limits(
     user: &UserId,
     limits: Vec<LimitBody>,
 ) -> Result<LimitsView, ApiError> {
+    // Each amount read exactly first: one that is not an amount of the
+    // currency (too precise, negative, not a number, a JSON number in money)
+    // is a 400 naming it, and nothing changes.
+    let currency = config.currency();
+    let limits = limits
+        .into_iter()
+        .enumerate()
+        .map(|(i, l)| match money::parse_json(currency, &l.limit) {
+            Ok(n) => Ok((n, l.window)),
+            Err(m) => {
+                let field = format!("limits[{i}].limit");
+                Err(ApiError::Malformed {
+                    detail: format!("{field}: {m}"),
+                    field: Some(field),
+                })
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let limits = config
-        .override_limits(limits.into_iter().map(|l| (l.limit, l.window)).collect())
+        .override_limits(limits)
         .map_err(|detail| ApiError::InvalidField {
             field: "limits".into(),
             detail,
@@ -697,6 +724,10 @@ pub struct UserOrgView {
 pub struct OrgDetailView {
     pub org: String,
     pub plan: String,
+    /// Money: its ISO 4217 code, in which the windows' amounts are decimal
+    /// strings (absent for tokens: integers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
     pub windows: Vec<crate::usage::WindowView>,
     pub members: Vec<String>,
     /// Pass as `after` for the next page of members; absent on the last.
@@ -895,7 +926,8 @@ pub async fn org(
     Ok(axum::Json(OrgDetailView {
         org: u.org.to_string(),
         plan: u.plan,
-        windows: crate::usage::window_views(&u.windows),
+        currency: money_code(state.config.currency()),
+        windows: crate::usage::window_views(&u.windows, state.config.currency()),
         members: u.members.iter().map(ToString::to_string).collect(),
         next_member: u.next_member.map(|m| m.to_string()),
     })
