@@ -142,6 +142,34 @@ async fn answers_speak_decimal_strings(h: Harness) {
     let a = h.get("/admin/users/ann/usage", ADMIN, &[]).await;
     assert_eq!(a.body["used"], "0.000039", "{}", a.body);
     assert_eq!(a.body["windows"][0]["remaining"], "0.499961");
+    // An operator's refund answers in the currency too.
+    let r = h
+        .post(&format!("/admin/users/ann/refunds/{id}"), ADMIN, json!({}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        (
+            &r.body["outcome"],
+            &r.body["cost"],
+            &r.body["used"],
+            &r.body["currency"]
+        ),
+        (
+            &json!("refunded"),
+            &json!("0.000039"),
+            &json!("0"),
+            &json!("USD")
+        ),
+        "{}",
+        r.body
+    );
+    // The OpenAPI document of a money deployment says so.
+    let doc = h.call("GET", "/openapi.json", None, &[], None).await.body;
+    let usage = &doc["components"]["schemas"]["Usage"]["properties"];
+    assert_eq!(usage["used"]["type"], "string", "{usage}");
+    assert!(usage["used"]["pattern"].is_string(), "{usage}");
+    let job = &doc["components"]["schemas"]["Job"]["properties"];
+    assert_eq!(job["cost"]["allOf"][0]["type"], "string", "{job}");
 }
 
 /// A user's own limits in decimal strings; every bad amount a 400 naming it,

@@ -260,8 +260,42 @@ pub struct RefundView {
     /// `refunded` (a plain reserve, or a final job's charge), `cancelled` (a
     /// held charge released and its job cancelled: it never runs) or
     /// `not_found` (nothing live under this id: a second refund is a no-op).
-    #[serde(flatten)]
-    pub outcome: RefundOutcome,
+    pub outcome: &'static str,
+    /// What was given back (absent for `not_found`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<Amount>,
+    /// Used in the plan's longest window after it.
+    pub used: Amount,
+    /// Money: its ISO 4217 code (absent for tokens).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
+}
+
+impl RefundView {
+    /// `outcome` of a refund, amounts in `currency`; `None` for
+    /// [`RefundOutcome::Running`]: nothing changed, the answer is a 409.
+    fn of(
+        user: &UserId,
+        request: &RequestId,
+        outcome: &RefundOutcome,
+        currency: Currency,
+    ) -> Option<Self> {
+        let amount = |n| Amount::new(currency, n);
+        let (name, cost, used) = match *outcome {
+            RefundOutcome::Refunded { cost, used } => ("refunded", Some(cost), used),
+            RefundOutcome::Cancelled { cost, used } => ("cancelled", Some(cost), used),
+            RefundOutcome::NotFound { used } => ("not_found", None, used),
+            RefundOutcome::Running { .. } => return None,
+        };
+        Some(Self {
+            user: user.to_string(),
+            request_id: request.to_string(),
+            outcome: name,
+            cost: cost.map(amount),
+            used: amount(used),
+            currency: money_code(currency),
+        })
+    }
 }
 
 /// `POST /admin/users/{user}/refunds/{request_id}`: what `tollgate budget
@@ -297,19 +331,14 @@ pub async fn refund(
         &request,
     )
     .await?;
-    if let RefundOutcome::Running { .. } = outcome {
+    let Some(view) = RefundView::of(&user, &request, &outcome, state.config.currency()) else {
         return Err(ApiError::ChargeOwnedByJob(format!(
             "job {:?} owns its charge and may be calling the provider: refund it once the job is final",
             echo(request.as_str())
         )));
-    }
+    };
     tracing::info!(user = %user, request_id = %request, ?outcome, "operator refund");
-    Ok(axum::Json(RefundView {
-        user: user.to_string(),
-        request_id: request.to_string(),
-        outcome,
-    })
-    .into_response())
+    Ok(axum::Json(view).into_response())
 }
 
 /// `PUT /admin/users/{user}/limits`: a user's own limits, as a `[plans.X]

@@ -603,13 +603,15 @@ async fn page(State(state): State<ApiState>) -> Result<Response, ApiError> {
 }
 
 /// The overview's schema in the OpenAPI document.
-pub fn schema() -> serde_json::Value {
+pub fn schema(currency: tollgate_core::money::Currency) -> serde_json::Value {
     let int = serde_json::json!({"type": "integer"});
+    let amount = crate::openapi::amount_schema(currency);
     let nullable_int = serde_json::json!({"type": ["integer", "null"]});
     serde_json::json!({
         "type": "object",
         "required": ["now_ms", "providers", "queues", "roles", "top_users", "events", "denials", "most_denied"],
         "properties": {
+            "currency": {"type": "string", "description": "A money deployment's ISO 4217 code: the amounts are decimal strings of it (absent for tokens)."},
             "now_ms": int,
             "providers": {"type": "array", "items": {
                 "type": "object",
@@ -644,7 +646,7 @@ pub fn schema() -> serde_json::Value {
             "top_users": {"type": "array", "items": {
                 "type": "object",
                 "required": ["user", "plan", "used", "limit", "window_secs"],
-                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "custom_limits": {"type": "boolean", "description": "An admin set this user's limits (plan is then `custom`)."}, "used": int, "limit": int, "window_secs": int, "period": {"type": "string", "description": "The limit is a calendar period's (day, week, month)."}, "resets_at": {"type": "string", "format": "date-time", "description": "When that period ends and resets."}},
+                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "custom_limits": {"type": "boolean", "description": "An admin set this user's limits (plan is then `custom`)."}, "used": amount, "limit": amount, "window_secs": int, "period": {"type": "string", "description": "The limit is a calendar period's (day, week, month)."}, "resets_at": {"type": "string", "format": "date-time", "description": "When that period ends and resets."}},
             }},
             "events": {"type": "array", "items": {
                 "type": "object",
@@ -652,7 +654,7 @@ pub fn schema() -> serde_json::Value {
                 "properties": {
                     "at_ms": int, "user": {"type": "string"}, "operation": {"type": ["string", "null"]},
                     "service_key": {"type": "string", "description": "The service key (its id) that made the charge for the user, if one did."},
-                    "cost": int, "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
+                    "cost": amount, "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
                     "refund_reason": {"type": ["string", "null"], "description": "Why a refunded job's charge went back: its failure as the job's record says it."},
                 },
             }},

@@ -580,13 +580,14 @@ pub async fn detail(
 }
 
 /// The schemas of the job browser's answers in the OpenAPI document.
-pub fn list_schema() -> serde_json::Value {
+pub fn list_schema(currency: Currency) -> serde_json::Value {
     let int = serde_json::json!({"type": "integer"});
     let string = serde_json::json!({"type": "string"});
     serde_json::json!({
         "type": "object",
         "required": ["view", "limit", "offset", "more", "scope", "rows", "dead"],
         "properties": {
+            "currency": {"type": "string", "description": "A money deployment's ISO 4217 code (absent for tokens)."},
             "view": {"type": "string", "enum": ["recent", "failed", "dead"]},
             "limit": int, "offset": int, "more": {"type": "boolean"}, "scope": string,
             "rows": {"type": "array", "items": {
@@ -594,7 +595,7 @@ pub fn list_schema() -> serde_json::Value {
                 "required": ["id", "user", "operation", "at_ms", "cost", "state", "cause", "refunded"],
                 "properties": {
                     "id": string, "user": string, "operation": string, "at_ms": int,
-                    "cost": {"type": ["integer", "null"]},
+                    "cost": crate::openapi::nullable_amount(currency),
                     "state": {"type": "string", "enum": ["queued", "running", "succeeded", "failed", "refunded", "unknown"]},
                     "cause": {"type": ["string", "null"]},
                     "refunded": {"type": "boolean"},
@@ -609,7 +610,7 @@ pub fn list_schema() -> serde_json::Value {
     })
 }
 
-pub fn detail_schema() -> serde_json::Value {
+pub fn detail_schema(currency: Currency) -> serde_json::Value {
     let int = serde_json::json!({"type": "integer"});
     let string = serde_json::json!({"type": "string"});
     let nullable_string = serde_json::json!({"type": ["string", "null"]});
@@ -617,6 +618,7 @@ pub fn detail_schema() -> serde_json::Value {
         "type": "object",
         "required": ["id", "found", "jobs", "note"],
         "properties": {
+            "currency": {"type": "string", "description": "A money deployment's ISO 4217 code (absent for tokens)."},
             "id": string,
             "found": {"type": "boolean"},
             "note": nullable_string,
@@ -629,7 +631,7 @@ pub fn detail_schema() -> serde_json::Value {
                         "required": ["state", "operation", "provider", "cost", "run", "enqueued_at_ms", "deadline_ms", "finished_at_ms", "cause", "message"],
                         "properties": {
                             "state": {"type": "string", "enum": ["queued", "running", "succeeded", "failed"]},
-                            "operation": string, "provider": string, "cost": int, "run": int,
+                            "operation": string, "provider": string, "cost": crate::openapi::amount_schema(currency), "run": int,
                             "enqueued_at_ms": int, "deadline_ms": int,
                             "finished_at_ms": {"type": ["integer", "null"]},
                             "cause": nullable_string, "message": nullable_string,
