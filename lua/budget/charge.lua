@@ -15,7 +15,9 @@
 -- ARGV[8] '1' when no new charge may be accepted now (fsync mode, and Redis is
 --         not known to fsync every write): the same request charged already is
 --         still answered (a retry finds its job), a new one is refused
--- ARGV[9..] export maxlen, retention, then the plan table (budget/lib/state.lua)
+-- ARGV[9] the prices a priced call was reserved at (the job's `price`), for
+--         the export's spend entry; '' for none
+-- ARGV[10..] export maxlen, retention, then the plan table (budget/lib/state.lua)
 -- Returns one of
 --   { 1, now_ms, deadline_ms, windows..., plan }    charged, held for its job
 --   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows..., plan }
@@ -40,10 +42,10 @@ local request, cost, nonce, op, fp = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4
 local deadline_after, grace, refuse_new = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8] == '1'
 if not deadline_after or deadline_after < 1 or not grace or grace < 0
     or not string.match(nonce, '^%w+$') or not string.match(op, '^%S+$')
-    or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 then
-  return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
+    or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 or #ARGV[9] > 4096 then
+  return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline, grace or price')
 end
-local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 9)
+local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 10)
 if never then
   return never
 end
@@ -71,7 +73,9 @@ if not fits(limits, used, cost) or not org_fits(org, cost) then
 end
 
 local deadline = now + deadline_after
+PRICE = ARGV[9]
 used = record(request, cost, now, limits, used, { nonce = nonce, deadline = deadline, op = op, fp = fp }, slot)
+PRICE = ''
 redis.call('ZADD', HOLDS, int(deadline + grace), request)
 org_record(org, request, cost, now)
 local out = org_windows(push_windows({ 1, now, deadline }, limits, used, now), org, now)

@@ -36,6 +36,8 @@ fn usd_config() -> Arc<Config> {
 currency = "USD"
 hold_grace = "200ms"
 default_plan = "paid"
+[export]
+maxlen = 1000
 [plans.paid]
 limit = "0.50"
 window = "1h"
@@ -142,7 +144,41 @@ async fn answers_speak_decimal_strings(h: Harness) {
     let a = h.get("/admin/users/ann/usage", ADMIN, &[]).await;
     assert_eq!(a.body["used"], "0.000039", "{}", a.body);
     assert_eq!(a.body["windows"][0]["remaining"], "0.499961");
-    // An operator's refund answers in the currency too.
+    // The export's spend carries the model, the sheet entry and the prices
+    // that applied (per million tokens): with the settle, the charge is
+    // rebuilt from the export alone. A plain reserve after it carries none.
+    let ann = tollgate_core::id::UserId::new("ann").unwrap();
+    let rid = tollgate_core::id::RequestId::existing("plain-1").unwrap();
+    assert!(h
+        .state
+        .ledger
+        .reserve(&ann, &rid, 1)
+        .await
+        .unwrap()
+        .is_allowed());
+    let export = h.state.ledger.exported(&ann, 0, 100).await.unwrap();
+    let kinds: Vec<_> = export.iter().map(|e| format!("{:?}", e.kind)).collect();
+    assert_eq!(kinds, ["Spend", "Settle", "Spend"], "{export:?}");
+    let spend = &export[0];
+    assert_eq!(spend.request_id.as_str(), id);
+    assert_eq!(spend.cost, reserved);
+    assert_eq!(spend.model.as_deref(), Some("gpt-4o-mini"));
+    assert_eq!(spend.entry.as_deref(), Some("models.\"gpt-4o-mini*\""));
+    let prices = spend.prices.as_ref().expect("prices");
+    assert_eq!(
+        (&prices["input"], &prices["output"]),
+        (&json!("0.15"), &json!("0.6"))
+    );
+    assert_eq!(export[1].cost, 39, "60 × 0.15 + 50 × 0.60 per million");
+    assert_eq!(
+        (&export[2].model, &export[2].prices),
+        (&None, &None),
+        "a plain reserve is not priced: {:?}",
+        export[2]
+    );
+    let v = serde_json::to_value(spend).unwrap();
+    assert_eq!(v["prices"]["cached_input"], "0.15", "{v}");
+    // An operator's refund answers in the currency too (of the job's charge).
     let r = h
         .post(&format!("/admin/users/ann/refunds/{id}"), ADMIN, json!({}))
         .await;
@@ -157,7 +193,7 @@ async fn answers_speak_decimal_strings(h: Harness) {
         (
             &json!("refunded"),
             &json!("0.000039"),
-            &json!("0"),
+            &json!("0.000001"),
             &json!("USD")
         ),
         "{}",

@@ -216,8 +216,17 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             }
             for e in exported(ledger.as_ref(), &user, since_ms, count).await? {
                 if out.json {
-                    let v = serde_json::to_value(&e).unwrap_or(Value::Null);
-                    println!("{}", out.amounts(v, &["cost", "previous_cost"]));
+                    // The entry as exported (`cost` in minor units), with
+                    // money's `amount` beside it: the exact decimal string.
+                    let mut v = serde_json::to_value(&e).unwrap_or(Value::Null);
+                    if let (Currency::Money(code), Value::Object(map)) = (currency, &mut v) {
+                        map.insert(
+                            "amount".into(),
+                            json!(money::format_amount(currency, e.cost)),
+                        );
+                        map.insert("currency".into(), json!(code.as_str()));
+                    }
+                    println!("{v}");
                 } else {
                     let previous = e
                         .previous_cost
@@ -233,8 +242,12 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
                     } else {
                         ""
                     };
+                    let model = match (&e.model, &e.entry) {
+                        (Some(m), Some(k)) => format!(" model {m} priced by {k}"),
+                        _ => String::new(),
+                    };
                     println!(
-                        "{} {} {} {}{previous}, spent at {} ms{op}{forced}",
+                        "{} {} {} {}{previous}, spent at {} ms{op}{model}{forced}",
                         e.id,
                         format!("{:?}", e.kind).to_lowercase(),
                         e.request_id,
