@@ -211,7 +211,7 @@ async fn answers_speak_decimal_strings(h: Harness) {
 /// A user's own limits in decimal strings; every bad amount a 400 naming it,
 /// nothing changed.
 async fn admin_limits_take_decimal_strings(h: Harness) {
-    h.user("bo", "paid").await;
+    let key = h.user("bo", "paid").await;
     let set = |limits: Value| {
         let h = &h;
         async move {
@@ -259,6 +259,17 @@ async fn admin_limits_take_decimal_strings(h: Harness) {
         .map(|w| &w["limit"])
         .collect();
     assert_eq!(limits, [&json!("20"), &json!("0.0025")], "{}", now.body);
+    // A call whose worst case can never fit says so in the currency.
+    let r = set(json!([{"limit": "0.00001", "window": "1h"}])).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let body = json!({"model": "gpt-4o-mini", "max_tokens": 100});
+    let r = h.post("/v1/ops/chat", &key, body).await;
+    let p = r.problem(ProblemType::CostExceedsLimit);
+    let detail = p["detail"].as_str().unwrap();
+    assert!(
+        detail.contains(" USD exceeds the plan limit of 0.00001 USD"),
+        "{detail}"
+    );
 }
 
 mod usd {

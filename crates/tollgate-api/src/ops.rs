@@ -25,7 +25,8 @@ use serde::Serialize;
 use serde_json::Value;
 use tollgate_core::{
     id::RequestId,
-    job::{FailureCause, JobInfo, JobRequest, JobStatus, Rejection, SubmitOutcome},
+    job::{FailureCause, JobError, JobInfo, JobRequest, JobStatus, Rejection, SubmitOutcome},
+    ledger::LedgerError,
 };
 
 use crate::auth::Caller;
@@ -321,7 +322,22 @@ pub(crate) async fn submit(
             trace,
             service_key,
         })
-        .await?;
+        .await
+        .map_err(|e| match e {
+            // A price that can never fit, said in the deployment's currency.
+            JobError::Ledger(LedgerError::CostExceedsLimit { cost, limit }) => {
+                let c = state.config.currency();
+                ApiError::CostExceedsLimit(format!(
+                    "cost {} exceeds the plan limit of {}, so it could never be reserved",
+                    Amount::new(c, cost),
+                    match c {
+                        Currency::Tokens => format!("{limit} tokens"),
+                        _ => Amount::new(c, limit).to_string(),
+                    }
+                ))
+            }
+            other => other.into(),
+        })?;
     match outcome {
         SubmitOutcome::Queued { job, allowed } => {
             state.metrics.reservation(&operation, true);
