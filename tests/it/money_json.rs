@@ -272,9 +272,44 @@ async fn admin_limits_take_decimal_strings(h: Harness) {
     );
 }
 
+/// The Rust client reads money exactly: `Done.cost` and every amount of
+/// `Usage` in micro-units, beside the currency.
+async fn the_rust_client_reads_money_exactly(h: Harness) {
+    use tollgate_client::{Client, Outcome};
+    let key = h.user("cli", "paid").await;
+    let server = tollgate_tests::api::ApiServer::start(h.state.clone()).await;
+    let client = Client::new(format!("http://{}", server.addr), &key).unwrap();
+    let source = Arc::clone(&h.source);
+    let worker = tokio::spawn(async move {
+        let usage = json!({"usage": {"prompt_tokens": 60, "completion_tokens": 50}});
+        run_one(&source, usage).await;
+    });
+    let body = json!({"model": "gpt-4o-mini", "max_tokens": 100});
+    let outcome = client.call("chat", body).send().await.unwrap();
+    worker.await.unwrap();
+    let Outcome::Done(done) = outcome else {
+        panic!("expected done, got {outcome:?}")
+    };
+    assert_eq!((done.cost, done.currency.as_str()), (39, "USD"));
+    let u = client.usage().await.unwrap();
+    assert_eq!(u.currency, "USD");
+    assert_eq!((u.used, u.limit, u.remaining), (39, 500_000, 499_961));
+    assert_eq!((u.windows[0].used, u.windows[0].limit), (39, 500_000));
+    assert_eq!(u.events[0].cost, 39);
+    assert!(
+        u.events[0].estimate.is_some_and(|e| e > 39),
+        "{:?}",
+        u.events[0]
+    );
+}
+
 mod usd {
     use super::*;
-    on_each_backend!([answers_speak_decimal_strings, admin_limits_take_decimal_strings]
+    on_each_backend!([
+        answers_speak_decimal_strings,
+        admin_limits_take_decimal_strings,
+        the_rust_client_reads_money_exactly,
+    ]
         memory => crate::money_json::memory().await,
         redis => crate::money_json::redis().await,
     );
