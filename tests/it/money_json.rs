@@ -1,6 +1,6 @@
 //! Money over HTTP: with a currency, every amount of an answer (`/v1/usage`,
 //! the job view, the admin views) is an exact decimal string of it, and the
-//! admin routes read decimal strings; bad amounts are a 400 naming the field
+//! admin routes read decimal strings; bad amounts are a 422 naming the field
 //! that changes nothing. The RateLimit headers stay integers of the minor
 //! unit. With tokens every answer stays as it was (integers, no currency),
 //! on memory and on Redis.
@@ -243,7 +243,7 @@ async fn admin_limits_take_decimal_strings(h: Harness) {
             {"limit": bad, "window": "1m"}
         ]))
         .await;
-        let p = r.problem(ProblemType::MalformedRequest);
+        let p = r.problem(ProblemType::InvalidField);
         assert_eq!(p["field"], "limits[1].limit", "{p}");
         let detail = p["detail"].as_str().unwrap();
         assert!(
@@ -350,7 +350,7 @@ async fn tokens_answers_stay_integers(h: Harness) {
             json!({"limits": [{"limit": 1.5, "window": "1h"}]}),
         )
         .await;
-    let p = r.problem(ProblemType::MalformedRequest);
+    let p = r.problem(ProblemType::InvalidField);
     assert_eq!(p["field"], "limits[0].limit");
 }
 

@@ -446,8 +446,9 @@ pub async fn set_user_limits(
     limits: Vec<LimitBody>,
 ) -> Result<LimitsView, ApiError> {
     // Each amount read exactly first: one that is not an amount of the
-    // currency (too precise, negative, not a number, a JSON number in money)
-    // is a 400 naming it, and nothing changes.
+    // currency (too precise, negative, not a number, a JSON number in money,
+    // a fraction of a token) is a 422 naming it, as every limit that does
+    // not validate is, and nothing changes.
     let currency = config.currency();
     let limits = limits
         .into_iter()
@@ -456,9 +457,9 @@ pub async fn set_user_limits(
             Ok(n) => Ok((n, l.window)),
             Err(m) => {
                 let field = format!("limits[{i}].limit");
-                Err(ApiError::Malformed {
+                Err(ApiError::InvalidField {
                     detail: format!("{field}: {m}"),
-                    field: Some(field),
+                    field,
                 })
             }
         })
