@@ -17,7 +17,9 @@
 --         still answered (a retry finds its job), a new one is refused
 -- ARGV[9] the charge's dimensions in the spend rollups: '<org>\t<operation>\t
 --         <provider>\t<model>' (see budget/lib/rollups.lua)
--- ARGV[10..] export maxlen, retention, then the plan table (budget/lib/state.lua)
+-- ARGV[10] the prices a priced call was reserved at (the job's `price`), for
+--         the export's spend entry; '' for none
+-- ARGV[11..] export maxlen, retention, then the plan table (budget/lib/state.lua)
 -- Returns one of
 --   { 1, now_ms, deadline_ms, windows..., plan }    charged, held for its job
 --   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows..., plan }
@@ -42,11 +44,11 @@ local request, cost, nonce, op, fp = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4
 local deadline_after, grace, refuse_new = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8] == '1'
 if not deadline_after or deadline_after < 1 or not grace or grace < 0
     or not string.match(nonce, '^%w+$') or not string.match(op, '^%S+$')
-    or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 then
-  return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline or grace')
+    or not string.match(fp, '^%w+$') or #nonce > 127 or #fp > 127 or #ARGV[10] > 4096 then
+  return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline, grace or price')
 end
 DIMS = ARGV[9]
-local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 10)
+local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 11)
 if never then
   return never
 end
@@ -74,7 +76,9 @@ if not fits(limits, used, cost) or not org_fits(org, cost) then
 end
 
 local deadline = now + deadline_after
+PRICE = ARGV[10]
 used = record(request, cost, now, limits, used, { nonce = nonce, deadline = deadline, op = op, fp = fp }, slot)
+PRICE = ''
 redis.call('ZADD', HOLDS, int(deadline + grace), request)
 org_record(org, request, cost, now)
 local out = org_windows(push_windows({ 1, now, deadline }, limits, used, now), org, now)

@@ -515,6 +515,7 @@ fn job_charge(nonce: &str, cost: u64) -> ChargeRequest<'_> {
         fingerprint: "f",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(5),
+        price: None,
     }
 }
 

@@ -235,6 +235,7 @@ async fn run(
                     deadline: op.deadline,
                     grace: config.hold_grace(),
                     service_key: None,
+                    price: None,
                 };
                 let _ = ledger.charge(&r.user, &r.id, &charge).await;
             }

@@ -565,10 +565,14 @@ fn users_list_show_and_custom_limits() {
             assert!(err.contains("retention"), "{err}");
         }
     }
-    // A limit clap cannot read: its usage error, exit 2.
+    // A limit that is not an amount: exit 2 naming it.
     let out = users(&["set-limits", "cli-b", "--limit", "ten/1h"]);
     assert_eq!(out.status.code(), Some(2), "{out:?}");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not a number of tokens"));
+    let err = one_line_error(&out);
+    assert!(
+        err.contains("limits[0].limit") && err.contains("\"ten\""),
+        "{err}"
+    );
 
     let v = json(&["reindex"], 0);
     assert_eq!(v["users_seen"], 4);
@@ -775,4 +779,115 @@ fn spend_reports_from_the_command_line() {
     let bad = spend(&["--by", "team"]);
     assert_eq!(bad.status.code(), Some(2), "{bad:?}");
     assert!(one_line_error(&bad).contains("by"));
+}
+
+/// In a money deployment the operator commands read and print decimal
+/// strings of the currency: `--cost 0.0025` is 0.0025 USD; a cost that is
+/// not an amount (too precise, negative, not a number) exits 2 naming
+/// `--cost` and charges nothing.
+#[test]
+fn money_amounts_are_decimal_strings() {
+    let cli = Cli::new();
+    let dir = std::env::temp_dir().join(format!("tollgate-cli-money-{}", random_prefix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("usd.toml");
+    std::fs::write(
+        &config,
+        "currency = \"USD\"\ndefault_plan = \"paid\"\n[plans.paid]\nlimit = \"20\"\nwindow = \"1h\"\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let budget = |args: &[&str], code: i32| {
+        cli.json_in("budget", &[&["--config", config], args].concat(), code)
+    };
+    let v = budget(
+        &[
+            "reserve",
+            "--user",
+            "al",
+            "--cost",
+            "0.0025",
+            "--request-id",
+            "r1",
+        ],
+        0,
+    );
+    assert_eq!(
+        (
+            &v["cost"],
+            &v["used"],
+            &v["limit"],
+            &v["remaining"],
+            &v["currency"]
+        ),
+        (
+            &"0.0025".into(),
+            &"0.0025".into(),
+            &"20".into(),
+            &"19.9975".into(),
+            &"USD".into()
+        ),
+        "{v}"
+    );
+    for (bad, needle) in [
+        ("0.0000001", "6 decimal places"),
+        ("-1", "negative"),
+        ("abc", "\"abc\""),
+        ("1e3", "exponent"),
+    ] {
+        let cost = format!("--cost={bad}");
+        let out = cli.run_in(
+            "budget",
+            &["--config", config, "reserve", "--user", "al", &cost],
+        );
+        assert_eq!(out.status.code(), Some(2), "{bad}: {out:?}");
+        let err = one_line_error(&out);
+        assert!(err.contains("--cost") && err.contains(needle), "{err}");
+    }
+    let v = budget(&["usage", "--user", "al"], 0);
+    assert_eq!(
+        v["used"], "0.0025",
+        "nothing charged by a refused cost: {v}"
+    );
+    assert_eq!(v["events"][0]["cost"], "0.0025");
+    let v = budget(
+        &[
+            "settle",
+            "--user",
+            "al",
+            "--request-id",
+            "r1",
+            "--cost",
+            "0.001",
+        ],
+        0,
+    );
+    assert_eq!(
+        (&v["previous_cost"], &v["cost"]),
+        (&"0.0025".into(), &"0.001".into()),
+        "{v}"
+    );
+    let out = cli.run_in("budget", &["--config", config, "usage", "--user", "al"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("used 0.001/20 USD"), "{text}");
+
+    let users = |args: &[&str], code: i32| {
+        cli.json_in("users", &[&["--config", config], args].concat(), code)
+    };
+    users(&["create", "--user", "al"], 0);
+    let v = users(&["set-limits", "al", "--limit", "0.50/1h"], 0);
+    assert_eq!(v["limits"][0]["limit"], "0.5", "{v}");
+    let out = cli.run_in(
+        "users",
+        &[
+            "--config",
+            config,
+            "set-limits",
+            "al",
+            "--limit",
+            "0.0000001/1h",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(one_line_error(&out).contains("limits[0].limit"));
 }

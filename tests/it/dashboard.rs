@@ -562,6 +562,7 @@ async fn activity_is_noted(b: Backends) {
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(5),
         service_key: None,
+        price: None,
     };
     b.ledger.charge(&user, &job, &charge("n1")).await.unwrap();
     b.ledger.release(&user, &job, "n1").await.unwrap();

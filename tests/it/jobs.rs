@@ -968,6 +968,7 @@ async fn job_redis_charge_of_a_dead_submission_is_released_after_its_hold() {
         deadline: Duration::from_millis(300),
         grace: Duration::from_millis(200),
         service_key: None,
+        price: None,
     };
     // Step 1 of a submission, then nothing (the api pod died).
     let charged = ledger.charge(&ivan, &rid("crash1"), &charge).await.unwrap();

@@ -713,6 +713,7 @@ fn job_charge(cost: u64, nonce: &str) -> tollgate_core::ledger::ChargeRequest<'_
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
         service_key: None,
+        price: None,
     }
 }
 
@@ -871,6 +872,7 @@ async fn a_job_settles_its_charge_by_its_nonce(b: &impl Backend) {
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(1),
         service_key: None,
+        price: None,
     };
     let c = l.charge(&u, &rid("job"), &charge).await.unwrap();
     assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
@@ -997,6 +999,7 @@ async fn settling_down_never_passes_a_limit(b: &impl Backend) {
                 deadline: Duration::from_secs(60),
                 grace: Duration::from_secs(1),
                 service_key: None,
+                price: None,
             };
             let c = l.charge(&u, &id, &charge).await.unwrap();
             if !matches!(c, ChargeOutcome::Charged { .. }) {
@@ -1184,6 +1187,7 @@ async fn the_export_rebuilds_every_users_usage(b: &impl Backend) {
             deadline: Duration::from_secs(60),
             grace: Duration::from_secs(1),
             service_key: None,
+            price: None,
         };
         l.charge(u, &rid("job"), &charge).await.unwrap();
         l.settle_charge(

@@ -55,6 +55,7 @@ mod key_format;
 mod ledger;
 mod ledger_jobs;
 mod money;
+mod money_json;
 mod observability;
 mod openapi;
 mod orgs;

@@ -155,6 +155,7 @@ fn charge(cost: u64, nonce: &str) -> ChargeRequest<'_> {
         fingerprint: "f00d",
         deadline: Duration::from_secs(60),
         grace: Duration::from_secs(5),
+        price: None,
     }
 }
 

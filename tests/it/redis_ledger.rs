@@ -404,6 +404,7 @@ async fn a_live_event_costs_at_most_120_bytes_of_redis() {
                 deadline: Duration::from_secs(600),
                 grace: Duration::from_secs(1),
                 service_key: None,
+                price: None,
             };
             let ChargeOutcome::Charged { deadline_ms, .. } =
                 ledger.charge(&u, &id, &req).await.unwrap()

@@ -179,6 +179,7 @@ fn charge_of(i: usize, nonce: &str) -> ChargeRequest<'_> {
         operation: OPS[i % OPS.len()],
         model: MODELS[(i / USERS) % MODELS.len()],
         service_key: None,
+        price: None,
         fingerprint: "f00d",
         deadline: Duration::from_secs(86_400),
         grace: Duration::from_secs(60),

@@ -12,6 +12,7 @@ and retry, never fail with a 500."""
 from __future__ import annotations
 
 import os
+from decimal import Decimal
 import threading
 import time
 
@@ -105,9 +106,28 @@ class System:
         return r.json()["api_key"]
 
     def usage(self, key: str) -> dict:
+        """``/v1/usage`` with its amounts as integers of the minor unit: with a
+        currency the api writes them as exact decimal strings (``"0.000039"``
+        USD), read here as micro-units (39), so the suites compare exactly."""
         r = self.http.get(f"{self.base}/v1/usage", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200, r.text
-        return r.json()
+        body = r.json()
+        if body.get("currency", "tokens") == "tokens":
+            return body
+
+        def micro(v):
+            assert isinstance(v, str), f"a money amount is a decimal string: {v!r}"
+            m = Decimal(v) * 1_000_000
+            assert m == m.to_integral_value(), v
+            return int(m)
+
+        def read(item: dict, fields) -> dict:
+            return {k: (micro(v) if k in fields and v is not None else v) for k, v in item.items()}
+
+        body = read(body, ("used", "limit", "remaining"))
+        body["windows"] = [read(w, ("used", "limit", "remaining")) for w in body["windows"]]
+        body["events"] = [read(e, ("cost", "estimate")) for e in body["events"]]
+        return body
 
     def used(self, key: str, want: int) -> int:
         """``used`` once it equals ``want`` (a settle lands just after the

@@ -199,3 +199,41 @@ def test_the_retry_rules():
     for _ in range(100):
         assert 1.0 <= busy.backoff(1, 1.0) <= 1.25
         assert 0.1 <= busy.backoff(1, None) <= 0.2
+
+
+def test_amounts_are_exact_in_both_forms():
+    """Tokens are ints, money decimal strings read as ``Decimal``; a float or
+    a malformed amount is a protocol error, never a rounded number."""
+    from decimal import Decimal
+
+    from tollgate._answer import job_outcome
+    from tollgate._client import Client as _C
+
+    assert tollgate.amount(40) == 40 and isinstance(tollgate.amount(40), int)
+    assert tollgate.amount("0.00015") == Decimal("0.00015")
+    assert tollgate.amount("20") == Decimal(20)
+    for bad in [0.5, "-1", "1e3", "NaN", "abc", "", None, True, " 1"]:
+        with pytest.raises(tollgate.ProtocolError):
+            tollgate.amount(bad)
+    done = job_outcome(
+        {"job_id": "j", "status": "succeeded", "cost": "0.000039", "reserved": "0.000077", "currency": "USD"}
+    )
+    assert done == Done(job_id="j", operation="", result=None, cost=Decimal("0.000039"), currency="USD")
+    done = job_outcome({"job_id": "j", "status": "succeeded", "cost": 2, "reserved": 2})
+    assert (done.cost, done.currency) == (2, "tokens")
+
+    class _A:
+        body = {
+            "user": "ann", "plan": "paid", "currency": "USD",
+            "used": "0.000039", "limit": "0.5", "remaining": "0.499961",
+            "window_secs": 3600, "reset_after_secs": 3600, "reset_at": None,
+            "windows": [{"policy": "budget", "limit": "0.5", "used": "0.000039", "remaining": "0.499961", "window_secs": 3600}],
+            "events": [{"request_id": "r", "cost": "0.000039", "estimate": "0.000077", "at_ms": 1}, {"request_id": "s", "cost": "1", "estimate": None, "at_ms": 2}],
+            "next_cursor": None,
+        }
+
+    u = _C._usage(_A())
+    assert (u.used, u.limit, u.remaining) == (Decimal("0.000039"), Decimal("0.5"), Decimal("0.499961"))
+    assert u.used + u.remaining == u.limit
+    assert u.windows[0]["remaining"] == Decimal("0.499961")
+    assert u.events[0]["estimate"] == Decimal("0.000077") and u.events[1]["estimate"] is None

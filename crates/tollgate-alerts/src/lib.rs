@@ -113,6 +113,8 @@ pub struct Deliverer {
     pub max_backoff: Duration,
     /// How long an idle round sleeps before looking again.
     pub poll: Duration,
+    /// What the bodies' amounts count (the deployment's `currency`).
+    pub currency: tollgate_core::money::Currency,
 }
 
 impl Deliverer {
@@ -142,6 +144,7 @@ impl Deliverer {
             first_backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(60),
             poll: Duration::from_millis(500),
+            currency: tollgate_core::money::Currency::Tokens,
         })
     }
 
@@ -227,7 +230,7 @@ impl Deliverer {
             self.give_up(&leased, "kept past [alerts] keep").await;
             return;
         }
-        let body = alert.body();
+        let body = alert.body(self.currency);
         let t = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());

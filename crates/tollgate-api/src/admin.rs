@@ -15,13 +15,14 @@ use tollgate_core::{
     id::{OrgId, RequestId, UserId},
     keystore::{ApiKey, KeyKind, KeyRecord, KeyStore},
     ledger::{EventPage, Ledger, RefundOutcome, CUSTOM_PLAN},
+    money::{self, Amount, Currency},
 };
 
 use crate::auth::Admin;
 use crate::extract::{JsonBody, PathParam, QueryParams};
 use crate::problem::{echo, ApiError};
 use crate::state::ApiState;
-use crate::usage::{PageQuery, UsageView};
+use crate::usage::{money_code, PageQuery, UsageView};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -259,8 +260,42 @@ pub struct RefundView {
     /// `refunded` (a plain reserve, or a final job's charge), `cancelled` (a
     /// held charge released and its job cancelled: it never runs) or
     /// `not_found` (nothing live under this id: a second refund is a no-op).
-    #[serde(flatten)]
-    pub outcome: RefundOutcome,
+    pub outcome: &'static str,
+    /// What was given back (absent for `not_found`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<Amount>,
+    /// Used in the plan's longest window after it.
+    pub used: Amount,
+    /// Money: its ISO 4217 code (absent for tokens).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
+}
+
+impl RefundView {
+    /// `outcome` of a refund, amounts in `currency`; `None` for
+    /// [`RefundOutcome::Running`]: nothing changed, the answer is a 409.
+    fn of(
+        user: &UserId,
+        request: &RequestId,
+        outcome: &RefundOutcome,
+        currency: Currency,
+    ) -> Option<Self> {
+        let amount = |n| Amount::new(currency, n);
+        let (name, cost, used) = match *outcome {
+            RefundOutcome::Refunded { cost, used } => ("refunded", Some(cost), used),
+            RefundOutcome::Cancelled { cost, used } => ("cancelled", Some(cost), used),
+            RefundOutcome::NotFound { used } => ("not_found", None, used),
+            RefundOutcome::Running { .. } => return None,
+        };
+        Some(Self {
+            user: user.to_string(),
+            request_id: request.to_string(),
+            outcome: name,
+            cost: cost.map(amount),
+            used: amount(used),
+            currency: money_code(currency),
+        })
+    }
 }
 
 /// `POST /admin/users/{user}/refunds/{request_id}`: what `tollgate budget
@@ -296,19 +331,14 @@ pub async fn refund(
         &request,
     )
     .await?;
-    if let RefundOutcome::Running { .. } = outcome {
+    let Some(view) = RefundView::of(&user, &request, &outcome, state.config.currency()) else {
         return Err(ApiError::ChargeOwnedByJob(format!(
             "job {:?} owns its charge and may be calling the provider: refund it once the job is final",
             echo(request.as_str())
         )));
-    }
+    };
     tracing::info!(user = %user, request_id = %request, ?outcome, "operator refund");
-    Ok(axum::Json(RefundView {
-        user: user.to_string(),
-        request_id: request.to_string(),
-        outcome,
-    })
-    .into_response())
+    Ok(axum::Json(view).into_response())
 }
 
 /// `PUT /admin/users/{user}/limits`: a user's own limits, as a `[plans.X]
@@ -319,18 +349,21 @@ pub struct SetLimits {
     pub limits: Vec<LimitBody>,
 }
 
-/// One limit: at most `limit` tokens in any trailing `window` (`"1h"`).
+/// One limit: at most `limit` in any trailing `window` (`"1h"`). The
+/// limit is an amount of the deployment's currency as requests write it
+/// ([`tollgate_core::money::parse_json`]): an integer of tokens, or a
+/// decimal string of money (`"20"`, `"0.0025"`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LimitBody {
-    pub limit: i64,
+    pub limit: serde_json::Value,
     pub window: String,
 }
 
 /// One limit as the admin views show it.
 #[derive(Debug, Clone, Serialize)]
 pub struct LimitView {
-    pub limit: u64,
+    pub limit: Amount,
     /// The window as the config writes it (`1h`, `90s`); a calendar
     /// period's: the period, its anchor and time zone (`month (anchor 15,
     /// Europe/Berlin)`), with `window_ms` 0.
@@ -342,11 +375,11 @@ pub struct LimitView {
 }
 
 impl LimitView {
-    pub fn of(limits: &[Limit]) -> Vec<Self> {
+    pub fn of(limits: &[Limit], currency: Currency) -> Vec<Self> {
         limits
             .iter()
             .map(|l| Self {
-                limit: l.limit,
+                limit: Amount::new(currency, l.limit),
                 window: l
                     .period
                     .map_or_else(|| duration::format(l.window), |c| c.describe()),
@@ -368,6 +401,10 @@ pub struct LimitsView {
     /// max_stored_bytes) apply meanwhile.
     pub base_plan: String,
     pub custom_limits: bool,
+    /// Money: its ISO 4217 code, in which `limits` are decimal strings
+    /// (absent for tokens: integers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
     /// The limits that apply, longest window first.
     pub limits: Vec<LimitView>,
 }
@@ -393,7 +430,8 @@ pub async fn limits_view(
         },
         base_plan: base,
         custom_limits: custom.is_some(),
-        limits: LimitView::of(&limits),
+        currency: money_code(config.currency()),
+        limits: LimitView::of(&limits, config.currency()),
     })
 }
 
@@ -407,8 +445,27 @@ pub async fn set_user_limits(
     user: &UserId,
     limits: Vec<LimitBody>,
 ) -> Result<LimitsView, ApiError> {
+    // Each amount read exactly first: one that is not an amount of the
+    // currency (too precise, negative, not a number, a JSON number in money,
+    // a fraction of a token) is a 422 naming it, as every limit that does
+    // not validate is, and nothing changes.
+    let currency = config.currency();
+    let limits = limits
+        .into_iter()
+        .enumerate()
+        .map(|(i, l)| match money::parse_json(currency, &l.limit) {
+            Ok(n) => Ok((n, l.window)),
+            Err(m) => {
+                let field = format!("limits[{i}].limit");
+                Err(ApiError::InvalidField {
+                    detail: format!("{field}: {m}"),
+                    field,
+                })
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let limits = config
-        .override_limits(limits.into_iter().map(|l| (l.limit, l.window)).collect())
+        .override_limits(limits)
         .map_err(|detail| ApiError::InvalidField {
             field: "limits".into(),
             detail,
@@ -697,6 +754,10 @@ pub struct UserOrgView {
 pub struct OrgDetailView {
     pub org: String,
     pub plan: String,
+    /// Money: its ISO 4217 code, in which the windows' amounts are decimal
+    /// strings (absent for tokens: integers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
     pub windows: Vec<crate::usage::WindowView>,
     pub members: Vec<String>,
     /// Pass as `after` for the next page of members; absent on the last.
@@ -895,7 +956,8 @@ pub async fn org(
     Ok(axum::Json(OrgDetailView {
         org: u.org.to_string(),
         plan: u.plan,
-        windows: crate::usage::window_views(&u.windows),
+        currency: money_code(state.config.currency()),
+        windows: crate::usage::window_views(&u.windows, state.config.currency()),
         members: u.members.iter().map(ToString::to_string).collect(),
         next_member: u.next_member.map(|m| m.to_string()),
     })

@@ -42,6 +42,7 @@ use serde::Serialize;
 use tollgate_core::activity::{ActivityLog, ActivityView, SpendView, ANSWER_CLASSES, WAITS_CAP};
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{JobStatus, QueueStats};
+use tollgate_core::money::Amount;
 use tollgate_core::session::SessionStore;
 use tollgate_core::throttle::{ProviderStats, ThrottleError};
 
@@ -126,6 +127,10 @@ impl Dashboard {
 #[derive(Debug, Clone, Serialize)]
 pub struct Overview {
     pub now_ms: u64,
+    /// Money: its ISO 4217 code, in which every amount here is an exact
+    /// decimal string (absent for tokens: amounts are integers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
     pub providers: Vec<ProviderView>,
     pub queues: Vec<QueueStats>,
     pub roles: Roles,
@@ -176,6 +181,8 @@ async fn alerts_view(state: &ApiState) -> Option<AlertsView> {
 pub struct EventView {
     #[serde(flatten)]
     pub spend: SpendView,
+    /// `spend.cost` in the deployment's currency.
+    pub cost: Amount,
     /// For a refunded job's charge: the job's failure as its record says it
     /// (`<cause>: <message>`); `None` when not refunded, or the record is gone.
     pub refund_reason: Option<String>,
@@ -235,9 +242,9 @@ pub struct TopUser {
     /// The user's plan, or `custom` when an admin set its limits.
     pub plan: String,
     pub custom_limits: bool,
-    /// Tokens used in the user's window now, and the limit.
-    pub used: u64,
-    pub limit: u64,
+    /// Spent in the user's window now, and the limit.
+    pub used: Amount,
+    pub limit: Amount,
     pub window_secs: u64,
     /// When that limit is a calendar period's: the period (`month`) and the
     /// instant it resets (RFC 3339).
@@ -420,6 +427,7 @@ async fn events(state: &ApiState, activity: &ActivityView) -> Vec<EventView> {
             } else {
                 None
             },
+            cost: Amount::new(state.config.currency(), spend.cost),
             spend,
         })
         .collect()
@@ -473,6 +481,7 @@ pub async fn compute(state: &ApiState) -> Result<Arc<Overview>, ApiError> {
     let denials = sampler.denials(state, &activity);
     let overview = Arc::new(Overview {
         now_ms: activity.now_ms,
+        currency: crate::usage::money_code(state.config.currency()),
         providers,
         queues,
         roles,
@@ -511,6 +520,7 @@ async fn top_users(
         let ledger = Arc::clone(&state.ledger);
         Some(async move { (ledger.usage(&user).await, user) })
     });
+    let currency = state.config.currency();
     let mut top: Vec<TopUser> = futures_util::future::join_all(reads)
         .await
         .into_iter()
@@ -526,15 +536,15 @@ async fn top_users(
                 user: user.to_string(),
                 plan: usage.plan,
                 custom_limits: usage.custom_limits,
-                used: usage.used,
-                limit: usage.limit,
+                used: Amount::new(currency, usage.used),
+                limit: Amount::new(currency, usage.limit),
                 window_secs: usage.window_ms / 1000,
                 period: period.as_ref().map(|(word, _)| word.clone()),
                 resets_at: period.map(|(_, end)| tollgate_core::clock::rfc3339(end)),
             })
         })
         .collect();
-    top.sort_by(|a, b| b.used.cmp(&a.used).then(a.user.cmp(&b.user)));
+    top.sort_by(|a, b| b.used.minor.cmp(&a.used.minor).then(a.user.cmp(&b.user)));
     top.truncate(TOP_USERS);
     top
 }
@@ -593,13 +603,15 @@ async fn page(State(state): State<ApiState>) -> Result<Response, ApiError> {
 }
 
 /// The overview's schema in the OpenAPI document.
-pub fn schema() -> serde_json::Value {
+pub fn schema(currency: tollgate_core::money::Currency) -> serde_json::Value {
     let int = serde_json::json!({"type": "integer"});
+    let amount = crate::openapi::amount_schema(currency);
     let nullable_int = serde_json::json!({"type": ["integer", "null"]});
     serde_json::json!({
         "type": "object",
         "required": ["now_ms", "providers", "queues", "roles", "top_users", "events", "denials", "most_denied"],
         "properties": {
+            "currency": {"type": "string", "description": "A money deployment's ISO 4217 code: the amounts are decimal strings of it (absent for tokens)."},
             "now_ms": int,
             "providers": {"type": "array", "items": {
                 "type": "object",
@@ -634,7 +646,7 @@ pub fn schema() -> serde_json::Value {
             "top_users": {"type": "array", "items": {
                 "type": "object",
                 "required": ["user", "plan", "used", "limit", "window_secs"],
-                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "custom_limits": {"type": "boolean", "description": "An admin set this user's limits (plan is then `custom`)."}, "used": int, "limit": int, "window_secs": int, "period": {"type": "string", "description": "The limit is a calendar period's (day, week, month)."}, "resets_at": {"type": "string", "format": "date-time", "description": "When that period ends and resets."}},
+                "properties": {"user": {"type": "string"}, "plan": {"type": "string"}, "custom_limits": {"type": "boolean", "description": "An admin set this user's limits (plan is then `custom`)."}, "used": amount, "limit": amount, "window_secs": int, "period": {"type": "string", "description": "The limit is a calendar period's (day, week, month)."}, "resets_at": {"type": "string", "format": "date-time", "description": "When that period ends and resets."}},
             }},
             "events": {"type": "array", "items": {
                 "type": "object",
@@ -642,7 +654,7 @@ pub fn schema() -> serde_json::Value {
                 "properties": {
                     "at_ms": int, "user": {"type": "string"}, "operation": {"type": ["string", "null"]},
                     "service_key": {"type": "string", "description": "The service key (its id) that made the charge for the user, if one did."},
-                    "cost": int, "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
+                    "cost": amount, "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
                     "refund_reason": {"type": ["string", "null"], "description": "Why a refunded job's charge went back: its failure as the job's record says it."},
                 },
             }},

@@ -417,7 +417,7 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
                 "json or csv; without it, `Accept: text/csv` asks for CSV.",
                 serde_json::json!({"type": "string", "enum": ["json", "csv"]}),
             )
-            .ok(200, "One page of rows, by key then bucket start; amounts in minor units of the currency.", Some(schema("SpendPage"))),
+            .ok(200, "One page of rows, by key then bucket start; amounts as every answer writes them.", Some(schema("SpendPage"))),
             get(spend::spend),
         )
         .route(

@@ -11,6 +11,7 @@ use axum::routing::MethodRouter;
 use axum::Router;
 use serde_json::{json, Map, Value};
 use tollgate_core::config::Config;
+use tollgate_core::money::Currency;
 
 use crate::cost::Cost;
 use crate::problem::ProblemType;
@@ -422,6 +423,10 @@ fn subject_id_schema() -> Value {
 }
 
 fn schemas(config: &Config) -> Value {
+    let currency = config.currency();
+    let amount = amount_schema(currency);
+    // With money: `currency` beside the amounts (absent for tokens).
+    let money_code = json!({"type": "string", "description": "A money deployment's ISO 4217 code, in which the amounts are decimal strings (absent for tokens: integers)."});
     let plans: Vec<&str> = config.plans().map(|p| p.name.as_str()).collect();
     let plan = json!({"type": "string", "enum": plans, "description": "A plan of the config."});
     let mut all = json!({
@@ -472,8 +477,9 @@ fn schemas(config: &Config) -> Value {
                 "error": {"type": "object", "properties": {"cause": {"type": "string"}, "message": {"type": "string"}, "charged": {"type": "boolean", "description": "Whether the failed job's charge stands (the upstream may have done the work) or was released."},
                     "upstream_status": {"type": "integer", "description": "Cause rejected: the upstream's status."},
                     "upstream_body": {"type": "string", "description": "Cause rejected: the upstream's body (at most 1024 bytes), only for an operation with expose_upstream_errors = true."}}},
-                "cost": {"type": "integer", "minimum": 0, "description": "What the job is charged, in minor units (tokens, or micro-units of the currency): its settled charge once the upstream reported usage, else its reservation."},
-                "reserved": {"type": "integer", "minimum": 0, "description": "What was reserved up front: the most the job can be charged."},
+                "cost": {"allOf": [amount], "description": "What the job is charged (tokens: an integer; money: an exact decimal string of `currency`): its settled charge once the upstream reported usage, else its reservation."},
+                "reserved": {"allOf": [amount], "description": "What was reserved up front: the most the job can be charged."},
+                "currency": money_code,
                 "enqueued_at": {"type": "string", "format": "date-time"},
                 "finished_at": {"type": "string", "format": "date-time"},
             },
@@ -483,16 +489,16 @@ fn schemas(config: &Config) -> Value {
             "required": ["user", "plan", "custom_limits", "currency", "used", "limit", "remaining", "window_secs", "windows", "events", "next_cursor"],
             "properties": {
                 "user": {"type": "string"},
-                "currency": {"type": "string", "description": "What the amounts count: tokens, or an ISO 4217 currency whose amounts are integers of its micro-unit (1 USD = 1,000,000)."},
+                "currency": {"type": "string", "description": "What the amounts count: tokens (integers), or an ISO 4217 currency (exact decimal strings of it: \"0.00015\")."},
                 "plan": {"type": "string", "description": "The user's plan, or `custom` when an admin set its limits."},
                 "custom_limits": {"type": "boolean", "description": "True when an admin set this user's limits (PUT /admin/users/{user}/limits): `windows` are those, not its plan's."},
-                "used": {"type": "integer"},
-                "limit": {"type": "integer"},
-                "remaining": {"type": "integer"},
+                "used": amount,
+                "limit": amount,
+                "remaining": amount,
                 "window_secs": {"type": "integer"},
                 "reset_after_secs": {"type": ["integer", "null"]},
                 "reset_at": {"type": ["string", "null"], "format": "date-time"},
-                "windows": {"type": "array", "description": "Every limit of the plan, longest window first; the figures above are the one closest to exhaustion's.", "items": window()},
+                "windows": {"type": "array", "description": "Every limit of the plan, longest window first; the figures above are the one closest to exhaustion's.", "items": window(currency)},
                 "next_cursor": {"type": ["string", "null"], "description": "Pass it as `cursor` for the next page of events; `null`: this page reached the newest event."},
                 "organisation": {"type": "object", "description": "A member of an organisation: the organisation's windows (each charge must fit them as well as the user's own).",
                     "required": ["org", "plan", "windows"],
@@ -505,8 +511,8 @@ fn schemas(config: &Config) -> Value {
                         "request_id": {"type": "string"},
                         "operation": {"type": ["string", "null"]},
                         "service_key": {"type": "string", "description": "The id (kid_...) of the service key that made the call for this user; absent: the user's own key."},
-                        "cost": {"type": "integer"},
-                        "estimate": {"type": ["integer", "null"], "description": "The estimate reserved up front, for a charge settled to what the provider reported (`cost` is the actual)."},
+                        "cost": amount,
+                        "estimate": {"allOf": [nullable_amount(currency)], "description": "The estimate reserved up front, for a charge settled to what the provider reported (`cost` is the actual)."},
                         "at": {"type": "string", "format": "date-time"},
                         "at_ms": {"type": "integer"},
                     },
@@ -540,7 +546,7 @@ fn schemas(config: &Config) -> Value {
             "limits": {"type": "array", "minItems": 1, "maxItems": tollgate_core::config::MAX_LIMITS,
                 "description": "As a plan's `limits`: distinct windows, none longer than the longest window of any configured plan (the log's retention).",
                 "items": {"type": "object", "required": ["limit", "window"], "additionalProperties": false, "properties": {
-                    "limit": {"type": "integer", "minimum": 1, "maximum": tollgate_core::config::MAX_TOKENS},
+                    "limit": limit_input(currency),
                     "window": {"type": "string", "maxLength": 32, "pattern": "^([0-9]+(ms|s|m|h|d))+$",
                         "description": "A duration: `90s`, `15m`, `1h`, `1h30m`; at least 1ms, at most the retention.", "examples": ["1h"]},
                 }}},
@@ -550,7 +556,8 @@ fn schemas(config: &Config) -> Value {
             "plan": {"type": "string", "description": "`custom` when the user has its own limits, else its plan."},
             "base_plan": {"type": "string", "description": "The named plan: what the user returns to when its own limits are cleared; its other settings (share, max_in_flight, max_stored_bytes) apply meanwhile."},
             "custom_limits": {"type": "boolean"},
-            "limits": limit_list(),
+            "currency": money_code,
+            "limits": limit_list(currency),
         }},
         "UserList": {"type": "object", "required": ["users", "next_cursor"], "properties": {
             "users": {"type": "array", "items": {"type": "object",
@@ -560,7 +567,7 @@ fn schemas(config: &Config) -> Value {
                     "plan": {"type": "string", "description": "`custom` (its own limits) or its plan."},
                     "base_plan": {"type": "string"},
                     "custom_limits": {"type": "boolean"},
-                    "limits": limit_list(),
+                    "limits": limit_list(currency),
                     "kind": {"type": "string", "enum": ["user", "service"], "description": "`service` when every key of the user is a service key."},
                     "live_keys": {"type": "integer", "minimum": 0, "description": "Keys not revoked."},
                     "keys": {"type": "integer", "minimum": 0},
@@ -580,13 +587,13 @@ fn schemas(config: &Config) -> Value {
         "AdminUsage": {"allOf": [schema("Usage"), {"type": "object", "required": ["base_plan"], "properties": {
             "base_plan": {"type": "string", "description": "The user's named plan (what it returns to when its own limits are cleared)."},
         }}]},
-        "Window": window(),
+        "Window": window(currency),
         "SetOrg": {"type": "object", "required": ["org"], "additionalProperties": false, "properties": {"org": {"oneOf": [subject_id_schema(), {"type": "null"}], "description": "An organisation created with PUT /admin/orgs/{org}; null: in no organisation."}}},
         "UserOrg": {"type": "object", "required": ["user", "org", "moved_events"], "properties": {"user": {"type": "string"}, "org": {"type": ["string", "null"]}, "moved_events": {"type": "integer", "description": "Live spend events this call moved with the user."}}},
         "OrgPlan": {"type": "object", "required": ["org", "plan"], "properties": {"org": {"type": "string"}, "plan": {"type": "string"}}},
         "OrgList": {"type": "object", "required": ["orgs", "next"], "properties": {"orgs": {"type": "array", "items": {"type": "string"}}, "next": {"type": ["string", "null"], "description": "after= for the next page; null on the last."}}},
         "Org": {"type": "object", "required": ["org", "plan", "windows", "members", "next_member"], "properties": {
-            "org": {"type": "string"}, "plan": {"type": "string"},
+            "org": {"type": "string"}, "plan": {"type": "string"}, "currency": money_code,
             "windows": {"type": "array", "items": {"$ref": "#/components/schemas/Window"}},
             "members": {"type": "array", "items": {"type": "string"}},
             "next_member": {"type": ["string", "null"], "description": "after= for the next page of members; null on the last."}}},
@@ -596,8 +603,9 @@ fn schemas(config: &Config) -> Value {
             "properties": {"user": {"type": "string"}, "request_id": {"type": "string"},
                 "outcome": {"type": "string", "enum": ["refunded", "cancelled", "not_found"],
                     "description": "refunded: a plain reserve or a final job's charge; cancelled: a queued job's charge released and the job cancelled (it never runs); not_found: nothing live under this id."},
-                "cost": {"type": "integer", "minimum": 0, "description": "The tokens given back."},
-                "used": {"type": "integer", "minimum": 0, "description": "Tokens used in the plan's longest window after it."}}},
+                "cost": {"allOf": [amount], "description": "What was given back (absent for not_found)."},
+                "used": {"allOf": [amount], "description": "Used in the plan's longest window after it."},
+                "currency": money_code}},
         "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
         "Ready": {"type": "object", "required": ["status", "durability"], "properties": {
             "status": {"type": "string"},
@@ -615,13 +623,13 @@ fn schemas(config: &Config) -> Value {
                 }
             }
         }},
-        "Overview": crate::dashboard::schema(),
+        "Overview": crate::dashboard::schema(currency),
         "History": crate::dashboard::history::schema(),
-        "JobList": crate::dashboard::jobs::list_schema(),
-        "JobDetail": crate::dashboard::jobs::detail_schema(),
+        "JobList": crate::dashboard::jobs::list_schema(currency),
+        "JobDetail": crate::dashboard::jobs::detail_schema(currency),
     });
     // Past the one `json!` above: it is at the macro's recursion limit.
-    all["SpendPage"] = spend_page_schema();
+    all["SpendPage"] = spend_page_schema(amount);
     all
 }
 
@@ -645,17 +653,52 @@ fn key_view(user: bool) -> Value {
     v
 }
 
+/// An amount of `currency` as the answers write it: an integer of tokens, or
+/// an exact decimal string of money in its shortest spelling.
+pub fn amount_schema(currency: Currency) -> Value {
+    match currency {
+        Currency::Tokens => json!({"type": "integer", "minimum": 0}),
+        Currency::Money(code) => json!({
+            "type": "string",
+            "pattern": "^(0|[1-9][0-9]*)(\\.[0-9]{0,5}[1-9])?$",
+            "description": format!("An exact decimal amount of {}: at most 6 decimals, no trailing zeros.", code.as_str()),
+            "examples": ["0.00015"],
+        }),
+    }
+}
+
+/// A limit as `PUT /admin/users/{user}/limits` reads it: a whole number of
+/// tokens, or a decimal string of money.
+fn limit_input(currency: Currency) -> Value {
+    match currency {
+        Currency::Tokens => {
+            json!({"type": "integer", "minimum": 1, "maximum": tollgate_core::config::MAX_TOKENS})
+        }
+        Currency::Money(code) => json!({
+            "type": "string",
+            "pattern": "^[0-9]+(\\.[0-9]{1,6})?$",
+            "description": format!("An amount of {}, more than 0: digits with at most 6 decimals (\"20\", \"0.0025\"); a JSON number is refused.", code.as_str()),
+        }),
+    }
+}
+
+/// [`amount_schema`], or `null`.
+pub fn nullable_amount(currency: Currency) -> Value {
+    json!({"anyOf": [amount_schema(currency), {"type": "null"}]})
+}
+
 /// One limit of a plan and its use (`Window`, and inline in `Usage`).
-fn window() -> Value {
+fn window(currency: Currency) -> Value {
+    let amount = amount_schema(currency);
     json!({
         "type": "object",
         "required": ["policy", "limit", "window_secs", "used", "remaining"],
         "properties": {
             "policy": {"type": "string"},
-            "limit": {"type": "integer"},
+            "limit": amount,
             "window_secs": {"type": "integer"},
-            "used": {"type": "integer"},
-            "remaining": {"type": "integer"},
+            "used": amount,
+            "remaining": amount,
             "reset_after_secs": {"type": ["integer", "null"]},
             "period": {"type": "string", "enum": ["day", "week", "month"], "description": "A calendar period's limit (absent: a trailing window)."},
             "period_start": {"type": "string", "format": "date-time"},
@@ -665,10 +708,10 @@ fn window() -> Value {
 }
 
 /// A list of limits as the admin views show them.
-fn limit_list() -> Value {
+fn limit_list(currency: Currency) -> Value {
     json!({"type": "array", "description": "Longest window first.", "items": {"type": "object",
     "required": ["limit", "window", "window_ms"], "properties": {
-        "limit": {"type": "integer"},
+        "limit": amount_schema(currency),
         "window": {"type": "string"},
         "window_ms": {"type": "integer"},
     }}})
@@ -680,20 +723,20 @@ pub fn schema(name: &str) -> Value {
 }
 
 /// `GET /admin/spend`'s JSON page.
-fn spend_page_schema() -> Value {
+fn spend_page_schema(amount: Value) -> Value {
     json!({"type": "object", "required": ["by", "step", "from", "to", "currency", "rows", "total"], "properties": {
         "by": {"type": "string", "enum": ["user", "org", "model", "operation", "provider"]},
         "step": {"type": "string", "enum": ["1h", "1d"]},
         "from": {"type": "string", "format": "date-time"},
         "to": {"type": "string", "format": "date-time"},
-        "currency": {"type": "string", "description": "`tokens` or an ISO 4217 code: amounts are integers of its minor unit (micro-units of money)."},
+        "currency": {"type": "string", "description": "`tokens` or an ISO 4217 code: amounts as every answer writes them (tokens: integers; money: exact decimal strings)."},
         "rows": {"type": "array", "items": {"type": "object", "required": ["key", "start", "start_ms", "amount"], "properties": {
             "key": {"type": "string", "description": "The user, organisation, sheet entry, operation or provider; \"\" for charges without one (no organisation, an unpriced call)."},
             "start": {"type": "string", "format": "date-time", "description": "The bucket's start."},
             "start_ms": {"type": "integer", "minimum": 0},
-            "amount": {"type": "integer", "minimum": 1, "description": "What the charges made in the bucket cost, as they stand (settled, refunds taken off)."},
+            "amount": amount.clone(),
         }}},
-        "total": {"type": "integer", "minimum": 0, "description": "The sum of this page's rows."},
+        "total": amount,
         "next_cursor": {"type": "string", "description": "Pass it as `cursor` for the next page; absent on the last page."},
     }})
 }

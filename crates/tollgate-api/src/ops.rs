@@ -25,7 +25,8 @@ use serde::Serialize;
 use serde_json::Value;
 use tollgate_core::{
     id::RequestId,
-    job::{FailureCause, JobInfo, JobRequest, JobStatus, Rejection, SubmitOutcome},
+    job::{FailureCause, JobError, JobInfo, JobRequest, JobStatus, Rejection, SubmitOutcome},
+    ledger::LedgerError,
 };
 
 use crate::auth::Caller;
@@ -34,6 +35,7 @@ use crate::extract::{json_object, Flags, JsonBody, PathParam};
 use crate::problem::ApiError;
 use crate::state::ApiState;
 use tollgate_core::clock::{rfc3339, Clock, SystemClock};
+use tollgate_core::money::{Amount, Currency};
 use tollgate_core::throttle::Position;
 use tollgate_core::trace::TraceParent;
 
@@ -53,11 +55,15 @@ pub struct JobView {
     pub result: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<JobErrorView>,
-    /// What the job is charged, in minor units: its settled charge once the
-    /// upstream reported usage, else its reservation.
-    pub cost: u64,
+    /// What the job is charged: its settled charge once the upstream
+    /// reported usage, else its reservation. Tokens: an integer; money: an
+    /// exact decimal string of `currency` (`"0.00015"`).
+    pub cost: Amount,
     /// What was reserved up front (the most it could be charged).
-    pub reserved: u64,
+    pub reserved: Amount,
+    /// Money: its ISO 4217 code (absent for tokens).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
     pub enqueued_at: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
@@ -129,8 +135,9 @@ impl JobErrorView {
     }
 }
 
-impl From<&JobInfo> for JobView {
-    fn from(info: &JobInfo) -> Self {
+impl JobView {
+    /// What the api shows of `info`, amounts in `currency`.
+    pub fn of(info: &JobInfo, currency: Currency) -> Self {
         let (status, result, error) = match &info.status {
             JobStatus::Queued => ("queued", None, None),
             JobStatus::Running => ("running", None, None),
@@ -146,8 +153,9 @@ impl From<&JobInfo> for JobView {
             provider_queue: None,
             result,
             error,
-            cost: info.job.charged.unwrap_or(info.job.cost),
-            reserved: info.job.cost,
+            cost: Amount::new(currency, info.job.charged.unwrap_or(info.job.cost)),
+            reserved: Amount::new(currency, info.job.cost),
+            currency: crate::usage::money_code(currency),
             enqueued_at: rfc3339(info.job.enqueued_at_ms),
             finished_at: info.finished_at_ms.map(rfc3339),
         }
@@ -180,9 +188,10 @@ fn preferences(headers: &HeaderMap) -> (bool, Option<Duration>) {
     (respond_async, wait)
 }
 
-fn accepted(info: &JobInfo) -> Response {
+fn accepted(state: &ApiState, info: &JobInfo) -> Response {
     let location = format!("/v1/jobs/{}", info.job.id);
-    let mut response = (StatusCode::ACCEPTED, axum::Json(JobView::from(info))).into_response();
+    let view = JobView::of(info, state.config.currency());
+    let mut response = (StatusCode::ACCEPTED, axum::Json(view)).into_response();
     if let Ok(v) = HeaderValue::from_str(&location) {
         response.headers_mut().insert(LOCATION, v);
     }
@@ -193,7 +202,8 @@ pub(crate) fn finished(state: &ApiState, info: &JobInfo) -> Result<Response, Api
     match &info.status {
         JobStatus::Succeeded { .. } => {
             state.metrics.job_outcome(&info.job.operation, "succeeded");
-            Ok((StatusCode::OK, axum::Json(JobView::from(info))).into_response())
+            let view = JobView::of(info, state.config.currency());
+            Ok((StatusCode::OK, axum::Json(view)).into_response())
         }
         JobStatus::Failed { cause, message } => {
             state
@@ -208,7 +218,7 @@ pub(crate) fn finished(state: &ApiState, info: &JobInfo) -> Result<Response, Api
                     .map(|end| end.saturating_sub(info.job.enqueued_at_ms)),
             })
         }
-        JobStatus::Queued | JobStatus::Running => Ok(accepted(info)),
+        JobStatus::Queued | JobStatus::Running => Ok(accepted(state, info)),
     }
 }
 
@@ -262,7 +272,7 @@ async fn call(
     let (prefer_async, prefer_wait) = preferences(headers);
     let respond_async = prefer_async || flags.get("async") == Some(true);
     let answer = if respond_async && prefer_wait.is_none_or(|w| w.is_zero()) {
-        Ok(accepted(&info))
+        Ok(accepted(state, &info))
     } else {
         let timeout = prefer_wait.map_or(state.settings.sync_timeout, |w| {
             w.min(state.settings.sync_timeout)
@@ -280,7 +290,7 @@ async fn call(
                 finished(state, &info)
             }
             // Nobody reads the answer: stop waiting (the job owns the charge).
-            () = priced.client_gone() => Ok(accepted(&info)),
+            () = priced.client_gone() => Ok(accepted(state, &info)),
         }
     };
     let mut response = answer.unwrap_or_else(IntoResponse::into_response);
@@ -312,7 +322,22 @@ pub(crate) async fn submit(
             trace,
             service_key,
         })
-        .await?;
+        .await
+        .map_err(|e| match e {
+            // A price that can never fit, said in the deployment's currency.
+            JobError::Ledger(LedgerError::CostExceedsLimit { cost, limit }) => {
+                let c = state.config.currency();
+                ApiError::CostExceedsLimit(format!(
+                    "cost {} exceeds the plan limit of {}, so it could never be reserved",
+                    Amount::new(c, cost),
+                    match c {
+                        Currency::Tokens => format!("{limit} tokens"),
+                        _ => Amount::new(c, limit).to_string(),
+                    }
+                ))
+            }
+            other => other.into(),
+        })?;
     match outcome {
         SubmitOutcome::Queued { job, allowed } => {
             state.metrics.reservation(&operation, true);
@@ -359,7 +384,7 @@ pub async fn status(
         .status(&caller.user, &id)
         .await?
         .ok_or_else(not_found)?;
-    let mut view = JobView::from(&info);
+    let mut view = JobView::of(&info, state.config.currency());
     if info.status == JobStatus::Running {
         view.provider_queue = provider_queue(&state, &info).await;
         if view.provider_queue.is_some() {

@@ -96,12 +96,12 @@ pub async fn spend(
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let query = query(&q, now)?;
     let csv = wants_csv(q.format.as_deref(), &headers)?;
-    let currency = state.config.currency().to_string();
+    let currency = state.config.currency();
     let page = report(
         state.ledger.as_ref(),
         state.keys.as_ref(),
         &query,
-        &currency,
+        &currency.to_string(),
     )
     .await
     .map_err(|e| match e {
@@ -110,7 +110,7 @@ pub async fn spend(
         SpendError::Users(e) => malformed("cursor", e.to_string()),
     })?;
     let mut response = if csv {
-        let mut r = page.to_csv().into_response();
+        let mut r = page.to_csv(currency).into_response();
         r.headers_mut().insert(
             CONTENT_TYPE,
             HeaderValue::from_static("text/csv; charset=utf-8"),
@@ -124,7 +124,7 @@ pub async fn spend(
         }
         r
     } else {
-        axum::Json(&page).into_response()
+        axum::Json(page.to_json(currency)).into_response()
     };
     response
         .headers_mut()

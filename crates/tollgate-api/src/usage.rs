@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use tollgate_core::clock::rfc3339;
 use tollgate_core::ledger::{EventCursor, EventPage};
+use tollgate_core::money::{Amount, Currency};
 
 use crate::auth::Caller;
 use crate::problem::{echo, ApiError};
@@ -25,12 +26,12 @@ pub struct UsageView {
     /// True when an admin set this user's limits (`PUT
     /// /admin/users/{user}/limits`): `windows` are those.
     pub custom_limits: bool,
-    /// What the amounts count: `tokens`, or an ISO 4217 currency, whose
-    /// amounts are integers of its micro-unit (1 USD = 1,000,000).
+    /// What the amounts count: `tokens` (amounts are integers), or an ISO
+    /// 4217 currency (amounts are exact decimal strings of it, `"0.00015"`).
     pub currency: String,
-    pub used: u64,
-    pub limit: u64,
-    pub remaining: u64,
+    pub used: Amount,
+    pub limit: Amount,
+    pub remaining: Amount,
     pub window_secs: u64,
     /// Seconds until the oldest event leaves the window and frees its tokens
     /// (`null` when nothing is spent).
@@ -57,9 +58,24 @@ pub struct OrgView {
     pub windows: Vec<WindowView>,
 }
 
-/// The windows of a budget as the api shows them.
-pub fn window_views(windows: &[tollgate_core::ledger::WindowUse]) -> Vec<WindowView> {
-    windows.iter().map(|w| WindowView::of(windows, w)).collect()
+/// A money currency's ISO 4217 code, for the answers that name it only in
+/// money (`None` for tokens: those answers stay as they always were).
+pub fn money_code(currency: Currency) -> Option<String> {
+    match currency {
+        Currency::Tokens => None,
+        Currency::Money(code) => Some(code.as_str().to_owned()),
+    }
+}
+
+/// The windows of a budget as the api shows them, amounts in `currency`.
+pub fn window_views(
+    windows: &[tollgate_core::ledger::WindowUse],
+    currency: Currency,
+) -> Vec<WindowView> {
+    windows
+        .iter()
+        .map(|w| WindowView::of(windows, w, currency))
+        .collect()
 }
 
 /// One limit of the plan, as the caller stands in it.
@@ -68,12 +84,12 @@ pub struct WindowView {
     /// Its item in `RateLimit-Policy`: `budget`, or `budget-<window>` when the
     /// plan has several limits.
     pub policy: String,
-    pub limit: u64,
+    pub limit: Amount,
     pub window_secs: u64,
-    /// Tokens spent in the trailing window; a settle that raised a cost can put
+    /// Spent in the trailing window; a settle that raised a cost can put
     /// it past `limit` for a while (reserves wait until it fits again).
-    pub used: u64,
-    pub remaining: u64,
+    pub used: Amount,
+    pub remaining: Amount,
     /// Seconds until the oldest event in this window leaves it (a calendar
     /// period's: until it ends).
     pub reset_after_secs: Option<u64>,
@@ -89,17 +105,19 @@ pub struct WindowView {
 }
 
 impl WindowView {
-    /// `w`, one of `windows` (a plan's).
+    /// `w`, one of `windows` (a plan's), amounts in `currency`.
     pub fn of(
         windows: &[tollgate_core::ledger::WindowUse],
         w: &tollgate_core::ledger::WindowUse,
+        currency: Currency,
     ) -> Self {
+        let amount = |minor| Amount::new(currency, minor);
         WindowView {
             policy: ratelimit::policy_name(windows, w.window_ms),
-            limit: w.limit,
+            limit: amount(w.limit),
             window_secs: ceil_secs(w.window_ms),
-            used: w.used,
-            remaining: w.remaining,
+            used: amount(w.used),
+            remaining: amount(w.remaining),
             reset_after_secs: w.reset_after_ms.map(ceil_secs),
             period: w.period.map(|_| w.label()),
             period_start: w.period.map(|p| rfc3339(p.start_ms)),
@@ -117,10 +135,10 @@ pub struct EventView {
     /// the user's own key).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_key: Option<String>,
-    pub cost: u64,
+    pub cost: Amount,
     /// For a charge settled to what the provider reported: the estimate
     /// reserved up front (`cost` is the actual); `null` otherwise.
-    pub estimate: Option<u64>,
+    pub estimate: Option<Amount>,
     pub at: String,
     pub at_ms: u64,
 }
@@ -194,22 +212,23 @@ impl UsageView {
     pub fn of(
         user: &tollgate_core::id::UserId,
         usage: &tollgate_core::ledger::Usage,
-        currency: tollgate_core::money::Currency,
+        currency: Currency,
     ) -> Self {
+        let amount = |minor| Amount::new(currency, minor);
         UsageView {
             user: user.to_string(),
             plan: usage.plan.clone(),
             custom_limits: usage.custom_limits,
             currency: currency.to_string(),
-            used: usage.used,
-            limit: usage.limit,
-            remaining: usage.remaining,
+            used: amount(usage.used),
+            limit: amount(usage.limit),
+            remaining: amount(usage.remaining),
             window_secs: ceil_secs(usage.window_ms),
             reset_after_secs: usage.reset_after_ms.map(ceil_secs),
             reset_at: usage
                 .reset_after_ms
                 .map(|r| rfc3339(usage.now_ms.saturating_add(r))),
-            windows: window_views(&usage.windows),
+            windows: window_views(&usage.windows, currency),
             events: usage
                 .events
                 .iter()
@@ -217,8 +236,8 @@ impl UsageView {
                     request_id: e.request_id.to_string(),
                     operation: e.operation.clone(),
                     service_key: e.service_key.clone(),
-                    cost: e.cost,
-                    estimate: e.estimate,
+                    cost: amount(e.cost),
+                    estimate: e.estimate.map(amount),
                     at: rfc3339(e.at_ms),
                     at_ms: e.at_ms,
                 })
@@ -227,7 +246,7 @@ impl UsageView {
             organisation: usage.organisation.as_ref().map(|o| OrgView {
                 org: o.org.to_string(),
                 plan: o.plan.clone(),
-                windows: window_views(&o.windows),
+                windows: window_views(&o.windows, currency),
             }),
         }
     }

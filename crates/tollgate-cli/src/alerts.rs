@@ -30,12 +30,13 @@ pub fn spawn(
     let (Some(alerts), Some(secret)) = (config.alerts(), secret) else {
         return Ok(None);
     };
-    let deliverer = Deliverer::new(
+    let mut deliverer = Deliverer::new(
         alerts,
         secret,
         Arc::clone(&backends.alerts),
         Arc::clone(&backends.metrics),
     )
     .map_err(|e| Failure::bad_input(e.to_string()))?;
+    deliverer.currency = config.currency();
     Ok(Some(tokio::spawn(deliverer.run(stop))))
 }

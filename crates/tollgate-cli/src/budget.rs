@@ -19,6 +19,7 @@ use tollgate_core::{
         EventCursor, EventPage, ExportEntry, Ledger, LedgerError, OperatorSettleOutcome, PageError,
         RefundOutcome, ReserveOutcome, SettleOutcome, Usage,
     },
+    money::{self, Amount, Currency},
 };
 
 use crate::process::exit;
@@ -39,12 +40,14 @@ pub struct BudgetArgs {
 
 #[derive(Debug, Subcommand)]
 enum BudgetCommand {
-    /// Reserve COST tokens for a user. Exit 0 when reserved, 3 when denied.
+    /// Reserve COST for a user. Exit 0 when reserved, 3 when denied.
     Reserve {
         #[arg(long)]
         user: UserId,
+        /// An amount of the config's currency: whole tokens (`40`), or a
+        /// decimal of money (`"0.0025"` USD, at most 6 decimals).
         #[arg(long)]
-        cost: u64,
+        cost: String,
         /// Idempotency key: reserving the same id twice charges once (default: a new UUID).
         #[arg(long)]
         request_id: Option<RequestId>,
@@ -68,8 +71,9 @@ enum BudgetCommand {
         user: UserId,
         #[arg(long, value_parser = existing_request)]
         request_id: RequestId,
+        /// An amount of the config's currency, as `reserve --cost` reads it.
         #[arg(long)]
-        cost: u64,
+        cost: String,
         /// Remove (--cost 0) the charge of a job that may have run: its
         /// upstream's work goes unpaid (exported as a forced correction).
         #[arg(long)]
@@ -147,8 +151,18 @@ pub async fn run(args: BudgetArgs) -> ExitCode {
     }
 }
 
+/// `--cost` as an amount of `currency` (exit 2 naming the flag, before
+/// anything is read or changed).
+fn cost_arg(currency: Currency, text: &str) -> Result<u64, Failure> {
+    money::parse_amount(currency, text).map_err(|m| Failure::bad_input(format!("--cost: {m}")))
+}
+
 async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
     let config = Arc::new(args.store.load_config()?);
+    if let BudgetCommand::Reserve { cost, .. } | BudgetCommand::Settle { cost, .. } = &args.command
+    {
+        cost_arg(config.currency(), cost)?;
+    }
     if let BudgetCommand::Demo = args.command {
         let backends = args.store.open(Arc::clone(&config), 4, Wait::No).await?;
         return demo(backends.ledger, &backends.described, &config)
@@ -160,7 +174,11 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
         .shared("budget commands", Arc::clone(&config), 4, Wait::No)
         .await?;
     let ledger = Arc::clone(&backends.ledger);
-    let out = Output { json: args.json };
+    let currency = config.currency();
+    let out = Output {
+        json: args.json,
+        currency,
+    };
 
     match args.command {
         BudgetCommand::Reserve {
@@ -168,6 +186,7 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             cost,
             request_id,
         } => {
+            let cost = cost_arg(currency, &cost)?;
             let request = request_id.unwrap_or_else(RequestId::generate);
             let outcome = ledger.reserve(&user, &request, cost).await?;
             out.reserve(&user, &request, cost, &outcome);
@@ -197,11 +216,21 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             }
             for e in exported(ledger.as_ref(), &user, since_ms, count).await? {
                 if out.json {
-                    println!("{}", serde_json::to_string(&e).unwrap_or_default());
+                    // The entry as exported (`cost` in minor units), with
+                    // money's `amount` beside it: the exact decimal string.
+                    let mut v = serde_json::to_value(&e).unwrap_or(Value::Null);
+                    if let (Currency::Money(code), Value::Object(map)) = (currency, &mut v) {
+                        map.insert(
+                            "amount".into(),
+                            json!(money::format_amount(currency, e.cost)),
+                        );
+                        map.insert("currency".into(), json!(code.as_str()));
+                    }
+                    println!("{v}");
                 } else {
                     let previous = e
                         .previous_cost
-                        .map(|p| format!(" (was {p})"))
+                        .map(|p| format!(" (was {})", out.text(p)))
                         .unwrap_or_default();
                     let op = e
                         .operation
@@ -213,12 +242,16 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
                     } else {
                         ""
                     };
+                    let model = match (&e.model, &e.entry) {
+                        (Some(m), Some(k)) => format!(" model {m} priced by {k}"),
+                        _ => String::new(),
+                    };
                     println!(
-                        "{} {} {} {} tokens{previous}, spent at {} ms{op}{forced}",
+                        "{} {} {} {}{previous}, spent at {} ms{op}{model}{forced}",
                         e.id,
                         format!("{:?}", e.kind).to_lowercase(),
                         e.request_id,
-                        e.cost,
+                        out.text(e.cost),
                         e.spent_at_ms
                     );
                 }
@@ -234,20 +267,24 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             )
             .await
             .map_err(|e| Failure::other(e.to_string()))?;
+            let t = |n| out.text(n);
             let (refunded, cost, used, text) = match outcome {
-                RefundOutcome::Refunded { cost, used } => (true, cost, used, format!("refunded {cost} tokens to {user} (request {request_id}); used now {used}")),
-                RefundOutcome::Cancelled { cost, used } => (true, cost, used, format!("refunded {cost} tokens to {user} and cancelled job {request_id}: it never runs; used now {used}")),
-                RefundOutcome::NotFound { used } => (false, 0, used, format!("nothing to refund: {user} has no live event {request_id}; used {used}")),
+                RefundOutcome::Refunded { cost, used } => (true, cost, used, format!("refunded {} to {user} (request {request_id}); used now {}", t(cost), t(used))),
+                RefundOutcome::Cancelled { cost, used } => (true, cost, used, format!("refunded {} to {user} and cancelled job {request_id}: it never runs; used now {}", t(cost), t(used))),
+                RefundOutcome::NotFound { used } => (false, 0, used, format!("nothing to refund: {user} has no live event {request_id}; used {}", t(used))),
                 RefundOutcome::Running { used } => {
                     return Err(Failure {
                         code: exit::CONFLICT,
-                        message: format!("job {request_id} of {user} owns its charge and may be calling the provider: nothing refunded (used {used}); refund it once the job is final"),
+                        message: format!("job {request_id} of {user} owns its charge and may be calling the provider: nothing refunded (used {}); refund it once the job is final", t(used)),
                     });
                 }
             };
             let cancelled = matches!(outcome, RefundOutcome::Cancelled { .. });
             out.print(
-                json!({"user": user, "request_id": request_id, "refunded": refunded, "cancelled": cancelled, "cost": cost, "used": used}),
+                out.amounts(
+                    json!({"user": user, "request_id": request_id, "refunded": refunded, "cancelled": cancelled, "cost": cost, "used": used}),
+                    &["cost", "used"],
+                ),
                 || text,
             );
             Ok(0)
@@ -258,6 +295,7 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             cost,
             force,
         } => {
+            let cost = cost_arg(currency, &cost)?;
             let outcome = tollgate_core::correction::operator_settle(
                 ledger.as_ref(),
                 backends.jobs.as_ref(),
@@ -268,21 +306,30 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             )
             .await
             .map_err(|e| Failure::other(e.to_string()))?;
+            let t = |n| out.text(n);
             let text = match &outcome {
                 OperatorSettleOutcome::Settled {
                     previous_cost,
                     cost,
                     used,
                 } => {
-                    format!("settled {request_id} of {user}: {previous_cost} -> {cost} tokens; used now {used}")
+                    format!(
+                        "settled {request_id} of {user}: {} -> {}; used now {}",
+                        t(*previous_cost),
+                        t(*cost),
+                        t(*used)
+                    )
                 }
                 OperatorSettleOutcome::NotFound { used } => {
-                    format!("nothing to settle: {user} has no live event {request_id}; used {used}")
+                    format!(
+                        "nothing to settle: {user} has no live event {request_id}; used {}",
+                        t(*used)
+                    )
                 }
                 OperatorSettleOutcome::Running { used } => {
                     return Err(Failure {
                         code: exit::CONFLICT,
-                        message: format!("job {request_id} of {user} is not final and may yet call the provider: nothing settled (used {used}); settle it once the job is final"),
+                        message: format!("job {request_id} of {user} is not final and may yet call the provider: nothing settled (used {}); settle it once the job is final", t(*used)),
                     });
                 }
                 OperatorSettleOutcome::MayHaveRun => {
@@ -296,7 +343,10 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
             value["user"] = json!(user);
             value["request_id"] = json!(request_id);
             value["settled"] = json!(matches!(outcome, OperatorSettleOutcome::Settled { .. }));
-            out.print(value, || text);
+            out.print(
+                out.amounts(value, &["previous_cost", "cost", "used"]),
+                || text,
+            );
             Ok(0)
         }
         BudgetCommand::Usage {
@@ -315,7 +365,10 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
                 usage.events.extend(more.events);
                 usage.next_cursor = more.next_cursor;
             }
-            out.print(usage_json(&user, &usage), || usage_text(&user, &usage));
+            out.print(
+                out.amounts(usage_json(&user, &usage), USAGE_AMOUNTS),
+                || usage_text(&out, &user, &usage),
+            );
             Ok(0)
         }
         BudgetCommand::SetPlan { user, plan } => {
@@ -336,9 +389,55 @@ async fn execute(args: BudgetArgs) -> Result<u8, Failure> {
 
 struct Output {
     json: bool,
+    currency: Currency,
 }
 
+/// `value` with each integer field named in `fields`, at any depth, written
+/// as the api writes amounts ([`Amount`]: money as an exact decimal string),
+/// and `currency` beside them in money; with tokens `value` unchanged.
+pub(crate) fn money_json(mut value: Value, currency: Currency, fields: &[&str]) -> Value {
+    fn walk(v: &mut Value, currency: Currency, fields: &[&str]) {
+        match v {
+            Value::Object(map) => {
+                for (k, x) in map.iter_mut() {
+                    match x.as_u64() {
+                        Some(n) if fields.contains(&k.as_str()) => {
+                            *x = Amount::new(currency, n).to_json();
+                        }
+                        _ => walk(x, currency, fields),
+                    }
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(|x| walk(x, currency, fields)),
+            _ => {}
+        }
+    }
+    if let Currency::Money(code) = currency {
+        walk(&mut value, currency, fields);
+        if let Value::Object(map) = &mut value {
+            map.insert("currency".into(), json!(code.as_str()));
+        }
+    }
+    value
+}
+
+/// The amounts of `usage_json`, at any depth (its windows and events too).
+const USAGE_AMOUNTS: &[&str] = &["used", "limit", "remaining", "cost", "estimate"];
+
 impl Output {
+    /// An amount for a sentence: `40 tokens`, `0.00015 USD`.
+    fn text(&self, minor: u64) -> String {
+        match self.currency {
+            Currency::Tokens => format!("{minor} tokens"),
+            c => Amount::new(c, minor).to_string(),
+        }
+    }
+
+    /// `value` with its amounts in the currency ([`money_json`]).
+    fn amounts(&self, value: Value, fields: &[&str]) -> Value {
+        money_json(value, self.currency, fields)
+    }
+
     fn print(&self, value: Value, text: impl FnOnce() -> String) {
         if self.json {
             println!("{value}");
@@ -348,21 +447,31 @@ impl Output {
     }
 
     fn reserve(&self, user: &UserId, request: &RequestId, cost: u64, outcome: &ReserveOutcome) {
-        let value = reserve_json(user, request, cost, outcome);
+        let value = self.amounts(
+            reserve_json(user, request, cost, outcome),
+            &["cost", "used", "limit", "remaining"],
+        );
+        let t = |n| self.text(n);
         self.print(value, || match outcome {
             ReserveOutcome::Allowed(a) => {
                 format!(
-                "reserved {cost} tokens for {user} (request {request}){}: used {}/{}, {} remaining",
-                if a.duplicate { ", already reserved: not charged again" } else { "" },
-                a.used,
-                a.limit,
-                a.remaining
-            )
+                    "reserved {} for {user} (request {request}){}: used {}/{}, {} remaining",
+                    t(cost),
+                    if a.duplicate {
+                        ", already reserved: not charged again"
+                    } else {
+                        ""
+                    },
+                    t(a.used),
+                    t(a.limit),
+                    t(a.remaining)
+                )
             }
             ReserveOutcome::Denied(d) => format!(
-                "denied: {user} has used {}/{}; {cost} more fits in {} ({} ms)",
-                d.used,
-                d.limit,
+                "denied: {user} has used {}/{}; {} more fits in {} ({} ms)",
+                t(d.used),
+                t(d.limit),
+                t(cost),
                 duration::format_approx(std::time::Duration::from_millis(d.retry_after_ms)),
                 d.retry_after_ms
             ),
@@ -395,13 +504,18 @@ fn usage_json(user: &UserId, u: &Usage) -> Value {
     })
 }
 
-fn usage_text(user: &UserId, u: &Usage) -> String {
+fn usage_text(out: &Output, user: &UserId, u: &Usage) -> String {
+    // `used 600/1000 tokens`, `used 0.25/20 USD`.
+    let unit = out.currency.to_string();
+    let amount = |n: u64| money::format_amount(out.currency, n);
     let mut s = format!("{user} on plan {}:", u.plan);
     for w in &u.windows {
         let window = duration::format(std::time::Duration::from_millis(w.window_ms));
         s += &format!(
-            "\n  used {}/{} tokens in the last {window}, {} remaining",
-            w.used, w.limit, w.remaining
+            "\n  used {}/{} {unit} in the last {window}, {} remaining",
+            amount(w.used),
+            amount(w.limit),
+            amount(w.remaining)
         );
         if let Some(r) = w.reset_after_ms {
             s += &format!(
@@ -415,8 +529,10 @@ fn usage_text(user: &UserId, u: &Usage) -> String {
         for w in &o.windows {
             let window = duration::format(std::time::Duration::from_millis(w.window_ms));
             s += &format!(
-                "\n    used {}/{} tokens in the last {window}, {} remaining",
-                w.used, w.limit, w.remaining
+                "\n    used {}/{} {unit} in the last {window}, {} remaining",
+                amount(w.used),
+                amount(w.limit),
+                amount(w.remaining)
             );
         }
     }
@@ -427,8 +543,8 @@ fn usage_text(user: &UserId, u: &Usage) -> String {
         );
         for e in &u.events {
             let cost = match e.estimate {
-                Some(est) => format!("{} (est. {est})", e.cost),
-                None => e.cost.to_string(),
+                Some(est) => format!("{} (est. {})", amount(e.cost), amount(est)),
+                None => amount(e.cost),
             };
             s += &format!(
                 "\n{:<40} {:>8}  {:>14}",

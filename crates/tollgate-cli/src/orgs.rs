@@ -8,6 +8,7 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 use tollgate_core::id::{OrgId, UserId};
 use tollgate_core::ledger::LedgerError;
+use tollgate_core::money::Amount;
 
 use crate::process::{exit, fail};
 use crate::store::StoreArgs;
@@ -60,10 +61,11 @@ fn failed(e: LedgerError) -> ExitCode {
 }
 
 pub async fn run(args: OrgsArgs) -> ExitCode {
-    let (_, backends) = match args.store.operator("orgs commands", 2).await {
+    let (config, backends) = match args.store.operator("orgs commands", 2).await {
         Ok(opened) => opened,
         Err(f) => return f.exit(),
     };
+    let currency = config.currency();
     let ledger = backends.ledger.as_ref();
     match args.command {
         OrgsCommand::Set { org, plan } => match ledger.set_org_plan(&org, &plan).await {
@@ -84,13 +86,21 @@ pub async fn run(args: OrgsArgs) -> ExitCode {
             {
                 Ok(u) => {
                     if args.json {
-                        println!("{}", json!(u));
+                        let v = crate::budget::money_json(
+                            json!(u),
+                            currency,
+                            &["used", "limit", "remaining"],
+                        );
+                        println!("{v}");
                     } else {
                         println!("organisation {} on plan {}", u.org, u.plan);
                         for w in &u.windows {
                             println!(
                                 "  window {} ms: used {} of {} ({} left)",
-                                w.window_ms, w.used, w.limit, w.remaining
+                                w.window_ms,
+                                Amount::new(currency, w.used),
+                                Amount::new(currency, w.limit),
+                                Amount::new(currency, w.remaining)
                             );
                         }
                         println!("members ({}):", u.members.len());

@@ -74,12 +74,12 @@ pub async fn run(args: SpendArgs) -> ExitCode {
         Ok(opened) => opened,
         Err(f) => return f.exit(),
     };
-    let currency = config.currency().to_string();
+    let currency = config.currency();
     let page = match report(
         backends.ledger.as_ref(),
         backends.keys.as_ref(),
         &query,
-        &currency,
+        &currency.to_string(),
     )
     .await
     {
@@ -87,23 +87,25 @@ pub async fn run(args: SpendArgs) -> ExitCode {
         Err(e) => return fail(exit::FAILURE, e),
     };
     match args.format {
-        Format::Json => match serde_json::to_string(&page) {
+        Format::Json => match serde_json::to_string(&page.to_json(currency)) {
             Ok(s) => println!("{s}"),
             Err(e) => return fail(exit::FAILURE, e),
         },
         Format::Csv => {
-            print!("{}", page.to_csv());
+            print!("{}", page.to_csv(currency));
             if let Some(next) = &page.next_cursor {
                 eprintln!("more: --cursor '{next}'");
             }
         }
-        Format::Table => print!("{}", table(&page)),
+        Format::Table => print!("{}", table(&page, currency)),
     }
     ExitCode::SUCCESS
 }
 
-/// The page as aligned columns, amounts in minor units, then the total.
-fn table(page: &SpendPage) -> String {
+/// The page as aligned columns, amounts as the answers write them (money:
+/// decimal strings of the currency), then the total.
+fn table(page: &SpendPage, currency: tollgate_core::money::Currency) -> String {
+    let amount = |minor: u64| tollgate_core::money::Amount::new(currency, minor).to_string();
     let key_w = page
         .rows
         .iter()
@@ -111,7 +113,7 @@ fn table(page: &SpendPage) -> String {
         .max()
         .unwrap_or(0)
         .max(page.by.len());
-    let amount_w = page.total.to_string().len().max("amount".len());
+    let amount_w = amount(page.total).len().max("amount".len());
     let mut out = format!(
         "{:<key_w$}  {:<24}  {:>amount_w$}\n",
         page.by, "start", "amount"
@@ -120,12 +122,15 @@ fn table(page: &SpendPage) -> String {
         let key = if r.key.is_empty() { "-" } else { &r.key };
         out.push_str(&format!(
             "{key:<key_w$}  {:<24}  {:>amount_w$}\n",
-            r.start, r.amount
+            r.start,
+            amount(r.amount)
         ));
     }
     out.push_str(&format!(
-        "{:<key_w$}  {:<24}  {:>amount_w$}  ({}, minor units)\n",
-        "total", "", page.total, page.currency
+        "{:<key_w$}  {:<24}  {:>amount_w$}\n",
+        "total",
+        "",
+        amount(page.total)
     ));
     if let Some(next) = &page.next_cursor {
         out.push_str(&format!("more: --cursor '{next}'\n"));

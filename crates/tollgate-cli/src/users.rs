@@ -12,6 +12,7 @@ use tollgate_api::problem::ApiError;
 use tollgate_api::usage::UsageView;
 use tollgate_core::id::{OrgId, UserId};
 use tollgate_core::keystore::{KeyKind, UserQuery};
+use tollgate_core::money::{Amount, Currency};
 
 fn parse_kind(s: &str) -> Result<KeyKind, String> {
     KeyKind::parse(s).ok_or_else(|| format!("{s:?}: expected user or service"))
@@ -79,7 +80,8 @@ enum UsersCommand {
     /// plan's from its next call on, until `clear-limits` or a plan is set.
     SetLimits {
         user: UserId,
-        /// `<tokens>/<window>`, e.g. `1000/1h` (repeat for several windows).
+        /// `<amount>/<window>`, e.g. `1000/1h` in tokens, `20/30d` or
+        /// `0.50/1h` in money (repeat for several windows).
         #[arg(long = "limit", required = true, value_parser = parse_limit)]
         limits: Vec<LimitBody>,
     },
@@ -103,18 +105,15 @@ enum UsersCommand {
     },
 }
 
-/// `1000/1h` -> limit 1000 over a window of 1h (the window is checked with
-/// the rest, as a plan's).
+/// `1000/1h` -> limit 1000 over a window of 1h; `20/30d` -> 20 of the
+/// config's currency (`"0.0025/1h"`: a decimal of money). The amount and the
+/// window are checked with the rest, as a plan's.
 fn parse_limit(s: &str) -> Result<LimitBody, String> {
     let (limit, window) = s
         .split_once('/')
-        .ok_or_else(|| format!("{s:?}: expected <tokens>/<window>, e.g. 1000/1h"))?;
-    let limit = limit
-        .trim()
-        .parse::<i64>()
-        .map_err(|_| format!("{s:?}: {limit:?} is not a number of tokens"))?;
+        .ok_or_else(|| format!("{s:?}: expected <amount>/<window>, e.g. 1000/1h"))?;
     Ok(LimitBody {
-        limit,
+        limit: serde_json::Value::String(limit.trim().to_owned()),
         window: window.trim().to_owned(),
     })
 }
@@ -122,7 +121,11 @@ fn parse_limit(s: &str) -> Result<LimitBody, String> {
 fn describe(limits: &[LimitView]) -> String {
     limits
         .iter()
-        .map(|l| format!("{} tokens / {}", l.limit, l.window))
+        .map(|l| match l.limit.currency {
+            Currency::Tokens => format!("{} tokens / {}", l.limit, l.window),
+            // `20 USD / 30d`
+            Currency::Money(_) => format!("{} / {}", l.limit, l.window),
+        })
         .collect::<Vec<_>>()
         .join(" + ")
 }
@@ -328,9 +331,9 @@ pub async fn run(args: UsersArgs) -> ExitCode {
                             println!(
                                 "  window {}: {} of {} used, {} left{resets}",
                                 w.label(),
-                                w.used,
-                                w.limit,
-                                w.remaining
+                                Amount::new(config.currency(), w.used),
+                                Amount::new(config.currency(), w.limit),
+                                Amount::new(config.currency(), w.remaining)
                             );
                         }
                         for k in &keys {

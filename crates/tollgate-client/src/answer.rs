@@ -46,8 +46,11 @@ pub(crate) struct JobView {
     pub provider_queue: Option<Value>,
     pub result: Option<Value>,
     pub error: Option<JobErrorView>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::amount::minor")]
     pub cost: u64,
+    /// Money: its ISO 4217 code (absent: tokens).
+    #[serde(default)]
+    pub currency: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -78,6 +81,7 @@ impl JobView {
                 operation: self.operation,
                 result: self.result.unwrap_or(Value::Null),
                 cost: self.cost,
+                currency: self.currency.unwrap_or_else(|| "tokens".into()),
                 attempts: 0,
             }),
             ("failed", Some(e)) => {

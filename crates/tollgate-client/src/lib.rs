@@ -50,6 +50,7 @@
 //! # }
 //! ```
 
+pub mod amount;
 mod answer;
 mod call;
 mod error;

@@ -97,8 +97,13 @@ pub struct Done {
     pub operation: String,
     /// The provider's result.
     pub result: Value,
-    /// The tokens charged (the estimate reserved; `/v1/usage` shows a settled charge).
+    /// What the job was charged, exactly, in minor units of `currency`:
+    /// its settled charge once the upstream reported usage, else its
+    /// reservation.
     pub cost: u64,
+    /// What `cost` counts: `tokens`, or an ISO 4217 currency (`cost` is then
+    /// in micro-units: 150 is 0.00015 USD).
+    pub currency: String,
     /// HTTP requests this logical call took (1 without retries or waits).
     pub attempts: u32,
 }

@@ -2,6 +2,8 @@
 
 use serde::Deserialize;
 
+use crate::amount;
+
 /// The budget as it stands, and one page of the live spend events.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Usage {
@@ -11,13 +13,18 @@ pub struct Usage {
     /// True when an admin set this user's limits: `windows` are those.
     #[serde(default)]
     pub custom_limits: bool,
-    /// What the amounts count: `tokens`, or an ISO 4217 currency whose
-    /// amounts are integers of its micro-unit (1 USD = 1,000,000).
+    /// What the amounts count: `tokens`, or an ISO 4217 currency. Every
+    /// amount here is an exact integer of its minor unit: tokens, or
+    /// micro-units of the currency (1 USD = 1,000,000), whichever form the
+    /// server wrote (an integer, or a decimal string of money: `"0.00015"`).
     #[serde(default = "tokens")]
     pub currency: String,
     /// Used in the window closest to exhaustion (the figures below are that window's).
+    #[serde(deserialize_with = "amount::minor")]
     pub used: u64,
+    #[serde(deserialize_with = "amount::minor")]
     pub limit: u64,
+    #[serde(deserialize_with = "amount::minor")]
     pub remaining: u64,
     pub window_secs: u64,
     pub reset_after_secs: Option<u64>,
@@ -41,9 +48,12 @@ fn tokens() -> String {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct UsageWindow {
     pub policy: String,
+    #[serde(deserialize_with = "amount::minor")]
     pub limit: u64,
     pub window_secs: u64,
+    #[serde(deserialize_with = "amount::minor")]
     pub used: u64,
+    #[serde(deserialize_with = "amount::minor")]
     pub remaining: u64,
     pub reset_after_secs: Option<u64>,
 }
@@ -53,9 +63,11 @@ pub struct UsageWindow {
 pub struct SpendEvent {
     pub request_id: String,
     pub operation: Option<String>,
+    #[serde(deserialize_with = "amount::minor")]
     pub cost: u64,
     /// The estimate reserved up front, for a charge settled to what the
     /// provider reported (`cost` is then the actual).
+    #[serde(default, deserialize_with = "amount::minor_opt")]
     pub estimate: Option<u64>,
     pub at: String,
     pub at_ms: u64,

@@ -385,6 +385,9 @@ pub struct SpendView {
     /// The service key that acted for `user`, if one did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_key: Option<String>,
+    /// In minor units; not serialized: the dashboard writes it in the
+    /// deployment's currency (`tollgate_core::money::Amount`).
+    #[serde(skip)]
     pub cost: u64,
     pub request_id: String,
     pub refunded: bool,

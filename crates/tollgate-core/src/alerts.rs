@@ -50,8 +50,11 @@ struct Body<'a> {
     org: Option<&'a str>,
     window_ms: u64,
     threshold: serde_json::Value,
-    used: u64,
-    limit: u64,
+    used: crate::money::Amount,
+    limit: crate::money::Amount,
+    /// Money: its ISO 4217 code (absent for tokens).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    currency: Option<&'static str>,
     at_ms: u64,
 }
 
@@ -62,8 +65,10 @@ struct Subject<'a> {
 }
 
 impl Alert {
-    /// The webhook's JSON body.
-    pub fn body(&self) -> String {
+    /// The webhook's JSON body, amounts in `currency` (tokens: integers;
+    /// money: exact decimal strings, `"16"`, beside `currency`).
+    pub fn body(&self, currency: crate::money::Currency) -> String {
+        use crate::money::{Amount, Currency};
         let threshold = threshold_text(self.threshold_bp)
             .parse::<serde_json::Number>()
             .map(serde_json::Value::Number)
@@ -79,8 +84,12 @@ impl Alert {
             org: (self.kind == "org").then_some(self.subject.as_str()),
             window_ms: self.window_ms,
             threshold,
-            used: self.used,
-            limit: self.limit,
+            used: Amount::new(currency, self.used),
+            limit: Amount::new(currency, self.limit),
+            currency: match currency {
+                Currency::Tokens => None,
+                Currency::Money(code) => Some(code.as_str()),
+            },
             at_ms: self.at_ms,
         };
         serde_json::to_string(&body).unwrap_or_default()
@@ -444,6 +453,7 @@ mod tests {
 
     #[test]
     fn the_body_names_the_threshold_as_written() {
+        use serde_json::json;
         let a = Alert {
             id: "user:alice:5-1".into(),
             kind: "user".into(),
@@ -454,9 +464,27 @@ mod tests {
             limit: 10,
             at_ms: 5,
         };
-        let v: serde_json::Value = serde_json::from_str(&a.body()).expect("json");
-        assert_eq!(v["threshold"], serde_json::json!(0.8));
+        let v: serde_json::Value =
+            serde_json::from_str(&a.body(crate::money::Currency::Tokens)).expect("json");
+        assert_eq!(v["threshold"], json!(0.8));
         assert_eq!(v["user"], "alice");
         assert_eq!(v["subject"]["kind"], "user");
+        // Tokens: integers and no currency, as the body always was.
+        assert_eq!(
+            (v["used"].clone(), v["limit"].clone()),
+            (json!(8), json!(10))
+        );
+        assert!(v.get("currency").is_none(), "{v}");
+        // Money: exact decimal strings of the currency, which it names.
+        let usd = crate::money::Currency::parse("USD").expect("USD");
+        let a = Alert {
+            used: 16_000_150,
+            limit: 20_000_000,
+            ..a
+        };
+        let v: serde_json::Value = serde_json::from_str(&a.body(usd)).expect("json");
+        assert_eq!(v["used"], json!("16.00015"));
+        assert_eq!(v["limit"], json!("20"));
+        assert_eq!(v["currency"], json!("USD"));
     }
 }

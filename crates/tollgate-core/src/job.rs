@@ -714,6 +714,7 @@ pub trait JobQueue: Send + Sync + std::fmt::Debug {
             fingerprint: &fingerprint,
             deadline: op.deadline,
             grace: self.config().hold_grace(),
+            price: price.as_deref(),
         };
         let (allowed, nonce, deadline_ms, create, charged, plan) = match self
             .ledger()

@@ -83,9 +83,31 @@ pub struct ExportEntry {
     /// the upstream's work goes unpaid by the operator's decision.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub forced: bool,
+    /// On the spend of a priced job's charge: the model the request named,
+    /// the price sheet entry that priced it and the prices that applied
+    /// ([`crate::price::Applied::export`]), so that the export alone
+    /// rebuilds what each call cost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entry: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prices: Option<serde_json::Value>,
 }
 
 impl ExportEntry {
+    /// Sets [`model`](Self::model), [`entry`](Self::entry) and
+    /// [`prices`](Self::prices) from the recorded prices' text (nothing for
+    /// a text that is not one).
+    pub fn with_price(mut self, text: Option<&str>) -> Self {
+        if let Some(applied) = text.and_then(crate::price::Applied::parse) {
+            self.prices = Some(applied.export());
+            self.model = Some(applied.model);
+            self.entry = Some(applied.entry.key);
+        }
+        self
+    }
+
     /// The time of the change, from `id`.
     pub fn at_ms(&self) -> u64 {
         self.id
@@ -118,6 +140,9 @@ pub struct ChargeRequest<'a> {
     pub deadline: std::time::Duration,
     /// How long past the deadline the charge stays held for its job.
     pub grace: std::time::Duration,
+    /// A priced call's prices ([`crate::price::Applied::to_text`]), written
+    /// with its spend entry in the export; `None`: not priced.
+    pub price: Option<&'a str>,
 }
 
 /// How a job takes its charge over ([`Ledger::claim`]).

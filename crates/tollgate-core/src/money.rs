@@ -177,6 +177,84 @@ pub(crate) fn format_scaled(value: u128, scale: u32) -> String {
     format!("{whole}.{}", digits.trim_end_matches('0'))
 }
 
+/// An amount as the JSON answers give it ([`Amount::serialize`]): with
+/// [`Currency::Tokens`] an integer (what answers always were), with money a
+/// decimal string of the major unit in [`format_amount`]'s shortest spelling
+/// (`"0.00015"`, `"20"`), exact where a JSON number would be read as a float.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Amount {
+    pub minor: u64,
+    pub currency: Currency,
+}
+
+impl Amount {
+    pub fn new(currency: Currency, minor: u64) -> Self {
+        Self { minor, currency }
+    }
+
+    /// What [`Amount::serialize`] writes, as a JSON value.
+    pub fn to_json(self) -> serde_json::Value {
+        match self.currency {
+            Currency::Tokens => serde_json::Value::from(self.minor),
+            c => serde_json::Value::String(format_amount(c, self.minor)),
+        }
+    }
+}
+
+impl fmt::Display for Amount {
+    /// For a sentence: tokens as the bare count (`40`), money with its code
+    /// (`0.00015 USD`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.currency {
+            Currency::Tokens => write!(f, "{}", self.minor),
+            c => write!(f, "{} {c}", format_amount(c, self.minor)),
+        }
+    }
+}
+
+impl serde::Serialize for Amount {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.currency {
+            Currency::Tokens => s.serialize_u64(self.minor),
+            c => s.serialize_str(&format_amount(c, self.minor)),
+        }
+    }
+}
+
+/// Reads an amount of `currency` from a JSON request body, exactly, as
+/// minor units: with money a decimal string of the major unit (`"20"`,
+/// `"0.0025"`, at most 6 decimals); with tokens an integer (or a string of
+/// one), as before. A JSON number is refused in money: as an integer it
+/// would be ambiguous (whole units in the config, micro-units in the JSON
+/// answers of old), as a fraction a float. The message follows the field's
+/// name.
+pub fn parse_json(currency: Currency, value: &serde_json::Value) -> Result<u64, String> {
+    use serde_json::Value;
+    match (currency, value) {
+        (_, Value::String(s)) => parse_amount(currency, s),
+        (Currency::Tokens, Value::Number(n)) => match (n.as_u64(), n.as_i64()) {
+            (Some(n), _) => at_most_max(currency, &n.to_string(), u128::from(n)),
+            (None, Some(n)) => Err(format!("must not be negative, got {n}")),
+            (None, None) => Err(format!(
+                "{n} is not a whole number: amounts in tokens have no fraction"
+            )),
+        },
+        (Currency::Money(_), Value::Number(n)) => Err(format!(
+            "got the number {n}: write amounts of {currency} as a decimal string, e.g. \"{n}\" \
+             for {n} {currency} (a JSON number is not exact)"
+        )),
+        (_, other) => Err(format!(
+            "must be an amount (a decimal string such as \"20\" or \"0.0025\"), got {}",
+            match other {
+                Value::Null => "null",
+                Value::Bool(_) => "a boolean",
+                Value::Array(_) => "an array",
+                _ => "an object",
+            }
+        )),
+    }
+}
+
 fn at_most_max(currency: Currency, text: &str, minor: u128) -> Result<u64, String> {
     match u64::try_from(minor) {
         Ok(m) if m <= MAX_AMOUNT => Ok(m),
@@ -498,6 +576,52 @@ mod tests {
             if let Ok(x) = parse_int(usd(), n) {
                 assert!(x <= MAX_AMOUNT, "{n}");
             }
+        }
+    }
+
+    #[test]
+    fn answers_speak_integers_in_tokens_and_decimal_strings_in_money() {
+        let usd = usd();
+        let j = |a: Amount| serde_json::to_string(&a).unwrap();
+        assert_eq!(j(Amount::new(Currency::Tokens, 40)), "40");
+        assert_eq!(j(Amount::new(usd, 150)), "\"0.00015\"");
+        assert_eq!(j(Amount::new(usd, 20_000_000)), "\"20\"");
+        assert_eq!(j(Amount::new(usd, 0)), "\"0\"");
+        assert_eq!(Amount::new(usd, 150).to_string(), "0.00015 USD");
+        assert_eq!(Amount::new(Currency::Tokens, 40).to_string(), "40");
+        assert_eq!(j(Amount::new(usd, MAX_AMOUNT)), "\"9007199254.740991\"");
+        for a in [Amount::new(usd, 2_500), Amount::new(Currency::Tokens, 7)] {
+            assert_eq!(serde_json::to_value(a).unwrap(), a.to_json());
+            // What an answer writes, a request reads back.
+            assert_eq!(parse_json(a.currency, &a.to_json()), Ok(a.minor));
+        }
+    }
+
+    #[test]
+    fn json_inputs_are_exact_or_refused() {
+        use serde_json::json;
+        let usd = usd();
+        assert_eq!(parse_json(usd, &json!("20")), Ok(20_000_000));
+        assert_eq!(parse_json(usd, &json!("0.0025")), Ok(2_500));
+        assert_eq!(parse_json(Currency::Tokens, &json!(20)), Ok(20));
+        assert_eq!(parse_json(Currency::Tokens, &json!("20")), Ok(20));
+        for (currency, v, needle) in [
+            (usd, json!(20), "decimal string"),
+            (usd, json!(0.5), "\"0.5\""),
+            (usd, json!("0.0000001"), "too precise"),
+            (usd, json!("-1"), "negative"),
+            (usd, json!("abc"), "\"abc\""),
+            (usd, json!(null), "null"),
+            (usd, json!(true), "boolean"),
+            (usd, json!("9007199255"), "2^53"),
+            (Currency::Tokens, json!(-3), "negative"),
+            (Currency::Tokens, json!(1.5), "whole"),
+            (Currency::Tokens, json!("1.5"), "whole"),
+            (Currency::Tokens, json!(9_007_199_254_740_992u64), "2^53"),
+            (Currency::Tokens, json!([1]), "array"),
+        ] {
+            let e = parse_json(currency, &v).unwrap_err();
+            assert!(e.contains(needle), "{v}: {e}");
         }
     }
 

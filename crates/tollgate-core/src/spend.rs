@@ -16,6 +16,7 @@ use std::time::Duration;
 use crate::id::UserId;
 use crate::keystore::{KeyStore, KeyStoreError, UserQuery, UserQueryError};
 use crate::ledger::{Ledger, LedgerError};
+use crate::money::{Amount, Currency};
 
 /// One hour and one day, in ms: the two steps of the rollups.
 pub const HOUR_MS: u64 = 3_600_000;
@@ -330,7 +331,7 @@ pub struct SpendRow {
     /// The bucket's start, RFC 3339 (ms).
     pub start: String,
     pub start_ms: u64,
-    /// In minor units of the currency.
+    /// In minor units of the currency (the answers: [`SpendPage::to_json`]).
     pub amount: u64,
 }
 
@@ -351,15 +352,34 @@ pub struct SpendPage {
 }
 
 impl SpendPage {
-    /// The page as CSV: a header, then `key,start,amount` per row.
-    pub fn to_csv(&self) -> String {
+    /// The page as the answers write it: amounts of `currency` as
+    /// [`Amount`] does (tokens: integers; money: exact decimal strings).
+    pub fn to_json(&self, currency: Currency) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        if let Some(rows) = v.get_mut("rows").and_then(|r| r.as_array_mut()) {
+            for (row, r) in rows.iter_mut().zip(&self.rows) {
+                row["amount"] = Amount::new(currency, r.amount).to_json();
+            }
+        }
+        v["total"] = Amount::new(currency, self.total).to_json();
+        v
+    }
+
+    /// The page as CSV: a header, then `key,start,amount` per row, amounts
+    /// of `currency` as [`SpendPage::to_json`] writes them.
+    pub fn to_csv(&self, currency: Currency) -> String {
         let mut out = format!("{},start,amount\n", self.by);
         for r in &self.rows {
             out.push_str(&csv_field(&r.key));
             out.push(',');
             out.push_str(&r.start);
             out.push(',');
-            out.push_str(&r.amount.to_string());
+            out.push_str(
+                &Amount::new(currency, r.amount)
+                    .to_json()
+                    .to_string()
+                    .replace('"', ""),
+            );
             out.push('\n');
         }
         out

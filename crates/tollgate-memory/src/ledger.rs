@@ -774,6 +774,9 @@ impl UserLog {
                 .and_then(|op| split_audit_op(op).1)
                 .map(str::to_owned),
             forced: false,
+            model: None,
+            entry: None,
+            prices: None,
         });
         while self.exported.len() as u64 > self.export_max {
             self.exported.pop_front();
@@ -1639,6 +1642,13 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 Ok(a) => a,
                 Err(d) => return Ok(ChargeOutcome::Denied(d)),
             };
+            // The spend was exported last (when there is an export): it
+            // carries the prices the call was reserved at.
+            if let (Some(price), true) = (charge.price, log.export_max > 0) {
+                if let Some(last) = log.exported.back_mut() {
+                    *last = last.clone().with_price(Some(price));
+                }
+            }
             if let Some(side) = side.as_mut() {
                 side.add(request.as_str(), allowed.at_ms, cost, now);
             }

@@ -1153,7 +1153,11 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
         operation,
         service_key,
         forced: f.get("forced").is_some_and(|v| v == "1"),
-    })
+        model: None,
+        entry: None,
+        prices: None,
+    }
+    .with_price(f.get("pr").map(String::as_str)))
 }
 
 /// Fields per window in a budget script's reply (`push_windows` in budget/lib/events.lua).

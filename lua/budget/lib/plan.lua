@@ -28,6 +28,7 @@ end
 -- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
 local function resolve_plan(i)
   EXPORT = tonumber(ARGV[i]) or 0
+  PRICE = ''
   RETAIN = tonumber(ARGV[i + 1]) or 0
   read_keeps(i + 2)
   i = read_calendars(i + 3)

@@ -117,6 +117,10 @@ local SHORTS, SHORTS_STALE, FIRST = {}, false, 2
 local TOTAL = 0
 -- The export stream's approximate maxlen; 0: no export.
 local EXPORT = 0
+-- The prices a priced job's charge was reserved at (price/applied.rs's text)
+-- for its spend entry in the export: set by charge.lua, '' otherwise. The
+-- library's state outlives a call: resolve_plan clears it on every call.
+local PRICE = ''
 -- The bucket table (linear hashing: SIZE buckets of this round, SPLIT of them
 -- split already) and the retention (the log's span, the keys' time to live).
 local SIZE, SPLIT, RETAIN = 1, 0, 0

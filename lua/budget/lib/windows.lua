@@ -210,10 +210,14 @@ local function write_total(now)
 end
 
 -- Appends one change to the export stream (when there is one); `forced`: an
--- operator's forced correction, with a field forced '1'.
+-- operator's forced correction, with a field forced '1'. A spend entry of a
+-- priced charge carries its prices ('pr'): the export alone rebuilds spend.
 local function export(kind, request, cost, at, prev, op, forced)
   if EXPORT > 0 then
-    if forced then
+    if kind == 'spend' and PRICE ~= '' then
+      redis.call('XADD', AUDIT, 'MAXLEN', '~', int(EXPORT), '*', 'kind', kind, 'id', request,
+        'cost', int(cost), 'prev', int(prev or 0), 'at', int(at or 0), 'op', op or '', 'pr', PRICE)
+    elseif forced then
       redis.call('XADD', AUDIT, 'MAXLEN', '~', int(EXPORT), '*', 'kind', kind, 'id', request,
         'cost', int(cost), 'prev', int(prev or 0), 'at', int(at or 0), 'op', op or '', 'forced', '1')
     else

@@ -13,6 +13,8 @@ an outcome (``Done``, ``Pending``, ``BudgetExhausted``, ``ProviderBusy``,
 from ._answer import classify
 from ._client import AsyncClient, Client, RetryEvent, RetryPolicy, Usage, USER_HEADER
 from ._outcomes import (
+    Amount,
+    amount,
     AuthError,
     BudgetExhausted,
     BudgetExhaustedError,
@@ -43,6 +45,8 @@ from ._outcomes import (
 )
 
 __all__ = [
+    "Amount",
+    "amount",
     "AsyncClient",
     "AuthError",
     "BudgetExhausted",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Union
 
 from ._outcomes import (
+    amount,
     AuthError,
     BudgetExhausted,
     Done,
@@ -112,7 +113,8 @@ def job_outcome(view: Any) -> Outcome:
             job_id=view["job_id"],
             operation=view.get("operation", ""),
             result=view.get("result"),
-            cost=view.get("cost", 0),
+            cost=amount(view.get("cost", 0)),
+            currency=str(view.get("currency", "tokens")),
         )
     error = view.get("error")
     if status == "failed" and isinstance(error, dict):

@@ -19,6 +19,8 @@ import httpx
 
 from ._answer import Final, Retry, classify, job_outcome
 from ._outcomes import (
+    Amount,
+    amount,
     BudgetExhausted,
     ConfigError,
     Done,
@@ -92,9 +94,11 @@ class Usage:
 
     user: str
     plan: str
-    used: int
-    limit: int
-    remaining: int
+    # Amounts, exactly: ``int`` tokens, or ``decimal.Decimal`` of ``currency``
+    # (the windows' and events' too).
+    used: Amount
+    limit: Amount
+    remaining: Amount
     window_secs: int
     reset_after_secs: Optional[int]
     reset_at: Optional[str]
@@ -103,8 +107,8 @@ class Usage:
     next_cursor: Optional[str]
     # True when an admin set this user's limits (``plan`` is then "custom").
     custom_limits: bool = False
-    # What the amounts count: "tokens", or an ISO 4217 currency whose amounts
-    # are integers of its micro-unit (1 USD = 1,000,000).
+    # What the amounts count: "tokens", or an ISO 4217 currency (amounts are
+    # then ``decimal.Decimal`` of it: ``Decimal("0.00015")``).
     currency: str = "tokens"
 
 
@@ -346,20 +350,25 @@ class _Core:
             return Usage(
                 user=b["user"],
                 plan=b["plan"],
-                used=b["used"],
-                limit=b["limit"],
-                remaining=b["remaining"],
+                used=amount(b["used"]),
+                limit=amount(b["limit"]),
+                remaining=amount(b["remaining"]),
                 window_secs=b["window_secs"],
                 reset_after_secs=b.get("reset_after_secs"),
                 reset_at=b.get("reset_at"),
-                windows=b.get("windows", []),
-                events=b.get("events", []),
+                windows=[_amounts(w, ("limit", "used", "remaining")) for w in b.get("windows", [])],
+                events=[_amounts(e, ("cost", "estimate")) for e in b.get("events", [])],
                 next_cursor=b.get("next_cursor"),
                 custom_limits=bool(b.get("custom_limits", False)),
                 currency=str(b.get("currency", "tokens")),
             )
         except (KeyError, TypeError) as e:
             raise ProtocolError(f"a usage body that does not parse: {e}") from None
+
+
+def _amounts(item: dict, fields: tuple) -> dict:
+    """``item`` with each of ``fields`` present (and not null) read by ``amount``."""
+    return {k: (amount(v) if k in fields and v is not None else v) for k, v in item.items()}
 
 
 def _check_user(user: str) -> str:

@@ -5,6 +5,7 @@ they are, and the problem+json body behind every error answer."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any, List, Optional, Union
 
 
@@ -55,6 +56,27 @@ class Window:
     reset_after: Optional[float] = None
 
 
+# An amount as an answer gives it, read exactly: tokens are ``int``, money is
+# ``decimal.Decimal`` (never a float).
+Amount = Union[int, Decimal]
+
+
+def amount(value: Any) -> Amount:
+    """An amount of an answer, exactly: an integer (tokens) as ``int``, a
+    decimal string (money: ``"0.00015"``) as ``decimal.Decimal``. Anything
+    else (a float, a malformed string) is a ``ProtocolError``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            d = Decimal(value)
+        except InvalidOperation:
+            d = None
+        if d is not None and d.is_finite() and d >= 0 and all(c.isdigit() or c == "." for c in value):
+            return d
+    raise ProtocolError(f"not an amount: {str(value)[:64]!r}")
+
+
 @dataclass(frozen=True)
 class Done:
     """The job succeeded."""
@@ -62,8 +84,13 @@ class Done:
     job_id: str
     operation: str
     result: Any
-    cost: int
+    # What the job was charged, exactly: its settled charge once the upstream
+    # reported usage, else its reservation. An ``int`` of tokens, or with a
+    # currency a ``decimal.Decimal`` of it (``Decimal("0.00015")`` USD).
+    cost: Amount
     attempts: int = 1
+    # What ``cost`` counts: "tokens", or an ISO 4217 currency.
+    currency: str = "tokens"
 
 
 @dataclass(frozen=True)

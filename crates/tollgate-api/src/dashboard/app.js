@@ -31,6 +31,26 @@ function num(v, digits) {
   return el('td', v === null || v === undefined ? '–' : Number(v).toFixed(digits || 0), 'num');
 }
 
+// Amounts as the api writes them: an integer of tokens, or with a currency
+// an exact decimal string of it ("0.00015"), shown as written (never through
+// a float) with its code.
+function amountText(v, currency) {
+  if (v === null || v === undefined) return '–';
+  return typeof v === 'string' ? v + ' ' + (currency || '') : String(v);
+}
+
+function amountCell(v, currency) {
+  return el('td', amountText(v, currency), 'num');
+}
+
+// A decimal string of money (at most 6 places) in micro-units, as a BigInt;
+// an integer of tokens as one.
+function minor(v) {
+  if (typeof v !== 'string') return BigInt(v || 0);
+  const [whole, frac = ''] = v.split('.');
+  return BigInt(whole) * 1000000n + BigInt((frac + '000000').slice(0, 6));
+}
+
 function show(id) {
   for (const s of ['login', 'disabled', 'app']) $(s).hidden = s !== id;
   $('logout').hidden = id !== 'app';
@@ -318,17 +338,20 @@ function renderQueues(queues) {
   fill($('queues').tBodies[0], rows, 'no operations configured', 5);
 }
 
-function renderTopUsers(users) {
+function renderTopUsers(users, currency) {
   const rows = users.map((u) => {
     const bar = el('div', null, 'bar');
     const fillDiv = el('div');
-    const share = u.limit ? Math.min(1, u.used / u.limit) : 0;
+    // In exact integers (per mille): only the bar's width is a float.
+    const limit = minor(u.limit);
+    const permille = limit > 0n ? minor(u.used) * 1000n / limit : 0n;
+    const share = Math.min(1, Number(permille) / 1000);
     fillDiv.style.width = (share * 100).toFixed(1) + '%';
     if (share >= 1) bar.classList.add('full');
     bar.appendChild(fillDiv);
     const barCell = el('td');
     barCell.appendChild(bar);
-    const tr = row([el('td', u.user), el('td', u.custom_limits ? u.plan + ' (own limits)' : u.plan), el('td', u.used + ' / ' + u.limit, 'num'), barCell,
+    const tr = row([el('td', u.user), el('td', u.custom_limits ? u.plan + ' (own limits)' : u.plan), el('td', typeof u.used === 'string' ? u.used + ' / ' + u.limit + ' ' + currency : u.used + ' / ' + u.limit, 'num'), barCell,
       el('td', u.resets_at ? u.period + ', resets ' + u.resets_at
         : u.window_secs >= 3600 ? (u.window_secs / 3600).toFixed(1) + ' h' : u.window_secs + ' s')]);
     tr.dataset.user = u.user;
@@ -337,13 +360,13 @@ function renderTopUsers(users) {
   fill($('top-users').tBodies[0], rows, 'no spend seen yet', 5);
 }
 
-function renderEvents(events) {
+function renderEvents(events, currency) {
   const rows = events.map((e) => {
     const tr = row([
       el('td', new Date(e.at_ms).toLocaleTimeString()),
       el('td', e.service_key ? `${e.user} (via ${e.service_key})` : e.user),
       el('td', e.operation ?? '(plain reserve)'),
-      num(e.cost),
+      amountCell(e.cost, currency),
       el('td', e.request_id, 'mono'),
       el('td', e.refunded ? 'refunded' + (e.refund_reason ? ' (' + e.refund_reason + ')' : '') : '', 'flag'),
     ]);
@@ -362,8 +385,8 @@ function render(o) {
   renderDenials(o.denials, o.most_denied);
   renderAlerts(o.alerts);
   renderQueues(o.queues);
-  renderTopUsers(o.top_users);
-  renderEvents(o.events);
+  renderTopUsers(o.top_users, o.currency);
+  renderEvents(o.events, o.currency);
   const status = $('status');
   status.textContent = 'updated ' + new Date(o.now_ms).toLocaleTimeString() +
     (window.tollgateErrors.length ? ' · ' + window.tollgateErrors.length + ' script error(s)' : '');
@@ -456,7 +479,7 @@ async function listJobs() {
         link.href = '#job=' + encodeURIComponent(j.id) + '&user=' + encodeURIComponent(j.user);
         idCell.appendChild(link);
         const tr = row([el('td', time(j.at_ms)), idCell, el('td', j.user), el('td', j.operation),
-          num(j.cost), el('td', j.state + (j.cause ? ' (' + j.cause + ')' : ''), j.state === 'failed' ? 'error' : ''),
+          amountCell(j.cost, list.currency), el('td', j.state + (j.cause ? ' (' + j.cause + ')' : ''), j.state === 'failed' ? 'error' : ''),
           el('td', j.refunded ? 'went back' : '')]);
         tr.dataset.id = j.id;
         tr.dataset.user = j.user;

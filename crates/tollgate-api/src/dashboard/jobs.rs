@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use tollgate_core::activity::{JobNote, JobStep, EVENTS_CAP, FAILED_CAP, TIMELINES_CAP};
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{FailureCause, JobInfo, JobStatus};
+use tollgate_core::money::{Amount, Currency};
 
 use super::access::Operator;
 use crate::extract::QueryParams;
@@ -61,6 +62,10 @@ pub struct ListQuery {
 #[derive(Debug, Serialize)]
 pub struct JobList {
     pub view: View,
+    /// Money: its ISO 4217 code, in which `cost` is an exact decimal string
+    /// (absent for tokens: integers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
     pub limit: usize,
     pub offset: usize,
     /// More rows match past this page.
@@ -79,7 +84,7 @@ pub struct JobRow {
     pub operation: String,
     /// When it was charged (recent) or failed (failed).
     pub at_ms: u64,
-    pub cost: Option<u64>,
+    pub cost: Option<Amount>,
     /// From its timeline: queued, running, succeeded, failed, refunded, or
     /// unknown (no timeline kept).
     pub state: String,
@@ -179,8 +184,10 @@ pub async fn list(
     let matches =
         |u: &str, op: &str| user.is_none_or(|x| x == u) && operation.is_none_or(|x| x == op);
     let activity = state.dashboard.activity.as_ref();
+    let currency = state.config.currency();
     let mut list = JobList {
         view: q.view,
+        currency: crate::usage::money_code(currency),
         limit,
         offset,
         more: false,
@@ -218,7 +225,7 @@ pub async fn list(
                         user: e.user.clone(),
                         operation: e.operation.clone().unwrap_or_default(),
                         at_ms: e.at_ms,
-                        cost: Some(e.cost),
+                        cost: Some(Amount::new(currency, e.cost)),
                         state,
                         cause,
                         refunded: refunded || e.refunded,
@@ -291,6 +298,9 @@ pub struct DetailQuery {
 #[derive(Debug, Serialize)]
 pub struct JobDetail {
     pub id: String,
+    /// Money: its ISO 4217 code (absent for tokens).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
     /// A job (a record or a timeline) was found.
     pub found: bool,
     /// One per user with a job of this id (ids are per user: two users may
@@ -321,7 +331,8 @@ pub struct RecordView {
     pub state: &'static str,
     pub operation: String,
     pub provider: String,
-    pub cost: u64,
+    /// Its settled charge, else its reservation.
+    pub cost: Amount,
     pub run: u32,
     pub enqueued_at_ms: u64,
     pub deadline_ms: u64,
@@ -345,7 +356,7 @@ const FORGOTTEN: &str = "the job's record is gone: a synchronous call without an
 const NO_TIMELINE: &str = "the activity log keeps no timeline of this job any more (it keeps the \
     newest jobs'): the record's times only";
 
-fn record_view(info: &JobInfo) -> RecordView {
+fn record_view(info: &JobInfo, currency: Currency) -> RecordView {
     let (state, cause, message) = match &info.status {
         JobStatus::Queued => ("queued", None, None),
         JobStatus::Running => ("running", None, None),
@@ -360,7 +371,7 @@ fn record_view(info: &JobInfo) -> RecordView {
         state,
         operation: info.job.operation.clone(),
         provider: info.job.provider.clone(),
-        cost: info.job.charged.unwrap_or(info.job.cost),
+        cost: Amount::new(currency, info.job.charged.unwrap_or(info.job.cost)),
         run: info.job.run,
         enqueued_at_ms: info.job.enqueued_at_ms,
         deadline_ms: info.job.deadline_ms,
@@ -370,9 +381,10 @@ fn record_view(info: &JobInfo) -> RecordView {
     }
 }
 
-fn entry(n: &JobNote) -> Entry {
+fn entry(n: &JobNote, currency: Currency) -> Entry {
     let (step, what) = match &n.step {
         JobStep::Charged { operation, cost } => {
+            let cost = Amount::new(currency, *cost);
             ("queued", format!("charged {cost} for {operation}: queued"))
         }
         JobStep::Granted {
@@ -471,6 +483,7 @@ pub async fn detail(
         .filter(|u| !u.is_empty())
         .map(|u| UserId::new(u).map_err(|e| bad("user", format!("user: {e}"))))
         .transpose()?;
+    let currency = state.config.currency();
     let activity = state.dashboard.activity.as_ref();
     let steps = activity
         .timelines(&[id.to_string()])
@@ -495,7 +508,7 @@ pub async fn detail(
             continue;
         };
         let info = state.jobs.status(&uid, &id).await?;
-        let record = info.as_ref().map(record_view);
+        let record = info.as_ref().map(|i| record_view(i, currency));
         let mine: Vec<JobNote> = steps.iter().filter(|s| s.user == user).cloned().collect();
         if record.is_none() && mine.is_empty() {
             continue;
@@ -513,7 +526,7 @@ pub async fn detail(
                 });
             }
         }
-        timeline.extend(mine.iter().map(entry));
+        timeline.extend(mine.iter().map(|n| entry(n, currency)));
         if let Some(r) = &record {
             let noted = mine
                 .iter()
@@ -557,6 +570,7 @@ pub async fn detail(
     Ok(no_store(
         axum::Json(JobDetail {
             id: id.to_string(),
+            currency: crate::usage::money_code(currency),
             found: !jobs.is_empty(),
             jobs,
             note,
@@ -566,13 +580,14 @@ pub async fn detail(
 }
 
 /// The schemas of the job browser's answers in the OpenAPI document.
-pub fn list_schema() -> serde_json::Value {
+pub fn list_schema(currency: Currency) -> serde_json::Value {
     let int = serde_json::json!({"type": "integer"});
     let string = serde_json::json!({"type": "string"});
     serde_json::json!({
         "type": "object",
         "required": ["view", "limit", "offset", "more", "scope", "rows", "dead"],
         "properties": {
+            "currency": {"type": "string", "description": "A money deployment's ISO 4217 code (absent for tokens)."},
             "view": {"type": "string", "enum": ["recent", "failed", "dead"]},
             "limit": int, "offset": int, "more": {"type": "boolean"}, "scope": string,
             "rows": {"type": "array", "items": {
@@ -580,7 +595,7 @@ pub fn list_schema() -> serde_json::Value {
                 "required": ["id", "user", "operation", "at_ms", "cost", "state", "cause", "refunded"],
                 "properties": {
                     "id": string, "user": string, "operation": string, "at_ms": int,
-                    "cost": {"type": ["integer", "null"]},
+                    "cost": crate::openapi::nullable_amount(currency),
                     "state": {"type": "string", "enum": ["queued", "running", "succeeded", "failed", "refunded", "unknown"]},
                     "cause": {"type": ["string", "null"]},
                     "refunded": {"type": "boolean"},
@@ -595,7 +610,7 @@ pub fn list_schema() -> serde_json::Value {
     })
 }
 
-pub fn detail_schema() -> serde_json::Value {
+pub fn detail_schema(currency: Currency) -> serde_json::Value {
     let int = serde_json::json!({"type": "integer"});
     let string = serde_json::json!({"type": "string"});
     let nullable_string = serde_json::json!({"type": ["string", "null"]});
@@ -603,6 +618,7 @@ pub fn detail_schema() -> serde_json::Value {
         "type": "object",
         "required": ["id", "found", "jobs", "note"],
         "properties": {
+            "currency": {"type": "string", "description": "A money deployment's ISO 4217 code (absent for tokens)."},
             "id": string,
             "found": {"type": "boolean"},
             "note": nullable_string,
@@ -615,7 +631,7 @@ pub fn detail_schema() -> serde_json::Value {
                         "required": ["state", "operation", "provider", "cost", "run", "enqueued_at_ms", "deadline_ms", "finished_at_ms", "cause", "message"],
                         "properties": {
                             "state": {"type": "string", "enum": ["queued", "running", "succeeded", "failed"]},
-                            "operation": string, "provider": string, "cost": int, "run": int,
+                            "operation": string, "provider": string, "cost": crate::openapi::amount_schema(currency), "run": int,
                             "enqueued_at_ms": int, "deadline_ms": int,
                             "finished_at_ms": {"type": ["integer", "null"]},
                             "cause": nullable_string, "message": nullable_string,

@@ -312,7 +312,7 @@ impl Config {
     /// ([`retention_ms`](Self::retention_ms)): the log keeps no event longer,
     /// so such a window could never count what it claims to. Returns them
     /// longest window first; the error is `limits[i].<field>: why`.
-    pub fn override_limits(&self, raw: Vec<(i64, String)>) -> Result<Vec<Limit>, String> {
+    pub fn override_limits(&self, raw: Vec<(u64, String)>) -> Result<Vec<Limit>, String> {
         let invalid = |key: String, message: String| ConfigError::Invalid {
             origin: String::new(),
             key,
@@ -324,17 +324,15 @@ impl Config {
                 "limits[{i}].window: not a duration (at most 32 characters, e.g. 90s, 15m, 1h, 7d)"
             ));
         }
-        // The body's limits are integers of the minor unit (what answers
-        // print): spelled as the decimal amount they are, read as a plan's.
+        // The limits are minor units (the api read the body's amounts with
+        // `money::parse_json`): spelled as the decimal amount they are, read
+        // as a plan's.
         let currency = self.currency;
         let raw = raw
             .into_iter()
             .map(|(limit, window)| {
                 RawLimit::window(
-                    match u64::try_from(limit) {
-                        Ok(n) => toml::Value::String(crate::money::format_amount(currency, n)),
-                        Err(_) => toml::Value::Integer(limit),
-                    },
+                    toml::Value::String(crate::money::format_amount(currency, limit)),
                     window,
                 )
             })

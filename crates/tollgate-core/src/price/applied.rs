@@ -84,6 +84,37 @@ impl Applied {
         })
     }
 
+    /// The prices as the export gives them, in the sheet's own terms (exact
+    /// decimal strings of the currency): per 1,000,000 tokens of each kind
+    /// (`input`, `cached_input`, `cache_write`, `output`, `reasoning`), per
+    /// `request`, and per unit at each pointer (`units`). A call's cost is
+    /// Σ count × price + request, rounded up once to the micro-unit.
+    pub fn export(&self) -> Value {
+        use crate::money::{format_scaled, MONEY_SCALE};
+        let e = &self.entry;
+        // Prices are picounits per token: per million tokens, 6 places; a
+        // request's or a unit's, 12.
+        let per_million = |p: u64| format_scaled(u128::from(p), MONEY_SCALE);
+        let each = |p: u64| format_scaled(u128::from(p), 2 * MONEY_SCALE);
+        let mut v = json!({
+            "input": per_million(e.input),
+            "cached_input": per_million(e.cached_input),
+            "cache_write": per_million(e.cache_write),
+            "output": per_million(e.output),
+            "reasoning": per_million(e.reasoning),
+            "request": each(e.request),
+        });
+        if !e.units.is_empty() {
+            let units: BTreeMap<&str, String> = e
+                .units
+                .iter()
+                .map(|(pointer, u)| (pointer.as_str(), each(u.price)))
+                .collect();
+            v["units"] = json!(units);
+        }
+        v
+    }
+
     /// What `answer`'s usage costs at these prices, in minor units; `None`
     /// when it reports none (the call then keeps its reservation).
     pub fn cost_of(&self, answer: &Value) -> Option<u64> {

@@ -405,6 +405,7 @@ pub fn charge(
         .arg(u64::try_from(charge.grace.as_millis()).unwrap_or(u64::MAX))
         .arg(if refuse_new { "1" } else { "0" })
         .arg(dims.to_text())
+        .arg(charge.price.unwrap_or(""))
         .arg(plans.args());
     inv
 }

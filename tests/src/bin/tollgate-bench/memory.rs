@@ -92,6 +92,7 @@ async fn fill(
                     deadline: Duration::from_secs(600),
                     grace: Duration::from_secs(1),
                     service_key: None,
+                    price: None,
                 };
                 let ChargeOutcome::Charged { deadline_ms, .. } =
                     ledger.charge(&user, &id, &req).await?

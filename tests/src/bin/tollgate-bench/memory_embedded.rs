@@ -84,6 +84,7 @@ async fn fill(charges: bool, n: usize) -> anyhow::Result<Figure> {
                 deadline: Duration::from_secs(300),
                 grace: Duration::from_secs(60),
                 service_key: None,
+                price: None,
             };
             match ledger.charge(&user, &id, &charge).await? {
                 ChargeOutcome::Charged { .. } => {}
