@@ -144,6 +144,30 @@ async fn answers_speak_decimal_strings(h: Harness) {
     let a = h.get("/admin/users/ann/usage", ADMIN, &[]).await;
     assert_eq!(a.body["used"], "0.000039", "{}", a.body);
     assert_eq!(a.body["windows"][0]["remaining"], "0.499961");
+    // The spend report too, in JSON and CSV: the settled charge, under the
+    // sheet entry that priced it.
+    let spend = h.get("/admin/spend?by=model&step=1d", ADMIN, &[]).await;
+    assert_eq!(spend.status, StatusCode::OK, "{}", spend.body);
+    assert_eq!(spend.body["currency"], "USD");
+    assert_eq!(
+        spend.body["rows"][0]["key"], "gpt-4o-mini*",
+        "{}",
+        spend.body
+    );
+    assert_eq!(
+        spend.body["rows"][0]["amount"], "0.000039",
+        "{}",
+        spend.body
+    );
+    assert_eq!(spend.body["total"], "0.000039");
+    let csv = h
+        .get("/admin/spend?by=model&step=1d&format=csv", ADMIN, &[])
+        .await;
+    let csv = csv.body.as_str().unwrap_or_default();
+    assert!(
+        csv.ends_with(",0.000039\n") && csv.starts_with("model,start,amount\n"),
+        "{csv}"
+    );
     // The export's spend carries the model, the sheet entry and the prices
     // that applied (per million tokens): with the settle, the charge is
     // rebuilt from the export alone. A plain reserve after it carries none.
