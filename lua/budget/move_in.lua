@@ -10,9 +10,14 @@
 -- ARGV[1] n: events in this batch; ARGV[2] the user's plan and limits of
 --   its own, '<plan>\n<limits>' (each '' when none), then optionally
 --   '\n<period totals>' ('<field>=<value> ...' as periods.lua keeps them, the user's at the
---   location it leaves: they replace the ones here, see periods.lua);
+--   location it leaves: they replace the ones here, see periods.lua),
+--   then optionally '\n<rollups>': the user's spend rollups there, with the
+--   first batch, 'R<pttl of :sh> <pttl of :sd> ' then entries
+--   '<h|d><length>:<field><length>:<value>' (lengths in bytes): they replace
+--   the ones here (budget/lib/rollups.lua);
 -- ARGV[3] cancelled '<nonce> <hold end> ...' (see move_out.lua)
--- ARGV[4 .. 3 + 10n] per event: id, at, state, cost, estimate (-1: none),
+-- ARGV[4 .. 3 + 10n] per event: id, at, state, cost, estimate (-1: none;
+--   '#<code>' appended: its rollups code, see budget/lib/rollups.lua),
 --   nonce, fingerprint, deadline, op, hold_end (-1: none), as move_out.lua
 --   reads them
 -- ARGV[4 + 10n ..] export maxlen (0), retention, then the plan table
@@ -27,7 +32,8 @@ local tail = 4 + 10 * n
 -- The user's plan and limits of its own ('<plan>\n<limits>', each '' when
 -- none; a bare plan name from an older mover): what an earlier stay left
 -- here goes.
-local plan, own, periods = string.match(ARGV[2], '^([^\n]*)\n?([^\n]*)\n?(.*)$')
+local plan, own, rest = string.match(ARGV[2], '^([^\n]*)\n?([^\n]*)\n?(.*)$')
+local periods, rollups = string.match(rest, '^([^\n]*)\n?(.*)$')
 if plan ~= '' then
   redis.call('SET', PLAN, plan)
 else
@@ -51,6 +57,57 @@ if #carried > 0 then
   redis.call('HSET', BASE .. ':p', unpack(carried))
   redis.call('PEXPIREAT', BASE .. ':p', int(last + PERIOD_GRACE))
 end
+-- The user's spend rollups, carried whole with the first batch (see the
+-- header): an event's code names the dictionary that travels with them.
+if string.sub(rollups, 1, 1) == 'R' then
+  local ttl_h, ttl_d, i = string.match(rollups, '^R(%-?%d+) (%-?%d+) ()')
+  if not i then
+    return redis.error_reply('TOLLGATE_BAD_MOVE rollups out of shape')
+  end
+  local keys = { h = BASE .. ':sh', d = BASE .. ':sd' }
+  redis.call('DEL', keys.h, keys.d)
+  local pairs_of = { h = {}, d = {} }
+  -- Entries: '<h|d><field length>:<field><value length>:<value>'.
+  local function take(at)
+    local len, from = string.match(rollups, '^(%d+):()', at)
+    if not len then
+      return nil
+    end
+    local to = from + tonumber(len) - 1
+    if to > #rollups then
+      return nil
+    end
+    return string.sub(rollups, from, to), to + 1
+  end
+  while i <= #rollups do
+    local which = string.sub(rollups, i, i)
+    local field, after = take(i + 1)
+    local value
+    if field then
+      value, after = take(after)
+    end
+    if not value or not pairs_of[which] then
+      return redis.error_reply('TOLLGATE_BAD_MOVE rollups out of shape')
+    end
+    local t = pairs_of[which]
+    t[#t + 1] = field
+    t[#t + 1] = value
+    if #t >= 512 then
+      redis.call('HSET', keys[which], unpack(t))
+      pairs_of[which] = {}
+    end
+    i = after
+  end
+  for which, ttl in pairs({ h = tonumber(ttl_h), d = tonumber(ttl_d) }) do
+    local t = pairs_of[which]
+    if #t > 0 then
+      redis.call('HSET', keys[which], unpack(t))
+    end
+    if ttl > 0 then
+      redis.call('PEXPIRE', keys[which], int(ttl))
+    end
+  end
+end
 local now, _, org = open_budget(tail)
 
 local c = {}
@@ -71,9 +128,11 @@ local added = 0
 for k = 0, n - 1 do
   local b = 3 + 10 * k
   local id, at, state, cost = ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3], tonumber(ARGV[b + 4])
-  local est, nonce, fp, deadline = tonumber(ARGV[b + 5]), ARGV[b + 6], ARGV[b + 7], tonumber(ARGV[b + 8])
+  local est, code = string.match(ARGV[b + 5], '^(%-?%d+)#?(%d*)$')
+  est, code = tonumber(est), tonumber(code)
+  local nonce, fp, deadline = ARGV[b + 6], ARGV[b + 7], tonumber(ARGV[b + 8])
   local op, hold = ARGV[b + 9], tonumber(ARGV[b + 10])
-  if not at or not cost or cost < 1 or not deadline or not hold or (state ~= 'r' and state ~= 'h' and state ~= 'j') then
+  if not at or not est or not cost or cost < 1 or not deadline or not hold or (state ~= 'r' and state ~= 'h' and state ~= 'j') then
     return redis.error_reply('TOLLGATE_BAD_MOVE event fields out of shape')
   end
   if at > now - RETAIN then
@@ -83,7 +142,7 @@ for k = 0, n - 1 do
       if state ~= 'r' then
         o = { nonce = nonce, fp = fp, deadline = deadline, op = op }
       end
-      insert(id, at, { state = state, cost = cost, estimate = est >= 0 and est or nil }, o, now, slot)
+      insert(id, at, { state = state, cost = cost, estimate = est >= 0 and est or nil, code = code }, o, now, slot)
       if state == 'h' and hold >= 0 then
         redis.call('ZADD', HOLDS, int(hold), id)
         redis.call('PEXPIRE', HOLDS, int(RETAIN))

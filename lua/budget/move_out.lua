@@ -19,7 +19,8 @@
 --   freeze: { 1 } frozen now; { 0, <to> } frozen already, for a move to <to>;
 --           { -1, <marker> } the user does not live here
 --   batch:  { '<plan>\n<limits>' (each '' when none), cancelled, entries_read, (id, at, state, cost,
---           estimate | -1, nonce, fingerprint, deadline, op, hold_end | -1)... }
+--           estimate | -1 (then '#<code>', its rollups code, when it has one),
+--           nonce, fingerprint, deadline, op, hold_end | -1)... }
 --           cancelled: '<nonce> <hold end> ...' of the held charges an
 --           operator refunded (their jobs' claims stay refused there)
 --   drop:   { entries left in the log }
@@ -75,7 +76,11 @@ if step == 'batch' then
     if ev then
       local rec = ev.rec
       local hold = tonumber(redis.call('ZSCORE', HOLDS, rec.id)) or -1
-      for _, v in ipairs({ rec.id, spent(ev), ev.state, ev.cost, ev.estimate or -1, rec.nonce or '',
+      local est = ev.estimate or -1
+      if ev.code then
+        est = int(est) .. '#' .. int(ev.code)
+      end
+      for _, v in ipairs({ rec.id, spent(ev), ev.state, ev.cost, est, rec.nonce or '',
         rec.fp or '', rec.deadline or 0, rec.op or '', hold }) do
         out[#out + 1] = v
       end

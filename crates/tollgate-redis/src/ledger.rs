@@ -26,7 +26,7 @@ use tollgate_core::{
 use tollgate_core::spend::{Bucket, Dims, Step};
 
 use crate::call::{self, bad_reply};
-use crate::keys::{KeySpace, Location};
+use crate::keys::{BudgetKeys, KeySpace, Location};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts::reply::{int, signed, text};
 use crate::scripts::{self, PlanArgs};
@@ -379,6 +379,9 @@ impl RedisLedger {
             .map(|(field, total)| format!("{field}={total}"))
             .collect::<Vec<_>>()
             .join(" ");
+        // The spend rollups travel whole too, with the first batch: the
+        // events' codes name the dictionary that comes with them.
+        let mut rollups = Some(self.rollups_of(&from.user).await?);
         let mut moved = 0;
         loop {
             let b: Vec<Value> = self
@@ -386,7 +389,7 @@ impl RedisLedger {
                 .await?;
             let bad = || bad_reply::<LedgerError>("move_out", &b);
             let plan = b.first().and_then(text).ok_or_else(bad)?;
-            let plan = format!("{plan}\n{periods}");
+            let plan = format!("{plan}\n{periods}\n{}", rollups.take().unwrap_or_default());
             let cancelled = b.get(1).and_then(text).ok_or_else(bad)?;
             let read = b.get(2).and_then(int).ok_or_else(bad)?;
             let fields: Vec<Vec<u8>> = b[3..]
@@ -420,6 +423,30 @@ impl RedisLedger {
                 return Ok(moved);
             }
         }
+    }
+
+    /// A user's spend rollups at a location, as `move_in.lua` reads them:
+    /// `R<pttl hourly> <pttl daily> ` then `<h|d><len>:<field><len>:<value>`
+    /// per field (lengths in bytes). Read while the location is frozen.
+    async fn rollups_of(&self, keys: &BudgetKeys) -> Result<String, LedgerError> {
+        let mut out = String::new();
+        let mut entries = String::new();
+        for (which, key) in [("h", keys.spend_hourly()), ("d", keys.spend_daily())] {
+            let mut cmd = redis::cmd("HGETALL");
+            cmd.arg(&key);
+            let fields: Vec<(String, String)> = self.command("set_user_org", cmd).await?;
+            for (f, v) in &fields {
+                entries.push_str(&format!("{which}{}:{f}{}:{v}", f.len(), v.len()));
+            }
+            let mut cmd = redis::cmd("PTTL");
+            cmd.arg(&key);
+            let ttl: i64 = self.command("set_user_org", cmd).await?;
+            out.push_str(if out.is_empty() { "R" } else { " " });
+            out.push_str(&ttl.to_string());
+        }
+        out.push(' ');
+        out.push_str(&entries);
+        Ok(out)
     }
 
     /// The end of a move whose events all moved: the destination's marker,
