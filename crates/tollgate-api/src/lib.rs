@@ -382,9 +382,9 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
                 "Spend by user, organisation, model, operation or provider, per hour or day, from the rollups kept as charges change (JSON or CSV, paged)",
             )
             .viewer()
-            .query(
+            .required_query(
                 "by",
-                "Required: user, org, model (the price sheet entry), operation or provider.",
+                "user, org, model (the price sheet entry), operation or provider.",
                 serde_json::json!({"type": "string", "enum": ["user", "org", "model", "operation", "provider"]}),
             )
             .query(
@@ -417,7 +417,8 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
                 "json or csv; without it, `Accept: text/csv` asks for CSV.",
                 serde_json::json!({"type": "string", "enum": ["json", "csv"]}),
             )
-            .ok(200, "One page of rows, by key then bucket start; amounts as every answer writes them.", Some(schema("SpendPage"))),
+            .ok(200, "One page of rows, by key then bucket start; amounts as every answer writes them.", Some(schema("SpendPage")))
+            .errors(&[P::MalformedRequest, P::InvalidField]),
             get(spend::spend),
         )
         .route(

@@ -127,6 +127,15 @@ impl Doc {
         self
     }
 
+    /// A required query parameter (missing, or a bad value: a 400 problem).
+    pub fn required_query(mut self, name: &str, description: &str, schema: Value) -> Self {
+        self = self.query(name, description, schema);
+        if let Some(last) = self.query.last_mut() {
+            last["required"] = Value::Bool(true);
+        }
+        self
+    }
+
     /// An optional query parameter (a bad value is a 400 problem).
     pub fn query(mut self, name: &str, description: &str, schema: Value) -> Self {
         self.query

@@ -35,7 +35,7 @@ fn malformed(field: &str, detail: String) -> ApiError {
     }
 }
 
-/// The request's report, checked: a bad parameter is a 400 naming it.
+/// The request's report, checked: a bad parameter is a 400 or a 422 naming it.
 pub fn query(q: &SpendParams, now_ms: u64) -> Result<SpendQuery, ApiError> {
     let Some(by) = q.by.as_deref() else {
         return Err(malformed(
@@ -53,17 +53,32 @@ pub fn query(q: &SpendParams, now_ms: u64) -> Result<SpendQuery, ApiError> {
         now_ms,
     )
     .map_err(|e| {
-        let field = match &e {
-            SpendQueryError::By(_) => "by",
-            SpendQueryError::Step(_) => "step",
-            SpendQueryError::Time(name, _) => name,
-            SpendQueryError::Range => "to",
-            SpendQueryError::TooLong(_) => "from",
-            SpendQueryError::Limit(_) => "limit",
-            SpendQueryError::Cursor => "cursor",
+        // A value the document's schema refuses (a `by` or `step` outside
+        // its enum, a `limit` out of range) is a malformed request; a string
+        // the schema allows that names no time, a range backwards or too
+        // long, or a cursor not ours is a 422 naming the field.
+        let (field, schema) = match &e {
+            SpendQueryError::By(_) => ("by", true),
+            SpendQueryError::Step(_) => ("step", true),
+            SpendQueryError::Limit(_) => ("limit", true),
+            SpendQueryError::Time(name, _) => (*name, false),
+            SpendQueryError::Range => ("to", false),
+            SpendQueryError::TooLong(_) => ("from", false),
+            SpendQueryError::Cursor => ("cursor", false),
         };
-        malformed(field, e.to_string())
+        if schema {
+            malformed(field, e.to_string())
+        } else {
+            invalid(field, e.to_string())
+        }
     })
+}
+
+fn invalid(field: &str, detail: String) -> ApiError {
+    ApiError::InvalidField {
+        field: field.to_owned(),
+        detail: format!("query parameter {detail}"),
+    }
 }
 
 /// `format=csv|json`, else `Accept: text/csv` asks for CSV.
@@ -107,7 +122,7 @@ pub async fn spend(
     .map_err(|e| match e {
         SpendError::Ledger(e) => ApiError::from(e),
         SpendError::Keys(e) => ApiError::from(e),
-        SpendError::Users(e) => malformed("cursor", e.to_string()),
+        SpendError::Users(e) => invalid("cursor", e.to_string()),
     })?;
     let mut response = if csv {
         let mut r = page.to_csv(currency).into_response();
