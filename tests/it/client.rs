@@ -181,7 +181,9 @@ async fn an_async_submission_is_waited_for(redis: bool) {
 /// The provider's one slot is taken: the next call waits 200 ms at its
 /// throttle and fails refunded (504 throttle-timeout, `"charged": false`). The
 /// client retries it (a new attempt each time: the key was freed) until its
-/// deadline, then says `ProviderBusy`; nothing stays charged for it.
+/// deadline, then says `ProviderBusy` (or, when the deadline cuts its last
+/// attempt short, `Pending` waiting for the provider); nothing stays charged
+/// for it.
 async fn a_saturated_provider_is_retried_then_provider_busy(redis: bool) {
     let server = redis.then(RedisServer::start);
     let tg = Tollgate::start(server.as_ref(), None);
@@ -197,15 +199,22 @@ async fn a_saturated_provider_is_retried_then_provider_busy(redis: bool) {
         .send()
         .await
         .unwrap();
-    let Outcome::ProviderBusy { retry_after, .. } = busy else {
-        panic!("not ProviderBusy: {busy:?}")
-    };
+    match &busy {
+        Outcome::ProviderBusy { retry_after, .. } => assert!(*retry_after > Duration::ZERO),
+        // A last attempt the deadline cut short while it still waited for
+        // the provider (a loaded machine: its 200 ms throttle wait ran past
+        // the client's deadline) is answered as it stands: pending, and
+        // released when that wait ends (below: nothing stays charged).
+        Outcome::Pending(p)
+            if p.status == "waiting_for_provider"
+                && started.elapsed() >= Duration::from_millis(2400) => {}
+        other => panic!("not ProviderBusy: {other:?}"),
+    }
     assert!(
         started.elapsed() < Duration::from_millis(3500),
         "{:?}",
         started.elapsed()
     );
-    assert!(retry_after > Duration::ZERO);
     // Only the first call's token stays spent (every failed job's charge was released).
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while client.usage().await.unwrap().used != 1 {
