@@ -55,8 +55,10 @@ use crate::call::{self, bad_reply};
 use crate::keys::{JobKeys, KeySpace};
 use crate::pool::{blocking_connection, Blocking};
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
-use crate::scripts::reply::{loose_int as int, loose_text as text, signed as int_signed};
-use crate::scripts::{self, FailArgs, FunctionCall, LeaseArgs, Reclaim};
+use crate::scripts::reply::{loose_int as int, loose_text as text};
+use crate::scripts::{
+    self, EnqueueReply, FailArgs, Fenced, FunctionCall, LeaseArgs, LeaseReply, Reclaim,
+};
 use crate::subscription::{self, Listener};
 use tollgate_core::error::StoreError;
 use tollgate_core::head::Head;
@@ -178,12 +180,8 @@ impl RedisJobQueue {
             lease.token,
             end,
         );
-        let r: i64 = self.script("job_hand_back", call).await?;
-        Ok(if r == 1 {
-            Finish::Recorded
-        } else {
-            Finish::LeaseLost
-        })
+        let r: Fenced = self.script("job_hand_back", call).await?;
+        Ok(r.into())
     }
 
     fn op_keys(
@@ -293,13 +291,13 @@ impl RedisJobQueue {
 
     /// `job_fail.lua`: true when recorded (the token was current).
     async fn record_failure(&self, keys: &JobKeys, args: FailArgs<'_>) -> Result<bool, JobError> {
-        let r: i64 = self
+        let r: Fenced = self
             .script(
                 "job_fail",
                 scripts::job_fail(keys, args, &self.done_channel(keys)),
             )
             .await?;
-        Ok(r == 1)
+        Ok(r == Fenced::Recorded)
     }
 
     async fn blocking_conn(&self) -> Result<Blocking, JobError> {
@@ -419,13 +417,12 @@ impl RedisJobQueue {
                 ),
             )
             .await?;
-        match reply.first().and_then(int) {
-            Some(1) if reply.len() >= 3 => {
-                let fields: HashMap<String, String> = reply[3..]
-                    .chunks_exact(2)
-                    .filter_map(|kv| Some((text(&kv[0])?, text(&kv[1])?)))
-                    .collect();
-                let token = int(&reply[1]);
+        match LeaseReply::decode(&reply).map_err(|r| bad_reply::<JobError>("job_lease", r))? {
+            LeaseReply::Job {
+                token,
+                time_left_ms,
+                fields,
+            } => {
                 let parsed = RequestId::existing(id.as_str())
                     .map_err(|e| e.to_string())
                     .and_then(|rid| parse_job(&rid, &fields));
@@ -459,15 +456,12 @@ impl RedisJobQueue {
                     token,
                     job,
                     worker: worker.to_owned(),
-                    time_left: Duration::from_millis(int(&reply[2]).unwrap_or(0)),
+                    time_left: Duration::from_millis(time_left_ms),
                     ran_before: fields.get("started").is_some_and(|v| v == "1"),
                 })))
             }
-            Some(0) => Ok(Taken::Skipped),
-            Some(2) => {
-                let cause = reply.get(1).and_then(text).unwrap_or_default();
-                let user = reply.get(2).and_then(text).unwrap_or_default();
-                let nonce = reply.get(3).and_then(text).unwrap_or_default();
+            LeaseReply::Skipped => Ok(Taken::Skipped),
+            LeaseReply::Failed { cause, user, nonce } => {
                 let keeps = FailureCause::parse(&cause).is_some_and(FailureCause::charged);
                 if keeps {
                     // Its worker was lost mid-run: the charge stands (`job::given_up`).
@@ -479,16 +473,16 @@ impl RedisJobQueue {
                 }
                 Ok(Taken::Skipped)
             }
-            Some(3) => {
-                let reason = reply.get(1).and_then(text).unwrap_or_default();
-                let user = reply.get(2).and_then(text).unwrap_or_default();
-                let nonce = reply.get(3).and_then(text).unwrap_or_default();
+            LeaseReply::MovedAside {
+                reason,
+                user,
+                nonce,
+            } => {
                 tracing::error!(entry = %id, operation = %op.name, reason, "malformed job moved aside");
                 self.release(&keys, &id, &user, &nonce, self.ttl_ms(&op.name))
                     .await?;
                 Ok(Taken::Skipped)
             }
-            _ => Err(bad_reply("job_lease", reply)),
         }
     }
 }
@@ -791,25 +785,20 @@ impl JobQueue for RedisJobQueue {
                 scripts::job_enqueue(&keys, job, &input, create, stored, &self.pod),
             )
             .await?;
-        match reply.first().and_then(int_signed) {
-            Some(1) => Ok(Enqueued::Created),
-            Some(-2) => Ok(Enqueued::Full {
-                stored: reply.get(1).and_then(int).unwrap_or(0),
-                limit: reply.get(2).and_then(int).unwrap_or(max_stored),
+        match EnqueueReply::decode(&reply).map_err(|r| bad_reply::<JobError>("job_enqueue", r))? {
+            EnqueueReply::Created => Ok(Enqueued::Created),
+            EnqueueReply::Full { stored, limit } => Ok(Enqueued::Full {
+                stored,
+                limit: limit.unwrap_or(max_stored),
             }),
-            Some(0) => Ok(Enqueued::Missing),
-            Some(-1) => Ok(Enqueued::IdInUse),
-            Some(2) => {
-                let map = HashMap::<String, String>::from_redis_value(
-                    reply.get(1).cloned().unwrap_or(Value::Nil),
-                )
-                .map_err(|e| bad_reply::<JobError>("job_enqueue", e))?;
+            EnqueueReply::Missing => Ok(Enqueued::Missing),
+            EnqueueReply::IdInUse => Ok(Enqueued::IdInUse),
+            EnqueueReply::Existing(map) => {
                 match decode(&job.id, &map)?.map(|i| self.with_provider(i)) {
                     Some(info) => Ok(Enqueued::Existing(Box::new(info))),
                     None => Err(bad_reply("job_enqueue", "an empty record")),
                 }
             }
-            _ => Err(bad_reply("job_enqueue", reply)),
         }
     }
 
@@ -1028,7 +1017,7 @@ impl JobSource for RedisJobQueue {
             None => String::new(),
         };
         let (_, keys) = self.op_keys(&lease.job.operation)?;
-        let r: i64 = self
+        let r: Fenced = self
             .script(
                 "job_complete",
                 scripts::job_complete(
@@ -1047,11 +1036,7 @@ impl JobSource for RedisJobQueue {
                 ),
             )
             .await?;
-        Ok(if r == 1 {
-            Finish::Recorded
-        } else {
-            Finish::LeaseLost
-        })
+        Ok(r.into())
     }
 
     async fn fail(&self, lease: &Lease, failure: Failure<'_>) -> Result<Finish, JobError> {
@@ -1199,5 +1184,14 @@ impl JobSource for RedisJobQueue {
                 .await?;
         }
         Ok(())
+    }
+}
+
+impl From<Fenced> for Finish {
+    fn from(f: Fenced) -> Self {
+        match f {
+            Fenced::Recorded => Self::Recorded,
+            Fenced::LeaseLost => Self::LeaseLost,
+        }
     }
 }

@@ -1,6 +1,11 @@
 //! The jobs family (`lua/jobs/`): a job's queue, lease, outcome and record,
 //! and the workers' liveness.
 
+use std::collections::HashMap;
+
+use redis::Value;
+
+use super::reply::{loose_int, loose_text, signed};
 use super::FunctionCall;
 use crate::keys::{Head, JobKeys, Members};
 
@@ -337,4 +342,173 @@ pub fn job_unstick(keys: &JobKeys, id: &str, worker: &str) -> FunctionCall {
         .key(&keys.queue);
     inv.arg(id);
     inv
+}
+
+// The replies. Each script's answer is read here, beside the call that asks
+// it, so that a script's contract is its Lua and this file.
+
+/// What a script fenced by a lease token did: `job_complete.lua`,
+/// `job_fail.lua`, `job_hand_back.lua` answer 1 when the token was current.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fenced {
+    /// The token was the job's current one: the script's change is made.
+    Recorded,
+    /// Another run holds the job (or none does): nothing changed.
+    LeaseLost,
+}
+
+impl redis::FromRedisValue for Fenced {
+    fn from_redis_value(v: Value) -> Result<Self, redis::ParsingError> {
+        Ok(if i64::from_redis_value(v)? == 1 {
+            Self::Recorded
+        } else {
+            Self::LeaseLost
+        })
+    }
+}
+
+/// `job_enqueue.lua`'s answer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum EnqueueReply {
+    /// 1: the job is queued.
+    Created,
+    /// -2: the user's stored bytes are at their bound (`limit`: the bound the
+    /// script read, when it said).
+    Full { stored: u64, limit: Option<u64> },
+    /// 0: asked not to create, and no record.
+    Missing,
+    /// -1: the id belongs to another user's or operation's job.
+    IdInUse,
+    /// 2: the job exists: its record's fields.
+    Existing(HashMap<String, String>),
+}
+
+impl EnqueueReply {
+    /// Reads the reply; `Err` names what did not fit.
+    pub fn decode(reply: &[Value]) -> Result<Self, String> {
+        match reply.first().and_then(signed) {
+            Some(1) => Ok(Self::Created),
+            Some(-2) => Ok(Self::Full {
+                stored: reply.get(1).and_then(loose_int).unwrap_or(0),
+                limit: reply.get(2).and_then(loose_int),
+            }),
+            Some(0) => Ok(Self::Missing),
+            Some(-1) => Ok(Self::IdInUse),
+            Some(2) => {
+                let map: HashMap<String, String> = redis::FromRedisValue::from_redis_value(
+                    reply.get(1).cloned().unwrap_or(Value::Nil),
+                )
+                .map_err(|e| e.to_string())?;
+                Ok(Self::Existing(map))
+            }
+            _ => Err(format!("{reply:?}")),
+        }
+    }
+}
+
+/// `job_lease.lua`'s answer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum LeaseReply {
+    /// 1: leased under `token` (`None`: unreadable), `time_left_ms` to its
+    /// deadline, with the job's fields.
+    Job {
+        token: Option<u64>,
+        time_left_ms: u64,
+        fields: HashMap<String, String>,
+    },
+    /// 0: the entry was no job to run (stale, already gone).
+    Skipped,
+    /// 2: failed at its take (`cause`, a [`tollgate_core::job::FailureCause`]
+    /// name): past its deadline or its runs.
+    Failed {
+        cause: String,
+        user: String,
+        nonce: String,
+    },
+    /// 3: malformed, moved aside (`reason`).
+    MovedAside {
+        reason: String,
+        user: String,
+        nonce: String,
+    },
+}
+
+impl LeaseReply {
+    /// Reads the reply; `Err` names what did not fit.
+    pub fn decode(reply: &[Value]) -> Result<Self, String> {
+        let at = |i: usize| reply.get(i).and_then(loose_text).unwrap_or_default();
+        match reply.first().and_then(loose_int) {
+            Some(1) if reply.len() >= 3 => Ok(Self::Job {
+                token: loose_int(&reply[1]),
+                time_left_ms: loose_int(&reply[2]).unwrap_or(0),
+                fields: reply[3..]
+                    .chunks_exact(2)
+                    .filter_map(|kv| Some((loose_text(&kv[0])?, loose_text(&kv[1])?)))
+                    .collect(),
+            }),
+            Some(0) => Ok(Self::Skipped),
+            Some(2) => Ok(Self::Failed {
+                cause: at(1),
+                user: at(2),
+                nonce: at(3),
+            }),
+            Some(3) => Ok(Self::MovedAside {
+                reason: at(1),
+                user: at(2),
+                nonce: at(3),
+            }),
+            _ => Err(format!("{reply:?}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod replies {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn each_answer_of_enqueue_and_lease_reads_as_its_case() {
+        assert_eq!(
+            EnqueueReply::decode(&[Value::Int(1)]),
+            Ok(EnqueueReply::Created)
+        );
+        assert_eq!(
+            EnqueueReply::decode(&[Value::Int(-2), Value::Int(10)]),
+            Ok(EnqueueReply::Full {
+                stored: 10,
+                limit: None
+            })
+        );
+        let existing = EnqueueReply::decode(&[
+            Value::Int(2),
+            Value::Array(vec![bulk("state"), bulk("queued")]),
+        ]);
+        assert!(matches!(existing, Ok(EnqueueReply::Existing(m)) if m["state"] == "queued"));
+        assert!(EnqueueReply::decode(&[bulk("x")]).is_err());
+
+        let job = LeaseReply::decode(&[
+            Value::Int(1),
+            Value::Int(7),
+            Value::Int(500),
+            bulk("user"),
+            bulk("u"),
+        ]);
+        assert!(matches!(
+            job,
+            Ok(LeaseReply::Job { token: Some(7), time_left_ms: 500, fields }) if fields["user"] == "u"
+        ));
+        assert_eq!(
+            LeaseReply::decode(&[Value::Int(2), bulk("expired"), bulk("u"), bulk("n")]),
+            Ok(LeaseReply::Failed {
+                cause: "expired".into(),
+                user: "u".into(),
+                nonce: "n".into()
+            })
+        );
+        assert!(LeaseReply::decode(&[]).is_err());
+    }
 }
