@@ -16,9 +16,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use redis::Value;
 use tollgate_core::activity::{
-    ActivityLog, ActivityView, DenialView, FailedView, Gauges, JobNote, Note, Sample, Sampled,
-    Spend, DENIED_CAP, EVENTS_CAP, FAILED_CAP, FLUSH_INTERVAL, HISTORY_MAX_SAMPLES, HISTORY_SPAN,
-    STEPS_CAP, TIMELINES_CAP, WAITS_CAP,
+    ActivityLog, ActivityView, FailedView, Gauges, JobNote, Note, Sample, Sampled, DENIED_CAP,
+    EVENTS_CAP, FAILED_CAP, FLUSH_INTERVAL, HISTORY_MAX_SAMPLES, HISTORY_SPAN, STEPS_CAP,
+    TIMELINES_CAP, WAITS_CAP,
 };
 use tollgate_core::config::Config;
 use tollgate_core::error::StoreError;
@@ -145,25 +145,6 @@ impl Shared {
     }
 }
 
-fn strings(v: &Value) -> Vec<String> {
-    match v {
-        Value::Array(items) => items
-            .iter()
-            .filter_map(|i| redis::from_redis_value_ref::<String>(i).ok())
-            .collect(),
-        _ => Vec::new(),
-    }
-}
-
-/// The `(field, count)` pairs of a flat HGETALL reply.
-fn counters(v: &Value) -> impl Iterator<Item = (String, u64)> {
-    strings(v)
-        .chunks_exact(2)
-        .filter_map(|kv| Some((kv[0].clone(), kv[1].parse::<u64>().ok()?)))
-        .collect::<Vec<_>>()
-        .into_iter()
-}
-
 #[async_trait]
 impl ActivityLog for RedisActivity {
     fn note(&self, note: Note) {
@@ -180,69 +161,8 @@ impl ActivityLog for RedisActivity {
         let s = &self.shared;
         let inv = scripts::activity_read(&s.keys, &s.providers, EVENTS_CAP);
         let reply: Vec<Value> = call::script(&s.pool, TIMEOUT, "activity_read", &inv).await?;
-        if reply.len() != 7 + s.providers.len() {
-            return Err(bad_reply("activity_read", &reply));
-        }
-        let now_ms: u64 = redis::from_redis_value_ref(&reply[0])
-            .map_err(|e| bad_reply::<StoreError>("activity_read", e))?;
-        let refunded: std::collections::HashSet<String> = strings(&reply[2]).into_iter().collect();
-        let events = strings(&reply[1])
-            .iter()
-            .filter_map(|j| serde_json::from_str::<Spend>(j).ok())
-            .map(|spend| spend.view(refunded.contains(&spend.key)))
-            .collect();
-        let grants = counters(&reply[3]).collect();
-        let mut answers: std::collections::BTreeMap<
-            String,
-            std::collections::BTreeMap<String, u64>,
-        > = Default::default();
-        for (field, n) in counters(&reply[4]) {
-            if let Some((provider, class)) = field.split_once(' ') {
-                answers
-                    .entry(provider.to_owned())
-                    .or_default()
-                    .insert(class.to_owned(), n);
-            }
-        }
-        let denials = counters(&reply[5]).collect();
-        let denied = strings(&reply[6])
-            .iter()
-            .filter_map(|d| {
-                let mut parts = d.splitn(3, ' ');
-                let at_ms = parts.next()?.parse().ok()?;
-                let user = parts.next()?.to_owned();
-                let operation = parts.next().map(str::to_owned);
-                Some(DenialView {
-                    at_ms,
-                    user,
-                    operation,
-                })
-            })
-            .collect();
-        let waits = s
-            .providers
-            .iter()
-            .zip(&reply[7..])
-            .map(|(p, v)| {
-                let samples = strings(v)
-                    .iter()
-                    .filter_map(|w| {
-                        let (at, waited) = w.split_once(' ')?;
-                        Some((at.parse().ok()?, waited.parse().ok()?))
-                    })
-                    .collect();
-                (p.clone(), samples)
-            })
-            .collect();
-        Ok(ActivityView {
-            now_ms,
-            events,
-            grants,
-            waits,
-            answers,
-            denials,
-            denied,
-        })
+        scripts::decode_activity_read(&reply, &s.providers)
+            .map_err(|r| bad_reply::<StoreError>("activity_read", r))
     }
 
     async fn sample(&self, interval: Duration, gauges: &Gauges) -> Result<Sampled, StoreError> {
@@ -260,14 +180,8 @@ impl ActivityLog for RedisActivity {
             &gauges,
         );
         let reply: Vec<u64> = call::script(&s.pool, TIMEOUT, "activity_sample", &inv).await?;
-        match reply[..] {
-            [written, slot_ms, next_in] => Ok(Sampled {
-                written: written == 1,
-                slot_ms,
-                next_in: Duration::from_millis(next_in),
-            }),
-            _ => Err(bad_reply("activity_sample", reply)),
-        }
+        scripts::decode_activity_sample(&reply)
+            .ok_or_else(|| bad_reply::<StoreError>("activity_sample", reply))
     }
 
     async fn history(&self, after_ms: Option<u64>) -> Result<Vec<Sample>, StoreError> {

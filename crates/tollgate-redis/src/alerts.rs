@@ -30,7 +30,6 @@ use crate::call::{self, bad_reply};
 use crate::keys::KeySpace;
 use crate::pool::{Pool, DEFAULT_TIMEOUT};
 use crate::scripts;
-use crate::scripts::reply::{signed as int, text};
 
 /// Pointers one [`AlertOutbox::take`] leases at most.
 const POINTERS: usize = 16;
@@ -53,8 +52,7 @@ impl RedisAlerts {
 
     /// Moves `pointer` to `next_due` (ms; -1: its outbox is empty).
     async fn point(&self, pointer: &str, next_due: i64) -> Result<(), StoreError> {
-        let mut inv = scripts::ALERT_POINT.prepare_invoke();
-        inv.key(self.keys.alert_due()).arg(pointer).arg(next_due);
+        let inv = scripts::alert_point(&self.keys.alert_due(), pointer, next_due);
         call::script::<i64>(&self.pool, self.timeout, "alert_point", &inv).await?;
         Ok(())
     }
@@ -64,13 +62,7 @@ impl RedisAlerts {
             .keys
             .outbox(&alert.outbox)
             .ok_or_else(|| bad_reply::<StoreError>("alert pointer", &alert.outbox))?;
-        let mut inv = scripts::ALERT_DONE.prepare_invoke();
-        inv.key(&keys.alerts)
-            .key(&keys.alertq)
-            .arg(&alert.alert.id)
-            .arg(alert.attempt)
-            .arg(what)
-            .arg(delay_ms);
+        let inv = scripts::alert_done(&keys, &alert.alert.id, alert.attempt, what, delay_ms);
         let next: i64 = call::script(&self.pool, self.timeout, "alert_done", &inv).await?;
         self.point(&alert.outbox, next).await
     }
@@ -102,51 +94,35 @@ fn ms(d: Duration) -> u64 {
 #[async_trait]
 impl AlertOutbox for RedisAlerts {
     async fn take(&self, max: usize, lease: Duration) -> Result<Taken, StoreError> {
-        let mut inv = scripts::ALERT_TAKE.prepare_invoke();
-        inv.key(self.keys.alert_due())
-            .arg(POINTERS.min(max.max(1)))
-            .arg(ms(lease));
+        let inv = scripts::alert_take(&self.keys.alert_due(), POINTERS.min(max.max(1)), ms(lease));
         let reply: Vec<Value> = call::script(&self.pool, self.timeout, "alert_take", &inv).await?;
+        let pointers = scripts::decode_alert_take(&reply)
+            .map_err(|r| bad_reply::<StoreError>("alert_take", r))?;
         let mut taken = Taken::default();
-        for p in reply.iter().skip(2) {
-            let pointer = text(p).ok_or_else(|| bad_reply::<StoreError>("alert_take", p))?;
+        for pointer in pointers {
             let Some(keys) = self.keys.outbox(&pointer) else {
                 // Never written by tollgate: drop it.
                 self.point(&pointer, -1).await?;
                 continue;
             };
             let left = max.saturating_sub(taken.alerts.len()).max(1);
-            let mut inv = scripts::ALERT_LEASE.prepare_invoke();
-            inv.key(&keys.alerts)
-                .key(&keys.alertq)
-                .key(&keys.meta)
-                .arg(left)
-                .arg(ms(lease));
+            let inv = scripts::alert_lease(&keys, left, ms(lease));
             let r: Vec<Value> = call::script(&self.pool, self.timeout, "alert_lease", &inv).await?;
             let bad = || bad_reply::<StoreError>("alert_lease", &r);
-            let now = r.first().and_then(int).ok_or_else(bad)?;
-            let next = r.get(1).and_then(int).ok_or_else(bad)?;
-            let dropped = r.get(2).and_then(int).ok_or_else(bad)?;
-            taken.dropped += u64::try_from(dropped).unwrap_or(0);
-            let leased = &r[3..];
-            if !leased.len().is_multiple_of(3) {
-                return Err(bad());
-            }
-            for e in leased.chunks_exact(3) {
-                let id = text(&e[0]).ok_or_else(bad)?;
-                let rec = text(&e[1]).ok_or_else(bad)?;
-                let attempt = int(&e[2]).ok_or_else(bad)?;
+            let got = scripts::AlertsLeased::decode(&r).map_err(|_| bad())?;
+            taken.dropped += got.dropped;
+            for (id, rec, attempt) in got.leased {
                 let alert = parse_record(id, &rec).ok_or_else(bad)?;
                 taken.alerts.push(Leased {
                     alert,
                     attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
-                    now_ms: u64::try_from(now).unwrap_or(0),
+                    now_ms: got.now_ms,
                     outbox: pointer.clone(),
                 });
             }
             // Alerts not leased (not due yet, or past `max`): look again when
             // the first is due; an empty outbox's pointer goes.
-            self.point(&pointer, next).await?;
+            self.point(&pointer, got.next_due).await?;
             if taken.alerts.len() >= max {
                 break;
             }
