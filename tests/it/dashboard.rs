@@ -1013,11 +1013,6 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
     )
     .await;
     let from = axis[0].as_u64().unwrap();
-    let oldest_ms: u64 = oldest.as_str().unwrap().parse().unwrap();
-    assert!(
-        from <= oldest_ms && oldest_ms - from <= 61_000,
-        "the axis starts at the oldest sample or a minute back: {axis} (oldest {oldest_ms})"
-    );
     // The tick labels under the axis, read as text: times of day, a few
     // seconds apart (the axis spans about a minute, not the hour), within it.
     let ticks = js(
@@ -1050,6 +1045,11 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
         }
         last = at;
     }
+    let oldest_ms: u64 = oldest.as_str().unwrap().parse().unwrap();
+    assert!(
+        from <= oldest_ms && oldest_ms - from <= 61_000,
+        "the axis starts at the oldest sample or a minute back: {axis} (oldest {oldest_ms})"
+    );
     // The labels say what they count: per interval of the sampler (0.5 s
     // here), the denials budget denials; the lists their window.
     let labels = js(
