@@ -1306,8 +1306,7 @@ async fn spend_table(c: &Client, table: &str, attr: &str) -> Vec<(String, String
 /// spenders show what the spend report says, each amount the exact decimal
 /// string the server wrote, in USD, the largest first; the models' total is
 /// the report's; users and models add up to the same micro-dollars.
-#[tokio::test(flavor = "multi_thread")]
-async fn dashboard_shows_spend_by_model_and_top_spenders_in_money() {
+async fn spend_in_money(redis: Option<&RedisServer>) {
     let (mock_child, mock_url) =
         tollgate_tests::process::spawn_mock(&["--rate", "1000", "--burst", "100"]);
     let dir = tollgate_tests::TempDir::new("dash-money");
@@ -1331,7 +1330,9 @@ async fn dashboard_shows_spend_by_model_and_top_spenders_in_money() {
         ),
     )
     .unwrap();
-    let (child, lines) = tollgate_tests::process::spawn_all(&config, None, &random_prefix());
+    let url = redis.map(|r| r.url());
+    let (child, lines) =
+        tollgate_tests::process::spawn_all(&config, url.as_deref(), &random_prefix());
     let _procs = Procs(vec![child, mock_child]);
     let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
     let (base, admin) = (find("listening on "), find("admin token: "));
@@ -1422,6 +1423,24 @@ async fn dashboard_shows_spend_by_model_and_top_spenders_in_money() {
     assert_no_page_errors(&c).await;
     js(&c, "document.getElementById('spend').scrollIntoView();").await;
     let png = c.screenshot().await.unwrap();
-    std::fs::write(target_dir().join("dashboard-money.png"), &png).unwrap();
+    let name = if redis.is_some() {
+        "dashboard-money-redis.png"
+    } else {
+        "dashboard-money.png"
+    };
+    std::fs::write(target_dir().join(name), &png).unwrap();
     c.close().await.unwrap();
+}
+
+/// [`spend_in_money`] on the embedded backend.
+#[tokio::test(flavor = "multi_thread")]
+async fn dashboard_shows_spend_by_model_and_top_spenders_in_money() {
+    spend_in_money(None).await;
+}
+
+/// [`spend_in_money`] on Redis (the rollups in Redis hashes).
+#[tokio::test(flavor = "multi_thread")]
+async fn dashboard_shows_spend_by_model_and_top_spenders_in_money_on_redis() {
+    let redis = RedisServer::start();
+    spend_in_money(Some(&redis)).await;
 }
