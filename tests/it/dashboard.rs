@@ -1420,6 +1420,18 @@ async fn spend_in_money(redis: Option<&RedisServer>) {
     ] {
         assert!(heads.contains(needle), "{needle} in {heads}");
     }
+    // With money amounts in them, every table still fits at both widths.
+    for width in [820u32, 1400] {
+        c.set_window_size(width, 1700).await.unwrap();
+        until(
+            &c,
+            &format!("window.innerWidth <= {width} && {TABLES_FIT}"),
+            5,
+        )
+        .await;
+        let wide = js(&c, &format!("return {WIDE_TABLES};")).await;
+        assert_eq!(wide, json!([]), "{width} px: tables wider than their panel");
+    }
     assert_no_page_errors(&c).await;
     js(&c, "document.getElementById('spend').scrollIntoView();").await;
     let png = c.screenshot().await.unwrap();
