@@ -84,6 +84,31 @@ async fn calls(http: &reqwest::Client, all: &All, n: usize) -> Vec<String> {
 struct Driver {
     _procs: Procs,
     url: String,
+    /// The browsers' own profile directory: on drop, every process whose
+    /// command line names it (the Chromium a failed test never closed, which
+    /// outlives chromedriver) is killed, and the directory removed.
+    profile: tollgate_tests::TempDir,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let needle = format!("--user-data-dir={}", self.profile.0.display());
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            if cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == needle.as_bytes())
+            {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        }
+    }
 }
 
 fn chromedriver() -> Driver {
@@ -103,6 +128,7 @@ fn chromedriver() -> Driver {
     let driver = Driver {
         _procs: Procs(vec![child]),
         url: format!("http://127.0.0.1:{port}"),
+        profile: tollgate_tests::TempDir::new("chromium-profile"),
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -128,7 +154,8 @@ async fn browser(driver: &Driver) -> Client {
         json!({
             "binary": chromium,
             "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--disable-dev-shm-usage", "--window-size=1280,1700"],
+                     "--disable-dev-shm-usage", "--window-size=1280,1700",
+                     format!("--user-data-dir={}", driver.profile.0.display())],
         }),
     );
     let connector = hyper_util::client::legacy::connect::HttpConnector::new();
