@@ -84,6 +84,31 @@ async fn calls(http: &reqwest::Client, all: &All, n: usize) -> Vec<String> {
 struct Driver {
     _procs: Procs,
     url: String,
+    /// The browsers' own profile directory: on drop, every process whose
+    /// command line names it (the Chromium a failed test never closed, which
+    /// outlives chromedriver) is killed, and the directory removed.
+    profile: tollgate_tests::TempDir,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let needle = format!("--user-data-dir={}", self.profile.0.display());
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            if cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == needle.as_bytes())
+            {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        }
+    }
 }
 
 fn chromedriver() -> Driver {
@@ -103,6 +128,7 @@ fn chromedriver() -> Driver {
     let driver = Driver {
         _procs: Procs(vec![child]),
         url: format!("http://127.0.0.1:{port}"),
+        profile: tollgate_tests::TempDir::new("chromium-profile"),
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -128,7 +154,8 @@ async fn browser(driver: &Driver) -> Client {
         json!({
             "binary": chromium,
             "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                     "--disable-dev-shm-usage", "--window-size=1280,1700"],
+                     "--disable-dev-shm-usage", "--window-size=1280,1700",
+                     format!("--user-data-dir={}", driver.profile.0.display())],
         }),
     );
     let connector = hyper_util::client::legacy::connect::HttpConnector::new();
@@ -333,11 +360,12 @@ async fn dashboard_in_a_real_browser() {
 
     assert_no_page_errors(&c).await;
 
-    // Paging: more calls than a page; the list's Show more brings the rest,
-    // and hides itself once nothing more matches. The labels say what they
-    // count.
+    // Paging: more calls than a page; opened again, the page lists the
+    // first 25 at once (no List pressed), Show more brings the rest, and
+    // hides itself once nothing more matches.
     calls(&http, &all, 24).await;
-    click(&c, "job-list-submit").await;
+    c.refresh().await.unwrap();
+    hook_errors(&c).await;
     until(
         &c,
         "Number(document.body.dataset.jobRows) === 25 && !document.getElementById('job-more').hidden",
@@ -351,15 +379,16 @@ async fn dashboard_in_a_real_browser() {
         10,
     )
     .await;
-    let label = js(
-        &c,
-        "return document.getElementById('most-denied').previousElementSibling.textContent;",
-    )
-    .await;
-    assert!(
-        label.as_str().unwrap_or_default().contains("at most 1,000"),
-        "{label}"
+    assert_eq!(
+        js(
+            &c,
+            "return document.querySelectorAll('#job-list tbody tr[data-id]').length;"
+        )
+        .await,
+        json!(27),
+        "the rows shown after Show more"
     );
+    assert_no_page_errors(&c).await;
     let png = c.screenshot().await.unwrap();
     let path = target_dir().join("dashboard.png");
     std::fs::write(&path, &png).unwrap();
@@ -814,6 +843,18 @@ async fn dashboard_shows_a_failing_upstream_and_a_user_at_its_limit() {
     let _ = std::fs::remove_file(&config);
 }
 
+/// Whether the page fits its window: it does not scroll sideways.
+const TABLES_FIT: &str = "document.documentElement.scrollWidth <= window.innerWidth";
+
+/// The ids (or first header) of the shown tables wider than their panel: a
+/// panel scrolls sideways rather than the page, so this is what a reader sees
+/// cut off.
+const WIDE_TABLES: &str = "[...document.querySelectorAll('#app table')]
+    .filter((t) => { const p = t.parentElement, cs = getComputedStyle(p);
+      return t.offsetParent !== null
+        && t.offsetWidth > p.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight) + 1; })
+    .map((t) => t.id || t.rows[0].textContent)";
+
 /// Looks job `id` up in the page's job browser and waits for its card.
 async fn find_job(c: &Client, id: &str) {
     let input = c.find(Locator::Id("job-id")).await.unwrap();
@@ -887,22 +928,43 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
         .expect("the kept job's id is a link")
         .to_owned();
     assert!(href.starts_with("#job="), "{href}");
+    // Clicked, the link opens the card.
+    c.find(Locator::LinkText(&kept))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    until_job_card(&c, &kept).await;
+    // Shared, it opens the card on load.
     c.goto(&format!("{}/dashboard{href}", all.base))
         .await
         .unwrap();
     c.refresh().await.unwrap();
     until_job_card(&c, &kept).await;
-    // Every table fits an 820 px window and a 1,400 px one: the page never
-    // scrolls sideways.
+    until(&c, "Number(document.body.dataset.jobRows || 0) >= 3", 10).await;
+    until(
+        &c,
+        "document.querySelector('#events tr[data-request-id]')",
+        10,
+    )
+    .await;
+    // Every table fits an 820 px window and a 1,400 px one, with rows in
+    // them: the page never scrolls sideways, nor does a table inside its
+    // panel.
     for width in [820u32, 1400] {
         c.set_window_size(width, 1700).await.unwrap();
         let fits = until(
             &c,
-            "document.documentElement.scrollWidth <= window.innerWidth && [document.documentElement.scrollWidth, window.innerWidth]",
+            &format!(
+                "window.innerWidth <= {width} && window.innerWidth > {width} - 40 && {TABLES_FIT}"
+            ),
             5,
         )
         .await;
-        assert!(fits.is_array(), "{width} px: {fits}");
+        assert_eq!(fits, json!(true), "{width} px");
+        let wide = js(&c, &format!("return {WIDE_TABLES};")).await;
+        assert_eq!(wide, json!([]), "{width} px: tables wider than their panel");
     }
 
     // By id: the record's job with its whole timeline and its charge.
@@ -978,11 +1040,76 @@ async fn job_browser_and_history_survive_a_reload_and_a_restart() {
     )
     .await;
     let from = axis[0].as_u64().unwrap();
+    // The tick labels under the axis, read as text: times of day, a few
+    // seconds apart (the axis spans about a minute, not the hour), within it.
+    let ticks = js(
+        &c,
+        "const c = document.querySelector('[data-chart=\"all\"]');
+         return [...c.querySelectorAll('.axis span')].map((s) => [s.textContent, Number(s.dataset.atMs),
+           String(new Date(Number(s.dataset.atMs)).getMinutes()).padStart(2, '0')]);",
+    )
+    .await;
+    let ticks = ticks.as_array().unwrap();
+    assert!(ticks.len() >= 2, "{ticks:?}");
+    let mut last = 0;
+    for t in ticks {
+        let (label, at, minutes) = (
+            t[0].as_str().unwrap(),
+            t[1].as_u64().unwrap(),
+            t[2].as_str().unwrap(),
+        );
+        assert!(
+            label.contains(&format!(":{minutes}")),
+            "tick {label} at {at}"
+        );
+        assert!(at >= from, "tick {label} before the axis starts ({from})");
+        if last > 0 {
+            assert!(
+                at - last <= 30_000,
+                "ticks {}s apart: {ticks:?}",
+                (at - last) / 1000
+            );
+        }
+        last = at;
+    }
     let oldest_ms: u64 = oldest.as_str().unwrap().parse().unwrap();
     assert!(
         from <= oldest_ms && oldest_ms - from <= 61_000,
         "the axis starts at the oldest sample or a minute back: {axis} (oldest {oldest_ms})"
     );
+    // The labels say what they count: per interval of the sampler (0.5 s
+    // here), the denials budget denials; the lists their window.
+    let labels = js(
+        &c,
+        "return [document.querySelector('[data-chart=\"all\"] h3').textContent,
+                 document.querySelector('[data-chart=\"queues\"] h3').textContent,
+                 document.getElementById('most-denied').previousElementSibling.textContent,
+                 document.getElementById('answers').previousElementSibling.textContent,
+                 document.getElementById('top-users').previousElementSibling.textContent];",
+    )
+    .await;
+    let labels: Vec<&str> = labels
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        labels[0],
+        "calls and budget denials (429), per 0.5 s interval"
+    );
+    assert!(
+        labels[1].contains("queued") && labels[1].contains("workers alive"),
+        "{}",
+        labels[1]
+    );
+    assert!(
+        labels[2].contains("at most 1,000") && labels[2].contains("last hour"),
+        "{}",
+        labels[2]
+    );
+    assert!(labels[3].contains("last 5 min"), "{}", labels[3]);
+    assert!(labels[4].contains("in their window"), "{}", labels[4]);
     let newest: u64 = until(&c, "document.body.dataset.historyNewest", 1)
         .await
         .as_str()
@@ -1138,4 +1265,221 @@ async fn activity_flush_writes_each_key_once() {
     let timelines = hash(keys.timelines.clone()).await;
     assert_eq!(timelines.keys().collect::<Vec<_>>(), ["j4", "j5", "j6"]);
     assert_eq!(hash(keys.calls.clone()).await["a"], "5");
+}
+
+/// An amount the api writes in money (`"0.0021"`) in micro-units.
+fn micro(amount: &str) -> u64 {
+    let (whole, frac) = amount.split_once('.').unwrap_or((amount, ""));
+    assert!(frac.len() <= 6, "{amount}");
+    whole.parse::<u64>().unwrap() * 1_000_000 + format!("{frac:0<6}").parse::<u64>().unwrap()
+}
+
+/// Today's rows (`[key, amount]`, nothing spent left out, the largest first)
+/// of the spend report by `by`, read over HTTP as a script would.
+async fn spend_today(
+    http: &reqwest::Client,
+    base: &str,
+    admin: &str,
+    by: &str,
+) -> Vec<(String, String)> {
+    let page: Value = http
+        .get(format!("{base}/admin/spend?by={by}&step=1d"))
+        .bearer_auth(admin)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(page["currency"], "USD", "{page}");
+    assert!(page.get("next_cursor").is_none(), "{page}");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let today = now_ms - now_ms % 86_400_000;
+    let mut rows: Vec<(String, String)> = page["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["start_ms"].as_u64().unwrap() >= today)
+        .map(|r| {
+            let amount = r["amount"]
+                .as_str()
+                .expect("money amounts are decimal strings");
+            (r["key"].as_str().unwrap().to_owned(), amount.to_owned())
+        })
+        .filter(|(_, a)| micro(a) > 0)
+        .collect();
+    rows.sort_by(|a, b| micro(&b.1).cmp(&micro(&a.1)).then(a.0.cmp(&b.0)));
+    rows
+}
+
+/// The rows a spend table of the page shows: `[key, amount cell]`.
+async fn spend_table(c: &Client, table: &str, attr: &str) -> Vec<(String, String)> {
+    let rows = js(
+        c,
+        &format!(
+            "return [...document.querySelectorAll('#{table} tbody tr[data-{attr}]')]
+               .map((tr) => [tr.dataset.{attr}, tr.cells[1].textContent]);"
+        ),
+    )
+    .await;
+    serde_json::from_value(rows).unwrap()
+}
+
+/// In money mode (USD, a price sheet of two models), after a few priced
+/// calls through the pass-through: the dashboard's spend by model and top
+/// spenders show what the spend report says, each amount the exact decimal
+/// string the server wrote, in USD, the largest first; the models' total is
+/// the report's; users and models add up to the same micro-dollars.
+async fn spend_in_money(redis: Option<&RedisServer>) {
+    let (mock_child, mock_url) =
+        tollgate_tests::process::spawn_mock(&["--rate", "1000", "--burst", "100"]);
+    let dir = tollgate_tests::TempDir::new("dash-money");
+    // Prices per million tokens: micro-dollars per token.
+    std::fs::write(
+        dir.0.join("prices.toml"),
+        "currency = \"USD\"\n\
+         [models.\"m*\"]\ninput = \"100\"\noutput = \"300\"\nmax_output = 4096\n\
+         [models.\"c*\"]\ninput = \"7\"\noutput = \"21\"\nmax_output = 4096\n",
+    )
+    .unwrap();
+    let config = dir.0.join("tollgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "currency = \"USD\"\ndefault_plan = \"free\"\n\
+             [plans.free]\nlimit = \"5\"\nwindow = \"12h\"\n\
+             [providers.openai]\nrate = 100\nburst = 20\nmax_wait = \"10s\"\nurl = \"{mock_url}/v1\"\n\
+             retries = 0\nprices = \"prices.toml\"\n\
+             [operations.\"openai.chat\"]\nprovider = \"openai\"\npath = \"/chat/completions\"\n"
+        ),
+    )
+    .unwrap();
+    let url = redis.map(|r| r.url());
+    let (child, lines) =
+        tollgate_tests::process::spawn_all(&config, url.as_deref(), &random_prefix());
+    let _procs = Procs(vec![child, mock_child]);
+    let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
+    let (base, admin) = (find("listening on "), find("admin token: "));
+    let http = http();
+
+    // ann: three calls of an m model; bob: one of a c model; cid: two.
+    let mut keys = std::collections::HashMap::new();
+    for user in ["ann", "bob", "cid"] {
+        let r = http
+            .post(format!("{base}/admin/users"))
+            .bearer_auth(&admin)
+            .json(&json!({"user": user, "plan": "free"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        let body: Value = r.json().await.unwrap();
+        keys.insert(user, body["api_key"].as_str().unwrap().to_owned());
+    }
+    for (user, model, n) in [
+        ("ann", "m-large", 3),
+        ("bob", "c-small", 1),
+        ("cid", "c-small", 2),
+    ] {
+        for i in 0..n {
+            let r = http
+                .post(format!("{base}/v1/passthrough/openai/chat/completions"))
+                .bearer_auth(&keys[user])
+                .json(&json!({"model": model, "max_tokens": 40,
+                    "messages": [{"role": "user", "content": format!("spend {i} of {user}: one two three four")}]}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{user}: {:?}", r.text().await);
+        }
+    }
+    let models = spend_today(&http, &base, &admin, "model").await;
+    let users = spend_today(&http, &base, &admin, "user").await;
+    assert_eq!(models.len(), 2, "{models:?}");
+    assert_eq!(
+        users.iter().map(|(u, _)| u.as_str()).collect::<Vec<_>>(),
+        ["ann", "cid", "bob"],
+        "{users:?}"
+    );
+    let sum = |rows: &[(String, String)]| rows.iter().map(|(_, a)| micro(a)).sum::<u64>();
+    assert_eq!(sum(&models), sum(&users), "{models:?} {users:?}");
+    assert!(
+        models.iter().any(|(_, a)| a.contains('.')),
+        "amounts of less than a dollar: {models:?}"
+    );
+
+    let driver = chromedriver();
+    let c = browser(&driver).await;
+    log_in(&c, &base, &admin).await;
+    hook_errors(&c).await;
+    until(&c, "Number(document.body.dataset.spendRead || 0) >= 1", 20).await;
+    let usd = |rows: &[(String, String)]| {
+        rows.iter()
+            .map(|(k, a)| (k.clone(), format!("{a} USD")))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(spend_table(&c, "spend-models", "model").await, usd(&models));
+    assert_eq!(spend_table(&c, "spend-users", "user").await, usd(&users));
+    let total = js(
+        &c,
+        "return document.querySelector('#spend-models tr.total').cells[1].textContent;",
+    )
+    .await;
+    let total = total.as_str().unwrap();
+    assert_eq!(
+        micro(total.strip_suffix(" USD").unwrap()),
+        sum(&models),
+        "{total}"
+    );
+    let heads = js(
+        &c,
+        "return [...document.querySelectorAll('#spend h3, #spend th')].map((h) => h.textContent);",
+    )
+    .await;
+    let heads = heads.to_string();
+    for needle in [
+        "Spend today by model",
+        "Top spenders today",
+        "spent today (USD)",
+    ] {
+        assert!(heads.contains(needle), "{needle} in {heads}");
+    }
+    // With money amounts in them, every table still fits at both widths.
+    for width in [820u32, 1400] {
+        c.set_window_size(width, 1700).await.unwrap();
+        until(
+            &c,
+            &format!("window.innerWidth <= {width} && {TABLES_FIT}"),
+            5,
+        )
+        .await;
+        let wide = js(&c, &format!("return {WIDE_TABLES};")).await;
+        assert_eq!(wide, json!([]), "{width} px: tables wider than their panel");
+    }
+    assert_no_page_errors(&c).await;
+    js(&c, "document.getElementById('spend').scrollIntoView();").await;
+    let png = c.screenshot().await.unwrap();
+    let name = if redis.is_some() {
+        "dashboard-money-redis.png"
+    } else {
+        "dashboard-money.png"
+    };
+    std::fs::write(target_dir().join(name), &png).unwrap();
+    c.close().await.unwrap();
+}
+
+/// [`spend_in_money`] on the embedded backend.
+#[tokio::test(flavor = "multi_thread")]
+async fn dashboard_shows_spend_by_model_and_top_spenders_in_money() {
+    spend_in_money(None).await;
+}
+
+/// [`spend_in_money`] on Redis (the rollups in Redis hashes).
+#[tokio::test(flavor = "multi_thread")]
+async fn dashboard_shows_spend_by_model_and_top_spenders_in_money_on_redis() {
+    let redis = RedisServer::start();
+    spend_in_money(Some(&redis)).await;
 }

@@ -352,6 +352,9 @@ impl Routes {
         }
         doc.errors.push(ProblemType::ResultExpired);
         doc.errors.push(ProblemType::StoredBytesExceeded);
+        // A connection over the api's caps is shed with 503 `overloaded`,
+        // whatever it asked for (docs/src/http.md, "Slow clients").
+        doc.errors.push(ProblemType::Overloaded);
         self.route(doc, handler.layer(cost))
     }
 

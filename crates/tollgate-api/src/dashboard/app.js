@@ -130,12 +130,13 @@ async function pollHistory() {
 
 // The series of one chart: [label, color, point -> value or null].
 function charts() {
+  const per = 'per ' + (hist.interval_ms / 1000) + ' s interval';
   const out = [
-    ['calls and denials per interval', 'all', [
+    ['calls and budget denials (429), ' + per, 'all', [
       ['calls', '#2f6fde', (p) => p.calls],
       ['denials', '#c9372c', (p) => p.denials],
     ]],
-    ['queue depth and workers alive', 'queues', [
+    ['jobs queued and running, workers alive (at each sample)', 'queues', [
       ['queued', '#2f6fde', (p) => p.queued],
       ['running', '#237a3b', (p) => p.running],
       ['workers', '#c9372c', (p) => p.workers],
@@ -145,7 +146,7 @@ function charts() {
   for (const p of hist.points) for (const name of Object.keys(p.providers || {})) providers.add(name);
   for (const name of [...providers].sort()) {
     const of = (p) => (p.providers || {})[name];
-    out.push([name + ': grants/s and waiters', 'provider:' + name, [
+    out.push([name + ': grants/s, waiters, and non-2xx answers ' + per, 'provider:' + name, [
       ['grants/s', '#2f6fde', (p) => of(p) ? of(p).grants_per_sec : null],
       ['waiters', '#c9372c', (p) => of(p) ? of(p).waiters : null],
       ['non-2xx answers', '#b7791f', (p) => {
@@ -168,6 +169,7 @@ function renderHistory() {
       card.dataset.chart = key;
       card.appendChild(el('h3', title));
       card.appendChild(document.createElement('canvas'));
+      card.appendChild(el('div', null, 'axis'));
       const legend = el('div', null, 'legend');
       for (const [label, color] of series) {
         const span = el('span', '— ' + label + ' ');
@@ -177,7 +179,9 @@ function renderHistory() {
       card.appendChild(legend);
       box.appendChild(card);
     }
+    card.querySelector('h3').textContent = title; // the interval is known after the first read
     const stats = draw(card.querySelector('canvas'), series, now);
+    axisLabels(card.querySelector('.axis'), stats);
     card.dataset.points = String(stats.points);
     card.dataset.gaps = String(stats.gaps);
     card.dataset.fromMs = String(stats.from);
@@ -196,7 +200,25 @@ function renderHistory() {
 
 // The steps a time axis may tick at, smallest first.
 const TICK_STEPS = [10e3, 30e3, 60e3, 120e3, 300e3, 600e3, 900e3, 1800e3];
-const AXIS = 12; // px under the lines for the time labels
+const AXIS = 4; // px under the lines for the tick marks
+
+// The time axis's labels, as text under the canvas (readable, selectable),
+// each at its tick: from the left edge at the axis's start to the right edge
+// at now.
+function axisLabels(box, stats) {
+  const spans = stats.tickTimes.map((t) => {
+    const label = new Date(t).toLocaleTimeString([], stats.step < 60e3
+      ? { hour: '2-digit', minute: '2-digit', second: '2-digit' }
+      : { hour: '2-digit', minute: '2-digit' });
+    const pct = ((t - stats.from) / Math.max(1, stats.now - stats.from)) * 100;
+    const span = el('span', label);
+    span.style.left = pct.toFixed(2) + '%';
+    span.style.transform = 'translateX(-' + pct.toFixed(2) + '%)';
+    span.dataset.atMs = String(t);
+    return span;
+  });
+  box.replaceChildren(...spans);
+}
 
 // Lines over the samples there are (from the oldest, at least the last
 // minute, at most the hour the server keeps: the first minutes after a start
@@ -219,7 +241,8 @@ function draw(canvas, series, now) {
   const step = TICK_STEPS.find((s) => (now - from) / s <= 4) || 3600e3;
   const ticks = [];
   for (let t = Math.ceil(from / step) * step; t <= now; t += step) ticks.push(t);
-  if (!ctx) return { points: pts.length, gaps, from, ticks: ticks.length };
+  const stats = { points: pts.length, gaps, from, now, step, ticks: ticks.length, tickTimes: ticks };
+  if (!ctx) return stats;
   ctx.scale(ratio, ratio);
   ctx.clearRect(0, 0, w, h);
   const x = (at) => ((at - from) / Math.max(1, now - from)) * w;
@@ -228,17 +251,8 @@ function draw(canvas, series, now) {
   ctx.beginPath();
   ctx.moveTo(0, base - 0.5); ctx.lineTo(w, base - 0.5);
   ctx.stroke();
-  ctx.font = '10px system-ui, sans-serif';
   ctx.fillStyle = '#677287';
-  for (const t of ticks) {
-    const tx = x(t);
-    ctx.fillRect(tx, base, 1, 3);
-    const label = new Date(t).toLocaleTimeString([], step < 60e3
-      ? { hour: '2-digit', minute: '2-digit', second: '2-digit' }
-      : { hour: '2-digit', minute: '2-digit' });
-    const lw = ctx.measureText(label).width;
-    ctx.fillText(label, Math.min(Math.max(0, tx - lw / 2), w - lw), h - 1);
-  }
+  for (const t of ticks) ctx.fillRect(Math.min(x(t), w - 1), base, 1, 3);
   series.forEach(([, color, value], n) => {
     const values = pts.map(value);
     const max = Math.max(1, ...values.filter((v) => v !== null && v !== undefined));
@@ -264,7 +278,7 @@ function draw(canvas, series, now) {
     ctx.font = '10px system-ui, sans-serif';
     ctx.fillText('max ' + (Number.isInteger(max) ? max : max.toFixed(2)), 4 + n * 70, 10);
   });
-  return { points: pts.length, gaps, from, ticks: ticks.length };
+  return stats;
 }
 
 const CLASSES = ['2xx', '4xx', '429', '5xx', 'timeout'];
@@ -392,6 +406,7 @@ function render(o) {
     (window.tollgateErrors.length ? ' · ' + window.tollgateErrors.length + ' script error(s)' : '');
   status.className = 'status';
   document.body.dataset.updated = String(o.now_ms);
+  serverNowMs = o.now_ms;
   document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1);
 }
 
@@ -432,12 +447,86 @@ async function poll() {
       listedOnOpen = true;
       listJobs();
       openFromHash();
+      pollSpend();
     }
   } catch (err) {
     $('status').textContent = 'no answer from the api (' + err.message + '); retrying';
     $('status').className = 'status stale';
   }
   setTimeout(poll, POLL_MS);
+}
+
+// --- spend today (GET /admin/spend) --------------------------------------
+// By model and the top spenders, from the spend report of today's UTC day
+// (step=1d from today's date: one row per key). Amounts are shown as the
+// server writes them (money: exact decimal strings) and ordered as BigInts
+// of the micro-unit: no float ever touches money.
+// A report reads every user's rollups (O(users): about 0.3 ms a user on
+// Redis), so the page waits at least 20 times as long as the last read took
+// before the next: a large deployment is read less often, never hammered.
+const SPEND_POLL_MS = 30000;
+const SPEND_PAUSE_FACTOR = 20;
+const SPEND_TOP = 10;
+// A report by user reads every user; the page reads at most this many pages
+// of 10,000 rows, and says so when there were more.
+const SPEND_PAGES = 5;
+let serverNowMs = 0;
+
+async function spendToday(by) {
+  const day = new Date(serverNowMs || Date.now()).toISOString().slice(0, 10);
+  const rows = [];
+  let cursor = '', page = null, pages = 0;
+  while (pages < SPEND_PAGES) {
+    pages += 1;
+    const q = new URLSearchParams({ by, step: '1d', from: day, limit: '10000' });
+    if (cursor) q.set('cursor', cursor);
+    page = await getJSON('/admin/spend?' + q);
+    rows.push(...page.rows);
+    cursor = page.next_cursor || '';
+    if (!cursor) break;
+  }
+  // The largest first (exact), then by name; nothing spent, no row.
+  const spent = rows.filter((r) => minor(r.amount) > 0n);
+  spent.sort((a, b) => {
+    const x = minor(a.amount), y = minor(b.amount);
+    return x === y ? (a.key < b.key ? -1 : 1) : (x > y ? -1 : 1);
+  });
+  return { day, rows: spent, currency: page.currency, pages, complete: !cursor, total: page.total };
+}
+
+function spendRows(report, attr, name, limit) {
+  return report.rows.slice(0, limit).map((r) => {
+    const tr = row([el('td', name(r.key)), amountCell(r.amount, report.currency)]);
+    tr.dataset[attr] = r.key;
+    tr.dataset.amount = String(r.amount);
+    return tr;
+  });
+}
+
+async function pollSpend() {
+  const started = performance.now();
+  try {
+    const [models, users] = await Promise.all([spendToday('model'), spendToday('user')]);
+    const mrows = spendRows(models, 'model', (k) => k || '(no sheet entry: unpriced)', Infinity);
+    // A single page's total is the server's; more pages would be a sum.
+    if (mrows.length && models.complete && models.pages === 1) {
+      const tr = row([el('td', 'total'), amountCell(models.total, models.currency)]);
+      tr.className = 'total';
+      tr.dataset.total = String(models.total);
+      mrows.push(tr);
+    }
+    fill($('spend-models').tBodies[0], mrows, 'nothing spent today', 2);
+    fill($('spend-users').tBodies[0], spendRows(users, 'user', (k) => k, SPEND_TOP), 'nothing spent today', 2);
+    $('spend-note').textContent = '· ' + models.day + ' (UTC), in ' + models.currency +
+      (users.complete ? '' : ' · top spenders among the first ' + (SPEND_PAGES * 10000) + ' rows read only');
+    for (const th of document.querySelectorAll('#spend th.num')) th.textContent = 'spent today (' + models.currency + ')';
+    document.body.dataset.spendRead = String(Number(document.body.dataset.spendRead || 0) + 1);
+  } catch (err) {
+    $('spend-note').textContent = '· the spend report failed: ' + err.message;
+  }
+  const pause = Math.max(SPEND_POLL_MS, SPEND_PAUSE_FACTOR * (performance.now() - started));
+  $('spend-every').textContent = 'read every ' + Math.round(pause / 1000) + ' s';
+  setTimeout(pollSpend, pause);
 }
 
 // --- the job browser (GET /admin/jobs, /admin/jobs/{id}) ----------------
