@@ -510,10 +510,11 @@ async fn overview_on_redis() {
         .unwrap();
     assert_eq!(event["operation"], "llm.structured");
     assert_eq!(event["refunded"], false);
-    // The spend event shows what was reserved (llm.structured settles: its
-    // most, 40); the built-in mock reports the estimate's usage, so each
-    // call settled down to 8.
-    assert_eq!(event["cost"].as_u64().unwrap(), 40, "{overview}");
+    // The spend event shows what was charged: llm.structured reserves its
+    // most, 40, and the built-in mock reports the estimate's usage, so each
+    // call settled down to 8; the reservation beside it.
+    assert_eq!(event["cost"].as_u64().unwrap(), 8, "{overview}");
+    assert_eq!(event["reserved"].as_u64().unwrap(), 40, "{overview}");
     let top = &overview["top_users"][0];
     assert_eq!(top["used"].as_u64().unwrap(), 3 * 8, "{overview}");
     assert!(top["limit"].as_u64().unwrap() >= 3 * 40);
@@ -1434,6 +1435,44 @@ async fn spend_in_money(redis: Option<&RedisServer>) {
         sum(&models),
         "{total}"
     );
+    // The job list and the newest events say what each call was charged (its
+    // settle, from the usage), the reservation beside it: ann's rows add up
+    // to what the spend report says she spent.
+    let ann = micro(&users.iter().find(|(u, _)| u == "ann").unwrap().1);
+    for (table, cell) in [("job-list", 4), ("events", 3)] {
+        until(
+            &c,
+            &format!("document.querySelectorAll('#{table} tbody tr').length >= 6"),
+            20,
+        )
+        .await;
+        let rows = js(
+            &c,
+            &format!(
+                "return [...document.querySelectorAll('#{table} tbody tr')]
+                   .filter((r) => r.cells[{user}].textContent === 'ann')
+                   .map((r) => [r.cells[{cell}].firstChild.textContent, r.cells[{cell}].title]);",
+                user = if table == "events" { 1 } else { 2 },
+            ),
+        )
+        .await;
+        let rows: Vec<(String, String)> = serde_json::from_value(rows).unwrap();
+        assert_eq!(rows.len(), 3, "{table}: {rows:?}");
+        let charged: u64 = rows
+            .iter()
+            .map(|(a, _)| micro(a.strip_suffix(" USD").unwrap()))
+            .sum();
+        assert_eq!(charged, ann, "{table}: {rows:?}");
+        for (a, reserved) in &rows {
+            let r = reserved
+                .strip_prefix("reserved ")
+                .unwrap_or_else(|| panic!("{table}: {a} shows no reservation beside it: {rows:?}"));
+            assert!(
+                micro(r.strip_suffix(" USD").unwrap()) > micro(a.strip_suffix(" USD").unwrap()),
+                "{table}: the worst case reserved is above the charge: {rows:?}"
+            );
+        }
+    }
     let heads = js(
         &c,
         "return [...document.querySelectorAll('#spend h3, #spend th')].map((h) => h.textContent);",

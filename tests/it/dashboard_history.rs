@@ -273,7 +273,7 @@ async fn timelines_are_noted(b: Backends) {
             JobStep::Charged { .. } => "charged",
             JobStep::Granted { .. } => "granted",
             JobStep::Started { .. } => "started",
-            JobStep::Succeeded => "succeeded",
+            JobStep::Succeeded { .. } => "succeeded",
             JobStep::Failed { .. } => "failed",
             JobStep::Released => "released",
             JobStep::Refunded => "refunded",

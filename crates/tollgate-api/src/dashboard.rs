@@ -39,7 +39,9 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde::Serialize;
-use tollgate_core::activity::{ActivityLog, ActivityView, SpendView, ANSWER_CLASSES, WAITS_CAP};
+use tollgate_core::activity::{
+    ActivityLog, ActivityView, JobStep, SpendView, ANSWER_CLASSES, WAITS_CAP,
+};
 use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::job::{JobStatus, QueueStats};
 use tollgate_core::money::Amount;
@@ -181,8 +183,13 @@ async fn alerts_view(state: &ApiState) -> Option<AlertsView> {
 pub struct EventView {
     #[serde(flatten)]
     pub spend: SpendView,
-    /// `spend.cost` in the deployment's currency.
+    /// What the charge is: a job's settled charge once its timeline says
+    /// the settle changed it, else `spend.cost` (what was reserved), in the
+    /// deployment's currency.
     pub cost: Amount,
+    /// What was reserved, when the settle made the charge another amount.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved: Option<Amount>,
     /// For a refunded job's charge: the job's failure as its record says it
     /// (`<cause>: <message>`); `None` when not refunded, or the record is gone.
     pub refund_reason: Option<String>,
@@ -414,10 +421,35 @@ async fn events(state: &ApiState, activity: &ActivityView) -> Vec<EventView> {
         }
     });
     let reasons = futures_util::future::join_all(reasons).await;
+    // A job's settle may have changed its charge: its timeline says what to
+    // (one read for the shown events; a plain reserve has no timeline).
+    let ids: Vec<String> = shown.iter().map(|e| e.request_id.clone()).collect();
+    // A failed read shows the reservations: the view is observational.
+    let timelines = state
+        .dashboard
+        .activity
+        .timelines(&ids)
+        .await
+        .unwrap_or_default();
+    let settled = shown.iter().enumerate().map(|(i, e)| {
+        let steps = timelines.get(i)?;
+        steps
+            .iter()
+            .filter(|n| n.user == e.user && e.operation.is_some())
+            .rev()
+            .find_map(|n| match n.step {
+                JobStep::Succeeded { charged } => charged,
+                _ => None,
+            })
+            .filter(|&c| c != e.cost)
+    });
+    let settled: Vec<Option<u64>> = settled.collect();
+    let currency = state.config.currency();
     shown
         .into_iter()
         .zip(reasons)
-        .map(|(spend, refund_reason)| EventView {
+        .zip(settled)
+        .map(|((spend, refund_reason), settled)| EventView {
             refund_reason: if spend.refunded {
                 refund_reason.or_else(|| {
                     spend.operation.is_none().then(|| {
@@ -427,7 +459,8 @@ async fn events(state: &ApiState, activity: &ActivityView) -> Vec<EventView> {
             } else {
                 None
             },
-            cost: Amount::new(state.config.currency(), spend.cost),
+            cost: Amount::new(currency, settled.unwrap_or(spend.cost)),
+            reserved: settled.map(|_| Amount::new(currency, spend.cost)),
             spend,
         })
         .collect()
@@ -654,7 +687,9 @@ pub fn schema(currency: tollgate_core::money::Currency) -> serde_json::Value {
                 "properties": {
                     "at_ms": int, "user": {"type": "string"}, "operation": {"type": ["string", "null"]},
                     "service_key": {"type": "string", "description": "The service key (its id) that made the charge for the user, if one did."},
-                    "cost": amount, "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
+                    "cost": {"description": "What the charge is: a job's settled charge once its settle changed it, else what was reserved.", "allOf": [amount]},
+                    "reserved": {"description": "What was reserved, when the settle made the charge another amount.", "allOf": [amount]},
+                    "request_id": {"type": "string"}, "refunded": {"type": "boolean"},
                     "refund_reason": {"type": ["string", "null"], "description": "Why a refunded job's charge went back: its failure as the job's record says it."},
                 },
             }},

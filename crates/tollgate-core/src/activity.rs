@@ -149,8 +149,9 @@ pub enum JobStep {
     Granted { provider: String, waited_us: u64 },
     /// A worker's run claimed the charge, about to call the provider.
     Started { run: u32 },
-    /// The job succeeded: the charge stands.
-    Succeeded,
+    /// The job succeeded: the charge stands, at `charged` when its settle
+    /// changed it (`None`: at what was reserved).
+    Succeeded { charged: Option<u64> },
     /// The job failed for `cause` ([`FailureCause`](crate::job::FailureCause)
     /// name); `charge_stands`: the upstream may have done the work.
     Failed {
@@ -175,7 +176,8 @@ impl JobStep {
                 waited_us,
             } => format!("granted {provider} {waited_us}"),
             Self::Started { run } => format!("started {run}"),
-            Self::Succeeded => "succeeded".into(),
+            Self::Succeeded { charged: None } => "succeeded".into(),
+            Self::Succeeded { charged: Some(c) } => format!("succeeded {c}"),
             Self::Failed {
                 operation,
                 cause,
@@ -207,7 +209,13 @@ impl JobStep {
             "started" => Self::Started {
                 run: f.next()?.parse().ok()?,
             },
-            "succeeded" => Self::Succeeded,
+            // A step written before the charge was noted has none.
+            "succeeded" => Self::Succeeded {
+                charged: match f.next().filter(|c| !c.is_empty()) {
+                    Some(c) => Some(c.parse().ok()?),
+                    None => None,
+                },
+            },
             "failed" => Self::Failed {
                 operation: f.next()?.to_owned(),
                 cause: f.next()?.to_owned(),
@@ -624,7 +632,7 @@ impl JobSource for RecordingSource {
     async fn complete(&self, lease: &Lease, result: serde_json::Value) -> Result<Finish, JobError> {
         let r = self.inner.complete(lease, result).await;
         if let Ok(Finish::Recorded) = r {
-            self.noted(lease, JobStep::Succeeded);
+            self.noted(lease, JobStep::Succeeded { charged: None });
         }
         r
     }
@@ -638,7 +646,7 @@ impl JobSource for RecordingSource {
     ) -> Result<Finish, JobError> {
         let r = self.inner.complete_with(lease, result, head, charged).await;
         if let Ok(Finish::Recorded) = r {
-            self.noted(lease, JobStep::Succeeded);
+            self.noted(lease, JobStep::Succeeded { charged });
         }
         r
     }
@@ -692,7 +700,8 @@ mod tests {
                 waited_us: 1234,
             },
             JobStep::Started { run: 2 },
-            JobStep::Succeeded,
+            JobStep::Succeeded { charged: None },
+            JobStep::Succeeded { charged: Some(7) },
             JobStep::Failed {
                 operation: "op".into(),
                 cause: "provider".into(),
@@ -711,6 +720,13 @@ mod tests {
             };
             assert_eq!(JobNote::parse_line("id-1", &note.line()), Some(note));
         }
+        // A step of an older writer, and one whose charge is not a number.
+        let old = JobNote::parse_line("id-1", "42 alice succeeded");
+        assert_eq!(
+            old.map(|n| n.step),
+            Some(JobStep::Succeeded { charged: None })
+        );
+        assert_eq!(JobNote::parse_line("id-1", "42 alice succeeded x"), None);
         let long = JobStep::Failed {
             operation: "op".into(),
             cause: "provider".into(),

@@ -338,7 +338,7 @@ mod tests {
             ("a", "provider")
         );
         for i in 0..(TIMELINES_CAP + 1) {
-            log.note(step(&format!("j{i}"), JobStep::Succeeded));
+            log.note(step(&format!("j{i}"), JobStep::Succeeded { charged: None }));
         }
         let t = log.timelines(&["a".into(), "j1".into()]).await.unwrap();
         assert!(t[0].is_empty(), "the oldest timeline went past the cap");

@@ -43,6 +43,17 @@ function amountCell(v, currency) {
   return el('td', amountText(v, currency), 'num');
 }
 
+// What a charge is (a job's settled charge once its settle changed it), with
+// what was reserved beside it when that differs.
+function chargeCell(c, currency) {
+  const td = amountCell(c.cost, currency);
+  if (c.reserved !== undefined && c.reserved !== null) {
+    td.title = 'reserved ' + amountText(c.reserved, currency);
+    td.appendChild(el('span', ' (reserved ' + amountText(c.reserved, currency) + ')', 'muted'));
+  }
+  return td;
+}
+
 // A decimal string of money (at most 6 places) in micro-units, as a BigInt;
 // an integer of tokens as one.
 function minor(v) {
@@ -380,7 +391,7 @@ function renderEvents(events, currency) {
       el('td', new Date(e.at_ms).toLocaleTimeString()),
       el('td', e.service_key ? `${e.user} (via ${e.service_key})` : e.user),
       el('td', e.operation ?? '(plain reserve)'),
-      amountCell(e.cost, currency),
+      chargeCell(e, currency),
       el('td', e.request_id, 'mono'),
       el('td', e.refunded ? 'refunded' + (e.refund_reason ? ' (' + e.refund_reason + ')' : '') : '', 'flag'),
     ]);
@@ -568,7 +579,7 @@ async function listJobs() {
         link.href = '#job=' + encodeURIComponent(j.id) + '&user=' + encodeURIComponent(j.user);
         idCell.appendChild(link);
         const tr = row([el('td', time(j.at_ms)), idCell, el('td', j.user), el('td', j.operation),
-          amountCell(j.cost, list.currency), el('td', j.state + (j.cause ? ' (' + j.cause + ')' : ''), j.state === 'failed' ? 'error' : ''),
+          chargeCell(j, list.currency), el('td', j.state + (j.cause ? ' (' + j.cause + ')' : ''), j.state === 'failed' ? 'error' : ''),
           el('td', j.refunded ? 'went back' : '')]);
         tr.dataset.id = j.id;
         tr.dataset.user = j.user;

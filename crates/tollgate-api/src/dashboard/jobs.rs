@@ -84,7 +84,12 @@ pub struct JobRow {
     pub operation: String,
     /// When it was charged (recent) or failed (failed).
     pub at_ms: u64,
+    /// What the job was charged: its settled charge once it succeeded with
+    /// a settle that changed it, else what was reserved.
     pub cost: Option<Amount>,
+    /// What was reserved, when the settle made the charge another amount.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved: Option<Amount>,
     /// From its timeline: queued, running, succeeded, failed, refunded, or
     /// unknown (no timeline kept).
     pub state: String,
@@ -115,6 +120,15 @@ fn bad(field: &str, detail: impl Into<String>) -> ApiError {
     }
 }
 
+/// What a job's settle made its charge, if its timeline says (a job that
+/// succeeded with a settle that changed the charge).
+fn settled_of(steps: &[JobNote]) -> Option<u64> {
+    steps.iter().rev().find_map(|s| match s.step {
+        JobStep::Succeeded { charged } => charged,
+        _ => None,
+    })
+}
+
 /// The state a timeline ends in.
 fn state_of(steps: &[JobNote]) -> (String, Option<String>, bool) {
     let mut state = if steps.is_empty() {
@@ -132,7 +146,7 @@ fn state_of(steps: &[JobNote]) -> (String, Option<String>, bool) {
                     state = "running";
                 }
             }
-            JobStep::Succeeded => state = "succeeded",
+            JobStep::Succeeded { .. } => state = "succeeded",
             JobStep::Failed { cause: c, .. } => {
                 state = "failed";
                 cause = Some(c.clone());
@@ -220,12 +234,14 @@ pub async fn list(
                     let steps: Vec<JobNote> =
                         steps.into_iter().filter(|s| s.user == e.user).collect();
                     let (state, cause, refunded) = state_of(&steps);
+                    let settled = settled_of(&steps).filter(|&c| c != e.cost);
                     JobRow {
                         id: e.request_id.clone(),
                         user: e.user.clone(),
                         operation: e.operation.clone().unwrap_or_default(),
                         at_ms: e.at_ms,
-                        cost: Some(Amount::new(currency, e.cost)),
+                        cost: Some(Amount::new(currency, settled.unwrap_or(e.cost))),
+                        reserved: settled.map(|_| Amount::new(currency, e.cost)),
                         state,
                         cause,
                         refunded: refunded || e.refunded,
@@ -247,6 +263,7 @@ pub async fn list(
                     operation: f.operation.clone(),
                     at_ms: f.at_ms,
                     cost: None,
+                    reserved: None,
                     state: "failed".into(),
                     refunded: FailureCause::parse(&f.cause).is_some_and(|c| !c.charged()),
                     cause: Some(f.cause.clone()),
@@ -398,7 +415,11 @@ fn entry(n: &JobNote, currency: Currency) -> Entry {
             ),
         ),
         JobStep::Started { run } => ("started", format!("run {run} started")),
-        JobStep::Succeeded => ("succeeded", "succeeded".to_owned()),
+        JobStep::Succeeded { charged: None } => ("succeeded", "succeeded".to_owned()),
+        JobStep::Succeeded { charged: Some(c) } => (
+            "succeeded",
+            format!("succeeded: charged {}", Amount::new(currency, *c)),
+        ),
         JobStep::Failed {
             cause,
             charge_stands,
@@ -461,7 +482,10 @@ fn charge(record: Option<&RecordView>, steps: &[JobNote]) -> String {
                 format!("to be released: {c}: {m}")
             }
         }
-        _ if steps.iter().any(|s| matches!(s.step, JobStep::Succeeded)) => {
+        _ if steps
+            .iter()
+            .any(|s| matches!(s.step, JobStep::Succeeded { .. })) =>
+        {
             "charged: the job succeeded".into()
         }
         _ if released => "released".into(),
@@ -530,7 +554,7 @@ pub async fn detail(
         if let Some(r) = &record {
             let noted = mine
                 .iter()
-                .any(|s| matches!(s.step, JobStep::Succeeded | JobStep::Failed { .. }));
+                .any(|s| matches!(s.step, JobStep::Succeeded { .. } | JobStep::Failed { .. }));
             if let (Some(at), false) = (r.finished_at_ms, noted) {
                 timeline.push(Entry {
                     at_ms: at,
@@ -596,6 +620,7 @@ pub fn list_schema(currency: Currency) -> serde_json::Value {
                 "properties": {
                     "id": string, "user": string, "operation": string, "at_ms": int,
                     "cost": crate::openapi::nullable_amount(currency),
+                    "reserved": crate::openapi::amount_schema(currency),
                     "state": {"type": "string", "enum": ["queued", "running", "succeeded", "failed", "refunded", "unknown"]},
                     "cause": {"type": ["string", "null"]},
                     "refunded": {"type": "boolean"},
