@@ -303,6 +303,123 @@ async fn a_move_between_organisations_keeps_the_model_counter(on: On) {
     assert_eq!(o1_used(l, &u).await, 0);
 }
 
+/// Through the job queue, with a real price sheet: the model the request
+/// names decides, whatever entry prices it.
+const SHEET: &str = r#"
+currency = "USD"
+[models."o1*"]
+input = "15"
+output = "60"
+max_output = 1000
+[default]
+input = "1"
+output = "1"
+max_output = 1000
+"#;
+
+fn priced_config(dir: &std::path::Path) -> Arc<Config> {
+    std::fs::create_dir_all(dir).expect("mkdir");
+    std::fs::write(dir.join("prices.toml"), SHEET).expect("write the sheet");
+    let text = r#"
+currency = "USD"
+default_plan = "pro"
+[plans.pro]
+limits = [{ limit = "50", period = "month" }]
+model_limits = [{ model = "o1*", limit = "0.1", period = "day" }]
+[providers.llm]
+rate = 10000
+burst = 10000
+max_wait = "5s"
+prices = "prices.toml"
+[operations.chat]
+provider = "llm"
+"#;
+    Arc::new(Config::parse_in(text, "model limits", Some(dir)).expect("the config"))
+}
+
+async fn a_priced_call_counts_under_its_models_limit(redis: bool) {
+    use tollgate_core::job::{JobQueue, JobRequest, SubmitOutcome};
+    let dir = std::env::temp_dir().join(format!(
+        "tollgate-models-{}",
+        tollgate_tests::random_prefix()
+    ));
+    let config = priced_config(&dir);
+    let (_server, queue): (Option<RedisServer>, Arc<dyn JobQueue>) = if redis {
+        let server = RedisServer::start();
+        let (q, _) =
+            crate::jobs::redis_queue(&server, &tollgate_tests::random_prefix(), config).await;
+        (Some(server), q)
+    } else {
+        let ledger: Arc<dyn Ledger> = Arc::new(MemoryLedger::new(Arc::clone(&config)));
+        let q = tollgate_memory::jobs::MemoryJobQueue::with_clock(
+            config,
+            ledger,
+            Arc::new(tollgate_core::clock::SystemClock),
+            crate::jobs::options(),
+        );
+        (None, Arc::new(q))
+    };
+    let submit = |id: &str, model: &str| {
+        let queue = Arc::clone(&queue);
+        let request = JobRequest {
+            id: rid(id),
+            user: user("frank"),
+            operation: "chat".into(),
+            input: serde_json::json!({
+                "model": model,
+                "max_tokens": 1000,
+                "messages": [{"role": "user", "content": "hello"}],
+            }),
+            trace: None,
+            service_key: None,
+        };
+        async move { queue.submit(request).await.expect("submit") }
+    };
+    // About 0.062 USD reserved: one o1 call fits 0.1 USD a day, not two.
+    let first = submit("p1", "o1-preview").await;
+    assert!(matches!(first, SubmitOutcome::Queued { .. }), "{first:?}");
+    let SubmitOutcome::Queued { job: first, .. } = first else {
+        unreachable!()
+    };
+    match submit("p2", "o1-preview").await {
+        SubmitOutcome::Denied { denied } => {
+            let w = model_window(&denied.windows, "o1*").expect("names the model limit");
+            assert_eq!((w.used, w.limit), (first.cost, 100_000));
+            assert_eq!(denied.limit, 100_000, "{denied:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Spelled in capitals the sheet's look-up misses its entry and prices it
+    // by the default (cheaply): it still counts under o1*, by its name.
+    match submit("p3", "O1-PREVIEW").await {
+        SubmitOutcome::Queued { job, allowed } => {
+            let w = model_window(&allowed.windows, "o1*").expect("counts under o1*");
+            assert_eq!(w.used, first.cost + job.cost);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Another model (priced by the default entry) is not affected.
+    match submit("p4", "gpt-4o").await {
+        SubmitOutcome::Queued { allowed, .. } => {
+            assert!(
+                model_window(&allowed.windows, "o1*").is_none(),
+                "{allowed:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_priced_call_counts_under_its_models_limit() {
+    a_priced_call_counts_under_its_models_limit(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_priced_call_counts_under_its_models_limit() {
+    a_priced_call_counts_under_its_models_limit(true).await;
+}
+
 on_each_backend!(
     threads 4,
     [

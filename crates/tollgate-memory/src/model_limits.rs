@@ -125,7 +125,7 @@ impl ModelCounts {
     /// `previous` to `cost` (0: it left): the counters that counted it follow.
     pub(crate) fn recost(&mut self, tags: &[Arc<str>], at: u64, previous: u64, cost: u64) {
         for c in &mut self.counts {
-            if c.span.contains(at) && tags.iter().any(|t| *t == c.tag) {
+            if c.span.contains(at) && tags.contains(&c.tag) {
                 c.total = (c.total + cost).saturating_sub(previous);
             }
         }

@@ -132,8 +132,12 @@ end
 
 local function unpack_value(v)
   -- '!<tags>': the model limits it counted under (budget/lib/model_limits.lua).
-  local body, m = string.match(string.sub(v, 8), '^(.-)!(%x+)$')
-  local rest, code = string.match(body or string.sub(v, 8), '^([^#]*)#?(%d*)$')
+  local bang, m = string.find(v, '!', 8, true), nil
+  if bang then
+    m = string.sub(v, bang + 1)
+    v = string.sub(v, 1, bang - 1)
+  end
+  local rest, code = string.match(string.sub(v, 8), '^([^#]*)#?(%d*)$')
   local seq, cost, est, real = string.match(rest, '^(%d+) (%d+) ?(%d*) ?@?(%d*)$')
   return { at = struct.unpack('>I6', string.sub(v, 1, 6)), state = string.sub(v, 7, 7),
     seq = tonumber(seq), cost = tonumber(cost), estimate = tonumber(est), real = tonumber(real),
