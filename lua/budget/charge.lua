@@ -19,7 +19,9 @@
 --         <provider>\t<model>' (see budget/lib/rollups.lua)
 -- ARGV[10] the prices a priced call was reserved at (the job's `price`), for
 --         the export's spend entry; '' for none
--- ARGV[11..] export maxlen, retention, then the plan table (budget/lib/state.lua)
+-- ARGV[11] the tags of the model limits (of any plan) the call counts under,
+--         space separated ('' none; see budget/lib/model_limits.lua)
+-- ARGV[12..] export maxlen, retention, then the plan table (budget/lib/state.lua)
 -- Returns one of
 --   { 1, now_ms, deadline_ms, windows..., plan }    charged, held for its job
 --   { 2, now_ms, deadline_ms, at_ms, nonce, state, windows..., plan }
@@ -48,10 +50,11 @@ if not deadline_after or deadline_after < 1 or not grace or grace < 0
   return redis.error_reply('charge: bad nonce, operation, fingerprint, deadline, grace or price')
 end
 DIMS = ARGV[9]
-local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 11)
+local never, limits, now, used, org, ev, slot, plan = open_spend(request, cost, 12)
 if never then
   return never
 end
+model_select(ARGV[11], now)
 
 if ev then
   local o = ev.rec
@@ -71,7 +74,7 @@ if refuse_new then
   return { 5 }
 end
 
-if not fits(limits, used, cost) or not org_fits(org, cost) then
+if not fits(limits, used, cost) or not org_fits(org, cost) or not model_fits(cost) then
   return org_windows(push_windows({ 0, now }, limits, used, now, cost), org, now, cost)
 end
 

@@ -10,14 +10,17 @@
 -- ARGV[1] n: events in this batch; ARGV[2] the user's plan and limits of
 --   its own, '<plan>\n<limits>' (each '' when none), then optionally
 --   '\n<period totals>' ('<field>=<value> ...' as periods.lua keeps them, the user's at the
---   location it leaves: they replace the ones here, see periods.lua),
+--   location it leaves: they replace the ones here, see periods.lua; and
+--   the model limits' counters as 'm<tag>:<start>_<end>~<total>', see
+--   model_limits.lua),
 --   then optionally '\n<rollups>': the user's spend rollups there, with the
 --   first batch, 'R<pttl of :sh> <pttl of :sd> ' then entries
 --   '<h|d><length>:<field><length>:<value>' (lengths in bytes): they replace
 --   the ones here (budget/lib/rollups.lua);
 -- ARGV[3] cancelled '<nonce> <hold end> ...' (see move_out.lua)
 -- ARGV[4 .. 3 + 10n] per event: id, at, state, cost, estimate (-1: none;
---   '#<code>' appended: its rollups code, see budget/lib/rollups.lua),
+--   '#<code>' appended: its rollups code, see budget/lib/rollups.lua;
+--   then '!<tags>': the model limits it counts under, model_limits.lua),
 --   nonce, fingerprint, deadline, op, hold_end (-1: none), as move_out.lua
 --   reads them
 -- ARGV[4 + 10n ..] export maxlen (0), retention, then the plan table
@@ -56,6 +59,19 @@ redis.call('DEL', BASE .. ':p')
 if #carried > 0 then
   redis.call('HSET', BASE .. ':p', unpack(carried))
   redis.call('PEXPIREAT', BASE .. ':p', int(last + PERIOD_GRACE))
+end
+-- The model limits' counters, in the same section as
+-- 'm<tag>:<start>_<end>~<total>' (budget/lib/model_limits.lua).
+carried, last = {}, 0
+for tag, start, stop, t in string.gmatch(periods or '', 'm(%x+):(%d+)_(%d+)~(%d+)') do
+  carried[#carried + 1] = tag .. ':' .. start .. '-' .. stop
+  carried[#carried + 1] = t
+  last = math.max(last, tonumber(stop))
+end
+redis.call('DEL', BASE .. ':m')
+if #carried > 0 then
+  redis.call('HSET', BASE .. ':m', unpack(carried))
+  redis.call('PEXPIREAT', BASE .. ':m', int(last + PERIOD_GRACE))
 end
 -- The user's spend rollups, carried whole with the first batch (see the
 -- header): an event's code names the dictionary that travels with them.
@@ -128,8 +144,11 @@ local added = 0
 for k = 0, n - 1 do
   local b = 3 + 10 * k
   local id, at, state, cost = ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3], tonumber(ARGV[b + 4])
-  local est, code = string.match(ARGV[b + 5], '^(%-?%d+)#?(%d*)$')
+  local est, code, m = string.match(ARGV[b + 5], '^(%-?%d+)#?(%d*)!?(%x*)$')
   est, code = tonumber(est), tonumber(code)
+  if m == '' then
+    m = nil
+  end
   local nonce, fp, deadline = ARGV[b + 6], ARGV[b + 7], tonumber(ARGV[b + 8])
   local op, hold = ARGV[b + 9], tonumber(ARGV[b + 10])
   if not at or not est or not cost or cost < 1 or not deadline or not hold or (state ~= 'r' and state ~= 'h' and state ~= 'j') then
@@ -142,7 +161,8 @@ for k = 0, n - 1 do
       if state ~= 'r' then
         o = { nonce = nonce, fp = fp, deadline = deadline, op = op }
       end
-      insert(id, at, { state = state, cost = cost, estimate = est >= 0 and est or nil, code = code }, o, now, slot)
+      insert(id, at, { state = state, cost = cost, estimate = est >= 0 and est or nil, code = code, m = m },
+        o, now, slot)
       if state == 'h' and hold >= 0 then
         redis.call('ZADD', HOLDS, int(hold), id)
         redis.call('PEXPIRE', HOLDS, int(RETAIN))

@@ -80,6 +80,9 @@ if step == 'batch' then
       if ev.code then
         est = int(est) .. '#' .. int(ev.code)
       end
+      if ev.m then
+        est = (ev.code and est or int(est) .. '#') .. '!' .. ev.m
+      end
       for _, v in ipairs({ rec.id, spent(ev), ev.state, ev.cost, est, rec.nonce or '',
         rec.fp or '', rec.deadline or 0, rec.op or '', hold }) do
         out[#out + 1] = v

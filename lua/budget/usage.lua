@@ -30,6 +30,8 @@ if not limit or limit < 1 or limit > 50 or limit ~= math.floor(limit) then
 end
 
 local now, used, org, limits, name = open_budget(3)
+-- Every model limit of the plan shows (budget/lib/model_limits.lua).
+model_select('*', now)
 local out = push_windows({ name, now }, limits, used, now)
 if org then
   org_windows(out, org, now)

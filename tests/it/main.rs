@@ -54,6 +54,7 @@ mod jobs_processes;
 mod key_format;
 mod ledger;
 mod ledger_jobs;
+mod model_limits;
 mod money;
 mod money_json;
 mod observability;

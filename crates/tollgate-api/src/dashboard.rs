@@ -564,7 +564,7 @@ async fn top_users(
                 .windows
                 .iter()
                 .find(|w| w.window_ms == usage.window_ms && w.limit == usage.limit)
-                .and_then(|w| w.period.map(|p| (w.label(), p.end_ms)));
+                .and_then(|w| w.period.map(|p| (w.period_label(), p.end_ms)));
             (usage.used > 0).then(|| TopUser {
                 user: user.to_string(),
                 plan: usage.plan,

@@ -715,6 +715,7 @@ fn window(currency: Currency) -> Value {
             "period": {"type": "string", "enum": ["day", "week", "month"], "description": "A calendar period's limit (absent: a trailing window)."},
             "period_start": {"type": "string", "format": "date-time"},
             "resets_at": {"type": "string", "format": "date-time", "description": "When the current period ends and its total resets."},
+            "model": {"type": "string", "description": "A model limit's (`model_limits`): the pattern of the models it counts (absent: one of the plan's own limits)."},
         },
     })
 }

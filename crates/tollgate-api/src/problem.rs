@@ -512,7 +512,11 @@ impl ApiError {
                     .windows
                     .iter()
                     .chain(denied.organisation.iter().flat_map(|o| o.windows.iter()))
-                    .find(|w| w.window_ms == denied.window_ms && w.limit == denied.limit)
+                    .find(|w| {
+                        w.window_ms == denied.window_ms
+                            && w.limit == denied.limit
+                            && w.remaining == denied.remaining
+                    })
                     .map(tollgate_core::ledger::WindowUse::label)
                     .unwrap_or_else(|| {
                         tollgate_core::duration::format(std::time::Duration::from_millis(

@@ -41,26 +41,52 @@ pub struct RateLimitHeaders {
 
 /// The policy name of the window `window_ms` of a plan with `windows`:
 /// `budget`, or `budget-<window>` when the plan has several (a calendar
-/// period's: `budget-month`, `budget-week`, `budget-day`).
+/// period's: `budget-month`, `budget-week`, `budget-day`). The plan's own
+/// limit of that length, where a model limit has the same.
 pub fn policy_name(windows: &[WindowUse], window_ms: u64) -> String {
-    if windows.len() <= 1 {
-        return POLICY.to_owned();
-    }
-    let label = windows
+    let w = windows
         .iter()
-        .find(|w| w.window_ms == window_ms)
-        .map(WindowUse::label)
-        .unwrap_or_else(|| duration::format(std::time::Duration::from_millis(window_ms)));
-    format!("{POLICY}-{label}")
+        .filter(|w| w.window_ms == window_ms)
+        .min_by_key(|w| w.model.is_some());
+    match w {
+        Some(w) => policy_of(windows, w),
+        None if overall(windows) <= 1 => POLICY.to_owned(),
+        None => format!(
+            "{POLICY}-{}",
+            duration::format(std::time::Duration::from_millis(window_ms))
+        ),
+    }
+}
+
+/// How many of `windows` are the plan's own limits (not a model limit's):
+/// a plan of one is named `budget` whatever its model limits.
+fn overall(windows: &[WindowUse]) -> usize {
+    windows.iter().filter(|w| w.model.is_none()).count()
+}
+
+/// The policy name of `w`, one of `windows`: as [`policy_name`]; a model
+/// limit's is followed by its pattern (`budget-day-o1*`).
+pub fn policy_of(windows: &[WindowUse], w: &WindowUse) -> String {
+    match &w.model {
+        Some(m) => format!("{POLICY}-{}-{m}", w.period_label()),
+        None if overall(windows) <= 1 => POLICY.to_owned(),
+        None => format!("{POLICY}-{}", w.period_label()),
+    }
 }
 
 fn headers(windows: &[WindowUse], window_ms: u64, remaining: u64, t_ms: u64) -> RateLimitHeaders {
+    // The binding window: the plan's own limit of that length, else a model
+    // limit's (a call refused by it).
+    let binding = windows
+        .iter()
+        .filter(|w| w.window_ms == window_ms && w.remaining == remaining)
+        .min_by_key(|w| w.model.is_some());
     let policy = windows
         .iter()
         .map(|w| {
             format!(
                 "\"{}\";q={};w={}",
-                policy_name(windows, w.window_ms),
+                policy_of(windows, w),
                 w.limit,
                 ceil_secs(w.window_ms)
             )
@@ -71,7 +97,10 @@ fn headers(windows: &[WindowUse], window_ms: u64, remaining: u64, t_ms: u64) -> 
         policy,
         state: format!(
             "\"{}\";r={remaining};t={}",
-            policy_name(windows, window_ms),
+            binding.map_or_else(
+                || policy_name(windows, window_ms),
+                |w| policy_of(windows, w)
+            ),
             ceil_secs(t_ms)
         ),
         retry_after: None,
@@ -176,5 +205,31 @@ mod tests {
         assert_eq!(h.state, "\"budget-month\";r=0;t=3");
         assert_eq!(h.retry_after, Some(3));
         assert_eq!(windows[1].label(), "month");
+    }
+
+    #[test]
+    fn a_model_limit_is_named_by_its_period_and_pattern() {
+        use tollgate_core::period::Span;
+        let day = Span {
+            start_ms: 0,
+            end_ms: 86_400_000,
+        };
+        let now = day.end_ms - 10_000;
+        // A plan of one limit (a day too) and a model limit of a day.
+        let windows = vec![
+            WindowUse::period(50, day, 30, now),
+            WindowUse::period(5, day, 3, now).for_model("o1*"),
+        ];
+        let d = Denied::new(windows.clone(), &[0, 10_000], now);
+        let h = denied(&d);
+        assert_eq!(
+            h.policy,
+            "\"budget\";q=50;w=86400, \"budget-day-o1*\";q=5;w=86400"
+        );
+        assert_eq!(h.state, "\"budget-day-o1*\";r=2;t=10");
+        assert_eq!(windows[1].label(), "day on o1*");
+        // Allowed: the plan's own limit is named `budget` as before.
+        let a = Allowed::new(vec![windows[0].clone()], 0, now, false);
+        assert_eq!(allowed(&a).state, "\"budget\";r=20;t=10");
     }
 }

@@ -102,6 +102,9 @@ pub struct WindowView {
     pub period_start: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resets_at: Option<String>,
+    /// A model limit's: the pattern of the models it counts (`o1*`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 impl WindowView {
@@ -113,13 +116,14 @@ impl WindowView {
     ) -> Self {
         let amount = |minor| Amount::new(currency, minor);
         WindowView {
-            policy: ratelimit::policy_name(windows, w.window_ms),
+            policy: ratelimit::policy_of(windows, w),
             limit: amount(w.limit),
             window_secs: ceil_secs(w.window_ms),
             used: amount(w.used),
             remaining: amount(w.remaining),
             reset_after_secs: w.reset_after_ms.map(ceil_secs),
-            period: w.period.map(|_| w.label()),
+            period: w.period.map(|_| w.period_label()),
+            model: w.model.clone(),
             period_start: w.period.map(|p| rfc3339(p.start_ms)),
             resets_at: w.period.map(|p| rfc3339(p.end_ms)),
         }

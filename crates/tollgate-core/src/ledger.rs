@@ -145,6 +145,31 @@ pub struct ChargeRequest<'a> {
     pub price: Option<&'a str>,
 }
 
+impl ChargeRequest<'_> {
+    /// The model the request named (a priced call's, from its prices), for
+    /// the plan's model limits ([`crate::config::ModelLimit::matches`]).
+    pub fn requested_model(&self) -> Option<String> {
+        self.price
+            .and_then(crate::price::Applied::parse)
+            .map(|a| a.model)
+    }
+
+    /// The model limits of `plan` this charge counts under.
+    pub fn model_limits<'p>(
+        &self,
+        plan: &'p crate::config::Plan,
+    ) -> Vec<&'p crate::config::ModelLimit> {
+        if plan.model_limits.is_empty() || (self.model.is_empty() && self.price.is_none()) {
+            return Vec::new();
+        }
+        let name = self.requested_model().unwrap_or_default();
+        plan.model_limits
+            .iter()
+            .filter(|m| m.matches(&name, self.model))
+            .collect()
+    }
+}
+
 /// How a job takes its charge over ([`Ledger::claim`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimRequest<'a> {
@@ -248,6 +273,11 @@ pub struct WindowUse {
     /// trailing window.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub period: Option<crate::period::Span>,
+    /// A model limit's (`[plans.X] model_limits`): the pattern of the models
+    /// it counts (always a calendar period). `None`: one of the plan's
+    /// overall limits.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 impl WindowUse {
@@ -259,7 +289,14 @@ impl WindowUse {
             remaining: limit.saturating_sub(used),
             reset_after_ms,
             period: None,
+            model: None,
         }
+    }
+
+    /// A model limit's window (`pattern`: the models it counts).
+    pub fn for_model(mut self, pattern: &str) -> Self {
+        self.model = Some(pattern.to_owned());
+        self
     }
 
     /// A calendar period's limit as it stands at `now_ms` (inside `span`):
@@ -280,7 +317,16 @@ impl WindowUse {
     /// window's length (`12h`), or the calendar period (`day`, `week`,
     /// `month`, told apart by the period's length: a day is 23 to 25 hours,
     /// a week 7 days give or take one, a month 28 to 31 days).
+    /// A model limit's is followed by its pattern: `day on o1*`.
     pub fn label(&self) -> String {
+        match &self.model {
+            Some(m) => format!("{} on {m}", self.period_label()),
+            None => self.period_label(),
+        }
+    }
+
+    /// [`label`](Self::label) without the model.
+    pub fn period_label(&self) -> String {
         const HOUR: u64 = 3_600_000;
         match self.period {
             Some(p) if p.len_ms() <= 25 * HOUR => "day".to_owned(),
@@ -697,7 +743,14 @@ impl Usage {
         events: Vec<SpendEvent>,
         next_cursor: Option<EventCursor>,
     ) -> Self {
-        let w = closest_to_exhaustion(&windows).cloned();
+        // The top-level figures are the plan's overall limits': a model
+        // limit binds only the calls on its models.
+        let overall: Vec<WindowUse> = windows
+            .iter()
+            .filter(|w| w.model.is_none())
+            .cloned()
+            .collect();
+        let w = closest_to_exhaustion(&overall).cloned();
         let w = w.unwrap_or_else(|| WindowUse::new(0, 0, 0, None));
         Self {
             plan,

@@ -20,12 +20,13 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 
 use crate::alerts::MemoryAlerts;
+use crate::model_limits::ModelCounts;
 use crate::periods::Periods;
 use crate::rollups::Rollups;
 use std::borrow::Cow;
 use tollgate_core::alerts::{AlertMarks, Crossing, Latch};
 use tollgate_core::clock::{Clock, SystemClock};
-use tollgate_core::config::{Config, Limit, Plan};
+use tollgate_core::config::{Config, Limit, ModelLimit, Plan};
 use tollgate_core::id::{OrgId, RequestId, UserId};
 use tollgate_core::ledger::{
     audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
@@ -292,7 +293,10 @@ impl OrgSide<'_> {
     /// The denial of `cost` when it does not fit the user's or the
     /// organisation's windows.
     fn deny(&self, user: &UserLog, limits: &[Limit], cost: u64, now: u64) -> Option<Denied> {
-        if user.fits(limits, cost) && self.log.fits(&self.plan.limits, cost) {
+        if user.fits(limits, cost)
+            && user.models_fit(cost, now)
+            && self.log.fits(&self.plan.limits, cost)
+        {
             return None;
         }
         let retry: Vec<u64> = (self.plan.limits.iter().enumerate())
@@ -364,6 +368,11 @@ struct UserLog {
     /// The changes this call made to its charges, for the spend rollups
     /// (`MemoryLedger::roll` counts them before the call returns).
     spent: Vec<crate::rollups::Change>,
+    /// The counters of the plan's model limits.
+    models: ModelCounts,
+    /// The model limits this call counts under (a charge's) or shows
+    /// (usage): none unless the call sets them.
+    call_models: Vec<ModelLimit>,
 }
 
 /// One spend event: live, or the hole a removed one left (`request: None`).
@@ -521,6 +530,8 @@ struct Owner {
     hold: Option<(u64, u64)>,
     /// The cost charged up front, once the charge was settled to the actual.
     estimate: Option<u64>,
+    /// The tags of the model limits the charge counted under.
+    models: Option<Box<[Arc<str>]>>,
 }
 
 /// The subject of one exported change.
@@ -675,6 +686,7 @@ impl UserLog {
         self.first = usize::from(longest > 0 && longest >= self.retain);
         self.sync_shorts(now, limits);
         self.periods.sync(now, limits);
+        self.models.sync(now);
         let window = self.retain;
         while let Some((_, e)) = self.events.first() {
             if e.at.saturating_add(window) > now {
@@ -792,9 +804,13 @@ impl UserLog {
         cost: u64,
         now: u64,
         operation: Option<&str>,
-        owner: Option<Box<Owner>>,
+        mut owner: Option<Box<Owner>>,
     ) -> u64 {
         let before = self.window_totals();
+        if let Some(o) = owner.as_mut() {
+            let limits: Vec<&ModelLimit> = self.call_models.iter().collect();
+            o.models = self.models.add_now(&limits, cost, now);
+        }
         let at = self.events.last_at().map_or(now, |last| now.max(last));
         let change = Change {
             request: request.as_str(),
@@ -885,12 +901,31 @@ impl UserLog {
 
     /// The denial of `cost` (the retry_after of each window; 0 where it fits).
     fn denial(&self, limits: &[Limit], cost: u64, now: u64) -> Denied {
-        let retry: Vec<u64> = limits
+        let mut retry: Vec<u64> = limits
             .iter()
             .enumerate()
             .map(|(i, l)| self.retry_after(i, l, cost, now))
             .collect();
-        Denied::new(self.windows(limits, now), &retry, now)
+        let mut windows = self.windows(limits, now);
+        let models: Vec<&ModelLimit> = self.call_models.iter().collect();
+        let (w, r) = self.models.windows(&models, cost, now);
+        windows.extend(w);
+        retry.extend(r);
+        Denied::new(windows, &retry, now)
+    }
+
+    /// Every limit as it stands, then the model limits of this call.
+    fn all_windows(&self, limits: &[Limit], now: u64) -> Vec<WindowUse> {
+        let mut windows = self.windows(limits, now);
+        let models: Vec<&ModelLimit> = self.call_models.iter().collect();
+        windows.extend(self.models.windows(&models, 0, now).0);
+        windows
+    }
+
+    /// Whether `cost` fits this call's model limits.
+    fn models_fit(&self, cost: u64, now: u64) -> bool {
+        let models: Vec<&ModelLimit> = self.call_models.iter().collect();
+        self.models.fits(&models, cost, now)
     }
 
     /// Records `cost` if it fits every limit; else the denial.
@@ -907,16 +942,11 @@ impl UserLog {
             .iter()
             .enumerate()
             .all(|(i, l)| self.used(i) + cost <= l.limit);
-        if !fits {
-            let retry: Vec<u64> = limits
-                .iter()
-                .enumerate()
-                .map(|(i, l)| self.retry_after(i, l, cost, now))
-                .collect();
-            return Err(Denied::new(self.windows(limits, now), &retry, now));
+        if !fits || !self.models_fit(cost, now) {
+            return Err(self.denial(limits, cost, now));
         }
         let at = self.record(request, cost, now, operation, owner);
-        Ok(Allowed::new(self.windows(limits, now), at, now, false))
+        Ok(Allowed::new(self.all_windows(limits, now), at, now, false))
     }
 
     /// Changes the cost of a live event (number `seq`) in every window it is inside.
@@ -937,6 +967,9 @@ impl UserLog {
         let slot = self.events.get_mut(seq)?;
         let previous = std::mem::replace(&mut slot.cost, cost);
         let at = slot.at;
+        if let Some(tags) = slot.owner.as_ref().and_then(|o| o.models.as_deref()) {
+            self.models.recost(tags, at, previous, cost);
+        }
         if slot.code != 0 {
             self.spent
                 .push((at, slot.code, cost as i64 - previous as i64));
@@ -976,7 +1009,11 @@ impl UserLog {
     /// Removes a live event before it left the window (a refund): exported.
     fn remove(&mut self, request: &str, now: u64) -> Option<u64> {
         let before = self.window_totals();
+        let tags = self.owner(request).and_then(|o| o.models.clone());
         let (at, cost, code) = self.take(request, now)?;
+        if let Some(tags) = tags {
+            self.models.recost(&tags, at, cost, 0);
+        }
         if code != 0 {
             self.spent.push((at, code, -(cost as i64)));
         }
@@ -1125,6 +1162,7 @@ impl<C: Clock> MemoryLedger<C> {
             log.retain = self.retention;
             log.released.clear();
             log.code = 0;
+            log.call_models.clear();
             let Some(org) = log.org.clone() else {
                 let Some(alerts) = &self.alerts else {
                     let r = f(&mut log, None, now);
@@ -1152,6 +1190,7 @@ impl<C: Clock> MemoryLedger<C> {
             member.retain = self.retention;
             member.released.clear();
             member.code = 0;
+            member.call_models.clear();
             if self.alerts.is_some() {
                 member.marks = self.marks.get(&self.plan_of(member).name).cloned();
             }
@@ -1199,6 +1238,7 @@ impl<C: Clock> MemoryLedger<C> {
             self.roll(user, &mut log, now);
             if log.events.is_empty()
                 && log.periods.is_empty()
+                && log.models.is_empty()
                 && log.plan.is_none()
                 && log.custom.is_none()
                 && log.cancelled.is_empty()
@@ -1567,9 +1607,10 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     estimate: e.owner.as_ref().and_then(|o| o.estimate),
                 })
                 .collect();
+            log.call_models.clone_from(&plan.model_limits);
             let mut usage = Usage::new(
                 plan.name.clone(),
-                log.windows(&plan.limits, now),
+                log.all_windows(&plan.limits, now),
                 now,
                 events,
                 next_cursor,
@@ -1597,6 +1638,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             let plan = self.plan_of(log);
             let limits = &plan.limits;
             bring_to_now(log, side.as_mut(), &plan, cost, now)?;
+            log.call_models = charge.model_limits(&plan).into_iter().cloned().collect();
             if let Some((_, e)) = log.event(request.as_str()) {
                 let at = e.at;
                 let Some(o) = e.owner.as_deref() else {
@@ -1611,7 +1653,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 let (nonce, deadline_ms, claimed) =
                     (o.nonce.to_string(), o.deadline_ms, o.hold.is_none());
                 return Ok(ChargeOutcome::Existing {
-                    allowed: Allowed::new(log.windows(limits, now), at, now, true),
+                    allowed: Allowed::new(log.all_windows(limits, now), at, now, true),
                     nonce,
                     deadline_ms,
                     claimed,
@@ -1634,6 +1676,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                 fingerprint: charge.fingerprint.into(),
                 hold: Some(hold),
                 estimate: None,
+                models: None,
             });
             let op = audit_op(charge.operation, charge.service_key);
             let operation = Some(op.as_str());

@@ -24,6 +24,7 @@ pub mod alerts;
 pub mod jobs;
 pub mod keystore;
 pub mod ledger;
+mod model_limits;
 mod periods;
 mod rollups;
 pub mod sessions;

@@ -100,6 +100,13 @@ impl BudgetKeys {
         format!("{}:p", self.meta.trim_end_matches(":meta"))
     }
 
+    /// Hash: the counters of the plan's model limits, `<tag>:<start_ms>-<end_ms>`
+    /// -> total (`lua/budget/lib/model_limits.lua`); expires after the last
+    /// period it counts ends.
+    pub fn model_counts(&self) -> String {
+        format!("{}:m", self.meta.trim_end_matches(":meta"))
+    }
+
     /// String: this location's marker (`lua/budget/lib/state.lua`, `AT`): at a
     /// user's own tag, the pointer to the organisation it lives in.
     pub fn at(&self) -> String {

@@ -374,11 +374,22 @@ impl RedisLedger {
         cmd.arg(from.user.periods());
         // Totals and eras (some '<total>:<since>:<till>', periods.lua).
         let periods: Vec<(String, String)> = self.command("set_user_org", cmd).await?;
-        let periods = periods
+        let mut periods = periods
             .iter()
             .map(|(field, total)| format!("{field}={total}"))
-            .collect::<Vec<_>>()
-            .join(" ");
+            .collect::<Vec<_>>();
+        // The model limits' counters too, spelled so that the periods'
+        // reading passes them by: 'm<tag>:<start>_<end>~<total>'
+        // (move_in.lua).
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(from.user.model_counts());
+        let models: Vec<(String, String)> = self.command("set_user_org", cmd).await?;
+        periods.extend(
+            models
+                .iter()
+                .map(|(field, total)| format!("m{}~{total}", field.replace('-', "_"))),
+        );
+        let periods = periods.join(" ");
         // The spend rollups travel whole too, with the first batch: the
         // events' codes name the dictionary that comes with them.
         let mut rollups = Some(self.rollups_of(&from.user).await?);
@@ -1248,7 +1259,10 @@ fn windows(
         .get(at)
         .and_then(int)
         .and_then(|c| usize::try_from(c).ok())
-        .filter(|&c| c <= MAX_LIMITS && r.len() >= at + 1 + c * WINDOW_FIELDS)
+        .filter(|&c| {
+            c <= MAX_LIMITS + tollgate_core::config::MAX_MODEL_LIMITS
+                && r.len() >= at + 1 + c * WINDOW_FIELDS
+        })
         .ok_or_else(|| bad_reply::<LedgerError>(what, r))?;
     let fields = &r[at + 1..at + 1 + count * WINDOW_FIELDS];
     let mut windows = Vec::with_capacity(count);
@@ -1257,13 +1271,25 @@ fn windows(
         let n = |i: usize| int(&w[i]).ok_or_else(|| bad_reply::<LedgerError>(what, w));
         let reset = signed(&w[3]).and_then(|v| u64::try_from(v).ok());
         let mut window = WindowUse::new(n(1)?, n(2)?, n(0)?, reset);
-        // A calendar period's start (-1: a trailing window).
-        if let Some(start) = signed(&w[5]).and_then(|v| u64::try_from(v).ok()) {
+        // A calendar period's start (-1: a trailing window); a model
+        // limit's is '<start> <tag>' (budget/lib/model_limits.lua).
+        let (start, model) = match &w[5] {
+            Value::BulkString(b) => {
+                let t = String::from_utf8_lossy(b);
+                let (start, tag) = t.split_once(' ').unwrap_or((&t, ""));
+                let pattern =
+                    tollgate_core::config::pattern_of(tag).unwrap_or_else(|| tag.to_owned());
+                (start.parse::<u64>().ok(), Some(pattern))
+            }
+            other => (signed(other).and_then(|v| u64::try_from(v).ok()), None),
+        };
+        if let Some(start) = start {
             window.period = Some(tollgate_core::period::Span {
                 start_ms: start,
                 end_ms: start.saturating_add(window.window_ms),
             });
         }
+        window.model = model;
         windows.push(window);
         retry.push(Retry::parse(&w[4]).ok_or_else(|| bad_reply::<LedgerError>(what, w))?);
     }

@@ -124,15 +124,24 @@ local function pack_value(ev)
   if ev.code then
     v = v .. '#' .. int(ev.code)
   end
+  if ev.m then
+    v = v .. '!' .. ev.m
+  end
   return v
 end
 
 local function unpack_value(v)
+  -- '!<tags>': the model limits it counted under (budget/lib/model_limits.lua).
+  local bang, m = string.find(v, '!', 8, true), nil
+  if bang then
+    m = string.sub(v, bang + 1)
+    v = string.sub(v, 1, bang - 1)
+  end
   local rest, code = string.match(string.sub(v, 8), '^([^#]*)#?(%d*)$')
   local seq, cost, est, real = string.match(rest, '^(%d+) (%d+) ?(%d*) ?@?(%d*)$')
   return { at = struct.unpack('>I6', string.sub(v, 1, 6)), state = string.sub(v, 7, 7),
     seq = tonumber(seq), cost = tonumber(cost), estimate = tonumber(est), real = tonumber(real),
-    code = tonumber(code) }
+    code = tonumber(code), m = m }
 end
 
 -- When an event was spent (its log entry's time, or a moved one's real time).

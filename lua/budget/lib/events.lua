@@ -66,7 +66,7 @@ end
 -- a trailing window). A period's window_ms is its length, its reset_after_ms
 -- until it ends.
 local function push_windows(out, limits, used, now, cost)
-  out[#out + 1] = #limits
+  out[#out + 1] = #limits + model_count()
   for k, l in ipairs(limits) do
     if l.cal then
       out[#out + 1] = window_used(k, used)
@@ -89,6 +89,7 @@ local function push_windows(out, limits, used, now, cost)
       out[#out + 1] = -1
     end
   end
+  push_model_windows(out, now, cost)
   return out
 end
 
@@ -102,6 +103,7 @@ local function remove(ev, _used, now, forced)
     export('refund', ev.rec.id, ev.cost, spent(ev), nil, nil, forced)
   end
   period_move(spent(ev), -ev.cost)
+  model_move(ev.m, spent(ev), -ev.cost)
   rollup(spent(ev), ev.code, -ev.cost, now)
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)
@@ -121,6 +123,7 @@ local function recost(ev, cost, now)
     export('settle', ev.rec.id, cost, spent(ev), previous)
   end
   period_move(spent(ev), cost - previous)
+  model_move(ev.m, spent(ev), cost - previous)
   rollup(spent(ev), ev.code, cost - previous, now)
   ev.cost = cost
   update(ev)
@@ -148,7 +151,7 @@ local function record(request, cost, now, limits, used, o, slot)
   end
   local ms, seq = string.match(sid, '^(%d+)-(%d+)$')
   local ev = { at = tonumber(ms), seq = tonumber(seq), state = o and 'h' or 'r', cost = cost,
-    code = dims_code() }
+    code = dims_code(), m = model_record(cost, now) }
   if slot.kept < now + 2 * RETAIN then
     local at = int(now + 2 * RETAIN + slack())
     redis.call('HSET', slot.key, '~', at, slot.field, pack_value(ev))

@@ -140,6 +140,7 @@ local function expire(now, limits)
         TOTAL = TOTAL - ev.cost
         unshort(spent(ev), ev.cost, now)
         period_move(spent(ev), -ev.cost)
+        model_move(ev.m, spent(ev), -ev.cost)
         rollup(spent(ev), ev.code, -ev.cost, now)
         export('refund', id, ev.cost, spent(ev))
         drop(ev)

@@ -50,11 +50,20 @@ local function resolve_plan(i)
       end
     end
   end
+  -- The plan's model limits ('~...', budget/lib/model_limits.lua), kept
+  -- with limits of the user's own.
+  spec = spec or ''
+  local tilde = string.find(spec, '~', 1, true)
+  if SUBJECT == 'user' then
+    model_plan(tilde and string.sub(spec, tilde + 1))
+  end
+  if tilde then
+    spec = string.sub(spec, 1, tilde - 1)
+  end
   -- The user's own limits (no plan name has a ':').
   if custom then
     name, spec = 'custom:' .. name, custom
   end
-  spec = spec or ''
   local limits = PARSED[spec]
   if not limits then
     limits = {}

@@ -12,6 +12,7 @@
 
 mod alerts;
 mod error;
+mod model_limit;
 mod operation;
 mod plan;
 mod pool;
@@ -27,6 +28,7 @@ use serde::Deserialize;
 
 pub use alerts::{Alerts, DEFAULT_ALERT_KEEP, DEFAULT_ALERT_TIMEOUT, MAX_ALERT_KEEP};
 pub use error::ConfigError;
+pub use model_limit::{pattern_of, ModelLimit, MAX_MODEL_LIMITS};
 pub use operation::{
     BoundError, InputBound, Operation, RequestShape, Settle, SettleReserve, StreamUsage, Weight,
     DEFAULT_JOB_DEADLINE, DEFAULT_MAX_RUNS, DEFAULT_RESULT_TTL,

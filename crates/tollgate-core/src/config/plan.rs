@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::model_limit::{parse_model_limits, ModelLimit, RawModelLimit};
 use super::{ConfigError, MAX_TOKENS};
 use crate::duration;
 use crate::money::Currency;
@@ -81,6 +82,9 @@ pub struct Plan {
     /// whose crossing queues a webhook (with `[alerts]` configured), in basis
     /// points (1/10000), ascending, each in 1..=10000.
     pub alerts: Vec<u32>,
+    /// Limits on the spend of the models a pattern names (`model_limits`),
+    /// checked with `limits` in the same step ([`ModelLimit`]).
+    pub model_limits: Vec<ModelLimit>,
 }
 
 /// The most thresholds a plan's `alerts` may list.
@@ -181,6 +185,7 @@ pub(super) struct RawPlan {
     max_stored_bytes: Option<i64>,
     max_open_streams: Option<i64>,
     alerts: Option<Vec<f64>>,
+    model_limits: Option<Vec<RawModelLimit>>,
 }
 
 #[derive(Deserialize)]
@@ -285,6 +290,8 @@ pub(super) fn parse_plans(
             }
         };
         let alerts = parse_thresholds(&key, p.alerts.unwrap_or_default(), invalid)?;
+        let model_limits =
+            parse_model_limits(&key, p.model_limits.unwrap_or_default(), currency, invalid)?;
         plans.insert(
             name.clone(),
             Plan {
@@ -295,6 +302,7 @@ pub(super) fn parse_plans(
                 max_stored_bytes,
                 max_open_streams,
                 alerts,
+                model_limits,
             },
         );
     }
@@ -455,7 +463,7 @@ pub(super) fn parse_limits(
 
 /// A limit's calendar period: `period` with its `tz`, `week_start` and
 /// `anchor` (each refused where it does not belong).
-fn parse_period(
+pub(super) fn parse_period(
     key: &str,
     period: &str,
     tz: Option<String>,

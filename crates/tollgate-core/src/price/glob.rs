@@ -5,14 +5,14 @@
 use std::cmp::Reverse;
 
 /// Whether the sheet key `key` is a pattern (has a `*` or a `?`).
-pub(super) fn is_pattern(key: &str) -> bool {
+pub(crate) fn is_pattern(key: &str) -> bool {
     key.contains(['*', '?'])
 }
 
 /// A compiled pattern and what orders it against others (see
 /// [`Glob::precedence`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Glob {
+pub(crate) struct Glob {
     key: String,
     chars: Vec<char>,
     literal: usize,
@@ -20,7 +20,7 @@ pub(super) struct Glob {
 }
 
 impl Glob {
-    pub(super) fn new(key: &str) -> Self {
+    pub(crate) fn new(key: &str) -> Self {
         let chars: Vec<char> = key.chars().collect();
         let wild = |c: &char| *c == '*' || *c == '?';
         Self {
@@ -40,7 +40,7 @@ impl Glob {
 
     /// Whether `name` matches the whole pattern. Linear backtracking on the
     /// last `*`: O(pattern × name) at worst, no recursion.
-    pub(super) fn matches(&self, name: &str) -> bool {
+    pub(crate) fn matches(&self, name: &str) -> bool {
         let name: Vec<char> = name.chars().collect();
         let (mut p, mut n) = (0, 0);
         // The last `*` seen, and where in `name` it started matching.

@@ -16,7 +16,7 @@
 //! [`ModelFrom`] in `model.rs`.
 
 mod applied;
-mod glob;
+pub(crate) mod glob;
 mod model;
 mod sheet;
 mod usage;

@@ -15,7 +15,7 @@ library! {
     /// pass through the prelude's `finish` (an alert pointer to add).
     static BUDGET, const BUDGET_SCRIPTS = "budget" in "budget" {
         prelude: [
-            "state", "periods", "rollups", "plan", "codec", "index", "windows", "alerts", "expire", "events",
+            "state", "periods", "model_limits", "rollups", "plan", "codec", "index", "windows", "alerts", "expire", "events",
             "orgs",
         ],
         finish: "finish",
@@ -54,6 +54,8 @@ pub struct PlanArgs {
     keeps: String,
     table: Vec<String>,
     calendars: Arc<Calendars>,
+    /// Every plan's model limits, one per tag.
+    models: Arc<Vec<tollgate_core::config::ModelLimit>>,
 }
 
 /// The calendars of the config's period limits, numbered from 1 in the order
@@ -75,7 +77,8 @@ impl Calendars {
     fn of(config: &tollgate_core::config::Config) -> Self {
         let mut list: Vec<&'static Calendar> = Vec::new();
         for p in config.plans() {
-            for c in p.limits.iter().filter_map(|l| l.period) {
+            let models = p.model_limits.iter().map(|m| m.period);
+            for c in p.limits.iter().filter_map(|l| l.period).chain(models) {
                 if !list.iter().any(|o| std::ptr::eq(*o, c)) {
                     list.push(c);
                 }
@@ -173,6 +176,7 @@ impl PlanArgs {
             .flat_map(|p| {
                 let mut spec = Self::spec(p, &calendars);
                 spec.push_str(&Self::alerts(p, config.alert_thresholds(p)));
+                spec.push_str(&Self::model_limits(p, &calendars));
                 [p.name.clone(), spec]
             })
             .collect();
@@ -185,7 +189,54 @@ impl PlanArgs {
             },
             table,
             calendars: Arc::new(calendars),
+            models: Arc::new({
+                let mut all: Vec<tollgate_core::config::ModelLimit> = Vec::new();
+                for m in config.plans().flat_map(|p| p.model_limits.iter()) {
+                    if !all.iter().any(|o| o.tag == m.tag) {
+                        all.push(m.clone());
+                    }
+                }
+                all
+            }),
         }
+    }
+
+    /// The plan's model limits as budget/lib/model_limits.lua reads them
+    /// after its limits and alerts: `~<limit>:p<calendar>:<tag>,...`, or
+    /// nothing.
+    fn model_limits(plan: &tollgate_core::config::Plan, calendars: &Calendars) -> String {
+        if plan.model_limits.is_empty() {
+            return String::new();
+        }
+        let items = plan
+            .model_limits
+            .iter()
+            .map(|m| format!("{}:p{}:{}", m.limit, calendars.number(m.period), m.tag))
+            .collect::<Vec<_>>();
+        format!("~{}", items.join(","))
+    }
+
+    /// The tags of the model limits (of any plan) `charge` counts under,
+    /// space separated, as charge.lua reads them.
+    pub fn model_tags(&self, charge: &tollgate_core::ledger::ChargeRequest<'_>) -> String {
+        if self.models.is_empty() || (charge.model.is_empty() && charge.price.is_none()) {
+            return String::new();
+        }
+        let name = charge.requested_model().unwrap_or_default();
+        self.models
+            .iter()
+            .filter(|m| m.matches(&name, charge.model))
+            .map(|m| m.tag.as_str())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// The pattern of the model limit `tag` names (a reply's window).
+    pub fn model_pattern(&self, tag: &str) -> Option<&str> {
+        self.models
+            .iter()
+            .find(|m| m.tag == tag)
+            .map(|m| m.pattern.as_str())
     }
 
     /// The plan's alert thresholds as budget/lib/plan.lua's `alert_marks` reads
@@ -406,6 +457,7 @@ pub fn charge(
         .arg(if refuse_new { "1" } else { "0" })
         .arg(dims.to_text())
         .arg(charge.price.unwrap_or(""))
+        .arg(plans.model_tags(charge))
         .arg(plans.args());
     inv
 }
