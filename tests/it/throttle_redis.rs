@@ -765,12 +765,14 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
     // Waiters see a bucket of one token at 1/s (after the first, they
     // queue); the throttler a full one.
     let waiters = BucketArgs {
+        pool: String::new(),
         rate: 1.0,
         burst: 1.0,
         slots: 0,
         limits: String::new(),
     };
     let throttler = BucketArgs {
+        pool: String::new(),
         rate: 1e6,
         burst: 1_000_000.0,
         slots: 0,
@@ -930,6 +932,7 @@ async fn throttle_a_ticket_a_throttler_holds_is_not_passed_on_the_way_in() {
     let mut conn = raw(&server).await;
     let keys = KeySpace::new(&random_prefix()).unwrap().throttle("fifo");
     let bucket = BucketArgs {
+        pool: String::new(),
         rate: 1.0,
         burst: 5.0,
         slots: 0,
