@@ -95,6 +95,19 @@ members = [
   { name = "b", url = "http://127.0.0.1:9", limits = [{ rate = 20, per = "1s", burst = 4 }, { tokens = 400, per = "1s", burst = 40 }], weight = 2 },
   { name = "c", url = "http://127.0.0.1:9", limits = [{ rate = 5, per = "1s", burst = 1 }], max_concurrent = 2 },
 ]
+# A pool whose members' upstreams a test starts (tests/it/throttle_pool.rs
+# puts their urls in place of these).
+[providers.zz-failover]
+max_wait = "20s"
+members = [
+  { name = "a", url = "http://127.0.0.1:9/a", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+  { name = "b", url = "http://127.0.0.1:9/b", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+  { name = "c", url = "http://127.0.0.1:9/c", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+]
+[operations.fw]
+cost = 1
+provider = "zz-failover"
+path = "/fw"
 # A pool with room to spare.
 [providers.zz-roomy]
 max_wait = "10s"
@@ -612,7 +625,10 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "x-late",
             "y-slots",
             "z-adaptive",
-            "zz-pool"
+            "zz-failover",
+            "zz-pool",
+            "zz-pool3",
+            "zz-roomy"
         ]
     );
     assert_eq!(
@@ -757,7 +773,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive, zz-pool)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive, zz-failover, zz-pool, zz-pool3, zz-roomy)"
     );
 }
 
