@@ -100,7 +100,7 @@ members = [
 [providers.zz-failover]
 max_wait = "20s"
 members = [
-  { name = "a", url = "http://127.0.0.1:9/a", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+  { name = "a", url = "http://127.0.0.1:9/a", limits = [{ rate = 10, per = "1s", burst = 2 }], model = "model-a" },
   { name = "b", url = "http://127.0.0.1:9/b", limits = [{ rate = 10, per = "1s", burst = 2 }] },
   { name = "c", url = "http://127.0.0.1:9/c", limits = [{ rate = 10, per = "1s", burst = 2 }] },
 ]

@@ -217,3 +217,46 @@ async fn throttle_pool_a_refused_member_is_passed_over_redis() {
     a_refused_member_is_passed_over(throttles, &upstreams, &config).await;
     setup.stop().await;
 }
+
+/// The clients a worker builds (`from_config`): a pool's calls go to the
+/// member granted, with its `model` in place of the request's, each
+/// answered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_pool_calls_go_to_the_member_granted() {
+    let upstreams = [
+        Upstream::unlimited(Duration::ZERO).await,
+        Upstream::unlimited(Duration::ZERO).await,
+        Upstream::unlimited(Duration::ZERO).await,
+    ];
+    let config = config(&upstreams);
+    let throttle: Arc<dyn Throttle> = Arc::new(MemoryThrottle::new(&config));
+    let metrics = Arc::new(Metrics::new(&config));
+    let clients = tollgate_providers::from_config(&config, throttle, &metrics).expect("clients");
+    let client = &clients["zz-failover"];
+    // Nine users, one call each: spread over the members by their grants.
+    for i in 0..9 {
+        let job = tollgate_tests::jobs::job(
+            &format!("j{i}"),
+            &format!("v{i}"),
+            "fw",
+            "zz-failover",
+            json!({ "model": "asked" }),
+        );
+        client
+            .call(&job, CallOptions::default())
+            .await
+            .expect("answered");
+    }
+    let mut total = 0;
+    for (u, name) in upstreams.iter().zip(["a", "b", "c"]) {
+        let arrivals = u.arrivals();
+        assert!(!arrivals.is_empty(), "member {name} got no call");
+        for a in &arrivals {
+            let body: serde_json::Value = serde_json::from_slice(&a.body).expect("a JSON body");
+            let want = if name == "a" { "model-a" } else { "asked" };
+            assert_eq!(body["model"], want, "member {name}: {body}");
+        }
+        total += arrivals.len();
+    }
+    assert_eq!(total, 9, "each call sent once");
+}
