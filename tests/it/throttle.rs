@@ -108,6 +108,14 @@ members = [
 cost = 1
 provider = "zz-failover"
 path = "/fw"
+# A FIFO pool: its calls have no user, each goes to the member with room.
+[providers.zz-pool-fifo]
+max_wait = "30s"
+fairness = "fifo"
+members = [
+  { name = "a", url = "http://127.0.0.1:9", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+  { name = "b", url = "http://127.0.0.1:9", limits = [{ rate = 20, per = "1s", burst = 3 }, { tokens = 400, per = "1s", burst = 40 }] },
+]
 # A pool with room to spare.
 [providers.zz-roomy]
 max_wait = "10s"
@@ -298,6 +306,7 @@ conformance!(
     throttle_pool_no_member_passes_its_limits,
     throttle_pool_a_user_stays_on_one_member,
     throttle_pool_a_paused_member_is_passed_over,
+    throttle_pool_fifo_no_member_passes_its_limits,
 );
 
 fn share(weight: u32) -> Share {
@@ -627,6 +636,7 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "z-adaptive",
             "zz-failover",
             "zz-pool",
+            "zz-pool-fifo",
             "zz-pool3",
             "zz-roomy"
         ]
@@ -773,7 +783,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive, zz-failover, zz-pool, zz-pool3, zz-roomy)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive, zz-failover, zz-pool, zz-pool-fifo, zz-pool3, zz-roomy)"
     );
 }
 
@@ -1568,4 +1578,34 @@ async fn throttle_pool_a_paused_member_is_passed_over(t: Arc<dyn Throttle>) {
         after.iter().any(|(m, _)| m == "a"),
         "the member is back after its pause: {after:?}"
     );
+}
+
+/// `zz-pool-fifo`: a FIFO pool of two members (10 and 20 calls per second,
+/// b with a token limit too): 60 calls of weight 8 at once are all granted,
+/// in arrival order's queue, no member passing its own bucket, both used.
+async fn throttle_pool_fifo_no_member_passes_its_limits(t: Arc<dyn Throttle>) {
+    let config = config();
+    let p = config.provider("zz-pool-fifo").unwrap();
+    let calls = (0..60).map(|i| (format!("f{i}"), 8)).collect();
+    let grants = pool_grants(&t, "zz-pool-fifo", calls).await;
+    assert_eq!(grants.len(), 60);
+    for m in p.pool() {
+        let own = p.as_member(m);
+        let times: Vec<u64> = grants
+            .iter()
+            .filter(|(name, _)| *name == m.name)
+            .map(|(_, at)| *at)
+            .collect();
+        let excess = max_excess(&times, own.rate, own.bucket_burst() as u64);
+        assert!(
+            excess <= 1e-3,
+            "member {} passed its bucket by {excess}",
+            m.name
+        );
+        assert!(
+            times.len() >= 10,
+            "member {} was hardly used: {grants:?}",
+            m.name
+        );
+    }
 }
