@@ -313,6 +313,23 @@ weight = { from = "/max_tokens", default = 500 }
     }
 
     #[test]
+    fn a_call_too_heavy_for_every_member_is_refused_before_it_waits() {
+        use crate::throttle::ThrottleError;
+        let us = "name = \"us\", url = \"http://127.0.0.1:9102\", limits = [{ rate = 60, per = \"1m\" }, { tokens = 9000, per = \"1m\", burst = 600 }]";
+        let c = Config::parse(&with_member(&format!("{{ {us} }}")), "t.toml").unwrap();
+        let llm = c.provider("llm").unwrap();
+        // The heaviest call one of them holds (eu: 900; us: 600).
+        assert_eq!(llm.max_weight(), Some(900));
+        // Too heavy for us, not for eu: eu takes it.
+        assert!(ThrottleError::check_weight(llm, 700).is_ok());
+        let e = ThrottleError::check_weight(llm, 901).unwrap_err();
+        assert!(
+            matches!(e, ThrottleError::TooHeavy { weight: 901, .. }),
+            "{e:?}"
+        );
+    }
+
+    #[test]
     fn bad_pools_are_refused_naming_the_key() {
         let second = |tail: &str| with_member(tail);
         let ok = "name = \"us\", url = \"http://127.0.0.1:9102\", limits = [{ rate = 60, per = \"1m\" }, { tokens = 9000, per = \"1m\", burst = 900 }]";
