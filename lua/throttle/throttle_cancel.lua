@@ -13,6 +13,10 @@
 -- ARGV[8] the provider's other limits (throttle/lib/bucket.lua; "" for none): a grant
 --         given back within the late bound gives back what it took of each
 --         (the ticket's weight: its "*<weight>" tail), paused or not
+-- ARGV[9] the provider's pool (throttle/lib/pool.lua; "" for none): a grant goes
+--         back to the member that took it (`<base>:m:granted`), as above
+--         with its buckets in place of the provider's; one of a member no
+--         longer listed gives back nothing but its record
 -- Returns 1 when the ticket was still waiting (removed: no token was spent;
 -- a user with no ticket left is no longer counted as waiting), 2 when a grant
 -- had been made for it within the late bound (the token goes back to the
@@ -43,6 +47,10 @@ if not rate or rate <= 0 or not burst or burst < 1 or not F.base or F.base == ''
     or not late or late < 0 then
   return redis.error_reply('throttle_cancel: bad rate, burst, key base or late bound')
 end
+local P = pool_parse(ARGV[9], F.base)
+if P == false then
+  return redis.error_reply('throttle_cancel: bad pool')
+end
 local w = redis.call('HGET', WAITING, ticket)
 if w then
   redis.call('HDEL', WAITING, ticket)
@@ -66,9 +74,23 @@ if w then
   return 1
 end
 local granted_at = tonumber(redis.call('ZSCORE', GRANTED, ticket))
+local INFLIGHT = KEYS[8]
+if granted_at and P then
+  -- The member that took it, in place of the provider.
+  local m = pool_member(P, redis.call('HGET', P.by, ticket))
+  redis.call('HDEL', P.by, ticket)
+  if not m then
+    redis.call('ZREM', GRANTED, ticket)
+    if user then
+      fair_release(F, QUEUE, user, ticket, now_us())
+    end
+    return 3
+  end
+  BUCKET, INFLIGHT, L, rate, burst = m.bucket, m.inflight, m.L, m.rate, m.burst
+end
 if granted_at then
   redis.call('ZREM', GRANTED, ticket)
-  if redis.call('ZREM', KEYS[8], ticket) == 1 then
+  if redis.call('ZREM', INFLIGHT, ticket) == 1 then
     ring(QUEUE)
   end
   local now = now_us()

@@ -11,6 +11,8 @@
 -- ARGV[7] max_concurrent (0: none), ARGV[8] a slot's lease, µs
 -- ARGV[9] the provider's other limits (throttle/lib/bucket.lua; "" for none); the
 --         ticket's weight is its "*<weight>" tail
+-- ARGV[10] "1" for a provider with a pool of members (throttle/lib/pool.lua):
+--          the grant script chooses the member, so its tickets always queue
 -- Returns { 2, now_us } granted at once: nobody is queued and the bucket has a
 -- token (and a slot free), which this call takes (the waiter goes ahead: no throttler, no
 -- publish, no delay between the grant and its use); { 1, now_us } queued for a
@@ -38,7 +40,7 @@ local now = now_us()
 -- processing list either (a ticket there is still `waiting` until granted or
 -- given up). An empty queue alone let a light call pass a heavy one that a
 -- throttler held, waiting for its tokens.
-if redis.call('HLEN', KEYS[2]) == 0 then
+if ARGV[10] ~= '1' and redis.call('HLEN', KEYS[2]) == 0 then
   -- The other limits are read only here: a saturated provider's enqueue
   -- (the common case under load) only queues.
   local L = limits_parse(ARGV[9])

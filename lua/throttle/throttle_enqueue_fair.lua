@@ -21,6 +21,8 @@
 --          ticket's weight is its "*<weight>" tail. An error when it would be
 --          granted on the way in but weighs more than a limit's burst (the
 --          waiter refuses those before; a queued one is dropped by the grant).
+-- ARGV[12] "1" for a provider with a pool of members (throttle/lib/pool.lua):
+--          the grant script chooses the member, so its tickets always queue
 -- Returns { 2, now_us } granted at once: nobody waits, the bucket has a token
 -- and the user is below its cap; { 1, now_us } queued for a throttler;
 -- { 0 } when the ticket is already waiting.
@@ -76,7 +78,7 @@ local state = redis.call('HMGET', TAGS, user, ':v', ':n')
 -- "fair" are not counted: they are served first by the next grant call, but
 -- one arrival may take a free token past them.)
 local idle_before = not state[3] or state[3] == '0'
-if idle_before and (cap == 0 or fair_held({ base = base }, user, now) < cap) then
+if idle_before and ARGV[12] ~= '1' and (cap == 0 or fair_held({ base = base }, user, now) < cap) then
   local rate, burst = tonumber(ARGV[5]), tonumber(ARGV[6])
   if not rate or rate <= 0 or not burst or burst < 1 then
     return redis.error_reply('throttle_enqueue_fair: bad arguments')

@@ -18,6 +18,11 @@
 --         ticket waits, in its turn, until every one holds enough, and one
 --         heavier than a limit's burst (refused at enqueue; left by a config
 --         change) is dropped
+-- ARGV[10] the provider's pool (throttle/lib/pool.lua; "" for a provider served as
+--         one upstream): each grant takes from one member's buckets, the
+--         provider's own (KEYS[5], KEYS[9], ARGV[7], ARGV[9]) are not used,
+--         and the readiness payload names the member: "<ticket> <granted_at_us>
+--         <member>"
 -- Serves the processing list first, then the queue head, in order (FIFO
 -- tickets; bells are dropped), then the fair queue's tickets, least start
 -- tag first (throttle/lib/fair.lua; a ticket of a user at its cap is parked), popped
@@ -50,6 +55,14 @@ local L = limits_parse(ARGV[9])
 if L == false then
   return redis.error_reply('throttle_grant: bad limits')
 end
+local P = pool_parse(ARGV[10], ARGV[6] or '')
+if P == false then
+  return redis.error_reply('throttle_grant: bad pool')
+end
+if P then
+  -- The pool's members each have their own: the provider's are not read.
+  L, slots = nil, 0
+end
 if not rate or rate <= 0 or not burst or burst < 1 or not limit or not ready_ttl or not idle
     or not F.base or F.base == '' then
   return redis.error_reply('throttle_grant: bad rate, burst or limits')
@@ -66,13 +79,23 @@ local function publish(inbox, payload)
 end
 
 local now = now_us()
-redis.call('ZREMRANGEBYSCORE', GRANTED, '-inf', '(' .. int(now - ready_ttl))
-local tokens, at, eff, hi = bucket_read(BUCKET, now, rate, burst)
-local pre = tokens
-if L then
-  limits_read(BUCKET, L, now)
+if P then
+  pool_trim(P, GRANTED, now - ready_ttl)
 end
-local free = slots_free(INFLIGHT, slots, now)
+redis.call('ZREMRANGEBYSCORE', GRANTED, '-inf', '(' .. int(now - ready_ttl))
+local tokens, at, eff, hi, pre, free
+if P then
+  -- What the members hold, once read (throttle/lib/pool.lua): these stand
+  -- for any of them until a ticket is matched to one.
+  tokens, free = math.huge, math.huge
+else
+  tokens, at, eff, hi = bucket_read(BUCKET, now, rate, burst)
+  pre = tokens
+  if L then
+    limits_read(BUCKET, L, now)
+  end
+  free = slots_free(INFLIGHT, slots, now)
+end
 
 -- What a grant of `ticket` (weight `w`) takes: a token, its weight of the
 -- other limits, and a slot of the provider's max_concurrent.
@@ -87,8 +110,15 @@ local function take(ticket, w)
   end
 end
 
--- Tickets wait for a slot of the provider's max_concurrent.
-local full = false
+-- A pool's grant of `ticket` (weight `w`, of `user`: nil for FIFO) on
+-- member m; its payload names m.
+local function take_on(m, ticket, user, w)
+  pool_take(P, m, ticket, user, w, now, lease)
+end
+
+-- Tickets wait for a slot of the provider's max_concurrent (a pool: of
+-- every member that could grant them; `pool_slot`, µs until the first ends).
+local full, pool_slot = false, nil
 local granted, skipped, wait, more = 0, 0, 0, 0
 while true do
   local src = PROCESSING
@@ -118,6 +148,30 @@ while true do
     elseif free < 1 then
       full = true
       break
+    elseif P then
+      local w = weight_of(ticket)
+      local m = pool_choose(P, nil, w, now)
+      if m then
+        take_on(m, ticket, nil, w)
+        redis.call('LPOP', src)
+        redis.call('HDEL', WAITING, ticket)
+        redis.call('ZADD', GRANTED, int(now), ticket)
+        publish(inbox, ticket .. ' ' .. int(now) .. ' ' .. m.name)
+        granted = granted + 1
+      else
+        local pw, slotted = pool_wait(P, w, now)
+        if pw == math.huge then
+          redis.call('LPOP', src)
+          redis.call('HDEL', WAITING, ticket)
+          skipped = skipped + 1
+        elseif slotted then
+          full, pool_slot = true, pw
+          break
+        else
+          wait = pw
+          break
+        end
+      end
     else
       local w = L and weight_of(ticket) or 1
       local lw = L and limits_wait(L, w, now) or 0
@@ -172,11 +226,20 @@ local left = false
 local drained, nobody = false, false
 local now_s = int(now)
 while not fifo_left and wait == 0 and more == 0 do
-  if granted >= limit or tokens < 1 or free < 1 then
+  -- A pool: what its members could grant now (tokens and free slots alike).
+  local room = P and pool_room(P, now)
+  if granted >= limit or tokens < 1 or free < 1 or room == 0 then
     if redis.call('ZCARD', F.tickets) > 0 then
       fair_touched, left = true, true
       if granted >= limit then
         more = 1
+      elseif P then
+        local pw, slotted = pool_wait(P, 1, now)
+        if slotted then
+          full, pool_slot = true, pw
+        else
+          wait = math.max(1, pw)
+        end
       elseif tokens < 1 then
         wait = until_token(tokens, eff, at, now)
       else
@@ -187,7 +250,7 @@ while not fifo_left and wait == 0 and more == 0 do
   end
   -- As many tickets as could be granted, popped at once, least tag first:
   -- each is granted (a token), dropped (none) or parked (none).
-  local k = math.min(limit - granted, math.floor(tokens), BATCH, free)
+  local k = math.min(limit - granted, room or math.floor(tokens), BATCH, free)
   local top = redis.call('ZPOPMIN', F.tickets, k)
   local n = #top / 2
   if n == 0 then
@@ -213,8 +276,19 @@ while not fifo_left and wait == 0 and more == 0 do
     if entries[i] then
       deadline, inbox, cap, hold, user = fair_fields(entries[i])
     end
-    local w, lw = 1, 0
-    if L and deadline and deadline >= now then
+    local w, lw, m = 1, 0, nil
+    if P and deadline and deadline >= now then
+      w = weight_of(ticket)
+      m = pool_choose(P, user, w, now)
+      if not m then
+        local slotted
+        lw, slotted = pool_wait(P, w, now)
+        lw = math.max(1, lw)
+        if slotted and lw < math.huge then
+          full, pool_slot = true, lw
+        end
+      end
+    elseif L and deadline and deadline >= now then
       w = weight_of(ticket)
       lw = limits_wait(L, w, now)
     end
@@ -227,15 +301,22 @@ while not fifo_left and wait == 0 and more == 0 do
       skipped = skipped + 1
     elseif lw > 0 then
       stop_at = i
-      wait = lw
+      if not full then
+        wait = lw
+      end
       break
     elseif cap == 0 or fair_fits(F, user, top[2 * i - 1], tonumber(tag), cap,
         granted_v and tonumber(granted_v) or v or fair_v(F), now) then
-      take(ticket, w)
+      if m then
+        take_on(m, ticket, user, w)
+        publish(inbox, ticket .. ' ' .. now_s .. ' ' .. m.name)
+      else
+        take(ticket, w)
+        publish(inbox, ticket .. ' ' .. now_s)
+      end
       done[#done + 1] = ticket
       grants[#grants + 1] = now_s
       grants[#grants + 1] = ticket
-      publish(inbox, ticket .. ' ' .. now_s)
       granted = granted + 1
       granted_v = tag
       gone_of(user)
@@ -308,11 +389,14 @@ if wait == 0 and more == 0 and not nobody then
   end
 end
 if full and wait == 0 and more == 0 then
-  local slot_us = slot_next(INFLIGHT, now)
+  local slot_us = P and (pool_slot or 1) or slot_next(INFLIGHT, now)
   capped_us = capped_us > 0 and math.min(capped_us, slot_us) or slot_us
 end
 
-if granted > 0 then
+if granted > 0 and P then
+  pool_write(P, idle)
+  redis.call('PEXPIRE', GRANTED, int(idle))
+elseif granted > 0 then
   bucket_write(BUCKET, tokens, at, eff, burst, rate, pre, hi)
   if L then
     bucket_keep(BUCKET, limits_write(BUCKET, L) + 1000)

@@ -76,6 +76,7 @@ mod throttle;
 mod throttle_late;
 mod throttle_limits;
 mod throttle_pause;
+mod throttle_pool;
 mod throttle_redis;
 mod throttle_slots;
 mod trace;

@@ -87,6 +87,43 @@ late_allowance = "100ms"
 [providers.zz-pool]
 max_wait = "10s"
 members = [{ name = "only", url = "http://127.0.0.1:9", limits = [{ rate = 40, per = "1s", burst = 4 }, { tokens = 100, per = "1s", burst = 30 }] }]
+# A pool of three members with their own limits: each grant takes from one.
+[providers.zz-pool3]
+max_wait = "30s"
+members = [
+  { name = "a", url = "http://127.0.0.1:9", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+  { name = "b", url = "http://127.0.0.1:9", limits = [{ rate = 20, per = "1s", burst = 4 }, { tokens = 400, per = "1s", burst = 40 }], weight = 2 },
+  { name = "c", url = "http://127.0.0.1:9", limits = [{ rate = 5, per = "1s", burst = 1 }], max_concurrent = 2 },
+]
+# A pool whose members' upstreams a test starts (tests/it/throttle_pool.rs
+# puts their urls in place of these).
+[providers.zz-failover]
+max_wait = "20s"
+members = [
+  { name = "a", url = "http://127.0.0.1:9/a", limits = [{ rate = 10, per = "1s", burst = 2 }], model = "model-a" },
+  { name = "b", url = "http://127.0.0.1:9/b", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+  { name = "c", url = "http://127.0.0.1:9/c", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+]
+[operations.fw]
+cost = 1
+provider = "zz-failover"
+path = "/fw"
+# A FIFO pool: its calls have no user, each goes to the member with room.
+[providers.zz-pool-fifo]
+max_wait = "30s"
+fairness = "fifo"
+members = [
+  { name = "a", url = "http://127.0.0.1:9", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+  { name = "b", url = "http://127.0.0.1:9", limits = [{ rate = 20, per = "1s", burst = 3 }, { tokens = 400, per = "1s", burst = 40 }] },
+]
+# A pool with room to spare.
+[providers.zz-roomy]
+max_wait = "10s"
+members = [
+  { name = "a", url = "http://127.0.0.1:9", limits = [{ rate = 1000, per = "1s", burst = 200 }] },
+  { name = "b", url = "http://127.0.0.1:9", limits = [{ rate = 1000, per = "1s", burst = 200 }] },
+  { name = "c", url = "http://127.0.0.1:9", limits = [{ rate = 1000, per = "1s", burst = 200 }] },
+]
 "#;
 
 pub fn config() -> Arc<Config> {
@@ -266,6 +303,10 @@ conformance!(
     throttle_a_late_grant_is_redated_while_the_bucket_stays_low,
     throttle_a_late_grant_is_not_redated_past_a_full_bucket,
     throttle_a_late_grant_is_not_redated_past_a_pause,
+    throttle_pool_no_member_passes_its_limits,
+    throttle_pool_a_user_stays_on_one_member,
+    throttle_pool_a_paused_member_is_passed_over,
+    throttle_pool_fifo_no_member_passes_its_limits,
 );
 
 fn share(weight: u32) -> Share {
@@ -593,7 +634,11 @@ async fn throttle_stats_show_the_bucket_and_its_waiters(t: Arc<dyn Throttle>) {
             "x-late",
             "y-slots",
             "z-adaptive",
-            "zz-pool"
+            "zz-failover",
+            "zz-pool",
+            "zz-pool-fifo",
+            "zz-pool3",
+            "zz-roomy"
         ]
     );
     assert_eq!(
@@ -738,7 +783,7 @@ async fn throttle_unknown_provider(t: Arc<dyn Throttle>) {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive, zz-pool)"
+        "unknown provider \"nope\" (providers: slow, steady, tempo, turnstile, v-redate, w-fifo, w-limits, wicket, wicket-fifo, x-late, y-slots, z-adaptive, zz-failover, zz-pool, zz-pool-fifo, zz-pool3, zz-roomy)"
     );
 }
 
@@ -1371,4 +1416,196 @@ async fn throttle_limits_a_heavy_call_waits_its_turn_or_is_refused(t: Arc<dyn Th
         took >= Duration::from_millis(300),
         "25 tokens from empty at ~68/s take ~370 ms: {took:?}"
     );
+}
+
+/// Each call of `calls` (its user, its weight) waits for a slot of `provider`
+/// at once, and ends its call as soon as it is granted; the grants' members
+/// and times, in grant order.
+async fn pool_grants(
+    t: &Arc<dyn Throttle>,
+    provider: &str,
+    calls: Vec<(String, u64)>,
+) -> Vec<(String, u64)> {
+    let handles: Vec<_> = calls
+        .into_iter()
+        .enumerate()
+        .map(|(i, (user, weight))| {
+            let t = Arc::clone(t);
+            let provider = provider.to_owned();
+            tokio::spawn(async move {
+                let waiter =
+                    Waiter::of(&rid(&format!("{user}-{i}")), &user, share(1)).weighing(weight);
+                let g = t
+                    .acquire_as(&provider, &waiter, Duration::from_secs(30))
+                    .await
+                    .unwrap();
+                t.done(&g).await.unwrap();
+                (
+                    g.member.expect("a pool's grant names its member"),
+                    g.granted_at_us,
+                )
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out.sort_by_key(|(_, at)| *at);
+    out
+}
+
+/// `zz-pool3`: three members of 10, 20 and 5 calls per second (bursts 2,
+/// 4 and 1; b weighted 2, with a token limit too; c at most 2 in flight).
+/// 120 calls of 4 users at once, far above what the pool grants: no member
+/// ever passes its own request bucket (burst + rate·t over the grant
+/// times, the bound `throttle_limits.rs` checks per provider), every member
+/// is used, and the pool grants at near the sum of its members' rates.
+async fn throttle_pool_no_member_passes_its_limits(t: Arc<dyn Throttle>) {
+    let config = config();
+    let p = config.provider("zz-pool3").unwrap();
+    let calls = (0..120).map(|i| (format!("u{}", i % 4), 5)).collect();
+    let grants = pool_grants(&t, "zz-pool3", calls).await;
+    assert_eq!(grants.len(), 120);
+    let (mut rates, mut bursts) = (0.0, 0.0);
+    for m in p.pool() {
+        let own = p.as_member(m);
+        let times: Vec<u64> = grants
+            .iter()
+            .filter(|(name, _)| *name == m.name)
+            .map(|(_, at)| *at)
+            .collect();
+        let excess = max_excess(&times, own.rate, own.bucket_burst() as u64);
+        assert!(
+            excess <= 1e-3,
+            "member {} passed its bucket (rate {}, burst {}) by {excess}: {} grants",
+            m.name,
+            own.rate,
+            own.bucket_burst(),
+            times.len()
+        );
+        assert!(
+            times.len() >= 5,
+            "member {} was hardly used: {grants:?}",
+            m.name
+        );
+        rates += own.rate;
+        bursts += own.bucket_burst();
+    }
+    // The pool's throughput: 120 grants take (120 - bursts) / rates at
+    // full use of every member; a loaded machine delays some.
+    let span = (grants[119].1 - grants[0].1) as f64 / 1e6;
+    let ideal = (120.0 - bursts) / rates;
+    assert!(
+        span <= ideal * 1.4 + 0.3,
+        "120 grants took {span:.2} s; the members' rates allow {ideal:.2} s"
+    );
+}
+
+/// `zz-roomy`: with room to spare, each user's calls stay on one member
+/// (providers' prompt caches are per account), and new users are spread.
+async fn throttle_pool_a_user_stays_on_one_member(t: Arc<dyn Throttle>) {
+    let mut by_user: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for round in 0..20 {
+        let calls = (0..6).map(|u| (format!("s{u}"), 1)).collect::<Vec<_>>();
+        let users: Vec<String> = calls.iter().map(|(u, _)| u.clone()).collect();
+        // One call of each user at a time, in parallel: rid per round.
+        let handles: Vec<_> = users
+            .iter()
+            .map(|user| {
+                let t = Arc::clone(&t);
+                let user = user.clone();
+                tokio::spawn(async move {
+                    let waiter = Waiter::of(&rid(&format!("{user}-r{round}")), &user, share(1));
+                    let g = t
+                        .acquire_as("zz-roomy", &waiter, Duration::from_secs(10))
+                        .await
+                        .unwrap();
+                    t.done(&g).await.unwrap();
+                    (user, g.member.unwrap())
+                })
+            })
+            .collect();
+        for h in handles {
+            let (user, member) = h.await.unwrap();
+            by_user.entry(user).or_default().push(member);
+        }
+    }
+    let mut firsts = std::collections::BTreeSet::new();
+    for (user, members) in &by_user {
+        let first = &members[0];
+        let same = members.iter().filter(|m| *m == first).count();
+        assert!(
+            same * 100 >= members.len() * 95,
+            "{user}'s calls moved between members: {members:?}"
+        );
+        firsts.insert(first.clone());
+    }
+    assert!(
+        firsts.len() >= 2,
+        "new users all went to one member: {by_user:?}"
+    );
+}
+
+/// A member whose upstream refused (`Throttle::pause_member`, as a 429
+/// with `Retry-After`) grants nothing until the pause ends, to anyone; the
+/// other members take its calls, and it is back after.
+async fn throttle_pool_a_paused_member_is_passed_over(t: Arc<dyn Throttle>) {
+    let pause = t
+        .pause_member("zz-roomy", "a", Some(Duration::from_millis(1500)))
+        .await
+        .unwrap();
+    assert!(pause.left > Duration::from_millis(1400), "{pause:?}");
+    let paused_at = Instant::now();
+    let calls = (0..60).map(|i| (format!("p{}", i % 12), 1)).collect();
+    let during = pool_grants(&t, "zz-roomy", calls).await;
+    assert!(
+        paused_at.elapsed() < Duration::from_millis(1400),
+        "too slow to test the pause"
+    );
+    assert!(
+        during.iter().all(|(m, _)| m != "a"),
+        "a paused member was granted: {during:?}"
+    );
+    assert!(during.iter().any(|(m, _)| m == "b") && during.iter().any(|(m, _)| m == "c"));
+    // A member the pool does not list pauses nothing.
+    let none = t.pause_member("zz-roomy", "zz", None).await.unwrap();
+    assert_eq!(none.left, Duration::ZERO);
+    tokio::time::sleep(Duration::from_millis(1600).saturating_sub(paused_at.elapsed())).await;
+    let calls = (0..30).map(|i| (format!("q{i}"), 1)).collect();
+    let after = pool_grants(&t, "zz-roomy", calls).await;
+    assert!(
+        after.iter().any(|(m, _)| m == "a"),
+        "the member is back after its pause: {after:?}"
+    );
+}
+
+/// `zz-pool-fifo`: a FIFO pool of two members (10 and 20 calls per second,
+/// b with a token limit too): 60 calls of weight 8 at once are all granted,
+/// in arrival order's queue, no member passing its own bucket, both used.
+async fn throttle_pool_fifo_no_member_passes_its_limits(t: Arc<dyn Throttle>) {
+    let config = config();
+    let p = config.provider("zz-pool-fifo").unwrap();
+    let calls = (0..60).map(|i| (format!("f{i}"), 8)).collect();
+    let grants = pool_grants(&t, "zz-pool-fifo", calls).await;
+    assert_eq!(grants.len(), 60);
+    for m in p.pool() {
+        let own = p.as_member(m);
+        let times: Vec<u64> = grants
+            .iter()
+            .filter(|(name, _)| *name == m.name)
+            .map(|(_, at)| *at)
+            .collect();
+        let excess = max_excess(&times, own.rate, own.bucket_burst() as u64);
+        assert!(
+            excess <= 1e-3,
+            "member {} passed its bucket by {excess}",
+            m.name
+        );
+        assert!(
+            times.len() >= 10,
+            "member {} was hardly used: {grants:?}",
+            m.name
+        );
+    }
 }

@@ -765,12 +765,14 @@ async fn throttle_fair_tags_stay_bounded_over_many_users() {
     // Waiters see a bucket of one token at 1/s (after the first, they
     // queue); the throttler a full one.
     let waiters = BucketArgs {
+        pool: String::new(),
         rate: 1.0,
         burst: 1.0,
         slots: 0,
         limits: String::new(),
     };
     let throttler = BucketArgs {
+        pool: String::new(),
         rate: 1e6,
         burst: 1_000_000.0,
         slots: 0,
@@ -930,6 +932,7 @@ async fn throttle_a_ticket_a_throttler_holds_is_not_passed_on_the_way_in() {
     let mut conn = raw(&server).await;
     let keys = KeySpace::new(&random_prefix()).unwrap().throttle("fifo");
     let bucket = BucketArgs {
+        pool: String::new(),
         rate: 1.0,
         burst: 5.0,
         slots: 0,
@@ -967,4 +970,71 @@ async fn throttle_a_ticket_a_throttler_holds_is_not_passed_on_the_way_in() {
         second[0], 1,
         "the second call took the token on its way in, past the first: {second:?}"
     );
+}
+
+/// A pool's call always queues (the grant script chooses its member), and
+/// its grant given back by a waiter that gave up within the late bound goes
+/// back to the member that took it (`throttle_cancel.lua` reads the ticket
+/// -> member record), the other member and the provider's own bucket
+/// untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttle_a_pool_grant_given_back_returns_to_its_member() {
+    use tollgate_redis::scripts::{self, BucketArgs};
+    let server = RedisServer::start();
+    let mut conn = raw(&server).await;
+    let keys = KeySpace::new(&random_prefix()).unwrap().throttle("pool");
+    let bucket = BucketArgs {
+        pool: "a 1 3 0 1|b 1 5 0 1".into(),
+        rate: 2.0,
+        burst: 8.0,
+        slots: 0,
+        limits: String::new(),
+    };
+    let queued: Vec<i64> =
+        scripts::throttle_enqueue(&keys, "t~1", "inbox", 60_000_000, 600_000, bucket.clone())
+            .invoke_async(&mut conn, 1)
+            .await
+            .unwrap();
+    assert_eq!(queued[0], 1, "a pool's call always queues: {queued:?}");
+    let granted: Vec<i64> =
+        scripts::throttle_grant(&keys, "t1", bucket.clone(), 10, 5_000_000, 600_000)
+            .invoke_async(&mut conn, 1)
+            .await
+            .unwrap();
+    assert_eq!(granted[0], 1, "{granted:?}");
+    let member: Option<String> = query(
+        &mut conn,
+        redis::cmd("HGET").arg(keys.granted_by()).arg("t~1"),
+    )
+    .await;
+    assert_eq!(
+        member.as_deref(),
+        Some("a"),
+        "the first member with the fewest grants"
+    );
+    let tokens = |m: &str| {
+        redis::cmd("HGET")
+            .arg(keys.member(m).bucket)
+            .arg("tokens")
+            .clone()
+    };
+    let after: f64 = query(&mut conn, &mut tokens("a")).await;
+    assert!((after - 2.0).abs() < 0.01, "a took a token: {after}");
+    let cancelled: i64 =
+        scripts::throttle_cancel(&keys, "t~1", bucket.clone(), None, Duration::from_secs(1))
+            .invoke_async(&mut conn, 1)
+            .await
+            .unwrap();
+    assert_eq!(cancelled, 2, "given back within the late bound");
+    let back: f64 = query(&mut conn, &mut tokens("a")).await;
+    assert!(back > 2.99 && back <= 3.0, "a has its token back: {back}");
+    let b: Option<String> = query(&mut conn, &mut tokens("b")).await;
+    let own: i64 = query(&mut conn, redis::cmd("EXISTS").arg(&keys.bucket)).await;
+    assert_eq!((b, own), (None, 0), "nothing else moved");
+    let record: Option<String> = query(
+        &mut conn,
+        redis::cmd("HGET").arg(keys.granted_by()).arg("t~1"),
+    )
+    .await;
+    assert_eq!(record, None, "its record is gone");
 }

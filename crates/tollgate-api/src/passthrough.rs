@@ -333,7 +333,7 @@ fn hold_for(state: &ApiState, operation: &str, headers: &HeaderMap) -> Duration 
     let op = config.operation(operation);
     let deadline = op.map_or(tollgate_core::config::DEFAULT_JOB_DEADLINE, |o| o.deadline);
     let upstream = op
-        .and_then(|o| config.upstream(&o.provider))
+        .and_then(|o| config.upstreams(&o.provider).first().copied())
         .map_or(Duration::ZERO, |u| u.timeout);
     let hold = deadline + upstream + HOLD_MARGIN;
     let client = headers

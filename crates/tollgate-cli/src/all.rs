@@ -310,9 +310,16 @@ fn print_banner(
         .join(", ");
     let upstreams = config
         .providers()
-        .map(|p| match config.upstream(&p.name) {
-            Some(u) => format!("{} -> {}", p.name, u.url),
-            None => format!("{} -> built-in mock", p.name),
+        .map(|p| match config.upstreams(&p.name)[..] {
+            [] => format!("{} -> built-in mock", p.name),
+            ref ups => format!(
+                "{} -> {}",
+                p.name,
+                ups.iter()
+                    .map(|u| u.url.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            ),
         })
         .collect::<Vec<_>>()
         .join(", ");

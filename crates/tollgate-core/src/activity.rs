@@ -559,6 +559,15 @@ impl Throttle for RecordingThrottle {
         self.inner.pause(provider, retry_after).await
     }
 
+    async fn pause_member(
+        &self,
+        provider: &str,
+        member: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError> {
+        self.inner.pause_member(provider, member, retry_after).await
+    }
+
     async fn usage(
         &self,
         grant: &Grant,

@@ -51,6 +51,10 @@ pub struct Grant {
     /// The throttle's name for the grant, by which [`Throttle::redate`]
     /// finds it; `None` when it cannot be re-dated.
     pub ticket: Option<String>,
+    /// The member of its provider's pool ([`Provider::pool`]) whose buckets
+    /// the grant took from, and where its call goes; `None` for a provider
+    /// served as one upstream.
+    pub member: Option<String>,
 }
 
 /// A grant is late past this age, or past one token's time at its provider's
@@ -189,6 +193,21 @@ impl ThrottleError {
     /// `Err(TooHeavy)` when a call of `weight` could never be granted by
     /// `provider` (a token limit's burst is less).
     pub fn check_weight(provider: &Provider, weight: u64) -> Result<(), Self> {
+        // A pool: too heavy only for every member (the others take it).
+        let pool = provider.pool();
+        if !pool.is_empty() {
+            let heaviest =
+                pool.iter()
+                    .map(|m| provider.as_member(m))
+                    .try_fold(None::<Self>, |_, m| match Self::check_weight(&m, weight) {
+                        Ok(()) => Err(()),
+                        Err(e) => Ok(Some(e)),
+                    });
+            return match heaviest {
+                Ok(Some(e)) => Err(e),
+                _ => Ok(()),
+            };
+        }
         match provider
             .limits
             .iter()
@@ -301,6 +320,19 @@ pub trait Throttle: Send + Sync + std::fmt::Debug {
     async fn pause(
         &self,
         provider: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError>;
+
+    /// The upstream of `member` of `provider`'s pool refused a call (or
+    /// could not be reached): that member's buckets grant nothing, to any
+    /// caller of any pod, as [`Throttle::pause`] pauses a provider's (its
+    /// own back-off, its `Retry-After`, the provider's `max_pause`), and
+    /// the pool's other members take its calls. A member the pool does not
+    /// list (a config changed meanwhile) pauses nothing.
+    async fn pause_member(
+        &self,
+        provider: &str,
+        member: &str,
         retry_after: Option<Duration>,
     ) -> Result<Pause, ThrottleError>;
 

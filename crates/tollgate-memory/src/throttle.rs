@@ -84,7 +84,28 @@ struct Bucket {
     /// from here ([`Bucket::grant_time`]), so that grants' times differ by
     /// exactly what the bucket counted between them.
     anchor: (Instant, u64),
+    /// Its pool's members ([`Provider::pool`]): each grant takes from one of
+    /// them (the rules of `lua/throttle/lib/pool.lua`), its own token bucket
+    /// unused; empty for a provider served as one upstream.
+    pool: Vec<Member>,
 }
+
+/// A member of a provider's pool: its buckets, a [`Bucket`] of its own
+/// whose queue stays empty (the pool's queue is its provider's).
+#[derive(Debug)]
+struct Member {
+    name: String,
+    weight: u32,
+    meter: Arc<Bucket>,
+}
+
+/// Most users a pool remembers the member of (past it, it starts again:
+/// users lose their member, not their place), as `lua/throttle/lib/pool.lua`.
+const STICKY_MAX: usize = 100_000;
+
+/// A grant as its waiter hears it: its time in µs since the epoch, on the
+/// monotonic clock, and the index of the pool member it took from.
+type Made = (u64, Instant, Option<usize>);
 
 #[derive(Debug)]
 struct BucketState {
@@ -112,6 +133,10 @@ struct BucketState {
     hi: Instant,
     /// When the last `redate_margin + 1` re-datings were made, newest first.
     redated: VecDeque<Instant>,
+    /// A pool's: user -> the member of its last grant, and each member's
+    /// grants.
+    sticky: HashMap<String, usize>,
+    counts: Vec<u64>,
 }
 
 /// How many re-dated grants may be open at once, and the level the bucket
@@ -132,7 +157,7 @@ struct Slot {
     request_id: RequestId,
     /// What its grant takes from the token limits.
     weight: u64,
-    tx: oneshot::Sender<(u64, Instant)>,
+    tx: oneshot::Sender<Made>,
 }
 
 fn open(slot: &Slot) -> bool {
@@ -163,11 +188,137 @@ impl Bucket {
                 driving: false,
                 hi: Instant::now(),
                 redated: VecDeque::new(),
+                sticky: HashMap::new(),
+                counts: vec![0; p.pool().len()],
             }),
             handed_back: Notify::new(),
             metrics: metrics.map(|m| (Arc::clone(m), p.name.clone())),
             anchor: (Instant::now(), wall_us()),
+            pool: p
+                .pool()
+                .iter()
+                .map(|m| Member {
+                    name: m.name.clone(),
+                    weight: m.weight,
+                    meter: Arc::new(Bucket::new(&p.as_member(m), metrics)),
+                })
+                .collect(),
         }
+    }
+
+    /// The member that takes a grant of `weight` for `user` (`None`: a FIFO
+    /// provider's waiter, no stickiness): the user's last member if it
+    /// holds it in every limit, else the one that holds it with the fewest
+    /// grants per weight; else how long until the first one may.
+    fn choose(&self, st: &BucketState, user: Option<&str>, weight: u64) -> Result<usize, Duration> {
+        let fits = |i: usize| {
+            let m = &self.pool[i].meter;
+            let mut ms = lock(&m.state);
+            m.refill(&mut ms);
+            ms.tokens >= 1.0 && !m.full(&mut ms) && m.fits(&ms, weight)
+        };
+        if let Some(&i) = user.and_then(|u| st.sticky.get(u)) {
+            if fits(i) {
+                return Ok(i);
+            }
+        }
+        let mut best: Option<(usize, f64)> = None;
+        for (i, m) in self.pool.iter().enumerate() {
+            let score = st.counts[i] as f64 / f64::from(m.weight);
+            if best.is_none_or(|(_, s)| score < s) && fits(i) {
+                best = Some((i, score));
+            }
+        }
+        if let Some((i, _)) = best {
+            return Ok(i);
+        }
+        let now = Instant::now();
+        let wait = self
+            .pool
+            .iter()
+            .filter_map(|m| {
+                let m = &m.meter;
+                let mut ms = lock(&m.state);
+                if ThrottleError::check_weight(&m.provider, weight).is_err() {
+                    return None;
+                }
+                Some(if m.full(&mut ms) {
+                    // Until a slot ends (which wakes the driver), or the
+                    // first frees itself.
+                    ms.slots
+                        .values()
+                        .min()
+                        .map_or(Duration::from_secs(3600), |until| {
+                            until.saturating_duration_since(now)
+                        })
+                } else {
+                    m.until_next(&ms).max(m.until_fits(&ms, weight))
+                })
+            })
+            .min();
+        Err(wait.unwrap_or(Duration::from_secs(3600)))
+    }
+
+    /// A pool's grant of `head` (of `weight`) on member `i`: true when its
+    /// waiter took it.
+    fn grant_on(
+        &self,
+        st: &mut BucketState,
+        i: usize,
+        slot: Slot,
+        user: &str,
+        ticket: u64,
+    ) -> bool {
+        let m = &self.pool[i].meter;
+        let mut ms = lock(&m.state);
+        ms.tokens -= 1.0;
+        m.mark(&mut ms);
+        m.take(&mut ms, slot.weight, 1.0);
+        m.take_slot(&mut ms, ticket);
+        let (us, made) = m.grant_time(&ms);
+        if slot.tx.send((us, made, Some(i))).is_err() {
+            // The caller left meanwhile.
+            ms.tokens += 1.0;
+            m.mark(&mut ms);
+            m.take(&mut ms, slot.weight, -1.0);
+            ms.slots.remove(&ticket);
+            drop(ms);
+            st.queue.done(user, ticket);
+            return false;
+        }
+        st.counts[i] += 1;
+        if self.fairness == Fairness::Fair && st.sticky.get(user) != Some(&i) {
+            if st.sticky.len() >= STICKY_MAX {
+                st.sticky.clear();
+            }
+            st.sticky.insert(user.to_owned(), i);
+        }
+        true
+    }
+
+    /// A grant on member `i` given back by a waiter that left (see
+    /// [`Bucket::give_back`]); `late`: its token is lost, only its slots end.
+    fn member_give_back(
+        self: &Arc<Self>,
+        i: usize,
+        user: &str,
+        ticket: u64,
+        weight: u64,
+        late: bool,
+    ) {
+        let m = &self.pool[i].meter;
+        if late {
+            lock(&m.state).slots.remove(&ticket);
+        } else {
+            m.give_back(Some(("", ticket)), weight);
+        }
+        self.end(user, ticket);
+    }
+
+    /// The index of pool member `name`.
+    fn member_of(&self, name: Option<&str>) -> Option<usize> {
+        let name = name?;
+        self.pool.iter().position(|m| m.name == name)
     }
 
     /// A grant's time: the instant the last refill counted the tokens at
@@ -427,6 +578,18 @@ impl Bucket {
                         }
                     };
                     let weight = st.queue.first().map_or(1, |slot| slot.weight);
+                    if !self.pool.is_empty() {
+                        let user = (self.fairness == Fairness::Fair).then_some(head.user.as_str());
+                        match self.choose(&st, user, weight) {
+                            Ok(i) => {
+                                if let Some(slot) = st.queue.grant(&head, now) {
+                                    self.grant_on(&mut st, i, slot, &head.user, head.ticket);
+                                }
+                                continue;
+                            }
+                            Err(wait) => break wait,
+                        }
+                    }
                     if st.tokens < 1.0 || !self.fits(&st, weight) {
                         break self.until_next(&st).max(self.until_fits(&st, weight));
                     }
@@ -443,7 +606,8 @@ impl Bucket {
                         self.mark(&mut st);
                         self.take(&mut st, slot.weight, 1.0);
                         self.take_slot(&mut st, head.ticket);
-                        if slot.tx.send(self.grant_time(&st)).is_err() {
+                        let (us, made) = self.grant_time(&st);
+                        if slot.tx.send((us, made, None)).is_err() {
                             // The caller left meanwhile.
                             st.tokens += 1.0;
                             self.mark(&mut st);
@@ -471,7 +635,7 @@ struct Pending {
     bucket: Arc<Bucket>,
     user: String,
     ticket: u64,
-    rx: Option<oneshot::Receiver<(u64, Instant)>>,
+    rx: Option<oneshot::Receiver<Made>>,
     late: Duration,
     weight: u64,
 }
@@ -480,8 +644,15 @@ impl Drop for Pending {
     fn drop(&mut self) {
         if let Some(mut rx) = self.rx.take() {
             rx.close();
-            if let Ok((_, made)) = rx.try_recv() {
-                if made.elapsed() <= self.late {
+            if let Ok((_, made, member)) = rx.try_recv() {
+                if let Some(i) = member {
+                    let late = made.elapsed() > self.late;
+                    self.bucket
+                        .member_give_back(i, &self.user, self.ticket, self.weight, late);
+                    if let (true, Some((metrics, provider))) = (late, &self.bucket.metrics) {
+                        metrics.late_grant(provider);
+                    }
+                } else if made.elapsed() <= self.late {
                     self.bucket
                         .give_back(Some((&self.user, self.ticket)), self.weight);
                 } else {
@@ -601,27 +772,39 @@ impl Throttle for MemoryThrottle {
         let weight = waiter.weight.max(1);
         let (user, share) = bucket.queue_of(waiter);
         let late = self.late(bucket);
-        let grant = |(granted_at_us, made): (u64, Instant), ticket: u64| Grant {
-            provider: provider.to_owned(),
-            request_id: waiter.request_id.clone(),
-            waited: started.elapsed(),
-            granted_at_us,
-            user_slot: (share.max_in_flight.is_some() || bucket.max_concurrent.is_some()).then(
-                || UserSlot {
-                    user: user.to_owned(),
-                    ticket: ticket.to_string(),
-                },
-            ),
-            slot: bucket.max_concurrent.map(|_| ticket.to_string()),
-            use_by: Some(made + late),
-            weight,
-            ticket: Some(ticket.to_string()),
+        let grant = |(granted_at_us, made, member): Made, ticket: u64| {
+            // A pool's grant holds its member's slot.
+            let member = member.map(|i| &bucket.pool[i]);
+            let max_concurrent = match member {
+                Some(m) => m.meter.max_concurrent,
+                None => bucket.max_concurrent,
+            };
+            Grant {
+                provider: provider.to_owned(),
+                request_id: waiter.request_id.clone(),
+                waited: started.elapsed(),
+                granted_at_us,
+                user_slot: (share.max_in_flight.is_some() || max_concurrent.is_some()).then(|| {
+                    UserSlot {
+                        user: user.to_owned(),
+                        ticket: ticket.to_string(),
+                    }
+                }),
+                slot: max_concurrent.map(|_| ticket.to_string()),
+                use_by: Some(made + late),
+                weight,
+                ticket: Some(ticket.to_string()),
+                member: member.map(|m| m.name.clone()),
+            }
         };
         let (rx, ticket) = {
             let mut st = lock(&bucket.state);
             bucket.refill(&mut st);
             let now = Instant::now();
-            if st.queue.is_empty()
+            // A pool's driver chooses the member: its callers always queue
+            // (the driver serves them at once when one holds their call).
+            if bucket.pool.is_empty()
+                && st.queue.is_empty()
                 && st.tokens >= 1.0
                 && !bucket.full(&mut st)
                 && bucket.fits(&st, weight)
@@ -641,7 +824,8 @@ impl Throttle for MemoryThrottle {
                         bucket.mark(&mut st);
                         bucket.take(&mut st, weight, 1.0);
                         bucket.take_slot(&mut st, head.ticket);
-                        let _ = slot.tx.send(bucket.grant_time(&st));
+                        let (us, made) = bucket.grant_time(&st);
+                        let _ = slot.tx.send((us, made, None));
                     }
                 }
                 if let Ok(at) = rx.try_recv() {
@@ -719,17 +903,45 @@ impl Throttle for MemoryThrottle {
         Ok(self.bucket(provider)?.pause(retry_after))
     }
 
+    async fn pause_member(
+        &self,
+        provider: &str,
+        member: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError> {
+        let pool = self.bucket(provider)?;
+        let Some(i) = pool.member_of(Some(member)) else {
+            return Ok(Pause {
+                left: Duration::ZERO,
+                strikes: 0,
+                rate: pool.rate,
+            });
+        };
+        let pause = pool.pool[i].meter.pause(retry_after);
+        // Its driver sleeps on the members' times: it looks again.
+        pool.handed_back.notify_one();
+        Ok(pause)
+    }
+
     async fn usage(&self, grant: &Grant, used: u64) -> Result<Usage, ThrottleError> {
-        let bucket = self.bucket(&grant.provider)?;
+        let pool = self.bucket(&grant.provider)?;
+        // A pool's grant took from its member's limits.
+        let bucket = match pool.member_of(grant.member.as_deref()) {
+            Some(i) => &pool.pool[i].meter,
+            None => pool,
+        };
         if bucket.provider.max_weight().is_none() {
             return Ok(Usage::Matched);
         }
-        Ok(bucket.usage(grant.weight, used))
+        let usage = bucket.usage(grant.weight, used);
+        pool.handed_back.notify_one();
+        Ok(usage)
     }
 
     async fn redate(&self, grant: &Grant) -> Result<Option<Grant>, ThrottleError> {
         let bucket = self.bucket(&grant.provider)?;
-        if grant.ticket.is_none() {
+        // A pool's grants are never re-dated (as on Redis).
+        if grant.ticket.is_none() || !bucket.pool.is_empty() {
             return Ok(None);
         }
         let (anchor, anchor_us) = bucket.anchor;
@@ -753,6 +965,9 @@ impl Throttle for MemoryThrottle {
         };
         let bucket = self.bucket(&grant.provider)?;
         if let Ok(ticket) = held.ticket.parse() {
+            if let Some(i) = bucket.member_of(grant.member.as_deref()) {
+                lock(&bucket.pool[i].meter.state).slots.remove(&ticket);
+            }
             bucket.end(&held.user, ticket);
         }
         Ok(())

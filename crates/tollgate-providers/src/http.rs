@@ -201,7 +201,7 @@ impl Transport for HttpTransport {
     async fn attempt(
         &self,
         job: &Job,
-        AttemptOptions { use_by, sink }: AttemptOptions<'_>,
+        AttemptOptions { use_by, sink, .. }: AttemptOptions<'_>,
     ) -> Result<Answer, AttemptError> {
         match sink {
             Some(sink) => self.streamed(job, use_by, sink).await,
@@ -696,6 +696,7 @@ secret_headers = { "x-api-key" = "TOLLGATE_TEST_HTTP_SECRET_HEADER" }"#,
         AttemptOptions {
             use_by: Some(use_by),
             sink: None,
+            member: None,
         }
     }
 

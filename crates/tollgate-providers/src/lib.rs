@@ -20,6 +20,7 @@
 pub mod http;
 pub mod mock;
 pub mod outcome;
+pub mod pool;
 pub mod shares;
 pub mod stream;
 
@@ -340,6 +341,10 @@ pub struct AttemptOptions<'a> {
     /// `sink` a failure is [`AttemptError::Unanswered`]: the client has part
     /// of an answer, the upstream did work. `None`: a whole answer.
     pub sink: Option<&'a dyn StreamWriter>,
+    /// The pool member the attempt's grant took from ([`Grant::member`]):
+    /// where a [`pool::PoolTransport`] sends it. `None`: a provider served
+    /// as one upstream.
+    pub member: Option<&'a str>,
 }
 
 impl AttemptOptions<'_> {
@@ -566,22 +571,33 @@ impl<C: Transport> ThrottledClient<C> {
 
     /// An upstream refusal pauses the provider for every caller of every pod
     /// ([`Throttle::pause`]): a 429 for its `Retry-After` (a back-off when it
-    /// names none), a 503 only when it names one. A failed pause is logged:
-    /// this call's own retry still waits for the `Retry-After`.
-    async fn refused(&self, err: &AttemptError) {
-        let AttemptError::Status {
-            status,
-            retry_after,
-            ..
-        } = err
-        else {
-            return;
+    /// names none), a 503 only when it names one. A pool's member (`member`)
+    /// is paused alone ([`Throttle::pause_member`]), and backed off too when
+    /// it could not be reached ([`AttemptError::NotSent`]): the other members
+    /// take its calls. A failed pause is logged: this call's own retry still
+    /// waits for the `Retry-After`. Returns whether it paused (or tried to).
+    async fn refused(&self, err: &AttemptError, member: Option<&str>) -> bool {
+        let (status, retry_after) = match (err, member) {
+            (
+                AttemptError::Status {
+                    status,
+                    retry_after,
+                    ..
+                },
+                _,
+            ) => (*status, *retry_after),
+            (AttemptError::NotSent { .. }, Some(_)) => (0, None),
+            _ => return false,
         };
-        if !(*status == 429 || (*status == 503 && retry_after.is_some())) {
-            return;
+        if !(status == 0 || status == 429 || (status == 503 && retry_after.is_some())) {
+            return false;
         }
         let name = &self.provider.name;
-        match self.throttle.pause(name, *retry_after).await {
+        let paused = match member {
+            Some(member) => self.throttle.pause_member(name, member, retry_after).await,
+            None => self.throttle.pause(name, retry_after).await,
+        };
+        match paused {
             Ok(pause) => {
                 self.metrics.paused(name);
                 tracing::info!(
@@ -593,6 +609,7 @@ impl<C: Transport> ThrottledClient<C> {
                 tracing::warn!(error = %e, provider = %name, "pausing the provider after a refusal failed")
             }
         }
+        true
     }
 
     /// One attempt, sent only before `use_by`, observed: its time and how it
@@ -602,11 +619,19 @@ impl<C: Transport> ThrottledClient<C> {
         job: &Job,
         use_by: Option<Instant>,
         sink: Option<&dyn StreamWriter>,
+        member: Option<&str>,
     ) -> Result<Answer, AttemptError> {
         let started = Instant::now();
         let r = self
             .client
-            .attempt(job, AttemptOptions { use_by, sink })
+            .attempt(
+                job,
+                AttemptOptions {
+                    use_by,
+                    sink,
+                    member,
+                },
+            )
             .await;
         let outcome = match &r {
             Err(AttemptError::Late { .. }) => return r,
@@ -752,6 +777,8 @@ impl<C: Transport> ThrottledClient<C> {
         // Each attempt waits for its slot at most `max_wait`, from here, and
         // never past the deadline.
         let mut waiting_since = Instant::now();
+        // Calls granted another pool member after one refused them.
+        let mut failovers = 0;
         loop {
             if past(deadline) {
                 // A slot asked for ahead is ended unused (its wait is
@@ -794,7 +821,9 @@ impl<C: Transport> ThrottledClient<C> {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            let mut r = self.try_once(sent, use_by(&grant), sink).await;
+            let mut r = self
+                .try_once(sent, use_by(&grant), sink, grant.member.as_deref())
+                .await;
             // Stale before it was sent (a slow process): re-dated when its
             // bucket allows, it is used at once, its token not lost.
             for _ in 0..MAX_REDATES {
@@ -805,7 +834,9 @@ impl<C: Transport> ThrottledClient<C> {
                     Ok(Some(fresh)) => {
                         tracing::debug!(provider = %name, request_id = %job.id, "a stale grant re-dated before its send");
                         grant = fresh;
-                        r = self.try_once(sent, use_by(&grant), sink).await;
+                        r = self
+                            .try_once(sent, use_by(&grant), sink, grant.member.as_deref())
+                            .await;
                     }
                     Ok(None) => break,
                     Err(e) => {
@@ -853,7 +884,23 @@ impl<C: Transport> ThrottledClient<C> {
                 continue; // Late: dealt with above.
             };
             tally.record(class);
-            self.refused(&err).await;
+            // A pool's member that refused the call, or could not be
+            // reached, is backed off for every pod, and the call is granted
+            // another member at once: no wait, not one of its retries, the
+            // same charge. An unanswered call is not (outcome rules).
+            if self.refused(&err, grant.member.as_deref()).await
+                && grant.member.is_some()
+                && failovers < self.provider.pool().len()
+            {
+                failovers += 1;
+                attempt -= 1;
+                tracing::info!(
+                    provider = %name, request_id = %job.id, member = grant.member.as_deref(),
+                    "a pool member refused the call: granted another"
+                );
+                waiting_since = Instant::now();
+                continue;
+            }
             let wait = match &err {
                 AttemptError::Status {
                     retry_after: Some(w),
@@ -951,6 +998,30 @@ fn build(
 ) -> Result<BTreeMap<String, Arc<dyn Client>>, SetupError> {
     let mut out: BTreeMap<String, Arc<dyn Client>> = BTreeMap::new();
     for p in config.providers() {
+        // A pool: each call goes to the member its grant took from.
+        if let Some(first) = p.pool().first() {
+            let client = pool::PoolTransport::new(p, config)?;
+            let upstream = &first.upstream;
+            let retry = Retry {
+                retries: upstream.retries,
+                ..Retry::default()
+            };
+            let client: Arc<dyn Client> = Arc::new(
+                ThrottledClient::new(
+                    Arc::clone(&throttle),
+                    p.clone(),
+                    retry,
+                    client,
+                    Arc::clone(metrics),
+                )
+                .with_shares(Arc::clone(&shares), upstream.timeout + HOLD_MARGIN)
+                .with_weights(config)
+                .with_retry_unanswered(config)
+                .with_exposed_errors(config),
+            );
+            out.insert(p.name.clone(), client);
+            continue;
+        }
         let provider: Arc<dyn Client> = match config.upstream(&p.name) {
             Some(upstream) => {
                 let client = http::HttpTransport::new(&p.name, upstream, config)?;

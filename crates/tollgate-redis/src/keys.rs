@@ -206,6 +206,29 @@ impl ThrottleKeys {
         format!("{}:parked:{user}", self.base)
     }
 
+    /// The keys of pool member `member` (`lua/throttle/lib/pool.lua`, which
+    /// builds the same names from the base): these keys with its own
+    /// `bucket` (`<base>:m:<member>:bucket`) and `inflight`
+    /// (`<base>:m:<member>:inflight`) in place of the provider's, so that
+    /// the scripts acting on one grant's buckets (slot, usage, pause) act
+    /// on its member's. The pool's own: `<base>:sticky` (user -> the member
+    /// of its last grant), `<base>:m:n` (member -> its grants) and
+    /// [`ThrottleKeys::granted_by`].
+    pub fn member(&self, member: &str) -> ThrottleKeys {
+        let at = format!("{}:m:{member}", self.base);
+        ThrottleKeys {
+            bucket: format!("{at}:bucket"),
+            inflight: format!("{at}:inflight"),
+            ..self.clone()
+        }
+    }
+
+    /// Hash: ticket -> the pool member its grant took from, beside
+    /// `granted` (`lua/throttle/lib/pool.lua`).
+    pub fn granted_by(&self) -> String {
+        format!("{}:m:granted", self.base)
+    }
+
     /// The grants inbox of process `process` on a Redis Cluster: a sharded
     /// pub/sub channel in the provider's slot, so `throttle_grant.lua`
     /// SPUBLISHes on the shard that owns the provider. A process listens on one

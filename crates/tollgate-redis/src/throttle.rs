@@ -166,14 +166,20 @@ impl std::fmt::Debug for RedisThrottle {
     }
 }
 
+/// What a waiter hears of its grant: when it was made (µs, Redis's clock)
+/// and the pool member it took from (`None` for a provider served as one
+/// upstream).
+type Heard = (u64, Option<String>);
+
 struct Shared {
     pool: Pool,
     keys: KeySpace,
     inbox: String,
     process: String,
     next: AtomicU64,
-    /// ticket -> (provider, the waiter's receiver of `granted_at_us`)
-    pending: Mutex<HashMap<String, (String, oneshot::Sender<u64>)>>,
+    /// ticket -> (provider, the waiter's receiver of `granted_at_us` and
+    /// the pool member granted, if any)
+    pending: Mutex<HashMap<String, (String, oneshot::Sender<Heard>)>>,
     subscribed: watch::Sender<bool>,
     call_timeout: Duration,
     /// Cancels of dropped waits still running: [`RedisThrottle::drain`] lets
@@ -202,11 +208,11 @@ impl Shared {
         }
     }
 
-    fn grant(&self, ticket: &str, granted_at_us: u64) {
+    fn grant(&self, ticket: &str, granted_at_us: u64, member: Option<String>) {
         if let Some((_, tx)) = lock(&self.pending).remove(ticket) {
             // A waiter that left meanwhile hands the grant back itself (its
             // cancel finds the readiness record).
-            let _ = tx.send(granted_at_us);
+            let _ = tx.send((granted_at_us, member));
         }
     }
 
@@ -227,10 +233,15 @@ impl Shared {
             cmd.arg(&keys.granted).arg(&tickets);
             let scores: Vec<Option<f64>> =
                 call::command(&self.pool, self.call_timeout, "recheck", &cmd).await?;
-            for (ticket, score) in tickets.iter().zip(scores) {
+            // The members of a pool's grants (none for other providers).
+            let mut cmd = redis::cmd("HMGET");
+            cmd.arg(keys.granted_by()).arg(&tickets);
+            let members: Vec<Option<String>> =
+                call::command(&self.pool, self.call_timeout, "recheck", &cmd).await?;
+            for ((ticket, score), member) in tickets.iter().zip(scores).zip(members) {
                 if let Some(at) = score {
                     found += 1;
-                    self.grant(ticket, at as u64);
+                    self.grant(ticket, at as u64, member);
                 }
             }
         }
@@ -253,12 +264,16 @@ impl Listener for Shared {
     }
 
     fn deliver(&self, payload: &[u8]) {
-        let parsed = std::str::from_utf8(payload)
-            .ok()
-            .and_then(|s| s.split_once(' '))
-            .and_then(|(t, at)| Some((t, at.parse::<u64>().ok()?)));
+        // "<ticket> <granted_at_us>[ <member>]" (throttle_grant.lua).
+        let parsed = std::str::from_utf8(payload).ok().and_then(|s| {
+            let mut words = s.split(' ');
+            let ticket = words.next()?;
+            let at = words.next()?.parse::<u64>().ok()?;
+            let member = words.next().map(str::to_owned);
+            words.next().is_none().then_some((ticket, at, member))
+        });
         match parsed {
-            Some((ticket, at)) => self.grant(ticket, at),
+            Some((ticket, at, member)) => self.grant(ticket, at, member),
             None => tracing::warn!(?payload, "malformed readiness message"),
         }
     }
@@ -355,14 +370,14 @@ pub use tollgate_core::throttle::SLOT_LEASE_MAX;
 /// Renews the slot of `ticket` at `provider` every third of its lease while
 /// its call runs, until `done` ends it (or [`SLOT_LEASE_MAX`]); a process that
 /// dies stops renewing, and the slot ends with its lease.
-fn renew_slot(shared: &Arc<Shared>, provider: &str, ticket: &str) {
+fn renew_slot(shared: &Arc<Shared>, keys: &ThrottleKeys, ticket: &str) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let lease = tollgate_core::config::SLOT_LEASE;
     let task = {
         let shared = Arc::clone(shared);
-        let keys = shared.keys.throttle(provider);
+        let keys = keys.clone();
         let ticket = ticket.to_owned();
         async move {
             let started = Instant::now();
@@ -391,22 +406,21 @@ fn renew_slot(shared: &Arc<Shared>, provider: &str, ticket: &str) {
     lock(&shared.slots).insert(ticket.to_owned(), handle);
 }
 
-/// Ends the slot of `ticket` at `provider` (its renewal stops).
+/// Ends the slot of `ticket` in `keys`' `inflight` (its renewal stops).
 async fn end_provider_slot(
     shared: &Shared,
     timeout: Duration,
-    provider: &str,
+    keys: &ThrottleKeys,
     ticket: &str,
 ) -> Result<(), ThrottleError> {
     if let Some(renewal) = lock(&shared.slots).remove(ticket) {
         renewal.abort();
     }
-    let keys = shared.keys.throttle(provider);
     let _: i64 = run_script(
         &shared.pool,
         timeout,
         "throttle_slot",
-        scripts::throttle_slot(&keys, ticket, false),
+        scripts::throttle_slot(keys, ticket, false),
     )
     .await?;
     Ok(())
@@ -719,27 +733,28 @@ impl Throttle for RedisThrottle {
             ThrottleError::unknown_provider(provider, self.providers.keys().map(String::as_str))
         })?;
         let keys = self.shared.keys.throttle(&p.name);
-        let pause = PauseArgs {
-            named: retry_after,
-            first: tollgate_core::config::FIRST_BACKOFF,
-            longest: p.max_pause,
-            adaptive: p.adaptive,
+        self.pause_keys(p, &keys, retry_after).await
+    }
+
+    async fn pause_member(
+        &self,
+        provider: &str,
+        member: &str,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError> {
+        let p = self.providers.get(provider).ok_or_else(|| {
+            ThrottleError::unknown_provider(provider, self.providers.keys().map(String::as_str))
+        })?;
+        let Some(m) = p.pool_member(member) else {
+            return Ok(Pause {
+                left: Duration::ZERO,
+                strikes: 0,
+                rate: p.rate,
+            });
         };
-        let r: Vec<u64> = run_script(
-            &self.shared.pool,
-            self.options.call_timeout,
-            "throttle_pause",
-            scripts::throttle_pause(&keys, BucketArgs::from(p), pause),
-        )
-        .await?;
-        match r[..] {
-            [_, left_us, strikes, milli] => Ok(Pause {
-                left: Duration::from_micros(left_us),
-                strikes: u32::try_from(strikes).unwrap_or(u32::MAX),
-                rate: milli as f64 / 1000.0,
-            }),
-            _ => Err(bad_reply("throttle_pause", r)),
-        }
+        let keys = self.shared.keys.throttle(&p.name).member(&m.name);
+        let own = p.as_member(m);
+        self.pause_keys(&own, &keys, retry_after).await
     }
 
     async fn usage(&self, grant: &Grant, used: u64) -> Result<Usage, ThrottleError> {
@@ -750,15 +765,16 @@ impl Throttle for RedisThrottle {
             )
         })?;
         let usage = Usage::of(grant.weight, used);
+        // A pool's grant took from its member's limits.
+        let (p, keys) = self.grant_buckets(p, grant);
         if p.max_weight().is_none() || usage == Usage::Matched {
             return Ok(Usage::Matched);
         }
-        let keys = self.shared.keys.throttle(&p.name);
         let _: i64 = run_script(
             &self.shared.pool,
             self.options.call_timeout,
             "throttle_usage",
-            scripts::throttle_usage(&keys, &BucketArgs::from(p), grant.weight, used),
+            scripts::throttle_usage(&keys, &BucketArgs::from(&p), grant.weight, used),
         )
         .await?;
         Ok(usage)
@@ -808,13 +824,11 @@ impl Throttle for RedisThrottle {
 
     async fn done(&self, grant: &Grant) -> Result<(), ThrottleError> {
         if let Some(slot) = &grant.slot {
-            end_provider_slot(
-                &self.shared,
-                self.options.call_timeout,
-                &grant.provider,
-                slot,
-            )
-            .await?;
+            let keys = match &grant.member {
+                Some(m) => self.shared.keys.throttle(&grant.provider).member(m),
+                None => self.shared.keys.throttle(&grant.provider),
+            };
+            end_provider_slot(&self.shared, self.options.call_timeout, &keys, slot).await?;
         }
         let Some(held) = &grant.user_slot else {
             return Ok(());
@@ -839,6 +853,47 @@ impl Throttle for RedisThrottle {
 }
 
 impl RedisThrottle {
+    /// Pauses the bucket at `keys` of `p` (a provider, or a pool member as
+    /// one: [`Provider::as_member`]): `throttle_pause.lua`.
+    async fn pause_keys(
+        &self,
+        p: &Provider,
+        keys: &ThrottleKeys,
+        retry_after: Option<Duration>,
+    ) -> Result<Pause, ThrottleError> {
+        let pause = PauseArgs {
+            named: retry_after,
+            first: tollgate_core::config::FIRST_BACKOFF,
+            longest: p.max_pause,
+            adaptive: p.adaptive,
+        };
+        let r: Vec<u64> = run_script(
+            &self.shared.pool,
+            self.options.call_timeout,
+            "throttle_pause",
+            scripts::throttle_pause(keys, BucketArgs::from(p), pause),
+        )
+        .await?;
+        match r[..] {
+            [_, left_us, strikes, milli] => Ok(Pause {
+                left: Duration::from_micros(left_us),
+                strikes: u32::try_from(strikes).unwrap_or(u32::MAX),
+                rate: milli as f64 / 1000.0,
+            }),
+            _ => Err(bad_reply("throttle_pause", r)),
+        }
+    }
+
+    /// The buckets `grant` took from: its member's (a provider of its own,
+    /// and its keys) when its provider is a pool, else its provider's.
+    fn grant_buckets(&self, p: &Provider, grant: &Grant) -> (Provider, ThrottleKeys) {
+        let keys = self.shared.keys.throttle(&p.name);
+        match grant.member.as_deref().and_then(|m| p.pool_member(m)) {
+            Some(m) => (p.as_member(m), keys.member(&m.name)),
+            None => (p.clone(), keys),
+        }
+    }
+
     /// One ticket: queued (or granted on the way in), then its grant, its
     /// timeout, or a grant too old to use (not used).
     async fn attempt(
@@ -984,17 +1039,32 @@ impl RedisThrottle {
             )),
             weight,
             ticket: Some(ticket.id.clone()),
+            member: None,
         };
         if taken {
             ticket.armed = false;
             lock(&shared.pending).remove(&ticket.id);
             if slot.is_some() {
-                renew_slot(shared, &p.name, &ticket.id);
+                renew_slot(shared, &keys, &ticket.id);
             }
             return Ok(Attempt::Granted(grant(redis_now_us, redis_now())));
         }
         match tokio::time::timeout_at(deadline, rx).await {
-            Ok(Ok(granted_at_us)) => {
+            Ok(Ok((granted_at_us, member))) => {
+                // A pool's grant: its member's slot and keys.
+                let member = member.and_then(|m| p.pool_member(&m));
+                let (slot, keys) = match member {
+                    Some(m) => (
+                        m.max_concurrent.map(|_| ticket.id.clone()),
+                        keys.member(&m.name),
+                    ),
+                    None => (slot.clone(), keys.clone()),
+                };
+                let grant = |at: u64, now: (Instant, u64)| Grant {
+                    slot: slot.clone(),
+                    member: member.map(|m| m.name.clone()),
+                    ..grant(at, now)
+                };
                 // Made before it was heard of: Redis's clock is past it.
                 if let Some(clock) = clock {
                     clock.at_least(Instant::now(), granted_at_us);
@@ -1010,7 +1080,7 @@ impl RedisThrottle {
                         tracing::debug!(provider = %p.name, ?age, "a grant that arrived late is re-dated");
                         ticket.armed = false;
                         if slot.is_some() {
-                            renew_slot(shared, &p.name, &ticket.id);
+                            renew_slot(shared, &keys, &ticket.id);
                         }
                         return Ok(Attempt::Granted(grant(redated, redis_now())));
                     }
@@ -1024,11 +1094,11 @@ impl RedisThrottle {
                     if held.is_some() || slot.is_some() {
                         let shared = Arc::clone(shared);
                         let (provider, timeout) = (p.name.clone(), self.options.call_timeout);
-                        let (held, slot) = (held.clone(), slot.clone());
+                        let (held, slot, keys) = (held.clone(), slot.clone(), keys.clone());
                         let task = async move {
                             if let Some(slot) = slot {
                                 if let Err(e) =
-                                    end_provider_slot(&shared, timeout, &provider, &slot).await
+                                    end_provider_slot(&shared, timeout, &keys, &slot).await
                                 {
                                     tracing::warn!(error = %e, "ending the slot of a late grant failed");
                                 }
@@ -1048,7 +1118,7 @@ impl RedisThrottle {
                 }
                 ticket.armed = false;
                 if slot.is_some() {
-                    renew_slot(shared, &p.name, &ticket.id);
+                    renew_slot(shared, &keys, &ticket.id);
                 }
                 Ok(Attempt::Granted(grant(granted_at_us, now)))
             }
@@ -1078,7 +1148,9 @@ impl RedisThrottle {
         deadline: Instant,
     ) -> Option<u64> {
         let clock = self.shared.clocks.get(&p.name);
-        if !p.limits.is_empty() {
+        // A pool's grants are never re-dated (as a provider's with other
+        // limits): a late one waits for a fresh grant.
+        if !p.limits.is_empty() || !p.pool().is_empty() {
             return None;
         }
         let shared = &self.shared;

@@ -727,11 +727,12 @@ async fn job(
             // The upstream's answer may echo what it was sent (a 401 that
             // quotes the key): at DEBUG only, cut, its provider's secrets masked.
             if let Some(body) = e.upstream_body() {
-                let secrets = cfg
+                let secrets: Vec<String> = cfg
                     .config
-                    .upstream(&job.provider)
-                    .map(secret_values)
-                    .unwrap_or_default();
+                    .upstreams(&job.provider)
+                    .into_iter()
+                    .flat_map(secret_values)
+                    .collect();
                 tracing::debug!(upstream_body = %loggable_body(body, &secrets), "the upstream's error answer");
             }
             match charge {

@@ -374,9 +374,20 @@ impl Config {
         self.providers.values()
     }
 
-    /// The HTTP upstream of provider `name`; `None`: the built-in mock.
+    /// The HTTP upstream of provider `name`; `None`: the built-in mock, or
+    /// a pool ([`Provider::pool`]), whose calls go to its members' (see
+    /// [`Config::upstreams`]).
     pub fn upstream(&self, name: &str) -> Option<&Upstream> {
         self.upstreams.get(name)
+    }
+
+    /// Every upstream provider `name`'s calls may go to: its own, or its
+    /// pool members', in order; none for the built-in mock.
+    pub fn upstreams(&self, name: &str) -> Vec<&Upstream> {
+        match self.providers.get(name) {
+            Some(p) if !p.pool().is_empty() => p.pool().iter().map(|m| &m.upstream).collect(),
+            _ => self.upstreams.get(name).into_iter().collect(),
+        }
     }
 
     /// Sends every provider's calls to `url` (`tollgate all --provider-url`): an
@@ -392,7 +403,16 @@ impl Config {
             });
         }
         let url = url.trim_end_matches('/').to_owned();
-        for name in self.providers.keys() {
+        for p in self.providers.values_mut() {
+            for m in &mut p.members {
+                m.upstream.url.clone_from(&url);
+            }
+        }
+        for name in self
+            .providers
+            .keys()
+            .filter(|n| self.providers[*n].pool().is_empty())
+        {
             self.upstreams
                 .entry(name.clone())
                 .and_modify(|u| u.url.clone_from(&url))

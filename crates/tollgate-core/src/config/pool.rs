@@ -279,6 +279,57 @@ weight = { from = "/max_tokens", default = 500 }
     }
 
     #[test]
+    fn a_pool_of_two_members_grants_per_member() {
+        let ok = "name = \"us\", url = \"http://127.0.0.1:9102\", limits = [{ rate = 120, per = \"1m\", burst = 10 }, { tokens = 9000, per = \"1m\", burst = 900 }]";
+        let c = Config::parse(&with_member(&format!("{{ {ok} }}")), "t.toml").unwrap();
+        let llm = c.provider("llm").unwrap();
+        let names: Vec<&str> = llm.pool().iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["eu", "us"]);
+        // The provider stands for the whole: the sum of its members' rates
+        // and bursts; its limits, slots and upstream are its members'.
+        let sum = llm.members[0].rate + llm.members[1].rate;
+        assert!((llm.rate - sum).abs() < 1e-12, "{}", llm.rate);
+        assert_eq!(
+            (llm.burst, llm.limits.len(), llm.max_concurrent),
+            (15, 0, None)
+        );
+        assert!(c.upstream("llm").is_none());
+        let urls: Vec<&str> = c.upstreams("llm").iter().map(|u| u.url.as_str()).collect();
+        assert_eq!(urls, ["http://127.0.0.1:9101/v1", "http://127.0.0.1:9102"]);
+        // Each member, as a provider of its own, has its own buckets.
+        let us = llm.as_member(llm.pool_member("us").unwrap());
+        assert_eq!(
+            (us.burst, us.limits[0].burst, us.max_concurrent),
+            (10, 900, None)
+        );
+        assert!(us.pool().is_empty());
+        // A pool of one is not a pool: served as its member.
+        assert!(Config::parse(POOL, "t.toml")
+            .unwrap()
+            .provider("llm")
+            .unwrap()
+            .pool()
+            .is_empty());
+    }
+
+    #[test]
+    fn a_call_too_heavy_for_every_member_is_refused_before_it_waits() {
+        use crate::throttle::ThrottleError;
+        let us = "name = \"us\", url = \"http://127.0.0.1:9102\", limits = [{ rate = 60, per = \"1m\" }, { tokens = 9000, per = \"1m\", burst = 600 }]";
+        let c = Config::parse(&with_member(&format!("{{ {us} }}")), "t.toml").unwrap();
+        let llm = c.provider("llm").unwrap();
+        // The heaviest call one of them holds (eu: 900; us: 600).
+        assert_eq!(llm.max_weight(), Some(900));
+        // Too heavy for us, not for eu: eu takes it.
+        assert!(ThrottleError::check_weight(llm, 700).is_ok());
+        let e = ThrottleError::check_weight(llm, 901).unwrap_err();
+        assert!(
+            matches!(e, ThrottleError::TooHeavy { weight: 901, .. }),
+            "{e:?}"
+        );
+    }
+
+    #[test]
     fn bad_pools_are_refused_naming_the_key() {
         let second = |tail: &str| with_member(tail);
         let ok = "name = \"us\", url = \"http://127.0.0.1:9102\", limits = [{ rate = 60, per = \"1m\" }, { tokens = 9000, per = \"1m\", burst = 900 }]";
@@ -407,12 +458,6 @@ weight = { from = "/max_tokens", default = 500 }
                 ),
                 "providers.llm.members",
                 "between 1 and 32",
-            ),
-            // Valid members, but more than one: not served yet.
-            (
-                second(&format!("{{ {ok} }}")),
-                "providers.llm.members",
-                "lists 2 members",
             ),
         ] {
             assert_ne!(text, POOL, "{key}");

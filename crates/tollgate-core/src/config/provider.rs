@@ -161,8 +161,13 @@ impl Provider {
 
 impl Provider {
     /// The heaviest call a grant can ever be made for: the smallest capacity
-    /// of its token limits (`None`: it has none, weight counts nothing).
+    /// of its token limits (`None`: it has none, weight counts nothing). A
+    /// pool's: the heaviest one of its members can (each member's own is
+    /// checked against its operations' weights).
     pub fn max_weight(&self) -> Option<u64> {
+        if !self.pool().is_empty() {
+            return self.pool().iter().filter_map(PoolMember::max_weight).max();
+        }
         max_token_burst(&self.limits)
     }
 
@@ -181,6 +186,37 @@ impl Provider {
         self.late_allowance
             .unwrap_or_else(|| Duration::from_secs_f64((1.0 / self.rate).min(3600.0)))
             .max(Duration::from_millis(2))
+    }
+
+    /// The members a grant chooses between: `members` when it lists two or
+    /// more; empty for a provider served as one upstream (no members, or a
+    /// pool of one: its member's limits are the provider's own).
+    pub fn pool(&self) -> &[PoolMember] {
+        if self.members.len() >= 2 {
+            &self.members
+        } else {
+            &[]
+        }
+    }
+
+    /// The member `name` of its pool ([`Provider::pool`]).
+    pub fn pool_member(&self, name: &str) -> Option<&PoolMember> {
+        self.pool().iter().find(|m| m.name == name)
+    }
+
+    /// Member `m`'s buckets as a provider of their own: its request bucket,
+    /// other limits and `max_concurrent`, with this provider's name, wait,
+    /// pause and lateness rules, and no members.
+    pub fn as_member(&self, m: &PoolMember) -> Provider {
+        Provider {
+            rate: m.rate,
+            burst: m.burst,
+            max_concurrent: m.max_concurrent,
+            rate_limit: m.rate_limit.clone(),
+            limits: m.limits.clone(),
+            members: Vec::new(),
+            ..self.clone()
+        }
     }
 }
 
@@ -610,25 +646,27 @@ pub(super) fn parse_providers(
                     retries,
                 };
                 let members = parse_members(&key, raw_members, &inherited, invalid)?;
-                let [one] = members.as_slice() else {
-                    return Err(invalid(
-                        format!("{key}.members"),
-                        format!(
-                            "lists {} members: this version serves a pool of one member \
-                                 only (grants per member are not built yet)",
-                            members.len()
-                        ),
-                    ));
-                };
-                (
-                    one.rate,
-                    one.burst,
-                    one.rate_limit.clone(),
-                    one.limits.clone(),
-                    one.max_concurrent,
-                    Some(one.upstream.clone()),
-                    members,
-                )
+                match members.as_slice() {
+                    [one] => (
+                        one.rate,
+                        one.burst,
+                        one.rate_limit.clone(),
+                        one.limits.clone(),
+                        one.max_concurrent,
+                        Some(one.upstream.clone()),
+                        members,
+                    ),
+                    // A pool: each grant takes from one member's buckets
+                    // (`Provider::pool`); the provider's own stand for the
+                    // whole (what stats show, the late bound of its grants:
+                    // one token's time of the sum, shorter than any
+                    // member's), and its calls go to the member granted.
+                    many => {
+                        let rate = many.iter().map(|m| m.rate).sum();
+                        let burst = many.iter().map(|m| m.burst).sum();
+                        (rate, burst, None, Vec::new(), None, None, members)
+                    }
+                }
             }
         };
         if let Some(upstream) = upstream {

@@ -8,7 +8,7 @@ library! {
     /// The throttle scripts, one function each of one library: the bucket
     /// and the fair queue are its prelude.
     static THROTTLE, const THROTTLE_SCRIPTS = "throttle" in "throttle" {
-        prelude: ["bucket", "fair"],
+        prelude: ["bucket", "fair", "pool"],
         scripts: [
             "throttle_enqueue", "throttle_grant", "throttle_cancel", "throttle_enqueue_fair",
             "throttle_done", "throttle_position", "throttle_slot", "throttle_pause",
@@ -32,6 +32,9 @@ pub struct BucketArgs {
     /// The provider's other limits as `lua/throttle/lib/bucket.lua` reads them
     /// ([`limits_spec`]); empty for none.
     pub limits: String,
+    /// The provider's pool as `lua/throttle/lib/pool.lua` reads it
+    /// ([`pool_spec`]); empty for a provider served as one upstream.
+    pub pool: String,
 }
 
 impl From<&tollgate_core::config::Provider> for BucketArgs {
@@ -41,8 +44,36 @@ impl From<&tollgate_core::config::Provider> for BucketArgs {
             burst: p.bucket_burst(),
             slots: p.max_concurrent.unwrap_or(0),
             limits: limits_spec(&p.limits),
+            pool: pool_spec(p),
         }
     }
+}
+
+/// `"<name> <rate> <burst> <max_concurrent> <weight>[ <limits>]"` per member
+/// of `p`'s pool ([`Provider::pool`](tollgate_core::config::Provider::pool)),
+/// `|` between: `lua/throttle/lib/pool.lua`; empty without a pool.
+pub fn pool_spec(p: &tollgate_core::config::Provider) -> String {
+    p.pool()
+        .iter()
+        .map(|m| {
+            let own = p.as_member(m);
+            let limits = limits_spec(&own.limits);
+            let mut spec = format!(
+                "{} {} {} {} {}",
+                m.name,
+                own.rate,
+                own.bucket_burst(),
+                own.max_concurrent.unwrap_or(0),
+                m.weight
+            );
+            if !limits.is_empty() {
+                spec.push(' ');
+                spec.push_str(&limits);
+            }
+            spec
+        })
+        .collect::<Vec<_>>()
+        .join("|")
 }
 
 /// `"<field> <burst> <rate> ..."`, a limit's field of the provider's
@@ -64,9 +95,10 @@ pub fn limits_spec(limits: &[tollgate_core::config::ProviderLimit]) -> String {
 }
 
 /// A ticket as the throttle scripts read its weight: `<ticket>*<weight>`
-/// for a provider with other limits (`lua/throttle/lib/bucket.lua`), else as it is.
+/// for a provider with other limits or a pool (`lua/throttle/lib/bucket.lua`),
+/// else as it is.
 pub fn weighted_ticket(ticket: String, bucket: &BucketArgs, weight: u64) -> String {
-    if bucket.limits.is_empty() {
+    if bucket.limits.is_empty() && bucket.pool.is_empty() {
         ticket
     } else {
         format!("{ticket}*{}", weight.max(1))
@@ -95,8 +127,18 @@ pub fn throttle_enqueue(
         .arg(bucket.burst)
         .arg(bucket.slots)
         .arg(SLOT_LEASE_US)
-        .arg(&bucket.limits);
+        .arg(&bucket.limits)
+        .arg(pool_flag(&bucket));
     inv
+}
+
+/// `"1"` for a pool: its enqueues never grant (`throttle_enqueue[_fair].lua`).
+fn pool_flag(bucket: &BucketArgs) -> &'static str {
+    if bucket.pool.is_empty() {
+        ""
+    } else {
+        "1"
+    }
 }
 
 /// `throttle_grant.lua`
@@ -124,7 +166,8 @@ pub fn throttle_grant(
         .arg(keys.base())
         .arg(bucket.slots)
         .arg(SLOT_LEASE_US)
-        .arg(&bucket.limits);
+        .arg(&bucket.limits)
+        .arg(&bucket.pool);
     inv
 }
 
@@ -151,7 +194,8 @@ pub fn throttle_cancel(
     };
     inv.arg(keys.base())
         .arg(late.as_micros() as u64)
-        .arg(&bucket.limits);
+        .arg(&bucket.limits)
+        .arg(&bucket.pool);
     inv
 }
 
@@ -203,7 +247,8 @@ pub fn throttle_enqueue_fair(
         .arg(keys.base())
         .arg(bucket.slots)
         .arg(SLOT_LEASE_US)
-        .arg(&bucket.limits);
+        .arg(&bucket.limits)
+        .arg(pool_flag(&bucket));
     inv
 }
 
