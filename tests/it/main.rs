@@ -43,6 +43,7 @@ mod client;
 mod cluster_failover;
 mod cluster_pubsub;
 mod concurrency;
+mod credits;
 mod dashboard;
 mod dashboard_history;
 mod dashboard_sessions;

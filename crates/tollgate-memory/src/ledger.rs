@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 
+mod credits;
+
 use crate::alerts::MemoryAlerts;
 use crate::periods::Periods;
 use crate::rollups::Rollups;
@@ -26,6 +28,7 @@ use std::borrow::Cow;
 use tollgate_core::alerts::{AlertMarks, Crossing, Latch};
 use tollgate_core::clock::{Clock, SystemClock};
 use tollgate_core::config::{Config, Limit, Plan};
+use tollgate_core::credits::CreditMode;
 use tollgate_core::id::{OrgId, RequestId, UserId};
 use tollgate_core::ledger::{
     audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
@@ -364,6 +367,9 @@ struct UserLog {
     /// The changes this call made to its charges, for the spend rollups
     /// (`MemoryLedger::roll` counts them before the call returns).
     spent: Vec<crate::rollups::Change>,
+    /// Prepaid credits (`credits`), and whether this call's charges draw.
+    credits: credits::Credits,
+    credit: credits::CreditCall,
 }
 
 /// One spend event: live, or the hole a removed one left (`request: None`).
@@ -685,6 +691,7 @@ impl UserLog {
                 break; // never: holes do not stay at the front
             };
             self.take(&request, now);
+            self.credits.forget(&request);
         }
         while let Some(entry) = self.holds.first_entry() {
             if entry.key().0 > now {
@@ -777,6 +784,8 @@ impl UserLog {
             model: None,
             entry: None,
             prices: None,
+            grant: None,
+            expires_at_ms: None,
         });
         while self.exported.len() as u64 > self.export_max {
             self.exported.pop_front();
@@ -816,6 +825,7 @@ impl UserLog {
             cost,
             owner,
         });
+        self.credit_charged(&request, cost, at, now);
         self.index.insert(request, seq);
         self.total += cost;
         self.periods.add_now(cost);
@@ -915,6 +925,14 @@ impl UserLog {
                 .collect();
             return Err(Denied::new(self.windows(limits, now), &retry, now));
         }
+        if let Some(balance) = self.credit_short(cost, now) {
+            return Err(Denied::credits(
+                balance,
+                cost,
+                self.windows(limits, now),
+                now,
+            ));
+        }
         let at = self.record(request, cost, now, operation, owner);
         Ok(Allowed::new(self.windows(limits, now), at, now, false))
     }
@@ -950,6 +968,7 @@ impl UserLog {
             operation: None,
         };
         self.export(now, ChangeKind::Settle, change);
+        self.credit_recost(&request, at, previous, cost, now);
         self.total = (self.total + cost).saturating_sub(previous);
         self.periods.recost(at, previous, cost);
         for s in &mut self.shorts {
@@ -980,6 +999,7 @@ impl UserLog {
         if code != 0 {
             self.spent.push((at, code, -(cost as i64)));
         }
+        self.credit_give(request, at, 0, now);
         // A refund lands in the period the charge was made in (an event
         // leaving the retention, `take` alone, stays counted in its period).
         self.periods.recost(at, cost, 0);
@@ -1125,6 +1145,10 @@ impl<C: Clock> MemoryLedger<C> {
             log.retain = self.retention;
             log.released.clear();
             log.code = 0;
+            log.credit = match self.config.plan_or_default(log.plan.as_deref()).credits {
+                CreditMode::Only => credits::CreditCall::Draw,
+                CreditMode::Off => credits::CreditCall::Off,
+            };
             let Some(org) = log.org.clone() else {
                 let Some(alerts) = &self.alerts else {
                     let r = f(&mut log, None, now);
@@ -1152,6 +1176,10 @@ impl<C: Clock> MemoryLedger<C> {
             member.retain = self.retention;
             member.released.clear();
             member.code = 0;
+            member.credit = match self.config.plan_or_default(member.plan.as_deref()).credits {
+                CreditMode::Only => credits::CreditCall::Member,
+                CreditMode::Off => credits::CreditCall::Off,
+            };
             if self.alerts.is_some() {
                 member.marks = self.marks.get(&self.plan_of(member).name).cloned();
             }
@@ -1203,6 +1231,7 @@ impl<C: Clock> MemoryLedger<C> {
                 && log.custom.is_none()
                 && log.cancelled.is_empty()
                 && log.org.is_none()
+                && log.credits.is_empty()
             {
                 log.retired = true;
                 return false;
@@ -1938,6 +1967,32 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         let now = self.clock.now_ms();
         let keep = self.config.spend_keep();
         Ok(lock(&self.rollups).buckets(user, step, from_ms, to_ms, &keep, now))
+    }
+
+    async fn add_credits(
+        &self,
+        user: &UserId,
+        grant: &tollgate_core::credits::GrantRequest<'_>,
+    ) -> Result<tollgate_core::credits::GrantOutcome, LedgerError> {
+        grant.check()?;
+        self.with_user(user, true, |log, side, now| {
+            if side.is_some() {
+                return Err(credits::member_refused());
+            }
+            log.credit_grant(grant, now)
+        })
+    }
+
+    async fn credits(
+        &self,
+        user: &UserId,
+    ) -> Result<tollgate_core::credits::CreditBalance, LedgerError> {
+        self.with_user(user, false, |log, side, now| {
+            if side.is_some() {
+                return Err(credits::member_refused());
+            }
+            Ok(log.credit_balance(now))
+        })
     }
 }
 

@@ -24,6 +24,11 @@ local function alert_marks(limits, text)
   end
 end
 
+-- Prepaid credits (budget/lib/credits.lua): `spec` the user's plan's limits
+-- text as the plan table has it (a user's own limits keep their plan's
+-- credits), `g` the grants read this call.
+local CREDITS = { spec = '', g = nil }
+
 -- Returns the name and limits ({ limit, window } each, longest window first) of
 -- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
 local function resolve_plan(i)
@@ -49,6 +54,9 @@ local function resolve_plan(i)
         break
       end
     end
+  end
+  if SUBJECT == 'user' then
+    CREDITS.spec, CREDITS.g = spec or '', nil
   end
   -- The user's own limits (no plan name has a ':').
   if custom then

@@ -81,6 +81,10 @@ pub struct Plan {
     /// whose crossing queues a webhook (with `[alerts]` configured), in basis
     /// points (1/10000), ascending, each in 1..=10000.
     pub alerts: Vec<u32>,
+    /// Whether the plan's users draw on prepaid credits (`credits = "only"`:
+    /// every charge must also be covered by the user's balance, and draws
+    /// from it; [`crate::credits`]).
+    pub credits: crate::credits::CreditMode,
 }
 
 /// The most thresholds a plan's `alerts` may list.
@@ -181,6 +185,7 @@ pub(super) struct RawPlan {
     max_stored_bytes: Option<i64>,
     max_open_streams: Option<i64>,
     alerts: Option<Vec<f64>>,
+    credits: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -285,6 +290,15 @@ pub(super) fn parse_plans(
             }
         };
         let alerts = parse_thresholds(&key, p.alerts.unwrap_or_default(), invalid)?;
+        let credits = match p.credits.as_deref() {
+            None => crate::credits::CreditMode::Off,
+            Some(s) => crate::credits::CreditMode::parse(s).ok_or_else(|| {
+                invalid(
+                    format!("{key}.credits"),
+                    format!("must be \"only\" or \"off\", got {s:?}"),
+                )
+            })?,
+        };
         plans.insert(
             name.clone(),
             Plan {
@@ -295,6 +309,7 @@ pub(super) fn parse_plans(
                 max_stored_bytes,
                 max_open_streams,
                 alerts,
+                credits,
             },
         );
     }
