@@ -21,6 +21,7 @@ use tollgate_core::{
 use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::ledger::RedisLedger;
 use tollgate_tests::clocked_redis::ClockedRedis;
+use tollgate_tests::redis_cluster::TestCluster;
 
 const CONFIG: &str = r#"
 default_plan = "prepaid"
@@ -36,7 +37,8 @@ window = "1h"
 "#;
 
 const HOUR: u64 = 3_600_000;
-/// 2027-01-01T00:00:00Z: where every case's ledger clock starts.
+/// 2027-01-01T00:00:00Z: where every case's ledger clock starts (the
+/// cluster's runs on the real clock: its cases' expiries are far ahead).
 const T0: u64 = 1_798_761_600_000;
 
 fn config() -> Arc<Config> {
@@ -70,12 +72,29 @@ enum Clocked {
         clock: ClockedRedis,
         pods: Vec<Arc<RedisLedger>>,
     },
+    /// A Redis Cluster on the real clock (the cases that set no clock).
+    Cluster {
+        _cluster: TestCluster,
+        pods: Vec<Arc<RedisLedger>>,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
 enum On {
     Memory,
     Redis,
+    Cluster,
+}
+
+async fn pods(url: &str) -> Vec<Arc<RedisLedger>> {
+    let prefix = tollgate_tests::random_prefix();
+    let mut pods = Vec::new();
+    for _ in 0..2 {
+        pods.push(Arc::new(
+            tollgate_tests::redis_ledger(url, &prefix, config()).await,
+        ));
+    }
+    pods
 }
 
 impl On {
@@ -88,13 +107,16 @@ impl On {
             }
             On::Redis => {
                 let clock = ClockedRedis::start(T0);
-                let prefix = tollgate_tests::random_prefix();
-                let mut pods = Vec::new();
-                for _ in 0..2 {
-                    let l = tollgate_tests::redis_ledger(&clock.url(), &prefix, config()).await;
-                    pods.push(Arc::new(l));
-                }
+                let pods = pods(&clock.url()).await;
                 Clocked::Redis { clock, pods }
+            }
+            On::Cluster => {
+                let cluster = TestCluster::get();
+                let pods = pods(&cluster.url()).await;
+                Clocked::Cluster {
+                    _cluster: cluster,
+                    pods,
+                }
             }
         }
     }
@@ -109,7 +131,9 @@ impl Clocked {
     fn pod(&self, i: usize) -> Arc<dyn Ledger> {
         match self {
             Clocked::Memory { ledger, .. } => ledger.clone(),
-            Clocked::Redis { pods, .. } => pods[i % pods.len()].clone(),
+            Clocked::Redis { pods, .. } | Clocked::Cluster { pods, .. } => {
+                pods[i % pods.len()].clone()
+            }
         }
     }
 
@@ -129,6 +153,7 @@ impl Clocked {
                 }
                 panic!("the restarted Redis does not answer");
             }
+            Clocked::Cluster { .. } => panic!("the cluster runs on the real clock"),
         }
     }
 }
@@ -471,3 +496,20 @@ on_each_backend!(
     memory => super::On::Memory,
     redis => super::On::Redis,
 );
+
+mod cluster {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_charge_draws_and_a_refund_gives_back() {
+        super::a_charge_draws_and_a_refund_gives_back(super::On::Cluster).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_settle_up_past_the_balance_is_recorded_uncovered() {
+        super::a_settle_up_past_the_balance_is_recorded_uncovered(super::On::Cluster).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sixteen_callers_on_two_pods_share_one_balance() {
+        super::sixteen_callers_on_two_pods_share_one_balance(super::On::Cluster).await;
+    }
+}
