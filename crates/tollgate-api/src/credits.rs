@@ -124,12 +124,11 @@ pub async fn add(
     user: &UserId,
     body: GrantBody,
 ) -> Result<(StatusCode, GrantedView), ApiError> {
-    let amount = money::parse_json(config.currency(), &body.amount).map_err(|m| {
-        ApiError::InvalidField {
+    let amount =
+        money::parse_json(config.currency(), &body.amount).map_err(|m| ApiError::InvalidField {
             field: "amount".into(),
             detail: format!("amount: {m}"),
-        }
-    })?;
+        })?;
     let expires_at_ms = body
         .expires_at
         .as_deref()
