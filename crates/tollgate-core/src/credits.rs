@@ -197,6 +197,22 @@ pub fn rebuild(entries: &[ExportEntry]) -> std::collections::BTreeMap<u64, i128>
     grants
 }
 
+/// A grant's `expires_at` as the admin routes and the CLI read it: an RFC
+/// 3339 instant with its offset (`2027-01-31T23:00:00Z`), to the ms.
+pub fn parse_expires_at(s: &str) -> Result<u64, LedgerError> {
+    let bad = |reason: String| LedgerError::BadCredit {
+        field: "expires_at",
+        reason,
+    };
+    let t: jiff::Timestamp = s
+        .parse()
+        .map_err(|e: jiff::Error| bad(format!("not an RFC 3339 instant with an offset: {e}")))?;
+    u64::try_from(t.as_millisecond())
+        .ok()
+        .filter(|&ms| ms > 0 && ms <= crate::config::MAX_TOKENS)
+        .ok_or_else(|| bad("not a time the ledger can hold".into()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,20 +262,4 @@ mod tests {
             vec![4, 2, 1]
         );
     }
-}
-
-/// A grant's `expires_at` as the admin routes and the CLI read it: an RFC
-/// 3339 instant with its offset (`2027-01-31T23:00:00Z`), to the ms.
-pub fn parse_expires_at(s: &str) -> Result<u64, LedgerError> {
-    let bad = |reason: String| LedgerError::BadCredit {
-        field: "expires_at",
-        reason,
-    };
-    let t: jiff::Timestamp = s
-        .parse()
-        .map_err(|e: jiff::Error| bad(format!("not an RFC 3339 instant with an offset: {e}")))?;
-    u64::try_from(t.as_millisecond())
-        .ok()
-        .filter(|&ms| ms > 0 && ms <= crate::config::MAX_TOKENS)
-        .ok_or_else(|| bad("not a time the ledger can hold".into()))
 }

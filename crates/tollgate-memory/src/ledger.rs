@@ -912,7 +912,7 @@ impl UserLog {
         now: u64,
         operation: Option<&str>,
         owner: Option<Box<Owner>>,
-    ) -> Result<Allowed, Denied> {
+    ) -> Result<Allowed, Box<Denied>> {
         let fits = limits
             .iter()
             .enumerate()
@@ -923,15 +923,19 @@ impl UserLog {
                 .enumerate()
                 .map(|(i, l)| self.retry_after(i, l, cost, now))
                 .collect();
-            return Err(Denied::new(self.windows(limits, now), &retry, now));
+            return Err(Box::new(Denied::new(
+                self.windows(limits, now),
+                &retry,
+                now,
+            )));
         }
         if let Some(balance) = self.credit_short(cost, now) {
-            return Err(Denied::credits(
+            return Err(Box::new(Denied::credits(
                 balance,
                 cost,
                 self.windows(limits, now),
                 now,
-            ));
+            )));
         }
         let at = self.record(request, cost, now, operation, owner);
         Ok(Allowed::new(self.windows(limits, now), at, now, false))
@@ -1376,7 +1380,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     }
                     ReserveOutcome::Allowed(a)
                 }
-                Err(d) => ReserveOutcome::Denied(d),
+                Err(d) => ReserveOutcome::Denied(*d),
             })
         })
     }
@@ -1669,7 +1673,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             log.code = self.dims_code(side.as_ref().map(|s| s.org), charge.operation, charge.model);
             let allowed = match log.admit(request, cost, limits, now, operation, Some(owner)) {
                 Ok(a) => a,
-                Err(d) => return Ok(ChargeOutcome::Denied(d)),
+                Err(d) => return Ok(ChargeOutcome::Denied(*d)),
             };
             // The spend was exported last (when there is an export): it
             // carries the prices the call was reserved at.
