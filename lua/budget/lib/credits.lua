@@ -127,8 +127,9 @@ function CREDITS.short(cost, now)
 end
 
 -- Draws up to `cost` for the charge `request` spent at `at` (appended to
--- its record); returns what was drawn.
-function CREDITS.draw(request, cost, at, now)
+-- its record; `new`: a new charge, which has none yet); returns what was
+-- drawn.
+function CREDITS.draw(request, cost, at, now, new)
   CREDITS.load(now)
   local need, parts = cost, {}
   for _, c in ipairs(CREDITS.ordered()) do
@@ -145,7 +146,7 @@ function CREDITS.draw(request, cost, at, now)
   CREDITS.save()
   if #parts > 0 then
     local key = CREDITS.drawn_key(at)
-    local old = redis.call('HGET', key, request)
+    local old = not new and redis.call('HGET', key, request)
     redis.call('HSET', key, request, old and (old .. ' ' .. table.concat(parts, ' ')) or table.concat(parts, ' '))
     redis.call('PEXPIREAT', key, int((math.floor(at / CREDIT_DAY) + 1) * CREDIT_DAY + RETAIN + CREDIT_DAY))
   end
@@ -155,7 +156,7 @@ end
 -- A new charge recorded (`record`): it draws its cost.
 function CREDITS.charged(request, cost, at, now)
   if CREDITS.on() and not is_member() then
-    CREDITS.draw(request, cost, at, now)
+    CREDITS.draw(request, cost, at, now, true)
   end
 end
 
