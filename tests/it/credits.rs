@@ -16,7 +16,9 @@ use tollgate_core::{
     config::Config,
     credits::{self, CreditBalance, GrantOutcome, GrantRequest},
     id::{RequestId, UserId},
-    ledger::{ChangeKind, ExportEntry, Ledger, LedgerError, ReserveOutcome},
+    ledger::{
+        ChangeKind, ChargeOutcome, ChargeRequest, ExportEntry, Ledger, LedgerError, ReserveOutcome,
+    },
 };
 use tollgate_memory::ledger::MemoryLedger;
 use tollgate_redis::ledger::RedisLedger;
@@ -212,6 +214,33 @@ async fn a_charge_draws_and_a_refund_gives_back(on: On) {
     let r = l.reserve(&u, &rid("r3"), 1).await.unwrap();
     assert_eq!(refused_with(&r), 0);
 
+    // A job's charge draws the same way; its release gives back.
+    l.add_credits(&u, &grant(6, "top-up-2", None))
+        .await
+        .unwrap();
+    let charge = ChargeRequest {
+        cost: 5,
+        nonce: "n1",
+        operation: "chat",
+        model: "",
+        service_key: None,
+        fingerprint: "f1",
+        deadline: Duration::from_secs(60),
+        grace: Duration::from_secs(5),
+        price: None,
+    };
+    let c = l.charge(&u, &rid("job1"), &charge).await.unwrap();
+    assert!(matches!(c, ChargeOutcome::Charged { .. }), "{c:?}");
+    assert_eq!(l.credits(&u).await.unwrap().balance, 1);
+    let c = l.charge(&u, &rid("job2"), &charge).await.unwrap();
+    assert!(
+        matches!(&c, ChargeOutcome::Denied(d) if d.credits == Some(1)),
+        "{c:?}"
+    );
+    l.release(&u, &rid("job1"), "n1").await.unwrap();
+    assert_eq!(l.credits(&u).await.unwrap().balance, 6);
+    allowed(&l.reserve(&u, &rid("r4"), 6).await.unwrap());
+
     let free = user("bea");
     l.set_plan(&free, "free").await.unwrap();
     l.add_credits(&free, &grant(5, "k", None)).await.unwrap();
@@ -231,7 +260,11 @@ async fn a_charge_draws_and_a_refund_gives_back(on: On) {
             ChangeKind::CreditGrant,
             ChangeKind::CreditDraw,
             ChangeKind::CreditReturn,
-            ChangeKind::CreditDraw
+            ChangeKind::CreditDraw,
+            ChangeKind::CreditGrant,
+            ChangeKind::CreditDraw,
+            ChangeKind::CreditReturn,
+            ChangeKind::CreditDraw,
         ]
     );
 }
