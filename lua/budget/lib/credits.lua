@@ -15,7 +15,7 @@
 --                     'credit_expire' with what it still held).
 --   '<base>:ck'       hash: idempotency key -> '<n> <amount> <expires_ms>'.
 --   '<base>:cd:<day>' hash per day (UTC) a charge was spent in: request id
---                     -> what it drew, '<n>:<amount>' space separated in
+--                     (packed as the log packs it: `pack_id`) -> what it drew, '<n>:<amount>' space separated in
 --                     drawing order. Expires a retention after the day
 --                     ends: no live charge is older.
 -- Every change is exported (with [export]): kind credit_grant | credit_draw
@@ -146,8 +146,8 @@ function CREDITS.draw(request, cost, at, now, new)
   CREDITS.save()
   if #parts > 0 then
     local key = CREDITS.drawn_key(at)
-    local old = not new and redis.call('HGET', key, request)
-    redis.call('HSET', key, request, old and (old .. ' ' .. table.concat(parts, ' ')) or table.concat(parts, ' '))
+    local old = not new and redis.call('HGET', key, pack_id(request))
+    redis.call('HSET', key, pack_id(request), old and (old .. ' ' .. table.concat(parts, ' ')) or table.concat(parts, ' '))
     redis.call('PEXPIREAT', key, int((math.floor(at / CREDIT_DAY) + 1) * CREDIT_DAY + RETAIN + CREDIT_DAY))
   end
   return cost - need
@@ -168,7 +168,7 @@ function CREDITS.give(request, at, keep, now)
     return
   end
   local key = CREDITS.drawn_key(at)
-  local rec = redis.call('HGET', key, request)
+  local rec = redis.call('HGET', key, pack_id(request))
   if not rec then
     return
   end
@@ -205,9 +205,9 @@ function CREDITS.give(request, at, keep, now)
     end
   end
   if #kept > 0 then
-    redis.call('HSET', key, request, table.concat(kept, ' '))
+    redis.call('HSET', key, pack_id(request), table.concat(kept, ' '))
   else
-    redis.call('HDEL', key, request)
+    redis.call('HDEL', key, pack_id(request))
   end
 end
 
@@ -220,7 +220,7 @@ function CREDITS.recost(request, at, previous, cost, now)
     -- What it drew past its new cost (an uncovered part goes first).
     CREDITS.give(request, at, cost, now)
   elseif cost > previous and SUBJECT == 'user' and not NOCHECK and not is_member()
-      and redis.call('HEXISTS', CREDITS.drawn_key(at), request) == 1 then
+      and redis.call('HEXISTS', CREDITS.drawn_key(at), pack_id(request)) == 1 then
     CREDITS.g = nil
     local drawn = CREDITS.draw(request, cost - previous, at, now)
     if drawn < cost - previous then
