@@ -14,7 +14,8 @@
 --   { 3, amount, expires_ms }          the key names another grant: nothing changed
 --   { 4, now_ms }                      the expiry is not after now: nothing changed
 --   { 5, max }                         the user holds `max` grants already
---   { -2 }                             a member of an organisation: no credits
+--   { -2 }                             a grant to a member of an organisation,
+--                                      which holds no credits (show: balance 0)
 -- balance: see CREDITS.push. Expired grants go (exported) in either step.
 
 local op, amount, expires, key = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
@@ -24,11 +25,12 @@ if (op ~= 'grant' and op ~= 'show') or not amount or not expires
   return redis.error_reply('credits: bad op, amount, expiry or key')
 end
 resolve_plan(5)
+local now = now_ms()
 if is_member() then
-  return { -2 }
+  -- A member holds no credits: its balance is 0, a grant refused.
+  return op == 'show' and { 1, 0, now, 0, 0 } or { -2 }
 end
 check_home(redis.call('HGET', META, 'w'))
-local now = now_ms()
 CREDITS.load(now)
 if op == 'show' then
   return CREDITS.push({ 1, 0, now })

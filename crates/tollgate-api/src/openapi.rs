@@ -729,7 +729,7 @@ fn credit_schemas(currency: Currency) -> Value {
     json!({
         "Grant": {"type": "object", "required": ["amount", "idempotency_key"], "additionalProperties": false, "properties": {
             "amount": limit_input(currency),
-            "expires_at": {"type": "string", "format": "date-time", "maxLength": 64, "description": "When the grant stops counting (RFC 3339 with its offset, after now); absent: never."},
+            "expires_at": {"type": ["string", "null"], "format": "date-time", "maxLength": 64, "description": "When the grant stops counting (RFC 3339 with its offset, after now); absent or null: never."},
             "idempotency_key": {"type": "string", "minLength": 1, "maxLength": tollgate_core::credits::MAX_KEY_LEN, "pattern": "^[A-Za-z0-9._-]+$",
                 "description": "The same key with the same amount and expiry is the same grant (200, nothing added); with another, 409."},
         }},

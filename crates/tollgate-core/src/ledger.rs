@@ -1052,7 +1052,8 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
     ) -> Result<crate::credits::GrantOutcome, LedgerError>;
 
     /// The user's balance and live grants; grants that expired go now
-    /// (exported as [`ChangeKind::CreditExpire`]).
+    /// (exported as [`ChangeKind::CreditExpire`]). A member of an
+    /// organisation holds none: 0.
     async fn credits(&self, user: &UserId) -> Result<crate::credits::CreditBalance, LedgerError>;
 }
 

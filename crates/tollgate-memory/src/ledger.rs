@@ -1991,12 +1991,13 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         &self,
         user: &UserId,
     ) -> Result<tollgate_core::credits::CreditBalance, LedgerError> {
-        self.with_user(user, false, |log, side, now| {
+        Ok(self.with_user(user, false, |log, side, now| {
+            // A member holds no credits of its own (as credits.lua answers).
             if side.is_some() {
-                return Err(credits::member_refused());
+                return tollgate_core::credits::CreditBalance::new(Vec::new(), now);
             }
-            Ok(log.credit_balance(now))
-        })
+            log.credit_balance(now)
+        }))
     }
 }
 
