@@ -403,6 +403,32 @@ async fn bad_grants_change_nothing(on: On) {
     assert_eq!(grants, 1);
 }
 
+/// A member of an organisation holds no credits of its own (its budget
+/// lives under the organisation's tag): a credits plan refuses its calls
+/// with a balance of 0, its balance reads 0, a grant to it names `user`;
+/// back out of the organisation, its grants are there again.
+async fn a_member_holds_no_credits(on: On) {
+    let b = on.start().await;
+    let l = b.ledger();
+    let u = user("gus");
+    l.add_credits(&u, &grant(9, "k", None)).await.unwrap();
+    let org = tollgate_core::id::OrgId::new("acme").unwrap();
+    l.set_org_plan(&org, "free").await.unwrap();
+    l.set_user_org(&u, Some(&org)).await.unwrap();
+    let r = l.reserve(&u, &rid("m1"), 1).await.unwrap();
+    assert_eq!(refused_with(&r), 0);
+    assert_eq!(l.credits(&u).await.unwrap().balance, 0);
+    let g = l.add_credits(&u, &grant(5, "k2", None)).await;
+    assert!(
+        matches!(g, Err(LedgerError::BadCredit { field: "user", .. })),
+        "{g:?}"
+    );
+    l.set_user_org(&u, None).await.unwrap();
+    assert_eq!(l.credits(&u).await.unwrap().balance, 9);
+    allowed(&l.reserve(&u, &rid("m2"), 9).await.unwrap());
+    assert_eq!(l.credits(&u).await.unwrap().balance, 0);
+}
+
 /// 16 callers on 2 pods (two ledger handles on one Redis; the embedded
 /// ledger: one) draw on one balance of three grants of different expiry
 /// with random costs, settles (down, and sometimes up) and refunds. At the
@@ -525,6 +551,7 @@ on_each_backend!(
         a_settle_up_past_the_balance_is_recorded_uncovered,
         bad_grants_change_nothing,
         sixteen_callers_on_two_pods_share_one_balance,
+        a_member_holds_no_credits,
     ]
     memory => super::On::Memory,
     redis => super::On::Redis,
