@@ -160,11 +160,21 @@ function CREDITS.charged(request, cost, at, now)
   end
 end
 
+-- Whether the user was ever granted credits (its grants' hash never goes):
+-- only then can a charge have drawn. Read once a call, so that a settle or
+-- refund of a user without credits costs one EXISTS.
+function CREDITS.held()
+  if CREDITS.has == nil then
+    CREDITS.has = CREDITS.g ~= nil or redis.call('EXISTS', CREDITS.key()) == 1
+  end
+  return CREDITS.has
+end
+
 -- Gives what the charge `request` (spent at `at`) drew past `keep` back to
 -- the grants it drew from, the last drawn first (keep 0: the charge is
 -- gone). A grant that expired since keeps nothing.
 function CREDITS.give(request, at, keep, now)
-  if SUBJECT ~= 'user' or NOCHECK or is_member() then
+  if SUBJECT ~= 'user' or NOCHECK or is_member() or not CREDITS.held() then
     return
   end
   local key = CREDITS.drawn_key(at)
@@ -219,7 +229,7 @@ function CREDITS.recost(request, at, previous, cost, now)
   if cost < previous then
     -- What it drew past its new cost (an uncovered part goes first).
     CREDITS.give(request, at, cost, now)
-  elseif cost > previous and SUBJECT == 'user' and not NOCHECK and not is_member()
+  elseif cost > previous and SUBJECT == 'user' and not NOCHECK and not is_member() and CREDITS.held()
       and redis.call('HEXISTS', CREDITS.drawn_key(at), pack_id(request)) == 1 then
     CREDITS.g = nil
     local drawn = CREDITS.draw(request, cost - previous, at, now)

@@ -26,8 +26,9 @@ end
 
 -- Prepaid credits (budget/lib/credits.lua): `spec` the user's plan's limits
 -- text as the plan table has it (a user's own limits keep their plan's
--- credits), `g` the grants read this call.
-local CREDITS = { spec = '', g = nil }
+-- credits), `g` the grants read this call, `has` whether the user holds a
+-- grants' hash (read once a call).
+local CREDITS = { spec = '', g = nil, has = nil }
 
 -- Returns the name and limits ({ limit, window } each, longest window first) of
 -- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
@@ -56,7 +57,7 @@ local function resolve_plan(i)
     end
   end
   if SUBJECT == 'user' then
-    CREDITS.spec, CREDITS.g = spec or '', nil
+    CREDITS.spec, CREDITS.g, CREDITS.has = spec or '', nil, nil
   end
   -- The user's own limits (no plan name has a ':').
   if custom then
