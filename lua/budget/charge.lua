@@ -32,6 +32,8 @@
 --   { 4 }              the id is charged by a plain reserve: nothing charged
 --   { -1, max_cost }   cost can never fit this plan
 --   { 5 }              a new charge, refused as ARGV[8] asks: nothing charged
+--   { 6, now_ms, balance, windows... }  a credits plan: the balance cannot
+--                      cover it (budget/lib/credits.lua): nothing charged
 -- windows: see push_windows in budget/lib/events.lua.
 -- A member of an organisation (see budget/lib/state.lua): KEYS[7..12] the
 -- organisation's budget keys; the organisation's plan name and windows follow
@@ -76,6 +78,10 @@ end
 
 if not fits(limits, used, cost) or not org_fits(org, cost) or not model_fits(cost) then
   return org_windows(push_windows({ 0, now }, limits, used, now, cost), org, now, cost)
+end
+local balance = CREDITS.short(cost, now)
+if balance then
+  return push_windows({ 6, now, balance }, limits, used, now)
 end
 
 local deadline = now + deadline_after

@@ -12,6 +12,8 @@
 --   { 2, at_ms, now_ms, windows... }   already recorded (idempotent retry)
 --   { 0, 0, now_ms, windows... }       denied: does not fit (retry_after per window)
 --   { -1, max_cost }                   cost can never fit this plan
+--   { 6, now_ms, balance, windows... } a credits plan: the balance cannot
+--                                      cover it (budget/lib/credits.lua)
 -- windows: see push_windows in budget/lib/events.lua.
 -- A member of an organisation (see budget/lib/state.lua): KEYS[7..12] the
 -- organisation's budget keys; the organisation's plan name and windows follow
@@ -32,6 +34,10 @@ end
 
 if not fits(limits, used, cost) or not org_fits(org, cost) then
   return org_windows(push_windows({ 0, 0, now }, limits, used, now, cost), org, now, cost)
+end
+local balance = CREDITS.short(cost, now)
+if balance then
+  return push_windows({ 6, now, balance }, limits, used, now)
 end
 
 local at

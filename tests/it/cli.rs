@@ -891,3 +891,64 @@ fn money_amounts_are_decimal_strings() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(one_line_error(&out).contains("limits[0].limit"));
 }
+
+/// `tollgate credits add|show|history` against a real Redis: a grant (the
+/// same key again adds nothing; another grant under it exits 4), a bad
+/// amount or expiry exits 2 naming the field; the balance shows.
+#[test]
+fn credits_add_show_and_history() {
+    let cli = Cli::new();
+    let json = |args: &[&str], code: i32| cli.json_in("credits", args, code);
+    cli.json_in("users", &["create", "--user", "cr"], 0);
+    let add = ["add", "--user", "cr", "--amount", "7", "--key", "k1"];
+    let v = json(&add, 0);
+    assert_eq!(
+        (&v["outcome"], &v["credits"]["balance"]),
+        (&"granted".into(), &7.into()),
+        "{v}"
+    );
+    let v = json(&add, 0);
+    assert_eq!(v["outcome"], "existing", "{v}");
+    let out = cli.run_in(
+        "credits",
+        &["add", "--user", "cr", "--amount", "8", "--key", "k1"],
+    );
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
+    for (args, field) in [
+        (
+            ["add", "--user", "cr", "--amount", "0", "--key", "k2"].as_slice(),
+            "amount",
+        ),
+        (
+            &["add", "--user", "cr", "--amount=-3", "--key", "k2"],
+            "amount",
+        ),
+        (
+            &[
+                "add",
+                "--user",
+                "cr",
+                "--amount",
+                "3",
+                "--key",
+                "k2",
+                "--expires-at",
+                "2020-01-01T00:00:00Z",
+            ],
+            "expires_at",
+        ),
+    ] {
+        let out = cli.run_in("credits", args);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        assert!(one_line_error(&out).contains(field), "{out:?}");
+    }
+    let v = json(&["show", "--user", "cr"], 0);
+    assert_eq!(v["balance"], 7, "{v}");
+    assert_eq!(v["grants"].as_array().map(Vec::len), Some(1), "{v}");
+    let text = String::from_utf8_lossy(&cli.run_in("credits", &["show", "--user", "cr"]).stdout)
+        .into_owned();
+    assert!(text.contains("cr: balance 7 tokens"), "{text}");
+    // No [export] configured: no history.
+    let v = json(&["history", "--user", "cr"], 0);
+    assert_eq!(v["entries"], serde_json::json!([]), "{v}");
+}

@@ -1163,6 +1163,8 @@ pub fn replay(
             ChangeKind::Refund => {
                 live.remove(&id);
             }
+            // Prepaid credits: no spend event changes.
+            _ => {}
         }
     }
     live.retain(|_, (at, _)| *at + window_ms > now_ms);

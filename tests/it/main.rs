@@ -43,6 +43,8 @@ mod client;
 mod cluster_failover;
 mod cluster_pubsub;
 mod concurrency;
+mod credits;
+mod credits_api;
 mod dashboard;
 mod dashboard_history;
 mod dashboard_sessions;

@@ -492,7 +492,7 @@ pub async fn clear_user_limits(
 }
 
 /// A 404 unless `user` was issued a key or has a budget of its own.
-async fn require_user(
+pub(crate) async fn require_user(
     ledger: &dyn Ledger,
     keys: &dyn KeyStore,
     config: &Config,

@@ -26,6 +26,7 @@ pub mod access_log;
 pub mod admin;
 pub mod auth;
 pub mod cost;
+pub mod credits;
 pub mod dashboard;
 pub mod edge;
 pub mod extract;
@@ -245,6 +246,35 @@ fn routes(state: &ApiState, guard: auth::AuthGuard) -> Routes {
             .ok(200, "The limits the user is held to now.", Some(schema("Limits")))
             .errors(&[P::NotFound]),
             put(admin::set_limits),
+        )
+        .route(
+            Doc::post(
+                "/admin/users/{user}/credits",
+                "Add a grant to a user's prepaid balance (idempotent per idempotency_key)",
+            )
+            .admin()
+            .body(schema("Grant"))
+            .ok(201, "Granted: the balance now.", Some(schema("Granted")))
+            .ok(200, "The key names this very grant already: nothing added.", Some(schema("Granted")))
+            .errors(&[P::NotFound, P::IdempotencyConflict]),
+            post(credits::post),
+        )
+        .route(
+            Doc::get("/admin/users/{user}/credits", "A user's prepaid balance and live grants")
+                .admin()
+                .ok(200, "The balance.", Some(schema("Credits")))
+                .errors(&[P::InvalidField]),
+            get(credits::show),
+        )
+        .route(
+            Doc::get(
+                "/admin/users/{user}/credits/history",
+                "Every grant, draw, return and expiry of a user's balance (from the export)",
+            )
+            .admin()
+            .ok(200, "The history, oldest first.", Some(schema("CreditsHistory")))
+            .errors(&[P::InvalidField]),
+            get(credits::show_history),
         )
         .route(
             Doc::delete(

@@ -335,6 +335,7 @@ impl Routes {
         doc.metered = Some(cost);
         doc.errors.extend([
             ProblemType::QuotaExceeded,
+            ProblemType::CreditsExhausted,
             ProblemType::CostExceedsLimit,
             ProblemType::IdempotencyConflict,
             ProblemType::IdempotencyKeyReused,
@@ -461,6 +462,8 @@ fn schemas(config: &Config) -> Value {
                 "upstream_status": {"type": "integer", "description": "422 upstream-rejected: the upstream's status (400, 413, 414, 415 or 422)."},
                 "upstream_body": {"type": "string", "description": "422 upstream-rejected: the upstream's body (at most 1024 bytes), only for an operation with expose_upstream_errors = true."},
                 "scope": {"type": "string", "enum": ["user", "organisation"], "description": "429 quota-exceeded: whose budget held the request back: the user's own, or its organisation's."},
+                "balance": amount.clone(),
+                "needed": amount.clone(),
             },
         },
         "OperationInput": {"type": "object", "description": "The operation's input, passed to the provider as it is.", "additionalProperties": true},
@@ -640,6 +643,9 @@ fn schemas(config: &Config) -> Value {
         "JobList": crate::dashboard::jobs::list_schema(currency),
         "JobDetail": crate::dashboard::jobs::detail_schema(currency),
     });
+    if let (Some(all), Value::Object(more)) = (all.as_object_mut(), credit_schemas(currency)) {
+        all.extend(more);
+    }
     // Past the one `json!` above: it is at the macro's recursion limit.
     all["SpendPage"] = spend_page_schema(amount);
     all
@@ -718,6 +724,58 @@ fn window(currency: Currency) -> Value {
             "model": {"type": "string", "description": "A model limit's (`model_limits`): the pattern of the models it counts (absent: one of the plan's own limits)."},
         },
     })
+}
+
+/// The prepaid credits' schemas (`/admin/users/{user}/credits`).
+fn credit_schemas(currency: Currency) -> Value {
+    let amount = amount_schema(currency);
+    let money_code = json!({"type": "string", "description": "A money deployment's ISO 4217 code, in which the amounts are decimal strings (absent for tokens: integers)."});
+    json!({
+        "Grant": {"type": "object", "required": ["amount", "idempotency_key"], "additionalProperties": false, "properties": {
+            "amount": limit_input(currency),
+            "expires_at": {"type": ["string", "null"], "format": "date-time", "maxLength": 64, "description": "When the grant stops counting (RFC 3339 with its offset, after now); absent or null: never."},
+            "idempotency_key": {"type": "string", "minLength": 1, "maxLength": tollgate_core::credits::MAX_KEY_LEN, "pattern": "^[A-Za-z0-9._-]+$",
+                "description": "The same key with the same amount and expiry is the same grant (200, nothing added); with another, 409."},
+        }},
+        "Credits": credits_schema(currency),
+        "Granted": {"type": "object", "required": ["outcome", "grant", "credits"], "properties": {
+            "outcome": {"type": "string", "enum": ["granted", "existing"]},
+            "grant": {"type": "integer", "minimum": 1, "description": "The grant's number (from 1, per user)."},
+            "credits": credits_schema(currency),
+        }},
+        "CreditsHistory": {"type": "object", "required": ["user", "entries"], "properties": {
+            "user": {"type": "string"},
+            "currency": money_code,
+            "entries": {"type": "array", "description": "Oldest first, the first 1000; empty without [export].", "items": {"type": "object",
+                "required": ["id", "kind", "grant", "amount", "request_id"], "properties": {
+                    "id": {"type": "string", "description": "The export entry's id (`<ms>-<seq>`)."},
+                    "kind": {"type": "string", "enum": ["credit_grant", "credit_draw", "credit_return", "credit_expire", "credit_uncovered"]},
+                    "grant": {"type": "integer", "minimum": 0, "description": "The grant (0: an uncovered cost)."},
+                    "amount": amount.clone(),
+                    "request_id": {"type": "string", "description": "The charge's request id; a grant's or an expiry's: the grant's key."},
+                    "at_ms": {"type": "integer", "minimum": 0},
+                    "expires_at_ms": {"type": "integer", "minimum": 0},
+                }}},
+        }},
+    })
+}
+
+/// A user's prepaid balance (`GET /admin/users/{user}/credits`).
+fn credits_schema(currency: Currency) -> Value {
+    let amount = amount_schema(currency);
+    json!({"type": "object", "required": ["user", "balance", "grants", "now_ms"], "properties": {
+        "user": {"type": "string"},
+        "currency": {"type": "string"},
+        "balance": amount.clone(),
+        "grants": {"type": "array", "description": "Live grants with something left, in the order charges draw them: earliest expiry first, one that never expires last.",
+            "items": {"type": "object", "required": ["id", "remaining", "expires_at", "expires_at_ms"], "properties": {
+                "id": {"type": "integer", "minimum": 1},
+                "remaining": amount,
+                "expires_at": {"type": ["string", "null"], "format": "date-time"},
+                "expires_at_ms": {"type": ["integer", "null"]},
+            }}},
+        "now_ms": {"type": "integer"},
+    }})
 }
 
 /// A list of limits as the admin views show them.

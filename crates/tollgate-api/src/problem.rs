@@ -94,10 +94,11 @@ pub enum ProblemType {
     PlanNotAllowed,
     UpstreamRejected,
     TooManyStreams,
+    CreditsExhausted,
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 35] = [
+    pub const ALL: [ProblemType; 36] = [
         Self::Unauthorized,
         Self::TooManyFailedAuthentications,
         Self::AdminDisabled,
@@ -133,6 +134,7 @@ impl ProblemType {
         Self::PlanNotAllowed,
         Self::UpstreamRejected,
         Self::TooManyStreams,
+        Self::CreditsExhausted,
     ];
 
     pub fn slug(self) -> &'static str {
@@ -172,6 +174,7 @@ impl ProblemType {
             Self::PlanNotAllowed => "plan-not-allowed",
             Self::UpstreamRejected => "upstream-rejected",
             Self::TooManyStreams => "too-many-streams",
+            Self::CreditsExhausted => "credits-exhausted",
         }
     }
 
@@ -213,6 +216,7 @@ impl ProblemType {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::CreditsExhausted => StatusCode::PAYMENT_REQUIRED,
         }
     }
 
@@ -289,6 +293,9 @@ impl ProblemType {
             Self::TooManyStreams => {
                 "Your plan's most streamed answers are open on this server: retry once one ends; nothing was charged"
             }
+            Self::CreditsExhausted => {
+                "Your prepaid balance cannot cover this request: top up before retrying; nothing was charged"
+            }
         }
     }
 }
@@ -339,6 +346,12 @@ pub struct Problem {
     /// `organisation` (the user's organisation's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scope: Option<tollgate_core::ledger::Scope>,
+    /// 402 credits-exhausted: the prepaid balance, and what the request
+    /// needed (decimal strings in a money currency, else integers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub balance: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub needed: Option<serde_json::Value>,
 }
 
 /// Everything the api can answer with other than success.
@@ -440,6 +453,7 @@ impl ApiError {
             Self::InvalidField { .. } => ProblemType::InvalidField,
             Self::UnsupportedMediaType(_) => ProblemType::UnsupportedMediaType,
             Self::PayloadTooLarge => ProblemType::PayloadTooLarge,
+            Self::QuotaExceeded(d) if d.credits.is_some() => ProblemType::CreditsExhausted,
             Self::QuotaExceeded(_) => ProblemType::QuotaExceeded,
             Self::CostExceedsLimit(_) => ProblemType::CostExceedsLimit,
             Self::IdempotencyConflict(_) => ProblemType::IdempotencyConflict,
@@ -492,6 +506,8 @@ impl ApiError {
             upstream_status: None,
             upstream_body: None,
             scope: None,
+            balance: None,
+            needed: None,
         };
         match self {
             Self::Store(e) if e.is_transient() => {
@@ -505,6 +521,21 @@ impl ApiError {
             Self::InvalidField { field, .. } => {
                 p.detail = Some(self.to_string());
                 p.field = Some(field.clone());
+            }
+            Self::QuotaExceeded(denied) if denied.credits.is_some() => {
+                let amount = |n: u64| tollgate_core::money::Amount::new(denied.currency, n);
+                let text = |n: u64| match denied.currency {
+                    tollgate_core::money::Currency::Tokens => format!("{n} tokens"),
+                    c => format!("{} {c}", tollgate_core::money::format_amount(c, n)),
+                };
+                let balance = denied.credits.unwrap_or(0);
+                p.detail = Some(format!(
+                    "your prepaid balance is {}; this request needs {}",
+                    text(balance),
+                    text(denied.needed)
+                ));
+                p.balance = Some(amount(balance).to_json());
+                p.needed = Some(amount(denied.needed).to_json());
             }
             Self::QuotaExceeded(denied) => {
                 // The binding limit's window (`12h`) or period (`month`).
@@ -628,6 +659,8 @@ impl IntoResponse for ApiError {
                     HeaderValue::from_static("Bearer realm=\"tollgate\""),
                 );
             }
+            // A balance refills by a top-up, not with time: no Retry-After.
+            Self::QuotaExceeded(denied) if denied.credits.is_some() => {}
             Self::QuotaExceeded(denied) => {
                 crate::ratelimit::denied(denied).apply(headers);
             }
@@ -672,6 +705,11 @@ impl From<LedgerError> for ApiError {
                 detail: e.to_string(),
             },
             LedgerError::UnknownOrg(_) => Self::NotFound(e.to_string()),
+            LedgerError::BadCredit { field, .. } => Self::InvalidField {
+                field: field.into(),
+                detail: e.to_string(),
+            },
+            LedgerError::CreditKeyReused { .. } => Self::IdempotencyConflict(e.to_string()),
             LedgerError::Store(e) => Self::Store(e),
         }
     }

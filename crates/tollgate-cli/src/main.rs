@@ -5,6 +5,7 @@ mod alerts;
 mod all;
 mod api;
 mod budget;
+mod credits;
 mod edge;
 mod logging;
 mod mock_provider;
@@ -64,6 +65,9 @@ enum Command {
     /// Spend by user, organisation, model, operation or provider, per hour
     /// or day, from the rollups kept as charges change (table, JSON or CSV).
     Spend(spend::SpendArgs),
+    /// Prepaid credits: add a grant to a user's balance, show the balance,
+    /// its history.
+    Credits(credits::CreditsArgs),
 }
 
 /// Help and version print as clap renders them; a bad or missing flag is one
@@ -117,6 +121,7 @@ fn main() -> ExitCode {
             Command::Worker(args) => worker::run(args).await,
             Command::MockProvider(args) => mock_provider::run(args).await,
             Command::Users(args) => users::run(args).await,
+            Command::Credits(args) => credits::run(args).await,
             Command::Orgs(args) => orgs::run(args).await,
             Command::Spend(args) => spend::run(args).await,
         }

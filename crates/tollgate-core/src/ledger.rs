@@ -56,6 +56,21 @@ pub enum ChangeKind {
     Refund,
     /// A spend event's cost was set to `cost` (from `previous_cost`).
     Settle,
+    /// Prepaid credits ([`crate::credits`]), each naming its `grant`: a
+    /// grant of `cost` (its `request_id` the idempotency key, with its
+    /// `expires_at_ms`).
+    CreditGrant,
+    /// `cost` drawn from the grant by the charge `request_id` (spent at
+    /// `spent_at_ms`).
+    CreditDraw,
+    /// `cost` given back to the grant by the charge's settle down, refund
+    /// or release.
+    CreditReturn,
+    /// The grant expired holding `cost` (its `request_id` the grant's key).
+    CreditExpire,
+    /// A settle up of `cost` more than the balance could cover (grant 0):
+    /// the charge keeps its cost, the balance stays at zero.
+    CreditUncovered,
 }
 
 /// One entry of a user's export ([`Ledger::exported`]): every change to the
@@ -93,6 +108,12 @@ pub struct ExportEntry {
     pub entry: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prices: Option<serde_json::Value>,
+    /// A credits entry's grant ([`ChangeKind::CreditGrant`] and after).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grant: Option<u64>,
+    /// A grant's expiry, on its [`ChangeKind::CreditGrant`] entry.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<u64>,
 }
 
 impl ExportEntry {
@@ -460,6 +481,11 @@ pub struct Denied {
     /// What the amounts count, for messages.
     #[serde(skip)]
     pub currency: crate::money::Currency,
+    /// Refused because the user's prepaid balance (this) cannot cover the
+    /// cost (`needed`): the plan draws on credits ([`crate::credits`]).
+    /// `None`: a window or period refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credits: Option<u64>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -492,6 +518,18 @@ impl Denied {
             organisation: Some(Box::new(org)),
             needed: 0,
             currency: crate::money::Currency::Tokens,
+            credits: None,
+        }
+    }
+
+    /// The refusal of a cost `needed` that the user's credit `balance`
+    /// cannot cover: nothing leaves by itself, so no retry_after (a top-up
+    /// is what helps).
+    pub fn credits(balance: u64, needed: u64, windows: Vec<WindowUse>, now_ms: u64) -> Self {
+        Self {
+            credits: Some(balance),
+            needed,
+            ..Self::new(windows, &[], now_ms)
         }
     }
 
@@ -516,6 +554,7 @@ impl Denied {
             organisation: None,
             needed: 0,
             currency: crate::money::Currency::Tokens,
+            credits: None,
         }
     }
 }
@@ -822,6 +861,17 @@ pub enum LedgerError {
     /// Limits no plan could have ([`check_custom_limits`]).
     #[error("limits: {0}")]
     BadLimits(String),
+    /// A bad grant of credits: the field and why.
+    #[error("{field}: {reason}")]
+    BadCredit { field: &'static str, reason: String },
+    /// A grant's idempotency key used already for another grant (another
+    /// amount or expiry): nothing added.
+    #[error("idempotency_key {key:?} was used for another grant (amount {amount}, expires_at_ms {expires_at_ms:?})")]
+    CreditKeyReused {
+        key: String,
+        amount: u64,
+        expires_at_ms: Option<u64>,
+    },
     /// An organisation is created with a plan (`set_org_plan`) before users join.
     #[error("no organisation {0:?}: create it with a plan first")]
     UnknownOrg(String),
@@ -1042,6 +1092,22 @@ pub trait Ledger: Send + Sync + std::fmt::Debug {
         from_ms: u64,
         to_ms: u64,
     ) -> Result<Vec<crate::spend::Bucket>, LedgerError>;
+
+    /// Adds a grant to the user's prepaid balance ([`crate::credits`]), in
+    /// one step, idempotent per key; exported as
+    /// [`ChangeKind::CreditGrant`]. A grant whose expiry is not after the
+    /// ledger's clock is refused (`BadCredit` naming `expires_at`), as is
+    /// one past [`MAX_GRANTS`](crate::credits::MAX_GRANTS) held.
+    async fn add_credits(
+        &self,
+        user: &UserId,
+        grant: &crate::credits::GrantRequest<'_>,
+    ) -> Result<crate::credits::GrantOutcome, LedgerError>;
+
+    /// The user's balance and live grants; grants that expired go now
+    /// (exported as [`ChangeKind::CreditExpire`]). A member of an
+    /// organisation holds none: 0.
+    async fn credits(&self, user: &UserId) -> Result<crate::credits::CreditBalance, LedgerError>;
 }
 
 /// Separates the operation from the acting service key's id in the `op` a

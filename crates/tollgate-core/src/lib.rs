@@ -15,6 +15,7 @@ pub mod backend;
 pub mod clock;
 pub mod config;
 pub mod correction;
+pub mod credits;
 pub mod durability;
 pub mod duration;
 pub mod error;

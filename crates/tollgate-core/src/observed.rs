@@ -318,4 +318,17 @@ impl Ledger for ObservedLedger {
         self.timed("spend", self.inner.spend(user, step, from_ms, to_ms))
             .await
     }
+
+    async fn add_credits(
+        &self,
+        user: &UserId,
+        grant: &crate::credits::GrantRequest<'_>,
+    ) -> Result<crate::credits::GrantOutcome, LedgerError> {
+        self.timed("add_credits", self.inner.add_credits(user, grant))
+            .await
+    }
+
+    async fn credits(&self, user: &UserId) -> Result<crate::credits::CreditBalance, LedgerError> {
+        self.timed("credits", self.inner.credits(user)).await
+    }
 }

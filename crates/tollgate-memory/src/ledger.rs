@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 
+mod credits;
+
 use crate::alerts::MemoryAlerts;
 use crate::model_limits::ModelCounts;
 use crate::periods::Periods;
@@ -27,6 +29,7 @@ use std::borrow::Cow;
 use tollgate_core::alerts::{AlertMarks, Crossing, Latch};
 use tollgate_core::clock::{Clock, SystemClock};
 use tollgate_core::config::{Config, Limit, ModelLimit, Plan};
+use tollgate_core::credits::CreditMode;
 use tollgate_core::id::{OrgId, RequestId, UserId};
 use tollgate_core::ledger::{
     audit_op, check_custom_limits as check_custom, split_audit_op, unknown_plan, validate_cost,
@@ -373,6 +376,9 @@ struct UserLog {
     /// The model limits this call counts under (a charge's) or shows
     /// (usage): none unless the call sets them.
     call_models: Vec<ModelLimit>,
+    /// Prepaid credits (`credits`), and whether this call's charges draw.
+    credits: credits::Credits,
+    credit: credits::CreditCall,
 }
 
 /// One spend event: live, or the hole a removed one left (`request: None`).
@@ -697,6 +703,7 @@ impl UserLog {
                 break; // never: holes do not stay at the front
             };
             self.take(&request, now);
+            self.credits.forget(&request);
         }
         while let Some(entry) = self.holds.first_entry() {
             if entry.key().0 > now {
@@ -789,6 +796,8 @@ impl UserLog {
             model: None,
             entry: None,
             prices: None,
+            grant: None,
+            expires_at_ms: None,
         });
         while self.exported.len() as u64 > self.export_max {
             self.exported.pop_front();
@@ -832,6 +841,7 @@ impl UserLog {
             cost,
             owner,
         });
+        self.credit_charged(&request, cost, at, now);
         self.index.insert(request, seq);
         self.total += cost;
         self.periods.add_now(cost);
@@ -937,13 +947,21 @@ impl UserLog {
         now: u64,
         operation: Option<&str>,
         owner: Option<Box<Owner>>,
-    ) -> Result<Allowed, Denied> {
+    ) -> Result<Allowed, Box<Denied>> {
         let fits = limits
             .iter()
             .enumerate()
             .all(|(i, l)| self.used(i) + cost <= l.limit);
         if !fits || !self.models_fit(cost, now) {
-            return Err(self.denial(limits, cost, now));
+            return Err(Box::new(self.denial(limits, cost, now)));
+        }
+        if let Some(balance) = self.credit_short(cost, now) {
+            return Err(Box::new(Denied::credits(
+                balance,
+                cost,
+                self.windows(limits, now),
+                now,
+            )));
         }
         let at = self.record(request, cost, now, operation, owner);
         Ok(Allowed::new(self.all_windows(limits, now), at, now, false))
@@ -983,6 +1001,7 @@ impl UserLog {
             operation: None,
         };
         self.export(now, ChangeKind::Settle, change);
+        self.credit_recost(&request, at, previous, cost, now);
         self.total = (self.total + cost).saturating_sub(previous);
         self.periods.recost(at, previous, cost);
         for s in &mut self.shorts {
@@ -1017,6 +1036,7 @@ impl UserLog {
         if code != 0 {
             self.spent.push((at, code, -(cost as i64)));
         }
+        self.credit_give(request, at, 0, now);
         // A refund lands in the period the charge was made in (an event
         // leaving the retention, `take` alone, stays counted in its period).
         self.periods.recost(at, cost, 0);
@@ -1163,6 +1183,10 @@ impl<C: Clock> MemoryLedger<C> {
             log.released.clear();
             log.code = 0;
             log.call_models.clear();
+            log.credit = match self.config.plan_or_default(log.plan.as_deref()).credits {
+                CreditMode::Only => credits::CreditCall::Draw,
+                CreditMode::Off => credits::CreditCall::Off,
+            };
             let Some(org) = log.org.clone() else {
                 let Some(alerts) = &self.alerts else {
                     let r = f(&mut log, None, now);
@@ -1191,6 +1215,10 @@ impl<C: Clock> MemoryLedger<C> {
             member.released.clear();
             member.code = 0;
             member.call_models.clear();
+            member.credit = match self.config.plan_or_default(member.plan.as_deref()).credits {
+                CreditMode::Only => credits::CreditCall::Member,
+                CreditMode::Off => credits::CreditCall::Off,
+            };
             if self.alerts.is_some() {
                 member.marks = self.marks.get(&self.plan_of(member).name).cloned();
             }
@@ -1243,6 +1271,7 @@ impl<C: Clock> MemoryLedger<C> {
                 && log.custom.is_none()
                 && log.cancelled.is_empty()
                 && log.org.is_none()
+                && log.credits.is_empty()
             {
                 log.retired = true;
                 return false;
@@ -1387,7 +1416,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
                     }
                     ReserveOutcome::Allowed(a)
                 }
-                Err(d) => ReserveOutcome::Denied(d),
+                Err(d) => ReserveOutcome::Denied(*d),
             })
         })
     }
@@ -1683,7 +1712,7 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
             log.code = self.dims_code(side.as_ref().map(|s| s.org), charge.operation, charge.model);
             let allowed = match log.admit(request, cost, limits, now, operation, Some(owner)) {
                 Ok(a) => a,
-                Err(d) => return Ok(ChargeOutcome::Denied(d)),
+                Err(d) => return Ok(ChargeOutcome::Denied(*d)),
             };
             // The spend was exported last (when there is an export): it
             // carries the prices the call was reserved at.
@@ -1981,6 +2010,33 @@ impl<C: Clock> Ledger for MemoryLedger<C> {
         let now = self.clock.now_ms();
         let keep = self.config.spend_keep();
         Ok(lock(&self.rollups).buckets(user, step, from_ms, to_ms, &keep, now))
+    }
+
+    async fn add_credits(
+        &self,
+        user: &UserId,
+        grant: &tollgate_core::credits::GrantRequest<'_>,
+    ) -> Result<tollgate_core::credits::GrantOutcome, LedgerError> {
+        grant.check()?;
+        self.with_user(user, true, |log, side, now| {
+            if side.is_some() {
+                return Err(credits::member_refused());
+            }
+            log.credit_grant(grant, now)
+        })
+    }
+
+    async fn credits(
+        &self,
+        user: &UserId,
+    ) -> Result<tollgate_core::credits::CreditBalance, LedgerError> {
+        Ok(self.with_user(user, false, |log, side, now| {
+            // A member holds no credits of its own (as credits.lua answers).
+            if side.is_some() {
+                return tollgate_core::credits::CreditBalance::new(Vec::new(), now);
+            }
+            log.credit_balance(now)
+        }))
     }
 }
 

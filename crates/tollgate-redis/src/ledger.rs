@@ -592,6 +592,12 @@ impl Ledger for RedisLedger {
                     .await?;
                 Ok(ReserveOutcome::Denied(denied))
             }
+            Some(6) => Ok(ReserveOutcome::Denied(Denied::credits(
+                n(2)?,
+                cost,
+                windows("reserve", &r, 3)?.0,
+                n(1)?,
+            ))),
             Some(-1) => Err(LedgerError::CostExceedsLimit { cost, limit: n(1)? }),
             _ => Err(bad()),
         }
@@ -763,6 +769,12 @@ impl Ledger for RedisLedger {
                     .map(|op| split_audit_op(&op).0.to_owned()),
             }),
             Some(4) => Ok(ChargeOutcome::Conflict { operation: None }),
+            Some(6) => Ok(ChargeOutcome::Denied(Denied::credits(
+                n(2)?,
+                cost,
+                windows("charge", &r, 3)?.0,
+                n(1)?,
+            ))),
             Some(5) => Err(StoreError::unavailable(format!(
                 "Redis no longer keeps an accepted call: {}",
                 not_durable.unwrap_or_default()
@@ -1039,6 +1051,32 @@ impl Ledger for RedisLedger {
         }
         Ok(out)
     }
+
+    async fn add_credits(
+        &self,
+        user: &UserId,
+        grant: &tollgate_core::credits::GrantRequest<'_>,
+    ) -> Result<tollgate_core::credits::GrantOutcome, LedgerError> {
+        grant.check()?;
+        let (r, _, _): (Vec<Value>, _, _) = self
+            .at_home("credits", user, |loc| {
+                scripts::credits(loc, Some(grant), &self.plans)
+            })
+            .await?;
+        crate::credits::parse(&r, Some(grant))
+    }
+
+    async fn credits(
+        &self,
+        user: &UserId,
+    ) -> Result<tollgate_core::credits::CreditBalance, LedgerError> {
+        let (r, _, _): (Vec<Value>, _, _) = self
+            .at_home("credits", user, |loc| {
+                scripts::credits(loc, None, &self.plans)
+            })
+            .await?;
+        crate::credits::parse(&r, None).map(|o| o.credits().clone())
+    }
 }
 
 impl RedisLedger {
@@ -1167,8 +1205,10 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
         Some("spend") => ChangeKind::Spend,
         Some("refund") => ChangeKind::Refund,
         Some("settle") => ChangeKind::Settle,
+        Some(k) => crate::credits::change_kind(k).ok_or_else(bad)?,
         _ => return Err(bad()),
     };
+    let credit = tollgate_core::credits::is_credit(kind);
     let request_id = f
         .get("id")
         .and_then(|r| RequestId::existing(r.clone()).ok())
@@ -1187,13 +1227,21 @@ pub fn parse_export(v: &Value) -> Result<ExportEntry, LedgerError> {
         request_id,
         cost: num("cost").ok_or_else(bad)?,
         previous_cost: (kind == ChangeKind::Settle).then(|| num("prev")).flatten(),
-        spent_at_ms: num("at").ok_or_else(bad)?,
+        spent_at_ms: match kind {
+            ChangeKind::CreditGrant => 0,
+            _ => num("at").ok_or_else(bad)?,
+        },
         operation,
         service_key,
         forced: f.get("forced").is_some_and(|v| v == "1"),
         model: None,
         entry: None,
         prices: None,
+        grant: credit.then(|| num("prev")).flatten(),
+        expires_at_ms: (kind == ChangeKind::CreditGrant)
+            .then(|| num("at"))
+            .flatten()
+            .filter(|&e| e != 0),
     }
     .with_price(f.get("pr").map(String::as_str)))
 }

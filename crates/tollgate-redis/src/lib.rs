@@ -26,6 +26,7 @@ pub mod activity;
 pub mod alerts;
 pub mod call;
 pub mod clock;
+pub mod credits;
 pub mod durability;
 pub mod jobs;
 pub mod keys;

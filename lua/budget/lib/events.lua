@@ -105,6 +105,7 @@ local function remove(ev, _used, now, forced)
   period_move(spent(ev), -ev.cost)
   model_move(ev.m, spent(ev), -ev.cost)
   rollup(spent(ev), ev.code, -ev.cost, now)
+  CREDITS.give(ev.rec.id, spent(ev), 0, now)
   drop(ev)
   redis.call('ZREM', HOLDS, ev.rec.id)
   TOTAL = TOTAL - ev.cost
@@ -125,6 +126,7 @@ local function recost(ev, cost, now)
   period_move(spent(ev), cost - previous)
   model_move(ev.m, spent(ev), cost - previous)
   rollup(spent(ev), ev.code, cost - previous, now)
+  CREDITS.recost(ev.rec.id, spent(ev), previous, cost, now)
   ev.cost = cost
   update(ev)
   TOTAL = TOTAL - previous + cost
@@ -160,6 +162,7 @@ local function record(request, cost, now, limits, used, o, slot)
     redis.call('HSET', slot.key, slot.field, pack_value(ev))
   end
   export('spend', request, cost, ev.at, nil, o and o.op)
+  CREDITS.charged(request, cost, ev.at, now)
   for _, s in ipairs(SHORTS) do
     s.total = s.total + cost
   end

@@ -143,6 +143,7 @@ local function expire(now, limits)
         model_move(ev.m, spent(ev), -ev.cost)
         rollup(spent(ev), ev.code, -ev.cost, now)
         export('refund', id, ev.cost, spent(ev))
+        CREDITS.give(id, spent(ev), 0, now)
         drop(ev)
         lowered(before, spent(ev), now)
         RELEASED = RELEASED or {}

@@ -24,6 +24,12 @@ local function alert_marks(limits, text)
   end
 end
 
+-- Prepaid credits (budget/lib/credits.lua): `spec` the user's plan's limits
+-- text as the plan table has it (a user's own limits keep their plan's
+-- credits), `g` the grants read this call, `has` whether the user holds a
+-- grants' hash (read once a call).
+local CREDITS = { spec = '', g = nil, has = nil }
+
 -- Returns the name and limits ({ limit, window } each, longest window first) of
 -- the user's plan, reading the export's maxlen from ARGV[i], the table after it.
 local function resolve_plan(i)
@@ -51,11 +57,13 @@ local function resolve_plan(i)
     end
   end
   -- The plan's model limits ('~...', budget/lib/model_limits.lua), kept
-  -- with limits of the user's own.
+  -- with limits of the user's own; a credits plan's spec starts with 'C'
+  -- (budget/lib/credits.lua).
   spec = spec or ''
   local tilde = string.find(spec, '~', 1, true)
   if SUBJECT == 'user' then
     model_plan(tilde and string.sub(spec, tilde + 1))
+    CREDITS.spec, CREDITS.g, CREDITS.has = spec, nil, nil
   end
   if tilde then
     spec = string.sub(spec, 1, tilde - 1)

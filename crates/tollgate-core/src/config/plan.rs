@@ -85,6 +85,10 @@ pub struct Plan {
     /// Limits on the spend of the models a pattern names (`model_limits`),
     /// checked with `limits` in the same step ([`ModelLimit`]).
     pub model_limits: Vec<ModelLimit>,
+    /// Whether the plan's users draw on prepaid credits (`credits = "only"`:
+    /// every charge must also be covered by the user's balance, and draws
+    /// from it; [`crate::credits`]).
+    pub credits: crate::credits::CreditMode,
 }
 
 /// The most thresholds a plan's `alerts` may list.
@@ -186,6 +190,7 @@ pub(super) struct RawPlan {
     max_open_streams: Option<i64>,
     alerts: Option<Vec<f64>>,
     model_limits: Option<Vec<RawModelLimit>>,
+    credits: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -292,6 +297,15 @@ pub(super) fn parse_plans(
         let alerts = parse_thresholds(&key, p.alerts.unwrap_or_default(), invalid)?;
         let model_limits =
             parse_model_limits(&key, p.model_limits.unwrap_or_default(), currency, invalid)?;
+        let credits = match p.credits.as_deref() {
+            None => crate::credits::CreditMode::Off,
+            Some(s) => crate::credits::CreditMode::parse(s).ok_or_else(|| {
+                invalid(
+                    format!("{key}.credits"),
+                    format!("must be \"only\" or \"off\", got {s:?}"),
+                )
+            })?,
+        };
         plans.insert(
             name.clone(),
             Plan {
@@ -303,6 +317,7 @@ pub(super) fn parse_plans(
                 max_open_streams,
                 alerts,
                 model_limits,
+                credits,
             },
         );
     }

@@ -15,13 +15,13 @@ library! {
     /// pass through the prelude's `finish` (an alert pointer to add).
     static BUDGET, const BUDGET_SCRIPTS = "budget" in "budget" {
         prelude: [
-            "state", "periods", "model_limits", "rollups", "plan", "codec", "index", "windows", "alerts", "expire", "events",
-            "orgs",
+            "state", "periods", "model_limits", "rollups", "plan", "codec", "index", "windows", "alerts",
+            "credits", "expire", "events", "orgs",
         ],
         finish: "finish",
         scripts: [
             "reserve", "refund", "settle", "usage", "charge", "claim", "release", "retry",
-            "move_out", "move_in", "org_usage",
+            "move_out", "move_in", "org_usage", "credits",
         ],
     }
 }
@@ -175,6 +175,10 @@ impl PlanArgs {
             .chain(rest)
             .flat_map(|p| {
                 let mut spec = Self::spec(p, &calendars);
+                if p.credits == tollgate_core::credits::CreditMode::Only {
+                    // budget/lib/credits.lua: the plan draws on credits.
+                    spec.insert(0, 'C');
+                }
                 spec.push_str(&Self::alerts(p, config.alert_thresholds(p)));
                 spec.push_str(&Self::model_limits(p, &calendars));
                 [p.name.clone(), spec]
@@ -507,5 +511,25 @@ pub fn retry(
 pub fn plan_set<'a>(keys: &BudgetKeys, plan: &str) -> redis::ScriptInvocation<'a> {
     let mut inv = PLAN_SET.prepare_invoke();
     inv.key(&keys.plan).key(keys.limits()).arg(plan);
+    inv
+}
+
+/// `credits.lua`: a grant (`Some`: amount, expiry or 0, idempotency key)
+/// or, with `None`, a read of the balance.
+pub fn credits(
+    loc: &Location,
+    grant: Option<&tollgate_core::credits::GrantRequest<'_>>,
+    plans: &PlanArgs,
+) -> FunctionCall {
+    let mut inv = invocation("credits", loc);
+    match grant {
+        Some(g) => inv
+            .arg("grant")
+            .arg(g.amount)
+            .arg(g.expires_at_ms.unwrap_or(0))
+            .arg(g.idempotency_key),
+        None => inv.arg("show").arg(0).arg(0).arg(""),
+    };
+    inv.arg(plans.args());
     inv
 }
