@@ -133,21 +133,8 @@ local function model_record(cost, now)
     tags[#tags + 1] = m.tag
   end
   if new then
-    -- A new period's field: the ended ones go, the key lives past the
-    -- latest period it counts.
-    local old, last = {}, 0
-    for _, f in ipairs(redis.call('HKEYS', key)) do
-      local stop = tonumber(string.match(f, '^%x+:%d+%-(%d+)$'))
-      if not stop or stop <= now then
-        old[#old + 1] = f
-      elseif stop > last then
-        last = stop
-      end
-    end
-    if #old > 0 then
-      redis.call('HDEL', key, unpack(old))
-    end
-    redis.call('PEXPIREAT', key, int(last + PERIOD_GRACE))
+    -- A new period's field: the ended ones go (budget/lib/periods.lua).
+    drop_ended(key, '^%x+:%d+%-(%d+)$', now, 0)
   end
   return table.concat(tags)
 end

@@ -188,6 +188,25 @@ local function period_move(at, delta, moved)
   end
 end
 
+-- A counter hash whose fields end in `-<stop ms>` (`pattern` captures it):
+-- the fields of ended periods (or that `pattern` does not read) go, and the
+-- key lives past the latest period it counts (at least `last`).
+local function drop_ended(key, pattern, now, last)
+  local old = {}
+  for _, f in ipairs(redis.call('HKEYS', key)) do
+    local stop = tonumber(string.match(f, pattern))
+    if not stop or stop <= now then
+      old[#old + 1] = f
+    elseif stop > last then
+      last = stop
+    end
+  end
+  if #old > 0 then
+    redis.call('HDEL', key, unpack(old))
+  end
+  redis.call('PEXPIREAT', key, int(last + PERIOD_GRACE))
+end
+
 -- Writes the totals changed (`write_total` calls it). A field made for a
 -- new period drops the fields of periods that ended, and sets the key's
 -- expiry past the end of the latest period it counts.
@@ -226,18 +245,6 @@ local function save_periods(now)
   end
   if PERIODS_NEW then
     PERIODS_NEW = false
-    local old = {}
-    for _, f in ipairs(redis.call('HKEYS', key)) do
-      local stop = tonumber(string.match(f, '^[sx]?%d+%-(%d+)$'))
-      if not stop or stop <= now then
-        old[#old + 1] = f
-      elseif stop > last then
-        last = stop
-      end
-    end
-    if #old > 0 then
-      redis.call('HDEL', key, unpack(old))
-    end
-    redis.call('PEXPIREAT', key, int(last + PERIOD_GRACE))
+    drop_ended(key, '^[sx]?%d+%-(%d+)$', now, last)
   end
 end
