@@ -768,8 +768,10 @@ impl UserLog {
         }
     }
 
-    /// Appends one change to the export (when there is one).
-    fn export(&mut self, now: u64, kind: ChangeKind, e: Change<'_>) {
+    /// Appends the entry `entry` makes of its export id (`<ms>-<seq>`, in
+    /// time order even if the clock went back), when there is an export, and
+    /// drops the oldest past its length.
+    fn push_export(&mut self, now: u64, entry: impl FnOnce(String) -> ExportEntry) {
         if self.export_max == 0 {
             return;
         }
@@ -780,8 +782,16 @@ impl UserLog {
             0
         };
         self.export_last = (ms, seq);
-        self.exported.push_back(ExportEntry {
-            id: format!("{ms}-{seq}"),
+        self.exported.push_back(entry(format!("{ms}-{seq}")));
+        while self.exported.len() as u64 > self.export_max {
+            self.exported.pop_front();
+        }
+    }
+
+    /// Appends one change to the export (when there is one).
+    fn export(&mut self, now: u64, kind: ChangeKind, e: Change<'_>) {
+        self.push_export(now, |id| ExportEntry {
+            id,
             kind,
             request_id: RequestId::from_kept(e.request),
             cost: e.cost,
@@ -799,9 +809,6 @@ impl UserLog {
             grant: None,
             expires_at_ms: None,
         });
-        while self.exported.len() as u64 > self.export_max {
-            self.exported.pop_front();
-        }
     }
 
     /// Records a spend event of `cost` at `now` (inside every window); returns

@@ -72,18 +72,8 @@ type Note = (ChangeKind, Arc<str>, u64, u64, u64);
 
 impl UserLog {
     fn export_credit(&mut self, now: u64, (kind, id, cost, grant, at): Note) {
-        if self.export_max == 0 {
-            return;
-        }
-        let ms = now.max(self.export_last.0);
-        let seq = if ms == self.export_last.0 {
-            self.export_last.1 + 1
-        } else {
-            0
-        };
-        self.export_last = (ms, seq);
-        self.exported.push_back(ExportEntry {
-            id: format!("{ms}-{seq}"),
+        self.push_export(now, |export_id| ExportEntry {
+            id: export_id,
             kind,
             request_id: RequestId::from_kept(&id),
             cost,
@@ -102,9 +92,6 @@ impl UserLog {
             grant: Some(grant),
             expires_at_ms: (kind == ChangeKind::CreditGrant && at != 0).then_some(at),
         });
-        while self.exported.len() as u64 > self.export_max {
-            self.exported.pop_front();
-        }
     }
 
     /// Drops the grants that expired (exported with what they held) and
