@@ -99,7 +99,12 @@ pub fn settings() -> Settings {
 
 impl Harness {
     pub async fn memory(settings: Settings) -> Self {
-        let backends = tollgate_memory::backends(test_config());
+        Self::memory_with(settings, test_config()).await
+    }
+
+    /// The api and its backends in process, on `config`.
+    pub async fn memory_with(settings: Settings, config: Arc<Config>) -> Self {
+        let backends = tollgate_memory::backends(config);
         let state = ApiState::new(&backends, settings);
         Self {
             app: tollgate_api::router(state.clone()),
@@ -113,6 +118,20 @@ impl Harness {
     pub async fn redis(settings: Settings) -> Self {
         let server = RedisServer::start();
         Self::redis_via(&server.url(), server, settings).await
+    }
+
+    /// The api on a Redis of its own, on `config`.
+    pub async fn redis_with(settings: Settings, config: Arc<Config>) -> Self {
+        let server = RedisServer::start();
+        let state = redis_state_with(&server.url(), &random_prefix(), settings, config).await;
+        let source = redis_source(&server.url(), &state).await;
+        Self {
+            app: tollgate_api::router(state.clone()),
+            state,
+            source,
+            redis: Some(server),
+            _cluster: None,
+        }
     }
 
     /// The api reaching `server` at `url` (a proxy's, say); the worker side

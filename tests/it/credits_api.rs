@@ -5,72 +5,29 @@
 //! `credits-exhausted` with the balance, before any upstream work; the
 //! history is the export's credits entries. On memory and on Redis.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use axum::http::StatusCode;
 use serde_json::{json, Value};
 use tollgate_api::problem::ProblemType;
 use tollgate_core::config::Config;
-use tollgate_tests::{random_prefix, RedisServer};
 
-use crate::api::{redis_source, redis_state_with, settings, Harness, ADMIN};
-
-const SHEET: &str = r#"
-currency = "USD"
-[models."gpt-4o-mini*"]
-input = "0.15"
-output = "0.60"
-max_output = 16384
-"#;
+use crate::api::{settings, Harness, ADMIN};
 
 fn usd_config() -> Arc<Config> {
-    let dir = std::env::temp_dir().join(format!("tollgate-credits-api-{}", random_prefix()));
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    std::fs::write(dir.join("prices.toml"), SHEET).expect("write the sheet");
-    let text = r#"
-currency = "USD"
-default_plan = "prepaid"
-[export]
-maxlen = 1000
-[plans.prepaid]
-limit = "100"
-window = "1h"
-credits = "only"
-[providers.llm]
-rate = 10000
-burst = 10000
-max_wait = "5s"
-prices = "prices.toml"
-[operations.chat]
-provider = "llm"
-"#;
-    Arc::new(Config::parse_in(text, "credits api test", Some(Path::new(&dir))).expect("config"))
+    tollgate_tests::money::usd_config(
+        "credits api test",
+        "default_plan = \"prepaid\"\n[export]\nmaxlen = 1000\n\
+         [plans.prepaid]\nlimit = \"100\"\nwindow = \"1h\"\ncredits = \"only\"",
+    )
 }
 
 async fn memory() -> Harness {
-    let backends = tollgate_memory::backends(usd_config());
-    let state = tollgate_api::state::ApiState::new(&backends, settings());
-    Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source: backends.source,
-        redis: None,
-        _cluster: None,
-    }
+    Harness::memory_with(settings(), usd_config()).await
 }
 
 async fn redis() -> Harness {
-    let server = RedisServer::start();
-    let state = redis_state_with(&server.url(), &random_prefix(), settings(), usd_config()).await;
-    let source = redis_source(&server.url(), &state).await;
-    Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source,
-        redis: Some(server),
-        _cluster: None,
-    }
+    Harness::redis_with(settings(), usd_config()).await
 }
 
 async fn grants_over_http(h: Harness) {

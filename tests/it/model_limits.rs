@@ -317,33 +317,19 @@ output = "1"
 max_output = 1000
 "#;
 
-fn priced_config(dir: &std::path::Path) -> Arc<Config> {
-    std::fs::create_dir_all(dir).expect("mkdir");
-    std::fs::write(dir.join("prices.toml"), SHEET).expect("write the sheet");
-    let text = r#"
-currency = "USD"
-default_plan = "pro"
-[plans.pro]
-limits = [{ limit = "50", period = "month" }]
-model_limits = [{ model = "o1*", limit = "0.1", period = "day" }]
-[providers.llm]
-rate = 10000
-burst = 10000
-max_wait = "5s"
-prices = "prices.toml"
-[operations.chat]
-provider = "llm"
-"#;
-    Arc::new(Config::parse_in(text, "model limits", Some(dir)).expect("the config"))
+fn priced_config() -> Arc<Config> {
+    tollgate_tests::money::usd_config_with(
+        "model limits",
+        SHEET,
+        "default_plan = \"pro\"\n[plans.pro]\n\
+         limits = [{ limit = \"50\", period = \"month\" }]\n\
+         model_limits = [{ model = \"o1*\", limit = \"0.1\", period = \"day\" }]",
+    )
 }
 
 async fn a_priced_call_counts_under_its_models_limit(redis: bool) {
     use tollgate_core::job::{JobQueue, JobRequest, SubmitOutcome};
-    let dir = std::env::temp_dir().join(format!(
-        "tollgate-models-{}",
-        tollgate_tests::random_prefix()
-    ));
-    let config = priced_config(&dir);
+    let config = priced_config();
     let (_server, queue): (Option<RedisServer>, Arc<dyn JobQueue>) = if redis {
         let server = RedisServer::start();
         let (q, _) =

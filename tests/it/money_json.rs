@@ -5,7 +5,6 @@
 //! unit. With tokens every answer stays as it was (integers, no currency),
 //! on memory and on Redis.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,67 +13,25 @@ use serde_json::{json, Value};
 use tollgate_api::problem::ProblemType;
 use tollgate_core::config::Config;
 use tollgate_core::job::{JobSource, Settled, Taker};
-use tollgate_tests::{random_prefix, RedisServer};
 
-use crate::api::{redis_source, redis_state_with, settings, Harness, ADMIN};
+use crate::api::{settings, Harness, ADMIN};
 
-const SHEET: &str = r#"
-currency = "USD"
-[models."gpt-4o-mini*"]
-input = "0.15"
-output = "0.60"
-max_output = 16384
-"#;
-
-/// A USD deployment: a `chat` operation priced by [`SHEET`], a plan of
-/// 0.50 USD an hour.
+/// A USD deployment: a `chat` operation priced by
+/// [`tollgate_tests::money::SHEET`], a plan of 0.50 USD an hour.
 fn usd_config() -> Arc<Config> {
-    let dir = std::env::temp_dir().join(format!("tollgate-money-json-{}", random_prefix()));
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    std::fs::write(dir.join("prices.toml"), SHEET).expect("write the sheet");
-    let text = r#"
-currency = "USD"
-hold_grace = "200ms"
-default_plan = "paid"
-[export]
-maxlen = 1000
-[plans.paid]
-limit = "0.50"
-window = "1h"
-[providers.llm]
-rate = 10000
-burst = 10000
-max_wait = "5s"
-prices = "prices.toml"
-[operations.chat]
-provider = "llm"
-"#;
-    Arc::new(Config::parse_in(text, "money json test", Some(Path::new(&dir))).expect("config"))
+    tollgate_tests::money::usd_config(
+        "money json test",
+        "hold_grace = \"200ms\"\ndefault_plan = \"paid\"\n[export]\nmaxlen = 1000\n\
+         [plans.paid]\nlimit = \"0.50\"\nwindow = \"1h\"",
+    )
 }
 
 async fn memory() -> Harness {
-    let backends = tollgate_memory::backends(usd_config());
-    let state = tollgate_api::state::ApiState::new(&backends, settings());
-    Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source: backends.source,
-        redis: None,
-        _cluster: None,
-    }
+    Harness::memory_with(settings(), usd_config()).await
 }
 
 async fn redis() -> Harness {
-    let server = RedisServer::start();
-    let state = redis_state_with(&server.url(), &random_prefix(), settings(), usd_config()).await;
-    let source = redis_source(&server.url(), &state).await;
-    Harness {
-        app: tollgate_api::router(state.clone()),
-        state,
-        source,
-        redis: Some(server),
-        _cluster: None,
-    }
+    Harness::redis_with(settings(), usd_config()).await
 }
 
 /// As a worker does: takes the next `chat` job, settles it to `answer`'s

@@ -6,6 +6,7 @@ pub mod api;
 pub mod clocked_redis;
 pub mod http;
 pub mod jobs;
+pub mod money;
 pub mod process;
 pub mod proxy;
 pub mod redis_cluster;
