@@ -63,6 +63,11 @@ pub struct Args {
 
 const ADMIN: &str = "chaos-admin-token-0123456789";
 const USERS: usize = 4;
+/// The user of a prepaid plan (`credits = "only"`): every charge draws on
+/// its credit grants ([`GRANTS`]), which hold more than the load spends.
+const PREPAID: usize = 3;
+/// Its grants: amount, and expiry (seconds from the start; 0: none).
+const GRANTS: [(u64, u64); 3] = [(4_000_000, 0), (3_000_000, 7200), (3_000_000, 3600)];
 /// The worker's job lease; SIGSTOP lasts longer than this.
 const WORKER_LEASE_MS: u64 = 3000;
 /// How long a throttler's popped tickets stay its own once it stops renewing
@@ -194,7 +199,9 @@ const STREAMS: Streams = Streams {
 fn config(upstream: &str) -> String {
     let mut out = String::from(
         "default_plan = \"chaos\"\nhold_grace = \"2s\"\n\
-         [plans.chaos]\nlimit = 100000000\nwindow = \"1h\"\n",
+         [export]\nmaxlen = 1000000\n\
+         [plans.chaos]\nlimit = 100000000\nwindow = \"1h\"\n\
+         [plans.prepaid]\nlimit = 100000000\nwindow = \"1h\"\ncredits = \"only\"\n",
     );
     for p in &PROVIDERS {
         let _ = write!(
@@ -1101,6 +1108,65 @@ async fn job_end(http: &Client, api: SocketAddr, key: &str, id: &str) -> Option<
     })
 }
 
+/// The prepaid user's balance after the run: what `GET .../credits` says
+/// equals its grants less what it was charged (no charge left uncovered:
+/// the grants hold more than the load spends), and equals the balance its
+/// export alone rebuilds (`credits/history`: grants, draws, returns,
+/// expiries, summed per grant).
+async fn prepaid_check(
+    http: &Client,
+    api: SocketAddr,
+    user: &str,
+    used: u64,
+) -> anyhow::Result<Check> {
+    let get = |path: String| async move {
+        let v: Value = http
+            .get(format!("http://{api}/admin/users/{user}/credits{path}"))
+            .bearer_auth(ADMIN)
+            .send()
+            .await?
+            .json()
+            .await?;
+        anyhow::Ok(v)
+    };
+    let shown = get(String::new()).await?;
+    let history = get("/history".into()).await?;
+    let balance = shown["balance"].as_u64().context("balance")?;
+    let mut rebuilt: BTreeMap<u64, i128> = BTreeMap::new();
+    let mut uncovered = 0u64;
+    for e in history["entries"].as_array().into_iter().flatten() {
+        let amount = i128::from(e["amount"].as_u64().context("amount")?);
+        let grant = e["grant"].as_u64().context("grant")?;
+        let sign = match e["kind"].as_str() {
+            Some("credit_grant" | "credit_return") => 1,
+            Some("credit_draw" | "credit_expire") => -1,
+            Some("credit_uncovered") => {
+                uncovered += amount as u64;
+                0
+            }
+            _ => 0,
+        };
+        *rebuilt.entry(grant).or_default() += sign * amount;
+    }
+    let granted: u64 = GRANTS.iter().map(|g| g.0).sum();
+    let from_export: i128 = rebuilt.values().sum();
+    let negative: Vec<_> = rebuilt.iter().filter(|(_, v)| **v < 0).collect();
+    let ok = i128::from(balance) == from_export
+        && negative.is_empty()
+        && uncovered == 0
+        && used != u64::MAX
+        && balance == granted.saturating_sub(used);
+    Ok(Check {
+        name: "the prepaid user's balance = its grants - its charges = what its export rebuilds",
+        ok,
+        figure: format!(
+            "balance {balance}, grants {granted} - used {used} = {}, rebuilt from {} history entries {from_export}; uncovered {uncovered}; grants below zero {negative:?}",
+            granted.saturating_sub(used),
+            history["entries"].as_array().map_or(0, Vec::len),
+        ),
+    })
+}
+
 /// Whether a job's end leaves its charge in the budget: it succeeded, or it
 /// failed after the upstream may have worked.
 fn paid(end: Option<&JobEnd>) -> bool {
@@ -1192,8 +1258,13 @@ const SHOULD_BE_EMPTY: [&str; 9] = [
 /// index, the alert deliveries' counters, and the sets through which dead
 /// workers' and throttlers' lists are found. (Each is bounded by users,
 /// organisations or members, never by calls.)
-const NO_TTL: [&str; 10] = [
+const NO_TTL: [&str; 13] = [
     "{u}:plan",
+    // A user's credit grants and their keys (a grant may never expire), and
+    // its export (`[export]`: kept to its `maxlen` for its readers).
+    "{u}:c",
+    "{u}:ck",
+    "{u}:audit",
     "{u}:limits",
     "apikey",
     "apikey-id",
@@ -1382,7 +1453,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         let r = http
             .post(format!("http://{}/admin/users", apis[i % apis.len()]))
             .bearer_auth(ADMIN)
-            .json(&json!({"user": name, "plan": "chaos"}))
+            .json(&json!({"user": name, "plan": if i == PREPAID { "prepaid" } else { "chaos" }}))
             .send()
             .await?;
         let status = r.status();
@@ -1391,6 +1462,28 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             bail!("create user {name}: {status} {v}");
         }
         let key = v["api_key"].as_str().context("api_key")?.to_owned();
+        if i == PREPAID {
+            let now_s = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_secs();
+            for (g, (amount, expires_in)) in GRANTS.iter().enumerate() {
+                let expires_at = (*expires_in > 0).then(|| {
+                    jiff::Timestamp::from_second((now_s + expires_in) as i64)
+                        .map(|t| t.to_string())
+                        .unwrap_or_default()
+                });
+                let r = http
+                    .post(format!("http://{}/admin/users/{name}/credits", apis[0]))
+                    .bearer_auth(ADMIN)
+                    .json(&json!({"amount": amount, "expires_at": expires_at, "idempotency_key": format!("chaos-grant-{g}")}))
+                    .send()
+                    .await?;
+                let status = r.status();
+                if !status.is_success() {
+                    bail!("grant credits to {name}: {status} {}", r.text().await?);
+                }
+            }
+        }
         users.push(User { name, key });
     }
     let users = Arc::new(users);
@@ -1659,6 +1752,7 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
     // Each user's live charges by request id (a job's id is its request's).
     let mut usage_bad = Vec::new();
     let mut charged: HashMap<String, u64> = HashMap::new();
+    let mut prepaid_used = None;
     for (i, u) in users.iter().enumerate() {
         let (used, costs) = charges(&http, apis[i % apis.len()], &u.key).await?;
         // A fixed operation's job costs its `cost`; a stream is settled to
@@ -1683,6 +1777,9 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
         if used != expected {
             usage_bad.push(format!("{}: used {used} != {expected}", u.name));
         }
+        if i == PREPAID {
+            prepaid_used = Some(used);
+        }
         charged.extend(costs);
     }
     checks.push(Check {
@@ -1694,6 +1791,16 @@ async fn run_seed(args: &Args, seed: u64) -> anyhow::Result<bool> {
             usage_bad.join("; ")
         },
     });
+
+    checks.push(
+        prepaid_check(
+            &http,
+            apis[0],
+            &users[PREPAID].name,
+            prepaid_used.unwrap_or(u64::MAX),
+        )
+        .await?,
+    );
 
     let arrivals = upstream.arrivals();
     // The upstream did the work of every call it answered 200: each such job
