@@ -1,0 +1,285 @@
+//! A pool's members are seen (issue 50 item 5): the throttle's stats,
+//! Prometheus, the dashboard's overview and a job's timeline name each
+//! member (never its secret), on memory and Redis. Before, a pool's stats
+//! showed the provider's own bucket, which no grant ever writes: full and
+//! never paused.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tollgate_core::config::Config;
+use tollgate_core::metrics::Metrics;
+use tollgate_core::throttle::{Grant, ProviderStats, Share, Throttle, Waiter};
+use tollgate_memory::throttle::MemoryThrottle;
+use tollgate_providers::CallOptions;
+use tollgate_tests::upstream::Upstream;
+
+use crate::throttle::{rid, RedisSetup};
+
+/// A throttle of the conformance config (its pools: `zz-pool3`, three
+/// members with their own limits; `zz-failover`), kept with its Redis.
+pub struct Pod {
+    throttle: Arc<dyn Throttle>,
+    setup: Option<RedisSetup>,
+}
+
+impl Pod {
+    async fn memory() -> Self {
+        Self {
+            throttle: Arc::new(MemoryThrottle::new(&crate::throttle::config())),
+            setup: None,
+        }
+    }
+
+    async fn redis() -> Self {
+        let setup = RedisSetup::start(true, Default::default()).await;
+        Self {
+            throttle: setup.throttle.clone(),
+            setup: Some(setup),
+        }
+    }
+
+    async fn cluster() -> Self {
+        let setup = RedisSetup::cluster(true, Default::default()).await;
+        Self {
+            throttle: setup.throttle.clone(),
+            setup: Some(setup),
+        }
+    }
+
+    async fn stop(self) {
+        if let Some(s) = self.setup {
+            s.stop().await;
+        }
+    }
+}
+
+async fn pool_of(t: &dyn Throttle, provider: &str) -> ProviderStats {
+    let stats = t.stats().await.expect("stats");
+    stats
+        .into_iter()
+        .find(|s| s.provider == provider)
+        .expect("the pool's stats")
+}
+
+fn names(s: &ProviderStats) -> Vec<&str> {
+    s.members.iter().map(|m| m.member.as_str()).collect()
+}
+
+/// Each member's limits (name, burst, rate), as the stats show them.
+fn limits(s: &ProviderStats) -> Vec<Vec<(String, f64, f64)>> {
+    s.members
+        .iter()
+        .map(|m| {
+            m.limits
+                .iter()
+                .map(|l| (l.limit.clone(), l.burst, l.rate))
+                .collect()
+        })
+        .collect()
+}
+
+async fn stats_name_each_member_and_its_pause(pod: Pod) {
+    let t = &*pod.throttle;
+    let s = pool_of(t, "zz-pool3").await;
+    assert_eq!(names(&s), ["a", "b", "c"], "{s:?}");
+    // Each member's own limits, as its config makes them (a windowed
+    // limit's bucket refills below its rate: burst + rate·per within it).
+    let config = crate::throttle::config();
+    let p = config.provider("zz-pool3").expect("zz-pool3");
+    let want: Vec<Vec<(String, f64, f64)>> = p
+        .pool()
+        .iter()
+        .map(|m| {
+            let own = p.as_member(m);
+            let mut l = vec![(own.rate_name(), own.bucket_burst(), own.rate)];
+            l.extend(
+                own.limits
+                    .iter()
+                    .map(|x| (x.name(), x.burst as f64, x.rate)),
+            );
+            l
+        })
+        .collect();
+    assert_eq!(limits(&s), want, "{s:?}");
+    assert_eq!(
+        want.iter().map(|l| (l.len(), l[0].1)).collect::<Vec<_>>(),
+        [(1, 2.0), (2, 4.0), (1, 1.0)]
+    );
+    assert_eq!(want[1][1].0, "tokens/1s");
+    // The provider's row is the pool's: its members' request buckets summed.
+    let rate: f64 = want.iter().map(|l| l[0].2).sum();
+    assert_eq!(
+        (s.burst, s.rate, s.effective_rate),
+        (7, rate, rate),
+        "{s:?}"
+    );
+    assert_eq!(s.limits.len(), 1, "{s:?}");
+    assert_eq!((s.limits[0].burst, s.limits[0].rate), (7.0, rate));
+    assert!((s.tokens - 7.0).abs() < 1e-6, "a full pool: {s:?}");
+
+    // Three grants to three users: each member's grants, tokens and slots.
+    let mut grants: Vec<Grant> = Vec::new();
+    for u in ["u1", "u2", "u3"] {
+        let w = Waiter::of(&rid(&format!("seen-{u}")), u, Share::default());
+        grants.push(
+            t.acquire_as("zz-pool3", &w, Duration::from_secs(5))
+                .await
+                .expect("granted"),
+        );
+    }
+    let s = pool_of(t, "zz-pool3").await;
+    let granted_to = |name: &str| {
+        grants
+            .iter()
+            .filter(|g| g.member.as_deref() == Some(name))
+            .count() as u64
+    };
+    let total: u64 = s.members.iter().map(|m| m.grants).sum();
+    assert_eq!(total, 3, "{s:?}");
+    for m in &s.members {
+        assert_eq!(m.grants, granted_to(&m.member), "{s:?}");
+        // c has max_concurrent: its grants hold slots until done.
+        let held = if m.member == "c" { m.grants } else { 0 };
+        assert_eq!(m.in_flight, held, "{s:?}");
+        let l = &m.limits[0];
+        assert!(l.available <= l.burst && l.available >= 0.0, "{s:?}");
+    }
+    // Taken from the members, seen in the pool's row (refills allowed).
+    let sum: f64 = s.members.iter().map(|m| m.limits[0].available).sum();
+    assert!((s.tokens - sum).abs() < 1e-6, "{s:?}");
+    assert!(s.tokens < 6.0, "three tokens taken from 7: {s:?}");
+    for g in &grants {
+        t.done(g).await.expect("done");
+    }
+    let s = pool_of(t, "zz-pool3").await;
+    assert!(s.members.iter().all(|m| m.in_flight == 0), "{s:?}");
+
+    // b is backed off: it shows paused, the others and the pool do not.
+    t.pause_member("zz-pool3", "b", Some(Duration::from_secs(5)))
+        .await
+        .expect("paused");
+    let s = pool_of(t, "zz-pool3").await;
+    let paused: Vec<u64> = s.members.iter().map(|m| m.paused_ms).collect();
+    assert!(paused[1] > 4000 && paused[1] <= 5000, "{s:?}");
+    assert_eq!((paused[0], paused[2], s.paused_ms), (0, 0, 0), "{s:?}");
+    // Every member paused: the pool is, until the first comes back.
+    t.pause_member("zz-pool3", "a", Some(Duration::from_secs(2)))
+        .await
+        .expect("paused");
+    t.pause_member("zz-pool3", "c", Some(Duration::from_secs(3)))
+        .await
+        .expect("paused");
+    let s = pool_of(t, "zz-pool3").await;
+    assert!(s.paused_ms > 1000 && s.paused_ms <= 2000, "{s:?}");
+    // A provider served as one upstream lists no members.
+    assert!(pool_of(t, "steady").await.members.is_empty());
+    pod.stop().await;
+}
+
+mod stats {
+    use super::*;
+    on_each_backend!(
+        [stats_name_each_member_and_its_pause]
+        memory => super::Pod::memory().await,
+        redis => super::Pod::redis().await,
+        cluster => super::Pod::cluster().await,
+    );
+}
+
+/// The value of the series `line_start` (its name and labels) in `text`.
+fn series(text: &str, line_start: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start)?.trim().parse().ok())
+}
+
+/// Calls through a pool's client, a member refusing one: Prometheus shows
+/// each member's grants, calls by outcome and back-offs, and its buckets.
+async fn metrics_name_each_member(pod: Pod) {
+    let upstreams = [
+        Upstream::unlimited(Duration::ZERO).await,
+        Upstream::unlimited(Duration::ZERO).await,
+        Upstream::unlimited(Duration::ZERO).await,
+    ];
+    let config: Config = crate::throttle_pool::config(&upstreams);
+    let metrics = Arc::new(Metrics::new(&config));
+    let clients = tollgate_providers::from_config(&config, Arc::clone(&pod.throttle), &metrics)
+        .expect("clients");
+    let client = &clients["zz-failover"];
+    // b refuses its first call: 429 with Retry-After: 5.
+    upstreams[1].refuse_at(Instant::now(), "5");
+    for i in 0..9 {
+        let job = tollgate_tests::jobs::job(
+            &format!("m{i}"),
+            &format!("v{i}"),
+            "fw",
+            "zz-failover",
+            json!({}),
+        );
+        client
+            .call(&job, CallOptions::default())
+            .await
+            .expect("answered");
+    }
+    let jobs = tollgate_memory::backends(Arc::new(config.clone())).jobs;
+    let failed = metrics
+        .refresh(jobs.as_ref(), pod.throttle.as_ref(), Duration::from_secs(5))
+        .await;
+    assert!(failed.is_empty(), "{failed:?}");
+    let text = metrics.render();
+    let at = |name: &str, member: &str, extra: &str| {
+        series(
+            &text,
+            &format!("{name}{{provider=\"zz-failover\",member=\"{member}\"{extra}}}"),
+        )
+    };
+    let shown = || {
+        text.lines()
+            .filter(|l| l.contains("pool_member"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let mut grants = 0.0;
+    let mut ok = 0.0;
+    for m in ["a", "b", "c"] {
+        let g = at("tollgate_pool_member_grants_total", m, "").expect("grants");
+        assert!(g >= 1.0, "member {m}: {}", shown());
+        grants += g;
+        ok += at("tollgate_pool_member_calls_total", m, ",outcome=\"ok\"").expect("ok");
+        let tokens = at("tollgate_pool_member_tokens", m, "").expect("tokens");
+        assert!((0.0..=2.0).contains(&tokens), "member {m}: {}", shown());
+        assert!(at("tollgate_pool_member_effective_rate", m, "").is_some());
+    }
+    // Nine answered, one refused (and granted again elsewhere).
+    assert_eq!((grants, ok), (10.0, 9.0), "{}", shown());
+    let refused = at("tollgate_pool_member_calls_total", "b", ",outcome=\"429\"");
+    assert_eq!(refused, Some(1.0), "{}", shown());
+    let pauses: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|m| at("tollgate_pool_member_pauses_total", m, ""))
+        .collect();
+    assert_eq!(pauses, [Some(0.0), Some(1.0), Some(0.0)], "{}", shown());
+    let paused = at("tollgate_pool_member_paused_seconds", "b", "").expect("paused");
+    assert!(paused > 3.0 && paused <= 5.0, "{}", shown());
+    assert_eq!(
+        at("tollgate_pool_member_paused_seconds", "a", ""),
+        Some(0.0)
+    );
+    // No member label names anything but a configured member.
+    metrics.member_granted("zz-failover", "not-a-member");
+    metrics.member_granted("steady", "a");
+    let text = metrics.render();
+    assert!(!text.contains("not-a-member"), "{}", shown());
+    assert!(!text.contains("provider=\"steady\",member="), "{}", shown());
+    pod.stop().await;
+}
+
+mod metrics {
+    use super::*;
+    on_each_backend!(
+        [metrics_name_each_member]
+        memory => super::Pod::memory().await,
+        redis => super::Pod::redis().await,
+    );
+}
