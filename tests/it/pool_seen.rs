@@ -283,3 +283,155 @@ mod metrics {
         redis => super::Pod::redis().await,
     );
 }
+
+/// A pool of three of the api's config (`crate::api::test_config_with`).
+const SEEN: &str = r#"
+[providers.seen]
+max_wait = "10s"
+members = [
+  { name = "east", url = "http://127.0.0.1:9", limits = [{ rate = 10, per = "1s", burst = 2 }] },
+  { name = "west", url = "http://127.0.0.1:9", limits = [{ rate = 20, per = "1s", burst = 4 }] },
+  { name = "north", url = "http://127.0.0.1:9", limits = [{ rate = 5, per = "1s", burst = 1 }] },
+]
+"#;
+
+async fn seen_memory() -> crate::api::Harness {
+    let backends = tollgate_memory::backends(crate::api::test_config_with(SEEN));
+    let state = tollgate_api::state::ApiState::new(&backends, crate::api::settings());
+    crate::api::Harness {
+        app: tollgate_api::router(state.clone()),
+        state,
+        source: backends.source,
+        redis: None,
+        _cluster: None,
+    }
+}
+
+async fn seen_redis() -> crate::api::Harness {
+    let server = tollgate_tests::RedisServer::start();
+    let state = crate::api::redis_state_with(
+        &server.url(),
+        &tollgate_tests::random_prefix(),
+        crate::api::settings(),
+        crate::api::test_config_with(SEEN),
+    )
+    .await;
+    let source = crate::api::redis_source(&server.url(), &state).await;
+    crate::api::Harness {
+        app: tollgate_api::router(state.clone()),
+        state,
+        source,
+        redis: Some(server),
+        _cluster: None,
+    }
+}
+
+/// `/admin/overview` lists a pool's members under its row, each with its
+/// own bucket and pause; the OpenAPI schema describes them.
+async fn the_overview_lists_each_member(h: crate::api::Harness) {
+    h.state
+        .throttle
+        .pause_member("seen", "west", Some(Duration::from_secs(5)))
+        .await
+        .expect("paused");
+    let r = h.get("/admin/overview", crate::api::ADMIN, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let row = r.body["providers"]
+        .as_array()
+        .expect("providers")
+        .iter()
+        .find(|p| p["provider"] == "seen")
+        .expect("the pool's row")
+        .clone();
+    let members = row["members"].as_array().expect("members");
+    let names: Vec<&str> = members
+        .iter()
+        .filter_map(|m| m["member"].as_str())
+        .collect();
+    assert_eq!(names, ["east", "west", "north"], "{row}");
+    let bursts: Vec<f64> = members
+        .iter()
+        .map(|m| m["limits"][0]["burst"].as_f64().expect("burst"))
+        .collect();
+    assert_eq!(bursts, [2.0, 4.0, 1.0], "{row}");
+    let paused: Vec<u64> = members
+        .iter()
+        .map(|m| m["paused_ms"].as_u64().expect("paused_ms"))
+        .collect();
+    assert!(paused[1] > 4000 && paused[1] <= 5000, "{row}");
+    assert_eq!((paused[0], paused[2]), (0, 0), "{row}");
+    assert_eq!(
+        (row["burst"].as_u64(), row["paused_ms"].as_u64()),
+        (Some(7), Some(0)),
+        "{row}"
+    );
+    assert!(row["member_grants_per_sec"].is_object(), "{row}");
+    // A provider served as one upstream: no members.
+    let llm = r.body["providers"]
+        .as_array()
+        .expect("providers")
+        .iter()
+        .find(|p| p["provider"] == "llm")
+        .expect("llm");
+    assert_eq!(llm["members"], json!([]));
+    let schema = tollgate_api::dashboard::schema(tollgate_core::money::Currency::Tokens);
+    let item = &schema["properties"]["providers"]["items"];
+    assert!(item["required"]
+        .as_array()
+        .unwrap()
+        .contains(&json!("members")));
+    let member = &item["properties"]["members"]["items"];
+    for field in ["member", "paused_ms", "in_flight", "grants", "limits"] {
+        assert!(
+            member["required"]
+                .as_array()
+                .unwrap()
+                .contains(&json!(field)),
+            "{field}"
+        );
+    }
+}
+
+mod overview {
+    use super::*;
+    on_each_backend!(
+        [the_overview_lists_each_member]
+        memory => super::seen_memory().await,
+        redis => super::seen_redis().await,
+    );
+}
+
+/// A job's timeline names the member its grant went to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_seen_the_timeline_names_the_member_granted() {
+    let h = seen_memory().await;
+    let w = Waiter::of(&rid("seen-job-1"), "alice", Share::default());
+    let grant = h
+        .state
+        .throttle
+        .acquire_as("seen", &w, Duration::from_secs(5))
+        .await
+        .expect("granted");
+    let member = grant
+        .member
+        .clone()
+        .expect("a pool's grant names its member");
+    let r = h
+        .get("/admin/jobs/seen-job-1", crate::api::ADMIN, &[])
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let timeline = r.body["jobs"][0]["timeline"].as_array().expect("timeline");
+    let granted = timeline
+        .iter()
+        .find(|e| e["step"] == "granted")
+        .unwrap_or_else(|| panic!("no granted step: {}", r.body));
+    assert_eq!(granted["member"], json!(member), "{}", r.body);
+    assert!(
+        granted["what"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("member {member}")),
+        "{}",
+        r.body
+    );
+}
