@@ -10,7 +10,7 @@
 //! time from [`JobQueue::stats`] and [`Throttle::stats`] ([`Metrics::refresh`]),
 //! so every pod shows the same numbers: aggregate them with `max`, not `sum`.
 //!
-//! Every label is bounded: provider, operation and plan names come from the
+//! Every label is bounded: provider, pool member, operation and plan names come from the
 //! config, outcomes and causes from fixed lists, routes from the route table.
 //! No user id or request id is ever a label.
 
