@@ -1522,3 +1522,77 @@ async fn dashboard_shows_spend_by_model_and_top_spenders_in_money_on_redis() {
     let redis = RedisServer::start();
     spend_in_money(Some(&redis)).await;
 }
+
+/// A pool's members as sub-rows of the providers table, in a real browser
+/// against `tollgate all`: each named, with its own bucket; its secret is
+/// nowhere on the page (issue 50 item 5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_pool_members_as_sub_rows() {
+    let dir = std::env::temp_dir().join(format!("tollgate-pool-seen-{}", random_prefix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tollgate.toml");
+    let text = format!(
+        "{}\n[providers.seen]\nmax_wait = \"10s\"\nmembers = [\n  \
+         {{ name = \"east\", url = \"http://127.0.0.1:9\", limits = [{{ rate = 10, per = \"1s\", burst = 2 }}], secret_headers = {{ \"api-key\" = \"TOLLGATE_TEST_SEEN_KEY\" }} }},\n  \
+         {{ name = \"west\", url = \"http://127.0.0.1:9\", limits = [{{ rate = 20, per = \"1s\", burst = 4 }}] }},\n  \
+         {{ name = \"north\", url = \"http://127.0.0.1:9\", limits = [{{ rate = 5, per = \"1s\", burst = 1 }}] }},\n]\n",
+        tollgate_core::config::BUILTIN
+    );
+    std::fs::write(&path, text).unwrap();
+    let secret = "sk-seen-0123456789-never-shown";
+    let (child, lines) = tollgate_tests::process::spawn_reading_with(
+        &[
+            "all",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            path.to_str().unwrap(),
+        ],
+        &[("TOLLGATE_TEST_SEEN_KEY", secret)],
+        |l| l.iter().any(|l| l.contains("/v1/usage")),
+    );
+    let _procs = Procs(vec![child]);
+    let find = |needle: &str| tollgate_tests::process::banner_value(&lines, needle);
+    let (base, admin) = (find("listening on "), find("admin token: "));
+    let driver = chromedriver();
+    let c = browser(&driver).await;
+    c.goto(&format!("{base}/dashboard")).await.unwrap();
+    hook_errors(&c).await;
+    until(&c, "!document.getElementById('login').hidden", 10).await;
+    submit_token(&c, &admin).await;
+    let members = "[...document.querySelectorAll('#providers tr[data-pool=\"seen\"]')]";
+    until(&c, &format!("{members}.length === 3"), 20).await;
+    let shown = js(
+        &c,
+        &format!(
+            "return {members}.map((tr) => [tr.dataset.member, tr.cells[0].textContent, \
+             tr.cells[2].textContent, tr.dataset.paused]);"
+        ),
+    )
+    .await;
+    assert_eq!(
+        shown,
+        json!([
+            ["east", "↳ east", "2", "false"],
+            ["west", "↳ west", "4", "false"],
+            ["north", "↳ north", "1", "false"],
+        ])
+    );
+    // The sub-rows follow their pool's row; its burst is theirs summed.
+    let order = js(
+        &c,
+        "const rows = [...document.querySelectorAll('#providers tbody tr')];\
+         const i = rows.findIndex((tr) => tr.dataset.provider === 'seen');\
+         return [rows[i].cells[2].textContent, rows.slice(i + 1, i + 4).map((tr) => tr.dataset.member)];",
+    )
+    .await;
+    assert_eq!(order, json!(["7", ["east", "west", "north"]]));
+    let page = js(&c, "return document.body.innerHTML;").await;
+    assert!(
+        !page.as_str().unwrap().contains(secret),
+        "the member's secret is on the page"
+    );
+    assert_no_page_errors(&c).await;
+    let _ = c.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -64,6 +64,7 @@ mod openapi;
 mod orgs;
 mod outcomes;
 mod periods;
+mod pool_seen;
 mod redis_ledger;
 mod redis_outages;
 mod redis_tls;

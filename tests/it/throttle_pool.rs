@@ -24,7 +24,7 @@ use crate::throttle::RedisSetup;
 
 /// The conformance config (its throttler role serves `zz-failover` so) with
 /// the members' upstreams in place.
-fn config(upstreams: &[Upstream; 3]) -> Config {
+pub(crate) fn config(upstreams: &[Upstream; 3]) -> Config {
     let mut text = crate::throttle::CONFIG.to_owned();
     for (u, name) in upstreams.iter().zip(["a", "b", "c"]) {
         text = text.replace(

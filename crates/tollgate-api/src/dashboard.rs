@@ -28,7 +28,7 @@
 //! /admin/jobs` (recent, failed, dead; by user, by operation) and `GET
 //! /admin/jobs/{id}` (a job's record and timeline).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -98,6 +98,9 @@ pub(crate) struct Sampler {
     last: Option<(Instant, Arc<Overview>)>,
     /// The history as this process has read it.
     pub(crate) ring: history::Ring,
+    /// Each pool member's grants count (provider, member) as read at each
+    /// overview of the last minute: its grants per second.
+    member_grants: BTreeMap<(String, String), VecDeque<(u64, u64)>>,
 }
 
 impl Dashboard {
@@ -232,6 +235,9 @@ pub struct ProviderView {
     /// activity log began (`None`: this pod has not sampled that long).
     pub answers: BTreeMap<String, u64>,
     pub answers_since_ms: Option<u64>,
+    /// A pool's members' grants per second, by member, over the overviews
+    /// of the last minute this pod computed (absent until two of them).
+    pub member_grants_per_sec: BTreeMap<String, f64>,
 }
 
 /// The roles alive, from their liveness records; `None` when embedded (the
@@ -281,14 +287,50 @@ fn p95(values: &mut [u64]) -> Option<u64> {
 impl Sampler {
     /// Each provider's view; the counts over the last [`RECENT`] are taken
     /// from the history's sample at or before its start.
-    fn providers(&self, stats: Vec<ProviderStats>, activity: &ActivityView) -> Vec<ProviderView> {
+    fn providers(
+        &mut self,
+        stats: Vec<ProviderStats>,
+        activity: &ActivityView,
+    ) -> Vec<ProviderView> {
         let now = activity.now_ms;
         let since = now.saturating_sub(MINUTE_MS);
         let horizon = now.saturating_sub(RECENT.as_millis() as u64);
         let baseline = self.ring.at_or_before(horizon);
+        let member_grants = &mut self.member_grants;
+        member_grants.retain(|(p, m), _| {
+            stats
+                .iter()
+                .any(|s| &s.provider == p && s.members.iter().any(|x| &x.member == m))
+        });
         stats
             .into_iter()
             .map(|s| {
+                let member_grants_per_sec = s
+                    .members
+                    .iter()
+                    .filter_map(|m| {
+                        let seen = member_grants
+                            .entry((s.provider.clone(), m.member.clone()))
+                            .or_default();
+                        while seen.front().is_some_and(|(at, _)| *at < since) {
+                            seen.pop_front();
+                        }
+                        seen.push_back((now, m.grants));
+                        let (&(t0, g0), &(t1, g1)) = (seen.front()?, seen.back()?);
+                        // A count that went back started again (Redis: the
+                        // pool idled): no rate until the next reads.
+                        if g1 < g0 {
+                            seen.retain(|(at, _)| *at == t1);
+                            return None;
+                        }
+                        (t1 > t0).then(|| {
+                            (
+                                m.member.clone(),
+                                (g1 - g0) as f64 / ((t1 - t0) as f64 / 1000.0),
+                            )
+                        })
+                    })
+                    .collect();
                 let answered = activity
                     .answers
                     .get(&s.provider)
@@ -327,6 +369,7 @@ impl Sampler {
                     })
                     .collect();
                 ProviderView {
+                    member_grants_per_sec,
                     answers,
                     answers_since_ms: baseline.map(|b| b.at_ms),
                     grants_last_minute: (grants_per_sec * 60.0).round() as u64,
@@ -640,6 +683,18 @@ pub fn schema(currency: tollgate_core::money::Currency) -> serde_json::Value {
     let int = serde_json::json!({"type": "integer"});
     let amount = crate::openapi::amount_schema(currency);
     let nullable_int = serde_json::json!({"type": ["integer", "null"]});
+    let members = serde_json::json!({"type": "array", "description": "A pool's members (empty for a provider served as one upstream), by their config names: each one's own buckets; the provider's figures above are then the pool's (summed; paused_ms the shortest).", "items": {"type": "object",
+    "required": ["member", "paused_ms", "effective_rate", "in_flight", "grants", "limits"],
+    "properties": {
+        "member": {"type": "string"},
+        "paused_ms": {"type": "integer", "minimum": 0, "description": "How long the member still grants nothing after its upstream refused a call or could not be reached (0: not paused)."},
+        "effective_rate": {"type": "number"},
+        "in_flight": {"type": "integer", "minimum": 0, "description": "Slots of the member's max_concurrent held now."},
+        "grants": {"type": "integer", "minimum": 0, "description": "The member's grants as the pool's choice counts them (a growing count; on Redis it starts again after the pool idles)."},
+        "limits": {"type": "array", "items": {"type": "object",
+            "required": ["limit", "available", "burst", "rate"],
+            "properties": {"limit": {"type": "string"}, "available": {"type": "number"}, "burst": {"type": "number"}, "rate": {"type": "number"}}}},
+    }}});
     serde_json::json!({
         "type": "object",
         "required": ["now_ms", "providers", "queues", "roles", "top_users", "events", "denials", "most_denied"],
@@ -648,7 +703,7 @@ pub fn schema(currency: tollgate_core::money::Currency) -> serde_json::Value {
             "now_ms": int,
             "providers": {"type": "array", "items": {
                 "type": "object",
-                "required": ["provider", "rate", "burst", "tokens", "waiters", "grants_per_sec", "grants_last_minute"],
+                "required": ["provider", "rate", "burst", "tokens", "waiters", "grants_per_sec", "grants_last_minute", "members"],
                 "properties": {
                     "provider": {"type": "string"},
                     "rate": {"type": "number"},
@@ -666,6 +721,8 @@ pub fn schema(currency: tollgate_core::money::Currency) -> serde_json::Value {
                     "p95_wait_ms": {"type": ["number", "null"], "description": "The p95 wait for a slot over the last minute."},
                     "answers": {"type": "object", "additionalProperties": int, "description": "The upstream's answers by class (2xx, 4xx, 429, 5xx, timeout) since answers_since_ms: the history's sample at or before 5 minutes ago (null: since the activity log began)."},
                     "answers_since_ms": nullable_int,
+                    "members": members,
+                    "member_grants_per_sec": {"type": "object", "additionalProperties": {"type": "number"}, "description": "Each pool member's grants per second over the overviews of the last minute (a member is absent until two)."},
                 },
             }},
             "queues": {"type": "array", "items": {

@@ -145,8 +145,15 @@ pub struct JobNote {
 pub enum JobStep {
     /// The submission charged the budget: the job is queued.
     Charged { operation: String, cost: u64 },
-    /// A provider slot was granted after `waited_us`.
-    Granted { provider: String, waited_us: u64 },
+    /// A provider slot was granted after `waited_us`, of its pool's
+    /// `member` (`None`: a provider served as one upstream, or a step
+    /// written before members were noted).
+    Granted {
+        provider: String,
+        waited_us: u64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        member: Option<String>,
+    },
     /// A worker's run claimed the charge, about to call the provider.
     Started { run: u32 },
     /// The job succeeded: the charge stands, at `charged` when its settle
@@ -171,10 +178,17 @@ impl JobStep {
     pub fn encode(&self) -> String {
         match self {
             Self::Charged { operation, cost } => format!("charged {operation} {cost}"),
+            // The member last: a reader that knows none ignores it.
             Self::Granted {
                 provider,
                 waited_us,
+                member: None,
             } => format!("granted {provider} {waited_us}"),
+            Self::Granted {
+                provider,
+                waited_us,
+                member: Some(m),
+            } => format!("granted {provider} {waited_us} {m}"),
             Self::Started { run } => format!("started {run}"),
             Self::Succeeded { charged: None } => "succeeded".into(),
             Self::Succeeded { charged: Some(c) } => format!("succeeded {c}"),
@@ -205,6 +219,7 @@ impl JobStep {
             "granted" => Self::Granted {
                 provider: f.next()?.to_owned(),
                 waited_us: f.next()?.parse().ok()?,
+                member: f.next().filter(|m| !m.is_empty()).map(str::to_owned),
             },
             "started" => Self::Started {
                 run: f.next()?.parse().ok()?,
@@ -518,6 +533,7 @@ impl Throttle for RecordingThrottle {
                     step: JobStep::Granted {
                         provider: grant.provider.clone(),
                         waited_us,
+                        member: grant.member.clone(),
                     },
                 }));
             }
@@ -707,6 +723,12 @@ mod tests {
             JobStep::Granted {
                 provider: "llm".into(),
                 waited_us: 1234,
+                member: None,
+            },
+            JobStep::Granted {
+                provider: "llm".into(),
+                waited_us: 1234,
+                member: Some("eu-1".into()),
             },
             JobStep::Started { run: 2 },
             JobStep::Succeeded { charged: None },
@@ -736,6 +758,16 @@ mod tests {
             Some(JobStep::Succeeded { charged: None })
         );
         assert_eq!(JobNote::parse_line("id-1", "42 alice succeeded x"), None);
+        // A grant of an older writer names no member.
+        let old = JobNote::parse_line("id-1", "42 alice granted llm 7");
+        assert_eq!(
+            old.map(|n| n.step),
+            Some(JobStep::Granted {
+                provider: "llm".into(),
+                waited_us: 7,
+                member: None,
+            })
+        );
         let long = JobStep::Failed {
             operation: "op".into(),
             cause: "provider".into(),

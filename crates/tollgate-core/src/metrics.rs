@@ -10,7 +10,7 @@
 //! time from [`JobQueue::stats`] and [`Throttle::stats`] ([`Metrics::refresh`]),
 //! so every pod shows the same numbers: aggregate them with `max`, not `sum`.
 //!
-//! Every label is bounded: provider, operation and plan names come from the
+//! Every label is bounded: provider, pool member, operation and plan names come from the
 //! config, outcomes and causes from fixed lists, routes from the route table.
 //! No user id or request id is ever a label.
 
@@ -136,6 +136,19 @@ struct ProviderOutcome {
 struct ProviderClass {
     provider: String,
     class: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MemberLabel {
+    provider: String,
+    member: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MemberOutcome {
+    provider: String,
+    member: String,
+    outcome: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -337,6 +350,47 @@ const THROTTLE_THROTTLERS: (&str, &str) = (
      bucket grants by itself).",
 );
 
+const MEMBER_TOKENS: (&str, &str) = (
+    "tollgate_pool_member_tokens",
+    "Tokens in the request bucket of each member of each provider's pool now (shared state).",
+);
+const MEMBER_PAUSED: (&str, &str) = (
+    "tollgate_pool_member_paused_seconds",
+    "How long each pool member's buckets still grant nothing after its upstream refused a \
+     call or could not be reached; 0 when it is not paused (shared state).",
+);
+const MEMBER_EFFECTIVE_RATE: (&str, &str) = (
+    "tollgate_pool_member_effective_rate",
+    "The rate each pool member's request bucket refills at now (shared state).",
+);
+const MEMBER_IN_FLIGHT: (&str, &str) = (
+    "tollgate_pool_member_in_flight",
+    "Slots of its max_concurrent each pool member holds now (shared state).",
+);
+
+/// One gauge family of every member of every pool.
+fn member_gauges(
+    encoder: &mut DescriptorEncoder,
+    (name, help): (&str, &str),
+    providers: &[ProviderStats],
+    value: impl Fn(&crate::throttle::MemberStats) -> f64,
+) -> Result<(), std::fmt::Error> {
+    if providers.iter().all(|p| p.members.is_empty()) {
+        return Ok(());
+    }
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for p in providers {
+        for m in &p.members {
+            let labels = [
+                ("provider", p.provider.as_str()),
+                ("member", m.member.as_str()),
+            ];
+            ConstGauge::new(value(m)).encode(metric.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
+}
+
 /// One gauge family of the snapshot: a series per row that has a value.
 fn gauges<T, V: EncodeGaugeValue + std::fmt::Debug>(
     encoder: &mut DescriptorEncoder,
@@ -416,6 +470,12 @@ impl Collector for StatsCollector {
             })?;
             limit_gauges(e, THROTTLE_LIMIT_AVAILABLE, p, |l| l.available)?;
             limit_gauges(e, THROTTLE_LIMIT_RATE, p, |l| l.rate)?;
+            let tokens =
+                |m: &crate::throttle::MemberStats| m.limits.first().map_or(0.0, |l| l.available);
+            member_gauges(e, MEMBER_TOKENS, p, tokens)?;
+            member_gauges(e, MEMBER_PAUSED, p, |m| m.paused_ms as f64 / 1000.0)?;
+            member_gauges(e, MEMBER_EFFECTIVE_RATE, p, |m| m.effective_rate)?;
+            member_gauges(e, MEMBER_IN_FLIGHT, p, |m| m.in_flight as f64)?;
         }
         Ok(())
     }
@@ -451,6 +511,11 @@ pub struct Metrics {
     grants: Family<ProviderLabel, Counter>,
     skipped: Family<ProviderLabel, Counter>,
     reclaimed: Family<ProviderLabel, Counter>,
+    // pool members (labels only of configured members)
+    member_grants: Family<MemberLabel, Counter>,
+    member_calls: Family<MemberOutcome, Counter>,
+    member_pauses: Family<MemberLabel, Counter>,
+    members: BTreeMap<String, Vec<String>>,
     // worker
     in_flight: Family<OperationLabel, Gauge>,
     jobs: Family<OperationOutcome, Counter>,
@@ -756,6 +821,28 @@ impl Metrics {
             spend.clone(),
         );
 
+        let member_grants = counters();
+        r.register(
+            "tollgate_pool_member_grants",
+            "Slots granted to calls of each member of each provider's pool (this pod's callers)",
+            member_grants.clone(),
+        );
+        let member_calls = counters();
+        r.register(
+            "tollgate_pool_member_calls",
+            "Upstream attempts sent to each pool member, by outcome (ok, 429, 5xx, 4xx, \
+             transport, bad_response)",
+            member_calls.clone(),
+        );
+        let member_pauses = counters();
+        r.register(
+            "tollgate_pool_member_pauses",
+            "Back-offs of each pool member: its upstream refused a call (a 429, or a 503 with \
+             Retry-After) or could not be reached, and its buckets were paused for every pod",
+            member_pauses.clone(),
+        );
+        let mut members: BTreeMap<String, Vec<String>> = BTreeMap::new();
+
         let build_info = Family::<VersionLabel, Gauge>::default();
         r.register(
             "tollgate_build_info",
@@ -793,6 +880,28 @@ impl Metrics {
                 family.get_or_create(&l).inc_by(0);
             }
             let provider = || p.name.clone();
+            for m in p.pool() {
+                let l = MemberLabel {
+                    provider: provider(),
+                    member: m.name.clone(),
+                };
+                member_grants.get_or_create(&l).inc_by(0);
+                member_pauses.get_or_create(&l).inc_by(0);
+                for outcome in [
+                    CallOutcome::Ok,
+                    CallOutcome::RateLimited,
+                    CallOutcome::ServerError,
+                ] {
+                    member_calls
+                        .get_or_create(&MemberOutcome {
+                            provider: provider(),
+                            member: m.name.clone(),
+                            outcome: outcome.as_str(),
+                        })
+                        .inc_by(0);
+                }
+                members.entry(provider()).or_default().push(m.name.clone());
+            }
             for class in [CallOutcome::RateLimited, CallOutcome::ServerError] {
                 let class = class.as_str();
                 let l = ProviderClass {
@@ -912,6 +1021,10 @@ impl Metrics {
             grants,
             skipped,
             reclaimed,
+            member_grants,
+            member_calls,
+            member_pauses,
+            members,
             in_flight,
             jobs,
             worker_releases,
@@ -1157,6 +1270,46 @@ impl Metrics {
                 provider: provider.to_owned(),
             })
             .inc();
+    }
+
+    /// The label of `member` of `provider`'s pool: `None` when the config
+    /// lists no such member (a label is never a name from elsewhere).
+    fn member(&self, provider: &str, member: &str) -> Option<MemberLabel> {
+        self.members
+            .get(provider)
+            .is_some_and(|ms| ms.iter().any(|m| m == member))
+            .then(|| MemberLabel {
+                provider: provider.to_owned(),
+                member: member.to_owned(),
+            })
+    }
+
+    /// A call of `provider` was granted a slot of its pool's `member`.
+    pub fn member_granted(&self, provider: &str, member: &str) {
+        if let Some(l) = self.member(provider, member) {
+            self.member_grants.get_or_create(&l).inc();
+        }
+    }
+
+    /// An upstream attempt sent to `member` of `provider`'s pool ended with
+    /// `outcome`.
+    pub fn member_call(&self, provider: &str, member: &str, outcome: CallOutcome) {
+        if let Some(l) = self.member(provider, member) {
+            self.member_calls
+                .get_or_create(&MemberOutcome {
+                    provider: l.provider,
+                    member: l.member,
+                    outcome: outcome.as_str(),
+                })
+                .inc();
+        }
+    }
+
+    /// `member` of `provider`'s pool was backed off ([`Throttle::pause_member`]).
+    pub fn member_paused(&self, provider: &str, member: &str) {
+        if let Some(l) = self.member(provider, member) {
+            self.member_pauses.get_or_create(&l).inc();
+        }
     }
 
     /// An answer's reported usage differed from its call's weight.

@@ -391,8 +391,68 @@ pub struct ProviderStats {
     /// provider after a refusal (AIMD).
     pub effective_rate: f64,
     /// Every limit's bucket: the request bucket (`rate`, `burst`) first,
-    /// then the provider's other `limits`.
+    /// then the provider's other `limits`. A pool's ([`Provider::pool`]):
+    /// its request bucket only, the sum of its members' (the figures
+    /// above are the pool's too: `tokens`, `rate`, `burst` and
+    /// `effective_rate` summed, `paused_ms` the shortest of its members').
     pub limits: Vec<LimitStats>,
+    /// A pool's members, in config order (empty for a provider served as
+    /// one upstream): each one's own buckets, pause and grants.
+    pub members: Vec<MemberStats>,
+}
+
+/// One member of a provider's pool, as it stands. Named by its config
+/// `name`, never by its secrets.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MemberStats {
+    pub member: String,
+    /// How long its buckets still grant nothing after its upstream refused
+    /// a call ([`Throttle::pause_member`]), in ms; 0 when it is not paused.
+    pub paused_ms: u64,
+    /// The rate its request bucket refills at now.
+    pub effective_rate: f64,
+    /// Its slots of its `max_concurrent` held now (0 without a cap).
+    pub in_flight: u64,
+    /// The grants it took, as the pool's choice counts them (the tie-break
+    /// of `lua/throttle/lib/pool.lua`; on Redis they start again after the
+    /// pool idles): a growing count, for a share or a rate between reads.
+    pub grants: u64,
+    /// Its limits' buckets, as [`ProviderStats::limits`] a provider's.
+    pub limits: Vec<LimitStats>,
+}
+
+impl ProviderStats {
+    /// The stats of pool `p` whose members stand at `members`: the
+    /// provider's row becomes their sum (its own bucket is never written),
+    /// its limits the summed request bucket.
+    pub fn pooled(mut self, p: &Provider, members: Vec<MemberStats>) -> Self {
+        if members.is_empty() {
+            return self;
+        }
+        let (mut available, mut burst, mut rate) = (0.0, 0.0, 0.0);
+        for l in members.iter().filter_map(|m| m.limits.first()) {
+            available += l.available;
+            burst += l.burst;
+            rate += l.rate;
+        }
+        self.rate = p.pool().iter().map(|m| m.rate).sum();
+        self.tokens = available;
+        self.burst = burst.round() as u64;
+        self.effective_rate = rate;
+        self.paused_ms = members.iter().map(|m| m.paused_ms).min().unwrap_or(0);
+        let limit = self
+            .limits
+            .first()
+            .map_or_else(|| "rate".to_owned(), |l| l.limit.clone());
+        self.limits = vec![LimitStats {
+            limit,
+            available,
+            burst,
+            rate,
+        }];
+        self.members = members;
+        self
+    }
 }
 
 /// One limit's bucket of a provider, as it stands.

@@ -19,8 +19,9 @@ use tollgate_core::id::RequestId;
 use tollgate_core::lock;
 use tollgate_core::metrics::Metrics;
 use tollgate_core::throttle::{
-    backoff, late_bound, limit_stats, Grant, Pause, Position, ProviderStats, Share, Throttle,
-    ThrottleError, Usage, UserSlot, Waiter, LATE_GRANT, MIN_LATE_GRANT, SLOT_LEASE_MAX,
+    backoff, late_bound, limit_stats, Grant, LimitStats, MemberStats, Pause, Position,
+    ProviderStats, Share, Throttle, ThrottleError, Usage, UserSlot, Waiter, LATE_GRANT,
+    MIN_LATE_GRANT, SLOT_LEASE_MAX,
 };
 
 /// An adaptive bucket's rate at `t`: `e` at `since`, growing back by a tenth
@@ -313,6 +314,26 @@ impl Bucket {
             m.give_back(Some(("", ticket)), weight);
         }
         self.end(user, ticket);
+    }
+
+    /// Its request bucket's tokens and rate now, how long it is still
+    /// paused (ms), its limits' stats, and the slots of `max_concurrent`
+    /// held now.
+    fn standing(&self) -> (f64, f64, u64, Vec<LimitStats>, u64) {
+        let mut st = lock(&self.state);
+        self.refill(&mut st);
+        let now = Instant::now();
+        let effective_rate = aimd_rate(st.aimd, self.rate, now.max(st.at));
+        let paused_ms =
+            u64::try_from(st.at.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX);
+        let limits = limit_stats(
+            &self.provider,
+            st.tokens,
+            effective_rate,
+            st.levels.iter().copied(),
+        );
+        let in_flight = st.slots.values().filter(|until| **until > now).count() as u64;
+        (st.tokens, effective_rate, paused_ms, limits, in_flight)
     }
 
     /// The index of pool member `name`.
@@ -732,30 +753,42 @@ impl Throttle for MemoryThrottle {
             .buckets
             .iter()
             .map(|(name, b)| {
-                let mut st = lock(&b.state);
-                b.refill(&mut st);
-                let (waiters, users) = st.queue.waiting(open);
-                let effective_rate = aimd_rate(st.aimd, b.rate, Instant::now().max(st.at));
+                let (tokens, effective_rate, paused_ms, limits, _) = b.standing();
+                let (waiters, users, counts) = {
+                    let st = lock(&b.state);
+                    let (waiters, users) = st.queue.waiting(open);
+                    (waiters, users, st.counts.clone())
+                };
+                let members = b
+                    .pool
+                    .iter()
+                    .zip(counts)
+                    .map(|(m, grants)| {
+                        let (_, effective_rate, paused_ms, limits, in_flight) = m.meter.standing();
+                        MemberStats {
+                            member: m.name.clone(),
+                            paused_ms,
+                            effective_rate,
+                            in_flight,
+                            grants,
+                            limits,
+                        }
+                    })
+                    .collect();
                 ProviderStats {
                     provider: name.clone(),
                     rate: b.rate,
                     burst: b.burst as u64,
-                    tokens: st.tokens,
+                    tokens,
                     waiters,
                     users,
                     throttlers: None,
-                    paused_ms: u64::try_from(
-                        st.at.saturating_duration_since(Instant::now()).as_millis(),
-                    )
-                    .unwrap_or(u64::MAX),
+                    paused_ms,
                     effective_rate,
-                    limits: limit_stats(
-                        &b.provider,
-                        st.tokens,
-                        effective_rate,
-                        st.levels.iter().copied(),
-                    ),
+                    limits,
+                    members: Vec::new(),
                 }
+                .pooled(&b.provider, members)
             })
             .collect())
     }

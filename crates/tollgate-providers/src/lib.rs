@@ -553,6 +553,9 @@ impl<C: Transport> ThrottledClient<C> {
         match r {
             Ok(grant) => {
                 wait.granted();
+                if let Some(member) = &grant.member {
+                    self.metrics.member_granted(&self.provider.name, member);
+                }
                 Ok(grant)
             }
             Err(ThrottleError::Timeout { provider, .. }) => {
@@ -600,6 +603,9 @@ impl<C: Transport> ThrottledClient<C> {
         match paused {
             Ok(pause) => {
                 self.metrics.paused(name);
+                if let Some(member) = member {
+                    self.metrics.member_paused(name, member);
+                }
                 tracing::info!(
                     provider = %name, status, ?retry_after, left = ?pause.left,
                     strikes = pause.strikes, "the upstream refused a call: provider paused"
@@ -644,6 +650,10 @@ impl<C: Transport> ThrottledClient<C> {
         };
         self.metrics
             .provider_call(&self.provider.name, outcome, started.elapsed());
+        if let Some(member) = member {
+            self.metrics
+                .member_call(&self.provider.name, member, outcome);
+        }
         r
     }
 }

@@ -223,6 +223,12 @@ impl ThrottleKeys {
         }
     }
 
+    /// Hash: pool member -> its grants while the pool is busy
+    /// (`lua/throttle/lib/pool.lua`'s `<base>:m:n`).
+    pub fn member_counts(&self) -> String {
+        format!("{}:m:n", self.base)
+    }
+
     /// Hash: ticket -> the pool member its grant took from, beside
     /// `granted` (`lua/throttle/lib/pool.lua`).
     pub fn granted_by(&self) -> String {

@@ -35,8 +35,8 @@ use tollgate_core::{
     config::{Config, Fairness, Provider},
     id::RequestId,
     throttle::{
-        late_of, limit_stats, Dispatch, Dispatchers, Grant, Pause, Position, ProviderStats, Pumped,
-        Throttle, ThrottleError, Usage, UserSlot, Waiter,
+        late_of, limit_stats, Dispatch, Dispatchers, Grant, LimitStats, MemberStats, Pause,
+        Position, ProviderStats, Pumped, Throttle, ThrottleError, Usage, UserSlot, Waiter,
     },
 };
 
@@ -592,19 +592,33 @@ impl Throttle for RedisThrottle {
         for name in self.providers.keys() {
             let keys = self.shared.keys.throttle(name);
             let p = &self.providers[name];
-            cmds.push(
-                redis::cmd("HMGET")
-                    .arg(&keys.bucket)
-                    .arg("tokens")
-                    .arg("at")
-                    .arg("aimd")
-                    .arg("aimd_at")
-                    .arg(limit_fields(p))
-                    .to_owned(),
-            );
+            cmds.push(bucket_fields(&keys.bucket, p));
             cmds.push(redis::cmd("HLEN").arg(&keys.waiting).to_owned());
             cmds.push(redis::cmd("HVALS").arg(&keys.throttlers).to_owned());
             cmds.push(redis::cmd("HGET").arg(&keys.tags).arg(":n").to_owned());
+            // A pool's members: each one's buckets and slots, then their
+            // grants (lua/throttle/lib/pool.lua).
+            let pool = p.pool();
+            for m in pool {
+                let own = keys.member(&m.name);
+                cmds.push(bucket_fields(&own.bucket, &p.as_member(m)));
+                cmds.push(
+                    redis::cmd("ZRANGE")
+                        .arg(&own.inflight)
+                        .arg(0)
+                        .arg(-1)
+                        .arg("WITHSCORES")
+                        .to_owned(),
+                );
+            }
+            if !pool.is_empty() {
+                let mut counts = redis::cmd("HMGET");
+                counts.arg(keys.member_counts());
+                for m in pool {
+                    counts.arg(&m.name);
+                }
+                cmds.push(counts);
+            }
         }
         let reply: redis::Value = call::gather(
             &self.shared.pool,
@@ -623,37 +637,16 @@ impl Throttle for RedisThrottle {
             .ok_or_else(|| bad_reply::<ThrottleError>("TIME", items.first()))?;
         let now_us = secs * 1_000_000 + micros;
         let mut out = Vec::with_capacity(self.providers.len());
-        for (p, r) in self.providers.values().zip(items[1..].chunks_exact(4)) {
-            let fields: Vec<Option<String>> = redis::from_redis_value_ref(&r[0])
-                .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
-            let field = |i: usize| fields.get(i).cloned().flatten();
-            let (tokens, at, aimd, aimd_at): (Option<f64>, Option<u64>, Option<f64>, Option<u64>) = (
-                field(0).and_then(|v| v.parse().ok()),
-                field(1).and_then(|v| v.parse().ok()),
-                field(2).and_then(|v| v.parse().ok()),
-                field(3).and_then(|v| v.parse().ok()),
-            );
-            // The other limits (throttle/lib/bucket.lua's limits_read).
-            let levels = p.limits.iter().enumerate().map(|(i, l)| {
-                let cap = l.burst as f64;
-                let parsed = field(4 + i).and_then(|v| {
-                    let (level, at) = v.split_once(' ')?;
-                    Some((level.parse::<f64>().ok()?, at.parse::<u64>().ok()?))
-                });
-                match parsed {
-                    Some((level, at)) => {
-                        (level + now_us.saturating_sub(at) as f64 * l.rate / 1e6).min(cap)
-                    }
-                    None => cap,
-                }
-            });
-            // throttle/lib/bucket.lua's aimd_rate.
-            let aimd_rate = |t: u64| match (aimd, aimd_at) {
-                (Some(e), Some(since)) => p
-                    .rate
-                    .min(e + t.saturating_sub(since) as f64 * p.rate / 1e7),
-                _ => p.rate,
-            };
+        let mut rest = items.get(1..).unwrap_or_default();
+        for p in self.providers.values() {
+            let pool = p.pool();
+            let n = 4 + 2 * pool.len() + usize::from(!pool.is_empty());
+            if rest.len() < n {
+                return Err(bad_reply("throttle_stats", rest.len()));
+            }
+            let (r, next) = rest.split_at(n);
+            rest = next;
+            let own = BucketStanding::read(p, &r[0], now_us)?;
             let waiters: u64 = redis::from_redis_value_ref(&r[1])
                 .map_err(|e| bad_reply::<ThrottleError>("HLEN", e))?;
             let lives: Vec<u64> = redis::from_redis_value_ref(&r[2])
@@ -665,30 +658,44 @@ impl Throttle for RedisThrottle {
                 Fairness::Fair => fair_users,
                 Fairness::Fifo => u64::from(waiters > 0),
             };
-            let burst = p.bucket_burst();
-            let tokens = match (tokens, at) {
-                (Some(t), Some(at)) if now_us > at => {
-                    (t + (now_us - at) as f64 * aimd_rate(at) / 1e6).min(burst)
+            let mut members = Vec::with_capacity(pool.len());
+            if !pool.is_empty() {
+                let counts: Vec<Option<u64>> = redis::from_redis_value_ref(&r[n - 1])
+                    .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+                for (i, m) in pool.iter().enumerate() {
+                    let standing = BucketStanding::read(&p.as_member(m), &r[4 + 2 * i], now_us)?;
+                    let slots: Vec<(String, f64)> = redis::from_redis_value_ref(&r[5 + 2 * i])
+                        .map_err(|e| bad_reply::<ThrottleError>("ZRANGE", e))?;
+                    members.push(MemberStats {
+                        member: m.name.clone(),
+                        paused_ms: standing.paused_ms,
+                        effective_rate: standing.effective_rate,
+                        in_flight: slots
+                            .iter()
+                            .filter(|(_, until)| *until >= now_us as f64)
+                            .count() as u64,
+                        grants: counts.get(i).copied().flatten().unwrap_or(0),
+                        limits: standing.limits,
+                    });
                 }
-                (Some(t), Some(_)) => t,
-                _ => burst,
-            };
+            }
             let now_ms = now_us / 1000;
-            // A paused bucket's `at` is its pause's end (throttle/lib/bucket.lua).
-            let paused_ms = at.map_or(0, |at| at.saturating_sub(now_us) / 1000);
-            let effective_rate = aimd_rate(now_us.max(at.unwrap_or(0)));
-            out.push(ProviderStats {
-                provider: p.name.clone(),
-                rate: p.rate,
-                burst: p.burst,
-                tokens,
-                waiters,
-                users,
-                throttlers: Some(lives.iter().filter(|until| **until >= now_ms).count() as u64),
-                paused_ms,
-                effective_rate,
-                limits: limit_stats(p, tokens, effective_rate, levels),
-            });
+            out.push(
+                ProviderStats {
+                    provider: p.name.clone(),
+                    rate: p.rate,
+                    burst: p.burst,
+                    tokens: own.tokens,
+                    waiters,
+                    users,
+                    throttlers: Some(lives.iter().filter(|until| **until >= now_ms).count() as u64),
+                    paused_ms: own.paused_ms,
+                    effective_rate: own.effective_rate,
+                    limits: own.limits,
+                    members: Vec::new(),
+                }
+                .pooled(p, members),
+            );
         }
         Ok(out)
     }
@@ -1201,6 +1208,79 @@ impl RedisThrottle {
 }
 
 /// The fields of `p`'s other limits in its bucket hash (throttle/lib/bucket.lua).
+/// The read of a bucket's fields for [`BucketStanding::read`].
+fn bucket_fields(bucket: &str, p: &Provider) -> redis::Cmd {
+    redis::cmd("HMGET")
+        .arg(bucket)
+        .arg("tokens")
+        .arg("at")
+        .arg("aimd")
+        .arg("aimd_at")
+        .arg(limit_fields(p))
+        .to_owned()
+}
+
+/// A bucket of `p` (a provider, or a pool member as one) as it stands.
+struct BucketStanding {
+    tokens: f64,
+    paused_ms: u64,
+    effective_rate: f64,
+    limits: Vec<LimitStats>,
+}
+
+impl BucketStanding {
+    /// From the reply to [`bucket_fields`] at `now_us` (Redis `TIME`).
+    fn read(p: &Provider, reply: &redis::Value, now_us: u64) -> Result<Self, ThrottleError> {
+        let fields: Vec<Option<String>> = redis::from_redis_value_ref(reply)
+            .map_err(|e| bad_reply::<ThrottleError>("HMGET", e))?;
+        let field = |i: usize| fields.get(i).cloned().flatten();
+        let (tokens, at, aimd, aimd_at): (Option<f64>, Option<u64>, Option<f64>, Option<u64>) = (
+            field(0).and_then(|v| v.parse().ok()),
+            field(1).and_then(|v| v.parse().ok()),
+            field(2).and_then(|v| v.parse().ok()),
+            field(3).and_then(|v| v.parse().ok()),
+        );
+        // The other limits (throttle/lib/bucket.lua's limits_read).
+        let levels = p.limits.iter().enumerate().map(|(i, l)| {
+            let cap = l.burst as f64;
+            let parsed = field(4 + i).and_then(|v| {
+                let (level, at) = v.split_once(' ')?;
+                Some((level.parse::<f64>().ok()?, at.parse::<u64>().ok()?))
+            });
+            match parsed {
+                Some((level, at)) => {
+                    (level + now_us.saturating_sub(at) as f64 * l.rate / 1e6).min(cap)
+                }
+                None => cap,
+            }
+        });
+        // throttle/lib/bucket.lua's aimd_rate.
+        let aimd_rate = |t: u64| match (aimd, aimd_at) {
+            (Some(e), Some(since)) => p
+                .rate
+                .min(e + t.saturating_sub(since) as f64 * p.rate / 1e7),
+            _ => p.rate,
+        };
+        let burst = p.bucket_burst();
+        let tokens = match (tokens, at) {
+            (Some(t), Some(at)) if now_us > at => {
+                (t + (now_us - at) as f64 * aimd_rate(at) / 1e6).min(burst)
+            }
+            (Some(t), Some(_)) => t,
+            _ => burst,
+        };
+        // A paused bucket's `at` is its pause's end (throttle/lib/bucket.lua).
+        let paused_ms = at.map_or(0, |at| at.saturating_sub(now_us) / 1000);
+        let effective_rate = aimd_rate(now_us.max(at.unwrap_or(0)));
+        Ok(Self {
+            tokens,
+            paused_ms,
+            effective_rate,
+            limits: limit_stats(p, tokens, effective_rate, levels),
+        })
+    }
+}
+
 fn limit_fields(p: &Provider) -> Vec<String> {
     let spec = scripts::limits_spec(&p.limits);
     spec.split(' ')

@@ -108,9 +108,36 @@ function renderProviders(providers) {
     ]);
     tr.dataset.provider = p.provider;
     tr.dataset.grantsMinute = String(p.grants_last_minute);
-    return tr;
-  });
+    return [tr, ...(p.members || []).map((m) => memberRow(p, m))];
+  }).flat();
   fill($('providers').tBodies[0], rows, 'no providers configured', 10);
+}
+
+// A pool member's sub-row: its own request bucket, pause and grants (its
+// grants /s over the overviews of the last minute; its grants as the
+// pool's choice counts them); its slots held in the throttlers column.
+function memberRow(p, m) {
+  const bucket = (m.limits || [])[0] || { rate: 0, burst: 0, available: 0 };
+  const perSec = (p.member_grants_per_sec || {})[m.member];
+  const tr = row([
+    el('td', '↳ ' + m.member, 'member'),
+    num(bucket.rate, 2), num(bucket.burst),
+    m.paused_ms > 0
+      ? el('td', 'paused ' + (m.paused_ms / 1000).toFixed(1) + ' s', 'num error')
+      : num(bucket.available, 1),
+    el('td', '', 'num'),
+    el('td', perSec === undefined ? '–' : perSec.toFixed(2), 'num'),
+    num(m.grants),
+    el('td', '', 'num'),
+    el('td', m.in_flight ? m.in_flight + ' in flight' : '', 'num'),
+    num(m.effective_rate, 2),
+  ]);
+  tr.className = 'member';
+  // Not data-provider: the provider's own row is the one per provider.
+  tr.dataset.pool = p.provider;
+  tr.dataset.member = m.member;
+  tr.dataset.paused = String(m.paused_ms > 0);
+  return tr;
 }
 
 // --- the last hour (GET /admin/history) ---------------------------------

@@ -365,6 +365,10 @@ pub struct Entry {
     /// finished.
     pub step: &'static str,
     pub what: String,
+    /// A granted step's pool member (its config name), when its provider
+    /// is a pool.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub member: Option<String>,
 }
 
 const FORGOTTEN: &str = "the job's record is gone: a synchronous call without an \
@@ -407,12 +411,19 @@ fn entry(n: &JobNote, currency: Currency) -> Entry {
         JobStep::Granted {
             provider,
             waited_us,
+            member,
         } => (
             "granted",
-            format!(
-                "waited {:.1} ms for a slot of {provider}",
-                *waited_us as f64 / 1000.0
-            ),
+            match member {
+                Some(m) => format!(
+                    "waited {:.1} ms for a slot of {provider}, member {m}",
+                    *waited_us as f64 / 1000.0
+                ),
+                None => format!(
+                    "waited {:.1} ms for a slot of {provider}",
+                    *waited_us as f64 / 1000.0
+                ),
+            },
         ),
         JobStep::Started { run } => ("started", format!("run {run} started")),
         JobStep::Succeeded { charged: None } => ("succeeded", "succeeded".to_owned()),
@@ -439,10 +450,15 @@ fn entry(n: &JobNote, currency: Currency) -> Entry {
         JobStep::Released => ("released", "the charge went back to the user".to_owned()),
         JobStep::Refunded => ("refunded", "an operator refunded the charge".to_owned()),
     };
+    let member = match &n.step {
+        JobStep::Granted { member, .. } => member.clone(),
+        _ => None,
+    };
     Entry {
         at_ms: n.at_ms,
         step,
         what,
+        member,
     }
 }
 
@@ -547,6 +563,7 @@ pub async fn detail(
                     at_ms: r.enqueued_at_ms,
                     step: "queued",
                     what: format!("queued ({} for {})", r.cost, r.operation),
+                    member: None,
                 });
             }
         }
@@ -563,6 +580,7 @@ pub async fn detail(
                         (Some(c), Some(m)) => format!("failed ({c}): {m}"),
                         _ => r.state.to_owned(),
                     },
+                    member: None,
                 });
             }
         }
@@ -664,7 +682,8 @@ pub fn detail_schema(currency: Currency) -> serde_json::Value {
                     "timeline": {"type": "array", "items": {
                         "type": "object",
                         "required": ["at_ms", "step", "what"],
-                        "properties": {"at_ms": int, "step": string, "what": string},
+                        "properties": {"at_ms": int, "step": string, "what": string,
+                            "member": {"type": "string", "description": "A granted step's pool member (its name in the provider's members), when the provider is a pool."}},
                     }},
                     "charge": string,
                     "note": nullable_string,
