@@ -14,7 +14,7 @@
 --   the model limits' counters as 'm<tag>:<start>_<end>~<total>', see
 --   model_limits.lua),
 --   then optionally '\n<rollups>': the user's spend rollups there, with the
---   first batch, 'R<pttl of :sh> <pttl of :sd> ' then entries
+--   first batch, 'R<pttl of :su> <pttl of :sd> ' then entries
 --   '<h|d><length>:<field><length>:<value>' (lengths in bytes): they replace
 --   the ones here (budget/lib/rollups.lua);
 -- ARGV[3] cancelled '<nonce> <hold end> ...' (see move_out.lua)
@@ -80,7 +80,7 @@ if string.sub(rollups, 1, 1) == 'R' then
   if not i then
     return redis.error_reply('TOLLGATE_BAD_MOVE rollups out of shape')
   end
-  local keys = { h = BASE .. ':sh', d = BASE .. ':sd' }
+  local keys = { h = BASE .. ':su', d = BASE .. ':sd' }
   redis.call('DEL', keys.h, keys.d)
   local pairs_of = { h = {}, d = {} }
   -- Entries: '<h|d><field length>:<field><value length>:<value>'.

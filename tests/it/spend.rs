@@ -24,8 +24,9 @@ use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::ledger::{
     ChargeOutcome, ChargeRequest, EventPage, Ledger, RefundOutcome, SettleOutcome, SettleRequest,
 };
-use tollgate_core::spend::{Bucket, Dims, Step, HOUR_MS};
+use tollgate_core::spend::{Bucket, Dims, Step, DAY_MS, HOUR_MS};
 use tollgate_memory::ledger::MemoryLedger;
+use tollgate_tests::clocked_redis::ClockedRedis;
 use tollgate_tests::{random_prefix, slowlog, RedisServer, TestCluster};
 use tower::ServiceExt;
 
@@ -537,4 +538,85 @@ async fn changes_land_in_the_hour_of_their_charge() {
         .await
         .unwrap();
     assert_eq!(total(&days), 5 + cost(3) + 100);
+}
+
+/// An idle user's last hours are still in its daily report long past the
+/// hourly keep (on Redis a charge adds to its hour only, and the hours of a
+/// day fold into the day with the user's next charge of a later day: they
+/// must outlive the 48 hours until then), and the charge that folds them
+/// counts nothing twice.
+async fn idle_hours_stay_in_the_days(redis: bool) {
+    let t0 = 1_796_076_000_000; // 2026-11-30T22:00Z
+    let u = uid(7);
+    let mut clock_redis = None;
+    let mut manual = None;
+    let ledger: Arc<dyn Ledger> = if redis {
+        let clock = ClockedRedis::start(t0 + 60_000);
+        let ledger = tollgate_tests::redis_ledger(&clock.url(), &random_prefix(), config()).await;
+        clock_redis = Some(clock);
+        Arc::new(ledger)
+    } else {
+        let clock = Arc::new(ManualClock::new(t0 + 60_000));
+        manual = Some(Arc::clone(&clock));
+        Arc::new(MemoryLedger::with_clock(config(), clock))
+    };
+    ledger.set_plan(&u, "spend").await.unwrap();
+    let mut spent = 0;
+    for i in 1..=3 {
+        let req = charge_of(i, "idle");
+        spent += req.cost;
+        let request = RequestId::new(format!("idle-{i}")).unwrap();
+        let r = ledger.charge(&u, &request, &req).await.unwrap();
+        assert!(matches!(r, ChargeOutcome::Charged { .. }), "{r:?}");
+    }
+    let day0 = t0 - t0 % DAY_MS;
+    let days = |l: Arc<dyn Ledger>| async move {
+        let mut by_day = BTreeMap::new();
+        for b in l
+            .spend(&uid(7), Step::Day, day0, day0 + 4 * DAY_MS)
+            .await
+            .unwrap()
+        {
+            *by_day.entry(b.start_ms).or_insert(0) += b.amount;
+        }
+        by_day
+    };
+    assert_eq!(days(ledger.clone()).await, BTreeMap::from([(day0, spent)]));
+    // 50 hours idle: past the hourly keep (48 h).
+    let later = t0 + 50 * HOUR_MS;
+    if let Some(clock) = &clock_redis {
+        tokio::task::block_in_place(|| clock.set(later));
+        for _ in 0..20 {
+            if ledger.plan(&u).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    if let Some(clock) = &manual {
+        clock.advance(Duration::from_millis(later - t0 - 60_000));
+    }
+    assert_eq!(days(ledger.clone()).await, BTreeMap::from([(day0, spent)]));
+    // The next charge (a later day): the idle day is folded, counted once.
+    let req = charge_of(4, "idle");
+    let r = ledger
+        .charge(&u, &RequestId::new("idle-4").unwrap(), &req)
+        .await
+        .unwrap();
+    assert!(matches!(r, ChargeOutcome::Charged { .. }), "{r:?}");
+    let day2 = later - later % DAY_MS;
+    assert_eq!(
+        days(ledger.clone()).await,
+        BTreeMap::from([(day0, spent), (day2, req.cost)])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_hours_stay_in_the_days_memory() {
+    idle_hours_stay_in_the_days(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_hours_stay_in_the_days_redis() {
+    idle_hours_stay_in_the_days(true).await;
 }
