@@ -145,7 +145,7 @@ for k = 0, n - 1 do
   local b = 3 + 10 * k
   local id, at, state, cost = ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3], tonumber(ARGV[b + 4])
   local est, code, m = string.match(ARGV[b + 5], '^(%-?%d+)#?(%d*)!?(%x*)$')
-  est, code = tonumber(est), tonumber(code)
+  est, code = tonumber(est), code ~= '' and code or nil
   if m == '' then
     m = nil
   end

@@ -53,7 +53,9 @@ local function rolling()
   return KEEP_D > 0 and SUBJECT == 'user' and not NOCHECK
 end
 
--- The code of this call's dimensions in the dictionary (given when new).
+-- The code of this call's dimensions in the dictionary (given when new), as
+-- its digits: a string the event and the bucket's field take as it is
+-- (formatting a number, `int`, costs a charge more than its bucket's write).
 local function dims_code()
   if not rolling() then
     return nil
@@ -61,17 +63,26 @@ local function dims_code()
   if LAST_DIMS then
     local c, d = string.match(LAST_DIMS, '^(%d+)|(.*)$')
     if d == DIMS then
-      return tonumber(c)
+      return c
     end
   end
   local key = BASE .. ':sd'
-  local code = tonumber(redis.call('HGET', key, '=' .. DIMS))
+  local code = redis.call('HGET', key, '=' .. DIMS)
   if not code then
-    code = redis.call('HINCRBY', key, 'n', 1)
-    redis.call('HSET', key, '=' .. DIMS, code, 'c' .. int(code), DIMS)
+    code = int(redis.call('HINCRBY', key, 'n', 1))
+    redis.call('HSET', key, '=' .. DIMS, code, 'c' .. code, DIMS)
   end
-  NEW_DIMS = int(code) .. '|' .. DIMS
+  NEW_DIMS = code .. '|' .. DIMS
   return code
+end
+
+-- The last hour a bucket's field named, and its digits (see `dims_code`).
+local HOUR_N, HOUR_S = nil, nil
+local function hour_digits(n)
+  if n ~= HOUR_N then
+    HOUR_N, HOUR_S = n, int(n)
+  end
+  return HOUR_S
 end
 
 -- Adds `delta` to the bucket of `at` in one rollup (`size`: its step, `keep`
@@ -84,7 +95,7 @@ local function bump(key, size, keep, hold, at, code, delta, now)
   if n + kept <= cur then
     return -- dropped already: nothing current to change
   end
-  local field = int(n) .. ':' .. int(code)
+  local field = int(n) .. ':' .. code
   local v = redis.call('HINCRBY', key, field, delta)
   if v <= 0 then
     redis.call('HDEL', key, field)
@@ -140,7 +151,7 @@ local function fold(key, last, cur, now)
       if d >= from then
         local f = int(d) .. ':' .. c
         if not sums[f] then
-          sums[f], order[#order + 1] = 0, { d, tonumber(c), f }
+          sums[f], order[#order + 1] = 0, { d, c, f }
         end
         sums[f] = sums[f] + tonumber(all[i + 1])
       end
@@ -182,7 +193,7 @@ local function rollup(at, code, delta, now)
     if last and math.floor(at / DAY_MS) < math.floor(last / 24) then
       bump(BASE .. ':sd', DAY_MS, KEEP_D, 3 * RETAIN, at, code, delta, now)
       if hour + math.max(math.floor(KEEP_H / HOUR_MS), 1) > cur then
-        local field = int(hour) .. ':' .. int(code)
+        local field = hour_digits(hour) .. ':' .. code
         if redis.call('HINCRBY', key, field, delta) <= 0 then
           redis.call('HDEL', key, field)
         end
@@ -190,7 +201,7 @@ local function rollup(at, code, delta, now)
       return
     end
   end
-  local field = int(hour) .. ':' .. int(code)
+  local field = hour_digits(hour) .. ':' .. code
   local v = redis.call('HINCRBY', key, field, delta)
   if v <= 0 then
     redis.call('HDEL', key, field)
