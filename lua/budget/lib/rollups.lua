@@ -53,6 +53,11 @@ local function rolling()
   return KEEP_D > 0 and SUBJECT == 'user' and not NOCHECK
 end
 
+-- Meta's 'k' values read lately, parsed ({ code, dims }): the same user's
+-- next charge, and users charging under the same dimensions, skip the
+-- pattern match. At most 256, then started afresh.
+local KNOWN, KNOWN_N = {}, 0
+
 -- The code of this call's dimensions in the dictionary (given when new), as
 -- its digits: a string the event and the bucket's field take as it is
 -- (formatting a number, `int`, costs a charge more than its bucket's write).
@@ -61,9 +66,16 @@ local function dims_code()
     return nil
   end
   if LAST_DIMS then
-    local c, d = string.match(LAST_DIMS, '^(%d+)|(.*)$')
-    if d == DIMS then
-      return c
+    local k = KNOWN[LAST_DIMS]
+    if not k then
+      k = { string.match(LAST_DIMS, '^(%d+)|(.*)$') }
+      if KNOWN_N >= 256 then
+        KNOWN, KNOWN_N = {}, 0
+      end
+      KNOWN[LAST_DIMS], KNOWN_N = k, KNOWN_N + 1
+    end
+    if k[2] == DIMS then
+      return k[1]
     end
   end
   local key = BASE .. ':sd'
