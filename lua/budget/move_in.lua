@@ -14,7 +14,7 @@
 --   the model limits' counters as 'm<tag>:<start>_<end>~<total>', see
 --   model_limits.lua),
 --   then optionally '\n<rollups>': the user's spend rollups there, with the
---   first batch, 'R<pttl of :sh> <pttl of :sd> ' then entries
+--   first batch, 'R<pttl of :su> <pttl of :sd> ' then entries
 --   '<h|d><length>:<field><length>:<value>' (lengths in bytes): they replace
 --   the ones here (budget/lib/rollups.lua);
 -- ARGV[3] cancelled '<nonce> <hold end> ...' (see move_out.lua)
@@ -80,7 +80,7 @@ if string.sub(rollups, 1, 1) == 'R' then
   if not i then
     return redis.error_reply('TOLLGATE_BAD_MOVE rollups out of shape')
   end
-  local keys = { h = BASE .. ':sh', d = BASE .. ':sd' }
+  local keys = { h = BASE .. ':su', d = BASE .. ':sd' }
   redis.call('DEL', keys.h, keys.d)
   local pairs_of = { h = {}, d = {} }
   -- Entries: '<h|d><field length>:<field><value length>:<value>'.
@@ -145,7 +145,7 @@ for k = 0, n - 1 do
   local b = 3 + 10 * k
   local id, at, state, cost = ARGV[b + 1], tonumber(ARGV[b + 2]), ARGV[b + 3], tonumber(ARGV[b + 4])
   local est, code, m = string.match(ARGV[b + 5], '^(%-?%d+)#?(%d*)!?(%x*)$')
-  est, code = tonumber(est), tonumber(code)
+  est, code = tonumber(est), code ~= '' and code or nil
   if m == '' then
     m = nil
   end

@@ -78,7 +78,7 @@ if step == 'batch' then
       local hold = tonumber(redis.call('ZSCORE', HOLDS, rec.id)) or -1
       local est = ev.estimate or -1
       if ev.code then
-        est = int(est) .. '#' .. int(ev.code)
+        est = int(est) .. '#' .. ev.code
       end
       if ev.m then
         est = (ev.code and est or int(est) .. '#') .. '!' .. ev.m

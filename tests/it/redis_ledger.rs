@@ -54,10 +54,14 @@ async fn keys_share_a_hash_tag_and_expire_when_idle() {
         7,
         "log, meta, one index bucket, plan, audit, the hourly and daily spend rollups: {all:?}"
     );
-    // The spend rollups expire their keep after their latest bucket.
+    // The spend rollups expire the daily keep after their latest day (the
+    // hours too: they fold into the days with the user's next charge).
     let keep = tollgate_core::spend::Keep::default();
     for (key, most) in [
-        (keys.spend_hourly(), keep.hourly + Duration::from_secs(3600)),
+        (
+            keys.spend_hourly(),
+            keep.daily + Duration::from_secs(86_400),
+        ),
         (keys.spend_daily(), keep.daily + Duration::from_secs(86_400)),
     ] {
         let ttl: i64 = conn.pttl(&key).await.unwrap();

@@ -24,8 +24,9 @@ use tollgate_core::id::{RequestId, UserId};
 use tollgate_core::ledger::{
     ChargeOutcome, ChargeRequest, EventPage, Ledger, RefundOutcome, SettleOutcome, SettleRequest,
 };
-use tollgate_core::spend::{Bucket, Dims, Step, HOUR_MS};
+use tollgate_core::spend::{Bucket, Dims, Step, DAY_MS, HOUR_MS};
 use tollgate_memory::ledger::MemoryLedger;
+use tollgate_tests::clocked_redis::ClockedRedis;
 use tollgate_tests::{random_prefix, slowlog, RedisServer, TestCluster};
 use tower::ServiceExt;
 
@@ -537,4 +538,189 @@ async fn changes_land_in_the_hour_of_their_charge() {
         .await
         .unwrap();
     assert_eq!(total(&days), 5 + cost(3) + 100);
+}
+
+/// An idle user's last hours are still in its daily report long past the
+/// hourly keep (on Redis a charge adds to its hour only, and the hours of a
+/// day fold into the day with the user's next charge of a later day: they
+/// must outlive the 48 hours until then), and the charge that folds them
+/// counts nothing twice.
+async fn idle_hours_stay_in_the_days(redis: bool) {
+    let t0 = 1_796_076_000_000; // 2026-11-30T22:00Z
+    let u = uid(7);
+    let mut clock_redis = None;
+    let mut manual = None;
+    let ledger: Arc<dyn Ledger> = if redis {
+        let clock = ClockedRedis::start(t0 + 60_000);
+        let ledger = tollgate_tests::redis_ledger(&clock.url(), &random_prefix(), config()).await;
+        clock_redis = Some(clock);
+        Arc::new(ledger)
+    } else {
+        let clock = Arc::new(ManualClock::new(t0 + 60_000));
+        manual = Some(Arc::clone(&clock));
+        Arc::new(MemoryLedger::with_clock(config(), clock))
+    };
+    ledger.set_plan(&u, "spend").await.unwrap();
+    let mut spent = 0;
+    for i in 1..=3 {
+        let req = charge_of(i, "idle");
+        spent += req.cost;
+        let request = RequestId::new(format!("idle-{i}")).unwrap();
+        let r = ledger.charge(&u, &request, &req).await.unwrap();
+        assert!(matches!(r, ChargeOutcome::Charged { .. }), "{r:?}");
+    }
+    let day0 = t0 - t0 % DAY_MS;
+    let days = |l: Arc<dyn Ledger>| async move {
+        let mut by_day = BTreeMap::new();
+        for b in l
+            .spend(&uid(7), Step::Day, day0, day0 + 4 * DAY_MS)
+            .await
+            .unwrap()
+        {
+            *by_day.entry(b.start_ms).or_insert(0) += b.amount;
+        }
+        by_day
+    };
+    assert_eq!(days(ledger.clone()).await, BTreeMap::from([(day0, spent)]));
+    // 50 hours idle: past the hourly keep (48 h).
+    let later = t0 + 50 * HOUR_MS;
+    if let Some(clock) = &clock_redis {
+        tokio::task::block_in_place(|| clock.set(later));
+        for _ in 0..20 {
+            if ledger.plan(&u).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    if let Some(clock) = &manual {
+        clock.advance(Duration::from_millis(later - t0 - 60_000));
+    }
+    assert_eq!(days(ledger.clone()).await, BTreeMap::from([(day0, spent)]));
+    // The next charge (a later day): the idle day is folded, counted once.
+    let req = charge_of(4, "idle");
+    let r = ledger
+        .charge(&u, &RequestId::new("idle-4").unwrap(), &req)
+        .await
+        .unwrap();
+    assert!(matches!(r, ChargeOutcome::Charged { .. }), "{r:?}");
+    let day2 = later - later % DAY_MS;
+    assert_eq!(
+        days(ledger.clone()).await,
+        BTreeMap::from([(day0, spent), (day2, req.cost)])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_hours_stay_in_the_days_memory() {
+    idle_hours_stay_in_the_days(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_hours_stay_in_the_days_redis() {
+    idle_hours_stay_in_the_days(true).await;
+}
+
+/// Changes to a charge of a day before today land in that day, whether its
+/// hours were folded into the day yet (a settle after the user's next
+/// charge: the day's bucket and the hour's) or not (a release before it).
+async fn changes_after_midnight_land_in_their_day(redis: bool) {
+    // 22:50 UTC yesterday: the Redis report keeps hours by the real clock.
+    let real = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let t0 = real - real % DAY_MS - DAY_MS + 22 * HOUR_MS + 50 * 60_000;
+    let u = uid(8);
+    let mut clock_redis = None;
+    let mut manual = None;
+    let ledger: Arc<dyn Ledger> = if redis {
+        let clock = ClockedRedis::start(t0);
+        let ledger = tollgate_tests::redis_ledger(&clock.url(), &random_prefix(), config()).await;
+        clock_redis = Some(clock);
+        Arc::new(ledger)
+    } else {
+        let clock = Arc::new(ManualClock::new(t0));
+        manual = Some(Arc::clone(&clock));
+        Arc::new(MemoryLedger::with_clock(config(), clock))
+    };
+    ledger.set_plan(&u, "spend").await.unwrap();
+    let mut cost = BTreeMap::new();
+    for i in 1..=2 {
+        let req = charge_of(i, "mid");
+        cost.insert(i, req.cost);
+        let request = RequestId::new(format!("mid-{i}")).unwrap();
+        let r = ledger.charge(&u, &request, &req).await.unwrap();
+        assert!(matches!(r, ChargeOutcome::Charged { .. }), "{r:?}");
+    }
+    let day0 = t0 - t0 % DAY_MS;
+    let day1 = day0 + DAY_MS;
+    let report = |l: Arc<dyn Ledger>, step: Step, from: u64, to: u64| async move {
+        let mut by = BTreeMap::new();
+        for b in l.spend(&uid(8), step, from, to).await.unwrap() {
+            *by.entry(b.start_ms).or_insert(0) += b.amount;
+        }
+        by
+    };
+    // 01:00 the next day: a release of call 1 before any charge of the day.
+    let at = day1 + HOUR_MS;
+    if let Some(clock) = &clock_redis {
+        tokio::task::block_in_place(|| clock.set(at));
+        for _ in 0..20 {
+            if ledger.plan(&u).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    if let Some(clock) = &manual {
+        clock.advance(Duration::from_millis(at - t0));
+    }
+    let r = ledger
+        .release(&u, &RequestId::new("mid-1").unwrap(), "mid")
+        .await
+        .unwrap();
+    assert!(matches!(r, RefundOutcome::Refunded { .. }), "{r:?}");
+    // A charge of the new day (it folds day 0), then call 2 settled up.
+    let req = charge_of(3, "mid");
+    let r = ledger
+        .charge(&u, &RequestId::new("mid-3").unwrap(), &req)
+        .await
+        .unwrap();
+    assert!(matches!(r, ChargeOutcome::Charged { .. }), "{r:?}");
+    let to = cost[&2] + 100;
+    let r = ledger
+        .settle_charge(
+            &u,
+            &RequestId::new("mid-2").unwrap(),
+            &SettleRequest::new("mid", to, true),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(r, SettleOutcome::Settled { .. }), "{r:?}");
+    assert_eq!(
+        report(ledger.clone(), Step::Day, day0, day1 + DAY_MS).await,
+        BTreeMap::from([(day0, to), (day1, req.cost)])
+    );
+    let hours = report(
+        ledger.clone(),
+        Step::Hour,
+        day0 + 22 * HOUR_MS,
+        day1 + 2 * HOUR_MS,
+    )
+    .await;
+    assert_eq!(
+        hours,
+        BTreeMap::from([(day0 + 22 * HOUR_MS, to), (day1 + HOUR_MS, req.cost)])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn changes_after_midnight_land_in_their_day_memory() {
+    changes_after_midnight_land_in_their_day(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn changes_after_midnight_land_in_their_day_redis() {
+    changes_after_midnight_land_in_their_day(true).await;
 }

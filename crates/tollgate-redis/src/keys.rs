@@ -119,9 +119,18 @@ impl BudgetKeys {
         format!("{}:mv", self.meta.trim_end_matches(":meta"))
     }
 
-    /// Hash: the hourly spend rollup, `<hour>:<code>` -> amount
-    /// (`lua/budget/lib/rollups.lua`); expires its keep after its latest hour.
+    /// Hash: the hourly spend rollup, `<hour>:<code>` -> amount, and `f`,
+    /// the hour of its last fold: the hours of days before `f`'s are counted
+    /// in the daily rollup too, the later ones only here
+    /// (`lua/budget/lib/rollups.lua`); expires with the daily one.
     pub fn spend_hourly(&self) -> String {
+        format!("{}:su", self.meta.trim_end_matches(":meta"))
+    }
+
+    /// Hash: the hourly spend rollup as builds before the fold kept it
+    /// (every hour also counted in the daily rollup); no longer written,
+    /// read by hourly reports until it expires (its keep after its last hour).
+    pub fn spend_hourly_before_fold(&self) -> String {
         format!("{}:sh", self.meta.trim_end_matches(":meta"))
     }
 

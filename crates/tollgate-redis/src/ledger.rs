@@ -1017,17 +1017,74 @@ impl Ledger for RedisLedger {
     ) -> Result<Vec<Bucket>, LedgerError> {
         let org = self.home(user).await?;
         let loc = self.keys.location(user, org.as_ref());
-        let daily = self.hash_fields(loc.user.spend_daily()).await?;
+        // The hours and the days in one atomic read: a charge of a new day
+        // folds the hours of the days before into the days (the hours of
+        // 'f''s day and later are counted only in the hours).
+        let (hours, mut daily): (HashMap<String, String>, HashMap<String, String>) = call::read(
+            &self.pool,
+            self.timeout,
+            "spend",
+            redis::pipe()
+                .atomic()
+                .cmd("HGETALL")
+                .arg(loc.user.spend_hourly())
+                .cmd("HGETALL")
+                .arg(loc.user.spend_daily()),
+        )
+        .await?;
         let buckets = match step {
-            Step::Day => &daily,
-            Step::Hour => &self.hash_fields(loc.user.spend_hourly()).await?,
+            Step::Day => {
+                let folded = hours
+                    .get("f")
+                    .and_then(|f| f.parse::<u64>().ok())
+                    .map_or(0, |f| f / 24);
+                for (field, value) in &hours {
+                    let Some((n, code)) = field.split_once(':') else {
+                        continue;
+                    };
+                    let (Ok(n), Ok(amount)) = (n.parse::<u64>(), value.parse::<u64>()) else {
+                        continue;
+                    };
+                    let day = n / 24;
+                    if day < folded {
+                        continue; // counted in the day's bucket already
+                    }
+                    let f = format!("{day}:{code}");
+                    let sum = daily
+                        .get(&f)
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .unwrap_or(0)
+                        .saturating_add(amount);
+                    daily.insert(f, sum.to_string());
+                }
+                daily.clone()
+            }
+            Step::Hour => {
+                // Hours before the fold, until they expire: each charge is in
+                // one of the two, an hour's bucket is their sum.
+                let mut all = self
+                    .hash_fields(loc.user.spend_hourly_before_fold())
+                    .await?;
+                for (field, value) in &hours {
+                    if !field.contains(':') {
+                        continue; // 'f'
+                    }
+                    let here = value.parse::<u64>().unwrap_or(0);
+                    let before = all
+                        .get(field)
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .unwrap_or(0);
+                    all.insert(field.clone(), here.saturating_add(before).to_string());
+                }
+                all
+            }
         };
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let keep = self.config.spend_keep();
         let mut out = Vec::new();
-        for (field, value) in buckets {
+        for (field, value) in &buckets {
             let Some((n, code)) = field.split_once(':') else {
                 continue; // the dictionary, '^'
             };

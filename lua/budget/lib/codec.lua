@@ -111,7 +111,8 @@ end
 -- An index value: { at, seq, state, cost, estimate, real, code }: `at` and
 -- `seq` name its log entry; `real`, only for an event moved in with its past
 -- time behind later ones (see MOVED), the time it was spent; `code`, its
--- dimensions' code in the spend rollups (budget/lib/rollups.lua; absent: the
+-- dimensions' code in the spend rollups (its digits, a string: no number to
+-- format; budget/lib/rollups.lua; absent: the
 -- event counts in none).
 local function pack_value(ev)
   local v = struct.pack('>I6', ev.at) .. ev.state .. int(ev.seq) .. ' ' .. int(ev.cost)
@@ -122,7 +123,7 @@ local function pack_value(ev)
     v = v .. ' @' .. int(ev.real)
   end
   if ev.code then
-    v = v .. '#' .. int(ev.code)
+    v = v .. '#' .. ev.code
   end
   if ev.m then
     v = v .. '!' .. ev.m
@@ -141,7 +142,7 @@ local function unpack_value(v)
   local seq, cost, est, real = string.match(rest, '^(%d+) (%d+) ?(%d*) ?@?(%d*)$')
   return { at = struct.unpack('>I6', string.sub(v, 1, 6)), state = string.sub(v, 7, 7),
     seq = tonumber(seq), cost = tonumber(cost), estimate = tonumber(est), real = tonumber(real),
-    code = tonumber(code), m = m }
+    code = code ~= '' and code or nil, m = m }
 end
 
 -- When an event was spent (its log entry's time, or a moved one's real time).

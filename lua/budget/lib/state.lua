@@ -59,7 +59,7 @@
 --                   job's charge), forced ('1' on an operator's forced
 --                   correction, else absent). It outlives the window; billing
 --                   jobs read it.
---   '<base>:sh', '<base>:sd'  hashes: the spend rollups, hourly and daily,
+--   '<base>:su', '<base>:sd'  hashes: the spend rollups, hourly and daily,
 --                   and the dimensions' dictionary (budget/lib/rollups.lua);
 --                   meta's 'k' the code and dimensions of the user's last
 --                   charge.
