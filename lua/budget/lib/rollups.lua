@@ -97,6 +97,16 @@ local function hour_digits(n)
   return HOUR_S
 end
 
+-- Adds `delta` to `field` of `key`; a bucket brought to 0 or below goes.
+-- Returns the new amount.
+local function add_to(key, field, delta)
+  local v = redis.call('HINCRBY', key, field, delta)
+  if v <= 0 then
+    redis.call('HDEL', key, field)
+  end
+  return v
+end
+
 -- Adds `delta` to the bucket of `at` in one rollup (`size`: its step, `keep`
 -- how long it keeps buckets, `hold`: the least its key lives past its
 -- latest bucket): the daily one, as hours fold into it, and a correction of
@@ -107,13 +117,8 @@ local function bump(key, size, keep, hold, at, code, delta, now)
   if n + kept <= cur then
     return -- dropped already: nothing current to change
   end
-  local field = int(n) .. ':' .. code
-  local v = redis.call('HINCRBY', key, field, delta)
-  if v <= 0 then
-    redis.call('HDEL', key, field)
-    return
-  end
-  if v ~= delta then
+  local v = add_to(key, int(n) .. ':' .. code, delta)
+  if v <= 0 or v ~= delta then
     return
   end
   -- A new bucket: the first of a new hour (day)?
@@ -205,21 +210,13 @@ local function rollup(at, code, delta, now)
     if last and math.floor(at / DAY_MS) < math.floor(last / 24) then
       bump(BASE .. ':sd', DAY_MS, KEEP_D, 3 * RETAIN, at, code, delta, now)
       if hour + math.max(math.floor(KEEP_H / HOUR_MS), 1) > cur then
-        local field = hour_digits(hour) .. ':' .. code
-        if redis.call('HINCRBY', key, field, delta) <= 0 then
-          redis.call('HDEL', key, field)
-        end
+        add_to(key, hour_digits(hour) .. ':' .. code, delta)
       end
       return
     end
   end
-  local field = hour_digits(hour) .. ':' .. code
-  local v = redis.call('HINCRBY', key, field, delta)
-  if v <= 0 then
-    redis.call('HDEL', key, field)
-    return
-  end
-  if v ~= delta then
+  local v = add_to(key, hour_digits(hour) .. ':' .. code, delta)
+  if v <= 0 or v ~= delta then
     return
   end
   -- A new bucket: the first of a new hour?
