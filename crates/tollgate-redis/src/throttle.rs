@@ -229,15 +229,13 @@ impl Shared {
         let mut found = 0;
         for (provider, tickets) in by_provider {
             let keys = self.keys.throttle(&provider);
-            let mut cmd = redis::cmd("ZMSCORE");
-            cmd.arg(&keys.granted).arg(&tickets);
-            let scores: Vec<Option<f64>> =
-                call::command(&self.pool, self.call_timeout, "recheck", &cmd).await?;
-            // The members of a pool's grants (none for other providers).
-            let mut cmd = redis::cmd("HMGET");
-            cmd.arg(keys.granted_by()).arg(&tickets);
-            let members: Vec<Option<String>> =
-                call::command(&self.pool, self.call_timeout, "recheck", &cmd).await?;
+            // The grants, and the members of a pool's (none for other
+            // providers): one round trip.
+            let mut pipe = redis::pipe();
+            pipe.cmd("ZMSCORE").arg(&keys.granted).arg(&tickets);
+            pipe.cmd("HMGET").arg(keys.granted_by()).arg(&tickets);
+            let (scores, members): (Vec<Option<f64>>, Vec<Option<String>>) =
+                call::read(&self.pool, self.call_timeout, "recheck", &pipe).await?;
             for ((ticket, score), member) in tickets.iter().zip(scores).zip(members) {
                 if let Some(at) = score {
                     found += 1;
